@@ -1,0 +1,618 @@
+//! One rank's bootstrap endpoint: connections, mailboxes and failure tracking.
+//!
+//! Each rank listens on one socket and dials each peer at most once, lazily,
+//! the first time it sends to it: rank `a` sends to `b` over the connection
+//! `a` dialed, and receives from `b` over the connection `b` dialed. Every
+//! accepted connection has a reader thread that files incoming messages into
+//! a per-peer mailbox, so writers never wait on a reader and two ranks sending
+//! large messages to each other at once cannot deadlock.
+
+use std::collections::VecDeque;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use tracing::{debug, warn};
+
+use crate::env::{Config, LaunchEnv, Rendezvous};
+use crate::error::BootstrapError;
+use crate::frame::{Frame, Purpose, read_frame};
+use crate::id::UniqueId;
+use crate::net::{connect, handshake_accept, handshake_dial, write_frame};
+use crate::root::BootstrapRoot;
+
+/// Tags with this bit set belong to collectives; user tags never have it.
+pub(crate) const COLLECTIVE_TAG: u64 = 1 << 63;
+
+/// A rank's endpoint in the job's bootstrap network.
+#[derive(Debug)]
+pub struct Bootstrap {
+    rank: usize,
+    nranks: usize,
+    config: Config,
+    id: UniqueId,
+    listen_addr: SocketAddr,
+    addrs: Vec<SocketAddr>,
+    shared: Arc<Shared>,
+    /// Sending connections, dialed on first use.
+    out: Vec<Mutex<Option<TcpStream>>>,
+    root: Mutex<TcpStream>,
+    /// Sequence number of the next collective: every rank calls collectives in
+    /// the same order, so equal numbers match up.
+    seq: AtomicU64,
+    /// The root this rank hosts, when it is rank 0 of a root-address launch.
+    hosted_root: Option<BootstrapRoot>,
+}
+
+#[derive(Debug)]
+pub(crate) struct Shared {
+    rank: usize,
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    mail: Vec<VecDeque<(u64, Vec<u8>)>>,
+    /// A peer said goodbye on its sending connection.
+    closed: Vec<bool>,
+    /// The first death this rank heard of: (rank, why).
+    dead: Option<(usize, String)>,
+    root_lost: Option<String>,
+    incoming: Vec<TcpStream>,
+    closing: bool,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A poisoned lock means a reader thread panicked; the state it guards
+        // is plain data that stays consistent, so keep going.
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn nranks(&self) -> usize {
+        self.lock().closed.len()
+    }
+
+    fn mark_dead(&self, peer: usize, why: String) {
+        let mut st = self.lock();
+        if st.dead.is_none() && !st.closing {
+            warn!(rank = self.rank, peer, %why, "peer died");
+            st.dead = Some((peer, why));
+        }
+        drop(st);
+        self.cv.notify_all();
+    }
+}
+
+impl Bootstrap {
+    /// Joins the job described by `id` as `rank` of `nranks`, with settings
+    /// from the environment (`GIN_TIMEOUT`).
+    pub fn init(id: &UniqueId, rank: usize, nranks: usize) -> Result<Self, BootstrapError> {
+        Self::init_with(id, rank, nranks, Config::from_env()?)
+    }
+
+    /// Joins the job the launcher's environment describes (see [`LaunchEnv`]).
+    /// When only a root address is known, rank 0 hosts the root there.
+    pub fn from_env() -> Result<Self, BootstrapError> {
+        let env = LaunchEnv::from_env()?;
+        Self::from_launch_env(&env, Config::from_env()?)
+    }
+
+    /// Like [`Bootstrap::from_env`] for an already-read environment.
+    pub fn from_launch_env(env: &LaunchEnv, config: Config) -> Result<Self, BootstrapError> {
+        let hosted_root = match &env.rendezvous {
+            Rendezvous::RootAddr(id) if env.rank == 0 => {
+                Some(BootstrapRoot::start_with_id(*id, Some(env.nranks), config)?)
+            }
+            _ => None,
+        };
+        let mut b = Self::init_with(&env.rendezvous.id(), env.rank, env.nranks, config)?;
+        b.hosted_root = hosted_root;
+        Ok(b)
+    }
+
+    /// Joins with explicit settings.
+    pub fn init_with(
+        id: &UniqueId,
+        rank: usize,
+        nranks: usize,
+        config: Config,
+    ) -> Result<Self, BootstrapError> {
+        if nranks == 0 || rank >= nranks || u32::try_from(nranks).is_err() {
+            return Err(BootstrapError::BadRank { rank, nranks });
+        }
+        let r = Some(rank);
+        let deadline = Instant::now() + config.timeout;
+        let mut root = connect(r, id.addr, deadline, "the bootstrap root")?;
+        // Listen on the interface that reaches the root: that is the one the
+        // other ranks can reach too.
+        let local_ip = root
+            .local_addr()
+            .map_err(|e| BootstrapError::io(r, "reading the local address", e))?
+            .ip();
+        let listener = TcpListener::bind((local_ip, 0))
+            .map_err(|e| BootstrapError::io(r, format!("listening on {local_ip}"), e))?;
+        let listen_addr = listener
+            .local_addr()
+            .map_err(|e| BootstrapError::io(r, "reading the listening address", e))?;
+        let root_name = format!("the bootstrap root at {}", id.addr);
+        if let Err(reason) = handshake_dial(
+            &mut root,
+            id,
+            (
+                Purpose::Root,
+                rank as u32,
+                nranks as u32,
+                &listen_addr.to_string(),
+            ),
+            deadline,
+            config.max_frame,
+            &root_name,
+        )? {
+            return Err(BootstrapError::Refused {
+                rank,
+                root: id.addr.to_string(),
+                reason,
+            });
+        }
+        // Wait for the address table, the root's verdict, or our deadline.
+        // The root's own deadline is the same length but started earlier, so
+        // normally its Abort (which names the missing ranks) arrives first.
+        let left = deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(2);
+        root.set_read_timeout(Some(left))
+            .map_err(|e| BootstrapError::io(r, "setting a read timeout", e))?;
+        let addrs = match read_frame(&mut root, config.max_frame) {
+            Ok(Some(Frame::Table { addrs })) => addrs,
+            Ok(Some(Frame::Refuse { reason })) => {
+                return Err(BootstrapError::Refused {
+                    rank,
+                    root: id.addr.to_string(),
+                    reason,
+                });
+            }
+            Ok(Some(Frame::Abort { reason, missing })) => {
+                return Err(BootstrapError::Aborted {
+                    rank,
+                    reason,
+                    missing: missing.into_iter().map(|m| m as usize).collect(),
+                });
+            }
+            Ok(Some(other)) => {
+                return Err(BootstrapError::Aborted {
+                    rank,
+                    reason: format!("unexpected {other:?} from the root"),
+                    missing: vec![],
+                });
+            }
+            Ok(None) => {
+                return Err(BootstrapError::Aborted {
+                    rank,
+                    reason: "the root closed the connection before the rendezvous completed".into(),
+                    missing: vec![],
+                });
+            }
+            Err(crate::frame::ReadError::Io(e))
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Err(BootstrapError::Timeout {
+                    rank,
+                    op: "bootstrap init".into(),
+                    what: format!("the address table from {root_name}"),
+                    waited: config.timeout,
+                    missing: vec![],
+                });
+            }
+            Err(e) => return Err(BootstrapError::from_read(r, &root_name, e)),
+        };
+        root.set_read_timeout(None)
+            .map_err(|e| BootstrapError::io(r, "clearing the read timeout", e))?;
+        if addrs.len() != nranks {
+            return Err(BootstrapError::Aborted {
+                rank,
+                reason: format!(
+                    "the root's table has {} ranks, expected {nranks}",
+                    addrs.len()
+                ),
+                missing: vec![],
+            });
+        }
+        let addrs = addrs
+            .iter()
+            .enumerate()
+            .map(|(i, a)| {
+                a.parse().map_err(|_| BootstrapError::Aborted {
+                    rank,
+                    reason: format!("the root's table has a bad address {a:?} for rank {i}"),
+                    missing: vec![],
+                })
+            })
+            .collect::<Result<Vec<SocketAddr>, _>>()?;
+
+        let shared = Arc::new(Shared {
+            rank,
+            state: Mutex::new(State {
+                mail: (0..nranks).map(|_| VecDeque::new()).collect(),
+                closed: vec![false; nranks],
+                ..State::default()
+            }),
+            cv: Condvar::new(),
+        });
+        spawn_acceptor(listener, *id, nranks, config, shared.clone(), rank)?;
+        spawn_root_reader(
+            root.try_clone()
+                .map_err(|e| BootstrapError::io(r, "cloning the root connection", e))?,
+            shared.clone(),
+        )?;
+        debug!(rank, nranks, %listen_addr, "bootstrap ready");
+        Ok(Self {
+            rank,
+            nranks,
+            config,
+            id: *id,
+            listen_addr,
+            addrs,
+            shared,
+            out: (0..nranks).map(|_| Mutex::new(None)).collect(),
+            root: Mutex::new(root),
+            seq: AtomicU64::new(0),
+            hosted_root: None,
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The number of ranks in the job.
+    pub fn nranks(&self) -> usize {
+        self.nranks
+    }
+
+    /// The settings in force.
+    pub fn config(&self) -> Config {
+        self.config
+    }
+
+    /// Where this rank listens for its peers.
+    pub fn listen_addr(&self) -> SocketAddr {
+        self.listen_addr
+    }
+
+    /// Where each rank listens.
+    pub fn peer_addrs(&self) -> &[SocketAddr] {
+        &self.addrs
+    }
+
+    pub(crate) fn check_peer(&self, peer: usize) -> Result<(), BootstrapError> {
+        if peer >= self.nranks {
+            return Err(BootstrapError::BadPeer {
+                rank: self.rank,
+                peer,
+                nranks: self.nranks,
+            });
+        }
+        Ok(())
+    }
+
+    pub(crate) fn next_collective_tag(&self) -> u64 {
+        COLLECTIVE_TAG | self.seq.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub(crate) fn deadline(&self) -> Instant {
+        Instant::now() + self.config.timeout
+    }
+
+    /// Fails if the job is already broken: a dead peer or a lost root.
+    fn check_alive(&self, st: &State, op: &str) -> Result<(), BootstrapError> {
+        if let Some((peer, why)) = &st.dead {
+            return Err(BootstrapError::PeerDied {
+                rank: self.rank,
+                op: op.to_owned(),
+                peer: *peer,
+                why: why.clone(),
+            });
+        }
+        if let Some(why) = &st.root_lost {
+            return Err(BootstrapError::RootLost {
+                rank: self.rank,
+                op: op.to_owned(),
+                why: why.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Sends a message with a raw tag.
+    pub(crate) fn send_tagged(
+        &self,
+        peer: usize,
+        tag: u64,
+        payload: &[u8],
+        op: &str,
+    ) -> Result<(), BootstrapError> {
+        self.check_peer(peer)?;
+        self.check_alive(&self.shared.lock(), op)?;
+        if peer == self.rank {
+            self.shared.lock().mail[peer].push_back((tag, payload.to_vec()));
+            self.shared.cv.notify_all();
+            return Ok(());
+        }
+        let frame = Frame::Data {
+            tag,
+            payload: payload.to_vec(),
+        };
+        let mut slot = self.out[peer]
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if slot.is_none() {
+            *slot = Some(self.dial(peer, op)?);
+        }
+        let stream = slot.as_mut().expect("dialed above");
+        if let Err(e) = write_frame(stream, &frame) {
+            let why = format!("sending to it failed: {e}");
+            self.shared.mark_dead(peer, why.clone());
+            return Err(BootstrapError::PeerDied {
+                rank: self.rank,
+                op: op.to_owned(),
+                peer,
+                why,
+            });
+        }
+        Ok(())
+    }
+
+    fn dial(&self, peer: usize, op: &str) -> Result<TcpStream, BootstrapError> {
+        let deadline = self.deadline();
+        let what = format!("rank {peer} at {}", self.addrs[peer]);
+        let mut s = match connect(Some(self.rank), self.addrs[peer], deadline, &what) {
+            Ok(s) => s,
+            Err(BootstrapError::Io { source, .. })
+                if source.kind() == std::io::ErrorKind::TimedOut =>
+            {
+                return Err(BootstrapError::Timeout {
+                    rank: self.rank,
+                    op: op.to_owned(),
+                    what: format!("a connection to {what}"),
+                    waited: self.config.timeout,
+                    missing: vec![peer],
+                });
+            }
+            Err(e) => return Err(e),
+        };
+        match handshake_dial(
+            &mut s,
+            &self.id,
+            (Purpose::Peer, self.rank as u32, self.nranks as u32, ""),
+            deadline,
+            self.config.max_frame,
+            &what,
+        )? {
+            Ok(()) => Ok(s),
+            Err(reason) => Err(BootstrapError::Refused {
+                rank: self.rank,
+                root: what,
+                reason,
+            }),
+        }
+    }
+
+    /// Receives the first message from `peer` with a raw tag.
+    pub(crate) fn recv_tagged(
+        &self,
+        peer: usize,
+        tag: u64,
+        op: &str,
+        deadline: Instant,
+    ) -> Result<Vec<u8>, BootstrapError> {
+        self.check_peer(peer)?;
+        let start = Instant::now();
+        let mut st = self.shared.lock();
+        loop {
+            self.check_alive(&st, op)?;
+            if let Some(i) = st.mail[peer].iter().position(|(t, _)| *t == tag) {
+                return Ok(st.mail[peer].remove(i).expect("index found above").1);
+            }
+            if st.closed[peer] {
+                return Err(BootstrapError::PeerClosed {
+                    rank: self.rank,
+                    op: op.to_owned(),
+                    peer,
+                });
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(BootstrapError::Timeout {
+                    rank: self.rank,
+                    op: op.to_owned(),
+                    what: format!("a message from rank {peer}"),
+                    waited: start.elapsed(),
+                    missing: vec![peer],
+                });
+            }
+            st = self
+                .shared
+                .cv
+                .wait_timeout(st, left)
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0;
+        }
+    }
+
+    /// Sends `payload` to `peer` under a user `tag`. Messages to one peer with
+    /// one tag arrive in the order sent.
+    pub fn send(&self, peer: usize, tag: u32, payload: &[u8]) -> Result<(), BootstrapError> {
+        self.send_tagged(peer, u64::from(tag), payload, "send")
+    }
+
+    /// Receives the next message from `peer` sent under `tag`, waiting at most
+    /// the configured timeout.
+    pub fn recv(&self, peer: usize, tag: u32) -> Result<Vec<u8>, BootstrapError> {
+        self.recv_tagged(peer, u64::from(tag), "recv", self.deadline())
+    }
+}
+
+impl Drop for Bootstrap {
+    fn drop(&mut self) {
+        let (incoming, dead) = {
+            let mut st = self.shared.lock();
+            st.closing = true;
+            (std::mem::take(&mut st.incoming), st.dead.clone())
+        };
+        for slot in &self.out {
+            let mut slot = slot
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if let Some(s) = slot.as_mut() {
+                // A rank leaving because of a death passes the news on ahead of
+                // its goodbye, so its peers report the cause, not the symptom.
+                if let Some((peer, why)) = &dead {
+                    let _ = write_frame(
+                        s,
+                        &Frame::PeerDied {
+                            rank: *peer as u32,
+                            reason: why.clone(),
+                        },
+                    );
+                }
+                let _ = write_frame(s, &Frame::Goodbye);
+                let _ = s.shutdown(std::net::Shutdown::Write);
+            }
+        }
+        {
+            let mut root = self
+                .root
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let _ = write_frame(&mut root, &Frame::Goodbye);
+            let _ = root.shutdown(std::net::Shutdown::Both);
+        }
+        for s in incoming {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        // Wake the acceptor so it notices it is closing.
+        let _ = TcpStream::connect_timeout(&self.listen_addr, Duration::from_secs(1));
+        if let Some(root) = &self.hosted_root {
+            // Rank 0 hosts the root in this mode: stay until the others leave,
+            // or they would lose their death watch.
+            if !root.wait(self.config.timeout) {
+                warn!("ranks still running when the hosted bootstrap root gave up waiting");
+            }
+        }
+    }
+}
+
+fn spawn_acceptor(
+    listener: TcpListener,
+    id: UniqueId,
+    nranks: usize,
+    config: Config,
+    shared: Arc<Shared>,
+    rank: usize,
+) -> Result<(), BootstrapError> {
+    thread::Builder::new()
+        .name(format!("gin-bs-accept-{rank}"))
+        .spawn(move || {
+            for conn in listener.incoming() {
+                if shared.lock().closing {
+                    return;
+                }
+                let Ok(mut s) = conn else { continue };
+                let shared = shared.clone();
+                let _ = thread::Builder::new()
+                    .name(format!("gin-bs-read-{rank}"))
+                    .spawn(move || {
+                        let from = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+                        match handshake_accept(
+                            &mut s,
+                            &id,
+                            Purpose::Peer,
+                            Some(nranks as u32),
+                            config.max_frame,
+                        ) {
+                            Ok(h) => read_peer(&mut s, h.rank as usize, &shared, config.max_frame),
+                            Err(why) => {
+                                warn!(rank, %from, %why, "refused a bootstrap connection");
+                            }
+                        }
+                    });
+            }
+        })
+        .map_err(|e| BootstrapError::io(Some(rank), "spawning the acceptor", e))?;
+    Ok(())
+}
+
+/// Files a peer's messages into its mailbox until it says goodbye or vanishes.
+fn read_peer(s: &mut TcpStream, peer: usize, shared: &Shared, max_frame: usize) {
+    if let Ok(c) = s.try_clone() {
+        shared.lock().incoming.push(c);
+    }
+    loop {
+        match read_frame(s, max_frame) {
+            Ok(Some(Frame::Data { tag, payload })) => {
+                shared.lock().mail[peer].push_back((tag, payload));
+                shared.cv.notify_all();
+            }
+            Ok(Some(Frame::PeerDied { rank: dead, reason }))
+                if (dead as usize) < shared.nranks() =>
+            {
+                shared.mark_dead(dead as usize, format!("{reason}; reported by rank {peer}"));
+            }
+            Ok(Some(Frame::Goodbye)) => {
+                shared.lock().closed[peer] = true;
+                shared.cv.notify_all();
+                return;
+            }
+            Ok(Some(other)) => {
+                shared.mark_dead(peer, format!("it sent an unexpected {other:?} frame"));
+                return;
+            }
+            Ok(None) => {
+                shared.mark_dead(peer, "its connection closed without a goodbye".into());
+                return;
+            }
+            Err(e) => {
+                shared.mark_dead(peer, format!("its connection failed: {e}"));
+                return;
+            }
+        }
+    }
+}
+
+fn spawn_root_reader(mut root: TcpStream, shared: Arc<Shared>) -> Result<(), BootstrapError> {
+    let rank = shared.rank;
+    thread::Builder::new()
+        .name(format!("gin-bs-root-{rank}"))
+        .spawn(move || {
+            let why = loop {
+                match read_frame(&mut root, 1 << 20) {
+                    Ok(Some(Frame::PeerDied { rank: dead, reason }))
+                        if (dead as usize) < shared.nranks() =>
+                    {
+                        shared.mark_dead(dead as usize, reason);
+                    }
+                    Ok(Some(Frame::Abort { reason, .. })) => break reason,
+                    Ok(Some(_)) => {}
+                    Ok(None) => break "the root connection closed".to_owned(),
+                    Err(e) => break format!("the root connection failed: {e}"),
+                }
+            };
+            let mut st = shared.lock();
+            if !st.closing && st.root_lost.is_none() {
+                warn!(rank, %why, "lost the bootstrap root");
+                st.root_lost = Some(why);
+            }
+            drop(st);
+            shared.cv.notify_all();
+        })
+        .map_err(|e| BootstrapError::io(Some(rank), "spawning the root reader", e))?;
+    Ok(())
+}

@@ -1,0 +1,56 @@
+//! gin-bootstrap: how the ranks of a gin-rs job find each other and exchange
+//! the small host-side messages the backends need before any one-sided traffic
+//! can flow (window addresses, keys, queue numbers).
+//!
+//! # Design
+//!
+//! - **Rendezvous.** A job is named by a [`UniqueId`]: the root's socket address
+//!   and a random 128-bit secret. Each rank dials the root, proves the secret by
+//!   answering a challenge with a keyed hash (the secret never crosses the
+//!   wire), and announces the address it listens on. When all ranks are in,
+//!   the root sends everyone the address table.
+//! - **Death watch.** Ranks keep their root connection for the life of the job.
+//!   One that drops it without a goodbye has died; the root tells the others,
+//!   so every pending and later call fails with an error naming that rank
+//!   instead of hanging (NCCL's bootstrap can hang here; this one must not).
+//! - **Point to point.** Rank `a` sends to `b` over a connection `a` dials on
+//!   first use; a reader thread per incoming connection files messages into
+//!   per-peer mailboxes, matched by tag. Writers never wait for readers.
+//! - **Collectives** are built on that: ring allgather (n − 1 steps), full-mesh
+//!   all-to-all (fixed and variable sizes), binomial broadcast, dissemination
+//!   barrier. Every blocking call honours [`Config::timeout`] (`GIN_TIMEOUT`),
+//!   and its error names the ranks it was waiting for.
+//! - **Frames** ([`frame`]) are length-prefixed and versioned; lengths are
+//!   checked before allocation and payloads read in bounded chunks.
+//! - **Launch.** [`launch()`] starts N local rank processes with the `GIN_*`
+//!   variables set, hosts the root itself, prefixes output by rank and stops the
+//!   job when a rank fails. [`LaunchEnv`] reads a rank's identity from `GIN_*`,
+//!   torchrun, Slurm or Open MPI variables.
+//!
+//! # What it does not know
+//!
+//! Nothing about windows, GPUs, NICs or the device API: it moves opaque bytes
+//! between ranks on the host. It is not a data path: gin-net carries the
+//! one-sided traffic. It uses threads and blocking sockets on purpose: the
+//! bootstrap runs a few hundred messages at set-up, where simplicity and
+//! precise error reports matter more than an event loop.
+
+#![deny(unsafe_code)]
+
+mod collectives;
+mod comm;
+mod env;
+mod error;
+pub mod frame;
+mod id;
+pub mod launch;
+mod net;
+mod root;
+pub mod selftest;
+
+pub use comm::Bootstrap;
+pub use env::{Config, DEFAULT_TIMEOUT, LaunchEnv, RANK_VARS, Rendezvous, parse_duration};
+pub use error::BootstrapError;
+pub use id::UniqueId;
+pub use launch::{LaunchReport, LaunchSpec, Output, RankExit, launch, run_threads};
+pub use root::BootstrapRoot;

@@ -1,0 +1,203 @@
+//! Socket plumbing shared by the root and the ranks: connecting with retry,
+//! the challenge/response handshake, and whole-frame writes.
+
+use std::io::Write;
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use crate::error::BootstrapError;
+use crate::frame::{self, Frame, Hello, Purpose, read_frame};
+use crate::id::UniqueId;
+
+/// A legitimate peer answers a challenge at once; a stranger that connects and
+/// says nothing is dropped after this long so it cannot hold an acceptor.
+pub(crate) const HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
+
+/// Writes one frame with a single `write_all`.
+pub(crate) fn write_frame(s: &mut TcpStream, f: &Frame) -> std::io::Result<()> {
+    let bytes = frame::encode(f).map_err(std::io::Error::other)?;
+    s.write_all(&bytes)
+}
+
+/// Connects to `to`, retrying refused connections until `deadline` (the other
+/// side may still be starting).
+pub(crate) fn connect(
+    rank: Option<usize>,
+    to: SocketAddr,
+    deadline: Instant,
+    what: &str,
+) -> Result<TcpStream, BootstrapError> {
+    let mut pause = Duration::from_millis(5);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(BootstrapError::Io {
+                rank,
+                context: format!("connecting to {what} at {to}: gave up at the deadline"),
+                source: std::io::ErrorKind::TimedOut.into(),
+            });
+        }
+        match TcpStream::connect_timeout(&to, left) {
+            Ok(s) => {
+                s.set_nodelay(true)
+                    .map_err(|e| BootstrapError::io(rank, "setting TCP_NODELAY", e))?;
+                return Ok(s);
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::ConnectionReset
+                ) =>
+            {
+                // Retrying a refused connect is not synchronisation: nothing
+                // signals "the listener is up" across processes, so back off.
+                std::thread::sleep(pause.min(left));
+                pause = (pause * 2).min(Duration::from_millis(200));
+            }
+            Err(e) => {
+                return Err(BootstrapError::io(
+                    rank,
+                    format!("connecting to {what} at {to}"),
+                    e,
+                ));
+            }
+        }
+    }
+}
+
+/// The dialing side of the handshake: answer the challenge, then wait for the
+/// verdict. `Ok(Err(reason))` is a refusal.
+pub(crate) fn handshake_dial(
+    s: &mut TcpStream,
+    id: &UniqueId,
+    hello: (Purpose, u32, u32, &str),
+    deadline: Instant,
+    max_frame: usize,
+    what: &str,
+) -> Result<Result<(), String>, BootstrapError> {
+    let (purpose, rank, nranks, listen_addr) = hello;
+    let r = Some(rank as usize);
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1));
+    s.set_read_timeout(Some(left))
+        .map_err(|e| BootstrapError::io(r, "setting a read timeout", e))?;
+    let nonce = match read_frame(s, max_frame).map_err(|e| BootstrapError::from_read(r, what, e))? {
+        Some(Frame::Challenge { nonce }) => nonce,
+        Some(other) => {
+            return Err(BootstrapError::Frame {
+                rank: r,
+                from: what.to_owned(),
+                source: frame::FrameError::BadField {
+                    what: "handshake",
+                    why: format!("expected a challenge, got {other:?}"),
+                },
+            });
+        }
+        None => {
+            return Err(BootstrapError::io(
+                r,
+                format!("handshake with {what}"),
+                std::io::ErrorKind::UnexpectedEof.into(),
+            ));
+        }
+    };
+    let mac = id.mac(&nonce, purpose, rank, nranks, listen_addr);
+    write_frame(
+        s,
+        &Frame::Hello(Hello {
+            purpose,
+            rank,
+            nranks,
+            listen_addr: listen_addr.to_owned(),
+            mac,
+        }),
+    )
+    .map_err(|e| BootstrapError::io(r, format!("sending hello to {what}"), e))?;
+    let verdict =
+        match read_frame(s, max_frame).map_err(|e| BootstrapError::from_read(r, what, e))? {
+            Some(Frame::Welcome) => Ok(()),
+            Some(Frame::Refuse { reason }) => Err(reason),
+            other => Err(format!("unexpected handshake answer {other:?}")),
+        };
+    s.set_read_timeout(None)
+        .map_err(|e| BootstrapError::io(r, "clearing the read timeout", e))?;
+    Ok(verdict)
+}
+
+/// The accepting side: challenge, check the answer and the claimed identity,
+/// then welcome or refuse. A refusal is returned as `Err(reason)` for logging.
+pub(crate) fn handshake_accept(
+    s: &mut TcpStream,
+    id: &UniqueId,
+    expect: Purpose,
+    nranks: Option<u32>,
+    max_frame: usize,
+) -> Result<Hello, String> {
+    let _ = s.set_nodelay(true);
+    s.set_read_timeout(Some(HANDSHAKE_LIMIT))
+        .map_err(|e| e.to_string())?;
+    let mut nonce = [0u8; 16];
+    getrandom::fill(&mut nonce).map_err(|e| e.to_string())?;
+    write_frame(s, &Frame::Challenge { nonce }).map_err(|e| format!("sending challenge: {e}"))?;
+    // Strangers get at most a small frame's worth of our attention.
+    let hello = match read_frame(s, max_frame.min(64 << 10)) {
+        Ok(Some(Frame::Hello(h))) => h,
+        Ok(Some(other)) => return Err(format!("expected a hello, got a {other:?} frame")),
+        Ok(None) => return Err("closed before saying hello".into()),
+        Err(e) => return Err(format!("bad hello: {e}")),
+    };
+    let refuse = |s: &mut TcpStream, reason: String| {
+        let _ = write_frame(
+            s,
+            &Frame::Refuse {
+                reason: reason.clone(),
+            },
+        );
+        Err(reason)
+    };
+    let want = id.mac(
+        &nonce,
+        hello.purpose,
+        hello.rank,
+        hello.nranks,
+        &hello.listen_addr,
+    );
+    // Not constant-time: the nonce is fresh per connection, so timing reveals
+    // nothing reusable.
+    if want != hello.mac {
+        return refuse(s, "wrong job secret".into());
+    }
+    if hello.purpose != expect {
+        return refuse(
+            s,
+            format!(
+                "expected a {expect} connection, got a {} one",
+                hello.purpose
+            ),
+        );
+    }
+    if let Some(n) = nranks
+        && hello.nranks != n
+    {
+        return refuse(
+            s,
+            format!(
+                "rank {} claims a job of {} ranks, this job has {n}",
+                hello.rank, hello.nranks
+            ),
+        );
+    }
+    if hello.nranks == 0 || hello.rank >= hello.nranks {
+        return refuse(
+            s,
+            format!(
+                "rank {} is out of range for {} ranks",
+                hello.rank, hello.nranks
+            ),
+        );
+    }
+    write_frame(s, &Frame::Welcome).map_err(|e| format!("sending welcome: {e}"))?;
+    s.set_read_timeout(None).map_err(|e| e.to_string())?;
+    Ok(hello)
+}

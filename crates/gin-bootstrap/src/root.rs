@@ -1,0 +1,360 @@
+//! The rendezvous root: admits ranks, hands out the address table, then stays
+//! on as the job's death watch.
+//!
+//! Every rank keeps its root connection open for the life of its bootstrap.
+//! A rank that closes it after a `Goodbye` has left in order; one that drops
+//! it without one has died, and the root tells every other rank so, which
+//! makes their pending and later calls fail at once instead of timing out.
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError, Sender};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use tracing::{debug, info, warn};
+
+use crate::env::Config;
+use crate::error::BootstrapError;
+use crate::frame::{Frame, Purpose, read_frame};
+use crate::id::UniqueId;
+use crate::net::{handshake_accept, write_frame};
+
+/// A running rendezvous root. Dropping it does not stop it: the root thread
+/// lives until every rank has left (or the rendezvous failed); use
+/// [`BootstrapRoot::wait`] to wait for that.
+#[derive(Debug)]
+pub struct BootstrapRoot {
+    id: UniqueId,
+    done: mpsc::Receiver<()>,
+}
+
+enum Event {
+    Joined {
+        rank: usize,
+        nranks: usize,
+        listen_addr: String,
+        stream: TcpStream,
+    },
+    Left {
+        rank: usize,
+        orderly: bool,
+        why: String,
+        generation: u64,
+    },
+}
+
+impl BootstrapRoot {
+    /// Starts a root listening on `bind` (port 0 picks a free port) with a
+    /// fresh secret. `nranks`, when known, lets the root refuse ranks of the
+    /// wrong job size outright.
+    pub fn start(
+        bind: SocketAddr,
+        nranks: Option<usize>,
+        config: Config,
+    ) -> Result<Self, BootstrapError> {
+        Self::start_with_id(UniqueId::new(bind)?, nranks, config)
+    }
+
+    /// Starts a root for a given id (its address is bound as is; port 0 picks
+    /// one and the returned [`BootstrapRoot::id`] carries the real port).
+    pub fn start_with_id(
+        id: UniqueId,
+        nranks: Option<usize>,
+        config: Config,
+    ) -> Result<Self, BootstrapError> {
+        let listener = TcpListener::bind(id.addr).map_err(|e| {
+            BootstrapError::io(
+                None,
+                format!("binding the bootstrap root to {}", id.addr),
+                e,
+            )
+        })?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| BootstrapError::io(None, "reading the root's address", e))?;
+        let id = UniqueId { addr, ..id };
+        let (tx, rx) = mpsc::channel();
+        let (done_tx, done) = mpsc::channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        {
+            let stop = stop.clone();
+            let tx = tx.clone();
+            thread::Builder::new()
+                .name("gin-root-accept".into())
+                .spawn(move || accept_loop(&listener, id, nranks, config, &tx, &stop))
+                .map_err(|e| BootstrapError::io(None, "spawning the root acceptor", e))?;
+        }
+        thread::Builder::new()
+            .name("gin-root".into())
+            .spawn(move || {
+                run(&rx, &tx, nranks, config);
+                stop.store(true, Ordering::SeqCst);
+                // Wake the acceptor so it sees the stop flag.
+                let _ = TcpStream::connect(addr);
+                let _ = done_tx.send(());
+            })
+            .map_err(|e| BootstrapError::io(None, "spawning the root", e))?;
+        info!(%addr, "bootstrap root listening");
+        Ok(Self { id, done })
+    }
+
+    /// The id ranks use to join (pass it as `GIN_UNIQUE_ID`).
+    pub fn id(&self) -> UniqueId {
+        self.id
+    }
+
+    /// Waits until every rank has left or the rendezvous failed; false if
+    /// `limit` passed first.
+    pub fn wait(&self, limit: Duration) -> bool {
+        !matches!(
+            self.done.recv_timeout(limit),
+            Err(RecvTimeoutError::Timeout)
+        )
+    }
+}
+
+fn accept_loop(
+    listener: &TcpListener,
+    id: UniqueId,
+    nranks: Option<usize>,
+    config: Config,
+    tx: &Sender<Event>,
+    stop: &AtomicBool,
+) {
+    for conn in listener.incoming() {
+        if stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let Ok(mut stream) = conn else { continue };
+        let tx = tx.clone();
+        let peer = stream
+            .peer_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_default();
+        // One short-lived thread per handshake, so a silent stranger cannot
+        // hold up the ranks behind it.
+        let _ =
+            thread::Builder::new().name("gin-root-hs".into()).spawn(
+                move || match handshake_accept(
+                    &mut stream,
+                    &id,
+                    Purpose::Root,
+                    nranks.map(|n| n as u32),
+                    config.max_frame,
+                ) {
+                    Ok(h) => {
+                        let _ = tx.send(Event::Joined {
+                            rank: h.rank as usize,
+                            nranks: h.nranks as usize,
+                            listen_addr: h.listen_addr,
+                            stream,
+                        });
+                    }
+                    Err(why) => warn!(%peer, %why, "bootstrap root refused a connection"),
+                },
+            );
+    }
+}
+
+struct Member {
+    stream: TcpStream,
+    listen_addr: String,
+    generation: u64,
+}
+
+/// The root's state machine: rendezvous, then watch.
+fn run(rx: &mpsc::Receiver<Event>, tx: &Sender<Event>, fixed_n: Option<usize>, config: Config) {
+    let start = Instant::now();
+    let deadline = start + config.timeout;
+    let mut n = fixed_n;
+    let mut members: Vec<Option<Member>> = Vec::new();
+    let mut generation = 0u64;
+    // Rendezvous: wait for every rank.
+    loop {
+        if let Some(n) = n
+            && members.len() == n
+            && members.iter().all(Option::is_some)
+        {
+            break;
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(Event::Joined {
+                rank,
+                nranks,
+                listen_addr,
+                mut stream,
+            }) => {
+                let job_n = *n.get_or_insert(nranks);
+                if members.len() < job_n {
+                    members.resize_with(job_n, || None);
+                }
+                let refusal = if nranks != job_n {
+                    Some(format!(
+                        "rank {rank} says the job has {nranks} ranks, but it has {job_n}"
+                    ))
+                } else if let Some(m) = &members[rank] {
+                    Some(format!(
+                        "rank {rank} has already joined (listening at {}); duplicate rank",
+                        m.listen_addr
+                    ))
+                } else if listen_addr.parse::<SocketAddr>().is_err() {
+                    Some(format!(
+                        "rank {rank} gave an unusable address {listen_addr:?}"
+                    ))
+                } else {
+                    None
+                };
+                if let Some(reason) = refusal {
+                    warn!(rank, %reason, "bootstrap root refused a rank");
+                    let _ = write_frame(&mut stream, &Frame::Refuse { reason });
+                    continue;
+                }
+                debug!(rank, %listen_addr, "rank joined");
+                generation += 1;
+                watch(&stream, rank, generation, tx.clone());
+                members[rank] = Some(Member {
+                    stream,
+                    listen_addr,
+                    generation,
+                });
+            }
+            Ok(Event::Left {
+                rank,
+                generation: g,
+                ..
+            }) => {
+                // A rank that leaves before the table is out may rejoin.
+                if members
+                    .get(rank)
+                    .and_then(Option::as_ref)
+                    .is_some_and(|m| m.generation == g)
+                {
+                    warn!(rank, "rank left before the rendezvous completed");
+                    members[rank] = None;
+                }
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                let missing: Vec<u32> = (0..n.unwrap_or(0))
+                    .filter(|&r| members.get(r).is_none_or(Option::is_none))
+                    .map(|r| r as u32)
+                    .collect();
+                let reason = if n.is_some() {
+                    format!("rendezvous timed out after {:.1?}", config.timeout)
+                } else {
+                    format!(
+                        "rendezvous timed out after {:.1?}: no rank arrived",
+                        config.timeout
+                    )
+                };
+                warn!(?missing, %reason, "bootstrap rendezvous failed");
+                for m in members.iter_mut().flatten() {
+                    let _ = write_frame(
+                        &mut m.stream,
+                        &Frame::Abort {
+                            reason: reason.clone(),
+                            missing: missing.clone(),
+                        },
+                    );
+                }
+                return;
+            }
+            Err(RecvTimeoutError::Disconnected) => return,
+        }
+    }
+    let addrs: Vec<String> = members
+        .iter()
+        .map(|m| {
+            m.as_ref()
+                .map(|m| m.listen_addr.clone())
+                .unwrap_or_default()
+        })
+        .collect();
+    for m in members.iter_mut().flatten() {
+        let _ = write_frame(
+            &mut m.stream,
+            &Frame::Table {
+                addrs: addrs.clone(),
+            },
+        );
+    }
+    info!(nranks = addrs.len(), elapsed = ?start.elapsed(), "bootstrap rendezvous complete");
+    // Watch: relay deaths until everyone has left.
+    let mut live = members.len();
+    while live > 0 {
+        match rx.recv() {
+            Ok(Event::Left {
+                rank,
+                orderly,
+                why,
+                generation: g,
+            }) => {
+                let Some(m) = members.get_mut(rank) else {
+                    continue;
+                };
+                if m.as_ref().is_none_or(|m| m.generation != g) {
+                    continue;
+                }
+                *m = None;
+                live -= 1;
+                if orderly {
+                    debug!(rank, "rank left");
+                    continue;
+                }
+                warn!(rank, %why, "rank died; telling the others");
+                for other in members.iter_mut().flatten() {
+                    let _ = write_frame(
+                        &mut other.stream,
+                        &Frame::PeerDied {
+                            rank: rank as u32,
+                            reason: why.clone(),
+                        },
+                    );
+                }
+            }
+            Ok(Event::Joined {
+                rank, mut stream, ..
+            }) => {
+                let reason = format!("the job has already formed; rank {rank} cannot join now");
+                warn!(rank, "late join refused");
+                let _ = write_frame(&mut stream, &Frame::Refuse { reason });
+            }
+            Err(_) => return,
+        }
+    }
+}
+
+/// Reads a member's root connection until it ends, then reports how.
+fn watch(stream: &TcpStream, rank: usize, generation: u64, tx: Sender<Event>) {
+    let Ok(mut s) = stream.try_clone() else {
+        let _ = tx.send(Event::Left {
+            rank,
+            orderly: false,
+            why: "could not watch its root connection".into(),
+            generation,
+        });
+        return;
+    };
+    let _ = thread::Builder::new()
+        .name("gin-root-watch".into())
+        .spawn(move || {
+            let (orderly, why) = loop {
+                match read_frame(&mut s, 1 << 16) {
+                    Ok(Some(Frame::Goodbye)) => break (true, String::new()),
+                    Ok(Some(_)) => {}
+                    Ok(None) => {
+                        break (false, "its root connection closed without a goodbye".into());
+                    }
+                    Err(e) => break (false, format!("its root connection failed: {e}")),
+                }
+            };
+            let _ = tx.send(Event::Left {
+                rank,
+                orderly,
+                why,
+                generation,
+            });
+        });
+}
