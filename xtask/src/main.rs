@@ -1,1 +1,87 @@
-fn main() {}
+//! Project automation (`cargo xtask <command>`), kept light on dependencies.
+//!
+//! - `launch -n N [--grace SECS] [--timeout SECS] -- CMD ARGS...`: start N local
+//!   ranks of CMD with the `GIN_*` variables set, output prefixed by rank; if a
+//!   rank fails, the others are stopped after the grace period and the exit
+//!   status is non-zero.
+//! - `ci`: what CI runs (`.ci/run`).
+
+use std::process::{Command, ExitCode};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use gin_bootstrap::{LaunchSpec, launch, parse_duration};
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("xtask: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+const USAGE: &str = "usage: cargo xtask launch -n N [--grace DURATION] [--timeout DURATION] -- CMD [ARGS...]
+       cargo xtask ci";
+
+fn run() -> Result<ExitCode> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.first().map(String::as_str) {
+        Some("launch") => launch_cmd(&args[1..]),
+        Some("ci") => {
+            let st = Command::new("bash")
+                .arg(".ci/run")
+                .status()
+                .context("running .ci/run")?;
+            Ok(if st.success() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+        }
+        _ => bail!("{USAGE}"),
+    }
+}
+
+fn launch_cmd(args: &[String]) -> Result<ExitCode> {
+    let split = args
+        .iter()
+        .position(|a| a == "--")
+        .with_context(|| format!("missing `--` before the command\n{USAGE}"))?;
+    let (opts, cmd) = (&args[..split], &args[split + 1..]);
+    let Some((program, prog_args)) = cmd.split_first() else {
+        bail!("no command after `--`\n{USAGE}");
+    };
+    let mut n = None;
+    let mut grace = Duration::from_secs(5);
+    let mut limit = None;
+    let mut it = opts.iter();
+    while let Some(o) = it.next() {
+        let mut val = || it.next().with_context(|| format!("{o} needs a value"));
+        match o.as_str() {
+            "-n" | "--ranks" => {
+                let v = val()?;
+                n = Some(v.parse::<usize>().with_context(|| format!("-n {v:?} is not a rank count"))?);
+            }
+            "--grace" => grace = parse_duration(val()?).map_err(anyhow::Error::msg)?,
+            "--timeout" => limit = Some(parse_duration(val()?).map_err(anyhow::Error::msg)?),
+            other => bail!("unknown option {other:?}\n{USAGE}"),
+        }
+    }
+    let n = n.with_context(|| format!("-n N is required\n{USAGE}"))?;
+    let mut spec = LaunchSpec::new(n, program, prog_args.iter());
+    spec.grace = grace;
+    spec.limit = limit;
+    spec.config = gin_bootstrap::Config::from_env()?;
+    let report = launch(&spec)?;
+    if report.success() {
+        return Ok(ExitCode::SUCCESS);
+    }
+    eprintln!("xtask launch: {}", report.describe_failures());
+    // Mirror the first failed rank's exit code where there is one.
+    let code = report
+        .first_failure
+        .and_then(|r| report.ranks[r].status)
+        .and_then(|s| s.code())
+        .and_then(|c| u8::try_from(c).ok())
+        .filter(|&c| c != 0)
+        .unwrap_or(1);
+    Ok(ExitCode::from(code))
+}

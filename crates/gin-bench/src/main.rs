@@ -1,1 +1,53 @@
-fn main() {}
+//! gin-bench: the gin-rs benchmark driver.
+//!
+//! Run with no launcher variables, each subcommand spawns `--ranks` local rank
+//! processes of itself through gin-bootstrap's launcher and prints a table;
+//! started by a launcher (`cargo xtask launch`, torchrun, Slurm, Open MPI), it
+//! is one rank of the job.
+//!
+//! Until the put-with-signal ping-pong lands, the default run (no subcommand)
+//! is the bootstrap collectives benchmark.
+
+mod bootstrap;
+mod ranks;
+mod stats;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "gin-bench", version, about = "gin-rs benchmarks")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Option<Cmd>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Host bootstrap collectives (allgather, all-to-all, barrier, broadcast) versus rank count.
+    Bootstrap(bootstrap::BootstrapArgs),
+}
+
+fn main() -> Result<()> {
+    init_tracing();
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let cli = Cli::parse();
+    match cli.cmd {
+        Some(Cmd::Bootstrap(a)) => bootstrap::run(&a, &argv),
+        None => {
+            let a = bootstrap::BootstrapArgs::default_args();
+            let mut argv = argv;
+            argv.insert(0, "bootstrap".to_owned());
+            bootstrap::run(&a, &argv)
+        }
+    }
+}
+
+/// `GIN_DEBUG` sets the tracing filter (like `NCCL_DEBUG`); warnings by default.
+fn init_tracing() {
+    let filter = std::env::var("GIN_DEBUG").unwrap_or_else(|_| "warn".to_owned());
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+        .with_writer(std::io::stderr)
+        .try_init();
+}

@@ -1,5 +1,7 @@
 //! Ranks as separate processes, started by the same launcher users use.
 
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
 use std::time::Duration;
 
 use gin_bootstrap::{Config, LaunchSpec, Output, launch};

@@ -1,6 +1,8 @@
 //! Ranks as threads of one process: every collective for 1..=16 ranks, and
 //! the bad-input cases that need a hand on the sockets.
 
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
