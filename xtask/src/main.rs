@@ -22,7 +22,8 @@ fn main() -> ExitCode {
     }
 }
 
-const USAGE: &str = "usage: cargo xtask launch -n N [--grace DURATION] [--timeout DURATION] -- CMD [ARGS...]
+const USAGE: &str =
+    "usage: cargo xtask launch -n N [--grace DURATION] [--timeout DURATION] -- CMD [ARGS...]
        cargo xtask ci";
 
 fn run() -> Result<ExitCode> {
@@ -34,7 +35,11 @@ fn run() -> Result<ExitCode> {
                 .arg(".ci/run")
                 .status()
                 .context("running .ci/run")?;
-            Ok(if st.success() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+            Ok(if st.success() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
         }
         _ => bail!("{USAGE}"),
     }
@@ -58,7 +63,10 @@ fn launch_cmd(args: &[String]) -> Result<ExitCode> {
         match o.as_str() {
             "-n" | "--ranks" => {
                 let v = val()?;
-                n = Some(v.parse::<usize>().with_context(|| format!("-n {v:?} is not a rank count"))?);
+                n = Some(
+                    v.parse::<usize>()
+                        .with_context(|| format!("-n {v:?} is not a rank count"))?,
+                );
             }
             "--grace" => grace = parse_duration(val()?).map_err(anyhow::Error::msg)?,
             "--timeout" => limit = Some(parse_duration(val()?).map_err(anyhow::Error::msg)?),

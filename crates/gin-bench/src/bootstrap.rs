@@ -59,7 +59,10 @@ pub fn run(args: &BootstrapArgs, argv: &[String]) -> Result<()> {
     }
     let mut results = Vec::new();
     for &n in &args.ranks {
-        eprintln!("bootstrap: measuring {n} ranks ({} runs x {} iterations)...", args.runs, args.iters);
+        eprintln!(
+            "bootstrap: measuring {n} ranks ({} runs x {} iterations)...",
+            args.runs, args.iters
+        );
         let r: RankCountResult = ranks::spawn_self(n, argv)?;
         results.push(r);
     }
@@ -100,8 +103,15 @@ fn print_table(results: &[RankCountResult]) {
             );
         }
     }
-    println!("(ratio: median / (dependent hops x median p2p hop); hops = n-1 for allgather/alltoall, ceil(log2 n) for barrier/broadcast)");
+    println!(
+        "(ratio: median / (dependent hops x median p2p hop); hops = n-1 for allgather/alltoall, ceil(log2 n) for barrier/broadcast)"
+    );
 }
+
+type Op<'a> = (
+    &'a str,
+    Box<dyn Fn() -> Result<(), gin_bootstrap::BootstrapError> + 'a>,
+);
 
 fn rank_main(args: &BootstrapArgs) -> Result<()> {
     let b = Bootstrap::from_env()?;
@@ -109,11 +119,13 @@ fn rank_main(args: &BootstrapArgs) -> Result<()> {
     let mine = vec![r as u8; args.bytes];
     let a2a = vec![r as u8; args.bytes * n];
     let iters = args.iters.max(1);
-    type Op<'a> = (&'a str, Box<dyn Fn() -> Result<(), gin_bootstrap::BootstrapError> + 'a>);
     let ops: Vec<Op<'_>> = vec![
         ("barrier", Box::new(|| b.barrier())),
         ("allgather", Box::new(|| b.allgather(&mine).map(drop))),
-        ("alltoall", Box::new(|| b.alltoall(&a2a, args.bytes).map(drop))),
+        (
+            "alltoall",
+            Box::new(|| b.alltoall(&a2a, args.bytes).map(drop)),
+        ),
         ("broadcast", Box::new(|| b.broadcast(0, &mine).map(drop))),
     ];
     let mut samples: Vec<Vec<f64>> = vec![Vec::new(); ops.len()];

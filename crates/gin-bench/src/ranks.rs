@@ -1,6 +1,7 @@
 //! Every gin-bench subcommand runs as one rank when a launcher started it,
 //! and otherwise spawns its own local ranks through gin-bootstrap's launcher.
 
+use std::fmt::Write as _;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
@@ -34,7 +35,7 @@ pub fn spawn_self<T: DeserializeOwned>(nranks: usize, args: &[String]) -> Result
         let mut msg = format!("{nranks}-rank run failed: {}\n", report.describe_failures());
         for r in &report.ranks {
             for line in r.stdout.lines().chain(r.stderr.lines()) {
-                msg.push_str(&format!("[rank {}] {line}\n", r.rank));
+                let _ = writeln!(msg, "[rank {}] {line}", r.rank);
             }
         }
         bail!(msg);

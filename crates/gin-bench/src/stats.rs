@@ -45,10 +45,14 @@ mod tests {
     use super::*;
 
     #[test]
+    #[allow(clippy::float_cmp)] // exact sample values are picked, not computed
     fn percentiles_of_known_samples() {
         let v: Vec<f64> = (1..=101).map(f64::from).collect();
         let s = Summary::of(&v).unwrap();
-        assert_eq!((s.median, s.p10, s.p90, s.p99, s.min, s.max), (51.0, 11.0, 91.0, 100.0, 1.0, 101.0));
+        assert_eq!(
+            (s.median, s.p10, s.p90, s.p99, s.min, s.max),
+            (51.0, 11.0, 91.0, 100.0, 1.0, 101.0)
+        );
         assert_eq!(Summary::of(&[3.0]).unwrap().median, 3.0);
         assert!(Summary::of(&[]).is_none());
     }
