@@ -447,6 +447,19 @@ impl Bootstrap {
         }
     }
 
+    /// Fails if any rank of the job has died or the root was lost; never
+    /// blocks. Data-path waits poll this so that a dead peer is an error
+    /// there too, not a hang.
+    pub fn health(&self) -> Result<(), BootstrapError> {
+        self.check_alive(&self.shared.lock(), "health check")
+    }
+
+    /// A 32-byte token every rank of this job derives alike and strangers
+    /// cannot: transports use it to authenticate their own connections.
+    pub fn job_token(&self, purpose: &str) -> [u8; 32] {
+        self.id.derive_token(purpose)
+    }
+
     /// Sends `payload` to `peer` under a user `tag`. Messages to one peer with
     /// one tag arrive in the order sent.
     pub fn send(&self, peer: usize, tag: u32, payload: &[u8]) -> Result<(), BootstrapError> {

@@ -43,6 +43,14 @@ impl UniqueId {
         Self { addr, secret }
     }
 
+    /// A key for another protocol of the same job, derived from the secret.
+    pub(crate) fn derive_token(&self, purpose: &str) -> [u8; 32] {
+        let mut h = blake3::Hasher::new_derive_key("gin-rs job token v1");
+        h.update(&self.secret);
+        h.update(purpose.as_bytes());
+        *h.finalize().as_bytes()
+    }
+
     fn mac_key(&self) -> [u8; 32] {
         blake3::derive_key("gin-rs bootstrap v1 handshake", &self.secret)
     }

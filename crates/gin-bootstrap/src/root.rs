@@ -27,7 +27,7 @@ use crate::net::{handshake_accept, write_frame};
 #[derive(Debug)]
 pub struct BootstrapRoot {
     id: UniqueId,
-    done: mpsc::Receiver<()>,
+    done: std::sync::Mutex<mpsc::Receiver<()>>,
 }
 
 enum Event {
@@ -97,7 +97,10 @@ impl BootstrapRoot {
             })
             .map_err(|e| BootstrapError::io(None, "spawning the root", e))?;
         info!(%addr, "bootstrap root listening");
-        Ok(Self { id, done })
+        Ok(Self {
+            id,
+            done: std::sync::Mutex::new(done),
+        })
     }
 
     /// The id ranks use to join (pass it as `GIN_UNIQUE_ID`).
@@ -108,10 +111,11 @@ impl BootstrapRoot {
     /// Waits until every rank has left or the rendezvous failed; false if
     /// `limit` passed first.
     pub fn wait(&self, limit: Duration) -> bool {
-        !matches!(
-            self.done.recv_timeout(limit),
-            Err(RecvTimeoutError::Timeout)
-        )
+        let done = self
+            .done
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        !matches!(done.recv_timeout(limit), Err(RecvTimeoutError::Timeout))
     }
 }
 

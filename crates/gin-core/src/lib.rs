@@ -1,11 +1,42 @@
 //! gin-core: the host API (tier 1) that users hold.
 //!
-//! It will own the communicator built from a `gin_bootstrap::Bootstrap`, the
-//! device-communicator requirements (signals, counters, contexts, barriers,
-//! queue depth, connection type), the signal/counter id space, window
-//! registration with symmetric addressing, and backend selection
-//! (`GIN_BACKEND=auto|proxy|gdaki`, `GIN_TRANSPORT=auto|shm|tcp`).
+//! # Design
 //!
-//! Not yet built: this crate is an empty library until the CPU-ranks issue
-//! fills it. It will not know WQE or descriptor formats: those belong to the
-//! backends.
+//! - [`Comm`] is built from a `gin_bootstrap::Bootstrap`. It learns which
+//!   ranks share a host (`GIN_HOSTID`, else hostname and boot id), picks a path
+//!   to every peer (`GIN_TRANSPORT`: shm within a host, tcp across, or tcp
+//!   everywhere), and builds the fabric.
+//! - **Windows** are registered collectively and in order, so a window's id is
+//!   the same on every rank; sizes may differ per rank and every rank knows
+//!   every size. [`Comm::alloc_window`] allocates shared memory that same-host
+//!   peers map (the direct path); [`Comm::register_window`] registers user
+//!   memory for TCP peers.
+//! - **Device communicators** ([`Comm::dev_comm`]) take their signal and
+//!   counter ranges from communicator-wide id spaces ([`space::IdSpace`],
+//!   first fit with coalescing); ranges freed by destroy are reused, and
+//!   every rank checks that all placed them alike.
+//! - **Backend selection** (`GIN_BACKEND`): `auto` uses direct load/store for
+//!   same-host peers and the proxy for the rest; `proxy` sends everything
+//!   through the proxy; `gdaki` is refused with the list of what is available
+//!   until that backend exists.
+//!
+//! # What it does not know
+//!
+//! Descriptor and WQE formats (backends), and the device API's semantics
+//! (gin-device): it assembles them.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+
+mod comm;
+pub mod config;
+mod error;
+pub mod launch;
+pub mod space;
+
+pub use comm::{Comm, Connection, DevCommHandle, DevCommRequirements};
+pub use config::{BackendKind, Settings, TransportKind};
+pub use error::CoreError;
+pub use gin_device::{
+    BarrierSession, CounterId, Ctx, DevComm, Fence, GinError, Local, Order, Remote, SignalId,
+    SignalOp, Team, Ticket, Window,
+};

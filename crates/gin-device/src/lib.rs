@@ -1,10 +1,47 @@
-//! gin-device: the device API (tier 2): what a kernel, or a CPU rank running
+//! gin-device: the device API (tier 2) — what a kernel, or a CPU rank running
 //! the same algorithm, calls to put, signal, get, flush, wait and barrier.
 //!
-//! It will own the `#[repr(C)]` ABI the GPU sees (device communicator, window
-//! and context handles, signal and counter ids, teams, coop kinds) with layout
-//! assertions, the Rust API for CPU ranks, and the CUDA C++ header tree.
+//! # Design
 //!
-//! Not yet built: an empty library until the CPU-ranks issue fills it.
-//! **Invariant:** gin-device knows nothing about sockets, threads or
-//! transports; backends plug in beneath it.
+//! - **The ABI** ([`abi`]) is what a kernel receives: `#[repr(C)]` structs of
+//!   fixed-width integers and 64-bit addresses, with size and offset
+//!   assertions, so the CUDA header and Rust agree byte for byte.
+//! - **CPU ranks** call the same operations through [`DevComm`] and its
+//!   contexts ([`Ctx`]). Every argument (peer, window range, signal and
+//!   counter ids, alignment) is checked before anything moves; errors name the
+//!   rank, peer, context, id, offset and size.
+//! - **Two paths.** Peers whose window parts are mapped into this process
+//!   (same-host shared memory) are reached by direct load/store: a copy, then
+//!   an atomic add with release ordering on the signal — NCCL's LSA path. All
+//!   other traffic goes to a [`Backend`] (the proxy or GDAKI), which issues it
+//!   and reports local completion through tickets.
+//! - **Waits** poll with back-off (spin, yield, short sleeps, so ranks and
+//!   proxies share few cores), honour a timeout and an abort flag, consult the
+//!   job's health (a dead peer is an error, not a hang), and compare with
+//!   rolling arithmetic ([`wait`]): 64-bit signals, 56-bit counters.
+//! - **Signals** are 64-bit slots per context in a communicator-wide signal
+//!   window; barrier sessions use reserved slots past the user's ids.
+//!
+//! # What it does not know
+//!
+//! **Invariant:** gin-device knows nothing about sockets, threads, transports
+//! or WQE/descriptor formats. Memory arrives as [`Window`]s built by the host
+//! layer (gin-core); backends implement [`Backend`].
+
+#![deny(unsafe_op_in_unsafe_fn)]
+
+pub mod abi;
+mod comm;
+mod error;
+mod ops;
+pub mod wait;
+mod window;
+
+pub use abi::Coop;
+pub use comm::{
+    Backend, BarrierSession, Counters, Ctx, DevComm, DevCommParts, GetOp, Health, PutOp,
+    SignalUpdate, Source, Ticket,
+};
+pub use error::GinError;
+pub use ops::{CounterId, Fence, Local, Order, Remote, SignalId, SignalOp, Team};
+pub use window::{Window, WindowParts};

@@ -1,0 +1,661 @@
+//! The communicator: who is where, how each peer is reached, windows, and
+//! device communicators.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use gin_bootstrap::Bootstrap;
+use gin_device::{Counters, DevComm, DevCommParts, Health, Window, WindowParts};
+use gin_net::region::{Access, RegionTable};
+use gin_net::shm::Segment;
+use gin_net::tcp::TcpTransport;
+use gin_net::{Fabric, MemDesc, Path};
+use gin_proxy::{Proxy, ProxyConfig};
+use tracing::{debug, info};
+
+use crate::config::{BackendKind, Settings, TransportKind};
+use crate::error::CoreError;
+use crate::space::IdSpace;
+
+/// What a device communicator needs; every rank passes the same values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DevCommRequirements {
+    /// User signals per context.
+    pub signals: u32,
+    /// Counters per context.
+    pub counters: u32,
+    /// Contexts (independent ordering domains); no fixed maximum.
+    pub contexts: u32,
+    /// Barriers over all ranks.
+    pub world_barriers: u32,
+    /// Barriers over this rank's rail (same local rank on every host).
+    pub rail_barriers: u32,
+    /// Descriptors (or WQEs) each (context, peer) queue holds; rounded up to
+    /// a power of two.
+    pub queue_depth: u32,
+    pub connection: Connection,
+    /// Each context is used by one thread only.
+    pub exclusive_contexts: bool,
+    /// Signals that order all earlier puts of their context.
+    pub strong_signals: bool,
+    /// Signals addressed by (window, offset).
+    pub va_signals: bool,
+}
+
+impl Default for DevCommRequirements {
+    fn default() -> Self {
+        Self {
+            signals: 16,
+            counters: 16,
+            contexts: 1,
+            world_barriers: 1,
+            rail_barriers: 0,
+            queue_depth: 256,
+            connection: Connection::Full,
+            exclusive_contexts: false,
+            strong_signals: true,
+            va_signals: true,
+        }
+    }
+}
+
+/// Which peers a device communicator connects to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Connection {
+    /// Every rank.
+    Full,
+    /// Only the ranks of this rank's rail (and itself).
+    Rail,
+}
+
+#[derive(Debug)]
+struct BootstrapHealth(Arc<Bootstrap>);
+
+impl Health for BootstrapHealth {
+    fn check(&self) -> Result<(), String> {
+        self.0.health().map_err(|e| e.to_string())
+    }
+}
+
+#[derive(Debug)]
+struct Spaces {
+    signals: IdSpace,
+    counters: IdSpace,
+}
+
+/// The host communicator of one rank.
+#[derive(Debug)]
+pub struct Comm {
+    bootstrap: Arc<Bootstrap>,
+    settings: Settings,
+    comm_id: u64,
+    /// Host index of every rank (ranks with equal indices share a host).
+    hosts: Vec<usize>,
+    local_rank: usize,
+    rail: Vec<usize>,
+    paths: Vec<Path>,
+    fabric: Arc<Fabric>,
+    table: Arc<RegionTable>,
+    next_window: Mutex<u32>,
+    spaces: Mutex<Spaces>,
+    signal_window: Window,
+    counters: Arc<Counters>,
+    job_tag: String,
+}
+
+/// What keeps a window's memory alive.
+#[derive(Debug)]
+struct WindowMemory {
+    _own: Option<Segment>,
+    _peers: Vec<Segment>,
+}
+
+impl Comm {
+    /// Builds a communicator over an initialised bootstrap (collective),
+    /// with settings from the environment.
+    pub fn new(bootstrap: Bootstrap) -> Result<Self, CoreError> {
+        Self::with_settings(bootstrap, Settings::from_env()?)
+    }
+
+    /// Joins the job the launcher describes and builds a communicator.
+    pub fn from_env() -> Result<Self, CoreError> {
+        Self::new(Bootstrap::from_env()?)
+    }
+
+    /// Builds a communicator with explicit settings (collective).
+    pub fn with_settings(bootstrap: Bootstrap, settings: Settings) -> Result<Self, CoreError> {
+        let b = Arc::new(bootstrap);
+        let (rank, n) = (b.rank(), b.nranks());
+        // Who shares a host: identical host ids.
+        let ids = b.allgather(settings.host_id.as_bytes())?;
+        let mut distinct: Vec<&Vec<u8>> = Vec::new();
+        let hosts: Vec<usize> = ids
+            .iter()
+            .map(|id| {
+                distinct.iter().position(|d| *d == id).unwrap_or_else(|| {
+                    distinct.push(id);
+                    distinct.len() - 1
+                })
+            })
+            .collect();
+        let local: Vec<usize> = (0..n).filter(|&r| hosts[r] == hosts[rank]).collect();
+        let local_rank = local.iter().position(|&r| r == rank).unwrap_or(0);
+        let rail: Vec<usize> = (0..n)
+            .filter(|&r| (0..n).filter(|&q| q < r && hosts[q] == hosts[r]).count() == local_rank)
+            .collect();
+        let multi_host = distinct.len() > 1;
+        // Paths: shm within a host unless tcp was asked for; tcp across hosts.
+        if settings.transport == TransportKind::Shm && multi_host {
+            let other: Vec<usize> = (0..n).filter(|&r| hosts[r] != hosts[rank]).collect();
+            return Err(CoreError::Unavailable {
+                what: "GIN_TRANSPORT=shm".into(),
+                why: format!("ranks {other:?} are on other hosts; shm reaches only this host"),
+                available: "auto, tcp".into(),
+            });
+        }
+        let use_tcp = |p: usize| {
+            p != rank && (settings.transport == TransportKind::Tcp || hosts[p] != hosts[rank])
+        };
+        let need_tcp = settings.transport == TransportKind::Tcp || multi_host;
+        let table = Arc::new(RegionTable::default());
+        let tcp = if need_tcp {
+            let peers: Vec<bool> = (0..n).map(use_tcp).collect();
+            Some(TcpTransport::start(&b, table.clone(), &peers)?)
+        } else {
+            None
+        };
+        let paths: Vec<Path> = (0..n)
+            .map(|p| {
+                if p == rank {
+                    Path::Local
+                } else if use_tcp(p) {
+                    Path::Tcp(
+                        tcp.as_ref()
+                            .and_then(|t| t.link(p))
+                            .expect("tcp link for a tcp peer")
+                            .clone(),
+                    )
+                } else {
+                    Path::Shm
+                }
+            })
+            .collect();
+        let fabric = Arc::new(Fabric::new(
+            rank,
+            paths.clone(),
+            table.clone(),
+            tcp,
+            settings.timeout,
+        ));
+        // A job-unique tag for shared-memory names.
+        let token = b.job_token("gin-core shm names");
+        let job_tag: String = token[..6].iter().map(|x| format!("{x:02x}")).collect();
+        let comm_id = u64::from_le_bytes(token[8..16].try_into().expect("8 bytes"));
+        info!(
+            rank,
+            nranks = n,
+            hosts = distinct.len(),
+            local_rank,
+            paths = ?paths.iter().map(Path::name).collect::<Vec<_>>(),
+            "communicator ready"
+        );
+        let mut comm = Self {
+            bootstrap: b,
+            comm_id,
+            hosts,
+            local_rank,
+            rail,
+            paths,
+            fabric,
+            table,
+            next_window: Mutex::new(0),
+            spaces: Mutex::new(Spaces {
+                signals: IdSpace::new(settings.signal_slots),
+                counters: IdSpace::new(settings.counter_slots),
+            }),
+            counters: Arc::new(Counters::new(settings.counter_slots as usize)),
+            signal_window: dangling_window(),
+            job_tag,
+            settings,
+        };
+        comm.signal_window = comm.alloc_window(comm.settings.signal_slots * 8)?;
+        Ok(comm)
+    }
+
+    pub fn rank(&self) -> usize {
+        self.bootstrap.rank()
+    }
+
+    pub fn nranks(&self) -> usize {
+        self.bootstrap.nranks()
+    }
+
+    /// The bootstrap, for host-side exchanges.
+    pub fn bootstrap(&self) -> &Bootstrap {
+        &self.bootstrap
+    }
+
+    /// This rank's index among the ranks of its host.
+    pub fn local_rank(&self) -> usize {
+        self.local_rank
+    }
+
+    /// Number of distinct hosts.
+    pub fn nhosts(&self) -> usize {
+        self.hosts.iter().max().map_or(0, |m| m + 1)
+    }
+
+    /// The ranks of this rank's rail.
+    pub fn rail(&self) -> &[usize] {
+        &self.rail
+    }
+
+    /// How each peer is reached (`local`, `shm`, `tcp`).
+    pub fn path_names(&self) -> Vec<&'static str> {
+        self.paths.iter().map(Path::name).collect()
+    }
+
+    /// The settings in force.
+    pub fn settings(&self) -> &Settings {
+        &self.settings
+    }
+
+    fn shm_peers(&self) -> Vec<usize> {
+        (0..self.nranks())
+            .filter(|&p| matches!(self.paths[p], Path::Shm))
+            .collect()
+    }
+
+    /// Allocates a window collectively: `bytes` of memory on this rank
+    /// (ranks may ask for different sizes), shared with same-host peers so
+    /// they can map it, served to remote ones over TCP.
+    pub fn alloc_window(&self, bytes: u64) -> Result<Window, CoreError> {
+        let rank = self.rank();
+        let id = self.take_window_id();
+        let name = format!("gin-{}-r{rank}-w{id}", self.job_tag);
+        let mut seg = Segment::create(&name, bytes as usize)?;
+        // SAFETY: the segment stays mapped inside the window's owner until the
+        // window is dropped, and its key is removed from the table on
+        // deregistration, before that.
+        let key = unsafe { self.table.insert(seg.as_ptr(), bytes, Access::ALL)? };
+        let path = seg.path().to_string_lossy().into_owned();
+        let r = self.finish_window(id, seg.as_ptr(), bytes, key, &path, true);
+        // Every peer has mapped it (finish_window ends with a barrier).
+        seg.unlink();
+        let (peers, peer_segments) = r?;
+        self.make_window(
+            id,
+            seg.as_ptr(),
+            bytes,
+            key,
+            peers,
+            WindowMemory {
+                _own: Some(seg),
+                _peers: peer_segments,
+            },
+        )
+    }
+
+    /// Registers user memory as a window (collective). Only peers reached
+    /// over TCP (or this rank itself) can access it: same-host peers on the
+    /// shm path cannot map private memory, so this fails when there are any.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of `bytes` bytes, 8-byte
+    /// aligned, and outlive the window; remote peers write it concurrently.
+    pub unsafe fn register_window(&self, ptr: *mut u8, bytes: u64) -> Result<Window, CoreError> {
+        let shm = self.shm_peers();
+        // Every rank must agree, or some would wait in the collective forever.
+        let ok = self.bootstrap.allgather(&[u8::from(shm.is_empty())])?;
+        if let Some(r) = ok.iter().position(|v| v.first() != Some(&1)) {
+            return Err(CoreError::Unavailable {
+                what: "register_window of user memory".into(),
+                why: format!(
+                    "rank {r} reaches same-host peers over shared memory, which cannot map private memory"
+                ),
+                available: "alloc_window, or GIN_TRANSPORT=tcp".into(),
+            });
+        }
+        if ptr as usize % 8 != 0 {
+            return Err(CoreError::Invalid(format!(
+                "window memory at {ptr:p} is not 8-byte aligned"
+            )));
+        }
+        let id = self.take_window_id();
+        // SAFETY: forwarded from the caller's promise.
+        let key = unsafe { self.table.insert(ptr, bytes, Access::ALL)? };
+        let (peers, segs) = self.finish_window(id, ptr, bytes, key, "", false)?;
+        self.make_window(
+            id,
+            ptr,
+            bytes,
+            key,
+            peers,
+            WindowMemory {
+                _own: None,
+                _peers: segs,
+            },
+        )
+    }
+
+    fn take_window_id(&self) -> u32 {
+        let mut n = self
+            .next_window
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let id = *n;
+        *n += 1;
+        id
+    }
+
+    /// Exchanges (size, key, segment name) and maps same-host peers' segments.
+    #[allow(clippy::type_complexity)]
+    fn finish_window(
+        &self,
+        id: u32,
+        _base: *mut u8,
+        bytes: u64,
+        key: u32,
+        path: &str,
+        shared: bool,
+    ) -> Result<(Vec<(u64, u32, usize)>, Vec<Segment>), CoreError> {
+        let mut mine = Vec::with_capacity(13 + path.len());
+        mine.extend_from_slice(&bytes.to_le_bytes());
+        mine.extend_from_slice(&key.to_le_bytes());
+        mine.push(u8::from(shared));
+        mine.extend_from_slice(path.as_bytes());
+        let all = self.bootstrap.allgather(&mine)?;
+        let mut peers = Vec::with_capacity(all.len());
+        let mut segs = Vec::new();
+        for (p, e) in all.iter().enumerate() {
+            if e.len() < 13 {
+                return Err(CoreError::Invalid(format!(
+                    "rank {p} sent a malformed window {id} record"
+                )));
+            }
+            let size = u64::from_le_bytes(e[..8].try_into().expect("8 bytes"));
+            let k = u32::from_le_bytes(e[8..12].try_into().expect("4 bytes"));
+            let mut mapped = 0usize;
+            if p != self.rank() && matches!(self.paths[p], Path::Shm) && e[12] == 1 {
+                let name = std::str::from_utf8(&e[13..])
+                    .map_err(|_| CoreError::Invalid(format!("rank {p} sent a bad segment name")))?;
+                let seg = Segment::open(std::path::Path::new(name), size as usize)?;
+                mapped = seg.as_ptr() as usize;
+                segs.push(seg);
+            }
+            peers.push((size, k, mapped));
+        }
+        self.bootstrap.barrier()?;
+        debug!(rank = self.rank(), id, "window registered");
+        Ok((peers, segs))
+    }
+
+    fn make_window(
+        &self,
+        id: u32,
+        base: *mut u8,
+        _bytes: u64,
+        _key: u32,
+        peers: Vec<(u64, u32, usize)>,
+        mem: WindowMemory,
+    ) -> Result<Window, CoreError> {
+        let sizes: Vec<u64> = peers.iter().map(|p| p.0).collect();
+        let peer_bases: Vec<*mut u8> = peers
+            .iter()
+            .enumerate()
+            .map(|(p, e)| {
+                if p == self.rank() {
+                    base
+                } else {
+                    e.2 as *mut u8
+                }
+            })
+            .collect();
+        self.fabric.add_window(
+            id,
+            MemDesc {
+                local_base: base as usize,
+                sizes: sizes.clone(),
+                peer_bases: peer_bases.iter().map(|p| *p as usize).collect(),
+                keys: peers.iter().map(|p| p.1).collect(),
+            },
+        );
+        // SAFETY: `base` is this rank's part (sizes[rank] bytes), each non-null
+        // peer base a mapping of that peer's part, all kept alive by `mem`.
+        Ok(unsafe {
+            Window::from_parts(
+                WindowParts {
+                    id,
+                    rank: self.rank(),
+                    comm_id: self.comm_id,
+                    local_base: base,
+                    sizes,
+                    peer_bases,
+                },
+                Box::new(mem),
+            )
+        })
+    }
+
+    /// Deregisters a window (collective): after every rank arrives, the
+    /// window refuses new operations here and its memory is no longer served
+    /// to peers. Flush contexts that used it first.
+    pub fn deregister_window(&self, w: &Window) -> Result<(), CoreError> {
+        if w.comm_id() != self.comm_id {
+            return Err(CoreError::Invalid(format!(
+                "window {} belongs to another communicator",
+                w.id()
+            )));
+        }
+        self.bootstrap.barrier()?;
+        w.mark_deregistered();
+        self.fabric.remove_window(w.id());
+        if let Ok(d) = self.fabric_desc_key(w) {
+            self.table.remove(d);
+        }
+        Ok(())
+    }
+
+    fn fabric_desc_key(&self, w: &Window) -> Result<u32, CoreError> {
+        // The key was recorded in the fabric entry, which is gone by now; find
+        // it through the table by address instead.
+        self.table
+            .key_of(w.as_ptr())
+            .ok_or_else(|| CoreError::Invalid(format!("window {} has no registered key", w.id())))
+    }
+
+    /// Creates a device communicator (collective; same requirements on every rank).
+    pub fn dev_comm(&self, req: &DevCommRequirements) -> Result<DevCommHandle<'_>, CoreError> {
+        let rank = self.rank();
+        let n = self.nranks();
+        if req.contexts == 0 {
+            return Err(CoreError::Invalid(
+                "a device communicator needs at least one context".into(),
+            ));
+        }
+        match self.settings.backend {
+            BackendKind::Gdaki => {
+                return Err(CoreError::Unavailable {
+                    what: "GIN_BACKEND=gdaki".into(),
+                    why: "the GDAKI backend is not built yet".into(),
+                    available: "auto, proxy".into(),
+                });
+            }
+            BackendKind::Auto | BackendKind::Proxy => {}
+        }
+        let per_ctx =
+            u64::from(req.signals) + u64::from(req.world_barriers) + u64::from(req.rail_barriers);
+        let nsig = per_ctx * u64::from(req.contexts);
+        let ncnt = u64::from(req.counters) * u64::from(req.contexts);
+        let (signal_base, counter_base) = {
+            let mut s = self
+                .spaces
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let sb = s.signals.alloc(nsig, "signal")?;
+            let cb = match s.counters.alloc(ncnt, "counter") {
+                Ok(c) => c,
+                Err(e) => {
+                    let _ = s.signals.free(sb, nsig);
+                    return Err(e.into());
+                }
+            };
+            (sb, cb)
+        };
+        let release = || {
+            let mut s = self
+                .spaces
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let _ = s.signals.free(signal_base, nsig);
+            let _ = s.counters.free(counter_base, ncnt);
+        };
+        // Fresh slots start at zero, on every rank, before anyone signals.
+        for i in 0..nsig {
+            if let Ok(slot) = self.signal_window.slot((signal_base + i) * 8) {
+                slot.store(0, Ordering::Release);
+            }
+        }
+        for i in 0..ncnt {
+            if let Some(c) = self.counters.slot(counter_base + i) {
+                c.store(0, Ordering::Release);
+            }
+        }
+        let mut rec = signal_base.to_le_bytes().to_vec();
+        rec.extend_from_slice(&counter_base.to_le_bytes());
+        let all = match self.bootstrap.allgather_equal(&rec) {
+            Ok(a) => a,
+            Err(e) => {
+                release();
+                return Err(e.into());
+            }
+        };
+        if all.chunks(16).any(|c| c != rec.as_slice()) {
+            release();
+            return Err(CoreError::Invalid(
+                "ranks disagree on signal/counter placement: device communicators were created or \
+                 destroyed in different orders, or with different requirements"
+                    .into(),
+            ));
+        }
+        let depth = req.queue_depth.max(2).next_power_of_two();
+        let proxy = Arc::new(Proxy::start(
+            self.fabric.clone(),
+            self.counters.clone(),
+            req.contexts,
+            ProxyConfig {
+                ring_log2: depth.trailing_zeros(),
+                timeout: self.settings.timeout,
+            },
+        )?);
+        let direct = self.settings.backend == BackendKind::Auto;
+        let connected: Vec<bool> = (0..n)
+            .map(|p| req.connection == Connection::Full || p == rank || self.rail.contains(&p))
+            .collect();
+        let dc = DevComm::new(DevCommParts {
+            rank,
+            nranks: n,
+            comm_id: self.comm_id,
+            nctx: req.contexts,
+            nsignals: req.signals,
+            ncounters: req.counters,
+            world_barriers: req.world_barriers,
+            rail_barriers: req.rail_barriers,
+            signal_window: self.signal_window.clone(),
+            signal_base,
+            counters: self.counters.clone(),
+            counter_base,
+            lsa: (0..n)
+                .map(|p| direct && matches!(self.paths[p], Path::Shm | Path::Local))
+                .collect(),
+            connected,
+            rail: self.rail.clone(),
+            strong_signals: req.strong_signals,
+            va_signals: req.va_signals,
+            backend: proxy.clone(),
+            health: Arc::new(BootstrapHealth(self.bootstrap.clone())),
+            timeout: self.settings.timeout,
+        });
+        let dc = match dc {
+            Ok(d) => d,
+            Err(e) => {
+                release();
+                return Err(e.into());
+            }
+        };
+        // Nobody signals into slots another rank has not zeroed yet.
+        self.bootstrap.barrier()?;
+        Ok(DevCommHandle {
+            comm: self,
+            dc: Some(dc),
+            _proxy: proxy,
+            ranges: (signal_base, nsig, counter_base, ncnt),
+        })
+    }
+
+    /// The timeout of waits.
+    pub fn timeout(&self) -> Duration {
+        self.settings.timeout
+    }
+}
+
+fn dangling_window() -> Window {
+    // SAFETY: an empty window: no bytes are ever accessed through it.
+    unsafe {
+        Window::from_parts(
+            WindowParts {
+                id: u32::MAX,
+                rank: 0,
+                comm_id: 0,
+                local_base: std::ptr::NonNull::<u64>::dangling().as_ptr().cast(),
+                sizes: vec![0],
+                peer_bases: vec![std::ptr::null_mut()],
+            },
+            Box::new(()),
+        )
+    }
+}
+
+/// A device communicator and what it holds; dereferences to [`DevComm`].
+/// Destroy it collectively with [`DevCommHandle::destroy`] to get its ids
+/// back; dropping it also releases them, without the collective flush.
+#[derive(Debug)]
+pub struct DevCommHandle<'c> {
+    comm: &'c Comm,
+    dc: Option<DevComm>,
+    _proxy: Arc<Proxy>,
+    ranges: (u64, u64, u64, u64),
+}
+
+impl std::ops::Deref for DevCommHandle<'_> {
+    type Target = DevComm;
+    fn deref(&self) -> &DevComm {
+        self.dc.as_ref().expect("present until drop")
+    }
+}
+
+impl DevCommHandle<'_> {
+    /// Flushes every context, waits for every rank, and frees the ids.
+    pub fn destroy(self) -> Result<(), CoreError> {
+        for c in 0..self.nctx() {
+            self.ctx(c)?.flush()?;
+        }
+        self.comm.bootstrap.barrier()?;
+        Ok(())
+    }
+}
+
+impl Drop for DevCommHandle<'_> {
+    fn drop(&mut self) {
+        self.dc.take();
+        let (sb, ns, cb, nc) = self.ranges;
+        let mut s = self
+            .comm
+            .spaces
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let _ = s.signals.free(sb, ns);
+        let _ = s.counters.free(cb, nc);
+    }
+}

@@ -1,0 +1,152 @@
+//! Settings from the environment: backend, transport, host identity, sizes.
+
+use std::time::Duration;
+
+use crate::error::CoreError;
+
+/// `GIN_BACKEND`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendKind {
+    /// The fastest correct path: direct load/store for same-host peers,
+    /// the proxy for the rest.
+    Auto,
+    /// Everything through the proxy (also same-host traffic).
+    Proxy,
+    /// GPU-initiated mlx5 work requests.
+    Gdaki,
+}
+
+/// `GIN_TRANSPORT`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransportKind {
+    /// Shared memory within a host, TCP across hosts.
+    Auto,
+    /// Shared memory only (every rank on one host).
+    Shm,
+    /// TCP for every peer, also on one host.
+    Tcp,
+}
+
+/// Communicator settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settings {
+    pub backend: BackendKind,
+    pub transport: TransportKind,
+    /// Ranks with equal host ids share a host (`GIN_HOSTID`, else hostname
+    /// and boot id).
+    pub host_id: String,
+    /// Timeout of every wait (`GIN_TIMEOUT`).
+    pub timeout: Duration,
+    /// Signal slots per rank (`GIN_SIGNAL_SLOTS`): the id space all device
+    /// communicators share.
+    pub signal_slots: u64,
+    /// Counter slots per rank (`GIN_COUNTER_SLOTS`).
+    pub counter_slots: u64,
+}
+
+impl Settings {
+    /// Reads the process environment.
+    pub fn from_env() -> Result<Self, CoreError> {
+        Self::from_vars(|k| std::env::var(k).ok())
+    }
+
+    /// Reads settings from any variable source.
+    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Self, CoreError> {
+        let backend = match get("GIN_BACKEND").as_deref().map(str::trim) {
+            None | Some("" | "auto") => BackendKind::Auto,
+            Some("proxy") => BackendKind::Proxy,
+            Some("gdaki") => BackendKind::Gdaki,
+            Some(other) => {
+                return Err(CoreError::Unavailable {
+                    what: format!("GIN_BACKEND={other}"),
+                    why: "unknown backend".into(),
+                    available: "auto, proxy, gdaki".into(),
+                });
+            }
+        };
+        let transport = match get("GIN_TRANSPORT").as_deref().map(str::trim) {
+            None | Some("" | "auto") => TransportKind::Auto,
+            Some("shm") => TransportKind::Shm,
+            Some("tcp") => TransportKind::Tcp,
+            Some(other) => {
+                return Err(CoreError::Unavailable {
+                    what: format!("GIN_TRANSPORT={other}"),
+                    why: "unknown transport".into(),
+                    available: "auto, shm, tcp".into(),
+                });
+            }
+        };
+        let host_id = get("GIN_HOSTID").unwrap_or_else(default_host_id);
+        let timeout = gin_bootstrap::Config::from_vars(&get)?.timeout;
+        let slots = |var: &str, default: u64| -> Result<u64, CoreError> {
+            get(var).map_or(Ok(default), |v| {
+                v.trim()
+                    .parse::<u64>()
+                    .ok()
+                    .filter(|&n| n > 0 && n <= 1 << 31)
+                    .ok_or_else(|| {
+                        CoreError::Invalid(format!("{var}={v:?} is not a slot count in 1..=2^31"))
+                    })
+            })
+        };
+        Ok(Self {
+            backend,
+            transport,
+            host_id,
+            timeout,
+            signal_slots: slots("GIN_SIGNAL_SLOTS", 1 << 16)?,
+            counter_slots: slots("GIN_COUNTER_SLOTS", 1 << 16)?,
+        })
+    }
+}
+
+/// Hostname plus kernel boot id: processes in another UTS namespace, or on
+/// another machine, count as another host.
+fn default_host_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    format!("{}/{}", host.trim(), boot.trim())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vars<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |k| {
+            pairs
+                .iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| (*v).to_owned())
+        }
+    }
+
+    #[test]
+    fn choices_parse_and_unknown_ones_list_the_alternatives() {
+        let s = Settings::from_vars(vars(&[
+            ("GIN_BACKEND", "proxy"),
+            ("GIN_TRANSPORT", "tcp"),
+            ("GIN_HOSTID", "h1"),
+        ]))
+        .unwrap();
+        assert_eq!(
+            (s.backend, s.transport, s.host_id.as_str()),
+            (BackendKind::Proxy, TransportKind::Tcp, "h1")
+        );
+        let e = Settings::from_vars(vars(&[("GIN_BACKEND", "ibgda")]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("GIN_BACKEND=ibgda") && e.contains("auto, proxy, gdaki"),
+            "{e}"
+        );
+        let e = Settings::from_vars(vars(&[("GIN_TRANSPORT", "rdma")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("auto, shm, tcp"), "{e}");
+        let e = Settings::from_vars(vars(&[("GIN_SIGNAL_SLOTS", "0")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("GIN_SIGNAL_SLOTS"), "{e}");
+    }
+}

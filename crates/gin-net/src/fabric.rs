@@ -1,0 +1,301 @@
+//! One rank's view of the fabric: which path reaches each peer, and what
+//! every registered window looks like on every rank (addresses and keys).
+//! Backends execute one-sided operations through [`Fabric`].
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use crate::NetError;
+use crate::region::RegionTable;
+use crate::tcp::{Link, TcpTransport};
+
+/// How a peer is reached.
+#[derive(Debug, Clone)]
+pub enum Path {
+    /// This rank itself.
+    Local,
+    /// Same host: the peer's window parts are mapped here.
+    Shm,
+    /// Over the TCP transport.
+    Tcp(Arc<Link>),
+}
+
+impl Path {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Local => "local",
+            Self::Shm => "shm",
+            Self::Tcp(_) => "tcp",
+        }
+    }
+}
+
+/// A registered window as the fabric sees it.
+#[derive(Debug, Clone)]
+pub struct MemDesc {
+    /// This rank's part.
+    pub local_base: usize,
+    /// Every rank's size.
+    pub sizes: Vec<u64>,
+    /// Each peer's part mapped here (0: not mapped).
+    pub peer_bases: Vec<usize>,
+    /// Each rank's key for its part (0: not served over TCP).
+    pub keys: Vec<u32>,
+}
+
+/// A (window, offset) address on some rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Addr {
+    pub window: u32,
+    pub offset: u64,
+}
+
+/// The fabric of one rank.
+#[derive(Debug)]
+pub struct Fabric {
+    rank: usize,
+    paths: Vec<Path>,
+    table: Arc<RegionTable>,
+    windows: RwLock<HashMap<u32, Arc<MemDesc>>>,
+    _tcp: Option<TcpTransport>,
+    timeout: Duration,
+}
+
+impl Fabric {
+    /// Assembles a fabric from the paths the host layer chose.
+    pub fn new(
+        rank: usize,
+        paths: Vec<Path>,
+        table: Arc<RegionTable>,
+        tcp: Option<TcpTransport>,
+        timeout: Duration,
+    ) -> Self {
+        Self {
+            rank,
+            paths,
+            table,
+            windows: RwLock::new(HashMap::new()),
+            _tcp: tcp,
+            timeout,
+        }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn nranks(&self) -> usize {
+        self.paths.len()
+    }
+
+    /// The path to `peer`.
+    pub fn path(&self, peer: usize) -> Option<&Path> {
+        self.paths.get(peer)
+    }
+
+    /// The region table this rank serves remote requests from.
+    pub fn table(&self) -> &Arc<RegionTable> {
+        &self.table
+    }
+
+    /// Makes a window known to the fabric.
+    pub fn add_window(&self, id: u32, desc: MemDesc) {
+        self.windows
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(id, Arc::new(desc));
+    }
+
+    /// Forgets a window.
+    pub fn remove_window(&self, id: u32) {
+        self.windows
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(&id);
+    }
+
+    /// A window's description.
+    pub fn window(&self, id: u32) -> Result<Arc<MemDesc>, NetError> {
+        self.windows
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| {
+                NetError::Invalid(format!("window {id} is not registered with the fabric"))
+            })
+    }
+
+    fn target(&self, peer: usize, a: Addr, len: u64) -> Result<(Arc<MemDesc>, &Path), NetError> {
+        let w = self.window(a.window)?;
+        let path = self
+            .paths
+            .get(peer)
+            .ok_or_else(|| NetError::Invalid(format!("no path to rank {peer}")))?;
+        let size = w.sizes.get(peer).copied().unwrap_or(0);
+        if a.offset.checked_add(len).is_none_or(|e| e > size) {
+            return Err(NetError::Invalid(format!(
+                "{len} bytes at offset {} exceed rank {peer}'s {size} bytes of window {}",
+                a.offset, a.window
+            )));
+        }
+        Ok((w, path))
+    }
+
+    /// The address of `(window, offset)` on `peer` in this process, for the
+    /// local and shm paths.
+    fn mapped(&self, w: &MemDesc, peer: usize, path: &Path, a: Addr) -> Result<*mut u8, NetError> {
+        let base = match path {
+            Path::Local => w.local_base,
+            Path::Shm => w.peer_bases.get(peer).copied().unwrap_or(0),
+            Path::Tcp(_) => 0,
+        };
+        if base == 0 {
+            return Err(NetError::Invalid(format!(
+                "window {} of rank {peer} is not mapped here",
+                a.window
+            )));
+        }
+        Ok((base + a.offset as usize) as *mut u8)
+    }
+
+    /// Writes `src` to `dst` on `peer`, then adds `sig.1` to the 8-byte slot
+    /// `sig.0` on `peer` with release ordering (the data is visible first).
+    /// Complete locally on return.
+    pub fn put(
+        &self,
+        peer: usize,
+        dst: Addr,
+        src: &[u8],
+        sig: Option<(Addr, u64)>,
+    ) -> Result<(), NetError> {
+        let (w, path) = self.target(peer, dst, src.len() as u64)?;
+        let sig_target = match sig {
+            Some((a, v)) => Some((self.target(peer, a, 8)?.0, a, v)),
+            None => None,
+        };
+        match path {
+            Path::Local | Path::Shm => {
+                if !src.is_empty() {
+                    let d = self.mapped(&w, peer, path, dst)?;
+                    // SAFETY: `target` checked the range against the peer's
+                    // size; the mapping lives while the window is registered.
+                    unsafe { std::ptr::copy(src.as_ptr(), d, src.len()) };
+                }
+                if let Some((sw, a, v)) = sig_target {
+                    let p = self.mapped(&sw, peer, path, a)?;
+                    if p as usize % 8 != 0 {
+                        return Err(NetError::Invalid(format!(
+                            "signal at offset {} is not aligned",
+                            a.offset
+                        )));
+                    }
+                    // SAFETY: in range, aligned; signal slots are only accessed atomically.
+                    unsafe { (*p.cast::<AtomicU64>()).fetch_add(v, Ordering::Release) };
+                }
+                Ok(())
+            }
+            Path::Tcp(link) => {
+                let key = w.keys.get(peer).copied().unwrap_or(0);
+                let sig = sig_target
+                    .map(|(sw, a, v)| (sw.keys.get(peer).copied().unwrap_or(0), a.offset, v));
+                link.put(key, dst.offset, src, sig)
+            }
+        }
+    }
+
+    /// Reads `len` bytes at `src` on `peer` into `dst`. `done` is decremented
+    /// when the data has landed; the caller increments it first.
+    ///
+    /// # Safety
+    /// `dst` must be valid for writes of `len` bytes until `done` drops.
+    pub unsafe fn get(
+        &self,
+        peer: usize,
+        src: Addr,
+        dst: *mut u8,
+        len: u64,
+        done: &Arc<AtomicU64>,
+    ) -> Result<(), NetError> {
+        let (w, path) = self.target(peer, src, len)?;
+        match path {
+            Path::Local | Path::Shm => {
+                let s = self.mapped(&w, peer, path, src)?;
+                // SAFETY: source range checked; destination promised by the caller.
+                unsafe { std::ptr::copy(s, dst, len as usize) };
+                std::sync::atomic::fence(Ordering::Acquire);
+                done.fetch_sub(1, Ordering::AcqRel);
+                Ok(())
+            }
+            Path::Tcp(link) => {
+                let key = w.keys.get(peer).copied().unwrap_or(0);
+                // SAFETY: forwarded from the caller.
+                unsafe { link.get(key, src.offset, len, dst, done.clone()) }
+            }
+        }
+    }
+
+    /// Atomic fetch-add on `peer`; returns the old value.
+    pub fn fetch_add(&self, peer: usize, at: Addr, v: u64) -> Result<u64, NetError> {
+        self.atomic(
+            peer,
+            at,
+            |a| a.fetch_add(v, Ordering::AcqRel),
+            |l, k| l.fetch_add(k, at.offset, v, self.timeout),
+        )
+    }
+
+    /// Atomic compare-and-swap on `peer`; returns the old value.
+    pub fn compare_swap(
+        &self,
+        peer: usize,
+        at: Addr,
+        expected: u64,
+        desired: u64,
+    ) -> Result<u64, NetError> {
+        self.atomic(
+            peer,
+            at,
+            |a| match a.compare_exchange(expected, desired, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(v) | Err(v) => v,
+            },
+            |l, k| l.compare_swap(k, at.offset, expected, desired, self.timeout),
+        )
+    }
+
+    fn atomic(
+        &self,
+        peer: usize,
+        at: Addr,
+        mem: impl FnOnce(&AtomicU64) -> u64,
+        net: impl FnOnce(&Link, u32) -> Result<u64, NetError>,
+    ) -> Result<u64, NetError> {
+        let (w, path) = self.target(peer, at, 8)?;
+        match path {
+            Path::Local | Path::Shm => {
+                let p = self.mapped(&w, peer, path, at)?;
+                if p as usize % 8 != 0 {
+                    return Err(NetError::Invalid(format!(
+                        "atomic at offset {} is not aligned",
+                        at.offset
+                    )));
+                }
+                // SAFETY: in range and aligned; atomics only.
+                Ok(mem(unsafe { &*p.cast::<AtomicU64>() }))
+            }
+            Path::Tcp(link) => net(link, w.keys.get(peer).copied().unwrap_or(0)),
+        }
+    }
+
+    /// Fails with the first error any TCP link saw.
+    pub fn health(&self) -> Result<(), NetError> {
+        for p in &self.paths {
+            if let Path::Tcp(l) = p {
+                l.check()?;
+            }
+        }
+        Ok(())
+    }
+}

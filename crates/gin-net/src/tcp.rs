@@ -1,0 +1,765 @@
+//! The TCP transport: one-sided operations to any host.
+//!
+//! Each rank serves the regions in its [`RegionTable`] to its peers: a thread
+//! per incoming connection executes writes, reads and atomics in arrival
+//! order, after checking key, rights, bounds and alignment, and answers an
+//! error instead of touching memory when a check fails. Because one
+//! connection carries everything from one rank to another, in order, a
+//! signal sent after data is applied after that data.
+//!
+//! Requests (64-byte header, little-endian):
+//!
+//! | offset | field |
+//! | --- | --- |
+//! | 0 | op: 1 put, 2 get, 3 fetch-add, 4 compare-swap, 5 fence |
+//! | 1 | flags: bit 0 = put carries a signal |
+//! | 4 | key (u32) |
+//! | 8 | offset (u64) |
+//! | 16 | length (u64); a put's data follows the header |
+//! | 24 | request id (u64; answered ops) |
+//! | 32 | signal key (u32) |
+//! | 40 | signal offset (u64) |
+//! | 48 | a: signal / fetch-add amount, compare-swap expected |
+//! | 56 | b: compare-swap desired |
+//!
+//! Replies (24-byte header): kind (1 data, 2 value, 3 ack, 4 error), payload
+//! length (u32 at 4), request id (u64 at 8), value (u64 at 16); then the
+//! payload (read data, or an error message). A failed put, which has no
+//! request id, is answered with its sequence number on the connection.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
+use std::thread;
+use std::time::Duration;
+
+use gin_bootstrap::Bootstrap;
+use tracing::{debug, warn};
+
+use crate::NetError;
+use crate::region::{AccessKind, RegionTable, compare_swap, fetch_add};
+
+const REQ: usize = 64;
+const REP: usize = 24;
+const OP_PUT: u8 = 1;
+const OP_GET: u8 = 2;
+const OP_FADD: u8 = 3;
+const OP_CAS: u8 = 4;
+const OP_FENCE: u8 = 5;
+const FLAG_SIGNAL: u8 = 1;
+const REP_DATA: u8 = 1;
+const REP_VALUE: u8 = 2;
+const REP_ACK: u8 = 3;
+const REP_ERROR: u8 = 4;
+/// No request moves more than this (a region is never larger).
+const MAX_LEN: u64 = 1 << 40;
+const CHUNK: usize = 1 << 20;
+const HELLO_MAGIC: u32 = 0x4749_4e54; // "GINT"
+
+/// A request header.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Req {
+    pub op: u8,
+    pub flags: u8,
+    pub key: u32,
+    pub off: u64,
+    pub len: u64,
+    pub req: u64,
+    pub sig_key: u32,
+    pub sig_off: u64,
+    pub a: u64,
+    pub b: u64,
+}
+
+impl Req {
+    pub fn encode(&self) -> [u8; REQ] {
+        let mut b = [0u8; REQ];
+        b[0] = self.op;
+        b[1] = self.flags;
+        b[4..8].copy_from_slice(&self.key.to_le_bytes());
+        b[8..16].copy_from_slice(&self.off.to_le_bytes());
+        b[16..24].copy_from_slice(&self.len.to_le_bytes());
+        b[24..32].copy_from_slice(&self.req.to_le_bytes());
+        b[32..36].copy_from_slice(&self.sig_key.to_le_bytes());
+        b[40..48].copy_from_slice(&self.sig_off.to_le_bytes());
+        b[48..56].copy_from_slice(&self.a.to_le_bytes());
+        b[56..64].copy_from_slice(&self.b.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8; REQ]) -> Self {
+        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        Self {
+            op: b[0],
+            flags: b[1],
+            key: u32_at(4),
+            off: u64_at(8),
+            len: u64_at(16),
+            req: u64_at(24),
+            sig_key: u32_at(32),
+            sig_off: u64_at(40),
+            a: u64_at(48),
+            b: u64_at(56),
+        }
+    }
+}
+
+fn reply_header(kind: u8, len: u32, req: u64, value: u64) -> [u8; REP] {
+    let mut b = [0u8; REP];
+    b[0] = kind;
+    b[4..8].copy_from_slice(&len.to_le_bytes());
+    b[8..16].copy_from_slice(&req.to_le_bytes());
+    b[16..24].copy_from_slice(&value.to_le_bytes());
+    b
+}
+
+/// The TCP transport of one rank: its server and its links to peers.
+#[derive(Debug)]
+pub struct TcpTransport {
+    rank: usize,
+    links: Vec<Option<Arc<Link>>>,
+    closing: Arc<AtomicBool>,
+    listen_addr: SocketAddr,
+}
+
+/// A connection to one peer's server.
+#[derive(Debug)]
+pub struct Link {
+    rank: usize,
+    peer: usize,
+    w: Mutex<TcpStream>,
+    /// Puts sent (their sequence numbers name them in errors).
+    seq: AtomicU64,
+    next_req: AtomicU64,
+    pending: Mutex<HashMap<u64, Pending>>,
+    error: Mutex<Option<String>>,
+    closing: Arc<AtomicBool>,
+}
+
+#[derive(Debug)]
+enum Pending {
+    /// A get: copy the reply to `dst` and decrement `done`.
+    Read {
+        dst: usize,
+        len: u64,
+        done: Arc<AtomicU64>,
+    },
+    /// A fetch-add, compare-swap or fence: send the value back.
+    Value(mpsc::SyncSender<Result<u64, String>>),
+}
+
+impl TcpTransport {
+    /// Starts this rank's server, exchanges addresses through the bootstrap
+    /// (a collective: every rank calls it), and connects to each peer in
+    /// `peers`. Connections are authenticated with a token derived from the
+    /// job secret.
+    pub fn start(b: &Bootstrap, table: Arc<RegionTable>, peers: &[bool]) -> Result<Self, NetError> {
+        let rank = b.rank();
+        let ip = b.listen_addr().ip();
+        let listener = TcpListener::bind((ip, 0)).map_err(|e| NetError::Io {
+            what: format!("listening for tcp transport on {ip}"),
+            source: e,
+        })?;
+        let listen_addr = listener.local_addr().map_err(|e| NetError::Io {
+            what: "reading the transport address".into(),
+            source: e,
+        })?;
+        let token = b.job_token("gin-net tcp v1");
+        let closing = Arc::new(AtomicBool::new(false));
+        {
+            let closing = closing.clone();
+            thread::Builder::new()
+                .name(format!("gin-tcp-accept-{rank}"))
+                .spawn(move || accept(&listener, rank, &token, &table, &closing))
+                .map_err(|e| NetError::Io {
+                    what: "spawning the tcp server".into(),
+                    source: e,
+                })?;
+        }
+        let addrs = b.allgather(listen_addr.to_string().as_bytes())?;
+        let mut links = Vec::with_capacity(b.nranks());
+        for (peer, a) in addrs.iter().enumerate() {
+            if !peers.get(peer).copied().unwrap_or(false) {
+                links.push(None);
+                continue;
+            }
+            let addr: SocketAddr = std::str::from_utf8(a)
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .ok_or_else(|| {
+                    NetError::Invalid(format!("rank {peer} sent a bad transport address"))
+                })?;
+            links.push(Some(Link::connect(
+                rank,
+                peer,
+                addr,
+                &token,
+                closing.clone(),
+            )?));
+        }
+        // Every server has its connections before anyone sends.
+        b.barrier()?;
+        Ok(Self {
+            rank,
+            links,
+            closing,
+            listen_addr,
+        })
+    }
+
+    /// The link to `peer`, when this transport reaches it.
+    pub fn link(&self, peer: usize) -> Option<&Arc<Link>> {
+        self.links.get(peer).and_then(Option::as_ref)
+    }
+
+    pub fn listen_addr(&self) -> SocketAddr {
+        self.listen_addr
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+}
+
+impl Drop for TcpTransport {
+    fn drop(&mut self) {
+        self.closing.store(true, Ordering::SeqCst);
+        for l in self.links.iter().flatten() {
+            let w =
+                l.w.lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let _ = w.shutdown(std::net::Shutdown::Both);
+        }
+        let _ = TcpStream::connect_timeout(&self.listen_addr, Duration::from_secs(1));
+    }
+}
+
+fn accept(
+    listener: &TcpListener,
+    rank: usize,
+    token: &[u8; 32],
+    table: &Arc<RegionTable>,
+    closing: &Arc<AtomicBool>,
+) {
+    for conn in listener.incoming() {
+        if closing.load(Ordering::SeqCst) {
+            return;
+        }
+        let Ok(mut s) = conn else { continue };
+        let token = *token;
+        let table = table.clone();
+        let closing = closing.clone();
+        let _ = thread::Builder::new()
+            .name(format!("gin-tcp-serve-{rank}"))
+            .spawn(move || {
+                let from = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+                let _ = s.set_nodelay(true);
+                let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+                let mut hello = [0u8; 40];
+                if s.read_exact(&mut hello).is_err()
+                    || hello[..32] != token
+                    || u32::from_le_bytes(hello[32..36].try_into().expect("4 bytes")) != HELLO_MAGIC
+                {
+                    warn!(rank, %from, "tcp transport refused a connection without the job token");
+                    return;
+                }
+                let peer = u32::from_le_bytes(hello[36..40].try_into().expect("4 bytes"));
+                let _ = s.set_read_timeout(None);
+                if let Err(e) = serve(&mut s, &table) {
+                    if !closing.load(Ordering::SeqCst) {
+                        debug!(rank, peer, %e, "tcp transport connection ended");
+                    }
+                }
+            });
+    }
+}
+
+/// Executes one peer's requests in order until its connection closes.
+fn serve(s: &mut TcpStream, table: &RegionTable) -> std::io::Result<()> {
+    let mut w = s.try_clone()?;
+    let mut buf = vec![0u8; CHUNK];
+    let mut seq = 0u64;
+    loop {
+        let mut h = [0u8; REQ];
+        if let Err(e) = s.read_exact(&mut h) {
+            return if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                Ok(())
+            } else {
+                Err(e)
+            };
+        }
+        let r = Req::decode(&h);
+        if r.len > MAX_LEN {
+            return Err(std::io::Error::other(format!(
+                "request length {} is absurd",
+                r.len
+            )));
+        }
+        match r.op {
+            OP_PUT => {
+                seq += 1;
+                // Check first, and on failure still consume the data so the
+                // stream stays in step, then answer an error.
+                let dst = table.resolve(r.key, r.off, r.len, AccessKind::Write);
+                let sig = if r.flags & FLAG_SIGNAL == 0 {
+                    Ok(None)
+                } else {
+                    table
+                        .resolve(r.sig_key, r.sig_off, 8, AccessKind::Atomic)
+                        .map(Some)
+                };
+                let mut left = r.len;
+                let mut at = 0usize;
+                while left > 0 {
+                    let n = left.min(CHUNK as u64) as usize;
+                    s.read_exact(&mut buf[..n])?;
+                    if let (Ok(d), Ok(_)) = (&dst, &sig) {
+                        // SAFETY: `resolve` checked [off, off + len) against the
+                        // registered region, which stays mapped while it is
+                        // registered; a staging buffer keeps socket reads off
+                        // shared memory.
+                        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), d.ptr().add(at), n) };
+                    }
+                    at += n;
+                    left -= n as u64;
+                }
+                match (dst, sig) {
+                    (Ok(_), Ok(sig)) => {
+                        if let Some(at) = sig {
+                            // SAFETY: resolved for an aligned 8-byte atomic.
+                            unsafe { fetch_add(at, r.a) };
+                        }
+                    }
+                    (Err(e), _) | (_, Err(e)) => {
+                        send_error(&mut w, seq, &format!("put #{seq}: {e}"))?
+                    }
+                }
+            }
+            OP_GET => match table.resolve(r.key, r.off, r.len, AccessKind::Read) {
+                Ok(src) => {
+                    let len =
+                        u32::try_from(r.len).map_err(|_| std::io::Error::other("get too large"))?;
+                    w.write_all(&reply_header(REP_DATA, len, r.req, 0))?;
+                    let mut at = 0usize;
+                    while (at as u64) < r.len {
+                        let n = (r.len - at as u64).min(CHUNK as u64) as usize;
+                        // SAFETY: resolved range, as above.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(src.ptr().add(at), buf.as_mut_ptr(), n)
+                        };
+                        w.write_all(&buf[..n])?;
+                        at += n;
+                    }
+                }
+                Err(e) => send_error(&mut w, r.req, &format!("get: {e}"))?,
+            },
+            OP_FADD | OP_CAS => match table.resolve(r.key, r.off, 8, AccessKind::Atomic) {
+                Ok(at) => {
+                    // SAFETY: resolved for an aligned 8-byte atomic.
+                    let old = unsafe {
+                        if r.op == OP_FADD {
+                            fetch_add(at, r.a)
+                        } else {
+                            compare_swap(at, r.a, r.b)
+                        }
+                    };
+                    w.write_all(&reply_header(REP_VALUE, 0, r.req, old))?;
+                }
+                Err(e) => send_error(&mut w, r.req, &format!("atomic: {e}"))?,
+            },
+            OP_FENCE => w.write_all(&reply_header(REP_ACK, 0, r.req, 0))?,
+            other => {
+                send_error(&mut w, r.req, &format!("unknown request op {other}"))?;
+                return Err(std::io::Error::other(format!("unknown op {other}")));
+            }
+        }
+    }
+}
+
+fn send_error(w: &mut TcpStream, req: u64, msg: &str) -> std::io::Result<()> {
+    let m = msg.as_bytes();
+    let m = &m[..m.len().min(4096)];
+    let mut out = reply_header(REP_ERROR, m.len() as u32, req, 0).to_vec();
+    out.extend_from_slice(m);
+    w.write_all(&out)
+}
+
+impl Link {
+    fn connect(
+        rank: usize,
+        peer: usize,
+        addr: SocketAddr,
+        token: &[u8; 32],
+        closing: Arc<AtomicBool>,
+    ) -> Result<Arc<Self>, NetError> {
+        let io = |what: String| move |e| NetError::Io { what, source: e };
+        let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(30)).map_err(io(
+            format!("connecting to rank {peer}'s transport at {addr}"),
+        ))?;
+        s.set_nodelay(true)
+            .map_err(io("setting TCP_NODELAY".into()))?;
+        let mut hello = [0u8; 40];
+        hello[..32].copy_from_slice(token);
+        hello[32..36].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
+        hello[36..40].copy_from_slice(&(rank as u32).to_le_bytes());
+        s.write_all(&hello)
+            .map_err(io(format!("greeting rank {peer}")))?;
+        let r = s.try_clone().map_err(io("cloning a socket".into()))?;
+        let link = Arc::new(Self {
+            rank,
+            peer,
+            w: Mutex::new(s),
+            seq: AtomicU64::new(0),
+            next_req: AtomicU64::new(1),
+            pending: Mutex::new(HashMap::new()),
+            error: Mutex::new(None),
+            closing,
+        });
+        let l = link.clone();
+        thread::Builder::new()
+            .name(format!("gin-tcp-reply-{rank}"))
+            .spawn(move || l.read_replies(r))
+            .map_err(io("spawning a reply reader".into()))?;
+        Ok(link)
+    }
+
+    fn fail(&self, why: String) {
+        let mut e = self
+            .error
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if e.is_none() {
+            warn!(rank = self.rank, peer = self.peer, %why, "tcp transport error");
+            *e = Some(why.clone());
+        }
+        drop(e);
+        // Nothing pending will be answered now: release every waiter.
+        let pending: Vec<Pending> = self
+            .pending
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .drain()
+            .map(|(_, p)| p)
+            .collect();
+        for p in pending {
+            match p {
+                Pending::Read { done, .. } => {
+                    done.fetch_sub(1, Ordering::AcqRel);
+                }
+                Pending::Value(tx) => {
+                    let _ = tx.send(Err(why.clone()));
+                }
+            }
+        }
+    }
+
+    fn read_replies(&self, mut r: TcpStream) {
+        let mut buf = vec![0u8; CHUNK];
+        let why = loop {
+            let mut h = [0u8; REP];
+            if let Err(e) = r.read_exact(&mut h) {
+                break if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                    format!("rank {}'s transport closed the connection", self.peer)
+                } else {
+                    format!("reading from rank {}'s transport: {e}", self.peer)
+                };
+            }
+            let kind = h[0];
+            let len = u32::from_le_bytes(h[4..8].try_into().expect("4 bytes")) as usize;
+            let req = u64::from_le_bytes(h[8..16].try_into().expect("8 bytes"));
+            let value = u64::from_le_bytes(h[16..24].try_into().expect("8 bytes"));
+            let p = self
+                .pending
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .remove(&req);
+            match kind {
+                REP_DATA => {
+                    let Some(Pending::Read {
+                        dst,
+                        len: want,
+                        done,
+                    }) = p
+                    else {
+                        break format!("rank {} answered unknown get {req}", self.peer);
+                    };
+                    if want != len as u64 {
+                        break format!(
+                            "rank {} answered get {req} with {len} bytes, not {want}",
+                            self.peer
+                        );
+                    }
+                    let mut at = 0;
+                    let mut bad = None;
+                    while at < len {
+                        let n = (len - at).min(CHUNK);
+                        if let Err(e) = r.read_exact(&mut buf[..n]) {
+                            bad = Some(e);
+                            break;
+                        }
+                        // SAFETY: the issuer of the get promised `dst` valid for
+                        // `len` bytes until `done` is decremented.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(buf.as_ptr(), (dst as *mut u8).add(at), n)
+                        };
+                        at += n;
+                    }
+                    done.fetch_sub(1, Ordering::AcqRel);
+                    if let Some(e) = bad {
+                        break format!("reading get data from rank {}: {e}", self.peer);
+                    }
+                }
+                REP_VALUE | REP_ACK => {
+                    if let Some(Pending::Value(tx)) = p {
+                        let _ = tx.send(Ok(value));
+                    }
+                }
+                REP_ERROR => {
+                    let mut m = vec![0u8; len.min(4096)];
+                    if r.read_exact(&mut m).is_err() {
+                        break format!("rank {}'s transport sent a truncated error", self.peer);
+                    }
+                    let msg = format!(
+                        "rank {} refused: {}",
+                        self.peer,
+                        String::from_utf8_lossy(&m)
+                    );
+                    match p {
+                        Some(Pending::Value(tx)) => {
+                            let _ = tx.send(Err(msg.clone()));
+                        }
+                        Some(Pending::Read { done, .. }) => {
+                            done.fetch_sub(1, Ordering::AcqRel);
+                        }
+                        None => {}
+                    }
+                    // Refusals are sticky: the next flush or wait reports them.
+                    self.fail(msg);
+                }
+                other => break format!("rank {} sent an unknown reply kind {other}", self.peer),
+            }
+        };
+        if !self.closing.load(Ordering::SeqCst) {
+            self.fail(why);
+        }
+    }
+
+    /// The first error this link saw, if any.
+    pub fn check(&self) -> Result<(), NetError> {
+        match &*self
+            .error
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        {
+            Some(e) => Err(NetError::Remote {
+                peer: self.peer,
+                why: e.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    fn send(&self, h: &Req, data: &[u8]) -> Result<(), NetError> {
+        self.check()?;
+        let mut w = self
+            .w
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let r = if data.len() <= 4096 {
+            let mut one = Vec::with_capacity(REQ + data.len());
+            one.extend_from_slice(&h.encode());
+            one.extend_from_slice(data);
+            w.write_all(&one)
+        } else {
+            w.write_all(&h.encode()).and_then(|()| w.write_all(data))
+        };
+        drop(w);
+        r.map_err(|e| {
+            let why = format!("sending to rank {}: {e}", self.peer);
+            self.fail(why.clone());
+            NetError::Remote {
+                peer: self.peer,
+                why,
+            }
+        })
+    }
+
+    /// Writes `data` to `(key, off)` at the peer, then (optionally) adds
+    /// `sig.2` to the 8-byte slot at `(sig.0, sig.1)`. Complete locally on
+    /// return: `data` may be reused.
+    pub fn put(
+        &self,
+        key: u32,
+        off: u64,
+        data: &[u8],
+        sig: Option<(u32, u64, u64)>,
+    ) -> Result<(), NetError> {
+        self.seq.fetch_add(1, Ordering::Relaxed);
+        let (flags, sig_key, sig_off, a) =
+            sig.map_or((0, 0, 0, 0), |(k, o, v)| (FLAG_SIGNAL, k, o, v));
+        self.send(
+            &Req {
+                op: OP_PUT,
+                flags,
+                key,
+                off,
+                len: data.len() as u64,
+                sig_key,
+                sig_off,
+                a,
+                ..Req::default()
+            },
+            data,
+        )
+    }
+
+    /// Starts a read of `len` bytes at `(key, off)` into `dst`; `done` is
+    /// decremented when the data has landed (or the read failed: see
+    /// [`Link::check`]). The caller increments `done` before calling.
+    ///
+    /// # Safety
+    /// `dst` must stay valid for writes of `len` bytes until `done` drops.
+    pub unsafe fn get(
+        &self,
+        key: u32,
+        off: u64,
+        len: u64,
+        dst: *mut u8,
+        done: Arc<AtomicU64>,
+    ) -> Result<(), NetError> {
+        let req = self.next_req.fetch_add(1, Ordering::Relaxed);
+        self.pending
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(
+                req,
+                Pending::Read {
+                    dst: dst as usize,
+                    len,
+                    done: done.clone(),
+                },
+            );
+        let r = self.send(
+            &Req {
+                op: OP_GET,
+                key,
+                off,
+                len,
+                req,
+                ..Req::default()
+            },
+            &[],
+        );
+        if r.is_err()
+            && self
+                .pending
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .remove(&req)
+                .is_some()
+        {
+            done.fetch_sub(1, Ordering::AcqRel);
+        }
+        r
+    }
+
+    fn call(&self, mut h: Req, timeout: Duration) -> Result<u64, NetError> {
+        let req = self.next_req.fetch_add(1, Ordering::Relaxed);
+        h.req = req;
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.pending
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(req, Pending::Value(tx));
+        self.send(&h, &[])?;
+        match rx.recv_timeout(timeout) {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(why)) => Err(NetError::Remote {
+                peer: self.peer,
+                why,
+            }),
+            Err(_) => Err(NetError::Timeout {
+                peer: self.peer,
+                what: format!("the answer to request {req}"),
+                waited: timeout,
+            }),
+        }
+    }
+
+    /// Atomic fetch-add at the peer; returns the old value.
+    pub fn fetch_add(
+        &self,
+        key: u32,
+        off: u64,
+        v: u64,
+        timeout: Duration,
+    ) -> Result<u64, NetError> {
+        self.call(
+            Req {
+                op: OP_FADD,
+                key,
+                off,
+                a: v,
+                ..Req::default()
+            },
+            timeout,
+        )
+    }
+
+    /// Atomic compare-and-swap at the peer; returns the old value.
+    pub fn compare_swap(
+        &self,
+        key: u32,
+        off: u64,
+        expected: u64,
+        desired: u64,
+        timeout: Duration,
+    ) -> Result<u64, NetError> {
+        self.call(
+            Req {
+                op: OP_CAS,
+                key,
+                off,
+                a: expected,
+                b: desired,
+                ..Req::default()
+            },
+            timeout,
+        )
+    }
+
+    /// Returns once every earlier request on this link was executed remotely.
+    pub fn fence(&self, timeout: Duration) -> Result<(), NetError> {
+        self.call(
+            Req {
+                op: OP_FENCE,
+                ..Req::default()
+            },
+            timeout,
+        )
+        .map(drop)
+    }
+
+    pub fn peer(&self) -> usize {
+        self.peer
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn request_header_roundtrip(op in any::<u8>(), flags in any::<u8>(), key in any::<u32>(), off in any::<u64>(),
+                                    len in any::<u64>(), req in any::<u64>(), sig_key in any::<u32>(), sig_off in any::<u64>(),
+                                    a in any::<u64>(), b in any::<u64>()) {
+            let r = Req { op, flags, key, off, len, req, sig_key, sig_off, a, b };
+            prop_assert_eq!(Req::decode(&r.encode()), r);
+        }
+    }
+}

@@ -1,0 +1,449 @@
+//! The proxy backend: device-side enqueue (for CPU ranks) and the proxy
+//! thread that drains the rings through gin-net.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::{self, JoinHandle, Thread};
+use std::time::{Duration, Instant};
+
+use gin_device::{Backend, Counters, GetOp, GinError, PutOp, Source, Ticket};
+use gin_net::{Addr, Fabric};
+use tracing::{debug, error};
+
+use crate::descriptor::{Desc, Op, Sig, Slot};
+use crate::ring::{Ring, passed};
+
+/// Descriptors taken from one ring before moving to the next: batches, not
+/// one per peer per pass, yet no ring starves the others.
+const BATCH: u64 = 64;
+
+/// Settings of a proxy.
+#[derive(Debug, Clone, Copy)]
+pub struct ProxyConfig {
+    /// log2 of descriptors per ring.
+    pub ring_log2: u32,
+    /// How long a producer waits for ring credit before failing.
+    pub timeout: Duration,
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        Self {
+            ring_log2: 8,
+            timeout: Duration::from_secs(300),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Shared {
+    rank: usize,
+    nranks: usize,
+    nctx: u32,
+    rings: Vec<Ring>,
+    fabric: Arc<Fabric>,
+    counters: Arc<Counters>,
+    error: Mutex<Option<String>>,
+    stop: AtomicBool,
+    sleeping: AtomicBool,
+    thread: OnceLock<Thread>,
+    config: ProxyConfig,
+    executed: AtomicU64,
+}
+
+/// A proxy backend instance: rings for every (context, peer) and the thread
+/// that drains them. Dropping it stops the thread.
+#[derive(Debug)]
+pub struct Proxy {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Proxy {
+    /// Starts a proxy for `nctx` contexts over `fabric`.
+    pub fn start(
+        fabric: Arc<Fabric>,
+        counters: Arc<Counters>,
+        nctx: u32,
+        config: ProxyConfig,
+    ) -> Result<Self, GinError> {
+        let rank = fabric.rank();
+        let nranks = fabric.nranks();
+        let shared = Arc::new(Shared {
+            rank,
+            nranks,
+            nctx,
+            rings: (0..nctx as usize * nranks)
+                .map(|_| Ring::new(config.ring_log2))
+                .collect(),
+            fabric,
+            counters,
+            error: Mutex::new(None),
+            stop: AtomicBool::new(false),
+            sleeping: AtomicBool::new(false),
+            thread: OnceLock::new(),
+            config,
+            executed: AtomicU64::new(0),
+        });
+        let s = shared.clone();
+        let handle = thread::Builder::new()
+            .name(format!("gin-proxy-{rank}"))
+            .spawn(move || run(&s))
+            .map_err(|e| GinError::Unsupported {
+                rank,
+                what: "proxy thread",
+                why: e.to_string(),
+            })?;
+        let _ = shared.thread.set(handle.thread().clone());
+        Ok(Self {
+            shared,
+            thread: Some(handle),
+        })
+    }
+
+    /// Descriptors executed so far (for benchmarks and tests).
+    pub fn executed(&self) -> u64 {
+        self.shared.executed.load(Ordering::Relaxed)
+    }
+
+    fn ring(&self, ctx: u32, peer: usize) -> &Ring {
+        &self.shared.rings[ctx as usize * self.shared.nranks + peer]
+    }
+
+    fn enqueue(&self, ctx: u32, peer: usize, d: &Desc) -> Result<(), GinError> {
+        let s = &self.shared;
+        d.validate().map_err(|e| GinError::Unsupported {
+            rank: s.rank,
+            what: "operation",
+            why: e.to_string(),
+        })?;
+        self.health()?;
+        let ring = self.ring(ctx, peer);
+        let seq = ring.reserve();
+        if !ring.can_write(seq) {
+            let start = Instant::now();
+            let mut spins = 0u32;
+            while !ring.can_write(seq) {
+                s.wake();
+                spins += 1;
+                if spins < 100 {
+                    std::hint::spin_loop();
+                    continue;
+                }
+                thread::yield_now();
+                if start.elapsed() > s.config.timeout {
+                    // The slot stays reserved: the ring cannot make progress
+                    // past it, so the backend is broken from here on.
+                    let why = format!(
+                        "descriptor ring for context {ctx}, peer {peer} stayed full for {:.1?} (proxy stalled)",
+                        s.config.timeout
+                    );
+                    s.fail(why.clone());
+                    return Err(GinError::Failed {
+                        rank: s.rank,
+                        ctx,
+                        what: format!("enqueue to rank {peer}"),
+                        why,
+                    });
+                }
+            }
+        }
+        ring.write(seq, d);
+        s.wake();
+        Ok(())
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.shared.thread.get() {
+            t.unpark();
+        }
+        if let Some(h) = self.thread.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Shared {
+    fn fail(&self, why: String) {
+        let mut e = self
+            .error
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if e.is_none() {
+            error!(rank = self.rank, %why, "proxy backend failed");
+            *e = Some(why);
+        }
+    }
+
+    /// Wakes the proxy thread if it went to sleep. The SeqCst pair with the
+    /// thread's own store-then-recheck means no descriptor is left unseen.
+    fn wake(&self) {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.sleeping.load(Ordering::SeqCst) {
+            self.sleeping.store(false, Ordering::SeqCst);
+            if let Some(t) = self.thread.get() {
+                t.unpark();
+            }
+        }
+    }
+}
+
+impl Backend for Proxy {
+    fn name(&self) -> &'static str {
+        "proxy"
+    }
+
+    fn put(&self, op: &PutOp<'_>) -> Result<(), GinError> {
+        let (src_window, src_offset, inline) = match op.src {
+            Source::Window { window, offset } => (window.id(), offset, None),
+            Source::Inline(v) => (0, 0, Some(v)),
+            Source::Empty => (0, 0, None),
+        };
+        let counter = match op.counter {
+            Some(c) => Some(u32::try_from(c).map_err(|_| GinError::Unsupported {
+                rank: self.shared.rank,
+                what: "counter slot",
+                why: format!("{c} does not fit a descriptor"),
+            })?),
+            None => None,
+        };
+        let d = Desc {
+            op: Op::Put,
+            bytes: op.bytes,
+            dst_window: op.dst.id(),
+            dst_offset: op.dst_off,
+            src_window,
+            src_offset,
+            inline,
+            signal: op.signal.map(|s| Sig {
+                window: s.window.id(),
+                offset: s.offset,
+                add: s.add,
+                strong: s.order == gin_device::Order::Strong,
+            }),
+            counter,
+        };
+        self.enqueue(op.ctx, op.peer, &d)
+    }
+
+    fn get(&self, op: &GetOp<'_>) -> Result<(), GinError> {
+        let d = Desc {
+            op: Op::Get,
+            bytes: op.bytes,
+            dst_window: op.remote.id(),
+            dst_offset: op.remote_off,
+            src_window: op.local.id(),
+            src_offset: op.local_off,
+            inline: None,
+            signal: None,
+            counter: None,
+        };
+        self.enqueue(op.ctx, op.peer, &d)
+    }
+
+    fn ticket(&self, ctx: u32, peer: Option<usize>) -> Result<Ticket, GinError> {
+        let s = &self.shared;
+        if ctx >= s.nctx {
+            return Err(GinError::BadContext {
+                rank: s.rank,
+                ctx,
+                nctx: s.nctx,
+            });
+        }
+        let marks = match peer {
+            Some(p) => vec![self.ring(ctx, p).head()],
+            None => (0..s.nranks).map(|p| self.ring(ctx, p).head()).collect(),
+        };
+        Ok(Ticket { ctx, peer, marks })
+    }
+
+    fn done(&self, t: &Ticket) -> Result<bool, GinError> {
+        self.health()?;
+        let peers: Vec<usize> = match t.peer {
+            Some(p) => vec![p],
+            None => (0..self.shared.nranks).collect(),
+        };
+        for (p, mark) in peers.into_iter().zip(&t.marks) {
+            let ring = self.ring(t.ctx, p);
+            if !passed(ring.tail(), *mark) || ring.gets_in_flight.load(Ordering::Acquire) != 0 {
+                self.shared.wake();
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    fn health(&self) -> Result<(), GinError> {
+        let s = &self.shared;
+        if let Some(why) = &*s
+            .error
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        {
+            return Err(GinError::Failed {
+                rank: s.rank,
+                ctx: 0,
+                what: "proxy backend".into(),
+                why: why.clone(),
+            });
+        }
+        s.fabric.health().map_err(|e| GinError::JobFailed {
+            rank: s.rank,
+            why: e.to_string(),
+        })
+    }
+}
+
+/// The proxy thread.
+fn run(s: &Shared) {
+    let mut cursors = vec![0u64; s.rings.len()];
+    let mut idle = 0u32;
+    while !s.stop.load(Ordering::Relaxed) {
+        let mut did = 0u64;
+        for (i, ring) in s.rings.iter().enumerate() {
+            let start = cursors[i];
+            let mut seq = start;
+            while seq.wrapping_sub(start) < BATCH {
+                match ring.peek(seq) {
+                    Ok(Slot::Pending) => break,
+                    Ok(Slot::Ready(d)) => {
+                        execute(s, i, seq, &d, ring);
+                        seq = seq.wrapping_add(1);
+                    }
+                    Err(e) => {
+                        s.fail(format!("corrupt descriptor: {e}"));
+                        seq = seq.wrapping_add(1);
+                    }
+                }
+            }
+            if seq != start {
+                ring.advance(seq);
+                cursors[i] = seq;
+                did += seq.wrapping_sub(start);
+            }
+        }
+        if did > 0 {
+            s.executed.fetch_add(did, Ordering::Relaxed);
+            idle = 0;
+            continue;
+        }
+        idle += 1;
+        if idle < 64 {
+            std::hint::spin_loop();
+        } else if idle < 256 {
+            thread::yield_now();
+        } else {
+            // Sleep until a producer wakes us. Announce first, then look once
+            // more, so a descriptor written in between is not missed.
+            s.sleeping.store(true, Ordering::SeqCst);
+            let pending = s
+                .rings
+                .iter()
+                .zip(&cursors)
+                .any(|(r, &c)| !matches!(r.peek(c), Ok(Slot::Pending)));
+            if !pending {
+                thread::park_timeout(Duration::from_millis(2));
+            }
+            s.sleeping.store(false, Ordering::SeqCst);
+        }
+    }
+    debug!(rank = s.rank, "proxy thread stopped");
+}
+
+fn execute(s: &Shared, ring_index: usize, seq: u64, d: &Desc, ring: &Ring) {
+    let peer = ring_index % s.nranks;
+    let ctx = ring_index / s.nranks;
+    let r = match d.op {
+        Op::Put => execute_put(s, peer, d),
+        Op::Get => execute_get(s, peer, d, ring),
+    };
+    if let Err(why) = r {
+        s.fail(format!(
+            "{:?} #{seq} to rank {peer} on context {ctx} failed: {why}",
+            d.op
+        ));
+    }
+}
+
+fn execute_put(s: &Shared, peer: usize, d: &Desc) -> Result<(), String> {
+    let inline_bytes;
+    let src: &[u8] = if let Some(v) = d.inline {
+        inline_bytes = v.to_le_bytes();
+        &inline_bytes[..(d.bytes as usize).min(8)]
+    } else if d.bytes == 0 {
+        &[]
+    } else {
+        let w = s.fabric.window(d.src_window).map_err(|e| e.to_string())?;
+        let size = w.sizes.get(s.rank).copied().unwrap_or(0);
+        if d.src_offset.checked_add(d.bytes).is_none_or(|e| e > size) {
+            return Err(format!(
+                "source range {}+{} outside window {} ({size} bytes)",
+                d.src_offset, d.bytes, d.src_window
+            ));
+        }
+        // SAFETY: the range lies inside this rank's part of a registered
+        // window, which stays mapped while registered; the device API
+        // checked it at issue time and it is re-checked above.
+        unsafe {
+            std::slice::from_raw_parts(
+                (w.local_base + d.src_offset as usize) as *const u8,
+                d.bytes as usize,
+            )
+        }
+    };
+    let sig = d.signal.map(|g| {
+        (
+            Addr {
+                window: g.window,
+                offset: g.offset,
+            },
+            g.add,
+        )
+    });
+    s.fabric
+        .put(
+            peer,
+            Addr {
+                window: d.dst_window,
+                offset: d.dst_offset,
+            },
+            src,
+            sig,
+        )
+        .map_err(|e| e.to_string())?;
+    if let Some(c) = d.counter {
+        s.counters.bump(u64::from(c));
+    }
+    Ok(())
+}
+
+fn execute_get(s: &Shared, peer: usize, d: &Desc, ring: &Ring) -> Result<(), String> {
+    let w = s.fabric.window(d.src_window).map_err(|e| e.to_string())?;
+    let size = w.sizes.get(s.rank).copied().unwrap_or(0);
+    if d.src_offset.checked_add(d.bytes).is_none_or(|e| e > size) {
+        return Err(format!("get destination outside window {}", d.src_window));
+    }
+    ring.gets_in_flight.fetch_add(1, Ordering::AcqRel);
+    // SAFETY: the destination lies inside this rank's registered part (checked
+    // above); it stays mapped while the window is registered, and windows are
+    // deregistered only after every context was flushed.
+    let r = unsafe {
+        s.fabric.get(
+            peer,
+            Addr {
+                window: d.dst_window,
+                offset: d.dst_offset,
+            },
+            (w.local_base + d.src_offset as usize) as *mut u8,
+            d.bytes,
+            &ring.gets_in_flight,
+        )
+    };
+    r.map_err(|e| {
+        ring.gets_in_flight.fetch_sub(1, Ordering::AcqRel);
+        e.to_string()
+    })
+}
