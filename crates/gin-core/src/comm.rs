@@ -1,6 +1,7 @@
 //! The communicator: who is where, how each peer is reached, windows, and
 //! device communicators.
 
+use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -89,7 +90,8 @@ struct Spaces {
 pub struct Comm {
     bootstrap: Arc<Bootstrap>,
     settings: Settings,
-    comm_id: u64,
+    /// Distinguishes this communicator's windows from another's.
+    id: u64,
     /// Host index of every rank (ranks with equal indices share a host).
     hosts: Vec<usize>,
     local_rank: usize,
@@ -190,7 +192,10 @@ impl Comm {
         ));
         // A job-unique tag for shared-memory names.
         let token = b.job_token("gin-core shm names");
-        let job_tag: String = token[..6].iter().map(|x| format!("{x:02x}")).collect();
+        let job_tag = token[..6].iter().fold(String::new(), |mut t, x| {
+            let _ = write!(t, "{x:02x}");
+            t
+        });
         let comm_id = u64::from_le_bytes(token[8..16].try_into().expect("8 bytes"));
         info!(
             rank,
@@ -202,7 +207,7 @@ impl Comm {
         );
         let mut comm = Self {
             bootstrap: b,
-            comm_id,
+            id: comm_id,
             hosts,
             local_rank,
             rail,
@@ -280,21 +285,19 @@ impl Comm {
         // deregistration, before that.
         let key = unsafe { self.table.insert(seg.as_ptr(), bytes, Access::ALL)? };
         let path = seg.path().to_string_lossy().into_owned();
-        let r = self.finish_window(id, seg.as_ptr(), bytes, key, &path, true);
+        let r = self.finish_window(id, bytes, key, &path, true);
         // Every peer has mapped it (finish_window ends with a barrier).
         seg.unlink();
         let (peers, peer_segments) = r?;
-        self.make_window(
+        Ok(self.make_window(
             id,
             seg.as_ptr(),
-            bytes,
-            key,
-            peers,
+            &peers,
             WindowMemory {
                 _own: Some(seg),
                 _peers: peer_segments,
             },
-        )
+        ))
     }
 
     /// Registers user memory as a window (collective). Only peers reached
@@ -317,7 +320,7 @@ impl Comm {
                 available: "alloc_window, or GIN_TRANSPORT=tcp".into(),
             });
         }
-        if ptr as usize % 8 != 0 {
+        if !(ptr as usize).is_multiple_of(8) {
             return Err(CoreError::Invalid(format!(
                 "window memory at {ptr:p} is not 8-byte aligned"
             )));
@@ -325,18 +328,16 @@ impl Comm {
         let id = self.take_window_id();
         // SAFETY: forwarded from the caller's promise.
         let key = unsafe { self.table.insert(ptr, bytes, Access::ALL)? };
-        let (peers, segs) = self.finish_window(id, ptr, bytes, key, "", false)?;
-        self.make_window(
+        let (peers, segs) = self.finish_window(id, bytes, key, "", false)?;
+        Ok(self.make_window(
             id,
             ptr,
-            bytes,
-            key,
-            peers,
+            &peers,
             WindowMemory {
                 _own: None,
                 _peers: segs,
             },
-        )
+        ))
     }
 
     fn take_window_id(&self) -> u32 {
@@ -354,7 +355,6 @@ impl Comm {
     fn finish_window(
         &self,
         id: u32,
-        _base: *mut u8,
         bytes: u64,
         key: u32,
         path: &str,
@@ -395,11 +395,9 @@ impl Comm {
         &self,
         id: u32,
         base: *mut u8,
-        _bytes: u64,
-        _key: u32,
-        peers: Vec<(u64, u32, usize)>,
+        peers: &[(u64, u32, usize)],
         mem: WindowMemory,
-    ) -> Result<Window, CoreError> {
+    ) -> Window {
         let sizes: Vec<u64> = peers.iter().map(|p| p.0).collect();
         let peer_bases: Vec<*mut u8> = peers
             .iter()
@@ -423,26 +421,26 @@ impl Comm {
         );
         // SAFETY: `base` is this rank's part (sizes[rank] bytes), each non-null
         // peer base a mapping of that peer's part, all kept alive by `mem`.
-        Ok(unsafe {
+        unsafe {
             Window::from_parts(
                 WindowParts {
                     id,
                     rank: self.rank(),
-                    comm_id: self.comm_id,
+                    comm_id: self.id,
                     local_base: base,
                     sizes,
                     peer_bases,
                 },
                 Box::new(mem),
             )
-        })
+        }
     }
 
     /// Deregisters a window (collective): after every rank arrives, the
     /// window refuses new operations here and its memory is no longer served
     /// to peers. Flush contexts that used it first.
     pub fn deregister_window(&self, w: &Window) -> Result<(), CoreError> {
-        if w.comm_id() != self.comm_id {
+        if w.comm_id() != self.id {
             return Err(CoreError::Invalid(format!(
                 "window {} belongs to another communicator",
                 w.id()
@@ -556,7 +554,7 @@ impl Comm {
         let dc = DevComm::new(DevCommParts {
             rank,
             nranks: n,
-            comm_id: self.comm_id,
+            comm_id: self.id,
             nctx: req.contexts,
             nsignals: req.signals,
             ncounters: req.counters,

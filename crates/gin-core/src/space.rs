@@ -83,17 +83,17 @@ impl IdSpace {
             return Err(SpaceError::NotAllocated { start, len });
         }
         let (mut s, mut e) = (start, end);
-        if let Some((ps, pl)) = prev {
-            if ps + pl == start {
-                self.free.remove(&ps);
-                s = ps;
-            }
+        if let Some((ps, pl)) = prev
+            && ps + pl == start
+        {
+            self.free.remove(&ps);
+            s = ps;
         }
-        if let Some((ns, nl)) = next {
-            if ns == end {
-                self.free.remove(&ns);
-                e = ns + nl;
-            }
+        if let Some((ns, nl)) = next
+            && ns == end
+        {
+            self.free.remove(&ns);
+            e = ns + nl;
         }
         self.free.insert(s, e - s);
         Ok(())

@@ -707,19 +707,19 @@ impl<'a> Ctx<'a> {
         dc.check_window(local)?;
         remote.check("get source", peer, remote_off, bytes)?;
         local.check("get destination", dc.p.rank, local_off, bytes)?;
-        if dc.is_direct(peer) {
-            if let Some(src) = remote.peer_ptr(peer) {
-                // SAFETY: ranges checked above; mappings live with the windows.
-                unsafe {
-                    std::ptr::copy(
-                        src.add(remote_off as usize),
-                        local.as_ptr().add(local_off as usize),
-                        bytes as usize,
-                    );
-                }
-                std::sync::atomic::fence(Ordering::Acquire);
-                return Ok(());
+        if dc.is_direct(peer)
+            && let Some(src) = remote.peer_ptr(peer)
+        {
+            // SAFETY: ranges checked above; mappings live with the windows.
+            unsafe {
+                std::ptr::copy(
+                    src.add(remote_off as usize),
+                    local.as_ptr().add(local_off as usize),
+                    bytes as usize,
+                );
             }
+            std::sync::atomic::fence(Ordering::Acquire);
+            return Ok(());
         }
         dc.backend_used[self.ctx as usize * dc.p.nranks + peer].store(true, Ordering::Relaxed);
         dc.p.backend.get(&GetOp {
@@ -943,6 +943,12 @@ impl BarrierSession<'_> {
             Order::Strong
         };
         let me = self.dc.p.rank;
+        if fence != Fence::None {
+            // Puts this rank queued to itself are ordered by no signal below:
+            // complete them here (a no-op on the direct path).
+            let t = self.dc.p.backend.ticket(ctx, Some(me))?;
+            c.wait_ticket(&t, self.dc.p.timeout)?;
+        }
         let update = c.slot_update(self.signal, SignalOp::Inc, order);
         for &peer in self.members.iter().filter(|&&p| p != me) {
             c.issue_put_update(peer, update)?;

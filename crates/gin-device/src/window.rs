@@ -192,7 +192,7 @@ impl Window {
                 data.as_ptr(),
                 self.as_ptr().add(offset as usize),
                 data.len(),
-            )
+            );
         };
         Ok(())
     }
@@ -206,7 +206,7 @@ impl Window {
                 self.as_ptr().add(offset as usize),
                 out.as_mut_ptr(),
                 out.len(),
-            )
+            );
         };
         Ok(())
     }
@@ -222,7 +222,7 @@ impl Window {
     /// signals addressed by window offset).
     pub fn slot(&self, offset: u64) -> Result<&AtomicU64, GinError> {
         self.check("slot", self.inner.rank, offset, 8)?;
-        if offset % 8 != 0 || (self.as_ptr() as u64 + offset) % 8 != 0 {
+        if !offset.is_multiple_of(8) || !(self.as_ptr() as u64 + offset).is_multiple_of(8) {
             return Err(GinError::Misaligned {
                 rank: self.inner.rank,
                 what: "slot",
@@ -239,7 +239,10 @@ impl Window {
     /// The peer's 8-byte slot at `offset`, through the direct mapping.
     pub(crate) fn peer_slot(&self, peer: usize, offset: u64) -> Option<&AtomicU64> {
         let base = self.peer_ptr(peer)?;
-        if offset % 8 != 0 || (base as u64 + offset) % 8 != 0 || offset + 8 > self.size_of(peer)? {
+        if !offset.is_multiple_of(8)
+            || !(base as u64 + offset).is_multiple_of(8)
+            || offset + 8 > self.size_of(peer)?
+        {
             return None;
         }
         // SAFETY: as in `slot`, for the peer's mapped part.

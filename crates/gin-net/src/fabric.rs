@@ -146,7 +146,7 @@ impl Fabric {
 
     /// The address of `(window, offset)` on `peer` in this process, for the
     /// local and shm paths.
-    fn mapped(&self, w: &MemDesc, peer: usize, path: &Path, a: Addr) -> Result<*mut u8, NetError> {
+    fn mapped(w: &MemDesc, peer: usize, path: &Path, a: Addr) -> Result<*mut u8, NetError> {
         let base = match path {
             Path::Local => w.local_base,
             Path::Shm => w.peer_bases.get(peer).copied().unwrap_or(0),
@@ -179,14 +179,14 @@ impl Fabric {
         match path {
             Path::Local | Path::Shm => {
                 if !src.is_empty() {
-                    let d = self.mapped(&w, peer, path, dst)?;
+                    let d = Self::mapped(&w, peer, path, dst)?;
                     // SAFETY: `target` checked the range against the peer's
                     // size; the mapping lives while the window is registered.
                     unsafe { std::ptr::copy(src.as_ptr(), d, src.len()) };
                 }
                 if let Some((sw, a, v)) = sig_target {
-                    let p = self.mapped(&sw, peer, path, a)?;
-                    if p as usize % 8 != 0 {
+                    let p = Self::mapped(&sw, peer, path, a)?;
+                    if !(p as usize).is_multiple_of(8) {
                         return Err(NetError::Invalid(format!(
                             "signal at offset {} is not aligned",
                             a.offset
@@ -222,7 +222,7 @@ impl Fabric {
         let (w, path) = self.target(peer, src, len)?;
         match path {
             Path::Local | Path::Shm => {
-                let s = self.mapped(&w, peer, path, src)?;
+                let s = Self::mapped(&w, peer, path, src)?;
                 // SAFETY: source range checked; destination promised by the caller.
                 unsafe { std::ptr::copy(s, dst, len as usize) };
                 std::sync::atomic::fence(Ordering::Acquire);
@@ -275,8 +275,8 @@ impl Fabric {
         let (w, path) = self.target(peer, at, 8)?;
         match path {
             Path::Local | Path::Shm => {
-                let p = self.mapped(&w, peer, path, at)?;
-                if p as usize % 8 != 0 {
+                let p = Self::mapped(&w, peer, path, at)?;
+                if !(p as usize).is_multiple_of(8) {
                     return Err(NetError::Invalid(format!(
                         "atomic at offset {} is not aligned",
                         at.offset

@@ -125,7 +125,7 @@ impl RegionTable {
             ));
         }
         let addr = e.base + offset as usize;
-        if need == AccessKind::Atomic && addr % 8 != 0 {
+        if need == AccessKind::Atomic && !addr.is_multiple_of(8) {
             return Err(format!(
                 "atomic at offset {offset} of key {key:#010x} is not 8-byte aligned"
             ));
@@ -211,6 +211,7 @@ mod tests {
         let at = t.resolve(key, 8, 8, AccessKind::Atomic).unwrap();
         // SAFETY: resolved just above.
         assert_eq!(unsafe { fetch_add(at, 5) }, 0);
+        // SAFETY: resolved just above.
         assert_eq!(unsafe { compare_swap(at, 5, 9) }, 5);
         assert_eq!(mem[1], 9);
         t.remove(key);

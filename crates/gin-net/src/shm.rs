@@ -41,7 +41,7 @@ impl Segment {
             "sizing shared memory {} to {len} bytes",
             path.display()
         )))?;
-        Self::map(file, path, len, true)
+        Self::map(&file, path, len, true)
     }
 
     /// Maps a peer's segment of `len` bytes.
@@ -64,10 +64,10 @@ impl Segment {
                 path.display()
             )));
         }
-        Self::map(file, path.to_owned(), len, false)
+        Self::map(&file, path.to_owned(), len, false)
     }
 
-    fn map(file: File, path: PathBuf, len: usize, owner: bool) -> Result<Self, NetError> {
+    fn map(file: &File, path: PathBuf, len: usize, owner: bool) -> Result<Self, NetError> {
         let map = if len == 0 {
             None
         } else {
@@ -76,7 +76,7 @@ impl Segment {
             // through raw pointers or atomics, never through `&[u8]` borrows
             // held across such writes.
             Some(
-                unsafe { MmapOptions::new().len(len).map_mut(&file) }
+                unsafe { MmapOptions::new().len(len).map_mut(file) }
                     .map_err(io(format!("mapping {}", path.display())))?,
             )
         };

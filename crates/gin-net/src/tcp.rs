@@ -268,16 +268,17 @@ fn accept(
                 }
                 let peer = u32::from_le_bytes(hello[36..40].try_into().expect("4 bytes"));
                 let _ = s.set_read_timeout(None);
-                if let Err(e) = serve(&mut s, &table) {
-                    if !closing.load(Ordering::SeqCst) {
-                        debug!(rank, peer, %e, "tcp transport connection ended");
-                    }
+                if let Err(e) = serve(&mut s, &table)
+                    && !closing.load(Ordering::SeqCst)
+                {
+                    debug!(rank, peer, %e, "tcp transport connection ended");
                 }
             });
     }
 }
 
 /// Executes one peer's requests in order until its connection closes.
+#[allow(clippy::many_single_char_names)] // s/w/r/h: stream, writer, request, header
 fn serve(s: &mut TcpStream, table: &RegionTable) -> std::io::Result<()> {
     let mut w = s.try_clone()?;
     let mut buf = vec![0u8; CHUNK];
@@ -334,7 +335,7 @@ fn serve(s: &mut TcpStream, table: &RegionTable) -> std::io::Result<()> {
                         }
                     }
                     (Err(e), _) | (_, Err(e)) => {
-                        send_error(&mut w, seq, &format!("put #{seq}: {e}"))?
+                        send_error(&mut w, seq, &format!("put #{seq}: {e}"))?;
                     }
                 }
             }
@@ -348,7 +349,7 @@ fn serve(s: &mut TcpStream, table: &RegionTable) -> std::io::Result<()> {
                         let n = (r.len - at as u64).min(CHUNK as u64) as usize;
                         // SAFETY: resolved range, as above.
                         unsafe {
-                            std::ptr::copy_nonoverlapping(src.ptr().add(at), buf.as_mut_ptr(), n)
+                            std::ptr::copy_nonoverlapping(src.ptr().add(at), buf.as_mut_ptr(), n);
                         };
                         w.write_all(&buf[..n])?;
                         at += n;
@@ -462,7 +463,10 @@ impl Link {
             let mut h = [0u8; REP];
             if let Err(e) = r.read_exact(&mut h) {
                 break if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                    format!("rank {}'s transport closed the connection", self.peer)
+                    format!(
+                        "rank {} died or became unreachable: its transport closed the connection",
+                        self.peer
+                    )
                 } else {
                     format!("reading from rank {}'s transport: {e}", self.peer)
                 };
@@ -503,7 +507,11 @@ impl Link {
                         // SAFETY: the issuer of the get promised `dst` valid for
                         // `len` bytes until `done` is decremented.
                         unsafe {
-                            std::ptr::copy_nonoverlapping(buf.as_ptr(), (dst as *mut u8).add(at), n)
+                            std::ptr::copy_nonoverlapping(
+                                buf.as_ptr(),
+                                (dst as *mut u8).add(at),
+                                n,
+                            );
                         };
                         at += n;
                     }
@@ -527,17 +535,19 @@ impl Link {
                         self.peer,
                         String::from_utf8_lossy(&m)
                     );
+                    // Refusals are sticky (the link is in its error state from
+                    // now on): record that before answering the waiter, so the
+                    // waiter's next request is refused here, not sent.
+                    self.fail(msg.clone());
                     match p {
                         Some(Pending::Value(tx)) => {
-                            let _ = tx.send(Err(msg.clone()));
+                            let _ = tx.send(Err(msg));
                         }
                         Some(Pending::Read { done, .. }) => {
                             done.fetch_sub(1, Ordering::AcqRel);
                         }
                         None => {}
                     }
-                    // Refusals are sticky: the next flush or wait reports them.
-                    self.fail(msg);
                 }
                 other => break format!("rank {} sent an unknown reply kind {other}", self.peer),
             }

@@ -1,0 +1,693 @@
+//! Checks the device API across the ranks of a job, byte for byte. Run it as
+//! every rank (`cargo xtask launch -n 4 -- gin-selftest all`) or let it spawn
+//! its own ranks (`gin-selftest all --ranks 4`). The multi-process tests run
+//! it under every backend and transport.
+//!
+//! Scenarios: `all` (every functional check), `ring`, `alltoall`, `order`,
+//! `counters`, `flush`, `get`, `reset`, `va`, `barrier`, `badinput`,
+//! `die VICTIM` (VICTIM crashes while the others wait on it; they must fail
+//! with an error naming it). A failed check prints `FAILED: ...` and exits 3.
+
+#![allow(clippy::many_single_char_names)] // c, r, n, w: comm, rank, nranks, window, as in the docs
+
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use gin_core::launch::{Role, run_ranks};
+use gin_core::{
+    Comm, CounterId, DevCommRequirements, Fence, GinError, Local, Order, Remote, SignalOp, Team,
+};
+
+type R = Result<(), String>;
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mode = args.first().cloned().unwrap_or_else(|| "all".into());
+    let n = args
+        .iter()
+        .position(|a| a == "--ranks")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2);
+    match run_ranks(n) {
+        Ok(Role::Launched) => return ExitCode::SUCCESS,
+        Ok(Role::Rank) => {}
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::FAILURE;
+        }
+    }
+    let t = Instant::now();
+    let comm = match Comm::from_env() {
+        Ok(c) => c,
+        Err(e) => {
+            println!("FAILED: {e}");
+            return ExitCode::from(3);
+        }
+    };
+    let r = match mode.as_str() {
+        "all" => all(&comm),
+        "ring" => ring(&comm),
+        "alltoall" => alltoall(&comm),
+        "order" => order(&comm),
+        "counters" => counters(&comm),
+        "flush" => flush(&comm),
+        "get" => get(&comm),
+        "reset" => reset(&comm),
+        "va" => va(&comm),
+        "barrier" => barrier(&comm),
+        "badinput" => badinput(&comm),
+        "die" => die(&comm, args.get(1).and_then(|v| v.parse().ok()).unwrap_or(1)),
+        other => Err(format!("unknown scenario {other:?}")),
+    };
+    match r {
+        Ok(()) => {
+            println!(
+                "rank {} of {}: {mode} ok in {:.2}s (paths {:?})",
+                comm.rank(),
+                comm.nranks(),
+                t.elapsed().as_secs_f64(),
+                comm.path_names()
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            println!("FAILED: {e}");
+            ExitCode::from(3)
+        }
+    }
+}
+
+fn s<E: std::fmt::Display>(e: E) -> String {
+    e.to_string()
+}
+
+fn all(c: &Comm) -> R {
+    for (name, f) in [
+        ("ring", ring as fn(&Comm) -> R),
+        ("alltoall", alltoall),
+        ("order", order),
+        ("counters", counters),
+        ("flush", flush),
+        ("get", get),
+        ("reset", reset),
+        ("va", va),
+        ("barrier", barrier),
+        ("badinput", badinput),
+    ] {
+        f(c).map_err(|e| format!("{name}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// A deterministic byte pattern per (seed, position).
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// The paper's ring exchange: a block travels around the ring, each rank
+/// forwarding what it received, until every rank has seen every block.
+fn ring(c: &Comm) -> R {
+    let (r, n) = (c.rank(), c.nranks());
+    let bytes = 1000u64;
+    let buf = c.alloc_window(bytes * n as u64).map_err(s)?;
+    let dc = c.dev_comm(&DevCommRequirements::default()).map_err(s)?;
+    let ctx = dc.ctx(0).map_err(s)?;
+    let next = (r + 1) % n;
+    buf.write(r as u64 * bytes, &pattern(r as u64, bytes as usize))
+        .map_err(s)?;
+    for step in 0..n.saturating_sub(1) {
+        let block = ((r + n - step) % n) as u64;
+        ctx.put(
+            next,
+            &buf,
+            block * bytes,
+            &buf,
+            block * bytes,
+            bytes,
+            Remote::signal_inc(1),
+            Local::None,
+        )
+        .map_err(s)?;
+        ctx.wait_signal(1, step as u64 + 1).map_err(s)?;
+    }
+    ctx.flush().map_err(s)?;
+    for p in 0..n {
+        if buf.read_vec(p as u64 * bytes, bytes as usize).map_err(s)?
+            != pattern(p as u64, bytes as usize)
+        {
+            return Err(format!(
+                "rank {r}: block of rank {p} is wrong after the ring"
+            ));
+        }
+    }
+    dc.destroy().map_err(s)
+}
+
+fn alltoall(c: &Comm) -> R {
+    let (r, n) = (c.rank(), c.nranks());
+    let bytes = 2048u64;
+    let send = c.alloc_window(bytes * n as u64).map_err(s)?;
+    let recv = c.alloc_window(bytes * n as u64).map_err(s)?;
+    for p in 0..n {
+        send.write(
+            p as u64 * bytes,
+            &pattern((r * 1000 + p) as u64, bytes as usize),
+        )
+        .map_err(s)?;
+    }
+    let dc = c.dev_comm(&DevCommRequirements::default()).map_err(s)?;
+    let ctx = dc.ctx(0).map_err(s)?;
+    dc.barrier(Team::World, 0)
+        .map_err(s)?
+        .sync(0, Fence::None)
+        .map_err(s)?;
+    for k in 0..n {
+        let p = (r + k) % n;
+        ctx.put(
+            p,
+            &recv,
+            r as u64 * bytes,
+            &send,
+            p as u64 * bytes,
+            bytes,
+            Remote::signal_inc(0),
+            Local::None,
+        )
+        .map_err(s)?;
+    }
+    ctx.wait_signal(0, n as u64).map_err(s)?;
+    ctx.flush().map_err(s)?;
+    for p in 0..n {
+        if recv.read_vec(p as u64 * bytes, bytes as usize).map_err(s)?
+            != pattern((p * 1000 + r) as u64, bytes as usize)
+        {
+            return Err(format!("rank {r}: block from rank {p} is wrong"));
+        }
+    }
+    dc.destroy().map_err(s)
+}
+
+/// Ordering under randomized stress: on each of two contexts (one thread
+/// each), a rank sends bursts of unsignalled puts of random sizes to its
+/// successor, then one strong signal; when the successor sees the signal,
+/// every byte of the burst must be there. Weak signals cover their own put.
+fn order(c: &Comm) -> R {
+    let (r, n) = (c.rank(), c.nranks());
+    let slots = 32u64;
+    let max = 3000u64;
+    let nctx = 2u32;
+    let rounds = 12u64;
+    let src = c.alloc_window(slots * max * u64::from(nctx)).map_err(s)?;
+    let dst = c.alloc_window(slots * max * u64::from(nctx)).map_err(s)?;
+    let dc = c
+        .dev_comm(&DevCommRequirements {
+            contexts: nctx,
+            ..DevCommRequirements::default()
+        })
+        .map_err(s)?;
+    let next = (r + 1) % n;
+    let prev = (r + n - 1) % n;
+    let size_of = |sender: usize, ctx: u32, round: u64, i: u64| {
+        1 + (u64::from(
+            pattern(
+                sender as u64 * 7919 + u64::from(ctx) * 31 + round * 1009 + i,
+                2,
+            )[0],
+        ) * 11)
+            % max
+    };
+    let fill = |sender: usize, ctx: u32, round: u64, i: u64| {
+        pattern(
+            (sender as u64) << 40 | u64::from(ctx) << 32 | round << 16 | i,
+            size_of(sender, ctx, round, i) as usize,
+        )
+    };
+    let dc_ref = &*dc;
+    let results: Vec<R> = std::thread::scope(|scope| {
+        let hs: Vec<_> = (0..nctx)
+            .map(|ci| {
+                let (src, dst) = (&src, &dst);
+                scope.spawn(move || -> R {
+                    let ctx = dc_ref.ctx(ci).map_err(s)?;
+                    let base = u64::from(ci) * slots * max;
+                    for round in 0..rounds {
+                        // Send a burst; the sender's source is reused each round,
+                        // so flush before rewriting it.
+                        ctx.flush().map_err(s)?;
+                        for i in 0..slots {
+                            let data = fill(r, ci, round, i);
+                            src.write(base + i * max, &data).map_err(s)?;
+                            ctx.put(next, dst, base + i * max, src, base + i * max, data.len() as u64, Remote::None, Local::None)
+                                .map_err(s)?;
+                        }
+                        let order = if round % 2 == 0 { Order::Strong } else { Order::Weak };
+                        // Weak signals ride on the last put only: give it its own payload.
+                        let remote = Remote::Signal { id: gin_core::SignalId(2), op: SignalOp::Inc, order };
+                        ctx.put_value(next, dst, base + slots * max - 8, round, remote).map_err(s)?;
+                        ctx.wait_signal(2, round + 1).map_err(s)?;
+                        let v = dst.read_vec(base + slots * max - 8, 8).map_err(s)?;
+                        if u64::from_le_bytes(v.try_into().expect("8 bytes")) != round {
+                            return Err(format!("ctx {ci} round {round}: the signal's own put is not visible"));
+                        }
+                        if order == Order::Strong {
+                            for i in 0..slots {
+                                let want = fill(prev, ci, round, i);
+                                let got = dst.read_vec(base + i * max, want.len()).map_err(s)?;
+                                if got != want {
+                                    return Err(format!(
+                                        "ctx {ci} round {round}: put {i} from rank {prev} not visible after a strong signal"
+                                    ));
+                                }
+                            }
+                        }
+                        // Both sides done with this round before the next overwrites.
+                        dc_ref.barrier(Team::World, 0).map_err(s)?.sync(ci, Fence::None).map_err(s)?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err("thread panicked".into())))
+            .collect()
+    });
+    for r in results {
+        r?;
+    }
+    dc.destroy().map_err(s)
+}
+
+fn counters(c: &Comm) -> R {
+    let (r, n) = (c.rank(), c.nranks());
+    let w = c.alloc_window(64 * n as u64).map_err(s)?;
+    let dc = c.dev_comm(&DevCommRequirements::default()).map_err(s)?;
+    let ctx = dc.ctx(0).map_err(s)?;
+    for round in 1..=3u64 {
+        for p in 0..n {
+            ctx.put(
+                p,
+                &w,
+                r as u64 * 64,
+                &w,
+                p as u64 * 64,
+                64,
+                Remote::None,
+                Local::CounterInc(CounterId(3)),
+            )
+            .map_err(s)?;
+        }
+        let seen = ctx.wait_counter(3, round * n as u64).map_err(s)?;
+        if seen != round * n as u64 {
+            return Err(format!(
+                "counter 3 is {seen}, expected {}",
+                round * n as u64
+            ));
+        }
+    }
+    ctx.flush().map_err(s)?;
+    ctx.reset_counter(3).map_err(s)?;
+    if ctx.read_counter(3).map_err(s)? != 0 {
+        return Err("reset_counter did not reset".into());
+    }
+    dc.barrier(Team::World, 0)
+        .map_err(s)?
+        .sync(0, Fence::Context)
+        .map_err(s)?;
+    dc.destroy().map_err(s)
+}
+
+/// After flush the source may be reused: overwriting it must not change
+/// what the peer receives.
+fn flush(c: &Comm) -> R {
+    let (r, n) = (c.rank(), c.nranks());
+    let bytes = 64 * 1024u64;
+    let src = c.alloc_window(bytes).map_err(s)?;
+    let dst = c.alloc_window(bytes).map_err(s)?;
+    let dc = c.dev_comm(&DevCommRequirements::default()).map_err(s)?;
+    let ctx = dc.ctx(0).map_err(s)?;
+    let next = (r + 1) % n;
+    src.write(0, &pattern(r as u64 + 77, bytes as usize))
+        .map_err(s)?;
+    ctx.put(
+        next,
+        &dst,
+        0,
+        &src,
+        0,
+        bytes,
+        Remote::signal_inc(4),
+        Local::None,
+    )
+    .map_err(s)?;
+    let t = ctx.flush_async(next).map_err(s)?;
+    ctx.wait(&t).map_err(s)?;
+    src.write(0, &vec![0xEE; bytes as usize]).map_err(s)?;
+    ctx.wait_signal(4, 1).map_err(s)?;
+    let prev = (r + n - 1) % n;
+    if dst.read_vec(0, bytes as usize).map_err(s)? != pattern(prev as u64 + 77, bytes as usize) {
+        return Err("data changed after the source was reused past a flush".into());
+    }
+    ctx.flush().map_err(s)?;
+    dc.barrier(Team::World, 0)
+        .map_err(s)?
+        .sync(0, Fence::None)
+        .map_err(s)?;
+    dc.destroy().map_err(s)
+}
+
+fn get(c: &Comm) -> R {
+    let (r, n) = (c.rank(), c.nranks());
+    let bytes = 10_000u64;
+    let w = c.alloc_window(bytes).map_err(s)?;
+    let local = c.alloc_window(bytes * n as u64).map_err(s)?;
+    w.write(0, &pattern(r as u64 + 5, bytes as usize))
+        .map_err(s)?;
+    let dc = c.dev_comm(&DevCommRequirements::default()).map_err(s)?;
+    let ctx = dc.ctx(0).map_err(s)?;
+    dc.barrier(Team::World, 0)
+        .map_err(s)?
+        .sync(0, Fence::None)
+        .map_err(s)?;
+    for p in 0..n {
+        ctx.get(p, &w, 0, &local, p as u64 * bytes, bytes)
+            .map_err(s)?;
+    }
+    ctx.flush().map_err(s)?;
+    for p in 0..n {
+        if local
+            .read_vec(p as u64 * bytes, bytes as usize)
+            .map_err(s)?
+            != pattern(p as u64 + 5, bytes as usize)
+        {
+            return Err(format!("get from rank {p} returned wrong bytes"));
+        }
+    }
+    dc.barrier(Team::World, 0)
+        .map_err(s)?
+        .sync(0, Fence::None)
+        .map_err(s)?;
+    dc.destroy().map_err(s)
+}
+
+fn reset(c: &Comm) -> R {
+    let n = c.nranks();
+    let dc = c.dev_comm(&DevCommRequirements::default()).map_err(s)?;
+    let ctx = dc.ctx(0).map_err(s)?;
+    let bar = dc.barrier(Team::World, 0).map_err(s)?;
+    for round in 0..3 {
+        for p in 0..n {
+            ctx.signal(p, Remote::signal_add(5, 10)).map_err(s)?;
+        }
+        ctx.wait_signal(5, 10 * n as u64).map_err(s)?;
+        // Everyone has seen all of this round's signals before anyone resets.
+        bar.sync(0, Fence::None).map_err(s)?;
+        ctx.reset_signal(5).map_err(s)?;
+        if ctx.read_signal(5).map_err(s)? != 0 {
+            return Err(format!("round {round}: reset_signal did not reset"));
+        }
+        bar.sync(0, Fence::None).map_err(s)?;
+    }
+    dc.destroy().map_err(s)
+}
+
+/// Signals addressed by (window, offset).
+fn va(c: &Comm) -> R {
+    let (r, n) = (c.rank(), c.nranks());
+    let flags = c.alloc_window(8 * n as u64).map_err(s)?;
+    let data = c.alloc_window(256).map_err(s)?;
+    let dc = c.dev_comm(&DevCommRequirements::default()).map_err(s)?;
+    let ctx = dc.ctx(0).map_err(s)?;
+    data.write(0, &pattern(r as u64 + 9, 256)).map_err(s)?;
+    let next = (r + 1) % n;
+    let remote = Remote::VaSignal {
+        window: &flags,
+        offset: 8 * r as u64,
+        op: SignalOp::Add(7),
+        order: Order::Strong,
+    };
+    ctx.put(next, &data, 0, &data, 0, 0, remote, Local::None)
+        .map_err(s)?;
+    let prev = (r + n - 1) % n;
+    let seen = ctx.wait_va_signal(&flags, 8 * prev as u64, 7).map_err(s)?;
+    if seen != 7 {
+        return Err(format!("VA signal reads {seen}, expected 7"));
+    }
+    ctx.flush().map_err(s)?;
+    dc.barrier(Team::World, 0)
+        .map_err(s)?
+        .sync(0, Fence::None)
+        .map_err(s)?;
+    dc.destroy().map_err(s)
+}
+
+/// Barriers with a fence make unsignalled puts visible.
+fn barrier(c: &Comm) -> R {
+    let (r, n) = (c.rank(), c.nranks());
+    let w = c.alloc_window(128 * n as u64).map_err(s)?;
+    let dc = c
+        .dev_comm(&DevCommRequirements {
+            world_barriers: 2,
+            rail_barriers: 1,
+            contexts: 2,
+            ..DevCommRequirements::default()
+        })
+        .map_err(s)?;
+    for round in 0..4u64 {
+        let ci = (round % 2) as u32;
+        let ctx = dc.ctx(ci).map_err(s)?;
+        let mine = pattern(round * 100 + r as u64, 128);
+        for p in 0..n {
+            ctx.put_value(p, &w, r as u64 * 128, round, Remote::None)
+                .map_err(s)?;
+            let _ = &mine;
+        }
+        dc.barrier(Team::World, 1)
+            .map_err(s)?
+            .sync(ci, Fence::Context)
+            .map_err(s)?;
+        for p in 0..n {
+            let v = u64::from_le_bytes(
+                w.read_vec(p as u64 * 128, 8)
+                    .map_err(s)?
+                    .try_into()
+                    .expect("8 bytes"),
+            );
+            if v != round {
+                return Err(format!(
+                    "round {round}: value from rank {p} is {v} after a fenced barrier"
+                ));
+            }
+        }
+        dc.barrier(Team::World, 1)
+            .map_err(s)?
+            .sync(ci, Fence::None)
+            .map_err(s)?;
+    }
+    let rail = dc.barrier(Team::Rail, 0).map_err(s)?;
+    rail.sync(0, Fence::AllContexts).map_err(s)?;
+    if !rail.members().contains(&r) {
+        return Err("a rank is not in its own rail".into());
+    }
+    dc.destroy().map_err(s)
+}
+
+fn expect_err(what: &str, r: Result<(), GinError>, needle: &str) -> R {
+    match r {
+        Ok(()) => Err(format!(
+            "{what}: accepted, expected an error containing {needle:?}"
+        )),
+        Err(e) if e.to_string().contains(needle) => Ok(()),
+        Err(e) => Err(format!("{what}: error {e:?} does not mention {needle:?}")),
+    }
+}
+
+/// Bad input is an error before anything moves, and the memory around
+/// windows (canaries) stays untouched.
+fn badinput(c: &Comm) -> R {
+    let (r, n) = (c.rank(), c.nranks());
+    // Sizes differ per rank: rank p has 64 + 8p bytes.
+    let size = |p: usize| 64 + 8 * p as u64;
+    let w = c.alloc_window(size(r)).map_err(s)?;
+    let canary = c.alloc_window(64).map_err(s)?;
+    w.write(0, &vec![0xAB; size(r) as usize]).map_err(s)?;
+    canary.write(0, &[0xCD; 64]).map_err(s)?;
+    let src = c.alloc_window(4096).map_err(s)?;
+    let dc = c.dev_comm(&DevCommRequirements::default()).map_err(s)?;
+    let ctx = dc.ctx(0).map_err(s)?;
+    let next = (r + 1) % n;
+    let ns = size(next);
+    dc.barrier(Team::World, 0)
+        .map_err(s)?
+        .sync(0, Fence::None)
+        .map_err(s)?;
+    expect_err(
+        "offset past the peer's window",
+        ctx.put(next, &w, ns - 4, &src, 0, 8, Remote::None, Local::None),
+        "do not fit in window",
+    )?;
+    expect_err(
+        "offset at the end",
+        ctx.put(next, &w, ns, &src, 0, 1, Remote::None, Local::None),
+        &format!("window {} of rank {next} ({ns} bytes)", w.id()),
+    )?;
+    expect_err(
+        "offset overflow",
+        ctx.put(
+            next,
+            &w,
+            u64::MAX - 3,
+            &src,
+            0,
+            8,
+            Remote::None,
+            Local::None,
+        ),
+        "do not fit",
+    )?;
+    expect_err(
+        "bytes larger than the window",
+        ctx.put(next, &w, 0, &src, 0, 4096, Remote::None, Local::None),
+        "do not fit",
+    )?;
+    expect_err(
+        "source past its window",
+        ctx.put(next, &w, 0, &src, 4090, 8, Remote::None, Local::None),
+        "put source",
+    )?;
+    expect_err(
+        "unknown signal",
+        ctx.put(
+            next,
+            &w,
+            0,
+            &src,
+            0,
+            8,
+            Remote::signal_inc(999),
+            Local::None,
+        ),
+        "unknown signal id 999",
+    )?;
+    expect_err(
+        "unknown counter",
+        ctx.put(
+            next,
+            &w,
+            0,
+            &src,
+            0,
+            8,
+            Remote::None,
+            Local::CounterInc(CounterId(500)),
+        ),
+        "unknown counter id 500",
+    )?;
+    expect_err(
+        "peer out of range",
+        ctx.put(n + 3, &w, 0, &src, 0, 8, Remote::None, Local::None),
+        &format!("peer {} does not exist", n + 3),
+    )?;
+    expect_err(
+        "context out of range",
+        dc.ctx(9).map(drop),
+        "context 9 does not exist",
+    )?;
+    expect_err(
+        "wait on unknown signal",
+        ctx.wait_signal(77, 1).map(drop),
+        "unknown signal id 77",
+    )?;
+    let misaligned = Remote::VaSignal {
+        window: &w,
+        offset: 4,
+        op: SignalOp::Inc,
+        order: Order::Strong,
+    };
+    expect_err(
+        "misaligned VA signal",
+        ctx.signal(next, misaligned),
+        "aligned",
+    )?;
+    expect_err(
+        "get past the peer's window",
+        ctx.get(next, &w, ns, &src, 0, 1),
+        "get source",
+    )?;
+    expect_err(
+        "timeout names what it waited for",
+        ctx.wait_signal_for(6, 1, Duration::from_millis(50))
+            .map(drop),
+        "signal 6 on context 0: last value 0, expected 1",
+    )?;
+    // Abort flag.
+    let flag = dc.abort_flag();
+    flag.store(1, std::sync::atomic::Ordering::Relaxed);
+    expect_err("abort flag", ctx.wait_signal(6, 1).map(drop), "aborted")?;
+    flag.store(0, std::sync::atomic::Ordering::Relaxed);
+    ctx.flush().map_err(s)?;
+    dc.barrier(Team::World, 0)
+        .map_err(s)?
+        .sync(0, Fence::Context)
+        .map_err(s)?;
+    // Nothing moved: every window still holds its canary.
+    if w.read_vec(0, size(r) as usize)
+        .map_err(s)?
+        .iter()
+        .any(|&b| b != 0xAB)
+    {
+        return Err("a refused put changed the target window".into());
+    }
+    if canary
+        .read_vec(0, 64)
+        .map_err(s)?
+        .iter()
+        .any(|&b| b != 0xCD)
+    {
+        return Err("a refused put changed a neighbouring window".into());
+    }
+    // Use after deregistration.
+    c.deregister_window(&w).map_err(s)?;
+    expect_err(
+        "use after deregistration",
+        ctx.put(next, &w, 0, &src, 0, 8, Remote::None, Local::None),
+        "deregistered",
+    )?;
+    expect_err(
+        "read after deregistration",
+        w.read(0, &mut [0; 8]),
+        "deregistered",
+    )?;
+    dc.destroy().map_err(s)
+}
+
+/// The victim crashes while everyone else waits for a signal it would send.
+fn die(c: &Comm, victim: usize) -> R {
+    let (r, n) = (c.rank(), c.nranks());
+    let dc = c.dev_comm(&DevCommRequirements::default()).map_err(s)?;
+    let ctx = dc.ctx(0).map_err(s)?;
+    dc.barrier(Team::World, 0)
+        .map_err(s)?
+        .sync(0, Fence::None)
+        .map_err(s)?;
+    if r == victim {
+        std::process::abort();
+    }
+    let t = Instant::now();
+    // Every other rank signals everyone, the victim never does.
+    for p in (0..n).filter(|&p| p != victim) {
+        let _ = ctx.signal(p, Remote::signal_inc(0));
+    }
+    match ctx.wait_signal(0, n as u64) {
+        Ok(_) => Err("the wait succeeded without the victim's signal".into()),
+        Err(e) => Err(format!("{e} (after {:.2}s)", t.elapsed().as_secs_f64())),
+    }
+}

@@ -1,0 +1,161 @@
+//! Multi-process tests: the device API across rank processes started by the
+//! launcher users use, under every backend and transport.
+
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+use std::time::Duration;
+
+use gin_bootstrap::{LaunchReport, LaunchSpec, Output, launch};
+
+const BIN: &str = env!("CARGO_BIN_EXE_gin-selftest");
+
+/// (name, environment) of each way to run.
+const MODES: [(&str, &[(&str, &str)]); 3] = [
+    ("auto (direct load/store)", &[]),
+    ("proxy over shm", &[("GIN_BACKEND", "proxy")]),
+    (
+        "proxy over tcp",
+        &[("GIN_BACKEND", "proxy"), ("GIN_TRANSPORT", "tcp")],
+    ),
+];
+
+fn run(n: usize, args: &[&str], env: &[(&str, &str)], timeout: &str) -> LaunchReport {
+    let mut spec = LaunchSpec::new(n, BIN, args.iter().copied()).env("GIN_TIMEOUT", timeout);
+    for (k, v) in env {
+        spec = spec.env(k, v);
+    }
+    spec.output = Output::Capture;
+    spec.grace = Duration::from_secs(20);
+    spec.limit = Some(Duration::from_secs(180));
+    launch(&spec).unwrap()
+}
+
+fn assert_ok(report: &LaunchReport, what: &str) {
+    for r in &report.ranks {
+        assert!(
+            r.success(),
+            "{what}, rank {}: {:?}\n{}{}",
+            r.rank,
+            r.status,
+            r.stdout,
+            r.stderr
+        );
+        assert!(
+            r.stdout.contains(" ok in "),
+            "{what}, rank {}: {}",
+            r.rank,
+            r.stdout
+        );
+    }
+}
+
+#[test]
+fn every_scenario_passes_on_every_path_with_2_to_8_ranks() {
+    for (name, env) in MODES {
+        for n in [2, 3, 5, 8] {
+            let report = run(n, &["all"], env, "60");
+            assert_ok(&report, &format!("{name}, {n} ranks"));
+        }
+    }
+}
+
+#[test]
+fn paths_follow_the_transport_choice() {
+    let report = run(2, &["ring"], &[("GIN_TRANSPORT", "tcp")], "60");
+    assert_ok(&report, "tcp");
+    assert!(
+        report.ranks[0].stdout.contains(r#"paths ["local", "tcp"]"#),
+        "{}",
+        report.ranks[0].stdout
+    );
+    let report = run(2, &["ring"], &[], "60");
+    assert!(
+        report.ranks[1].stdout.contains(r#"paths ["shm", "local"]"#),
+        "{}",
+        report.ranks[1].stdout
+    );
+    // Two hosts by identity: auto must cross them over tcp.
+    let mut spec = LaunchSpec::new(
+        2,
+        "sh",
+        ["-c", &format!("GIN_HOSTID=host$GIN_RANK exec {BIN} ring")],
+    );
+    spec.output = Output::Capture;
+    let report = launch(&spec).unwrap();
+    assert_ok(&report, "two host ids");
+    assert!(
+        report.ranks[0].stdout.contains(r#"paths ["local", "tcp"]"#),
+        "{}",
+        report.ranks[0].stdout
+    );
+}
+
+#[test]
+fn a_peer_killed_mid_run_fails_the_survivors_promptly() {
+    for (name, env) in MODES {
+        // A long timeout: a prompt failure proves death detection.
+        let report = run(4, &["die", "2"], env, "60");
+        assert!(
+            report.elapsed < Duration::from_secs(30),
+            "{name}: took {:?}",
+            report.elapsed
+        );
+        for r in report.ranks.iter().filter(|r| r.rank != 2) {
+            assert_eq!(
+                r.status.and_then(|s| s.code()),
+                Some(3),
+                "{name}, rank {}: {}{}",
+                r.rank,
+                r.stdout,
+                r.stderr
+            );
+            assert!(
+                r.stdout.contains("rank 2 died"),
+                "{name}, rank {}: {}",
+                r.rank,
+                r.stdout
+            );
+            assert!(
+                !r.stopped,
+                "{name}: rank {} hung until the launcher stopped it",
+                r.rank
+            );
+        }
+    }
+}
+
+#[test]
+fn unavailable_choices_are_clear_errors_listing_the_alternatives() {
+    let report = run(2, &["ring"], &[("GIN_BACKEND", "gdaki")], "20");
+    for r in &report.ranks {
+        assert!(
+            r.stdout.contains("GIN_BACKEND=gdaki is not available")
+                && r.stdout.contains("available: auto, proxy"),
+            "{}",
+            r.stdout
+        );
+    }
+    let report = run(1, &["ring"], &[("GIN_TRANSPORT", "infiniband")], "20");
+    assert!(
+        report.ranks[0].stdout.contains("available: auto, shm, tcp"),
+        "{}",
+        report.ranks[0].stdout
+    );
+    let mut spec = LaunchSpec::new(
+        2,
+        "sh",
+        [
+            "-c",
+            &format!("GIN_TRANSPORT=shm GIN_HOSTID=h$GIN_RANK exec {BIN} ring"),
+        ],
+    );
+    spec.output = Output::Capture;
+    let report = launch(&spec).unwrap();
+    assert!(
+        report.ranks[0]
+            .stdout
+            .contains("shm reaches only this host"),
+        "{}",
+        report.ranks[0].stdout
+    );
+}
