@@ -63,7 +63,7 @@ pub fn run(args: &BootstrapArgs, argv: &[String]) -> Result<()> {
             "bootstrap: measuring {n} ranks ({} runs x {} iterations)...",
             args.runs, args.iters
         );
-        let r: RankCountResult = ranks::spawn_self(n, argv)?;
+        let r: RankCountResult = ranks::spawn_self(n, argv, &[])?;
         results.push(r);
     }
     print_table(&results);
@@ -179,16 +179,4 @@ fn rank_main(args: &BootstrapArgs) -> Result<()> {
         ranks::emit(&result)?;
     }
     Ok(())
-}
-
-impl BootstrapArgs {
-    /// The defaults, as if `bootstrap` were given with no flags.
-    pub fn default_args() -> Self {
-        #[derive(clap::Parser)]
-        struct P {
-            #[command(flatten)]
-            a: BootstrapArgs,
-        }
-        <P as clap::Parser>::parse_from(["bootstrap"]).a
-    }
 }

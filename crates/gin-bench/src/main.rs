@@ -5,10 +5,11 @@
 //! started by a launcher (`cargo xtask launch`, torchrun, Slurm, Open MPI), it
 //! is one rank of the job.
 //!
-//! Until the put-with-signal ping-pong lands, the default run (no subcommand)
-//! is the bootstrap collectives benchmark.
+//! The default run (no subcommand) is the put-with-signal ping-pong between
+//! two local ranks on the auto backend.
 
 mod bootstrap;
+mod pingpong;
 mod ranks;
 mod stats;
 
@@ -24,6 +25,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Cmd {
+    /// Put-with-signal ping-pong between ranks 0 and 1, 8 B to 4 MiB (the default).
+    Pingpong(pingpong::PingPongArgs),
     /// Host bootstrap collectives (allgather, all-to-all, barrier, broadcast) versus rank count.
     Bootstrap(bootstrap::BootstrapArgs),
 }
@@ -34,11 +37,12 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
         Some(Cmd::Bootstrap(a)) => bootstrap::run(&a, &argv),
+        Some(Cmd::Pingpong(a)) => pingpong::run(&a, &argv),
         None => {
-            let a = bootstrap::BootstrapArgs::default_args();
+            let a = pingpong::PingPongArgs::default_args();
             let mut argv = argv;
-            argv.insert(0, "bootstrap".to_owned());
-            bootstrap::run(&a, &argv)
+            argv.insert(0, "pingpong".to_owned());
+            pingpong::run(&a, &argv)
         }
     }
 }

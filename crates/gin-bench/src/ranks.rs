@@ -24,9 +24,16 @@ pub fn emit<T: serde::Serialize>(value: &T) -> Result<()> {
 
 /// Runs this same executable as `nranks` local ranks with the same arguments
 /// and returns rank 0's result.
-pub fn spawn_self<T: DeserializeOwned>(nranks: usize, args: &[String]) -> Result<T> {
+pub fn spawn_self<T: DeserializeOwned>(
+    nranks: usize,
+    args: &[String],
+    env: &[(String, String)],
+) -> Result<T> {
     let exe = std::env::current_exe().context("finding the gin-bench executable")?;
     let mut spec = LaunchSpec::new(nranks, exe, args.iter().cloned());
+    for (k, v) in env {
+        spec = spec.env(k, v);
+    }
     spec.output = Output::Capture;
     spec.grace = Duration::from_secs(10);
     spec.config = gin_bootstrap::Config::from_env()?;

@@ -49,22 +49,23 @@ impl Config {
     }
 }
 
-/// Parses `30`, `30s`, `1.5s`, `250ms`, `2m` or `1h` (bare numbers are seconds).
+/// Parses `30`, `30s`, `1.5s`, `250ms`, `100us`, `2m` or `1h` (bare numbers are seconds).
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let t = text.trim();
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let v: f64 = num
-        .parse()
-        .map_err(|_| format!("expected a number with an optional unit (ms, s, m, h), got {t:?}"))?;
+    let v: f64 = num.parse().map_err(|_| {
+        format!("expected a number with an optional unit (us, ms, s, m, h), got {t:?}")
+    })?;
     let secs = match unit.trim() {
         "" | "s" => v,
         "ms" => v / 1e3,
+        "us" | "µs" => v / 1e6,
         "m" | "min" => v * 60.0,
         "h" => v * 3600.0,
-        u => return Err(format!("unknown unit {u:?} (use ms, s, m or h)")),
+        u => return Err(format!("unknown unit {u:?} (use us, ms, s, m or h)")),
     };
     if !secs.is_finite() || secs <= 0.0 || secs > 1e9 {
         return Err(format!("{t:?} is not a usable timeout"));
@@ -377,6 +378,7 @@ mod tests {
     fn timeouts_parse_with_units() {
         assert_eq!(parse_duration("30").unwrap(), Duration::from_secs(30));
         assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(parse_duration("100us").unwrap(), Duration::from_micros(100));
         assert_eq!(parse_duration("1.5s").unwrap(), Duration::from_millis(1500));
         assert_eq!(parse_duration("2m").unwrap(), Duration::from_mins(2));
         for bad in ["", "s", "-1", "0", "3 parsecs", "nan"] {

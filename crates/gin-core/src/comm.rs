@@ -545,6 +545,7 @@ impl Comm {
             ProxyConfig {
                 ring_log2: depth.trailing_zeros(),
                 timeout: self.settings.timeout,
+                spin: self.settings.proxy_spin,
             },
         )?);
         let direct = self.settings.backend == BackendKind::Auto;

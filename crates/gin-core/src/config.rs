@@ -42,6 +42,9 @@ pub struct Settings {
     pub signal_slots: u64,
     /// Counter slots per rank (`GIN_COUNTER_SLOTS`).
     pub counter_slots: u64,
+    /// How long an idle proxy polls before sleeping (`GIN_PROXY_SPIN`,
+    /// default 100 µs): latency against CPU left to the ranks.
+    pub proxy_spin: Duration,
 }
 
 impl Settings {
@@ -96,6 +99,11 @@ impl Settings {
             timeout,
             signal_slots: slots("GIN_SIGNAL_SLOTS", 1 << 16)?,
             counter_slots: slots("GIN_COUNTER_SLOTS", 1 << 16)?,
+            proxy_spin: match get("GIN_PROXY_SPIN") {
+                Some(v) => gin_bootstrap::parse_duration(&v)
+                    .map_err(|why| CoreError::Invalid(format!("GIN_PROXY_SPIN={v:?}: {why}")))?,
+                None => Duration::from_micros(100),
+            },
         })
     }
 }

@@ -655,7 +655,9 @@ impl<'a> Ctx<'a> {
         // when this one promises ordering.
         if slot.is_some() {
             let used = &self.dc.backend_used[self.ctx as usize * self.dc.p.nranks + op.peer];
-            if used.swap(false, Ordering::Relaxed) {
+            // A plain load first: the swap is an atomic read-modify-write,
+            // too dear for every direct put.
+            if used.load(Ordering::Relaxed) && used.swap(false, Ordering::Relaxed) {
                 let t = self.dc.p.backend.ticket(self.ctx, Some(op.peer))?;
                 self.wait_ticket(&t, self.dc.p.timeout)?;
             }

@@ -24,6 +24,9 @@ pub struct ProxyConfig {
     pub ring_log2: u32,
     /// How long a producer waits for ring credit before failing.
     pub timeout: Duration,
+    /// How long an idle proxy keeps polling (yielding) before it sleeps
+    /// until a producer wakes it.
+    pub spin: Duration,
 }
 
 impl Default for ProxyConfig {
@@ -31,6 +34,7 @@ impl Default for ProxyConfig {
         Self {
             ring_log2: 8,
             timeout: Duration::from_secs(300),
+            spin: Duration::from_micros(100),
         }
     }
 }
@@ -301,6 +305,7 @@ impl Backend for Proxy {
 fn run(s: &Shared) {
     let mut cursors = vec![0u64; s.rings.len()];
     let mut idle = 0u32;
+    let mut idle_since = Instant::now();
     while !s.stop.load(Ordering::Relaxed) {
         let mut did = 0u64;
         for (i, ring) in s.rings.iter().enumerate() {
@@ -330,10 +335,15 @@ fn run(s: &Shared) {
             idle = 0;
             continue;
         }
-        idle += 1;
+        if idle == 0 {
+            idle_since = Instant::now();
+        }
+        idle = idle.saturating_add(1);
         if idle < 64 {
             std::hint::spin_loop();
-        } else if idle < 256 {
+        } else if idle_since.elapsed() < s.config.spin {
+            // Yielding keeps the proxy responsive without starving ranks
+            // that share its core; a parked proxy costs a wake-up (µs).
             thread::yield_now();
         } else {
             // Sleep until a producer wakes us. Announce first, then look once
