@@ -482,8 +482,14 @@ impl Comm {
             }
             BackendKind::Auto | BackendKind::Proxy => {}
         }
-        let per_ctx =
-            u64::from(req.signals) + u64::from(req.world_barriers) + u64::from(req.rail_barriers);
+        let per_ctx = gin_device::signal_slots_per_context(
+            req.signals,
+            req.world_barriers,
+            req.rail_barriers,
+            n,
+        )
+        .map(u64::from)
+        .ok_or_else(|| CoreError::Invalid("signal and barrier counts overflow".into()))?;
         let nsig = per_ctx * u64::from(req.contexts);
         let ncnt = u64::from(req.counters) * u64::from(req.contexts);
         let (signal_base, counter_base) = {
@@ -563,6 +569,7 @@ impl Comm {
             rail_barriers: req.rail_barriers,
             signal_window: self.signal_window.clone(),
             signal_base,
+            signal_slots: nsig,
             counters: self.counters.clone(),
             counter_base,
             lsa: (0..n)

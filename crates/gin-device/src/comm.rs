@@ -136,6 +136,8 @@ pub struct DevCommParts {
     /// communicator's first slot in it.
     pub signal_window: Window,
     pub signal_base: u64,
+    /// Slots allocated from `signal_base` on.
+    pub signal_slots: u64,
     pub counters: Arc<Counters>,
     pub counter_base: u64,
     /// Peers reached by direct load/store (same-host shared memory).
@@ -169,19 +171,44 @@ pub struct DevComm {
     error_word: Box<AtomicU64>,
 }
 
+/// Signal slots a device communicator needs per context: the user's
+/// signals, then one slot per (barrier, sending rank). The host layer
+/// allocates `contexts` times this many; None on overflow.
+pub fn signal_slots_per_context(
+    nsignals: u32,
+    world_barriers: u32,
+    rail_barriers: u32,
+    nranks: usize,
+) -> Option<u32> {
+    let n = u32::try_from(nranks).ok()?;
+    world_barriers
+        .checked_add(rail_barriers)?
+        .checked_mul(n)?
+        .checked_add(nsignals)
+}
+
 impl DevComm {
     /// Assembles a device communicator from what the host layer set up.
     pub fn new(p: DevCommParts) -> Result<Self, GinError> {
-        let per_ctx = p
-            .nsignals
-            .checked_add(p.world_barriers)
-            .and_then(|v| v.checked_add(p.rail_barriers))
-            .ok_or(GinError::Unsupported {
+        let per_ctx =
+            signal_slots_per_context(p.nsignals, p.world_barriers, p.rail_barriers, p.nranks)
+                .ok_or(GinError::Unsupported {
+                    rank: p.rank,
+                    what: "signal count",
+                    why: "signals plus barrier slots overflow u32".into(),
+                })?;
+        let slots = u64::from(per_ctx) * u64::from(p.nctx);
+        if slots > p.signal_slots {
+            return Err(GinError::Unsupported {
                 rank: p.rank,
-                what: "signal count",
-                why: "signals plus barriers overflow u32".into(),
-            })?;
-        let need = u64::from(per_ctx) * u64::from(p.nctx) * 8;
+                what: "signal range",
+                why: format!(
+                    "needs {slots} slots, the host layer allocated {}",
+                    p.signal_slots
+                ),
+            });
+        }
+        let need = slots * 8;
         let have = p
             .signal_window
             .local_size()
@@ -299,12 +326,9 @@ impl DevComm {
 
     /// A barrier over `team`, using barrier `index` of that team.
     pub fn barrier(&self, team: Team, index: u32) -> Result<BarrierSession<'_>, GinError> {
-        let (count, first) = match team {
-            Team::World => (self.p.world_barriers, self.p.nsignals),
-            Team::Rail => (
-                self.p.rail_barriers,
-                self.p.nsignals + self.p.world_barriers,
-            ),
+        let (count, number) = match team {
+            Team::World => (self.p.world_barriers, index),
+            Team::Rail => (self.p.rail_barriers, self.p.world_barriers + index),
         };
         if index >= count {
             return Err(GinError::Unsupported {
@@ -319,8 +343,9 @@ impl DevComm {
             dc: self,
             team,
             members: self.team(team),
-            signal: first + index,
-            epoch_index: (first - self.p.nsignals + index) as usize,
+            // Each barrier owns one slot per sending rank, past the user ids.
+            signal: self.p.nsignals + number * self.p.nranks as u32,
+            epoch_index: number as usize,
         })
     }
 
@@ -362,12 +387,28 @@ impl DevComm {
         Ok(())
     }
 
-    fn health(&self) -> Result<(), GinError> {
+    fn job_health(&self) -> Result<(), GinError> {
         self.p.health.check().map_err(|why| GinError::JobFailed {
             rank: self.p.rank,
             why,
-        })?;
-        self.p.backend.health()
+        })
+    }
+
+    fn health(&self) -> Result<(), GinError> {
+        self.job_health()?;
+        let Err(e) = self.p.backend.health() else {
+            return Ok(());
+        };
+        // A broken link is often the echo of a death the job-level watch is
+        // about to report (a peer that quit because a third rank died):
+        // give it a moment, so the error names the cause, not the echo.
+        // Failure path only.
+        let until = std::time::Instant::now() + Duration::from_millis(250);
+        while std::time::Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+            self.job_health()?;
+        }
+        Err(e)
     }
 
     /// Polls `ready` with this communicator's timeout, abort flag and health.
@@ -910,8 +951,14 @@ impl<'a> Ctx<'a> {
     }
 }
 
-/// A barrier over a team, built on signals: each member signals every other
-/// member, then waits for as many signals as there are other members.
+/// A barrier over a team, built on signals: each member increments its own
+/// slot at every other member, then waits until the slot of every other
+/// member has reached this barrier's epoch.
+///
+/// One slot per sender, not one shared counter: with a shared counter a fast
+/// member's signal for the next barrier could stand in for a slow member's
+/// signal for this one (signals to different peers travel different
+/// connections and may overtake each other).
 #[derive(Debug)]
 pub struct BarrierSession<'a> {
     dc: &'a DevComm,
@@ -951,18 +998,22 @@ impl BarrierSession<'_> {
             let t = self.dc.p.backend.ticket(ctx, Some(me))?;
             c.wait_ticket(&t, self.dc.p.timeout)?;
         }
-        let update = c.slot_update(self.signal, SignalOp::Inc, order);
+        let update = c.slot_update(self.signal + me as u32, SignalOp::Inc, order);
         for &peer in self.members.iter().filter(|&&p| p != me) {
             c.issue_put_update(peer, update)?;
         }
         let epoch = &self.dc.epochs[self.epoch_index * self.dc.p.nctx as usize + ctx as usize];
-        let others = self.members.len() as u64 - 1;
-        let target = (epoch.load(Ordering::Relaxed) + 1) * others;
-        let slot = c.raw_signal_slot(self.signal)?;
+        let target = epoch.load(Ordering::Relaxed) + 1;
         let team = self.team;
-        c.wait_slot(slot, target, self.dc.p.timeout, &|| {
-            format!("{team:?} barrier (signal {}, {others} peers)", self.signal)
-        })?;
+        for &peer in self.members.iter().filter(|&&p| p != me) {
+            let slot = c.raw_signal_slot(self.signal + peer as u32)?;
+            c.wait_slot(slot, target, self.dc.p.timeout, &|| {
+                format!(
+                    "{team:?} barrier {} (rank {peer}'s arrival)",
+                    self.epoch_index
+                )
+            })?;
+        }
         epoch.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }

@@ -464,7 +464,7 @@ impl Link {
             if let Err(e) = r.read_exact(&mut h) {
                 break if e.kind() == std::io::ErrorKind::UnexpectedEof {
                     format!(
-                        "rank {} died or became unreachable: its transport closed the connection",
+                        "lost the connection to rank {}'s transport (that rank exited, died or became unreachable)",
                         self.peer
                     )
                 } else {
