@@ -40,17 +40,19 @@ pub(crate) fn poll<E>(
     mut ready: impl FnMut() -> bool,
     mut health: impl FnMut() -> Result<(), E>,
 ) -> Result<(), Stop<E>> {
-    let start = Instant::now();
-    let mut next_check = start;
-    let mut spins = 0u32;
-    loop {
+    // The common case on a fast path: the value is (nearly) there. Spin a
+    // little before reading the clock, which costs as much as a short wait.
+    for _ in 0..200 {
         if ready() {
             return Ok(());
         }
-        spins = spins.saturating_add(1);
-        if spins < 200 {
-            std::hint::spin_loop();
-            continue;
+        std::hint::spin_loop();
+    }
+    let start = Instant::now();
+    let mut next_check = start;
+    loop {
+        if ready() {
+            return Ok(());
         }
         let now = Instant::now();
         if now >= next_check {

@@ -26,6 +26,7 @@
 pub mod fabric;
 pub mod region;
 pub mod shm;
+pub mod sticky;
 pub mod tcp;
 
 pub use fabric::{Addr, Fabric, MemDesc, Path};

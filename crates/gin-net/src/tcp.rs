@@ -135,7 +135,7 @@ pub struct Link {
     seq: AtomicU64,
     next_req: AtomicU64,
     pending: Mutex<HashMap<u64, Pending>>,
-    error: Mutex<Option<String>>,
+    error: crate::sticky::StickyError,
     closing: Arc<AtomicBool>,
 }
 
@@ -416,7 +416,7 @@ impl Link {
             seq: AtomicU64::new(0),
             next_req: AtomicU64::new(1),
             pending: Mutex::new(HashMap::new()),
-            error: Mutex::new(None),
+            error: crate::sticky::StickyError::default(),
             closing,
         });
         let l = link.clone();
@@ -428,15 +428,9 @@ impl Link {
     }
 
     fn fail(&self, why: String) {
-        let mut e = self
-            .error
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if e.is_none() {
+        if self.error.set(why.clone()) {
             warn!(rank = self.rank, peer = self.peer, %why, "tcp transport error");
-            *e = Some(why.clone());
         }
-        drop(e);
         // Nothing pending will be answered now: release every waiter.
         let pending: Vec<Pending> = self
             .pending
@@ -559,14 +553,10 @@ impl Link {
 
     /// The first error this link saw, if any.
     pub fn check(&self) -> Result<(), NetError> {
-        match &*self
-            .error
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-        {
-            Some(e) => Err(NetError::Remote {
+        match self.error.get() {
+            Some(why) => Err(NetError::Remote {
                 peer: self.peer,
-                why: e.clone(),
+                why,
             }),
             None => Ok(()),
         }

@@ -2,7 +2,7 @@
 //! thread that drains the rings through gin-net.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::thread::{self, JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
@@ -47,7 +47,7 @@ struct Shared {
     rings: Vec<Ring>,
     fabric: Arc<Fabric>,
     counters: Arc<Counters>,
-    error: Mutex<Option<String>>,
+    error: gin_net::sticky::StickyError,
     stop: AtomicBool,
     sleeping: AtomicBool,
     thread: OnceLock<Thread>,
@@ -82,7 +82,7 @@ impl Proxy {
                 .collect(),
             fabric,
             counters,
-            error: Mutex::new(None),
+            error: gin_net::sticky::StickyError::default(),
             stop: AtomicBool::new(false),
             sleeping: AtomicBool::new(false),
             thread: OnceLock::new(),
@@ -172,13 +172,8 @@ impl Drop for Proxy {
 
 impl Shared {
     fn fail(&self, why: String) {
-        let mut e = self
-            .error
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if e.is_none() {
+        if self.error.set(why.clone()) {
             error!(rank = self.rank, %why, "proxy backend failed");
-            *e = Some(why);
         }
     }
 
@@ -282,16 +277,12 @@ impl Backend for Proxy {
 
     fn health(&self) -> Result<(), GinError> {
         let s = &self.shared;
-        if let Some(why) = &*s
-            .error
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-        {
+        if let Some(why) = s.error.get() {
             return Err(GinError::Failed {
                 rank: s.rank,
                 ctx: 0,
                 what: "proxy backend".into(),
-                why: why.clone(),
+                why,
             });
         }
         s.fabric.health().map_err(|e| GinError::JobFailed {

@@ -1,0 +1,54 @@
+//! A first-error-wins cell: once a link or backend fails it stays failed, and
+//! every later check reports the first cause. Checking is one atomic load
+//! while nothing has failed, so hot paths can check on every call.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+#[derive(Debug, Default)]
+pub struct StickyError {
+    failed: AtomicBool,
+    why: Mutex<Option<String>>,
+}
+
+impl StickyError {
+    /// Records `why` unless an error is already recorded; true if it was
+    /// the first.
+    pub fn set(&self, why: String) -> bool {
+        let mut w = self
+            .why
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if w.is_some() {
+            return false;
+        }
+        *w = Some(why);
+        self.failed.store(true, Ordering::Release);
+        true
+    }
+
+    /// The first error, if any.
+    pub fn get(&self) -> Option<String> {
+        if !self.failed.load(Ordering::Acquire) {
+            return None;
+        }
+        self.why
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_error_wins() {
+        let s = StickyError::default();
+        assert_eq!(s.get(), None);
+        assert!(s.set("first".into()));
+        assert!(!s.set("second".into()));
+        assert_eq!(s.get().as_deref(), Some("first"));
+    }
+}
