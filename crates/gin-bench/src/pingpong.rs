@@ -37,7 +37,7 @@ pub struct PingPongArgs {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "8,64,512,4k,32k,256k,1m,4m"
+        default_value = "8,64,512,4k,32k,64k,256k,1m,4m"
     )]
     pub sizes: Vec<String>,
     /// Round trips per size at 64 KiB and below (fewer above, at least 50).
