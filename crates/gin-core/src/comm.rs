@@ -579,6 +579,7 @@ impl Comm {
             rail: self.rail.clone(),
             strong_signals: req.strong_signals,
             va_signals: req.va_signals,
+            exclusive_contexts: req.exclusive_contexts,
             backend: proxy.clone(),
             health: Arc::new(BootstrapHealth(self.bootstrap.clone())),
             timeout: self.settings.timeout,

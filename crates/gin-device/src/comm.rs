@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
-use crate::abi::{DEVCOMM_FLAG_STRONG_SIGNALS, DEVCOMM_FLAG_VA_SIGNALS, DevCommAbi};
+use crate::abi::{
+    DEVCOMM_FLAG_EXCLUSIVE_CTX, DEVCOMM_FLAG_STRONG_SIGNALS, DEVCOMM_FLAG_VA_SIGNALS, DevCommAbi,
+};
 use crate::error::GinError;
 use crate::ops::{Fence, Local, Order, Remote, SignalOp, Team};
 use crate::wait::{COUNTER_MASK, Stop, counter_reached, poll, signal_reached};
@@ -149,6 +151,9 @@ pub struct DevCommParts {
     pub rail: Vec<usize>,
     pub strong_signals: bool,
     pub va_signals: bool,
+    /// Each context is used by one thread only (a promise recorded in the
+    /// ABI; device code may then reserve without atomics).
+    pub exclusive_contexts: bool,
     pub backend: Arc<dyn Backend>,
     pub health: Arc<dyn Health>,
     pub timeout: Duration,
@@ -235,6 +240,9 @@ impl DevComm {
         }
         if p.va_signals {
             flags |= DEVCOMM_FLAG_VA_SIGNALS;
+        }
+        if p.exclusive_contexts {
+            flags |= DEVCOMM_FLAG_EXCLUSIVE_CTX;
         }
         let abi = DevCommAbi {
             rank: p.rank as u32,
@@ -524,6 +532,7 @@ impl<'a> Ctx<'a> {
                         nsignals: dc.p.nsignals,
                     });
                 }
+                self.check_order(order)?;
                 Some(self.slot_update(id.0, op, order))
             }
             Remote::VaSignal {
@@ -550,6 +559,7 @@ impl<'a> Ctx<'a> {
                         align: 8,
                     });
                 }
+                self.check_order(order)?;
                 Some(SignalUpdate {
                     window,
                     offset,
@@ -558,6 +568,17 @@ impl<'a> Ctx<'a> {
                 })
             }
         })
+    }
+
+    fn check_order(&self, order: Order) -> Result<(), GinError> {
+        if order == Order::Strong && !self.dc.p.strong_signals {
+            return Err(GinError::Unsupported {
+                rank: self.dc.p.rank,
+                what: "a strong signal",
+                why: "the requirements did not ask for strong signals; use Order::Weak".into(),
+            });
+        }
+        Ok(())
     }
 
     fn slot_update(&self, id: u32, op: SignalOp, order: Order) -> SignalUpdate<'a> {

@@ -4,7 +4,7 @@
 //! it under every backend and transport.
 //!
 //! Scenarios: `all` (every functional check), `ring`, `alltoall`, `order`,
-//! `counters`, `flush`, `get`, `reset`, `va`, `barrier`, `badinput`,
+//! `counters`, `flush`, `get`, `reset`, `va`, `barrier`, `badinput`, `reuse`,
 //! `die VICTIM` (VICTIM crashes while the others wait on it; they must fail
 //! with an error naming it). A failed check prints `FAILED: ...` and exits 3.
 
@@ -57,6 +57,7 @@ fn main() -> ExitCode {
         "va" => va(&comm),
         "barrier" => barrier(&comm),
         "badinput" => badinput(&comm),
+        "reuse" => reuse(&comm),
         "die" => die(&comm, args.get(1).and_then(|v| v.parse().ok()).unwrap_or(1)),
         other => Err(format!("unknown scenario {other:?}")),
     };
@@ -94,6 +95,7 @@ fn all(c: &Comm) -> R {
         ("va", va),
         ("barrier", barrier),
         ("badinput", badinput),
+        ("reuse", reuse),
     ] {
         f(c).map_err(|e| format!("{name}: {e}"))?;
     }
@@ -690,4 +692,53 @@ fn die(c: &Comm, victim: usize) -> R {
         Ok(_) => Err("the wait succeeded without the victim's signal".into()),
         Err(e) => Err(format!("{e} (after {:.2}s)", t.elapsed().as_secs_f64())),
     }
+}
+
+/// Ids freed by destroy are reused: far more create/destroy cycles than the
+/// signal space could hold at once. Asking for more than it holds is a clear
+/// error, and requirements are honoured (no strong signals when not asked).
+fn reuse(c: &Comm) -> R {
+    let slots = c.settings().signal_slots;
+    let big = DevCommRequirements {
+        signals: (slots / 4) as u32,
+        ..DevCommRequirements::default()
+    };
+    for round in 0..12 {
+        let dc = c
+            .dev_comm(&big)
+            .map_err(|e| format!("cycle {round}: {e}"))?;
+        dc.ctx(0)
+            .map_err(s)?
+            .signal(c.rank(), Remote::signal_inc(0))
+            .map_err(s)?;
+        dc.destroy().map_err(s)?;
+    }
+    let too_big = DevCommRequirements {
+        signals: slots as u32 + 1,
+        ..DevCommRequirements::default()
+    };
+    match c.dev_comm(&too_big) {
+        Ok(_) => return Err("a communicator larger than the signal space was created".into()),
+        Err(e) if e.to_string().contains("signal space exhausted") => {}
+        Err(e) => return Err(format!("exhaustion error does not say so: {e}")),
+    }
+    let weak_only = DevCommRequirements {
+        strong_signals: false,
+        ..DevCommRequirements::default()
+    };
+    let dc = c.dev_comm(&weak_only).map_err(s)?;
+    let ctx = dc.ctx(0).map_err(s)?;
+    expect_err(
+        "strong signal without the requirement",
+        ctx.signal(c.rank(), Remote::signal_inc(0)),
+        "strong signals",
+    )?;
+    let weak = Remote::Signal {
+        id: gin_core::SignalId(0),
+        op: SignalOp::Inc,
+        order: Order::Weak,
+    };
+    ctx.signal(c.rank(), weak).map_err(s)?;
+    ctx.wait_signal(0, 1).map_err(s)?;
+    dc.destroy().map_err(s)
 }
