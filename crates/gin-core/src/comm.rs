@@ -552,6 +552,9 @@ impl Comm {
                 ring_log2: depth.trailing_zeros(),
                 timeout: self.settings.timeout,
                 spin: self.settings.proxy_spin,
+                // `auto` lets a CPU rank send to tcp peers itself when nothing
+                // is queued; `proxy` keeps every operation on the proxy thread.
+                inline_tcp: self.settings.backend == BackendKind::Auto,
             },
         )?);
         let direct = self.settings.backend == BackendKind::Auto;

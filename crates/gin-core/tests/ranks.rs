@@ -10,8 +10,12 @@ use gin_bootstrap::{LaunchReport, LaunchSpec, Output, launch};
 const BIN: &str = env!("CARGO_BIN_EXE_gin-selftest");
 
 /// (name, environment) of each way to run.
-const MODES: [(&str, &[(&str, &str)]); 3] = [
+const MODES: [(&str, &[(&str, &str)]); 4] = [
     ("auto (direct load/store)", &[]),
+    (
+        "auto over tcp (ranks send when their ring is empty)",
+        &[("GIN_TRANSPORT", "tcp")],
+    ),
     ("proxy over shm", &[("GIN_BACKEND", "proxy")]),
     (
         "proxy over tcp",

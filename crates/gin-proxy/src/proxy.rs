@@ -27,6 +27,11 @@ pub struct ProxyConfig {
     /// How long an idle proxy keeps polling (yielding) before it sleeps
     /// until a producer wakes it.
     pub spin: Duration,
+    /// CPU ranks only: a put to a peer reached over TCP whose ring is empty
+    /// is sent by the calling thread instead of the proxy thread. Ordering
+    /// holds because an empty ring means everything queued before was
+    /// already written to the same ordered link. Off for pure-proxy runs.
+    pub inline_tcp: bool,
 }
 
 impl Default for ProxyConfig {
@@ -35,6 +40,7 @@ impl Default for ProxyConfig {
             ring_log2: 8,
             timeout: Duration::from_secs(300),
             spin: Duration::from_micros(100),
+            inline_tcp: false,
         }
     }
 }
@@ -225,6 +231,35 @@ impl Backend for Proxy {
             }),
             counter,
         };
+        if self.shared.config.inline_tcp
+            && matches!(
+                self.shared.fabric.path(op.peer),
+                Some(gin_net::Path::Tcp(_))
+            )
+        {
+            let ring = self.ring(op.ctx, op.peer);
+            if ring.head() == ring.tail() {
+                d.validate().map_err(|e| GinError::Unsupported {
+                    rank: self.shared.rank,
+                    what: "operation",
+                    why: e.to_string(),
+                })?;
+                self.health()?;
+                return execute_put(&self.shared, op.peer, &d).map_err(|why| {
+                    let why = format!(
+                        "put to rank {} on context {} failed: {why}",
+                        op.peer, op.ctx
+                    );
+                    self.shared.fail(why.clone());
+                    GinError::Failed {
+                        rank: self.shared.rank,
+                        ctx: op.ctx,
+                        what: format!("put to rank {}", op.peer),
+                        why,
+                    }
+                });
+            }
+        }
         self.enqueue(op.ctx, op.peer, &d)
     }
 
