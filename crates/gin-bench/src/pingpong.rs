@@ -226,32 +226,26 @@ fn rank_main(args: &PingPongArgs, sizes: &[u64]) -> Result<()> {
         let mut samples = Vec::with_capacity(iters);
         if r <= 1 {
             let peer = 1 - r;
+            let put = || {
+                ctx.put(
+                    peer,
+                    &win,
+                    0,
+                    &src,
+                    0,
+                    size,
+                    Remote::signal_inc(0),
+                    Local::None,
+                )
+            };
             for i in 0..warm + iters {
                 let t = Instant::now();
                 if r == 0 {
-                    ctx.put(
-                        peer,
-                        &win,
-                        0,
-                        &src,
-                        0,
-                        size,
-                        Remote::signal_inc(0),
-                        Local::None,
-                    )?;
+                    put()?;
                     signal_seen = ctx.wait_signal(0, signal_seen + 1)?;
                 } else {
                     signal_seen = ctx.wait_signal(0, signal_seen + 1)?;
-                    ctx.put(
-                        peer,
-                        &win,
-                        0,
-                        &src,
-                        0,
-                        size,
-                        Remote::signal_inc(0),
-                        Local::None,
-                    )?;
+                    put()?;
                 }
                 if i >= warm {
                     samples.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);

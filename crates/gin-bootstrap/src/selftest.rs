@@ -5,8 +5,9 @@
 
 use crate::Bootstrap;
 
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    // A cheap keyed sequence: bytes differ between seeds and positions.
+/// A deterministic byte sequence per seed (xorshift): bytes differ between
+/// seeds and positions, so misrouted or reordered data is caught.
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     (0..len)
         .map(|_| {

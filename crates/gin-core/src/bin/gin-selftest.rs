@@ -102,18 +102,7 @@ fn all(c: &Comm) -> R {
     Ok(())
 }
 
-/// A deterministic byte pattern per (seed, position).
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
+use gin_bootstrap::selftest::pattern;
 
 /// The paper's ring exchange: a block travels around the ring, each rank
 /// forwarding what it received, until every rank has seen every block.
