@@ -4,4 +4,9 @@
 //! WQE bytes over gin-net (so CI runs the whole path), and mlx5 devx on a real
 //! ConnectX, loaded at run time.
 //!
-//! Not yet built: an empty library until the GDAKI issue fills it.
+//! Being built: the send-queue bookkeeping ([`queue`]) exists; the formats,
+//! the CPU-rank backend and the NICs follow.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+
+pub mod queue;
