@@ -48,7 +48,7 @@ pub fn wire_index(idx: u64) -> u16 {
 /// (the oldest outstanding WQE).
 pub fn unwrap_counter(counter: u16, near: u64) -> u64 {
     let delta = counter.wrapping_sub(near as u16) as i16;
-    near.wrapping_add(delta as i64 as u64)
+    near.wrapping_add(i64::from(delta) as u64)
 }
 
 /// Is `progress` at or past `mark` (rolling compare).
