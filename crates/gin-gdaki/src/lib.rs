@@ -9,4 +9,6 @@
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod completion;
 pub mod queue;
+pub mod wqe;
