@@ -351,7 +351,11 @@ mod tests {
     use proptest::prelude::*;
 
     fn hex(b: &[u8]) -> String {
-        b.iter().map(|x| format!("{x:02x}")).collect::<String>()
+        use std::fmt::Write as _;
+        b.iter().fold(String::new(), |mut s, x| {
+            let _ = write!(s, "{x:02x}");
+            s
+        })
     }
 
     /// Reviewed against mlx5dv.h: ctrl `opmod_idx_opcode` = idx<<8 | 0x08,
