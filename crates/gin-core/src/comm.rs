@@ -7,7 +7,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use gin_bootstrap::Bootstrap;
-use gin_device::{Counters, DevComm, DevCommParts, Health, Window, WindowParts};
+use gin_device::{Backend, Counters, DevComm, DevCommParts, Health, Window, WindowParts};
+use gin_gdaki::queue::Sharing;
+use gin_gdaki::{Gdaki, GdakiConfig};
 use gin_net::region::{Access, RegionTable};
 use gin_net::shm::Segment;
 use gin_net::tcp::TcpTransport;
@@ -104,6 +106,17 @@ pub struct Comm {
     signal_window: Window,
     counters: Arc<Counters>,
     job_tag: String,
+}
+
+/// One rank's part of a window, as every rank learns it.
+#[derive(Debug, Clone, Copy)]
+struct PeerPart {
+    size: u64,
+    key: u32,
+    /// The owner's address of its part.
+    addr: u64,
+    /// The part mapped here (0: not mapped).
+    mapped: usize,
 }
 
 /// What keeps a window's memory alive.
@@ -285,7 +298,7 @@ impl Comm {
         // deregistration, before that.
         let key = unsafe { self.table.insert(seg.as_ptr(), bytes, Access::ALL)? };
         let path = seg.path().to_string_lossy().into_owned();
-        let r = self.finish_window(id, bytes, key, &path, true);
+        let r = self.finish_window(id, seg.as_ptr(), bytes, key, &path, true);
         // Every peer has mapped it (finish_window ends with a barrier).
         seg.unlink();
         let (peers, peer_segments) = r?;
@@ -328,7 +341,7 @@ impl Comm {
         let id = self.take_window_id();
         // SAFETY: forwarded from the caller's promise.
         let key = unsafe { self.table.insert(ptr, bytes, Access::ALL)? };
-        let (peers, segs) = self.finish_window(id, bytes, key, "", false)?;
+        let (peers, segs) = self.finish_window(id, ptr, bytes, key, "", false)?;
         Ok(self.make_window(
             id,
             ptr,
@@ -350,55 +363,58 @@ impl Comm {
         id
     }
 
-    /// Exchanges (size, key, segment name) and maps same-host peers' segments.
-    #[allow(clippy::type_complexity)]
+    /// Exchanges (size, key, address, segment name) and maps same-host
+    /// peers' segments.
     fn finish_window(
         &self,
         id: u32,
+        base: *mut u8,
         bytes: u64,
         key: u32,
         path: &str,
         shared: bool,
-    ) -> Result<(Vec<(u64, u32, usize)>, Vec<Segment>), CoreError> {
-        let mut mine = Vec::with_capacity(13 + path.len());
+    ) -> Result<(Vec<PeerPart>, Vec<Segment>), CoreError> {
+        const HEAD: usize = 21;
+        let mut mine = Vec::with_capacity(HEAD + path.len());
         mine.extend_from_slice(&bytes.to_le_bytes());
         mine.extend_from_slice(&key.to_le_bytes());
+        mine.extend_from_slice(&(base as u64).to_le_bytes());
         mine.push(u8::from(shared));
         mine.extend_from_slice(path.as_bytes());
         let all = self.bootstrap.allgather(&mine)?;
         let mut peers = Vec::with_capacity(all.len());
         let mut segs = Vec::new();
         for (p, e) in all.iter().enumerate() {
-            if e.len() < 13 {
+            if e.len() < HEAD {
                 return Err(CoreError::Invalid(format!(
                     "rank {p} sent a malformed window {id} record"
                 )));
             }
             let size = u64::from_le_bytes(e[..8].try_into().expect("8 bytes"));
-            let k = u32::from_le_bytes(e[8..12].try_into().expect("4 bytes"));
+            let key = u32::from_le_bytes(e[8..12].try_into().expect("4 bytes"));
+            let addr = u64::from_le_bytes(e[12..20].try_into().expect("8 bytes"));
             let mut mapped = 0usize;
-            if p != self.rank() && matches!(self.paths[p], Path::Shm) && e[12] == 1 {
-                let name = std::str::from_utf8(&e[13..])
+            if p != self.rank() && matches!(self.paths[p], Path::Shm) && e[20] == 1 {
+                let name = std::str::from_utf8(&e[HEAD..])
                     .map_err(|_| CoreError::Invalid(format!("rank {p} sent a bad segment name")))?;
                 let seg = Segment::open(std::path::Path::new(name), size as usize)?;
                 mapped = seg.as_ptr() as usize;
                 segs.push(seg);
             }
-            peers.push((size, k, mapped));
+            peers.push(PeerPart {
+                size,
+                key,
+                addr,
+                mapped,
+            });
         }
         self.bootstrap.barrier()?;
         debug!(rank = self.rank(), id, "window registered");
         Ok((peers, segs))
     }
 
-    fn make_window(
-        &self,
-        id: u32,
-        base: *mut u8,
-        peers: &[(u64, u32, usize)],
-        mem: WindowMemory,
-    ) -> Window {
-        let sizes: Vec<u64> = peers.iter().map(|p| p.0).collect();
+    fn make_window(&self, id: u32, base: *mut u8, peers: &[PeerPart], mem: WindowMemory) -> Window {
+        let sizes: Vec<u64> = peers.iter().map(|p| p.size).collect();
         let peer_bases: Vec<*mut u8> = peers
             .iter()
             .enumerate()
@@ -406,7 +422,7 @@ impl Comm {
                 if p == self.rank() {
                     base
                 } else {
-                    e.2 as *mut u8
+                    e.mapped as *mut u8
                 }
             })
             .collect();
@@ -416,7 +432,8 @@ impl Comm {
                 local_base: base as usize,
                 sizes: sizes.clone(),
                 peer_bases: peer_bases.iter().map(|p| *p as usize).collect(),
-                keys: peers.iter().map(|p| p.1).collect(),
+                keys: peers.iter().map(|p| p.key).collect(),
+                addrs: peers.iter().map(|p| p.addr).collect(),
             },
         );
         // SAFETY: `base` is this rank's part (sizes[rank] bytes), each non-null
@@ -471,16 +488,6 @@ impl Comm {
             return Err(CoreError::Invalid(
                 "a device communicator needs at least one context".into(),
             ));
-        }
-        match self.settings.backend {
-            BackendKind::Gdaki => {
-                return Err(CoreError::Unavailable {
-                    what: "GIN_BACKEND=gdaki".into(),
-                    why: "the GDAKI backend is not built yet".into(),
-                    available: "auto, proxy".into(),
-                });
-            }
-            BackendKind::Auto | BackendKind::Proxy => {}
         }
         let per_ctx = gin_device::signal_slots_per_context(
             req.signals,
@@ -544,19 +551,54 @@ impl Comm {
             ));
         }
         let depth = req.queue_depth.max(2).next_power_of_two();
-        let proxy = Arc::new(Proxy::start(
-            self.fabric.clone(),
-            self.counters.clone(),
-            req.contexts,
-            ProxyConfig {
-                ring_log2: depth.trailing_zeros(),
-                timeout: self.settings.timeout,
-                spin: self.settings.proxy_spin,
-                // `auto` lets a CPU rank send to tcp peers itself when nothing
-                // is queued; `proxy` keeps every operation on the proxy thread.
-                inline_tcp: self.settings.backend == BackendKind::Auto,
-            },
-        )?);
+        let backend: Arc<dyn Backend> = match self.settings.backend {
+            BackendKind::Gdaki => {
+                let g = Gdaki::start(
+                    self.fabric.clone(),
+                    self.counters.clone(),
+                    req.contexts,
+                    GdakiConfig {
+                        sq_log2: depth.trailing_zeros(),
+                        sharing: if req.exclusive_contexts {
+                            Sharing::Thread
+                        } else {
+                            Sharing::Gpu
+                        },
+                        batch: self.settings.gdaki_batch,
+                        timeout: self.settings.timeout,
+                        spin: self.settings.proxy_spin,
+                    },
+                )?;
+                // QP numbers travel through the bootstrap, as a real NIC's
+                // connection set-up needs them.
+                let mine: Vec<u8> = g.qpns().iter().flat_map(|q| q.to_le_bytes()).collect();
+                let tables: Vec<Vec<u32>> = self
+                    .bootstrap
+                    .allgather(&mine)?
+                    .iter()
+                    .map(|t| {
+                        t.chunks_exact(4)
+                            .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+                            .collect()
+                    })
+                    .collect();
+                g.connect(&tables)?;
+                Arc::new(g)
+            }
+            BackendKind::Auto | BackendKind::Proxy => Arc::new(Proxy::start(
+                self.fabric.clone(),
+                self.counters.clone(),
+                req.contexts,
+                ProxyConfig {
+                    ring_log2: depth.trailing_zeros(),
+                    timeout: self.settings.timeout,
+                    spin: self.settings.proxy_spin,
+                    // `auto` lets a CPU rank send to tcp peers itself when nothing
+                    // is queued; `proxy` keeps every operation on the proxy thread.
+                    inline_tcp: self.settings.backend == BackendKind::Auto,
+                },
+            )?),
+        };
         let direct = self.settings.backend == BackendKind::Auto;
         let connected: Vec<bool> = (0..n)
             .map(|p| req.connection == Connection::Full || p == rank || self.rail.contains(&p))
@@ -583,7 +625,7 @@ impl Comm {
             strong_signals: req.strong_signals,
             va_signals: req.va_signals,
             exclusive_contexts: req.exclusive_contexts,
-            backend: proxy.clone(),
+            backend: backend.clone(),
             health: Arc::new(BootstrapHealth(self.bootstrap.clone())),
             timeout: self.settings.timeout,
         });
@@ -599,7 +641,7 @@ impl Comm {
         Ok(DevCommHandle {
             comm: self,
             dc: Some(dc),
-            _proxy: proxy,
+            _backend: backend,
             ranges: (signal_base, nsig, counter_base, ncnt),
         })
     }
@@ -634,7 +676,7 @@ fn dangling_window() -> Window {
 pub struct DevCommHandle<'c> {
     comm: &'c Comm,
     dc: Option<DevComm>,
-    _proxy: Arc<Proxy>,
+    _backend: Arc<dyn Backend>,
     ranges: (u64, u64, u64, u64),
 }
 

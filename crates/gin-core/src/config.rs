@@ -45,6 +45,9 @@ pub struct Settings {
     /// How long an idle proxy polls before sleeping (`GIN_PROXY_SPIN`,
     /// default 100 µs): latency against CPU left to the ranks.
     pub proxy_spin: Duration,
+    /// GDAKI: ring the doorbell once this many WQEs are ready
+    /// (`GIN_GDAKI_BATCH`, default 1: every request; flushes always ring).
+    pub gdaki_batch: u64,
 }
 
 impl Settings {
@@ -104,6 +107,7 @@ impl Settings {
                     .map_err(|why| CoreError::Invalid(format!("GIN_PROXY_SPIN={v:?}: {why}")))?,
                 None => Duration::from_micros(100),
             },
+            gdaki_batch: slots("GIN_GDAKI_BATCH", 1)?,
         })
     }
 }

@@ -10,7 +10,7 @@ use gin_bootstrap::{LaunchReport, LaunchSpec, Output, launch};
 const BIN: &str = env!("CARGO_BIN_EXE_gin-selftest");
 
 /// (name, environment) of each way to run.
-const MODES: [(&str, &[(&str, &str)]); 4] = [
+const MODES: [(&str, &[(&str, &str)]); 6] = [
     ("auto (direct load/store)", &[]),
     (
         "auto over tcp (ranks send when their ring is empty)",
@@ -20,6 +20,11 @@ const MODES: [(&str, &[(&str, &str)]); 4] = [
     (
         "proxy over tcp",
         &[("GIN_BACKEND", "proxy"), ("GIN_TRANSPORT", "tcp")],
+    ),
+    ("gdaki (soft-mlx5) over shm", &[("GIN_BACKEND", "gdaki")]),
+    (
+        "gdaki (soft-mlx5) over tcp",
+        &[("GIN_BACKEND", "gdaki"), ("GIN_TRANSPORT", "tcp")],
     ),
 ];
 
@@ -130,11 +135,11 @@ fn a_peer_killed_mid_run_fails_the_survivors_promptly() {
 
 #[test]
 fn unavailable_choices_are_clear_errors_listing_the_alternatives() {
-    let report = run(2, &["ring"], &[("GIN_BACKEND", "gdaki")], "20");
+    let report = run(2, &["ring"], &[("GIN_BACKEND", "ibgda")], "20");
     for r in &report.ranks {
         assert!(
-            r.stdout.contains("GIN_BACKEND=gdaki is not available")
-                && r.stdout.contains("available: auto, proxy"),
+            r.stdout.contains("GIN_BACKEND=ibgda is not available")
+                && r.stdout.contains("available: auto, proxy, gdaki"),
             "{}",
             r.stdout
         );

@@ -120,6 +120,20 @@ impl Counters {
     fn base_ptr(&self) -> u64 {
         self.slots.as_ptr() as u64
     }
+
+    /// The address of the array (a NIC registers it as local memory).
+    pub fn as_ptr(&self) -> *const AtomicU64 {
+        self.slots.as_ptr()
+    }
+
+    /// Counters in the array.
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
 }
 
 /// Everything the host layer decides when it creates a device communicator.

@@ -4,11 +4,39 @@
 //! WQE bytes over gin-net (so CI runs the whole path), and mlx5 devx on a real
 //! ConnectX, loaded at run time.
 //!
-//! Being built: the send-queue bookkeeping ([`queue`]) exists; the formats,
-//! the CPU-rank backend and the NICs follow.
+//! # Design
+//!
+//! - **Formats** ([`wqe`], [`completion`]) are pure encode/decode of the mlx5
+//!   segments and CQE64, with golden vectors reviewed against rdma-core's
+//!   `mlx5dv.h` and NCCL's DOCA headers.
+//! - **Send queues** ([`queue`]): reserve with a fetch-add, fill in
+//!   parallel, mark ready in order (plain store for one thread, CAS from
+//!   `from` to `to + 1` otherwise), post as a max on the producer index:
+//!   doorbell record (big-endian), then doorbell. Pure index arithmetic,
+//!   property-tested across 16-, 32- and 64-bit wraparound.
+//! - **Queue pairs** ([`qp`]): one RC QP per (context, peer) and a companion
+//!   loopback QP for counters (WAIT on the main QP's completion, then a
+//!   fetch-add on the local counter), as NCCL does.
+//! - **The device side for CPU ranks** ([`Gdaki`]) implements
+//!   `gin_device::Backend`: what a kernel does, in Rust.
+//! - **soft-mlx5** ([`nic`]) executes the very WQE bytes through gin-net,
+//!   checks keys, bounds and access, and answers violations with error CQEs
+//!   and the QP error state; an error CQE becomes an error naming QP, WQE
+//!   index and syndrome in the next flush or wait, never a hang (NCCL issue
+//!   2383's failure).
+//!
+//! # What it does not know
+//!
+//! Users' arguments are checked by gin-device before they get here; window
+//! memory, keys and transports belong to gin-net.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod completion;
+mod device;
+pub mod nic;
+pub mod qp;
 pub mod queue;
 pub mod wqe;
+
+pub use device::{Gdaki, GdakiConfig};

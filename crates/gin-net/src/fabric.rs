@@ -43,6 +43,9 @@ pub struct MemDesc {
     pub peer_bases: Vec<usize>,
     /// Each rank's key for its part (0: not served over TCP).
     pub keys: Vec<u32>,
+    /// Each rank's address of its own part, in its own address space: what
+    /// an RDMA work request names as the remote address (with the key).
+    pub addrs: Vec<u64>,
 }
 
 /// A (window, offset) address on some rank.
@@ -114,6 +117,16 @@ impl Fabric {
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .remove(&id);
+    }
+
+    /// Every registered window.
+    pub fn windows(&self) -> Vec<(u32, Arc<MemDesc>)> {
+        self.windows
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .map(|(k, v)| (*k, v.clone()))
+            .collect()
     }
 
     /// A window's description.

@@ -1,0 +1,734 @@
+//! The GDAKI backend's device side for CPU ranks: what a kernel does, in
+//! Rust. A put becomes RDMA writes (chunked at the transfer limit, inline
+//! when the value is carried) and, for a signal, an atomic fetch-add on the
+//! peer's signal slot; a counter becomes a WAIT on the main QP's completion
+//! plus a fetch-add on the local counter, on the companion loopback QP.
+//! Every WQE asks for a CQE; flush polls for the CQE of the last reserved
+//! WQE, and an error CQE is an error naming QP, WQE index and syndrome.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use gin_device::{Backend, Counters, GetOp, GinError, Order, PutOp, Source, Ticket};
+use gin_net::Fabric;
+use gin_net::sticky::StickyError;
+
+use crate::completion::{Cqe, syndrome};
+use crate::nic::{LocalMr, SoftNic, Waker};
+use crate::qp::Qp;
+use crate::queue::{Sharing, has_space, reached};
+use crate::wqe::{
+    CQ_UPDATE, FM_NONE, FM_STRONG_ORDERING, MAX_INLINE, MAX_TRANSFER, MemRef, Op, encode,
+};
+
+/// Settings of a GDAKI backend instance.
+#[derive(Debug, Clone, Copy)]
+pub struct GdakiConfig {
+    /// log2 of basic blocks per send queue (and CQEs per CQ).
+    pub sq_log2: u32,
+    /// How producers share a context's queues.
+    pub sharing: Sharing,
+    /// Ring the doorbell once this many WQEs are ready (1: every request),
+    /// and always on flush, as NCCL's `AggregateRequests` and DeepEP's
+    /// `kNumRequestInBatch` batch doorbells.
+    pub batch: u64,
+    pub timeout: Duration,
+    /// How long the idle NIC polls before sleeping.
+    pub spin: Duration,
+}
+
+impl Default for GdakiConfig {
+    fn default() -> Self {
+        Self {
+            sq_log2: 8,
+            sharing: Sharing::Gpu,
+            batch: 1,
+            timeout: Duration::from_secs(300),
+            spin: Duration::from_micros(100),
+        }
+    }
+}
+
+/// A GDAKI backend instance with its soft NIC.
+#[derive(Debug)]
+pub struct Gdaki {
+    rank: usize,
+    nranks: usize,
+    nctx: u32,
+    main: Vec<Arc<Qp>>,
+    companion: Vec<Arc<Qp>>,
+    fabric: Arc<Fabric>,
+    counters: Arc<Counters>,
+    counter_key: u32,
+    sink: Box<[u64; 8]>,
+    sink_key: u32,
+    error: StickyError,
+    waker: Waker,
+    config: GdakiConfig,
+    // Last, so it stops after nothing can post any more.
+    nic: SoftNic,
+}
+
+/// Local keys live above the fabric's random window keys' usual range only
+/// by convention; collisions are checked at start.
+const LOCAL_KEY_BASE: u32 = 0xfeed_0000;
+
+impl Gdaki {
+    /// Creates one main QP per (context, peer) and one companion loopback QP
+    /// for each, and starts the soft NIC that serves them.
+    pub fn start(
+        fabric: Arc<Fabric>,
+        counters: Arc<Counters>,
+        nctx: u32,
+        config: GdakiConfig,
+    ) -> Result<Self, GinError> {
+        let rank = fabric.rank();
+        let n = fabric.nranks();
+        let mut main = Vec::new();
+        let mut companion = Vec::new();
+        for c in 0..nctx as usize {
+            for p in 0..n {
+                let q = 0x100 + 2 * (c * n + p) as u32;
+                main.push(Arc::new(Qp::new(q, q, p, config.sq_log2)));
+                companion.push(Arc::new(Qp::new(q + 1, q + 1, rank, config.sq_log2)));
+            }
+        }
+        let sink = Box::new([0u64; 8]);
+        let taken: Vec<u32> = fabric
+            .windows()
+            .iter()
+            .flat_map(|(_, d)| d.keys.clone())
+            .collect();
+        let mut key = LOCAL_KEY_BASE;
+        let mut next_key = || {
+            while taken.contains(&key) {
+                key += 1;
+            }
+            key += 1;
+            key - 1
+        };
+        let counter_key = next_key();
+        let sink_key = next_key();
+        let local = vec![
+            LocalMr {
+                key: counter_key,
+                base: counters.as_ptr() as u64,
+                len: counters.len() as u64 * 8,
+            },
+            LocalMr {
+                key: sink_key,
+                base: sink.as_ptr() as u64,
+                len: 64,
+            },
+        ];
+        let qps: Vec<Arc<Qp>> = main.iter().chain(&companion).cloned().collect();
+        let nic = SoftNic::start(
+            rank,
+            qps,
+            fabric.clone(),
+            local,
+            config.timeout,
+            config.spin,
+        )
+        .map_err(|e| GinError::Unsupported {
+            rank,
+            what: "soft NIC",
+            why: e.to_string(),
+        })?;
+        Ok(Self {
+            rank,
+            nranks: n,
+            nctx,
+            waker: nic.waker(),
+            main,
+            companion,
+            fabric,
+            counters,
+            counter_key,
+            sink,
+            sink_key,
+            error: StickyError::default(),
+            config,
+            nic,
+        })
+    }
+
+    /// QP numbers of the main QPs, (context, peer) order: exchanged with
+    /// the peers so each QP knows the one it is connected to.
+    pub fn qpns(&self) -> Vec<u32> {
+        self.main.iter().map(|q| q.qpn).collect()
+    }
+
+    /// Records each main QP's remote end: `tables[p]` is rank `p`'s
+    /// [`Gdaki::qpns`]. Fails when a table has the wrong shape.
+    pub fn connect(&self, tables: &[Vec<u32>]) -> Result<(), GinError> {
+        for c in 0..self.nctx as usize {
+            for p in 0..self.nranks {
+                let remote = tables
+                    .get(p)
+                    .and_then(|t| t.get(c * self.nranks + self.rank))
+                    .copied()
+                    .ok_or_else(|| {
+                        self.failed(
+                            c as u32,
+                            "QP exchange".into(),
+                            format!("rank {p} sent a short QP table"),
+                        )
+                    })?;
+                self.main[c * self.nranks + p]
+                    .remote_qpn
+                    .store(remote, Ordering::Release);
+            }
+        }
+        Ok(())
+    }
+
+    /// WQEs the soft NIC executed so far.
+    pub fn executed(&self) -> u64 {
+        self.nic.executed()
+    }
+
+    fn main_qp(&self, ctx: u32, peer: usize) -> &Arc<Qp> {
+        &self.main[ctx as usize * self.nranks + peer]
+    }
+
+    fn companion_qp(&self, ctx: u32, peer: usize) -> &Arc<Qp> {
+        &self.companion[ctx as usize * self.nranks + peer]
+    }
+
+    fn failed(&self, ctx: u32, what: String, why: String) -> GinError {
+        GinError::Failed {
+            rank: self.rank,
+            ctx,
+            what,
+            why,
+        }
+    }
+
+    fn reap(&self, ctx: u32, peer: usize, qp: &Qp) {
+        qp.reap(|c: &Cqe| {
+            let what = if qp.peer == self.rank && qp.qpn & 1 == 1 {
+                "companion QP".to_owned()
+            } else {
+                format!("QP to rank {peer}")
+            };
+            self.error.set(format!(
+                "{what} {:#x} (context {ctx}): WQE index {} completed with syndrome {:#04x} ({}), vendor syndrome {:#04x}",
+                c.qpn,
+                c.wqe_counter,
+                c.syndrome,
+                syndrome::name(c.syndrome),
+                c.vendor_syndrome
+            ));
+        });
+    }
+
+    fn check(&self) -> Result<(), GinError> {
+        if let Some(why) = self.error.get() {
+            return Err(self.failed(0, "GDAKI completion".into(), why));
+        }
+        if !self.nic.alive() {
+            return Err(self.failed(0, "soft NIC".into(), "the NIC thread stopped".into()));
+        }
+        Ok(())
+    }
+
+    /// Reserves, fills, marks ready and (batching permitting) posts `ops`
+    /// on `qp`; returns the index of the last WQE.
+    fn submit(&self, ctx: u32, peer: usize, qp: &Qp, ops: &[(Op, u8)]) -> Result<u64, GinError> {
+        let k = ops.len() as u64;
+        if k > qp.size() / 2 {
+            return Err(GinError::Unsupported {
+                rank: self.rank,
+                what: "operation",
+                why: format!(
+                    "needs {k} WQEs, more than half the {}-entry queue",
+                    qp.size()
+                ),
+            });
+        }
+        let start = qp.idx.reserve(k);
+        let t0 = Instant::now();
+        while !has_space(start, k, qp.idx.done.load(Ordering::Acquire), qp.size()) {
+            self.reap(ctx, peer, qp);
+            self.check()?;
+            // The queue may be full of WQEs not yet rung in batching mode.
+            qp.idx.post(|pi| qp.ring(pi));
+            self.waker.wake();
+            if t0.elapsed() > self.config.timeout {
+                let why = format!(
+                    "send queue of QP {:#x} stayed full for {:.1?} (last completion {})",
+                    qp.qpn,
+                    self.config.timeout,
+                    qp.idx.done.load(Ordering::Acquire)
+                );
+                self.error.set(why.clone());
+                return Err(self.failed(ctx, format!("put to rank {peer}"), why));
+            }
+            std::thread::yield_now();
+        }
+        for (i, (op, flags)) in ops.iter().enumerate() {
+            let idx = start + i as u64;
+            let bytes = encode(op, idx as u16, qp.qpn, *flags | CQ_UPDATE).map_err(|e| {
+                GinError::Unsupported {
+                    rank: self.rank,
+                    what: "work request",
+                    why: e.to_string(),
+                }
+            })?;
+            qp.write_wqe(idx, &bytes);
+        }
+        let last = start + k - 1;
+        let mut spins = 0u32;
+        while !qp.idx.try_mark_ready(start, last, self.config.sharing) {
+            // An earlier range is still being filled by another thread,
+            // which may need this core.
+            spins += 1;
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        let ready = qp.idx.ready.load(Ordering::Acquire);
+        let posted = qp.idx.posted.load(Ordering::Acquire);
+        if self.config.batch <= 1 || ready.wrapping_sub(posted) >= self.config.batch {
+            qp.idx.post(|pi| qp.ring(pi));
+            self.waker.wake();
+        }
+        Ok(last)
+    }
+
+    fn remote(&self, window: u32, peer: usize, offset: u64) -> Result<MemRef, GinError> {
+        let d = self.fabric.window(window).map_err(|e| GinError::Failed {
+            rank: self.rank,
+            ctx: 0,
+            what: "window lookup".into(),
+            why: e.to_string(),
+        })?;
+        Ok(MemRef {
+            addr: d.addrs.get(peer).copied().unwrap_or(0) + offset,
+            key: d.keys.get(peer).copied().unwrap_or(0),
+        })
+    }
+}
+
+impl Backend for Gdaki {
+    fn name(&self) -> &'static str {
+        "gdaki"
+    }
+
+    fn put(&self, op: &PutOp<'_>) -> Result<(), GinError> {
+        self.check()?;
+        let mut ops: Vec<(Op, u8)> = Vec::new();
+        match op.src {
+            Source::Inline(v) => ops.push((
+                Op::WriteInline {
+                    remote: self.remote(op.dst.id(), op.peer, op.dst_off)?,
+                    data: v.to_le_bytes()[..(op.bytes as usize).min(MAX_INLINE).min(8)].to_vec(),
+                },
+                FM_NONE,
+            )),
+            Source::Window { window, offset } => {
+                let mut done = 0;
+                while done < op.bytes {
+                    let len = (op.bytes - done).min(MAX_TRANSFER);
+                    ops.push((
+                        Op::Write {
+                            remote: self.remote(op.dst.id(), op.peer, op.dst_off + done)?,
+                            local: self.remote(window.id(), self.rank, offset + done)?,
+                            len: len as u32,
+                        },
+                        FM_NONE,
+                    ));
+                    done += len;
+                }
+            }
+            Source::Empty => {}
+        }
+        if let Some(s) = &op.signal {
+            // Strong: ordered after every earlier WQE of this QP. The soft NIC
+            // executes a QP in order anyway; hardware honours the fence mode.
+            let fence = if s.order == Order::Strong {
+                FM_STRONG_ORDERING
+            } else {
+                FM_NONE
+            };
+            ops.push((
+                Op::FetchAdd {
+                    remote: self.remote(s.window.id(), op.peer, s.offset)?,
+                    add: s.add,
+                    result: MemRef {
+                        addr: self.sink.as_ptr() as u64,
+                        key: self.sink_key,
+                    },
+                },
+                fence,
+            ));
+        }
+        if ops.is_empty() {
+            ops.push((Op::Nop, FM_NONE));
+        }
+        let qp = self.main_qp(op.ctx, op.peer);
+        let last = self.submit(op.ctx, op.peer, qp, &ops)?;
+        if let Some(slot) = op.counter {
+            // The companion QP waits for the main QP's completion of the
+            // last WQE, then bumps the counter: the source is reusable.
+            let cq = self.companion_qp(op.ctx, op.peer);
+            let wait = Op::Wait {
+                max_index: u32::from(last as u16),
+                cqn: qp.cq.cqn,
+            };
+            let bump = Op::FetchAdd {
+                remote: MemRef {
+                    addr: self.counters.as_ptr() as u64 + slot * 8,
+                    key: self.counter_key,
+                },
+                add: 1,
+                result: MemRef {
+                    addr: self.sink.as_ptr() as u64 + 8,
+                    key: self.sink_key,
+                },
+            };
+            self.submit(op.ctx, op.peer, cq, &[(wait, FM_NONE), (bump, FM_NONE)])?;
+        }
+        Ok(())
+    }
+
+    fn get(&self, op: &GetOp<'_>) -> Result<(), GinError> {
+        self.check()?;
+        let mut ops = Vec::new();
+        let mut done = 0;
+        while done < op.bytes {
+            let len = (op.bytes - done).min(MAX_TRANSFER);
+            ops.push((
+                Op::Read {
+                    remote: self.remote(op.remote.id(), op.peer, op.remote_off + done)?,
+                    local: self.remote(op.local.id(), self.rank, op.local_off + done)?,
+                    len: len as u32,
+                },
+                FM_NONE,
+            ));
+            done += len;
+        }
+        if ops.is_empty() {
+            return Ok(());
+        }
+        self.submit(op.ctx, op.peer, self.main_qp(op.ctx, op.peer), &ops)
+            .map(drop)
+    }
+
+    fn ticket(&self, ctx: u32, peer: Option<usize>) -> Result<Ticket, GinError> {
+        if ctx >= self.nctx {
+            return Err(GinError::BadContext {
+                rank: self.rank,
+                ctx,
+                nctx: self.nctx,
+            });
+        }
+        let peers: Vec<usize> = peer.map_or_else(|| (0..self.nranks).collect(), |p| vec![p]);
+        let mut marks = Vec::with_capacity(peers.len() * 2);
+        for &p in &peers {
+            for qp in [self.main_qp(ctx, p), self.companion_qp(ctx, p)] {
+                // Flush rings whatever batching held back.
+                qp.idx.post(|pi| qp.ring(pi));
+                marks.push(qp.idx.resv.load(Ordering::Acquire));
+            }
+        }
+        self.waker.wake();
+        Ok(Ticket { ctx, peer, marks })
+    }
+
+    fn done(&self, t: &Ticket) -> Result<bool, GinError> {
+        let peers: Vec<usize> = t
+            .peer
+            .map_or_else(|| (0..self.nranks).collect(), |p| vec![p]);
+        let mut all = true;
+        for (i, &p) in peers.iter().enumerate() {
+            for (j, qp) in [self.main_qp(t.ctx, p), self.companion_qp(t.ctx, p)]
+                .into_iter()
+                .enumerate()
+            {
+                self.reap(t.ctx, p, qp);
+                let mark = t.marks.get(2 * i + j).copied().unwrap_or(0);
+                if !reached(qp.idx.done.load(Ordering::Acquire), mark) {
+                    all = false;
+                }
+            }
+        }
+        self.check()?;
+        if !all {
+            self.waker.wake();
+        }
+        Ok(all)
+    }
+
+    fn health(&self) -> Result<(), GinError> {
+        // Completions are reaped here too, so a wait on a signal or counter
+        // learns of an error CQE without a flush.
+        for c in 0..self.nctx {
+            for p in 0..self.nranks {
+                self.reap(c, p, self.main_qp(c, p));
+                self.reap(c, p, self.companion_qp(c, p));
+            }
+        }
+        self.check()?;
+        self.fabric.health().map_err(|e| GinError::JobFailed {
+            rank: self.rank,
+            why: e.to_string(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gin_device::{Local, PutOp, SignalUpdate, Window, WindowParts};
+    use gin_net::region::{Access, RegionTable};
+    use gin_net::{MemDesc, Path};
+
+    /// One rank, one window of `len` bytes, and a GDAKI backend with a
+    /// queue of `2^log2` entries.
+    struct Rig {
+        g: Gdaki,
+        win: Window,
+        _mem: Box<[u64]>,
+        counters: Arc<Counters>,
+    }
+
+    fn rig(len: usize, log2: u32) -> Rig {
+        let table = Arc::new(RegionTable::default());
+        let fabric = Arc::new(Fabric::new(
+            0,
+            vec![Path::Local],
+            table.clone(),
+            None,
+            Duration::from_secs(5),
+        ));
+        let mut mem = vec![0u64; len / 8].into_boxed_slice();
+        let base = mem.as_mut_ptr().cast::<u8>();
+        // SAFETY: `mem` lives in the rig as long as the backend.
+        let key = unsafe { table.insert(base, len as u64, Access::ALL) }.unwrap();
+        fabric.add_window(
+            0,
+            MemDesc {
+                local_base: base as usize,
+                sizes: vec![len as u64],
+                peer_bases: vec![base as usize],
+                keys: vec![key],
+                addrs: vec![base as u64],
+            },
+        );
+        // SAFETY: as above.
+        let win = unsafe {
+            Window::from_parts(
+                WindowParts {
+                    id: 0,
+                    rank: 0,
+                    comm_id: 1,
+                    local_base: base,
+                    sizes: vec![len as u64],
+                    peer_bases: vec![base],
+                },
+                Box::new(()),
+            )
+        };
+        let counters = Arc::new(Counters::new(4));
+        let config = GdakiConfig {
+            sq_log2: log2,
+            timeout: Duration::from_secs(5),
+            ..GdakiConfig::default()
+        };
+        let g = Gdaki::start(fabric, counters.clone(), 1, config).unwrap();
+        Rig {
+            g,
+            win,
+            _mem: mem,
+            counters,
+        }
+    }
+
+    fn flush(g: &Gdaki) -> Result<(), GinError> {
+        let t = g.ticket(0, None)?;
+        let start = Instant::now();
+        while !g.done(&t)? {
+            assert!(start.elapsed() < Duration::from_secs(5), "flush hung");
+            std::thread::yield_now();
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn writes_signals_and_counters_land_across_cq_wraparound() {
+        let r = rig(4096, 2); // 4-entry queues: many laps of the owner bit
+        for i in 0..50u64 {
+            r.win.write(0, &i.to_le_bytes()).unwrap();
+            r.g.put(&PutOp {
+                ctx: 0,
+                peer: 0,
+                dst: &r.win,
+                dst_off: 64 + 8 * (i % 8),
+                src: Source::Window {
+                    window: &r.win,
+                    offset: 0,
+                },
+                bytes: 8,
+                signal: Some(SignalUpdate {
+                    window: &r.win,
+                    offset: 1024,
+                    add: 3,
+                    order: Order::Strong,
+                }),
+                counter: Some(2),
+            })
+            .unwrap();
+            flush(&r.g).unwrap();
+            let got = u64::from_le_bytes(
+                r.win
+                    .read_vec(64 + 8 * (i % 8), 8)
+                    .unwrap()
+                    .try_into()
+                    .unwrap(),
+            );
+            assert_eq!(got, i);
+        }
+        assert_eq!(r.win.slot(1024).unwrap().load(Ordering::Acquire), 150);
+        assert_eq!(r.counters.slot(2).unwrap().load(Ordering::Acquire), 50);
+        let _ = Local::None;
+    }
+
+    fn expect_error(r: &Rig, want: &[&str]) {
+        let e = flush(&r.g).unwrap_err().to_string();
+        for w in want {
+            assert!(e.contains(w), "error {e:?} does not mention {w:?}");
+        }
+        // The QP is in the error state: later work fails too, never hangs.
+        let e2 = r.g.put(&PutOp {
+            ctx: 0,
+            peer: 0,
+            dst: &r.win,
+            dst_off: 0,
+            src: Source::Inline(1),
+            bytes: 8,
+            signal: None,
+            counter: None,
+        });
+        assert!(e2.is_err() || flush(&r.g).is_err());
+    }
+
+    #[test]
+    fn a_bad_rkey_is_a_remote_access_error_naming_qp_and_wqe() {
+        let r = rig(4096, 4);
+        let good = r.g.remote(0, 0, 0).unwrap();
+        let bad = MemRef {
+            addr: good.addr,
+            key: good.key ^ 0x5a5a,
+        };
+        r.g.submit(
+            0,
+            0,
+            r.g.main_qp(0, 0),
+            &[(
+                Op::Write {
+                    remote: bad,
+                    local: good,
+                    len: 8,
+                },
+                FM_NONE,
+            )],
+        )
+        .unwrap();
+        expect_error(
+            &r,
+            &[
+                "QP to rank 0 0x100",
+                "WQE index 0",
+                "syndrome 0x13",
+                "remote access error",
+            ],
+        );
+    }
+
+    #[test]
+    fn an_out_of_bounds_remote_address_is_refused() {
+        let r = rig(4096, 4);
+        let good = r.g.remote(0, 0, 0).unwrap();
+        let past = MemRef {
+            addr: good.addr + 4090,
+            key: good.key,
+        };
+        // A valid first WQE, then the bad one: the error names index 1.
+        r.g.submit(
+            0,
+            0,
+            r.g.main_qp(0, 0),
+            &[
+                (Op::Nop, FM_NONE),
+                (
+                    Op::Write {
+                        remote: past,
+                        local: good,
+                        len: 8,
+                    },
+                    FM_NONE,
+                ),
+            ],
+        )
+        .unwrap();
+        expect_error(&r, &["WQE index 1", "syndrome 0x13"]);
+        assert!(
+            r.win.read_vec(0, 4096).unwrap().iter().all(|&b| b == 0),
+            "a refused write moved data"
+        );
+    }
+
+    #[test]
+    fn a_corrupted_wqe_is_a_local_qp_operation_error() {
+        let r = rig(4096, 4);
+        let qp = r.g.main_qp(0, 0);
+        let idx = qp.idx.reserve(1);
+        qp.write_wqe(idx, &[0xff; 64]);
+        assert!(qp.idx.try_mark_ready(idx, idx, Sharing::Gpu));
+        qp.idx.post(|pi| qp.ring(pi));
+        r.g.waker.wake();
+        expect_error(
+            &r,
+            &["WQE index 0", "syndrome 0x02", "local QP operation error"],
+        );
+    }
+
+    #[test]
+    fn a_counter_behind_a_failed_put_fails_too() {
+        let r = rig(4096, 4);
+        let good = r.g.remote(0, 0, 0).unwrap();
+        let bad = MemRef {
+            addr: good.addr,
+            key: good.key ^ 1,
+        };
+        let last =
+            r.g.submit(
+                0,
+                0,
+                r.g.main_qp(0, 0),
+                &[(
+                    Op::Write {
+                        remote: bad,
+                        local: good,
+                        len: 8,
+                    },
+                    FM_NONE,
+                )],
+            )
+            .unwrap();
+        let wait = Op::Wait {
+            max_index: u32::from(last as u16),
+            cqn: r.g.main_qp(0, 0).cq.cqn,
+        };
+        r.g.submit(0, 0, r.g.companion_qp(0, 0), &[(wait, FM_NONE)])
+            .unwrap();
+        let e = flush(&r.g).unwrap_err().to_string();
+        assert!(e.contains("syndrome"), "{e}");
+        assert_eq!(r.counters.slot(0).unwrap().load(Ordering::Acquire), 0);
+    }
+}
