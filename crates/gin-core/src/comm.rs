@@ -447,6 +447,8 @@ impl Comm {
                     local_base: base,
                     sizes,
                     peer_bases,
+                    keys: peers.iter().map(|p| p.key).collect(),
+                    addrs: peers.iter().map(|p| p.addr).collect(),
                 },
                 Box::new(mem),
             )
@@ -663,6 +665,8 @@ fn dangling_window() -> Window {
                 local_base: std::ptr::NonNull::<u64>::dangling().as_ptr().cast(),
                 sizes: vec![0],
                 peer_bases: vec![std::ptr::null_mut()],
+                keys: vec![0],
+                addrs: vec![0],
             },
             Box::new(()),
         )

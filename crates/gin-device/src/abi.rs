@@ -66,11 +66,18 @@ pub struct WindowAbi {
     /// Address of `u64[nranks]`: each peer's part mapped here for load/store,
     /// or 0 where no direct path exists.
     pub peer_bases: u64,
+    /// Address of `u32[nranks]`: each rank's memory key for its part (what
+    /// an RDMA work request names).
+    pub keys: u64,
+    /// Address of `u64[nranks]`: each rank's address of its own part.
+    pub addrs: u64,
 }
 
-const _: () = assert!(size_of::<WindowAbi>() == 40);
+const _: () = assert!(size_of::<WindowAbi>() == 56);
 const _: () = assert!(offset_of!(WindowAbi, local_base) == 8);
 const _: () = assert!(offset_of!(WindowAbi, peer_bases) == 32);
+const _: () = assert!(offset_of!(WindowAbi, keys) == 40);
+const _: () = assert!(offset_of!(WindowAbi, addrs) == 48);
 
 /// Who cooperates in one call (CUDA: one thread, a warp, a whole block). CPU
 /// ranks run every coop as the calling thread alone.

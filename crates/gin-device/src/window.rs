@@ -21,6 +21,8 @@ struct Inner {
     comm_id: u64,
     sizes: Box<[u64]>,
     peer_bases: Box<[u64]>,
+    keys: Box<[u32]>,
+    addrs: Box<[u64]>,
     valid: AtomicBool,
     /// Whatever keeps the memory mapped (owned by the host layer).
     _owner: Box<dyn Any + Send + Sync>,
@@ -50,6 +52,10 @@ pub struct WindowParts {
     pub sizes: Vec<u64>,
     /// Each peer's part mapped into this process, or null.
     pub peer_bases: Vec<*mut u8>,
+    /// Each rank's memory key for its part (0 where none).
+    pub keys: Vec<u32>,
+    /// Each rank's address of its own part, in its own address space.
+    pub addrs: Vec<u64>,
 }
 
 impl Window {
@@ -73,17 +79,23 @@ impl Window {
                 local_size,
                 sizes: 0,
                 peer_bases: 0,
+                keys: 0,
+                addrs: 0,
             },
             rank: parts.rank,
             comm_id: parts.comm_id,
             sizes,
             peer_bases,
+            keys: parts.keys.into_boxed_slice(),
+            addrs: parts.addrs.into_boxed_slice(),
             valid: AtomicBool::new(true),
             _owner: owner,
         };
         // Boxed slices do not move when the box moves: these addresses stay good.
         inner.abi.sizes = inner.sizes.as_ptr() as u64;
         inner.abi.peer_bases = inner.peer_bases.as_ptr() as u64;
+        inner.abi.keys = inner.keys.as_ptr() as u64;
+        inner.abi.addrs = inner.addrs.as_ptr() as u64;
         Self {
             inner: Arc::new(inner),
         }
@@ -128,6 +140,16 @@ impl Window {
             .copied()
             .filter(|&p| p != 0)
             .map(|p| p as *mut u8)
+    }
+
+    /// `rank`'s memory key for its part (0 where none).
+    pub fn key_of(&self, rank: usize) -> u32 {
+        self.inner.keys.get(rank).copied().unwrap_or(0)
+    }
+
+    /// `rank`'s address of its own part (what a work request names).
+    pub fn addr_of(&self, rank: usize) -> u64 {
+        self.inner.addrs.get(rank).copied().unwrap_or(0)
     }
 
     /// The ABI view a kernel receives.

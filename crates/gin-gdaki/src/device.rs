@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use gin_device::{Backend, Counters, GetOp, GinError, Order, PutOp, Source, Ticket};
+use gin_device::{Backend, Counters, GetOp, GinError, Order, PutOp, Source, Ticket, Window};
 use gin_net::Fabric;
 use gin_net::sticky::StickyError;
 
@@ -299,18 +299,14 @@ impl Gdaki {
         }
         Ok(last)
     }
+}
 
-    fn remote(&self, window: u32, peer: usize, offset: u64) -> Result<MemRef, GinError> {
-        let d = self.fabric.window(window).map_err(|e| GinError::Failed {
-            rank: self.rank,
-            ctx: 0,
-            what: "window lookup".into(),
-            why: e.to_string(),
-        })?;
-        Ok(MemRef {
-            addr: d.addrs.get(peer).copied().unwrap_or(0) + offset,
-            key: d.keys.get(peer).copied().unwrap_or(0),
-        })
+/// `(address, key)` of `offset` in `rank`'s part of `w`: built from the
+/// window handle alone, as a kernel does.
+fn mref(w: &Window, rank: usize, offset: u64) -> MemRef {
+    MemRef {
+        addr: w.addr_of(rank) + offset,
+        key: w.key_of(rank),
     }
 }
 
@@ -325,7 +321,7 @@ impl Backend for Gdaki {
         match op.src {
             Source::Inline(v) => ops.push((
                 Op::WriteInline {
-                    remote: self.remote(op.dst.id(), op.peer, op.dst_off)?,
+                    remote: mref(op.dst, op.peer, op.dst_off),
                     data: v.to_le_bytes()[..(op.bytes as usize).min(MAX_INLINE).min(8)].to_vec(),
                 },
                 FM_NONE,
@@ -336,8 +332,8 @@ impl Backend for Gdaki {
                     let len = (op.bytes - done).min(MAX_TRANSFER);
                     ops.push((
                         Op::Write {
-                            remote: self.remote(op.dst.id(), op.peer, op.dst_off + done)?,
-                            local: self.remote(window.id(), self.rank, offset + done)?,
+                            remote: mref(op.dst, op.peer, op.dst_off + done),
+                            local: mref(window, self.rank, offset + done),
                             len: len as u32,
                         },
                         FM_NONE,
@@ -357,7 +353,7 @@ impl Backend for Gdaki {
             };
             ops.push((
                 Op::FetchAdd {
-                    remote: self.remote(s.window.id(), op.peer, s.offset)?,
+                    remote: mref(s.window, op.peer, s.offset),
                     add: s.add,
                     result: MemRef {
                         addr: self.sink.as_ptr() as u64,
@@ -404,8 +400,8 @@ impl Backend for Gdaki {
             let len = (op.bytes - done).min(MAX_TRANSFER);
             ops.push((
                 Op::Read {
-                    remote: self.remote(op.remote.id(), op.peer, op.remote_off + done)?,
-                    local: self.remote(op.local.id(), self.rank, op.local_off + done)?,
+                    remote: mref(op.remote, op.peer, op.remote_off + done),
+                    local: mref(op.local, self.rank, op.local_off + done),
                     len: len as u32,
                 },
                 FM_NONE,
@@ -484,7 +480,7 @@ impl Backend for Gdaki {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gin_device::{Local, PutOp, SignalUpdate, Window, WindowParts};
+    use gin_device::{Local, PutOp, SignalUpdate, WindowParts};
     use gin_net::region::{Access, RegionTable};
     use gin_net::{MemDesc, Path};
 
@@ -530,6 +526,8 @@ mod tests {
                     local_base: base,
                     sizes: vec![len as u64],
                     peer_bases: vec![base],
+                    keys: vec![key],
+                    addrs: vec![base as u64],
                 },
                 Box::new(()),
             )
@@ -620,7 +618,7 @@ mod tests {
     #[test]
     fn a_bad_rkey_is_a_remote_access_error_naming_qp_and_wqe() {
         let r = rig(4096, 4);
-        let good = r.g.remote(0, 0, 0).unwrap();
+        let good = mref(&r.win, 0, 0);
         let bad = MemRef {
             addr: good.addr,
             key: good.key ^ 0x5a5a,
@@ -653,7 +651,7 @@ mod tests {
     #[test]
     fn an_out_of_bounds_remote_address_is_refused() {
         let r = rig(4096, 4);
-        let good = r.g.remote(0, 0, 0).unwrap();
+        let good = mref(&r.win, 0, 0);
         let past = MemRef {
             addr: good.addr + 4090,
             key: good.key,
@@ -701,7 +699,7 @@ mod tests {
     #[test]
     fn a_counter_behind_a_failed_put_fails_too() {
         let r = rig(4096, 4);
-        let good = r.g.remote(0, 0, 0).unwrap();
+        let good = mref(&r.win, 0, 0);
         let bad = MemRef {
             addr: good.addr,
             key: good.key ^ 1,

@@ -34,10 +34,22 @@ pub struct LocalMr {
 /// What a key and address resolve to.
 #[derive(Debug, Clone, Copy)]
 enum Target {
-    /// A window part on some rank, reached through the fabric.
-    Window(Addr),
+    /// A window part on some rank, reached through the fabric: an entry of
+    /// the engine's region cache and the offset in it.
+    Window { entry: usize, offset: u64 },
     /// Memory in this process.
     Here(*mut u8),
+}
+
+/// A registered window part the NIC has seen a key for.
+#[derive(Debug)]
+struct Region {
+    rank: usize,
+    key: u32,
+    window: u32,
+    base: u64,
+    size: u64,
+    desc: Arc<gin_net::MemDesc>,
 }
 
 #[derive(Debug)]
@@ -145,8 +157,11 @@ struct Engine<'a> {
     /// QPs in the error state.
     failed: Vec<bool>,
     by_cqn: HashMap<u32, usize>,
-    /// (rank, key) → (window, owner's base address, size).
-    keys: HashMap<(usize, u32), (u32, u64, u64)>,
+    /// Regions by (rank, key), and the last one hit: consecutive WQEs
+    /// usually name the same region.
+    regions: Vec<Region>,
+    by_key: HashMap<(usize, u32), usize>,
+    last: usize,
 }
 
 /// How executing one WQE went.
@@ -174,7 +189,9 @@ impl<'a> Engine<'a> {
                 .enumerate()
                 .map(|(i, q)| (q.cq.cqn, i))
                 .collect(),
-            keys: HashMap::new(),
+            regions: Vec::new(),
+            by_key: HashMap::new(),
+            last: 0,
         }
     }
 
@@ -300,11 +317,20 @@ impl<'a> Engine<'a> {
                     Err(why) => return fail(syndrome::LOCAL_PROT_ERR, why),
                 };
                 match self.remote(peer, *remote, u64::from(*len)) {
-                    Ok(Target::Window(a)) => {
+                    Ok(Target::Window { entry, offset }) => {
                         let done = Arc::new(AtomicU64::new(1));
+                        let reg = &self.regions[entry];
+                        let a = Addr {
+                            window: reg.window,
+                            offset,
+                        };
                         // SAFETY: `dst` is a checked local range that stays
                         // registered; we wait for `done` below.
-                        let r = unsafe { self.s.fabric.get(peer, a, dst, u64::from(*len), &done) };
+                        let r = unsafe {
+                            self.s
+                                .fabric
+                                .get_in(peer, (&reg.desc, a), dst, u64::from(*len), &done)
+                        };
                         if let Err(e) = r {
                             return transport(e);
                         }
@@ -339,7 +365,7 @@ impl<'a> Engine<'a> {
                 peer,
                 *remote,
                 *result,
-                |f, a| f.fetch_add(peer, a, *add),
+                |f, a| f.fetch_add_in(peer, a, *add),
                 |x| x.fetch_add(*add, Ordering::AcqRel),
             ),
             Op::CompareSwap {
@@ -351,7 +377,7 @@ impl<'a> Engine<'a> {
                 peer,
                 *remote,
                 *result,
-                |f, a| f.compare_swap(peer, a, *compare, *swap),
+                |f, a| f.compare_swap_in(peer, a, *compare, *swap),
                 |x| match x.compare_exchange(*compare, *swap, Ordering::AcqRel, Ordering::Acquire) {
                     Ok(v) | Err(v) => v,
                 },
@@ -386,12 +412,19 @@ impl<'a> Engine<'a> {
 
     fn write(&mut self, peer: usize, remote: MemRef, data: &[u8]) -> Step {
         match self.remote(peer, remote, data.len() as u64) {
-            Ok(Target::Window(a)) => match self.s.fabric.put(peer, a, data, None) {
-                Ok(()) => Step::Done {
-                    byte_cnt: data.len() as u32,
-                },
-                Err(e) => transport(e),
-            },
+            Ok(Target::Window { entry, offset }) => {
+                let reg = &self.regions[entry];
+                let a = Addr {
+                    window: reg.window,
+                    offset,
+                };
+                match self.s.fabric.put_in(peer, (&reg.desc, a), data, None) {
+                    Ok(()) => Step::Done {
+                        byte_cnt: data.len() as u32,
+                    },
+                    Err(e) => transport(e),
+                }
+            }
             Ok(Target::Here(p)) => {
                 // SAFETY: checked local range.
                 unsafe { std::ptr::copy(data.as_ptr(), p, data.len()) };
@@ -411,7 +444,7 @@ impl<'a> Engine<'a> {
         peer: usize,
         remote: MemRef,
         result: MemRef,
-        net: impl FnOnce(&Fabric, Addr) -> Result<u64, NetError>,
+        net: impl FnOnce(&Fabric, (&gin_net::MemDesc, Addr)) -> Result<u64, NetError>,
         here: impl FnOnce(&AtomicU64) -> u64,
     ) -> Step {
         if !remote.addr.is_multiple_of(8) {
@@ -430,10 +463,17 @@ impl<'a> Engine<'a> {
             }
         };
         let old = match self.remote(peer, remote, 8) {
-            Ok(Target::Window(a)) => match net(&self.s.fabric, a) {
-                Ok(v) => v,
-                Err(e) => return transport(e),
-            },
+            Ok(Target::Window { entry, offset }) => {
+                let reg = &self.regions[entry];
+                let a = Addr {
+                    window: reg.window,
+                    offset,
+                };
+                match net(&self.s.fabric, (&reg.desc, a)) {
+                    Ok(v) => v,
+                    Err(e) => return transport(e),
+                }
+            }
             // SAFETY: checked, 8-byte aligned local range.
             Ok(Target::Here(p)) => here(unsafe { &*p.cast::<AtomicU64>() }),
             Err(why) => {
@@ -452,9 +492,8 @@ impl<'a> Engine<'a> {
     fn local(&mut self, m: MemRef, len: u64) -> Result<*mut u8, String> {
         match self.resolve(self.s.rank, m, len)? {
             Target::Here(p) => Ok(p),
-            Target::Window(a) => {
-                let w = self.s.fabric.window(a.window).map_err(|e| e.to_string())?;
-                Ok((w.local_base + a.offset as usize) as *mut u8)
+            Target::Window { entry, offset } => {
+                Ok((self.regions[entry].desc.local_base + offset as usize) as *mut u8)
             }
         }
     }
@@ -471,21 +510,45 @@ impl<'a> Engine<'a> {
             return in_range(m, len, r.base, r.len)
                 .map(|off| Target::Here((r.base + off) as *mut u8));
         }
-        if !self.keys.contains_key(&(rank, m.key)) {
-            // Windows registered since the last look.
-            self.keys.clear();
-            for (id, d) in self.s.fabric.windows() {
-                for (r, (&k, &a)) in d.keys.iter().zip(&d.addrs).enumerate() {
-                    self.keys.insert((r, k), (id, a, d.sizes[r]));
-                }
+        let hit = self
+            .regions
+            .get(self.last)
+            .is_some_and(|r| r.rank == rank && r.key == m.key);
+        if !hit {
+            if !self.by_key.contains_key(&(rank, m.key)) {
+                self.refresh();
+            }
+            self.last = *self
+                .by_key
+                .get(&(rank, m.key))
+                .ok_or_else(|| format!("key {:#010x} is not registered on rank {rank}", m.key))?;
+        }
+        let r = &self.regions[self.last];
+        let offset = in_range(m, len, r.base, r.size)?;
+        Ok(Target::Window {
+            entry: self.last,
+            offset,
+        })
+    }
+
+    /// Re-reads the fabric's windows (some were registered since).
+    fn refresh(&mut self) {
+        self.regions.clear();
+        self.by_key.clear();
+        for (window, desc) in self.s.fabric.windows() {
+            for (rank, (&key, &base)) in desc.keys.iter().zip(&desc.addrs).enumerate() {
+                self.by_key.insert((rank, key), self.regions.len());
+                self.regions.push(Region {
+                    rank,
+                    key,
+                    window,
+                    base,
+                    size: desc.sizes.get(rank).copied().unwrap_or(0),
+                    desc: desc.clone(),
+                });
             }
         }
-        let &(window, base, size) = self
-            .keys
-            .get(&(rank, m.key))
-            .ok_or_else(|| format!("key {:#010x} is not registered on rank {rank}", m.key))?;
-        let offset = in_range(m, len, base, size)?;
-        Ok(Target::Window(Addr { window, offset }))
+        self.last = 0;
     }
 }
 

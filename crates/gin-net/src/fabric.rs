@@ -141,8 +141,8 @@ impl Fabric {
             })
     }
 
-    fn target(&self, peer: usize, a: Addr, len: u64) -> Result<(Arc<MemDesc>, &Path), NetError> {
-        let w = self.window(a.window)?;
+    /// Checks `len` bytes at `a` against `peer`'s part of `w`; the path to `peer`.
+    fn check(&self, w: &MemDesc, peer: usize, a: Addr, len: u64) -> Result<&Path, NetError> {
         let path = self
             .paths
             .get(peer)
@@ -154,7 +154,7 @@ impl Fabric {
                 a.offset, a.window
             )));
         }
-        Ok((w, path))
+        Ok(path)
     }
 
     /// The address of `(window, offset)` on `peer` in this process, for the
@@ -184,21 +184,42 @@ impl Fabric {
         src: &[u8],
         sig: Option<(Addr, u64)>,
     ) -> Result<(), NetError> {
-        let (w, path) = self.target(peer, dst, src.len() as u64)?;
-        let sig_target = match sig {
-            Some((a, v)) => Some((self.target(peer, a, 8)?.0, a, v)),
+        let w = self.window(dst.window)?;
+        let sw = match sig {
+            Some((a, v)) => Some((self.window(a.window)?, a, v)),
             None => None,
         };
+        self.put_in(
+            peer,
+            (&w, dst),
+            src,
+            sw.as_ref().map(|(d, a, v)| (&**d, *a, *v)),
+        )
+    }
+
+    /// [`Fabric::put`] with the windows' descriptions already in hand (a
+    /// NIC caches them; no directory lookup on the data path).
+    pub fn put_in(
+        &self,
+        peer: usize,
+        (w, dst): (&MemDesc, Addr),
+        src: &[u8],
+        sig: Option<(&MemDesc, Addr, u64)>,
+    ) -> Result<(), NetError> {
+        let path = self.check(w, peer, dst, src.len() as u64)?;
+        if let Some((sw, a, _)) = sig {
+            self.check(sw, peer, a, 8)?;
+        }
         match path {
             Path::Local | Path::Shm => {
                 if !src.is_empty() {
-                    let d = Self::mapped(&w, peer, path, dst)?;
-                    // SAFETY: `target` checked the range against the peer's
+                    let d = Self::mapped(w, peer, path, dst)?;
+                    // SAFETY: `check` tested the range against the peer's
                     // size; the mapping lives while the window is registered.
                     unsafe { std::ptr::copy(src.as_ptr(), d, src.len()) };
                 }
-                if let Some((sw, a, v)) = sig_target {
-                    let p = Self::mapped(&sw, peer, path, a)?;
+                if let Some((sw, a, v)) = sig {
+                    let p = Self::mapped(sw, peer, path, a)?;
                     if !(p as usize).is_multiple_of(8) {
                         return Err(NetError::Invalid(format!(
                             "signal at offset {} is not aligned",
@@ -212,8 +233,8 @@ impl Fabric {
             }
             Path::Tcp(link) => {
                 let key = w.keys.get(peer).copied().unwrap_or(0);
-                let sig = sig_target
-                    .map(|(sw, a, v)| (sw.keys.get(peer).copied().unwrap_or(0), a.offset, v));
+                let sig =
+                    sig.map(|(sw, a, v)| (sw.keys.get(peer).copied().unwrap_or(0), a.offset, v));
                 link.put(key, dst.offset, src, sig)
             }
         }
@@ -232,10 +253,27 @@ impl Fabric {
         len: u64,
         done: &Arc<AtomicU64>,
     ) -> Result<(), NetError> {
-        let (w, path) = self.target(peer, src, len)?;
+        let w = self.window(src.window)?;
+        // SAFETY: forwarded from the caller.
+        unsafe { self.get_in(peer, (&w, src), dst, len, done) }
+    }
+
+    /// [`Fabric::get`] with the window's description in hand.
+    ///
+    /// # Safety
+    /// As for [`Fabric::get`].
+    pub unsafe fn get_in(
+        &self,
+        peer: usize,
+        (w, src): (&MemDesc, Addr),
+        dst: *mut u8,
+        len: u64,
+        done: &Arc<AtomicU64>,
+    ) -> Result<(), NetError> {
+        let path = self.check(w, peer, src, len)?;
         match path {
             Path::Local | Path::Shm => {
-                let s = Self::mapped(&w, peer, path, src)?;
+                let s = Self::mapped(w, peer, path, src)?;
                 // SAFETY: source range checked; destination promised by the caller.
                 unsafe { std::ptr::copy(s, dst, len as usize) };
                 std::sync::atomic::fence(Ordering::Acquire);
@@ -252,8 +290,20 @@ impl Fabric {
 
     /// Atomic fetch-add on `peer`; returns the old value.
     pub fn fetch_add(&self, peer: usize, at: Addr, v: u64) -> Result<u64, NetError> {
+        let w = self.window(at.window)?;
+        self.fetch_add_in(peer, (&w, at), v)
+    }
+
+    /// [`Fabric::fetch_add`] with the window's description in hand.
+    pub fn fetch_add_in(
+        &self,
+        peer: usize,
+        (w, at): (&MemDesc, Addr),
+        v: u64,
+    ) -> Result<u64, NetError> {
         self.atomic(
             peer,
+            w,
             at,
             |a| a.fetch_add(v, Ordering::AcqRel),
             |l, k| l.fetch_add(k, at.offset, v, self.timeout),
@@ -268,8 +318,21 @@ impl Fabric {
         expected: u64,
         desired: u64,
     ) -> Result<u64, NetError> {
+        let w = self.window(at.window)?;
+        self.compare_swap_in(peer, (&w, at), expected, desired)
+    }
+
+    /// [`Fabric::compare_swap`] with the window's description in hand.
+    pub fn compare_swap_in(
+        &self,
+        peer: usize,
+        (w, at): (&MemDesc, Addr),
+        expected: u64,
+        desired: u64,
+    ) -> Result<u64, NetError> {
         self.atomic(
             peer,
+            w,
             at,
             |a| match a.compare_exchange(expected, desired, Ordering::AcqRel, Ordering::Acquire) {
                 Ok(v) | Err(v) => v,
@@ -281,14 +344,15 @@ impl Fabric {
     fn atomic(
         &self,
         peer: usize,
+        w: &MemDesc,
         at: Addr,
         mem: impl FnOnce(&AtomicU64) -> u64,
         net: impl FnOnce(&Link, u32) -> Result<u64, NetError>,
     ) -> Result<u64, NetError> {
-        let (w, path) = self.target(peer, at, 8)?;
+        let path = self.check(w, peer, at, 8)?;
         match path {
             Path::Local | Path::Shm => {
-                let p = Self::mapped(&w, peer, path, at)?;
+                let p = Self::mapped(w, peer, path, at)?;
                 if !(p as usize).is_multiple_of(8) {
                     return Err(NetError::Invalid(format!(
                         "atomic at offset {} is not aligned",

@@ -1,0 +1,232 @@
+//! WQE build rate and the soft NIC's execution rate, each beside a baseline
+//! measured in the same group (a 64-byte copy; an 8-byte store loop), so the
+//! results read as ratios.
+//!
+//! `cargo bench -p gin-gdaki`
+
+#![allow(clippy::unwrap_used)] // a benchmark's set-up either works or aborts
+
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use gin_device::{Backend, Counters, PutOp, Source, Window, WindowParts};
+use std::sync::atomic::Ordering;
+
+use gin_gdaki::nic::SoftNic;
+use gin_gdaki::qp::Qp;
+use gin_gdaki::queue::Sharing;
+use gin_gdaki::wqe::{CQ_UPDATE, MemRef, Op, encode};
+use gin_gdaki::{Gdaki, GdakiConfig};
+use gin_net::region::{Access, RegionTable};
+use gin_net::{Fabric, MemDesc, Path};
+
+fn wqe_build(c: &mut Criterion) {
+    let mut g = c.benchmark_group("wqe_build");
+    g.throughput(Throughput::Elements(1));
+    let op = Op::Write {
+        remote: MemRef {
+            addr: 0x7f00_0000_1000,
+            key: 0x1234,
+        },
+        local: MemRef {
+            addr: 0x7f00_0000_2000,
+            key: 0x5678,
+        },
+        len: 8,
+    };
+    let mut idx = 0u16;
+    g.bench_function("rdma_write", |b| {
+        b.iter(|| {
+            idx = idx.wrapping_add(1);
+            black_box(encode(black_box(&op), idx, 0x100, CQ_UPDATE).unwrap())
+        });
+    });
+    let block = [0x5au8; 64];
+    g.bench_function("baseline_copy_64_bytes", |b| {
+        b.iter(|| black_box(*black_box(&block)))
+    });
+    g.finish();
+}
+
+/// One rank, one window, a GDAKI backend and its soft NIC.
+fn rig() -> (Gdaki, Window, Box<[u64]>) {
+    let len = 1 << 16;
+    let table = Arc::new(RegionTable::default());
+    let fabric = Arc::new(Fabric::new(
+        0,
+        vec![Path::Local],
+        table.clone(),
+        None,
+        Duration::from_secs(30),
+    ));
+    let mut mem = vec![0u64; len / 8].into_boxed_slice();
+    let base = mem.as_mut_ptr().cast::<u8>();
+    // SAFETY: `mem` is returned with the backend and outlives it.
+    let key = unsafe { table.insert(base, len as u64, Access::ALL) }.unwrap();
+    fabric.add_window(
+        0,
+        MemDesc {
+            local_base: base as usize,
+            sizes: vec![len as u64],
+            peer_bases: vec![base as usize],
+            keys: vec![key],
+            addrs: vec![base as u64],
+        },
+    );
+    // SAFETY: as above.
+    let win = unsafe {
+        Window::from_parts(
+            WindowParts {
+                id: 0,
+                rank: 0,
+                comm_id: 1,
+                local_base: base,
+                sizes: vec![len as u64],
+                peer_bases: vec![base],
+                keys: vec![key],
+                addrs: vec![base as u64],
+            },
+            Box::new(()),
+        )
+    };
+    let config = GdakiConfig {
+        sq_log2: 10,
+        ..GdakiConfig::default()
+    };
+    let g = Gdaki::start(fabric, Arc::new(Counters::new(4)), 1, config).unwrap();
+    (g, win, mem)
+}
+
+fn nic_execution(c: &mut Criterion) {
+    let (g, win, _mem) = rig();
+    let burst = 256u64;
+    let mut grp = c.benchmark_group("softnic_8_byte_writes");
+    grp.throughput(Throughput::Elements(burst));
+    grp.bench_function("issue_and_complete", |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            for _ in 0..iters {
+                for i in 0..burst {
+                    g.put(&PutOp {
+                        ctx: 0,
+                        peer: 0,
+                        dst: &win,
+                        dst_off: 4096 + 8 * (i % 256),
+                        src: Source::Window {
+                            window: &win,
+                            offset: 0,
+                        },
+                        bytes: 8,
+                        signal: None,
+                        counter: None,
+                    })
+                    .unwrap();
+                }
+                let t = g.ticket(0, None).unwrap();
+                while !g.done(&t).unwrap() {
+                    std::hint::spin_loop();
+                }
+            }
+            start.elapsed()
+        });
+    });
+    let mut mem = vec![0u64; 512];
+    grp.bench_function("baseline_8_byte_stores", |b| {
+        b.iter(|| {
+            for i in 0..burst as usize {
+                mem[i] = black_box(i as u64);
+            }
+            black_box(&mem);
+        });
+    });
+    grp.finish();
+    eprintln!("soft NIC executed {} WQEs in this run", g.executed());
+}
+
+/// The NIC alone: a queue pre-filled with 8-byte RDMA writes (not timed),
+/// one doorbell, then the time until the last CQE is written.
+fn nic_alone(c: &mut Criterion) {
+    let len = 1 << 16;
+    let table = Arc::new(RegionTable::default());
+    let fabric = Arc::new(Fabric::new(
+        0,
+        vec![Path::Local],
+        table.clone(),
+        None,
+        Duration::from_secs(30),
+    ));
+    let mut mem = vec![0u64; len / 8].into_boxed_slice();
+    let base = mem.as_mut_ptr().cast::<u8>();
+    // SAFETY: `mem` outlives the NIC (dropped at the end of this function).
+    let key = unsafe { table.insert(base, len as u64, Access::ALL) }.unwrap();
+    fabric.add_window(
+        0,
+        MemDesc {
+            local_base: base as usize,
+            sizes: vec![len as u64],
+            peer_bases: vec![base as usize],
+            keys: vec![key],
+            addrs: vec![base as u64],
+        },
+    );
+    let log2 = 12;
+    let qp = Arc::new(Qp::new(0x100, 0x100, 0, log2));
+    let nic = SoftNic::start(
+        0,
+        vec![qp.clone()],
+        fabric,
+        Vec::new(),
+        Duration::from_secs(30),
+        Duration::from_millis(1),
+    )
+    .unwrap();
+    let waker = nic.waker();
+    let burst = 1u64 << (log2 - 1);
+    let mut grp = c.benchmark_group("softnic_alone_8_byte_writes");
+    grp.throughput(Throughput::Elements(burst));
+    grp.bench_function("execute", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                let start_idx = qp.idx.reserve(burst);
+                for i in 0..burst {
+                    let op = Op::Write {
+                        remote: MemRef {
+                            addr: base as u64 + 4096 + 8 * (i % 256),
+                            key,
+                        },
+                        local: MemRef {
+                            addr: base as u64,
+                            key,
+                        },
+                        len: 8,
+                    };
+                    let idx = start_idx + i;
+                    qp.write_wqe(idx, &encode(&op, idx as u16, qp.qpn, CQ_UPDATE).unwrap());
+                }
+                assert!(
+                    qp.idx
+                        .try_mark_ready(start_idx, start_idx + burst - 1, Sharing::Gpu)
+                );
+                let target = qp.cq.produced.load(Ordering::Acquire) + burst;
+                let t = Instant::now();
+                qp.idx.post(|pi| qp.ring(pi));
+                waker.wake();
+                while qp.cq.produced.load(Ordering::Acquire) < target {
+                    std::hint::spin_loop();
+                }
+                total += t.elapsed();
+                qp.reap(|c| panic!("error CQE {c:?}"));
+            }
+            total
+        });
+    });
+    grp.finish();
+    drop(nic);
+    drop(mem);
+}
+
+criterion_group!(benches, wqe_build, nic_alone, nic_execution);
+criterion_main!(benches);
