@@ -45,7 +45,7 @@ fn wqe_build(c: &mut Criterion) {
     });
     let block = [0x5au8; 64];
     g.bench_function("baseline_copy_64_bytes", |b| {
-        b.iter(|| black_box(*black_box(&block)))
+        b.iter(|| black_box(*black_box(&block)));
     });
     g.finish();
 }
@@ -135,8 +135,8 @@ fn nic_execution(c: &mut Criterion) {
     let mut mem = vec![0u64; 512];
     grp.bench_function("baseline_8_byte_stores", |b| {
         b.iter(|| {
-            for i in 0..burst as usize {
-                mem[i] = black_box(i as u64);
+            for (i, m) in mem.iter_mut().take(burst as usize).enumerate() {
+                *m = black_box(i as u64);
             }
             black_box(&mem);
         });
