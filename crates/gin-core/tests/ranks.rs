@@ -10,7 +10,7 @@ use gin_bootstrap::{LaunchReport, LaunchSpec, Output, launch};
 const BIN: &str = env!("CARGO_BIN_EXE_gin-selftest");
 
 /// (name, environment) of each way to run.
-const MODES: [(&str, &[(&str, &str)]); 6] = [
+const MODES: [(&str, &[(&str, &str)]); 7] = [
     ("auto (direct load/store)", &[]),
     (
         "auto over tcp (ranks send when their ring is empty)",
@@ -25,6 +25,10 @@ const MODES: [(&str, &[(&str, &str)]); 6] = [
     (
         "gdaki (soft-mlx5) over tcp",
         &[("GIN_BACKEND", "gdaki"), ("GIN_TRANSPORT", "tcp")],
+    ),
+    (
+        "gdaki with batched doorbells",
+        &[("GIN_BACKEND", "gdaki"), ("GIN_GDAKI_BATCH", "8")],
     ),
 ];
 

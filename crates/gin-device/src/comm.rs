@@ -84,6 +84,11 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn done(&self, ticket: &Ticket) -> Result<bool, GinError>;
     /// Fails when the backend or the job is broken.
     fn health(&self) -> Result<(), GinError>;
+
+    /// Pushes out anything issued but held back (doorbells a batching
+    /// backend has not rung yet). Every wait calls it first: waiting for an
+    /// answer to a put that was never sent would only time out.
+    fn progress(&self) {}
 }
 
 /// The job-level liveness check waits consult (the bootstrap's death watch).
@@ -914,6 +919,7 @@ impl<'a> Ctx<'a> {
         timeout: Duration,
         what: &dyn Fn() -> String,
     ) -> Result<u64, GinError> {
+        self.dc.p.backend.progress();
         let mut seen = 0;
         self.dc.wait(
             self.ctx,
@@ -978,6 +984,7 @@ impl<'a> Ctx<'a> {
     /// Waits until counter `id` reaches `target` (56-bit rolling compare).
     pub fn wait_counter(&self, id: u32, target: u64) -> Result<u64, GinError> {
         let c = self.counter(id)?;
+        self.dc.p.backend.progress();
         let mut seen = 0;
         let backend = &self.dc.p.backend;
         self.dc.wait(

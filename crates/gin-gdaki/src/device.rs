@@ -64,6 +64,8 @@ pub struct Gdaki {
     sink: Box<[u64; 8]>,
     sink_key: u32,
     error: StickyError,
+    /// Some QP has ready WQEs whose doorbell batching held back.
+    unrung: std::sync::atomic::AtomicBool,
     waker: Waker,
     config: GdakiConfig,
     // Last, so it stops after nothing can post any more.
@@ -149,6 +151,7 @@ impl Gdaki {
             sink,
             sink_key,
             error: StickyError::default(),
+            unrung: std::sync::atomic::AtomicBool::new(false),
             config,
             nic,
         })
@@ -296,6 +299,8 @@ impl Gdaki {
         if self.config.batch <= 1 || ready.wrapping_sub(posted) >= self.config.batch {
             qp.idx.post(|pi| qp.ring(pi));
             self.waker.wake();
+        } else {
+            self.unrung.store(true, Ordering::Release);
         }
         Ok(last)
     }
@@ -458,6 +463,15 @@ impl Backend for Gdaki {
             self.waker.wake();
         }
         Ok(all)
+    }
+
+    fn progress(&self) {
+        if self.unrung.swap(false, Ordering::AcqRel) {
+            for qp in self.main.iter().chain(&self.companion) {
+                qp.idx.post(|pi| qp.ring(pi));
+            }
+            self.waker.wake();
+        }
     }
 
     fn health(&self) -> Result<(), GinError> {
