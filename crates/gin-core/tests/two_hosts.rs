@@ -62,7 +62,13 @@ fn make_hosts() -> Result<Hosts, String> {
 
 /// Starts one host: its own hostname and /dev/shm, ranks `first` and
 /// `first + 1` of 4.
-fn start_host(netns: &str, hostname: &str, first: usize, scenario: &str) -> std::process::Child {
+fn start_host(
+    netns: &str,
+    hostname: &str,
+    first: usize,
+    scenario: &str,
+    backend: &str,
+) -> std::process::Child {
     let script = format!(
         "hostname {hostname} && mount -t tmpfs gin-shm /dev/shm && \
          GIN_RANK={first} {BIN} {scenario} & p0=$!; \
@@ -84,7 +90,7 @@ fn start_host(netns: &str, hostname: &str, first: usize, scenario: &str) -> std:
         .env_remove("GIN_UNIQUE_ID")
         .env_remove("GIN_HOSTID")
         .env_remove("GIN_TRANSPORT")
-        .env_remove("GIN_BACKEND")
+        .env("GIN_BACKEND", backend)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -113,9 +119,9 @@ fn auto_picks_shm_within_a_host_and_tcp_across() {
         }
     };
     let [a, b] = &hosts.names;
-    for scenario in ["alltoall", "all"] {
-        let host_a = start_host(a, "gin-host-a", 0, scenario);
-        let host_b = start_host(b, "gin-host-b", 2, scenario);
+    for (scenario, backend) in [("alltoall", "auto"), ("all", "auto"), ("all", "gdaki")] {
+        let host_a = start_host(a, "gin-host-a", 0, scenario, backend);
+        let host_b = start_host(b, "gin-host-b", 2, scenario, backend);
         let (oa, ob) = (
             wait(host_a, Duration::from_secs(120)),
             wait(host_b, Duration::from_secs(120)),
@@ -130,7 +136,7 @@ fn auto_picks_shm_within_a_host_and_tcp_across() {
         let (ta, tb) = (text(&oa), text(&ob));
         assert!(
             oa.status.success() && ob.status.success(),
-            "{scenario}:\nhost A:\n{ta}\nhost B:\n{tb}"
+            "{scenario} ({backend}):\nhost A:\n{ta}\nhost B:\n{tb}"
         );
         assert!(
             ta.contains("rank 0 of 4: ")
@@ -149,6 +155,6 @@ fn auto_picks_shm_within_a_host_and_tcp_across() {
             tb.contains(r#"(paths ["tcp", "tcp", "shm", "local"])"#),
             "{tb}"
         );
-        println!("{scenario}: host A:\n{ta}host B:\n{tb}");
+        println!("{scenario} ({backend}): host A:\n{ta}host B:\n{tb}");
     }
 }
