@@ -14,8 +14,9 @@ use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use gin_device::{Backend, Counters, PutOp, Source, Window, WindowParts};
 use std::sync::atomic::Ordering;
 
+use gin_gdaki::completion::Cqe;
 use gin_gdaki::nic::SoftNic;
-use gin_gdaki::qp::Qp;
+use gin_gdaki::qp::{Cq, Qp};
 use gin_gdaki::queue::Sharing;
 use gin_gdaki::wqe::{CQ_UPDATE, MemRef, Op, encode};
 use gin_gdaki::{Gdaki, GdakiConfig};
@@ -228,5 +229,44 @@ fn nic_alone(c: &mut Criterion) {
     drop(mem);
 }
 
-criterion_group!(benches, wqe_build, nic_alone, nic_execution);
+/// Polling CQEs (owner-bit check, decode, consumer index), beside reading
+/// the same number of 64-byte entries.
+fn cq_poll(c: &mut Criterion) {
+    let cq = Cq::new(1, 10);
+    let n = 512u64;
+    let cqe = Cqe {
+        opcode: 0,
+        wqe_counter: 0,
+        qpn: 0x100,
+        send_opcode: 8,
+        byte_cnt: 8,
+        syndrome: 0,
+        vendor_syndrome: 0,
+    };
+    let mut g = c.benchmark_group("cq_poll");
+    g.throughput(Throughput::Elements(n));
+    g.bench_function("push_then_poll", |b| {
+        b.iter(|| {
+            for _ in 0..n {
+                cq.push(&cqe);
+            }
+            let mut got = 0u64;
+            cq.poll(|c| got += u64::from(c.byte_cnt));
+            black_box(got)
+        });
+    });
+    let entries = vec![[0u8; 64]; n as usize];
+    g.bench_function("baseline_read_64_byte_entries", |b| {
+        b.iter(|| {
+            let mut x = 0u64;
+            for e in black_box(&entries) {
+                x += u64::from(e[63]) + u64::from(e[47]);
+            }
+            black_box(x)
+        });
+    });
+    g.finish();
+}
+
+criterion_group!(benches, wqe_build, cq_poll, nic_alone, nic_execution);
 criterion_main!(benches);
