@@ -8,6 +8,7 @@
 //! The default run (no subcommand) is the put-with-signal ping-pong between
 //! two local ranks on the auto backend.
 
+mod alltoall;
 mod bootstrap;
 mod pingpong;
 mod ranks;
@@ -27,6 +28,8 @@ struct Cli {
 enum Cmd {
     /// Put-with-signal ping-pong between ranks 0 and 1, 8 B to 4 MiB (the default).
     Pingpong(pingpong::PingPongArgs),
+    /// The seed's all-to-all (put + signal to every rank, wait, flush) versus rank count and size.
+    Alltoall(alltoall::AlltoallArgs),
     /// Host bootstrap collectives (allgather, all-to-all, barrier, broadcast) versus rank count.
     Bootstrap(bootstrap::BootstrapArgs),
 }
@@ -38,6 +41,7 @@ fn main() -> Result<()> {
     match cli.cmd {
         Some(Cmd::Bootstrap(a)) => bootstrap::run(&a, &argv),
         Some(Cmd::Pingpong(a)) => pingpong::run(&a, &argv),
+        Some(Cmd::Alltoall(a)) => alltoall::run(&a, &argv),
         None => {
             let a = pingpong::PingPongArgs::default_args();
             let mut argv = argv;

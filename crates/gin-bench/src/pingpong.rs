@@ -182,11 +182,6 @@ fn print_table(r: &PingPongResult) {
     );
 }
 
-fn iters_for(args: &PingPongArgs, size: u64) -> usize {
-    let scaled = (args.iters as u64 * (64 << 10) / size.max(64 << 10)) as usize;
-    scaled.clamp(50.min(args.iters), args.iters.max(1))
-}
-
 fn peak_kib() -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
@@ -220,7 +215,7 @@ fn rank_main(args: &PingPongArgs, sizes: &[u64]) -> Result<()> {
     let mut results = Vec::new();
     let mut signal_seen = 0u64;
     for &size in sizes {
-        let iters = iters_for(args, size);
+        let iters = ranks::iters_for(args.iters, size);
         let warm = (iters / 10).max(5);
         dc.barrier(Team::World, 0)?.sync(0, Fence::None)?;
         let mut samples = Vec::with_capacity(iters);

@@ -54,3 +54,11 @@ pub fn spawn_self<T: DeserializeOwned>(
         .with_context(|| format!("rank 0 printed no result; its output was:\n{out}"))?;
     serde_json::from_str(line).context("parsing rank 0's result")
 }
+
+/// Iterations for messages of `size` bytes: `base` up to 64 KiB, then fewer
+/// in proportion (at least 50, or `base` if smaller), so every size costs
+/// about the same time.
+pub fn iters_for(base: usize, size: u64) -> usize {
+    let scaled = (base as u64 * (64 << 10) / size.max(64 << 10)) as usize;
+    scaled.clamp(50.min(base), base.max(1))
+}
