@@ -465,21 +465,15 @@ impl Comm {
                 w.id()
             )));
         }
+        // Over TCP a flushed put may still sit in a socket: wait until every
+        // request this rank sent was executed, then for every rank to get
+        // there, before the memory stops being served.
+        self.fabric.fence_all()?;
         self.bootstrap.barrier()?;
         w.mark_deregistered();
         self.fabric.remove_window(w.id());
-        if let Ok(d) = self.fabric_desc_key(w) {
-            self.table.remove(d);
-        }
+        self.table.remove(w.key_of(self.rank()));
         Ok(())
-    }
-
-    fn fabric_desc_key(&self, w: &Window) -> Result<u32, CoreError> {
-        // The key was recorded in the fabric entry, which is gone by now; find
-        // it through the table by address instead.
-        self.table
-            .key_of(w.as_ptr())
-            .ok_or_else(|| CoreError::Invalid(format!("window {} has no registered key", w.id())))
     }
 
     /// Creates a device communicator (collective; same requirements on every rank).
@@ -516,13 +510,12 @@ impl Comm {
             };
             (sb, cb)
         };
-        let release = || {
-            let mut s = self
-                .spaces
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let _ = s.signals.free(signal_base, nsig);
-            let _ = s.counters.free(counter_base, ncnt);
+        // Freed on every error exit below; kept by the handle on success.
+        let ranges = IdRanges {
+            comm: self,
+            signals: (signal_base, nsig),
+            counters: (counter_base, ncnt),
+            release: true,
         };
         // Fresh slots start at zero, on every rank, before anyone signals.
         for i in 0..nsig {
@@ -537,20 +530,20 @@ impl Comm {
         }
         let mut rec = signal_base.to_le_bytes().to_vec();
         rec.extend_from_slice(&counter_base.to_le_bytes());
-        let all = match self.bootstrap.allgather_equal(&rec) {
-            Ok(a) => a,
-            Err(e) => {
-                release();
-                return Err(e.into());
-            }
-        };
+        let all = self.bootstrap.allgather_equal(&rec)?;
         if all.chunks(16).any(|c| c != rec.as_slice()) {
-            release();
             return Err(CoreError::Invalid(
                 "ranks disagree on signal/counter placement: device communicators were created or \
                  destroyed in different orders, or with different requirements"
                     .into(),
             ));
+        }
+        if req.queue_depth > 1 << gin_gdaki::MAX_SQ_LOG2 {
+            return Err(CoreError::Invalid(format!(
+                "queue depth {} exceeds the largest supported, {}",
+                req.queue_depth,
+                1u32 << gin_gdaki::MAX_SQ_LOG2
+            )));
         }
         let depth = req.queue_depth.max(2).next_power_of_two();
         let backend: Arc<dyn Backend> = match self.settings.backend {
@@ -631,20 +624,15 @@ impl Comm {
             health: Arc::new(BootstrapHealth(self.bootstrap.clone())),
             timeout: self.settings.timeout,
         });
-        let dc = match dc {
-            Ok(d) => d,
-            Err(e) => {
-                release();
-                return Err(e.into());
-            }
-        };
+        let dc = dc?;
         // Nobody signals into slots another rank has not zeroed yet.
         self.bootstrap.barrier()?;
         Ok(DevCommHandle {
             comm: self,
             dc: Some(dc),
             _backend: backend,
-            ranges: (signal_base, nsig, counter_base, ncnt),
+            ranges,
+            destroyed: false,
         })
     }
 
@@ -673,15 +661,42 @@ fn dangling_window() -> Window {
     }
 }
 
+/// Signal and counter ranges taken from the communicator's id spaces.
+#[derive(Debug)]
+struct IdRanges<'c> {
+    comm: &'c Comm,
+    signals: (u64, u64),
+    counters: (u64, u64),
+    /// Give the ranges back when dropped.
+    release: bool,
+}
+
+impl Drop for IdRanges<'_> {
+    fn drop(&mut self) {
+        if !self.release {
+            return;
+        }
+        let mut s = self
+            .comm
+            .spaces
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let _ = s.signals.free(self.signals.0, self.signals.1);
+        let _ = s.counters.free(self.counters.0, self.counters.1);
+    }
+}
+
 /// A device communicator and what it holds; dereferences to [`DevComm`].
 /// Destroy it collectively with [`DevCommHandle::destroy`] to get its ids
-/// back; dropping it also releases them, without the collective flush.
+/// back. One dropped without `destroy` keeps its ids out of reuse: a signal
+/// still in flight to it could otherwise land in a newer communicator.
 #[derive(Debug)]
 pub struct DevCommHandle<'c> {
     comm: &'c Comm,
     dc: Option<DevComm>,
     _backend: Arc<dyn Backend>,
-    ranges: (u64, u64, u64, u64),
+    ranges: IdRanges<'c>,
+    destroyed: bool,
 }
 
 impl std::ops::Deref for DevCommHandle<'_> {
@@ -692,12 +707,15 @@ impl std::ops::Deref for DevCommHandle<'_> {
 }
 
 impl DevCommHandle<'_> {
-    /// Flushes every context, waits for every rank, and frees the ids.
-    pub fn destroy(self) -> Result<(), CoreError> {
+    /// Flushes every context, waits until every request this rank sent has
+    /// been executed and for every rank to get there, then frees the ids.
+    pub fn destroy(mut self) -> Result<(), CoreError> {
         for c in 0..self.nctx() {
             self.ctx(c)?.flush()?;
         }
+        self.comm.fabric.fence_all()?;
         self.comm.bootstrap.barrier()?;
+        self.destroyed = true;
         Ok(())
     }
 }
@@ -705,13 +723,12 @@ impl DevCommHandle<'_> {
 impl Drop for DevCommHandle<'_> {
     fn drop(&mut self) {
         self.dc.take();
-        let (sb, ns, cb, nc) = self.ranges;
-        let mut s = self
-            .comm
-            .spaces
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let _ = s.signals.free(sb, ns);
-        let _ = s.counters.free(cb, nc);
+        if !self.destroyed {
+            self.ranges.release = false;
+            tracing::debug!(
+                rank = self.comm.rank(),
+                "device communicator dropped without destroy(): its signal and counter ids stay reserved"
+            );
+        }
     }
 }

@@ -172,3 +172,22 @@ fn unavailable_choices_are_clear_errors_listing_the_alternatives() {
         report.ranks[0].stdout
     );
 }
+
+#[test]
+fn deregistration_waits_for_puts_still_in_flight() {
+    for (name, env) in [
+        (
+            "proxy over tcp",
+            &[("GIN_BACKEND", "proxy"), ("GIN_TRANSPORT", "tcp")][..],
+        ),
+        ("auto over tcp", &[("GIN_TRANSPORT", "tcp")][..]),
+        (
+            "gdaki over tcp",
+            &[("GIN_BACKEND", "gdaki"), ("GIN_TRANSPORT", "tcp")][..],
+        ),
+        ("auto", &[][..]),
+    ] {
+        let report = run(2, &["dereg"], env, "60");
+        assert_ok(&report, name);
+    }
+}

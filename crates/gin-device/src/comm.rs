@@ -724,11 +724,18 @@ impl<'a> Ctx<'a> {
             signal,
             counter,
         };
-        if dc.is_direct(peer) && self.put_direct(&op)? {
+        self.dispatch(&op)
+    }
+
+    /// Sends a validated put down the direct path when every part of it is
+    /// mapped, otherwise to the backend.
+    fn dispatch(&self, op: &PutOp<'_>) -> Result<(), GinError> {
+        let dc = self.dc;
+        if dc.is_direct(op.peer) && self.put_direct(op)? {
             return Ok(());
         }
-        dc.backend_used[self.ctx as usize * dc.p.nranks + peer].store(true, Ordering::Relaxed);
-        dc.p.backend.put(&op)
+        dc.backend_used[self.ctx as usize * dc.p.nranks + op.peer].store(true, Ordering::Relaxed);
+        dc.p.backend.put(op)
     }
 
     /// The load/store path: copy into the peer's mapping, then update the
@@ -986,16 +993,14 @@ impl<'a> Ctx<'a> {
         let c = self.counter(id)?;
         self.dc.p.backend.progress();
         let mut seen = 0;
-        let backend = &self.dc.p.backend;
         self.dc.wait(
             self.ctx,
             None,
             &|| format!("counter {id}"),
             self.dc.p.timeout,
             || {
-                // Counters are bumped by completions the backend may need to
-                // reap; a failed completion is reported here, not as a hang.
-                backend.health()?;
+                // A failed completion is reported by the wait loop's periodic
+                // health check (with its grace for naming the root cause).
                 seen = c.load(Ordering::Acquire) & COUNTER_MASK;
                 Ok((seen, counter_reached(seen, target)))
             },
@@ -1095,10 +1100,6 @@ impl Ctx<'_> {
             signal: Some(update),
             counter: None,
         };
-        if dc.is_direct(peer) && self.put_direct(&op)? {
-            return Ok(());
-        }
-        dc.backend_used[self.ctx as usize * dc.p.nranks + peer].store(true, Ordering::Relaxed);
-        dc.p.backend.put(&op)
+        self.dispatch(&op)
     }
 }

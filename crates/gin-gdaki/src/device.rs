@@ -72,6 +72,11 @@ pub struct Gdaki {
     nic: SoftNic,
 }
 
+/// Deepest send queue: WQE indices and WAIT targets are 16 bits wide and
+/// must be unwrapped within half their range, with room to spare for a WAIT
+/// that the NIC reaches a little after the main queue moved on.
+pub const MAX_SQ_LOG2: u32 = 14;
+
 /// Local keys live above the fabric's random window keys' usual range only
 /// by convention; collisions are checked at start.
 const LOCAL_KEY_BASE: u32 = 0xfeed_0000;
@@ -87,6 +92,16 @@ impl Gdaki {
     ) -> Result<Self, GinError> {
         let rank = fabric.rank();
         let n = fabric.nranks();
+        if config.sq_log2 > MAX_SQ_LOG2 {
+            return Err(GinError::Unsupported {
+                rank,
+                what: "queue depth",
+                why: format!(
+                    "2^{} entries; at most 2^{MAX_SQ_LOG2}, so that 16-bit WQE indices stay unambiguous",
+                    config.sq_log2
+                ),
+            });
+        }
         let mut main = Vec::new();
         let mut companion = Vec::new();
         for c in 0..nctx as usize {
@@ -212,13 +227,16 @@ impl Gdaki {
     fn reap(&self, ctx: u32, peer: usize, qp: &Qp) {
         qp.reap(|c: &Cqe| {
             let what = if qp.peer == self.rank && qp.qpn & 1 == 1 {
-                "companion QP".to_owned()
+                format!("companion QP {:#x}", c.qpn)
             } else {
-                format!("QP to rank {peer}")
+                format!(
+                    "QP {:#x} to rank {peer} (its QP {:#x})",
+                    c.qpn,
+                    qp.remote_qpn.load(Ordering::Acquire)
+                )
             };
             self.error.set(format!(
-                "{what} {:#x} (context {ctx}): WQE index {} completed with syndrome {:#04x} ({}), vendor syndrome {:#04x}",
-                c.qpn,
+                "{what}, context {ctx}: WQE index {} completed with syndrome {:#04x} ({}), vendor syndrome {:#04x}",
                 c.wqe_counter,
                 c.syndrome,
                 syndrome::name(c.syndrome),
@@ -255,52 +273,98 @@ impl Gdaki {
         let t0 = Instant::now();
         while !has_space(start, k, qp.idx.done.load(Ordering::Acquire), qp.size()) {
             self.reap(ctx, peer, qp);
-            self.check()?;
             // The queue may be full of WQEs not yet rung in batching mode.
             qp.idx.post(|pi| qp.ring(pi));
             self.waker.wake();
-            if t0.elapsed() > self.config.timeout {
-                let why = format!(
+            let why = if let Err(e) = self.check() {
+                Some(e.to_string())
+            } else if t0.elapsed() > self.config.timeout {
+                Some(format!(
                     "send queue of QP {:#x} stayed full for {:.1?} (last completion {})",
                     qp.qpn,
                     self.config.timeout,
                     qp.idx.done.load(Ordering::Acquire)
-                );
+                ))
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                // Our slots are not free, so they cannot be filled: the QP is
+                // broken from here on, and producers behind us learn it in
+                // their own mark-ready wait.
                 self.error.set(why.clone());
                 return Err(self.failed(ctx, format!("put to rank {peer}"), why));
             }
             std::thread::yield_now();
         }
+        // The slots are ours and free. Fill every one of them (NOPs after a
+        // failure), so the ready index can always move past them.
+        let mut failure = None;
         for (i, (op, flags)) in ops.iter().enumerate() {
             let idx = start + i as u64;
-            let bytes = encode(op, idx as u16, qp.qpn, *flags | CQ_UPDATE).map_err(|e| {
-                GinError::Unsupported {
-                    rank: self.rank,
-                    what: "work request",
-                    why: e.to_string(),
+            let bytes = if failure.is_none() {
+                match encode(op, idx as u16, qp.qpn, *flags | CQ_UPDATE) {
+                    Ok(b) => Some(b),
+                    Err(e) => {
+                        failure = Some(e.to_string());
+                        None
+                    }
                 }
-            })?;
+            } else {
+                None
+            };
+            let bytes = match bytes {
+                Some(b) => b,
+                None => encode(&Op::Nop, idx as u16, qp.qpn, CQ_UPDATE).map_err(|e| {
+                    GinError::Unsupported {
+                        rank: self.rank,
+                        what: "work request",
+                        why: e.to_string(),
+                    }
+                })?,
+            };
             qp.write_wqe(idx, &bytes);
         }
         let last = start + k - 1;
         let mut spins = 0u32;
         while !qp.idx.try_mark_ready(start, last, self.config.sharing) {
             // An earlier range is still being filled by another thread,
-            // which may need this core.
+            // which may need this core, or failed (then the QP is broken).
             spins += 1;
             if spins < 64 {
                 std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
+                continue;
+            }
+            std::thread::yield_now();
+            if spins.is_multiple_of(256) {
+                self.check()?;
+                if t0.elapsed() > self.config.timeout {
+                    let why = format!(
+                        "WQEs before index {start} of QP {:#x} were never marked ready within {:.1?}",
+                        qp.qpn, self.config.timeout
+                    );
+                    self.error.set(why.clone());
+                    return Err(self.failed(ctx, format!("put to rank {peer}"), why));
+                }
             }
         }
         let ready = qp.idx.ready.load(Ordering::Acquire);
         let posted = qp.idx.posted.load(Ordering::Acquire);
-        if self.config.batch <= 1 || ready.wrapping_sub(posted) >= self.config.batch {
+        // The companion QP is never batched: its WAIT names a 16-bit index of
+        // the main queue and must reach the NIC while that index is recent.
+        let companion = qp.peer == self.rank && qp.qpn & 1 == 1;
+        if companion || self.config.batch <= 1 || ready.wrapping_sub(posted) >= self.config.batch {
             qp.idx.post(|pi| qp.ring(pi));
             self.waker.wake();
         } else {
             self.unrung.store(true, Ordering::Release);
+        }
+        if let Some(why) = failure {
+            return Err(GinError::Unsupported {
+                rank: self.rank,
+                what: "work request",
+                why,
+            });
         }
         Ok(last)
     }
@@ -654,7 +718,7 @@ mod tests {
         expect_error(
             &r,
             &[
-                "QP to rank 0 0x100",
+                "QP 0x100 to rank 0",
                 "WQE index 0",
                 "syndrome 0x13",
                 "remote access error",

@@ -39,4 +39,4 @@ pub mod qp;
 pub mod queue;
 pub mod wqe;
 
-pub use device::{Gdaki, GdakiConfig};
+pub use device::{Gdaki, GdakiConfig, MAX_SQ_LOG2};

@@ -162,6 +162,8 @@ struct Engine<'a> {
     regions: Vec<Region>,
     by_key: HashMap<(usize, u32), usize>,
     last: usize,
+    /// The fabric directory generation the cache was built from.
+    generation: u64,
 }
 
 /// How executing one WQE went.
@@ -192,6 +194,7 @@ impl<'a> Engine<'a> {
             regions: Vec::new(),
             by_key: HashMap::new(),
             last: 0,
+            generation: u64::MAX,
         }
     }
 
@@ -217,6 +220,8 @@ impl<'a> Engine<'a> {
                 thread::yield_now();
             } else {
                 self.s.sleeping.store(true, Ordering::SeqCst);
+                // Pairs with the fence in `Waker::wake`.
+                std::sync::atomic::fence(Ordering::SeqCst);
                 let pending = (0..self.s.qps.len())
                     .any(|i| self.s.qps[i].producer_index(self.ci[i]) != self.ci[i]);
                 if !pending {
@@ -230,6 +235,14 @@ impl<'a> Engine<'a> {
 
     /// Executes what QP `i` has posted; returns the WQEs consumed.
     fn serve(&mut self, i: usize) -> u64 {
+        let g = self.s.fabric.generation();
+        if g != self.generation {
+            // Windows came or went: a removed key must not resolve any more.
+            self.regions.clear();
+            self.by_key.clear();
+            self.last = usize::MAX;
+            self.generation = g;
+        }
         let qp = self.s.qps[i].clone();
         let pi = qp.producer_index(self.ci[i]);
         let mut n = 0;

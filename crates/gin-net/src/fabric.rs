@@ -62,6 +62,9 @@ pub struct Fabric {
     paths: Vec<Path>,
     table: Arc<RegionTable>,
     windows: RwLock<HashMap<u32, Arc<MemDesc>>>,
+    /// Bumped whenever a window is added or removed: caches of the directory
+    /// (a NIC's) compare it to know they are stale.
+    generation: AtomicU64,
     _tcp: Option<TcpTransport>,
     timeout: Duration,
 }
@@ -80,6 +83,7 @@ impl Fabric {
             paths,
             table,
             windows: RwLock::new(HashMap::new()),
+            generation: AtomicU64::new(0),
             _tcp: tcp,
             timeout,
         }
@@ -109,6 +113,12 @@ impl Fabric {
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .insert(id, Arc::new(desc));
+        self.generation.fetch_add(1, Ordering::Release);
+    }
+
+    /// Changes whenever the window directory changes.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
     }
 
     /// Forgets a window.
@@ -117,6 +127,7 @@ impl Fabric {
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .remove(&id);
+        self.generation.fetch_add(1, Ordering::Release);
     }
 
     /// Every registered window.
@@ -364,6 +375,18 @@ impl Fabric {
             }
             Path::Tcp(link) => net(link, w.keys.get(peer).copied().unwrap_or(0)),
         }
+    }
+
+    /// Returns once every request this rank sent over TCP has been executed
+    /// by its target: after it (and a barrier), no request of this rank is
+    /// still in flight to anyone's memory. Deregistration relies on it.
+    pub fn fence_all(&self) -> Result<(), NetError> {
+        for p in &self.paths {
+            if let Path::Tcp(l) = p {
+                l.fence(self.timeout)?;
+            }
+        }
+        Ok(())
     }
 
     /// Fails with the first error any TCP link saw.

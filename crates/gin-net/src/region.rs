@@ -36,16 +36,6 @@ pub struct RegionTable {
     map: RwLock<HashMap<u32, Entry>>,
 }
 
-/// A checked, resolved address inside a region.
-#[derive(Debug, Clone, Copy)]
-pub struct Resolved(usize);
-
-impl Resolved {
-    pub fn ptr(self) -> *mut u8 {
-        self.0 as *mut u8
-    }
-}
-
 impl RegionTable {
     /// Registers `len` bytes at `base` under a fresh random key.
     ///
@@ -85,24 +75,17 @@ impl RegionTable {
             .remove(&key);
     }
 
-    /// The key of the region that starts at `base`, if any.
-    pub fn key_of(&self, base: *mut u8) -> Option<u32> {
-        self.map
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .iter()
-            .find(|(_, e)| e.base == base as usize)
-            .map(|(k, _)| *k)
-    }
-
-    /// Checks key, rights and bounds; `align` applies to atomics.
-    pub fn resolve(
+    /// Runs `f` on the checked address of `[offset, offset + len)` while
+    /// holding the table's read guard: [`RegionTable::remove`] waits for it,
+    /// so memory is never touched after its key was removed.
+    fn with<T>(
         &self,
         key: u32,
         offset: u64,
         len: u64,
         need: AccessKind,
-    ) -> Result<Resolved, String> {
+        f: impl FnOnce(*mut u8) -> T,
+    ) -> Result<T, String> {
         let map = self
             .map
             .read()
@@ -130,7 +113,56 @@ impl RegionTable {
                 "atomic at offset {offset} of key {key:#010x} is not 8-byte aligned"
             ));
         }
-        Ok(Resolved(addr))
+        Ok(f(addr as *mut u8))
+    }
+
+    /// Checks key, rights, bounds (and alignment for atomics) without
+    /// touching memory.
+    pub fn check(&self, key: u32, offset: u64, len: u64, need: AccessKind) -> Result<(), String> {
+        self.with(key, offset, len, need, |_| ())
+    }
+
+    /// Copies `data` into the region at `offset`.
+    pub fn write(&self, key: u32, offset: u64, data: &[u8]) -> Result<(), String> {
+        self.with(key, offset, data.len() as u64, AccessKind::Write, |p| {
+            // SAFETY: checked range of a registered region (the insert
+            // contract), accessed under the read guard.
+            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len()) };
+        })
+    }
+
+    /// Copies bytes of the region at `offset` into `out`.
+    pub fn read(&self, key: u32, offset: u64, out: &mut [u8]) -> Result<(), String> {
+        self.with(key, offset, out.len() as u64, AccessKind::Read, |p| {
+            // SAFETY: as in `write`.
+            unsafe { std::ptr::copy_nonoverlapping(p, out.as_mut_ptr(), out.len()) };
+        })
+    }
+
+    /// Atomic fetch-add on the aligned 8 bytes at `offset`, acquire-release:
+    /// data written before it is visible to whoever acquires the new value.
+    pub fn fetch_add(&self, key: u32, offset: u64, v: u64) -> Result<u64, String> {
+        self.with(key, offset, 8, AccessKind::Atomic, |p| {
+            // SAFETY: checked, 8-byte aligned; these slots are only accessed atomically.
+            unsafe { (*p.cast::<AtomicU64>()).fetch_add(v, Ordering::AcqRel) }
+        })
+    }
+
+    /// Atomic compare-and-swap at `offset`; returns the old value.
+    pub fn compare_swap(
+        &self,
+        key: u32,
+        offset: u64,
+        expected: u64,
+        desired: u64,
+    ) -> Result<u64, String> {
+        self.with(key, offset, 8, AccessKind::Atomic, |p| {
+            // SAFETY: as in `fetch_add`.
+            let a = unsafe { &*p.cast::<AtomicU64>() };
+            match a.compare_exchange(expected, desired, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(v) | Err(v) => v,
+            }
+        })
     }
 }
 
@@ -142,35 +174,12 @@ pub enum AccessKind {
     Atomic,
 }
 
-/// Atomic fetch-add on resolved, aligned memory; release so that data
-/// written before it is visible to whoever acquires the new value.
-///
-/// # Safety
-/// `at` must come from [`RegionTable::resolve`] with [`AccessKind::Atomic`]
-/// while the region is registered.
-pub unsafe fn fetch_add(at: Resolved, v: u64) -> u64 {
-    // SAFETY: resolved, in bounds, 8-byte aligned, registered memory.
-    unsafe { (*at.ptr().cast::<AtomicU64>()).fetch_add(v, Ordering::AcqRel) }
-}
-
-/// Atomic compare-and-swap on resolved memory; returns the old value.
-///
-/// # Safety
-/// As for [`fetch_add`].
-pub unsafe fn compare_swap(at: Resolved, expected: u64, desired: u64) -> u64 {
-    // SAFETY: as in `fetch_add`.
-    let a = unsafe { &*at.ptr().cast::<AtomicU64>() };
-    match a.compare_exchange(expected, desired, Ordering::AcqRel, Ordering::Acquire) {
-        Ok(v) | Err(v) => v,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn resolve_checks_key_bounds_rights_and_alignment() {
+    fn accesses_check_key_bounds_rights_and_alignment() {
         let t = RegionTable::default();
         let mut mem = vec![0u64; 4];
         // SAFETY: `mem` outlives every use below.
@@ -186,35 +195,30 @@ mod tests {
             )
         }
         .unwrap();
-        assert!(t.resolve(key, 0, 32, AccessKind::Write).is_ok());
+        assert!(t.check(key, 0, 32, AccessKind::Write).is_ok());
         assert!(
-            t.resolve(key, 8, 25, AccessKind::Write)
+            t.check(key, 8, 25, AccessKind::Write)
                 .unwrap_err()
                 .contains("exceed the 32 bytes")
         );
-        assert!(t.resolve(key, u64::MAX, 2, AccessKind::Write).is_err());
+        assert!(t.check(key, u64::MAX, 2, AccessKind::Write).is_err());
         assert!(
-            t.resolve(key, 0, 8, AccessKind::Read)
+            t.read(key, 0, &mut [0; 8])
                 .unwrap_err()
                 .contains("does not allow Read")
         );
+        assert!(t.fetch_add(key, 4, 1).unwrap_err().contains("aligned"));
         assert!(
-            t.resolve(key, 4, 8, AccessKind::Atomic)
-                .unwrap_err()
-                .contains("aligned")
-        );
-        assert!(
-            t.resolve(key ^ 1, 0, 8, AccessKind::Write)
+            t.write(key ^ 1, 0, &[1])
                 .unwrap_err()
                 .contains("unknown memory key")
         );
-        let at = t.resolve(key, 8, 8, AccessKind::Atomic).unwrap();
-        // SAFETY: resolved just above.
-        assert_eq!(unsafe { fetch_add(at, 5) }, 0);
-        // SAFETY: resolved just above.
-        assert_eq!(unsafe { compare_swap(at, 5, 9) }, 5);
-        assert_eq!(mem[1], 9);
+        assert_eq!(t.fetch_add(key, 8, 5).unwrap(), 0);
+        assert_eq!(t.compare_swap(key, 8, 5, 9).unwrap(), 5);
+        t.write(key, 16, &7u64.to_ne_bytes()).unwrap();
+        assert_eq!((mem[1], mem[2]), (9, 7));
         t.remove(key);
-        assert!(t.resolve(key, 0, 8, AccessKind::Write).is_err());
+        assert!(t.write(key, 0, &[1]).is_err());
+        assert_eq!(mem[0], 0);
     }
 }

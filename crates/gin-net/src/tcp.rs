@@ -25,7 +25,8 @@
 //! Replies (24-byte header): kind (1 data, 2 value, 3 ack, 4 error), payload
 //! length (u32 at 4), request id (u64 at 8), value (u64 at 16); then the
 //! payload (read data, or an error message). A failed put, which has no
-//! request id, is answered with its sequence number on the connection.
+//! request id, is answered with its sequence number on the connection with
+//! bit 63 set, so it never matches a pending request.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -39,7 +40,7 @@ use gin_bootstrap::Bootstrap;
 use tracing::{debug, warn};
 
 use crate::NetError;
-use crate::region::{AccessKind, RegionTable, compare_swap, fetch_add};
+use crate::region::{AccessKind, RegionTable};
 
 const REQ: usize = 64;
 const REP: usize = 24;
@@ -57,6 +58,9 @@ const REP_ERROR: u8 = 4;
 const MAX_LEN: u64 = 1 << 40;
 const CHUNK: usize = 1 << 20;
 const HELLO_MAGIC: u32 = 0x4749_4e54; // "GINT"
+/// Refused puts are answered under their sequence number with this bit set,
+/// so they never collide with a pending request's id.
+const PUT_SEQ: u64 = 1 << 63;
 
 /// A request header.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -303,74 +307,70 @@ fn serve(s: &mut TcpStream, table: &RegionTable) -> std::io::Result<()> {
             OP_PUT => {
                 seq += 1;
                 // Check first, and on failure still consume the data so the
-                // stream stays in step, then answer an error.
-                let dst = table.resolve(r.key, r.off, r.len, AccessKind::Write);
-                let sig = if r.flags & FLAG_SIGNAL == 0 {
-                    Ok(None)
-                } else {
-                    table
-                        .resolve(r.sig_key, r.sig_off, 8, AccessKind::Atomic)
-                        .map(Some)
-                };
+                // stream stays in step, then answer an error. Each chunk is
+                // copied under the region table's guard, so a region removed
+                // mid-request is never written after its removal.
+                let mut failed = table.check(r.key, r.off, r.len, AccessKind::Write).err();
+                if failed.is_none() && r.flags & FLAG_SIGNAL != 0 {
+                    failed = table
+                        .check(r.sig_key, r.sig_off, 8, AccessKind::Atomic)
+                        .err();
+                }
                 let mut left = r.len;
-                let mut at = 0usize;
+                let mut at = 0u64;
                 while left > 0 {
                     let n = left.min(CHUNK as u64) as usize;
                     s.read_exact(&mut buf[..n])?;
-                    if let (Ok(d), Ok(_)) = (&dst, &sig) {
-                        // SAFETY: `resolve` checked [off, off + len) against the
-                        // registered region, which stays mapped while it is
-                        // registered; a staging buffer keeps socket reads off
-                        // shared memory.
-                        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), d.ptr().add(at), n) };
+                    if failed.is_none() {
+                        failed = table.write(r.key, r.off + at, &buf[..n]).err();
                     }
-                    at += n;
+                    at += n as u64;
                     left -= n as u64;
                 }
-                match (dst, sig) {
-                    (Ok(_), Ok(sig)) => {
-                        if let Some(at) = sig {
-                            // SAFETY: resolved for an aligned 8-byte atomic.
-                            unsafe { fetch_add(at, r.a) };
-                        }
-                    }
-                    (Err(e), _) | (_, Err(e)) => {
-                        send_error(&mut w, seq, &format!("put #{seq}: {e}"))?;
-                    }
+                if failed.is_none() && r.flags & FLAG_SIGNAL != 0 {
+                    failed = table.fetch_add(r.sig_key, r.sig_off, r.a).err();
+                }
+                if let Some(e) = failed {
+                    send_error(&mut w, PUT_SEQ | seq, &format!("put #{seq}: {e}"))?;
                 }
             }
-            OP_GET => match table.resolve(r.key, r.off, r.len, AccessKind::Read) {
-                Ok(src) => {
+            OP_GET => match table.check(r.key, r.off, r.len, AccessKind::Read) {
+                Ok(()) => {
                     let len =
                         u32::try_from(r.len).map_err(|_| std::io::Error::other("get too large"))?;
                     w.write_all(&reply_header(REP_DATA, len, r.req, 0))?;
-                    let mut at = 0usize;
-                    while (at as u64) < r.len {
-                        let n = (r.len - at as u64).min(CHUNK as u64) as usize;
-                        // SAFETY: resolved range, as above.
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(src.ptr().add(at), buf.as_mut_ptr(), n);
-                        };
+                    let mut at = 0u64;
+                    let mut failed = None;
+                    while at < r.len {
+                        let n = (r.len - at).min(CHUNK as u64) as usize;
+                        if failed.is_none() {
+                            failed = table.read(r.key, r.off + at, &mut buf[..n]).err();
+                        }
+                        if failed.is_some() {
+                            buf[..n].fill(0);
+                        }
                         w.write_all(&buf[..n])?;
-                        at += n;
+                        at += n as u64;
+                    }
+                    if let Some(e) = failed {
+                        // The region went away mid-read: the data sent is not
+                        // the region's; say so (this fails the link).
+                        send_error(&mut w, r.req, &format!("get: {e}"))?;
                     }
                 }
                 Err(e) => send_error(&mut w, r.req, &format!("get: {e}"))?,
             },
-            OP_FADD | OP_CAS => match table.resolve(r.key, r.off, 8, AccessKind::Atomic) {
-                Ok(at) => {
-                    // SAFETY: resolved for an aligned 8-byte atomic.
-                    let old = unsafe {
-                        if r.op == OP_FADD {
-                            fetch_add(at, r.a)
-                        } else {
-                            compare_swap(at, r.a, r.b)
-                        }
-                    };
-                    w.write_all(&reply_header(REP_VALUE, 0, r.req, old))?;
+            OP_FADD | OP_CAS => {
+                let old = if r.op == OP_FADD {
+                    table.fetch_add(r.key, r.off, r.a)
+                } else {
+                    table.compare_swap(r.key, r.off, r.a, r.b)
+                };
+                match old {
+                    Ok(old) => w.write_all(&reply_header(REP_VALUE, 0, r.req, old))?,
+                    Err(e) => send_error(&mut w, r.req, &format!("atomic: {e}"))?,
                 }
-                Err(e) => send_error(&mut w, r.req, &format!("atomic: {e}"))?,
-            },
+            }
             OP_FENCE => w.write_all(&reply_header(REP_ACK, 0, r.req, 0))?,
             other => {
                 send_error(&mut w, r.req, &format!("unknown request op {other}"))?;
@@ -485,10 +485,15 @@ impl Link {
                         break format!("rank {} answered unknown get {req}", self.peer);
                     };
                     if want != len as u64 {
-                        break format!(
+                        let why = format!(
                             "rank {} answered get {req} with {len} bytes, not {want}",
                             self.peer
                         );
+                        // The error first, then release the waiter: a flush
+                        // that sees the get done also sees the failure.
+                        self.fail(why.clone());
+                        done.fetch_sub(1, Ordering::AcqRel);
+                        break why;
                     }
                     let mut at = 0;
                     let mut bad = None;
@@ -509,10 +514,13 @@ impl Link {
                         };
                         at += n;
                     }
-                    done.fetch_sub(1, Ordering::AcqRel);
                     if let Some(e) = bad {
-                        break format!("reading get data from rank {}: {e}", self.peer);
+                        let why = format!("reading get data from rank {}: {e}", self.peer);
+                        self.fail(why.clone());
+                        done.fetch_sub(1, Ordering::AcqRel);
+                        break why;
                     }
+                    done.fetch_sub(1, Ordering::AcqRel);
                 }
                 REP_VALUE | REP_ACK => {
                     if let Some(Pending::Value(tx)) = p {
@@ -630,40 +638,51 @@ impl Link {
         dst: *mut u8,
         done: Arc<AtomicU64>,
     ) -> Result<(), NetError> {
-        let req = self.next_req.fetch_add(1, Ordering::Relaxed);
-        self.pending
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(
-                req,
-                Pending::Read {
-                    dst: dst as usize,
-                    len,
-                    done: done.clone(),
-                },
-            );
-        let r = self.send(
-            &Req {
-                op: OP_GET,
-                key,
-                off,
-                len,
-                req,
-                ..Req::default()
-            },
-            &[],
-        );
-        if r.is_err()
-            && self
-                .pending
+        // Replies carry a 32-bit length: large reads go as several requests,
+        // each releasing `done` once.
+        const PIECE: u64 = 1 << 30;
+        let pieces = len.div_ceil(PIECE).max(1);
+        done.fetch_add(pieces - 1, Ordering::AcqRel);
+        for i in 0..pieces {
+            let at = i * PIECE;
+            let n = (len - at).min(PIECE);
+            let req = self.next_req.fetch_add(1, Ordering::Relaxed);
+            self.pending
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .remove(&req)
-                .is_some()
-        {
-            done.fetch_sub(1, Ordering::AcqRel);
+                .insert(
+                    req,
+                    Pending::Read {
+                        dst: dst as usize + at as usize,
+                        len: n,
+                        done: done.clone(),
+                    },
+                );
+            let r = self.send(
+                &Req {
+                    op: OP_GET,
+                    key,
+                    off: off + at,
+                    len: n,
+                    req,
+                    ..Req::default()
+                },
+                &[],
+            );
+            if let Err(e) = r {
+                // This piece and the ones never sent will not be answered.
+                let unsent = pieces - i - 1;
+                let mine = self
+                    .pending
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .remove(&req)
+                    .is_some();
+                done.fetch_sub(unsent + u64::from(mine), Ordering::AcqRel);
+                return Err(e);
+            }
         }
-        r
+        Ok(())
     }
 
     fn call(&self, mut h: Req, timeout: Duration) -> Result<u64, NetError> {
@@ -674,7 +693,13 @@ impl Link {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .insert(req, Pending::Value(tx));
-        self.send(&h, &[])?;
+        if let Err(e) = self.send(&h, &[]) {
+            self.pending
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .remove(&req);
+            return Err(e);
+        }
         match rx.recv_timeout(timeout) {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(why)) => Err(NetError::Remote {

@@ -11,7 +11,7 @@
 //! | qword | bits 62..0 |
 //! | --- | --- |
 //! | 0 | `[62:59]` opcode, `[55:48]` flags, `[47:0]` byte count |
-//! | 1 | `[61:31]` source window, `[30:0]` destination window (get: remote, local) |
+//! | 1 | `[61:31]` source window, `[30:0]` destination window (get: local, remote) |
 //! | 2 | destination offset (get: remote offset) |
 //! | 3 | source offset (get: local offset); inline value bits 62..0 |
 //! | 4 | `[61:31]` counter slot, `[30:0]` signal window |

@@ -141,6 +141,10 @@ impl Proxy {
                     continue;
                 }
                 thread::yield_now();
+                if spins.is_multiple_of(256) {
+                    // Another producer may have failed the backend already.
+                    self.health()?;
+                }
                 if start.elapsed() > s.config.timeout {
                     // The slot stays reserved: the ring cannot make progress
                     // past it, so the backend is broken from here on.
@@ -295,19 +299,33 @@ impl Backend for Proxy {
     }
 
     fn done(&self, t: &Ticket) -> Result<bool, GinError> {
-        self.health()?;
+        let s = &self.shared;
         let peers: Vec<usize> = match t.peer {
             Some(p) => vec![p],
-            None => (0..self.shared.nranks).collect(),
+            None => (0..s.nranks).collect(),
         };
+        if t.ctx >= s.nctx || peers.iter().any(|&p| p >= s.nranks) || t.marks.len() != peers.len() {
+            return Err(GinError::Unsupported {
+                rank: s.rank,
+                what: "ticket",
+                why: format!("{t:?} was not issued by this communicator"),
+            });
+        }
+        let mut complete = true;
         for (p, mark) in peers.into_iter().zip(&t.marks) {
             let ring = self.ring(t.ctx, p);
             if !passed(ring.tail(), *mark) || ring.gets_in_flight.load(Ordering::Acquire) != 0 {
-                self.shared.wake();
-                return Ok(false);
+                complete = false;
+                break;
             }
         }
-        Ok(true)
+        // Health after completion: a failure recorded before an operation was
+        // released (a get whose link broke) is seen here, not missed.
+        self.health()?;
+        if !complete {
+            s.wake();
+        }
+        Ok(complete)
     }
 
     fn health(&self) -> Result<(), GinError> {
@@ -375,6 +393,9 @@ fn run(s: &Shared) {
             // Sleep until a producer wakes us. Announce first, then look once
             // more, so a descriptor written in between is not missed.
             s.sleeping.store(true, Ordering::SeqCst);
+            // Pairs with the producer's fence in `wake`: either it sees us
+            // sleeping, or we see its descriptor below.
+            std::sync::atomic::fence(Ordering::SeqCst);
             let pending = s
                 .rings
                 .iter()

@@ -5,6 +5,7 @@
 //!
 //! Scenarios: `all` (every functional check), `ring`, `alltoall`, `order`,
 //! `counters`, `flush`, `get`, `reset`, `va`, `barrier`, `badinput`, `reuse`,
+//! `dereg` (large puts in flight at deregistration; tcp-only parts need GIN_TRANSPORT=tcp),
 //! `die VICTIM` (VICTIM crashes while the others wait on it; they must fail
 //! with an error naming it). A failed check prints `FAILED: ...` and exits 3.
 
@@ -58,6 +59,7 @@ fn main() -> ExitCode {
         "barrier" => barrier(&comm),
         "badinput" => badinput(&comm),
         "reuse" => reuse(&comm),
+        "dereg" => dereg(&comm),
         "die" => die(&comm, args.get(1).and_then(|v| v.parse().ok()).unwrap_or(1)),
         other => Err(format!("unknown scenario {other:?}")),
     };
@@ -730,4 +732,52 @@ fn reuse(c: &Comm) -> R {
     ctx.signal(c.rank(), weak).map_err(s)?;
     ctx.wait_signal(0, 1).map_err(s)?;
     dc.destroy().map_err(s)
+}
+
+/// Deregistration with large puts just flushed: over TCP a flushed put may
+/// still sit in a socket, and the memory must not be released under it.
+/// Also: two windows over the same user buffer are deregistered one at a
+/// time without disturbing each other (tcp transport only).
+fn dereg(c: &Comm) -> R {
+    let (r, n) = (c.rank(), c.nranks());
+    let big = 32u64 << 20;
+    for round in 0..3 {
+        let w = c.alloc_window(big).map_err(s)?;
+        let dc = c.dev_comm(&DevCommRequirements::default()).map_err(s)?;
+        let ctx = dc.ctx(0).map_err(s)?;
+        w.write(0, &pattern(round, 4096)).map_err(s)?;
+        ctx.put((r + 1) % n, &w, 0, &w, 0, big, Remote::None, Local::None)
+            .map_err(s)?;
+        ctx.flush().map_err(s)?;
+        dc.destroy().map_err(s)?;
+        c.deregister_window(&w).map_err(s)?;
+        drop(w);
+    }
+    if c.path_names().iter().all(|p| *p != "shm") {
+        let mut buf = vec![0u64; 512];
+        let ptr = buf.as_mut_ptr().cast::<u8>();
+        // SAFETY: `buf` outlives both windows (dropped at the end).
+        let (a, b) = unsafe {
+            (
+                c.register_window(ptr, 4096).map_err(s)?,
+                c.register_window(ptr, 4096).map_err(s)?,
+            )
+        };
+        c.deregister_window(&b).map_err(s)?;
+        let dc = c.dev_comm(&DevCommRequirements::default()).map_err(s)?;
+        let ctx = dc.ctx(0).map_err(s)?;
+        ctx.put_value((r + 1) % n, &a, 8, 77, Remote::signal_inc(0))
+            .map_err(s)?;
+        ctx.wait_signal(0, 1).map_err(s)?;
+        let v = u64::from_le_bytes(a.read_vec(8, 8).map_err(s)?.try_into().expect("8 bytes"));
+        if v != 77 {
+            return Err(format!(
+                "the window sharing a buffer with a deregistered one got {v}"
+            ));
+        }
+        dc.destroy().map_err(s)?;
+        c.deregister_window(&a).map_err(s)?;
+        drop(buf);
+    }
+    Ok(())
 }
