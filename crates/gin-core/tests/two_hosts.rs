@@ -105,6 +105,7 @@ fn wait(child: std::process::Child, limit: Duration) -> Output {
             let _ = child.kill();
             return child.wait_with_output().unwrap();
         }
+        // std offers no wait-with-timeout for a child: poll its status.
         std::thread::sleep(Duration::from_millis(20));
     }
 }
