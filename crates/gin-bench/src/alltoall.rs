@@ -78,13 +78,7 @@ pub fn run(args: &AlltoallArgs, argv: &[String]) -> Result<()> {
     if ranks::is_rank() {
         return rank_main(args, &sizes);
     }
-    let mut env = Vec::new();
-    if let Some(b) = &args.backend {
-        env.push(("GIN_BACKEND".to_owned(), b.clone()));
-    }
-    if let Some(t) = &args.transport {
-        env.push(("GIN_TRANSPORT".to_owned(), t.clone()));
-    }
+    let env = ranks::choice_env(args.backend.as_ref(), args.transport.as_ref());
     let mut all = Vec::new();
     for &n in &args.ranks {
         eprintln!(

@@ -62,3 +62,15 @@ pub fn iters_for(base: usize, size: u64) -> usize {
     let scaled = (base as u64 * (64 << 10) / size.max(64 << 10)) as usize;
     scaled.clamp(50.min(base), base.max(1))
 }
+
+/// The environment that selects a backend and transport for the ranks.
+pub fn choice_env(backend: Option<&String>, transport: Option<&String>) -> Vec<(String, String)> {
+    let mut env = Vec::new();
+    if let Some(b) = backend {
+        env.push(("GIN_BACKEND".to_owned(), b.clone()));
+    }
+    if let Some(t) = transport {
+        env.push(("GIN_TRANSPORT".to_owned(), t.clone()));
+    }
+    env
+}

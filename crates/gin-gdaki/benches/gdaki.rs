@@ -11,17 +11,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use gin_device::{Backend, Counters, PutOp, Source, Window, WindowParts};
+use gin_device::{Backend, Counters, PutOp, Source};
 use std::sync::atomic::Ordering;
 
 use gin_gdaki::completion::Cqe;
+use gin_gdaki::loopback::Loopback;
 use gin_gdaki::nic::SoftNic;
 use gin_gdaki::qp::{Cq, Qp};
 use gin_gdaki::queue::Sharing;
 use gin_gdaki::wqe::{CQ_UPDATE, MemRef, Op, encode};
 use gin_gdaki::{Gdaki, GdakiConfig};
-use gin_net::region::{Access, RegionTable};
-use gin_net::{Fabric, MemDesc, Path};
 
 fn wqe_build(c: &mut Criterion) {
     let mut g = c.benchmark_group("wqe_build");
@@ -51,57 +50,20 @@ fn wqe_build(c: &mut Criterion) {
     g.finish();
 }
 
-/// One rank, one window, a GDAKI backend and its soft NIC.
-fn rig() -> (Gdaki, Window, Box<[u64]>) {
-    let len = 1 << 16;
-    let table = Arc::new(RegionTable::default());
-    let fabric = Arc::new(Fabric::new(
-        0,
-        vec![Path::Local],
-        table.clone(),
-        None,
-        Duration::from_secs(30),
-    ));
-    let mut mem = vec![0u64; len / 8].into_boxed_slice();
-    let base = mem.as_mut_ptr().cast::<u8>();
-    // SAFETY: `mem` is returned with the backend and outlives it.
-    let key = unsafe { table.insert(base, len as u64, Access::ALL) }.unwrap();
-    fabric.add_window(
-        0,
-        MemDesc {
-            local_base: base as usize,
-            sizes: vec![len as u64],
-            peer_bases: vec![base as usize],
-            keys: vec![key],
-            addrs: vec![base as u64],
-        },
-    );
-    // SAFETY: as above.
-    let win = unsafe {
-        Window::from_parts(
-            WindowParts {
-                id: 0,
-                rank: 0,
-                comm_id: 1,
-                local_base: base,
-                sizes: vec![len as u64],
-                peer_bases: vec![base],
-                keys: vec![key],
-                addrs: vec![base as u64],
-            },
-            Box::new(()),
-        )
-    };
+/// One rank, one window, a GDAKI backend and its soft NIC (dropped first).
+fn rig() -> (Gdaki, Loopback) {
+    let lb = Loopback::new(1 << 16, Duration::from_secs(30));
     let config = GdakiConfig {
         sq_log2: 10,
         ..GdakiConfig::default()
     };
-    let g = Gdaki::start(fabric, Arc::new(Counters::new(4)), 1, config).unwrap();
-    (g, win, mem)
+    let g = Gdaki::start(lb.fabric.clone(), Arc::new(Counters::new(4)), 1, config).unwrap();
+    (g, lb)
 }
 
 fn nic_execution(c: &mut Criterion) {
-    let (g, win, _mem) = rig();
+    let (g, lb) = rig();
+    let win = lb.window.clone();
     let burst = 256u64;
     let mut grp = c.benchmark_group("softnic_8_byte_writes");
     grp.throughput(Throughput::Elements(burst));
@@ -149,35 +111,14 @@ fn nic_execution(c: &mut Criterion) {
 /// The NIC alone: a queue pre-filled with 8-byte RDMA writes (not timed),
 /// one doorbell, then the time until the last CQE is written.
 fn nic_alone(c: &mut Criterion) {
-    let len = 1 << 16;
-    let table = Arc::new(RegionTable::default());
-    let fabric = Arc::new(Fabric::new(
-        0,
-        vec![Path::Local],
-        table.clone(),
-        None,
-        Duration::from_secs(30),
-    ));
-    let mut mem = vec![0u64; len / 8].into_boxed_slice();
-    let base = mem.as_mut_ptr().cast::<u8>();
-    // SAFETY: `mem` outlives the NIC (dropped at the end of this function).
-    let key = unsafe { table.insert(base, len as u64, Access::ALL) }.unwrap();
-    fabric.add_window(
-        0,
-        MemDesc {
-            local_base: base as usize,
-            sizes: vec![len as u64],
-            peer_bases: vec![base as usize],
-            keys: vec![key],
-            addrs: vec![base as u64],
-        },
-    );
+    let lb = Loopback::new(1 << 16, Duration::from_secs(30));
+    let (key, base) = (lb.key, lb.addr(0));
     let log2 = 12;
     let qp = Arc::new(Qp::new(0x100, 0x100, 0, log2));
     let nic = SoftNic::start(
         0,
         vec![qp.clone()],
-        fabric,
+        lb.fabric.clone(),
         Vec::new(),
         Duration::from_secs(30),
         Duration::from_millis(1),
@@ -195,13 +136,10 @@ fn nic_alone(c: &mut Criterion) {
                 for i in 0..burst {
                     let op = Op::Write {
                         remote: MemRef {
-                            addr: base as u64 + 4096 + 8 * (i % 256),
+                            addr: base + 4096 + 8 * (i % 256),
                             key,
                         },
-                        local: MemRef {
-                            addr: base as u64,
-                            key,
-                        },
+                        local: MemRef { addr: base, key },
                         len: 8,
                     };
                     let idx = start_idx + i;
@@ -226,7 +164,7 @@ fn nic_alone(c: &mut Criterion) {
     });
     grp.finish();
     drop(nic);
-    drop(mem);
+    drop(lb);
 }
 
 /// Polling CQEs (owner-bit check, decode, consumer index), beside reading

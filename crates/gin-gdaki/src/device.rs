@@ -558,70 +558,33 @@ impl Backend for Gdaki {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gin_device::{Local, PutOp, SignalUpdate, WindowParts};
-    use gin_net::region::{Access, RegionTable};
-    use gin_net::{MemDesc, Path};
+    use crate::loopback::Loopback;
+    use gin_device::{Local, PutOp, SignalUpdate};
 
     /// One rank, one window of `len` bytes, and a GDAKI backend with a
-    /// queue of `2^log2` entries.
+    /// queue of `2^log2` entries. Fields drop in order: the backend (and its
+    /// NIC) before the memory.
     struct Rig {
         g: Gdaki,
         win: Window,
-        _mem: Box<[u64]>,
         counters: Arc<Counters>,
+        _lb: Loopback,
     }
 
     fn rig(len: usize, log2: u32) -> Rig {
-        let table = Arc::new(RegionTable::default());
-        let fabric = Arc::new(Fabric::new(
-            0,
-            vec![Path::Local],
-            table.clone(),
-            None,
-            Duration::from_secs(5),
-        ));
-        let mut mem = vec![0u64; len / 8].into_boxed_slice();
-        let base = mem.as_mut_ptr().cast::<u8>();
-        // SAFETY: `mem` lives in the rig as long as the backend.
-        let key = unsafe { table.insert(base, len as u64, Access::ALL) }.unwrap();
-        fabric.add_window(
-            0,
-            MemDesc {
-                local_base: base as usize,
-                sizes: vec![len as u64],
-                peer_bases: vec![base as usize],
-                keys: vec![key],
-                addrs: vec![base as u64],
-            },
-        );
-        // SAFETY: as above.
-        let win = unsafe {
-            Window::from_parts(
-                WindowParts {
-                    id: 0,
-                    rank: 0,
-                    comm_id: 1,
-                    local_base: base,
-                    sizes: vec![len as u64],
-                    peer_bases: vec![base],
-                    keys: vec![key],
-                    addrs: vec![base as u64],
-                },
-                Box::new(()),
-            )
-        };
+        let lb = Loopback::new(len, Duration::from_secs(5));
         let counters = Arc::new(Counters::new(4));
         let config = GdakiConfig {
             sq_log2: log2,
             timeout: Duration::from_secs(5),
             ..GdakiConfig::default()
         };
-        let g = Gdaki::start(fabric, counters.clone(), 1, config).unwrap();
+        let g = Gdaki::start(lb.fabric.clone(), counters.clone(), 1, config).unwrap();
         Rig {
             g,
-            win,
-            _mem: mem,
+            win: lb.window.clone(),
             counters,
+            _lb: lb,
         }
     }
 

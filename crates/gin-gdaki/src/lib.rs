@@ -34,6 +34,7 @@
 
 pub mod completion;
 mod device;
+pub mod loopback;
 pub mod nic;
 pub mod qp;
 pub mod queue;
