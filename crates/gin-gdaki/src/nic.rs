@@ -7,11 +7,12 @@
 //! error, as hardware does. It sleeps when idle until a doorbell wakes it.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
-use std::thread::{self, JoinHandle, Thread};
+use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
+use gin_net::idle::Sleeper;
 use gin_net::{Addr, Fabric, NetError};
 use tracing::{debug, warn};
 
@@ -59,8 +60,7 @@ struct Shared {
     fabric: Arc<Fabric>,
     local: Vec<LocalMr>,
     stop: AtomicBool,
-    sleeping: AtomicBool,
-    thread: OnceLock<Thread>,
+    sleeper: Sleeper,
     executed: AtomicU64,
     timeout: Duration,
     spin: Duration,
@@ -79,13 +79,7 @@ pub struct Waker(Arc<Shared>);
 
 impl Waker {
     pub fn wake(&self) {
-        std::sync::atomic::fence(Ordering::SeqCst);
-        if self.0.sleeping.load(Ordering::SeqCst) {
-            self.0.sleeping.store(false, Ordering::SeqCst);
-            if let Some(t) = self.0.thread.get() {
-                t.unpark();
-            }
-        }
+        self.0.sleeper.wake();
     }
 }
 
@@ -105,8 +99,7 @@ impl SoftNic {
             fabric,
             local,
             stop: AtomicBool::new(false),
-            sleeping: AtomicBool::new(false),
-            thread: OnceLock::new(),
+            sleeper: Sleeper::default(),
             executed: AtomicU64::new(0),
             timeout,
             spin,
@@ -115,7 +108,7 @@ impl SoftNic {
         let handle = thread::Builder::new()
             .name(format!("gin-softnic-{rank}"))
             .spawn(move || Engine::new(&s).run())?;
-        let _ = shared.thread.set(handle.thread().clone());
+        shared.sleeper.set_thread(handle.thread().clone());
         Ok(Self {
             shared,
             thread: Some(handle),
@@ -140,9 +133,7 @@ impl SoftNic {
 impl Drop for SoftNic {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
-        if let Some(t) = self.shared.thread.get() {
-            t.unpark();
-        }
+        self.shared.sleeper.unpark();
         if let Some(h) = self.thread.take() {
             let _ = h.join();
         }
@@ -219,15 +210,10 @@ impl<'a> Engine<'a> {
             } else if since.elapsed() < self.s.spin {
                 thread::yield_now();
             } else {
-                self.s.sleeping.store(true, Ordering::SeqCst);
-                // Pairs with the fence in `Waker::wake`.
-                std::sync::atomic::fence(Ordering::SeqCst);
-                let pending = (0..self.s.qps.len())
-                    .any(|i| self.s.qps[i].producer_index(self.ci[i]) != self.ci[i]);
-                if !pending {
-                    thread::park_timeout(Duration::from_millis(2));
-                }
-                self.s.sleeping.store(false, Ordering::SeqCst);
+                let (qps, ci) = (&self.s.qps, &self.ci);
+                self.s.sleeper.sleep(Duration::from_millis(2), || {
+                    (0..qps.len()).any(|i| qps[i].producer_index(ci[i]) != ci[i])
+                });
             }
         }
         debug!(rank = self.s.rank, "soft NIC stopped");

@@ -24,6 +24,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod fabric;
+pub mod idle;
 pub mod region;
 pub mod shm;
 pub mod sticky;

@@ -1,12 +1,13 @@
 //! The proxy backend: device-side enqueue (for CPU ranks) and the proxy
 //! thread that drains the rings through gin-net.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
-use std::thread::{self, JoinHandle, Thread};
+use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use gin_device::{Backend, Counters, GetOp, GinError, PutOp, Source, Ticket};
+use gin_net::idle::Sleeper;
 use gin_net::{Addr, Fabric};
 use tracing::{debug, error};
 
@@ -55,8 +56,7 @@ struct Shared {
     counters: Arc<Counters>,
     error: gin_net::sticky::StickyError,
     stop: AtomicBool,
-    sleeping: AtomicBool,
-    thread: OnceLock<Thread>,
+    sleeper: Sleeper,
     config: ProxyConfig,
     executed: AtomicU64,
 }
@@ -90,8 +90,7 @@ impl Proxy {
             counters,
             error: gin_net::sticky::StickyError::default(),
             stop: AtomicBool::new(false),
-            sleeping: AtomicBool::new(false),
-            thread: OnceLock::new(),
+            sleeper: Sleeper::default(),
             config,
             executed: AtomicU64::new(0),
         });
@@ -104,7 +103,7 @@ impl Proxy {
                 what: "proxy thread",
                 why: e.to_string(),
             })?;
-        let _ = shared.thread.set(handle.thread().clone());
+        shared.sleeper.set_thread(handle.thread().clone());
         Ok(Self {
             shared,
             thread: Some(handle),
@@ -171,9 +170,7 @@ impl Proxy {
 impl Drop for Proxy {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
-        if let Some(t) = self.shared.thread.get() {
-            t.unpark();
-        }
+        self.shared.sleeper.unpark();
         if let Some(h) = self.thread.take() {
             let _ = h.join();
         }
@@ -187,16 +184,10 @@ impl Shared {
         }
     }
 
-    /// Wakes the proxy thread if it went to sleep. The SeqCst pair with the
-    /// thread's own store-then-recheck means no descriptor is left unseen.
+    /// Wakes the proxy thread if it went to sleep (no descriptor is left
+    /// unseen: see [`Sleeper`]).
     fn wake(&self) {
-        std::sync::atomic::fence(Ordering::SeqCst);
-        if self.sleeping.load(Ordering::SeqCst) {
-            self.sleeping.store(false, Ordering::SeqCst);
-            if let Some(t) = self.thread.get() {
-                t.unpark();
-            }
-        }
+        self.sleeper.wake();
     }
 }
 
@@ -390,21 +381,13 @@ fn run(s: &Shared) {
             // that share its core; a parked proxy costs a wake-up (µs).
             thread::yield_now();
         } else {
-            // Sleep until a producer wakes us. Announce first, then look once
-            // more, so a descriptor written in between is not missed.
-            s.sleeping.store(true, Ordering::SeqCst);
-            // Pairs with the producer's fence in `wake`: either it sees us
-            // sleeping, or we see its descriptor below.
-            std::sync::atomic::fence(Ordering::SeqCst);
-            let pending = s
-                .rings
-                .iter()
-                .zip(&cursors)
-                .any(|(r, &c)| !matches!(r.peek(c), Ok(Slot::Pending)));
-            if !pending {
-                thread::park_timeout(Duration::from_millis(2));
-            }
-            s.sleeping.store(false, Ordering::SeqCst);
+            // Sleep until a producer wakes us (or 2 ms pass).
+            s.sleeper.sleep(Duration::from_millis(2), || {
+                s.rings
+                    .iter()
+                    .zip(&cursors)
+                    .any(|(r, &c)| !matches!(r.peek(c), Ok(Slot::Pending)))
+            });
         }
     }
     debug!(rank = s.rank, "proxy thread stopped");
