@@ -89,12 +89,7 @@ pub fn run(args: &AlltoallArgs, argv: &[String]) -> Result<()> {
         all.push(r);
     }
     print_table(&all);
-    if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&all)?)
-            .with_context(|| format!("writing {}", path.display()))?;
-        eprintln!("wrote {}", path.display());
-    }
-    Ok(())
+    ranks::write_json(args.json.as_ref(), &all)
 }
 
 fn print_table(all: &[RankCountResult]) {

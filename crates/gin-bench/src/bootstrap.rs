@@ -9,7 +9,7 @@
 
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Args;
 use gin_bootstrap::Bootstrap;
 use serde::{Deserialize, Serialize};
@@ -67,12 +67,7 @@ pub fn run(args: &BootstrapArgs, argv: &[String]) -> Result<()> {
         results.push(r);
     }
     print_table(&results);
-    if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&results)?)
-            .with_context(|| format!("writing {}", path.display()))?;
-        eprintln!("wrote {}", path.display());
-    }
-    Ok(())
+    ranks::write_json(args.json.as_ref(), &results)
 }
 
 fn print_table(results: &[RankCountResult]) {

@@ -126,12 +126,7 @@ pub fn run(args: &PingPongArgs, argv: &[String]) -> Result<()> {
     );
     let r: PingPongResult = ranks::spawn_self(args.ranks, argv, &env)?;
     print_table(&r);
-    if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&r)?)
-            .with_context(|| format!("writing {}", path.display()))?;
-        eprintln!("wrote {}", path.display());
-    }
-    Ok(())
+    ranks::write_json(args.json.as_ref(), &r)
 }
 
 fn human(b: u64) -> String {

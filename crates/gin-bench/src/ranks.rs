@@ -74,3 +74,13 @@ pub fn choice_env(backend: Option<&String>, transport: Option<&String>) -> Vec<(
     }
     env
 }
+
+/// Writes `value` as pretty JSON to `path` when one was given (`--json`).
+pub fn write_json<T: serde::Serialize>(path: Option<&std::path::PathBuf>, value: &T) -> Result<()> {
+    if let Some(path) = path {
+        std::fs::write(path, serde_json::to_string_pretty(value)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
+}
