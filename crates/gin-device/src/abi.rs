@@ -89,3 +89,163 @@ pub enum Coop {
     Warp = 1,
     Cta = 2,
 }
+
+/// Signals are kept per sender (CUDA ranks): signal slot `s` of a rank is
+/// `nranks` u64 sub-slots, one per sender, and its value is their sum. No
+/// agent ever needs an atomic on another GPU's memory that it cannot do: a
+/// GPU adds to its own sub-slot at a peer over NVLink (system-scope atomics),
+/// and a proxy, the only writer of its rank's sub-slot for the peers it
+/// serves, stores running totals with stream memory operations, ordered
+/// after the data they announce. A reset subtracts the sum from the rank's
+/// own sub-slot.
+pub const DEVCOMM_FLAG_SENDER_SLOTS: u32 = 1 << 3;
+
+/// [`BackendAbi::kind`]: no queues; every peer is reached by load/store.
+pub const BACKEND_NONE: u32 = 0;
+/// [`BackendAbi::kind`]: descriptor rings read by a proxy thread.
+pub const BACKEND_PROXY: u32 = 1;
+/// [`BackendAbi::kind`]: mlx5 queues executed by a NIC.
+pub const BACKEND_GDAKI: u32 = 2;
+
+/// What [`DevCommAbi::backend`] points to for CUDA ranks.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BackendAbi {
+    /// [`BACKEND_NONE`], [`BACKEND_PROXY`] or [`BACKEND_GDAKI`].
+    pub kind: u32,
+    /// Signal slots per context: user signals, then one per world barrier.
+    pub sig_per_ctx: u32,
+    /// World barriers (slots `nsignals..nsignals + world_barriers`).
+    pub world_barriers: u32,
+    pub reserved: u32,
+    /// Address of `u8[nranks]`: 1 where the peer is reached by load/store.
+    pub lsa: u64,
+    /// Address of `u64[nranks]`: each peer's signal window mapped here for
+    /// load/store (0 where none), this rank's own at its index.
+    pub signal_peers: u64,
+    /// Id of the signal window, as descriptors name it.
+    pub signal_window: u32,
+    pub reserved2: u32,
+    /// Address of [`ProxyRingAbi`]`[nctx * nranks]`, context-major.
+    pub rings: u64,
+}
+
+const _: () = assert!(size_of::<BackendAbi>() == 48);
+const _: () = assert!(offset_of!(BackendAbi, lsa) == 16);
+const _: () = assert!(offset_of!(BackendAbi, signal_window) == 32);
+const _: () = assert!(offset_of!(BackendAbi, rings) == 40);
+
+/// One (context, peer) descriptor ring as a kernel sees it.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ProxyRingAbi {
+    /// `2^log2` 64-byte descriptors in mapped pinned host memory.
+    pub slots: u64,
+    /// Producer index (u64, device memory): producers reserve with a
+    /// fetch-add.
+    pub head: u64,
+    /// Completion index (u64, device memory): the proxy stores `seq + 1`
+    /// once descriptor `seq`'s data has left the source (the copy engine
+    /// finished), after its signal. Credit and flush are both judged by it.
+    pub done: u64,
+    pub log2: u32,
+    pub reserved: u32,
+}
+
+const _: () = assert!(size_of::<ProxyRingAbi>() == 32);
+const _: () = assert!(offset_of!(ProxyRingAbi, done) == 16);
+const _: () = assert!(offset_of!(ProxyRingAbi, log2) == 24);
+
+/// The error word a CUDA wait or operation writes (first error wins):
+/// `[63:56]` kind, `[55:48]` context (255: none or larger), `[47:32]` peer
+/// (0xffff: none), `[31:0]` id or the last value seen (low 32 bits).
+pub mod errword {
+    pub const SIGNAL_TIMEOUT: u8 = 1;
+    pub const COUNTER_TIMEOUT: u8 = 2;
+    pub const FLUSH_TIMEOUT: u8 = 3;
+    pub const QUEUE_TIMEOUT: u8 = 4;
+    pub const ABORTED: u8 = 5;
+    pub const BAD_PEER: u8 = 6;
+    pub const OUT_OF_WINDOW: u8 = 7;
+    pub const BAD_SIGNAL: u8 = 8;
+    pub const BAD_COUNTER: u8 = 9;
+    pub const BAD_CONTEXT: u8 = 10;
+    pub const UNSUPPORTED: u8 = 11;
+    pub const BARRIER_TIMEOUT: u8 = 12;
+    pub const MISALIGNED: u8 = 13;
+
+    /// A decoded error word.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct Decoded {
+        pub kind: u8,
+        pub ctx: Option<u32>,
+        pub peer: Option<usize>,
+        pub value: u32,
+    }
+
+    /// Packs an error word (what the CUDA header's `gin::detail::fail` does).
+    pub fn encode(kind: u8, ctx: u32, peer: Option<usize>, value: u32) -> u64 {
+        let c = u64::from(ctx.min(255));
+        let p = peer.map_or(0xffff, |p| (p as u64).min(0xfffe));
+        (u64::from(kind) << 56) | (c << 48) | (p << 32) | u64::from(value)
+    }
+
+    /// Unpacks an error word; `None` for 0 (no error).
+    pub fn decode(w: u64) -> Option<Decoded> {
+        if w == 0 {
+            return None;
+        }
+        let ctx = ((w >> 48) & 0xff) as u32;
+        let peer = ((w >> 32) & 0xffff) as usize;
+        Some(Decoded {
+            kind: (w >> 56) as u8,
+            ctx: (ctx != 255).then_some(ctx),
+            peer: (peer != 0xffff).then_some(peer),
+            value: w as u32,
+        })
+    }
+
+    /// What went wrong, in words.
+    pub fn describe(kind: u8) -> &'static str {
+        match kind {
+            SIGNAL_TIMEOUT => "timed out waiting for a signal",
+            COUNTER_TIMEOUT => "timed out waiting for a counter",
+            FLUSH_TIMEOUT => "timed out in flush waiting for the backend",
+            QUEUE_TIMEOUT => "timed out waiting for a free queue slot",
+            ABORTED => "a wait was aborted by the abort flag",
+            BAD_PEER => "peer does not exist or is not connected",
+            OUT_OF_WINDOW => "access outside a window",
+            BAD_SIGNAL => "unknown signal id",
+            BAD_COUNTER => "unknown counter id",
+            BAD_CONTEXT => "unknown context",
+            UNSUPPORTED => "operation not supported by this backend on CUDA ranks",
+            BARRIER_TIMEOUT => "timed out in a barrier",
+            MISALIGNED => "misaligned offset",
+            _ => "unknown error kind",
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn error_words_round_trip() {
+            let w = encode(OUT_OF_WINDOW, 3, Some(7), 0xdead_beef);
+            assert_eq!(w, 0x0703_0007_dead_beef);
+            assert_eq!(
+                decode(w),
+                Some(Decoded {
+                    kind: OUT_OF_WINDOW,
+                    ctx: Some(3),
+                    peer: Some(7),
+                    value: 0xdead_beef
+                })
+            );
+            let w = encode(ABORTED, 1000, None, 1);
+            let d = decode(w).unwrap();
+            assert_eq!((d.ctx, d.peer), (None, None));
+            assert_eq!(decode(0), None);
+        }
+    }
+}

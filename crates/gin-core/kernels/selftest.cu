@@ -1,0 +1,178 @@
+// Kernels of gin-cuda-selftest and the CUDA benchmarks: every operation of
+// gin/gin.cuh, with data checked on the device. Compiled at run time by NVRTC
+// (gin-core's cuda module passes the headers in memory) and in CI by nvcc.
+#include "gin/gin.cuh"
+
+using namespace gin;
+
+// A deterministic byte pattern: what `rank` writes at `i` in round `round`.
+__device__ __forceinline__ u8 pattern(u32 rank, u64 i, u32 round) {
+  return (u8)((i * 131u) ^ (rank * 29u + 7u) ^ (round * 53u));
+}
+
+__device__ __forceinline__ void fill(u8* p, u64 n, u32 rank, u32 round) {
+  const u64 stride = (u64)blockDim.x * gridDim.x;
+  for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += stride)
+    p[i] = pattern(rank, i, round);
+}
+
+// Counts bytes that differ from `rank`'s pattern into out[1].
+__device__ __forceinline__ void verify(const u8* p, u64 n, u32 rank, u32 round, u64* out) {
+  const u64 stride = (u64)blockDim.x * gridDim.x;
+  u64 bad = 0;
+  for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += stride)
+    bad += p[i] != pattern(rank, i, round);
+  if (bad) atomicAdd((unsigned long long*)&out[1], (unsigned long long)bad);
+}
+
+// Ring exchange (one block): each round, put `bytes` of this rank's pattern
+// to the next rank with a signal; wait for the previous rank's; check it.
+// out[0]: 0 or the first error kind; out[1]: bytes that differ.
+extern "C" __global__ void gin_ring(DevComm dc, Window send, Window recv, u64 bytes, u32 rounds,
+                                    u32 coop, u64* out) {
+  const u32 next = (dc.rank + 1) % dc.nranks, prev = (dc.rank + dc.nranks - 1) % dc.nranks;
+  for (u32 r = 0; r < rounds; ++r) {
+    fill((u8*)send.local_base, bytes, dc.rank, r);
+    __syncthreads();
+    int e = put(dc, 0, next, recv, 0, send, 0, bytes, signal_inc(0), counter_inc(0), (Coop)coop);
+    if (!e) e = wait_signal(dc, 0, 0, r + 1, (Coop)coop);
+    if (!e) e = wait_counter(dc, 0, 0, r + 1, (Coop)coop);
+    if (e) {
+      if (threadIdx.x == 0) out[0] = e;
+      return;
+    }
+    __syncthreads();
+    verify((const u8*)recv.local_base, bytes, prev, r, out);
+    // Nobody overwrites `recv` before its owner has checked it.
+    e = barrier(dc, 0, 0, (Coop)coop);
+    if (e) {
+      if (threadIdx.x == 0) out[0] = e;
+      return;
+    }
+  }
+}
+
+// All-to-all, round `r` (one block per peer): block p puts `bytes` to peer p
+// at offset rank * bytes with signal 0, waits until nranks * (r + 1) have
+// arrived, flushes, and checks the block from peer p. The host separates
+// rounds with a barrier. out as gin_ring.
+extern "C" __global__ void gin_alltoall(DevComm dc, Window send, Window recv, u64 bytes, u32 r,
+                                        u64* out) {
+  const u32 p = blockIdx.x;
+  u8* s = (u8*)send.local_base + (u64)p * bytes;
+  for (u64 i = threadIdx.x; i < bytes; i += blockDim.x) s[i] = pattern(dc.rank * 1000 + p, i, r);
+  __syncthreads();
+  int e = put(dc, 0, p, recv, (u64)dc.rank * bytes, send, (u64)p * bytes, bytes, signal_inc(0),
+              no_counter(), CTA);
+  if (!e) e = wait_signal(dc, 0, 0, (u64)dc.nranks * (r + 1), CTA);
+  if (!e) e = flush(dc, 0, CTA);
+  if (e) {
+    if (threadIdx.x == 0) out[0] = e;
+    return;
+  }
+  const u8* got = (const u8*)recv.local_base + (u64)p * bytes;
+  u64 bad = 0;
+  for (u64 i = threadIdx.x; i < bytes; i += blockDim.x)
+    bad += got[i] != pattern(p * 1000 + dc.rank, i, r);
+  if (bad) atomicAdd((unsigned long long*)&out[1], (unsigned long long)bad);
+}
+
+// Put-with-signal ping-pong between ranks 0 and 1, one kernel per rank: rank
+// 0 puts `bytes` and waits for the echo; rank 1 echoes. out[0]: error,
+// out[2]: elapsed ns of `iters` round trips after `warmup`, measured on the
+// device. Signal 1 counts arrivals; coop is 0/1/2 (thread/warp/block, with
+// one block of 1/32/blockDim threads).
+extern "C" __global__ void gin_pingpong(DevComm dc, Window buf, u64 bytes, u32 iters, u32 warmup,
+                                        u32 coop, u64* out) {
+  if (dc.rank > 1) return;
+  const u32 peer = dc.rank ^ 1;
+  u64 t0 = 0;
+  const u64 base = detail::signal_sum(dc, detail::signal_slot(dc, 0, 1));
+  for (u32 i = 0; i < warmup + iters; ++i) {
+    if (i == warmup) t0 = proxy::globaltimer();
+    int e = OK;
+    if (dc.rank == 0) {
+      e = put(dc, 0, peer, buf, 0, buf, 0, bytes, signal_inc(1), no_counter(), (Coop)coop);
+      if (!e) e = wait_signal(dc, 0, 1, base + i + 1, (Coop)coop);
+    } else {
+      e = wait_signal(dc, 0, 1, base + i + 1, (Coop)coop);
+      if (!e) e = put(dc, 0, peer, buf, 0, buf, 0, bytes, signal_inc(1), no_counter(), (Coop)coop);
+    }
+    if (e) {
+      if (threadIdx.x == 0) out[0] = e;
+      return;
+    }
+  }
+  if (threadIdx.x == 0) out[2] = proxy::globaltimer() - t0;
+  flush(dc, 0, (Coop)coop);
+}
+
+// One-way bandwidth: rank 0's `gridDim.x` blocks each put their slice of
+// `bytes` to rank 1, `iters` times, each with signal 2; rank 1 waits for all
+// and answers with signal 3. out[2]: ns on rank 0 from the first put to the
+// answer.
+extern "C" __global__ void gin_bandwidth(DevComm dc, Window src, Window dst, u64 bytes, u32 iters,
+                                         u64* out) {
+  if (dc.rank > 1) return;
+  const u64 slice = (bytes / gridDim.x + 15) & ~15ull;
+  const u64 off = slice * blockIdx.x;
+  const u64 n = off >= bytes ? 0 : (bytes - off < slice ? bytes - off : slice);
+  const u64 base2 = detail::signal_sum(dc, detail::signal_slot(dc, 0, 2));
+  const u64 base3 = detail::signal_sum(dc, detail::signal_slot(dc, 0, 3));
+  __syncthreads();
+  if (dc.rank == 0) {
+    const u64 t0 = proxy::globaltimer();
+    for (u32 i = 0; i < iters; ++i) {
+      int e = put(dc, 0, 1, dst, off, src, off, n, signal_inc(2), no_counter(), CTA);
+      if (e) {
+        if (threadIdx.x == 0) out[0] = e;
+        return;
+      }
+    }
+    if (blockIdx.x == 0) {
+      int e = wait_signal(dc, 0, 3, base3 + 1, CTA);
+      if (e && threadIdx.x == 0) out[0] = e;
+      if (threadIdx.x == 0) out[2] = proxy::globaltimer() - t0;
+    }
+    flush(dc, 0, CTA);
+  } else if (blockIdx.x == 0) {
+    int e = wait_signal(dc, 0, 2, base2 + (u64)iters * gridDim.x, CTA);
+    if (!e) e = signal(dc, 0, 0, signal_inc(3), CTA);
+    if (!e) e = flush(dc, 0, CTA);
+    if (e && threadIdx.x == 0) out[0] = e;
+  }
+}
+
+// Bad input: which = 1 bad peer, 2 out-of-window offset, 3 unknown signal,
+// 4 unknown counter, 5 wait for a signal that never comes (timeout or abort).
+// out[0]: the kind returned.
+extern "C" __global__ void gin_badinput(DevComm dc, Window w, u32 which, u64* out) {
+  int e = OK;
+  switch (which) {
+    case 1: e = put(dc, 0, dc.nranks + 3, w, 0, w, 0, 8); break;
+    case 2: e = put(dc, 0, (dc.rank + 1) % dc.nranks, w, w.local_size - 4, w, 0, 8); break;
+    case 3: e = put(dc, 0, (dc.rank + 1) % dc.nranks, w, 0, w, 0, 8, signal_inc(dc.nsignals + 5)); break;
+    case 4: e = wait_counter(dc, 0, dc.ncounters, 1); break;
+    case 5: e = wait_signal(dc, 0, 0, 1ull << 40); break;
+    default: e = UNSUPPORTED;
+  }
+  out[0] = e;
+}
+
+// Get: reads the previous rank's pattern (written by itself before a host
+// barrier) into `dst` and checks it. out as gin_ring.
+extern "C" __global__ void gin_get(DevComm dc, Window src, Window dst, u64 bytes, u64* out) {
+  const u32 prev = (dc.rank + dc.nranks - 1) % dc.nranks;
+  int e = get(dc, 0, prev, src, 0, dst, 0, bytes, CTA);
+  if (!e) e = flush(dc, 0, CTA);
+  if (e) {
+    if (threadIdx.x == 0) out[0] = e;
+    return;
+  }
+  __syncthreads();
+  verify((const u8*)dst.local_base, bytes, prev, 99, out);
+}
+
+extern "C" __global__ void gin_fill(Window w, u64 bytes, u32 rank, u32 round) {
+  fill((u8*)w.local_base, bytes, rank, round);
+}

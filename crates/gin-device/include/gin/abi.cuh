@@ -1,0 +1,141 @@
+// gin-rs device ABI: the structs a kernel receives, byte for byte the
+// #[repr(C)] structs of gin-device's abi.rs (both sides assert the layout).
+// Compiles with nvcc, NVRTC (no system headers needed) and as host C++.
+#pragma once
+
+#if defined(__CUDACC__)
+#define GIN_HD __host__ __device__ __forceinline__
+#define GIN_DEV __device__ __forceinline__
+#else
+#define GIN_HD inline
+#endif
+
+namespace gin {
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+static_assert(sizeof(u8) == 1 && sizeof(u16) == 2 && sizeof(u32) == 4 && sizeof(u64) == 8,
+              "gin: fixed-width types");
+
+// Who cooperates in one call: the calling thread, its whole warp, or its
+// whole block (every member calls with the same arguments).
+enum Coop : u32 { THREAD = 0, WARP = 1, CTA = 2 };
+
+// DevCommAbi::flags
+constexpr u32 FLAG_STRONG_SIGNALS = 1u << 0;
+constexpr u32 FLAG_VA_SIGNALS = 1u << 1;
+// Each context is used by one thread: queue reservations need no atomics.
+constexpr u32 FLAG_EXCLUSIVE_CTX = 1u << 2;
+// Signals are per-sender sub-slots whose sum is the signal (CUDA ranks).
+constexpr u32 FLAG_SENDER_SLOTS = 1u << 3;
+// Each context is used by one block: reservations use block-scope atomics.
+constexpr u32 FLAG_CTA_CTX = 1u << 4;
+
+// BackendAbi::kind
+constexpr u32 BACKEND_NONE = 0;
+constexpr u32 BACKEND_PROXY = 1;
+constexpr u32 BACKEND_GDAKI = 2;
+
+// Error kinds of the error word: [63:56] kind, [55:48] context (255: none),
+// [47:32] peer (0xffff: none), [31:0] id or last value seen.
+enum ErrorKind : u32 {
+  OK = 0,
+  SIGNAL_TIMEOUT = 1,
+  COUNTER_TIMEOUT = 2,
+  FLUSH_TIMEOUT = 3,
+  QUEUE_TIMEOUT = 4,
+  ABORTED = 5,
+  BAD_PEER = 6,
+  OUT_OF_WINDOW = 7,
+  BAD_SIGNAL = 8,
+  BAD_COUNTER = 9,
+  BAD_CONTEXT = 10,
+  UNSUPPORTED = 11,
+  BARRIER_TIMEOUT = 12,
+  MISALIGNED = 13,
+};
+
+GIN_HD u64 error_word(u32 kind, u32 ctx, u32 peer, u32 value) {
+  u64 c = ctx > 255 ? 255 : ctx;
+  u64 p = peer > 0xfffe ? 0xffff : peer;
+  return ((u64)kind << 56) | (c << 48) | (p << 32) | (u64)value;
+}
+constexpr u32 NO_PEER = 0xffffffffu;
+
+struct DevComm {
+  u32 rank;
+  u32 nranks;
+  u32 nctx;
+  u32 nsignals;    // user signals per context
+  u32 ncounters;   // counters per context
+  u32 flags;
+  u64 signal_base; // first signal slot of this communicator
+  u64 signals;     // local signal window (u64 slots; x nranks with FLAG_SENDER_SLOTS)
+  u64 counter_base;
+  u64 counters;    // local counters (2 u64 sub-slots each on CUDA ranks)
+  u64 abort_flag;  // u32 the host sets to make waits give up
+  u64 error_word;  // u64, first error wins
+  u64 timeout_ticks; // wait timeout in %globaltimer nanoseconds (0: none)
+  u64 backend;     // BackendAbi*
+};
+static_assert(sizeof(DevComm) == 88, "DevComm ABI");
+static_assert(__builtin_offsetof(DevComm, signal_base) == 24, "DevComm ABI");
+static_assert(__builtin_offsetof(DevComm, signals) == 32, "DevComm ABI");
+static_assert(__builtin_offsetof(DevComm, counters) == 48, "DevComm ABI");
+static_assert(__builtin_offsetof(DevComm, backend) == 80, "DevComm ABI");
+
+struct Window {
+  u32 id;
+  u32 flags;
+  u64 local_base;
+  u64 local_size;
+  u64 sizes;      // u64[nranks]
+  u64 peer_bases; // u64[nranks]: peer parts mapped here (0: no load/store path)
+  u64 keys;       // u32[nranks]
+  u64 addrs;      // u64[nranks]
+};
+static_assert(sizeof(Window) == 56, "Window ABI");
+static_assert(__builtin_offsetof(Window, local_base) == 8, "Window ABI");
+static_assert(__builtin_offsetof(Window, peer_bases) == 32, "Window ABI");
+static_assert(__builtin_offsetof(Window, keys) == 40, "Window ABI");
+static_assert(__builtin_offsetof(Window, addrs) == 48, "Window ABI");
+
+struct BackendAbi {
+  u32 kind;
+  u32 sig_per_ctx;    // user signals, then one slot per world barrier
+  u32 world_barriers;
+  u32 reserved;
+  u64 lsa;            // u8[nranks]: 1 where the peer is reached by load/store
+  u64 signal_peers;   // u64[nranks]: signal windows mapped here
+  u32 signal_window;  // the signal window's id, for descriptors
+  u32 reserved2;
+  u64 rings;          // ProxyRingAbi[nctx * nranks], context-major
+};
+static_assert(sizeof(BackendAbi) == 48, "BackendAbi ABI");
+static_assert(__builtin_offsetof(BackendAbi, lsa) == 16, "BackendAbi ABI");
+static_assert(__builtin_offsetof(BackendAbi, signal_window) == 32, "BackendAbi ABI");
+static_assert(__builtin_offsetof(BackendAbi, rings) == 40, "BackendAbi ABI");
+
+struct ProxyRingAbi {
+  u64 slots; // 2^log2 64-byte descriptors, mapped pinned host memory
+  u64 head;  // u64 producer index, device memory
+  u64 done;  // u64 completion index, device memory, stored by the proxy
+  u32 log2;
+  u32 reserved;
+};
+static_assert(sizeof(ProxyRingAbi) == 32, "ProxyRingAbi ABI");
+static_assert(__builtin_offsetof(ProxyRingAbi, done) == 16, "ProxyRingAbi ABI");
+static_assert(__builtin_offsetof(ProxyRingAbi, log2) == 24, "ProxyRingAbi ABI");
+
+// Rolling comparisons (as gin-device's wait.rs): 64-bit signals, 56-bit counters.
+constexpr u64 COUNTER_MASK = (1ull << 56) - 1;
+GIN_HD bool signal_reached(u64 value, u64 target) { return (i64)(value - target) >= 0; }
+GIN_HD bool counter_reached(u64 value, u64 target) {
+  return ((value - target) & COUNTER_MASK) < (1ull << 55);
+}
+
+} // namespace gin

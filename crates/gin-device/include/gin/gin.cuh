@@ -1,0 +1,523 @@
+// gin-rs device API for CUDA kernels: the operations CPU ranks call through
+// gin-device's Ctx (put, put_value, signal, get, flush, waits, resets,
+// barriers), for a thread, a warp or a block.
+//
+// Paths, chosen per peer by the host (BackendAbi::lsa):
+// - load/store (NCCL's LSA, DeepEP's NVLink kernels): the peer's window is
+//   mapped here through CUDA IPC; a put is a copy by the cooperating threads,
+//   a signal a system-scope atomic add on the peer's sub-slot.
+// - proxy: a descriptor in a ring in mapped host memory; a CPU thread moves
+//   the data with the copy engine and stores the signal after it.
+//
+// Every call checks its arguments (context, peer, window range, ids) and
+// every wait has a timeout (%globaltimer) and honours the abort flag. A
+// failure returns its ErrorKind and records the first error in the error
+// word, which the host turns into an error naming rank, peer, context and id.
+//
+// Include as "gin/gin.cuh"; as host C++ only the ABI and the encoders are
+// visible.
+#pragma once
+#include "gin/abi.cuh"
+#include "gin/gdaki.cuh"
+#include "gin/proxy.cuh"
+
+#if defined(__CUDACC__)
+namespace gin {
+
+// The remote action of a put.
+struct Remote {
+  u32 kind; // 0: none, 1: signal
+  u32 id;
+  u64 add;
+  u32 weak; // 1: order only the signal's own put
+};
+GIN_HD Remote no_signal() { return Remote{0, 0, 0, 0}; }
+GIN_HD Remote signal_inc(u32 id) { return Remote{1, id, 1, 0}; }
+GIN_HD Remote signal_add(u32 id, u64 v) { return Remote{1, id, v, 0}; }
+
+// The local action of a put: counter `id` counts it once the source may be
+// reused.
+struct LocalAction {
+  u32 kind; // 0: none, 1: counter increment
+  u32 id;
+};
+GIN_HD LocalAction no_counter() { return LocalAction{0, 0}; }
+GIN_HD LocalAction counter_inc(u32 id) { return LocalAction{1, id}; }
+
+namespace detail {
+
+GIN_DEV u32 lane() {
+  u32 l;
+  asm volatile("mov.u32 %0, %%laneid;" : "=r"(l));
+  return l;
+}
+GIN_DEV u32 coop_rank(Coop c) {
+  if (c == THREAD) return 0;
+  if (c == WARP) return lane();
+  return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+}
+GIN_DEV u32 coop_size(Coop c) {
+  if (c == THREAD) return 1;
+  if (c == WARP) return 32;
+  return blockDim.x * blockDim.y * blockDim.z;
+}
+GIN_DEV void coop_sync(Coop c) {
+  if (c == WARP) __syncwarp();
+  if (c == CTA) __syncthreads();
+}
+// The leader's value, for every member.
+GIN_DEV int coop_bcast(Coop c, int v) {
+  if (c == THREAD) return v;
+  if (c == WARP) return __shfl_sync(0xffffffffu, v, 0);
+  __shared__ int slot;
+  __syncthreads();
+  if (coop_rank(c) == 0) slot = v;
+  __syncthreads();
+  return slot;
+}
+
+GIN_DEV int fail(const DevComm& dc, u32 kind, u32 ctx, u32 peer, u32 value) {
+  atomicCAS((unsigned long long*)dc.error_word, 0ull,
+            (unsigned long long)error_word(kind, ctx, peer, value));
+  return (int)kind;
+}
+
+GIN_DEV u64 ld_acquire_sys(const u64* p) {
+  u64 v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+GIN_DEV u64 ld_relaxed_sys(const u64* p) {
+  u64 v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+GIN_DEV void red_add_sys(u64* p, u64 v) {
+  asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Polls `ready` with a timeout and the abort flag; returns OK, `timeout_kind`
+// or ABORTED (the error word is written by the caller).
+template <class Ready>
+GIN_DEV u32 poll(const DevComm& dc, u32 timeout_kind, Ready ready) {
+  if (ready()) return OK;
+  const u64 start = proxy::globaltimer();
+  for (u32 spin = 1;; ++spin) {
+    if (ready()) return OK;
+    if ((spin & 1023) == 0) {
+      if (dc.abort_flag && *(volatile u32*)dc.abort_flag != 0) return ABORTED;
+      if (dc.timeout_ticks && proxy::globaltimer() - start > dc.timeout_ticks) return timeout_kind;
+    }
+  }
+}
+
+GIN_DEV const BackendAbi& backend(const DevComm& dc) { return *(const BackendAbi*)dc.backend; }
+GIN_DEV bool is_lsa(const DevComm& dc, u32 peer) {
+  return ((const u8*)backend(dc).lsa)[peer] != 0;
+}
+GIN_DEV const ProxyRingAbi& ring(const DevComm& dc, u32 ctx, u32 peer) {
+  return ((const ProxyRingAbi*)backend(dc).rings)[ctx * dc.nranks + peer];
+}
+// Global slot index of signal `id` (or barrier slot) of context `ctx`.
+GIN_DEV u64 signal_slot(const DevComm& dc, u32 ctx, u32 id) {
+  return dc.signal_base + (u64)ctx * backend(dc).sig_per_ctx + id;
+}
+// Byte offset of this rank's sub-slot of `slot` in any rank's signal window.
+GIN_DEV u64 sender_offset(const DevComm& dc, u64 slot) {
+  return (slot * dc.nranks + dc.rank) * 8;
+}
+GIN_DEV u64* counter_subslots(const DevComm& dc, u32 ctx, u32 id) {
+  return (u64*)dc.counters + 2 * (dc.counter_base + (u64)ctx * dc.ncounters + id);
+}
+
+GIN_DEV bool range_ok(u64 off, u64 bytes, u64 size) { return off <= size && bytes <= size - off; }
+
+// Copies `bytes` from `src` to `dst` with the coop's threads, 16 bytes at a
+// time where both are aligned.
+GIN_DEV void coop_copy(Coop c, u8* dst, const u8* src, u64 bytes) {
+  const u32 r = coop_rank(c), n = coop_size(c);
+  u64 head = 0;
+  if ((((u64)dst | (u64)src) & 15) == 0) {
+    const u64 vecs = bytes / 16;
+    uint4* d = (uint4*)dst;
+    const uint4* s = (const uint4*)src;
+    u64 i = r;
+    for (; i + 3 * n < vecs; i += 4 * n) {
+      uint4 a = s[i], b = s[i + n], e = s[i + 2 * n], f = s[i + 3 * n];
+      d[i] = a;
+      d[i + n] = b;
+      d[i + 2 * n] = e;
+      d[i + 3 * n] = f;
+    }
+    for (; i < vecs; i += n) d[i] = s[i];
+    head = vecs * 16;
+  }
+  for (u64 i = head + r; i < bytes; i += n) dst[i] = src[i];
+}
+
+struct Giver {
+  const DevComm& dc;
+  u64 start;
+  u32 kind;
+  GIN_DEV bool operator()() {
+    if (dc.abort_flag && *(volatile u32*)dc.abort_flag != 0) {
+      kind = ABORTED;
+      return true;
+    }
+    if (dc.timeout_ticks && proxy::globaltimer() - start > dc.timeout_ticks) {
+      kind = QUEUE_TIMEOUT;
+      return true;
+    }
+    return false;
+  }
+};
+
+// Leader only: queues `d` on ring (ctx, peer).
+GIN_DEV int push(const DevComm& dc, u32 ctx, u32 peer, const proxy::Desc& d) {
+  const ProxyRingAbi& r = ring(dc, ctx, peer);
+  // The source bytes this block wrote must be visible to the copy engine
+  // before the proxy can read the descriptor.
+  __threadfence_system();
+  const u64 seq = proxy::reserve(r, dc.flags);
+  Giver g{dc, proxy::globaltimer(), OK};
+  if (!proxy::publish(r, seq, d, g)) return fail(dc, g.kind, ctx, peer, (u32)seq);
+  return OK;
+}
+
+GIN_DEV int check_ctx(const DevComm& dc, u32 ctx) {
+  return ctx < dc.nctx ? OK : fail(dc, BAD_CONTEXT, ctx, NO_PEER, ctx);
+}
+
+GIN_DEV int check_actions(const DevComm& dc, u32 ctx, u32 peer, Remote rem, LocalAction loc) {
+  if (rem.kind == 1 && rem.id >= dc.nsignals) return fail(dc, BAD_SIGNAL, ctx, peer, rem.id);
+  if (rem.kind > 1) return fail(dc, UNSUPPORTED, ctx, peer, rem.kind);
+  if (loc.kind == 1 && loc.id >= dc.ncounters) return fail(dc, BAD_COUNTER, ctx, peer, loc.id);
+  if (loc.kind > 1) return fail(dc, UNSUPPORTED, ctx, peer, loc.kind);
+  return OK;
+}
+
+GIN_DEV int check_peer(const DevComm& dc, u32 ctx, u32 peer) {
+  if (peer >= dc.nranks) return fail(dc, BAD_PEER, ctx, peer, peer);
+  if (!is_lsa(dc, peer) && backend(dc).kind != BACKEND_PROXY)
+    return fail(dc, UNSUPPORTED, ctx, peer, backend(dc).kind);
+  return OK;
+}
+
+// Leader only: the signal and counter of a put (or a bare signal) whose data
+// the coop has already stored (load/store path).
+GIN_DEV void lsa_actions(const DevComm& dc, u32 ctx, u32 peer, Remote rem, LocalAction loc) {
+  if (rem.kind == 1) {
+    // Release at system scope: the coop's stores (ordered before this thread
+    // by the coop's barrier) are visible at the peer before the signal.
+    __threadfence_system();
+    u64* base = (u64*)((const u64*)backend(dc).signal_peers)[peer];
+    red_add_sys((u64*)((u8*)base + sender_offset(dc, signal_slot(dc, ctx, rem.id))), rem.add);
+  }
+  if (loc.kind == 1) atomicAdd((unsigned long long*)(counter_subslots(dc, ctx, loc.id) + 1), 1ull);
+}
+
+GIN_DEV void proxy_actions(const DevComm& dc, u32 ctx, Remote rem, LocalAction loc,
+                           proxy::Desc& d) {
+  if (rem.kind == 1) {
+    d.has_signal = 1;
+    d.sig_strong = rem.weak ? 0 : 1;
+    d.sig_window = backend(dc).signal_window;
+    d.sig_offset = sender_offset(dc, signal_slot(dc, ctx, rem.id));
+    d.sig_add = rem.add;
+  }
+  if (loc.kind == 1) {
+    d.has_counter = 1;
+    d.counter = (u32)(dc.counter_base + (u64)ctx * dc.ncounters + loc.id);
+  }
+}
+
+GIN_DEV proxy::Desc empty_desc(u32 op) {
+  proxy::Desc d;
+  d.op = op;
+  d.dst_window = d.src_window = d.counter = 0;
+  d.bytes = d.dst_offset = d.src_offset = d.inline_value = d.sig_offset = d.sig_add = 0;
+  d.sig_window = 0;
+  d.has_inline = d.has_signal = d.sig_strong = d.has_counter = 0;
+  return d;
+}
+
+GIN_DEV u64 signal_sum(const DevComm& dc, u64 slot) {
+  const u64* s = (const u64*)dc.signals + slot * dc.nranks;
+  u64 sum = 0;
+  for (u32 r = 0; r < dc.nranks; ++r) sum += ld_relaxed_sys(s + r);
+  return sum;
+}
+
+} // namespace detail
+
+// ---------------------------------------------------------------- operations
+
+// Puts `bytes` from `src` (this rank's part, at `src_off`) to `peer`'s part
+// of `dst` at `dst_off`, then performs `rem` at the peer and `loc` here.
+GIN_DEV int put(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst_off,
+                const Window& src, u64 src_off, u64 bytes, Remote rem = no_signal(),
+                LocalAction loc = no_counter(), Coop coop = THREAD) {
+  using namespace detail;
+  int e = check_ctx(dc, ctx);
+  if (!e) e = check_peer(dc, ctx, peer);
+  if (!e) e = check_actions(dc, ctx, peer, rem, loc);
+  if (!e && !range_ok(dst_off, bytes, ((const u64*)dst.sizes)[peer]))
+    e = fail(dc, OUT_OF_WINDOW, ctx, peer, dst.id);
+  if (!e && !range_ok(src_off, bytes, src.local_size))
+    e = fail(dc, OUT_OF_WINDOW, ctx, peer, src.id);
+  if (e) return e;
+  if (is_lsa(dc, peer)) {
+    u8* d = (u8*)((const u64*)dst.peer_bases)[peer];
+    if (!d) return fail(dc, UNSUPPORTED, ctx, peer, dst.id);
+    coop_copy(coop, d + dst_off, (const u8*)src.local_base + src_off, bytes);
+    coop_sync(coop);
+    if (coop_rank(coop) == 0) lsa_actions(dc, ctx, peer, rem, loc);
+    coop_sync(coop);
+    return OK;
+  }
+  coop_sync(coop);
+  int r = OK;
+  if (coop_rank(coop) == 0) {
+    proxy::Desc d = empty_desc(proxy::OP_PUT);
+    d.bytes = bytes;
+    d.dst_window = dst.id;
+    d.dst_offset = dst_off;
+    d.src_window = src.id;
+    d.src_offset = src_off;
+    proxy_actions(dc, ctx, rem, loc, d);
+    r = push(dc, ctx, peer, d);
+  }
+  return coop_bcast(coop, r);
+}
+
+// Puts the 8-byte `value` at `dst_off` (8-byte aligned) in `peer`'s part of
+// `dst`, then performs `rem`. Called by the leader's value for a coop.
+GIN_DEV int put_value(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst_off,
+                      u64 value, Remote rem = no_signal(), Coop coop = THREAD) {
+  using namespace detail;
+  int e = check_ctx(dc, ctx);
+  if (!e) e = check_peer(dc, ctx, peer);
+  if (!e) e = check_actions(dc, ctx, peer, rem, no_counter());
+  if (!e && !range_ok(dst_off, 8, ((const u64*)dst.sizes)[peer]))
+    e = fail(dc, OUT_OF_WINDOW, ctx, peer, dst.id);
+  if (!e && (dst_off & 7)) e = fail(dc, MISALIGNED, ctx, peer, dst.id);
+  if (e) return e;
+  coop_sync(coop);
+  int r = OK;
+  if (coop_rank(coop) == 0) {
+    if (is_lsa(dc, peer)) {
+      u8* d = (u8*)((const u64*)dst.peer_bases)[peer];
+      if (!d) {
+        r = fail(dc, UNSUPPORTED, ctx, peer, dst.id);
+      } else {
+        *(volatile u64*)(d + dst_off) = value;
+        lsa_actions(dc, ctx, peer, rem, no_counter());
+      }
+    } else {
+      proxy::Desc d = empty_desc(proxy::OP_PUT);
+      d.bytes = 8;
+      d.dst_window = dst.id;
+      d.dst_offset = dst_off;
+      d.has_inline = 1;
+      d.inline_value = value;
+      proxy_actions(dc, ctx, rem, no_counter(), d);
+      r = push(dc, ctx, peer, d);
+    }
+  }
+  return coop_bcast(coop, r);
+}
+
+// Performs `rem` at `peer` with no data (ordered after earlier puts of the
+// context to that peer).
+GIN_DEV int signal(const DevComm& dc, u32 ctx, u32 peer, Remote rem, Coop coop = THREAD) {
+  using namespace detail;
+  int e = check_ctx(dc, ctx);
+  if (!e) e = check_peer(dc, ctx, peer);
+  if (!e) e = check_actions(dc, ctx, peer, rem, no_counter());
+  if (e) return e;
+  coop_sync(coop);
+  int r = OK;
+  if (coop_rank(coop) == 0) {
+    if (is_lsa(dc, peer)) {
+      lsa_actions(dc, ctx, peer, rem, no_counter());
+    } else {
+      proxy::Desc d = empty_desc(proxy::OP_PUT);
+      proxy_actions(dc, ctx, rem, no_counter(), d);
+      r = push(dc, ctx, peer, d);
+    }
+  }
+  return coop_bcast(coop, r);
+}
+
+// Reads `bytes` from `peer`'s part of `remote` at `remote_off` into this
+// rank's part of `local` at `local_off`; complete after flush.
+GIN_DEV int get(const DevComm& dc, u32 ctx, u32 peer, const Window& remote, u64 remote_off,
+                const Window& local, u64 local_off, u64 bytes, Coop coop = THREAD) {
+  using namespace detail;
+  int e = check_ctx(dc, ctx);
+  if (!e) e = check_peer(dc, ctx, peer);
+  if (!e && !range_ok(remote_off, bytes, ((const u64*)remote.sizes)[peer]))
+    e = fail(dc, OUT_OF_WINDOW, ctx, peer, remote.id);
+  if (!e && !range_ok(local_off, bytes, local.local_size))
+    e = fail(dc, OUT_OF_WINDOW, ctx, peer, local.id);
+  if (e) return e;
+  if (is_lsa(dc, peer)) {
+    const u8* s = (const u8*)((const u64*)remote.peer_bases)[peer];
+    if (!s) return fail(dc, UNSUPPORTED, ctx, peer, remote.id);
+    coop_copy(coop, (u8*)local.local_base + local_off, s + remote_off, bytes);
+    coop_sync(coop);
+    return OK;
+  }
+  coop_sync(coop);
+  int r = OK;
+  if (coop_rank(coop) == 0) {
+    proxy::Desc d = empty_desc(proxy::OP_GET);
+    d.bytes = bytes;
+    d.dst_window = remote.id;
+    d.dst_offset = remote_off;
+    d.src_window = local.id;
+    d.src_offset = local_off;
+    r = push(dc, ctx, peer, d);
+  }
+  return coop_bcast(coop, r);
+}
+
+// Waits until every operation this context issued has completed locally:
+// sources may be reused, gets have landed, and puts will be visible at their
+// targets.
+GIN_DEV int flush(const DevComm& dc, u32 ctx, Coop coop = THREAD) {
+  using namespace detail;
+  int e = check_ctx(dc, ctx);
+  if (e) return e;
+  coop_sync(coop);
+  int r = OK;
+  if (coop_rank(coop) == 0) {
+    __threadfence_system();
+    if (backend(dc).kind == BACKEND_PROXY) {
+      for (u32 p = 0; p < dc.nranks && r == OK; ++p) {
+        if (is_lsa(dc, p)) continue;
+        const ProxyRingAbi& rg = ring(dc, ctx, p);
+        const u64 mark = *(volatile const u64*)rg.head;
+        const u64* done = (const u64*)rg.done;
+        u32 k = poll(dc, FLUSH_TIMEOUT,
+                     [&] { return signal_reached(proxy::ld_acquire_gpu(done), mark); });
+        if (k) r = fail(dc, k, ctx, p, (u32)mark);
+      }
+    }
+  }
+  r = coop_bcast(coop, r);
+  return r;
+}
+
+// The current value of signal `id` of context `ctx`.
+GIN_DEV u64 read_signal(const DevComm& dc, u32 ctx, u32 id) {
+  return detail::signal_sum(dc, detail::signal_slot(dc, ctx, id));
+}
+
+// Waits until signal `id` reaches `target` (rolling compare). Data announced
+// by the signal is visible to the whole coop afterwards.
+GIN_DEV int wait_signal(const DevComm& dc, u32 ctx, u32 id, u64 target, Coop coop = THREAD) {
+  using namespace detail;
+  int e = check_ctx(dc, ctx);
+  if (!e && id >= dc.nsignals) e = fail(dc, BAD_SIGNAL, ctx, NO_PEER, id);
+  if (e) return e;
+  int r = OK;
+  if (coop_rank(coop) == 0) {
+    const u64 slot = signal_slot(dc, ctx, id);
+    u64 last = 0;
+    u32 k = poll(dc, SIGNAL_TIMEOUT, [&] {
+      last = signal_sum(dc, slot);
+      return signal_reached(last, target);
+    });
+    if (k) r = fail(dc, k, ctx, NO_PEER, id);
+    __threadfence_system(); // acquire: what the signal announced is visible
+  }
+  return coop_bcast(coop, r);
+}
+
+// Sets signal `id` back to zero (no signal to it may be in flight).
+GIN_DEV int reset_signal(const DevComm& dc, u32 ctx, u32 id) {
+  using namespace detail;
+  int e = check_ctx(dc, ctx);
+  if (!e && id >= dc.nsignals) e = fail(dc, BAD_SIGNAL, ctx, NO_PEER, id);
+  if (e) return e;
+  const u64 slot = signal_slot(dc, ctx, id);
+  atomicAdd((unsigned long long*)((u64*)dc.signals + slot * dc.nranks + dc.rank),
+            (unsigned long long)(0 - signal_sum(dc, slot)));
+  return OK;
+}
+
+GIN_DEV u64 read_counter(const DevComm& dc, u32 ctx, u32 id) {
+  const u64* c = detail::counter_subslots(dc, ctx, id);
+  return (detail::ld_relaxed_sys(c) + detail::ld_relaxed_sys(c + 1)) & COUNTER_MASK;
+}
+
+// Waits until counter `id` reaches `target` (56-bit rolling compare).
+GIN_DEV int wait_counter(const DevComm& dc, u32 ctx, u32 id, u64 target, Coop coop = THREAD) {
+  using namespace detail;
+  int e = check_ctx(dc, ctx);
+  if (!e && id >= dc.ncounters) e = fail(dc, BAD_COUNTER, ctx, NO_PEER, id);
+  if (e) return e;
+  int r = OK;
+  if (coop_rank(coop) == 0) {
+    u32 k = poll(dc, COUNTER_TIMEOUT,
+                 [&] { return counter_reached(read_counter(dc, ctx, id), target); });
+    if (k) r = fail(dc, k, ctx, NO_PEER, id);
+  }
+  return coop_bcast(coop, r);
+}
+
+GIN_DEV int reset_counter(const DevComm& dc, u32 ctx, u32 id) {
+  using namespace detail;
+  int e = check_ctx(dc, ctx);
+  if (!e && id >= dc.ncounters) e = fail(dc, BAD_COUNTER, ctx, NO_PEER, id);
+  if (e) return e;
+  atomicAdd((unsigned long long*)(counter_subslots(dc, ctx, id) + 1),
+            (unsigned long long)(0 - read_counter(dc, ctx, id)));
+  return OK;
+}
+
+// World barrier `index` on context `ctx`: flushes the context, signals every
+// rank, and waits until every rank has arrived as often as this one. Puts
+// issued before it are visible at their targets when it returns.
+GIN_DEV int barrier(const DevComm& dc, u32 ctx, u32 index, Coop coop = THREAD) {
+  using namespace detail;
+  int e = check_ctx(dc, ctx);
+  if (!e && index >= backend(dc).world_barriers) e = fail(dc, BAD_SIGNAL, ctx, NO_PEER, index);
+  if (e) return e;
+  int r = flush(dc, ctx, coop);
+  if (r) return r;
+  if (coop_rank(coop) == 0) {
+    const u64 slot = signal_slot(dc, ctx, dc.nsignals + index);
+    const u64 off = sender_offset(dc, slot);
+    for (u32 p = 0; p < dc.nranks && r == OK; ++p) {
+      if (is_lsa(dc, p)) {
+        __threadfence_system();
+        u64* base = (u64*)((const u64*)backend(dc).signal_peers)[p];
+        red_add_sys((u64*)((u8*)base + off), 1);
+      } else {
+        proxy::Desc d = empty_desc(proxy::OP_PUT);
+        d.has_signal = 1;
+        d.sig_strong = 1;
+        d.sig_window = backend(dc).signal_window;
+        d.sig_offset = off;
+        d.sig_add = 1;
+        r = push(dc, ctx, p, d);
+      }
+    }
+    if (r == OK) {
+      const u64* s = (const u64*)dc.signals + slot * dc.nranks;
+      // This rank's own sub-slot here counts the barriers it entered.
+      const u64 epoch = ld_acquire_sys(s + dc.rank);
+      for (u32 p = 0; p < dc.nranks && r == OK; ++p) {
+        u32 k = poll(dc, BARRIER_TIMEOUT, [&] { return signal_reached(ld_acquire_sys(s + p), epoch); });
+        if (k) r = fail(dc, k, ctx, p, (u32)epoch);
+      }
+      __threadfence_system();
+    }
+  }
+  return coop_bcast(coop, r);
+}
+
+} // namespace gin
+#endif // __CUDACC__
