@@ -63,7 +63,11 @@ fn host_output() -> Option<HashMap<String, String>> {
 }
 
 fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
+    use std::fmt::Write as _;
+    b.iter().fold(String::new(), |mut s, x| {
+        let _ = write!(s, "{x:02x}");
+        s
+    })
 }
 
 fn qwords(q: &[u64; 8]) -> String {
