@@ -5,6 +5,10 @@
 //!   rank fails, the others are stopped after the grace period and the exit
 //!   status is non-zero.
 //! - `ci`: what CI runs (`.ci/run`).
+//! - `gpu-package [DIR]`: release binaries and a run script for a GPU
+//!   machine without Rust (see docs/cuda.md).
+
+mod gpu;
 
 use std::process::{Command, ExitCode};
 use std::time::Duration;
@@ -24,12 +28,14 @@ fn main() -> ExitCode {
 
 const USAGE: &str =
     "usage: cargo xtask launch -n N [--grace DURATION] [--timeout DURATION] -- CMD [ARGS...]
-       cargo xtask ci";
+       cargo xtask ci
+       cargo xtask gpu-package [DIR]";
 
 fn run() -> Result<ExitCode> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("launch") => launch_cmd(&args[1..]),
+        Some("gpu-package") => gpu::package(&args[1..]).map(|()| ExitCode::SUCCESS),
         Some("ci") => {
             let st = Command::new("bash")
                 .arg(".ci/run")

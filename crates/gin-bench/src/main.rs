@@ -10,6 +10,7 @@
 
 mod alltoall;
 mod bootstrap;
+mod cuda;
 mod pingpong;
 mod ranks;
 mod stats;
@@ -30,6 +31,8 @@ enum Cmd {
     Pingpong(pingpong::PingPongArgs),
     /// The seed's all-to-all (put + signal to every rank, wait, flush) versus rank count and size.
     Alltoall(alltoall::AlltoallArgs),
+    /// CUDA ranks on two GPUs: ping-pong and bandwidth for the load/store and proxy paths, with floors.
+    Cuda(cuda::CudaArgs),
     /// Host bootstrap collectives (allgather, all-to-all, barrier, broadcast) versus rank count.
     Bootstrap(bootstrap::BootstrapArgs),
 }
@@ -42,6 +45,7 @@ fn main() -> Result<()> {
         Some(Cmd::Bootstrap(a)) => bootstrap::run(&a, &argv),
         Some(Cmd::Pingpong(a)) => pingpong::run(&a, &argv),
         Some(Cmd::Alltoall(a)) => alltoall::run(&a, &argv),
+        Some(Cmd::Cuda(a)) => cuda::run(&a),
         None => {
             let a = pingpong::PingPongArgs::default_args();
             let mut argv = argv;

@@ -78,16 +78,17 @@ extern "C" __global__ void gin_alltoall(DevComm dc, Window send, Window recv, u6
 }
 
 // Put-with-signal ping-pong between ranks 0 and 1, one kernel per rank: rank
-// 0 puts `bytes` and waits for the echo; rank 1 echoes. out[0]: error,
+// 0 puts `bytes` and waits for the echo; rank 1 echoes. `base`: signal 1's
+// value before this launch (the host counts; reading it here would race with
+// the peer's first put). out[0]: error,
 // out[2]: elapsed ns of `iters` round trips after `warmup`, measured on the
 // device. Signal 1 counts arrivals; coop is 0/1/2 (thread/warp/block, with
 // one block of 1/32/blockDim threads).
 extern "C" __global__ void gin_pingpong(DevComm dc, Window buf, u64 bytes, u32 iters, u32 warmup,
-                                        u32 coop, u64* out) {
+                                        u32 coop, u64 base, u64* out) {
   if (dc.rank > 1) return;
   const u32 peer = dc.rank ^ 1;
   u64 t0 = 0;
-  const u64 base = detail::signal_sum(dc, detail::signal_slot(dc, 0, 1));
   for (u32 i = 0; i < warmup + iters; ++i) {
     if (i == warmup) t0 = proxy::globaltimer();
     int e = OK;
@@ -110,15 +111,13 @@ extern "C" __global__ void gin_pingpong(DevComm dc, Window buf, u64 bytes, u32 i
 // One-way bandwidth: rank 0's `gridDim.x` blocks each put their slice of
 // `bytes` to rank 1, `iters` times, each with signal 2; rank 1 waits for all
 // and answers with signal 3. out[2]: ns on rank 0 from the first put to the
-// answer.
+// answer. base2, base3: signals 2 and 3 before this launch.
 extern "C" __global__ void gin_bandwidth(DevComm dc, Window src, Window dst, u64 bytes, u32 iters,
-                                         u64* out) {
+                                         u64 base2, u64 base3, u64* out) {
   if (dc.rank > 1) return;
   const u64 slice = (bytes / gridDim.x + 15) & ~15ull;
   const u64 off = slice * blockIdx.x;
   const u64 n = off >= bytes ? 0 : (bytes - off < slice ? bytes - off : slice);
-  const u64 base2 = detail::signal_sum(dc, detail::signal_slot(dc, 0, 2));
-  const u64 base3 = detail::signal_sum(dc, detail::signal_slot(dc, 0, 3));
   __syncthreads();
   if (dc.rank == 0) {
     const u64 t0 = proxy::globaltimer();
@@ -175,4 +174,62 @@ extern "C" __global__ void gin_get(DevComm dc, Window src, Window dst, u64 bytes
 
 extern "C" __global__ void gin_fill(Window w, u64 bytes, u32 rank, u32 round) {
   fill((u8*)w.local_base, bytes, rank, round);
+}
+
+// Floor of the proxy path, without gin-rs: a raw CPU-proxied copy plus flag.
+// Rank 0 stores i+1 into its mapped host flag and waits for its device flag;
+// the host thread of each rank copies `bytes` to the peer with the copy
+// engine and stores the value into the peer's device flag; rank 1 echoes.
+// out[2]: ns for `iters` round trips after `warmup`.
+extern "C" __global__ void gin_floor_proxy(u32 rank, u64 host_flag, u64 dev_flag, u32 iters,
+                                           u32 warmup, u64* out) {
+  volatile u64* hf = (volatile u64*)host_flag;
+  const u64* df = (const u64*)dev_flag;
+  u64 t0 = 0;
+  for (u32 i = 0; i < warmup + iters; ++i) {
+    if (i == warmup) t0 = proxy::globaltimer();
+    if (rank == 0) {
+      __threadfence_system();
+      *hf = i + 1;
+      while (detail::ld_acquire_sys(df) < i + 1) {
+      }
+    } else {
+      while (detail::ld_acquire_sys(df) < i + 1) {
+      }
+      __threadfence_system();
+      *hf = i + 1;
+    }
+  }
+  out[2] = proxy::globaltimer() - t0;
+}
+
+// Floor of the load/store path, without gin-rs: a raw copy over the peer
+// mapping by the coop, then a release store of a flag. out[2] as above.
+extern "C" __global__ void gin_floor_lsa(u32 rank, u64 peer_buf, u64 local_buf, u64 peer_flag,
+                                         u64 my_flag, u64 bytes, u32 iters, u32 warmup, u32 coop,
+                                         u64* out) {
+  const Coop c = (Coop)coop;
+  u64 t0 = 0;
+  for (u32 i = 0; i < warmup + iters; ++i) {
+    if (i == warmup) t0 = proxy::globaltimer();
+    if (rank == 1) {
+      if (detail::coop_rank(c) == 0)
+        while (detail::ld_acquire_sys((const u64*)my_flag) < i + 1) {
+        }
+      detail::coop_sync(c);
+    }
+    detail::coop_copy(c, (u8*)peer_buf, (const u8*)local_buf, bytes);
+    detail::coop_sync(c);
+    if (detail::coop_rank(c) == 0) {
+      __threadfence_system();
+      asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(peer_flag), "l"((u64)i + 1) : "memory");
+    }
+    if (rank == 0) {
+      if (detail::coop_rank(c) == 0)
+        while (detail::ld_acquire_sys((const u64*)my_flag) < i + 1) {
+        }
+      detail::coop_sync(c);
+    }
+  }
+  if (detail::coop_rank(c) == 0) out[2] = proxy::globaltimer() - t0;
 }

@@ -353,7 +353,7 @@ impl Comm {
         ))
     }
 
-    fn take_window_id(&self) -> u32 {
+    pub(crate) fn take_window_id(&self) -> u32 {
         let mut n = self
             .next_window
             .lock()

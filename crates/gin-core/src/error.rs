@@ -19,4 +19,25 @@ pub enum CoreError {
     Net(#[from] gin_net::NetError),
     #[error(transparent)]
     Device(#[from] gin_device::GinError),
+    #[error("CUDA call {call} failed: {name} ({code}): {text}")]
+    Cuda {
+        call: &'static str,
+        code: i32,
+        name: String,
+        text: String,
+    },
+    #[error(
+        "rank {rank}: kernel error: {what}{}{} (id or value {value}){}",
+        ctx.map(|c| format!(", context {c}")).unwrap_or_default(),
+        peer.map(|p| format!(", peer {p}")).unwrap_or_default(),
+        if cause.is_empty() { String::new() } else { format!("; cause: {cause}") }
+    )]
+    Kernel {
+        rank: usize,
+        what: &'static str,
+        ctx: Option<u32>,
+        peer: Option<usize>,
+        value: u32,
+        cause: String,
+    },
 }

@@ -29,6 +29,7 @@
 
 mod comm;
 pub mod config;
+pub mod cuda;
 mod error;
 pub mod launch;
 pub mod space;

@@ -90,6 +90,10 @@ pub enum Coop {
     Cta = 2,
 }
 
+/// Each context is used by the threads of one block (CUDA ranks): queue
+/// reservations use block-scope atomics.
+pub const DEVCOMM_FLAG_CTA_CTX: u32 = 1 << 4;
+
 /// Signals are kept per sender (CUDA ranks): signal slot `s` of a rank is
 /// `nranks` u64 sub-slots, one per sender, and its value is their sum. No
 /// agent ever needs an atomic on another GPU's memory that it cannot do: a

@@ -1,0 +1,322 @@
+//! Checks the CUDA device API (gin/gin.cuh) across the ranks of a job on
+//! GPUs, with data verified on the device. Spawns its own ranks (`--ranks N`,
+//! default 2) or runs as one rank under a launcher. GIN_BACKEND=auto takes
+//! the load/store path (CUDA IPC), GIN_BACKEND=proxy the CUDA proxy.
+//!
+//! Scenarios: `all` (ring with thread, warp and block coops, all-to-all,
+//! get, bad input), `ring`, `alltoall`, `get`, `badinput` (each bad call must
+//! come back as an error naming it; the never-arriving signal needs a short
+//! GIN_TIMEOUT), `die VICTIM` (the victim dies while the others wait in a
+//! kernel: they must fail naming it, not hang).
+//!
+//! Where no GPU is usable it prints `SKIPPED: <reason>` and exits 0.
+
+#![allow(clippy::many_single_char_names)] // c, k, f, w: comm, kernels, function, window
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use gin_core::cuda::{self, Arg, CtxSharing, CudaComm, CudaDevComm, DevMem, Module};
+use gin_core::launch::{Role, run_ranks};
+use gin_core::{Comm, CoreError, DevCommRequirements};
+
+type R = Result<(), String>;
+
+fn s<E: std::fmt::Display>(e: E) -> String {
+    e.to_string()
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mode = args.first().cloned().unwrap_or_else(|| "all".into());
+    let n = args
+        .iter()
+        .position(|a| a == "--ranks")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2);
+    if let Some(why) = cuda::skip_reason() {
+        println!("SKIPPED: {why}");
+        return ExitCode::SUCCESS;
+    }
+    match run_ranks(n) {
+        Ok(Role::Launched) => return ExitCode::SUCCESS,
+        Ok(Role::Rank) => {}
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::FAILURE;
+        }
+    }
+    let t = Instant::now();
+    let r = Comm::from_env().map_err(s).and_then(|comm| {
+        let cuda = comm.cuda().map_err(s)?;
+        let module = cuda
+            .compile(cuda::SELFTEST_KERNELS, "selftest.cu")
+            .map_err(s)?;
+        let k = Kernels { m: &module };
+        let r = match mode.as_str() {
+            "all" => all(&cuda, &k),
+            "ring" => ring(&cuda, &k),
+            "alltoall" => alltoall(&cuda, &k),
+            "get" => get(&cuda, &k),
+            "badinput" => badinput(&cuda, &k),
+            "die" => die(
+                &cuda,
+                &k,
+                args.get(1).and_then(|v| v.parse().ok()).unwrap_or(1),
+            ),
+            other => Err(format!("unknown scenario {other:?}")),
+        };
+        r.map(|()| {
+            format!(
+                "rank {} of {}: {mode} ok in {:.2}s on GPU {} ({})",
+                comm.rank(),
+                comm.nranks(),
+                t.elapsed().as_secs_f64(),
+                cuda.device().ordinal,
+                cuda.device().name
+            )
+        })
+    });
+    match r {
+        Ok(line) => {
+            println!("{line}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            println!("FAILED: {e}");
+            ExitCode::from(3)
+        }
+    }
+}
+
+struct Kernels<'m> {
+    m: &'m Module,
+}
+
+impl Kernels<'_> {
+    fn f(&self, name: &str) -> Result<cuda::Function, String> {
+        self.m.function(name).map_err(s)
+    }
+}
+
+fn req() -> DevCommRequirements {
+    DevCommRequirements {
+        signals: 8,
+        counters: 4,
+        ..DevCommRequirements::default()
+    }
+}
+
+/// out[0] (first error kind) and out[1] (bytes that differ) must be zero.
+fn check_out(out: &DevMem, what: &str) -> R {
+    let mut o = [0u64; 3];
+    out.read(0, &mut o).map_err(s)?;
+    if o[0] != 0 {
+        return Err(format!("{what}: kernel returned error kind {}", o[0]));
+    }
+    if o[1] != 0 {
+        return Err(format!("{what}: {} bytes differ from what was sent", o[1]));
+    }
+    Ok(())
+}
+
+fn all(c: &CudaComm<'_>, k: &Kernels<'_>) -> R {
+    ring(c, k)?;
+    alltoall(c, k)?;
+    get(c, k)?;
+    badinput(c, k)
+}
+
+fn ring(c: &CudaComm<'_>, k: &Kernels<'_>) -> R {
+    let f = k.f("gin_ring")?;
+    for (coop, block, name) in [(0u32, 1u32, "thread"), (1, 32, "warp"), (2, 256, "block")] {
+        for bytes in [8u64, 1000, 1 << 20] {
+            let dc = c.dev_comm(&req(), CtxSharing::Gpu).map_err(s)?;
+            let send = c.alloc_window(bytes).map_err(s)?;
+            let recv = c.alloc_window(bytes).map_err(s)?;
+            let out = DevMem::new(24).map_err(s)?;
+            let rounds = 4u32;
+            dc.run(
+                &f,
+                1,
+                block,
+                &[
+                    Arg::DevComm(dc.abi()),
+                    Arg::Window(send.abi()),
+                    Arg::Window(recv.abi()),
+                    Arg::U64(bytes),
+                    Arg::U32(rounds),
+                    Arg::U32(coop),
+                    Arg::Ptr(out.ptr),
+                ],
+            )
+            .map_err(|e| format!("ring ({name} coop, {bytes} B): {e}"))?;
+            check_out(&out, &format!("ring ({name} coop, {bytes} B)"))?;
+            println!(
+                "rank {}: ring {name} coop {bytes} B x{rounds} verified via {}",
+                c.comm().rank(),
+                dc.backend_name()
+            );
+            dc.destroy().map_err(s)?;
+        }
+    }
+    Ok(())
+}
+
+fn alltoall(c: &CudaComm<'_>, k: &Kernels<'_>) -> R {
+    let f = k.f("gin_alltoall")?;
+    let n = c.comm().nranks() as u64;
+    let dc = c.dev_comm(&req(), CtxSharing::Gpu).map_err(s)?;
+    let mut rounds = 0u32;
+    for bytes in [8u64, 4096, 256 << 10] {
+        let send = c.alloc_window(bytes * n).map_err(s)?;
+        let recv = c.alloc_window(bytes * n).map_err(s)?;
+        let out = DevMem::new(24).map_err(s)?;
+        // Signal 0 accumulates across sizes: keep counting rounds.
+        for r in 0..3u32 {
+            dc.run(
+                &f,
+                n as u32,
+                256,
+                &[
+                    Arg::DevComm(dc.abi()),
+                    Arg::Window(send.abi()),
+                    Arg::Window(recv.abi()),
+                    Arg::U64(bytes),
+                    Arg::U32(rounds + r),
+                    Arg::Ptr(out.ptr),
+                ],
+            )
+            .map_err(|e| format!("alltoall {bytes} B round {r}: {e}"))?;
+            c.comm().bootstrap().barrier().map_err(s)?;
+        }
+        rounds += 3;
+        check_out(&out, &format!("alltoall {bytes} B"))?;
+        println!(
+            "rank {}: alltoall {bytes} B per peer x3 verified via {}",
+            c.comm().rank(),
+            dc.backend_name()
+        );
+    }
+    dc.destroy().map_err(s)
+}
+
+fn get(c: &CudaComm<'_>, k: &Kernels<'_>) -> R {
+    let bytes = 300_000u64;
+    let dc = c.dev_comm(&req(), CtxSharing::Gpu).map_err(s)?;
+    let src = c.alloc_window(bytes).map_err(s)?;
+    let dst = c.alloc_window(bytes).map_err(s)?;
+    let out = DevMem::new(24).map_err(s)?;
+    dc.run(
+        &k.f("gin_fill")?,
+        64,
+        256,
+        &[
+            Arg::Window(src.abi()),
+            Arg::U64(bytes),
+            Arg::U32(c.comm().rank() as u32),
+            Arg::U32(99),
+        ],
+    )
+    .map_err(s)?;
+    c.comm().bootstrap().barrier().map_err(s)?;
+    dc.run(
+        &k.f("gin_get")?,
+        1,
+        256,
+        &[
+            Arg::DevComm(dc.abi()),
+            Arg::Window(src.abi()),
+            Arg::Window(dst.abi()),
+            Arg::U64(bytes),
+            Arg::Ptr(out.ptr),
+        ],
+    )
+    .map_err(|e| format!("get: {e}"))?;
+    check_out(&out, "get")?;
+    println!(
+        "rank {}: get {bytes} B verified via {}",
+        c.comm().rank(),
+        dc.backend_name()
+    );
+    c.comm().bootstrap().barrier().map_err(s)?;
+    dc.destroy().map_err(s)
+}
+
+/// Each bad call must fail with the matching error kind and a message that
+/// names it; the wait for a signal that never comes ends with a timeout.
+fn badinput(c: &CudaComm<'_>, k: &Kernels<'_>) -> R {
+    let f = k.f("gin_badinput")?;
+    let dc = c.dev_comm(&req(), CtxSharing::Gpu).map_err(s)?;
+    let w = c.alloc_window(4096).map_err(s)?;
+    let out = DevMem::new(24).map_err(s)?;
+    let cases: &[(u32, &str)] = &[
+        (1, "peer does not exist"),
+        (2, "access outside a window"),
+        (3, "unknown signal id"),
+        (4, "unknown counter id"),
+        (5, "timed out waiting for a signal"),
+    ];
+    let short = c.comm().timeout() <= std::time::Duration::from_secs(10);
+    for &(which, want) in cases {
+        if which == 5 && !short {
+            println!(
+                "rank {}: badinput 5 skipped: set GIN_TIMEOUT=2s to run it",
+                c.comm().rank()
+            );
+            continue;
+        }
+        let t = Instant::now();
+        let r = run_bad(&dc, f, &w, which, &out);
+        match r {
+            Err(e) if e.to_string().contains(want) => println!(
+                "rank {}: badinput {which} -> error after {:.3}s: {e}",
+                c.comm().rank(),
+                t.elapsed().as_secs_f64()
+            ),
+            Err(e) => return Err(format!("badinput {which}: wrong error: {e}")),
+            Ok(()) => return Err(format!("badinput {which}: the bad call succeeded")),
+        }
+    }
+    c.comm().bootstrap().barrier().map_err(s)?;
+    dc.destroy().map_err(s)
+}
+
+fn run_bad(
+    dc: &CudaDevComm<'_, '_>,
+    f: cuda::Function,
+    w: &cuda::GpuWindow,
+    which: u32,
+    out: &DevMem,
+) -> Result<(), CoreError> {
+    dc.run(
+        &f,
+        1,
+        1,
+        &[
+            Arg::DevComm(dc.abi()),
+            Arg::Window(w.abi()),
+            Arg::U32(which),
+            Arg::Ptr(out.ptr),
+        ],
+    )
+}
+
+/// The victim dies while every other rank waits in a kernel for a signal
+/// that only the victim would send: they must fail naming it.
+fn die(c: &CudaComm<'_>, k: &Kernels<'_>, victim: usize) -> R {
+    let f = k.f("gin_badinput")?;
+    let dc = c.dev_comm(&req(), CtxSharing::Gpu).map_err(s)?;
+    let w = c.alloc_window(4096).map_err(s)?;
+    let out = DevMem::new(24).map_err(s)?;
+    c.comm().bootstrap().barrier().map_err(s)?;
+    if c.comm().rank() == victim {
+        std::process::abort();
+    }
+    let t = Instant::now();
+    match run_bad(&dc, f, &w, 5, &out) {
+        Ok(()) => Err("the wait succeeded without the victim's signal".into()),
+        Err(e) => Err(format!("{e} (after {:.2}s)", t.elapsed().as_secs_f64())),
+    }
+}

@@ -1,0 +1,482 @@
+//! A thin, checked layer over the CUDA driver API (cudarc's `sys` level,
+//! loaded at run time): nothing CUDA is needed to build, and a machine
+//! without a driver gets an error, never a panic.
+
+use std::ffi::{CStr, c_void};
+use std::sync::OnceLock;
+
+use cudarc::driver::sys as cu;
+
+use crate::error::CoreError;
+
+/// Turns a driver result into an error naming the call.
+pub(crate) fn check(call: &'static str, r: cu::CUresult) -> Result<(), CoreError> {
+    if r == cu::CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    let mut name: *const std::ffi::c_char = std::ptr::null();
+    let mut text: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: both calls only write a pointer to a static string.
+    unsafe {
+        cu::cuGetErrorName(r, &raw mut name);
+        cu::cuGetErrorString(r, &raw mut text);
+    }
+    let s = |p: *const std::ffi::c_char| {
+        if p.is_null() {
+            String::from("?")
+        } else {
+            // SAFETY: the driver returns NUL-terminated static strings.
+            unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+        }
+    };
+    Err(CoreError::Cuda {
+        call,
+        code: r as i32,
+        name: s(name),
+        text: s(text),
+    })
+}
+
+/// Whether a CUDA driver with at least one GPU is usable here; the error says
+/// why not. Checked once per process.
+pub fn available() -> Result<usize, CoreError> {
+    static STATE: OnceLock<Result<usize, String>> = OnceLock::new();
+    STATE
+        .get_or_init(|| {
+            // SAFETY: only probes for the library with dlopen.
+            if !unsafe { cu::is_culib_present() } {
+                return Err("no CUDA driver library (libcuda.so) could be loaded".into());
+            }
+            // SAFETY: plain driver calls with valid out-pointers.
+            unsafe {
+                check("cuInit", cu::cuInit(0)).map_err(|e| e.to_string())?;
+                let mut n = 0;
+                check("cuDeviceGetCount", cu::cuDeviceGetCount(&raw mut n))
+                    .map_err(|e| e.to_string())?;
+                if n <= 0 {
+                    return Err("the CUDA driver reports no GPU".into());
+                }
+                Ok(n as usize)
+            }
+        })
+        .clone()
+        .map_err(|why| CoreError::Unavailable {
+            what: "CUDA".into(),
+            why,
+            available: "CPU ranks".into(),
+        })
+}
+
+/// One GPU and its primary context.
+#[derive(Debug)]
+pub struct Device {
+    pub ordinal: usize,
+    dev: cu::CUdevice,
+    ctx: cu::CUcontext,
+    /// Compute capability (major, minor).
+    pub cc: (i32, i32),
+    pub name: String,
+}
+
+// SAFETY: a CUcontext may be made current on any thread.
+unsafe impl Send for Device {}
+// SAFETY: as above; Device's methods only read its fields.
+unsafe impl Sync for Device {}
+
+impl Device {
+    /// Retains the primary context of GPU `ordinal` and makes it current.
+    pub fn open(ordinal: usize) -> Result<Self, CoreError> {
+        let n = available()?;
+        if ordinal >= n {
+            return Err(CoreError::Invalid(format!(
+                "GPU {ordinal} does not exist (this machine has {n})"
+            )));
+        }
+        let mut dev = 0;
+        let mut ctx = std::ptr::null_mut();
+        let (mut major, mut minor) = (0, 0);
+        let mut name = [0 as std::ffi::c_char; 128];
+        // SAFETY: valid out-pointers; the ordinal was checked.
+        unsafe {
+            check("cuDeviceGet", cu::cuDeviceGet(&raw mut dev, ordinal as i32))?;
+            check(
+                "cuDevicePrimaryCtxRetain",
+                cu::cuDevicePrimaryCtxRetain(&raw mut ctx, dev),
+            )?;
+            check("cuCtxSetCurrent", cu::cuCtxSetCurrent(ctx))?;
+            check(
+                "cuDeviceGetAttribute",
+                cu::cuDeviceGetAttribute(
+                    &raw mut major,
+                    cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+                    dev,
+                ),
+            )?;
+            check(
+                "cuDeviceGetAttribute",
+                cu::cuDeviceGetAttribute(
+                    &raw mut minor,
+                    cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+                    dev,
+                ),
+            )?;
+            check(
+                "cuDeviceGetName",
+                cu::cuDeviceGetName(name.as_mut_ptr(), 127, dev),
+            )?;
+        }
+        // SAFETY: cuDeviceGetName wrote a NUL-terminated string.
+        let name = unsafe { CStr::from_ptr(name.as_ptr()) }
+            .to_string_lossy()
+            .into_owned();
+        Ok(Self {
+            ordinal,
+            dev,
+            ctx,
+            cc: (major, minor),
+            name,
+        })
+    }
+
+    /// Makes this GPU's context current on the calling thread.
+    pub fn make_current(&self) -> Result<(), CoreError> {
+        // SAFETY: the context is retained until drop.
+        check("cuCtxSetCurrent", unsafe { cu::cuCtxSetCurrent(self.ctx) })
+    }
+
+    /// Whether this GPU can map `other`'s memory (NVLink or PCIe peer access).
+    pub fn can_access_peer(&self, other: &Device) -> Result<bool, CoreError> {
+        if other.ordinal == self.ordinal {
+            return Ok(true);
+        }
+        let mut ok = 0;
+        // SAFETY: valid out-pointer and device handles.
+        check("cuDeviceCanAccessPeer", unsafe {
+            cu::cuDeviceCanAccessPeer(&raw mut ok, self.dev, other.dev)
+        })?;
+        Ok(ok != 0)
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        // SAFETY: releases the retain taken in `open`.
+        unsafe {
+            cu::cuDevicePrimaryCtxRelease_v2(self.dev);
+        }
+    }
+}
+
+/// Device memory (cuMemAlloc), zeroed.
+#[derive(Debug)]
+pub struct DevMem {
+    pub ptr: u64,
+    pub len: usize,
+}
+
+impl DevMem {
+    pub fn new(len: usize) -> Result<Self, CoreError> {
+        let mut ptr = 0;
+        // SAFETY: valid out-pointer; at least one byte is asked for.
+        unsafe {
+            check("cuMemAlloc", cu::cuMemAlloc_v2(&raw mut ptr, len.max(1)))?;
+            check("cuMemsetD8", cu::cuMemsetD8_v2(ptr, 0, len.max(1)))?;
+        }
+        Ok(Self { ptr, len })
+    }
+
+    /// Copies `data` to `off` bytes into this allocation.
+    pub fn write<T: Copy>(&self, off: usize, data: &[T]) -> Result<(), CoreError> {
+        let n = std::mem::size_of_val(data);
+        if off + n > self.len {
+            return Err(CoreError::Invalid(format!(
+                "write of {n} bytes at {off} exceeds a {}-byte device buffer",
+                self.len
+            )));
+        }
+        // SAFETY: the range was checked; `data` is valid for `n` bytes.
+        check("cuMemcpyHtoD", unsafe {
+            cu::cuMemcpyHtoD_v2(self.ptr + off as u64, data.as_ptr().cast(), n)
+        })
+    }
+
+    /// Reads `out.len()` values from `off` bytes into this allocation.
+    pub fn read<T: Copy>(&self, off: usize, out: &mut [T]) -> Result<(), CoreError> {
+        let n = std::mem::size_of_val(out);
+        if off + n > self.len {
+            return Err(CoreError::Invalid(format!(
+                "read of {n} bytes at {off} exceeds a {}-byte device buffer",
+                self.len
+            )));
+        }
+        // SAFETY: the range was checked; `out` is valid for `n` bytes.
+        check("cuMemcpyDtoH", unsafe {
+            cu::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), self.ptr + off as u64, n)
+        })
+    }
+
+    /// Zeroes `len` bytes at `off`.
+    pub fn zero(&self, off: usize, len: usize) -> Result<(), CoreError> {
+        if off + len > self.len {
+            return Err(CoreError::Invalid("zeroing past a device buffer".into()));
+        }
+        // SAFETY: the range was checked.
+        check("cuMemsetD8", unsafe {
+            cu::cuMemsetD8_v2(self.ptr + off as u64, 0, len)
+        })
+    }
+
+    /// The IPC handle other processes open this allocation with.
+    pub fn ipc_handle(&self) -> Result<[u8; 64], CoreError> {
+        // SAFETY: an all-zero handle is a valid out-value.
+        let mut h: cu::CUipcMemHandle = unsafe { std::mem::zeroed() };
+        // SAFETY: `ptr` is the base of a cuMemAlloc allocation.
+        check("cuIpcGetMemHandle", unsafe {
+            cu::cuIpcGetMemHandle(&raw mut h, self.ptr)
+        })?;
+        Ok(h.reserved.map(|c| c as u8))
+    }
+}
+
+impl Drop for DevMem {
+    fn drop(&mut self) {
+        // SAFETY: frees what `new` allocated.
+        unsafe {
+            cu::cuMemFree_v2(self.ptr);
+        }
+    }
+}
+
+/// Another process's allocation mapped here through CUDA IPC.
+#[derive(Debug)]
+pub struct IpcMem {
+    pub ptr: u64,
+}
+
+impl IpcMem {
+    pub fn open(handle: &[u8; 64]) -> Result<Self, CoreError> {
+        // SAFETY: an all-zero handle is a valid value; it is overwritten.
+        let mut h: cu::CUipcMemHandle = unsafe { std::mem::zeroed() };
+        h.reserved = handle.map(|b| b as std::ffi::c_char);
+        let mut ptr = 0;
+        // SAFETY: valid out-pointer; the driver validates the handle.
+        check("cuIpcOpenMemHandle", unsafe {
+            cu::cuIpcOpenMemHandle_v2(
+                &raw mut ptr,
+                h,
+                cu::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+        })?;
+        Ok(Self { ptr })
+    }
+}
+
+impl Drop for IpcMem {
+    fn drop(&mut self) {
+        // SAFETY: closes what `open` mapped.
+        unsafe {
+            cu::cuIpcCloseMemHandle(self.ptr);
+        }
+    }
+}
+
+/// Pinned host memory mapped into the GPU's address space (portable, not
+/// write-combined: the CPU polls it, and CPU reads of write-combined memory
+/// are very slow). Zeroed.
+#[derive(Debug)]
+pub struct HostMem {
+    pub host: *mut u8,
+    pub dev: u64,
+    pub len: usize,
+}
+
+// SAFETY: plain memory; users synchronise through atomics.
+unsafe impl Send for HostMem {}
+// SAFETY: as above.
+unsafe impl Sync for HostMem {}
+
+impl HostMem {
+    pub fn new(len: usize) -> Result<Self, CoreError> {
+        let mut p: *mut c_void = std::ptr::null_mut();
+        let mut dev = 0;
+        // SAFETY: valid out-pointers; the allocation is zeroed before use.
+        unsafe {
+            check(
+                "cuMemHostAlloc",
+                cu::cuMemHostAlloc(
+                    &raw mut p,
+                    len.max(64),
+                    cu::CU_MEMHOSTALLOC_DEVICEMAP | cu::CU_MEMHOSTALLOC_PORTABLE,
+                ),
+            )?;
+            std::ptr::write_bytes(p.cast::<u8>(), 0, len.max(64));
+            check(
+                "cuMemHostGetDevicePointer",
+                cu::cuMemHostGetDevicePointer_v2(&raw mut dev, p, 0),
+            )?;
+        }
+        Ok(Self {
+            host: p.cast(),
+            dev,
+            len,
+        })
+    }
+}
+
+impl Drop for HostMem {
+    fn drop(&mut self) {
+        // SAFETY: frees what `new` allocated.
+        unsafe {
+            cu::cuMemFreeHost(self.host.cast());
+        }
+    }
+}
+
+/// A non-blocking stream.
+#[derive(Debug)]
+pub struct Stream(pub(crate) cu::CUstream);
+
+// SAFETY: streams may be used from any thread with the context current.
+unsafe impl Send for Stream {}
+// SAFETY: as above.
+unsafe impl Sync for Stream {}
+
+impl Stream {
+    pub fn new() -> Result<Self, CoreError> {
+        let mut s = std::ptr::null_mut();
+        // SAFETY: valid out-pointer.
+        check("cuStreamCreate", unsafe {
+            cu::cuStreamCreate(
+                &raw mut s,
+                cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+            )
+        })?;
+        Ok(Self(s))
+    }
+
+    /// Whether all work queued so far has finished.
+    pub fn idle(&self) -> Result<bool, CoreError> {
+        // SAFETY: the stream is alive.
+        let r = unsafe { cu::cuStreamQuery(self.0) };
+        if r == cu::CUresult::CUDA_ERROR_NOT_READY {
+            return Ok(false);
+        }
+        check("cuStreamQuery", r).map(|()| true)
+    }
+
+    pub fn sync(&self) -> Result<(), CoreError> {
+        // SAFETY: the stream is alive.
+        check("cuStreamSynchronize", unsafe {
+            cu::cuStreamSynchronize(self.0)
+        })
+    }
+
+    /// Queues a copy of `n` bytes (any mix of device, mapped-host and
+    /// IPC-mapped addresses: unified addressing resolves them).
+    pub fn copy(&self, dst: u64, src: u64, n: usize) -> Result<(), CoreError> {
+        // SAFETY: the caller's addresses were bounds-checked against their
+        // windows; the driver faults the stream, not this process, on error.
+        check("cuMemcpyAsync", unsafe {
+            cu::cuMemcpyAsync(dst, src, n, self.0)
+        })
+    }
+
+    /// Queues an 8-byte store of `v` at `addr` after earlier work.
+    pub fn write_u64(&self, addr: u64, v: u64) -> Result<(), CoreError> {
+        // SAFETY: as for `copy`; `addr` is 8-byte aligned device memory.
+        check("cuStreamWriteValue64", unsafe {
+            cu::cuStreamWriteValue64_v2(self.0, addr, v, 0)
+        })
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // SAFETY: destroys what `new` created.
+        unsafe {
+            cu::cuStreamDestroy_v2(self.0);
+        }
+    }
+}
+
+/// A loaded module (cubin) and lookups of its kernels.
+#[derive(Debug)]
+pub struct Module(cu::CUmodule);
+
+// SAFETY: modules may be used from any thread with the context current.
+unsafe impl Send for Module {}
+// SAFETY: as above.
+unsafe impl Sync for Module {}
+
+impl Module {
+    pub fn load(image: &[u8]) -> Result<Self, CoreError> {
+        let mut m = std::ptr::null_mut();
+        // SAFETY: `image` is a cubin produced by NVRTC or nvcc.
+        check("cuModuleLoadData", unsafe {
+            cu::cuModuleLoadData(&raw mut m, image.as_ptr().cast())
+        })?;
+        Ok(Self(m))
+    }
+
+    pub fn function(&self, name: &str) -> Result<Function, CoreError> {
+        let c = std::ffi::CString::new(name)
+            .map_err(|_| CoreError::Invalid(format!("kernel name {name:?} has a NUL")))?;
+        let mut f = std::ptr::null_mut();
+        // SAFETY: valid out-pointer and NUL-terminated name.
+        check("cuModuleGetFunction", unsafe {
+            cu::cuModuleGetFunction(&raw mut f, self.0, c.as_ptr())
+        })
+        .map_err(|e| CoreError::Invalid(format!("kernel {name}: {e}")))?;
+        Ok(Function(f))
+    }
+}
+
+impl Drop for Module {
+    fn drop(&mut self) {
+        // SAFETY: unloads what `load` loaded.
+        unsafe {
+            cu::cuModuleUnload(self.0);
+        }
+    }
+}
+
+/// A kernel.
+#[derive(Debug, Clone, Copy)]
+pub struct Function(cu::CUfunction);
+
+// SAFETY: function handles may be launched from any thread.
+unsafe impl Send for Function {}
+// SAFETY: as above.
+unsafe impl Sync for Function {}
+
+impl Function {
+    /// Launches with one pointer per kernel parameter.
+    ///
+    /// # Safety
+    /// `params` must match the kernel's parameter list in number, order and
+    /// size, and stay valid until this call returns.
+    pub unsafe fn launch(
+        &self,
+        stream: &Stream,
+        grid: u32,
+        block: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<(), CoreError> {
+        // SAFETY: forwarded from the caller.
+        check("cuLaunchKernel", unsafe {
+            cu::cuLaunchKernel(
+                self.0,
+                grid,
+                1,
+                1,
+                block,
+                1,
+                1,
+                0,
+                stream.0,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })
+    }
+}

@@ -1,0 +1,694 @@
+//! CUDA ranks: windows in GPU memory, device communicators whose
+//! [`DevCommAbi`] kernels receive, the CUDA proxy, and run-time compilation.
+//!
+//! # Design
+//!
+//! - **Nothing CUDA is needed to build.** The driver and NVRTC are loaded at
+//!   run time through cudarc; [`available`] says why CUDA cannot be used
+//!   instead of panicking.
+//! - **Windows** ([`CudaComm::alloc_window`]) are `cuMemAlloc` memory; same-host
+//!   peers open each other's parts through CUDA IPC, so a kernel reaches a
+//!   peer's part by load/store over NVLink (or PCIe), and the proxy's copy
+//!   engine reaches it with `cuMemcpyAsync`.
+//! - **Signals** are per-sender sub-slots (`DEVCOMM_FLAG_SENDER_SLOTS`) in a
+//!   GPU signal window: a GPU adds to its own sub-slot at the peer with a
+//!   system-scope atomic; the proxy, the only writer of its rank's sub-slot
+//!   for the peers it serves, stores running totals with
+//!   `cuStreamWriteValue64` in the stream after the data. Counters have two
+//!   sub-slots: the proxy's running total and the GPU's atomic adds.
+//! - **Proxy rings** live in mapped pinned host memory (not write-combined:
+//!   the proxy thread polls them); producer and completion indices live in
+//!   device memory, so a kernel never needs an atomic across PCIe.
+//! - **Errors**: kernels record the first error in an error word; the host
+//!   reads it after the kernel and names rank, peer, context and id. While a
+//!   kernel runs, [`CudaDevComm::run`] watches the job's health and the
+//!   proxy, and raises the abort flag so device waits give up.
+//!
+//! GDAKI on CUDA ranks (kernels writing WQEs for the soft NIC) and CUDA ranks
+//! on different hosts (TCP staging) are not built yet: both are refused with
+//! an error that says so.
+
+mod driver;
+pub mod nvrtc;
+mod proxy;
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use gin_device::abi::{
+    BACKEND_NONE, BACKEND_PROXY, BackendAbi, DEVCOMM_FLAG_CTA_CTX, DEVCOMM_FLAG_EXCLUSIVE_CTX,
+    DEVCOMM_FLAG_SENDER_SLOTS, DEVCOMM_FLAG_STRONG_SIGNALS, DevCommAbi, ProxyRingAbi, WindowAbi,
+    errword,
+};
+
+pub use driver::{DevMem, Device, Function, HostMem, Module, Stream, available};
+
+use crate::comm::Comm;
+use crate::config::BackendKind;
+use crate::error::CoreError;
+use crate::space::IdSpace;
+use crate::{Connection, DevCommRequirements};
+
+/// How a context is shared by the threads of a kernel (what ring
+/// reservations must be atomic against).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CtxSharing {
+    /// Any thread of the grid (device-scope atomics).
+    #[default]
+    Gpu,
+    /// The threads of one block (block-scope atomics).
+    Cta,
+    /// One thread (no atomics).
+    Thread,
+}
+
+/// What a window's memory is, for the proxy.
+#[derive(Debug, Clone)]
+pub(crate) struct WinInfo {
+    pub local: u64,
+    pub local_size: u64,
+    pub sizes: Vec<u64>,
+    /// Each peer's part mapped here (0: not mapped).
+    pub peers: Vec<u64>,
+}
+
+type WinTable = Arc<RwLock<HashMap<u32, WinInfo>>>;
+
+/// A window in GPU memory.
+#[derive(Debug)]
+pub struct GpuWindow {
+    abi: WindowAbi,
+    bases: Vec<u64>,
+    local: DevMem,
+    _arrays: DevMem,
+    _peers: Vec<driver::IpcMem>,
+}
+
+impl GpuWindow {
+    /// What a kernel receives (pass by value).
+    pub fn abi(&self) -> &WindowAbi {
+        &self.abi
+    }
+
+    pub fn id(&self) -> u32 {
+        self.abi.id
+    }
+
+    /// This rank's part, in device memory.
+    pub fn local(&self) -> &DevMem {
+        &self.local
+    }
+
+    /// Rank `p`'s part as mapped here (device address), if it exists.
+    pub fn peer_base(&self, p: usize) -> Option<u64> {
+        self.bases.get(p).copied()
+    }
+}
+
+#[derive(Debug)]
+struct Spaces {
+    signals: IdSpace,
+    counters: IdSpace,
+}
+
+/// The CUDA side of a communicator: this rank's GPU, its windows, and the
+/// memory every device communicator shares (signals, counters, abort flag,
+/// error word). All ranks of the communicator must call its collectives.
+#[derive(Debug)]
+pub struct CudaComm<'c> {
+    comm: &'c Comm,
+    dev: Arc<Device>,
+    windows: WinTable,
+    signal_window: GpuWindow,
+    counters: DevMem,
+    abort: HostMem,
+    error: DevMem,
+    spaces: Mutex<Spaces>,
+    stream: Stream,
+}
+
+impl Comm {
+    /// Opens this rank's GPU (`GIN_CUDA_DEVICE`, else local rank modulo the
+    /// GPUs of the host) and sets up CUDA ranks (collective).
+    pub fn cuda(&self) -> Result<CudaComm<'_>, CoreError> {
+        CudaComm::new(self)
+    }
+}
+
+impl<'c> CudaComm<'c> {
+    fn new(comm: &'c Comm) -> Result<Self, CoreError> {
+        // Every rank must learn whether every other has CUDA, or some would
+        // wait in the collectives below forever.
+        let local = available().and_then(|n| {
+            if comm.nhosts() > 1 {
+                return Err(CoreError::Unavailable {
+                    what: "CUDA ranks on several hosts".into(),
+                    why: "moving GPU memory over TCP (staging) is not built yet".into(),
+                    available: "CUDA ranks on one host, CPU ranks anywhere".into(),
+                });
+            }
+            let ordinal = match std::env::var("GIN_CUDA_DEVICE") {
+                Ok(v) => v.trim().parse::<usize>().map_err(|_| {
+                    CoreError::Invalid(format!("GIN_CUDA_DEVICE={v:?} is not a GPU index"))
+                })?,
+                Err(_) => comm.local_rank() % n,
+            };
+            Device::open(ordinal)
+        });
+        let ok = comm
+            .bootstrap()
+            .allgather(&[u8::from(local.is_ok())])?
+            .iter()
+            .position(|v| v.first() != Some(&1));
+        let dev = match (local, ok) {
+            (Err(e), _) => return Err(e),
+            (Ok(_), Some(r)) => {
+                return Err(CoreError::Unavailable {
+                    what: "CUDA ranks".into(),
+                    why: format!("rank {r} could not open a GPU"),
+                    available: "CPU ranks".into(),
+                });
+            }
+            (Ok(d), None) => Arc::new(d),
+        };
+        let n = comm.nranks() as u64;
+        let s = comm.settings();
+        let windows: WinTable = Arc::default();
+        let signal_window = Self::make_window(comm, &dev, &windows, s.signal_slots * n * 8)?;
+        let me = Self {
+            comm,
+            windows,
+            signal_window,
+            counters: DevMem::new(s.counter_slots as usize * 16)?,
+            abort: HostMem::new(64)?,
+            error: DevMem::new(8)?,
+            spaces: Mutex::new(Spaces {
+                signals: IdSpace::new(s.signal_slots),
+                counters: IdSpace::new(s.counter_slots),
+            }),
+            stream: Stream::new()?,
+            dev,
+        };
+        tracing::info!(
+            rank = comm.rank(),
+            gpu = me.dev.ordinal,
+            name = %me.dev.name,
+            cc = ?me.dev.cc,
+            "CUDA rank ready"
+        );
+        Ok(me)
+    }
+
+    /// This rank's GPU.
+    pub fn device(&self) -> &Device {
+        &self.dev
+    }
+
+    pub fn comm(&self) -> &Comm {
+        self.comm
+    }
+
+    /// Allocates a window of `bytes` of GPU memory on this rank (collective;
+    /// sizes may differ per rank); same-host peers map it through CUDA IPC.
+    pub fn alloc_window(&self, bytes: u64) -> Result<GpuWindow, CoreError> {
+        Self::make_window(self.comm, &self.dev, &self.windows, bytes)
+    }
+
+    fn make_window(
+        comm: &Comm,
+        dev: &Device,
+        table: &WinTable,
+        bytes: u64,
+    ) -> Result<GpuWindow, CoreError> {
+        dev.make_current()?;
+        let id = comm.take_window_id();
+        let (rank, n) = (comm.rank(), comm.nranks());
+        let local = DevMem::new(bytes as usize)?;
+        let handle = local.ipc_handle()?;
+        let mut mine = Vec::with_capacity(80);
+        mine.extend_from_slice(&bytes.to_le_bytes());
+        mine.extend_from_slice(&local.ptr.to_le_bytes());
+        mine.extend_from_slice(&handle);
+        let all = comm.bootstrap().allgather(&mine)?;
+        let mut sizes = Vec::with_capacity(n);
+        let mut addrs = Vec::with_capacity(n);
+        let mut bases = Vec::with_capacity(n);
+        let mut opened = Vec::new();
+        for (p, rec) in all.iter().enumerate() {
+            if rec.len() != 80 {
+                return Err(CoreError::Invalid(format!(
+                    "rank {p} sent a malformed GPU window {id} record ({} bytes)",
+                    rec.len()
+                )));
+            }
+            let size = u64::from_le_bytes(rec[..8].try_into().expect("8 bytes"));
+            let addr = u64::from_le_bytes(rec[8..16].try_into().expect("8 bytes"));
+            sizes.push(size);
+            addrs.push(addr);
+            if p == rank {
+                bases.push(local.ptr);
+            } else {
+                let h: [u8; 64] = rec[16..80].try_into().expect("64 bytes");
+                let m = driver::IpcMem::open(&h).map_err(|e| {
+                    CoreError::Invalid(format!(
+                        "rank {rank} cannot map GPU window {id} of rank {p} through CUDA IPC: {e}"
+                    ))
+                })?;
+                bases.push(m.ptr);
+                opened.push(m);
+            }
+        }
+        // sizes u64[n], peer bases u64[n], keys u32[n] (no NIC keys for GPU
+        // memory yet), addresses u64[n].
+        let arrays = DevMem::new(n * 28)?;
+        arrays.write(0, &sizes)?;
+        arrays.write(n * 8, &bases)?;
+        arrays.write(n * 20, &addrs)?;
+        let abi = WindowAbi {
+            id,
+            flags: 0,
+            local_base: local.ptr,
+            local_size: bytes,
+            sizes: arrays.ptr,
+            peer_bases: arrays.ptr + n as u64 * 8,
+            keys: arrays.ptr + n as u64 * 16,
+            addrs: arrays.ptr + n as u64 * 20,
+        };
+        table
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(
+                id,
+                WinInfo {
+                    local: local.ptr,
+                    local_size: bytes,
+                    sizes,
+                    peers: bases.clone(),
+                },
+            );
+        comm.bootstrap().barrier()?;
+        Ok(GpuWindow {
+            abi,
+            bases,
+            local,
+            _arrays: arrays,
+            _peers: opened,
+        })
+    }
+
+    /// Creates a device communicator for kernels (collective; same
+    /// requirements on every rank). `GIN_BACKEND=auto` reaches every peer by
+    /// load/store, `proxy` every peer but this rank through the proxy.
+    pub fn dev_comm(
+        &self,
+        req: &DevCommRequirements,
+        sharing: CtxSharing,
+    ) -> Result<CudaDevComm<'_, 'c>, CoreError> {
+        self.dev_comm_on(req, sharing, self.comm.settings().backend)
+    }
+
+    /// As [`CudaComm::dev_comm`] with the backend named here instead of by
+    /// `GIN_BACKEND` (benchmarks compare both in one job).
+    pub fn dev_comm_on(
+        &self,
+        req: &DevCommRequirements,
+        sharing: CtxSharing,
+        kind: BackendKind,
+    ) -> Result<CudaDevComm<'_, 'c>, CoreError> {
+        let comm = self.comm;
+        let (rank, n) = (comm.rank(), comm.nranks());
+        self.dev.make_current()?;
+        if req.contexts == 0 {
+            return Err(CoreError::Invalid(
+                "a device communicator needs at least one context".into(),
+            ));
+        }
+        if req.rail_barriers != 0 || req.connection != Connection::Full {
+            return Err(CoreError::Unavailable {
+                what: "rail barriers and rail connections on CUDA ranks".into(),
+                why: "CUDA ranks run on one host, where the rail is this rank alone".into(),
+                available: "world barriers, full connection".into(),
+            });
+        }
+        if kind == BackendKind::Gdaki {
+            return Err(CoreError::Unavailable {
+                what: "GIN_BACKEND=gdaki on CUDA ranks".into(),
+                why: "kernels do not build WQEs for the soft NIC yet (the header's WQE \
+                      builders exist; the GPU-side queues do not)"
+                    .into(),
+                available: "auto (load/store), proxy".into(),
+            });
+        }
+        let sig_per_ctx = req
+            .signals
+            .checked_add(req.world_barriers)
+            .ok_or_else(|| CoreError::Invalid("signal and barrier counts overflow".into()))?;
+        let nsig = u64::from(sig_per_ctx) * u64::from(req.contexts);
+        let ncnt = u64::from(req.counters) * u64::from(req.contexts);
+        let (sb, cb) = {
+            let mut s = self
+                .spaces
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let sb = s.signals.alloc(nsig, "signal")?;
+            match s.counters.alloc(ncnt, "counter") {
+                Ok(cb) => (sb, cb),
+                Err(e) => {
+                    let _ = s.signals.free(sb, nsig);
+                    return Err(e.into());
+                }
+            }
+        };
+        let ranges = Ranges {
+            cuda: self,
+            signals: (sb, nsig),
+            counters: (cb, ncnt),
+        };
+        let nn = n as u64;
+        self.signal_window
+            .local
+            .zero((sb * nn * 8) as usize, (nsig * nn * 8) as usize)?;
+        self.counters
+            .zero((cb * 16) as usize, (ncnt * 16) as usize)?;
+        let rec = [sb.to_le_bytes(), cb.to_le_bytes()].concat();
+        let all = comm.bootstrap().allgather_equal(&rec)?;
+        if all.chunks(16).any(|c| c != rec.as_slice()) {
+            return Err(CoreError::Invalid(
+                "ranks disagree on signal/counter placement: CUDA device communicators were \
+                 created in different orders or with different requirements"
+                    .into(),
+            ));
+        }
+        let lsa: Vec<u8> = (0..n)
+            .map(|p| u8::from(p == rank || kind == BackendKind::Auto))
+            .collect();
+        let depth = req.queue_depth.clamp(2, 1 << 16).next_power_of_two();
+        let log2 = depth.trailing_zeros();
+        // Rings for the peers the proxy serves, context-major.
+        let mut rings_abi = vec![ProxyRingAbi::default(); req.contexts as usize * n];
+        let mut host_rings = Vec::new();
+        let indices = DevMem::new(req.contexts as usize * n * 16)?;
+        for c in 0..req.contexts as usize {
+            for p in (0..n).filter(|&p| lsa[p] == 0) {
+                let i = c * n + p;
+                let slots = HostMem::new(64 << log2)?;
+                rings_abi[i] = ProxyRingAbi {
+                    slots: slots.dev,
+                    head: indices.ptr + i as u64 * 16,
+                    done: indices.ptr + i as u64 * 16 + 8,
+                    log2,
+                    reserved: 0,
+                };
+                host_rings.push(proxy::RingSpec {
+                    ctx: c as u32,
+                    peer: p,
+                    slots,
+                    log2,
+                    done: indices.ptr + i as u64 * 16 + 8,
+                });
+            }
+        }
+        let any_proxy = !host_rings.is_empty();
+        let rings = DevMem::new(rings_abi.len() * std::mem::size_of::<ProxyRingAbi>())?;
+        rings.write(0, &rings_abi)?;
+        let lsa_mem = DevMem::new(n)?;
+        lsa_mem.write(0, &lsa)?;
+        let sig_peers = DevMem::new(n * 8)?;
+        let sig_info = self.signal_info();
+        sig_peers.write(0, &sig_info.peers)?;
+        let backend_abi = BackendAbi {
+            kind: if any_proxy {
+                BACKEND_PROXY
+            } else {
+                BACKEND_NONE
+            },
+            sig_per_ctx,
+            world_barriers: req.world_barriers,
+            reserved: 0,
+            lsa: lsa_mem.ptr,
+            signal_peers: sig_peers.ptr,
+            signal_window: self.signal_window.id(),
+            reserved2: 0,
+            rings: rings.ptr,
+        };
+        let backend = DevMem::new(std::mem::size_of::<BackendAbi>())?;
+        backend.write(0, std::slice::from_ref(&backend_abi))?;
+        let mut flags = DEVCOMM_FLAG_SENDER_SLOTS | DEVCOMM_FLAG_STRONG_SIGNALS;
+        flags |= match sharing {
+            CtxSharing::Gpu => 0,
+            CtxSharing::Cta => DEVCOMM_FLAG_CTA_CTX,
+            CtxSharing::Thread => DEVCOMM_FLAG_EXCLUSIVE_CTX,
+        };
+        let timeout = comm.settings().timeout;
+        let abi = DevCommAbi {
+            rank: rank as u32,
+            nranks: n as u32,
+            nctx: req.contexts,
+            nsignals: req.signals,
+            ncounters: req.counters,
+            flags,
+            signal_base: sb,
+            signals: self.signal_window.local.ptr,
+            counter_base: cb,
+            counters: self.counters.ptr,
+            abort_flag: self.abort.dev,
+            error_word: self.error.ptr,
+            timeout_ticks: u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX),
+            backend: backend.ptr,
+        };
+        let proxy = if any_proxy {
+            Some(proxy::CudaProxy::start(proxy::ProxySpec {
+                dev: self.dev.clone(),
+                rank,
+                nranks: n,
+                rings: host_rings,
+                windows: self.windows.clone(),
+                signal: sig_info,
+                counters: self.counters.ptr,
+                counter_slots: self.comm.settings().counter_slots,
+                spin: comm.settings().proxy_spin,
+            })?)
+        } else {
+            None
+        };
+        // Nobody signals into slots another rank has not zeroed yet.
+        comm.bootstrap().barrier()?;
+        Ok(CudaDevComm {
+            cuda: self,
+            abi,
+            proxy,
+            _mem: vec![indices, rings, lsa_mem, sig_peers, backend],
+            ranges: Some(ranges),
+            lsa: lsa.iter().map(|&b| b != 0).collect(),
+        })
+    }
+
+    fn signal_info(&self) -> proxy::SignalInfo {
+        let t = self
+            .windows
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let w = &t[&self.signal_window.id()];
+        proxy::SignalInfo {
+            window: self.signal_window.id(),
+            peers: w.peers.clone(),
+            sizes: w.sizes.clone(),
+        }
+    }
+
+    /// Compiles `source` (which includes `gin/gin.cuh`) for this GPU with
+    /// NVRTC and loads it.
+    pub fn compile(&self, source: &str, name: &str) -> Result<Module, CoreError> {
+        self.dev.make_current()?;
+        let cubin = nvrtc::compile(source, name, self.dev.cc)?;
+        Module::load(&cubin)
+    }
+}
+
+/// Signal and counter ranges taken from the CUDA id spaces.
+#[derive(Debug)]
+struct Ranges<'a, 'c> {
+    cuda: &'a CudaComm<'c>,
+    signals: (u64, u64),
+    counters: (u64, u64),
+}
+
+impl Drop for Ranges<'_, '_> {
+    fn drop(&mut self) {
+        let mut s = self
+            .cuda
+            .spaces
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let _ = s.signals.free(self.signals.0, self.signals.1);
+        let _ = s.counters.free(self.counters.0, self.counters.1);
+    }
+}
+
+/// A device communicator for CUDA kernels.
+#[derive(Debug)]
+pub struct CudaDevComm<'a, 'c> {
+    cuda: &'a CudaComm<'c>,
+    abi: DevCommAbi,
+    proxy: Option<proxy::CudaProxy>,
+    _mem: Vec<DevMem>,
+    ranges: Option<Ranges<'a, 'c>>,
+    lsa: Vec<bool>,
+}
+
+/// One kernel parameter, passed by value.
+#[derive(Debug)]
+pub enum Arg<'p> {
+    DevComm(&'p DevCommAbi),
+    Window(&'p WindowAbi),
+    U64(u64),
+    U32(u32),
+    Ptr(u64),
+}
+
+impl CudaDevComm<'_, '_> {
+    /// What a kernel receives (pass by value as `gin::DevComm`).
+    pub fn abi(&self) -> &DevCommAbi {
+        &self.abi
+    }
+
+    /// Whether `peer` is reached by load/store.
+    pub fn is_lsa(&self, peer: usize) -> bool {
+        self.lsa.get(peer).copied().unwrap_or(false)
+    }
+
+    /// The backend serving peers not reached by load/store.
+    pub fn backend_name(&self) -> &'static str {
+        if self.proxy.is_some() {
+            "proxy"
+        } else {
+            "load/store"
+        }
+    }
+
+    /// Launches `f` on `grid` blocks of `block` threads and waits for it,
+    /// raising the abort flag if a peer dies or the proxy fails meanwhile.
+    /// Afterwards the error word is read: a device-side error becomes an
+    /// error naming this rank, the peer, the context and the id.
+    pub fn run(
+        &self,
+        f: &Function,
+        grid: u32,
+        block: u32,
+        args: &[Arg<'_>],
+    ) -> Result<(), CoreError> {
+        let cuda = self.cuda;
+        cuda.dev.make_current()?;
+        let mut vals: Vec<u64> = args
+            .iter()
+            .map(|a| match a {
+                Arg::U64(v) | Arg::Ptr(v) => *v,
+                Arg::U32(v) => u64::from(*v),
+                Arg::DevComm(_) | Arg::Window(_) => 0,
+            })
+            .collect();
+        let mut u32s: Vec<u32> = args
+            .iter()
+            .map(|a| if let Arg::U32(v) = a { *v } else { 0 })
+            .collect();
+        let mut params: Vec<*mut c_void> = Vec::with_capacity(args.len());
+        for (i, a) in args.iter().enumerate() {
+            params.push(match a {
+                Arg::DevComm(d) => std::ptr::from_ref::<DevCommAbi>(d).cast_mut().cast(),
+                Arg::Window(w) => std::ptr::from_ref::<WindowAbi>(w).cast_mut().cast(),
+                Arg::U32(_) => (&raw mut u32s[i]).cast(),
+                Arg::U64(_) | Arg::Ptr(_) => (&raw mut vals[i]).cast(),
+            });
+        }
+        // SAFETY: the parameter pointers stay valid for the call; the caller
+        // matches the kernel's signature (the kernels are ours, see
+        // kernels/*.cu).
+        unsafe { f.launch(&cuda.stream, grid, block, &mut params)? };
+        let abort = cuda.abort_flag();
+        let mut cause: Option<String> = None;
+        let mut next = Instant::now();
+        while !cuda.stream.idle()? {
+            if Instant::now() >= next {
+                next = Instant::now() + Duration::from_millis(1);
+                if cause.is_none() {
+                    if let Err(e) = cuda.comm.bootstrap().health() {
+                        cause = Some(e.to_string());
+                    } else if let Some(e) = self.proxy.as_ref().and_then(proxy::CudaProxy::error) {
+                        cause = Some(format!("the CUDA proxy failed: {e}"));
+                    }
+                    if cause.is_some() {
+                        abort.store(1, Ordering::Release);
+                    }
+                }
+            }
+            std::thread::sleep(Duration::from_micros(20));
+        }
+        abort.store(0, Ordering::Release);
+        let mut w = [0u64];
+        cuda.error.read(0, &mut w)?;
+        if w[0] != 0 {
+            cuda.error.zero(0, 8)?;
+        }
+        if let Some(d) = errword::decode(w[0]) {
+            return Err(CoreError::Kernel {
+                rank: cuda.comm.rank(),
+                what: errword::describe(d.kind),
+                ctx: d.ctx,
+                peer: d.peer,
+                value: d.value,
+                cause: cause.unwrap_or_default(),
+            });
+        }
+        if let Some(c) = cause {
+            return Err(CoreError::Invalid(format!(
+                "rank {}: kernel finished, but {c}",
+                cuda.comm.rank()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Stops the proxy after checking that every rank got here, and gives
+    /// the ids back (collective).
+    pub fn destroy(mut self) -> Result<(), CoreError> {
+        if let Some(p) = self.proxy.take() {
+            p.stop()?;
+        }
+        self.cuda.comm.bootstrap().barrier()?;
+        self.ranges.take();
+        Ok(())
+    }
+}
+
+impl Drop for CudaDevComm<'_, '_> {
+    fn drop(&mut self) {
+        if let Some(p) = self.proxy.take() {
+            let _ = p.stop();
+        }
+        // Without destroy, a signal may still be in flight to these slots:
+        // keep them out of reuse.
+        if let Some(r) = self.ranges.take() {
+            std::mem::forget(r);
+        }
+    }
+}
+
+impl CudaComm<'_> {
+    fn abort_flag(&self) -> &AtomicU32 {
+        // SAFETY: the mapped host allocation is at least 64 bytes, aligned,
+        // and lives as long as self.
+        unsafe { &*self.abort.host.cast::<AtomicU32>() }
+    }
+}
+
+/// Used by tests and benchmarks to tell a CUDA-less machine apart.
+pub fn skip_reason() -> Option<String> {
+    available().err().map(|e| e.to_string())
+}
+
+/// The kernels of `gin-cuda-selftest` and the CUDA benchmarks (CUDA C++ that
+/// includes `gin/gin.cuh`), for [`CudaComm::compile`].
+pub const SELFTEST_KERNELS: &str = include_str!("../../kernels/selftest.cu");

@@ -1,0 +1,129 @@
+//! Run-time compilation of kernels that include `gin/gin.cuh`, with the
+//! header tree passed to NVRTC in memory (cudarc's safe wrapper passes no
+//! headers and returns PTX only, so this uses its `sys` level and asks for a
+//! cubin: no PTX JIT by the driver, no version skew between the two).
+
+use std::ffi::{CStr, CString, c_char};
+
+use cudarc::nvrtc::sys as rtc;
+
+use crate::error::CoreError;
+
+/// The CUDA header tree, by the name kernels include it with.
+pub const HEADERS: [(&str, &str); 4] = [
+    (
+        "gin/abi.cuh",
+        include_str!("../../../gin-device/include/gin/abi.cuh"),
+    ),
+    (
+        "gin/gin.cuh",
+        include_str!("../../../gin-device/include/gin/gin.cuh"),
+    ),
+    (
+        "gin/proxy.cuh",
+        include_str!("../../../gin-proxy/include/gin/proxy.cuh"),
+    ),
+    (
+        "gin/gdaki.cuh",
+        include_str!("../../../gin-gdaki/include/gin/gdaki.cuh"),
+    ),
+];
+
+fn check(call: &str, r: rtc::nvrtcResult) -> Result<(), String> {
+    if r == rtc::nvrtcResult::NVRTC_SUCCESS {
+        return Ok(());
+    }
+    // SAFETY: returns a static string.
+    let s = unsafe { CStr::from_ptr(rtc::nvrtcGetErrorString(r)) };
+    Err(format!("{call}: {}", s.to_string_lossy()))
+}
+
+/// Compiles `source` (named `name` in diagnostics) for compute capability
+/// `cc` into a cubin. The error carries NVRTC's log.
+pub fn compile(source: &str, name: &str, cc: (i32, i32)) -> Result<Vec<u8>, CoreError> {
+    let fail = |why: String| CoreError::Unavailable {
+        what: format!("run-time compilation of {name}"),
+        why,
+        available: "CPU ranks".into(),
+    };
+    // SAFETY: only probes for the library with dlopen.
+    if !unsafe { rtc::is_culib_present() } {
+        return Err(fail(
+            "no NVRTC library (libnvrtc.so.13) could be loaded; add its folder to LD_LIBRARY_PATH"
+                .into(),
+        ));
+    }
+    let nul = |s: &str| CString::new(s).map_err(|_| fail(format!("{s:?} contains a NUL")));
+    let src = nul(source)?;
+    let cname = nul(name)?;
+    let hdr_text: Vec<CString> = HEADERS
+        .iter()
+        .map(|(_, t)| nul(t))
+        .collect::<Result<_, _>>()?;
+    let hdr_name: Vec<CString> = HEADERS
+        .iter()
+        .map(|(n, _)| nul(n))
+        .collect::<Result<_, _>>()?;
+    let texts: Vec<*const c_char> = hdr_text.iter().map(|c| c.as_ptr()).collect();
+    let names: Vec<*const c_char> = hdr_name.iter().map(|c| c.as_ptr()).collect();
+    let opts: Vec<CString> = [
+        format!("--gpu-architecture=sm_{}{}", cc.0, cc.1),
+        "--std=c++17".into(),
+        "-default-device".into(),
+        "-lineinfo".into(),
+    ]
+    .iter()
+    .map(|o| nul(o))
+    .collect::<Result<_, _>>()?;
+    let optp: Vec<*const c_char> = opts.iter().map(|c| c.as_ptr()).collect();
+    let mut prog: rtc::nvrtcProgram = std::ptr::null_mut();
+    // SAFETY: every pointer is a live NUL-terminated string for the calls
+    // below; the program is destroyed before returning.
+    unsafe {
+        check(
+            "nvrtcCreateProgram",
+            rtc::nvrtcCreateProgram(
+                &raw mut prog,
+                src.as_ptr(),
+                cname.as_ptr(),
+                HEADERS.len() as i32,
+                texts.as_ptr(),
+                names.as_ptr(),
+            ),
+        )
+        .map_err(fail)?;
+        let compiled = check(
+            "nvrtcCompileProgram",
+            rtc::nvrtcCompileProgram(prog, optp.len() as i32, optp.as_ptr()),
+        );
+        let mut log_len = 0usize;
+        rtc::nvrtcGetProgramLogSize(prog, &raw mut log_len);
+        let mut log = vec![0u8; log_len.max(1)];
+        rtc::nvrtcGetProgramLog(prog, log.as_mut_ptr().cast());
+        let log = String::from_utf8_lossy(&log)
+            .trim_end_matches('\0')
+            .trim()
+            .to_owned();
+        let result = compiled.and_then(|()| {
+            let mut n = 0usize;
+            check(
+                "nvrtcGetCUBINSize",
+                rtc::nvrtcGetCUBINSize(prog, &raw mut n),
+            )?;
+            let mut cubin = vec![0u8; n];
+            check(
+                "nvrtcGetCUBIN",
+                rtc::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast()),
+            )?;
+            Ok(cubin)
+        });
+        rtc::nvrtcDestroyProgram(&raw mut prog);
+        result.map_err(|e| {
+            fail(if log.is_empty() {
+                e
+            } else {
+                format!("{e}\n{log}")
+            })
+        })
+    }
+}

@@ -1,0 +1,307 @@
+//! The CUDA proxy: a thread that reads the descriptors kernels write into
+//! rings in mapped pinned host memory and executes them with the copy engine.
+//!
+//! Per ring (context, peer) it keeps one stream, so everything a ring asks
+//! for happens in order: the data copy, then the signal's running total
+//! (`cuStreamWriteValue64` into the peer's sub-slot for this rank), then the
+//! counter's, then — once per batch — the ring's completion index, which the
+//! kernel's flush and credit checks read. Nothing here waits for the GPU.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use gin_proxy::descriptor::{DESC_QWORDS, Desc, Op, Slot, decode};
+
+use super::WinTable;
+use super::driver::{Device, HostMem, Stream};
+use crate::error::CoreError;
+
+/// Where the signal window is: its id and every rank's part mapped here.
+#[derive(Debug, Clone)]
+pub(crate) struct SignalInfo {
+    pub window: u32,
+    pub peers: Vec<u64>,
+    pub sizes: Vec<u64>,
+}
+
+#[derive(Debug)]
+pub(crate) struct RingSpec {
+    pub ctx: u32,
+    pub peer: usize,
+    pub slots: HostMem,
+    pub log2: u32,
+    /// Device address of the completion index.
+    pub done: u64,
+}
+
+#[derive(Debug)]
+pub(crate) struct ProxySpec {
+    pub dev: Arc<Device>,
+    pub rank: usize,
+    pub nranks: usize,
+    pub rings: Vec<RingSpec>,
+    pub windows: WinTable,
+    pub signal: SignalInfo,
+    pub counters: u64,
+    pub counter_slots: u64,
+    pub spin: Duration,
+}
+
+#[derive(Debug)]
+pub(crate) struct CudaProxy {
+    stop: Arc<AtomicBool>,
+    error: Arc<Mutex<Option<String>>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl CudaProxy {
+    pub fn start(spec: ProxySpec) -> Result<Self, CoreError> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let error = Arc::new(Mutex::new(None));
+        let (s, e) = (stop.clone(), error.clone());
+        let thread = std::thread::Builder::new()
+            .name(format!("gin-cuda-proxy-{}", spec.rank))
+            .spawn(move || {
+                if let Err(err) = run(spec, &s) {
+                    tracing::error!("CUDA proxy stopped: {err}");
+                    *e.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
+                        Some(err.to_string());
+                }
+            })
+            .map_err(|e| CoreError::Invalid(format!("cannot start the CUDA proxy thread: {e}")))?;
+        Ok(Self {
+            stop,
+            error,
+            thread: Some(thread),
+        })
+    }
+
+    /// The error that stopped the proxy, if any.
+    pub fn error(&self) -> Option<String> {
+        self.error
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    pub fn stop(mut self) -> Result<(), CoreError> {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        match self.error() {
+            Some(e) => Err(CoreError::Invalid(format!("the CUDA proxy failed: {e}"))),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for CudaProxy {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+struct Ring {
+    spec: RingSpec,
+    tail: u64,
+    stream: Stream,
+    /// Running signal totals by byte offset in the peer's signal window.
+    totals: HashMap<u64, u64>,
+}
+
+/// Descriptors taken from one ring before moving to the next.
+const BATCH: usize = 64;
+
+fn run(mut spec: ProxySpec, stop: &AtomicBool) -> Result<(), CoreError> {
+    spec.dev.make_current()?;
+    let mut rings: Vec<Ring> = Vec::with_capacity(spec.rings.len());
+    for r in std::mem::take(&mut spec.rings) {
+        rings.push(Ring {
+            spec: r,
+            tail: 0,
+            stream: Stream::new()?,
+            totals: HashMap::new(),
+        });
+    }
+    let mut counter_totals: HashMap<u64, u64> = HashMap::new();
+    let mut idle_since: Option<Instant> = None;
+    while !stop.load(Ordering::Acquire) {
+        let mut progressed = false;
+        for ring in &mut rings {
+            let start = ring.tail;
+            for _ in 0..BATCH {
+                let seq = ring.tail;
+                let q = read_slot(ring, seq);
+                let d = match decode(&q, seq, ring.spec.log2) {
+                    Ok(Slot::Pending) => break,
+                    Ok(Slot::Ready(d)) => d,
+                    Err(e) => {
+                        return Err(CoreError::Invalid(format!(
+                            "rank {}: ring (context {}, peer {}): {e}",
+                            spec.rank, ring.spec.ctx, ring.spec.peer
+                        )));
+                    }
+                };
+                execute(&spec, ring, &mut counter_totals, &d).map_err(|e| {
+                    CoreError::Invalid(format!(
+                        "rank {}: descriptor {seq} of ring (context {}, peer {}): {e}",
+                        spec.rank, ring.spec.ctx, ring.spec.peer
+                    ))
+                })?;
+                ring.tail += 1;
+            }
+            if ring.tail != start {
+                ring.stream.write_u64(ring.spec.done, ring.tail)?;
+                progressed = true;
+            }
+        }
+        if progressed {
+            idle_since = None;
+            continue;
+        }
+        // Back off when idle so the proxy shares the CPU with the ranks, but
+        // spin first: a kernel in a ping-pong posts again within microseconds.
+        let since = *idle_since.get_or_insert_with(Instant::now);
+        if since.elapsed() > spec.spin {
+            std::thread::sleep(Duration::from_micros(50));
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+    for r in &rings {
+        r.stream.sync()?;
+    }
+    Ok(())
+}
+
+fn read_slot(ring: &Ring, seq: u64) -> [u64; DESC_QWORDS] {
+    let idx = (seq & ((1u64 << ring.spec.log2) - 1)) as usize;
+    // SAFETY: the slot lies inside the ring's mapped allocation (64 bytes a
+    // slot, 2^log2 slots), which outlives the thread; the GPU writes it
+    // concurrently, so it is read through atomics.
+    let slot = unsafe {
+        &*ring
+            .spec
+            .slots
+            .host
+            .add(idx * 64)
+            .cast::<[AtomicU64; DESC_QWORDS]>()
+    };
+    std::array::from_fn(|i| slot[i].load(Ordering::Acquire))
+}
+
+fn window(spec: &ProxySpec, id: u32) -> Result<super::WinInfo, String> {
+    spec.windows
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .get(&id)
+        .cloned()
+        .ok_or_else(|| format!("unknown window {id}"))
+}
+
+fn fits(off: u64, bytes: u64, size: u64) -> bool {
+    off <= size && bytes <= size - off
+}
+
+fn execute(
+    spec: &ProxySpec,
+    ring: &mut Ring,
+    counters: &mut HashMap<u64, u64>,
+    d: &Desc,
+) -> Result<(), String> {
+    let peer = ring.spec.peer;
+    let err = |e: CoreError| e.to_string();
+    match d.op {
+        Op::Put => {
+            if d.bytes > 0 || d.inline.is_some() {
+                let dst = window(spec, d.dst_window)?;
+                let base = dst.peers[peer];
+                if base == 0 || !fits(d.dst_offset, d.bytes, dst.sizes[peer]) {
+                    return Err(format!(
+                        "put of {} bytes at {} outside window {} of rank {peer} ({} bytes)",
+                        d.bytes, d.dst_offset, d.dst_window, dst.sizes[peer]
+                    ));
+                }
+                if let Some(v) = d.inline {
+                    if d.bytes != 8 || !d.dst_offset.is_multiple_of(8) {
+                        return Err("inline puts carry 8 aligned bytes".into());
+                    }
+                    ring.stream.write_u64(base + d.dst_offset, v).map_err(err)?;
+                } else {
+                    let src = window(spec, d.src_window)?;
+                    if !fits(d.src_offset, d.bytes, src.local_size) {
+                        return Err(format!(
+                            "put source of {} bytes at {} outside window {} ({} bytes)",
+                            d.bytes, d.src_offset, d.src_window, src.local_size
+                        ));
+                    }
+                    ring.stream
+                        .copy(
+                            base + d.dst_offset,
+                            src.local + d.src_offset,
+                            d.bytes as usize,
+                        )
+                        .map_err(err)?;
+                }
+            }
+            if let Some(s) = &d.signal {
+                let n = spec.nranks as u64;
+                if s.window != spec.signal.window
+                    || !s.offset.is_multiple_of(8)
+                    || (s.offset / 8) % n != spec.rank as u64
+                    || !fits(s.offset, 8, spec.signal.sizes[peer])
+                {
+                    return Err(format!(
+                        "signal at offset {} of window {} is not this rank's sub-slot of a signal",
+                        s.offset, s.window
+                    ));
+                }
+                let t = ring.totals.entry(s.offset).or_insert(0);
+                *t = t.wrapping_add(s.add);
+                ring.stream
+                    .write_u64(spec.signal.peers[peer] + s.offset, *t)
+                    .map_err(err)?;
+            }
+        }
+        Op::Get => {
+            let remote = window(spec, d.dst_window)?;
+            let local = window(spec, d.src_window)?;
+            let base = remote.peers[peer];
+            if base == 0
+                || !fits(d.dst_offset, d.bytes, remote.sizes[peer])
+                || !fits(d.src_offset, d.bytes, local.local_size)
+            {
+                return Err(format!(
+                    "get of {} bytes from {} of window {} (rank {peer}) into {} of window {} is out of bounds",
+                    d.bytes, d.dst_offset, d.dst_window, d.src_offset, d.src_window
+                ));
+            }
+            ring.stream
+                .copy(
+                    local.local + d.src_offset,
+                    base + d.dst_offset,
+                    d.bytes as usize,
+                )
+                .map_err(err)?;
+        }
+    }
+    if let Some(c) = d.counter {
+        let c = u64::from(c);
+        if c >= spec.counter_slots {
+            return Err(format!("counter slot {c} does not exist"));
+        }
+        let t = counters.entry(c).or_insert(0);
+        *t = t.wrapping_add(1);
+        ring.stream
+            .write_u64(spec.counters + c * 16, *t)
+            .map_err(err)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Runs gin-rs's CUDA tests and benchmarks on a GPU machine that has a CUDA
+# driver and NVRTC but no Rust toolchain. Made by `cargo xtask gpu-package`;
+# usage: ./run.sh RESULTS_DIR [quick|full]. Every step's output goes to
+# RESULTS_DIR/<step>.log; the exit status is non-zero if any step failed.
+set -uo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+out="${1:?usage: run.sh RESULTS_DIR [quick|full]}"
+suite="${2:-full}"
+mkdir -p "$out"
+# Never use NVLink multicast on shared machines.
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+# NVRTC: from the CUDA toolkit or a Python wheel (nvidia-cuda-nvrtc).
+if [ -z "${GIN_NVRTC_DIR:-}" ]; then
+  lib=$(ls /usr/local/cuda/lib64/libnvrtc.so.1* 2>/dev/null | head -1)
+  [ -n "$lib" ] || lib=$(find / -xdev -name 'libnvrtc.so.13*' -not -path '*/proc/*' 2>/dev/null | head -1)
+  GIN_NVRTC_DIR=$(dirname "${lib:-/nonexistent/x}")
+fi
+export LD_LIBRARY_PATH="$GIN_NVRTC_DIR:${LD_LIBRARY_PATH:-}"
+echo "NVRTC from $GIN_NVRTC_DIR"
+nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader | tee "$out/gpus.txt"
+nvidia-smi topo -m > "$out/topo.txt" 2>&1 || true
+ngpu=$(nvidia-smi -L | wc -l)
+fail=0
+step() {
+  local name="$1"; shift
+  echo "== $name: $*"
+  if "$@" > "$out/$name.log" 2>&1; then
+    tail -n 40 "$out/$name.log"
+  else
+    echo "FAILED ($name), last lines:"; tail -n 60 "$out/$name.log"; fail=1
+  fi
+}
+expect_die() {
+  # The victim aborts; the survivor must report an error naming it, and
+  # the launcher must not hang.
+  local name="$1"; shift
+  echo "== $name: $*"
+  timeout 120 "$@" > "$out/$name.log" 2>&1
+  if grep -q "died\|PeerDied\|peer 1" "$out/$name.log" && grep -q "kernel error" "$out/$name.log"; then
+    grep -E "FAILED|kernel error" "$out/$name.log" | head -5
+  else
+    echo "FAILED ($name): no error naming the dead peer"; tail -n 40 "$out/$name.log"; fail=1
+  fi
+}
+st="$here/gin-cuda-selftest"
+for backend in auto proxy; do
+  step "selftest-$backend" env GIN_BACKEND=$backend "$st" all --ranks 2
+  step "badinput-$backend" env GIN_BACKEND=$backend GIN_TIMEOUT=2s "$st" badinput --ranks 2
+  expect_die "die-$backend" env GIN_BACKEND=$backend GIN_TIMEOUT=60s "$st" die 1 --ranks 2
+done
+if [ "$ngpu" -ge 4 ]; then
+  step "selftest-4ranks" "$st" all --ranks 4
+fi
+if [ "$suite" = full ]; then
+  step "bench-cuda" "$here/gin-bench" cuda --json "$out/cuda.json"
+else
+  step "bench-cuda" "$here/gin-bench" cuda --sizes 8,64k --coops block --iters 500 --runs 3 --blocks 32 --json "$out/cuda.json"
+fi
+exit $fail
