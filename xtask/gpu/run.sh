@@ -9,6 +9,7 @@ out="${1:?usage: run.sh RESULTS_DIR [quick|full]}"
 suite="${2:-full}"
 mkdir -p "$out"
 # Never use NVLink multicast on shared machines.
+export GIN_DEBUG="${GIN_DEBUG:-info}"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 # NVRTC: from the CUDA toolkit or a Python wheel (nvidia-cuda-nvrtc).
 if [ -z "${GIN_NVRTC_DIR:-}" ]; then
@@ -37,8 +38,8 @@ expect_die() {
   local name="$1"; shift
   echo "== $name: $*"
   timeout 120 "$@" > "$out/$name.log" 2>&1
-  if grep -q "died\|PeerDied\|peer 1" "$out/$name.log" && grep -q "kernel error" "$out/$name.log"; then
-    grep -E "FAILED|kernel error" "$out/$name.log" | head -5
+  if grep -q "FAILED: .*rank 1 died" "$out/$name.log"; then
+    grep -E "FAILED" "$out/$name.log" | head -5
   else
     echo "FAILED ($name): no error naming the dead peer"; tail -n 40 "$out/$name.log"; fail=1
   fi

@@ -312,6 +312,8 @@ fn die(c: &CudaComm<'_>, k: &Kernels<'_>, victim: usize) -> R {
     let out = DevMem::new(24).map_err(s)?;
     c.comm().bootstrap().barrier().map_err(s)?;
     if c.comm().rank() == victim {
+        // Die once the others are inside their kernels.
+        std::thread::sleep(std::time::Duration::from_millis(300));
         std::process::abort();
     }
     let t = Instant::now();

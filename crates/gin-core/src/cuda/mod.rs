@@ -75,7 +75,7 @@ pub(crate) struct WinInfo {
     pub peers: Vec<u64>,
 }
 
-type WinTable = Arc<RwLock<HashMap<u32, WinInfo>>>;
+type WinTable = Arc<RwLock<HashMap<u32, Arc<WinInfo>>>>;
 
 /// A window in GPU memory.
 #[derive(Debug)]
@@ -85,6 +85,8 @@ pub struct GpuWindow {
     local: DevMem,
     _arrays: DevMem,
     _peers: Vec<driver::IpcMem>,
+    /// Last: the context must outlive the memory above.
+    _dev: Arc<Device>,
 }
 
 impl GpuWindow {
@@ -120,7 +122,6 @@ struct Spaces {
 #[derive(Debug)]
 pub struct CudaComm<'c> {
     comm: &'c Comm,
-    dev: Arc<Device>,
     windows: WinTable,
     signal_window: GpuWindow,
     counters: DevMem,
@@ -128,6 +129,8 @@ pub struct CudaComm<'c> {
     error: DevMem,
     spaces: Mutex<Spaces>,
     stream: Stream,
+    /// Last: the context must outlive every allocation above.
+    dev: Arc<Device>,
 }
 
 impl Comm {
@@ -219,7 +222,7 @@ impl<'c> CudaComm<'c> {
 
     fn make_window(
         comm: &Comm,
-        dev: &Device,
+        dev: &Arc<Device>,
         table: &WinTable,
         bytes: u64,
     ) -> Result<GpuWindow, CoreError> {
@@ -282,12 +285,12 @@ impl<'c> CudaComm<'c> {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .insert(
                 id,
-                WinInfo {
+                Arc::new(WinInfo {
                     local: local.ptr,
                     local_size: bytes,
                     sizes,
                     peers: bases.clone(),
-                },
+                }),
             );
         comm.bootstrap().barrier()?;
         Ok(GpuWindow {
@@ -296,6 +299,7 @@ impl<'c> CudaComm<'c> {
             local,
             _arrays: arrays,
             _peers: opened,
+            _dev: dev.clone(),
         })
     }
 

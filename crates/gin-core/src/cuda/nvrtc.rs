@@ -127,3 +127,37 @@ pub fn compile(source: &str, name: &str, cc: (i32, i32)) -> Result<Vec<u8>, Core
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// NVRTC compiles the header tree and every kernel (no GPU needed, only
+    /// libnvrtc: CI installs it with the nvcc wheels). Skipped with a reason
+    /// where NVRTC cannot be loaded, except under `GIN_REQUIRE_NVRTC=1`.
+    #[test]
+    fn nvrtc_compiles_the_kernels_for_hopper() {
+        // SAFETY: only probes for the library with dlopen.
+        if !unsafe { rtc::is_culib_present() } {
+            assert!(
+                std::env::var_os("GIN_REQUIRE_NVRTC").is_none(),
+                "GIN_REQUIRE_NVRTC is set but libnvrtc cannot be loaded"
+            );
+            eprintln!(
+                "skipped: libnvrtc.so.13 cannot be loaded (add its folder to LD_LIBRARY_PATH)"
+            );
+            return;
+        }
+        let cubin = compile(super::super::SELFTEST_KERNELS, "selftest.cu", (9, 0))
+            .unwrap_or_else(|e| panic!("{e}"));
+        // An ELF image.
+        assert_eq!(&cubin[..4], b"\x7fELF");
+        let err = compile(
+            "#include \"gin/gin.cuh\"\n__global__ void k() { undefined(); }",
+            "bad.cu",
+            (9, 0),
+        )
+        .expect_err("a kernel calling an undefined function must not compile");
+        assert!(err.to_string().contains("undefined"), "{err}");
+    }
+}

@@ -168,8 +168,10 @@ fn run(mut spec: ProxySpec, stop: &AtomicBool) -> Result<(), CoreError> {
         }
         // Back off when idle so the proxy shares the CPU with the ranks, but
         // spin first: a kernel in a ping-pong posts again within microseconds.
+        // A GPU rank owns its CPU cores: spin at least 5 ms, so a kernel's
+        // next descriptor never waits for a sleeping proxy.
         let since = *idle_since.get_or_insert_with(Instant::now);
-        if since.elapsed() > spec.spin {
+        if since.elapsed() > spec.spin.max(Duration::from_millis(5)) {
             std::thread::sleep(Duration::from_micros(50));
         } else {
             std::hint::spin_loop();
@@ -197,7 +199,7 @@ fn read_slot(ring: &Ring, seq: u64) -> [u64; DESC_QWORDS] {
     std::array::from_fn(|i| slot[i].load(Ordering::Acquire))
 }
 
-fn window(spec: &ProxySpec, id: u32) -> Result<super::WinInfo, String> {
+fn window(spec: &ProxySpec, id: u32) -> Result<Arc<super::WinInfo>, String> {
     spec.windows
         .read()
         .unwrap_or_else(std::sync::PoisonError::into_inner)

@@ -10,6 +10,15 @@
 #define GIN_HD inline
 #endif
 
+// Field offsets are asserted where the compiler takes __builtin_offsetof in a
+// constant expression (g++, nvcc); NVRTC does not, and compiles the same
+// text that those two have checked.
+#if defined(__CUDACC_RTC__)
+#define GIN_ASSERT_OFFSET(T, f, off, msg) static_assert(true, msg)
+#else
+#define GIN_ASSERT_OFFSET(T, f, off, msg) static_assert(__builtin_offsetof(T, f) == off, msg)
+#endif
+
 namespace gin {
 
 typedef unsigned char u8;
@@ -83,10 +92,10 @@ struct DevComm {
   u64 backend;     // BackendAbi*
 };
 static_assert(sizeof(DevComm) == 88, "DevComm ABI");
-static_assert(__builtin_offsetof(DevComm, signal_base) == 24, "DevComm ABI");
-static_assert(__builtin_offsetof(DevComm, signals) == 32, "DevComm ABI");
-static_assert(__builtin_offsetof(DevComm, counters) == 48, "DevComm ABI");
-static_assert(__builtin_offsetof(DevComm, backend) == 80, "DevComm ABI");
+GIN_ASSERT_OFFSET(DevComm, signal_base, 24, "DevComm ABI");
+GIN_ASSERT_OFFSET(DevComm, signals, 32, "DevComm ABI");
+GIN_ASSERT_OFFSET(DevComm, counters, 48, "DevComm ABI");
+GIN_ASSERT_OFFSET(DevComm, backend, 80, "DevComm ABI");
 
 struct Window {
   u32 id;
@@ -99,10 +108,10 @@ struct Window {
   u64 addrs;      // u64[nranks]
 };
 static_assert(sizeof(Window) == 56, "Window ABI");
-static_assert(__builtin_offsetof(Window, local_base) == 8, "Window ABI");
-static_assert(__builtin_offsetof(Window, peer_bases) == 32, "Window ABI");
-static_assert(__builtin_offsetof(Window, keys) == 40, "Window ABI");
-static_assert(__builtin_offsetof(Window, addrs) == 48, "Window ABI");
+GIN_ASSERT_OFFSET(Window, local_base, 8, "Window ABI");
+GIN_ASSERT_OFFSET(Window, peer_bases, 32, "Window ABI");
+GIN_ASSERT_OFFSET(Window, keys, 40, "Window ABI");
+GIN_ASSERT_OFFSET(Window, addrs, 48, "Window ABI");
 
 struct BackendAbi {
   u32 kind;
@@ -116,9 +125,9 @@ struct BackendAbi {
   u64 rings;          // ProxyRingAbi[nctx * nranks], context-major
 };
 static_assert(sizeof(BackendAbi) == 48, "BackendAbi ABI");
-static_assert(__builtin_offsetof(BackendAbi, lsa) == 16, "BackendAbi ABI");
-static_assert(__builtin_offsetof(BackendAbi, signal_window) == 32, "BackendAbi ABI");
-static_assert(__builtin_offsetof(BackendAbi, rings) == 40, "BackendAbi ABI");
+GIN_ASSERT_OFFSET(BackendAbi, lsa, 16, "BackendAbi ABI");
+GIN_ASSERT_OFFSET(BackendAbi, signal_window, 32, "BackendAbi ABI");
+GIN_ASSERT_OFFSET(BackendAbi, rings, 40, "BackendAbi ABI");
 
 struct ProxyRingAbi {
   u64 slots; // 2^log2 64-byte descriptors, mapped pinned host memory
@@ -128,8 +137,8 @@ struct ProxyRingAbi {
   u32 reserved;
 };
 static_assert(sizeof(ProxyRingAbi) == 32, "ProxyRingAbi ABI");
-static_assert(__builtin_offsetof(ProxyRingAbi, done) == 16, "ProxyRingAbi ABI");
-static_assert(__builtin_offsetof(ProxyRingAbi, log2) == 24, "ProxyRingAbi ABI");
+GIN_ASSERT_OFFSET(ProxyRingAbi, done, 16, "ProxyRingAbi ABI");
+GIN_ASSERT_OFFSET(ProxyRingAbi, log2, 24, "ProxyRingAbi ABI");
 
 // Rolling comparisons (as gin-device's wait.rs): 64-bit signals, 56-bit counters.
 constexpr u64 COUNTER_MASK = (1ull << 56) - 1;

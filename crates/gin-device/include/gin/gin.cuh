@@ -111,16 +111,16 @@ GIN_DEV u32 poll(const DevComm& dc, u32 timeout_kind, Ready ready) {
   }
 }
 
-GIN_DEV const BackendAbi& backend(const DevComm& dc) { return *(const BackendAbi*)dc.backend; }
+GIN_DEV const BackendAbi& backend_of(const DevComm& dc) { return *(const BackendAbi*)dc.backend; }
 GIN_DEV bool is_lsa(const DevComm& dc, u32 peer) {
-  return ((const u8*)backend(dc).lsa)[peer] != 0;
+  return ((const u8*)detail::backend_of(dc).lsa)[peer] != 0;
 }
 GIN_DEV const ProxyRingAbi& ring(const DevComm& dc, u32 ctx, u32 peer) {
-  return ((const ProxyRingAbi*)backend(dc).rings)[ctx * dc.nranks + peer];
+  return ((const ProxyRingAbi*)detail::backend_of(dc).rings)[ctx * dc.nranks + peer];
 }
 // Global slot index of signal `id` (or barrier slot) of context `ctx`.
 GIN_DEV u64 signal_slot(const DevComm& dc, u32 ctx, u32 id) {
-  return dc.signal_base + (u64)ctx * backend(dc).sig_per_ctx + id;
+  return dc.signal_base + (u64)ctx * detail::backend_of(dc).sig_per_ctx + id;
 }
 // Byte offset of this rank's sub-slot of `slot` in any rank's signal window.
 GIN_DEV u64 sender_offset(const DevComm& dc, u64 slot) {
@@ -198,8 +198,8 @@ GIN_DEV int check_actions(const DevComm& dc, u32 ctx, u32 peer, Remote rem, Loca
 
 GIN_DEV int check_peer(const DevComm& dc, u32 ctx, u32 peer) {
   if (peer >= dc.nranks) return fail(dc, BAD_PEER, ctx, peer, peer);
-  if (!is_lsa(dc, peer) && backend(dc).kind != BACKEND_PROXY)
-    return fail(dc, UNSUPPORTED, ctx, peer, backend(dc).kind);
+  if (!is_lsa(dc, peer) && detail::backend_of(dc).kind != BACKEND_PROXY)
+    return fail(dc, UNSUPPORTED, ctx, peer, detail::backend_of(dc).kind);
   return OK;
 }
 
@@ -210,7 +210,7 @@ GIN_DEV void lsa_actions(const DevComm& dc, u32 ctx, u32 peer, Remote rem, Local
     // Release at system scope: the coop's stores (ordered before this thread
     // by the coop's barrier) are visible at the peer before the signal.
     __threadfence_system();
-    u64* base = (u64*)((const u64*)backend(dc).signal_peers)[peer];
+    u64* base = (u64*)((const u64*)detail::backend_of(dc).signal_peers)[peer];
     red_add_sys((u64*)((u8*)base + sender_offset(dc, signal_slot(dc, ctx, rem.id))), rem.add);
   }
   if (loc.kind == 1) atomicAdd((unsigned long long*)(counter_subslots(dc, ctx, loc.id) + 1), 1ull);
@@ -221,7 +221,7 @@ GIN_DEV void proxy_actions(const DevComm& dc, u32 ctx, Remote rem, LocalAction l
   if (rem.kind == 1) {
     d.has_signal = 1;
     d.sig_strong = rem.weak ? 0 : 1;
-    d.sig_window = backend(dc).signal_window;
+    d.sig_window = detail::backend_of(dc).signal_window;
     d.sig_offset = sender_offset(dc, signal_slot(dc, ctx, rem.id));
     d.sig_add = rem.add;
   }
@@ -245,6 +245,14 @@ GIN_DEV u64 signal_sum(const DevComm& dc, u64 slot) {
   const u64* s = (const u64*)dc.signals + slot * dc.nranks;
   u64 sum = 0;
   for (u32 r = 0; r < dc.nranks; ++r) sum += ld_relaxed_sys(s + r);
+  return sum;
+}
+// As signal_sum, with acquire loads: what each sender released before its
+// signal is visible to this thread once the sum is seen.
+GIN_DEV u64 signal_sum_acquire(const DevComm& dc, u64 slot) {
+  const u64* s = (const u64*)dc.signals + slot * dc.nranks;
+  u64 sum = 0;
+  for (u32 r = 0; r < dc.nranks; ++r) sum += ld_acquire_sys(s + r);
   return sum;
 }
 
@@ -393,7 +401,7 @@ GIN_DEV int flush(const DevComm& dc, u32 ctx, Coop coop = THREAD) {
   int r = OK;
   if (coop_rank(coop) == 0) {
     __threadfence_system();
-    if (backend(dc).kind == BACKEND_PROXY) {
+    if (detail::backend_of(dc).kind == BACKEND_PROXY) {
       for (u32 p = 0; p < dc.nranks && r == OK; ++p) {
         if (is_lsa(dc, p)) continue;
         const ProxyRingAbi& rg = ring(dc, ctx, p);
@@ -426,12 +434,13 @@ GIN_DEV int wait_signal(const DevComm& dc, u32 ctx, u32 id, u64 target, Coop coo
     const u64 slot = signal_slot(dc, ctx, id);
     u64 last = 0;
     u32 k = poll(dc, SIGNAL_TIMEOUT, [&] {
-      last = signal_sum(dc, slot);
+      last = signal_sum_acquire(dc, slot);
       return signal_reached(last, target);
     });
     if (k) r = fail(dc, k, ctx, NO_PEER, id);
-    __threadfence_system(); // acquire: what the signal announced is visible
   }
+  // The leader's acquire, then the coop's barrier, make the announced data
+  // visible to every member.
   return coop_bcast(coop, r);
 }
 
@@ -483,7 +492,7 @@ GIN_DEV int reset_counter(const DevComm& dc, u32 ctx, u32 id) {
 GIN_DEV int barrier(const DevComm& dc, u32 ctx, u32 index, Coop coop = THREAD) {
   using namespace detail;
   int e = check_ctx(dc, ctx);
-  if (!e && index >= backend(dc).world_barriers) e = fail(dc, BAD_SIGNAL, ctx, NO_PEER, index);
+  if (!e && index >= detail::backend_of(dc).world_barriers) e = fail(dc, BAD_SIGNAL, ctx, NO_PEER, index);
   if (e) return e;
   int r = flush(dc, ctx, coop);
   if (r) return r;
@@ -493,13 +502,13 @@ GIN_DEV int barrier(const DevComm& dc, u32 ctx, u32 index, Coop coop = THREAD) {
     for (u32 p = 0; p < dc.nranks && r == OK; ++p) {
       if (is_lsa(dc, p)) {
         __threadfence_system();
-        u64* base = (u64*)((const u64*)backend(dc).signal_peers)[p];
+        u64* base = (u64*)((const u64*)detail::backend_of(dc).signal_peers)[p];
         red_add_sys((u64*)((u8*)base + off), 1);
       } else {
         proxy::Desc d = empty_desc(proxy::OP_PUT);
         d.has_signal = 1;
         d.sig_strong = 1;
-        d.sig_window = backend(dc).signal_window;
+        d.sig_window = detail::backend_of(dc).signal_window;
         d.sig_offset = off;
         d.sig_add = 1;
         r = push(dc, ctx, p, d);
