@@ -17,8 +17,10 @@
 //!   every rank checks that all placed them alike.
 //! - **Backend selection** (`GIN_BACKEND`): `auto` uses direct load/store for
 //!   same-host peers and the proxy for the rest; `proxy` sends everything
-//!   through the proxy; `gdaki` is refused with the list of what is available
-//!   until that backend exists.
+//!   through the proxy; `gdaki` builds mlx5 WQEs that soft-mlx5 executes.
+//! - **CUDA ranks** ([`cuda`]): GPU windows, device communicators for
+//!   kernels that include `gin/gin.cuh`, the CUDA proxy, NVRTC; loaded at run
+//!   time, so nothing CUDA is needed to build.
 //!
 //! # What it does not know
 //!
