@@ -444,7 +444,8 @@ GIN_DEV int wait_signal(const DevComm& dc, u32 ctx, u32 id, u64 target, Coop coo
   return coop_bcast(coop, r);
 }
 
-// Sets signal `id` back to zero (no signal to it may be in flight).
+// Sets signal `id` back to zero (no signal to it may be in flight). Call it
+// from one thread: every caller subtracts the value it reads.
 GIN_DEV int reset_signal(const DevComm& dc, u32 ctx, u32 id) {
   using namespace detail;
   int e = check_ctx(dc, ctx);
@@ -476,6 +477,7 @@ GIN_DEV int wait_counter(const DevComm& dc, u32 ctx, u32 id, u64 target, Coop co
   return coop_bcast(coop, r);
 }
 
+// Sets counter `id` back to zero; from one thread, as reset_signal.
 GIN_DEV int reset_counter(const DevComm& dc, u32 ctx, u32 id) {
   using namespace detail;
   int e = check_ctx(dc, ctx);
