@@ -16,7 +16,6 @@
 #![allow(clippy::many_single_char_names)] // c, m, f: CUDA comm, module, kernel
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
@@ -460,7 +459,6 @@ fn proxy_floor(
         })?;
         copy.sync()?;
         v.push(read_ns(out)? as f64 / f64::from(iters) / 1000.0);
-        std::thread::sleep(Duration::from_millis(1));
     }
     Ok(median(v))
 }
