@@ -18,6 +18,8 @@ mod bootstrap;
 mod common;
 mod floor;
 mod layout;
+mod loggp;
+mod model;
 mod pingpong;
 mod progress;
 mod ranks;
@@ -46,6 +48,8 @@ enum Cmd {
     Rate(rate::RateArgs),
     /// The seed's all-to-all (put + signal to every rank, wait, flush) versus rank count and size.
     Alltoall(alltoall::AlltoallArgs),
+    /// Fits LogGP (L, o, g, G) for one path and predicts the all-to-all, against measurement.
+    Loggp(loggp::LoggpArgs),
     /// Host bootstrap collectives (allgather, all-to-all, barrier, broadcast) versus rank count.
     Bootstrap(bootstrap::BootstrapArgs),
 }
@@ -59,6 +63,7 @@ fn main() -> Result<()> {
         Some(Cmd::Bandwidth(a)) => bandwidth::run(&ranks::rank_args(a)?),
         Some(Cmd::Rate(a)) => rate::run(&ranks::rank_args(a)?),
         Some(Cmd::Alltoall(a)) => alltoall::run(&ranks::rank_args(a)?),
+        Some(Cmd::Loggp(a)) => loggp::run(&a),
         None => pingpong::run(&pingpong::PingPongArgs::default_args()),
     }
 }
