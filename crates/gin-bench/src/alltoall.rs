@@ -156,6 +156,7 @@ fn rank_main(args: &AlltoallArgs) -> Result<()> {
     let dc = comm.dev_comm(&DevCommRequirements::default())?;
     let ctx = dc.ctx(0)?;
     let barrier = dc.barrier(Team::World, 0)?;
+    crate::common::bind_rank_thread(c, comm.local_rank())?;
     // Signals expected so far: exactly n per iteration. (Not the value seen,
     // which may already include a fast peer's signal for the next iteration.)
     let mut expected = 0u64;

@@ -82,7 +82,7 @@ pub fn run(args: &BandwidthArgs) -> Result<()> {
     }
     if ranks::is_rank() {
         crate::common::apply_affinity(&c.cpus)?;
-        return crate::stream::rank_main(&args.points());
+        return crate::stream::rank_main(c, &args.points());
     }
     let r = measure(args, nranks)?;
     let table = table(&r);

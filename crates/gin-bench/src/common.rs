@@ -33,6 +33,20 @@ pub enum Coop {
     Block,
 }
 
+/// Where rank threads run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Bind {
+    /// Local rank i's thread on allowed CPU i mod count; helper threads
+    /// (proxy, soft NIC) stay free.
+    Spread,
+    /// Every rank thread on the first allowed CPU, helpers free: what
+    /// `loggp` uses to measure the cost of handing a core between ranks.
+    Shared,
+    /// Wherever the scheduler puts them.
+    None,
+}
+
 /// `GIN_BACKEND` for the ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -101,10 +115,16 @@ pub struct Common {
     /// Who cooperates in one call (CUDA only; recorded for CPU ranks).
     #[arg(long, value_enum, default_value_t = Coop::Thread)]
     pub coop: Coop,
-    /// Restrict every rank to these CPUs (comma separated; sched_setaffinity).
-    /// `loggp` uses one CPU to measure what time-sharing a core costs.
+    /// Restrict every rank process to these CPUs (comma separated;
+    /// overrides --bind). `loggp` uses one CPU to measure what
+    /// time-sharing a core costs.
     #[arg(long, value_delimiter = ',')]
     pub cpus: Vec<usize>,
+    /// Rank threads spread over the CPUs (so that two ranks never share a
+    /// core while another idles: a waker's CPU is where Linux tends to put
+    /// the woken), or left to the scheduler.
+    #[arg(long, value_enum, default_value_t = Bind::Spread)]
+    pub bind: Bind,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -247,6 +267,60 @@ pub fn apply_affinity(cpus: &[usize]) -> Result<()> {
     Ok(())
 }
 
+/// CPUs this thread may run on now.
+fn allowed_cpus() -> Result<Vec<usize>> {
+    // SAFETY: cpu_set_t is plain data; sched_getaffinity writes at most
+    // size_of::<cpu_set_t>() bytes into it; CPU_ISSET reads within it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &raw mut set) != 0 {
+            bail!("sched_getaffinity: {}", std::io::Error::last_os_error());
+        }
+        Ok((0..libc::CPU_SETSIZE as usize)
+            .filter(|&c| libc::CPU_ISSET(c, &set))
+            .collect())
+    }
+}
+
+/// In a rank, after its communicator and helper threads exist: binds the
+/// calling (rank) thread per `--bind`, unless `--cpus` already pinned the
+/// whole process. Only this thread moves: Linux applies affinity per
+/// thread, so the helpers started before keep every CPU.
+pub fn bind_rank_thread(c: &Common, local_rank: usize) -> Result<()> {
+    if !c.cpus.is_empty() || c.bind == Bind::None {
+        return Ok(());
+    }
+    let allowed = allowed_cpus()?;
+    if allowed.is_empty() {
+        return Ok(());
+    }
+    let set_thread = |cpu: usize| -> Result<()> {
+        // SAFETY: as in apply_affinity; `cpu` comes from the allowed set,
+        // so it is below CPU_SETSIZE. Thread id 0 is the calling thread.
+        let rc = unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            libc::CPU_SET(cpu, &mut set);
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &raw const set)
+        };
+        if rc != 0 {
+            bail!(
+                "binding rank {local_rank} to CPU {cpu}: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+        Ok(())
+    };
+    match c.bind {
+        Bind::Shared => set_thread(allowed[0]),
+        _ => set_thread(allowed[spread_cpu(local_rank, allowed.len())]),
+    }
+}
+
+/// Index of the CPU local rank `r` gets among `n` allowed ones.
+pub fn spread_cpu(r: usize, n: usize) -> usize {
+    r % n.max(1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -272,7 +346,30 @@ mod tests {
         assert_eq!(human_size((1 << 20) + 1024), "1025 KiB");
     }
 
+    #[test]
+    fn spread_is_round_robin() {
+        assert_eq!(
+            (0..5).map(|r| spread_cpu(r, 2)).collect::<Vec<_>>(),
+            [0, 1, 0, 1, 0]
+        );
+        assert_eq!(spread_cpu(3, 0), 0);
+    }
+
     proptest::proptest! {
+        /// Spreading keeps every rank on an allowed CPU and balances them:
+        /// no two CPUs differ by more than one rank.
+        #[test]
+        fn spread_balances(ranks in 1usize..300, n in 1usize..64) {
+            let mut load = vec![0usize; n];
+            for r in 0..ranks {
+                let c = spread_cpu(r, n);
+                proptest::prop_assert!(c < n);
+                load[c] += 1;
+            }
+            let (lo, hi) = (load.iter().min().unwrap(), load.iter().max().unwrap());
+            proptest::prop_assert!(hi - lo <= 1);
+        }
+
         /// Printing then parsing gives the size back (for sizes the table
         /// prints as B, KiB or MiB).
         #[test]

@@ -4,12 +4,14 @@
 //! same invocation. The method and the model are in [`crate::model`] and
 //! `docs/loggp.md`.
 //!
-//! Four jobs, each one of the other subcommands run with options built here:
+//! Five jobs, each one of the other subcommands run with options built here:
 //! 1. `pingpong` over `--fit-sizes`: L and G;
-//! 2. `pingpong` at 8 B on the direct path with every rank on CPU 0: the
-//!    hand-off s that time-sharing costs;
-//! 3. `rate` of put + signal with `--window` puts in flight: o and g;
-//! 4. `alltoall` over `--ranks` and `--sizes`: what the model must predict.
+//! 2. `rate` of put + signal with `--window` puts in flight: o and g;
+//! 3. `alltoall` at 8 B with k ranks on CPU 0, for every k = ⌈P / C⌉ ≥ 2 the
+//!    predictions need: s(k), what a rank's turn on a shared core costs;
+//! 4. `pingpong` at 8 B with both ranks on CPU 0: the plain hand-off,
+//!    reported to show why s(k) is measured rather than taken from it;
+//! 5. `alltoall` over `--ranks` and `--sizes`: what the model must predict.
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
@@ -17,7 +19,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::alltoall::{AlltoallArgs, RankCountResult};
 use crate::common::{Backend, Common, Transport, human_size, parse_size};
-use crate::model::{self, FitInput, Fitted, PathKind, Prediction, Regime};
+use crate::model::{self, FitInput, Fitted, Prediction, Regime, Sharing};
 use crate::pingpong::{PingPongArgs, PingPongResult};
 use crate::rate::{Op, RateArgs};
 use crate::report::{Report, Table};
@@ -75,11 +77,15 @@ pub struct PredRow {
     /// Measured µs per iteration over runs.
     pub measured: Summary,
     pub error_pct: f64,
+    /// The same prediction with the ping-pong hand-off for every s(k).
+    pub handoff_us: f64,
+    pub handoff_error_pct: f64,
     pub seed_error_pct: f64,
     /// Bytes all ranks' send and receive buffers span: `2 · P² · n`.
     pub working_set: u64,
-    /// Whether the model's assumptions hold (the working set fits the
-    /// last-level cache, so G from the in-cache ping-pong applies).
+    /// Whether the model's assumptions hold: the working set is within
+    /// what the ping-pong that gave G touched (`4 ·` its largest size: two
+    /// ranks, each a source and a window), so G applies.
     pub assumptions_hold: bool,
 }
 
@@ -89,15 +95,18 @@ pub struct LoggpResult {
     pub path: String,
     /// How rank 0 reached rank 1 in the ping-pong.
     pub backend: String,
-    pub kind: PathKind,
     pub cores: usize,
+    /// Largest working set G was measured on (see `PredRow`).
+    pub cache_range: u64,
+    /// The machine's last-level cache (sysfs), for reference; 0 if unknown.
     pub llc_bytes: u64,
     pub input: FitInput,
     pub fitted: Fitted,
     pub predictions: Vec<PredRow>,
     pub pingpong: PingPongResult,
-    pub handoff: PingPongResult,
     pub rate: StreamResult,
+    pub shared: Vec<RankCountResult>,
+    pub handoff: PingPongResult,
     pub alltoall: Vec<RankCountResult>,
 }
 
@@ -162,21 +171,12 @@ pub fn run(args: &LoggpArgs) -> Result<()> {
     let mut fit_sizes = args.fit_sizes.clone();
     fit_sizes.sort_unstable();
     fit_sizes.dedup();
+    let cache_range = 4 * fit_sizes.last().copied().unwrap_or(0);
     let pp_args = PingPongArgs {
         common: sub_common(c, vec![2], fit_sizes),
     };
     let pingpong = crate::pingpong::measure(&pp_args, 2)?;
-    // 2. The hand-off: the direct path, both ranks on CPU 0.
-    let handoff_args = PingPongArgs {
-        common: Common {
-            backend: Some(Backend::Auto),
-            transport: Some(Transport::Shm),
-            cpus: vec![0],
-            ..sub_common(c, vec![2], vec![8])
-        },
-    };
-    let handoff = crate::pingpong::measure(&handoff_args, 2)?;
-    // 3. The put + signal rate for o and g.
+    // 2. The put + signal rate for o and g.
     let rate_args = RateArgs {
         common: Common {
             iters: args.rate_messages,
@@ -186,11 +186,41 @@ pub fn run(args: &LoggpArgs) -> Result<()> {
         op: vec![Op::Signal],
     };
     let rate = crate::rate::measure(&rate_args, 2)?;
-    // 4. The all-to-all to predict.
-    let a2a_args = AlltoallArgs {
-        common: sub_common(c, c.ranks.clone(), c.sizes.clone()),
+    // 3. s(k): k ranks of the 8-byte all-to-all on one CPU, helpers too.
+    let mut per_core: Vec<usize> = c
+        .ranks
+        .iter()
+        .map(|p| p.div_ceil(cores))
+        .filter(|&k| k >= 2)
+        .collect();
+    per_core.sort_unstable();
+    per_core.dedup();
+    let shared = if per_core.is_empty() {
+        Vec::new()
+    } else {
+        crate::alltoall::measure(&AlltoallArgs {
+            common: Common {
+                cpus: vec![0],
+                ..sub_common(c, per_core, vec![8])
+            },
+        })?
     };
-    let alltoall = crate::alltoall::measure(&a2a_args)?;
+    // 4. The plain hand-off: the direct path, both ranks on CPU 0.
+    let handoff = crate::pingpong::measure(
+        &PingPongArgs {
+            common: Common {
+                backend: Some(Backend::Auto),
+                transport: Some(Transport::Shm),
+                cpus: vec![0],
+                ..sub_common(c, vec![2], vec![8])
+            },
+        },
+        2,
+    )?;
+    // 5. The all-to-all to predict.
+    let alltoall = crate::alltoall::measure(&AlltoallArgs {
+        common: sub_common(c, c.ranks.clone(), c.sizes.clone()),
+    })?;
 
     let point = rate
         .points
@@ -204,6 +234,10 @@ pub fn run(args: &LoggpArgs) -> Result<()> {
             .collect(),
         issue: point.issue_runs.clone(),
         gap: point.row.runs.clone(),
+        shared: shared
+            .iter()
+            .filter_map(|r| r.sizes.first().map(|s| (r.ranks, s.row.runs.clone())))
+            .collect(),
         handoff: handoff
             .sizes
             .first()
@@ -213,43 +247,41 @@ pub fn run(args: &LoggpArgs) -> Result<()> {
     };
     let fitted = model::fit_with_intervals(&input, args.resamples, 0x6c6f_6767)
         .map_err(|e| anyhow::anyhow!("fitting LogGP for {}: {e}", c.path_label()))?;
-    let kind = if pingpong.backend.contains("direct") {
-        PathKind::Direct
-    } else {
-        PathKind::Offload
-    };
-    let llc = llc_bytes();
     let mut predictions = Vec::new();
     for r in &alltoall {
         for s in &r.sizes {
             let (prediction, interval) =
-                model::predict_interval(&fitted, kind, r.ranks, s.bytes, cores);
+                model::predict_interval(&fitted, Sharing::Measured, r.ranks, s.bytes, cores);
+            let plain = model::predict(&fitted.params, Sharing::Handoff, r.ranks, s.bytes, cores);
             let working_set = 2 * (r.ranks * r.ranks) as u64 * s.bytes;
             predictions.push(PredRow {
                 ranks: r.ranks,
                 bytes: s.bytes,
                 error_pct: model::error_pct(prediction.us, s.row.us.median),
+                handoff_us: plain.us,
+                handoff_error_pct: model::error_pct(plain.us, s.row.us.median),
                 seed_error_pct: model::error_pct(prediction.seed_us, s.row.us.median),
                 prediction,
                 interval,
                 measured: s.row.us,
                 working_set,
-                assumptions_hold: llc == 0 || working_set <= llc,
+                assumptions_hold: working_set <= cache_range,
             });
         }
     }
     let result = LoggpResult {
         path: c.path_label(),
         backend: pingpong.backend.clone(),
-        kind,
         cores,
-        llc_bytes: llc,
+        cache_range,
+        llc_bytes: llc_bytes(),
         input,
         fitted,
         predictions,
         pingpong,
-        handoff,
         rate,
+        shared,
+        handoff,
         alltoall,
     };
     let tables = vec![prediction_table(&result), params_table(&result)];
@@ -271,13 +303,25 @@ fn params_table(r: &LoggpResult) -> Table {
     let mut t = Table::new(
         "params",
         format!(
-            "LogGP parameters, path {} ({}, {:?}), value [95 % bootstrap interval]",
-            r.path, r.backend, r.kind
+            "LogGP parameters, path {} ({}), value [95 % bootstrap interval]",
+            r.path, r.backend
         ),
         &[
-            "path", "L µs", "o µs", "g µs", "G ns/KiB", "1/G GB/s", "s µs",
+            "path",
+            "L µs",
+            "o µs",
+            "g µs",
+            "G ns/KiB",
+            "1/G GB/s",
+            "s(k) µs",
+            "hand-off µs",
         ],
     );
+    let turns: Vec<String> = f
+        .turns
+        .iter()
+        .map(|(k, iv)| format!("k={k}: {}", with_interval(iv, 1.0, 2)))
+        .collect();
     t.row(vec![
         r.path.clone(),
         with_interval(&f.l, 1.0, 3),
@@ -285,12 +329,18 @@ fn params_table(r: &LoggpResult) -> Table {
         with_interval(&f.g, 1.0, 4),
         with_interval(&f.big_g, 1024.0 * 1e3, 2),
         format!("{:.2}", f.params.g_gbps()),
-        with_interval(&f.s, 1.0, 2),
+        if turns.is_empty() {
+            "-".to_owned()
+        } else {
+            turns.join("; ")
+        },
+        with_interval(&f.handoff, 1.0, 2),
     ]);
     t.note(
         "o: issue cost per put + signal; g: 1 / sustained put + signal rate; G: slope of the \
          ping-pong half round trip over the large sizes; L: smallest half round trip - 2o - n·G; \
-         s: 8-byte ping-pong half round trip with both ranks on one CPU (direct path)",
+         s(k): per-rank turn of the 8-byte all-to-all with k ranks on one CPU; hand-off: 8-byte \
+         ping-pong half round trip with both ranks on one CPU (direct path)",
     );
     t
 }
@@ -305,11 +355,12 @@ fn prediction_table(r: &LoggpResult) -> Table {
         &[
             "ranks",
             "size",
-            "regime",
+            "ranks/core",
             "predicted µs",
             "measured µs",
             "p10–p90",
             "error",
+            "hand-off s",
             "seed form µs",
             "seed error",
             "assumptions",
@@ -320,10 +371,9 @@ fn prediction_table(r: &LoggpResult) -> Table {
             p.ranks.to_string(),
             human_size(p.bytes),
             match p.prediction.regime {
-                Regime::Dedicated => "dedicated",
-                Regime::TimeShared => "time-shared",
-            }
-            .to_owned(),
+                Regime::Dedicated => "1 (dedicated)".to_owned(),
+                Regime::TimeShared => p.prediction.per_core.to_string(),
+            },
             format!(
                 "{:.2} [{:.2}, {:.2}]",
                 p.prediction.us, p.interval.lo, p.interval.hi
@@ -331,12 +381,17 @@ fn prediction_table(r: &LoggpResult) -> Table {
             format!("{:.2}", p.measured.median),
             format!("{:.2}–{:.2}", p.measured.p10, p.measured.p90),
             format!("{:+.0}%", p.error_pct),
+            format!("{:.2} ({:+.0}%)", p.handoff_us, p.handoff_error_pct),
             format!("{:.2}", p.prediction.seed_us),
             format!("{:+.0}%", p.seed_error_pct),
             if p.assumptions_hold {
                 "hold".to_owned()
             } else {
-                format!("working set {} > LLC", human_size(p.working_set))
+                format!(
+                    "working set {} > {}",
+                    human_size(p.working_set),
+                    human_size(r.cache_range)
+                )
             },
         ]);
     }
@@ -352,8 +407,9 @@ fn prediction_table(r: &LoggpResult) -> Table {
         crate::stats::median(&held.iter().map(|p| p.error_pct.abs()).collect::<Vec<_>>())
     ));
     t.note(
-        "predicted = max(dedicated, time-shared) with its 95 % bootstrap interval; seed form = \
-         L + 2o + (P-1)·n·G as the seed writes it; working set = 2·P²·n",
+        "predicted = max(dedicated, time-shared) with its 95 % bootstrap interval; hand-off s = the \
+         same with the one-CPU ping-pong hand-off in place of s(k); seed form = L + 2o + (P-1)·n·G as \
+         the seed writes it; working set = 2·P²·n, compared with what the G fit touched",
     );
     t
 }

@@ -1,21 +1,23 @@
-//! The LogGP model of the all-to-all, pure: fitting L, o, g, G (and the
-//! time-sharing hand-off s) from ping-pong and rate samples, resampling them
-//! for intervals, and predicting the seed's all-to-all. `loggp` feeds it
-//! measurements; the tests feed it synthetic data with known parameters.
+//! The LogGP model of the all-to-all, pure: fitting L, o, g, G (and what
+//! sharing a CPU costs) from ping-pong, rate and one-CPU runs, resampling
+//! them for intervals, and predicting the seed's all-to-all. `loggp` feeds
+//! it measurements; the tests feed it synthetic data with known parameters.
 //!
 //! # Method
 //!
-//! - **o** (overhead): issue-side cost of one put, the time inside the put
-//!   calls of a window of puts, without the flush (from `rate`).
+//! - **o** (overhead): issue-side cost of one put + signal, the time inside
+//!   the put calls of a window of puts, without the flush (from `rate`).
 //! - **g** (gap): the interval between messages at the sustained put + signal
 //!   rate, `1 / rate` (from `rate` with a window of puts in flight).
 //! - **G** (gap per byte): the slope of the ping-pong half round trip versus
 //!   size over the large sizes (least squares from `g_from` up).
 //! - **L** (latency): the smallest ping-pong half round trip minus `2o` and
 //!   its bytes times G: LogGP's `T(n) = L + 2o + n·G` solved for L.
-//! - **s** (hand-off): the half round trip of an 8-byte ping-pong with both
-//!   ranks on one CPU: what it costs the OS to hand a core from a waiting
-//!   rank to the one it waits for. Only time-shared predictions use it.
+//! - **s(k)** (a turn on a shared CPU): with k ranks of the all-to-all (8 B)
+//!   on one CPU, the time per iteration divided by k: what one rank's turn
+//!   costs when ranks take turns on a core. Also reported, not used: the
+//!   8-byte ping-pong half round trip with both ranks on one CPU (one
+//!   hand-off measured without the all-to-all).
 //!
 //! Medians over runs make each estimate; the intervals come from bootstrap
 //! resampling of the runs of every measurement and refitting.
@@ -24,46 +26,26 @@
 //!
 //! One iteration of the benchmark: each of P ranks puts n bytes with a
 //! signal to every rank, itself included (P sends), waits for P signals and
-//! flushes. A CPU rank issues its sends from one thread, one after another,
-//! and one thread moves the bytes: the rank itself on the direct path, a
-//! helper thread (the proxy, or the soft NIC) on offload paths. With every
-//! thread on its own core:
+//! flushes. A CPU rank issues its sends from one thread, one after another:
+//! the direct path copies in the rank's thread, the proxy and soft NIC move
+//! bytes in one helper thread per rank, and either way the sends of a rank
+//! are serialised. With a core per rank (P ≤ C):
 //!
 //! `T_dedicated = L + 2o + (P − 1)·max(o, g) + P·n·G`
 //!
 //! (the seed's serial-proxy form `L + 2o + (P − 1)·n·G`, plus the gap between
-//! serialised sends and the send to itself). When the threads outnumber the
-//! cores C, every thread must be switched in at least once per iteration
-//! and do its share of the work on one of C cores:
+//! serialised sends and the send to itself). With more ranks than cores,
+//! each core runs k = ⌈P / C⌉ ranks in turn, and every rank needs a turn per
+//! iteration:
 //!
-//! `T_shared = Σ over threads (s + work) / C`, with work `P·(o + n·G)` per
-//! rank on the direct path, and `P·o` per rank plus `P·(g + n·G)` per
-//! helper on offload paths. The prediction is `max(T_dedicated, T_shared)`.
+//! `T_shared = k · (s(k) + (P − k)·max(o, g) + P·n·G)`
+//!
+//! (s(k) was measured with k ranks sending k messages of 8 bytes; the rest is
+//! the extra sends and bytes of P ranks). The prediction is the larger.
 
 use serde::{Deserialize, Serialize};
 
 use crate::stats::{Interval, Rng, line_fit, median};
-
-/// How a path moves bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum PathKind {
-    /// The rank's own thread copies the bytes (direct load/store).
-    Direct,
-    /// A helper thread per rank (the proxy, the soft NIC) moves the bytes;
-    /// the rank only queues descriptors or work requests.
-    Offload,
-}
-
-impl PathKind {
-    /// Threads per rank that need a core in every iteration.
-    pub fn threads_per_rank(self) -> usize {
-        match self {
-            PathKind::Direct => 1,
-            PathKind::Offload => 2,
-        }
-    }
-}
 
 /// What a fit takes: per-run samples, µs.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -74,20 +56,35 @@ pub struct FitInput {
     pub issue: Vec<f64>,
     /// µs per message at the sustained put + signal rate, one per run.
     pub gap: Vec<f64>,
+    /// The 8-byte all-to-all with k ranks on one CPU: (k, µs per iteration
+    /// per run).
+    pub shared: Vec<(usize, Vec<f64>)>,
     /// Half round trip of an 8-byte ping-pong on one shared CPU, per run.
     pub handoff: Vec<f64>,
     /// G is fitted from this size up.
     pub g_from: u64,
 }
 
-/// LogGP parameters (µs; G in µs per byte) and the hand-off s.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+/// LogGP parameters (µs; G in µs per byte) and the cost of sharing a CPU.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Params {
     pub l: f64,
     pub o: f64,
     pub g: f64,
     pub big_g: f64,
-    pub s: f64,
+    /// (k, s(k)): one rank's turn with k ranks on a CPU, by k.
+    pub turns: Vec<(usize, f64)>,
+    /// The one-CPU ping-pong hand-off.
+    pub handoff: f64,
+}
+
+/// Which cost of a turn on a shared CPU a prediction uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sharing {
+    /// s(k) measured with k ranks of the all-to-all on one CPU.
+    Measured,
+    /// The one-CPU ping-pong hand-off for every k (no all-to-all input).
+    Handoff,
 }
 
 impl Params {
@@ -98,6 +95,31 @@ impl Params {
         } else {
             f64::INFINITY
         }
+    }
+
+    /// s(k): measured where k was, linear in k between measured points, the
+    /// nearest measured point beyond them; the hand-off if none was.
+    pub fn turn(&self, k: usize, sharing: Sharing) -> f64 {
+        if sharing == Sharing::Handoff || self.turns.is_empty() {
+            return self.handoff;
+        }
+        let k = k as f64;
+        let mut t: Vec<(f64, f64)> = self.turns.iter().map(|&(k, s)| (k as f64, s)).collect();
+        t.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let (first, last) = (t[0], t[t.len() - 1]);
+        if k <= first.0 {
+            return first.1;
+        }
+        if k >= last.0 {
+            return last.1;
+        }
+        for w in t.windows(2) {
+            let ((k0, s0), (k1, s1)) = (w[0], w[1]);
+            if k >= k0 && k <= k1 {
+                return s0 + (s1 - s0) * (k - k0) / (k1 - k0);
+            }
+        }
+        last.1
     }
 }
 
@@ -144,7 +166,14 @@ fn fit_with(
     };
     let o = nonempty(pick(&input.issue), "issue cost")?;
     let g = nonempty(pick(&input.gap), "message gap")?;
-    let s = nonempty(pick(&input.handoff), "hand-off")?;
+    let handoff = nonempty(pick(&input.handoff), "hand-off")?;
+    let mut turns = Vec::with_capacity(input.shared.len());
+    for (k, runs) in &input.shared {
+        turns.push((
+            *k,
+            nonempty(pick(runs), "one-CPU all-to-all")? / (*k).max(1) as f64,
+        ));
+    }
     let mut points = Vec::with_capacity(input.pingpong.len());
     for (n, runs) in &input.pingpong {
         points.push((*n, nonempty(pick(runs), "ping-pong")?));
@@ -166,7 +195,8 @@ fn fit_with(
         o,
         g,
         big_g,
-        s,
+        turns,
+        handoff,
     })
 }
 
@@ -178,7 +208,9 @@ pub struct Fitted {
     pub o: Interval,
     pub g: Interval,
     pub big_g: Interval,
-    pub s: Interval,
+    /// (k, interval of s(k)).
+    pub turns: Vec<(usize, Interval)>,
+    pub handoff: Interval,
     /// Every replicate, for prediction intervals.
     #[serde(skip)]
     pub replicates: Vec<Params>,
@@ -197,15 +229,27 @@ pub fn fit_with_intervals(
     for _ in 0..resamples {
         reps.push(fit_with(input, &mut |v| rng.resample(v))?);
     }
-    let iv = |value: f64, f: fn(&Params) -> f64| {
+    let iv = |value: f64, f: &dyn Fn(&Params) -> f64| {
         Interval::from_replicates(value, &reps.iter().map(f).collect::<Vec<_>>())
     };
+    let turns = params
+        .turns
+        .iter()
+        .enumerate()
+        .map(|(i, &(k, s))| {
+            (
+                k,
+                iv(s, &|p: &Params| p.turns.get(i).map_or(f64::NAN, |t| t.1)),
+            )
+        })
+        .collect();
     Ok(Fitted {
-        l: iv(params.l, |p| p.l),
-        o: iv(params.o, |p| p.o),
-        g: iv(params.g, |p| p.g),
-        big_g: iv(params.big_g, |p| p.big_g),
-        s: iv(params.s, |p| p.s),
+        l: iv(params.l, &|p| p.l),
+        o: iv(params.o, &|p| p.o),
+        g: iv(params.g, &|p| p.g),
+        big_g: iv(params.big_g, &|p| p.big_g),
+        handoff: iv(params.handoff, &|p| p.handoff),
+        turns,
         params,
         replicates: reps,
     })
@@ -215,9 +259,9 @@ pub fn fit_with_intervals(
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Regime {
-    /// Every thread has its own core.
+    /// A core per rank.
     Dedicated,
-    /// Threads outnumber cores: they time-share.
+    /// More ranks than cores: they take turns.
     TimeShared,
 }
 
@@ -226,8 +270,10 @@ pub enum Regime {
 pub struct Prediction {
     pub us: f64,
     pub dedicated_us: f64,
-    /// 0 when the threads fit the cores.
+    /// 0 when the ranks fit the cores.
     pub shared_us: f64,
+    /// Ranks per core on the busiest core, ⌈P / C⌉.
+    pub per_core: usize,
     pub regime: Regime,
     /// The seed's formula as written, `L + 2o + (P − 1)·n·G`, for comparison.
     pub seed_us: f64,
@@ -235,19 +281,17 @@ pub struct Prediction {
 
 /// Predicts one iteration of the all-to-all for `ranks` ranks sending `n`
 /// bytes to each rank on `cores` cores.
-pub fn predict(p: &Params, kind: PathKind, ranks: usize, n: u64, cores: usize) -> Prediction {
+pub fn predict(p: &Params, sharing: Sharing, ranks: usize, n: u64, cores: usize) -> Prediction {
     let pr = ranks as f64;
     let n = n as f64;
     let l = p.l.max(0.0);
-    let dedicated = l + 2.0 * p.o + (pr - 1.0) * p.o.max(p.g) + pr * n * p.big_g;
+    let gap = p.o.max(p.g);
+    let dedicated = l + 2.0 * p.o + (pr - 1.0) * gap + pr * n * p.big_g;
     let seed = l + 2.0 * p.o + (pr - 1.0) * n * p.big_g;
-    let threads = ranks * kind.threads_per_rank();
-    let shared = if threads > cores.max(1) {
-        let work = match kind {
-            PathKind::Direct => pr * (p.s + pr * (p.o + n * p.big_g)),
-            PathKind::Offload => pr * (p.s + pr * p.o) + pr * (p.s + pr * (p.g + n * p.big_g)),
-        };
-        work / cores.max(1) as f64
+    let k = ranks.div_ceil(cores.max(1));
+    let shared = if k >= 2 {
+        let kf = k as f64;
+        kf * (p.turn(k, sharing) + (pr - kf) * gap + pr * n * p.big_g)
     } else {
         0.0
     };
@@ -255,7 +299,8 @@ pub fn predict(p: &Params, kind: PathKind, ranks: usize, n: u64, cores: usize) -
         us: dedicated.max(shared),
         dedicated_us: dedicated,
         shared_us: shared,
-        regime: if shared > 0.0 {
+        per_core: k,
+        regime: if k >= 2 {
             Regime::TimeShared
         } else {
             Regime::Dedicated
@@ -267,16 +312,16 @@ pub fn predict(p: &Params, kind: PathKind, ranks: usize, n: u64, cores: usize) -
 /// `predict` with a 95 % interval over the fit's bootstrap replicates.
 pub fn predict_interval(
     f: &Fitted,
-    kind: PathKind,
+    sharing: Sharing,
     ranks: usize,
     n: u64,
     cores: usize,
 ) -> (Prediction, Interval) {
-    let p = predict(&f.params, kind, ranks, n, cores);
+    let p = predict(&f.params, sharing, ranks, n, cores);
     let reps: Vec<f64> = f
         .replicates
         .iter()
-        .map(|r| predict(r, kind, ranks, n, cores).us)
+        .map(|r| predict(r, sharing, ranks, n, cores).us)
         .collect();
     (p, Interval::from_replicates(p.us, &reps))
 }
@@ -290,16 +335,19 @@ pub fn error_pct(predicted: f64, measured: f64) -> f64 {
 mod tests {
     use super::*;
 
-    const TRUE: Params = Params {
-        l: 1.5,
-        o: 0.2,
-        g: 0.35,
-        big_g: 1.0 / 8000.0, // 8 GB/s
-        s: 9.0,
-    };
+    fn truth() -> Params {
+        Params {
+            l: 1.5,
+            o: 0.2,
+            g: 0.35,
+            big_g: 1.0 / 8000.0, // 8 GB/s
+            turns: vec![(2, 5.0), (4, 8.0), (8, 10.0)],
+            handoff: 9.0,
+        }
+    }
 
     /// Samples of a measurement around `v`, with ±`noise` relative spread
-    /// (deterministic: a symmetric pattern, so the median is `v`).
+    /// (a symmetric pattern plus a little jitter, so the median is `v`).
     fn around(v: f64, noise: f64, runs: usize, rng: &mut Rng) -> Vec<f64> {
         (0..runs)
             .map(|i| {
@@ -323,7 +371,12 @@ mod tests {
                 .collect(),
             issue: around(p.o, noise, runs, &mut rng),
             gap: around(p.g, noise, runs, &mut rng),
-            handoff: around(p.s, noise, runs, &mut rng),
+            shared: p
+                .turns
+                .iter()
+                .map(|&(k, s)| (k, around(s * k as f64, noise, runs, &mut rng)))
+                .collect(),
+            handoff: around(p.handoff, noise, runs, &mut rng),
             g_from: 65_536,
         }
     }
@@ -334,36 +387,38 @@ mod tests {
 
     #[test]
     fn recovers_known_parameters_exactly_without_noise() {
-        let f = fit(&synthetic(&TRUE, 0.0, 5)).unwrap();
-        assert!(close(f.l, TRUE.l, 1e-9), "{f:?}");
-        assert!(close(f.o, TRUE.o, 1e-12));
-        assert!(close(f.g, TRUE.g, 1e-12));
-        assert!(close(f.big_g, TRUE.big_g, 1e-9));
-        assert!(close(f.s, TRUE.s, 1e-12));
+        let t = truth();
+        let f = fit(&synthetic(&t, 0.0, 5)).unwrap();
+        assert!(close(f.l, t.l, 1e-9), "{f:?}");
+        assert!(close(f.o, t.o, 1e-12));
+        assert!(close(f.g, t.g, 1e-12));
+        assert!(close(f.big_g, t.big_g, 1e-9));
+        assert!(close(f.handoff, t.handoff, 1e-12));
+        for (a, b) in f.turns.iter().zip(&t.turns) {
+            assert_eq!(a.0, b.0);
+            assert!(close(a.1, b.1, 1e-12), "{a:?} {b:?}");
+        }
         assert!(close(f.g_gbps(), 8.0, 1e-9));
     }
 
     #[test]
     fn recovers_known_parameters_within_noise_and_intervals_cover_them() {
-        let input = synthetic(&TRUE, 0.05, 9);
+        let t = truth();
+        let input = synthetic(&t, 0.05, 9);
         let f = fit_with_intervals(&input, 500, 7).unwrap();
-        let p = f.params;
-        assert!(
-            close(p.o, TRUE.o, 0.05) && close(p.g, TRUE.g, 0.05),
-            "{p:?}"
-        );
-        assert!(
-            close(p.big_g, TRUE.big_g, 0.05) && close(p.s, TRUE.s, 0.05),
-            "{p:?}"
-        );
-        assert!(close(p.l, TRUE.l, 0.10), "{p:?}");
-        for (iv, truth) in [
-            (f.o, TRUE.o),
-            (f.g, TRUE.g),
-            (f.big_g, TRUE.big_g),
-            (f.s, TRUE.s),
-            (f.l, TRUE.l),
-        ] {
+        let p = &f.params;
+        assert!(close(p.o, t.o, 0.05) && close(p.g, t.g, 0.05), "{p:?}");
+        assert!(close(p.big_g, t.big_g, 0.05) && close(p.handoff, t.handoff, 0.05));
+        assert!(close(p.l, t.l, 0.10), "{p:?}");
+        let mut checks = vec![
+            (f.o, t.o),
+            (f.g, t.g),
+            (f.big_g, t.big_g),
+            (f.handoff, t.handoff),
+            (f.l, t.l),
+        ];
+        checks.extend(f.turns.iter().zip(&t.turns).map(|(a, b)| (a.1, b.1)));
+        for (iv, truth) in checks {
             assert!(
                 iv.lo <= truth * 1.02 && iv.hi >= truth * 0.98,
                 "{iv:?} vs {truth}"
@@ -378,8 +433,8 @@ mod tests {
     }
 
     #[test]
-    fn fit_needs_two_large_sizes() {
-        let mut input = synthetic(&TRUE, 0.0, 3);
+    fn fit_needs_two_large_sizes_and_every_measurement() {
+        let mut input = synthetic(&truth(), 0.0, 3);
         input.g_from = 1 << 20;
         assert_eq!(
             fit(&input),
@@ -388,72 +443,93 @@ mod tests {
                 have: 1
             })
         );
-        let mut input = synthetic(&TRUE, 0.0, 3);
+        let mut input = synthetic(&truth(), 0.0, 3);
         input.gap.clear();
         assert_eq!(fit(&input), Err(FitError::Missing("message gap")));
         assert!(FitError::Missing("x").to_string().contains("no samples"));
     }
 
     #[test]
+    fn turns_interpolate_between_measured_ranks_per_core() {
+        let t = truth();
+        assert!(close(t.turn(2, Sharing::Measured), 5.0, 1e-12));
+        assert!(close(t.turn(3, Sharing::Measured), 6.5, 1e-12));
+        assert!(close(t.turn(6, Sharing::Measured), 9.0, 1e-12));
+        assert!(close(t.turn(1, Sharing::Measured), 5.0, 1e-12));
+        assert!(close(t.turn(16, Sharing::Measured), 10.0, 1e-12));
+        assert!(close(t.turn(4, Sharing::Handoff), 9.0, 1e-12));
+        let none = Params { turns: vec![], ..t };
+        assert!(close(none.turn(4, Sharing::Measured), 9.0, 1e-12));
+    }
+
+    #[test]
     fn dedicated_prediction_matches_the_formula() {
-        // 2 ranks on 2 cores, direct: L + 2o + (P-1)·max(o,g) + P·n·G.
-        let p = predict(&TRUE, PathKind::Direct, 2, 65_536, 2);
+        // 2 ranks on 2 cores: L + 2o + (P-1)·max(o,g) + P·n·G.
+        let p = predict(&truth(), Sharing::Measured, 2, 65_536, 2);
         let want = 1.5 + 0.4 + 0.35 + 2.0 * 65_536.0 / 8000.0;
         assert!(close(p.us, want, 1e-12), "{p:?}");
-        assert_eq!(p.regime, Regime::Dedicated);
+        assert_eq!((p.regime, p.per_core), (Regime::Dedicated, 1));
         assert!(close(p.seed_us, 1.5 + 0.4 + 65_536.0 / 8000.0, 1e-12));
     }
 
     #[test]
-    fn time_sharing_takes_over_when_threads_outnumber_cores() {
-        // 8 direct ranks on 2 cores: 8 · (s + 8 · (o + n·G)) / 2.
-        let p = predict(&TRUE, PathKind::Direct, 8, 8, 2);
-        let want = 8.0 * (9.0 + 8.0 * (0.2 + 8.0 / 8000.0)) / 2.0;
+    fn time_sharing_takes_over_when_ranks_outnumber_cores() {
+        // 8 ranks on 2 cores: k = 4 per core, 4 · (s(4) + 4·max(o,g) + 8·n·G).
+        let p = predict(&truth(), Sharing::Measured, 8, 8, 2);
+        let want = 4.0 * (8.0 + 4.0 * 0.35 + 8.0 * 8.0 / 8000.0);
         assert!(close(p.shared_us, want, 1e-12), "{p:?}");
-        assert_eq!(p.regime, Regime::TimeShared);
+        assert_eq!((p.regime, p.per_core), (Regime::TimeShared, 4));
         assert!(close(p.us, want, 1e-12));
-        // Offload paths: two threads per rank, so 2 ranks already share 2 cores.
-        let q = predict(&TRUE, PathKind::Offload, 2, 8, 2);
-        assert_eq!(q.regime, Regime::TimeShared);
-        // (2 ranks · (s + 2o) + 2 helpers · (s + 2·(g + n·G))) / 2 cores.
-        let want = (9.0 + 2.0 * 0.2) + (9.0 + 2.0 * (0.35 + 8.0 / 8000.0));
-        assert!(close(q.shared_us, want, 1e-12), "{q:?}");
+        // 3 ranks on 2 cores: the busier core has 2.
+        let q = predict(&truth(), Sharing::Measured, 3, 8, 2);
+        assert_eq!(q.per_core, 2);
+        assert!(close(
+            q.shared_us,
+            2.0 * (5.0 + 0.35 + 3.0 * 8.0 / 8000.0),
+            1e-12
+        ));
+        // The hand-off variant uses the ping-pong's figure.
+        let h = predict(&truth(), Sharing::Handoff, 8, 8, 2);
+        assert!(close(
+            h.shared_us,
+            4.0 * (9.0 + 4.0 * 0.35 + 8.0 * 8.0 / 8000.0),
+            1e-12
+        ));
         // Plenty of cores: dedicated again.
         assert_eq!(
-            predict(&TRUE, PathKind::Offload, 2, 8, 4).regime,
+            predict(&truth(), Sharing::Measured, 8, 8, 8).regime,
             Regime::Dedicated
         );
     }
 
     #[test]
     fn a_negative_latency_is_reported_but_not_predicted_with() {
-        let p = Params { l: -0.5, ..TRUE };
-        let a = predict(&p, PathKind::Direct, 2, 8, 2);
-        let b = predict(&Params { l: 0.0, ..TRUE }, PathKind::Direct, 2, 8, 2);
+        let a = predict(&Params { l: -0.5, ..truth() }, Sharing::Measured, 2, 8, 2);
+        let b = predict(&Params { l: 0.0, ..truth() }, Sharing::Measured, 2, 8, 2);
         assert!(close(a.us, b.us, 1e-12));
     }
 
     #[test]
     fn prediction_intervals_come_from_replicates() {
-        let f = fit_with_intervals(&synthetic(&TRUE, 0.05, 9), 200, 3).unwrap();
-        let (p, iv) = predict_interval(&f, PathKind::Direct, 4, 4096, 2);
+        let f = fit_with_intervals(&synthetic(&truth(), 0.05, 9), 200, 3).unwrap();
+        let (p, iv) = predict_interval(&f, Sharing::Measured, 4, 4096, 2);
         assert!(iv.lo <= p.us && p.us <= iv.hi, "{p:?} {iv:?}");
         assert!(close(error_pct(110.0, 100.0), 10.0, 1e-12));
         assert!(close(error_pct(75.0, 100.0), -25.0, 1e-12));
     }
 
     proptest::proptest! {
-        /// Predictions grow with the bytes per peer and with the rank
-        /// count, and never fall below the dedicated-core time.
+        /// Predictions grow with the bytes per peer, never fall below the
+        /// dedicated-core time, and the busiest core holds ⌈P / C⌉ ranks.
         #[test]
-        fn predictions_are_monotone(ranks in 2usize..32, n in 1u64..(1 << 22), cores in 1usize..8,
-                                    offload in proptest::bool::ANY) {
-            let kind = if offload { PathKind::Offload } else { PathKind::Direct };
-            let a = predict(&TRUE, kind, ranks, n, cores);
-            let b = predict(&TRUE, kind, ranks, n * 2, cores);
-            let c = predict(&TRUE, kind, ranks + 1, n, cores);
-            proptest::prop_assert!(b.us >= a.us && c.us >= a.us);
+        fn predictions_are_monotone_in_size(ranks in 1usize..64, n in 1u64..(1 << 22),
+                                            cores in 1usize..8, handoff in proptest::bool::ANY) {
+            let sharing = if handoff { Sharing::Handoff } else { Sharing::Measured };
+            let a = predict(&truth(), sharing, ranks, n, cores);
+            let b = predict(&truth(), sharing, ranks, n * 2, cores);
+            proptest::prop_assert!(b.us >= a.us);
             proptest::prop_assert!(a.us >= a.dedicated_us);
+            proptest::prop_assert!(a.per_core * cores >= ranks && (a.per_core - 1) * cores < ranks);
         }
     }
 }

@@ -162,6 +162,7 @@ fn rank_main(args: &PingPongArgs) -> Result<()> {
     let dc = comm.dev_comm(&DevCommRequirements::default())?;
     let ctx = dc.ctx(0)?;
     let path = ranks::path_to_rank1(&comm)?;
+    crate::common::bind_rank_thread(c, comm.local_rank())?;
     let floor_kind = FloorKind::for_path(&path);
     let floor_name = match floor_kind {
         FloorKind::Tcp => "raw TCP ping-pong of the same size",

@@ -345,7 +345,7 @@ pub struct StreamResult {
 }
 
 /// A rank of `bandwidth` or `rate`: measures every point in order.
-pub fn rank_main(points: &[Point]) -> Result<()> {
+pub fn rank_main(common: &crate::common::Common, points: &[Point]) -> Result<()> {
     let comm = Comm::from_env()?;
     let r = comm.rank();
     let buf = points
@@ -364,6 +364,7 @@ pub fn rank_main(points: &[Point]) -> Result<()> {
     let dc = comm.dev_comm(&req)?;
     let ctx = dc.ctx(0)?;
     let path = crate::ranks::path_to_rank1(&comm)?;
+    crate::common::bind_rank_thread(common, comm.local_rank())?;
     let backend = crate::ranks::backend_label(&dc);
     let mut engine = Engine::new(&comm, ctx, &src, &dst, &path)?;
     let mut results = Vec::new();
