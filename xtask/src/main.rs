@@ -4,7 +4,15 @@
 //!   ranks of CMD with the `GIN_*` variables set, output prefixed by rank; if a
 //!   rank fails, the others are stopped after the grace period and the exit
 //!   status is non-zero.
+//! - `bench [quick|full] [--machine NAME] [--out DIR]`: a suite of gin-bench
+//!   runs, written to `docs/bench/<machine>/` as JSON, Markdown and SVG plots.
 //! - `ci`: what CI runs (`.ci/run`).
+//!
+//! Dependencies stay few: plotters (SVG only) for the plots and serde_json
+//! to read gin-bench's reports.
+
+mod bench;
+mod plot;
 
 use std::process::{Command, ExitCode};
 use std::time::Duration;
@@ -24,12 +32,14 @@ fn main() -> ExitCode {
 
 const USAGE: &str =
     "usage: cargo xtask launch -n N [--grace DURATION] [--timeout DURATION] -- CMD [ARGS...]
+       cargo xtask bench [quick|full] [--machine NAME] [--out DIR]
        cargo xtask ci";
 
 fn run() -> Result<ExitCode> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("launch") => launch_cmd(&args[1..]),
+        Some("bench") => bench::run(&args[1..]).map(|()| ExitCode::SUCCESS),
         Some("ci") => {
             let st = Command::new("bash")
                 .arg(".ci/run")
