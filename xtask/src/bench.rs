@@ -1,4 +1,4 @@
-//! `cargo xtask bench [quick|full] [--machine NAME] [--out DIR]`: runs a
+//! `cargo xtask bench [smoke|quick|full] [--machine NAME] [--out DIR]`: runs a
 //! suite of gin-bench subcommands with `--json`, then writes
 //! `docs/bench/<machine>/`: the JSON, a README.md with a table per
 //! benchmark, the exact command and the machine, and SVG plots.
@@ -58,6 +58,25 @@ pub struct Job {
 fn jobs(suite: &str) -> Result<Vec<Job>> {
     // (bench, arguments, which paths)
     let plan: Vec<(&str, &str, &[&str])> = match suite {
+        // Seconds: what CI runs to prove the whole pipeline works.
+        "smoke" => vec![
+            (
+                "pingpong",
+                "--sizes 8,64k,256k --iters 100 --runs 2",
+                &["direct", "tcp"],
+            ),
+            (
+                "bandwidth",
+                "--sizes 4k,64k --window 8 --dir uni --iters 50 --runs 2",
+                &["direct"],
+            ),
+            ("rate", "--window 16 --iters 2000 --runs 2", &["direct"]),
+            (
+                "loggp",
+                "--ranks 2,4 --sizes 8,4k --fit-sizes 8,64k,256k --iters 100 --runs 3 --resamples 50 --rate-messages 2000",
+                &["direct"],
+            ),
+        ],
         "quick" => vec![
             (
                 "pingpong",
@@ -112,7 +131,7 @@ fn jobs(suite: &str) -> Result<Vec<Job>> {
                 &["direct", "proxy-shm", "gdaki-shm", "tcp"],
             ),
         ],
-        other => bail!("unknown suite {other:?}: quick or full"),
+        other => bail!("unknown suite {other:?}: smoke, quick or full"),
     };
     let mut out = Vec::new();
     for (bench, args, paths) in plan {
@@ -176,7 +195,7 @@ fn workspace_root() -> PathBuf {
 }
 
 const USAGE: &str =
-    "usage: cargo xtask bench [quick|full] [--machine NAME] [--out DIR] [--render-only]";
+    "usage: cargo xtask bench [smoke|quick|full] [--machine NAME] [--out DIR] [--render-only]";
 
 pub fn run(args: &[String]) -> Result<()> {
     let mut suite = "quick".to_owned();
@@ -207,6 +226,10 @@ pub fn run(args: &[String]) -> Result<()> {
     let root = workspace_root();
     let out = out.unwrap_or_else(|| root.join("docs/bench").join(&machine));
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    // gin-bench runs from the workspace root: hand it absolute paths.
+    let out = out
+        .canonicalize()
+        .with_context(|| format!("resolving {}", out.display()))?;
 
     let reports = if render_only {
         let mut reports = Vec::new();

@@ -4,7 +4,7 @@
 //!   ranks of CMD with the `GIN_*` variables set, output prefixed by rank; if a
 //!   rank fails, the others are stopped after the grace period and the exit
 //!   status is non-zero.
-//! - `bench [quick|full] [--machine NAME] [--out DIR]`: a suite of gin-bench
+//! - `bench [smoke|quick|full] [--machine NAME] [--out DIR]`: a suite of gin-bench
 //!   runs, written to `docs/bench/<machine>/` as JSON, Markdown and SVG plots.
 //! - `ci`: what CI runs (`.ci/run`).
 //!
@@ -32,7 +32,7 @@ fn main() -> ExitCode {
 
 const USAGE: &str =
     "usage: cargo xtask launch -n N [--grace DURATION] [--timeout DURATION] -- CMD [ARGS...]
-       cargo xtask bench [quick|full] [--machine NAME] [--out DIR]
+       cargo xtask bench [smoke|quick|full] [--machine NAME] [--out DIR]
        cargo xtask ci";
 
 fn run() -> Result<ExitCode> {
