@@ -362,7 +362,7 @@ fn render_markdown(
     }
     let _ = writeln!(
         s,
-        "Each row gives the median over runs with p10/p90/p99 and a floor measured in the same job (see [docs/bench](../) and [docs/loggp.md](../../loggp.md))."
+        "Each row gives the median over runs with p10/p90/p99 and a floor measured in the same job (see [docs/bench/suite.md](../suite.md) and [docs/loggp.md](../../loggp.md))."
     );
     if !plots.is_empty() {
         let _ = writeln!(s, "\n## Plots\n");

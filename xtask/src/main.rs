@@ -6,6 +6,8 @@
 //!   status is non-zero.
 //! - `bench [smoke|quick|full] [--machine NAME] [--out DIR]`: a suite of gin-bench
 //!   runs, written to `docs/bench/<machine>/` as JSON, Markdown and SVG plots.
+//! - `loggp-summary FILE...`: medians over several `gin-bench loggp --json`
+//!   reports of one path, as Markdown (what docs/loggp.md quotes).
 //! - `ci`: what CI runs (`.ci/run`).
 //!
 //! Dependencies stay few: plotters (SVG only) for the plots and serde_json
@@ -13,6 +15,7 @@
 
 mod bench;
 mod plot;
+mod summary;
 
 use std::process::{Command, ExitCode};
 use std::time::Duration;
@@ -33,6 +36,7 @@ fn main() -> ExitCode {
 const USAGE: &str =
     "usage: cargo xtask launch -n N [--grace DURATION] [--timeout DURATION] -- CMD [ARGS...]
        cargo xtask bench [smoke|quick|full] [--machine NAME] [--out DIR]
+       cargo xtask loggp-summary FILE...
        cargo xtask ci";
 
 fn run() -> Result<ExitCode> {
@@ -40,6 +44,7 @@ fn run() -> Result<ExitCode> {
     match args.first().map(String::as_str) {
         Some("launch") => launch_cmd(&args[1..]),
         Some("bench") => bench::run(&args[1..]).map(|()| ExitCode::SUCCESS),
+        Some("loggp-summary") => summary::run(&args[1..]).map(|()| ExitCode::SUCCESS),
         Some("ci") => {
             let st = Command::new("bash")
                 .arg(".ci/run")

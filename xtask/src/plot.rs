@@ -9,6 +9,9 @@ use serde_json::Value;
 
 use crate::bench::Job;
 
+/// Where a chart's legend goes (where its lines are not).
+type Legend = SeriesLabelPosition;
+
 /// One line of a chart.
 #[derive(Debug, Clone)]
 struct Line {
@@ -84,6 +87,7 @@ fn chart<DB: DrawingBackend>(
     x_desc: &str,
     y_desc: &str,
     x_log: bool,
+    legend: Legend,
     lines: &[Line],
 ) -> Result<()> {
     let err = |e: String| anyhow!("plotting {title}: {e}");
@@ -106,7 +110,7 @@ fn chart<DB: DrawingBackend>(
             .y_label_formatter(&|v| tick(*v))
             .draw()
             .map_err(|e| err(e.to_string()))?;
-        draw_lines(&mut ch, lines).map_err(err)
+        draw_lines(&mut ch, lines, legend).map_err(err)
     } else {
         let (x0, x1) = (x0 * 1.5 - 0.5, x1 / 1.5 + 0.5);
         let mut ch = builder
@@ -119,7 +123,7 @@ fn chart<DB: DrawingBackend>(
             .y_label_formatter(&|v| tick(*v))
             .draw()
             .map_err(|e| err(e.to_string()))?;
-        draw_lines(&mut ch, lines).map_err(err)
+        draw_lines(&mut ch, lines, legend).map_err(err)
     }
 }
 
@@ -127,6 +131,7 @@ fn chart<DB: DrawingBackend>(
 fn draw_lines<'a, DB, X>(
     ch: &mut ChartContext<'a, DB, Cartesian2d<X, LogCoord<f64>>>,
     lines: &[Line],
+    legend: Legend,
 ) -> std::result::Result<(), String>
 where
     DB: DrawingBackend + 'a,
@@ -153,7 +158,7 @@ where
     ch.configure_series_labels()
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperLeft)
+        .position(legend)
         .draw()
         .map_err(|e| e.to_string())
 }
@@ -318,6 +323,7 @@ pub fn all(out: &Path, reports: &[(Job, Value)]) -> Result<Vec<(String, String)>
                 "message size (bytes)",
                 "half round trip (µs)",
                 true,
+                Legend::UpperLeft,
                 &lat,
             )
         })?;
@@ -327,7 +333,15 @@ pub fn all(out: &Path, reports: &[(Job, Value)]) -> Result<Vec<(String, String)>
     if !bw.is_empty() {
         let caption = "one-way put bandwidth versus size";
         write_svg(&out.join("bandwidth.svg"), (900, 560), |a| {
-            chart(a, caption, "message size (bytes)", "GB/s", true, &bw)
+            chart(
+                a,
+                caption,
+                "message size (bytes)",
+                "GB/s",
+                true,
+                Legend::LowerRight,
+                &bw,
+            )
         })?;
         made.push(("bandwidth.svg".to_owned(), caption.to_owned()));
     }
@@ -338,7 +352,15 @@ pub fn all(out: &Path, reports: &[(Job, Value)]) -> Result<Vec<(String, String)>
         write_svg(&out.join("loggp.svg"), (w, 520), |a| {
             let areas = a.split_evenly((1, panels.len()));
             for (area, (title, lines)) in areas.iter().zip(&panels) {
-                chart(area, title, "ranks", "µs per iteration", false, lines)?;
+                chart(
+                    area,
+                    title,
+                    "ranks",
+                    "µs per iteration",
+                    false,
+                    Legend::UpperLeft,
+                    lines,
+                )?;
             }
             Ok(())
         })?;
