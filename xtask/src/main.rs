@@ -4,11 +4,21 @@
 //!   ranks of CMD with the `GIN_*` variables set, output prefixed by rank; if a
 //!   rank fails, the others are stopped after the grace period and the exit
 //!   status is non-zero.
+//! - `bench [smoke|quick|full] [--machine NAME] [--out DIR]`: a suite of gin-bench
+//!   runs, written to `docs/bench/<machine>/` as JSON, Markdown and SVG plots.
+//! - `loggp-summary FILE...`: medians over several `gin-bench loggp --json`
+//!   reports of one path, as Markdown (what docs/loggp.md quotes).
 //! - `ci`: what CI runs (`.ci/run`).
 //! - `gpu-package [DIR]`: release binaries and a run script for a GPU
 //!   machine without Rust (see docs/cuda.md).
+//!
+//! Dependencies stay few: plotters (SVG only) for the plots and serde_json
+//! to read gin-bench's reports.
 
+mod bench;
 mod gpu;
+mod plot;
+mod summary;
 
 use std::process::{Command, ExitCode};
 use std::time::Duration;
@@ -28,6 +38,8 @@ fn main() -> ExitCode {
 
 const USAGE: &str =
     "usage: cargo xtask launch -n N [--grace DURATION] [--timeout DURATION] -- CMD [ARGS...]
+       cargo xtask bench [smoke|quick|full] [--machine NAME] [--out DIR]
+       cargo xtask loggp-summary FILE...
        cargo xtask ci
        cargo xtask gpu-package [DIR]";
 
@@ -36,6 +48,8 @@ fn run() -> Result<ExitCode> {
     match args.first().map(String::as_str) {
         Some("launch") => launch_cmd(&args[1..]),
         Some("gpu-package") => gpu::package(&args[1..]).map(|()| ExitCode::SUCCESS),
+        Some("bench") => bench::run(&args[1..]).map(|()| ExitCode::SUCCESS),
+        Some("loggp-summary") => summary::run(&args[1..]).map(|()| ExitCode::SUCCESS),
         Some("ci") => {
             let st = Command::new("bash")
                 .arg(".ci/run")

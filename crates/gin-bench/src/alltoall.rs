@@ -4,7 +4,7 @@
 //!
 //! One run is `iters` iterations after a barrier; its time is the slowest
 //! rank's mean per iteration (the collective is done when the last rank is).
-//! Results are the median and spread over runs. The floor, measured in the
+//! Results are the median and p10/p90/p99 over runs. The floor, measured in the
 //! same job, is copying the same bytes locally: `(n - 1) · size` per
 //! iteration, the data movement no transport can avoid. The received data is
 //! checked after every size.
@@ -16,46 +16,40 @@ use clap::Args;
 use gin_core::{Comm, DevCommRequirements, Fence, Local, Remote, Team};
 use serde::{Deserialize, Serialize};
 
-use crate::pingpong::parse_size;
+use crate::common::{Common, human_size};
+use crate::progress::Progress;
 use crate::ranks;
-use crate::stats::Summary;
+use crate::report::{Report, Table};
+use crate::stats::Row;
 
-#[derive(Debug, Clone, Args)]
+#[derive(Debug, Clone, Args, Serialize, Deserialize)]
+#[command(
+    mut_arg("ranks", |a| a.default_value("2,4,8").required(false)),
+    mut_arg("sizes", |a| a
+        .default_value("8,1k,64k")
+        .required(false)
+        .help("Bytes each rank sends to each rank, comma separated (k / m suffixes allowed)")),
+    mut_arg("iters", |a| a
+        .default_value("1000")
+        .required(false)
+        .help("Iterations per run at 64 KiB and below (fewer above, at least 50): \
+               enough that the time after each run's barrier does not dominate")),
+    mut_arg("runs", |a| a.default_value("7").required(false)),
+)]
 pub struct AlltoallArgs {
-    /// Rank counts to measure (comma separated).
-    #[arg(long, value_delimiter = ',', default_value = "2,4,8")]
-    pub ranks: Vec<usize>,
-    /// Bytes each rank sends to each rank (k / m suffixes allowed).
-    #[arg(long, value_delimiter = ',', default_value = "8,1k,64k")]
-    pub sizes: Vec<String>,
-    /// Iterations per run at 64 KiB and below (fewer above, at least 50):
-    /// enough that the time after each run's barrier does not dominate.
-    #[arg(long, default_value_t = 1000)]
-    pub iters: usize,
-    /// Runs per size.
-    #[arg(long, default_value_t = 7)]
-    pub runs: usize,
-    /// auto | proxy | gdaki (sets GIN_BACKEND for the ranks).
-    #[arg(long)]
-    pub backend: Option<String>,
-    /// auto | shm | tcp (sets GIN_TRANSPORT for the ranks).
-    #[arg(long)]
-    pub transport: Option<String>,
-    /// Also write the results as JSON to this file.
-    #[arg(long)]
-    pub json: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub common: Common,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SizeResult {
     pub bytes: u64,
-    /// Per iteration, µs, over runs.
-    pub us: Summary,
-    /// Bytes each rank sent to others per second, GB/s (at the median).
-    pub gbps_per_rank: f64,
-    /// Local copy of the same bytes, µs per iteration.
-    pub floor_us: Summary,
-    pub ratio: f64,
+    /// Iterations per run.
+    pub iters: usize,
+    /// µs per iteration over runs; GB/s counts the `(ranks - 1) · size`
+    /// bytes each rank sends to others; the floor is a local copy of them.
+    pub row: Row,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -66,58 +60,84 @@ pub struct RankCountResult {
     pub sizes: Vec<SizeResult>,
 }
 
-pub fn run(args: &AlltoallArgs, argv: &[String]) -> Result<()> {
-    let sizes: Vec<u64> = args
-        .sizes
-        .iter()
-        .map(|s| parse_size(s))
-        .collect::<Result<_>>()?;
-    if args.iters == 0 || args.runs == 0 {
-        bail!("--iters and --runs must be positive");
-    }
+pub fn run(args: &AlltoallArgs) -> Result<()> {
+    let c = &args.common;
+    c.validate("alltoall")?;
     if ranks::is_rank() {
-        return rank_main(args, &sizes);
+        crate::common::apply_affinity(&c.cpus)?;
+        return rank_main(args);
     }
-    let env = ranks::choice_env(args.backend.as_ref(), args.transport.as_ref());
-    let mut all = Vec::new();
-    for &n in &args.ranks {
-        eprintln!(
-            "alltoall: {n} ranks, {} runs x {} iterations per size...",
-            args.runs, args.iters
-        );
-        let r: RankCountResult = ranks::spawn_self(n, argv, &env)?;
-        all.push(r);
-    }
-    print_table(&all);
-    ranks::write_json(args.json.as_ref(), &all)
+    let all = measure(args)?;
+    let t = table(&all);
+    Report::new("alltoall", args, vec![t], all)?.finish(c.json.as_deref(), c.csv.as_deref())
 }
 
-fn print_table(all: &[RankCountResult]) {
-    println!(
-        "{:>5}  {:>8}  {:>10} {:>9} {:>9}  {:>12}  {:>9}  {:>8}",
-        "ranks", "size", "median µs", "p10 µs", "p90 µs", "GB/s per rank", "floor µs", "vs floor"
+/// Runs one job per rank count and returns rank 0's results.
+pub fn measure(args: &AlltoallArgs) -> Result<Vec<RankCountResult>> {
+    let c = &args.common;
+    let units = (c.ranks.len() * c.sizes.len() * c.runs) as u64;
+    let progress = Progress::new(units, "alltoall");
+    let mut all = Vec::new();
+    for &n in &c.ranks {
+        progress.println(&format!(
+            "alltoall: {n} ranks, {} runs x {} iterations per size, path {}...",
+            c.runs,
+            c.iters,
+            c.path_label()
+        ));
+        let r: RankCountResult = progress.job((c.sizes.len() * c.runs) as u64, |mut env| {
+            env.extend(c.env());
+            ranks::spawn_self(n, "alltoall", args, &env)
+        })?;
+        all.push(r);
+    }
+    progress.finish();
+    Ok(all)
+}
+
+fn table(all: &[RankCountResult]) -> Table {
+    let title = all.first().map_or_else(String::new, |r| {
+        format!(
+            "all-to-all (put + signal to every rank, wait, flush), backend {}, rank 0's paths {}",
+            r.backend,
+            r.paths.join(",")
+        )
+    });
+    let mut t = Table::new(
+        "alltoall",
+        title,
+        &[
+            "ranks",
+            "size",
+            "median µs",
+            "p10",
+            "p90",
+            "p99",
+            "GB/s per rank",
+            "floor µs",
+            "vs floor",
+        ],
     );
     for r in all {
         for s in &r.sizes {
-            println!(
-                "{:>5}  {:>8}  {:>10.2} {:>9.2} {:>9.2}  {:>12.3}  {:>9.3}  {:>7.1}x",
-                r.ranks,
-                s.bytes,
-                s.us.median,
-                s.us.p10,
-                s.us.p90,
-                s.gbps_per_rank,
-                s.floor_us.median,
-                s.ratio
-            );
+            t.row(vec![
+                r.ranks.to_string(),
+                human_size(s.bytes),
+                format!("{:.2}", s.row.us.median),
+                format!("{:.2}", s.row.us.p10),
+                format!("{:.2}", s.row.us.p90),
+                format!("{:.2}", s.row.us.p99),
+                format!("{:.3}", s.row.gbps),
+                format!("{:.3}", s.row.floor_us.median),
+                format!("{:.1}x", s.row.ratio),
+            ]);
         }
     }
-    if let Some(r) = all.first() {
-        println!(
-            "(backend {}; rank 0's paths {:?}; time = slowest rank's mean per iteration, median over runs)",
-            r.backend, r.paths
-        );
-    }
+    t.note(
+        "time per iteration = the slowest rank's mean over a run; median and p10/p90/p99 over runs; \
+         GB/s per rank = (ranks - 1) x size / median; floor = a local copy of the same bytes",
+    );
+    t
 }
 
 /// The byte rank `src` sends to rank `dst` in the size-`size` exchange.
@@ -125,7 +145,9 @@ fn byte(src: usize, dst: usize, size: u64) -> u8 {
     (src * 31 + dst * 7 + size as usize % 251) as u8
 }
 
-fn rank_main(args: &AlltoallArgs, sizes: &[u64]) -> Result<()> {
+fn rank_main(args: &AlltoallArgs) -> Result<()> {
+    let c = &args.common;
+    let sizes = &c.sizes;
     let comm = Comm::from_env()?;
     let (r, n) = (comm.rank(), comm.nranks());
     let max = sizes.iter().copied().max().unwrap_or(8);
@@ -134,6 +156,7 @@ fn rank_main(args: &AlltoallArgs, sizes: &[u64]) -> Result<()> {
     let dc = comm.dev_comm(&DevCommRequirements::default())?;
     let ctx = dc.ctx(0)?;
     let barrier = dc.barrier(Team::World, 0)?;
+    crate::common::bind_rank_thread(c, comm.local_rank())?;
     // Signals expected so far: exactly n per iteration. (Not the value seen,
     // which may already include a fast peer's signal for the next iteration.)
     let mut expected = 0u64;
@@ -161,17 +184,17 @@ fn rank_main(args: &AlltoallArgs, sizes: &[u64]) -> Result<()> {
             ctx.flush()?;
             Ok(())
         };
-        let iters = ranks::iters_for(args.iters, size);
+        let iters = ranks::iters_for(c.iters, size);
         // Warm-up, then the timed runs.
         barrier.sync(0, Fence::None)?;
-        for _ in 0..(iters / 10).max(2) {
+        for _ in 0..c.warmup_for(iters) {
             one(&mut expected)?;
         }
-        let mut samples = Vec::with_capacity(args.runs);
-        let mut floors = Vec::with_capacity(args.runs);
+        let mut samples = Vec::with_capacity(c.runs);
+        let mut floors = Vec::with_capacity(c.runs);
         let src = vec![1u8; (size as usize) * (n - 1).max(1)];
         let mut dst = vec![0u8; src.len()];
-        for _ in 0..args.runs {
+        for _ in 0..c.runs {
             barrier.sync(0, Fence::None)?;
             let t = Instant::now();
             for _ in 0..iters {
@@ -179,10 +202,10 @@ fn rank_main(args: &AlltoallArgs, sizes: &[u64]) -> Result<()> {
             }
             let mine = t.elapsed().as_secs_f64() * 1e6 / iters as f64;
             let all = comm.bootstrap().allgather(&mine.to_le_bytes())?;
-            let slowest = all
-                .iter()
-                .map(|b| f64::from_le_bytes(b.as_slice().try_into().unwrap_or([0; 8])))
-                .fold(0.0, f64::max);
+            let mut slowest = 0.0f64;
+            for b in &all {
+                slowest = slowest.max(ranks::f64_le(b)?);
+            }
             samples.push(slowest);
             let t = Instant::now();
             for _ in 0..iters {
@@ -190,6 +213,7 @@ fn rank_main(args: &AlltoallArgs, sizes: &[u64]) -> Result<()> {
                 std::hint::black_box(&dst);
             }
             floors.push(t.elapsed().as_secs_f64() * 1e6 / iters as f64);
+            crate::progress::tick(r);
         }
         // Everything landed: check every byte received.
         barrier.sync(0, Fence::Context)?;
@@ -199,24 +223,16 @@ fn rank_main(args: &AlltoallArgs, sizes: &[u64]) -> Result<()> {
                 bail!("rank {r}: the {size}-byte block from rank {p} is wrong");
             }
         }
-        let us = Summary::of(&samples).context("no samples")?;
-        let floor = Summary::of(&floors).context("no floor samples")?;
         results.push(SizeResult {
             bytes: size,
-            gbps_per_rank: ((n - 1) as u64 * size) as f64 / (us.median * 1e3),
-            ratio: us.median / floor.median.max(1e-9),
-            us,
-            floor_us: floor,
+            iters,
+            row: Row::new(((n - 1) as u64 * size) as f64, samples, floors).context("no samples")?,
         });
     }
     if r == 0 {
         ranks::emit(&RankCountResult {
             ranks: n,
-            backend: if dc.is_direct((r + 1) % n) && n > 1 {
-                "auto (direct load/store)".into()
-            } else {
-                dc.backend_name().into()
-            },
+            backend: ranks::backend_label(&dc),
             paths: comm.path_names().iter().map(|s| (*s).to_owned()).collect(),
             sizes: results,
         })?;

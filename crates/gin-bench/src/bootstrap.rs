@@ -9,15 +9,16 @@
 
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Args;
 use gin_bootstrap::Bootstrap;
 use serde::{Deserialize, Serialize};
 
 use crate::ranks;
+use crate::report::{Report, Table};
 use crate::stats::Summary;
 
-#[derive(Debug, Clone, Args)]
+#[derive(Debug, Clone, Args, Serialize, Deserialize)]
 pub struct BootstrapArgs {
     /// Rank counts to measure (comma separated).
     #[arg(long, value_delimiter = ',', default_value = "2,4,8")]
@@ -34,6 +35,9 @@ pub struct BootstrapArgs {
     /// Also write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<std::path::PathBuf>,
+    /// Also write the table as CSV to this file.
+    #[arg(long)]
+    pub csv: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -53,7 +57,7 @@ pub struct RankCountResult {
 }
 
 /// Entry point for both roles.
-pub fn run(args: &BootstrapArgs, argv: &[String]) -> Result<()> {
+pub fn run(args: &BootstrapArgs) -> Result<()> {
     if ranks::is_rank() {
         return rank_main(args);
     }
@@ -63,24 +67,30 @@ pub fn run(args: &BootstrapArgs, argv: &[String]) -> Result<()> {
             "bootstrap: measuring {n} ranks ({} runs x {} iterations)...",
             args.runs, args.iters
         );
-        let r: RankCountResult = ranks::spawn_self(n, argv, &[])?;
+        let r: RankCountResult = ranks::spawn_self(n, "bootstrap", args, &[])?;
         results.push(r);
     }
-    print_table(&results);
-    ranks::write_json(args.json.as_ref(), &results)
+    let t = table(&results);
+    Report::new("bootstrap", args, vec![t], results)?
+        .finish(args.json.as_deref(), args.csv.as_deref())
 }
 
-fn print_table(results: &[RankCountResult]) {
-    println!(
-        "{:>5}  {:<10} {:>10} {:>10} {:>10}  {:>12}",
-        "ranks", "op", "median µs", "p10 µs", "p90 µs", "vs hop floor"
+fn table(results: &[RankCountResult]) -> Table {
+    let mut t = Table::new(
+        "bootstrap",
+        "host bootstrap collectives",
+        &["ranks", "op", "median µs", "p10", "p90", "vs hop floor"],
     );
     for r in results {
         if let Some(h) = r.hop_us {
-            println!(
-                "{:>5}  {:<10} {:>10.2} {:>10.2} {:>10.2}  {:>12}",
-                r.ranks, "p2p hop", h.median, h.p10, h.p90, "1.00x"
-            );
+            t.row(vec![
+                r.ranks.to_string(),
+                "p2p hop".to_owned(),
+                format!("{:.2}", h.median),
+                format!("{:.2}", h.p10),
+                format!("{:.2}", h.p90),
+                "1.00x".to_owned(),
+            ]);
         }
         for op in &r.ops {
             // The dependent hops each collective needs at best.
@@ -92,15 +102,21 @@ fn print_table(results: &[RankCountResult]) {
                 Some(h) if hops > 0.0 => format!("{:.2}x", op.us.median / (hops * h.median)),
                 _ => "-".to_owned(),
             };
-            println!(
-                "{:>5}  {:<10} {:>10.2} {:>10.2} {:>10.2}  {:>12}",
-                r.ranks, op.op, op.us.median, op.us.p10, op.us.p90, ratio
-            );
+            t.row(vec![
+                r.ranks.to_string(),
+                op.op.clone(),
+                format!("{:.2}", op.us.median),
+                format!("{:.2}", op.us.p10),
+                format!("{:.2}", op.us.p90),
+                ratio,
+            ]);
         }
     }
-    println!(
-        "(ratio: median / (dependent hops x median p2p hop); hops = n-1 for allgather/alltoall, ceil(log2 n) for barrier/broadcast)"
+    t.note(
+        "ratio: median / (dependent hops x median p2p hop); hops = n-1 for allgather/alltoall, \
+         ceil(log2 n) for barrier/broadcast",
     );
+    t
 }
 
 type Op<'a> = (
@@ -164,11 +180,13 @@ fn rank_main(args: &BootstrapArgs) -> Result<()> {
             ops: ops
                 .iter()
                 .zip(&samples)
-                .map(|((name, _), s)| OpResult {
-                    op: (*name).to_owned(),
-                    us: Summary::of(s).expect("at least one run"),
+                .map(|((name, _), s)| {
+                    Ok(OpResult {
+                        op: (*name).to_owned(),
+                        us: Summary::of(s).context("no runs")?,
+                    })
                 })
-                .collect(),
+                .collect::<Result<_>>()?,
             hop_us: Summary::of(&hop),
         };
         ranks::emit(&result)?;

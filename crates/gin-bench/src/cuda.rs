@@ -1,77 +1,237 @@
 //! `gin-bench cuda`: CUDA ranks on two GPUs (one process each), against
 //! floors measured in the same job and the peer figures we measured for
-//! NVSHMEM 3.4 and NCCL 2.28 on 2x H200 (docs/bench/cuda.md).
+//! NVSHMEM 3.4 and NCCL 2.28 on 2x H200 (docs/cuda.md).
 //!
 //! - ping-pong: put-with-signal round trip, one kernel per GPU, for the
 //!   load/store path and the proxy, with thread / warp / block coops; the
 //!   load/store floor is a raw copy plus release-store flag over the same
 //!   CUDA IPC mapping, the proxy floor a raw CPU-proxied copy plus flag
 //!   (a host thread forwarding with cuMemcpyAsync + cuStreamWriteValue64).
-//! - bandwidth: one-way, 4 MiB messages split over N blocks.
+//! - bandwidth: one-way, one message (4 MiB by default) split over N blocks.
 //!
 //! Times are measured on the GPU (%globaltimer) over many round trips per
-//! launch; each figure is the median over `--runs` launches, with min and
-//! max.
+//! launch; each row is the median and p10/p90/p99 over `--runs` launches,
+//! in the one report shape every gin-bench subcommand writes.
+//! `pingpong --device cuda` and `bandwidth --device cuda` come here too
+//! ([`CudaArgs::from_common`]).
 
 #![allow(clippy::many_single_char_names)] // c, m, f: CUDA comm, module, kernel
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use anyhow::{Context, Result, bail};
-use clap::Args;
+use clap::{Args, ValueEnum};
 use gin_core::cuda::{self, Arg, CtxSharing, CudaComm, DevMem, Function, HostMem, Module, Stream};
 use gin_core::launch::{Role, run_ranks};
 use gin_core::{BackendKind, Comm, DevCommRequirements};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
-use crate::pingpong::parse_size;
+use crate::common::{Backend, Common, Coop, Transport, human_size, parse_size};
+use crate::report::{Report, Table};
+use crate::stats::Summary;
 
-#[derive(Debug, Clone, Args)]
+/// Which measurements `gin-bench cuda` takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CudaTest {
+    /// Put-with-signal round trip.
+    Pingpong,
+    /// One-way bandwidth, one message split over blocks.
+    Bandwidth,
+}
+
+/// Which CUDA path carries the puts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CudaPath {
+    /// Peer pointers over CUDA IPC (what `auto` picks for same-host GPUs).
+    #[value(name = "loadstore")]
+    #[serde(rename = "loadstore")]
+    LoadStore,
+    /// Descriptors to the CUDA proxy thread, which copies with the copy engine.
+    Proxy,
+}
+
+impl CudaPath {
+    fn kind(self) -> BackendKind {
+        match self {
+            CudaPath::LoadStore => BackendKind::Auto,
+            CudaPath::Proxy => BackendKind::Proxy,
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            CudaPath::LoadStore => "load/store",
+            CudaPath::Proxy => "proxy",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Args, Serialize, Deserialize)]
 pub struct CudaArgs {
-    /// Ping-pong message sizes.
-    #[arg(long, value_delimiter = ',', default_value = "8,1k,64k,1m")]
-    pub sizes: Vec<String>,
-    /// Coops: thread, warp, block.
-    #[arg(long, value_delimiter = ',', default_value = "thread,warp,block")]
-    pub coops: Vec<String>,
-    /// Round trips per launch (a tenth of it at 1 MiB and above).
+    /// Ping-pong message sizes (k / m suffixes allowed).
+    #[arg(long, value_delimiter = ',', value_parser = parse_size, default_value = "8,1k,64k,1m")]
+    pub sizes: Vec<u64>,
+    /// Coops of the load/store ping-pong (the proxy's is always one thread:
+    /// its kernel share is one descriptor).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_enum,
+        default_value = "thread,warp,block"
+    )]
+    pub coops: Vec<Coop>,
+    /// Round trips per launch (a tenth of it at 1 MiB and above, at least 50).
     #[arg(long, default_value_t = 2000)]
     pub iters: u32,
-    /// Launches per figure (the median is reported).
+    /// Untimed round trips at the start of each launch (default: a tenth of
+    /// the timed ones).
+    #[arg(long)]
+    pub warmup: Option<u32>,
+    /// Launches per figure: rows give the median and p10/p90/p99 over them.
     #[arg(long, default_value_t = 5)]
     pub runs: usize,
     /// Block counts for the bandwidth test.
     #[arg(long, value_delimiter = ',', default_value = "16,32,66,132")]
     pub blocks: Vec<u32>,
-    /// Message size of the bandwidth test.
-    #[arg(long, default_value = "4m")]
-    pub bw_bytes: String,
-    /// Write the results as JSON here.
+    /// Message sizes of the bandwidth test.
+    #[arg(long, value_delimiter = ',', value_parser = parse_size, default_value = "4m")]
+    pub bw_bytes: Vec<u64>,
+    /// Which tests to run.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_enum,
+        default_value = "pingpong,bandwidth"
+    )]
+    pub tests: Vec<CudaTest>,
+    /// Which paths to measure.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_enum,
+        default_value = "loadstore,proxy"
+    )]
+    pub paths: Vec<CudaPath>,
+    /// Also write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<std::path::PathBuf>,
+    /// Also write the table as CSV to this file.
+    #[arg(long)]
+    pub csv: Option<std::path::PathBuf>,
 }
 
-#[derive(Debug, Serialize)]
-struct Row {
-    test: &'static str,
-    path: &'static str,
-    coop: String,
-    bytes: u64,
-    /// Median over runs: round-trip µs (ping-pong) or GB/s (bandwidth).
-    median: f64,
-    min: f64,
-    max: f64,
-    floor: Option<f64>,
-    peer: Option<(&'static str, f64)>,
+impl CudaArgs {
+    /// `pingpong --device cuda` and `bandwidth --device cuda`: the common
+    /// flags mapped onto this benchmark. `--sizes` are the ping-pong sizes or
+    /// the bandwidth message sizes; `--backend` picks the path (none: both);
+    /// `--coop` the load/store coop. What has no meaning on GPUs is refused.
+    pub fn from_common(c: &Common, test: CudaTest) -> Result<Self> {
+        if c.ranks.as_slice() != [2] {
+            bail!(
+                "--device cuda runs exactly 2 ranks (one per GPU), got --ranks {:?}",
+                c.ranks
+            );
+        }
+        if c.transport == Some(Transport::Tcp) {
+            bail!(
+                "--device cuda --transport tcp: CUDA ranks across hosts (TCP staging) are not built yet"
+            );
+        }
+        if !c.cpus.is_empty() {
+            bail!("--cpus has no meaning for --device cuda (the ranks' work runs on the GPUs)");
+        }
+        let paths = match c.backend {
+            None => vec![CudaPath::LoadStore, CudaPath::Proxy],
+            Some(Backend::Auto) => vec![CudaPath::LoadStore],
+            Some(Backend::Proxy) => vec![CudaPath::Proxy],
+            Some(Backend::Gdaki) => bail!(
+                "--device cuda --backend gdaki: GDAKI from GPU kernels is not built yet (docs/cuda.md)"
+            ),
+        };
+        if c.iters == 0 || c.runs == 0 || c.sizes.is_empty() {
+            bail!("--iters and --runs must be positive and --sizes non-empty");
+        }
+        let iters = u32::try_from(c.iters).context("--iters is too large")?;
+        let warmup = c
+            .warmup
+            .map(|w| u32::try_from(w).context("--warmup is too large"))
+            .transpose()?;
+        Ok(CudaArgs {
+            sizes: c.sizes.clone(),
+            coops: vec![c.coop],
+            iters,
+            warmup,
+            runs: c.runs,
+            blocks: vec![16, 32, 66, 132],
+            bw_bytes: if test == CudaTest::Bandwidth {
+                c.sizes.clone()
+            } else {
+                vec![4 << 20]
+            },
+            tests: vec![test],
+            paths,
+            json: c.json.clone(),
+            csv: c.csv.clone(),
+        })
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.iters == 0 || self.runs == 0 {
+            bail!("--iters and --runs must be positive");
+        }
+        if self.tests.contains(&CudaTest::Pingpong)
+            && (self.sizes.is_empty() || self.coops.is_empty())
+        {
+            bail!("the ping-pong needs --sizes and --coops");
+        }
+        if self.tests.contains(&CudaTest::Bandwidth)
+            && (self.bw_bytes.is_empty() || self.blocks.is_empty())
+        {
+            bail!("the bandwidth test needs --bw-bytes and --blocks");
+        }
+        if let Some(&b) = self.blocks.iter().find(|&&b| b == 0 || b > 1024) {
+            bail!("--blocks {b}: between 1 and 1024 blocks");
+        }
+        Ok(())
+    }
+
+    /// Untimed round trips before `iters` timed ones.
+    fn warmup_for(&self, iters: u32) -> u32 {
+        self.warmup.unwrap_or(iters / 10)
+    }
 }
 
-fn coop_of(name: &str) -> Result<(u32, u32)> {
-    Ok(match name {
-        "thread" => (0, 1),
-        "warp" => (1, 32),
-        "block" => (2, 512),
-        other => bail!("unknown coop {other:?} (thread, warp, block)"),
-    })
+#[derive(Debug, Clone, Serialize)]
+pub struct CudaRow {
+    pub test: CudaTest,
+    pub path: String,
+    /// `thread` / `warp` / `block`, or `N blocks` for bandwidth.
+    pub coop: String,
+    pub bytes: u64,
+    /// Over launches: round-trip µs (ping-pong) or GB/s (bandwidth).
+    pub value: Summary,
+    /// The floor measured in the same job, same unit, where there is one.
+    pub floor: Option<Summary>,
+    /// A peer system's figure from our earlier measurements on 2x H200.
+    pub peer: Option<(String, f64)>,
+}
+
+fn coop_of(c: Coop) -> (u32, u32) {
+    match c {
+        Coop::Thread => (0, 1),
+        Coop::Warp => (1, 32),
+        Coop::Block => (2, 512),
+    }
+}
+
+fn coop_name(c: Coop) -> &'static str {
+    match c {
+        Coop::Thread => "thread",
+        Coop::Warp => "warp",
+        Coop::Block => "block",
+    }
 }
 
 /// NVSHMEM 3.4 put-with-signal round trip over NVLink on 2x H200 (µs), as
@@ -95,13 +255,12 @@ fn proxy_peer(bytes: u64) -> Option<f64> {
     }
 }
 
-fn median(mut v: Vec<f64>) -> (f64, f64, f64) {
-    v.sort_by(f64::total_cmp);
-    let m = v[v.len() / 2];
-    (m, v[0], v[v.len() - 1])
+fn summary(v: &[f64]) -> Result<Summary> {
+    Summary::of(v).context("no launches were measured")
 }
 
 pub fn run(a: &CudaArgs) -> Result<()> {
+    a.validate()?;
     if let Some(why) = cuda::skip_reason() {
         bail!("gin-bench cuda needs a GPU: {why}");
     }
@@ -115,17 +274,14 @@ pub fn run(a: &CudaArgs) -> Result<()> {
     }
     let c = comm.cuda()?;
     let m = c.compile(cuda::SELFTEST_KERNELS, "selftest.cu")?;
-    let sizes: Vec<u64> = a
-        .sizes
-        .iter()
-        .map(|s| parse_size(s))
-        .collect::<Result<_>>()?;
-    let max = sizes
-        .iter()
-        .copied()
-        .max()
-        .unwrap_or(8)
-        .max(parse_size(&a.bw_bytes)?);
+    let want = |t: CudaTest| a.tests.contains(&t);
+    let mut max = 8u64;
+    if want(CudaTest::Pingpong) {
+        max = max.max(a.sizes.iter().copied().max().unwrap_or(8));
+    }
+    if want(CudaTest::Bandwidth) {
+        max = max.max(a.bw_bytes.iter().copied().max().unwrap_or(8));
+    }
     let mut rows = Vec::new();
     if comm.rank() == 0 {
         println!(
@@ -140,128 +296,135 @@ pub fn run(a: &CudaArgs) -> Result<()> {
     let flags = c.alloc_window(64)?;
     let out = DevMem::new(24)?;
     let stream = Stream::new()?;
-    for coop_name in &a.coops {
-        let (coop, block) = coop_of(coop_name)?;
-        for &bytes in &sizes {
-            let iters = if bytes >= 1 << 20 {
-                (a.iters / 10).max(50)
-            } else {
-                a.iters
-            };
-            let floor = lsa_floor(
-                &c, &m, &stream, &src, &dst, &flags, &out, bytes, iters, coop, block, a.runs,
-            )?;
-            let gin = gin_pingpong(
-                &c,
-                &m,
-                BackendKind::Auto,
-                &src,
-                &out,
+    let pp = want(CudaTest::Pingpong);
+    if pp && a.paths.contains(&CudaPath::LoadStore) {
+        for &coop in &a.coops {
+            let (coop_id, block) = coop_of(coop);
+            for &bytes in &a.sizes {
+                let iters = if bytes >= 1 << 20 {
+                    (a.iters / 10).max(50)
+                } else {
+                    a.iters
+                };
+                let shape = Shape {
+                    bytes,
+                    iters,
+                    warmup: a.warmup_for(iters),
+                    coop: coop_id,
+                    block,
+                    runs: a.runs,
+                };
+                let floor = lsa_floor(&c, &m, &stream, &src, &dst, &flags, &out, &shape)?;
+                let gin = gin_pingpong(&c, &m, BackendKind::Auto, &src, &out, &shape)?;
+                rows.push(CudaRow {
+                    test: CudaTest::Pingpong,
+                    path: CudaPath::LoadStore.label().into(),
+                    coop: coop_name(coop).into(),
+                    bytes,
+                    value: summary(&gin)?,
+                    floor: Some(summary(&floor)?),
+                    peer: nvshmem_rtt(bytes).map(|v| ("NVSHMEM 3.4".into(), v)),
+                });
+            }
+        }
+    }
+    // The proxy path: the coop does not change what the proxy does; one
+    // thread (the kernel's share is a descriptor).
+    if pp && a.paths.contains(&CudaPath::Proxy) {
+        for &bytes in &a.sizes {
+            let iters = (a.iters / 4).max(50);
+            let shape = Shape {
                 bytes,
                 iters,
-                coop,
-                block,
-                a.runs,
-            )?;
-            rows.push(Row {
-                test: "pingpong",
-                path: "load/store",
-                coop: coop_name.clone(),
+                warmup: a.warmup_for(iters),
+                coop: 0,
+                block: 1,
+                runs: a.runs,
+            };
+            let floor = proxy_floor(&c, &m, &stream, &src, &dst, &flags, &out, &shape)?;
+            let gin = gin_pingpong(&c, &m, BackendKind::Proxy, &src, &out, &shape)?;
+            rows.push(CudaRow {
+                test: CudaTest::Pingpong,
+                path: CudaPath::Proxy.label().into(),
+                coop: "thread".into(),
                 bytes,
-                median: gin.0,
-                min: gin.1,
-                max: gin.2,
-                floor: Some(floor.0),
-                peer: nvshmem_rtt(bytes).map(|v| ("NVSHMEM 3.4", v)),
+                value: summary(&gin)?,
+                floor: Some(summary(&floor)?),
+                peer: proxy_peer(bytes).map(|v| ("raw CPU proxy (peer run)".into(), v)),
             });
         }
     }
-    // The proxy path: the coop does not change what the proxy does; block
-    // only (the kernel's share is a descriptor).
-    for &bytes in &sizes {
-        let iters = (a.iters / 4).max(50);
-        let floor = proxy_floor(
-            &c, &m, &stream, &src, &dst, &flags, &out, bytes, iters, a.runs,
-        )?;
-        let gin = gin_pingpong(
-            &c,
-            &m,
-            BackendKind::Proxy,
-            &src,
-            &out,
-            bytes,
-            iters,
-            0,
-            1,
-            a.runs,
-        )?;
-        rows.push(Row {
-            test: "pingpong",
-            path: "proxy",
-            coop: "thread".into(),
-            bytes,
-            median: gin.0,
-            min: gin.1,
-            max: gin.2,
-            floor: Some(floor.0),
-            peer: proxy_peer(bytes).map(|v| ("raw CPU proxy (peer run)", v)),
-        });
-    }
-    let bw = parse_size(&a.bw_bytes)?;
-    for (kind, path) in [
-        (BackendKind::Auto, "load/store"),
-        (BackendKind::Proxy, "proxy"),
-    ] {
-        for &blocks in &a.blocks {
-            let r = bandwidth(&c, &m, kind, &src, &dst, &out, bw, blocks, a.runs)?;
-            rows.push(Row {
-                test: "bandwidth",
-                path,
-                coop: format!("{blocks} blocks"),
-                bytes: bw,
-                median: r.0,
-                min: r.1,
-                max: r.2,
-                floor: None,
-                peer: (kind == BackendKind::Auto).then_some(("NVSHMEM 3.4 (GB/s)", 345.0)),
-            });
+    if want(CudaTest::Bandwidth) {
+        for &path in &a.paths {
+            for &bw in &a.bw_bytes {
+                for &blocks in &a.blocks {
+                    let r = bandwidth(&c, &m, path.kind(), &src, &dst, &out, bw, blocks, a.runs)?;
+                    rows.push(CudaRow {
+                        test: CudaTest::Bandwidth,
+                        path: path.label().into(),
+                        coop: format!("{blocks} blocks"),
+                        bytes: bw,
+                        value: summary(&r)?,
+                        floor: None,
+                        peer: (path == CudaPath::LoadStore && bw == 4 << 20)
+                            .then(|| ("NVSHMEM 3.4 (GB/s)".into(), 345.0)),
+                    });
+                }
+            }
         }
     }
     if comm.rank() == 0 {
-        print_rows(&rows);
-        crate::ranks::write_json(a.json.as_ref(), &rows)?;
+        let t = table(&rows, a.runs);
+        Report::new("cuda", a, vec![t], rows)?.finish(a.json.as_deref(), a.csv.as_deref())?;
     }
     comm.bootstrap().barrier()?;
     Ok(())
 }
 
-fn print_rows(rows: &[Row]) {
-    println!(
-        "{:<10} {:<11} {:<10} {:>8} {:>10} {:>17} {:>9} {:>7}  peer",
-        "test", "path", "coop", "bytes", "median", "min..max", "floor", "ratio"
+/// One ping-pong point: size, round trips, coop.
+#[derive(Clone, Copy)]
+struct Shape {
+    bytes: u64,
+    iters: u32,
+    warmup: u32,
+    coop: u32,
+    block: u32,
+    runs: usize,
+}
+
+fn table(rows: &[CudaRow], runs: usize) -> Table {
+    let mut t = Table::new(
+        "cuda",
+        format!(
+            "CUDA ranks on 2 GPUs: round trip (us) or one-way bandwidth (GB/s), over {runs} launches"
+        ),
+        &[
+            "test", "path", "coop", "size", "median", "p10", "p90", "p99", "floor", "ratio", "peer",
+        ],
     );
     for r in rows {
-        let unit = if r.test == "pingpong" { "us" } else { "GB/s" };
-        let ratio = r
-            .floor
-            .map_or(String::from("-"), |f| format!("{:.2}", r.median / f));
-        println!(
-            "{:<10} {:<11} {:<10} {:>8} {:>7.2} {unit:<2} {:>8.2}..{:<8.2} {:>9} {:>7}  {}",
-            r.test,
-            r.path,
-            r.coop,
-            r.bytes,
-            r.median,
-            r.min,
-            r.max,
-            r.floor.map_or(String::from("-"), |f| format!("{f:.2}")),
-            ratio,
-            r.peer.map_or(String::new(), |(n, v)| format!(
-                "{n}: {v} ({:.2}x)",
-                r.median / v
-            )),
-        );
+        let f = |v: f64| format!("{v:.2}");
+        t.row(vec![
+            format!("{:?}", r.test).to_lowercase(),
+            r.path.clone(),
+            r.coop.clone(),
+            human_size(r.bytes),
+            f(r.value.median),
+            f(r.value.p10),
+            f(r.value.p90),
+            f(r.value.p99),
+            r.floor.as_ref().map_or("-".into(), |fl| f(fl.median)),
+            r.floor.as_ref().map_or("-".into(), |fl| {
+                format!("{:.2}", r.value.median / fl.median)
+            }),
+            r.peer.as_ref().map_or(String::new(), |(n, v)| {
+                format!("{n}: {v} ({:.2}x)", r.value.median / v)
+            }),
+        ]);
     }
+    t.note("ping-pong: round trip in us timed on the GPU (%globaltimer); floor = the same traffic without gin-rs, in the same job; ratio = median / floor");
+    t.note("bandwidth: GB/s seen by rank 0, one 4 MiB-class message split over the blocks");
+    t
 }
 
 fn read_ns(out: &DevMem) -> Result<u64> {
@@ -280,12 +443,16 @@ fn gin_pingpong(
     kind: BackendKind,
     buf: &cuda::GpuWindow,
     out: &DevMem,
-    bytes: u64,
-    iters: u32,
-    coop: u32,
-    block: u32,
-    runs: usize,
-) -> Result<(f64, f64, f64)> {
+    sh: &Shape,
+) -> Result<Vec<f64>> {
+    let Shape {
+        bytes,
+        iters,
+        warmup,
+        coop,
+        block,
+        runs,
+    } = *sh;
     let f = m.function("gin_pingpong")?;
     let req = DevCommRequirements {
         signals: 4,
@@ -297,7 +464,7 @@ fn gin_pingpong(
     for run in 0..runs {
         c.comm().bootstrap().barrier()?;
         out.zero(0, 24)?;
-        let base = run as u64 * u64::from(iters + iters / 10);
+        let base = run as u64 * u64::from(iters + warmup);
         dc.run(
             &f,
             1,
@@ -307,7 +474,7 @@ fn gin_pingpong(
                 Arg::Window(buf.abi()),
                 Arg::U64(bytes),
                 Arg::U32(iters),
-                Arg::U32(iters / 10),
+                Arg::U32(warmup),
                 Arg::U32(coop),
                 Arg::U64(base),
                 Arg::Ptr(out.ptr),
@@ -318,7 +485,7 @@ fn gin_pingpong(
     }
     c.comm().bootstrap().barrier()?;
     dc.destroy()?;
-    Ok(median(v))
+    Ok(v)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -330,12 +497,16 @@ fn lsa_floor(
     dst: &cuda::GpuWindow,
     flags: &cuda::GpuWindow,
     out: &DevMem,
-    bytes: u64,
-    iters: u32,
-    coop: u32,
-    block: u32,
-    runs: usize,
-) -> Result<(f64, f64, f64)> {
+    sh: &Shape,
+) -> Result<Vec<f64>> {
+    let Shape {
+        bytes,
+        iters,
+        warmup,
+        coop,
+        block,
+        runs,
+    } = *sh;
     let f = m.function("gin_floor_lsa")?;
     let (rank, peer) = (c.comm().rank(), c.comm().rank() ^ 1);
     let mut v = Vec::with_capacity(runs);
@@ -355,7 +526,7 @@ fn lsa_floor(
                 flags.local().ptr,
                 bytes,
                 u64::from(iters),
-                u64::from(iters / 10),
+                u64::from(warmup),
                 u64::from(coop),
                 out.ptr,
             ],
@@ -363,7 +534,7 @@ fn lsa_floor(
         )?;
         v.push(read_ns(out)? as f64 / f64::from(iters) / 1000.0);
     }
-    Ok(median(v))
+    Ok(v)
 }
 
 /// Launches with raw values (`sizes[i]` bytes each, little-endian) and waits.
@@ -399,10 +570,15 @@ fn proxy_floor(
     dst: &cuda::GpuWindow,
     flags: &cuda::GpuWindow,
     out: &DevMem,
-    bytes: u64,
-    iters: u32,
-    runs: usize,
-) -> Result<(f64, f64, f64)> {
+    sh: &Shape,
+) -> Result<Vec<f64>> {
+    let Shape {
+        bytes,
+        iters,
+        warmup,
+        runs,
+        ..
+    } = *sh;
     let f = m.function("gin_floor_proxy")?;
     let (rank, peer) = (c.comm().rank(), c.comm().rank() ^ 1);
     let host = HostMem::new(64)?;
@@ -416,7 +592,7 @@ fn proxy_floor(
         let hf = unsafe { &*host.host.cast::<AtomicU64>() };
         hf.store(0, Ordering::Release);
         c.comm().bootstrap().barrier()?;
-        let total = u64::from(iters + iters / 10);
+        let total = u64::from(iters + warmup);
         let stop = AtomicBool::new(false);
         let peer_buf = dst.peer_base(peer).unwrap_or(0);
         let peer_flag = flags.peer_base(peer).unwrap_or(0);
@@ -445,7 +621,7 @@ fn proxy_floor(
                     host.dev,
                     flags.local().ptr,
                     u64::from(iters),
-                    u64::from(iters / 10),
+                    u64::from(warmup),
                     out.ptr,
                 ],
                 &[4, 8, 8, 4, 4, 8],
@@ -460,7 +636,7 @@ fn proxy_floor(
         copy.sync()?;
         v.push(read_ns(out)? as f64 / f64::from(iters) / 1000.0);
     }
-    Ok(median(v))
+    Ok(v)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -474,7 +650,7 @@ fn bandwidth(
     bytes: u64,
     blocks: u32,
     runs: usize,
-) -> Result<(f64, f64, f64)> {
+) -> Result<Vec<f64>> {
     let f = m.function("gin_bandwidth")?;
     let req = DevCommRequirements {
         signals: 4,
@@ -517,5 +693,79 @@ fn bandwidth(
     }
     c.comm().bootstrap().barrier()?;
     dc.destroy()?;
-    Ok(median(v))
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bandwidth::BandwidthArgs;
+    use crate::pingpong::PingPongArgs;
+
+    fn pingpong(args: &[&str]) -> Common {
+        #[derive(clap::Parser)]
+        struct P {
+            #[command(flatten)]
+            a: PingPongArgs,
+        }
+        let argv = std::iter::once("pingpong").chain(args.iter().copied());
+        <P as clap::Parser>::parse_from(argv).a.common
+    }
+
+    #[test]
+    fn pingpong_flags_map_onto_the_cuda_benchmark() {
+        let c = pingpong(&[
+            "--device",
+            "cuda",
+            "--backend",
+            "proxy",
+            "--coop",
+            "warp",
+            "--sizes",
+            "8,1k",
+        ]);
+        let a = CudaArgs::from_common(&c, CudaTest::Pingpong).unwrap();
+        assert_eq!(a.paths, [CudaPath::Proxy]);
+        assert_eq!(a.coops, [Coop::Warp]);
+        assert_eq!(a.sizes, [8, 1024]);
+        assert_eq!(a.tests, [CudaTest::Pingpong]);
+        let both =
+            CudaArgs::from_common(&pingpong(&["--device", "cuda"]), CudaTest::Pingpong).unwrap();
+        assert_eq!(both.paths, [CudaPath::LoadStore, CudaPath::Proxy]);
+    }
+
+    #[test]
+    fn bandwidth_sizes_become_message_sizes() {
+        #[derive(clap::Parser)]
+        struct P {
+            #[command(flatten)]
+            a: BandwidthArgs,
+        }
+        let c =
+            <P as clap::Parser>::parse_from(["bandwidth", "--device", "cuda", "--sizes", "1m,4m"])
+                .a
+                .common;
+        let a = CudaArgs::from_common(&c, CudaTest::Bandwidth).unwrap();
+        assert_eq!(a.bw_bytes, [1 << 20, 4 << 20]);
+        assert_eq!(a.tests, [CudaTest::Bandwidth]);
+    }
+
+    #[test]
+    fn what_gpus_cannot_do_is_refused_by_name() {
+        for (args, want) in [
+            (
+                &["--device", "cuda", "--backend", "gdaki"][..],
+                "GDAKI from GPU kernels",
+            ),
+            (&["--device", "cuda", "--ranks", "4"][..], "exactly 2 ranks"),
+            (
+                &["--device", "cuda", "--transport", "tcp"][..],
+                "across hosts",
+            ),
+            (&["--device", "cuda", "--cpus", "0"][..], "--cpus"),
+        ] {
+            let e = CudaArgs::from_common(&pingpong(args), CudaTest::Pingpong).unwrap_err();
+            assert!(e.to_string().contains(want), "{args:?}: {e}");
+        }
+    }
 }

@@ -1,22 +1,37 @@
 //! gin-bench: the gin-rs benchmark driver.
 //!
 //! Run with no launcher variables, each subcommand spawns `--ranks` local rank
-//! processes of itself through gin-bootstrap's launcher and prints a table;
-//! started by a launcher (`cargo xtask launch`, torchrun, Slurm, Open MPI), it
-//! is one rank of the job.
+//! processes of itself through gin-bootstrap's launcher (passing its parsed
+//! options as JSON) and prints a table; started by a launcher (`cargo xtask
+//! launch`, torchrun, Slurm, Open MPI), it is one rank of the job.
 //!
 //! The default run (no subcommand) is the put-with-signal ping-pong between
 //! two local ranks on the auto backend.
+//!
+//! Every figure comes with a floor measured in the same job and the ratio to
+//! it; every benchmark checks the data it moved and exits non-zero when a
+//! check or a rank fails.
 
 mod alltoall;
+mod bandwidth;
 mod bootstrap;
+mod common;
 mod cuda;
+mod floor;
+mod layout;
+mod loggp;
+mod model;
 mod pingpong;
+mod progress;
 mod ranks;
+mod rate;
+mod report;
 mod stats;
+mod stream;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
+use common::Device;
 
 #[derive(Debug, Parser)]
 #[command(name = "gin-bench", version, about = "gin-rs benchmarks")]
@@ -29,8 +44,14 @@ struct Cli {
 enum Cmd {
     /// Put-with-signal ping-pong between ranks 0 and 1, 8 B to 4 MiB (the default).
     Pingpong(pingpong::PingPongArgs),
+    /// One-way and bidirectional put bandwidth versus size and puts in flight.
+    Bandwidth(bandwidth::BandwidthArgs),
+    /// Small-message rate of puts and put + signal versus puts in flight.
+    Rate(rate::RateArgs),
     /// The seed's all-to-all (put + signal to every rank, wait, flush) versus rank count and size.
     Alltoall(alltoall::AlltoallArgs),
+    /// Fits LogGP (L, o, g, G) for one path and predicts the all-to-all, against measurement.
+    Loggp(loggp::LoggpArgs),
     /// CUDA ranks on two GPUs: ping-pong and bandwidth for the load/store and proxy paths, with floors.
     Cuda(cuda::CudaArgs),
     /// Host bootstrap collectives (allgather, all-to-all, barrier, broadcast) versus rank count.
@@ -39,19 +60,30 @@ enum Cmd {
 
 fn main() -> Result<()> {
     init_tracing();
-    let argv: Vec<String> = std::env::args().skip(1).collect();
     let cli = Cli::parse();
     match cli.cmd {
-        Some(Cmd::Bootstrap(a)) => bootstrap::run(&a, &argv),
-        Some(Cmd::Pingpong(a)) => pingpong::run(&a, &argv),
-        Some(Cmd::Alltoall(a)) => alltoall::run(&a, &argv),
-        Some(Cmd::Cuda(a)) => cuda::run(&a),
-        None => {
-            let a = pingpong::PingPongArgs::default_args();
-            let mut argv = argv;
-            argv.insert(0, "pingpong".to_owned());
-            pingpong::run(&a, &argv)
+        Some(Cmd::Bootstrap(a)) => bootstrap::run(&ranks::rank_args(a)?),
+        Some(Cmd::Pingpong(a)) if a.common.device == Device::Cuda => cuda::run(
+            &cuda::CudaArgs::from_common(&a.common, cuda::CudaTest::Pingpong)?,
+        ),
+        Some(Cmd::Bandwidth(a)) if a.common.device == Device::Cuda => {
+            eprintln!(
+                "note: --device cuda measures one way only, one message split over \
+                 16, 32, 66 and 132 blocks (--dir and --window are CPU-rank flags; \
+                 `gin-bench cuda --blocks` sets the blocks)"
+            );
+            cuda::run(&cuda::CudaArgs::from_common(
+                &a.common,
+                cuda::CudaTest::Bandwidth,
+            )?)
         }
+        Some(Cmd::Pingpong(a)) => pingpong::run(&ranks::rank_args(a)?),
+        Some(Cmd::Bandwidth(a)) => bandwidth::run(&ranks::rank_args(a)?),
+        Some(Cmd::Rate(a)) => rate::run(&ranks::rank_args(a)?),
+        Some(Cmd::Alltoall(a)) => alltoall::run(&ranks::rank_args(a)?),
+        Some(Cmd::Loggp(a)) => loggp::run(&a),
+        Some(Cmd::Cuda(a)) => cuda::run(&a),
+        None => pingpong::run(&pingpong::PingPongArgs::default_args()),
     }
 }
 

@@ -1,0 +1,352 @@
+//! Raw floors, measured in the same job as the gin-rs figures they bound:
+//! the same traffic between ranks 0 and 1 without gin-rs. For same-host
+//! paths (direct, and proxy or GDAKI over shared memory) the two processes
+//! copy into a shared segment and bump a flag; for tcp, a raw TCP stream.
+//!
+//! Set-up is collective over every rank of the communicator (ranks past 1
+//! only join the exchanges), so a benchmark with spectators stays in step.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use gin_core::Comm;
+use gin_net::shm::Segment;
+
+use crate::layout::Slots;
+use crate::stream::Completion;
+
+/// Which raw floor fits rank 0's path to rank 1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FloorKind {
+    Shm,
+    Tcp,
+}
+
+impl FloorKind {
+    /// From rank 0's path name for rank 1 (`shm`, `tcp`, ...).
+    pub fn for_path(path: &str) -> Self {
+        if path == "tcp" { Self::Tcp } else { Self::Shm }
+    }
+}
+
+/// Bytes before the data halves: eight flags, one per 128-byte line.
+const FLAGS: usize = 1024;
+
+/// A shared segment between ranks 0 and 1: flags and one data half per rank.
+#[derive(Debug)]
+pub struct ShmPair {
+    seg: Segment,
+    half: usize,
+    rank: usize,
+}
+
+impl ShmPair {
+    /// Collective: rank 0 creates a segment with two `half`-byte halves,
+    /// rank 1 maps it; other ranks get `None`.
+    pub fn new(comm: &Comm, half: usize) -> Result<Option<Self>> {
+        let r = comm.rank();
+        let len = FLAGS + 2 * half;
+        let own = if r == 0 {
+            static SEQ: AtomicU64 = AtomicU64::new(0);
+            let name = format!(
+                "gin-floor-{}-{}",
+                std::process::id(),
+                SEQ.fetch_add(1, Ordering::Relaxed)
+            );
+            Some(Segment::create(&name, len)?)
+        } else {
+            None
+        };
+        let path = own
+            .as_ref()
+            .map(|s| s.path().to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let all = comm.bootstrap().allgather(path.as_bytes())?;
+        let seg = match (own, r) {
+            (Some(s), _) => Some(s),
+            (None, 1) => Some(Segment::open(
+                std::path::Path::new(std::str::from_utf8(&all[0])?),
+                len,
+            )?),
+            (None, _) => None,
+        };
+        // Both have mapped it: the name can go.
+        comm.bootstrap().barrier()?;
+        Ok(seg.map(|mut seg| {
+            seg.unlink();
+            Self { seg, half, rank: r }
+        }))
+    }
+
+    /// Flag `i` (0..8, taken modulo 8), on its own cache line.
+    pub fn flag(&self, i: usize) -> &AtomicU64 {
+        let i = i % (FLAGS / 128);
+        // SAFETY: the segment is at least FLAGS bytes, mapped for the life of
+        // `self`, and page-aligned, so offset i * 128 is 8-byte aligned and in
+        // range; the flags are only ever accessed atomically.
+        unsafe { &*self.seg.as_ptr().add(i * 128).cast::<AtomicU64>() }
+    }
+
+    /// Start of rank `r`'s data half (`half` bytes).
+    pub fn half_ptr(&self, r: usize) -> *mut u8 {
+        // SAFETY: in range: FLAGS + 2 * half bytes are mapped, r is 0 or 1.
+        unsafe { self.seg.as_ptr().add(FLAGS + (r & 1) * self.half) }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+}
+
+/// Collective: a connected TCP stream between ranks 0 and 1 (no Nagle);
+/// other ranks get `None`.
+pub fn tcp_pair(comm: &Comm) -> Result<Option<TcpStream>> {
+    let r = comm.rank();
+    let ip = comm.bootstrap().listen_addr().ip();
+    let listener = if r == 1 {
+        Some(TcpListener::bind((ip, 0))?)
+    } else {
+        None
+    };
+    let addr = listener
+        .as_ref()
+        .map(|l| l.local_addr().map(|a| a.to_string()))
+        .transpose()?
+        .unwrap_or_default();
+    let all = comm.bootstrap().allgather(addr.as_bytes())?;
+    let s = match (listener, r) {
+        (Some(l), _) => Some(l.accept()?.0),
+        (None, 0) => Some(TcpStream::connect(std::str::from_utf8(&all[1])?)?),
+        (None, _) => None,
+    };
+    if let Some(s) = &s {
+        s.set_nodelay(true)?;
+    }
+    Ok(s)
+}
+
+/// Waits for `flag` to reach `target`: spins, then yields between looks.
+/// Yielding matters on a machine with as many cores as spinning ranks: a
+/// pure spinner that the scheduler preempts for another thread (a proxy
+/// waking up, the launcher) stalls the stream for a whole time slice.
+fn spin_until(flag: &AtomicU64, target: u64) {
+    let mut spins = 0u32;
+    while flag.load(Ordering::Acquire) < target {
+        if spins < 2000 {
+            spins += 1;
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
+    }
+}
+
+/// Shared-memory ping-pong between ranks 0 and 1: copy `size` bytes into the
+/// other's half, then bump its flag; wait for the answer. At 8 bytes this is
+/// a cache-line ping-pong. Returns one half round trip (µs) per timed
+/// iteration. Call [`reset_incoming`] on both ranks, then synchronise,
+/// before each call.
+pub fn shm_pingpong(pair: &ShmPair, size: u64, warm: usize, iters: usize) -> Vec<f64> {
+    let r = pair.rank();
+    let (to, from) = (pair.flag(1 - r), pair.flag(r));
+    let dst = pair.half_ptr(1 - r);
+    let src = vec![r as u8; size as usize];
+    let mut out = Vec::with_capacity(iters);
+    for i in 1..=(warm + iters) as u64 {
+        let t = Instant::now();
+        if r == 1 {
+            spin_until(from, i);
+        }
+        // SAFETY: `dst` is the peer's half, at least `size` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, size as usize) };
+        to.store(i, Ordering::Release);
+        if r == 0 {
+            spin_until(from, i);
+        }
+        if i as usize > warm {
+            out.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
+        }
+    }
+    out
+}
+
+/// A raw TCP ping-pong of `size` bytes between ranks 0 and 1: half round
+/// trips, µs.
+pub fn tcp_pingpong(
+    s: &mut TcpStream,
+    rank: usize,
+    size: u64,
+    warm: usize,
+    iters: usize,
+) -> Result<Vec<f64>> {
+    let mut buf = vec![rank as u8; size as usize];
+    let mut out = Vec::with_capacity(iters);
+    for i in 0..warm + iters {
+        let t = Instant::now();
+        if rank == 0 {
+            s.write_all(&buf)?;
+            s.read_exact(&mut buf)?;
+        } else {
+            s.read_exact(&mut buf)?;
+            s.write_all(&buf)?;
+        }
+        if i >= warm {
+            out.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
+        }
+    }
+    Ok(out)
+}
+
+/// One run of a stream: who sends, how much, and when the receiver is told.
+#[derive(Debug, Clone, Copy)]
+pub struct Stream {
+    pub size: u64,
+    /// Messages per window (between flushes).
+    pub window: usize,
+    /// Windows per run.
+    pub windows: usize,
+    pub slots: Slots,
+    /// Both ranks send (bidirectional) or only rank 0.
+    pub bidir: bool,
+    /// When the receiver hears about data.
+    pub completion: Completion,
+}
+
+impl Stream {
+    pub fn messages(&self) -> usize {
+        self.window * self.windows
+    }
+
+    /// Whether rank `r` (0 or 1) sends in this stream.
+    pub fn sends(&self, r: usize) -> bool {
+        r == 0 || self.bidir
+    }
+
+    /// Whether rank `r` (0 or 1) receives in this stream.
+    pub fn receives(&self, r: usize) -> bool {
+        r == 1 || self.bidir
+    }
+
+    /// Signals a receiver counts in one run.
+    pub fn signals(&self) -> u64 {
+        self.completion.signals(self.window, self.windows)
+    }
+}
+
+/// The raw shared-memory stream, on rank 0 or 1: messages are copied into
+/// the peer's half slot by slot, and a flag is bumped as the completion
+/// mode says (per window, per message, once at the end); the receiver waits for the last count, then
+/// acknowledges. Returns this rank's elapsed µs.
+pub fn shm_stream(pair: &ShmPair, st: &Stream, src: &[u8]) -> f64 {
+    let r = pair.rank();
+    let peer = 1 - r;
+    // Flags: 0/1 data counts into rank 0/1; 2/3 acknowledgements into 0/1.
+    let dst = pair.half_ptr(peer);
+    let size = st.size as usize;
+    // Flags 4/5: "ready" into rank 0/1; the clock starts when the receiver is.
+    if st.receives(r) {
+        pair.flag(4 + peer).fetch_add(1, Ordering::Release);
+    }
+    if st.sends(r) {
+        spin_until(pair.flag(4 + r), 1);
+    }
+    let t = Instant::now();
+    if st.sends(r) {
+        let data = pair.flag(peer);
+        for k in 0..st.windows {
+            for j in 0..st.window {
+                let off = st.slots.offset(k * st.window + j) as usize;
+                // SAFETY: `off + size` is within one half (Slots keeps every
+                // slot inside its buffer, which is what the half holds) and
+                // `src` has the same layout.
+                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr().add(off), dst.add(off), size) };
+                if st.completion == Completion::PerMessage {
+                    data.fetch_add(1, Ordering::Release);
+                }
+            }
+            if st.completion == Completion::PerWindow {
+                data.fetch_add(1, Ordering::Release);
+            }
+        }
+        if st.completion == Completion::AtEnd {
+            data.fetch_add(1, Ordering::Release);
+        }
+    }
+    if st.receives(r) {
+        spin_until(pair.flag(r), st.signals());
+        pair.flag(2 + peer).fetch_add(1, Ordering::Release);
+    }
+    if st.sends(r) {
+        spin_until(pair.flag(2 + r), 1);
+    }
+    t.elapsed().as_secs_f64() * 1e6
+}
+
+/// Resets this rank's incoming flags before a run; a barrier must separate
+/// this from the peer's first write.
+pub fn reset_incoming(pair: &ShmPair) {
+    let r = pair.rank();
+    for f in [r, 2 + r, 4 + r] {
+        pair.flag(f).store(0, Ordering::Relaxed);
+    }
+}
+
+/// The raw TCP stream, on rank 0 or 1: one `write` of `size` bytes per
+/// message; the receiver says it is ready with one byte, reads every
+/// message, then acknowledges with one byte.
+/// Bidirectional streams read on a second thread. Returns elapsed µs.
+pub fn tcp_stream(s: &mut TcpStream, rank: usize, st: &Stream, src: &[u8]) -> Result<f64> {
+    let size = st.size as usize;
+    let total = st.messages() * size;
+    let receive = |mut rx: TcpStream| -> Result<()> {
+        let mut buf = vec![0u8; (1 << 20).min(total.max(1))];
+        let mut left = total;
+        while left > 0 {
+            let want = left.min(buf.len());
+            let n = rx.read(&mut buf[..want])?;
+            if n == 0 {
+                bail!("the floor's TCP peer closed the stream");
+            }
+            left -= n;
+        }
+        Ok(())
+    };
+    // "Ready" first, so that the clock starts when the receiver is.
+    if st.receives(rank) {
+        s.write_all(&[2])?;
+    }
+    if st.sends(rank) {
+        s.read_exact(&mut [0u8])
+            .context("waiting for the floor's receiver")?;
+    }
+    let t = Instant::now();
+    if st.bidir {
+        let rx = s.try_clone()?;
+        std::thread::scope(|sc| -> Result<()> {
+            let h = sc.spawn(move || receive(rx));
+            for m in 0..st.messages() {
+                let off = st.slots.offset(m) as usize;
+                s.write_all(&src[off..off + size])?;
+            }
+            h.join()
+                .map_err(|_| anyhow::anyhow!("the floor's TCP reader panicked"))??;
+            Ok(())
+        })?;
+        s.write_all(&[1])?;
+        s.read_exact(&mut [0u8])?;
+    } else if rank == 0 {
+        for m in 0..st.messages() {
+            let off = st.slots.offset(m) as usize;
+            s.write_all(&src[off..off + size])?;
+        }
+        s.read_exact(&mut [0u8])
+            .context("waiting for the floor's acknowledgement")?;
+    } else {
+        receive(s.try_clone()?)?;
+        s.write_all(&[1])?;
+    }
+    Ok(t.elapsed().as_secs_f64() * 1e6)
+}

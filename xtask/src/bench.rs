@@ -1,0 +1,433 @@
+//! `cargo xtask bench [smoke|quick|full] [--machine NAME] [--out DIR]`: runs a
+//! suite of gin-bench subcommands with `--json`, then writes
+//! `docs/bench/<machine>/`: the JSON, a README.md with a table per
+//! benchmark, the exact command and the machine, and SVG plots.
+//!
+//! gin-bench embeds its tables in its JSON, so this renders Markdown
+//! without knowing each benchmark's fields; only the plots read results.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+use serde_json::Value;
+
+use crate::plot;
+
+/// One path the suites measure: a name for files and the flags that pick it.
+struct PathSpec {
+    name: &'static str,
+    label: &'static str,
+    flags: &'static [&'static str],
+}
+
+const PATHS: &[PathSpec] = &[
+    PathSpec {
+        name: "direct",
+        label: "direct load/store (auto, same host)",
+        flags: &[],
+    },
+    PathSpec {
+        name: "proxy-shm",
+        label: "proxy over shared memory",
+        flags: &["--backend", "proxy", "--transport", "shm"],
+    },
+    PathSpec {
+        name: "gdaki-shm",
+        label: "GDAKI (soft-mlx5) over shared memory",
+        flags: &["--backend", "gdaki", "--transport", "shm"],
+    },
+    PathSpec {
+        name: "tcp",
+        label: "tcp (auto backend)",
+        flags: &["--transport", "tcp"],
+    },
+];
+
+/// One gin-bench invocation of a suite.
+#[derive(Debug, Clone)]
+pub struct Job {
+    /// File stem: `<bench>-<path>`.
+    pub name: String,
+    pub bench: String,
+    pub path_label: String,
+    pub args: Vec<String>,
+}
+
+fn jobs(suite: &str) -> Result<Vec<Job>> {
+    // (bench, arguments, which paths)
+    let plan: Vec<(&str, &str, &[&str])> = match suite {
+        // Seconds: what CI runs to prove the whole pipeline works.
+        "smoke" => vec![
+            (
+                "pingpong",
+                "--sizes 8,64k,256k --iters 100 --runs 2",
+                &["direct", "tcp"],
+            ),
+            (
+                "bandwidth",
+                "--sizes 4k,64k --window 8 --dir uni --iters 50 --runs 2",
+                &["direct"],
+            ),
+            ("rate", "--window 16 --iters 2000 --runs 2", &["direct"]),
+            (
+                "loggp",
+                "--ranks 2,4 --sizes 8,4k --fit-sizes 8,64k,256k --iters 100 --runs 3 --resamples 50 --rate-messages 2000",
+                &["direct"],
+            ),
+        ],
+        "quick" => vec![
+            (
+                "pingpong",
+                "--sizes 8,512,4k,64k,256k,1m --iters 300 --runs 3",
+                &["direct", "proxy-shm", "gdaki-shm", "tcp"],
+            ),
+            (
+                "bandwidth",
+                "--sizes 4k,64k,1m --window 16 --iters 200 --runs 3",
+                &["direct", "proxy-shm", "gdaki-shm", "tcp"],
+            ),
+            (
+                "rate",
+                "--window 1,64 --iters 10000 --runs 3",
+                &["direct", "proxy-shm", "gdaki-shm", "tcp"],
+            ),
+            (
+                "alltoall",
+                "--ranks 2,4,8 --sizes 8,4k,64k --iters 300 --runs 3",
+                &["direct"],
+            ),
+            (
+                "loggp",
+                "--ranks 2,4,8 --sizes 8,4k,64k --iters 300 --runs 3 --resamples 200",
+                &["direct", "proxy-shm"],
+            ),
+        ],
+        "full" => vec![
+            (
+                "pingpong",
+                "--sizes 8,64,512,4k,32k,64k,256k,1m,4m --iters 1000 --runs 7",
+                &["direct", "proxy-shm", "gdaki-shm", "tcp"],
+            ),
+            (
+                "bandwidth",
+                "--sizes 64,4k,64k,1m,4m --window 1,16,64 --runs 5",
+                &["direct", "proxy-shm", "gdaki-shm", "tcp"],
+            ),
+            (
+                "rate",
+                "--window 1,16,128 --runs 5",
+                &["direct", "proxy-shm", "gdaki-shm", "tcp"],
+            ),
+            (
+                "alltoall",
+                "--ranks 2,4,8,16 --sizes 8,4k,64k --runs 7",
+                &["direct", "proxy-shm"],
+            ),
+            (
+                "loggp",
+                "--ranks 2,3,4,6,8,12,16 --sizes 8,4k,64k --runs 7",
+                &["direct", "proxy-shm", "gdaki-shm", "tcp"],
+            ),
+        ],
+        other => bail!("unknown suite {other:?}: smoke, quick or full"),
+    };
+    let mut out = Vec::new();
+    for (bench, args, paths) in plan {
+        for p in PATHS.iter().filter(|p| paths.contains(&p.name)) {
+            let mut a = vec![bench.to_owned()];
+            a.extend(args.split_whitespace().map(str::to_owned));
+            a.extend(p.flags.iter().map(|s| (*s).to_owned()));
+            out.push(Job {
+                name: format!("{bench}-{}", p.name),
+                bench: bench.to_owned(),
+                path_label: p.label.to_owned(),
+                args: a,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// A short machine name: the CPU model and core count, e.g. `amd-epyc-2c`.
+pub fn machine_name(cpu: &str, cores: usize) -> String {
+    let noise = ["processor", "cpu", "with", "radeon", "graphics"];
+    let cpu = cpu
+        .to_ascii_lowercase()
+        .replace("(r)", "")
+        .replace("(tm)", "");
+    let mut words = Vec::new();
+    for w in cpu.split_whitespace() {
+        if w.starts_with('@') || w.ends_with("ghz") || noise.contains(&w) {
+            continue;
+        }
+        let w: String = w.chars().filter(char::is_ascii_alphanumeric).collect();
+        if !w.is_empty() {
+            words.push(w);
+        }
+    }
+    let mut name = words.join("-");
+    name.truncate(24);
+    let name = name.trim_end_matches('-');
+    if name.is_empty() {
+        format!("machine-{cores}c")
+    } else {
+        format!("{name}-{cores}c")
+    }
+}
+
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split_once(':'))
+        .map_or_else(
+            || std::env::consts::ARCH.to_owned(),
+            |(_, v)| v.trim().to_owned(),
+        )
+}
+
+fn workspace_root() -> PathBuf {
+    let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    here.parent().map_or(here.clone(), Path::to_path_buf)
+}
+
+const USAGE: &str =
+    "usage: cargo xtask bench [smoke|quick|full] [--machine NAME] [--out DIR] [--render-only]";
+
+pub fn run(args: &[String]) -> Result<()> {
+    let mut suite = "quick".to_owned();
+    let mut machine = None;
+    let mut out = None;
+    let mut render_only = false;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--machine" => machine = Some(it.next().context("--machine needs a name")?.clone()),
+            "--out" => out = Some(PathBuf::from(it.next().context("--out needs a folder")?)),
+            // Re-render the page and plots from the JSON already there.
+            "--render-only" => render_only = true,
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                return Ok(());
+            }
+            s if !s.starts_with('-') => s.clone_into(&mut suite),
+            other => bail!("unknown option {other:?}\n{USAGE}"),
+        }
+    }
+    let jobs = jobs(&suite)?;
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let machine = machine.unwrap_or_else(|| machine_name(&cpu_model(), cores));
+    if machine.is_empty() || machine.contains(['/', '\\']) || machine.starts_with('.') {
+        bail!("--machine {machine:?}: a plain folder name, please");
+    }
+    let root = workspace_root();
+    let out = out.unwrap_or_else(|| root.join("docs/bench").join(&machine));
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    // gin-bench runs from the workspace root: hand it absolute paths.
+    let out = out
+        .canonicalize()
+        .with_context(|| format!("resolving {}", out.display()))?;
+
+    let reports = if render_only {
+        let mut reports = Vec::new();
+        for job in &jobs {
+            let json = out.join(format!("{}.json", job.name));
+            reports.push((job.clone(), read_json(&json)?));
+        }
+        reports
+    } else {
+        run_jobs(&root, &out, &jobs)?
+    };
+    let plots = plot::all(&out, &reports)?;
+    let md = render_markdown(&suite, &machine, &reports, &plots);
+    let readme = out.join("README.md");
+    std::fs::write(&readme, md).with_context(|| format!("writing {}", readme.display()))?;
+    eprintln!("xtask bench: wrote {}", out.display());
+    Ok(())
+}
+
+fn read_json(path: &Path) -> Result<Value> {
+    serde_json::from_str(
+        &std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?,
+    )
+    .with_context(|| format!("parsing {}", path.display()))
+}
+
+/// Builds gin-bench, then runs every job; stops at the first failure.
+fn run_jobs(root: &Path, out: &Path, jobs: &[Job]) -> Result<Vec<(Job, Value)>> {
+    eprintln!("xtask bench: building gin-bench (release)...");
+    let st = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(["build", "--release", "-p", "gin-bench"])
+        .current_dir(root)
+        .status()
+        .context("running cargo build")?;
+    if !st.success() {
+        bail!("building gin-bench failed");
+    }
+    let target =
+        std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
+    let exe = target.join("release/gin-bench");
+    if !exe.exists() {
+        bail!("{} is missing after the build", exe.display());
+    }
+
+    let mut reports = Vec::new();
+    for (i, job) in jobs.iter().enumerate() {
+        let json = out.join(format!("{}.json", job.name));
+        eprintln!(
+            "xtask bench [{}/{}]: gin-bench {}",
+            i + 1,
+            jobs.len(),
+            job.args.join(" ")
+        );
+        let st = Command::new(&exe)
+            .args(&job.args)
+            .arg("--json")
+            .arg(&json)
+            .current_dir(root)
+            .status()
+            .with_context(|| format!("running gin-bench {}", job.args.join(" ")))?;
+        if !st.success() {
+            bail!(
+                "gin-bench {} failed ({st}); nothing was written for the suite",
+                job.args.join(" ")
+            );
+        }
+        reports.push((job.clone(), read_json(&json)?));
+    }
+    Ok(reports)
+}
+
+/// Renders a Markdown table from gin-bench's embedded table.
+fn table_md(t: &Value) -> String {
+    let cells = |v: &Value| -> Vec<String> {
+        v.as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|c| c.as_str().unwrap_or("").replace('|', "\\|"))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let cols = cells(&t["columns"]);
+    let mut s = String::new();
+    let _ = writeln!(s, "| {} |", cols.join(" | "));
+    let _ = writeln!(s, "|{}", " --- |".repeat(cols.len()));
+    for r in t["rows"].as_array().into_iter().flatten() {
+        let _ = writeln!(s, "| {} |", cells(r).join(" | "));
+    }
+    for n in t["notes"].as_array().into_iter().flatten() {
+        let _ = writeln!(s, "\n{}", n.as_str().unwrap_or(""));
+    }
+    s
+}
+
+fn render_markdown(
+    suite: &str,
+    machine: &str,
+    reports: &[(Job, Value)],
+    plots: &[(String, String)],
+) -> String {
+    let mut s = String::new();
+    let host = reports.first().map(|r| &r.1["host"]);
+    let date = reports
+        .first()
+        .and_then(|r| r.1["date"].as_str())
+        .unwrap_or("?");
+    let _ = writeln!(s, "# Benchmarks: {machine}\n");
+    let _ = writeln!(
+        s,
+        "Suite `{suite}`, produced by `cargo xtask bench {suite}` on {date}; every figure below comes from that run (the JSON files beside this page hold every sample)."
+    );
+    if let Some(h) = host {
+        let _ = writeln!(
+            s,
+            "Machine: {} ({} CPUs available, {} GiB), Linux {}, hostname `{}`.",
+            h["cpu"].as_str().unwrap_or("?"),
+            h["cores"],
+            h["memory_gib"],
+            h["kernel"].as_str().unwrap_or("?"),
+            h["hostname"].as_str().unwrap_or("?")
+        );
+        if h["cores"].as_u64().is_some_and(|c| c <= 2) {
+            let _ = writeln!(
+                s,
+                "This machine has only {} CPUs: ranks, proxies and the soft NIC share them, so figures vary from run to run, and with more threads than CPUs they measure the scheduler as much as the transport.",
+                h["cores"]
+            );
+        }
+    }
+    let _ = writeln!(
+        s,
+        "Each row gives the median over runs with p10/p90/p99 and a floor measured in the same job (see [docs/bench/suite.md](../suite.md) and [docs/loggp.md](../../loggp.md))."
+    );
+    if !plots.is_empty() {
+        let _ = writeln!(s, "\n## Plots\n");
+        for (file, caption) in plots {
+            let _ = writeln!(s, "![{caption}]({file})\n");
+        }
+    }
+    let mut last_bench = String::new();
+    for (job, v) in reports {
+        if job.bench != last_bench {
+            let _ = writeln!(s, "## {}\n", job.bench);
+            last_bench.clone_from(&job.bench);
+        }
+        let _ = writeln!(s, "### {}\n", job.path_label);
+        let _ = writeln!(
+            s,
+            "`cargo run --release -p gin-bench -- {}` ([JSON]({}.json))\n",
+            job.args.join(" "),
+            job.name
+        );
+        for t in v["tables"].as_array().into_iter().flatten() {
+            let _ = writeln!(s, "{}\n", t["title"].as_str().unwrap_or(""));
+            s.push_str(&table_md(t));
+            s.push('\n');
+        }
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn machine_names_are_short_and_plain() {
+        assert_eq!(machine_name("AMD EPYC", 2), "amd-epyc-2c");
+        assert_eq!(
+            machine_name("Intel(R) Xeon(R) Platinum 8480+ CPU @ 2.00GHz", 224),
+            "intel-xeon-platinum-8480-224c"
+        );
+        assert_eq!(machine_name("", 4), "machine-4c");
+        assert!(machine_name("AMD Ryzen 9 7950X 16-Core Processor", 32).len() <= 28);
+    }
+
+    #[test]
+    fn suites_expand_to_jobs_per_path() {
+        let q = jobs("quick").unwrap();
+        assert!(q.iter().any(|j| j.name == "pingpong-direct"));
+        assert!(q.iter().any(|j| j.name == "loggp-proxy-shm"));
+        let f = jobs("full").unwrap();
+        assert!(f.iter().any(|j| j.name == "loggp-tcp"));
+        assert!(f.iter().all(|j| j.args[0] == j.bench));
+        assert!(jobs("nope").is_err());
+    }
+
+    #[test]
+    fn tables_render_as_markdown() {
+        let t = serde_json::json!({
+            "columns": ["size", "µs"],
+            "rows": [["8 B", "0.1"], ["a|b", "2"]],
+            "notes": ["median over runs"]
+        });
+        assert_eq!(
+            table_md(&t),
+            "| size | µs |\n| --- | --- |\n| 8 B | 0.1 |\n| a\\|b | 2 |\n\nmedian over runs\n"
+        );
+    }
+}
