@@ -10,7 +10,7 @@ use std::mem::{offset_of, size_of};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use gin_device::abi::{BackendAbi, DevCommAbi, ProxyRingAbi, WindowAbi, errword};
+use gin_device::abi::{DevCommAbi, ProxyRingAbi, WindowAbi, errword};
 use gin_gdaki::wqe::{self, MemRef, Op as WqeOp};
 use gin_proxy::descriptor::{Desc, MAX_BYTES, MAX_FIELD, MAX_ID, Op, Sig};
 
@@ -96,7 +96,6 @@ fn header_matches_rust_abi_and_encoders() {
 
     assert_eq!(num("sizeof.DevComm"), size_of::<DevCommAbi>());
     assert_eq!(num("sizeof.Window"), size_of::<WindowAbi>());
-    assert_eq!(num("sizeof.BackendAbi"), size_of::<BackendAbi>());
     assert_eq!(num("sizeof.ProxyRingAbi"), size_of::<ProxyRingAbi>());
     assert_eq!(
         num("offset.DevComm.timeout_ticks"),
@@ -107,10 +106,15 @@ fn header_matches_rust_abi_and_encoders() {
         offset_of!(DevCommAbi, error_word)
     );
     assert_eq!(num("offset.Window.sizes"), offset_of!(WindowAbi, sizes));
-    assert_eq!(
-        num("offset.BackendAbi.signal_peers"),
-        offset_of!(BackendAbi, signal_peers)
-    );
+    for (f, rust) in [
+        ("rings", offset_of!(DevCommAbi, rings)),
+        ("backend_kind", offset_of!(DevCommAbi, backend_kind)),
+        ("lsa", offset_of!(DevCommAbi, lsa)),
+        ("signal_peers", offset_of!(DevCommAbi, signal_peers)),
+        ("signal_window", offset_of!(DevCommAbi, signal_window)),
+    ] {
+        assert_eq!(num(&format!("offset.DevComm.{f}")), rust, "DevComm.{f}");
+    }
     assert_eq!(
         num("offset.ProxyRingAbi.head"),
         offset_of!(ProxyRingAbi, head)

@@ -41,12 +41,15 @@ static u64 next() {
 int main() {
   std::printf("sizeof.DevComm %zu\n", sizeof(DevComm));
   std::printf("sizeof.Window %zu\n", sizeof(Window));
-  std::printf("sizeof.BackendAbi %zu\n", sizeof(BackendAbi));
   std::printf("sizeof.ProxyRingAbi %zu\n", sizeof(ProxyRingAbi));
   std::printf("offset.DevComm.timeout_ticks %zu\n", __builtin_offsetof(DevComm, timeout_ticks));
   std::printf("offset.DevComm.error_word %zu\n", __builtin_offsetof(DevComm, error_word));
   std::printf("offset.Window.sizes %zu\n", __builtin_offsetof(Window, sizes));
-  std::printf("offset.BackendAbi.signal_peers %zu\n", __builtin_offsetof(BackendAbi, signal_peers));
+  std::printf("offset.DevComm.rings %zu\n", __builtin_offsetof(DevComm, rings));
+  std::printf("offset.DevComm.signal_window %zu\n", __builtin_offsetof(DevComm, signal_window));
+  std::printf("offset.DevComm.backend_kind %zu\n", __builtin_offsetof(DevComm, backend_kind));
+  std::printf("offset.DevComm.lsa %zu\n", __builtin_offsetof(DevComm, lsa));
+  std::printf("offset.DevComm.signal_peers %zu\n", __builtin_offsetof(DevComm, signal_peers));
   std::printf("offset.ProxyRingAbi.head %zu\n", __builtin_offsetof(ProxyRingAbi, head));
 
   // Descriptors: the Rust golden cases, then random ones.

@@ -34,8 +34,32 @@ pub struct DevCommAbi {
     pub error_word: u64,
     /// Timeout of device waits, in the device's clock ticks (0: none).
     pub timeout_ticks: u64,
-    /// Backend-private state (ring or queue tables).
-    pub backend: u64,
+    /// Address of [`ProxyRingAbi`]`[nctx * nranks]`, context-major, on CUDA
+    /// ranks with proxied peers; 0 otherwise.
+    ///
+    /// This field and the ones below are what a put, signal or wait reads
+    /// on every call, so they are here rather than behind one more pointer:
+    /// a kernel receives this struct by value (constant memory), while each
+    /// system-scope acquire of a wait empties the L1 cache, so every table
+    /// reached through a pointer costs an L2 round trip per call (about
+    /// 0.15 us each on H200, measured with `xtask/gpu/probe/lsa_probe.cu`).
+    pub rings: u64,
+    /// [`BACKEND_NONE`], [`BACKEND_PROXY`] or [`BACKEND_GDAKI`] (0 on CPU ranks).
+    pub backend_kind: u32,
+    /// Signal slots per context: user signals, then one per world barrier
+    /// (CUDA ranks; 0 on CPU ranks).
+    pub sig_per_ctx: u32,
+    /// Address of `u8[nranks]`: 1 where the peer is reached by load/store
+    /// (CUDA ranks; 0 on CPU ranks).
+    pub lsa: u64,
+    /// Address of `u64[nranks]`: each peer's signal window mapped here for
+    /// load/store (0 where none), this rank's own at its index (CUDA ranks).
+    pub signal_peers: u64,
+    /// World barriers: signal slots `nsignals..nsignals + world_barriers` of
+    /// each context (CUDA ranks).
+    pub world_barriers: u32,
+    /// Id of the signal window, as proxy descriptors name it (CUDA ranks).
+    pub signal_window: u32,
 }
 
 /// The communicator supports strong signals (ordering all earlier puts).
@@ -45,11 +69,15 @@ pub const DEVCOMM_FLAG_VA_SIGNALS: u32 = 1 << 1;
 /// Each context is used by one thread only (no atomics on reservation).
 pub const DEVCOMM_FLAG_EXCLUSIVE_CTX: u32 = 1 << 2;
 
-const _: () = assert!(size_of::<DevCommAbi>() == 88);
+const _: () = assert!(size_of::<DevCommAbi>() == 120);
 const _: () = assert!(offset_of!(DevCommAbi, signal_base) == 24);
 const _: () = assert!(offset_of!(DevCommAbi, signals) == 32);
 const _: () = assert!(offset_of!(DevCommAbi, counters) == 48);
-const _: () = assert!(offset_of!(DevCommAbi, backend) == 80);
+const _: () = assert!(offset_of!(DevCommAbi, rings) == 80);
+const _: () = assert!(offset_of!(DevCommAbi, backend_kind) == 88);
+const _: () = assert!(offset_of!(DevCommAbi, lsa) == 96);
+const _: () = assert!(offset_of!(DevCommAbi, signal_peers) == 104);
+const _: () = assert!(offset_of!(DevCommAbi, signal_window) == 116);
 
 /// A registered window as the device sees it.
 #[repr(C)]
@@ -104,40 +132,12 @@ pub const DEVCOMM_FLAG_CTA_CTX: u32 = 1 << 4;
 /// own sub-slot.
 pub const DEVCOMM_FLAG_SENDER_SLOTS: u32 = 1 << 3;
 
-/// [`BackendAbi::kind`]: no queues; every peer is reached by load/store.
+/// [`DevCommAbi::backend_kind`]: no queues; every peer is reached by load/store.
 pub const BACKEND_NONE: u32 = 0;
-/// [`BackendAbi::kind`]: descriptor rings read by a proxy thread.
+/// [`DevCommAbi::backend_kind`]: descriptor rings read by a proxy thread.
 pub const BACKEND_PROXY: u32 = 1;
-/// [`BackendAbi::kind`]: mlx5 queues executed by a NIC.
+/// [`DevCommAbi::backend_kind`]: mlx5 queues executed by a NIC.
 pub const BACKEND_GDAKI: u32 = 2;
-
-/// What [`DevCommAbi::backend`] points to for CUDA ranks.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct BackendAbi {
-    /// [`BACKEND_NONE`], [`BACKEND_PROXY`] or [`BACKEND_GDAKI`].
-    pub kind: u32,
-    /// Signal slots per context: user signals, then one per world barrier.
-    pub sig_per_ctx: u32,
-    /// World barriers (slots `nsignals..nsignals + world_barriers`).
-    pub world_barriers: u32,
-    pub reserved: u32,
-    /// Address of `u8[nranks]`: 1 where the peer is reached by load/store.
-    pub lsa: u64,
-    /// Address of `u64[nranks]`: each peer's signal window mapped here for
-    /// load/store (0 where none), this rank's own at its index.
-    pub signal_peers: u64,
-    /// Id of the signal window, as descriptors name it.
-    pub signal_window: u32,
-    pub reserved2: u32,
-    /// Address of [`ProxyRingAbi`]`[nctx * nranks]`, context-major.
-    pub rings: u64,
-}
-
-const _: () = assert!(size_of::<BackendAbi>() == 48);
-const _: () = assert!(offset_of!(BackendAbi, lsa) == 16);
-const _: () = assert!(offset_of!(BackendAbi, signal_window) == 32);
-const _: () = assert!(offset_of!(BackendAbi, rings) == 40);
 
 /// One (context, peer) descriptor ring as a kernel sees it.
 #[repr(C)]

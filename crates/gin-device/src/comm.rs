@@ -277,7 +277,7 @@ impl DevComm {
             abort_flag: Arc::as_ptr(&abort) as u64,
             error_word: std::ptr::from_ref::<AtomicU64>(&error_word) as u64,
             timeout_ticks: 0,
-            backend: 0,
+            ..DevCommAbi::default()
         };
         let nbar = (p.world_barriers + p.rail_barriers) as usize * p.nctx as usize;
         Ok(Self {

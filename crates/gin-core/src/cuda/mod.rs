@@ -39,7 +39,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use gin_device::abi::{
-    BACKEND_NONE, BACKEND_PROXY, BackendAbi, DEVCOMM_FLAG_CTA_CTX, DEVCOMM_FLAG_EXCLUSIVE_CTX,
+    BACKEND_NONE, BACKEND_PROXY, DEVCOMM_FLAG_CTA_CTX, DEVCOMM_FLAG_EXCLUSIVE_CTX,
     DEVCOMM_FLAG_SENDER_SLOTS, DEVCOMM_FLAG_STRONG_SIGNALS, DevCommAbi, ProxyRingAbi, WindowAbi,
     errword,
 };
@@ -423,23 +423,6 @@ impl<'c> CudaComm<'c> {
         let sig_peers = DevMem::new(n * 8)?;
         let sig_info = self.signal_info();
         sig_peers.write(0, &sig_info.peers)?;
-        let backend_abi = BackendAbi {
-            kind: if any_proxy {
-                BACKEND_PROXY
-            } else {
-                BACKEND_NONE
-            },
-            sig_per_ctx,
-            world_barriers: req.world_barriers,
-            reserved: 0,
-            lsa: lsa_mem.ptr,
-            signal_peers: sig_peers.ptr,
-            signal_window: self.signal_window.id(),
-            reserved2: 0,
-            rings: rings.ptr,
-        };
-        let backend = DevMem::new(std::mem::size_of::<BackendAbi>())?;
-        backend.write(0, std::slice::from_ref(&backend_abi))?;
         let mut flags = DEVCOMM_FLAG_SENDER_SLOTS | DEVCOMM_FLAG_STRONG_SIGNALS;
         flags |= match sharing {
             CtxSharing::Gpu => 0,
@@ -461,7 +444,17 @@ impl<'c> CudaComm<'c> {
             abort_flag: self.abort.dev,
             error_word: self.error.ptr,
             timeout_ticks: u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX),
-            backend: backend.ptr,
+            rings: rings.ptr,
+            backend_kind: if any_proxy {
+                BACKEND_PROXY
+            } else {
+                BACKEND_NONE
+            },
+            sig_per_ctx,
+            lsa: lsa_mem.ptr,
+            signal_peers: sig_peers.ptr,
+            world_barriers: req.world_barriers,
+            signal_window: self.signal_window.id(),
         };
         let proxy = if any_proxy {
             Some(proxy::CudaProxy::start(proxy::ProxySpec {
@@ -484,7 +477,7 @@ impl<'c> CudaComm<'c> {
             cuda: self,
             abi,
             proxy,
-            _mem: vec![indices, rings, lsa_mem, sig_peers, backend],
+            _mem: vec![indices, rings, lsa_mem, sig_peers],
             ranges: Some(ranges),
             lsa: lsa.iter().map(|&b| b != 0).collect(),
         })

@@ -44,7 +44,7 @@ constexpr u32 FLAG_SENDER_SLOTS = 1u << 3;
 // Each context is used by one block: reservations use block-scope atomics.
 constexpr u32 FLAG_CTA_CTX = 1u << 4;
 
-// BackendAbi::kind
+// DevComm::backend_kind
 constexpr u32 BACKEND_NONE = 0;
 constexpr u32 BACKEND_PROXY = 1;
 constexpr u32 BACKEND_GDAKI = 2;
@@ -89,13 +89,27 @@ struct DevComm {
   u64 abort_flag;  // u32 the host sets to make waits give up
   u64 error_word;  // u64, first error wins
   u64 timeout_ticks; // wait timeout in %globaltimer nanoseconds (0: none)
-  u64 backend;     // BackendAbi*
+  // Read by puts, signals and waits: here, in the by-value kernel argument
+  // (constant memory), not behind one more pointer, because a wait's
+  // system-scope acquire empties L1 and each pointer chased after it costs
+  // an L2 round trip.
+  u64 rings;        // ProxyRingAbi[nctx * nranks], context-major (0: none)
+  u32 backend_kind; // BACKEND_*
+  u32 sig_per_ctx;  // user signals, then one slot per world barrier
+  u64 lsa;          // u8[nranks]: 1 where the peer is reached by load/store
+  u64 signal_peers; // u64[nranks]: signal windows mapped here (0: none)
+  u32 world_barriers;
+  u32 signal_window; // the signal window's id, for descriptors
 };
-static_assert(sizeof(DevComm) == 88, "DevComm ABI");
+static_assert(sizeof(DevComm) == 120, "DevComm ABI");
 GIN_ASSERT_OFFSET(DevComm, signal_base, 24, "DevComm ABI");
 GIN_ASSERT_OFFSET(DevComm, signals, 32, "DevComm ABI");
 GIN_ASSERT_OFFSET(DevComm, counters, 48, "DevComm ABI");
-GIN_ASSERT_OFFSET(DevComm, backend, 80, "DevComm ABI");
+GIN_ASSERT_OFFSET(DevComm, rings, 80, "DevComm ABI");
+GIN_ASSERT_OFFSET(DevComm, backend_kind, 88, "DevComm ABI");
+GIN_ASSERT_OFFSET(DevComm, lsa, 96, "DevComm ABI");
+GIN_ASSERT_OFFSET(DevComm, signal_peers, 104, "DevComm ABI");
+GIN_ASSERT_OFFSET(DevComm, signal_window, 116, "DevComm ABI");
 
 struct Window {
   u32 id;
@@ -112,22 +126,6 @@ GIN_ASSERT_OFFSET(Window, local_base, 8, "Window ABI");
 GIN_ASSERT_OFFSET(Window, peer_bases, 32, "Window ABI");
 GIN_ASSERT_OFFSET(Window, keys, 40, "Window ABI");
 GIN_ASSERT_OFFSET(Window, addrs, 48, "Window ABI");
-
-struct BackendAbi {
-  u32 kind;
-  u32 sig_per_ctx;    // user signals, then one slot per world barrier
-  u32 world_barriers;
-  u32 reserved;
-  u64 lsa;            // u8[nranks]: 1 where the peer is reached by load/store
-  u64 signal_peers;   // u64[nranks]: signal windows mapped here
-  u32 signal_window;  // the signal window's id, for descriptors
-  u32 reserved2;
-  u64 rings;          // ProxyRingAbi[nctx * nranks], context-major
-};
-static_assert(sizeof(BackendAbi) == 48, "BackendAbi ABI");
-GIN_ASSERT_OFFSET(BackendAbi, lsa, 16, "BackendAbi ABI");
-GIN_ASSERT_OFFSET(BackendAbi, signal_window, 32, "BackendAbi ABI");
-GIN_ASSERT_OFFSET(BackendAbi, rings, 40, "BackendAbi ABI");
 
 struct ProxyRingAbi {
   u64 slots; // 2^log2 64-byte descriptors, mapped pinned host memory

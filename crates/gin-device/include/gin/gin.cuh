@@ -2,7 +2,7 @@
 // gin-device's Ctx (put, put_value, signal, get, flush, waits, resets,
 // barriers), for a thread, a warp or a block.
 //
-// Paths, chosen per peer by the host (BackendAbi::lsa):
+// Paths, chosen per peer by the host (DevComm::lsa):
 // - load/store (NCCL's LSA, DeepEP's NVLink kernels): the peer's window is
 //   mapped here through CUDA IPC; a put is a copy by the cooperating threads,
 //   a signal a system-scope atomic add on the peer's sub-slot.
@@ -92,8 +92,10 @@ GIN_DEV u64 ld_relaxed_sys(const u64* p) {
   asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
-GIN_DEV void red_add_sys(u64* p, u64 v) {
-  asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+// Adds `v` at `p` after every store this thread has made or observed
+// (including the coop's, through its barrier) is visible system-wide.
+GIN_DEV void red_add_release_sys(u64* p, u64 v) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 // Polls `ready` with a timeout and the abort flag; returns OK, `timeout_kind`
@@ -111,16 +113,13 @@ GIN_DEV u32 poll(const DevComm& dc, u32 timeout_kind, Ready ready) {
   }
 }
 
-GIN_DEV const BackendAbi& backend_of(const DevComm& dc) { return *(const BackendAbi*)dc.backend; }
-GIN_DEV bool is_lsa(const DevComm& dc, u32 peer) {
-  return ((const u8*)detail::backend_of(dc).lsa)[peer] != 0;
-}
+GIN_DEV bool is_lsa(const DevComm& dc, u32 peer) { return ((const u8*)dc.lsa)[peer] != 0; }
 GIN_DEV const ProxyRingAbi& ring(const DevComm& dc, u32 ctx, u32 peer) {
-  return ((const ProxyRingAbi*)detail::backend_of(dc).rings)[ctx * dc.nranks + peer];
+  return ((const ProxyRingAbi*)dc.rings)[ctx * dc.nranks + peer];
 }
 // Global slot index of signal `id` (or barrier slot) of context `ctx`.
 GIN_DEV u64 signal_slot(const DevComm& dc, u32 ctx, u32 id) {
-  return dc.signal_base + (u64)ctx * detail::backend_of(dc).sig_per_ctx + id;
+  return dc.signal_base + (u64)ctx * dc.sig_per_ctx + id;
 }
 // Byte offset of this rank's sub-slot of `slot` in any rank's signal window.
 GIN_DEV u64 sender_offset(const DevComm& dc, u64 slot) {
@@ -142,12 +141,14 @@ GIN_DEV void coop_copy(Coop c, u8* dst, const u8* src, u64 bytes) {
     uint4* d = (uint4*)dst;
     const uint4* s = (const uint4*)src;
     u64 i = r;
-    for (; i + 3 * n < vecs; i += 4 * n) {
-      uint4 a = s[i], b = s[i + n], e = s[i + 2 * n], f = s[i + 3 * n];
-      d[i] = a;
-      d[i + n] = b;
-      d[i + 2 * n] = e;
-      d[i + 3 * n] = f;
+    // Eight 16-byte loads in flight per thread before the stores: a lone
+    // thread or a warp is bound by load latency, not by the link.
+    for (; i + 7 * n < vecs; i += 8 * n) {
+      uint4 v[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v[k] = s[i + k * n];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) d[i + k * n] = v[k];
     }
     for (; i < vecs; i += n) d[i] = s[i];
     head = vecs * 16;
@@ -155,6 +156,8 @@ GIN_DEV void coop_copy(Coop c, u8* dst, const u8* src, u64 bytes) {
   for (u64 i = head + r; i < bytes; i += n) dst[i] = src[i];
 }
 
+// Says when a producer waiting for ring credit should give up; the clock
+// starts at its first call, so a push with credit never reads it.
 struct Giver {
   const DevComm& dc;
   u64 start;
@@ -164,7 +167,9 @@ struct Giver {
       kind = ABORTED;
       return true;
     }
-    if (dc.timeout_ticks && proxy::globaltimer() - start > dc.timeout_ticks) {
+    const u64 now = proxy::globaltimer();
+    if (start == 0) start = now;
+    if (dc.timeout_ticks && now - start > dc.timeout_ticks) {
       kind = QUEUE_TIMEOUT;
       return true;
     }
@@ -172,16 +177,23 @@ struct Giver {
   }
 };
 
-// Leader only: queues `d` on ring (ctx, peer).
-GIN_DEV int push(const DevComm& dc, u32 ctx, u32 peer, const proxy::Desc& d) {
-  const ProxyRingAbi& r = ring(dc, ctx, peer);
+// Leader only: queues `d` on ring `r`, the one of (ctx, peer).
+GIN_DEV int push_on(const DevComm& dc, const ProxyRingAbi& r, u32 ctx, u32 peer,
+                    const proxy::Desc& d) {
   // The source bytes this block wrote must be visible to the copy engine
   // before the proxy can read the descriptor.
   __threadfence_system();
+  // The completion index and the reservation travel together: one L2
+  // round trip, not two.
+  const u64 done_seen = proxy::ld_relaxed_gpu((const u64*)r.done);
   const u64 seq = proxy::reserve(r, dc.flags);
-  Giver g{dc, proxy::globaltimer(), OK};
-  if (!proxy::publish(r, seq, d, g)) return fail(dc, g.kind, ctx, peer, (u32)seq);
+  Giver g{dc, 0, OK};
+  if (!proxy::publish(r, seq, done_seen, d, g)) return fail(dc, g.kind, ctx, peer, (u32)seq);
   return OK;
+}
+GIN_DEV int push(const DevComm& dc, u32 ctx, u32 peer, const proxy::Desc& d) {
+  const ProxyRingAbi r = ring(dc, ctx, peer);
+  return push_on(dc, r, ctx, peer, d);
 }
 
 GIN_DEV int check_ctx(const DevComm& dc, u32 ctx) {
@@ -198,22 +210,26 @@ GIN_DEV int check_actions(const DevComm& dc, u32 ctx, u32 peer, Remote rem, Loca
 
 GIN_DEV int check_peer(const DevComm& dc, u32 ctx, u32 peer) {
   if (peer >= dc.nranks) return fail(dc, BAD_PEER, ctx, peer, peer);
-  if (!is_lsa(dc, peer) && detail::backend_of(dc).kind != BACKEND_PROXY)
-    return fail(dc, UNSUPPORTED, ctx, peer, detail::backend_of(dc).kind);
+  if (!is_lsa(dc, peer) && dc.backend_kind != BACKEND_PROXY)
+    return fail(dc, UNSUPPORTED, ctx, peer, dc.backend_kind);
   return OK;
 }
 
 // Leader only: the signal and counter of a put (or a bare signal) whose data
 // the coop has already stored (load/store path).
-GIN_DEV void lsa_actions(const DevComm& dc, u32 ctx, u32 peer, Remote rem, LocalAction loc) {
+// `sig_base` is the peer's signal window as mapped here (read by the caller
+// together with its other per-peer loads).
+GIN_DEV void lsa_actions(const DevComm& dc, u32 ctx, u64* sig_base, Remote rem, LocalAction loc) {
   if (rem.kind == 1) {
     // Release at system scope: the coop's stores (ordered before this thread
     // by the coop's barrier) are visible at the peer before the signal.
-    __threadfence_system();
-    u64* base = (u64*)((const u64*)detail::backend_of(dc).signal_peers)[peer];
-    red_add_sys((u64*)((u8*)base + sender_offset(dc, signal_slot(dc, ctx, rem.id))), rem.add);
+    red_add_release_sys((u64*)((u8*)sig_base + sender_offset(dc, signal_slot(dc, ctx, rem.id))),
+                        rem.add);
   }
   if (loc.kind == 1) atomicAdd((unsigned long long*)(counter_subslots(dc, ctx, loc.id) + 1), 1ull);
+}
+GIN_DEV u64* signal_peer(const DevComm& dc, u32 peer) {
+  return (u64*)((const u64*)dc.signal_peers)[peer];
 }
 
 GIN_DEV void proxy_actions(const DevComm& dc, u32 ctx, Remote rem, LocalAction loc,
@@ -221,7 +237,7 @@ GIN_DEV void proxy_actions(const DevComm& dc, u32 ctx, Remote rem, LocalAction l
   if (rem.kind == 1) {
     d.has_signal = 1;
     d.sig_strong = rem.weak ? 0 : 1;
-    d.sig_window = detail::backend_of(dc).signal_window;
+    d.sig_window = dc.signal_window;
     d.sig_offset = sender_offset(dc, signal_slot(dc, ctx, rem.id));
     d.sig_add = rem.add;
   }
@@ -267,19 +283,25 @@ GIN_DEV int put(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst
                 LocalAction loc = no_counter(), Coop coop = THREAD) {
   using namespace detail;
   int e = check_ctx(dc, ctx);
-  if (!e) e = check_peer(dc, ctx, peer);
+  if (!e && peer >= dc.nranks) e = fail(dc, BAD_PEER, ctx, peer, peer);
   if (!e) e = check_actions(dc, ctx, peer, rem, loc);
-  if (!e && !range_ok(dst_off, bytes, ((const u64*)dst.sizes)[peer]))
-    e = fail(dc, OUT_OF_WINDOW, ctx, peer, dst.id);
-  if (!e && !range_ok(src_off, bytes, src.local_size))
-    e = fail(dc, OUT_OF_WINDOW, ctx, peer, src.id);
   if (e) return e;
-  if (is_lsa(dc, peer)) {
-    u8* d = (u8*)((const u64*)dst.peer_bases)[peer];
-    if (!d) return fail(dc, UNSUPPORTED, ctx, peer, dst.id);
+  // Every per-peer table read at once: one L2 round trip, not one each.
+  const bool lsa = is_lsa(dc, peer);
+  const u64 dst_size = ((const u64*)dst.sizes)[peer];
+  u8* const d = (u8*)((const u64*)dst.peer_bases)[peer];
+  u64* const sig = rem.kind == 1 ? signal_peer(dc, peer) : nullptr;
+  // The ring too, where there are rings (unused for a load/store peer).
+  ProxyRingAbi rg{};
+  if (dc.backend_kind == BACKEND_PROXY) rg = ring(dc, ctx, peer);
+  if (!lsa && dc.backend_kind != BACKEND_PROXY) return fail(dc, UNSUPPORTED, ctx, peer, dc.backend_kind);
+  if (!range_ok(dst_off, bytes, dst_size)) return fail(dc, OUT_OF_WINDOW, ctx, peer, dst.id);
+  if (!range_ok(src_off, bytes, src.local_size)) return fail(dc, OUT_OF_WINDOW, ctx, peer, src.id);
+  if (lsa) {
+    if (!d || (rem.kind == 1 && !sig)) return fail(dc, UNSUPPORTED, ctx, peer, dst.id);
     coop_copy(coop, d + dst_off, (const u8*)src.local_base + src_off, bytes);
     coop_sync(coop);
-    if (coop_rank(coop) == 0) lsa_actions(dc, ctx, peer, rem, loc);
+    if (coop_rank(coop) == 0) lsa_actions(dc, ctx, sig, rem, loc);
     coop_sync(coop);
     return OK;
   }
@@ -293,7 +315,7 @@ GIN_DEV int put(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst
     d.src_window = src.id;
     d.src_offset = src_off;
     proxy_actions(dc, ctx, rem, loc, d);
-    r = push(dc, ctx, peer, d);
+    r = push_on(dc, rg, ctx, peer, d);
   }
   return coop_bcast(coop, r);
 }
@@ -315,11 +337,12 @@ GIN_DEV int put_value(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u
   if (coop_rank(coop) == 0) {
     if (is_lsa(dc, peer)) {
       u8* d = (u8*)((const u64*)dst.peer_bases)[peer];
-      if (!d) {
+      u64* sig = rem.kind == 1 ? signal_peer(dc, peer) : nullptr;
+      if (!d || (rem.kind == 1 && !sig)) {
         r = fail(dc, UNSUPPORTED, ctx, peer, dst.id);
       } else {
         *(volatile u64*)(d + dst_off) = value;
-        lsa_actions(dc, ctx, peer, rem, no_counter());
+        lsa_actions(dc, ctx, sig, rem, no_counter());
       }
     } else {
       proxy::Desc d = empty_desc(proxy::OP_PUT);
@@ -347,7 +370,9 @@ GIN_DEV int signal(const DevComm& dc, u32 ctx, u32 peer, Remote rem, Coop coop =
   int r = OK;
   if (coop_rank(coop) == 0) {
     if (is_lsa(dc, peer)) {
-      lsa_actions(dc, ctx, peer, rem, no_counter());
+      u64* sig = signal_peer(dc, peer);
+      if (sig) lsa_actions(dc, ctx, sig, rem, no_counter());
+      else r = fail(dc, UNSUPPORTED, ctx, peer, 0);
     } else {
       proxy::Desc d = empty_desc(proxy::OP_PUT);
       proxy_actions(dc, ctx, rem, no_counter(), d);
@@ -401,7 +426,7 @@ GIN_DEV int flush(const DevComm& dc, u32 ctx, Coop coop = THREAD) {
   int r = OK;
   if (coop_rank(coop) == 0) {
     __threadfence_system();
-    if (detail::backend_of(dc).kind == BACKEND_PROXY) {
+    if (dc.backend_kind == BACKEND_PROXY) {
       for (u32 p = 0; p < dc.nranks && r == OK; ++p) {
         if (is_lsa(dc, p)) continue;
         const ProxyRingAbi& rg = ring(dc, ctx, p);
@@ -494,7 +519,7 @@ GIN_DEV int reset_counter(const DevComm& dc, u32 ctx, u32 id) {
 GIN_DEV int barrier(const DevComm& dc, u32 ctx, u32 index, Coop coop = THREAD) {
   using namespace detail;
   int e = check_ctx(dc, ctx);
-  if (!e && index >= detail::backend_of(dc).world_barriers) e = fail(dc, BAD_SIGNAL, ctx, NO_PEER, index);
+  if (!e && index >= dc.world_barriers) e = fail(dc, BAD_SIGNAL, ctx, NO_PEER, index);
   if (e) return e;
   int r = flush(dc, ctx, coop);
   if (r) return r;
@@ -503,14 +528,12 @@ GIN_DEV int barrier(const DevComm& dc, u32 ctx, u32 index, Coop coop = THREAD) {
     const u64 off = sender_offset(dc, slot);
     for (u32 p = 0; p < dc.nranks && r == OK; ++p) {
       if (is_lsa(dc, p)) {
-        __threadfence_system();
-        u64* base = (u64*)((const u64*)detail::backend_of(dc).signal_peers)[p];
-        red_add_sys((u64*)((u8*)base + off), 1);
+        red_add_release_sys((u64*)((u8*)signal_peer(dc, p) + off), 1);
       } else {
         proxy::Desc d = empty_desc(proxy::OP_PUT);
         d.has_signal = 1;
         d.sig_strong = 1;
-        d.sig_window = detail::backend_of(dc).signal_window;
+        d.sig_window = dc.signal_window;
         d.sig_offset = off;
         d.sig_add = 1;
         r = push(dc, ctx, p, d);

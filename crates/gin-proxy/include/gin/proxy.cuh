@@ -106,23 +106,40 @@ GIN_DEV u64 reserve(const ProxyRingAbi& r, u32 flags) {
   return atomicAdd((unsigned long long*)head, 1ull);
 }
 
-// Writes descriptor `d` at position `seq` once there is credit. Returns
-// false when `give_up` says so (timeout or abort) before credit came.
+// The completion index as last stored, with no ordering: credit only says
+// the proxy has finished reading a slot (it stores the index after), and
+// nothing the proxy wrote is read on the strength of it.
+GIN_DEV u64 ld_relaxed_gpu(const u64* p) {
+  u64 v;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Writes descriptor `d` at position `seq` once there is credit. `done_seen`
+// is any earlier reading of the completion index (it only grows), so the
+// caller can read it alongside its reservation rather than after it.
+// Returns false when `give_up` says so (timeout or abort) before credit came.
 template <class GiveUp>
-GIN_DEV bool publish(const ProxyRingAbi& r, u64 seq, const Desc& d, GiveUp give_up) {
+GIN_DEV bool publish(const ProxyRingAbi& r, u64 seq, u64 done_seen, const Desc& d, GiveUp give_up) {
   const u64 size = 1ull << r.log2;
-  const u64* done = (const u64*)r.done;
-  for (u32 spin = 0; !has_credit(seq, ld_acquire_gpu(done), size); ++spin) {
-    if ((spin & 255) == 255 && give_up()) return false;
+  if (!has_credit(seq, done_seen, size)) {
+    const u64* done = (const u64*)r.done;
+    for (u32 spin = 0; !has_credit(seq, ld_relaxed_gpu(done), size); ++spin) {
+      if ((spin & 255) == 255 && give_up()) return false;
+    }
   }
   u64 q[8];
   encode(d, seq, r.log2, q);
   // Every qword carries the phase bit, so the order in which these stores
   // reach host memory does not matter: the proxy reads a slot only once all
   // eight show this lap's phase.
-  volatile u64* slot = (volatile u64*)(r.slots + (seq & (size - 1)) * 64);
+  // Four 16-byte stores rather than eight: fewer PCIe writes (the host may
+  // see each torn into qwords, which the phase bits allow).
+  u64* slot = (u64*)(r.slots + (seq & (size - 1)) * 64);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) slot[i] = q[i];
+  for (int i = 0; i < 8; i += 2)
+    asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(slot + i), "l"(q[i]), "l"(q[i + 1])
+                 : "memory");
   return true;
 }
 #endif
