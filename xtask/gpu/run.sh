@@ -54,7 +54,9 @@ if [ "$ngpu" -ge 4 ]; then
   step "selftest-4ranks" "$st" all --ranks 4
 fi
 if [ "$suite" = full ]; then
-  step "bench-cuda" "$here/gin-bench" cuda --json "$out/cuda.json"
+  step "bench-cuda" "$here/gin-bench" cuda --json "$out/cuda.json" --csv "$out/cuda.csv"
+  # The suite's common flags reach the same measurements.
+  step "pingpong-device-cuda" "$here/gin-bench" pingpong --device cuda --sizes 8,64k --coop block --iters 500 --runs 3
 else
   step "bench-cuda" "$here/gin-bench" cuda --sizes 8,64k --coops block --iters 500 --runs 3 --blocks 32 --json "$out/cuda.json"
 fi

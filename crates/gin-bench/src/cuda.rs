@@ -95,6 +95,9 @@ pub struct CudaArgs {
     /// Block counts for the bandwidth test.
     #[arg(long, value_delimiter = ',', default_value = "16,32,66,132")]
     pub blocks: Vec<u32>,
+    /// Threads per block in the bandwidth test.
+    #[arg(long, default_value_t = 512)]
+    pub threads: u32,
     /// Message sizes of the bandwidth test.
     #[arg(long, value_delimiter = ',', value_parser = parse_size, default_value = "4m")]
     pub bw_bytes: Vec<u64>,
@@ -165,6 +168,7 @@ impl CudaArgs {
             warmup,
             runs: c.runs,
             blocks: vec![16, 32, 66, 132],
+            threads: 512,
             bw_bytes: if test == CudaTest::Bandwidth {
                 c.sizes.clone()
             } else {
@@ -193,6 +197,9 @@ impl CudaArgs {
         }
         if let Some(&b) = self.blocks.iter().find(|&&b| b == 0 || b > 1024) {
             bail!("--blocks {b}: between 1 and 1024 blocks");
+        }
+        if self.threads == 0 || self.threads > 1024 || !self.threads.is_multiple_of(32) {
+            bail!("--threads {}: a multiple of 32 up to 1024", self.threads);
         }
         Ok(())
     }
@@ -314,7 +321,7 @@ pub fn run(a: &CudaArgs) -> Result<()> {
                     block,
                     runs: a.runs,
                 };
-                let floor = lsa_floor(&c, &m, &stream, &src, &dst, &flags, &out, &shape)?;
+                let floor = lsa_floor(&c, &m, &stream, &dst, &flags, &out, &shape)?;
                 let gin = gin_pingpong(&c, &m, BackendKind::Auto, &src, &out, &shape)?;
                 rows.push(CudaRow {
                     test: CudaTest::Pingpong,
@@ -355,20 +362,48 @@ pub fn run(a: &CudaArgs) -> Result<()> {
         }
     }
     if want(CudaTest::Bandwidth) {
+        if comm.rank() == 0 {
+            let bw_max = a.bw_bytes.iter().copied().max().unwrap_or(8) as usize;
+            let pat: Vec<u8> = (0..bw_max).map(pattern).collect();
+            src.local().write(0, &pat)?;
+        }
+        dst.local().zero(0, max as usize)?;
+        comm.bootstrap().barrier()?;
         for &path in &a.paths {
             for &bw in &a.bw_bytes {
                 for &blocks in &a.blocks {
-                    let r = bandwidth(&c, &m, path.kind(), &src, &dst, &out, bw, blocks, a.runs)?;
-                    rows.push(CudaRow {
-                        test: CudaTest::Bandwidth,
-                        path: path.label().into(),
-                        coop: format!("{blocks} blocks"),
-                        bytes: bw,
-                        value: summary(&r)?,
-                        floor: None,
-                        peer: (path == CudaPath::LoadStore && bw == 4 << 20)
-                            .then(|| ("NVSHMEM 3.4 (GB/s)".into(), 345.0)),
-                    });
+                    for sig_each in [false, true] {
+                        let r = bandwidth(
+                            &c,
+                            &m,
+                            path.kind(),
+                            &src,
+                            &dst,
+                            &out,
+                            bw,
+                            (blocks, a.threads),
+                            sig_each,
+                            a.runs,
+                        )?;
+                        rows.push(CudaRow {
+                            test: CudaTest::Bandwidth,
+                            path: path.label().into(),
+                            coop: format!(
+                                "{blocks}x{} threads, {}",
+                                a.threads,
+                                if sig_each {
+                                    "signal each"
+                                } else {
+                                    "signal last"
+                                }
+                            ),
+                            bytes: bw,
+                            value: summary(&r)?,
+                            floor: None,
+                            peer: (path == CudaPath::LoadStore && bw == 4 << 20 && !sig_each)
+                                .then(|| ("NVSHMEM 3.4 put_bw (GB/s)".into(), 345.0)),
+                        });
+                    }
                 }
             }
         }
@@ -423,7 +458,7 @@ fn table(rows: &[CudaRow], runs: usize) -> Table {
         ]);
     }
     t.note("ping-pong: round trip in us timed on the GPU (%globaltimer); floor = the same traffic without gin-rs, in the same job; ratio = median / floor");
-    t.note("bandwidth: GB/s seen by rank 0, one 4 MiB-class message split over the blocks");
+    t.note("bandwidth: GB/s seen by rank 0, one message split over the blocks, 50 times; signal last: each block signals after its last put (as NVSHMEM's put_bw quiets once), signal each: every put carries a signal; rank 1 checks every byte");
     t
 }
 
@@ -493,7 +528,6 @@ fn lsa_floor(
     c: &CudaComm<'_>,
     m: &Module,
     stream: &Stream,
-    src: &cuda::GpuWindow,
     dst: &cuda::GpuWindow,
     flags: &cuda::GpuWindow,
     out: &DevMem,
@@ -521,7 +555,10 @@ fn lsa_floor(
             &mut [
                 rank as u64,
                 dst.peer_base(peer).unwrap_or(0),
-                src.local().ptr,
+                // Echo what arrived, as the gin ping-pong does (its one
+                // window is both source and target): the bytes a rank
+                // sends are the ones the peer's NVLink stores just wrote.
+                dst.local().ptr,
                 flags.peer_base(peer).unwrap_or(0),
                 flags.local().ptr,
                 bytes,
@@ -648,10 +685,13 @@ fn bandwidth(
     dst: &cuda::GpuWindow,
     out: &DevMem,
     bytes: u64,
-    blocks: u32,
+    (blocks, threads): (u32, u32),
+    sig_each: bool,
     runs: usize,
 ) -> Result<Vec<f64>> {
     let f = m.function("gin_bandwidth")?;
+    let iters = 50u32;
+    let per_block = if sig_each { u64::from(iters) } else { 1 };
     let req = DevCommRequirements {
         signals: 4,
         counters: 1,
@@ -659,7 +699,6 @@ fn bandwidth(
         ..DevCommRequirements::default()
     };
     let dc = c.dev_comm_on(&req, CtxSharing::Gpu, kind)?;
-    let iters = 50u32;
     let mut v = Vec::with_capacity(runs);
     for run in 0..runs as u64 {
         c.comm().bootstrap().barrier()?;
@@ -667,14 +706,15 @@ fn bandwidth(
         dc.run(
             &f,
             blocks,
-            512,
+            threads,
             &[
                 Arg::DevComm(dc.abi()),
                 Arg::Window(src.abi()),
                 Arg::Window(dst.abi()),
                 Arg::U64(bytes),
                 Arg::U32(iters),
-                Arg::U64(run * u64::from(iters) * u64::from(blocks)),
+                Arg::U32(u32::from(sig_each)),
+                Arg::U64(run * per_block * u64::from(blocks)),
                 Arg::U64(run),
                 Arg::Ptr(out.ptr),
             ],
@@ -693,7 +733,27 @@ fn bandwidth(
     }
     c.comm().bootstrap().barrier()?;
     dc.destroy()?;
+    if c.comm().rank() == 1 {
+        // Every byte of the message arrived: rank 0's pattern, then cleared
+        // so that the next configuration proves its own delivery.
+        let mut got = vec![0u8; bytes as usize];
+        dst.local().read(0, &mut got)?;
+        if let Some(i) = (0..got.len()).find(|&i| got[i] != pattern(i)) {
+            bail!(
+                "bandwidth with {blocks} blocks: byte {i} of {bytes} is {:#x}, expected {:#x}",
+                got[i],
+                pattern(i)
+            );
+        }
+        dst.local().zero(0, bytes as usize)?;
+    }
+    c.comm().bootstrap().barrier()?;
     Ok(v)
+}
+
+/// The bytes rank 0 sends in the bandwidth test.
+fn pattern(i: usize) -> u8 {
+    (i.wrapping_mul(131) ^ (i >> 11)) as u8
 }
 
 #[cfg(test)]

@@ -109,11 +109,13 @@ extern "C" __global__ void gin_pingpong(DevComm dc, Window buf, u64 bytes, u32 i
 }
 
 // One-way bandwidth: rank 0's `gridDim.x` blocks each put their slice of
-// `bytes` to rank 1, `iters` times, each with signal 2; rank 1 waits for all
-// and answers with signal 3. out[2]: ns on rank 0 from the first put to the
+// `bytes` to rank 1, `iters` times; with `sig_each` every put carries signal
+// 2, otherwise only each block's last (puts in a stream, then one signal, as
+// NVSHMEM's put_bw issues puts then quiet). Rank 1 waits for all of them and
+// answers with signal 3. out[2]: ns on rank 0 from the first put to the
 // answer. base2, base3: signals 2 and 3 before this launch.
 extern "C" __global__ void gin_bandwidth(DevComm dc, Window src, Window dst, u64 bytes, u32 iters,
-                                         u64 base2, u64 base3, u64* out) {
+                                         u32 sig_each, u64 base2, u64 base3, u64* out) {
   if (dc.rank > 1) return;
   const u64 slice = (bytes / gridDim.x + 15) & ~15ull;
   const u64 off = slice * blockIdx.x;
@@ -122,7 +124,8 @@ extern "C" __global__ void gin_bandwidth(DevComm dc, Window src, Window dst, u64
   if (dc.rank == 0) {
     const u64 t0 = proxy::globaltimer();
     for (u32 i = 0; i < iters; ++i) {
-      int e = put(dc, 0, 1, dst, off, src, off, n, signal_inc(2), no_counter(), CTA);
+      const Remote rem = (sig_each || i + 1 == iters) ? signal_inc(2) : no_signal();
+      int e = put(dc, 0, 1, dst, off, src, off, n, rem, no_counter(), CTA);
       if (e) {
         if (threadIdx.x == 0) out[0] = e;
         return;
@@ -135,7 +138,8 @@ extern "C" __global__ void gin_bandwidth(DevComm dc, Window src, Window dst, u64
     }
     flush(dc, 0, CTA);
   } else if (blockIdx.x == 0) {
-    int e = wait_signal(dc, 0, 2, base2 + (u64)iters * gridDim.x, CTA);
+    const u64 per_block = sig_each ? iters : 1;
+    int e = wait_signal(dc, 0, 2, base2 + per_block * gridDim.x, CTA);
     if (!e) e = signal(dc, 0, 0, signal_inc(3), CTA);
     if (!e) e = flush(dc, 0, CTA);
     if (e && threadIdx.x == 0) out[0] = e;
