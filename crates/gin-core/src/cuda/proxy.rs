@@ -119,6 +119,21 @@ struct Ring {
 /// Descriptors taken from one ring before moving to the next.
 const BATCH: usize = 64;
 
+/// What the proxy did, logged at debug level when it stops (`GIN_DEBUG=debug`):
+/// where its time went when a path is slower than its floor.
+#[derive(Debug, Default)]
+struct Stats {
+    descriptors: u64,
+    batches: u64,
+    /// Time inside the driver calls that queue copies and stores.
+    queueing: Duration,
+    /// The longest single descriptor's queueing.
+    queueing_max: Duration,
+    /// Polls that found the next slot not yet written.
+    pending: u64,
+    sleeps: u64,
+}
+
 fn run(mut spec: ProxySpec, stop: &AtomicBool) -> Result<(), CoreError> {
     spec.dev.make_current()?;
     let mut rings: Vec<Ring> = Vec::with_capacity(spec.rings.len());
@@ -132,6 +147,7 @@ fn run(mut spec: ProxySpec, stop: &AtomicBool) -> Result<(), CoreError> {
     }
     let mut counter_totals: HashMap<u64, u64> = HashMap::new();
     let mut idle_since: Option<Instant> = None;
+    let mut stats = Stats::default();
     while !stop.load(Ordering::Acquire) {
         let mut progressed = false;
         for ring in &mut rings {
@@ -140,7 +156,10 @@ fn run(mut spec: ProxySpec, stop: &AtomicBool) -> Result<(), CoreError> {
                 let seq = ring.tail;
                 let q = read_slot(ring, seq);
                 let d = match decode(&q, seq, ring.spec.log2) {
-                    Ok(Slot::Pending) => break,
+                    Ok(Slot::Pending) => {
+                        stats.pending += 1;
+                        break;
+                    }
                     Ok(Slot::Ready(d)) => d,
                     Err(e) => {
                         return Err(CoreError::Invalid(format!(
@@ -149,16 +168,24 @@ fn run(mut spec: ProxySpec, stop: &AtomicBool) -> Result<(), CoreError> {
                         )));
                     }
                 };
+                let t = Instant::now();
                 execute(&spec, ring, &mut counter_totals, &d).map_err(|e| {
                     CoreError::Invalid(format!(
                         "rank {}: descriptor {seq} of ring (context {}, peer {}): {e}",
                         spec.rank, ring.spec.ctx, ring.spec.peer
                     ))
                 })?;
+                let dt = t.elapsed();
+                stats.queueing += dt;
+                stats.queueing_max = stats.queueing_max.max(dt);
+                stats.descriptors += 1;
                 ring.tail += 1;
             }
             if ring.tail != start {
+                let t = Instant::now();
                 ring.stream.write_u64(ring.spec.done, ring.tail)?;
+                stats.queueing += t.elapsed();
+                stats.batches += 1;
                 progressed = true;
             }
         }
@@ -172,6 +199,7 @@ fn run(mut spec: ProxySpec, stop: &AtomicBool) -> Result<(), CoreError> {
         // next descriptor never waits for a sleeping proxy.
         let since = *idle_since.get_or_insert_with(Instant::now);
         if since.elapsed() > spec.spin.max(Duration::from_millis(5)) {
+            stats.sleeps += 1;
             std::thread::sleep(Duration::from_micros(50));
         } else {
             std::hint::spin_loop();
@@ -180,6 +208,16 @@ fn run(mut spec: ProxySpec, stop: &AtomicBool) -> Result<(), CoreError> {
     for r in &rings {
         r.stream.sync()?;
     }
+    tracing::debug!(
+        rank = spec.rank,
+        descriptors = stats.descriptors,
+        batches = stats.batches,
+        queueing_ms = stats.queueing.as_secs_f64() * 1e3,
+        queueing_max_us = stats.queueing_max.as_secs_f64() * 1e6,
+        pending_polls = stats.pending,
+        sleeps = stats.sleeps,
+        "CUDA proxy stopped"
+    );
     Ok(())
 }
 

@@ -123,9 +123,14 @@ template <class GiveUp>
 GIN_DEV bool publish(const ProxyRingAbi& r, u64 seq, u64 done_seen, const Desc& d, GiveUp give_up) {
   const u64 size = 1ull << r.log2;
   if (!has_credit(seq, done_seen, size)) {
+    // Back off: when the ring is full, every producing block of the GPU
+    // would otherwise hammer the one line that holds the completion index.
     const u64* done = (const u64*)r.done;
+    u32 pause = 32;
     for (u32 spin = 0; !has_credit(seq, ld_relaxed_gpu(done), size); ++spin) {
-      if ((spin & 255) == 255 && give_up()) return false;
+      __nanosleep(pause);
+      if (pause < 2048) pause *= 2;
+      if ((spin & 15) == 15 && give_up()) return false;
     }
   }
   u64 q[8];
