@@ -171,7 +171,8 @@ impl Common {
         if self.device == Device::Cuda {
             bail!(
                 "--device cuda: {subcommand} runs CPU ranks only; on GPUs, pingpong and bandwidth \
-                 take --device cuda, and `gin-bench cuda` runs both with every coop and path"
+                 take --device cuda, and `gin-bench cuda` runs the ping-pong, bandwidth and all-to-all \
+                 (with its LogGP prediction) with every coop and path"
             );
         }
         if self.iters == 0 || self.runs == 0 {

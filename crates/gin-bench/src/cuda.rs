@@ -38,6 +38,9 @@ pub enum CudaTest {
     Pingpong,
     /// One-way bandwidth, one message split over blocks.
     Bandwidth,
+    /// The seed's all-to-all (one block per peer), against the LogGP
+    /// prediction fitted from the ping-pong of the same run.
+    Alltoall,
 }
 
 /// Which CUDA path carries the puts.
@@ -95,6 +98,10 @@ pub struct CudaArgs {
     /// Block counts for the bandwidth test.
     #[arg(long, value_delimiter = ',', default_value = "16,32,66,132")]
     pub blocks: Vec<u32>,
+    /// CUDA ranks, one GPU each: ranks 0 and 1 play the ping-pong and the
+    /// bandwidth test (the others wait), every rank the all-to-all.
+    #[arg(long, default_value_t = 2)]
+    pub ranks: usize,
     /// Threads per block in the bandwidth test.
     #[arg(long, default_value_t = 512)]
     pub threads: u32,
@@ -106,7 +113,7 @@ pub struct CudaArgs {
         long,
         value_delimiter = ',',
         value_enum,
-        default_value = "pingpong,bandwidth"
+        default_value = "pingpong,bandwidth,alltoall"
     )]
     pub tests: Vec<CudaTest>,
     /// Which paths to measure.
@@ -168,6 +175,7 @@ impl CudaArgs {
             warmup,
             runs: c.runs,
             blocks: vec![16, 32, 66, 132],
+            ranks: 2,
             threads: 512,
             bw_bytes: if test == CudaTest::Bandwidth {
                 c.sizes.clone()
@@ -197,6 +205,9 @@ impl CudaArgs {
         }
         if let Some(&b) = self.blocks.iter().find(|&&b| b == 0 || b > 1024) {
             bail!("--blocks {b}: between 1 and 1024 blocks");
+        }
+        if self.ranks < 2 {
+            bail!("--ranks {}: at least 2", self.ranks);
         }
         if self.threads == 0 || self.threads > 1024 || !self.threads.is_multiple_of(32) {
             bail!("--threads {}: a multiple of 32 up to 1024", self.threads);
@@ -271,13 +282,13 @@ pub fn run(a: &CudaArgs) -> Result<()> {
     if let Some(why) = cuda::skip_reason() {
         bail!("gin-bench cuda needs a GPU: {why}");
     }
-    match run_ranks(2).map_err(anyhow::Error::msg)? {
+    match run_ranks(a.ranks).map_err(anyhow::Error::msg)? {
         Role::Launched => return Ok(()),
         Role::Rank => {}
     }
     let comm = Comm::from_env()?;
-    if comm.nranks() != 2 {
-        bail!("gin-bench cuda runs on exactly 2 ranks");
+    if comm.nranks() < 2 {
+        bail!("gin-bench cuda needs at least 2 ranks");
     }
     let c = comm.cuda()?;
     let m = c.compile(cuda::SELFTEST_KERNELS, "selftest.cu")?;
@@ -286,13 +297,18 @@ pub fn run(a: &CudaArgs) -> Result<()> {
     if want(CudaTest::Pingpong) {
         max = max.max(a.sizes.iter().copied().max().unwrap_or(8));
     }
+    if want(CudaTest::Alltoall) {
+        // Every rank's block of each size, side by side.
+        max = max.max(a.sizes.iter().copied().max().unwrap_or(8) * comm.nranks() as u64);
+    }
     if want(CudaTest::Bandwidth) {
         max = max.max(a.bw_bytes.iter().copied().max().unwrap_or(8));
     }
     let mut rows = Vec::new();
     if comm.rank() == 0 {
         println!(
-            "gin-bench cuda: 2 ranks, GPU {} ({}) and its peer; {} launches per figure",
+            "gin-bench cuda: {} ranks, rank 0 on GPU {} ({}); {} launches per figure",
+            comm.nranks(),
             c.device().ordinal,
             c.device().name,
             a.runs
@@ -408,12 +424,113 @@ pub fn run(a: &CudaArgs) -> Result<()> {
             }
         }
     }
+    if want(CudaTest::Alltoall) {
+        if a.sizes.is_empty() {
+            bail!("the all-to-all needs --sizes");
+        }
+        for &path in &a.paths {
+            let fit = loggp_fit(&rows, path);
+            for &bytes in &a.sizes {
+                let iters = if bytes >= 1 << 20 {
+                    (a.iters / 10).max(50)
+                } else {
+                    a.iters
+                };
+                let shape = Shape {
+                    bytes,
+                    iters,
+                    warmup: a.warmup_for(iters),
+                    coop: 2,
+                    block: 512,
+                    runs: a.runs,
+                };
+                let v = gin_alltoall(&c, &m, path.kind(), &src, &dst, &out, &shape)?;
+                let p = comm.nranks() as f64;
+                rows.push(CudaRow {
+                    test: CudaTest::Alltoall,
+                    path: path.label().into(),
+                    coop: format!("{} ranks", comm.nranks()),
+                    bytes,
+                    value: summary(&v)?,
+                    floor: None,
+                    peer: fit.map(|f| {
+                        (
+                            "LogGP L+2o+(P-1)nG".into(),
+                            f.intercept + (p - 1.0) * bytes as f64 * f.slope,
+                        )
+                    }),
+                });
+            }
+        }
+    }
     if comm.rank() == 0 {
         let t = table(&rows, a.runs);
         Report::new("cuda", a, vec![t], rows)?.finish(a.json.as_deref(), a.csv.as_deref())?;
     }
     comm.bootstrap().barrier()?;
     Ok(())
+}
+
+/// LogGP from this run's ping-pong of `path` (block coop on load/store, as
+/// the all-to-all's blocks): half round trip = (L + 2o) + n G, least squares
+/// over the sizes. `None` without at least two sizes.
+fn loggp_fit(rows: &[CudaRow], path: CudaPath) -> Option<crate::stats::LineFit> {
+    let coop = match path {
+        CudaPath::LoadStore => "block",
+        CudaPath::Proxy => "thread",
+    };
+    let pts: Vec<(f64, f64)> = rows
+        .iter()
+        .filter(|r| r.test == CudaTest::Pingpong && r.path == path.label() && r.coop == coop)
+        .map(|r| (r.bytes as f64, r.value.median / 2.0))
+        .collect();
+    crate::stats::line_fit(&pts)
+}
+
+/// The seed's all-to-all, timed on the GPU: µs per iteration, per launch.
+fn gin_alltoall(
+    c: &CudaComm<'_>,
+    m: &Module,
+    kind: BackendKind,
+    send: &cuda::GpuWindow,
+    recv: &cuda::GpuWindow,
+    out: &DevMem,
+    sh: &Shape,
+) -> Result<Vec<f64>> {
+    let f = m.function("gin_alltoall_timed")?;
+    let n = c.comm().nranks() as u32;
+    let req = DevCommRequirements {
+        signals: 1,
+        counters: 1,
+        ..DevCommRequirements::default()
+    };
+    let dc = c.dev_comm_on(&req, CtxSharing::Gpu, kind)?;
+    let mut v = Vec::with_capacity(sh.runs);
+    for run in 0..sh.runs as u64 {
+        c.comm().bootstrap().barrier()?;
+        out.zero(0, 24)?;
+        let base = run * u64::from(n) * u64::from(sh.iters + sh.warmup);
+        dc.run(
+            &f,
+            n,
+            sh.block,
+            &[
+                Arg::DevComm(dc.abi()),
+                Arg::Window(send.abi()),
+                Arg::Window(recv.abi()),
+                Arg::U64(sh.bytes),
+                Arg::U32(sh.iters),
+                Arg::U32(sh.warmup),
+                Arg::U64(base),
+                Arg::Ptr(out.ptr),
+            ],
+        )
+        .with_context(|| format!("all-to-all of {} B", sh.bytes))?;
+        v.push(read_ns(out)? as f64 / f64::from(sh.iters) / 1000.0);
+    }
+    c.comm().bootstrap().barrier()?;
+    dc.destroy()?;
+    Ok(v)
 }
 
 /// One ping-pong point: size, round trips, coop.
@@ -431,7 +548,7 @@ fn table(rows: &[CudaRow], runs: usize) -> Table {
     let mut t = Table::new(
         "cuda",
         format!(
-            "CUDA ranks on 2 GPUs: round trip (us) or one-way bandwidth (GB/s), over {runs} launches"
+            "CUDA ranks, one GPU each: round trip (us) or one-way bandwidth (GB/s) between ranks 0 and 1, all-to-all (us) over all ranks; {runs} launches"
         ),
         &[
             "test", "path", "coop", "size", "median", "p10", "p90", "p99", "floor", "ratio", "peer",
@@ -453,11 +570,12 @@ fn table(rows: &[CudaRow], runs: usize) -> Table {
                 format!("{:.2}", r.value.median / fl.median)
             }),
             r.peer.as_ref().map_or(String::new(), |(n, v)| {
-                format!("{n}: {v} ({:.2}x)", r.value.median / v)
+                format!("{n}: {v:.2} ({:.2}x)", r.value.median / v)
             }),
         ]);
     }
     t.note("ping-pong: round trip in us timed on the GPU (%globaltimer); floor = the same traffic without gin-rs, in the same job; ratio = median / floor");
+    t.note("alltoall: us per iteration (put + signal to every rank, wait for all, flush), one block per peer; peer = the LogGP prediction from this run's ping-pong (half round trip = L + 2o + nG, least squares), with measured / predicted");
     t.note("bandwidth: GB/s seen by rank 0, one message split over the blocks, 50 times; signal last: each block signals after its last put (as NVSHMEM's put_bw quiets once), signal each: every put carries a signal; rank 1 checks every byte");
     t
 }
@@ -548,6 +666,11 @@ fn lsa_floor(
         flags.local().zero(0, 8)?;
         out.zero(0, 24)?;
         c.comm().bootstrap().barrier()?;
+        if rank > 1 {
+            // Ranks 0 and 1 play; the others only keep the barriers.
+            v.push(0.0);
+            continue;
+        }
         launch_sync(
             &f,
             stream,
@@ -629,6 +752,10 @@ fn proxy_floor(
         let hf = unsafe { &*host.host.cast::<AtomicU64>() };
         hf.store(0, Ordering::Release);
         c.comm().bootstrap().barrier()?;
+        if rank > 1 {
+            v.push(0.0);
+            continue;
+        }
         let total = u64::from(iters + warmup);
         let stop = AtomicBool::new(false);
         let peer_buf = dst.peer_base(peer).unwrap_or(0);

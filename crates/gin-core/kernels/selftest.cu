@@ -77,6 +77,29 @@ extern "C" __global__ void gin_alltoall(DevComm dc, Window send, Window recv, u6
   if (bad) atomicAdd((unsigned long long*)&out[1], (unsigned long long)bad);
 }
 
+// Timed all-to-all, the seed's pattern (one block per peer): each iteration
+// block p puts `bytes` to peer p at offset rank * bytes with signal 0, waits
+// until every rank's put of this iteration has arrived, and flushes. `base`:
+// signal 0 before this launch. out[0]: error; out[2]: ns of `iters`
+// iterations after `warmup`, on block 0. Data is checked by gin_alltoall.
+extern "C" __global__ void gin_alltoall_timed(DevComm dc, Window send, Window recv, u64 bytes,
+                                              u32 iters, u32 warmup, u64 base, u64* out) {
+  const u32 p = blockIdx.x;
+  u64 t0 = 0;
+  for (u32 i = 0; i < warmup + iters; ++i) {
+    if (i == warmup) t0 = proxy::globaltimer();
+    int e = put(dc, 0, p, recv, (u64)dc.rank * bytes, send, (u64)p * bytes, bytes, signal_inc(0),
+                no_counter(), CTA);
+    if (!e) e = wait_signal(dc, 0, 0, base + (u64)dc.nranks * (i + 1), CTA);
+    if (!e) e = flush(dc, 0, CTA);
+    if (e) {
+      if (threadIdx.x == 0) out[0] = e;
+      return;
+    }
+  }
+  if (p == 0 && threadIdx.x == 0) out[2] = proxy::globaltimer() - t0;
+}
+
 // Put-with-signal ping-pong between ranks 0 and 1, one kernel per rank: rank
 // 0 puts `bytes` and waits for the echo; rank 1 echoes. `base`: signal 1's
 // value before this launch (the host counts; reading it here would race with
@@ -193,14 +216,14 @@ extern "C" __global__ void gin_floor_proxy(u32 rank, u64 host_flag, u64 dev_flag
   for (u32 i = 0; i < warmup + iters; ++i) {
     if (i == warmup) t0 = proxy::globaltimer();
     if (rank == 0) {
-      __threadfence_system();
+      __threadfence();
       *hf = i + 1;
       while (detail::ld_acquire_sys(df) < i + 1) {
       }
     } else {
       while (detail::ld_acquire_sys(df) < i + 1) {
       }
-      __threadfence_system();
+      __threadfence();
       *hf = i + 1;
     }
   }
