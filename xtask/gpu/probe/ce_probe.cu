@@ -8,7 +8,9 @@
 // on) plus a stream write after each, on another stream, and times them
 // until the stream is done. Modes: "all" (every thread reads the host flag
 // in a loop), "lead1us" (one thread per block reads it every microsecond,
-// the rest wait at a barrier), "lead" (one thread per block, no pause).
+// the rest wait at a barrier), "lead" (one thread per block, no pause),
+// "clock20ms" (every thread spins on %globaltimer for 20 ms, touching no
+// memory: the control), "lead100us" (as lead1us, every 100 us).
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <chrono>
@@ -18,7 +20,20 @@
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
   printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); exit(1); } } while (0)
 
+__device__ unsigned long long gtime() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
 __global__ void busy(volatile int* stop, int mode) {
+  if (mode == 3) {
+    // No memory at all: spin on the clock for 20 ms.
+    const unsigned long long t0 = gtime();
+    while (gtime() - t0 < 20000000ull) {
+    }
+    return;
+  }
   if (mode == 0) {
     while (*stop == 0) {
     }
@@ -27,6 +42,7 @@ __global__ void busy(volatile int* stop, int mode) {
   if (threadIdx.x == 0)
     while (*stop == 0)
       if (mode == 1) __nanosleep(1000);
+      else if (mode == 4) __nanosleep(100000);
   __syncthreads();
 }
 
@@ -47,8 +63,8 @@ int main() {
   CK(cudaStreamCreateWithFlags(&ks, cudaStreamNonBlocking));
   CK(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking));
   printf("%-7s %-8s %8s %6s %12s %10s\n", "blocks", "mode", "bytes", "count", "us per copy", "GB/s");
-  const char* modes[] = {"all", "lead1us", "lead"};
-  for (int mode = 0; mode < 3; ++mode) {
+  const char* modes[] = {"all", "lead1us", "lead", "clock20ms", "lead100us"};
+  for (int mode = 0; mode < 5; ++mode) {
     for (int blocks : {0, 16, 66, 132}) {
       for (size_t bytes : {(size_t)262144}) {
         const int count = 200;

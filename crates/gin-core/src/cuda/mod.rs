@@ -34,7 +34,6 @@ mod proxy;
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -125,7 +124,13 @@ pub struct CudaComm<'c> {
     windows: WinTable,
     signal_window: GpuWindow,
     counters: DevMem,
-    abort: HostMem,
+    /// The abort flag, in device memory: kernels poll it, and a kernel that
+    /// reads host memory, even one thread per block once every 100 us,
+    /// starves the copies the CUDA proxy queues (measured with
+    /// `xtask/gpu/probe/ce_probe.cu`). The host raises it with a stream
+    /// write on `abort_stream`.
+    abort: DevMem,
+    abort_stream: Stream,
     error: DevMem,
     spaces: Mutex<Spaces>,
     stream: Stream,
@@ -186,7 +191,8 @@ impl<'c> CudaComm<'c> {
             windows,
             signal_window,
             counters: DevMem::new(s.counter_slots as usize * 16)?,
-            abort: HostMem::new(64)?,
+            abort: DevMem::new(64)?,
+            abort_stream: Stream::new()?,
             error: DevMem::new(8)?,
             spaces: Mutex::new(Spaces {
                 signals: IdSpace::new(s.signal_slots),
@@ -441,7 +447,7 @@ impl<'c> CudaComm<'c> {
             signals: self.signal_window.local.ptr,
             counter_base: cb,
             counters: self.counters.ptr,
-            abort_flag: self.abort.dev,
+            abort_flag: self.abort.ptr,
             error_word: self.error.ptr,
             timeout_ticks: u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX),
             rings: rings.ptr,
@@ -604,7 +610,6 @@ impl CudaDevComm<'_, '_> {
         // matches the kernel's signature (the kernels are ours, see
         // kernels/*.cu).
         unsafe { f.launch(&cuda.stream, grid, block, &mut params)? };
-        let abort = cuda.abort_flag();
         let mut cause: Option<String> = None;
         let mut next = Instant::now();
         while !cuda.stream.idle()? {
@@ -617,13 +622,18 @@ impl CudaDevComm<'_, '_> {
                         cause = Some(format!("the CUDA proxy failed: {e}"));
                     }
                     if cause.is_some() {
-                        abort.store(1, Ordering::Release);
+                        // Queued on its own stream, which runs beside the
+                        // kernel's; the kernel's waits read the flag.
+                        cuda.abort_stream.write_u64(cuda.abort.ptr, 1)?;
                     }
                 }
             }
             std::thread::sleep(Duration::from_micros(20));
         }
-        abort.store(0, Ordering::Release);
+        if cause.is_some() {
+            cuda.abort_stream.sync()?;
+            cuda.abort.zero(0, 8)?;
+        }
         let mut w = [0u64];
         cuda.error.read(0, &mut w)?;
         if w[0] != 0 {
@@ -670,14 +680,6 @@ impl Drop for CudaDevComm<'_, '_> {
         if let Some(r) = self.ranges.take() {
             std::mem::forget(r);
         }
-    }
-}
-
-impl CudaComm<'_> {
-    fn abort_flag(&self) -> &AtomicU32 {
-        // SAFETY: the mapped host allocation is at least 64 bytes, aligned,
-        // and lives as long as self.
-        unsafe { &*self.abort.host.cast::<AtomicU32>() }
     }
 }
 

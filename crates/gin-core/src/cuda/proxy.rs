@@ -148,7 +148,11 @@ fn run(mut spec: ProxySpec, stop: &AtomicBool) -> Result<(), CoreError> {
     let mut counter_totals: HashMap<u64, u64> = HashMap::new();
     let mut idle_since: Option<Instant> = None;
     let mut stats = Stats::default();
-    while !stop.load(Ordering::Acquire) {
+    loop {
+        // Asked to stop, the proxy still drains what is queued: a kernel
+        // may end right after pushing a signal (a barrier's last step) and
+        // the peer is waiting for it.
+        let stopping = stop.load(Ordering::Acquire);
         let mut progressed = false;
         for ring in &mut rings {
             let start = ring.tail;
@@ -192,6 +196,9 @@ fn run(mut spec: ProxySpec, stop: &AtomicBool) -> Result<(), CoreError> {
         if progressed {
             idle_since = None;
             continue;
+        }
+        if stopping {
+            break;
         }
         // Back off when idle so the proxy shares the CPU with the ranks, but
         // spin first: a kernel in a ping-pong posts again within microseconds.
