@@ -78,6 +78,8 @@ impl Progress {
                     self.show_if_due();
                     let n = std::fs::metadata(&path).map_or(0, |m| m.len());
                     self.bar.set_position(base + n.min(units));
+                    // A display refresh, ten times a second: this thread only
+                    // reads how far rank 0 got, off every measured path.
                     std::thread::sleep(Duration::from_millis(100));
                 }
             });
