@@ -45,7 +45,7 @@ expect_die() {
   fi
 }
 st="$here/gin-cuda-selftest"
-for backend in auto proxy; do
+for backend in auto proxy gdaki; do
   step "selftest-$backend" env GIN_BACKEND=$backend "$st" all --ranks 2
   step "badinput-$backend" env GIN_BACKEND=$backend GIN_TIMEOUT=2s "$st" badinput --ranks 2
   expect_die "die-$backend" env GIN_BACKEND=$backend GIN_TIMEOUT=60s "$st" die 1 --ranks 2

@@ -53,6 +53,8 @@ pub enum CudaPath {
     LoadStore,
     /// Descriptors to the CUDA proxy thread, which copies with the copy engine.
     Proxy,
+    /// mlx5 WQEs to the soft NIC thread, which copies with the copy engine.
+    Gdaki,
 }
 
 impl CudaPath {
@@ -60,6 +62,7 @@ impl CudaPath {
         match self {
             CudaPath::LoadStore => BackendKind::Auto,
             CudaPath::Proxy => BackendKind::Proxy,
+            CudaPath::Gdaki => BackendKind::Gdaki,
         }
     }
 
@@ -67,6 +70,7 @@ impl CudaPath {
         match self {
             CudaPath::LoadStore => "load/store",
             CudaPath::Proxy => "proxy",
+            CudaPath::Gdaki => "gdaki",
         }
     }
 }
@@ -121,7 +125,7 @@ pub struct CudaArgs {
         long,
         value_delimiter = ',',
         value_enum,
-        default_value = "loadstore,proxy"
+        default_value = "loadstore,proxy,gdaki"
     )]
     pub paths: Vec<CudaPath>,
     /// Also write the results as JSON to this file.
@@ -153,12 +157,10 @@ impl CudaArgs {
             bail!("--cpus has no meaning for --device cuda (the ranks' work runs on the GPUs)");
         }
         let paths = match c.backend {
-            None => vec![CudaPath::LoadStore, CudaPath::Proxy],
+            None => vec![CudaPath::LoadStore, CudaPath::Proxy, CudaPath::Gdaki],
             Some(Backend::Auto) => vec![CudaPath::LoadStore],
             Some(Backend::Proxy) => vec![CudaPath::Proxy],
-            Some(Backend::Gdaki) => bail!(
-                "--device cuda --backend gdaki: GDAKI from GPU kernels is not built yet (docs/cuda.md)"
-            ),
+            Some(Backend::Gdaki) => vec![CudaPath::Gdaki],
         };
         if c.iters == 0 || c.runs == 0 || c.sizes.is_empty() {
             bail!("--iters and --runs must be positive and --sizes non-empty");
@@ -351,9 +353,14 @@ pub fn run(a: &CudaArgs) -> Result<()> {
             }
         }
     }
-    // The proxy path: the coop does not change what the proxy does; one
-    // thread (the kernel's share is a descriptor).
-    if pp && a.paths.contains(&CudaPath::Proxy) {
+    // The proxy and GDAKI paths: the coop does not change what the CPU
+    // thread does; one thread (the kernel's share is a descriptor or two
+    // WQEs). Both are held against the same raw CPU-proxied floor.
+    let queued: Vec<CudaPath> = [CudaPath::Proxy, CudaPath::Gdaki]
+        .into_iter()
+        .filter(|p| a.paths.contains(p))
+        .collect();
+    if pp && !queued.is_empty() {
         for &bytes in &a.sizes {
             let iters = (a.iters / 4).max(50);
             let shape = Shape {
@@ -364,17 +371,21 @@ pub fn run(a: &CudaArgs) -> Result<()> {
                 block: 1,
                 runs: a.runs,
             };
-            let floor = proxy_floor(&c, &m, &stream, &src, &dst, &flags, &out, &shape)?;
-            let gin = gin_pingpong(&c, &m, BackendKind::Proxy, &src, &out, &shape)?;
-            rows.push(CudaRow {
-                test: CudaTest::Pingpong,
-                path: CudaPath::Proxy.label().into(),
-                coop: "thread".into(),
-                bytes,
-                value: summary(&gin)?,
-                floor: Some(summary(&floor)?),
-                peer: proxy_peer(bytes).map(|v| ("raw CPU proxy (peer run)".into(), v)),
-            });
+            let floor = summary(&proxy_floor(
+                &c, &m, &stream, &src, &dst, &flags, &out, &shape,
+            )?)?;
+            for &path in &queued {
+                let gin = gin_pingpong(&c, &m, path.kind(), &src, &out, &shape)?;
+                rows.push(CudaRow {
+                    test: CudaTest::Pingpong,
+                    path: path.label().into(),
+                    coop: "thread".into(),
+                    bytes,
+                    value: summary(&gin)?,
+                    floor: Some(floor),
+                    peer: proxy_peer(bytes).map(|v| ("raw CPU proxy (peer run)".into(), v)),
+                });
+            }
         }
     }
     if want(CudaTest::Bandwidth) {
@@ -477,7 +488,7 @@ pub fn run(a: &CudaArgs) -> Result<()> {
 fn loggp_fit(rows: &[CudaRow], path: CudaPath) -> Option<crate::stats::LineFit> {
     let coop = match path {
         CudaPath::LoadStore => "block",
-        CudaPath::Proxy => "thread",
+        CudaPath::Proxy | CudaPath::Gdaki => "thread",
     };
     let pts: Vec<(f64, f64)> = rows
         .iter()
@@ -918,7 +929,10 @@ mod tests {
         assert_eq!(a.tests, [CudaTest::Pingpong]);
         let both =
             CudaArgs::from_common(&pingpong(&["--device", "cuda"]), CudaTest::Pingpong).unwrap();
-        assert_eq!(both.paths, [CudaPath::LoadStore, CudaPath::Proxy]);
+        assert_eq!(
+            both.paths,
+            [CudaPath::LoadStore, CudaPath::Proxy, CudaPath::Gdaki]
+        );
     }
 
     #[test]
@@ -935,15 +949,22 @@ mod tests {
         let a = CudaArgs::from_common(&c, CudaTest::Bandwidth).unwrap();
         assert_eq!(a.bw_bytes, [1 << 20, 4 << 20]);
         assert_eq!(a.tests, [CudaTest::Bandwidth]);
+        let g = <P as clap::Parser>::parse_from([
+            "bandwidth",
+            "--device",
+            "cuda",
+            "--backend",
+            "gdaki",
+        ])
+        .a
+        .common;
+        let a = CudaArgs::from_common(&g, CudaTest::Bandwidth).unwrap();
+        assert_eq!(a.paths, [CudaPath::Gdaki]);
     }
 
     #[test]
     fn what_gpus_cannot_do_is_refused_by_name() {
         for (args, want) in [
-            (
-                &["--device", "cuda", "--backend", "gdaki"][..],
-                "GDAKI from GPU kernels",
-            ),
             (&["--device", "cuda", "--ranks", "4"][..], "exactly 2 ranks"),
             (
                 &["--device", "cuda", "--transport", "tcp"][..],

@@ -170,7 +170,8 @@ extern "C" __global__ void gin_bandwidth(DevComm dc, Window src, Window dst, u64
 }
 
 // Bad input: which = 1 bad peer, 2 out-of-window offset, 3 unknown signal,
-// 4 unknown counter, 5 wait for a signal that never comes (timeout or abort).
+// 4 unknown counter, 5 wait for a signal that never comes (timeout or abort),
+// 6 a WQE with a bad key (GDAKI).
 // out[0]: the kind returned.
 extern "C" __global__ void gin_badinput(DevComm dc, Window w, u32 which, u64* out) {
   int e = OK;
@@ -180,6 +181,21 @@ extern "C" __global__ void gin_badinput(DevComm dc, Window w, u32 which, u64* ou
     case 3: e = put(dc, 0, (dc.rank + 1) % dc.nranks, w, 0, w, 0, 8, signal_inc(dc.nsignals + 5)); break;
     case 4: e = wait_counter(dc, 0, dc.ncounters, 1); break;
     case 5: e = wait_signal(dc, 0, 0, 1ull << 40); break;
+    case 6: {
+      // GDAKI only: a well-formed RDMA write whose remote key is no
+      // window's. The NIC must answer with an error CQE, which flush turns
+      // into WQE_ERROR naming the WQE and the syndrome.
+      if (dc.backend_kind != BACKEND_GDAKI) {
+        e = UNSUPPORTED;
+        break;
+      }
+      const u32 p = (dc.rank + 1) % dc.nranks;
+      const detail::GdakiData g{1, 0xdead0001u, ((const u32*)w.keys)[dc.rank],
+                                ((const u64*)w.addrs)[p], w.local_base, 8, 0};
+      e = detail::gdaki_post(dc, 0, p, detail::gqp(dc, 0, p), g, no_signal(), no_counter());
+      if (!e) e = flush(dc, 0);
+      break;
+    }
     default: e = UNSUPPORTED;
   }
   out[0] = e;

@@ -10,7 +10,7 @@ use std::mem::{offset_of, size_of};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use gin_device::abi::{DevCommAbi, ProxyRingAbi, WindowAbi, errword};
+use gin_device::abi::{DevCommAbi, GdakiQpAbi, GdakiSqAbi, ProxyRingAbi, WindowAbi, errword};
 use gin_gdaki::wqe::{self, MemRef, Op as WqeOp};
 use gin_proxy::descriptor::{Desc, MAX_BYTES, MAX_FIELD, MAX_ID, Op, Sig};
 
@@ -119,6 +119,21 @@ fn header_matches_rust_abi_and_encoders() {
         num("offset.ProxyRingAbi.head"),
         offset_of!(ProxyRingAbi, head)
     );
+    assert_eq!(num("sizeof.GdakiSqAbi"), size_of::<GdakiSqAbi>());
+    assert_eq!(num("sizeof.GdakiQpAbi"), size_of::<GdakiQpAbi>());
+    for (f, rust) in [
+        ("GdakiSqAbi.indices", offset_of!(GdakiSqAbi, indices)),
+        ("GdakiSqAbi.log2", offset_of!(GdakiSqAbi, log2)),
+        ("GdakiQpAbi.companion", offset_of!(GdakiQpAbi, companion)),
+        (
+            "GdakiQpAbi.counter_key",
+            offset_of!(GdakiQpAbi, counter_key),
+        ),
+        ("GdakiQpAbi.sink_key", offset_of!(GdakiQpAbi, sink_key)),
+    ] {
+        assert_eq!(num(&format!("offset.{f}")), rust, "{f}");
+    }
+    assert_eq!(num("errkind.WQE_ERROR"), usize::from(errword::WQE_ERROR));
 
     let golden = Desc {
         op: Op::Put,

@@ -51,6 +51,14 @@ int main() {
   std::printf("offset.DevComm.lsa %zu\n", __builtin_offsetof(DevComm, lsa));
   std::printf("offset.DevComm.signal_peers %zu\n", __builtin_offsetof(DevComm, signal_peers));
   std::printf("offset.ProxyRingAbi.head %zu\n", __builtin_offsetof(ProxyRingAbi, head));
+  std::printf("sizeof.GdakiSqAbi %zu\n", sizeof(GdakiSqAbi));
+  std::printf("sizeof.GdakiQpAbi %zu\n", sizeof(GdakiQpAbi));
+  std::printf("offset.GdakiSqAbi.indices %zu\n", __builtin_offsetof(GdakiSqAbi, indices));
+  std::printf("offset.GdakiSqAbi.log2 %zu\n", __builtin_offsetof(GdakiSqAbi, log2));
+  std::printf("offset.GdakiQpAbi.companion %zu\n", __builtin_offsetof(GdakiQpAbi, companion));
+  std::printf("offset.GdakiQpAbi.counter_key %zu\n", __builtin_offsetof(GdakiQpAbi, counter_key));
+  std::printf("offset.GdakiQpAbi.sink_key %zu\n", __builtin_offsetof(GdakiQpAbi, sink_key));
+  std::printf("errkind.WQE_ERROR %u\n", (unsigned)WQE_ERROR);
 
   // Descriptors: the Rust golden cases, then random ones.
   proxy::Desc d = blank(proxy::OP_PUT);

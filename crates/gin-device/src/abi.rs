@@ -34,8 +34,9 @@ pub struct DevCommAbi {
     pub error_word: u64,
     /// Timeout of device waits, in the device's clock ticks (0: none).
     pub timeout_ticks: u64,
-    /// Address of [`ProxyRingAbi`]`[nctx * nranks]`, context-major, on CUDA
-    /// ranks with proxied peers; 0 otherwise.
+    /// The per-(context, peer) queue table, context-major, on CUDA ranks
+    /// with peers not reached by load/store: [`ProxyRingAbi`]`[nctx * nranks]`
+    /// for the proxy, [`GdakiQpAbi`]`[nctx * nranks]` for GDAKI; 0 otherwise.
     ///
     /// This field and the ones below are what a put, signal or wait reads
     /// on every call, so they are here rather than behind one more pointer:
@@ -160,6 +161,66 @@ const _: () = assert!(size_of::<ProxyRingAbi>() == 32);
 const _: () = assert!(offset_of!(ProxyRingAbi, done) == 16);
 const _: () = assert!(offset_of!(ProxyRingAbi, log2) == 24);
 
+/// One mlx5 send queue as a kernel sees it (CUDA ranks, GDAKI).
+///
+/// The WQEs, the doorbell record and the doorbell register live in mapped
+/// pinned host memory, which the soft NIC thread reads; the reservation and
+/// ready indices and the completion queue live in device memory, because a
+/// kernel that reads host memory starves the copies the NIC queues
+/// (`xtask/gpu/probe/ce_probe.cu`). The CQ is collapsed (mlx5 `cc` and `oi`,
+/// as NVSHMEM's IBGDA sets them): one 64-byte CQE that every completion
+/// overwrites, whose WQE counter says how far the queue has completed.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GdakiSqAbi {
+    /// `2^log2` 64-byte WQEs (basic blocks).
+    pub wqes: u64,
+    /// `u64[2]` in device memory: the reservation index (producers take
+    /// WQE indices with a fetch-add) and the ready index (advanced in order,
+    /// by CAS, once a range is filled).
+    pub indices: u64,
+    /// The doorbell record: big-endian u32 whose low 16 bits are the
+    /// producer index.
+    pub dbrec: u64,
+    /// The doorbell register: the first 8 bytes of the last posted control
+    /// segment (what a UAR write carries).
+    pub doorbell: u64,
+    /// The collapsed CQE (64 bytes, device memory).
+    pub cqe: u64,
+    pub qpn: u32,
+    pub log2: u32,
+}
+
+const _: () = assert!(size_of::<GdakiSqAbi>() == 48);
+const _: () = assert!(offset_of!(GdakiSqAbi, cqe) == 32);
+const _: () = assert!(offset_of!(GdakiSqAbi, qpn) == 40);
+
+/// The queues and keys a kernel needs to reach one peer from one context
+/// over GDAKI: the RC QP to the peer and its companion loopback QP, which
+/// bumps counters (a WAIT on the main QP's completion, then a fetch-add).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GdakiQpAbi {
+    pub main: GdakiSqAbi,
+    pub companion: GdakiSqAbi,
+    /// The peer's signal window: its own address of its part and the key.
+    pub sig_addr: u64,
+    pub sig_key: u32,
+    /// Key of this rank's counter array (local to the NIC).
+    pub counter_key: u32,
+    /// Where atomics return their old value (8 bytes per QP, never read).
+    pub sink: u64,
+    pub sink_key: u32,
+    /// CQ number of the main QP (what the companion's WAIT names).
+    pub main_cqn: u32,
+}
+
+const _: () = assert!(size_of::<GdakiQpAbi>() == 128);
+const _: () = assert!(offset_of!(GdakiQpAbi, companion) == 48);
+const _: () = assert!(offset_of!(GdakiQpAbi, sig_addr) == 96);
+const _: () = assert!(offset_of!(GdakiQpAbi, sink) == 112);
+const _: () = assert!(offset_of!(GdakiQpAbi, main_cqn) == 124);
+
 /// The error word a CUDA wait or operation writes (first error wins):
 /// `[63:56]` kind, `[55:48]` context (255: none or larger), `[47:32]` peer
 /// (0xffff: none), `[31:0]` id or the last value seen (low 32 bits).
@@ -177,6 +238,8 @@ pub mod errword {
     pub const UNSUPPORTED: u8 = 11;
     pub const BARRIER_TIMEOUT: u8 = 12;
     pub const MISALIGNED: u8 = 13;
+    /// A WQE completed in error; the value is `syndrome << 16 | WQE index`.
+    pub const WQE_ERROR: u8 = 14;
 
     /// A decoded error word.
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -225,6 +288,7 @@ pub mod errword {
             UNSUPPORTED => "operation not supported by this backend on CUDA ranks",
             BARRIER_TIMEOUT => "timed out in a barrier",
             MISALIGNED => "misaligned offset",
+            WQE_ERROR => "a work request completed in error (value: syndrome << 16 | WQE index)",
             _ => "unknown error kind",
         }
     }

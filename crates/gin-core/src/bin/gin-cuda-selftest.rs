@@ -1,7 +1,9 @@
 //! Checks the CUDA device API (gin/gin.cuh) across the ranks of a job on
 //! GPUs, with data verified on the device. Spawns its own ranks (`--ranks N`,
 //! default 2) or runs as one rank under a launcher. GIN_BACKEND=auto takes
-//! the load/store path (CUDA IPC), GIN_BACKEND=proxy the CUDA proxy.
+//! the load/store path (CUDA IPC), GIN_BACKEND=proxy the CUDA proxy,
+//! GIN_BACKEND=gdaki mlx5 queues and the soft NIC (whose bad input adds a
+//! WQE with a bad key, which must come back as an error CQE).
 //!
 //! Scenarios: `all` (ring with thread, warp and block coops, all-to-all,
 //! get, bad input), `ring`, `alltoall`, `get`, `badinput` (each bad call must
@@ -278,6 +280,30 @@ fn badinput(c: &CudaComm<'_>, k: &Kernels<'_>) -> R {
             Err(e) => return Err(format!("badinput {which}: wrong error: {e}")),
             Ok(()) => return Err(format!("badinput {which}: the bad call succeeded")),
         }
+    }
+    if dc.backend_name() == "gdaki" {
+        // Last: the error CQE leaves the QP in the error state, as hardware.
+        let t = Instant::now();
+        match run_bad(&dc, f, &w, 6, &out) {
+            Err(e)
+                if e.to_string().contains("completed in error")
+                    && e.to_string().contains("syndrome") =>
+            {
+                println!(
+                    "rank {}: badinput 6 -> error after {:.3}s: {e}",
+                    c.comm().rank(),
+                    t.elapsed().as_secs_f64()
+                );
+            }
+            Err(e) => return Err(format!("badinput 6: wrong error: {e}")),
+            Ok(()) => return Err("badinput 6: a WQE with a bad key succeeded".into()),
+        }
+        c.comm().bootstrap().barrier().map_err(s)?;
+        return match dc.destroy() {
+            Err(e) if e.to_string().contains("remote access error") => Ok(()),
+            Err(e) => Err(format!("badinput 6: destroy reported the wrong error: {e}")),
+            Ok(()) => Err("badinput 6: the NIC did not report the error CQE".into()),
+        };
     }
     c.comm().bootstrap().barrier().map_err(s)?;
     dc.destroy().map_err(s)

@@ -24,11 +24,18 @@
 //!   kernel runs, [`CudaDevComm::run`] watches the job's health and the
 //!   proxy, and raises the abort flag so device waits give up.
 //!
-//! GDAKI on CUDA ranks (kernels writing WQEs for the soft NIC) and CUDA ranks
-//! on different hosts (TCP staging) are not built yet: both are refused with
-//! an error that says so.
+//! - **GDAKI** (`GIN_BACKEND=gdaki`): kernels build mlx5 WQEs into send
+//!   queues in mapped pinned host memory, mark them ready in order and write
+//!   the doorbell record and doorbell; the soft NIC ([`nic`]) executes them
+//!   with the copy engine and stores each batch's CQE into a collapsed CQ in
+//!   device memory, which flush and credit poll. Window parts carry NIC keys
+//!   ([`window_key`]); addresses are each rank's own device addresses.
+//!
+//! CUDA ranks on different hosts (TCP staging) are not built yet, and are
+//! refused with an error that says so.
 
 mod driver;
+mod nic;
 pub mod nvrtc;
 mod proxy;
 
@@ -38,9 +45,9 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use gin_device::abi::{
-    BACKEND_NONE, BACKEND_PROXY, DEVCOMM_FLAG_CTA_CTX, DEVCOMM_FLAG_EXCLUSIVE_CTX,
-    DEVCOMM_FLAG_SENDER_SLOTS, DEVCOMM_FLAG_STRONG_SIGNALS, DevCommAbi, ProxyRingAbi, WindowAbi,
-    errword,
+    BACKEND_GDAKI, BACKEND_NONE, BACKEND_PROXY, DEVCOMM_FLAG_CTA_CTX, DEVCOMM_FLAG_EXCLUSIVE_CTX,
+    DEVCOMM_FLAG_SENDER_SLOTS, DEVCOMM_FLAG_STRONG_SIGNALS, DevCommAbi, GdakiQpAbi, GdakiSqAbi,
+    ProxyRingAbi, WindowAbi, errword,
 };
 
 pub use driver::{DevMem, Device, Function, HostMem, Module, Stream, available};
@@ -72,6 +79,32 @@ pub(crate) struct WinInfo {
     pub sizes: Vec<u64>,
     /// Each peer's part mapped here (0: not mapped).
     pub peers: Vec<u64>,
+    /// Each rank's own device address of its part (what WQEs name).
+    pub addrs: Vec<u64>,
+}
+
+/// First NIC key of GPU windows.
+const WINDOW_KEY_BASE: u32 = 0x1000;
+/// Local NIC keys of the counter array and the atomic result sink, above
+/// every window key.
+pub(crate) const COUNTER_KEY: u32 = 0xfeed_0000;
+pub(crate) const SINK_KEY: u32 = 0xfeed_0001;
+
+/// The NIC key of rank `p`'s part of window `id` in a job of `n` ranks:
+/// `0x1000 + id * n + p`, so the soft NIC decodes a key without a table.
+/// `None` once window ids run into the local keys.
+pub fn window_key(id: u32, p: usize, n: usize) -> Option<u32> {
+    let k = u64::from(id) * n as u64 + p as u64 + u64::from(WINDOW_KEY_BASE);
+    u32::try_from(k).ok().filter(|&k| k < COUNTER_KEY)
+}
+
+/// The window id and rank a key names (the inverse of [`window_key`]).
+pub fn window_of_key(key: u32, n: usize) -> Option<(u32, usize)> {
+    let k = key.checked_sub(WINDOW_KEY_BASE)?;
+    if key >= COUNTER_KEY || n == 0 {
+        return None;
+    }
+    Some((k / n as u32, (k % n as u32) as usize))
 }
 
 type WinTable = Arc<RwLock<HashMap<u32, Arc<WinInfo>>>>;
@@ -270,12 +303,22 @@ impl<'c> CudaComm<'c> {
                 opened.push(m);
             }
         }
-        // sizes u64[n], peer bases u64[n], keys u32[n] (no NIC keys for GPU
-        // memory yet), addresses u64[n].
+        let keys = (0..n)
+            .map(|p| window_key(id, p, n))
+            .collect::<Option<Vec<u32>>>()
+            .ok_or_else(|| {
+                CoreError::Invalid(format!(
+                    "window id {id} of {n} ranks has no NIC key left (ids below {} only)",
+                    (COUNTER_KEY - WINDOW_KEY_BASE) as usize / n.max(1)
+                ))
+            })?;
+        // sizes u64[n], peer bases u64[n], addresses u64[n], keys u32[n]:
+        // every array aligned for its loads.
         let arrays = DevMem::new(n * 28)?;
         arrays.write(0, &sizes)?;
         arrays.write(n * 8, &bases)?;
-        arrays.write(n * 20, &addrs)?;
+        arrays.write(n * 16, &addrs)?;
+        arrays.write(n * 24, &keys)?;
         let abi = WindowAbi {
             id,
             flags: 0,
@@ -283,8 +326,8 @@ impl<'c> CudaComm<'c> {
             local_size: bytes,
             sizes: arrays.ptr,
             peer_bases: arrays.ptr + n as u64 * 8,
-            keys: arrays.ptr + n as u64 * 16,
-            addrs: arrays.ptr + n as u64 * 20,
+            keys: arrays.ptr + n as u64 * 24,
+            addrs: arrays.ptr + n as u64 * 16,
         };
         table
             .write()
@@ -296,6 +339,7 @@ impl<'c> CudaComm<'c> {
                     local_size: bytes,
                     sizes,
                     peers: bases.clone(),
+                    addrs,
                 }),
             );
         comm.bootstrap().barrier()?;
@@ -311,7 +355,8 @@ impl<'c> CudaComm<'c> {
 
     /// Creates a device communicator for kernels (collective; same
     /// requirements on every rank). `GIN_BACKEND=auto` reaches every peer by
-    /// load/store, `proxy` every peer but this rank through the proxy.
+    /// load/store, `proxy` every peer but this rank through the proxy, and
+    /// `gdaki` every peer but this rank through mlx5 queues and the soft NIC.
     pub fn dev_comm(
         &self,
         req: &DevCommRequirements,
@@ -341,15 +386,6 @@ impl<'c> CudaComm<'c> {
                 what: "rail barriers and rail connections on CUDA ranks".into(),
                 why: "CUDA ranks run on one host, where the rail is this rank alone".into(),
                 available: "world barriers, full connection".into(),
-            });
-        }
-        if kind == BackendKind::Gdaki {
-            return Err(CoreError::Unavailable {
-                what: "GIN_BACKEND=gdaki on CUDA ranks".into(),
-                why: "kernels do not build WQEs for the soft NIC yet (the header's WQE \
-                      builders exist; the GPU-side queues do not)"
-                    .into(),
-                available: "auto (load/store), proxy".into(),
             });
         }
         let sig_per_ctx = req
@@ -402,7 +438,7 @@ impl<'c> CudaComm<'c> {
         let mut host_rings = Vec::new();
         let indices = DevMem::new(req.contexts as usize * n * 16)?;
         for c in 0..req.contexts as usize {
-            for p in (0..n).filter(|&p| lsa[p] == 0) {
+            for p in (0..n).filter(|&p| lsa[p] == 0 && kind == BackendKind::Proxy) {
                 let i = c * n + p;
                 let slots = HostMem::new(64 << log2)?;
                 rings_abi[i] = ProxyRingAbi {
@@ -424,6 +460,11 @@ impl<'c> CudaComm<'c> {
         let any_proxy = !host_rings.is_empty();
         let rings = DevMem::new(rings_abi.len() * std::mem::size_of::<ProxyRingAbi>())?;
         rings.write(0, &rings_abi)?;
+        let gdaki = if kind == BackendKind::Gdaki && lsa.contains(&0) {
+            Some(self.gdaki_queues(req.contexts as usize, &lsa, log2)?)
+        } else {
+            None
+        };
         let lsa_mem = DevMem::new(n)?;
         lsa_mem.write(0, &lsa)?;
         let sig_peers = DevMem::new(n * 8)?;
@@ -450,9 +491,11 @@ impl<'c> CudaComm<'c> {
             abort_flag: self.abort.ptr,
             error_word: self.error.ptr,
             timeout_ticks: u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX),
-            rings: rings.ptr,
+            rings: gdaki.as_ref().map_or(rings.ptr, |g| g.table.ptr),
             backend_kind: if any_proxy {
                 BACKEND_PROXY
+            } else if gdaki.is_some() {
+                BACKEND_GDAKI
             } else {
                 BACKEND_NONE
             },
@@ -477,15 +520,138 @@ impl<'c> CudaComm<'c> {
         } else {
             None
         };
+        let mut mem = vec![indices, rings, lsa_mem, sig_peers];
+        let mut host = Vec::new();
+        let nic = match gdaki {
+            Some(g) => {
+                mem.push(g.table);
+                mem.extend(g.dev);
+                let nic = nic::CudaNic::start(nic::NicSpec {
+                    dev: self.dev.clone(),
+                    rank,
+                    nranks: n,
+                    pairs: g.pairs,
+                    windows: self.windows.clone(),
+                    signal: self.signal_info(),
+                    counters: self.counters.ptr,
+                    counter_slots: self.comm.settings().counter_slots,
+                    sink: g.sink.dev,
+                    sink_host: g.sink.host,
+                    sink_len: 64,
+                    spin: comm.settings().proxy_spin,
+                })?;
+                host.extend(g.host);
+                host.push(g.sink);
+                Some(nic)
+            }
+            None => None,
+        };
         // Nobody signals into slots another rank has not zeroed yet.
         comm.bootstrap().barrier()?;
         Ok(CudaDevComm {
             cuda: self,
             abi,
             proxy,
-            _mem: vec![indices, rings, lsa_mem, sig_peers],
+            nic,
+            _mem: mem,
+            _host: host,
             ranges: Some(ranges),
             lsa: lsa.iter().map(|&b| b != 0).collect(),
+        })
+    }
+
+    /// The GDAKI queues of a device communicator: for each context and each
+    /// peer not reached by load/store, an RC QP and its companion loopback
+    /// QP (QP numbers as the CPU ranks' GDAKI: `0x100 + 2 * (c * n + p)`,
+    /// companion one above; each CQ takes its QP's number).
+    fn gdaki_queues(&self, nctx: usize, lsa: &[u8], log2: u32) -> Result<GdakiQueues, CoreError> {
+        let n = self.comm.nranks();
+        // 16-bit WQE indices must stay unambiguous, and a put with a signal
+        // takes two WQEs of at most half the queue.
+        let log2 = log2.clamp(3, gin_gdaki::MAX_SQ_LOG2);
+        let nsq = nctx * n * 2;
+        let indices = DevMem::new(nsq * 16)?;
+        indices.zero(0, nsq * 16)?;
+        let cqes = DevMem::new(nsq * 64)?;
+        // A fresh CQE is invalid (opcode 15, owner 0), as rdma-core sets it.
+        let mut fresh = vec![0u8; nsq * 64];
+        for c in fresh.chunks_mut(64) {
+            c[63] = gin_gdaki::completion::FRESH_OP_OWN;
+        }
+        cqes.write(0, &fresh)?;
+        let ctl = HostMem::new(nsq * 16)?;
+        let sink = HostMem::new(64)?;
+        let (sig_id, sig_addrs) = {
+            let t = self
+                .windows
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let id = self.signal_window.id();
+            (id, t[&id].addrs.clone())
+        };
+        let mut table = vec![GdakiQpAbi::default(); nctx * n];
+        let mut pairs = Vec::new();
+        let mut host = Vec::new();
+        for c in 0..nctx {
+            for p in (0..n).filter(|&p| lsa[p] == 0) {
+                let i = c * n + p;
+                let mut sqs = Vec::with_capacity(2);
+                let mut specs = Vec::with_capacity(2);
+                for j in 0..2 {
+                    let k = 2 * i + j;
+                    let qpn = 0x100 + k as u32;
+                    let wqes = HostMem::new(64 << log2)?;
+                    sqs.push(GdakiSqAbi {
+                        wqes: wqes.dev,
+                        indices: indices.ptr + k as u64 * 16,
+                        dbrec: ctl.dev + k as u64 * 16,
+                        doorbell: ctl.dev + k as u64 * 16 + 8,
+                        cqe: cqes.ptr + k as u64 * 64,
+                        qpn,
+                        log2,
+                    });
+                    specs.push(nic::SqSpec {
+                        qpn,
+                        log2,
+                        wqes: wqes.host,
+                        // SAFETY: inside the `nsq * 16`-byte allocation.
+                        ctl: unsafe { ctl.host.add(k * 16) },
+                        cqe: cqes.ptr + k as u64 * 64,
+                    });
+                    host.push(wqes);
+                }
+                let key = window_key(sig_id, p, n).ok_or_else(|| {
+                    CoreError::Invalid(format!("the signal window {sig_id} has no NIC key"))
+                })?;
+                table[i] = GdakiQpAbi {
+                    main: sqs[0],
+                    companion: sqs[1],
+                    sig_addr: sig_addrs[p],
+                    sig_key: key,
+                    counter_key: COUNTER_KEY,
+                    sink: sink.dev,
+                    sink_key: SINK_KEY,
+                    main_cqn: sqs[0].qpn,
+                };
+                let companion = specs.pop().expect("two queues");
+                let main = specs.pop().expect("two queues");
+                pairs.push(nic::PairSpec {
+                    ctx: c as u32,
+                    peer: p,
+                    main,
+                    companion,
+                });
+            }
+        }
+        let tab = DevMem::new(table.len() * std::mem::size_of::<GdakiQpAbi>())?;
+        tab.write(0, &table)?;
+        host.push(ctl);
+        Ok(GdakiQueues {
+            table: tab,
+            pairs,
+            dev: vec![indices, cqes],
+            host,
+            sink,
         })
     }
 
@@ -509,6 +675,16 @@ impl<'c> CudaComm<'c> {
         let cubin = nvrtc::compile(source, name, self.dev.cc)?;
         Module::load(&cubin)
     }
+}
+
+/// What [`CudaComm::gdaki_queues`] sets up.
+struct GdakiQueues {
+    /// `GdakiQpAbi[nctx * nranks]`, what `DevComm::rings` points at.
+    table: DevMem,
+    pairs: Vec<nic::PairSpec>,
+    dev: Vec<DevMem>,
+    host: Vec<HostMem>,
+    sink: HostMem,
 }
 
 /// Signal and counter ranges taken from the CUDA id spaces.
@@ -537,7 +713,10 @@ pub struct CudaDevComm<'a, 'c> {
     cuda: &'a CudaComm<'c>,
     abi: DevCommAbi,
     proxy: Option<proxy::CudaProxy>,
+    nic: Option<nic::CudaNic>,
     _mem: Vec<DevMem>,
+    /// Queues the NIC reads: freed only after it stopped (see Drop).
+    _host: Vec<HostMem>,
     ranges: Option<Ranges<'a, 'c>>,
     lsa: Vec<bool>,
 }
@@ -567,6 +746,8 @@ impl CudaDevComm<'_, '_> {
     pub fn backend_name(&self) -> &'static str {
         if self.proxy.is_some() {
             "proxy"
+        } else if self.nic.is_some() {
+            "gdaki"
         } else {
             "load/store"
         }
@@ -620,6 +801,8 @@ impl CudaDevComm<'_, '_> {
                         cause = Some(e.to_string());
                     } else if let Some(e) = self.proxy.as_ref().and_then(proxy::CudaProxy::error) {
                         cause = Some(format!("the CUDA proxy failed: {e}"));
+                    } else if let Some(e) = self.nic.as_ref().and_then(nic::CudaNic::error) {
+                        cause = Some(format!("the soft NIC reported: {e}"));
                     }
                     if cause.is_some() {
                         // Queued on its own stream, which runs beside the
@@ -633,6 +816,10 @@ impl CudaDevComm<'_, '_> {
         if cause.is_some() {
             cuda.abort_stream.sync()?;
             cuda.abort.zero(0, 8)?;
+        } else if let Some(e) = self.nic.as_ref().and_then(nic::CudaNic::error) {
+            // A kernel that met an error CQE may end before the watch
+            // above saw the NIC's account of it.
+            cause = Some(format!("the soft NIC reported: {e}"));
         }
         let mut w = [0u64];
         cuda.error.read(0, &mut w)?;
@@ -664,6 +851,9 @@ impl CudaDevComm<'_, '_> {
         if let Some(p) = self.proxy.take() {
             p.stop()?;
         }
+        if let Some(n) = self.nic.take() {
+            n.stop()?;
+        }
         self.cuda.comm.bootstrap().barrier()?;
         self.ranges.take();
         Ok(())
@@ -674,6 +864,9 @@ impl Drop for CudaDevComm<'_, '_> {
     fn drop(&mut self) {
         if let Some(p) = self.proxy.take() {
             let _ = p.stop();
+        }
+        if let Some(n) = self.nic.take() {
+            let _ = n.stop();
         }
         // Without destroy, a signal may still be in flight to these slots:
         // keep them out of reuse.

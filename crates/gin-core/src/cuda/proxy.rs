@@ -244,8 +244,8 @@ fn read_slot(ring: &Ring, seq: u64) -> [u64; DESC_QWORDS] {
     std::array::from_fn(|i| slot[i].load(Ordering::Acquire))
 }
 
-fn window(spec: &ProxySpec, id: u32) -> Result<Arc<super::WinInfo>, String> {
-    spec.windows
+pub(super) fn window(windows: &WinTable, id: u32) -> Result<Arc<super::WinInfo>, String> {
+    windows
         .read()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .get(&id)
@@ -253,7 +253,7 @@ fn window(spec: &ProxySpec, id: u32) -> Result<Arc<super::WinInfo>, String> {
         .ok_or_else(|| format!("unknown window {id}"))
 }
 
-fn fits(off: u64, bytes: u64, size: u64) -> bool {
+pub(super) fn fits(off: u64, bytes: u64, size: u64) -> bool {
     off <= size && bytes <= size - off
 }
 
@@ -268,7 +268,7 @@ fn execute(
     match d.op {
         Op::Put => {
             if d.bytes > 0 || d.inline.is_some() {
-                let dst = window(spec, d.dst_window)?;
+                let dst = window(&spec.windows, d.dst_window)?;
                 let base = dst.peers[peer];
                 if base == 0 || !fits(d.dst_offset, d.bytes, dst.sizes[peer]) {
                     return Err(format!(
@@ -282,7 +282,7 @@ fn execute(
                     }
                     ring.stream.write_u64(base + d.dst_offset, v).map_err(err)?;
                 } else {
-                    let src = window(spec, d.src_window)?;
+                    let src = window(&spec.windows, d.src_window)?;
                     if !fits(d.src_offset, d.bytes, src.local_size) {
                         return Err(format!(
                             "put source of {} bytes at {} outside window {} ({} bytes)",
@@ -318,8 +318,8 @@ fn execute(
             }
         }
         Op::Get => {
-            let remote = window(spec, d.dst_window)?;
-            let local = window(spec, d.src_window)?;
+            let remote = window(&spec.windows, d.dst_window)?;
+            let local = window(&spec.windows, d.src_window)?;
             let base = remote.peers[peer];
             if base == 0
                 || !fits(d.dst_offset, d.bytes, remote.sizes[peer])

@@ -66,6 +66,7 @@ enum ErrorKind : u32 {
   UNSUPPORTED = 11,
   BARRIER_TIMEOUT = 12,
   MISALIGNED = 13,
+  WQE_ERROR = 14, // value: syndrome << 16 | WQE index
 };
 
 GIN_HD u64 error_word(u32 kind, u32 ctx, u32 peer, u32 value) {
@@ -93,7 +94,7 @@ struct DevComm {
   // (constant memory), not behind one more pointer, because a wait's
   // system-scope acquire empties L1 and each pointer chased after it costs
   // an L2 round trip.
-  u64 rings;        // ProxyRingAbi[nctx * nranks], context-major (0: none)
+  u64 rings;        // ProxyRingAbi or GdakiQpAbi [nctx * nranks], context-major (0: none)
   u32 backend_kind; // BACKEND_*
   u32 sig_per_ctx;  // user signals, then one slot per world barrier
   u64 lsa;          // u8[nranks]: 1 where the peer is reached by load/store
@@ -137,6 +138,38 @@ struct ProxyRingAbi {
 static_assert(sizeof(ProxyRingAbi) == 32, "ProxyRingAbi ABI");
 GIN_ASSERT_OFFSET(ProxyRingAbi, done, 16, "ProxyRingAbi ABI");
 GIN_ASSERT_OFFSET(ProxyRingAbi, log2, 24, "ProxyRingAbi ABI");
+
+// One mlx5 send queue (GDAKI on CUDA ranks): WQEs, doorbell record and
+// doorbell in mapped host memory; indices and the collapsed CQE in device
+// memory (gin-device's abi.rs says why).
+struct GdakiSqAbi {
+  u64 wqes;     // 2^log2 64-byte WQEs
+  u64 indices;  // u64[2]: reservation, ready
+  u64 dbrec;    // big-endian u32 producer index
+  u64 doorbell; // u64 doorbell register
+  u64 cqe;      // the collapsed 64-byte CQE
+  u32 qpn;
+  u32 log2;
+};
+static_assert(sizeof(GdakiSqAbi) == 48, "GdakiSqAbi ABI");
+GIN_ASSERT_OFFSET(GdakiSqAbi, cqe, 32, "GdakiSqAbi ABI");
+GIN_ASSERT_OFFSET(GdakiSqAbi, qpn, 40, "GdakiSqAbi ABI");
+
+struct GdakiQpAbi {
+  GdakiSqAbi main;      // RC QP to the peer
+  GdakiSqAbi companion; // loopback QP for counters
+  u64 sig_addr;         // the peer's signal window, its own address
+  u32 sig_key;
+  u32 counter_key;
+  u64 sink;             // atomic results land here (never read)
+  u32 sink_key;
+  u32 main_cqn;
+};
+static_assert(sizeof(GdakiQpAbi) == 128, "GdakiQpAbi ABI");
+GIN_ASSERT_OFFSET(GdakiQpAbi, companion, 48, "GdakiQpAbi ABI");
+GIN_ASSERT_OFFSET(GdakiQpAbi, sig_addr, 96, "GdakiQpAbi ABI");
+GIN_ASSERT_OFFSET(GdakiQpAbi, sink, 112, "GdakiQpAbi ABI");
+GIN_ASSERT_OFFSET(GdakiQpAbi, main_cqn, 124, "GdakiQpAbi ABI");
 
 // Rolling comparisons (as gin-device's wait.rs): 64-bit signals, 56-bit counters.
 constexpr u64 COUNTER_MASK = (1ull << 56) - 1;

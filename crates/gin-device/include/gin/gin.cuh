@@ -8,6 +8,9 @@
 //   a signal a system-scope atomic add on the peer's sub-slot.
 // - proxy: a descriptor in a ring in mapped host memory; a CPU thread moves
 //   the data with the copy engine and stores the signal after it.
+// - gdaki: mlx5 WQEs in a send queue in mapped host memory, a doorbell
+//   record and a doorbell; the soft NIC executes them with the copy engine
+//   and reports through a collapsed CQ in device memory.
 //
 // Every call checks its arguments (context, peer, window range, ids) and
 // every wait has a timeout (%globaltimer) and honours the abort flag. A
@@ -211,10 +214,112 @@ GIN_DEV int check_actions(const DevComm& dc, u32 ctx, u32 peer, Remote rem, Loca
   return OK;
 }
 
+GIN_DEV bool has_queues(const DevComm& dc) {
+  return dc.backend_kind == BACKEND_PROXY || dc.backend_kind == BACKEND_GDAKI;
+}
+
 GIN_DEV int check_peer(const DevComm& dc, u32 ctx, u32 peer) {
   if (peer >= dc.nranks) return fail(dc, BAD_PEER, ctx, peer, peer);
-  if (!is_lsa(dc, peer) && dc.backend_kind != BACKEND_PROXY)
-    return fail(dc, UNSUPPORTED, ctx, peer, dc.backend_kind);
+  if (!is_lsa(dc, peer) && !has_queues(dc)) return fail(dc, UNSUPPORTED, ctx, peer, dc.backend_kind);
+  return OK;
+}
+
+// ------------------------------------------------------------------ GDAKI
+
+GIN_DEV const GdakiQpAbi& gqp(const DevComm& dc, u32 ctx, u32 peer) {
+  return ((const GdakiQpAbi*)dc.rings)[ctx * dc.nranks + peer];
+}
+
+// The data part of a GDAKI request.
+struct GdakiData {
+  u32 kind; // 0: none, 1: RDMA write, 2: inline 8-byte write, 3: RDMA read
+  u32 rkey;
+  u32 lkey;
+  u64 raddr;
+  u64 laddr;
+  u64 bytes;
+  u64 value;
+};
+
+// Leader only: posts a request to `peer` over GDAKI: its data WQEs (writes or
+// reads of at most 1 GiB each), then the signal's fetch-add on this rank's
+// sub-slot at the peer (strong: ordered after every earlier WQE of the QP),
+// a NOP when there is neither; then, for a counter, a WAIT on the main QP's
+// completion of the last WQE and a fetch-add on the counter, on the
+// companion QP. Every WQE asks for a completion.
+GIN_DEV int gdaki_post(const DevComm& dc, u32 ctx, u32 peer, const GdakiQpAbi& q,
+                       const GdakiData& d, Remote rem, LocalAction loc) {
+  constexpr u64 CHUNK = 1ull << 30;
+  const u32 nchunks =
+      d.kind == 2 ? 1u : (d.kind == 1 || d.kind == 3) ? (u32)((d.bytes + CHUNK - 1) / CHUNK) : 0u;
+  const u32 nsig = rem.kind == 1 ? 1u : 0u;
+  const u32 k = nchunks + nsig > 0 ? nchunks + nsig : 1u;
+  if (k > (1u << q.main.log2) / 2) return fail(dc, UNSUPPORTED, ctx, peer, k);
+  const u64 sig_off = nsig ? sender_offset(dc, signal_slot(dc, ctx, rem.id)) : 0;
+  const u32 qpn = q.main.qpn;
+  Giver g{dc, 0, OK};
+  u64 last = 0;
+  gdaki::Completion ce{};
+  u32 r = gdaki::submit(
+      q.main, dc.flags, k,
+      [&](u32 i, u8* b, u16 idx) {
+        if (i < nchunks) {
+          if (d.kind == 2) {
+            gdaki::write_inline(b, idx, qpn, gdaki::CQ_UPDATE, d.raddr, d.rkey,
+                                (const u8*)&d.value, 8);
+          } else {
+            const u64 off = (u64)i * CHUNK;
+            const u64 len = d.bytes - off < CHUNK ? d.bytes - off : CHUNK;
+            gdaki::write(b, idx, qpn, gdaki::CQ_UPDATE, d.raddr + off, d.rkey, d.laddr + off,
+                         d.lkey, (u32)len, d.kind == 3);
+          }
+        } else if (nsig) {
+          const u8 fm = rem.weak ? 0 : gdaki::FM_STRONG_ORDERING;
+          gdaki::fetch_add(b, idx, qpn, gdaki::CQ_UPDATE | fm, q.sig_addr + sig_off, q.sig_key,
+                           rem.add, q.sink, q.sink_key);
+        } else {
+          gdaki::nop(b, idx, qpn, gdaki::CQ_UPDATE);
+        }
+      },
+      g, &last, &ce);
+  if (r == 1) return fail(dc, g.kind, ctx, peer, (u32)last);
+  if (r == 2) return fail(dc, WQE_ERROR, ctx, peer, (ce.syndrome << 16) | ce.wqe);
+  if (loc.kind == 1) {
+    const u64 counter = dc.counters + 16 * (dc.counter_base + (u64)ctx * dc.ncounters + loc.id);
+    const u32 cqpn = q.companion.qpn;
+    u64 l2 = 0;
+    r = gdaki::submit(
+        q.companion, dc.flags, 2,
+        [&](u32 i, u8* b, u16 idx) {
+          if (i == 0)
+            gdaki::wait(b, idx, cqpn, gdaki::CQ_UPDATE, (u32)(last & 0xffff), q.main_cqn);
+          else
+            gdaki::fetch_add(b, idx, cqpn, gdaki::CQ_UPDATE, counter, q.counter_key, 1, q.sink + 8,
+                             q.sink_key);
+        },
+        g, &l2, &ce);
+    if (r == 1) return fail(dc, g.kind, ctx, peer, (u32)l2);
+    if (r == 2) return fail(dc, WQE_ERROR, ctx, peer, (ce.syndrome << 16) | ce.wqe);
+  }
+  return OK;
+}
+
+// Leader only: waits until every WQE reserved so far on the QPs to `peer`
+// has completed; an error CQE is an error naming the WQE and syndrome.
+GIN_DEV int gdaki_flush(const DevComm& dc, u32 ctx, u32 peer) {
+  const GdakiQpAbi& q = gqp(dc, ctx, peer);
+  for (int j = 0; j < 2; ++j) {
+    const GdakiSqAbi& sq = j ? q.companion : q.main;
+    const u64 mark = *(volatile const u64*)sq.indices;
+    if (mark == 0) continue;
+    gdaki::Completion c{};
+    const u32 k = poll(dc, FLUSH_TIMEOUT, [&] {
+      c = gdaki::completed(sq, mark - 1);
+      return c.state != 0;
+    });
+    if (k) return fail(dc, k, ctx, peer, (u32)mark);
+    if (c.state == 2) return fail(dc, WQE_ERROR, ctx, peer, (c.syndrome << 16) | c.wqe);
+  }
   return OK;
 }
 
@@ -297,7 +402,7 @@ GIN_DEV int put(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst
   // The ring too, where there are rings (unused for a load/store peer).
   ProxyRingAbi rg{};
   if (dc.backend_kind == BACKEND_PROXY) rg = ring(dc, ctx, peer);
-  if (!lsa && dc.backend_kind != BACKEND_PROXY) return fail(dc, UNSUPPORTED, ctx, peer, dc.backend_kind);
+  if (!lsa && !has_queues(dc)) return fail(dc, UNSUPPORTED, ctx, peer, dc.backend_kind);
   if (!range_ok(dst_off, bytes, dst_size)) return fail(dc, OUT_OF_WINDOW, ctx, peer, dst.id);
   if (!range_ok(src_off, bytes, src.local_size)) return fail(dc, OUT_OF_WINDOW, ctx, peer, src.id);
   if (lsa) {
@@ -310,7 +415,16 @@ GIN_DEV int put(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst
   }
   coop_sync(coop);
   int r = OK;
-  if (coop_rank(coop) == 0) {
+  if (coop_rank(coop) == 0 && dc.backend_kind == BACKEND_GDAKI) {
+    const GdakiData g{bytes ? 1u : 0u,
+                      ((const u32*)dst.keys)[peer],
+                      ((const u32*)src.keys)[dc.rank],
+                      ((const u64*)dst.addrs)[peer] + dst_off,
+                      src.local_base + src_off,
+                      bytes,
+                      0};
+    r = gdaki_post(dc, ctx, peer, gqp(dc, ctx, peer), g, rem, loc);
+  } else if (coop_rank(coop) == 0) {
     proxy::Desc d = empty_desc(proxy::OP_PUT);
     d.bytes = bytes;
     d.dst_window = dst.id;
@@ -347,6 +461,10 @@ GIN_DEV int put_value(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u
         *(volatile u64*)(d + dst_off) = value;
         lsa_actions(dc, ctx, sig, rem, no_counter());
       }
+    } else if (dc.backend_kind == BACKEND_GDAKI) {
+      const GdakiData g{2, ((const u32*)dst.keys)[peer], 0, ((const u64*)dst.addrs)[peer] + dst_off,
+                        0, 8, value};
+      r = gdaki_post(dc, ctx, peer, gqp(dc, ctx, peer), g, rem, no_counter());
     } else {
       proxy::Desc d = empty_desc(proxy::OP_PUT);
       d.bytes = 8;
@@ -376,6 +494,8 @@ GIN_DEV int signal(const DevComm& dc, u32 ctx, u32 peer, Remote rem, Coop coop =
       u64* sig = signal_peer(dc, peer);
       if (sig) lsa_actions(dc, ctx, sig, rem, no_counter());
       else r = fail(dc, UNSUPPORTED, ctx, peer, 0);
+    } else if (dc.backend_kind == BACKEND_GDAKI) {
+      r = gdaki_post(dc, ctx, peer, gqp(dc, ctx, peer), GdakiData{}, rem, no_counter());
     } else {
       proxy::Desc d = empty_desc(proxy::OP_PUT);
       proxy_actions(dc, ctx, rem, no_counter(), d);
@@ -406,7 +526,16 @@ GIN_DEV int get(const DevComm& dc, u32 ctx, u32 peer, const Window& remote, u64 
   }
   coop_sync(coop);
   int r = OK;
-  if (coop_rank(coop) == 0) {
+  if (coop_rank(coop) == 0 && dc.backend_kind == BACKEND_GDAKI) {
+    const GdakiData g{bytes ? 3u : 0u,
+                      ((const u32*)remote.keys)[peer],
+                      ((const u32*)local.keys)[dc.rank],
+                      ((const u64*)remote.addrs)[peer] + remote_off,
+                      local.local_base + local_off,
+                      bytes,
+                      0};
+    if (bytes) r = gdaki_post(dc, ctx, peer, gqp(dc, ctx, peer), g, no_signal(), no_counter());
+  } else if (coop_rank(coop) == 0) {
     proxy::Desc d = empty_desc(proxy::OP_GET);
     d.bytes = bytes;
     d.dst_window = remote.id;
@@ -439,6 +568,9 @@ GIN_DEV int flush(const DevComm& dc, u32 ctx, Coop coop = THREAD) {
                      [&] { return signal_reached(proxy::ld_acquire_gpu(done), mark); });
         if (k) r = fail(dc, k, ctx, p, (u32)mark);
       }
+    } else if (dc.backend_kind == BACKEND_GDAKI) {
+      for (u32 p = 0; p < dc.nranks && r == OK; ++p)
+        if (!is_lsa(dc, p)) r = gdaki_flush(dc, ctx, p);
     }
   }
   r = coop_bcast(coop, r);
@@ -532,6 +664,9 @@ GIN_DEV int barrier(const DevComm& dc, u32 ctx, u32 index, Coop coop = THREAD) {
     for (u32 p = 0; p < dc.nranks && r == OK; ++p) {
       if (is_lsa(dc, p)) {
         red_add_release_sys((u64*)((u8*)signal_peer(dc, p) + off), 1);
+      } else if (dc.backend_kind == BACKEND_GDAKI) {
+        r = gdaki_post(dc, ctx, p, gqp(dc, ctx, p), GdakiData{},
+                       Remote{1, dc.nsignals + index, 1, 0}, no_counter());
       } else {
         proxy::Desc d = empty_desc(proxy::OP_PUT);
         d.has_signal = 1;

@@ -1,0 +1,659 @@
+//! The soft mlx5 NIC for CUDA ranks: a thread that executes the WQEs kernels
+//! write into send queues in mapped pinned host memory, with the copy
+//! engine, and reports completions through collapsed CQs in device memory.
+//!
+//! It reads the very bytes gin-gdaki's encoders (and the CUDA header's
+//! builders) produce, decoded by `gin_gdaki::wqe`, and checks every key,
+//! range, opcode and index, as the CPU ranks' soft NIC does. Per
+//! (context, peer) the main QP and its companion share one stream, so a
+//! counter's fetch-add (companion) lands after the data it counts (main),
+//! and every CQE lands after the work it reports.
+//!
+//! What it cannot do that hardware can: atomics on arbitrary GPU memory. The
+//! copy engine has no fetch-add, so the NIC executes fetch-adds only where it
+//! is the sole writer, keeping running totals: this rank's sub-slot of a
+//! signal at the peer, and its counters' NIC sub-slot. Anything else
+//! completes with a remote operation error, and inline writes carry 8
+//! aligned bytes (all the header emits).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use gin_gdaki::completion::{CQE_REQ, CQE_REQ_ERR, Cqe, syndrome};
+use gin_gdaki::queue::unwrap_counter;
+use gin_gdaki::wqe::{BB, CQ_UPDATE, MemRef, Op, decode};
+
+use super::driver::{Device, Stream};
+use super::proxy::{SignalInfo, fits, window};
+use super::{COUNTER_KEY, SINK_KEY, WinTable, window_of_key};
+use crate::error::CoreError;
+
+/// One send queue as the host set it up.
+#[derive(Debug)]
+pub(crate) struct SqSpec {
+    pub qpn: u32,
+    pub log2: u32,
+    /// Host address of the `2^log2` WQEs (mapped pinned memory).
+    pub wqes: *mut u8,
+    /// Host address of the doorbell record (big-endian u32); the doorbell
+    /// register (u64) follows 8 bytes on.
+    pub ctl: *mut u8,
+    /// Device address of the collapsed CQE.
+    pub cqe: u64,
+}
+
+// SAFETY: `wqes` and `ctl` point into mapped host memory owned by the
+// device communicator, which stops the NIC before freeing it.
+unsafe impl Send for SqSpec {}
+
+/// The main QP to a peer and its companion loopback QP, for one context.
+#[derive(Debug)]
+pub(crate) struct PairSpec {
+    pub ctx: u32,
+    pub peer: usize,
+    pub main: SqSpec,
+    pub companion: SqSpec,
+}
+
+#[derive(Debug)]
+pub(crate) struct NicSpec {
+    pub dev: Arc<Device>,
+    pub rank: usize,
+    pub nranks: usize,
+    pub pairs: Vec<PairSpec>,
+    pub windows: WinTable,
+    pub signal: SignalInfo,
+    /// Device address of the counter array (16 bytes a slot, the NIC's
+    /// running total first).
+    pub counters: u64,
+    pub counter_slots: u64,
+    /// The atomic result sink, mapped host memory.
+    pub sink: u64,
+    pub sink_host: *mut u8,
+    pub sink_len: u64,
+    pub spin: Duration,
+}
+
+// SAFETY: `sink_host` points into mapped host memory owned by the device
+// communicator, which stops the NIC before freeing it.
+unsafe impl Send for NicSpec {}
+
+/// A running NIC thread.
+#[derive(Debug)]
+pub(crate) struct CudaNic {
+    stop: Arc<AtomicBool>,
+    error: Arc<Mutex<Option<String>>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl CudaNic {
+    pub fn start(spec: NicSpec) -> Result<Self, CoreError> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let error = Arc::new(Mutex::new(None));
+        let (s, e) = (stop.clone(), error.clone());
+        let thread = std::thread::Builder::new()
+            .name(format!("gin-cuda-nic-{}", spec.rank))
+            .spawn(move || {
+                let mut nic = match Nic::new(spec, e.clone()) {
+                    Ok(n) => n,
+                    Err(err) => {
+                        set_first(&e, err.to_string());
+                        return;
+                    }
+                };
+                if let Err(err) = nic.run(&s) {
+                    tracing::error!("CUDA soft NIC stopped: {err}");
+                    set_first(&e, err.to_string());
+                }
+            })
+            .map_err(|e| CoreError::Invalid(format!("cannot start the soft NIC thread: {e}")))?;
+        Ok(Self {
+            stop,
+            error,
+            thread: Some(thread),
+        })
+    }
+
+    /// The first error CQE's description, or why the NIC stopped.
+    pub fn error(&self) -> Option<String> {
+        self.error
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Stops the thread once it has drained its queues; reports the first
+    /// error it met.
+    pub fn stop(mut self) -> Result<(), CoreError> {
+        self.halt();
+        match self.error() {
+            Some(e) => Err(CoreError::Invalid(format!("the soft NIC reported: {e}"))),
+            None => Ok(()),
+        }
+    }
+
+    fn halt(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for CudaNic {
+    fn drop(&mut self) {
+        self.halt();
+    }
+}
+
+fn set_first(e: &Mutex<Option<String>>, why: String) {
+    let mut g = e.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if g.is_none() {
+        *g = Some(why);
+    }
+}
+
+/// WQEs taken from one queue before moving to the next.
+const BATCH: u64 = 64;
+
+/// The NIC's state of one send queue.
+struct Sq {
+    spec: SqSpec,
+    /// Next WQE index to execute.
+    ci: u64,
+    /// CQEs produced (index of the last completed WQE + 1).
+    produced: u64,
+    failed: bool,
+}
+
+impl Sq {
+    fn new(spec: SqSpec) -> Self {
+        Self {
+            spec,
+            ci: 0,
+            produced: 0,
+            failed: false,
+        }
+    }
+
+    fn size(&self) -> u64 {
+        1 << self.spec.log2
+    }
+
+    /// The producer index from the doorbell record, unwrapped relative to
+    /// `ci`; a record that went backwards (two producers' stores landing
+    /// out of order, which the producer repairs) reads as no new work.
+    fn producer_index(&self) -> u64 {
+        // SAFETY: `ctl` is the 4-aligned doorbell record, as above.
+        let rec = unsafe { &*self.spec.ctl.cast::<AtomicU32>() };
+        let pi16 = u32::from_be(rec.load(Ordering::Acquire)) as u16;
+        let ahead = u64::from(pi16.wrapping_sub(self.ci as u16));
+        if ahead > self.size() {
+            self.ci
+        } else {
+            self.ci + ahead
+        }
+    }
+
+    fn read_wqe(&self, idx: u64) -> [u8; BB] {
+        let slot = (idx & (self.size() - 1)) as usize;
+        // SAFETY: the slot lies inside the queue's mapped allocation (64
+        // bytes a WQE, 2^log2 WQEs); the GPU wrote it before the doorbell
+        // record we acquired, and it is read through atomics.
+        let q = unsafe { &*self.spec.wqes.add(slot * BB).cast::<[AtomicU64; BB / 8]>() };
+        let mut b = [0u8; BB];
+        for (i, w) in q.iter().enumerate() {
+            b[i * 8..i * 8 + 8].copy_from_slice(&w.load(Ordering::Acquire).to_ne_bytes());
+        }
+        b
+    }
+}
+
+struct Pair {
+    ctx: u32,
+    peer: usize,
+    main: Sq,
+    companion: Sq,
+    stream: Stream,
+    /// Running signal totals by byte offset in the peer's signal window.
+    totals: HashMap<u64, u64>,
+}
+
+/// How executing one WQE went.
+enum Step {
+    Done,
+    /// A WAIT whose condition does not hold yet: try again later.
+    Blocked,
+    Failed {
+        syndrome: u8,
+        why: String,
+    },
+}
+
+fn failed(syndrome: u8, why: impl Into<String>) -> Step {
+    Step::Failed {
+        syndrome,
+        why: why.into(),
+    }
+}
+
+struct Nic {
+    spec: NicSpec,
+    pairs: Vec<Pair>,
+    counter_totals: HashMap<u64, u64>,
+    error: Arc<Mutex<Option<String>>>,
+    executed: u64,
+}
+
+impl Nic {
+    fn new(mut spec: NicSpec, error: Arc<Mutex<Option<String>>>) -> Result<Self, CoreError> {
+        spec.dev.make_current()?;
+        let mut pairs = Vec::with_capacity(spec.pairs.len());
+        for p in std::mem::take(&mut spec.pairs) {
+            pairs.push(Pair {
+                ctx: p.ctx,
+                peer: p.peer,
+                main: Sq::new(p.main),
+                companion: Sq::new(p.companion),
+                stream: Stream::new()?,
+                totals: HashMap::new(),
+            });
+        }
+        Ok(Self {
+            spec,
+            pairs,
+            counter_totals: HashMap::new(),
+            error,
+            executed: 0,
+        })
+    }
+
+    fn run(&mut self, stop: &AtomicBool) -> Result<(), CoreError> {
+        let mut idle_since: Option<Instant> = None;
+        loop {
+            // Asked to stop, the NIC still drains what was posted: a kernel
+            // may end right after a barrier's signal that a peer awaits.
+            let stopping = stop.load(Ordering::Acquire);
+            let mut did = 0;
+            for i in 0..self.pairs.len() {
+                did += self.serve(i, false)?;
+                did += self.serve(i, true)?;
+            }
+            if did > 0 {
+                self.executed += did;
+                idle_since = None;
+                continue;
+            }
+            if stopping {
+                break;
+            }
+            // As the CUDA proxy: spin at least 5 ms, then nap.
+            let since = *idle_since.get_or_insert_with(Instant::now);
+            if since.elapsed() > self.spec.spin.max(Duration::from_millis(5)) {
+                std::thread::sleep(Duration::from_micros(50));
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        for p in &self.pairs {
+            p.stream.sync()?;
+        }
+        tracing::debug!(
+            rank = self.spec.rank,
+            executed = self.executed,
+            "CUDA soft NIC stopped"
+        );
+        Ok(())
+    }
+
+    /// Executes what one queue of pair `i` has posted; returns the WQEs
+    /// consumed.
+    fn serve(&mut self, i: usize, companion: bool) -> Result<u64, CoreError> {
+        // The NIC polls the doorbell records, as gin-gdaki's CPU soft NIC
+        // does; the doorbell register kernels also write is what hardware
+        // would need, and a polling NIC does not.
+        let sq = self.sq(i, companion);
+        let pi = sq.producer_index();
+        if pi == sq.ci {
+            return Ok(0);
+        }
+        let (ci, log2, qpn) = (sq.ci, sq.spec.log2, sq.spec.qpn);
+        let mut n = 0;
+        let mut last_ok: Option<(u64, u8)> = None;
+        while self.sq(i, companion).ci != pi && n < BATCH {
+            let idx = ci + n;
+            let bytes = self.sq(i, companion).read_wqe(idx);
+            if self.sq(i, companion).failed {
+                // Error state: the rest is flushed in error; the first error
+                // CQE stays where the kernel reads it.
+                self.sq_mut(i, companion).ci = idx + 1;
+                n += 1;
+                continue;
+            }
+            match self.execute(i, companion, idx, &bytes) {
+                Step::Blocked => break,
+                Step::Done => {
+                    if bytes[11] & CQ_UPDATE != 0 {
+                        last_ok = Some((idx, bytes[3]));
+                        self.sq_mut(i, companion).produced = idx + 1;
+                    }
+                }
+                Step::Failed { syndrome: syn, why } => {
+                    let p = &self.pairs[i];
+                    let what = if companion {
+                        format!("companion QP {qpn:#x} (context {})", p.ctx)
+                    } else {
+                        format!("QP {qpn:#x} to rank {} (context {})", p.peer, p.ctx)
+                    };
+                    let msg = format!(
+                        "rank {}: {what}: WQE index {idx} completed with syndrome {syn:#04x} ({}): {why}",
+                        self.spec.rank,
+                        syndrome::name(syn)
+                    );
+                    tracing::warn!("{msg}; the QP moved to the error state");
+                    set_first(&self.error, msg);
+                    let cqe = Cqe {
+                        opcode: CQE_REQ_ERR,
+                        wqe_counter: idx as u16,
+                        qpn,
+                        send_opcode: bytes[3],
+                        byte_cnt: 0,
+                        syndrome: syn,
+                        vendor_syndrome: 0,
+                    }
+                    .encode(idx, log2);
+                    let sq = self.sq_mut(i, companion);
+                    sq.failed = true;
+                    sq.produced = idx + 1;
+                    last_ok = None;
+                    let at = self.sq(i, companion).spec.cqe;
+                    let st = &self.pairs[i].stream;
+                    // Syndrome first, then the qword the kernel polls.
+                    st.write_u64(at + 48, qword(&cqe, 6))?;
+                    st.write_u64(at + 56, qword(&cqe, 7))?;
+                }
+            }
+            self.sq_mut(i, companion).ci = idx + 1;
+            n += 1;
+        }
+        if let Some((idx, op)) = last_ok {
+            // Collapsed CQ: only the newest CQE is visible, so one store
+            // per batch reports them all, after the batch's work.
+            let cqe = Cqe {
+                opcode: CQE_REQ,
+                wqe_counter: idx as u16,
+                qpn,
+                send_opcode: op,
+                byte_cnt: 0,
+                syndrome: 0,
+                vendor_syndrome: 0,
+            }
+            .encode(idx, log2);
+            let at = self.sq(i, companion).spec.cqe;
+            self.pairs[i].stream.write_u64(at + 56, qword(&cqe, 7))?;
+        }
+        Ok(n)
+    }
+
+    fn sq(&self, i: usize, companion: bool) -> &Sq {
+        let p = &self.pairs[i];
+        if companion { &p.companion } else { &p.main }
+    }
+
+    fn sq_mut(&mut self, i: usize, companion: bool) -> &mut Sq {
+        let p = &mut self.pairs[i];
+        if companion {
+            &mut p.companion
+        } else {
+            &mut p.main
+        }
+    }
+
+    fn execute(&mut self, i: usize, companion: bool, idx: u64, bytes: &[u8; BB]) -> Step {
+        let w = match decode(bytes) {
+            Ok(w) => w,
+            Err(e) => return failed(syndrome::LOCAL_QP_OP_ERR, format!("malformed WQE: {e}")),
+        };
+        let qpn = self.sq(i, companion).spec.qpn;
+        if w.index != idx as u16 {
+            return failed(
+                syndrome::LOCAL_QP_OP_ERR,
+                format!("the WQE at index {idx} carries index {}", w.index),
+            );
+        }
+        if w.qpn != qpn {
+            return failed(
+                syndrome::LOCAL_QP_OP_ERR,
+                format!("a WQE for QP {:#x} was posted on QP {qpn:#x}", w.qpn),
+            );
+        }
+        // The companion QP is a loopback QP: its remote is this rank.
+        let peer = if companion {
+            self.spec.rank
+        } else {
+            self.pairs[i].peer
+        };
+        let r = match &w.op {
+            Op::Nop => Ok(Step::Done),
+            Op::Write { remote, local, len } => self.copy(i, peer, *remote, *local, *len, true),
+            Op::Read { remote, local, len } => self.copy(i, peer, *remote, *local, *len, false),
+            Op::WriteInline { remote, data } => self.inline(i, peer, *remote, data),
+            Op::FetchAdd {
+                remote,
+                add,
+                result,
+            } => self.fetch_add(i, peer, *remote, *add, *result),
+            Op::CompareSwap { .. } => Ok(failed(
+                syndrome::REMOTE_OP_ERR,
+                "compare-and-swap on GPU memory: the copy engine has no atomics",
+            )),
+            Op::Wait { max_index, cqn } => {
+                let main = &self.pairs[i].main;
+                if !companion || *cqn != main.spec.qpn {
+                    return failed(
+                        syndrome::LOCAL_QP_OP_ERR,
+                        format!("WAIT on CQ {cqn:#x}, which is not this QP pair's main CQ"),
+                    );
+                }
+                if main.failed {
+                    return failed(
+                        syndrome::WR_FLUSH_ERR,
+                        format!("the awaited QP {:#x} is in the error state", main.spec.qpn),
+                    );
+                }
+                let awaited = unwrap_counter(*max_index as u16, main.produced);
+                Ok(if main.produced > awaited {
+                    Step::Done
+                } else {
+                    Step::Blocked
+                })
+            }
+        };
+        r.unwrap_or_else(|e| {
+            failed(
+                syndrome::LOCAL_QP_OP_ERR,
+                format!("driver call failed: {e}"),
+            )
+        })
+    }
+
+    /// Resolves `(key, addr)` of `len` bytes on `rank` to a device address
+    /// mapped here; `Err` names what was wrong.
+    fn resolve(&self, rank: usize, m: MemRef, len: u64) -> Result<u64, String> {
+        let (id, owner) = window_of_key(m.key, self.spec.nranks)
+            .ok_or_else(|| format!("key {:#010x} is not a window key", m.key))?;
+        if owner != rank {
+            return Err(format!(
+                "key {:#010x} belongs to rank {owner}, not rank {rank}",
+                m.key
+            ));
+        }
+        let w = window(&self.spec.windows, id)
+            .map_err(|_| format!("key {:#010x} names no registered window", m.key))?;
+        let (base, size) = (w.addrs[rank], w.sizes[rank]);
+        let off = m.addr.wrapping_sub(base);
+        if m.addr < base || !fits(off, len, size) {
+            return Err(format!(
+                "{len} bytes at {:#x} fall outside rank {rank}'s part of window {id} ({size} bytes at {base:#x})",
+                m.addr
+            ));
+        }
+        let mapped = if rank == self.spec.rank {
+            w.local
+        } else {
+            w.peers[rank]
+        };
+        if mapped == 0 {
+            return Err(format!(
+                "rank {rank}'s part of window {id} is not mapped here"
+            ));
+        }
+        Ok(mapped + off)
+    }
+
+    fn copy(
+        &self,
+        i: usize,
+        peer: usize,
+        remote: MemRef,
+        local: MemRef,
+        len: u32,
+        write: bool,
+    ) -> Result<Step, CoreError> {
+        let l = match self.resolve(self.spec.rank, local, u64::from(len)) {
+            Ok(a) => a,
+            Err(why) => return Ok(failed(syndrome::LOCAL_PROT_ERR, why)),
+        };
+        let r = match self.resolve(peer, remote, u64::from(len)) {
+            Ok(a) => a,
+            Err(why) => return Ok(failed(syndrome::REMOTE_ACCESS_ERR, why)),
+        };
+        if len > 0 {
+            let (dst, src) = if write { (r, l) } else { (l, r) };
+            self.pairs[i].stream.copy(dst, src, len as usize)?;
+        }
+        Ok(Step::Done)
+    }
+
+    fn inline(
+        &self,
+        i: usize,
+        peer: usize,
+        remote: MemRef,
+        data: &[u8],
+    ) -> Result<Step, CoreError> {
+        let Ok(v) = <[u8; 8]>::try_from(data) else {
+            return Ok(failed(
+                syndrome::LOCAL_QP_OP_ERR,
+                format!(
+                    "inline write of {} bytes: this NIC writes inline data to GPU memory 8 aligned bytes at a time",
+                    data.len()
+                ),
+            ));
+        };
+        let r = match self.resolve(peer, remote, 8) {
+            Ok(a) => a,
+            Err(why) => return Ok(failed(syndrome::REMOTE_ACCESS_ERR, why)),
+        };
+        if !r.is_multiple_of(8) {
+            return Ok(failed(
+                syndrome::LOCAL_QP_OP_ERR,
+                format!("inline write to unaligned address {:#x}", remote.addr),
+            ));
+        }
+        self.pairs[i].stream.write_u64(r, u64::from_le_bytes(v))?;
+        Ok(Step::Done)
+    }
+
+    fn fetch_add(
+        &mut self,
+        i: usize,
+        peer: usize,
+        remote: MemRef,
+        add: u64,
+        result: MemRef,
+    ) -> Result<Step, CoreError> {
+        // The result goes to the sink, host memory the NIC writes directly.
+        let sink_off = result.addr.wrapping_sub(self.spec.sink);
+        if result.key != SINK_KEY
+            || result.addr < self.spec.sink
+            || !fits(sink_off, 8, self.spec.sink_len)
+        {
+            return Ok(failed(
+                syndrome::LOCAL_PROT_ERR,
+                format!(
+                    "atomic result at {:#x} (key {:#010x}) is not in the sink",
+                    result.addr, result.key
+                ),
+            ));
+        }
+        if !remote.addr.is_multiple_of(8) {
+            return Ok(failed(
+                syndrome::REMOTE_INVAL_REQ_ERR,
+                format!("atomic at unaligned address {:#x}", remote.addr),
+            ));
+        }
+        let (target, old) = if remote.key == COUNTER_KEY && peer == self.spec.rank {
+            let off = remote.addr.wrapping_sub(self.spec.counters);
+            if remote.addr < self.spec.counters
+                || !fits(off, 8, self.spec.counter_slots * 16)
+                || !off.is_multiple_of(16)
+            {
+                return Ok(failed(
+                    syndrome::REMOTE_ACCESS_ERR,
+                    format!(
+                        "{:#x} is not the NIC sub-slot of a counter of this rank",
+                        remote.addr
+                    ),
+                ));
+            }
+            let t = self.counter_totals.entry(off / 16).or_insert(0);
+            let old = *t;
+            *t = t.wrapping_add(add);
+            (remote.addr, old)
+        } else {
+            let at = match self.resolve(peer, remote, 8) {
+                Ok(a) => a,
+                Err(why) => return Ok(failed(syndrome::REMOTE_ACCESS_ERR, why)),
+            };
+            let sig = &self.spec.signal;
+            let off = at.wrapping_sub(sig.peers[peer]);
+            let n = self.spec.nranks as u64;
+            let mine = window_of_key(remote.key, self.spec.nranks)
+                .is_some_and(|(id, _)| id == sig.window)
+                && (off / 8) % n == self.spec.rank as u64;
+            if !mine {
+                return Ok(failed(
+                    syndrome::REMOTE_OP_ERR,
+                    format!(
+                        "fetch-add at {:#x} of rank {peer}: on GPU memory this NIC adds only to this rank's signal sub-slots and its counters, where it is the only writer",
+                        remote.addr
+                    ),
+                ));
+            }
+            let t = self.pairs[i].totals.entry(off).or_insert(0);
+            let old = *t;
+            *t = t.wrapping_add(add);
+            (at, old)
+        };
+        let p = &self.pairs[i];
+        p.stream.write_u64(target, old.wrapping_add(add))?;
+        // SAFETY: the sink range was checked above; it is mapped host
+        // memory that outlives the thread and that nobody reads.
+        unsafe {
+            self.spec
+                .sink_host
+                .add(sink_off as usize)
+                .cast::<u64>()
+                .write_unaligned(old.to_be());
+        }
+        Ok(Step::Done)
+    }
+}
+
+fn qword(cqe: &[u8; 64], q: usize) -> u64 {
+    u64::from_le_bytes(cqe[q * 8..q * 8 + 8].try_into().expect("8 bytes"))
+}
