@@ -280,6 +280,24 @@ fn header_matches_rust_abi_and_encoders() {
         let b = wqe::encode(&op, index, qpn, fm).expect("valid WQE");
         assert_eq!(get(name), hex(&b), "{name}");
     }
+    // Kernels read the collapsed CQE's last qword and unwrap its 16-bit
+    // WQE counter as the NIC's Rust side writes and unwraps them.
+    let mut rng = Rng(0x243f_6a88_85a3_08d3);
+    for i in 0..64 {
+        let tail = rng.next();
+        let c = rng.next() as u16;
+        let near = rng.next();
+        let mut b = [0u8; 64];
+        b[56..].copy_from_slice(&tail.to_le_bytes());
+        let cqe = gin_gdaki::completion::Cqe::decode(&b);
+        let want = format!(
+            "{tail:016x} {} {} {:016x}",
+            cqe.opcode,
+            cqe.wqe_counter,
+            gin_gdaki::queue::unwrap_counter(c, near)
+        );
+        assert_eq!(get(&format!("cqe.{i}")), want, "cqe.{i}");
+    }
     assert_eq!(
         get("doorbell"),
         format!("{:016x}", wqe::doorbell(0x0102, 0x00ab_cdef))

@@ -123,6 +123,17 @@ int main() {
   hex("wqe.inline", b, 64);
   gdaki::wait(b, 9, 2, gdaki::CQ_UPDATE, 0x10203, 0x42);
   hex("wqe.wait", b, 64);
+
+  // Collapsed-CQE reading and 16-bit unwrapping, as kernels poll: random
+  // tails and (counter, near) pairs from a fresh sequence.
+  state = 0x243f6a8885a308d3ull;
+  for (int i = 0; i < 64; ++i) {
+    const u64 tail = next();
+    const u16 c = (u16)next();
+    const u64 near = next();
+    std::printf("cqe.%d %016llx %u %u %016llx\n", i, tail, gdaki::cqe_opcode(tail),
+                (unsigned)gdaki::cqe_wqe_counter(tail), gdaki::unwrap16(c, near));
+  }
   gdaki::nop(b, 0x55, 0x77, 0);
   hex("wqe.nop", b, 64);
   std::printf("doorbell %016llx\n", (unsigned long long)gdaki::doorbell(0x0102, 0xabcdef));

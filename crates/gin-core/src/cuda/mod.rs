@@ -526,20 +526,22 @@ impl<'c> CudaComm<'c> {
             Some(g) => {
                 mem.push(g.table);
                 mem.extend(g.dev);
-                let nic = nic::CudaNic::start(nic::NicSpec {
-                    dev: self.dev.clone(),
-                    rank,
-                    nranks: n,
-                    pairs: g.pairs,
-                    windows: self.windows.clone(),
-                    signal: self.signal_info(),
-                    counters: self.counters.ptr,
-                    counter_slots: self.comm.settings().counter_slots,
-                    sink: g.sink.dev,
-                    sink_host: g.sink.host,
-                    sink_len: 64,
-                    spin: comm.settings().proxy_spin,
-                })?;
+                let nic = nic::CudaNic::start(
+                    self.dev.clone(),
+                    nic::NicSpec {
+                        rank,
+                        nranks: n,
+                        pairs: g.pairs,
+                        windows: self.windows.clone(),
+                        signal: self.signal_info(),
+                        counters: self.counters.ptr,
+                        counter_slots: self.comm.settings().counter_slots,
+                        sink: g.sink.dev,
+                        sink_host: g.sink.host,
+                        sink_len: 64,
+                        spin: comm.settings().proxy_spin,
+                    },
+                )?;
                 host.extend(g.host);
                 host.push(g.sink);
                 Some(nic)

@@ -60,7 +60,6 @@ pub(crate) struct PairSpec {
 
 #[derive(Debug)]
 pub(crate) struct NicSpec {
-    pub dev: Arc<Device>,
     pub rank: usize,
     pub nranks: usize,
     pub pairs: Vec<PairSpec>,
@@ -90,14 +89,17 @@ pub(crate) struct CudaNic {
 }
 
 impl CudaNic {
-    pub fn start(spec: NicSpec) -> Result<Self, CoreError> {
+    pub fn start(dev: Arc<Device>, spec: NicSpec) -> Result<Self, CoreError> {
         let stop = Arc::new(AtomicBool::new(false));
         let error = Arc::new(Mutex::new(None));
         let (s, e) = (stop.clone(), error.clone());
         let thread = std::thread::Builder::new()
             .name(format!("gin-cuda-nic-{}", spec.rank))
             .spawn(move || {
-                let mut nic = match Nic::new(spec, e.clone()) {
+                let nic = dev
+                    .make_current()
+                    .and_then(|()| Nic::new(spec, e.clone(), Stream::new));
+                let mut nic = match nic {
                     Ok(n) => n,
                     Err(err) => {
                         set_first(&e, err.to_string());
@@ -212,12 +214,32 @@ impl Sq {
     }
 }
 
-struct Pair {
+/// What the NIC needs of a CUDA stream: copies and 8-byte stores that
+/// execute in the order they were queued. Tests use host memory instead.
+pub(crate) trait Dma {
+    fn copy(&self, dst: u64, src: u64, n: usize) -> Result<(), CoreError>;
+    fn write_u64(&self, addr: u64, v: u64) -> Result<(), CoreError>;
+    fn sync(&self) -> Result<(), CoreError>;
+}
+
+impl Dma for Stream {
+    fn copy(&self, dst: u64, src: u64, n: usize) -> Result<(), CoreError> {
+        Stream::copy(self, dst, src, n)
+    }
+    fn write_u64(&self, addr: u64, v: u64) -> Result<(), CoreError> {
+        Stream::write_u64(self, addr, v)
+    }
+    fn sync(&self) -> Result<(), CoreError> {
+        Stream::sync(self)
+    }
+}
+
+struct Pair<D> {
     ctx: u32,
     peer: usize,
     main: Sq,
     companion: Sq,
-    stream: Stream,
+    stream: D,
     /// Running signal totals by byte offset in the peer's signal window.
     totals: HashMap<u64, u64>,
 }
@@ -240,17 +262,20 @@ fn failed(syndrome: u8, why: impl Into<String>) -> Step {
     }
 }
 
-struct Nic {
+struct Nic<D> {
     spec: NicSpec,
-    pairs: Vec<Pair>,
+    pairs: Vec<Pair<D>>,
     counter_totals: HashMap<u64, u64>,
     error: Arc<Mutex<Option<String>>>,
     executed: u64,
 }
 
-impl Nic {
-    fn new(mut spec: NicSpec, error: Arc<Mutex<Option<String>>>) -> Result<Self, CoreError> {
-        spec.dev.make_current()?;
+impl<D: Dma> Nic<D> {
+    fn new(
+        mut spec: NicSpec,
+        error: Arc<Mutex<Option<String>>>,
+        mut queue: impl FnMut() -> Result<D, CoreError>,
+    ) -> Result<Self, CoreError> {
         let mut pairs = Vec::with_capacity(spec.pairs.len());
         for p in std::mem::take(&mut spec.pairs) {
             pairs.push(Pair {
@@ -258,7 +283,7 @@ impl Nic {
                 peer: p.peer,
                 main: Sq::new(p.main),
                 companion: Sq::new(p.companion),
-                stream: Stream::new()?,
+                stream: queue()?,
                 totals: HashMap::new(),
             });
         }
@@ -656,4 +681,380 @@ impl Nic {
 
 fn qword(cqe: &[u8; 64], q: usize) -> u64 {
     u64::from_le_bytes(cqe[q * 8..q * 8 + 8].try_into().expect("8 bytes"))
+}
+
+#[cfg(test)]
+mod tests {
+    //! The NIC's decoding, checks, execution and completions, run on host
+    //! memory: addresses are host pointers and a "stream" executes at once.
+    //! Rank 0's NIC serves its QP pair to rank 1.
+
+    use super::*;
+    use crate::cuda::{WinInfo, window_key};
+    use gin_gdaki::completion::CQE_INVALID;
+    use gin_gdaki::wqe::{FM_NONE, FM_STRONG_ORDERING, encode};
+    use std::sync::RwLock;
+
+    struct HostDma;
+
+    impl Dma for HostDma {
+        fn copy(&self, dst: u64, src: u64, n: usize) -> Result<(), CoreError> {
+            // SAFETY: the tests pass addresses of live, disjoint host buffers.
+            unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, n) };
+            Ok(())
+        }
+        fn write_u64(&self, addr: u64, v: u64) -> Result<(), CoreError> {
+            // SAFETY: as above, 8-aligned.
+            unsafe { (*(addr as *const AtomicU64)).store(v, Ordering::Release) };
+            Ok(())
+        }
+        fn sync(&self) -> Result<(), CoreError> {
+            Ok(())
+        }
+    }
+
+    const N: usize = 2;
+    const DATA: u32 = 3;
+    const SIG: u32 = 4;
+    /// Each rank's own address of its parts (what WQEs carry).
+    const VA: [u64; 2] = [0x1000_0000, 0x2000_0000];
+    const SIG_VA: [u64; 2] = [0x3000_0000, 0x4000_0000];
+    const LOG2: u32 = 3;
+
+    fn buf(qwords: usize) -> Box<[u64]> {
+        vec![0u64; qwords].into_boxed_slice()
+    }
+    fn addr(b: &[u64]) -> u64 {
+        b.as_ptr() as u64
+    }
+
+    struct Rig {
+        _sig_own: Box<[u64]>,
+        src: Box<[u64]>,
+        dst: Box<[u64]>,
+        sig_peer: Box<[u64]>,
+        counters: Box<[u64]>,
+        sink: Box<[u64]>,
+        wqes: [Box<[u64]>; 2],
+        ctl: [Box<[u64]>; 2],
+        cqe: [Box<[u64]>; 2],
+        nic: Nic<HostDma>,
+    }
+
+    fn rig() -> Rig {
+        let src: Box<[u64]> = (0..32u64).map(|i| i * 0x0101_0101).collect();
+        let dst = buf(32);
+        let sig_own = buf(8);
+        let sig_peer = buf(8);
+        let counters = buf(16);
+        let sink = buf(8);
+        let wqes = [buf(8 << LOG2), buf(8 << LOG2)];
+        let ctl = [buf(2), buf(2)];
+        let mut cqe = [buf(8), buf(8)];
+        for c in &mut cqe {
+            c[7] = u64::from(CQE_INVALID << 4) << 56;
+        }
+        let windows: WinTable = Arc::new(RwLock::new(HashMap::new()));
+        {
+            let mut t = windows.write().unwrap();
+            t.insert(
+                DATA,
+                Arc::new(WinInfo {
+                    local: addr(&src),
+                    local_size: 256,
+                    sizes: vec![256, 256],
+                    peers: vec![addr(&src), addr(&dst)],
+                    addrs: VA.to_vec(),
+                }),
+            );
+            t.insert(
+                SIG,
+                Arc::new(WinInfo {
+                    local: addr(&sig_own),
+                    local_size: 64,
+                    sizes: vec![64, 64],
+                    peers: vec![addr(&sig_own), addr(&sig_peer)],
+                    addrs: SIG_VA.to_vec(),
+                }),
+            );
+        }
+        let sq = |j: usize| SqSpec {
+            qpn: 0x102 + j as u32,
+            log2: LOG2,
+            wqes: wqes[j].as_ptr() as *mut u8,
+            ctl: ctl[j].as_ptr() as *mut u8,
+            cqe: addr(&cqe[j]),
+        };
+        let spec = NicSpec {
+            rank: 0,
+            nranks: N,
+            pairs: vec![PairSpec {
+                ctx: 0,
+                peer: 1,
+                main: sq(0),
+                companion: sq(1),
+            }],
+            windows,
+            signal: SignalInfo {
+                window: SIG,
+                peers: vec![addr(&sig_own), addr(&sig_peer)],
+                sizes: vec![64, 64],
+            },
+            counters: addr(&counters),
+            counter_slots: 8,
+            sink: addr(&sink),
+            sink_host: sink.as_ptr() as *mut u8,
+            sink_len: 64,
+            spin: Duration::ZERO,
+        };
+        let nic = Nic::new(spec, Arc::default(), || Ok(HostDma)).unwrap();
+        Rig {
+            _sig_own: sig_own,
+            src,
+            dst,
+            sig_peer,
+            counters,
+            sink,
+            wqes,
+            ctl,
+            cqe,
+            nic,
+        }
+    }
+
+    fn key(id: u32, p: usize) -> u32 {
+        window_key(id, p, N).unwrap()
+    }
+
+    impl Rig {
+        /// Writes `ops` at indices `from..` of queue `j` and posts them.
+        fn post(&mut self, j: usize, from: u64, ops: &[(Op, u8)]) {
+            let qpn = 0x102 + j as u32;
+            for (i, (op, fm)) in ops.iter().enumerate() {
+                let idx = from + i as u64;
+                let b = encode(op, idx as u16, qpn, fm | CQ_UPDATE).unwrap();
+                let at = (idx as usize & ((1 << LOG2) - 1)) * 8;
+                for q in 0..8 {
+                    self.wqes[j][at + q] =
+                        u64::from_ne_bytes(b[q * 8..q * 8 + 8].try_into().unwrap());
+                }
+            }
+            self.dbrec(j, from + ops.len() as u64);
+        }
+        fn dbrec(&mut self, j: usize, pi: u64) {
+            self.ctl[j][0] = u64::from(u32::from(pi as u16).to_be());
+        }
+        fn serve(&mut self) -> u64 {
+            self.nic.serve(0, false).unwrap() + self.nic.serve(0, true).unwrap()
+        }
+        /// (opcode, WQE counter, syndrome) of queue `j`'s collapsed CQE.
+        fn cqe(&self, j: usize) -> (u8, u16, u8) {
+            let t = self.cqe[j][7].to_le_bytes();
+            let s = self.cqe[j][6].to_le_bytes();
+            (t[7] >> 4, u16::from_be_bytes([t[4], t[5]]), s[7])
+        }
+        fn error(&self) -> Option<String> {
+            self.nic.error.lock().unwrap().clone()
+        }
+    }
+
+    fn write(off: u64, len: u32) -> Op {
+        Op::Write {
+            remote: MemRef {
+                addr: VA[1] + off,
+                key: key(DATA, 1),
+            },
+            local: MemRef {
+                addr: VA[0] + off,
+                key: key(DATA, 0),
+            },
+            len,
+        }
+    }
+
+    /// This rank's (0) sub-slot of signal slot `slot` at the peer.
+    fn signal(slot: u64, add: u64, sink: u64) -> Op {
+        Op::FetchAdd {
+            remote: MemRef {
+                addr: SIG_VA[1] + slot * N as u64 * 8,
+                key: key(SIG, 1),
+            },
+            add,
+            result: MemRef {
+                addr: sink,
+                key: SINK_KEY,
+            },
+        }
+    }
+
+    #[test]
+    fn put_with_signal_moves_data_then_reports_one_cqe() {
+        let mut r = rig();
+        let sink = addr(&r.sink);
+        r.post(
+            0,
+            0,
+            &[
+                (write(16, 64), FM_NONE),
+                (signal(2, 5, sink), FM_STRONG_ORDERING),
+            ],
+        );
+        assert_eq!(r.serve(), 2);
+        assert_eq!(r.dst[2..10], r.src[2..10]);
+        assert_eq!(r.dst[0..2], [0, 0]);
+        assert_eq!(r.sig_peer[4], 5, "rank 0's sub-slot of slot 2");
+        assert_eq!(r.cqe(0), (CQE_REQ, 1, 0));
+        // A second signal: the running total, and the old value (big-endian)
+        // in the sink.
+        r.post(0, 2, &[(signal(2, 3, sink), FM_NONE)]);
+        assert_eq!(r.serve(), 1);
+        assert_eq!(r.sig_peer[4], 8);
+        assert_eq!(u64::from_be(r.sink[0]), 5);
+        assert_eq!(r.cqe(0), (CQE_REQ, 2, 0));
+        assert_eq!(r.error(), None);
+    }
+
+    #[test]
+    fn counter_waits_for_the_main_queue() {
+        let mut r = rig();
+        let bump = |r: &Rig| Op::FetchAdd {
+            remote: MemRef {
+                addr: addr(&r.counters) + 3 * 16,
+                key: COUNTER_KEY,
+            },
+            add: 1,
+            result: MemRef {
+                addr: addr(&r.sink) + 8,
+                key: SINK_KEY,
+            },
+        };
+        let wait = |idx: u32| Op::Wait {
+            max_index: idx,
+            cqn: 0x102,
+        };
+        // The companion's WAIT names main WQE 0, which is not posted yet.
+        let b = bump(&r);
+        r.post(1, 0, &[(wait(0), FM_NONE), (b, FM_NONE)]);
+        assert_eq!(r.serve(), 0);
+        assert_eq!(r.counters[6], 0);
+        r.post(0, 0, &[(write(0, 8), FM_NONE)]);
+        assert_eq!(r.serve(), 3);
+        assert_eq!(r.counters[6], 1, "counter 3's NIC sub-slot");
+        assert_eq!(r.cqe(1), (CQE_REQ, 1, 0));
+    }
+
+    #[test]
+    fn bad_key_is_an_error_cqe_and_the_queue_stays_in_error() {
+        let mut r = rig();
+        let mut bad = write(0, 8);
+        if let Op::Write { remote, .. } = &mut bad {
+            remote.key = 0xdead_0001;
+        }
+        r.post(0, 0, &[(write(0, 8), FM_NONE), (bad, FM_NONE)]);
+        assert_eq!(r.serve(), 2);
+        assert_eq!(r.cqe(0), (CQE_REQ_ERR, 1, syndrome::REMOTE_ACCESS_ERR));
+        let e = r.error().unwrap();
+        assert!(
+            e.contains("QP 0x102 to rank 1")
+                && e.contains("WQE index 1")
+                && e.contains("syndrome 0x13")
+                && e.contains("0xdead0001"),
+            "{e}"
+        );
+        // Later WQEs are flushed; the first error stays visible.
+        r.dst[4] = 0;
+        r.post(0, 2, &[(write(32, 8), FM_NONE)]);
+        assert_eq!(r.serve(), 1);
+        assert_eq!(r.dst[4], 0);
+        assert_eq!(r.cqe(0), (CQE_REQ_ERR, 1, syndrome::REMOTE_ACCESS_ERR));
+    }
+
+    #[test]
+    fn out_of_range_and_foreign_sub_slots_are_refused() {
+        let shifted = |remote: u64, local: u64| Op::Write {
+            remote: MemRef {
+                addr: VA[1] + remote,
+                key: key(DATA, 1),
+            },
+            local: MemRef {
+                addr: VA[0] + local,
+                key: key(DATA, 0),
+            },
+            len: 8,
+        };
+        let cases = |sink: u64| {
+            [
+                (shifted(250, 0), syndrome::REMOTE_ACCESS_ERR),
+                (shifted(0, 250), syndrome::LOCAL_PROT_ERR),
+                (
+                    // Rank 1's own sub-slot: this NIC is not its only writer.
+                    Op::FetchAdd {
+                        remote: MemRef {
+                            addr: SIG_VA[1] + 8,
+                            key: key(SIG, 1),
+                        },
+                        add: 1,
+                        result: MemRef {
+                            addr: sink,
+                            key: SINK_KEY,
+                        },
+                    },
+                    syndrome::REMOTE_OP_ERR,
+                ),
+                (
+                    Op::CompareSwap {
+                        remote: MemRef {
+                            addr: SIG_VA[1],
+                            key: key(SIG, 1),
+                        },
+                        compare: 0,
+                        swap: 1,
+                        result: MemRef {
+                            addr: sink,
+                            key: SINK_KEY,
+                        },
+                    },
+                    syndrome::REMOTE_OP_ERR,
+                ),
+                (signal(0, 1, sink + 64), syndrome::LOCAL_PROT_ERR),
+            ]
+        };
+        for i in 0..5 {
+            let mut r = rig();
+            let (op, syn) = cases(addr(&r.sink))[i].clone();
+            r.post(0, 0, &[(op.clone(), FM_NONE)]);
+            assert_eq!(r.serve(), 1);
+            assert_eq!(r.cqe(0), (CQE_REQ_ERR, 0, syn), "{op:?}");
+            assert!(r.sig_peer.iter().all(|&v| v == 0));
+            assert!(r.dst.iter().all(|&v| v == 0));
+        }
+    }
+
+    #[test]
+    fn a_wqe_with_the_wrong_index_is_a_local_qp_error() {
+        let mut r = rig();
+        // Written for index 5, posted at index 0.
+        let b = encode(&write(0, 8), 5, 0x102, CQ_UPDATE).unwrap();
+        for q in 0..8 {
+            r.wqes[0][q] = u64::from_ne_bytes(b[q * 8..q * 8 + 8].try_into().unwrap());
+        }
+        r.dbrec(0, 1);
+        r.serve();
+        assert_eq!(r.cqe(0), (CQE_REQ_ERR, 0, syndrome::LOCAL_QP_OP_ERR));
+        assert!(r.error().unwrap().contains("carries index 5"));
+    }
+
+    #[test]
+    fn a_doorbell_record_that_went_backwards_is_ignored() {
+        let mut r = rig();
+        r.post(0, 0, &[(write(0, 8), FM_NONE), (write(8, 8), FM_NONE)]);
+        assert_eq!(r.serve(), 2);
+        // An older producer's record landing last: nothing new, no error.
+        r.dbrec(0, 1);
+        assert_eq!(r.serve(), 0);
+        assert_eq!(r.error(), None);
+        r.post(0, 2, &[(write(16, 8), FM_NONE)]);
+        assert_eq!(r.serve(), 1);
+        assert_eq!(r.cqe(0), (CQE_REQ, 2, 0));
+    }
 }
