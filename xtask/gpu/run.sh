@@ -51,7 +51,9 @@ for backend in auto proxy gdaki; do
   expect_die "die-$backend" env GIN_BACKEND=$backend GIN_TIMEOUT=60s "$st" die 1 --ranks 2
 done
 if [ "$ngpu" -ge 4 ]; then
-  step "selftest-4ranks" "$st" all --ranks 4
+  for backend in auto proxy gdaki; do
+    step "selftest-4ranks-$backend" env GIN_BACKEND=$backend "$st" all --ranks 4
+  done
 fi
 if [ "$suite" = full ]; then
   step "bench-cuda" "$here/gin-bench" cuda --json "$out/cuda.json" --csv "$out/cuda.csv"

@@ -172,6 +172,11 @@ GIN_DEV u32 submit(const GdakiSqAbi& q, u32 flags, u32 k, Build build, GiveUp gi
   // grows, so an early reading is a safe lower bound for credit (the NIC
   // stores a CQE only after it has read the WQEs it reports).
   const u64 tail0 = *(volatile const u64*)(q.cqe + 56);
+  // Likewise the ready index: if it already stands at our start, every
+  // earlier range is posted and the wait below is skipped; the fence of
+  // the doorbell record's release completes the acquire (a relaxed load
+  // followed by a fence is an acquire pattern).
+  const u64 ready0 = *(volatile const u64*)ready;
   u64 start;
   if (excl) {
     start = *(volatile u64*)resv;
@@ -221,7 +226,7 @@ GIN_DEV u32 submit(const GdakiSqAbi& q, u32 flags, u32 k, Build build, GiveUp gi
   // Posting in order keeps the doorbell record monotone without a lock:
   // the next producer's store is ordered after ours.
   const u64 end = start + k;
-  if (!excl) {
+  if (!excl && ready0 != start) {
     for (u32 spin = 0; ld_acquire_gpu64(ready) != start; ++spin) {
       // An earlier range is still being filled or posted.
       if ((spin & 255) == 255 && give_up()) return 1;
