@@ -3,10 +3,11 @@
 //! NVSHMEM 3.4 and NCCL 2.28 on 2x H200 (docs/cuda.md).
 //!
 //! - ping-pong: put-with-signal round trip, one kernel per GPU, for the
-//!   load/store path and the proxy, with thread / warp / block coops; the
-//!   load/store floor is a raw copy plus release-store flag over the same
-//!   CUDA IPC mapping, the proxy floor a raw CPU-proxied copy plus flag
-//!   (a host thread forwarding with cuMemcpyAsync + cuStreamWriteValue64).
+//!   load/store path (thread / warp / block coops), the proxy and GDAKI
+//!   (one thread); the load/store floor is a raw copy plus release-store
+//!   flag over the same CUDA IPC mapping, the floor of the proxy and of
+//!   GDAKI a raw CPU-proxied copy plus flag (a host thread forwarding with
+//!   cuMemcpyAsync + cuStreamWriteValue64).
 //! - bandwidth: one-way, one message (4 MiB by default) split over N blocks.
 //!
 //! Times are measured on the GPU (%globaltimer) over many round trips per
