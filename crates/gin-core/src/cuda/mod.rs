@@ -38,6 +38,7 @@ mod driver;
 mod nic;
 pub mod nvrtc;
 mod proxy;
+mod worker;
 
 use std::collections::HashMap;
 use std::ffi::c_void;

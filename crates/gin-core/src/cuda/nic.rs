@@ -17,9 +17,8 @@
 //! aligned bytes (all the header emits).
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use gin_gdaki::completion::{CQE_REQ, CQE_REQ_ERR, Cqe, syndrome};
@@ -28,6 +27,7 @@ use gin_gdaki::wqe::{BB, CQ_UPDATE, MemRef, Op, decode};
 
 use super::driver::{Device, Stream};
 use super::proxy::{SignalInfo, fits, window};
+use super::worker::{FirstError, Worker, set_first};
 use super::{COUNTER_KEY, SINK_KEY, WinTable, window_of_key};
 use crate::error::CoreError;
 
@@ -82,79 +82,31 @@ unsafe impl Send for NicSpec {}
 
 /// A running NIC thread.
 #[derive(Debug)]
-pub(crate) struct CudaNic {
-    stop: Arc<AtomicBool>,
-    error: Arc<Mutex<Option<String>>>,
-    thread: Option<JoinHandle<()>>,
-}
+pub(crate) struct CudaNic(Worker);
 
 impl CudaNic {
     pub fn start(dev: Arc<Device>, spec: NicSpec) -> Result<Self, CoreError> {
-        let stop = Arc::new(AtomicBool::new(false));
-        let error = Arc::new(Mutex::new(None));
-        let (s, e) = (stop.clone(), error.clone());
-        let thread = std::thread::Builder::new()
-            .name(format!("gin-cuda-nic-{}", spec.rank))
-            .spawn(move || {
-                let nic = dev
-                    .make_current()
-                    .and_then(|()| Nic::new(spec, e.clone(), Stream::new));
-                let mut nic = match nic {
-                    Ok(n) => n,
-                    Err(err) => {
-                        set_first(&e, err.to_string());
-                        return;
-                    }
-                };
-                if let Err(err) = nic.run(&s) {
-                    tracing::error!("CUDA soft NIC stopped: {err}");
-                    set_first(&e, err.to_string());
-                }
-            })
-            .map_err(|e| CoreError::Invalid(format!("cannot start the soft NIC thread: {e}")))?;
-        Ok(Self {
-            stop,
-            error,
-            thread: Some(thread),
+        let name = format!("gin-cuda-nic-{}", spec.rank);
+        Worker::start(name, "CUDA soft NIC", move |stop, error| {
+            dev.make_current()?;
+            Nic::new(spec, error.clone(), Stream::new)?.run(stop)
         })
+        .map(Self)
     }
 
     /// The first error CQE's description, or why the NIC stopped.
     pub fn error(&self) -> Option<String> {
-        self.error
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
+        self.0.error()
     }
 
     /// Stops the thread once it has drained its queues; reports the first
     /// error it met.
     pub fn stop(mut self) -> Result<(), CoreError> {
-        self.halt();
-        match self.error() {
+        self.0.halt();
+        match self.0.error() {
             Some(e) => Err(CoreError::Invalid(format!("the soft NIC reported: {e}"))),
             None => Ok(()),
         }
-    }
-
-    fn halt(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-impl Drop for CudaNic {
-    fn drop(&mut self) {
-        self.halt();
-    }
-}
-
-fn set_first(e: &Mutex<Option<String>>, why: String) {
-    let mut g = e.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    if g.is_none() {
-        *g = Some(why);
     }
 }
 
@@ -266,14 +218,14 @@ struct Nic<D> {
     spec: NicSpec,
     pairs: Vec<Pair<D>>,
     counter_totals: HashMap<u64, u64>,
-    error: Arc<Mutex<Option<String>>>,
+    error: FirstError,
     executed: u64,
 }
 
 impl<D: Dma> Nic<D> {
     fn new(
         mut spec: NicSpec,
-        error: Arc<Mutex<Option<String>>>,
+        error: FirstError,
         mut queue: impl FnMut() -> Result<D, CoreError>,
     ) -> Result<Self, CoreError> {
         let mut pairs = Vec::with_capacity(spec.pairs.len());

@@ -8,15 +8,15 @@
 //! kernel's flush and credit checks read. Nothing here waits for the GPU.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use gin_proxy::descriptor::{DESC_QWORDS, Desc, Op, Slot, decode};
 
 use super::WinTable;
 use super::driver::{Device, HostMem, Stream};
+use super::worker::Worker;
 use crate::error::CoreError;
 
 /// Where the signal window is: its id and every rank's part mapped here.
@@ -51,59 +51,24 @@ pub(crate) struct ProxySpec {
 }
 
 #[derive(Debug)]
-pub(crate) struct CudaProxy {
-    stop: Arc<AtomicBool>,
-    error: Arc<Mutex<Option<String>>>,
-    thread: Option<JoinHandle<()>>,
-}
+pub(crate) struct CudaProxy(Worker);
 
 impl CudaProxy {
     pub fn start(spec: ProxySpec) -> Result<Self, CoreError> {
-        let stop = Arc::new(AtomicBool::new(false));
-        let error = Arc::new(Mutex::new(None));
-        let (s, e) = (stop.clone(), error.clone());
-        let thread = std::thread::Builder::new()
-            .name(format!("gin-cuda-proxy-{}", spec.rank))
-            .spawn(move || {
-                if let Err(err) = run(spec, &s) {
-                    tracing::error!("CUDA proxy stopped: {err}");
-                    *e.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
-                        Some(err.to_string());
-                }
-            })
-            .map_err(|e| CoreError::Invalid(format!("cannot start the CUDA proxy thread: {e}")))?;
-        Ok(Self {
-            stop,
-            error,
-            thread: Some(thread),
-        })
+        let name = format!("gin-cuda-proxy-{}", spec.rank);
+        Worker::start(name, "CUDA proxy", move |stop, _| run(spec, stop)).map(Self)
     }
 
     /// The error that stopped the proxy, if any.
     pub fn error(&self) -> Option<String> {
-        self.error
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
+        self.0.error()
     }
 
     pub fn stop(mut self) -> Result<(), CoreError> {
-        self.stop.store(true, Ordering::Release);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-        match self.error() {
+        self.0.halt();
+        match self.0.error() {
             Some(e) => Err(CoreError::Invalid(format!("the CUDA proxy failed: {e}"))),
             None => Ok(()),
-        }
-    }
-}
-
-impl Drop for CudaProxy {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
         }
     }
 }
