@@ -44,12 +44,27 @@ expect_die() {
     echo "FAILED ($name): no error naming the dead peer"; tail -n 40 "$out/$name.log"; fail=1
   fi
 }
+expect_refused() {
+  # A choice this machine cannot serve must fail on every rank with an
+  # error naming it, promptly.
+  local name="$1" want="$2"; shift 2
+  echo "== $name: $*"
+  timeout 60 "$@" > "$out/$name.log" 2>&1
+  if grep -q "$want" "$out/$name.log"; then
+    grep -m1 "$want" "$out/$name.log"
+  else
+    echo "FAILED ($name): no error saying '$want'"; tail -n 20 "$out/$name.log"; fail=1
+  fi
+}
 st="$here/gin-cuda-selftest"
 for backend in auto proxy gdaki; do
   step "selftest-$backend" env GIN_BACKEND=$backend "$st" all --ranks 2
   step "badinput-$backend" env GIN_BACKEND=$backend GIN_TIMEOUT=2s "$st" badinput --ranks 2
   expect_die "die-$backend" env GIN_BACKEND=$backend GIN_TIMEOUT=60s "$st" die 1 --ranks 2
 done
+# The mlx5 hardware path: rdma-core loaded at run time, no ConnectX here.
+expect_refused "mlx5-refused" "GIN_NIC=mlx5 is not available" \
+  env GIN_BACKEND=gdaki GIN_NIC=mlx5 "$st" ring --ranks 2
 if [ "$ngpu" -ge 4 ]; then
   for backend in auto proxy gdaki; do
     step "selftest-4ranks-$backend" env GIN_BACKEND=$backend "$st" all --ranks 4

@@ -11,13 +11,17 @@
 //! - `ci`: what CI runs (`.ci/run`).
 //! - `gpu-package [DIR]`: release binaries and a run script for a GPU
 //!   machine without Rust (see docs/cuda.md).
+//! - `rdma-bindings [INCLUDE_DIR]`: regenerate gin-gdaki's rdma-core
+//!   bindings with bindgen (needs rdma-core's headers and libclang).
 //!
-//! Dependencies stay few: plotters (SVG only) for the plots and serde_json
-//! to read gin-bench's reports.
+//! Dependencies stay few: plotters (SVG only) for the plots, serde_json
+//! to read gin-bench's reports, and bindgen (libclang loaded at run time)
+//! for the rdma-core bindings.
 
 mod bench;
 mod gpu;
 mod plot;
+mod rdma;
 mod summary;
 
 use std::process::{Command, ExitCode};
@@ -41,7 +45,8 @@ const USAGE: &str =
        cargo xtask bench [smoke|quick|full] [--machine NAME] [--out DIR]
        cargo xtask loggp-summary FILE...
        cargo xtask ci
-       cargo xtask gpu-package [DIR]";
+       cargo xtask gpu-package [DIR]
+       cargo xtask rdma-bindings [INCLUDE_DIR]";
 
 fn run() -> Result<ExitCode> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -50,6 +55,7 @@ fn run() -> Result<ExitCode> {
         Some("gpu-package") => gpu::package(&args[1..]).map(|()| ExitCode::SUCCESS),
         Some("bench") => bench::run(&args[1..]).map(|()| ExitCode::SUCCESS),
         Some("loggp-summary") => summary::run(&args[1..]).map(|()| ExitCode::SUCCESS),
+        Some("rdma-bindings") => rdma::run(&args[1..]).map(|()| ExitCode::SUCCESS),
         Some("ci") => {
             let st = Command::new("bash")
                 .arg(".ci/run")

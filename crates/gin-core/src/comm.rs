@@ -548,6 +548,7 @@ impl Comm {
         let depth = req.queue_depth.max(2).next_power_of_two();
         let backend: Arc<dyn Backend> = match self.settings.backend {
             BackendKind::Gdaki => {
+                self.settings.check_nic()?;
                 let g = Gdaki::start(
                     self.fabric.clone(),
                     self.counters.clone(),

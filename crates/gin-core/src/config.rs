@@ -27,6 +27,18 @@ pub enum TransportKind {
     Tcp,
 }
 
+/// Which NIC executes GDAKI work requests (`GIN_NIC`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum NicKind {
+    /// soft-mlx5: a thread executes the WQEs (CPU ranks: over gin-net; CUDA
+    /// ranks: with the copy engine).
+    #[default]
+    Soft,
+    /// A ConnectX through rdma-core, loaded at run time (not built beyond
+    /// discovery: asking for it is an error that names what is missing).
+    Mlx5,
+}
+
 /// Communicator settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Settings {
@@ -48,9 +60,28 @@ pub struct Settings {
     /// GDAKI: ring the doorbell once this many WQEs are ready
     /// (`GIN_GDAKI_BATCH`, default 1: every request; flushes always ring).
     pub gdaki_batch: u64,
+    /// The NIC behind `GIN_BACKEND=gdaki` (`GIN_NIC=soft|mlx5`).
+    pub nic: NicKind,
 }
 
 impl Settings {
+    /// Fails unless the NIC asked for exists here: `GIN_NIC=mlx5` probes
+    /// rdma-core and reports what is missing (the library, a device, or the
+    /// devx queue set-up, which is not built).
+    pub fn check_nic(&self) -> Result<(), CoreError> {
+        match self.nic {
+            NicKind::Soft => Ok(()),
+            NicKind::Mlx5 => match gin_gdaki::mlx5::open() {
+                Ok(never) => match never {},
+                Err(e) => Err(CoreError::Unavailable {
+                    what: "GIN_NIC=mlx5".into(),
+                    why: e.to_string(),
+                    available: "GIN_NIC=soft (soft-mlx5 runs the same WQEs)".into(),
+                }),
+            },
+        }
+    }
+
     /// Reads the process environment.
     pub fn from_env() -> Result<Self, CoreError> {
         Self::from_vars(|k| std::env::var(k).ok())
@@ -108,6 +139,17 @@ impl Settings {
                 None => Duration::from_micros(100),
             },
             gdaki_batch: slots("GIN_GDAKI_BATCH", 1)?,
+            nic: match get("GIN_NIC").as_deref().map(str::trim) {
+                None | Some("" | "soft") => NicKind::Soft,
+                Some("mlx5") => NicKind::Mlx5,
+                Some(other) => {
+                    return Err(CoreError::Unavailable {
+                        what: format!("GIN_NIC={other}"),
+                        why: "unknown NIC".into(),
+                        available: "soft, mlx5".into(),
+                    });
+                }
+            },
         })
     }
 }
@@ -144,6 +186,20 @@ mod tests {
         assert_eq!(
             (s.backend, s.transport, s.host_id.as_str()),
             (BackendKind::Proxy, TransportKind::Tcp, "h1")
+        );
+        let e = Settings::from_vars(vars(&[("GIN_NIC", "cx9")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("GIN_NIC=cx9") && e.contains("soft, mlx5"), "{e}");
+        let s = Settings::from_vars(vars(&[("GIN_NIC", "mlx5")])).unwrap();
+        assert_eq!(s.nic, NicKind::Mlx5);
+        // No ConnectX here (or anywhere CI runs): an error naming what is
+        // missing, and the way out.
+        let e = s.check_nic().unwrap_err().to_string();
+        assert!(
+            e.contains("GIN_NIC=mlx5") && e.contains("GIN_NIC=soft") && e.contains("RDMA")
+                || e.contains("libmlx5.so.1"),
+            "{e}"
         );
         let e = Settings::from_vars(vars(&[("GIN_BACKEND", "ibgda")]))
             .unwrap_err()

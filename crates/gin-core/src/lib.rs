@@ -37,7 +37,7 @@ pub mod launch;
 pub mod space;
 
 pub use comm::{Comm, Connection, DevCommHandle, DevCommRequirements};
-pub use config::{BackendKind, Settings, TransportKind};
+pub use config::{BackendKind, NicKind, Settings, TransportKind};
 pub use error::CoreError;
 pub use gin_device::{
     BarrierSession, CounterId, Ctx, DevComm, Fence, GinError, Local, Order, Remote, SignalId,

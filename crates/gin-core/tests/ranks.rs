@@ -148,6 +148,23 @@ fn unavailable_choices_are_clear_errors_listing_the_alternatives() {
             r.stdout
         );
     }
+    // The mlx5 hardware path on a host without a ConnectX: every rank says
+    // what is missing and how to get the soft NIC instead.
+    let report = run(
+        2,
+        &["ring"],
+        &[("GIN_BACKEND", "gdaki"), ("GIN_NIC", "mlx5")],
+        "20",
+    );
+    for r in &report.ranks {
+        assert!(
+            r.stdout.contains("GIN_NIC=mlx5 is not available")
+                && r.stdout.contains("GIN_NIC=soft")
+                && (r.stdout.contains("libmlx5.so.1") || r.stdout.contains("RDMA")),
+            "{}",
+            r.stdout
+        );
+    }
     let report = run(1, &["ring"], &[("GIN_TRANSPORT", "infiniband")], "20");
     assert!(
         report.ranks[0].stdout.contains("available: auto, shm, tcp"),

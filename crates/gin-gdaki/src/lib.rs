@@ -1,8 +1,8 @@
 //! gin-gdaki: the GPU-initiated backend. Device code builds mlx5 work-queue
 //! entries itself, marks them ready in order, rings the doorbell, and polls
 //! completion queues. NICs: soft-mlx5, a software NIC that executes the very
-//! WQE bytes over gin-net (so CI runs the whole path), and mlx5 devx on a real
-//! ConnectX, loaded at run time.
+//! WQE bytes over gin-net (so CI runs the whole path), and a real ConnectX
+//! through rdma-core loaded at run time ([`mlx5`]: discovery only so far).
 //!
 //! # Design
 //!
@@ -35,6 +35,7 @@
 pub mod completion;
 mod device;
 pub mod loopback;
+pub mod mlx5;
 pub mod nic;
 pub mod qp;
 pub mod queue;

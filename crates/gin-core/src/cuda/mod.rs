@@ -389,6 +389,9 @@ impl<'c> CudaComm<'c> {
                 available: "world barriers, full connection".into(),
             });
         }
+        if kind == BackendKind::Gdaki {
+            comm.settings().check_nic()?;
+        }
         let sig_per_ctx = req
             .signals
             .checked_add(req.world_barriers)
