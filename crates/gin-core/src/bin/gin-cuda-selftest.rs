@@ -161,6 +161,10 @@ fn ring(c: &CudaComm<'_>, k: &Kernels<'_>) -> R {
                 dc.backend_name()
             );
             dc.destroy().map_err(s)?;
+            // Collectively, so the next round's windows start from a table
+            // without these.
+            c.free_window(send).map_err(s)?;
+            c.free_window(recv).map_err(s)?;
         }
     }
     Ok(())

@@ -110,11 +110,14 @@ pub fn window_of_key(key: u32, n: usize) -> Option<(u32, usize)> {
 
 type WinTable = Arc<RwLock<HashMap<u32, Arc<WinInfo>>>>;
 
-/// A window in GPU memory.
+/// A window in GPU memory. Dropping it frees its memory and removes it from
+/// this rank's window table, so the proxy and the soft NIC refuse requests
+/// naming it; [`CudaComm::free_window`] does so on every rank at once.
 #[derive(Debug)]
 pub struct GpuWindow {
     abi: WindowAbi,
     bases: Vec<u64>,
+    table: WinTable,
     local: DevMem,
     _arrays: DevMem,
     _peers: Vec<driver::IpcMem>,
@@ -140,6 +143,17 @@ impl GpuWindow {
     /// Rank `p`'s part as mapped here (device address), if it exists.
     pub fn peer_base(&self, p: usize) -> Option<u64> {
         self.bases.get(p).copied()
+    }
+}
+
+impl Drop for GpuWindow {
+    fn drop(&mut self) {
+        // Before the memory goes: a request naming the window from now on is
+        // refused ("unknown window"), not executed on freed memory.
+        self.table
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(&self.abi.id);
     }
 }
 
@@ -260,6 +274,24 @@ impl<'c> CudaComm<'c> {
         Self::make_window(self.comm, &self.dev, &self.windows, bytes)
     }
 
+    /// Frees a window on every rank (collective): once every rank has
+    /// arrived (flush the contexts that used it first), each removes it from
+    /// its window table, so its proxy and soft NIC refuse requests naming
+    /// it, then unmaps its peers' parts and frees its own.
+    pub fn free_window(&self, w: GpuWindow) -> Result<(), CoreError> {
+        let id = w.id();
+        let ours = Arc::ptr_eq(&w.table, &self.windows) && id != self.signal_window.id();
+        if !ours {
+            return Err(CoreError::Invalid(format!(
+                "window {id} is not a window of this CUDA communicator"
+            )));
+        }
+        self.comm.bootstrap().barrier()?;
+        self.dev.make_current()?;
+        drop(w);
+        Ok(())
+    }
+
     fn make_window(
         comm: &Comm,
         dev: &Arc<Device>,
@@ -347,6 +379,7 @@ impl<'c> CudaComm<'c> {
         Ok(GpuWindow {
             abi,
             bases,
+            table: table.clone(),
             local,
             _arrays: arrays,
             _peers: opened,

@@ -983,6 +983,20 @@ mod tests {
     }
 
     #[test]
+    fn a_freed_window_is_refused() {
+        let mut r = rig();
+        r.post(0, 0, &[(write(0, 8), FM_NONE)]);
+        assert_eq!(r.serve(), 1);
+        // What dropping a GpuWindow does to the table.
+        r.nic.spec.windows.write().unwrap().remove(&DATA);
+        r.post(0, 1, &[(write(8, 8), FM_NONE)]);
+        assert_eq!(r.serve(), 1);
+        assert_eq!(r.cqe(0), (CQE_REQ_ERR, 1, syndrome::LOCAL_PROT_ERR));
+        assert!(r.error().unwrap().contains("names no registered window"));
+        assert_eq!(r.dst[1], 0);
+    }
+
+    #[test]
     fn a_wqe_with_the_wrong_index_is_a_local_qp_error() {
         let mut r = rig();
         // Written for index 5, posted at index 0.
