@@ -132,9 +132,16 @@ fn all(c: &CudaComm<'_>, k: &Kernels<'_>) -> R {
 
 fn ring(c: &CudaComm<'_>, k: &Kernels<'_>) -> R {
     let f = k.f("gin_ring")?;
+    // Every sharing mode is valid here: one block uses context 0, and only
+    // a coop's leader posts. The queue reservations differ (device-scope
+    // atomics, block-scope atomics, plain stores).
+    let cases = [8u64, 1000, 1 << 20]
+        .map(|b| (b, CtxSharing::Gpu))
+        .into_iter()
+        .chain([(1000, CtxSharing::Cta), (1000, CtxSharing::Thread)]);
     for (coop, block, name) in [(0u32, 1u32, "thread"), (1, 32, "warp"), (2, 256, "block")] {
-        for bytes in [8u64, 1000, 1 << 20] {
-            let dc = c.dev_comm(&req(), CtxSharing::Gpu).map_err(s)?;
+        for (bytes, sharing) in cases.clone() {
+            let dc = c.dev_comm(&req(), sharing).map_err(s)?;
             let send = c.alloc_window(bytes).map_err(s)?;
             let recv = c.alloc_window(bytes).map_err(s)?;
             let out = DevMem::new(24).map_err(s)?;
@@ -153,10 +160,13 @@ fn ring(c: &CudaComm<'_>, k: &Kernels<'_>) -> R {
                     Arg::Ptr(out.ptr),
                 ],
             )
-            .map_err(|e| format!("ring ({name} coop, {bytes} B): {e}"))?;
-            check_out(&out, &format!("ring ({name} coop, {bytes} B)"))?;
+            .map_err(|e| format!("ring ({name} coop, {bytes} B, {sharing:?} sharing): {e}"))?;
+            check_out(
+                &out,
+                &format!("ring ({name} coop, {bytes} B, {sharing:?} sharing)"),
+            )?;
             println!(
-                "rank {}: ring {name} coop {bytes} B x{rounds} verified via {}",
+                "rank {}: ring {name} coop {bytes} B x{rounds} ({sharing:?} sharing) verified via {}",
                 c.comm().rank(),
                 dc.backend_name()
             );
