@@ -388,6 +388,86 @@ impl Stream {
             cu::cuStreamWriteValue64_v2(self.0, addr, v, 0)
         })
     }
+
+    /// Queues the copies `(dst[i], src[i], len[i])` after earlier work, in
+    /// one driver call (`cuMemcpyBatchAsync`, CUDA 12.8 and later) where
+    /// the driver has it, else one call each. The copies of a batch may run
+    /// in any order among themselves: the caller keeps overlapping ones in
+    /// different batches.
+    pub fn copy_many(
+        &self,
+        dst: &mut [u64],
+        src: &mut [u64],
+        len: &mut [usize],
+    ) -> Result<(), CoreError> {
+        let n = dst.len();
+        if src.len() != n || len.len() != n {
+            return Err(CoreError::Invalid(
+                "copy_many: lists of different lengths".into(),
+            ));
+        }
+        let Some(batch) = batch_copy() else {
+            for i in 0..n {
+                self.copy(dst[i], src[i], len[i])?;
+            }
+            return Ok(());
+        };
+        // SAFETY: a plain C struct, all zero is valid (no location hints).
+        let mut attr: cu::CUmemcpyAttributes = unsafe { std::mem::zeroed() };
+        attr.srcAccessOrder = cu::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+        let mut first = [0usize];
+        // SAFETY: the three lists hold `n` entries each, the attribute
+        // applies from index 0; addresses are checked as for `copy`.
+        check("cuMemcpyBatchAsync", unsafe {
+            batch(
+                dst.as_mut_ptr(),
+                src.as_mut_ptr(),
+                len.as_mut_ptr(),
+                n,
+                &raw mut attr,
+                first.as_mut_ptr(),
+                1,
+                self.0,
+            )
+        })
+    }
+}
+
+type BatchCopy = unsafe extern "C" fn(
+    *mut cu::CUdeviceptr,
+    *mut cu::CUdeviceptr,
+    *mut usize,
+    usize,
+    *mut cu::CUmemcpyAttributes,
+    *mut usize,
+    usize,
+    cu::CUstream,
+) -> cu::CUresult;
+
+/// The driver's `cuMemcpyBatchAsync` in its CUDA 13.0 form, if it has one,
+/// looked up with `cuGetProcAddress` (cudarc's loader panics on a missing
+/// symbol).
+fn batch_copy() -> Option<BatchCopy> {
+    static F: OnceLock<Option<BatchCopy>> = OnceLock::new();
+    *F.get_or_init(|| {
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: zero is a valid query result to be overwritten.
+        let mut status: cu::CUdriverProcAddressQueryResult = unsafe { std::mem::zeroed() };
+        // SAFETY: valid symbol name and out-pointers.
+        let r = unsafe {
+            cu::cuGetProcAddress_v2(
+                c"cuMemcpyBatchAsync".as_ptr(),
+                &raw mut p,
+                13000,
+                0,
+                &raw mut status,
+            )
+        };
+        (r == cu::CUresult::CUDA_SUCCESS && !p.is_null())
+            // SAFETY: for CUDA version 13000 the driver returns the 13.0
+            // entry point, whose signature `BatchCopy` is.
+            .then(|| unsafe { std::mem::transmute::<*mut c_void, BatchCopy>(p) })
+    })
 }
 
 impl Drop for Stream {

@@ -34,6 +34,7 @@
 //! CUDA ranks on different hosts (TCP staging) are not built yet, and are
 //! refused with an error that says so.
 
+mod batch;
 mod driver;
 mod nic;
 pub mod nvrtc;

@@ -25,6 +25,7 @@ use gin_gdaki::completion::{CQE_REQ, CQE_REQ_ERR, Cqe, syndrome};
 use gin_gdaki::queue::unwrap_counter;
 use gin_gdaki::wqe::{BB, CQ_UPDATE, MemRef, Op, decode};
 
+use super::batch::{CopyBatch, Dma};
 use super::driver::{Device, Stream};
 use super::proxy::{SignalInfo, fits, window};
 use super::worker::{FirstError, Worker, set_first};
@@ -166,34 +167,24 @@ impl Sq {
     }
 }
 
-/// What the NIC needs of a CUDA stream: copies and 8-byte stores that
-/// execute in the order they were queued. Tests use host memory instead.
-pub(crate) trait Dma {
-    fn copy(&self, dst: u64, src: u64, n: usize) -> Result<(), CoreError>;
-    fn write_u64(&self, addr: u64, v: u64) -> Result<(), CoreError>;
-    fn sync(&self) -> Result<(), CoreError>;
-}
-
-impl Dma for Stream {
-    fn copy(&self, dst: u64, src: u64, n: usize) -> Result<(), CoreError> {
-        Stream::copy(self, dst, src, n)
-    }
-    fn write_u64(&self, addr: u64, v: u64) -> Result<(), CoreError> {
-        Stream::write_u64(self, addr, v)
-    }
-    fn sync(&self) -> Result<(), CoreError> {
-        Stream::sync(self)
-    }
-}
-
 struct Pair<D> {
     ctx: u32,
     peer: usize,
     main: Sq,
     companion: Sq,
     stream: D,
+    /// Copies not yet handed to the stream (see `batch`).
+    copies: CopyBatch,
     /// Running signal totals by byte offset in the peer's signal window.
     totals: HashMap<u64, u64>,
+}
+
+impl<D: Dma> Pair<D> {
+    /// An 8-byte store after every copy queued so far.
+    fn store(&mut self, addr: u64, v: u64) -> Result<(), CoreError> {
+        self.copies.flush(&self.stream)?;
+        self.stream.write_u64(addr, v)
+    }
 }
 
 /// How executing one WQE went.
@@ -236,6 +227,7 @@ impl<D: Dma> Nic<D> {
                 main: Sq::new(p.main),
                 companion: Sq::new(p.companion),
                 stream: queue()?,
+                copies: CopyBatch::default(),
                 totals: HashMap::new(),
             });
         }
@@ -347,10 +339,10 @@ impl<D: Dma> Nic<D> {
                     sq.produced = idx + 1;
                     last_ok = None;
                     let at = self.sq(i, companion).spec.cqe;
-                    let st = &self.pairs[i].stream;
+                    let p = &mut self.pairs[i];
                     // Syndrome first, then the qword the kernel polls.
-                    st.write_u64(at + 48, qword(&cqe, 6))?;
-                    st.write_u64(at + 56, qword(&cqe, 7))?;
+                    p.store(at + 48, qword(&cqe, 6))?;
+                    p.store(at + 56, qword(&cqe, 7))?;
                 }
             }
             self.sq_mut(i, companion).ci = idx + 1;
@@ -370,8 +362,11 @@ impl<D: Dma> Nic<D> {
             }
             .encode(idx, log2);
             let at = self.sq(i, companion).spec.cqe;
-            self.pairs[i].stream.write_u64(at + 56, qword(&cqe, 7))?;
+            self.pairs[i].store(at + 56, qword(&cqe, 7))?;
         }
+        // Nothing waits in the batch past a pass (a WQE without a CQE).
+        let p = &mut self.pairs[i];
+        p.copies.flush(&p.stream)?;
         Ok(n)
     }
 
@@ -492,7 +487,7 @@ impl<D: Dma> Nic<D> {
     }
 
     fn copy(
-        &self,
+        &mut self,
         i: usize,
         peer: usize,
         remote: MemRef,
@@ -510,13 +505,14 @@ impl<D: Dma> Nic<D> {
         };
         if len > 0 {
             let (dst, src) = if write { (r, l) } else { (l, r) };
-            self.pairs[i].stream.copy(dst, src, len as usize)?;
+            let p = &mut self.pairs[i];
+            p.copies.push(&p.stream, dst, src, len as usize)?;
         }
         Ok(Step::Done)
     }
 
     fn inline(
-        &self,
+        &mut self,
         i: usize,
         peer: usize,
         remote: MemRef,
@@ -541,7 +537,7 @@ impl<D: Dma> Nic<D> {
                 format!("inline write to unaligned address {:#x}", remote.addr),
             ));
         }
-        self.pairs[i].stream.write_u64(r, u64::from_le_bytes(v))?;
+        self.pairs[i].store(r, u64::from_le_bytes(v))?;
         Ok(Step::Done)
     }
 
@@ -616,8 +612,7 @@ impl<D: Dma> Nic<D> {
             *t = t.wrapping_add(add);
             (at, old)
         };
-        let p = &self.pairs[i];
-        p.stream.write_u64(target, old.wrapping_add(add))?;
+        self.pairs[i].store(target, old.wrapping_add(add))?;
         // SAFETY: the sink range was checked above; it is mapped host
         // memory that outlives the thread and that nobody reads.
         unsafe {

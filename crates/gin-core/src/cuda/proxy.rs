@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use gin_proxy::descriptor::{DESC_QWORDS, Desc, Op, Slot, decode};
 
 use super::WinTable;
+use super::batch::CopyBatch;
 use super::driver::{Device, HostMem, Stream};
 use super::worker::Worker;
 use crate::error::CoreError;
@@ -77,8 +78,23 @@ struct Ring {
     spec: RingSpec,
     tail: u64,
     stream: Stream,
+    /// Copies not yet handed to the stream (see `batch`).
+    copies: CopyBatch,
     /// Running signal totals by byte offset in the peer's signal window.
     totals: HashMap<u64, u64>,
+}
+
+impl Ring {
+    /// A copy, queued with the ones before it unless they overlap.
+    fn copy(&mut self, dst: u64, src: u64, n: usize) -> Result<(), CoreError> {
+        self.copies.push(&self.stream, dst, src, n)
+    }
+
+    /// An 8-byte store after every copy queued so far.
+    fn store(&mut self, addr: u64, v: u64) -> Result<(), CoreError> {
+        self.copies.flush(&self.stream)?;
+        self.stream.write_u64(addr, v)
+    }
 }
 
 /// Descriptors taken from one ring before moving to the next.
@@ -107,6 +123,7 @@ fn run(mut spec: ProxySpec, stop: &AtomicBool) -> Result<(), CoreError> {
             spec: r,
             tail: 0,
             stream: Stream::new()?,
+            copies: CopyBatch::default(),
             totals: HashMap::new(),
         });
     }
@@ -152,7 +169,7 @@ fn run(mut spec: ProxySpec, stop: &AtomicBool) -> Result<(), CoreError> {
             }
             if ring.tail != start {
                 let t = Instant::now();
-                ring.stream.write_u64(ring.spec.done, ring.tail)?;
+                ring.store(ring.spec.done, ring.tail)?;
                 stats.queueing += t.elapsed();
                 stats.batches += 1;
                 progressed = true;
@@ -245,7 +262,7 @@ fn execute(
                     if d.bytes != 8 || !d.dst_offset.is_multiple_of(8) {
                         return Err("inline puts carry 8 aligned bytes".into());
                     }
-                    ring.stream.write_u64(base + d.dst_offset, v).map_err(err)?;
+                    ring.store(base + d.dst_offset, v).map_err(err)?;
                 } else {
                     let src = window(&spec.windows, d.src_window)?;
                     if !fits(d.src_offset, d.bytes, src.local_size) {
@@ -254,13 +271,12 @@ fn execute(
                             d.bytes, d.src_offset, d.src_window, src.local_size
                         ));
                     }
-                    ring.stream
-                        .copy(
-                            base + d.dst_offset,
-                            src.local + d.src_offset,
-                            d.bytes as usize,
-                        )
-                        .map_err(err)?;
+                    ring.copy(
+                        base + d.dst_offset,
+                        src.local + d.src_offset,
+                        d.bytes as usize,
+                    )
+                    .map_err(err)?;
                 }
             }
             if let Some(s) = &d.signal {
@@ -277,9 +293,8 @@ fn execute(
                 }
                 let t = ring.totals.entry(s.offset).or_insert(0);
                 *t = t.wrapping_add(s.add);
-                ring.stream
-                    .write_u64(spec.signal.peers[peer] + s.offset, *t)
-                    .map_err(err)?;
+                let (at, v) = (spec.signal.peers[peer] + s.offset, *t);
+                ring.store(at, v).map_err(err)?;
             }
         }
         Op::Get => {
@@ -295,13 +310,12 @@ fn execute(
                     d.bytes, d.dst_offset, d.dst_window, d.src_offset, d.src_window
                 ));
             }
-            ring.stream
-                .copy(
-                    local.local + d.src_offset,
-                    base + d.dst_offset,
-                    d.bytes as usize,
-                )
-                .map_err(err)?;
+            ring.copy(
+                local.local + d.src_offset,
+                base + d.dst_offset,
+                d.bytes as usize,
+            )
+            .map_err(err)?;
         }
     }
     if let Some(c) = d.counter {
@@ -311,9 +325,7 @@ fn execute(
         }
         let t = counters.entry(c).or_insert(0);
         *t = t.wrapping_add(1);
-        ring.stream
-            .write_u64(spec.counters + c * 16, *t)
-            .map_err(err)?;
+        ring.store(spec.counters + c * 16, *t).map_err(err)?;
     }
     Ok(())
 }
