@@ -135,7 +135,9 @@ fn ring(c: &CudaComm<'_>, k: &Kernels<'_>) -> R {
     // Every sharing mode is valid here: one block uses context 0, and only
     // a coop's leader posts. The queue reservations differ (device-scope
     // atomics, block-scope atomics, plain stores).
-    let cases = [8u64, 1000, 1 << 20]
+    // 8 B and 1 KiB take the load/store path's register fast paths (leader
+    // alone; every member's share), 1000 B and 1 MiB the general copy.
+    let cases = [8u64, 1000, 1024, 1 << 20]
         .map(|b| (b, CtxSharing::Gpu))
         .into_iter()
         .chain([(1000, CtxSharing::Cta), (1000, CtxSharing::Thread)]);
