@@ -26,6 +26,10 @@ use crate::root::BootstrapRoot;
 /// Tags with this bit set belong to collectives; user tags never have it.
 pub(crate) const COLLECTIVE_TAG: u64 = 1 << 63;
 
+/// How long a rank whose connection to a peer just failed waits for news of
+/// the failure's cause (see [`Shared::cause_of`]).
+const CAUSE_GRACE: Duration = Duration::from_secs(2);
+
 /// A rank's endpoint in the job's bootstrap network.
 #[derive(Debug)]
 pub struct Bootstrap {
@@ -86,6 +90,50 @@ impl Shared {
         }
         drop(st);
         self.cv.notify_all();
+    }
+
+    /// Fails if the job is already broken: a dead peer or a lost root.
+    fn check_alive(&self, st: &State, op: &str) -> Result<(), BootstrapError> {
+        if let Some((peer, why)) = &st.dead {
+            return Err(BootstrapError::PeerDied {
+                rank: self.rank,
+                op: op.to_owned(),
+                peer: *peer,
+                why: why.clone(),
+            });
+        }
+        if let Some(why) = &st.root_lost {
+            return Err(BootstrapError::RootLost {
+                rank: self.rank,
+                op: op.to_owned(),
+                why: why.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    /// A connection to a peer that fails, or a peer that leaves while this
+    /// rank waits for its message, is often a symptom: the peer is leaving
+    /// because it heard of a death (or lost the root) before this rank did.
+    /// Waits up to `grace` for that news and returns the cause when it comes,
+    /// else `symptom`.
+    fn cause_of(&self, op: &str, symptom: BootstrapError, grace: Duration) -> BootstrapError {
+        let until = Instant::now() + grace;
+        let mut st = self.lock();
+        loop {
+            if let Err(cause) = self.check_alive(&st, op) {
+                return cause;
+            }
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return symptom;
+            }
+            st = self
+                .cv
+                .wait_timeout(st, left)
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0;
+        }
     }
 }
 
@@ -307,28 +355,13 @@ impl Bootstrap {
         COLLECTIVE_TAG | self.seq.fetch_add(1, Ordering::Relaxed)
     }
 
-    pub(crate) fn deadline(&self) -> Instant {
-        Instant::now() + self.config.timeout
+    /// How long to wait for the cause of a failure (see [`Shared::cause_of`]).
+    fn cause_grace(&self) -> Duration {
+        CAUSE_GRACE.min(self.config.timeout)
     }
 
-    /// Fails if the job is already broken: a dead peer or a lost root.
-    fn check_alive(&self, st: &State, op: &str) -> Result<(), BootstrapError> {
-        if let Some((peer, why)) = &st.dead {
-            return Err(BootstrapError::PeerDied {
-                rank: self.rank,
-                op: op.to_owned(),
-                peer: *peer,
-                why: why.clone(),
-            });
-        }
-        if let Some(why) = &st.root_lost {
-            return Err(BootstrapError::RootLost {
-                rank: self.rank,
-                op: op.to_owned(),
-                why: why.clone(),
-            });
-        }
-        Ok(())
+    pub(crate) fn deadline(&self) -> Instant {
+        Instant::now() + self.config.timeout
     }
 
     /// Sends a message with a raw tag.
@@ -340,7 +373,7 @@ impl Bootstrap {
         op: &str,
     ) -> Result<(), BootstrapError> {
         self.check_peer(peer)?;
-        self.check_alive(&self.shared.lock(), op)?;
+        self.shared.check_alive(&self.shared.lock(), op)?;
         if peer == self.rank {
             self.shared.lock().mail[peer].push_back((tag, payload.to_vec()));
             self.shared.cv.notify_all();
@@ -354,18 +387,27 @@ impl Bootstrap {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         if slot.is_none() {
-            *slot = Some(self.dial(peer, op)?);
+            match self.dial(peer, op) {
+                Ok(s) => *slot = Some(s),
+                // A timeout already waited long enough for any news.
+                Err(e @ BootstrapError::Timeout { .. }) => return Err(e),
+                Err(e) => return Err(self.shared.cause_of(op, e, self.cause_grace())),
+            }
         }
         let stream = slot.as_mut().expect("dialed above");
         if let Err(e) = write_frame(stream, &frame) {
             let why = format!("sending to it failed: {e}");
-            self.shared.mark_dead(peer, why.clone());
-            return Err(BootstrapError::PeerDied {
+            let symptom = BootstrapError::PeerDied {
                 rank: self.rank,
                 op: op.to_owned(),
                 peer,
-                why,
-            });
+                why: why.clone(),
+            };
+            let err = self.shared.cause_of(op, symptom, self.cause_grace());
+            if matches!(&err, BootstrapError::PeerDied { peer: p, .. } if *p == peer) {
+                self.shared.mark_dead(peer, why);
+            }
+            return Err(err);
         }
         Ok(())
     }
@@ -417,7 +459,7 @@ impl Bootstrap {
         let start = Instant::now();
         let mut st = self.shared.lock();
         loop {
-            self.check_alive(&st, op)?;
+            self.shared.check_alive(&st, op)?;
             if let Some(i) = st.mail[peer].iter().position(|(t, _)| *t == tag) {
                 return Ok(st.mail[peer].remove(i).expect("index found above").1);
             }
@@ -451,7 +493,7 @@ impl Bootstrap {
     /// blocks. Data-path waits poll this so that a dead peer is an error
     /// there too, not a hang.
     pub fn health(&self) -> Result<(), BootstrapError> {
-        self.check_alive(&self.shared.lock(), "health check")
+        self.shared.check_alive(&self.shared.lock(), "health check")
     }
 
     /// A 32-byte token every rank of this job derives alike and strangers
@@ -628,4 +670,68 @@ fn spawn_root_reader(mut root: TcpStream, shared: Arc<Shared>) -> Result<(), Boo
         })
         .map_err(|e| BootstrapError::io(Some(rank), "spawning the root reader", e))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+    use super::*;
+
+    fn shared(nranks: usize) -> Arc<Shared> {
+        Arc::new(Shared {
+            rank: 1,
+            state: Mutex::new(State {
+                mail: (0..nranks).map(|_| VecDeque::new()).collect(),
+                closed: vec![false; nranks],
+                ..State::default()
+            }),
+            cv: Condvar::new(),
+        })
+    }
+
+    fn symptom() -> BootstrapError {
+        BootstrapError::io(
+            Some(1),
+            "reading from rank 5",
+            std::io::ErrorKind::ConnectionReset.into(),
+        )
+    }
+
+    #[test]
+    fn a_failed_connection_reports_the_death_heard_of_soon_after() {
+        // The CI failure this guards against: rank 5 heard that rank 2 died,
+        // left, and reset rank 1's connection before rank 1 heard the news.
+        let sh = shared(6);
+        let news = {
+            let sh = sh.clone();
+            thread::spawn(move || {
+                thread::sleep(Duration::from_millis(50)); // the news travels
+                sh.mark_dead(2, "its connection closed without a goodbye".into());
+            })
+        };
+        let err = sh.cause_of("allgather", symptom(), Duration::from_secs(30));
+        news.join().unwrap();
+        match err {
+            BootstrapError::PeerDied { peer, op, .. } => {
+                assert_eq!((peer, op.as_str()), (2, "allgather"));
+            }
+            other => panic!("expected the death of rank 2, got {other}"),
+        }
+    }
+
+    #[test]
+    fn a_failed_connection_with_no_news_is_reported_as_itself() {
+        let sh = shared(6);
+        let err = sh.cause_of("allgather", symptom(), Duration::from_millis(20));
+        assert!(err.to_string().contains("reading from rank 5"), "got {err}");
+    }
+
+    #[test]
+    fn a_lost_root_is_a_cause_too() {
+        let sh = shared(3);
+        sh.lock().root_lost = Some("the root connection closed".into());
+        let err = sh.cause_of("barrier", symptom(), Duration::from_secs(30));
+        assert!(matches!(err, BootstrapError::RootLost { .. }), "got {err}");
+    }
 }
