@@ -215,6 +215,38 @@ extern "C" __global__ void gin_get(DevComm dc, Window src, Window dst, u64 bytes
   verify((const u8*)dst.local_base, bytes, prev, 99, out);
 }
 
+// Signals from every rank to every rank (itself included), read, reset and
+// reused: each rank adds 1 + rank to signal 2 at every rank, waits for the
+// sum, reads it, resets it once every rank has seen it, reads zero, then
+// every rank adds 1 and each waits for nranks from zero. Load/store senders
+// share the receiver's sub-slot, queued ones use their own: the sums must
+// come out alike. out as gin_ring (out[1]: wrong values read).
+extern "C" __global__ void gin_signals(DevComm dc, u32 coop, u64* out) {
+  const u64 n = dc.nranks;
+  const u64 sum = n + n * (n - 1) / 2;
+  int e = OK;
+  u64 bad = 0;
+  for (u32 p = 0; p < dc.nranks && !e; ++p)
+    e = signal(dc, 0, p, signal_add(2, 1 + dc.rank), (Coop)coop);
+  if (!e) e = wait_signal(dc, 0, 2, sum, (Coop)coop);
+  if (!e) bad += read_signal(dc, 0, 2) != sum;
+  // Every rank has seen the whole sum: no signal to slot 2 is in flight.
+  if (!e) e = barrier(dc, 0, 0, (Coop)coop);
+  if (!e && threadIdx.x == 0) e = reset_signal(dc, 0, 2);
+  __syncthreads();
+  if (!e) bad += read_signal(dc, 0, 2) != 0;
+  // Nobody signals again before every rank has reset.
+  if (!e) e = barrier(dc, 0, 1, (Coop)coop);
+  for (u32 p = 0; p < dc.nranks && !e; ++p) e = signal(dc, 0, p, signal_inc(2), (Coop)coop);
+  if (!e) e = wait_signal(dc, 0, 2, n, (Coop)coop);
+  if (!e) bad += read_signal(dc, 0, 2) != n;
+  if (!e) e = flush(dc, 0, (Coop)coop);
+  if (threadIdx.x == 0) {
+    if (e) out[0] = e;
+    out[1] += bad;
+  }
+}
+
 extern "C" __global__ void gin_fill(Window w, u64 bytes, u32 rank, u32 round) {
   fill((u8*)w.local_base, bytes, rank, round);
 }

@@ -10,7 +10,7 @@ use std::mem::{offset_of, size_of};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use gin_device::abi::{DevCommAbi, GdakiQpAbi, GdakiSqAbi, ProxyRingAbi, WindowAbi, errword};
+use gin_device::abi::{self, DevCommAbi, GdakiQpAbi, GdakiSqAbi, ProxyRingAbi, WindowAbi, errword};
 use gin_gdaki::wqe::{self, MemRef, Op as WqeOp};
 use gin_proxy::descriptor::{Desc, MAX_BYTES, MAX_FIELD, MAX_ID, Op, Sig};
 
@@ -94,6 +94,19 @@ fn header_matches_rust_abi_and_encoders() {
     let get = |k: &str| h.get(k).unwrap_or_else(|| panic!("{k} missing")).clone();
     let num = |k: &str| get(k).parse::<usize>().expect("number");
 
+    for (name, v) in [
+        ("flag.STRONG_SIGNALS", abi::DEVCOMM_FLAG_STRONG_SIGNALS),
+        ("flag.VA_SIGNALS", abi::DEVCOMM_FLAG_VA_SIGNALS),
+        ("flag.EXCLUSIVE_CTX", abi::DEVCOMM_FLAG_EXCLUSIVE_CTX),
+        ("flag.SENDER_SLOTS", abi::DEVCOMM_FLAG_SENDER_SLOTS),
+        ("flag.CTA_CTX", abi::DEVCOMM_FLAG_CTA_CTX),
+        ("flag.LSA_ONLY", abi::DEVCOMM_FLAG_LSA_ONLY),
+        ("backend.NONE", abi::BACKEND_NONE),
+        ("backend.PROXY", abi::BACKEND_PROXY),
+        ("backend.GDAKI", abi::BACKEND_GDAKI),
+    ] {
+        assert_eq!(num(name), v as usize, "{name}");
+    }
     assert_eq!(num("sizeof.DevComm"), size_of::<DevCommAbi>());
     assert_eq!(num("sizeof.Window"), size_of::<WindowAbi>());
     assert_eq!(num("sizeof.ProxyRingAbi"), size_of::<ProxyRingAbi>());

@@ -39,6 +39,14 @@ static u64 next() {
 }
 
 int main() {
+  std::printf("flag.STRONG_SIGNALS %u\n", FLAG_STRONG_SIGNALS);
+  std::printf("flag.VA_SIGNALS %u\n", FLAG_VA_SIGNALS);
+  std::printf("flag.EXCLUSIVE_CTX %u\n", FLAG_EXCLUSIVE_CTX);
+  std::printf("flag.SENDER_SLOTS %u\n", FLAG_SENDER_SLOTS);
+  std::printf("flag.CTA_CTX %u\n", FLAG_CTA_CTX);
+  std::printf("flag.LSA_ONLY %u\n", FLAG_LSA_ONLY);
+  std::printf("backend.NONE %u\nbackend.PROXY %u\nbackend.GDAKI %u\n", BACKEND_NONE, BACKEND_PROXY,
+              BACKEND_GDAKI);
   std::printf("sizeof.DevComm %zu\n", sizeof(DevComm));
   std::printf("sizeof.Window %zu\n", sizeof(Window));
   std::printf("sizeof.ProxyRingAbi %zu\n", sizeof(ProxyRingAbi));

@@ -123,15 +123,23 @@ pub enum Coop {
 /// reservations use block-scope atomics.
 pub const DEVCOMM_FLAG_CTA_CTX: u32 = 1 << 4;
 
-/// Signals are kept per sender (CUDA ranks): signal slot `s` of a rank is
-/// `nranks` u64 sub-slots, one per sender, and its value is their sum. No
-/// agent ever needs an atomic on another GPU's memory that it cannot do: a
-/// GPU adds to its own sub-slot at a peer over NVLink (system-scope atomics),
-/// and a proxy, the only writer of its rank's sub-slot for the peers it
-/// serves, stores running totals with stream memory operations, ordered
-/// after the data they announce. A reset subtracts the sum from the rank's
-/// own sub-slot.
+/// Signals are kept in sub-slots (CUDA ranks): signal slot `s` of a rank is
+/// `nranks` u64 sub-slots, and its value is their sum. No agent ever needs an
+/// atomic it cannot do: a proxy or NIC serving rank `r`, the only writer of
+/// sub-slot `r` at the peers it serves, stores running totals with stream
+/// memory operations ordered after the data they announce; a GPU reaching the
+/// receiver by load/store adds to the receiver's own sub-slot with a
+/// system-scope atomic over NVLink. A reset subtracts the sum from the
+/// rank's own sub-slot, also with a system-scope atomic.
 pub const DEVCOMM_FLAG_SENDER_SLOTS: u32 = 1 << 3;
+
+/// Every rank of the communicator reaches every rank by load/store (CUDA
+/// ranks). Load/store signals always add to the receiver's own sub-slot (a
+/// system-scope atomic, which many senders may share), so with this flag no
+/// other sub-slot of a signal is ever written and a wait reads one word: one
+/// acquire load per poll instead of `nranks` of them, which an acquire
+/// serialises.
+pub const DEVCOMM_FLAG_LSA_ONLY: u32 = 1 << 5;
 
 /// [`DevCommAbi::backend_kind`]: no queues; every peer is reached by load/store.
 pub const BACKEND_NONE: u32 = 0;

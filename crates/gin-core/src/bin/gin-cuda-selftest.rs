@@ -5,8 +5,10 @@
 //! GIN_BACKEND=gdaki mlx5 queues and the soft NIC (whose bad input adds a
 //! WQE with a bad key, which must come back as an error CQE).
 //!
-//! Scenarios: `all` (ring with thread, warp and block coops, all-to-all,
-//! get, bad input), `ring`, `alltoall`, `get`, `badinput` (each bad call must
+//! Scenarios: `all` (ring with thread, warp and block coops, signals,
+//! all-to-all, get, bad input), `ring`, `signals` (every rank signals every
+//! rank, reads, resets and reuses the signal), `alltoall`, `get`, `badinput`
+//! (each bad call must
 //! come back as an error naming it; the never-arriving signal needs a short
 //! GIN_TIMEOUT), `die VICTIM` (the victim dies while the others wait in a
 //! kernel: they must fail naming it, not hang).
@@ -61,6 +63,7 @@ fn main() -> ExitCode {
             "ring" => ring(&cuda, &k),
             "alltoall" => alltoall(&cuda, &k),
             "get" => get(&cuda, &k),
+            "signals" => signals(&cuda, &k),
             "badinput" => badinput(&cuda, &k),
             "die" => die(
                 &cuda,
@@ -125,6 +128,7 @@ fn check_out(out: &DevMem, what: &str) -> R {
 
 fn all(c: &CudaComm<'_>, k: &Kernels<'_>) -> R {
     ring(c, k)?;
+    signals(c, k)?;
     alltoall(c, k)?;
     get(c, k)?;
     badinput(c, k)
@@ -178,6 +182,44 @@ fn ring(c: &CudaComm<'_>, k: &Kernels<'_>) -> R {
             c.free_window(send).map_err(s)?;
             c.free_window(recv).map_err(s)?;
         }
+    }
+    Ok(())
+}
+
+fn signals(c: &CudaComm<'_>, k: &Kernels<'_>) -> R {
+    let f = k.f("gin_signals")?;
+    let mut r = req();
+    r.world_barriers = 2;
+    for (coop, block, name) in [(0u32, 1u32, "thread"), (1, 32, "warp"), (2, 256, "block")] {
+        let dc = c.dev_comm(&r, CtxSharing::Gpu).map_err(s)?;
+        let out = DevMem::new(24).map_err(s)?;
+        dc.run(
+            &f,
+            1,
+            block,
+            &[Arg::DevComm(dc.abi()), Arg::U32(coop), Arg::Ptr(out.ptr)],
+        )
+        .map_err(|e| format!("signals ({name} coop): {e}"))?;
+        let mut o = [0u64; 3];
+        out.read(0, &mut o).map_err(s)?;
+        if o[0] != 0 {
+            return Err(format!(
+                "signals ({name} coop): kernel returned error kind {}",
+                o[0]
+            ));
+        }
+        if o[1] != 0 {
+            return Err(format!(
+                "signals ({name} coop): {} signal reads had the wrong value",
+                o[1]
+            ));
+        }
+        println!(
+            "rank {}: signals {name} coop: add, read, reset, reuse from every rank verified via {}",
+            c.comm().rank(),
+            dc.backend_name()
+        );
+        dc.destroy().map_err(s)?;
     }
     Ok(())
 }

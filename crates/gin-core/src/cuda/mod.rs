@@ -10,12 +10,14 @@
 //!   peers open each other's parts through CUDA IPC, so a kernel reaches a
 //!   peer's part by load/store over NVLink (or PCIe), and the proxy's copy
 //!   engine reaches it with `cuMemcpyAsync`.
-//! - **Signals** are per-sender sub-slots (`DEVCOMM_FLAG_SENDER_SLOTS`) in a
-//!   GPU signal window: a GPU adds to its own sub-slot at the peer with a
-//!   system-scope atomic; the proxy, the only writer of its rank's sub-slot
-//!   for the peers it serves, stores running totals with
-//!   `cuStreamWriteValue64` in the stream after the data. Counters have two
-//!   sub-slots: the proxy's running total and the GPU's atomic adds.
+//! - **Signals** are `nranks` sub-slots each (`DEVCOMM_FLAG_SENDER_SLOTS`) in
+//!   a GPU signal window, summed: the proxy, the only writer of its rank's
+//!   sub-slot at the peers it serves, stores running totals with
+//!   `cuStreamWriteValue64` in the stream after the data; a GPU reaching the
+//!   peer by load/store adds to the peer's own sub-slot with a system-scope
+//!   atomic, so where every peer is (`DEVCOMM_FLAG_LSA_ONLY`) a wait reads one
+//!   word. Counters have two sub-slots: the proxy's running total and the
+//!   GPU's atomic adds.
 //! - **Proxy rings** live in mapped pinned host memory (not write-combined:
 //!   the proxy thread polls them); producer and completion indices live in
 //!   device memory, so a kernel never needs an atomic across PCIe.
@@ -48,8 +50,8 @@ use std::time::{Duration, Instant};
 
 use gin_device::abi::{
     BACKEND_GDAKI, BACKEND_NONE, BACKEND_PROXY, DEVCOMM_FLAG_CTA_CTX, DEVCOMM_FLAG_EXCLUSIVE_CTX,
-    DEVCOMM_FLAG_SENDER_SLOTS, DEVCOMM_FLAG_STRONG_SIGNALS, DevCommAbi, GdakiQpAbi, GdakiSqAbi,
-    ProxyRingAbi, WindowAbi, errword,
+    DEVCOMM_FLAG_LSA_ONLY, DEVCOMM_FLAG_SENDER_SLOTS, DEVCOMM_FLAG_STRONG_SIGNALS, DevCommAbi,
+    GdakiQpAbi, GdakiSqAbi, ProxyRingAbi, WindowAbi, errword,
 };
 
 pub use driver::{DevMem, Device, Function, HostMem, Module, Stream, available};
@@ -457,9 +459,29 @@ impl<'c> CudaComm<'c> {
             .zero((sb * nn * 8) as usize, (nsig * nn * 8) as usize)?;
         self.counters
             .zero((cb * 16) as usize, (ncnt * 16) as usize)?;
-        let rec = [sb.to_le_bytes(), cb.to_le_bytes()].concat();
+        // The backend travels along: every rank must agree on which peers
+        // are reached by load/store, since signals land in different
+        // sub-slots for them (DEVCOMM_FLAG_LSA_ONLY).
+        let kind_byte = u8::from(kind == BackendKind::Auto);
+        let rec = [&sb.to_le_bytes()[..], &cb.to_le_bytes(), &[kind_byte]].concat();
         let all = comm.bootstrap().allgather_equal(&rec)?;
-        if all.chunks(16).any(|c| c != rec.as_slice()) {
+        if let Some((r, _)) = all
+            .chunks(rec.len())
+            .enumerate()
+            .find(|(_, c)| c[16] != kind_byte)
+        {
+            return Err(CoreError::Invalid(format!(
+                "ranks disagree on the backend: rank {r} {} load/store for its peers and rank \
+                 {rank} {}; set GIN_BACKEND alike on every rank",
+                if kind_byte == 0 {
+                    "uses"
+                } else {
+                    "does not use"
+                },
+                if kind_byte == 0 { "does not" } else { "does" },
+            )));
+        }
+        if all.chunks(rec.len()).any(|c| c[..16] != rec[..16]) {
             return Err(CoreError::Invalid(
                 "ranks disagree on signal/counter placement: CUDA device communicators were \
                  created in different orders or with different requirements"
@@ -509,6 +531,11 @@ impl<'c> CudaComm<'c> {
         let sig_info = self.signal_info();
         sig_peers.write(0, &sig_info.peers)?;
         let mut flags = DEVCOMM_FLAG_SENDER_SLOTS | DEVCOMM_FLAG_STRONG_SIGNALS;
+        if lsa.iter().all(|&l| l == 1) {
+            // Every rank is Auto (checked above), so every rank reaches every
+            // rank by load/store.
+            flags |= DEVCOMM_FLAG_LSA_ONLY;
+        }
         flags |= match sharing {
             CtxSharing::Gpu => 0,
             CtxSharing::Cta => DEVCOMM_FLAG_CTA_CTX,

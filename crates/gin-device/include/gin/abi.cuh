@@ -43,6 +43,9 @@ constexpr u32 FLAG_EXCLUSIVE_CTX = 1u << 2;
 constexpr u32 FLAG_SENDER_SLOTS = 1u << 3;
 // Each context is used by one block: reservations use block-scope atomics.
 constexpr u32 FLAG_CTA_CTX = 1u << 4;
+// Every rank reaches every rank by load/store (CUDA ranks): every signal to
+// this rank lands in its own sub-slot, so a wait reads one word.
+constexpr u32 FLAG_LSA_ONLY = 1u << 5;
 
 // DevComm::backend_kind
 constexpr u32 BACKEND_NONE = 0;

@@ -68,15 +68,24 @@ GIN_DEV void coop_sync(Coop c) {
   if (c == WARP) __syncwarp();
   if (c == CTA) __syncthreads();
 }
-// The leader's value, for every member.
+// The leader's status (0: OK), for every member; a barrier too, so what
+// the leader observed (an acquire) is visible to every member afterwards.
 GIN_DEV int coop_bcast(Coop c, int v) {
   if (c == THREAD) return v;
-  if (c == WARP) return __shfl_sync(0xffffffffu, v, 0);
+  if (c == WARP) {
+    __syncwarp();
+    return __shfl_sync(0xffffffffu, v, 0);
+  }
+  // One barrier when the leader is OK, the common case; two more to pass
+  // the leader's error code on when it is not.
+  const bool leader = coop_rank(c) == 0;
+  if (!__syncthreads_or(leader && v != 0)) return 0;
   __shared__ int slot;
+  if (leader) slot = v;
   __syncthreads();
-  if (coop_rank(c) == 0) slot = v;
+  const int r = slot;
   __syncthreads();
-  return slot;
+  return r;
 }
 
 GIN_DEV int fail(const DevComm& dc, u32 kind, u32 ctx, u32 peer, u32 value) {
@@ -121,12 +130,22 @@ GIN_DEV const ProxyRingAbi& ring(const DevComm& dc, u32 ctx, u32 peer) {
   return ((const ProxyRingAbi*)dc.rings)[ctx * dc.nranks + peer];
 }
 // Global slot index of signal `id` (or barrier slot) of context `ctx`.
+// A signal slot is `nranks` u64 sub-slots whose sum is its value: sub-slot
+// `r` at a peer is written only by the proxy or NIC serving rank `r`
+// (running totals); a GPU reaching the peer by load/store adds to the
+// peer's own sub-slot instead (system-scope atomics), so with
+// FLAG_LSA_ONLY that sub-slot is the whole value. World barriers use
+// per-sender sub-slots throughout (each counts its sender's arrivals).
 GIN_DEV u64 signal_slot(const DevComm& dc, u32 ctx, u32 id) {
   return dc.signal_base + (u64)ctx * dc.sig_per_ctx + id;
 }
 // Byte offset of this rank's sub-slot of `slot` in any rank's signal window.
 GIN_DEV u64 sender_offset(const DevComm& dc, u64 slot) {
   return (slot * dc.nranks + dc.rank) * 8;
+}
+// Byte offset of `peer`'s own sub-slot of `slot` in its signal window.
+GIN_DEV u64 receiver_offset(const DevComm& dc, u64 slot, u32 peer) {
+  return (slot * dc.nranks + peer) * 8;
 }
 GIN_DEV u64* counter_subslots(const DevComm& dc, u32 ctx, u32 id) {
   return (u64*)dc.counters + 2 * (dc.counter_base + (u64)ctx * dc.ncounters + id);
@@ -323,16 +342,18 @@ GIN_DEV int gdaki_flush(const DevComm& dc, u32 ctx, u32 peer) {
   return OK;
 }
 
-// Leader only: the signal and counter of a put (or a bare signal) whose data
-// the coop has already stored (load/store path).
+// Leader only: the signal and counter of a put (or a bare signal) to `peer`
+// whose data the coop has already stored (load/store path).
 // `sig_base` is the peer's signal window as mapped here (read by the caller
 // together with its other per-peer loads).
-GIN_DEV void lsa_actions(const DevComm& dc, u32 ctx, u64* sig_base, Remote rem, LocalAction loc) {
+GIN_DEV void lsa_actions(const DevComm& dc, u32 ctx, u32 peer, u64* sig_base, Remote rem,
+                         LocalAction loc) {
   if (rem.kind == 1) {
     // Release at system scope: the coop's stores (ordered before this thread
-    // by the coop's barrier) are visible at the peer before the signal.
-    red_add_release_sys((u64*)((u8*)sig_base + sender_offset(dc, signal_slot(dc, ctx, rem.id))),
-                        rem.add);
+    // by the coop's barrier) are visible at the peer before the signal. The
+    // add goes to the peer's own sub-slot (see signal_slot).
+    red_add_release_sys(
+        (u64*)((u8*)sig_base + receiver_offset(dc, signal_slot(dc, ctx, rem.id), peer)), rem.add);
   }
   if (loc.kind == 1) atomicAdd((unsigned long long*)(counter_subslots(dc, ctx, loc.id) + 1), 1ull);
 }
@@ -367,14 +388,18 @@ GIN_DEV proxy::Desc empty_desc(u32 op) {
 
 GIN_DEV u64 signal_sum(const DevComm& dc, u64 slot) {
   const u64* s = (const u64*)dc.signals + slot * dc.nranks;
+  if (dc.flags & FLAG_LSA_ONLY) return ld_relaxed_sys(s + dc.rank);
   u64 sum = 0;
   for (u32 r = 0; r < dc.nranks; ++r) sum += ld_relaxed_sys(s + r);
   return sum;
 }
 // As signal_sum, with acquire loads: what each sender released before its
-// signal is visible to this thread once the sum is seen.
+// signal is visible to this thread once the sum is seen. Acquires are
+// serialised, so reading one sub-slot (FLAG_LSA_ONLY) saves an L2 round
+// trip per other rank.
 GIN_DEV u64 signal_sum_acquire(const DevComm& dc, u64 slot) {
   const u64* s = (const u64*)dc.signals + slot * dc.nranks;
+  if (dc.flags & FLAG_LSA_ONLY) return ld_acquire_sys(s + dc.rank);
   u64 sum = 0;
   for (u32 r = 0; r < dc.nranks; ++r) sum += ld_acquire_sys(s + r);
   return sum;
@@ -394,28 +419,31 @@ GIN_DEV int put(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst
   if (!e && peer >= dc.nranks) e = fail(dc, BAD_PEER, ctx, peer, peer);
   if (!e) e = check_actions(dc, ctx, peer, rem, loc);
   if (e) return e;
-  // The source is checked from the arguments alone, so a small aligned
-  // put's leader can load it now, while the per-peer tables are on their
-  // way: one dependent L2 round trip per call instead of two.
+  // The source is checked from the arguments alone, so the first round of
+  // a load/store put's source can be loaded before the per-peer tables come
+  // back: one dependent L2 round trip per call instead of two.
   if (!range_ok(src_off, bytes, src.local_size)) return fail(dc, OUT_OF_WINDOW, ctx, peer, src.id);
-  // Up to 16 bytes: the leader alone. Up to two 16-byte vectors per member:
-  // every member its share, in registers.
   const u32 me = coop_rank(coop), members = coop_size(coop);
+  // Every member's stores to the source precede every member's loads of it
+  // (and, on the queue paths, the leader's post), as with NVSHMEM's _block
+  // and _warp calls.
+  coop_sync(coop);
+  // Up to 16 bytes: the leader alone. Up to two 16-byte vectors per member:
+  // every member its share. Both from registers, loaded now.
   const bool tiny = bytes <= 16 && ((src_off | dst_off | bytes) & 7) == 0;
-  const bool vecs = !tiny && bytes <= 32ull * members &&
-                    (((src.local_base + src_off) | dst_off | bytes) & 15) == 0;
+  const u8* const s = (const u8*)src.local_base + src_off;
+  const bool vecs =
+      !tiny && bytes <= 32ull * members && (((u64)s | dst_off | bytes) & 15) == 0;
   u64 v0 = 0, v1 = 0;
   uint4 w0{}, w1{};
   if (tiny && me == 0) {
-    const u64* sp = (const u64*)(src.local_base + src_off);
-    if (bytes >= 8) v0 = sp[0];
-    if (bytes == 16) v1 = sp[1];
+    if (bytes >= 8) v0 = ((const u64*)s)[0];
+    if (bytes == 16) v1 = ((const u64*)s)[1];
   }
   if (vecs) {
-    const uint4* sp = (const uint4*)(src.local_base + src_off);
     const u64 n = bytes / 16;
-    if (me < n) w0 = sp[me];
-    if (me + members < n) w1 = sp[me + members];
+    if (me < n) w0 = ((const uint4*)s)[me];
+    if (me + members < n) w1 = ((const uint4*)s)[me + members];
   }
   // Every per-peer table read at once: one L2 round trip, not one each.
   const bool lsa = is_lsa(dc, peer);
@@ -429,34 +457,31 @@ GIN_DEV int put(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst
   if (!range_ok(dst_off, bytes, dst_size)) return fail(dc, OUT_OF_WINDOW, ctx, peer, dst.id);
   if (lsa) {
     if (!d || (rem.kind == 1 && !sig)) return fail(dc, UNSUPPORTED, ctx, peer, dst.id);
+    u8* const dp = d + dst_off;
     if (tiny) {
       // The leader stores and signals: its own stores precede its release.
       if (me == 0) {
-        u64* dp = (u64*)(d + dst_off);
-        if (bytes >= 8) dp[0] = v0;
-        if (bytes == 16) dp[1] = v1;
-        lsa_actions(dc, ctx, sig, rem, loc);
+        if (bytes >= 8) ((u64*)dp)[0] = v0;
+        if (bytes == 16) ((u64*)dp)[1] = v1;
+        lsa_actions(dc, ctx, peer, sig, rem, loc);
       }
+      // No member may reuse the source before the leader has read it.
       coop_sync(coop);
       return OK;
     }
     if (vecs) {
-      uint4* dp = (uint4*)(d + dst_off);
       const u64 n = bytes / 16;
-      if (me < n) dp[me] = w0;
-      if (me + members < n) dp[me + members] = w1;
-      coop_sync(coop);
-      if (me == 0) lsa_actions(dc, ctx, sig, rem, loc);
-      coop_sync(coop);
-      return OK;
+      if (me < n) ((uint4*)dp)[me] = w0;
+      if (me + members < n) ((uint4*)dp)[me + members] = w1;
+    } else {
+      coop_copy(coop, dp, s, bytes);
     }
-    coop_copy(coop, d + dst_off, (const u8*)src.local_base + src_off, bytes);
+    // Every member's loads of the source and stores precede the signal; no
+    // member reads the source after this barrier.
     coop_sync(coop);
-    if (coop_rank(coop) == 0) lsa_actions(dc, ctx, sig, rem, loc);
-    coop_sync(coop);
+    if (me == 0) lsa_actions(dc, ctx, peer, sig, rem, loc);
     return OK;
   }
-  coop_sync(coop);
   int r = OK;
   if (coop_rank(coop) == 0 && dc.backend_kind == BACKEND_GDAKI) {
     const GdakiData g{bytes ? 1u : 0u,
@@ -502,7 +527,7 @@ GIN_DEV int put_value(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u
         r = fail(dc, UNSUPPORTED, ctx, peer, dst.id);
       } else {
         *(volatile u64*)(d + dst_off) = value;
-        lsa_actions(dc, ctx, sig, rem, no_counter());
+        lsa_actions(dc, ctx, peer, sig, rem, no_counter());
       }
     } else if (dc.backend_kind == BACKEND_GDAKI) {
       const GdakiData g{2, ((const u32*)dst.keys)[peer], 0, ((const u64*)dst.addrs)[peer] + dst_off,
@@ -535,7 +560,7 @@ GIN_DEV int signal(const DevComm& dc, u32 ctx, u32 peer, Remote rem, Coop coop =
   if (coop_rank(coop) == 0) {
     if (is_lsa(dc, peer)) {
       u64* sig = signal_peer(dc, peer);
-      if (sig) lsa_actions(dc, ctx, sig, rem, no_counter());
+      if (sig) lsa_actions(dc, ctx, peer, sig, rem, no_counter());
       else r = fail(dc, UNSUPPORTED, ctx, peer, 0);
     } else if (dc.backend_kind == BACKEND_GDAKI) {
       r = gdaki_post(dc, ctx, peer, gqp(dc, ctx, peer), GdakiData{}, rem, no_counter());
@@ -655,8 +680,9 @@ GIN_DEV int reset_signal(const DevComm& dc, u32 ctx, u32 id) {
   if (!e && id >= dc.nsignals) e = fail(dc, BAD_SIGNAL, ctx, NO_PEER, id);
   if (e) return e;
   const u64 slot = signal_slot(dc, ctx, id);
-  atomicAdd((unsigned long long*)((u64*)dc.signals + slot * dc.nranks + dc.rank),
-            (unsigned long long)(0 - signal_sum(dc, slot)));
+  // System scope: peers add to this sub-slot over NVLink.
+  atomicAdd_system((unsigned long long*)((u64*)dc.signals + slot * dc.nranks + dc.rank),
+                   (unsigned long long)(0 - signal_sum(dc, slot)));
   return OK;
 }
 
