@@ -39,7 +39,8 @@ constexpr u32 FLAG_STRONG_SIGNALS = 1u << 0;
 constexpr u32 FLAG_VA_SIGNALS = 1u << 1;
 // Each context is used by one thread: queue reservations need no atomics.
 constexpr u32 FLAG_EXCLUSIVE_CTX = 1u << 2;
-// Signals are per-sender sub-slots whose sum is the signal (CUDA ranks).
+// Signals are nranks sub-slots whose sum is the signal (CUDA ranks; see
+// signal_slot in gin.cuh for who writes which).
 constexpr u32 FLAG_SENDER_SLOTS = 1u << 3;
 // Each context is used by one block: reservations use block-scope atomics.
 constexpr u32 FLAG_CTA_CTX = 1u << 4;
