@@ -117,8 +117,11 @@ fn a_peer_killed_mid_run_fails_the_survivors_promptly() {
             assert_eq!(
                 r.status.and_then(|s| s.code()),
                 Some(3),
-                "{name}, rank {}: {}{}",
+                "{name}, rank {} ({:?}, stopped by the launcher: {}, after {:?}): {}{}",
                 r.rank,
+                r.status,
+                r.stopped,
+                report.elapsed,
                 r.stdout,
                 r.stderr
             );
