@@ -259,7 +259,9 @@ impl<D: Dma> Nic<D> {
             if stopping {
                 break;
             }
-            // As the CUDA proxy: spin at least 5 ms, then nap.
+            // As the CUDA proxy: spin at least 5 ms, then nap. Kernels ring
+            // by storing to mapped host memory, which raises no OS event a
+            // thread could block on, so an idle NIC can only poll or sleep.
             let since = *idle_since.get_or_insert_with(Instant::now);
             if since.elapsed() > self.spec.spin.max(Duration::from_millis(5)) {
                 std::thread::sleep(Duration::from_micros(50));

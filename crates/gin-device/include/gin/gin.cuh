@@ -419,9 +419,9 @@ GIN_DEV int put(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst
   if (!e && peer >= dc.nranks) e = fail(dc, BAD_PEER, ctx, peer, peer);
   if (!e) e = check_actions(dc, ctx, peer, rem, loc);
   if (e) return e;
-  // The source is checked from the arguments alone, so the first round of
-  // a load/store put's source can be loaded before the per-peer tables come
-  // back: one dependent L2 round trip per call instead of two.
+  // The source is checked from the arguments alone, so a small aligned
+  // put's source can be loaded into registers while the per-peer tables are
+  // on their way: one dependent L2 round trip per call instead of two.
   if (!range_ok(src_off, bytes, src.local_size)) return fail(dc, OUT_OF_WINDOW, ctx, peer, src.id);
   const u32 me = coop_rank(coop), members = coop_size(coop);
   // Every member's stores to the source precede every member's loads of it
