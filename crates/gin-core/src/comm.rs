@@ -119,11 +119,38 @@ struct PeerPart {
     mapped: usize,
 }
 
-/// What keeps a window's memory alive.
+/// What keeps a window's memory alive. Fields drop in order: the
+/// registration goes first, so the memory is never unmapped while peers or
+/// this rank's own queues can still reach it.
 #[derive(Debug)]
 struct WindowMemory {
+    _registration: Registration,
     _own: Option<Segment>,
     _peers: Vec<Segment>,
+}
+
+/// A window part served to peers under `key` and known to the fabric as
+/// `id`. Dropping it stops both before the memory goes: a window dropped
+/// without [`Comm::deregister_window`] (the communicator's own signal
+/// window, always; a user's on an error path or by mistake) would otherwise
+/// leave a peer's late put, signal or read pointing at unmapped memory.
+/// [`RegionTable::remove`] waits for requests being served.
+#[derive(Debug)]
+struct Registration {
+    table: Arc<RegionTable>,
+    fabric: Arc<Fabric>,
+    key: u32,
+    base: usize,
+    id: u32,
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.fabric.remove_window(self.id);
+        // Only if the key is still this part's: after a deregistration it may
+        // have been drawn again for another window.
+        self.table.remove_region(self.key, self.base);
+    }
 }
 
 impl Comm {
@@ -293,10 +320,12 @@ impl Comm {
         let id = self.take_window_id();
         let name = format!("gin-{}-r{rank}-w{id}", self.job_tag);
         let mut seg = Segment::create(&name, bytes as usize)?;
-        // SAFETY: the segment stays mapped inside the window's owner until the
-        // window is dropped, and its key is removed from the table on
-        // deregistration, before that.
+        // SAFETY: the segment stays mapped until `registration`, dropped
+        // before it on every path (or deregistration, earlier), has removed
+        // the key from the table.
         let key = unsafe { self.table.insert(seg.as_ptr(), bytes, Access::ALL)? };
+        // Declared after `seg`, so dropped before it on every path.
+        let registration = self.registration(id, key, seg.as_ptr());
         let path = seg.path().to_string_lossy().into_owned();
         let r = self.finish_window(id, seg.as_ptr(), bytes, key, &path, true);
         // Every peer has mapped it (finish_window ends with a barrier).
@@ -307,6 +336,7 @@ impl Comm {
             seg.as_ptr(),
             &peers,
             WindowMemory {
+                _registration: registration,
                 _own: Some(seg),
                 _peers: peer_segments,
             },
@@ -341,16 +371,28 @@ impl Comm {
         let id = self.take_window_id();
         // SAFETY: forwarded from the caller's promise.
         let key = unsafe { self.table.insert(ptr, bytes, Access::ALL)? };
+        let registration = self.registration(id, key, ptr);
         let (peers, segs) = self.finish_window(id, ptr, bytes, key, "", false)?;
         Ok(self.make_window(
             id,
             ptr,
             &peers,
             WindowMemory {
+                _registration: registration,
                 _own: None,
                 _peers: segs,
             },
         ))
+    }
+
+    fn registration(&self, id: u32, key: u32, base: *mut u8) -> Registration {
+        Registration {
+            table: self.table.clone(),
+            fabric: self.fabric.clone(),
+            key,
+            base: base as usize,
+            id,
+        }
     }
 
     pub(crate) fn take_window_id(&self) -> u32 {
@@ -472,7 +514,8 @@ impl Comm {
         self.bootstrap.barrier()?;
         w.mark_deregistered();
         self.fabric.remove_window(w.id());
-        self.table.remove(w.key_of(self.rank()));
+        self.table
+            .remove_region(w.key_of(self.rank()), w.as_ptr() as usize);
         Ok(())
     }
 

@@ -103,6 +103,26 @@ fn paths_follow_the_transport_choice() {
     );
 }
 
+/// A window dropped without deregistering stops being served before its
+/// memory goes: a peer's later put over tcp gets an error naming the key,
+/// and the owner lives (it used to die of SIGSEGV writing the unmapped
+/// segment, as a rank whose communicator dropped its signal window under a
+/// late signal did in CI).
+#[test]
+fn a_window_dropped_without_deregistering_is_no_longer_served() {
+    for (name, env) in MODES {
+        let report = run(2, &["dropped"], env, "60");
+        assert_ok(&report, name);
+        if env.contains(&("GIN_TRANSPORT", "tcp")) {
+            assert!(
+                report.ranks[0].stdout.contains("unknown memory key"),
+                "{name}: {}",
+                report.ranks[0].stdout
+            );
+        }
+    }
+}
+
 #[test]
 fn a_peer_killed_mid_run_fails_the_survivors_promptly() {
     for (name, env) in MODES {

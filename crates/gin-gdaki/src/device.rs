@@ -235,8 +235,13 @@ impl Gdaki {
                     qp.remote_qpn.load(Ordering::Acquire)
                 )
             };
+            let why = qp
+                .error_reason
+                .get()
+                .map(|w| format!("; the soft NIC reported: {w}"))
+                .unwrap_or_default();
             self.error.set(format!(
-                "{what}, context {ctx}: WQE index {} completed with syndrome {:#04x} ({}), vendor syndrome {:#04x}",
+                "{what}, context {ctx}: WQE index {} completed with syndrome {:#04x} ({}), vendor syndrome {:#04x}{why}",
                 c.wqe_counter,
                 c.syndrome,
                 syndrome::name(c.syndrome),

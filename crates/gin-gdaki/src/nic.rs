@@ -256,6 +256,7 @@ impl<'a> Engine<'a> {
                     }
                     Step::Failed { syndrome, why } => {
                         warn!(rank = self.s.rank, qpn = qp.qpn, wqe = idx, syndrome, %why, "QP moved to the error state");
+                        let _ = qp.error_reason.set(why);
                         self.failed[i] = true;
                         Self::complete_error(&qp, idx, bytes[3], syndrome);
                     }

@@ -124,6 +124,9 @@ pub struct Qp {
     /// The doorbell register: the first 8 bytes of a control segment.
     pub doorbell: AtomicU64,
     pub cq: Cq,
+    /// Why the soft NIC moved this QP to the error state, for the host's
+    /// error message (hardware only gives the syndrome).
+    pub error_reason: std::sync::OnceLock<String>,
 }
 
 impl Qp {
@@ -141,6 +144,7 @@ impl Qp {
             idx: SqIndices::default(),
             dbrec: [AtomicU32::new(0), AtomicU32::new(0)],
             doorbell: AtomicU64::new(0),
+            error_reason: std::sync::OnceLock::new(),
             cq: Cq::new(cqn, log2),
         }
     }

@@ -67,12 +67,25 @@ impl RegionTable {
         }
     }
 
-    /// Forgets a key; later requests with it are refused.
+    /// Forgets a key; later requests with it are refused. Waits for the
+    /// requests being served under it.
     pub fn remove(&self, key: u32) {
         self.map
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .remove(&key);
+    }
+
+    /// Forgets `key` if it still names the region at `base` (keys of removed
+    /// regions may be drawn again); as [`RegionTable::remove`] otherwise.
+    pub fn remove_region(&self, key: u32, base: usize) {
+        let mut map = self
+            .map
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if map.get(&key).is_some_and(|e| e.base == base) {
+            map.remove(&key);
+        }
     }
 
     /// Runs `f` on the checked address of `[offset, offset + len)` while

@@ -60,6 +60,7 @@ fn main() -> ExitCode {
         "badinput" => badinput(&comm),
         "reuse" => reuse(&comm),
         "dereg" => dereg(&comm),
+        "dropped" => dropped(&comm),
         "die" => die(&comm, args.get(1).and_then(|v| v.parse().ok()).unwrap_or(1)),
         other => Err(format!("unknown scenario {other:?}")),
     };
@@ -738,6 +739,45 @@ fn reuse(c: &Comm) -> R {
 /// still sit in a socket, and the memory must not be released under it.
 /// Also: two windows over the same user buffer are deregistered one at a
 /// time without disturbing each other (tcp transport only).
+/// A window rank 1 drops without deregistering stops being served at once:
+/// rank 0's later put to it over tcp fails with an error naming the key,
+/// and rank 1 lives on (it used to write into the unmapped segment). A shm
+/// peer writes its own mapping of the segment, which stays valid.
+fn dropped(c: &Comm) -> R {
+    let r = c.rank();
+    let dc = c.dev_comm(&DevCommRequirements::default()).map_err(s)?;
+    let ctx = dc.ctx(0).map_err(s)?;
+    let w = c.alloc_window(4096).map_err(s)?;
+    if r == 1 {
+        drop(w);
+        c.bootstrap().barrier().map_err(s)?;
+        // Alive until rank 0 has tried.
+        return c.bootstrap().barrier().map_err(s);
+    }
+    c.bootstrap().barrier().map_err(s)?;
+    let mut got = Ok(());
+    if r == 0 {
+        // The put is one-way; the get after it comes back after the put's
+        // answer, so the flush sees both.
+        got = ctx
+            .put(1, &w, 0, &w, 0, 4096, Remote::None, Local::None)
+            .and_then(|()| ctx.get(1, &w, 0, &w, 0, 8))
+            .and_then(|()| ctx.flush())
+            .map_err(s);
+    }
+    c.bootstrap().barrier().map_err(s)?;
+    let over_tcp = c.path_names().get(1) == Some(&"tcp");
+    match got {
+        Err(e) if over_tcp && e.contains("unknown memory key") => {
+            println!("rank {r}: put to a dropped window refused: {e}");
+            Ok(())
+        }
+        Ok(()) if !over_tcp => Ok(()),
+        Err(e) => Err(format!("put to a dropped window: wrong error: {e}")),
+        Ok(()) => Err("a put to a window dropped at a tcp peer succeeded".into()),
+    }
+}
+
 fn dereg(c: &Comm) -> R {
     let (r, n) = (c.rank(), c.nranks());
     let big = 32u64 << 20;
