@@ -13,7 +13,7 @@ use gin_gdaki::{Gdaki, GdakiConfig};
 use gin_net::region::{Access, RegionTable};
 use gin_net::shm::Segment;
 use gin_net::tcp::TcpTransport;
-use gin_net::{Fabric, MemDesc, Path};
+use gin_net::{Fabric, KeepAlive, MemDesc, Path};
 use gin_proxy::{Proxy, ProxyConfig};
 use tracing::{debug, info};
 
@@ -120,11 +120,20 @@ struct PeerPart {
 }
 
 /// What keeps a window's memory alive. Fields drop in order: the
-/// registration goes first, so the memory is never unmapped while peers or
-/// this rank's own queues can still reach it.
+/// registration goes first, so peers stop being served before the memory
+/// goes; the mappings themselves are shared with the fabric's description,
+/// so an operation of this rank's proxy or NIC that looked the window up
+/// before the drop finishes on mapped memory.
 #[derive(Debug)]
 struct WindowMemory {
     _registration: Registration,
+    _mapped: Arc<Mapped>,
+}
+
+/// A window's mappings: this rank's segment (none for user memory) and the
+/// same-host peers' segments mapped here.
+#[derive(Debug)]
+struct Mapped {
     _own: Option<Segment>,
     _peers: Vec<Segment>,
 }
@@ -335,8 +344,8 @@ impl Comm {
             id,
             seg.as_ptr(),
             &peers,
-            WindowMemory {
-                _registration: registration,
+            registration,
+            Mapped {
                 _own: Some(seg),
                 _peers: peer_segments,
             },
@@ -377,8 +386,8 @@ impl Comm {
             id,
             ptr,
             &peers,
-            WindowMemory {
-                _registration: registration,
+            registration,
+            Mapped {
                 _own: None,
                 _peers: segs,
             },
@@ -455,7 +464,15 @@ impl Comm {
         Ok((peers, segs))
     }
 
-    fn make_window(&self, id: u32, base: *mut u8, peers: &[PeerPart], mem: WindowMemory) -> Window {
+    fn make_window(
+        &self,
+        id: u32,
+        base: *mut u8,
+        peers: &[PeerPart],
+        registration: Registration,
+        mapped: Mapped,
+    ) -> Window {
+        let mapped = Arc::new(mapped);
         let sizes: Vec<u64> = peers.iter().map(|p| p.size).collect();
         let peer_bases: Vec<*mut u8> = peers
             .iter()
@@ -476,8 +493,13 @@ impl Comm {
                 peer_bases: peer_bases.iter().map(|p| *p as usize).collect(),
                 keys: peers.iter().map(|p| p.key).collect(),
                 addrs: peers.iter().map(|p| p.addr).collect(),
+                keep: Some(KeepAlive(mapped.clone())),
             },
         );
+        let mem = WindowMemory {
+            _registration: registration,
+            _mapped: mapped,
+        };
         // SAFETY: `base` is this rank's part (sizes[rank] bytes), each non-null
         // peer base a mapping of that peer's part, all kept alive by `mem`.
         unsafe {

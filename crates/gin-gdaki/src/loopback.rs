@@ -44,6 +44,7 @@ impl Loopback {
                 peer_bases: vec![base as usize],
                 keys: vec![key],
                 addrs: vec![base as u64],
+                keep: None,
             },
         );
         // SAFETY: as above; the window's memory is `mem`.

@@ -32,6 +32,18 @@ impl Path {
     }
 }
 
+/// Keeps a window's memory mapped while anything holds its description:
+/// an operation that looked the window up before its owner dropped it
+/// finishes on memory that is still there.
+#[derive(Clone)]
+pub struct KeepAlive(pub Arc<dyn std::any::Any + Send + Sync>);
+
+impl std::fmt::Debug for KeepAlive {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KeepAlive")
+    }
+}
+
 /// A registered window as the fabric sees it.
 #[derive(Debug, Clone)]
 pub struct MemDesc {
@@ -46,6 +58,9 @@ pub struct MemDesc {
     /// Each rank's address of its own part, in its own address space: what
     /// an RDMA work request names as the remote address (with the key).
     pub addrs: Vec<u64>,
+    /// What keeps `local_base` and `peer_bases` mapped (`None`: their owner
+    /// outlives every user some other way).
+    pub keep: Option<KeepAlive>,
 }
 
 /// A (window, offset) address on some rank.

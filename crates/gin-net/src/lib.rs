@@ -30,7 +30,7 @@ pub mod shm;
 pub mod sticky;
 pub mod tcp;
 
-pub use fabric::{Addr, Fabric, MemDesc, Path};
+pub use fabric::{Addr, Fabric, KeepAlive, MemDesc, Path};
 
 use std::time::Duration;
 

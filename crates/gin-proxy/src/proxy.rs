@@ -410,13 +410,16 @@ fn execute(s: &Shared, ring_index: usize, seq: u64, d: &Desc, ring: &Ring) {
 
 fn execute_put(s: &Shared, peer: usize, d: &Desc) -> Result<(), String> {
     let inline_bytes;
+    // Held until the put is done: the description keeps the source mapped
+    // even if its owner drops the window meanwhile.
+    let w;
     let src: &[u8] = if let Some(v) = d.inline {
         inline_bytes = v.to_le_bytes();
         &inline_bytes[..(d.bytes as usize).min(8)]
     } else if d.bytes == 0 {
         &[]
     } else {
-        let w = s.fabric.window(d.src_window).map_err(|e| e.to_string())?;
+        w = s.fabric.window(d.src_window).map_err(|e| e.to_string())?;
         let size = w.sizes.get(s.rank).copied().unwrap_or(0);
         if d.src_offset.checked_add(d.bytes).is_none_or(|e| e > size) {
             return Err(format!(
@@ -425,7 +428,7 @@ fn execute_put(s: &Shared, peer: usize, d: &Desc) -> Result<(), String> {
             ));
         }
         // SAFETY: the range lies inside this rank's part of a registered
-        // window, which stays mapped while registered; the device API
+        // window, which stays mapped while `w` is held; the device API
         // checked it at issue time and it is re-checked above.
         unsafe {
             std::slice::from_raw_parts(
@@ -469,7 +472,9 @@ fn execute_get(s: &Shared, peer: usize, d: &Desc, ring: &Ring) -> Result<(), Str
     ring.gets_in_flight.fetch_add(1, Ordering::AcqRel);
     // SAFETY: the destination lies inside this rank's registered part (checked
     // above); it stays mapped while the window is registered, and windows are
-    // deregistered only after every context was flushed.
+    // deregistered only after every context was flushed. (A window dropped
+    // with a get still in flight is not covered: the answer lands after
+    // `w` is gone. Flush before dropping.)
     let r = unsafe {
         s.fabric.get(
             peer,
