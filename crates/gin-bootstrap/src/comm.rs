@@ -112,12 +112,19 @@ impl Shared {
         Ok(())
     }
 
-    /// A connection to a peer that fails, or a peer that leaves while this
-    /// rank waits for its message, is often a symptom: the peer is leaving
-    /// because it heard of a death (or lost the root) before this rank did.
-    /// Waits up to `grace` for that news and returns the cause when it comes,
-    /// else `symptom`.
-    fn cause_of(&self, op: &str, symptom: BootstrapError, grace: Duration) -> BootstrapError {
+    /// A connection to a peer that fails is often a symptom: the peer is
+    /// leaving because it heard of a death (or lost the root) before this
+    /// rank did. Waits up to `grace` for that news and returns the cause when
+    /// it comes, else `symptom`. Once `peer` has said goodbye there is no
+    /// news to wait for: a peer leaving because of a death passes it on ahead
+    /// of its goodbye.
+    fn cause_of(
+        &self,
+        op: &str,
+        symptom: BootstrapError,
+        grace: Duration,
+        peer: Option<usize>,
+    ) -> BootstrapError {
         let until = Instant::now() + grace;
         let mut st = self.lock();
         loop {
@@ -125,7 +132,7 @@ impl Shared {
                 return cause;
             }
             let left = until.saturating_duration_since(Instant::now());
-            if left.is_zero() {
+            if left.is_zero() || peer.is_some_and(|p| st.closed.get(p) == Some(&true)) {
                 return symptom;
             }
             st = self
@@ -389,9 +396,14 @@ impl Bootstrap {
         if slot.is_none() {
             match self.dial(peer, op) {
                 Ok(s) => *slot = Some(s),
-                // A timeout already waited long enough for any news.
-                Err(e @ BootstrapError::Timeout { .. }) => return Err(e),
-                Err(e) => return Err(self.shared.cause_of(op, e, self.cause_grace())),
+                // A timeout already waited long enough for any news: report
+                // what arrived meanwhile, without waiting more.
+                Err(e @ BootstrapError::Timeout { .. }) => {
+                    return Err(self.shared.cause_of(op, e, Duration::ZERO, Some(peer)));
+                }
+                Err(e) => {
+                    return Err(self.shared.cause_of(op, e, self.cause_grace(), Some(peer)));
+                }
             }
         }
         let stream = slot.as_mut().expect("dialed above");
@@ -403,7 +415,9 @@ impl Bootstrap {
                 peer,
                 why: why.clone(),
             };
-            let err = self.shared.cause_of(op, symptom, self.cause_grace());
+            let err = self
+                .shared
+                .cause_of(op, symptom, self.cause_grace(), Some(peer));
             if matches!(&err, BootstrapError::PeerDied { peer: p, .. } if *p == peer) {
                 self.shared.mark_dead(peer, why);
             }
@@ -710,7 +724,7 @@ mod tests {
                 sh.mark_dead(2, "its connection closed without a goodbye".into());
             })
         };
-        let err = sh.cause_of("allgather", symptom(), Duration::from_secs(30));
+        let err = sh.cause_of("allgather", symptom(), Duration::from_secs(30), Some(5));
         news.join().unwrap();
         match err {
             BootstrapError::PeerDied { peer, op, .. } => {
@@ -723,7 +737,21 @@ mod tests {
     #[test]
     fn a_failed_connection_with_no_news_is_reported_as_itself() {
         let sh = shared(6);
-        let err = sh.cause_of("allgather", symptom(), Duration::from_millis(20));
+        let err = sh.cause_of("allgather", symptom(), Duration::from_millis(20), Some(5));
+        assert!(err.to_string().contains("reading from rank 5"), "got {err}");
+    }
+
+    #[test]
+    fn a_peer_that_said_goodbye_is_not_waited_for() {
+        let sh = shared(6);
+        sh.lock().closed[5] = true;
+        let t = Instant::now();
+        let err = sh.cause_of("allgather", symptom(), Duration::from_secs(30), Some(5));
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "waited {:?}",
+            t.elapsed()
+        );
         assert!(err.to_string().contains("reading from rank 5"), "got {err}");
     }
 
@@ -731,7 +759,7 @@ mod tests {
     fn a_lost_root_is_a_cause_too() {
         let sh = shared(3);
         sh.lock().root_lost = Some("the root connection closed".into());
-        let err = sh.cause_of("barrier", symptom(), Duration::from_secs(30));
+        let err = sh.cause_of("barrier", symptom(), Duration::from_secs(30), None);
         assert!(matches!(err, BootstrapError::RootLost { .. }), "got {err}");
     }
 }

@@ -230,10 +230,13 @@ extern "C" __global__ void gin_signals(DevComm dc, u32 coop, u64* out) {
     e = signal(dc, 0, p, signal_add(2, 1 + dc.rank), (Coop)coop);
   if (!e) e = wait_signal(dc, 0, 2, sum, (Coop)coop);
   if (!e) bad += read_signal(dc, 0, 2) != sum;
-  // Every rank has seen the whole sum: no signal to slot 2 is in flight.
+  // This rank has seen the whole sum, so no signal to its slot 2 is in
+  // flight; the barrier keeps the reads above before the reset.
   if (!e) e = barrier(dc, 0, 0, (Coop)coop);
-  if (!e && threadIdx.x == 0) e = reset_signal(dc, 0, 2);
+  __shared__ int reset_e;
+  if (threadIdx.x == 0) reset_e = e ? e : reset_signal(dc, 0, 2);
   __syncthreads();
+  e = reset_e;
   if (!e) bad += read_signal(dc, 0, 2) != 0;
   // Nobody signals again before every rank has reset.
   if (!e) e = barrier(dc, 0, 1, (Coop)coop);
@@ -241,10 +244,9 @@ extern "C" __global__ void gin_signals(DevComm dc, u32 coop, u64* out) {
   if (!e) e = wait_signal(dc, 0, 2, n, (Coop)coop);
   if (!e) bad += read_signal(dc, 0, 2) != n;
   if (!e) e = flush(dc, 0, (Coop)coop);
-  if (threadIdx.x == 0) {
-    if (e) out[0] = e;
-    out[1] += bad;
-  }
+  if (e && threadIdx.x == 0) out[0] = e;
+  // Every member's reads count, as in verify().
+  if (bad) atomicAdd((unsigned long long*)&out[1], (unsigned long long)bad);
 }
 
 extern "C" __global__ void gin_fill(Window w, u64 bytes, u32 rank, u32 round) {

@@ -23,6 +23,7 @@ use std::time::Instant;
 use gin_core::cuda::{self, Arg, CtxSharing, CudaComm, CudaDevComm, DevMem, Module};
 use gin_core::launch::{Role, run_ranks};
 use gin_core::{Comm, CoreError, DevCommRequirements};
+use gin_device::abi::DEVCOMM_FLAG_LSA_ONLY;
 
 type R = Result<(), String>;
 
@@ -192,6 +193,14 @@ fn signals(c: &CudaComm<'_>, k: &Kernels<'_>) -> R {
     r.world_barriers = 2;
     for (coop, block, name) in [(0u32, 1u32, "thread"), (1, 32, "warp"), (2, 256, "block")] {
         let dc = c.dev_comm(&r, CtxSharing::Gpu).map_err(s)?;
+        let lsa_only = dc.abi().flags & DEVCOMM_FLAG_LSA_ONLY != 0;
+        if lsa_only != (dc.backend_name() == "load/store") {
+            return Err(format!(
+                "signals: DEVCOMM_FLAG_LSA_ONLY is {} with the {} backend",
+                if lsa_only { "set" } else { "clear" },
+                dc.backend_name()
+            ));
+        }
         let out = DevMem::new(24).map_err(s)?;
         dc.run(
             &f,

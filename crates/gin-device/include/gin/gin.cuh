@@ -588,6 +588,9 @@ GIN_DEV int get(const DevComm& dc, u32 ctx, u32 peer, const Window& remote, u64 
   if (is_lsa(dc, peer)) {
     const u8* s = (const u8*)((const u64*)remote.peer_bases)[peer];
     if (!s) return fail(dc, UNSUPPORTED, ctx, peer, remote.id);
+    // No member overwrites `local` while another still reads it from
+    // before the call.
+    coop_sync(coop);
     coop_copy(coop, (u8*)local.local_base + local_off, s + remote_off, bytes);
     coop_sync(coop);
     return OK;
