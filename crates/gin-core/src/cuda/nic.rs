@@ -102,12 +102,8 @@ impl CudaNic {
 
     /// Stops the thread once it has drained its queues; reports the first
     /// error it met.
-    pub fn stop(mut self) -> Result<(), CoreError> {
-        self.0.halt();
-        match self.0.error() {
-            Some(e) => Err(CoreError::Invalid(format!("the soft NIC reported: {e}"))),
-            None => Ok(()),
-        }
+    pub fn stop(self) -> Result<(), CoreError> {
+        self.0.stop("the soft NIC reported")
     }
 }
 

@@ -65,12 +65,8 @@ impl CudaProxy {
         self.0.error()
     }
 
-    pub fn stop(mut self) -> Result<(), CoreError> {
-        self.0.halt();
-        match self.0.error() {
-            Some(e) => Err(CoreError::Invalid(format!("the CUDA proxy failed: {e}"))),
-            None => Ok(()),
-        }
+    pub fn stop(self) -> Result<(), CoreError> {
+        self.0.stop("the CUDA proxy failed")
     }
 }
 

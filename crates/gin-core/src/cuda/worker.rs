@@ -62,6 +62,16 @@ impl Worker {
             .clone()
     }
 
+    /// Stops the body (it drains first) and reports the first error it met,
+    /// introduced by `context` ("the soft NIC reported").
+    pub fn stop(mut self, context: &str) -> Result<(), CoreError> {
+        self.halt();
+        match self.error() {
+            Some(e) => Err(CoreError::Invalid(format!("{context}: {e}"))),
+            None => Ok(()),
+        }
+    }
+
     /// Asks the body to stop and waits for it.
     pub fn halt(&mut self) {
         self.stop.store(true, Ordering::Release);
