@@ -1,8 +1,13 @@
 //! The table of memory regions remote peers may access, by key.
+//!
+//! A region is host memory this process loads and stores, or memory behind
+//! a [`Backing`] (GPU memory, which the host reaches only through the copy
+//! engine): the transport checks both alike and then copies through the
+//! backing.
 
 use std::collections::HashMap;
-use std::sync::RwLock;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
 
 use crate::NetError;
 
@@ -22,11 +27,50 @@ impl Access {
     };
 }
 
-#[derive(Debug, Clone, Copy)]
+impl Access {
+    /// Writes and reads, no atomics: what a [`Backing`] region allows.
+    pub const COPY: Self = Self {
+        write: true,
+        read: true,
+        atomic: false,
+    };
+}
+
+/// Memory a region's bytes are copied through instead of plain loads and
+/// stores (GPU memory: staged through pinned host memory and the copy
+/// engine). It offers no atomics; the table refuses them.
+pub trait Backing: Send + Sync {
+    /// Copies `data` to `offset`; the table checked the range. Returns once
+    /// the bytes are where later writes and reads through this backing see
+    /// them.
+    fn write(&self, offset: u64, data: &[u8]) -> Result<(), String>;
+    /// Copies the bytes at `offset` into `out`; the table checked the range.
+    fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), String>;
+}
+
+#[derive(Clone)]
 struct Entry {
     base: usize,
     len: u64,
     access: Access,
+    backing: Option<Arc<dyn Backing>>,
+}
+
+impl std::fmt::Debug for Entry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Entry")
+            .field("base", &self.base)
+            .field("len", &self.len)
+            .field("access", &self.access)
+            .field("backed", &self.backing.is_some())
+            .finish()
+    }
+}
+
+/// Where a checked access goes.
+enum Target<'a> {
+    Host(*mut u8),
+    Backed(&'a dyn Backing, u64),
 }
 
 /// Registered regions by key. Lookups check bounds and rights, so a remote
@@ -44,6 +88,35 @@ impl RegionTable {
     /// [`RegionTable::remove`] is called with the returned key; remote peers
     /// write it concurrently with local use.
     pub unsafe fn insert(&self, base: *mut u8, len: u64, access: Access) -> Result<u32, NetError> {
+        self.insert_entry(Entry {
+            base: base as usize,
+            len,
+            access,
+            backing: None,
+        })
+    }
+
+    /// Registers `len` bytes reached through `backing` under a fresh random
+    /// key; `base` only identifies the region for
+    /// [`RegionTable::remove_region`] (a GPU address). Writes and reads
+    /// only: atomics on it are refused.
+    pub fn insert_backed(
+        &self,
+        base: u64,
+        len: u64,
+        backing: Arc<dyn Backing>,
+    ) -> Result<u32, NetError> {
+        let base = usize::try_from(base)
+            .map_err(|_| NetError::Invalid(format!("region base {base:#x} is not an address")))?;
+        self.insert_entry(Entry {
+            base,
+            len,
+            access: Access::COPY,
+            backing: Some(backing),
+        })
+    }
+
+    fn insert_entry(&self, entry: Entry) -> Result<u32, NetError> {
         let mut map = self
             .map
             .write()
@@ -54,14 +127,7 @@ impl RegionTable {
                 .map_err(|e| NetError::Invalid(format!("drawing a key: {e}")))?;
             let key = u32::from_le_bytes(k);
             if key != 0 && !map.contains_key(&key) {
-                map.insert(
-                    key,
-                    Entry {
-                        base: base as usize,
-                        len,
-                        access,
-                    },
-                );
+                map.insert(key, entry);
                 return Ok(key);
             }
         }
@@ -88,7 +154,7 @@ impl RegionTable {
         }
     }
 
-    /// Runs `f` on the checked address of `[offset, offset + len)` while
+    /// Runs `f` on the checked target of `[offset, offset + len)` while
     /// holding the table's read guard: [`RegionTable::remove`] waits for it,
     /// so memory is never touched after its key was removed.
     fn with<T>(
@@ -97,7 +163,7 @@ impl RegionTable {
         offset: u64,
         len: u64,
         need: AccessKind,
-        f: impl FnOnce(*mut u8) -> T,
+        f: impl FnOnce(Target<'_>) -> Result<T, String>,
     ) -> Result<T, String> {
         let map = self
             .map
@@ -112,7 +178,13 @@ impl RegionTable {
             AccessKind::Atomic => e.access.atomic,
         };
         if !allowed {
-            return Err(format!("key {key:#010x} does not allow {need:?}"));
+            return Err(if e.backing.is_some() && need == AccessKind::Atomic {
+                format!(
+                    "key {key:#010x} names GPU memory, which this transport reaches by copies only: no atomics"
+                )
+            } else {
+                format!("key {key:#010x} does not allow {need:?}")
+            });
         }
         if offset.checked_add(len).is_none_or(|end| end > e.len) {
             return Err(format!(
@@ -120,44 +192,60 @@ impl RegionTable {
                 e.len
             ));
         }
+        if let Some(b) = &e.backing {
+            return f(Target::Backed(&**b, offset));
+        }
         let addr = e.base + offset as usize;
         if need == AccessKind::Atomic && !addr.is_multiple_of(8) {
             return Err(format!(
                 "atomic at offset {offset} of key {key:#010x} is not 8-byte aligned"
             ));
         }
-        Ok(f(addr as *mut u8))
+        f(Target::Host(addr as *mut u8))
     }
 
     /// Checks key, rights, bounds (and alignment for atomics) without
     /// touching memory.
     pub fn check(&self, key: u32, offset: u64, len: u64, need: AccessKind) -> Result<(), String> {
-        self.with(key, offset, len, need, |_| ())
+        self.with(key, offset, len, need, |_| Ok(()))
     }
 
     /// Copies `data` into the region at `offset`.
     pub fn write(&self, key: u32, offset: u64, data: &[u8]) -> Result<(), String> {
-        self.with(key, offset, data.len() as u64, AccessKind::Write, |p| {
-            // SAFETY: checked range of a registered region (the insert
-            // contract), accessed under the read guard.
-            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len()) };
+        self.with(key, offset, data.len() as u64, AccessKind::Write, |t| {
+            match t {
+                // SAFETY: checked range of a registered region (the insert
+                // contract), accessed under the read guard.
+                Target::Host(p) => unsafe {
+                    std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len());
+                },
+                Target::Backed(b, off) => b.write(off, data)?,
+            }
+            Ok(())
         })
     }
 
     /// Copies bytes of the region at `offset` into `out`.
     pub fn read(&self, key: u32, offset: u64, out: &mut [u8]) -> Result<(), String> {
-        self.with(key, offset, out.len() as u64, AccessKind::Read, |p| {
-            // SAFETY: as in `write`.
-            unsafe { std::ptr::copy_nonoverlapping(p, out.as_mut_ptr(), out.len()) };
+        self.with(key, offset, out.len() as u64, AccessKind::Read, |t| {
+            match t {
+                // SAFETY: as in `write`.
+                Target::Host(p) => unsafe {
+                    std::ptr::copy_nonoverlapping(p, out.as_mut_ptr(), out.len());
+                },
+                Target::Backed(b, off) => b.read(off, out)?,
+            }
+            Ok(())
         })
     }
 
     /// Atomic fetch-add on the aligned 8 bytes at `offset`, acquire-release:
     /// data written before it is visible to whoever acquires the new value.
     pub fn fetch_add(&self, key: u32, offset: u64, v: u64) -> Result<u64, String> {
-        self.with(key, offset, 8, AccessKind::Atomic, |p| {
+        self.with(key, offset, 8, AccessKind::Atomic, |t| {
+            let p = host_only(t)?;
             // SAFETY: checked, 8-byte aligned; these slots are only accessed atomically.
-            unsafe { (*p.cast::<AtomicU64>()).fetch_add(v, Ordering::AcqRel) }
+            Ok(unsafe { (*p.cast::<AtomicU64>()).fetch_add(v, Ordering::AcqRel) })
         })
     }
 
@@ -169,13 +257,25 @@ impl RegionTable {
         expected: u64,
         desired: u64,
     ) -> Result<u64, String> {
-        self.with(key, offset, 8, AccessKind::Atomic, |p| {
+        self.with(key, offset, 8, AccessKind::Atomic, |t| {
+            let p = host_only(t)?;
             // SAFETY: as in `fetch_add`.
             let a = unsafe { &*p.cast::<AtomicU64>() };
-            match a.compare_exchange(expected, desired, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(v) | Err(v) => v,
-            }
+            Ok(
+                match a.compare_exchange(expected, desired, Ordering::AcqRel, Ordering::Acquire) {
+                    Ok(v) | Err(v) => v,
+                },
+            )
         })
+    }
+}
+
+/// The host address of an atomic's target (backed regions never allow
+/// atomics, so `with` refused them before this).
+fn host_only(t: Target<'_>) -> Result<*mut u8, String> {
+    match t {
+        Target::Host(p) => Ok(p),
+        Target::Backed(..) => Err("atomics on a backed region".into()),
     }
 }
 
@@ -233,5 +333,58 @@ mod tests {
         t.remove(key);
         assert!(t.write(key, 0, &[1]).is_err());
         assert_eq!(mem[0], 0);
+    }
+
+    /// A backing that keeps its bytes inverted, so a test sees that every
+    /// access went through it and not through a pointer.
+    #[derive(Default)]
+    struct Inverted(std::sync::Mutex<Vec<u8>>);
+
+    impl Backing for Inverted {
+        fn write(&self, offset: u64, data: &[u8]) -> Result<(), String> {
+            let mut m = self.0.lock().unwrap();
+            for (i, b) in data.iter().enumerate() {
+                m[offset as usize + i] = !b;
+            }
+            Ok(())
+        }
+        fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), String> {
+            let m = self.0.lock().unwrap();
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = !m[offset as usize + i];
+            }
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn backed_regions_copy_through_the_backing_and_refuse_atomics() {
+        let t = RegionTable::default();
+        let b = Arc::new(Inverted(std::sync::Mutex::new(vec![0xff; 32])));
+        let key = t.insert_backed(0x7000_0000, 32, b.clone()).unwrap();
+        t.write(key, 8, &[1, 2, 3]).unwrap();
+        assert_eq!(&b.0.lock().unwrap()[8..11], &[!1, !2, !3]);
+        let mut out = [9u8; 4];
+        t.read(key, 7, &mut out).unwrap();
+        assert_eq!(out, [0, 1, 2, 3]);
+        // Bounds are the table's, checked before the backing is called.
+        assert!(
+            t.write(key, 30, &[0; 3])
+                .unwrap_err()
+                .contains("exceed the 32 bytes")
+        );
+        let e = t.fetch_add(key, 0, 1).unwrap_err();
+        assert!(e.contains("GPU memory") && e.contains("no atomics"), "{e}");
+        assert!(t.compare_swap(key, 8, 0, 1).is_err());
+        assert!(t.check(key, 0, 8, AccessKind::Atomic).is_err());
+        // Only the region at that base is removed.
+        t.remove_region(key, 0x7000_0008);
+        assert!(t.check(key, 0, 8, AccessKind::Read).is_ok());
+        t.remove_region(key, 0x7000_0000);
+        assert!(
+            t.read(key, 0, &mut out)
+                .unwrap_err()
+                .contains("unknown memory key")
+        );
     }
 }

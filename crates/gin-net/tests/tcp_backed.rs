@@ -1,0 +1,117 @@
+//! Regions behind a [`Backing`] (GPU memory on CUDA ranks) served over TCP:
+//! puts and gets of any size go through the backing, chunk by chunk at the
+//! right offsets; atomics and signals into such a region are refused with
+//! an error that says why, and touch nothing.
+
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use gin_bootstrap::{Config, run_threads};
+use gin_net::region::{Backing, RegionTable};
+use gin_net::tcp::TcpTransport;
+
+/// Keeps its bytes inverted and counts calls: a put that bypassed it would
+/// show up as uninverted bytes.
+#[derive(Default)]
+struct Inverted {
+    mem: Mutex<Vec<u8>>,
+    calls: AtomicU64,
+}
+
+impl Backing for Inverted {
+    fn write(&self, offset: u64, data: &[u8]) -> Result<(), String> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        let mut m = self.mem.lock().unwrap();
+        for (d, s) in m[offset as usize..][..data.len()].iter_mut().zip(data) {
+            *d = !s;
+        }
+        Ok(())
+    }
+    fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), String> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        let m = self.mem.lock().unwrap();
+        for (o, s) in out.iter_mut().zip(&m[offset as usize..]) {
+            *o = !s;
+        }
+        Ok(())
+    }
+}
+
+const LEN: usize = (3 << 20) + 5; // several of the server's 1 MiB chunks
+
+fn pattern(rank: usize) -> Vec<u8> {
+    (0..LEN).map(|i| (i * 7 + rank * 13) as u8).collect()
+}
+
+#[test]
+fn puts_and_gets_of_backed_regions_go_through_the_backing() {
+    let cfg = Config {
+        timeout: Duration::from_secs(30),
+        ..Config::default()
+    };
+    let out = run_threads(2, cfg, |b| {
+        let table = Arc::new(RegionTable::default());
+        let mem = Arc::new(Inverted {
+            mem: Mutex::new(vec![0xff; LEN + 3]),
+            calls: AtomicU64::new(0),
+        });
+        let key = table
+            .insert_backed(
+                0x1_0000_0000 + b.rank() as u64,
+                (LEN + 3) as u64,
+                mem.clone(),
+            )
+            .unwrap();
+        let t = TcpTransport::start(&b, table.clone(), &[b.rank() == 1, b.rank() == 0]).unwrap();
+        let keys = b.allgather(&key.to_le_bytes()).unwrap();
+        let peer = 1 - b.rank();
+        let pk = u32::from_le_bytes(keys[peer][..4].try_into().unwrap());
+        let link = t.link(peer).unwrap();
+        let to = Duration::from_secs(10);
+        // A put at offset 3, then read it back with a get.
+        let data = pattern(b.rank());
+        link.put(pk, 3, &data, None).unwrap();
+        link.fence(to).unwrap();
+        let mut back = vec![0u8; LEN];
+        let done = Arc::new(AtomicU64::new(1));
+        // SAFETY: `back` lives until `done` drops to 0, awaited below.
+        unsafe { link.get(pk, 3, LEN as u64, back.as_mut_ptr(), done.clone()) }.unwrap();
+        let start = Instant::now();
+        while done.load(Ordering::Acquire) != 0 {
+            assert!(start.elapsed() < to, "get not answered");
+            std::thread::yield_now();
+        }
+        link.check().unwrap();
+        assert!(back == data, "rank {}: get returned other bytes", b.rank());
+        b.barrier().unwrap();
+        // What the peer put here went through the backing.
+        let theirs = pattern(peer);
+        let m = mem.mem.lock().unwrap().clone();
+        assert!(m[..3].iter().all(|&x| x == 0xff));
+        assert!(m[3..].iter().zip(&theirs).all(|(a, b)| *a == !b));
+        assert!(mem.calls.load(Ordering::Relaxed) >= 8, "chunked copies");
+        b.barrier().unwrap();
+        // Atomics, and signals carried by a put, are refused.
+        let e = if b.rank() == 0 {
+            link.fetch_add(pk, 8, 1, to).unwrap_err().to_string()
+        } else {
+            link.put(pk, 0, &[1; 8], Some((pk, 16, 1))).unwrap();
+            link.fence(to).unwrap_err().to_string()
+        };
+        b.barrier().unwrap();
+        let after = mem.mem.lock().unwrap()[..24].to_vec();
+        drop(t);
+        (e, after, m[..24].to_vec())
+    })
+    .unwrap();
+    for (r, (e, after, before)) in out.into_iter().enumerate() {
+        assert!(
+            e.contains("GPU memory") && e.contains("no atomics"),
+            "rank {r}: {e}"
+        );
+        assert_eq!(after, before, "rank {r}: a refused request touched memory");
+    }
+}
