@@ -62,6 +62,16 @@ for backend in auto proxy gdaki; do
   step "badinput-$backend" env GIN_BACKEND=$backend GIN_TIMEOUT=2s "$st" badinput --ranks 2
   expect_die "die-$backend" env GIN_BACKEND=$backend GIN_TIMEOUT=60s "$st" die 1 --ranks 2
 done
+# Peers over TCP: GPU memory staged through host memory (what CUDA ranks on
+# different hosts do). GIN_TRANSPORT=tcp puts every peer on TCP; --hosts 2
+# emulates two hosts, so auto mixes load/store (same host) and the proxy.
+for backend in proxy gdaki; do
+  step "selftest-tcp-$backend" env GIN_TRANSPORT=tcp GIN_BACKEND=$backend "$st" all --ranks 2
+  step "badinput-tcp-$backend" env GIN_TRANSPORT=tcp GIN_BACKEND=$backend GIN_TIMEOUT=2s "$st" badinput --ranks 2
+  step "dropped-tcp-$backend" env GIN_TRANSPORT=tcp GIN_BACKEND=$backend "$st" dropped --ranks 2
+done
+expect_die "die-tcp-proxy" env GIN_TRANSPORT=tcp GIN_BACKEND=proxy GIN_TIMEOUT=60s "$st" die 1 --ranks 2
+step "selftest-2hosts-auto" env GIN_BACKEND=auto "$st" all --ranks 4 --hosts 2
 # The mlx5 hardware path: rdma-core loaded at run time, no ConnectX here.
 expect_refused "mlx5-refused" "GIN_NIC=mlx5 is not available" \
   env GIN_BACKEND=gdaki GIN_NIC=mlx5 "$st" ring --ranks 2
@@ -74,6 +84,7 @@ if [ "$suite" = full ]; then
   step "bench-cuda" "$here/gin-bench" cuda --json "$out/cuda.json" --csv "$out/cuda.csv"
   # The suite's common flags reach the same measurements.
   step "pingpong-device-cuda" "$here/gin-bench" pingpong --device cuda --sizes 8,64k --coop block --iters 500 --runs 3
+  step "bench-cuda-tcp" env GIN_TRANSPORT=tcp "$here/gin-bench" cuda --tests pingpong,bandwidth --paths proxy,gdaki --sizes 8,1k,64k,1m --blocks 16 --runs 3 --json "$out/cuda-tcp.json"
 else
   step "bench-cuda" "$here/gin-bench" cuda --sizes 8,64k --coops block --iters 500 --runs 3 --blocks 32 --json "$out/cuda.json"
 fi

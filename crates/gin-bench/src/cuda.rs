@@ -294,6 +294,22 @@ pub fn run(a: &CudaArgs) -> Result<()> {
         bail!("gin-bench cuda needs at least 2 ranks");
     }
     let c = comm.cuda()?;
+    // Over TCP (other hosts, or GIN_TRANSPORT=tcp) GPU memory is staged
+    // through host memory: there is no load/store path, and the floors,
+    // which need the peer's memory mapped here, are not measured.
+    let tcp = c.reaches_over_tcp(usize::from(comm.rank() == 0));
+    let paths: Vec<CudaPath> = a
+        .paths
+        .iter()
+        .copied()
+        .filter(|&p| !(tcp && p == CudaPath::LoadStore))
+        .collect();
+    if tcp && comm.rank() == 0 {
+        println!(
+            "rank 0 reaches rank 1 over TCP (GPU memory staged through host memory): \
+             no load/store path, no floors"
+        );
+    }
     let m = c.compile(cuda::SELFTEST_KERNELS, "selftest.cu")?;
     let want = |t: CudaTest| a.tests.contains(&t);
     let mut max = 8u64;
@@ -323,7 +339,7 @@ pub fn run(a: &CudaArgs) -> Result<()> {
     let out = DevMem::new(24)?;
     let stream = Stream::new()?;
     let pp = want(CudaTest::Pingpong);
-    if pp && a.paths.contains(&CudaPath::LoadStore) {
+    if pp && paths.contains(&CudaPath::LoadStore) {
         for &coop in &a.coops {
             let (coop_id, block) = coop_of(coop);
             for &bytes in &a.sizes {
@@ -359,7 +375,7 @@ pub fn run(a: &CudaArgs) -> Result<()> {
     // WQEs). Both are held against the same raw CPU-proxied floor.
     let queued: Vec<CudaPath> = [CudaPath::Proxy, CudaPath::Gdaki]
         .into_iter()
-        .filter(|p| a.paths.contains(p))
+        .filter(|p| paths.contains(p))
         .collect();
     if pp && !queued.is_empty() {
         for &bytes in &a.sizes {
@@ -372,9 +388,13 @@ pub fn run(a: &CudaArgs) -> Result<()> {
                 block: 1,
                 runs: a.runs,
             };
-            let floor = summary(&proxy_floor(
-                &c, &m, &stream, &src, &dst, &flags, &out, &shape,
-            )?)?;
+            let floor = if tcp {
+                None
+            } else {
+                Some(summary(&proxy_floor(
+                    &c, &m, &stream, &src, &dst, &flags, &out, &shape,
+                )?)?)
+            };
             for &path in &queued {
                 let gin = gin_pingpong(&c, &m, path.kind(), &src, &out, &shape)?;
                 rows.push(CudaRow {
@@ -383,7 +403,7 @@ pub fn run(a: &CudaArgs) -> Result<()> {
                     coop: "thread".into(),
                     bytes,
                     value: summary(&gin)?,
-                    floor: Some(floor),
+                    floor,
                     peer: proxy_peer(bytes).map(|v| ("raw CPU proxy (peer run)".into(), v)),
                 });
             }
@@ -397,7 +417,7 @@ pub fn run(a: &CudaArgs) -> Result<()> {
         }
         dst.local().zero(0, max as usize)?;
         comm.bootstrap().barrier()?;
-        for &path in &a.paths {
+        for &path in &paths {
             for &bw in &a.bw_bytes {
                 for &blocks in &a.blocks {
                     for sig_each in [false, true] {
@@ -440,7 +460,7 @@ pub fn run(a: &CudaArgs) -> Result<()> {
         if a.sizes.is_empty() {
             bail!("the all-to-all needs --sizes");
         }
-        for &path in &a.paths {
+        for &path in &paths {
             let fit = loggp_fit(&rows, path);
             for &bytes in &a.sizes {
                 let iters = if bytes >= 1 << 20 {

@@ -315,6 +315,24 @@ impl Comm {
         &self.settings
     }
 
+    /// The TCP link to `peer`, where the fabric reaches it over TCP.
+    pub(crate) fn tcp_link(&self, peer: usize) -> Option<Arc<gin_net::tcp::Link>> {
+        match self.paths.get(peer) {
+            Some(Path::Tcp(l)) => Some(l.clone()),
+            _ => None,
+        }
+    }
+
+    /// The regions this rank serves to TCP peers.
+    pub(crate) fn region_table(&self) -> &Arc<RegionTable> {
+        &self.table
+    }
+
+    /// The fabric (its TCP links' health and fences).
+    pub(crate) fn fabric(&self) -> &Fabric {
+        &self.fabric
+    }
+
     fn shm_peers(&self) -> Vec<usize> {
         (0..self.nranks())
             .filter(|&p| matches!(self.paths[p], Path::Shm))

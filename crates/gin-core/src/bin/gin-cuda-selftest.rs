@@ -11,7 +11,13 @@
 //! (each bad call must
 //! come back as an error naming it; the never-arriving signal needs a short
 //! GIN_TIMEOUT), `die VICTIM` (the victim dies while the others wait in a
-//! kernel: they must fail naming it, not hang).
+//! kernel: they must fail naming it, not hang), `dropped` (over TCP: the
+//! last rank drops a window without freeing it, and rank 0's get from it
+//! must fail with the target's refusal, not read freed memory).
+//!
+//! `--hosts K` splits the ranks into K emulated hosts (consecutive ranks
+//! share one, by host id), so peers on other "hosts" are reached over TCP
+//! with staging; `GIN_TRANSPORT=tcp` does so for every peer.
 //!
 //! Where no GPU is usable it prints `SKIPPED: <reason>` and exits 0.
 
@@ -40,6 +46,12 @@ fn main() -> ExitCode {
         .and_then(|i| args.get(i + 1))
         .and_then(|v| v.parse().ok())
         .unwrap_or(2);
+    let hosts: Option<usize> = args
+        .iter()
+        .position(|a| a == "--hosts")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .filter(|&k| k > 0);
     if let Some(why) = cuda::skip_reason() {
         println!("SKIPPED: {why}");
         return ExitCode::SUCCESS;
@@ -53,7 +65,7 @@ fn main() -> ExitCode {
         }
     }
     let t = Instant::now();
-    let r = Comm::from_env().map_err(s).and_then(|comm| {
+    let r = join(hosts).and_then(|comm| {
         let cuda = comm.cuda().map_err(s)?;
         let module = cuda
             .compile(cuda::SELFTEST_KERNELS, "selftest.cu")
@@ -66,6 +78,7 @@ fn main() -> ExitCode {
             "get" => get(&cuda, &k),
             "signals" => signals(&cuda, &k),
             "badinput" => badinput(&cuda, &k),
+            "dropped" => dropped(&cuda, &k),
             "die" => die(
                 &cuda,
                 &k,
@@ -94,6 +107,17 @@ fn main() -> ExitCode {
             ExitCode::from(3)
         }
     }
+}
+
+/// Joins the job; with `hosts`, as one of that many emulated hosts.
+fn join(hosts: Option<usize>) -> Result<Comm, String> {
+    let b = gin_bootstrap::Bootstrap::from_env().map_err(s)?;
+    let mut settings = gin_core::Settings::from_env().map_err(s)?;
+    if let Some(k) = hosts {
+        let host = b.rank() * k / b.nranks();
+        settings.host_id = format!("gin-cuda-selftest-host-{host}");
+    }
+    Comm::with_settings(b, settings).map_err(s)
 }
 
 struct Kernels<'m> {
@@ -394,6 +418,71 @@ fn run_bad(
             Arg::Ptr(out.ptr),
         ],
     )
+}
+
+/// Over TCP only: the last rank drops a window without `free_window`, then
+/// rank 0 gets from it. The target must refuse ("unknown memory key"), the
+/// proxy or NIC report it, and rank 0's kernel end with that cause.
+fn dropped(c: &CudaComm<'_>, k: &Kernels<'_>) -> R {
+    let f = k.f("gin_get")?;
+    let (rank, n) = (c.comm().rank(), c.comm().nranks());
+    let victim = n - 1;
+    let dc = c.dev_comm(&req(), CtxSharing::Gpu).map_err(s)?;
+    let mut src = Some(c.alloc_window(4096).map_err(s)?);
+    let src_abi = *src.as_ref().expect("allocated").abi();
+    let dst = c.alloc_window(4096).map_err(s)?;
+    let b = c.comm().bootstrap();
+    if !c.reaches_over_tcp(victim) && rank == 0 || n < 2 {
+        println!(
+            "rank {rank}: dropped skipped: rank 0 does not reach rank {victim} over TCP (use --hosts or GIN_TRANSPORT=tcp)"
+        );
+    }
+    let tcp = n >= 2
+        && b.allgather(&[u8::from(rank == 0 && c.reaches_over_tcp(victim))])
+            .map_err(s)?[0][0]
+            == 1;
+    if !tcp {
+        b.barrier().map_err(s)?;
+        return dc.destroy().map_err(s);
+    }
+    if rank == victim {
+        drop(src.take());
+    }
+    b.barrier().map_err(s)?;
+    let r = if rank == 0 {
+        let out = DevMem::new(24).map_err(s)?;
+        let t = Instant::now();
+        let e = dc.run(
+            &f,
+            1,
+            64,
+            &[
+                Arg::DevComm(dc.abi()),
+                Arg::Window(&src_abi),
+                Arg::Window(dst.abi()),
+                Arg::U64(64),
+                Arg::Ptr(out.ptr),
+            ],
+        );
+        match e {
+            Err(e) if e.to_string().contains("unknown memory key") => {
+                println!(
+                    "rank 0: dropped -> error after {:.3}s: {e}",
+                    t.elapsed().as_secs_f64()
+                );
+                Ok(())
+            }
+            Err(e) => Err(format!("dropped: wrong error: {e}")),
+            Ok(()) => Err("dropped: a get from a dropped window succeeded".into()),
+        }
+    } else {
+        Ok(())
+    };
+    b.barrier().map_err(s)?;
+    // Not destroy: rank 0's link to the victim is in its error state.
+    drop(dc);
+    drop((src, dst));
+    r
 }
 
 /// The victim dies while every other rank waits in a kernel for a signal

@@ -33,14 +33,18 @@
 //!   device memory, which flush and credit poll. Window parts carry NIC keys
 //!   ([`window_key`]); addresses are each rank's own device addresses.
 //!
-//! CUDA ranks on different hosts (TCP staging) are not built yet, and are
-//! refused with an error that says so.
+//! - **TCP staging** ([`staging`]): a peer the fabric reaches over TCP
+//!   (another host, or `GIN_TRANSPORT=tcp`) has no IPC mapping. Window parts
+//!   are served to it from the region table through the copy engine, and
+//!   the proxy (or soft NIC) stages what it sends and fetches through pinned
+//!   host memory. `auto` reaches such peers through the proxy.
 
 mod batch;
 mod driver;
 mod nic;
 pub mod nvrtc;
 mod proxy;
+mod staging;
 mod worker;
 
 use std::collections::HashMap;
@@ -55,6 +59,8 @@ use gin_device::abi::{
 };
 
 pub use driver::{DevMem, Device, Function, HostMem, Module, Stream, available};
+
+use gin_net::region::RegionTable;
 
 use crate::comm::Comm;
 use crate::config::BackendKind;
@@ -85,6 +91,9 @@ pub(crate) struct WinInfo {
     pub peers: Vec<u64>,
     /// Each rank's own device address of its part (what WQEs name).
     pub addrs: Vec<u64>,
+    /// Each rank's region key for its part, where TCP peers may reach it
+    /// (0: not served).
+    pub keys: Vec<u32>,
 }
 
 /// First NIC key of GPU windows.
@@ -121,6 +130,8 @@ pub struct GpuWindow {
     abi: WindowAbi,
     bases: Vec<u64>,
     table: WinTable,
+    /// Where this part is served to TCP peers: the region table and key.
+    served: Option<(Arc<RegionTable>, u32)>,
     local: DevMem,
     _arrays: DevMem,
     _peers: Vec<driver::IpcMem>,
@@ -157,6 +168,30 @@ impl Drop for GpuWindow {
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .remove(&self.abi.id);
+        // And TCP peers' requests are refused ("unknown memory key"); the
+        // removal waits for a request being served.
+        if let Some((t, key)) = &self.served {
+            t.remove_region(*key, self.local.ptr as usize);
+        }
+    }
+}
+
+/// A window part registered for TCP peers while its window is being made:
+/// removed from the region table again if making it fails.
+struct Served(Option<(Arc<RegionTable>, u32)>, u64);
+
+impl Served {
+    /// The window was made: it removes the region when dropped.
+    fn keep(mut self) -> (Arc<RegionTable>, u32) {
+        self.0.take().expect("taken once")
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        if let Some((t, key)) = self.0.take() {
+            t.remove_region(key, self.1 as usize);
+        }
     }
 }
 
@@ -185,6 +220,8 @@ pub struct CudaComm<'c> {
     error: DevMem,
     spaces: Mutex<Spaces>,
     stream: Stream,
+    /// Serves window parts to TCP peers (`None`: no peer is reached over TCP).
+    server: Option<Arc<staging::Server>>,
     /// Last: the context must outlive every allocation above.
     dev: Arc<Device>,
 }
@@ -202,13 +239,6 @@ impl<'c> CudaComm<'c> {
         // Every rank must learn whether every other has CUDA, or some would
         // wait in the collectives below forever.
         let local = available().and_then(|n| {
-            if comm.nhosts() > 1 {
-                return Err(CoreError::Unavailable {
-                    what: "CUDA ranks on several hosts".into(),
-                    why: "moving GPU memory over TCP (staging) is not built yet".into(),
-                    available: "CUDA ranks on one host, CPU ranks anywhere".into(),
-                });
-            }
             let ordinal = match std::env::var("GIN_CUDA_DEVICE") {
                 Ok(v) => v.trim().parse::<usize>().map_err(|_| {
                     CoreError::Invalid(format!("GIN_CUDA_DEVICE={v:?} is not a GPU index"))
@@ -236,7 +266,18 @@ impl<'c> CudaComm<'c> {
         let n = comm.nranks() as u64;
         let s = comm.settings();
         let windows: WinTable = Arc::default();
-        let signal_window = Self::make_window(comm, &dev, &windows, s.signal_slots * n * 8)?;
+        let server = if (0..comm.nranks()).any(|p| comm.tcp_link(p).is_some()) {
+            Some(Arc::new(staging::Server::new(dev.clone())?))
+        } else {
+            None
+        };
+        let signal_window = Self::make_window(
+            comm,
+            &dev,
+            &windows,
+            server.as_ref(),
+            s.signal_slots * n * 8,
+        )?;
         let me = Self {
             comm,
             windows,
@@ -250,6 +291,7 @@ impl<'c> CudaComm<'c> {
                 counters: IdSpace::new(s.counter_slots),
             }),
             stream: Stream::new()?,
+            server,
             dev,
         };
         tracing::info!(
@@ -271,10 +313,22 @@ impl<'c> CudaComm<'c> {
         self.comm
     }
 
+    /// Whether `peer` is reached over TCP (staged through host memory)
+    /// rather than through CUDA IPC.
+    pub fn reaches_over_tcp(&self, peer: usize) -> bool {
+        self.comm.tcp_link(peer).is_some()
+    }
+
     /// Allocates a window of `bytes` of GPU memory on this rank (collective;
     /// sizes may differ per rank); same-host peers map it through CUDA IPC.
     pub fn alloc_window(&self, bytes: u64) -> Result<GpuWindow, CoreError> {
-        Self::make_window(self.comm, &self.dev, &self.windows, bytes)
+        Self::make_window(
+            self.comm,
+            &self.dev,
+            &self.windows,
+            self.server.as_ref(),
+            bytes,
+        )
     }
 
     /// Frees a window on every rank (collective): once every rank has
@@ -289,6 +343,9 @@ impl<'c> CudaComm<'c> {
                 "window {id} is not a window of this CUDA communicator"
             )));
         }
+        // Every request this rank sent over TCP has been executed before
+        // anyone frees.
+        self.comm.fabric().fence_all()?;
         self.comm.bootstrap().barrier()?;
         self.dev.make_current()?;
         drop(w);
@@ -299,6 +356,7 @@ impl<'c> CudaComm<'c> {
         comm: &Comm,
         dev: &Arc<Device>,
         table: &WinTable,
+        server: Option<&Arc<staging::Server>>,
         bytes: u64,
     ) -> Result<GpuWindow, CoreError> {
         dev.make_current()?;
@@ -306,17 +364,40 @@ impl<'c> CudaComm<'c> {
         let (rank, n) = (comm.rank(), comm.nranks());
         let local = DevMem::new(bytes as usize)?;
         let handle = local.ipc_handle()?;
-        let mut mine = Vec::with_capacity(80);
+        // Served to TCP peers from the region table (removed again by the
+        // window's drop, or by `Served`'s on an error path below).
+        let served = match server {
+            Some(sv) => {
+                let t = comm.region_table().clone();
+                let key = t.insert_backed(
+                    local.ptr,
+                    bytes,
+                    Arc::new(staging::GpuRegion {
+                        ptr: local.ptr,
+                        server: sv.clone(),
+                    }),
+                )?;
+                Some(Served(Some((t, key)), local.ptr))
+            }
+            None => None,
+        };
+        let my_key = served
+            .as_ref()
+            .and_then(|s| s.0.as_ref())
+            .map_or(0, |s| s.1);
+        let mut mine = Vec::with_capacity(84);
         mine.extend_from_slice(&bytes.to_le_bytes());
         mine.extend_from_slice(&local.ptr.to_le_bytes());
         mine.extend_from_slice(&handle);
+        mine.extend_from_slice(&my_key.to_le_bytes());
         let all = comm.bootstrap().allgather(&mine)?;
         let mut sizes = Vec::with_capacity(n);
         let mut addrs = Vec::with_capacity(n);
         let mut bases = Vec::with_capacity(n);
+        let mut tcp_keys = Vec::with_capacity(n);
         let mut opened = Vec::new();
         for (p, rec) in all.iter().enumerate() {
-            if rec.len() != 80 {
+            if rec.len() != 84 {
                 return Err(CoreError::Invalid(format!(
                     "rank {p} sent a malformed GPU window {id} record ({} bytes)",
                     rec.len()
@@ -324,10 +405,21 @@ impl<'c> CudaComm<'c> {
             }
             let size = u64::from_le_bytes(rec[..8].try_into().expect("8 bytes"));
             let addr = u64::from_le_bytes(rec[8..16].try_into().expect("8 bytes"));
+            let key = u32::from_le_bytes(rec[80..84].try_into().expect("4 bytes"));
             sizes.push(size);
             addrs.push(addr);
+            tcp_keys.push(key);
             if p == rank {
                 bases.push(local.ptr);
+            } else if comm.tcp_link(p).is_some() {
+                // Reached over TCP: no mapping; requests name `key`.
+                if key == 0 {
+                    return Err(CoreError::Invalid(format!(
+                        "rank {p} does not serve GPU window {id} over TCP, but rank {rank} \
+                         reaches it over TCP (GIN_TRANSPORT or host ids differ between ranks?)"
+                    )));
+                }
+                bases.push(0);
             } else {
                 let h: [u8; 64] = rec[16..80].try_into().expect("64 bytes");
                 let m = driver::IpcMem::open(&h).map_err(|e| {
@@ -376,6 +468,7 @@ impl<'c> CudaComm<'c> {
                     sizes,
                     peers: bases.clone(),
                     addrs,
+                    keys: tcp_keys,
                 }),
             );
         comm.bootstrap().barrier()?;
@@ -383,6 +476,7 @@ impl<'c> CudaComm<'c> {
             abi,
             bases,
             table: table.clone(),
+            served: served.map(Served::keep),
             local,
             _arrays: arrays,
             _peers: opened,
@@ -391,9 +485,10 @@ impl<'c> CudaComm<'c> {
     }
 
     /// Creates a device communicator for kernels (collective; same
-    /// requirements on every rank). `GIN_BACKEND=auto` reaches every peer by
-    /// load/store, `proxy` every peer but this rank through the proxy, and
-    /// `gdaki` every peer but this rank through mlx5 queues and the soft NIC.
+    /// requirements on every rank). `GIN_BACKEND=auto` reaches every peer
+    /// it maps by load/store and the others (over TCP) through the proxy,
+    /// `proxy` every peer but this rank through the proxy, and `gdaki` every
+    /// peer but this rank through mlx5 queues and the soft NIC.
     pub fn dev_comm(
         &self,
         req: &DevCommRequirements,
@@ -421,7 +516,7 @@ impl<'c> CudaComm<'c> {
         if req.rail_barriers != 0 || req.connection != Connection::Full {
             return Err(CoreError::Unavailable {
                 what: "rail barriers and rail connections on CUDA ranks".into(),
-                why: "CUDA ranks run on one host, where the rail is this rank alone".into(),
+                why: "not built yet for CUDA ranks".into(),
                 available: "world barriers, full connection".into(),
             });
         }
@@ -459,11 +554,24 @@ impl<'c> CudaComm<'c> {
             .zero((sb * nn * 8) as usize, (nsig * nn * 8) as usize)?;
         self.counters
             .zero((cb * 16) as usize, (ncnt * 16) as usize)?;
+        // Load/store reaches this rank, and with `auto` every peer mapped
+        // here (not those over TCP).
+        let tcp: Vec<bool> = (0..n).map(|p| comm.tcp_link(p).is_some()).collect();
+        let lsa: Vec<u8> = (0..n)
+            .map(|p| u8::from(p == rank || (kind == BackendKind::Auto && !tcp[p])))
+            .collect();
         // The backend travels along: every rank must agree on which peers
         // are reached by load/store, since signals land in different
-        // sub-slots for them (DEVCOMM_FLAG_LSA_ONLY).
+        // sub-slots for them; a wait reads one word only where every rank
+        // reaches every rank by load/store (DEVCOMM_FLAG_LSA_ONLY).
         let kind_byte = u8::from(kind == BackendKind::Auto);
-        let rec = [&sb.to_le_bytes()[..], &cb.to_le_bytes(), &[kind_byte]].concat();
+        let all_lsa = u8::from(lsa.iter().all(|&l| l == 1));
+        let rec = [
+            &sb.to_le_bytes()[..],
+            &cb.to_le_bytes(),
+            &[kind_byte, all_lsa],
+        ]
+        .concat();
         let all = comm.bootstrap().allgather_equal(&rec)?;
         if let Some((r, _)) = all
             .chunks(rec.len())
@@ -488,9 +596,7 @@ impl<'c> CudaComm<'c> {
                     .into(),
             ));
         }
-        let lsa: Vec<u8> = (0..n)
-            .map(|p| u8::from(p == rank || kind == BackendKind::Auto))
-            .collect();
+        let lsa_only = all.chunks(rec.len()).all(|c| c[17] == 1);
         let depth = req.queue_depth.clamp(2, 1 << 16).next_power_of_two();
         let log2 = depth.trailing_zeros();
         // Rings for the peers the proxy serves, context-major.
@@ -498,7 +604,7 @@ impl<'c> CudaComm<'c> {
         let mut host_rings = Vec::new();
         let indices = DevMem::new(req.contexts as usize * n * 16)?;
         for c in 0..req.contexts as usize {
-            for p in (0..n).filter(|&p| lsa[p] == 0 && kind == BackendKind::Proxy) {
+            for p in (0..n).filter(|&p| lsa[p] == 0 && kind != BackendKind::Gdaki) {
                 let i = c * n + p;
                 let slots = HostMem::new(64 << log2)?;
                 rings_abi[i] = ProxyRingAbi {
@@ -531,9 +637,7 @@ impl<'c> CudaComm<'c> {
         let sig_info = self.signal_info();
         sig_peers.write(0, &sig_info.peers)?;
         let mut flags = DEVCOMM_FLAG_SENDER_SLOTS | DEVCOMM_FLAG_STRONG_SIGNALS;
-        if lsa.iter().all(|&l| l == 1) {
-            // Every rank is Auto (checked above), so every rank reaches every
-            // rank by load/store.
+        if lsa_only {
             flags |= DEVCOMM_FLAG_LSA_ONLY;
         }
         flags |= match sharing {
@@ -581,6 +685,13 @@ impl<'c> CudaComm<'c> {
                 counters: self.counters.ptr,
                 counter_slots: self.comm.settings().counter_slots,
                 spin: comm.settings().proxy_spin,
+                links: (0..n).map(|p| comm.tcp_link(p)).collect(),
+                stage: if tcp.contains(&true) {
+                    Some(staging::Stage::new()?)
+                } else {
+                    None
+                },
+                timeout,
             })?)
         } else {
             None
@@ -605,6 +716,13 @@ impl<'c> CudaComm<'c> {
                         sink_host: g.sink.host,
                         sink_len: 64,
                         spin: comm.settings().proxy_spin,
+                        links: (0..n).map(|p| comm.tcp_link(p)).collect(),
+                        stage: if tcp.contains(&true) {
+                            Some(staging::Stage::new()?)
+                        } else {
+                            None
+                        },
+                        timeout,
                     },
                 )?;
                 host.extend(g.host);
@@ -732,6 +850,7 @@ impl<'c> CudaComm<'c> {
             window: self.signal_window.id(),
             peers: w.peers.clone(),
             sizes: w.sizes.clone(),
+            keys: w.keys.clone(),
         }
     }
 
@@ -809,9 +928,13 @@ impl CudaDevComm<'_, '_> {
         self.lsa.get(peer).copied().unwrap_or(false)
     }
 
-    /// The backend serving peers not reached by load/store.
+    /// The backend serving peers not reached by load/store (with `auto`
+    /// and peers over TCP: "load/store + proxy").
     pub fn backend_name(&self) -> &'static str {
-        if self.proxy.is_some() {
+        let mixed = self.lsa.iter().filter(|&&l| l).count() > 1;
+        if self.proxy.is_some() && mixed {
+            "load/store + proxy"
+        } else if self.proxy.is_some() {
             "proxy"
         } else if self.nic.is_some() {
             "gdaki"
@@ -866,6 +989,8 @@ impl CudaDevComm<'_, '_> {
                 if cause.is_none() {
                     if let Err(e) = cuda.comm.bootstrap().health() {
                         cause = Some(e.to_string());
+                    } else if let Err(e) = cuda.comm.fabric().health() {
+                        cause = Some(format!("the TCP transport failed: {e}"));
                     } else if let Some(e) = self.proxy.as_ref().and_then(proxy::CudaProxy::error) {
                         cause = Some(format!("the CUDA proxy failed: {e}"));
                     } else if let Some(e) = self.nic.as_ref().and_then(nic::CudaNic::error) {
@@ -921,6 +1046,9 @@ impl CudaDevComm<'_, '_> {
         if let Some(n) = self.nic.take() {
             n.stop()?;
         }
+        // What the proxy or NIC sent over TCP has been executed before any
+        // rank reuses the slots.
+        self.cuda.comm.fabric().fence_all()?;
         self.cuda.comm.bootstrap().barrier()?;
         self.ranges.take();
         Ok(())

@@ -15,6 +15,13 @@
 //! signal at the peer, and its counters' NIC sub-slot. Anything else
 //! completes with a remote operation error, and inline writes carry 8
 //! aligned bytes (all the header emits).
+//!
+//! A peer reached over TCP has no mapping here: its parts are named by
+//! their region keys, writes are staged through pinned host memory and
+//! sent on the link, reads come back the same way, and a signal's
+//! fetch-add becomes an 8-byte put of the running total after the data
+//! (see `staging`). A transport failure completes with a retry-exceeded
+//! error.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -24,10 +31,12 @@ use std::time::{Duration, Instant};
 use gin_gdaki::completion::{CQE_REQ, CQE_REQ_ERR, Cqe, syndrome};
 use gin_gdaki::queue::unwrap_counter;
 use gin_gdaki::wqe::{BB, CQ_UPDATE, MemRef, Op, decode};
+use gin_net::tcp::Link;
 
 use super::batch::{CopyBatch, Dma};
 use super::driver::{Device, Stream};
 use super::proxy::{SignalInfo, fits, window};
+use super::staging::{STAGE, Stage};
 use super::worker::{FirstError, Worker, set_first};
 use super::{COUNTER_KEY, SINK_KEY, WinTable, window_of_key};
 use crate::error::CoreError;
@@ -75,6 +84,12 @@ pub(crate) struct NicSpec {
     pub sink_host: *mut u8,
     pub sink_len: u64,
     pub spin: Duration,
+    /// The TCP link to each peer reached over TCP.
+    pub links: Vec<Option<Arc<Link>>>,
+    /// Staging for TCP peers (`None`: there are none).
+    pub stage: Option<Stage>,
+    /// How long a staged read waits for its answer.
+    pub timeout: Duration,
 }
 
 // SAFETY: `sink_host` points into mapped host memory owned by the device
@@ -203,6 +218,7 @@ fn failed(syndrome: u8, why: impl Into<String>) -> Step {
 
 struct Nic<D> {
     spec: NicSpec,
+    stage: Option<Stage>,
     pairs: Vec<Pair<D>>,
     counter_totals: HashMap<u64, u64>,
     error: FirstError,
@@ -228,6 +244,7 @@ impl<D: Dma> Nic<D> {
             });
         }
         Ok(Self {
+            stage: spec.stage.take(),
             spec,
             pairs,
             counter_totals: HashMap::new(),
@@ -484,6 +501,73 @@ impl<D: Dma> Nic<D> {
         Ok(mapped + off)
     }
 
+    /// The link to `peer`, where it is reached over TCP.
+    fn link(&self, peer: usize) -> Option<Arc<Link>> {
+        self.spec.links.get(peer).and_then(Clone::clone)
+    }
+
+    /// Resolves `(key, addr)` of `len` bytes on `rank`, reached over TCP,
+    /// to its region key and offset there.
+    fn resolve_tcp(&self, rank: usize, m: MemRef, len: u64) -> Result<(u32, u64), String> {
+        let (id, owner) = window_of_key(m.key, self.spec.nranks)
+            .ok_or_else(|| format!("key {:#010x} is not a window key", m.key))?;
+        if owner != rank {
+            return Err(format!(
+                "key {:#010x} belongs to rank {owner}, not rank {rank}",
+                m.key
+            ));
+        }
+        let w = window(&self.spec.windows, id)
+            .map_err(|_| format!("key {:#010x} names no registered window", m.key))?;
+        let (base, size, key) = (w.addrs[rank], w.sizes[rank], w.keys[rank]);
+        let off = m.addr.wrapping_sub(base);
+        if m.addr < base || !fits(off, len, size) || key == 0 {
+            return Err(format!(
+                "{len} bytes at {:#x} fall outside rank {rank}'s part of window {id} ({size} bytes at {base:#x})",
+                m.addr
+            ));
+        }
+        Ok((key, off))
+    }
+
+    /// A write or read with a peer over TCP, staged a chunk at a time.
+    #[allow(clippy::too_many_arguments)] // one staged transfer, spelled out
+    fn copy_tcp(
+        &mut self,
+        i: usize,
+        link: &Link,
+        (key, off): (u32, u64),
+        l: u64,
+        len: u64,
+        write: bool,
+    ) -> Result<Step, CoreError> {
+        let Some(stage) = self.stage.as_mut() else {
+            return Ok(failed(
+                syndrome::LOCAL_QP_OP_ERR,
+                "a peer over TCP, but no staging buffer was set up",
+            ));
+        };
+        let pair = &mut self.pairs[i];
+        pair.copies.flush(&pair.stream)?;
+        let mut at = 0;
+        while at < len {
+            let chunk = (len - at).min(STAGE as u64) as usize;
+            let sent = if write {
+                let bytes = stage.pull(&pair.stream, l + at, chunk)?;
+                link.put(key, off + at, bytes, None)
+                    .map_err(|e| e.to_string())
+            } else {
+                let t = self.spec.timeout;
+                stage.get(link, key, off + at, chunk, &pair.stream, l + at, t)
+            };
+            if let Err(why) = sent {
+                return Ok(failed(syndrome::TRANSPORT_RETRY_EXC_ERR, why));
+            }
+            at += chunk as u64;
+        }
+        Ok(Step::Done)
+    }
+
     fn copy(
         &mut self,
         i: usize,
@@ -497,6 +581,12 @@ impl<D: Dma> Nic<D> {
             Ok(a) => a,
             Err(why) => return Ok(failed(syndrome::LOCAL_PROT_ERR, why)),
         };
+        if let Some(link) = self.link(peer) {
+            return match self.resolve_tcp(peer, remote, u64::from(len)) {
+                Ok(at) => self.copy_tcp(i, &link, at, l, u64::from(len), write),
+                Err(why) => Ok(failed(syndrome::REMOTE_ACCESS_ERR, why)),
+            };
+        }
         let r = match self.resolve(peer, remote, u64::from(len)) {
             Ok(a) => a,
             Err(why) => return Ok(failed(syndrome::REMOTE_ACCESS_ERR, why)),
@@ -525,6 +615,16 @@ impl<D: Dma> Nic<D> {
                 ),
             ));
         };
+        if let Some(link) = self.link(peer) {
+            let (key, off) = match self.resolve_tcp(peer, remote, 8) {
+                Ok(at) => at,
+                Err(why) => return Ok(failed(syndrome::REMOTE_ACCESS_ERR, why)),
+            };
+            return Ok(match link.put(key, off, &v, None) {
+                Ok(()) => Step::Done,
+                Err(e) => failed(syndrome::TRANSPORT_RETRY_EXC_ERR, e.to_string()),
+            });
+        }
         let r = match self.resolve(peer, remote, 8) {
             Ok(a) => a,
             Err(why) => return Ok(failed(syndrome::REMOTE_ACCESS_ERR, why)),
@@ -586,12 +686,20 @@ impl<D: Dma> Nic<D> {
             *t = t.wrapping_add(add);
             (remote.addr, old)
         } else {
-            let at = match self.resolve(peer, remote, 8) {
-                Ok(a) => a,
-                Err(why) => return Ok(failed(syndrome::REMOTE_ACCESS_ERR, why)),
+            let link = self.link(peer);
+            // Where the target is: mapped here, or a region key at the peer.
+            let (at, off) = if link.is_some() {
+                match self.resolve_tcp(peer, remote, 8) {
+                    Ok((_, off)) => (0, off),
+                    Err(why) => return Ok(failed(syndrome::REMOTE_ACCESS_ERR, why)),
+                }
+            } else {
+                match self.resolve(peer, remote, 8) {
+                    Ok(a) => (a, a.wrapping_sub(self.spec.signal.peers[peer])),
+                    Err(why) => return Ok(failed(syndrome::REMOTE_ACCESS_ERR, why)),
+                }
             };
             let sig = &self.spec.signal;
-            let off = at.wrapping_sub(sig.peers[peer]);
             let n = self.spec.nranks as u64;
             let mine = window_of_key(remote.key, self.spec.nranks)
                 .is_some_and(|(id, _)| id == sig.window)
@@ -608,11 +716,27 @@ impl<D: Dma> Nic<D> {
             let t = self.pairs[i].totals.entry(off).or_insert(0);
             let old = *t;
             *t = t.wrapping_add(add);
+            if let Some(link) = link {
+                // After the data on the same ordered connection.
+                let new = old.wrapping_add(add);
+                if let Err(e) = link.put(sig.keys[peer], off, &new.to_le_bytes(), None) {
+                    return Ok(failed(syndrome::TRANSPORT_RETRY_EXC_ERR, e.to_string()));
+                }
+                self.write_sink(sink_off, old);
+                return Ok(Step::Done);
+            }
             (at, old)
         };
         self.pairs[i].store(target, old.wrapping_add(add))?;
-        // SAFETY: the sink range was checked above; it is mapped host
-        // memory that outlives the thread and that nobody reads.
+        self.write_sink(sink_off, old);
+        Ok(Step::Done)
+    }
+
+    /// An atomic's old value, big-endian, at `sink_off` of the sink
+    /// (checked by the caller).
+    fn write_sink(&self, sink_off: u64, old: u64) {
+        // SAFETY: the sink range was checked by the caller; it is mapped
+        // host memory that outlives the thread and that nobody reads.
         unsafe {
             self.spec
                 .sink_host
@@ -620,7 +744,6 @@ impl<D: Dma> Nic<D> {
                 .cast::<u64>()
                 .write_unaligned(old.to_be());
         }
-        Ok(Step::Done)
     }
 }
 
@@ -710,6 +833,7 @@ mod tests {
                     sizes: vec![256, 256],
                     peers: vec![addr(&src), addr(&dst)],
                     addrs: VA.to_vec(),
+                    keys: vec![0; 2],
                 }),
             );
             t.insert(
@@ -720,6 +844,7 @@ mod tests {
                     sizes: vec![64, 64],
                     peers: vec![addr(&sig_own), addr(&sig_peer)],
                     addrs: SIG_VA.to_vec(),
+                    keys: vec![0; 2],
                 }),
             );
         }
@@ -744,6 +869,7 @@ mod tests {
                 window: SIG,
                 peers: vec![addr(&sig_own), addr(&sig_peer)],
                 sizes: vec![64, 64],
+                keys: vec![0; 2],
             },
             counters: addr(&counters),
             counter_slots: 8,
@@ -751,6 +877,9 @@ mod tests {
             sink_host: sink.as_ptr() as *mut u8,
             sink_len: 64,
             spin: Duration::ZERO,
+            links: vec![None; N],
+            stage: None,
+            timeout: Duration::from_secs(5),
         };
         let nic = Nic::new(spec, Arc::default(), || Ok(HostDma)).unwrap();
         Rig {

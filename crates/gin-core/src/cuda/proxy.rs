@@ -5,7 +5,11 @@
 //! for happens in order: the data copy, then the signal's running total
 //! (`cuStreamWriteValue64` into the peer's sub-slot for this rank), then the
 //! counter's, then — once per batch — the ring's completion index, which the
-//! kernel's flush and credit checks read. Nothing here waits for the GPU.
+//! kernel's flush and credit checks read. Nothing here waits for the GPU,
+//! except for peers reached over TCP: there a put's source is staged
+//! through pinned host memory and sent on the link, its signal follows as
+//! an 8-byte put of the running total, and a get's answer is staged back,
+//! each copy waited for (see `staging`).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -14,9 +18,12 @@ use std::time::{Duration, Instant};
 
 use gin_proxy::descriptor::{DESC_QWORDS, Desc, Op, Slot, decode};
 
+use gin_net::tcp::Link;
+
 use super::WinTable;
 use super::batch::CopyBatch;
 use super::driver::{Device, HostMem, Stream};
+use super::staging::{STAGE, Stage};
 use super::worker::Worker;
 use crate::error::CoreError;
 
@@ -26,6 +33,8 @@ pub(crate) struct SignalInfo {
     pub window: u32,
     pub peers: Vec<u64>,
     pub sizes: Vec<u64>,
+    /// Each rank's region key of its part, for TCP peers (0: not served).
+    pub keys: Vec<u32>,
 }
 
 #[derive(Debug)]
@@ -49,6 +58,12 @@ pub(crate) struct ProxySpec {
     pub counters: u64,
     pub counter_slots: u64,
     pub spin: Duration,
+    /// The TCP link to each peer reached over TCP.
+    pub links: Vec<Option<Arc<Link>>>,
+    /// Staging for TCP peers (`None`: there are none).
+    pub stage: Option<Stage>,
+    /// How long a staged get waits for its answer.
+    pub timeout: Duration,
 }
 
 #[derive(Debug)]
@@ -91,6 +106,59 @@ impl Ring {
         self.copies.flush(&self.stream)?;
         self.stream.write_u64(addr, v)
     }
+
+    /// Sends `n` bytes at device address `src` to `(key, off)` over `link`,
+    /// staged a chunk at a time after everything queued so far.
+    fn send(
+        &mut self,
+        stage: &mut Stage,
+        link: &Link,
+        (key, off): (u32, u64),
+        src: u64,
+        n: u64,
+    ) -> Result<(), String> {
+        self.copies.flush(&self.stream).map_err(|e| e.to_string())?;
+        let mut at = 0;
+        while at < n {
+            let c = (n - at).min(STAGE as u64);
+            let bytes = stage
+                .pull(&self.stream, src + at, c as usize)
+                .map_err(|e| e.to_string())?;
+            link.put(key, off + at, bytes, None)
+                .map_err(|e| e.to_string())?;
+            at += c;
+        }
+        Ok(())
+    }
+
+    /// Reads `n` bytes at `(key, off)` over `link` into device address
+    /// `dst`, a chunk at a time.
+    fn fetch(
+        &mut self,
+        stage: &mut Stage,
+        link: &Link,
+        (key, off): (u32, u64),
+        dst: u64,
+        n: u64,
+        timeout: Duration,
+    ) -> Result<(), String> {
+        self.copies.flush(&self.stream).map_err(|e| e.to_string())?;
+        let mut at = 0;
+        while at < n {
+            let c = (n - at).min(STAGE as u64);
+            stage.get(
+                link,
+                key,
+                off + at,
+                c as usize,
+                &self.stream,
+                dst + at,
+                timeout,
+            )?;
+            at += c;
+        }
+        Ok(())
+    }
 }
 
 /// Descriptors taken from one ring before moving to the next.
@@ -124,6 +192,7 @@ fn run(mut spec: ProxySpec, stop: &AtomicBool) -> Result<(), CoreError> {
         });
     }
     let mut counter_totals: HashMap<u64, u64> = HashMap::new();
+    let mut stage = spec.stage.take();
     let mut idle_since: Option<Instant> = None;
     let mut stats = Stats::default();
     loop {
@@ -151,7 +220,7 @@ fn run(mut spec: ProxySpec, stop: &AtomicBool) -> Result<(), CoreError> {
                     }
                 };
                 let t = Instant::now();
-                execute(&spec, ring, &mut counter_totals, &d).map_err(|e| {
+                execute(&spec, &mut stage, ring, &mut counter_totals, &d).map_err(|e| {
                     CoreError::Invalid(format!(
                         "rank {}: descriptor {seq} of ring (context {}, peer {}): {e}",
                         spec.rank, ring.spec.ctx, ring.spec.peer
@@ -235,18 +304,68 @@ pub(super) fn fits(off: u64, bytes: u64, size: u64) -> bool {
     off <= size && bytes <= size - off
 }
 
+/// Where a peer's memory is reached: mapped here, or over TCP.
+enum Reach<'a> {
+    Mapped,
+    Tcp(&'a Link, &'a mut Stage),
+}
+
 fn execute(
     spec: &ProxySpec,
+    stage: &mut Option<Stage>,
     ring: &mut Ring,
     counters: &mut HashMap<u64, u64>,
     d: &Desc,
 ) -> Result<(), String> {
     let peer = ring.spec.peer;
     let err = |e: CoreError| e.to_string();
+    let timeout = spec.timeout;
+    let mut reach = match (spec.links.get(peer).and_then(Option::as_ref), stage) {
+        (Some(l), Some(s)) => Reach::Tcp(l, s),
+        (Some(_), None) => {
+            return Err(format!(
+                "rank {peer} is reached over TCP, but no staging buffer was set up"
+            ));
+        }
+        (None, _) => Reach::Mapped,
+    };
     match d.op {
         Op::Put => {
             if d.bytes > 0 || d.inline.is_some() {
                 let dst = window(&spec.windows, d.dst_window)?;
+                if let Reach::Tcp(link, stage) = &mut reach {
+                    let key = dst.keys[peer];
+                    if key == 0 || !fits(d.dst_offset, d.bytes, dst.sizes[peer]) {
+                        return Err(format!(
+                            "put of {} bytes at {} outside window {} of rank {peer} ({} bytes)",
+                            d.bytes, d.dst_offset, d.dst_window, dst.sizes[peer]
+                        ));
+                    }
+                    if let Some(v) = d.inline {
+                        if d.bytes != 8 {
+                            return Err("inline puts carry 8 bytes".into());
+                        }
+                        link.put(key, d.dst_offset, &v.to_le_bytes(), None)
+                            .map_err(|e| e.to_string())?;
+                    } else {
+                        let src = window(&spec.windows, d.src_window)?;
+                        if !fits(d.src_offset, d.bytes, src.local_size) {
+                            return Err(format!(
+                                "put source of {} bytes at {} outside window {} ({} bytes)",
+                                d.bytes, d.src_offset, d.src_window, src.local_size
+                            ));
+                        }
+                        ring.send(
+                            stage,
+                            link,
+                            (key, d.dst_offset),
+                            src.local + d.src_offset,
+                            d.bytes,
+                        )?;
+                    }
+                    put_signal(spec, ring, &mut reach, d)?;
+                    return count(spec, ring, counters, d);
+                }
                 let base = dst.peers[peer];
                 if base == 0 || !fits(d.dst_offset, d.bytes, dst.sizes[peer]) {
                     return Err(format!(
@@ -275,28 +394,15 @@ fn execute(
                     .map_err(err)?;
                 }
             }
-            if let Some(s) = &d.signal {
-                let n = spec.nranks as u64;
-                if s.window != spec.signal.window
-                    || !s.offset.is_multiple_of(8)
-                    || (s.offset / 8) % n != spec.rank as u64
-                    || !fits(s.offset, 8, spec.signal.sizes[peer])
-                {
-                    return Err(format!(
-                        "signal at offset {} of window {} is not this rank's sub-slot of a signal",
-                        s.offset, s.window
-                    ));
-                }
-                let t = ring.totals.entry(s.offset).or_insert(0);
-                *t = t.wrapping_add(s.add);
-                let (at, v) = (spec.signal.peers[peer] + s.offset, *t);
-                ring.store(at, v).map_err(err)?;
-            }
+            put_signal(spec, ring, &mut reach, d)?;
         }
         Op::Get => {
             let remote = window(&spec.windows, d.dst_window)?;
             let local = window(&spec.windows, d.src_window)?;
-            let base = remote.peers[peer];
+            let base = match &reach {
+                Reach::Mapped => remote.peers[peer],
+                Reach::Tcp(..) => u64::from(remote.keys[peer]),
+            };
             if base == 0
                 || !fits(d.dst_offset, d.bytes, remote.sizes[peer])
                 || !fits(d.src_offset, d.bytes, local.local_size)
@@ -306,14 +412,73 @@ fn execute(
                     d.bytes, d.dst_offset, d.dst_window, d.src_offset, d.src_window
                 ));
             }
-            ring.copy(
-                local.local + d.src_offset,
-                base + d.dst_offset,
-                d.bytes as usize,
-            )
-            .map_err(err)?;
+            if let Reach::Tcp(link, stage) = &mut reach {
+                ring.fetch(
+                    stage,
+                    link,
+                    (remote.keys[peer], d.dst_offset),
+                    local.local + d.src_offset,
+                    d.bytes,
+                    timeout,
+                )?;
+            } else {
+                ring.copy(
+                    local.local + d.src_offset,
+                    base + d.dst_offset,
+                    d.bytes as usize,
+                )
+                .map_err(err)?;
+            }
         }
     }
+    count(spec, ring, counters, d)
+}
+
+/// A put's signal: this rank's running total of the signal, stored into
+/// its sub-slot at the peer after the data.
+fn put_signal(
+    spec: &ProxySpec,
+    ring: &mut Ring,
+    reach: &mut Reach<'_>,
+    d: &Desc,
+) -> Result<(), String> {
+    let Some(s) = &d.signal else {
+        return Ok(());
+    };
+    let peer = ring.spec.peer;
+    let n = spec.nranks as u64;
+    if s.window != spec.signal.window
+        || !s.offset.is_multiple_of(8)
+        || (s.offset / 8) % n != spec.rank as u64
+        || !fits(s.offset, 8, spec.signal.sizes[peer])
+    {
+        return Err(format!(
+            "signal at offset {} of window {} is not this rank's sub-slot of a signal",
+            s.offset, s.window
+        ));
+    }
+    let total = ring.totals.entry(s.offset).or_insert(0);
+    *total = total.wrapping_add(s.add);
+    let v = *total;
+    match reach {
+        // The same ordered connection as the data: applied after it.
+        Reach::Tcp(link, _) => link
+            .put(spec.signal.keys[peer], s.offset, &v.to_le_bytes(), None)
+            .map_err(|e| e.to_string()),
+        Reach::Mapped => ring
+            .store(spec.signal.peers[peer] + s.offset, v)
+            .map_err(|e| e.to_string()),
+    }
+}
+
+/// A descriptor's counter: the proxy's running total, after its work.
+fn count(
+    spec: &ProxySpec,
+    ring: &mut Ring,
+    counters: &mut HashMap<u64, u64>,
+    d: &Desc,
+) -> Result<(), String> {
+    let err = |e: CoreError| e.to_string();
     if let Some(c) = d.counter {
         let c = u64::from(c);
         if c >= spec.counter_slots {
