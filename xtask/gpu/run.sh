@@ -71,7 +71,9 @@ for backend in proxy gdaki; do
   step "dropped-tcp-$backend" env GIN_TRANSPORT=tcp GIN_BACKEND=$backend "$st" dropped --ranks 2
 done
 expect_die "die-tcp-proxy" env GIN_TRANSPORT=tcp GIN_BACKEND=proxy GIN_TIMEOUT=60s "$st" die 1 --ranks 2
-step "selftest-2hosts-auto" env GIN_BACKEND=auto "$st" all --ranks 4 --hosts 2
+for backend in auto proxy gdaki; do
+  step "selftest-2hosts-$backend" env GIN_BACKEND=$backend "$st" all --ranks 4 --hosts 2
+done
 # The mlx5 hardware path: rdma-core loaded at run time, no ConnectX here.
 expect_refused "mlx5-refused" "GIN_NIC=mlx5 is not available" \
   env GIN_BACKEND=gdaki GIN_NIC=mlx5 "$st" ring --ranks 2

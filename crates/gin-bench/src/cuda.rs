@@ -404,7 +404,10 @@ pub fn run(a: &CudaArgs) -> Result<()> {
                     bytes,
                     value: summary(&gin)?,
                     floor,
-                    peer: proxy_peer(bytes).map(|v| ("raw CPU proxy (peer run)".into(), v)),
+                    // That peer run crossed NVLink, not TCP.
+                    peer: proxy_peer(bytes)
+                        .filter(|_| !tcp)
+                        .map(|v| ("raw CPU proxy (peer run)".into(), v)),
                 });
             }
         }

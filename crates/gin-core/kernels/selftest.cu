@@ -249,6 +249,37 @@ extern "C" __global__ void gin_signals(DevComm dc, u32 coop, u64* out) {
   if (bad) atomicAdd((unsigned long long*)&out[1], (unsigned long long)bad);
 }
 
+// Rail barriers: each round every rank stores the round number in its own
+// u64 slot of `w` and puts it to the same slot at every other member of its
+// rail, then enters rail barrier 0. Afterwards each member's slot here must
+// hold that round (puts before a barrier are visible after it) or the next
+// (a member may have left the barrier and sent again). Then, if `stranger`
+// names a rank, a put to it, which a rail connection does not reach: the
+// host expects that error. out as gin_ring (out[1]: wrong slots seen).
+extern "C" __global__ void gin_rail(DevComm dc, Window w, u32 rounds, u32 coop, u32 stranger,
+                                    u64* out) {
+  const Coop c = (Coop)coop;
+  const u32* rail = (const u32*)dc.rail;
+  volatile u64* slots = (volatile u64*)w.local_base;
+  const u64 mine = dc.rank * 8ull;
+  int e = OK;
+  u64 bad = 0;
+  for (u32 k = 1; k <= rounds && !e; ++k) {
+    if (threadIdx.x == 0) slots[dc.rank] = k;
+    for (u32 i = 0; i < dc.nrail && !e; ++i)
+      if (rail[i] != dc.rank) e = put(dc, 0, rail[i], w, mine, w, mine, 8, no_signal(), no_counter(), c);
+    if (!e) e = rail_barrier(dc, 0, 0, c);
+    if (!e && threadIdx.x == 0)
+      for (u32 i = 0; i < dc.nrail; ++i) {
+        const u64 v = slots[rail[i]];
+        bad += v < k || v > k + 1;
+      }
+  }
+  if (!e && stranger < dc.nranks) e = put(dc, 0, stranger, w, 0, w, 0, 8, no_signal(), no_counter(), c);
+  if (e && threadIdx.x == 0) out[0] = e;
+  if (bad) atomicAdd((unsigned long long*)&out[1], (unsigned long long)bad);
+}
+
 extern "C" __global__ void gin_fill(Window w, u64 bytes, u32 rank, u32 round) {
   fill((u8*)w.local_base, bytes, rank, round);
 }

@@ -61,6 +61,12 @@ pub struct DevCommAbi {
     pub world_barriers: u32,
     /// Id of the signal window, as proxy descriptors name it (CUDA ranks).
     pub signal_window: u32,
+    /// Address of `u32[nrail]`: the ranks of this rank's rail, in team
+    /// order (CUDA ranks; read by rail barriers only).
+    pub rail: u64,
+    pub nrail: u32,
+    /// Rail barriers: signal slots after the world barriers' (CUDA ranks).
+    pub rail_barriers: u32,
 }
 
 /// The communicator supports strong signals (ordering all earlier puts).
@@ -70,7 +76,7 @@ pub const DEVCOMM_FLAG_VA_SIGNALS: u32 = 1 << 1;
 /// Each context is used by one thread only (no atomics on reservation).
 pub const DEVCOMM_FLAG_EXCLUSIVE_CTX: u32 = 1 << 2;
 
-const _: () = assert!(size_of::<DevCommAbi>() == 120);
+const _: () = assert!(size_of::<DevCommAbi>() == 136);
 const _: () = assert!(offset_of!(DevCommAbi, signal_base) == 24);
 const _: () = assert!(offset_of!(DevCommAbi, signals) == 32);
 const _: () = assert!(offset_of!(DevCommAbi, counters) == 48);
@@ -79,6 +85,8 @@ const _: () = assert!(offset_of!(DevCommAbi, backend_kind) == 88);
 const _: () = assert!(offset_of!(DevCommAbi, lsa) == 96);
 const _: () = assert!(offset_of!(DevCommAbi, signal_peers) == 104);
 const _: () = assert!(offset_of!(DevCommAbi, signal_window) == 116);
+const _: () = assert!(offset_of!(DevCommAbi, rail) == 120);
+const _: () = assert!(offset_of!(DevCommAbi, rail_barriers) == 132);
 
 /// A registered window as the device sees it.
 #[repr(C)]

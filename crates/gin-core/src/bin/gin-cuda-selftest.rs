@@ -6,8 +6,9 @@
 //! WQE with a bad key, which must come back as an error CQE).
 //!
 //! Scenarios: `all` (ring with thread, warp and block coops, signals,
-//! all-to-all, get, bad input), `ring`, `signals` (every rank signals every
-//! rank, reads, resets and reuses the signal), `alltoall`, `get`, `badinput`
+//! all-to-all, get, rail, bad input), `ring`, `signals` (every rank signals
+//! every rank, reads, resets and reuses the signal), `alltoall`, `get`,
+//! `rail` (rail barriers with a full and a rail connection), `badinput`
 //! (each bad call must
 //! come back as an error naming it; the never-arriving signal needs a short
 //! GIN_TIMEOUT), `die VICTIM` (the victim dies while the others wait in a
@@ -28,7 +29,7 @@ use std::time::Instant;
 
 use gin_core::cuda::{self, Arg, CtxSharing, CudaComm, CudaDevComm, DevMem, Module};
 use gin_core::launch::{Role, run_ranks};
-use gin_core::{Comm, CoreError, DevCommRequirements};
+use gin_core::{Comm, Connection, CoreError, DevCommRequirements};
 use gin_device::abi::DEVCOMM_FLAG_LSA_ONLY;
 
 type R = Result<(), String>;
@@ -77,6 +78,7 @@ fn main() -> ExitCode {
             "alltoall" => alltoall(&cuda, &k),
             "get" => get(&cuda, &k),
             "signals" => signals(&cuda, &k),
+            "rail" => rail(&cuda, &k),
             "badinput" => badinput(&cuda, &k),
             "dropped" => dropped(&cuda, &k),
             "die" => die(
@@ -156,7 +158,70 @@ fn all(c: &CudaComm<'_>, k: &Kernels<'_>) -> R {
     signals(c, k)?;
     alltoall(c, k)?;
     get(c, k)?;
+    rail(c, k)?;
     badinput(c, k)
+}
+
+/// Rail barriers with a full and a rail connection, each coop: data put
+/// before the barrier is there after it; with a rail connection a put to a
+/// rank off the rail fails naming it.
+fn rail(c: &CudaComm<'_>, k: &Kernels<'_>) -> R {
+    let f = k.f("gin_rail")?;
+    let (rank, n) = (c.comm().rank(), c.comm().nranks());
+    let team = c.comm().rail().to_vec();
+    for (connection, cname) in [(Connection::Full, "full"), (Connection::Rail, "rail")] {
+        for (coop, block, name) in [(0u32, 1u32, "thread"), (1, 32, "warp"), (2, 256, "block")] {
+            let mut r = req();
+            r.rail_barriers = 1;
+            r.connection = connection;
+            if connection == Connection::Rail {
+                // World barriers would need every rank connected.
+                r.world_barriers = 0;
+            }
+            let dc = c.dev_comm(&r, CtxSharing::Gpu).map_err(s)?;
+            let w = c.alloc_window(n as u64 * 8).map_err(s)?;
+            let out = DevMem::new(24).map_err(s)?;
+            let what = format!("rail barrier ({cname} connection, {name} coop)");
+            let args = |rounds: u32, stranger: u32| {
+                dc.run(
+                    &f,
+                    1,
+                    block,
+                    &[
+                        Arg::DevComm(dc.abi()),
+                        Arg::Window(w.abi()),
+                        Arg::U32(rounds),
+                        Arg::U32(coop),
+                        Arg::U32(stranger),
+                        Arg::Ptr(out.ptr),
+                    ],
+                )
+            };
+            args(20, n as u32).map_err(|e| format!("{what}: {e}"))?;
+            check_out(&out, &what)?;
+            let stranger = (0..n).find(|p| !team.contains(p));
+            if let (Connection::Rail, Some(p)) = (connection, stranger) {
+                match args(0, p as u32) {
+                    Err(e) if e.to_string().contains("not connected") => {
+                        println!(
+                            "rank {rank}: {what}: a put to rank {p}, off the rail, fails: {e}"
+                        );
+                    }
+                    Err(e) => return Err(format!("{what}: put off the rail: wrong error: {e}")),
+                    Ok(()) => {
+                        return Err(format!("{what}: a put to rank {p} off the rail succeeded"));
+                    }
+                }
+            }
+            println!(
+                "rank {rank}: {what} over ranks {team:?}, 20 rounds verified via {}",
+                dc.backend_name()
+            );
+            dc.destroy().map_err(s)?;
+            c.free_window(w).map_err(s)?;
+        }
+    }
+    Ok(())
 }
 
 fn ring(c: &CudaComm<'_>, k: &Kernels<'_>) -> R {

@@ -96,6 +96,12 @@ pub(crate) struct WinInfo {
     pub keys: Vec<u32>,
 }
 
+/// How a device communicator reaches a peer (`DevComm::lsa`, the header's
+/// `REACH_*`).
+const REACH_QUEUE: u8 = 0;
+const REACH_LSA: u8 = 1;
+const REACH_NONE: u8 = 2;
+
 /// First NIC key of GPU windows.
 const WINDOW_KEY_BASE: u32 = 0x1000;
 /// Local NIC keys of the counter array and the atomic result sink, above
@@ -513,12 +519,13 @@ impl<'c> CudaComm<'c> {
                 "a device communicator needs at least one context".into(),
             ));
         }
-        if req.rail_barriers != 0 || req.connection != Connection::Full {
-            return Err(CoreError::Unavailable {
-                what: "rail barriers and rail connections on CUDA ranks".into(),
-                why: "not built yet for CUDA ranks".into(),
-                available: "world barriers, full connection".into(),
-            });
+        let rail_only = req.connection == Connection::Rail;
+        if rail_only && req.world_barriers != 0 {
+            return Err(CoreError::Invalid(format!(
+                "{} world barriers asked for with a rail connection, which reaches only the \
+                 rail's ranks; use rail barriers or a full connection",
+                req.world_barriers
+            )));
         }
         if kind == BackendKind::Gdaki {
             comm.settings().check_nic()?;
@@ -526,6 +533,7 @@ impl<'c> CudaComm<'c> {
         let sig_per_ctx = req
             .signals
             .checked_add(req.world_barriers)
+            .and_then(|v| v.checked_add(req.rail_barriers))
             .ok_or_else(|| CoreError::Invalid("signal and barrier counts overflow".into()))?;
         let nsig = u64::from(sig_per_ctx) * u64::from(req.contexts);
         let ncnt = u64::from(req.counters) * u64::from(req.contexts);
@@ -554,18 +562,30 @@ impl<'c> CudaComm<'c> {
             .zero((sb * nn * 8) as usize, (nsig * nn * 8) as usize)?;
         self.counters
             .zero((cb * 16) as usize, (ncnt * 16) as usize)?;
-        // Load/store reaches this rank, and with `auto` every peer mapped
-        // here (not those over TCP).
+        // How each peer is reached (the header's REACH_*): not at all for
+        // ranks off the rail with a rail connection (as on CPU ranks);
+        // load/store for this rank, and with `auto` every peer mapped here
+        // (not those over TCP); queues for the others.
         let tcp: Vec<bool> = (0..n).map(|p| comm.tcp_link(p).is_some()).collect();
+        let rail: Vec<u32> = comm.rail().iter().map(|&r| r as u32).collect();
         let lsa: Vec<u8> = (0..n)
-            .map(|p| u8::from(p == rank || (kind == BackendKind::Auto && !tcp[p])))
+            .map(|p| {
+                if p != rank && rail_only && !rail.contains(&(p as u32)) {
+                    REACH_NONE
+                } else if p == rank || (kind == BackendKind::Auto && !tcp[p]) {
+                    REACH_LSA
+                } else {
+                    REACH_QUEUE
+                }
+            })
             .collect();
         // The backend travels along: every rank must agree on which peers
         // are reached by load/store, since signals land in different
         // sub-slots for them; a wait reads one word only where every rank
         // reaches every rank by load/store (DEVCOMM_FLAG_LSA_ONLY).
         let kind_byte = u8::from(kind == BackendKind::Auto);
-        let all_lsa = u8::from(lsa.iter().all(|&l| l == 1));
+        // Unconnected ranks never signal here.
+        let all_lsa = u8::from(lsa.iter().all(|&l| l != REACH_QUEUE));
         let rec = [
             &sb.to_le_bytes()[..],
             &cb.to_le_bytes(),
@@ -604,7 +624,7 @@ impl<'c> CudaComm<'c> {
         let mut host_rings = Vec::new();
         let indices = DevMem::new(req.contexts as usize * n * 16)?;
         for c in 0..req.contexts as usize {
-            for p in (0..n).filter(|&p| lsa[p] == 0 && kind != BackendKind::Gdaki) {
+            for p in (0..n).filter(|&p| lsa[p] == REACH_QUEUE && kind != BackendKind::Gdaki) {
                 let i = c * n + p;
                 let slots = HostMem::new(64 << log2)?;
                 rings_abi[i] = ProxyRingAbi {
@@ -626,13 +646,15 @@ impl<'c> CudaComm<'c> {
         let any_proxy = !host_rings.is_empty();
         let rings = DevMem::new(rings_abi.len() * std::mem::size_of::<ProxyRingAbi>())?;
         rings.write(0, &rings_abi)?;
-        let gdaki = if kind == BackendKind::Gdaki && lsa.contains(&0) {
+        let gdaki = if kind == BackendKind::Gdaki && lsa.contains(&REACH_QUEUE) {
             Some(self.gdaki_queues(req.contexts as usize, &lsa, log2)?)
         } else {
             None
         };
         let lsa_mem = DevMem::new(n)?;
         lsa_mem.write(0, &lsa)?;
+        let rail_mem = DevMem::new(rail.len() * 4)?;
+        rail_mem.write(0, &rail)?;
         let sig_peers = DevMem::new(n * 8)?;
         let sig_info = self.signal_info();
         sig_peers.write(0, &sig_info.peers)?;
@@ -673,6 +695,9 @@ impl<'c> CudaComm<'c> {
             signal_peers: sig_peers.ptr,
             world_barriers: req.world_barriers,
             signal_window: self.signal_window.id(),
+            rail: rail_mem.ptr,
+            nrail: rail.len() as u32,
+            rail_barriers: req.rail_barriers,
         };
         let proxy = if any_proxy {
             Some(proxy::CudaProxy::start(proxy::ProxySpec {
@@ -696,7 +721,7 @@ impl<'c> CudaComm<'c> {
         } else {
             None
         };
-        let mut mem = vec![indices, rings, lsa_mem, sig_peers];
+        let mut mem = vec![indices, rings, lsa_mem, sig_peers, rail_mem];
         let mut host = Vec::new();
         let nic = match gdaki {
             Some(g) => {
@@ -741,7 +766,7 @@ impl<'c> CudaComm<'c> {
             _mem: mem,
             _host: host,
             ranges: Some(ranges),
-            lsa: lsa.iter().map(|&b| b != 0).collect(),
+            lsa: lsa.iter().map(|&b| b == REACH_LSA).collect(),
         })
     }
 
@@ -778,7 +803,7 @@ impl<'c> CudaComm<'c> {
         let mut pairs = Vec::new();
         let mut host = Vec::new();
         for c in 0..nctx {
-            for p in (0..n).filter(|&p| lsa[p] == 0) {
+            for p in (0..n).filter(|&p| lsa[p] == REACH_QUEUE) {
                 let i = c * n + p;
                 let mut sqs = Vec::with_capacity(2);
                 let mut specs = Vec::with_capacity(2);

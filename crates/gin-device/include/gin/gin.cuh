@@ -125,7 +125,13 @@ GIN_DEV u32 poll(const DevComm& dc, u32 timeout_kind, Ready ready) {
   }
 }
 
-GIN_DEV bool is_lsa(const DevComm& dc, u32 peer) { return ((const u8*)dc.lsa)[peer] != 0; }
+// How a peer is reached, from DevComm::lsa: 1 load/store, 0 through the
+// context's queues (proxy ring or GDAKI QP), 2 not at all (a rail
+// connection reaches only the rail).
+constexpr u8 REACH_QUEUE = 0, REACH_LSA = 1, REACH_NONE = 2;
+GIN_DEV u8 reach(const DevComm& dc, u32 peer) { return ((const u8*)dc.lsa)[peer]; }
+GIN_DEV bool is_lsa(const DevComm& dc, u32 peer) { return reach(dc, peer) == REACH_LSA; }
+GIN_DEV bool is_queued(const DevComm& dc, u32 peer) { return reach(dc, peer) == REACH_QUEUE; }
 GIN_DEV const ProxyRingAbi& ring(const DevComm& dc, u32 ctx, u32 peer) {
   return ((const ProxyRingAbi*)dc.rings)[ctx * dc.nranks + peer];
 }
@@ -239,7 +245,9 @@ GIN_DEV bool has_queues(const DevComm& dc) {
 
 GIN_DEV int check_peer(const DevComm& dc, u32 ctx, u32 peer) {
   if (peer >= dc.nranks) return fail(dc, BAD_PEER, ctx, peer, peer);
-  if (!is_lsa(dc, peer) && !has_queues(dc)) return fail(dc, UNSUPPORTED, ctx, peer, dc.backend_kind);
+  const u8 how = reach(dc, peer);
+  if (how == REACH_NONE) return fail(dc, BAD_PEER, ctx, peer, peer);
+  if (how != REACH_LSA && !has_queues(dc)) return fail(dc, UNSUPPORTED, ctx, peer, dc.backend_kind);
   return OK;
 }
 
@@ -446,14 +454,19 @@ GIN_DEV int put(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst
     if (me + members < n) w1 = ((const uint4*)s)[me + members];
   }
   // Every per-peer table read at once: one L2 round trip, not one each.
-  const bool lsa = is_lsa(dc, peer);
+  const u8 how = reach(dc, peer);
+  const bool lsa = how == REACH_LSA;
   const u64 dst_size = ((const u64*)dst.sizes)[peer];
   u8* const d = (u8*)((const u64*)dst.peer_bases)[peer];
   u64* const sig = rem.kind == 1 ? signal_peer(dc, peer) : nullptr;
   // The ring too, where there are rings (unused for a load/store peer).
   ProxyRingAbi rg{};
   if (dc.backend_kind == BACKEND_PROXY) rg = ring(dc, ctx, peer);
-  if (!lsa && !has_queues(dc)) return fail(dc, UNSUPPORTED, ctx, peer, dc.backend_kind);
+  // One branch, off the load/store path: a peer off a rail connection,
+  // or no queues.
+  if (!lsa && (how == REACH_NONE || !has_queues(dc)))
+    return how == REACH_NONE ? fail(dc, BAD_PEER, ctx, peer, peer)
+                             : fail(dc, UNSUPPORTED, ctx, peer, dc.backend_kind);
   if (!range_ok(dst_off, bytes, dst_size)) return fail(dc, OUT_OF_WINDOW, ctx, peer, dst.id);
   if (lsa) {
     if (!d || (rem.kind == 1 && !sig)) return fail(dc, UNSUPPORTED, ctx, peer, dst.id);
@@ -631,7 +644,7 @@ GIN_DEV int flush(const DevComm& dc, u32 ctx, Coop coop = THREAD) {
     __threadfence_system();
     if (dc.backend_kind == BACKEND_PROXY) {
       for (u32 p = 0; p < dc.nranks && r == OK; ++p) {
-        if (is_lsa(dc, p)) continue;
+        if (!is_queued(dc, p)) continue;
         const ProxyRingAbi& rg = ring(dc, ctx, p);
         const u64 mark = *(volatile const u64*)rg.head;
         const u64* done = (const u64*)rg.done;
@@ -641,7 +654,7 @@ GIN_DEV int flush(const DevComm& dc, u32 ctx, Coop coop = THREAD) {
       }
     } else if (dc.backend_kind == BACKEND_GDAKI) {
       for (u32 p = 0; p < dc.nranks && r == OK; ++p)
-        if (!is_lsa(dc, p)) r = gdaki_flush(dc, ctx, p);
+        if (is_queued(dc, p)) r = gdaki_flush(dc, ctx, p);
     }
   }
   r = coop_bcast(coop, r);
@@ -720,25 +733,26 @@ GIN_DEV int reset_counter(const DevComm& dc, u32 ctx, u32 id) {
   return OK;
 }
 
-// World barrier `index` on context `ctx`: flushes the context, signals every
-// rank, and waits until every rank has arrived as often as this one. Puts
-// issued before it are visible at their targets when it returns.
-GIN_DEV int barrier(const DevComm& dc, u32 ctx, u32 index, Coop coop = THREAD) {
-  using namespace detail;
-  int e = check_ctx(dc, ctx);
-  if (!e && index >= dc.world_barriers) e = fail(dc, BAD_SIGNAL, ctx, NO_PEER, index);
-  if (e) return e;
+namespace detail {
+// A barrier over `count` ranks (`members[i]`, or rank i where `members` is
+// null) on signal slot `id` of context `ctx`: flushes the context, signals
+// every member, and waits until every member has arrived as often as this
+// rank. Each member's arrivals count in its own sub-slot.
+GIN_DEV int team_barrier(const DevComm& dc, u32 ctx, u32 id, const u32* members, u32 count,
+                         Coop coop) {
   int r = flush(dc, ctx, coop);
   if (r) return r;
   if (coop_rank(coop) == 0) {
-    const u64 slot = signal_slot(dc, ctx, dc.nsignals + index);
+    const u64 slot = signal_slot(dc, ctx, id);
     const u64 off = sender_offset(dc, slot);
-    for (u32 p = 0; p < dc.nranks && r == OK; ++p) {
+    for (u32 i = 0; i < count && r == OK; ++i) {
+      const u32 p = members ? members[i] : i;
       if (is_lsa(dc, p)) {
         red_add_release_sys((u64*)((u8*)signal_peer(dc, p) + off), 1);
+      } else if (!is_queued(dc, p)) {
+        r = fail(dc, BAD_PEER, ctx, p, p);
       } else if (dc.backend_kind == BACKEND_GDAKI) {
-        r = gdaki_post(dc, ctx, p, gqp(dc, ctx, p), GdakiData{},
-                       Remote{1, dc.nsignals + index, 1, 0}, no_counter());
+        r = gdaki_post(dc, ctx, p, gqp(dc, ctx, p), GdakiData{}, Remote{1, id, 1, 0}, no_counter());
       } else {
         proxy::Desc d = empty_desc(proxy::OP_PUT);
         d.has_signal = 1;
@@ -753,7 +767,8 @@ GIN_DEV int barrier(const DevComm& dc, u32 ctx, u32 index, Coop coop = THREAD) {
       const u64* s = (const u64*)dc.signals + slot * dc.nranks;
       // This rank's own sub-slot here counts the barriers it entered.
       const u64 epoch = ld_acquire_sys(s + dc.rank);
-      for (u32 p = 0; p < dc.nranks && r == OK; ++p) {
+      for (u32 i = 0; i < count && r == OK; ++i) {
+        const u32 p = members ? members[i] : i;
         u32 k = poll(dc, BARRIER_TIMEOUT, [&] { return signal_reached(ld_acquire_sys(s + p), epoch); });
         if (k) r = fail(dc, k, ctx, p, (u32)epoch);
       }
@@ -761,6 +776,29 @@ GIN_DEV int barrier(const DevComm& dc, u32 ctx, u32 index, Coop coop = THREAD) {
     }
   }
   return coop_bcast(coop, r);
+}
+} // namespace detail
+
+// World barrier `index` on context `ctx`: flushes the context, signals every
+// rank, and waits until every rank has arrived as often as this one. Puts
+// issued before it are visible at their targets when it returns.
+GIN_DEV int barrier(const DevComm& dc, u32 ctx, u32 index, Coop coop = THREAD) {
+  using namespace detail;
+  int e = check_ctx(dc, ctx);
+  if (!e && index >= dc.world_barriers) e = fail(dc, BAD_SIGNAL, ctx, NO_PEER, index);
+  if (e) return e;
+  return team_barrier(dc, ctx, dc.nsignals + index, nullptr, dc.nranks, coop);
+}
+
+// Rail barrier `index` on context `ctx`: as `barrier`, over this rank's
+// rail (the ranks with its local rank, one per host, NCCL's rail team).
+GIN_DEV int rail_barrier(const DevComm& dc, u32 ctx, u32 index, Coop coop = THREAD) {
+  using namespace detail;
+  int e = check_ctx(dc, ctx);
+  if (!e && index >= dc.rail_barriers) e = fail(dc, BAD_SIGNAL, ctx, NO_PEER, index);
+  if (e) return e;
+  return team_barrier(dc, ctx, dc.nsignals + dc.world_barriers + index, (const u32*)dc.rail,
+                      dc.nrail, coop);
 }
 
 } // namespace gin
