@@ -259,19 +259,19 @@ extern "C" __global__ void gin_signals(DevComm dc, u32 coop, u64* out) {
 extern "C" __global__ void gin_rail(DevComm dc, Window w, u32 rounds, u32 coop, u32 stranger,
                                     u64* out) {
   const Coop c = (Coop)coop;
-  const u32* rail = (const u32*)dc.rail;
   volatile u64* slots = (volatile u64*)w.local_base;
   const u64 mine = dc.rank * 8ull;
   int e = OK;
   u64 bad = 0;
   for (u32 k = 1; k <= rounds && !e; ++k) {
     if (threadIdx.x == 0) slots[dc.rank] = k;
-    for (u32 i = 0; i < dc.nrail && !e; ++i)
-      if (rail[i] != dc.rank) e = put(dc, 0, rail[i], w, mine, w, mine, 8, no_signal(), no_counter(), c);
+    for (u32 i = 0; i < rail_size(dc) && !e; ++i)
+      if (rail_rank(dc, i) != dc.rank)
+        e = put(dc, 0, rail_rank(dc, i), w, mine, w, mine, 8, no_signal(), no_counter(), c);
     if (!e) e = rail_barrier(dc, 0, 0, c);
     if (!e && threadIdx.x == 0)
-      for (u32 i = 0; i < dc.nrail; ++i) {
-        const u64 v = slots[rail[i]];
+      for (u32 i = 0; i < rail_size(dc); ++i) {
+        const u64 v = slots[rail_rank(dc, i)];
         bad += v < k || v > k + 1;
       }
   }

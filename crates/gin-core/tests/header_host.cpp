@@ -58,9 +58,6 @@ int main() {
   std::printf("offset.DevComm.backend_kind %zu\n", __builtin_offsetof(DevComm, backend_kind));
   std::printf("offset.DevComm.lsa %zu\n", __builtin_offsetof(DevComm, lsa));
   std::printf("offset.DevComm.signal_peers %zu\n", __builtin_offsetof(DevComm, signal_peers));
-  std::printf("offset.DevComm.rail %zu\n", __builtin_offsetof(DevComm, rail));
-  std::printf("offset.DevComm.nrail %zu\n", __builtin_offsetof(DevComm, nrail));
-  std::printf("offset.DevComm.rail_barriers %zu\n", __builtin_offsetof(DevComm, rail_barriers));
   std::printf("offset.ProxyRingAbi.head %zu\n", __builtin_offsetof(ProxyRingAbi, head));
   std::printf("sizeof.GdakiSqAbi %zu\n", sizeof(GdakiSqAbi));
   std::printf("sizeof.GdakiQpAbi %zu\n", sizeof(GdakiQpAbi));

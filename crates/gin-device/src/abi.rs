@@ -50,8 +50,12 @@ pub struct DevCommAbi {
     /// Signal slots per context: user signals, then one per world barrier
     /// (CUDA ranks; 0 on CPU ranks).
     pub sig_per_ctx: u32,
-    /// Address of `u8[nranks]`: 1 where the peer is reached by load/store
-    /// (CUDA ranks; 0 on CPU ranks).
+    /// Address of the reach table (CUDA ranks; 0 on CPU ranks): `u8[nranks]`,
+    /// how each rank is reached (0 queues, 1 load/store, 2 not connected),
+    /// then, at the next multiple of 4 bytes, the rail team: `u32`
+    /// rail barriers, `u32` members, `u32` ranks in team order. The team is
+    /// read by rail barriers only, so it lives here rather than in this
+    /// struct, whose size and layout shape every kernel's code.
     pub lsa: u64,
     /// Address of `u64[nranks]`: each peer's signal window mapped here for
     /// load/store (0 where none), this rank's own at its index (CUDA ranks).
@@ -61,12 +65,6 @@ pub struct DevCommAbi {
     pub world_barriers: u32,
     /// Id of the signal window, as proxy descriptors name it (CUDA ranks).
     pub signal_window: u32,
-    /// Address of `u32[nrail]`: the ranks of this rank's rail, in team
-    /// order (CUDA ranks; read by rail barriers only).
-    pub rail: u64,
-    pub nrail: u32,
-    /// Rail barriers: signal slots after the world barriers' (CUDA ranks).
-    pub rail_barriers: u32,
 }
 
 /// The communicator supports strong signals (ordering all earlier puts).
@@ -76,7 +74,7 @@ pub const DEVCOMM_FLAG_VA_SIGNALS: u32 = 1 << 1;
 /// Each context is used by one thread only (no atomics on reservation).
 pub const DEVCOMM_FLAG_EXCLUSIVE_CTX: u32 = 1 << 2;
 
-const _: () = assert!(size_of::<DevCommAbi>() == 136);
+const _: () = assert!(size_of::<DevCommAbi>() == 120);
 const _: () = assert!(offset_of!(DevCommAbi, signal_base) == 24);
 const _: () = assert!(offset_of!(DevCommAbi, signals) == 32);
 const _: () = assert!(offset_of!(DevCommAbi, counters) == 48);
@@ -85,8 +83,6 @@ const _: () = assert!(offset_of!(DevCommAbi, backend_kind) == 88);
 const _: () = assert!(offset_of!(DevCommAbi, lsa) == 96);
 const _: () = assert!(offset_of!(DevCommAbi, signal_peers) == 104);
 const _: () = assert!(offset_of!(DevCommAbi, signal_window) == 116);
-const _: () = assert!(offset_of!(DevCommAbi, rail) == 120);
-const _: () = assert!(offset_of!(DevCommAbi, rail_barriers) == 132);
 
 /// A registered window as the device sees it.
 #[repr(C)]

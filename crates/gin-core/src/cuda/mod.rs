@@ -651,10 +651,15 @@ impl<'c> CudaComm<'c> {
         } else {
             None
         };
-        let lsa_mem = DevMem::new(n)?;
+        // The reach table, then the rail team at the next multiple of 4.
+        let team_at = n.next_multiple_of(4);
+        let team: Vec<u32> = [req.rail_barriers, rail.len() as u32]
+            .into_iter()
+            .chain(rail.iter().copied())
+            .collect();
+        let lsa_mem = DevMem::new(team_at + team.len() * 4)?;
         lsa_mem.write(0, &lsa)?;
-        let rail_mem = DevMem::new(rail.len() * 4)?;
-        rail_mem.write(0, &rail)?;
+        lsa_mem.write(team_at, &team)?;
         let sig_peers = DevMem::new(n * 8)?;
         let sig_info = self.signal_info();
         sig_peers.write(0, &sig_info.peers)?;
@@ -695,9 +700,6 @@ impl<'c> CudaComm<'c> {
             signal_peers: sig_peers.ptr,
             world_barriers: req.world_barriers,
             signal_window: self.signal_window.id(),
-            rail: rail_mem.ptr,
-            nrail: rail.len() as u32,
-            rail_barriers: req.rail_barriers,
         };
         let proxy = if any_proxy {
             Some(proxy::CudaProxy::start(proxy::ProxySpec {
@@ -721,7 +723,7 @@ impl<'c> CudaComm<'c> {
         } else {
             None
         };
-        let mut mem = vec![indices, rings, lsa_mem, sig_peers, rail_mem];
+        let mut mem = vec![indices, rings, lsa_mem, sig_peers];
         let mut host = Vec::new();
         let nic = match gdaki {
             Some(g) => {
@@ -1008,14 +1010,23 @@ impl CudaDevComm<'_, '_> {
         unsafe { f.launch(&cuda.stream, grid, block, &mut params)? };
         let mut cause: Option<String> = None;
         let mut next = Instant::now();
+        // A lost TCP link is often a dead peer that the bootstrap names a
+        // moment later: give it that moment before settling for the link's
+        // account.
+        let mut tcp_failed: Option<(Instant, String)> = None;
         while !cuda.stream.idle()? {
             if Instant::now() >= next {
                 next = Instant::now() + Duration::from_millis(1);
                 if cause.is_none() {
                     if let Err(e) = cuda.comm.bootstrap().health() {
                         cause = Some(e.to_string());
+                    } else if let Some((since, why)) = &tcp_failed {
+                        if since.elapsed() > Duration::from_millis(500) {
+                            cause = Some(why.clone());
+                        }
                     } else if let Err(e) = cuda.comm.fabric().health() {
-                        cause = Some(format!("the TCP transport failed: {e}"));
+                        tcp_failed =
+                            Some((Instant::now(), format!("the TCP transport failed: {e}")));
                     } else if let Some(e) = self.proxy.as_ref().and_then(proxy::CudaProxy::error) {
                         cause = Some(format!("the CUDA proxy failed: {e}"));
                     } else if let Some(e) = self.nic.as_ref().and_then(nic::CudaNic::error) {

@@ -101,15 +101,14 @@ struct DevComm {
   u64 rings;        // ProxyRingAbi or GdakiQpAbi [nctx * nranks], context-major (0: none)
   u32 backend_kind; // BACKEND_*
   u32 sig_per_ctx;  // user signals, then one slot per world barrier
-  u64 lsa;          // u8[nranks]: 1 where the peer is reached by load/store
+  u64 lsa;          // reach table: u8[nranks] (0 queues, 1 load/store, 2 not
+                    // connected); at the next multiple of 4, the rail team:
+                    // u32 rail barriers, u32 members, u32 ranks[members]
   u64 signal_peers; // u64[nranks]: signal windows mapped here (0: none)
   u32 world_barriers;
   u32 signal_window; // the signal window's id, for descriptors
-  u64 rail;          // u32[nrail]: this rank's rail, in team order (rail barriers)
-  u32 nrail;
-  u32 rail_barriers; // signal slots after the world barriers'
 };
-static_assert(sizeof(DevComm) == 136, "DevComm ABI");
+static_assert(sizeof(DevComm) == 120, "DevComm ABI");
 GIN_ASSERT_OFFSET(DevComm, signal_base, 24, "DevComm ABI");
 GIN_ASSERT_OFFSET(DevComm, signals, 32, "DevComm ABI");
 GIN_ASSERT_OFFSET(DevComm, counters, 48, "DevComm ABI");
@@ -118,8 +117,6 @@ GIN_ASSERT_OFFSET(DevComm, backend_kind, 88, "DevComm ABI");
 GIN_ASSERT_OFFSET(DevComm, lsa, 96, "DevComm ABI");
 GIN_ASSERT_OFFSET(DevComm, signal_peers, 104, "DevComm ABI");
 GIN_ASSERT_OFFSET(DevComm, signal_window, 116, "DevComm ABI");
-GIN_ASSERT_OFFSET(DevComm, rail, 120, "DevComm ABI");
-GIN_ASSERT_OFFSET(DevComm, rail_barriers, 132, "DevComm ABI");
 
 struct Window {
   u32 id;

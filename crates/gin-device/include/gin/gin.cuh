@@ -132,6 +132,10 @@ constexpr u8 REACH_QUEUE = 0, REACH_LSA = 1, REACH_NONE = 2;
 GIN_DEV u8 reach(const DevComm& dc, u32 peer) { return ((const u8*)dc.lsa)[peer]; }
 GIN_DEV bool is_lsa(const DevComm& dc, u32 peer) { return reach(dc, peer) == REACH_LSA; }
 GIN_DEV bool is_queued(const DevComm& dc, u32 peer) { return reach(dc, peer) == REACH_QUEUE; }
+// The rail team after the reach table: rail barriers, members, ranks.
+GIN_DEV const u32* rail_team(const DevComm& dc) {
+  return (const u32*)((const u8*)dc.lsa + ((dc.nranks + 3u) & ~3u));
+}
 GIN_DEV const ProxyRingAbi& ring(const DevComm& dc, u32 ctx, u32 peer) {
   return ((const ProxyRingAbi*)dc.rings)[ctx * dc.nranks + peer];
 }
@@ -454,8 +458,7 @@ GIN_DEV int put(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst
     if (me + members < n) w1 = ((const uint4*)s)[me + members];
   }
   // Every per-peer table read at once: one L2 round trip, not one each.
-  const u8 how = reach(dc, peer);
-  const bool lsa = how == REACH_LSA;
+  const bool lsa = is_lsa(dc, peer);
   const u64 dst_size = ((const u64*)dst.sizes)[peer];
   u8* const d = (u8*)((const u64*)dst.peer_bases)[peer];
   u64* const sig = rem.kind == 1 ? signal_peer(dc, peer) : nullptr;
@@ -464,9 +467,10 @@ GIN_DEV int put(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst
   if (dc.backend_kind == BACKEND_PROXY) rg = ring(dc, ctx, peer);
   // One branch, off the load/store path: a peer off a rail connection,
   // or no queues.
-  if (!lsa && (how == REACH_NONE || !has_queues(dc)))
-    return how == REACH_NONE ? fail(dc, BAD_PEER, ctx, peer, peer)
-                             : fail(dc, UNSUPPORTED, ctx, peer, dc.backend_kind);
+  if (!lsa && (!has_queues(dc) || reach(dc, peer) == REACH_NONE)) {
+    const bool none = reach(dc, peer) == REACH_NONE;
+    return fail(dc, none ? BAD_PEER : UNSUPPORTED, ctx, peer, none ? peer : dc.backend_kind);
+  }
   if (!range_ok(dst_off, bytes, dst_size)) return fail(dc, OUT_OF_WINDOW, ctx, peer, dst.id);
   if (lsa) {
     if (!d || (rem.kind == 1 && !sig)) return fail(dc, UNSUPPORTED, ctx, peer, dst.id);
@@ -795,11 +799,15 @@ GIN_DEV int barrier(const DevComm& dc, u32 ctx, u32 index, Coop coop = THREAD) {
 GIN_DEV int rail_barrier(const DevComm& dc, u32 ctx, u32 index, Coop coop = THREAD) {
   using namespace detail;
   int e = check_ctx(dc, ctx);
-  if (!e && index >= dc.rail_barriers) e = fail(dc, BAD_SIGNAL, ctx, NO_PEER, index);
+  const u32* team = rail_team(dc);
+  if (!e && index >= team[0]) e = fail(dc, BAD_SIGNAL, ctx, NO_PEER, index);
   if (e) return e;
-  return team_barrier(dc, ctx, dc.nsignals + dc.world_barriers + index, (const u32*)dc.rail,
-                      dc.nrail, coop);
+  return team_barrier(dc, ctx, dc.nsignals + dc.world_barriers + index, team + 2, team[1], coop);
 }
+
+// The number of ranks in this rank's rail, and the `i`-th of them.
+GIN_DEV u32 rail_size(const DevComm& dc) { return detail::rail_team(dc)[1]; }
+GIN_DEV u32 rail_rank(const DevComm& dc, u32 i) { return detail::rail_team(dc)[2 + i]; }
 
 } // namespace gin
 #endif // __CUDACC__
