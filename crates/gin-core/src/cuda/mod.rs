@@ -673,6 +673,10 @@ impl<'c> CudaComm<'c> {
             CtxSharing::Thread => DEVCOMM_FLAG_EXCLUSIVE_CTX,
         };
         let timeout = comm.settings().timeout;
+        // A staging buffer for the proxy or the NIC, where some peer is over TCP.
+        let new_stage = || -> Result<Option<staging::Stage>, CoreError> {
+            tcp.contains(&true).then(staging::Stage::new).transpose()
+        };
         let abi = DevCommAbi {
             rank: rank as u32,
             nranks: n as u32,
@@ -713,11 +717,7 @@ impl<'c> CudaComm<'c> {
                 counter_slots: self.comm.settings().counter_slots,
                 spin: comm.settings().proxy_spin,
                 links: (0..n).map(|p| comm.tcp_link(p)).collect(),
-                stage: if tcp.contains(&true) {
-                    Some(staging::Stage::new()?)
-                } else {
-                    None
-                },
+                stage: new_stage()?,
                 timeout,
             })?)
         } else {
@@ -744,11 +744,7 @@ impl<'c> CudaComm<'c> {
                         sink_len: 64,
                         spin: comm.settings().proxy_spin,
                         links: (0..n).map(|p| comm.tcp_link(p)).collect(),
-                        stage: if tcp.contains(&true) {
-                            Some(staging::Stage::new()?)
-                        } else {
-                            None
-                        },
+                        stage: new_stage()?,
                         timeout,
                     },
                 )?;

@@ -470,6 +470,28 @@ impl<D: Dma> Nic<D> {
     /// Resolves `(key, addr)` of `len` bytes on `rank` to a device address
     /// mapped here; `Err` names what was wrong.
     fn resolve(&self, rank: usize, m: MemRef, len: u64) -> Result<u64, String> {
+        let (w, id, off) = self.locate(rank, m, len)?;
+        let mapped = if rank == self.spec.rank {
+            w.local
+        } else {
+            w.peers[rank]
+        };
+        if mapped == 0 {
+            return Err(format!(
+                "rank {rank}'s part of window {id} is not mapped here"
+            ));
+        }
+        Ok(mapped + off)
+    }
+
+    /// The window `(key, addr)` names on `rank`, its id, and the offset of
+    /// `len` bytes there; `Err` names what was wrong.
+    fn locate(
+        &self,
+        rank: usize,
+        m: MemRef,
+        len: u64,
+    ) -> Result<(Arc<super::WinInfo>, u32, u64), String> {
         let (id, owner) = window_of_key(m.key, self.spec.nranks)
             .ok_or_else(|| format!("key {:#010x} is not a window key", m.key))?;
         if owner != rank {
@@ -488,17 +510,7 @@ impl<D: Dma> Nic<D> {
                 m.addr
             ));
         }
-        let mapped = if rank == self.spec.rank {
-            w.local
-        } else {
-            w.peers[rank]
-        };
-        if mapped == 0 {
-            return Err(format!(
-                "rank {rank}'s part of window {id} is not mapped here"
-            ));
-        }
-        Ok(mapped + off)
+        Ok((w, id, off))
     }
 
     /// The link to `peer`, where it is reached over TCP.
@@ -509,25 +521,13 @@ impl<D: Dma> Nic<D> {
     /// Resolves `(key, addr)` of `len` bytes on `rank`, reached over TCP,
     /// to its region key and offset there.
     fn resolve_tcp(&self, rank: usize, m: MemRef, len: u64) -> Result<(u32, u64), String> {
-        let (id, owner) = window_of_key(m.key, self.spec.nranks)
-            .ok_or_else(|| format!("key {:#010x} is not a window key", m.key))?;
-        if owner != rank {
-            return Err(format!(
-                "key {:#010x} belongs to rank {owner}, not rank {rank}",
-                m.key
-            ));
+        let (w, id, off) = self.locate(rank, m, len)?;
+        match w.keys[rank] {
+            0 => Err(format!(
+                "rank {rank}'s part of window {id} is not served over TCP"
+            )),
+            key => Ok((key, off)),
         }
-        let w = window(&self.spec.windows, id)
-            .map_err(|_| format!("key {:#010x} names no registered window", m.key))?;
-        let (base, size, key) = (w.addrs[rank], w.sizes[rank], w.keys[rank]);
-        let off = m.addr.wrapping_sub(base);
-        if m.addr < base || !fits(off, len, size) || key == 0 {
-            return Err(format!(
-                "{len} bytes at {:#x} fall outside rank {rank}'s part of window {id} ({size} bytes at {base:#x})",
-                m.addr
-            ));
-        }
-        Ok((key, off))
     }
 
     /// A write or read with a peer over TCP, staged a chunk at a time.

@@ -348,20 +348,8 @@ fn execute(
                         link.put(key, d.dst_offset, &v.to_le_bytes(), None)
                             .map_err(|e| e.to_string())?;
                     } else {
-                        let src = window(&spec.windows, d.src_window)?;
-                        if !fits(d.src_offset, d.bytes, src.local_size) {
-                            return Err(format!(
-                                "put source of {} bytes at {} outside window {} ({} bytes)",
-                                d.bytes, d.src_offset, d.src_window, src.local_size
-                            ));
-                        }
-                        ring.send(
-                            stage,
-                            link,
-                            (key, d.dst_offset),
-                            src.local + d.src_offset,
-                            d.bytes,
-                        )?;
+                        let src = put_source(spec, d)?;
+                        ring.send(stage, link, (key, d.dst_offset), src, d.bytes)?;
                     }
                     put_signal(spec, ring, &mut reach, d)?;
                     return count(spec, ring, counters, d);
@@ -379,19 +367,9 @@ fn execute(
                     }
                     ring.store(base + d.dst_offset, v).map_err(err)?;
                 } else {
-                    let src = window(&spec.windows, d.src_window)?;
-                    if !fits(d.src_offset, d.bytes, src.local_size) {
-                        return Err(format!(
-                            "put source of {} bytes at {} outside window {} ({} bytes)",
-                            d.bytes, d.src_offset, d.src_window, src.local_size
-                        ));
-                    }
-                    ring.copy(
-                        base + d.dst_offset,
-                        src.local + d.src_offset,
-                        d.bytes as usize,
-                    )
-                    .map_err(err)?;
+                    let src = put_source(spec, d)?;
+                    ring.copy(base + d.dst_offset, src, d.bytes as usize)
+                        .map_err(err)?;
                 }
             }
             put_signal(spec, ring, &mut reach, d)?;
@@ -432,6 +410,18 @@ fn execute(
         }
     }
     count(spec, ring, counters, d)
+}
+
+/// The device address of a put's source, checked against its window.
+fn put_source(spec: &ProxySpec, d: &Desc) -> Result<u64, String> {
+    let src = window(&spec.windows, d.src_window)?;
+    if !fits(d.src_offset, d.bytes, src.local_size) {
+        return Err(format!(
+            "put source of {} bytes at {} outside window {} ({} bytes)",
+            d.bytes, d.src_offset, d.src_window, src.local_size
+        ));
+    }
+    Ok(src.local + d.src_offset)
 }
 
 /// A put's signal: this rank's running total of the signal, stored into
