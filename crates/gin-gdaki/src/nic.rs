@@ -312,7 +312,7 @@ impl<'a> Engine<'a> {
             }
             Op::WriteInline { remote, data } => self.write(peer, *remote, data),
             Op::Read { remote, local, len } => {
-                let dst = match self.local(*local, u64::from(*len)) {
+                let (dst, keep) = match self.local_kept(*local, u64::from(*len)) {
                     Ok(p) => p,
                     Err(why) => return fail(syndrome::LOCAL_PROT_ERR, why),
                 };
@@ -324,12 +324,19 @@ impl<'a> Engine<'a> {
                             window: reg.window,
                             offset,
                         };
-                        // SAFETY: `dst` is a checked local range that stays
-                        // registered; we wait for `done` below.
+                        // SAFETY: `dst` is a checked local range. We wait for
+                        // `done` below; if that times out, the transport still
+                        // holds the destination window's keep-alive until the
+                        // answer lands, so it never writes freed memory.
                         let r = unsafe {
-                            self.s
-                                .fabric
-                                .get_in(peer, (&reg.desc, a), dst, u64::from(*len), &done)
+                            self.s.fabric.get_in(
+                                peer,
+                                (&reg.desc, a),
+                                dst,
+                                u64::from(*len),
+                                &done,
+                                keep,
+                            )
                         };
                         if let Err(e) = r {
                             return transport(e);
@@ -490,10 +497,21 @@ impl<'a> Engine<'a> {
 
     /// Resolves a local (lkey, address) range to a pointer.
     fn local(&mut self, m: MemRef, len: u64) -> Result<*mut u8, String> {
+        self.local_kept(m, len).map(|(p, _)| p)
+    }
+
+    /// [`Self::local`], with what keeps the range mapped (`None` for the
+    /// NIC's own regions, which outlive it).
+    fn local_kept(
+        &mut self,
+        m: MemRef,
+        len: u64,
+    ) -> Result<(*mut u8, Option<gin_net::KeepAlive>), String> {
         match self.resolve(self.s.rank, m, len)? {
-            Target::Here(p) => Ok(p),
+            Target::Here(p) => Ok((p, None)),
             Target::Window { entry, offset } => {
-                Ok((self.regions[entry].desc.local_base + offset as usize) as *mut u8)
+                let d = &self.regions[entry].desc;
+                Ok(((d.local_base + offset as usize) as *mut u8, d.keep.clone()))
             }
         }
     }

@@ -267,10 +267,15 @@ impl Fabric {
     }
 
     /// Reads `len` bytes at `src` on `peer` into `dst`. `done` is decremented
-    /// when the data has landed; the caller increments it first.
+    /// when the data has landed; the caller increments it first. `keep` (the
+    /// destination window's [`MemDesc::keep`]) is held until the data has
+    /// landed or the read has failed, so a read still in flight when its
+    /// destination window is dropped lands in memory that is still mapped.
     ///
     /// # Safety
-    /// `dst` must be valid for writes of `len` bytes until `done` drops.
+    /// `dst` must be valid for writes of `len` bytes until `done` drops, or,
+    /// if the caller may stop waiting before that, for as long as `keep`
+    /// lives.
     pub unsafe fn get(
         &self,
         peer: usize,
@@ -278,10 +283,11 @@ impl Fabric {
         dst: *mut u8,
         len: u64,
         done: &Arc<AtomicU64>,
+        keep: Option<KeepAlive>,
     ) -> Result<(), NetError> {
         let w = self.window(src.window)?;
         // SAFETY: forwarded from the caller.
-        unsafe { self.get_in(peer, (&w, src), dst, len, done) }
+        unsafe { self.get_in(peer, (&w, src), dst, len, done, keep) }
     }
 
     /// [`Fabric::get`] with the window's description in hand.
@@ -295,6 +301,7 @@ impl Fabric {
         dst: *mut u8,
         len: u64,
         done: &Arc<AtomicU64>,
+        keep: Option<KeepAlive>,
     ) -> Result<(), NetError> {
         let path = self.check(w, peer, src, len)?;
         match path {
@@ -309,7 +316,7 @@ impl Fabric {
             Path::Tcp(link) => {
                 let key = w.keys.get(peer).copied().unwrap_or(0);
                 // SAFETY: forwarded from the caller.
-                unsafe { link.get(key, src.offset, len, dst, done.clone()) }
+                unsafe { link.get(key, src.offset, len, dst, done.clone(), keep) }
             }
         }
     }

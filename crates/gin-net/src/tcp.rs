@@ -40,6 +40,7 @@ use gin_bootstrap::Bootstrap;
 use tracing::{debug, warn};
 
 use crate::NetError;
+use crate::fabric::KeepAlive;
 use crate::region::{AccessKind, RegionTable};
 
 const REQ: usize = 64;
@@ -150,6 +151,9 @@ enum Pending {
         dst: usize,
         len: u64,
         done: Arc<AtomicU64>,
+        /// Keeps `dst` mapped until the reply has landed or the read
+        /// failed: dropped with this entry, after `done` is released.
+        _keep: Option<KeepAlive>,
     },
     /// A fetch-add, compare-swap or fence: send the value back.
     Value(mpsc::SyncSender<Result<u64, String>>),
@@ -480,6 +484,7 @@ impl Link {
                         dst,
                         len: want,
                         done,
+                        _keep,
                     }) = p
                     else {
                         break format!("rank {} answered unknown get {req}", self.peer);
@@ -627,9 +632,13 @@ impl Link {
     /// Starts a read of `len` bytes at `(key, off)` into `dst`; `done` is
     /// decremented when the data has landed (or the read failed: see
     /// [`Link::check`]). The caller increments `done` before calling.
+    /// `keep`, if any, is held until the reply has landed or the read has
+    /// failed, whether or not anyone still waits for `done`.
     ///
     /// # Safety
-    /// `dst` must stay valid for writes of `len` bytes until `done` drops.
+    /// `dst` must stay valid for writes of `len` bytes until `done` drops,
+    /// or, if the caller may stop waiting before that (a timeout), for as
+    /// long as `keep` lives.
     pub unsafe fn get(
         &self,
         key: u32,
@@ -637,6 +646,7 @@ impl Link {
         len: u64,
         dst: *mut u8,
         done: Arc<AtomicU64>,
+        keep: Option<KeepAlive>,
     ) -> Result<(), NetError> {
         // Replies carry a 32-bit length: large reads go as several requests,
         // each releasing `done` once.
@@ -656,6 +666,7 @@ impl Link {
                         dst: dst as usize + at as usize,
                         len: n,
                         done: done.clone(),
+                        _keep: keep.clone(),
                     },
                 );
             let r = self.send(

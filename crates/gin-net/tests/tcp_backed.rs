@@ -78,7 +78,7 @@ fn puts_and_gets_of_backed_regions_go_through_the_backing() {
         let mut back = vec![0u8; LEN];
         let done = Arc::new(AtomicU64::new(1));
         // SAFETY: `back` lives until `done` drops to 0, awaited below.
-        unsafe { link.get(pk, 3, LEN as u64, back.as_mut_ptr(), done.clone()) }.unwrap();
+        unsafe { link.get(pk, 3, LEN as u64, back.as_mut_ptr(), done.clone(), None) }.unwrap();
         let start = Instant::now();
         while done.load(Ordering::Acquire) != 0 {
             assert!(start.elapsed() < to, "get not answered");
@@ -114,4 +114,116 @@ fn puts_and_gets_of_backed_regions_go_through_the_backing() {
         );
         assert_eq!(after, before, "rank {r}: a refused request touched memory");
     }
+}
+
+/// A backing whose reads wait until the test opens the gate: a get stays in
+/// flight as long as the test needs.
+#[derive(Default)]
+struct Gated {
+    open: Mutex<bool>,
+    cv: std::sync::Condvar,
+}
+
+impl Backing for Gated {
+    fn write(&self, _: u64, _: &[u8]) -> Result<(), String> {
+        Ok(())
+    }
+    fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), String> {
+        let g = self.open.lock().unwrap();
+        let (_g, t) = self
+            .cv
+            .wait_timeout_while(g, Duration::from_secs(20), |open| !*open)
+            .unwrap();
+        if t.timed_out() {
+            return Err("the test never opened the gate".into());
+        }
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = (offset as usize + i) as u8 ^ 0x5a;
+        }
+        Ok(())
+    }
+}
+
+/// A get's destination, standing in for a window's memory: when the last
+/// holder drops it, it records what it held.
+struct Dest {
+    buf: std::cell::UnsafeCell<Vec<u8>>,
+    seen: Arc<Mutex<Option<Vec<u8>>>>,
+}
+
+// SAFETY: the buffer is written only by the link's reply reader, through
+// the raw pointer the get was given, and read only in `drop`, when no one
+// else holds it.
+unsafe impl Sync for Dest {}
+
+impl Drop for Dest {
+    fn drop(&mut self) {
+        *self.seen.lock().unwrap() = Some(self.buf.get_mut().clone());
+    }
+}
+
+/// A get whose issuer stops waiting (a timeout) and drops the destination
+/// window: the link holds the destination's keep-alive until the answer has
+/// landed, so the bytes land in memory that is still there, and lets go of
+/// it right after.
+#[test]
+fn a_get_in_flight_keeps_its_destination_alive_until_the_answer_lands() {
+    const N: usize = 4096;
+    let gate = Arc::new(Gated::default());
+    let g = gate.clone();
+    let out = run_threads(2, Config::default(), move |b| {
+        let table = Arc::new(RegionTable::default());
+        let key = table
+            .insert_backed(0x2_0000_0000, N as u64 + 64, g.clone())
+            .unwrap();
+        let t = TcpTransport::start(&b, table.clone(), &[b.rank() == 1, b.rank() == 0]).unwrap();
+        let keys = b.allgather(&key.to_le_bytes()).unwrap();
+        let mut result = None;
+        if b.rank() == 0 {
+            let pk = u32::from_le_bytes(keys[1][..4].try_into().unwrap());
+            let seen = Arc::new(Mutex::new(None));
+            let dest = Arc::new(Dest {
+                buf: std::cell::UnsafeCell::new(vec![0u8; N]),
+                seen: seen.clone(),
+            });
+            let ptr = unsafe { (*dest.buf.get()).as_mut_ptr() };
+            let weak = Arc::downgrade(&dest);
+            let done = Arc::new(AtomicU64::new(1));
+            let keep = gin_net::KeepAlive(dest);
+            // SAFETY: `dest` lives while the link holds `keep`.
+            unsafe {
+                t.link(1)
+                    .unwrap()
+                    .get(pk, 64, N as u64, ptr, done.clone(), Some(keep))
+            }
+            .unwrap();
+            // The issuer gives up and drops the destination: only the link
+            // holds it now, and the answer has not come.
+            let held = weak.strong_count();
+            let pending = done.load(Ordering::Acquire);
+            g.open.lock().unwrap().clone_from(&true);
+            g.cv.notify_all();
+            // Dropped by the link once the answer has landed (the strong
+            // count falls before `drop` has run: wait for what it records).
+            let start = Instant::now();
+            let landed = loop {
+                if let Some(v) = seen.lock().unwrap().take() {
+                    break v;
+                }
+                assert!(start.elapsed() < Duration::from_secs(20), "still held");
+                std::thread::yield_now();
+            };
+            result = Some((held, pending, done.load(Ordering::Acquire), landed));
+        }
+        b.barrier().unwrap();
+        drop(t);
+        result
+    })
+    .unwrap();
+    let (held, pending, done, landed) = out[0].clone().unwrap();
+    assert_eq!(held, 1, "the link holds the destination while the get is in flight");
+    assert_eq!(pending, 1, "the gate kept the answer back");
+    assert_eq!(done, 0, "the get completed");
+    let want: Vec<u8> = (0..N).map(|i| (64 + i) as u8 ^ 0x5a).collect();
+    assert!(landed == want, "the answer landed in the kept destination");
 }

@@ -111,7 +111,7 @@ fn refused_puts_are_reported_and_good_traffic_lands() {
         let mut back = [0u8; 16];
         let done = Arc::new(AtomicU64::new(1));
         // SAFETY: `back` lives until `done` reaches zero below.
-        unsafe { link.get(pk, 8, 16, back.as_mut_ptr(), done.clone()) }.unwrap();
+        unsafe { link.get(pk, 8, 16, back.as_mut_ptr(), done.clone(), None) }.unwrap();
         link.fence(to).unwrap();
         assert_eq!(done.load(std::sync::atomic::Ordering::Acquire), 0);
         assert_eq!(back, [1u8; 16]);

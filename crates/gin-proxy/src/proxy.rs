@@ -471,10 +471,10 @@ fn execute_get(s: &Shared, peer: usize, d: &Desc, ring: &Ring) -> Result<(), Str
     }
     ring.gets_in_flight.fetch_add(1, Ordering::AcqRel);
     // SAFETY: the destination lies inside this rank's registered part (checked
-    // above); it stays mapped while the window is registered, and windows are
-    // deregistered only after every context was flushed. (A window dropped
-    // with a get still in flight is not covered: the answer lands after
-    // `w` is gone. Flush before dropping.)
+    // above). The transport holds the window's keep-alive until the answer
+    // has landed, so a window its owner drops with the get in flight stays
+    // mapped until then; a window without one (its owner keeps the memory)
+    // outlives every context by construction.
     let r = unsafe {
         s.fabric.get(
             peer,
@@ -485,6 +485,7 @@ fn execute_get(s: &Shared, peer: usize, d: &Desc, ring: &Ring) -> Result<(), Str
             (w.local_base + d.src_offset as usize) as *mut u8,
             d.bytes,
             &ring.gets_in_flight,
+            w.keep.clone(),
         )
     };
     r.map_err(|e| {

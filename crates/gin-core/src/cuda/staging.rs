@@ -92,7 +92,7 @@ impl Stage {
         // SAFETY: the buffer holds STAGE bytes and stays valid until `done`
         // drops: every return below but the timeout's comes after that, and
         // after a timeout the buffer is never freed (`abandoned`).
-        unsafe { link.get(key, off, n as u64, self.mem.host, done.clone()) }
+        unsafe { link.get(key, off, n as u64, self.mem.host, done.clone(), None) }
             .map_err(|e| e.to_string())?;
         let start = Instant::now();
         while done.load(Ordering::Acquire) != 0 {
