@@ -444,14 +444,27 @@ impl Bootstrap {
             }
             Err(e) => return Err(e),
         };
-        match handshake_dial(
+        let verdict = handshake_dial(
             &mut s,
             &self.id,
             (Purpose::Peer, self.rank as u32, self.nranks as u32, ""),
             deadline,
             self.config.max_frame,
             &what,
-        )? {
+        )
+        .map_err(|e| match e {
+            BootstrapError::Timeout {
+                rank, what, waited, ..
+            } => BootstrapError::Timeout {
+                rank,
+                op: op.to_owned(),
+                what: format!("{what} in the handshake with rank {peer}"),
+                waited,
+                missing: vec![peer],
+            },
+            e => e,
+        })?;
+        match verdict {
             Ok(()) => Ok(s),
             Err(reason) => Err(BootstrapError::Refused {
                 rank: self.rank,

@@ -6,7 +6,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use crate::error::BootstrapError;
-use crate::frame::{self, Frame, Hello, Purpose, read_frame};
+use crate::frame::{self, Frame, Hello, Purpose, ReadError, read_frame};
 use crate::id::UniqueId;
 
 /// A legitimate peer answers a challenge at once; a stranger that connects and
@@ -77,12 +77,34 @@ pub(crate) fn handshake_dial(
 ) -> Result<Result<(), String>, BootstrapError> {
     let (purpose, rank, nranks, listen_addr) = hello;
     let r = Some(rank as usize);
+    let started = Instant::now();
     let left = deadline
-        .saturating_duration_since(Instant::now())
+        .saturating_duration_since(started)
         .max(Duration::from_millis(1));
     s.set_read_timeout(Some(left))
         .map_err(|e| BootstrapError::io(r, "setting a read timeout", e))?;
-    let nonce = match read_frame(s, max_frame).map_err(|e| BootstrapError::from_read(r, what, e))? {
+    // A read that ran into the deadline is a timeout, named as such, not a
+    // socket failure.
+    let read = |s: &mut TcpStream, awaited: &str| {
+        read_frame(s, max_frame).map_err(|e| match e {
+            ReadError::Io(io)
+                if matches!(
+                    io.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                BootstrapError::Timeout {
+                    rank: rank as usize,
+                    op: format!("the handshake with {what}"),
+                    what: awaited.to_owned(),
+                    waited: started.elapsed(),
+                    missing: Vec::new(),
+                }
+            }
+            e => BootstrapError::from_read(r, what, e),
+        })
+    };
+    let nonce = match read(s, "its challenge")? {
         Some(Frame::Challenge { nonce }) => nonce,
         Some(other) => {
             return Err(BootstrapError::Frame {
@@ -114,8 +136,7 @@ pub(crate) fn handshake_dial(
         }),
     )
     .map_err(|e| BootstrapError::io(r, format!("sending hello to {what}"), e))?;
-    let verdict =
-        match read_frame(s, max_frame).map_err(|e| BootstrapError::from_read(r, what, e))? {
+    let verdict = match read(s, "its verdict on our hello")? {
             Some(Frame::Welcome) => Ok(()),
             Some(Frame::Refuse { reason }) => Err(reason),
             other => Err(format!("unexpected handshake answer {other:?}")),
@@ -200,4 +221,43 @@ pub(crate) fn handshake_accept(
     write_frame(s, &Frame::Welcome).map_err(|e| format!("sending welcome: {e}"))?;
     s.set_read_timeout(None).map_err(|e| e.to_string())?;
     Ok(hello)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+    use super::*;
+    use std::net::TcpListener;
+
+    /// A listener that accepts and then says nothing: the dialer's
+    /// handshake runs into its deadline and says so, naming the step.
+    #[test]
+    fn a_silent_acceptor_is_a_handshake_timeout() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let silent = std::thread::spawn(move || l.accept().map(|(s, _)| s));
+        let mut s = TcpStream::connect(addr).unwrap();
+        let id = UniqueId::derived(addr, "test");
+        let deadline = Instant::now() + Duration::from_millis(200);
+        let e = handshake_dial(
+            &mut s,
+            &id,
+            (Purpose::Peer, 3, 4, ""),
+            deadline,
+            1 << 20,
+            "rank 1",
+        )
+        .unwrap_err();
+        let _keep_open = silent.join().unwrap();
+        assert!(
+            matches!(e, BootstrapError::Timeout { rank: 3, .. }),
+            "not a timeout: {e:?}"
+        );
+        let text = e.to_string();
+        assert!(
+            text.contains("the handshake with rank 1") && text.contains("its challenge"),
+            "{text}"
+        );
+    }
 }
