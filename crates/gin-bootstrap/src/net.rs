@@ -137,10 +137,10 @@ pub(crate) fn handshake_dial(
     )
     .map_err(|e| BootstrapError::io(r, format!("sending hello to {what}"), e))?;
     let verdict = match read(s, "its verdict on our hello")? {
-            Some(Frame::Welcome) => Ok(()),
-            Some(Frame::Refuse { reason }) => Err(reason),
-            other => Err(format!("unexpected handshake answer {other:?}")),
-        };
+        Some(Frame::Welcome) => Ok(()),
+        Some(Frame::Refuse { reason }) => Err(reason),
+        other => Err(format!("unexpected handshake answer {other:?}")),
+    };
     s.set_read_timeout(None)
         .map_err(|e| BootstrapError::io(r, "clearing the read timeout", e))?;
     Ok(verdict)

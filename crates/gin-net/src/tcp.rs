@@ -432,8 +432,18 @@ impl Link {
     }
 
     fn fail(&self, why: String) {
+        self.fail_as(why, true);
+    }
+
+    /// Records the link's error (`loud`: also log it as a warning) and
+    /// releases every waiter.
+    fn fail_as(&self, why: String, loud: bool) {
         if self.error.set(why.clone()) {
-            warn!(rank = self.rank, peer = self.peer, %why, "tcp transport error");
+            if loud {
+                warn!(rank = self.rank, peer = self.peer, %why, "tcp transport error");
+            } else {
+                debug!(rank = self.rank, peer = self.peer, %why, "tcp transport closed");
+            }
         }
         // Nothing pending will be answered now: release every waiter.
         let pending: Vec<Pending> = self
@@ -457,10 +467,13 @@ impl Link {
 
     fn read_replies(&self, mut r: TcpStream) {
         let mut buf = vec![0u8; CHUNK];
+        // Whether the connection simply ended (the peer exited or died).
+        let mut eof = false;
         let why = loop {
             let mut h = [0u8; REP];
             if let Err(e) = r.read_exact(&mut h) {
-                break if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                eof = e.kind() == std::io::ErrorKind::UnexpectedEof;
+                break if eof {
                     format!(
                         "lost the connection to rank {}'s transport (that rank exited, died or became unreachable)",
                         self.peer
@@ -560,7 +573,15 @@ impl Link {
             }
         };
         if !self.closing.load(Ordering::SeqCst) {
-            self.fail(why);
+            // A peer that exits closes its server's connections; with
+            // nothing asked of it, that is news for whoever uses the link
+            // next (it gets this error), not a warning at every job's end.
+            let idle = self
+                .pending
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .is_empty();
+            self.fail_as(why, !(eof && idle));
         }
     }
 

@@ -186,6 +186,7 @@ fn a_get_in_flight_keeps_its_destination_alive_until_the_answer_lands() {
                 buf: std::cell::UnsafeCell::new(vec![0u8; N]),
                 seen: seen.clone(),
             });
+            // SAFETY: nothing else touches the buffer yet.
             let ptr = unsafe { (*dest.buf.get()).as_mut_ptr() };
             let weak = Arc::downgrade(&dest);
             let done = Arc::new(AtomicU64::new(1));
@@ -221,7 +222,10 @@ fn a_get_in_flight_keeps_its_destination_alive_until_the_answer_lands() {
     })
     .unwrap();
     let (held, pending, done, landed) = out[0].clone().unwrap();
-    assert_eq!(held, 1, "the link holds the destination while the get is in flight");
+    assert_eq!(
+        held, 1,
+        "the link holds the destination while the get is in flight"
+    );
     assert_eq!(pending, 1, "the gate kept the answer back");
     assert_eq!(done, 0, "the get completed");
     let want: Vec<u8> = (0..N).map(|i| (64 + i) as u8 ^ 0x5a).collect();
