@@ -38,6 +38,28 @@ fn check(call: &str, r: rtc::nvrtcResult) -> Result<(), String> {
     Err(format!("{call}: {}", s.to_string_lossy()))
 }
 
+/// The header texts, in [`HEADERS`]' order: the embedded ones, or, with
+/// `GIN_CUDA_HEADERS=DIR`, those under `DIR` (`DIR/gin/gin.cuh`, ...). The
+/// override exists to compare variants of the device code in one job on a
+/// GPU machine (A/B runs) without rebuilding; the variants must keep the
+/// ABI of the binary's `abi.rs`.
+fn header_texts() -> Result<Vec<std::borrow::Cow<'static, str>>, String> {
+    let Some(dir) = std::env::var_os("GIN_CUDA_HEADERS") else {
+        return Ok(HEADERS.iter().map(|(_, t)| (*t).into()).collect());
+    };
+    let dir = std::path::PathBuf::from(dir);
+    tracing::info!(dir = %dir.display(), "CUDA headers from GIN_CUDA_HEADERS");
+    HEADERS
+        .iter()
+        .map(|(n, _)| {
+            let p = dir.join(n);
+            std::fs::read_to_string(&p)
+                .map(Into::into)
+                .map_err(|e| format!("GIN_CUDA_HEADERS: reading {}: {e}", p.display()))
+        })
+        .collect()
+}
+
 /// Compiles `source` (named `name` in diagnostics) for compute capability
 /// `cc` into a cubin. The error carries NVRTC's log.
 pub fn compile(source: &str, name: &str, cc: (i32, i32)) -> Result<Vec<u8>, CoreError> {
@@ -56,10 +78,8 @@ pub fn compile(source: &str, name: &str, cc: (i32, i32)) -> Result<Vec<u8>, Core
     let nul = |s: &str| CString::new(s).map_err(|_| fail(format!("{s:?} contains a NUL")));
     let src = nul(source)?;
     let cname = nul(name)?;
-    let hdr_text: Vec<CString> = HEADERS
-        .iter()
-        .map(|(_, t)| nul(t))
-        .collect::<Result<_, _>>()?;
+    let texts = header_texts().map_err(fail)?;
+    let hdr_text: Vec<CString> = texts.iter().map(|t| nul(t)).collect::<Result<_, _>>()?;
     let hdr_name: Vec<CString> = HEADERS
         .iter()
         .map(|(n, _)| nul(n))
