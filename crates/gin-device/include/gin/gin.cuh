@@ -125,6 +125,26 @@ GIN_DEV u32 poll(const DevComm& dc, u32 timeout_kind, Ready ready) {
   }
 }
 
+// `poll` for a whole warp: every lane reads (the same words, one
+// transaction) and lane 0's reading decides, so the warp never diverges
+// while it waits. Returns the same code on every lane.
+template <class Ready>
+GIN_DEV u32 poll_warp(const DevComm& dc, u32 timeout_kind, Ready ready) {
+  constexpr u32 NOT_YET = ~0u;
+  u64 start = 0;
+  for (u32 spin = 0;; ++spin) {
+    u32 k = ready() ? OK : NOT_YET;
+    if (k == NOT_YET && (spin & 1023) == 1) {
+      const u64 now = proxy::globaltimer();
+      if (spin == 1) start = now;
+      if (dc.abort_flag && *(volatile u32*)dc.abort_flag != 0) k = ABORTED;
+      else if (dc.timeout_ticks && now - start > dc.timeout_ticks) k = timeout_kind;
+    }
+    k = __shfl_sync(0xffffffffu, k, 0);
+    if (k != NOT_YET) return k;
+  }
+}
+
 // How a peer is reached, from DevComm::lsa: 1 load/store, 0 through the
 // context's queues (proxy ring or GDAKI QP), 2 not at all (a rail
 // connection reaches only the rail).
@@ -175,6 +195,7 @@ GIN_DEV void coop_copy(Coop c, u8* dst, const u8* src, u64 bytes) {
     u64 i = r;
     // Eight 16-byte loads in flight per thread before the stores: a lone
     // thread or a warp is bound by load latency, not by the link.
+#pragma unroll 1
     for (; i + 7 * n < vecs; i += 8 * n) {
       uint4 v[8];
 #pragma unroll
@@ -182,9 +203,11 @@ GIN_DEV void coop_copy(Coop c, u8* dst, const u8* src, u64 bytes) {
 #pragma unroll
       for (int k = 0; k < 8; ++k) d[i + k * n] = v[k];
     }
+#pragma unroll 1
     for (; i < vecs; i += n) d[i] = s[i];
     head = vecs * 16;
   }
+#pragma unroll 1
   for (u64 i = head + r; i < bytes; i += n) dst[i] = src[i];
 }
 
@@ -245,6 +268,13 @@ GIN_DEV int check_actions(const DevComm& dc, u32 ctx, u32 peer, Remote rem, Loca
 
 GIN_DEV bool has_queues(const DevComm& dc) {
   return dc.backend_kind == BACKEND_PROXY || dc.backend_kind == BACKEND_GDAKI;
+}
+
+// The error for a peer this rank cannot reach: not connected (off a rail
+// connection), or not load/store with a backend that has no queues.
+GIN_DEV int fail_unreachable(const DevComm& dc, u32 ctx, u32 peer) {
+  const bool none = reach(dc, peer) == REACH_NONE;
+  return fail(dc, none ? BAD_PEER : UNSUPPORTED, ctx, peer, none ? peer : dc.backend_kind);
 }
 
 GIN_DEV int check_peer(const DevComm& dc, u32 ctx, u32 peer) {
@@ -465,12 +495,11 @@ GIN_DEV int put(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst
   // The ring too, where there are rings (unused for a load/store peer).
   ProxyRingAbi rg{};
   if (dc.backend_kind == BACKEND_PROXY) rg = ring(dc, ctx, peer);
-  // One branch, off the load/store path: a peer off a rail connection,
-  // or no queues.
-  if (!lsa && (!has_queues(dc) || reach(dc, peer) == REACH_NONE)) {
-    const bool none = reach(dc, peer) == REACH_NONE;
-    return fail(dc, none ? BAD_PEER : UNSUPPORTED, ctx, peer, none ? peer : dc.backend_kind);
-  }
+  // A peer that is neither load/store nor queued is either off a rail
+  // connection or unreachable with this backend; the reach byte is read
+  // again only on those (cold) paths, so the load/store path's branches are
+  // those of a world connection.
+  if (!lsa && !has_queues(dc)) return fail_unreachable(dc, ctx, peer);
   if (!range_ok(dst_off, bytes, dst_size)) return fail(dc, OUT_OF_WINDOW, ctx, peer, dst.id);
   if (lsa) {
     if (!d || (rem.kind == 1 && !sig)) return fail(dc, UNSUPPORTED, ctx, peer, dst.id);
@@ -499,6 +528,7 @@ GIN_DEV int put(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst
     if (me == 0) lsa_actions(dc, ctx, peer, sig, rem, loc);
     return OK;
   }
+  if (reach(dc, peer) == REACH_NONE) return fail_unreachable(dc, ctx, peer);
   int r = OK;
   if (coop_rank(coop) == 0 && dc.backend_kind == BACKEND_GDAKI) {
     const GdakiData g{bytes ? 1u : 0u,
@@ -677,14 +707,17 @@ GIN_DEV int wait_signal(const DevComm& dc, u32 ctx, u32 id, u64 target, Coop coo
   int e = check_ctx(dc, ctx);
   if (!e && id >= dc.nsignals) e = fail(dc, BAD_SIGNAL, ctx, NO_PEER, id);
   if (e) return e;
+  const u64 slot = signal_slot(dc, ctx, id);
+  const auto ready = [&] { return signal_reached(signal_sum_acquire(dc, slot), target); };
+  if (coop == WARP) {
+    const u32 k = poll_warp(dc, SIGNAL_TIMEOUT, ready);
+    if (k && lane() == 0) fail(dc, k, ctx, NO_PEER, id);
+    __syncwarp();
+    return (int)k;
+  }
   int r = OK;
   if (coop_rank(coop) == 0) {
-    const u64 slot = signal_slot(dc, ctx, id);
-    u64 last = 0;
-    u32 k = poll(dc, SIGNAL_TIMEOUT, [&] {
-      last = signal_sum_acquire(dc, slot);
-      return signal_reached(last, target);
-    });
+    const u32 k = poll(dc, SIGNAL_TIMEOUT, ready);
     if (k) r = fail(dc, k, ctx, NO_PEER, id);
   }
   // The leader's acquire, then the coop's barrier, make the announced data
