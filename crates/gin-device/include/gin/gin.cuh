@@ -529,15 +529,21 @@ GIN_DEV int put(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst
     return OK;
   }
   if (reach(dc, peer) == REACH_NONE) return fail_unreachable(dc, ctx, peer);
+  // One aligned 8-byte word travels inline, in the WQE or the descriptor,
+  // from the register the leader loaded it into: the NIC or proxy then
+  // stores it, with no copy-engine copy (as mlx5 inline sends, and NCCL's
+  // put_value). The source is free again when put returns, as on the
+  // load/store path.
+  const bool word = tiny && bytes == 8;
   int r = OK;
   if (coop_rank(coop) == 0 && dc.backend_kind == BACKEND_GDAKI) {
-    const GdakiData g{bytes ? 1u : 0u,
+    const GdakiData g{word ? 2u : bytes ? 1u : 0u,
                       ((const u32*)dst.keys)[peer],
                       ((const u32*)src.keys)[dc.rank],
                       ((const u64*)dst.addrs)[peer] + dst_off,
                       src.local_base + src_off,
                       bytes,
-                      0};
+                      v0};
     r = gdaki_post(dc, ctx, peer, gqp(dc, ctx, peer), g, rem, loc);
   } else if (coop_rank(coop) == 0) {
     proxy::Desc d = empty_desc(proxy::OP_PUT);
@@ -546,6 +552,8 @@ GIN_DEV int put(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst
     d.dst_offset = dst_off;
     d.src_window = src.id;
     d.src_offset = src_off;
+    d.has_inline = word;
+    d.inline_value = v0;
     proxy_actions(dc, ctx, rem, loc, d);
     r = push_on(dc, rg, ctx, peer, d);
   }
