@@ -110,6 +110,10 @@ pub struct CudaArgs {
     /// Threads per block in the bandwidth test.
     #[arg(long, default_value_t = 512)]
     pub threads: u32,
+    /// Threads of the block coop's one block in the ping-pong (NVSHMEM's
+    /// block figures are for 1024).
+    #[arg(long, default_value_t = 512)]
+    pub block_threads: u32,
     /// Message sizes of the bandwidth test.
     #[arg(long, value_delimiter = ',', value_parser = parse_size, default_value = "4m")]
     pub bw_bytes: Vec<u64>,
@@ -151,7 +155,7 @@ impl CudaArgs {
         }
         if c.transport == Some(Transport::Tcp) {
             bail!(
-                "--device cuda --transport tcp: CUDA ranks across hosts (TCP staging) are not built yet"
+                "--device cuda --transport tcp: run `GIN_TRANSPORT=tcp gin-bench cuda` instead (CUDA ranks read the transport from the environment)"
             );
         }
         if !c.cpus.is_empty() {
@@ -180,6 +184,7 @@ impl CudaArgs {
             blocks: vec![16, 32, 66, 132],
             ranks: 2,
             threads: 512,
+            block_threads: 512,
             bw_bytes: if test == CudaTest::Bandwidth {
                 c.sizes.clone()
             } else {
@@ -215,6 +220,10 @@ impl CudaArgs {
         if self.threads == 0 || self.threads > 1024 || !self.threads.is_multiple_of(32) {
             bail!("--threads {}: a multiple of 32 up to 1024", self.threads);
         }
+        let bt = self.block_threads;
+        if bt == 0 || bt > 1024 || !bt.is_multiple_of(32) {
+            bail!("--block-threads {bt}: a multiple of 32 up to 1024");
+        }
         Ok(())
     }
 
@@ -239,11 +248,12 @@ pub struct CudaRow {
     pub peer: Option<(String, f64)>,
 }
 
-fn coop_of(c: Coop) -> (u32, u32) {
+/// Threads of the one block that runs `c`'s ping-pong kernel.
+fn coop_threads(c: Coop, block_threads: u32) -> u32 {
     match c {
-        Coop::Thread => (0, 1),
-        Coop::Warp => (1, 32),
-        Coop::Block => (2, 512),
+        Coop::Thread => 1,
+        Coop::Warp => 32,
+        Coop::Block => block_threads,
     }
 }
 
@@ -341,7 +351,7 @@ pub fn run(a: &CudaArgs) -> Result<()> {
     let pp = want(CudaTest::Pingpong);
     if pp && paths.contains(&CudaPath::LoadStore) {
         for &coop in &a.coops {
-            let (coop_id, block) = coop_of(coop);
+            let block = coop_threads(coop, a.block_threads);
             for &bytes in &a.sizes {
                 let iters = if bytes >= 1 << 20 {
                     (a.iters / 10).max(50)
@@ -352,7 +362,7 @@ pub fn run(a: &CudaArgs) -> Result<()> {
                     bytes,
                     iters,
                     warmup: a.warmup_for(iters),
-                    coop: coop_id,
+                    coop,
                     block,
                     runs: a.runs,
                 };
@@ -384,7 +394,7 @@ pub fn run(a: &CudaArgs) -> Result<()> {
                 bytes,
                 iters,
                 warmup: a.warmup_for(iters),
-                coop: 0,
+                coop: Coop::Thread,
                 block: 1,
                 runs: a.runs,
             };
@@ -475,7 +485,7 @@ pub fn run(a: &CudaArgs) -> Result<()> {
                     bytes,
                     iters,
                     warmup: a.warmup_for(iters),
-                    coop: 2,
+                    coop: Coop::Block,
                     block: 512,
                     runs: a.runs,
                 };
@@ -574,7 +584,7 @@ struct Shape {
     bytes: u64,
     iters: u32,
     warmup: u32,
-    coop: u32,
+    coop: Coop,
     block: u32,
     runs: usize,
 }
@@ -641,7 +651,9 @@ fn gin_pingpong(
         block,
         runs,
     } = *sh;
-    let f = m.function("gin_pingpong")?;
+    // One kernel per coop: the coop is a compile-time constant there, as in
+    // a user's kernel.
+    let f = m.function(&format!("gin_pingpong_{}", coop_name(coop)))?;
     let req = DevCommRequirements {
         signals: 4,
         counters: 1,
@@ -663,7 +675,6 @@ fn gin_pingpong(
                 Arg::U64(bytes),
                 Arg::U32(iters),
                 Arg::U32(warmup),
-                Arg::U32(coop),
                 Arg::U64(base),
                 Arg::Ptr(out.ptr),
             ],
@@ -694,7 +705,7 @@ fn lsa_floor(
         block,
         runs,
     } = *sh;
-    let f = m.function("gin_floor_lsa")?;
+    let f = m.function(&format!("gin_floor_lsa_{}", coop_name(coop)))?;
     let (rank, peer) = (c.comm().rank(), c.comm().rank() ^ 1);
     let mut v = Vec::with_capacity(runs);
     for _ in 0..runs {
@@ -722,10 +733,9 @@ fn lsa_floor(
                 bytes,
                 u64::from(iters),
                 u64::from(warmup),
-                u64::from(coop),
                 out.ptr,
             ],
-            &[4, 8, 8, 8, 8, 8, 4, 4, 4, 8],
+            &[4, 8, 8, 8, 8, 8, 4, 4, 8],
         )?;
         v.push(read_ns(out)? as f64 / f64::from(iters) / 1000.0);
     }
@@ -992,7 +1002,7 @@ mod tests {
             (&["--device", "cuda", "--ranks", "4"][..], "exactly 2 ranks"),
             (
                 &["--device", "cuda", "--transport", "tcp"][..],
-                "across hosts",
+                "GIN_TRANSPORT=tcp gin-bench cuda",
             ),
             (&["--device", "cuda", "--cpus", "0"][..], "--cpus"),
         ] {

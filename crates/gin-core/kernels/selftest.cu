@@ -105,10 +105,12 @@ extern "C" __global__ void gin_alltoall_timed(DevComm dc, Window send, Window re
 // value before this launch (the host counts; reading it here would race with
 // the peer's first put). out[0]: error,
 // out[2]: elapsed ns of `iters` round trips after `warmup`, measured on the
-// device. Signal 1 counts arrivals; coop is 0/1/2 (thread/warp/block, with
-// one block of 1/32/blockDim threads).
-extern "C" __global__ void gin_pingpong(DevComm dc, Window buf, u64 bytes, u32 iters, u32 warmup,
-                                        u32 coop, u64 base, u64* out) {
+// device. Signal 1 counts arrivals. The coop is a compile-time constant, as
+// in a user's kernel: one kernel each, gin_pingpong_{thread,warp,block},
+// launched with one block of 1, 32 and up to 1024 threads.
+template <Coop C>
+__device__ __forceinline__ void pingpong(const DevComm& dc, const Window& buf, u64 bytes, u32 iters,
+                                         u32 warmup, u64 base, u64* out) {
   if (dc.rank > 1) return;
   const u32 peer = dc.rank ^ 1;
   u64 t0 = 0;
@@ -116,11 +118,11 @@ extern "C" __global__ void gin_pingpong(DevComm dc, Window buf, u64 bytes, u32 i
     if (i == warmup) t0 = proxy::globaltimer();
     int e = OK;
     if (dc.rank == 0) {
-      e = put(dc, 0, peer, buf, 0, buf, 0, bytes, signal_inc(1), no_counter(), (Coop)coop);
-      if (!e) e = wait_signal(dc, 0, 1, base + i + 1, (Coop)coop);
+      e = put(dc, 0, peer, buf, 0, buf, 0, bytes, signal_inc(1), no_counter(), C);
+      if (!e) e = wait_signal(dc, 0, 1, base + i + 1, C);
     } else {
-      e = wait_signal(dc, 0, 1, base + i + 1, (Coop)coop);
-      if (!e) e = put(dc, 0, peer, buf, 0, buf, 0, bytes, signal_inc(1), no_counter(), (Coop)coop);
+      e = wait_signal(dc, 0, 1, base + i + 1, C);
+      if (!e) e = put(dc, 0, peer, buf, 0, buf, 0, bytes, signal_inc(1), no_counter(), C);
     }
     if (e) {
       if (threadIdx.x == 0) out[0] = e;
@@ -128,8 +130,17 @@ extern "C" __global__ void gin_pingpong(DevComm dc, Window buf, u64 bytes, u32 i
     }
   }
   if (threadIdx.x == 0) out[2] = proxy::globaltimer() - t0;
-  flush(dc, 0, (Coop)coop);
+  flush(dc, 0, C);
 }
+
+#define GIN_PINGPONG(name, coop, bounds)                                                           \
+  extern "C" __global__ void __launch_bounds__(bounds)                                            \
+      name(DevComm dc, Window buf, u64 bytes, u32 iters, u32 warmup, u64 base, u64* out) {        \
+    pingpong<coop>(dc, buf, bytes, iters, warmup, base, out);                                      \
+  }
+GIN_PINGPONG(gin_pingpong_thread, THREAD, 1)
+GIN_PINGPONG(gin_pingpong_warp, WARP, 32)
+GIN_PINGPONG(gin_pingpong_block, CTA, 1024)
 
 // One-way bandwidth: rank 0's `gridDim.x` blocks each put their slice of
 // `bytes` to rank 1, `iters` times; with `sig_each` every put carries signal
@@ -312,32 +323,43 @@ extern "C" __global__ void gin_floor_proxy(u32 rank, u64 host_flag, u64 dev_flag
 }
 
 // Floor of the load/store path, without gin-rs: a raw copy over the peer
-// mapping by the coop, then a release store of a flag. out[2] as above.
-extern "C" __global__ void gin_floor_lsa(u32 rank, u64 peer_buf, u64 local_buf, u64 peer_flag,
-                                         u64 my_flag, u64 bytes, u32 iters, u32 warmup, u32 coop,
-                                         u64* out) {
-  const Coop c = (Coop)coop;
+// mapping by the coop, then a release store of a flag. out[2] as above. One
+// kernel per coop, as gin_pingpong_*.
+template <Coop C>
+__device__ __forceinline__ void floor_lsa(u32 rank, u64 peer_buf, u64 local_buf, u64 peer_flag,
+                                          u64 my_flag, u64 bytes, u32 iters, u32 warmup,
+                                          u64* out) {
   u64 t0 = 0;
   for (u32 i = 0; i < warmup + iters; ++i) {
     if (i == warmup) t0 = proxy::globaltimer();
     if (rank == 1) {
-      if (detail::coop_rank(c) == 0)
+      if (detail::coop_rank(C) == 0)
         while (detail::ld_acquire_sys((const u64*)my_flag) < i + 1) {
         }
-      detail::coop_sync(c);
+      detail::coop_sync(C);
     }
-    detail::coop_copy(c, (u8*)peer_buf, (const u8*)local_buf, bytes);
-    detail::coop_sync(c);
-    if (detail::coop_rank(c) == 0) {
+    detail::coop_copy(C, (u8*)peer_buf, (const u8*)local_buf, bytes);
+    detail::coop_sync(C);
+    if (detail::coop_rank(C) == 0) {
       __threadfence_system();
       asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(peer_flag), "l"((u64)i + 1) : "memory");
     }
     if (rank == 0) {
-      if (detail::coop_rank(c) == 0)
+      if (detail::coop_rank(C) == 0)
         while (detail::ld_acquire_sys((const u64*)my_flag) < i + 1) {
         }
-      detail::coop_sync(c);
+      detail::coop_sync(C);
     }
   }
-  if (detail::coop_rank(c) == 0) out[2] = proxy::globaltimer() - t0;
+  if (detail::coop_rank(C) == 0) out[2] = proxy::globaltimer() - t0;
 }
+
+#define GIN_FLOOR_LSA(name, coop, bounds)                                                          \
+  extern "C" __global__ void __launch_bounds__(bounds)                                            \
+      name(u32 rank, u64 peer_buf, u64 local_buf, u64 peer_flag, u64 my_flag, u64 bytes,          \
+           u32 iters, u32 warmup, u64* out) {                                                      \
+    floor_lsa<coop>(rank, peer_buf, local_buf, peer_flag, my_flag, bytes, iters, warmup, out);    \
+  }
+GIN_FLOOR_LSA(gin_floor_lsa_thread, THREAD, 1)
+GIN_FLOOR_LSA(gin_floor_lsa_warp, WARP, 32)
+GIN_FLOOR_LSA(gin_floor_lsa_block, CTA, 1024)
