@@ -257,6 +257,18 @@ fn coop_threads(c: Coop, block_threads: u32) -> u32 {
     }
 }
 
+/// The kernel of `base` for `coop` run by one block of `threads`: the block
+/// kernels are built for up to 512 threads (registers to spare) and, as
+/// `_block_1024`, for up to 1024 (64 registers a thread).
+fn kernel_name(base: &str, coop: Coop, threads: u32) -> String {
+    let wide = coop == Coop::Block && threads > 512;
+    format!(
+        "{base}_{}{}",
+        coop_name(coop),
+        if wide { "_1024" } else { "" }
+    )
+}
+
 fn coop_name(c: Coop) -> &'static str {
     match c {
         Coop::Thread => "thread",
@@ -653,7 +665,7 @@ fn gin_pingpong(
     } = *sh;
     // One kernel per coop: the coop is a compile-time constant there, as in
     // a user's kernel.
-    let f = m.function(&format!("gin_pingpong_{}", coop_name(coop)))?;
+    let f = m.function(&kernel_name("gin_pingpong", coop, block))?;
     let req = DevCommRequirements {
         signals: 4,
         counters: 1,
@@ -705,7 +717,7 @@ fn lsa_floor(
         block,
         runs,
     } = *sh;
-    let f = m.function(&format!("gin_floor_lsa_{}", coop_name(coop)))?;
+    let f = m.function(&kernel_name("gin_floor_lsa", coop, block))?;
     let (rank, peer) = (c.comm().rank(), c.comm().rank() ^ 1);
     let mut v = Vec::with_capacity(runs);
     for _ in 0..runs {
@@ -994,6 +1006,41 @@ mod tests {
         .common;
         let a = CudaArgs::from_common(&g, CudaTest::Bandwidth).unwrap();
         assert_eq!(a.paths, [CudaPath::Gdaki]);
+    }
+
+    #[test]
+    fn each_coop_has_its_kernel_and_wide_blocks_the_1024_one() {
+        assert_eq!(
+            kernel_name("gin_pingpong", Coop::Thread, 1),
+            "gin_pingpong_thread"
+        );
+        assert_eq!(
+            kernel_name("gin_pingpong", Coop::Warp, 32),
+            "gin_pingpong_warp"
+        );
+        assert_eq!(
+            kernel_name("gin_floor_lsa", Coop::Block, 512),
+            "gin_floor_lsa_block"
+        );
+        assert_eq!(
+            kernel_name("gin_pingpong", Coop::Block, 544),
+            "gin_pingpong_block_1024"
+        );
+        // Every name the bench asks for is a kernel of selftest.cu.
+        for base in ["gin_pingpong", "gin_floor_lsa"] {
+            for (coop, threads) in [
+                (Coop::Thread, 1),
+                (Coop::Warp, 32),
+                (Coop::Block, 512),
+                (Coop::Block, 1024),
+            ] {
+                let name = kernel_name(base, coop, threads);
+                assert!(
+                    gin_core::cuda::SELFTEST_KERNELS.contains(&format!("({name},")),
+                    "{name} is not defined in selftest.cu"
+                );
+            }
+        }
     }
 
     #[test]

@@ -107,7 +107,8 @@ extern "C" __global__ void gin_alltoall_timed(DevComm dc, Window send, Window re
 // out[2]: elapsed ns of `iters` round trips after `warmup`, measured on the
 // device. Signal 1 counts arrivals. The coop is a compile-time constant, as
 // in a user's kernel: one kernel each, gin_pingpong_{thread,warp,block},
-// launched with one block of 1, 32 and up to 1024 threads.
+// launched with one block of 1, 32 and up to 512 threads (block_1024: up to
+// 1024, with nvcc's register budget for that, 64).
 template <Coop C>
 __device__ __forceinline__ void pingpong(const DevComm& dc, const Window& buf, u64 bytes, u32 iters,
                                          u32 warmup, u64 base, u64* out) {
@@ -140,7 +141,8 @@ __device__ __forceinline__ void pingpong(const DevComm& dc, const Window& buf, u
   }
 GIN_PINGPONG(gin_pingpong_thread, THREAD, 1)
 GIN_PINGPONG(gin_pingpong_warp, WARP, 32)
-GIN_PINGPONG(gin_pingpong_block, CTA, 1024)
+GIN_PINGPONG(gin_pingpong_block, CTA, 512)
+GIN_PINGPONG(gin_pingpong_block_1024, CTA, 1024)
 
 // One-way bandwidth: rank 0's `gridDim.x` blocks each put their slice of
 // `bytes` to rank 1, `iters` times; with `sig_each` every put carries signal
@@ -362,4 +364,5 @@ __device__ __forceinline__ void floor_lsa(u32 rank, u64 peer_buf, u64 local_buf,
   }
 GIN_FLOOR_LSA(gin_floor_lsa_thread, THREAD, 1)
 GIN_FLOOR_LSA(gin_floor_lsa_warp, WARP, 32)
-GIN_FLOOR_LSA(gin_floor_lsa_block, CTA, 1024)
+GIN_FLOOR_LSA(gin_floor_lsa_block, CTA, 512)
+GIN_FLOOR_LSA(gin_floor_lsa_block_1024, CTA, 1024)
