@@ -389,6 +389,38 @@ impl Stream {
         })
     }
 
+    /// Queues the 8-byte stores `(addr, v)` after earlier work and in their
+    /// order, in one driver call (`cuStreamBatchMemOp`): each has the
+    /// memory barrier of `cuStreamWriteValue64`, so what the stream wrote
+    /// before a store is visible before it. At most [`MAX_WRITES`] at once.
+    pub fn write_many(&self, writes: &[(u64, u64)]) -> Result<(), CoreError> {
+        if writes.len() > MAX_WRITES {
+            return Err(CoreError::Invalid(format!(
+                "write_many: {} stores, at most {MAX_WRITES} in one call",
+                writes.len()
+            )));
+        }
+        let mut ops: Vec<cu::CUstreamBatchMemOpParams> = writes
+            .iter()
+            .map(|&(addr, v)| {
+                // SAFETY: a plain C union, all zero is valid; the write-value
+                // member is filled in whole below.
+                let mut op: cu::CUstreamBatchMemOpParams = unsafe { std::mem::zeroed() };
+                op.writeValue.operation =
+                    cu::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WRITE_VALUE_64;
+                op.writeValue.address = addr;
+                op.writeValue.__bindgen_anon_1.value64 = v;
+                op.writeValue.flags = 0;
+                op
+            })
+            .collect();
+        // SAFETY: `ops` holds `writes.len()` (< 256) initialised write-value
+        // operations on 8-byte aligned device addresses, as for `write_u64`.
+        check("cuStreamBatchMemOp", unsafe {
+            cu::cuStreamBatchMemOp_v2(self.0, ops.len() as u32, ops.as_mut_ptr(), 0)
+        })
+    }
+
     /// Queues the copies `(dst[i], src[i], len[i])` after earlier work, in
     /// one driver call (`cuMemcpyBatchAsync`, CUDA 12.8 and later) where
     /// the driver has it, else one call each. The copies of a batch may run
@@ -447,6 +479,10 @@ type BatchCopy = unsafe extern "C" fn(
 /// The driver's `cuMemcpyBatchAsync` in its CUDA 13.0 form, if it has one,
 /// looked up with `cuGetProcAddress` (cudarc's loader panics on a missing
 /// symbol).
+/// The most stores [`Stream::write_many`] takes in one call (the driver's
+/// limit is fewer than 256).
+pub const MAX_WRITES: usize = 255;
+
 fn batch_copy() -> Option<BatchCopy> {
     static F: OnceLock<Option<BatchCopy>> = OnceLock::new();
     *F.get_or_init(|| {

@@ -191,10 +191,10 @@ struct Pair<D> {
 }
 
 impl<D: Dma> Pair<D> {
-    /// An 8-byte store after every copy queued so far.
+    /// An 8-byte store after every copy and store queued so far; consecutive
+    /// stores reach the driver as one call when the pass flushes (`serve`).
     fn store(&mut self, addr: u64, v: u64) -> Result<(), CoreError> {
-        self.copies.flush(&self.stream)?;
-        self.stream.write_u64(addr, v)
+        self.copies.write(&self.stream, addr, v)
     }
 }
 

@@ -101,10 +101,10 @@ impl Ring {
         self.copies.push(&self.stream, dst, src, n)
     }
 
-    /// An 8-byte store after every copy queued so far.
+    /// An 8-byte store after every copy and store queued so far; consecutive
+    /// stores reach the driver as one call when the pass flushes.
     fn store(&mut self, addr: u64, v: u64) -> Result<(), CoreError> {
-        self.copies.flush(&self.stream)?;
-        self.stream.write_u64(addr, v)
+        self.copies.write(&self.stream, addr, v)
     }
 
     /// Sends `n` bytes at device address `src` to `(key, off)` over `link`,
@@ -235,6 +235,9 @@ fn run(mut spec: ProxySpec, stop: &AtomicBool) -> Result<(), CoreError> {
             if ring.tail != start {
                 let t = Instant::now();
                 ring.store(ring.spec.done, ring.tail)?;
+                // The pass's signals, counters and this completion index
+                // (and an inline put's value) go to the driver together.
+                ring.copies.flush(&ring.stream)?;
                 stats.queueing += t.elapsed();
                 stats.batches += 1;
                 progressed = true;
