@@ -476,13 +476,13 @@ type BatchCopy = unsafe extern "C" fn(
     cu::CUstream,
 ) -> cu::CUresult;
 
-/// The driver's `cuMemcpyBatchAsync` in its CUDA 13.0 form, if it has one,
-/// looked up with `cuGetProcAddress` (cudarc's loader panics on a missing
-/// symbol).
 /// The most stores [`Stream::write_many`] takes in one call (the driver's
 /// limit is fewer than 256).
 pub const MAX_WRITES: usize = 255;
 
+/// The driver's `cuMemcpyBatchAsync` in its CUDA 13.0 form, if it has one,
+/// looked up with `cuGetProcAddress` (cudarc's loader panics on a missing
+/// symbol).
 fn batch_copy() -> Option<BatchCopy> {
     static F: OnceLock<Option<BatchCopy>> = OnceLock::new();
     *F.get_or_init(|| {

@@ -220,12 +220,17 @@ fn run(mut spec: ProxySpec, stop: &AtomicBool) -> Result<(), CoreError> {
                     }
                 };
                 let t = Instant::now();
-                execute(&spec, &mut stage, ring, &mut counter_totals, &d).map_err(|e| {
-                    CoreError::Invalid(format!(
+                if let Err(e) = execute(&spec, &mut stage, ring, &mut counter_totals, &d) {
+                    // What the descriptors before it queued still goes to
+                    // the stream: their signals and counters were earned.
+                    if let Err(f) = ring.copies.flush(&ring.stream) {
+                        tracing::warn!("rank {}: flushing before the error: {f}", spec.rank);
+                    }
+                    return Err(CoreError::Invalid(format!(
                         "rank {}: descriptor {seq} of ring (context {}, peer {}): {e}",
                         spec.rank, ring.spec.ctx, ring.spec.peer
-                    ))
-                })?;
+                    )));
+                }
                 let dt = t.elapsed();
                 stats.queueing += dt;
                 stats.queueing_max = stats.queueing_max.max(dt);
