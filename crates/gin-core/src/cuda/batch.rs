@@ -68,7 +68,7 @@ impl Dma for Stream {
 
 /// Pending work of one stream: copies, or stores, never both.
 #[derive(Debug, Default)]
-pub(crate) struct CopyBatch {
+pub(crate) struct StreamBatch {
     dst: Vec<u64>,
     src: Vec<u64>,
     len: Vec<usize>,
@@ -80,7 +80,7 @@ fn overlaps(a: u64, m: usize, b: u64, n: usize) -> bool {
     m > 0 && n > 0 && a < b.saturating_add(n as u64) && b < a.saturating_add(m as u64)
 }
 
-impl CopyBatch {
+impl StreamBatch {
     /// Queues a copy, flushing first if it reads or writes memory that a
     /// pending copy writes, or writes memory a pending copy reads.
     pub fn push(&mut self, q: &impl Dma, dst: u64, src: u64, n: usize) -> Result<(), CoreError> {
@@ -212,7 +212,7 @@ mod tests {
                 seq.copy(d, s, n).unwrap();
             }
             let fake = Fake { mem: RefCell::new(init), ..Fake::default() };
-            let mut b = CopyBatch::default();
+            let mut b = StreamBatch::default();
             for &(d, s, n) in &copies {
                 b.push(&fake, d, s, n).unwrap();
             }
@@ -247,7 +247,7 @@ mod tests {
             let init: Vec<u8> = (0..128u8).collect();
             let seq = Fake { mem: RefCell::new(init.clone()), ..Fake::default() };
             let fake = Fake { mem: RefCell::new(init), ..Fake::default() };
-            let mut b = CopyBatch::default();
+            let mut b = StreamBatch::default();
             for w in &items {
                 match *w {
                     Work::Copy(d, s, n) => {
@@ -272,7 +272,7 @@ mod tests {
             mem: RefCell::new(vec![0; 8 * 600]),
             ..Fake::default()
         };
-        let mut b = CopyBatch::default();
+        let mut b = StreamBatch::default();
         // A put's value, its signal, the completion: one call.
         for i in 0..3u64 {
             b.write(&fake, i * 8, i).unwrap();
@@ -307,7 +307,7 @@ mod tests {
             mem: RefCell::new(vec![0; 256]),
             ..Fake::default()
         };
-        let mut b = CopyBatch::default();
+        let mut b = StreamBatch::default();
         for i in 0..4u64 {
             b.push(&fake, 128 + i * 16, i * 16, 16).unwrap();
         }

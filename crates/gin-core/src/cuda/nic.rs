@@ -33,7 +33,7 @@ use gin_gdaki::queue::unwrap_counter;
 use gin_gdaki::wqe::{BB, CQ_UPDATE, MemRef, Op, decode};
 use gin_net::tcp::Link;
 
-use super::batch::{CopyBatch, Dma};
+use super::batch::{Dma, StreamBatch};
 use super::driver::{Device, Stream};
 use super::proxy::{SignalInfo, fits, window};
 use super::staging::{STAGE, Stage};
@@ -184,8 +184,8 @@ struct Pair<D> {
     main: Sq,
     companion: Sq,
     stream: D,
-    /// Copies not yet handed to the stream (see `batch`).
-    copies: CopyBatch,
+    /// Copies and stores not yet handed to the stream (see `batch`).
+    pending: StreamBatch,
     /// Running signal totals by byte offset in the peer's signal window.
     totals: HashMap<u64, u64>,
 }
@@ -194,7 +194,7 @@ impl<D: Dma> Pair<D> {
     /// An 8-byte store after every copy and store queued so far; consecutive
     /// stores reach the driver as one call when the pass flushes (`serve`).
     fn store(&mut self, addr: u64, v: u64) -> Result<(), CoreError> {
-        self.copies.write(&self.stream, addr, v)
+        self.pending.write(&self.stream, addr, v)
     }
 }
 
@@ -239,7 +239,7 @@ impl<D: Dma> Nic<D> {
                 main: Sq::new(p.main),
                 companion: Sq::new(p.companion),
                 stream: queue()?,
-                copies: CopyBatch::default(),
+                pending: StreamBatch::default(),
                 totals: HashMap::new(),
             });
         }
@@ -381,7 +381,7 @@ impl<D: Dma> Nic<D> {
         }
         // Nothing waits in the batch past a pass (a WQE without a CQE).
         let p = &mut self.pairs[i];
-        p.copies.flush(&p.stream)?;
+        p.pending.flush(&p.stream)?;
         Ok(n)
     }
 
@@ -548,7 +548,7 @@ impl<D: Dma> Nic<D> {
             ));
         };
         let pair = &mut self.pairs[i];
-        pair.copies.flush(&pair.stream)?;
+        pair.pending.flush(&pair.stream)?;
         let mut at = 0;
         while at < len {
             let chunk = (len - at).min(STAGE as u64) as usize;
@@ -594,7 +594,7 @@ impl<D: Dma> Nic<D> {
         if len > 0 {
             let (dst, src) = if write { (r, l) } else { (l, r) };
             let p = &mut self.pairs[i];
-            p.copies.push(&p.stream, dst, src, len as usize)?;
+            p.pending.push(&p.stream, dst, src, len as usize)?;
         }
         Ok(Step::Done)
     }

@@ -21,7 +21,7 @@ use gin_proxy::descriptor::{DESC_QWORDS, Desc, Op, Slot, decode};
 use gin_net::tcp::Link;
 
 use super::WinTable;
-use super::batch::CopyBatch;
+use super::batch::StreamBatch;
 use super::driver::{Device, HostMem, Stream};
 use super::staging::{STAGE, Stage};
 use super::worker::Worker;
@@ -89,8 +89,8 @@ struct Ring {
     spec: RingSpec,
     tail: u64,
     stream: Stream,
-    /// Copies not yet handed to the stream (see `batch`).
-    copies: CopyBatch,
+    /// Copies and stores not yet handed to the stream (see `batch`).
+    pending: StreamBatch,
     /// Running signal totals by byte offset in the peer's signal window.
     totals: HashMap<u64, u64>,
 }
@@ -98,13 +98,13 @@ struct Ring {
 impl Ring {
     /// A copy, queued with the ones before it unless they overlap.
     fn copy(&mut self, dst: u64, src: u64, n: usize) -> Result<(), CoreError> {
-        self.copies.push(&self.stream, dst, src, n)
+        self.pending.push(&self.stream, dst, src, n)
     }
 
     /// An 8-byte store after every copy and store queued so far; consecutive
     /// stores reach the driver as one call when the pass flushes.
     fn store(&mut self, addr: u64, v: u64) -> Result<(), CoreError> {
-        self.copies.write(&self.stream, addr, v)
+        self.pending.write(&self.stream, addr, v)
     }
 
     /// Sends `n` bytes at device address `src` to `(key, off)` over `link`,
@@ -117,7 +117,9 @@ impl Ring {
         src: u64,
         n: u64,
     ) -> Result<(), String> {
-        self.copies.flush(&self.stream).map_err(|e| e.to_string())?;
+        self.pending
+            .flush(&self.stream)
+            .map_err(|e| e.to_string())?;
         let mut at = 0;
         while at < n {
             let c = (n - at).min(STAGE as u64);
@@ -142,7 +144,9 @@ impl Ring {
         n: u64,
         timeout: Duration,
     ) -> Result<(), String> {
-        self.copies.flush(&self.stream).map_err(|e| e.to_string())?;
+        self.pending
+            .flush(&self.stream)
+            .map_err(|e| e.to_string())?;
         let mut at = 0;
         while at < n {
             let c = (n - at).min(STAGE as u64);
@@ -187,7 +191,7 @@ fn run(mut spec: ProxySpec, stop: &AtomicBool) -> Result<(), CoreError> {
             spec: r,
             tail: 0,
             stream: Stream::new()?,
-            copies: CopyBatch::default(),
+            pending: StreamBatch::default(),
             totals: HashMap::new(),
         });
     }
@@ -223,7 +227,7 @@ fn run(mut spec: ProxySpec, stop: &AtomicBool) -> Result<(), CoreError> {
                 if let Err(e) = execute(&spec, &mut stage, ring, &mut counter_totals, &d) {
                     // What the descriptors before it queued still goes to
                     // the stream: their signals and counters were earned.
-                    if let Err(f) = ring.copies.flush(&ring.stream) {
+                    if let Err(f) = ring.pending.flush(&ring.stream) {
                         tracing::warn!("rank {}: flushing before the error: {f}", spec.rank);
                     }
                     return Err(CoreError::Invalid(format!(
@@ -242,7 +246,7 @@ fn run(mut spec: ProxySpec, stop: &AtomicBool) -> Result<(), CoreError> {
                 ring.store(ring.spec.done, ring.tail)?;
                 // The pass's signals, counters and this completion index
                 // (and an inline put's value) go to the driver together.
-                ring.copies.flush(&ring.stream)?;
+                ring.pending.flush(&ring.stream)?;
                 stats.queueing += t.elapsed();
                 stats.batches += 1;
                 progressed = true;
