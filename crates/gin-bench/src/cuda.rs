@@ -1010,22 +1010,14 @@ mod tests {
 
     #[test]
     fn each_coop_has_its_kernel_and_wide_blocks_the_1024_one() {
-        assert_eq!(
-            kernel_name("gin_pingpong", Coop::Thread, 1),
-            "gin_pingpong_thread"
-        );
-        assert_eq!(
-            kernel_name("gin_pingpong", Coop::Warp, 32),
-            "gin_pingpong_warp"
-        );
-        assert_eq!(
-            kernel_name("gin_floor_lsa", Coop::Block, 512),
-            "gin_floor_lsa_block"
-        );
-        assert_eq!(
-            kernel_name("gin_pingpong", Coop::Block, 544),
-            "gin_pingpong_block_1024"
-        );
+        for (base, coop, threads, want) in [
+            ("gin_pingpong", Coop::Thread, 1, "gin_pingpong_thread"),
+            ("gin_pingpong", Coop::Warp, 32, "gin_pingpong_warp"),
+            ("gin_floor_lsa", Coop::Block, 512, "gin_floor_lsa_block"),
+            ("gin_pingpong", Coop::Block, 544, "gin_pingpong_block_1024"),
+        ] {
+            assert_eq!(kernel_name(base, coop, threads), want);
+        }
         // Every name the bench asks for is a kernel of selftest.cu.
         for base in ["gin_pingpong", "gin_floor_lsa"] {
             for (coop, threads) in [
