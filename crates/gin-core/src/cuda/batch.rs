@@ -9,6 +9,12 @@
 //! pending copies, and a copy pending stores, so the outcome is that of
 //! issuing everything one by one. The owner flushes at the end of each pass
 //! over its queues, before anything waits for the work.
+//!
+//! Pending copies that continue one another in the same region (the same
+//! pair of windows or memory keys) reach the driver as one: a message that
+//! many blocks send in slices (a slice a descriptor or WQE) costs one copy
+//! per pass, not one per slice. Copies are merged only within a region, so a
+//! merged copy never spans two allocations that happen to be adjacent.
 
 use super::driver::{MAX_WRITES, Stream};
 use crate::error::CoreError;
@@ -66,13 +72,27 @@ impl Dma for Stream {
     }
 }
 
+/// What a copy's destination and source lie in, as the caller names them
+/// (for instance a direction bit and two window ids): copies merge only
+/// within one region.
+pub(crate) type Region = u128;
+
+/// The region of a copy that writes (`put`) or reads (`get`) the remote
+/// memory named `remote` with the local memory named `local`.
+pub(crate) fn region(put: bool, remote: u32, local: u32) -> Region {
+    (u128::from(put) << 64) | (u128::from(remote) << 32) | u128::from(local)
+}
+
 /// Pending work of one stream: copies, or stores, never both.
 #[derive(Debug, Default)]
 pub(crate) struct StreamBatch {
     dst: Vec<u64>,
     src: Vec<u64>,
     len: Vec<usize>,
+    region: Vec<Region>,
     writes: Vec<(u64, u64)>,
+    /// Scratch for the merge: (region, dst, src, len) of pending copies.
+    runs: Vec<(Region, u64, u64, usize)>,
 }
 
 /// Whether `[a, a + m)` and `[b, b + n)` share a byte.
@@ -81,9 +101,17 @@ fn overlaps(a: u64, m: usize, b: u64, n: usize) -> bool {
 }
 
 impl StreamBatch {
-    /// Queues a copy, flushing first if it reads or writes memory that a
-    /// pending copy writes, or writes memory a pending copy reads.
-    pub fn push(&mut self, q: &impl Dma, dst: u64, src: u64, n: usize) -> Result<(), CoreError> {
+    /// Queues a copy within `region`, flushing first if it reads or writes
+    /// memory that a pending copy writes, or writes memory a pending copy
+    /// reads.
+    pub fn push(
+        &mut self,
+        q: &impl Dma,
+        dst: u64,
+        src: u64,
+        n: usize,
+        region: Region,
+    ) -> Result<(), CoreError> {
         if n == 0 {
             return Ok(());
         }
@@ -98,6 +126,7 @@ impl StreamBatch {
         self.dst.push(dst);
         self.src.push(src);
         self.len.push(n);
+        self.region.push(region);
         Ok(())
     }
 
@@ -128,8 +157,12 @@ impl StreamBatch {
         r
     }
 
-    /// The pending copies: one copy as itself, several as one batch.
+    /// The pending copies: one copy as itself, several merged where they
+    /// continue one another, then as one batch.
     fn flush_copies(&mut self, q: &impl Dma) -> Result<(), CoreError> {
+        if self.dst.len() > 1 {
+            self.merge();
+        }
         let r = match self.dst.len() {
             0 => Ok(()),
             1 => q.copy(self.dst[0], self.src[0], self.len[0]),
@@ -138,7 +171,42 @@ impl StreamBatch {
         self.dst.clear();
         self.src.clear();
         self.len.clear();
+        self.region.clear();
         r
+    }
+
+    /// Merges pending copies of one region whose destination and source
+    /// both start where another's end. Pending copies never overlap what
+    /// another writes, so the merged ones write the same bytes.
+    fn merge(&mut self) {
+        let runs = &mut self.runs;
+        runs.clear();
+        runs.extend(
+            (0..self.dst.len()).map(|i| (self.region[i], self.dst[i], self.src[i], self.len[i])),
+        );
+        runs.sort_unstable_by_key(|&(g, d, _, _)| (g, d));
+        self.dst.clear();
+        self.src.clear();
+        self.len.clear();
+        self.region.clear();
+        for &(g, d, s, l) in runs.iter() {
+            if let (Some(&pg), Some(&pd), Some(&ps), Some(pl)) = (
+                self.region.last(),
+                self.dst.last(),
+                self.src.last(),
+                self.len.last_mut(),
+            ) && pg == g
+                && pd + *pl as u64 == d
+                && ps + *pl as u64 == s
+            {
+                *pl += l;
+                continue;
+            }
+            self.dst.push(d);
+            self.src.push(s);
+            self.len.push(l);
+            self.region.push(g);
+        }
     }
 
     #[cfg(test)]
@@ -161,10 +229,13 @@ mod tests {
         batches: RefCell<Vec<usize>>,
         /// Sizes of the store batches handed over.
         store_batches: RefCell<Vec<usize>>,
+        /// Every copy executed: (dst, src, len).
+        copies: RefCell<Vec<(u64, u64, usize)>>,
     }
 
     impl Dma for Fake {
         fn copy(&self, dst: u64, src: u64, n: usize) -> Result<(), CoreError> {
+            self.copies.borrow_mut().push((dst, src, n));
             self.mem
                 .borrow_mut()
                 .copy_within(src as usize..src as usize + n, dst as usize);
@@ -200,38 +271,60 @@ mod tests {
     }
 
     proptest! {
-        /// Batched, whatever order each batch runs in, the memory ends as
-        /// after issuing the copies one by one.
+        /// Batched and merged, whatever order each batch runs in, the
+        /// memory ends as after issuing the copies one by one; and no copy
+        /// the driver sees spans two allocations.
         #[test]
         fn batching_never_changes_the_outcome(
-            copies in proptest::collection::vec((0u64..96, 0u64..96, 1usize..32), 1..40),
+            copies in proptest::collection::vec(alloc_copy(), 1..60),
         ) {
             let init: Vec<u8> = (0..128u8).collect();
             let seq = Fake { mem: RefCell::new(init.clone()), ..Fake::default() };
-            for &(d, s, n) in &copies {
+            for &(d, s, n, _) in &copies {
                 seq.copy(d, s, n).unwrap();
             }
             let fake = Fake { mem: RefCell::new(init), ..Fake::default() };
             let mut b = StreamBatch::default();
-            for &(d, s, n) in &copies {
-                b.push(&fake, d, s, n).unwrap();
+            for &(d, s, n, g) in &copies {
+                b.push(&fake, d, s, n, g).unwrap();
             }
             b.flush(&fake).unwrap();
             prop_assert!(b.is_empty());
+            for &(d, s, n) in fake.copies.borrow().iter() {
+                prop_assert_eq!(d / ALLOC, (d + n as u64 - 1) / ALLOC, "dst spans allocations");
+                prop_assert_eq!(s / ALLOC, (s + n as u64 - 1) / ALLOC, "src spans allocations");
+            }
             prop_assert_eq!(fake.mem.into_inner(), seq.mem.into_inner());
         }
+    }
+
+    /// The fake's 128 bytes are four allocations of this many bytes.
+    const ALLOC: u64 = 32;
+
+    /// A copy inside one destination and one source allocation, with its
+    /// region (the pair of allocations), as the proxy and NIC push them.
+    fn alloc_copy() -> impl Strategy<Value = (u64, u64, usize, Region)> {
+        (0u64..4, 0u64..ALLOC, 0u64..4, 0u64..ALLOC, 1u64..ALLOC).prop_map(|(a, da, b, sa, n)| {
+            let n = n.min(ALLOC - da).min(ALLOC - sa);
+            (
+                a * ALLOC + da,
+                b * ALLOC + sa,
+                n as usize,
+                region(true, a as u32, b as u32),
+            )
+        })
     }
 
     /// A copy or an 8-byte store, as the proxy and the NIC issue them.
     #[derive(Debug, Clone)]
     enum Work {
-        Copy(u64, u64, usize),
+        Copy(u64, u64, usize, Region),
         Store(u64, u64),
     }
 
     fn work() -> impl Strategy<Value = Work> {
         prop_oneof![
-            (0u64..96, 0u64..96, 1usize..32).prop_map(|(d, s, n)| Work::Copy(d, s, n)),
+            alloc_copy().prop_map(|(d, s, n, g)| Work::Copy(d, s, n, g)),
             (0u64..15, any::<u64>()).prop_map(|(a, v)| Work::Store(a * 8, v)),
         ]
     }
@@ -250,9 +343,9 @@ mod tests {
             let mut b = StreamBatch::default();
             for w in &items {
                 match *w {
-                    Work::Copy(d, s, n) => {
+                    Work::Copy(d, s, n, g) => {
                         seq.copy(d, s, n).unwrap();
-                        b.push(&fake, d, s, n).unwrap();
+                        b.push(&fake, d, s, n, g).unwrap();
                     }
                     Work::Store(a, v) => {
                         seq.write_u64(a, v).unwrap();
@@ -293,7 +386,7 @@ mod tests {
             ..Fake::default()
         };
         b.write(&fake, 0, 7).unwrap();
-        b.push(&fake, 8, 0, 8).unwrap();
+        b.push(&fake, 8, 0, 8, 0).unwrap();
         b.write(&fake, 0, 9).unwrap();
         b.flush(&fake).unwrap();
         let m = fake.mem.into_inner();
@@ -308,12 +401,50 @@ mod tests {
             ..Fake::default()
         };
         let mut b = StreamBatch::default();
+        // Disjoint, and not continuing one another (a gap between).
         for i in 0..4u64 {
-            b.push(&fake, 128 + i * 16, i * 16, 16).unwrap();
+            b.push(&fake, 128 + i * 24, i * 16, 16, 0).unwrap();
         }
         // Overwrites the first destination: the four go first.
-        b.push(&fake, 128, 64, 8).unwrap();
+        b.push(&fake, 128, 64, 8, 0).unwrap();
         b.flush(&fake).unwrap();
         assert_eq!(fake.batches.into_inner(), vec![4]);
+    }
+
+    #[test]
+    fn slices_of_one_message_merge_into_one_copy_per_region() {
+        let fake = Fake {
+            mem: RefCell::new((0..=255u8).collect()),
+            ..Fake::default()
+        };
+        let mut b = StreamBatch::default();
+        // Sixteen 8-byte slices of one message, posted out of order (as
+        // blocks win their reservations), within one region.
+        for i in [3u64, 0, 15, 7, 1, 2, 14, 4, 5, 6, 13, 8, 9, 12, 10, 11] {
+            b.push(&fake, 128 + i * 8, i * 8, 8, region(true, 1, 2))
+                .unwrap();
+        }
+        b.flush(&fake).unwrap();
+        assert_eq!(fake.copies.take(), vec![(128, 0, 128)]);
+        let m = fake.mem.borrow().clone();
+        assert_eq!(&m[128..], &m[..128]);
+        // The same bytes in two regions (say two windows that happen to be
+        // adjacent in the address space): one copy each, never one across.
+        for i in 0..16u64 {
+            let g = region(true, 1, if i < 8 { 2 } else { 3 });
+            b.push(&fake, 128 + i * 8, i * 8, 8, g).unwrap();
+        }
+        b.flush(&fake).unwrap();
+        // (The fake runs a batch backwards.)
+        let mut c = fake.copies.take();
+        c.sort_unstable();
+        assert_eq!(c, vec![(128, 0, 64), (192, 64, 64)]);
+        // A slice whose source does not continue the run stays apart.
+        b.push(&fake, 128, 0, 8, 0).unwrap();
+        b.push(&fake, 136, 16, 8, 0).unwrap();
+        b.flush(&fake).unwrap();
+        let mut c = fake.copies.take();
+        c.sort_unstable();
+        assert_eq!(c, vec![(128, 0, 8), (136, 16, 8)]);
     }
 }

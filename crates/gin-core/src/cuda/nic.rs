@@ -33,7 +33,7 @@ use gin_gdaki::queue::unwrap_counter;
 use gin_gdaki::wqe::{BB, CQ_UPDATE, MemRef, Op, decode};
 use gin_net::tcp::Link;
 
-use super::batch::{Dma, StreamBatch};
+use super::batch::{Dma, StreamBatch, region};
 use super::driver::{Device, Stream};
 use super::proxy::{SignalInfo, fits, window};
 use super::staging::{STAGE, Stage};
@@ -594,7 +594,8 @@ impl<D: Dma> Nic<D> {
         if len > 0 {
             let (dst, src) = if write { (r, l) } else { (l, r) };
             let p = &mut self.pairs[i];
-            p.pending.push(&p.stream, dst, src, len as usize)?;
+            let keys = region(write, remote.key, local.key);
+            p.pending.push(&p.stream, dst, src, len as usize, keys)?;
         }
         Ok(Step::Done)
     }

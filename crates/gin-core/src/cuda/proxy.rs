@@ -21,7 +21,7 @@ use gin_proxy::descriptor::{DESC_QWORDS, Desc, Op, Slot, decode};
 use gin_net::tcp::Link;
 
 use super::WinTable;
-use super::batch::StreamBatch;
+use super::batch::{Region, StreamBatch, region};
 use super::driver::{Device, HostMem, Stream};
 use super::staging::{STAGE, Stage};
 use super::worker::Worker;
@@ -97,8 +97,8 @@ struct Ring {
 
 impl Ring {
     /// A copy, queued with the ones before it unless they overlap.
-    fn copy(&mut self, dst: u64, src: u64, n: usize) -> Result<(), CoreError> {
-        self.pending.push(&self.stream, dst, src, n)
+    fn copy(&mut self, dst: u64, src: u64, n: usize, region: Region) -> Result<(), CoreError> {
+        self.pending.push(&self.stream, dst, src, n, region)
     }
 
     /// An 8-byte store after every copy and store queued so far; consecutive
@@ -380,7 +380,8 @@ fn execute(
                     ring.store(base + d.dst_offset, v).map_err(err)?;
                 } else {
                     let src = put_source(spec, d)?;
-                    ring.copy(base + d.dst_offset, src, d.bytes as usize)
+                    let g = region(true, d.dst_window, d.src_window);
+                    ring.copy(base + d.dst_offset, src, d.bytes as usize, g)
                         .map_err(err)?;
                 }
             }
@@ -416,6 +417,7 @@ fn execute(
                     local.local + d.src_offset,
                     base + d.dst_offset,
                     d.bytes as usize,
+                    region(false, d.dst_window, d.src_window),
                 )
                 .map_err(err)?;
             }
