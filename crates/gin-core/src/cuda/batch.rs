@@ -93,6 +93,30 @@ pub(crate) struct StreamBatch {
     writes: Vec<(u64, u64)>,
     /// Scratch for the merge: (region, dst, src, len) of pending copies.
     runs: Vec<(Region, u64, u64, usize)>,
+    /// What reached the driver, for the owner's debug statistics.
+    pub stats: BatchStats,
+}
+
+/// Counts of what a [`StreamBatch`] handed to the driver.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct BatchStats {
+    /// Copies pushed.
+    pub copies: u64,
+    /// Driver calls that queued copies (one copy, or a batch).
+    pub copy_calls: u64,
+    /// Copies the driver saw, after merging.
+    pub copies_issued: u64,
+    /// Driver calls that queued stores.
+    pub store_calls: u64,
+}
+
+impl std::ops::AddAssign for BatchStats {
+    fn add_assign(&mut self, o: Self) {
+        self.copies += o.copies;
+        self.copy_calls += o.copy_calls;
+        self.copies_issued += o.copies_issued;
+        self.store_calls += o.store_calls;
+    }
 }
 
 /// Whether `[a, a + m)` and `[b, b + n)` share a byte.
@@ -127,6 +151,7 @@ impl StreamBatch {
         self.src.push(src);
         self.len.push(n);
         self.region.push(region);
+        self.stats.copies += 1;
         Ok(())
     }
 
@@ -148,6 +173,7 @@ impl StreamBatch {
     }
 
     fn flush_writes(&mut self, q: &impl Dma) -> Result<(), CoreError> {
+        self.stats.store_calls += u64::from(!self.writes.is_empty());
         let r = match self.writes.as_slice() {
             [] => Ok(()),
             &[(a, v)] => q.write_u64(a, v),
@@ -163,6 +189,8 @@ impl StreamBatch {
         if self.dst.len() > 1 {
             self.merge();
         }
+        self.stats.copy_calls += u64::from(!self.dst.is_empty());
+        self.stats.copies_issued += self.dst.len() as u64;
         let r = match self.dst.len() {
             0 => Ok(()),
             1 => q.copy(self.dst[0], self.src[0], self.len[0]),
@@ -426,6 +454,11 @@ mod tests {
         }
         b.flush(&fake).unwrap();
         assert_eq!(fake.copies.take(), vec![(128, 0, 128)]);
+        let s = b.stats;
+        assert_eq!(
+            (s.copies, s.copy_calls, s.copies_issued, s.store_calls),
+            (16, 1, 1, 0)
+        );
         let m = fake.mem.borrow().clone();
         assert_eq!(&m[128..], &m[..128]);
         // The same bytes in two regions (say two windows that happen to be
@@ -439,6 +472,8 @@ mod tests {
         let mut c = fake.copies.take();
         c.sort_unstable();
         assert_eq!(c, vec![(128, 0, 64), (192, 64, 64)]);
+        let s = b.stats;
+        assert_eq!((s.copies, s.copy_calls, s.copies_issued), (32, 2, 3));
         // A slice whose source does not continue the run stays apart.
         b.push(&fake, 128, 0, 8, 0).unwrap();
         b.push(&fake, 136, 16, 8, 0).unwrap();

@@ -33,7 +33,7 @@ use gin_gdaki::queue::unwrap_counter;
 use gin_gdaki::wqe::{BB, CQ_UPDATE, MemRef, Op, decode};
 use gin_net::tcp::Link;
 
-use super::batch::{Dma, StreamBatch, region};
+use super::batch::{BatchStats, Dma, StreamBatch, region};
 use super::driver::{Device, Stream};
 use super::proxy::{SignalInfo, fits, window};
 use super::staging::{STAGE, Stage};
@@ -282,12 +282,18 @@ impl<D: Dma> Nic<D> {
                 std::hint::spin_loop();
             }
         }
+        let mut calls = BatchStats::default();
         for p in &self.pairs {
             p.stream.sync()?;
+            calls += p.pending.stats;
         }
         tracing::debug!(
             rank = self.spec.rank,
             executed = self.executed,
+            copies = calls.copies,
+            copy_calls = calls.copy_calls,
+            copies_issued = calls.copies_issued,
+            store_calls = calls.store_calls,
             "CUDA soft NIC stopped"
         );
         Ok(())

@@ -21,7 +21,7 @@ use gin_proxy::descriptor::{DESC_QWORDS, Desc, Op, Slot, decode};
 use gin_net::tcp::Link;
 
 use super::WinTable;
-use super::batch::{Region, StreamBatch, region};
+use super::batch::{BatchStats, Region, StreamBatch, region};
 use super::driver::{Device, HostMem, Stream};
 use super::staging::{STAGE, Stage};
 use super::worker::Worker;
@@ -271,13 +271,19 @@ fn run(mut spec: ProxySpec, stop: &AtomicBool) -> Result<(), CoreError> {
             std::hint::spin_loop();
         }
     }
+    let mut calls = BatchStats::default();
     for r in &rings {
         r.stream.sync()?;
+        calls += r.pending.stats;
     }
     tracing::debug!(
         rank = spec.rank,
         descriptors = stats.descriptors,
         batches = stats.batches,
+        copies = calls.copies,
+        copy_calls = calls.copy_calls,
+        copies_issued = calls.copies_issued,
+        store_calls = calls.store_calls,
         queueing_ms = stats.queueing.as_secs_f64() * 1e3,
         queueing_max_us = stats.queueing_max.as_secs_f64() * 1e6,
         pending_polls = stats.pending,
