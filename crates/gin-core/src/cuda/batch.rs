@@ -83,6 +83,17 @@ pub(crate) fn region(put: bool, remote: u32, local: u32) -> Region {
     (u128::from(put) << 64) | (u128::from(remote) << 32) | u128::from(local)
 }
 
+/// How many entries the proxy or the NIC takes from a queue of `2^log2`
+/// slots in one pass before it moves to the next queue and publishes its
+/// progress: a quarter of the queue, at most 256. A longer pass merges more
+/// slices of a message into one copy (so fewer driver calls when many blocks
+/// stream at once) but makes the other queues wait longer and frees this
+/// queue's slots later; a quarter leaves three quarters of the queue to the
+/// kernel while the pass runs.
+pub(crate) fn pass_len(log2: u32) -> u64 {
+    (1u64 << log2.min(63) >> 2).clamp(1, 256)
+}
+
 /// Pending work of one stream: copies, or stores, never both.
 #[derive(Debug, Default)]
 pub(crate) struct StreamBatch {
@@ -323,6 +334,22 @@ mod tests {
                 prop_assert_eq!(s / ALLOC, (s + n as u64 - 1) / ALLOC, "src spans allocations");
             }
             prop_assert_eq!(fake.mem.into_inner(), seq.mem.into_inner());
+        }
+    }
+
+    proptest! {
+        /// A pass takes at least one entry, never more than 256 and never
+        /// more than a quarter of a queue that has four slots or more.
+        #[test]
+        fn a_pass_is_a_quarter_of_the_queue(log2 in 0u32..64) {
+            let p = pass_len(log2);
+            prop_assert!((1..=256).contains(&p));
+            if log2 >= 2 {
+                prop_assert!(p * 4 <= 1u64 << log2);
+            }
+            if (2..=10).contains(&log2) {
+                prop_assert_eq!(p * 4, 1u64 << log2);
+            }
         }
     }
 

@@ -33,7 +33,7 @@ use gin_gdaki::queue::unwrap_counter;
 use gin_gdaki::wqe::{BB, CQ_UPDATE, MemRef, Op, decode};
 use gin_net::tcp::Link;
 
-use super::batch::{BatchStats, Dma, StreamBatch, region};
+use super::batch::{BatchStats, Dma, StreamBatch, pass_len, region};
 use super::driver::{Device, Stream};
 use super::proxy::{SignalInfo, fits, window};
 use super::staging::{STAGE, Stage};
@@ -121,9 +121,6 @@ impl CudaNic {
         self.0.stop("the soft NIC reported")
     }
 }
-
-/// WQEs taken from one queue before moving to the next.
-const BATCH: u64 = 64;
 
 /// The NIC's state of one send queue.
 struct Sq {
@@ -313,7 +310,7 @@ impl<D: Dma> Nic<D> {
         let (ci, log2, qpn) = (sq.ci, sq.spec.log2, sq.spec.qpn);
         let mut n = 0;
         let mut last_ok: Option<(u64, u8)> = None;
-        while self.sq(i, companion).ci != pi && n < BATCH {
+        while self.sq(i, companion).ci != pi && n < pass_len(log2) {
             let idx = ci + n;
             let bytes = self.sq(i, companion).read_wqe(idx);
             if self.sq(i, companion).failed {

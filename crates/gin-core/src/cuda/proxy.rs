@@ -21,7 +21,7 @@ use gin_proxy::descriptor::{DESC_QWORDS, Desc, Op, Slot, decode};
 use gin_net::tcp::Link;
 
 use super::WinTable;
-use super::batch::{BatchStats, Region, StreamBatch, region};
+use super::batch::{BatchStats, Region, StreamBatch, pass_len, region};
 use super::driver::{Device, HostMem, Stream};
 use super::staging::{STAGE, Stage};
 use super::worker::Worker;
@@ -165,9 +165,6 @@ impl Ring {
     }
 }
 
-/// Descriptors taken from one ring before moving to the next.
-const BATCH: usize = 64;
-
 /// What the proxy did, logged at debug level when it stops (`GIN_DEBUG=debug`):
 /// where its time went when a path is slower than its floor.
 #[derive(Debug, Default)]
@@ -207,7 +204,7 @@ fn run(mut spec: ProxySpec, stop: &AtomicBool) -> Result<(), CoreError> {
         let mut progressed = false;
         for ring in &mut rings {
             let start = ring.tail;
-            for _ in 0..BATCH {
+            for _ in 0..pass_len(ring.spec.log2) {
                 let seq = ring.tail;
                 let q = read_slot(ring, seq);
                 let d = match decode(&q, seq, ring.spec.log2) {
