@@ -346,6 +346,7 @@ pub fn run(a: &CudaArgs) -> Result<()> {
         max = max.max(a.bw_bytes.iter().copied().max().unwrap_or(8));
     }
     let mut rows = Vec::new();
+    let shared = shared_gpu(&comm, &c)?;
     if comm.rank() == 0 {
         println!(
             "gin-bench cuda: {} ranks, rank 0 on GPU {} ({}); {} launches per figure",
@@ -354,6 +355,9 @@ pub fn run(a: &CudaArgs) -> Result<()> {
             c.device().name,
             a.runs
         );
+        if let Some(why) = &shared {
+            println!("WARNING: {why}");
+        }
     }
     let src = c.alloc_window(max)?;
     let dst = c.alloc_window(max)?;
@@ -521,11 +525,33 @@ pub fn run(a: &CudaArgs) -> Result<()> {
         }
     }
     if comm.rank() == 0 {
-        let t = table(&rows, a.runs);
+        let mut t = table(&rows, a.runs);
+        if let Some(why) = &shared {
+            t.note(format!("WARNING: {why}"));
+        }
         Report::new("cuda", a, vec![t], rows)?.finish(a.json.as_deref(), a.csv.as_deref())?;
     }
     comm.bootstrap().barrier()?;
     Ok(())
+}
+
+/// Why the figures mean little when ranks 0 and 1 drive the same GPU (a
+/// machine with one GPU, or `GIN_CUDA_DEVICE` set alike): the GPU
+/// time-slices the two processes' kernels, so a ping-pong waits for the
+/// other process's time slice (milliseconds) and bandwidth is that of the
+/// slices. Collective: every rank says which GPU it drives, as this
+/// machine's boot id and the GPU's PCI bus id (emulated hosts of one machine
+/// can share a GPU as well).
+fn shared_gpu(comm: &Comm, c: &CudaComm<'_>) -> Result<Option<String>> {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let me = format!("{} {}", boot.trim(), c.device().pci_bus_id);
+    let all = comm.bootstrap().allgather(me.as_bytes())?;
+    Ok((all[0] == all[1]).then(|| {
+        format!(
+            "ranks 0 and 1 share one GPU (PCI {}): it time-slices their kernels, so these figures measure time slicing, not gin-rs; give each rank its own GPU",
+            c.device().pci_bus_id
+        )
+    }))
 }
 
 /// LogGP from this run's ping-pong of `path` (block coop on load/store, as

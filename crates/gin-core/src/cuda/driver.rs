@@ -76,6 +76,9 @@ pub struct Device {
     /// Compute capability (major, minor).
     pub cc: (i32, i32),
     pub name: String,
+    /// PCI bus id (`0000:19:00.0`): which GPU of this host it is, whatever
+    /// `CUDA_VISIBLE_DEVICES` renumbered.
+    pub pci_bus_id: String,
 }
 
 // SAFETY: a CUcontext may be made current on any thread.
@@ -96,6 +99,7 @@ impl Device {
         let mut ctx = std::ptr::null_mut();
         let (mut major, mut minor) = (0, 0);
         let mut name = [0 as std::ffi::c_char; 128];
+        let mut bus = [0 as std::ffi::c_char; 32];
         // SAFETY: valid out-pointers; the ordinal was checked.
         unsafe {
             check("cuDeviceGet", cu::cuDeviceGet(&raw mut dev, ordinal as i32))?;
@@ -124,9 +128,17 @@ impl Device {
                 "cuDeviceGetName",
                 cu::cuDeviceGetName(name.as_mut_ptr(), 127, dev),
             )?;
+            check(
+                "cuDeviceGetPCIBusId",
+                cu::cuDeviceGetPCIBusId(bus.as_mut_ptr(), 31, dev),
+            )?;
         }
         // SAFETY: cuDeviceGetName wrote a NUL-terminated string.
         let name = unsafe { CStr::from_ptr(name.as_ptr()) }
+            .to_string_lossy()
+            .into_owned();
+        // SAFETY: as above, cuDeviceGetPCIBusId wrote a NUL-terminated string.
+        let pci_bus_id = unsafe { CStr::from_ptr(bus.as_ptr()) }
             .to_string_lossy()
             .into_owned();
         Ok(Self {
@@ -135,6 +147,7 @@ impl Device {
             ctx,
             cc: (major, minor),
             name,
+            pci_bus_id,
         })
     }
 
