@@ -94,6 +94,41 @@ pub(crate) fn pass_len(log2: u32) -> u64 {
     (1u64 << log2.min(63) >> 2).clamp(1, 256)
 }
 
+/// For gin-core's benchmarks (`benches/batch.rs`), not an API: one pass's
+/// `copies` (dst, src, bytes), in one region, queued and flushed to a stream
+/// that drops them; returns the copies that stream was handed.
+#[doc(hidden)]
+pub fn bench_pass(copies: &[(u64, u64, usize)]) -> u64 {
+    struct Drop;
+    impl Dma for Drop {
+        fn copy(&self, _: u64, _: u64, _: usize) -> Result<(), CoreError> {
+            Ok(())
+        }
+        fn write_u64(&self, _: u64, _: u64) -> Result<(), CoreError> {
+            Ok(())
+        }
+        fn sync(&self) -> Result<(), CoreError> {
+            Ok(())
+        }
+        fn copy_many(
+            &self,
+            _: &mut [u64],
+            _: &mut [u64],
+            _: &mut [usize],
+        ) -> Result<(), CoreError> {
+            Ok(())
+        }
+    }
+    let mut b = StreamBatch::default();
+    let g = region(true, 1, 2);
+    for &(d, s, n) in copies {
+        // The stream above never fails.
+        let _ = b.push(&Drop, d, s, n, g);
+    }
+    let _ = b.flush(&Drop);
+    b.stats.copies_issued
+}
+
 /// Pending work of one stream: copies, or stores, never both.
 #[derive(Debug, Default)]
 pub(crate) struct StreamBatch {
@@ -104,6 +139,11 @@ pub(crate) struct StreamBatch {
     writes: Vec<(u64, u64)>,
     /// Scratch for the merge: (region, dst, src, len) of pending copies.
     runs: Vec<(Region, u64, u64, usize)>,
+    /// The bytes pending copies write, and those they read: a new copy
+    /// is checked against them in logarithmic time, where a pass may hold
+    /// hundreds of copies.
+    writes_to: Spans,
+    reads_from: Spans,
     /// What reached the driver, for the owner's debug statistics.
     pub stats: BatchStats,
 }
@@ -130,9 +170,41 @@ impl std::ops::AddAssign for BatchStats {
     }
 }
 
-/// Whether `[a, a + m)` and `[b, b + n)` share a byte.
-fn overlaps(a: u64, m: usize, b: u64, n: usize) -> bool {
-    m > 0 && n > 0 && a < b.saturating_add(n as u64) && b < a.saturating_add(m as u64)
+/// A union of byte ranges, kept as sorted, disjoint, non-touching
+/// half-open spans.
+#[derive(Debug, Default)]
+struct Spans(Vec<(u64, u64)>);
+
+impl Spans {
+    /// Whether `[a, a + n)` shares a byte with the union.
+    fn hits(&self, a: u64, n: usize) -> bool {
+        let end = a.saturating_add(n as u64);
+        // The last span starting before `end` has the greatest end of
+        // those: the spans are sorted and disjoint.
+        let i = self.0.partition_point(|&(s, _)| s < end);
+        n > 0 && i > 0 && self.0[i - 1].1 > a
+    }
+
+    /// Adds `[a, a + n)` to the union, joining the spans it overlaps or
+    /// touches.
+    fn add(&mut self, a: u64, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let end = a.saturating_add(n as u64);
+        let lo = self.0.partition_point(|&(_, e)| e < a);
+        let hi = self.0.partition_point(|&(s, _)| s <= end);
+        if lo < hi {
+            let joined = (a.min(self.0[lo].0), end.max(self.0[hi - 1].1));
+            self.0.splice(lo..hi, [joined]);
+        } else {
+            self.0.insert(lo, (a, end));
+        }
+    }
+
+    fn clear(&mut self) {
+        self.0.clear();
+    }
 }
 
 impl StreamBatch {
@@ -151,13 +223,14 @@ impl StreamBatch {
             return Ok(());
         }
         self.flush_writes(q)?;
-        let conflict = (0..self.dst.len()).any(|i| {
-            let (pd, ps, pl) = (self.dst[i], self.src[i], self.len[i]);
-            overlaps(dst, n, pd, pl) || overlaps(dst, n, ps, pl) || overlaps(src, n, pd, pl)
-        });
-        if conflict {
+        if self.writes_to.hits(dst, n)
+            || self.reads_from.hits(dst, n)
+            || self.writes_to.hits(src, n)
+        {
             self.flush(q)?;
         }
+        self.writes_to.add(dst, n);
+        self.reads_from.add(src, n);
         self.dst.push(dst);
         self.src.push(src);
         self.len.push(n);
@@ -211,6 +284,8 @@ impl StreamBatch {
         self.src.clear();
         self.len.clear();
         self.region.clear();
+        self.writes_to.clear();
+        self.reads_from.clear();
         r
     }
 
@@ -349,6 +424,33 @@ mod tests {
             }
             if (2..=10).contains(&log2) {
                 prop_assert_eq!(p * 4, 1u64 << log2);
+            }
+        }
+    }
+
+    proptest! {
+        /// Spans answer as the ranges added would, one by one, and stay
+        /// sorted, disjoint and apart (touching spans are joined).
+        #[test]
+        fn spans_are_the_union_of_what_was_added(
+            added in proptest::collection::vec((0u64..200, 0usize..24), 0..40),
+            asked in proptest::collection::vec((0u64..230, 0usize..24), 1..40),
+        ) {
+            let mut u = Spans::default();
+            for &(a, n) in &added {
+                u.add(a, n);
+            }
+            for w in u.0.windows(2) {
+                prop_assert!(w[0].1 < w[1].0, "{:?}", u.0);
+            }
+            for &(s, e) in &u.0 {
+                prop_assert!(s < e);
+            }
+            for &(a, n) in &asked {
+                let brute = added.iter().any(|&(b, m)| {
+                    n > 0 && m > 0 && a < b + m as u64 && b < a + n as u64
+                });
+                prop_assert_eq!(u.hits(a, n), brute, "[{}, +{}) against {:?}", a, n, u.0);
             }
         }
     }

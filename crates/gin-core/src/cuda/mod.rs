@@ -40,6 +40,8 @@
 //!   host memory. `auto` reaches such peers through the proxy.
 
 mod batch;
+#[doc(hidden)]
+pub use batch::bench_pass;
 mod driver;
 mod nic;
 pub mod nvrtc;
