@@ -539,17 +539,16 @@ pub fn run(a: &CudaArgs) -> Result<()> {
 /// machine with one GPU, or `GIN_CUDA_DEVICE` set alike): the GPU
 /// time-slices the two processes' kernels, so a ping-pong waits for the
 /// other process's time slice (milliseconds) and bandwidth is that of the
-/// slices. Collective: every rank says which GPU it drives, as this
-/// machine's boot id and the GPU's PCI bus id (emulated hosts of one machine
-/// can share a GPU as well).
+/// slices. Collective: every rank says which GPU it drives by its UUID
+/// (two MIG instances of one GPU differ; a rank whose driver gives no UUID
+/// says nothing, and then nothing is claimed).
 fn shared_gpu(comm: &Comm, c: &CudaComm<'_>) -> Result<Option<String>> {
-    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    let me = format!("{} {}", boot.trim(), c.device().pci_bus_id);
+    let me = c.device().uuid.clone().unwrap_or_default();
     let all = comm.bootstrap().allgather(me.as_bytes())?;
-    Ok((all[0] == all[1]).then(|| {
+    Ok((!me.is_empty() && all[0] == all[1]).then(|| {
         format!(
-            "ranks 0 and 1 share one GPU (PCI {}): it time-slices their kernels, so these figures measure time slicing, not gin-rs; give each rank its own GPU",
-            c.device().pci_bus_id
+            "ranks 0 and 1 share one GPU (UUID {}): it time-slices their kernels, so these figures measure time slicing, not gin-rs; give each rank its own GPU",
+            String::from_utf8_lossy(&all[0])
         )
     }))
 }

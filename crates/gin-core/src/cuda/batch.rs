@@ -153,7 +153,8 @@ pub(crate) struct StreamBatch {
 pub(crate) struct BatchStats {
     /// Copies pushed.
     pub copies: u64,
-    /// Driver calls that queued copies (one copy, or a batch).
+    /// Driver calls that queued copies, a batch counting as one (a driver
+    /// without `cuMemcpyBatchAsync` makes one call per copy of a batch).
     pub copy_calls: u64,
     /// Copies the driver saw, after merging.
     pub copies_issued: u64,
@@ -457,6 +458,45 @@ mod tests {
 
     /// The fake's 128 bytes are four allocations of this many bytes.
     const ALLOC: u64 = 32;
+
+    proptest! {
+        /// Two messages, allocation 0 to 2 and allocation 1 to 3, cut into
+        /// slices and posted interleaved in any order: the second continues
+        /// the first in both source and destination, but they are different
+        /// regions, so the driver sees exactly one copy per message.
+        #[test]
+        fn a_sliced_message_is_one_copy_and_never_joins_its_neighbour(
+            cuts_a in proptest::collection::btree_set(1u64..ALLOC, 0..8),
+            cuts_b in proptest::collection::btree_set(1u64..ALLOC, 0..8),
+            keys in proptest::collection::vec(any::<u32>(), 18),
+        ) {
+            let slices = |cuts: &std::collections::BTreeSet<u64>, src: u64, dst: u64, g| {
+                let mut at: Vec<u64> = std::iter::once(0).chain(cuts.iter().copied()).collect();
+                at.push(ALLOC);
+                at.windows(2)
+                    .map(|w| (dst + w[0], src + w[0], (w[1] - w[0]) as usize, g))
+                    .collect::<Vec<_>>()
+            };
+            let mut all = slices(&cuts_a, 0, 2 * ALLOC, region(true, 2, 0));
+            all.extend(slices(&cuts_b, ALLOC, 3 * ALLOC, region(true, 3, 1)));
+            let mut order: Vec<usize> = (0..all.len()).collect();
+            order.sort_by_key(|&i| keys[i]);
+            let init: Vec<u8> = (0..128u8).collect();
+            let fake = Fake { mem: RefCell::new(init.clone()), ..Fake::default() };
+            let mut b = StreamBatch::default();
+            for &i in &order {
+                let (d, s, n, g) = all[i];
+                b.push(&fake, d, s, n, g).unwrap();
+            }
+            b.flush(&fake).unwrap();
+            let mut c = fake.copies.take();
+            c.sort_unstable();
+            prop_assert_eq!(c, vec![(2 * ALLOC, 0, 32), (3 * ALLOC, ALLOC, 32)]);
+            let m = fake.mem.into_inner();
+            prop_assert_eq!(&m[64..], &init[..64]);
+            prop_assert_eq!(b.stats.copies, all.len() as u64);
+        }
+    }
 
     /// A copy inside one destination and one source allocation, with its
     /// region (the pair of allocations), as the proxy and NIC push them.

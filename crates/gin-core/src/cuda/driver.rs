@@ -76,9 +76,11 @@ pub struct Device {
     /// Compute capability (major, minor).
     pub cc: (i32, i32),
     pub name: String,
-    /// PCI bus id (`0000:19:00.0`): which GPU of this host it is, whatever
-    /// `CUDA_VISIBLE_DEVICES` renumbered.
-    pub pci_bus_id: String,
+    /// The GPU's UUID (a MIG instance's own under MIG), as
+    /// `xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`: which GPU this is on any host,
+    /// whatever `CUDA_VISIBLE_DEVICES` renumbered. `None` if the driver
+    /// does not say.
+    pub uuid: Option<String>,
 }
 
 // SAFETY: a CUcontext may be made current on any thread.
@@ -96,18 +98,13 @@ impl Device {
             )));
         }
         let mut dev = 0;
-        let mut ctx = std::ptr::null_mut();
         let (mut major, mut minor) = (0, 0);
         let mut name = [0 as std::ffi::c_char; 128];
-        let mut bus = [0 as std::ffi::c_char; 32];
+        // The queries need no context: made first, a failure leaves nothing
+        // retained.
         // SAFETY: valid out-pointers; the ordinal was checked.
         unsafe {
             check("cuDeviceGet", cu::cuDeviceGet(&raw mut dev, ordinal as i32))?;
-            check(
-                "cuDevicePrimaryCtxRetain",
-                cu::cuDevicePrimaryCtxRetain(&raw mut ctx, dev),
-            )?;
-            check("cuCtxSetCurrent", cu::cuCtxSetCurrent(ctx))?;
             check(
                 "cuDeviceGetAttribute",
                 cu::cuDeviceGetAttribute(
@@ -128,27 +125,29 @@ impl Device {
                 "cuDeviceGetName",
                 cu::cuDeviceGetName(name.as_mut_ptr(), 127, dev),
             )?;
-            check(
-                "cuDeviceGetPCIBusId",
-                cu::cuDeviceGetPCIBusId(bus.as_mut_ptr(), 31, dev),
-            )?;
         }
-        // SAFETY: cuDeviceGetName wrote a NUL-terminated string.
+        // SAFETY: cuDeviceGetName wrote a NUL-terminated string (the buffer
+        // is zeroed and the driver was given one byte less).
         let name = unsafe { CStr::from_ptr(name.as_ptr()) }
             .to_string_lossy()
             .into_owned();
-        // SAFETY: as above, cuDeviceGetPCIBusId wrote a NUL-terminated string.
-        let pci_bus_id = unsafe { CStr::from_ptr(bus.as_ptr()) }
-            .to_string_lossy()
-            .into_owned();
-        Ok(Self {
+        let uuid = device_uuid(dev);
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: valid out-pointer and device handle.
+        check("cuDevicePrimaryCtxRetain", unsafe {
+            cu::cuDevicePrimaryCtxRetain(&raw mut ctx, dev)
+        })?;
+        let this = Self {
             ordinal,
             dev,
             ctx,
             cc: (major, minor),
             name,
-            pci_bus_id,
-        })
+            uuid,
+        };
+        // On failure `this` is dropped, which releases the retain.
+        this.make_current()?;
+        Ok(this)
     }
 
     /// Makes this GPU's context current on the calling thread.
@@ -493,6 +492,53 @@ type BatchCopy = unsafe extern "C" fn(
 /// limit is fewer than 256).
 pub const MAX_WRITES: usize = 255;
 
+/// The UUID of `dev` from the driver's `cuDeviceGetUuid` in its CUDA 13.0
+/// form (MIG-aware), looked up as [`batch_copy`] is; `None` if the driver
+/// lacks it or fails.
+fn device_uuid(dev: cu::CUdevice) -> Option<String> {
+    type GetUuid = unsafe extern "C" fn(*mut cu::CUuuid, cu::CUdevice) -> cu::CUresult;
+    let mut p: *mut c_void = std::ptr::null_mut();
+    // SAFETY: zero is a valid query result to be overwritten.
+    let mut status: cu::CUdriverProcAddressQueryResult = unsafe { std::mem::zeroed() };
+    // SAFETY: valid symbol name and out-pointers.
+    let r = unsafe {
+        cu::cuGetProcAddress_v2(
+            c"cuDeviceGetUuid".as_ptr(),
+            &raw mut p,
+            13000,
+            0,
+            &raw mut status,
+        )
+    };
+    if r != cu::CUresult::CUDA_SUCCESS || p.is_null() {
+        return None;
+    }
+    // SAFETY: for CUDA version 13000 the driver returns the 13.0 entry
+    // point, whose signature `GetUuid` is.
+    let get = unsafe { std::mem::transmute::<*mut c_void, GetUuid>(p) };
+    // SAFETY: a plain C struct of 16 bytes; all zero is valid.
+    let mut id: cu::CUuuid = unsafe { std::mem::zeroed() };
+    // SAFETY: valid out-pointer and device handle.
+    if unsafe { get(&raw mut id, dev) } != cu::CUresult::CUDA_SUCCESS {
+        return None;
+    }
+    Some(format_uuid(id.bytes.map(|b| b as u8)))
+}
+
+/// `xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, as `nvidia-smi -L` shows a UUID
+/// (without its `GPU-` or `MIG-` prefix).
+fn format_uuid(b: [u8; 16]) -> String {
+    use std::fmt::Write;
+    let mut s = String::with_capacity(36);
+    for (i, x) in b.iter().enumerate() {
+        if matches!(i, 4 | 6 | 8 | 10) {
+            s.push('-');
+        }
+        let _ = write!(s, "{x:02x}");
+    }
+    s
+}
+
 /// The driver's `cuMemcpyBatchAsync` in its CUDA 13.0 form, if it has one,
 /// looked up with `cuGetProcAddress` (cudarc's loader panics on a missing
 /// symbol).
@@ -607,5 +653,20 @@ impl Function {
                 std::ptr::null_mut(),
             )
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_uuid_reads_as_nvidia_smi_shows_it() {
+        let b = [
+            0x8f, 0x1a, 0x02, 0xc3, 0x4d, 0x5e, 0x6f, 0x70, 0x81, 0x92, 0xa3, 0xb4, 0xc5, 0xd6,
+            0xe7, 0xf8,
+        ];
+        assert_eq!(format_uuid(b), "8f1a02c3-4d5e-6f70-8192-a3b4c5d6e7f8");
+        assert_eq!(format_uuid([0; 16]).len(), 36);
     }
 }
