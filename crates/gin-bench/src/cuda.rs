@@ -349,10 +349,11 @@ pub fn run(a: &CudaArgs) -> Result<()> {
     let shared = shared_gpu(&comm, &c)?;
     if comm.rank() == 0 {
         println!(
-            "gin-bench cuda: {} ranks, rank 0 on GPU {} ({}); {} launches per figure",
+            "gin-bench cuda: {} ranks, rank 0 on GPU {} ({}, UUID {}); {} launches per figure",
             comm.nranks(),
             c.device().ordinal,
             c.device().name,
+            c.device().uuid.as_deref().unwrap_or("unknown"),
             a.runs
         );
         if let Some(why) = &shared {
