@@ -146,7 +146,9 @@ GIN_DEV u32 poll_warp(const DevComm& dc, u32 timeout_kind, Ready ready) {
     u32 k = ready() ? OK : NOT_YET;
     if (k == NOT_YET && (spin & 1023) == 1) {
       const u64 now = proxy::globaltimer();
-      if (spin == 1) start = now;
+      // The first check starts the clock (the timer is never 0), once: the
+      // spin count may wrap in a long wait, the clock must not restart.
+      if (start == 0) start = now;
       if (dc.abort_flag && *(volatile u32*)dc.abort_flag != 0) k = ABORTED;
       else if (dc.timeout_ticks && now - start > dc.timeout_ticks) k = timeout_kind;
     }
