@@ -23,6 +23,19 @@ nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,nohea
 nvidia-smi topo -m > "$out/topo.txt" 2>&1 || true
 ngpu=$(nvidia-smi -L | wc -l)
 fail=0
+# One GPU: the ranks share it, and without MPS the GPU time-slices their
+# processes, so the benchmarks would measure the slices. Start a private MPS
+# daemon for this script's processes (its own pipe directory; the card's
+# settings are untouched) and stop it on exit. GIN_NO_MPS=1 keeps it off.
+if [ "$ngpu" -eq 1 ] && [ -z "${GIN_NO_MPS:-}" ] && command -v nvidia-cuda-mps-control > /dev/null; then
+  # (A short pipe path: it holds a Unix socket.)
+  export CUDA_MPS_PIPE_DIRECTORY="$(mktemp -d /tmp/gin-mps.XXXXXX)" CUDA_MPS_LOG_DIRECTORY="$out/mps-log"
+  mkdir -p "$CUDA_MPS_LOG_DIRECTORY"
+  if nvidia-cuda-mps-control -d; then
+    trap 'echo quit | nvidia-cuda-mps-control' EXIT
+    echo "one GPU: MPS started for this run ($CUDA_MPS_PIPE_DIRECTORY)"
+  fi
+fi
 step() {
   local name="$1"; shift
   echo "== $name: $*"

@@ -356,8 +356,8 @@ pub fn run(a: &CudaArgs) -> Result<()> {
             c.device().uuid.as_deref().unwrap_or("unknown"),
             a.runs
         );
-        if let Some(why) = &shared {
-            println!("WARNING: {why}");
+        if let Some((why, void)) = &shared {
+            println!("{}: {why}", if *void { "WARNING" } else { "NOTE" });
         }
     }
     let src = c.alloc_window(max)?;
@@ -527,8 +527,8 @@ pub fn run(a: &CudaArgs) -> Result<()> {
     }
     if comm.rank() == 0 {
         let mut t = table(&rows, a.runs);
-        if let Some(why) = &shared {
-            t.note(format!("WARNING: {why}"));
+        if let Some((why, void)) = &shared {
+            t.note(format!("{}: {why}", if *void { "WARNING" } else { "NOTE" }));
         }
         Report::new("cuda", a, vec![t], rows)?.finish(a.json.as_deref(), a.csv.as_deref())?;
     }
@@ -536,20 +536,35 @@ pub fn run(a: &CudaArgs) -> Result<()> {
     Ok(())
 }
 
-/// Why the figures mean little when ranks 0 and 1 drive the same GPU (a
-/// machine with one GPU, or `GIN_CUDA_DEVICE` set alike): the GPU
-/// time-slices the two processes' kernels, so a ping-pong waits for the
-/// other process's time slice (milliseconds) and bandwidth is that of the
-/// slices. Collective: every rank says which GPU it drives by its UUID
-/// (two MIG instances of one GPU differ; a rank whose driver gives no UUID
-/// says nothing, and then nothing is claimed).
-fn shared_gpu(comm: &Comm, c: &CudaComm<'_>) -> Result<Option<String>> {
+/// What to say when ranks 0 and 1 drive the same GPU (a machine with one
+/// GPU, or `GIN_CUDA_DEVICE` set alike). Without MPS the GPU time-slices
+/// the two processes' kernels, so a ping-pong waits for the other
+/// process's time slice (milliseconds) and bandwidth is that of the slices:
+/// the figures mean nothing. Under MPS the kernels run side by side, but the
+/// "peer" is this GPU's own memory, not a link. Collective: every rank says
+/// which GPU it drives by its UUID (two MIG instances of one GPU differ; a
+/// rank whose driver gives no UUID says nothing, and then nothing is
+/// claimed). Returns (the message, whether the figures are void).
+fn shared_gpu(comm: &Comm, c: &CudaComm<'_>) -> Result<Option<(String, bool)>> {
     let me = c.device().uuid.clone().unwrap_or_default();
     let all = comm.bootstrap().allgather(me.as_bytes())?;
-    Ok((!me.is_empty() && all[0] == all[1]).then(|| {
-        format!(
-            "ranks 0 and 1 share one GPU (UUID {}): it time-slices their kernels, so these figures measure time slicing, not gin-rs; give each rank its own GPU",
-            String::from_utf8_lossy(&all[0])
+    if me.is_empty() || all[0] != all[1] {
+        return Ok(None);
+    }
+    let gpu = String::from_utf8_lossy(&all[0]);
+    Ok(Some(if c.device().mps {
+        (
+            format!(
+                "ranks 0 and 1 share one GPU (UUID {gpu}) through MPS: their kernels run side by side, but every transfer stays in this GPU's memory, so the figures are not those of a link between GPUs"
+            ),
+            false,
+        )
+    } else {
+        (
+            format!(
+                "ranks 0 and 1 share one GPU (UUID {gpu}) without MPS: it time-slices their kernels, so these figures measure time slicing, not gin-rs; give each rank its own GPU, or start MPS (nvidia-cuda-mps-control -d)"
+            ),
+            true,
         )
     }))
 }

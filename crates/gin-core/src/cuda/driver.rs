@@ -81,6 +81,10 @@ pub struct Device {
     /// whatever `CUDA_VISIBLE_DEVICES` renumbered. `None` if the driver
     /// does not say.
     pub uuid: Option<String>,
+    /// Whether this process's contexts on the GPU go through MPS (the
+    /// Multi-Process Service), so that kernels of several processes run
+    /// side by side instead of taking turns.
+    pub mps: bool,
 }
 
 // SAFETY: a CUcontext may be made current on any thread.
@@ -132,6 +136,17 @@ impl Device {
             .to_string_lossy()
             .into_owned();
         let uuid = device_uuid(dev);
+        let mut mps = 0;
+        // SAFETY: valid out-pointer and device handle. An old driver that
+        // does not know the attribute answers with an error: no MPS then.
+        let mps = unsafe {
+            cu::cuDeviceGetAttribute(
+                &raw mut mps,
+                cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MPS_ENABLED,
+                dev,
+            )
+        } == cu::CUresult::CUDA_SUCCESS
+            && mps != 0;
         let mut ctx = std::ptr::null_mut();
         // SAFETY: valid out-pointer and device handle.
         check("cuDevicePrimaryCtxRetain", unsafe {
@@ -144,6 +159,7 @@ impl Device {
             cc: (major, minor),
             name,
             uuid,
+            mps,
         };
         // On failure `this` is dropped, which releases the retain.
         this.make_current()?;
