@@ -346,6 +346,7 @@ pub fn run(a: &CudaArgs) -> Result<()> {
         max = max.max(a.bw_bytes.iter().copied().max().unwrap_or(8));
     }
     let mut rows = Vec::new();
+    let mut skipped: Vec<String> = Vec::new();
     let shared = shared_gpu(&comm, &c)?;
     if comm.rank() == 0 {
         println!(
@@ -447,9 +448,21 @@ pub fn run(a: &CudaArgs) -> Result<()> {
         }
         dst.local().zero(0, max as usize)?;
         comm.bootstrap().barrier()?;
+        let per_sm = m.function("gin_bandwidth")?.blocks_per_sm(a.threads)?;
+        let mps_shared = matches!(shared, Some((_, false)));
         for &path in &paths {
             for &bw in &a.bw_bytes {
                 for &blocks in &a.blocks {
+                    if let Some(why) = starves_copies(&c, mps_shared, path, blocks, per_sm) {
+                        if comm.rank() == 0 {
+                            println!(
+                                "bandwidth {} with {blocks} blocks skipped: {why}",
+                                path.label()
+                            );
+                        }
+                        skipped.push(format!("{} with {blocks} blocks: {why}", path.label()));
+                        continue;
+                    }
                     for sig_each in [false, true] {
                         let r = bandwidth(
                             &c,
@@ -530,6 +543,9 @@ pub fn run(a: &CudaArgs) -> Result<()> {
         if let Some((why, void)) = &shared {
             t.note(format!("{}: {why}", if *void { "WARNING" } else { "NOTE" }));
         }
+        for why in &skipped {
+            t.note(format!("bandwidth skipped, {why}"));
+        }
         Report::new("cuda", a, vec![t], rows)?.finish(a.json.as_deref(), a.csv.as_deref())?;
     }
     comm.bootstrap().barrier()?;
@@ -567,6 +583,38 @@ fn shared_gpu(comm: &Comm, c: &CudaComm<'_>) -> Result<Option<(String, bool)>> {
             true,
         )
     }))
+}
+
+/// Why a queue-path bandwidth run cannot work where ranks 0 and 1 share a
+/// GPU through MPS and its blocks, with rank 1's one, would leave no SM
+/// free: the proxy's (or soft NIC's) work on this GPU then never runs while
+/// every SM spins, and rank 1's wait times out (on one H200: 130 blocks of
+/// 512 threads passed, 131 and 132 stalled). Load/store needs no SM but
+/// its own.
+fn starves_copies(
+    c: &CudaComm<'_>,
+    mps_shared: bool,
+    path: CudaPath,
+    blocks: u32,
+    per_sm: u32,
+) -> Option<String> {
+    let d = c.device();
+    if !mps_shared || path == CudaPath::LoadStore || per_sm == 0 {
+        return None;
+    }
+    spinning_sms(blocks, per_sm, d.sms).map(|busy| {
+        format!(
+            "on one GPU shared through MPS it would hold {busy} of its {} SMs with spinning blocks (rank 1's included), leaving none for the copies they wait for",
+            d.sms
+        )
+    })
+}
+
+/// The SMs `blocks` spinning blocks (at most `per_sm` to an SM) and rank
+/// 1's one hold, if that leaves none of `sms` free.
+fn spinning_sms(blocks: u32, per_sm: u32, sms: u32) -> Option<u32> {
+    let busy = blocks.div_ceil(per_sm.max(1)) + 1;
+    (busy >= sms).then_some(busy)
 }
 
 /// LogGP from this run's ping-pong of `path` (block coop on load/store, as
@@ -1074,6 +1122,18 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn spinning_blocks_must_leave_an_sm_free() {
+        // One H200 (132 SMs) shared through MPS, 512-thread blocks one to
+        // an SM: 130 blocks passed there, 131 and 132 stalled.
+        assert_eq!(spinning_sms(130, 1, 132), None);
+        assert_eq!(spinning_sms(131, 1, 132), Some(132));
+        assert_eq!(spinning_sms(132, 1, 132), Some(133));
+        // 256-thread blocks, three to an SM: 264 blocks passed.
+        assert_eq!(spinning_sms(264, 3, 132), None);
+        assert_eq!(spinning_sms(16, 0, 132), None);
     }
 
     #[test]

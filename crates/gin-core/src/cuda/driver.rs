@@ -81,6 +81,8 @@ pub struct Device {
     /// whatever `CUDA_VISIBLE_DEVICES` renumbered. `None` if the driver
     /// does not say.
     pub uuid: Option<String>,
+    /// Streaming multiprocessors.
+    pub sms: u32,
     /// Whether this process's contexts on the GPU go through MPS (the
     /// Multi-Process Service), so that kernels of several processes run
     /// side by side instead of taking turns.
@@ -102,7 +104,7 @@ impl Device {
             )));
         }
         let mut dev = 0;
-        let (mut major, mut minor) = (0, 0);
+        let (mut major, mut minor, mut sms) = (0, 0, 0);
         let mut name = [0 as std::ffi::c_char; 128];
         // The queries need no context: made first, a failure leaves nothing
         // retained.
@@ -122,6 +124,14 @@ impl Device {
                 cu::cuDeviceGetAttribute(
                     &raw mut minor,
                     cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+                    dev,
+                ),
+            )?;
+            check(
+                "cuDeviceGetAttribute",
+                cu::cuDeviceGetAttribute(
+                    &raw mut sms,
+                    cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
                     dev,
                 ),
             )?;
@@ -159,6 +169,7 @@ impl Device {
             cc: (major, minor),
             name,
             uuid,
+            sms: sms.max(0) as u32,
             mps,
         };
         // On failure `this` is dropped, which releases the retain.
@@ -641,6 +652,17 @@ unsafe impl Send for Function {}
 unsafe impl Sync for Function {}
 
 impl Function {
+    /// How many blocks of `threads` threads (no dynamic shared memory) one
+    /// SM holds at once.
+    pub fn blocks_per_sm(&self, threads: u32) -> Result<u32, CoreError> {
+        let mut n = 0;
+        // SAFETY: valid out-pointer and function handle.
+        check("cuOccupancyMaxActiveBlocksPerMultiprocessor", unsafe {
+            cu::cuOccupancyMaxActiveBlocksPerMultiprocessor(&raw mut n, self.0, threads as i32, 0)
+        })?;
+        Ok(n.max(0) as u32)
+    }
+
     /// Launches with one pointer per kernel parameter.
     ///
     /// # Safety
