@@ -463,9 +463,14 @@ impl<D: Dma> Nic<D> {
             }
         };
         r.unwrap_or_else(|e| {
+            // The call may have been queueing deferred work of earlier WQEs
+            // of this pass (a batch is flushed when this WQE's work cannot
+            // join it): the error is reported here, the first WQE that saw it.
             failed(
                 syndrome::LOCAL_QP_OP_ERR,
-                format!("driver call failed: {e}"),
+                format!(
+                    "driver call failed while queueing this WQE's work (or deferred work of earlier WQEs of this pass): {e}"
+                ),
             )
         })
     }
