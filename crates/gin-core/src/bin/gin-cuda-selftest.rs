@@ -164,7 +164,8 @@ fn all(c: &CudaComm<'_>, k: &Kernels<'_>) -> R {
 
 /// Rail barriers with a full and a rail connection, each coop: data put
 /// before the barrier is there after it; with a rail connection a put to a
-/// rank off the rail fails naming it.
+/// rank off the rail fails naming it, even at an offset outside the window
+/// (the unreachable peer is the error to report).
 fn rail(c: &CudaComm<'_>, k: &Kernels<'_>) -> R {
     let f = k.f("gin_rail")?;
     let (rank, n) = (c.comm().rank(), c.comm().nranks());

@@ -515,10 +515,11 @@ GIN_DEV int put(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst
   ProxyRingAbi rg{};
   if (dc.backend_kind == BACKEND_PROXY) rg = ring(dc, ctx, peer);
   // A peer that is neither load/store nor queued is either off a rail
-  // connection or unreachable with this backend; the reach byte is read
-  // again only on those (cold) paths, so the load/store path's branches are
-  // those of a world connection.
-  if (!lsa && !has_queues(dc)) return fail_unreachable(dc, ctx, peer);
+  // connection or unreachable with this backend, which is said before any
+  // complaint about the offset. The load/store path's branches stay those
+  // of a world connection.
+  if (!lsa && (!has_queues(dc) || reach(dc, peer) == REACH_NONE))
+    return fail_unreachable(dc, ctx, peer);
   if (!range_ok(dst_off, bytes, dst_size)) return fail(dc, OUT_OF_WINDOW, ctx, peer, dst.id);
   if (lsa) {
     if (!d || (rem.kind == 1 && !sig)) return fail(dc, UNSUPPORTED, ctx, peer, dst.id);
@@ -547,7 +548,6 @@ GIN_DEV int put(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst
     if (me == 0) lsa_actions(dc, ctx, peer, sig, rem, loc);
     return OK;
   }
-  if (reach(dc, peer) == REACH_NONE) return fail_unreachable(dc, ctx, peer);
   // One aligned 8-byte word travels inline, in the WQE or the descriptor,
   // from the register the leader loaded it into: the NIC or proxy then
   // stores it, with no copy-engine copy (as mlx5 inline sends, and NCCL's
