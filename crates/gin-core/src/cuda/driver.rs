@@ -519,27 +519,24 @@ type BatchCopy = unsafe extern "C" fn(
 /// limit is fewer than 256).
 pub const MAX_WRITES: usize = 255;
 
-/// The UUID of `dev` from the driver's `cuDeviceGetUuid` in its CUDA 13.0
-/// form (MIG-aware), looked up as [`batch_copy`] is; `None` if the driver
-/// lacks it or fails.
-fn device_uuid(dev: cu::CUdevice) -> Option<String> {
-    type GetUuid = unsafe extern "C" fn(*mut cu::CUuuid, cu::CUdevice) -> cu::CUresult;
+/// The driver's entry point `name` in its CUDA 13.0 form, if it has one,
+/// looked up with `cuGetProcAddress` (cudarc's loader panics on a missing
+/// symbol).
+fn proc_address(name: &std::ffi::CStr) -> Option<*mut c_void> {
     let mut p: *mut c_void = std::ptr::null_mut();
     // SAFETY: zero is a valid query result to be overwritten.
     let mut status: cu::CUdriverProcAddressQueryResult = unsafe { std::mem::zeroed() };
     // SAFETY: valid symbol name and out-pointers.
-    let r = unsafe {
-        cu::cuGetProcAddress_v2(
-            c"cuDeviceGetUuid".as_ptr(),
-            &raw mut p,
-            13000,
-            0,
-            &raw mut status,
-        )
-    };
-    if r != cu::CUresult::CUDA_SUCCESS || p.is_null() {
-        return None;
-    }
+    let r =
+        unsafe { cu::cuGetProcAddress_v2(name.as_ptr(), &raw mut p, 13000, 0, &raw mut status) };
+    (r == cu::CUresult::CUDA_SUCCESS && !p.is_null()).then_some(p)
+}
+
+/// The UUID of `dev` from the driver's `cuDeviceGetUuid` (MIG-aware in its
+/// 13.0 form); `None` if the driver lacks it or fails.
+fn device_uuid(dev: cu::CUdevice) -> Option<String> {
+    type GetUuid = unsafe extern "C" fn(*mut cu::CUuuid, cu::CUdevice) -> cu::CUresult;
+    let p = proc_address(c"cuDeviceGetUuid")?;
     // SAFETY: for CUDA version 13000 the driver returns the 13.0 entry
     // point, whose signature `GetUuid` is.
     let get = unsafe { std::mem::transmute::<*mut c_void, GetUuid>(p) };
@@ -566,29 +563,14 @@ fn format_uuid(b: [u8; 16]) -> String {
     s
 }
 
-/// The driver's `cuMemcpyBatchAsync` in its CUDA 13.0 form, if it has one,
-/// looked up with `cuGetProcAddress` (cudarc's loader panics on a missing
-/// symbol).
+/// The driver's `cuMemcpyBatchAsync` in its CUDA 13.0 form, if it has one.
 fn batch_copy() -> Option<BatchCopy> {
     static F: OnceLock<Option<BatchCopy>> = OnceLock::new();
     *F.get_or_init(|| {
-        let mut p: *mut c_void = std::ptr::null_mut();
-        // SAFETY: zero is a valid query result to be overwritten.
-        let mut status: cu::CUdriverProcAddressQueryResult = unsafe { std::mem::zeroed() };
-        // SAFETY: valid symbol name and out-pointers.
-        let r = unsafe {
-            cu::cuGetProcAddress_v2(
-                c"cuMemcpyBatchAsync".as_ptr(),
-                &raw mut p,
-                13000,
-                0,
-                &raw mut status,
-            )
-        };
-        (r == cu::CUresult::CUDA_SUCCESS && !p.is_null())
+        proc_address(c"cuMemcpyBatchAsync")
             // SAFETY: for CUDA version 13000 the driver returns the 13.0
             // entry point, whose signature `BatchCopy` is.
-            .then(|| unsafe { std::mem::transmute::<*mut c_void, BatchCopy>(p) })
+            .map(|p| unsafe { std::mem::transmute::<*mut c_void, BatchCopy>(p) })
     })
 }
 
