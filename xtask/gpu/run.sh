@@ -32,7 +32,7 @@ if [ "$ngpu" -eq 1 ] && [ -z "${GIN_NO_MPS:-}" ] && command -v nvidia-cuda-mps-c
   export CUDA_MPS_PIPE_DIRECTORY="$(mktemp -d /tmp/gin-mps.XXXXXX)" CUDA_MPS_LOG_DIRECTORY="$out/mps-log"
   mkdir -p "$CUDA_MPS_LOG_DIRECTORY"
   if nvidia-cuda-mps-control -d; then
-    trap 'echo quit | nvidia-cuda-mps-control' EXIT
+    trap 'echo quit | nvidia-cuda-mps-control; rm -rf "$CUDA_MPS_PIPE_DIRECTORY"' EXIT
     echo "one GPU: MPS started for this run ($CUDA_MPS_PIPE_DIRECTORY)"
   fi
 fi
