@@ -8,6 +8,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 out="${1:?usage: run.sh RESULTS_DIR [quick|full]}"
 suite="${2:-full}"
 mkdir -p "$out"
+out="$(cd "$out" && pwd)"
 # Never use NVLink multicast on shared machines.
 export GIN_DEBUG="${GIN_DEBUG:-info}"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -21,19 +22,29 @@ export LD_LIBRARY_PATH="$GIN_NVRTC_DIR:${LD_LIBRARY_PATH:-}"
 echo "NVRTC from $GIN_NVRTC_DIR"
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader | tee "$out/gpus.txt"
 nvidia-smi topo -m > "$out/topo.txt" 2>&1 || true
-ngpu=$(nvidia-smi -L | wc -l)
+# (GPUs only: under MIG, nvidia-smi -L lists the instances too.)
+ngpu=$(nvidia-smi -L | grep -c '^GPU ')
 fail=0
 # One GPU: the ranks share it, and without MPS the GPU time-slices their
 # processes, so the benchmarks would measure the slices. Start a private MPS
 # daemon for this script's processes (its own pipe directory; the card's
 # settings are untouched) and stop it on exit. GIN_NO_MPS=1 keeps it off.
 if [ "$ngpu" -eq 1 ] && [ -z "${GIN_NO_MPS:-}" ] && command -v nvidia-cuda-mps-control > /dev/null; then
-  # (A short pipe path: it holds a Unix socket.)
-  export CUDA_MPS_PIPE_DIRECTORY="$(mktemp -d /tmp/gin-mps.XXXXXX)" CUDA_MPS_LOG_DIRECTORY="$out/mps-log"
-  mkdir -p "$CUDA_MPS_LOG_DIRECTORY"
-  if nvidia-cuda-mps-control -d; then
-    trap 'echo quit | nvidia-cuda-mps-control; rm -rf "$CUDA_MPS_PIPE_DIRECTORY"' EXIT
-    echo "one GPU: MPS started for this run ($CUDA_MPS_PIPE_DIRECTORY)"
+  # (A short pipe path: it holds a Unix socket. Never the system's default
+  # directory: quitting would stop someone else's daemon.)
+  if pipe="$(mktemp -d /tmp/gin-mps.XXXXXX)"; then
+    export CUDA_MPS_PIPE_DIRECTORY="$pipe" CUDA_MPS_LOG_DIRECTORY="$out/mps-log"
+    mkdir -p "$CUDA_MPS_LOG_DIRECTORY"
+    if nvidia-cuda-mps-control -d; then
+      trap 'echo quit | nvidia-cuda-mps-control; rm -rf "$CUDA_MPS_PIPE_DIRECTORY"' EXIT
+      echo "one GPU: MPS started for this run ($CUDA_MPS_PIPE_DIRECTORY)"
+    else
+      unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+      rm -rf "$pipe"
+      echo "one GPU: MPS did not start; the ranks will be time-sliced and the benchmarks say so"
+    fi
+  else
+    echo "one GPU: no temporary directory for MPS; the ranks will be time-sliced"
   fi
 fi
 step() {

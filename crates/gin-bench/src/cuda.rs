@@ -357,8 +357,8 @@ pub fn run(a: &CudaArgs) -> Result<()> {
             c.device().uuid.as_deref().unwrap_or("unknown"),
             a.runs
         );
-        if let Some((why, void)) = &shared {
-            println!("{}: {why}", if *void { "WARNING" } else { "NOTE" });
+        if let Some(g) = &shared {
+            println!("{}: {}", if g.void { "WARNING" } else { "NOTE" }, g.why);
         }
     }
     let src = c.alloc_window(max)?;
@@ -448,12 +448,16 @@ pub fn run(a: &CudaArgs) -> Result<()> {
         }
         dst.local().zero(0, max as usize)?;
         comm.bootstrap().barrier()?;
+        // Rank 0's occupancy, on every rank (see starves_copies).
         let per_sm = m.function("gin_bandwidth")?.blocks_per_sm(a.threads)?;
-        let mps_shared = matches!(shared, Some((_, false)));
+        let per_sm = comm.bootstrap().allgather(&per_sm.to_le_bytes())?[0]
+            .as_slice()
+            .try_into()
+            .map_or(0, u32::from_le_bytes);
         for &path in &paths {
             for &bw in &a.bw_bytes {
                 for &blocks in &a.blocks {
-                    if let Some(why) = starves_copies(&c, mps_shared, path, blocks, per_sm) {
+                    if let Some(why) = starves_copies(shared.as_ref(), path, blocks, per_sm) {
                         if comm.rank() == 0 {
                             println!(
                                 "bandwidth {} with {blocks} blocks skipped: {why}",
@@ -540,8 +544,12 @@ pub fn run(a: &CudaArgs) -> Result<()> {
     }
     if comm.rank() == 0 {
         let mut t = table(&rows, a.runs);
-        if let Some((why, void)) = &shared {
-            t.note(format!("{}: {why}", if *void { "WARNING" } else { "NOTE" }));
+        if let Some(g) = &shared {
+            t.note(format!(
+                "{}: {}",
+                if g.void { "WARNING" } else { "NOTE" },
+                g.why
+            ));
         }
         for why in &skipped {
             t.note(format!("bandwidth skipped, {why}"));
@@ -552,36 +560,61 @@ pub fn run(a: &CudaArgs) -> Result<()> {
     Ok(())
 }
 
-/// What to say when ranks 0 and 1 drive the same GPU (a machine with one
-/// GPU, or `GIN_CUDA_DEVICE` set alike). Without MPS the GPU time-slices
-/// the two processes' kernels, so a ping-pong waits for the other
-/// process's time slice (milliseconds) and bandwidth is that of the slices:
-/// the figures mean nothing. Under MPS the kernels run side by side, but the
-/// "peer" is this GPU's own memory, not a link. Collective: every rank says
-/// which GPU it drives by its UUID (two MIG instances of one GPU differ; a
-/// rank whose driver gives no UUID says nothing, and then nothing is
-/// claimed). Returns (the message, whether the figures are void).
-fn shared_gpu(comm: &Comm, c: &CudaComm<'_>) -> Result<Option<(String, bool)>> {
-    let me = c.device().uuid.clone().unwrap_or_default();
+/// Ranks 0 and 1 drive the same GPU (a machine with one GPU, or
+/// `GIN_CUDA_DEVICE` set alike).
+struct SharedGpu {
+    /// What to print.
+    why: String,
+    /// Without MPS the GPU time-slices the two processes' kernels, so a
+    /// ping-pong waits for the other process's time slice (milliseconds) and
+    /// bandwidth is that of the slices: the figures mean nothing. Under MPS
+    /// the kernels run side by side, but the "peer" is this GPU's own memory.
+    void: bool,
+    /// The GPU's SMs.
+    sms: u32,
+}
+
+/// Whether ranks 0 and 1 share a GPU. Collective: every rank says which GPU
+/// it drives (its UUID: two MIG instances of one GPU differ), whether MPS
+/// is on and how many SMs it has, and every rank decides from ranks 0 and
+/// 1's answers, so all decide alike. A rank whose driver gives no UUID says
+/// nothing, and then nothing is claimed.
+fn shared_gpu(comm: &Comm, c: &CudaComm<'_>) -> Result<Option<SharedGpu>> {
+    let d = c.device();
+    let me = format!(
+        "{} {} {}",
+        d.uuid.as_deref().unwrap_or("-"),
+        u8::from(d.mps),
+        d.sms
+    );
     let all = comm.bootstrap().allgather(me.as_bytes())?;
-    if me.is_empty() || all[0] != all[1] {
+    let said = |r: usize| String::from_utf8_lossy(&all[r]).into_owned();
+    let (first, second) = (said(0), said(1));
+    let mut f = first.split(' ');
+    let (gpu, mps, sms) = (
+        f.next().unwrap_or("-"),
+        f.next() == Some("1"),
+        f.next().and_then(|v| v.parse().ok()).unwrap_or(0),
+    );
+    if gpu == "-" || second.split(' ').next() != Some(gpu) {
         return Ok(None);
     }
-    let gpu = String::from_utf8_lossy(&all[0]);
-    Ok(Some(if c.device().mps {
-        (
-            format!(
+    Ok(Some(if mps {
+        SharedGpu {
+            why: format!(
                 "ranks 0 and 1 share one GPU (UUID {gpu}) through MPS: their kernels run side by side, but every transfer stays in this GPU's memory, so the figures are not those of a link between GPUs"
             ),
-            false,
-        )
+            void: false,
+            sms,
+        }
     } else {
-        (
-            format!(
+        SharedGpu {
+            why: format!(
                 "ranks 0 and 1 share one GPU (UUID {gpu}) without MPS: it time-slices their kernels, so these figures measure time slicing, not gin-rs; give each rank its own GPU, or start MPS (nvidia-cuda-mps-control -d)"
             ),
-            true,
-        )
+            void: true,
+            sms,
+        }
     }))
 }
 
@@ -590,22 +623,22 @@ fn shared_gpu(comm: &Comm, c: &CudaComm<'_>) -> Result<Option<(String, bool)>> {
 /// free: the proxy's (or soft NIC's) work on this GPU then never runs while
 /// every SM spins, and rank 1's wait times out (on one H200: 130 blocks of
 /// 512 threads passed, 131 and 132 stalled). Load/store needs no SM but
-/// its own.
+/// its own. `per_sm` is rank 0's, as `shared` is, so every rank decides
+/// alike (the run is collective).
 fn starves_copies(
-    c: &CudaComm<'_>,
-    mps_shared: bool,
+    shared: Option<&SharedGpu>,
     path: CudaPath,
     blocks: u32,
     per_sm: u32,
 ) -> Option<String> {
-    let d = c.device();
-    if !mps_shared || path == CudaPath::LoadStore || per_sm == 0 {
+    let g = shared.filter(|g| !g.void)?;
+    if path == CudaPath::LoadStore || per_sm == 0 {
         return None;
     }
-    spinning_sms(blocks, per_sm, d.sms).map(|busy| {
+    spinning_sms(blocks, per_sm, g.sms).map(|busy| {
         format!(
             "on one GPU shared through MPS it would hold {busy} of its {} SMs with spinning blocks (rank 1's included), leaving none for the copies they wait for",
-            d.sms
+            g.sms
         )
     })
 }

@@ -267,11 +267,12 @@ extern "C" __global__ void gin_signals(DevComm dc, u32 coop, u64* out) {
 // rail, then enters rail barrier 0. Afterwards each member's slot here must
 // hold that round (puts before a barrier are visible after it) or the next
 // (a member may have left the barrier and sent again). Then, if `stranger`
-// names a rank, a put to it, which a rail connection does not reach, at an
-// offset outside the window as well: the host expects the peer to be named
-// (not the offset). out as gin_ring (out[1]: wrong slots seen).
+// names a rank, a put to it, which a rail connection does not reach, with
+// its destination (or, with `bad_src`, its source) offset outside the window
+// as well: the host expects the peer to be named, not the offset. out as
+// gin_ring (out[1]: wrong slots seen).
 extern "C" __global__ void gin_rail(DevComm dc, Window w, u32 rounds, u32 coop, u32 stranger,
-                                    u64* out) {
+                                    u32 bad_src, u64* out) {
   const Coop c = (Coop)coop;
   volatile u64* slots = (volatile u64*)w.local_base;
   const u64 mine = dc.rank * 8ull;
@@ -289,8 +290,11 @@ extern "C" __global__ void gin_rail(DevComm dc, Window w, u32 rounds, u32 coop, 
         bad += v < k || v > k + 1;
       }
   }
-  if (!e && stranger < dc.nranks)
-    e = put(dc, 0, stranger, w, w.local_size, w, 0, 8, no_signal(), no_counter(), c);
+  if (!e && stranger < dc.nranks) {
+    const u64 past = w.local_size;
+    e = put(dc, 0, stranger, w, bad_src ? 0 : past, w, bad_src ? past : 0, 8, no_signal(),
+            no_counter(), c);
+  }
   if (e && threadIdx.x == 0) out[0] = e;
   if (bad) atomicAdd((unsigned long long*)&out[1], (unsigned long long)bad);
 }

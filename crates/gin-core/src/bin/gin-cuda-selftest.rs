@@ -164,8 +164,8 @@ fn all(c: &CudaComm<'_>, k: &Kernels<'_>) -> R {
 
 /// Rail barriers with a full and a rail connection, each coop: data put
 /// before the barrier is there after it; with a rail connection a put to a
-/// rank off the rail fails naming it, even at an offset outside the window
-/// (the unreachable peer is the error to report).
+/// rank off the rail fails naming it, even with its destination or source
+/// offset outside the window (the unreachable peer is the error to report).
 fn rail(c: &CudaComm<'_>, k: &Kernels<'_>) -> R {
     let f = k.f("gin_rail")?;
     let (rank, n) = (c.comm().rank(), c.comm().nranks());
@@ -183,7 +183,7 @@ fn rail(c: &CudaComm<'_>, k: &Kernels<'_>) -> R {
             let w = c.alloc_window(n as u64 * 8).map_err(s)?;
             let out = DevMem::new(24).map_err(s)?;
             let what = format!("rail barrier ({cname} connection, {name} coop)");
-            let args = |rounds: u32, stranger: u32| {
+            let args = |rounds: u32, stranger: u32, bad_src: u32| {
                 dc.run(
                     &f,
                     1,
@@ -194,23 +194,32 @@ fn rail(c: &CudaComm<'_>, k: &Kernels<'_>) -> R {
                         Arg::U32(rounds),
                         Arg::U32(coop),
                         Arg::U32(stranger),
+                        Arg::U32(bad_src),
                         Arg::Ptr(out.ptr),
                     ],
                 )
             };
-            args(20, n as u32).map_err(|e| format!("{what}: {e}"))?;
+            args(20, n as u32, 0).map_err(|e| format!("{what}: {e}"))?;
             check_out(&out, &what)?;
             let stranger = (0..n).find(|p| !team.contains(p));
             if let (Connection::Rail, Some(p)) = (connection, stranger) {
-                match args(0, p as u32) {
-                    Err(e) if e.to_string().contains("not connected") => {
-                        println!(
-                            "rank {rank}: {what}: a put to rank {p}, off the rail, fails: {e}"
-                        );
-                    }
-                    Err(e) => return Err(format!("{what}: put off the rail: wrong error: {e}")),
-                    Ok(()) => {
-                        return Err(format!("{what}: a put to rank {p} off the rail succeeded"));
+                for (bad_src, which) in [(0, "destination"), (1, "source")] {
+                    match args(0, p as u32, bad_src) {
+                        Err(e) if e.to_string().contains("not connected") => {
+                            println!(
+                                "rank {rank}: {what}: a put to rank {p}, off the rail, {which} outside the window, fails: {e}"
+                            );
+                        }
+                        Err(e) => {
+                            return Err(format!(
+                                "{what}: put off the rail ({which} outside the window): wrong error: {e}"
+                            ));
+                        }
+                        Ok(()) => {
+                            return Err(format!(
+                                "{what}: a put to rank {p} off the rail succeeded"
+                            ));
+                        }
                     }
                 }
             }

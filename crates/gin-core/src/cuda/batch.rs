@@ -99,8 +99,8 @@ pub(crate) fn pass_len(log2: u32) -> u64 {
 /// that drops them; returns the copies that stream was handed.
 #[doc(hidden)]
 pub fn bench_pass(copies: &[(u64, u64, usize)]) -> u64 {
-    struct Drop;
-    impl Dma for Drop {
+    struct Sink;
+    impl Dma for Sink {
         fn copy(&self, _: u64, _: u64, _: usize) -> Result<(), CoreError> {
             Ok(())
         }
@@ -123,9 +123,9 @@ pub fn bench_pass(copies: &[(u64, u64, usize)]) -> u64 {
     let g = region(true, 1, 2);
     for &(d, s, n) in copies {
         // The stream above never fails.
-        let _ = b.push(&Drop, d, s, n, g);
+        let _ = b.push(&Sink, d, s, n, g);
     }
-    let _ = b.flush(&Drop);
+    let _ = b.flush(&Sink);
     b.stats.copies_issued
 }
 

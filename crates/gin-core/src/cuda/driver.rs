@@ -563,10 +563,18 @@ fn format_uuid(b: [u8; 16]) -> String {
     s
 }
 
-/// The driver's `cuMemcpyBatchAsync` in its CUDA 13.0 form, if it has one.
+/// The driver's `cuMemcpyBatchAsync` in its CUDA 13.0 form, if it has one:
+/// a 12.8 or 12.9 driver would hand its 12.8 form, whose arguments differ
+/// (a failure index before the stream), so it must be 13.0 or later.
 fn batch_copy() -> Option<BatchCopy> {
     static F: OnceLock<Option<BatchCopy>> = OnceLock::new();
     *F.get_or_init(|| {
+        let mut v = 0;
+        // SAFETY: valid out-pointer.
+        let r = unsafe { cu::cuDriverGetVersion(&raw mut v) };
+        if r != cu::CUresult::CUDA_SUCCESS || v < 13000 {
+            return None;
+        }
         proc_address(c"cuMemcpyBatchAsync")
             // SAFETY: for CUDA version 13000 the driver returns the 13.0
             // entry point, whose signature `BatchCopy` is.

@@ -456,9 +456,10 @@ GIN_DEV u64 signal_sum_acquire(const DevComm& dc, u64 slot) {
   const u64* s = (const u64*)dc.signals + slot * dc.nranks;
   if (dc.flags & FLAG_LSA_ONLY) return ld_acquire_sys(s + dc.rank);
   u64 sum = 0;
-  // With an even number of ranks every slot starts 16-byte aligned (the
-  // signal window is).
-  if ((dc.nranks & 1) == 0) {
+  // With an even number of ranks every slot starts 16-byte aligned where
+  // the signal array does (cuMemAlloc's is; checked, as a window could
+  // someday come from elsewhere).
+  if ((dc.nranks & 1) == 0 && (dc.signals & 15) == 0) {
     for (u32 r = 0; r < dc.nranks; r += 2) sum += ld_acquire_sys_pair_sum(s + r);
   } else {
     for (u32 r = 0; r < dc.nranks; ++r) sum += ld_acquire_sys(s + r);
@@ -483,7 +484,12 @@ GIN_DEV int put(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst
   // The source is checked from the arguments alone, so a small aligned
   // put's source can be loaded into registers while the per-peer tables are
   // on their way: one dependent L2 round trip per call instead of two.
-  if (!range_ok(src_off, bytes, src.local_size)) return fail(dc, OUT_OF_WINDOW, ctx, peer, src.id);
+  if (!range_ok(src_off, bytes, src.local_size)) {
+    // (Cold.) A peer this connection does not reach is the error to report.
+    if (!is_lsa(dc, peer) && (!has_queues(dc) || reach(dc, peer) == REACH_NONE))
+      return fail_unreachable(dc, ctx, peer);
+    return fail(dc, OUT_OF_WINDOW, ctx, peer, src.id);
+  }
   const u32 me = coop_rank(coop), members = coop_size(coop);
   // Every member's stores to the source precede every member's loads of it
   // (and, on the queue paths, the leader's post), as with NVSHMEM's _block
