@@ -19,6 +19,7 @@ use tracing::{debug, info};
 
 use crate::config::{BackendKind, Settings, TransportKind};
 use crate::error::CoreError;
+use crate::requirements;
 use crate::space::IdSpace;
 
 /// What a device communicator needs; every rank passes the same values.
@@ -539,13 +540,24 @@ impl Comm {
 
     /// Deregisters a window (collective): after every rank arrives, the
     /// window refuses new operations here and its memory is no longer served
-    /// to peers. Flush contexts that used it first.
+    /// to peers. Flush contexts that used it first. Deregistering a window
+    /// twice is an error ([`CoreError::Deregistered`]), not a no-op: it is a
+    /// collective call, and a second one usually means two owners.
     pub fn deregister_window(&self, w: &Window) -> Result<(), CoreError> {
         if w.comm_id() != self.id {
             return Err(CoreError::Invalid(format!(
                 "window {} belongs to another communicator",
                 w.id()
             )));
+        }
+        // Every rank sees its own handle's state, and every rank deregisters
+        // the same windows in the same order, so all refuse alike before the
+        // collective part.
+        if !w.is_valid() {
+            return Err(CoreError::Deregistered {
+                rank: self.rank(),
+                window: w.id(),
+            });
         }
         // Over TCP a flushed put may still sit in a socket: wait until every
         // request this rank sent was executed, then for every rank to get
@@ -563,11 +575,8 @@ impl Comm {
     pub fn dev_comm(&self, req: &DevCommRequirements) -> Result<DevCommHandle<'_>, CoreError> {
         let rank = self.rank();
         let n = self.nranks();
-        if req.contexts == 0 {
-            return Err(CoreError::Invalid(
-                "a device communicator needs at least one context".into(),
-            ));
-        }
+        requirements::agree(&self.bootstrap, req, &[])?;
+        requirements::check_bounds(rank, n, req, 1 << gin_gdaki::MAX_SQ_LOG2)?;
         let per_ctx = gin_device::signal_slots_per_context(
             req.signals,
             req.world_barriers,
@@ -620,13 +629,6 @@ impl Comm {
                  destroyed in different orders, or with different requirements"
                     .into(),
             ));
-        }
-        if req.queue_depth > 1 << gin_gdaki::MAX_SQ_LOG2 {
-            return Err(CoreError::Invalid(format!(
-                "queue depth {} exceeds the largest supported, {}",
-                req.queue_depth,
-                1u32 << gin_gdaki::MAX_SQ_LOG2
-            )));
         }
         let depth = req.queue_depth.max(2).next_power_of_two();
         let backend: Arc<dyn Backend> = match self.settings.backend {

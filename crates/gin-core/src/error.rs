@@ -2,6 +2,7 @@
 
 /// Everything the host API can fail with.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum CoreError {
     #[error("{what} is not available: {why} (available: {available})")]
     Unavailable {
@@ -11,6 +12,26 @@ pub enum CoreError {
     },
     #[error("{0}")]
     Invalid(String),
+    /// Ranks gave different values where every rank must give the same
+    /// (device communicator requirements): every rank fails alike.
+    #[error("rank {rank}: ranks disagree on {what}: {detail}")]
+    Mismatch {
+        rank: usize,
+        what: String,
+        detail: String,
+    },
+    /// A window deregistered a second time.
+    #[error("rank {rank}: window {window} is already deregistered")]
+    Deregistered { rank: usize, window: u32 },
+    /// A requirement beyond what gin-rs supports.
+    #[error("rank {rank}: {what} = {asked} exceeds the limit {limit} ({hint})")]
+    Limit {
+        rank: usize,
+        what: String,
+        asked: u64,
+        limit: u64,
+        hint: String,
+    },
     #[error(transparent)]
     Space(#[from] crate::space::SpaceError),
     #[error(transparent)]

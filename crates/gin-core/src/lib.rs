@@ -34,6 +34,7 @@ pub mod config;
 pub mod cuda;
 mod error;
 pub mod launch;
+pub mod requirements;
 pub mod space;
 
 pub use comm::{Comm, Connection, DevCommHandle, DevCommRequirements};

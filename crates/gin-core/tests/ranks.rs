@@ -231,3 +231,25 @@ fn deregistration_waits_for_puts_still_in_flight() {
         assert_ok(&report, name);
     }
 }
+
+/// Requirements that differ between ranks, or exceed a limit, fail every
+/// rank with an error naming the field (and who gave what) or the limit,
+/// before anything is placed; the process lives on and a well-formed
+/// communicator works afterwards. A second deregistration is an error.
+#[test]
+fn mismatched_or_absurd_requirements_fail_every_rank_alike() {
+    for (name, env) in [MODES[0], MODES[2], MODES[5]] {
+        let report = run(3, &["requirements"], env, "30");
+        assert_ok(&report, name);
+        for r in &report.ranks {
+            assert!(
+                r.stdout
+                    .contains("ranks disagree on DevCommRequirements::signals")
+                    && r.stdout.contains("rank 0 gave 4; ranks 1, 2 gave 64"),
+                "{name}, rank {}: {}",
+                r.rank,
+                r.stdout
+            );
+        }
+    }
+}

@@ -60,6 +60,7 @@ fn main() -> ExitCode {
         "badinput" => badinput(&comm),
         "reuse" => reuse(&comm),
         "dereg" => dereg(&comm),
+        "requirements" => requirements(&comm),
         "dropped" => dropped(&comm),
         "die" => die(&comm, args.get(1).and_then(|v| v.parse().ok()).unwrap_or(1)),
         other => Err(format!("unknown scenario {other:?}")),
@@ -820,4 +821,64 @@ fn dereg(c: &Comm) -> R {
         drop(buf);
     }
     Ok(())
+}
+
+/// Requirements every rank must give alike are compared on every rank
+/// before anything is placed: rank 0 asking for fewer signals than the
+/// others (whose legal signal would land in rank 0's barrier slot) makes
+/// every rank fail naming the field and who gave what. Absurd requirements
+/// are refused naming the limit, not by an aborted allocation. Afterwards a
+/// well-formed communicator still works, and a window deregistered twice is
+/// an error.
+fn requirements(c: &Comm) -> R {
+    let r = c.rank();
+    let fewer = DevCommRequirements {
+        signals: if r == 0 { 4 } else { 64 },
+        ..DevCommRequirements::default()
+    };
+    match c.dev_comm(&fewer) {
+        Ok(_) => return Err("mismatched signal counts were accepted".into()),
+        Err(e) => {
+            let e = e.to_string();
+            if !(e.contains("DevCommRequirements::signals") && e.contains("rank 0 gave 4")) {
+                return Err(format!(
+                    "mismatch error does not name the field and ranks: {e}"
+                ));
+            }
+            println!("rank {r}: mismatch refused: {e}");
+        }
+    }
+    let absurd = DevCommRequirements {
+        contexts: u32::MAX,
+        signals: 0,
+        counters: 0,
+        world_barriers: 0,
+        ..DevCommRequirements::default()
+    };
+    match c.dev_comm(&absurd) {
+        Ok(_) => return Err("u32::MAX contexts were accepted".into()),
+        Err(e) if e.to_string().contains("contexts") && e.to_string().contains("limit") => {
+            println!("rank {r}: absurd requirements refused: {e}");
+        }
+        Err(e) => return Err(format!("absurd requirements: wrong error: {e}")),
+    }
+    let dc = c.dev_comm(&DevCommRequirements::default()).map_err(s)?;
+    let ctx = dc.ctx(0).map_err(s)?;
+    let n = c.nranks();
+    for p in 0..n {
+        ctx.signal(p, Remote::signal_inc(1)).map_err(s)?;
+    }
+    ctx.wait_signal(1, n as u64).map_err(s)?;
+    dc.barrier(Team::World, 0)
+        .map_err(s)?
+        .sync(0, Fence::None)
+        .map_err(s)?;
+    dc.destroy().map_err(s)?;
+    let w = c.alloc_window(4096).map_err(s)?;
+    c.deregister_window(&w).map_err(s)?;
+    match c.deregister_window(&w) {
+        Ok(()) => Err("a window was deregistered twice without an error".into()),
+        Err(e) if e.to_string().contains("already deregistered") => Ok(()),
+        Err(e) => Err(format!("second deregistration: wrong error: {e}")),
+    }
 }

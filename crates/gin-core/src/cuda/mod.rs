@@ -67,6 +67,7 @@ use gin_net::region::RegionTable;
 use crate::comm::Comm;
 use crate::config::BackendKind;
 use crate::error::CoreError;
+use crate::requirements;
 use crate::space::IdSpace;
 use crate::{Connection, DevCommRequirements};
 
@@ -516,11 +517,18 @@ impl<'c> CudaComm<'c> {
         let comm = self.comm;
         let (rank, n) = (comm.rank(), comm.nranks());
         self.dev.make_current()?;
-        if req.contexts == 0 {
-            return Err(CoreError::Invalid(
-                "a device communicator needs at least one context".into(),
-            ));
-        }
+        // Every rank must agree on which peers are reached by load/store,
+        // since signals land in different sub-slots for them: the backend
+        // travels along with the requirements.
+        requirements::agree(
+            comm.bootstrap(),
+            req,
+            &[(
+                "GIN_BACKEND (load/store to peers or not)",
+                u64::from(kind == BackendKind::Auto),
+            )],
+        )?;
+        requirements::check_bounds(rank, n, req, 1 << gin_gdaki::MAX_SQ_LOG2)?;
         let rail_only = req.connection == Connection::Rail;
         if rail_only && req.world_barriers != 0 {
             return Err(CoreError::Invalid(format!(
@@ -581,36 +589,12 @@ impl<'c> CudaComm<'c> {
                 }
             })
             .collect();
-        // The backend travels along: every rank must agree on which peers
-        // are reached by load/store, since signals land in different
-        // sub-slots for them; a wait reads one word only where every rank
-        // reaches every rank by load/store (DEVCOMM_FLAG_LSA_ONLY).
-        let kind_byte = u8::from(kind == BackendKind::Auto);
-        // Unconnected ranks never signal here.
+        // A wait reads one word only where every rank reaches every rank by
+        // load/store (DEVCOMM_FLAG_LSA_ONLY). Unconnected ranks never signal
+        // here.
         let all_lsa = u8::from(lsa.iter().all(|&l| l != REACH_QUEUE));
-        let rec = [
-            &sb.to_le_bytes()[..],
-            &cb.to_le_bytes(),
-            &[kind_byte, all_lsa],
-        ]
-        .concat();
+        let rec = [&sb.to_le_bytes()[..], &cb.to_le_bytes(), &[all_lsa]].concat();
         let all = comm.bootstrap().allgather_equal(&rec)?;
-        if let Some((r, _)) = all
-            .chunks(rec.len())
-            .enumerate()
-            .find(|(_, c)| c[16] != kind_byte)
-        {
-            return Err(CoreError::Invalid(format!(
-                "ranks disagree on the backend: rank {r} {} load/store for its peers and rank \
-                 {rank} {}; set GIN_BACKEND alike on every rank",
-                if kind_byte == 0 {
-                    "uses"
-                } else {
-                    "does not use"
-                },
-                if kind_byte == 0 { "does not" } else { "does" },
-            )));
-        }
         if all.chunks(rec.len()).any(|c| c[..16] != rec[..16]) {
             return Err(CoreError::Invalid(
                 "ranks disagree on signal/counter placement: CUDA device communicators were \
@@ -618,8 +602,8 @@ impl<'c> CudaComm<'c> {
                     .into(),
             ));
         }
-        let lsa_only = all.chunks(rec.len()).all(|c| c[17] == 1);
-        let depth = req.queue_depth.clamp(2, 1 << 16).next_power_of_two();
+        let lsa_only = all.chunks(rec.len()).all(|c| c[16] == 1);
+        let depth = req.queue_depth.max(2).next_power_of_two();
         let log2 = depth.trailing_zeros();
         // Rings for the peers the proxy serves, context-major.
         let mut rings_abi = vec![ProxyRingAbi::default(); req.contexts as usize * n];
