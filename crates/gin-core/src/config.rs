@@ -113,6 +113,33 @@ impl Settings {
                 });
             }
         };
+        let nic = match get("GIN_NIC").as_deref().map(str::trim) {
+            None | Some("" | "soft") => NicKind::Soft,
+            Some("mlx5") => NicKind::Mlx5,
+            Some(other) => {
+                return Err(CoreError::Unavailable {
+                    what: format!("GIN_NIC={other}"),
+                    why: "unknown NIC".into(),
+                    available: "soft, mlx5".into(),
+                });
+            }
+        };
+        // A NIC only executes GDAKI work requests: asking for one with
+        // another backend would be silently ignored.
+        if nic == NicKind::Mlx5 && backend != BackendKind::Gdaki {
+            return Err(CoreError::Unavailable {
+                what: "GIN_NIC=mlx5".into(),
+                why: format!(
+                    "the NIC executes GDAKI work requests only, and GIN_BACKEND is {}",
+                    match backend {
+                        BackendKind::Auto => "auto",
+                        BackendKind::Proxy => "proxy",
+                        BackendKind::Gdaki => "gdaki",
+                    }
+                ),
+                available: "GIN_BACKEND=gdaki with GIN_NIC=mlx5, or GIN_NIC unset".into(),
+            });
+        }
         let host_id = get("GIN_HOSTID").unwrap_or_else(default_host_id);
         let timeout = gin_bootstrap::Config::from_vars(&get)?.timeout;
         let slots = |var: &str, default: u64| -> Result<u64, CoreError> {
@@ -139,17 +166,7 @@ impl Settings {
                 None => Duration::from_micros(100),
             },
             gdaki_batch: slots("GIN_GDAKI_BATCH", 1)?,
-            nic: match get("GIN_NIC").as_deref().map(str::trim) {
-                None | Some("" | "soft") => NicKind::Soft,
-                Some("mlx5") => NicKind::Mlx5,
-                Some(other) => {
-                    return Err(CoreError::Unavailable {
-                        what: format!("GIN_NIC={other}"),
-                        why: "unknown NIC".into(),
-                        available: "soft, mlx5".into(),
-                    });
-                }
-            },
+            nic,
         })
     }
 }
@@ -191,7 +208,22 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("GIN_NIC=cx9") && e.contains("soft, mlx5"), "{e}");
-        let s = Settings::from_vars(vars(&[("GIN_NIC", "mlx5")])).unwrap();
+        // A NIC for a backend that would ignore it is refused, not ignored.
+        let e = Settings::from_vars(vars(&[("GIN_NIC", "mlx5")]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("GIN_NIC=mlx5")
+                && e.contains("GIN_BACKEND is auto")
+                && e.contains("GIN_BACKEND=gdaki"),
+            "{e}"
+        );
+        let e = Settings::from_vars(vars(&[("GIN_NIC", "mlx5"), ("GIN_BACKEND", "proxy")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("GIN_BACKEND is proxy"), "{e}");
+        let s =
+            Settings::from_vars(vars(&[("GIN_NIC", "mlx5"), ("GIN_BACKEND", "gdaki")])).unwrap();
         assert_eq!(s.nic, NicKind::Mlx5);
         // No ConnectX here (or anywhere CI runs): an error naming what is
         // missing, and the way out.
