@@ -6,6 +6,10 @@
 //!   status is non-zero.
 //! - `bench [smoke|quick|full] [--machine NAME] [--out DIR]`: a suite of gin-bench
 //!   runs, written to `docs/bench/<machine>/` as JSON, Markdown and SVG plots.
+//! - `faults [--quick] [--timeout 5s] [--only TEXT] [--out FILE.md]`: the
+//!   reliability campaign: one rank of gin-bench jobs on every backend and
+//!   transport is killed or stopped, and every survivor must end with an
+//!   error naming it within twice the timeout (docs/reliability.md).
 //! - `loggp-summary FILE...`: medians over several `gin-bench loggp --json`
 //!   reports of one path, as Markdown (what docs/loggp.md quotes).
 //! - `ci`: what CI runs (`.ci/run`).
@@ -19,6 +23,7 @@
 //! for the rdma-core bindings.
 
 mod bench;
+mod faults;
 mod gpu;
 mod plot;
 mod rdma;
@@ -43,6 +48,7 @@ fn main() -> ExitCode {
 const USAGE: &str =
     "usage: cargo xtask launch -n N [--grace DURATION] [--timeout DURATION] -- CMD [ARGS...]
        cargo xtask bench [smoke|quick|full] [--machine NAME] [--out DIR]
+       cargo xtask faults [--quick] [--timeout 5s] [--only TEXT] [--out FILE.md]
        cargo xtask loggp-summary FILE...
        cargo xtask ci
        cargo xtask gpu-package [DIR]
@@ -54,6 +60,7 @@ fn run() -> Result<ExitCode> {
         Some("launch") => launch_cmd(&args[1..]),
         Some("gpu-package") => gpu::package(&args[1..]).map(|()| ExitCode::SUCCESS),
         Some("bench") => bench::run(&args[1..]).map(|()| ExitCode::SUCCESS),
+        Some("faults") => faults::run(&args[1..]).map(|()| ExitCode::SUCCESS),
         Some("loggp-summary") => summary::run(&args[1..]).map(|()| ExitCode::SUCCESS),
         Some("rdma-bindings") => rdma::run(&args[1..]).map(|()| ExitCode::SUCCESS),
         Some("ci") => {

@@ -9,7 +9,7 @@
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use gin_core::Comm;
@@ -41,6 +41,8 @@ pub struct ShmPair {
     seg: Segment,
     half: usize,
     rank: usize,
+    /// How long a wait for the peer may take (`GIN_TIMEOUT`).
+    timeout: Duration,
 }
 
 impl ShmPair {
@@ -77,7 +79,12 @@ impl ShmPair {
         comm.bootstrap().barrier()?;
         Ok(seg.map(|mut seg| {
             seg.unlink();
-            Self { seg, half, rank: r }
+            Self {
+                seg,
+                half,
+                rank: r,
+                timeout: comm.timeout(),
+            }
         }))
     }
 
@@ -124,6 +131,10 @@ pub fn tcp_pair(comm: &Comm) -> Result<Option<TcpStream>> {
     };
     if let Some(s) = &s {
         s.set_nodelay(true)?;
+        // A peer that died or stopped fails the floor within the job's
+        // timeout instead of blocking it forever.
+        s.set_read_timeout(Some(comm.timeout()))?;
+        s.set_write_timeout(Some(comm.timeout()))?;
     }
     Ok(s)
 }
@@ -132,16 +143,41 @@ pub fn tcp_pair(comm: &Comm) -> Result<Option<TcpStream>> {
 /// Yielding matters on a machine with as many cores as spinning ranks: a
 /// pure spinner that the scheduler preempts for another thread (a proxy
 /// waking up, the launcher) stalls the stream for a whole time slice.
-fn spin_until(flag: &AtomicU64, target: u64) {
+/// While yielding it watches the clock and the job: a peer that died or
+/// stopped fails the floor within the job's timeout, naming the peer,
+/// instead of spinning forever.
+fn spin_until(
+    flag: &AtomicU64,
+    target: u64,
+    pair: &ShmPair,
+    comm: &Comm,
+    what: &str,
+) -> Result<()> {
     let mut spins = 0u32;
+    let mut since: Option<Instant> = None;
     while flag.load(Ordering::Acquire) < target {
         if spins < 2000 {
             spins += 1;
             std::hint::spin_loop();
-        } else {
-            std::thread::yield_now();
+            continue;
+        }
+        std::thread::yield_now();
+        spins = spins.wrapping_add(1);
+        if spins.is_multiple_of(256) {
+            let started = *since.get_or_insert_with(Instant::now);
+            comm.bootstrap().health()?;
+            if started.elapsed() > pair.timeout {
+                bail!(
+                    "rank {}: the shared-memory floor waited {:?} for rank {} ({what}: flag {} of {target})",
+                    pair.rank,
+                    pair.timeout,
+                    1 - pair.rank,
+                    flag.load(Ordering::Acquire)
+                );
+            }
         }
     }
+    Ok(())
 }
 
 /// Shared-memory ping-pong between ranks 0 and 1: copy `size` bytes into the
@@ -149,7 +185,13 @@ fn spin_until(flag: &AtomicU64, target: u64) {
 /// a cache-line ping-pong. Returns one half round trip (µs) per timed
 /// iteration. Call [`reset_incoming`] on both ranks, then synchronise,
 /// before each call.
-pub fn shm_pingpong(pair: &ShmPair, size: u64, warm: usize, iters: usize) -> Vec<f64> {
+pub fn shm_pingpong(
+    pair: &ShmPair,
+    comm: &Comm,
+    size: u64,
+    warm: usize,
+    iters: usize,
+) -> Result<Vec<f64>> {
     let r = pair.rank();
     let (to, from) = (pair.flag(1 - r), pair.flag(r));
     let dst = pair.half_ptr(1 - r);
@@ -158,19 +200,19 @@ pub fn shm_pingpong(pair: &ShmPair, size: u64, warm: usize, iters: usize) -> Vec
     for i in 1..=(warm + iters) as u64 {
         let t = Instant::now();
         if r == 1 {
-            spin_until(from, i);
+            spin_until(from, i, pair, comm, "ping")?;
         }
         // SAFETY: `dst` is the peer's half, at least `size` bytes.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, size as usize) };
         to.store(i, Ordering::Release);
         if r == 0 {
-            spin_until(from, i);
+            spin_until(from, i, pair, comm, "pong")?;
         }
         if i as usize > warm {
             out.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
         }
     }
-    out
+    Ok(out)
 }
 
 /// A raw TCP ping-pong of `size` bytes between ranks 0 and 1: half round
@@ -240,7 +282,7 @@ impl Stream {
 /// the peer's half slot by slot, and a flag is bumped as the completion
 /// mode says (per window, per message, once at the end); the receiver waits for the last count, then
 /// acknowledges. Returns this rank's elapsed µs.
-pub fn shm_stream(pair: &ShmPair, st: &Stream, src: &[u8]) -> f64 {
+pub fn shm_stream(pair: &ShmPair, comm: &Comm, st: &Stream, src: &[u8]) -> Result<f64> {
     let r = pair.rank();
     let peer = 1 - r;
     // Flags: 0/1 data counts into rank 0/1; 2/3 acknowledgements into 0/1.
@@ -251,7 +293,7 @@ pub fn shm_stream(pair: &ShmPair, st: &Stream, src: &[u8]) -> f64 {
         pair.flag(4 + peer).fetch_add(1, Ordering::Release);
     }
     if st.sends(r) {
-        spin_until(pair.flag(4 + r), 1);
+        spin_until(pair.flag(4 + r), 1, pair, comm, "receiver ready")?;
     }
     let t = Instant::now();
     if st.sends(r) {
@@ -276,13 +318,13 @@ pub fn shm_stream(pair: &ShmPair, st: &Stream, src: &[u8]) -> f64 {
         }
     }
     if st.receives(r) {
-        spin_until(pair.flag(r), st.signals());
+        spin_until(pair.flag(r), st.signals(), pair, comm, "data")?;
         pair.flag(2 + peer).fetch_add(1, Ordering::Release);
     }
     if st.sends(r) {
-        spin_until(pair.flag(2 + r), 1);
+        spin_until(pair.flag(2 + r), 1, pair, comm, "acknowledgement")?;
     }
-    t.elapsed().as_secs_f64() * 1e6
+    Ok(t.elapsed().as_secs_f64() * 1e6)
 }
 
 /// Resets this rank's incoming flags before a run; a barrier must separate

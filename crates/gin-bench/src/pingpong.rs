@@ -233,7 +233,7 @@ fn rank_main(args: &PingPongArgs) -> Result<()> {
                 all.extend(samples);
             }
             floors.push(match (&shm, &mut tcp) {
-                (Some(pair), _) => median(&floor::shm_pingpong(pair, size, warm, iters)),
+                (Some(pair), _) => median(&floor::shm_pingpong(pair, &comm, size, warm, iters)?),
                 (None, Some(s)) => median(&floor::tcp_pingpong(s, r, size, warm, iters)?),
                 (None, None) => f64::NAN,
             });

@@ -238,7 +238,7 @@ impl<'a> Engine<'a> {
         }
         self.comm.bootstrap().barrier()?;
         match (&self.shm, &mut self.tcp) {
-            (Some(pair), _) => Ok(floor::shm_stream(pair, st, src)),
+            (Some(pair), _) => floor::shm_stream(pair, self.comm, st, src),
             (None, Some(s)) => floor::tcp_stream(s, r, st, src),
             (None, None) => bail!("rank {r}: no floor connection"),
         }

@@ -47,6 +47,30 @@ pub struct LaunchSpec {
     pub config: Config,
     /// Where the root listens.
     pub root_bind: SocketAddr,
+    /// A fault to inject into one rank (for failure tests and
+    /// `cargo xtask faults`).
+    pub fault: Option<Fault>,
+}
+
+/// A fault the launcher injects into one rank once the job has run for a
+/// while, so that tests can check how its peers notice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fault {
+    pub rank: usize,
+    pub kind: FaultKind,
+    /// How long after the launch.
+    pub after: Duration,
+}
+
+/// What happens to the faulty rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultKind {
+    /// SIGKILL: the process dies at once, its sockets close.
+    Kill,
+    /// SIGSTOP: the process stays, its sockets stay open, it answers nothing
+    /// (as a frozen host or a debugger would). The launcher kills it once
+    /// the other ranks have ended (after the grace period).
+    Stop,
 }
 
 impl LaunchSpec {
@@ -66,6 +90,7 @@ impl LaunchSpec {
             output: Output::Prefix,
             config: Config::default(),
             root_bind: SocketAddr::from(([127, 0, 0, 1], 0)),
+            fault: None,
         }
     }
 
@@ -89,6 +114,8 @@ pub struct RankExit {
     pub stdout: String,
     /// Captured standard error (with [`Output::Capture`]).
     pub stderr: String,
+    /// When the launcher saw it end, from the launch.
+    pub ended: Option<Duration>,
 }
 
 impl RankExit {
@@ -105,6 +132,9 @@ pub struct LaunchReport {
     /// The first rank that failed, if any.
     pub first_failure: Option<usize>,
     pub elapsed: Duration,
+    /// When the fault was injected, from the launch (None: not injected,
+    /// because none was asked for or its rank had already ended).
+    pub fault_at: Option<Duration>,
 }
 
 impl LaunchReport {
@@ -143,6 +173,7 @@ fn describe_status(st: ExitStatus) -> String {
 struct Running {
     child: Child,
     exit: Option<ExitStatus>,
+    ended: Option<Duration>,
     stopped: bool,
     out: Option<thread::JoinHandle<String>>,
     err: Option<thread::JoinHandle<String>>,
@@ -193,6 +224,7 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchReport, BootstrapError> {
         ranks.push(Running {
             child,
             exit: None,
+            ended: None,
             stopped: false,
             out,
             err,
@@ -201,8 +233,17 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchReport, BootstrapError> {
 
     let mut first_failure = None;
     let mut stop_at: Option<Instant> = None;
+    let mut fault = spec.fault;
+    let mut fault_at = None;
     let poll = Duration::from_millis(5);
     loop {
+        if let Some(f) = fault.filter(|f| start.elapsed() >= f.after) {
+            fault = None;
+            if let Some(r) = ranks.get_mut(f.rank).filter(|r| r.exit.is_none()) {
+                inject(&mut r.child, f.kind)?;
+                fault_at = Some(start.elapsed());
+            }
+        }
         let mut running = 0;
         for (rank, r) in ranks.iter_mut().enumerate() {
             if r.exit.is_some() {
@@ -211,6 +252,7 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchReport, BootstrapError> {
             match r.child.try_wait() {
                 Ok(Some(st)) => {
                     r.exit = Some(st);
+                    r.ended = Some(start.elapsed());
                     if !st.success() && first_failure.is_none() {
                         first_failure = Some(rank);
                         stop_at = Some(Instant::now() + spec.grace);
@@ -251,13 +293,36 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchReport, BootstrapError> {
             stopped: r.stopped,
             stdout: r.out.and_then(|h| h.join().ok()).unwrap_or_default(),
             stderr: r.err.and_then(|h| h.join().ok()).unwrap_or_default(),
+            ended: r.ended,
         })
         .collect();
     Ok(LaunchReport {
         ranks,
         first_failure,
         elapsed: start.elapsed(),
+        fault_at,
     })
+}
+
+/// Kills or stops a rank. SIGSTOP goes through kill(1): this crate has no
+/// unsafe code and std can only send SIGKILL.
+fn inject(child: &mut Child, kind: FaultKind) -> Result<(), BootstrapError> {
+    match kind {
+        FaultKind::Kill => child
+            .kill()
+            .map_err(|e| BootstrapError::Launch(format!("killing a rank: {e}"))),
+        FaultKind::Stop => {
+            let st = Command::new("kill")
+                .args(["-STOP", &child.id().to_string()])
+                .status()
+                .map_err(|e| BootstrapError::Launch(format!("running kill -STOP: {e}")))?;
+            if st.success() {
+                Ok(())
+            } else {
+                Err(BootstrapError::Launch(format!("kill -STOP failed: {st}")))
+            }
+        }
+    }
 }
 
 /// Copies a rank's stream line by line, prefixed, or captures it.

@@ -52,5 +52,7 @@ pub use comm::Bootstrap;
 pub use env::{Config, DEFAULT_TIMEOUT, LaunchEnv, RANK_VARS, Rendezvous, parse_duration};
 pub use error::BootstrapError;
 pub use id::UniqueId;
-pub use launch::{LaunchReport, LaunchSpec, Output, RankExit, launch, run_threads};
+pub use launch::{
+    Fault, FaultKind, LaunchReport, LaunchSpec, Output, RankExit, launch, run_threads,
+};
 pub use root::BootstrapRoot;
