@@ -212,7 +212,16 @@ impl Comm {
         let table = Arc::new(RegionTable::default());
         let tcp = if need_tcp {
             let peers: Vec<bool> = (0..n).map(use_tcp).collect();
-            Some(TcpTransport::start(&b, table.clone(), &peers)?)
+            let t = TcpTransport::start(&b, table.clone(), &peers)?;
+            // A send blocked on a peer that stopped draining also ends when
+            // the job hears of a death (weak: the links must not keep the
+            // bootstrap alive past the communicator).
+            let weak = Arc::downgrade(&b);
+            t.watch(move || {
+                weak.upgrade()
+                    .map_or(Ok(()), |b| b.health().map_err(|e| e.to_string()))
+            });
+            Some(t)
         } else {
             None
         };

@@ -160,6 +160,63 @@ fn a_peer_killed_mid_run_fails_the_survivors_promptly() {
     }
 }
 
+/// The seconds in `"... {what} S s"` of a line of `text`.
+fn seconds_after(text: &str, what: &str) -> f64 {
+    let at = text
+        .find(what)
+        .unwrap_or_else(|| panic!("no {what:?} in {text}"))
+        + what.len();
+    text[at..]
+        .split_whitespace()
+        .next()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no seconds after {what:?} in {text}"))
+}
+
+/// A peer that stops draining its connection (SIGSTOP) while a rank streams
+/// 1 MiB puts at it over tcp: the sender's blocked write (on the rank
+/// thread, the proxy thread or the soft NIC thread) used to wait forever,
+/// and dropping the proxy or NIC joined that thread forever.
+#[test]
+fn a_stopped_peer_fails_a_tcp_sender_within_the_timeout_and_teardown_returns() {
+    let timeout = 2.0;
+    for (name, env) in MODES
+        .iter()
+        .filter(|(_, env)| env.contains(&("GIN_TRANSPORT", "tcp")))
+    {
+        let mut spec = LaunchSpec::new(2, BIN, ["stop", "1"]).env("GIN_TIMEOUT", "2");
+        for (k, v) in *env {
+            spec = spec.env(k, v);
+        }
+        spec.output = Output::Capture;
+        // The stopped victim is killed this long after the sender fails.
+        spec.grace = Duration::from_secs(1);
+        spec.limit = Some(Duration::from_secs(60));
+        let report = launch(&spec).unwrap();
+        let out = &report.ranks[0].stdout;
+        assert_eq!(
+            report.ranks[0].status.and_then(|s| s.code()),
+            Some(3),
+            "{name}: {out}{}",
+            report.ranks[0].stderr
+        );
+        assert!(
+            out.contains("rank 1"),
+            "{name}: the error does not name the stopped rank: {out}"
+        );
+        let noticed = seconds_after(out, "noticed after");
+        let teardown = seconds_after(out, "torn down in");
+        assert!(
+            noticed < 2.0 * timeout,
+            "{name}: noticed after {noticed} s: {out}"
+        );
+        assert!(
+            teardown < 2.0 * timeout,
+            "{name}: torn down in {teardown} s: {out}"
+        );
+    }
+}
+
 #[test]
 fn unavailable_choices_are_clear_errors_listing_the_alternatives() {
     let report = run(2, &["ring"], &[("GIN_BACKEND", "ibgda")], "20");

@@ -172,7 +172,10 @@ impl Drop for Proxy {
         self.shared.stop.store(true, Ordering::SeqCst);
         self.shared.sleeper.unpark();
         if let Some(h) = self.thread.take() {
-            let _ = h.join();
+            // Its sends end within the timeout (gin-net's deadlines), so the
+            // wait is bounded; a thread stuck anyway is abandoned, not joined
+            // forever.
+            gin_net::idle::join_within(h, self.shared.config.timeout, "proxy");
         }
     }
 }

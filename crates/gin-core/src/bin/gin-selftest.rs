@@ -7,7 +7,10 @@
 //! `counters`, `flush`, `get`, `reset`, `va`, `barrier`, `badinput`, `reuse`,
 //! `dereg` (large puts in flight at deregistration; tcp-only parts need GIN_TRANSPORT=tcp),
 //! `die VICTIM` (VICTIM crashes while the others wait on it; they must fail
-//! with an error naming it). A failed check prints `FAILED: ...` and exits 3.
+//! with an error naming it), `stop VICTIM` (VICTIM stops itself, as a frozen
+//! host, while the others stream 1 MiB puts at it over tcp; they must fail
+//! within about the timeout naming it, and tear down in bounded time). A
+//! failed check prints `FAILED: ...` and exits 3.
 
 #![allow(clippy::many_single_char_names)] // c, r, n, w: comm, rank, nranks, window, as in the docs
 
@@ -62,6 +65,7 @@ fn main() -> ExitCode {
         "dereg" => dereg(&comm),
         "dropped" => dropped(&comm),
         "die" => die(&comm, args.get(1).and_then(|v| v.parse().ok()).unwrap_or(1)),
+        "stop" => stop(&comm, args.get(1).and_then(|v| v.parse().ok()).unwrap_or(1)),
         other => Err(format!("unknown scenario {other:?}")),
     };
     match r {
@@ -684,6 +688,57 @@ fn die(c: &Comm, victim: usize) -> R {
         Ok(_) => Err("the wait succeeded without the victim's signal".into()),
         Err(e) => Err(format!("{e} (after {:.2}s)", t.elapsed().as_secs_f64())),
     }
+}
+
+/// The victim stops itself (SIGSTOP: a frozen host, as far as its peers can
+/// tell) while the others stream 1 MiB puts at it, 64 per flush, as
+/// `gin-bench bandwidth` does. Once its socket buffers are full every
+/// sender blocks; each must fail within about the timeout with an error
+/// naming the victim, then drop its device communicator (and with it the
+/// proxy or soft NIC, whose thread was the one blocked) in bounded time.
+/// Prints `stopped peer noticed after S s, torn down in T s: ERROR`.
+fn stop(c: &Comm, victim: usize) -> R {
+    const BIG: u64 = 1 << 20;
+    let r = c.rank();
+    let w = c.alloc_window(BIG).map_err(s)?;
+    let dc = c.dev_comm(&DevCommRequirements::default()).map_err(s)?;
+    let ctx = dc.ctx(0).map_err(s)?;
+    c.bootstrap().barrier().map_err(s)?;
+    if r == victim {
+        // `kill` is a child process: it returns after stopping this one.
+        let _ = std::process::Command::new("kill")
+            .args(["-STOP", &std::process::id().to_string()])
+            .status();
+        return Err("the victim was resumed".into());
+    }
+    let limit = c.settings().timeout * 10;
+    let t = Instant::now();
+    let e = 'stream: loop {
+        for _ in 0..64 {
+            if let Err(e) = ctx.put(victim, &w, 0, &w, 0, BIG, Remote::None, Local::None) {
+                break 'stream e;
+            }
+        }
+        if let Err(e) = ctx.flush() {
+            break e;
+        }
+        if t.elapsed() > limit {
+            return Err(format!(
+                "still streaming to the stopped rank after {limit:?}"
+            ));
+        }
+    };
+    let noticed = t.elapsed();
+    let t = Instant::now();
+    drop(dc);
+    drop(w);
+    let line = format!(
+        "stopped peer noticed after {:.2} s, torn down in {:.2} s: {e}",
+        noticed.as_secs_f64(),
+        t.elapsed().as_secs_f64()
+    );
+    println!("{line}");
+    Err(line)
 }
 
 /// Ids freed by destroy are reused: far more create/destroy cycles than the
