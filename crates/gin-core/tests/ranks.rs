@@ -217,6 +217,35 @@ fn a_stopped_peer_fails_a_tcp_sender_within_the_timeout_and_teardown_returns() {
     }
 }
 
+/// A rank killed during registration, after creating its segment, used to
+/// leave the file in /dev/shm (5 of 5 kills): survivors now remove the
+/// job's names for that window.
+#[test]
+fn a_rank_killed_during_registration_leaves_no_shared_memory_behind() {
+    for round in 0..3 {
+        let dir = std::env::temp_dir().join(format!("gin-killreg-{}-{round}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut spec = LaunchSpec::new(2, BIN, ["killreg"])
+            .env("GIN_TIMEOUT", "20")
+            .env("GIN_SHM_DIR", dir.to_str().unwrap());
+        spec.output = Output::Capture;
+        spec.limit = Some(Duration::from_secs(60));
+        let report = launch(&spec).unwrap();
+        let left: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        let _ = std::fs::remove_dir_all(&dir);
+        let out = &report.ranks[0].stdout;
+        assert!(
+            out.contains("registration failed") && out.contains("rank 1"),
+            "round {round}: {out}{}",
+            report.ranks[0].stderr
+        );
+        assert!(left.is_empty(), "round {round}: left {left:?} ({out})");
+    }
+}
+
 #[test]
 fn unavailable_choices_are_clear_errors_listing_the_alternatives() {
     let report = run(2, &["ring"], &[("GIN_BACKEND", "ibgda")], "20");

@@ -1,6 +1,8 @@
 //! Shared-memory segments: files under `GIN_SHM_DIR` (default `/dev/shm`)
 //! that same-host peers map by name.
 //!
+//! - A segment is created owner-only (mode 0600): another local user cannot
+//!   read or write a job's windows.
 //! - Its pages are reserved at creation (`posix_fallocate`): a segment that
 //!   does not fit the directory's free space is an error naming the size,
 //!   the directory and the space left, not a SIGBUS when a page is first
@@ -10,6 +12,7 @@
 //!   names of a registration that failed (see gin-core's `alloc_window`).
 
 use std::fs::{File, OpenOptions};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use memmap2::{MmapMut, MmapOptions};
@@ -93,14 +96,15 @@ fn reserve(file: &File, len: usize, path: &Path) -> Result<(), NetError> {
 }
 
 impl Segment {
-    /// Creates and maps a zeroed segment of `len` bytes named `name`, its
-    /// pages reserved.
+    /// Creates and maps a zeroed segment of `len` bytes named `name`,
+    /// owner-only, its pages reserved.
     pub fn create(name: &str, len: usize) -> Result<Self, NetError> {
         let path = shm_dir().join(name);
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .create_new(true)
+            .mode(0o600)
             .open(&path)
             .map_err(io(format!("creating shared memory {}", path.display())))?;
         let r = if len == 0 {
@@ -195,5 +199,20 @@ impl Segment {
 impl Drop for Segment {
     fn drop(&mut self) {
         self.unlink();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn segments_are_created_owner_only() {
+        let name = format!("gin-test-mode-{}", std::process::id());
+        let mut seg = Segment::create(&name, 4096).unwrap();
+        let mode = std::fs::metadata(seg.path()).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "mode {mode:o}");
+        seg.unlink();
     }
 }

@@ -10,7 +10,10 @@
 //! with an error naming it), `stop VICTIM` (VICTIM stops itself, as a frozen
 //! host, while the others stream 1 MiB puts at it over tcp; they must fail
 //! within about the timeout naming it, and tear down in bounded time). A
-//! failed check prints `FAILED: ...` and exits 3.
+//! failed check prints `FAILED: ...` and exits 3. `killreg` (rank 1 dies,
+//! without running a destructor, right after creating its segment of a
+//! window the others are registering: they must fail and leave nothing in
+//! `GIN_SHM_DIR`).
 
 #![allow(clippy::many_single_char_names)] // c, r, n, w: comm, rank, nranks, window, as in the docs
 
@@ -65,6 +68,7 @@ fn main() -> ExitCode {
         "dereg" => dereg(&comm),
         "dropped" => dropped(&comm),
         "die" => die(&comm, args.get(1).and_then(|v| v.parse().ok()).unwrap_or(1)),
+        "killreg" => killreg(&comm),
         "stop" => stop(&comm, args.get(1).and_then(|v| v.parse().ok()).unwrap_or(1)),
         other => Err(format!("unknown scenario {other:?}")),
     };
@@ -739,6 +743,48 @@ fn stop(c: &Comm, victim: usize) -> R {
     );
     println!("{line}");
     Err(line)
+}
+
+/// Rank 1 dies (abort: no destructor runs, as under SIGKILL) as soon as its
+/// shared-memory segment for a new window exists, while it waits for the
+/// others in that window's registration; rank 0 registers the window once
+/// it heard of the death. Rank 0's registration must fail naming rank 1,
+/// and no segment of the job may be left in `GIN_SHM_DIR` (the test checks
+/// the directory after the job).
+fn killreg(c: &Comm) -> R {
+    let b = c.bootstrap();
+    if c.rank() == 0 {
+        // Rank 1 must not die before rank 0 has left the collective that
+        // created the communicator.
+        b.send(1, 7, b"go").map_err(s)?;
+        if b.recv(1, 8).is_ok() {
+            return Err("rank 1 answered instead of dying".into());
+        }
+    } else if c.rank() == 1 {
+        b.recv(0, 7).map_err(s)?;
+        let dir = gin_net_shm_dir();
+        std::thread::spawn(move || {
+            loop {
+                let created = std::fs::read_dir(&dir)
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                    .any(|e| e.file_name().to_string_lossy().ends_with("-r1-w1"));
+                if created {
+                    std::process::abort();
+                }
+                std::thread::yield_now();
+            }
+        });
+    }
+    match c.alloc_window(1 << 20) {
+        Ok(_) => Err("the registration succeeded without rank 1".into()),
+        Err(e) => Err(format!("registration failed: {e}")),
+    }
+}
+
+fn gin_net_shm_dir() -> std::path::PathBuf {
+    std::env::var_os("GIN_SHM_DIR").map_or_else(|| "/dev/shm".into(), Into::into)
 }
 
 /// Ids freed by destroy are reused: far more create/destroy cycles than the
