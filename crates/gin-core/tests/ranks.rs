@@ -246,6 +246,27 @@ fn a_rank_killed_during_registration_leaves_no_shared_memory_behind() {
     }
 }
 
+/// A put with a signal to a window its owner dropped: the signal is never
+/// applied, and the initiator's flush reports the refusal naming window,
+/// offset and rank (gdaki over tcp applied the signal; proxy over tcp
+/// reported the refusal only on a later call; shm wrote into the orphaned
+/// mapping and returned Ok).
+#[test]
+fn a_signal_is_never_applied_for_refused_data_and_the_flush_reports_it() {
+    for (name, env) in MODES
+        .iter()
+        .filter(|(_, env)| env.contains(&("GIN_TRANSPORT", "tcp")))
+    {
+        let report = run(2, &["refused"], env, "20");
+        assert_ok(&report, name);
+        assert!(
+            report.ranks[0].stdout.contains("refused as expected"),
+            "{name}: {}",
+            report.ranks[0].stdout
+        );
+    }
+}
+
 #[test]
 fn unavailable_choices_are_clear_errors_listing_the_alternatives() {
     let report = run(2, &["ring"], &[("GIN_BACKEND", "ibgda")], "20");

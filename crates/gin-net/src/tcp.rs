@@ -183,8 +183,10 @@ pub struct Link {
     /// How long a send may go without the peer accepting a byte.
     timeout: Duration,
     watch: Arc<Watch>,
-    /// Puts sent (their sequence numbers name them in errors).
+    /// Puts written to the socket.
     seq: AtomicU64,
+    /// Puts the target has confirmed executing (see [`Link::confirm`]).
+    confirmed: AtomicU64,
     next_req: AtomicU64,
     pending: Mutex<HashMap<u64, Pending>>,
     error: crate::sticky::StickyError,
@@ -357,6 +359,11 @@ fn serve(s: &mut TcpStream, table: &RegionTable) -> std::io::Result<()> {
     let mut w = s.try_clone()?;
     let mut buf = vec![0u8; CHUNK];
     let mut seq = 0u64;
+    // Once a request of this connection was refused, the connection is in
+    // its error state, as an RDMA QP: every later request is refused too,
+    // never executed. So a signal sent as its own request after refused
+    // data (a soft NIC's atomic after its write) is never applied.
+    let mut refused: Option<String> = None;
     loop {
         let mut h = [0u8; REQ];
         if let Err(e) = s.read_exact(&mut h) {
@@ -373,13 +380,36 @@ fn serve(s: &mut TcpStream, table: &RegionTable) -> std::io::Result<()> {
                 r.len
             )));
         }
+        if let Some(first) = &refused {
+            let why = format!("refused: this connection is in its error state since {first}");
+            match r.op {
+                OP_PUT => {
+                    // Consume the data, touch nothing; the initiator already
+                    // has its error (the first refusal's answer).
+                    seq += 1;
+                    let mut left = r.len;
+                    while left > 0 {
+                        let n = left.min(CHUNK as u64) as usize;
+                        s.read_exact(&mut buf[..n])?;
+                        left -= n as u64;
+                    }
+                }
+                OP_GET | OP_FADD | OP_CAS | OP_FENCE => send_error(&mut w, r.req, &why)?,
+                other => {
+                    send_error(&mut w, r.req, &format!("unknown request op {other}"))?;
+                    return Err(std::io::Error::other(format!("unknown op {other}")));
+                }
+            }
+            continue;
+        }
         match r.op {
             OP_PUT => {
                 seq += 1;
                 // Check first, and on failure still consume the data so the
                 // stream stays in step, then answer an error. Each chunk is
                 // copied under the region table's guard, so a region removed
-                // mid-request is never written after its removal.
+                // mid-request is never written after its removal. The signal
+                // is applied only when all of the data landed.
                 let mut failed = table.check(r.key, r.off, r.len, AccessKind::Write).err();
                 if failed.is_none() && r.flags & FLAG_SIGNAL != 0 {
                     failed = table
@@ -401,7 +431,9 @@ fn serve(s: &mut TcpStream, table: &RegionTable) -> std::io::Result<()> {
                     failed = table.fetch_add(r.sig_key, r.sig_off, r.a).err();
                 }
                 if let Some(e) = failed {
-                    send_error(&mut w, PUT_SEQ | seq, &format!("put #{seq}: {e}"))?;
+                    let msg = format!("put #{seq} ({} bytes at offset {}): {e}", r.len, r.off);
+                    send_error(&mut w, PUT_SEQ | seq, &msg)?;
+                    refused = Some(msg);
                 }
             }
             OP_GET => match table.check(r.key, r.off, r.len, AccessKind::Read) {
@@ -425,10 +457,16 @@ fn serve(s: &mut TcpStream, table: &RegionTable) -> std::io::Result<()> {
                     if let Some(e) = failed {
                         // The region went away mid-read: the data sent is not
                         // the region's; say so (this fails the link).
-                        send_error(&mut w, r.req, &format!("get: {e}"))?;
+                        let msg = format!("get ({} bytes at offset {}): {e}", r.len, r.off);
+                        send_error(&mut w, r.req, &msg)?;
+                        refused = Some(msg);
                     }
                 }
-                Err(e) => send_error(&mut w, r.req, &format!("get: {e}"))?,
+                Err(e) => {
+                    let msg = format!("get ({} bytes at offset {}): {e}", r.len, r.off);
+                    send_error(&mut w, r.req, &msg)?;
+                    refused = Some(msg);
+                }
             },
             OP_FADD | OP_CAS => {
                 let old = if r.op == OP_FADD {
@@ -438,7 +476,11 @@ fn serve(s: &mut TcpStream, table: &RegionTable) -> std::io::Result<()> {
                 };
                 match old {
                     Ok(old) => w.write_all(&reply_header(REP_VALUE, 0, r.req, old))?,
-                    Err(e) => send_error(&mut w, r.req, &format!("atomic: {e}"))?,
+                    Err(e) => {
+                        let msg = format!("atomic at offset {}: {e}", r.off);
+                        send_error(&mut w, r.req, &msg)?;
+                        refused = Some(msg);
+                    }
                 }
             }
             OP_FENCE => w.write_all(&reply_header(REP_ACK, 0, r.req, 0))?,
@@ -493,6 +535,7 @@ impl Link {
             timeout,
             watch,
             seq: AtomicU64::new(0),
+            confirmed: AtomicU64::new(0),
             next_req: AtomicU64::new(1),
             pending: Mutex::new(HashMap::new()),
             error: crate::sticky::StickyError::default(),
@@ -767,7 +810,6 @@ impl Link {
         data: &[u8],
         sig: Option<(u32, u64, u64)>,
     ) -> Result<(), NetError> {
-        self.seq.fetch_add(1, Ordering::Relaxed);
         let (flags, sig_key, sig_off, a) =
             sig.map_or((0, 0, 0, 0), |(k, o, v)| (FLAG_SIGNAL, k, o, v));
         self.send(
@@ -783,7 +825,30 @@ impl Link {
                 ..Req::default()
             },
             data,
-        )
+        )?;
+        // Counted once written: a later `confirm` that reads the count
+        // sends its fence after this put in the stream.
+        self.seq.fetch_add(1, Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// Returns once the target has executed every put written on this link
+    /// so far, or with the first refusal of any of them (then the link is
+    /// failed): a put's data and signal either both landed or neither did
+    /// and this says so. One round trip when puts were written since the
+    /// last confirmation, none otherwise.
+    pub fn confirm(&self, timeout: Duration) -> Result<(), NetError> {
+        self.check()?;
+        let upto = self.seq.load(Ordering::Acquire);
+        if self.confirmed.load(Ordering::Acquire) >= upto {
+            return Ok(());
+        }
+        // Answers come in order: a refusal of an earlier put fails the link
+        // (and this fence's waiter) before the fence's own answer.
+        self.fence(timeout)?;
+        self.check()?;
+        self.confirmed.fetch_max(upto, Ordering::AcqRel);
+        Ok(())
     }
 
     /// Starts a read of `len` bytes at `(key, off)` into `dst`; `done` is

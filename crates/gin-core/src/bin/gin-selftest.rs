@@ -13,7 +13,9 @@
 //! failed check prints `FAILED: ...` and exits 3. `killreg` (rank 1 dies,
 //! without running a destructor, right after creating its segment of a
 //! window the others are registering: they must fail and leave nothing in
-//! `GIN_SHM_DIR`).
+//! `GIN_SHM_DIR`). `refused` (a put with a signal to a window its owner
+//! dropped: the initiator's flush reports the refusal naming window, offset
+//! and rank, and the signal is never applied).
 
 #![allow(clippy::many_single_char_names)] // c, r, n, w: comm, rank, nranks, window, as in the docs
 
@@ -69,6 +71,7 @@ fn main() -> ExitCode {
         "dropped" => dropped(&comm),
         "die" => die(&comm, args.get(1).and_then(|v| v.parse().ok()).unwrap_or(1)),
         "killreg" => killreg(&comm),
+        "refused" => refused(&comm),
         "stop" => stop(&comm, args.get(1).and_then(|v| v.parse().ok()).unwrap_or(1)),
         other => Err(format!("unknown scenario {other:?}")),
     };
@@ -743,6 +746,59 @@ fn stop(c: &Comm, victim: usize) -> R {
     );
     println!("{line}");
     Err(line)
+}
+
+/// Rank 1 drops a window without deregistering it; rank 0 then puts 1 KiB
+/// at offset 64 of it with a signal. The rule (docs/device-api.md,
+/// "Refused operations"): a signal is never applied when its data was
+/// refused, and the refusal is reported by the operation's completion (the
+/// flush), naming window, offset and rank.
+fn refused(c: &Comm) -> R {
+    let r = c.rank();
+    let dc = c.dev_comm(&DevCommRequirements::default()).map_err(s)?;
+    let ctx = dc.ctx(0).map_err(s)?;
+    let w = c.alloc_window(4096).map_err(s)?;
+    let b = c.bootstrap();
+    if r == 1 {
+        let id = w.id();
+        drop(w);
+        b.barrier().map_err(s)?;
+        // Rank 0 has flushed.
+        b.barrier().map_err(s)?;
+        let v = ctx.read_signal(0).map_err(s)?;
+        if v != 0 {
+            return Err(format!(
+                "signal 0 is {v}: applied although its data to dropped window {id} was refused"
+            ));
+        }
+        return Ok(());
+    }
+    b.barrier().map_err(s)?;
+    let got = if r == 0 {
+        ctx.put(1, &w, 64, &w, 0, 1024, Remote::signal_inc(0), Local::None)
+            .and_then(|()| ctx.flush())
+    } else {
+        Ok(())
+    };
+    b.barrier().map_err(s)?;
+    match got {
+        Ok(()) if r == 0 => Err("a put to a dropped window completed without an error".into()),
+        Ok(()) => Ok(()),
+        Err(e) => {
+            let e = e.to_string();
+            let want = [
+                format!("window {}", w.id()),
+                "offset 64".into(),
+                "rank 1".into(),
+            ];
+            if want.iter().all(|x| e.contains(x.as_str())) {
+                println!("rank {r}: refused as expected: {e}");
+                Ok(())
+            } else {
+                Err(format!("the refusal does not name {want:?}: {e}"))
+            }
+        }
+    }
 }
 
 /// Rank 1 dies (abort: no destructor runs, as under SIGKILL) as soon as its
