@@ -213,7 +213,16 @@ impl Comm {
         let table = Arc::new(RegionTable::default());
         let tcp = if need_tcp {
             let peers: Vec<bool> = (0..n).map(use_tcp).collect();
-            Some(TcpTransport::start(&b, table.clone(), &peers)?)
+            let t = TcpTransport::start(&b, table.clone(), &peers)?;
+            // A send blocked on a peer that stopped draining also ends when
+            // the job hears of a death (weak: the links must not keep the
+            // bootstrap alive past the communicator).
+            let weak = Arc::downgrade(&b);
+            t.watch(move || {
+                weak.upgrade()
+                    .map_or(Ok(()), |b| b.health().map_err(|e| e.to_string()))
+            });
+            Some(t)
         } else {
             None
         };
@@ -346,7 +355,7 @@ impl Comm {
     pub fn alloc_window(&self, bytes: u64) -> Result<Window, CoreError> {
         let rank = self.rank();
         let id = self.take_window_id();
-        let name = format!("gin-{}-r{rank}-w{id}", self.job_tag);
+        let name = self.segment_name(rank, id);
         let mut seg = Segment::create(&name, bytes as usize)?;
         // SAFETY: the segment stays mapped until `registration`, dropped
         // before it on every path (or deregistration, earlier), has removed
@@ -356,8 +365,10 @@ impl Comm {
         let registration = self.registration(id, key, seg.as_ptr());
         let path = seg.path().to_string_lossy().into_owned();
         let r = self.finish_window(id, seg.as_ptr(), bytes, key, &path, true);
-        // Every peer has mapped it (finish_window ends with a barrier).
+        // Every peer has mapped it (finish_window ends with a barrier), or
+        // the registration failed: either way no name is needed any more.
         seg.unlink();
+        self.remove_segment_names(id);
         let (peers, peer_segments) = r?;
         Ok(self.make_window(
             id,
@@ -411,6 +422,26 @@ impl Comm {
                 _peers: segs,
             },
         ))
+    }
+
+    /// The name of `rank`'s segment for window `id`.
+    fn segment_name(&self, rank: usize, id: u32) -> String {
+        format!("gin-{}-r{rank}-w{id}", self.job_tag)
+    }
+
+    /// Removes every same-host rank's segment name for window `id`. Each
+    /// creator removes its own once the registration is over, but a creator
+    /// killed before that (SIGKILL runs no destructor) would leave its file
+    /// in `GIN_SHM_DIR` for good: every survivor removes the names too,
+    /// after the barrier (nobody needs them then) or when the registration
+    /// failed (it cannot complete anywhere). Names are per job and window,
+    /// so this never touches another job's or window's segment.
+    fn remove_segment_names(&self, id: u32) {
+        let dir = gin_net::shm::shm_dir();
+        let here = self.hosts[self.rank()];
+        for p in (0..self.nranks()).filter(|&p| p != self.rank() && self.hosts[p] == here) {
+            let _ = std::fs::remove_file(dir.join(self.segment_name(p, id)));
+        }
     }
 
     fn registration(&self, id: u32, key: u32, base: *mut u8) -> Registration {

@@ -160,6 +160,113 @@ fn a_peer_killed_mid_run_fails_the_survivors_promptly() {
     }
 }
 
+/// The seconds in `"... {what} S s"` of a line of `text`.
+fn seconds_after(text: &str, what: &str) -> f64 {
+    let at = text
+        .find(what)
+        .unwrap_or_else(|| panic!("no {what:?} in {text}"))
+        + what.len();
+    text[at..]
+        .split_whitespace()
+        .next()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no seconds after {what:?} in {text}"))
+}
+
+/// A peer that stops draining its connection (SIGSTOP) while a rank streams
+/// 1 MiB puts at it over tcp: the sender's blocked write (on the rank
+/// thread, the proxy thread or the soft NIC thread) used to wait forever,
+/// and dropping the proxy or NIC joined that thread forever.
+#[test]
+fn a_stopped_peer_fails_a_tcp_sender_within_the_timeout_and_teardown_returns() {
+    let timeout = 2.0;
+    for (name, env) in MODES
+        .iter()
+        .filter(|(_, env)| env.contains(&("GIN_TRANSPORT", "tcp")))
+    {
+        let mut spec = LaunchSpec::new(2, BIN, ["stop", "1"]).env("GIN_TIMEOUT", "2");
+        for (k, v) in *env {
+            spec = spec.env(k, v);
+        }
+        spec.output = Output::Capture;
+        // The stopped victim is killed this long after the sender fails.
+        spec.grace = Duration::from_secs(1);
+        spec.limit = Some(Duration::from_secs(60));
+        let report = launch(&spec).unwrap();
+        let out = &report.ranks[0].stdout;
+        assert_eq!(
+            report.ranks[0].status.and_then(|s| s.code()),
+            Some(3),
+            "{name}: {out}{}",
+            report.ranks[0].stderr
+        );
+        assert!(
+            out.contains("rank 1"),
+            "{name}: the error does not name the stopped rank: {out}"
+        );
+        let noticed = seconds_after(out, "noticed after");
+        let teardown = seconds_after(out, "torn down in");
+        assert!(
+            noticed < 2.0 * timeout,
+            "{name}: noticed after {noticed} s: {out}"
+        );
+        assert!(
+            teardown < 2.0 * timeout,
+            "{name}: torn down in {teardown} s: {out}"
+        );
+    }
+}
+
+/// A rank killed during registration, after creating its segment, used to
+/// leave the file in /dev/shm (5 of 5 kills): survivors now remove the
+/// job's names for that window.
+#[test]
+fn a_rank_killed_during_registration_leaves_no_shared_memory_behind() {
+    for round in 0..3 {
+        let dir = std::env::temp_dir().join(format!("gin-killreg-{}-{round}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut spec = LaunchSpec::new(2, BIN, ["killreg"])
+            .env("GIN_TIMEOUT", "20")
+            .env("GIN_SHM_DIR", dir.to_str().unwrap());
+        spec.output = Output::Capture;
+        spec.limit = Some(Duration::from_secs(60));
+        let report = launch(&spec).unwrap();
+        let left: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        let _ = std::fs::remove_dir_all(&dir);
+        let out = &report.ranks[0].stdout;
+        assert!(
+            out.contains("registration failed") && out.contains("rank 1"),
+            "round {round}: {out}{}",
+            report.ranks[0].stderr
+        );
+        assert!(left.is_empty(), "round {round}: left {left:?} ({out})");
+    }
+}
+
+/// A put with a signal to a window its owner dropped: the signal is never
+/// applied, and the initiator's flush reports the refusal naming window,
+/// offset and rank (gdaki over tcp applied the signal; proxy over tcp
+/// reported the refusal only on a later call; shm wrote into the orphaned
+/// mapping and returned Ok).
+#[test]
+fn a_signal_is_never_applied_for_refused_data_and_the_flush_reports_it() {
+    for (name, env) in MODES
+        .iter()
+        .filter(|(_, env)| env.contains(&("GIN_TRANSPORT", "tcp")))
+    {
+        let report = run(2, &["refused"], env, "20");
+        assert_ok(&report, name);
+        assert!(
+            report.ranks[0].stdout.contains("refused as expected"),
+            "{name}: {}",
+            report.ranks[0].stdout
+        );
+    }
+}
+
 #[test]
 fn unavailable_choices_are_clear_errors_listing_the_alternatives() {
     let report = run(2, &["ring"], &[("GIN_BACKEND", "ibgda")], "20");

@@ -438,6 +438,20 @@ impl DevComm {
         Err(e)
     }
 
+    /// The backend's own error, if it reports one within a short grace.
+    fn backend_cause(&self) -> Option<GinError> {
+        let until = std::time::Instant::now() + Duration::from_millis(500);
+        loop {
+            if let Err(e) = self.p.backend.health() {
+                return Some(e);
+            }
+            if std::time::Instant::now() >= until {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     /// Polls `ready` with this communicator's timeout, abort flag and health.
     fn wait(
         &self,
@@ -472,7 +486,12 @@ impl DevComm {
             Ok(()) => Ok(()),
             Err(stop) => {
                 let e = match stop {
-                    Stop::Timeout(waited) => GinError::Timeout {
+                    // A timeout is often the echo of a backend thread blocked
+                    // on the same stalled peer (a proxy or NIC sending to a
+                    // rank that stopped reading), which gives up at about the
+                    // same moment with an error naming that peer: give it a
+                    // moment, so the error names the cause. Failure path only.
+                    Stop::Timeout(waited) => self.backend_cause().unwrap_or(GinError::Timeout {
                         rank: self.p.rank,
                         ctx,
                         peer,
@@ -480,7 +499,7 @@ impl DevComm {
                         last,
                         expected,
                         waited,
-                    },
+                    }),
                     Stop::Aborted => GinError::Aborted {
                         rank: self.p.rank,
                         ctx,

@@ -530,8 +530,20 @@ impl Backend for Gdaki {
         self.check()?;
         if !all {
             self.waker.wake();
+            return Ok(false);
         }
-        Ok(all)
+        // Over tcp a write's CQE means "sent": have the targets confirm, so
+        // a refused write is reported by this completion (as a hardware
+        // CQE comes after the remote ACK).
+        for &p in &peers {
+            self.fabric.confirm(p).map_err(|e| GinError::Failed {
+                rank: self.rank,
+                ctx: t.ctx,
+                what: format!("completion of operations to rank {p}"),
+                why: e.to_string(),
+            })?;
+        }
+        Ok(true)
     }
 
     fn progress(&self) {

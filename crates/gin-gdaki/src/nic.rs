@@ -135,7 +135,9 @@ impl Drop for SoftNic {
         self.shared.stop.store(true, Ordering::SeqCst);
         self.shared.sleeper.unpark();
         if let Some(h) = self.thread.take() {
-            let _ = h.join();
+            // As the proxy: bounded by the timeout every blocking call of
+            // the NIC thread honours; a thread stuck anyway is abandoned.
+            gin_net::idle::join_within(h, self.shared.timeout, "soft NIC");
         }
     }
 }

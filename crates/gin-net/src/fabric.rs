@@ -262,6 +262,7 @@ impl Fabric {
                 let sig =
                     sig.map(|(sw, a, v)| (sw.keys.get(peer).copied().unwrap_or(0), a.offset, v));
                 link.put(key, dst.offset, src, sig)
+                    .map_err(|e| self.name_window(e))
             }
         }
     }
@@ -395,7 +396,9 @@ impl Fabric {
                 // SAFETY: in range and aligned; atomics only.
                 Ok(mem(unsafe { &*p.cast::<AtomicU64>() }))
             }
-            Path::Tcp(link) => net(link, w.keys.get(peer).copied().unwrap_or(0)),
+            Path::Tcp(link) => {
+                net(link, w.keys.get(peer).copied().unwrap_or(0)).map_err(|e| self.name_window(e))
+            }
         }
     }
 
@@ -411,11 +414,40 @@ impl Fabric {
         Ok(())
     }
 
+    /// Returns once every put this rank wrote to `peer` over TCP was
+    /// executed there, or with the first refusal (see [`Link::confirm`]);
+    /// at once for other paths. Flushes call it, so a refused put is
+    /// reported by the flush that covers it.
+    pub fn confirm(&self, peer: usize) -> Result<(), NetError> {
+        match self.paths.get(peer) {
+            Some(Path::Tcp(l)) => l.confirm(self.timeout).map_err(|e| self.name_window(e)),
+            _ => Ok(()),
+        }
+    }
+
+    /// Adds the window a refusal's key belongs to (the target names only
+    /// its key) to a transport error.
+    fn name_window(&self, e: NetError) -> NetError {
+        let NetError::Remote { peer, why } = e else {
+            return e;
+        };
+        let hit = self.windows().into_iter().find(|(_, d)| {
+            d.keys
+                .get(peer)
+                .is_some_and(|&k| k != 0 && why.contains(&format!("{k:#010x}")))
+        });
+        let why = match hit {
+            Some((id, _)) => format!("{why} (window {id} of rank {peer})"),
+            None => why,
+        };
+        NetError::Remote { peer, why }
+    }
+
     /// Fails with the first error any TCP link saw.
     pub fn health(&self) -> Result<(), NetError> {
         for p in &self.paths {
             if let Path::Tcp(l) = p {
-                l.check()?;
+                l.check().map_err(|e| self.name_window(e))?;
             }
         }
         Ok(())

@@ -8,11 +8,14 @@
 //!   initiator checked too).
 //! - **shm** ([`shm::Segment`]): same-host peers map each other's segments;
 //!   one-sided operations are then plain copies and atomics on the mapping,
-//!   with release ordering on the atomic that publishes data.
+//!   with release ordering on the atomic that publishes data. Segments are
+//!   owner-only, their pages reserved at creation (no SIGBUS on a full
+//!   tmpfs), their names removed as soon as registration is over.
 //! - **tcp** ([`tcp::TcpTransport`]): any host. Each rank serves its regions;
 //!   one ordered connection per pair of ranks makes "signal after data"
 //!   hold by construction. Errors come back as answers, not silence, and are
-//!   sticky on the link until reported.
+//!   sticky on the link until reported. No send blocks past the job's
+//!   timeout on a peer that stopped reading; the error names that peer.
 //! - Endpoint addresses are exchanged through gin-bootstrap; transport
 //!   connections authenticate with a token derived from the job secret.
 //!

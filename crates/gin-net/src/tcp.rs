@@ -27,14 +27,27 @@
 //! payload (read data, or an error message). A failed put, which has no
 //! request id, is answered with its sequence number on the connection with
 //! bit 63 set, so it never matches a pending request.
+//!
+//! # Deadlines
+//!
+//! No call blocks forever on a peer that stopped draining its connection (a
+//! stopped process, a frozen host): a send writes in slices of at most
+//! [`SLICE`] and fails once no byte was accepted for the job's timeout
+//! (`GIN_TIMEOUT`), or at once when the job heard of a death (see
+//! [`TcpTransport::watch`]) or the transport is closing; the error names the
+//! peer. A failed send leaves the stream out of step, so it fails the link
+//! (sticky) and shuts the socket down. A server blocked answering an
+//! initiator that stopped reading gives up after the same timeout and drops
+//! that connection. Dropping the transport shuts every socket down without
+//! waiting for a sender blocked in a write: that sender fails at once.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, mpsc};
+use std::sync::{Arc, Mutex, OnceLock, mpsc};
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use gin_bootstrap::Bootstrap;
 use tracing::{debug, warn};
@@ -62,6 +75,9 @@ const HELLO_MAGIC: u32 = 0x4749_4e54; // "GINT"
 /// Refused puts are answered under their sequence number with this bit set,
 /// so they never collide with a pending request's id.
 const PUT_SEQ: u64 = 1 << 63;
+/// A blocked send wakes at least this often to check its deadline, the
+/// job's health and whether the transport is closing.
+pub const SLICE: Duration = Duration::from_millis(50);
 
 /// A request header.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -121,6 +137,30 @@ fn reply_header(kind: u8, len: u32, req: u64, value: u64) -> [u8; REP] {
     b
 }
 
+/// What a blocked send asks, each [`SLICE`], about the job as a whole: an
+/// error (a rank died, the root was lost) ends the send with that cause.
+type WatchFn = Box<dyn Fn() -> Result<(), String> + Send + Sync>;
+
+/// The job-health check shared by a transport's links (set once).
+#[derive(Default)]
+struct Watch(OnceLock<WatchFn>);
+
+impl Watch {
+    fn check(&self) -> Result<(), String> {
+        self.0.get().map_or(Ok(()), |f| f())
+    }
+}
+
+impl std::fmt::Debug for Watch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.get().is_some() {
+            "Watch(set)"
+        } else {
+            "Watch(unset)"
+        })
+    }
+}
+
 /// The TCP transport of one rank: its server and its links to peers.
 #[derive(Debug)]
 pub struct TcpTransport {
@@ -128,6 +168,7 @@ pub struct TcpTransport {
     links: Vec<Option<Arc<Link>>>,
     closing: Arc<AtomicBool>,
     listen_addr: SocketAddr,
+    watch: Arc<Watch>,
 }
 
 /// A connection to one peer's server.
@@ -136,8 +177,16 @@ pub struct Link {
     rank: usize,
     peer: usize,
     w: Mutex<TcpStream>,
-    /// Puts sent (their sequence numbers name them in errors).
+    /// Another handle on the same socket: shutting it down wakes a sender
+    /// blocked in a write without waiting for the lock that sender holds.
+    ctl: TcpStream,
+    /// How long a send may go without the peer accepting a byte.
+    timeout: Duration,
+    watch: Arc<Watch>,
+    /// Puts written to the socket.
     seq: AtomicU64,
+    /// Puts the target has confirmed executing (see [`Link::confirm`]).
+    confirmed: AtomicU64,
     next_req: AtomicU64,
     pending: Mutex<HashMap<u64, Pending>>,
     error: crate::sticky::StickyError,
@@ -176,12 +225,14 @@ impl TcpTransport {
             source: e,
         })?;
         let token = b.job_token("gin-net tcp v1");
+        let timeout = b.config().timeout;
         let closing = Arc::new(AtomicBool::new(false));
+        let watch = Arc::new(Watch::default());
         {
             let closing = closing.clone();
             thread::Builder::new()
                 .name(format!("gin-tcp-accept-{rank}"))
-                .spawn(move || accept(&listener, rank, &token, &table, &closing))
+                .spawn(move || accept(&listener, rank, &token, &table, &closing, timeout))
                 .map_err(|e| NetError::Io {
                     what: "spawning the tcp server".into(),
                     source: e,
@@ -206,6 +257,8 @@ impl TcpTransport {
                 addr,
                 &token,
                 closing.clone(),
+                timeout,
+                watch.clone(),
             )?));
         }
         // Every server has its connections before anyone sends.
@@ -215,7 +268,17 @@ impl TcpTransport {
             links,
             closing,
             listen_addr,
+            watch,
         })
+    }
+
+    /// Makes every blocked send of this transport's links also ask `alive`
+    /// (each [`SLICE`]) whether the job still stands, and fail with its
+    /// error when not: a send to a peer that stopped draining then ends as
+    /// soon as the job heard of a death, not only after the timeout. Set
+    /// once; later calls are ignored. `alive` must not block.
+    pub fn watch(&self, alive: impl Fn() -> Result<(), String> + Send + Sync + 'static) {
+        let _ = self.watch.0.set(Box::new(alive));
     }
 
     /// The link to `peer`, when this transport reaches it.
@@ -236,10 +299,9 @@ impl Drop for TcpTransport {
     fn drop(&mut self) {
         self.closing.store(true, Ordering::SeqCst);
         for l in self.links.iter().flatten() {
-            let w =
-                l.w.lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let _ = w.shutdown(std::net::Shutdown::Both);
+            // Not through the writer's lock: a sender blocked in a write
+            // holds it, and the shutdown is what wakes that sender.
+            let _ = l.ctl.shutdown(std::net::Shutdown::Both);
         }
         let _ = TcpStream::connect_timeout(&self.listen_addr, Duration::from_secs(1));
     }
@@ -251,6 +313,7 @@ fn accept(
     token: &[u8; 32],
     table: &Arc<RegionTable>,
     closing: &Arc<AtomicBool>,
+    timeout: Duration,
 ) {
     for conn in listener.incoming() {
         if closing.load(Ordering::SeqCst) {
@@ -276,6 +339,11 @@ fn accept(
                 }
                 let peer = u32::from_le_bytes(hello[36..40].try_into().expect("4 bytes"));
                 let _ = s.set_read_timeout(None);
+                // An initiator that stops reading its answers must not hold
+                // this thread forever: after the timeout the connection is
+                // dropped (the initiator, if it ever runs again, sees it
+                // closed).
+                let _ = s.set_write_timeout(Some(timeout.max(Duration::from_millis(1))));
                 if let Err(e) = serve(&mut s, &table)
                     && !closing.load(Ordering::SeqCst)
                 {
@@ -291,6 +359,11 @@ fn serve(s: &mut TcpStream, table: &RegionTable) -> std::io::Result<()> {
     let mut w = s.try_clone()?;
     let mut buf = vec![0u8; CHUNK];
     let mut seq = 0u64;
+    // Once a request of this connection was refused, the connection is in
+    // its error state, as an RDMA QP: every later request is refused too,
+    // never executed. So a signal sent as its own request after refused
+    // data (a soft NIC's atomic after its write) is never applied.
+    let mut refused: Option<String> = None;
     loop {
         let mut h = [0u8; REQ];
         if let Err(e) = s.read_exact(&mut h) {
@@ -307,13 +380,36 @@ fn serve(s: &mut TcpStream, table: &RegionTable) -> std::io::Result<()> {
                 r.len
             )));
         }
+        if let Some(first) = &refused {
+            let why = format!("refused: this connection is in its error state since {first}");
+            match r.op {
+                OP_PUT => {
+                    // Consume the data, touch nothing; the initiator already
+                    // has its error (the first refusal's answer).
+                    seq += 1;
+                    let mut left = r.len;
+                    while left > 0 {
+                        let n = left.min(CHUNK as u64) as usize;
+                        s.read_exact(&mut buf[..n])?;
+                        left -= n as u64;
+                    }
+                }
+                OP_GET | OP_FADD | OP_CAS | OP_FENCE => send_error(&mut w, r.req, &why)?,
+                other => {
+                    send_error(&mut w, r.req, &format!("unknown request op {other}"))?;
+                    return Err(std::io::Error::other(format!("unknown op {other}")));
+                }
+            }
+            continue;
+        }
         match r.op {
             OP_PUT => {
                 seq += 1;
                 // Check first, and on failure still consume the data so the
                 // stream stays in step, then answer an error. Each chunk is
                 // copied under the region table's guard, so a region removed
-                // mid-request is never written after its removal.
+                // mid-request is never written after its removal. The signal
+                // is applied only when all of the data landed.
                 let mut failed = table.check(r.key, r.off, r.len, AccessKind::Write).err();
                 if failed.is_none() && r.flags & FLAG_SIGNAL != 0 {
                     failed = table
@@ -335,7 +431,9 @@ fn serve(s: &mut TcpStream, table: &RegionTable) -> std::io::Result<()> {
                     failed = table.fetch_add(r.sig_key, r.sig_off, r.a).err();
                 }
                 if let Some(e) = failed {
-                    send_error(&mut w, PUT_SEQ | seq, &format!("put #{seq}: {e}"))?;
+                    let msg = format!("put #{seq} ({} bytes at offset {}): {e}", r.len, r.off);
+                    send_error(&mut w, PUT_SEQ | seq, &msg)?;
+                    refused = Some(msg);
                 }
             }
             OP_GET => match table.check(r.key, r.off, r.len, AccessKind::Read) {
@@ -359,10 +457,16 @@ fn serve(s: &mut TcpStream, table: &RegionTable) -> std::io::Result<()> {
                     if let Some(e) = failed {
                         // The region went away mid-read: the data sent is not
                         // the region's; say so (this fails the link).
-                        send_error(&mut w, r.req, &format!("get: {e}"))?;
+                        let msg = format!("get ({} bytes at offset {}): {e}", r.len, r.off);
+                        send_error(&mut w, r.req, &msg)?;
+                        refused = Some(msg);
                     }
                 }
-                Err(e) => send_error(&mut w, r.req, &format!("get: {e}"))?,
+                Err(e) => {
+                    let msg = format!("get ({} bytes at offset {}): {e}", r.len, r.off);
+                    send_error(&mut w, r.req, &msg)?;
+                    refused = Some(msg);
+                }
             },
             OP_FADD | OP_CAS => {
                 let old = if r.op == OP_FADD {
@@ -372,7 +476,11 @@ fn serve(s: &mut TcpStream, table: &RegionTable) -> std::io::Result<()> {
                 };
                 match old {
                     Ok(old) => w.write_all(&reply_header(REP_VALUE, 0, r.req, old))?,
-                    Err(e) => send_error(&mut w, r.req, &format!("atomic: {e}"))?,
+                    Err(e) => {
+                        let msg = format!("atomic at offset {}: {e}", r.off);
+                        send_error(&mut w, r.req, &msg)?;
+                        refused = Some(msg);
+                    }
                 }
             }
             OP_FENCE => w.write_all(&reply_header(REP_ACK, 0, r.req, 0))?,
@@ -399,6 +507,8 @@ impl Link {
         addr: SocketAddr,
         token: &[u8; 32],
         closing: Arc<AtomicBool>,
+        timeout: Duration,
+        watch: Arc<Watch>,
     ) -> Result<Arc<Self>, NetError> {
         let io = |what: String| move |e| NetError::Io { what, source: e };
         let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(30)).map_err(io(
@@ -412,12 +522,20 @@ impl Link {
         hello[36..40].copy_from_slice(&(rank as u32).to_le_bytes());
         s.write_all(&hello)
             .map_err(io(format!("greeting rank {peer}")))?;
+        // Writes wake every slice to check their deadline (see `write_all`).
+        s.set_write_timeout(Some(SLICE.min(timeout).max(Duration::from_millis(1))))
+            .map_err(io("setting a write timeout".into()))?;
         let r = s.try_clone().map_err(io("cloning a socket".into()))?;
+        let ctl = s.try_clone().map_err(io("cloning a socket".into()))?;
         let link = Arc::new(Self {
             rank,
             peer,
             w: Mutex::new(s),
+            ctl,
+            timeout,
+            watch,
             seq: AtomicU64::new(0),
+            confirmed: AtomicU64::new(0),
             next_req: AtomicU64::new(1),
             pending: Mutex::new(HashMap::new()),
             error: crate::sticky::StickyError::default(),
@@ -602,23 +720,84 @@ impl Link {
             .w
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // A sender that waited for the lock behind one that failed must not
+        // write into a stream left out of step.
+        self.check()?;
         let r = if data.len() <= 4096 {
             let mut one = Vec::with_capacity(REQ + data.len());
             one.extend_from_slice(&h.encode());
             one.extend_from_slice(data);
-            w.write_all(&one)
+            self.write_all(&mut w, &one)
         } else {
-            w.write_all(&h.encode()).and_then(|()| w.write_all(data))
+            self.write_all(&mut w, &h.encode())
+                .and_then(|()| self.write_all(&mut w, data))
         };
         drop(w);
-        r.map_err(|e| {
-            let why = format!("sending to rank {}: {e}", self.peer);
-            self.fail(why.clone());
-            NetError::Remote {
-                peer: self.peer,
-                why,
-            }
+        r.map_err(|(why, e)| {
+            // Part of a request may have gone out: the stream is out of step
+            // for good. Fail the link, and shut the socket so its reader and
+            // the peer's server see the end too.
+            self.fail(why);
+            let _ = self.ctl.shutdown(std::net::Shutdown::Both);
+            e
         })
+    }
+
+    /// Writes all of `buf`, failing once the peer accepted no byte for the
+    /// link's timeout, when the job's watch reports a failure, or when the
+    /// transport is closing. The error: the link's sticky reason and what to
+    /// return.
+    fn write_all(&self, w: &mut TcpStream, mut buf: &[u8]) -> Result<(), (String, NetError)> {
+        let peer = self.peer;
+        let remote = |why: String| {
+            (
+                why.clone(),
+                NetError::Remote {
+                    peer,
+                    why: why.clone(),
+                },
+            )
+        };
+        let mut progress = Instant::now();
+        while !buf.is_empty() {
+            match w.write(buf) {
+                Ok(0) => return Err(remote(format!("sending to rank {peer}: connection closed"))),
+                Ok(n) => {
+                    buf = &buf[n..];
+                    progress = Instant::now();
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    if self.closing.load(Ordering::SeqCst) {
+                        return Err(remote(format!(
+                            "sending to rank {peer}: the transport is closing"
+                        )));
+                    }
+                    if let Err(cause) = self.watch.check() {
+                        return Err(remote(format!(
+                            "gave up sending to rank {peer}, which stopped draining its connection: {cause}"
+                        )));
+                    }
+                    let waited = progress.elapsed();
+                    if waited >= self.timeout {
+                        let what = format!(
+                            "rank {peer} to drain its transport connection (it accepted no byte: stopped, frozen or overloaded)"
+                        );
+                        return Err((
+                            format!("timed out after {waited:.1?} waiting for {what}"),
+                            NetError::Timeout { peer, what, waited },
+                        ));
+                    }
+                }
+                Err(e) => return Err(remote(format!("sending to rank {peer}: {e}"))),
+            }
+        }
+        Ok(())
     }
 
     /// Writes `data` to `(key, off)` at the peer, then (optionally) adds
@@ -631,7 +810,6 @@ impl Link {
         data: &[u8],
         sig: Option<(u32, u64, u64)>,
     ) -> Result<(), NetError> {
-        self.seq.fetch_add(1, Ordering::Relaxed);
         let (flags, sig_key, sig_off, a) =
             sig.map_or((0, 0, 0, 0), |(k, o, v)| (FLAG_SIGNAL, k, o, v));
         self.send(
@@ -647,7 +825,30 @@ impl Link {
                 ..Req::default()
             },
             data,
-        )
+        )?;
+        // Counted once written: a later `confirm` that reads the count
+        // sends its fence after this put in the stream.
+        self.seq.fetch_add(1, Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// Returns once the target has executed every put written on this link
+    /// so far, or with the first refusal of any of them (then the link is
+    /// failed): a put's data and signal either both landed or neither did
+    /// and this says so. One round trip when puts were written since the
+    /// last confirmation, none otherwise.
+    pub fn confirm(&self, timeout: Duration) -> Result<(), NetError> {
+        self.check()?;
+        let upto = self.seq.load(Ordering::Acquire);
+        if self.confirmed.load(Ordering::Acquire) >= upto {
+            return Ok(());
+        }
+        // Answers come in order: a refusal of an earlier put fails the link
+        // (and this fence's waiter) before the fence's own answer.
+        self.fence(timeout)?;
+        self.check()?;
+        self.confirmed.fetch_max(upto, Ordering::AcqRel);
+        Ok(())
     }
 
     /// Starts a read of `len` bytes at `(key, off)` into `dst`; `done` is
@@ -809,6 +1010,119 @@ impl Link {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// A link from rank 0 to "rank 1": a listener that accepts the
+    /// connection and never reads it (a stopped peer, as far as the sender
+    /// can tell). Returns the link, the transport that owns it, and the
+    /// accepted socket (kept open, never read).
+    fn link_to_a_silent_peer(timeout: Duration) -> (Arc<Link>, TcpTransport, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let closing = Arc::new(AtomicBool::new(false));
+        let watch = Arc::new(Watch::default());
+        let link = Link::connect(
+            0,
+            1,
+            l.local_addr().unwrap(),
+            &[7; 32],
+            closing.clone(),
+            timeout,
+            watch.clone(),
+        )
+        .unwrap();
+        let (silent, _) = l.accept().unwrap();
+        let t = TcpTransport {
+            rank: 0,
+            links: vec![None, Some(link.clone())],
+            closing,
+            listen_addr: l.local_addr().unwrap(),
+            watch,
+        };
+        (link, t, silent)
+    }
+
+    /// Puts 1 MiB at a time until one fails; the error and when it came.
+    fn put_until_refused(link: Arc<Link>) -> mpsc::Receiver<(String, Instant)> {
+        let (tx, rx) = mpsc::channel();
+        thread::spawn(move || {
+            let data = vec![0u8; 1 << 20];
+            let e = loop {
+                if let Err(e) = link.put(1, 0, &data, None) {
+                    break e;
+                }
+            };
+            let _ = tx.send((e.to_string(), Instant::now()));
+        });
+        rx
+    }
+
+    #[test]
+    fn a_send_to_a_peer_that_stopped_reading_fails_within_the_timeout() {
+        let timeout = Duration::from_millis(500);
+        let (link, _t, _silent) = link_to_a_silent_peer(timeout);
+        let start = Instant::now();
+        let rx = put_until_refused(link.clone());
+        let (e, at) = rx
+            .recv_timeout(timeout * 2 + Duration::from_secs(1))
+            .expect("the send to a peer that never reads did not return");
+        let took = at - start;
+        assert!(took < timeout * 2, "failed only after {took:?}: {e}");
+        assert!(e.contains("rank 1") && e.contains("timed out"), "{e}");
+        // The link stays failed, naming the same cause.
+        let again = link.put(1, 0, &[1], None).unwrap_err().to_string();
+        assert!(again.contains("drain"), "{again}");
+    }
+
+    #[test]
+    fn dropping_the_transport_wakes_a_send_blocked_on_a_stopped_peer() {
+        // A timeout far longer than the test: only the drop can end the send.
+        let (link, t, _silent) = link_to_a_silent_peer(Duration::from_secs(300));
+        let rx = put_until_refused(link.clone());
+        // Wait until the sender is blocked: the socket's buffers are full
+        // once a put has not returned for a while (a bound, not a sync).
+        let sent = link.seq.load(Ordering::Relaxed);
+        let mut last = sent;
+        let blocked = loop {
+            thread::sleep(SLICE * 4);
+            let now = link.seq.load(Ordering::Relaxed);
+            if now == last {
+                break Instant::now();
+            }
+            last = now;
+        };
+        let (tx, dropped) = mpsc::channel();
+        thread::spawn(move || {
+            drop(t);
+            let _ = tx.send(());
+        });
+        dropped
+            .recv_timeout(Duration::from_secs(5))
+            .expect("dropping the transport waited for the blocked sender");
+        let (e, at) = rx
+            .recv_timeout(Duration::from_secs(5))
+            .expect("the blocked send did not end when the transport was dropped");
+        assert!(at - blocked < Duration::from_secs(5), "{e}");
+        assert!(e.contains("rank 1"), "{e}");
+    }
+
+    #[test]
+    fn a_send_blocked_on_a_stopped_peer_ends_when_the_job_hears_of_a_death() {
+        let (link, t, _silent) = link_to_a_silent_peer(Duration::from_secs(300));
+        let dead = Arc::new(AtomicBool::new(false));
+        let d = dead.clone();
+        t.watch(move || {
+            if d.load(Ordering::SeqCst) {
+                Err("rank 2 died".into())
+            } else {
+                Ok(())
+            }
+        });
+        let rx = put_until_refused(link);
+        dead.store(true, Ordering::SeqCst);
+        let (e, _) = rx
+            .recv_timeout(Duration::from_secs(5))
+            .expect("the blocked send ignored the death notice");
+        assert!(e.contains("rank 1") && e.contains("rank 2 died"), "{e}");
+    }
 
     proptest! {
         #[test]

@@ -172,7 +172,10 @@ impl Drop for Proxy {
         self.shared.stop.store(true, Ordering::SeqCst);
         self.shared.sleeper.unpark();
         if let Some(h) = self.thread.take() {
-            let _ = h.join();
+            // Its sends end within the timeout (gin-net's deadlines), so the
+            // wait is bounded; a thread stuck anyway is abandoned, not joined
+            // forever.
+            gin_net::idle::join_within(h, self.shared.config.timeout, "proxy");
         }
     }
 }
@@ -315,8 +318,24 @@ impl Backend for Proxy {
         self.health()?;
         if !complete {
             s.wake();
+            return Ok(false);
         }
-        Ok(complete)
+        // Every put covered was written; over tcp, have the targets confirm
+        // them, so a refused put (and its signal, never applied) is reported
+        // by this completion, not by some later call.
+        for p in t.peer.map_or_else(|| (0..s.nranks).collect(), |p| vec![p]) {
+            s.fabric.confirm(p).map_err(|e| {
+                let why = format!("put to rank {p} on context {} refused: {e}", t.ctx);
+                s.fail(why.clone());
+                GinError::Failed {
+                    rank: s.rank,
+                    ctx: t.ctx,
+                    what: format!("completion of operations to rank {p}"),
+                    why,
+                }
+            })?;
+        }
+        Ok(true)
     }
 
     fn health(&self) -> Result<(), GinError> {

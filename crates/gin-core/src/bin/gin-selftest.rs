@@ -7,7 +7,15 @@
 //! `counters`, `flush`, `get`, `reset`, `va`, `barrier`, `badinput`, `reuse`,
 //! `dereg` (large puts in flight at deregistration; tcp-only parts need GIN_TRANSPORT=tcp),
 //! `die VICTIM` (VICTIM crashes while the others wait on it; they must fail
-//! with an error naming it). A failed check prints `FAILED: ...` and exits 3.
+//! with an error naming it), `stop VICTIM` (VICTIM stops itself, as a frozen
+//! host, while the others stream 1 MiB puts at it over tcp; they must fail
+//! within about the timeout naming it, and tear down in bounded time). A
+//! failed check prints `FAILED: ...` and exits 3. `killreg` (rank 1 dies,
+//! without running a destructor, right after creating its segment of a
+//! window the others are registering: they must fail and leave nothing in
+//! `GIN_SHM_DIR`). `refused` (a put with a signal to a window its owner
+//! dropped: the initiator's flush reports the refusal naming window, offset
+//! and rank, and the signal is never applied).
 
 #![allow(clippy::many_single_char_names)] // c, r, n, w: comm, rank, nranks, window, as in the docs
 
@@ -63,6 +71,9 @@ fn main() -> ExitCode {
         "requirements" => requirements(&comm),
         "dropped" => dropped(&comm),
         "die" => die(&comm, args.get(1).and_then(|v| v.parse().ok()).unwrap_or(1)),
+        "killreg" => killreg(&comm),
+        "refused" => refused(&comm),
+        "stop" => stop(&comm, args.get(1).and_then(|v| v.parse().ok()).unwrap_or(1)),
         other => Err(format!("unknown scenario {other:?}")),
     };
     match r {
@@ -685,6 +696,152 @@ fn die(c: &Comm, victim: usize) -> R {
         Ok(_) => Err("the wait succeeded without the victim's signal".into()),
         Err(e) => Err(format!("{e} (after {:.2}s)", t.elapsed().as_secs_f64())),
     }
+}
+
+/// The victim stops itself (SIGSTOP: a frozen host, as far as its peers can
+/// tell) while the others stream 1 MiB puts at it, 64 per flush, as
+/// `gin-bench bandwidth` does. Once its socket buffers are full every
+/// sender blocks; each must fail within about the timeout with an error
+/// naming the victim, then drop its device communicator (and with it the
+/// proxy or soft NIC, whose thread was the one blocked) in bounded time.
+/// Prints `stopped peer noticed after S s, torn down in T s: ERROR`.
+fn stop(c: &Comm, victim: usize) -> R {
+    const BIG: u64 = 1 << 20;
+    let r = c.rank();
+    let w = c.alloc_window(BIG).map_err(s)?;
+    let dc = c.dev_comm(&DevCommRequirements::default()).map_err(s)?;
+    let ctx = dc.ctx(0).map_err(s)?;
+    c.bootstrap().barrier().map_err(s)?;
+    if r == victim {
+        // `kill` is a child process: it returns after stopping this one.
+        let _ = std::process::Command::new("kill")
+            .args(["-STOP", &std::process::id().to_string()])
+            .status();
+        return Err("the victim was resumed".into());
+    }
+    let limit = c.settings().timeout * 10;
+    let t = Instant::now();
+    let e = 'stream: loop {
+        for _ in 0..64 {
+            if let Err(e) = ctx.put(victim, &w, 0, &w, 0, BIG, Remote::None, Local::None) {
+                break 'stream e;
+            }
+        }
+        if let Err(e) = ctx.flush() {
+            break e;
+        }
+        if t.elapsed() > limit {
+            return Err(format!(
+                "still streaming to the stopped rank after {limit:?}"
+            ));
+        }
+    };
+    let noticed = t.elapsed();
+    let t = Instant::now();
+    drop(dc);
+    drop(w);
+    let line = format!(
+        "stopped peer noticed after {:.2} s, torn down in {:.2} s: {e}",
+        noticed.as_secs_f64(),
+        t.elapsed().as_secs_f64()
+    );
+    println!("{line}");
+    Err(line)
+}
+
+/// Rank 1 drops a window without deregistering it; rank 0 then puts 1 KiB
+/// at offset 64 of it with a signal. The rule (docs/device-api.md,
+/// "Refused operations"): a signal is never applied when its data was
+/// refused, and the refusal is reported by the operation's completion (the
+/// flush), naming window, offset and rank.
+fn refused(c: &Comm) -> R {
+    let r = c.rank();
+    let dc = c.dev_comm(&DevCommRequirements::default()).map_err(s)?;
+    let ctx = dc.ctx(0).map_err(s)?;
+    let w = c.alloc_window(4096).map_err(s)?;
+    let b = c.bootstrap();
+    if r == 1 {
+        let id = w.id();
+        drop(w);
+        b.barrier().map_err(s)?;
+        // Rank 0 has flushed.
+        b.barrier().map_err(s)?;
+        let v = ctx.read_signal(0).map_err(s)?;
+        if v != 0 {
+            return Err(format!(
+                "signal 0 is {v}: applied although its data to dropped window {id} was refused"
+            ));
+        }
+        return Ok(());
+    }
+    b.barrier().map_err(s)?;
+    let got = if r == 0 {
+        ctx.put(1, &w, 64, &w, 0, 1024, Remote::signal_inc(0), Local::None)
+            .and_then(|()| ctx.flush())
+    } else {
+        Ok(())
+    };
+    b.barrier().map_err(s)?;
+    match got {
+        Ok(()) if r == 0 => Err("a put to a dropped window completed without an error".into()),
+        Ok(()) => Ok(()),
+        Err(e) => {
+            let e = e.to_string();
+            let want = [
+                format!("window {}", w.id()),
+                "offset 64".into(),
+                "rank 1".into(),
+            ];
+            if want.iter().all(|x| e.contains(x.as_str())) {
+                println!("rank {r}: refused as expected: {e}");
+                Ok(())
+            } else {
+                Err(format!("the refusal does not name {want:?}: {e}"))
+            }
+        }
+    }
+}
+
+/// Rank 1 dies (abort: no destructor runs, as under SIGKILL) as soon as its
+/// shared-memory segment for a new window exists, while it waits for the
+/// others in that window's registration; rank 0 registers the window once
+/// it heard of the death. Rank 0's registration must fail naming rank 1,
+/// and no segment of the job may be left in `GIN_SHM_DIR` (the test checks
+/// the directory after the job).
+fn killreg(c: &Comm) -> R {
+    let b = c.bootstrap();
+    if c.rank() == 0 {
+        // Rank 1 must not die before rank 0 has left the collective that
+        // created the communicator.
+        b.send(1, 7, b"go").map_err(s)?;
+        if b.recv(1, 8).is_ok() {
+            return Err("rank 1 answered instead of dying".into());
+        }
+    } else if c.rank() == 1 {
+        b.recv(0, 7).map_err(s)?;
+        let dir = gin_net_shm_dir();
+        std::thread::spawn(move || {
+            loop {
+                let created = std::fs::read_dir(&dir)
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                    .any(|e| e.file_name().to_string_lossy().ends_with("-r1-w1"));
+                if created {
+                    std::process::abort();
+                }
+                std::thread::yield_now();
+            }
+        });
+    }
+    match c.alloc_window(1 << 20) {
+        Ok(_) => Err("the registration succeeded without rank 1".into()),
+        Err(e) => Err(format!("registration failed: {e}")),
+    }
+}
+
+fn gin_net_shm_dir() -> std::path::PathBuf {
+    std::env::var_os("GIN_SHM_DIR").map_or_else(|| "/dev/shm".into(), Into::into)
 }
 
 /// Ids freed by destroy are reused: far more create/destroy cycles than the
