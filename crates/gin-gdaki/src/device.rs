@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use gin_device::{Backend, Counters, GetOp, GinError, Order, PutOp, Source, Ticket, Window};
+use gin_device::{
+    Backend, Counters, GetOp, GinError, Order, PutOp, Source, Ticket, TicketIssuer, Window,
+};
 use gin_net::Fabric;
 use gin_net::sticky::StickyError;
 
@@ -64,6 +66,7 @@ pub struct Gdaki {
     sink: Box<[u64; 8]>,
     sink_key: u32,
     error: StickyError,
+    tickets: TicketIssuer,
     /// Some QP has ready WQEs whose doorbell batching held back.
     unrung: std::sync::atomic::AtomicBool,
     waker: Waker,
@@ -166,6 +169,7 @@ impl Gdaki {
             sink,
             sink_key,
             error: StickyError::default(),
+            tickets: TicketIssuer::new(),
             unrung: std::sync::atomic::AtomicBool::new(false),
             config,
             nic,
@@ -497,6 +501,13 @@ impl Backend for Gdaki {
                 nctx: self.nctx,
             });
         }
+        if let Some(p) = peer.filter(|&p| p >= self.nranks) {
+            return Err(GinError::BadPeer {
+                rank: self.rank,
+                peer: p,
+                nranks: self.nranks,
+            });
+        }
         let peers: Vec<usize> = peer.map_or_else(|| (0..self.nranks).collect(), |p| vec![p]);
         let mut marks = Vec::with_capacity(peers.len() * 2);
         for &p in &peers {
@@ -507,21 +518,26 @@ impl Backend for Gdaki {
             }
         }
         self.waker.wake();
-        Ok(Ticket { ctx, peer, marks })
+        Ok(self.tickets.issue(ctx, peer, marks))
     }
 
     fn done(&self, t: &Ticket) -> Result<bool, GinError> {
+        // Two marks per peer: the main and companion QPs' reservation
+        // indices when the ticket was issued.
+        let marks = self
+            .tickets
+            .redeem(self.rank, t, self.nctx, self.nranks, 2)?;
+        let ctx = t.ctx();
         let peers: Vec<usize> = t
-            .peer
+            .peer()
             .map_or_else(|| (0..self.nranks).collect(), |p| vec![p]);
         let mut all = true;
-        for (i, &p) in peers.iter().enumerate() {
-            for (j, qp) in [self.main_qp(t.ctx, p), self.companion_qp(t.ctx, p)]
+        for (&p, pair) in peers.iter().zip(marks.chunks_exact(2)) {
+            for (qp, &mark) in [self.main_qp(ctx, p), self.companion_qp(ctx, p)]
                 .into_iter()
-                .enumerate()
+                .zip(pair)
             {
-                self.reap(t.ctx, p, qp);
-                let mark = t.marks.get(2 * i + j).copied().unwrap_or(0);
+                self.reap(ctx, p, qp);
                 if !reached(qp.idx.done.load(Ordering::Acquire), mark) {
                     all = false;
                 }
@@ -577,6 +593,10 @@ mod tests {
     }
 
     fn rig(len: usize, log2: u32) -> Rig {
+        rig_with(len, log2, 1)
+    }
+
+    fn rig_with(len: usize, log2: u32, nctx: u32) -> Rig {
         let lb = Loopback::new(len, Duration::from_secs(5));
         let counters = Arc::new(Counters::new(4));
         let config = GdakiConfig {
@@ -584,7 +604,7 @@ mod tests {
             timeout: Duration::from_secs(5),
             ..GdakiConfig::default()
         };
-        let g = Gdaki::start(lb.fabric.clone(), counters.clone(), 1, config).unwrap();
+        let g = Gdaki::start(lb.fabric.clone(), counters.clone(), nctx, config).unwrap();
         Rig {
             g,
             win: lb.window.clone(),
@@ -774,5 +794,26 @@ mod tests {
         let e = flush(&r.g).unwrap_err().to_string();
         assert!(e.contains("syndrome"), "{e}");
         assert_eq!(r.counters.slot(0).unwrap().load(Ordering::Acquire), 0);
+    }
+
+    #[test]
+    fn a_ticket_from_another_communicator_is_an_error_not_a_panic() {
+        let a = rig(4096, 4);
+        let b = rig_with(4096, 4, 3);
+        // A context this instance does not have.
+        let t = b.g.ticket(2, None).unwrap();
+        let e = a.g.done(&t).unwrap_err().to_string();
+        assert!(e.contains("ticket") && e.contains("another"), "{e}");
+        // The same shape as one of ours, but not ours.
+        let t = b.g.ticket(0, Some(0)).unwrap();
+        let e = a.g.done(&t).unwrap_err().to_string();
+        assert!(e.contains("ticket") && e.contains("another"), "{e}");
+        // Ours is fine.
+        let t = a.g.ticket(0, Some(0)).unwrap();
+        assert_eq!(a.g.done(&t), Ok(true));
+        assert!(matches!(
+            a.g.ticket(0, Some(1)),
+            Err(GinError::BadPeer { peer: 1, .. })
+        ));
     }
 }
