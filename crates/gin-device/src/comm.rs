@@ -141,7 +141,10 @@ impl TicketIssuer {
         let why = if t.issuer != self.id {
             Some("it was issued by another device communicator".to_string())
         } else if t.ctx >= nctx {
-            Some(format!("context {} is out of range ({nctx} contexts)", t.ctx))
+            Some(format!(
+                "context {} is out of range ({nctx} contexts)",
+                t.ctx
+            ))
         } else if let Some(p) = t.peer.filter(|&p| p >= nranks) {
             Some(format!("peer {p} is out of range ({nranks} ranks)"))
         } else if t.marks.len() != peers * marks_per_peer {
@@ -967,7 +970,9 @@ impl<'a> Ctx<'a> {
             format!(
                 "local completion of {} operations{}",
                 backend.name(),
-                t.peer().map(|p| format!(" to rank {p}")).unwrap_or_default()
+                t.peer()
+                    .map(|p| format!(" to rank {p}"))
+                    .unwrap_or_default()
             )
         };
         self.dc.wait(

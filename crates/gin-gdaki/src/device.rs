@@ -816,4 +816,61 @@ mod tests {
             Err(GinError::BadPeer { peer: 1, .. })
         ));
     }
+
+    #[test]
+    fn a_doorbell_record_that_moved_backwards_is_one_fatal_qp_error_and_nothing_runs() {
+        let r = rig(4096, 2);
+        for i in 0..2u64 {
+            r.g.put(&PutOp {
+                ctx: 0,
+                peer: 0,
+                dst: &r.win,
+                dst_off: 8 * i,
+                src: Source::Inline(0x1111 * (i + 1)),
+                bytes: 8,
+                signal: None,
+                counter: None,
+            })
+            .unwrap();
+        }
+        flush(&r.g).unwrap();
+        let qp = r.g.main_qp(0, 0);
+        let cqes = qp.cq.produced.load(Ordering::Acquire);
+        let executed = r.g.executed();
+        let before = r.win.read_vec(0, 4096).unwrap();
+        // The record moves back by one: read as 0xffff WQEs ahead of the
+        // NIC's consumer index (2) on a 4-entry queue.
+        qp.ring(1);
+        // Every wait reaps completions through `health`; poll it until the
+        // NIC has looked at the record.
+        let start = Instant::now();
+        let e = loop {
+            r.g.waker.wake();
+            if let Err(e) = r.g.health() {
+                break e.to_string();
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "no error reported"
+            );
+            std::thread::yield_now();
+        };
+        assert!(flush(&r.g).is_err(), "the error is sticky");
+        for w in [
+            "QP 0x100",
+            "producer index 1",
+            "consumer index 2",
+            "4-entry",
+        ] {
+            assert!(e.contains(w), "error {e:?} does not mention {w:?}");
+        }
+        // Reported once, nothing executed, however often the NIC looks.
+        for _ in 0..200 {
+            r.g.waker.wake();
+            std::thread::yield_now();
+        }
+        assert_eq!(qp.cq.produced.load(Ordering::Acquire), cqes + 1);
+        assert_eq!(r.g.executed(), executed);
+        assert_eq!(r.win.read_vec(0, 4096).unwrap(), before);
+    }
 }
