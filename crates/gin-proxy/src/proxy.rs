@@ -18,10 +18,21 @@ use crate::ring::{Ring, passed};
 /// one per peer per pass, yet no ring starves the others.
 const BATCH: u64 = 64;
 
+/// The shallowest ring (`queue_depth`) the proxy accepts, on CPU and CUDA
+/// ranks alike. Every operation is one descriptor, so any ring works; two
+/// is the smallest the CUDA rings were ever built with, and lets a producer
+/// write one descriptor while the proxy executes the other.
+pub const MIN_QUEUE_DEPTH: u32 = 2;
+
+/// The deepest ring the proxy accepts (`queue_depth`; 4 MiB of descriptors
+/// per context and peer).
+pub const MAX_QUEUE_DEPTH: u32 = 1 << 16;
+
 /// Settings of a proxy.
 #[derive(Debug, Clone, Copy)]
 pub struct ProxyConfig {
-    /// log2 of descriptors per ring.
+    /// log2 of descriptors per ring: the ring holds [`MIN_QUEUE_DEPTH`] to
+    /// [`MAX_QUEUE_DEPTH`] descriptors, else `start` fails.
     pub ring_log2: u32,
     /// How long a producer waits for ring credit before failing.
     pub timeout: Duration,
@@ -80,6 +91,18 @@ impl Proxy {
     ) -> Result<Self, GinError> {
         let rank = fabric.rank();
         let nranks = fabric.nranks();
+        let depth = 1u64.checked_shl(config.ring_log2).unwrap_or(u64::MAX);
+        if !(u64::from(MIN_QUEUE_DEPTH)..=u64::from(MAX_QUEUE_DEPTH)).contains(&depth) {
+            return Err(GinError::Unsupported {
+                rank,
+                what: "queue depth",
+                why: format!(
+                    "queue depth 2^{} is outside the proxy backend's range: minimum \
+                     {MIN_QUEUE_DEPTH}, maximum {MAX_QUEUE_DEPTH}",
+                    config.ring_log2
+                ),
+            });
+        }
         let shared = Arc::new(Shared {
             rank,
             nranks,
@@ -605,5 +628,33 @@ mod tests {
             Err(GinError::BadPeer { peer: 1, .. })
         ));
         let _ = (&a.win, &a.counters);
+    }
+
+    #[test]
+    fn a_ring_outside_the_proxys_range_is_refused_at_start() {
+        let fabric = Arc::new(Fabric::new(
+            0,
+            vec![Path::Local],
+            Arc::new(RegionTable::default()),
+            None,
+            Duration::from_secs(5),
+        ));
+        let counters = Arc::new(Counters::new(1));
+        for log2 in [0, 17, 64] {
+            let config = ProxyConfig {
+                ring_log2: log2,
+                ..ProxyConfig::default()
+            };
+            let e = Proxy::start(fabric.clone(), counters.clone(), 1, config)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(&format!("queue depth 2^{log2}")) && e.contains("minimum 2"),
+                "{e}"
+            );
+        }
+        // The minimum works (see also gin-core's tests/backends.rs).
+        let r = rig(64, 1, 1);
+        flush(&r.proxy).unwrap();
     }
 }
