@@ -20,6 +20,16 @@ fn job<T: Send + 'static>(
     backend: &'static str,
     f: impl Fn(&Comm) -> T + Send + Sync + 'static,
 ) -> Vec<T> {
+    job_over(n, backend, "auto", f)
+}
+
+/// [`job`] over `GIN_TRANSPORT=transport`.
+fn job_over<T: Send + 'static>(
+    n: usize,
+    backend: &'static str,
+    transport: &'static str,
+    f: impl Fn(&Comm) -> T + Send + Sync + 'static,
+) -> Vec<T> {
     let cfg = Config {
         timeout: Duration::from_secs(20),
         ..Config::default()
@@ -27,6 +37,7 @@ fn job<T: Send + 'static>(
     run_threads(n, cfg, move |b| {
         let settings = Settings::from_vars(|k| match k {
             "GIN_BACKEND" => Some(backend.to_owned()),
+            "GIN_TRANSPORT" => Some(transport.to_owned()),
             "GIN_TIMEOUT" => Some("20s".to_owned()),
             _ => None,
         })
@@ -117,5 +128,63 @@ fn a_put_with_signal_and_counter_works_at_each_backends_minimum_depth() {
         for (got, from) in out {
             assert!(got.iter().all(|&b| b == from), "{backend}: {got:?}");
         }
+    }
+}
+
+/// Signals are 64-bit, as NCCL's are: an add of any u64 amount, including
+/// 2^63 and more, wraps modulo 2^64 and gives the same value on every
+/// backend (direct load/store, proxy, GDAKI) and transport.
+#[test]
+fn a_signal_add_of_any_64_bit_amount_gives_the_same_result_on_every_backend() {
+    const TOP: u64 = 1 << 63;
+    // Per signal id, the amounts rank 0 adds and the value rank 1 expects.
+    let cases: [(u32, &[u64], u64); 3] = [
+        (0, &[TOP + 5], TOP + 5),
+        (2, &[TOP + 5, u64::MAX], TOP + 4),
+        (3, &[TOP + 5, u64::MAX, TOP - 3], 1),
+    ];
+    for (backend, transport) in BACKENDS.into_iter().flat_map(|b| [(b, "auto"), (b, "tcp")]) {
+        let out = job_over(2, backend, transport, move |comm| {
+            if transport == "tcp" {
+                assert!(
+                    comm.path_names().contains(&"tcp"),
+                    "{:?}",
+                    comm.path_names()
+                );
+            }
+            let dc = comm.dev_comm(&DevCommRequirements::default()).unwrap();
+            let ctx = dc.ctx(0).unwrap();
+            let got = if comm.rank() == 0 {
+                // Errors are collected, not returned: rank 1 waits for the
+                // last signal either way.
+                let mut errors = Vec::new();
+                for (id, adds, _) in cases {
+                    for &a in adds {
+                        if let Err(e) = ctx.signal(1, Remote::signal_add(id, a)) {
+                            errors.push(e.to_string());
+                        }
+                    }
+                }
+                // Strong: every earlier signal of this context is visible
+                // once this one is.
+                ctx.signal(1, Remote::signal_inc(1)).unwrap();
+                ctx.flush().unwrap();
+                Err(errors)
+            } else {
+                ctx.wait_signal(1, 1).unwrap();
+                Ok(cases
+                    .iter()
+                    .map(|&(id, _, _)| ctx.read_signal(id).unwrap())
+                    .collect::<Vec<u64>>())
+            };
+            comm.bootstrap().barrier().unwrap();
+            dc.destroy().unwrap();
+            got
+        });
+        let errors = out[0].clone().unwrap_err();
+        assert!(errors.is_empty(), "{backend} over {transport}: {errors:?}");
+        let got = out[1].clone().unwrap();
+        let want: Vec<u64> = cases.iter().map(|c| c.2).collect();
+        assert_eq!(got, want, "{backend} over {transport}");
     }
 }
