@@ -188,3 +188,44 @@ fn a_signal_add_of_any_64_bit_amount_gives_the_same_result_on_every_backend() {
         assert_eq!(got, want, "{backend} over {transport}");
     }
 }
+
+/// Tickets are redeemed only by the device communicator that issued them:
+/// another one's ticket is an error on every backend, never a panic or a
+/// wait that returns at once.
+#[test]
+fn a_ticket_from_another_device_communicator_is_refused_on_every_backend() {
+    for backend in BACKENDS {
+        let out = job(2, backend, move |comm| {
+            let small = comm.dev_comm(&DevCommRequirements::default()).unwrap();
+            let big = comm
+                .dev_comm(&DevCommRequirements {
+                    contexts: 4,
+                    ..DevCommRequirements::default()
+                })
+                .unwrap();
+            let peer = 1 - comm.rank();
+            let foreign = [
+                big.ctx(3).unwrap().flush_async(peer).unwrap(),
+                big.ctx(0).unwrap().flush_async(peer).unwrap(),
+            ];
+            let errors: Vec<String> = foreign
+                .iter()
+                .map(|t| match small.ctx(0).unwrap().wait(t) {
+                    Ok(()) => "accepted".to_owned(),
+                    Err(e) => e.to_string(),
+                })
+                .collect();
+            let own = small.ctx(0).unwrap().flush_async(peer).unwrap();
+            small.ctx(0).unwrap().wait(&own).unwrap();
+            big.destroy().unwrap();
+            small.destroy().unwrap();
+            errors
+        });
+        for e in out.into_iter().flatten() {
+            assert!(
+                e.contains("ticket") && e.contains("another device communicator"),
+                "{backend}: {e}"
+            );
+        }
+    }
+}
