@@ -36,7 +36,8 @@ pub struct DevCommRequirements {
     /// Barriers over this rank's rail (same local rank on every host).
     pub rail_barriers: u32,
     /// Descriptors (or WQEs) each (context, peer) queue holds; rounded up to
-    /// a power of two.
+    /// a power of two. Outside the backend's range
+    /// ([`crate::BackendKind::queue_depths`]) creation fails.
     pub queue_depth: u32,
     pub connection: Connection,
     /// Each context is used by one thread only.
@@ -607,7 +608,7 @@ impl Comm {
         let rank = self.rank();
         let n = self.nranks();
         requirements::agree(&self.bootstrap, req, &[])?;
-        requirements::check_bounds(rank, n, req, 1 << gin_gdaki::MAX_SQ_LOG2)?;
+        requirements::check_bounds(rank, n, req)?;
         let per_ctx = gin_device::signal_slots_per_context(
             req.signals,
             req.world_barriers,
@@ -661,7 +662,7 @@ impl Comm {
                     .into(),
             ));
         }
-        let depth = req.queue_depth.max(2).next_power_of_two();
+        let log2 = self.settings.backend.queue_log2(req.queue_depth)?;
         let backend: Arc<dyn Backend> = match self.settings.backend {
             BackendKind::Gdaki => {
                 self.settings.check_nic()?;
@@ -670,7 +671,7 @@ impl Comm {
                     self.counters.clone(),
                     req.contexts,
                     GdakiConfig {
-                        sq_log2: depth.trailing_zeros(),
+                        sq_log2: log2,
                         sharing: if req.exclusive_contexts {
                             Sharing::Thread
                         } else {
@@ -702,7 +703,7 @@ impl Comm {
                 self.counters.clone(),
                 req.contexts,
                 ProxyConfig {
-                    ring_log2: depth.trailing_zeros(),
+                    ring_log2: log2,
                     timeout: self.settings.timeout,
                     spin: self.settings.proxy_spin,
                     // `auto` lets a CPU rank send to tcp peers itself when nothing

@@ -16,6 +16,47 @@ pub enum BackendKind {
     Gdaki,
 }
 
+impl BackendKind {
+    /// The backend's name in messages, and the range of queue depths it
+    /// accepts (`DevCommRequirements::queue_depth`), on CPU and CUDA ranks
+    /// alike. `auto` queues through the proxy.
+    pub fn queue_depths(self) -> (&'static str, std::ops::RangeInclusive<u32>) {
+        match self {
+            Self::Auto | Self::Proxy => (
+                "proxy",
+                gin_proxy::MIN_QUEUE_DEPTH..=gin_proxy::MAX_QUEUE_DEPTH,
+            ),
+            Self::Gdaki => (
+                "gdaki",
+                gin_gdaki::MIN_QUEUE_DEPTH..=gin_gdaki::MAX_QUEUE_DEPTH,
+            ),
+        }
+    }
+
+    /// log2 of the queue a requested `depth` becomes (rounded up to a power
+    /// of two), or an error naming the depth, the backend and its limit.
+    /// Never raised or lowered silently.
+    pub fn queue_log2(self, depth: u32) -> Result<u32, CoreError> {
+        let (name, range) = self.queue_depths();
+        if depth < *range.start() {
+            return Err(CoreError::Invalid(format!(
+                "queue depth {depth} is below the {name} backend's minimum {} \
+                 (DevCommRequirements::queue_depth)",
+                range.start()
+            )));
+        }
+        if depth > *range.end() {
+            return Err(CoreError::Invalid(format!(
+                "queue depth {depth} exceeds the {name} backend's maximum {} \
+                 (DevCommRequirements::queue_depth)",
+                range.end()
+            )));
+        }
+        // Both bounds are powers of two, so rounding stays within them.
+        Ok(depth.next_power_of_two().trailing_zeros())
+    }
+}
+
 /// `GIN_TRANSPORT`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TransportKind {
@@ -190,6 +231,38 @@ mod tests {
                 .find(|(n, _)| *n == k)
                 .map(|(_, v)| (*v).to_owned())
         }
+    }
+
+    #[test]
+    fn queue_depths_are_rounded_up_within_the_backends_range_never_clamped() {
+        assert_eq!(BackendKind::Proxy.queue_log2(2).unwrap(), 1);
+        assert_eq!(BackendKind::Auto.queue_log2(3).unwrap(), 2);
+        assert_eq!(BackendKind::Gdaki.queue_log2(4).unwrap(), 2);
+        assert_eq!(BackendKind::Gdaki.queue_log2(5).unwrap(), 3);
+        assert_eq!(BackendKind::Proxy.queue_log2(1 << 16).unwrap(), 16);
+        let e = BackendKind::Gdaki.queue_log2(3).unwrap_err().to_string();
+        assert!(
+            e.contains("queue depth 3 is below the gdaki backend's minimum 4"),
+            "{e}"
+        );
+        let e = BackendKind::Gdaki
+            .queue_log2((1 << 14) + 1)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("exceeds the gdaki backend's maximum 16384"),
+            "{e}"
+        );
+        let e = BackendKind::Proxy
+            .queue_log2(u32::MAX)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("exceeds the proxy backend's maximum 65536"),
+            "{e}"
+        );
+        let e = BackendKind::Proxy.queue_log2(1).unwrap_err().to_string();
+        assert!(e.contains("below the proxy backend's minimum 2"), "{e}");
     }
 
     #[test]

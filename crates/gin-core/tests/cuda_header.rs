@@ -177,6 +177,26 @@ fn header_matches_rust_abi_and_encoders() {
         counter: None,
     };
     assert_eq!(get("desc.golden_inline"), qwords(&inline.encode(0, 4)));
+    let signal_top = Desc {
+        op: Op::Put,
+        bytes: 0,
+        dst_window: 1,
+        dst_offset: 0,
+        src_window: 0,
+        src_offset: 0,
+        inline: None,
+        signal: Some(Sig {
+            window: 1,
+            offset: 0x18,
+            add: (1 << 63) + 5,
+            strong: true,
+        }),
+        counter: None,
+    };
+    assert_eq!(
+        get("desc.golden_signal_top"),
+        qwords(&signal_top.encode(0, 2))
+    );
 
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     for i in 0..64 {
@@ -195,7 +215,7 @@ fn header_matches_rust_abi_and_encoders() {
         let signal = (rng.next() & 1 == 1).then(|| Sig {
             window: (rng.next() & u64::from(MAX_ID)) as u32,
             offset: rng.next() & MAX_FIELD,
-            add: rng.next() & MAX_FIELD,
+            add: rng.next(),
             strong: rng.next() & 1 == 1,
         });
         let counter = (rng.next() & 1 == 1).then(|| (rng.next() & u64::from(MAX_ID)) as u32);

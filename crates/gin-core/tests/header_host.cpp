@@ -90,6 +90,14 @@ int main() {
   v.has_inline = 1;
   v.inline_value = 0x80000000000000ffull;
   desc("desc.golden_inline", v, 0, 4);
+  proxy::Desc g = blank(proxy::OP_PUT);
+  g.dst_window = 1;
+  g.has_signal = 1;
+  g.sig_window = 1;
+  g.sig_offset = 0x18;
+  g.sig_add = 0x8000000000000005ull;
+  g.sig_strong = 1;
+  desc("desc.golden_signal_top", g, 0, 2);
   for (int i = 0; i < 64; ++i) {
     proxy::Desc r = blank((next() & 1) ? proxy::OP_PUT : proxy::OP_GET);
     r.bytes = next() & proxy::MAX_BYTES;
@@ -103,7 +111,7 @@ int main() {
     if (r.has_signal) {
       r.sig_window = (u32)(next() & proxy::MAX_ID);
       r.sig_offset = next() & proxy::LOW63;
-      r.sig_add = next() & proxy::LOW63;
+      r.sig_add = next();
       r.sig_strong = next() & 1;
     }
     r.has_counter = next() & 1;

@@ -60,12 +60,115 @@ pub struct GetOp<'a> {
 }
 
 /// Proof of issue, redeemed for local completion (see [`Ctx::flush_async`]).
+///
+/// Only a backend makes tickets, through its [`TicketIssuer`], and only the
+/// backend instance that issued a ticket accepts it: the fields are private
+/// and the ticket carries its issuer's identity. A ticket from another
+/// device communicator is an error, never an index out of range or a wait
+/// that returns at once.
+///
+/// ```compile_fail
+/// // Not constructible outside a backend.
+/// let t = gin_device::Ticket { ctx: 0, peer: None, marks: vec![] };
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Ticket {
-    pub ctx: u32,
-    pub peer: Option<usize>,
+    issuer: u64,
+    ctx: u32,
+    peer: Option<usize>,
     /// Backend-defined progress marks to wait for.
-    pub marks: Vec<u64>,
+    marks: Vec<u64>,
+}
+
+impl Ticket {
+    /// The context whose operations it covers.
+    pub fn ctx(&self) -> u32 {
+        self.ctx
+    }
+
+    /// The peer it covers, or `None` for every peer.
+    pub fn peer(&self) -> Option<usize> {
+        self.peer
+    }
+}
+
+/// A backend instance's ticket stamp: tickets it issues carry its identity,
+/// unique in the process, and [`TicketIssuer::redeem`] accepts only those.
+/// Each backend instance owns one and keeps it private.
+#[derive(Debug)]
+pub struct TicketIssuer {
+    id: u64,
+}
+
+impl Default for TicketIssuer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl TicketIssuer {
+    /// A stamp no other issuer in this process shares.
+    pub fn new() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        Self {
+            id: NEXT.fetch_add(1, Ordering::Relaxed),
+        }
+    }
+
+    /// A ticket for `ctx` (and `peer`, when given) carrying `marks`.
+    pub fn issue(&self, ctx: u32, peer: Option<usize>, marks: Vec<u64>) -> Ticket {
+        Ticket {
+            issuer: self.id,
+            ctx,
+            peer,
+            marks,
+        }
+    }
+
+    /// The marks of a ticket this issuer made, or an error naming `rank`
+    /// for one it did not make (another backend instance's, or one whose
+    /// context, peer or marks do not fit this instance: `nctx` contexts,
+    /// `nranks` ranks, `marks_per_peer` marks for each peer covered).
+    pub fn redeem<'t>(
+        &self,
+        rank: usize,
+        t: &'t Ticket,
+        nctx: u32,
+        nranks: usize,
+        marks_per_peer: usize,
+    ) -> Result<&'t [u64], GinError> {
+        let peers = if t.peer.is_some() { 1 } else { nranks };
+        let why = if t.issuer != self.id {
+            Some("it was issued by another device communicator".to_string())
+        } else if t.ctx >= nctx {
+            Some(format!(
+                "context {} is out of range ({nctx} contexts)",
+                t.ctx
+            ))
+        } else if let Some(p) = t.peer.filter(|&p| p >= nranks) {
+            Some(format!("peer {p} is out of range ({nranks} ranks)"))
+        } else if t.marks.len() != peers * marks_per_peer {
+            Some(format!(
+                "it carries {} marks, {} expected",
+                t.marks.len(),
+                peers * marks_per_peer
+            ))
+        } else {
+            None
+        };
+        match why {
+            None => Ok(&t.marks),
+            Some(why) => Err(GinError::Unsupported {
+                rank,
+                what: "ticket",
+                why: format!(
+                    "the ticket for context {}{} is refused: {why}",
+                    t.ctx,
+                    t.peer.map(|p| format!(", peer {p}")).unwrap_or_default()
+                ),
+            }),
+        }
+    }
 }
 
 /// A network backend's device side for CPU ranks. Arguments arrive validated.
@@ -80,7 +183,8 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// only, when given).
     fn ticket(&self, ctx: u32, peer: Option<usize>) -> Result<Ticket, GinError>;
     /// Whether everything the ticket covers has completed locally. Completion
-    /// errors (a refused write, a dead peer) are returned here.
+    /// errors (a refused write, a dead peer) are returned here, and so is a
+    /// ticket this instance did not issue ([`TicketIssuer::redeem`]).
     fn done(&self, ticket: &Ticket) -> Result<bool, GinError>;
     /// Fails when the backend or the job is broken.
     fn health(&self) -> Result<(), GinError>;
@@ -885,12 +989,14 @@ impl<'a> Ctx<'a> {
             format!(
                 "local completion of {} operations{}",
                 backend.name(),
-                t.peer.map(|p| format!(" to rank {p}")).unwrap_or_default()
+                t.peer()
+                    .map(|p| format!(" to rank {p}"))
+                    .unwrap_or_default()
             )
         };
         self.dc.wait(
             self.ctx,
-            t.peer,
+            t.peer(),
             &what,
             timeout,
             || Ok((0, backend.done(t)?)),

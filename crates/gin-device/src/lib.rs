@@ -14,7 +14,9 @@
 //!   (same-host shared memory) are reached by direct load/store: a copy, then
 //!   an atomic add with release ordering on the signal — NCCL's LSA path. All
 //!   other traffic goes to a [`Backend`] (the proxy or GDAKI), which issues it
-//!   and reports local completion through tickets.
+//!   and reports local completion through tickets. Only a backend makes a
+//!   [`Ticket`] (private fields, a [`TicketIssuer`] it owns), and only the
+//!   instance that issued one redeems it.
 //! - **Waits** poll with back-off (spin, yield, short sleeps, so ranks and
 //!   proxies share few cores), honour a timeout and an abort flag, consult the
 //!   job's health (a dead peer is an error, not a hang), and compare with
@@ -40,7 +42,7 @@ mod window;
 pub use abi::Coop;
 pub use comm::{
     Backend, BarrierSession, Counters, Ctx, DevComm, DevCommParts, GetOp, Health, PutOp,
-    SignalUpdate, Source, Ticket, signal_slots_per_context,
+    SignalUpdate, Source, Ticket, TicketIssuer, signal_slots_per_context,
 };
 pub use error::GinError;
 pub use ops::{CounterId, Fence, Local, Order, Remote, SignalId, SignalOp, Team};

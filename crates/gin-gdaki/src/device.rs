@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use gin_device::{Backend, Counters, GetOp, GinError, Order, PutOp, Source, Ticket, Window};
+use gin_device::{
+    Backend, Counters, GetOp, GinError, Order, PutOp, Source, Ticket, TicketIssuer, Window,
+};
 use gin_net::Fabric;
 use gin_net::sticky::StickyError;
 
@@ -25,7 +27,8 @@ use crate::wqe::{
 /// Settings of a GDAKI backend instance.
 #[derive(Debug, Clone, Copy)]
 pub struct GdakiConfig {
-    /// log2 of basic blocks per send queue (and CQEs per CQ).
+    /// log2 of basic blocks per send queue (and CQEs per CQ): from
+    /// log2([`MIN_QUEUE_DEPTH`]) to [`MAX_SQ_LOG2`], else `start` fails.
     pub sq_log2: u32,
     /// How producers share a context's queues.
     pub sharing: Sharing,
@@ -64,6 +67,7 @@ pub struct Gdaki {
     sink: Box<[u64; 8]>,
     sink_key: u32,
     error: StickyError,
+    tickets: TicketIssuer,
     /// Some QP has ready WQEs whose doorbell batching held back.
     unrung: std::sync::atomic::AtomicBool,
     waker: Waker,
@@ -76,6 +80,19 @@ pub struct Gdaki {
 /// must be unwrapped within half their range, with room to spare for a WAIT
 /// that the NIC reaches a little after the main queue moved on.
 pub const MAX_SQ_LOG2: u32 = 14;
+
+/// The deepest queue (`queue_depth`) GDAKI accepts: `2^MAX_SQ_LOG2`.
+pub const MAX_QUEUE_DEPTH: u32 = 1 << MAX_SQ_LOG2;
+
+/// The shallowest queue (`queue_depth`) GDAKI accepts, on CPU and CUDA
+/// ranks alike. An operation may take at most half a send queue, so that
+/// producers keep streaming while the NIC completes the other half, and the
+/// largest ordinary operation takes two WQEs on each queue: a put of up to
+/// 1 GiB with a signal (an RDMA write, then a fetch-add) on the main QP,
+/// and its counter (a WAIT, then a fetch-add) on the companion QP. Larger
+/// puts take one more WQE per GiB and are refused, before anything is
+/// posted, when they do not fit half the queue.
+pub const MIN_QUEUE_DEPTH: u32 = 4;
 
 /// Local keys live above the fabric's random window keys' usual range only
 /// by convention; collisions are checked at start.
@@ -99,6 +116,17 @@ impl Gdaki {
                 why: format!(
                     "2^{} entries; at most 2^{MAX_SQ_LOG2}, so that 16-bit WQE indices stay unambiguous",
                     config.sq_log2
+                ),
+            });
+        }
+        if 1u32 << config.sq_log2 < MIN_QUEUE_DEPTH {
+            return Err(GinError::Unsupported {
+                rank,
+                what: "queue depth",
+                why: format!(
+                    "queue depth {} is below the gdaki backend's minimum {MIN_QUEUE_DEPTH} \
+                     (a put with a signal and a counter takes two WQEs of at most half of each queue)",
+                    1u32 << config.sq_log2
                 ),
             });
         }
@@ -166,6 +194,7 @@ impl Gdaki {
             sink,
             sink_key,
             error: StickyError::default(),
+            tickets: TicketIssuer::new(),
             unrung: std::sync::atomic::AtomicBool::new(false),
             config,
             nic,
@@ -260,20 +289,30 @@ impl Gdaki {
         Ok(())
     }
 
-    /// Reserves, fills, marks ready and (batching permitting) posts `ops`
-    /// on `qp`; returns the index of the last WQE.
-    fn submit(&self, ctx: u32, peer: usize, qp: &Qp, ops: &[(Op, u8)]) -> Result<u64, GinError> {
-        let k = ops.len() as u64;
+    /// Refuses an operation that needs `k` WQEs on `qp`: more than half the
+    /// queue. Checked for every queue an operation uses before any of it is
+    /// posted, so a refused operation moves nothing.
+    fn fits(&self, ctx: u32, peer: usize, qp: &Qp, k: u64) -> Result<(), GinError> {
         if k > qp.size() / 2 {
             return Err(GinError::Unsupported {
                 rank: self.rank,
                 what: "operation",
                 why: format!(
-                    "needs {k} WQEs, more than half the {}-entry queue",
+                    "an operation to rank {peer} on context {ctx} needs {k} WQEs on QP {:#x}, \
+                     more than half its {}-entry queue (queue_depth); nothing was posted",
+                    qp.qpn,
                     qp.size()
                 ),
             });
         }
+        Ok(())
+    }
+
+    /// Reserves, fills, marks ready and (batching permitting) posts `ops`
+    /// on `qp`; returns the index of the last WQE.
+    fn submit(&self, ctx: u32, peer: usize, qp: &Qp, ops: &[(Op, u8)]) -> Result<u64, GinError> {
+        let k = ops.len() as u64;
+        self.fits(ctx, peer, qp, k)?;
         let start = qp.idx.reserve(k);
         let t0 = Instant::now();
         while !has_space(start, k, qp.idx.done.load(Ordering::Acquire), qp.size()) {
@@ -375,6 +414,35 @@ impl Gdaki {
     }
 }
 
+impl Gdaki {
+    /// Posts a put's WQEs on the main QP and, for a counter, a WAIT on
+    /// their completion and `bump` on the companion QP. Both queues are
+    /// checked first: an operation either fits or moves nothing.
+    fn post_put(
+        &self,
+        ctx: u32,
+        peer: usize,
+        ops: &[(Op, u8)],
+        bump: Option<Op>,
+    ) -> Result<(), GinError> {
+        let qp = self.main_qp(ctx, peer);
+        let cq = self.companion_qp(ctx, peer);
+        self.fits(ctx, peer, qp, ops.len() as u64)?;
+        if bump.is_some() {
+            self.fits(ctx, peer, cq, 2)?;
+        }
+        let last = self.submit(ctx, peer, qp, ops)?;
+        if let Some(bump) = bump {
+            let wait = Op::Wait {
+                max_index: u32::from(last as u16),
+                cqn: qp.cq.cqn,
+            };
+            self.submit(ctx, peer, cq, &[(wait, FM_NONE), (bump, FM_NONE)])?;
+        }
+        Ok(())
+    }
+}
+
 /// `(address, key)` of `offset` in `rank`'s part of `w`: built from the
 /// window handle alone, as a kernel does.
 fn mref(w: &Window, rank: usize, offset: u64) -> MemRef {
@@ -440,30 +508,20 @@ impl Backend for Gdaki {
         if ops.is_empty() {
             ops.push((Op::Nop, FM_NONE));
         }
-        let qp = self.main_qp(op.ctx, op.peer);
-        let last = self.submit(op.ctx, op.peer, qp, &ops)?;
-        if let Some(slot) = op.counter {
-            // The companion QP waits for the main QP's completion of the
-            // last WQE, then bumps the counter: the source is reusable.
-            let cq = self.companion_qp(op.ctx, op.peer);
-            let wait = Op::Wait {
-                max_index: u32::from(last as u16),
-                cqn: qp.cq.cqn,
-            };
-            let bump = Op::FetchAdd {
-                remote: MemRef {
-                    addr: self.counters.as_ptr() as u64 + slot * 8,
-                    key: self.counter_key,
-                },
-                add: 1,
-                result: MemRef {
-                    addr: self.sink.as_ptr() as u64 + 8,
-                    key: self.sink_key,
-                },
-            };
-            self.submit(op.ctx, op.peer, cq, &[(wait, FM_NONE), (bump, FM_NONE)])?;
-        }
-        Ok(())
+        // The counter: the companion QP waits for the main QP's completion
+        // of the last WQE, then bumps the counter (the source is reusable).
+        let bump = op.counter.map(|slot| Op::FetchAdd {
+            remote: MemRef {
+                addr: self.counters.as_ptr() as u64 + slot * 8,
+                key: self.counter_key,
+            },
+            add: 1,
+            result: MemRef {
+                addr: self.sink.as_ptr() as u64 + 8,
+                key: self.sink_key,
+            },
+        });
+        self.post_put(op.ctx, op.peer, &ops, bump)
     }
 
     fn get(&self, op: &GetOp<'_>) -> Result<(), GinError> {
@@ -497,6 +555,13 @@ impl Backend for Gdaki {
                 nctx: self.nctx,
             });
         }
+        if let Some(p) = peer.filter(|&p| p >= self.nranks) {
+            return Err(GinError::BadPeer {
+                rank: self.rank,
+                peer: p,
+                nranks: self.nranks,
+            });
+        }
         let peers: Vec<usize> = peer.map_or_else(|| (0..self.nranks).collect(), |p| vec![p]);
         let mut marks = Vec::with_capacity(peers.len() * 2);
         for &p in &peers {
@@ -507,21 +572,26 @@ impl Backend for Gdaki {
             }
         }
         self.waker.wake();
-        Ok(Ticket { ctx, peer, marks })
+        Ok(self.tickets.issue(ctx, peer, marks))
     }
 
     fn done(&self, t: &Ticket) -> Result<bool, GinError> {
+        // Two marks per peer: the main and companion QPs' reservation
+        // indices when the ticket was issued.
+        let marks = self
+            .tickets
+            .redeem(self.rank, t, self.nctx, self.nranks, 2)?;
+        let ctx = t.ctx();
         let peers: Vec<usize> = t
-            .peer
+            .peer()
             .map_or_else(|| (0..self.nranks).collect(), |p| vec![p]);
         let mut all = true;
-        for (i, &p) in peers.iter().enumerate() {
-            for (j, qp) in [self.main_qp(t.ctx, p), self.companion_qp(t.ctx, p)]
+        for (&p, pair) in peers.iter().zip(marks.chunks_exact(2)) {
+            for (qp, &mark) in [self.main_qp(ctx, p), self.companion_qp(ctx, p)]
                 .into_iter()
-                .enumerate()
+                .zip(pair)
             {
-                self.reap(t.ctx, p, qp);
-                let mark = t.marks.get(2 * i + j).copied().unwrap_or(0);
+                self.reap(ctx, p, qp);
                 if !reached(qp.idx.done.load(Ordering::Acquire), mark) {
                     all = false;
                 }
@@ -538,7 +608,7 @@ impl Backend for Gdaki {
         for &p in &peers {
             self.fabric.confirm(p).map_err(|e| GinError::Failed {
                 rank: self.rank,
-                ctx: t.ctx,
+                ctx,
                 what: format!("completion of operations to rank {p}"),
                 why: e.to_string(),
             })?;
@@ -589,6 +659,10 @@ mod tests {
     }
 
     fn rig(len: usize, log2: u32) -> Rig {
+        rig_with(len, log2, 1)
+    }
+
+    fn rig_with(len: usize, log2: u32, nctx: u32) -> Rig {
         let lb = Loopback::new(len, Duration::from_secs(5));
         let counters = Arc::new(Counters::new(4));
         let config = GdakiConfig {
@@ -596,7 +670,7 @@ mod tests {
             timeout: Duration::from_secs(5),
             ..GdakiConfig::default()
         };
-        let g = Gdaki::start(lb.fabric.clone(), counters.clone(), 1, config).unwrap();
+        let g = Gdaki::start(lb.fabric.clone(), counters.clone(), nctx, config).unwrap();
         Rig {
             g,
             win: lb.window.clone(),
@@ -786,5 +860,160 @@ mod tests {
         let e = flush(&r.g).unwrap_err().to_string();
         assert!(e.contains("syndrome"), "{e}");
         assert_eq!(r.counters.slot(0).unwrap().load(Ordering::Acquire), 0);
+    }
+
+    #[test]
+    fn a_ticket_from_another_communicator_is_an_error_not_a_panic() {
+        let a = rig(4096, 4);
+        let b = rig_with(4096, 4, 3);
+        // A context this instance does not have.
+        let t = b.g.ticket(2, None).unwrap();
+        let e = a.g.done(&t).unwrap_err().to_string();
+        assert!(e.contains("ticket") && e.contains("another"), "{e}");
+        // The same shape as one of ours, but not ours.
+        let t = b.g.ticket(0, Some(0)).unwrap();
+        let e = a.g.done(&t).unwrap_err().to_string();
+        assert!(e.contains("ticket") && e.contains("another"), "{e}");
+        // Ours is fine.
+        let t = a.g.ticket(0, Some(0)).unwrap();
+        assert_eq!(a.g.done(&t), Ok(true));
+        assert!(matches!(
+            a.g.ticket(0, Some(1)),
+            Err(GinError::BadPeer { peer: 1, .. })
+        ));
+    }
+
+    #[test]
+    fn a_doorbell_record_that_moved_backwards_is_one_fatal_qp_error_and_nothing_runs() {
+        let r = rig(4096, 2);
+        for i in 0..2u64 {
+            r.g.put(&PutOp {
+                ctx: 0,
+                peer: 0,
+                dst: &r.win,
+                dst_off: 8 * i,
+                src: Source::Inline(0x1111 * (i + 1)),
+                bytes: 8,
+                signal: None,
+                counter: None,
+            })
+            .unwrap();
+        }
+        flush(&r.g).unwrap();
+        let qp = r.g.main_qp(0, 0);
+        let cqes = qp.cq.produced.load(Ordering::Acquire);
+        let executed = r.g.executed();
+        let before = r.win.read_vec(0, 4096).unwrap();
+        // The record moves back by one: read as 0xffff WQEs ahead of the
+        // NIC's consumer index (2) on a 4-entry queue.
+        qp.ring(1);
+        // Every wait reaps completions through `health`; poll it until the
+        // NIC has looked at the record.
+        let start = Instant::now();
+        let e = loop {
+            r.g.waker.wake();
+            if let Err(e) = r.g.health() {
+                break e.to_string();
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "no error reported"
+            );
+            std::thread::yield_now();
+        };
+        assert!(flush(&r.g).is_err(), "the error is sticky");
+        for w in [
+            "QP 0x100",
+            "producer index 1",
+            "consumer index 2",
+            "4-entry",
+        ] {
+            assert!(e.contains(w), "error {e:?} does not mention {w:?}");
+        }
+        // Reported once, nothing executed, however often the NIC looks.
+        for _ in 0..200 {
+            r.g.waker.wake();
+            std::thread::yield_now();
+        }
+        assert_eq!(qp.cq.produced.load(Ordering::Acquire), cqes + 1);
+        assert_eq!(r.g.executed(), executed);
+        assert_eq!(r.win.read_vec(0, 4096).unwrap(), before);
+    }
+
+    #[test]
+    fn a_queue_shallower_than_the_minimum_is_refused_at_start() {
+        let lb = Loopback::new(64, Duration::from_secs(5));
+        let counters = Arc::new(Counters::new(1));
+        for log2 in [0, 1] {
+            let config = GdakiConfig {
+                sq_log2: log2,
+                ..GdakiConfig::default()
+            };
+            let e = Gdaki::start(lb.fabric.clone(), counters.clone(), 1, config)
+                .unwrap_err()
+                .to_string();
+            let want = format!(
+                "queue depth {} is below the gdaki backend's minimum 4",
+                1 << log2
+            );
+            assert!(e.contains(&want), "{e}");
+        }
+    }
+
+    /// 8-byte writes from offset 0 to `dst_off..`, one WQE each.
+    fn writes(r: &Rig, dst_off: u64, n: u64) -> Vec<(Op, u8)> {
+        (0..n)
+            .map(|i| {
+                (
+                    Op::Write {
+                        remote: mref(&r.win, 0, dst_off + 8 * i),
+                        local: mref(&r.win, 0, 0),
+                        len: 8,
+                    },
+                    FM_NONE,
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn an_operation_too_large_for_a_queue_is_refused_before_anything_is_posted() {
+        let r = rig(4096, 2); // the minimum: 4 entries, 2 per operation
+        r.win.write(0, &[7u8; 8]).unwrap();
+        let bump = || Op::FetchAdd {
+            remote: MemRef {
+                addr: r.counters.as_ptr() as u64 + 8,
+                key: r.g.counter_key,
+            },
+            add: 1,
+            result: MemRef {
+                addr: r.g.sink.as_ptr() as u64 + 8,
+                key: r.g.sink_key,
+            },
+        };
+        // Three WQEs (a put of more than 2 GiB with a signal, in small):
+        // more than half the main queue.
+        let e =
+            r.g.post_put(0, 0, &writes(&r, 64, 3), Some(bump()))
+                .unwrap_err();
+        let e = e.to_string();
+        assert!(
+            e.contains("needs 3 WQEs") && e.contains("nothing was posted"),
+            "{e}"
+        );
+        // Nothing was reserved, so nothing can land, and the queue is
+        // still usable: the largest operation at the minimum depth works.
+        assert_eq!(r.g.main_qp(0, 0).idx.resv.load(Ordering::Acquire), 0);
+        assert_eq!(r.g.companion_qp(0, 0).idx.resv.load(Ordering::Acquire), 0);
+        r.g.post_put(0, 0, &writes(&r, 128, 2), Some(bump()))
+            .unwrap();
+        flush(&r.g).unwrap();
+        assert_eq!(
+            r.win.read_vec(64, 24).unwrap(),
+            vec![0u8; 24],
+            "refused data landed"
+        );
+        assert_eq!(r.win.read_vec(128, 16).unwrap(), vec![7u8; 16]);
+        assert_eq!(r.counters.slot(1).unwrap().load(Ordering::Acquire), 1);
     }
 }

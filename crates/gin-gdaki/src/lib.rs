@@ -41,4 +41,4 @@ pub mod qp;
 pub mod queue;
 pub mod wqe;
 
-pub use device::{Gdaki, GdakiConfig, MAX_SQ_LOG2};
+pub use device::{Gdaki, GdakiConfig, MAX_QUEUE_DEPTH, MAX_SQ_LOG2, MIN_QUEUE_DEPTH};

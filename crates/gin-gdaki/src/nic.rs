@@ -214,7 +214,7 @@ impl<'a> Engine<'a> {
             } else {
                 let (qps, ci) = (&self.s.qps, &self.ci);
                 self.s.sleeper.sleep(Duration::from_millis(2), || {
-                    (0..qps.len()).any(|i| qps[i].producer_index(ci[i]) != ci[i])
+                    (0..qps.len()).any(|i| qps[i].producer_index(ci[i]).is_ok_and(|pi| pi != ci[i]))
                 });
             }
         }
@@ -232,7 +232,30 @@ impl<'a> Engine<'a> {
             self.generation = g;
         }
         let qp = self.s.qps[i].clone();
-        let pi = qp.producer_index(self.ci[i]);
+        let pi = match qp.producer_index(self.ci[i]) {
+            Ok(pi) => pi,
+            Err(bad) => {
+                // Hardware's answer to a doorbell record it cannot believe:
+                // the QP moves to the error state with one error CQE, and
+                // nothing past the consumer index executes (executing the
+                // phantom WQEs would also overrun the CQ and lose the very
+                // completions that report the error).
+                if !self.failed[i] {
+                    let why = format!("QP {:#x}: {bad}", qp.qpn);
+                    warn!(
+                        rank = self.s.rank,
+                        qpn = qp.qpn,
+                        pi = bad.pi,
+                        ci = bad.ci,
+                        "{why}; QP moved to the error state"
+                    );
+                    let _ = qp.error_reason.set(why);
+                    self.failed[i] = true;
+                    Self::complete_error(&qp, bad.ci, 0, syndrome::LOCAL_QP_OP_ERR);
+                }
+                return 0;
+            }
+        };
         let mut n = 0;
         while self.ci[i] != pi && n < BATCH {
             let idx = self.ci[i];

@@ -13,7 +13,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use crate::completion::{CQE_BYTES, Cqe, FRESH_OP_OWN, is_valid};
-use crate::queue::{SqIndices, slot, unwrap_counter};
+use crate::queue::{BadProducerIndex, SqIndices, producer_index, slot, unwrap_counter};
 use crate::wqe::{BB, doorbell};
 
 /// Qwords in a basic block or a CQE.
@@ -186,11 +186,11 @@ impl Qp {
     }
 
     /// NIC side: the producer index from the doorbell record, unwrapped
-    /// relative to the NIC's own consumer index.
-    pub fn producer_index(&self, nic_ci: u64) -> u64 {
+    /// relative to the NIC's own consumer index; an error when it is more
+    /// than the queue's depth ahead (see [`producer_index`]).
+    pub fn producer_index(&self, nic_ci: u64) -> Result<u64, BadProducerIndex> {
         let pi16 = u32::from_be(self.dbrec[1].load(Ordering::Acquire)) as u16;
-        let ahead = pi16.wrapping_sub(nic_ci as u16);
-        nic_ci + u64::from(ahead)
+        producer_index(pi16, nic_ci, self.size())
     }
 
     /// Device side: reaps completions, advancing `idx.done`; error CQEs are
@@ -243,7 +243,7 @@ mod tests {
         qp.write_wqe(9, &b);
         assert_eq!(qp.read_wqe(1), b);
         qp.ring(0x1_0002);
-        assert_eq!(qp.producer_index(0xfffe), 0x1_0002);
+        assert_eq!(qp.producer_index(0xfffe), Ok(0x1_0002));
         assert_eq!(qp.doorbell.load(Ordering::Acquire), doorbell(2, 3));
     }
 }

@@ -51,6 +51,51 @@ pub fn unwrap_counter(counter: u16, near: u64) -> u64 {
     near.wrapping_add(i64::from(delta) as u64)
 }
 
+/// A doorbell record naming a producer index more than a queue's depth
+/// ahead of the NIC's consumer index: the record moved backwards or jumped
+/// past WQEs the producer had no credit for. Hardware moves the QP to the
+/// error state; nothing past the consumer index may execute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BadProducerIndex {
+    /// The 16-bit producer index the record holds.
+    pub pi: u16,
+    /// The NIC's consumer index (the next WQE it would execute).
+    pub ci: u64,
+    /// WQEs the record claims are posted: `pi - ci` modulo 2^16.
+    pub ahead: u16,
+    /// The queue's depth.
+    pub size: u64,
+}
+
+impl std::fmt::Display for BadProducerIndex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the doorbell record's producer index {} is {} WQEs ahead of consumer index {} \
+             (16-bit {}), more than the {}-entry queue holds: it moved backwards or jumped",
+            self.pi, self.ahead, self.ci, self.ci as u16, self.size
+        )
+    }
+}
+
+/// The 64-bit producer index a doorbell record's 16-bit `pi` names, for a
+/// NIC whose consumer index is `ci` on a queue of `size` WQEs: `ci` plus
+/// `pi - ci` (16-bit wrapping), provided that is at most `size` (a producer
+/// never posts WQEs it has no credit for). Anything further ahead, which is
+/// also what a record that moved backwards reads as, is an error.
+pub fn producer_index(pi: u16, ci: u64, size: u64) -> Result<u64, BadProducerIndex> {
+    let ahead = pi.wrapping_sub(ci as u16);
+    if u64::from(ahead) > size {
+        return Err(BadProducerIndex {
+            pi,
+            ci,
+            ahead,
+            size,
+        });
+    }
+    Ok(ci.wrapping_add(u64::from(ahead)))
+}
+
 /// Is `progress` at or past `mark` (rolling compare).
 pub fn reached(progress: u64, mark: u64) -> bool {
     (progress.wrapping_sub(mark) as i64) >= 0
@@ -156,12 +201,51 @@ mod tests {
             prop_assert_eq!(unwrap_counter(wire_index(idx), near), idx);
         }
 
+        /// A doorbell record is accepted exactly when the producer it names
+        /// is 0..=size WQEs past the consumer; a record that moved backwards
+        /// or jumped is refused, across 2^16 (and 2^64) wraparound.
+        #[test]
+        fn producer_indices_more_than_a_queue_ahead_are_refused(
+            ci in prop_oneof![Just(0u64), Just((1 << 16) - 3), Just((1 << 32) - 2), Just(u64::MAX - 4), any::<u64>()],
+            log2 in 0u32..=14,
+            delta in any::<u16>(),
+        ) {
+            let size = 1u64 << log2;
+            // The model: the producer is `delta` WQEs past the consumer
+            // (modulo 2^16, all the record carries); a real producer is at
+            // most `size` ahead.
+            let producer = ci.wrapping_add(u64::from(delta));
+            let got = producer_index(wire_index(producer), ci, size);
+            if u64::from(delta) <= size {
+                prop_assert_eq!(got, Ok(producer));
+            } else {
+                let e = got.unwrap_err();
+                prop_assert_eq!((e.pi, e.ci, e.ahead, e.size), (producer as u16, ci, delta, size));
+            }
+            // A record that moved back by `b` (1..2^16 - size) is refused.
+            let back = u64::from(delta).clamp(1, (1 << 16) - size - 1);
+            prop_assert!(producer_index(wire_index(ci.wrapping_sub(back)), ci, size).is_err());
+        }
+
         #[test]
         fn slots_cycle(idx in any::<u64>(), log2 in 0u32..17) {
             let mask = (1u64 << log2) - 1;
             prop_assert_eq!(slot(idx, mask), slot(idx.wrapping_add(1 << log2), mask));
             prop_assert!((slot(idx, mask) as u64) <= mask);
         }
+    }
+
+    #[test]
+    fn producer_index_edges() {
+        // Full queue at the 2^16 boundary: accepted.
+        assert_eq!(producer_index(4, 0xfffc, 8), Ok(0x1_0004));
+        // One past a full queue, and one step backwards: refused.
+        assert!(producer_index(10, 1, 8).is_err());
+        let e = producer_index(1, 2, 4).unwrap_err();
+        assert_eq!(e.ahead, 0xffff);
+        assert!(e.to_string().contains("producer index 1"), "{e}");
+        // Nothing new.
+        assert_eq!(producer_index(7, 0x3_0007, 1), Ok(0x3_0007));
     }
 
     #[test]

@@ -20,7 +20,8 @@
 //! | 7 | ring sequence number (checked by the consumer) |
 //!
 //! Flags: 0x01 signal, 0x02 strong, 0x04 counter, 0x08 inline data, 0x10
-//! bit 63 of the inline value.
+//! bit 63 of the inline value, 0x20 bit 63 of the signal amount (signals are
+//! 64-bit on every backend; the phase bit takes bit 63 of qword 6).
 
 /// Bytes in a descriptor.
 pub const DESC_BYTES: usize = 64;
@@ -32,7 +33,8 @@ const LOW63: u64 = PHASE - 1;
 pub const MAX_ID: u32 = (1 << 31) - 1;
 /// Largest byte count (48 bits).
 pub const MAX_BYTES: u64 = (1 << 48) - 1;
-/// Largest offset or signal amount (63 bits).
+/// Largest offset (63 bits). Signal amounts and inline values carry their
+/// bit 63 in a flag, so any u64 fits.
 pub const MAX_FIELD: u64 = LOW63;
 
 const F_SIGNAL: u64 = 0x01;
@@ -40,6 +42,7 @@ const F_STRONG: u64 = 0x02;
 const F_COUNTER: u64 = 0x04;
 const F_INLINE: u64 = 0x08;
 const F_INLINE_TOP: u64 = 0x10;
+const F_SIGNAL_TOP: u64 = 0x20;
 
 /// What a descriptor asks the proxy to do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,7 +121,6 @@ impl Desc {
         if let Some(s) = &self.signal {
             fit("signal window", u64::from(s.window), u64::from(MAX_ID))?;
             fit("signal offset", s.offset, MAX_FIELD)?;
-            fit("signal amount", s.add, MAX_FIELD)?;
         }
         if let Some(c) = self.counter {
             fit("counter slot", u64::from(c), u64::from(MAX_ID))?;
@@ -146,6 +148,9 @@ impl Desc {
             }
             q4 |= u64::from(s.window) & u64::from(MAX_ID);
             q5 = s.offset & LOW63;
+            if s.add & PHASE != 0 {
+                flags |= F_SIGNAL_TOP;
+            }
             q6 = s.add & LOW63;
         }
         if let Some(c) = self.counter {
@@ -205,8 +210,9 @@ pub fn decode(q: &[u64; DESC_QWORDS], seq: u64, log2: u32) -> Result<Slot, Decod
         op => return Err(DecodeError::BadOp { seq, op }),
     };
     let flags = (w[0] >> 48) & 0xff;
-    if flags & !(F_SIGNAL | F_STRONG | F_COUNTER | F_INLINE | F_INLINE_TOP) != 0
+    if flags & !(F_SIGNAL | F_STRONG | F_COUNTER | F_INLINE | F_INLINE_TOP | F_SIGNAL_TOP) != 0
         || (w[0] >> 56) & 0x7 != 0
+        || (flags & F_SIGNAL_TOP != 0 && flags & F_SIGNAL == 0)
     {
         return Err(DecodeError::BadFlags { seq, flags });
     }
@@ -223,7 +229,7 @@ pub fn decode(q: &[u64; DESC_QWORDS], seq: u64, log2: u32) -> Result<Slot, Decod
         signal: (flags & F_SIGNAL != 0).then(|| Sig {
             window: (w[4] & u64::from(MAX_ID)) as u32,
             offset: w[5],
-            add: w[6],
+            add: w[6] | if flags & F_SIGNAL_TOP != 0 { PHASE } else { 0 },
             strong: flags & F_STRONG != 0,
         }),
         counter: (flags & F_COUNTER != 0).then(|| ((w[4] >> 31) & u64::from(MAX_ID)) as u32),
@@ -244,7 +250,7 @@ mod tests {
             0..=MAX_ID,
             0..=MAX_FIELD,
             proptest::option::of(any::<u64>()),
-            proptest::option::of((0..=MAX_ID, 0..=MAX_FIELD, 0..=MAX_FIELD, any::<bool>())),
+            proptest::option::of((0..=MAX_ID, 0..=MAX_FIELD, any::<u64>(), any::<bool>())),
             proptest::option::of(0..=MAX_ID),
         )
             .prop_map(
@@ -379,16 +385,68 @@ mod tests {
         d.bytes = 1;
         d.signal = Some(Sig {
             window: 0,
-            offset: 0,
-            add: 1 << 63,
+            offset: 1 << 63,
+            add: 1,
             strong: false,
         });
         assert!(matches!(
             d.validate(),
             Err(EncodeError::TooLarge {
-                what: "signal amount",
+                what: "signal offset",
                 ..
             })
+        ));
+    }
+
+    /// Signals are 64-bit: an amount with bit 63 set travels in qword 6's
+    /// low 63 bits plus flag 0x20, the way an inline value's bit 63 does.
+    /// Added with the flag; every earlier vector is unchanged, since no
+    /// amount the old format accepted sets it.
+    #[test]
+    fn golden_signal_amount_with_top_bit() {
+        let d = Desc {
+            op: Op::Put,
+            bytes: 0,
+            dst_window: 1,
+            dst_offset: 0,
+            src_window: 0,
+            src_offset: 0,
+            inline: None,
+            signal: Some(Sig {
+                window: 1,
+                offset: 0x18,
+                add: (1 << 63) + 5,
+                strong: true,
+            }),
+            counter: None,
+        };
+        assert_eq!(d.validate(), Ok(()));
+        // Sequence 0 of a 4-entry ring: lap 0, phase 1 in bit 63.
+        let q = d.encode(0, 2);
+        assert_eq!(
+            q,
+            [
+                // Put, flags 0x23 (signal, strong, amount bit 63), 0 bytes.
+                0x8823_0000_0000_0000,
+                // Source window 0, destination window 1.
+                0x8000_0000_0000_0001,
+                0x8000_0000_0000_0000,
+                0x8000_0000_0000_0000,
+                // Signal window 1, no counter.
+                0x8000_0000_0000_0001,
+                0x8000_0000_0000_0018,
+                // Amount bits 62..0: 5.
+                0x8000_0000_0000_0005,
+                0x8000_0000_0000_0000,
+            ]
+        );
+        assert_eq!(decode(&q, 0, 2), Ok(Slot::Ready(d)));
+        // The flag without a signal is a corrupt descriptor.
+        let mut bad = q;
+        bad[0] &= !(0x01 << 48);
+        assert!(matches!(
+            decode(&bad, 0, 2),
+            Err(DecodeError::BadFlags { .. })
         ));
     }
 

@@ -31,4 +31,4 @@ pub mod descriptor;
 mod proxy;
 pub mod ring;
 
-pub use proxy::{Proxy, ProxyConfig};
+pub use proxy::{MAX_QUEUE_DEPTH, MIN_QUEUE_DEPTH, Proxy, ProxyConfig};

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-use gin_device::{Backend, Counters, GetOp, GinError, PutOp, Source, Ticket};
+use gin_device::{Backend, Counters, GetOp, GinError, PutOp, Source, Ticket, TicketIssuer};
 use gin_net::idle::Sleeper;
 use gin_net::{Addr, Fabric};
 use tracing::{debug, error};
@@ -18,10 +18,21 @@ use crate::ring::{Ring, passed};
 /// one per peer per pass, yet no ring starves the others.
 const BATCH: u64 = 64;
 
+/// The shallowest ring (`queue_depth`) the proxy accepts, on CPU and CUDA
+/// ranks alike. Every operation is one descriptor, so any ring works; two
+/// is the smallest the CUDA rings were ever built with, and lets a producer
+/// write one descriptor while the proxy executes the other.
+pub const MIN_QUEUE_DEPTH: u32 = 2;
+
+/// The deepest ring the proxy accepts (`queue_depth`; 4 MiB of descriptors
+/// per context and peer).
+pub const MAX_QUEUE_DEPTH: u32 = 1 << 16;
+
 /// Settings of a proxy.
 #[derive(Debug, Clone, Copy)]
 pub struct ProxyConfig {
-    /// log2 of descriptors per ring.
+    /// log2 of descriptors per ring: the ring holds [`MIN_QUEUE_DEPTH`] to
+    /// [`MAX_QUEUE_DEPTH`] descriptors, else `start` fails.
     pub ring_log2: u32,
     /// How long a producer waits for ring credit before failing.
     pub timeout: Duration,
@@ -66,6 +77,7 @@ struct Shared {
 #[derive(Debug)]
 pub struct Proxy {
     shared: Arc<Shared>,
+    tickets: TicketIssuer,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -79,6 +91,18 @@ impl Proxy {
     ) -> Result<Self, GinError> {
         let rank = fabric.rank();
         let nranks = fabric.nranks();
+        let depth = 1u64.checked_shl(config.ring_log2).unwrap_or(u64::MAX);
+        if !(u64::from(MIN_QUEUE_DEPTH)..=u64::from(MAX_QUEUE_DEPTH)).contains(&depth) {
+            return Err(GinError::Unsupported {
+                rank,
+                what: "queue depth",
+                why: format!(
+                    "queue depth 2^{} is outside the proxy backend's range: minimum \
+                     {MIN_QUEUE_DEPTH}, maximum {MAX_QUEUE_DEPTH}",
+                    config.ring_log2
+                ),
+            });
+        }
         let shared = Arc::new(Shared {
             rank,
             nranks,
@@ -106,6 +130,7 @@ impl Proxy {
         shared.sleeper.set_thread(handle.thread().clone());
         Ok(Self {
             shared,
+            tickets: TicketIssuer::new(),
             thread: Some(handle),
         })
     }
@@ -285,29 +310,31 @@ impl Backend for Proxy {
                 nctx: s.nctx,
             });
         }
+        if let Some(p) = peer.filter(|&p| p >= s.nranks) {
+            return Err(GinError::BadPeer {
+                rank: s.rank,
+                peer: p,
+                nranks: s.nranks,
+            });
+        }
         let marks = match peer {
             Some(p) => vec![self.ring(ctx, p).head()],
             None => (0..s.nranks).map(|p| self.ring(ctx, p).head()).collect(),
         };
-        Ok(Ticket { ctx, peer, marks })
+        Ok(self.tickets.issue(ctx, peer, marks))
     }
 
     fn done(&self, t: &Ticket) -> Result<bool, GinError> {
         let s = &self.shared;
-        let peers: Vec<usize> = match t.peer {
+        // One mark per peer: the ring's head when the ticket was issued.
+        let marks = self.tickets.redeem(s.rank, t, s.nctx, s.nranks, 1)?;
+        let peers: Vec<usize> = match t.peer() {
             Some(p) => vec![p],
             None => (0..s.nranks).collect(),
         };
-        if t.ctx >= s.nctx || peers.iter().any(|&p| p >= s.nranks) || t.marks.len() != peers.len() {
-            return Err(GinError::Unsupported {
-                rank: s.rank,
-                what: "ticket",
-                why: format!("{t:?} was not issued by this communicator"),
-            });
-        }
         let mut complete = true;
-        for (p, mark) in peers.into_iter().zip(&t.marks) {
-            let ring = self.ring(t.ctx, p);
+        for (&p, mark) in peers.iter().zip(marks) {
+            let ring = self.ring(t.ctx(), p);
             if !passed(ring.tail(), *mark) || ring.gets_in_flight.load(Ordering::Acquire) != 0 {
                 complete = false;
                 break;
@@ -323,13 +350,13 @@ impl Backend for Proxy {
         // Every put covered was written; over tcp, have the targets confirm
         // them, so a refused put (and its signal, never applied) is reported
         // by this completion, not by some later call.
-        for p in t.peer.map_or_else(|| (0..s.nranks).collect(), |p| vec![p]) {
+        for p in peers {
             s.fabric.confirm(p).map_err(|e| {
-                let why = format!("put to rank {p} on context {} refused: {e}", t.ctx);
+                let why = format!("put to rank {p} on context {} refused: {e}", t.ctx());
                 s.fail(why.clone());
                 GinError::Failed {
                     rank: s.rank,
-                    ctx: t.ctx,
+                    ctx: t.ctx(),
                     what: format!("completion of operations to rank {p}"),
                     why,
                 }
@@ -511,4 +538,142 @@ fn execute_get(s: &Shared, peer: usize, d: &Desc, ring: &Ring) -> Result<(), Str
         ring.gets_in_flight.fetch_sub(1, Ordering::AcqRel);
         e.to_string()
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gin_device::{Window, WindowParts};
+    use gin_net::region::{Access, RegionTable};
+    use gin_net::{MemDesc, Path};
+
+    /// One rank, window 0 over `len` bytes of memory it owns, and a proxy
+    /// with `nctx` contexts and rings of `2^log2` descriptors. Fields drop in
+    /// order: the proxy (and its thread) before the memory.
+    struct Rig {
+        proxy: Proxy,
+        win: Window,
+        counters: Arc<Counters>,
+        _fabric: Arc<Fabric>,
+        _mem: Box<[u64]>,
+    }
+
+    fn rig(len: usize, nctx: u32, log2: u32) -> Rig {
+        let table = Arc::new(RegionTable::default());
+        let timeout = Duration::from_secs(5);
+        let fabric = Arc::new(Fabric::new(
+            0,
+            vec![Path::Local],
+            table.clone(),
+            None,
+            timeout,
+        ));
+        let mut mem = vec![0u64; len / 8].into_boxed_slice();
+        let len = mem.len() * 8;
+        let base = mem.as_mut_ptr().cast::<u8>();
+        // SAFETY: `mem` lives in the rig, which drops the proxy and the
+        // fabric (and with it the key) before it.
+        let key = unsafe { table.insert(base, len as u64, Access::ALL) }.unwrap();
+        fabric.add_window(
+            0,
+            MemDesc {
+                local_base: base as usize,
+                sizes: vec![len as u64],
+                peer_bases: vec![base as usize],
+                keys: vec![key],
+                addrs: vec![base as u64],
+                keep: None,
+            },
+        );
+        // SAFETY: as above.
+        let win = unsafe {
+            Window::from_parts(
+                WindowParts {
+                    id: 0,
+                    rank: 0,
+                    comm_id: 1,
+                    local_base: base,
+                    sizes: vec![len as u64],
+                    peer_bases: vec![base],
+                    keys: vec![key],
+                    addrs: vec![base as u64],
+                },
+                Box::new(()),
+            )
+        };
+        let counters = Arc::new(Counters::new(4));
+        let config = ProxyConfig {
+            ring_log2: log2,
+            timeout,
+            ..ProxyConfig::default()
+        };
+        let proxy = Proxy::start(fabric.clone(), counters.clone(), nctx, config).unwrap();
+        Rig {
+            proxy,
+            win,
+            counters,
+            _fabric: fabric,
+            _mem: mem,
+        }
+    }
+
+    fn flush(p: &Proxy) -> Result<(), GinError> {
+        let t = p.ticket(0, None)?;
+        let start = Instant::now();
+        while !p.done(&t)? {
+            assert!(start.elapsed() < Duration::from_secs(5), "flush hung");
+            thread::yield_now();
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn a_ticket_from_another_communicator_is_refused() {
+        let a = rig(64, 1, 2);
+        let b = rig(64, 3, 2);
+        let t = b.proxy.ticket(2, None).unwrap();
+        let e = a.proxy.done(&t).unwrap_err().to_string();
+        assert!(e.contains("ticket") && e.contains("another"), "{e}");
+        // The same shape as one of ours, but not ours.
+        let t = b.proxy.ticket(0, Some(0)).unwrap();
+        let e = a.proxy.done(&t).unwrap_err().to_string();
+        assert!(e.contains("ticket") && e.contains("another"), "{e}");
+        let t = a.proxy.ticket(0, Some(0)).unwrap();
+        assert_eq!(a.proxy.done(&t), Ok(true));
+        flush(&a.proxy).unwrap();
+        // Asking for a ticket to a peer that does not exist is an error too.
+        assert!(matches!(
+            a.proxy.ticket(0, Some(1)),
+            Err(GinError::BadPeer { peer: 1, .. })
+        ));
+        let _ = (&a.win, &a.counters);
+    }
+
+    #[test]
+    fn a_ring_outside_the_proxys_range_is_refused_at_start() {
+        let fabric = Arc::new(Fabric::new(
+            0,
+            vec![Path::Local],
+            Arc::new(RegionTable::default()),
+            None,
+            Duration::from_secs(5),
+        ));
+        let counters = Arc::new(Counters::new(1));
+        for log2 in [0, 17, 64] {
+            let config = ProxyConfig {
+                ring_log2: log2,
+                ..ProxyConfig::default()
+            };
+            let e = Proxy::start(fabric.clone(), counters.clone(), 1, config)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(&format!("queue depth 2^{log2}")) && e.contains("minimum 2"),
+                "{e}"
+            );
+        }
+        // The minimum works (see also gin-core's tests/backends.rs).
+        let r = rig(64, 1, 1);
+        flush(&r.proxy).unwrap();
+    }
 }

@@ -528,7 +528,7 @@ impl<'c> CudaComm<'c> {
                 u64::from(kind == BackendKind::Auto),
             )],
         )?;
-        requirements::check_bounds(rank, n, req, 1 << gin_gdaki::MAX_SQ_LOG2)?;
+        requirements::check_bounds(rank, n, req)?;
         let rail_only = req.connection == Connection::Rail;
         if rail_only && req.world_barriers != 0 {
             return Err(CoreError::Invalid(format!(
@@ -603,8 +603,7 @@ impl<'c> CudaComm<'c> {
             ));
         }
         let lsa_only = all.chunks(rec.len()).all(|c| c[16] == 1);
-        let depth = req.queue_depth.max(2).next_power_of_two();
-        let log2 = depth.trailing_zeros();
+        let log2 = kind.queue_log2(req.queue_depth)?;
         // Rings for the peers the proxy serves, context-major.
         let mut rings_abi = vec![ProxyRingAbi::default(); req.contexts as usize * n];
         let mut host_rings = Vec::new();
@@ -760,9 +759,9 @@ impl<'c> CudaComm<'c> {
     /// companion one above; each CQ takes its QP's number).
     fn gdaki_queues(&self, nctx: usize, lsa: &[u8], log2: u32) -> Result<GdakiQueues, CoreError> {
         let n = self.comm.nranks();
-        // 16-bit WQE indices must stay unambiguous, and a put with a signal
-        // takes two WQEs of at most half the queue.
-        let log2 = log2.clamp(3, gin_gdaki::MAX_SQ_LOG2);
+        // `log2` is within gin-gdaki's bounds (`BackendKind::queue_log2`):
+        // 16-bit WQE indices stay unambiguous, and a put with a signal and
+        // a counter takes two WQEs of at most half of each queue.
         let nsq = nctx * n * 2;
         let indices = DevMem::new(nsq * 16)?;
         indices.zero(0, nsq * 16)?;

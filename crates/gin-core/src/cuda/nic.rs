@@ -29,7 +29,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use gin_gdaki::completion::{CQE_REQ, CQE_REQ_ERR, Cqe, syndrome};
-use gin_gdaki::queue::unwrap_counter;
+use gin_gdaki::queue::{BadProducerIndex, producer_index, unwrap_counter};
 use gin_gdaki::wqe::{BB, CQ_UPDATE, MemRef, Op, decode};
 use gin_net::tcp::Link;
 
@@ -147,18 +147,14 @@ impl Sq {
     }
 
     /// The producer index from the doorbell record, unwrapped relative to
-    /// `ci`; a record that went backwards (two producers' stores landing
-    /// out of order, which the producer repairs) reads as no new work.
-    fn producer_index(&self) -> u64 {
+    /// `ci`, by the same rule as gin-gdaki's CPU soft NIC: one more than the
+    /// queue's depth ahead (a record that moved backwards reads so) is an
+    /// error. Producers post in reservation order, so the record only grows.
+    fn producer_index(&self) -> Result<u64, BadProducerIndex> {
         // SAFETY: `ctl` is the 4-aligned doorbell record, as above.
         let rec = unsafe { &*self.spec.ctl.cast::<AtomicU32>() };
         let pi16 = u32::from_be(rec.load(Ordering::Acquire)) as u16;
-        let ahead = u64::from(pi16.wrapping_sub(self.ci as u16));
-        if ahead > self.size() {
-            self.ci
-        } else {
-            self.ci + ahead
-        }
+        producer_index(pi16, self.ci, self.size())
     }
 
     fn read_wqe(&self, idx: u64) -> [u8; BB] {
@@ -303,11 +299,24 @@ impl<D: Dma> Nic<D> {
         // does; the doorbell register kernels also write is what hardware
         // would need, and a polling NIC does not.
         let sq = self.sq(i, companion);
-        let pi = sq.producer_index();
+        let pi = match sq.producer_index() {
+            Ok(pi) => pi,
+            Err(bad) => {
+                // As hardware: the QP moves to the error state with one
+                // error CQE, and nothing past the consumer index executes.
+                if !sq.failed {
+                    let why = bad.to_string();
+                    self.fail_sq(i, companion, bad.ci, 0, syndrome::LOCAL_QP_OP_ERR, &why)?;
+                    let p = &mut self.pairs[i];
+                    p.pending.flush(&p.stream)?;
+                }
+                return Ok(0);
+            }
+        };
         if pi == sq.ci {
             return Ok(0);
         }
-        let (ci, log2, qpn) = (sq.ci, sq.spec.log2, sq.spec.qpn);
+        let (ci, log2) = (sq.ci, sq.spec.log2);
         let mut n = 0;
         let mut last_ok: Option<(u64, u8)> = None;
         while self.sq(i, companion).ci != pi && n < pass_len(log2) {
@@ -329,44 +338,15 @@ impl<D: Dma> Nic<D> {
                     }
                 }
                 Step::Failed { syndrome: syn, why } => {
-                    let p = &self.pairs[i];
-                    let what = if companion {
-                        format!("companion QP {qpn:#x} (context {})", p.ctx)
-                    } else {
-                        format!("QP {qpn:#x} to rank {} (context {})", p.peer, p.ctx)
-                    };
-                    let msg = format!(
-                        "rank {}: {what}: WQE index {idx} completed with syndrome {syn:#04x} ({}): {why}",
-                        self.spec.rank,
-                        syndrome::name(syn)
-                    );
-                    tracing::warn!("{msg}; the QP moved to the error state");
-                    set_first(&self.error, msg);
-                    let cqe = Cqe {
-                        opcode: CQE_REQ_ERR,
-                        wqe_counter: idx as u16,
-                        qpn,
-                        send_opcode: bytes[3],
-                        byte_cnt: 0,
-                        syndrome: syn,
-                        vendor_syndrome: 0,
-                    }
-                    .encode(idx, log2);
-                    let sq = self.sq_mut(i, companion);
-                    sq.failed = true;
-                    sq.produced = idx + 1;
+                    self.fail_sq(i, companion, idx, bytes[3], syn, &why)?;
                     last_ok = None;
-                    let at = self.sq(i, companion).spec.cqe;
-                    let p = &mut self.pairs[i];
-                    // Syndrome first, then the qword the kernel polls.
-                    p.store(at + 48, qword(&cqe, 6))?;
-                    p.store(at + 56, qword(&cqe, 7))?;
                 }
             }
             self.sq_mut(i, companion).ci = idx + 1;
             n += 1;
         }
         if let Some((idx, op)) = last_ok {
+            let qpn = self.sq(i, companion).spec.qpn;
             // Collapsed CQ: only the newest CQE is visible, so one store
             // per batch reports them all, after the batch's work.
             let cqe = Cqe {
@@ -386,6 +366,55 @@ impl<D: Dma> Nic<D> {
         let p = &mut self.pairs[i];
         p.pending.flush(&p.stream)?;
         Ok(n)
+    }
+
+    /// Moves a queue to the error state: the error (named by QP, WQE index
+    /// and syndrome) becomes the NIC's first error, and the collapsed CQE
+    /// reports it, after the work queued so far.
+    fn fail_sq(
+        &mut self,
+        i: usize,
+        companion: bool,
+        idx: u64,
+        send_opcode: u8,
+        syn: u8,
+        why: &str,
+    ) -> Result<(), CoreError> {
+        let (qpn, log2) = {
+            let sq = self.sq(i, companion);
+            (sq.spec.qpn, sq.spec.log2)
+        };
+        let p = &self.pairs[i];
+        let what = if companion {
+            format!("companion QP {qpn:#x} (context {})", p.ctx)
+        } else {
+            format!("QP {qpn:#x} to rank {} (context {})", p.peer, p.ctx)
+        };
+        let msg = format!(
+            "rank {}: {what}: WQE index {idx} completed with syndrome {syn:#04x} ({}): {why}",
+            self.spec.rank,
+            syndrome::name(syn)
+        );
+        tracing::warn!("{msg}; the QP moved to the error state");
+        set_first(&self.error, msg);
+        let cqe = Cqe {
+            opcode: CQE_REQ_ERR,
+            wqe_counter: idx as u16,
+            qpn,
+            send_opcode,
+            byte_cnt: 0,
+            syndrome: syn,
+            vendor_syndrome: 0,
+        }
+        .encode(idx, log2);
+        let sq = self.sq_mut(i, companion);
+        sq.failed = true;
+        sq.produced = idx + 1;
+        let at = sq.spec.cqe;
+        let p = &mut self.pairs[i];
+        // Syndrome first, then the qword the kernel polls.
+        p.store(at + 48, qword(&cqe, 6))?;
+        p.store(at + 56, qword(&cqe, 7))
     }
 
     fn sq(&self, i: usize, companion: bool) -> &Sq {
@@ -1142,16 +1171,35 @@ mod tests {
     }
 
     #[test]
-    fn a_doorbell_record_that_went_backwards_is_ignored() {
+    fn a_doorbell_record_that_went_backwards_is_one_fatal_qp_error_and_nothing_runs() {
         let mut r = rig();
         r.post(0, 0, &[(write(0, 8), FM_NONE), (write(8, 8), FM_NONE)]);
         assert_eq!(r.serve(), 2);
-        // An older producer's record landing last: nothing new, no error.
+        let dst = r.dst.clone();
+        // The record moves back by one: read as 0xffff WQEs ahead of the
+        // consumer index (2) on an 8-entry queue, as the CPU soft NIC reads
+        // it. Producers post in reservation order, so it never happens to a
+        // working queue.
         r.dbrec(0, 1);
         assert_eq!(r.serve(), 0);
-        assert_eq!(r.error(), None);
+        assert_eq!(r.cqe(0), (CQE_REQ_ERR, 2, syndrome::LOCAL_QP_OP_ERR));
+        let e = r.error().unwrap();
+        for w in [
+            "QP 0x102 to rank 1",
+            "producer index 1",
+            "consumer index 2",
+            "8-entry",
+        ] {
+            assert!(e.contains(w), "error {e:?} does not mention {w:?}");
+        }
+        assert_eq!(r.dst, dst, "nothing executed");
+        // Reported once: later passes (and later posts) add nothing and
+        // move no data; the first error stays where the kernel reads it.
+        assert_eq!(r.serve(), 0);
         r.post(0, 2, &[(write(16, 8), FM_NONE)]);
-        assert_eq!(r.serve(), 1);
-        assert_eq!(r.cqe(0), (CQE_REQ, 2, 0));
+        r.serve();
+        assert_eq!(r.dst, dst);
+        assert_eq!(r.cqe(0), (CQE_REQ_ERR, 2, syndrome::LOCAL_QP_OP_ERR));
+        assert_eq!(r.error().unwrap(), e);
     }
 }

@@ -21,6 +21,7 @@ constexpr u64 F_STRONG = 0x02;
 constexpr u64 F_COUNTER = 0x04;
 constexpr u64 F_INLINE = 0x08;
 constexpr u64 F_INLINE_TOP = 0x10;
+constexpr u64 F_SIGNAL_TOP = 0x20; // bit 63 of the signal amount (signals are 64-bit)
 
 struct Desc {
   u32 op;
@@ -59,6 +60,7 @@ GIN_HD void encode(const Desc& d, u64 seq, u32 log2, u64 q[8]) {
     if (d.sig_strong) flags |= F_STRONG;
     q4 |= (u64)d.sig_window & MAX_ID;
     q5 = d.sig_offset & LOW63;
+    if (d.sig_add & PHASE) flags |= F_SIGNAL_TOP;
     q6 = d.sig_add & LOW63;
   }
   if (d.has_counter) {
