@@ -5,7 +5,8 @@
 //!   rank fails, the others are stopped after the grace period and the exit
 //!   status is non-zero.
 //! - `bench [smoke|quick|full] [--machine NAME] [--out DIR]`: a suite of gin-bench
-//!   runs, written to `docs/bench/<machine>/` as JSON, Markdown and SVG plots.
+//!   runs, written to `target/bench/<machine>/` (or `--out DIR`) as JSON,
+//!   Markdown and SVG plots.
 //! - `loggp-summary FILE...`: medians over several `gin-bench loggp --json`
 //!   reports of one path, as Markdown (what docs/loggp.md quotes).
 //! - `ci`: what CI runs (`.ci/run`).
