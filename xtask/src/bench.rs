@@ -228,7 +228,7 @@ fn relative_link(from: &Path, to: &Path) -> String {
     p.to_string_lossy().into_owned()
 }
 
-const USAGE: &str =
+pub const USAGE: &str =
     "usage: cargo xtask bench [smoke|quick|full] [--machine NAME] [--out DIR] [--render-only]";
 
 pub fn run(args: &[String]) -> Result<()> {
