@@ -32,6 +32,7 @@ use anyhow::{Context, Result, bail};
 use gin_bootstrap::{LaunchSpec, launch, parse_duration};
 
 fn main() -> ExitCode {
+    gin_bootstrap::init_tracing_from_env();
     match run() {
         Ok(code) => code,
         Err(e) => {

@@ -42,6 +42,10 @@ pub enum Output {
     Prefix,
     /// Keep each rank's output in the report, print nothing.
     Capture,
+    /// Keep each rank's standard output in the report and copy its standard
+    /// error to ours, prefixed: a front end that parses the ranks' results
+    /// but passes their logs through.
+    CaptureStdout,
     /// Leave the ranks' output attached to ours, unprefixed.
     Inherit,
 }
@@ -103,9 +107,11 @@ pub struct RankExit {
     pub status: Option<ExitStatus>,
     /// The launcher stopped it (after another rank failed or the limit passed).
     pub stopped: bool,
-    /// Captured standard output (with [`Output::Capture`]).
+    /// Captured standard output (with [`Output::Capture`] and
+    /// [`Output::CaptureStdout`]).
     pub stdout: String,
-    /// Captured standard error (with [`Output::Capture`]).
+    /// Captured standard error (with [`Output::Capture`]; empty with
+    /// [`Output::CaptureStdout`], which prints it as it comes).
     pub stderr: String,
 }
 
@@ -362,13 +368,14 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchReport, BootstrapError> {
                 )));
             }
         };
-        let capture = spec.output == Output::Capture;
+        let capture_out = matches!(spec.output, Output::Capture | Output::CaptureStdout);
+        let capture_err = spec.output == Output::Capture;
         if let Some(s) = child.stdout.take() {
-            pump(s, rank, capture, false, out_tx.clone());
+            pump(s, rank, capture_out, false, out_tx.clone());
             pumps += 1;
         }
         if let Some(s) = child.stderr.take() {
-            pump(s, rank, capture, true, out_tx.clone());
+            pump(s, rank, capture_err, true, out_tx.clone());
             pumps += 1;
         }
         ranks.push(Running {
