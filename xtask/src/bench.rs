@@ -1,7 +1,9 @@
 //! `cargo xtask bench [smoke|quick|full] [--machine NAME] [--out DIR]`: runs a
 //! suite of gin-bench subcommands with `--json`, then writes
-//! `docs/bench/<machine>/`: the JSON, a README.md with a table per
-//! benchmark, the exact command and the machine, and SVG plots.
+//! `target/bench/<machine>/` (or `--out DIR`): the JSON, a README.md with a
+//! table per benchmark, the exact command and the machine, and SVG plots.
+//! The committed figures in `docs/bench/<machine>/` change only with an
+//! explicit `--out`.
 //!
 //! gin-bench embeds its tables in its JSON, so this renders Markdown
 //! without knowing each benchmark's fields; only the plots read results.
@@ -194,7 +196,39 @@ fn workspace_root() -> PathBuf {
     here.parent().map_or(here.clone(), Path::to_path_buf)
 }
 
-const USAGE: &str =
+/// Cargo's target folder: `CARGO_TARGET_DIR` (relative to where cargo was
+/// started, as cargo reads it) or the workspace's `target/`.
+fn target_dir(root: &Path) -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from)
+}
+
+/// Where a suite writes: `--out` when given, else `<target>/bench/<machine>/`.
+///
+/// Never `docs/` by default: the machine name of a small cloud VM (e.g.
+/// `amd-epyc-2c`) can be the name of the committed reference figures, and a
+/// suite run by someone following the README must not overwrite them.
+/// Refreshing the committed figures takes an explicit `--out docs/bench/NAME`.
+fn out_dir(out: Option<PathBuf>, target: &Path, machine: &str) -> PathBuf {
+    out.unwrap_or_else(|| target.join("bench").join(machine))
+}
+
+/// `to` as seen from the folder `from` (both absolute), for links in the
+/// page a suite writes wherever it lands.
+fn relative_link(from: &Path, to: &Path) -> String {
+    let f: Vec<_> = from.components().collect();
+    let t: Vec<_> = to.components().collect();
+    let common = f.iter().zip(&t).take_while(|(a, b)| a == b).count();
+    let mut p = PathBuf::new();
+    for _ in common..f.len() {
+        p.push("..");
+    }
+    for c in &t[common..] {
+        p.push(c);
+    }
+    p.to_string_lossy().into_owned()
+}
+
+pub const USAGE: &str =
     "usage: cargo xtask bench [smoke|quick|full] [--machine NAME] [--out DIR] [--render-only]";
 
 pub fn run(args: &[String]) -> Result<()> {
@@ -224,7 +258,7 @@ pub fn run(args: &[String]) -> Result<()> {
         bail!("--machine {machine:?}: a plain folder name, please");
     }
     let root = workspace_root();
-    let out = out.unwrap_or_else(|| root.join("docs/bench").join(&machine));
+    let out = out_dir(out, &target_dir(&root), &machine);
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     // gin-bench runs from the workspace root: hand it absolute paths.
     let out = out
@@ -242,7 +276,12 @@ pub fn run(args: &[String]) -> Result<()> {
         run_jobs(&root, &out, &jobs)?
     };
     let plots = plot::all(&out, &reports)?;
-    let md = render_markdown(&suite, &machine, &reports, &plots);
+    let docs = root.canonicalize().unwrap_or(root).join("docs");
+    let links = (
+        relative_link(&out, &docs.join("bench/suite.md")),
+        relative_link(&out, &docs.join("loggp.md")),
+    );
+    let md = render_markdown(&suite, &machine, &reports, &plots, &links);
     let readme = out.join("README.md");
     std::fs::write(&readme, md).with_context(|| format!("writing {}", readme.display()))?;
     eprintln!("xtask bench: wrote {}", out.display());
@@ -267,9 +306,7 @@ fn run_jobs(root: &Path, out: &Path, jobs: &[Job]) -> Result<Vec<(Job, Value)>> 
     if !st.success() {
         bail!("building gin-bench failed");
     }
-    let target =
-        std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
-    let exe = target.join("release/gin-bench");
+    let exe = target_dir(root).join("release/gin-bench");
     if !exe.exists() {
         bail!("{} is missing after the build", exe.display());
     }
@@ -330,6 +367,7 @@ fn render_markdown(
     machine: &str,
     reports: &[(Job, Value)],
     plots: &[(String, String)],
+    (suite_md, loggp_md): &(String, String),
 ) -> String {
     let mut s = String::new();
     let host = reports.first().map(|r| &r.1["host"]);
@@ -362,7 +400,7 @@ fn render_markdown(
     }
     let _ = writeln!(
         s,
-        "Each row gives the median over runs with p10/p90/p99 and a floor measured in the same job (see [docs/bench/suite.md](../suite.md) and [docs/loggp.md](../../loggp.md))."
+        "Each row gives the median over runs with p10/p90/p99 and a floor measured in the same job (see [docs/bench/suite.md]({suite_md}) and [docs/loggp.md]({loggp_md}))."
     );
     if !plots.is_empty() {
         let _ = writeln!(s, "\n## Plots\n");
@@ -405,6 +443,43 @@ mod tests {
         );
         assert_eq!(machine_name("", 4), "machine-4c");
         assert!(machine_name("AMD Ryzen 9 7950X 16-Core Processor", 32).len() <= 28);
+    }
+
+    #[test]
+    fn reports_go_to_the_target_folder_unless_out_is_given() {
+        let root = Path::new("/ws");
+        let target = Path::new("/ws/target");
+        // The development machine's own name must not reach the committed
+        // reference figures by default.
+        let d = out_dir(None, target, "amd-epyc-2c");
+        assert_eq!(d, Path::new("/ws/target/bench/amd-epyc-2c"));
+        assert!(!d.starts_with(root.join("docs")), "{}", d.display());
+        // A relocated target folder (CARGO_TARGET_DIR) is followed.
+        assert_eq!(
+            out_dir(None, Path::new("/tmp/t"), "m-4c"),
+            Path::new("/tmp/t/bench/m-4c")
+        );
+        // Writing into docs/ takes an explicit --out.
+        assert_eq!(
+            out_dir(Some("docs/bench/amd-epyc-2c".into()), target, "x"),
+            Path::new("docs/bench/amd-epyc-2c")
+        );
+    }
+
+    #[test]
+    fn links_from_the_report_reach_the_docs_wherever_it_lands() {
+        let docs = Path::new("/ws/docs");
+        assert_eq!(
+            relative_link(Path::new("/ws/docs/bench/m-2c"), &docs.join("loggp.md")),
+            "../../loggp.md"
+        );
+        assert_eq!(
+            relative_link(
+                Path::new("/ws/target/bench/m-2c"),
+                &docs.join("bench/suite.md")
+            ),
+            "../../../docs/bench/suite.md"
+        );
     }
 
     #[test]

@@ -5,7 +5,8 @@
 //!   rank fails, the others are stopped after the grace period and the exit
 //!   status is non-zero.
 //! - `bench [smoke|quick|full] [--machine NAME] [--out DIR]`: a suite of gin-bench
-//!   runs, written to `docs/bench/<machine>/` as JSON, Markdown and SVG plots.
+//!   runs, written to `target/bench/<machine>/` (or `--out DIR`) as JSON,
+//!   Markdown and SVG plots.
 //! - `faults [--quick] [--timeout 5s] [--only TEXT] [--out FILE.md]`: the
 //!   reliability campaign: one rank of gin-bench jobs on every backend and
 //!   transport is killed or stopped, and every survivor must end with an
@@ -36,6 +37,7 @@ use anyhow::{Context, Result, bail};
 use gin_bootstrap::{LaunchSpec, launch, parse_duration};
 
 fn main() -> ExitCode {
+    gin_bootstrap::init_tracing_from_env();
     match run() {
         Ok(code) => code,
         Err(e) => {
@@ -45,18 +47,57 @@ fn main() -> ExitCode {
     }
 }
 
-const USAGE: &str =
-    "usage: cargo xtask launch -n N [--grace DURATION] [--timeout DURATION] -- CMD [ARGS...]
-       cargo xtask bench [smoke|quick|full] [--machine NAME] [--out DIR]
-       cargo xtask faults [--quick] [--timeout 5s] [--only TEXT] [--out FILE.md]
-       cargo xtask loggp-summary FILE...
-       cargo xtask ci
-       cargo xtask gpu-package [DIR]
-       cargo xtask rdma-bindings [INCLUDE_DIR]";
+const LAUNCH_USAGE: &str =
+    "usage: cargo xtask launch -n N [--grace DURATION] [--timeout DURATION] -- CMD [ARGS...]";
+
+/// Each subcommand's usage line, in the order `--help` lists them.
+const USAGES: &[(&str, &str)] = &[
+    ("launch", LAUNCH_USAGE),
+    ("bench", bench::USAGE),
+    (
+        "faults",
+        "usage: cargo xtask faults [--quick] [--timeout 5s] [--only TEXT] [--out FILE.md]",
+    ),
+    ("loggp-summary", "usage: cargo xtask loggp-summary FILE..."),
+    ("ci", "usage: cargo xtask ci"),
+    ("gpu-package", "usage: cargo xtask gpu-package [DIR]"),
+    (
+        "rdma-bindings",
+        "usage: cargo xtask rdma-bindings [INCLUDE_DIR]",
+    ),
+];
+
+/// Every usage line, aligned under the first.
+fn usage() -> String {
+    let lines: Vec<&str> = USAGES
+        .iter()
+        .map(|(_, u)| u.trim_start_matches("usage: "))
+        .collect();
+    format!("usage: {}", lines.join("\n       "))
+}
+
+/// `-h` or `--help` among a subcommand's own arguments (for `launch`, those
+/// before `--`: the rest belongs to the ranks' program).
+fn wants_help(args: &[String]) -> bool {
+    args.iter()
+        .take_while(|a| *a != "--")
+        .any(|a| a == "-h" || a == "--help")
+}
 
 fn run() -> Result<ExitCode> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    match args.first().map(String::as_str) {
+    let cmd = args.first().map(String::as_str);
+    if matches!(cmd, Some("-h" | "--help" | "help")) {
+        println!("{}", usage());
+        return Ok(ExitCode::SUCCESS);
+    }
+    if let Some(&(_, u)) = USAGES.iter().find(|(c, _)| Some(*c) == cmd)
+        && wants_help(&args[1..])
+    {
+        println!("{u}");
+        return Ok(ExitCode::SUCCESS);
+    }
+    match cmd {
         Some("launch") => launch_cmd(&args[1..]),
         Some("gpu-package") => gpu::package(&args[1..]).map(|()| ExitCode::SUCCESS),
         Some("bench") => bench::run(&args[1..]).map(|()| ExitCode::SUCCESS),
@@ -74,7 +115,8 @@ fn run() -> Result<ExitCode> {
                 ExitCode::FAILURE
             })
         }
-        _ => bail!("{USAGE}"),
+        Some(other) => bail!("unknown command {other:?}\n{}", usage()),
+        None => bail!("{}", usage()),
     }
 }
 
@@ -82,10 +124,10 @@ fn launch_cmd(args: &[String]) -> Result<ExitCode> {
     let split = args
         .iter()
         .position(|a| a == "--")
-        .with_context(|| format!("missing `--` before the command\n{USAGE}"))?;
+        .with_context(|| format!("missing `--` before the command\n{LAUNCH_USAGE}"))?;
     let (opts, cmd) = (&args[..split], &args[split + 1..]);
     let Some((program, prog_args)) = cmd.split_first() else {
-        bail!("no command after `--`\n{USAGE}");
+        bail!("no command after `--`\n{LAUNCH_USAGE}");
     };
     let mut n = None;
     let mut grace = Duration::from_secs(5);
@@ -103,10 +145,10 @@ fn launch_cmd(args: &[String]) -> Result<ExitCode> {
             }
             "--grace" => grace = parse_duration(val()?).map_err(anyhow::Error::msg)?,
             "--timeout" => limit = Some(parse_duration(val()?).map_err(anyhow::Error::msg)?),
-            other => bail!("unknown option {other:?}\n{USAGE}"),
+            other => bail!("unknown option {other:?}\n{LAUNCH_USAGE}"),
         }
     }
-    let n = n.with_context(|| format!("-n N is required\n{USAGE}"))?;
+    let n = n.with_context(|| format!("-n N is required\n{LAUNCH_USAGE}"))?;
     let mut spec = LaunchSpec::new(n, program, prog_args.iter());
     spec.grace = grace;
     spec.limit = limit;

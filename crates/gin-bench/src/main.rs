@@ -58,9 +58,20 @@ enum Cmd {
     Bootstrap(bootstrap::BootstrapArgs),
 }
 
-fn main() -> Result<()> {
-    init_tracing();
-    let cli = Cli::parse();
+fn main() -> std::process::ExitCode {
+    // GIN_DEBUG sets the log filter (like NCCL_DEBUG), warnings by default;
+    // errors print as one line of Display with their causes.
+    gin_bootstrap::init_tracing_from_env();
+    match run(Cli::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("gin-bench: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
         Some(Cmd::Bootstrap(a)) => bootstrap::run(&ranks::rank_args(a)?),
         Some(Cmd::Pingpong(a)) if a.common.device == Device::Cuda => cuda::run(
@@ -85,13 +96,4 @@ fn main() -> Result<()> {
         Some(Cmd::Cuda(a)) => cuda::run(&a),
         None => pingpong::run(&pingpong::PingPongArgs::default_args()),
     }
-}
-
-/// `GIN_DEBUG` sets the tracing filter (like `NCCL_DEBUG`); warnings by default.
-fn init_tracing() {
-    let filter = std::env::var("GIN_DEBUG").unwrap_or_else(|_| "warn".to_owned());
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
-        .with_writer(std::io::stderr)
-        .try_init();
 }

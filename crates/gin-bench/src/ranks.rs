@@ -50,7 +50,14 @@ pub fn spawn_self<T: DeserializeOwned>(
     for (k, v) in env {
         spec = spec.env(k, v);
     }
-    spec.output = Output::Capture;
+    // Results come on the ranks' stdout. Their stderr is kept for the error
+    // report, unless GIN_DEBUG asks for logs: then it is passed through as it
+    // comes, prefixed by rank, like the front end's own.
+    spec.output = if gin_bootstrap::tracing_requested() {
+        Output::CaptureStdout
+    } else {
+        Output::Capture
+    };
     spec.grace = Duration::from_secs(10);
     spec.config = gin_bootstrap::Config::from_env()?;
     let report = launch(&spec)?;

@@ -4,11 +4,28 @@
 //!
 //! The root lives in the launcher rather than in rank 0, so the death of any
 //! rank, rank 0 included, is seen and relayed to the survivors.
+//!
+//! Each rank is started in a process group of its own and stopped as a whole
+//! group, as Slurm and torchrun stop a job step: a rank started through a
+//! wrapper script (`sh -c 'prog; ...'`, a job script, `env`, `numactl`) is the
+//! wrapper and everything it started. Stopping means SIGTERM to the group,
+//! then SIGKILL to the group [`KILL_AFTER_TERM`] later (or after the grace,
+//! if that is shorter). When a rank's first process exits, whatever it left
+//! running in its group is killed with it, so a forgotten background child
+//! cannot keep the rank's output, and so the launcher, open.
+//!
+//! Because the ranks are not in the launcher's process group, a Ctrl-C at the
+//! terminal (or a SIGTERM or SIGHUP to the launcher) reaches only the
+//! launcher. While [`launch()`] runs it catches those three signals (unless
+//! they were ignored), stops every rank's group at once (SIGTERM, then
+//! SIGKILL), waits for the ranks, restores the previous handlers and raises
+//! the signal again, so the launching process ends as it would have.
 
 use std::ffi::OsString;
 use std::fmt::Write as _;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::SocketAddr;
+use std::os::unix::process::CommandExt as _;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::thread;
@@ -25,6 +42,10 @@ pub enum Output {
     Prefix,
     /// Keep each rank's output in the report, print nothing.
     Capture,
+    /// Keep each rank's standard output in the report and copy its standard
+    /// error to ours, prefixed: a front end that parses the ranks' results
+    /// but passes their logs through.
+    CaptureStdout,
     /// Leave the ranks' output attached to ours, unprefixed.
     Inherit,
 }
@@ -38,7 +59,8 @@ pub struct LaunchSpec {
     /// Extra environment for every rank.
     pub env: Vec<(OsString, OsString)>,
     /// After the first rank fails, how long the others get to finish on their
-    /// own before they are stopped.
+    /// own before they are stopped (SIGTERM to each rank's process group, then
+    /// SIGKILL [`KILL_AFTER_TERM`] later, or after `grace` if that is shorter).
     pub grace: Duration,
     /// Stop the whole job after this long (None: no limit).
     pub limit: Option<Duration>,
@@ -110,9 +132,11 @@ pub struct RankExit {
     pub status: Option<ExitStatus>,
     /// The launcher stopped it (after another rank failed or the limit passed).
     pub stopped: bool,
-    /// Captured standard output (with [`Output::Capture`]).
+    /// Captured standard output (with [`Output::Capture`] and
+    /// [`Output::CaptureStdout`]).
     pub stdout: String,
-    /// Captured standard error (with [`Output::Capture`]).
+    /// Captured standard error (with [`Output::Capture`]; empty with
+    /// [`Output::CaptureStdout`], which prints it as it comes).
     pub stderr: String,
     /// When the launcher saw it end, from the launch.
     pub ended: Option<Duration>,
@@ -170,13 +194,163 @@ fn describe_status(st: ExitStatus) -> String {
     }
 }
 
+/// How long a stopped rank's process group has between SIGTERM and SIGKILL
+/// (at most; a shorter grace shortens it too).
+pub const KILL_AFTER_TERM: Duration = Duration::from_secs(2);
+
+/// How long the launcher waits, once every rank has ended, for the ranks'
+/// output to reach end of file. Only a process that left its rank's process
+/// group (`setsid`) can hold it open that long; its output is then dropped.
+const OUTPUT_DRAIN: Duration = Duration::from_secs(5);
+
 struct Running {
     child: Child,
+    /// The rank's process group: its first process's pid.
+    pgid: u32,
     exit: Option<ExitStatus>,
     ended: Option<Duration>,
+    /// The launcher stopped it.
     stopped: bool,
-    out: Option<thread::JoinHandle<String>>,
-    err: Option<thread::JoinHandle<String>>,
+    /// Its status could not be read.
+    lost: bool,
+    /// When the group gets SIGKILL after the SIGTERM it was sent.
+    kill_at: Option<Instant>,
+}
+
+/// Process groups: signalled as a whole, and a leader's exit seen without
+/// reaping it (std can start a group, not signal or peek at one); and the
+/// launcher's own termination signals, caught while a job runs.
+#[allow(unsafe_code)]
+mod group {
+    use std::io;
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicI32, Ordering};
+
+    pub(super) use libc::{SIGKILL, SIGSTOP, SIGTERM};
+
+    /// The signals that end a launcher and so must end its job.
+    const FORWARDED: [libc::c_int; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
+
+    /// The last forwarded signal caught (0: none).
+    static CAUGHT: AtomicI32 = AtomicI32::new(0);
+
+    /// How many launches run, and the handlers they replaced.
+    static INSTALLED: Mutex<(usize, Vec<(libc::c_int, libc::sigaction)>)> =
+        Mutex::new((0, Vec::new()));
+
+    extern "C" fn on_signal(sig: libc::c_int) {
+        // An atomic store is async-signal-safe.
+        CAUGHT.store(sig, Ordering::Relaxed);
+    }
+
+    /// Catches the forwarded signals while it lives (shared by concurrent
+    /// launches: the first installs, the last restores).
+    pub(super) struct Catch(());
+
+    impl Catch {
+        pub(super) fn install() -> Self {
+            let mut g = INSTALLED
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if g.0 == 0 {
+                CAUGHT.store(0, Ordering::Relaxed);
+                for sig in FORWARDED {
+                    // SAFETY: sigaction is plain old data, valid when zeroed.
+                    let mut new: libc::sigaction = unsafe { std::mem::zeroed() };
+                    new.sa_sigaction =
+                        on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
+                    new.sa_flags = libc::SA_RESTART;
+                    // SAFETY: zeroed is a valid sigaction to be overwritten.
+                    let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
+                    // SAFETY: both pointers are valid sigaction structs; the
+                    // handler only stores to an atomic.
+                    if unsafe { libc::sigaction(sig, &raw const new, &raw mut old) } != 0 {
+                        continue;
+                    }
+                    if old.sa_sigaction == libc::SIG_IGN {
+                        // Ignored (nohup, a background job): keep ignoring it.
+                        // SAFETY: `old` was just returned by sigaction.
+                        unsafe { libc::sigaction(sig, &raw const old, std::ptr::null_mut()) };
+                    } else {
+                        g.1.push((sig, old));
+                    }
+                }
+            }
+            g.0 += 1;
+            Self(())
+        }
+
+        /// A forwarded signal caught since the first launch began.
+        pub(super) fn caught() -> Option<libc::c_int> {
+            match CAUGHT.load(Ordering::Relaxed) {
+                0 => None,
+                s => Some(s),
+            }
+        }
+    }
+
+    impl Drop for Catch {
+        fn drop(&mut self) {
+            let mut g = INSTALLED
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            g.0 -= 1;
+            if g.0 > 0 {
+                return;
+            }
+            for (sig, old) in g.1.drain(..) {
+                // SAFETY: `old` is the action sigaction returned for `sig`.
+                unsafe { libc::sigaction(sig, &raw const old, std::ptr::null_mut()) };
+            }
+            let sig = CAUGHT.swap(0, Ordering::Relaxed);
+            if sig != 0 {
+                // The launcher was asked to end: now that its job is stopped,
+                // end as the previous disposition says (by default, die of
+                // the signal). If that returns, launch() reports it.
+                // SAFETY: raise sends a signal to this thread only.
+                unsafe { libc::raise(sig) };
+            }
+        }
+    }
+
+    /// Sends `sig` to every process of the group `pgid`. An empty group
+    /// (ESRCH) is not an error: everything in it has already gone.
+    pub(super) fn signal(pgid: u32, sig: libc::c_int) {
+        // SAFETY: killpg only sends a signal; it reads and writes no memory of
+        // ours. Callers pass the pgid of a group whose leader they have not
+        // reaped yet, so the id cannot have been recycled.
+        let _ = unsafe { libc::killpg(pgid as libc::pid_t, sig) };
+    }
+
+    /// Whether our child `pid` has exited, without reaping it: until it is
+    /// reaped its pid keeps naming its process group, so what it left in the
+    /// group can still be signalled without hitting a recycled id.
+    pub(super) fn exited_unreaped(pid: u32) -> io::Result<bool> {
+        // SAFETY: siginfo_t is plain old data, valid when zeroed; a zero
+        // si_pid is how WNOHANG reports "no change" portably.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: `info` is a valid, writable siginfo_t; WNOHANG | WNOWAIT
+        // neither blocks nor reaps.
+        let rc = unsafe {
+            libc::waitid(
+                libc::P_PID,
+                pid as libc::id_t,
+                &raw mut info,
+                libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+            )
+        };
+        if rc != 0 {
+            let e = io::Error::last_os_error();
+            return if e.kind() == io::ErrorKind::Interrupted {
+                Ok(false)
+            } else {
+                Err(e)
+            };
+        }
+        // SAFETY: waitid succeeded, so `info` is initialised; si_pid is
+        // meaningful for the CLD_* codes it reports and zero otherwise.
+        Ok(unsafe { info.si_pid() } != 0)
+    }
 }
 
 /// Launches the job and waits for every rank. An `Err` is a failure to
@@ -187,8 +361,11 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchReport, BootstrapError> {
     }
     let root = BootstrapRoot::start(spec.root_bind, Some(spec.nranks), spec.config)?;
     let id = root.id().to_string();
+    let catch = group::Catch::install();
     let start = Instant::now();
     let mut ranks: Vec<Running> = Vec::with_capacity(spec.nranks);
+    let (out_tx, out_rx) = mpsc::channel();
+    let mut pumps = 0;
     for rank in 0..spec.nranks {
         let mut cmd = Command::new(&spec.program);
         cmd.args(&spec.args)
@@ -198,7 +375,11 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchReport, BootstrapError> {
             .env("GIN_LOCAL_RANK", rank.to_string())
             .env("GIN_LOCAL_NRANKS", spec.nranks.to_string())
             .env("GIN_UNIQUE_ID", &id)
-            .stdin(Stdio::null());
+            .stdin(Stdio::null())
+            // A group of its own, so the rank can be stopped with everything
+            // it started (and a Ctrl-C meant for the launcher reaches the
+            // ranks through the launcher's stop, not all at once).
+            .process_group(0);
         for (k, v) in &spec.env {
             cmd.env(k, v);
         }
@@ -209,7 +390,7 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchReport, BootstrapError> {
             Ok(c) => c,
             Err(e) => {
                 for r in &mut ranks {
-                    let _ = r.child.kill();
+                    group::signal(r.pgid, group::SIGKILL);
                     let _ = r.child.wait();
                 }
                 return Err(BootstrapError::Launch(format!(
@@ -218,36 +399,58 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchReport, BootstrapError> {
                 )));
             }
         };
-        let capture = spec.output == Output::Capture;
-        let out = child.stdout.take().map(|s| pump(s, rank, capture, false));
-        let err = child.stderr.take().map(|s| pump(s, rank, capture, true));
+        let capture_out = matches!(spec.output, Output::Capture | Output::CaptureStdout);
+        let capture_err = spec.output == Output::Capture;
+        if let Some(s) = child.stdout.take() {
+            pump(s, rank, capture_out, false, out_tx.clone());
+            pumps += 1;
+        }
+        if let Some(s) = child.stderr.take() {
+            pump(s, rank, capture_err, true, out_tx.clone());
+            pumps += 1;
+        }
         ranks.push(Running {
+            pgid: child.id(),
             child,
             exit: None,
             ended: None,
             stopped: false,
-            out,
-            err,
+            lost: false,
+            kill_at: None,
         });
     }
+    drop(out_tx);
 
     let mut first_failure = None;
     let mut stop_at: Option<Instant> = None;
     let mut fault = spec.fault;
     let mut fault_at = None;
+    let mut interrupted = None;
     let poll = Duration::from_millis(5);
     loop {
         if let Some(f) = fault.filter(|f| start.elapsed() >= f.after) {
             fault = None;
             if let Some(r) = ranks.get_mut(f.rank).filter(|r| r.exit.is_none()) {
-                inject(&mut r.child, f.kind)?;
+                inject(r.pgid, f.kind);
                 fault_at = Some(start.elapsed());
             }
         }
         let mut running = 0;
         for (rank, r) in ranks.iter_mut().enumerate() {
-            if r.exit.is_some() {
+            if r.exit.is_some() || r.lost {
                 continue;
+            }
+            match group::exited_unreaped(r.child.id()) {
+                Ok(false) => {
+                    running += 1;
+                    continue;
+                }
+                Ok(true) => {
+                    // The rank is over: what it left in its group goes too.
+                    // Its pid still names the group until the reap below.
+                    group::signal(r.pgid, group::SIGKILL);
+                }
+                Err(_) => {}
             }
             match r.child.try_wait() {
                 Ok(Some(st)) => {
@@ -260,10 +463,7 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchReport, BootstrapError> {
                     }
                 }
                 Ok(None) => running += 1,
-                Err(_) => {
-                    r.exit = None;
-                    r.stopped = true;
-                }
+                Err(_) => r.lost = true,
             }
         }
         if running == 0 {
@@ -274,25 +474,68 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchReport, BootstrapError> {
         if over_limit && stop_at.is_none() {
             stop_at = Some(now);
         }
+        if let Some(sig) = group::Catch::caught() {
+            if interrupted.is_none() {
+                tracing::warn!(signal = sig, "launcher interrupted; stopping every rank");
+                interrupted = Some(sig);
+            }
+            stop_at = Some(stop_at.map_or(now, |t| t.min(now)));
+        }
         if stop_at.is_some_and(|t| now >= t) {
-            for r in ranks.iter_mut().filter(|r| r.exit.is_none() && !r.stopped) {
+            for r in ranks
+                .iter_mut()
+                .filter(|r| r.exit.is_none() && !r.lost && !r.stopped)
+            {
                 r.stopped = true;
-                let _ = r.child.kill();
+                group::signal(r.pgid, group::SIGTERM);
+                r.kill_at = Some(now + KILL_AFTER_TERM.min(spec.grace));
+            }
+        }
+        for r in ranks.iter_mut().filter(|r| r.exit.is_none() && !r.lost) {
+            if r.kill_at.is_some_and(|t| now >= t) {
+                group::signal(r.pgid, group::SIGKILL);
+                r.kill_at = None;
             }
         }
         // Polling child status is the supervision loop itself, not a stand-in
         // for synchronisation: std offers no wait-for-any-child.
         thread::sleep(poll);
     }
+    // Every group has been emptied, so the pipes reach end of file unless a
+    // process escaped its group; do not wait for that one for ever.
+    let mut outputs: Vec<(String, String)> = vec![Default::default(); spec.nranks];
+    let drain_until = Instant::now() + OUTPUT_DRAIN;
+    for _ in 0..pumps {
+        let left = drain_until.saturating_duration_since(Instant::now());
+        match out_rx.recv_timeout(left) {
+            Ok((rank, is_err, text)) if is_err => outputs[rank].1 = text,
+            Ok((rank, _, text)) => outputs[rank].0 = text,
+            Err(_) => {
+                tracing::warn!(
+                    "a rank's output is still held open by a process that left its process group; not waiting for it"
+                );
+                break;
+            }
+        }
+    }
+    // Restores the handlers; re-raises a caught signal if this was the last
+    // launch running.
+    drop(catch);
+    if let Some(sig) = interrupted {
+        return Err(BootstrapError::Launch(format!(
+            "interrupted by signal {sig}; every rank was stopped"
+        )));
+    }
     let ranks = ranks
         .into_iter()
+        .zip(outputs)
         .enumerate()
-        .map(|(rank, r)| RankExit {
+        .map(|(rank, (r, (stdout, stderr)))| RankExit {
             rank,
             status: r.exit,
-            stopped: r.stopped,
-            stdout: r.out.and_then(|h| h.join().ok()).unwrap_or_default(),
-            stderr: r.err.and_then(|h| h.join().ok()).unwrap_or_default(),
+            stopped: r.stopped || r.lost,
+            stdout,
+            stderr,
             ended: r.ended,
         })
         .collect();
@@ -304,34 +547,26 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchReport, BootstrapError> {
     })
 }
 
-/// Kills or stops a rank. SIGSTOP goes through kill(1): this crate has no
-/// unsafe code and std can only send SIGKILL.
-fn inject(child: &mut Child, kind: FaultKind) -> Result<(), BootstrapError> {
-    match kind {
-        FaultKind::Kill => child
-            .kill()
-            .map_err(|e| BootstrapError::Launch(format!("killing a rank: {e}"))),
-        FaultKind::Stop => {
-            let st = Command::new("kill")
-                .args(["-STOP", &child.id().to_string()])
-                .status()
-                .map_err(|e| BootstrapError::Launch(format!("running kill -STOP: {e}")))?;
-            if st.success() {
-                Ok(())
-            } else {
-                Err(BootstrapError::Launch(format!("kill -STOP failed: {st}")))
-            }
-        }
-    }
+/// Kills or stops a rank's process group (wrapper scripts included).
+fn inject(pgid: u32, kind: FaultKind) {
+    group::signal(
+        pgid,
+        match kind {
+            FaultKind::Kill => group::SIGKILL,
+            FaultKind::Stop => group::SIGSTOP,
+        },
+    );
 }
 
-/// Copies a rank's stream line by line, prefixed, or captures it.
+/// Copies a rank's stream line by line, prefixed, or captures it; at end of
+/// file sends what it kept to `done`.
 fn pump<R: Read + Send + 'static>(
     stream: R,
     rank: usize,
     capture: bool,
     is_err: bool,
-) -> thread::JoinHandle<String> {
+    done: mpsc::Sender<(usize, bool, String)>,
+) {
     thread::spawn(move || {
         let mut kept = String::new();
         let mut rd = BufReader::new(stream);
@@ -354,8 +589,8 @@ fn pump<R: Read + Send + 'static>(
                 let _ = writeln!(std::io::stdout().lock(), "[rank {rank}] {text}");
             }
         }
-        kept
-    })
+        let _ = done.send((rank, is_err, kept));
+    });
 }
 
 /// Runs `f` in `n` threads, each with its own [`crate::Bootstrap`] of one job

@@ -24,8 +24,15 @@
 //!   checked before allocation and payloads read in bounded chunks.
 //! - **Launch.** [`launch()`] starts N local rank processes with the `GIN_*`
 //!   variables set, hosts the root itself, prefixes output by rank and stops the
-//!   job when a rank fails. [`LaunchEnv`] reads a rank's identity from `GIN_*`,
-//!   torchrun, Slurm or Open MPI variables.
+//!   job when a rank fails. Each rank is a process group, stopped as a whole
+//!   (SIGTERM, then SIGKILL), so wrapper scripts and their children go too; the
+//!   only `unsafe` in the crate is the few libc calls that needs. [`LaunchEnv`]
+//!   reads a rank's identity from `GIN_*`, torchrun, Slurm or Open MPI
+//!   variables.
+//! - **Programs.** [`init_tracing_from_env`] (`GIN_DEBUG`) and [`exit_code`]
+//!   (errors as Display) are what every binary and example of the project
+//!   calls; being the one crate they all reach, gin-bootstrap holds them. The
+//!   libraries never install a subscriber themselves.
 //!
 //! # What it does not know
 //!
@@ -37,6 +44,7 @@
 
 #![deny(unsafe_code)]
 
+mod cli;
 mod collectives;
 mod comm;
 mod env;
@@ -48,6 +56,9 @@ mod net;
 mod root;
 pub mod selftest;
 
+pub use cli::{
+    DEBUG_VAR, error_chain, exit_code, init_tracing_from_env, parse_filter, tracing_requested,
+};
 pub use comm::Bootstrap;
 pub use env::{Config, DEFAULT_TIMEOUT, LaunchEnv, RANK_VARS, Rendezvous, parse_duration};
 pub use error::BootstrapError;

@@ -142,3 +142,113 @@ fn launch_reports_a_program_that_cannot_start() {
         "{e}"
     );
 }
+
+/// A scratch folder for pid files, removed when dropped.
+struct Scratch(std::path::PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Self {
+        let p = std::env::temp_dir().join(format!("gin-launch-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        Self(p)
+    }
+
+    fn pid(&self, rank: usize) -> u32 {
+        let f = self.0.join(rank.to_string());
+        let s = std::fs::read_to_string(&f).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+        s.trim().parse().unwrap()
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Whether `pid` is still a live process (an unreaped zombie has exited).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        // The state follows the parenthesised command name.
+        s.rsplit_once(')')
+            .is_some_and(|(_, rest)| !rest.trim_start().starts_with(['Z', 'X']))
+    })
+}
+
+#[test]
+fn a_failed_rank_stops_every_process_a_wrapper_script_started() {
+    // Ranks 1 and 2 run their "work" (a minute-long sleep) as a child of a
+    // wrapper shell, as `sh -c 'prog; ...'` or a job script does; rank 2's
+    // wrapper and work also ignore SIGTERM. Rank 0 fails once both have
+    // started. Stopping only the wrappers would leave the sleeps running and
+    // holding the ranks' output open, keeping the launcher waiting.
+    let dir = Scratch::new("wrapped");
+    let script = r#"
+        if [ "$GIN_RANK" = 0 ]; then
+            while [ ! -s "$PIDS/1" ] || [ ! -s "$PIDS/2" ]; do sleep 0.01; done
+            exit 4
+        fi
+        if [ "$GIN_RANK" = 2 ]; then trap '' TERM; fi
+        sleep 60 &
+        echo $! > "$PIDS/$GIN_RANK.tmp" && mv "$PIDS/$GIN_RANK.tmp" "$PIDS/$GIN_RANK"
+        wait
+        echo "rank $GIN_RANK was not stopped"
+    "#;
+    let mut s = LaunchSpec::new(3, "sh", ["-c", script]).env("PIDS", &dir.0);
+    s.output = Output::Capture;
+    s.grace = Duration::from_millis(500);
+    let report = launch(&s).unwrap();
+    assert_eq!(
+        report.first_failure,
+        Some(0),
+        "{}",
+        report.describe_failures()
+    );
+    assert!(report.ranks[1].stopped && report.ranks[2].stopped);
+    // The grace, then SIGTERM, then SIGKILL at most 2 s later, plus a margin
+    // for a loaded machine.
+    assert!(
+        report.elapsed < s.grace + Duration::from_secs(2) + Duration::from_secs(3),
+        "took {:?}",
+        report.elapsed
+    );
+    for rank in [1, 2] {
+        let pid = dir.pid(rank);
+        assert!(
+            !alive(pid),
+            "rank {rank}'s child {pid} survived the launcher"
+        );
+        assert!(
+            !report.ranks[rank].stdout.contains("was not stopped"),
+            "{}",
+            report.ranks[rank].stdout
+        );
+    }
+}
+
+#[test]
+fn a_rank_that_exits_leaving_a_child_behind_does_not_keep_the_launcher_waiting() {
+    // The rank succeeds, but a background child it forgot holds its output
+    // open: the launcher stops what the rank left in its process group.
+    let dir = Scratch::new("leftover");
+    let script = r#"sleep 60 & echo $! > "$PIDS/$GIN_RANK"; echo done"#;
+    let mut s = LaunchSpec::new(2, "sh", ["-c", script]).env("PIDS", &dir.0);
+    s.output = Output::Capture;
+    s.grace = Duration::from_millis(500);
+    let report = launch(&s).unwrap();
+    assert!(report.success(), "{}", report.describe_failures());
+    assert_eq!(report.ranks[0].stdout, "done\n");
+    assert!(
+        report.elapsed < Duration::from_secs(5),
+        "took {:?}",
+        report.elapsed
+    );
+    for rank in [0, 1] {
+        let pid = dir.pid(rank);
+        assert!(
+            !alive(pid),
+            "rank {rank}'s child {pid} survived the launcher"
+        );
+    }
+}

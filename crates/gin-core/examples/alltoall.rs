@@ -7,7 +7,14 @@
 use gin_core::launch::{Role, run_ranks};
 use gin_core::{Comm, DevCommRequirements, Fence, Local, Remote, Team};
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> std::process::ExitCode {
+    // GIN_DEBUG=debug (or gin_core=debug, ...) logs to stderr; errors print
+    // as one line of Display, not Debug.
+    gin_bootstrap::init_tracing_from_env();
+    gin_bootstrap::exit_code(run())
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
     let n: usize = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(4);
     let bytes: u64 = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(4096);
@@ -52,10 +59,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             return Err(format!("rank {rank}: block from rank {p} is wrong").into());
         }
     }
+    // What each peer really uses: load/store where the device communicator
+    // maps the peer's windows, else the backend, over the path to it.
+    let paths = comm.path_names();
+    let peers: Vec<String> = (0..n)
+        .filter(|&p| p != rank)
+        .map(|p| {
+            let how = if dc.is_direct(p) {
+                "load/store"
+            } else {
+                dc.backend_name()
+            };
+            format!("{p}: {how} over {}", paths[p])
+        })
+        .collect();
     println!(
-        "rank {rank}: all-to-all of {bytes} B blocks with {n} ranks verified (paths {:?}, backend {})",
-        comm.path_names(),
-        dc.backend_name()
+        "rank {rank}: all-to-all of {bytes} B blocks with {n} ranks verified (peers {})",
+        peers.join(", ")
     );
     dc.destroy()?;
     Ok(())

@@ -9,7 +9,14 @@ use std::time::Instant;
 use gin_core::launch::{Role, run_ranks};
 use gin_core::{Comm, DevCommRequirements, Local, Remote};
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> std::process::ExitCode {
+    // GIN_DEBUG=debug (or gin_core=debug, ...) logs to stderr; errors print
+    // as one line of Display, not Debug.
+    gin_bootstrap::init_tracing_from_env();
+    gin_bootstrap::exit_code(run())
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
     let rounds: u64 = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(10_000);
     let bytes: u64 = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(8);

@@ -14,6 +14,7 @@ use std::time::Instant;
 use gin_bootstrap::{Bootstrap, LaunchEnv, selftest};
 
 fn main() -> ExitCode {
+    gin_bootstrap::init_tracing_from_env();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mode = args.first().map_or("check", String::as_str);
     let arg = |i: usize, default: usize| -> usize {

@@ -30,6 +30,7 @@ use gin_core::{
 type R = Result<(), String>;
 
 fn main() -> ExitCode {
+    gin_bootstrap::init_tracing_from_env();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mode = args.first().cloned().unwrap_or_else(|| "all".into());
     let n = args
