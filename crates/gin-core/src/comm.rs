@@ -19,6 +19,7 @@ use tracing::{debug, info};
 
 use crate::config::{BackendKind, Settings, TransportKind};
 use crate::error::CoreError;
+use crate::liveness::{Liveness, ProcessId};
 use crate::requirements;
 use crate::space::IdSpace;
 
@@ -75,11 +76,15 @@ pub enum Connection {
 }
 
 #[derive(Debug)]
-struct BootstrapHealth(Arc<Bootstrap>);
+struct BootstrapHealth(Arc<Bootstrap>, Liveness);
 
 impl Health for BootstrapHealth {
     fn check(&self) -> Result<(), String> {
         self.0.health().map_err(|e| e.to_string())
+    }
+
+    fn diagnose(&self) -> Option<String> {
+        self.1.diagnose()
     }
 }
 
@@ -108,6 +113,8 @@ pub struct Comm {
     signal_window: Window,
     counters: Arc<Counters>,
     job_tag: String,
+    /// Same-host peers' processes, looked at after a timeout.
+    liveness: Liveness,
 }
 
 /// One rank's part of a window, as every rank learns it.
@@ -181,7 +188,32 @@ impl Comm {
         let b = Arc::new(bootstrap);
         let (rank, n) = (b.rank(), b.nranks());
         // Who shares a host: identical host ids.
-        let ids = b.allgather(settings.host_id.as_bytes())?;
+        // Who shares a host, and each rank's process (named after a timeout
+        // when it is found stopped or gone): one exchange.
+        let mut rec = (settings.host_id.len() as u32).to_le_bytes().to_vec();
+        rec.extend_from_slice(settings.host_id.as_bytes());
+        rec.extend_from_slice(&ProcessId::own().encode());
+        let recs = b.allgather(&rec)?;
+        let mut ids = Vec::with_capacity(n);
+        let mut procs = Vec::with_capacity(n);
+        for (r, rec) in recs.iter().enumerate() {
+            let len = rec
+                .get(..4)
+                .and_then(|l| l.try_into().ok())
+                .map(|l| u32::from_le_bytes(l) as usize);
+            let (Some(id), Some(proc)) = (
+                len.and_then(|l| rec.get(4..4 + l)),
+                len.and_then(|l| rec.get(4 + l..)),
+            ) else {
+                return Err(CoreError::Invalid(format!(
+                    "rank {rank}: rank {r} sent a malformed host record ({} bytes)",
+                    rec.len()
+                )));
+            };
+            ids.push(id.to_vec());
+            procs.push(ProcessId::decode(proc));
+        }
+        let liveness = Liveness::new(rank, &procs);
         let mut distinct: Vec<&Vec<u8>> = Vec::new();
         let hosts: Vec<usize> = ids
             .iter()
@@ -282,6 +314,7 @@ impl Comm {
             counters: Arc::new(Counters::new(settings.counter_slots as usize)),
             signal_window: dangling_window(),
             job_tag,
+            liveness,
             settings,
         };
         comm.signal_window = comm.alloc_window(comm.settings.signal_slots * 8)?;
@@ -739,7 +772,10 @@ impl Comm {
             va_signals: req.va_signals,
             exclusive_contexts: req.exclusive_contexts,
             backend: backend.clone(),
-            health: Arc::new(BootstrapHealth(self.bootstrap.clone())),
+            health: Arc::new(BootstrapHealth(
+                self.bootstrap.clone(),
+                self.liveness.clone(),
+            )),
             timeout: self.settings.timeout,
         });
         let dc = dc?;

@@ -34,6 +34,7 @@ pub mod config;
 pub mod cuda;
 mod error;
 pub mod launch;
+mod liveness;
 pub mod requirements;
 pub mod space;
 

@@ -198,6 +198,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 /// The job-level liveness check waits consult (the bootstrap's death watch).
 pub trait Health: Send + Sync + std::fmt::Debug {
     fn check(&self) -> Result<(), String>;
+
+    /// After a wait timed out: which peers look to blame (stopped, gone),
+    /// as a sentence, or `None` when nothing is known. Failure path only.
+    fn diagnose(&self) -> Option<String> {
+        None
+    }
 }
 
 /// The local counter array, shared with the backend that bumps it.
@@ -603,6 +609,7 @@ impl DevComm {
                         last,
                         expected,
                         waited,
+                        suspects: self.p.health.diagnose().unwrap_or_default(),
                     }),
                     Stop::Aborted => GinError::Aborted {
                         rank: self.p.rank,

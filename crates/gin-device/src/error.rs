@@ -57,8 +57,9 @@ pub enum GinError {
         why: String,
     },
     #[error(
-        "rank {rank}: timed out after {waited:.1?} waiting for {what} on context {ctx}{}: last value {last}, expected {expected}",
-        peer.map(|p| format!(" (peer {p})")).unwrap_or_default()
+        "rank {rank}: timed out after {waited:.1?} waiting for {what} on context {ctx}{}: last value {last}, expected {expected}{}",
+        peer.map(|p| format!(" (peer {p})")).unwrap_or_default(),
+        if suspects.is_empty() { String::new() } else { format!("; {suspects}") }
     )]
     Timeout {
         rank: usize,
@@ -68,6 +69,9 @@ pub enum GinError {
         last: u64,
         expected: u64,
         waited: Duration,
+        /// Peers that look to blame, from [`crate::Health::diagnose`]
+        /// (e.g. "rank 1 is stopped"); empty when none is known.
+        suspects: String,
     },
     #[error(
         "rank {rank}: wait for {what} on context {ctx} aborted by the abort flag (last value {last}, expected {expected})"

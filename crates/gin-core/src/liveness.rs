@@ -1,0 +1,192 @@
+//! Which same-host peers look to blame when a wait times out.
+//!
+//! A rank that was stopped (SIGSTOP, a debugger, a frozen cgroup) keeps its
+//! sockets open and its shared memory mapped: nothing in the job's traffic
+//! says it is gone, so a wait on it can only time out. Its process state
+//! says so, though. Every rank learns at creation the pid, start time, boot
+//! id and pid namespace of each peer; after a timeout it reads the state of
+//! the peers that share its kernel and pid namespace from `/proc` and names
+//! those that are stopped or gone. Peers on other hosts (or in another pid
+//! namespace) are not looked at: a pid means nothing there.
+//!
+//! This runs on the failure path only, never while waiting.
+
+use std::fmt::Write as _;
+
+/// What identifies a process to a peer on the same kernel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ProcessId {
+    pid: u32,
+    /// Clock ticks since boot at which it started (`/proc/PID/stat` field
+    /// 22): tells a recycled pid from the rank's.
+    start: u64,
+    /// The kernel's boot id and the pid namespace: a pid only means the same
+    /// process where both agree.
+    kernel: String,
+}
+
+impl ProcessId {
+    /// This process.
+    pub(crate) fn own() -> Self {
+        let pid = std::process::id();
+        let start = read_stat(pid).map_or(0, |s| s.start);
+        let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+        let ns = std::fs::read_link("/proc/self/ns/pid")
+            .map(|p| p.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        Self {
+            pid,
+            start,
+            kernel: format!("{}/{ns}", boot.trim()),
+        }
+    }
+
+    /// Wire form: pid, start time, then the kernel identity.
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut out = self.pid.to_le_bytes().to_vec();
+        out.extend_from_slice(&self.start.to_le_bytes());
+        out.extend_from_slice(self.kernel.as_bytes());
+        out
+    }
+
+    /// `None` for a record too short to be one.
+    pub(crate) fn decode(b: &[u8]) -> Option<Self> {
+        let pid = u32::from_le_bytes(b.get(..4)?.try_into().ok()?);
+        let start = u64::from_le_bytes(b.get(4..12)?.try_into().ok()?);
+        let kernel = String::from_utf8_lossy(b.get(12..)?).into_owned();
+        Some(Self { pid, start, kernel })
+    }
+}
+
+/// The fields of `/proc/PID/stat` this module reads.
+struct Stat {
+    state: char,
+    start: u64,
+}
+
+fn read_stat(pid: u32) -> Option<Stat> {
+    parse_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+}
+
+/// The command name (field 2) may hold spaces and parentheses: the fields
+/// after it start past its last `)`.
+fn parse_stat(text: &str) -> Option<Stat> {
+    let rest = &text[text.rfind(')')? + 1..];
+    let mut fields = rest.split_whitespace();
+    let state = fields.next()?.chars().next()?;
+    // After the state (field 3), the start time is field 22: 18 further on.
+    let start = fields.nth(18)?.parse().ok()?;
+    Some(Stat { state, start })
+}
+
+/// The peers whose process state can be read after a timeout.
+#[derive(Debug, Clone)]
+pub(crate) struct Liveness {
+    /// (rank, process) of every other rank on this kernel and pid namespace.
+    peers: Vec<(usize, ProcessId)>,
+}
+
+impl Liveness {
+    /// From every rank's record (`None`: unreadable), as this rank sees them.
+    pub(crate) fn new(rank: usize, all: &[Option<ProcessId>]) -> Self {
+        let own = ProcessId::own();
+        let peers = all
+            .iter()
+            .enumerate()
+            .filter(|&(r, _)| r != rank)
+            .filter_map(|(r, p)| Some((r, p.clone()?)))
+            .filter(|(_, p)| !own.kernel.is_empty() && p.kernel == own.kernel && p.start != 0)
+            .collect();
+        Self { peers }
+    }
+
+    /// "rank 1 is stopped (SIGSTOP or a debugger); rank 3 exited", or
+    /// `None` when every peer looked at is running.
+    pub(crate) fn diagnose(&self) -> Option<String> {
+        let mut out = String::new();
+        for (rank, p) in &self.peers {
+            let why = match read_stat(p.pid) {
+                Some(s) if s.start != p.start => "exited",
+                None => "exited",
+                Some(s) => match s.state {
+                    'T' | 't' => "is stopped (SIGSTOP, a debugger or a frozen cgroup)",
+                    'Z' | 'X' | 'x' => "exited",
+                    _ => continue,
+                },
+            };
+            let _ = write!(
+                out,
+                "{}rank {rank} {why} (pid {})",
+                if out.is_empty() { "" } else { "; " },
+                p.pid
+            );
+        }
+        (!out.is_empty()).then_some(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use std::process::Command;
+
+    #[test]
+    fn stat_lines_with_odd_command_names_parse() {
+        let line = "1234 (a) b (c)) T 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 987654 20 21";
+        let s = parse_stat(line).unwrap();
+        assert_eq!((s.state, s.start), ('T', 987_654));
+        assert!(parse_stat("garbage").is_none());
+    }
+
+    #[test]
+    fn records_survive_the_wire() {
+        let own = ProcessId::own();
+        assert!(own.start > 0 && !own.kernel.is_empty(), "{own:?}");
+        assert_eq!(ProcessId::decode(&own.encode()), Some(own));
+        assert_eq!(ProcessId::decode(&[1, 2, 3]), None);
+    }
+
+    /// A real child stands in for a peer: running, it is not named; stopped,
+    /// it is; killed and reaped, it has exited.
+    #[test]
+    fn a_stopped_or_gone_peer_is_named_and_a_running_one_is_not() {
+        let mut child = Command::new("sleep").arg("60").spawn().unwrap();
+        let pid = child.id();
+        let start = read_stat(pid).unwrap().start;
+        let own = ProcessId::own();
+        let peer = ProcessId {
+            pid,
+            start,
+            kernel: own.kernel.clone(),
+        };
+        let live = Liveness::new(0, &[Some(own), Some(peer)]);
+        assert_eq!(live.diagnose(), None);
+        let stop = |sig: &str| {
+            assert!(
+                Command::new("kill")
+                    .args([sig, &pid.to_string()])
+                    .status()
+                    .unwrap()
+                    .success()
+            );
+        };
+        stop("-STOP");
+        // The state changes asynchronously to kill(2) returning; it is
+        // visible once the kernel has delivered the signal.
+        let mut said = None;
+        for _ in 0..1000 {
+            said = live.diagnose();
+            if said.is_some() {
+                break;
+            }
+            std::thread::yield_now();
+        }
+        let said = said.unwrap();
+        assert!(said.contains("rank 1 is stopped"), "{said}");
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let said = live.diagnose().unwrap();
+        assert!(said.contains("rank 1 exited"), "{said}");
+    }
+}
