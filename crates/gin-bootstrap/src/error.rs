@@ -76,6 +76,16 @@ pub enum BootstrapError {
         why: String,
     },
 
+    /// A peer stopped draining its connections (a stopped or frozen process):
+    /// a send to it could not complete within the timeout.
+    #[error("rank {rank}: {op} failed because rank {peer} stopped responding ({why})")]
+    PeerUnresponsive {
+        rank: usize,
+        op: String,
+        peer: usize,
+        why: String,
+    },
+
     /// A peer closed its bootstrap before sending what was awaited.
     #[error(
         "rank {rank}: {op}: rank {peer} closed its bootstrap before sending the awaited message"

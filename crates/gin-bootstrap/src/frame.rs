@@ -55,6 +55,9 @@ pub enum Kind {
     PeerDied = 8,
     /// Root → rank: the rendezvous failed (timeout or bad input).
     Abort = 9,
+    /// Rank → root, root → rank: a rank stopped draining its connections
+    /// (frozen, stopped or hung), so the job cannot go on.
+    PeerStuck = 10,
 }
 
 impl Kind {
@@ -69,6 +72,7 @@ impl Kind {
             7 => Self::Goodbye,
             8 => Self::PeerDied,
             9 => Self::Abort,
+            10 => Self::PeerStuck,
             _ => return None,
         })
     }
@@ -105,6 +109,8 @@ pub enum Frame {
     PeerDied { rank: u32, reason: String },
     /// See [`Kind::Abort`].
     Abort { reason: String, missing: Vec<u32> },
+    /// See [`Kind::PeerStuck`].
+    PeerStuck { rank: u32, reason: String },
 }
 
 /// A dialer's introduction.
@@ -224,6 +230,11 @@ pub fn encode(frame: &Frame) -> Result<Vec<u8>, FrameError> {
             put_bytes(&mut w, reason.as_bytes())?;
             (Kind::PeerDied, 0)
         }
+        Frame::PeerStuck { rank, reason } => {
+            w.extend_from_slice(&rank.to_le_bytes());
+            put_bytes(&mut w, reason.as_bytes())?;
+            (Kind::PeerStuck, 0)
+        }
         Frame::Abort { reason, missing } => {
             put_bytes(&mut w, reason.as_bytes())?;
             put_len(&mut w, missing.len())?;
@@ -316,6 +327,10 @@ pub fn decode_payload(h: Header, payload: Vec<u8>) -> Result<Frame, FrameError> 
         }
         Kind::Goodbye => Frame::Goodbye,
         Kind::PeerDied => Frame::PeerDied {
+            rank: r.u32("rank")?,
+            reason: r.string("reason")?,
+        },
+        Kind::PeerStuck => Frame::PeerStuck {
             rank: r.u32("rank")?,
             reason: r.string("reason")?,
         },
@@ -506,6 +521,8 @@ mod tests {
             Just(Frame::Goodbye),
             (any::<u32>(), any_string())
                 .prop_map(|(rank, reason)| Frame::PeerDied { rank, reason }),
+            (any::<u32>(), any_string())
+                .prop_map(|(rank, reason)| Frame::PeerStuck { rank, reason }),
             (any_string(), proptest::collection::vec(any::<u32>(), 0..8))
                 .prop_map(|(reason, missing)| Frame::Abort { reason, missing }),
         ]

@@ -13,6 +13,9 @@
 //!   One that drops it without a goodbye has died; the root tells the others,
 //!   so every pending and later call fails with an error naming that rank
 //!   instead of hanging (NCCL's bootstrap can hang here; this one must not).
+//!   A rank that stops draining its sockets (a stopped or frozen process) is
+//!   found by a send that cannot finish within the timeout; the sender tells
+//!   the root, which tells everyone, so all ranks name the frozen one.
 //! - **Point to point.** Rank `a` sends to `b` over a connection `a` dials on
 //!   first use; a reader thread per incoming connection files messages into
 //!   per-peer mailboxes, matched by tag. Writers never wait for readers.

@@ -43,7 +43,14 @@ enum Event {
         why: String,
         generation: u64,
     },
+    /// A member could not send to `rank` for the whole timeout.
+    Stuck { by: usize, rank: usize, why: String },
 }
+
+/// How long the root's writes to a member may block: its frames are small,
+/// so only a member that stopped reading altogether fills the socket, and it
+/// must not hold up the news to the others.
+const MEMBER_WRITE_LIMIT: Duration = Duration::from_secs(1);
 
 impl BootstrapRoot {
     /// Starts a root listening on `bind` (port 0 picks a free port) with a
@@ -217,6 +224,7 @@ fn run(rx: &mpsc::Receiver<Event>, tx: &Sender<Event>, fixed_n: Option<usize>, c
                     continue;
                 }
                 debug!(rank, %listen_addr, "rank joined");
+                let _ = stream.set_write_timeout(Some(MEMBER_WRITE_LIMIT));
                 generation += 1;
                 watch(&stream, rank, generation, tx.clone());
                 members[rank] = Some(Member {
@@ -265,6 +273,7 @@ fn run(rx: &mpsc::Receiver<Event>, tx: &Sender<Event>, fixed_n: Option<usize>, c
                 }
                 return;
             }
+            Ok(Event::Stuck { .. }) => {}
             Err(RecvTimeoutError::Disconnected) => return,
         }
     }
@@ -287,8 +296,25 @@ fn run(rx: &mpsc::Receiver<Event>, tx: &Sender<Event>, fixed_n: Option<usize>, c
     info!(nranks = addrs.len(), elapsed = ?start.elapsed(), "bootstrap rendezvous complete");
     // Watch: relay deaths until everyone has left.
     let mut live = members.len();
+    let mut stuck = vec![false; members.len()];
     while live > 0 {
         match rx.recv() {
+            Ok(Event::Stuck { by, rank, why }) => {
+                if stuck.get(rank).is_none_or(|s| *s) {
+                    continue;
+                }
+                stuck[rank] = true;
+                warn!(rank, by, %why, "rank stopped responding; telling the others");
+                for other in members.iter_mut().flatten() {
+                    let _ = write_frame(
+                        &mut other.stream,
+                        &Frame::PeerStuck {
+                            rank: rank as u32,
+                            reason: why.clone(),
+                        },
+                    );
+                }
+            }
             Ok(Event::Left {
                 rank,
                 orderly,
@@ -347,6 +373,16 @@ fn watch(stream: &TcpStream, rank: usize, generation: u64, tx: Sender<Event>) {
             let (orderly, why) = loop {
                 match read_frame(&mut s, 1 << 16) {
                     Ok(Some(Frame::Goodbye)) => break (true, String::new()),
+                    Ok(Some(Frame::PeerStuck {
+                        rank: stuck,
+                        reason,
+                    })) => {
+                        let _ = tx.send(Event::Stuck {
+                            by: rank,
+                            rank: stuck as usize,
+                            why: reason,
+                        });
+                    }
                     Ok(Some(_)) => {}
                     Ok(None) => {
                         break (false, "its root connection closed without a goodbye".into());
