@@ -20,9 +20,10 @@ use crate::env::{Config, LaunchEnv, Rendezvous};
 use crate::error::BootstrapError;
 use crate::frame;
 use crate::frame::{Frame, Purpose, read_frame};
+use crate::gate::Gate;
 use crate::id::UniqueId;
 use crate::net::{
-    SEND_POLL, WriteStop, connect, handshake_accept, handshake_dial, write_all_checked, write_frame,
+    SEND_POLL, WriteStop, connect, handshake_dial, welcome, write_all_checked, write_frame,
 };
 use crate::root::BootstrapRoot;
 
@@ -716,30 +717,31 @@ fn spawn_acceptor(
     thread::Builder::new()
         .name(format!("gin-bs-accept-{rank}"))
         .spawn(move || {
-            for conn in listener.incoming() {
-                if shared.lock().closing {
-                    return;
-                }
-                let Ok(mut s) = conn else { continue };
+            // Strangers cost a socket for the authentication deadline, never
+            // a thread: only admitted peers get a reader thread.
+            let gate = Gate {
+                id,
+                expect: Purpose::Peer,
+                nranks: Some(nranks as u32),
+                auth_timeout: config.auth_timeout,
+                who: format!("rank {rank}"),
+            };
+            gate.run(&listener, &|| shared.lock().closing, &mut |h, mut s| {
+                let peer = h.rank as usize;
                 let shared = shared.clone();
-                let _ = thread::Builder::new()
+                // The reader sends the welcome: a peer whose reader could not
+                // start sees its handshake fail instead of sending into a
+                // socket nobody drains.
+                let spawned = thread::Builder::new()
                     .name(format!("gin-bs-read-{rank}"))
-                    .spawn(move || {
-                        let from = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-                        match handshake_accept(
-                            &mut s,
-                            &id,
-                            Purpose::Peer,
-                            Some(nranks as u32),
-                            config.max_frame,
-                        ) {
-                            Ok(h) => read_peer(&mut s, h.rank as usize, &shared, config.max_frame),
-                            Err(why) => {
-                                warn!(rank, %from, %why, "refused a bootstrap connection");
-                            }
-                        }
+                    .spawn(move || match welcome(&mut s) {
+                        Ok(()) => read_peer(&mut s, peer, &shared, config.max_frame),
+                        Err(e) => warn!(rank, peer, %e, "could not welcome a peer"),
                     });
-            }
+                if let Err(e) = spawned {
+                    warn!(rank, peer, %e, "could not start a reader for a peer");
+                }
+            });
         })
         .map_err(|e| BootstrapError::io(Some(rank), "spawning the acceptor", e))?;
     Ok(())

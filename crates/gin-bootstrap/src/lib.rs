@@ -43,7 +43,10 @@
 //! between ranks on the host. It is not a data path: gin-net carries the
 //! one-sided traffic. It uses threads and blocking sockets on purpose: the
 //! bootstrap runs a few hundred messages at set-up, where simplicity and
-//! precise error reports matter more than an event loop.
+//! precise error reports matter more than an event loop. The one exception
+//! is the handshake: a single gate thread per listener polls connections
+//! that have not yet proved they know the secret, so a stranger costs a
+//! socket for [`Config::auth_timeout`], never a thread.
 
 #![deny(unsafe_code)]
 
@@ -53,6 +56,7 @@ mod comm;
 mod env;
 mod error;
 pub mod frame;
+mod gate;
 mod id;
 pub mod launch;
 mod net;
@@ -63,7 +67,9 @@ pub use cli::{
     DEBUG_VAR, error_chain, exit_code, init_tracing_from_env, parse_filter, tracing_requested,
 };
 pub use comm::Bootstrap;
-pub use env::{Config, DEFAULT_TIMEOUT, LaunchEnv, RANK_VARS, Rendezvous, parse_duration};
+pub use env::{
+    Config, DEFAULT_AUTH_TIMEOUT, DEFAULT_TIMEOUT, LaunchEnv, RANK_VARS, Rendezvous, parse_duration,
+};
 pub use error::BootstrapError;
 pub use id::UniqueId;
 pub use launch::{

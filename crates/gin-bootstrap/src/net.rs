@@ -9,10 +9,6 @@ use crate::error::BootstrapError;
 use crate::frame::{self, Frame, Hello, Purpose, ReadError, read_frame};
 use crate::id::UniqueId;
 
-/// A legitimate peer answers a challenge at once; a stranger that connects and
-/// says nothing is dropped after this long so it cannot hold an acceptor.
-pub(crate) const HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
-
 /// How long a send blocked on a full socket waits before it looks again at
 /// its deadline and at the job's death notices (the write timeout of every
 /// sending connection).
@@ -189,28 +185,19 @@ pub(crate) fn handshake_dial(
     Ok(verdict)
 }
 
-/// The accepting side: challenge, check the answer and the claimed identity,
-/// then welcome or refuse. A refusal is returned as `Err(reason)` for logging.
-pub(crate) fn handshake_accept(
+/// The accepting side's verdict on a hello answering `nonce`: the keyed hash
+/// and the claimed identity must hold. A refusal is sent to the dialer and
+/// returned as `Err(reason)` for logging; an admitted hello is returned
+/// without a welcome, which the caller sends with [`welcome`] once it has
+/// recorded the peer.
+pub(crate) fn judge_hello(
     s: &mut TcpStream,
     id: &UniqueId,
+    nonce: &[u8; 16],
+    hello: Hello,
     expect: Purpose,
     nranks: Option<u32>,
-    max_frame: usize,
 ) -> Result<Hello, String> {
-    let _ = s.set_nodelay(true);
-    s.set_read_timeout(Some(HANDSHAKE_LIMIT))
-        .map_err(|e| e.to_string())?;
-    let mut nonce = [0u8; 16];
-    getrandom::fill(&mut nonce).map_err(|e| e.to_string())?;
-    write_frame(s, &Frame::Challenge { nonce }).map_err(|e| format!("sending challenge: {e}"))?;
-    // Strangers get at most a small frame's worth of our attention.
-    let hello = match read_frame(s, max_frame.min(64 << 10)) {
-        Ok(Some(Frame::Hello(h))) => h,
-        Ok(Some(other)) => return Err(format!("expected a hello, got a {other:?} frame")),
-        Ok(None) => return Err("closed before saying hello".into()),
-        Err(e) => return Err(format!("bad hello: {e}")),
-    };
     let refuse = |s: &mut TcpStream, reason: String| {
         let _ = write_frame(
             s,
@@ -221,7 +208,7 @@ pub(crate) fn handshake_accept(
         Err(reason)
     };
     let want = id.mac(
-        &nonce,
+        nonce,
         hello.purpose,
         hello.rank,
         hello.nranks,
@@ -261,9 +248,12 @@ pub(crate) fn handshake_accept(
             ),
         );
     }
-    write_frame(s, &Frame::Welcome).map_err(|e| format!("sending welcome: {e}"))?;
-    s.set_read_timeout(None).map_err(|e| e.to_string())?;
     Ok(hello)
+}
+
+/// Admits a dialer whose hello passed [`judge_hello`].
+pub(crate) fn welcome(s: &mut TcpStream) -> std::io::Result<()> {
+    write_frame(s, &Frame::Welcome)
 }
 
 #[cfg(test)]

@@ -18,8 +18,9 @@ use tracing::{debug, info, warn};
 use crate::env::Config;
 use crate::error::BootstrapError;
 use crate::frame::{Frame, Purpose, read_frame};
+use crate::gate::Gate;
 use crate::id::UniqueId;
-use crate::net::{handshake_accept, write_frame};
+use crate::net::{welcome, write_frame};
 
 /// A running rendezvous root. Dropping it does not stop it: the root thread
 /// lives until every rank has left (or the rendezvous failed); use
@@ -134,39 +135,31 @@ fn accept_loop(
     tx: &Sender<Event>,
     stop: &AtomicBool,
 ) {
-    for conn in listener.incoming() {
-        if stop.load(Ordering::SeqCst) {
-            return;
-        }
-        let Ok(mut stream) = conn else { continue };
-        let tx = tx.clone();
-        let peer = stream
-            .peer_addr()
-            .map(|a| a.to_string())
-            .unwrap_or_default();
-        // One short-lived thread per handshake, so a silent stranger cannot
-        // hold up the ranks behind it.
-        let _ =
-            thread::Builder::new().name("gin-root-hs".into()).spawn(
-                move || match handshake_accept(
-                    &mut stream,
-                    &id,
-                    Purpose::Root,
-                    nranks.map(|n| n as u32),
-                    config.max_frame,
-                ) {
-                    Ok(h) => {
-                        let _ = tx.send(Event::Joined {
-                            rank: h.rank as usize,
-                            nranks: h.nranks as usize,
-                            listen_addr: h.listen_addr,
-                            stream,
-                        });
-                    }
-                    Err(why) => warn!(%peer, %why, "bootstrap root refused a connection"),
-                },
-            );
-    }
+    // One thread for every handshake: a silent stranger costs a socket for
+    // the authentication deadline, never a thread (see `gate`).
+    let gate = Gate {
+        id,
+        expect: Purpose::Root,
+        nranks: nranks.map(|n| n as u32),
+        auth_timeout: config.auth_timeout,
+        who: "the bootstrap root".into(),
+    };
+    gate.run(
+        listener,
+        &|| stop.load(Ordering::SeqCst),
+        &mut |h, mut stream| {
+            if let Err(e) = welcome(&mut stream) {
+                warn!(rank = h.rank, %e, "could not welcome a rank");
+                return;
+            }
+            let _ = tx.send(Event::Joined {
+                rank: h.rank as usize,
+                nranks: h.nranks as usize,
+                listen_addr: h.listen_addr,
+                stream,
+            });
+        },
+    );
 }
 
 struct Member {
