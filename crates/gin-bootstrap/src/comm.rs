@@ -66,6 +66,14 @@ struct State {
     mail: Vec<VecDeque<(u64, Vec<u8>)>>,
     /// A peer said goodbye on its sending connection.
     closed: Vec<bool>,
+    /// The root says the peer left the job in order.
+    left: Vec<bool>,
+    /// The first peer that left: the one to name (others may have left
+    /// because of it).
+    first_left: Option<usize>,
+    /// The peer's sending connection to this rank was admitted (recorded
+    /// before its welcome, so before anything it sends on it).
+    connected: Vec<bool>,
     /// The first failure of a peer this rank heard of.
     dead: Option<Failure>,
     root_lost: Option<String>,
@@ -97,6 +105,26 @@ impl Failure {
             How::Died => Frame::PeerDied { rank, reason },
             How::Stuck => Frame::PeerStuck { rank, reason },
         }
+    }
+}
+
+impl State {
+    fn new(nranks: usize) -> Self {
+        Self {
+            mail: (0..nranks).map(|_| VecDeque::new()).collect(),
+            closed: vec![false; nranks],
+            left: vec![false; nranks],
+            connected: vec![false; nranks],
+            ..Self::default()
+        }
+    }
+
+    /// Whether `peer` can send nothing more: it said goodbye on its
+    /// connection, or it left the job without ever connecting to this rank.
+    /// A peer that connected and left is done only once its goodbye arrives
+    /// on that connection, behind everything it sent.
+    fn finished(&self, peer: usize) -> bool {
+        self.closed[peer] || (self.left[peer] && !self.connected[peer])
     }
 }
 
@@ -179,7 +207,7 @@ impl Shared {
                 return cause;
             }
             let left = until.saturating_duration_since(Instant::now());
-            if left.is_zero() || peer.is_some_and(|p| st.closed.get(p) == Some(&true)) {
+            if left.is_zero() || peer.is_some_and(|p| p < st.closed.len() && st.finished(p)) {
                 return symptom;
             }
             st = self
@@ -340,11 +368,7 @@ impl Bootstrap {
 
         let shared = Arc::new(Shared {
             rank,
-            state: Mutex::new(State {
-                mail: (0..nranks).map(|_| VecDeque::new()).collect(),
-                closed: vec![false; nranks],
-                ..State::default()
-            }),
+            state: Mutex::new(State::new(nranks)),
             cv: Condvar::new(),
         });
         spawn_acceptor(listener, *id, nranks, config, shared.clone(), rank)?;
@@ -605,7 +629,7 @@ impl Bootstrap {
             if let Some(i) = st.mail[peer].iter().position(|(t, _)| *t == tag) {
                 return Ok(st.mail[peer].remove(i).expect("index found above").1);
             }
-            if st.closed[peer] {
+            if st.finished(peer) {
                 return Err(BootstrapError::PeerClosed {
                     rank: self.rank,
                     op: op.to_owned(),
@@ -636,11 +660,24 @@ impl Bootstrap {
         }
     }
 
-    /// Fails if any rank of the job has died or the root was lost; never
-    /// blocks. Data-path waits poll this so that a dead peer is an error
-    /// there too, not a hang.
+    /// Fails if any rank of the job has died, stopped responding or left
+    /// (exited in order), or the root was lost; never blocks. Data-path
+    /// waits poll this so that a peer that is gone is an error there too,
+    /// not a hang: a communicator is a collective object, so once a rank has
+    /// left, waits on the job that are not already satisfied cannot be.
+    /// Deaths take precedence over departures. (The bootstrap's own calls
+    /// fail only on deaths: they go on between the ranks still present.)
     pub fn health(&self) -> Result<(), BootstrapError> {
-        self.shared.check_alive(&self.shared.lock(), "health check")
+        let st = self.shared.lock();
+        self.shared.check_alive(&st, "health check")?;
+        if let Some(peer) = st.first_left {
+            return Err(BootstrapError::PeerExited {
+                rank: self.rank,
+                op: "health check".into(),
+                peer,
+            });
+        }
+        Ok(())
     }
 
     /// A 32-byte token every rank of this job derives alike and strangers
@@ -728,6 +765,7 @@ fn spawn_acceptor(
             };
             gate.run(&listener, &|| shared.lock().closing, &mut |h, mut s| {
                 let peer = h.rank as usize;
+                shared.lock().connected[peer] = true;
                 let shared = shared.clone();
                 // The reader sends the welcome: a peer whose reader could not
                 // start sees its handshake fail instead of sending into a
@@ -812,6 +850,18 @@ fn spawn_root_reader(mut root: TcpStream, shared: Arc<Shared>) -> Result<(), Boo
                     })) if (stuck as usize) < shared.nranks() => {
                         shared.mark_failed(stuck as usize, How::Stuck, reason);
                     }
+                    Ok(Some(Frame::PeerLeft { rank: gone }))
+                        if (gone as usize) < shared.nranks() =>
+                    {
+                        let mut st = shared.lock();
+                        if !st.closing {
+                            debug!(rank, peer = gone, "peer left the job");
+                            st.left[gone as usize] = true;
+                            st.first_left.get_or_insert(gone as usize);
+                        }
+                        drop(st);
+                        shared.cv.notify_all();
+                    }
                     Ok(Some(Frame::Abort { reason, .. })) => break reason,
                     Ok(Some(_)) => {}
                     Ok(None) => break "the root connection closed".to_owned(),
@@ -839,11 +889,7 @@ mod tests {
     fn shared(nranks: usize) -> Arc<Shared> {
         Arc::new(Shared {
             rank: 1,
-            state: Mutex::new(State {
-                mail: (0..nranks).map(|_| VecDeque::new()).collect(),
-                closed: vec![false; nranks],
-                ..State::default()
-            }),
+            state: Mutex::new(State::new(nranks)),
             cv: Condvar::new(),
         })
     }

@@ -86,6 +86,16 @@ pub enum BootstrapError {
         why: String,
     },
 
+    /// A peer left the job in order (its bootstrap said goodbye) while this
+    /// rank still depended on the job: data-path waits that were not already
+    /// satisfied fail with this, naming it.
+    #[error("rank {rank}: {op} failed because rank {peer} exited (it left the job in order)")]
+    PeerExited {
+        rank: usize,
+        op: String,
+        peer: usize,
+    },
+
     /// A peer closed its bootstrap before sending what was awaited.
     #[error(
         "rank {rank}: {op}: rank {peer} closed its bootstrap before sending the awaited message"

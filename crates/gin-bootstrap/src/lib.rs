@@ -16,6 +16,11 @@
 //!   A rank that stops draining its sockets (a stopped or frozen process) is
 //!   found by a send that cannot finish within the timeout; the sender tells
 //!   the root, which tells everyone, so all ranks name the frozen one.
+//!   An orderly departure (a goodbye) is relayed too: the bootstrap's own
+//!   calls go on between the ranks still present, but
+//!   [`Bootstrap::health`], which data-path waits poll, then fails naming
+//!   the rank that left, so same-host peers with no socket of their own to
+//!   it notice within milliseconds.
 //! - **Point to point.** Rank `a` sends to `b` over a connection `a` dials on
 //!   first use; a reader thread per incoming connection files messages into
 //!   per-peer mailboxes, matched by tag. Writers never wait for readers.

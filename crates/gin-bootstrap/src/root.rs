@@ -323,7 +323,13 @@ fn run(rx: &mpsc::Receiver<Event>, tx: &Sender<Event>, fixed_n: Option<usize>, c
                 *m = None;
                 live -= 1;
                 if orderly {
-                    debug!(rank, "rank left");
+                    // Peers on the same host have no connection of their own
+                    // to notice this by: tell them.
+                    debug!(rank, "rank left; telling the others");
+                    for other in members.iter_mut().flatten() {
+                        let _ =
+                            write_frame(&mut other.stream, &Frame::PeerLeft { rank: rank as u32 });
+                    }
                     continue;
                 }
                 warn!(rank, %why, "rank died; telling the others");

@@ -271,6 +271,41 @@ fn a_peer_that_leaves_early_fails_the_receiver_promptly() {
 }
 
 #[test]
+fn a_peer_that_leaves_without_ever_sending_is_noticed_at_once() {
+    // Rank 1 never dials rank 0, so only the root can tell rank 0 it left.
+    let out = run_threads(2, cfg(30_000), |b| {
+        if b.rank() == 1 {
+            return None;
+        }
+        let t = Instant::now();
+        let recv = b.recv(1, 5).unwrap_err().to_string();
+        let took = t.elapsed();
+        Some((recv, took, b.health().unwrap_err().to_string()))
+    })
+    .unwrap();
+    let (recv, took, health) = out[0].clone().unwrap();
+    assert!(recv.contains("rank 1 closed its bootstrap"), "{recv}");
+    assert!(took < Duration::from_secs(5), "took {took:?}: {recv}");
+    assert!(health.contains("rank 1 exited"), "{health}");
+}
+
+#[test]
+fn ranks_that_leave_right_after_a_barrier_do_not_fail_it_for_the_others() {
+    // The last barrier message from a rank and the root's news of its
+    // departure travel on different connections; the message must win.
+    for round in 0..20 {
+        let out = run_threads(4, cfg(30_000), |b| {
+            b.barrier().map_err(|e| e.to_string())?;
+            b.barrier().map_err(|e| e.to_string())
+        })
+        .unwrap();
+        for (rank, r) in out.into_iter().enumerate() {
+            assert_eq!(r, Ok(()), "round {round}, rank {rank}");
+        }
+    }
+}
+
+#[test]
 fn a_silent_peer_times_out_naming_it() {
     let root = BootstrapRoot::start(localhost(), Some(2), cfg(10_000)).unwrap();
     let id = root.id();
