@@ -85,13 +85,14 @@ fn seconds_in_allgather(stdout: &str) -> Option<f64> {
 
 #[test]
 fn a_stopped_rank_fails_every_other_rank_within_twice_the_timeout() {
-    // Rank 2 freezes (SIGSTOP) with its sockets open: rank 1's 64 MiB send to
-    // it fills the socket buffers and must still end at its deadline, and
-    // every survivor must name rank 2, not the rank that gave up before it.
+    // Rank 2 freezes (SIGSTOP) with its sockets open: rank 1's 16 MiB send to
+    // it fills the socket buffers (a few MiB on loopback) and must still end
+    // at its deadline, and every survivor must name rank 2, not the rank that
+    // gave up before it. The slack covers moving 2 x 16 MiB on loaded cores.
     let timeout = 2.0;
-    let mut s = spec(4, &["stop", "2", &(64 << 20).to_string()], "2");
+    let mut s = spec(4, &["stop", "2", &(16 << 20).to_string()], "2");
     s.config.timeout = Duration::from_secs(10);
-    s.grace = Duration::from_secs(6);
+    s.grace = Duration::from_secs(8);
     let report = launch(&s).unwrap();
     for r in report.ranks.iter().filter(|r| r.rank != 2) {
         assert!(
@@ -115,7 +116,7 @@ fn a_stopped_rank_fails_every_other_rank_within_twice_the_timeout() {
         );
         let took = seconds_in_allgather(&r.stdout).unwrap();
         assert!(
-            took < 2.0 * timeout + 0.5,
+            took < 2.0 * timeout + 1.0,
             "rank {} failed after {took}s: {}",
             r.rank,
             r.stdout
