@@ -903,7 +903,7 @@ fn signal_leave(c: &Comm, victim: usize) -> R {
     let gone = loop {
         match c.bootstrap().health() {
             Ok(()) if t.elapsed() < Duration::from_secs(10) => std::thread::yield_now(),
-            Ok(()) => return Err("rank {victim}'s departure was never noticed".into()),
+            Ok(()) => return Err(format!("rank {victim}'s departure was never noticed")),
             Err(e) => break e.to_string(),
         }
     };
