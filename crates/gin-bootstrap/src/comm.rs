@@ -18,9 +18,13 @@ use tracing::{debug, warn};
 
 use crate::env::{Config, LaunchEnv, Rendezvous};
 use crate::error::BootstrapError;
+use crate::frame;
 use crate::frame::{Frame, Purpose, read_frame};
+use crate::gate::Gate;
 use crate::id::UniqueId;
-use crate::net::{connect, handshake_accept, handshake_dial, write_frame};
+use crate::net::{
+    SEND_POLL, WriteStop, connect, handshake_dial, welcome, write_all_checked, write_frame,
+};
 use crate::root::BootstrapRoot;
 
 /// Tags with this bit set belong to collectives; user tags never have it.
@@ -62,11 +66,66 @@ struct State {
     mail: Vec<VecDeque<(u64, Vec<u8>)>>,
     /// A peer said goodbye on its sending connection.
     closed: Vec<bool>,
-    /// The first death this rank heard of: (rank, why).
-    dead: Option<(usize, String)>,
+    /// The root says the peer left the job in order.
+    left: Vec<bool>,
+    /// The first peer that left: the one to name (others may have left
+    /// because of it).
+    first_left: Option<usize>,
+    /// The peer's sending connection to this rank was admitted (recorded
+    /// before its welcome, so before anything it sends on it).
+    connected: Vec<bool>,
+    /// The first failure of a peer this rank heard of.
+    dead: Option<Failure>,
     root_lost: Option<String>,
     incoming: Vec<TcpStream>,
     closing: bool,
+}
+
+/// A peer that broke the job.
+#[derive(Debug, Clone)]
+struct Failure {
+    peer: usize,
+    how: How,
+    why: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum How {
+    /// It vanished without a goodbye.
+    Died,
+    /// It stopped draining its connections (stopped, frozen or hung).
+    Stuck,
+}
+
+impl Failure {
+    /// The frame that passes this news on.
+    fn frame(&self) -> Frame {
+        let (rank, reason) = (self.peer as u32, self.why.clone());
+        match self.how {
+            How::Died => Frame::PeerDied { rank, reason },
+            How::Stuck => Frame::PeerStuck { rank, reason },
+        }
+    }
+}
+
+impl State {
+    fn new(nranks: usize) -> Self {
+        Self {
+            mail: (0..nranks).map(|_| VecDeque::new()).collect(),
+            closed: vec![false; nranks],
+            left: vec![false; nranks],
+            connected: vec![false; nranks],
+            ..Self::default()
+        }
+    }
+
+    /// Whether `peer` can send nothing more: it said goodbye on its
+    /// connection, or it left the job without ever connecting to this rank.
+    /// A peer that connected and left is done only once its goodbye arrives
+    /// on that connection, behind everything it sent.
+    fn finished(&self, peer: usize) -> bool {
+        self.closed[peer] || (self.left[peer] && !self.connected[peer])
+    }
 }
 
 impl Shared {
@@ -83,10 +142,17 @@ impl Shared {
     }
 
     fn mark_dead(&self, peer: usize, why: String) {
+        self.mark_failed(peer, How::Died, why);
+    }
+
+    fn mark_failed(&self, peer: usize, how: How, why: String) {
         let mut st = self.lock();
         if st.dead.is_none() && !st.closing {
-            warn!(rank = self.rank, peer, %why, "peer died");
-            st.dead = Some((peer, why));
+            match how {
+                How::Died => warn!(rank = self.rank, peer, %why, "peer died"),
+                How::Stuck => warn!(rank = self.rank, peer, %why, "peer stopped responding"),
+            }
+            st.dead = Some(Failure { peer, how, why });
         }
         drop(st);
         self.cv.notify_all();
@@ -94,12 +160,21 @@ impl Shared {
 
     /// Fails if the job is already broken: a dead peer or a lost root.
     fn check_alive(&self, st: &State, op: &str) -> Result<(), BootstrapError> {
-        if let Some((peer, why)) = &st.dead {
-            return Err(BootstrapError::PeerDied {
-                rank: self.rank,
-                op: op.to_owned(),
-                peer: *peer,
-                why: why.clone(),
+        if let Some(f) = &st.dead {
+            let (rank, op, peer, why) = (self.rank, op.to_owned(), f.peer, f.why.clone());
+            return Err(match f.how {
+                How::Died => BootstrapError::PeerDied {
+                    rank,
+                    op,
+                    peer,
+                    why,
+                },
+                How::Stuck => BootstrapError::PeerUnresponsive {
+                    rank,
+                    op,
+                    peer,
+                    why,
+                },
             });
         }
         if let Some(why) = &st.root_lost {
@@ -132,7 +207,7 @@ impl Shared {
                 return cause;
             }
             let left = until.saturating_duration_since(Instant::now());
-            if left.is_zero() || peer.is_some_and(|p| st.closed.get(p) == Some(&true)) {
+            if left.is_zero() || peer.is_some_and(|p| p < st.closed.len() && st.finished(p)) {
                 return symptom;
             }
             st = self
@@ -293,11 +368,7 @@ impl Bootstrap {
 
         let shared = Arc::new(Shared {
             rank,
-            state: Mutex::new(State {
-                mail: (0..nranks).map(|_| VecDeque::new()).collect(),
-                closed: vec![false; nranks],
-                ..State::default()
-            }),
+            state: Mutex::new(State::new(nranks)),
             cv: Condvar::new(),
         });
         spawn_acceptor(listener, *id, nranks, config, shared.clone(), rank)?;
@@ -386,10 +457,15 @@ impl Bootstrap {
             self.shared.cv.notify_all();
             return Ok(());
         }
-        let frame = Frame::Data {
+        let bytes = frame::encode(&Frame::Data {
             tag,
             payload: payload.to_vec(),
-        };
+        })
+        .map_err(|e| BootstrapError::Frame {
+            rank: Some(self.rank),
+            from: format!("this rank's {op} to rank {peer}"),
+            source: e,
+        })?;
         let mut slot = self.out[peer]
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -407,7 +483,52 @@ impl Bootstrap {
             }
         }
         let stream = slot.as_mut().expect("dialed above");
-        if let Err(e) = write_frame(stream, &frame) {
+        let start = Instant::now();
+        let deadline = start + self.config.timeout;
+        // Every wait on a full socket ends at the deadline or at news of a
+        // broken job, whichever comes first.
+        let written = write_all_checked(stream, &bytes, |sent| {
+            self.shared.check_alive(&self.shared.lock(), op)?;
+            if Instant::now() >= deadline {
+                return Err(BootstrapError::Timeout {
+                    rank: self.rank,
+                    op: op.to_owned(),
+                    what: format!(
+                        "rank {peer} to take a message of {} bytes ({sent} taken)",
+                        bytes.len()
+                    ),
+                    waited: start.elapsed(),
+                    missing: vec![peer],
+                });
+            }
+            Ok(())
+        });
+        let e = match written {
+            Ok(()) => return Ok(()),
+            Err(e) => e,
+        };
+        // The connection stops mid-frame: nothing more may be written on it,
+        // not even a goodbye.
+        if let Some(s) = slot.take() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        let e = match e {
+            WriteStop::Stopped(e @ BootstrapError::Timeout { .. }) => {
+                // A rank's reader threads drain its sockets whatever the rank
+                // is doing, so a socket that stays full for the whole timeout
+                // means its process has stopped: every rank must hear that,
+                // or the ranks waiting on this one would blame it instead.
+                let why = format!(
+                    "rank {} could not send to it for {:.1?}",
+                    self.rank, self.config.timeout
+                );
+                self.report_stuck(peer, &why);
+                return Err(e);
+            }
+            WriteStop::Stopped(e) => return Err(e),
+            WriteStop::Io(e) => e,
+        };
+        {
             let why = format!("sending to it failed: {e}");
             let symptom = BootstrapError::PeerDied {
                 rank: self.rank,
@@ -421,9 +542,25 @@ impl Bootstrap {
             if matches!(&err, BootstrapError::PeerDied { peer: p, .. } if *p == peer) {
                 self.shared.mark_dead(peer, why);
             }
-            return Err(err);
+            Err(err)
         }
-        Ok(())
+    }
+
+    /// Records that `peer` stopped draining its connections and tells the
+    /// root, which tells every rank.
+    fn report_stuck(&self, peer: usize, why: &str) {
+        self.shared.mark_failed(peer, How::Stuck, why.to_owned());
+        let mut root = self
+            .root
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let _ = write_frame(
+            &mut root,
+            &Frame::PeerStuck {
+                rank: peer as u32,
+                reason: why.to_owned(),
+            },
+        );
     }
 
     fn dial(&self, peer: usize, op: &str) -> Result<TcpStream, BootstrapError> {
@@ -464,6 +601,8 @@ impl Bootstrap {
             },
             e => e,
         })?;
+        s.set_write_timeout(Some(SEND_POLL))
+            .map_err(|e| BootstrapError::io(Some(self.rank), "setting a write timeout", e))?;
         match verdict {
             Ok(()) => Ok(s),
             Err(reason) => Err(BootstrapError::Refused {
@@ -490,7 +629,7 @@ impl Bootstrap {
             if let Some(i) = st.mail[peer].iter().position(|(t, _)| *t == tag) {
                 return Ok(st.mail[peer].remove(i).expect("index found above").1);
             }
-            if st.closed[peer] {
+            if st.finished(peer) {
                 return Err(BootstrapError::PeerClosed {
                     rank: self.rank,
                     op: op.to_owned(),
@@ -499,13 +638,18 @@ impl Bootstrap {
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(BootstrapError::Timeout {
+                let timeout = BootstrapError::Timeout {
                     rank: self.rank,
                     op: op.to_owned(),
                     what: format!("a message from rank {peer}"),
                     waited: start.elapsed(),
                     missing: vec![peer],
-                });
+                };
+                drop(st);
+                // The peer may itself be waiting on a rank that stopped or
+                // died: news of that is the better answer, and it is on
+                // its way when the peer's own sends to that rank time out.
+                return Err(self.shared.cause_of(op, timeout, self.cause_grace(), None));
             }
             st = self
                 .shared
@@ -516,11 +660,24 @@ impl Bootstrap {
         }
     }
 
-    /// Fails if any rank of the job has died or the root was lost; never
-    /// blocks. Data-path waits poll this so that a dead peer is an error
-    /// there too, not a hang.
+    /// Fails if any rank of the job has died, stopped responding or left
+    /// (exited in order), or the root was lost; never blocks. Data-path
+    /// waits poll this so that a peer that is gone is an error there too,
+    /// not a hang: a communicator is a collective object, so once a rank has
+    /// left, waits on the job that are not already satisfied cannot be.
+    /// Deaths take precedence over departures. (The bootstrap's own calls
+    /// fail only on deaths: they go on between the ranks still present.)
     pub fn health(&self) -> Result<(), BootstrapError> {
-        self.shared.check_alive(&self.shared.lock(), "health check")
+        let st = self.shared.lock();
+        self.shared.check_alive(&st, "health check")?;
+        if let Some(peer) = st.first_left {
+            return Err(BootstrapError::PeerExited {
+                rank: self.rank,
+                op: "health check".into(),
+                peer,
+            });
+        }
+        Ok(())
     }
 
     /// A 32-byte token every rank of this job derives alike and strangers
@@ -556,14 +713,8 @@ impl Drop for Bootstrap {
             if let Some(s) = slot.as_mut() {
                 // A rank leaving because of a death passes the news on ahead of
                 // its goodbye, so its peers report the cause, not the symptom.
-                if let Some((peer, why)) = &dead {
-                    let _ = write_frame(
-                        s,
-                        &Frame::PeerDied {
-                            rank: *peer as u32,
-                            reason: why.clone(),
-                        },
-                    );
+                if let Some(f) = &dead {
+                    let _ = write_frame(s, &f.frame());
                 }
                 let _ = write_frame(s, &Frame::Goodbye);
                 let _ = s.shutdown(std::net::Shutdown::Write);
@@ -603,30 +754,32 @@ fn spawn_acceptor(
     thread::Builder::new()
         .name(format!("gin-bs-accept-{rank}"))
         .spawn(move || {
-            for conn in listener.incoming() {
-                if shared.lock().closing {
-                    return;
-                }
-                let Ok(mut s) = conn else { continue };
+            // Strangers cost a socket for the authentication deadline, never
+            // a thread: only admitted peers get a reader thread.
+            let gate = Gate {
+                id,
+                expect: Purpose::Peer,
+                nranks: Some(nranks as u32),
+                auth_timeout: config.auth_timeout,
+                who: format!("rank {rank}"),
+            };
+            gate.run(&listener, &|| shared.lock().closing, &mut |h, mut s| {
+                let peer = h.rank as usize;
+                shared.lock().connected[peer] = true;
                 let shared = shared.clone();
-                let _ = thread::Builder::new()
+                // The reader sends the welcome: a peer whose reader could not
+                // start sees its handshake fail instead of sending into a
+                // socket nobody drains.
+                let spawned = thread::Builder::new()
                     .name(format!("gin-bs-read-{rank}"))
-                    .spawn(move || {
-                        let from = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-                        match handshake_accept(
-                            &mut s,
-                            &id,
-                            Purpose::Peer,
-                            Some(nranks as u32),
-                            config.max_frame,
-                        ) {
-                            Ok(h) => read_peer(&mut s, h.rank as usize, &shared, config.max_frame),
-                            Err(why) => {
-                                warn!(rank, %from, %why, "refused a bootstrap connection");
-                            }
-                        }
+                    .spawn(move || match welcome(&mut s) {
+                        Ok(()) => read_peer(&mut s, peer, &shared, config.max_frame),
+                        Err(e) => warn!(rank, peer, %e, "could not welcome a peer"),
                     });
-            }
+                if let Err(e) = spawned {
+                    warn!(rank, peer, %e, "could not start a reader for a peer");
+                }
+            });
         })
         .map_err(|e| BootstrapError::io(Some(rank), "spawning the acceptor", e))?;
     Ok(())
@@ -647,6 +800,16 @@ fn read_peer(s: &mut TcpStream, peer: usize, shared: &Shared, max_frame: usize) 
                 if (dead as usize) < shared.nranks() =>
             {
                 shared.mark_dead(dead as usize, format!("{reason}; reported by rank {peer}"));
+            }
+            Ok(Some(Frame::PeerStuck {
+                rank: stuck,
+                reason,
+            })) if (stuck as usize) < shared.nranks() => {
+                shared.mark_failed(
+                    stuck as usize,
+                    How::Stuck,
+                    format!("{reason}; reported by rank {peer}"),
+                );
             }
             Ok(Some(Frame::Goodbye)) => {
                 shared.lock().closed[peer] = true;
@@ -681,6 +844,24 @@ fn spawn_root_reader(mut root: TcpStream, shared: Arc<Shared>) -> Result<(), Boo
                     {
                         shared.mark_dead(dead as usize, reason);
                     }
+                    Ok(Some(Frame::PeerStuck {
+                        rank: stuck,
+                        reason,
+                    })) if (stuck as usize) < shared.nranks() => {
+                        shared.mark_failed(stuck as usize, How::Stuck, reason);
+                    }
+                    Ok(Some(Frame::PeerLeft { rank: gone }))
+                        if (gone as usize) < shared.nranks() =>
+                    {
+                        let mut st = shared.lock();
+                        if !st.closing {
+                            debug!(rank, peer = gone, "peer left the job");
+                            st.left[gone as usize] = true;
+                            st.first_left.get_or_insert(gone as usize);
+                        }
+                        drop(st);
+                        shared.cv.notify_all();
+                    }
                     Ok(Some(Frame::Abort { reason, .. })) => break reason,
                     Ok(Some(_)) => {}
                     Ok(None) => break "the root connection closed".to_owned(),
@@ -708,11 +889,7 @@ mod tests {
     fn shared(nranks: usize) -> Arc<Shared> {
         Arc::new(Shared {
             rank: 1,
-            state: Mutex::new(State {
-                mail: (0..nranks).map(|_| VecDeque::new()).collect(),
-                closed: vec![false; nranks],
-                ..State::default()
-            }),
+            state: Mutex::new(State::new(nranks)),
             cv: Condvar::new(),
         })
     }

@@ -17,23 +17,31 @@ pub struct Config {
     pub timeout: Duration,
     /// Largest frame payload accepted from a peer; larger claims are errors.
     pub max_frame: usize,
+    /// How long a new connection may take to answer its challenge before it
+    /// is dropped as a stranger (`GIN_AUTH_TIMEOUT`). A real rank answers
+    /// within microseconds; the limit bounds what a silent stranger costs.
+    pub auth_timeout: Duration,
 }
 
 /// Generous by default: a slow rank start (a cold GPU context, a busy node)
 /// should not fail a job, but a lost rank must fail it eventually.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_mins(5);
 
+/// Default [`Config::auth_timeout`].
+pub const DEFAULT_AUTH_TIMEOUT: Duration = Duration::from_secs(2);
+
 impl Default for Config {
     fn default() -> Self {
         Self {
             timeout: DEFAULT_TIMEOUT,
             max_frame: DEFAULT_MAX_PAYLOAD,
+            auth_timeout: DEFAULT_AUTH_TIMEOUT,
         }
     }
 }
 
 impl Config {
-    /// Defaults, with `GIN_TIMEOUT` applied when set.
+    /// Defaults, with `GIN_TIMEOUT` and `GIN_AUTH_TIMEOUT` applied when set.
     pub fn from_env() -> Result<Self, BootstrapError> {
         Self::from_vars(|k| std::env::var(k).ok())
     }
@@ -44,6 +52,10 @@ impl Config {
         if let Some(t) = get("GIN_TIMEOUT") {
             c.timeout = parse_duration(&t)
                 .map_err(|why| BootstrapError::Env(format!("GIN_TIMEOUT={t:?}: {why}")))?;
+        }
+        if let Some(t) = get("GIN_AUTH_TIMEOUT") {
+            c.auth_timeout = parse_duration(&t)
+                .map_err(|why| BootstrapError::Env(format!("GIN_AUTH_TIMEOUT={t:?}: {why}")))?;
         }
         Ok(c)
     }
@@ -386,5 +398,9 @@ mod tests {
         }
         let e = Config::from_vars(vars(&[("GIN_TIMEOUT", "soon")])).unwrap_err();
         assert!(e.to_string().contains("GIN_TIMEOUT"), "{e}");
+        let c = Config::from_vars(vars(&[("GIN_AUTH_TIMEOUT", "500ms")])).unwrap();
+        assert_eq!(c.auth_timeout, Duration::from_millis(500));
+        let e = Config::from_vars(vars(&[("GIN_AUTH_TIMEOUT", "0")])).unwrap_err();
+        assert!(e.to_string().contains("GIN_AUTH_TIMEOUT"), "{e}");
     }
 }

@@ -76,6 +76,26 @@ pub enum BootstrapError {
         why: String,
     },
 
+    /// A peer stopped draining its connections (a stopped or frozen process):
+    /// a send to it could not complete within the timeout.
+    #[error("rank {rank}: {op} failed because rank {peer} stopped responding ({why})")]
+    PeerUnresponsive {
+        rank: usize,
+        op: String,
+        peer: usize,
+        why: String,
+    },
+
+    /// A peer left the job in order (its bootstrap said goodbye) while this
+    /// rank still depended on the job: data-path waits that were not already
+    /// satisfied fail with this, naming it.
+    #[error("rank {rank}: {op} failed because rank {peer} exited (it left the job in order)")]
+    PeerExited {
+        rank: usize,
+        op: String,
+        peer: usize,
+    },
+
     /// A peer closed its bootstrap before sending what was awaited.
     #[error(
         "rank {rank}: {op}: rank {peer} closed its bootstrap before sending the awaited message"

@@ -55,6 +55,11 @@ pub enum Kind {
     PeerDied = 8,
     /// Root → rank: the rendezvous failed (timeout or bad input).
     Abort = 9,
+    /// Rank → root, root → rank: a rank stopped draining its connections
+    /// (frozen, stopped or hung), so the job cannot go on.
+    PeerStuck = 10,
+    /// Root → rank: a rank left the job in order (said goodbye to the root).
+    PeerLeft = 11,
 }
 
 impl Kind {
@@ -69,6 +74,8 @@ impl Kind {
             7 => Self::Goodbye,
             8 => Self::PeerDied,
             9 => Self::Abort,
+            10 => Self::PeerStuck,
+            11 => Self::PeerLeft,
             _ => return None,
         })
     }
@@ -105,6 +112,10 @@ pub enum Frame {
     PeerDied { rank: u32, reason: String },
     /// See [`Kind::Abort`].
     Abort { reason: String, missing: Vec<u32> },
+    /// See [`Kind::PeerStuck`].
+    PeerStuck { rank: u32, reason: String },
+    /// See [`Kind::PeerLeft`].
+    PeerLeft { rank: u32 },
 }
 
 /// A dialer's introduction.
@@ -224,6 +235,15 @@ pub fn encode(frame: &Frame) -> Result<Vec<u8>, FrameError> {
             put_bytes(&mut w, reason.as_bytes())?;
             (Kind::PeerDied, 0)
         }
+        Frame::PeerStuck { rank, reason } => {
+            w.extend_from_slice(&rank.to_le_bytes());
+            put_bytes(&mut w, reason.as_bytes())?;
+            (Kind::PeerStuck, 0)
+        }
+        Frame::PeerLeft { rank } => {
+            w.extend_from_slice(&rank.to_le_bytes());
+            (Kind::PeerLeft, 0)
+        }
         Frame::Abort { reason, missing } => {
             put_bytes(&mut w, reason.as_bytes())?;
             put_len(&mut w, missing.len())?;
@@ -318,6 +338,13 @@ pub fn decode_payload(h: Header, payload: Vec<u8>) -> Result<Frame, FrameError> 
         Kind::PeerDied => Frame::PeerDied {
             rank: r.u32("rank")?,
             reason: r.string("reason")?,
+        },
+        Kind::PeerStuck => Frame::PeerStuck {
+            rank: r.u32("rank")?,
+            reason: r.string("reason")?,
+        },
+        Kind::PeerLeft => Frame::PeerLeft {
+            rank: r.u32("rank")?,
         },
         Kind::Abort => {
             let reason = r.string("reason")?;
@@ -506,6 +533,9 @@ mod tests {
             Just(Frame::Goodbye),
             (any::<u32>(), any_string())
                 .prop_map(|(rank, reason)| Frame::PeerDied { rank, reason }),
+            (any::<u32>(), any_string())
+                .prop_map(|(rank, reason)| Frame::PeerStuck { rank, reason }),
+            any::<u32>().prop_map(|rank| Frame::PeerLeft { rank }),
             (any_string(), proptest::collection::vec(any::<u32>(), 0..8))
                 .prop_map(|(reason, missing)| Frame::Abort { reason, missing }),
         ]

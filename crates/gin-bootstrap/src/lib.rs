@@ -13,6 +13,14 @@
 //!   One that drops it without a goodbye has died; the root tells the others,
 //!   so every pending and later call fails with an error naming that rank
 //!   instead of hanging (NCCL's bootstrap can hang here; this one must not).
+//!   A rank that stops draining its sockets (a stopped or frozen process) is
+//!   found by a send that cannot finish within the timeout; the sender tells
+//!   the root, which tells everyone, so all ranks name the frozen one.
+//!   An orderly departure (a goodbye) is relayed too: the bootstrap's own
+//!   calls go on between the ranks still present, but
+//!   [`Bootstrap::health`], which data-path waits poll, then fails naming
+//!   the rank that left, so same-host peers with no socket of their own to
+//!   it notice within milliseconds.
 //! - **Point to point.** Rank `a` sends to `b` over a connection `a` dials on
 //!   first use; a reader thread per incoming connection files messages into
 //!   per-peer mailboxes, matched by tag. Writers never wait for readers.
@@ -40,7 +48,10 @@
 //! between ranks on the host. It is not a data path: gin-net carries the
 //! one-sided traffic. It uses threads and blocking sockets on purpose: the
 //! bootstrap runs a few hundred messages at set-up, where simplicity and
-//! precise error reports matter more than an event loop.
+//! precise error reports matter more than an event loop. The one exception
+//! is the handshake: a single gate thread per listener polls connections
+//! that have not yet proved they know the secret, so a stranger costs a
+//! socket for [`Config::auth_timeout`], never a thread.
 
 #![deny(unsafe_code)]
 
@@ -50,6 +61,7 @@ mod comm;
 mod env;
 mod error;
 pub mod frame;
+mod gate;
 mod id;
 pub mod launch;
 mod net;
@@ -60,7 +72,9 @@ pub use cli::{
     DEBUG_VAR, error_chain, exit_code, init_tracing_from_env, parse_filter, tracing_requested,
 };
 pub use comm::Bootstrap;
-pub use env::{Config, DEFAULT_TIMEOUT, LaunchEnv, RANK_VARS, Rendezvous, parse_duration};
+pub use env::{
+    Config, DEFAULT_AUTH_TIMEOUT, DEFAULT_TIMEOUT, LaunchEnv, RANK_VARS, Rendezvous, parse_duration,
+};
 pub use error::BootstrapError;
 pub use id::UniqueId;
 pub use launch::{

@@ -9,9 +9,48 @@ use crate::error::BootstrapError;
 use crate::frame::{self, Frame, Hello, Purpose, ReadError, read_frame};
 use crate::id::UniqueId;
 
-/// A legitimate peer answers a challenge at once; a stranger that connects and
-/// says nothing is dropped after this long so it cannot hold an acceptor.
-pub(crate) const HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
+/// How long a send blocked on a full socket waits before it looks again at
+/// its deadline and at the job's death notices (the write timeout of every
+/// sending connection).
+pub(crate) const SEND_POLL: Duration = Duration::from_millis(100);
+
+/// Why [`write_all_checked`] stopped.
+#[derive(Debug)]
+pub(crate) enum WriteStop<E> {
+    /// The socket failed.
+    Io(std::io::Error),
+    /// The caller's check said stop.
+    Stopped(E),
+}
+
+/// Writes all of `bytes` to a stream whose write timeout is [`SEND_POLL`].
+/// Between writes, and whenever the socket stays full for a poll period,
+/// `go_on(sent)` decides whether to keep going: a peer that stops draining
+/// (a frozen process) then costs a deadline, not a hang.
+pub(crate) fn write_all_checked<E>(
+    s: &mut TcpStream,
+    bytes: &[u8],
+    mut go_on: impl FnMut(usize) -> Result<(), E>,
+) -> Result<(), WriteStop<E>> {
+    let mut sent = 0;
+    while sent < bytes.len() {
+        match s.write(&bytes[sent..]) {
+            Ok(0) => return Err(WriteStop::Io(std::io::ErrorKind::WriteZero.into())),
+            Ok(n) => sent += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(e) => return Err(WriteStop::Io(e)),
+        }
+        if sent < bytes.len() {
+            go_on(sent).map_err(WriteStop::Stopped)?;
+        }
+    }
+    Ok(())
+}
 
 /// Writes one frame with a single `write_all`.
 pub(crate) fn write_frame(s: &mut TcpStream, f: &Frame) -> std::io::Result<()> {
@@ -146,28 +185,19 @@ pub(crate) fn handshake_dial(
     Ok(verdict)
 }
 
-/// The accepting side: challenge, check the answer and the claimed identity,
-/// then welcome or refuse. A refusal is returned as `Err(reason)` for logging.
-pub(crate) fn handshake_accept(
+/// The accepting side's verdict on a hello answering `nonce`: the keyed hash
+/// and the claimed identity must hold. A refusal is sent to the dialer and
+/// returned as `Err(reason)` for logging; an admitted hello is returned
+/// without a welcome, which the caller sends with [`welcome`] once it has
+/// recorded the peer.
+pub(crate) fn judge_hello(
     s: &mut TcpStream,
     id: &UniqueId,
+    nonce: &[u8; 16],
+    hello: Hello,
     expect: Purpose,
     nranks: Option<u32>,
-    max_frame: usize,
 ) -> Result<Hello, String> {
-    let _ = s.set_nodelay(true);
-    s.set_read_timeout(Some(HANDSHAKE_LIMIT))
-        .map_err(|e| e.to_string())?;
-    let mut nonce = [0u8; 16];
-    getrandom::fill(&mut nonce).map_err(|e| e.to_string())?;
-    write_frame(s, &Frame::Challenge { nonce }).map_err(|e| format!("sending challenge: {e}"))?;
-    // Strangers get at most a small frame's worth of our attention.
-    let hello = match read_frame(s, max_frame.min(64 << 10)) {
-        Ok(Some(Frame::Hello(h))) => h,
-        Ok(Some(other)) => return Err(format!("expected a hello, got a {other:?} frame")),
-        Ok(None) => return Err("closed before saying hello".into()),
-        Err(e) => return Err(format!("bad hello: {e}")),
-    };
     let refuse = |s: &mut TcpStream, reason: String| {
         let _ = write_frame(
             s,
@@ -178,7 +208,7 @@ pub(crate) fn handshake_accept(
         Err(reason)
     };
     let want = id.mac(
-        &nonce,
+        nonce,
         hello.purpose,
         hello.rank,
         hello.nranks,
@@ -218,9 +248,12 @@ pub(crate) fn handshake_accept(
             ),
         );
     }
-    write_frame(s, &Frame::Welcome).map_err(|e| format!("sending welcome: {e}"))?;
-    s.set_read_timeout(None).map_err(|e| e.to_string())?;
     Ok(hello)
+}
+
+/// Admits a dialer whose hello passed [`judge_hello`].
+pub(crate) fn welcome(s: &mut TcpStream) -> std::io::Result<()> {
+    write_frame(s, &Frame::Welcome)
 }
 
 #[cfg(test)]
@@ -229,6 +262,37 @@ mod tests {
 
     use super::*;
     use std::net::TcpListener;
+
+    /// A peer that accepts and never reads: the write fills the socket,
+    /// then keeps waking every poll period to ask whether to go on, and
+    /// stops as soon as the answer is no.
+    #[test]
+    fn a_write_to_a_peer_that_never_reads_wakes_and_stops_when_told() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let idle = std::thread::spawn(move || l.accept().map(|(s, _)| s));
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_write_timeout(Some(SEND_POLL)).unwrap();
+        let bytes = vec![0u8; 64 << 20];
+        let (mut last, mut stalls) = (usize::MAX, 0);
+        let r = write_all_checked(&mut s, &bytes, |sent| {
+            if sent == last {
+                stalls += 1;
+            }
+            last = sent;
+            if stalls == 2 {
+                Err("told to stop")
+            } else {
+                Ok(())
+            }
+        });
+        let _keep_open = idle.join().unwrap();
+        assert!(
+            matches!(r, Err(WriteStop::Stopped("told to stop"))),
+            "{r:?}"
+        );
+        assert!(last < bytes.len(), "all {last} bytes went out");
+    }
 
     /// A listener that accepts and then says nothing: the dialer's
     /// handshake runs into its deadline and says so, naming the step.

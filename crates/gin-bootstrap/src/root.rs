@@ -18,8 +18,9 @@ use tracing::{debug, info, warn};
 use crate::env::Config;
 use crate::error::BootstrapError;
 use crate::frame::{Frame, Purpose, read_frame};
+use crate::gate::Gate;
 use crate::id::UniqueId;
-use crate::net::{handshake_accept, write_frame};
+use crate::net::{welcome, write_frame};
 
 /// A running rendezvous root. Dropping it does not stop it: the root thread
 /// lives until every rank has left (or the rendezvous failed); use
@@ -43,7 +44,14 @@ enum Event {
         why: String,
         generation: u64,
     },
+    /// A member could not send to `rank` for the whole timeout.
+    Stuck { by: usize, rank: usize, why: String },
 }
+
+/// How long the root's writes to a member may block: its frames are small,
+/// so only a member that stopped reading altogether fills the socket, and it
+/// must not hold up the news to the others.
+const MEMBER_WRITE_LIMIT: Duration = Duration::from_secs(1);
 
 impl BootstrapRoot {
     /// Starts a root listening on `bind` (port 0 picks a free port) with a
@@ -127,39 +135,31 @@ fn accept_loop(
     tx: &Sender<Event>,
     stop: &AtomicBool,
 ) {
-    for conn in listener.incoming() {
-        if stop.load(Ordering::SeqCst) {
-            return;
-        }
-        let Ok(mut stream) = conn else { continue };
-        let tx = tx.clone();
-        let peer = stream
-            .peer_addr()
-            .map(|a| a.to_string())
-            .unwrap_or_default();
-        // One short-lived thread per handshake, so a silent stranger cannot
-        // hold up the ranks behind it.
-        let _ =
-            thread::Builder::new().name("gin-root-hs".into()).spawn(
-                move || match handshake_accept(
-                    &mut stream,
-                    &id,
-                    Purpose::Root,
-                    nranks.map(|n| n as u32),
-                    config.max_frame,
-                ) {
-                    Ok(h) => {
-                        let _ = tx.send(Event::Joined {
-                            rank: h.rank as usize,
-                            nranks: h.nranks as usize,
-                            listen_addr: h.listen_addr,
-                            stream,
-                        });
-                    }
-                    Err(why) => warn!(%peer, %why, "bootstrap root refused a connection"),
-                },
-            );
-    }
+    // One thread for every handshake: a silent stranger costs a socket for
+    // the authentication deadline, never a thread (see `gate`).
+    let gate = Gate {
+        id,
+        expect: Purpose::Root,
+        nranks: nranks.map(|n| n as u32),
+        auth_timeout: config.auth_timeout,
+        who: "the bootstrap root".into(),
+    };
+    gate.run(
+        listener,
+        &|| stop.load(Ordering::SeqCst),
+        &mut |h, mut stream| {
+            if let Err(e) = welcome(&mut stream) {
+                warn!(rank = h.rank, %e, "could not welcome a rank");
+                return;
+            }
+            let _ = tx.send(Event::Joined {
+                rank: h.rank as usize,
+                nranks: h.nranks as usize,
+                listen_addr: h.listen_addr,
+                stream,
+            });
+        },
+    );
 }
 
 struct Member {
@@ -217,6 +217,7 @@ fn run(rx: &mpsc::Receiver<Event>, tx: &Sender<Event>, fixed_n: Option<usize>, c
                     continue;
                 }
                 debug!(rank, %listen_addr, "rank joined");
+                let _ = stream.set_write_timeout(Some(MEMBER_WRITE_LIMIT));
                 generation += 1;
                 watch(&stream, rank, generation, tx.clone());
                 members[rank] = Some(Member {
@@ -265,6 +266,7 @@ fn run(rx: &mpsc::Receiver<Event>, tx: &Sender<Event>, fixed_n: Option<usize>, c
                 }
                 return;
             }
+            Ok(Event::Stuck { .. }) => {}
             Err(RecvTimeoutError::Disconnected) => return,
         }
     }
@@ -287,8 +289,25 @@ fn run(rx: &mpsc::Receiver<Event>, tx: &Sender<Event>, fixed_n: Option<usize>, c
     info!(nranks = addrs.len(), elapsed = ?start.elapsed(), "bootstrap rendezvous complete");
     // Watch: relay deaths until everyone has left.
     let mut live = members.len();
+    let mut stuck = vec![false; members.len()];
     while live > 0 {
         match rx.recv() {
+            Ok(Event::Stuck { by, rank, why }) => {
+                if stuck.get(rank).is_none_or(|s| *s) {
+                    continue;
+                }
+                stuck[rank] = true;
+                warn!(rank, by, %why, "rank stopped responding; telling the others");
+                for other in members.iter_mut().flatten() {
+                    let _ = write_frame(
+                        &mut other.stream,
+                        &Frame::PeerStuck {
+                            rank: rank as u32,
+                            reason: why.clone(),
+                        },
+                    );
+                }
+            }
             Ok(Event::Left {
                 rank,
                 orderly,
@@ -304,7 +323,13 @@ fn run(rx: &mpsc::Receiver<Event>, tx: &Sender<Event>, fixed_n: Option<usize>, c
                 *m = None;
                 live -= 1;
                 if orderly {
-                    debug!(rank, "rank left");
+                    // Peers on the same host have no connection of their own
+                    // to notice this by: tell them.
+                    debug!(rank, "rank left; telling the others");
+                    for other in members.iter_mut().flatten() {
+                        let _ =
+                            write_frame(&mut other.stream, &Frame::PeerLeft { rank: rank as u32 });
+                    }
                     continue;
                 }
                 warn!(rank, %why, "rank died; telling the others");
@@ -347,6 +372,16 @@ fn watch(stream: &TcpStream, rank: usize, generation: u64, tx: Sender<Event>) {
             let (orderly, why) = loop {
                 match read_frame(&mut s, 1 << 16) {
                     Ok(Some(Frame::Goodbye)) => break (true, String::new()),
+                    Ok(Some(Frame::PeerStuck {
+                        rank: stuck,
+                        reason,
+                    })) => {
+                        let _ = tx.send(Event::Stuck {
+                            by: rank,
+                            rank: stuck as usize,
+                            why: reason,
+                        });
+                    }
                     Ok(Some(_)) => {}
                     Ok(None) => {
                         break (false, "its root connection closed without a goodbye".into());

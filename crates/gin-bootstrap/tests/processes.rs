@@ -76,6 +76,54 @@ fn a_rank_killed_mid_allgather_fails_the_others_promptly() {
     }
 }
 
+/// The seconds a survivor spent in its failed allgather, from the line the
+/// selftest prints.
+fn seconds_in_allgather(stdout: &str) -> Option<f64> {
+    let (_, tail) = stdout.split_once("(after ")?;
+    tail.split_once("s in allgather")?.0.parse().ok()
+}
+
+#[test]
+fn a_stopped_rank_fails_every_other_rank_within_twice_the_timeout() {
+    // Rank 2 freezes (SIGSTOP) with its sockets open: rank 1's 16 MiB send to
+    // it fills the socket buffers (a few MiB on loopback) and must still end
+    // at its deadline, and every survivor must name rank 2, not the rank that
+    // gave up before it. The slack covers moving 2 x 16 MiB on loaded cores.
+    let timeout = 2.0;
+    let mut s = spec(4, &["stop", "2", &(16 << 20).to_string()], "2");
+    s.config.timeout = Duration::from_secs(10);
+    s.grace = Duration::from_secs(8);
+    let report = launch(&s).unwrap();
+    for r in report.ranks.iter().filter(|r| r.rank != 2) {
+        assert!(
+            !r.stopped,
+            "rank {} hung and had to be stopped: {}{}",
+            r.rank, r.stdout, r.stderr
+        );
+        assert_eq!(
+            r.status.and_then(|s| s.code()),
+            Some(3),
+            "rank {}: {}{}",
+            r.rank,
+            r.stdout,
+            r.stderr
+        );
+        assert!(
+            r.stdout.contains("rank 2"),
+            "rank {} does not name rank 2: {}",
+            r.rank,
+            r.stdout
+        );
+        let took = seconds_in_allgather(&r.stdout).unwrap();
+        assert!(
+            took < 2.0 * timeout + 1.0,
+            "rank {} failed after {took}s: {}",
+            r.rank,
+            r.stdout
+        );
+    }
+}
+
 #[test]
 fn a_rank_that_never_joins_is_named_by_every_other() {
     let mut s = spec(4, &["absent", "3"], "2");

@@ -199,6 +199,56 @@ fn strangers_are_refused_and_the_job_goes_on() {
     }
 }
 
+/// Connects, takes the challenge, says nothing: how long until the acceptor
+/// hangs up.
+fn silent_stranger_dropped_after(to: SocketAddr) -> Duration {
+    let mut s = TcpStream::connect(to).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let t = Instant::now();
+    let Some(Frame::Challenge { .. }) = frame::read_frame(&mut s, 1 << 16).unwrap() else {
+        panic!("expected a challenge");
+    };
+    let mut rest = Vec::new();
+    let _ = s.read_to_end(&mut rest);
+    assert!(rest.is_empty(), "{rest:?}");
+    t.elapsed()
+}
+
+#[test]
+fn a_silent_stranger_is_dropped_at_the_authentication_deadline() {
+    let config = Config {
+        auth_timeout: Duration::from_millis(300),
+        ..cfg(20_000)
+    };
+    let root = BootstrapRoot::start(localhost(), Some(2), config).unwrap();
+    let id = root.id();
+    let at_root = silent_stranger_dropped_after(id.addr);
+    let out = run_threads_at(id, config, |b| {
+        b.barrier().unwrap();
+        let at_rank = (b.rank() == 0).then(|| silent_stranger_dropped_after(b.peer_addrs()[1]));
+        b.barrier().unwrap();
+        at_rank
+    });
+    for (what, took) in [("the root", at_root), ("rank 1", out[0].unwrap())] {
+        assert!(
+            took >= Duration::from_millis(250) && took < Duration::from_secs(3),
+            "{what} dropped a silent stranger after {took:?}, its deadline is 300ms"
+        );
+    }
+}
+
+/// Two ranks as threads of a job whose root is already running.
+fn run_threads_at<T: Send + 'static>(
+    id: UniqueId,
+    config: Config,
+    f: impl Fn(&Bootstrap) -> T + Send + Sync + Copy + 'static,
+) -> Vec<T> {
+    let ranks: Vec<_> = (0..2)
+        .map(|r| std::thread::spawn(move || f(&Bootstrap::init_with(&id, r, 2, config).unwrap())))
+        .collect();
+    ranks.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
 #[test]
 fn a_peer_that_leaves_early_fails_the_receiver_promptly() {
     let t0 = Instant::now();
@@ -218,6 +268,41 @@ fn a_peer_that_leaves_early_fails_the_receiver_promptly() {
         "took {:?}",
         t0.elapsed()
     );
+}
+
+#[test]
+fn a_peer_that_leaves_without_ever_sending_is_noticed_at_once() {
+    // Rank 1 never dials rank 0, so only the root can tell rank 0 it left.
+    let out = run_threads(2, cfg(30_000), |b| {
+        if b.rank() == 1 {
+            return None;
+        }
+        let t = Instant::now();
+        let recv = b.recv(1, 5).unwrap_err().to_string();
+        let took = t.elapsed();
+        Some((recv, took, b.health().unwrap_err().to_string()))
+    })
+    .unwrap();
+    let (recv, took, health) = out[0].clone().unwrap();
+    assert!(recv.contains("rank 1 closed its bootstrap"), "{recv}");
+    assert!(took < Duration::from_secs(5), "took {took:?}: {recv}");
+    assert!(health.contains("rank 1 exited"), "{health}");
+}
+
+#[test]
+fn ranks_that_leave_right_after_a_barrier_do_not_fail_it_for_the_others() {
+    // The last barrier message from a rank and the root's news of its
+    // departure travel on different connections; the message must win.
+    for round in 0..20 {
+        let out = run_threads(4, cfg(30_000), |b| {
+            b.barrier().map_err(|e| e.to_string())?;
+            b.barrier().map_err(|e| e.to_string())
+        })
+        .unwrap();
+        for (rank, r) in out.into_iter().enumerate() {
+            assert_eq!(r, Ok(()), "round {round}, rank {rank}");
+        }
+    }
 }
 
 #[test]

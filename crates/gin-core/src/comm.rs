@@ -171,6 +171,22 @@ impl Drop for Registration {
     }
 }
 
+impl Drop for Comm {
+    fn drop(&mut self) {
+        // The bootstrap announces this rank's departure when its last
+        // handle drops, right after this. Peers treat that as the end of
+        // its traffic (see `Bootstrap::health`), so first let every request
+        // it sent over TCP reach its target: a peer that hears "rank r
+        // exited" has seen everything r completed. Same-host paths wrote
+        // into peers' memory already. A broken job has nothing to protect.
+        if self.bootstrap.health().is_ok()
+            && let Err(e) = self.fabric.fence_all()
+        {
+            tracing::debug!(rank = self.rank(), %e, "fence at departure failed");
+        }
+    }
+}
+
 impl Comm {
     /// Builds a communicator over an initialised bootstrap (collective),
     /// with settings from the environment.

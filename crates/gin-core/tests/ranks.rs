@@ -267,6 +267,60 @@ fn a_signal_is_never_applied_for_refused_data_and_the_flush_reports_it() {
     }
 }
 
+/// The seconds a failed wait took, from the selftest's "(after X.XXs)".
+fn seconds_waited(stdout: &str) -> Option<f64> {
+    let (_, tail) = stdout.rsplit_once("(after ")?;
+    tail.split_once("s)")?.0.parse().ok()
+}
+
+#[test]
+fn a_rank_that_returns_from_main_is_named_as_exited_within_seconds() {
+    for (name, env) in MODES {
+        // A long timeout: a prompt failure proves the departure was noticed.
+        let report = run(3, &["leave", "1"], env, "60");
+        assert!(
+            report.ranks[1].success(),
+            "{name}: {}",
+            report.ranks[1].stdout
+        );
+        for r in report.ranks.iter().filter(|r| r.rank != 1) {
+            assert_eq!(
+                r.status.and_then(|s| s.code()),
+                Some(3),
+                "{name}, rank {} (stopped by the launcher: {}): {}{}",
+                r.rank,
+                r.stopped,
+                r.stdout,
+                r.stderr
+            );
+            assert!(
+                r.stdout.contains("rank 1 exited"),
+                "{name}, rank {}: {}",
+                r.rank,
+                r.stdout
+            );
+            let took = seconds_waited(&r.stdout)
+                .unwrap_or_else(|| panic!("{name}, rank {}: {}", r.rank, r.stdout));
+            assert!(
+                took < 3.0,
+                "{name}, rank {}: after {took}s: {}",
+                r.rank,
+                r.stdout
+            );
+        }
+    }
+}
+
+#[test]
+fn a_rank_that_signals_and_leaves_at_once_does_not_fail_the_waits_it_satisfied() {
+    for (name, env) in MODES {
+        for round in 0..3 {
+            let report = run(3, &["signal-leave", "1"], env, "60");
+            assert_ok(&report, &format!("{name}, round {round}"));
+        }
+    }
+}
+
 #[test]
 fn unavailable_choices_are_clear_errors_listing_the_alternatives() {
     let report = run(2, &["ring"], &[("GIN_BACKEND", "ibgda")], "20");

@@ -195,7 +195,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn progress(&self) {}
 }
 
-/// The job-level liveness check waits consult (the bootstrap's death watch).
+/// The job-level liveness check waits consult (the bootstrap's death watch):
+/// it fails once any rank has died, stopped responding or left, and its
+/// message names that rank. Waits call it every ~0.5 ms, off the fast path.
 pub trait Health: Send + Sync + std::fmt::Debug {
     fn check(&self) -> Result<(), String>;
 

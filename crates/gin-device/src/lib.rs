@@ -19,8 +19,10 @@
 //!   instance that issued one redeems it.
 //! - **Waits** poll with back-off (spin, yield, short sleeps, so ranks and
 //!   proxies share few cores), honour a timeout and an abort flag, consult the
-//!   job's health (a dead peer is an error, not a hang), and compare with
-//!   rolling arithmetic ([`wait`]): 64-bit signals, 56-bit counters.
+//!   job's health (a dead or departed peer is an error, not a hang; the
+//!   condition is looked at once more first, so what the peer did before it
+//!   went counts), and compare with rolling arithmetic ([`wait`]): 64-bit
+//!   signals, 56-bit counters.
 //! - **Signals** are 64-bit slots per context in a communicator-wide signal
 //!   window; barrier sessions use reserved slots past the user's ids.
 //!

@@ -33,7 +33,9 @@ pub(crate) enum Stop<E> {
 
 /// Polls `ready` until it returns true, backing off from spinning to
 /// yielding to short sleeps so that ranks and proxies can share few cores.
-/// Every ~0.5 ms `health` is consulted and the abort flag read.
+/// Every ~0.5 ms `health` is consulted and the abort flag read; when health
+/// fails, `ready` is asked once more, so a wait the failed peer satisfied
+/// before it went succeeds.
 pub(crate) fn poll<E>(
     timeout: Duration,
     abort: &std::sync::atomic::AtomicU32,
@@ -60,7 +62,16 @@ pub(crate) fn poll<E>(
             if abort.load(std::sync::atomic::Ordering::Relaxed) != 0 {
                 return Err(Stop::Aborted);
             }
-            health().map_err(Stop::Failed)?;
+            if let Err(e) = health() {
+                // A peer that wrote what we wait for and then left (or
+                // died) did so before its departure was known here: the
+                // condition holds, and the wait succeeds.
+                return if ready() {
+                    Ok(())
+                } else {
+                    Err(Stop::Failed(e))
+                };
+            }
             if now - start >= timeout {
                 // One last look, so a value that arrived during the check counts.
                 return if ready() {
@@ -106,6 +117,32 @@ mod tests {
             // Bits above 56 never matter.
             prop_assert!(counter_reached((target + d) | (0xff << 56), target));
         }
+    }
+
+    /// A peer wrote the awaited value and then left: the health check that
+    /// reports the departure must not fail a wait that is satisfied.
+    #[test]
+    fn a_wait_satisfied_before_a_peer_left_succeeds() {
+        let abort = std::sync::atomic::AtomicU32::new(0);
+        let written = std::cell::Cell::new(false);
+        let r = poll(
+            Duration::from_secs(60),
+            &abort,
+            || written.get(),
+            || {
+                // The value landed just before the news of the departure.
+                written.set(true);
+                Err("rank 1 exited")
+            },
+        );
+        assert!(r.is_ok(), "{r:?}");
+        let r = poll(
+            Duration::from_secs(60),
+            &abort,
+            || false,
+            || Err("rank 1 exited"),
+        );
+        assert!(matches!(r, Err(Stop::Failed("rank 1 exited"))), "{r:?}");
     }
 
     #[test]

@@ -2,10 +2,11 @@
 //! `cargo xtask launch`, torchrun, Slurm or Open MPI). Exits 0 when every
 //! collective delivered every byte correctly.
 //!
-//! `gin-bootstrap-selftest [check [ROUNDS] | die VICTIM | absent VICTIM]`:
-//! `die` makes rank VICTIM crash while the others are in an allgather, and
-//! `absent` makes it never join; the survivors print the error they got and
-//! exit with status 3. The process tests use these to prove that failures are
+//! `gin-bootstrap-selftest [check [ROUNDS] | die VICTIM | stop VICTIM BYTES |
+//! absent VICTIM]`: `die` makes rank VICTIM crash while the others are in an
+//! allgather, `stop` makes it stop itself (SIGSTOP) before an allgather of
+//! BYTES per rank, and `absent` makes it never join; the survivors print the
+//! error they got and exit with status 3. The process tests use these to prove that failures are
 //! reported, not hung on.
 
 use std::process::ExitCode;
@@ -54,7 +55,25 @@ fn main() -> ExitCode {
                 })
             })
         }
-        other => Err(format!("unknown mode {other:?} (check, die, absent)")),
+        "stop" => {
+            let victim = arg(1, 0);
+            let bytes = arg(2, 64 << 20);
+            b.barrier().map_err(|e| e.to_string()).and_then(|()| {
+                if b.rank() == victim {
+                    // Frozen, not dead: its sockets stay open and undrained.
+                    // The launcher kills it once the others have failed.
+                    let pid = std::process::id().to_string();
+                    let _ = std::process::Command::new("kill")
+                        .args(["-STOP", &pid])
+                        .status();
+                }
+                let t = Instant::now();
+                b.allgather(&vec![7; bytes]).map(|_| ()).map_err(|e| {
+                    format!("{e} (after {:.3}s in allgather)", t.elapsed().as_secs_f64())
+                })
+            })
+        }
+        other => Err(format!("unknown mode {other:?} (check, die, stop, absent)")),
     };
     match result {
         Ok(()) => {

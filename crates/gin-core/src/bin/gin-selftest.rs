@@ -15,7 +15,11 @@
 //! window the others are registering: they must fail and leave nothing in
 //! `GIN_SHM_DIR`). `refused` (a put with a signal to a window its owner
 //! dropped: the initiator's flush reports the refusal naming window, offset
-//! and rank, and the signal is never applied).
+//! and rank, and the signal is never applied). `leave VICTIM` (VICTIM returns
+//! from main, a clean exit, while the others wait on it; they must fail
+//! within seconds naming it as exited), `signal-leave VICTIM` (VICTIM signals
+//! everyone, flushes and exits at once; the others' waits it satisfied must
+//! succeed).
 
 #![allow(clippy::many_single_char_names)] // c, r, n, w: comm, rank, nranks, window, as in the docs
 
@@ -72,6 +76,10 @@ fn main() -> ExitCode {
         "requirements" => requirements(&comm),
         "dropped" => dropped(&comm),
         "die" => die(&comm, args.get(1).and_then(|v| v.parse().ok()).unwrap_or(1)),
+        "leave" => leave(&comm, args.get(1).and_then(|v| v.parse().ok()).unwrap_or(1)),
+        "signal-leave" => {
+            signal_leave(&comm, args.get(1).and_then(|v| v.parse().ok()).unwrap_or(1))
+        }
         "killreg" => killreg(&comm),
         "refused" => refused(&comm),
         "stop" => stop(&comm, args.get(1).and_then(|v| v.parse().ok()).unwrap_or(1)),
@@ -843,6 +851,66 @@ fn killreg(c: &Comm) -> R {
 
 fn gin_net_shm_dir() -> std::path::PathBuf {
     std::env::var_os("GIN_SHM_DIR").map_or_else(|| "/dev/shm".into(), Into::into)
+}
+
+/// The victim returns from main without an error while everyone else waits
+/// for a signal it would send: its comm is dropped, its process exits 0.
+fn leave(c: &Comm, victim: usize) -> R {
+    let (r, n) = (c.rank(), c.nranks());
+    let dc = c.dev_comm(&DevCommRequirements::default()).map_err(s)?;
+    let ctx = dc.ctx(0).map_err(s)?;
+    dc.barrier(Team::World, 0)
+        .map_err(s)?
+        .sync(0, Fence::None)
+        .map_err(s)?;
+    if r == victim {
+        // Its barrier signals complete before it goes (what a rank issued
+        // but never completed may be lost when it leaves).
+        return ctx.flush().map_err(s);
+    }
+    let t = Instant::now();
+    for p in (0..n).filter(|&p| p != victim) {
+        let _ = ctx.signal(p, Remote::signal_inc(0));
+    }
+    match ctx.wait_signal(0, n as u64) {
+        Ok(_) => Err("the wait succeeded without the victim's signal".into()),
+        Err(e) => Err(format!("{e} (after {:.2}s)", t.elapsed().as_secs_f64())),
+    }
+}
+
+/// The victim signals every other rank, flushes, and leaves at once (its
+/// device communicator dropped, not destroyed: destroy is collective). Its
+/// signals landed before it left, so the waits they satisfy succeed, however
+/// the news of its departure races them.
+fn signal_leave(c: &Comm, victim: usize) -> R {
+    let (r, n) = (c.rank(), c.nranks());
+    let dc = c.dev_comm(&DevCommRequirements::default()).map_err(s)?;
+    let ctx = dc.ctx(0).map_err(s)?;
+    dc.barrier(Team::World, 0)
+        .map_err(s)?
+        .sync(0, Fence::None)
+        .map_err(s)?;
+    if r == victim {
+        for p in (0..n).filter(|&p| p != victim) {
+            ctx.signal(p, Remote::signal_inc(0)).map_err(s)?;
+        }
+        return ctx.flush().map_err(s);
+    }
+    ctx.wait_signal(0, 1).map_err(s)?;
+    // Stay until the victim is known to have left (its flush may still wait
+    // for this rank's transport), then wait again: satisfied waits stay so.
+    let t = Instant::now();
+    let gone = loop {
+        match c.bootstrap().health() {
+            Ok(()) if t.elapsed() < Duration::from_secs(10) => std::thread::yield_now(),
+            Ok(()) => return Err(format!("rank {victim}'s departure was never noticed")),
+            Err(e) => break e.to_string(),
+        }
+    };
+    if !gone.contains(&format!("rank {victim} exited")) {
+        return Err(format!("expected rank {victim} to have exited: {gone}"));
+    }
+    ctx.wait_signal(0, 1).map(|_| ()).map_err(s)
 }
 
 /// Ids freed by destroy are reused: far more create/destroy cycles than the
