@@ -240,9 +240,12 @@ fn names_victim(text: &str) -> bool {
 
 /// The first line that reads like an error, shortened for the table.
 fn first_error(text: &str) -> Option<String> {
-    let line = text
-        .lines()
-        .find(|l| l.contains("Error") || l.contains("error") || l.contains("FAILED"))?;
+    let line = text.lines().find(|l| {
+        l.starts_with("gin-bench:")
+            || l.contains("Error")
+            || l.contains("error")
+            || l.contains("FAILED")
+    })?;
     let line = line.trim();
     Some(if line.chars().count() > 160 {
         format!("{}…", line.chars().take(160).collect::<String>())

@@ -171,6 +171,10 @@ impl Drop for Registration {
     }
 }
 
+/// How long a departing rank waits for its TCP peers to confirm what it
+/// sent: healthy links answer in well under a millisecond.
+const DEPARTURE_FENCE: Duration = Duration::from_secs(2);
+
 impl Drop for Comm {
     fn drop(&mut self) {
         // The bootstrap announces this rank's departure when its last
@@ -178,9 +182,12 @@ impl Drop for Comm {
         // its traffic (see `Bootstrap::health`), so first let every request
         // it sent over TCP reach its target: a peer that hears "rank r
         // exited" has seen everything r completed. Same-host paths wrote
-        // into peers' memory already. A broken job has nothing to protect.
+        // into peers' memory already. A broken job has nothing to protect,
+        // and a peer that stopped answering must not hold this rank's exit
+        // for a whole timeout on top of the one that failed it: the fence
+        // gets a short deadline of its own.
         if self.bootstrap.health().is_ok()
-            && let Err(e) = self.fabric.fence_all()
+            && let Err(e) = self.fabric.fence_all_within(DEPARTURE_FENCE)
         {
             tracing::debug!(rank = self.rank(), %e, "fence at departure failed");
         }

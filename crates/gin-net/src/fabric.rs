@@ -406,9 +406,16 @@ impl Fabric {
     /// by its target: after it (and a barrier), no request of this rank is
     /// still in flight to anyone's memory. Deregistration relies on it.
     pub fn fence_all(&self) -> Result<(), NetError> {
+        self.fence_all_within(self.timeout)
+    }
+
+    /// [`Fabric::fence_all`] with one deadline, `limit` from now, for every
+    /// link together (at most the fabric's timeout).
+    pub fn fence_all_within(&self, limit: Duration) -> Result<(), NetError> {
+        let until = std::time::Instant::now() + limit.min(self.timeout);
         for p in &self.paths {
             if let Path::Tcp(l) = p {
-                l.fence(self.timeout)?;
+                l.fence(until.saturating_duration_since(std::time::Instant::now()))?;
             }
         }
         Ok(())
