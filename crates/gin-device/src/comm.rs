@@ -863,7 +863,10 @@ impl<'a> Ctx<'a> {
 
     /// The load/store path: copy into the peer's mapping, then update the
     /// signal with release ordering. Returns false when some part of the
-    /// operation has no mapping (then the backend takes it whole).
+    /// operation has no mapping (then the backend takes it whole). A part
+    /// its owner revoked refuses the put before the data is written, and
+    /// the signal when the data's part or the signal's was revoked by the
+    /// time the data is written (docs/device-api.md, "Refused operations").
     fn put_direct(&self, op: &PutOp<'_>) -> Result<bool, GinError> {
         let dst = if op.bytes > 0 {
             match op.dst.peer_ptr(op.peer) {
@@ -875,7 +878,7 @@ impl<'a> Ctx<'a> {
         };
         let slot = match &op.signal {
             Some(s) => match s.window.peer_slot(op.peer, s.offset) {
-                Some(slot) => Some((slot, s.add)),
+                Some(slot) => Some((slot, s)),
                 None => return Ok(false),
             },
             None => None,
@@ -891,6 +894,7 @@ impl<'a> Ctx<'a> {
                 self.wait_ticket(&t, self.dc.p.timeout)?;
             }
         }
+        op.dst.served("put", op.peer, op.dst_off, op.bytes)?;
         if let Some(dst) = dst {
             // SAFETY: `issue_put` checked the destination range against the
             // peer's size and the source range against ours; both mappings
@@ -910,9 +914,14 @@ impl<'a> Ctx<'a> {
                 }
             }
         }
-        if let Some((slot, add)) = slot {
+        if let Some((slot, s)) = slot {
+            // Again: a revocation during the copy keeps the signal back.
+            if op.bytes > 0 {
+                op.dst.served("put", op.peer, op.dst_off, op.bytes)?;
+            }
+            s.window.served("signal", op.peer, s.offset, 8)?;
             // Release: the data above is visible to whoever acquires the signal.
-            slot.fetch_add(add, Ordering::Release);
+            slot.fetch_add(s.add, Ordering::Release);
         }
         if let Some(c) = op.counter {
             self.dc.p.counters.bump(c);
@@ -941,6 +950,7 @@ impl<'a> Ctx<'a> {
         if dc.is_direct(peer)
             && let Some(src) = remote.peer_ptr(peer)
         {
+            remote.served("get", peer, remote_off, bytes)?;
             // SAFETY: ranges checked above; mappings live with the windows.
             unsafe {
                 std::ptr::copy(
