@@ -863,10 +863,9 @@ impl<'a> Ctx<'a> {
 
     /// The load/store path: copy into the peer's mapping, then update the
     /// signal with release ordering. Returns false when some part of the
-    /// operation has no mapping (then the backend takes it whole). A part
-    /// its owner revoked refuses the put before the data is written, and
-    /// the signal when the data's part or the signal's was revoked by the
-    /// time the data is written (docs/device-api.md, "Refused operations").
+    /// operation has no mapping (then the backend takes it whole). When the
+    /// owner revoked the data's part or the signal's, the put is refused
+    /// before anything moves (docs/device-api.md, "Refused operations").
     fn put_direct(&self, op: &PutOp<'_>) -> Result<bool, GinError> {
         let dst = if op.bytes > 0 {
             match op.dst.peer_ptr(op.peer) {
@@ -894,7 +893,12 @@ impl<'a> Ctx<'a> {
                 self.wait_ticket(&t, self.dc.p.timeout)?;
             }
         }
+        // Both parts are checked before anything moves, as a tcp target
+        // checks a put and its signal: a refusal is whole.
         op.dst.served("put", op.peer, op.dst_off, op.bytes)?;
+        if let Some((_, s)) = &slot {
+            s.window.served("signal", op.peer, s.offset, 8)?;
+        }
         if let Some(dst) = dst {
             // SAFETY: `issue_put` checked the destination range against the
             // peer's size and the source range against ours; both mappings
@@ -915,11 +919,6 @@ impl<'a> Ctx<'a> {
             }
         }
         if let Some((slot, s)) = slot {
-            // Again: a revocation during the copy keeps the signal back.
-            if op.bytes > 0 {
-                op.dst.served("put", op.peer, op.dst_off, op.bytes)?;
-            }
-            s.window.served("signal", op.peer, s.offset, 8)?;
             // Release: the data above is visible to whoever acquires the signal.
             slot.fetch_add(s.add, Ordering::Release);
         }

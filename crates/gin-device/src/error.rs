@@ -48,9 +48,8 @@ pub enum GinError {
     },
     #[error("rank {rank}: window {window} was deregistered")]
     Deregistered { rank: usize, window: u32 },
-    /// The owner of the target part dropped or deregistered it: nothing was
-    /// written (or, for a signal, the data was written but the signal was
-    /// held back).
+    /// The owner of the target part (the data's or the signal's) dropped or
+    /// deregistered it: nothing of the operation was written.
     #[error(
         "rank {rank}: {what} of {bytes} bytes at offset {offset} of window {window} refused: rank {owner} dropped or deregistered its part"
     )]

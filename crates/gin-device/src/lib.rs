@@ -13,10 +13,10 @@
 //! - **Two paths.** Peers whose window parts are mapped into this process
 //!   (same-host shared memory) are reached by direct load/store: a copy, then
 //!   an atomic add with release ordering on the signal — NCCL's LSA path.
-//!   Before the copy, and again before the signal, the direct path loads the
-//!   owner's revocation word ([`WindowParts::states`]): a part its owner
-//!   dropped or deregistered is refused ([`GinError::Refused`]), and so is
-//!   a signal whose data was. All
+//!   Before anything moves, the direct path loads the owners' revocation
+//!   words of the data's and the signal's parts ([`WindowParts::states`]):
+//!   a put to a part its owner dropped or deregistered is refused as a
+//!   whole, signal included ([`GinError::Refused`]). All
 //!   other traffic goes to a [`Backend`] (the proxy or GDAKI), which issues it
 //!   and reports local completion through tickets. Only a backend makes a
 //!   [`Ticket`] (private fields, a [`TicketIssuer`] it owns), and only the

@@ -226,10 +226,9 @@ impl Fabric {
 
     /// Writes `src` to `dst` on `peer`, then adds `sig.1` to the 8-byte slot
     /// `sig.0` on `peer` with release ordering (the data is visible first).
-    /// Complete locally on return. On the local and shm paths a part its
-    /// owner revoked refuses the put before the data is written, and the
-    /// signal when the data's part or the signal's was revoked by the time
-    /// the data is written: a signal is never applied for refused data.
+    /// Complete locally on return. On the local and shm paths, when the
+    /// owner revoked the data's part or the signal's, the put is refused
+    /// before anything moves: a signal is never applied for refused data.
     pub fn put(
         &self,
         peer: usize,
@@ -265,8 +264,12 @@ impl Fabric {
         }
         match path {
             Path::Local | Path::Shm => {
-                let len = src.len() as u64;
-                Self::served(w, peer, dst, "put", len)?;
+                // Both parts are checked before anything moves, as a tcp
+                // target checks a put and its signal: a refusal is whole.
+                Self::served(w, peer, dst, "put", src.len() as u64)?;
+                if let Some((sw, a, _)) = sig {
+                    Self::served(sw, peer, a, "signal", 8)?;
+                }
                 if !src.is_empty() {
                     let d = Self::mapped(w, peer, path, dst)?;
                     // SAFETY: `check` tested the range against the peer's
@@ -281,9 +284,6 @@ impl Fabric {
                             a.offset
                         )));
                     }
-                    // Again: a revocation during the copy keeps the signal back.
-                    Self::served(w, peer, dst, "put", len)?;
-                    Self::served(sw, peer, a, "signal", 8)?;
                     // SAFETY: in range, aligned; signal slots are only accessed atomically.
                     unsafe { (*p.cast::<AtomicU64>()).fetch_add(v, Ordering::Release) };
                 }
@@ -563,7 +563,7 @@ mod tests {
     }
 
     #[test]
-    fn a_revoked_signal_part_holds_the_signal_back() {
+    fn a_revoked_signal_part_refuses_the_whole_put() {
         let (fabric, data, sig) = rig("revoked-signal");
         sig.state().store(1, Ordering::Release);
         let e = fabric
@@ -574,7 +574,7 @@ mod tests {
             e.contains("signal of 8 bytes at offset 32 of window 1"),
             "{e}"
         );
-        // The data's part was served, so the data landed; the signal did not.
-        assert_eq!((word(&data, 8), word(&sig, 32)), (0x0303_0303_0303_0303, 0));
+        // As over tcp, the put and its signal are refused as a whole.
+        assert_eq!((word(&data, 8), word(&sig, 32)), (0, 0));
     }
 }

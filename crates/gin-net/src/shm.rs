@@ -13,9 +13,9 @@
 //! - A segment starts with a [`HEADER`] page before its data: its first
 //!   word is the owner's *revocation word*, 0 while the owner serves the
 //!   segment and non-zero once it dropped or deregistered it. Peers keep
-//!   their mapping (memory-safe) but check the word before writing data,
-//!   again before applying a signal, and refuse the operation when it is
-//!   set (see the fabric and gin-device's direct path).
+//!   their mapping (memory-safe) but check the words of a put's data part
+//!   and signal part before anything moves, and refuse the operation when
+//!   either is set (see the fabric and gin-device's direct path).
 
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;
