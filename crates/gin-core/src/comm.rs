@@ -2,7 +2,7 @@
 //! device communicators.
 
 use std::fmt::Write as _;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -126,6 +126,8 @@ struct PeerPart {
     addr: u64,
     /// The part mapped here (0: not mapped).
     mapped: usize,
+    /// The owner's revocation word mapped here (0: not mapped).
+    state: usize,
 }
 
 /// What keeps a window's memory alive. Fields drop in order: the
@@ -152,7 +154,9 @@ struct Mapped {
 /// without [`Comm::deregister_window`] (the communicator's own signal
 /// window, always; a user's on an error path or by mistake) would otherwise
 /// leave a peer's late put, signal or read pointing at unmapped memory.
-/// [`RegionTable::remove`] waits for requests being served.
+/// [`RegionTable::remove`] waits for requests being served. Same-host
+/// peers, which write the mapping itself, see the segment's revocation word
+/// set first and refuse operations on it from then on.
 #[derive(Debug)]
 struct Registration {
     table: Arc<RegionTable>,
@@ -160,10 +164,17 @@ struct Registration {
     key: u32,
     base: usize,
     id: u32,
+    /// The address of this part's revocation word (0: none, user memory).
+    state: usize,
 }
 
 impl Drop for Registration {
     fn drop(&mut self) {
+        if self.state != 0 {
+            // SAFETY: the revocation word of this part's segment, which
+            // `WindowMemory` drops only after this registration.
+            unsafe { &*(self.state as *const AtomicU64) }.store(1, Ordering::Release);
+        }
         self.fabric.remove_window(self.id);
         // Only if the key is still this part's: after a deregistration it may
         // have been drawn again for another window.
@@ -419,7 +430,8 @@ impl Comm {
         // the key from the table.
         let key = unsafe { self.table.insert(seg.as_ptr(), bytes, Access::ALL)? };
         // Declared after `seg`, so dropped before it on every path.
-        let registration = self.registration(id, key, seg.as_ptr());
+        let mut registration = self.registration(id, key, seg.as_ptr());
+        registration.state = std::ptr::from_ref(seg.state()) as usize;
         let path = seg.path().to_string_lossy().into_owned();
         let r = self.finish_window(id, seg.as_ptr(), bytes, key, &path, true);
         // Every peer has mapped it (finish_window ends with a barrier), or
@@ -508,6 +520,7 @@ impl Comm {
             key,
             base: base as usize,
             id,
+            state: 0,
         }
     }
 
@@ -551,12 +564,13 @@ impl Comm {
             let size = u64::from_le_bytes(e[..8].try_into().expect("8 bytes"));
             let key = u32::from_le_bytes(e[8..12].try_into().expect("4 bytes"));
             let addr = u64::from_le_bytes(e[12..20].try_into().expect("8 bytes"));
-            let mut mapped = 0usize;
+            let (mut mapped, mut state) = (0usize, 0usize);
             if p != self.rank() && matches!(self.paths[p], Path::Shm) && e[20] == 1 {
                 let name = std::str::from_utf8(&e[HEAD..])
                     .map_err(|_| CoreError::Invalid(format!("rank {p} sent a bad segment name")))?;
                 let seg = Segment::open(std::path::Path::new(name), size as usize)?;
                 mapped = seg.as_ptr() as usize;
+                state = std::ptr::from_ref(seg.state()) as usize;
                 segs.push(seg);
             }
             peers.push(PeerPart {
@@ -564,6 +578,7 @@ impl Comm {
                 key,
                 addr,
                 mapped,
+                state,
             });
         }
         self.bootstrap.barrier()?;
@@ -592,6 +607,17 @@ impl Comm {
                 }
             })
             .collect();
+        let states: Vec<usize> = peers
+            .iter()
+            .enumerate()
+            .map(|(p, e)| {
+                if p == self.rank() {
+                    registration.state
+                } else {
+                    e.state
+                }
+            })
+            .collect();
         self.fabric.add_window(
             id,
             MemDesc {
@@ -600,6 +626,7 @@ impl Comm {
                 peer_bases: peer_bases.iter().map(|p| *p as usize).collect(),
                 keys: peers.iter().map(|p| p.key).collect(),
                 addrs: peers.iter().map(|p| p.addr).collect(),
+                states: states.clone(),
                 keep: Some(KeepAlive(mapped.clone())),
             },
         );
@@ -608,7 +635,8 @@ impl Comm {
             _mapped: mapped,
         };
         // SAFETY: `base` is this rank's part (sizes[rank] bytes), each non-null
-        // peer base a mapping of that peer's part, all kept alive by `mem`.
+        // peer base a mapping of that peer's part, each non-null state a
+        // segment's revocation word, all kept alive by `mem`.
         unsafe {
             Window::from_parts(
                 WindowParts {
@@ -620,6 +648,7 @@ impl Comm {
                     peer_bases,
                     keys: peers.iter().map(|p| p.key).collect(),
                     addrs: peers.iter().map(|p| p.addr).collect(),
+                    states: states.iter().map(|&s| s as *const AtomicU64).collect(),
                 },
                 Box::new(mem),
             )
@@ -832,6 +861,7 @@ fn dangling_window() -> Window {
                 peer_bases: vec![std::ptr::null_mut()],
                 keys: vec![0],
                 addrs: vec![0],
+                states: vec![std::ptr::null()],
             },
             Box::new(()),
         )

@@ -872,7 +872,9 @@ impl<'a> Ctx<'a> {
 
     /// The load/store path: copy into the peer's mapping, then update the
     /// signal with release ordering. Returns false when some part of the
-    /// operation has no mapping (then the backend takes it whole).
+    /// operation has no mapping (then the backend takes it whole). When the
+    /// owner revoked the data's part or the signal's, the put is refused
+    /// before anything moves (docs/device-api.md, "Refused operations").
     fn put_direct(&self, op: &PutOp<'_>) -> Result<bool, GinError> {
         let dst = if op.bytes > 0 {
             match op.dst.peer_ptr(op.peer) {
@@ -884,7 +886,7 @@ impl<'a> Ctx<'a> {
         };
         let slot = match &op.signal {
             Some(s) => match s.window.peer_slot(op.peer, s.offset) {
-                Some(slot) => Some((slot, s.add)),
+                Some(slot) => Some((slot, s)),
                 None => return Ok(false),
             },
             None => None,
@@ -899,6 +901,12 @@ impl<'a> Ctx<'a> {
                 let t = self.dc.p.backend.ticket(self.ctx, Some(op.peer))?;
                 self.wait_ticket(&t, self.dc.p.timeout)?;
             }
+        }
+        // Both parts are checked before anything moves, as a tcp target
+        // checks a put and its signal: a refusal is whole.
+        op.dst.served("put", op.peer, op.dst_off, op.bytes)?;
+        if let Some((_, s)) = &slot {
+            s.window.served("signal", op.peer, s.offset, 8)?;
         }
         if let Some(dst) = dst {
             // SAFETY: `issue_put` checked the destination range against the
@@ -919,9 +927,9 @@ impl<'a> Ctx<'a> {
                 }
             }
         }
-        if let Some((slot, add)) = slot {
+        if let Some((slot, s)) = slot {
             // Release: the data above is visible to whoever acquires the signal.
-            slot.fetch_add(add, Ordering::Release);
+            slot.fetch_add(s.add, Ordering::Release);
         }
         if let Some(c) = op.counter {
             self.dc.p.counters.bump(c);
@@ -950,6 +958,7 @@ impl<'a> Ctx<'a> {
         if dc.is_direct(peer)
             && let Some(src) = remote.peer_ptr(peer)
         {
+            remote.served("get", peer, remote_off, bytes)?;
             // SAFETY: ranges checked above; mappings live with the windows.
             unsafe {
                 std::ptr::copy(

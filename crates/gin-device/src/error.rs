@@ -48,6 +48,19 @@ pub enum GinError {
     },
     #[error("rank {rank}: window {window} was deregistered")]
     Deregistered { rank: usize, window: u32 },
+    /// The owner of the target part (the data's or the signal's) dropped or
+    /// deregistered it: nothing of the operation was written.
+    #[error(
+        "rank {rank}: {what} of {bytes} bytes at offset {offset} of window {window} refused: rank {owner} dropped or deregistered its part"
+    )]
+    Refused {
+        rank: usize,
+        what: &'static str,
+        window: u32,
+        owner: usize,
+        offset: u64,
+        bytes: u64,
+    },
     #[error("rank {rank}: window {window} belongs to another communicator")]
     ForeignWindow { rank: usize, window: u32 },
     #[error("rank {rank}: {what} is not supported here: {why}")]

@@ -12,7 +12,11 @@
 //!   rank, peer, context, id, offset and size.
 //! - **Two paths.** Peers whose window parts are mapped into this process
 //!   (same-host shared memory) are reached by direct load/store: a copy, then
-//!   an atomic add with release ordering on the signal — NCCL's LSA path. All
+//!   an atomic add with release ordering on the signal — NCCL's LSA path.
+//!   Before anything moves, the direct path loads the owners' revocation
+//!   words of the data's and the signal's parts ([`WindowParts::states`]):
+//!   a put to a part its owner dropped or deregistered is refused as a
+//!   whole, signal included ([`GinError::Refused`]). All
 //!   other traffic goes to a [`Backend`] (the proxy or GDAKI), which issues it
 //!   and reports local completion through tickets. Only a backend makes a
 //!   [`Ticket`] (private fields, a [`TicketIssuer`] it owns), and only the

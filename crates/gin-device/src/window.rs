@@ -23,6 +23,8 @@ struct Inner {
     peer_bases: Box<[u64]>,
     keys: Box<[u32]>,
     addrs: Box<[u64]>,
+    /// Each rank's revocation word mapped here (0: none).
+    states: Box<[usize]>,
     valid: AtomicBool,
     /// Whatever keeps the memory mapped (owned by the host layer).
     _owner: Box<dyn Any + Send + Sync>,
@@ -56,6 +58,11 @@ pub struct WindowParts {
     pub keys: Vec<u32>,
     /// Each rank's address of its own part, in its own address space.
     pub addrs: Vec<u64>,
+    /// Each rank's revocation word mapped here, or null: 0 while its owner
+    /// serves its part, non-zero once the owner dropped or deregistered it
+    /// (the owner's own entry is stored by [`Window::mark_deregistered`]).
+    /// Direct puts and gets check it before touching the peer's mapping.
+    pub states: Vec<*const AtomicU64>,
 }
 
 impl Window {
@@ -63,7 +70,8 @@ impl Window {
     ///
     /// # Safety
     /// `local_base` must be valid for reads and writes of `sizes[rank]` bytes,
-    /// and each non-null `peer_bases[p]` for `sizes[p]` bytes, as long as
+    /// and each non-null `peer_bases[p]` for `sizes[p]` bytes, and each
+    /// non-null `states[p]` for atomic access (8-byte aligned), as long as
     /// `owner` lives. The memory may be written concurrently by other
     /// processes; it is only ever accessed through raw pointers and atomics.
     /// Every 8-byte-aligned offset of a part must be 8-byte aligned in memory.
@@ -88,6 +96,7 @@ impl Window {
             peer_bases,
             keys: parts.keys.into_boxed_slice(),
             addrs: parts.addrs.into_boxed_slice(),
+            states: parts.states.iter().map(|p| *p as usize).collect(),
             valid: AtomicBool::new(true),
             _owner: owner,
         };
@@ -162,10 +171,56 @@ impl Window {
         self.inner.valid.load(Ordering::Acquire)
     }
 
-    /// Marks the window deregistered: later operations on it fail. Called by
-    /// the host layer once every rank has stopped using it.
+    /// Marks the window deregistered: later operations on it fail, and so
+    /// do peers' direct operations on this rank's part (its revocation word
+    /// is set). Called by the host layer once every rank has stopped using
+    /// it.
     pub fn mark_deregistered(&self) {
         self.inner.valid.store(false, Ordering::Release);
+        if let Some(s) = self.state(self.inner.rank) {
+            s.store(1, Ordering::Release);
+        }
+    }
+
+    /// `owner`'s revocation word, where it is mapped here.
+    fn state(&self, owner: usize) -> Option<&AtomicU64> {
+        let p = self.inner.states.get(owner).copied().filter(|&p| p != 0)?;
+        // SAFETY: `from_parts` promises a non-null state is valid for atomic
+        // access while `self` lives.
+        Some(unsafe { &*(p as *const AtomicU64) })
+    }
+
+    /// Refuses `what` (`bytes` at `offset` of `owner`'s part) when the owner
+    /// dropped or deregistered its part: one acquire load of a word that
+    /// changes once, so it stays cached.
+    #[inline]
+    pub(crate) fn served(
+        &self,
+        what: &'static str,
+        owner: usize,
+        offset: u64,
+        bytes: u64,
+    ) -> Result<(), GinError> {
+        match self.state(owner) {
+            Some(s) if s.load(Ordering::Acquire) != 0 => {
+                Err(self.refused(what, owner, offset, bytes))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The error of [`Window::served`], out of the put's way.
+    #[cold]
+    #[inline(never)]
+    fn refused(&self, what: &'static str, owner: usize, offset: u64, bytes: u64) -> GinError {
+        GinError::Refused {
+            rank: self.inner.rank,
+            what,
+            window: self.id(),
+            owner,
+            offset,
+            bytes,
+        }
     }
 
     /// Checks that the window is usable and that `[offset, offset + bytes)`

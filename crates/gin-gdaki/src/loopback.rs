@@ -44,6 +44,7 @@ impl Loopback {
                 peer_bases: vec![base as usize],
                 keys: vec![key],
                 addrs: vec![base as u64],
+                states: vec![0],
                 keep: None,
             },
         );
@@ -59,6 +60,7 @@ impl Loopback {
                     peer_bases: vec![base],
                     keys: vec![key],
                     addrs: vec![base as u64],
+                    states: vec![std::ptr::null()],
                 },
                 Box::new(()),
             )

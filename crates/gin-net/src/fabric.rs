@@ -58,6 +58,11 @@ pub struct MemDesc {
     /// Each rank's address of its own part, in its own address space: what
     /// an RDMA work request names as the remote address (with the key).
     pub addrs: Vec<u64>,
+    /// Each rank's revocation word mapped here (0: none; see
+    /// [`crate::shm::HEADER`]): non-zero once its owner dropped or
+    /// deregistered its part. The local and shm paths refuse an operation
+    /// on a part whose word is set.
+    pub states: Vec<usize>,
     /// What keeps `local_base` and `peer_bases` mapped (`None`: their owner
     /// outlives every user some other way).
     pub keep: Option<KeepAlive>,
@@ -200,9 +205,30 @@ impl Fabric {
         Ok((base + a.offset as usize) as *mut u8)
     }
 
+    /// Refuses `what` (`len` bytes at `a`) when `peer` revoked its part of
+    /// `w`: one acquire load of a word that changes once, so it stays in
+    /// this core's cache.
+    fn served(w: &MemDesc, peer: usize, a: Addr, what: &str, len: u64) -> Result<(), NetError> {
+        let state = w.states.get(peer).copied().unwrap_or(0);
+        // SAFETY: a non-zero state is the revocation word of a segment that
+        // `w.keep` keeps mapped, 8-byte aligned and only accessed atomically.
+        if state != 0 && unsafe { &*(state as *const AtomicU64) }.load(Ordering::Acquire) != 0 {
+            return Err(NetError::Remote {
+                peer,
+                why: format!(
+                    "{what} of {len} bytes at offset {} of window {} refused: rank {peer} dropped or deregistered its part",
+                    a.offset, a.window
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// Writes `src` to `dst` on `peer`, then adds `sig.1` to the 8-byte slot
     /// `sig.0` on `peer` with release ordering (the data is visible first).
-    /// Complete locally on return.
+    /// Complete locally on return. On the local and shm paths, when the
+    /// owner revoked the data's part or the signal's, the put is refused
+    /// before anything moves: a signal is never applied for refused data.
     pub fn put(
         &self,
         peer: usize,
@@ -238,6 +264,12 @@ impl Fabric {
         }
         match path {
             Path::Local | Path::Shm => {
+                // Both parts are checked before anything moves, as a tcp
+                // target checks a put and its signal: a refusal is whole.
+                Self::served(w, peer, dst, "put", src.len() as u64)?;
+                if let Some((sw, a, _)) = sig {
+                    Self::served(sw, peer, a, "signal", 8)?;
+                }
                 if !src.is_empty() {
                     let d = Self::mapped(w, peer, path, dst)?;
                     // SAFETY: `check` tested the range against the peer's
@@ -307,6 +339,7 @@ impl Fabric {
         let path = self.check(w, peer, src, len)?;
         match path {
             Path::Local | Path::Shm => {
+                Self::served(w, peer, src, "get", len)?;
                 let s = Self::mapped(w, peer, path, src)?;
                 // SAFETY: source range checked; destination promised by the caller.
                 unsafe { std::ptr::copy(s, dst, len as usize) };
@@ -386,6 +419,7 @@ impl Fabric {
         let path = self.check(w, peer, at, 8)?;
         match path {
             Path::Local | Path::Shm => {
+                Self::served(w, peer, at, "atomic", 8)?;
                 let p = Self::mapped(w, peer, path, at)?;
                 if !(p as usize).is_multiple_of(8) {
                     return Err(NetError::Invalid(format!(
@@ -458,5 +492,96 @@ impl Fabric {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+    use super::*;
+    use crate::shm::Segment;
+
+    /// A one-rank fabric with window 0 (data) and window 1 (signals), each
+    /// a segment with its revocation word.
+    fn rig(tag: &str) -> (Fabric, Segment, Segment) {
+        let fabric = Fabric::new(
+            0,
+            vec![Path::Local],
+            Arc::new(RegionTable::default()),
+            None,
+            Duration::from_secs(1),
+        );
+        let pid = std::process::id();
+        let mut segs =
+            [0, 1].map(|i| Segment::create(&format!("gin-test-{tag}-{pid}-{i}"), 64).unwrap());
+        for (i, s) in segs.iter_mut().enumerate() {
+            s.unlink();
+            fabric.add_window(
+                i as u32,
+                MemDesc {
+                    local_base: s.as_ptr() as usize,
+                    sizes: vec![64],
+                    peer_bases: vec![0],
+                    keys: vec![0],
+                    addrs: vec![s.as_ptr() as u64],
+                    states: vec![std::ptr::from_ref(s.state()) as usize],
+                    keep: None,
+                },
+            );
+        }
+        let [data, sig] = segs;
+        (fabric, data, sig)
+    }
+
+    fn at(window: u32, offset: u64) -> Addr {
+        Addr { window, offset }
+    }
+
+    fn word(s: &Segment, offset: usize) -> u64 {
+        // SAFETY: in range of the 64-byte segment, aligned.
+        unsafe { (*s.as_ptr().add(offset).cast::<AtomicU64>()).load(Ordering::Acquire) }
+    }
+
+    #[test]
+    fn a_revoked_part_refuses_the_put_and_its_signal_before_anything_moves() {
+        let (fabric, data, sig) = rig("revoked-data");
+        fabric
+            .put(0, at(0, 8), &[1; 8], Some((at(1, 0), 1)))
+            .unwrap();
+        assert_eq!((word(&data, 8), word(&sig, 0)), (0x0101_0101_0101_0101, 1));
+        data.state().store(1, Ordering::Release);
+        let e = fabric
+            .put(0, at(0, 16), &[2; 8], Some((at(1, 0), 1)))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("offset 16 of window 0") && e.contains("rank 0 dropped or deregistered"),
+            "{e}"
+        );
+        assert_eq!((word(&data, 16), word(&sig, 0)), (0, 1));
+        assert!(fabric.fetch_add(0, at(0, 24), 1).is_err());
+        assert_eq!(word(&data, 24), 0);
+        let done = Arc::new(AtomicU64::new(1));
+        let mut out = [0u8; 8];
+        // SAFETY: `out` outlives the call, which completes synchronously.
+        let r = unsafe { fabric.get(0, at(0, 8), out.as_mut_ptr(), 8, &done, None) };
+        assert!(r.unwrap_err().to_string().contains("get of 8 bytes"));
+    }
+
+    #[test]
+    fn a_revoked_signal_part_refuses_the_whole_put() {
+        let (fabric, data, sig) = rig("revoked-signal");
+        sig.state().store(1, Ordering::Release);
+        let e = fabric
+            .put(0, at(0, 8), &[3; 8], Some((at(1, 32), 5)))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("signal of 8 bytes at offset 32 of window 1"),
+            "{e}"
+        );
+        // As over tcp, the put and its signal are refused as a whole.
+        assert_eq!((word(&data, 8), word(&sig, 32)), (0, 0));
     }
 }

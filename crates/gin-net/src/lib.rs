@@ -10,7 +10,11 @@
 //!   one-sided operations are then plain copies and atomics on the mapping,
 //!   with release ordering on the atomic that publishes data. Segments are
 //!   owner-only, their pages reserved at creation (no SIGBUS on a full
-//!   tmpfs), their names removed as soon as registration is over.
+//!   tmpfs), their names removed as soon as registration is over. A header
+//!   page holds the owner's revocation word: a peer's mapping outlives the
+//!   owner's interest, so the word, not the mapping, says whether the owner
+//!   still serves the segment, and the shm paths refuse data and signals
+//!   for a revoked one.
 //! - **tcp** ([`tcp::TcpTransport`]): any host. Each rank serves its regions;
 //!   one ordered connection per pair of ranks makes "signal after data"
 //!   hold by construction. Errors come back as answers, not silence, and are

@@ -10,19 +10,31 @@
 //! - The name lives only while peers need it to map the segment: the host
 //!   layer removes it once every peer has mapped it, and survivors remove the
 //!   names of a registration that failed (see gin-core's `alloc_window`).
+//! - A segment starts with a [`HEADER`] page before its data: its first
+//!   word is the owner's *revocation word*, 0 while the owner serves the
+//!   segment and non-zero once it dropped or deregistered it. Peers keep
+//!   their mapping (memory-safe) but check the words of a put's data part
+//!   and signal part before anything moves, and refuse the operation when
+//!   either is set (see the fabric and gin-device's direct path).
 
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU64;
 
 use memmap2::{MmapMut, MmapOptions};
 
 use crate::NetError;
 
-/// A mapped segment (this rank's own, or a peer's).
+/// Bytes before a segment's data: the header, whose first 8 bytes are the
+/// revocation word. A whole page, so the data stays page-aligned.
+pub const HEADER: usize = 4096;
+
+/// A mapped segment (this rank's own, or a peer's): the header, then `len`
+/// bytes of data.
 #[derive(Debug)]
 pub struct Segment {
-    map: Option<MmapMut>,
+    map: MmapMut,
     len: usize,
     path: PathBuf,
     owner: bool,
@@ -52,11 +64,14 @@ pub fn free_space(dir: &Path) -> std::io::Result<u64> {
     Ok(u64::from(st.f_bavail) * st.f_frsize as u64)
 }
 
-/// Reserves the pages of `file`'s first `len` bytes (and sizes it), so
-/// later touches cannot fail for lack of space.
+/// Reserves the pages of a segment of `len` data bytes (and its header)
+/// and sizes the file, so later touches cannot fail for lack of space.
 fn reserve(file: &File, len: usize, path: &Path) -> Result<(), NetError> {
     use std::os::fd::AsRawFd;
-    let Ok(n) = libc::off_t::try_from(len) else {
+    let Some(n) = len
+        .checked_add(HEADER)
+        .and_then(|t| libc::off_t::try_from(t).ok())
+    else {
         return Err(NetError::Invalid(format!(
             "a shared-memory segment of {len} bytes is larger than a file can be"
         )));
@@ -71,8 +86,8 @@ fn reserve(file: &File, len: usize, path: &Path) -> Result<(), NetError> {
             // the pages come on first touch as before.
             libc::EOPNOTSUPP | libc::EINVAL => {
                 tracing::debug!(path = %path.display(), "shared memory cannot be reserved here; sized only");
-                return file.set_len(len as u64).map_err(io(format!(
-                    "sizing shared memory {} to {len} bytes",
+                return file.set_len(n as u64).map_err(io(format!(
+                    "sizing shared memory {} to {n} bytes",
                     path.display()
                 )));
             }
@@ -84,7 +99,7 @@ fn reserve(file: &File, len: usize, path: &Path) -> Result<(), NetError> {
                 );
                 return Err(NetError::Io {
                     what: format!(
-                        "reserving {len} bytes ({:.1} MiB) of shared memory in {} ({free}; set GIN_SHM_DIR to a larger directory or enlarge this one, e.g. docker run --shm-size)",
+                        "reserving {len} bytes ({:.1} MiB, and a {HEADER}-byte header) of shared memory in {} ({free}; set GIN_SHM_DIR to a larger directory or enlarge this one, e.g. docker run --shm-size)",
                         len as f64 / 1_048_576.0,
                         dir.display()
                     ),
@@ -96,8 +111,8 @@ fn reserve(file: &File, len: usize, path: &Path) -> Result<(), NetError> {
 }
 
 impl Segment {
-    /// Creates and maps a zeroed segment of `len` bytes named `name`,
-    /// owner-only, its pages reserved.
+    /// Creates and maps a zeroed segment of `len` bytes (after its header)
+    /// named `name`, owner-only, its pages reserved.
     pub fn create(name: &str, len: usize) -> Result<Self, NetError> {
         let path = shm_dir().join(name);
         let file = OpenOptions::new()
@@ -107,12 +122,7 @@ impl Segment {
             .mode(0o600)
             .open(&path)
             .map_err(io(format!("creating shared memory {}", path.display())))?;
-        let r = if len == 0 {
-            Ok(())
-        } else {
-            reserve(&file, len, &path)
-        };
-        match r.and_then(|()| Self::map(&file, path.clone(), len, true)) {
+        match reserve(&file, len, &path).and_then(|()| Self::map(&file, path.clone(), len, true)) {
             Ok(s) => Ok(s),
             Err(e) => {
                 let _ = std::fs::remove_file(&path);
@@ -135,9 +145,9 @@ impl Segment {
             .metadata()
             .map_err(io(format!("inspecting {}", path.display())))?
             .len();
-        if have < len as u64 {
+        if have < (len as u64).saturating_add(HEADER as u64) {
             return Err(NetError::Invalid(format!(
-                "peer's shared memory {} has {have} bytes, expected {len}",
+                "peer's shared memory {} has {have} bytes, expected {len} and a {HEADER}-byte header",
                 path.display()
             )));
         }
@@ -145,18 +155,17 @@ impl Segment {
     }
 
     fn map(file: &File, path: PathBuf, len: usize, owner: bool) -> Result<Self, NetError> {
-        let map = if len == 0 {
-            None
-        } else {
-            // SAFETY: the file is a shared-memory segment of this job; other
-            // processes write it concurrently by design, and every access goes
-            // through raw pointers or atomics, never through `&[u8]` borrows
-            // held across such writes.
-            Some(
-                unsafe { MmapOptions::new().len(len).map_mut(file) }
-                    .map_err(io(format!("mapping {}", path.display())))?,
-            )
-        };
+        let total = len.checked_add(HEADER).ok_or_else(|| {
+            NetError::Invalid(format!(
+                "a shared-memory segment of {len} bytes is larger than memory can be"
+            ))
+        })?;
+        // SAFETY: the file is a shared-memory segment of this job; other
+        // processes write it concurrently by design, and every access goes
+        // through raw pointers or atomics, never through `&[u8]` borrows
+        // held across such writes.
+        let map = unsafe { MmapOptions::new().len(total).map_mut(file) }
+            .map_err(io(format!("mapping {}", path.display())))?;
         Ok(Self {
             map,
             len,
@@ -165,13 +174,19 @@ impl Segment {
         })
     }
 
-    /// Start of the mapping (a dangling, aligned pointer when empty).
+    /// Start of the data (page-aligned, after the header).
     pub fn as_ptr(&self) -> *mut u8 {
-        self.map
-            .as_ref()
-            .map_or(std::ptr::NonNull::<u64>::dangling().as_ptr().cast(), |m| {
-                m.as_ptr().cast_mut()
-            })
+        // SAFETY: the mapping is `HEADER + len` bytes long.
+        unsafe { self.map.as_ptr().cast_mut().add(HEADER) }
+    }
+
+    /// The owner's revocation word, shared by every process that mapped the
+    /// segment: 0 while the owner serves it, non-zero once it dropped or
+    /// deregistered it (the host layer stores it).
+    pub fn state(&self) -> &AtomicU64 {
+        // SAFETY: the header's first 8 bytes, page-aligned, mapped while
+        // `self` lives and only ever accessed atomically.
+        unsafe { &*self.map.as_ptr().cast::<AtomicU64>() }
     }
 
     pub fn len(&self) -> usize {
@@ -206,6 +221,27 @@ impl Drop for Segment {
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
+    use std::sync::atomic::Ordering;
+
+    #[test]
+    fn a_revocation_is_seen_through_every_mapping_and_the_data_follows_the_header() {
+        let name = format!("gin-test-revoke-{}", std::process::id());
+        let mut own = Segment::create(&name, 64).unwrap();
+        let peer = Segment::open(own.path(), 64).unwrap();
+        own.unlink();
+        assert!((own.as_ptr() as usize).is_multiple_of(HEADER));
+        assert_eq!(peer.state().load(Ordering::Acquire), 0);
+        // SAFETY: 64 data bytes, mapped here.
+        unsafe { own.as_ptr().add(63).write(7) };
+        own.state().store(1, Ordering::Release);
+        assert_eq!(peer.state().load(Ordering::Acquire), 1);
+        // SAFETY: as above, through the other mapping.
+        assert_eq!(unsafe { peer.as_ptr().add(63).read() }, 7);
+        // An empty segment still has its word.
+        let mut empty = Segment::create(&format!("{name}-empty"), 0).unwrap();
+        empty.unlink();
+        assert_eq!(empty.state().load(Ordering::Acquire), 0);
+    }
 
     #[test]
     fn segments_are_created_owner_only() {

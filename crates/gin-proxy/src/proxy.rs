@@ -582,6 +582,7 @@ mod tests {
                 peer_bases: vec![base as usize],
                 keys: vec![key],
                 addrs: vec![base as u64],
+                states: vec![0],
                 keep: None,
             },
         );
@@ -597,6 +598,7 @@ mod tests {
                     peer_bases: vec![base],
                     keys: vec![key],
                     addrs: vec![base as u64],
+                    states: vec![std::ptr::null()],
                 },
                 Box::new(()),
             )
