@@ -204,6 +204,14 @@ fn scenario(
         }
         ok &= failed_alone;
         let names = names_victim(&text);
+        if !names {
+            let tail: Vec<&str> = text.lines().rev().take(6).collect();
+            eprintln!(
+                "rank {} does not name rank {VICTIM}; its last lines:\n  {}",
+                r.rank,
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n  ")
+            );
+        }
         named &= names;
         if note.is_empty() {
             note = first_error(&text).unwrap_or_else(|| {

@@ -535,19 +535,30 @@ impl DevComm {
 
     fn health(&self) -> Result<(), GinError> {
         self.job_health()?;
-        let Err(e) = self.p.backend.health() else {
-            return Ok(());
-        };
-        // A broken link is often the echo of a death the job-level watch is
-        // about to report (a peer that quit because a third rank died):
-        // give it a moment, so the error names the cause, not the echo.
-        // Failure path only.
-        let until = std::time::Instant::now() + Duration::from_millis(250);
-        while std::time::Instant::now() < until {
-            std::thread::sleep(Duration::from_millis(5));
-            self.job_health()?;
+        match self.p.backend.health() {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.cause_of(e)),
         }
-        Err(e)
+    }
+
+    /// A backend's error (a broken link, a failed completion) is often the
+    /// echo of a death or departure the job-level watch is about to report
+    /// (a peer that quit because a third rank died): give it a moment, so
+    /// the error names the cause, not the echo. Failure path only.
+    fn cause_of(&self, e: GinError) -> GinError {
+        if matches!(e, GinError::JobFailed { .. }) {
+            return e;
+        }
+        let until = std::time::Instant::now() + Duration::from_millis(250);
+        loop {
+            if let Err(cause) = self.job_health() {
+                return cause;
+            }
+            if std::time::Instant::now() >= until {
+                return e;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     /// The backend's own error, if it reports one within a short grace.
@@ -592,7 +603,7 @@ impl DevComm {
             || self.health(),
         );
         if let Some(e) = err {
-            return Err(e);
+            return Err(self.cause_of(e));
         }
         match r {
             Ok(()) => Ok(()),
