@@ -63,6 +63,15 @@ pub enum GinError {
     },
     #[error("rank {rank}: window {window} belongs to another communicator")]
     ForeignWindow { rank: usize, window: u32 },
+    /// A backend's thread could not be started (the OS refused it).
+    #[error(
+        "rank {rank}: could not start the {what}: {why} (is the process or its cgroup at its thread or memory limit?)"
+    )]
+    Spawn {
+        rank: usize,
+        what: &'static str,
+        why: String,
+    },
     #[error("rank {rank}: {what} is not supported here: {why}")]
     Unsupported {
         rank: usize,
@@ -111,4 +120,29 @@ pub enum GinError {
     },
     #[error("rank {rank}: the job is broken: {why}")]
     JobFailed { rank: usize, why: String },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A thread the OS refused is named as such, with the likely cause, not
+    /// as a feature "not supported here". (Provoking the refusal needs a
+    /// thread limit that root, which CI runs as, does not obey.)
+    #[test]
+    fn a_refused_thread_reads_as_a_limit_not_as_unsupported() {
+        let e = GinError::Spawn {
+            rank: 3,
+            what: "proxy thread",
+            why: std::io::Error::from_raw_os_error(11).to_string(),
+        }
+        .to_string();
+        assert!(
+            e.starts_with(
+                "rank 3: could not start the proxy thread: Resource temporarily unavailable"
+            ) && e.contains("thread or memory limit")
+                && !e.contains("not supported"),
+            "{e}"
+        );
+    }
 }

@@ -176,9 +176,9 @@ impl Gdaki {
             config.timeout,
             config.spin,
         )
-        .map_err(|e| GinError::Unsupported {
+        .map_err(|e| GinError::Spawn {
             rank,
-            what: "soft NIC",
+            what: "soft NIC thread",
             why: e.to_string(),
         })?;
         Ok(Self {

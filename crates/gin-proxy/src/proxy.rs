@@ -122,7 +122,7 @@ impl Proxy {
         let handle = thread::Builder::new()
             .name(format!("gin-proxy-{rank}"))
             .spawn(move || run(&s))
-            .map_err(|e| GinError::Unsupported {
+            .map_err(|e| GinError::Spawn {
                 rank,
                 what: "proxy thread",
                 why: e.to_string(),
