@@ -546,9 +546,6 @@ impl DevComm {
     /// (a peer that quit because a third rank died): give it a moment, so
     /// the error names the cause, not the echo. Failure path only.
     fn cause_of(&self, e: GinError) -> GinError {
-        if matches!(e, GinError::JobFailed { .. }) {
-            return e;
-        }
         let until = std::time::Instant::now() + Duration::from_millis(250);
         loop {
             if let Err(cause) = self.job_health() {
