@@ -91,7 +91,7 @@ pub enum FaultKind {
     Kill,
     /// SIGSTOP: the process stays, its sockets stay open, it answers nothing
     /// (as a frozen host or a debugger would). The launcher kills it once
-    /// the other ranks have ended (after the grace period).
+    /// every other rank has ended.
     Stop,
 }
 
@@ -425,6 +425,7 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchReport, BootstrapError> {
     let mut stop_at: Option<Instant> = None;
     let mut fault = spec.fault;
     let mut fault_at = None;
+    let mut stopped_rank = None;
     let mut interrupted = None;
     let poll = Duration::from_millis(5);
     loop {
@@ -433,6 +434,9 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchReport, BootstrapError> {
             if let Some(r) = ranks.get_mut(f.rank).filter(|r| r.exit.is_none()) {
                 inject(r.pgid, f.kind);
                 fault_at = Some(start.elapsed());
+                if f.kind == FaultKind::Stop {
+                    stopped_rank = Some(f.rank);
+                }
             }
         }
         let mut running = 0;
@@ -470,6 +474,13 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchReport, BootstrapError> {
             break;
         }
         let now = Instant::now();
+        // A stopped rank with nobody left to wait for it serves nothing:
+        // end it now rather than after the grace period.
+        if running == 1
+            && stopped_rank.is_some_and(|v| ranks.get(v).is_some_and(|r| r.exit.is_none()))
+        {
+            stop_at = Some(stop_at.map_or(now, |t| t.min(now)));
+        }
         let over_limit = spec.limit.is_some_and(|l| now >= start + l);
         if over_limit && stop_at.is_none() {
             stop_at = Some(now);
