@@ -7,14 +7,14 @@
 //! WQE, and an error CQE is an error naming QP, WQE index and syndrome.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use gin_device::{
     Backend, Counters, GetOp, GinError, Order, PutOp, Source, Ticket, TicketIssuer, Window,
 };
-use gin_net::Fabric;
 use gin_net::sticky::StickyError;
+use gin_net::{Fabric, KeepAlive};
 
 use crate::completion::{Cqe, syndrome};
 use crate::nic::{LocalMr, SoftNic, Waker};
@@ -64,7 +64,10 @@ pub struct Gdaki {
     fabric: Arc<Fabric>,
     counters: Arc<Counters>,
     counter_key: u32,
-    sink: Box<[u64; 8]>,
+    /// Where the NIC writes the old values of fetch-adds nobody reads (a
+    /// signal's, a counter's). Shared with the NIC, which may still write
+    /// here after this backend is gone.
+    sink: Arc<[AtomicU64; 8]>,
     sink_key: u32,
     error: StickyError,
     tickets: TicketIssuer,
@@ -72,7 +75,10 @@ pub struct Gdaki {
     unrung: std::sync::atomic::AtomicBool,
     waker: Waker,
     config: GdakiConfig,
-    // Last, so it stops after nothing can post any more.
+    // Last, so it stops after nothing can post any more. Its thread may
+    // outlive this backend (it finishes the WQEs in hand after the stop, and
+    // a stuck one is abandoned): what it writes it owns (`LocalMr::keep`,
+    // the QPs' `Arc`s, the windows' keep-alives), never borrows from here.
     nic: SoftNic,
 }
 
@@ -139,7 +145,7 @@ impl Gdaki {
                 companion.push(Arc::new(Qp::new(q + 1, q + 1, rank, config.sq_log2)));
             }
         }
-        let sink = Box::new([0u64; 8]);
+        let sink: Arc<[AtomicU64; 8]> = Arc::new(std::array::from_fn(|_| AtomicU64::new(0)));
         let taken: Vec<u32> = fabric
             .windows()
             .iter()
@@ -160,11 +166,13 @@ impl Gdaki {
                 key: counter_key,
                 base: counters.as_ptr() as u64,
                 len: counters.len() as u64 * 8,
+                keep: KeepAlive(counters.clone()),
             },
             LocalMr {
                 key: sink_key,
                 base: sink.as_ptr() as u64,
                 len: 64,
+                keep: KeepAlive(sink.clone()),
             },
         ];
         let qps: Vec<Arc<Qp>> = main.iter().chain(&companion).cloned().collect();

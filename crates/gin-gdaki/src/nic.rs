@@ -13,7 +13,7 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use gin_net::idle::Sleeper;
-use gin_net::{Addr, Fabric, NetError};
+use gin_net::{Addr, Fabric, KeepAlive, NetError};
 use tracing::{debug, warn};
 
 use crate::completion::{CQE_REQ, CQE_REQ_ERR, Cqe, syndrome};
@@ -25,11 +25,16 @@ use crate::wqe::{CQ_UPDATE, MemRef, Op, decode};
 const BATCH: u64 = 64;
 
 /// Memory that only this rank's NIC touches (counters, the atomic sink).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct LocalMr {
     pub key: u32,
     pub base: u64,
     pub len: u64,
+    /// Owns `[base, base + len)`: the NIC holds it as long as its thread
+    /// may write there, which can be after the backend that registered the
+    /// region was dropped (the thread finishes the WQEs in hand before it
+    /// sees the stop, and a stuck thread is abandoned, not waited for).
+    pub keep: KeepAlive,
 }
 
 /// What a key and address resolve to.
@@ -526,7 +531,8 @@ impl<'a> Engine<'a> {
     }
 
     /// [`Self::local`], with what keeps the range mapped (`None` for the
-    /// NIC's own regions, which outlive it).
+    /// NIC's own regions, which [`LocalMr::keep`] keeps for as long as the
+    /// NIC lives).
     fn local_kept(
         &mut self,
         m: MemRef,
