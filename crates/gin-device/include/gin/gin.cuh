@@ -121,7 +121,9 @@ GIN_DEV void red_add_release_sys(u64* p, u64 v) {
 }
 
 // Polls `ready` with a timeout and the abort flag; returns OK, `timeout_kind`
-// or ABORTED (the error word is written by the caller).
+// or ABORTED (the error word is written by the caller). Before giving up it
+// looks once more: the host raises the abort flag when a peer leaves, and a
+// value that peer wrote before it left still satisfies the wait.
 template <class Ready>
 GIN_DEV u32 poll(const DevComm& dc, u32 timeout_kind, Ready ready) {
   if (ready()) return OK;
@@ -129,8 +131,9 @@ GIN_DEV u32 poll(const DevComm& dc, u32 timeout_kind, Ready ready) {
   for (u32 spin = 1;; ++spin) {
     if (ready()) return OK;
     if ((spin & 1023) == 0) {
-      if (dc.abort_flag && *(volatile u32*)dc.abort_flag != 0) return ABORTED;
-      if (dc.timeout_ticks && proxy::globaltimer() - start > dc.timeout_ticks) return timeout_kind;
+      if (dc.abort_flag && *(volatile u32*)dc.abort_flag != 0) return ready() ? OK : ABORTED;
+      if (dc.timeout_ticks && proxy::globaltimer() - start > dc.timeout_ticks)
+        return ready() ? OK : timeout_kind;
     }
   }
 }
@@ -149,8 +152,9 @@ GIN_DEV u32 poll_warp(const DevComm& dc, u32 timeout_kind, Ready ready) {
       // The first check starts the clock (the timer is never 0), once: the
       // spin count may wrap in a long wait, the clock must not restart.
       if (start == 0) start = now;
-      if (dc.abort_flag && *(volatile u32*)dc.abort_flag != 0) k = ABORTED;
-      else if (dc.timeout_ticks && now - start > dc.timeout_ticks) k = timeout_kind;
+      // One last look before giving up, as in `poll`.
+      if (dc.abort_flag && *(volatile u32*)dc.abort_flag != 0) k = ready() ? OK : ABORTED;
+      else if (dc.timeout_ticks && now - start > dc.timeout_ticks) k = ready() ? OK : timeout_kind;
     }
     k = __shfl_sync(0xffffffffu, k, 0);
     if (k != NOT_YET) return k;
