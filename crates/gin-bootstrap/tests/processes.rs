@@ -224,6 +224,22 @@ fn alive(pid: u32) -> bool {
     })
 }
 
+/// Whether `pid` is still alive a second after the launcher returned. A
+/// SIGKILLed process closes its files (ending the launcher's wait for its
+/// output) a moment before the kernel marks it a zombie, so a loaded machine
+/// can show it running just after `launch` returns; a process the launcher
+/// did not signal at all is still there a second later.
+fn survives(pid: u32) -> bool {
+    let until = std::time::Instant::now() + Duration::from_secs(1);
+    while alive(pid) {
+        if std::time::Instant::now() >= until {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    false
+}
+
 #[test]
 fn a_failed_rank_stops_every_process_a_wrapper_script_started() {
     // Ranks 1 and 2 run their "work" (a minute-long sleep) as a child of a
@@ -264,7 +280,7 @@ fn a_failed_rank_stops_every_process_a_wrapper_script_started() {
     for rank in [1, 2] {
         let pid = dir.pid(rank);
         assert!(
-            !alive(pid),
+            !survives(pid),
             "rank {rank}'s child {pid} survived the launcher"
         );
         assert!(
@@ -295,7 +311,7 @@ fn a_rank_that_exits_leaving_a_child_behind_does_not_keep_the_launcher_waiting()
     for rank in [0, 1] {
         let pid = dir.pid(rank);
         assert!(
-            !alive(pid),
+            !survives(pid),
             "rank {rank}'s child {pid} survived the launcher"
         );
     }
