@@ -255,10 +255,7 @@ impl Backend for Proxy {
             counter,
         };
         if self.shared.config.inline_tcp
-            && matches!(
-                self.shared.fabric.path(op.peer),
-                Some(gin_net::Path::Tcp(_))
-            )
+            && self.shared.fabric.reach(op.peer) == Some(gin_net::Reach::Keyed)
         {
             let ring = self.ring(op.ctx, op.peer);
             if ring.head() == ring.tail() {
@@ -545,7 +542,7 @@ mod tests {
     use super::*;
     use gin_device::{Window, WindowParts};
     use gin_net::region::{Access, RegionTable};
-    use gin_net::{MemDesc, Path};
+    use gin_net::{MemDesc, MemParts};
 
     /// One rank, window 0 over `len` bytes of memory it owns, and a proxy
     /// with `nctx` contexts and rings of `2^log2` descriptors. Fields drop in
@@ -561,31 +558,25 @@ mod tests {
     fn rig(len: usize, nctx: u32, log2: u32) -> Rig {
         let table = Arc::new(RegionTable::default());
         let timeout = Duration::from_secs(5);
-        let fabric = Arc::new(Fabric::new(
-            0,
-            vec![Path::Local],
-            table.clone(),
-            None,
-            timeout,
-        ));
+        let fabric = Arc::new(Fabric::local(table.clone(), timeout));
         let mut mem = vec![0u64; len / 8].into_boxed_slice();
         let len = mem.len() * 8;
         let base = mem.as_mut_ptr().cast::<u8>();
         // SAFETY: `mem` lives in the rig, which drops the proxy and the
         // fabric (and with it the key) before it.
         let key = unsafe { table.insert(base, len as u64, Access::ALL) }.unwrap();
-        fabric.add_window(
-            0,
-            MemDesc {
-                local_base: base as usize,
-                sizes: vec![len as u64],
-                peer_bases: vec![base as usize],
-                keys: vec![key],
-                addrs: vec![base as u64],
-                states: vec![0],
-                keep: None,
-            },
-        );
+        let parts = MemParts {
+            local_base: base as usize,
+            sizes: vec![len as u64],
+            peer_bases: vec![base as usize],
+            keys: vec![key],
+            addrs: vec![base as u64],
+            states: vec![0],
+            ..MemParts::default()
+        };
+        // SAFETY: `mem` (`len` bytes) lives in the rig, which drops the
+        // proxy and the fabric before it.
+        fabric.add_window(0, unsafe { MemDesc::new(parts) });
         // SAFETY: as above.
         let win = unsafe {
             Window::from_parts(
@@ -653,11 +644,8 @@ mod tests {
 
     #[test]
     fn a_ring_outside_the_proxys_range_is_refused_at_start() {
-        let fabric = Arc::new(Fabric::new(
-            0,
-            vec![Path::Local],
+        let fabric = Arc::new(Fabric::local(
             Arc::new(RegionTable::default()),
-            None,
             Duration::from_secs(5),
         ));
         let counters = Arc::new(Counters::new(1));
