@@ -93,6 +93,25 @@ impl Target<'_> {
         Ok(())
     }
 
+    /// Checks that an 8-byte word at a window target is aligned at its
+    /// owner (by the owner's address of its part, where known): keyed
+    /// transports refuse a misaligned atomic or signal here rather than
+    /// have the target refuse it and fail the path.
+    pub fn check_aligned(&self, peer: usize, what: &'static str) -> Result<(), NetError> {
+        if let Self::Window(d, a) = *self {
+            let base = d.addrs.get(peer).copied().unwrap_or(0);
+            if !base.wrapping_add(a.offset).is_multiple_of(8) {
+                return Err(NetError::Misaligned {
+                    peer,
+                    window: a.window,
+                    offset: a.offset,
+                    what,
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// The window's description and address, for transports that reach
     /// memory through mappings; a bare key is not something they offer.
     pub fn window(&self, transport: &'static str) -> Result<(&MemDesc, Addr), NetError> {

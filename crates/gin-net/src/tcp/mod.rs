@@ -224,6 +224,7 @@ impl Transport for TcpTransport {
         let sig = match sig {
             Some((t, v)) => {
                 t.check_range(peer, 8)?;
+                t.check_aligned(peer, "signal")?;
                 let (k, o) = t.key_at(peer, "tcp")?;
                 Some((k, o, v))
             }
@@ -270,6 +271,7 @@ impl Transport for TcpTransport {
     ) -> Result<u64, NetError> {
         let link = self.reach_link(peer)?;
         at.check_range(peer, 8)?;
+        at.check_aligned(peer, "atomic")?;
         let (key, off) = at.key_at(peer, "tcp")?;
         match op {
             AtomicOp::FetchAdd(v) => link.fetch_add(key, off, v, timeout),
