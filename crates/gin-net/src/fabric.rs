@@ -285,7 +285,7 @@ impl Fabric {
 
     /// Reads `len` bytes at `src` on `peer` into `dst`. `done` is decremented
     /// when the data has landed; the caller increments it first. `keep` (the
-    /// destination window's [`MemDesc::keep`]) is held until the data has
+    /// destination window's [`MemParts::keep`](crate::MemParts::keep)) is held until the data has
     /// landed or the read has failed, so a read still in flight when its
     /// destination window is dropped lands in memory that is still mapped.
     ///
@@ -563,5 +563,59 @@ mod tests {
         );
         // As over tcp, the put and its signal are refused as a whole.
         assert_eq!((word(&data, 8), word(&sig, 32)), (0, 0));
+    }
+
+    #[test]
+    fn gpu_memory_is_never_loaded_or_stored_on_a_mapped_path() {
+        let fabric = Fabric::local(Arc::new(RegionTable::default()), Duration::from_secs(1));
+        let parts = MemParts {
+            memory: crate::Memory::Device,
+            local_base: 0x7f00_dead_0000,
+            sizes: vec![64],
+            peer_bases: vec![0x7f00_dead_0000],
+            keys: vec![0],
+            addrs: vec![0x7f00_dead_0000],
+            states: vec![0],
+            keep: None,
+        };
+        // SAFETY: a device window the fabric refuses to touch, which no GPU
+        // engine reads in this test (the address is never dereferenced).
+        fabric.add_window(7, unsafe { MemDesc::new(parts) });
+        let device = |e: NetError| {
+            assert!(
+                matches!(
+                    e,
+                    NetError::DeviceMemory {
+                        peer: 0,
+                        window: 7,
+                        transport: "local"
+                    }
+                ),
+                "{e}"
+            );
+            assert!(e.to_string().contains("GPU memory"), "{e}");
+        };
+        device(fabric.put(0, at(7, 0), &[1; 8], None).unwrap_err());
+        device(fabric.fetch_add(0, at(7, 8), 1).unwrap_err());
+        device(fabric.read(0, at(7, 0), &mut [0; 8]).unwrap_err());
+        let done = Arc::new(AtomicU64::new(1));
+        let mut out = [0u8; 8];
+        // SAFETY: `out` outlives the call, which fails before anything moves.
+        device(unsafe { fabric.get(0, at(7, 0), out.as_mut_ptr(), 8, &done, None) }.unwrap_err());
+        // Ranges are checked first, for every kind of memory.
+        let e = fabric.put(0, at(7, 60), &[1; 8], None).unwrap_err();
+        assert!(matches!(e, NetError::OutOfBounds { size: 64, .. }), "{e}");
+        assert!(fabric.put(1, at(7, 0), &[1], None).unwrap_err().peer() == Some(1));
+        let e = fabric.put_key(0, 5, 0, &[1]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                NetError::Unsupported {
+                    transport: "local",
+                    ..
+                }
+            ),
+            "{e}"
+        );
     }
 }

@@ -49,8 +49,10 @@
 //! to the layers above: gin-net knows windows only as byte ranges with
 //! sizes, addresses and keys, and moves bytes and performs atomics on them.
 //! It never dereferences GPU memory: CUDA ranks' engines copy it with the
-//! GPU and reach peers over keyed transports through the fabric. There is
-//! no RDMA (ibverbs, UCX) transport yet.
+//! GPU, and reach peers over keyed transports through the fabric's keyed
+//! operations ([`Fabric::put_key`], [`Fabric::read_key`], [`Fabric::read`];
+//! until they have moved, they also drive [`tcp::Link`]s directly). There
+//! is no RDMA (ibverbs, UCX) transport yet.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]

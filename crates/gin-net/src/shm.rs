@@ -225,8 +225,8 @@ impl Drop for Segment {
 }
 
 /// The transport over mapped memory: `shm` reaches same-host peers through
-/// their segments mapped here ([`MemDesc::peer_bases`]), `local` this
-/// rank's own parts ([`MemDesc::local_base`]). Operations are copies and
+/// their segments mapped here ([`MemParts::peer_bases`](crate::MemParts::peer_bases)), `local` this
+/// rank's own parts ([`MemParts::local_base`](crate::MemParts::local_base)). Operations are copies and
 /// atomics on the mapping, complete on return; a part whose owner set its
 /// revocation word is refused before anything moves, and GPU memory is
 /// never touched.
