@@ -27,20 +27,20 @@ use crate::error::RingMemError;
 use crate::proxy::{MAX_QUEUE_DEPTH, MIN_QUEUE_DEPTH};
 
 /// The slot a sequence number occupies.
-pub fn slot_of(seq: u64, mask: u64) -> usize {
+pub(crate) fn slot_of(seq: u64, mask: u64) -> usize {
     (seq & mask) as usize
 }
 
 /// Whether the producer of `seq` may write: the slot's previous occupant
 /// (`seq - size`) has completed, i.e. `seq - tail < size` in wrapping
 /// arithmetic.
-pub fn has_credit(seq: u64, tail: u64, size: u64) -> bool {
+pub(crate) fn has_credit(seq: u64, tail: u64, size: u64) -> bool {
     seq.wrapping_sub(tail) < size
 }
 
 /// Whether every sequence number before `mark` has been passed by `progress`
 /// (both advance monotonically; wrapping compare).
-pub fn passed(progress: u64, mark: u64) -> bool {
+pub(crate) fn passed(progress: u64, mark: u64) -> bool {
     (progress.wrapping_sub(mark) as i64) >= 0
 }
 
