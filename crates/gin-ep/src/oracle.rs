@@ -358,6 +358,85 @@ pub fn check_combine(
     Ok(diff)
 }
 
+/// Checks a high-throughput dispatch at this rank: every source's block
+/// holds exactly its tokens that name one of this rank's experts, in token
+/// order, with the right payloads and summed local weights, and per-expert
+/// counts equal counting the all-gathered table.
+pub fn check_ht_dispatch(
+    buf: &crate::Buffer<'_>,
+    d: &crate::HtDispatch,
+    inputs: &[RankInput],
+    tables: &[Vec<i64>],
+) -> Result<(), String> {
+    let (rank, n, cfg) = (buf.rank(), buf.nranks(), *buf.config());
+    let l = cfg.local_experts(n);
+    let mine = |e: i64| e >= 0 && e as usize / l == rank;
+    let counts = count_experts(tables, cfg.num_experts, |_| true);
+    for le in 0..l {
+        if d.expert_count(le) != counts[rank * l + le] {
+            return Err(format!(
+                "rank {rank}: expert {} received {} tokens, the all-gathered table routes {}",
+                rank * l + le,
+                d.expert_count(le),
+                counts[rank * l + le]
+            ));
+        }
+    }
+    for (src, input) in inputs.iter().enumerate() {
+        let k = cfg.topk;
+        let want: Vec<usize> = (0..input.tokens)
+            .filter(|&t| input.topk_idx[t * k..(t + 1) * k].iter().any(|&e| mine(e)))
+            .collect();
+        if d.count(src) != want.len() {
+            return Err(format!(
+                "rank {rank}: {} tokens from rank {src}, expected {}",
+                d.count(src),
+                want.len()
+            ));
+        }
+        for (i, &t) in want.iter().enumerate() {
+            let j = d.block_start(src) + i;
+            if d.src_token(j) != t {
+                return Err(format!(
+                    "rank {rank}: block of rank {src}, place {i}: token {}, expected {t} (blocks are in source order)",
+                    d.src_token(j)
+                ));
+            }
+            let w: f32 = (0..k)
+                .filter(|&j| mine(input.topk_idx[t * k + j]))
+                .map(|j| input.weights[t * k + j])
+                .sum();
+            if d.local_weight(j).to_bits() != w.to_bits() {
+                return Err(format!(
+                    "rank {rank}: token {t} of rank {src}: local weight {}, expected {w}",
+                    d.local_weight(j)
+                ));
+            }
+            let p = buf.ht_token(d, j).map_err(|e| e.to_string())?;
+            check_payload(p, src, t, cfg.hidden, cfg.fp8)
+                .map_err(|m| format!("rank {rank}: {m}"))?;
+        }
+    }
+    Ok(())
+}
+
+/// A digest of everything a high-throughput dispatch delivered here.
+pub fn ht_digest(buf: &crate::Buffer<'_>, d: &crate::HtDispatch) -> u64 {
+    let mut words = Vec::new();
+    for j in 0..d.received() {
+        words.push(d.src_token(j) as i64);
+        words.push(i64::from(d.local_weight(j).to_bits()));
+        if let Ok(p) = buf.ht_token(d, j) {
+            words.extend(p.chunks(8).map(|c| {
+                let mut b = [0u8; 8];
+                b[..c.len()].copy_from_slice(c);
+                i64::from_le_bytes(b)
+            }));
+        }
+    }
+    crate::fingerprint(&words)
+}
+
 #[cfg(test)]
 #[allow(clippy::float_cmp)] // traceable values are exact
 mod tests {

@@ -92,6 +92,8 @@ fn bad_inputs_are_refused_before_anything_is_sent() {
         let report = run(3, &["bad"], env);
         assert_ok(&report, &format!("bad inputs, {name}"));
     }
+    let report = run_hosts(4, 2, "bad ht=1", &[]);
+    assert_ok(&report, "bad inputs, high-throughput, 2 hosts");
 }
 
 /// A rank dies after a step; the survivors finish the next step with its
@@ -115,4 +117,51 @@ fn survivors_finish_the_step_with_a_dead_ranks_experts_masked() {
             );
         }
     }
+}
+
+/// Runs `args` on `n` ranks split into hosts of `per` ranks by identity
+/// (`GIN_HOSTID`): the auto backend crosses hosts over tcp and uses
+/// load/store within one, as on two real hosts.
+fn run_hosts(n: usize, per: usize, args: &str, env: &[(&str, &str)]) -> LaunchReport {
+    let script = format!("GIN_HOSTID=host$((GIN_RANK / {per})) exec {BIN} {args}");
+    let mut spec = LaunchSpec::new(n, "sh", ["-c", script.as_str()]).env("GIN_TIMEOUT", "30");
+    for (k, v) in env {
+        spec = spec.env(k, v);
+    }
+    spec.output = Output::Capture;
+    spec.grace = Duration::from_secs(20);
+    spec.limit = Some(Duration::from_secs(120));
+    launch(&spec).unwrap()
+}
+
+#[test]
+fn high_throughput_passes_the_oracle_on_two_emulated_hosts() {
+    for (name, env) in MODES {
+        let report = run_hosts(4, 2, "ht", env);
+        assert_ok(&report, &format!("ht, 2 hosts of 2, {name}"));
+        if env.is_empty() {
+            assert!(
+                report.ranks[0]
+                    .stdout
+                    .contains(r#"paths ["local", "shm", "tcp", "tcp"]"#),
+                "{}",
+                report.ranks[0].stdout
+            );
+        }
+    }
+}
+
+#[test]
+fn high_throughput_rings_smaller_than_a_step_wrap_under_credits() {
+    // 2 slots per ring: every step wraps each ring many times.
+    for (name, env) in [MODES[0], MODES[3], MODES[5]] {
+        let report = run_hosts(4, 2, "ht ring=2 tokens=40", env);
+        assert_ok(&report, &format!("ht ring=2, {name}"));
+    }
+    let report = run_hosts(6, 3, "ht ring=3 fp8=1 repeats=5", &[]);
+    assert_ok(&report, "ht, 2 hosts of 3, fp8");
+    let report = run_hosts(8, 4, "ht repeats=5", &[]);
+    assert_ok(&report, "ht, 2 hosts of 4");
+    let report = run_hosts(16, 8, "ht tokens=8 experts=2 hidden=128 repeats=3", &[]);
+    assert_ok(&report, "ht, 2 hosts of 8");
 }

@@ -145,7 +145,15 @@ fn step(
             buf.ll_echo(&d)?;
             (dig, buf.ll_combine(&d)?)
         }
-        Mode::HighThroughput => return Err("ht: not built yet".into()),
+        Mode::HighThroughput => {
+            let d = buf.ht_dispatch(&me.x, &me.topk_idx, &me.weights)?;
+            if check {
+                oracle::check_ht_dispatch(buf, &d, all, tables)?;
+            }
+            let dig = oracle::ht_digest(buf, &d);
+            buf.ht_echo(&d)?;
+            (dig, buf.ht_combine(&d)?)
+        }
     };
     if check {
         let active = buf.active().to_vec();
@@ -273,7 +281,7 @@ fn try_dispatch(
 ) -> Result<(), EpError> {
     match buf.config().mode {
         Mode::LowLatency => buf.ll_dispatch_send(x, idx, w).map(drop),
-        Mode::HighThroughput => Ok(()),
+        Mode::HighThroughput => buf.ht_dispatch(x, idx, w).map(drop),
     }
 }
 
