@@ -106,6 +106,10 @@ pub struct Buffer<'c> {
     /// Operations may still read the send windows: flush before rewriting.
     pub(crate) unflushed: bool,
     pub(crate) timeout: Duration,
+    /// Low-latency combine, `[src * nranks + expert_rank]`: the source reads
+    /// the expert rank's combine slots in place over load/store (both agree
+    /// at creation), instead of the expert putting them.
+    pub(crate) pull: Vec<bool>,
 }
 
 impl<'c> Buffer<'c> {
@@ -164,7 +168,13 @@ impl<'c> Buffer<'c> {
             .iter()
             .map(|&b| comm.alloc_window(b.max(64) as u64))
             .collect::<Result<Vec<_>, _>>()?;
+        let pull = if cfg.mode == Mode::LowLatency {
+            crate::ll::pull_matrix(comm, &dc, &wins)?
+        } else {
+            Vec::new()
+        };
         Ok(Self {
+            pull,
             comm,
             dc,
             cfg,

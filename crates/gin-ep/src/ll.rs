@@ -46,6 +46,26 @@ pub(crate) fn resources(cfg: &Config, nranks: usize) -> (u32, Vec<usize>) {
     ((2 * cfg.num_experts) as u32, sizes)
 }
 
+/// Which expert ranks each source reads in place in the combine: this
+/// rank can where the device communicator maps the peer and the combine
+/// window has a peer mapping (same-host shared memory); all-gathered so
+/// that experts know whom not to put to.
+pub(crate) fn pull_matrix(
+    comm: &gin_core::Comm,
+    dc: &gin_core::DevComm,
+    wins: &[gin_core::Window],
+) -> Result<Vec<bool>, EpError> {
+    let (rank, n) = (comm.rank(), comm.nranks());
+    let mine: Vec<u8> = (0..n)
+        .map(|p| u8::from(p == rank || (dc.is_direct(p) && wins[CSEND].peer_ptr(p).is_some())))
+        .collect();
+    let all = comm.bootstrap().allgather(&mine)?;
+    Ok(all
+        .iter()
+        .flat_map(|row| (0..n).map(move |p| row.get(p) == Some(&1)))
+        .collect())
+}
+
 /// A dispatch sent and not yet received: hand it to
 /// [`Buffer::ll_dispatch_recv`] (DeepEP's receive hook). Between the two,
 /// the caller may compute; [`Buffer::ll_dispatch_ready`] polls.
@@ -524,7 +544,14 @@ impl Buffer<'_> {
                 if !self.active[src] {
                     continue;
                 }
-                for i in 0..d.count(le, src) {
+                // A source that reads this rank's slots in place needs only
+                // the signal (release: the slots' stores are visible first).
+                let puts = if self.pull[src * r + self.rank] {
+                    0
+                } else {
+                    d.count(le, src)
+                };
+                for i in 0..puts {
                     let slot = (le * r + src) * t + i;
                     let dst_off = (d.src_token[slot] as usize * k + d.slot_k[slot] as usize) * h2;
                     let put = self.dc.ctx(0)?.put(
@@ -596,7 +623,7 @@ impl Buffer<'_> {
                     continue;
                 }
                 let w8 = s.weights[t * k + j];
-                let bytes = self.bytes(w, (t * k + j) * 2 * h, 2 * h);
+                let bytes = self.combine_input(s, t, j, w);
                 for (a, c) in acc.iter_mut().zip(bytes.chunks_exact(2)) {
                     *a += w8 * Bf16(u16::from_le_bytes([c[0], c[1]])).to_f32();
                 }
@@ -606,6 +633,39 @@ impl Buffer<'_> {
             }
         }
         out
+    }
+
+    /// Where the expert output for top-k slot `j` of token `t` is: in the
+    /// expert rank's combine slot, read in place where it is mapped here,
+    /// else where the expert put it (window `w`, place `(t, j)`).
+    fn combine_input(&self, s: &SenderSide, t: usize, j: usize, w: usize) -> &[u8] {
+        let (r, cfg) = (self.nranks, &self.cfg);
+        let (k, h2, l) = (cfg.topk, 2 * cfg.hidden, cfg.local_experts(r));
+        let e = s.topk_idx[t * k + j] as usize;
+        let owner = e / l;
+        if !self.pull[self.rank * r + owner] {
+            return self.bytes(w, (t * k + j) * h2, h2);
+        }
+        let slot = ((e % l) * r + self.rank) * cfg.max_tokens_per_rank
+            + s.layout.expert_slot[t * k + j] as usize;
+        let win = &self.wins[CSEND];
+        let off = slot * h2;
+        if owner == self.rank {
+            return self.bytes(CSEND, off, h2);
+        }
+        // Mapped since creation (that is what `pull` records).
+        let base = win
+            .peer_ptr(owner)
+            .filter(|_| (off + h2) as u64 <= win.size_of(owner).unwrap_or(0));
+        let Some(base) = base else {
+            return self.bytes(w, (t * k + j) * h2, h2);
+        };
+        // SAFETY: in range of the owner's part (checked above), mapped here
+        // while the window lives (borrowed with `self`). The owner wrote the
+        // slot before its combine signal, which this rank acquired; it
+        // rewrites the slot only after this rank's next dispatch, which needs
+        // `&mut self`.
+        unsafe { std::slice::from_raw_parts(base.add(off), h2) }
     }
 
     /// Send and receive in one call.
