@@ -270,6 +270,8 @@ impl DevMem {
     /// Allocates `len` bytes (at least one is asked of the driver) and
     /// zeroes them.
     pub fn new(len: usize) -> Result<Self, CudaError> {
+        // Without a driver, an error rather than cudarc's loader panicking.
+        available()?;
         let mut ptr = 0;
         let alloc = |source| CudaError::Alloc {
             what: "device memory",
@@ -381,6 +383,7 @@ pub struct IpcMem {
 impl IpcMem {
     /// Maps the allocation `handle` ([`DevMem::ipc_handle`]) names.
     pub fn open(handle: &[u8; 64]) -> Result<Self, CudaError> {
+        available()?;
         // SAFETY: an all-zero handle is a valid value; it is overwritten.
         let mut h: cu::CUipcMemHandle = unsafe { std::mem::zeroed() };
         h.reserved = handle.map(|b| b as std::ffi::c_char);
@@ -434,6 +437,7 @@ impl HostMem {
     /// Allocates `len` bytes (at least 64 are asked of the driver), zeroed
     /// and mapped for the current context's GPU.
     pub fn new(len: usize) -> Result<Self, CudaError> {
+        available()?;
         let mut p: *mut c_void = std::ptr::null_mut();
         let mut dev = 0;
         let alloc = |source| CudaError::Alloc {
@@ -538,6 +542,7 @@ unsafe impl Sync for Stream {}
 impl Stream {
     /// Creates a non-blocking stream in the current context.
     pub fn new() -> Result<Self, CudaError> {
+        available()?;
         let mut s = std::ptr::null_mut();
         // SAFETY: valid out-pointer.
         check("cuStreamCreate", unsafe {
@@ -796,6 +801,7 @@ impl Module {
     /// NUL-terminated): the driver is not told its length and parses it
     /// as far as its headers say.
     pub unsafe fn load_image(image: &[u8]) -> Result<Self, CudaError> {
+        available()?;
         let mut m = std::ptr::null_mut();
         // SAFETY: the caller's contract; valid out-pointer.
         check("cuModuleLoadData", unsafe {
@@ -922,6 +928,22 @@ mod tests {
         );
         assert!(matches!(
             Device::open(0),
+            Err(CudaError::Unavailable { .. })
+        ));
+        // Every constructor says so too.
+        assert!(matches!(DevMem::new(8), Err(CudaError::Unavailable { .. })));
+        assert!(matches!(
+            HostMem::new(8),
+            Err(CudaError::Unavailable { .. })
+        ));
+        assert!(matches!(Stream::new(), Err(CudaError::Unavailable { .. })));
+        assert!(matches!(
+            IpcMem::open(&[0; 64]),
+            Err(CudaError::Unavailable { .. })
+        ));
+        let cubin = Cubin(b"\x7fELF".to_vec());
+        assert!(matches!(
+            Module::load(&cubin),
             Err(CudaError::Unavailable { .. })
         ));
     }

@@ -141,7 +141,7 @@ fn req() -> DevCommRequirements {
     }
 }
 
-/// out[0] (first error kind) and out[1] (bytes that differ) must be zero.
+/// `out[0]` (first error kind) and `out[1]` (bytes that differ) must be zero.
 fn check_out(out: &DevMem, what: &str) -> R {
     let mut o = [0u64; 3];
     out.read(0, &mut o).map_err(s)?;

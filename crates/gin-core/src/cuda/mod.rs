@@ -53,7 +53,7 @@ mod window;
 
 #[doc(hidden)]
 pub use gin_cuda::batch::bench_pass;
-pub use gin_cuda::{Cubin, DevMem, Device, Function, HostMem, IpcMem, Module, Stream};
+pub use gin_cuda::{Cubin, CudaError, DevMem, Device, Function, HostMem, IpcMem, Module, Stream};
 
 pub use devcomm::{Arg, CudaDevComm};
 pub use window::GpuWindow;
