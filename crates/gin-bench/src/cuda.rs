@@ -18,7 +18,7 @@
 
 #![allow(clippy::many_single_char_names)] // c, m, f: CUDA comm, module, kernel
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
@@ -352,9 +352,9 @@ pub fn run(a: &CudaArgs) -> Result<()> {
         println!(
             "gin-bench cuda: {} ranks, rank 0 on GPU {} ({}, UUID {}); {} launches per figure",
             comm.nranks(),
-            c.device().ordinal,
-            c.device().name,
-            c.device().uuid.as_deref().unwrap_or("unknown"),
+            c.device().ordinal(),
+            c.device().name(),
+            c.device().uuid().unwrap_or("unknown"),
             a.runs
         );
         if let Some(g) = &shared {
@@ -583,9 +583,9 @@ fn shared_gpu(comm: &Comm, c: &CudaComm<'_>) -> Result<Option<SharedGpu>> {
     let d = c.device();
     let me = format!(
         "{} {} {}",
-        d.uuid.as_deref().unwrap_or("-"),
-        u8::from(d.mps),
-        d.sms
+        d.uuid().unwrap_or("-"),
+        u8::from(d.mps()),
+        d.sms()
     );
     let all = comm.bootstrap().allgather(me.as_bytes())?;
     let said = |r: usize| String::from_utf8_lossy(&all[r]).into_owned();
@@ -689,21 +689,27 @@ fn gin_alltoall(
         c.comm().bootstrap().barrier()?;
         out.zero(0, 24)?;
         let base = run * u64::from(n) * u64::from(sh.iters + sh.warmup);
-        dc.run(
-            &f,
-            n,
-            sh.block,
-            &[
-                Arg::DevComm(dc.abi()),
-                Arg::Window(send.abi()),
-                Arg::Window(recv.abi()),
-                Arg::U64(sh.bytes),
-                Arg::U32(sh.iters),
-                Arg::U32(sh.warmup),
-                Arg::U64(base),
-                Arg::Ptr(out.ptr),
-            ],
-        )
+        // SAFETY: gin_alltoall_timed(DevComm, Window send, Window recv, u64
+        // bytes, u32 iters, u32 warmup, u64 base, u64* out) in selftest.cu;
+        // both windows hold a block of `bytes` per rank (`max` in `run`),
+        // and `out` the 24 bytes the kernel writes.
+        unsafe {
+            dc.run(
+                &f,
+                n,
+                sh.block,
+                &[
+                    Arg::DevComm(dc.abi()),
+                    Arg::Window(send.abi()),
+                    Arg::Window(recv.abi()),
+                    Arg::U64(sh.bytes),
+                    Arg::U32(sh.iters),
+                    Arg::U32(sh.warmup),
+                    Arg::U64(base),
+                    Arg::Ptr(out.ptr()),
+                ],
+            )
+        }
         .with_context(|| format!("all-to-all of {} B", sh.bytes))?;
         v.push(read_ns(out)? as f64 / f64::from(sh.iters) / 1000.0);
     }
@@ -799,20 +805,25 @@ fn gin_pingpong(
         c.comm().bootstrap().barrier()?;
         out.zero(0, 24)?;
         let base = run as u64 * u64::from(iters + warmup);
-        dc.run(
-            &f,
-            1,
-            block,
-            &[
-                Arg::DevComm(dc.abi()),
-                Arg::Window(buf.abi()),
-                Arg::U64(bytes),
-                Arg::U32(iters),
-                Arg::U32(warmup),
-                Arg::U64(base),
-                Arg::Ptr(out.ptr),
-            ],
-        )
+        // SAFETY: gin_pingpong_<coop>(DevComm, Window buf, u64 bytes, u32
+        // iters, u32 warmup, u64 base, u64* out) in selftest.cu; `buf`
+        // holds `bytes` (`max` in `run`), and `out` the 24 bytes written.
+        unsafe {
+            dc.run(
+                &f,
+                1,
+                block,
+                &[
+                    Arg::DevComm(dc.abi()),
+                    Arg::Window(buf.abi()),
+                    Arg::U64(bytes),
+                    Arg::U32(iters),
+                    Arg::U32(warmup),
+                    Arg::U64(base),
+                    Arg::Ptr(out.ptr()),
+                ],
+            )
+        }
         .with_context(|| format!("gin ping-pong {bytes} B"))?;
         v.push(read_ns(out)? as f64 / f64::from(iters) / 1000.0);
     }
@@ -861,13 +872,13 @@ fn lsa_floor(
                 // Echo what arrived, as the gin ping-pong does (its one
                 // window is both source and target): the bytes a rank
                 // sends are the ones the peer's NVLink stores just wrote.
-                dst.local().ptr,
+                dst.local().ptr(),
                 flags.peer_base(peer).unwrap_or(0),
-                flags.local().ptr,
+                flags.local().ptr(),
                 bytes,
                 u64::from(iters),
                 u64::from(warmup),
-                out.ptr,
+                out.ptr(),
             ],
             &[4, 8, 8, 8, 8, 8, 4, 4, 8],
         )?;
@@ -926,9 +937,8 @@ fn proxy_floor(
     for _ in 0..runs {
         flags.local().zero(0, 8)?;
         out.zero(0, 24)?;
-        // SAFETY: the mapped allocation is 64 bytes, 8-aligned, and outlives
-        // this loop; the kernel writes it, the forwarder reads it.
-        let hf = unsafe { &*host.host.cast::<AtomicU64>() };
+        // The kernel writes it, the forwarder reads it.
+        let hf = host.atomic_u64(0)?;
         hf.store(0, Ordering::Release);
         c.comm().bootstrap().barrier()?;
         if rank > 1 {
@@ -948,8 +958,15 @@ fn proxy_floor(
                     if now == last {
                         std::hint::spin_loop();
                     } else {
-                        copy.copy(peer_buf, src.local().ptr, bytes as usize)?;
-                        copy.write_u64(peer_flag, now)?;
+                        // SAFETY: `peer_buf` is the peer's part of `dst`
+                        // and `peer_flag` of `flags`, mapped here through
+                        // CUDA IPC (the floor runs only without TCP), each
+                        // at least `bytes` resp. 8 bytes, like the source;
+                        // all stay alive until `copy.sync()` below.
+                        unsafe {
+                            copy.copy(peer_buf, src.local().ptr(), bytes as usize)?;
+                            copy.write_u64(peer_flag, now)?;
+                        }
                         last = now;
                     }
                 }
@@ -961,11 +978,11 @@ fn proxy_floor(
                 1,
                 &mut [
                     rank as u64,
-                    host.dev,
-                    flags.local().ptr,
+                    host.dev(),
+                    flags.local().ptr(),
                     u64::from(iters),
                     u64::from(warmup),
-                    out.ptr,
+                    out.ptr(),
                 ],
                 &[4, 8, 8, 4, 4, 8],
             );
@@ -1009,22 +1026,28 @@ fn bandwidth(
     for run in 0..runs as u64 {
         c.comm().bootstrap().barrier()?;
         out.zero(0, 24)?;
-        dc.run(
-            &f,
-            blocks,
-            threads,
-            &[
-                Arg::DevComm(dc.abi()),
-                Arg::Window(src.abi()),
-                Arg::Window(dst.abi()),
-                Arg::U64(bytes),
-                Arg::U32(iters),
-                Arg::U32(u32::from(sig_each)),
-                Arg::U64(run * per_block * u64::from(blocks)),
-                Arg::U64(run),
-                Arg::Ptr(out.ptr),
-            ],
-        )
+        // SAFETY: gin_bandwidth(DevComm, Window src, Window dst, u64 bytes,
+        // u32 iters, u32 sig_each, u64 base2, u64 base3, u64* out) in
+        // selftest.cu; both windows hold `bytes` (`max` in `run`), and
+        // `out` the 24 bytes the kernel writes.
+        unsafe {
+            dc.run(
+                &f,
+                blocks,
+                threads,
+                &[
+                    Arg::DevComm(dc.abi()),
+                    Arg::Window(src.abi()),
+                    Arg::Window(dst.abi()),
+                    Arg::U64(bytes),
+                    Arg::U32(iters),
+                    Arg::U32(u32::from(sig_each)),
+                    Arg::U64(run * per_block * u64::from(blocks)),
+                    Arg::U64(run),
+                    Arg::Ptr(out.ptr()),
+                ],
+            )
+        }
         .with_context(|| format!("bandwidth with {blocks} blocks"))?;
         let mut o = [0u64; 3];
         out.read(0, &mut o)?;

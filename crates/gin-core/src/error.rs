@@ -47,6 +47,20 @@ pub enum CoreError {
         name: String,
         text: String,
     },
+    /// What the CUDA host runtime failed with, where no variant above says
+    /// it (a driver call failing alone is [`CoreError::Cuda`], CUDA or
+    /// NVRTC missing [`CoreError::Unavailable`]).
+    #[error(transparent)]
+    CudaRuntime(gin_cuda::CudaError),
+    /// A rank's allgathered record (of a GPU window, ...) has the wrong
+    /// shape: the ranks run different builds, or memory was corrupted.
+    #[error("rank {rank} sent a malformed {what} ({got} bytes, expected {expected})")]
+    MalformedRecord {
+        rank: usize,
+        what: String,
+        got: usize,
+        expected: usize,
+    },
     #[error(
         "rank {rank}: kernel error: {what}{}{} (id or value {value}){}",
         ctx.map(|c| format!(", context {c}")).unwrap_or_default(),
@@ -61,4 +75,33 @@ pub enum CoreError {
         value: u32,
         cause: String,
     },
+}
+
+impl From<gin_cuda::CudaError> for CoreError {
+    /// Keeps the variants callers matched before the runtime had its own
+    /// crate: a missing driver or NVRTC is [`CoreError::Unavailable`] with
+    /// CPU ranks as the alternative, a failing driver call
+    /// [`CoreError::Cuda`]; everything else is carried whole.
+    fn from(e: gin_cuda::CudaError) -> Self {
+        use gin_cuda::CudaError as E;
+        match e {
+            E::Unavailable { why } => CoreError::Unavailable {
+                what: "CUDA".into(),
+                why,
+                available: "CPU ranks".into(),
+            },
+            E::NvrtcUnavailable { name, why } => CoreError::Unavailable {
+                what: format!("run-time compilation of {name}"),
+                why,
+                available: "CPU ranks".into(),
+            },
+            E::Driver(d) => CoreError::Cuda {
+                call: d.call,
+                code: d.code,
+                name: d.name,
+                text: d.text,
+            },
+            other => CoreError::CudaRuntime(other),
+        }
+    }
 }

@@ -95,8 +95,8 @@ fn main() -> ExitCode {
                 comm.rank(),
                 comm.nranks(),
                 t.elapsed().as_secs_f64(),
-                cuda.device().ordinal,
-                cuda.device().name
+                cuda.device().ordinal(),
+                cuda.device().name()
             )
         })
     });
@@ -141,7 +141,7 @@ fn req() -> DevCommRequirements {
     }
 }
 
-/// out[0] (first error kind) and out[1] (bytes that differ) must be zero.
+/// `out[0]` (first error kind) and `out[1]` (bytes that differ) must be zero.
 fn check_out(out: &DevMem, what: &str) -> R {
     let mut o = [0u64; 3];
     out.read(0, &mut o).map_err(s)?;
@@ -185,20 +185,26 @@ fn rail(c: &CudaComm<'_>, k: &Kernels<'_>) -> R {
             let out = DevMem::new(24).map_err(s)?;
             let what = format!("rail barrier ({cname} connection, {name} coop)");
             let args = |rounds: u32, stranger: u32, bad_src: u32| {
-                dc.run(
-                    &f,
-                    1,
-                    block,
-                    &[
-                        Arg::DevComm(dc.abi()),
-                        Arg::Window(w.abi()),
-                        Arg::U32(rounds),
-                        Arg::U32(coop),
-                        Arg::U32(stranger),
-                        Arg::U32(bad_src),
-                        Arg::Ptr(out.ptr),
-                    ],
-                )
+                // SAFETY: gin_rail(DevComm, Window, u32 rounds, u32 coop, u32
+                // stranger, u32 bad_src, u64* out) in selftest.cu takes these
+                // arguments in this order; `w` and `dc` are alive, and `out`
+                // holds the 24 bytes the kernel writes.
+                unsafe {
+                    dc.run(
+                        &f,
+                        1,
+                        block,
+                        &[
+                            Arg::DevComm(dc.abi()),
+                            Arg::Window(w.abi()),
+                            Arg::U32(rounds),
+                            Arg::U32(coop),
+                            Arg::U32(stranger),
+                            Arg::U32(bad_src),
+                            Arg::Ptr(out.ptr()),
+                        ],
+                    )
+                }
             };
             args(20, n as u32, 0).map_err(|e| format!("{what}: {e}"))?;
             check_out(&out, &what)?;
@@ -253,20 +259,25 @@ fn ring(c: &CudaComm<'_>, k: &Kernels<'_>) -> R {
             let recv = c.alloc_window(bytes).map_err(s)?;
             let out = DevMem::new(24).map_err(s)?;
             let rounds = 4u32;
-            dc.run(
-                &f,
-                1,
-                block,
-                &[
-                    Arg::DevComm(dc.abi()),
-                    Arg::Window(send.abi()),
-                    Arg::Window(recv.abi()),
-                    Arg::U64(bytes),
-                    Arg::U32(rounds),
-                    Arg::U32(coop),
-                    Arg::Ptr(out.ptr),
-                ],
-            )
+            // SAFETY: gin_ring(DevComm, Window send, Window recv, u64 bytes,
+            // u32 rounds, u32 coop, u64* out) in selftest.cu; both windows
+            // hold `bytes`, and `out` the 24 bytes the kernel writes.
+            unsafe {
+                dc.run(
+                    &f,
+                    1,
+                    block,
+                    &[
+                        Arg::DevComm(dc.abi()),
+                        Arg::Window(send.abi()),
+                        Arg::Window(recv.abi()),
+                        Arg::U64(bytes),
+                        Arg::U32(rounds),
+                        Arg::U32(coop),
+                        Arg::Ptr(out.ptr()),
+                    ],
+                )
+            }
             .map_err(|e| format!("ring ({name} coop, {bytes} B, {sharing:?} sharing): {e}"))?;
             check_out(
                 &out,
@@ -302,12 +313,16 @@ fn signals(c: &CudaComm<'_>, k: &Kernels<'_>) -> R {
             ));
         }
         let out = DevMem::new(24).map_err(s)?;
-        dc.run(
-            &f,
-            1,
-            block,
-            &[Arg::DevComm(dc.abi()), Arg::U32(coop), Arg::Ptr(out.ptr)],
-        )
+        // SAFETY: gin_signals(DevComm, u32 coop, u64* out) in selftest.cu;
+        // `out` holds the 24 bytes the kernel writes.
+        unsafe {
+            dc.run(
+                &f,
+                1,
+                block,
+                &[Arg::DevComm(dc.abi()), Arg::U32(coop), Arg::Ptr(out.ptr())],
+            )
+        }
         .map_err(|e| format!("signals ({name} coop): {e}"))?;
         let mut o = [0u64; 3];
         out.read(0, &mut o).map_err(s)?;
@@ -344,19 +359,24 @@ fn alltoall(c: &CudaComm<'_>, k: &Kernels<'_>) -> R {
         let out = DevMem::new(24).map_err(s)?;
         // Signal 0 accumulates across sizes: keep counting rounds.
         for r in 0..3u32 {
-            dc.run(
-                &f,
-                n as u32,
-                256,
-                &[
-                    Arg::DevComm(dc.abi()),
-                    Arg::Window(send.abi()),
-                    Arg::Window(recv.abi()),
-                    Arg::U64(bytes),
-                    Arg::U32(rounds + r),
-                    Arg::Ptr(out.ptr),
-                ],
-            )
+            // SAFETY: gin_alltoall(DevComm, Window send, Window recv, u64
+            // bytes, u32 r, u64* out) in selftest.cu; each window holds a
+            // block of `bytes` per rank, and `out` the 24 bytes written.
+            unsafe {
+                dc.run(
+                    &f,
+                    n as u32,
+                    256,
+                    &[
+                        Arg::DevComm(dc.abi()),
+                        Arg::Window(send.abi()),
+                        Arg::Window(recv.abi()),
+                        Arg::U64(bytes),
+                        Arg::U32(rounds + r),
+                        Arg::Ptr(out.ptr()),
+                    ],
+                )
+            }
             .map_err(|e| format!("alltoall {bytes} B round {r}: {e}"))?;
             c.comm().bootstrap().barrier().map_err(s)?;
         }
@@ -377,31 +397,41 @@ fn get(c: &CudaComm<'_>, k: &Kernels<'_>) -> R {
     let src = c.alloc_window(bytes).map_err(s)?;
     let dst = c.alloc_window(bytes).map_err(s)?;
     let out = DevMem::new(24).map_err(s)?;
-    dc.run(
-        &k.f("gin_fill")?,
-        64,
-        256,
-        &[
-            Arg::Window(src.abi()),
-            Arg::U64(bytes),
-            Arg::U32(c.comm().rank() as u32),
-            Arg::U32(99),
-        ],
-    )
+    // SAFETY: gin_fill(Window, u64 bytes, u32 rank, u32 round) in
+    // selftest.cu fills `bytes` of the window's local part, which holds
+    // that many.
+    unsafe {
+        dc.run(
+            &k.f("gin_fill")?,
+            64,
+            256,
+            &[
+                Arg::Window(src.abi()),
+                Arg::U64(bytes),
+                Arg::U32(c.comm().rank() as u32),
+                Arg::U32(99),
+            ],
+        )
+    }
     .map_err(s)?;
     c.comm().bootstrap().barrier().map_err(s)?;
-    dc.run(
-        &k.f("gin_get")?,
-        1,
-        256,
-        &[
-            Arg::DevComm(dc.abi()),
-            Arg::Window(src.abi()),
-            Arg::Window(dst.abi()),
-            Arg::U64(bytes),
-            Arg::Ptr(out.ptr),
-        ],
-    )
+    // SAFETY: gin_get(DevComm, Window src, Window dst, u64 bytes, u64*
+    // out) in selftest.cu; both windows hold `bytes`, and `out` the 24
+    // bytes the kernel writes.
+    unsafe {
+        dc.run(
+            &k.f("gin_get")?,
+            1,
+            256,
+            &[
+                Arg::DevComm(dc.abi()),
+                Arg::Window(src.abi()),
+                Arg::Window(dst.abi()),
+                Arg::U64(bytes),
+                Arg::Ptr(out.ptr()),
+            ],
+        )
+    }
     .map_err(|e| format!("get: {e}"))?;
     check_out(&out, "get")?;
     println!(
@@ -483,17 +513,22 @@ fn run_bad(
     which: u32,
     out: &DevMem,
 ) -> Result<(), CoreError> {
-    dc.run(
-        &f,
-        1,
-        1,
-        &[
-            Arg::DevComm(dc.abi()),
-            Arg::Window(w.abi()),
-            Arg::U32(which),
-            Arg::Ptr(out.ptr),
-        ],
-    )
+    // SAFETY: gin_badinput(DevComm, Window, u32 which, u64* out) in
+    // selftest.cu; its bad calls go through the device API, which checks
+    // them, and `out` holds the 24 bytes it writes.
+    unsafe {
+        dc.run(
+            &f,
+            1,
+            1,
+            &[
+                Arg::DevComm(dc.abi()),
+                Arg::Window(w.abi()),
+                Arg::U32(which),
+                Arg::Ptr(out.ptr()),
+            ],
+        )
+    }
 }
 
 /// Over TCP only: the last rank drops a window without `free_window`, then
@@ -528,18 +563,25 @@ fn dropped(c: &CudaComm<'_>, k: &Kernels<'_>) -> R {
     let r = if rank == 0 {
         let out = DevMem::new(24).map_err(s)?;
         let t = Instant::now();
-        let e = dc.run(
-            &f,
-            1,
-            64,
-            &[
-                Arg::DevComm(dc.abi()),
-                Arg::Window(&src_abi),
-                Arg::Window(dst.abi()),
-                Arg::U64(64),
-                Arg::Ptr(out.ptr),
-            ],
-        );
+        // SAFETY: gin_get as in `get`, 64 bytes of 4096-byte windows. The
+        // victim's part of `src_abi` is gone, but rank 0 reaches it over TCP
+        // only (checked above), through the proxy or NIC, and the victim
+        // refuses the freed part's key; rank 0's own parts of both windows
+        // are alive.
+        let e = unsafe {
+            dc.run(
+                &f,
+                1,
+                64,
+                &[
+                    Arg::DevComm(dc.abi()),
+                    Arg::Window(&src_abi),
+                    Arg::Window(dst.abi()),
+                    Arg::U64(64),
+                    Arg::Ptr(out.ptr()),
+                ],
+            )
+        };
         match e {
             Err(e) if e.to_string().contains("unknown memory key") => {
                 println!(

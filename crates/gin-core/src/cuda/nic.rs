@@ -20,8 +20,13 @@
 //! their region keys, writes are staged through pinned host memory and
 //! sent on the link, reads come back the same way, and a signal's
 //! fetch-add becomes an 8-byte put of the running total after the data
-//! (see `staging`). A transport failure completes with a retry-exceeded
-//! error.
+//! (see `gin_cuda::staging`). A transport failure completes with a
+//! retry-exceeded error.
+//!
+//! Every address the NIC hands a stream is checked first: a WQE's memory
+//! against the window its key names (a window leaves the table before its
+//! memory is freed), a fetch-add against this rank's signal sub-slots and
+//! counters, a CQE store against its queue's CQE.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -33,11 +38,12 @@ use gin_gdaki::queue::{BadProducerIndex, producer_index, unwrap_counter};
 use gin_gdaki::wqe::{BB, CQ_UPDATE, MemRef, Op, decode};
 use gin_net::tcp::Link;
 
-use super::batch::{BatchStats, Dma, StreamBatch, pass_len, region};
-use super::driver::{Device, Stream};
+use gin_cuda::batch::{BatchStats, Dma, StreamBatch, pass_len, region};
+use gin_cuda::staging::{STAGE, Stage};
+use gin_cuda::worker::{FirstError, Worker, set_first};
+use gin_cuda::{CudaError, Device, Stream};
+
 use super::proxy::{SignalInfo, fits, window};
-use super::staging::{STAGE, Stage};
-use super::worker::{FirstError, Worker, set_first};
 use super::{COUNTER_KEY, SINK_KEY, WinTable, window_of_key};
 use crate::error::CoreError;
 
@@ -103,11 +109,11 @@ pub(crate) struct CudaNic(Worker);
 impl CudaNic {
     pub fn start(dev: Arc<Device>, spec: NicSpec) -> Result<Self, CoreError> {
         let name = format!("gin-cuda-nic-{}", spec.rank);
-        Worker::start(name, "CUDA soft NIC", move |stop, error| {
+        Ok(Worker::start(name, "CUDA soft NIC", move |stop, error| {
             dev.make_current()?;
             Nic::new(spec, error.clone(), Stream::new)?.run(stop)
         })
-        .map(Self)
+        .map(Self)?)
     }
 
     /// The first error CQE's description, or why the NIC stopped.
@@ -118,7 +124,7 @@ impl CudaNic {
     /// Stops the thread once it has drained its queues; reports the first
     /// error it met.
     pub fn stop(self) -> Result<(), CoreError> {
-        self.0.stop("the soft NIC reported")
+        Ok(self.0.stop("the soft NIC reported")?)
     }
 }
 
@@ -186,8 +192,13 @@ struct Pair<D> {
 impl<D: Dma> Pair<D> {
     /// An 8-byte store after every copy and store queued so far; consecutive
     /// stores reach the driver as one call when the pass flushes (`serve`).
-    fn store(&mut self, addr: u64, v: u64) -> Result<(), CoreError> {
-        self.pending.write(&self.stream, addr, v)
+    ///
+    /// # Safety
+    /// As `StreamBatch::write`: `addr` an 8-aligned word of a checked
+    /// window part, signal sub-slot, counter or CQE.
+    unsafe fn store(&mut self, addr: u64, v: u64) -> Result<(), CudaError> {
+        // SAFETY: the caller's contract.
+        unsafe { self.pending.write(&self.stream, addr, v) }
     }
 }
 
@@ -222,7 +233,7 @@ impl<D: Dma> Nic<D> {
     fn new(
         mut spec: NicSpec,
         error: FirstError,
-        mut queue: impl FnMut() -> Result<D, CoreError>,
+        mut queue: impl FnMut() -> Result<D, CudaError>,
     ) -> Result<Self, CoreError> {
         let mut pairs = Vec::with_capacity(spec.pairs.len());
         for p in std::mem::take(&mut spec.pairs) {
@@ -360,7 +371,9 @@ impl<D: Dma> Nic<D> {
             }
             .encode(idx, log2);
             let at = self.sq(i, companion).spec.cqe;
-            self.pairs[i].store(at + 56, qword(&cqe, 7))?;
+            // SAFETY: the last qword of the queue's 64-byte CQE, which the
+            // device communicator owns and frees after stopping the NIC.
+            unsafe { self.pairs[i].store(at + 56, qword(&cqe, 7))? };
         }
         // Nothing waits in the batch past a pass (a WQE without a CQE).
         let p = &mut self.pairs[i];
@@ -413,8 +426,12 @@ impl<D: Dma> Nic<D> {
         let at = sq.spec.cqe;
         let p = &mut self.pairs[i];
         // Syndrome first, then the qword the kernel polls.
-        p.store(at + 48, qword(&cqe, 6))?;
-        p.store(at + 56, qword(&cqe, 7))
+        // SAFETY: two qwords of the queue's 64-byte CQE, as in `serve`.
+        unsafe {
+            p.store(at + 48, qword(&cqe, 6))?;
+            p.store(at + 56, qword(&cqe, 7))?;
+        }
+        Ok(())
     }
 
     fn sq(&self, i: usize, companion: bool) -> &Sq {
@@ -590,12 +607,16 @@ impl<D: Dma> Nic<D> {
         while at < len {
             let chunk = (len - at).min(STAGE as u64) as usize;
             let sent = if write {
-                let bytes = stage.pull(&pair.stream, l + at, chunk)?;
+                // SAFETY: inside the local part `l` of `len` bytes
+                // (resolved against its window by the caller).
+                let bytes = unsafe { stage.pull(&pair.stream, l + at, chunk)? };
                 link.put(key, off + at, bytes, None)
                     .map_err(|e| e.to_string())
             } else {
                 let t = self.spec.timeout;
-                stage.get(link, key, off + at, chunk, &pair.stream, l + at, t)
+                // SAFETY: as above.
+                unsafe { stage.get(link, key, off + at, chunk, &pair.stream, l + at, t) }
+                    .map_err(|e| e.to_string())
             };
             if let Err(why) = sent {
                 return Ok(failed(syndrome::TRANSPORT_RETRY_EXC_ERR, why));
@@ -632,7 +653,9 @@ impl<D: Dma> Nic<D> {
             let (dst, src) = if write { (r, l) } else { (l, r) };
             let p = &mut self.pairs[i];
             let keys = region(write, remote.key, local.key);
-            p.pending.push(&p.stream, dst, src, len as usize, keys)?;
+            // SAFETY: both ends resolved against the windows their keys
+            // name, which `keys` names as the copy's region.
+            unsafe { p.pending.push(&p.stream, dst, src, len as usize, keys)? };
         }
         Ok(Step::Done)
     }
@@ -673,7 +696,9 @@ impl<D: Dma> Nic<D> {
                 format!("inline write to unaligned address {:#x}", remote.addr),
             ));
         }
-        self.pairs[i].store(r, u64::from_le_bytes(v))?;
+        // SAFETY: 8 aligned bytes of a window part mapped here (resolved
+        // and checked above).
+        unsafe { self.pairs[i].store(r, u64::from_le_bytes(v))? };
         Ok(Step::Done)
     }
 
@@ -765,7 +790,10 @@ impl<D: Dma> Nic<D> {
             }
             (at, old)
         };
-        self.pairs[i].store(target, old.wrapping_add(add))?;
+        // SAFETY: an 8-aligned word checked above: this rank's sub-slot of
+        // a signal in the peer's part as mapped here, or the NIC's
+        // sub-slot of one of this rank's counters.
+        unsafe { self.pairs[i].store(target, old.wrapping_add(add))? };
         self.write_sink(sink_off, old);
         Ok(Step::Done)
     }
@@ -804,17 +832,18 @@ mod tests {
     struct HostDma;
 
     impl Dma for HostDma {
-        fn copy(&self, dst: u64, src: u64, n: usize) -> Result<(), CoreError> {
-            // SAFETY: the tests pass addresses of live, disjoint host buffers.
+        unsafe fn copy(&self, dst: u64, src: u64, n: usize) -> Result<(), CudaError> {
+            // SAFETY: the caller's contract: the NIC resolved both against
+            // the rig's windows, live host buffers.
             unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, n) };
             Ok(())
         }
-        fn write_u64(&self, addr: u64, v: u64) -> Result<(), CoreError> {
+        unsafe fn write_u64(&self, addr: u64, v: u64) -> Result<(), CudaError> {
             // SAFETY: as above, 8-aligned.
             unsafe { (*(addr as *const AtomicU64)).store(v, Ordering::Release) };
             Ok(())
         }
-        fn sync(&self) -> Result<(), CoreError> {
+        fn sync(&self) -> Result<(), CudaError> {
             Ok(())
         }
     }

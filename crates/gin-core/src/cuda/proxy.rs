@@ -9,7 +9,12 @@
 //! except for peers reached over TCP: there a put's source is staged
 //! through pinned host memory and sent on the link, its signal follows as
 //! an 8-byte put of the running total, and a get's answer is staged back,
-//! each copy waited for (see `staging`).
+//! each copy waited for (see `gin_cuda::staging`).
+//!
+//! Every address the proxy hands a stream is checked first: a window's
+//! part against the window table's sizes (a window leaves the table before
+//! its memory is freed), a signal against this rank's sub-slot, a counter
+//! against the counter array, the completion index against its ring.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -20,11 +25,12 @@ use gin_proxy::descriptor::{DESC_QWORDS, Desc, Op, Slot, decode};
 
 use gin_net::tcp::Link;
 
+use gin_cuda::batch::{BatchStats, Region, StreamBatch, pass_len, region};
+use gin_cuda::staging::{STAGE, Stage};
+use gin_cuda::worker::Worker;
+use gin_cuda::{CudaError, Device, HostMem, Stream};
+
 use super::WinTable;
-use super::batch::{BatchStats, Region, StreamBatch, pass_len, region};
-use super::driver::{Device, HostMem, Stream};
-use super::staging::{STAGE, Stage};
-use super::worker::Worker;
 use crate::error::CoreError;
 
 /// Where the signal window is: its id and every rank's part mapped here.
@@ -72,7 +78,7 @@ pub(crate) struct CudaProxy(Worker);
 impl CudaProxy {
     pub fn start(spec: ProxySpec) -> Result<Self, CoreError> {
         let name = format!("gin-cuda-proxy-{}", spec.rank);
-        Worker::start(name, "CUDA proxy", move |stop, _| run(spec, stop)).map(Self)
+        Ok(Worker::start(name, "CUDA proxy", move |stop, _| run(spec, stop)).map(Self)?)
     }
 
     /// The error that stopped the proxy, if any.
@@ -81,7 +87,7 @@ impl CudaProxy {
     }
 
     pub fn stop(self) -> Result<(), CoreError> {
-        self.0.stop("the CUDA proxy failed")
+        Ok(self.0.stop("the CUDA proxy failed")?)
     }
 }
 
@@ -97,19 +103,38 @@ struct Ring {
 
 impl Ring {
     /// A copy, queued with the ones before it unless they overlap.
-    fn copy(&mut self, dst: u64, src: u64, n: usize, region: Region) -> Result<(), CoreError> {
-        self.pending.push(&self.stream, dst, src, n, region)
+    ///
+    /// # Safety
+    /// As `StreamBatch::push`: `dst` and `src` inside the memory `region`
+    /// names, checked against the window table.
+    unsafe fn copy(
+        &mut self,
+        dst: u64,
+        src: u64,
+        n: usize,
+        region: Region,
+    ) -> Result<(), CudaError> {
+        // SAFETY: the caller's contract.
+        unsafe { self.pending.push(&self.stream, dst, src, n, region) }
     }
 
     /// An 8-byte store after every copy and store queued so far; consecutive
     /// stores reach the driver as one call when the pass flushes.
-    fn store(&mut self, addr: u64, v: u64) -> Result<(), CoreError> {
-        self.pending.write(&self.stream, addr, v)
+    ///
+    /// # Safety
+    /// As `StreamBatch::write`: `addr` an 8-aligned word of a checked
+    /// signal, counter, window or ring index.
+    unsafe fn store(&mut self, addr: u64, v: u64) -> Result<(), CudaError> {
+        // SAFETY: the caller's contract.
+        unsafe { self.pending.write(&self.stream, addr, v) }
     }
 
     /// Sends `n` bytes at device address `src` to `(key, off)` over `link`,
     /// staged a chunk at a time after everything queued so far.
-    fn send(
+    ///
+    /// # Safety
+    /// `src` readable for `n` bytes (a checked window part).
+    unsafe fn send(
         &mut self,
         stage: &mut Stage,
         link: &Link,
@@ -123,8 +148,8 @@ impl Ring {
         let mut at = 0;
         while at < n {
             let c = (n - at).min(STAGE as u64);
-            let bytes = stage
-                .pull(&self.stream, src + at, c as usize)
+            // SAFETY: inside the caller's `n` bytes at `src`.
+            let bytes = unsafe { stage.pull(&self.stream, src + at, c as usize) }
                 .map_err(|e| e.to_string())?;
             link.put(key, off + at, bytes, None)
                 .map_err(|e| e.to_string())?;
@@ -135,7 +160,10 @@ impl Ring {
 
     /// Reads `n` bytes at `(key, off)` over `link` into device address
     /// `dst`, a chunk at a time.
-    fn fetch(
+    ///
+    /// # Safety
+    /// `dst` writable for `n` bytes (a checked window part).
+    unsafe fn fetch(
         &mut self,
         stage: &mut Stage,
         link: &Link,
@@ -150,15 +178,19 @@ impl Ring {
         let mut at = 0;
         while at < n {
             let c = (n - at).min(STAGE as u64);
-            stage.get(
-                link,
-                key,
-                off + at,
-                c as usize,
-                &self.stream,
-                dst + at,
-                timeout,
-            )?;
+            // SAFETY: inside the caller's `n` bytes at `dst`.
+            unsafe {
+                stage.get(
+                    link,
+                    key,
+                    off + at,
+                    c as usize,
+                    &self.stream,
+                    dst + at,
+                    timeout,
+                )
+            }
+            .map_err(|e| e.to_string())?;
             at += c;
         }
         Ok(())
@@ -240,7 +272,10 @@ fn run(mut spec: ProxySpec, stop: &AtomicBool) -> Result<(), CoreError> {
             }
             if ring.tail != start {
                 let t = Instant::now();
-                ring.store(ring.spec.done, ring.tail)?;
+                // SAFETY: the ring's completion index, 8 bytes of the
+                // device communicator's index array, which outlives the
+                // proxy.
+                unsafe { ring.store(ring.spec.done, ring.tail)? };
                 // The pass's signals, counters and this completion index
                 // (and an inline put's value) go to the driver together.
                 ring.pending.flush(&ring.stream)?;
@@ -299,7 +334,7 @@ fn read_slot(ring: &Ring, seq: u64) -> [u64; DESC_QWORDS] {
         &*ring
             .spec
             .slots
-            .host
+            .host_ptr()
             .add(idx * 64)
             .cast::<[AtomicU64; DESC_QWORDS]>()
     };
@@ -333,7 +368,7 @@ fn execute(
     d: &Desc,
 ) -> Result<(), String> {
     let peer = ring.spec.peer;
-    let err = |e: CoreError| e.to_string();
+    let err = |e: CudaError| e.to_string();
     let timeout = spec.timeout;
     let mut reach = match (spec.links.get(peer).and_then(Option::as_ref), stage) {
         (Some(l), Some(s)) => Reach::Tcp(l, s),
@@ -364,7 +399,9 @@ fn execute(
                             .map_err(|e| e.to_string())?;
                     } else {
                         let src = put_source(spec, d)?;
-                        ring.send(stage, link, (key, d.dst_offset), src, d.bytes)?;
+                        // SAFETY: `put_source` checked the source against
+                        // its window.
+                        unsafe { ring.send(stage, link, (key, d.dst_offset), src, d.bytes)? };
                     }
                     put_signal(spec, ring, &mut reach, d)?;
                     return count(spec, ring, counters, d);
@@ -380,11 +417,16 @@ fn execute(
                     if d.bytes != 8 || !d.dst_offset.is_multiple_of(8) {
                         return Err("inline puts carry 8 aligned bytes".into());
                     }
-                    ring.store(base + d.dst_offset, v).map_err(err)?;
+                    // SAFETY: 8 aligned bytes inside the peer's part as
+                    // mapped here (checked above).
+                    unsafe { ring.store(base + d.dst_offset, v) }.map_err(err)?;
                 } else {
                     let src = put_source(spec, d)?;
                     let g = region(true, d.dst_window, d.src_window);
-                    ring.copy(base + d.dst_offset, src, d.bytes as usize, g)
+                    // SAFETY: the destination lies in the peer's part as
+                    // mapped here, the source in this rank's part (both
+                    // checked), and `g` names the two windows.
+                    unsafe { ring.copy(base + d.dst_offset, src, d.bytes as usize, g) }
                         .map_err(err)?;
                 }
             }
@@ -407,21 +449,30 @@ fn execute(
                 ));
             }
             if let Reach::Tcp(link, stage) = &mut reach {
-                ring.fetch(
-                    stage,
-                    link,
-                    (remote.keys[peer], d.dst_offset),
-                    local.local + d.src_offset,
-                    d.bytes,
-                    timeout,
-                )?;
+                // SAFETY: the destination lies in this rank's part
+                // (checked above).
+                unsafe {
+                    ring.fetch(
+                        stage,
+                        link,
+                        (remote.keys[peer], d.dst_offset),
+                        local.local + d.src_offset,
+                        d.bytes,
+                        timeout,
+                    )?;
+                }
             } else {
-                ring.copy(
-                    local.local + d.src_offset,
-                    base + d.dst_offset,
-                    d.bytes as usize,
-                    region(false, d.dst_window, d.src_window),
-                )
+                // SAFETY: the destination lies in this rank's part, the
+                // source in the peer's part as mapped here (both checked),
+                // and the region names the two windows.
+                unsafe {
+                    ring.copy(
+                        local.local + d.src_offset,
+                        base + d.dst_offset,
+                        d.bytes as usize,
+                        region(false, d.dst_window, d.src_window),
+                    )
+                }
                 .map_err(err)?;
             }
         }
@@ -472,9 +523,12 @@ fn put_signal(
         Reach::Tcp(link, _) => link
             .put(spec.signal.keys[peer], s.offset, &v.to_le_bytes(), None)
             .map_err(|e| e.to_string()),
-        Reach::Mapped => ring
-            .store(spec.signal.peers[peer] + s.offset, v)
-            .map_err(|e| e.to_string()),
+        Reach::Mapped => {
+            let at = spec.signal.peers[peer] + s.offset;
+            // SAFETY: this rank's 8-aligned sub-slot inside the peer's
+            // signal window part as mapped here (checked above).
+            unsafe { ring.store(at, v) }.map_err(|e| e.to_string())
+        }
     }
 }
 
@@ -485,7 +539,6 @@ fn count(
     counters: &mut HashMap<u64, u64>,
     d: &Desc,
 ) -> Result<(), String> {
-    let err = |e: CoreError| e.to_string();
     if let Some(c) = d.counter {
         let c = u64::from(c);
         if c >= spec.counter_slots {
@@ -493,7 +546,9 @@ fn count(
         }
         let t = counters.entry(c).or_insert(0);
         *t = t.wrapping_add(1);
-        ring.store(spec.counters + c * 16, *t).map_err(err)?;
+        // SAFETY: the proxy's sub-slot of an existing counter (checked
+        // above) in the counter array, which outlives the proxy.
+        unsafe { ring.store(spec.counters + c * 16, *t) }.map_err(|e| e.to_string())?;
     }
     Ok(())
 }

@@ -4,13 +4,14 @@
 
 use std::ffi::{CStr, c_void};
 use std::sync::OnceLock;
+use std::sync::atomic::AtomicU64;
 
 use cudarc::driver::sys as cu;
 
-use crate::error::CoreError;
+use crate::error::{CudaError, DriverError};
 
 /// Turns a driver result into an error naming the call.
-pub(crate) fn check(call: &'static str, r: cu::CUresult) -> Result<(), CoreError> {
+pub(crate) fn check(call: &'static str, r: cu::CUresult) -> Result<(), DriverError> {
     if r == cu::CUresult::CUDA_SUCCESS {
         return Ok(());
     }
@@ -29,7 +30,7 @@ pub(crate) fn check(call: &'static str, r: cu::CUresult) -> Result<(), CoreError
             unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
         }
     };
-    Err(CoreError::Cuda {
+    Err(DriverError {
         call,
         code: r as i32,
         name: s(name),
@@ -37,9 +38,30 @@ pub(crate) fn check(call: &'static str, r: cu::CUresult) -> Result<(), CoreError
     })
 }
 
+/// The end of `bytes` bytes at `offset` if they lie within `size` bytes;
+/// else the error for `op` on `what`.
+pub(crate) fn span(
+    op: &'static str,
+    what: &'static str,
+    offset: u64,
+    bytes: u64,
+    size: u64,
+) -> Result<u64, CudaError> {
+    offset
+        .checked_add(bytes)
+        .filter(|&end| end <= size)
+        .ok_or(CudaError::OutOfBounds {
+            op,
+            what,
+            offset,
+            bytes,
+            size,
+        })
+}
+
 /// Whether a CUDA driver with at least one GPU is usable here; the error says
 /// why not. Checked once per process.
-pub fn available() -> Result<usize, CoreError> {
+pub fn available() -> Result<usize, CudaError> {
     static STATE: OnceLock<Result<usize, String>> = OnceLock::new();
     STATE
         .get_or_init(|| {
@@ -60,33 +82,20 @@ pub fn available() -> Result<usize, CoreError> {
             }
         })
         .clone()
-        .map_err(|why| CoreError::Unavailable {
-            what: "CUDA".into(),
-            why,
-            available: "CPU ranks".into(),
-        })
+        .map_err(|why| CudaError::Unavailable { why })
 }
 
 /// One GPU and its primary context.
 #[derive(Debug)]
 pub struct Device {
-    pub ordinal: usize,
+    ordinal: usize,
     dev: cu::CUdevice,
     ctx: cu::CUcontext,
-    /// Compute capability (major, minor).
-    pub cc: (i32, i32),
-    pub name: String,
-    /// The GPU's UUID (a MIG instance's own under MIG), as
-    /// `xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`: which GPU this is on any host,
-    /// whatever `CUDA_VISIBLE_DEVICES` renumbered. `None` if the driver
-    /// does not say.
-    pub uuid: Option<String>,
-    /// Streaming multiprocessors.
-    pub sms: u32,
-    /// Whether this process's contexts on the GPU go through MPS (the
-    /// Multi-Process Service), so that kernels of several processes run
-    /// side by side instead of taking turns.
-    pub mps: bool,
+    cc: (i32, i32),
+    name: String,
+    uuid: Option<String>,
+    sms: u32,
+    mps: bool,
 }
 
 // SAFETY: a CUcontext may be made current on any thread.
@@ -96,13 +105,12 @@ unsafe impl Sync for Device {}
 
 impl Device {
     /// Retains the primary context of GPU `ordinal` and makes it current.
-    pub fn open(ordinal: usize) -> Result<Self, CoreError> {
+    pub fn open(ordinal: usize) -> Result<Self, CudaError> {
         let n = available()?;
         if ordinal >= n {
-            return Err(CoreError::Invalid(format!(
-                "GPU {ordinal} does not exist (this machine has {n})"
-            )));
+            return Err(CudaError::NoSuchDevice { ordinal, count: n });
         }
+        let open = |source| CudaError::Open { ordinal, source };
         let mut dev = 0;
         let (mut major, mut minor, mut sms) = (0, 0, 0);
         let mut name = [0 as std::ffi::c_char; 128];
@@ -110,7 +118,7 @@ impl Device {
         // retained.
         // SAFETY: valid out-pointers; the ordinal was checked.
         unsafe {
-            check("cuDeviceGet", cu::cuDeviceGet(&raw mut dev, ordinal as i32))?;
+            check("cuDeviceGet", cu::cuDeviceGet(&raw mut dev, ordinal as i32)).map_err(open)?;
             check(
                 "cuDeviceGetAttribute",
                 cu::cuDeviceGetAttribute(
@@ -118,7 +126,8 @@ impl Device {
                     cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
                     dev,
                 ),
-            )?;
+            )
+            .map_err(open)?;
             check(
                 "cuDeviceGetAttribute",
                 cu::cuDeviceGetAttribute(
@@ -126,7 +135,8 @@ impl Device {
                     cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
                     dev,
                 ),
-            )?;
+            )
+            .map_err(open)?;
             check(
                 "cuDeviceGetAttribute",
                 cu::cuDeviceGetAttribute(
@@ -134,11 +144,13 @@ impl Device {
                     cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
                     dev,
                 ),
-            )?;
+            )
+            .map_err(open)?;
             check(
                 "cuDeviceGetName",
                 cu::cuDeviceGetName(name.as_mut_ptr(), 127, dev),
-            )?;
+            )
+            .map_err(open)?;
         }
         // SAFETY: cuDeviceGetName wrote a NUL-terminated string (the buffer
         // is zeroed and the driver was given one byte less).
@@ -161,7 +173,8 @@ impl Device {
         // SAFETY: valid out-pointer and device handle.
         check("cuDevicePrimaryCtxRetain", unsafe {
             cu::cuDevicePrimaryCtxRetain(&raw mut ctx, dev)
-        })?;
+        })
+        .map_err(open)?;
         let this = Self {
             ordinal,
             dev,
@@ -178,13 +191,51 @@ impl Device {
     }
 
     /// Makes this GPU's context current on the calling thread.
-    pub fn make_current(&self) -> Result<(), CoreError> {
+    pub fn make_current(&self) -> Result<(), CudaError> {
         // SAFETY: the context is retained until drop.
-        check("cuCtxSetCurrent", unsafe { cu::cuCtxSetCurrent(self.ctx) })
+        Ok(check("cuCtxSetCurrent", unsafe {
+            cu::cuCtxSetCurrent(self.ctx)
+        })?)
+    }
+
+    /// The GPU's ordinal among those the driver shows this process (after
+    /// `CUDA_VISIBLE_DEVICES`).
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// Compute capability (major, minor).
+    pub fn cc(&self) -> (i32, i32) {
+        self.cc
+    }
+
+    /// The GPU's name, as `NVIDIA H200`.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The GPU's UUID (a MIG instance's own under MIG), as
+    /// `xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`: which GPU this is on any host,
+    /// whatever `CUDA_VISIBLE_DEVICES` renumbered. `None` if the driver
+    /// does not say.
+    pub fn uuid(&self) -> Option<&str> {
+        self.uuid.as_deref()
+    }
+
+    /// Streaming multiprocessors.
+    pub fn sms(&self) -> u32 {
+        self.sms
+    }
+
+    /// Whether this process's contexts on the GPU go through MPS (the
+    /// Multi-Process Service), so that kernels of several processes run
+    /// side by side instead of taking turns.
+    pub fn mps(&self) -> bool {
+        self.mps
     }
 
     /// Whether this GPU can map `other`'s memory (NVLink or PCIe peer access).
-    pub fn can_access_peer(&self, other: &Device) -> Result<bool, CoreError> {
+    pub fn can_access_peer(&self, other: &Device) -> Result<bool, CudaError> {
         if other.ordinal == self.ordinal {
             return Ok(true);
         }
@@ -206,67 +257,103 @@ impl Drop for Device {
     }
 }
 
-/// Device memory (cuMemAlloc), zeroed.
+/// Device memory (cuMemAlloc), zeroed, freed on drop. Its address is
+/// readable ([`DevMem::ptr`]) for kernels and descriptors; the safe
+/// accessors check every range against the allocation.
 #[derive(Debug)]
 pub struct DevMem {
-    pub ptr: u64,
-    pub len: usize,
+    ptr: u64,
+    len: usize,
 }
 
 impl DevMem {
-    pub fn new(len: usize) -> Result<Self, CoreError> {
+    /// Allocates `len` bytes (at least one is asked of the driver) and
+    /// zeroes them.
+    pub fn new(len: usize) -> Result<Self, CudaError> {
+        // Without a driver, an error rather than cudarc's loader panicking.
+        available()?;
         let mut ptr = 0;
+        let alloc = |source| CudaError::Alloc {
+            what: "device memory",
+            bytes: len,
+            source,
+        };
         // SAFETY: valid out-pointer; at least one byte is asked for.
-        unsafe {
-            check("cuMemAlloc", cu::cuMemAlloc_v2(&raw mut ptr, len.max(1)))?;
-            check("cuMemsetD8", cu::cuMemsetD8_v2(ptr, 0, len.max(1)))?;
-        }
-        Ok(Self { ptr, len })
-    }
-
-    /// Copies `data` to `off` bytes into this allocation.
-    pub fn write<T: Copy>(&self, off: usize, data: &[T]) -> Result<(), CoreError> {
-        let n = std::mem::size_of_val(data);
-        if off + n > self.len {
-            return Err(CoreError::Invalid(format!(
-                "write of {n} bytes at {off} exceeds a {}-byte device buffer",
-                self.len
-            )));
-        }
-        // SAFETY: the range was checked; `data` is valid for `n` bytes.
-        check("cuMemcpyHtoD", unsafe {
-            cu::cuMemcpyHtoD_v2(self.ptr + off as u64, data.as_ptr().cast(), n)
+        check("cuMemAlloc", unsafe {
+            cu::cuMemAlloc_v2(&raw mut ptr, len.max(1))
         })
-    }
-
-    /// Reads `out.len()` values from `off` bytes into this allocation.
-    pub fn read<T: Copy>(&self, off: usize, out: &mut [T]) -> Result<(), CoreError> {
-        let n = std::mem::size_of_val(out);
-        if off + n > self.len {
-            return Err(CoreError::Invalid(format!(
-                "read of {n} bytes at {off} exceeds a {}-byte device buffer",
-                self.len
-            )));
-        }
-        // SAFETY: the range was checked; `out` is valid for `n` bytes.
-        check("cuMemcpyDtoH", unsafe {
-            cu::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), self.ptr + off as u64, n)
-        })
-    }
-
-    /// Zeroes `len` bytes at `off`.
-    pub fn zero(&self, off: usize, len: usize) -> Result<(), CoreError> {
-        if off + len > self.len {
-            return Err(CoreError::Invalid("zeroing past a device buffer".into()));
-        }
-        // SAFETY: the range was checked.
+        .map_err(alloc)?;
+        // From here on, a failure frees the allocation (drop).
+        let this = Self { ptr, len };
+        // SAFETY: the allocation holds `len.max(1)` bytes.
         check("cuMemsetD8", unsafe {
-            cu::cuMemsetD8_v2(self.ptr + off as u64, 0, len)
+            cu::cuMemsetD8_v2(ptr, 0, len.max(1))
         })
+        .map_err(alloc)?;
+        Ok(this)
+    }
+
+    /// The allocation's device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Its size in bytes, as asked for.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it was asked for zero bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device address `off` bytes in, where `bytes` bytes fit from
+    /// there on; `op` names the access in the error.
+    fn at(&self, op: &'static str, off: usize, bytes: usize) -> Result<u64, CudaError> {
+        span(
+            op,
+            "device buffer",
+            off as u64,
+            bytes as u64,
+            self.len as u64,
+        )?;
+        Ok(self.ptr + off as u64)
+    }
+
+    /// Copies `data` to `off` bytes into this allocation (synchronously).
+    pub fn write<T: Copy>(&self, off: usize, data: &[T]) -> Result<(), CudaError> {
+        let n = std::mem::size_of_val(data);
+        let dst = self.at("write", off, n)?;
+        // SAFETY: the range was checked; `data` is valid for `n` bytes.
+        Ok(check("cuMemcpyHtoD", unsafe {
+            cu::cuMemcpyHtoD_v2(dst, data.as_ptr().cast(), n)
+        })?)
+    }
+
+    /// Reads `out.len()` values from `off` bytes into this allocation
+    /// (synchronously).
+    pub fn read<T: Copy>(&self, off: usize, out: &mut [T]) -> Result<(), CudaError> {
+        let n = std::mem::size_of_val(out);
+        let src = self.at("read", off, n)?;
+        // SAFETY: the range was checked; `out` is valid for `n` bytes. `T`
+        // is `Copy` plain data the caller chose for the bytes.
+        Ok(check("cuMemcpyDtoH", unsafe {
+            cu::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), src, n)
+        })?)
+    }
+
+    /// Zeroes `len` bytes at `off` (synchronously).
+    pub fn zero(&self, off: usize, len: usize) -> Result<(), CudaError> {
+        let dst = self.at("zeroing", off, len)?;
+        // SAFETY: the range was checked.
+        Ok(check("cuMemsetD8", unsafe {
+            cu::cuMemsetD8_v2(dst, 0, len)
+        })?)
     }
 
     /// The IPC handle other processes open this allocation with.
-    pub fn ipc_handle(&self) -> Result<[u8; 64], CoreError> {
+    pub fn ipc_handle(&self) -> Result<[u8; 64], CudaError> {
         // SAFETY: an all-zero handle is a valid out-value.
         let mut h: cu::CUipcMemHandle = unsafe { std::mem::zeroed() };
         // SAFETY: `ptr` is the base of a cuMemAlloc allocation.
@@ -286,14 +373,17 @@ impl Drop for DevMem {
     }
 }
 
-/// Another process's allocation mapped here through CUDA IPC.
+/// Another process's allocation mapped here through CUDA IPC, unmapped on
+/// drop.
 #[derive(Debug)]
 pub struct IpcMem {
-    pub ptr: u64,
+    ptr: u64,
 }
 
 impl IpcMem {
-    pub fn open(handle: &[u8; 64]) -> Result<Self, CoreError> {
+    /// Maps the allocation `handle` ([`DevMem::ipc_handle`]) names.
+    pub fn open(handle: &[u8; 64]) -> Result<Self, CudaError> {
+        available()?;
         // SAFETY: an all-zero handle is a valid value; it is overwritten.
         let mut h: cu::CUipcMemHandle = unsafe { std::mem::zeroed() };
         h.reserved = handle.map(|b| b as std::ffi::c_char);
@@ -308,6 +398,11 @@ impl IpcMem {
         })?;
         Ok(Self { ptr })
     }
+
+    /// The mapping's device address in this process.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
 }
 
 impl Drop for IpcMem {
@@ -321,12 +416,16 @@ impl Drop for IpcMem {
 
 /// Pinned host memory mapped into the GPU's address space (portable, not
 /// write-combined: the CPU polls it, and CPU reads of write-combined memory
-/// are very slow). Zeroed.
+/// are very slow). Zeroed, freed on drop.
+///
+/// The GPU may write it at any time, so the host reaches it through
+/// [`HostMem::atomic_u64`] (checked) or through [`HostMem::host_ptr`] in
+/// `unsafe` code that reads with atomics.
 #[derive(Debug)]
 pub struct HostMem {
-    pub host: *mut u8,
-    pub dev: u64,
-    pub len: usize,
+    host: *mut u8,
+    dev: u64,
+    len: usize,
 }
 
 // SAFETY: plain memory; users synchronise through atomics.
@@ -335,30 +434,86 @@ unsafe impl Send for HostMem {}
 unsafe impl Sync for HostMem {}
 
 impl HostMem {
-    pub fn new(len: usize) -> Result<Self, CoreError> {
+    /// Allocates `len` bytes (at least 64 are asked of the driver), zeroed
+    /// and mapped for the current context's GPU.
+    pub fn new(len: usize) -> Result<Self, CudaError> {
+        available()?;
         let mut p: *mut c_void = std::ptr::null_mut();
         let mut dev = 0;
-        // SAFETY: valid out-pointers; the allocation is zeroed before use.
-        unsafe {
-            check(
-                "cuMemHostAlloc",
-                cu::cuMemHostAlloc(
-                    &raw mut p,
-                    len.max(64),
-                    cu::CU_MEMHOSTALLOC_DEVICEMAP | cu::CU_MEMHOSTALLOC_PORTABLE,
-                ),
-            )?;
-            std::ptr::write_bytes(p.cast::<u8>(), 0, len.max(64));
-            check(
-                "cuMemHostGetDevicePointer",
-                cu::cuMemHostGetDevicePointer_v2(&raw mut dev, p, 0),
-            )?;
-        }
-        Ok(Self {
-            host: p.cast(),
-            dev,
-            len,
+        let alloc = |source| CudaError::Alloc {
+            what: "pinned host memory",
+            bytes: len,
+            source,
+        };
+        // SAFETY: valid out-pointer.
+        check("cuMemHostAlloc", unsafe {
+            cu::cuMemHostAlloc(
+                &raw mut p,
+                len.max(64),
+                cu::CU_MEMHOSTALLOC_DEVICEMAP | cu::CU_MEMHOSTALLOC_PORTABLE,
+            )
         })
+        .map_err(alloc)?;
+        // SAFETY: the allocation holds `len.max(64)` bytes; nothing else
+        // uses it yet.
+        unsafe { std::ptr::write_bytes(p.cast::<u8>(), 0, len.max(64)) };
+        // From here on, a failure frees the allocation (drop).
+        let mut this = Self {
+            host: p.cast(),
+            dev: 0,
+            len,
+        };
+        // SAFETY: valid out-pointer; `p` is a mapped pinned allocation.
+        check("cuMemHostGetDevicePointer", unsafe {
+            cu::cuMemHostGetDevicePointer_v2(&raw mut dev, p, 0)
+        })
+        .map_err(alloc)?;
+        this.dev = dev;
+        Ok(this)
+    }
+
+    /// The host address of the allocation. Reading or writing through it
+    /// is `unsafe`: stay within [`HostMem::len`] bytes, and use atomics
+    /// where the GPU writes concurrently.
+    pub fn host_ptr(&self) -> *mut u8 {
+        self.host
+    }
+
+    /// The allocation's device address (what kernels use).
+    pub fn dev(&self) -> u64 {
+        self.dev
+    }
+
+    /// Its size in bytes, as asked for.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it was asked for zero bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The 8-byte word at `off`, which both the host and the GPU may access
+    /// (the GPU through `dev() + off`).
+    pub fn atomic_u64(&self, off: usize) -> Result<&AtomicU64, CudaError> {
+        span(
+            "atomic access",
+            "pinned host buffer",
+            off as u64,
+            8,
+            self.len as u64,
+        )?;
+        if !off.is_multiple_of(8) {
+            return Err(CudaError::Misaligned {
+                offset: off,
+                size: self.len,
+            });
+        }
+        // SAFETY: inside the allocation (checked) and 8-aligned (the
+        // allocation is page-aligned and `off` a multiple of 8); it lives
+        // as long as `self`, and every host access goes through atomics.
+        Ok(unsafe { &*self.host.add(off).cast::<AtomicU64>() })
     }
 }
 
@@ -371,7 +526,11 @@ impl Drop for HostMem {
     }
 }
 
-/// A non-blocking stream.
+/// A non-blocking stream, destroyed on drop.
+///
+/// Queueing work on raw addresses is `unsafe` ([`Stream::copy`],
+/// [`Stream::write_u64`], [`Stream::write_many`], [`Stream::copy_many`]):
+/// the stream executes later, on whatever the addresses name then.
 #[derive(Debug)]
 pub struct Stream(pub(crate) cu::CUstream);
 
@@ -381,7 +540,9 @@ unsafe impl Send for Stream {}
 unsafe impl Sync for Stream {}
 
 impl Stream {
-    pub fn new() -> Result<Self, CoreError> {
+    /// Creates a non-blocking stream in the current context.
+    pub fn new() -> Result<Self, CudaError> {
+        available()?;
         let mut s = std::ptr::null_mut();
         // SAFETY: valid out-pointer.
         check("cuStreamCreate", unsafe {
@@ -394,50 +555,65 @@ impl Stream {
     }
 
     /// Whether all work queued so far has finished.
-    pub fn idle(&self) -> Result<bool, CoreError> {
+    pub fn idle(&self) -> Result<bool, CudaError> {
         // SAFETY: the stream is alive.
         let r = unsafe { cu::cuStreamQuery(self.0) };
         if r == cu::CUresult::CUDA_ERROR_NOT_READY {
             return Ok(false);
         }
-        check("cuStreamQuery", r).map(|()| true)
+        check("cuStreamQuery", r).map(|()| true).map_err(Into::into)
     }
 
-    pub fn sync(&self) -> Result<(), CoreError> {
+    /// Waits until all work queued so far has finished.
+    pub fn sync(&self) -> Result<(), CudaError> {
         // SAFETY: the stream is alive.
-        check("cuStreamSynchronize", unsafe {
+        Ok(check("cuStreamSynchronize", unsafe {
             cu::cuStreamSynchronize(self.0)
-        })
+        })?)
     }
 
     /// Queues a copy of `n` bytes (any mix of device, mapped-host and
     /// IPC-mapped addresses: unified addressing resolves them).
-    pub fn copy(&self, dst: u64, src: u64, n: usize) -> Result<(), CoreError> {
-        // SAFETY: the caller's addresses were bounds-checked against their
-        // windows; the driver faults the stream, not this process, on error.
-        check("cuMemcpyAsync", unsafe {
+    ///
+    /// # Safety
+    /// `src` must be readable and `dst` writable for `n` bytes, in memory
+    /// the GPU reaches, from now until the stream has executed the copy;
+    /// nothing else may access `dst` meanwhile except through the stream's
+    /// ordering.
+    pub unsafe fn copy(&self, dst: u64, src: u64, n: usize) -> Result<(), CudaError> {
+        // SAFETY: the caller's contract; the driver faults the stream, not
+        // this process, on a bad device address.
+        Ok(check("cuMemcpyAsync", unsafe {
             cu::cuMemcpyAsync(dst, src, n, self.0)
-        })
+        })?)
     }
 
     /// Queues an 8-byte store of `v` at `addr` after earlier work.
-    pub fn write_u64(&self, addr: u64, v: u64) -> Result<(), CoreError> {
-        // SAFETY: as for `copy`; `addr` is 8-byte aligned device memory.
-        check("cuStreamWriteValue64", unsafe {
+    ///
+    /// # Safety
+    /// `addr` must be 8-byte aligned memory the GPU reaches, writable until
+    /// the stream has executed the store, and any concurrent reader must
+    /// read it as an atomic.
+    pub unsafe fn write_u64(&self, addr: u64, v: u64) -> Result<(), CudaError> {
+        // SAFETY: the caller's contract.
+        Ok(check("cuStreamWriteValue64", unsafe {
             cu::cuStreamWriteValue64_v2(self.0, addr, v, 0)
-        })
+        })?)
     }
 
     /// Queues the 8-byte stores `(addr, v)` after earlier work and in their
     /// order, in one driver call (`cuStreamBatchMemOp`): each has the
     /// memory barrier of `cuStreamWriteValue64`, so what the stream wrote
     /// before a store is visible before it. At most [`MAX_WRITES`] at once.
-    pub fn write_many(&self, writes: &[(u64, u64)]) -> Result<(), CoreError> {
+    ///
+    /// # Safety
+    /// Every `addr` must satisfy [`Stream::write_u64`]'s contract.
+    pub unsafe fn write_many(&self, writes: &[(u64, u64)]) -> Result<(), CudaError> {
         if writes.len() > MAX_WRITES {
-            return Err(CoreError::Invalid(format!(
-                "write_many: {} stores, at most {MAX_WRITES} in one call",
-                writes.len()
-            )));
+            return Err(CudaError::TooManyWrites {
+                count: writes.len(),
+                max: MAX_WRITES,
+            });
         }
         let mut ops: Vec<cu::CUstreamBatchMemOpParams> = writes
             .iter()
@@ -454,10 +630,11 @@ impl Stream {
             })
             .collect();
         // SAFETY: `ops` holds `writes.len()` (< 256) initialised write-value
-        // operations on 8-byte aligned device addresses, as for `write_u64`.
-        check("cuStreamBatchMemOp", unsafe {
+        // operations on addresses the caller vouches for, as for
+        // `write_u64`.
+        Ok(check("cuStreamBatchMemOp", unsafe {
             cu::cuStreamBatchMemOp_v2(self.0, ops.len() as u32, ops.as_mut_ptr(), 0)
-        })
+        })?)
     }
 
     /// Queues the copies `(dst[i], src[i], len[i])` after earlier work, in
@@ -465,21 +642,29 @@ impl Stream {
     /// the driver has it, else one call each. The copies of a batch may run
     /// in any order among themselves: the caller keeps overlapping ones in
     /// different batches.
-    pub fn copy_many(
+    ///
+    /// # Safety
+    /// Every `(dst[i], src[i], len[i])` must satisfy [`Stream::copy`]'s
+    /// contract, and no copy of the batch may write bytes another of the
+    /// batch reads or writes.
+    pub unsafe fn copy_many(
         &self,
         dst: &mut [u64],
         src: &mut [u64],
         len: &mut [usize],
-    ) -> Result<(), CoreError> {
+    ) -> Result<(), CudaError> {
         let n = dst.len();
         if src.len() != n || len.len() != n {
-            return Err(CoreError::Invalid(
-                "copy_many: lists of different lengths".into(),
-            ));
+            return Err(CudaError::CopyLists {
+                dst: n,
+                src: src.len(),
+                len: len.len(),
+            });
         }
         let Some(batch) = batch_copy() else {
             for i in 0..n {
-                self.copy(dst[i], src[i], len[i])?;
+                // SAFETY: the caller's contract, copy by copy.
+                unsafe { self.copy(dst[i], src[i], len[i])? };
             }
             return Ok(());
         };
@@ -488,8 +673,8 @@ impl Stream {
         attr.srcAccessOrder = cu::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
         let mut first = [0usize];
         // SAFETY: the three lists hold `n` entries each, the attribute
-        // applies from index 0; addresses are checked as for `copy`.
-        check("cuMemcpyBatchAsync", unsafe {
+        // applies from index 0; the addresses are the caller's contract.
+        Ok(check("cuMemcpyBatchAsync", unsafe {
             batch(
                 dst.as_mut_ptr(),
                 src.as_mut_ptr(),
@@ -500,7 +685,7 @@ impl Stream {
                 1,
                 self.0,
             )
-        })
+        })?)
     }
 }
 
@@ -601,25 +786,58 @@ unsafe impl Send for Module {}
 unsafe impl Sync for Module {}
 
 impl Module {
-    pub fn load(image: &[u8]) -> Result<Self, CoreError> {
+    /// Loads a cubin that [`crate::nvrtc::compile`] produced into the
+    /// current context.
+    pub fn load(cubin: &Cubin) -> Result<Self, CudaError> {
+        // SAFETY: NVRTC produced the image whole.
+        unsafe { Self::load_image(cubin.as_bytes()) }
+    }
+
+    /// Loads a module image (cubin, fatbin or PTX) into the current
+    /// context.
+    ///
+    /// # Safety
+    /// `image` must be a complete image as nvcc or NVRTC write one (PTX
+    /// NUL-terminated): the driver is not told its length and parses it
+    /// as far as its headers say.
+    pub unsafe fn load_image(image: &[u8]) -> Result<Self, CudaError> {
+        available()?;
         let mut m = std::ptr::null_mut();
-        // SAFETY: `image` is a cubin produced by NVRTC or nvcc.
+        // SAFETY: the caller's contract; valid out-pointer.
         check("cuModuleLoadData", unsafe {
             cu::cuModuleLoadData(&raw mut m, image.as_ptr().cast())
         })?;
         Ok(Self(m))
     }
 
-    pub fn function(&self, name: &str) -> Result<Function, CoreError> {
-        let c = std::ffi::CString::new(name)
-            .map_err(|_| CoreError::Invalid(format!("kernel name {name:?} has a NUL")))?;
+    /// The kernel `name` (as `extern "C"` names it).
+    pub fn function(&self, name: &str) -> Result<Function, CudaError> {
+        let c = std::ffi::CString::new(name).map_err(|_| CudaError::NoKernel {
+            name: name.into(),
+            why: "the name has a NUL".into(),
+        })?;
         let mut f = std::ptr::null_mut();
         // SAFETY: valid out-pointer and NUL-terminated name.
         check("cuModuleGetFunction", unsafe {
             cu::cuModuleGetFunction(&raw mut f, self.0, c.as_ptr())
         })
-        .map_err(|e| CoreError::Invalid(format!("kernel {name}: {e}")))?;
+        .map_err(|e| CudaError::NoKernel {
+            name: name.into(),
+            why: e.to_string(),
+        })?;
         Ok(Function(f))
+    }
+}
+
+/// A cubin as NVRTC produced it: the only image [`Module::load`] takes
+/// without `unsafe`.
+#[derive(Debug, Clone)]
+pub struct Cubin(pub(crate) Vec<u8>);
+
+impl Cubin {
+    /// The image's bytes (an ELF file).
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
     }
 }
 
@@ -632,7 +850,8 @@ impl Drop for Module {
     }
 }
 
-/// A kernel.
+/// A kernel. Launching one is `unsafe` ([`Function::launch`]): nothing
+/// here knows its parameter list or what it writes.
 #[derive(Debug, Clone, Copy)]
 pub struct Function(cu::CUfunction);
 
@@ -644,7 +863,7 @@ unsafe impl Sync for Function {}
 impl Function {
     /// How many blocks of `threads` threads (no dynamic shared memory) one
     /// SM holds at once.
-    pub fn blocks_per_sm(&self, threads: u32) -> Result<u32, CoreError> {
+    pub fn blocks_per_sm(&self, threads: u32) -> Result<u32, CudaError> {
         let mut n = 0;
         // SAFETY: valid out-pointer and function handle.
         check("cuOccupancyMaxActiveBlocksPerMultiprocessor", unsafe {
@@ -653,20 +872,23 @@ impl Function {
         Ok(n.max(0) as u32)
     }
 
-    /// Launches with one pointer per kernel parameter.
+    /// Queues the kernel on `stream`, `grid` blocks of `block` threads,
+    /// with one pointer per kernel parameter.
     ///
     /// # Safety
     /// `params` must match the kernel's parameter list in number, order and
-    /// size, and stay valid until this call returns.
+    /// size, and stay valid until this call returns; every address the
+    /// kernel receives must be memory it may access as it does, until it
+    /// has finished.
     pub unsafe fn launch(
         &self,
         stream: &Stream,
         grid: u32,
         block: u32,
         params: &mut [*mut c_void],
-    ) -> Result<(), CoreError> {
+    ) -> Result<(), CudaError> {
         // SAFETY: forwarded from the caller.
-        check("cuLaunchKernel", unsafe {
+        Ok(check("cuLaunchKernel", unsafe {
             cu::cuLaunchKernel(
                 self.0,
                 grid,
@@ -680,13 +902,134 @@ impl Function {
                 params.as_mut_ptr(),
                 std::ptr::null_mut(),
             )
-        })
+        })?)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::mem::ManuallyDrop;
+
+    /// Without a driver library, CUDA is an availability error that says
+    /// why, and opening a GPU or allocating fails with it instead of
+    /// panicking in the loader.
+    #[test]
+    fn without_a_driver_cuda_is_unavailable() {
+        // SAFETY: only probes for the library with dlopen.
+        if unsafe { cu::is_culib_present() } {
+            eprintln!("skipped: a CUDA driver library can be loaded here");
+            return;
+        }
+        let e = available().expect_err("no driver");
+        assert!(
+            matches!(&e, CudaError::Unavailable { why } if why.contains("libcuda.so")),
+            "{e}"
+        );
+        assert!(matches!(
+            Device::open(0),
+            Err(CudaError::Unavailable { .. })
+        ));
+        // Every constructor says so too.
+        assert!(matches!(DevMem::new(8), Err(CudaError::Unavailable { .. })));
+        assert!(matches!(
+            HostMem::new(8),
+            Err(CudaError::Unavailable { .. })
+        ));
+        assert!(matches!(Stream::new(), Err(CudaError::Unavailable { .. })));
+        assert!(matches!(
+            IpcMem::open(&[0; 64]),
+            Err(CudaError::Unavailable { .. })
+        ));
+        let cubin = Cubin(b"\x7fELF".to_vec());
+        assert!(matches!(
+            Module::load(&cubin),
+            Err(CudaError::Unavailable { .. })
+        ));
+    }
+
+    /// A device buffer that no driver allocated: its accessors must fail
+    /// before reaching the driver (which is absent here), and it is never
+    /// dropped (no `cuMemFree` either).
+    fn fake_devmem(len: usize) -> ManuallyDrop<DevMem> {
+        ManuallyDrop::new(DevMem { ptr: 0x1000, len })
+    }
+
+    #[test]
+    fn device_buffer_ranges_are_checked_before_any_driver_call() {
+        let m = fake_devmem(64);
+        let e = m.write(60, &[0u8; 8]).expect_err("past the end");
+        assert!(
+            matches!(
+                e,
+                CudaError::OutOfBounds {
+                    op: "write",
+                    offset: 60,
+                    bytes: 8,
+                    size: 64,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert_eq!(
+            e.to_string(),
+            "write of 8 bytes at 60 exceeds a 64-byte device buffer"
+        );
+        let mut out = [0u64; 2];
+        assert!(matches!(
+            m.read(56, &mut out),
+            Err(CudaError::OutOfBounds {
+                op: "read",
+                bytes: 16,
+                ..
+            })
+        ));
+        assert!(matches!(
+            m.zero(1, 64),
+            Err(CudaError::OutOfBounds { op: "zeroing", .. })
+        ));
+        // An offset that would wrap around is refused, not wrapped.
+        assert!(matches!(
+            m.zero(usize::MAX, 2),
+            Err(CudaError::OutOfBounds { .. })
+        ));
+        assert_eq!((m.ptr(), m.len(), m.is_empty()), (0x1000, 64, false));
+    }
+
+    /// Host buffers: the atomic word must lie inside and be aligned.
+    #[test]
+    fn host_words_are_checked() {
+        let mut backing = vec![0u64; 4];
+        let h = ManuallyDrop::new(HostMem {
+            host: backing.as_mut_ptr().cast(),
+            dev: 0x2000,
+            len: 32,
+        });
+        h.atomic_u64(24)
+            .unwrap()
+            .store(7, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(backing[3], 7);
+        assert!(matches!(
+            h.atomic_u64(4),
+            Err(CudaError::Misaligned {
+                offset: 4,
+                size: 32
+            })
+        ));
+        assert!(matches!(
+            h.atomic_u64(32),
+            Err(CudaError::OutOfBounds { offset: 32, .. })
+        ));
+    }
+
+    #[test]
+    fn spans_end_inside_or_fail() {
+        assert_eq!(span("x", "y", 8, 8, 16).unwrap(), 16);
+        assert!(span("x", "y", 9, 8, 16).is_err());
+        assert!(span("x", "y", u64::MAX, 1, u64::MAX).is_err());
+        assert_eq!(span("x", "y", 16, 0, 16).unwrap(), 16);
+    }
 
     #[test]
     fn a_uuid_reads_as_nvidia_smi_shows_it() {

@@ -7,21 +7,22 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 
-use crate::error::CoreError;
+use crate::error::CudaError;
 
 /// The first error a worker met (later ones are dropped).
-pub(crate) type FirstError = Arc<Mutex<Option<String>>>;
+pub type FirstError = Arc<Mutex<Option<String>>>;
 
 /// Records `why` unless an error is recorded already.
-pub(crate) fn set_first(e: &Mutex<Option<String>>, why: String) {
+pub fn set_first(e: &Mutex<Option<String>>, why: String) {
     let mut g = e.lock().unwrap_or_else(PoisonError::into_inner);
     if g.is_none() {
         *g = Some(why);
     }
 }
 
+/// A running worker thread; dropping it stops and joins the thread.
 #[derive(Debug)]
-pub(crate) struct Worker {
+pub struct Worker {
     stop: Arc<AtomicBool>,
     error: FirstError,
     thread: Option<JoinHandle<()>>,
@@ -29,12 +30,13 @@ pub(crate) struct Worker {
 
 impl Worker {
     /// Runs `body(stop, error)` on a thread named `name`; an `Err` it
-    /// returns is logged and recorded as the first error.
-    pub fn start(
+    /// returns is logged and recorded as the first error. `what` names the
+    /// worker in logs and errors ("CUDA proxy").
+    pub fn start<E: std::fmt::Display>(
         name: String,
         what: &'static str,
-        body: impl FnOnce(&AtomicBool, &FirstError) -> Result<(), CoreError> + Send + 'static,
-    ) -> Result<Self, CoreError> {
+        body: impl FnOnce(&AtomicBool, &FirstError) -> Result<(), E> + Send + 'static,
+    ) -> Result<Self, CudaError> {
         let stop = Arc::new(AtomicBool::new(false));
         let error = FirstError::default();
         let (s, e) = (stop.clone(), error.clone());
@@ -46,7 +48,7 @@ impl Worker {
                     set_first(&e, err.to_string());
                 }
             })
-            .map_err(|e| CoreError::Invalid(format!("cannot start the {what} thread: {e}")))?;
+            .map_err(|source| CudaError::Spawn { what, source })?;
         Ok(Self {
             stop,
             error,
@@ -64,10 +66,13 @@ impl Worker {
 
     /// Stops the body (it drains first) and reports the first error it met,
     /// introduced by `context` ("the soft NIC reported").
-    pub fn stop(mut self, context: &str) -> Result<(), CoreError> {
+    pub fn stop(mut self, context: &str) -> Result<(), CudaError> {
         self.halt();
         match self.error() {
-            Some(e) => Err(CoreError::Invalid(format!("{context}: {e}"))),
+            Some(error) => Err(CudaError::Worker {
+                context: context.into(),
+                error,
+            }),
             None => Ok(()),
         }
     }
@@ -84,5 +89,43 @@ impl Worker {
 impl Drop for Worker {
     fn drop(&mut self) {
         self.halt();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The body's error is the first error, reported by `stop` under the
+    /// context; a later one does not replace it.
+    #[test]
+    fn stop_reports_the_first_error() {
+        let w = Worker::start("gin-test-worker".into(), "test worker", |_, e| {
+            set_first(e, "first".into());
+            Err::<(), _>("second")
+        })
+        .unwrap();
+        // The body ends by itself; stop joins it before reading the error.
+        let err = w.stop("the worker reported").unwrap_err();
+        assert!(
+            matches!(&err, CudaError::Worker { context, error }
+                if context == "the worker reported" && error == "first"),
+            "{err}"
+        );
+        assert_eq!(err.to_string(), "the worker reported: first");
+    }
+
+    /// A body that drains until asked to stop returns cleanly.
+    #[test]
+    fn a_stopped_worker_without_errors_stops_cleanly() {
+        let w = Worker::start("gin-test-worker".into(), "test worker", |stop, _| {
+            while !stop.load(Ordering::Acquire) {
+                std::thread::yield_now();
+            }
+            Ok::<(), CudaError>(())
+        })
+        .unwrap();
+        assert!(w.error().is_none());
+        w.stop("unused").unwrap();
     }
 }

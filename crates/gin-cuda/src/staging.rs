@@ -25,16 +25,16 @@ use std::time::{Duration, Instant};
 use gin_net::region::Backing;
 use gin_net::tcp::Link;
 
-use super::batch::Dma;
-use super::driver::{Device, HostMem, Stream};
-use crate::error::CoreError;
+use crate::batch::Dma;
+use crate::driver::{Device, HostMem, Stream, span};
+use crate::error::CudaError;
 
 /// Bytes staged at a time (the TCP server's chunk, too).
-pub(crate) const STAGE: usize = 1 << 20;
+pub const STAGE: usize = 1 << 20;
 
-/// A pinned staging buffer of [`STAGE`] bytes.
+/// A pinned staging buffer of [`STAGE`] bytes, for one transfer at a time.
 #[derive(Debug)]
-pub(crate) struct Stage {
+pub struct Stage {
     mem: ManuallyDrop<HostMem>,
     /// A get timed out: the link may still write the buffer, so it is
     /// never freed.
@@ -42,7 +42,8 @@ pub(crate) struct Stage {
 }
 
 impl Stage {
-    pub fn new() -> Result<Self, CoreError> {
+    /// Allocates the buffer (pinned, mapped for the current context).
+    pub fn new() -> Result<Self, CudaError> {
         Ok(Self {
             mem: ManuallyDrop::new(HostMem::new(STAGE)?),
             abandoned: false,
@@ -51,33 +52,64 @@ impl Stage {
 
     /// Copies `n` (at most [`STAGE`]) bytes at device address `src` into
     /// the buffer with `stream`, after its earlier work, and waits.
-    pub fn pull(&mut self, stream: &impl Dma, src: u64, n: usize) -> Result<&[u8], CoreError> {
+    ///
+    /// # Safety
+    /// `src` must be readable for `n.min(STAGE)` bytes by `stream` until
+    /// this returns.
+    pub unsafe fn pull(
+        &mut self,
+        stream: &impl Dma,
+        src: u64,
+        n: usize,
+    ) -> Result<&[u8], CudaError> {
         let n = n.min(STAGE);
-        stream.copy(self.mem.dev, src, n)?;
+        // SAFETY: the buffer holds STAGE bytes and is ours while `self` is
+        // borrowed; `src` is the caller's contract; waited for below.
+        unsafe { stream.copy(self.mem.dev(), src, n)? };
         stream.sync()?;
         // SAFETY: the buffer holds STAGE bytes and the copy into it finished.
-        Ok(unsafe { std::slice::from_raw_parts(self.mem.host, n) })
+        Ok(unsafe { std::slice::from_raw_parts(self.mem.host_ptr(), n) })
     }
 
     /// Copies `data` (at most [`STAGE`] bytes) to device address `dst`
     /// with `stream` and waits: the buffer is free again on return.
-    pub fn push(&mut self, stream: &impl Dma, dst: u64, data: &[u8]) -> Result<(), CoreError> {
+    ///
+    /// # Safety
+    /// `dst` must be writable for `data.len().min(STAGE)` bytes by `stream`
+    /// until this returns.
+    pub unsafe fn push(
+        &mut self,
+        stream: &impl Dma,
+        dst: u64,
+        data: &[u8],
+    ) -> Result<(), CudaError> {
         let n = data.len().min(STAGE);
         // SAFETY: the buffer holds STAGE bytes; nothing else uses it now.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.mem.host, n) };
-        self.land(stream, dst, n)
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.mem.host_ptr(), n) };
+        // SAFETY: the caller's contract.
+        unsafe { self.land(stream, dst, n) }
     }
 
-    fn land(&mut self, stream: &impl Dma, dst: u64, n: usize) -> Result<(), CoreError> {
-        stream.copy(dst, self.mem.dev, n)?;
+    /// Copies the buffer's first `n` bytes to `dst` and waits.
+    ///
+    /// # Safety
+    /// As for [`Stage::push`].
+    unsafe fn land(&mut self, stream: &impl Dma, dst: u64, n: usize) -> Result<(), CudaError> {
+        // SAFETY: the buffer holds STAGE >= n bytes; `dst` is the caller's
+        // contract; waited for below.
+        unsafe { stream.copy(dst, self.mem.dev(), n)? };
         stream.sync()
     }
 
     /// Reads `n` (at most [`STAGE`]) bytes at `(key, off)` of `link`'s peer
     /// into the buffer, waiting up to `timeout`, then copies them to device
     /// address `dst` with `stream` and waits.
+    ///
+    /// # Safety
+    /// `dst` must be writable for `n.min(STAGE)` bytes by `stream` until
+    /// this returns.
     #[allow(clippy::too_many_arguments)] // one staged get, spelled out
-    pub fn get(
+    pub unsafe fn get(
         &mut self,
         link: &Link,
         key: u32,
@@ -86,28 +118,29 @@ impl Stage {
         stream: &impl Dma,
         dst: u64,
         timeout: Duration,
-    ) -> Result<(), String> {
+    ) -> Result<(), CudaError> {
         let n = n.min(STAGE);
         let done = Arc::new(AtomicU64::new(1));
         // SAFETY: the buffer holds STAGE bytes and stays valid until `done`
         // drops: every return below but the timeout's comes after that, and
         // after a timeout the buffer is never freed (`abandoned`).
-        unsafe { link.get(key, off, n as u64, self.mem.host, done.clone(), None) }
-            .map_err(|e| e.to_string())?;
+        unsafe { link.get(key, off, n as u64, self.mem.host_ptr(), done.clone(), None) }?;
         let start = Instant::now();
         while done.load(Ordering::Acquire) != 0 {
             if start.elapsed() > timeout {
                 self.abandoned = true;
-                return Err(format!(
-                    "rank {} did not answer a get of {n} bytes within {timeout:?}",
-                    link.peer()
-                ));
+                return Err(CudaError::Timeout {
+                    peer: link.peer(),
+                    bytes: n,
+                    waited: timeout,
+                });
             }
             std::thread::yield_now();
         }
         // A refused or failed read also releases `done`.
-        link.check().map_err(|e| e.to_string())?;
-        self.land(stream, dst, n).map_err(|e| e.to_string())
+        link.check()?;
+        // SAFETY: the caller's contract.
+        unsafe { self.land(stream, dst, n) }
     }
 }
 
@@ -123,14 +156,15 @@ impl Drop for Stage {
 /// What every GPU window part a rank serves to TCP peers shares: one
 /// staging buffer and stream, used by one request at a time.
 #[derive(Debug)]
-pub(crate) struct Server {
+pub struct Server {
     io: Mutex<(Stage, Stream)>,
     /// Last: the context must outlive the buffer and stream.
     dev: Arc<Device>,
 }
 
 impl Server {
-    pub fn new(dev: Arc<Device>) -> Result<Self, CoreError> {
+    /// Sets up the buffer and stream on `dev`.
+    pub fn new(dev: Arc<Device>) -> Result<Self, CudaError> {
         dev.make_current()?;
         Ok(Self {
             io: Mutex::new((Stage::new()?, Stream::new()?)),
@@ -140,17 +174,36 @@ impl Server {
 }
 
 /// One GPU window part as a region of the rank's region table: gin-net's
-/// TCP server checks every request against the region, then calls here.
+/// TCP server checks every request against the region, then calls here,
+/// and the part's own bounds are checked again before any copy.
 #[derive(Debug)]
-pub(crate) struct GpuRegion {
-    pub ptr: u64,
-    pub server: Arc<Server>,
+pub struct GpuRegion {
+    ptr: u64,
+    len: u64,
+    server: Arc<Server>,
 }
 
 impl GpuRegion {
+    /// Serves the `len` bytes of device memory at `ptr` through `server`.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be device memory of `server`'s GPU that stays
+    /// allocated as long as this region can be called (remove it from the
+    /// region table before freeing the memory), and that peers may read
+    /// and write.
+    pub unsafe fn new(ptr: u64, len: u64, server: Arc<Server>) -> Self {
+        Self { ptr, len, server }
+    }
+
+    /// The device address `offset` bytes in, where `bytes` fit from there.
+    fn at(&self, op: &'static str, offset: u64, bytes: usize) -> Result<u64, CudaError> {
+        span(op, "GPU window part", offset, bytes as u64, self.len)?;
+        Ok(self.ptr + offset)
+    }
+
     fn io<T>(
         &self,
-        f: impl FnOnce(&mut Stage, &Stream) -> Result<T, CoreError>,
+        f: impl FnOnce(&mut Stage, &Stream) -> Result<T, CudaError>,
     ) -> Result<T, String> {
         let mut g = self
             .server
@@ -168,19 +221,29 @@ impl GpuRegion {
 
 impl Backing for GpuRegion {
     fn write(&self, offset: u64, data: &[u8]) -> Result<(), String> {
+        let dst = self
+            .at("write", offset, data.len())
+            .map_err(|e| format!("staging GPU memory: {e}"))?;
         self.io(|stage, stream| {
             for (i, c) in data.chunks(STAGE).enumerate() {
-                stage.push(stream, self.ptr + offset + (i * STAGE) as u64, c)?;
+                // SAFETY: inside the part (checked above), which stays
+                // allocated while registered (`new`'s contract); the push
+                // waits for its copy.
+                unsafe { stage.push(stream, dst + (i * STAGE) as u64, c)? };
             }
             Ok(())
         })
     }
 
     fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), String> {
+        let src = self
+            .at("read", offset, out.len())
+            .map_err(|e| format!("staging GPU memory: {e}"))?;
         self.io(|stage, stream| {
             for (i, c) in out.chunks_mut(STAGE).enumerate() {
-                let src = stage.pull(stream, self.ptr + offset + (i * STAGE) as u64, c.len())?;
-                c.copy_from_slice(src);
+                // SAFETY: as for `write`; the pull waits for its copy.
+                let bytes = unsafe { stage.pull(stream, src + (i * STAGE) as u64, c.len())? };
+                c.copy_from_slice(bytes);
             }
             Ok(())
         })

@@ -16,70 +16,98 @@
 //! per pass, not one per slice. Copies are merged only within a region, so a
 //! merged copy never spans two allocations that happen to be adjacent.
 
-use super::driver::{MAX_WRITES, Stream};
-use crate::error::CoreError;
+use crate::driver::{MAX_WRITES, Stream};
+use crate::error::CudaError;
 
 /// What the proxy and the NIC need of a CUDA stream: copies and 8-byte
 /// stores that execute in the order they were queued. Tests use host
 /// memory instead.
-pub(crate) trait Dma {
-    fn copy(&self, dst: u64, src: u64, n: usize) -> Result<(), CoreError>;
-    fn write_u64(&self, addr: u64, v: u64) -> Result<(), CoreError>;
-    fn sync(&self) -> Result<(), CoreError>;
+///
+/// The methods that queue work on addresses are `unsafe`: an implementor
+/// may touch (or have the GPU touch) any address it is given.
+pub trait Dma {
+    /// Queues a copy of `n` bytes from `src` to `dst`.
+    ///
+    /// # Safety
+    /// As [`Stream::copy`]: `src` readable and `dst` writable for `n`
+    /// bytes, in memory this executor reaches, until it has executed the
+    /// copy.
+    unsafe fn copy(&self, dst: u64, src: u64, n: usize) -> Result<(), CudaError>;
+    /// Queues an 8-byte store of `v` at `addr`.
+    ///
+    /// # Safety
+    /// As [`Stream::write_u64`]: `addr` 8-byte aligned and writable until
+    /// the executor has executed the store.
+    unsafe fn write_u64(&self, addr: u64, v: u64) -> Result<(), CudaError>;
+    /// Waits until everything queued has executed.
+    fn sync(&self) -> Result<(), CudaError>;
     /// 8-byte stores in their order, after earlier work (at most
     /// [`MAX_WRITES`]).
-    fn write_many(&self, writes: &[(u64, u64)]) -> Result<(), CoreError> {
+    ///
+    /// # Safety
+    /// Every store as for [`Dma::write_u64`].
+    unsafe fn write_many(&self, writes: &[(u64, u64)]) -> Result<(), CudaError> {
         for &(a, v) in writes {
-            self.write_u64(a, v)?;
+            // SAFETY: the caller's contract, store by store.
+            unsafe { self.write_u64(a, v)? };
         }
         Ok(())
     }
     /// Copies that may run in any order among themselves, after earlier
     /// work and before later work.
-    fn copy_many(
+    ///
+    /// # Safety
+    /// Every copy as for [`Dma::copy`], and none writing bytes another of
+    /// the batch reads or writes.
+    unsafe fn copy_many(
         &self,
         dst: &mut [u64],
         src: &mut [u64],
         len: &mut [usize],
-    ) -> Result<(), CoreError> {
+    ) -> Result<(), CudaError> {
         for i in 0..dst.len() {
-            self.copy(dst[i], src[i], len[i])?;
+            // SAFETY: the caller's contract, copy by copy.
+            unsafe { self.copy(dst[i], src[i], len[i])? };
         }
         Ok(())
     }
 }
 
 impl Dma for Stream {
-    fn copy(&self, dst: u64, src: u64, n: usize) -> Result<(), CoreError> {
-        Stream::copy(self, dst, src, n)
+    unsafe fn copy(&self, dst: u64, src: u64, n: usize) -> Result<(), CudaError> {
+        // SAFETY: the same contract.
+        unsafe { Stream::copy(self, dst, src, n) }
     }
-    fn write_u64(&self, addr: u64, v: u64) -> Result<(), CoreError> {
-        Stream::write_u64(self, addr, v)
+    unsafe fn write_u64(&self, addr: u64, v: u64) -> Result<(), CudaError> {
+        // SAFETY: the same contract.
+        unsafe { Stream::write_u64(self, addr, v) }
     }
-    fn sync(&self) -> Result<(), CoreError> {
+    fn sync(&self) -> Result<(), CudaError> {
         Stream::sync(self)
     }
-    fn write_many(&self, writes: &[(u64, u64)]) -> Result<(), CoreError> {
-        Stream::write_many(self, writes)
+    unsafe fn write_many(&self, writes: &[(u64, u64)]) -> Result<(), CudaError> {
+        // SAFETY: the same contract.
+        unsafe { Stream::write_many(self, writes) }
     }
-    fn copy_many(
+    unsafe fn copy_many(
         &self,
         dst: &mut [u64],
         src: &mut [u64],
         len: &mut [usize],
-    ) -> Result<(), CoreError> {
-        Stream::copy_many(self, dst, src, len)
+    ) -> Result<(), CudaError> {
+        // SAFETY: the same contract.
+        unsafe { Stream::copy_many(self, dst, src, len) }
     }
 }
 
 /// What a copy's destination and source lie in, as the caller names them
 /// (for instance a direction bit and two window ids): copies merge only
 /// within one region.
-pub(crate) type Region = u128;
+pub type Region = u128;
 
 /// The region of a copy that writes (`put`) or reads (`get`) the remote
 /// memory named `remote` with the local memory named `local`.
-pub(crate) fn region(put: bool, remote: u32, local: u32) -> Region {
+pub fn region(put: bool, remote: u32, local: u32) -> Region {
     (u128::from(put) << 64) | (u128::from(remote) << 32) | u128::from(local)
 }
 
@@ -90,7 +118,7 @@ pub(crate) fn region(put: bool, remote: u32, local: u32) -> Region {
 /// stream at once) but makes the other queues wait longer and frees this
 /// queue's slots later; a quarter leaves three quarters of the queue to the
 /// kernel while the pass runs.
-pub(crate) fn pass_len(log2: u32) -> u64 {
+pub fn pass_len(log2: u32) -> u64 {
     (1u64 << log2.min(63) >> 2).clamp(1, 256)
 }
 
@@ -101,37 +129,41 @@ pub(crate) fn pass_len(log2: u32) -> u64 {
 pub fn bench_pass(copies: &[(u64, u64, usize)]) -> u64 {
     struct Sink;
     impl Dma for Sink {
-        fn copy(&self, _: u64, _: u64, _: usize) -> Result<(), CoreError> {
+        unsafe fn copy(&self, _: u64, _: u64, _: usize) -> Result<(), CudaError> {
             Ok(())
         }
-        fn write_u64(&self, _: u64, _: u64) -> Result<(), CoreError> {
+        unsafe fn write_u64(&self, _: u64, _: u64) -> Result<(), CudaError> {
             Ok(())
         }
-        fn sync(&self) -> Result<(), CoreError> {
+        fn sync(&self) -> Result<(), CudaError> {
             Ok(())
         }
-        fn copy_many(
+        unsafe fn copy_many(
             &self,
             _: &mut [u64],
             _: &mut [u64],
             _: &mut [usize],
-        ) -> Result<(), CoreError> {
+        ) -> Result<(), CudaError> {
             Ok(())
         }
     }
     let mut b = StreamBatch::default();
     let g = region(true, 1, 2);
     for &(d, s, n) in copies {
-        // The stream above never fails.
-        let _ = b.push(&Sink, d, s, n, g);
+        // SAFETY: the sink touches no memory. It never fails either.
+        let _ = unsafe { b.push(&Sink, d, s, n, g) };
     }
     let _ = b.flush(&Sink);
     b.stats.copies_issued
 }
 
 /// Pending work of one stream: copies, or stores, never both.
+///
+/// The batch holds addresses until it hands them to a stream, so queueing
+/// ([`StreamBatch::push`], [`StreamBatch::write`]) is `unsafe`; handing
+/// over ([`StreamBatch::flush`]) relies on what was promised then.
 #[derive(Debug, Default)]
-pub(crate) struct StreamBatch {
+pub struct StreamBatch {
     dst: Vec<u64>,
     src: Vec<u64>,
     len: Vec<usize>,
@@ -150,7 +182,7 @@ pub(crate) struct StreamBatch {
 
 /// Counts of what a [`StreamBatch`] handed to the driver.
 #[derive(Debug, Default, Clone, Copy)]
-pub(crate) struct BatchStats {
+pub struct BatchStats {
     /// Copies pushed.
     pub copies: u64,
     /// Driver calls that queued copies, a batch counting as one (a driver
@@ -212,14 +244,20 @@ impl StreamBatch {
     /// Queues a copy within `region`, flushing first if it reads or writes
     /// memory that a pending copy writes, or writes memory a pending copy
     /// reads.
-    pub fn push(
+    ///
+    /// # Safety
+    /// As [`Dma::copy`] for `q` and for every executor this batch is later
+    /// flushed to, until that executor has executed the copy. `region`
+    /// must name the allocations `dst` and `src` lie in (copies of one
+    /// region are merged where they continue one another).
+    pub unsafe fn push(
         &mut self,
         q: &impl Dma,
         dst: u64,
         src: u64,
         n: usize,
         region: Region,
-    ) -> Result<(), CoreError> {
+    ) -> Result<(), CudaError> {
         if n == 0 {
             return Ok(());
         }
@@ -242,7 +280,11 @@ impl StreamBatch {
 
     /// Queues an 8-byte store of `v` at `addr`, after every copy and store
     /// queued before it.
-    pub fn write(&mut self, q: &impl Dma, addr: u64, v: u64) -> Result<(), CoreError> {
+    ///
+    /// # Safety
+    /// As [`Dma::write_u64`] for `q` and for every executor this batch is
+    /// later flushed to, until that executor has executed the store.
+    pub unsafe fn write(&mut self, q: &impl Dma, addr: u64, v: u64) -> Result<(), CudaError> {
         self.flush_copies(q)?;
         if self.writes.len() == MAX_WRITES {
             self.flush_writes(q)?;
@@ -252,17 +294,21 @@ impl StreamBatch {
     }
 
     /// Hands everything pending to the stream.
-    pub fn flush(&mut self, q: &impl Dma) -> Result<(), CoreError> {
+    pub fn flush(&mut self, q: &impl Dma) -> Result<(), CudaError> {
         self.flush_copies(q)?;
         self.flush_writes(q)
     }
 
-    fn flush_writes(&mut self, q: &impl Dma) -> Result<(), CoreError> {
+    fn flush_writes(&mut self, q: &impl Dma) -> Result<(), CudaError> {
         self.stats.store_calls += u64::from(!self.writes.is_empty());
+        // `write` was promised these stores are valid for any executor the
+        // batch is flushed to; at most MAX_WRITES are pending.
         let r = match self.writes.as_slice() {
             [] => Ok(()),
-            &[(a, v)] => q.write_u64(a, v),
-            w => q.write_many(w),
+            // SAFETY: as above.
+            &[(a, v)] => unsafe { q.write_u64(a, v) },
+            // SAFETY: as above.
+            w => unsafe { q.write_many(w) },
         };
         self.writes.clear();
         r
@@ -270,16 +316,22 @@ impl StreamBatch {
 
     /// The pending copies: one copy as itself, several merged where they
     /// continue one another, then as one batch.
-    fn flush_copies(&mut self, q: &impl Dma) -> Result<(), CoreError> {
+    fn flush_copies(&mut self, q: &impl Dma) -> Result<(), CudaError> {
         if self.dst.len() > 1 {
             self.merge();
         }
         self.stats.copy_calls += u64::from(!self.dst.is_empty());
         self.stats.copies_issued += self.dst.len() as u64;
+        // `push` was promised these copies are valid for any executor the
+        // batch is flushed to, and it flushed before queueing a copy that
+        // overlaps what a pending one writes (merging keeps the bytes each
+        // writes).
         let r = match self.dst.len() {
             0 => Ok(()),
-            1 => q.copy(self.dst[0], self.src[0], self.len[0]),
-            _ => q.copy_many(&mut self.dst, &mut self.src, &mut self.len),
+            // SAFETY: as above.
+            1 => unsafe { q.copy(self.dst[0], self.src[0], self.len[0]) },
+            // SAFETY: as above.
+            _ => unsafe { q.copy_many(&mut self.dst, &mut self.src, &mut self.len) },
         };
         self.dst.clear();
         self.src.clear();
@@ -348,41 +400,66 @@ mod tests {
         copies: RefCell<Vec<(u64, u64, usize)>>,
     }
 
-    impl Dma for Fake {
-        fn copy(&self, dst: u64, src: u64, n: usize) -> Result<(), CoreError> {
+    impl Fake {
+        /// A copy, at once (slice indexing checks the offsets).
+        fn copy_now(&self, dst: u64, src: u64, n: usize) {
             self.copies.borrow_mut().push((dst, src, n));
             self.mem
                 .borrow_mut()
                 .copy_within(src as usize..src as usize + n, dst as usize);
-            Ok(())
         }
-        fn write_u64(&self, a: u64, v: u64) -> Result<(), CoreError> {
+        /// A store, at once.
+        fn store_now(&self, a: u64, v: u64) {
             self.mem.borrow_mut()[a as usize..a as usize + 8].copy_from_slice(&v.to_le_bytes());
+        }
+    }
+
+    /// The fake's "addresses" are offsets into its own buffer, checked by
+    /// slice indexing: no contract of `Dma` is needed for it.
+    impl Dma for Fake {
+        unsafe fn copy(&self, dst: u64, src: u64, n: usize) -> Result<(), CudaError> {
+            self.copy_now(dst, src, n);
             Ok(())
         }
-        fn write_many(&self, w: &[(u64, u64)]) -> Result<(), CoreError> {
+        unsafe fn write_u64(&self, a: u64, v: u64) -> Result<(), CudaError> {
+            self.store_now(a, v);
+            Ok(())
+        }
+        unsafe fn write_many(&self, w: &[(u64, u64)]) -> Result<(), CudaError> {
             assert!(w.len() <= MAX_WRITES, "{} stores in one batch", w.len());
             self.store_batches.borrow_mut().push(w.len());
             for &(a, v) in w {
-                self.write_u64(a, v)?;
+                self.store_now(a, v);
             }
             Ok(())
         }
-        fn sync(&self) -> Result<(), CoreError> {
+        fn sync(&self) -> Result<(), CudaError> {
             Ok(())
         }
-        fn copy_many(
+        unsafe fn copy_many(
             &self,
             d: &mut [u64],
             s: &mut [u64],
             l: &mut [usize],
-        ) -> Result<(), CoreError> {
+        ) -> Result<(), CudaError> {
             self.batches.borrow_mut().push(d.len());
             for i in (0..d.len()).rev() {
-                self.copy(d[i], s[i], l[i])?;
+                self.copy_now(d[i], s[i], l[i]);
             }
             Ok(())
         }
+    }
+
+    /// `b.push` on the fake.
+    fn push(b: &mut StreamBatch, q: &Fake, dst: u64, src: u64, len: usize, g: Region) {
+        // SAFETY: the fake checks its offsets itself (see its `Dma`).
+        unsafe { b.push(q, dst, src, len, g) }.unwrap();
+    }
+
+    /// `b.write` on the fake.
+    fn write(b: &mut StreamBatch, q: &Fake, a: u64, v: u64) {
+        // SAFETY: as for `push`.
+        unsafe { b.write(q, a, v) }.unwrap();
     }
 
     proptest! {
@@ -396,12 +473,12 @@ mod tests {
             let init: Vec<u8> = (0..128u8).collect();
             let seq = Fake { mem: RefCell::new(init.clone()), ..Fake::default() };
             for &(d, s, n, _) in &copies {
-                seq.copy(d, s, n).unwrap();
+                seq.copy_now(d, s, n);
             }
             let fake = Fake { mem: RefCell::new(init), ..Fake::default() };
             let mut b = StreamBatch::default();
             for &(d, s, n, g) in &copies {
-                b.push(&fake, d, s, n, g).unwrap();
+                push(&mut b, &fake, d, s, n, g);
             }
             b.flush(&fake).unwrap();
             prop_assert!(b.is_empty());
@@ -486,7 +563,7 @@ mod tests {
             let mut b = StreamBatch::default();
             for &i in &order {
                 let (d, s, n, g) = all[i];
-                b.push(&fake, d, s, n, g).unwrap();
+                push(&mut b, &fake, d, s, n, g);
             }
             b.flush(&fake).unwrap();
             let mut c = fake.copies.take();
@@ -541,12 +618,12 @@ mod tests {
             for w in &items {
                 match *w {
                     Work::Copy(d, s, n, g) => {
-                        seq.copy(d, s, n).unwrap();
-                        b.push(&fake, d, s, n, g).unwrap();
+                        seq.copy_now(d, s, n);
+                        push(&mut b, &fake, d, s, n, g);
                     }
                     Work::Store(a, v) => {
-                        seq.write_u64(a, v).unwrap();
-                        b.write(&fake, a, v).unwrap();
+                        seq.store_now(a, v);
+                        write(&mut b, &fake, a, v);
                     }
                 }
             }
@@ -565,12 +642,12 @@ mod tests {
         let mut b = StreamBatch::default();
         // A put's value, its signal, the completion: one call.
         for i in 0..3u64 {
-            b.write(&fake, i * 8, i).unwrap();
+            write(&mut b, &fake, i * 8, i);
         }
         b.flush(&fake).unwrap();
         // 600 in a row: split at the driver's limit.
         for i in 0..600u64 {
-            b.write(&fake, i * 8, i + 1).unwrap();
+            write(&mut b, &fake, i * 8, i + 1);
         }
         b.flush(&fake).unwrap();
         assert_eq!(
@@ -582,9 +659,9 @@ mod tests {
             mem: RefCell::new(vec![0; 64]),
             ..Fake::default()
         };
-        b.write(&fake, 0, 7).unwrap();
-        b.push(&fake, 8, 0, 8, 0).unwrap();
-        b.write(&fake, 0, 9).unwrap();
+        write(&mut b, &fake, 0, 7);
+        push(&mut b, &fake, 8, 0, 8, 0);
+        write(&mut b, &fake, 0, 9);
         b.flush(&fake).unwrap();
         let m = fake.mem.into_inner();
         assert_eq!(m[0], 9);
@@ -600,10 +677,10 @@ mod tests {
         let mut b = StreamBatch::default();
         // Disjoint, and not continuing one another (a gap between).
         for i in 0..4u64 {
-            b.push(&fake, 128 + i * 24, i * 16, 16, 0).unwrap();
+            push(&mut b, &fake, 128 + i * 24, i * 16, 16, 0);
         }
         // Overwrites the first destination: the four go first.
-        b.push(&fake, 128, 64, 8, 0).unwrap();
+        push(&mut b, &fake, 128, 64, 8, 0);
         b.flush(&fake).unwrap();
         assert_eq!(fake.batches.into_inner(), vec![4]);
     }
@@ -618,8 +695,7 @@ mod tests {
         // Sixteen 8-byte slices of one message, posted out of order (as
         // blocks win their reservations), within one region.
         for i in [3u64, 0, 15, 7, 1, 2, 14, 4, 5, 6, 13, 8, 9, 12, 10, 11] {
-            b.push(&fake, 128 + i * 8, i * 8, 8, region(true, 1, 2))
-                .unwrap();
+            push(&mut b, &fake, 128 + i * 8, i * 8, 8, region(true, 1, 2));
         }
         b.flush(&fake).unwrap();
         assert_eq!(fake.copies.take(), vec![(128, 0, 128)]);
@@ -634,7 +710,7 @@ mod tests {
         // adjacent in the address space): one copy each, never one across.
         for i in 0..16u64 {
             let g = region(true, 1, if i < 8 { 2 } else { 3 });
-            b.push(&fake, 128 + i * 8, i * 8, 8, g).unwrap();
+            push(&mut b, &fake, 128 + i * 8, i * 8, 8, g);
         }
         b.flush(&fake).unwrap();
         // (The fake runs a batch backwards.)
@@ -644,8 +720,8 @@ mod tests {
         let s = b.stats;
         assert_eq!((s.copies, s.copy_calls, s.copies_issued), (32, 2, 3));
         // A slice whose source does not continue the run stays apart.
-        b.push(&fake, 128, 0, 8, 0).unwrap();
-        b.push(&fake, 136, 16, 8, 0).unwrap();
+        push(&mut b, &fake, 128, 0, 8, 0);
+        push(&mut b, &fake, 136, 16, 8, 0);
         b.flush(&fake).unwrap();
         let mut c = fake.copies.take();
         c.sort_unstable();

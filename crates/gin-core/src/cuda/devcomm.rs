@@ -1,0 +1,802 @@
+//! Device communicators for CUDA kernels: requirements agreed by every
+//! rank, signal and counter ranges, how each peer is reached, the proxy's
+//! rings or the GDAKI queues, the engines that serve them, and running a
+//! kernel while watching the job.
+
+use std::ffi::c_void;
+use std::time::{Duration, Instant};
+
+use gin_cuda::staging::Stage;
+use gin_cuda::{DevMem, Function, HostMem, Stream};
+use gin_device::abi::{
+    BACKEND_GDAKI, BACKEND_NONE, BACKEND_PROXY, DEVCOMM_FLAG_CTA_CTX, DEVCOMM_FLAG_EXCLUSIVE_CTX,
+    DEVCOMM_FLAG_LSA_ONLY, DEVCOMM_FLAG_SENDER_SLOTS, DEVCOMM_FLAG_STRONG_SIGNALS, DevCommAbi,
+    GdakiQpAbi, GdakiSqAbi, ProxyRingAbi, WindowAbi, errword,
+};
+
+use super::record::Placement;
+use super::{
+    COUNTER_KEY, CtxSharing, CudaComm, REACH_LSA, REACH_NONE, REACH_QUEUE, SINK_KEY, nic, proxy,
+    window_key,
+};
+use crate::config::BackendKind;
+use crate::error::CoreError;
+use crate::requirements;
+use crate::{Connection, DevCommRequirements};
+
+/// How a lost TCP link waits for the bootstrap to name a dead peer before
+/// the link's own account is taken as the cause.
+const DEATH_GRACE: Duration = Duration::from_millis(500);
+
+/// How each peer is reached, and which peers are over TCP.
+struct Reach {
+    /// The header's `REACH_*`, by rank.
+    lsa: Vec<u8>,
+    tcp: Vec<bool>,
+    /// The rail team's ranks.
+    rail: Vec<u32>,
+}
+
+impl Reach {
+    /// Not at all for ranks off the rail with a rail connection (as on CPU
+    /// ranks); load/store for this rank, and with `auto` every peer mapped
+    /// here (not those over TCP); queues for the others.
+    fn of(cuda: &CudaComm<'_>, rail_only: bool, kind: BackendKind) -> Self {
+        let comm = cuda.comm;
+        let (rank, n) = (comm.rank(), comm.nranks());
+        let tcp: Vec<bool> = (0..n).map(|p| comm.tcp_link(p).is_some()).collect();
+        let rail: Vec<u32> = comm.rail().iter().map(|&r| r as u32).collect();
+        let lsa = (0..n)
+            .map(|p| {
+                if p != rank && rail_only && !rail.contains(&(p as u32)) {
+                    REACH_NONE
+                } else if p == rank || (kind == BackendKind::Auto && !tcp[p]) {
+                    REACH_LSA
+                } else {
+                    REACH_QUEUE
+                }
+            })
+            .collect();
+        Self { lsa, tcp, rail }
+    }
+}
+
+/// The proxy's rings for the peers it serves, context-major.
+struct ProxyRings {
+    /// Producer and completion index of each ring (device memory).
+    indices: DevMem,
+    /// `ProxyRingAbi[nctx * nranks]`, what `DevComm::rings` points at.
+    table: DevMem,
+    specs: Vec<proxy::RingSpec>,
+}
+
+/// The reach table with the rail team, and each rank's signal window part
+/// as mapped here.
+struct ReachTables {
+    lsa: DevMem,
+    sig_peers: DevMem,
+    sig_info: proxy::SignalInfo,
+}
+
+/// What [`CudaComm::gdaki_queues`] sets up.
+struct GdakiQueues {
+    /// `GdakiQpAbi[nctx * nranks]`, what `DevComm::rings` points at.
+    table: DevMem,
+    pairs: Vec<nic::PairSpec>,
+    dev: Vec<DevMem>,
+    host: Vec<HostMem>,
+    sink: HostMem,
+}
+
+/// The engines serving a device communicator, and the memory they use.
+struct Engines {
+    proxy: Option<proxy::CudaProxy>,
+    nic: Option<nic::CudaNic>,
+    mem: Vec<DevMem>,
+    host: Vec<HostMem>,
+}
+
+impl<'c> CudaComm<'c> {
+    /// Creates a device communicator for kernels (collective; same
+    /// requirements on every rank). `GIN_BACKEND=auto` reaches every peer
+    /// it maps by load/store and the others (over TCP) through the proxy,
+    /// `proxy` every peer but this rank through the proxy, and `gdaki` every
+    /// peer but this rank through mlx5 queues and the soft NIC.
+    pub fn dev_comm(
+        &self,
+        req: &DevCommRequirements,
+        sharing: CtxSharing,
+    ) -> Result<CudaDevComm<'_, 'c>, CoreError> {
+        self.dev_comm_on(req, sharing, self.comm.settings().backend)
+    }
+
+    /// As [`CudaComm::dev_comm`] with the backend named here instead of by
+    /// `GIN_BACKEND` (benchmarks compare both in one job).
+    pub fn dev_comm_on(
+        &self,
+        req: &DevCommRequirements,
+        sharing: CtxSharing,
+        kind: BackendKind,
+    ) -> Result<CudaDevComm<'_, 'c>, CoreError> {
+        let comm = self.comm;
+        let (rank, n) = (comm.rank(), comm.nranks());
+        self.dev.make_current()?;
+        let sig_per_ctx = self.check_requirements(req, kind)?;
+        let ranges = self.take_ranges(req, sig_per_ctx)?;
+        let reach = Reach::of(self, req.connection == Connection::Rail, kind);
+        let lsa_only = self.agree_placement(&ranges, &reach.lsa)?;
+        let log2 = kind.queue_log2(req.queue_depth)?;
+        let rings = self.proxy_rings(req.contexts as usize, &reach.lsa, kind, log2)?;
+        let gdaki = if kind == BackendKind::Gdaki && reach.lsa.contains(&REACH_QUEUE) {
+            Some(self.gdaki_queues(req.contexts as usize, &reach.lsa, log2)?)
+        } else {
+            None
+        };
+        let tables = self.reach_tables(req, &reach)?;
+        let timeout = comm.settings().timeout;
+        let abi = DevCommAbi {
+            rank: rank as u32,
+            nranks: n as u32,
+            nctx: req.contexts,
+            nsignals: req.signals,
+            ncounters: req.counters,
+            flags: flags(lsa_only, sharing),
+            signal_base: ranges.signals.0,
+            signals: self.signal_window.local().ptr(),
+            counter_base: ranges.counters.0,
+            counters: self.counters.ptr(),
+            abort_flag: self.abort.ptr(),
+            error_word: self.error.ptr(),
+            timeout_ticks: u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX),
+            rings: gdaki.as_ref().map_or(rings.table.ptr(), |g| g.table.ptr()),
+            backend_kind: if !rings.specs.is_empty() {
+                BACKEND_PROXY
+            } else if gdaki.is_some() {
+                BACKEND_GDAKI
+            } else {
+                BACKEND_NONE
+            },
+            sig_per_ctx,
+            lsa: tables.lsa.ptr(),
+            signal_peers: tables.sig_peers.ptr(),
+            world_barriers: req.world_barriers,
+            signal_window: self.signal_window.id(),
+        };
+        let engines = self.start_engines(rings, gdaki, tables, &reach.tcp)?;
+        // Nobody signals into slots another rank has not zeroed yet.
+        comm.bootstrap().barrier()?;
+        Ok(CudaDevComm {
+            cuda: self,
+            abi,
+            proxy: engines.proxy,
+            nic: engines.nic,
+            _mem: engines.mem,
+            _host: engines.host,
+            ranges: Some(ranges),
+            lsa: reach.lsa.iter().map(|&b| b == REACH_LSA).collect(),
+        })
+    }
+
+    /// Checks `req` for `kind` and that every rank asks alike; returns the
+    /// signals each context takes (its own, then one per barrier).
+    fn check_requirements(
+        &self,
+        req: &DevCommRequirements,
+        kind: BackendKind,
+    ) -> Result<u32, CoreError> {
+        let comm = self.comm;
+        // Every rank must agree on which peers are reached by load/store,
+        // since signals land in different sub-slots for them: the backend
+        // travels along with the requirements.
+        requirements::agree(
+            comm.bootstrap(),
+            req,
+            &[(
+                "GIN_BACKEND (load/store to peers or not)",
+                u64::from(kind == BackendKind::Auto),
+            )],
+        )?;
+        requirements::check_bounds(comm.rank(), comm.nranks(), req)?;
+        if req.connection == Connection::Rail && req.world_barriers != 0 {
+            return Err(CoreError::Invalid(format!(
+                "{} world barriers asked for with a rail connection, which reaches only the \
+                 rail's ranks; use rail barriers or a full connection",
+                req.world_barriers
+            )));
+        }
+        if kind == BackendKind::Gdaki {
+            comm.settings().check_nic()?;
+        }
+        req.signals
+            .checked_add(req.world_barriers)
+            .and_then(|v| v.checked_add(req.rail_barriers))
+            .ok_or_else(|| CoreError::Invalid("signal and barrier counts overflow".into()))
+    }
+
+    /// Takes the signal and counter ranges from the id spaces (given back
+    /// when the result drops) and zeroes their slots.
+    fn take_ranges(
+        &self,
+        req: &DevCommRequirements,
+        sig_per_ctx: u32,
+    ) -> Result<Ranges<'_, 'c>, CoreError> {
+        let nsig = u64::from(sig_per_ctx) * u64::from(req.contexts);
+        let ncnt = u64::from(req.counters) * u64::from(req.contexts);
+        let (sb, cb) = {
+            let mut s = self
+                .spaces
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let sb = s.signals.alloc(nsig, "signal")?;
+            match s.counters.alloc(ncnt, "counter") {
+                Ok(cb) => (sb, cb),
+                Err(e) => {
+                    let _ = s.signals.free(sb, nsig);
+                    return Err(e.into());
+                }
+            }
+        };
+        let ranges = Ranges {
+            cuda: self,
+            signals: (sb, nsig),
+            counters: (cb, ncnt),
+        };
+        let nn = self.comm.nranks() as u64;
+        self.signal_window
+            .local()
+            .zero((sb * nn * 8) as usize, (nsig * nn * 8) as usize)?;
+        self.counters
+            .zero((cb * 16) as usize, (ncnt * 16) as usize)?;
+        Ok(ranges)
+    }
+
+    /// Checks that every rank placed signals and counters alike; returns
+    /// whether every rank reaches every rank by load/store
+    /// (`DEVCOMM_FLAG_LSA_ONLY`: a wait reads one word). Unconnected ranks
+    /// never signal here.
+    fn agree_placement(&self, ranges: &Ranges<'_, '_>, lsa: &[u8]) -> Result<bool, CoreError> {
+        let mine = Placement {
+            signals: ranges.signals.0,
+            counters: ranges.counters.0,
+            lsa_only: lsa.iter().all(|&l| l != REACH_QUEUE),
+        };
+        let all = self.comm.bootstrap().allgather_equal(&mine.encode())?;
+        let all = all
+            .chunks(Placement::LEN)
+            .enumerate()
+            .map(|(p, c)| Placement::decode(p, c))
+            .collect::<Result<Vec<_>, _>>()?;
+        if all
+            .iter()
+            .any(|p| (p.signals, p.counters) != (mine.signals, mine.counters))
+        {
+            return Err(CoreError::Invalid(
+                "ranks disagree on signal/counter placement: CUDA device communicators were \
+                 created in different orders or with different requirements"
+                    .into(),
+            ));
+        }
+        Ok(all.iter().all(|p| p.lsa_only))
+    }
+
+    /// The proxy's rings for the peers it serves (none with `gdaki`),
+    /// context-major: slots in mapped pinned host memory, indices in device
+    /// memory.
+    fn proxy_rings(
+        &self,
+        nctx: usize,
+        lsa: &[u8],
+        kind: BackendKind,
+        log2: u32,
+    ) -> Result<ProxyRings, CoreError> {
+        let n = self.comm.nranks();
+        let mut rings_abi = vec![ProxyRingAbi::default(); nctx * n];
+        let mut specs = Vec::new();
+        let indices = DevMem::new(nctx * n * 16)?;
+        for c in 0..nctx {
+            for p in (0..n).filter(|&p| lsa[p] == REACH_QUEUE && kind != BackendKind::Gdaki) {
+                let i = c * n + p;
+                let slots = HostMem::new(64 << log2)?;
+                rings_abi[i] = ProxyRingAbi {
+                    slots: slots.dev(),
+                    head: indices.ptr() + i as u64 * 16,
+                    done: indices.ptr() + i as u64 * 16 + 8,
+                    log2,
+                    reserved: 0,
+                };
+                specs.push(proxy::RingSpec {
+                    ctx: c as u32,
+                    peer: p,
+                    slots,
+                    log2,
+                    done: indices.ptr() + i as u64 * 16 + 8,
+                });
+            }
+        }
+        let table = DevMem::new(rings_abi.len() * std::mem::size_of::<ProxyRingAbi>())?;
+        table.write(0, &rings_abi)?;
+        Ok(ProxyRings {
+            indices,
+            table,
+            specs,
+        })
+    }
+
+    /// The reach table, then the rail team at the next multiple of 4; and
+    /// each rank's signal window part as mapped here.
+    fn reach_tables(
+        &self,
+        req: &DevCommRequirements,
+        reach: &Reach,
+    ) -> Result<ReachTables, CoreError> {
+        let n = self.comm.nranks();
+        let team_at = n.next_multiple_of(4);
+        let team: Vec<u32> = [req.rail_barriers, reach.rail.len() as u32]
+            .into_iter()
+            .chain(reach.rail.iter().copied())
+            .collect();
+        let lsa = DevMem::new(team_at + team.len() * 4)?;
+        lsa.write(0, &reach.lsa)?;
+        lsa.write(team_at, &team)?;
+        let sig_peers = DevMem::new(n * 8)?;
+        let sig_info = self.signal_info();
+        sig_peers.write(0, &sig_info.peers)?;
+        Ok(ReachTables {
+            lsa,
+            sig_peers,
+            sig_info,
+        })
+    }
+
+    /// Starts the proxy (if it serves a ring) or the soft NIC (if there are
+    /// GDAKI queues), each with a staging buffer where some peer is over
+    /// TCP.
+    fn start_engines(
+        &self,
+        rings: ProxyRings,
+        gdaki: Option<GdakiQueues>,
+        tables: ReachTables,
+        tcp: &[bool],
+    ) -> Result<Engines, CoreError> {
+        let comm = self.comm;
+        let (rank, n) = (comm.rank(), comm.nranks());
+        let timeout = comm.settings().timeout;
+        let new_stage = || -> Result<Option<Stage>, CoreError> {
+            Ok(tcp.contains(&true).then(Stage::new).transpose()?)
+        };
+        let proxy = if rings.specs.is_empty() {
+            None
+        } else {
+            Some(proxy::CudaProxy::start(proxy::ProxySpec {
+                dev: self.dev.clone(),
+                rank,
+                nranks: n,
+                rings: rings.specs,
+                windows: self.windows.clone(),
+                signal: tables.sig_info,
+                counters: self.counters.ptr(),
+                counter_slots: comm.settings().counter_slots,
+                spin: comm.settings().proxy_spin,
+                links: (0..n).map(|p| comm.tcp_link(p)).collect(),
+                stage: new_stage()?,
+                timeout,
+            })?)
+        };
+        let mut mem = vec![rings.indices, rings.table, tables.lsa, tables.sig_peers];
+        let mut host = Vec::new();
+        let nic = match gdaki {
+            Some(g) => {
+                mem.push(g.table);
+                mem.extend(g.dev);
+                let nic = nic::CudaNic::start(
+                    self.dev.clone(),
+                    nic::NicSpec {
+                        rank,
+                        nranks: n,
+                        pairs: g.pairs,
+                        windows: self.windows.clone(),
+                        signal: self.signal_info(),
+                        counters: self.counters.ptr(),
+                        counter_slots: comm.settings().counter_slots,
+                        sink: g.sink.dev(),
+                        sink_host: g.sink.host_ptr(),
+                        sink_len: 64,
+                        spin: comm.settings().proxy_spin,
+                        links: (0..n).map(|p| comm.tcp_link(p)).collect(),
+                        stage: new_stage()?,
+                        timeout,
+                    },
+                )?;
+                host.extend(g.host);
+                host.push(g.sink);
+                Some(nic)
+            }
+            None => None,
+        };
+        Ok(Engines {
+            proxy,
+            nic,
+            mem,
+            host,
+        })
+    }
+
+    /// The GDAKI queues of a device communicator: for each context and each
+    /// peer not reached by load/store, an RC QP and its companion loopback
+    /// QP (QP numbers as the CPU ranks' GDAKI: `0x100 + 2 * (c * n + p)`,
+    /// companion one above; each CQ takes its QP's number).
+    fn gdaki_queues(&self, nctx: usize, lsa: &[u8], log2: u32) -> Result<GdakiQueues, CoreError> {
+        let n = self.comm.nranks();
+        // `log2` is within gin-gdaki's bounds (`BackendKind::queue_log2`):
+        // 16-bit WQE indices stay unambiguous, and a put with a signal and
+        // a counter takes two WQEs of at most half of each queue.
+        let nsq = nctx * n * 2;
+        let indices = DevMem::new(nsq * 16)?;
+        indices.zero(0, nsq * 16)?;
+        let cqes = DevMem::new(nsq * 64)?;
+        // A fresh CQE is invalid (opcode 15, owner 0), as rdma-core sets it.
+        let mut fresh = vec![0u8; nsq * 64];
+        for c in fresh.chunks_mut(64) {
+            c[63] = gin_gdaki::completion::FRESH_OP_OWN;
+        }
+        cqes.write(0, &fresh)?;
+        let ctl = HostMem::new(nsq * 16)?;
+        let sink = HostMem::new(64)?;
+        let (sig_id, sig_addrs) = {
+            let t = self
+                .windows
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let id = self.signal_window.id();
+            (id, t[&id].addrs.clone())
+        };
+        let mut table = vec![GdakiQpAbi::default(); nctx * n];
+        let mut pairs = Vec::new();
+        let mut host = Vec::new();
+        for c in 0..nctx {
+            for p in (0..n).filter(|&p| lsa[p] == REACH_QUEUE) {
+                let i = c * n + p;
+                // Queue `k`: its WQEs (mapped pinned memory), as the kernel
+                // and as the NIC see it.
+                let mut queue = |k: usize| -> Result<(GdakiSqAbi, nic::SqSpec), CoreError> {
+                    let qpn = 0x100 + k as u32;
+                    let wqes = HostMem::new(64 << log2)?;
+                    let sq = GdakiSqAbi {
+                        wqes: wqes.dev(),
+                        indices: indices.ptr() + k as u64 * 16,
+                        dbrec: ctl.dev() + k as u64 * 16,
+                        doorbell: ctl.dev() + k as u64 * 16 + 8,
+                        cqe: cqes.ptr() + k as u64 * 64,
+                        qpn,
+                        log2,
+                    };
+                    let spec = nic::SqSpec {
+                        qpn,
+                        log2,
+                        wqes: wqes.host_ptr(),
+                        // SAFETY: inside the `nsq * 16`-byte allocation.
+                        ctl: unsafe { ctl.host_ptr().add(k * 16) },
+                        cqe: cqes.ptr() + k as u64 * 64,
+                    };
+                    host.push(wqes);
+                    Ok((sq, spec))
+                };
+                let (main_sq, main) = queue(2 * i)?;
+                let (companion_sq, companion) = queue(2 * i + 1)?;
+                let key = window_key(sig_id, p, n).ok_or_else(|| {
+                    CoreError::Invalid(format!("the signal window {sig_id} has no NIC key"))
+                })?;
+                table[i] = GdakiQpAbi {
+                    main: main_sq,
+                    companion: companion_sq,
+                    sig_addr: sig_addrs[p],
+                    sig_key: key,
+                    counter_key: COUNTER_KEY,
+                    sink: sink.dev(),
+                    sink_key: SINK_KEY,
+                    main_cqn: main_sq.qpn,
+                };
+                pairs.push(nic::PairSpec {
+                    ctx: c as u32,
+                    peer: p,
+                    main,
+                    companion,
+                });
+            }
+        }
+        let tab = DevMem::new(table.len() * std::mem::size_of::<GdakiQpAbi>())?;
+        tab.write(0, &table)?;
+        host.push(ctl);
+        Ok(GdakiQueues {
+            table: tab,
+            pairs,
+            dev: vec![indices, cqes],
+            host,
+            sink,
+        })
+    }
+}
+
+/// The device communicator flags for `sharing`, with
+/// `DEVCOMM_FLAG_LSA_ONLY` where every rank reaches every rank by
+/// load/store.
+fn flags(lsa_only: bool, sharing: CtxSharing) -> u32 {
+    let mut flags = DEVCOMM_FLAG_SENDER_SLOTS | DEVCOMM_FLAG_STRONG_SIGNALS;
+    if lsa_only {
+        flags |= DEVCOMM_FLAG_LSA_ONLY;
+    }
+    flags
+        | match sharing {
+            CtxSharing::Gpu => 0,
+            CtxSharing::Cta => DEVCOMM_FLAG_CTA_CTX,
+            CtxSharing::Thread => DEVCOMM_FLAG_EXCLUSIVE_CTX,
+        }
+}
+
+/// Signal and counter ranges taken from the CUDA id spaces.
+#[derive(Debug)]
+struct Ranges<'a, 'c> {
+    cuda: &'a CudaComm<'c>,
+    signals: (u64, u64),
+    counters: (u64, u64),
+}
+
+impl Drop for Ranges<'_, '_> {
+    fn drop(&mut self) {
+        let mut s = self
+            .cuda
+            .spaces
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let _ = s.signals.free(self.signals.0, self.signals.1);
+        let _ = s.counters.free(self.counters.0, self.counters.1);
+    }
+}
+
+/// A device communicator for CUDA kernels.
+#[derive(Debug)]
+pub struct CudaDevComm<'a, 'c> {
+    cuda: &'a CudaComm<'c>,
+    abi: DevCommAbi,
+    proxy: Option<proxy::CudaProxy>,
+    nic: Option<nic::CudaNic>,
+    _mem: Vec<DevMem>,
+    /// Queues the NIC reads: freed only after it stopped (see Drop).
+    _host: Vec<HostMem>,
+    ranges: Option<Ranges<'a, 'c>>,
+    lsa: Vec<bool>,
+}
+
+/// One kernel parameter, passed by value.
+#[derive(Debug)]
+pub enum Arg<'p> {
+    /// A `gin::DevComm` (the device communicator's [`CudaDevComm::abi`]).
+    DevComm(&'p DevCommAbi),
+    /// A `gin::Window` (a window's [`GpuWindow::abi`](super::GpuWindow::abi)).
+    Window(&'p WindowAbi),
+    /// An 8-byte integer.
+    U64(u64),
+    /// A 4-byte integer.
+    U32(u32),
+    /// A device address (8 bytes).
+    Ptr(u64),
+}
+
+impl CudaDevComm<'_, '_> {
+    /// What a kernel receives (pass by value as `gin::DevComm`).
+    pub fn abi(&self) -> &DevCommAbi {
+        &self.abi
+    }
+
+    /// Whether `peer` is reached by load/store.
+    pub fn is_lsa(&self, peer: usize) -> bool {
+        self.lsa.get(peer).copied().unwrap_or(false)
+    }
+
+    /// The backend serving peers not reached by load/store (with `auto`
+    /// and peers over TCP: "load/store + proxy").
+    pub fn backend_name(&self) -> &'static str {
+        let mixed = self.lsa.iter().filter(|&&l| l).count() > 1;
+        if self.proxy.is_some() && mixed {
+            "load/store + proxy"
+        } else if self.proxy.is_some() {
+            "proxy"
+        } else if self.nic.is_some() {
+            "gdaki"
+        } else {
+            "load/store"
+        }
+    }
+
+    /// Launches `f` on `grid` blocks of `block` threads and waits for it,
+    /// raising the abort flag if a peer dies or the proxy fails meanwhile.
+    /// Afterwards the error word is read: a device-side error becomes an
+    /// error naming this rank, the peer, the context and the id.
+    ///
+    /// # Safety
+    /// `f` must take exactly `args`, in order: `Arg::DevComm` a
+    /// `gin::DevComm` by value, `Arg::Window` a `gin::Window` by value,
+    /// `Arg::U64` and `Arg::Ptr` 8 bytes, `Arg::U32` 4 bytes. What the
+    /// kernel reaches through them must be memory it may access as it does
+    /// until it has finished: `Arg::Ptr` addresses of live allocations
+    /// large enough for what the kernel writes, `Arg::Window` and
+    /// `Arg::DevComm` the ABIs of live windows and of this device
+    /// communicator (the kernel follows their pointers; the device API
+    /// checks offsets against a window's sizes, not that the window
+    /// exists).
+    pub unsafe fn run(
+        &self,
+        f: &Function,
+        grid: u32,
+        block: u32,
+        args: &[Arg<'_>],
+    ) -> Result<(), CoreError> {
+        let cuda = self.cuda;
+        cuda.dev.make_current()?;
+        // SAFETY: the caller's contract.
+        unsafe { launch(f, &cuda.stream, grid, block, args)? };
+        let cause = self.watch()?;
+        self.settle(cause)
+    }
+
+    /// Waits for the kernel, raising the abort flag once a peer dies, the
+    /// TCP transport fails or an engine reports an error; returns that
+    /// cause.
+    fn watch(&self) -> Result<Option<String>, CoreError> {
+        let cuda = self.cuda;
+        let mut cause: Option<String> = None;
+        let mut next = Instant::now();
+        // A lost TCP link is often a dead peer that the bootstrap names a
+        // moment later: give it that moment before settling for the link's
+        // account.
+        let mut tcp_failed: Option<(Instant, String)> = None;
+        while !cuda.stream.idle()? {
+            if Instant::now() >= next {
+                next = Instant::now() + Duration::from_millis(1);
+                if cause.is_none() {
+                    cause = self.cause(&mut tcp_failed);
+                    if cause.is_some() {
+                        // Queued on its own stream, which runs beside the
+                        // kernel's; the kernel's waits read the flag.
+                        // SAFETY: the flag is 64 bytes of device memory the
+                        // CUDA communicator owns (it outlives `self`), and
+                        // the stream is waited for below before anything
+                        // else touches it.
+                        unsafe { cuda.abort_stream.write_u64(cuda.abort.ptr(), 1)? };
+                    }
+                }
+            }
+            std::thread::sleep(Duration::from_micros(20));
+        }
+        if cause.is_some() {
+            cuda.abort_stream.sync()?;
+            cuda.abort.zero(0, 8)?;
+        } else if let Some(e) = self.nic.as_ref().and_then(nic::CudaNic::error) {
+            // A kernel that met an error CQE may end before the watch
+            // above saw the NIC's account of it.
+            cause = Some(format!("the soft NIC reported: {e}"));
+        }
+        Ok(cause)
+    }
+
+    /// Why the kernel should give up, if it should: a dead peer, a failed
+    /// TCP transport (after [`DEATH_GRACE`]), a failed engine.
+    fn cause(&self, tcp_failed: &mut Option<(Instant, String)>) -> Option<String> {
+        let comm = self.cuda.comm;
+        if let Err(e) = comm.bootstrap().health() {
+            Some(e.to_string())
+        } else if let Some((since, why)) = tcp_failed {
+            (since.elapsed() > DEATH_GRACE).then(|| why.clone())
+        } else if let Err(e) = comm.fabric().health() {
+            *tcp_failed = Some((Instant::now(), format!("the TCP transport failed: {e}")));
+            None
+        } else if let Some(e) = self.proxy.as_ref().and_then(proxy::CudaProxy::error) {
+            Some(format!("the CUDA proxy failed: {e}"))
+        } else {
+            self.nic
+                .as_ref()
+                .and_then(nic::CudaNic::error)
+                .map(|e| format!("the soft NIC reported: {e}"))
+        }
+    }
+
+    /// Reads (and clears) the error word after the kernel: a device-side
+    /// error, else the watch's cause, is the run's error.
+    fn settle(&self, cause: Option<String>) -> Result<(), CoreError> {
+        let cuda = self.cuda;
+        let mut w = [0u64];
+        cuda.error.read(0, &mut w)?;
+        if w[0] != 0 {
+            cuda.error.zero(0, 8)?;
+        }
+        if let Some(d) = errword::decode(w[0]) {
+            return Err(CoreError::Kernel {
+                rank: cuda.comm.rank(),
+                what: errword::describe(d.kind),
+                ctx: d.ctx,
+                peer: d.peer,
+                value: d.value,
+                cause: cause.unwrap_or_default(),
+            });
+        }
+        if let Some(c) = cause {
+            return Err(CoreError::Invalid(format!(
+                "rank {}: kernel finished, but {c}",
+                cuda.comm.rank()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Stops the proxy after checking that every rank got here, and gives
+    /// the ids back (collective).
+    pub fn destroy(mut self) -> Result<(), CoreError> {
+        if let Some(p) = self.proxy.take() {
+            p.stop()?;
+        }
+        if let Some(n) = self.nic.take() {
+            n.stop()?;
+        }
+        // What the proxy or NIC sent over TCP has been executed before any
+        // rank reuses the slots.
+        self.cuda.comm.fabric().fence_all()?;
+        self.cuda.comm.bootstrap().barrier()?;
+        self.ranges.take();
+        Ok(())
+    }
+}
+
+/// Queues `f` on `stream` with `args` passed by value.
+///
+/// # Safety
+/// As [`CudaDevComm::run`].
+unsafe fn launch(
+    f: &Function,
+    stream: &Stream,
+    grid: u32,
+    block: u32,
+    args: &[Arg<'_>],
+) -> Result<(), CoreError> {
+    let mut vals: Vec<u64> = args
+        .iter()
+        .map(|a| match a {
+            Arg::U64(v) | Arg::Ptr(v) => *v,
+            Arg::U32(v) => u64::from(*v),
+            Arg::DevComm(_) | Arg::Window(_) => 0,
+        })
+        .collect();
+    let mut u32s: Vec<u32> = args
+        .iter()
+        .map(|a| if let Arg::U32(v) = a { *v } else { 0 })
+        .collect();
+    let mut params: Vec<*mut c_void> = Vec::with_capacity(args.len());
+    for (i, a) in args.iter().enumerate() {
+        params.push(match a {
+            Arg::DevComm(d) => std::ptr::from_ref::<DevCommAbi>(d).cast_mut().cast(),
+            Arg::Window(w) => std::ptr::from_ref::<WindowAbi>(w).cast_mut().cast(),
+            Arg::U32(_) => (&raw mut u32s[i]).cast(),
+            Arg::U64(_) | Arg::Ptr(_) => (&raw mut vals[i]).cast(),
+        });
+    }
+    // SAFETY: the parameter pointers stay valid for the call (the driver
+    // copies the values before it returns); the caller matches the
+    // kernel's signature and vouches for what it reaches.
+    unsafe { f.launch(stream, grid, block, &mut params)? };
+    Ok(())
+}
+
+impl Drop for CudaDevComm<'_, '_> {
+    fn drop(&mut self) {
+        if let Some(p) = self.proxy.take() {
+            let _ = p.stop();
+        }
+        if let Some(n) = self.nic.take() {
+            let _ = n.stop();
+        }
+        // Without destroy, a signal may still be in flight to these slots:
+        // keep them out of reuse.
+        if let Some(r) = self.ranges.take() {
+            std::mem::forget(r);
+        }
+    }
+}

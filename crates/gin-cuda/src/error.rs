@@ -1,0 +1,170 @@
+//! What the CUDA host runtime fails with.
+
+use std::time::Duration;
+
+/// A CUDA driver call that did not return `CUDA_SUCCESS`: which call, and
+/// the `CUresult` by number, name and description.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("CUDA call {call} failed: {name} ({code}): {text}")]
+pub struct DriverError {
+    /// The driver entry point, as `cuMemAlloc`.
+    pub call: &'static str,
+    /// The `CUresult` value.
+    pub code: i32,
+    /// The `CUresult` name, as `CUDA_ERROR_OUT_OF_MEMORY` (`?` if the
+    /// driver does not name it).
+    pub name: String,
+    /// The driver's description of the result.
+    pub text: String,
+}
+
+/// Everything the CUDA host runtime can fail with.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CudaError {
+    /// No usable CUDA driver or GPU on this machine: CUDA ranks cannot run
+    /// here (CPU ranks can).
+    #[error("CUDA is not available: {why}")]
+    Unavailable {
+        /// Why not (no driver library, no GPU, a failing `cuInit`).
+        why: String,
+    },
+    /// A driver call failed.
+    #[error(transparent)]
+    Driver(#[from] DriverError),
+    /// Allocating memory failed (out of memory, most often).
+    #[error("allocating {bytes} bytes of {what}: {source}")]
+    Alloc {
+        /// What was allocated: "device memory" or "pinned host memory".
+        what: &'static str,
+        /// The size asked for.
+        bytes: usize,
+        /// The failing driver call.
+        source: DriverError,
+    },
+    /// The GPU asked for is not one of this machine's.
+    #[error("GPU {ordinal} does not exist (this machine has {count})")]
+    NoSuchDevice {
+        /// The ordinal asked for.
+        ordinal: usize,
+        /// How many GPUs the driver reports.
+        count: usize,
+    },
+    /// Opening a GPU (its properties or its primary context) failed.
+    #[error("opening GPU {ordinal}: {source}")]
+    Open {
+        /// The GPU's ordinal.
+        ordinal: usize,
+        /// The failing driver call.
+        source: DriverError,
+    },
+    /// An access outside memory this crate owns, refused before any driver
+    /// call.
+    #[error("{op} of {bytes} bytes at {offset} exceeds a {size}-byte {what}")]
+    OutOfBounds {
+        /// The operation: "write", "read", "zeroing", ...
+        op: &'static str,
+        /// What was accessed: "device buffer", "pinned host buffer", ...
+        what: &'static str,
+        /// The offset into it.
+        offset: u64,
+        /// The bytes asked for.
+        bytes: u64,
+        /// Its size.
+        size: u64,
+    },
+    /// An offset that an 8-byte atomic cannot use.
+    #[error("offset {offset} of a {size}-byte pinned host buffer is not 8-byte aligned")]
+    Misaligned {
+        /// The offset asked for.
+        offset: usize,
+        /// The buffer's size.
+        size: usize,
+    },
+    /// More stores than one `cuStreamBatchMemOp` call takes.
+    #[error("write_many: {count} stores, at most {max} in one call")]
+    TooManyWrites {
+        /// Stores asked for.
+        count: usize,
+        /// The limit ([`crate::MAX_WRITES`]).
+        max: usize,
+    },
+    /// The three lists of a batched copy differ in length.
+    #[error(
+        "copy_many: lists of different lengths ({dst} destinations, {src} sources, {len} lengths)"
+    )]
+    CopyLists {
+        /// Destinations given.
+        dst: usize,
+        /// Sources given.
+        src: usize,
+        /// Lengths given.
+        len: usize,
+    },
+    /// A module has no kernel of that name (or the name has a NUL).
+    #[error("kernel {name}: {why}")]
+    NoKernel {
+        /// The kernel's name.
+        name: String,
+        /// What the driver said, or that the name has a NUL.
+        why: String,
+    },
+    /// NVRTC cannot be loaded: nothing can be compiled at run time here.
+    #[error("run-time compilation of {name} is not available: {why}")]
+    NvrtcUnavailable {
+        /// The source's name.
+        name: String,
+        /// Why not.
+        why: String,
+    },
+    /// NVRTC was given input it cannot take (a NUL in a source, a header
+    /// file that cannot be read).
+    #[error("run-time compilation of {name}: {why}")]
+    CompileInput {
+        /// The source's name.
+        name: String,
+        /// What was wrong.
+        why: String,
+    },
+    /// NVRTC failed to compile a source; `log` holds its diagnostics.
+    #[error("run-time compilation of {name} failed: {call}: {result}{}", if log.is_empty() { String::new() } else { format!("\n{log}") })]
+    Compile {
+        /// The source's name.
+        name: String,
+        /// The failing NVRTC call.
+        call: &'static str,
+        /// The `nvrtcResult`'s description.
+        result: String,
+        /// NVRTC's log (empty if it wrote none).
+        log: String,
+    },
+    /// A host thread could not be started.
+    #[error("cannot start the {what} thread: {source}")]
+    Spawn {
+        /// Which thread ("CUDA proxy", ...).
+        what: &'static str,
+        /// The operating system's error.
+        source: std::io::Error,
+    },
+    /// A worker thread stopped with an error (the first it met).
+    #[error("{context}: {error}")]
+    Worker {
+        /// Who reports it ("the soft NIC reported").
+        context: String,
+        /// The worker's first error.
+        error: String,
+    },
+    /// A peer did not answer a staged read in time.
+    #[error("rank {peer} did not answer a get of {bytes} bytes within {waited:?}")]
+    Timeout {
+        /// The peer.
+        peer: usize,
+        /// The bytes asked for.
+        bytes: usize,
+        /// How long it was waited for.
+        waited: Duration,
+    },
+    /// The TCP transport failed a staged transfer.
+    #[error(transparent)]
+    Net(#[from] gin_net::NetError),
+}

@@ -1,0 +1,50 @@
+//! gin-cuda: the CUDA host runtime under gin-rs's CUDA ranks — the driver
+//! wrapper, run-time compilation, stream batching, TCP staging of GPU memory
+//! and the worker threads that the CUDA proxy and the soft NIC run on.
+//!
+//! # Design
+//!
+//! - **Nothing CUDA is needed to build.** The driver and NVRTC are loaded at
+//!   run time through cudarc's `dynamic-loading` (its `sys` level only);
+//!   [`available`] says why CUDA cannot be used on a machine without a
+//!   driver or GPU, and no call here panics for want of one.
+//! - **Sound by construction.** Memory types ([`DevMem`], [`HostMem`],
+//!   [`IpcMem`]) keep their pointers private and free what they own on
+//!   drop; their safe accessors check every range against the allocation
+//!   and fail before any driver call. Whatever takes a raw device or host
+//!   address — queueing a copy or a store on a [`Stream`], a [`batch::Dma`]
+//!   executor, a staged transfer — is an `unsafe fn` with a `# Safety`
+//!   section, and so is launching a kernel ([`Function::launch`]): nothing
+//!   here can check a kernel's parameter list or what it writes.
+//! - **Batching** ([`batch::StreamBatch`]): the driver time of one
+//!   `cuMemcpyAsync` or `cuStreamWriteValue64` bounds a CPU-driven engine,
+//!   so consecutive copies and stores of one queue go to the driver as one
+//!   call each, with the outcome of issuing them one by one (proptested
+//!   against that model with a host-memory executor).
+//! - **Staging** ([`staging`]): GPU memory served to TCP peers through
+//!   gin-net's region table ([`staging::GpuRegion`] is a
+//!   `gin_net::region::Backing`), and the pinned buffer through which an
+//!   engine sends and fetches over a `gin_net::tcp::Link`.
+//! - Errors are [`CudaError`]: the failing driver call with its `CUresult`
+//!   name, the allocation size, the device ordinal, NVRTC's log.
+//!
+//! # What it does not know
+//!
+//! Windows, signals, descriptors, WQEs and the device API: the backend
+//! crates and gin-core build their CUDA engines on top of this crate, and
+//! hand NVRTC their headers ([`nvrtc::compile`] takes them as data).
+
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
+
+pub mod batch;
+mod driver;
+mod error;
+pub mod nvrtc;
+pub mod staging;
+pub mod worker;
+
+pub use driver::{
+    Cubin, DevMem, Device, Function, HostMem, IpcMem, MAX_WRITES, Module, Stream, available,
+};
+pub use error::{CudaError, DriverError};
