@@ -144,6 +144,33 @@ impl Stage {
     }
 }
 
+impl Stage {
+    /// Lets `read` fill the buffer's first `n` (at most [`STAGE`]) bytes —
+    /// a blocking read that writes nothing once it has returned, such as
+    /// `gin_net::Fabric::read_key` — then copies them to device address
+    /// `dst` with `stream` and waits.
+    ///
+    /// # Safety
+    /// `dst` must be writable for `n.min(STAGE)` bytes by `stream` until
+    /// this returns.
+    pub unsafe fn fetch(
+        &mut self,
+        n: usize,
+        stream: &impl Dma,
+        dst: u64,
+        read: impl FnOnce(&mut [u8]) -> Result<(), gin_net::NetError>,
+    ) -> Result<(), CudaError> {
+        let n = n.min(STAGE);
+        // SAFETY: the buffer holds STAGE >= n bytes, is ours while `self`
+        // is borrowed mutably, and no copy touches it now (every copy
+        // into or out of it was waited for).
+        let buf = unsafe { std::slice::from_raw_parts_mut(self.mem.host_ptr(), n) };
+        read(buf)?;
+        // SAFETY: the caller's contract.
+        unsafe { self.land(stream, dst, n) }
+    }
+}
+
 impl Drop for Stage {
     fn drop(&mut self) {
         if !self.abandoned {

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use gin_device::Counters;
-use gin_net::{Addr, Fabric, MemDesc, NetError};
+use gin_net::{Addr, Fabric, MemDesc, Memory, NetError};
 
 use crate::error::ExecError;
 use crate::executor::{Executor, Get, Issued, Put, Site, Source, Target};
@@ -65,7 +65,7 @@ impl FabricExecutor {
 }
 
 /// A fabric error as an executor error, keeping its words.
-fn net(peer: usize, e: NetError) -> ExecError {
+pub(crate) fn net(peer: usize, e: NetError) -> ExecError {
     match e {
         NetError::Refused { peer, .. } | NetError::Revoked { peer, .. } => {
             let words = e.to_string();
@@ -94,8 +94,15 @@ impl Executor for FabricExecutor {
     type Window = Arc<MemDesc>;
     type InFlight = Arc<AtomicU64>;
 
+    /// Host windows only: a GPU window (`Memory::Device`, registered by a
+    /// CUDA rank of the same communicator) has device addresses this
+    /// executor must never load or store, so a descriptor naming one is
+    /// refused as naming an unknown window.
     fn window(&self, id: u32) -> Option<Arc<MemDesc>> {
-        self.fabric.window(id).ok()
+        self.fabric
+            .window(id)
+            .ok()
+            .filter(|w| w.memory == Memory::Host)
     }
 
     fn part_size(&self, window: &Arc<MemDesc>, owner: usize) -> u64 {
@@ -208,5 +215,115 @@ impl Executor for FabricExecutor {
         self.fabric
             .health()
             .map_err(|e| ExecError::Transport { why: e.to_string() })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+    use std::time::Duration;
+
+    use gin_net::MemParts;
+    use gin_net::region::RegionTable;
+
+    use super::*;
+    use crate::descriptor::{Desc, Op};
+    use crate::engine::{EngineConfig, RingSpec};
+    use crate::error::{Invalid, ProxyError, Why};
+    use crate::ring::RingMem;
+    use crate::{Engine, Progress};
+
+    /// A GPU window in the fabric's directory (a CUDA rank of the same
+    /// communicator registered it) is never loaded or stored by the CPU
+    /// ranks' executor: a descriptor naming it fails as naming an unknown
+    /// window, before anything moves, while a host window next to it works.
+    #[test]
+    fn gpu_windows_are_refused_by_the_cpu_executor() {
+        let fabric = Arc::new(Fabric::local(
+            Arc::new(RegionTable::default()),
+            Duration::from_secs(1),
+        ));
+        let mut mem = vec![0u64; 8].into_boxed_slice();
+        mem[0] = 0x1122_3344;
+        let base = mem.as_mut_ptr() as usize;
+        let host = MemParts {
+            local_base: base,
+            sizes: vec![64],
+            peer_bases: vec![base],
+            keys: vec![0],
+            addrs: vec![base as u64],
+            states: vec![0],
+            ..MemParts::default()
+        };
+        // SAFETY: `mem` (64 bytes) outlives the fabric's users below.
+        fabric.add_window(1, unsafe { MemDesc::new(host) });
+        let device = MemParts {
+            memory: Memory::Device,
+            local_base: 0x7f00_dead_0000,
+            sizes: vec![64],
+            peer_bases: vec![0x7f00_dead_0000],
+            keys: vec![0],
+            addrs: vec![0x7f00_dead_0000],
+            states: vec![0],
+            keep: None,
+        };
+        // SAFETY: a device window nobody dereferences in this test: the
+        // executor must refuse it (which is what is tested).
+        fabric.add_window(2, unsafe { MemDesc::new(device) });
+        let ring = Arc::new(Ring::new(3));
+        let counters = Arc::new(Counters::new(1));
+        let mut exec = FabricExecutor::new(fabric, counters, Arc::from(vec![ring.clone()]));
+        assert!(exec.window(1).is_some());
+        assert!(exec.window(2).is_none());
+        let put = |dst_window, src_window| Desc {
+            op: Op::Put,
+            bytes: 8,
+            dst_window,
+            dst_offset: 8,
+            src_window,
+            src_offset: 0,
+            inline: None,
+            signal: None,
+            counter: None,
+        };
+        ring.write(0, &put(1, 1));
+        ring.write(1, &put(1, 2));
+        ring.write(2, &put(2, 1));
+        let config = EngineConfig {
+            rank: 0,
+            batch: 8,
+            counter_slots: 1,
+        };
+        let spec = RingSpec {
+            ctx: 0,
+            peer: 0,
+            mem: RingMem::owned(ring.clone()),
+            first: 0,
+        };
+        let mut engine = Engine::new(config, vec![spec]);
+        let p = engine.step(&mut exec);
+        assert_eq!(
+            p,
+            Progress {
+                executed: 1,
+                landed: 0,
+                published: 1
+            }
+        );
+        assert_eq!(mem[1], 0x1122_3344);
+        assert_eq!(ring.tail(), 1);
+        let e = engine.failure().unwrap();
+        assert!(
+            matches!(
+                e,
+                ProxyError::Descriptor {
+                    seq: 1,
+                    why: Why::Invalid(Invalid::UnknownWindow { window: 2 }),
+                    ..
+                }
+            ),
+            "{e}"
+        );
     }
 }
