@@ -44,6 +44,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
+pub mod cuda;
 pub mod descriptor;
 mod driver;
 mod engine;

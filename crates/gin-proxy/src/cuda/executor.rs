@@ -1,0 +1,505 @@
+//! The executor of CUDA ranks: one CUDA stream per ring, asynchronous and
+//! in order.
+//!
+//! Every call only queues work on the ring's stream, through a
+//! [`StreamBatch`]: a put's data as a copy (an inline value as an 8-byte
+//! store), then its signal as the engine's running `total` stored into this
+//! rank's own sub-slot of the signal at the peer (`cuStreamWriteValue64`:
+//! the copy engine has no atomics, and this rank is the only writer of that
+//! sub-slot), then a counter's running total into the proxy's sub-slot of
+//! the counter (`counters + slot * 16`). [`Executor::publish`] queues the
+//! store of the ring's completion index (in device memory) after them, and
+//! [`Executor::flush`] hands the batch to the driver, so a kernel that sees
+//! the index sees the data, signals and counters before it; nothing waits
+//! for the GPU.
+//!
+//! Peers reached over a keyed transport (tcp) go through the fabric: a
+//! put's source is staged through pinned host memory on the ring's stream
+//! (waited for) and sent with [`Fabric::put_key`], its signal follows as an
+//! 8-byte put of the running total on the same ordered path, and a get's
+//! answer is read with [`Fabric::read_key`] into the pinned buffer and
+//! copied to the GPU (waited for).
+//!
+//! Windows come from the fabric's directory, GPU windows
+//! ([`Memory::Device`]) only; every address handed to a stream is checked
+//! here again against the window's sizes, right where it is used.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use gin_cuda::batch::{BatchStats, Dma, StreamBatch, region};
+use gin_cuda::staging::{STAGE, Stage};
+use gin_cuda::{CudaError, Device, Stream};
+use gin_net::{Fabric, MemDesc, Memory, Reach};
+
+use crate::error::ExecError;
+use crate::executor::{Data, Executor, Get, Issued, Put, Signal, Site, Source, Target};
+use crate::fabric::net;
+
+/// What the CUDA executor needs of a GPU: its context made current on the
+/// driver thread, and streams. A [`Device`] in production; the step tests
+/// use a recording fake.
+pub(crate) trait Gpu {
+    /// A stream: copies and 8-byte stores, executed in queue order.
+    type Stream: Dma;
+    /// Makes the GPU's context current on the calling thread.
+    fn enter(&self) -> Result<(), CudaError>;
+    /// A new stream.
+    fn stream(&self) -> Result<Self::Stream, CudaError>;
+}
+
+impl Gpu for Arc<Device> {
+    type Stream = Stream;
+    fn enter(&self) -> Result<(), CudaError> {
+        self.make_current()
+    }
+    fn stream(&self) -> Result<Stream, CudaError> {
+        Stream::new()
+    }
+}
+
+/// A ring's stream and the work queued for it but not yet handed over.
+struct Queue<S> {
+    stream: S,
+    batch: StreamBatch,
+}
+
+/// Where the executor stores: what the device communicator laid out.
+#[derive(Debug, Clone)]
+pub(crate) struct Layout {
+    /// The signal window's id: a signal names this rank's sub-slot of it.
+    pub signal_window: u32,
+    /// Device address of the counter array (16 bytes a slot, the proxy's
+    /// running total first).
+    pub counters: u64,
+    /// Slots of the counter array.
+    pub counter_slots: u64,
+    /// Device address of each ring's completion index, by engine ring
+    /// index.
+    pub done: Vec<u64>,
+}
+
+/// CUDA streams as an [`Executor`] (see the module documentation).
+pub(crate) struct CudaExecutor<G: Gpu> {
+    gpu: G,
+    fabric: Arc<Fabric>,
+    layout: Layout,
+    /// One per ring, made on the driver thread ([`Executor::enter`]).
+    queues: Vec<Queue<G::Stream>>,
+    /// Pinned staging for peers over keyed transports (`None`: none).
+    stage: Option<Stage>,
+    /// What keeps the memory `layout` names alive while streams may still
+    /// store into it (the index array).
+    _keep: Box<dyn std::any::Any + Send>,
+}
+
+impl<G: Gpu> std::fmt::Debug for CudaExecutor<G> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaExecutor")
+            .field("rank", &self.fabric.rank())
+            .field("layout", &self.layout)
+            .field("queues", &self.queues.len())
+            .field("staging", &self.stage.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A driver call's failure as an executor error.
+fn cuda(what: &'static str) -> impl Fn(CudaError) -> ExecError {
+    move |e| ExecError::Device {
+        what,
+        why: e.to_string(),
+    }
+}
+
+fn invalid(why: String) -> ExecError {
+    ExecError::Invalid { why }
+}
+
+impl<G: Gpu> CudaExecutor<G> {
+    /// An executor on `gpu` over `fabric`'s GPU windows.
+    ///
+    /// # Safety
+    /// `layout.counters` must be `layout.counter_slots * 16` bytes of
+    /// device memory, and each `layout.done[i]` 8 aligned bytes of device
+    /// memory, that the streams of `gpu` may write until the executor was
+    /// quiesced and dropped (`keep` may hold them); the device windows in
+    /// `fabric`'s directory must be what their descriptions say while
+    /// streams may copy to and from them.
+    pub(crate) unsafe fn new(
+        gpu: G,
+        fabric: Arc<Fabric>,
+        layout: Layout,
+        stage: Option<Stage>,
+        keep: Box<dyn std::any::Any + Send>,
+    ) -> Self {
+        Self {
+            gpu,
+            fabric,
+            layout,
+            queues: Vec::new(),
+            stage,
+            _keep: keep,
+        }
+    }
+
+    /// Whether `peer` is reached over a keyed transport (tcp): staged.
+    fn keyed(&self, peer: usize) -> bool {
+        self.fabric.reach(peer) == Some(Reach::Keyed)
+    }
+
+    fn queue(&mut self, site: Site) -> Result<&mut Queue<G::Stream>, ExecError> {
+        let n = self.queues.len();
+        self.queues.get_mut(site.ring).ok_or_else(|| {
+            invalid(format!(
+                "no stream for ring {} ({n} made: the executor was not entered)",
+                site.ring
+            ))
+        })
+    }
+
+    /// Queues an 8-byte store on the ring's stream.
+    ///
+    /// # Safety
+    /// `addr` 8 aligned bytes of device memory the stream may write until
+    /// it has executed the store.
+    unsafe fn store(&mut self, site: Site, addr: u64, v: u64) -> Result<(), ExecError> {
+        let q = self.queue(site)?;
+        // SAFETY: the caller's contract.
+        unsafe { q.batch.write(&q.stream, addr, v) }.map_err(cuda("cuStreamWriteValue64"))
+    }
+
+    /// The device address of this rank's `bytes` at `t`, checked.
+    fn local(&self, t: &Target<Arc<MemDesc>>, bytes: u64) -> Result<u64, ExecError> {
+        let rank = self.fabric.rank();
+        let size = t.window.size_of(rank);
+        if t.window.local_base == 0 || t.offset.checked_add(bytes).is_none_or(|e| e > size) {
+            return Err(invalid(format!(
+                "{bytes} bytes at offset {} exceed rank {rank}'s {size} bytes of window {}",
+                t.offset, t.id
+            )));
+        }
+        Ok(t.window.local_addr() + t.offset)
+    }
+
+    /// The device address of `peer`'s `bytes` at `t`, mapped here, checked.
+    fn mapped(peer: usize, t: &Target<Arc<MemDesc>>, bytes: u64) -> Result<u64, ExecError> {
+        let (base, size) = (t.window.peer_addr(peer), t.window.size_of(peer));
+        if base == 0 {
+            return Err(invalid(format!(
+                "rank {peer}'s part of window {} is not mapped here",
+                t.id
+            )));
+        }
+        if t.offset.checked_add(bytes).is_none_or(|e| e > size) {
+            return Err(invalid(format!(
+                "{bytes} bytes at offset {} exceed rank {peer}'s {size} bytes of window {}",
+                t.offset, t.id
+            )));
+        }
+        Ok(base + t.offset)
+    }
+
+    /// The key `peer` serves its part of `t`'s window under.
+    fn key(peer: usize, t: &Target<Arc<MemDesc>>) -> Result<u32, ExecError> {
+        match t.window.key_of(peer) {
+            0 => Err(invalid(format!(
+                "rank {peer}'s part of window {} is not served over tcp",
+                t.id
+            ))),
+            k => Ok(k),
+        }
+    }
+
+    /// A put's data to a peer mapped here: a copy, or an inline store.
+    fn copy_data(&mut self, site: Site, d: &Data<Arc<MemDesc>>) -> Result<(), ExecError> {
+        let dst = Self::mapped(site.peer, &d.dst, d.bytes)?;
+        match &d.src {
+            Source::Inline(v) => {
+                if !dst.is_multiple_of(8) {
+                    return Err(invalid(format!(
+                        "inline put at offset {} of window {} is not 8-byte aligned",
+                        d.dst.offset, d.dst.id
+                    )));
+                }
+                // SAFETY: 8 aligned bytes inside the peer's part as mapped
+                // here (checked above).
+                unsafe { self.store(site, dst, *v) }
+            }
+            Source::Window(t) => {
+                let src = self.local(t, d.bytes)?;
+                let g = region(true, d.dst.id, t.id);
+                let q = self.queue(site)?;
+                // SAFETY: the destination lies in the peer's part as mapped
+                // here, the source in this rank's part (both checked), and
+                // `g` names the two windows.
+                unsafe { q.batch.push(&q.stream, dst, src, d.bytes as usize, g) }
+                    .map_err(cuda("cuMemcpyAsync"))
+            }
+        }
+    }
+
+    /// A put's data to a peer over a keyed transport: an inline value
+    /// sent as is, a window's bytes staged a chunk at a time after
+    /// everything queued so far.
+    fn send_data(&mut self, site: Site, d: &Data<Arc<MemDesc>>) -> Result<(), ExecError> {
+        let peer = site.peer;
+        let key = Self::key(peer, &d.dst)?;
+        let src = match &d.src {
+            Source::Inline(v) => {
+                return self
+                    .fabric
+                    .put_key(peer, key, d.dst.offset, &v.to_le_bytes())
+                    .map_err(|e| net(peer, e));
+            }
+            Source::Window(t) => self.local(t, d.bytes)?,
+        };
+        self.queue(site)?;
+        let Self {
+            queues,
+            stage,
+            fabric,
+            ..
+        } = self;
+        let q = &mut queues[site.ring];
+        let stage = stage.as_mut().ok_or_else(no_stage(peer))?;
+        q.batch.flush(&q.stream).map_err(cuda("queueing"))?;
+        let mut at = 0;
+        while at < d.bytes {
+            let c = (d.bytes - at).min(STAGE as u64);
+            // SAFETY: inside this rank's part at `src` (checked above).
+            let bytes = unsafe { stage.pull(&q.stream, src + at, c as usize) }
+                .map_err(cuda("staging a put"))?;
+            fabric
+                .put_key(peer, key, d.dst.offset + at, bytes)
+                .map_err(|e| net(peer, e))?;
+            at += c;
+        }
+        Ok(())
+    }
+
+    /// Where a put's signal goes, checked before any of the put is
+    /// queued: this rank's own sub-slot of the signal at the peer, mapped
+    /// here or named by the peer's key.
+    fn signal_at(&self, peer: usize, s: &Signal<Arc<MemDesc>>) -> Result<SignalAt, ExecError> {
+        let (rank, n) = (self.fabric.rank() as u64, self.fabric.nranks() as u64);
+        if s.at.id != self.layout.signal_window
+            || !s.at.offset.is_multiple_of(8)
+            || (s.at.offset / 8) % n.max(1) != rank
+        {
+            return Err(invalid(format!(
+                "signal at offset {} of window {} is not this rank's sub-slot of a signal",
+                s.at.offset, s.at.id
+            )));
+        }
+        if self.keyed(peer) {
+            Ok(SignalAt::Key(Self::key(peer, &s.at)?))
+        } else {
+            Ok(SignalAt::Mapped(Self::mapped(peer, &s.at, 8)?))
+        }
+    }
+
+    /// A put's signal: this rank's running total, stored after the data
+    /// (mapped), or sent after the data on the same ordered path (keyed).
+    fn signal(
+        &mut self,
+        site: Site,
+        s: &Signal<Arc<MemDesc>>,
+        at: SignalAt,
+    ) -> Result<(), ExecError> {
+        match at {
+            SignalAt::Key(key) => self
+                .fabric
+                .put_key(site.peer, key, s.at.offset, &s.total.to_le_bytes())
+                .map_err(|e| net(site.peer, e)),
+            // SAFETY: this rank's 8-aligned sub-slot inside the peer's part
+            // of the signal window as mapped here (checked by `signal_at`).
+            SignalAt::Mapped(addr) => unsafe { self.store(site, addr, s.total) },
+        }
+    }
+
+    /// A get from a peer over a keyed transport, read a chunk at a time
+    /// into pinned memory and copied to the GPU, after everything queued.
+    fn fetch(&mut self, site: Site, get: &Get<Arc<MemDesc>>) -> Result<(), ExecError> {
+        let peer = site.peer;
+        let key = Self::key(peer, &get.remote)?;
+        let dst = self.local(&get.local, get.bytes)?;
+        self.queue(site)?;
+        let Self {
+            queues,
+            stage,
+            fabric,
+            ..
+        } = self;
+        let q = &mut queues[site.ring];
+        let stage = stage.as_mut().ok_or_else(no_stage(peer))?;
+        q.batch.flush(&q.stream).map_err(cuda("queueing"))?;
+        let mut at = 0;
+        while at < get.bytes {
+            let c = (get.bytes - at).min(STAGE as u64);
+            let off = get.remote.offset + at;
+            // SAFETY: inside this rank's part at `dst` (checked above).
+            unsafe {
+                stage.fetch(c as usize, &q.stream, dst + at, |buf| {
+                    fabric.read_key(peer, key, off, buf)
+                })
+            }
+            .map_err(|e| match e {
+                CudaError::Net(e) => net(peer, e),
+                e => cuda("staging a get")(e),
+            })?;
+            at += c;
+        }
+        Ok(())
+    }
+}
+
+/// Where a signal goes (see [`CudaExecutor::signal_at`]).
+#[derive(Debug, Clone, Copy)]
+enum SignalAt {
+    /// The device address of the sub-slot, mapped here.
+    Mapped(u64),
+    /// The key the peer serves its signal part under.
+    Key(u32),
+}
+
+fn no_stage(peer: usize) -> impl Fn() -> ExecError {
+    move || {
+        invalid(format!(
+            "rank {peer} is reached over tcp, but no staging buffer was set up"
+        ))
+    }
+}
+
+impl<G: Gpu> Executor for CudaExecutor<G> {
+    type Window = Arc<MemDesc>;
+    type InFlight = Infallible;
+
+    /// GPU windows only: a host window has no device address to copy.
+    fn window(&self, id: u32) -> Option<Arc<MemDesc>> {
+        self.fabric
+            .window(id)
+            .ok()
+            .filter(|w| w.memory == Memory::Device)
+    }
+
+    fn part_size(&self, window: &Arc<MemDesc>, owner: usize) -> u64 {
+        window.size_of(owner)
+    }
+
+    /// Makes the context current and one stream per ring.
+    fn enter(&mut self) -> Result<(), ExecError> {
+        self.gpu
+            .enter()
+            .map_err(cuda("making the context current"))?;
+        while self.queues.len() < self.layout.done.len() {
+            let stream = self.gpu.stream().map_err(cuda("cuStreamCreate"))?;
+            self.queues.push(Queue {
+                stream,
+                batch: StreamBatch::default(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Every address of the put is checked before any of it is queued, so
+    /// a put this executor refuses never half-happens.
+    fn put(&mut self, site: Site, put: &Put<Arc<MemDesc>>) -> Result<(), ExecError> {
+        let sig = match &put.signal {
+            Some(s) => Some((s, self.signal_at(site.peer, s)?)),
+            None => None,
+        };
+        if let Some(d) = &put.data {
+            if self.keyed(site.peer) {
+                self.send_data(site, d)?;
+            } else {
+                self.copy_data(site, d)?;
+            }
+        }
+        match sig {
+            Some((s, at)) => self.signal(site, s, at),
+            None => Ok(()),
+        }
+    }
+
+    /// A copy on the ring's stream (mapped), or staged and waited for
+    /// (keyed): ordered either way.
+    fn get(
+        &mut self,
+        site: Site,
+        get: &Get<Arc<MemDesc>>,
+    ) -> Result<Issued<Infallible>, ExecError> {
+        if self.keyed(site.peer) {
+            self.fetch(site, get)?;
+            return Ok(Issued::Ordered);
+        }
+        let src = Self::mapped(site.peer, &get.remote, get.bytes)?;
+        let dst = self.local(&get.local, get.bytes)?;
+        let g = region(false, get.remote.id, get.local.id);
+        let q = self.queue(site)?;
+        // SAFETY: the destination lies in this rank's part, the source in
+        // the peer's part as mapped here (both checked), and `g` names the
+        // two windows.
+        unsafe { q.batch.push(&q.stream, dst, src, get.bytes as usize, g) }
+            .map_err(cuda("cuMemcpyAsync"))?;
+        Ok(Issued::Ordered)
+    }
+
+    fn landed(&mut self, _: Site, get: &mut Infallible) -> Result<bool, ExecError> {
+        match *get {}
+    }
+
+    /// Stores the running total into the proxy's sub-slot of the counter.
+    fn count(&mut self, site: Site, slot: u32, total: u64) -> Result<(), ExecError> {
+        let slots = self.layout.counter_slots;
+        if u64::from(slot) >= slots {
+            return Err(invalid(format!(
+                "counter slot {slot} does not exist ({slots} slots)"
+            )));
+        }
+        let at = self.layout.counters + u64::from(slot) * 16;
+        // SAFETY: the proxy's sub-slot of an existing counter (checked
+        // above) of the counter array, which `new`'s caller keeps alive.
+        unsafe { self.store(site, at, total) }
+    }
+
+    /// Queues the store of the ring's completion index after its work.
+    fn publish(&mut self, site: Site, upto: u64) -> Result<(), ExecError> {
+        let at = *self
+            .layout
+            .done
+            .get(site.ring)
+            .ok_or_else(|| invalid(format!("no ring {} to publish into", site.ring)))?;
+        // SAFETY: the ring's completion index, which `new`'s caller keeps
+        // alive.
+        unsafe { self.store(site, at, upto) }
+    }
+
+    /// The batch's signals, counters and completion index (and an inline
+    /// put's value) reach the driver together.
+    fn flush(&mut self, site: Site) -> Result<(), ExecError> {
+        let q = self.queue(site)?;
+        q.batch.flush(&q.stream).map_err(cuda("queueing"))
+    }
+
+    /// Waits for every stream; logs what reached the driver. Whatever is
+    /// still pending in a batch belongs to a descriptor that failed (the
+    /// engine flushes every batch it hands over) and is dropped.
+    fn quiesce(&mut self) -> Result<(), ExecError> {
+        let mut calls = BatchStats::default();
+        let mut first = Ok(());
+        for q in &self.queues {
+            first = first.and(q.stream.sync().map_err(cuda("cuStreamSynchronize")));
+            calls += q.batch.stats;
+        }
+        tracing::debug!(
+            rank = self.fabric.rank(),
+            copies = calls.copies,
+            copy_calls = calls.copy_calls,
+            copies_issued = calls.copies_issued,
+            store_calls = calls.store_calls,
+            "CUDA proxy streams drained"
+        );
+        first
+    }
+}

@@ -1,0 +1,541 @@
+//! Step tests of the engine driving the CUDA executor, with a GPU whose
+//! streams record what the driver would be handed (no CUDA needed): the
+//! same engine and executor code the GPU path runs, down to the batching
+//! of driver calls. Device addresses are made-up numbers that nothing
+//! dereferences.
+
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+
+use gin_net::region::RegionTable;
+use gin_net::transport::{AtomicOp, Transport};
+use gin_net::{KeepAlive, MemDesc, MemParts, Memory, NetError, Path};
+
+use gin_cuda::batch::Dma;
+
+use super::executor::{CudaExecutor, Gpu, Layout};
+use super::*;
+use crate::descriptor::{Desc, Op, Sig};
+use crate::engine::Progress;
+use crate::error::{Invalid, Why};
+use crate::executor::Executor;
+use crate::ring::Ring;
+
+/// What a fake stream was handed, in order, by stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Call {
+    Copy(u64, u64, usize),
+    Copies(Vec<(u64, u64, usize)>),
+    Store(u64, u64),
+    Stores(Vec<(u64, u64)>),
+    Sync,
+}
+
+type Log = Rc<RefCell<Vec<(usize, Call)>>>;
+
+struct FakeStream {
+    id: usize,
+    log: Log,
+}
+
+impl FakeStream {
+    fn record(&self, c: Call) {
+        self.log.borrow_mut().push((self.id, c));
+    }
+}
+
+/// Records, touches nothing: no contract of `Dma` is needed for it.
+impl Dma for FakeStream {
+    unsafe fn copy(&self, dst: u64, src: u64, n: usize) -> Result<(), CudaError> {
+        self.record(Call::Copy(dst, src, n));
+        Ok(())
+    }
+    unsafe fn write_u64(&self, addr: u64, v: u64) -> Result<(), CudaError> {
+        self.record(Call::Store(addr, v));
+        Ok(())
+    }
+    fn sync(&self) -> Result<(), CudaError> {
+        self.record(Call::Sync);
+        Ok(())
+    }
+    unsafe fn write_many(&self, writes: &[(u64, u64)]) -> Result<(), CudaError> {
+        self.record(Call::Stores(writes.to_vec()));
+        Ok(())
+    }
+    unsafe fn copy_many(
+        &self,
+        dst: &mut [u64],
+        src: &mut [u64],
+        len: &mut [usize],
+    ) -> Result<(), CudaError> {
+        let c = (0..dst.len()).map(|i| (dst[i], src[i], len[i])).collect();
+        self.record(Call::Copies(c));
+        Ok(())
+    }
+}
+
+#[derive(Default)]
+struct FakeGpu {
+    log: Log,
+    streams: Cell<usize>,
+    entered: Cell<bool>,
+}
+
+impl Gpu for FakeGpu {
+    type Stream = FakeStream;
+    fn enter(&self) -> Result<(), CudaError> {
+        self.entered.set(true);
+        Ok(())
+    }
+    fn stream(&self) -> Result<FakeStream, CudaError> {
+        let id = self.streams.get();
+        self.streams.set(id + 1);
+        Ok(FakeStream {
+            id,
+            log: self.log.clone(),
+        })
+    }
+}
+
+/// A keyed transport (as tcp) that records the puts it is handed and
+/// answers reads with a pattern.
+#[derive(Debug, Default)]
+struct Keyed {
+    puts: Mutex<Vec<KeyedPut>>,
+}
+
+/// A put to (peer, key, offset) of these bytes.
+type KeyedPut = (usize, u32, u64, Vec<u8>);
+
+impl Transport for Keyed {
+    fn name(&self) -> &'static str {
+        "keyed"
+    }
+    fn reach(&self) -> Reach {
+        Reach::Keyed
+    }
+    fn put(
+        &self,
+        peer: usize,
+        dst: gin_net::Target<'_>,
+        src: &[u8],
+        sig: Option<(gin_net::Target<'_>, u64)>,
+    ) -> Result<(), NetError> {
+        assert!(sig.is_none(), "signals travel as puts of their totals");
+        let (key, offset) = dst.key_at(peer, "keyed")?;
+        self.puts
+            .lock()
+            .unwrap()
+            .push((peer, key, offset, src.to_vec()));
+        Ok(())
+    }
+    unsafe fn get(
+        &self,
+        _: usize,
+        _: gin_net::Target<'_>,
+        _: *mut u8,
+        _: u64,
+        _: &Arc<AtomicU64>,
+        _: Option<KeepAlive>,
+    ) -> Result<(), NetError> {
+        Err(NetError::Unsupported {
+            transport: "keyed",
+            op: "get",
+        })
+    }
+    fn read(
+        &self,
+        _: usize,
+        _: gin_net::Target<'_>,
+        out: &mut [u8],
+        _: Duration,
+    ) -> Result<(), NetError> {
+        out.fill(0x5a);
+        Ok(())
+    }
+    fn atomic(
+        &self,
+        _: usize,
+        _: gin_net::Target<'_>,
+        _: AtomicOp,
+        _: Duration,
+    ) -> Result<u64, NetError> {
+        Err(NetError::Unsupported {
+            transport: "keyed",
+            op: "atomics",
+        })
+    }
+    fn fence(&self, _: usize, _: Duration) -> Result<(), NetError> {
+        Ok(())
+    }
+    fn confirm(&self, _: usize, _: Duration) -> Result<(), NetError> {
+        Ok(())
+    }
+    fn health(&self, _: usize) -> Result<(), NetError> {
+        Ok(())
+    }
+}
+
+const N: usize = 3;
+/// Window 1: data; 2: signals (3 sub-slots a signal); 3: a host window.
+const DATA: u32 = 1;
+const SIGNALS: u32 = 2;
+const HOST: u32 = 3;
+/// Device addresses: rank 0's own data part, rank 1's mapped here.
+const DATA_AT: [usize; N] = [0x10_0000, 0x20_0000, 0];
+const SIG_AT: [usize; N] = [0x30_0000, 0x40_0000, 0];
+/// Keys rank 2 (over the keyed transport) serves its parts under.
+const DATA_KEY: u32 = 0x77;
+const SIG_KEY: u32 = 0x88;
+const COUNTERS: u64 = 0x50_0000;
+/// Completion indices of ring 0 (peer 1) and ring 1 (peer 2).
+const DONE: [u64; 2] = [0x60_0008, 0x60_0018];
+const LOG2: u32 = 6;
+
+struct Rig {
+    engine: Engine<CudaExecutor<FakeGpu>>,
+    exec: CudaExecutor<FakeGpu>,
+    rings: [Arc<Ring>; 2],
+    log: Log,
+    keyed: Arc<Keyed>,
+    _host: Box<[u64]>,
+}
+
+fn device(at: [usize; N], key: u32, size: u64) -> MemDesc {
+    let parts = MemParts {
+        memory: Memory::Device,
+        local_base: at[0],
+        sizes: vec![size; N],
+        peer_bases: at.to_vec(),
+        keys: vec![0, 0, key],
+        addrs: at.iter().map(|&a| a as u64).collect(),
+        states: vec![0; N],
+        keep: None,
+    };
+    // SAFETY: made-up device addresses that nothing dereferences: the fake
+    // streams only record what they are handed.
+    unsafe { MemDesc::new(parts) }
+}
+
+fn rig() -> Rig {
+    let keyed = Arc::new(Keyed::default());
+    let fabric = Arc::new(Fabric::new(
+        0,
+        vec![Path::local(), Path::local(), Path::new(keyed.clone())],
+        Arc::new(RegionTable::default()),
+        Duration::from_secs(1),
+    ));
+    fabric.add_window(DATA, device(DATA_AT, DATA_KEY, 4096));
+    fabric.add_window(SIGNALS, device(SIG_AT, SIG_KEY, 8 * N as u64 * 4));
+    let mut host = vec![0u64; 8].into_boxed_slice();
+    let base = host.as_mut_ptr() as usize;
+    let parts = MemParts {
+        local_base: base,
+        sizes: vec![64; N],
+        peer_bases: vec![base, 0, 0],
+        keys: vec![0; N],
+        addrs: vec![base as u64; N],
+        states: vec![0; N],
+        ..MemParts::default()
+    };
+    // SAFETY: `host` (64 bytes) lives in the rig, longer than the fabric's
+    // users; the CUDA executor must refuse it anyway.
+    fabric.add_window(HOST, unsafe { MemDesc::new(parts) });
+    let gpu = FakeGpu::default();
+    let log = gpu.log.clone();
+    let layout = Layout {
+        signal_window: SIGNALS,
+        counters: COUNTERS,
+        counter_slots: 4,
+        done: DONE.to_vec(),
+    };
+    // SAFETY: the fake GPU's streams touch no memory.
+    let mut exec = unsafe { CudaExecutor::new(gpu, fabric, layout, None, Box::new(())) };
+    exec.enter().unwrap();
+    let rings = [Arc::new(Ring::new(LOG2)), Arc::new(Ring::new(LOG2))];
+    let specs = rings
+        .iter()
+        .zip([1, 2])
+        .map(|(r, peer)| RingSpec {
+            ctx: 0,
+            peer,
+            mem: RingMem::owned(r.clone()),
+            first: 0,
+        })
+        .collect();
+    let config = EngineConfig {
+        rank: 0,
+        batch: pass_len(LOG2),
+        counter_slots: 4,
+    };
+    Rig {
+        engine: Engine::new(config, specs),
+        exec,
+        rings,
+        log,
+        keyed,
+        _host: host,
+    }
+}
+
+impl Rig {
+    fn post(&self, ring: usize, d: &Desc) {
+        let r = &self.rings[ring];
+        let seq = r.reserve();
+        r.write(seq, d);
+    }
+
+    fn step(&mut self) -> Progress {
+        self.engine.step(&mut self.exec)
+    }
+
+    fn calls(&self) -> Vec<(usize, Call)> {
+        self.log.borrow_mut().drain(..).collect()
+    }
+}
+
+fn put(bytes: u64, dst_offset: u64, src_offset: u64) -> Desc {
+    Desc {
+        op: Op::Put,
+        bytes,
+        dst_window: DATA,
+        dst_offset,
+        src_window: DATA,
+        src_offset,
+        inline: None,
+        signal: None,
+        counter: None,
+    }
+}
+
+fn signal(offset: u64, add: u64) -> Sig {
+    Sig {
+        window: SIGNALS,
+        offset,
+        add,
+        strong: false,
+    }
+}
+
+fn data(rank: usize, off: u64) -> u64 {
+    DATA_AT[rank] as u64 + off
+}
+
+/// A put with a signal and a counter to a peer mapped here: one copy, then
+/// the signal's running total into this rank's sub-slot at the peer, the
+/// counter's total into the proxy's sub-slot, and the completion index —
+/// the three stores in one driver call at the end of the batch, all on the
+/// ring's stream. Totals are kept per slot.
+#[test]
+fn a_put_is_a_copy_then_signal_counter_and_completion_stores() {
+    let mut rig = rig();
+    rig.post(
+        0,
+        &Desc {
+            signal: Some(signal(24, 3)),
+            counter: Some(2),
+            ..put(256, 64, 128)
+        },
+    );
+    let p = rig.step();
+    assert_eq!((p.executed, p.published), (1, 1));
+    assert_eq!(
+        rig.calls(),
+        vec![
+            (0, Call::Copy(data(1, 64), data(0, 128), 256)),
+            (
+                0,
+                Call::Stores(vec![
+                    (SIG_AT[1] as u64 + 24, 3),
+                    (COUNTERS + 2 * 16, 1),
+                    (DONE[0], 1)
+                ])
+            ),
+        ]
+    );
+    // Two more to the same slot and counter in one batch: running totals.
+    for add in [4, 5] {
+        rig.post(
+            0,
+            &Desc {
+                signal: Some(signal(24, add)),
+                counter: Some(2),
+                ..put(0, 0, 0)
+            },
+        );
+    }
+    rig.step();
+    assert_eq!(
+        rig.calls(),
+        vec![(
+            0,
+            Call::Stores(vec![
+                (SIG_AT[1] as u64 + 24, 7),
+                (COUNTERS + 32, 2),
+                (SIG_AT[1] as u64 + 24, 12),
+                (COUNTERS + 32, 3),
+                (DONE[0], 3)
+            ])
+        )]
+    );
+}
+
+/// Slices of one message in one batch reach the driver as one copy; an
+/// inline put is a store; a get is a copy the other way.
+#[test]
+fn slices_merge_inline_puts_store_and_gets_copy_back() {
+    let mut rig = rig();
+    for i in 0..4 {
+        rig.post(0, &put(64, 1024 + i * 64, i * 64));
+    }
+    rig.post(
+        0,
+        &Desc {
+            inline: Some(0xfeed),
+            ..put(8, 8, 0)
+        },
+    );
+    rig.post(
+        0,
+        &Desc {
+            op: Op::Get,
+            ..put(32, 512, 2048)
+        },
+    );
+    rig.step();
+    assert_eq!(
+        rig.calls(),
+        vec![
+            (0, Call::Copy(data(1, 1024), data(0, 0), 256)),
+            (0, Call::Store(data(1, 8), 0xfeed)),
+            (0, Call::Copy(data(0, 2048), data(1, 512), 32)),
+            (0, Call::Store(DONE[0], 6)),
+        ]
+    );
+}
+
+/// A peer over a keyed transport: the inline value and then the signal's
+/// running total go through the fabric as puts to its keys, in order; the
+/// completion index is still a store on the ring's stream.
+#[test]
+fn a_keyed_peer_gets_puts_of_values_and_totals_through_the_fabric() {
+    let mut rig = rig();
+    rig.post(
+        1,
+        &Desc {
+            inline: Some(0x1234),
+            signal: Some(signal(48, 9)),
+            counter: Some(0),
+            ..put(8, 16, 0)
+        },
+    );
+    rig.step();
+    assert_eq!(
+        *rig.keyed.puts.lock().unwrap(),
+        vec![
+            (2, DATA_KEY, 16, 0x1234u64.to_le_bytes().to_vec()),
+            (2, SIG_KEY, 48, 9u64.to_le_bytes().to_vec()),
+        ]
+    );
+    assert_eq!(
+        rig.calls(),
+        vec![(1, Call::Stores(vec![(COUNTERS, 1), (DONE[1], 1)]))]
+    );
+    // Staging a window's bytes needs the pinned buffer, which only a GPU
+    // rank with keyed peers has: refused, nothing sent.
+    rig.post(1, &put(64, 0, 0));
+    rig.step();
+    let e = rig.engine.failure().unwrap().to_string();
+    assert!(e.contains("no staging buffer"), "{e}");
+    assert_eq!(rig.keyed.puts.lock().unwrap().len(), 2);
+}
+
+/// Fail-stop: a signal that is not this rank's sub-slot is refused before
+/// any of its put is queued; what came before it in the batch is still
+/// published, and nothing runs afterwards, on any ring.
+#[test]
+fn a_refused_put_never_half_happens_and_stops_the_proxy() {
+    let mut rig = rig();
+    rig.post(0, &put(8, 0, 0));
+    rig.post(
+        0,
+        &Desc {
+            signal: Some(signal(8, 1)),
+            ..put(8, 64, 0)
+        },
+    );
+    rig.post(1, &put(8, 0, 0));
+    rig.step();
+    let e = rig.engine.failure().unwrap();
+    assert_eq!(e.seq(), Some(1));
+    assert!(e.to_string().contains("not this rank's sub-slot"), "{e}");
+    assert_eq!(
+        rig.calls(),
+        vec![
+            (0, Call::Copy(data(1, 0), data(0, 0), 8)),
+            (0, Call::Store(DONE[0], 1)),
+        ]
+    );
+    assert_eq!(rig.step(), Progress::default());
+    // Waiting for the streams drops nothing that was handed over.
+    rig.exec.quiesce().unwrap();
+    assert_eq!(rig.calls(), vec![(0, Call::Sync), (1, Call::Sync)]);
+}
+
+/// A host window (a CPU rank's, in the same directory) is not a GPU
+/// window: refused as unknown, before anything is queued.
+#[test]
+fn host_windows_are_unknown_to_the_cuda_executor() {
+    let mut rig = rig();
+    rig.post(
+        0,
+        &Desc {
+            src_window: HOST,
+            ..put(8, 0, 0)
+        },
+    );
+    rig.step();
+    let e = rig.engine.failure().unwrap();
+    assert!(
+        matches!(
+            e,
+            ProxyError::Descriptor {
+                why: Why::Invalid(Invalid::UnknownWindow { window: HOST }),
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(rig.calls().is_empty());
+}
+
+/// The ring layout: context-major, one ring per served peer, each entry
+/// naming its slots and its producer and completion indices at `16 * i`
+/// and `16 * i + 8` of the index array, as the device code reads
+/// `ProxyRingAbi`.
+#[test]
+fn the_ring_table_matches_the_abi() {
+    let rings: Vec<Slot> = layout(2, &[false, true, true]).collect();
+    let at = |ctx, peer| Slot {
+        ctx,
+        peer,
+        index: ctx * 3 + peer,
+    };
+    assert_eq!(rings, vec![at(0, 1), at(0, 2), at(1, 1), at(1, 2)]);
+    let e = ring_abi(0x9000, 5, 0xab_0000, 7);
+    assert_eq!(
+        e,
+        ProxyRingAbi {
+            slots: 0xab_0000,
+            head: 0x9000 + 80,
+            done: 0x9000 + 88,
+            log2: 7,
+            reserved: 0
+        }
+    );
+    assert!(layout(3, &[false; 4]).next().is_none());
+}
