@@ -375,7 +375,7 @@ impl Comm {
     }
 
     /// The fabric (its TCP links' health and fences).
-    pub(crate) fn fabric(&self) -> &Fabric {
+    pub(crate) fn fabric(&self) -> &Arc<Fabric> {
         &self.fabric
     }
 

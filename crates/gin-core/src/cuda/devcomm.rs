@@ -11,12 +11,13 @@ use gin_cuda::{DevMem, Function, HostMem, Stream};
 use gin_device::abi::{
     BACKEND_GDAKI, BACKEND_NONE, BACKEND_PROXY, DEVCOMM_FLAG_CTA_CTX, DEVCOMM_FLAG_EXCLUSIVE_CTX,
     DEVCOMM_FLAG_LSA_ONLY, DEVCOMM_FLAG_SENDER_SLOTS, DEVCOMM_FLAG_STRONG_SIGNALS, DevCommAbi,
-    GdakiQpAbi, GdakiSqAbi, ProxyRingAbi, WindowAbi, errword,
+    GdakiQpAbi, GdakiSqAbi, WindowAbi, errword,
 };
+use gin_proxy::cuda::{CudaProxy, CudaProxyError, CudaProxySpec};
 
 use super::record::Placement;
 use super::{
-    COUNTER_KEY, CtxSharing, CudaComm, REACH_LSA, REACH_NONE, REACH_QUEUE, SINK_KEY, nic, proxy,
+    COUNTER_KEY, CtxSharing, CudaComm, REACH_LSA, REACH_NONE, REACH_QUEUE, SINK_KEY, nic,
     window_key,
 };
 use crate::config::BackendKind;
@@ -61,21 +62,11 @@ impl Reach {
     }
 }
 
-/// The proxy's rings for the peers it serves, context-major.
-struct ProxyRings {
-    /// Producer and completion index of each ring (device memory).
-    indices: DevMem,
-    /// `ProxyRingAbi[nctx * nranks]`, what `DevComm::rings` points at.
-    table: DevMem,
-    specs: Vec<proxy::RingSpec>,
-}
-
 /// The reach table with the rail team, and each rank's signal window part
 /// as mapped here.
 struct ReachTables {
     lsa: DevMem,
     sig_peers: DevMem,
-    sig_info: proxy::SignalInfo,
 }
 
 /// What [`CudaComm::gdaki_queues`] sets up.
@@ -88,9 +79,9 @@ struct GdakiQueues {
     sink: HostMem,
 }
 
-/// The engines serving a device communicator, and the memory they use.
+/// The soft NIC serving a device communicator's GDAKI queues, and the
+/// memory it and the kernels use.
 struct Engines {
-    proxy: Option<proxy::CudaProxy>,
     nic: Option<nic::CudaNic>,
     mem: Vec<DevMem>,
     host: Vec<HostMem>,
@@ -126,7 +117,7 @@ impl<'c> CudaComm<'c> {
         let reach = Reach::of(self, req.connection == Connection::Rail, kind);
         let lsa_only = self.agree_placement(&ranges, &reach.lsa)?;
         let log2 = kind.queue_log2(req.queue_depth)?;
-        let rings = self.proxy_rings(req.contexts as usize, &reach.lsa, kind, log2)?;
+        let proxy = self.start_proxy(req.contexts as usize, &reach.lsa, kind, log2)?;
         let gdaki = if kind == BackendKind::Gdaki && reach.lsa.contains(&REACH_QUEUE) {
             Some(self.gdaki_queues(req.contexts as usize, &reach.lsa, log2)?)
         } else {
@@ -148,8 +139,8 @@ impl<'c> CudaComm<'c> {
             abort_flag: self.abort.ptr(),
             error_word: self.error.ptr(),
             timeout_ticks: u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX),
-            rings: gdaki.as_ref().map_or(rings.table.ptr(), |g| g.table.ptr()),
-            backend_kind: if !rings.specs.is_empty() {
+            rings: gdaki.as_ref().map_or(proxy.rings(), |g| g.table.ptr()),
+            backend_kind: if proxy.serves() {
                 BACKEND_PROXY
             } else if gdaki.is_some() {
                 BACKEND_GDAKI
@@ -162,13 +153,13 @@ impl<'c> CudaComm<'c> {
             world_barriers: req.world_barriers,
             signal_window: self.signal_window.id(),
         };
-        let engines = self.start_engines(rings, gdaki, tables, &reach.tcp)?;
+        let engines = self.start_engines(gdaki, tables, &reach.tcp)?;
         // Nobody signals into slots another rank has not zeroed yet.
         comm.bootstrap().barrier()?;
         Ok(CudaDevComm {
             cuda: self,
             abi,
-            proxy: engines.proxy,
+            proxy: Some(proxy),
             nic: engines.nic,
             _mem: engines.mem,
             _host: engines.host,
@@ -279,46 +270,46 @@ impl<'c> CudaComm<'c> {
         Ok(all.iter().all(|p| p.lsa_only))
     }
 
-    /// The proxy's rings for the peers it serves (none with `gdaki`),
-    /// context-major: slots in mapped pinned host memory, indices in device
-    /// memory.
-    fn proxy_rings(
+    /// The proxy's rings for the peers it serves (none with `gdaki`), and
+    /// the proxy serving them (gin-proxy's engine on CUDA streams; no
+    /// thread when it serves none).
+    fn start_proxy(
         &self,
         nctx: usize,
         lsa: &[u8],
         kind: BackendKind,
         log2: u32,
-    ) -> Result<ProxyRings, CoreError> {
-        let n = self.comm.nranks();
-        let mut rings_abi = vec![ProxyRingAbi::default(); nctx * n];
-        let mut specs = Vec::new();
-        let indices = DevMem::new(nctx * n * 16)?;
-        for c in 0..nctx {
-            for p in (0..n).filter(|&p| lsa[p] == REACH_QUEUE && kind != BackendKind::Gdaki) {
-                let i = c * n + p;
-                let slots = HostMem::new(64 << log2)?;
-                rings_abi[i] = ProxyRingAbi {
-                    slots: slots.dev(),
-                    head: indices.ptr() + i as u64 * 16,
-                    done: indices.ptr() + i as u64 * 16 + 8,
-                    log2,
-                    reserved: 0,
-                };
-                specs.push(proxy::RingSpec {
-                    ctx: c as u32,
-                    peer: p,
-                    slots,
-                    log2,
-                    done: indices.ptr() + i as u64 * 16 + 8,
-                });
+    ) -> Result<CudaProxy, CoreError> {
+        let comm = self.comm;
+        let spec = CudaProxySpec {
+            dev: self.dev.clone(),
+            fabric: comm.fabric().clone(),
+            nctx,
+            serve: lsa
+                .iter()
+                .map(|&l| l == REACH_QUEUE && kind != BackendKind::Gdaki)
+                .collect(),
+            log2,
+            signal_window: self.signal_window.id(),
+            counters: self.counters.ptr(),
+            counter_slots: comm.settings().counter_slots,
+            spin: comm.settings().proxy_spin,
+        };
+        // SAFETY: the counter array holds `counter_slots * 16` bytes of
+        // this GPU's memory and belongs to the CUDA communicator, which
+        // outlives the device communicator that stops the proxy (destroy
+        // or drop). GPU windows leave the fabric's directory before their
+        // memory is freed, and `free_window` asks that the contexts using
+        // them were flushed first.
+        unsafe { CudaProxy::start(spec) }.map_err(|e| match e {
+            CudaProxyError::Cuda(e) => e.into(),
+            CudaProxyError::Spawn { rank, why } => gin_device::GinError::Spawn {
+                rank,
+                what: "CUDA proxy thread",
+                why,
             }
-        }
-        let table = DevMem::new(rings_abi.len() * std::mem::size_of::<ProxyRingAbi>())?;
-        table.write(0, &rings_abi)?;
-        Ok(ProxyRings {
-            indices,
-            table,
-            specs,
+            .into(),
+            e => CoreError::Invalid(e.to_string()),
         })
     }
 
@@ -339,21 +330,14 @@ impl<'c> CudaComm<'c> {
         lsa.write(0, &reach.lsa)?;
         lsa.write(team_at, &team)?;
         let sig_peers = DevMem::new(n * 8)?;
-        let sig_info = self.signal_info();
-        sig_peers.write(0, &sig_info.peers)?;
-        Ok(ReachTables {
-            lsa,
-            sig_peers,
-            sig_info,
-        })
+        sig_peers.write(0, &self.signal_info()?.peers)?;
+        Ok(ReachTables { lsa, sig_peers })
     }
 
-    /// Starts the proxy (if it serves a ring) or the soft NIC (if there are
-    /// GDAKI queues), each with a staging buffer where some peer is over
-    /// TCP.
+    /// Starts the soft NIC (if there are GDAKI queues), with a staging
+    /// buffer where some peer is over TCP.
     fn start_engines(
         &self,
-        rings: ProxyRings,
         gdaki: Option<GdakiQueues>,
         tables: ReachTables,
         tcp: &[bool],
@@ -364,25 +348,7 @@ impl<'c> CudaComm<'c> {
         let new_stage = || -> Result<Option<Stage>, CoreError> {
             Ok(tcp.contains(&true).then(Stage::new).transpose()?)
         };
-        let proxy = if rings.specs.is_empty() {
-            None
-        } else {
-            Some(proxy::CudaProxy::start(proxy::ProxySpec {
-                dev: self.dev.clone(),
-                rank,
-                nranks: n,
-                rings: rings.specs,
-                windows: self.windows.clone(),
-                signal: tables.sig_info,
-                counters: self.counters.ptr(),
-                counter_slots: comm.settings().counter_slots,
-                spin: comm.settings().proxy_spin,
-                links: (0..n).map(|p| comm.tcp_link(p)).collect(),
-                stage: new_stage()?,
-                timeout,
-            })?)
-        };
-        let mut mem = vec![rings.indices, rings.table, tables.lsa, tables.sig_peers];
+        let mut mem = vec![tables.lsa, tables.sig_peers];
         let mut host = Vec::new();
         let nic = match gdaki {
             Some(g) => {
@@ -394,8 +360,8 @@ impl<'c> CudaComm<'c> {
                         rank,
                         nranks: n,
                         pairs: g.pairs,
-                        windows: self.windows.clone(),
-                        signal: self.signal_info(),
+                        windows: comm.fabric().clone(),
+                        signal: self.signal_info()?,
                         counters: self.counters.ptr(),
                         counter_slots: comm.settings().counter_slots,
                         sink: g.sink.dev(),
@@ -413,12 +379,7 @@ impl<'c> CudaComm<'c> {
             }
             None => None,
         };
-        Ok(Engines {
-            proxy,
-            nic,
-            mem,
-            host,
-        })
+        Ok(Engines { nic, mem, host })
     }
 
     /// The GDAKI queues of a device communicator: for each context and each
@@ -442,14 +403,8 @@ impl<'c> CudaComm<'c> {
         cqes.write(0, &fresh)?;
         let ctl = HostMem::new(nsq * 16)?;
         let sink = HostMem::new(64)?;
-        let (sig_id, sig_addrs) = {
-            let t = self
-                .windows
-                .read()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let id = self.signal_window.id();
-            (id, t[&id].addrs.clone())
-        };
+        let sig_id = self.signal_window.id();
+        let sig_addrs = self.comm.fabric().window(sig_id)?.addrs.clone();
         let mut table = vec![GdakiQpAbi::default(); nctx * n];
         let mut pairs = Vec::new();
         let mut host = Vec::new();
@@ -558,7 +513,8 @@ impl Drop for Ranges<'_, '_> {
 pub struct CudaDevComm<'a, 'c> {
     cuda: &'a CudaComm<'c>,
     abi: DevCommAbi,
-    proxy: Option<proxy::CudaProxy>,
+    /// The proxy's ring table and thread (taken when stopped).
+    proxy: Option<CudaProxy>,
     nic: Option<nic::CudaNic>,
     _mem: Vec<DevMem>,
     /// Queues the NIC reads: freed only after it stopped (see Drop).
@@ -597,9 +553,10 @@ impl CudaDevComm<'_, '_> {
     /// and peers over TCP: "load/store + proxy").
     pub fn backend_name(&self) -> &'static str {
         let mixed = self.lsa.iter().filter(|&&l| l).count() > 1;
-        if self.proxy.is_some() && mixed {
+        let proxy = self.proxy.as_ref().is_some_and(CudaProxy::serves);
+        if proxy && mixed {
             "load/store + proxy"
-        } else if self.proxy.is_some() {
+        } else if proxy {
             "proxy"
         } else if self.nic.is_some() {
             "gdaki"
@@ -690,7 +647,7 @@ impl CudaDevComm<'_, '_> {
         } else if let Err(e) = comm.fabric().health() {
             *tcp_failed = Some((Instant::now(), format!("the TCP transport failed: {e}")));
             None
-        } else if let Some(e) = self.proxy.as_ref().and_then(proxy::CudaProxy::error) {
+        } else if let Some(e) = self.proxy.as_ref().and_then(CudaProxy::error) {
             Some(format!("the CUDA proxy failed: {e}"))
         } else {
             self.nic
@@ -732,7 +689,12 @@ impl CudaDevComm<'_, '_> {
     /// the ids back (collective).
     pub fn destroy(mut self) -> Result<(), CoreError> {
         if let Some(p) = self.proxy.take() {
-            p.stop()?;
+            p.stop().map_err(|e| {
+                CoreError::CudaRuntime(gin_cuda::CudaError::Worker {
+                    context: "the CUDA proxy failed".into(),
+                    error: e.to_string(),
+                })
+            })?;
         }
         if let Some(n) = self.nic.take() {
             n.stop()?;

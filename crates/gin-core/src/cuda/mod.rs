@@ -47,7 +47,6 @@
 mod devcomm;
 mod nic;
 pub mod nvrtc;
-mod proxy;
 mod record;
 mod window;
 
@@ -58,8 +57,9 @@ pub use gin_cuda::{Cubin, CudaError, DevMem, Device, Function, HostMem, IpcMem, 
 pub use devcomm::{Arg, CudaDevComm};
 pub use window::GpuWindow;
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex};
+
+use gin_net::{Fabric, MemDesc, Memory};
 
 use crate::comm::Comm;
 use crate::error::CoreError;
@@ -84,19 +84,28 @@ pub enum CtxSharing {
     Thread,
 }
 
-/// What a window's memory is, for the proxy.
+/// Where the signal window is: its id and every rank's part mapped here
+/// (the soft NIC's view; the proxy reads the fabric's directory).
 #[derive(Debug, Clone)]
-pub(crate) struct WinInfo {
-    pub local: u64,
-    pub local_size: u64,
-    pub sizes: Vec<u64>,
-    /// Each peer's part mapped here (0: not mapped).
+pub(crate) struct SignalInfo {
+    pub window: u32,
     pub peers: Vec<u64>,
-    /// Each rank's own device address of its part (what WQEs name).
-    pub addrs: Vec<u64>,
-    /// Each rank's region key for its part, where TCP peers may reach it
-    /// (0: not served).
+    /// Each rank's region key of its part, for TCP peers (0: not served).
     pub keys: Vec<u32>,
+}
+
+/// GPU window `id` of the fabric's directory (a host window is not one).
+pub(crate) fn window(fabric: &Fabric, id: u32) -> Result<Arc<MemDesc>, String> {
+    fabric
+        .window(id)
+        .ok()
+        .filter(|w| w.memory == Memory::Device)
+        .ok_or_else(|| format!("unknown window {id}"))
+}
+
+/// Whether `bytes` at `off` fit `size` bytes.
+pub(crate) fn fits(off: u64, bytes: u64, size: u64) -> bool {
+    off <= size && bytes <= size - off
 }
 
 /// How a device communicator reaches a peer (`DevComm::lsa`, the header's
@@ -129,8 +138,6 @@ pub fn window_of_key(key: u32, n: usize) -> Option<(u32, usize)> {
     Some((k / n as u32, (k % n as u32) as usize))
 }
 
-type WinTable = Arc<RwLock<HashMap<u32, Arc<WinInfo>>>>;
-
 #[derive(Debug)]
 struct Spaces {
     signals: IdSpace,
@@ -143,7 +150,10 @@ struct Spaces {
 #[derive(Debug)]
 pub struct CudaComm<'c> {
     comm: &'c Comm,
-    windows: WinTable,
+    /// Names this CUDA communicator: each of its windows holds a clone
+    /// (windows themselves live in the fabric's directory, as
+    /// `Memory::Device`).
+    home: Arc<()>,
     signal_window: GpuWindow,
     counters: DevMem,
     /// The abort flag, in device memory: kernels poll it, and a kernel that
@@ -201,22 +211,17 @@ impl<'c> CudaComm<'c> {
         };
         let n = comm.nranks() as u64;
         let s = comm.settings();
-        let windows: WinTable = Arc::default();
+        let home = Arc::new(());
         let server = if (0..comm.nranks()).any(|p| comm.tcp_link(p).is_some()) {
             Some(Arc::new(gin_cuda::staging::Server::new(dev.clone())?))
         } else {
             None
         };
-        let signal_window = Self::make_window(
-            comm,
-            &dev,
-            &windows,
-            server.as_ref(),
-            s.signal_slots * n * 8,
-        )?;
+        let signal_window =
+            Self::make_window(comm, &dev, &home, server.as_ref(), s.signal_slots * n * 8)?;
         let me = Self {
             comm,
-            windows,
+            home,
             signal_window,
             counters: DevMem::new(s.counter_slots as usize * 16)?,
             abort: DevMem::new(64)?,
@@ -262,7 +267,7 @@ impl<'c> CudaComm<'c> {
         Self::make_window(
             self.comm,
             &self.dev,
-            &self.windows,
+            &self.home,
             self.server.as_ref(),
             bytes,
         )
@@ -270,11 +275,11 @@ impl<'c> CudaComm<'c> {
 
     /// Frees a window on every rank (collective): once every rank has
     /// arrived (flush the contexts that used it first), each removes it from
-    /// its window table, so its proxy and soft NIC refuse requests naming
-    /// it, then unmaps its peers' parts and frees its own.
+    /// the fabric's window directory, so its proxy and soft NIC refuse
+    /// requests naming it, then unmaps its peers' parts and frees its own.
     pub fn free_window(&self, w: GpuWindow) -> Result<(), CoreError> {
         let id = w.id();
-        let ours = w.belongs_to(&self.windows) && id != self.signal_window.id();
+        let ours = w.belongs_to(&self.home) && id != self.signal_window.id();
         if !ours {
             return Err(CoreError::Invalid(format!(
                 "window {id} is not a window of this CUDA communicator"
@@ -289,18 +294,14 @@ impl<'c> CudaComm<'c> {
         Ok(())
     }
 
-    fn signal_info(&self) -> proxy::SignalInfo {
-        let t = self
-            .windows
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let w = &t[&self.signal_window.id()];
-        proxy::SignalInfo {
-            window: self.signal_window.id(),
-            peers: w.peers.clone(),
-            sizes: w.sizes.clone(),
+    fn signal_info(&self) -> Result<SignalInfo, CoreError> {
+        let id = self.signal_window.id();
+        let w = self.comm.fabric().window(id)?;
+        Ok(SignalInfo {
+            window: id,
+            peers: w.peer_bases.iter().map(|&b| b as u64).collect(),
             keys: w.keys.clone(),
-        }
+        })
     }
 
     /// Compiles `source` (which includes `gin/gin.cuh`) for this GPU with

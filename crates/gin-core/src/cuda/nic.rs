@@ -43,8 +43,7 @@ use gin_cuda::staging::{STAGE, Stage};
 use gin_cuda::worker::{FirstError, Worker, set_first};
 use gin_cuda::{CudaError, Device, Stream};
 
-use super::proxy::{SignalInfo, fits, window};
-use super::{COUNTER_KEY, SINK_KEY, WinTable, window_of_key};
+use super::{COUNTER_KEY, SINK_KEY, SignalInfo, fits, window, window_of_key};
 use crate::error::CoreError;
 
 /// One send queue as the host set it up.
@@ -79,7 +78,8 @@ pub(crate) struct NicSpec {
     pub rank: usize,
     pub nranks: usize,
     pub pairs: Vec<PairSpec>,
-    pub windows: WinTable,
+    /// The window directory (its GPU windows).
+    pub windows: Arc<gin_net::Fabric>,
     pub signal: SignalInfo,
     /// Device address of the counter array (16 bytes a slot, the NIC's
     /// running total first).
@@ -526,9 +526,9 @@ impl<D: Dma> Nic<D> {
     fn resolve(&self, rank: usize, m: MemRef, len: u64) -> Result<u64, String> {
         let (w, id, off) = self.locate(rank, m, len)?;
         let mapped = if rank == self.spec.rank {
-            w.local
+            w.local_addr()
         } else {
-            w.peers[rank]
+            w.peer_addr(rank)
         };
         if mapped == 0 {
             return Err(format!(
@@ -545,7 +545,7 @@ impl<D: Dma> Nic<D> {
         rank: usize,
         m: MemRef,
         len: u64,
-    ) -> Result<(Arc<super::WinInfo>, u32, u64), String> {
+    ) -> Result<(Arc<gin_net::MemDesc>, u32, u64), String> {
         let (id, owner) = window_of_key(m.key, self.spec.nranks)
             .ok_or_else(|| format!("key {:#010x} is not a window key", m.key))?;
         if owner != rank {
@@ -824,10 +824,10 @@ mod tests {
     //! Rank 0's NIC serves its QP pair to rank 1.
 
     use super::*;
-    use crate::cuda::{WinInfo, window_key};
+    use crate::cuda::window_key;
     use gin_gdaki::completion::CQE_INVALID;
     use gin_gdaki::wqe::{FM_NONE, FM_STRONG_ORDERING, encode};
-    use std::sync::RwLock;
+    use gin_net::{Fabric, MemDesc, MemParts, Memory};
 
     struct HostDma;
 
@@ -889,32 +889,24 @@ mod tests {
         for c in &mut cqe {
             c[7] = u64::from(CQE_INVALID << 4) << 56;
         }
-        let windows: WinTable = Arc::new(RwLock::new(HashMap::new()));
-        {
-            let mut t = windows.write().unwrap();
-            t.insert(
-                DATA,
-                Arc::new(WinInfo {
-                    local: addr(&src),
-                    local_size: 256,
-                    sizes: vec![256, 256],
-                    peers: vec![addr(&src), addr(&dst)],
-                    addrs: VA.to_vec(),
-                    keys: vec![0; 2],
-                }),
-            );
-            t.insert(
-                SIG,
-                Arc::new(WinInfo {
-                    local: addr(&sig_own),
-                    local_size: 64,
-                    sizes: vec![64, 64],
-                    peers: vec![addr(&sig_own), addr(&sig_peer)],
-                    addrs: SIG_VA.to_vec(),
-                    keys: vec![0; 2],
-                }),
-            );
-        }
+        let windows = Arc::new(Fabric::local(Arc::default(), Duration::from_secs(5)));
+        let part = |size: u64, peers: [u64; 2], addrs: [u64; 2]| {
+            let parts = MemParts {
+                memory: Memory::Device,
+                local_base: peers[0] as usize,
+                sizes: vec![size; 2],
+                peer_bases: peers.iter().map(|&p| p as usize).collect(),
+                keys: vec![0; 2],
+                addrs: addrs.to_vec(),
+                states: vec![0; 2],
+                keep: None,
+            };
+            // SAFETY: the rig's host buffers stand for device memory (the
+            // test's "stream" copies host memory) and outlive the NIC.
+            unsafe { MemDesc::new(parts) }
+        };
+        windows.add_window(DATA, part(256, [addr(&src), addr(&dst)], VA));
+        windows.add_window(SIG, part(64, [addr(&sig_own), addr(&sig_peer)], SIG_VA));
         let sq = |j: usize| SqSpec {
             qpn: 0x102 + j as u32,
             log2: LOG2,
@@ -935,7 +927,6 @@ mod tests {
             signal: SignalInfo {
                 window: SIG,
                 peers: vec![addr(&sig_own), addr(&sig_peer)],
-                sizes: vec![64, 64],
                 keys: vec![0; 2],
             },
             counters: addr(&counters),
@@ -1176,8 +1167,8 @@ mod tests {
         let mut r = rig();
         r.post(0, 0, &[(write(0, 8), FM_NONE)]);
         assert_eq!(r.serve(), 1);
-        // What dropping a GpuWindow does to the table.
-        r.nic.spec.windows.write().unwrap().remove(&DATA);
+        // What dropping a GpuWindow does to the directory.
+        r.nic.spec.windows.remove_window(DATA);
         r.post(0, 1, &[(write(8, 8), FM_NONE)]);
         assert_eq!(r.serve(), 1);
         assert_eq!(r.cqe(0), (CQE_REQ_ERR, 1, syndrome::LOCAL_PROT_ERR));

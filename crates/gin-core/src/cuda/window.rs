@@ -8,20 +8,25 @@ use gin_cuda::staging::{GpuRegion, Server};
 use gin_cuda::{DevMem, Device, IpcMem};
 use gin_device::abi::WindowAbi;
 use gin_net::region::RegionTable;
+use gin_net::{Fabric, MemDesc, MemParts, Memory};
 
 use super::record::WindowRecord;
-use super::{COUNTER_KEY, CudaComm, WINDOW_KEY_BASE, WinInfo, WinTable, window_key};
+use super::{COUNTER_KEY, CudaComm, WINDOW_KEY_BASE, window_key};
 use crate::comm::Comm;
 use crate::error::CoreError;
 
-/// A window in GPU memory. Dropping it frees its memory and removes it from
-/// this rank's window table, so the proxy and the soft NIC refuse requests
-/// naming it; [`CudaComm::free_window`] does so on every rank at once.
+/// A window in GPU memory, registered in the fabric's window directory as
+/// `Memory::Device`. Dropping it removes it from the directory, so the
+/// proxy and the soft NIC refuse requests naming it, and then frees its
+/// memory; [`CudaComm::free_window`] does so on every rank at once.
 #[derive(Debug)]
 pub struct GpuWindow {
     abi: WindowAbi,
     bases: Vec<u64>,
-    table: WinTable,
+    /// The directory it is registered in.
+    fabric: Arc<Fabric>,
+    /// The CUDA communicator that made it.
+    home: Arc<()>,
     /// Where this part is served to TCP peers: the region table and key.
     served: Option<(Arc<RegionTable>, u32)>,
     local: DevMem,
@@ -52,10 +57,9 @@ impl GpuWindow {
         self.bases.get(p).copied()
     }
 
-    /// Whether this window is in `table` (made by the CUDA communicator
-    /// that owns it).
-    pub(super) fn belongs_to(&self, table: &WinTable) -> bool {
-        Arc::ptr_eq(&self.table, table)
+    /// Whether the CUDA communicator named `home` made this window.
+    pub(super) fn belongs_to(&self, home: &Arc<()>) -> bool {
+        Arc::ptr_eq(&self.home, home)
     }
 }
 
@@ -63,10 +67,7 @@ impl Drop for GpuWindow {
     fn drop(&mut self) {
         // Before the memory goes: a request naming the window from now on is
         // refused ("unknown window"), not executed on freed memory.
-        self.table
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .remove(&self.abi.id);
+        self.fabric.remove_window(self.abi.id);
         // And TCP peers' requests are refused ("unknown memory key"); the
         // removal waits for a request being served.
         if let Some((t, key)) = &self.served {
@@ -114,7 +115,7 @@ impl CudaComm<'_> {
     pub(super) fn make_window(
         comm: &Comm,
         dev: &Arc<Device>,
-        table: &WinTable,
+        home: &Arc<()>,
         server: Option<&Arc<Server>>,
         bytes: u64,
     ) -> Result<GpuWindow, CoreError> {
@@ -163,25 +164,32 @@ impl CudaComm<'_> {
             keys: arrays.ptr() + n as u64 * 24,
             addrs: arrays.ptr() + n as u64 * 16,
         };
-        table
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(
-                id,
-                Arc::new(WinInfo {
-                    local: local.ptr(),
-                    local_size: bytes,
-                    sizes: parts.sizes,
-                    peers: parts.bases.clone(),
-                    addrs: parts.addrs,
-                    keys: parts.tcp_keys,
-                }),
-            );
         comm.bootstrap().barrier()?;
+        // Registered last: an error above leaves no description of memory
+        // that is freed on the way out.
+        let desc = MemParts {
+            memory: Memory::Device,
+            local_base: local.ptr() as usize,
+            sizes: parts.sizes,
+            peer_bases: parts.bases.iter().map(|&b| b as usize).collect(),
+            keys: parts.tcp_keys,
+            addrs: parts.addrs,
+            states: vec![0; n],
+            keep: None,
+        };
+        // SAFETY: device memory: `local` is this rank's part (`bytes`
+        // bytes) and each non-zero peer base a CUDA IPC mapping of that
+        // peer's part (its size), both held by the window, which removes
+        // the description from the directory (its drop) before they are
+        // freed. Nothing on the host dereferences them (`Memory::Device`);
+        // the CUDA engines that copy them are stopped, or told to flush,
+        // before a window is freed.
+        comm.fabric().add_window(id, unsafe { MemDesc::new(desc) });
         Ok(GpuWindow {
             abi,
             bases: parts.bases,
-            table: table.clone(),
+            fabric: comm.fabric().clone(),
+            home: home.clone(),
             served: served.and_then(Served::keep),
             local,
             _arrays: arrays,
