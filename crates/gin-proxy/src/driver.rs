@@ -1,5 +1,4 @@
-//! The one thread that runs an [`Engine`], for CPU ranks now and CUDA
-//! ranks later: start, stop (after draining what is queued), the first
+//! The one thread that runs an [`Engine`], for CPU ranks and CUDA ranks: start, stop (after draining what is queued), the first
 //! error, and the idle policy (spin, then yield, then sleep until a
 //! producer wakes it).
 

@@ -24,8 +24,8 @@
 //!   and descriptor sequence, and nothing is executed after it.
 //! - **Executors** ([`executor`]): gin-net's fabric for CPU ranks
 //!   (`FabricExecutor`, synchronous), CUDA streams for CUDA ranks
-//!   (asynchronous and in order: publication is an executor operation, so a
-//!   stream can queue it after the data), and [`testing::Fake`], with which
+//!   (`CudaExecutor` in [`cuda`]: asynchronous and in order; publication is
+//!   an executor operation, so a stream can queue it after the data), and [`testing::Fake`], with which
 //!   the engine is tested step by step, deterministically.
 //! - **One driver thread** ([`Driver`]): start, stop after draining, the
 //!   first error shared with producers and waiters, and the idle policy —
@@ -34,12 +34,18 @@
 //! - **The CPU backend** ([`Proxy`]): gin-device's `Backend` for CPU ranks,
 //!   the producer side of the rings (reserve, credit wait, write, wake) and
 //!   tickets, with an engine on a driver thread behind it.
+//! - **The CUDA backend** ([`cuda::CudaProxy`]): the rings kernels write
+//!   (mapped pinned memory, indices in device memory, the `ProxyRingAbi`
+//!   table) and the same engine on a driver thread, executing through one
+//!   CUDA stream per ring (on gin-cuda's runtime).
 //!
 //! # What it does not know
 //!
-//! Window memory, keys and paths belong to gin-net's [`gin_net::Fabric`] (or,
-//! on CUDA ranks, to the CUDA executor's window table); validation of user
-//! arguments to gin-device; threads and clocks to the driver, not the engine.
+//! Window memory, keys and paths belong to gin-net's [`gin_net::Fabric`],
+//! whose one directory holds CPU ranks' host windows and CUDA ranks' GPU
+//! windows alike (each executor takes only its own kind); validation of user
+//! arguments to gin-device; the CUDA driver to gin-cuda; threads and clocks
+//! to the driver, not the engine.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]

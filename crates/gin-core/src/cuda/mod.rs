@@ -1,6 +1,7 @@
 //! CUDA ranks: windows in GPU memory, device communicators whose
-//! [`DevCommAbi`](gin_device::abi::DevCommAbi) kernels receive, the CUDA
-//! proxy, and run-time compilation, on gin-cuda's host runtime.
+//! [`DevCommAbi`](gin_device::abi::DevCommAbi) kernels receive, and
+//! run-time compilation, on gin-cuda's host runtime; the CUDA proxy is
+//! gin-proxy's (`gin_proxy::cuda`), started once per device communicator.
 //!
 //! # Design
 //!
@@ -14,7 +15,9 @@
 //!   peers open each other's parts through CUDA IPC, so a kernel reaches a
 //!   peer's part by load/store over NVLink (or PCIe), and the proxy's copy
 //!   engine reaches it with `cuMemcpyAsync`. Ranks exchange their parts as
-//!   records with a codec (`record`).
+//!   records with a codec (`record`). Each window is registered in the
+//!   fabric's window directory as `Memory::Device`, which the proxy and the
+//!   soft NIC resolve descriptors and keys against.
 //! - **Signals** are `nranks` sub-slots each (`DEVCOMM_FLAG_SENDER_SLOTS`) in
 //!   a GPU signal window, summed: the proxy, the only writer of its rank's
 //!   sub-slot at the peers it serves, stores running totals with
@@ -23,9 +26,11 @@
 //!   atomic, so where every peer is (`DEVCOMM_FLAG_LSA_ONLY`) a wait reads one
 //!   word. Counters have two sub-slots: the proxy's running total and the
 //!   GPU's atomic adds.
-//! - **Proxy rings** live in mapped pinned host memory (not write-combined:
-//!   the proxy thread polls them); producer and completion indices live in
-//!   device memory, so a kernel never needs an atomic across PCIe.
+//! - **Proxy rings** (set up by gin-proxy) live in mapped pinned host memory
+//!   (not write-combined: the proxy thread polls them); producer and
+//!   completion indices live in device memory, so a kernel never needs an
+//!   atomic across PCIe. gin-core keeps an opaque handle: the ring table's
+//!   address, the first error, stop.
 //! - **Errors**: kernels record the first error in an error word; the host
 //!   reads it after the kernel and names rank, peer, context and id. While a
 //!   kernel runs, [`CudaDevComm::run`] watches the job's health and the
