@@ -34,6 +34,7 @@
 
 pub mod completion;
 mod device;
+pub mod ids;
 pub mod loopback;
 pub mod mlx5;
 pub mod nic;
