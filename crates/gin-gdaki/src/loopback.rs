@@ -12,10 +12,13 @@ use gin_net::{Fabric, MemDesc, Path};
 /// The fabric, window 0 over `len` bytes, and the memory behind it.
 #[derive(Debug)]
 pub struct Loopback {
+    /// The one-rank fabric.
     pub fabric: Arc<Fabric>,
+    /// Window 0 over the memory.
     pub window: Window,
-    /// The window's memory; dropped last.
+    /// The NIC key of the window ([`crate::ids::window_key`]).
     pub key: u32,
+    /// The window's memory; dropped last.
     mem: Box<[u64]>,
 }
 
@@ -35,14 +38,14 @@ impl Loopback {
         let base = mem.as_mut_ptr().cast::<u8>();
         // SAFETY: `mem` lives in the returned value, and the key is removed
         // from the table only with the fabric, which the value also holds.
-        let key = unsafe { table.insert(base, len as u64, Access::ALL) }.unwrap_or(0);
+        let region = unsafe { table.insert(base, len as u64, Access::ALL) }.unwrap_or(0);
         fabric.add_window(
             0,
             MemDesc {
                 local_base: base as usize,
                 sizes: vec![len as u64],
                 peer_bases: vec![base as usize],
-                keys: vec![key],
+                keys: vec![region],
                 addrs: vec![base as u64],
                 states: vec![0],
                 keep: None,
@@ -58,7 +61,7 @@ impl Loopback {
                     local_base: base,
                     sizes: vec![len as u64],
                     peer_bases: vec![base],
-                    keys: vec![key],
+                    keys: vec![region],
                     addrs: vec![base as u64],
                     states: vec![std::ptr::null()],
                 },
@@ -68,7 +71,7 @@ impl Loopback {
         Self {
             fabric,
             window,
-            key,
+            key: crate::ids::window_key(0, 0, 1).unwrap_or(0),
             mem,
         }
     }
