@@ -21,6 +21,7 @@ mod floor;
 mod layout;
 mod loggp;
 mod model;
+mod moe;
 mod pingpong;
 mod progress;
 mod ranks;
@@ -54,6 +55,8 @@ enum Cmd {
     Loggp(loggp::LoggpArgs),
     /// CUDA ranks on two GPUs: ping-pong and bandwidth for the load/store and proxy paths, with floors.
     Cuda(cuda::CudaArgs),
+    /// MoE dispatch and combine (gin-ep, --mode ll|ht) with DeepEP's byte accounting, beside a plain-put floor.
+    Moe(moe::MoeArgs),
     /// Host bootstrap collectives (allgather, all-to-all, barrier, broadcast) versus rank count.
     Bootstrap(bootstrap::BootstrapArgs),
 }
@@ -92,6 +95,7 @@ fn run(cli: Cli) -> Result<()> {
         Some(Cmd::Bandwidth(a)) => bandwidth::run(&ranks::rank_args(a)?),
         Some(Cmd::Rate(a)) => rate::run(&ranks::rank_args(a)?),
         Some(Cmd::Alltoall(a)) => alltoall::run(&ranks::rank_args(a)?),
+        Some(Cmd::Moe(a)) => moe::run(&ranks::rank_args(a)?),
         Some(Cmd::Loggp(a)) => loggp::run(&a),
         Some(Cmd::Cuda(a)) => cuda::run(&a),
         None => pingpong::run(&pingpong::PingPongArgs::default_args()),

@@ -12,8 +12,8 @@ use gin_gdaki::queue::Sharing;
 use gin_gdaki::{Gdaki, GdakiConfig};
 use gin_net::region::{Access, RegionTable};
 use gin_net::shm::Segment;
-use gin_net::tcp::TcpTransport;
-use gin_net::{Fabric, KeepAlive, MemDesc, Path};
+use gin_net::transport::{Alive, Scope, Setup};
+use gin_net::{Fabric, KeepAlive, MemDesc, MemParts, Memory, NetError, Reach};
 use gin_proxy::{Proxy, ProxyConfig};
 use tracing::{debug, info};
 
@@ -123,7 +123,6 @@ pub struct Comm {
     hosts: Vec<usize>,
     local_rank: usize,
     rail: Vec<usize>,
-    paths: Vec<Path>,
     fabric: Arc<Fabric>,
     table: Arc<RegionTable>,
     next_window: Mutex<u32>,
@@ -281,59 +280,8 @@ impl Comm {
         let rail: Vec<usize> = (0..n)
             .filter(|&r| (0..n).filter(|&q| q < r && hosts[q] == hosts[r]).count() == local_rank)
             .collect();
-        let multi_host = distinct.len() > 1;
-        // Paths: shm within a host unless tcp was asked for; tcp across hosts.
-        if settings.transport == TransportKind::Shm && multi_host {
-            let other: Vec<usize> = (0..n).filter(|&r| hosts[r] != hosts[rank]).collect();
-            return Err(CoreError::Unavailable {
-                what: "GIN_TRANSPORT=shm".into(),
-                why: format!("ranks {other:?} are on other hosts; shm reaches only this host"),
-                available: "auto, tcp".into(),
-            });
-        }
-        let use_tcp = |p: usize| {
-            p != rank && (settings.transport == TransportKind::Tcp || hosts[p] != hosts[rank])
-        };
-        let need_tcp = settings.transport == TransportKind::Tcp || multi_host;
         let table = Arc::new(RegionTable::default());
-        let tcp = if need_tcp {
-            let peers: Vec<bool> = (0..n).map(use_tcp).collect();
-            let t = TcpTransport::start(&b, table.clone(), &peers)?;
-            // A send blocked on a peer that stopped draining also ends when
-            // the job hears of a death (weak: the links must not keep the
-            // bootstrap alive past the communicator).
-            let weak = Arc::downgrade(&b);
-            t.watch(move || {
-                weak.upgrade()
-                    .map_or(Ok(()), |b| b.health().map_err(|e| e.to_string()))
-            });
-            Some(t)
-        } else {
-            None
-        };
-        let paths: Vec<Path> = (0..n)
-            .map(|p| {
-                if p == rank {
-                    Path::Local
-                } else if use_tcp(p) {
-                    Path::Tcp(
-                        tcp.as_ref()
-                            .and_then(|t| t.link(p))
-                            .expect("tcp link for a tcp peer")
-                            .clone(),
-                    )
-                } else {
-                    Path::Shm
-                }
-            })
-            .collect();
-        let fabric = Arc::new(Fabric::new(
-            rank,
-            paths.clone(),
-            table.clone(),
-            tcp,
-            settings.timeout,
-        ));
+        let fabric = Arc::new(start_fabric(&b, &table, &hosts, &settings)?);
         // A job-unique tag for shared-memory names.
         let token = b.job_token("gin-core shm names");
         let job_tag = token[..6].iter().fold(String::new(), |mut t, x| {
@@ -346,7 +294,7 @@ impl Comm {
             nranks = n,
             hosts = distinct.len(),
             local_rank,
-            paths = ?paths.iter().map(Path::name).collect::<Vec<_>>(),
+            paths = ?fabric.path_names(),
             "communicator ready"
         );
         let mut comm = Self {
@@ -355,7 +303,6 @@ impl Comm {
             hosts,
             local_rank,
             rail,
-            paths,
             fabric,
             table,
             next_window: Mutex::new(0),
@@ -403,7 +350,7 @@ impl Comm {
 
     /// How each peer is reached (`local`, `shm`, `tcp`).
     pub fn path_names(&self) -> Vec<&'static str> {
-        self.paths.iter().map(Path::name).collect()
+        self.fabric.path_names()
     }
 
     /// The settings in force.
@@ -412,11 +359,14 @@ impl Comm {
     }
 
     /// The TCP link to `peer`, where the fabric reaches it over TCP.
+    /// Transitional: CUDA ranks' engines still drive links directly; they
+    /// move to the fabric's keyed operations (`Fabric::put_key`,
+    /// `Fabric::read_key`, `Fabric::reach`), then this goes.
     pub(crate) fn tcp_link(&self, peer: usize) -> Option<Arc<gin_net::tcp::Link>> {
-        match self.paths.get(peer) {
-            Some(Path::Tcp(l)) => Some(l.clone()),
-            _ => None,
-        }
+        let t: &dyn std::any::Any = &**self.fabric.path(peer)?.transport();
+        t.downcast_ref::<gin_net::tcp::TcpTransport>()?
+            .link(peer)
+            .cloned()
     }
 
     /// The regions this rank serves to TCP peers.
@@ -429,9 +379,11 @@ impl Comm {
         &self.fabric
     }
 
-    fn shm_peers(&self) -> Vec<usize> {
+    /// Peers whose window parts this rank maps (same-host peers on the
+    /// shm path).
+    fn mapped_peers(&self) -> Vec<usize> {
         (0..self.nranks())
-            .filter(|&p| matches!(self.paths[p], Path::Shm))
+            .filter(|&p| p != self.rank() && self.fabric.reach(p) == Some(Reach::Mapped))
             .collect()
     }
 
@@ -477,7 +429,7 @@ impl Comm {
     /// `ptr` must be valid for reads and writes of `bytes` bytes, 8-byte
     /// aligned, and outlive the window; remote peers write it concurrently.
     pub unsafe fn register_window(&self, ptr: *mut u8, bytes: u64) -> Result<Window, CoreError> {
-        let shm = self.shm_peers();
+        let shm = self.mapped_peers();
         // Every rank must agree, or some would wait in the collective forever.
         let ok = self.bootstrap.allgather(&[u8::from(shm.is_empty())])?;
         if let Some(r) = ok.iter().position(|v| v.first() != Some(&1)) {
@@ -583,7 +535,7 @@ impl Comm {
             let key = u32::from_le_bytes(e[8..12].try_into().expect("4 bytes"));
             let addr = u64::from_le_bytes(e[12..20].try_into().expect("8 bytes"));
             let (mut mapped, mut state) = (0usize, 0usize);
-            if p != self.rank() && matches!(self.paths[p], Path::Shm) && e[20] == 1 {
+            if p != self.rank() && self.fabric.reach(p) == Some(Reach::Mapped) && e[20] == 1 {
                 let name = std::str::from_utf8(&e[HEAD..])
                     .map_err(|_| CoreError::Invalid(format!("rank {p} sent a bad segment name")))?;
                 let seg = Segment::open(std::path::Path::new(name), size as usize)?;
@@ -636,18 +588,22 @@ impl Comm {
                 }
             })
             .collect();
-        self.fabric.add_window(
-            id,
-            MemDesc {
-                local_base: base as usize,
-                sizes: sizes.clone(),
-                peer_bases: peer_bases.iter().map(|p| *p as usize).collect(),
-                keys: peers.iter().map(|p| p.key).collect(),
-                addrs: peers.iter().map(|p| p.addr).collect(),
-                states: states.clone(),
-                keep: Some(KeepAlive(mapped.clone())),
-            },
-        );
+        let parts = MemParts {
+            memory: Memory::Host,
+            local_base: base as usize,
+            sizes: sizes.clone(),
+            peer_bases: peer_bases.iter().map(|p| *p as usize).collect(),
+            keys: peers.iter().map(|p| p.key).collect(),
+            addrs: peers.iter().map(|p| p.addr).collect(),
+            states: states.clone(),
+            keep: Some(KeepAlive(mapped.clone())),
+        };
+        // SAFETY: `base` is this rank's part (sizes[rank] bytes), each
+        // non-null peer base a mapping of that peer's part (sizes[p] bytes)
+        // and each non-zero state a segment's revocation word, all kept
+        // mapped by `mapped`, which the description holds; shared memory is
+        // only reached through raw pointers and atomics.
+        self.fabric.add_window(id, unsafe { MemDesc::new(parts) });
         let mem = WindowMemory {
             _registration: registration,
             _mapped: mapped,
@@ -834,7 +790,7 @@ impl Comm {
             counters: self.counters.clone(),
             counter_base,
             lsa: (0..n)
-                .map(|p| direct && matches!(self.paths[p], Path::Shm | Path::Local))
+                .map(|p| direct && self.fabric.reach(p) == Some(Reach::Mapped))
                 .collect(),
             connected,
             rail: self.rail.clone(),
@@ -864,6 +820,52 @@ impl Comm {
     pub fn timeout(&self) -> Duration {
         self.settings.timeout
     }
+}
+
+/// Chooses every peer's transport (`GIN_TRANSPORT` and the host ids),
+/// starts them (collective) and assembles the fabric.
+fn start_fabric(
+    b: &Arc<Bootstrap>,
+    table: &Arc<RegionTable>,
+    hosts: &[usize],
+    settings: &Settings,
+) -> Result<Fabric, CoreError> {
+    let wanted = match settings.transport {
+        TransportKind::Auto => None,
+        TransportKind::Shm => Some("shm"),
+        TransportKind::Tcp => Some("tcp"),
+    };
+    let setup = Setup {
+        bootstrap: b,
+        table: table.clone(),
+        timeout: settings.timeout,
+    };
+    let fabric = Fabric::start(&setup, hosts, wanted).map_err(|e| match e {
+        NetError::HostOnly { transport, others } => CoreError::Unavailable {
+            what: format!("GIN_TRANSPORT={transport}"),
+            why: format!("ranks {others:?} are on other hosts; {transport} reaches only this host"),
+            available: std::iter::once("auto")
+                .chain(
+                    gin_net::transport::REGISTRY
+                        .iter()
+                        .filter(|r| r.scope == Scope::Any)
+                        .map(|r| r.name),
+                )
+                .collect::<Vec<_>>()
+                .join(", "),
+        },
+        e => e.into(),
+    })?;
+    // A send blocked on a peer that stopped draining also ends when the job
+    // hears of a death (weak: the transports must not keep the bootstrap
+    // alive past the communicator).
+    let weak = Arc::downgrade(b);
+    let alive: Alive = Arc::new(move || {
+        weak.upgrade()
+            .map_or(Ok(()), |b| b.health().map_err(|e| e.to_string()))
+    });
+    fabric.watch(&alive);
+    Ok(fabric)
 }
 
 fn dangling_window() -> Window {

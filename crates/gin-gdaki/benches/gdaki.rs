@@ -114,7 +114,7 @@ fn nic_execution(c: &mut Criterion) {
 /// one doorbell, then the time until the last CQE is polled.
 fn nic_alone(c: &mut Criterion) {
     let lb = Loopback::new(1 << 16, Duration::from_secs(30));
-    let (key, base) = (lb.key, lb.addr(0));
+    let (key, base) = (lb.nic_key, lb.addr(0));
     let log2 = 12;
     let qp = Arc::new(Qp::new(0x100, 0x100, 0, log2));
     let exec = FabricExecutor::new(

@@ -1,78 +1,57 @@
-//! One rank's view of the fabric: which path reaches each peer, and what
-//! every registered window looks like on every rank (addresses and keys).
-//! Backends execute one-sided operations through [`Fabric`].
+//! One rank's view of the fabric: which transport reaches each peer, and
+//! what every registered window looks like on every rank (the window
+//! directory). Backends execute one-sided operations through [`Fabric`];
+//! it checks each against the directory and dispatches it to the peer's
+//! [`Transport`].
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::NetError;
 use crate::region::RegionTable;
-use crate::tcp::{Link, TcpTransport};
+use crate::shm::ShmTransport;
+use crate::transport::{self, Alive, AtomicOp, Reach, Setup, Target, Transport};
+use crate::window::{Addr, KeepAlive, MemDesc};
 
-/// How a peer is reached.
+/// How a peer is reached: the transport the job chose for it.
 #[derive(Debug, Clone)]
-pub enum Path {
-    /// This rank itself.
-    Local,
-    /// Same host: the peer's window parts are mapped here.
-    Shm,
-    /// Over the TCP transport.
-    Tcp(Arc<Link>),
+pub struct Path {
+    transport: Arc<dyn Transport>,
 }
 
 impl Path {
+    /// A path through `transport`.
+    pub fn new(transport: Arc<dyn Transport>) -> Self {
+        Self { transport }
+    }
+
+    /// The path to this rank itself: loads and stores on its own parts.
+    pub fn local() -> Self {
+        Self::new(Arc::new(ShmTransport::local()))
+    }
+
+    /// The transport's name (`local`, `shm`, `tcp`).
     pub fn name(&self) -> &'static str {
-        match self {
-            Self::Local => "local",
-            Self::Shm => "shm",
-            Self::Tcp(_) => "tcp",
-        }
+        self.transport.name()
     }
-}
 
-/// Keeps a window's memory mapped while anything holds its description:
-/// an operation that looked the window up before its owner dropped it
-/// finishes on memory that is still there.
-#[derive(Clone)]
-pub struct KeepAlive(pub Arc<dyn std::any::Any + Send + Sync>);
-
-impl std::fmt::Debug for KeepAlive {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("KeepAlive")
+    /// How the transport addresses the peer's memory.
+    pub fn reach(&self) -> Reach {
+        self.transport.reach()
     }
-}
 
-/// A registered window as the fabric sees it.
-#[derive(Debug, Clone)]
-pub struct MemDesc {
-    /// This rank's part.
-    pub local_base: usize,
-    /// Every rank's size.
-    pub sizes: Vec<u64>,
-    /// Each peer's part mapped here (0: not mapped).
-    pub peer_bases: Vec<usize>,
-    /// Each rank's key for its part (0: not served over TCP).
-    pub keys: Vec<u32>,
-    /// Each rank's address of its own part, in its own address space: what
-    /// an RDMA work request names as the remote address (with the key).
-    pub addrs: Vec<u64>,
-    /// Each rank's revocation word mapped here (0: none; see
-    /// [`crate::shm::HEADER`]): non-zero once its owner dropped or
-    /// deregistered its part. The local and shm paths refuse an operation
-    /// on a part whose word is set.
-    pub states: Vec<usize>,
-    /// What keeps `local_base` and `peer_bases` mapped (`None`: their owner
-    /// outlives every user some other way).
-    pub keep: Option<KeepAlive>,
-}
+    /// Whether the peer's parts are loaded and stored through mappings here
+    /// (`local`, `shm`), rather than reached by requests the peer executes.
+    pub fn is_mapped(&self) -> bool {
+        self.reach() == Reach::Mapped
+    }
 
-/// A (window, offset) address on some rank.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Addr {
-    pub window: u32,
-    pub offset: u64,
+    /// The transport itself.
+    pub fn transport(&self) -> &Arc<dyn Transport> {
+        &self.transport
+    }
 }
 
 /// The fabric of one rank.
@@ -85,34 +64,87 @@ pub struct Fabric {
     /// Bumped whenever a window is added or removed: caches of the directory
     /// (a NIC's) compare it to know they are stale.
     generation: AtomicU64,
-    _tcp: Option<TcpTransport>,
     timeout: Duration,
 }
 
 impl Fabric {
-    /// Assembles a fabric from the paths the host layer chose.
-    pub fn new(
-        rank: usize,
-        paths: Vec<Path>,
-        table: Arc<RegionTable>,
-        tcp: Option<TcpTransport>,
-        timeout: Duration,
-    ) -> Self {
+    /// Assembles a fabric from paths chosen elsewhere (`paths[rank]` is
+    /// usually [`Path::local`]).
+    pub fn new(rank: usize, paths: Vec<Path>, table: Arc<RegionTable>, timeout: Duration) -> Self {
         Self {
             rank,
             paths,
             table,
             windows: RwLock::new(HashMap::new()),
             generation: AtomicU64::new(0),
-            _tcp: tcp,
             timeout,
         }
     }
 
+    /// A fabric of one rank and no peers (tests, benchmarks, loopbacks).
+    pub fn local(table: Arc<RegionTable>, timeout: Duration) -> Self {
+        Self::new(0, vec![Path::local()], table, timeout)
+    }
+
+    /// Chooses a transport for every peer ([`transport::select`]: the ranks'
+    /// host indices and the transport asked for, `None` for auto), starts
+    /// each transport any rank chose (collective: every rank calls this
+    /// with the same `hosts` and `wanted`), and assembles the fabric.
+    pub fn start(
+        setup: &Setup<'_>,
+        hosts: &[usize],
+        wanted: Option<&str>,
+    ) -> Result<Self, NetError> {
+        let rank = setup.bootstrap.rank();
+        let all = (0..hosts.len())
+            .map(|r| transport::select(r, hosts, wanted))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mine = all.get(rank).ok_or(NetError::NoPath {
+            peer: rank,
+            nranks: hosts.len(),
+        })?;
+        let chose =
+            |sel: Option<&transport::Registration>, name: &str| sel.is_some_and(|r| r.name == name);
+        let mut started: Vec<(&'static str, Arc<dyn Transport>)> = Vec::new();
+        // In registry order on every rank: starts are collectives.
+        for reg in transport::REGISTRY {
+            if all.iter().flatten().any(|s| chose(*s, reg.name)) {
+                let peers: Vec<bool> = mine.iter().map(|s| chose(*s, reg.name)).collect();
+                started.push((reg.name, (reg.start)(setup, &peers)?));
+            }
+        }
+        let paths = mine
+            .iter()
+            .map(|s| match s {
+                None => Path::local(),
+                Some(r) => started
+                    .iter()
+                    .find(|(n, _)| *n == r.name)
+                    .map_or_else(Path::local, |(_, t)| Path::new(t.clone())),
+            })
+            .collect();
+        Ok(Self::new(rank, paths, setup.table.clone(), setup.timeout))
+    }
+
+    /// Hands every transport the job-health check its blocked operations
+    /// consult (see [`Transport::watch`]).
+    pub fn watch(&self, alive: &Alive) {
+        let mut seen: Vec<*const ()> = Vec::new();
+        for p in &self.paths {
+            let id = Arc::as_ptr(&p.transport).cast::<()>();
+            if !seen.contains(&id) {
+                seen.push(id);
+                p.transport.watch(alive.clone());
+            }
+        }
+    }
+
+    /// This rank.
     pub fn rank(&self) -> usize {
         self.rank
     }
 
+    /// Ranks in the job.
     pub fn nranks(&self) -> usize {
         self.paths.len()
     }
@@ -122,12 +154,36 @@ impl Fabric {
         self.paths.get(peer)
     }
 
+    /// Each rank's path name (`local`, `shm`, `tcp`), by rank.
+    pub fn path_names(&self) -> Vec<&'static str> {
+        self.paths.iter().map(Path::name).collect()
+    }
+
+    /// How `peer` is reached, if it is a rank of the job.
+    pub fn reach(&self, peer: usize) -> Option<Reach> {
+        self.paths.get(peer).map(Path::reach)
+    }
+
+    fn path_to(&self, peer: usize) -> Result<&Path, NetError> {
+        self.paths.get(peer).ok_or(NetError::NoPath {
+            peer,
+            nranks: self.paths.len(),
+        })
+    }
+
     /// The region table this rank serves remote requests from.
     pub fn table(&self) -> &Arc<RegionTable> {
         &self.table
     }
 
-    /// Makes a window known to the fabric.
+    /// The fabric's timeout (answers, drains, fences).
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Makes a window known to the fabric (replacing any window of that
+    /// id). Safe: a [`MemDesc`] is only made by a caller that vouched for
+    /// its addresses ([`MemDesc::new`]).
     pub fn add_window(&self, id: u32, desc: MemDesc) {
         self.windows
             .write()
@@ -167,68 +223,15 @@ impl Fabric {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .get(&id)
             .cloned()
-            .ok_or_else(|| {
-                NetError::Invalid(format!("window {id} is not registered with the fabric"))
-            })
-    }
-
-    /// Checks `len` bytes at `a` against `peer`'s part of `w`; the path to `peer`.
-    fn check(&self, w: &MemDesc, peer: usize, a: Addr, len: u64) -> Result<&Path, NetError> {
-        let path = self
-            .paths
-            .get(peer)
-            .ok_or_else(|| NetError::Invalid(format!("no path to rank {peer}")))?;
-        let size = w.sizes.get(peer).copied().unwrap_or(0);
-        if a.offset.checked_add(len).is_none_or(|e| e > size) {
-            return Err(NetError::Invalid(format!(
-                "{len} bytes at offset {} exceed rank {peer}'s {size} bytes of window {}",
-                a.offset, a.window
-            )));
-        }
-        Ok(path)
-    }
-
-    /// The address of `(window, offset)` on `peer` in this process, for the
-    /// local and shm paths.
-    fn mapped(w: &MemDesc, peer: usize, path: &Path, a: Addr) -> Result<*mut u8, NetError> {
-        let base = match path {
-            Path::Local => w.local_base,
-            Path::Shm => w.peer_bases.get(peer).copied().unwrap_or(0),
-            Path::Tcp(_) => 0,
-        };
-        if base == 0 {
-            return Err(NetError::Invalid(format!(
-                "window {} of rank {peer} is not mapped here",
-                a.window
-            )));
-        }
-        Ok((base + a.offset as usize) as *mut u8)
-    }
-
-    /// Refuses `what` (`len` bytes at `a`) when `peer` revoked its part of
-    /// `w`: one acquire load of a word that changes once, so it stays in
-    /// this core's cache.
-    fn served(w: &MemDesc, peer: usize, a: Addr, what: &str, len: u64) -> Result<(), NetError> {
-        let state = w.states.get(peer).copied().unwrap_or(0);
-        // SAFETY: a non-zero state is the revocation word of a segment that
-        // `w.keep` keeps mapped, 8-byte aligned and only accessed atomically.
-        if state != 0 && unsafe { &*(state as *const AtomicU64) }.load(Ordering::Acquire) != 0 {
-            return Err(NetError::Remote {
-                peer,
-                why: format!(
-                    "{what} of {len} bytes at offset {} of window {} refused: rank {peer} dropped or deregistered its part",
-                    a.offset, a.window
-                ),
-            });
-        }
-        Ok(())
+            .ok_or(NetError::NotRegistered { window: id })
     }
 
     /// Writes `src` to `dst` on `peer`, then adds `sig.1` to the 8-byte slot
     /// `sig.0` on `peer` with release ordering (the data is visible first).
-    /// Complete locally on return. On the local and shm paths, when the
-    /// owner revoked the data's part or the signal's, the put is refused
-    /// before anything moves: a signal is never applied for refused data.
+    /// Complete locally on return. A put whose data or signal is refused
+    /// (out of range; on mapped paths also a revoked or unmapped part) is
+    /// refused before anything moves: a signal is never applied for
+    /// refused data.
     pub fn put(
         &self,
         peer: usize,
@@ -258,50 +261,31 @@ impl Fabric {
         src: &[u8],
         sig: Option<(&MemDesc, Addr, u64)>,
     ) -> Result<(), NetError> {
-        let path = self.check(w, peer, dst, src.len() as u64)?;
-        if let Some((sw, a, _)) = sig {
-            self.check(sw, peer, a, 8)?;
+        let path = self.path_to(peer)?;
+        let t = Target::Window(w, dst);
+        t.check_range(peer, src.len() as u64)?;
+        let sig = sig.map(|(sw, a, v)| (Target::Window(sw, a), v));
+        if let Some((s, _)) = sig {
+            s.check_range(peer, 8)?;
         }
-        match path {
-            Path::Local | Path::Shm => {
-                // Both parts are checked before anything moves, as a tcp
-                // target checks a put and its signal: a refusal is whole.
-                Self::served(w, peer, dst, "put", src.len() as u64)?;
-                if let Some((sw, a, _)) = sig {
-                    Self::served(sw, peer, a, "signal", 8)?;
-                }
-                if !src.is_empty() {
-                    let d = Self::mapped(w, peer, path, dst)?;
-                    // SAFETY: `check` tested the range against the peer's
-                    // size; the mapping lives while the window is registered.
-                    unsafe { std::ptr::copy(src.as_ptr(), d, src.len()) };
-                }
-                if let Some((sw, a, v)) = sig {
-                    let p = Self::mapped(sw, peer, path, a)?;
-                    if !(p as usize).is_multiple_of(8) {
-                        return Err(NetError::Invalid(format!(
-                            "signal at offset {} is not aligned",
-                            a.offset
-                        )));
-                    }
-                    // SAFETY: in range, aligned; signal slots are only accessed atomically.
-                    unsafe { (*p.cast::<AtomicU64>()).fetch_add(v, Ordering::Release) };
-                }
-                Ok(())
-            }
-            Path::Tcp(link) => {
-                let key = w.keys.get(peer).copied().unwrap_or(0);
-                let sig =
-                    sig.map(|(sw, a, v)| (sw.keys.get(peer).copied().unwrap_or(0), a.offset, v));
-                link.put(key, dst.offset, src, sig)
-                    .map_err(|e| self.name_window(e))
-            }
-        }
+        path.transport
+            .put(peer, t, src, sig)
+            .map_err(|e| self.name_window(e))
+    }
+
+    /// Writes `src` at `offset` of the region `peer` serves under `key`
+    /// (keyed paths only: the peer checks the range). Complete locally on
+    /// return; [`Fabric::confirm`] reports a refusal.
+    pub fn put_key(&self, peer: usize, key: u32, offset: u64, src: &[u8]) -> Result<(), NetError> {
+        self.path_to(peer)?
+            .transport
+            .put(peer, Target::Key { key, offset }, src, None)
+            .map_err(|e| self.name_window(e))
     }
 
     /// Reads `len` bytes at `src` on `peer` into `dst`. `done` is decremented
     /// when the data has landed; the caller increments it first. `keep` (the
-    /// destination window's [`MemDesc::keep`]) is held until the data has
+    /// destination window's [`MemParts::keep`](crate::MemParts::keep)) is held until the data has
     /// landed or the read has failed, so a read still in flight when its
     /// destination window is dropped lands in memory that is still mapped.
     ///
@@ -336,23 +320,51 @@ impl Fabric {
         done: &Arc<AtomicU64>,
         keep: Option<KeepAlive>,
     ) -> Result<(), NetError> {
-        let path = self.check(w, peer, src, len)?;
-        match path {
-            Path::Local | Path::Shm => {
-                Self::served(w, peer, src, "get", len)?;
-                let s = Self::mapped(w, peer, path, src)?;
-                // SAFETY: source range checked; destination promised by the caller.
-                unsafe { std::ptr::copy(s, dst, len as usize) };
-                std::sync::atomic::fence(Ordering::Acquire);
-                done.fetch_sub(1, Ordering::AcqRel);
-                Ok(())
-            }
-            Path::Tcp(link) => {
-                let key = w.keys.get(peer).copied().unwrap_or(0);
-                // SAFETY: forwarded from the caller.
-                unsafe { link.get(key, src.offset, len, dst, done.clone(), keep) }
-            }
-        }
+        let path = self.path_to(peer)?;
+        let t = Target::Window(w, src);
+        t.check_range(peer, len)?;
+        // SAFETY: forwarded from the caller.
+        unsafe { path.transport.get(peer, t, dst, len, done, keep) }
+            .map_err(|e| self.name_window(e))
+    }
+
+    /// Reads `out.len()` bytes at `src` on `peer` into `out` and returns
+    /// once they landed, or with an error within the fabric's timeout;
+    /// nothing writes `out` afterwards. (CUDA ranks stage GPU memory
+    /// through it.)
+    pub fn read(&self, peer: usize, src: Addr, out: &mut [u8]) -> Result<(), NetError> {
+        let w = self.window(src.window)?;
+        self.read_in(peer, (&w, src), out)
+    }
+
+    /// [`Fabric::read`] with the window's description in hand.
+    pub fn read_in(
+        &self,
+        peer: usize,
+        (w, src): (&MemDesc, Addr),
+        out: &mut [u8],
+    ) -> Result<(), NetError> {
+        let path = self.path_to(peer)?;
+        let t = Target::Window(w, src);
+        t.check_range(peer, out.len() as u64)?;
+        path.transport
+            .read(peer, t, out, self.timeout)
+            .map_err(|e| self.name_window(e))
+    }
+
+    /// [`Fabric::read`] from `offset` of the region `peer` serves under
+    /// `key` (keyed paths only: the peer checks the range).
+    pub fn read_key(
+        &self,
+        peer: usize,
+        key: u32,
+        offset: u64,
+        out: &mut [u8],
+    ) -> Result<(), NetError> {
+        self.path_to(peer)?
+            .transport
+            .read(peer, Target::Key { key, offset }, out, self.timeout)
+            .map_err(|e| self.name_window(e))
     }
 
     /// Atomic fetch-add on `peer`; returns the old value.
@@ -368,13 +380,7 @@ impl Fabric {
         (w, at): (&MemDesc, Addr),
         v: u64,
     ) -> Result<u64, NetError> {
-        self.atomic(
-            peer,
-            w,
-            at,
-            |a| a.fetch_add(v, Ordering::AcqRel),
-            |l, k| l.fetch_add(k, at.offset, v, self.timeout),
-        )
+        self.atomic(peer, w, at, AtomicOp::FetchAdd(v))
     }
 
     /// Atomic compare-and-swap on `peer`; returns the old value.
@@ -397,101 +403,80 @@ impl Fabric {
         expected: u64,
         desired: u64,
     ) -> Result<u64, NetError> {
-        self.atomic(
-            peer,
-            w,
-            at,
-            |a| match a.compare_exchange(expected, desired, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(v) | Err(v) => v,
-            },
-            |l, k| l.compare_swap(k, at.offset, expected, desired, self.timeout),
-        )
+        self.atomic(peer, w, at, AtomicOp::CompareSwap { expected, desired })
     }
 
-    fn atomic(
-        &self,
-        peer: usize,
-        w: &MemDesc,
-        at: Addr,
-        mem: impl FnOnce(&AtomicU64) -> u64,
-        net: impl FnOnce(&Link, u32) -> Result<u64, NetError>,
-    ) -> Result<u64, NetError> {
-        let path = self.check(w, peer, at, 8)?;
-        match path {
-            Path::Local | Path::Shm => {
-                Self::served(w, peer, at, "atomic", 8)?;
-                let p = Self::mapped(w, peer, path, at)?;
-                if !(p as usize).is_multiple_of(8) {
-                    return Err(NetError::Invalid(format!(
-                        "atomic at offset {} is not aligned",
-                        at.offset
-                    )));
-                }
-                // SAFETY: in range and aligned; atomics only.
-                Ok(mem(unsafe { &*p.cast::<AtomicU64>() }))
-            }
-            Path::Tcp(link) => {
-                net(link, w.keys.get(peer).copied().unwrap_or(0)).map_err(|e| self.name_window(e))
-            }
-        }
+    fn atomic(&self, peer: usize, w: &MemDesc, at: Addr, op: AtomicOp) -> Result<u64, NetError> {
+        let path = self.path_to(peer)?;
+        let t = Target::Window(w, at);
+        t.check_range(peer, 8)?;
+        path.transport
+            .atomic(peer, t, op, self.timeout)
+            .map_err(|e| self.name_window(e))
     }
 
-    /// Returns once every request this rank sent over TCP has been executed
-    /// by its target: after it (and a barrier), no request of this rank is
-    /// still in flight to anyone's memory. Deregistration relies on it.
+    /// Returns once every request this rank sent has been executed by its
+    /// target: after it (and a barrier), no request of this rank is still
+    /// in flight to anyone's memory. Deregistration relies on it.
     pub fn fence_all(&self) -> Result<(), NetError> {
         self.fence_all_within(self.timeout)
     }
 
     /// [`Fabric::fence_all`] with one deadline, `limit` from now, for every
-    /// link together (at most the fabric's timeout).
+    /// peer together (at most the fabric's timeout).
     pub fn fence_all_within(&self, limit: Duration) -> Result<(), NetError> {
-        let until = std::time::Instant::now() + limit.min(self.timeout);
-        for p in &self.paths {
-            if let Path::Tcp(l) = p {
-                l.fence(until.saturating_duration_since(std::time::Instant::now()))?;
-            }
+        let until = Instant::now() + limit.min(self.timeout);
+        for (peer, p) in self.paths.iter().enumerate() {
+            p.transport
+                .fence(peer, until.saturating_duration_since(Instant::now()))?;
         }
         Ok(())
     }
 
-    /// Returns once every put this rank wrote to `peer` over TCP was
-    /// executed there, or with the first refusal (see [`Link::confirm`]);
-    /// at once for other paths. Flushes call it, so a refused put is
-    /// reported by the flush that covers it.
+    /// Returns once every put this rank wrote to `peer` was executed there,
+    /// or with the first refusal (see [`Transport::confirm`]); at once on
+    /// mapped paths, whose puts are complete on return. Flushes call it,
+    /// so a refused put is reported by the flush that covers it.
     pub fn confirm(&self, peer: usize) -> Result<(), NetError> {
-        match self.paths.get(peer) {
-            Some(Path::Tcp(l)) => l.confirm(self.timeout).map_err(|e| self.name_window(e)),
-            _ => Ok(()),
-        }
+        self.path_to(peer)?
+            .transport
+            .confirm(peer, self.timeout)
+            .map_err(|e| self.name_window(e))
+    }
+
+    /// Fails with the first error the path to `peer` saw.
+    pub fn peer_health(&self, peer: usize) -> Result<(), NetError> {
+        self.path_to(peer)?
+            .transport
+            .health(peer)
+            .map_err(|e| self.name_window(e))
+    }
+
+    /// Fails with the first error any path saw.
+    pub fn health(&self) -> Result<(), NetError> {
+        (0..self.paths.len()).try_for_each(|p| self.peer_health(p))
     }
 
     /// Adds the window a refusal's key belongs to (the target names only
-    /// its key) to a transport error.
+    /// its key) to a transport's refusal.
     fn name_window(&self, e: NetError) -> NetError {
-        let NetError::Remote { peer, why } = e else {
+        let NetError::Refused {
+            peer,
+            why,
+            window: None,
+        } = e
+        else {
             return e;
         };
-        let hit = self.windows().into_iter().find(|(_, d)| {
-            d.keys
-                .get(peer)
-                .is_some_and(|&k| k != 0 && why.contains(&format!("{k:#010x}")))
-        });
-        let why = match hit {
-            Some((id, _)) => format!("{why} (window {id} of rank {peer})"),
-            None => why,
-        };
-        NetError::Remote { peer, why }
-    }
-
-    /// Fails with the first error any TCP link saw.
-    pub fn health(&self) -> Result<(), NetError> {
-        for p in &self.paths {
-            if let Path::Tcp(l) = p {
-                l.check().map_err(|e| self.name_window(e))?;
-            }
-        }
-        Ok(())
+        let window = self
+            .windows()
+            .into_iter()
+            .find(|(_, d)| {
+                let k = d.key_of(peer);
+                k != 0 && why.contains(&format!("{k:#010x}"))
+            })
+            .map(|(id, _)| id);
+        NetError::Refused { peer, why, window }
     }
 }
 
@@ -501,34 +486,29 @@ mod tests {
 
     use super::*;
     use crate::shm::Segment;
+    use crate::window::MemParts;
 
     /// A one-rank fabric with window 0 (data) and window 1 (signals), each
     /// a segment with its revocation word.
     fn rig(tag: &str) -> (Fabric, Segment, Segment) {
-        let fabric = Fabric::new(
-            0,
-            vec![Path::Local],
-            Arc::new(RegionTable::default()),
-            None,
-            Duration::from_secs(1),
-        );
+        let fabric = Fabric::local(Arc::new(RegionTable::default()), Duration::from_secs(1));
         let pid = std::process::id();
         let mut segs =
             [0, 1].map(|i| Segment::create(&format!("gin-test-{tag}-{pid}-{i}"), 64).unwrap());
         for (i, s) in segs.iter_mut().enumerate() {
             s.unlink();
-            fabric.add_window(
-                i as u32,
-                MemDesc {
-                    local_base: s.as_ptr() as usize,
-                    sizes: vec![64],
-                    peer_bases: vec![0],
-                    keys: vec![0],
-                    addrs: vec![s.as_ptr() as u64],
-                    states: vec![std::ptr::from_ref(s.state()) as usize],
-                    keep: None,
-                },
-            );
+            let parts = MemParts {
+                local_base: s.as_ptr() as usize,
+                sizes: vec![64],
+                peer_bases: vec![0],
+                keys: vec![0],
+                addrs: vec![s.as_ptr() as u64],
+                states: vec![std::ptr::from_ref(s.state()) as usize],
+                ..MemParts::default()
+            };
+            // SAFETY: the segments (64 bytes each, their revocation words in
+            // their headers) outlive every operation of the tests below.
+            fabric.add_window(i as u32, unsafe { MemDesc::new(parts) });
         }
         let [data, sig] = segs;
         (fabric, data, sig)
@@ -583,5 +563,59 @@ mod tests {
         );
         // As over tcp, the put and its signal are refused as a whole.
         assert_eq!((word(&data, 8), word(&sig, 32)), (0, 0));
+    }
+
+    #[test]
+    fn gpu_memory_is_never_loaded_or_stored_on_a_mapped_path() {
+        let fabric = Fabric::local(Arc::new(RegionTable::default()), Duration::from_secs(1));
+        let parts = MemParts {
+            memory: crate::Memory::Device,
+            local_base: 0x7f00_dead_0000,
+            sizes: vec![64],
+            peer_bases: vec![0x7f00_dead_0000],
+            keys: vec![0],
+            addrs: vec![0x7f00_dead_0000],
+            states: vec![0],
+            keep: None,
+        };
+        // SAFETY: a device window the fabric refuses to touch, which no GPU
+        // engine reads in this test (the address is never dereferenced).
+        fabric.add_window(7, unsafe { MemDesc::new(parts) });
+        let device = |e: NetError| {
+            assert!(
+                matches!(
+                    e,
+                    NetError::DeviceMemory {
+                        peer: 0,
+                        window: 7,
+                        transport: "local"
+                    }
+                ),
+                "{e}"
+            );
+            assert!(e.to_string().contains("GPU memory"), "{e}");
+        };
+        device(fabric.put(0, at(7, 0), &[1; 8], None).unwrap_err());
+        device(fabric.fetch_add(0, at(7, 8), 1).unwrap_err());
+        device(fabric.read(0, at(7, 0), &mut [0; 8]).unwrap_err());
+        let done = Arc::new(AtomicU64::new(1));
+        let mut out = [0u8; 8];
+        // SAFETY: `out` outlives the call, which fails before anything moves.
+        device(unsafe { fabric.get(0, at(7, 0), out.as_mut_ptr(), 8, &done, None) }.unwrap_err());
+        // Ranges are checked first, for every kind of memory.
+        let e = fabric.put(0, at(7, 60), &[1; 8], None).unwrap_err();
+        assert!(matches!(e, NetError::OutOfBounds { size: 64, .. }), "{e}");
+        assert!(fabric.put(1, at(7, 0), &[1], None).unwrap_err().peer() == Some(1));
+        let e = fabric.put_key(0, 5, 0, &[1]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                NetError::Unsupported {
+                    transport: "local",
+                    ..
+                }
+            ),
+            "{e}"
+        );
     }
 }

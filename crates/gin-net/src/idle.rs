@@ -9,6 +9,8 @@ use std::sync::atomic::{AtomicBool, Ordering, fence};
 use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
+/// An idle worker's sleep, and the producers' way to end it (see the
+/// module documentation for the protocol).
 #[derive(Debug, Default)]
 pub struct Sleeper {
     sleeping: AtomicBool,

@@ -1,23 +1,43 @@
-//! gin-net: the fabric under both backends — NCCL's net/RMA plugin layer.
+//! gin-net: the fabric under every backend — NCCL's net/RMA plugin layer.
+//!
+//! Backends (the proxy, the soft NIC, CUDA ranks' engines) move bytes and
+//! apply atomics on *windows* through one [`Fabric`] per rank; the fabric
+//! reaches each peer through one [`Transport`], chosen per peer when the
+//! job is set up.
 //!
 //! # Design
 //!
-//! - **Regions** ([`region::RegionTable`]): memory remote peers may access,
-//!   named by random 32-bit keys; every remote request is checked for key,
-//!   rights, bounds and alignment at the target (defence in depth: the
-//!   initiator checked too).
-//! - **shm** ([`shm::Segment`]): same-host peers map each other's segments;
+//! - **One window directory** ([`MemDesc`]): what every registered window
+//!   looks like on every rank: each part's size, its mapping here (if any),
+//!   the key its owner serves it under (if any), its owner's address, its
+//!   revocation word, and whether it is host or GPU memory. CPU ranks and
+//!   CUDA ranks register their windows alike. A description can only be
+//!   made through an `unsafe` constructor that vouches for its addresses,
+//!   so no safe call makes the fabric touch memory nobody registered.
+//! - **A transport seam** ([`Transport`], [`transport`]): put with an
+//!   optional ordered signal, get, fetch-add, compare-swap, fence, confirm
+//!   and health, for one peer; the fabric checks an operation against the
+//!   directory, then dispatches to the peer's transport. Transports are
+//!   registered in one table and chosen in one place, from `GIN_TRANSPORT`
+//!   and the ranks' host ids: a new transport is one module and one line
+//!   of registration.
+//! - **Regions** ([`region::RegionTable`]): memory remote peers may
+//!   access, named by random 32-bit keys; every remote request is checked
+//!   for key, rights, bounds and alignment at the target (defence in
+//!   depth: the initiator checked too).
+//! - **shm** ([`shm`]): same-host peers map each other's segments;
 //!   one-sided operations are then plain copies and atomics on the mapping,
 //!   with release ordering on the atomic that publishes data. Segments are
 //!   owner-only, their pages reserved at creation (no SIGBUS on a full
 //!   tmpfs), their names removed as soon as registration is over. A header
 //!   page holds the owner's revocation word: a peer's mapping outlives the
 //!   owner's interest, so the word, not the mapping, says whether the owner
-//!   still serves the segment, and the shm paths refuse data and signals
-//!   for a revoked one.
-//! - **tcp** ([`tcp::TcpTransport`]): any host. Each rank serves its regions;
-//!   one ordered connection per pair of ranks makes "signal after data"
-//!   hold by construction. Errors come back as answers, not silence, and are
+//!   still serves the segment, and the shm transport refuses data and
+//!   signals for a revoked one. The same code reaches this rank's own
+//!   windows (the `local` path).
+//! - **tcp** ([`tcp`]): any host. Each rank serves its regions; one
+//!   ordered connection per pair of ranks makes "signal after data" hold by
+//!   construction. Errors come back as answers, not silence, and are
 //!   sticky on the link until reported. No send blocks past the job's
 //!   timeout on a peer that stopped reading; the error names that peer.
 //! - Endpoint addresses are exchanged through gin-bootstrap; transport
@@ -25,10 +45,17 @@
 //!
 //! # What it does not know
 //!
-//! Windows, signals, contexts and descriptor or WQE formats belong to the
-//! layers above; gin-net moves bytes and performs atomics on keyed memory.
+//! Signals, counters, contexts, queues and descriptor or WQE formats belong
+//! to the layers above: gin-net knows windows only as byte ranges with
+//! sizes, addresses and keys, and moves bytes and performs atomics on them.
+//! It never dereferences GPU memory: CUDA ranks' engines copy it with the
+//! GPU, and reach peers over keyed transports through the fabric's keyed
+//! operations ([`Fabric::put_key`], [`Fabric::read_key`], [`Fabric::read`];
+//! until they have moved, they also drive [`tcp::Link`]s directly). There
+//! is no RDMA (ibverbs, UCX) transport yet.
 
 #![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
 
 pub mod fabric;
 pub mod idle;
@@ -36,30 +63,246 @@ pub mod region;
 pub mod shm;
 pub mod sticky;
 pub mod tcp;
+pub mod transport;
+pub mod window;
 
-pub use fabric::{Addr, Fabric, KeepAlive, MemDesc, Path};
+pub use fabric::{Fabric, Path};
+pub use transport::{Reach, Target, Transport};
+pub use window::{Addr, KeepAlive, MemDesc, MemParts, Memory};
 
 use std::time::Duration;
 
-/// Fabric errors.
+/// Fabric errors. Each variant names the rank, peer, window, key, offset,
+/// size or transport involved; the ones a caller can act on (a bad range,
+/// a refused request, a dead peer) are variants of their own.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum NetError {
+    /// A system call failed while setting something up or moving bytes.
     #[error("{what}: {source}")]
     Io {
+        /// What was being done.
         what: String,
+        /// The operating system's error.
         #[source]
         source: std::io::Error,
     },
-    #[error("{0}")]
-    Invalid(String),
+    /// The peer is not a rank of this job.
+    #[error("no path to rank {peer} (the job has {nranks} ranks)")]
+    NoPath {
+        /// The rank asked for.
+        peer: usize,
+        /// Ranks in the job.
+        nranks: usize,
+    },
+    /// The window is not in the fabric's directory (never registered, or
+    /// already deregistered here).
+    #[error("window {window} is not registered with the fabric")]
+    NotRegistered {
+        /// The window id.
+        window: u32,
+    },
+    /// The range does not fit the peer's part of the window: nothing moved.
+    #[error("{len} bytes at offset {offset} exceed rank {peer}'s {size} bytes of window {window}")]
+    OutOfBounds {
+        /// The rank whose part was addressed.
+        peer: usize,
+        /// The window id.
+        window: u32,
+        /// Offset in the peer's part.
+        offset: u64,
+        /// Bytes asked for.
+        len: u64,
+        /// The peer's part's size.
+        size: u64,
+    },
+    /// An atomic or a signal on an address that is not 8-byte aligned.
+    #[error("{what} at offset {offset} of window {window} of rank {peer} is not aligned")]
+    Misaligned {
+        /// The rank whose part was addressed.
+        peer: usize,
+        /// The window id.
+        window: u32,
+        /// Offset in the peer's part.
+        offset: u64,
+        /// "atomic" or "signal".
+        what: &'static str,
+    },
+    /// The path to the peer loads and stores, but the peer's part is not
+    /// mapped here.
+    #[error("window {window} of rank {peer} is not mapped here")]
+    NotMapped {
+        /// The rank whose part was addressed.
+        peer: usize,
+        /// The window id.
+        window: u32,
+    },
+    /// The path to the peer names parts by key, but the peer's part has
+    /// none (it is not served to this rank).
+    #[error("rank {peer}'s part of window {window} is not served over {transport}")]
+    NotServed {
+        /// The rank whose part was addressed.
+        peer: usize,
+        /// The window id.
+        window: u32,
+        /// The transport's name.
+        transport: &'static str,
+    },
+    /// The window is GPU memory and the path to the peer would load or
+    /// store it from the host: the GPU's engines must move it instead.
+    #[error(
+        "window {window} of rank {peer} is GPU memory, which the {transport} path does not load or store (the GPU copies it)"
+    )]
+    DeviceMemory {
+        /// The rank whose part was addressed.
+        peer: usize,
+        /// The window id.
+        window: u32,
+        /// The transport's name.
+        transport: &'static str,
+    },
+    /// The transport does not offer this kind of operation.
+    #[error("the {transport} transport does not offer {op}")]
+    Unsupported {
+        /// The transport's name.
+        transport: &'static str,
+        /// What was asked.
+        op: &'static str,
+    },
+    /// The owner of the part dropped or deregistered it: refused before
+    /// anything moved.
+    #[error(
+        "rank {peer}: {op} of {len} bytes at offset {offset} of window {window} refused: rank {peer} dropped or deregistered its part"
+    )]
+    Revoked {
+        /// The owner.
+        peer: usize,
+        /// The window id.
+        window: u32,
+        /// Offset in the owner's part.
+        offset: u64,
+        /// Bytes of the refused operation.
+        len: u64,
+        /// "put", "signal", "get" or "atomic".
+        op: &'static str,
+    },
+    /// The target refused a request (bad key, bounds, rights or alignment,
+    /// or a region removed meanwhile). The connection is in its error state
+    /// from then on, as an RDMA QP: everything after it is refused too.
+    #[error("rank {peer}: {why}{}", window.map(|w| format!(" (window {w} of rank {peer})")).unwrap_or_default())]
+    Refused {
+        /// The target.
+        peer: usize,
+        /// The target's reason.
+        why: String,
+        /// The window the refused key belongs to, where this rank knows it.
+        window: Option<u32>,
+    },
+    /// The path to the peer failed: the connection was lost (the peer
+    /// exited, died or became unreachable), a send failed, or the peer
+    /// broke the protocol. Sticky: every later operation reports it.
     #[error("rank {peer}: {why}")]
-    Remote { peer: usize, why: String },
+    Broken {
+        /// The peer.
+        peer: usize,
+        /// What happened.
+        why: String,
+    },
+    /// The peer did not answer or drain its connection in time.
     #[error("rank {peer}: timed out after {waited:.1?} waiting for {what}")]
     Timeout {
+        /// The peer.
         peer: usize,
+        /// What was awaited.
         what: String,
+        /// How long.
         waited: Duration,
     },
+    /// `GIN_TRANSPORT` (or a caller) named a transport nobody registered.
+    #[error("no transport is called {name} (available: {available})")]
+    UnknownTransport {
+        /// The name asked for.
+        name: String,
+        /// The registered names.
+        available: String,
+    },
+    /// A transport that reaches only this host was asked for where some
+    /// ranks are on other hosts.
+    #[error("ranks {others:?} are on other hosts; {transport} reaches only this host")]
+    HostOnly {
+        /// The transport's name.
+        transport: &'static str,
+        /// The ranks on other hosts.
+        others: Vec<usize>,
+    },
+    /// A shared-memory segment (with its header) of this size cannot be
+    /// made on this system.
+    #[error("a shared-memory segment of {len} bytes is larger than this system can map")]
+    SegmentTooLarge {
+        /// Data bytes asked for.
+        len: usize,
+    },
+    /// A peer's segment is smaller than its window part says.
+    #[error(
+        "peer's shared memory {path} has {have} bytes, expected {want} and a {header}-byte header"
+    )]
+    SegmentTooSmall {
+        /// The segment's file.
+        path: std::path::PathBuf,
+        /// Bytes the file has.
+        have: u64,
+        /// Data bytes expected.
+        want: usize,
+        /// Header bytes expected before the data.
+        header: usize,
+    },
+    /// A peer sent a set-up record this rank cannot use.
+    #[error("rank {peer} sent a bad {what}")]
+    BadRecord {
+        /// The peer.
+        peer: usize,
+        /// What the record was.
+        what: &'static str,
+    },
+    /// A job collective (address exchange, barrier) failed.
     #[error(transparent)]
     Bootstrap(#[from] gin_bootstrap::BootstrapError),
+}
+
+impl NetError {
+    /// The peer this error is about, when it names one.
+    pub fn peer(&self) -> Option<usize> {
+        match self {
+            Self::NoPath { peer, .. }
+            | Self::OutOfBounds { peer, .. }
+            | Self::Misaligned { peer, .. }
+            | Self::NotMapped { peer, .. }
+            | Self::NotServed { peer, .. }
+            | Self::DeviceMemory { peer, .. }
+            | Self::Revoked { peer, .. }
+            | Self::Refused { peer, .. }
+            | Self::Broken { peer, .. }
+            | Self::Timeout { peer, .. }
+            | Self::BadRecord { peer, .. } => Some(*peer),
+            _ => None,
+        }
+    }
+
+    /// Whether this rank refused the operation itself before anything
+    /// moved (a bad range, an unmapped or unserved part, a revoked part):
+    /// the path to the peer is still good.
+    pub fn is_local_refusal(&self) -> bool {
+        matches!(
+            self,
+            Self::NoPath { .. }
+                | Self::NotRegistered { .. }
+                | Self::OutOfBounds { .. }
+                | Self::Misaligned { .. }
+                | Self::NotMapped { .. }
+                | Self::NotServed { .. }
+                | Self::DeviceMemory { .. }
+                | Self::Unsupported { .. }
+                | Self::Revoked { .. }
+        )
+    }
 }

@@ -14,26 +14,85 @@ use crate::NetError;
 /// What a remote peer may do to a region.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Access {
+    /// Puts.
     pub write: bool,
+    /// Gets.
     pub read: bool,
+    /// Fetch-add, compare-swap, and signals carried by puts.
     pub atomic: bool,
 }
 
 impl Access {
+    /// Everything.
     pub const ALL: Self = Self {
         write: true,
         read: true,
         atomic: true,
     };
-}
 
-impl Access {
     /// Writes and reads, no atomics: what a [`Backing`] region allows.
     pub const COPY: Self = Self {
         write: true,
         read: true,
         atomic: false,
     };
+}
+
+/// Why the region table refused an access (sent to the initiator as text,
+/// so the messages are what a remote peer reads).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RegionError {
+    /// No region has this key (never registered, or removed).
+    #[error("unknown memory key {key:#010x}")]
+    UnknownKey {
+        /// The key asked for.
+        key: u32,
+    },
+    /// The region is GPU memory behind a [`Backing`]: copies only.
+    #[error(
+        "key {key:#010x} names GPU memory, which this transport reaches by copies only: no atomics"
+    )]
+    CopyOnly {
+        /// The region's key.
+        key: u32,
+    },
+    /// The region does not allow this kind of access.
+    #[error("key {key:#010x} does not allow {need:?}")]
+    Denied {
+        /// The region's key.
+        key: u32,
+        /// The access asked for.
+        need: AccessKind,
+    },
+    /// The range does not fit the region.
+    #[error("{len} bytes at offset {offset} exceed the {size} bytes of key {key:#010x}")]
+    OutOfBounds {
+        /// The region's key.
+        key: u32,
+        /// Offset asked for.
+        offset: u64,
+        /// Bytes asked for.
+        len: u64,
+        /// The region's size.
+        size: u64,
+    },
+    /// An atomic on a word that is not 8-byte aligned.
+    #[error("atomic at offset {offset} of key {key:#010x} is not 8-byte aligned")]
+    Misaligned {
+        /// The region's key.
+        key: u32,
+        /// Offset asked for.
+        offset: u64,
+    },
+    /// The backing failed to copy.
+    #[error("{why}")]
+    Backing {
+        /// The region's key.
+        key: u32,
+        /// The backing's reason.
+        why: String,
+    },
 }
 
 /// Memory a region's bytes are copied through instead of plain loads and
@@ -106,8 +165,8 @@ impl RegionTable {
         len: u64,
         backing: Arc<dyn Backing>,
     ) -> Result<u32, NetError> {
-        let base = usize::try_from(base)
-            .map_err(|_| NetError::Invalid(format!("region base {base:#x} is not an address")))?;
+        // Only an identity for `remove_region`; never dereferenced.
+        let base = base as usize;
         self.insert_entry(Entry {
             base,
             len,
@@ -123,8 +182,10 @@ impl RegionTable {
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         loop {
             let mut k = [0u8; 4];
-            getrandom::fill(&mut k)
-                .map_err(|e| NetError::Invalid(format!("drawing a key: {e}")))?;
+            getrandom::fill(&mut k).map_err(|e| NetError::Io {
+                what: "drawing a region key".into(),
+                source: std::io::Error::other(e.to_string()),
+            })?;
             let key = u32::from_le_bytes(k);
             if key != 0 && !map.contains_key(&key) {
                 map.insert(key, entry);
@@ -163,15 +224,13 @@ impl RegionTable {
         offset: u64,
         len: u64,
         need: AccessKind,
-        f: impl FnOnce(Target<'_>) -> Result<T, String>,
-    ) -> Result<T, String> {
+        f: impl FnOnce(Target<'_>) -> Result<T, RegionError>,
+    ) -> Result<T, RegionError> {
         let map = self
             .map
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let e = map
-            .get(&key)
-            .ok_or_else(|| format!("unknown memory key {key:#010x}"))?;
+        let e = map.get(&key).ok_or(RegionError::UnknownKey { key })?;
         let allowed = match need {
             AccessKind::Write => e.access.write,
             AccessKind::Read => e.access.read,
@@ -179,39 +238,46 @@ impl RegionTable {
         };
         if !allowed {
             return Err(if e.backing.is_some() && need == AccessKind::Atomic {
-                format!(
-                    "key {key:#010x} names GPU memory, which this transport reaches by copies only: no atomics"
-                )
+                RegionError::CopyOnly { key }
             } else {
-                format!("key {key:#010x} does not allow {need:?}")
+                RegionError::Denied { key, need }
             });
         }
         if offset.checked_add(len).is_none_or(|end| end > e.len) {
-            return Err(format!(
-                "{len} bytes at offset {offset} exceed the {} bytes of key {key:#010x}",
-                e.len
-            ));
+            return Err(RegionError::OutOfBounds {
+                key,
+                offset,
+                len,
+                size: e.len,
+            });
         }
         if let Some(b) = &e.backing {
-            return f(Target::Backed(&**b, offset));
+            return f(Target::Backed(&**b, offset)).map_err(|e| match e {
+                RegionError::Backing { why, .. } => RegionError::Backing { key, why },
+                e => e,
+            });
         }
         let addr = e.base + offset as usize;
         if need == AccessKind::Atomic && !addr.is_multiple_of(8) {
-            return Err(format!(
-                "atomic at offset {offset} of key {key:#010x} is not 8-byte aligned"
-            ));
+            return Err(RegionError::Misaligned { key, offset });
         }
         f(Target::Host(addr as *mut u8))
     }
 
     /// Checks key, rights, bounds (and alignment for atomics) without
     /// touching memory.
-    pub fn check(&self, key: u32, offset: u64, len: u64, need: AccessKind) -> Result<(), String> {
+    pub fn check(
+        &self,
+        key: u32,
+        offset: u64,
+        len: u64,
+        need: AccessKind,
+    ) -> Result<(), RegionError> {
         self.with(key, offset, len, need, |_| Ok(()))
     }
 
     /// Copies `data` into the region at `offset`.
-    pub fn write(&self, key: u32, offset: u64, data: &[u8]) -> Result<(), String> {
+    pub fn write(&self, key: u32, offset: u64, data: &[u8]) -> Result<(), RegionError> {
         self.with(key, offset, data.len() as u64, AccessKind::Write, |t| {
             match t {
                 // SAFETY: checked range of a registered region (the insert
@@ -219,21 +285,21 @@ impl RegionTable {
                 Target::Host(p) => unsafe {
                     std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len());
                 },
-                Target::Backed(b, off) => b.write(off, data)?,
+                Target::Backed(b, off) => b.write(off, data).map_err(backing)?,
             }
             Ok(())
         })
     }
 
     /// Copies bytes of the region at `offset` into `out`.
-    pub fn read(&self, key: u32, offset: u64, out: &mut [u8]) -> Result<(), String> {
+    pub fn read(&self, key: u32, offset: u64, out: &mut [u8]) -> Result<(), RegionError> {
         self.with(key, offset, out.len() as u64, AccessKind::Read, |t| {
             match t {
                 // SAFETY: as in `write`.
                 Target::Host(p) => unsafe {
                     std::ptr::copy_nonoverlapping(p, out.as_mut_ptr(), out.len());
                 },
-                Target::Backed(b, off) => b.read(off, out)?,
+                Target::Backed(b, off) => b.read(off, out).map_err(backing)?,
             }
             Ok(())
         })
@@ -241,7 +307,7 @@ impl RegionTable {
 
     /// Atomic fetch-add on the aligned 8 bytes at `offset`, acquire-release:
     /// data written before it is visible to whoever acquires the new value.
-    pub fn fetch_add(&self, key: u32, offset: u64, v: u64) -> Result<u64, String> {
+    pub fn fetch_add(&self, key: u32, offset: u64, v: u64) -> Result<u64, RegionError> {
         self.with(key, offset, 8, AccessKind::Atomic, |t| {
             let p = host_only(t)?;
             // SAFETY: checked, 8-byte aligned; these slots are only accessed atomically.
@@ -256,7 +322,7 @@ impl RegionTable {
         offset: u64,
         expected: u64,
         desired: u64,
-    ) -> Result<u64, String> {
+    ) -> Result<u64, RegionError> {
         self.with(key, offset, 8, AccessKind::Atomic, |t| {
             let p = host_only(t)?;
             // SAFETY: as in `fetch_add`.
@@ -272,18 +338,27 @@ impl RegionTable {
 
 /// The host address of an atomic's target (backed regions never allow
 /// atomics, so `with` refused them before this).
-fn host_only(t: Target<'_>) -> Result<*mut u8, String> {
+fn host_only(t: Target<'_>) -> Result<*mut u8, RegionError> {
     match t {
         Target::Host(p) => Ok(p),
-        Target::Backed(..) => Err("atomics on a backed region".into()),
+        // The key is filled in by `with`.
+        Target::Backed(..) => Err(RegionError::CopyOnly { key: 0 }),
     }
+}
+
+/// A backing's failure (the key is filled in by `with`).
+fn backing(why: String) -> RegionError {
+    RegionError::Backing { key: 0, why }
 }
 
 /// The kind of access a request needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AccessKind {
+    /// A put.
     Write,
+    /// A get.
     Read,
+    /// An atomic, or a signal carried by a put.
     Atomic,
 }
 
@@ -312,18 +387,26 @@ mod tests {
         assert!(
             t.check(key, 8, 25, AccessKind::Write)
                 .unwrap_err()
+                .to_string()
                 .contains("exceed the 32 bytes")
         );
         assert!(t.check(key, u64::MAX, 2, AccessKind::Write).is_err());
         assert!(
             t.read(key, 0, &mut [0; 8])
                 .unwrap_err()
+                .to_string()
                 .contains("does not allow Read")
         );
-        assert!(t.fetch_add(key, 4, 1).unwrap_err().contains("aligned"));
+        assert!(
+            t.fetch_add(key, 4, 1)
+                .unwrap_err()
+                .to_string()
+                .contains("aligned")
+        );
         assert!(
             t.write(key ^ 1, 0, &[1])
                 .unwrap_err()
+                .to_string()
                 .contains("unknown memory key")
         );
         assert_eq!(t.fetch_add(key, 8, 5).unwrap(), 0);
@@ -371,9 +454,10 @@ mod tests {
         assert!(
             t.write(key, 30, &[0; 3])
                 .unwrap_err()
+                .to_string()
                 .contains("exceed the 32 bytes")
         );
-        let e = t.fetch_add(key, 0, 1).unwrap_err();
+        let e = t.fetch_add(key, 0, 1).unwrap_err().to_string();
         assert!(e.contains("GPU memory") && e.contains("no atomics"), "{e}");
         assert!(t.compare_swap(key, 8, 0, 1).is_err());
         assert!(t.check(key, 0, 8, AccessKind::Atomic).is_err());
@@ -384,6 +468,7 @@ mod tests {
         assert!(
             t.read(key, 0, &mut out)
                 .unwrap_err()
+                .to_string()
                 .contains("unknown memory key")
         );
     }

@@ -15,16 +15,23 @@
 //!   segment and non-zero once it dropped or deregistered it. Peers keep
 //!   their mapping (memory-safe) but check the words of a put's data part
 //!   and signal part before anything moves, and refuse the operation when
-//!   either is set (see the fabric and gin-device's direct path).
+//!   either is set (see [`ShmTransport`] and gin-device's direct path).
+//!
+//! [`ShmTransport`] is the transport over such mappings: `shm` for
+//! same-host peers, `local` for this rank's own parts.
 
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use memmap2::{MmapMut, MmapOptions};
 
 use crate::NetError;
+use crate::transport::{AtomicOp, Reach, Registration, Scope, Target, Transport};
+use crate::window::{Addr, KeepAlive, MemDesc};
 
 /// Bytes before a segment's data: the header, whose first 8 bytes are the
 /// revocation word. A whole page, so the data stays page-aligned.
@@ -72,9 +79,7 @@ fn reserve(file: &File, len: usize, path: &Path) -> Result<(), NetError> {
         .checked_add(HEADER)
         .and_then(|t| libc::off_t::try_from(t).ok())
     else {
-        return Err(NetError::Invalid(format!(
-            "a shared-memory segment of {len} bytes is larger than a file can be"
-        )));
+        return Err(NetError::SegmentTooLarge { len });
     };
     loop {
         // SAFETY: the descriptor is open for writing for the whole call.
@@ -146,20 +151,20 @@ impl Segment {
             .map_err(io(format!("inspecting {}", path.display())))?
             .len();
         if have < (len as u64).saturating_add(HEADER as u64) {
-            return Err(NetError::Invalid(format!(
-                "peer's shared memory {} has {have} bytes, expected {len} and a {HEADER}-byte header",
-                path.display()
-            )));
+            return Err(NetError::SegmentTooSmall {
+                path: path.to_owned(),
+                have,
+                want: len,
+                header: HEADER,
+            });
         }
         Self::map(&file, path.to_owned(), len, false)
     }
 
     fn map(file: &File, path: PathBuf, len: usize, owner: bool) -> Result<Self, NetError> {
-        let total = len.checked_add(HEADER).ok_or_else(|| {
-            NetError::Invalid(format!(
-                "a shared-memory segment of {len} bytes is larger than memory can be"
-            ))
-        })?;
+        let total = len
+            .checked_add(HEADER)
+            .ok_or(NetError::SegmentTooLarge { len })?;
         // SAFETY: the file is a shared-memory segment of this job; other
         // processes write it concurrently by design, and every access goes
         // through raw pointers or atomics, never through `&[u8]` borrows
@@ -189,10 +194,12 @@ impl Segment {
         unsafe { &*self.map.as_ptr().cast::<AtomicU64>() }
     }
 
+    /// Data bytes (after the header).
     pub fn len(&self) -> usize {
         self.len
     }
 
+    /// Whether the segment has no data bytes.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -214,6 +221,211 @@ impl Segment {
 impl Drop for Segment {
     fn drop(&mut self) {
         self.unlink();
+    }
+}
+
+/// The transport over mapped memory: `shm` reaches same-host peers through
+/// their segments mapped here ([`MemParts::peer_bases`](crate::MemParts::peer_bases)), `local` this
+/// rank's own parts ([`MemParts::local_base`](crate::MemParts::local_base)). Operations are copies and
+/// atomics on the mapping, complete on return; a part whose owner set its
+/// revocation word is refused before anything moves, and GPU memory is
+/// never touched.
+#[derive(Debug)]
+pub struct ShmTransport {
+    name: &'static str,
+    own: bool,
+}
+
+/// How the fabric finds and starts the shm transport.
+pub const REGISTRATION: Registration = Registration {
+    name: "shm",
+    scope: Scope::Host,
+    start: |_, _| Ok(Arc::new(ShmTransport::peers())),
+};
+
+impl ShmTransport {
+    /// The `shm` transport, for same-host peers.
+    pub fn peers() -> Self {
+        Self {
+            name: "shm",
+            own: false,
+        }
+    }
+
+    /// The `local` transport, for this rank itself.
+    pub fn local() -> Self {
+        Self {
+            name: "local",
+            own: true,
+        }
+    }
+
+    /// The address of `len` bytes at `t` on `peer` in this process, after
+    /// every check: in range, host memory, mapped, not revoked.
+    fn resolve(
+        &self,
+        peer: usize,
+        t: Target<'_>,
+        op: &'static str,
+        len: u64,
+    ) -> Result<*mut u8, NetError> {
+        let (d, a) = t.window(self.name)?;
+        t.check_range(peer, len)?;
+        t.host(peer, self.name)?;
+        served(d, peer, a, op, len)?;
+        let base = if self.own {
+            d.local_base
+        } else {
+            d.peer_bases.get(peer).copied().unwrap_or(0)
+        };
+        if base == 0 {
+            return Err(NetError::NotMapped {
+                peer,
+                window: a.window,
+            });
+        }
+        Ok((base + a.offset as usize) as *mut u8)
+    }
+
+    /// [`ShmTransport::resolve`] for an 8-byte word that must be aligned.
+    fn word(&self, peer: usize, t: Target<'_>, what: &'static str) -> Result<&AtomicU64, NetError> {
+        let p = self.resolve(peer, t, what, 8)?;
+        if !(p as usize).is_multiple_of(8) {
+            let (_, a) = t.window(self.name)?;
+            return Err(NetError::Misaligned {
+                peer,
+                window: a.window,
+                offset: a.offset,
+                what,
+            });
+        }
+        // SAFETY: resolved within a mapped part (the description's
+        // contract), 8-byte aligned; such words are only accessed
+        // atomically.
+        Ok(unsafe { &*p.cast::<AtomicU64>() })
+    }
+}
+
+/// Refuses `op` (`len` bytes at `a`) when `peer` revoked its part of `w`:
+/// one acquire load of a word that changes once, so it stays in this
+/// core's cache.
+fn served(w: &MemDesc, peer: usize, a: Addr, op: &'static str, len: u64) -> Result<(), NetError> {
+    let state = w.states.get(peer).copied().unwrap_or(0);
+    // SAFETY: a non-zero state is a revocation word the description vouches
+    // for: mapped, 8-byte aligned and only accessed atomically.
+    if state != 0 && unsafe { &*(state as *const AtomicU64) }.load(Ordering::Acquire) != 0 {
+        return Err(NetError::Revoked {
+            peer,
+            window: a.window,
+            offset: a.offset,
+            len,
+            op,
+        });
+    }
+    Ok(())
+}
+
+impl Transport for ShmTransport {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn reach(&self) -> Reach {
+        Reach::Mapped
+    }
+
+    fn put(
+        &self,
+        peer: usize,
+        dst: Target<'_>,
+        src: &[u8],
+        sig: Option<(Target<'_>, u64)>,
+    ) -> Result<(), NetError> {
+        // Both parts are resolved and checked before anything moves, as a
+        // tcp target checks a put and its signal: a refusal is whole.
+        // A signal-only put needs its data part served, not mapped.
+        let d = if src.is_empty() {
+            let (w, a) = dst.window(self.name)?;
+            dst.check_range(peer, 0)?;
+            served(w, peer, a, "put", 0)?;
+            None
+        } else {
+            Some(self.resolve(peer, dst, "put", src.len() as u64)?)
+        };
+        let s = match sig {
+            Some((t, v)) => Some((self.word(peer, t, "signal")?, v)),
+            None => None,
+        };
+        if let Some(d) = d {
+            // SAFETY: `d` starts `src.len()` bytes within a mapped part.
+            unsafe { std::ptr::copy(src.as_ptr(), d, src.len()) };
+        }
+        if let Some((w, v)) = s {
+            w.fetch_add(v, Ordering::Release);
+        }
+        Ok(())
+    }
+
+    unsafe fn get(
+        &self,
+        peer: usize,
+        src: Target<'_>,
+        dst: *mut u8,
+        len: u64,
+        done: &Arc<AtomicU64>,
+        _keep: Option<KeepAlive>,
+    ) -> Result<(), NetError> {
+        let s = self.resolve(peer, src, "get", len)?;
+        // SAFETY: the source range is within a mapped part; the caller
+        // promised the destination.
+        unsafe { std::ptr::copy(s, dst, len as usize) };
+        std::sync::atomic::fence(Ordering::Acquire);
+        done.fetch_sub(1, Ordering::AcqRel);
+        Ok(())
+    }
+
+    fn read(
+        &self,
+        peer: usize,
+        src: Target<'_>,
+        out: &mut [u8],
+        _timeout: Duration,
+    ) -> Result<(), NetError> {
+        let s = self.resolve(peer, src, "get", out.len() as u64)?;
+        // SAFETY: the source range is within a mapped part; `out` is ours.
+        unsafe { std::ptr::copy(s, out.as_mut_ptr(), out.len()) };
+        std::sync::atomic::fence(Ordering::Acquire);
+        Ok(())
+    }
+
+    fn atomic(
+        &self,
+        peer: usize,
+        at: Target<'_>,
+        op: AtomicOp,
+        _timeout: Duration,
+    ) -> Result<u64, NetError> {
+        let w = self.word(peer, at, "atomic")?;
+        Ok(match op {
+            AtomicOp::FetchAdd(v) => w.fetch_add(v, Ordering::AcqRel),
+            AtomicOp::CompareSwap { expected, desired } => {
+                match w.compare_exchange(expected, desired, Ordering::AcqRel, Ordering::Acquire) {
+                    Ok(v) | Err(v) => v,
+                }
+            }
+        })
+    }
+
+    fn fence(&self, _peer: usize, _timeout: Duration) -> Result<(), NetError> {
+        Ok(())
+    }
+
+    fn confirm(&self, _peer: usize, _timeout: Duration) -> Result<(), NetError> {
+        Ok(())
+    }
+
+    fn health(&self, _peer: usize) -> Result<(), NetError> {
+        Ok(())
     }
 }
 

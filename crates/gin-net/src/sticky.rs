@@ -5,16 +5,27 @@
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-#[derive(Debug, Default)]
-pub struct StickyError {
+/// The first error recorded, kept for every later check (a `String` unless
+/// the owner keeps something richer).
+#[derive(Debug)]
+pub struct StickyError<T = String> {
     failed: AtomicBool,
-    why: Mutex<Option<String>>,
+    why: Mutex<Option<T>>,
 }
 
-impl StickyError {
+impl<T> Default for StickyError<T> {
+    fn default() -> Self {
+        Self {
+            failed: AtomicBool::new(false),
+            why: Mutex::new(None),
+        }
+    }
+}
+
+impl<T: Clone> StickyError<T> {
     /// Records `why` unless an error is already recorded; true if it was
     /// the first.
-    pub fn set(&self, why: String) -> bool {
+    pub fn set(&self, why: T) -> bool {
         let mut w = self
             .why
             .lock()
@@ -28,7 +39,7 @@ impl StickyError {
     }
 
     /// The first error, if any.
-    pub fn get(&self) -> Option<String> {
+    pub fn get(&self) -> Option<T> {
         if !self.failed.load(Ordering::Acquire) {
             return None;
         }
@@ -47,7 +58,7 @@ mod tests {
     fn the_first_error_wins() {
         let s = StickyError::default();
         assert_eq!(s.get(), None);
-        assert!(s.set("first".into()));
+        assert!(s.set("first".to_string()));
         assert!(!s.set("second".into()));
         assert_eq!(s.get().as_deref(), Some("first"));
     }

@@ -231,3 +231,52 @@ fn a_get_in_flight_keeps_its_destination_alive_until_the_answer_lands() {
     let want: Vec<u8> = (0..N).map(|i| (64 + i) as u8 ^ 0x5a).collect();
     assert!(landed == want, "the answer landed in the kept destination");
 }
+
+/// A blocking read that gives up (its timeout) returns, and its
+/// destination is never written afterwards: the late answer is dropped and
+/// the link stays good.
+#[test]
+fn a_read_that_timed_out_never_writes_its_destination() {
+    const N: usize = 4096;
+    let gate = Arc::new(Gated::default());
+    let g = gate.clone();
+    let out = run_threads(2, Config::default(), move |b| {
+        let table = Arc::new(RegionTable::default());
+        let key = table
+            .insert_backed(0x3_0000_0000, N as u64, g.clone())
+            .unwrap();
+        let t = TcpTransport::start(&b, table.clone(), &[b.rank() == 1, b.rank() == 0]).unwrap();
+        let keys = b.allgather(&key.to_le_bytes()).unwrap();
+        let mut result = None;
+        if b.rank() == 0 {
+            let pk = u32::from_le_bytes(keys[1][..4].try_into().unwrap());
+            let link = t.link(1).unwrap();
+            let mut dest = vec![0x11u8; N];
+            let e = link
+                .read(pk, 0, &mut dest, Duration::from_millis(200))
+                .unwrap_err();
+            g.open.lock().unwrap().clone_from(&true);
+            g.cv.notify_all();
+            // Answers come in order: once the fence is answered, the late
+            // answer to the read has been handled.
+            link.fence(Duration::from_secs(10)).unwrap();
+            link.check().unwrap();
+            let mut again = vec![0u8; N];
+            link.read(pk, 0, &mut again, Duration::from_secs(10))
+                .unwrap();
+            result = Some((e.to_string(), dest, again));
+        }
+        b.barrier().unwrap();
+        drop(t);
+        result
+    })
+    .unwrap();
+    let (e, dest, again) = out[0].clone().unwrap();
+    assert!(e.contains("rank 1") && e.contains("timed out"), "{e}");
+    assert!(
+        dest.iter().all(|&x| x == 0x11),
+        "the late answer was written"
+    );
+    let want: Vec<u8> = (0..N).map(|i| i as u8 ^ 0x5a).collect();
+    assert!(again == want, "a later read returned other bytes");
+}

@@ -47,43 +47,69 @@ const F_SIGNAL_TOP: u64 = 0x20;
 /// What a descriptor asks the proxy to do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Op {
+    /// Write to the peer (with an optional signal and counter).
     Put = 1,
+    /// Read from the peer.
     Get = 2,
+}
+
+impl std::fmt::Display for Op {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Put => "put",
+            Self::Get => "get",
+        })
+    }
 }
 
 /// A signal update carried by a put.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Sig {
+    /// The signal window.
     pub window: u32,
+    /// Byte offset of the 8-byte slot in the peer's part.
     pub offset: u64,
+    /// The amount added (any u64; wraps).
     pub add: u64,
+    /// Every earlier put of the ring is visible before the signal.
     pub strong: bool,
 }
 
 /// A decoded descriptor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Desc {
+    /// The operation.
     pub op: Op,
+    /// Bytes moved (48 bits).
     pub bytes: u64,
     /// Put: destination window at the peer. Get: remote window.
     pub dst_window: u32,
+    /// Put: destination offset at the peer. Get: remote offset.
     pub dst_offset: u64,
     /// Put: source window here. Get: local destination window.
     pub src_window: u32,
+    /// Put: source offset here. Get: local destination offset.
     pub src_offset: u64,
     /// Put: data carried in the descriptor instead of a source window.
     pub inline: Option<u64>,
+    /// Put: the signal applied after the data.
     pub signal: Option<Sig>,
+    /// The local counter slot bumped once the operation completed locally.
     pub counter: Option<u32>,
 }
 
 /// Why a descriptor cannot be encoded (checked before reserving a slot).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum EncodeError {
+    /// A field exceeds its width.
     #[error("{what} {value} does not fit the descriptor (largest {max})")]
     TooLarge {
+        /// The field.
         what: &'static str,
+        /// Its value.
         value: u64,
+        /// The largest value it may hold.
         max: u64,
     },
 }
@@ -179,18 +205,38 @@ impl Desc {
 pub enum Slot {
     /// Not (completely) written yet.
     Pending,
+    /// A complete descriptor.
     Ready(Desc),
 }
 
 /// Why a fully published descriptor is unusable.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum DecodeError {
+    /// Qword 7 names another sequence number.
     #[error("descriptor at sequence {seq} carries sequence {found}")]
-    WrongSequence { seq: u64, found: u64 },
+    WrongSequence {
+        /// The position read.
+        seq: u64,
+        /// The sequence number found (bits 62..0).
+        found: u64,
+    },
+    /// An opcode that is neither put nor get.
     #[error("descriptor at sequence {seq} has unknown opcode {op}")]
-    BadOp { seq: u64, op: u64 },
+    BadOp {
+        /// The position read.
+        seq: u64,
+        /// The opcode found.
+        op: u64,
+    },
+    /// Unknown or inconsistent flags.
     #[error("descriptor at sequence {seq} has unknown flags {flags:#x}")]
-    BadFlags { seq: u64, flags: u64 },
+    BadFlags {
+        /// The position read.
+        seq: u64,
+        /// The flags found.
+        flags: u64,
+    },
 }
 
 /// Decodes the qwords at ring position `seq`: `Pending` unless every qword

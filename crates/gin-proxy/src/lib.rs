@@ -10,25 +10,53 @@
 //!   in `docs/proxy.md`.
 //! - **Rings** ([`ring`]): one per (context, peer), power-of-two sized;
 //!   producers reserve by fetch-add on the head and wait for credit against
-//!   the tail; the proxy consumes in order. Index arithmetic is pure and
-//!   property-tested against a model.
-//! - **The proxy thread** ([`Proxy`]) takes up to 64 descriptors from a ring
-//!   before moving on (batches, yet fair), executes them through gin-net,
-//!   applies each signal after its data, bumps counters when the source is
-//!   reusable, advances the tail in order, and sleeps when idle until a
-//!   producer wakes it, so ranks and proxies can share two cores.
-//! - Failures (a refused write, a dead link, a corrupt descriptor) are sticky
-//!   and surface in every later flush and wait.
+//!   the completion index; the engine consumes in order through a
+//!   [`RingMem`] view, which reads a ring in Rust memory (CPU ranks) or in
+//!   foreign memory (mapped pinned host memory a GPU writes) alike. Index
+//!   arithmetic is pure and property-tested against a model.
+//! - **One engine** ([`Engine`]) for CPU and CUDA ranks: a state machine
+//!   with no threads, sleeps or clocks, generic over an [`Executor`] that
+//!   moves the bytes. It owns ring order and batching (up to a batch per
+//!   ring, then the next ring), validation against the window directory,
+//!   signal and counter running totals, in-order completion (a get in
+//!   flight holds the completion index back), and the failure policy:
+//!   **fail-stop** — the first error is recorded, naming rank, context, peer
+//!   and descriptor sequence, and nothing is executed after it.
+//! - **Executors** ([`executor`]): gin-net's fabric for CPU ranks
+//!   (`FabricExecutor`, synchronous), CUDA streams for CUDA ranks
+//!   (asynchronous and in order: publication is an executor operation, so a
+//!   stream can queue it after the data), and [`testing::Fake`], with which
+//!   the engine is tested step by step, deterministically.
+//! - **One driver thread** ([`Driver`]): start, stop after draining, the
+//!   first error shared with producers and waiters, and the idle policy —
+//!   spin, yield, then sleep until a producer wakes it — so ranks and
+//!   proxies can share two cores.
+//! - **The CPU backend** ([`Proxy`]): gin-device's `Backend` for CPU ranks,
+//!   the producer side of the rings (reserve, credit wait, write, wake) and
+//!   tickets, with an engine on a driver thread behind it.
 //!
 //! # What it does not know
 //!
-//! Window memory, keys and paths belong to gin-net's [`gin_net::Fabric`];
-//! validation of user arguments to gin-device.
+//! Window memory, keys and paths belong to gin-net's [`gin_net::Fabric`] (or,
+//! on CUDA ranks, to the CUDA executor's window table); validation of user
+//! arguments to gin-device; threads and clocks to the driver, not the engine.
 
 #![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
 
 pub mod descriptor;
+mod driver;
+mod engine;
+pub mod error;
+pub mod executor;
+mod fabric;
 mod proxy;
 pub mod ring;
+pub mod testing;
 
+pub use driver::{Driver, IdlePolicy};
+pub use engine::{Engine, EngineConfig, EngineStats, Progress, RingSpec};
+pub use error::{ExecError, FirstError, Invalid, ProxyError, RingMemError, Why};
+pub use executor::{Executor, Issued, Site};
 pub use proxy::{MAX_QUEUE_DEPTH, MIN_QUEUE_DEPTH, Proxy, ProxyConfig};
+pub use ring::RingMem;

@@ -1,18 +1,21 @@
-//! The proxy backend: device-side enqueue (for CPU ranks) and the proxy
-//! thread that drains the rings through gin-net.
+//! The proxy backend of CPU ranks: the producer side of the rings (reserve,
+//! wait for credit, write, wake) behind gin-device's [`Backend`], and a
+//! [`Driver`] running the [`Engine`] over a [`FabricExecutor`].
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::thread::{self, JoinHandle};
+use std::thread;
 use std::time::{Duration, Instant};
 
 use gin_device::{Backend, Counters, GetOp, GinError, PutOp, Source, Ticket, TicketIssuer};
-use gin_net::idle::Sleeper;
-use gin_net::{Addr, Fabric};
-use tracing::{debug, error};
+use gin_net::Fabric;
 
-use crate::descriptor::{Desc, Op, Sig, Slot};
-use crate::ring::{Ring, passed};
+use crate::descriptor::{Desc, Op, Sig};
+use crate::driver::{Driver, IdlePolicy};
+use crate::engine::{Engine, EngineConfig, RingSpec, check_counter, resolve_put};
+use crate::error::{FirstError, ProxyError, Why};
+use crate::executor::{Executor, Site};
+use crate::fabric::FabricExecutor;
+use crate::ring::{Ring, RingMem, passed};
 
 /// Descriptors taken from one ring before moving to the next: batches, not
 /// one per peer per pass, yet no ring starves the others.
@@ -57,28 +60,21 @@ impl Default for ProxyConfig {
     }
 }
 
-#[derive(Debug)]
-struct Shared {
-    rank: usize,
-    nranks: usize,
-    nctx: u32,
-    rings: Vec<Ring>,
-    fabric: Arc<Fabric>,
-    counters: Arc<Counters>,
-    error: gin_net::sticky::StickyError,
-    stop: AtomicBool,
-    sleeper: Sleeper,
-    config: ProxyConfig,
-    executed: AtomicU64,
-}
-
 /// A proxy backend instance: rings for every (context, peer) and the thread
 /// that drains them. Dropping it stops the thread.
 #[derive(Debug)]
 pub struct Proxy {
-    shared: Arc<Shared>,
+    rank: usize,
+    nranks: usize,
+    nctx: u32,
+    config: ProxyConfig,
+    counter_slots: u64,
+    rings: Arc<[Arc<Ring>]>,
+    /// The producers' copy, for sends without the ring and confirmations.
+    exec: FabricExecutor,
+    error: Arc<FirstError>,
     tickets: TicketIssuer,
-    thread: Option<JoinHandle<()>>,
+    driver: Driver,
 }
 
 impl Proxy {
@@ -103,119 +99,181 @@ impl Proxy {
                 ),
             });
         }
-        let shared = Arc::new(Shared {
+        let rings: Arc<[Arc<Ring>]> = (0..nctx as usize * nranks)
+            .map(|_| Arc::new(Ring::new(config.ring_log2)))
+            .collect();
+        let specs = rings
+            .iter()
+            .enumerate()
+            .map(|(i, r)| RingSpec {
+                ctx: (i / nranks) as u32,
+                peer: i % nranks,
+                mem: RingMem::owned(r.clone()),
+                first: 0,
+            })
+            .collect();
+        let counter_slots = counters.len() as u64;
+        let engine = Engine::new(
+            EngineConfig {
+                rank,
+                batch: BATCH,
+                counter_slots,
+            },
+            specs,
+        );
+        let exec = FabricExecutor::new(fabric, counters, rings.clone());
+        let error = Arc::new(FirstError::default());
+        let driver = Driver::start(
+            format!("gin-proxy-{rank}"),
+            rank,
+            (engine, exec.clone()),
+            IdlePolicy::cpu(config.spin),
+            error.clone(),
+            // Its sends end within the timeout (gin-net's deadlines).
+            config.timeout,
+        )
+        .map_err(|e| GinError::Spawn {
+            rank,
+            what: "proxy thread",
+            why: e.to_string(),
+        })?;
+        Ok(Self {
             rank,
             nranks,
             nctx,
-            rings: (0..nctx as usize * nranks)
-                .map(|_| Ring::new(config.ring_log2))
-                .collect(),
-            fabric,
-            counters,
-            error: gin_net::sticky::StickyError::default(),
-            stop: AtomicBool::new(false),
-            sleeper: Sleeper::default(),
             config,
-            executed: AtomicU64::new(0),
-        });
-        let s = shared.clone();
-        let handle = thread::Builder::new()
-            .name(format!("gin-proxy-{rank}"))
-            .spawn(move || run(&s))
-            .map_err(|e| GinError::Spawn {
-                rank,
-                what: "proxy thread",
-                why: e.to_string(),
-            })?;
-        shared.sleeper.set_thread(handle.thread().clone());
-        Ok(Self {
-            shared,
+            counter_slots,
+            rings,
+            exec,
+            error,
             tickets: TicketIssuer::new(),
-            thread: Some(handle),
+            driver,
         })
     }
 
     /// Descriptors executed so far (for benchmarks and tests).
     pub fn executed(&self) -> u64 {
-        self.shared.executed.load(Ordering::Relaxed)
+        self.driver.executed()
     }
 
     fn ring(&self, ctx: u32, peer: usize) -> &Ring {
-        &self.shared.rings[ctx as usize * self.shared.nranks + peer]
+        &self.rings[ctx as usize * self.nranks + peer]
+    }
+
+    fn unsupported(&self, e: impl std::fmt::Display) -> GinError {
+        GinError::Unsupported {
+            rank: self.rank,
+            what: "operation",
+            why: e.to_string(),
+        }
+    }
+
+    /// Records `e` as the proxy's failure (unless one came first) and
+    /// returns it as the caller's error.
+    fn fail(&self, e: ProxyError) -> GinError {
+        let out = failed(&e);
+        self.error.record(e);
+        out
     }
 
     fn enqueue(&self, ctx: u32, peer: usize, d: &Desc) -> Result<(), GinError> {
-        let s = &self.shared;
-        d.validate().map_err(|e| GinError::Unsupported {
-            rank: s.rank,
-            what: "operation",
-            why: e.to_string(),
-        })?;
+        d.validate().map_err(|e| self.unsupported(e))?;
         self.health()?;
         let ring = self.ring(ctx, peer);
         let seq = ring.reserve();
         if !ring.can_write(seq) {
-            let start = Instant::now();
-            let mut spins = 0u32;
-            while !ring.can_write(seq) {
-                s.wake();
-                spins += 1;
-                if spins < 100 {
-                    std::hint::spin_loop();
-                    continue;
-                }
-                thread::yield_now();
-                if spins.is_multiple_of(256) {
-                    // Another producer may have failed the backend already.
-                    self.health()?;
-                }
-                if start.elapsed() > s.config.timeout {
-                    // The slot stays reserved: the ring cannot make progress
-                    // past it, so the backend is broken from here on.
-                    let why = format!(
-                        "descriptor ring for context {ctx}, peer {peer} stayed full for {:.1?} (proxy stalled)",
-                        s.config.timeout
-                    );
-                    s.fail(why.clone());
-                    return Err(GinError::Failed {
-                        rank: s.rank,
-                        ctx,
-                        what: format!("enqueue to rank {peer}"),
-                        why,
-                    });
-                }
-            }
+            self.wait_for_credit(ring, ctx, peer, seq)?;
         }
         ring.write(seq, d);
-        s.wake();
+        self.driver.wake();
         Ok(())
     }
-}
 
-impl Drop for Proxy {
-    fn drop(&mut self) {
-        self.shared.stop.store(true, Ordering::SeqCst);
-        self.shared.sleeper.unpark();
-        if let Some(h) = self.thread.take() {
-            // Its sends end within the timeout (gin-net's deadlines), so the
-            // wait is bounded; a thread stuck anyway is abandoned, not joined
-            // forever.
-            gin_net::idle::join_within(h, self.shared.config.timeout, "proxy");
+    fn wait_for_credit(
+        &self,
+        ring: &Ring,
+        ctx: u32,
+        peer: usize,
+        seq: u64,
+    ) -> Result<(), GinError> {
+        let start = Instant::now();
+        let mut spins = 0u32;
+        while !ring.can_write(seq) {
+            self.driver.wake();
+            spins += 1;
+            if spins < 100 {
+                std::hint::spin_loop();
+                continue;
+            }
+            thread::yield_now();
+            if spins.is_multiple_of(256) {
+                // The engine (or another producer) may have failed already.
+                self.health()?;
+            }
+            if start.elapsed() > self.config.timeout {
+                // The slot stays reserved: the ring cannot make progress
+                // past it, so the backend is broken from here on.
+                return Err(self.fail(ProxyError::Stalled {
+                    rank: self.rank,
+                    ctx,
+                    peer,
+                    seq,
+                    waited: self.config.timeout,
+                }));
+            }
         }
+        Ok(())
+    }
+
+    /// Whether a put may skip the ring (`auto` on CPU ranks): the peer is
+    /// reached over tcp and its ring is empty, so everything queued before
+    /// it has completed on the same ordered link.
+    fn direct(&self, ctx: u32, peer: usize) -> bool {
+        if !self.config.inline_tcp || self.exec.fabric().reach(peer) != Some(gin_net::Reach::Keyed)
+        {
+            return false;
+        }
+        let ring = self.ring(ctx, peer);
+        ring.head() == ring.tail()
+    }
+
+    /// Executes a put on the calling thread, with the engine's checks and
+    /// the same executor; a failure is the proxy's failure.
+    fn put_directly(&self, ctx: u32, peer: usize, d: &Desc) -> Result<(), GinError> {
+        d.validate().map_err(|e| self.unsupported(e))?;
+        self.health()?;
+        let fail = |why: Why| {
+            self.fail(ProxyError::Direct {
+                rank: self.rank,
+                ctx,
+                peer,
+                what: "put",
+                why,
+            })
+        };
+        check_counter(d, self.counter_slots).map_err(|e| fail(e.into()))?;
+        let put = resolve_put(&self.exec, self.rank, peer, d).map_err(|e| fail(e.into()))?;
+        let site = Site {
+            ring: ctx as usize * self.nranks + peer,
+            ctx,
+            peer,
+        };
+        let mut exec = self.exec.clone();
+        // The fabric applies the signal's `add`; the running total is the
+        // engine's and this put bypasses it, so it stays 0 here.
+        exec.put(site, &put)
+            .and_then(|()| d.counter.map_or(Ok(()), |c| exec.count(site, c, 0)))
+            .map_err(|e| fail(e.into()))
     }
 }
 
-impl Shared {
-    fn fail(&self, why: String) {
-        if self.error.set(why.clone()) {
-            error!(rank = self.rank, %why, "proxy backend failed");
-        }
-    }
-
-    /// Wakes the proxy thread if it went to sleep (no descriptor is left
-    /// unseen: see [`Sleeper`]).
-    fn wake(&self) {
-        self.sleeper.wake();
+/// A proxy failure as gin-device's error.
+fn failed(e: &ProxyError) -> GinError {
+    GinError::Failed {
+        rank: e.rank(),
+        ctx: e.ctx().unwrap_or(0),
+        what: e.what(),
+        why: e.cause(),
     }
 }
 
@@ -232,7 +290,7 @@ impl Backend for Proxy {
         };
         let counter = match op.counter {
             Some(c) => Some(u32::try_from(c).map_err(|_| GinError::Unsupported {
-                rank: self.shared.rank,
+                rank: self.rank,
                 what: "counter slot",
                 why: format!("{c} does not fit a descriptor"),
             })?),
@@ -254,34 +312,8 @@ impl Backend for Proxy {
             }),
             counter,
         };
-        if self.shared.config.inline_tcp
-            && matches!(
-                self.shared.fabric.path(op.peer),
-                Some(gin_net::Path::Tcp(_))
-            )
-        {
-            let ring = self.ring(op.ctx, op.peer);
-            if ring.head() == ring.tail() {
-                d.validate().map_err(|e| GinError::Unsupported {
-                    rank: self.shared.rank,
-                    what: "operation",
-                    why: e.to_string(),
-                })?;
-                self.health()?;
-                return execute_put(&self.shared, op.peer, &d).map_err(|why| {
-                    let why = format!(
-                        "put to rank {} on context {} failed: {why}",
-                        op.peer, op.ctx
-                    );
-                    self.shared.fail(why.clone());
-                    GinError::Failed {
-                        rank: self.shared.rank,
-                        ctx: op.ctx,
-                        what: format!("put to rank {}", op.peer),
-                        why,
-                    }
-                });
-            }
+        if self.direct(op.ctx, op.peer) {
+            return self.put_directly(op.ctx, op.peer, &d);
         }
         self.enqueue(op.ctx, op.peer, &d)
     }
@@ -302,242 +334,74 @@ impl Backend for Proxy {
     }
 
     fn ticket(&self, ctx: u32, peer: Option<usize>) -> Result<Ticket, GinError> {
-        let s = &self.shared;
-        if ctx >= s.nctx {
+        if ctx >= self.nctx {
             return Err(GinError::BadContext {
-                rank: s.rank,
+                rank: self.rank,
                 ctx,
-                nctx: s.nctx,
+                nctx: self.nctx,
             });
         }
-        if let Some(p) = peer.filter(|&p| p >= s.nranks) {
+        if let Some(p) = peer.filter(|&p| p >= self.nranks) {
             return Err(GinError::BadPeer {
-                rank: s.rank,
+                rank: self.rank,
                 peer: p,
-                nranks: s.nranks,
+                nranks: self.nranks,
             });
         }
         let marks = match peer {
             Some(p) => vec![self.ring(ctx, p).head()],
-            None => (0..s.nranks).map(|p| self.ring(ctx, p).head()).collect(),
+            None => (0..self.nranks).map(|p| self.ring(ctx, p).head()).collect(),
         };
         Ok(self.tickets.issue(ctx, peer, marks))
     }
 
     fn done(&self, t: &Ticket) -> Result<bool, GinError> {
-        let s = &self.shared;
         // One mark per peer: the ring's head when the ticket was issued.
-        let marks = self.tickets.redeem(s.rank, t, s.nctx, s.nranks, 1)?;
+        let marks = self
+            .tickets
+            .redeem(self.rank, t, self.nctx, self.nranks, 1)?;
         let peers: Vec<usize> = match t.peer() {
             Some(p) => vec![p],
-            None => (0..s.nranks).collect(),
+            None => (0..self.nranks).collect(),
         };
-        let mut complete = true;
-        for (&p, mark) in peers.iter().zip(marks) {
-            let ring = self.ring(t.ctx(), p);
-            if !passed(ring.tail(), *mark) || ring.gets_in_flight.load(Ordering::Acquire) != 0 {
-                complete = false;
-                break;
-            }
-        }
+        // The completion index covers a get only once its data landed.
+        let complete = peers
+            .iter()
+            .zip(marks)
+            .all(|(&p, mark)| passed(self.ring(t.ctx(), p).tail(), *mark));
         // Health after completion: a failure recorded before an operation was
         // released (a get whose link broke) is seen here, not missed.
         self.health()?;
         if !complete {
-            s.wake();
+            self.driver.wake();
             return Ok(false);
         }
         // Every put covered was written; over tcp, have the targets confirm
         // them, so a refused put (and its signal, never applied) is reported
         // by this completion, not by some later call.
         for p in peers {
-            s.fabric.confirm(p).map_err(|e| {
-                let why = format!("put to rank {p} on context {} refused: {e}", t.ctx());
-                s.fail(why.clone());
-                GinError::Failed {
-                    rank: s.rank,
+            self.exec.confirm(p).map_err(|why| {
+                self.fail(ProxyError::Direct {
+                    rank: self.rank,
                     ctx: t.ctx(),
-                    what: format!("completion of operations to rank {p}"),
-                    why,
-                }
+                    peer: p,
+                    what: "completion of operations",
+                    why: why.into(),
+                })
             })?;
         }
         Ok(true)
     }
 
     fn health(&self) -> Result<(), GinError> {
-        let s = &self.shared;
-        if let Some(why) = s.error.get() {
-            return Err(GinError::Failed {
-                rank: s.rank,
-                ctx: 0,
-                what: "proxy backend".into(),
-                why,
-            });
+        if let Some(e) = self.error.get() {
+            return Err(failed(e));
         }
-        s.fabric.health().map_err(|e| GinError::JobFailed {
-            rank: s.rank,
+        self.exec.health().map_err(|e| GinError::JobFailed {
+            rank: self.rank,
             why: e.to_string(),
         })
     }
-}
-
-/// The proxy thread.
-fn run(s: &Shared) {
-    let mut cursors = vec![0u64; s.rings.len()];
-    let mut idle = 0u32;
-    let mut idle_since = Instant::now();
-    while !s.stop.load(Ordering::Relaxed) {
-        let mut did = 0u64;
-        for (i, ring) in s.rings.iter().enumerate() {
-            let start = cursors[i];
-            let mut seq = start;
-            while seq.wrapping_sub(start) < BATCH {
-                match ring.peek(seq) {
-                    Ok(Slot::Pending) => break,
-                    Ok(Slot::Ready(d)) => {
-                        execute(s, i, seq, &d, ring);
-                        seq = seq.wrapping_add(1);
-                    }
-                    Err(e) => {
-                        s.fail(format!("corrupt descriptor: {e}"));
-                        seq = seq.wrapping_add(1);
-                    }
-                }
-            }
-            if seq != start {
-                ring.advance(seq);
-                cursors[i] = seq;
-                did += seq.wrapping_sub(start);
-            }
-        }
-        if did > 0 {
-            s.executed.fetch_add(did, Ordering::Relaxed);
-            idle = 0;
-            continue;
-        }
-        if idle == 0 {
-            idle_since = Instant::now();
-        }
-        idle = idle.saturating_add(1);
-        if idle < 64 {
-            std::hint::spin_loop();
-        } else if idle_since.elapsed() < s.config.spin {
-            // Yielding keeps the proxy responsive without starving ranks
-            // that share its core; a parked proxy costs a wake-up (µs).
-            thread::yield_now();
-        } else {
-            // Sleep until a producer wakes us (or 2 ms pass).
-            s.sleeper.sleep(Duration::from_millis(2), || {
-                s.rings
-                    .iter()
-                    .zip(&cursors)
-                    .any(|(r, &c)| !matches!(r.peek(c), Ok(Slot::Pending)))
-            });
-        }
-    }
-    debug!(rank = s.rank, "proxy thread stopped");
-}
-
-fn execute(s: &Shared, ring_index: usize, seq: u64, d: &Desc, ring: &Ring) {
-    let peer = ring_index % s.nranks;
-    let ctx = ring_index / s.nranks;
-    let r = match d.op {
-        Op::Put => execute_put(s, peer, d),
-        Op::Get => execute_get(s, peer, d, ring),
-    };
-    if let Err(why) = r {
-        s.fail(format!(
-            "{:?} #{seq} to rank {peer} on context {ctx} failed: {why}",
-            d.op
-        ));
-    }
-}
-
-fn execute_put(s: &Shared, peer: usize, d: &Desc) -> Result<(), String> {
-    let inline_bytes;
-    // Held until the put is done: the description keeps the source mapped
-    // even if its owner drops the window meanwhile.
-    let w;
-    let src: &[u8] = if let Some(v) = d.inline {
-        inline_bytes = v.to_le_bytes();
-        &inline_bytes[..(d.bytes as usize).min(8)]
-    } else if d.bytes == 0 {
-        &[]
-    } else {
-        w = s.fabric.window(d.src_window).map_err(|e| e.to_string())?;
-        let size = w.sizes.get(s.rank).copied().unwrap_or(0);
-        if d.src_offset.checked_add(d.bytes).is_none_or(|e| e > size) {
-            return Err(format!(
-                "source range {}+{} outside window {} ({size} bytes)",
-                d.src_offset, d.bytes, d.src_window
-            ));
-        }
-        // SAFETY: the range lies inside this rank's part of a registered
-        // window, which stays mapped while `w` is held; the device API
-        // checked it at issue time and it is re-checked above.
-        unsafe {
-            std::slice::from_raw_parts(
-                (w.local_base + d.src_offset as usize) as *const u8,
-                d.bytes as usize,
-            )
-        }
-    };
-    let sig = d.signal.map(|g| {
-        (
-            Addr {
-                window: g.window,
-                offset: g.offset,
-            },
-            g.add,
-        )
-    });
-    s.fabric
-        .put(
-            peer,
-            Addr {
-                window: d.dst_window,
-                offset: d.dst_offset,
-            },
-            src,
-            sig,
-        )
-        .map_err(|e| e.to_string())?;
-    if let Some(c) = d.counter {
-        s.counters.bump(u64::from(c));
-    }
-    Ok(())
-}
-
-fn execute_get(s: &Shared, peer: usize, d: &Desc, ring: &Ring) -> Result<(), String> {
-    let w = s.fabric.window(d.src_window).map_err(|e| e.to_string())?;
-    let size = w.sizes.get(s.rank).copied().unwrap_or(0);
-    if d.src_offset.checked_add(d.bytes).is_none_or(|e| e > size) {
-        return Err(format!("get destination outside window {}", d.src_window));
-    }
-    ring.gets_in_flight.fetch_add(1, Ordering::AcqRel);
-    // SAFETY: the destination lies inside this rank's registered part (checked
-    // above). The transport holds the window's keep-alive until the answer
-    // has landed, so a window its owner drops with the get in flight stays
-    // mapped until then; a window without one (its owner keeps the memory)
-    // outlives every context by construction.
-    let r = unsafe {
-        s.fabric.get(
-            peer,
-            Addr {
-                window: d.dst_window,
-                offset: d.dst_offset,
-            },
-            (w.local_base + d.src_offset as usize) as *mut u8,
-            d.bytes,
-            &ring.gets_in_flight,
-            w.keep.clone(),
-        )
-    };
-    r.map_err(|e| {
-        ring.gets_in_flight.fetch_sub(1, Ordering::AcqRel);
-        e.to_string()
-    })
 }
 
 #[cfg(test)]
@@ -545,7 +409,7 @@ mod tests {
     use super::*;
     use gin_device::{Window, WindowParts};
     use gin_net::region::{Access, RegionTable};
-    use gin_net::{MemDesc, Path};
+    use gin_net::{MemDesc, MemParts};
 
     /// One rank, window 0 over `len` bytes of memory it owns, and a proxy
     /// with `nctx` contexts and rings of `2^log2` descriptors. Fields drop in
@@ -555,37 +419,31 @@ mod tests {
         win: Window,
         counters: Arc<Counters>,
         _fabric: Arc<Fabric>,
-        _mem: Box<[u64]>,
+        mem: Box<[u64]>,
     }
 
     fn rig(len: usize, nctx: u32, log2: u32) -> Rig {
         let table = Arc::new(RegionTable::default());
         let timeout = Duration::from_secs(5);
-        let fabric = Arc::new(Fabric::new(
-            0,
-            vec![Path::Local],
-            table.clone(),
-            None,
-            timeout,
-        ));
+        let fabric = Arc::new(Fabric::local(table.clone(), timeout));
         let mut mem = vec![0u64; len / 8].into_boxed_slice();
         let len = mem.len() * 8;
         let base = mem.as_mut_ptr().cast::<u8>();
         // SAFETY: `mem` lives in the rig, which drops the proxy and the
         // fabric (and with it the key) before it.
         let key = unsafe { table.insert(base, len as u64, Access::ALL) }.unwrap();
-        fabric.add_window(
-            0,
-            MemDesc {
-                local_base: base as usize,
-                sizes: vec![len as u64],
-                peer_bases: vec![base as usize],
-                keys: vec![key],
-                addrs: vec![base as u64],
-                states: vec![0],
-                keep: None,
-            },
-        );
+        let parts = MemParts {
+            local_base: base as usize,
+            sizes: vec![len as u64],
+            peer_bases: vec![base as usize],
+            keys: vec![key],
+            addrs: vec![base as u64],
+            states: vec![0],
+            ..MemParts::default()
+        };
+        // SAFETY: `mem` (`len` bytes) lives in the rig, which drops the
+        // proxy and the fabric before it.
+        fabric.add_window(0, unsafe { MemDesc::new(parts) });
         // SAFETY: as above.
         let win = unsafe {
             Window::from_parts(
@@ -615,7 +473,7 @@ mod tests {
             win,
             counters,
             _fabric: fabric,
-            _mem: mem,
+            mem,
         }
     }
 
@@ -651,13 +509,45 @@ mod tests {
         let _ = (&a.win, &a.counters);
     }
 
+    /// Fail-stop on CPU ranks: a descriptor the engine refuses stops it;
+    /// nothing issued after it is executed, and every later call reports
+    /// the first error, naming the descriptor.
+    #[test]
+    fn after_an_invalid_descriptor_the_proxy_executes_nothing_more() {
+        let r = rig(64, 1, 2);
+        let bad = PutOp {
+            ctx: 0,
+            peer: 0,
+            dst: &r.win,
+            dst_off: 64,
+            src: Source::Inline(7),
+            bytes: 8,
+            signal: None,
+            counter: None,
+        };
+        r.proxy.put(&bad).unwrap();
+        let good = PutOp {
+            dst_off: 0,
+            src: Source::Inline(42),
+            ..bad
+        };
+        // Refused at once if the engine already failed; never run if not.
+        let _ = r.proxy.put(&good);
+        let e = flush(&r.proxy).unwrap_err().to_string();
+        assert!(
+            e.contains("put #0 to rank 0 on context 0 failed")
+                && e.contains("8 bytes at offset 64 exceed rank 0's 64 bytes of window 0"),
+            "{e}"
+        );
+        assert_eq!(r.mem[0], 0, "the put after the failure was executed");
+        assert_eq!(r.proxy.health().unwrap_err().to_string(), e);
+        let _ = &r.counters;
+    }
+
     #[test]
     fn a_ring_outside_the_proxys_range_is_refused_at_start() {
-        let fabric = Arc::new(Fabric::new(
-            0,
-            vec![Path::Local],
+        let fabric = Arc::new(Fabric::local(
             Arc::new(RegionTable::default()),
-            None,
             Duration::from_secs(5),
         ));
         let counters = Arc::new(Counters::new(1));

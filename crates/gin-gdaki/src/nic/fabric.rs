@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use gin_device::Counters;
-use gin_net::{Addr, Fabric, KeepAlive, MemDesc, NetError};
+use gin_net::{Addr, Fabric, KeepAlive, MemDesc, Memory, NetError};
 
 use super::exec::{
     Channel, CqStore, ExecError, Executor, Loc, Part, Payload, ReadStatus, ReadTicket, Region,
@@ -121,6 +121,22 @@ impl FabricExecutor {
         Some(d)
     }
 
+    /// Window `l`'s description, refused unless this rank's part is host
+    /// memory (a GPU window's bases are device addresses, never
+    /// dereferenced here).
+    fn host_window_of(&mut self, l: Loc) -> Result<(Arc<MemDesc>, Addr), ExecError> {
+        let (d, a) = self.window_of(l)?;
+        if d.memory != Memory::Host {
+            return Err(ExecError::Unsupported {
+                why: format!(
+                    "window {} is GPU memory, which a CPU rank's NIC does not load or store",
+                    a.window
+                ),
+            });
+        }
+        Ok((d, a))
+    }
+
     fn window_of(&mut self, l: Loc) -> Result<(Arc<MemDesc>, Addr), ExecError> {
         let Region::Window(id) = l.region else {
             return Err(malformed(format!("{} is not a window", l.region)));
@@ -162,7 +178,7 @@ impl FabricExecutor {
         f: impl FnOnce(&mut Self, &[u8]) -> Result<T, ExecError>,
     ) -> Result<T, ExecError> {
         if let Region::Window(id) = l.region {
-            let (d, _) = self.window_of(l)?;
+            let (d, _) = self.host_window_of(l)?;
             let size = d.sizes.get(self.rank).copied().unwrap_or(0);
             if l.rank != self.rank || l.offset.checked_add(l.len).is_none_or(|e| e > size) {
                 return Err(malformed(format!(
@@ -170,10 +186,12 @@ impl FabricExecutor {
                     l.len, l.offset, l.rank
                 )));
             }
-            // SAFETY: the range lies in this rank's part of a registered
-            // window, which `d` (its keep-alive) keeps mapped while we use
-            // it. Others may write it concurrently, as a NIC reads memory
-            // the CPU writes; the bytes are copied out at once.
+            // SAFETY: the range lies in this rank's host-memory part of a
+            // registered window, which its description (`MemDesc::new`'s
+            // contract) keeps valid while `d` lives. Others may write it
+            // concurrently, as a NIC reads memory the CPU writes; the bytes
+            // are handed to the transport at once. (A fabric put from one
+            // window part to another would avoid the borrow.)
             let data = unsafe {
                 std::slice::from_raw_parts(
                     (d.local_base + l.offset as usize) as *const u8,
@@ -237,7 +255,7 @@ impl Executor for FabricExecutor {
     fn read(&mut self, _: Channel, src: Loc, dst: Loc) -> Result<ReadStatus, ExecError> {
         let (ptr, keep) = match dst.region {
             Region::Window(_) => {
-                let (d, _) = self.window_of(dst)?;
+                let (d, _) = self.host_window_of(dst)?;
                 let size = d.sizes.get(self.rank).copied().unwrap_or(0);
                 if dst.rank != self.rank
                     || src.len != dst.len

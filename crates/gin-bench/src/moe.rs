@@ -1,0 +1,454 @@
+//! `gin-bench moe`: gin-ep's MoE dispatch and combine, low-latency (`--mode
+//! ll`) or high-throughput (`--mode ht`), beside a floor measured in the
+//! same job.
+//!
+//! Inputs come from gin-ep's oracle (traceable values, top-k of |randn| + 1
+//! with some empty slots), and the first step is checked as the oracle
+//! checks it before anything is timed. One run is `--iters` steps; a step's
+//! dispatch and combine are timed separately, and a run's figure is the
+//! slowest rank's mean (the collective is done when the last rank is).
+//!
+//! Bytes follow DeepEP's accounting: low-latency dispatch counts one
+//! message per selected expert (BF16 `2·hidden`, FP8
+//! `hidden + hidden/128·4 + 16`), combine `2·hidden` per selection;
+//! high-throughput counts one token per (token, destination rank) both ways. The floor moves the same
+//! bytes between the same ranks with the plainest code: one put per peer
+//! of the whole block, one signal each, wait for every peer, flush.
+
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, ValueEnum};
+use gin_core::{Comm, DevCommRequirements, Local, Remote, Settings};
+use gin_ep::oracle::{self, RankInput};
+use gin_ep::{Buffer, Config, Mode};
+use serde::{Deserialize, Serialize};
+
+use crate::common::Common;
+use crate::progress::Progress;
+use crate::ranks;
+use crate::report::{Report, Table};
+use crate::stats::Row;
+
+/// The two schemes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+pub enum MoeMode {
+    /// Low-latency: straight to the experts' ranks, slots sized for the maximum.
+    Ll,
+    /// High-throughput: counts first, two stages through credit rings.
+    Ht,
+}
+
+#[derive(Debug, Clone, Args, Serialize, Deserialize)]
+#[command(
+    mut_arg("ranks", |a| a.default_value("2").required(false)),
+    mut_arg("sizes", |a| a.default_value("8").required(false).help("Unused by moe (see --tokens, --hidden)")),
+    mut_arg("iters", |a| a.default_value("20").required(false).help("Steps per run")),
+    mut_arg("runs", |a| a.default_value("5").required(false)),
+)]
+pub struct MoeArgs {
+    /// Low-latency or high-throughput.
+    #[arg(long, value_enum, default_value_t = MoeMode::Ll)]
+    pub mode: MoeMode,
+    /// Tokens per rank (DeepEP's low-latency shape: 128; high-throughput: 4096).
+    #[arg(long, default_value_t = 128)]
+    pub tokens: usize,
+    /// Elements per token.
+    #[arg(long, default_value_t = 7168)]
+    pub hidden: usize,
+    /// Experts per token.
+    #[arg(long, default_value_t = 8)]
+    pub topk: usize,
+    /// Experts in the job (default 32 per rank: DeepEP's 256 at 8 ranks).
+    #[arg(long)]
+    pub experts: Option<usize>,
+    /// Dispatch as FP8 with per-128-element scales.
+    #[arg(long)]
+    pub fp8: bool,
+    /// Emulated hosts (high-throughput mode; each rank's host id is set
+    /// from its rank, so `auto` crosses hosts over tcp).
+    #[arg(long, default_value_t = 1)]
+    pub hosts: usize,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct MoeResult {
+    pub ranks: usize,
+    pub mode: MoeMode,
+    pub backend: String,
+    pub paths: Vec<String>,
+    pub tokens: usize,
+    pub hidden: usize,
+    pub topk: usize,
+    pub experts: usize,
+    pub fp8: bool,
+    pub hosts: usize,
+    /// Rank 0's bytes per step (DeepEP's accounting) over the slowest
+    /// rank's time; floors move the same bytes by plain puts.
+    pub dispatch: Row,
+    pub combine: Row,
+    pub total: Row,
+}
+
+pub fn run(args: &MoeArgs) -> Result<()> {
+    let c = &args.common;
+    c.validate("moe")?;
+    if args.tokens == 0 || args.hidden == 0 || args.topk == 0 || args.hosts == 0 {
+        bail!("--tokens, --hidden, --topk and --hosts must be positive");
+    }
+    if ranks::is_rank() {
+        crate::common::apply_affinity(&c.cpus)?;
+        return rank_main(args);
+    }
+    let progress = Progress::new((c.ranks.len() * c.runs) as u64, "moe");
+    let mut all = Vec::new();
+    for &n in &c.ranks {
+        if n % args.hosts != 0 {
+            bail!("--ranks {n} does not split into --hosts {}", args.hosts);
+        }
+        progress.println(&format!(
+            "moe {:?}: {n} ranks, {} tokens x {} hidden, top-{}, path {}...",
+            args.mode,
+            args.tokens,
+            args.hidden,
+            args.topk,
+            c.path_label()
+        ));
+        let r: MoeResult = progress.job(c.runs as u64, |mut env| {
+            env.extend(c.env());
+            ranks::spawn_self(n, "moe", args, &env)
+        })?;
+        all.push(r);
+    }
+    progress.finish();
+    let t = table(&all);
+    Report::new("moe", args, vec![t], all)?.finish(c.json.as_deref(), c.csv.as_deref())
+}
+
+fn table(all: &[MoeResult]) -> Table {
+    let title = all.first().map_or_else(String::new, |r| {
+        format!(
+            "MoE {} (gin-ep), {} tokens x hidden {}, top-{}, {}, backend {}, rank 0's paths {}",
+            if r.mode == MoeMode::Ll {
+                "low-latency"
+            } else {
+                "high-throughput"
+            },
+            r.tokens,
+            r.hidden,
+            r.topk,
+            if r.fp8 { "FP8 dispatch" } else { "BF16" },
+            r.backend,
+            r.paths.join(",")
+        )
+    });
+    let mut t = Table::new(
+        "moe",
+        title,
+        &[
+            "ranks",
+            "experts",
+            "hosts",
+            "phase",
+            "median µs",
+            "p10",
+            "p90",
+            "GB/s",
+            "floor µs",
+            "vs floor",
+        ],
+    );
+    for r in all {
+        for (phase, row) in [
+            ("dispatch", &r.dispatch),
+            ("combine", &r.combine),
+            ("both", &r.total),
+        ] {
+            t.row(vec![
+                r.ranks.to_string(),
+                r.experts.to_string(),
+                r.hosts.to_string(),
+                phase.to_owned(),
+                format!("{:.1}", row.us.median),
+                format!("{:.1}", row.us.p10),
+                format!("{:.1}", row.us.p90),
+                format!("{:.2}", row.gbps),
+                format!("{:.1}", row.floor_us.median),
+                format!("{:.2}x", row.ratio),
+            ]);
+        }
+    }
+    t.note(
+        "per step: the slowest rank's mean over a run, median and p10/p90 over runs; GB/s = rank 0's bytes \
+         (DeepEP's accounting) / median; floor = the same bytes by one plain put + signal per peer",
+    );
+    t
+}
+
+/// Bytes each rank sends each rank per step, for dispatch and combine, from
+/// every rank's routing (`[src * n + dst]`).
+fn traffic(cfg: &Config, inputs: &[RankInput]) -> (Vec<u64>, Vec<u64>) {
+    let n = inputs.len();
+    let l = cfg.local_experts(n);
+    let (k, h2) = (cfg.topk, 2 * cfg.hidden as u64);
+    let msg = if cfg.fp8 {
+        (cfg.hidden + cfg.hidden / 128 * 4 + 16) as u64
+    } else {
+        h2
+    };
+    let (mut disp, mut comb) = (vec![0u64; n * n], vec![0u64; n * n]);
+    for (src, inp) in inputs.iter().enumerate() {
+        for t in 0..inp.tokens {
+            let row = &inp.topk_idx[t * k..(t + 1) * k];
+            for dst in 0..n {
+                let sel = row
+                    .iter()
+                    .filter(|&&e| e >= 0 && e as usize / l == dst)
+                    .count() as u64;
+                let per = if cfg.mode == Mode::LowLatency {
+                    sel
+                } else {
+                    u64::from(sel > 0)
+                };
+                disp[src * n + dst] += per * msg;
+                comb[dst * n + src] += per * h2;
+            }
+        }
+    }
+    (disp, comb)
+}
+
+fn rank_main(args: &MoeArgs) -> Result<()> {
+    let c = &args.common;
+    let bootstrap = gin_bootstrap::Bootstrap::from_env()?;
+    let mut settings = Settings::from_env()?;
+    let (rank, n) = (bootstrap.rank(), bootstrap.nranks());
+    if args.hosts > 1 {
+        settings.host_id = format!("gin-bench-moe-host-{}", rank / (n / args.hosts));
+    }
+    let comm = Comm::with_settings(bootstrap, settings)?;
+    let experts = args.experts.unwrap_or(32 * n);
+    let mut cfg = match args.mode {
+        MoeMode::Ll => Config::low_latency(args.hidden, args.tokens, experts, args.topk),
+        MoeMode::Ht => Config::high_throughput(args.hidden, args.tokens, experts, args.topk),
+    };
+    cfg.fp8 = args.fp8;
+    let mut buf = Buffer::new(&comm, cfg)?;
+    let inputs: Vec<RankInput> = (0..n)
+        .map(|r| oracle::rank_input(42, r, n, args.tokens, args.hidden, experts, args.topk))
+        .collect();
+    let (disp, comb) = traffic(&cfg, &inputs);
+    crate::common::bind_rank_thread(c, comm.local_rank())?;
+    verify(&mut buf, &inputs)?;
+    let floor = Floor::new(&comm, &disp, &comb)?;
+    let (mut d_runs, mut c_runs, mut t_runs) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut fd_runs, mut fc_runs, mut ft_runs) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..c.warmup_for(c.iters) {
+        step(&mut buf, &inputs[rank])?;
+        floor.step(true)?;
+        floor.step(false)?;
+    }
+    for _ in 0..c.runs {
+        comm.bootstrap().barrier()?;
+        let (mut td, mut tc) = (0.0, 0.0);
+        for _ in 0..c.iters {
+            let (a, b) = step(&mut buf, &inputs[rank])?;
+            td += a;
+            tc += b;
+        }
+        comm.bootstrap().barrier()?;
+        let (mut fd, mut fc) = (0.0, 0.0);
+        for _ in 0..c.iters {
+            fd += floor.step(true)?;
+            fc += floor.step(false)?;
+        }
+        let it = c.iters as f64;
+        let slow = slowest(&comm, &[td / it, tc / it, fd / it, fc / it])?;
+        d_runs.push(slow[0]);
+        c_runs.push(slow[1]);
+        t_runs.push(slow[0] + slow[1]);
+        fd_runs.push(slow[2]);
+        fc_runs.push(slow[3]);
+        ft_runs.push(slow[2] + slow[3]);
+        crate::progress::tick(rank);
+    }
+    let (db, cb) = (
+        disp[rank * n..(rank + 1) * n].iter().sum::<u64>() as f64,
+        (0..n).map(|s| comb[s * n + rank]).sum::<u64>() as f64,
+    );
+    if rank == 0 {
+        ranks::emit(&MoeResult {
+            ranks: n,
+            mode: args.mode,
+            backend: ranks::backend_label(&floor.dc),
+            paths: comm.path_names().iter().map(|s| (*s).to_owned()).collect(),
+            tokens: args.tokens,
+            hidden: args.hidden,
+            topk: args.topk,
+            experts,
+            fp8: args.fp8,
+            hosts: args.hosts,
+            dispatch: Row::new(db, d_runs, fd_runs).context("no samples")?,
+            combine: Row::new(cb, c_runs, fc_runs).context("no samples")?,
+            total: Row::new(db + cb, t_runs, ft_runs).context("no samples")?,
+        })?;
+    }
+    floor.dc.destroy()?;
+    buf.destroy()?;
+    Ok(())
+}
+
+/// Per value, the largest over ranks.
+fn slowest(comm: &Comm, mine: &[f64]) -> Result<Vec<f64>> {
+    let bytes: Vec<u8> = mine.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let all = comm.bootstrap().allgather(&bytes)?;
+    let mut out = vec![0f64; mine.len()];
+    for b in &all {
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = o.max(ranks::f64_le(
+                b.get(8 * i..8 * i + 8).context("short sample")?,
+            )?);
+        }
+    }
+    Ok(out)
+}
+
+/// One step with the oracle's checks, before timing.
+fn verify(buf: &mut Buffer<'_>, inputs: &[RankInput]) -> Result<()> {
+    let cfg = *buf.config();
+    let me = &inputs[buf.rank()];
+    let tables: Vec<Vec<i64>> = inputs.iter().map(|i| i.topk_idx.clone()).collect();
+    let combined = if cfg.mode == Mode::LowLatency {
+        let d = buf.ll_dispatch(&me.x, &me.topk_idx, &me.weights)?;
+        oracle::check_ll_dispatch(buf, &d, inputs, &tables).map_err(anyhow::Error::msg)?;
+        buf.ll_echo(&d)?;
+        buf.ll_combine(&d)?
+    } else {
+        let d = buf.ht_dispatch(&me.x, &me.topk_idx, &me.weights)?;
+        oracle::check_ht_dispatch(buf, &d, inputs, &tables).map_err(anyhow::Error::msg)?;
+        buf.ht_echo(&d)?;
+        buf.ht_combine(&d)?
+    };
+    oracle::check_combine(
+        buf.rank(),
+        &combined.x,
+        me,
+        cfg.hidden,
+        cfg.topk,
+        cfg.fp8,
+        |_| true,
+    )
+    .map_err(anyhow::Error::msg)?;
+    Ok(())
+}
+
+/// One timed step: (dispatch µs, combine µs); the identity expert between
+/// them is not timed.
+fn step(buf: &mut Buffer<'_>, me: &RankInput) -> Result<(f64, f64)> {
+    let t0 = Instant::now();
+    if buf.config().mode == Mode::LowLatency {
+        let d = buf.ll_dispatch(&me.x, &me.topk_idx, &me.weights)?;
+        let td = t0.elapsed().as_secs_f64() * 1e6;
+        buf.ll_echo(&d)?;
+        let t1 = Instant::now();
+        buf.ll_combine(&d)?;
+        Ok((td, t1.elapsed().as_secs_f64() * 1e6))
+    } else {
+        let d = buf.ht_dispatch(&me.x, &me.topk_idx, &me.weights)?;
+        let td = t0.elapsed().as_secs_f64() * 1e6;
+        buf.ht_echo(&d)?;
+        let t1 = Instant::now();
+        buf.ht_combine(&d)?;
+        Ok((td, t1.elapsed().as_secs_f64() * 1e6))
+    }
+}
+
+/// The same-job floor: the step's bytes moved by one put per peer and one
+/// signal each.
+struct Floor<'c> {
+    dc: gin_core::DevCommHandle<'c>,
+    send: gin_core::Window,
+    recv: gin_core::Window,
+    /// Bytes to each peer, dispatch and combine.
+    disp: Vec<u64>,
+    comb: Vec<u64>,
+    block: u64,
+    expected: std::cell::Cell<u64>,
+    rank: usize,
+}
+
+impl<'c> Floor<'c> {
+    fn new(comm: &'c Comm, disp: &[u64], comb: &[u64]) -> Result<Self> {
+        let (rank, n) = (comm.rank(), comm.nranks());
+        let block = disp.iter().chain(comb).copied().max().unwrap_or(8).max(8);
+        Ok(Self {
+            dc: comm.dev_comm(&DevCommRequirements::default())?,
+            send: comm.alloc_window(block)?,
+            recv: comm.alloc_window(block * n as u64)?,
+            disp: disp[rank * n..(rank + 1) * n].to_vec(),
+            comb: comb[rank * n..(rank + 1) * n].to_vec(),
+            block,
+            expected: std::cell::Cell::new(0),
+            rank,
+        })
+    }
+
+    /// One exchange; returns its µs.
+    fn step(&self, dispatch: bool) -> Result<f64> {
+        let ctx = self.dc.ctx(0)?;
+        let bytes = if dispatch { &self.disp } else { &self.comb };
+        let n = bytes.len();
+        let t = Instant::now();
+        for k in 0..n {
+            let p = (self.rank + k) % n;
+            ctx.put(
+                p,
+                &self.recv,
+                self.rank as u64 * self.block,
+                &self.send,
+                0,
+                bytes[p],
+                Remote::signal_inc(0),
+                Local::None,
+            )?;
+        }
+        self.expected.set(self.expected.get() + n as u64);
+        ctx.wait_signal(0, self.expected.get())?;
+        ctx.flush()?;
+        Ok(t.elapsed().as_secs_f64() * 1e6)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn input(topk_idx: Vec<i64>) -> RankInput {
+        RankInput {
+            tokens: topk_idx.len() / 2,
+            x: Vec::new(),
+            weights: vec![1.0; topk_idx.len()],
+            topk_idx,
+        }
+    }
+
+    /// DeepEP's accounting: low-latency counts selections, high-throughput
+    /// counts (token, rank) pairs; FP8 messages are hidden + scales + 16.
+    #[test]
+    fn traffic_follows_deepeps_byte_accounting() {
+        // 2 ranks, 4 experts (2 per rank), top-2; rank 0's token picks
+        // experts 2 and 3 (both on rank 1), rank 1's picks 0 and -1.
+        let inputs = [input(vec![2, 3]), input(vec![0, -1])];
+        let ll = Config::low_latency(256, 4, 4, 2);
+        let (d, c) = traffic(&ll, &inputs);
+        assert_eq!(d, [0, 2 * 512, 512, 0]);
+        assert_eq!(c, [0, 512, 2 * 512, 0]);
+        let ht = Config::high_throughput(256, 4, 4, 2);
+        assert_eq!(traffic(&ht, &inputs).0, [0, 512, 512, 0]);
+        let fp8 = Config { fp8: true, ..ll };
+        assert_eq!(traffic(&fp8, &inputs).0[1], 2 * (256 + 8 + 16));
+    }
+}

@@ -1,0 +1,324 @@
+//! One rank of gin-ep's multi-process tests: runs a scenario under the
+//! launcher's environment (GIN_BACKEND, GIN_TRANSPORT, GIN_HOSTID...) and
+//! prints `rank R: SCENARIO ok in ...` or fails with the first difference.
+//!
+//! `gin-ep-selftest SCENARIO [key=value ...]`; scenarios `ll`, `ht`, `bad`,
+//! `kill`; keys `tokens`, `hidden`, `experts` (per rank), `topk`, `fp8`,
+//! `repeats`, `victim`. Without launcher variables it starts `ranks=N`
+//! local ranks of itself (default 2).
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use gin_core::Comm;
+use gin_core::launch::{Role, run_ranks};
+use gin_ep::oracle::{self, RankInput};
+use gin_ep::{Buffer, Config, EpError, Mode, OnPeerLoss};
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+fn main() -> std::process::ExitCode {
+    gin_bootstrap::init_tracing_from_env();
+    gin_bootstrap::exit_code(run())
+}
+
+struct Args {
+    scenario: String,
+    kv: HashMap<String, String>,
+}
+
+impl Args {
+    fn get(&self, k: &str, default: usize) -> usize {
+        self.kv
+            .get(k)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    }
+}
+
+fn run() -> Res<()> {
+    let mut argv = std::env::args().skip(1);
+    let scenario = argv.next().unwrap_or_else(|| "ll".into());
+    let kv = argv
+        .filter_map(|a| a.split_once('=').map(|(k, v)| (k.to_owned(), v.to_owned())))
+        .collect();
+    let args = Args { scenario, kv };
+    if let Role::Launched = run_ranks(args.get("ranks", 2))? {
+        return Ok(());
+    }
+    let comm = Comm::from_env()?;
+    let t = Instant::now();
+    let what = match args.scenario.as_str() {
+        "ll" => oracle_run(&comm, &args, Mode::LowLatency)?,
+        "ht" => oracle_run(&comm, &args, Mode::HighThroughput)?,
+        "bad" => bad_inputs(&comm, &args)?,
+        "kill" => kill(&comm, &args)?,
+        other => return Err(format!("unknown scenario {other:?}").into()),
+    };
+    println!(
+        "rank {} of {}: {} ok in {:.0} ms ({what}; paths {:?})",
+        comm.rank(),
+        comm.nranks(),
+        args.scenario,
+        t.elapsed().as_secs_f64() * 1e3,
+        comm.path_names()
+    );
+    Ok(())
+}
+
+fn config(comm: &Comm, args: &Args, mode: Mode) -> Config {
+    let n = comm.nranks();
+    let experts = args.get("experts", 3) * n;
+    let mut cfg = match mode {
+        Mode::LowLatency => Config::low_latency(
+            args.get("hidden", 256),
+            args.get("tokens", 24),
+            experts,
+            args.get("topk", 4).min(experts),
+        ),
+        Mode::HighThroughput => Config::high_throughput(
+            args.get("hidden", 256),
+            args.get("tokens", 24),
+            experts,
+            args.get("topk", 4).min(experts),
+        ),
+    };
+    cfg.fp8 = args.get("fp8", 0) == 1;
+    if let Some(s) = args.kv.get("ring").and_then(|v| v.parse().ok()) {
+        cfg.ring_slots = s;
+    }
+    cfg
+}
+
+/// Every rank's inputs (each rank can rebuild any rank's), and the routing
+/// table all-gathered through the bootstrap.
+fn inputs(comm: &Comm, cfg: &Config) -> Res<(Vec<RankInput>, Vec<Vec<i64>>)> {
+    let n = comm.nranks();
+    let all: Vec<RankInput> = (0..n)
+        .map(|r| {
+            oracle::rank_input(
+                20,
+                r,
+                n,
+                oracle::tokens_for_rank(cfg.max_tokens_per_rank, r),
+                cfg.hidden,
+                cfg.num_experts,
+                cfg.topk,
+            )
+        })
+        .collect();
+    let mine: Vec<u8> = all[comm.rank()]
+        .topk_idx
+        .iter()
+        .flat_map(|e| e.to_le_bytes())
+        .collect();
+    let tables: Vec<Vec<i64>> = comm
+        .bootstrap()
+        .allgather(&mine)?
+        .iter()
+        .map(|b| {
+            b.chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+                .collect()
+        })
+        .collect();
+    Ok((all, tables))
+}
+
+/// One step: dispatch, check (first time), identity expert, combine, check;
+/// returns the digests of what was received and combined.
+fn step(
+    buf: &mut Buffer<'_>,
+    all: &[RankInput],
+    tables: &[Vec<i64>],
+    check: bool,
+) -> Res<(u64, u64)> {
+    let cfg = *buf.config();
+    let me = &all[buf.rank()];
+    let (dig, combined) = match cfg.mode {
+        Mode::LowLatency => {
+            let d = buf.ll_dispatch(&me.x, &me.topk_idx, &me.weights)?;
+            if check {
+                oracle::check_ll_dispatch(buf, &d, all, tables)?;
+            }
+            let dig = oracle::ll_digest(buf, &d);
+            buf.ll_echo(&d)?;
+            (dig, buf.ll_combine(&d)?)
+        }
+        Mode::HighThroughput => {
+            let d = buf.ht_dispatch(&me.x, &me.topk_idx, &me.weights)?;
+            if check {
+                oracle::check_ht_dispatch(buf, &d, all, tables)?;
+            }
+            let dig = oracle::ht_digest(buf, &d);
+            buf.ht_echo(&d)?;
+            (dig, buf.ht_combine(&d)?)
+        }
+    };
+    if check {
+        let active = buf.active().to_vec();
+        let l = cfg.local_experts(buf.nranks());
+        oracle::check_combine(
+            buf.rank(),
+            &combined.x,
+            me,
+            cfg.hidden,
+            cfg.topk,
+            cfg.fp8,
+            |e| active[e / l],
+        )?;
+    }
+    Ok((dig, oracle::bf16_digest(&combined.x)))
+}
+
+fn oracle_run(comm: &Comm, args: &Args, mode: Mode) -> Res<String> {
+    let cfg = config(comm, args, mode);
+    let mut buf = Buffer::new(comm, cfg)?;
+    let (all, tables) = inputs(comm, &cfg)?;
+    let repeats = args.get("repeats", 20);
+    let first = step(&mut buf, &all, &tables, true)?;
+    for i in 1..repeats {
+        let again = step(&mut buf, &all, &tables, false)?;
+        if again != first {
+            return Err(format!(
+                "rank {}: repeat {i} differs from the first (digests {again:x?} vs {first:x?})",
+                comm.rank()
+            )
+            .into());
+        }
+    }
+    buf.destroy()?;
+    Ok(format!(
+        "{} tokens, hidden {}, {} experts, top-{}{}, {repeats} repeats bit-identical",
+        all[comm.rank()].tokens,
+        cfg.hidden,
+        cfg.num_experts,
+        cfg.topk,
+        if cfg.fp8 { ", fp8" } else { "" }
+    ))
+}
+
+/// Bad inputs on one rank: a clear error before anything is sent, and the
+/// step that follows works on every rank (nothing was corrupted).
+fn bad_inputs(comm: &Comm, args: &Args) -> Res<String> {
+    let mode = if args.get("ht", 0) == 1 {
+        Mode::HighThroughput
+    } else {
+        Mode::LowLatency
+    };
+    let cfg = config(comm, args, mode);
+    let rank = comm.rank();
+    // A configuration that differs on one rank fails on every rank.
+    let mut odd = cfg;
+    if rank == comm.nranks() - 1 {
+        odd.hidden += 8;
+    }
+    match Buffer::new(comm, odd) {
+        Err(EpError::ConfigMismatch {
+            field: "hidden", ..
+        }) => {}
+        other => return Err(format!("rank {rank}: mismatched hidden gave {other:?}").into()),
+    }
+    let mut buf = Buffer::new(comm, cfg)?;
+    let (all, tables) = inputs(comm, &cfg)?;
+    let me = &all[rank];
+    let (k, h) = (cfg.topk, cfg.hidden);
+    let mut idx = me.topk_idx.clone();
+    idx[k + 1] = cfg.num_experts as i64;
+    let too_many = vec![-1i64; (cfg.max_tokens_per_rank + 1) * k];
+    let cases: Vec<(&str, Result<(), EpError>)> = vec![
+        (
+            "expert out of range",
+            try_dispatch(&mut buf, &me.x, &idx, &me.weights),
+        ),
+        (
+            "too many tokens",
+            try_dispatch(
+                &mut buf,
+                &vec![gin_ep::Bf16::ZERO; too_many.len() / k * h],
+                &too_many,
+                &vec![0.0; too_many.len()],
+            ),
+        ),
+        (
+            "hidden mismatch",
+            try_dispatch(&mut buf, &me.x[..me.x.len() - 1], &me.topk_idx, &me.weights),
+        ),
+    ];
+    for (name, r) in cases {
+        let ok = matches!(
+            (name, &r),
+            (
+                "expert out of range",
+                Err(EpError::ExpertOutOfRange { token: 1, .. })
+            ) | ("too many tokens", Err(EpError::TooManyTokens { .. }))
+                | ("hidden mismatch", Err(EpError::Shape { what: "x", .. }))
+        );
+        if !ok {
+            return Err(format!("rank {rank}: {name}: got {r:?}").into());
+        }
+    }
+    // A replicated table that differs on one rank.
+    let mut global: Vec<i64> = tables.concat();
+    if rank == 0 {
+        global[0] = -1 - global[0].max(0);
+    }
+    match buf.check_same_everywhere("all-gathered routing table", &global) {
+        Err(EpError::RoutingMismatch { .. }) => {}
+        other => return Err(format!("rank {rank}: differing table gave {other:?}").into()),
+    }
+    // Nothing was sent: a full step still verifies on every rank.
+    step(&mut buf, &all, &tables, true)?;
+    buf.destroy()?;
+    Ok("out-of-range expert, too many tokens, mismatched hidden, differing config and table refused; next step verified".into())
+}
+
+fn try_dispatch(
+    buf: &mut Buffer<'_>,
+    x: &[gin_ep::Bf16],
+    idx: &[i64],
+    w: &[f32],
+) -> Result<(), EpError> {
+    match buf.config().mode {
+        Mode::LowLatency => buf.ll_dispatch_send(x, idx, w).map(drop),
+        Mode::HighThroughput => buf.ht_dispatch(x, idx, w).map(drop),
+    }
+}
+
+/// Step 1 with every rank; then rank `victim` dies; the survivors finish
+/// step 2 with its experts masked (and report it), and step 3 with the mask
+/// set from the start.
+fn kill(comm: &Comm, args: &Args) -> Res<String> {
+    let cfg = config(comm, args, Mode::LowLatency);
+    let victim = args.get("victim", comm.nranks() - 1);
+    let mut buf = Buffer::new(comm, cfg)?;
+    buf.set_on_peer_loss(OnPeerLoss::Mask);
+    let (all, tables) = inputs(comm, &cfg)?;
+    step(&mut buf, &all, &tables, true)?;
+    comm.bootstrap().barrier()?;
+    if comm.rank() == victim {
+        std::process::abort();
+    }
+    let me = &all[comm.rank()];
+    let d = buf.ll_dispatch(&me.x, &me.topk_idx, &me.weights)?;
+    buf.ll_echo(&d)?;
+    let c = buf.ll_combine(&d)?;
+    if c.lost != [victim] {
+        return Err(format!(
+            "rank {}: lost ranks reported {:?}, expected [{victim}]",
+            comm.rank(),
+            c.lost
+        )
+        .into());
+    }
+    let l = cfg.local_experts(comm.nranks());
+    oracle::check_combine(comm.rank(), &c.x, me, cfg.hidden, cfg.topk, cfg.fp8, |e| {
+        e / l != victim
+    })?;
+    // The mask holds: the next step runs without waiting for the dead rank.
+    step(&mut buf, &all, &tables, true)?;
+    // No collective destroy: the job has lost a rank.
+    Ok(format!(
+        "rank {victim} lost in step 2 and masked; steps 2 and 3 verified without it"
+    ))
+}

@@ -1,0 +1,203 @@
+//! What a [`crate::Buffer`] is sized from, and the message layout that
+//! follows from it. Pure code.
+
+use crate::error::EpError;
+use crate::num::FP8_BLOCK;
+
+/// Which of the two schemes a buffer runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Every token goes straight to each rank holding one of its experts,
+    /// into per-(local expert, source rank) slots sized for the maximum:
+    /// no count exchange, one round trip per step.
+    LowLatency,
+    /// DeepEP's normal mode: counts first, then two stages (between hosts to
+    /// the rank with the same local index, within a host forwarded over
+    /// load/store) through credit-controlled channels.
+    HighThroughput,
+}
+
+/// The shape a buffer is sized for; every rank passes the same values
+/// (checked when the buffer is created).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Config {
+    /// Elements per token.
+    pub hidden: usize,
+    /// The most tokens any rank dispatches in one step.
+    pub max_tokens_per_rank: usize,
+    /// Experts in the job, spread evenly: expert `e` lives on rank
+    /// `e / (experts / ranks)`.
+    pub num_experts: usize,
+    /// Top-k slots per token.
+    pub topk: usize,
+    /// Tokens travel as FP8 E4M3 with one f32 scale per 128 elements
+    /// (dispatch only; combine stays BF16, as in DeepEP).
+    pub fp8: bool,
+    /// The scheme.
+    pub mode: Mode,
+    /// High-throughput mode: message slots of each channel's ring (its
+    /// credits). Ignored in low-latency mode.
+    pub ring_slots: usize,
+}
+
+impl Config {
+    /// A low-latency configuration.
+    pub fn low_latency(
+        hidden: usize,
+        max_tokens_per_rank: usize,
+        num_experts: usize,
+        topk: usize,
+    ) -> Self {
+        Self {
+            hidden,
+            max_tokens_per_rank,
+            num_experts,
+            topk,
+            fp8: false,
+            mode: Mode::LowLatency,
+            ring_slots: 0,
+        }
+    }
+
+    /// A high-throughput configuration with rings of 64 slots.
+    pub fn high_throughput(
+        hidden: usize,
+        max_tokens_per_rank: usize,
+        num_experts: usize,
+        topk: usize,
+    ) -> Self {
+        Self {
+            mode: Mode::HighThroughput,
+            ring_slots: 64,
+            ..Self::low_latency(hidden, max_tokens_per_rank, num_experts, topk)
+        }
+    }
+
+    /// Checks the configuration for a job of `nranks` ranks.
+    pub fn validate(&self, rank: usize, nranks: usize) -> Result<(), EpError> {
+        let bad = |field, value, why| {
+            Err(EpError::Config {
+                rank,
+                field,
+                value,
+                why,
+            })
+        };
+        if self.hidden == 0 || !self.hidden.is_multiple_of(8) {
+            return bad("hidden", self.hidden, "must be a positive multiple of 8");
+        }
+        if self.fp8 && !self.hidden.is_multiple_of(FP8_BLOCK) {
+            return bad(
+                "hidden",
+                self.hidden,
+                "FP8 needs a multiple of 128 (one scale per 128 elements)",
+            );
+        }
+        if self.max_tokens_per_rank == 0 || self.max_tokens_per_rank > u32::MAX as usize / 2 {
+            return bad(
+                "max_tokens_per_rank",
+                self.max_tokens_per_rank,
+                "must be positive and below 2^31",
+            );
+        }
+        if self.num_experts == 0 || !self.num_experts.is_multiple_of(nranks) {
+            return bad(
+                "num_experts",
+                self.num_experts,
+                "must be a positive multiple of the rank count",
+            );
+        }
+        if self.topk == 0 || self.topk > self.num_experts {
+            return bad("topk", self.topk, "must be in 1..=num_experts");
+        }
+        if self.mode == Mode::HighThroughput && self.ring_slots == 0 {
+            return bad("ring_slots", self.ring_slots, "must be positive");
+        }
+        Ok(())
+    }
+
+    /// Experts per rank.
+    pub fn local_experts(&self, nranks: usize) -> usize {
+        self.num_experts / nranks
+    }
+
+    /// Bytes of one token's payload: BF16 `2 * hidden`, FP8 `hidden` plus
+    /// one f32 scale per 128 elements.
+    pub fn payload_bytes(&self) -> usize {
+        if self.fp8 {
+            self.hidden + self.hidden / FP8_BLOCK * 4
+        } else {
+            2 * self.hidden
+        }
+    }
+
+    /// Bytes of one dispatch message: the payload, then the source token
+    /// index (u32), the token's top-k expert ids (i32 each) and weights (f32
+    /// each), padded to 16 bytes.
+    pub fn msg_bytes(&self) -> usize {
+        (self.payload_bytes() + 4 + 8 * self.topk).next_multiple_of(16)
+    }
+
+    /// The fields agreement is checked on, in a fixed order.
+    pub(crate) fn fields(&self) -> [(&'static str, u64); 7] {
+        [
+            ("hidden", self.hidden as u64),
+            ("max_tokens_per_rank", self.max_tokens_per_rank as u64),
+            ("num_experts", self.num_experts as u64),
+            ("topk", self.topk as u64),
+            ("fp8", u64::from(self.fp8)),
+            ("mode", u64::from(self.mode == Mode::HighThroughput)),
+            ("ring_slots", self.ring_slots as u64),
+        ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_configurations_name_the_field() {
+        let ok = Config::low_latency(256, 16, 8, 2);
+        assert!(ok.validate(0, 4).is_ok());
+        for (c, field) in [
+            (Config { hidden: 0, ..ok }, "hidden"),
+            (
+                Config {
+                    num_experts: 6,
+                    ..ok
+                },
+                "num_experts",
+            ),
+            (Config { topk: 9, ..ok }, "topk"),
+            (
+                Config {
+                    max_tokens_per_rank: 0,
+                    ..ok
+                },
+                "max_tokens_per_rank",
+            ),
+            (
+                Config {
+                    fp8: true,
+                    hidden: 200,
+                    ..ok
+                },
+                "hidden",
+            ),
+        ] {
+            let e = c.validate(1, 4).unwrap_err().to_string();
+            assert!(e.contains(field) && e.starts_with("rank 1"), "{e}");
+        }
+    }
+
+    #[test]
+    fn message_sizes_follow_deepeps_accounting() {
+        let c = Config::low_latency(7168, 128, 256, 8);
+        assert_eq!(c.payload_bytes(), 2 * 7168);
+        let f = Config { fp8: true, ..c };
+        assert_eq!(f.payload_bytes(), 7168 + 7168 / 128 * 4);
+        assert_eq!(c.msg_bytes() % 16, 0);
+        assert!(c.msg_bytes() >= c.payload_bytes() + 4 + 64);
+    }
+}

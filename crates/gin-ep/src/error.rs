@@ -1,0 +1,213 @@
+//! Errors of gin-ep. Every variant names the rank that raised it and the
+//! token, slot, expert, peer or limit involved; input errors are raised
+//! before anything is sent.
+
+use std::time::Duration;
+
+/// Everything a gin-ep call can fail with.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EpError {
+    /// A buffer configuration that cannot work (zero sizes, experts not a
+    /// multiple of the rank count, FP8 with a hidden size that is not a
+    /// multiple of 128...).
+    #[error("rank {rank}: invalid configuration: {field} = {value}: {why}")]
+    Config {
+        /// The rank that checked it.
+        rank: usize,
+        /// The field at fault.
+        field: &'static str,
+        /// Its value.
+        value: usize,
+        /// What it must be.
+        why: &'static str,
+    },
+    /// Ranks created their buffers with different configurations.
+    #[error(
+        "rank {rank}: buffer configuration differs from rank {peer}'s: {field} is {mine} here and {theirs} there"
+    )]
+    ConfigMismatch {
+        /// This rank.
+        rank: usize,
+        /// The first rank that differs.
+        peer: usize,
+        /// The field that differs.
+        field: &'static str,
+        /// This rank's value.
+        mine: u64,
+        /// The peer's value.
+        theirs: u64,
+    },
+    /// More tokens than the buffer was sized for.
+    #[error("rank {rank}: {tokens} tokens given, the buffer holds at most {max} per rank")]
+    TooManyTokens {
+        /// This rank.
+        rank: usize,
+        /// Tokens given.
+        tokens: usize,
+        /// The buffer's maximum.
+        max: usize,
+    },
+    /// An input array whose length does not fit the token count and the
+    /// buffer's hidden size or top-k.
+    #[error(
+        "rank {rank}: {what} has {len} elements, expected {expected} ({tokens} tokens x {per_token})"
+    )]
+    Shape {
+        /// This rank.
+        rank: usize,
+        /// Which input (`x`, `topk_idx`, `topk_weights`, `expert output`...).
+        what: &'static str,
+        /// Its length.
+        len: usize,
+        /// The length expected.
+        expected: usize,
+        /// Tokens.
+        tokens: usize,
+        /// Elements per token (hidden size or top-k).
+        per_token: usize,
+    },
+    /// A top-k slot names an expert that does not exist (only -1, "no
+    /// expert", is allowed outside `0..experts`).
+    #[error(
+        "rank {rank}: token {token} top-k slot {slot} names expert {expert}, outside 0..{experts} (-1 marks an empty slot)"
+    )]
+    ExpertOutOfRange {
+        /// This rank.
+        rank: usize,
+        /// The token.
+        token: usize,
+        /// The top-k slot.
+        slot: usize,
+        /// The expert named.
+        expert: i64,
+        /// Number of experts.
+        experts: usize,
+    },
+    /// A token names the same expert in two top-k slots.
+    #[error("rank {rank}: token {token} names expert {expert} in top-k slots {first} and {second}")]
+    DuplicateExpert {
+        /// This rank.
+        rank: usize,
+        /// The token.
+        token: usize,
+        /// The expert.
+        expert: i64,
+        /// The first slot naming it.
+        first: usize,
+        /// The second.
+        second: usize,
+    },
+    /// A top-k weight that is not finite.
+    #[error(
+        "rank {rank}: token {token} top-k slot {slot} has weight {weight}, not a finite number"
+    )]
+    BadWeight {
+        /// This rank.
+        rank: usize,
+        /// The token.
+        token: usize,
+        /// The slot.
+        slot: usize,
+        /// The weight.
+        weight: f32,
+    },
+    /// A table that every rank must hold alike differs.
+    #[error(
+        "rank {rank}: the {what} differs from rank {peer}'s (fingerprint {mine:016x} here, {theirs:016x} there)"
+    )]
+    RoutingMismatch {
+        /// This rank.
+        rank: usize,
+        /// The first rank that differs.
+        peer: usize,
+        /// What was compared.
+        what: &'static str,
+        /// This rank's fingerprint.
+        mine: u64,
+        /// The peer's.
+        theirs: u64,
+    },
+    /// A call for a mode the buffer was not sized for, or a host layout the
+    /// mode cannot use.
+    #[error("rank {rank}: {what}")]
+    Mode {
+        /// This rank.
+        rank: usize,
+        /// What is wrong.
+        what: String,
+    },
+    /// A handle from another step or another buffer.
+    #[error(
+        "rank {rank}: handle of step {handle_step} used at step {step} (handles are valid for the step that made them)"
+    )]
+    StaleHandle {
+        /// This rank.
+        rank: usize,
+        /// The handle's step.
+        handle_step: u64,
+        /// The buffer's step.
+        step: u64,
+    },
+    /// A call out of order (dispatch twice without receiving, combine before
+    /// dispatch...).
+    #[error("rank {rank}: {call} called while the buffer is {phase}")]
+    Phase {
+        /// This rank.
+        rank: usize,
+        /// The call.
+        call: &'static str,
+        /// Where the step stands.
+        phase: &'static str,
+    },
+    /// A peer sent something the protocol does not allow (a count or token
+    /// index out of range): a bug or corruption at the peer.
+    #[error("rank {rank}: rank {peer} broke the protocol: {what}")]
+    Protocol {
+        /// This rank.
+        rank: usize,
+        /// The peer.
+        peer: usize,
+        /// What it sent.
+        what: String,
+    },
+    /// A bounded wait ran out: the peer named did not deliver in time.
+    #[error(
+        "rank {rank}: timed out after {waited:.1?} waiting for {what} from rank {peer} (signal value {last}, expected at least {expected})"
+    )]
+    Timeout {
+        /// This rank.
+        rank: usize,
+        /// The peer waited for.
+        peer: usize,
+        /// What was awaited.
+        what: String,
+        /// Last value seen.
+        last: u64,
+        /// The value needed.
+        expected: u64,
+        /// How long.
+        waited: Duration,
+    },
+    /// A peer the step needs is gone (died, left, or its link broke).
+    #[error("rank {rank}: rank {peer} is lost while waiting for {what}: {why}")]
+    PeerLost {
+        /// This rank.
+        rank: usize,
+        /// The lost peer.
+        peer: usize,
+        /// What was awaited or sent.
+        what: String,
+        /// The cause as reported by the bootstrap or the backend.
+        why: String,
+    },
+    /// A device-API error (gin-core / gin-device).
+    #[error(transparent)]
+    Gin(#[from] gin_core::GinError),
+    /// A host-API error.
+    #[error(transparent)]
+    Core(#[from] gin_core::CoreError),
+    /// A bootstrap error (configuration agreement).
+    #[error(transparent)]
+    Bootstrap(#[from] gin_bootstrap::BootstrapError),
+}

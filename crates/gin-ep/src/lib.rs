@@ -1,0 +1,59 @@
+//! gin-ep: expert parallelism on gin-rs. MoE dispatch sends each token to
+//! the ranks that hold its top-k experts; combine brings the experts'
+//! outputs back and reduces them with the top-k weights.
+//!
+//! # Design
+//!
+//! - A downstream consumer of gin-core's **public API only**, as DeepEP is of
+//!   NCCL's: a [`Buffer`] owns a device communicator (one exclusive
+//!   context), windows from [`gin_core::Comm::alloc_window`] and signal ids;
+//!   every byte moves by `put`, every notification is a `signal` whose value
+//!   carries a count. Whatever backend and transport the communicator uses
+//!   (direct load/store, proxy, GDAKI; shm, tcp), gin-ep runs on it.
+//! - [`layout::Layout`] is pure: per-rank, per-expert and per-host counts,
+//!   `is_token_in_rank` and the prefix sums that place every token, from
+//!   `topk_idx` alone. Input errors (an expert out of range, too many
+//!   tokens, a shape that does not fit, a configuration or replicated table
+//!   that differs between ranks) are found before anything is sent.
+//! - **Low-latency mode** ([`ll`]): per-(local expert, source) slots sized
+//!   for the maximum, one count-carrying signal per (expert, source), and a
+//!   split into send and receive halves (DeepEP's receive hook).
+//! - **High-throughput mode** ([`ht`]): counts first, then two stages through
+//!   credit-controlled rings (between hosts only to the same local index,
+//!   forwarded within a host).
+//! - **Faults**: every wait is bounded by the job timeout and names the peer;
+//!   an active-rank mask lets survivors finish a step with a lost rank's
+//!   experts masked ([`OnPeerLoss::Mask`]), reported in the output.
+//! - [`oracle`] builds traceable inputs and checks outputs as DeepEP's tests
+//!   do; tests and `gin-bench moe` share it.
+//!
+//! # What it does not know
+//!
+//! Descriptor, WQE and wire formats, transports, and how a backend moves
+//! bytes. CUDA ranks are not built yet: the layout, message format, signal
+//! numbering and protocols are the ones a kernel including `gin/gin.cuh`
+//! would use (a `Buffer` over `gin_core::cuda` windows, with the staging,
+//! put and wait loops as kernels); only the loops in [`ll`] and [`ht`] are
+//! CPU-rank code.
+
+#![warn(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+// Index arithmetic uses the notation of docs/ep.md: r ranks, l local experts,
+// t max tokens per rank, m message bytes, k top-k, h hidden.
+#![allow(clippy::many_single_char_names)]
+
+mod buffer;
+pub mod config;
+mod error;
+pub mod ht;
+pub mod layout;
+pub mod ll;
+pub mod num;
+pub mod oracle;
+
+pub use buffer::{Buffer, Hosts, OnPeerLoss, fingerprint};
+pub use config::{Config, Mode};
+pub use error::EpError;
+pub use ht::HtDispatch;
+pub use ll::{Combined, LlCombinePending, LlDispatch, LlPending};
+pub use num::Bf16;

@@ -1,0 +1,167 @@
+//! gin-ep across rank processes started by the launcher users use, under
+//! every backend and transport: the oracle of DeepEP's tests (exact tokens,
+//! ordered per-source blocks, weights, per-expert counts against the
+//! all-gathered table, combine within calc_diff, 20 bit-identical repeats,
+//! unequal token counts), bad inputs, and a rank killed mid-job.
+
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+use std::time::Duration;
+
+use gin_bootstrap::{LaunchReport, LaunchSpec, Output, launch};
+
+const BIN: &str = env!("CARGO_BIN_EXE_gin-ep-selftest");
+
+/// (name, environment) of each backend and transport.
+const MODES: [(&str, &[(&str, &str)]); 7] = [
+    ("auto (direct load/store)", &[]),
+    ("auto over tcp", &[("GIN_TRANSPORT", "tcp")]),
+    ("proxy over shm", &[("GIN_BACKEND", "proxy")]),
+    (
+        "proxy over tcp",
+        &[("GIN_BACKEND", "proxy"), ("GIN_TRANSPORT", "tcp")],
+    ),
+    ("gdaki (soft-mlx5) over shm", &[("GIN_BACKEND", "gdaki")]),
+    (
+        "gdaki (soft-mlx5) over tcp",
+        &[("GIN_BACKEND", "gdaki"), ("GIN_TRANSPORT", "tcp")],
+    ),
+    (
+        "gdaki with batched doorbells",
+        &[("GIN_BACKEND", "gdaki"), ("GIN_GDAKI_BATCH", "8")],
+    ),
+];
+
+fn run(n: usize, args: &[&str], env: &[(&str, &str)]) -> LaunchReport {
+    let mut spec = LaunchSpec::new(n, BIN, args.iter().copied()).env("GIN_TIMEOUT", "30");
+    for (k, v) in env {
+        spec = spec.env(k, v);
+    }
+    spec.output = Output::Capture;
+    spec.grace = Duration::from_secs(20);
+    spec.limit = Some(Duration::from_secs(120));
+    launch(&spec).unwrap()
+}
+
+fn assert_ok(report: &LaunchReport, what: &str) {
+    for r in &report.ranks {
+        assert!(
+            r.success() && r.stdout.contains(" ok in "),
+            "{what}, rank {}: {:?}\n{}{}",
+            r.rank,
+            r.status,
+            r.stdout,
+            r.stderr
+        );
+    }
+}
+
+#[test]
+fn low_latency_passes_the_oracle_on_every_backend_and_transport() {
+    for (name, env) in MODES {
+        for n in [2, 3, 5] {
+            let report = run(n, &["ll", "repeats=20"], env);
+            assert_ok(&report, &format!("ll, {name}, {n} ranks"));
+        }
+    }
+}
+
+#[test]
+fn low_latency_passes_the_oracle_with_8_and_16_ranks() {
+    let report = run(8, &["ll", "tokens=16"], &[]);
+    assert_ok(&report, "ll, 8 ranks");
+    let small = ["ll", "tokens=8", "hidden=128", "experts=2", "repeats=5"];
+    assert_ok(&run(16, &small, &[]), "ll, 16 ranks");
+    assert_ok(
+        &run(16, &small, &[("GIN_BACKEND", "proxy")]),
+        "ll, 16 ranks, proxy",
+    );
+}
+
+#[test]
+fn low_latency_fp8_stays_within_deepeps_tolerance() {
+    for (name, env) in [MODES[0], MODES[3], MODES[4]] {
+        let report = run(4, &["ll", "fp8=1", "repeats=5"], env);
+        assert_ok(&report, &format!("ll fp8, {name}"));
+    }
+}
+
+#[test]
+fn bad_inputs_are_refused_before_anything_is_sent() {
+    for (name, env) in [MODES[0], MODES[3], MODES[5]] {
+        let report = run(3, &["bad"], env);
+        assert_ok(&report, &format!("bad inputs, {name}"));
+    }
+    let report = run_hosts(4, 2, "bad ht=1", &[]);
+    assert_ok(&report, "bad inputs, high-throughput, 2 hosts");
+}
+
+/// A rank dies after a step; the survivors finish the next step with its
+/// experts masked, report it, and keep going with the mask.
+#[test]
+fn survivors_finish_the_step_with_a_dead_ranks_experts_masked() {
+    for (name, env) in [MODES[0], MODES[2]] {
+        let report = run(4, &["kill", "victim=2"], env);
+        for r in &report.ranks {
+            if r.rank == 2 {
+                assert!(!r.success(), "{name}: the victim lived: {}", r.stdout);
+                continue;
+            }
+            assert!(
+                r.success() && r.stdout.contains("kill ok in"),
+                "{name}, rank {}: {:?}\n{}{}",
+                r.rank,
+                r.status,
+                r.stdout,
+                r.stderr
+            );
+        }
+    }
+}
+
+/// Runs `args` on `n` ranks split into hosts of `per` ranks by identity
+/// (`GIN_HOSTID`): the auto backend crosses hosts over tcp and uses
+/// load/store within one, as on two real hosts.
+fn run_hosts(n: usize, per: usize, args: &str, env: &[(&str, &str)]) -> LaunchReport {
+    let script = format!("GIN_HOSTID=host$((GIN_RANK / {per})) exec {BIN} {args}");
+    let mut spec = LaunchSpec::new(n, "sh", ["-c", script.as_str()]).env("GIN_TIMEOUT", "30");
+    for (k, v) in env {
+        spec = spec.env(k, v);
+    }
+    spec.output = Output::Capture;
+    spec.grace = Duration::from_secs(20);
+    spec.limit = Some(Duration::from_secs(120));
+    launch(&spec).unwrap()
+}
+
+#[test]
+fn high_throughput_passes_the_oracle_on_two_emulated_hosts() {
+    for (name, env) in MODES {
+        let report = run_hosts(4, 2, "ht", env);
+        assert_ok(&report, &format!("ht, 2 hosts of 2, {name}"));
+        if env.is_empty() {
+            assert!(
+                report.ranks[0]
+                    .stdout
+                    .contains(r#"paths ["local", "shm", "tcp", "tcp"]"#),
+                "{}",
+                report.ranks[0].stdout
+            );
+        }
+    }
+}
+
+#[test]
+fn high_throughput_rings_smaller_than_a_step_wrap_under_credits() {
+    // 2 slots per ring: every step wraps each ring many times.
+    for (name, env) in [MODES[0], MODES[3], MODES[5]] {
+        let report = run_hosts(4, 2, "ht ring=2 tokens=40", env);
+        assert_ok(&report, &format!("ht ring=2, {name}"));
+    }
+    let report = run_hosts(6, 3, "ht ring=3 fp8=1 repeats=5", &[]);
+    assert_ok(&report, "ht, 2 hosts of 3, fp8");
+    let report = run_hosts(8, 4, "ht repeats=5", &[]);
+    assert_ok(&report, "ht, 2 hosts of 4");
+    let report = run_hosts(16, 8, "ht tokens=8 experts=2 hidden=128 repeats=3", &[]);
+    assert_ok(&report, "ht, 2 hosts of 8");
+}

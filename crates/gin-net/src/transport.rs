@@ -1,0 +1,394 @@
+//! The transport seam: what a transport does for the peers it reaches, and
+//! the one place transports are registered and chosen.
+//!
+//! A transport moves bytes and performs atomics on one peer's memory:
+//! put with an optional ordered signal, get, fetch-add, compare-swap, and
+//! fence, confirm and health for what it sent. The [`crate::Fabric`]
+//! checks every operation against its window directory first (the peer
+//! exists, the range fits the peer's part) and then calls the peer's
+//! transport with a [`Target`]: the window's description and offset, from
+//! which the transport takes what it addresses by (a mapping here, or the
+//! key the owner serves the part under), or a bare region key.
+//!
+//! # Adding a transport
+//!
+//! One module that implements [`Transport`] and exports a [`Registration`],
+//! and one line in [`REGISTRY`]. [`select`] then offers it by name through
+//! `GIN_TRANSPORT`, and `auto` uses the first registered transport of each
+//! [`Scope`] (within a host, across hosts). Transports that need set-up
+//! with their peers (addresses, connections) do it in their registration's
+//! `start`, which every rank calls collectively when any rank of the job
+//! chose the transport for some pair.
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use gin_bootstrap::Bootstrap;
+
+use crate::NetError;
+use crate::region::RegionTable;
+use crate::window::{Addr, KeepAlive, MemDesc, Memory};
+
+/// How a transport addresses a peer's memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reach {
+    /// Through a mapping of the peer's part in this process (shared memory,
+    /// or this rank itself): operations are loads and stores here, and the
+    /// peer's parts must be mapped (window registration does that).
+    Mapped,
+    /// Through requests the peer's side executes, naming the part by the
+    /// key the owner serves it under (tcp; RDMA transports later).
+    Keyed,
+}
+
+/// What an operation addresses at a peer.
+#[derive(Debug, Clone, Copy)]
+pub enum Target<'a> {
+    /// `(window, offset)` with the window's description, checked by the
+    /// fabric against the peer's size.
+    Window(&'a MemDesc, Addr),
+    /// A region the peer serves under `key`, at `offset` (keyed transports
+    /// only; the peer's side checks bounds and rights).
+    Key {
+        /// The region key.
+        key: u32,
+        /// Offset in the region.
+        offset: u64,
+    },
+}
+
+impl Target<'_> {
+    /// The key and offset a keyed transport sends for this target at
+    /// `peer`; refuses a window part the peer does not serve.
+    pub fn key_at(&self, peer: usize, transport: &'static str) -> Result<(u32, u64), NetError> {
+        match *self {
+            Self::Window(d, a) => match d.key_of(peer) {
+                0 => Err(NetError::NotServed {
+                    peer,
+                    window: a.window,
+                    transport,
+                }),
+                k => Ok((k, a.offset)),
+            },
+            Self::Key { key, offset } => Ok((key, offset)),
+        }
+    }
+
+    /// Checks that `len` bytes at a window target fit `peer`'s part (a bare
+    /// key's range is the peer's to check).
+    pub fn check_range(&self, peer: usize, len: u64) -> Result<(), NetError> {
+        if let Self::Window(d, a) = *self {
+            let size = d.size_of(peer);
+            if a.offset.checked_add(len).is_none_or(|e| e > size) {
+                return Err(NetError::OutOfBounds {
+                    peer,
+                    window: a.window,
+                    offset: a.offset,
+                    len,
+                    size,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks that an 8-byte word at a window target is aligned at its
+    /// owner (by the owner's address of its part, where known): keyed
+    /// transports refuse a misaligned atomic or signal here rather than
+    /// have the target refuse it and fail the path.
+    pub fn check_aligned(&self, peer: usize, what: &'static str) -> Result<(), NetError> {
+        if let Self::Window(d, a) = *self {
+            let base = d.addrs.get(peer).copied().unwrap_or(0);
+            if !base.wrapping_add(a.offset).is_multiple_of(8) {
+                return Err(NetError::Misaligned {
+                    peer,
+                    window: a.window,
+                    offset: a.offset,
+                    what,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The window's description and address, for transports that reach
+    /// memory through mappings; a bare key is not something they offer.
+    pub fn window(&self, transport: &'static str) -> Result<(&MemDesc, Addr), NetError> {
+        match *self {
+            Self::Window(d, a) => Ok((d, a)),
+            Self::Key { .. } => Err(NetError::Unsupported {
+                transport,
+                op: "operations on bare region keys",
+            }),
+        }
+    }
+
+    /// Host memory the host may load and store, or the error that says it
+    /// is GPU memory.
+    pub fn host(&self, peer: usize, transport: &'static str) -> Result<(), NetError> {
+        match *self {
+            Self::Window(d, a) if d.memory == Memory::Device => Err(NetError::DeviceMemory {
+                peer,
+                window: a.window,
+                transport,
+            }),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// A remote atomic on an aligned 8-byte word.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AtomicOp {
+    /// Adds the amount; returns the old value.
+    FetchAdd(u64),
+    /// Stores `desired` where the word is `expected`; returns the old value.
+    CompareSwap {
+        /// The value to compare with.
+        expected: u64,
+        /// The value stored when they are equal.
+        desired: u64,
+    },
+}
+
+/// A check of the job as a whole that a transport's blocked sends ask
+/// periodically (a rank died, the root was lost): an error ends the send
+/// with that cause. It must not block.
+pub type Alive = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
+
+/// What a transport does for the peers it reaches. One instance serves
+/// every peer the job chose it for; `peer` is always a rank of the job.
+///
+/// Completion: a put is complete locally on return (its source may be
+/// reused); [`Transport::confirm`] says the target executed it. A signal
+/// carried by a put is applied after the put's data, never when the data
+/// was refused. Errors name the peer; refusals by the target are
+/// [`NetError::Refused`] and leave the path to that peer in its error
+/// state, as an RDMA QP.
+pub trait Transport: Send + Sync + std::fmt::Debug + std::any::Any {
+    /// The name used by `GIN_TRANSPORT`, paths, logs and errors.
+    fn name(&self) -> &'static str;
+
+    /// How it addresses a peer's memory.
+    fn reach(&self) -> Reach;
+
+    /// Writes `src` to `dst` at `peer`, then, if `sig` is given, adds its
+    /// amount to the 8-byte word it names with release ordering: whoever
+    /// sees the new value sees the data.
+    fn put(
+        &self,
+        peer: usize,
+        dst: Target<'_>,
+        src: &[u8],
+        sig: Option<(Target<'_>, u64)>,
+    ) -> Result<(), NetError>;
+
+    /// Starts a read of `len` bytes at `src` on `peer` into `dst`: `done`
+    /// is decremented when the data has landed or the read failed (the
+    /// caller incremented it first); `keep` is held until then.
+    ///
+    /// # Safety
+    /// `dst` must be valid for writes of `len` bytes until `done` drops,
+    /// or, if the caller may stop waiting before that, for as long as
+    /// `keep` lives.
+    unsafe fn get(
+        &self,
+        peer: usize,
+        src: Target<'_>,
+        dst: *mut u8,
+        len: u64,
+        done: &Arc<AtomicU64>,
+        keep: Option<KeepAlive>,
+    ) -> Result<(), NetError>;
+
+    /// Reads `out.len()` bytes at `src` on `peer` into `out` and returns
+    /// once they have landed, or with an error (at the latest after
+    /// `timeout`). Nothing writes `out` after it returns.
+    fn read(
+        &self,
+        peer: usize,
+        src: Target<'_>,
+        out: &mut [u8],
+        timeout: Duration,
+    ) -> Result<(), NetError>;
+
+    /// An atomic on the aligned 8-byte word at `at` on `peer`; returns the
+    /// old value.
+    fn atomic(
+        &self,
+        peer: usize,
+        at: Target<'_>,
+        op: AtomicOp,
+        timeout: Duration,
+    ) -> Result<u64, NetError>;
+
+    /// Returns once every earlier request to `peer` was executed there.
+    fn fence(&self, peer: usize, timeout: Duration) -> Result<(), NetError>;
+
+    /// Returns once every put to `peer` so far was executed there, or with
+    /// the first refusal of any of them; cheap when nothing was put since
+    /// the last confirmation.
+    fn confirm(&self, peer: usize, timeout: Duration) -> Result<(), NetError>;
+
+    /// The first error the path to `peer` saw, if any (sticky).
+    fn health(&self, peer: usize) -> Result<(), NetError>;
+
+    /// Hands the transport the job-health check its blocked operations
+    /// should consult (set once; later calls may be ignored).
+    fn watch(&self, alive: Alive) {
+        let _ = alive;
+    }
+}
+
+/// What a transport's start needs from the job.
+#[derive(Debug)]
+pub struct Setup<'a> {
+    /// The job's bootstrap (address exchange, barriers).
+    pub bootstrap: &'a Bootstrap,
+    /// The regions this rank serves.
+    pub table: Arc<RegionTable>,
+    /// The job's timeout.
+    pub timeout: Duration,
+}
+
+/// Which peers a transport can reach.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    /// Only ranks of this host.
+    Host,
+    /// Ranks on any host.
+    Any,
+}
+
+/// Starts a transport for the peers marked in the slice (collective: every
+/// rank calls it once any rank chose the transport).
+pub type StartFn = fn(&Setup<'_>, &[bool]) -> Result<Arc<dyn Transport>, NetError>;
+
+/// A transport the fabric can choose.
+#[derive(Debug)]
+pub struct Registration {
+    /// Its name (`GIN_TRANSPORT`).
+    pub name: &'static str,
+    /// Which peers it can reach.
+    pub scope: Scope,
+    /// How it is started for a job.
+    pub start: StartFn,
+}
+
+/// Every transport, in order of preference for `auto`.
+pub static REGISTRY: &[Registration] = &[crate::shm::REGISTRATION, crate::tcp::REGISTRATION];
+
+/// The registered transports' names, in order.
+pub fn names() -> Vec<&'static str> {
+    REGISTRY.iter().map(|r| r.name).collect()
+}
+
+/// The registered transport called `name`.
+pub fn find(name: &str) -> Result<&'static Registration, NetError> {
+    REGISTRY
+        .iter()
+        .find(|r| r.name == name)
+        .ok_or_else(|| NetError::UnknownTransport {
+            name: name.into(),
+            available: std::iter::once("auto")
+                .chain(names())
+                .collect::<Vec<_>>()
+                .join(", "),
+        })
+}
+
+/// The transport `rank` uses for each peer (`None`: the rank itself, which
+/// reaches its own memory directly), from the ranks' host indices (equal:
+/// same host) and the transport asked for (`None`: auto, the first
+/// host-scope transport within a host and the first any-scope one across
+/// hosts). Pure: every rank computes every rank's choice alike.
+pub fn select(
+    rank: usize,
+    hosts: &[usize],
+    wanted: Option<&str>,
+) -> Result<Vec<Option<&'static Registration>>, NetError> {
+    let here = hosts.get(rank).copied();
+    let same = |p: usize| hosts.get(p).copied() == here;
+    let pick = |scope: Scope| REGISTRY.iter().find(|r| r.scope == scope);
+    let (within, across) = match wanted {
+        None => (pick(Scope::Host), pick(Scope::Any)),
+        Some(name) => {
+            let r = find(name)?;
+            if r.scope == Scope::Host {
+                let others: Vec<usize> = (0..hosts.len()).filter(|&p| !same(p)).collect();
+                if !others.is_empty() {
+                    return Err(NetError::HostOnly {
+                        transport: r.name,
+                        others,
+                    });
+                }
+            }
+            (Some(r), Some(r))
+        }
+    };
+    (0..hosts.len())
+        .map(|p| {
+            if p == rank {
+                return Ok(None);
+            }
+            let r = if same(p) { within.or(across) } else { across };
+            r.map(Some).ok_or_else(|| NetError::UnknownTransport {
+                name: "any transport across hosts".into(),
+                available: names().join(", "),
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+    use super::*;
+
+    fn chosen(rank: usize, hosts: &[usize], wanted: Option<&str>) -> Vec<&'static str> {
+        select(rank, hosts, wanted)
+            .unwrap()
+            .into_iter()
+            .map(|r| r.map_or("local", |r| r.name))
+            .collect()
+    }
+
+    #[test]
+    fn auto_takes_shm_within_a_host_and_tcp_across() {
+        let hosts = [0, 0, 1, 1];
+        assert_eq!(chosen(0, &hosts, None), ["local", "shm", "tcp", "tcp"]);
+        assert_eq!(chosen(3, &hosts, None), ["tcp", "tcp", "shm", "local"]);
+        assert_eq!(chosen(1, &[0, 0], None), ["shm", "local"]);
+    }
+
+    #[test]
+    fn a_named_transport_reaches_every_peer_or_says_why_not() {
+        assert_eq!(chosen(0, &[0, 0], Some("tcp")), ["local", "tcp"]);
+        assert_eq!(chosen(1, &[0, 0, 0], Some("shm")), ["shm", "local", "shm"]);
+        let e = select(0, &[0, 1, 0, 2], Some("shm")).unwrap_err();
+        assert!(
+            matches!(&e, NetError::HostOnly { transport: "shm", others } if others == &[1, 3]),
+            "{e}"
+        );
+        assert!(e.to_string().contains("shm reaches only this host"), "{e}");
+        let e = select(0, &[0, 0], Some("infiniband"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("infiniband") && e.contains("auto, shm, tcp"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn every_registered_name_is_unique() {
+        let n = names();
+        let mut d = n.clone();
+        d.sort_unstable();
+        d.dedup();
+        assert_eq!(n.len(), d.len());
+        assert!(n.iter().all(|x| find(x).is_ok()));
+    }
+}

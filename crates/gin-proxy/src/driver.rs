@@ -1,0 +1,303 @@
+//! The one thread that runs an [`Engine`], for CPU ranks now and CUDA
+//! ranks later: start, stop (after draining what is queued), the first
+//! error, and the idle policy (spin, then yield, then sleep until a
+//! producer wakes it).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use gin_net::idle::{Sleeper, join_within};
+
+use crate::engine::Engine;
+use crate::error::{FirstError, ProxyError};
+use crate::executor::Executor;
+
+/// How an idle driver waits for work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IdlePolicy {
+    /// Empty polls spent spinning before yielding.
+    pub spins: u32,
+    /// How long an idle driver keeps polling (yielding between polls)
+    /// before it sleeps. While a get is in flight it never sleeps.
+    pub yield_for: Duration,
+    /// The longest sleep; a producer's [`Driver::wake`] ends it sooner.
+    pub sleep: Duration,
+}
+
+impl IdlePolicy {
+    /// CPU ranks: spin briefly, yield for `spin`, then sleep until a
+    /// producer wakes the thread (or 2 ms pass). Yielding keeps the proxy
+    /// responsive without starving ranks that share its core; a parked
+    /// proxy costs a wake-up (µs).
+    pub fn cpu(spin: Duration) -> Self {
+        Self {
+            spins: 64,
+            yield_for: spin,
+            sleep: Duration::from_millis(2),
+        }
+    }
+
+    /// CUDA ranks: a kernel cannot wake a thread, and a GPU rank owns its
+    /// CPU cores, so poll for at least 5 ms (a kernel in a ping-pong posts
+    /// again within microseconds), then look every 50 µs.
+    pub fn gpu(spin: Duration) -> Self {
+        Self {
+            spins: 64,
+            yield_for: spin.max(Duration::from_millis(5)),
+            sleep: Duration::from_micros(50),
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Control {
+    stop: AtomicBool,
+    sleeper: Sleeper,
+    executed: AtomicU64,
+}
+
+/// A thread stepping an engine (see the module documentation). Dropping it
+/// stops the thread, as [`Driver::stop`] does.
+#[derive(Debug)]
+pub struct Driver {
+    control: Arc<Control>,
+    error: Arc<FirstError>,
+    thread: Option<JoinHandle<()>>,
+    join_limit: Duration,
+    name: String,
+}
+
+impl Driver {
+    /// Starts a thread named `name` that steps `engine` with `exec` (owned
+    /// by the thread) until stopped, recording the first error in `error`
+    /// (which producers share). Stopping waits for the thread at most
+    /// `join_limit`: every blocking call of an executor honours the job's
+    /// timeout, so a thread still busy after it is abandoned, not waited
+    /// for forever.
+    pub fn start<E>(
+        name: String,
+        rank: usize,
+        (engine, exec): (Engine<E>, E),
+        idle: IdlePolicy,
+        error: Arc<FirstError>,
+        join_limit: Duration,
+    ) -> std::io::Result<Self>
+    where
+        E: Executor + Send + 'static,
+        E::InFlight: Send,
+    {
+        let control = Arc::new(Control::default());
+        let (c, e) = (control.clone(), error.clone());
+        let thread = thread::Builder::new()
+            .name(name.clone())
+            .spawn(move || run(&c, &e, rank, engine, exec, idle))?;
+        control.sleeper.set_thread(thread.thread().clone());
+        Ok(Self {
+            control,
+            error,
+            thread: Some(thread),
+            join_limit,
+            name,
+        })
+    }
+
+    /// Wakes the thread if it sleeps (a producer, after publishing work:
+    /// no descriptor is left unseen, see [`Sleeper`]).
+    pub fn wake(&self) {
+        self.control.sleeper.wake();
+    }
+
+    /// Descriptors executed so far.
+    pub fn executed(&self) -> u64 {
+        self.control.executed.load(Ordering::Relaxed)
+    }
+
+    /// The first error, if any.
+    pub fn error(&self) -> Option<&ProxyError> {
+        self.error.get()
+    }
+
+    /// Stops the thread, after it has executed what is already queued
+    /// (a kernel may end right after pushing a signal that a peer waits
+    /// for), and returns the first error.
+    pub fn stop(mut self) -> Result<(), ProxyError> {
+        self.halt();
+        self.error.get().map_or(Ok(()), |e| Err(e.clone()))
+    }
+
+    fn halt(&mut self) {
+        self.control.stop.store(true, Ordering::Release);
+        self.control.sleeper.unpark();
+        if let Some(h) = self.thread.take() {
+            join_within(h, self.join_limit, &self.name);
+        }
+    }
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        self.halt();
+    }
+}
+
+fn run<E: Executor>(
+    c: &Control,
+    error: &FirstError,
+    rank: usize,
+    mut engine: Engine<E>,
+    mut exec: E,
+    idle: IdlePolicy,
+) {
+    if let Err(why) = exec.enter() {
+        error.record(ProxyError::Executor {
+            rank,
+            what: "start",
+            why,
+        });
+    }
+    let mut polls = 0u32;
+    let mut idle_since: Option<Instant> = None;
+    loop {
+        let stopping = c.stop.load(Ordering::Acquire);
+        if error.get().is_some() {
+            // Fail-stop: whoever failed first (this engine, a producer, a
+            // waiter's confirmation), nothing more is executed.
+            if stopping {
+                break;
+            }
+            c.sleeper
+                .sleep(idle.sleep, || c.stop.load(Ordering::Acquire));
+            continue;
+        }
+        let p = engine.step(&mut exec);
+        if let Some(e) = engine.failure() {
+            error.record(e.clone());
+            continue;
+        }
+        if p.did_work() {
+            c.executed.fetch_add(p.executed, Ordering::Relaxed);
+            polls = 0;
+            idle_since = None;
+            continue;
+        }
+        // Asked to stop, the driver has drained what was queued.
+        if stopping {
+            break;
+        }
+        polls = polls.saturating_add(1);
+        let since = *idle_since.get_or_insert_with(Instant::now);
+        if polls < idle.spins {
+            std::hint::spin_loop();
+        } else if engine.in_flight() > 0 || since.elapsed() < idle.yield_for {
+            thread::yield_now();
+        } else {
+            c.sleeper.sleep(idle.sleep, || engine.has_work());
+        }
+    }
+    if let Err(why) = exec.quiesce() {
+        error.record(ProxyError::Executor {
+            rank,
+            what: "finish its queued work",
+            why,
+        });
+    }
+    let s = engine.stats();
+    tracing::debug!(
+        rank,
+        descriptors = s.descriptors,
+        batches = s.batches,
+        pending_polls = s.pending_polls,
+        landed = s.landed,
+        "proxy driver stopped"
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+    use super::*;
+    use crate::descriptor::{Desc, Op};
+    use crate::engine::{EngineConfig, RingSpec};
+    use crate::ring::{Ring, RingMem};
+    use crate::testing::Fake;
+
+    fn started(ring: &Arc<Ring>) -> Driver {
+        let mut fake = Fake::new(0, 1);
+        fake.add_window(1, &[64, 64]);
+        fake.attach(0, ring.clone());
+        let spec = RingSpec {
+            ctx: 0,
+            peer: 1,
+            mem: RingMem::owned(ring.clone()),
+            first: 0,
+        };
+        let config = EngineConfig {
+            rank: 0,
+            batch: 4,
+            counter_slots: 1,
+        };
+        Driver::start(
+            "gin-proxy-test".into(),
+            0,
+            (Engine::new(config, vec![spec]), fake),
+            IdlePolicy::cpu(Duration::from_micros(100)),
+            Arc::default(),
+            Duration::from_secs(10),
+        )
+        .unwrap()
+    }
+
+    fn put(i: u64) -> Desc {
+        Desc {
+            op: Op::Put,
+            bytes: 8,
+            dst_window: 1,
+            dst_offset: (i % 8) * 8,
+            src_window: 1,
+            src_offset: 0,
+            inline: None,
+            signal: None,
+            counter: None,
+        }
+    }
+
+    /// Everything written before the stop is executed before the thread
+    /// ends (a kernel may end right after pushing the signal a peer waits
+    /// for).
+    #[test]
+    fn stopping_drains_what_is_queued() {
+        let ring = Arc::new(Ring::new(5));
+        let driver = started(&ring);
+        for i in 0..20 {
+            let seq = ring.reserve();
+            ring.write(seq, &put(i));
+        }
+        driver.stop().unwrap();
+        assert_eq!(ring.tail(), 20);
+    }
+
+    #[test]
+    fn stop_reports_the_first_error() {
+        let ring = Arc::new(Ring::new(5));
+        let driver = started(&ring);
+        for i in 0..3 {
+            let seq = ring.reserve();
+            ring.write(seq, &put(i));
+        }
+        let seq = ring.reserve();
+        ring.write(
+            seq,
+            &Desc {
+                dst_window: 9,
+                ..put(0)
+            },
+        );
+        let e = driver.stop().unwrap_err();
+        assert_eq!(e.seq(), Some(3));
+        assert!(e.to_string().contains("window 9 is not registered"), "{e}");
+        assert_eq!(ring.tail(), 3);
+    }
+}
