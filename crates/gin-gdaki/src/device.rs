@@ -24,9 +24,10 @@ use crate::nic::{
     SoftNic, SqView, Waker,
 };
 use crate::qp::Qp;
-use crate::queue::{Sharing, has_space, reached};
+use crate::queue::{Sharing, has_space, reached, wire_index};
 use crate::wqe::{
-    CQ_UPDATE, FM_NONE, FM_STRONG_ORDERING, MAX_INLINE, MAX_TRANSFER, MemRef, Op, encode,
+    BuildError, CQ_UPDATE, FM_NONE, FM_STRONG_ORDERING, MAX_INLINE, MAX_TRANSFER, MemRef, Op,
+    encode,
 };
 
 /// Settings of a GDAKI backend instance.
@@ -319,11 +320,11 @@ impl Gdaki {
         self.credit(ctx, peer, qp, start, k, t0)?;
         let failure = self.fill(qp, start, ops)?;
         self.post(ctx, peer, qp, start, start + k, t0)?;
-        if let Some(why) = failure {
+        if let Some(e) = failure {
             return Err(GinError::Unsupported {
                 rank: self.rank,
                 what: "work request",
-                why,
+                why: e.to_string(),
             });
         }
         Ok(start + k - 1)
@@ -373,20 +374,20 @@ impl Gdaki {
     /// free: every one is filled (NOPs after a WQE that cannot be built),
     /// so the turn to post can always move past them. Returns why a WQE
     /// could not be built, if one could not.
-    fn fill(&self, qp: &Qp, start: u64, ops: &[(Op, u8)]) -> Result<Option<String>, GinError> {
+    fn fill(&self, qp: &Qp, start: u64, ops: &[(Op, u8)]) -> Result<Option<BuildError>, GinError> {
         let mut failure = None;
         for (i, (op, flags)) in ops.iter().enumerate() {
             let idx = start + i as u64;
             let built = if failure.is_none() {
-                encode(op, idx as u16, qp.qpn, *flags | CQ_UPDATE)
-                    .map_err(|e| failure = Some(e.to_string()))
+                encode(op, wire_index(idx), qp.qpn, *flags | CQ_UPDATE)
+                    .map_err(|e| failure = Some(e))
                     .ok()
             } else {
                 None
             };
             let bytes = match built {
                 Some(b) => b,
-                None => encode(&Op::Nop, idx as u16, qp.qpn, CQ_UPDATE).map_err(|e| {
+                None => encode(&Op::Nop, wire_index(idx), qp.qpn, CQ_UPDATE).map_err(|e| {
                     GinError::Unsupported {
                         rank: self.rank,
                         what: "work request",
@@ -471,7 +472,7 @@ impl Gdaki {
         let last = self.submit(ctx, peer, qp, ops)?;
         if let Some(bump) = bump {
             let wait = Op::Wait {
-                max_index: u32::from(last as u16),
+                max_index: u32::from(wire_index(last)),
                 cqn: qp.cq.cqn,
             };
             self.submit(ctx, peer, cq, &[(wait, FM_NONE), (bump, FM_NONE)])?;
@@ -952,7 +953,7 @@ mod tests {
             )
             .unwrap();
         let wait = Op::Wait {
-            max_index: u32::from(last as u16),
+            max_index: u32::from(wire_index(last)),
             cqn: r.g.main_qp(0, 0).cq.cqn,
         };
         r.g.submit(0, 0, r.g.companion_qp(0, 0), &[(wait, FM_NONE)])

@@ -14,7 +14,9 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use crate::completion::{CQE_BYTES, Cqe, FRESH_OP_OWN, is_valid};
-use crate::queue::{BadProducerIndex, Sharing, SqIndices, producer_index, slot, unwrap_counter};
+use crate::queue::{
+    BadProducerIndex, Sharing, SqIndices, producer_index, slot, unwrap_counter, wire_index,
+};
 use crate::wqe::{BB, doorbell};
 
 /// Qwords in a basic block or a CQE.
@@ -206,9 +208,9 @@ impl Qp {
     /// release, then doorbell). Only the producer whose turn it is calls
     /// it ([`Qp::try_post`]), so the record never moves backwards.
     pub fn ring(&self, pi: u64) {
-        self.dbrec[1].store(u32::from(pi as u16).to_be(), Ordering::Release);
+        self.dbrec[1].store(u32::from(wire_index(pi)).to_be(), Ordering::Release);
         self.doorbell
-            .store(doorbell(pi as u16, self.qpn), Ordering::Release);
+            .store(doorbell(wire_index(pi), self.qpn), Ordering::Release);
         self.idx.mark_posted(pi);
     }
 
@@ -243,11 +245,11 @@ impl Qp {
     pub fn ring_held(&self) -> bool {
         let rec = self.dbrec[1].load(Ordering::Acquire);
         let ready = self.idx.ready.load(Ordering::Acquire);
-        let ahead = (ready as u16).wrapping_sub(u32::from_be(rec) as u16);
+        let ahead = wire_index(ready).wrapping_sub(u32::from_be(rec) as u16);
         if ahead == 0 || u64::from(ahead) > self.size() {
             return false;
         }
-        let new = u32::from(ready as u16).to_be();
+        let new = u32::from(wire_index(ready)).to_be();
         if self.dbrec[1]
             .compare_exchange(rec, new, Ordering::AcqRel, Ordering::Acquire)
             .is_err()
@@ -255,7 +257,7 @@ impl Qp {
             return false;
         }
         self.doorbell
-            .store(doorbell(ready as u16, self.qpn), Ordering::Release);
+            .store(doorbell(wire_index(ready), self.qpn), Ordering::Release);
         self.idx.mark_posted(ready);
         true
     }

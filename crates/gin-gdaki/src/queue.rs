@@ -32,7 +32,7 @@ pub enum Sharing {
 }
 
 /// Where WQE `idx` sits in a queue of `mask + 1` basic blocks.
-pub fn slot(idx: u64, mask: u64) -> usize {
+pub(crate) fn slot(idx: u64, mask: u64) -> usize {
     (idx & mask) as usize
 }
 
@@ -43,7 +43,7 @@ pub fn has_space(start: u64, n: u64, done: u64, size: u64) -> bool {
 }
 
 /// The 16-bit WQE index the control segment and CQEs carry.
-pub fn wire_index(idx: u64) -> u16 {
+pub(crate) fn wire_index(idx: u64) -> u16 {
     idx as u16
 }
 

@@ -12,7 +12,7 @@ use super::fault::{Cause, FaultLog, QpFault};
 use super::mem::SqView;
 use crate::completion::{CQE_BYTES, CQE_REQ, CQE_REQ_ERR, Cqe, syndrome};
 use crate::ids::MAX_QPN;
-use crate::queue::producer_index;
+use crate::queue::{producer_index, wire_index};
 use crate::wqe::{BB, CQ_UPDATE};
 
 /// How a queue reports completions.
@@ -483,7 +483,7 @@ impl<C> Engine<C> {
     ) -> Result<(), EngineError> {
         let cqe = Cqe {
             opcode: CQE_REQ,
-            wqe_counter: idx as u16,
+            wqe_counter: wire_index(idx),
             qpn: self.queues[i].spec.qpn,
             send_opcode,
             byte_cnt,
@@ -578,7 +578,7 @@ fn store(bytes: &[u8; CQE_BYTES], q: usize) -> CqStore {
 fn error_cqe(idx: u64, qpn: u32, send_opcode: u8, syn: u8) -> Cqe {
     Cqe {
         opcode: CQE_REQ_ERR,
-        wqe_counter: idx as u16,
+        wqe_counter: wire_index(idx),
         qpn,
         send_opcode,
         byte_cnt: 0,

@@ -7,7 +7,7 @@ use super::exec::{Atomics, Channel, Executor, Loc, Payload, ReadStatus, Region, 
 use super::fault::{Access, Cause};
 use crate::completion::syndrome;
 use crate::ids::{COUNTER_KEY, SINK_KEY, window_of_key};
-use crate::queue::unwrap_counter;
+use crate::queue::{unwrap_counter, wire_index};
 use crate::wqe::{BB, MemRef, Op, decode};
 
 impl<C> Engine<C> {
@@ -25,7 +25,7 @@ impl<C> Engine<C> {
             let s = &self.queues[i].spec;
             (s.qpn, s.peer, s.channel)
         };
-        if w.index != idx as u16 {
+        if w.index != wire_index(idx) {
             let cause = Cause::WrongIndex {
                 index: idx,
                 carried: w.index,
