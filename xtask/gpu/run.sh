@@ -86,6 +86,9 @@ for backend in auto proxy gdaki; do
   step "badinput-$backend" env GIN_BACKEND=$backend GIN_TIMEOUT=2s "$st" badinput --ranks 2
   expect_die "die-$backend" env GIN_BACKEND=$backend GIN_TIMEOUT=60s "$st" die 1 --ranks 2
 done
+# The shallowest queues each backend accepts: credit and wraparound all the time.
+step "selftest-proxy-depth2" env GIN_BACKEND=proxy GIN_SELFTEST_QUEUE_DEPTH=2 "$st" all --ranks 2
+step "selftest-gdaki-depth4" env GIN_BACKEND=gdaki GIN_SELFTEST_QUEUE_DEPTH=4 "$st" all --ranks 2
 # Peers over TCP: GPU memory staged through host memory (what CUDA ranks on
 # different hosts do). GIN_TRANSPORT=tcp puts every peer on TCP; --hosts 2
 # emulates two hosts, so auto mixes load/store (same host) and the proxy.
@@ -113,5 +116,18 @@ if [ "$suite" = full ]; then
   step "bench-cuda-tcp" env GIN_TRANSPORT=tcp "$here/gin-bench" cuda --tests pingpong,bandwidth --paths proxy,gdaki --sizes 8,1k,64k,1m --blocks 16 --runs 3 --json "$out/cuda-tcp.json"
 else
   step "bench-cuda" "$here/gin-bench" cuda --sizes 8,64k --coops block --iters 500 --runs 3 --blocks 32 --json "$out/cuda.json"
+fi
+# A/B against another build (GIN_AB_BASE=path/to/its/gin-bench), in ABBA
+# order so drift over the run falls on both alike: the round trips and
+# bandwidths the one-engine refactor must not slow down.
+if [ -n "${GIN_AB_BASE:-}" ]; then
+  ab=(cuda --tests pingpong,bandwidth --paths loadstore,proxy,gdaki --sizes 8,64k --coops block
+      --iters 1000 --blocks 16,66 --runs 5)
+  i=0
+  for who in base new new base; do
+    i=$((i + 1))
+    if [ "$who" = base ]; then bin="$GIN_AB_BASE"; else bin="$here/gin-bench"; fi
+    step "ab-$i-$who" "$bin" "${ab[@]}" --json "$out/ab-$i-$who.json"
+  done
 fi
 exit $fail

@@ -277,27 +277,6 @@ fn coop_name(c: Coop) -> &'static str {
     }
 }
 
-/// NVSHMEM 3.4 put-with-signal round trip over NVLink on 2x H200 (µs), as
-/// measured for the issue that asked for this benchmark.
-fn nvshmem_rtt(bytes: u64) -> Option<f64> {
-    match bytes {
-        8 => Some(4.0),
-        1024 => Some(4.4),
-        65536 => Some(7.3),
-        1_048_576 => Some(50.8),
-        _ => None,
-    }
-}
-
-/// Raw CPU-proxied copy plus flag (µs), same measurement campaign.
-fn proxy_peer(bytes: u64) -> Option<f64> {
-    match bytes {
-        8 => Some(7.7),
-        1_048_576 => Some(11.2),
-        _ => None,
-    }
-}
-
 fn summary(v: &[f64]) -> Result<Summary> {
     Summary::of(v).context("no launches were measured")
 }
@@ -393,7 +372,10 @@ pub fn run(a: &CudaArgs) -> Result<()> {
                     bytes,
                     value: summary(&gin)?,
                     floor: Some(summary(&floor)?),
-                    peer: nvshmem_rtt(bytes).map(|v| ("NVSHMEM 3.4".into(), v)),
+                    // Peers (NVSHMEM, NCCL) are measured in the same job by
+                    // the issue that runs them there; no figure from
+                    // another run stands in for them.
+                    peer: None,
                 });
             }
         }
@@ -433,9 +415,7 @@ pub fn run(a: &CudaArgs) -> Result<()> {
                     value: summary(&gin)?,
                     floor,
                     // That peer run crossed NVLink, not TCP.
-                    peer: proxy_peer(bytes)
-                        .filter(|_| !tcp)
-                        .map(|v| ("raw CPU proxy (peer run)".into(), v)),
+                    peer: None,
                 });
             }
         }
@@ -495,8 +475,7 @@ pub fn run(a: &CudaArgs) -> Result<()> {
                             bytes: bw,
                             value: summary(&r)?,
                             floor: None,
-                            peer: (path == CudaPath::LoadStore && bw == 4 << 20 && !sig_each)
-                                .then(|| ("NVSHMEM 3.4 put_bw (GB/s)".into(), 345.0)),
+                            peer: None,
                         });
                     }
                 }

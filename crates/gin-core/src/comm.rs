@@ -17,9 +17,10 @@ use gin_net::{Fabric, KeepAlive, MemDesc, MemParts, Memory, NetError, Reach};
 use gin_proxy::{Proxy, ProxyConfig};
 use tracing::{debug, info};
 
-use crate::config::{BackendKind, Settings, TransportKind};
+use crate::config::{BackendKind, Settings};
 use crate::error::CoreError;
 use crate::liveness::{Liveness, ProcessId};
+use crate::record::{HostRecord, WindowRecord};
 use crate::requirements;
 use crate::space::IdSpace;
 
@@ -241,26 +242,20 @@ impl Comm {
         // Who shares a host: identical host ids.
         // Who shares a host, and each rank's process (named after a timeout
         // when it is found stopped or gone): one exchange.
-        let mut rec = (settings.host_id.len() as u32).to_le_bytes().to_vec();
-        rec.extend_from_slice(settings.host_id.as_bytes());
-        rec.extend_from_slice(&ProcessId::own().encode());
+        let me = ProcessId::own().encode();
+        let rec = HostRecord {
+            host: settings.host_id.as_bytes(),
+            process: &me,
+        }
+        .encode();
         let recs = b.allgather(&rec)?;
         let mut ids = Vec::with_capacity(n);
         let mut procs = Vec::with_capacity(n);
         for (r, rec) in recs.iter().enumerate() {
-            let len = rec
-                .get(..4)
-                .and_then(|l| l.try_into().ok())
-                .map(|l| u32::from_le_bytes(l) as usize);
-            let (Some(id), Some(proc)) = (
-                len.and_then(|l| rec.get(4..4 + l)),
-                len.and_then(|l| rec.get(4 + l..)),
-            ) else {
-                return Err(CoreError::Invalid(format!(
-                    "rank {rank}: rank {r} sent a malformed host record ({} bytes)",
-                    rec.len()
-                )));
-            };
+            let HostRecord {
+                host: id,
+                process: proc,
+            } = HostRecord::decode(r, rec)?;
             ids.push(id.to_vec());
             procs.push(ProcessId::decode(proc));
         }
@@ -442,9 +437,12 @@ impl Comm {
             });
         }
         if !(ptr as usize).is_multiple_of(8) {
-            return Err(CoreError::Invalid(format!(
-                "window memory at {ptr:p} is not 8-byte aligned"
-            )));
+            return Err(CoreError::Misaligned {
+                rank: self.rank(),
+                what: "window memory",
+                addr: ptr as usize,
+                align: 8,
+            });
         }
         let id = self.take_window_id();
         // SAFETY: forwarded from the caller's promise.
@@ -515,30 +513,28 @@ impl Comm {
         path: &str,
         shared: bool,
     ) -> Result<(Vec<PeerPart>, Vec<Segment>), CoreError> {
-        const HEAD: usize = 21;
-        let mut mine = Vec::with_capacity(HEAD + path.len());
-        mine.extend_from_slice(&bytes.to_le_bytes());
-        mine.extend_from_slice(&key.to_le_bytes());
-        mine.extend_from_slice(&(base as u64).to_le_bytes());
-        mine.push(u8::from(shared));
-        mine.extend_from_slice(path.as_bytes());
+        let mine = WindowRecord {
+            size: bytes,
+            key,
+            addr: base as u64,
+            shared,
+            segment: path,
+        }
+        .encode();
         let all = self.bootstrap.allgather(&mine)?;
         let mut peers = Vec::with_capacity(all.len());
         let mut segs = Vec::new();
         for (p, e) in all.iter().enumerate() {
-            if e.len() < HEAD {
-                return Err(CoreError::Invalid(format!(
-                    "rank {p} sent a malformed window {id} record"
-                )));
-            }
-            let size = u64::from_le_bytes(e[..8].try_into().expect("8 bytes"));
-            let key = u32::from_le_bytes(e[8..12].try_into().expect("4 bytes"));
-            let addr = u64::from_le_bytes(e[12..20].try_into().expect("8 bytes"));
+            let WindowRecord {
+                size,
+                key,
+                addr,
+                shared,
+                segment,
+            } = WindowRecord::decode(p, id, e)?;
             let (mut mapped, mut state) = (0usize, 0usize);
-            if p != self.rank() && self.fabric.reach(p) == Some(Reach::Mapped) && e[20] == 1 {
-                let name = std::str::from_utf8(&e[HEAD..])
-                    .map_err(|_| CoreError::Invalid(format!("rank {p} sent a bad segment name")))?;
-                let seg = Segment::open(std::path::Path::new(name), size as usize)?;
+            if p != self.rank() && self.fabric.reach(p) == Some(Reach::Mapped) && shared {
+                let seg = Segment::open(std::path::Path::new(segment), size as usize)?;
                 mapped = seg.as_ptr() as usize;
                 state = std::ptr::from_ref(seg.state()) as usize;
                 segs.push(seg);
@@ -636,10 +632,10 @@ impl Comm {
     /// collective call, and a second one usually means two owners.
     pub fn deregister_window(&self, w: &Window) -> Result<(), CoreError> {
         if w.comm_id() != self.id {
-            return Err(CoreError::Invalid(format!(
-                "window {} belongs to another communicator",
-                w.id()
-            )));
+            return Err(CoreError::ForeignWindow {
+                rank: self.rank(),
+                window: w.id(),
+            });
         }
         // Every rank sees its own handle's state, and every rank deregisters
         // the same windows in the same order, so all refuse alike before the
@@ -675,7 +671,10 @@ impl Comm {
             n,
         )
         .map(u64::from)
-        .ok_or_else(|| CoreError::Invalid("signal and barrier counts overflow".into()))?;
+        .ok_or_else(|| CoreError::Requirement {
+            rank: self.rank(),
+            what: "signal and barrier counts overflow".into(),
+        })?;
         let nsig = per_ctx * u64::from(req.contexts);
         let ncnt = u64::from(req.counters) * u64::from(req.contexts);
         let (signal_base, counter_base) = {
@@ -715,11 +714,13 @@ impl Comm {
         rec.extend_from_slice(&counter_base.to_le_bytes());
         let all = self.bootstrap.allgather_equal(&rec)?;
         if all.chunks(16).any(|c| c != rec.as_slice()) {
-            return Err(CoreError::Invalid(
-                "ranks disagree on signal/counter placement: device communicators were created or \
-                 destroyed in different orders, or with different requirements"
+            return Err(CoreError::Mismatch {
+                rank: self.rank(),
+                what: "signal/counter placement".into(),
+                detail: "device communicators were created or destroyed in different orders, \
+                         or with different requirements"
                     .into(),
-            ));
+            });
         }
         let log2 = self.settings.backend.queue_log2(req.queue_depth)?;
         let backend: Arc<dyn Backend> = match self.settings.backend {
@@ -830,11 +831,7 @@ fn start_fabric(
     hosts: &[usize],
     settings: &Settings,
 ) -> Result<Fabric, CoreError> {
-    let wanted = match settings.transport {
-        TransportKind::Auto => None,
-        TransportKind::Shm => Some("shm"),
-        TransportKind::Tcp => Some("tcp"),
-    };
+    let wanted = settings.transport.name();
     let setup = Setup {
         bootstrap: b,
         table: table.clone(),

@@ -38,34 +38,45 @@ impl BackendKind {
     /// Never raised or lowered silently.
     pub fn queue_log2(self, depth: u32) -> Result<u32, CoreError> {
         let (name, range) = self.queue_depths();
-        if depth < *range.start() {
-            return Err(CoreError::Invalid(format!(
-                "queue depth {depth} is below the {name} backend's minimum {} \
-                 (DevCommRequirements::queue_depth)",
-                range.start()
-            )));
-        }
-        if depth > *range.end() {
-            return Err(CoreError::Invalid(format!(
-                "queue depth {depth} exceeds the {name} backend's maximum {} \
-                 (DevCommRequirements::queue_depth)",
-                range.end()
-            )));
+        if !range.contains(&depth) {
+            return Err(CoreError::QueueDepth {
+                backend: name,
+                asked: depth,
+                min: *range.start(),
+                max: *range.end(),
+            });
         }
         // Both bounds are powers of two, so rounding stays within them.
         Ok(depth.next_power_of_two().trailing_zeros())
     }
 }
 
-/// `GIN_TRANSPORT`.
+/// `GIN_TRANSPORT`: `auto`, or the name of a transport registered in
+/// gin-net (`gin_net::transport::REGISTRY`; today `shm` and `tcp`), so a
+/// new transport needs no change here.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum TransportKind {
-    /// Shared memory within a host, TCP across hosts.
+    /// Within a host the first host-scope transport (shared memory), across
+    /// hosts the first any-scope one (TCP).
     Auto,
+    /// Every peer through the transport of this name.
+    Named(&'static str),
+}
+
+impl TransportKind {
     /// Shared memory only (every rank on one host).
-    Shm,
+    pub const SHM: Self = Self::Named("shm");
     /// TCP for every peer, also on one host.
-    Tcp,
+    pub const TCP: Self = Self::Named("tcp");
+
+    /// The transport's name, `None` for auto.
+    pub fn name(self) -> Option<&'static str> {
+        match self {
+            Self::Auto => None,
+            Self::Named(n) => Some(n),
+        }
+    }
 }
 
 /// Which NIC executes GDAKI work requests (`GIN_NIC`).
@@ -144,15 +155,19 @@ impl Settings {
         };
         let transport = match get("GIN_TRANSPORT").as_deref().map(str::trim) {
             None | Some("" | "auto") => TransportKind::Auto,
-            Some("shm") => TransportKind::Shm,
-            Some("tcp") => TransportKind::Tcp,
-            Some(other) => {
-                return Err(CoreError::Unavailable {
-                    what: format!("GIN_TRANSPORT={other}"),
-                    why: "unknown transport".into(),
-                    available: "auto, shm, tcp".into(),
-                });
-            }
+            Some(other) => match gin_net::transport::find(other) {
+                Ok(r) => TransportKind::Named(r.name),
+                Err(_) => {
+                    return Err(CoreError::Unavailable {
+                        what: format!("GIN_TRANSPORT={other}"),
+                        why: "unknown transport".into(),
+                        available: std::iter::once("auto")
+                            .chain(gin_net::transport::names())
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                    });
+                }
+            },
         };
         let nic = match get("GIN_NIC").as_deref().map(str::trim) {
             None | Some("" | "soft") => NicKind::Soft,
@@ -183,14 +198,16 @@ impl Settings {
         }
         let host_id = get("GIN_HOSTID").unwrap_or_else(default_host_id);
         let timeout = gin_bootstrap::Config::from_vars(&get)?.timeout;
-        let slots = |var: &str, default: u64| -> Result<u64, CoreError> {
+        let slots = |var: &'static str, default: u64| -> Result<u64, CoreError> {
             get(var).map_or(Ok(default), |v| {
                 v.trim()
                     .parse::<u64>()
                     .ok()
                     .filter(|&n| n > 0 && n <= 1 << 31)
-                    .ok_or_else(|| {
-                        CoreError::Invalid(format!("{var}={v:?} is not a slot count in 1..=2^31"))
+                    .ok_or_else(|| CoreError::Setting {
+                        var,
+                        value: v.clone(),
+                        why: "not a slot count in 1..=2^31".into(),
                     })
             })
         };
@@ -202,8 +219,11 @@ impl Settings {
             signal_slots: slots("GIN_SIGNAL_SLOTS", 1 << 16)?,
             counter_slots: slots("GIN_COUNTER_SLOTS", 1 << 16)?,
             proxy_spin: match get("GIN_PROXY_SPIN") {
-                Some(v) => gin_bootstrap::parse_duration(&v)
-                    .map_err(|why| CoreError::Invalid(format!("GIN_PROXY_SPIN={v:?}: {why}")))?,
+                Some(v) => gin_bootstrap::parse_duration(&v).map_err(|why| CoreError::Setting {
+                    var: "GIN_PROXY_SPIN",
+                    value: v.clone(),
+                    why,
+                })?,
                 None => Duration::from_micros(100),
             },
             gdaki_batch: slots("GIN_GDAKI_BATCH", 1)?,
@@ -275,7 +295,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             (s.backend, s.transport, s.host_id.as_str()),
-            (BackendKind::Proxy, TransportKind::Tcp, "h1")
+            (BackendKind::Proxy, TransportKind::TCP, "h1")
         );
         let e = Settings::from_vars(vars(&[("GIN_NIC", "cx9")]))
             .unwrap_err()

@@ -20,6 +20,44 @@ pub enum CoreError {
         what: String,
         detail: String,
     },
+    /// An environment setting that does not parse.
+    #[error("{var}={value:?}: {why}")]
+    Setting {
+        var: &'static str,
+        value: String,
+        why: String,
+    },
+    /// A queue depth outside the chosen backend's range
+    /// (`DevCommRequirements::queue_depth`).
+    #[error(
+        "queue depth {asked} {} (DevCommRequirements::queue_depth)",
+        if asked < min {
+            format!("is below the {backend} backend's minimum {min}")
+        } else {
+            format!("exceeds the {backend} backend's maximum {max}")
+        }
+    )]
+    QueueDepth {
+        backend: &'static str,
+        asked: u32,
+        min: u32,
+        max: u32,
+    },
+    /// A requirement that can never be met (zero contexts, counts whose sum
+    /// overflows).
+    #[error("rank {rank}: {what}")]
+    Requirement { rank: usize, what: String },
+    /// A window handed to a communicator that did not register it.
+    #[error("rank {rank}: window {window} belongs to another communicator")]
+    ForeignWindow { rank: usize, window: u32 },
+    /// Memory handed to gin-rs that is not aligned as it must be.
+    #[error("rank {rank}: {what} at {addr:#x} is not {align}-byte aligned")]
+    Misaligned {
+        rank: usize,
+        what: &'static str,
+        addr: usize,
+        align: usize,
+    },
     /// A window deregistered a second time.
     #[error("rank {rank}: window {window} is already deregistered")]
     Deregistered { rank: usize, window: u32 },

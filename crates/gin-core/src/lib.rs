@@ -35,6 +35,7 @@ pub mod cuda;
 mod error;
 pub mod launch;
 mod liveness;
+mod record;
 pub mod requirements;
 pub mod space;
 

@@ -151,10 +151,15 @@ pub(crate) fn agree(
         .map(|c| decode(c, mine.len()).unwrap_or_default())
         .collect();
     if per_rank.len() != n || per_rank.iter().any(|v| v.len() != mine.len()) {
-        return Err(CoreError::Invalid(format!(
-            "rank {}: device communicator requirements arrived malformed",
-            bootstrap.rank()
-        )));
+        return Err(CoreError::MalformedRecord {
+            rank: per_rank
+                .iter()
+                .position(|v| v.len() != mine.len())
+                .unwrap_or(bootstrap.rank()),
+            what: "device communicator requirements record".into(),
+            got: per_rank.iter().map(Vec::len).min().unwrap_or(0) * 8,
+            expected: mine.len() * 8,
+        });
     }
     match first_disagreement(&names, &per_rank) {
         None => Ok(()),
@@ -182,9 +187,12 @@ pub(crate) fn check_bounds(
         hint: hint.to_owned(),
     };
     if req.contexts == 0 {
-        return Err(CoreError::Invalid(format!(
-            "rank {rank}: a device communicator needs at least one context (DevCommRequirements::contexts is 0)"
-        )));
+        return Err(CoreError::Requirement {
+            rank,
+            what: "a device communicator needs at least one context \
+                   (DevCommRequirements::contexts is 0)"
+                .into(),
+        });
     }
     if req.contexts > MAX_CONTEXTS {
         return Err(limit(

@@ -12,11 +12,13 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use gin_device::{Backend, Counters, PutOp, Source};
-use std::sync::atomic::Ordering;
 
 use gin_gdaki::completion::Cqe;
 use gin_gdaki::loopback::Loopback;
-use gin_gdaki::nic::SoftNic;
+use gin_gdaki::nic::{
+    CqMode, CqView, DriverConfig, Engine, EngineConfig, FabricExecutor, Idle, QueueSpec, Sink,
+    SoftNic, SqView,
+};
 use gin_gdaki::qp::{Cq, Qp};
 use gin_gdaki::queue::Sharing;
 use gin_gdaki::wqe::{CQ_UPDATE, MemRef, Op, encode};
@@ -109,21 +111,42 @@ fn nic_execution(c: &mut Criterion) {
 }
 
 /// The NIC alone: a queue pre-filled with 8-byte RDMA writes (not timed),
-/// one doorbell, then the time until the last CQE is written.
+/// one doorbell, then the time until the last CQE is polled.
 fn nic_alone(c: &mut Criterion) {
     let lb = Loopback::new(1 << 16, Duration::from_secs(30));
-    let (key, base) = (lb.key, lb.addr(0));
+    let (key, base) = (lb.nic_key, lb.addr(0));
     let log2 = 12;
     let qp = Arc::new(Qp::new(0x100, 0x100, 0, log2));
-    let nic = SoftNic::start(
-        0,
-        vec![qp.clone()],
+    let exec = FabricExecutor::new(
         lb.fabric.clone(),
-        Vec::new(),
+        Arc::new(Counters::new(4)),
+        Arc::new(Sink::default()),
         Duration::from_secs(30),
-        Duration::from_millis(1),
-    )
-    .unwrap();
+    );
+    let (counters, sink) = exec.local_parts();
+    let spec = QueueSpec {
+        qpn: qp.qpn,
+        cqn: qp.cq.cqn,
+        peer: 0,
+        channel: 0,
+        cq_mode: CqMode::Ring { log2 },
+        sq: SqView::host(&qp),
+        cq: CqView::host(&qp),
+    };
+    let cfg = EngineConfig {
+        rank: 0,
+        nranks: 1,
+        counters,
+        sink,
+        batch: 64,
+    };
+    let driver = DriverConfig {
+        name: "bench-softnic".into(),
+        idle: Idle::cpu(Duration::from_millis(1)),
+        drain_on_stop: false,
+        join_within: Duration::from_secs(30),
+    };
+    let nic = SoftNic::start(Engine::new(cfg, vec![spec]).unwrap(), exec, driver).unwrap();
     let waker = nic.waker();
     let burst = 1u64 << (log2 - 1);
     let mut grp = c.benchmark_group("softnic_alone_8_byte_writes");
@@ -133,6 +156,7 @@ fn nic_alone(c: &mut Criterion) {
             let mut total = Duration::ZERO;
             for _ in 0..iters {
                 let start_idx = qp.idx.reserve(burst);
+                let before = qp.cq.polled();
                 for i in 0..burst {
                     let op = Op::Write {
                         remote: MemRef {
@@ -145,19 +169,16 @@ fn nic_alone(c: &mut Criterion) {
                     let idx = start_idx + i;
                     qp.write_wqe(idx, &encode(&op, idx as u16, qp.qpn, CQ_UPDATE).unwrap());
                 }
-                assert!(
-                    qp.idx
-                        .try_mark_ready(start_idx, start_idx + burst - 1, Sharing::Gpu)
-                );
-                let target = qp.cq.produced.load(Ordering::Acquire) + burst;
                 let t = Instant::now();
-                qp.idx.post(|pi| qp.ring(pi));
+                assert!(qp.try_post(start_idx, start_idx + burst, Sharing::Gpu, |_| false));
                 waker.wake();
-                while qp.cq.produced.load(Ordering::Acquire) < target {
+                let mut seen = 0;
+                while seen < burst {
+                    qp.reap(|c| panic!("error CQE {c:?}"));
+                    seen = qp.cq.polled() - before;
                     std::hint::spin_loop();
                 }
                 total += t.elapsed();
-                qp.reap(|c| panic!("error CQE {c:?}"));
             }
             total
         });
@@ -181,12 +202,14 @@ fn cq_poll(c: &mut Criterion) {
         syndrome: 0,
         vendor_syndrome: 0,
     };
+    let mut written = 0u64;
     let mut g = c.benchmark_group("cq_poll");
     g.throughput(Throughput::Elements(n));
     g.bench_function("push_then_poll", |b| {
         b.iter(|| {
             for _ in 0..n {
-                cq.push(&cqe);
+                cq.write(written, &cqe);
+                written += 1;
             }
             let mut got = 0u64;
             cq.poll(|c| got += u64::from(c.byte_cnt));

@@ -18,26 +18,42 @@
 
 /// Bytes in a CQE.
 pub const CQE_BYTES: usize = 64;
+/// CQE opcode: a send-side completion.
 pub const CQE_REQ: u8 = 0;
+/// CQE opcode: a send-side error completion.
 pub const CQE_REQ_ERR: u8 = 13;
+/// CQE opcode: a receive-side error completion.
 pub const CQE_RESP_ERR: u8 = 14;
+/// CQE opcode: no CQE written here yet.
 pub const CQE_INVALID: u8 = 15;
 /// `op_own` of a never-written CQE.
 pub const FRESH_OP_OWN: u8 = CQE_INVALID << 4;
 
 /// Error syndromes (mlx5dv.h).
 pub mod syndrome {
+    /// Local length error.
     pub const LOCAL_LENGTH_ERR: u8 = 0x01;
+    /// Local QP operation error: a malformed WQE, a doorbell record that cannot be believed.
     pub const LOCAL_QP_OP_ERR: u8 = 0x02;
+    /// Local protection error: a local key or range the NIC refuses.
     pub const LOCAL_PROT_ERR: u8 = 0x04;
+    /// Work request flushed in error: the QP was in the error state.
     pub const WR_FLUSH_ERR: u8 = 0x05;
+    /// Bad response.
     pub const BAD_RESP_ERR: u8 = 0x10;
+    /// Local access error.
     pub const LOCAL_ACCESS_ERR: u8 = 0x11;
+    /// Remote invalid request: an unaligned atomic.
     pub const REMOTE_INVAL_REQ_ERR: u8 = 0x12;
+    /// Remote access error: a remote key, range or access the NIC refuses.
     pub const REMOTE_ACCESS_ERR: u8 = 0x13;
+    /// Remote operation error: an operation the target cannot do.
     pub const REMOTE_OP_ERR: u8 = 0x14;
+    /// Transport retry counter exceeded: the peer did not answer.
     pub const TRANSPORT_RETRY_EXC_ERR: u8 = 0x15;
+    /// Receiver-not-ready retry counter exceeded.
     pub const RNR_RETRY_EXC_ERR: u8 = 0x16;
+    /// Remote aborted error.
     pub const REMOTE_ABORTED_ERR: u8 = 0x22;
 
     /// A human name for a syndrome.
@@ -65,12 +81,17 @@ pub mod syndrome {
 pub struct Cqe {
     /// `CQE_REQ` or `CQE_REQ_ERR` for send completions.
     pub opcode: u8,
+    /// The completed WQE's 16-bit index.
     pub wqe_counter: u16,
+    /// The QP number (24 bits).
     pub qpn: u32,
     /// Send opcode of the completed WQE.
     pub send_opcode: u8,
+    /// Bytes transferred.
     pub byte_cnt: u32,
+    /// Error syndrome ([`syndrome`]; error CQEs).
     pub syndrome: u8,
+    /// Vendor error syndrome (error CQEs).
     pub vendor_syndrome: u8,
 }
 

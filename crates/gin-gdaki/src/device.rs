@@ -3,25 +3,31 @@
 //! when the value is carried) and, for a signal, an atomic fetch-add on the
 //! peer's signal slot; a counter becomes a WAIT on the main QP's completion
 //! plus a fetch-add on the local counter, on the companion loopback QP.
+//! WQEs are posted with the GPU's in-order protocol ([`crate::queue`]).
 //! Every WQE asks for a CQE; flush polls for the CQE of the last reserved
 //! WQE, and an error CQE is an error naming QP, WQE index and syndrome.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use gin_device::{
     Backend, Counters, GetOp, GinError, Order, PutOp, Source, Ticket, TicketIssuer, Window,
 };
+use gin_net::Fabric;
 use gin_net::sticky::StickyError;
-use gin_net::{Fabric, KeepAlive};
 
 use crate::completion::{Cqe, syndrome};
-use crate::nic::{LocalMr, SoftNic, Waker};
+use crate::ids::{COUNTER_KEY, SINK_KEY, companion_qpn, main_qpn, window_key};
+use crate::nic::{
+    CqMode, CqView, DriverConfig, Engine, EngineConfig, FabricExecutor, Idle, QueueSpec, Sink,
+    SoftNic, SqView, Waker,
+};
 use crate::qp::Qp;
-use crate::queue::{Sharing, has_space, reached};
+use crate::queue::{Sharing, has_space, reached, wire_index};
 use crate::wqe::{
-    CQ_UPDATE, FM_NONE, FM_STRONG_ORDERING, MAX_INLINE, MAX_TRANSFER, MemRef, Op, encode,
+    BuildError, CQ_UPDATE, FM_NONE, FM_STRONG_ORDERING, MAX_INLINE, MAX_TRANSFER, MemRef, Op,
+    encode,
 };
 
 /// Settings of a GDAKI backend instance.
@@ -36,6 +42,8 @@ pub struct GdakiConfig {
     /// and always on flush, as NCCL's `AggregateRequests` and DeepEP's
     /// `kNumRequestInBatch` batch doorbells.
     pub batch: u64,
+    /// How long any wait of the backend (queue credit, a turn to post, a
+    /// read's answer) may take.
     pub timeout: Duration,
     /// How long the idle NIC polls before sleeping.
     pub spin: Duration,
@@ -63,22 +71,20 @@ pub struct Gdaki {
     companion: Vec<Arc<Qp>>,
     fabric: Arc<Fabric>,
     counters: Arc<Counters>,
-    counter_key: u32,
     /// Where the NIC writes the old values of fetch-adds nobody reads (a
-    /// signal's, a counter's). Shared with the NIC, which may still write
-    /// here after this backend is gone.
-    sink: Arc<[AtomicU64; 8]>,
-    sink_key: u32,
+    /// signal's, a counter's). Shared with the NIC's executor, which may
+    /// still write here after this backend is gone.
+    sink: Arc<Sink>,
     error: StickyError,
     tickets: TicketIssuer,
     /// Some QP has ready WQEs whose doorbell batching held back.
-    unrung: std::sync::atomic::AtomicBool,
+    unrung: AtomicBool,
     waker: Waker,
     config: GdakiConfig,
     // Last, so it stops after nothing can post any more. Its thread may
-    // outlive this backend (it finishes the WQEs in hand after the stop, and
-    // a stuck one is abandoned): what it writes it owns (`LocalMr::keep`,
-    // the QPs' `Arc`s, the windows' keep-alives), never borrows from here.
+    // outlive this backend (a stuck one is abandoned): what it writes it
+    // owns (the counters' and the sink's `Arc`s in its executor, the QPs'
+    // `Arc`s in its views, the windows' keep-alives), never borrows.
     nic: SoftNic,
 }
 
@@ -100,9 +106,8 @@ pub const MAX_QUEUE_DEPTH: u32 = 1 << MAX_SQ_LOG2;
 /// posted, when they do not fit half the queue.
 pub const MIN_QUEUE_DEPTH: u32 = 4;
 
-/// Local keys live above the fabric's random window keys' usual range only
-/// by convention; collisions are checked at start.
-const LOCAL_KEY_BASE: u32 = 0xfeed_0000;
+/// WQEs the NIC takes from one QP before moving on to the next.
+const NIC_BATCH: u64 = 64;
 
 impl Gdaki {
     /// Creates one main QP per (context, peer) and one companion loopback QP
@@ -115,76 +120,54 @@ impl Gdaki {
     ) -> Result<Self, GinError> {
         let rank = fabric.rank();
         let n = fabric.nranks();
-        if config.sq_log2 > MAX_SQ_LOG2 {
-            return Err(GinError::Unsupported {
-                rank,
-                what: "queue depth",
-                why: format!(
-                    "2^{} entries; at most 2^{MAX_SQ_LOG2}, so that 16-bit WQE indices stay unambiguous",
-                    config.sq_log2
-                ),
-            });
-        }
-        if 1u32 << config.sq_log2 < MIN_QUEUE_DEPTH {
-            return Err(GinError::Unsupported {
-                rank,
-                what: "queue depth",
-                why: format!(
-                    "queue depth {} is below the gdaki backend's minimum {MIN_QUEUE_DEPTH} \
-                     (a put with a signal and a counter takes two WQEs of at most half of each queue)",
-                    1u32 << config.sq_log2
-                ),
-            });
-        }
-        let mut main = Vec::new();
-        let mut companion = Vec::new();
-        for c in 0..nctx as usize {
-            for p in 0..n {
-                let q = 0x100 + 2 * (c * n + p) as u32;
-                main.push(Arc::new(Qp::new(q, q, p, config.sq_log2)));
-                companion.push(Arc::new(Qp::new(q + 1, q + 1, rank, config.sq_log2)));
-            }
-        }
-        let sink: Arc<[AtomicU64; 8]> = Arc::new(std::array::from_fn(|_| AtomicU64::new(0)));
-        let taken: Vec<u32> = fabric
-            .windows()
-            .iter()
-            .flat_map(|(_, d)| d.keys.clone())
-            .collect();
-        let mut key = LOCAL_KEY_BASE;
-        let mut next_key = || {
-            while taken.contains(&key) {
-                key += 1;
-            }
-            key += 1;
-            key - 1
-        };
-        let counter_key = next_key();
-        let sink_key = next_key();
-        let local = vec![
-            LocalMr {
-                key: counter_key,
-                base: counters.as_ptr() as u64,
-                len: counters.len() as u64 * 8,
-                keep: KeepAlive(counters.clone()),
-            },
-            LocalMr {
-                key: sink_key,
-                base: sink.as_ptr() as u64,
-                len: 64,
-                keep: KeepAlive(sink.clone()),
-            },
-        ];
-        let qps: Vec<Arc<Qp>> = main.iter().chain(&companion).cloned().collect();
-        let nic = SoftNic::start(
-            rank,
-            qps,
+        check_depth(rank, config.sq_log2)?;
+        let (main, companion) = make_qps(rank, n, nctx, config.sq_log2)?;
+        let sink = Arc::new(Sink::default());
+        let exec = FabricExecutor::new(
             fabric.clone(),
-            local,
+            counters.clone(),
+            sink.clone(),
             config.timeout,
-            config.spin,
-        )
-        .map_err(|e| GinError::Spawn {
+        );
+        let (counter_part, sink_part) = exec.local_parts();
+        let ring = CqMode::Ring {
+            log2: config.sq_log2,
+        };
+        // Main QPs, then companions; a QP and its companion share a channel.
+        let specs = main
+            .iter()
+            .chain(&companion)
+            .enumerate()
+            .map(|(i, q)| QueueSpec {
+                qpn: q.qpn,
+                cqn: q.cq.cqn,
+                peer: q.peer,
+                channel: i % main.len().max(1),
+                cq_mode: ring,
+                sq: SqView::host(q),
+                cq: CqView::host(q),
+            })
+            .collect();
+        let cfg = EngineConfig {
+            rank,
+            nranks: n,
+            counters: counter_part,
+            sink: sink_part,
+            batch: NIC_BATCH,
+        };
+        let unsupported = |why: String| GinError::Unsupported {
+            rank,
+            what: "GDAKI queues",
+            why,
+        };
+        let engine = Engine::new(cfg, specs).map_err(|e| unsupported(e.to_string()))?;
+        let driver = DriverConfig {
+            name: format!("gin-softnic-{rank}"),
+            idle: Idle::cpu(config.spin),
+            drain_on_stop: false,
+            join_within: config.timeout,
+        };
+        let nic = SoftNic::start(engine, exec, driver).map_err(|e| GinError::Spawn {
             rank,
             what: "soft NIC thread",
             why: e.to_string(),
@@ -198,12 +181,10 @@ impl Gdaki {
             companion,
             fabric,
             counters,
-            counter_key,
             sink,
-            sink_key,
             error: StickyError::default(),
             tickets: TicketIssuer::new(),
-            unrung: std::sync::atomic::AtomicBool::new(false),
+            unrung: AtomicBool::new(false),
             config,
             nic,
         })
@@ -252,6 +233,11 @@ impl Gdaki {
         &self.companion[ctx as usize * self.nranks + peer]
     }
 
+    /// Whether `qp` is a companion loopback QP.
+    fn is_companion(&self, qp: &Qp) -> bool {
+        qp.peer == self.rank && qp.qpn & 1 == 1
+    }
+
     fn failed(&self, ctx: u32, what: String, why: String) -> GinError {
         GinError::Failed {
             rank: self.rank,
@@ -262,8 +248,9 @@ impl Gdaki {
     }
 
     fn reap(&self, ctx: u32, peer: usize, qp: &Qp) {
+        let companion = self.is_companion(qp);
         qp.reap(|c: &Cqe| {
-            let what = if qp.peer == self.rank && qp.qpn & 1 == 1 {
+            let what = if companion {
                 format!("companion QP {:#x}", c.qpn)
             } else {
                 format!(
@@ -272,10 +259,13 @@ impl Gdaki {
                     qp.remote_qpn.load(Ordering::Acquire)
                 )
             };
-            let why = qp
-                .error_reason
-                .get()
-                .map(|w| format!("; the soft NIC reported: {w}"))
+            // The NIC's queue order: main QPs, then companions.
+            let k = ctx as usize * self.nranks + peer;
+            let queue = if companion { self.main.len() + k } else { k };
+            let why = self
+                .nic
+                .fault(queue)
+                .map(|f| format!("; the soft NIC reported: {}", f.cause))
                 .unwrap_or_default();
             self.error.set(format!(
                 "{what}, context {ctx}: WQE index {} completed with syndrome {:#04x} ({}), vendor syndrome {:#04x}{why}",
@@ -292,7 +282,11 @@ impl Gdaki {
             return Err(self.failed(0, "GDAKI completion".into(), why));
         }
         if !self.nic.alive() {
-            return Err(self.failed(0, "soft NIC".into(), "the NIC thread stopped".into()));
+            let why = self.nic.first_error().map_or_else(
+                || "the NIC thread stopped".to_string(),
+                |e| format!("the NIC thread stopped: {e}"),
+            );
+            return Err(self.failed(0, "soft NIC".into(), why));
         }
         Ok(())
     }
@@ -316,17 +310,41 @@ impl Gdaki {
         Ok(())
     }
 
-    /// Reserves, fills, marks ready and (batching permitting) posts `ops`
-    /// on `qp`; returns the index of the last WQE.
+    /// Reserves, fills and posts `ops` on `qp` (in reservation order,
+    /// batching permitting); returns the index of the last WQE.
     fn submit(&self, ctx: u32, peer: usize, qp: &Qp, ops: &[(Op, u8)]) -> Result<u64, GinError> {
         let k = ops.len() as u64;
         self.fits(ctx, peer, qp, k)?;
         let start = qp.idx.reserve(k);
         let t0 = Instant::now();
+        self.credit(ctx, peer, qp, start, k, t0)?;
+        let failure = self.fill(qp, start, ops)?;
+        self.post(ctx, peer, qp, start, start + k, t0)?;
+        if let Some(e) = failure {
+            return Err(GinError::Unsupported {
+                rank: self.rank,
+                what: "work request",
+                why: e.to_string(),
+            });
+        }
+        Ok(start + k - 1)
+    }
+
+    /// Waits until the `k` slots from `start` are free: their previous
+    /// occupants completed.
+    fn credit(
+        &self,
+        ctx: u32,
+        peer: usize,
+        qp: &Qp,
+        start: u64,
+        k: u64,
+        t0: Instant,
+    ) -> Result<(), GinError> {
         while !has_space(start, k, qp.idx.done.load(Ordering::Acquire), qp.size()) {
             self.reap(ctx, peer, qp);
-            // The queue may be full of WQEs not yet rung in batching mode.
-            qp.idx.post(|pi| qp.ring(pi));
+            // The queue may be full of WQEs whose doorbell batching held back.
+            qp.ring_held();
             self.waker.wake();
             let why = if let Err(e) = self.check() {
                 Some(e.to_string())
@@ -343,31 +361,33 @@ impl Gdaki {
             if let Some(why) = why {
                 // Our slots are not free, so they cannot be filled: the QP is
                 // broken from here on, and producers behind us learn it in
-                // their own mark-ready wait.
+                // their own wait for a turn.
                 self.error.set(why.clone());
                 return Err(self.failed(ctx, format!("put to rank {peer}"), why));
             }
             std::thread::yield_now();
         }
-        // The slots are ours and free. Fill every one of them (NOPs after a
-        // failure), so the ready index can always move past them.
+        Ok(())
+    }
+
+    /// Fills the slots from `start` with `ops`. The slots are ours and
+    /// free: every one is filled (NOPs after a WQE that cannot be built),
+    /// so the turn to post can always move past them. Returns why a WQE
+    /// could not be built, if one could not.
+    fn fill(&self, qp: &Qp, start: u64, ops: &[(Op, u8)]) -> Result<Option<BuildError>, GinError> {
         let mut failure = None;
         for (i, (op, flags)) in ops.iter().enumerate() {
             let idx = start + i as u64;
-            let bytes = if failure.is_none() {
-                match encode(op, idx as u16, qp.qpn, *flags | CQ_UPDATE) {
-                    Ok(b) => Some(b),
-                    Err(e) => {
-                        failure = Some(e.to_string());
-                        None
-                    }
-                }
+            let built = if failure.is_none() {
+                encode(op, wire_index(idx), qp.qpn, *flags | CQ_UPDATE)
+                    .map_err(|e| failure = Some(e))
+                    .ok()
             } else {
                 None
             };
-            let bytes = match bytes {
+            let bytes = match built {
                 Some(b) => b,
-                None => encode(&Op::Nop, idx as u16, qp.qpn, CQ_UPDATE).map_err(|e| {
+                None => encode(&Op::Nop, wire_index(idx), qp.qpn, CQ_UPDATE).map_err(|e| {
                     GinError::Unsupported {
                         rank: self.rank,
                         what: "work request",
@@ -377,11 +397,36 @@ impl Gdaki {
             };
             qp.write_wqe(idx, &bytes);
         }
-        let last = start + k - 1;
+        Ok(failure)
+    }
+
+    /// Posts `[start, end)` once every earlier range of `qp` is posted:
+    /// the doorbell record and doorbell, unless batching holds them back.
+    fn post(
+        &self,
+        ctx: u32,
+        peer: usize,
+        qp: &Qp,
+        start: u64,
+        end: u64,
+        t0: Instant,
+    ) -> Result<(), GinError> {
+        // The companion QP is never batched: its WAIT names a 16-bit index of
+        // the main queue and must reach the NIC while that index is recent.
+        let batch = if self.is_companion(qp) {
+            1
+        } else {
+            self.config.batch.max(1)
+        };
+        let mut held = false;
         let mut spins = 0u32;
-        while !qp.idx.try_mark_ready(start, last, self.config.sharing) {
-            // An earlier range is still being filled by another thread,
-            // which may need this core, or failed (then the QP is broken).
+        while !qp.try_post(start, end, self.config.sharing, |unrung| {
+            held = unrung < batch;
+            held
+        }) {
+            // An earlier range is still being filled or posted by another
+            // thread, which may need this core, or failed (then the QP is
+            // broken).
             spins += 1;
             if spins < 64 {
                 std::hint::spin_loop();
@@ -392,7 +437,7 @@ impl Gdaki {
                 self.check()?;
                 if t0.elapsed() > self.config.timeout {
                     let why = format!(
-                        "WQEs before index {start} of QP {:#x} were never marked ready within {:.1?}",
+                        "WQEs before index {start} of QP {:#x} were never posted within {:.1?}",
                         qp.qpn, self.config.timeout
                     );
                     self.error.set(why.clone());
@@ -400,29 +445,14 @@ impl Gdaki {
                 }
             }
         }
-        let ready = qp.idx.ready.load(Ordering::Acquire);
-        let posted = qp.idx.posted.load(Ordering::Acquire);
-        // The companion QP is never batched: its WAIT names a 16-bit index of
-        // the main queue and must reach the NIC while that index is recent.
-        let companion = qp.peer == self.rank && qp.qpn & 1 == 1;
-        if companion || self.config.batch <= 1 || ready.wrapping_sub(posted) >= self.config.batch {
-            qp.idx.post(|pi| qp.ring(pi));
-            self.waker.wake();
-        } else {
+        if held {
             self.unrung.store(true, Ordering::Release);
+        } else {
+            self.waker.wake();
         }
-        if let Some(why) = failure {
-            return Err(GinError::Unsupported {
-                rank: self.rank,
-                what: "work request",
-                why,
-            });
-        }
-        Ok(last)
+        Ok(())
     }
-}
 
-impl Gdaki {
     /// Posts a put's WQEs on the main QP and, for a counter, a WAIT on
     /// their completion and `bump` on the companion QP. Both queues are
     /// checked first: an operation either fits or moves nothing.
@@ -442,22 +472,89 @@ impl Gdaki {
         let last = self.submit(ctx, peer, qp, ops)?;
         if let Some(bump) = bump {
             let wait = Op::Wait {
-                max_index: u32::from(last as u16),
+                max_index: u32::from(wire_index(last)),
                 cqn: qp.cq.cqn,
             };
             self.submit(ctx, peer, cq, &[(wait, FM_NONE), (bump, FM_NONE)])?;
         }
         Ok(())
     }
+
+    /// `(address, key)` of `offset` in `rank`'s part of `w`: the address
+    /// from the window handle, as a kernel takes it, and the key from the
+    /// NIC key scheme ([`window_key`]).
+    fn mref(&self, w: &Window, rank: usize, offset: u64) -> Result<MemRef, GinError> {
+        let key = window_key(w.id(), rank, self.nranks).ok_or_else(|| GinError::Unsupported {
+            rank: self.rank,
+            what: "window",
+            why: format!(
+                "window {} has no NIC key in a job of {} ranks (window ids run into the local keys)",
+                w.id(),
+                self.nranks
+            ),
+        })?;
+        Ok(MemRef {
+            addr: w.addr_of(rank) + offset,
+            key,
+        })
+    }
+
+    /// Where a fetch-add nobody reads leaves its old value: qword `i` of
+    /// the sink.
+    fn sink_ref(&self, i: u64) -> MemRef {
+        MemRef {
+            addr: self.sink.addr() + 8 * i,
+            key: SINK_KEY,
+        }
+    }
 }
 
-/// `(address, key)` of `offset` in `rank`'s part of `w`: built from the
-/// window handle alone, as a kernel does.
-fn mref(w: &Window, rank: usize, offset: u64) -> MemRef {
-    MemRef {
-        addr: w.addr_of(rank) + offset,
-        key: w.key_of(rank),
+/// Refuses a queue depth outside `[MIN_QUEUE_DEPTH, MAX_QUEUE_DEPTH]`.
+fn check_depth(rank: usize, log2: u32) -> Result<(), GinError> {
+    if log2 > MAX_SQ_LOG2 {
+        return Err(GinError::Unsupported {
+            rank,
+            what: "queue depth",
+            why: format!(
+                "2^{log2} entries; at most 2^{MAX_SQ_LOG2}, so that 16-bit WQE indices stay unambiguous"
+            ),
+        });
     }
+    if 1u32 << log2 < MIN_QUEUE_DEPTH {
+        return Err(GinError::Unsupported {
+            rank,
+            what: "queue depth",
+            why: format!(
+                "queue depth {} is below the gdaki backend's minimum {MIN_QUEUE_DEPTH} \
+                 (a put with a signal and a counter takes two WQEs of at most half of each queue)",
+                1u32 << log2
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The main QP of each (context, peer) and its companion loopback QP,
+/// numbered by the scheme CUDA ranks use ([`main_qpn`]).
+type Qps = (Vec<Arc<Qp>>, Vec<Arc<Qp>>);
+
+fn make_qps(rank: usize, n: usize, nctx: u32, log2: u32) -> Result<Qps, GinError> {
+    let mut main = Vec::new();
+    let mut companion = Vec::new();
+    for c in 0..nctx as usize {
+        for p in 0..n {
+            let (Some(q), Some(cq)) = (main_qpn(c, p, n), companion_qpn(c, p, n)) else {
+                return Err(GinError::Unsupported {
+                    rank,
+                    what: "contexts",
+                    why: format!("{nctx} contexts of {n} QPs each need QP numbers beyond 24 bits"),
+                });
+            };
+            main.push(Arc::new(Qp::new(q, q, p, log2)));
+            companion.push(Arc::new(Qp::new(cq, cq, rank, log2)));
+        }
+    }
+    Ok((main, companion))
 }
 
 impl Backend for Gdaki {
@@ -471,7 +568,7 @@ impl Backend for Gdaki {
         match op.src {
             Source::Inline(v) => ops.push((
                 Op::WriteInline {
-                    remote: mref(op.dst, op.peer, op.dst_off),
+                    remote: self.mref(op.dst, op.peer, op.dst_off)?,
                     data: v.to_le_bytes()[..(op.bytes as usize).min(MAX_INLINE).min(8)].to_vec(),
                 },
                 FM_NONE,
@@ -482,8 +579,8 @@ impl Backend for Gdaki {
                     let len = (op.bytes - done).min(MAX_TRANSFER);
                     ops.push((
                         Op::Write {
-                            remote: mref(op.dst, op.peer, op.dst_off + done),
-                            local: mref(window, self.rank, offset + done),
+                            remote: self.mref(op.dst, op.peer, op.dst_off + done)?,
+                            local: self.mref(window, self.rank, offset + done)?,
                             len: len as u32,
                         },
                         FM_NONE,
@@ -503,12 +600,9 @@ impl Backend for Gdaki {
             };
             ops.push((
                 Op::FetchAdd {
-                    remote: mref(s.window, op.peer, s.offset),
+                    remote: self.mref(s.window, op.peer, s.offset)?,
                     add: s.add,
-                    result: MemRef {
-                        addr: self.sink.as_ptr() as u64,
-                        key: self.sink_key,
-                    },
+                    result: self.sink_ref(0),
                 },
                 fence,
             ));
@@ -521,13 +615,10 @@ impl Backend for Gdaki {
         let bump = op.counter.map(|slot| Op::FetchAdd {
             remote: MemRef {
                 addr: self.counters.as_ptr() as u64 + slot * 8,
-                key: self.counter_key,
+                key: COUNTER_KEY,
             },
             add: 1,
-            result: MemRef {
-                addr: self.sink.as_ptr() as u64 + 8,
-                key: self.sink_key,
-            },
+            result: self.sink_ref(1),
         });
         self.post_put(op.ctx, op.peer, &ops, bump)
     }
@@ -540,8 +631,8 @@ impl Backend for Gdaki {
             let len = (op.bytes - done).min(MAX_TRANSFER);
             ops.push((
                 Op::Read {
-                    remote: mref(op.remote, op.peer, op.remote_off + done),
-                    local: mref(op.local, self.rank, op.local_off + done),
+                    remote: self.mref(op.remote, op.peer, op.remote_off + done)?,
+                    local: self.mref(op.local, self.rank, op.local_off + done)?,
                     len: len as u32,
                 },
                 FM_NONE,
@@ -575,7 +666,7 @@ impl Backend for Gdaki {
         for &p in &peers {
             for qp in [self.main_qp(ctx, p), self.companion_qp(ctx, p)] {
                 // Flush rings whatever batching held back.
-                qp.idx.post(|pi| qp.ring(pi));
+                qp.ring_held();
                 marks.push(qp.idx.resv.load(Ordering::Acquire));
             }
         }
@@ -602,6 +693,9 @@ impl Backend for Gdaki {
                 self.reap(ctx, p, qp);
                 if !reached(qp.idx.done.load(Ordering::Acquire), mark) {
                     all = false;
+                    // WQEs another thread posted after the ticket, held
+                    // back by batching, are covered too.
+                    qp.ring_held();
                 }
             }
         }
@@ -627,7 +721,7 @@ impl Backend for Gdaki {
     fn progress(&self) {
         if self.unrung.swap(false, Ordering::AcqRel) {
             for qp in self.main.iter().chain(&self.companion) {
-                qp.idx.post(|pi| qp.ring(pi));
+                qp.ring_held();
             }
             self.waker.wake();
         }
@@ -758,7 +852,7 @@ mod tests {
     #[test]
     fn a_bad_rkey_is_a_remote_access_error_naming_qp_and_wqe() {
         let r = rig(4096, 4);
-        let good = mref(&r.win, 0, 0);
+        let good = r.g.mref(&r.win, 0, 0).unwrap();
         let bad = MemRef {
             addr: good.addr,
             key: good.key ^ 0x5a5a,
@@ -791,7 +885,7 @@ mod tests {
     #[test]
     fn an_out_of_bounds_remote_address_is_refused() {
         let r = rig(4096, 4);
-        let good = mref(&r.win, 0, 0);
+        let good = r.g.mref(&r.win, 0, 0).unwrap();
         let past = MemRef {
             addr: good.addr + 4090,
             key: good.key,
@@ -827,8 +921,7 @@ mod tests {
         let qp = r.g.main_qp(0, 0);
         let idx = qp.idx.reserve(1);
         qp.write_wqe(idx, &[0xff; 64]);
-        assert!(qp.idx.try_mark_ready(idx, idx, Sharing::Gpu));
-        qp.idx.post(|pi| qp.ring(pi));
+        assert!(qp.try_post(idx, idx + 1, Sharing::Gpu, |_| false));
         r.g.waker.wake();
         expect_error(
             &r,
@@ -839,7 +932,7 @@ mod tests {
     #[test]
     fn a_counter_behind_a_failed_put_fails_too() {
         let r = rig(4096, 4);
-        let good = mref(&r.win, 0, 0);
+        let good = r.g.mref(&r.win, 0, 0).unwrap();
         let bad = MemRef {
             addr: good.addr,
             key: good.key ^ 1,
@@ -860,7 +953,7 @@ mod tests {
             )
             .unwrap();
         let wait = Op::Wait {
-            max_index: u32::from(last as u16),
+            max_index: u32::from(wire_index(last)),
             cqn: r.g.main_qp(0, 0).cq.cqn,
         };
         r.g.submit(0, 0, r.g.companion_qp(0, 0), &[(wait, FM_NONE)])
@@ -909,7 +1002,8 @@ mod tests {
         }
         flush(&r.g).unwrap();
         let qp = r.g.main_qp(0, 0);
-        let cqes = qp.cq.produced.load(Ordering::Acquire);
+        // Every CQE the NIC wrote so far was reaped by the flush.
+        let cqes = qp.cq.polled();
         let executed = r.g.executed();
         let before = r.win.read_vec(0, 4096).unwrap();
         // The record moves back by one: read as 0xffff WQEs ahead of the
@@ -943,7 +1037,8 @@ mod tests {
             r.g.waker.wake();
             std::thread::yield_now();
         }
-        assert_eq!(qp.cq.produced.load(Ordering::Acquire), cqes + 1);
+        assert!(r.g.health().is_err(), "reaps whatever the NIC wrote since");
+        assert_eq!(qp.cq.polled(), cqes + 1);
         assert_eq!(r.g.executed(), executed);
         assert_eq!(r.win.read_vec(0, 4096).unwrap(), before);
     }
@@ -974,8 +1069,8 @@ mod tests {
             .map(|i| {
                 (
                     Op::Write {
-                        remote: mref(&r.win, 0, dst_off + 8 * i),
-                        local: mref(&r.win, 0, 0),
+                        remote: r.g.mref(&r.win, 0, dst_off + 8 * i).unwrap(),
+                        local: r.g.mref(&r.win, 0, 0).unwrap(),
                         len: 8,
                     },
                     FM_NONE,
@@ -991,13 +1086,10 @@ mod tests {
         let bump = || Op::FetchAdd {
             remote: MemRef {
                 addr: r.counters.as_ptr() as u64 + 8,
-                key: r.g.counter_key,
+                key: COUNTER_KEY,
             },
             add: 1,
-            result: MemRef {
-                addr: r.g.sink.as_ptr() as u64 + 8,
-                key: r.g.sink_key,
-            },
+            result: r.g.sink_ref(1),
         };
         // Three WQEs (a put of more than 2 GiB with a signal, in small):
         // more than half the main queue.

@@ -13,10 +13,14 @@ use gin_net::{Fabric, KeepAlive, MemDesc, MemParts};
 /// The fabric, window 0 over `len` bytes, and the memory behind it.
 #[derive(Debug)]
 pub struct Loopback {
+    /// The one-rank fabric.
     pub fabric: Arc<Fabric>,
+    /// Window 0 over the memory.
     pub window: Window,
-    /// The window's region key.
+    /// The window's region key (the fabric's).
     pub key: u32,
+    /// The window's NIC key ([`crate::ids::window_key`]): what WQEs carry.
+    pub nic_key: u32,
     /// The window's memory, also held by the fabric's description of it and
     /// by the window: it outlives every user of either.
     mem: Arc<Box<[AtomicU64]>>,
@@ -69,6 +73,7 @@ impl Loopback {
             fabric,
             window,
             key,
+            nic_key: crate::ids::window_key(0, 0, 1).unwrap_or(0),
             mem,
         }
     }

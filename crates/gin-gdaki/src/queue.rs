@@ -1,22 +1,26 @@
-//! Send-queue bookkeeping: reserve, mark ready, post; and the arithmetic
+//! Send-queue bookkeeping: reserve, fill, post in order; and the arithmetic
 //! that maps 64-bit indices onto the 16-bit WQE counters the NIC uses.
 //!
 //! Indices are u64 and only grow: `resv` (next WQE to hand out), `ready`
-//! (every WQE before it is filled), `posted` (the producer index last
-//! written to the doorbell record) and `done` (every WQE before it has
-//! completed, from CQ polling). The queue holds `size` basic blocks; a
-//! reservation may proceed when `start + n - done <= size`.
+//! (every WQE before it is filled and posted, in reservation order),
+//! `posted` (the producer index last written to the doorbell record) and
+//! `done` (every WQE before it has completed, from CQ polling). The queue
+//! holds `size` basic blocks; a reservation may proceed when
+//! `start + n - done <= size`.
 //!
-//! Sharing modes decide how `ready` advances, as in NCCL's GIN:
-//! - `Thread`: one thread owns the queue; a plain store of `to + 1`.
-//! - `Cta` / `Gpu`: several threads fill disjoint ranges in parallel; each
-//!   marks its range ready with a compare-and-swap from `from` to `to + 1`,
-//!   which succeeds only once every earlier range is ready, so `ready` only
-//!   ever covers filled WQEs.
+//! **The post protocol is the GPU's** (`gdaki.cuh`'s `submit`), so CI runs
+//! what kernels run: a producer reserves with a fetch-add, waits for
+//! credit, fills its slots, then waits until every earlier range is posted
+//! (`ready == start`), writes the doorbell record and rings, and hands over
+//! with `ready = end`. Records are written in reservation order, so the
+//! record never moves backwards and never covers an unfilled WQE, with no
+//! lock. [`Sharing`] says who may hold a turn: with [`Sharing::Thread`] one
+//! thread owns the queue and posts without waiting.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Who may touch a queue concurrently.
+/// Who may touch a queue concurrently: whether a producer must wait for
+/// its turn to post.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Sharing {
     /// One thread.
@@ -28,7 +32,7 @@ pub enum Sharing {
 }
 
 /// Where WQE `idx` sits in a queue of `mask + 1` basic blocks.
-pub fn slot(idx: u64, mask: u64) -> usize {
+pub(crate) fn slot(idx: u64, mask: u64) -> usize {
     (idx & mask) as usize
 }
 
@@ -39,7 +43,7 @@ pub fn has_space(start: u64, n: u64, done: u64, size: u64) -> bool {
 }
 
 /// The 16-bit WQE index the control segment and CQEs carry.
-pub fn wire_index(idx: u64) -> u16 {
+pub(crate) fn wire_index(idx: u64) -> u16 {
     idx as u16
 }
 
@@ -104,11 +108,15 @@ pub fn reached(progress: u64, mark: u64) -> bool {
 /// The shared indices of one send queue.
 #[derive(Debug, Default)]
 pub struct SqIndices {
+    /// The next WQE index to hand out.
     pub resv: AtomicU64,
+    /// Every WQE before it is filled and posted (or held back by doorbell
+    /// batching), in reservation order: the turn to post.
     pub ready: AtomicU64,
+    /// The producer index the doorbell record last received.
     pub posted: AtomicU64,
+    /// Every WQE before it has completed (the device side's CQ polling).
     pub done: AtomicU64,
-    lock: AtomicBool,
 }
 
 impl SqIndices {
@@ -117,45 +125,34 @@ impl SqIndices {
         self.resv.fetch_add(n, Ordering::AcqRel)
     }
 
-    /// Marks `[from, to]` filled. Returns false (and changes nothing) while
-    /// an earlier range is not ready yet in the CAS modes; the caller spins.
-    pub fn try_mark_ready(&self, from: u64, to: u64, mode: Sharing) -> bool {
-        match mode {
-            Sharing::Thread => {
-                self.ready.store(to.wrapping_add(1), Ordering::Release);
-                true
-            }
-            Sharing::Cta | Sharing::Gpu => self
-                .ready
-                .compare_exchange(
-                    from,
-                    to.wrapping_add(1),
-                    Ordering::AcqRel,
-                    Ordering::Acquire,
-                )
-                .is_ok(),
+    /// Posts the filled range `[start, end)` in reservation order: once
+    /// every earlier range is posted (`ready == start`; at once for
+    /// [`Sharing::Thread`]), calls `publish` (write the doorbell record and
+    /// ring, or hold the doorbell back) and hands the turn over
+    /// (`ready = end`, release). Returns false, changing nothing, while an
+    /// earlier range is not posted yet; the caller tries again.
+    pub fn try_post(&self, start: u64, end: u64, mode: Sharing, publish: impl FnOnce()) -> bool {
+        if mode != Sharing::Thread && self.ready.load(Ordering::Acquire) != start {
+            return false;
         }
+        publish();
+        self.ready.store(end, Ordering::Release);
+        true
     }
 
-    /// Advances the producer index to what is ready, under the post lock,
-    /// and calls `ring(pi)` with the new producer index if it moved (to
-    /// write the doorbell record and the doorbell). Posting is a max: a
-    /// thread that finds the index already past its WQEs has nothing to do.
-    pub fn post(&self, ring: impl FnOnce(u64)) {
-        while self
-            .lock
-            .compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed)
-            .is_err()
-        {
-            std::hint::spin_loop();
+    /// Records that the doorbell record now names `pi` (never moving
+    /// `posted` backwards, in the rolling order of [`reached`]).
+    pub fn mark_posted(&self, pi: u64) {
+        let mut cur = self.posted.load(Ordering::Acquire);
+        while !reached(cur, pi) {
+            match self
+                .posted
+                .compare_exchange_weak(cur, pi, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return,
+                Err(now) => cur = now,
+            }
         }
-        let ready = self.ready.load(Ordering::Acquire);
-        let posted = self.posted.load(Ordering::Relaxed);
-        if !reached(posted, ready) {
-            self.posted.store(ready, Ordering::Release);
-            ring(ready);
-        }
-        self.lock.store(false, Ordering::Release);
     }
 }
 
@@ -256,21 +253,22 @@ mod tests {
         assert_eq!(wire_index((1 << 32) + 7), 7);
     }
 
-    /// Many threads reserve ranges, fill them after random delays, and mark
-    /// them ready with the CAS protocol; `ready` must never cover a range
-    /// that is not filled, and must end at the total.
+    /// Many threads reserve ranges, fill them after random delays, and post
+    /// them with the in-order protocol; the producer index a post publishes
+    /// must never cover a WQE that is not filled, must only grow, and must
+    /// end at the total.
     #[test]
-    fn cas_ready_marks_only_filled_prefixes() {
+    fn in_order_posts_publish_only_filled_prefixes_and_never_move_back() {
         use std::sync::Arc;
         use std::sync::atomic::AtomicU8;
         let q = Arc::new(SqIndices::default());
         let total = 4 * 2000u64;
         let filled: Arc<Vec<AtomicU8>> =
             Arc::new((0..total + 8).map(|_| AtomicU8::new(0)).collect());
-        let posted_seen = Arc::new(AtomicU64::new(0));
+        let record = Arc::new(AtomicU64::new(0));
         let hs: Vec<_> = (0..4u64)
             .map(|t| {
-                let (q, filled, posted_seen) = (q.clone(), filled.clone(), posted_seen.clone());
+                let (q, filled, record) = (q.clone(), filled.clone(), record.clone());
                 std::thread::spawn(move || {
                     let mut x = 0x2545_f491_4f6c_dd1d ^ (t + 1);
                     let mut mine = 0;
@@ -280,30 +278,32 @@ mod tests {
                         x ^= x << 17;
                         let n = (x % 3 + 1).min(2000 - mine);
                         let from = q.reserve(n);
-                        let to = from + n - 1;
+                        let end = from + n;
                         if x % 5 == 0 {
                             std::thread::yield_now();
                         }
-                        for i in from..=to {
+                        for i in from..end {
                             filled[i as usize].store(1, Ordering::Release);
                         }
                         // Yield, not spin: on two cores the predecessor we
                         // wait for may be descheduled.
-                        while !q.try_mark_ready(from, to, Sharing::Gpu) {
-                            std::thread::yield_now();
-                        }
-                        q.post(|pi| {
-                            // Everything below the producer index is filled.
-                            let seen = posted_seen.load(Ordering::Relaxed);
-                            for i in seen..pi {
+                        while !q.try_post(from, end, Sharing::Gpu, || {
+                            // Everything below the new producer index is
+                            // filled, and the record only grows.
+                            let seen = record.load(Ordering::Relaxed);
+                            assert!(end > seen, "the record moved from {seen} to {end}");
+                            for i in seen..end {
                                 assert_eq!(
                                     filled[i as usize].load(Ordering::Acquire),
                                     1,
                                     "WQE {i} posted before it was filled"
                                 );
                             }
-                            posted_seen.store(pi, Ordering::Relaxed);
-                        });
+                            record.store(end, Ordering::Relaxed);
+                            q.mark_posted(end);
+                        }) {
+                            std::thread::yield_now();
+                        }
                         mine += n;
                     }
                 })
@@ -314,5 +314,30 @@ mod tests {
         }
         assert_eq!(q.ready.load(Ordering::Acquire), total);
         assert_eq!(q.posted.load(Ordering::Acquire), total);
+        assert_eq!(record.load(Ordering::Acquire), total);
+    }
+
+    /// Out of turn, a post changes nothing; in turn, it publishes and hands
+    /// over; one thread (`Sharing::Thread`) never waits.
+    #[test]
+    fn a_post_out_of_turn_changes_nothing() {
+        let q = SqIndices::default();
+        let (a, b) = (q.reserve(2), q.reserve(3));
+        let mut published = Vec::new();
+        assert!(!q.try_post(b, b + 3, Sharing::Cta, || published.push(b + 3)));
+        assert_eq!(q.ready.load(Ordering::Acquire), 0);
+        assert!(q.try_post(a, a + 2, Sharing::Cta, || published.push(a + 2)));
+        assert!(q.try_post(b, b + 3, Sharing::Cta, || published.push(b + 3)));
+        assert_eq!(published, vec![2, 5]);
+        assert_eq!(q.ready.load(Ordering::Acquire), 5);
+        let t = SqIndices::default();
+        assert!(t.try_post(0, 1, Sharing::Thread, || ()));
+        q.mark_posted(5);
+        q.mark_posted(3);
+        assert_eq!(
+            q.posted.load(Ordering::Acquire),
+            5,
+            "posted never moves back"
+        );
     }
 }

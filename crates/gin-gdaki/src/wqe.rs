@@ -19,22 +19,32 @@ pub const BB: usize = 64;
 /// Bytes in a DS unit.
 pub const DS: usize = 16;
 
+/// Opcode: no operation.
 pub const OP_NOP: u8 = 0x00;
+/// Opcode: RDMA write.
 pub const OP_RDMA_WRITE: u8 = 0x08;
+/// Opcode: WAIT on another CQ (DOCA GPUNetIO).
 pub const OP_WAIT: u8 = 0x0f;
+/// Opcode: RDMA read.
 pub const OP_RDMA_READ: u8 = 0x10;
+/// Opcode: 8-byte atomic compare-and-swap.
 pub const OP_ATOMIC_CS: u8 = 0x11;
+/// Opcode: 8-byte atomic fetch-and-add.
 pub const OP_ATOMIC_FA: u8 = 0x12;
 
 /// `fm_ce_se`: always generate a CQE.
 pub const CQ_UPDATE: u8 = 2 << 2;
 /// `fm_ce_se`: solicited event.
 pub const SOLICITED: u8 = 1 << 1;
-/// Fence modes (bits 7:5 of `fm_ce_se`).
+/// Fence mode (bits 7:5 of `fm_ce_se`): none.
 pub const FM_NONE: u8 = 0;
+/// Fence mode: initiator small fence.
 pub const FM_INITIATOR_SMALL: u8 = 1 << 5;
+/// Fence mode: fence (wait for earlier reads and atomics).
 pub const FM_FENCE: u8 = 2 << 5;
+/// Fence mode: strong ordering (after every earlier WQE of the QP).
 pub const FM_STRONG_ORDERING: u8 = 3 << 5;
+/// Fence mode: fence and initiator small fence.
 pub const FM_FENCE_AND_SMALL: u8 = 4 << 5;
 /// Inline segment marker in the byte-count word.
 pub const INLINE_SEG: u32 = 0x8000_0000;
@@ -46,48 +56,68 @@ pub const MAX_TRANSFER: u64 = 1 << 30;
 /// A memory reference: address and key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemRef {
+    /// The address, as the memory's owner names it.
     pub addr: u64,
+    /// The memory key (lkey or rkey).
     pub key: u32,
 }
 
 /// The work requests gin-rs builds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Op {
+    /// Nothing (completes at once).
     Nop,
     /// Write `len` bytes from `local` to `remote`.
     Write {
+        /// Where the bytes go.
         remote: MemRef,
+        /// Where they come from.
         local: MemRef,
+        /// Bytes.
         len: u32,
     },
     /// Write bytes carried in the WQE.
     WriteInline {
+        /// Where the bytes go.
         remote: MemRef,
+        /// The bytes (at most [`MAX_INLINE`]).
         data: Vec<u8>,
     },
     /// Read `len` bytes from `remote` into `local`.
     Read {
+        /// Where the bytes come from.
         remote: MemRef,
+        /// Where they land.
         local: MemRef,
+        /// Bytes.
         len: u32,
     },
     /// 8-byte fetch-and-add at `remote`; the old value lands at `result`.
     FetchAdd {
+        /// The 8 bytes added to.
         remote: MemRef,
+        /// What is added.
         add: u64,
+        /// Where the old value lands (big-endian).
         result: MemRef,
     },
     /// 8-byte compare-and-swap at `remote`; the old value lands at `result`.
     CompareSwap {
+        /// The 8 bytes compared and swapped.
         remote: MemRef,
+        /// The value expected there.
         compare: u64,
+        /// The value stored if it is there.
         swap: u64,
+        /// Where the old value lands (big-endian).
         result: MemRef,
     },
     /// Stall this queue until completion queue `cqn` has produced the CQE of
     /// WQE index `max_index` (a 16-bit index zero-extended).
     Wait {
+        /// The awaited WQE index (16 bits, zero-extended).
         max_index: u32,
+        /// The CQ whose completion is awaited.
         cqn: u32,
     },
 }
@@ -95,9 +125,13 @@ pub enum Op {
 /// A decoded WQE.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Wqe {
+    /// The operation.
     pub op: Op,
+    /// The 16-bit WQE index the control segment carries.
     pub index: u16,
+    /// The QP number it carries.
     pub qpn: u32,
+    /// Fence mode, completion and solicited-event flags.
     pub fm_ce_se: u8,
 }
 
@@ -127,13 +161,17 @@ fn data(b: &mut [u8], at: usize, m: MemRef, len: u32) {
 
 /// Why a WQE cannot be built.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum BuildError {
+    /// An inline payload longer than [`MAX_INLINE`] bytes.
     #[error("inline payload of {0} bytes exceeds {MAX_INLINE}")]
     InlineTooLarge(usize),
     #[error(
         "transfer of {0} bytes exceeds the {MAX_TRANSFER}-byte WQE limit (bit 31 is the inline flag)"
     )]
+    /// A transfer longer than [`MAX_TRANSFER`] bytes.
     TooLong(u64),
+    /// A QP number wider than 24 bits.
     #[error("QP number {0:#x} does not fit 24 bits")]
     Qpn(u32),
 }
@@ -217,15 +255,31 @@ pub fn doorbell(pi: u16, qpn: u32) -> u64 {
 /// Why a basic block is not a WQE gin-rs's NIC executes (a real NIC would
 /// report most of these as a local QP operation error).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum ParseError {
+    /// An opcode this NIC does not execute.
     #[error("unsupported opcode {0:#04x}")]
     Opcode(u8),
+    /// A DS count that does not match the opcode.
     #[error("opcode {opcode:#04x} with {ds} DS units (expected {want})")]
-    Ds { opcode: u8, ds: u8, want: u8 },
+    Ds {
+        /// The opcode.
+        opcode: u8,
+        /// The DS count found.
+        ds: u8,
+        /// The DS count expected.
+        want: u8,
+    },
+    /// An opcode modifier other than 0.
     #[error("opmod {0:#04x} is not supported")]
     Opmod(u8),
+    /// An inline segment where a pointer segment belongs, or the reverse.
     #[error("data segment of the wrong kind (inline flag {inline})")]
-    SegmentKind { inline: bool },
+    SegmentKind {
+        /// Whether the segment found was inline.
+        inline: bool,
+    },
+    /// An inline length that does not fit the DS count.
     #[error("inline payload of {0} bytes does not fit its DS count")]
     InlineLength(u32),
 }

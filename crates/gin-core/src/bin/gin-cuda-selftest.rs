@@ -133,11 +133,18 @@ impl Kernels<'_> {
     }
 }
 
+/// The scenarios' requirements; `GIN_SELFTEST_QUEUE_DEPTH` runs them with
+/// another queue depth (the backends' shallowest queues wrap constantly).
 fn req() -> DevCommRequirements {
+    let d = DevCommRequirements::default();
     DevCommRequirements {
         signals: 8,
         counters: 4,
-        ..DevCommRequirements::default()
+        queue_depth: std::env::var("GIN_SELFTEST_QUEUE_DEPTH")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(d.queue_depth),
+        ..d
     }
 }
 

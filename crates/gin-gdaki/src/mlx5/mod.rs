@@ -22,37 +22,65 @@ pub const LIBRARY: &str = "libmlx5.so.1";
 /// An mlx5 device as `ibv_query_device` describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mlx5Device {
+    /// The RDMA device name (`mlx5_0`).
     pub name: String,
+    /// Its firmware version.
     pub firmware: String,
+    /// Its vendor part id.
     pub vendor_part: u32,
+    /// Physical ports.
     pub ports: u8,
+    /// The most QPs it supports.
     pub max_qp: i32,
+    /// The most work requests a QP holds.
     pub max_qp_wr: i32,
 }
 
 /// Why the hardware path cannot be used here.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum HwError {
+    /// The library cannot be loaded.
     #[error(
         "cannot load {LIBRARY} (rdma-core's mlx5 provider, Debian package ibverbs-providers): {why}"
     )]
-    Library { why: String },
-    #[error("rdma-core cannot list RDMA devices ({why}): this host has no RDMA driver loaded")]
-    List { why: String },
-    #[error("no RDMA devices on this host ({LIBRARY} loaded, ibv_get_device_list found none)")]
-    NoDevices,
-    #[error("RDMA devices {found:?} are present, but none is an mlx5 (ConnectX) device")]
-    NotMlx5 { found: Vec<String> },
-    #[error("cannot {what} RDMA device {device}: {why}")]
-    Device {
-        what: &'static str,
-        device: String,
+    Library {
+        /// What the loader said.
         why: String,
     },
+    /// The library cannot list devices.
+    #[error("rdma-core cannot list RDMA devices ({why}): this host has no RDMA driver loaded")]
+    List {
+        /// What rdma-core said.
+        why: String,
+    },
+    /// No RDMA device at all.
+    #[error("no RDMA devices on this host ({LIBRARY} loaded, ibv_get_device_list found none)")]
+    NoDevices,
+    /// RDMA devices, none of them mlx5.
+    #[error("RDMA devices {found:?} are present, but none is an mlx5 (ConnectX) device")]
+    NotMlx5 {
+        /// The devices found.
+        found: Vec<String>,
+    },
+    /// A device that cannot be opened or queried.
+    #[error("cannot {what} RDMA device {device}: {why}")]
+    Device {
+        /// What failed (`open`, `query`).
+        what: &'static str,
+        /// The device.
+        device: String,
+        /// What rdma-core said.
+        why: String,
+    },
+    /// mlx5 devices, on which gin-rs cannot create queues yet.
     #[error(
         "mlx5 devices {found:?} are present, but gin-rs does not create devx queues on them yet; the soft NIC (GIN_NIC=soft) runs the same WQEs"
     )]
-    NotBuilt { found: Vec<String> },
+    NotBuilt {
+        /// The mlx5 devices found.
+        found: Vec<String>,
+    },
 }
 
 /// Loads rdma-core and describes every mlx5 device of this host.
