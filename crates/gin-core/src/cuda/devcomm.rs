@@ -623,6 +623,9 @@ impl CudaDevComm<'_, '_> {
                     }
                 }
             }
+            // Watching a running kernel, not synchronising: the driver has
+            // no wait that also wakes on a peer's death, so poll the stream
+            // (and, each millisecond, the job's health) with a short pause.
             std::thread::sleep(Duration::from_micros(20));
         }
         if cause.is_some() {
