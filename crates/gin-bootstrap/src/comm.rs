@@ -30,8 +30,10 @@ use crate::root::BootstrapRoot;
 /// Tags with this bit set belong to collectives; user tags never have it.
 pub(crate) const COLLECTIVE_TAG: u64 = 1 << 63;
 
-/// How long a rank whose connection to a peer just failed waits for news of
-/// the failure's cause (see [`Shared::cause_of`]).
+/// How long a rank waits for what is already on its way once something went
+/// wrong: news of the cause of a failed connection (see
+/// [`Shared::cause_of`]), and messages peers sent before a death became
+/// known here (see [`Bootstrap::recv_tagged`]).
 const CAUSE_GRACE: Duration = Duration::from_secs(2);
 
 /// A rank's endpoint in the job's bootstrap network.
@@ -76,6 +78,13 @@ struct State {
     connected: Vec<bool>,
     /// The first failure of a peer this rank heard of.
     dead: Option<Failure>,
+    /// When this rank heard of it.
+    dead_at: Option<Instant>,
+    /// Each peer's own failure, where it has one.
+    failed: Vec<Option<Failure>>,
+    /// The peer's sending connection to this rank has ended (goodbye, end
+    /// of stream or error): everything it sent is in its mailbox.
+    drained: Vec<bool>,
     root_lost: Option<String>,
     incoming: Vec<TcpStream>,
     closing: bool,
@@ -115,8 +124,16 @@ impl State {
             closed: vec![false; nranks],
             left: vec![false; nranks],
             connected: vec![false; nranks],
+            failed: vec![None; nranks],
+            drained: vec![false; nranks],
             ..Self::default()
         }
+    }
+
+    /// Whether everything `peer` sent to this rank before it failed has
+    /// arrived: its connection has ended, or it never made one.
+    fn delivered(&self, peer: usize) -> bool {
+        self.drained[peer] || !self.connected[peer]
     }
 
     /// Whether `peer` can send nothing more: it said goodbye on its
@@ -147,36 +164,57 @@ impl Shared {
 
     fn mark_failed(&self, peer: usize, how: How, why: String) {
         let mut st = self.lock();
-        if st.dead.is_none() && !st.closing {
-            match how {
-                How::Died => warn!(rank = self.rank, peer, %why, "peer died"),
-                How::Stuck => warn!(rank = self.rank, peer, %why, "peer stopped responding"),
+        if !st.closing {
+            let f = Failure { peer, how, why };
+            if st.failed[peer].is_none() {
+                st.failed[peer] = Some(f.clone());
             }
-            st.dead = Some(Failure { peer, how, why });
+            if st.dead.is_none() {
+                match how {
+                    How::Died => warn!(rank = self.rank, peer, why = %f.why, "peer died"),
+                    How::Stuck => {
+                        warn!(rank = self.rank, peer, why = %f.why, "peer stopped responding");
+                    }
+                }
+                st.dead = Some(f);
+                st.dead_at = Some(Instant::now());
+            }
         }
         drop(st);
         self.cv.notify_all();
     }
 
-    /// Fails if the job is already broken: a dead peer or a lost root.
-    fn check_alive(&self, st: &State, op: &str) -> Result<(), BootstrapError> {
-        if let Some(f) = &st.dead {
-            let (rank, op, peer, why) = (self.rank, op.to_owned(), f.peer, f.why.clone());
-            return Err(match f.how {
-                How::Died => BootstrapError::PeerDied {
-                    rank,
-                    op,
-                    peer,
-                    why,
-                },
-                How::Stuck => BootstrapError::PeerUnresponsive {
-                    rank,
-                    op,
-                    peer,
-                    why,
-                },
-            });
+    /// The error for `f`, seen by this rank in `op`.
+    fn failure_error(&self, f: &Failure, op: &str) -> BootstrapError {
+        let (rank, op, peer, why) = (self.rank, op.to_owned(), f.peer, f.why.clone());
+        match f.how {
+            How::Died => BootstrapError::PeerDied {
+                rank,
+                op,
+                peer,
+                why,
+            },
+            How::Stuck => BootstrapError::PeerUnresponsive {
+                rank,
+                op,
+                peer,
+                why,
+            },
         }
+    }
+
+    /// Fails if `peer` itself died or stopped, or the root was lost: what a
+    /// send to `peer` cannot go on without. Another rank's death does not
+    /// stop it: `peer` still drains its connections, and may need the
+    /// message to finish what the dead rank completed.
+    fn check_peer_alive(&self, st: &State, peer: usize, op: &str) -> Result<(), BootstrapError> {
+        if let Some(f) = &st.failed[peer] {
+            return Err(self.failure_error(f, op));
+        }
+        self.check_root(st, op)
+    }
+
+    fn check_root(&self, st: &State, op: &str) -> Result<(), BootstrapError> {
         if let Some(why) = &st.root_lost {
             return Err(BootstrapError::RootLost {
                 rank: self.rank,
@@ -185,6 +223,14 @@ impl Shared {
             });
         }
         Ok(())
+    }
+
+    /// Fails if the job is already broken: a dead peer or a lost root.
+    fn check_alive(&self, st: &State, op: &str) -> Result<(), BootstrapError> {
+        if let Some(f) = &st.dead {
+            return Err(self.failure_error(f, op));
+        }
+        self.check_root(st, op)
     }
 
     /// A connection to a peer that fails is often a symptom: the peer is
@@ -451,7 +497,8 @@ impl Bootstrap {
         op: &str,
     ) -> Result<(), BootstrapError> {
         self.check_peer(peer)?;
-        self.shared.check_alive(&self.shared.lock(), op)?;
+        self.shared
+            .check_peer_alive(&self.shared.lock(), peer, op)?;
         if peer == self.rank {
             self.shared.lock().mail[peer].push_back((tag, payload.to_vec()));
             self.shared.cv.notify_all();
@@ -485,10 +532,11 @@ impl Bootstrap {
         let stream = slot.as_mut().expect("dialed above");
         let start = Instant::now();
         let deadline = start + self.config.timeout;
-        // Every wait on a full socket ends at the deadline or at news of a
-        // broken job, whichever comes first.
+        // Every wait on a full socket ends at the deadline or at news that
+        // `peer` failed, whichever comes first.
         let written = write_all_checked(stream, &bytes, |sent| {
-            self.shared.check_alive(&self.shared.lock(), op)?;
+            self.shared
+                .check_peer_alive(&self.shared.lock(), peer, op)?;
             if Instant::now() >= deadline {
                 return Err(BootstrapError::Timeout {
                     rank: self.rank,
@@ -614,6 +662,13 @@ impl Bootstrap {
     }
 
     /// Receives the first message from `peer` with a raw tag.
+    ///
+    /// What a peer sent is delivered even when a death is known: a message
+    /// already filed, the messages a dead peer sent before it died (once its
+    /// connection has drained), and, for [`CAUSE_GRACE`] after the death
+    /// became known here, messages still on their way from live peers. So a
+    /// rank that dies right after finishing a collective does not fail the
+    /// peers still finishing it. After that the call fails naming the death.
     pub(crate) fn recv_tagged(
         &self,
         peer: usize,
@@ -623,18 +678,33 @@ impl Bootstrap {
     ) -> Result<Vec<u8>, BootstrapError> {
         self.check_peer(peer)?;
         let start = Instant::now();
+        let grace = self.cause_grace();
         let mut st = self.shared.lock();
         loop {
-            self.shared.check_alive(&st, op)?;
             if let Some(i) = st.mail[peer].iter().position(|(t, _)| *t == tag) {
                 return Ok(st.mail[peer].remove(i).expect("index found above").1);
             }
+            self.shared.check_root(&st, op)?;
+            if let Some(f) = &st.failed[peer]
+                && st.delivered(peer)
+            {
+                return Err(self.shared.failure_error(f, op));
+            }
             if st.finished(peer) {
+                self.shared.check_alive(&st, op)?;
                 return Err(BootstrapError::PeerClosed {
                     rank: self.rank,
                     op: op.to_owned(),
                     peer,
                 });
+            }
+            let mut wake = deadline;
+            if let Some(at) = st.dead_at {
+                let settled = at + grace;
+                if Instant::now() >= settled {
+                    self.shared.check_alive(&st, op)?;
+                }
+                wake = wake.min(settled);
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -649,12 +719,13 @@ impl Bootstrap {
                 // The peer may itself be waiting on a rank that stopped or
                 // died: news of that is the better answer, and it is on
                 // its way when the peer's own sends to that rank time out.
-                return Err(self.shared.cause_of(op, timeout, self.cause_grace(), None));
+                return Err(self.shared.cause_of(op, timeout, grace, None));
             }
+            let nap = wake.saturating_duration_since(Instant::now());
             st = self
                 .shared
                 .cv
-                .wait_timeout(st, left)
+                .wait_timeout(st, nap.max(Duration::from_millis(1)))
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .0;
         }
@@ -671,6 +742,25 @@ impl Bootstrap {
         let st = self.shared.lock();
         self.shared.check_alive(&st, "health check")?;
         if let Some(peer) = st.first_left {
+            return Err(BootstrapError::PeerExited {
+                rank: self.rank,
+                op: "health check".into(),
+                peer,
+            });
+        }
+        Ok(())
+    }
+
+    /// Fails if `peer` itself died, stopped responding or left the job, or
+    /// the root was lost; never blocks. Unlike [`Bootstrap::health`], another
+    /// rank's failure is not `peer`'s: a caller that masks lost peers (and
+    /// goes on with the rest) asks this about the peer it waits on, so a
+    /// second loss is seen even after a first.
+    pub fn peer_health(&self, peer: usize) -> Result<(), BootstrapError> {
+        self.check_peer(peer)?;
+        let st = self.shared.lock();
+        self.shared.check_peer_alive(&st, peer, "health check")?;
+        if st.left[peer] {
             return Err(BootstrapError::PeerExited {
                 rank: self.rank,
                 op: "health check".into(),
@@ -785,8 +875,15 @@ fn spawn_acceptor(
     Ok(())
 }
 
-/// Files a peer's messages into its mailbox until it says goodbye or vanishes.
+/// Files a peer's messages into its mailbox until it says goodbye or
+/// vanishes, then records that everything it sent has arrived.
 fn read_peer(s: &mut TcpStream, peer: usize, shared: &Shared, max_frame: usize) {
+    file_frames(s, peer, shared, max_frame);
+    shared.lock().drained[peer] = true;
+    shared.cv.notify_all();
+}
+
+fn file_frames(s: &mut TcpStream, peer: usize, shared: &Shared, max_frame: usize) {
     if let Ok(c) = s.try_clone() {
         shared.lock().incoming.push(c);
     }

@@ -76,6 +76,26 @@ fn a_rank_killed_mid_allgather_fails_the_others_promptly() {
     }
 }
 
+/// What a rank sent before it died, and what live ranks send after the
+/// others heard of the death, is delivered; only what can never come fails.
+/// (A rank that crashes right after a collective must not fail the peers
+/// still finishing it: they may need exactly these messages.)
+#[test]
+fn messages_sent_before_and_after_a_death_are_delivered() {
+    let report = launch(&spec(3, &["last-words"], "60")).unwrap();
+    assert!(!report.ranks[2].success());
+    for r in report.ranks.iter().filter(|r| r.rank != 2) {
+        assert!(
+            r.success() && r.stdout.contains("ok") && r.stdout.contains("rank 2 died"),
+            "rank {}: {:?}\n{}{}",
+            r.rank,
+            r.status,
+            r.stdout,
+            r.stderr
+        );
+    }
+}
+
 /// The seconds a survivor spent in its failed allgather, from the line the
 /// selftest prints.
 fn seconds_in_allgather(stdout: &str) -> Option<f64> {

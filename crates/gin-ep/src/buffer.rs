@@ -372,18 +372,16 @@ impl<'c> Buffer<'c> {
             if !spins.is_multiple_of(64) {
                 continue;
             }
-            let lost = match self.comm.bootstrap().health() {
+            // This peer's own health: a second rank lost after a first is
+            // seen too.
+            let lost = match self.comm.bootstrap().peer_health(peer) {
                 Err(
-                    BootstrapError::PeerDied {
-                        peer: p, ref why, ..
-                    }
-                    | BootstrapError::PeerUnresponsive {
-                        peer: p, ref why, ..
-                    },
-                ) if p == peer => Some(why.clone()),
-                Err(BootstrapError::PeerExited { peer: p, .. }) if p == peer => {
-                    Some("it left the job".to_owned())
-                }
+                    BootstrapError::PeerDied { ref why, .. }
+                    | BootstrapError::PeerUnresponsive { ref why, .. },
+                ) => Some(why.clone()),
+                Err(BootstrapError::PeerExited { .. }) => Some("it left the job".to_owned()),
+                // The job's death watch is gone: no peer can be judged.
+                Err(e @ BootstrapError::RootLost { .. }) => return Err(e.into()),
                 _ => None,
             };
             let waited = start.elapsed();
