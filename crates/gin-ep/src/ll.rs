@@ -306,7 +306,11 @@ impl Buffer<'_> {
 
     /// An operation's outcome: under [`crate::OnPeerLoss::Mask`] a failure
     /// masks the peer, otherwise it is the step's error.
-    fn sent(&mut self, r: Result<(), gin_core::GinError>, peer: usize) -> Result<(), EpError> {
+    pub(crate) fn sent(
+        &mut self,
+        r: Result<(), gin_core::GinError>,
+        peer: usize,
+    ) -> Result<(), EpError> {
         match r {
             Ok(()) => Ok(()),
             Err(_) if self.policy == crate::OnPeerLoss::Mask && peer != self.rank => {
