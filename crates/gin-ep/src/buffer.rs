@@ -105,6 +105,9 @@ pub struct Buffer<'c> {
     /// Contexts of the device communicator (high-throughput: one per
     /// channel).
     pub(crate) contexts: u32,
+    /// High-throughput mode: per context, the puts counted for local
+    /// completion so far (see `settle`).
+    pub(crate) issued: Vec<u64>,
     /// High-throughput mode: threads the channels run on.
     pub(crate) threads: usize,
     /// High-throughput mode: notify rounds so far (their parity picks the
@@ -203,6 +206,7 @@ impl<'c> Buffer<'c> {
             phase: Phase::Idle,
             seen: vec![0; signals as usize * contexts as usize],
             contexts,
+            issued: vec![0; contexts as usize],
             threads: 1,
             ht_rounds: 0,
             wins,
@@ -341,7 +345,12 @@ impl<'c> Buffer<'c> {
     pub(crate) fn settle(&mut self) -> Result<(), EpError> {
         if self.unflushed {
             for c in 0..self.contexts {
-                self.dc.ctx(c)?.flush()?;
+                if self.cfg.mode == Mode::HighThroughput {
+                    let issued = self.issued[c as usize];
+                    crate::ht::complete(&self.dc, c, issued, self.timeout, self.rank)?;
+                } else {
+                    self.dc.ctx(c)?.flush()?;
+                }
             }
             self.unflushed = false;
         }
@@ -440,6 +449,16 @@ impl<'c> Buffer<'c> {
                 },
             });
         }
+    }
+
+    /// Whether the bootstrap reports `peer` dead, unresponsive or gone.
+    pub(crate) fn bootstrap_lost(&self, peer: usize) -> bool {
+        matches!(
+            self.comm.bootstrap().health(),
+            Err(BootstrapError::PeerDied { peer: p, .. }
+                | BootstrapError::PeerUnresponsive { peer: p, .. }
+                | BootstrapError::PeerExited { peer: p, .. }) if p == peer
+        )
     }
 
     pub(crate) fn mask_lost(&mut self, peer: usize) {

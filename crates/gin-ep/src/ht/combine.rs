@@ -12,9 +12,9 @@
 
 use std::ops::Range;
 
-use gin_core::{Local, Remote};
+use gin_core::Remote;
 
-use super::lane::{FwdBlock, Lane, Shared};
+use super::lane::{FwdBlock, Lane, Shared, Xfer, complete};
 use super::plan::{CGET, CHUNK, CRDMA, CSEND, CSTAGE, STAGE};
 use crate::error::EpError;
 use crate::layout::{Layout, NONE};
@@ -37,6 +37,7 @@ pub(crate) struct CombineLane<'a> {
     sh: &'a Shared<'a>,
     ch: usize,
     seen: &'a mut [u64],
+    issued: &'a mut u64,
     blocks: &'a [FwdBlock],
     blk: usize,
     pos: u32,
@@ -58,6 +59,7 @@ impl<'a> CombineLane<'a> {
         sh: &'a Shared<'a>,
         ch: usize,
         seen: &'a mut [u64],
+        issued: &'a mut u64,
         blocks: &'a [FwdBlock],
         lay: &'a Layout,
         out: &'a mut [u8],
@@ -67,6 +69,7 @@ impl<'a> CombineLane<'a> {
             sh,
             ch,
             seen,
+            issued,
             blocks,
             blk: 0,
             pos: 0,
@@ -130,19 +133,17 @@ impl<'a> CombineLane<'a> {
         let Some(run) = self.run.take() else {
             return Ok(());
         };
-        let (sh, h2) = (self.sh, self.sh.s.h2);
-        let w = sh.mem.wins;
-        sh.dc.ctx(self.ch as u32)?.put(
-            run.to,
-            &w[CRDMA],
-            run.dst_off as u64,
-            &w[run.win],
-            run.src_off as u64,
-            (run.n * h2) as u64,
-            Remote::signal_add(sh.s.ctail(sh.host()), run.n as u64),
-            Local::None,
-        )?;
-        Ok(())
+        let sh = self.sh;
+        let x = Xfer {
+            peer: run.to,
+            dst: CRDMA,
+            dst_off: run.dst_off,
+            src: run.win,
+            src_off: run.src_off,
+            len: run.n * sh.s.h2,
+        };
+        let signal = Remote::signal_add(sh.s.ctail(sh.host()), run.n as u64);
+        sh.put(self.ch, self.issued, x, signal)
     }
 
     /// Adds one row to the pending run, or issues it and starts another.
@@ -202,7 +203,7 @@ impl<'a> CombineLane<'a> {
                     // Every staging row is in use: complete the puts reading
                     // them before rewriting.
                     self.issue()?;
-                    sh.dc.ctx(self.ch as u32)?.flush()?;
+                    complete(sh.dc, self.ch as u32, *self.issued, sh.timeout, sh.rank)?;
                     self.staged = 0;
                 }
                 let g = (self.ch * STAGE + self.staged) * s.h2;

@@ -23,7 +23,7 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use gin_bootstrap::BootstrapError;
-use gin_core::{Comm, DevComm, Local, Remote};
+use gin_core::{Comm, CounterId, DevComm, Local, Remote};
 
 use super::mem::Mem;
 use super::plan::{CHUNK, MIN, Plan, RECVM, RECVX, RINGM, RINGX, Shape, XIN};
@@ -50,7 +50,43 @@ pub(crate) struct Shared<'a> {
     pub(crate) direct: Vec<bool>,
 }
 
+/// One put: `len` bytes from window `src` at `src_off` here to window `dst`
+/// at `dst_off` of `peer`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Xfer {
+    pub(crate) peer: usize,
+    pub(crate) dst: usize,
+    pub(crate) dst_off: usize,
+    pub(crate) src: usize,
+    pub(crate) src_off: usize,
+    pub(crate) len: usize,
+}
+
 impl Shared<'_> {
+    /// Issues `x` on context `ch`, counted for local completion (see
+    /// [`complete`]).
+    pub(crate) fn put(
+        &self,
+        ch: usize,
+        issued: &mut u64,
+        x: Xfer,
+        remote: Remote<'_>,
+    ) -> Result<(), EpError> {
+        let w = self.mem.wins;
+        self.dc.ctx(ch as u32)?.put(
+            x.peer,
+            &w[x.dst],
+            x.dst_off as u64,
+            &w[x.src],
+            x.src_off as u64,
+            x.len as u64,
+            remote,
+            Local::CounterInc(CounterId(0)),
+        )?;
+        *issued += 1;
+        Ok(())
+    }
+
     pub(crate) fn host(&self) -> usize {
         self.rank / self.s.l
     }
@@ -209,6 +245,57 @@ fn stalled<L: Lane>(
     Ok(())
 }
 
+/// Waits until the `issued` puts counted on context `ctx` completed locally
+/// (their sources may be rewritten). It polls the completion counter
+/// rather than waiting in the device API, whose waits fail once any rank of
+/// the job died: survivors that masked a lost rank must still complete
+/// their own puts. Bounded by `timeout`.
+pub(crate) fn complete(
+    dc: &DevComm,
+    ctx: u32,
+    issued: u64,
+    timeout: Duration,
+    rank: usize,
+) -> Result<(), EpError> {
+    const MASK: u64 = (1 << 56) - 1;
+    let c = dc.ctx(ctx)?;
+    let done = |v: u64| v.wrapping_sub(issued) & MASK < 1 << 55;
+    let mut v = c.read_counter(0)?;
+    if done(v) {
+        return Ok(());
+    }
+    // A batching backend may hold the puts: ring its doorbells.
+    let s = c.read_signal(0)?;
+    c.wait_signal_for(0, s, Duration::from_secs(1))?;
+    let start = Instant::now();
+    let mut spins = 0u32;
+    while !done(v) {
+        spins = spins.wrapping_add(1);
+        if spins < 64 {
+            std::hint::spin_loop();
+        } else {
+            let waited = start.elapsed();
+            if waited >= timeout {
+                return Err(EpError::Timeout {
+                    rank,
+                    peer: rank,
+                    what: format!("local completion of its puts on context {ctx}"),
+                    last: v,
+                    expected: issued & MASK,
+                    waited,
+                });
+            }
+            if waited < Duration::from_micros(200) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(20));
+            }
+        }
+        v = c.read_counter(0)?;
+    }
+    Ok(())
+}
+
 /// This rank's inputs to one dispatch.
 #[derive(Debug)]
 pub(crate) struct DispatchIn<'a> {
@@ -265,6 +352,7 @@ pub(crate) struct DispatchLane<'a> {
     inp: &'a DispatchIn<'a>,
     ch: usize,
     seen: &'a mut [u64],
+    issued: &'a mut u64,
     range: Range<usize>,
     staged: usize,
     sends: Vec<SendTo>,
@@ -284,6 +372,7 @@ impl<'a> DispatchLane<'a> {
         inp: &'a DispatchIn<'a>,
         ch: usize,
         seen: &'a mut [u64],
+        issued: &'a mut u64,
     ) -> Self {
         let (s, plan, me) = (&sh.s, sh.plan, sh.rank);
         let range = s.chan_range(inp.lay.tokens, ch);
@@ -327,6 +416,7 @@ impl<'a> DispatchLane<'a> {
             inp,
             ch,
             seen,
+            issued,
             staged: range.start,
             local_cursor: range.start,
             range,
@@ -441,26 +531,31 @@ impl<'a> DispatchLane<'a> {
             } else {
                 (RINGX, RINGM)
             };
-            let w = sh.mem.wins;
-            ctx.put(
-                fwd,
-                &w[wx],
-                (slot * s.p) as u64,
-                &w[XIN],
-                (t0 * s.p) as u64,
-                (n * s.p) as u64,
+            sh.put(
+                self.ch,
+                self.issued,
+                Xfer {
+                    peer: fwd,
+                    dst: wx,
+                    dst_off: slot * s.p,
+                    src: XIN,
+                    src_off: t0 * s.p,
+                    len: n * s.p,
+                },
                 Remote::None,
-                Local::None,
             )?;
-            ctx.put(
-                fwd,
-                &w[wm],
-                (slot * s.mm) as u64,
-                &w[MIN],
-                (t0 * s.mm) as u64,
-                (n * s.mm) as u64,
+            sh.put(
+                self.ch,
+                self.issued,
+                Xfer {
+                    peer: fwd,
+                    dst: wm,
+                    dst_off: slot * s.mm,
+                    src: MIN,
+                    src_off: t0 * s.mm,
+                    len: n * s.mm,
+                },
                 Remote::signal_add(sig, n as u64),
-                Local::None,
             )?;
             if !direct {
                 self.sends[i].ring += n as u64;
@@ -476,8 +571,6 @@ impl<'a> DispatchLane<'a> {
     fn local_writes(&mut self, budget: usize) -> Result<bool, EpError> {
         let (sh, lay) = (self.sh, self.inp.lay);
         let (s, me, plan) = (&sh.s, sh.rank, sh.plan);
-        let ctx = sh.dc.ctx(self.ch as u32)?;
-        let w = sh.mem.wins;
         let mut done = 0;
         while self.local_cursor < self.range.end && done < budget {
             let t = self.local_cursor;
@@ -502,25 +595,31 @@ impl<'a> DispatchLane<'a> {
                     sh.mem
                         .write(RECVM, dst, j * s.mm, sh.mem.bytes(MIN, me, t * s.mm, s.mm)?)?;
                 } else {
-                    ctx.put(
-                        dst,
-                        &w[RECVX],
-                        (j * s.p) as u64,
-                        &w[XIN],
-                        (t * s.p) as u64,
-                        s.p as u64,
+                    sh.put(
+                        self.ch,
+                        self.issued,
+                        Xfer {
+                            peer: dst,
+                            dst: RECVX,
+                            dst_off: j * s.p,
+                            src: XIN,
+                            src_off: t * s.p,
+                            len: s.p,
+                        },
                         Remote::None,
-                        Local::None,
                     )?;
-                    ctx.put(
-                        dst,
-                        &w[RECVM],
-                        (j * s.mm) as u64,
-                        &w[MIN],
-                        (t * s.mm) as u64,
-                        s.mm as u64,
+                    sh.put(
+                        self.ch,
+                        self.issued,
+                        Xfer {
+                            peer: dst,
+                            dst: RECVM,
+                            dst_off: j * s.mm,
+                            src: MIN,
+                            src_off: t * s.mm,
+                            len: s.mm,
+                        },
                         Remote::None,
-                        Local::None,
                     )?;
                 }
                 self.delivered[dl] += 1;
@@ -573,7 +672,7 @@ impl<'a> DispatchLane<'a> {
                 if avail > 0 {
                     // Credits go back once no put reads the slots any more.
                     if put {
-                        ctx.flush()?;
+                        complete(sh.dc, self.ch as u32, *self.issued, sh.timeout, me)?;
                     }
                     ctx.signal(src, Remote::signal_add(s.head(me), avail))?;
                     moved = true;
@@ -671,27 +770,31 @@ impl<'a> DispatchLane<'a> {
                     .write(RECVX, dst, j * s.p, sh.mem.bytes(xw, me, slot * s.p, s.p)?)?;
                 sh.mem.write(RECVM, dst, j * s.mm, meta)?;
             } else {
-                let ctx = sh.dc.ctx(self.ch as u32)?;
-                let w = sh.mem.wins;
-                ctx.put(
-                    dst,
-                    &w[RECVX],
-                    (j * s.p) as u64,
-                    &w[xw],
-                    (slot * s.p) as u64,
-                    s.p as u64,
+                sh.put(
+                    self.ch,
+                    self.issued,
+                    Xfer {
+                        peer: dst,
+                        dst: RECVX,
+                        dst_off: j * s.p,
+                        src: xw,
+                        src_off: slot * s.p,
+                        len: s.p,
+                    },
                     Remote::None,
-                    Local::None,
                 )?;
-                ctx.put(
-                    dst,
-                    &w[RECVM],
-                    (j * s.mm) as u64,
-                    &w[mw],
-                    (slot * s.mm) as u64,
-                    s.mm as u64,
+                sh.put(
+                    self.ch,
+                    self.issued,
+                    Xfer {
+                        peer: dst,
+                        dst: RECVM,
+                        dst_off: j * s.mm,
+                        src: mw,
+                        src_off: slot * s.mm,
+                        len: s.mm,
+                    },
                     Remote::None,
-                    Local::None,
                 )?;
                 put = true;
             }

@@ -45,6 +45,7 @@ mod plan;
 
 use gin_core::Remote;
 
+pub(crate) use lane::complete;
 pub(crate) use plan::{CGET, cget_bytes, resources};
 
 use self::combine::CombineLane;
@@ -250,9 +251,9 @@ impl Buffer<'_> {
         let lanes: Vec<DispatchLane<'_>> = self
             .seen
             .chunks_mut(nsig)
-            .take(s.chans)
+            .zip(self.issued.iter_mut())
             .enumerate()
-            .map(|(ch, seen)| DispatchLane::new(&sh, &inp, ch, seen))
+            .map(|(ch, (seen, issued))| DispatchLane::new(&sh, &inp, ch, seen, issued))
             .collect();
         let lanes = lane::run(&sh, lanes, self.threads)?;
         Ok(lanes.into_iter().map(DispatchLane::into_blocks).collect())
@@ -441,10 +442,12 @@ impl Buffer<'_> {
         let lanes: Vec<CombineLane<'_>> = self
             .seen
             .chunks_mut(nsig)
-            .take(s.chans)
+            .zip(self.issued.iter_mut())
             .zip(outs)
             .enumerate()
-            .map(|(ch, (seen, out))| CombineLane::new(&sh, ch, seen, &d.blocks[ch], lay, out))
+            .map(|(ch, ((seen, issued), out))| {
+                CombineLane::new(&sh, ch, seen, issued, &d.blocks[ch], lay, out)
+            })
             .collect();
         lane::run(&sh, lanes, self.threads)?;
         Ok(())

@@ -5,7 +5,7 @@
 
 use std::ops::Range;
 
-use gin_core::{Local, Remote};
+use gin_core::{CounterId, Local, Remote};
 
 use crate::buffer::{Buffer, Hosts};
 use crate::config::Config;
@@ -416,8 +416,11 @@ impl Buffer<'_> {
                 0,
                 width as u64,
                 Remote::signal_add(s.notify(self.rank), 1),
-                Local::None,
+                Local::CounterInc(CounterId(0)),
             );
+            if put.is_ok() {
+                self.issued[0] += 1;
+            }
             self.sent(put, peer)?;
         }
         let step = self.step;
@@ -426,7 +429,12 @@ impl Buffer<'_> {
                 continue;
             }
             let what = || format!("its token counts (step {step})");
-            self.wait_signal(s.notify(src), src, &what)?;
+            let id = s.notify(src) as usize;
+            let base = self.seen[id];
+            // Exactly one round: a faster rank may be a round ahead already.
+            if self.wait_signal(id as u32, src, &what)?.is_some() {
+                self.seen[id] = base.wrapping_add(1);
+            }
         }
         let mut rows = vec![None; s.r];
         for (src, slot) in rows.iter_mut().enumerate() {
