@@ -6,7 +6,7 @@
 //!    per (host, channel), and its active mask, to every active rank (one
 //!    signal each): every rank knows the whole count matrix, so receivers
 //!    place each source's block and forwarders know what to expect. A rank
-//!    lost meanwhile is masked and the exchange repeated (see [`plan`]).
+//!    lost meanwhile is masked and the exchange repeated (see `plan.rs`).
 //! 2. **Between hosts**: a rank sends each token once per other host, and
 //!    only to that host's rank with its own local index (the forwarder; a
 //!    masked one is replaced by the next active local index): straight into
@@ -22,9 +22,9 @@
 //!
 //! Tokens are split into channels by contiguous ranges of each source's
 //! tokens, each channel with its own context, rings, credits and signals;
-//! the channels run as lanes on one thread or several ([`lane`]).
+//! the channels run as lanes on one thread or several (`lane.rs`).
 //!
-//! Combine runs backwards ([`combine`]): each receiver writes one row per
+//! Combine runs backwards (`combine.rs`): each receiver writes one row per
 //! received token (its experts' outputs, weighted and summed); each
 //! forwarder reads its host's rows of every token it forwarded in place,
 //! sums them once and puts one row per token back to the source; each
