@@ -60,6 +60,6 @@ pub mod oracle;
 pub use buffer::{Buffer, Hosts, OnPeerLoss, fingerprint};
 pub use config::{Config, Mode};
 pub use error::EpError;
-pub use ht::HtDispatch;
+pub use ht::{HtDispatch, HtPending};
 pub use ll::{Combined, LlCombinePending, LlDispatch, LlPending};
 pub use num::Bf16;

@@ -246,3 +246,16 @@ fn high_throughput_channels_on_several_threads_pass_the_oracle() {
         "ht 6 channels, 4 tokens",
     );
 }
+
+/// The high-throughput receive hook: the sending half returns once counts
+/// are exchanged and every channel started; the caller computes between
+/// polls, and the polls alone (every rank polling) complete the dispatch,
+/// through small rings and several channels; the receiving half then
+/// passes the oracle, bit-identical over repeats.
+#[test]
+fn high_throughput_receive_hook_completes_by_polling_between_compute() {
+    for (name, env) in [MODES[0], MODES[3]] {
+        let report = run_hosts(4, 2, "ht hook=1 ring=2 tokens=40 channels=3 repeats=5", env);
+        assert_ok(&report, &format!("ht receive hook, {name}"));
+    }
+}

@@ -4,7 +4,7 @@
 //!
 //! `gin-ep-selftest SCENARIO [key=value ...]`; scenarios `ll`, `ht`, `bad`,
 //! `kill`, `mask`; keys `tokens`, `hidden`, `experts` (per rank), `topk`,
-//! `fp8`, `repeats`, `victim`, `ht`, `ring`, `channels`, `threads`. Without launcher variables it starts `ranks=N`
+//! `fp8`, `repeats`, `victim`, `ht`, `ring`, `channels`, `threads`, `hook`. Without launcher variables it starts `ranks=N`
 //! local ranks of itself (default 2).
 
 use std::collections::HashMap;
@@ -139,13 +139,40 @@ fn inputs(comm: &Comm, cfg: &Config) -> Res<(Vec<RankInput>, Vec<Vec<i64>>)> {
     Ok((all, tables))
 }
 
+/// A high-throughput dispatch through the receive hook: send, then compute
+/// (a checksum of the tokens) between polls until the poll reports this
+/// rank's part done, then receive. Returns the polls it took.
+fn hooked_dispatch(buf: &mut Buffer<'_>, me: &RankInput) -> Res<(gin_ep::HtDispatch, u64)> {
+    let mut p = buf.ht_dispatch_send(&me.x, &me.topk_idx, &me.weights)?;
+    let (mut polls, mut sum) = (0u64, 0u64);
+    while !buf.ht_dispatch_poll(&mut p)? {
+        polls += 1;
+        sum =
+            me.x.iter()
+                .fold(sum, |a, v| a.wrapping_mul(31).wrapping_add(u64::from(v.0)));
+    }
+    std::hint::black_box(sum);
+    Ok((buf.ht_dispatch_recv(p)?, polls))
+}
+
 /// One step: dispatch, check (first time), identity expert, combine, check;
-/// returns the digests of what was received and combined.
+/// returns the digests of what was received and combined. `hook`: the
+/// high-throughput dispatch goes through the receive hook.
 fn step(
     buf: &mut Buffer<'_>,
     all: &[RankInput],
     tables: &[Vec<i64>],
     check: bool,
+) -> Res<(u64, u64)> {
+    step_with(buf, all, tables, check, false)
+}
+
+fn step_with(
+    buf: &mut Buffer<'_>,
+    all: &[RankInput],
+    tables: &[Vec<i64>],
+    check: bool,
+    hook: bool,
 ) -> Res<(u64, u64)> {
     let cfg = *buf.config();
     let me = &all[buf.rank()];
@@ -160,7 +187,11 @@ fn step(
             (dig, buf.ll_combine(&d)?)
         }
         Mode::HighThroughput => {
-            let d = buf.ht_dispatch(&me.x, &me.topk_idx, &me.weights)?;
+            let d = if hook {
+                hooked_dispatch(buf, me)?.0
+            } else {
+                buf.ht_dispatch(&me.x, &me.topk_idx, &me.weights)?
+            };
             if check {
                 oracle::check_ht_dispatch(buf, &d, all, tables)?;
             }
@@ -190,9 +221,10 @@ fn oracle_run(comm: &Comm, args: &Args, mode: Mode) -> Res<String> {
     let mut buf = buffer(comm, args, cfg)?;
     let (all, tables) = inputs(comm, &cfg)?;
     let repeats = args.get("repeats", 20);
-    let first = step(&mut buf, &all, &tables, true)?;
+    let hook = args.get("hook", 0) == 1;
+    let first = step_with(&mut buf, &all, &tables, true, hook)?;
     for i in 1..repeats {
-        let again = step(&mut buf, &all, &tables, false)?;
+        let again = step_with(&mut buf, &all, &tables, false, hook)?;
         if again != first {
             return Err(format!(
                 "rank {}: repeat {i} differs from the first (digests {again:x?} vs {first:x?})",

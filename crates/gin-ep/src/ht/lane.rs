@@ -181,12 +181,8 @@ fn drive<L: Lane>(sh: &Shared<'_>, lanes: &mut [(usize, L)]) -> Result<(), EpErr
         spins = spins.wrapping_add(1);
         let since = *idle.get_or_insert_with(Instant::now);
         if spins == 1 {
-            // A batching backend may hold our last puts: ring its doorbells
-            // (a wait already satisfied returns at once).
             for (_, lane) in lanes.iter() {
-                let ctx = sh.dc.ctx(lane.ctx())?;
-                let v = ctx.read_signal(0)?;
-                ctx.wait_signal_for(0, v, Duration::from_secs(1))?;
+                kick(sh.dc, lane.ctx())?;
             }
         }
         if spins < 64 {
@@ -203,6 +199,15 @@ fn drive<L: Lane>(sh: &Shared<'_>, lanes: &mut [(usize, L)]) -> Result<(), EpErr
             stalled(sh, lanes, waited)?;
         }
     }
+}
+
+/// Rings the doorbells a batching backend may hold for context `ctx` (a
+/// wait already satisfied returns at once, after the backend's progress).
+pub(crate) fn kick(dc: &DevComm, ctx: u32) -> Result<(), EpError> {
+    let c = dc.ctx(ctx)?;
+    let v = c.read_signal(0)?;
+    c.wait_signal_for(0, v, Duration::from_secs(1))?;
+    Ok(())
 }
 
 /// The error of a stall: a peer the bootstrap reports dead, or the timeout.
@@ -264,9 +269,8 @@ pub(crate) fn complete(
     if done(v) {
         return Ok(());
     }
-    // A batching backend may hold the puts: ring its doorbells.
-    let s = c.read_signal(0)?;
-    c.wait_signal_for(0, s, Duration::from_secs(1))?;
+    // A batching backend may hold the puts.
+    kick(dc, ctx)?;
     let start = Instant::now();
     let mut spins = 0u32;
     while !done(v) {
@@ -345,14 +349,11 @@ enum At {
     Recv(usize),
 }
 
-/// The dispatch lane of one channel.
+/// The progress of one channel's dispatch, kept between polls (by a
+/// pending dispatch, see [`crate::Buffer::ht_dispatch_send`]).
 #[derive(Debug)]
-pub(crate) struct DispatchLane<'a> {
-    sh: &'a Shared<'a>,
-    inp: &'a DispatchIn<'a>,
+pub(crate) struct DispatchState {
     ch: usize,
-    seen: &'a mut [u64],
-    issued: &'a mut u64,
     range: Range<usize>,
     staged: usize,
     sends: Vec<SendTo>,
@@ -366,16 +367,11 @@ pub(crate) struct DispatchLane<'a> {
     meta: Vec<u8>,
 }
 
-impl<'a> DispatchLane<'a> {
-    pub(crate) fn new(
-        sh: &'a Shared<'a>,
-        inp: &'a DispatchIn<'a>,
-        ch: usize,
-        seen: &'a mut [u64],
-        issued: &'a mut u64,
-    ) -> Self {
+impl DispatchState {
+    /// Channel `ch`'s dispatch of `tokens` tokens under the step's plan.
+    pub(crate) fn new(sh: &Shared<'_>, tokens: usize, ch: usize) -> Self {
         let (s, plan, me) = (&sh.s, sh.plan, sh.rank);
-        let range = s.chan_range(inp.lay.tokens, ch);
+        let range = s.chan_range(tokens, ch);
         let sends = (0..s.h)
             .filter(|&h| h != sh.host())
             .filter_map(|host| {
@@ -412,11 +408,7 @@ impl<'a> DispatchLane<'a> {
             .map(|fl| (!plan.active[sh.host() * s.l + fl]).then_some(0))
             .collect();
         Self {
-            sh,
-            inp,
             ch,
-            seen,
-            issued,
             staged: range.start,
             local_cursor: range.start,
             range,
@@ -429,9 +421,44 @@ impl<'a> DispatchLane<'a> {
         }
     }
 
+    /// Everything of the channel's dispatch is done here.
+    pub(crate) fn done(&self) -> bool {
+        self.signalled && self.heard.iter().all(Option::is_some)
+    }
+
     /// The forwarded blocks, for the combine.
     pub(crate) fn into_blocks(self) -> Vec<FwdBlock> {
         self.froms.into_iter().map(|f| f.block).collect()
+    }
+}
+
+/// The dispatch lane of one channel: its state, and what it works with.
+#[derive(Debug)]
+pub(crate) struct DispatchLane<'a> {
+    sh: &'a Shared<'a>,
+    inp: &'a DispatchIn<'a>,
+    ch: usize,
+    seen: &'a mut [u64],
+    issued: &'a mut u64,
+    st: &'a mut DispatchState,
+}
+
+impl<'a> DispatchLane<'a> {
+    pub(crate) fn new(
+        sh: &'a Shared<'a>,
+        inp: &'a DispatchIn<'a>,
+        st: &'a mut DispatchState,
+        seen: &'a mut [u64],
+        issued: &'a mut u64,
+    ) -> Self {
+        Self {
+            sh,
+            inp,
+            ch: st.ch,
+            seen,
+            issued,
+            st,
+        }
     }
 
     /// Writes the metadata (and, where a put or FP8 needs it, the payload)
@@ -439,14 +466,14 @@ impl<'a> DispatchLane<'a> {
     fn stage_upto(&mut self, end: usize) -> Result<(), EpError> {
         let (sh, lay) = (self.sh, self.inp.lay);
         let (s, me) = (&sh.s, sh.rank);
-        while self.staged < end {
-            let t = self.staged;
-            self.staged += 1;
+        while self.st.staged < end {
+            let t = self.st.staged;
+            self.st.staged += 1;
             for i in 0..s.mm / 4 {
                 let w = self.meta_word(t, i);
-                self.meta[4 * i..4 * i + 4].copy_from_slice(&w.to_le_bytes());
+                self.st.meta[4 * i..4 * i + 4].copy_from_slice(&w.to_le_bytes());
             }
-            sh.mem.write(MIN, me, t * s.mm, &self.meta)?;
+            sh.mem.write(MIN, me, t * s.mm, &self.st.meta)?;
             let remote = (0..s.h).any(|h| h != sh.host() && lay.is_token_in_host[t * s.h + h]);
             let put_local = (0..s.l).any(|dl| {
                 let dst = sh.host() * s.l + dl;
@@ -490,16 +517,16 @@ impl<'a> DispatchLane<'a> {
         let (sh, lay) = (self.sh, self.inp.lay);
         let (s, me, plan) = (&sh.s, sh.rank, sh.plan);
         let ctx = sh.dc.ctx(self.ch as u32)?;
-        let (host, fwd) = (self.sends[i].host, self.sends[i].fwd);
+        let (host, fwd) = (self.st.sends[i].host, self.st.sends[i].fwd);
         let goes = |t: usize| lay.is_token_in_host[t * s.h + host];
         let mut moved = false;
         for _ in 0..4 {
-            let mut t0 = self.sends[i].cursor;
-            while t0 < self.range.end && !goes(t0) {
+            let mut t0 = self.st.sends[i].cursor;
+            while t0 < self.st.range.end && !goes(t0) {
                 t0 += 1;
             }
-            self.sends[i].cursor = t0;
-            if t0 == self.range.end {
+            self.st.sends[i].cursor = t0;
+            if t0 == self.st.range.end {
                 break;
             }
             let direct = lay.is_token_in_rank[t0 * s.r + fwd];
@@ -507,7 +534,7 @@ impl<'a> DispatchLane<'a> {
                 let j = plan.recv_start(fwd, me) + lay.rank_slot[t0 * s.r + fwd];
                 (CHUNK, j as usize, s.dtail(me))
             } else {
-                let sent = self.seen[s.head(fwd) as usize] + self.sends[i].ring;
+                let sent = self.seen[s.head(fwd) as usize] + self.st.sends[i].ring;
                 let head = ctx.read_signal(s.head(fwd))?;
                 let credits = (s.ring as u64).saturating_sub(sent.wrapping_sub(head));
                 if credits == 0 {
@@ -519,7 +546,7 @@ impl<'a> DispatchLane<'a> {
             };
             let mut n = 1;
             while n < limit
-                && t0 + n < self.range.end
+                && t0 + n < self.st.range.end
                 && goes(t0 + n)
                 && lay.is_token_in_rank[(t0 + n) * s.r + fwd] == direct
             {
@@ -558,9 +585,9 @@ impl<'a> DispatchLane<'a> {
                 Remote::signal_add(sig, n as u64),
             )?;
             if !direct {
-                self.sends[i].ring += n as u64;
+                self.st.sends[i].ring += n as u64;
             }
-            self.sends[i].cursor = t0 + n;
+            self.st.sends[i].cursor = t0 + n;
             moved = true;
         }
         Ok(moved)
@@ -572,9 +599,9 @@ impl<'a> DispatchLane<'a> {
         let (sh, lay) = (self.sh, self.inp.lay);
         let (s, me, plan) = (&sh.s, sh.rank, sh.plan);
         let mut done = 0;
-        while self.local_cursor < self.range.end && done < budget {
-            let t = self.local_cursor;
-            self.local_cursor += 1;
+        while self.st.local_cursor < self.st.range.end && done < budget {
+            let t = self.st.local_cursor;
+            self.st.local_cursor += 1;
             if !lay.is_token_in_host[t * s.h + sh.host()] {
                 continue;
             }
@@ -622,7 +649,7 @@ impl<'a> DispatchLane<'a> {
                         Remote::None,
                     )?;
                 }
-                self.delivered[dl] += 1;
+                self.st.delivered[dl] += 1;
             }
             done += 1;
         }
@@ -635,9 +662,9 @@ impl<'a> DispatchLane<'a> {
         let (s, me) = (&sh.s, sh.rank);
         let ctx = sh.dc.ctx(self.ch as u32)?;
         let mut moved = false;
-        for fi in 0..self.froms.len() {
-            let src = self.froms[fi].src;
-            let f = &self.froms[fi];
+        for fi in 0..self.st.froms.len() {
+            let src = self.st.froms[fi].src;
+            let f = &self.st.froms[fi];
             if f.direct_done < f.direct_expect {
                 let base = self.seen[s.dtail(src) as usize] + f.direct_done;
                 let avail = self.arrived(
@@ -647,27 +674,27 @@ impl<'a> DispatchLane<'a> {
                     src,
                 )?;
                 for _ in 0..avail {
-                    let f = &self.froms[fi];
+                    let f = &self.st.froms[fi];
                     let k = f.direct_done as u32;
                     let j = (sh.plan.recv_start(me, src)
                         + sh.plan.rank_chan_start(src, me, self.ch)
                         + k) as usize;
                     self.deliver(fi, At::Recv(j))?;
-                    self.froms[fi].direct_done += 1;
+                    self.st.froms[fi].direct_done += 1;
                 }
                 moved |= avail > 0;
             }
-            let f = &self.froms[fi];
+            let f = &self.st.froms[fi];
             if f.ring_done < f.ring_expect {
                 let base = self.seen[s.tail(src) as usize] + f.ring_done;
                 let most = (f.ring_expect - f.ring_done).min(s.ring as u64);
                 let avail = self.arrived(ctx.read_signal(s.tail(src))?, base, most, src)?;
                 let mut put = false;
                 for _ in 0..avail {
-                    let seq = self.seen[s.tail(src) as usize] + self.froms[fi].ring_done;
+                    let seq = self.seen[s.tail(src) as usize] + self.st.froms[fi].ring_done;
                     let slot = (self.ch * s.r + src) * s.ring + (seq % s.ring as u64) as usize;
                     put |= self.deliver(fi, At::Ring(slot))?;
-                    self.froms[fi].ring_done += 1;
+                    self.st.froms[fi].ring_done += 1;
                 }
                 if avail > 0 {
                     // Credits go back once no put reads the slots any more.
@@ -704,7 +731,7 @@ impl<'a> DispatchLane<'a> {
     fn deliver(&mut self, fi: usize, at: At) -> Result<bool, EpError> {
         let sh = self.sh;
         let (s, me, plan) = (&sh.s, sh.rank, sh.plan);
-        let src = self.froms[fi].src;
+        let src = self.st.froms[fi].src;
         let (xw, mw, slot) = match at {
             At::Ring(i) => (RINGX, RINGM, i),
             At::Recv(j) => (RECVX, RECVM, j),
@@ -724,7 +751,7 @@ impl<'a> DispatchLane<'a> {
             what,
         };
         let (tok, hs) = (word(0), word(s.w_host_slot(sh.host())));
-        let b = &self.froms[fi].block;
+        let b = &self.st.froms[fi].block;
         if tok as usize >= s.t || hs < b.hs_start || hs - b.hs_start >= b.n {
             return Err(bad(format!(
                 "token {tok} with host slot {hs}, outside channel {}'s {}..{}",
@@ -748,7 +775,7 @@ impl<'a> DispatchLane<'a> {
                 )));
             }
             let j = (plan.recv_start(dst, src) + rs) as usize;
-            self.froms[fi].block.contrib[i * s.l + dl] = j as u32;
+            self.st.froms[fi].block.contrib[i * s.l + dl] = j as u32;
             match at {
                 At::Recv(j0) if dst == me => {
                     if j != j0 {
@@ -798,15 +825,20 @@ impl<'a> DispatchLane<'a> {
                 )?;
                 put = true;
             }
-            self.delivered[dl] += 1;
+            self.st.delivered[dl] += 1;
         }
         Ok(put)
     }
 
     fn sent_all(&self) -> bool {
-        self.local_cursor == self.range.end
-            && self.sends.iter().all(|sd| sd.cursor == self.range.end)
+        self.st.local_cursor == self.st.range.end
             && self
+                .st
+                .sends
+                .iter()
+                .all(|sd| sd.cursor == self.st.range.end)
+            && self
+                .st
                 .froms
                 .iter()
                 .all(|f| f.ring_done == f.ring_expect && f.direct_done == f.direct_expect)
@@ -823,18 +855,18 @@ impl<'a> DispatchLane<'a> {
             if sh.plan.active[dst] {
                 ctx.signal(
                     dst,
-                    Remote::signal_add(s.fwd(sh.local()), self.delivered[dl] + 1),
+                    Remote::signal_add(s.fwd(sh.local()), self.st.delivered[dl] + 1),
                 )?;
             }
         }
-        for sd in &self.sends {
+        for sd in &self.st.sends {
             self.seen[s.head(sd.fwd) as usize] += sd.ring;
         }
-        for f in &self.froms {
+        for f in &self.st.froms {
             self.seen[s.tail(f.src) as usize] += f.ring_done;
             self.seen[s.dtail(f.src) as usize] += f.direct_done;
         }
-        self.signalled = true;
+        self.st.signalled = true;
         Ok(())
     }
 
@@ -846,20 +878,20 @@ impl<'a> DispatchLane<'a> {
         let ctx = sh.dc.ctx(self.ch as u32)?;
         let mut moved = false;
         for fl in 0..s.l {
-            if self.heard[fl].is_some() {
+            if self.st.heard[fl].is_some() {
                 continue;
             }
             let id = s.fwd(fl) as usize;
             let v = ctx.read_signal(id as u32)?;
             if reached(v, self.seen[id].wrapping_add(1)) {
-                self.heard[fl] = Some(v.wrapping_sub(self.seen[id]).wrapping_sub(1));
+                self.st.heard[fl] = Some(v.wrapping_sub(self.seen[id]).wrapping_sub(1));
                 self.seen[id] = v;
                 moved = true;
             }
         }
-        if moved && self.heard.iter().all(Option::is_some) {
-            let got: u64 = self.heard.iter().flatten().sum::<u64>()
-                + self.froms.iter().map(|f| f.direct_expect).sum::<u64>();
+        if moved && self.st.heard.iter().all(Option::is_some) {
+            let got: u64 = self.st.heard.iter().flatten().sum::<u64>()
+                + self.st.froms.iter().map(|f| f.direct_expect).sum::<u64>();
             let want: u64 = (0..s.r)
                 .map(|src| u64::from(sh.plan.rank_chan(src, me, self.ch)))
                 .sum();
@@ -881,35 +913,35 @@ impl<'a> DispatchLane<'a> {
 impl Lane for DispatchLane<'_> {
     fn poll(&mut self) -> Result<bool, EpError> {
         let mut moved = false;
-        for i in 0..self.sends.len() {
+        for i in 0..self.st.sends.len() {
             moved |= self.send_remote(i)?;
         }
         moved |= self.forward()?;
         moved |= self.local_writes(CHUNK)?;
-        if !self.signalled && self.sent_all() {
+        if !self.st.signalled && self.sent_all() {
             self.signal_delivered()?;
             moved = true;
         }
-        if self.signalled {
+        if self.st.signalled {
             moved |= self.hear()?;
         }
         Ok(moved)
     }
 
     fn done(&self) -> bool {
-        self.signalled && self.heard.iter().all(Option::is_some)
+        self.st.done()
     }
 
     fn waiting(&self) -> (usize, String, u32, u64) {
         let s = &self.sh.s;
-        for sd in &self.sends {
-            if sd.cursor < self.range.end {
+        for sd in &self.st.sends {
+            if sd.cursor < self.st.range.end {
                 let id = s.head(sd.fwd);
                 let need = self.seen[id as usize] + sd.ring + 1 - s.ring as u64;
                 return (sd.fwd, "credits of its ring (head)".into(), id, need);
             }
         }
-        for f in &self.froms {
+        for f in &self.st.froms {
             if f.direct_done < f.direct_expect {
                 let id = s.dtail(f.src);
                 return (
@@ -929,7 +961,7 @@ impl Lane for DispatchLane<'_> {
                 );
             }
         }
-        let fl = self.heard.iter().position(Option::is_none).unwrap_or(0);
+        let fl = self.st.heard.iter().position(Option::is_none).unwrap_or(0);
         let id = s.fwd(fl);
         (
             self.sh.host() * s.l + fl,

@@ -49,7 +49,7 @@ pub(crate) use lane::complete;
 pub(crate) use plan::{CGET, cget_bytes, resources};
 
 use self::combine::CombineLane;
-use self::lane::{DispatchIn, DispatchLane, FwdBlock, Shared};
+use self::lane::{DispatchIn, DispatchLane, DispatchState, FwdBlock, Lane, Shared};
 use self::mem::Mem;
 use self::plan::{CSEND, Plan, RECVM, RECVX, Shape};
 use crate::buffer::{Buffer, Phase};
@@ -134,6 +134,20 @@ impl HtDispatch {
     }
 }
 
+/// A high-throughput dispatch sent and not yet received: counts exchanged,
+/// every channel started. Hand it to [`Buffer::ht_dispatch_poll`] while
+/// computing and to [`Buffer::ht_dispatch_recv`] to finish (the receive
+/// hook); it borrows the tokens being sent.
+#[derive(Debug)]
+#[must_use = "a sent dispatch must be received"]
+pub struct HtPending<'x> {
+    step: u64,
+    x: &'x [Bf16],
+    sender: SenderSide,
+    plan: Plan,
+    states: Vec<DispatchState>,
+}
+
 impl Buffer<'_> {
     fn ht_shape(&self) -> Shape {
         Shape::of(
@@ -159,19 +173,36 @@ impl Buffer<'_> {
             .collect()
     }
 
-    /// High-throughput dispatch: checks the inputs (nothing is sent on an
-    /// error), exchanges counts, then moves tokens through the two stages.
-    /// Under [`crate::OnPeerLoss::Mask`], a rank found lost during the count
-    /// exchange is masked (its experts count as empty slots, its forwarding
-    /// role passes to the next local index) and reported in
-    /// [`HtDispatch::lost`]; a rank lost after tokens started moving fails
-    /// the step with [`EpError::PeerLost`].
+    /// High-throughput dispatch: [`Buffer::ht_dispatch_send`] then
+    /// [`Buffer::ht_dispatch_recv`].
     pub fn ht_dispatch(
         &mut self,
         x: &[Bf16],
         topk_idx: &[i64],
         topk_weights: &[f32],
     ) -> Result<HtDispatch, EpError> {
+        let p = self.ht_dispatch_send(x, topk_idx, topk_weights)?;
+        self.ht_dispatch_recv(p)
+    }
+
+    /// High-throughput dispatch, sending half: checks the inputs (nothing
+    /// is sent on an error), exchanges counts, and starts every channel.
+    /// Under [`crate::OnPeerLoss::Mask`], a rank found lost during the count
+    /// exchange is masked (its experts count as empty slots, its forwarding
+    /// role passes to the next local index) and reported in
+    /// [`HtDispatch::lost`]; a rank lost after tokens started moving fails
+    /// the step with [`EpError::PeerLost`].
+    ///
+    /// The receive hook: between this and [`Buffer::ht_dispatch_recv`] the
+    /// caller may compute. This rank also forwards its peers' tokens, so
+    /// call [`Buffer::ht_dispatch_poll`] now and then meanwhile: each call
+    /// moves whatever can move without waiting.
+    pub fn ht_dispatch_send<'x>(
+        &mut self,
+        x: &'x [Bf16],
+        topk_idx: &[i64],
+        topk_weights: &[f32],
+    ) -> Result<HtPending<'x>, EpError> {
         if self.cfg.mode != crate::Mode::HighThroughput {
             return Err(EpError::Mode {
                 rank: self.rank,
@@ -191,21 +222,57 @@ impl Buffer<'_> {
         self.step += 1;
         let s = self.ht_shape();
         let plan = self.ht_notify(&s, &mut layout, topk_idx)?;
-        let blocks = self.ht_lanes_dispatch(&s, &plan, &layout, x, topk_idx, topk_weights)?;
-        let mut d = HtDispatch {
+        let mut p = HtPending {
             step: self.step,
+            x,
+            states: Vec::new(),
             sender: SenderSide {
                 tokens: layout.tokens,
                 topk_idx: topk_idx.to_vec(),
                 weights: topk_weights.to_vec(),
                 layout,
             },
+            plan,
+        };
+        self.phase = Phase::DispatchSent;
+        self.ht_dispatch_lanes(&s, &mut p, false)?;
+        Ok(p)
+    }
+
+    /// Moves whatever the pending dispatch can move without waiting (sends
+    /// within credits, forwarding what arrived, writes within the host);
+    /// true once this rank's part is done, so that
+    /// [`Buffer::ht_dispatch_recv`] returns without waiting.
+    pub fn ht_dispatch_poll(&mut self, pending: &mut HtPending<'_>) -> Result<bool, EpError> {
+        self.expect_phase("ht_dispatch_poll", Phase::DispatchSent)?;
+        self.check_step(pending.step)?;
+        let s = self.ht_shape();
+        self.ht_dispatch_lanes(&s, pending, false)
+    }
+
+    /// High-throughput dispatch, receiving half: drives every channel to
+    /// the end (on [`Buffer::set_threads`] threads), then reads the
+    /// received tokens' metadata.
+    pub fn ht_dispatch_recv(&mut self, mut pending: HtPending<'_>) -> Result<HtDispatch, EpError> {
+        self.expect_phase("ht_dispatch_recv", Phase::DispatchSent)?;
+        self.check_step(pending.step)?;
+        let s = self.ht_shape();
+        self.ht_dispatch_lanes(&s, &mut pending, true)?;
+        let HtPending {
+            sender,
+            plan,
+            states,
+            ..
+        } = pending;
+        let mut d = HtDispatch {
+            step: self.step,
+            sender,
             recv_prefix: plan.recv_prefix(self.rank).to_vec(),
             plan,
             src_token: Vec::new(),
             local_weight: Vec::new(),
             expert_counts: vec![0; self.cfg.local_experts(s.r)],
-            blocks,
+            blocks: states.into_iter().map(DispatchState::into_blocks).collect(),
             lost: self.lost.clone(),
         };
         self.ht_receive(&s, &mut d);
@@ -213,16 +280,15 @@ impl Buffer<'_> {
         Ok(d)
     }
 
-    /// Runs the dispatch lanes; returns each channel's forwarded blocks.
-    fn ht_lanes_dispatch(
+    /// Polls the dispatch lanes once each on this thread (`to_end` false;
+    /// true when all are done), or runs them to the end on the buffer's
+    /// threads.
+    fn ht_dispatch_lanes(
         &mut self,
         s: &Shape,
-        plan: &Plan,
-        layout: &crate::layout::Layout,
-        x: &[Bf16],
-        idx: &[i64],
-        w: &[f32],
-    ) -> Result<Vec<Vec<FwdBlock>>, EpError> {
+        p: &mut HtPending<'_>,
+        to_end: bool,
+    ) -> Result<bool, EpError> {
         let direct = self.ht_direct(s);
         self.unflushed = true;
         let sh = Shared {
@@ -237,26 +303,42 @@ impl Buffer<'_> {
                 wins: &self.wins,
                 rank: self.rank,
             },
-            plan,
+            plan: &p.plan,
             timeout: self.timeout,
             direct,
         };
+        if p.states.is_empty() {
+            p.states = (0..s.chans)
+                .map(|ch| DispatchState::new(&sh, p.sender.tokens, ch))
+                .collect();
+        }
         let inp = DispatchIn {
-            lay: layout,
-            x,
-            idx,
-            w,
+            lay: &p.sender.layout,
+            x: p.x,
+            idx: &p.sender.topk_idx,
+            w: &p.sender.weights,
         };
         let nsig = s.signals() as usize;
-        let lanes: Vec<DispatchLane<'_>> = self
+        let mut lanes: Vec<DispatchLane<'_>> = self
             .seen
             .chunks_mut(nsig)
             .zip(self.issued.iter_mut())
-            .enumerate()
-            .map(|(ch, (seen, issued))| DispatchLane::new(&sh, &inp, ch, seen, issued))
+            .zip(p.states.iter_mut())
+            .map(|((seen, issued), st)| DispatchLane::new(&sh, &inp, st, seen, issued))
             .collect();
-        let lanes = lane::run(&sh, lanes, self.threads)?;
-        Ok(lanes.into_iter().map(DispatchLane::into_blocks).collect())
+        if to_end {
+            lane::run(&sh, lanes, self.threads)?;
+            return Ok(true);
+        }
+        let mut all = true;
+        for l in &mut lanes {
+            if !l.done() {
+                l.poll()?;
+                lane::kick(sh.dc, l.ctx())?;
+            }
+            all &= l.done();
+        }
+        Ok(all)
     }
 
     /// Reads the received tokens' metadata.
