@@ -15,7 +15,7 @@ use std::ops::Range;
 use gin_core::Remote;
 
 use super::lane::{FwdBlock, Lane, Shared, Xfer, complete};
-use super::plan::{CGET, CHUNK, CRDMA, CSEND, CSTAGE, STAGE};
+use super::plan::{CGET, CHUNK, CRDMA, CSEND, CSTAGE, RUN, STAGE};
 use crate::error::EpError;
 use crate::layout::{Layout, NONE};
 use crate::num::sum_bf16_rows;
@@ -160,7 +160,7 @@ impl<'a> CombineLane<'a> {
             && r.win == win
             && r.src_off + r.n * h2 == src_off
             && r.dst_off + r.n * h2 == dst_off
-            && r.n < CHUNK
+            && r.n < RUN
         {
             r.n += 1;
             return Ok(());
@@ -290,7 +290,7 @@ impl<'a> CombineLane<'a> {
 
 impl Lane for CombineLane<'_> {
     fn poll(&mut self) -> Result<bool, EpError> {
-        let mut moved = self.forward_rows(CHUNK)?;
+        let mut moved = self.forward_rows(RUN)?;
         moved |= self.reduce(CHUNK)?;
         if !self.closed && self.blk == self.blocks.len() && self.next == self.range.end {
             let sh = self.sh;

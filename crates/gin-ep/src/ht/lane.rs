@@ -26,7 +26,7 @@ use gin_bootstrap::BootstrapError;
 use gin_core::{Comm, CounterId, DevComm, Local, Remote};
 
 use super::mem::Mem;
-use super::plan::{CHUNK, MIN, Plan, RECVM, RECVX, RINGM, RINGX, Shape, XIN};
+use super::plan::{CHUNK, MIN, Plan, RECVM, RECVX, RINGM, RINGX, RUN, Shape, XIN};
 use crate::buffer::reached;
 use crate::error::EpError;
 use crate::layout::{Layout, NONE};
@@ -532,7 +532,7 @@ impl<'a> DispatchLane<'a> {
             let direct = lay.is_token_in_rank[t0 * s.r + fwd];
             let (limit, slot, sig) = if direct {
                 let j = plan.recv_start(fwd, me) + lay.rank_slot[t0 * s.r + fwd];
-                (CHUNK, j as usize, s.dtail(me))
+                (RUN, j as usize, s.dtail(me))
             } else {
                 let sent = self.seen[s.head(fwd) as usize] + self.st.sends[i].ring;
                 let head = ctx.read_signal(s.head(fwd))?;

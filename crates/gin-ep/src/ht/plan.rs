@@ -26,8 +26,13 @@ pub(crate) const CSTAGE: usize = 9;
 pub(crate) const CRDMA: usize = 10;
 pub(crate) const CGET: usize = 11;
 
-/// Messages one put carries at most (DeepEP's chunked sends).
+/// Messages one put into a ring carries at most (DeepEP's chunked sends:
+/// the forwarder starts on a chunk while the next is on its way).
 pub(crate) const CHUNK: usize = 16;
+/// Messages or rows one put carries at most where no ring bounds it
+/// (straight into final places, combine rows back to sources): fewer,
+/// larger puts cost less per byte on a socket.
+pub(crate) const RUN: usize = 64;
 /// Combine rows each channel stages before reusing its staging (after a
 /// flush).
 pub(crate) const STAGE: usize = 4 * CHUNK;
