@@ -247,7 +247,11 @@ impl<'c> Buffer<'c> {
     }
 
     /// Masks or unmasks `peer` (between steps; every surviving rank must
-    /// apply the same mask before the next step).
+    /// apply the same mask before the next step). In high-throughput mode
+    /// the count exchange reconciles differing masks (a rank masked
+    /// anywhere is masked everywhere), and a rank masked for some steps
+    /// cannot rejoin the same buffer: its count-exchange rounds fell out of
+    /// step with the others' (create a new buffer for it).
     pub fn set_active(&mut self, peer: usize, active: bool) -> Result<(), EpError> {
         if peer >= self.nranks {
             return Err(EpError::Gin(gin_core::GinError::BadPeer {

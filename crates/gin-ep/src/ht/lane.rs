@@ -226,6 +226,9 @@ fn stalled<L: Lane>(
         ) if sh.plan.active.get(peer).copied().unwrap_or(false) => Some((peer, why.clone())),
         _ => None,
     };
+    if dead.is_none() && waited < sh.timeout {
+        return Ok(());
+    }
     let (peer, what, id, expected) = lane.waiting();
     let what = format!("{what} (step {}, channel {})", sh.step, lane.ctx());
     if let Some((lost, why)) = dead {
@@ -236,18 +239,15 @@ fn stalled<L: Lane>(
             why,
         });
     }
-    if waited >= sh.timeout {
-        let last = sh.dc.ctx(lane.ctx())?.read_signal(id)?;
-        return Err(EpError::Timeout {
-            rank: sh.rank,
-            peer,
-            what,
-            last,
-            expected,
-            waited,
-        });
-    }
-    Ok(())
+    let last = sh.dc.ctx(lane.ctx())?.read_signal(id)?;
+    Err(EpError::Timeout {
+        rank: sh.rank,
+        peer,
+        what,
+        last,
+        expected,
+        waited,
+    })
 }
 
 /// Waits until the `issued` puts counted on context `ctx` completed locally
