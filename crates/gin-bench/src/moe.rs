@@ -69,6 +69,14 @@ pub struct MoeArgs {
     /// from its rank, so `auto` crosses hosts over tcp).
     #[arg(long, default_value_t = 1)]
     pub hosts: usize,
+    /// High-throughput channels (each with its own context, rings and
+    /// credits).
+    #[arg(long, default_value_t = 2)]
+    pub channels: usize,
+    /// High-throughput: threads per rank running the channels (1: the rank
+    /// thread interleaves them).
+    #[arg(long, default_value_t = 1)]
+    pub threads: usize,
     #[command(flatten)]
     #[serde(flatten)]
     pub common: Common,
@@ -86,6 +94,10 @@ pub struct MoeResult {
     pub experts: usize,
     pub fp8: bool,
     pub hosts: usize,
+    #[serde(default)]
+    pub channels: usize,
+    #[serde(default)]
+    pub threads: usize,
     /// Rank 0's bytes per step (DeepEP's accounting) over the slowest
     /// rank's time; floors move the same bytes by plain puts.
     pub dispatch: Row,
@@ -233,10 +245,15 @@ fn rank_main(args: &MoeArgs) -> Result<()> {
     let experts = args.experts.unwrap_or(32 * n);
     let mut cfg = match args.mode {
         MoeMode::Ll => Config::low_latency(args.hidden, args.tokens, experts, args.topk),
-        MoeMode::Ht => Config::high_throughput(args.hidden, args.tokens, experts, args.topk),
+        MoeMode::Ht => Config {
+            channels: args.channels,
+            ..Config::high_throughput(args.hidden, args.tokens, experts, args.topk)
+        },
     };
     cfg.fp8 = args.fp8;
     let mut buf = Buffer::new(&comm, cfg)?;
+    buf.set_threads(args.threads);
+    let mut out = vec![gin_ep::Bf16::ZERO; args.tokens * args.hidden];
     let inputs: Vec<RankInput> = (0..n)
         .map(|r| oracle::rank_input(42, r, n, args.tokens, args.hidden, experts, args.topk))
         .collect();
@@ -247,7 +264,7 @@ fn rank_main(args: &MoeArgs) -> Result<()> {
     let (mut d_runs, mut c_runs, mut t_runs) = (Vec::new(), Vec::new(), Vec::new());
     let (mut fd_runs, mut fc_runs, mut ft_runs) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..c.warmup_for(c.iters) {
-        step(&mut buf, &inputs[rank])?;
+        step(&mut buf, &inputs[rank], &mut out)?;
         floor.step(true)?;
         floor.step(false)?;
     }
@@ -255,7 +272,7 @@ fn rank_main(args: &MoeArgs) -> Result<()> {
         comm.bootstrap().barrier()?;
         let (mut td, mut tc) = (0.0, 0.0);
         for _ in 0..c.iters {
-            let (a, b) = step(&mut buf, &inputs[rank])?;
+            let (a, b) = step(&mut buf, &inputs[rank], &mut out)?;
             td += a;
             tc += b;
         }
@@ -291,6 +308,8 @@ fn rank_main(args: &MoeArgs) -> Result<()> {
             experts,
             fp8: args.fp8,
             hosts: args.hosts,
+            channels: args.channels,
+            threads: args.threads,
             dispatch: Row::new(db, d_runs, fd_runs).context("no samples")?,
             combine: Row::new(cb, c_runs, fc_runs).context("no samples")?,
             total: Row::new(db + cb, t_runs, ft_runs).context("no samples")?,
@@ -346,8 +365,9 @@ fn verify(buf: &mut Buffer<'_>, inputs: &[RankInput]) -> Result<()> {
 }
 
 /// One timed step: (dispatch µs, combine µs); the identity expert between
-/// them is not timed.
-fn step(buf: &mut Buffer<'_>, me: &RankInput) -> Result<(f64, f64)> {
+/// them is not timed. High-throughput combine writes into `out`, reused
+/// between steps as an inference engine reuses its tensors.
+fn step(buf: &mut Buffer<'_>, me: &RankInput, out: &mut [gin_ep::Bf16]) -> Result<(f64, f64)> {
     let t0 = Instant::now();
     if buf.config().mode == Mode::LowLatency {
         let d = buf.ll_dispatch(&me.x, &me.topk_idx, &me.weights)?;
@@ -361,7 +381,7 @@ fn step(buf: &mut Buffer<'_>, me: &RankInput) -> Result<(f64, f64)> {
         let td = t0.elapsed().as_secs_f64() * 1e6;
         buf.ht_echo(&d)?;
         let t1 = Instant::now();
-        buf.ht_combine(&d)?;
+        buf.ht_combine_into(&d, out)?;
         Ok((td, t1.elapsed().as_secs_f64() * 1e6))
     }
 }

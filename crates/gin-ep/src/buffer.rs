@@ -100,8 +100,19 @@ pub struct Buffer<'c> {
     pub(crate) lost: Vec<usize>,
     pub(crate) step: u64,
     pub(crate) phase: Phase,
-    /// Per signal id, the value already accounted for.
+    /// Per (context, signal id), the value already accounted for.
     pub(crate) seen: Vec<u64>,
+    /// Contexts of the device communicator (high-throughput: one per
+    /// channel).
+    pub(crate) contexts: u32,
+    /// High-throughput mode: per context, the puts counted for local
+    /// completion so far (see `settle`).
+    pub(crate) issued: Vec<u64>,
+    /// High-throughput mode: threads the channels run on.
+    pub(crate) threads: usize,
+    /// High-throughput mode: notify rounds so far (their parity picks the
+    /// half of the notify window a round uses).
+    pub(crate) ht_rounds: u64,
     pub(crate) wins: Vec<Window>,
     /// Operations may still read the send windows: flush before rewriting.
     pub(crate) unflushed: bool,
@@ -153,17 +164,24 @@ impl<'c> Buffer<'c> {
             .bootstrap()
             .allgather(comm.settings().host_id.as_bytes())?;
         let hosts = Hosts::from_ids(&ids);
-        let (signals, sizes) = match cfg.mode {
-            Mode::LowLatency => crate::ll::resources(&cfg, nranks),
+        let (signals, contexts, mut sizes) = match cfg.mode {
+            Mode::LowLatency => {
+                let (signals, sizes) = crate::ll::resources(&cfg, nranks);
+                (signals, 1, sizes)
+            }
             Mode::HighThroughput => crate::ht::resources(&cfg, rank, &hosts)?,
         };
         let dc = comm.dev_comm(&DevCommRequirements {
             signals,
             counters: 1,
-            contexts: 1,
+            contexts,
             exclusive_contexts: true,
             ..DevCommRequirements::default()
         })?;
+        if let (Mode::HighThroughput, Some(l)) = (cfg.mode, hosts.ranks_per_host) {
+            let unmapped = (0..nranks).any(|p| p != rank && p / l == rank / l && !dc.is_direct(p));
+            sizes[crate::ht::CGET] = crate::ht::cget_bytes(&cfg, l, unmapped);
+        }
         let wins = sizes
             .iter()
             .map(|&b| comm.alloc_window(b.max(64) as u64))
@@ -186,7 +204,11 @@ impl<'c> Buffer<'c> {
             lost: Vec::new(),
             step: 0,
             phase: Phase::Idle,
-            seen: vec![0; signals as usize],
+            seen: vec![0; signals as usize * contexts as usize],
+            contexts,
+            issued: vec![0; contexts as usize],
+            threads: 1,
+            ht_rounds: 0,
             wins,
             unflushed: false,
             timeout: comm.timeout(),
@@ -225,7 +247,11 @@ impl<'c> Buffer<'c> {
     }
 
     /// Masks or unmasks `peer` (between steps; every surviving rank must
-    /// apply the same mask before the next step).
+    /// apply the same mask before the next step). In high-throughput mode
+    /// the count exchange reconciles differing masks (a rank masked
+    /// anywhere is masked everywhere), and a rank masked for some steps
+    /// cannot rejoin the same buffer: its count-exchange rounds fell out of
+    /// step with the others' (create a new buffer for it).
     pub fn set_active(&mut self, peer: usize, active: bool) -> Result<(), EpError> {
         if peer >= self.nranks {
             return Err(EpError::Gin(gin_core::GinError::BadPeer {
@@ -244,6 +270,14 @@ impl<'c> Buffer<'c> {
     /// What a step does when a peer is lost.
     pub fn set_on_peer_loss(&mut self, policy: OnPeerLoss) {
         self.policy = policy;
+    }
+
+    /// High-throughput mode: how many threads run the buffer's channels
+    /// (the calling thread included; at most one per channel). One thread
+    /// interleaves the channels; more let the channels' roles run in
+    /// parallel where cores allow. Default 1.
+    pub fn set_threads(&mut self, threads: usize) {
+        self.threads = threads.max(1);
     }
 
     /// The bound on every wait (the job timeout, `GIN_TIMEOUT`, by default).
@@ -314,7 +348,14 @@ impl<'c> Buffer<'c> {
     /// windows (local completion only).
     pub(crate) fn settle(&mut self) -> Result<(), EpError> {
         if self.unflushed {
-            self.dc.ctx(0)?.flush()?;
+            for c in 0..self.contexts {
+                if self.cfg.mode == Mode::HighThroughput {
+                    let issued = self.issued[c as usize];
+                    crate::ht::complete(&self.dc, c, issued, self.timeout, self.rank)?;
+                } else {
+                    self.dc.ctx(c)?.flush()?;
+                }
+            }
             self.unflushed = false;
         }
         Ok(())
@@ -410,6 +451,16 @@ impl<'c> Buffer<'c> {
                 },
             });
         }
+    }
+
+    /// Whether the bootstrap reports `peer` dead, unresponsive or gone.
+    pub(crate) fn bootstrap_lost(&self, peer: usize) -> bool {
+        matches!(
+            self.comm.bootstrap().health(),
+            Err(BootstrapError::PeerDied { peer: p, .. }
+                | BootstrapError::PeerUnresponsive { peer: p, .. }
+                | BootstrapError::PeerExited { peer: p, .. }) if p == peer
+        )
     }
 
     pub(crate) fn mask_lost(&mut self, peer: usize) {

@@ -38,6 +38,10 @@ pub struct Config {
     /// High-throughput mode: message slots of each channel's ring (its
     /// credits). Ignored in low-latency mode.
     pub ring_slots: usize,
+    /// High-throughput mode: channels (DeepEP's), each with its own context,
+    /// rings and head/tail credits, carrying a contiguous range of each
+    /// rank's tokens. Ignored in low-latency mode.
+    pub channels: usize,
 }
 
 impl Config {
@@ -56,10 +60,12 @@ impl Config {
             fp8: false,
             mode: Mode::LowLatency,
             ring_slots: 0,
+            channels: 1,
         }
     }
 
-    /// A high-throughput configuration with rings of 64 slots.
+    /// A high-throughput configuration with 2 channels of rings of 64
+    /// slots.
     pub fn high_throughput(
         hidden: usize,
         max_tokens_per_rank: usize,
@@ -69,6 +75,7 @@ impl Config {
         Self {
             mode: Mode::HighThroughput,
             ring_slots: 64,
+            channels: 2,
             ..Self::low_latency(hidden, max_tokens_per_rank, num_experts, topk)
         }
     }
@@ -113,6 +120,9 @@ impl Config {
         if self.mode == Mode::HighThroughput && self.ring_slots == 0 {
             return bad("ring_slots", self.ring_slots, "must be positive");
         }
+        if self.mode == Mode::HighThroughput && !(1..=64).contains(&self.channels) {
+            return bad("channels", self.channels, "must be in 1..=64");
+        }
         Ok(())
     }
 
@@ -139,7 +149,7 @@ impl Config {
     }
 
     /// The fields agreement is checked on, in a fixed order.
-    pub(crate) fn fields(&self) -> [(&'static str, u64); 7] {
+    pub(crate) fn fields(&self) -> [(&'static str, u64); 8] {
         [
             ("hidden", self.hidden as u64),
             ("max_tokens_per_rank", self.max_tokens_per_rank as u64),
@@ -148,6 +158,7 @@ impl Config {
             ("fp8", u64::from(self.fp8)),
             ("mode", u64::from(self.mode == Mode::HighThroughput)),
             ("ring_slots", self.ring_slots as u64),
+            ("channels", self.channels as u64),
         ]
     }
 }

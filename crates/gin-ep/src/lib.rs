@@ -18,12 +18,18 @@
 //! - **Low-latency mode** ([`ll`]): per-(local expert, source) slots sized
 //!   for the maximum, one count-carrying signal per (expert, source), and a
 //!   split into send and receive halves (DeepEP's receive hook).
-//! - **High-throughput mode** ([`ht`]): counts first, then two stages through
-//!   credit-controlled rings (between hosts only to the same local index,
-//!   forwarded within a host).
+//! - **High-throughput mode** ([`ht`]): counts first, then two stages:
+//!   between hosts only to the rank with the same local index (straight into
+//!   the final place when that rank receives the token, else through its
+//!   ring under head/tail credits), within a host forwarded over load/store.
+//!   Channels (contiguous token ranges, each with its own context) run as
+//!   non-blocking lanes on one thread or several. Combine runs backwards,
+//!   rows read in place, each token reduced once all its hosts delivered.
 //! - **Faults**: every wait is bounded by the job timeout and names the peer;
 //!   an active-rank mask lets survivors finish a step with a lost rank's
-//!   experts masked ([`OnPeerLoss::Mask`]), reported in the output.
+//!   experts masked ([`OnPeerLoss::Mask`]), reported in the output, in both
+//!   modes (in high-throughput mode the lost rank's forwarding role passes
+//!   to the next rank of its host).
 //! - [`oracle`] builds traceable inputs and checks outputs as DeepEP's tests
 //!   do; tests and `gin-bench moe` share it.
 //!
@@ -54,6 +60,6 @@ pub mod oracle;
 pub use buffer::{Buffer, Hosts, OnPeerLoss, fingerprint};
 pub use config::{Config, Mode};
 pub use error::EpError;
-pub use ht::HtDispatch;
+pub use ht::{HtDispatch, HtPending};
 pub use ll::{Combined, LlCombinePending, LlDispatch, LlPending};
 pub use num::Bf16;

@@ -305,11 +305,21 @@ impl Buffer<'_> {
     }
 
     /// An operation's outcome: under [`crate::OnPeerLoss::Mask`] a failure
-    /// masks the peer, otherwise it is the step's error.
-    fn sent(&mut self, r: Result<(), gin_core::GinError>, peer: usize) -> Result<(), EpError> {
+    /// masks the peer when the bootstrap reports that peer lost, otherwise
+    /// it is the step's error (a fail-stop backend refuses operations to
+    /// every peer once one link broke: that is not the target's fault).
+    pub(crate) fn sent(
+        &mut self,
+        r: Result<(), gin_core::GinError>,
+        peer: usize,
+    ) -> Result<(), EpError> {
         match r {
             Ok(()) => Ok(()),
-            Err(_) if self.policy == crate::OnPeerLoss::Mask && peer != self.rank => {
+            Err(_)
+                if self.policy == crate::OnPeerLoss::Mask
+                    && peer != self.rank
+                    && self.bootstrap_lost(peer) =>
+            {
                 self.mask_lost(peer);
                 Ok(())
             }

@@ -33,6 +33,64 @@ pub fn bf16_bytes(v: &[Bf16]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
 }
 
+/// Views bfloat16s as bytes, for writing.
+pub fn bf16_bytes_mut(v: &mut [Bf16]) -> &mut [u8] {
+    // SAFETY: as `bf16_bytes`; every bit pattern of u16 is a valid Bf16, so
+    // any bytes written through the view leave valid values.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+}
+
+/// [`Bf16::from_f32`] without branches, so that loops over rows vectorize.
+#[inline]
+fn round_bf16(v: f32) -> u16 {
+    let bits = v.to_bits();
+    let rounded = (bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16) as u16;
+    let nan = ((bits >> 16) as u16) | 0x40;
+    if v.is_nan() { nan } else { rounded }
+}
+
+#[inline]
+fn widen(lo: u8, hi: u8) -> f32 {
+    f32::from_bits(u32::from(u16::from_le_bytes([lo, hi])) << 16)
+}
+
+/// Sums BF16 rows (little-endian bytes, all `out.len()` long) in f32, in the
+/// order given, and rounds once into `out`: no row is all zeros, one row is
+/// copied (the same value), two are added in one pass. `acc` is scratch.
+pub fn sum_bf16_rows(rows: &[&[u8]], out: &mut [u8], acc: &mut Vec<f32>) {
+    match rows {
+        [] => out.fill(0),
+        [a] => out.copy_from_slice(&a[..out.len()]),
+        [a, b] => {
+            for ((o, x), y) in out
+                .chunks_exact_mut(2)
+                .zip(a.chunks_exact(2))
+                .zip(b.chunks_exact(2))
+            {
+                let v = round_bf16(widen(x[0], x[1]) + widen(y[0], y[1]));
+                o.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        [first, rest @ ..] => {
+            acc.clear();
+            acc.extend(
+                first
+                    .chunks_exact(2)
+                    .take(out.len() / 2)
+                    .map(|c| widen(c[0], c[1])),
+            );
+            for row in rest {
+                for (v, c) in acc.iter_mut().zip(row.chunks_exact(2)) {
+                    *v += widen(c[0], c[1]);
+                }
+            }
+            for (o, v) in out.chunks_exact_mut(2).zip(acc.iter()) {
+                o.copy_from_slice(&round_bf16(*v).to_le_bytes());
+            }
+        }
+    }
+}
+
 /// Elements covered by one FP8 scale.
 pub const FP8_BLOCK: usize = 128;
 
@@ -127,6 +185,41 @@ mod tests {
             1.0 + 2.0 * 2f32.powi(-7)
         );
         assert!(Bf16::from_f32(f32::NAN).to_f32().is_nan());
+    }
+
+    #[test]
+    fn row_sums_round_once_like_the_scalar_conversion() {
+        let row = |vals: &[f32]| -> Vec<u8> {
+            vals.iter()
+                .flat_map(|&v| Bf16::from_f32(v).0.to_le_bytes())
+                .collect()
+        };
+        let a = row(&[1.0, -2.5, 3.0e-3, f32::NAN, 1.0e30, 0.1]);
+        let b = row(&[0.5, 2.5, 7.0, 1.0, 1.0e30, 0.2]);
+        let c = row(&[0.25, 0.0, -7.0, 2.0, -1.0e30, 0.3]);
+        let mut acc = Vec::new();
+        let mut out = vec![0u8; a.len()];
+        for rows in [
+            vec![],
+            vec![&a[..]],
+            vec![&a[..], &b[..]],
+            vec![&a[..], &b[..], &c[..]],
+        ] {
+            sum_bf16_rows(&rows, &mut out, &mut acc);
+            for i in 0..a.len() / 2 {
+                let mut want = 0f32;
+                for r in &rows {
+                    want += Bf16(u16::from_le_bytes([r[2 * i], r[2 * i + 1]])).to_f32();
+                }
+                let got = Bf16(u16::from_le_bytes([out[2 * i], out[2 * i + 1]]));
+                let want = Bf16::from_f32(want);
+                assert!(
+                    got == want || (got.to_f32().is_nan() && want.to_f32().is_nan()),
+                    "{} rows, element {i}: {got:?} vs {want:?}",
+                    rows.len()
+                );
+            }
+        }
     }
 
     #[test]

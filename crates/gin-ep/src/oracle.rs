@@ -358,10 +358,11 @@ pub fn check_combine(
     Ok(diff)
 }
 
-/// Checks a high-throughput dispatch at this rank: every source's block
-/// holds exactly its tokens that name one of this rank's experts, in token
-/// order, with the right payloads and summed local weights, and per-expert
-/// counts equal counting the all-gathered table.
+/// Checks a high-throughput dispatch at this rank: every active source's
+/// block holds exactly its tokens that name one of this rank's experts, in
+/// token order, with the right payloads and summed local weights, masked
+/// sources' blocks are empty, and per-expert counts equal counting the
+/// all-gathered table (over active sources).
 pub fn check_ht_dispatch(
     buf: &crate::Buffer<'_>,
     d: &crate::HtDispatch,
@@ -371,7 +372,8 @@ pub fn check_ht_dispatch(
     let (rank, n, cfg) = (buf.rank(), buf.nranks(), *buf.config());
     let l = cfg.local_experts(n);
     let mine = |e: i64| e >= 0 && e as usize / l == rank;
-    let counts = count_experts(tables, cfg.num_experts, |_| true);
+    let active = buf.active().to_vec();
+    let counts = count_experts(tables, cfg.num_experts, |r| active[r]);
     for le in 0..l {
         if d.expert_count(le) != counts[rank * l + le] {
             return Err(format!(
@@ -385,7 +387,7 @@ pub fn check_ht_dispatch(
     for (src, input) in inputs.iter().enumerate() {
         let k = cfg.topk;
         let want: Vec<usize> = (0..input.tokens)
-            .filter(|&t| input.topk_idx[t * k..(t + 1) * k].iter().any(|&e| mine(e)))
+            .filter(|&t| active[src] && input.topk_idx[t * k..(t + 1) * k].iter().any(|&e| mine(e)))
             .collect();
         if d.count(src) != want.len() {
             return Err(format!(

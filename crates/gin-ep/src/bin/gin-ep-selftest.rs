@@ -3,8 +3,8 @@
 //! prints `rank R: SCENARIO ok in ...` or fails with the first difference.
 //!
 //! `gin-ep-selftest SCENARIO [key=value ...]`; scenarios `ll`, `ht`, `bad`,
-//! `kill`; keys `tokens`, `hidden`, `experts` (per rank), `topk`, `fp8`,
-//! `repeats`, `victim`. Without launcher variables it starts `ranks=N`
+//! `kill`, `mask`; keys `tokens`, `hidden`, `experts` (per rank), `topk`,
+//! `fp8`, `repeats`, `victim`, `ht`, `ring`, `channels`, `threads`, `hook`. Without launcher variables it starts `ranks=N`
 //! local ranks of itself (default 2).
 
 use std::collections::HashMap;
@@ -16,6 +16,9 @@ use gin_ep::oracle::{self, RankInput};
 use gin_ep::{Buffer, Config, EpError, Mode, OnPeerLoss};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// Bootstrap tag of the `kill` scenario's "past the barrier" messages.
+const PAST_BARRIER: u32 = 0x6b11;
 
 fn main() -> std::process::ExitCode {
     gin_bootstrap::init_tracing_from_env();
@@ -53,6 +56,7 @@ fn run() -> Res<()> {
         "ht" => oracle_run(&comm, &args, Mode::HighThroughput)?,
         "bad" => bad_inputs(&comm, &args)?,
         "kill" => kill(&comm, &args)?,
+        "mask" => masked(&comm, &args)?,
         other => return Err(format!("unknown scenario {other:?}").into()),
     };
     println!(
@@ -87,7 +91,17 @@ fn config(comm: &Comm, args: &Args, mode: Mode) -> Config {
     if let Some(s) = args.kv.get("ring").and_then(|v| v.parse().ok()) {
         cfg.ring_slots = s;
     }
+    if let Some(c) = args.kv.get("channels").and_then(|v| v.parse().ok()) {
+        cfg.channels = c;
+    }
     cfg
+}
+
+/// The buffer of a scenario, with `threads=N` applied.
+fn buffer<'c>(comm: &'c Comm, args: &Args, cfg: Config) -> Res<Buffer<'c>> {
+    let mut buf = Buffer::new(comm, cfg)?;
+    buf.set_threads(args.get("threads", 1));
+    Ok(buf)
 }
 
 /// Every rank's inputs (each rank can rebuild any rank's), and the routing
@@ -125,13 +139,40 @@ fn inputs(comm: &Comm, cfg: &Config) -> Res<(Vec<RankInput>, Vec<Vec<i64>>)> {
     Ok((all, tables))
 }
 
+/// A high-throughput dispatch through the receive hook: send, then compute
+/// (a checksum of the tokens) between polls until the poll reports this
+/// rank's part done, then receive. Returns the polls it took.
+fn hooked_dispatch(buf: &mut Buffer<'_>, me: &RankInput) -> Res<(gin_ep::HtDispatch, u64)> {
+    let mut p = buf.ht_dispatch_send(&me.x, &me.topk_idx, &me.weights)?;
+    let (mut polls, mut sum) = (0u64, 0u64);
+    while !buf.ht_dispatch_poll(&mut p)? {
+        polls += 1;
+        sum =
+            me.x.iter()
+                .fold(sum, |a, v| a.wrapping_mul(31).wrapping_add(u64::from(v.0)));
+    }
+    std::hint::black_box(sum);
+    Ok((buf.ht_dispatch_recv(p)?, polls))
+}
+
 /// One step: dispatch, check (first time), identity expert, combine, check;
-/// returns the digests of what was received and combined.
+/// returns the digests of what was received and combined. `hook`: the
+/// high-throughput dispatch goes through the receive hook.
 fn step(
     buf: &mut Buffer<'_>,
     all: &[RankInput],
     tables: &[Vec<i64>],
     check: bool,
+) -> Res<(u64, u64)> {
+    step_with(buf, all, tables, check, false)
+}
+
+fn step_with(
+    buf: &mut Buffer<'_>,
+    all: &[RankInput],
+    tables: &[Vec<i64>],
+    check: bool,
+    hook: bool,
 ) -> Res<(u64, u64)> {
     let cfg = *buf.config();
     let me = &all[buf.rank()];
@@ -146,7 +187,11 @@ fn step(
             (dig, buf.ll_combine(&d)?)
         }
         Mode::HighThroughput => {
-            let d = buf.ht_dispatch(&me.x, &me.topk_idx, &me.weights)?;
+            let d = if hook {
+                hooked_dispatch(buf, me)?.0
+            } else {
+                buf.ht_dispatch(&me.x, &me.topk_idx, &me.weights)?
+            };
             if check {
                 oracle::check_ht_dispatch(buf, &d, all, tables)?;
             }
@@ -173,12 +218,13 @@ fn step(
 
 fn oracle_run(comm: &Comm, args: &Args, mode: Mode) -> Res<String> {
     let cfg = config(comm, args, mode);
-    let mut buf = Buffer::new(comm, cfg)?;
+    let mut buf = buffer(comm, args, cfg)?;
     let (all, tables) = inputs(comm, &cfg)?;
     let repeats = args.get("repeats", 20);
-    let first = step(&mut buf, &all, &tables, true)?;
+    let hook = args.get("hook", 0) == 1;
+    let first = step_with(&mut buf, &all, &tables, true, hook)?;
     for i in 1..repeats {
-        let again = step(&mut buf, &all, &tables, false)?;
+        let again = step_with(&mut buf, &all, &tables, false, hook)?;
         if again != first {
             return Err(format!(
                 "rank {}: repeat {i} differs from the first (digests {again:x?} vs {first:x?})",
@@ -287,22 +333,49 @@ fn try_dispatch(
 
 /// Step 1 with every rank; then rank `victim` dies; the survivors finish
 /// step 2 with its experts masked (and report it), and step 3 with the mask
-/// set from the start.
+/// set from the start. `ht=1`: in high-throughput mode, where the victim is
+/// also a forwarder and its role passes to another rank of its host.
 fn kill(comm: &Comm, args: &Args) -> Res<String> {
-    let cfg = config(comm, args, Mode::LowLatency);
+    let mode = if args.get("ht", 0) == 1 {
+        Mode::HighThroughput
+    } else {
+        Mode::LowLatency
+    };
+    let cfg = config(comm, args, mode);
     let victim = args.get("victim", comm.nranks() - 1);
-    let mut buf = Buffer::new(comm, cfg)?;
+    let mut buf = buffer(comm, args, cfg)?;
     buf.set_on_peer_loss(OnPeerLoss::Mask);
     let (all, tables) = inputs(comm, &cfg)?;
     step(&mut buf, &all, &tables, true)?;
     comm.bootstrap().barrier()?;
+    // The victim dies once every survivor is past the barrier (a death
+    // inside it would fail the barrier, not the step under test).
     if comm.rank() == victim {
+        for p in (0..comm.nranks()).filter(|&p| p != victim) {
+            comm.bootstrap().recv(p, PAST_BARRIER)?;
+        }
         std::process::abort();
     }
+    comm.bootstrap().send(victim, PAST_BARRIER, b"past")?;
     let me = &all[comm.rank()];
-    let d = buf.ll_dispatch(&me.x, &me.topk_idx, &me.weights)?;
-    buf.ll_echo(&d)?;
-    let c = buf.ll_combine(&d)?;
+    let c = if mode == Mode::LowLatency {
+        let d = buf.ll_dispatch(&me.x, &me.topk_idx, &me.weights)?;
+        buf.ll_echo(&d)?;
+        buf.ll_combine(&d)?
+    } else {
+        let d = buf.ht_dispatch(&me.x, &me.topk_idx, &me.weights)?;
+        if d.lost() != [victim] {
+            return Err(format!(
+                "rank {}: dispatch reported lost ranks {:?}, expected [{victim}]",
+                comm.rank(),
+                d.lost()
+            )
+            .into());
+        }
+        oracle::check_ht_dispatch(&buf, &d, &all, &tables)?;
+        buf.ht_echo(&d)?;
+        buf.ht_combine(&d)?
+    };
     if c.lost != [victim] {
         return Err(format!(
             "rank {}: lost ranks reported {:?}, expected [{victim}]",
@@ -320,5 +393,42 @@ fn kill(comm: &Comm, args: &Args) -> Res<String> {
     // No collective destroy: the job has lost a rank.
     Ok(format!(
         "rank {victim} lost in step 2 and masked; steps 2 and 3 verified without it"
+    ))
+}
+
+/// Every rank masks rank `victim` before the first step, as survivors do
+/// after losing a rank; the others run `repeats` steps without it (its
+/// experts masked, in high-throughput mode its forwarding role passed to
+/// the next rank of its host) and verify them, bit-identical across
+/// repeats. The masked rank, alive, only takes part in setting up and
+/// tearing down.
+fn masked(comm: &Comm, args: &Args) -> Res<String> {
+    let mode = if args.get("ht", 0) == 1 {
+        Mode::HighThroughput
+    } else {
+        Mode::LowLatency
+    };
+    let cfg = config(comm, args, mode);
+    let victim = args.get("victim", comm.nranks() - 1);
+    let mut buf = buffer(comm, args, cfg)?;
+    let (all, tables) = inputs(comm, &cfg)?;
+    buf.set_active(victim, false)?;
+    let repeats = args.get("repeats", 5);
+    if comm.rank() != victim {
+        let first = step(&mut buf, &all, &tables, true)?;
+        for i in 1..repeats {
+            let again = step(&mut buf, &all, &tables, false)?;
+            if again != first {
+                return Err(format!(
+                    "rank {}: repeat {i} differs from the first (digests {again:x?} vs {first:x?})",
+                    comm.rank()
+                )
+                .into());
+            }
+        }
+    }
+    buf.destroy()?;
+    Ok(format!(
+        "rank {victim} masked; {repeats} steps verified without it, bit-identical"
     ))
 }
