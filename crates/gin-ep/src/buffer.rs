@@ -456,10 +456,10 @@ impl<'c> Buffer<'c> {
     /// Whether the bootstrap reports `peer` dead, unresponsive or gone.
     pub(crate) fn bootstrap_lost(&self, peer: usize) -> bool {
         matches!(
-            self.comm.bootstrap().health(),
-            Err(BootstrapError::PeerDied { peer: p, .. }
-                | BootstrapError::PeerUnresponsive { peer: p, .. }
-                | BootstrapError::PeerExited { peer: p, .. }) if p == peer
+            self.comm.bootstrap().peer_health(peer),
+            Err(BootstrapError::PeerDied { .. }
+                | BootstrapError::PeerUnresponsive { .. }
+                | BootstrapError::PeerExited { .. })
         )
     }
 

@@ -219,13 +219,18 @@ fn stalled<L: Lane>(
     let Some((_, lane)) = lanes.iter().find(|(_, l)| !l.done()) else {
         return Ok(());
     };
-    let dead = match sh.comm.bootstrap().health() {
-        Err(
-            BootstrapError::PeerDied { peer, ref why, .. }
-            | BootstrapError::PeerUnresponsive { peer, ref why, .. },
-        ) if sh.plan.active.get(peer).copied().unwrap_or(false) => Some((peer, why.clone())),
-        _ => None,
-    };
+    // Each active peer's own health: a rank lost after an earlier (masked)
+    // one is seen too.
+    let boot = sh.comm.bootstrap();
+    let dead = (0..sh.plan.active.len())
+        .filter(|&p| sh.plan.active[p])
+        .find_map(|p| match boot.peer_health(p) {
+            Err(
+                BootstrapError::PeerDied { ref why, .. }
+                | BootstrapError::PeerUnresponsive { ref why, .. },
+            ) => Some((p, why.clone())),
+            _ => None,
+        });
     if dead.is_none() && waited < sh.timeout {
         return Ok(());
     }
