@@ -88,7 +88,7 @@ impl Health for BootstrapHealth {
             // notice of its departure can overtake the root's notice of the
             // death: give the cause a moment. Failure path only.
             Err(left @ gin_bootstrap::BootstrapError::PeerExited { .. }) => {
-                let until = std::time::Instant::now() + Duration::from_millis(250);
+                let until = std::time::Instant::now() + gin_device::CAUSE_GRACE;
                 while std::time::Instant::now() < until {
                     std::thread::sleep(Duration::from_millis(5));
                     match self.0.health() {

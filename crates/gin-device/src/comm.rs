@@ -59,6 +59,14 @@ pub struct GetOp<'a> {
     pub bytes: u64,
 }
 
+/// How long a failure path waits for the news that explains a failure:
+/// the job watch's account of a death or departure behind a backend's error
+/// (a broken link is often the echo of a peer that quit because a third
+/// rank died), or a backend's own error behind a stalled wait. One grace
+/// for every such wait in the workspace, on CPU and CUDA ranks alike; it is
+/// spent only on the way to an error.
+pub const CAUSE_GRACE: Duration = Duration::from_millis(500);
+
 /// Proof of issue, redeemed for local completion (see [`Ctx::flush_async`]).
 ///
 /// Only a backend makes tickets, through its [`TicketIssuer`], and only the
@@ -546,7 +554,7 @@ impl DevComm {
     /// (a peer that quit because a third rank died): give it a moment, so
     /// the error names the cause, not the echo. Failure path only.
     fn cause_of(&self, e: GinError) -> GinError {
-        let until = std::time::Instant::now() + Duration::from_millis(250);
+        let until = std::time::Instant::now() + CAUSE_GRACE;
         loop {
             if let Err(cause) = self.job_health() {
                 return cause;
@@ -560,7 +568,7 @@ impl DevComm {
 
     /// The backend's own error, if it reports one within a short grace.
     fn backend_cause(&self) -> Option<GinError> {
-        let until = std::time::Instant::now() + Duration::from_millis(500);
+        let until = std::time::Instant::now() + CAUSE_GRACE;
         loop {
             if let Err(e) = self.p.backend.health() {
                 return Some(e);

@@ -47,8 +47,8 @@ mod window;
 
 pub use abi::Coop;
 pub use comm::{
-    Backend, BarrierSession, Counters, Ctx, DevComm, DevCommParts, GetOp, Health, PutOp,
-    SignalUpdate, Source, Ticket, TicketIssuer, signal_slots_per_context,
+    Backend, BarrierSession, CAUSE_GRACE, Counters, Ctx, DevComm, DevCommParts, GetOp, Health,
+    PutOp, SignalUpdate, Source, Ticket, TicketIssuer, signal_slots_per_context,
 };
 pub use error::GinError;
 pub use ops::{CounterId, Fence, Local, Order, Remote, SignalId, SignalOp, Team};

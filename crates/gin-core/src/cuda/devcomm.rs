@@ -26,8 +26,8 @@ use crate::requirements;
 use crate::{Connection, DevCommRequirements};
 
 /// How a lost TCP link waits for the bootstrap to name a dead peer before
-/// the link's own account is taken as the cause.
-const DEATH_GRACE: Duration = Duration::from_millis(500);
+/// the link's own account is taken as the cause: the workspace's one grace.
+const DEATH_GRACE: Duration = gin_device::CAUSE_GRACE;
 
 /// How each peer is reached, and which peers are over TCP.
 struct Reach {
