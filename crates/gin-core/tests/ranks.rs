@@ -321,6 +321,31 @@ fn a_rank_that_signals_and_leaves_at_once_does_not_fail_the_waits_it_satisfied()
     }
 }
 
+/// A put refused because its target left after a third rank died names the
+/// death (the cause), not the dropped part (its echo). `cargo xtask faults`
+/// found the echo on the direct path (alltoall, 4 ranks, SIGKILL).
+#[test]
+fn a_put_refused_by_a_rank_that_left_after_a_death_names_the_death() {
+    for (name, env) in MODES {
+        let report = run(3, &["echo"], env, "60");
+        for r in report.ranks.iter().filter(|r| r.rank != 1) {
+            assert!(
+                r.success(),
+                "{name}, rank {}: {:?}\n{}{}",
+                r.rank,
+                r.status,
+                r.stdout,
+                r.stderr
+            );
+        }
+        assert!(
+            report.ranks[0].stdout.contains("echo named"),
+            "{name}: {}",
+            report.ranks[0].stdout
+        );
+    }
+}
+
 #[test]
 fn unavailable_choices_are_clear_errors_listing_the_alternatives() {
     let report = run(2, &["ring"], &[("GIN_BACKEND", "ibgda")], "20");

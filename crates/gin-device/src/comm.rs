@@ -920,9 +920,15 @@ impl<'a> Ctx<'a> {
         }
         // Both parts are checked before anything moves, as a tcp target
         // checks a put and its signal: a refusal is whole.
-        op.dst.served("put", op.peer, op.dst_off, op.bytes)?;
+        // A part dropped under a put is usually the echo of its owner
+        // leaving because another rank died: name the cause if it comes.
+        op.dst
+            .served("put", op.peer, op.dst_off, op.bytes)
+            .map_err(|e| self.dc.cause_of(e))?;
         if let Some((_, s)) = &slot {
-            s.window.served("signal", op.peer, s.offset, 8)?;
+            s.window
+                .served("signal", op.peer, s.offset, 8)
+                .map_err(|e| self.dc.cause_of(e))?;
         }
         if let Some(dst) = dst {
             // SAFETY: `issue_put` checked the destination range against the
@@ -974,7 +980,9 @@ impl<'a> Ctx<'a> {
         if dc.is_direct(peer)
             && let Some(src) = remote.peer_ptr(peer)
         {
-            remote.served("get", peer, remote_off, bytes)?;
+            remote
+                .served("get", peer, remote_off, bytes)
+                .map_err(|e| dc.cause_of(e))?;
             // SAFETY: ranges checked above; mappings live with the windows.
             unsafe {
                 std::ptr::copy(

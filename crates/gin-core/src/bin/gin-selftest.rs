@@ -80,6 +80,7 @@ fn main() -> ExitCode {
         "signal-leave" => {
             signal_leave(&comm, args.get(1).and_then(|v| v.parse().ok()).unwrap_or(1))
         }
+        "echo" => echo(&comm),
         "killreg" => killreg(&comm),
         "refused" => refused(&comm),
         "stop" => stop(&comm, args.get(1).and_then(|v| v.parse().ok()).unwrap_or(1)),
@@ -704,6 +705,68 @@ fn die(c: &Comm, victim: usize) -> R {
     match ctx.wait_signal(0, n as u64) {
         Ok(_) => Err("the wait succeeded without the victim's signal".into()),
         Err(e) => Err(format!("{e} (after {:.2}s)", t.elapsed().as_secs_f64())),
+    }
+}
+
+/// Rank 1 crashes; rank 2 hears of it, drops its window and leaves, as a
+/// rank whose job broke does; rank 0 keeps putting to rank 2 (flushing
+/// only where puts go through a backend, so that on the direct path the put
+/// itself meets the dropped part). Rank 0's error must name the death, the
+/// cause, not rank 2's dropped part, its echo. Prints `echo named: ERROR`.
+fn echo(c: &Comm) -> R {
+    let r = c.rank();
+    if c.nranks() != 3 {
+        return Err("echo runs on three ranks".into());
+    }
+    let w = c.alloc_window(4096).map_err(s)?;
+    let dc = c.dev_comm(&DevCommRequirements::default()).map_err(s)?;
+    let ctx = dc.ctx(0).map_err(s)?;
+    c.bootstrap().barrier().map_err(s)?;
+    match r {
+        1 => std::process::abort(),
+        2 => {
+            let t = Instant::now();
+            while c.bootstrap().health().is_ok() {
+                if t.elapsed() > Duration::from_secs(20) {
+                    return Err("rank 1's death was never heard of".into());
+                }
+                std::thread::yield_now();
+            }
+            drop(w);
+            Ok(())
+        }
+        _ => {
+            let direct = c.settings().backend == gin_core::BackendKind::Auto
+                && c.path_names().get(2) == Some(&"shm");
+            let t = Instant::now();
+            let e = loop {
+                let sent = ctx.put(2, &w, 0, &w, 0, 4096, Remote::None, Local::None);
+                let done = if direct {
+                    sent
+                } else {
+                    sent.and_then(|()| ctx.flush())
+                };
+                match done {
+                    Err(e) => break e.to_string(),
+                    Ok(()) if t.elapsed() > Duration::from_secs(20) => {
+                        return Err("puts to a rank that left kept succeeding".into());
+                    }
+                    Ok(()) => {}
+                }
+            };
+            // Over tcp the broken link to rank 1 may speak first: it names
+            // rank 1 too.
+            if (e.contains("rank 1 died") || e.contains("rank 1's transport"))
+                && !e.contains("dropped or deregistered")
+            {
+                println!("echo named: {e}");
+                Ok(())
+            } else {
+                Err(format!(
+                    "the error names the echo, not the death of rank 1: {e}"
+                ))
+            }
+        }
     }
 }
 
