@@ -228,9 +228,9 @@ pub struct GdakiQpAbi {
     pub main: GdakiSqAbi,
     /// The send queue of the companion loopback QP (counter bumps).
     pub companion: GdakiSqAbi,
-    /// The peer's signal window: its own address of its part...
+    /// The peer's part of the signal window, at the peer's own address.
     pub sig_addr: u64,
-    /// ...and the key of that part.
+    /// The key of that part.
     pub sig_key: u32,
     /// Key of this rank's counter array (local to the NIC).
     pub counter_key: u32,
