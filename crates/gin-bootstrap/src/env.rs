@@ -109,12 +109,15 @@ impl Rendezvous {
 pub struct LaunchEnv {
     /// Which launcher's variables were used: `gin`, `torchrun`, `slurm` or `openmpi`.
     pub launcher: &'static str,
+    /// This process's rank in the job.
     pub rank: usize,
+    /// The job's rank count.
     pub nranks: usize,
     /// Rank among the processes on this host, when the launcher says.
     pub local_rank: Option<usize>,
     /// Processes on this host, when the launcher says.
     pub local_nranks: Option<usize>,
+    /// How this rank finds the job's rendezvous root.
     pub rendezvous: Rendezvous,
 }
 

@@ -95,34 +95,70 @@ pub enum Purpose {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Frame {
     /// See [`Kind::Challenge`].
-    Challenge { nonce: [u8; 16] },
+    Challenge {
+        /// The random nonce the dialer's answer must cover.
+        nonce: [u8; 16],
+    },
     /// See [`Kind::Hello`].
     Hello(Hello),
     /// See [`Kind::Welcome`].
     Welcome,
     /// See [`Kind::Refuse`].
-    Refuse { reason: String },
+    Refuse {
+        /// Why the dialer was refused.
+        reason: String,
+    },
     /// See [`Kind::Table`].
-    Table { addrs: Vec<String> },
+    Table {
+        /// Each rank's listening address (`ip:port`), indexed by rank.
+        addrs: Vec<String>,
+    },
     /// See [`Kind::Data`].
-    Data { tag: u64, payload: Vec<u8> },
+    Data {
+        /// The tag the receiver matches messages by (the header's tag field).
+        tag: u64,
+        /// The message bytes.
+        payload: Vec<u8>,
+    },
     /// See [`Kind::Goodbye`].
     Goodbye,
     /// See [`Kind::PeerDied`].
-    PeerDied { rank: u32, reason: String },
+    PeerDied {
+        /// The rank that died.
+        rank: u32,
+        /// How its death was noticed.
+        reason: String,
+    },
     /// See [`Kind::Abort`].
-    Abort { reason: String, missing: Vec<u32> },
+    Abort {
+        /// Why the root gave up.
+        reason: String,
+        /// The ranks that never joined (empty when the root does not know
+        /// the rank count yet).
+        missing: Vec<u32>,
+    },
     /// See [`Kind::PeerStuck`].
-    PeerStuck { rank: u32, reason: String },
+    PeerStuck {
+        /// The rank that stopped draining its connections.
+        rank: u32,
+        /// How it was noticed (which send could not complete).
+        reason: String,
+    },
     /// See [`Kind::PeerLeft`].
-    PeerLeft { rank: u32 },
+    PeerLeft {
+        /// The rank that left.
+        rank: u32,
+    },
 }
 
 /// A dialer's introduction.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Hello {
+    /// Whether the dialer joins the root or opens a peer connection.
     pub purpose: Purpose,
+    /// The dialer's rank.
     pub rank: u32,
+    /// The job's rank count, as the dialer knows it.
     pub nranks: u32,
     /// The address the dialer listens on (`ip:port`), empty for peer dials.
     pub listen_addr: String,
@@ -133,40 +169,75 @@ pub struct Hello {
 /// Why bytes are not a frame.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FrameError {
+    /// The first four bytes are not [`MAGIC`] (they are given).
     #[error("bad magic {0:02x?} (not a gin-rs bootstrap peer)")]
     BadMagic([u8; 4]),
+    /// The header names a format version other than [`VERSION`].
     #[error("unsupported bootstrap format version {got} (this build speaks {VERSION})")]
-    BadVersion { got: u8 },
+    BadVersion {
+        /// The version byte received.
+        got: u8,
+    },
+    /// The kind byte (given) is no [`Kind`].
     #[error("unknown frame kind {0}")]
     BadKind(u8),
+    /// The flags (given) are not zero.
     #[error("non-zero flags {0:#06x}")]
     BadFlags(u16),
+    /// A payload or field is longer than the limit.
     #[error("frame payload of {len} bytes exceeds the limit of {max} bytes")]
-    TooLarge { len: u64, max: usize },
+    TooLarge {
+        /// Its length in bytes.
+        len: u64,
+        /// The limit: the reader's payload limit when decoding, `u32::MAX`
+        /// (what a length field can describe) when encoding.
+        max: usize,
+    },
+    /// The payload ends before a field does.
     #[error("frame truncated: {what} needs {need} more bytes, {have} left")]
     Truncated {
+        /// The field being read.
         what: &'static str,
+        /// The bytes it needs.
         need: usize,
+        /// The bytes left in the payload.
         have: usize,
     },
+    /// Bytes (their count given) remain after the kind's last field.
     #[error("{0} trailing bytes after the frame's fields")]
     Trailing(usize),
+    /// A field's value is not allowed.
     #[error("field {what} is not valid: {why}")]
-    BadField { what: &'static str, why: String },
+    BadField {
+        /// The field.
+        what: &'static str,
+        /// What is wrong with its value.
+        why: String,
+    },
+    /// The stream ended inside a frame.
     #[error("connection closed in the middle of a frame ({got} of {want} bytes)")]
-    Eof { got: usize, want: usize },
+    Eof {
+        /// The frame's bytes received, header included.
+        got: usize,
+        /// The frame's whole size, header included (or the header's size
+        /// when the header itself is cut short).
+        want: usize,
+    },
 }
 
 /// A parsed header, before its payload has been read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Header {
-    pub kind: Kind,
-    pub tag: u64,
-    pub len: usize,
+pub(crate) struct Header {
+    pub(crate) kind: Kind,
+    pub(crate) tag: u64,
+    pub(crate) len: usize,
 }
 
 /// Parses and validates a header against the payload limit.
-pub fn decode_header(b: &[u8; HEADER_LEN], max_payload: usize) -> Result<Header, FrameError> {
+pub(crate) fn decode_header(
+    b: &[u8; HEADER_LEN],
+    max_payload: usize,
+) -> Result<Header, FrameError> {
     let magic = [b[0], b[1], b[2], b[3]];
     if magic != MAGIC {
         return Err(FrameError::BadMagic(magic));
@@ -282,7 +353,7 @@ fn put_bytes(w: &mut Vec<u8>, b: &[u8]) -> Result<(), FrameError> {
 }
 
 /// Decodes a payload whose header was already validated.
-pub fn decode_payload(h: Header, payload: Vec<u8>) -> Result<Frame, FrameError> {
+pub(crate) fn decode_payload(h: Header, payload: Vec<u8>) -> Result<Frame, FrameError> {
     if h.kind == Kind::Data {
         return Ok(Frame::Data {
             tag: h.tag,
@@ -442,8 +513,11 @@ fn read_full<R: Read>(r: &mut R, buf: &mut [u8]) -> io::Result<usize> {
 /// A failure while reading a frame from a stream.
 #[derive(Debug, thiserror::Error)]
 pub enum ReadError {
+    /// The stream failed.
     #[error(transparent)]
     Io(#[from] io::Error),
+    /// The bytes are not a valid frame (including a stream that ends inside
+    /// one).
     #[error(transparent)]
     Frame(#[from] FrameError),
 }

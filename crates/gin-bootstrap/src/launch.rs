@@ -53,8 +53,11 @@ pub enum Output {
 /// How to launch a job.
 #[derive(Debug, Clone)]
 pub struct LaunchSpec {
+    /// How many ranks (processes) to start.
     pub nranks: usize,
+    /// The program every rank runs.
     pub program: OsString,
+    /// Its arguments, the same for every rank.
     pub args: Vec<OsString>,
     /// Extra environment for every rank.
     pub env: Vec<(OsString, OsString)>,
@@ -64,6 +67,7 @@ pub struct LaunchSpec {
     pub grace: Duration,
     /// Stop the whole job after this long (None: no limit).
     pub limit: Option<Duration>,
+    /// What happens to the ranks' standard output and error.
     pub output: Output,
     /// Settings for the launcher's root (its rendezvous timeout).
     pub config: Config,
@@ -78,7 +82,9 @@ pub struct LaunchSpec {
 /// while, so that tests can check how its peers notice.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fault {
+    /// The rank that gets the fault.
     pub rank: usize,
+    /// What is done to it.
     pub kind: FaultKind,
     /// How long after the launch.
     pub after: Duration,
@@ -127,6 +133,7 @@ impl LaunchSpec {
 /// How one rank ended.
 #[derive(Debug, Clone)]
 pub struct RankExit {
+    /// The rank this is about.
     pub rank: usize,
     /// None if it could not be waited for.
     pub status: Option<ExitStatus>,
@@ -152,9 +159,12 @@ impl RankExit {
 /// What happened to every rank.
 #[derive(Debug, Clone)]
 pub struct LaunchReport {
+    /// How each rank ended, indexed by rank.
     pub ranks: Vec<RankExit>,
     /// The first rank that failed, if any.
     pub first_failure: Option<usize>,
+    /// How long the whole job took, from the launch until every rank had
+    /// ended and its output had been gathered.
     pub elapsed: Duration,
     /// When the fault was injected, from the launch (None: not injected,
     /// because none was asked for or its rank had already ended).

@@ -54,6 +54,7 @@
 //! socket for [`Config::auth_timeout`], never a thread.
 
 #![deny(unsafe_code)]
+#![warn(missing_docs)]
 
 mod cli;
 mod collectives;

@@ -41,6 +41,7 @@ pub struct DevCommRequirements {
     /// a power of two. Outside the backend's range
     /// ([`crate::BackendKind::queue_depths`]) creation fails.
     pub queue_depth: u32,
+    /// Which peers it connects to.
     pub connection: Connection,
     /// Each context is used by one thread only.
     pub exclusive_contexts: bool,
@@ -315,10 +316,12 @@ impl Comm {
         Ok(comm)
     }
 
+    /// This rank.
     pub fn rank(&self) -> usize {
         self.bootstrap.rank()
     }
 
+    /// Ranks in the communicator.
     pub fn nranks(&self) -> usize {
         self.bootstrap.nranks()
     }

@@ -94,7 +94,9 @@ pub enum NicKind {
 /// Communicator settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Settings {
+    /// The network backend (`GIN_BACKEND`).
     pub backend: BackendKind,
+    /// The transport between ranks (`GIN_TRANSPORT`).
     pub transport: TransportKind,
     /// Ranks with equal host ids share a host (`GIN_HOSTID`, else hostname
     /// and boot id).

@@ -4,27 +4,39 @@
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum CoreError {
+    /// A feature, setting or backend that cannot be had here, with what can.
     #[error("{what} is not available: {why} (available: {available})")]
     Unavailable {
+        /// What was asked for (for example `"GIN_NIC=mlx5"`, `"CUDA ranks"`).
         what: String,
+        /// Why it cannot be had.
         why: String,
+        /// What can be used instead.
         available: String,
     },
+    /// An argument or state that cannot be used, described in words.
     #[error("{0}")]
     Invalid(String),
     /// Ranks gave different values where every rank must give the same
     /// (device communicator requirements): every rank fails alike.
     #[error("rank {rank}: ranks disagree on {what}: {detail}")]
     Mismatch {
+        /// The rank reporting it.
         rank: usize,
+        /// The value the ranks disagree on (for example
+        /// `"DevCommRequirements::signals"`).
         what: String,
+        /// How they differ.
         detail: String,
     },
     /// An environment setting that does not parse.
     #[error("{var}={value:?}: {why}")]
     Setting {
+        /// The environment variable.
         var: &'static str,
+        /// Its value.
         value: String,
+        /// What is wrong with it.
         why: String,
     },
     /// A queue depth outside the chosen backend's range
@@ -38,51 +50,89 @@ pub enum CoreError {
         }
     )]
     QueueDepth {
+        /// The backend's name.
         backend: &'static str,
+        /// The depth asked for.
         asked: u32,
+        /// The backend's smallest depth.
         min: u32,
+        /// The backend's largest depth.
         max: u32,
     },
     /// A requirement that can never be met (zero contexts, counts whose sum
     /// overflows).
     #[error("rank {rank}: {what}")]
-    Requirement { rank: usize, what: String },
+    Requirement {
+        /// The rank that made the call.
+        rank: usize,
+        /// What cannot be met.
+        what: String,
+    },
     /// A window handed to a communicator that did not register it.
     #[error("rank {rank}: window {window} belongs to another communicator")]
-    ForeignWindow { rank: usize, window: u32 },
+    ForeignWindow {
+        /// The rank that made the call.
+        rank: usize,
+        /// The window's id.
+        window: u32,
+    },
     /// Memory handed to gin-rs that is not aligned as it must be.
     #[error("rank {rank}: {what} at {addr:#x} is not {align}-byte aligned")]
     Misaligned {
+        /// The rank that made the call.
         rank: usize,
+        /// The memory (for example `"window memory"`).
         what: &'static str,
+        /// Its address.
         addr: usize,
+        /// The alignment required, in bytes.
         align: usize,
     },
     /// A window deregistered a second time.
     #[error("rank {rank}: window {window} is already deregistered")]
-    Deregistered { rank: usize, window: u32 },
+    Deregistered {
+        /// The rank that made the call.
+        rank: usize,
+        /// The window's id.
+        window: u32,
+    },
     /// A requirement beyond what gin-rs supports.
     #[error("rank {rank}: {what} = {asked} exceeds the limit {limit} ({hint})")]
     Limit {
+        /// The rank that made the call.
         rank: usize,
+        /// The requirement (for example `"DevCommRequirements::contexts"`).
         what: String,
+        /// The value asked for.
         asked: u64,
+        /// The largest value supported.
         limit: u64,
+        /// How to stay within it.
         hint: String,
     },
+    /// The signal or counter id space has no room (or a range was freed
+    /// twice).
     #[error(transparent)]
     Space(#[from] crate::space::SpaceError),
+    /// The bootstrap failed (a peer died, a timeout, a rendezvous refused).
     #[error(transparent)]
     Bootstrap(#[from] gin_bootstrap::BootstrapError),
+    /// The transport failed.
     #[error(transparent)]
     Net(#[from] gin_net::NetError),
+    /// A device-API call failed.
     #[error(transparent)]
     Device(#[from] gin_device::GinError),
+    /// A CUDA driver call failed.
     #[error("CUDA call {call} failed: {name} ({code}): {text}")]
     Cuda {
+        /// The driver entry point, as `cuMemAlloc`.
         call: &'static str,
+        /// The `CUresult` value.
         code: i32,
+        /// The `CUresult` name, as `CUDA_ERROR_OUT_OF_MEMORY`.
         name: String,
+        /// The driver's description of the result.
         text: String,
     },
     /// What the CUDA host runtime failed with, where no variant above says
@@ -94,11 +144,18 @@ pub enum CoreError {
     /// shape: the ranks run different builds, or memory was corrupted.
     #[error("rank {rank} sent a malformed {what} ({got} bytes, expected {expected})")]
     MalformedRecord {
+        /// The rank whose record it is.
         rank: usize,
+        /// The record (and what is wrong with it).
         what: String,
+        /// Its length in bytes.
         got: usize,
+        /// The length expected (for a record whose length varies, that of
+        /// its fixed head).
         expected: usize,
     },
+    /// A CUDA kernel's device-side call failed: the error word it wrote,
+    /// decoded (see [`gin_device::abi::errword`]).
     #[error(
         "rank {rank}: kernel error: {what}{}{} (id or value {value}){}",
         ctx.map(|c| format!(", context {c}")).unwrap_or_default(),
@@ -106,11 +163,18 @@ pub enum CoreError {
         if cause.is_empty() { String::new() } else { format!("; cause: {cause}") }
     )]
     Kernel {
+        /// The rank that ran the kernel.
         rank: usize,
+        /// What went wrong, in words.
         what: &'static str,
+        /// The context, if the word names one.
         ctx: Option<u32>,
+        /// The peer, if the word names one.
         peer: Option<usize>,
+        /// The kind's value: an id, a peer or the last value seen.
         value: u32,
+        /// What the host saw while the kernel ran (a dead peer, a failed
+        /// transport, proxy or NIC); empty when nothing.
         cause: String,
     },
 }

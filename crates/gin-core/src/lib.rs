@@ -31,6 +31,7 @@
 //! CQEs here, until it moves onto gin-gdaki's NIC engine.
 
 #![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
 
 mod comm;
 pub mod config;

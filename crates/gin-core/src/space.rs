@@ -15,20 +15,32 @@ pub struct IdSpace {
 /// Why a range could not be had.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SpaceError {
+    /// No free range is long enough.
     #[error(
         "{what} space exhausted: {want} contiguous slots requested, largest free range is {largest} of {capacity}"
     )]
     Exhausted {
+        /// The space (for example `"signal"`).
         what: &'static str,
+        /// The slots requested.
         want: u64,
+        /// The longest free range.
         largest: u64,
+        /// The space's capacity.
         capacity: u64,
     },
+    /// A range freed that was not (wholly) allocated.
     #[error("freeing {len} slots at {start}, which were not allocated")]
-    NotAllocated { start: u64, len: u64 },
+    NotAllocated {
+        /// The range's first slot.
+        start: u64,
+        /// The range's length.
+        len: u64,
+    },
 }
 
 impl IdSpace {
+    /// A space of `capacity` slots, all free.
     pub fn new(capacity: u64) -> Self {
         let mut free = BTreeMap::new();
         if capacity > 0 {
@@ -37,6 +49,7 @@ impl IdSpace {
         Self { capacity, free }
     }
 
+    /// Slots in the space, free or not.
     pub fn capacity(&self) -> u64 {
         self.capacity
     }

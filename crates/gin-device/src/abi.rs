@@ -9,7 +9,9 @@ use std::mem::{offset_of, size_of};
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DevCommAbi {
+    /// This rank.
     pub rank: u32,
+    /// Ranks in the communicator.
     pub nranks: u32,
     /// Contexts: independent ordering domains.
     pub nctx: u32,
@@ -90,9 +92,11 @@ const _: () = assert!(offset_of!(DevCommAbi, signal_window) == 116);
 pub struct WindowAbi {
     /// Same on every rank: windows are registered collectively, in order.
     pub id: u32,
+    /// Reserved for window flags: 0 (none is defined).
     pub flags: u32,
     /// This rank's part of the window.
     pub local_base: u64,
+    /// Size of this rank's part in bytes.
     pub local_size: u64,
     /// Address of `u64[nranks]`: every rank's size of this window.
     pub sizes: u64,
@@ -117,9 +121,12 @@ const _: () = assert!(offset_of!(WindowAbi, addrs) == 48);
 #[repr(u32)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Coop {
+    /// The calling thread alone.
     #[default]
     Thread = 0,
+    /// The calling thread's whole warp.
     Warp = 1,
+    /// The calling thread's whole block (CTA).
     Cta = 2,
 }
 
@@ -165,7 +172,9 @@ pub struct ProxyRingAbi {
     /// once descriptor `seq`'s data has left the source (the copy engine
     /// finished), after its signal. Credit and flush are both judged by it.
     pub done: u64,
+    /// Log2 of the ring's slot count.
     pub log2: u32,
+    /// Padding to a multiple of 8 bytes; 0.
     pub reserved: u32,
 }
 
@@ -199,7 +208,9 @@ pub struct GdakiSqAbi {
     pub doorbell: u64,
     /// The collapsed CQE (64 bytes, device memory).
     pub cqe: u64,
+    /// The QP number (what the WQEs' control segments carry).
     pub qpn: u32,
+    /// Log2 of the queue's WQE count.
     pub log2: u32,
 }
 
@@ -213,15 +224,19 @@ const _: () = assert!(offset_of!(GdakiSqAbi, qpn) == 40);
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct GdakiQpAbi {
+    /// The send queue of the RC QP to the peer (data, signals, gets).
     pub main: GdakiSqAbi,
+    /// The send queue of the companion loopback QP (counter bumps).
     pub companion: GdakiSqAbi,
-    /// The peer's signal window: its own address of its part and the key.
+    /// The peer's part of the signal window, at the peer's own address.
     pub sig_addr: u64,
+    /// The key of that part.
     pub sig_key: u32,
     /// Key of this rank's counter array (local to the NIC).
     pub counter_key: u32,
     /// Where atomics return their old value (8 bytes per QP, never read).
     pub sink: u64,
+    /// Key of the sink.
     pub sink_key: u32,
     /// CQ number of the main QP (what the companion's WAIT names).
     pub main_cqn: u32,
@@ -237,18 +252,32 @@ const _: () = assert!(offset_of!(GdakiQpAbi, main_cqn) == 124);
 /// `[63:56]` kind, `[55:48]` context (255: none or larger), `[47:32]` peer
 /// (0xffff: none), `[31:0]` id or the last value seen (low 32 bits).
 pub mod errword {
+    /// A signal wait timed out; the value is the signal id.
     pub const SIGNAL_TIMEOUT: u8 = 1;
+    /// A counter wait timed out; the value is the counter id.
     pub const COUNTER_TIMEOUT: u8 = 2;
+    /// A flush timed out waiting for the backend.
     pub const FLUSH_TIMEOUT: u8 = 3;
+    /// A wait for a free queue slot (ring or send queue credit) timed out.
     pub const QUEUE_TIMEOUT: u8 = 4;
+    /// A wait gave up because the host set the abort flag.
     pub const ABORTED: u8 = 5;
+    /// The peer does not exist or is not connected; the value is the peer.
     pub const BAD_PEER: u8 = 6;
+    /// An access outside a window; the value is the window id.
     pub const OUT_OF_WINDOW: u8 = 7;
+    /// An unknown signal id (or barrier index); the value is the id.
     pub const BAD_SIGNAL: u8 = 8;
+    /// An unknown counter id; the value is the id.
     pub const BAD_COUNTER: u8 = 9;
+    /// An unknown context; the value is the context.
     pub const BAD_CONTEXT: u8 = 10;
+    /// An operation this backend does not support on CUDA ranks.
     pub const UNSUPPORTED: u8 = 11;
+    /// A barrier timed out.
     pub const BARRIER_TIMEOUT: u8 = 12;
+    /// A misaligned offset (an 8-byte value put); the value is the window
+    /// id.
     pub const MISALIGNED: u8 = 13;
     /// A WQE completed in error; the value is `syndrome << 16 | WQE index`.
     pub const WQE_ERROR: u8 = 14;
@@ -256,9 +285,14 @@ pub mod errword {
     /// A decoded error word.
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     pub struct Decoded {
+        /// What went wrong: one of this module's constants.
         pub kind: u8,
+        /// The context, if the word names one below 255.
         pub ctx: Option<u32>,
+        /// The peer, if the word names one.
         pub peer: Option<usize>,
+        /// The kind's value (an id, a peer, the last value seen...; low
+        /// 32 bits).
         pub value: u32,
     }
 

@@ -17,7 +17,12 @@ use crate::window::Window;
 #[derive(Debug, Clone, Copy)]
 pub enum Source<'a> {
     /// `bytes` bytes at `offset` of this rank's part of a window.
-    Window { window: &'a Window, offset: u64 },
+    Window {
+        /// The window holding the bytes.
+        window: &'a Window,
+        /// Their offset in this rank's part.
+        offset: u64,
+    },
     /// An inline value of `bytes` (≤ 8) bytes, little-endian.
     Inline(u64),
     /// No data (a signal alone).
@@ -27,21 +32,33 @@ pub enum Source<'a> {
 /// A signal update resolved to a slot: (window, offset) at the peer.
 #[derive(Debug, Clone, Copy)]
 pub struct SignalUpdate<'a> {
+    /// The window holding the slot: the signal window, or a user window for
+    /// a signal by window address.
     pub window: &'a Window,
+    /// The slot's byte offset in the peer's part.
     pub offset: u64,
+    /// The amount to add.
     pub add: u64,
+    /// What the signal's arrival promises about earlier puts.
     pub order: Order,
 }
 
 /// A validated put, handed to a backend.
 #[derive(Debug, Clone, Copy)]
 pub struct PutOp<'a> {
+    /// The context it was issued on.
     pub ctx: u32,
+    /// The rank written to.
     pub peer: usize,
+    /// The destination window.
     pub dst: &'a Window,
+    /// The destination offset in the peer's part.
     pub dst_off: u64,
+    /// Where the bytes come from.
     pub src: Source<'a>,
+    /// Bytes to move.
     pub bytes: u64,
+    /// The signal to update at the peer once the data has landed, if any.
     pub signal: Option<SignalUpdate<'a>>,
     /// Global counter slot to bump when the source may be reused.
     pub counter: Option<u64>,
@@ -50,12 +67,19 @@ pub struct PutOp<'a> {
 /// A validated get, handed to a backend.
 #[derive(Debug, Clone, Copy)]
 pub struct GetOp<'a> {
+    /// The context it was issued on.
     pub ctx: u32,
+    /// The rank read from.
     pub peer: usize,
+    /// The window read from.
     pub remote: &'a Window,
+    /// The source offset in the peer's part.
     pub remote_off: u64,
+    /// The window written to.
     pub local: &'a Window,
+    /// The destination offset in this rank's part.
     pub local_off: u64,
+    /// Bytes to move.
     pub bytes: u64,
 }
 
@@ -207,6 +231,8 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 /// it fails once any rank has died, stopped responding or left, and its
 /// message names that rank. Waits call it every ~0.5 ms, off the fast path.
 pub trait Health: Send + Sync + std::fmt::Debug {
+    /// `Err` with a message naming the rank once any rank has died, stopped
+    /// responding or left.
     fn check(&self) -> Result<(), String>;
 
     /// After a wait timed out: which peers look to blame (stopped, gone),
@@ -256,6 +282,7 @@ impl Counters {
         self.slots.len()
     }
 
+    /// True when the array has no counters.
     pub fn is_empty(&self) -> bool {
         self.slots.is_empty()
     }
@@ -264,22 +291,31 @@ impl Counters {
 /// Everything the host layer decides when it creates a device communicator.
 #[derive(Debug)]
 pub struct DevCommParts {
+    /// This rank.
     pub rank: usize,
+    /// Ranks in the communicator.
     pub nranks: usize,
+    /// Identifies the communicator (what its windows' `comm_id` must match).
     pub comm_id: u64,
+    /// Contexts: independent ordering domains.
     pub nctx: u32,
     /// User signals per context.
     pub nsignals: u32,
+    /// Counters per context.
     pub ncounters: u32,
+    /// World barriers asked for.
     pub world_barriers: u32,
+    /// Rail barriers asked for.
     pub rail_barriers: u32,
-    /// The communicator-wide signal window (u64 slots) and this device
-    /// communicator's first slot in it.
+    /// The communicator-wide signal window (u64 slots).
     pub signal_window: Window,
+    /// This device communicator's first slot in the signal window.
     pub signal_base: u64,
     /// Slots allocated from `signal_base` on.
     pub signal_slots: u64,
+    /// The local counter array, shared with the backend.
     pub counters: Arc<Counters>,
+    /// This device communicator's first slot in `counters`.
     pub counter_base: u64,
     /// Peers reached by direct load/store (same-host shared memory).
     pub lsa: Vec<bool>,
@@ -288,13 +324,18 @@ pub struct DevCommParts {
     pub connected: Vec<bool>,
     /// The ranks of this rank's rail team, in team order.
     pub rail: Vec<usize>,
+    /// Strong signals ([`Order::Strong`]) were asked for.
     pub strong_signals: bool,
+    /// Signals by window address ([`Remote::VaSignal`]) were asked for.
     pub va_signals: bool,
     /// Each context is used by one thread only (a promise recorded in the
     /// ABI; device code may then reserve without atomics).
     pub exclusive_contexts: bool,
+    /// Carries operations to peers not reached by load/store.
     pub backend: Arc<dyn Backend>,
+    /// The job-level liveness check waits consult.
     pub health: Arc<dyn Health>,
+    /// The default timeout of waits.
     pub timeout: Duration,
 }
 
@@ -413,14 +454,17 @@ impl DevComm {
         })
     }
 
+    /// This rank.
     pub fn rank(&self) -> usize {
         self.p.rank
     }
 
+    /// Ranks in the communicator.
     pub fn nranks(&self) -> usize {
         self.p.nranks
     }
 
+    /// Contexts: independent ordering domains.
     pub fn nctx(&self) -> u32 {
         self.p.nctx
     }
@@ -671,10 +715,12 @@ pub struct Ctx<'a> {
 }
 
 impl<'a> Ctx<'a> {
+    /// This context's index.
     pub fn index(&self) -> u32 {
         self.ctx
     }
 
+    /// The device communicator it belongs to.
     pub fn comm(&self) -> &'a DevComm {
         self.dc
     }

@@ -37,6 +37,7 @@
 //! layer (gin-core); backends implement [`Backend`].
 
 #![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
 
 pub mod abi;
 mod comm;

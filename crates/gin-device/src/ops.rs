@@ -48,16 +48,23 @@ pub enum Remote<'a> {
     None,
     /// Update signal `id` of the same context at the peer.
     Signal {
+        /// The signal to update.
         id: SignalId,
+        /// What to add to it.
         op: SignalOp,
+        /// What its arrival promises about earlier puts.
         order: Order,
     },
     /// Update the 8-byte slot at `offset` in the peer's part of `window`
     /// (signals by window address).
     VaSignal {
+        /// The window holding the slot.
         window: &'a Window,
+        /// The slot's offset in the peer's part (8-byte aligned).
         offset: u64,
+        /// What to add to it.
         op: SignalOp,
+        /// What its arrival promises about earlier puts.
         order: Order,
     },
 }
@@ -85,6 +92,7 @@ impl Remote<'_> {
 /// The local action of a put: done when the source may be reused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Local {
+    /// Nothing: the caller learns of local completion by a flush.
     #[default]
     None,
     /// Add one to counter `id` of the same context.

@@ -44,7 +44,9 @@ impl std::fmt::Debug for Window {
 /// Where a window's memory is, as the host layer describes it.
 #[derive(Debug)]
 pub struct WindowParts {
+    /// The window's id, the same on every rank.
     pub id: u32,
+    /// This rank (its index in the per-rank vectors below).
     pub rank: usize,
     /// Identifies the communicator the window belongs to.
     pub comm_id: u64,
