@@ -125,6 +125,7 @@ impl Params {
 
 /// Why a fit could not be made.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum FitError {
     /// Fewer than two ping-pong sizes at or above `g_from`.
     TooFewLargeSizes { g_from: u64, have: usize },

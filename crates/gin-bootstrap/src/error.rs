@@ -6,6 +6,7 @@ use crate::frame::{FrameError, ReadError};
 
 /// Everything that can go wrong in the bootstrap.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum BootstrapError {
     /// A `GIN_UNIQUE_ID` (or other id text) that does not parse.
     #[error("invalid unique id {text:?}: {why}")]

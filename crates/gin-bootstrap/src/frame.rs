@@ -168,6 +168,7 @@ pub struct Hello {
 
 /// Why bytes are not a frame.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum FrameError {
     /// The first four bytes are not [`MAGIC`] (they are given).
     #[error("bad magic {0:02x?} (not a gin-rs bootstrap peer)")]
@@ -512,6 +513,7 @@ fn read_full<R: Read>(r: &mut R, buf: &mut [u8]) -> io::Result<usize> {
 
 /// A failure while reading a frame from a stream.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ReadError {
     /// The stream failed.
     #[error(transparent)]

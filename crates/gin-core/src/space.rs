@@ -14,6 +14,7 @@ pub struct IdSpace {
 
 /// Why a range could not be had.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum SpaceError {
     /// No free range is long enough.
     #[error(

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 /// Everything a device-API call can fail with.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum GinError {
     /// A peer outside the job (or outside the window's ranks).
     #[error("rank {rank}: peer {peer} does not exist in a job of {nranks} ranks")]
