@@ -39,6 +39,7 @@
 #![warn(missing_docs)]
 
 pub mod completion;
+pub mod cuda;
 mod device;
 pub mod ids;
 pub mod loopback;
