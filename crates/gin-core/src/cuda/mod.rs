@@ -97,11 +97,11 @@ const REACH_QUEUE: u8 = 0;
 const REACH_LSA: u8 = 1;
 const REACH_NONE: u8 = 2;
 
+pub(crate) use gin_gdaki::ids::{COUNTER_KEY, WINDOW_KEY_BASE};
 /// The NIC key scheme of GPU window parts is gin-gdaki's: the key of rank
 /// `p`'s part of window `id` in a job of `n` ranks is `0x1000 + id * n +
 /// p`, so the soft NIC decodes a key without a table.
 pub use gin_gdaki::ids::{window_key, window_of_key};
-pub(crate) use gin_gdaki::ids::{COUNTER_KEY, WINDOW_KEY_BASE};
 
 #[derive(Debug)]
 struct Spaces {
