@@ -9,14 +9,14 @@
 //!   companion queue, 16-bit WQE counters, the two CQ models ([`CqMode`]),
 //!   and the running totals an executor without atomics needs.
 //! - **Executors** move bytes: gin-net's fabric on CPU ranks
-//!   ([`FabricExecutor`]), CUDA streams on CUDA ranks, and an in-memory
+//!   ([`FabricExecutor`]), CUDA streams on CUDA ranks ([`crate::cuda`]), and an in-memory
 //!   [`Fake`] with injectable faults, which the step tests drive the engine
 //!   with, deterministically.
 //! - **Queue memory** is read through views ([`SqView`], [`CqView`]) that
 //!   cover a QP in this process and memory a GPU writes alike.
 //! - **The driver** ([`SoftNic`]) is one thread stepping an engine: start,
 //!   stop, the first error, and the idle policy (spin, then yield, then
-//!   sleep until a doorbell wakes it).
+//!   sleep until a doorbell wakes it or the nap ends).
 
 mod engine;
 mod exec;
