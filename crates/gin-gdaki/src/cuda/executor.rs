@@ -264,6 +264,18 @@ impl<G: Gpu> CudaExecutor<G> {
         Ok((id, base + l.offset))
     }
 
+    /// The window and device address of a write's source `src`: as many
+    /// bytes of this rank's window part as `dst` takes, checked.
+    fn source(&mut self, src: Loc, dst: Loc) -> Result<(u32, u64), ExecError> {
+        if src.rank != self.rank || src.len != dst.len {
+            return Err(malformed(format!(
+                "a write of {} bytes from rank {}'s memory into {} bytes",
+                src.len, src.rank, dst.len
+            )));
+        }
+        self.mapped(src)
+    }
+
     /// The key and offset `l` has at its rank, reached over tcp, checked.
     fn keyed_at(&mut self, l: Loc) -> Result<(u32, u64), ExecError> {
         let (id, d) = self.window_of(l)?;
@@ -315,7 +327,7 @@ impl<G: Gpu> CudaExecutor<G> {
     /// A window part's bytes to a peer over tcp, staged a chunk at a time
     /// after everything queued on the channel so far.
     fn send(&mut self, ch: Channel, dst: Loc, at: (u32, u64), src: Loc) -> Result<(), ExecError> {
-        let (_, from) = self.mapped(src)?;
+        let (_, from) = self.source(src, dst)?;
         self.lane(ch)?;
         let Self {
             lanes,
@@ -431,13 +443,7 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
                 unsafe { self.store(ch, to, v) }
             }
             Payload::Local(l) => {
-                let (sid, from) = self.mapped(l)?;
-                if l.rank != self.rank || l.len != dst.len {
-                    return Err(malformed(format!(
-                        "a write of {} bytes from rank {}'s memory into {} bytes",
-                        l.len, l.rank, dst.len
-                    )));
-                }
+                let (sid, from) = self.source(l, dst)?;
                 let g = region(true, id, sid);
                 let lane = self.lane(ch)?;
                 // SAFETY: the destination lies in a window part mapped here,

@@ -24,7 +24,7 @@ use gin_net::{MemDesc, MemParts, Memory, Path};
 use super::executor::Gpu;
 use super::*;
 use crate::completion::{CQE_REQ, CQE_REQ_ERR, syndrome};
-use crate::nic::{Executor, Progress};
+use crate::nic::{CqStore, ExecError, Executor, Loc, Payload, Progress, Region};
 use crate::qp::{Cq, Qp};
 use crate::queue::Sharing;
 use crate::wqe::{
@@ -971,4 +971,77 @@ fn the_queue_table_matches_the_abi() {
         }
     );
     assert!(layout(3, &[false; 4]).next().is_none());
+}
+
+/// The executor checks again what it hands a stream (a `Loc` is a request,
+/// not a proof): out-of-bounds parts, a source of another length or rank,
+/// a counter that is not the NIC's sub-slot, a CQE store outside the CQE,
+/// and a read into the sink are refused with nothing queued.
+#[test]
+fn the_executor_refuses_locations_it_cannot_vouch_for() {
+    let mut r = rig();
+    let loc = |rank, region, offset, len| Loc {
+        rank,
+        region,
+        offset,
+        len,
+    };
+    let data = Region::Window(DATA);
+    let src = Payload::Local(loc(0, data, 0, 8));
+    let cases: Vec<(Result<(), ExecError>, &str)> = vec![
+        (
+            r.exec.write(0, loc(1, data, 252, 8), src),
+            "exceed rank 1's 256 bytes",
+        ),
+        (
+            r.exec.write(0, loc(1, data, 0, 16), src),
+            "a write of 8 bytes from rank 0's memory into 16 bytes",
+        ),
+        (
+            r.exec
+                .write(0, loc(1, data, 0, 8), Payload::Local(loc(1, data, 0, 8))),
+            "from rank 1's memory",
+        ),
+        (
+            r.exec
+                .write(0, loc(0, Region::Counters, 8, 8), Payload::Bytes(&[0; 8])),
+            "not the NIC's sub-slot",
+        ),
+        (
+            r.exec.write(
+                0,
+                loc(0, Region::Counters, COUNTER_SLOTS * 16, 8),
+                Payload::Bytes(&[0; 8]),
+            ),
+            "not the NIC's sub-slot",
+        ),
+        (
+            r.exec
+                .write(0, loc(0, Region::Sink, 64, 8), Payload::Bytes(&[0; 8])),
+            "outside the atomic result sink",
+        ),
+        (
+            r.exec.publish(
+                0,
+                &DevCq(CQ[0]),
+                &[CqStore {
+                    offset: 64,
+                    bytes: [0; 8],
+                }],
+            ),
+            "outside the 64-byte collapsed CQE",
+        ),
+        (
+            r.exec
+                .read(0, loc(1, data, 0, 8), loc(0, Region::Sink, 0, 8))
+                .map(|_| ()),
+            "reads into this rank's window parts",
+        ),
+    ];
+    for (i, (res, want)) in cases.into_iter().enumerate() {
+        let e = res.unwrap_err().to_string();
+        assert!(e.contains(want), "case {i}: {e:?} does not say {want:?}");
+    }
+    r.exec.end_pass(0).unwrap();
+    assert!(r.calls().is_empty());
 }
