@@ -19,16 +19,15 @@
 //!   same-host peers and the proxy for the rest; `proxy` sends everything
 //!   through the proxy; `gdaki` builds mlx5 WQEs that soft-mlx5 executes.
 //! - **CUDA ranks** ([`cuda`]): GPU windows, device communicators for
-//!   kernels that include `gin/gin.cuh`; gin-proxy's CUDA proxy, NVRTC and
-//!   the rest of the runtime come from gin-proxy and gin-cuda, loaded at run
-//!   time, so nothing CUDA is needed to build.
+//!   kernels that include `gin/gin.cuh`; gin-proxy's CUDA proxy,
+//!   gin-gdaki's CUDA soft NIC, NVRTC and the rest of the runtime come from
+//!   gin-proxy, gin-gdaki and gin-cuda, loaded at run time, so nothing CUDA
+//!   is needed to build.
 //!
 //! # What it does not know
 //!
-//! Descriptor formats (gin-proxy) and the device API's semantics
-//! (gin-device): it assembles them. One exception remains while issue 19
-//! is open: the CUDA soft NIC (`cuda/nic.rs`) still decodes WQEs and writes
-//! CQEs here, until it moves onto gin-gdaki's NIC engine.
+//! Descriptor, WQE and CQE formats (gin-proxy, gin-gdaki) and the device
+//! API's semantics (gin-device): it assembles them.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]

@@ -23,7 +23,8 @@
 //!   `gin_device::Backend`: what a kernel does, in Rust.
 //! - **soft-mlx5** ([`nic`]) is one engine, a deterministic state machine
 //!   generic over an executor: gin-net's fabric on CPU ranks, CUDA streams
-//!   on CUDA ranks, an in-memory fake in its step tests. It checks keys,
+//!   on CUDA ranks ([`cuda`], which also sets up the queues kernels post
+//!   to), an in-memory fake in its step tests. It checks keys,
 //!   bounds and access, and answers violations with error CQEs and the QP
 //!   error state; an error CQE becomes an error naming QP, WQE index and
 //!   syndrome in the next flush or wait, never a hang (NCCL issue 2383's
@@ -39,6 +40,7 @@
 #![warn(missing_docs)]
 
 pub mod completion;
+pub mod cuda;
 mod device;
 pub mod ids;
 pub mod loopback;

@@ -1,25 +1,23 @@
 //! Device communicators for CUDA kernels: requirements agreed by every
-//! rank, signal and counter ranges, how each peer is reached, the proxy's
-//! rings or the GDAKI queues, the engines that serve them, and running a
-//! kernel while watching the job.
+//! rank, signal and counter ranges, how each peer is reached, the backend
+//! serving the other peers (gin-proxy's CUDA proxy or gin-gdaki's CUDA soft
+//! NIC, each kept as an opaque handle), and running a kernel while watching
+//! the job.
 
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
-use gin_cuda::staging::Stage;
-use gin_cuda::{DevMem, Function, HostMem, Stream};
+use gin_cuda::{DevMem, Function, Stream};
 use gin_device::abi::{
     BACKEND_GDAKI, BACKEND_NONE, BACKEND_PROXY, DEVCOMM_FLAG_CTA_CTX, DEVCOMM_FLAG_EXCLUSIVE_CTX,
     DEVCOMM_FLAG_LSA_ONLY, DEVCOMM_FLAG_SENDER_SLOTS, DEVCOMM_FLAG_STRONG_SIGNALS, DevCommAbi,
-    GdakiQpAbi, GdakiSqAbi, WindowAbi, errword,
+    WindowAbi, errword,
 };
+use gin_gdaki::cuda::{CudaNic, CudaNicError, CudaNicSpec};
 use gin_proxy::cuda::{CudaProxy, CudaProxyError, CudaProxySpec};
 
 use super::record::Placement;
-use super::{
-    COUNTER_KEY, CtxSharing, CudaComm, REACH_LSA, REACH_NONE, REACH_QUEUE, SINK_KEY, nic,
-    window_key,
-};
+use super::{CtxSharing, CudaComm, REACH_LSA, REACH_NONE, REACH_QUEUE};
 use crate::config::BackendKind;
 use crate::error::CoreError;
 use crate::requirements;
@@ -29,11 +27,10 @@ use crate::{Connection, DevCommRequirements};
 /// the link's own account is taken as the cause: the workspace's one grace.
 const DEATH_GRACE: Duration = gin_device::CAUSE_GRACE;
 
-/// How each peer is reached, and which peers are over TCP.
+/// How each peer is reached.
 struct Reach {
     /// The header's `REACH_*`, by rank.
     lsa: Vec<u8>,
-    tcp: Vec<bool>,
     /// The rail team's ranks.
     rail: Vec<u32>,
 }
@@ -58,7 +55,7 @@ impl Reach {
                 }
             })
             .collect();
-        Self { lsa, tcp, rail }
+        Self { lsa, rail }
     }
 }
 
@@ -67,24 +64,6 @@ impl Reach {
 struct ReachTables {
     lsa: DevMem,
     sig_peers: DevMem,
-}
-
-/// What [`CudaComm::gdaki_queues`] sets up.
-struct GdakiQueues {
-    /// `GdakiQpAbi[nctx * nranks]`, what `DevComm::rings` points at.
-    table: DevMem,
-    pairs: Vec<nic::PairSpec>,
-    dev: Vec<DevMem>,
-    host: Vec<HostMem>,
-    sink: HostMem,
-}
-
-/// The soft NIC serving a device communicator's GDAKI queues, and the
-/// memory it and the kernels use.
-struct Engines {
-    nic: Option<nic::CudaNic>,
-    mem: Vec<DevMem>,
-    host: Vec<HostMem>,
 }
 
 impl<'c> CudaComm<'c> {
@@ -118,8 +97,8 @@ impl<'c> CudaComm<'c> {
         let lsa_only = self.agree_placement(&ranges, &reach.lsa)?;
         let log2 = kind.queue_log2(req.queue_depth)?;
         let proxy = self.start_proxy(req.contexts as usize, &reach.lsa, kind, log2)?;
-        let gdaki = if kind == BackendKind::Gdaki && reach.lsa.contains(&REACH_QUEUE) {
-            Some(self.gdaki_queues(req.contexts as usize, &reach.lsa, log2)?)
+        let nic = if kind == BackendKind::Gdaki && reach.lsa.contains(&REACH_QUEUE) {
+            Some(self.start_nic(req.contexts as usize, &reach.lsa, log2)?)
         } else {
             None
         };
@@ -139,10 +118,10 @@ impl<'c> CudaComm<'c> {
             abort_flag: self.abort.ptr(),
             error_word: self.error.ptr(),
             timeout_ticks: u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX),
-            rings: gdaki.as_ref().map_or(proxy.rings(), |g| g.table.ptr()),
+            rings: nic.as_ref().map_or(proxy.rings(), CudaNic::table),
             backend_kind: if proxy.serves() {
                 BACKEND_PROXY
-            } else if gdaki.is_some() {
+            } else if nic.is_some() {
                 BACKEND_GDAKI
             } else {
                 BACKEND_NONE
@@ -153,16 +132,14 @@ impl<'c> CudaComm<'c> {
             world_barriers: req.world_barriers,
             signal_window: self.signal_window.id(),
         };
-        let engines = self.start_engines(gdaki, tables, &reach.tcp)?;
         // Nobody signals into slots another rank has not zeroed yet.
         comm.bootstrap().barrier()?;
         Ok(CudaDevComm {
             cuda: self,
             abi,
             proxy: Some(proxy),
-            nic: engines.nic,
-            _mem: engines.mem,
-            _host: engines.host,
+            nic,
+            _mem: vec![tables.lsa, tables.sig_peers],
             ranges: Some(ranges),
             lsa: reach.lsa.iter().map(|&b| b == REACH_LSA).collect(),
         })
@@ -330,144 +307,43 @@ impl<'c> CudaComm<'c> {
         lsa.write(0, &reach.lsa)?;
         lsa.write(team_at, &team)?;
         let sig_peers = DevMem::new(n * 8)?;
-        sig_peers.write(0, &self.signal_info()?.peers)?;
+        let sig = self.comm.fabric().window(self.signal_window.id())?;
+        let peers: Vec<u64> = sig.peer_bases.iter().map(|&b| b as u64).collect();
+        sig_peers.write(0, &peers)?;
         Ok(ReachTables { lsa, sig_peers })
     }
 
-    /// Starts the soft NIC (if there are GDAKI queues), with a staging
-    /// buffer where some peer is over TCP.
-    fn start_engines(
-        &self,
-        gdaki: Option<GdakiQueues>,
-        tables: ReachTables,
-        tcp: &[bool],
-    ) -> Result<Engines, CoreError> {
+    /// The GDAKI queues of every context to every peer not reached by
+    /// load/store, and gin-gdaki's soft NIC serving them on CUDA streams.
+    fn start_nic(&self, nctx: usize, lsa: &[u8], log2: u32) -> Result<CudaNic, CoreError> {
         let comm = self.comm;
-        let (rank, n) = (comm.rank(), comm.nranks());
-        let timeout = comm.settings().timeout;
-        let new_stage = || -> Result<Option<Stage>, CoreError> {
-            Ok(tcp.contains(&true).then(Stage::new).transpose()?)
+        let spec = CudaNicSpec {
+            dev: self.dev.clone(),
+            fabric: comm.fabric().clone(),
+            nctx,
+            serve: lsa.iter().map(|&l| l == REACH_QUEUE).collect(),
+            // Within gin-gdaki's bounds (`BackendKind::queue_log2`).
+            log2,
+            signal_window: self.signal_window.id(),
+            counters: self.counters.ptr(),
+            counter_slots: comm.settings().counter_slots,
+            spin: comm.settings().proxy_spin,
         };
-        let mut mem = vec![tables.lsa, tables.sig_peers];
-        let mut host = Vec::new();
-        let nic = match gdaki {
-            Some(g) => {
-                mem.push(g.table);
-                mem.extend(g.dev);
-                let nic = nic::CudaNic::start(
-                    self.dev.clone(),
-                    nic::NicSpec {
-                        rank,
-                        nranks: n,
-                        pairs: g.pairs,
-                        windows: comm.fabric().clone(),
-                        signal: self.signal_info()?,
-                        counters: self.counters.ptr(),
-                        counter_slots: comm.settings().counter_slots,
-                        sink: g.sink.dev(),
-                        sink_host: g.sink.host_ptr(),
-                        sink_len: 64,
-                        spin: comm.settings().proxy_spin,
-                        links: (0..n).map(|p| comm.tcp_link(p)).collect(),
-                        stage: new_stage()?,
-                        timeout,
-                    },
-                )?;
-                host.extend(g.host);
-                host.push(g.sink);
-                Some(nic)
+        // SAFETY: as for the proxy (`start_proxy`): the counter array
+        // belongs to the CUDA communicator, which outlives the device
+        // communicator that stops the NIC; GPU windows leave the fabric's
+        // directory before their memory is freed, after their contexts were
+        // flushed.
+        unsafe { CudaNic::start(spec) }.map_err(|e| match e {
+            CudaNicError::Cuda(e) => e.into(),
+            CudaNicError::Net(e) => e.into(),
+            CudaNicError::Spawn { rank, why } => gin_device::GinError::Spawn {
+                rank,
+                what: "CUDA soft NIC thread",
+                why,
             }
-            None => None,
-        };
-        Ok(Engines { nic, mem, host })
-    }
-
-    /// The GDAKI queues of a device communicator: for each context and each
-    /// peer not reached by load/store, an RC QP and its companion loopback
-    /// QP (QP numbers as the CPU ranks' GDAKI: `0x100 + 2 * (c * n + p)`,
-    /// companion one above; each CQ takes its QP's number).
-    fn gdaki_queues(&self, nctx: usize, lsa: &[u8], log2: u32) -> Result<GdakiQueues, CoreError> {
-        let n = self.comm.nranks();
-        // `log2` is within gin-gdaki's bounds (`BackendKind::queue_log2`):
-        // 16-bit WQE indices stay unambiguous, and a put with a signal and
-        // a counter takes two WQEs of at most half of each queue.
-        let nsq = nctx * n * 2;
-        let indices = DevMem::new(nsq * 16)?;
-        indices.zero(0, nsq * 16)?;
-        let cqes = DevMem::new(nsq * 64)?;
-        // A fresh CQE is invalid (opcode 15, owner 0), as rdma-core sets it.
-        let mut fresh = vec![0u8; nsq * 64];
-        for c in fresh.chunks_mut(64) {
-            c[63] = gin_gdaki::completion::FRESH_OP_OWN;
-        }
-        cqes.write(0, &fresh)?;
-        let ctl = HostMem::new(nsq * 16)?;
-        let sink = HostMem::new(64)?;
-        let sig_id = self.signal_window.id();
-        let sig_addrs = self.comm.fabric().window(sig_id)?.addrs.clone();
-        let mut table = vec![GdakiQpAbi::default(); nctx * n];
-        let mut pairs = Vec::new();
-        let mut host = Vec::new();
-        for c in 0..nctx {
-            for p in (0..n).filter(|&p| lsa[p] == REACH_QUEUE) {
-                let i = c * n + p;
-                // Queue `k`: its WQEs (mapped pinned memory), as the kernel
-                // and as the NIC see it.
-                let mut queue = |k: usize| -> Result<(GdakiSqAbi, nic::SqSpec), CoreError> {
-                    let qpn = 0x100 + k as u32;
-                    let wqes = HostMem::new(64 << log2)?;
-                    let sq = GdakiSqAbi {
-                        wqes: wqes.dev(),
-                        indices: indices.ptr() + k as u64 * 16,
-                        dbrec: ctl.dev() + k as u64 * 16,
-                        doorbell: ctl.dev() + k as u64 * 16 + 8,
-                        cqe: cqes.ptr() + k as u64 * 64,
-                        qpn,
-                        log2,
-                    };
-                    let spec = nic::SqSpec {
-                        qpn,
-                        log2,
-                        wqes: wqes.host_ptr(),
-                        // SAFETY: inside the `nsq * 16`-byte allocation.
-                        ctl: unsafe { ctl.host_ptr().add(k * 16) },
-                        cqe: cqes.ptr() + k as u64 * 64,
-                    };
-                    host.push(wqes);
-                    Ok((sq, spec))
-                };
-                let (main_sq, main) = queue(2 * i)?;
-                let (companion_sq, companion) = queue(2 * i + 1)?;
-                let key = window_key(sig_id, p, n).ok_or_else(|| {
-                    CoreError::Invalid(format!("the signal window {sig_id} has no NIC key"))
-                })?;
-                table[i] = GdakiQpAbi {
-                    main: main_sq,
-                    companion: companion_sq,
-                    sig_addr: sig_addrs[p],
-                    sig_key: key,
-                    counter_key: COUNTER_KEY,
-                    sink: sink.dev(),
-                    sink_key: SINK_KEY,
-                    main_cqn: main_sq.qpn,
-                };
-                pairs.push(nic::PairSpec {
-                    ctx: c as u32,
-                    peer: p,
-                    main,
-                    companion,
-                });
-            }
-        }
-        let tab = DevMem::new(table.len() * std::mem::size_of::<GdakiQpAbi>())?;
-        tab.write(0, &table)?;
-        host.push(ctl);
-        Ok(GdakiQueues {
-            table: tab,
-            pairs,
-            dev: vec![indices, cqes],
-            host,
-            sink,
+            .into(),
+            e => CoreError::Invalid(e.to_string()),
         })
     }
 }
@@ -515,10 +391,9 @@ pub struct CudaDevComm<'a, 'c> {
     abi: DevCommAbi,
     /// The proxy's ring table and thread (taken when stopped).
     proxy: Option<CudaProxy>,
-    nic: Option<nic::CudaNic>,
+    /// The soft NIC's queue table and thread (taken when stopped).
+    nic: Option<CudaNic>,
     _mem: Vec<DevMem>,
-    /// Queues the NIC reads: freed only after it stopped (see Drop).
-    _host: Vec<HostMem>,
     ranges: Option<Ranges<'a, 'c>>,
     lsa: Vec<bool>,
 }
@@ -631,7 +506,7 @@ impl CudaDevComm<'_, '_> {
         if cause.is_some() {
             cuda.abort_stream.sync()?;
             cuda.abort.zero(0, 8)?;
-        } else if let Some(e) = self.nic.as_ref().and_then(nic::CudaNic::error) {
+        } else if let Some(e) = self.nic.as_ref().and_then(CudaNic::error) {
             // A kernel that met an error CQE may end before the watch
             // above saw the NIC's account of it.
             cause = Some(format!("the soft NIC reported: {e}"));
@@ -655,7 +530,7 @@ impl CudaDevComm<'_, '_> {
         } else {
             self.nic
                 .as_ref()
-                .and_then(nic::CudaNic::error)
+                .and_then(CudaNic::error)
                 .map(|e| format!("the soft NIC reported: {e}"))
         }
     }
@@ -700,7 +575,12 @@ impl CudaDevComm<'_, '_> {
             })?;
         }
         if let Some(n) = self.nic.take() {
-            n.stop()?;
+            n.stop().map_err(|e| {
+                CoreError::CudaRuntime(gin_cuda::CudaError::Worker {
+                    context: "the soft NIC reported".into(),
+                    error: e.to_string(),
+                })
+            })?;
         }
         // What the proxy or NIC sent over TCP has been executed before any
         // rank reuses the slots.

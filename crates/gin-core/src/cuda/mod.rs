@@ -1,7 +1,8 @@
 //! CUDA ranks: windows in GPU memory, device communicators whose
 //! [`DevCommAbi`](gin_device::abi::DevCommAbi) kernels receive, and
 //! run-time compilation, on gin-cuda's host runtime; the CUDA proxy is
-//! gin-proxy's (`gin_proxy::cuda`), started once per device communicator.
+//! gin-proxy's (`gin_proxy::cuda`) and the soft NIC gin-gdaki's
+//! (`gin_gdaki::cuda`), one of them started per device communicator.
 //!
 //! # Design
 //!
@@ -34,14 +35,18 @@
 //! - **Errors**: kernels record the first error in an error word; the host
 //!   reads it after the kernel and names rank, peer, context and id. While a
 //!   kernel runs, [`CudaDevComm::run`] watches the job's health and the
-//!   proxy, and raises the abort flag so device waits give up.
+//!   proxy or the soft NIC, and raises the abort flag so device waits give
+//!   up.
 //!
 //! - **GDAKI** (`GIN_BACKEND=gdaki`): kernels build mlx5 WQEs into send
 //!   queues in mapped pinned host memory, mark them ready in order and write
-//!   the doorbell record and doorbell; the soft NIC (`nic`) executes them
-//!   with the copy engine and stores each batch's CQE into a collapsed CQ in
-//!   device memory, which flush and credit poll. Window parts carry NIC keys
-//!   ([`window_key`]); addresses are each rank's own device addresses.
+//!   the doorbell record and doorbell; gin-gdaki's soft NIC (the engine CPU
+//!   ranks run, on CUDA streams) executes them with the copy engine and
+//!   stores each pass's CQE into a collapsed CQ in device memory, which
+//!   flush and credit poll. gin-gdaki sets the queues up; gin-core keeps an
+//!   opaque handle: the queue table's address, the first error, stop.
+//!   Window parts carry gin-gdaki's NIC keys ([`window_key`]); addresses
+//!   are each rank's own device addresses.
 //!
 //! - **TCP staging** (`gin_cuda::staging`): a peer the fabric reaches over
 //!   TCP (another host, or `GIN_TRANSPORT=tcp`) has no IPC mapping. Window
@@ -50,7 +55,6 @@
 //!   pinned host memory. `auto` reaches such peers through the proxy.
 
 mod devcomm;
-mod nic;
 pub mod nvrtc;
 mod record;
 mod window;
@@ -63,8 +67,6 @@ pub use devcomm::{Arg, CudaDevComm};
 pub use window::GpuWindow;
 
 use std::sync::{Arc, Mutex};
-
-use gin_net::{Fabric, MemDesc, Memory};
 
 use crate::comm::Comm;
 use crate::error::CoreError;
@@ -89,59 +91,17 @@ pub enum CtxSharing {
     Thread,
 }
 
-/// Where the signal window is: its id and every rank's part mapped here
-/// (the soft NIC's view; the proxy reads the fabric's directory).
-#[derive(Debug, Clone)]
-pub(crate) struct SignalInfo {
-    pub window: u32,
-    pub peers: Vec<u64>,
-    /// Each rank's region key of its part, for TCP peers (0: not served).
-    pub keys: Vec<u32>,
-}
-
-/// GPU window `id` of the fabric's directory (a host window is not one).
-pub(crate) fn window(fabric: &Fabric, id: u32) -> Result<Arc<MemDesc>, String> {
-    fabric
-        .window(id)
-        .ok()
-        .filter(|w| w.memory == Memory::Device)
-        .ok_or_else(|| format!("unknown window {id}"))
-}
-
-/// Whether `bytes` at `off` fit `size` bytes.
-pub(crate) fn fits(off: u64, bytes: u64, size: u64) -> bool {
-    off <= size && bytes <= size - off
-}
-
 /// How a device communicator reaches a peer (`DevComm::lsa`, the header's
 /// `REACH_*`).
 const REACH_QUEUE: u8 = 0;
 const REACH_LSA: u8 = 1;
 const REACH_NONE: u8 = 2;
 
-/// First NIC key of GPU windows.
-const WINDOW_KEY_BASE: u32 = 0x1000;
-/// Local NIC keys of the counter array and the atomic result sink, above
-/// every window key.
-pub(crate) const COUNTER_KEY: u32 = 0xfeed_0000;
-pub(crate) const SINK_KEY: u32 = 0xfeed_0001;
-
-/// The NIC key of rank `p`'s part of window `id` in a job of `n` ranks:
-/// `0x1000 + id * n + p`, so the soft NIC decodes a key without a table.
-/// `None` once window ids run into the local keys.
-pub fn window_key(id: u32, p: usize, n: usize) -> Option<u32> {
-    let k = u64::from(id) * n as u64 + p as u64 + u64::from(WINDOW_KEY_BASE);
-    u32::try_from(k).ok().filter(|&k| k < COUNTER_KEY)
-}
-
-/// The window id and rank a key names (the inverse of [`window_key`]).
-pub fn window_of_key(key: u32, n: usize) -> Option<(u32, usize)> {
-    let k = key.checked_sub(WINDOW_KEY_BASE)?;
-    if key >= COUNTER_KEY || n == 0 {
-        return None;
-    }
-    Some((k / n as u32, (k % n as u32) as usize))
-}
+pub(crate) use gin_gdaki::ids::{COUNTER_KEY, WINDOW_KEY_BASE};
+/// The NIC key scheme of GPU window parts is gin-gdaki's: the key of rank
+/// `p`'s part of window `id` in a job of `n` ranks is `0x1000 + id * n +
+/// p`, so the soft NIC decodes a key without a table.
+pub use gin_gdaki::ids::{window_key, window_of_key};
 
 #[derive(Debug)]
 struct Spaces {
@@ -297,16 +257,6 @@ impl<'c> CudaComm<'c> {
         self.dev.make_current()?;
         drop(w);
         Ok(())
-    }
-
-    fn signal_info(&self) -> Result<SignalInfo, CoreError> {
-        let id = self.signal_window.id();
-        let w = self.comm.fabric().window(id)?;
-        Ok(SignalInfo {
-            window: id,
-            peers: w.peer_bases.iter().map(|&b| b as u64).collect(),
-            keys: w.keys.clone(),
-        })
     }
 
     /// Compiles `source` (which includes `gin/gin.cuh`) for this GPU with

@@ -205,7 +205,9 @@ pub enum ExecError {
 /// over stores. [`Executor::end_pass`] hands batched copies and stores to
 /// the driver. A peer reached over TCP is written by staging through
 /// pinned memory and the fabric, waiting for the copy: slower, same
-/// contract.
+/// contract. [`Executor::enter`] creates the streams on the driver thread
+/// and [`Executor::quiesce`] waits for them before it ends. This executor
+/// is [`crate::cuda`]'s.
 pub trait Executor {
     /// Where a queue's completion queue lives, as this executor writes it
     /// (a host memory view, a device address).
@@ -262,5 +264,19 @@ pub trait Executor {
     /// How this executor does atomics.
     fn atomics(&self) -> Atomics {
         Atomics::Native
+    }
+
+    /// Called once on the driver's thread before the first step (a CUDA
+    /// executor makes its context current there and creates its streams).
+    /// An error stops the driver before it serves anything.
+    fn enter(&mut self) -> Result<(), ExecError> {
+        Ok(())
+    }
+
+    /// Called once on the driver's thread after the last step: returns once
+    /// everything handed over has executed (a CUDA executor waits for its
+    /// streams), so the memory it touches may be freed afterwards.
+    fn quiesce(&mut self) -> Result<(), ExecError> {
+        Ok(())
     }
 }

@@ -35,6 +35,11 @@ impl Sink {
     pub fn qword(&self, i: usize) -> Option<u64> {
         self.0.get(i).map(|q| q.load(Ordering::Acquire))
     }
+
+    /// Qword `i`, for an executor to store an atomic's old value into.
+    pub(crate) fn slot(&self, i: usize) -> Option<&AtomicU64> {
+        self.0.get(i)
+    }
 }
 
 /// A read over TCP whose answer has not come yet.

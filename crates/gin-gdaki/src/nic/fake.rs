@@ -101,6 +101,7 @@ pub struct Fake {
     next_read: u64,
     atomics: Atomics,
     publish_fails: bool,
+    enter_fails: bool,
 }
 
 impl Fake {
@@ -126,6 +127,7 @@ impl Fake {
             next_read: 0,
             atomics: Atomics::Native,
             publish_fails: false,
+            enter_fails: false,
         }
     }
 
@@ -204,6 +206,12 @@ impl Fake {
     /// Publishing completions fails from now on (a driver failure).
     pub fn fail_publish(&mut self) {
         self.publish_fails = true;
+    }
+
+    /// [`Executor::enter`] fails (a GPU context that cannot be made
+    /// current).
+    pub fn fail_enter(&mut self) {
+        self.enter_fails = true;
     }
 
     fn alive(&self, peer: usize) -> Result<(), ExecError> {
@@ -387,5 +395,14 @@ impl Executor for Fake {
 
     fn atomics(&self) -> Atomics {
         self.atomics
+    }
+
+    fn enter(&mut self) -> Result<(), ExecError> {
+        if self.enter_fails {
+            return Err(ExecError::Driver {
+                why: "entering failed (injected)".into(),
+            });
+        }
+        Ok(())
     }
 }

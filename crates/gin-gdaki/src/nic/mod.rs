@@ -9,14 +9,14 @@
 //!   companion queue, 16-bit WQE counters, the two CQ models ([`CqMode`]),
 //!   and the running totals an executor without atomics needs.
 //! - **Executors** move bytes: gin-net's fabric on CPU ranks
-//!   ([`FabricExecutor`]), CUDA streams on CUDA ranks, and an in-memory
+//!   ([`FabricExecutor`]), CUDA streams on CUDA ranks ([`crate::cuda`]), and an in-memory
 //!   [`Fake`] with injectable faults, which the step tests drive the engine
 //!   with, deterministically.
 //! - **Queue memory** is read through views ([`SqView`], [`CqView`]) that
 //!   cover a QP in this process and memory a GPU writes alike.
 //! - **The driver** ([`SoftNic`]) is one thread stepping an engine: start,
 //!   stop, the first error, and the idle policy (spin, then yield, then
-//!   sleep until a doorbell wakes it).
+//!   sleep until a doorbell wakes it or the nap ends).
 
 mod engine;
 mod exec;
@@ -68,6 +68,18 @@ impl Idle {
             nap: Duration::from_millis(2),
         }
     }
+
+    /// CUDA ranks: a kernel rings by storing to mapped host memory, which
+    /// wakes no thread, and a GPU rank owns its CPU cores, so poll for at
+    /// least 5 ms (a kernel in a ping-pong posts again within microseconds),
+    /// then look every 50 µs.
+    pub fn gpu(spin: Duration) -> Self {
+        Self {
+            spins: 64,
+            yield_for: spin.max(Duration::from_millis(5)),
+            nap: Duration::from_micros(50),
+        }
+    }
 }
 
 /// How a driver runs.
@@ -104,6 +116,16 @@ pub enum DriverError {
         nic: String,
         /// Why.
         source: EngineError,
+    },
+    /// The executor could not start on the driver thread, or could not
+    /// wait for its work at the end ([`Executor::enter`],
+    /// [`Executor::quiesce`]).
+    #[error("{nic}: {source}")]
+    Executor {
+        /// The NIC.
+        nic: String,
+        /// Why.
+        source: ExecError,
     },
 }
 
@@ -238,8 +260,36 @@ impl Drop for SoftNic {
     }
 }
 
-/// The driver thread: step, and wait when there is nothing to do.
+/// The driver thread: enter, step (and wait when there is nothing to
+/// do), then quiesce.
 fn run<E: Executor>(s: &Shared, mut engine: Engine<E::Cq>, mut exec: E, idle: Idle, drain: bool) {
+    let executor_failed = |source: ExecError| {
+        tracing::error!(nic = %s.name, "{source}");
+        s.record(DriverError::Executor {
+            nic: s.name.clone(),
+            source,
+        });
+    };
+    if let Err(e) = exec.enter() {
+        executor_failed(e);
+        return;
+    }
+    serve(s, &mut engine, &mut exec, idle, drain);
+    if let Err(e) = exec.quiesce() {
+        executor_failed(e);
+    }
+    tracing::debug!(nic = %s.name, executed = s.executed.load(Ordering::Relaxed), "soft NIC stopped");
+}
+
+/// Steps `engine` until asked to stop (after draining, if so configured)
+/// or until it cannot go on.
+fn serve<E: Executor>(
+    s: &Shared,
+    engine: &mut Engine<E::Cq>,
+    exec: &mut E,
+    idle: Idle,
+    drain: bool,
+) {
     let mut idle_since: Option<Instant> = None;
     let mut spins = 0u32;
     loop {
@@ -247,7 +297,7 @@ fn run<E: Executor>(s: &Shared, mut engine: Engine<E::Cq>, mut exec: E, idle: Id
         if stopping && !drain {
             break;
         }
-        let p = match engine.step(&mut exec) {
+        let p = match engine.step(exec) {
             Ok(p) => p,
             Err(source) => {
                 tracing::error!(nic = %s.name, "{source}");
@@ -281,5 +331,4 @@ fn run<E: Executor>(s: &Shared, mut engine: Engine<E::Cq>, mut exec: E, idle: Id
             s.sleeper.sleep(idle.nap, || engine.has_work());
         }
     }
-    tracing::debug!(nic = %s.name, executed = s.executed.load(Ordering::Relaxed), "soft NIC stopped");
 }

@@ -109,12 +109,7 @@ impl Rig {
 
     /// Queue `j`'s collapsed CQE.
     fn collapsed(&self, j: usize) -> Cqe {
-        let e = &self.qps[j].cq.entries;
-        let mut b = [0u8; 64];
-        for q in 0..QW {
-            b[q * 8..q * 8 + 8].copy_from_slice(&e[q].load(Ordering::Acquire).to_ne_bytes());
-        }
-        Cqe::decode(&b)
+        collapsed(&self.qps[j])
     }
 
     fn data(&self, rank: usize) -> &[u8] {
@@ -125,6 +120,16 @@ impl Rig {
         let w = |e: &&Event| matches!(e, Event::Write { .. } | Event::FetchAdd { .. });
         self.fake.log.iter().filter(w).count()
     }
+}
+
+/// A collapsed CQ's one CQE.
+fn collapsed(qp: &Qp) -> Cqe {
+    let e = &qp.cq.entries;
+    let mut b = [0u8; 64];
+    for q in 0..QW {
+        b[q * 8..q * 8 + 8].copy_from_slice(&e[q].load(Ordering::Acquire).to_ne_bytes());
+    }
+    Cqe::decode(&b)
 }
 
 /// Polls a ring CQ as the device side does, advancing the queue's
@@ -953,4 +958,33 @@ fn queues_that_cannot_work_are_refused_at_creation() {
             ..
         }
     ));
+}
+
+/// The driver lets the executor enter before the first step; one that
+/// cannot is the NIC's first error, and nothing posted is executed.
+#[test]
+fn a_driver_whose_executor_cannot_enter_reports_it_and_executes_nothing() {
+    let r = rig(true, 3);
+    r.post(MAIN, &[(write(0, 8), FM_NONE)]);
+    let Rig {
+        mut fake,
+        engine,
+        qps,
+    } = r;
+    fake.fail_enter();
+    let cfg = DriverConfig {
+        name: "nic-under-test".into(),
+        idle: Idle::cpu(std::time::Duration::ZERO),
+        drain_on_stop: true,
+        join_within: std::time::Duration::MAX,
+    };
+    let nic = SoftNic::start(engine, fake, cfg).unwrap();
+    // Stopping joins the thread; entering comes before any step.
+    let e = nic.stop().unwrap_err();
+    assert!(
+        matches!(&e, DriverError::Executor { nic, source: ExecError::Driver { .. } } if nic == "nic-under-test"),
+        "{e}"
+    );
+    assert!(e.to_string().contains("entering failed"), "{e}");
+    assert_eq!(collapsed(&qps[MAIN]).opcode, CQE_INVALID);
 }
