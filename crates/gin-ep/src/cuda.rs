@@ -193,6 +193,8 @@ pub struct CudaBuffer<'a, 'c> {
     staged: Vec<u8>,
     /// The last dispatch and combine launches (GPU clock).
     last: (KernelClock, KernelClock),
+    /// A kernel failed: no further step can run (destroy the buffer).
+    failed: bool,
 }
 
 /// What a CUDA rank received in one low-latency dispatch: per (local
@@ -312,6 +314,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             blocks: BLOCKS,
             staged: Vec::new(),
             last: (KernelClock::default(), KernelClock::default()),
+            failed: false,
         };
         me.write_active()?;
         Ok(me)
@@ -369,13 +372,31 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         self.last
     }
 
+    /// Makes this rank's GPU current on the calling thread.
+    fn current(&self) -> Result<(), EpError> {
+        self.cuda.device().make_current().map_err(CoreError::from)?;
+        Ok(())
+    }
+
     fn write_active(&mut self) -> Result<(), EpError> {
+        self.current()?;
         let a: Vec<u32> = self.active.iter().map(|&b| u32::from(b)).collect();
         self.state.active.write(0, &a).map_err(CoreError::from)?;
         Ok(())
     }
 
+    fn check_usable(&self, call: &'static str) -> Result<(), EpError> {
+        if self.failed {
+            return Err(EpError::Mode {
+                rank: self.rank,
+                what: format!("{call}: an earlier kernel of this buffer failed; destroy it"),
+            });
+        }
+        Ok(())
+    }
+
     fn expect_idle(&self, call: &'static str) -> Result<(), EpError> {
+        self.check_usable(call)?;
         if self.phase == Phase::Idle {
             Ok(())
         } else {
@@ -388,6 +409,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     }
 
     fn expect_dispatch(&self, call: &'static str, d: &CudaLlDispatch) -> Result<(), EpError> {
+        self.check_usable(call)?;
         if self.phase != Phase::Dispatched {
             return Err(EpError::Phase {
                 rank: self.rank,
@@ -443,11 +465,13 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         let tokens = layout.tokens;
         self.staged.resize(tokens * cfg.msg_bytes(), 0);
         write_messages(&cfg, x, topk_idx, topk_weights, &mut self.staged);
-        self.cuda.device().make_current().map_err(CoreError::from)?;
-        self.wins[SEND]
-            .local()
-            .write(0, &self.staged)
-            .map_err(CoreError::from)?;
+        self.current()?;
+        if !self.staged.is_empty() {
+            self.wins[SEND]
+                .local()
+                .write(0, &self.staged)
+                .map_err(CoreError::from)?;
+        }
         self.step += 1;
         let s = &self.state;
         reset_clock(&s.clock)?;
@@ -479,15 +503,18 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         // by rank (nranks u32), seen and counts by pair (experts), meta by
         // received slot (3 × experts × t u32) and clock (2 u64): the sizes
         // State::new allocated for this configuration.
-        unsafe {
-            self.dc
-                .run(&self.kernels.dispatch, grid, THREADS, &args)
-                .map_err(|e| kernel_error(self.rank, "dispatch", e))?;
+        let run = unsafe { self.dc.run(&self.kernels.dispatch, grid, THREADS, &args) };
+        if let Err(e) = run {
+            // Peers may be anywhere in the step: the buffer cannot go on.
+            self.failed = true;
+            return Err(kernel_error(self.rank, "dispatch", e));
         }
         self.last.0 = read_clock(&s.clock)?;
-        let d = self.read_dispatch()?;
+        let d = self.read_dispatch();
+        // A sender broke the protocol: the step cannot be finished.
+        self.failed = d.is_err();
         self.phase = Phase::Dispatched;
-        Ok(d)
+        d
     }
 
     /// Reads the counts and metadata back and checks them as the CPU ranks'
@@ -550,6 +577,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// checks ([`crate::oracle::check_ll_view`]).
     pub fn ll_received(&self, d: &CudaLlDispatch) -> Result<LlReceived, EpError> {
         self.expect_dispatch("ll_received", d)?;
+        self.current()?;
         let (m, t) = (self.cfg.msg_bytes(), self.cfg.max_tokens_per_rank);
         let recv = self.wins[RECV].local();
         let msgs = d
@@ -558,7 +586,9 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             .enumerate()
             .map(|(q, &c)| {
                 let mut v = vec![0u8; c as usize * m];
-                recv.read(q * t * m, &mut v)?;
+                if !v.is_empty() {
+                    recv.read(q * t * m, &mut v)?;
+                }
                 Ok(v)
             })
             .collect::<Result<Vec<_>, gin_core::cuda::CudaError>>()
@@ -575,6 +605,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// combine slot.
     pub fn ll_echo(&mut self, d: &CudaLlDispatch) -> Result<(), EpError> {
         self.expect_dispatch("ll_echo", d)?;
+        self.current()?;
         let cfg = self.cfg;
         let u = Self::u32_of;
         let args = [
@@ -591,15 +622,18 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         // reads at most t slots per pair of recv (pairs × t × m bytes) and
         // writes as many of csend (pairs × t × h2): the windows' sizes
         // (ll::resources), both alive; counts holds `pairs` u32.
-        unsafe {
-            self.dc
-                .run(
-                    &self.kernels.echo,
-                    self.grid(cfg.num_experts),
-                    THREADS,
-                    &args,
-                )
-                .map_err(|e| kernel_error(self.rank, "echo", e))?;
+        let run = unsafe {
+            self.dc.run(
+                &self.kernels.echo,
+                self.grid(cfg.num_experts),
+                THREADS,
+                &args,
+            )
+        };
+        if let Err(e) = run {
+            // Peers may be anywhere in the step: the buffer cannot go on.
+            self.failed = true;
+            return Err(kernel_error(self.rank, "echo", e));
         }
         Ok(())
     }
@@ -612,6 +646,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// combined tokens are read back.
     pub fn ll_combine(&mut self, d: &CudaLlDispatch) -> Result<Combined, EpError> {
         self.expect_dispatch("ll_combine", d)?;
+        self.current()?;
         let cfg = self.cfg;
         let tokens = self.staged.len() / cfg.msg_bytes();
         for (t, &a) in self.ctarget.iter_mut().zip(&self.active) {
@@ -651,19 +686,24 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         // of range is skipped), and writes tokens × hidden u16 of out
         // (t × hidden allocated) and the 2 u64 of clock; active and ctarget
         // hold nranks entries, counts and meta the dispatch's.
-        unsafe {
-            self.dc
-                .run(
-                    &self.kernels.combine,
-                    self.grid(cfg.num_experts.max(tokens)),
-                    THREADS,
-                    &args,
-                )
-                .map_err(|e| kernel_error(self.rank, "combine", e))?;
+        let run = unsafe {
+            self.dc.run(
+                &self.kernels.combine,
+                self.grid(cfg.num_experts.max(tokens)),
+                THREADS,
+                &args,
+            )
+        };
+        if let Err(e) = run {
+            // Peers may be anywhere in the step: the buffer cannot go on.
+            self.failed = true;
+            return Err(kernel_error(self.rank, "combine", e));
         }
         self.last.1 = read_clock(&s.clock)?;
         let mut raw = vec![0u16; tokens * cfg.hidden];
-        s.out.read(0, &mut raw).map_err(CoreError::from)?;
+        if !raw.is_empty() {
+            s.out.read(0, &mut raw).map_err(CoreError::from)?;
+        }
         self.phase = Phase::Idle;
         Ok(Combined {
             x: raw.into_iter().map(Bf16).collect(),
@@ -749,6 +789,7 @@ impl<'a, 'c> CudaFloor<'a, 'c> {
     /// its kernel ran on the GPU.
     pub fn step(&mut self, dispatch: bool) -> Result<KernelClock, EpError> {
         let n = self.cuda.comm().nranks();
+        self.cuda.device().make_current().map_err(CoreError::from)?;
         self.target += n as u64;
         reset_clock(&self.clock)?;
         let bytes = if dispatch { &self.disp } else { &self.comb };
