@@ -127,6 +127,23 @@ impl Kernels {
     }
 }
 
+/// Compiles and loads the kernels on every rank (collective): a rank that
+/// cannot (no NVRTC, a compile error) fails with its reason, and every
+/// other rank with an error naming it, rather than waiting for it later.
+fn load_agreed(cuda: &CudaComm<'_>) -> Result<Kernels, EpError> {
+    let comm = cuda.comm();
+    let k = Kernels::load(cuda);
+    let all = comm.bootstrap().allgather(&[u8::from(k.is_ok())])?;
+    let k = k?;
+    match all.iter().position(|v| v.first() != Some(&1)) {
+        Some(p) => Err(EpError::Mode {
+            rank: comm.rank(),
+            what: format!("rank {p} could not compile gin-ep's CUDA kernels (kernels/ll.cu)"),
+        }),
+        None => Ok(k),
+    }
+}
+
 /// Resets a launch clock to {no start yet, no end yet}.
 fn reset_clock(clock: &DevMem) -> Result<(), CoreError> {
     Ok(clock.write(0, &[u64::MAX, 0])?)
@@ -274,6 +291,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         let comm = cuda.comm();
         let (rank, n) = (comm.rank(), comm.nranks());
         crate::buffer::agree_config(comm, &cfg)?;
+        let kernels = load_agreed(cuda)?;
         // Every rank passed the same configuration: all refuse alike.
         if cfg.mode != Mode::LowLatency || cfg.fp8 {
             return Err(EpError::Mode {
@@ -297,7 +315,6 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             .collect::<Result<Vec<_>, _>>()?;
         cuda.device().make_current().map_err(CoreError::from)?;
         let state = State::new(&cfg, n)?;
-        let kernels = Kernels::load(cuda)?;
         let mut me = Self {
             cuda,
             dc,
@@ -755,6 +772,7 @@ impl<'a, 'c> CudaFloor<'a, 'c> {
                 ),
             });
         }
+        let kernels = load_agreed(cuda)?;
         let block = disp.iter().chain(comb).copied().max().unwrap_or(8).max(8);
         let req = DevCommRequirements {
             signals: 1,
@@ -775,7 +793,7 @@ impl<'a, 'c> CudaFloor<'a, 'c> {
             disp: mem(disp)?,
             comb: mem(comb)?,
             clock: mem(&[0, 0])?,
-            kernels: Kernels::load(cuda)?,
+            kernels,
             cuda,
             dc,
             send,
