@@ -109,7 +109,26 @@ if [ "$ngpu" -ge 4 ]; then
     step "selftest-4ranks-$backend" env GIN_BACKEND=$backend "$st" all --ranks 4
   done
 fi
+# gin-ep's low-latency mode on CUDA ranks (kernels/ll.cu through NVRTC):
+# DeepEP's oracle (exact tokens, ordered per-source blocks, weights,
+# per-expert counts, combine within calc_diff, repeats bit-identical) with 2
+# and 4 ranks (one GPU: shared under MPS), on each backend, at DeepEP's
+# low-latency shape, and on two emulated hosts (the other host's peers over
+# TCP through the proxy).
+ep="$here/gin-ep-selftest"
+for n in 2 4; do
+  for backend in auto proxy gdaki; do
+    step "ep-ll-cuda-${n}ranks-$backend" env GIN_BACKEND=$backend "$ep" ll device=cuda ranks=$n
+  done
+done
+step "ep-ll-cuda-2ranks-deepep-shape" "$ep" ll device=cuda ranks=2 tokens=128 hidden=7168 topk=8 experts=32 repeats=5
+step "ep-ll-cuda-4ranks-2hosts" "$ep" ll device=cuda ranks=4 hosts=2
 if [ "$suite" = full ]; then
+  # Low-latency dispatch + combine on CUDA ranks beside the same-job floor
+  # (DeepEP's shape: 128 tokens, hidden 7168, top-8, 32 experts per rank).
+  for n in 2 4; do
+    step "bench-moe-cuda-${n}ranks" "$here/gin-bench" moe --device cuda --ranks $n --json "$out/moe-cuda-${n}ranks.json"
+  done
   step "bench-cuda" "$here/gin-bench" cuda --json "$out/cuda.json" --csv "$out/cuda.csv"
   # The suite's common flags reach the same measurements.
   step "pingpong-device-cuda" "$here/gin-bench" pingpong --device cuda --sizes 8,64k --coop block --iters 500 --runs 3

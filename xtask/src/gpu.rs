@@ -8,8 +8,9 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
-const BINARIES: [(&str, &str); 2] = [
+const BINARIES: [(&str, &str); 3] = [
     ("gin-core", "gin-cuda-selftest"),
+    ("gin-ep", "gin-ep-selftest"),
     ("gin-bench", "gin-bench"),
 ];
 

@@ -14,6 +14,14 @@
 //! high-throughput counts one token per (token, destination rank) both ways. The floor moves the same
 //! bytes between the same ranks with the plainest code: one put per peer
 //! of the whole block, one signal each, wait for every peer, flush.
+//!
+//! `--device cuda` runs the low-latency mode on CUDA ranks (gin-ep's
+//! `CudaBuffer`, kernels including `gin/gin.cuh`; ranks share a GPU where
+//! there are fewer GPUs than ranks) beside the same floor as a kernel
+//! (`ep_floor`: one block per peer, one put and one signal each). Each
+//! phase is timed on the GPU (`%globaltimer`, from the kernel's first block
+//! start to its last block end) after a bootstrap barrier; a run's figure
+//! is the slowest rank's mean, as on CPU ranks.
 
 use std::time::Instant;
 
@@ -24,7 +32,7 @@ use gin_ep::oracle::{self, RankInput};
 use gin_ep::{Buffer, Config, Mode};
 use serde::{Deserialize, Serialize};
 
-use crate::common::Common;
+use crate::common::{Common, Device};
 use crate::progress::Progress;
 use crate::ranks;
 use crate::report::{Report, Table};
@@ -103,17 +111,36 @@ pub struct MoeResult {
     pub dispatch: Row,
     pub combine: Row,
     pub total: Row,
+    /// `cpu` or `cuda` ranks.
+    #[serde(default)]
+    pub device: String,
 }
 
 pub fn run(args: &MoeArgs) -> Result<()> {
     let c = &args.common;
-    c.validate("moe")?;
+    let cuda = c.device == Device::Cuda;
+    if cuda {
+        // What every subcommand checks, but for the device (moe runs CUDA
+        // ranks itself).
+        Common {
+            device: Device::Cpu,
+            ..c.clone()
+        }
+        .validate("moe")?;
+        check_cuda_args(args)?;
+    } else {
+        c.validate("moe")?;
+    }
     if args.tokens == 0 || args.hidden == 0 || args.topk == 0 || args.hosts == 0 {
         bail!("--tokens, --hidden, --topk and --hosts must be positive");
     }
     if ranks::is_rank() {
         crate::common::apply_affinity(&c.cpus)?;
-        return rank_main(args);
+        return if cuda {
+            cuda_rank_main(args)
+        } else {
+            rank_main(args)
+        };
     }
     let progress = Progress::new((c.ranks.len() * c.runs) as u64, "moe");
     let mut all = Vec::new();
@@ -143,11 +170,16 @@ pub fn run(args: &MoeArgs) -> Result<()> {
 fn table(all: &[MoeResult]) -> Table {
     let title = all.first().map_or_else(String::new, |r| {
         format!(
-            "MoE {} (gin-ep), {} tokens x hidden {}, top-{}, {}, backend {}, rank 0's paths {}",
+            "MoE {} (gin-ep{}), {} tokens x hidden {}, top-{}, {}, backend {}, rank 0's paths {}",
             if r.mode == MoeMode::Ll {
                 "low-latency"
             } else {
                 "high-throughput"
+            },
+            if r.device == "cuda" {
+                ", CUDA ranks"
+            } else {
+                ""
             },
             r.tokens,
             r.hidden,
@@ -233,15 +265,21 @@ fn traffic(cfg: &Config, inputs: &[RankInput]) -> (Vec<u64>, Vec<u64>) {
     (disp, comb)
 }
 
-fn rank_main(args: &MoeArgs) -> Result<()> {
-    let c = &args.common;
+/// Joins the job, as one of `--hosts` emulated hosts.
+fn join(args: &MoeArgs) -> Result<Comm> {
     let bootstrap = gin_bootstrap::Bootstrap::from_env()?;
     let mut settings = Settings::from_env()?;
     let (rank, n) = (bootstrap.rank(), bootstrap.nranks());
     if args.hosts > 1 {
         settings.host_id = format!("gin-bench-moe-host-{}", rank / (n / args.hosts));
     }
-    let comm = Comm::with_settings(bootstrap, settings)?;
+    Ok(Comm::with_settings(bootstrap, settings)?)
+}
+
+fn rank_main(args: &MoeArgs) -> Result<()> {
+    let c = &args.common;
+    let comm = join(args)?;
+    let (rank, n) = (comm.rank(), comm.nranks());
     let experts = args.experts.unwrap_or(32 * n);
     let mut cfg = match args.mode {
         MoeMode::Ll => Config::low_latency(args.hidden, args.tokens, experts, args.topk),
@@ -313,10 +351,141 @@ fn rank_main(args: &MoeArgs) -> Result<()> {
             dispatch: Row::new(db, d_runs, fd_runs).context("no samples")?,
             combine: Row::new(cb, c_runs, fc_runs).context("no samples")?,
             total: Row::new(db + cb, t_runs, ft_runs).context("no samples")?,
+            device: "cpu".into(),
         })?;
     }
     floor.dc.destroy()?;
     buf.destroy()?;
+    Ok(())
+}
+
+/// What `--device cuda` supports, checked before any rank starts; and that
+/// a GPU is there (else an error saying it needs one, and why not).
+fn check_cuda_args(args: &MoeArgs) -> Result<()> {
+    if args.mode != MoeMode::Ll {
+        bail!("--device cuda runs --mode ll only (high-throughput on CUDA ranks is not built yet)");
+    }
+    if args.fp8 {
+        bail!("--device cuda --fp8: FP8 on CUDA ranks is not built yet");
+    }
+    if !args.common.cpus.is_empty() {
+        bail!("--cpus has no meaning for --device cuda (the ranks' work runs on the GPUs)");
+    }
+    if let Some(why) = gin_core::cuda::skip_reason() {
+        bail!("gin-bench moe --device cuda needs a GPU: {why}");
+    }
+    Ok(())
+}
+
+/// One rank of `--device cuda`: the low-latency step on CUDA ranks, checked
+/// once with the oracle, then timed beside the floor kernel.
+fn cuda_rank_main(args: &MoeArgs) -> Result<()> {
+    use gin_ep::cuda::{CudaBuffer, CudaFloor};
+    let c = &args.common;
+    let comm = join(args)?;
+    let (rank, n) = (comm.rank(), comm.nranks());
+    let experts = args.experts.unwrap_or(32 * n);
+    let cfg = Config::low_latency(args.hidden, args.tokens, experts, args.topk);
+    let cuda = comm.cuda()?;
+    let mut buf = CudaBuffer::new(&cuda, cfg)?;
+    let inputs: Vec<RankInput> = (0..n)
+        .map(|r| oracle::rank_input(42, r, n, args.tokens, args.hidden, experts, args.topk))
+        .collect();
+    let (disp, comb) = traffic(&cfg, &inputs);
+    cuda_verify(&mut buf, &inputs)?;
+    let mut floor = CudaFloor::new(
+        &cuda,
+        &disp[rank * n..(rank + 1) * n],
+        &comb[rank * n..(rank + 1) * n],
+    )?;
+    let me = &inputs[rank];
+    // Per step: dispatch, combine, floor dispatch, floor combine (µs).
+    let mut step = |timed: &mut [f64; 4]| -> Result<()> {
+        comm.bootstrap().barrier()?;
+        let d = buf.ll_dispatch(&me.x, &me.topk_idx, &me.weights)?;
+        buf.ll_echo(&d)?;
+        comm.bootstrap().barrier()?;
+        buf.ll_combine(&d)?;
+        let (kd, kc) = buf.last_kernels();
+        comm.bootstrap().barrier()?;
+        let fd = floor.step(true)?;
+        comm.bootstrap().barrier()?;
+        let fc = floor.step(false)?;
+        for (t, k) in timed.iter_mut().zip([kd, kc, fd, fc]) {
+            *t += k.us();
+        }
+        Ok(())
+    };
+    for _ in 0..c.warmup_for(c.iters) {
+        step(&mut [0.0; 4])?;
+    }
+    let mut samples: [Vec<f64>; 6] = Default::default();
+    for _ in 0..c.runs {
+        let mut sums = [0.0; 4];
+        for _ in 0..c.iters {
+            step(&mut sums)?;
+        }
+        let it = c.iters as f64;
+        let slow = slowest(&comm, &sums.map(|v| v / it))?;
+        for (i, v) in [
+            slow[0],
+            slow[1],
+            slow[0] + slow[1],
+            slow[2],
+            slow[3],
+            slow[2] + slow[3],
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            samples[i].push(v);
+        }
+        crate::progress::tick(rank);
+    }
+    let (db, cb) = (
+        disp[rank * n..(rank + 1) * n].iter().sum::<u64>() as f64,
+        (0..n).map(|s| comb[s * n + rank]).sum::<u64>() as f64,
+    );
+    if rank == 0 {
+        let [d, cm, t, fd, fc, ft] = samples;
+        ranks::emit(&MoeResult {
+            ranks: n,
+            mode: MoeMode::Ll,
+            backend: buf.backend_name().to_owned(),
+            paths: vec![format!("GPU {}", cuda.device().name())],
+            tokens: args.tokens,
+            hidden: args.hidden,
+            topk: args.topk,
+            experts,
+            fp8: false,
+            hosts: args.hosts,
+            channels: 0,
+            threads: 0,
+            dispatch: Row::new(db, d, fd).context("no samples")?,
+            combine: Row::new(cb, cm, fc).context("no samples")?,
+            total: Row::new(db + cb, t, ft).context("no samples")?,
+            device: "cuda".into(),
+        })?;
+    }
+    floor.destroy()?;
+    buf.destroy()?;
+    Ok(())
+}
+
+/// One CUDA step with the oracle's checks, before timing.
+fn cuda_verify(buf: &mut gin_ep::cuda::CudaBuffer<'_, '_>, inputs: &[RankInput]) -> Result<()> {
+    let cfg = *buf.config();
+    let rank = buf.rank();
+    let me = &inputs[rank];
+    let tables: Vec<Vec<i64>> = inputs.iter().map(|i| i.topk_idx.clone()).collect();
+    let d = buf.ll_dispatch(&me.x, &me.topk_idx, &me.weights)?;
+    let got = buf.ll_received(&d)?;
+    oracle::check_ll_view(rank, &cfg, buf.active(), &got, inputs, &tables)
+        .map_err(anyhow::Error::msg)?;
+    buf.ll_echo(&d)?;
+    let combined = buf.ll_combine(&d)?;
+    oracle::check_combine(rank, &combined.x, me, cfg.hidden, cfg.topk, false, |_| true)
+        .map_err(anyhow::Error::msg)?;
     Ok(())
 }
 
@@ -470,5 +639,49 @@ mod tests {
         assert_eq!(traffic(&ht, &inputs).0, [0, 512, 512, 0]);
         let fp8 = Config { fp8: true, ..ll };
         assert_eq!(traffic(&fp8, &inputs).0[1], 2 * (256 + 8 + 16));
+    }
+}
+
+#[cfg(test)]
+mod cuda_tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        moe: MoeArgs,
+    }
+
+    fn parse(args: &[&str]) -> MoeArgs {
+        let argv = std::iter::once("moe").chain(args.iter().copied());
+        match Cli::try_parse_from(argv) {
+            Ok(c) => c.moe,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// `--device cuda` without a usable GPU is an error saying it needs one
+    /// and why, before any rank starts; what CUDA ranks do not run yet is
+    /// refused by name.
+    #[test]
+    fn device_cuda_needs_a_gpu_and_refuses_what_it_does_not_run() {
+        let r = check_cuda_args(&parse(&["--device", "cuda"]));
+        match gin_core::cuda::skip_reason() {
+            Some(why) => {
+                let e = r.expect_err("no GPU here").to_string();
+                assert_eq!(e, format!("gin-bench moe --device cuda needs a GPU: {why}"));
+            }
+            None => assert!(r.is_ok(), "{r:?}"),
+        }
+        let e = check_cuda_args(&parse(&["--device", "cuda", "--mode", "ht"]))
+            .expect_err("ht on CUDA ranks")
+            .to_string();
+        assert!(e.contains("--mode ll only"), "{e}");
+        let e = check_cuda_args(&parse(&["--device", "cuda", "--fp8"]))
+            .expect_err("fp8 on CUDA ranks")
+            .to_string();
+        assert!(e.contains("FP8"), "{e}");
     }
 }

@@ -130,36 +130,7 @@ impl<'c> Buffer<'c> {
     /// allocates the windows and signals of `cfg.mode`.
     pub fn new(comm: &'c Comm, cfg: Config) -> Result<Self, EpError> {
         let (rank, nranks) = (comm.rank(), comm.nranks());
-        let valid = cfg.validate(rank, nranks);
-        // Agreement first, even when this rank's own check failed, so that
-        // no rank is left waiting in a collective the others skipped.
-        let mut mine = Vec::with_capacity(64);
-        mine.push(u8::from(valid.is_ok()));
-        for (_, v) in cfg.fields() {
-            mine.extend_from_slice(&v.to_le_bytes());
-        }
-        let all = comm.bootstrap().allgather(&mine)?;
-        valid?;
-        if let Some(p) = all.iter().position(|a| a.first() != Some(&1)) {
-            return Err(EpError::Mode {
-                rank,
-                what: format!("rank {p} refused the buffer configuration"),
-            });
-        }
-        for (peer, theirs) in all.iter().enumerate() {
-            for (i, (field, v)) in cfg.fields().into_iter().enumerate() {
-                let t = read_u64(theirs, 1 + 8 * i);
-                if t != v {
-                    return Err(EpError::ConfigMismatch {
-                        rank,
-                        peer,
-                        field,
-                        mine: v,
-                        theirs: t,
-                    });
-                }
-            }
-        }
+        agree_config(comm, &cfg)?;
         let ids = comm
             .bootstrap()
             .allgather(comm.settings().host_id.as_bytes())?;
@@ -497,6 +468,43 @@ impl<'c> Buffer<'c> {
         // that no operation reads (`settle` ran), borrowed from `&mut self`.
         unsafe { std::slice::from_raw_parts_mut(win.as_ptr().add(off), len) }
     }
+}
+
+/// Checks `cfg` and that every rank passed the same one (collective): an
+/// error naming the first rank and field that differ, on every rank.
+pub(crate) fn agree_config(comm: &Comm, cfg: &Config) -> Result<(), EpError> {
+    let (rank, nranks) = (comm.rank(), comm.nranks());
+    let valid = cfg.validate(rank, nranks);
+    // Agreement first, even when this rank's own check failed, so that
+    // no rank is left waiting in a collective the others skipped.
+    let mut mine = Vec::with_capacity(64);
+    mine.push(u8::from(valid.is_ok()));
+    for (_, v) in cfg.fields() {
+        mine.extend_from_slice(&v.to_le_bytes());
+    }
+    let all = comm.bootstrap().allgather(&mine)?;
+    valid?;
+    if let Some(p) = all.iter().position(|a| a.first() != Some(&1)) {
+        return Err(EpError::Mode {
+            rank,
+            what: format!("rank {p} refused the buffer configuration"),
+        });
+    }
+    for (peer, theirs) in all.iter().enumerate() {
+        for (i, (field, v)) in cfg.fields().into_iter().enumerate() {
+            let t = read_u64(theirs, 1 + 8 * i);
+            if t != v {
+                return Err(EpError::ConfigMismatch {
+                    rank,
+                    peer,
+                    field,
+                    mine: v,
+                    theirs: t,
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Rolling compare of a 64-bit signal (as gin-device's).

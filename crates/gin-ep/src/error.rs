@@ -201,6 +201,20 @@ pub enum EpError {
         /// The cause as reported by the bootstrap or the backend.
         why: String,
     },
+    /// A CUDA rank's kernel failed: a bounded wait ran out or gave up (the
+    /// peer it waited for is named where the kernel knows it), or a device
+    /// operation was refused.
+    #[error("rank {rank}: the {kernel} kernel failed{}: {source}", peer.map(|p| format!(" waiting for rank {p}")).unwrap_or_default())]
+    Kernel {
+        /// This rank.
+        rank: usize,
+        /// Which kernel (`dispatch`, `combine`, `echo`, `floor`).
+        kernel: &'static str,
+        /// The peer the failed operation waited for or targeted.
+        peer: Option<usize>,
+        /// gin-core's account (kind, context, peer, id or value).
+        source: Box<gin_core::CoreError>,
+    },
     /// A device-API error (gin-core / gin-device).
     #[error(transparent)]
     Gin(#[from] gin_core::GinError),

@@ -36,11 +36,18 @@
 //! # What it does not know
 //!
 //! Descriptor, WQE and wire formats, transports, and how a backend moves
-//! bytes. CUDA ranks are not built yet: the layout, message format, signal
-//! numbering and protocols are the ones a kernel including `gin/gin.cuh`
-//! would use (a `Buffer` over `gin_core::cuda` windows, with the staging,
-//! put and wait loops as kernels); only the loops in [`ll`] and [`ht`] are
-//! CPU-rank code.
+//! bytes.
+//!
+//! # CUDA ranks
+//!
+//! [`cuda::CudaBuffer`] runs the low-latency mode on CUDA ranks: the same
+//! windows (in GPU memory), message format, signal numbering and
+//! cumulative-signal protocol, with the put and wait loops as kernels
+//! (`kernels/ll.cu`, including `gin/gin.cuh`) compiled by NVRTC and
+//! launched through gin-core's public CUDA API. Inputs are checked on the
+//! host by the CPU ranks' code, and [`oracle`] checks both alike
+//! ([`oracle::LlView`]). High-throughput mode, FP8 and masking a lost peer
+//! are CPU-rank only so far.
 
 #![warn(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -50,6 +57,7 @@
 
 mod buffer;
 pub mod config;
+pub mod cuda;
 mod error;
 pub mod ht;
 pub mod layout;

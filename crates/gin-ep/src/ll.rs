@@ -66,6 +66,99 @@ pub(crate) fn pull_matrix(
         .collect())
 }
 
+/// Checks a step's inputs against `cfg` before anything moves (shared by
+/// CPU and CUDA ranks); returns the layout.
+pub(crate) fn check_inputs(
+    rank: usize,
+    cfg: &Config,
+    active: &[bool],
+    ranks_per_host: usize,
+    x_len: usize,
+    topk_idx: &[i64],
+    weights: &[f32],
+) -> Result<Layout, EpError> {
+    let topk = cfg.topk;
+    let shape = |what, len, expected, tokens, per_token| EpError::Shape {
+        rank,
+        what,
+        len,
+        expected,
+        tokens,
+        per_token,
+    };
+    if !topk_idx.len().is_multiple_of(topk) {
+        let t = topk_idx.len() / topk;
+        return Err(shape("topk_idx", topk_idx.len(), t * topk, t, topk));
+    }
+    let tokens = topk_idx.len() / topk;
+    if tokens > cfg.max_tokens_per_rank {
+        return Err(EpError::TooManyTokens {
+            rank,
+            tokens,
+            max: cfg.max_tokens_per_rank,
+        });
+    }
+    if x_len != tokens * cfg.hidden {
+        return Err(shape("x", x_len, tokens * cfg.hidden, tokens, cfg.hidden));
+    }
+    if weights.len() != topk_idx.len() {
+        return Err(shape(
+            "topk_weights",
+            weights.len(),
+            topk_idx.len(),
+            tokens,
+            topk,
+        ));
+    }
+    for (i, (&e, &w)) in topk_idx.iter().zip(weights).enumerate() {
+        if e >= 0 && !w.is_finite() {
+            return Err(EpError::BadWeight {
+                rank,
+                token: i / topk,
+                slot: i % topk,
+                weight: w,
+            });
+        }
+    }
+    Layout::new(
+        rank,
+        topk_idx,
+        topk,
+        cfg.num_experts,
+        active,
+        ranks_per_host,
+    )
+}
+
+/// Writes one message per token into `buf` (`tokens × msg_bytes`): the
+/// payload (BF16, or FP8 with scales), then the source token index, the
+/// top-k expert ids and the top-k weights (shared by CPU and CUDA ranks).
+pub(crate) fn write_messages(
+    cfg: &Config,
+    x: &[Bf16],
+    topk_idx: &[i64],
+    weights: &[f32],
+    buf: &mut [u8],
+) {
+    let (m, p, h, k) = (cfg.msg_bytes(), cfg.payload_bytes(), cfg.hidden, cfg.topk);
+    for (t, msg) in buf.chunks_exact_mut(m).enumerate() {
+        let row = &x[t * h..(t + 1) * h];
+        if cfg.fp8 {
+            quantize_fp8(row, &mut msg[..p]);
+        } else {
+            msg[..p].copy_from_slice(bf16_bytes(row));
+        }
+        let meta = &mut msg[p..];
+        meta[..4].copy_from_slice(&(t as u32).to_le_bytes());
+        for j in 0..k {
+            let id = topk_idx[t * k + j] as i32;
+            meta[4 + 4 * j..8 + 4 * j].copy_from_slice(&id.to_le_bytes());
+            let w = weights[t * k + j];
+            meta[4 + 4 * (k + j)..8 + 4 * (k + j)].copy_from_slice(&w.to_le_bytes());
+        }
+    }
+}
+
 /// A dispatch sent and not yet received: hand it to
 /// [`Buffer::ll_dispatch_recv`] (DeepEP's receive hook). Between the two,
 /// the caller may compute; [`Buffer::ll_dispatch_ready`] polls.
@@ -162,59 +255,23 @@ pub struct Combined {
 
 impl Buffer<'_> {
     /// Checks a step's inputs against the buffer before anything moves;
-    /// returns the token count.
+    /// returns the layout.
     pub(crate) fn check_inputs(
         &self,
         x_len: usize,
         topk_idx: &[i64],
         weights: &[f32],
     ) -> Result<Layout, EpError> {
-        let (rank, cfg) = (self.rank, &self.cfg);
-        let topk = cfg.topk;
-        let shape = |what, len, expected, tokens, per_token| EpError::Shape {
-            rank,
-            what,
-            len,
-            expected,
-            tokens,
-            per_token,
-        };
-        if !topk_idx.len().is_multiple_of(topk) {
-            let t = topk_idx.len() / topk;
-            return Err(shape("topk_idx", topk_idx.len(), t * topk, t, topk));
-        }
-        let tokens = topk_idx.len() / topk;
-        if tokens > cfg.max_tokens_per_rank {
-            return Err(EpError::TooManyTokens {
-                rank,
-                tokens,
-                max: cfg.max_tokens_per_rank,
-            });
-        }
-        if x_len != tokens * cfg.hidden {
-            return Err(shape("x", x_len, tokens * cfg.hidden, tokens, cfg.hidden));
-        }
-        if weights.len() != topk_idx.len() {
-            return Err(shape(
-                "topk_weights",
-                weights.len(),
-                topk_idx.len(),
-                tokens,
-                topk,
-            ));
-        }
-        for (i, (&e, &w)) in topk_idx.iter().zip(weights).enumerate() {
-            if e >= 0 && !w.is_finite() {
-                return Err(EpError::BadWeight {
-                    rank,
-                    token: i / topk,
-                    slot: i % topk,
-                    weight: w,
-                });
-            }
-        }
         let rph = self.hosts.ranks_per_host.unwrap_or(1);
-        Layout::new(rank, topk_idx, topk, cfg.num_experts, &self.active, rph)
+        check_inputs(
+            self.rank,
+            &self.cfg,
+            &self.active,
+            rph,
+            x_len,
+            topk_idx,
+            weights,
+        )
     }
 
     fn check_mode(&self, call: &'static str, want: crate::Mode) -> Result<(), EpError> {
@@ -330,24 +387,8 @@ impl Buffer<'_> {
     /// Writes every token's message into the send window.
     fn stage(&mut self, x: &[Bf16], topk_idx: &[i64], weights: &[f32], tokens: usize) {
         let cfg = self.cfg;
-        let (m, p, h, k) = (cfg.msg_bytes(), cfg.payload_bytes(), cfg.hidden, cfg.topk);
-        let buf = self.bytes_mut(SEND, 0, tokens * m);
-        for (t, msg) in buf.chunks_exact_mut(m).enumerate() {
-            let row = &x[t * h..(t + 1) * h];
-            if cfg.fp8 {
-                quantize_fp8(row, &mut msg[..p]);
-            } else {
-                msg[..p].copy_from_slice(bf16_bytes(row));
-            }
-            let meta = &mut msg[p..];
-            meta[..4].copy_from_slice(&(t as u32).to_le_bytes());
-            for j in 0..k {
-                let id = topk_idx[t * k + j] as i32;
-                meta[4 + 4 * j..8 + 4 * j].copy_from_slice(&id.to_le_bytes());
-                let w = weights[t * k + j];
-                meta[4 + 4 * (k + j)..8 + 4 * (k + j)].copy_from_slice(&w.to_le_bytes());
-            }
-        }
+        let buf = self.bytes_mut(SEND, 0, tokens * cfg.msg_bytes());
+        write_messages(&cfg, x, topk_idx, weights, buf);
     }
 
     /// Whether [`Buffer::ll_dispatch_recv`] would return without waiting.

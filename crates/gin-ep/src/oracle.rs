@@ -232,6 +232,43 @@ pub fn count_experts(
     counts
 }
 
+/// What a low-latency dispatch delivered at one rank, as the checks read
+/// it: CPU ranks' [`crate::LlDispatch`] in its buffer, or what CUDA ranks
+/// copied back ([`crate::cuda::LlReceived`]).
+pub trait LlView {
+    /// Tokens received from `src` for local expert `le`.
+    fn count(&self, le: usize, src: usize) -> usize;
+    /// The index, at its source, of the `i`th token from `src` for `le`.
+    fn src_token(&self, le: usize, src: usize, i: usize) -> usize;
+    /// The top-k weight the source gave this expert for that token.
+    fn weight(&self, le: usize, src: usize, i: usize) -> f32;
+    /// That token's payload.
+    fn payload(&self, le: usize, src: usize, i: usize) -> Result<&[u8], String>;
+}
+
+/// A CPU rank's dispatch in its buffer, as an [`LlView`].
+struct CpuLl<'a, 'c> {
+    buf: &'a crate::Buffer<'c>,
+    d: &'a crate::LlDispatch,
+}
+
+impl LlView for CpuLl<'_, '_> {
+    fn count(&self, le: usize, src: usize) -> usize {
+        self.d.count(le, src)
+    }
+    fn src_token(&self, le: usize, src: usize, i: usize) -> usize {
+        self.d.src_token(le, src, i)
+    }
+    fn weight(&self, le: usize, src: usize, i: usize) -> f32 {
+        self.d.weight(le, src, i)
+    }
+    fn payload(&self, le: usize, src: usize, i: usize) -> Result<&[u8], String> {
+        self.buf
+            .ll_token(self.d, le, src, i)
+            .map_err(|e| e.to_string())
+    }
+}
+
 /// Checks a low-latency dispatch at this rank against every rank's inputs
 /// (`inputs[src]`) and the all-gathered routing table (`tables[src]`):
 /// exactly the tokens routed here, in one contiguous, ordered block per
@@ -243,16 +280,36 @@ pub fn check_ll_dispatch(
     inputs: &[RankInput],
     tables: &[Vec<i64>],
 ) -> Result<(), String> {
-    let (rank, n, cfg) = (buf.rank(), buf.nranks(), *buf.config());
+    let view = CpuLl { buf, d };
+    check_ll_view(
+        buf.rank(),
+        buf.config(),
+        buf.active(),
+        &view,
+        inputs,
+        tables,
+    )
+}
+
+/// [`check_ll_dispatch`] on any [`LlView`] of rank `rank` of a job of
+/// `active.len()` ranks (`active`: the mask the step ran with).
+pub fn check_ll_view(
+    rank: usize,
+    cfg: &crate::Config,
+    active: &[bool],
+    d: &impl LlView,
+    inputs: &[RankInput],
+    tables: &[Vec<i64>],
+) -> Result<(), String> {
+    let n = active.len();
     let l = cfg.local_experts(n);
-    let active = buf.active().to_vec();
     let counts = count_experts(tables, cfg.num_experts, |r| active[r]);
     for le in 0..l {
         let e = rank * l + le;
-        if d.expert_count(le) != counts[e] {
+        let got: usize = (0..n).map(|s| d.count(le, s)).sum();
+        if got != counts[e] {
             return Err(format!(
-                "rank {rank}: expert {e} received {} tokens, the all-gathered table routes {}",
-                d.expert_count(le),
+                "rank {rank}: expert {e} received {got} tokens, the all-gathered table routes {}",
                 counts[e]
             ));
         }
@@ -289,7 +346,7 @@ pub fn check_ll_dispatch(
                         d.weight(le, src, i)
                     ));
                 }
-                let p = buf.ll_token(d, le, src, i).map_err(|e| e.to_string())?;
+                let p = d.payload(le, src, i)?;
                 check_payload(p, src, t, cfg.hidden, cfg.fp8)
                     .map_err(|m| format!("rank {rank}: expert {e}: {m}"))?;
             }
@@ -302,15 +359,19 @@ pub fn check_ll_dispatch(
 /// token indices, weights, payload bytes): equal digests across repeats
 /// mean bit-identical outputs.
 pub fn ll_digest(buf: &crate::Buffer<'_>, d: &crate::LlDispatch) -> u64 {
-    let (n, cfg) = (buf.nranks(), *buf.config());
+    ll_view_digest(buf.config(), buf.nranks(), &CpuLl { buf, d })
+}
+
+/// [`ll_digest`] on any [`LlView`] of a job of `nranks` ranks.
+pub fn ll_view_digest(cfg: &crate::Config, nranks: usize, d: &impl LlView) -> u64 {
     let mut words = Vec::new();
-    for le in 0..cfg.local_experts(n) {
-        for src in 0..n {
+    for le in 0..cfg.local_experts(nranks) {
+        for src in 0..nranks {
             words.push(d.count(le, src) as i64);
             for i in 0..d.count(le, src) {
                 words.push(d.src_token(le, src, i) as i64);
                 words.push(i64::from(d.weight(le, src, i).to_bits()));
-                if let Ok(p) = buf.ll_token(d, le, src, i) {
+                if let Ok(p) = d.payload(le, src, i) {
                     words.extend(p.chunks(8).map(|c| {
                         let mut b = [0u8; 8];
                         b[..c.len()].copy_from_slice(c);

@@ -259,3 +259,33 @@ fn high_throughput_receive_hook_completes_by_polling_between_compute() {
         assert_ok(&report, &format!("ht receive hook, {name}"));
     }
 }
+
+/// `device=cuda` without a usable GPU fails at once with an error saying it
+/// needs one and why (no rank is started, nothing hangs); with a GPU, the
+/// low-latency oracle passes on CUDA ranks.
+#[test]
+fn cuda_ranks_need_a_gpu_and_say_so() {
+    match gin_core::cuda::skip_reason() {
+        Some(why) => {
+            let out = std::process::Command::new(BIN)
+                .args(["ll", "device=cuda", "ranks=2"])
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success(), "exited successfully: {err}");
+            assert!(
+                err.contains("gin-ep-selftest: device=cuda needs a GPU: ") && err.contains(&why),
+                "{err}"
+            );
+            assert!(
+                out.stdout.is_empty(),
+                "{}",
+                String::from_utf8_lossy(&out.stdout)
+            );
+        }
+        None => assert_ok(
+            &run(2, &["ll", "device=cuda", "repeats=5"], &[]),
+            "ll on CUDA ranks",
+        ),
+    }
+}

@@ -6,6 +6,12 @@
 //! `kill`, `mask`; keys `tokens`, `hidden`, `experts` (per rank), `topk`,
 //! `fp8`, `repeats`, `victim`, `ht`, `ring`, `channels`, `threads`, `hook`. Without launcher variables it starts `ranks=N`
 //! local ranks of itself (default 2).
+//!
+//! `device=cuda` runs `ll` on CUDA ranks (gin-ep's `CudaBuffer`: the
+//! kernels of `kernels/ll.cu`) with the same oracle; `hosts=K` splits the
+//! ranks into K emulated hosts (consecutive ranks, by host id), so peers on
+//! other hosts are reached over TCP. Without a usable GPU it fails at once
+//! with "device=cuda needs a GPU: <why>".
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -46,12 +52,28 @@ fn run() -> Res<()> {
         .filter_map(|a| a.split_once('=').map(|(k, v)| (k.to_owned(), v.to_owned())))
         .collect();
     let args = Args { scenario, kv };
+    let cuda = match args.kv.get("device").map(String::as_str) {
+        None | Some("cpu") => false,
+        Some("cuda") => true,
+        Some(other) => return Err(format!("unknown device={other:?} (cpu or cuda)").into()),
+    };
+    if cuda {
+        gin_ep::cuda::gpu_available().map_err(|why| format!("device=cuda needs a GPU: {why}"))?;
+        if args.scenario != "ll" {
+            return Err(format!(
+                "device=cuda runs the ll scenario only, not {:?}",
+                args.scenario
+            )
+            .into());
+        }
+    }
     if let Role::Launched = run_ranks(args.get("ranks", 2))? {
         return Ok(());
     }
-    let comm = Comm::from_env()?;
+    let comm = join(&args)?;
     let t = Instant::now();
     let what = match args.scenario.as_str() {
+        "ll" if cuda => cuda_oracle_run(&comm, &args)?,
         "ll" => oracle_run(&comm, &args, Mode::LowLatency)?,
         "ht" => oracle_run(&comm, &args, Mode::HighThroughput)?,
         "bad" => bad_inputs(&comm, &args)?,
@@ -68,6 +90,82 @@ fn run() -> Res<()> {
         comm.path_names()
     );
     Ok(())
+}
+
+/// Joins the job; with `hosts=K`, as one of K emulated hosts.
+fn join(args: &Args) -> Res<Comm> {
+    let Some(k) = args.kv.get("hosts").and_then(|v| v.parse::<usize>().ok()) else {
+        return Ok(Comm::from_env()?);
+    };
+    let b = gin_bootstrap::Bootstrap::from_env()?;
+    let mut settings = gin_core::Settings::from_env()?;
+    let host = b.rank() * k.max(1) / b.nranks();
+    settings.host_id = format!("gin-ep-selftest-host-{host}");
+    Ok(Comm::with_settings(b, settings)?)
+}
+
+/// One step on CUDA ranks: dispatch, check (first time), the identity
+/// expert on the GPU, combine, check; the digests of what was received and
+/// combined.
+fn cuda_step(
+    buf: &mut gin_ep::cuda::CudaBuffer<'_, '_>,
+    all: &[RankInput],
+    tables: &[Vec<i64>],
+    check: bool,
+) -> Res<(u64, u64)> {
+    let cfg = *buf.config();
+    let (rank, n) = (buf.rank(), buf.nranks());
+    let me = &all[rank];
+    let d = buf.ll_dispatch(&me.x, &me.topk_idx, &me.weights)?;
+    let got = buf.ll_received(&d)?;
+    if check {
+        oracle::check_ll_view(rank, &cfg, buf.active(), &got, all, tables)?;
+    }
+    let dig = oracle::ll_view_digest(&cfg, n, &got);
+    buf.ll_echo(&d)?;
+    let combined = buf.ll_combine(&d)?;
+    if check {
+        let active = buf.active().to_vec();
+        let l = cfg.local_experts(n);
+        oracle::check_combine(rank, &combined.x, me, cfg.hidden, cfg.topk, false, |e| {
+            active[e / l]
+        })?;
+    }
+    Ok((dig, oracle::bf16_digest(&combined.x)))
+}
+
+/// The `ll` oracle on CUDA ranks: the first step checked, `repeats` steps
+/// bit-identical.
+fn cuda_oracle_run(comm: &Comm, args: &Args) -> Res<String> {
+    let cfg = config(comm, args, Mode::LowLatency);
+    let cuda = comm.cuda()?;
+    let mut buf = gin_ep::cuda::CudaBuffer::new(&cuda, cfg)?;
+    if let Some(b) = args.kv.get("blocks").and_then(|v| v.parse().ok()) {
+        buf.set_blocks(b);
+    }
+    let (all, tables) = inputs(comm, &cfg)?;
+    let repeats = args.get("repeats", 20);
+    let first = cuda_step(&mut buf, &all, &tables, true)?;
+    for i in 1..repeats {
+        let again = cuda_step(&mut buf, &all, &tables, false)?;
+        if again != first {
+            return Err(format!(
+                "rank {}: repeat {i} on CUDA ranks differs from the first (digests {again:x?} vs {first:x?})",
+                comm.rank()
+            )
+            .into());
+        }
+    }
+    let backend = buf.backend_name();
+    buf.destroy()?;
+    Ok(format!(
+        "CUDA ranks ({backend}, GPU {}): {} tokens, hidden {}, {} experts, top-{}, {repeats} repeats bit-identical",
+        cuda.device().name(),
+        all[comm.rank()].tokens,
+        cfg.hidden,
+        cfg.num_experts,
+        cfg.topk,
+    ))
 }
 
 fn config(comm: &Comm, args: &Args, mode: Mode) -> Config {
