@@ -773,7 +773,19 @@ impl<'a, 'c> CudaFloor<'a, 'c> {
             });
         }
         let kernels = load_agreed(cuda)?;
-        let block = disp.iter().chain(comb).copied().max().unwrap_or(8).max(8);
+        // Every rank lays its peers' slots out alike: the largest message
+        // any rank sends, agreed on by all (unequal token counts make
+        // ranks' own maxima differ).
+        let mine = disp.iter().chain(comb).copied().max().unwrap_or(8).max(8);
+        let block = cuda
+            .comm()
+            .bootstrap()
+            .allgather(&mine.to_le_bytes())?
+            .iter()
+            .filter_map(|b| Some(u64::from_le_bytes(b.as_slice().try_into().ok()?)))
+            .max()
+            .unwrap_or(mine)
+            .max(mine);
         let req = DevCommRequirements {
             signals: 1,
             counters: 1,
