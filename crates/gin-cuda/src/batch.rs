@@ -16,8 +16,38 @@
 //! per pass, not one per slice. Copies are merged only within a region, so a
 //! merged copy never spans two allocations that happen to be adjacent.
 
-use crate::driver::{MAX_WRITES, Stream};
+use std::sync::Arc;
+
+use crate::driver::{Device, MAX_WRITES, Stream};
 use crate::error::CudaError;
+
+/// What an engine's CUDA executor needs of a GPU: its context made current
+/// on the engine's thread, and streams. A [`Device`] in production; step
+/// tests use [`crate::testing::RecordingGpu`].
+pub trait Gpu {
+    /// A stream: copies and 8-byte stores, executed in queue order.
+    type Stream: Dma;
+    /// Makes the GPU's context current on the calling thread.
+    ///
+    /// # Errors
+    /// The driver's, when the context cannot be made current.
+    fn enter(&self) -> Result<(), CudaError>;
+    /// A new stream.
+    ///
+    /// # Errors
+    /// The driver's, when no stream can be created.
+    fn stream(&self) -> Result<Self::Stream, CudaError>;
+}
+
+impl Gpu for Arc<Device> {
+    type Stream = Stream;
+    fn enter(&self) -> Result<(), CudaError> {
+        self.make_current()
+    }
+    fn stream(&self) -> Result<Stream, CudaError> {
+        Stream::new()
+    }
+}
 
 /// What the proxy and the NIC need of a CUDA stream: copies and 8-byte
 /// stores that execute in the order they were queued. Tests use host

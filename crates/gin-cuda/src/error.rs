@@ -1,7 +1,5 @@
 //! What the CUDA host runtime fails with.
 
-use std::time::Duration;
-
 /// A CUDA driver call that did not return `CUDA_SUCCESS`: which call, and
 /// the `CUresult` by number, name and description.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -153,16 +151,6 @@ pub enum CudaError {
         context: String,
         /// The worker's first error.
         error: String,
-    },
-    /// A peer did not answer a staged read in time.
-    #[error("rank {peer} did not answer a get of {bytes} bytes within {waited:?}")]
-    Timeout {
-        /// The peer.
-        peer: usize,
-        /// The bytes asked for.
-        bytes: usize,
-        /// How long it was waited for.
-        waited: Duration,
     },
     /// The TCP transport failed a staged transfer.
     #[error(transparent)]

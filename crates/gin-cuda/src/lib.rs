@@ -1,6 +1,7 @@
 //! gin-cuda: the CUDA host runtime under gin-rs's CUDA ranks — the driver
-//! wrapper, run-time compilation, stream batching, TCP staging of GPU memory
-//! and the worker threads that the CUDA proxy and the soft NIC run on.
+//! wrapper, run-time compilation, stream batching and TCP staging of GPU
+//! memory. (The CUDA proxy and the soft NIC run on their backend crates'
+//! drivers, gin-proxy's and gin-gdaki's, as on CPU ranks.)
 //!
 //! # Design
 //!
@@ -24,7 +25,7 @@
 //! - **Staging** ([`staging`]): GPU memory served to TCP peers through
 //!   gin-net's region table ([`staging::GpuRegion`] is a
 //!   `gin_net::region::Backing`), and the pinned buffer through which an
-//!   engine sends and fetches over a `gin_net::tcp::Link`.
+//!   engine sends and fetches through the fabric's keyed operations.
 //! - Errors are [`CudaError`]: the failing driver call with its `CUresult`
 //!   name, the allocation size, the device ordinal, NVRTC's log.
 //!
@@ -42,7 +43,7 @@ mod driver;
 mod error;
 pub mod nvrtc;
 pub mod staging;
-pub mod worker;
+pub mod testing;
 
 pub use driver::{
     Cubin, DevMem, Device, Function, HostMem, IpcMem, MAX_WRITES, Module, Stream, available,

@@ -11,19 +11,17 @@
 //!   has no atomics, and none are needed.
 //! - **Sending.** The CUDA proxy and the soft NIC stage a put's source
 //!   into their own pinned buffer on the queue's stream, wait, and hand the
-//!   bytes to the link; a get lands in the buffer and is copied to the GPU.
+//!   bytes to the fabric (`Fabric::put_key`); a read's answer lands in the
+//!   buffer (`Fabric::read_key`) and is copied to the GPU ([`Stage::fetch`]).
 //!
 //! Every staged copy is waited for, so on these paths the proxy and the NIC
 //! wait for the GPU's copy engine (not for kernels): correctness first, one
 //! chunk in flight per queue.
 
 use std::mem::ManuallyDrop;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
 
 use gin_net::region::Backing;
-use gin_net::tcp::Link;
 
 use crate::batch::Dma;
 use crate::driver::{Device, HostMem, Stream, span};
@@ -99,48 +97,6 @@ impl Stage {
         // contract; waited for below.
         unsafe { stream.copy(dst, self.mem.dev(), n)? };
         stream.sync()
-    }
-
-    /// Reads `n` (at most [`STAGE`]) bytes at `(key, off)` of `link`'s peer
-    /// into the buffer, waiting up to `timeout`, then copies them to device
-    /// address `dst` with `stream` and waits.
-    ///
-    /// # Safety
-    /// `dst` must be writable for `n.min(STAGE)` bytes by `stream` until
-    /// this returns.
-    #[allow(clippy::too_many_arguments)] // one staged get, spelled out
-    pub unsafe fn get(
-        &mut self,
-        link: &Link,
-        key: u32,
-        off: u64,
-        n: usize,
-        stream: &impl Dma,
-        dst: u64,
-        timeout: Duration,
-    ) -> Result<(), CudaError> {
-        let n = n.min(STAGE);
-        let done = Arc::new(AtomicU64::new(1));
-        // SAFETY: the buffer holds STAGE bytes and stays valid until `done`
-        // drops: every return below but the timeout's comes after that, and
-        // after a timeout the buffer is never freed (`abandoned`).
-        unsafe { link.get(key, off, n as u64, self.mem.host_ptr(), done.clone(), None) }?;
-        let start = Instant::now();
-        while done.load(Ordering::Acquire) != 0 {
-            if start.elapsed() > timeout {
-                self.abandoned = true;
-                return Err(CudaError::Timeout {
-                    peer: link.peer(),
-                    bytes: n,
-                    waited: timeout,
-                });
-            }
-            std::thread::yield_now();
-        }
-        // A refused or failed read also releases `done`.
-        link.check()?;
-        // SAFETY: the caller's contract.
-        unsafe { self.land(stream, dst, n) }
     }
 }
 

@@ -27,37 +27,15 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use gin_cuda::batch::{BatchStats, Dma, StreamBatch, region};
+use gin_cuda::CudaError;
+use gin_cuda::batch::{BatchStats, Dma, Gpu, StreamBatch, region};
 use gin_cuda::staging::{STAGE, Stage};
-use gin_cuda::{CudaError, Device, Stream};
 use gin_net::{Fabric, MemDesc, Memory, NetError, Reach};
 
 use crate::nic::{
     Atomics, Channel, CqStore, ExecError, Executor, Loc, Part, Payload, ReadStatus, ReadTicket,
     Region, Sink, SoleWriter,
 };
-
-/// What the CUDA executor needs of a GPU: its context made current on the
-/// driver thread, and streams. A [`Device`] in production; the step tests
-/// use a recording fake.
-pub(crate) trait Gpu {
-    /// A stream: copies and 8-byte stores, executed in queue order.
-    type Stream: Dma;
-    /// Makes the GPU's context current on the calling thread.
-    fn enter(&self) -> Result<(), CudaError>;
-    /// A new stream.
-    fn stream(&self) -> Result<Self::Stream, CudaError>;
-}
-
-impl Gpu for Arc<Device> {
-    type Stream = Stream;
-    fn enter(&self) -> Result<(), CudaError> {
-        self.make_current()
-    }
-    fn stream(&self) -> Result<Stream, CudaError> {
-        Stream::new()
-    }
-}
 
 /// A collapsed CQ in device memory: the device address of its one 64-byte
 /// CQE.

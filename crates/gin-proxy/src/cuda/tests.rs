@@ -6,8 +6,6 @@
 
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
-use std::cell::{Cell, RefCell};
-use std::rc::Rc;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 
@@ -15,91 +13,15 @@ use gin_net::region::RegionTable;
 use gin_net::transport::{AtomicOp, Transport};
 use gin_net::{KeepAlive, MemDesc, MemParts, Memory, NetError, Path};
 
-use gin_cuda::batch::Dma;
+use gin_cuda::testing::{Call, Log, RecordingGpu as FakeGpu};
 
-use super::executor::{CudaExecutor, Gpu, Layout};
+use super::executor::{CudaExecutor, Layout};
 use super::*;
 use crate::descriptor::{Desc, Op, Sig};
 use crate::engine::Progress;
 use crate::error::{Invalid, Why};
 use crate::executor::Executor;
 use crate::ring::Ring;
-
-/// What a fake stream was handed, in order, by stream.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Call {
-    Copy(u64, u64, usize),
-    Copies(Vec<(u64, u64, usize)>),
-    Store(u64, u64),
-    Stores(Vec<(u64, u64)>),
-    Sync,
-}
-
-type Log = Rc<RefCell<Vec<(usize, Call)>>>;
-
-struct FakeStream {
-    id: usize,
-    log: Log,
-}
-
-impl FakeStream {
-    fn record(&self, c: Call) {
-        self.log.borrow_mut().push((self.id, c));
-    }
-}
-
-/// Records, touches nothing: no contract of `Dma` is needed for it.
-impl Dma for FakeStream {
-    unsafe fn copy(&self, dst: u64, src: u64, n: usize) -> Result<(), CudaError> {
-        self.record(Call::Copy(dst, src, n));
-        Ok(())
-    }
-    unsafe fn write_u64(&self, addr: u64, v: u64) -> Result<(), CudaError> {
-        self.record(Call::Store(addr, v));
-        Ok(())
-    }
-    fn sync(&self) -> Result<(), CudaError> {
-        self.record(Call::Sync);
-        Ok(())
-    }
-    unsafe fn write_many(&self, writes: &[(u64, u64)]) -> Result<(), CudaError> {
-        self.record(Call::Stores(writes.to_vec()));
-        Ok(())
-    }
-    unsafe fn copy_many(
-        &self,
-        dst: &mut [u64],
-        src: &mut [u64],
-        len: &mut [usize],
-    ) -> Result<(), CudaError> {
-        let c = (0..dst.len()).map(|i| (dst[i], src[i], len[i])).collect();
-        self.record(Call::Copies(c));
-        Ok(())
-    }
-}
-
-#[derive(Default)]
-struct FakeGpu {
-    log: Log,
-    streams: Cell<usize>,
-    entered: Cell<bool>,
-}
-
-impl Gpu for FakeGpu {
-    type Stream = FakeStream;
-    fn enter(&self) -> Result<(), CudaError> {
-        self.entered.set(true);
-        Ok(())
-    }
-    fn stream(&self) -> Result<FakeStream, CudaError> {
-        let id = self.streams.get();
-        self.streams.set(id + 1);
-        Ok(FakeStream {
-            id,
-            log: self.log.clone(),
-        })
-    }
-}
 
 /// A keyed transport (as tcp) that records the puts it is handed and
 /// answers reads with a pattern.
