@@ -63,6 +63,7 @@ pub mod region;
 pub mod shm;
 pub mod sticky;
 pub mod tcp;
+pub mod testing;
 pub mod transport;
 pub mod window;
 

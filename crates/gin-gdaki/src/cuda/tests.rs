@@ -11,12 +11,12 @@
 
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use gin_cuda::testing::{Call, Log, RecordingGpu as FakeGpu};
 use gin_net::region::RegionTable;
-use gin_net::transport::{AtomicOp, Transport};
+use gin_net::testing::KeyedRecorder as Keyed;
 use gin_net::{MemDesc, MemParts, Memory, Path};
 
 use super::*;
@@ -28,100 +28,6 @@ use crate::wqe::{
     CQ_UPDATE, FM_NONE, FM_STRONG_ORDERING, MemRef, OP_ATOMIC_FA as OP_FETCH_ADD, OP_NOP,
     OP_RDMA_READ, OP_RDMA_WRITE as OP_WRITE, Op, encode,
 };
-
-/// A keyed transport (as tcp) that records the puts it is handed, answers
-/// reads with a pattern, and can die.
-#[derive(Debug, Default)]
-struct Keyed {
-    puts: Mutex<Vec<KeyedPut>>,
-    dead: AtomicBool,
-}
-
-/// A put to (peer, key, offset) of these bytes.
-type KeyedPut = (usize, u32, u64, Vec<u8>);
-
-impl Keyed {
-    fn alive(&self, peer: usize) -> Result<(), NetError> {
-        if self.dead.load(Ordering::Relaxed) {
-            return Err(NetError::Io {
-                what: format!("sending to rank {peer}"),
-                source: std::io::Error::from(std::io::ErrorKind::ConnectionReset),
-            });
-        }
-        Ok(())
-    }
-}
-
-impl Transport for Keyed {
-    fn name(&self) -> &'static str {
-        "keyed"
-    }
-    fn reach(&self) -> Reach {
-        Reach::Keyed
-    }
-    fn put(
-        &self,
-        peer: usize,
-        dst: gin_net::Target<'_>,
-        src: &[u8],
-        sig: Option<(gin_net::Target<'_>, u64)>,
-    ) -> Result<(), NetError> {
-        assert!(sig.is_none(), "signals travel as puts of their totals");
-        self.alive(peer)?;
-        let (key, offset) = dst.key_at(peer, "keyed")?;
-        self.puts
-            .lock()
-            .unwrap()
-            .push((peer, key, offset, src.to_vec()));
-        Ok(())
-    }
-    unsafe fn get(
-        &self,
-        _: usize,
-        _: gin_net::Target<'_>,
-        _: *mut u8,
-        _: u64,
-        _: &Arc<AtomicU64>,
-        _: Option<KeepAlive>,
-    ) -> Result<(), NetError> {
-        Err(NetError::Unsupported {
-            transport: "keyed",
-            op: "get",
-        })
-    }
-    fn read(
-        &self,
-        peer: usize,
-        _: gin_net::Target<'_>,
-        out: &mut [u8],
-        _: Duration,
-    ) -> Result<(), NetError> {
-        self.alive(peer)?;
-        out.fill(0x5a);
-        Ok(())
-    }
-    fn atomic(
-        &self,
-        _: usize,
-        _: gin_net::Target<'_>,
-        _: AtomicOp,
-        _: Duration,
-    ) -> Result<u64, NetError> {
-        Err(NetError::Unsupported {
-            transport: "keyed",
-            op: "atomics",
-        })
-    }
-    fn fence(&self, _: usize, _: Duration) -> Result<(), NetError> {
-        Ok(())
-    }
-    fn confirm(&self, _: usize, _: Duration) -> Result<(), NetError> {
-        Ok(())
-    }
-    fn health(&self, peer: usize) -> Result<(), NetError> {
-        self.alive(peer)
-    }
-}
 
 const N: usize = 3;
 const DATA: u32 = 3;
@@ -717,7 +623,7 @@ fn a_tcp_peer_gets_puts_through_the_fabric_and_a_dead_one_is_0x15() {
     );
     assert_eq!(r.step().consumed, 2);
     assert_eq!(
-        *r.keyed.puts.lock().unwrap(),
+        r.keyed.puts(),
         vec![
             (2, DATA_KEY, 16, 0x1234u64.to_le_bytes().to_vec()),
             (2, SIG_KEY, 48, 9u64.to_le_bytes().to_vec()),
@@ -739,10 +645,10 @@ fn a_tcp_peer_gets_puts_through_the_fabric_and_a_dead_one_is_0x15() {
         (CQE_REQ_ERR, 2, syndrome::LOCAL_QP_OP_ERR)
     );
     assert!(r.fault(TCP).contains("no staging buffer"));
-    assert_eq!(r.keyed.puts.lock().unwrap().len(), 2);
+    assert_eq!(r.keyed.puts().len(), 2);
 
     let mut r = rig();
-    r.keyed.dead.store(true, Ordering::Relaxed);
+    r.keyed.kill();
     r.post(TCP, &[(inline(2, 0, 1), FM_NONE)]);
     r.step();
     assert_eq!(

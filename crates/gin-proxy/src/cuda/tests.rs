@@ -6,14 +6,13 @@
 
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
-use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use gin_net::region::RegionTable;
-use gin_net::transport::{AtomicOp, Transport};
-use gin_net::{KeepAlive, MemDesc, MemParts, Memory, NetError, Path};
+use gin_net::{MemDesc, MemParts, Memory, Path};
 
 use gin_cuda::testing::{Call, Log, RecordingGpu as FakeGpu};
+use gin_net::testing::KeyedRecorder as Keyed;
 
 use super::executor::{CudaExecutor, Layout};
 use super::*;
@@ -22,85 +21,6 @@ use crate::engine::Progress;
 use crate::error::{Invalid, Why};
 use crate::executor::Executor;
 use crate::ring::Ring;
-
-/// A keyed transport (as tcp) that records the puts it is handed and
-/// answers reads with a pattern.
-#[derive(Debug, Default)]
-struct Keyed {
-    puts: Mutex<Vec<KeyedPut>>,
-}
-
-/// A put to (peer, key, offset) of these bytes.
-type KeyedPut = (usize, u32, u64, Vec<u8>);
-
-impl Transport for Keyed {
-    fn name(&self) -> &'static str {
-        "keyed"
-    }
-    fn reach(&self) -> Reach {
-        Reach::Keyed
-    }
-    fn put(
-        &self,
-        peer: usize,
-        dst: gin_net::Target<'_>,
-        src: &[u8],
-        sig: Option<(gin_net::Target<'_>, u64)>,
-    ) -> Result<(), NetError> {
-        assert!(sig.is_none(), "signals travel as puts of their totals");
-        let (key, offset) = dst.key_at(peer, "keyed")?;
-        self.puts
-            .lock()
-            .unwrap()
-            .push((peer, key, offset, src.to_vec()));
-        Ok(())
-    }
-    unsafe fn get(
-        &self,
-        _: usize,
-        _: gin_net::Target<'_>,
-        _: *mut u8,
-        _: u64,
-        _: &Arc<AtomicU64>,
-        _: Option<KeepAlive>,
-    ) -> Result<(), NetError> {
-        Err(NetError::Unsupported {
-            transport: "keyed",
-            op: "get",
-        })
-    }
-    fn read(
-        &self,
-        _: usize,
-        _: gin_net::Target<'_>,
-        out: &mut [u8],
-        _: Duration,
-    ) -> Result<(), NetError> {
-        out.fill(0x5a);
-        Ok(())
-    }
-    fn atomic(
-        &self,
-        _: usize,
-        _: gin_net::Target<'_>,
-        _: AtomicOp,
-        _: Duration,
-    ) -> Result<u64, NetError> {
-        Err(NetError::Unsupported {
-            transport: "keyed",
-            op: "atomics",
-        })
-    }
-    fn fence(&self, _: usize, _: Duration) -> Result<(), NetError> {
-        Ok(())
-    }
-    fn confirm(&self, _: usize, _: Duration) -> Result<(), NetError> {
-        Ok(())
-    }
-    fn health(&self, _: usize) -> Result<(), NetError> {
-        Ok(())
-    }
-}
 
 const N: usize = 3;
 /// Window 1: data; 2: signals (3 sub-slots a signal); 3: a host window.
@@ -357,7 +277,7 @@ fn a_keyed_peer_gets_puts_of_values_and_totals_through_the_fabric() {
     );
     rig.step();
     assert_eq!(
-        *rig.keyed.puts.lock().unwrap(),
+        rig.keyed.puts(),
         vec![
             (2, DATA_KEY, 16, 0x1234u64.to_le_bytes().to_vec()),
             (2, SIG_KEY, 48, 9u64.to_le_bytes().to_vec()),
@@ -373,7 +293,7 @@ fn a_keyed_peer_gets_puts_of_values_and_totals_through_the_fabric() {
     rig.step();
     let e = rig.engine.failure().unwrap().to_string();
     assert!(e.contains("no staging buffer"), "{e}");
-    assert_eq!(rig.keyed.puts.lock().unwrap().len(), 2);
+    assert_eq!(rig.keyed.puts().len(), 2);
 }
 
 /// Fail-stop: a signal that is not this rank's sub-slot is refused before
