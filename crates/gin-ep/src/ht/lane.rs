@@ -87,6 +87,33 @@ impl Shared<'_> {
         Ok(())
     }
 
+    /// Puts a token's payload (window `x`, slot `xs`) and its metadata
+    /// (window `m`, slot `ms`) to slot `j` of `dst`'s receive windows: two
+    /// puts, counted for local completion.
+    pub(crate) fn put_token(
+        &self,
+        ch: usize,
+        issued: &mut u64,
+        dst: usize,
+        j: usize,
+        (x, xs): (usize, usize),
+        (m, ms): (usize, usize),
+    ) -> Result<(), EpError> {
+        let s = &self.s;
+        for (win, src, slot, len) in [(RECVX, x, xs, s.p), (RECVM, m, ms, s.mm)] {
+            let xfer = Xfer {
+                peer: dst,
+                dst: win,
+                dst_off: j * len,
+                src,
+                src_off: slot * len,
+                len,
+            };
+            self.put(ch, issued, xfer, Remote::None)?;
+        }
+        Ok(())
+    }
+
     pub(crate) fn host(&self) -> usize {
         self.rank / self.s.l
     }
@@ -627,32 +654,7 @@ impl<'a> DispatchLane<'a> {
                     sh.mem
                         .write(RECVM, dst, j * s.mm, sh.mem.bytes(MIN, me, t * s.mm, s.mm)?)?;
                 } else {
-                    sh.put(
-                        self.ch,
-                        self.issued,
-                        Xfer {
-                            peer: dst,
-                            dst: RECVX,
-                            dst_off: j * s.p,
-                            src: XIN,
-                            src_off: t * s.p,
-                            len: s.p,
-                        },
-                        Remote::None,
-                    )?;
-                    sh.put(
-                        self.ch,
-                        self.issued,
-                        Xfer {
-                            peer: dst,
-                            dst: RECVM,
-                            dst_off: j * s.mm,
-                            src: MIN,
-                            src_off: t * s.mm,
-                            len: s.mm,
-                        },
-                        Remote::None,
-                    )?;
+                    sh.put_token(self.ch, self.issued, dst, j, (XIN, t), (MIN, t))?;
                 }
                 self.st.delivered[dl] += 1;
             }
@@ -802,32 +804,7 @@ impl<'a> DispatchLane<'a> {
                     .write(RECVX, dst, j * s.p, sh.mem.bytes(xw, me, slot * s.p, s.p)?)?;
                 sh.mem.write(RECVM, dst, j * s.mm, meta)?;
             } else {
-                sh.put(
-                    self.ch,
-                    self.issued,
-                    Xfer {
-                        peer: dst,
-                        dst: RECVX,
-                        dst_off: j * s.p,
-                        src: xw,
-                        src_off: slot * s.p,
-                        len: s.p,
-                    },
-                    Remote::None,
-                )?;
-                sh.put(
-                    self.ch,
-                    self.issued,
-                    Xfer {
-                        peer: dst,
-                        dst: RECVM,
-                        dst_off: j * s.mm,
-                        src: mw,
-                        src_off: slot * s.mm,
-                        len: s.mm,
-                    },
-                    Remote::None,
-                )?;
+                sh.put_token(self.ch, self.issued, dst, j, (xw, slot), (mw, slot))?;
                 put = true;
             }
             self.st.delivered[dl] += 1;
