@@ -65,6 +65,40 @@ __device__ int wait_from(const DevComm& dc, u32 id, u64 target, u32 peer) {
   return s;
 }
 
+// Block-wide wait for the combine signals of every active expert: signal
+// first + e must reach targets[e / l] (e < count). The block's threads poll
+// different experts at once, each bounded by the job timeout and the abort
+// flag (a serial wait per expert costs a round trip and two barriers each);
+// the first failure is recorded in the error word naming the expert's rank.
+// Returns the same status on every thread; what the signals announced is
+// visible to the whole block afterwards.
+__device__ int wait_experts(const DevComm& dc, u32 first, u32 count, u32 l, const u32* active,
+                            const u64* targets) {
+  __shared__ int status;
+  if (threadIdx.x == 0) status = OK;
+  __syncthreads();
+  for (u32 e = threadIdx.x; e < count; e += blockDim.x) {
+    const u32 owner = e / l, id = first + e;
+    if (!active[owner]) continue;
+    int s = OK;
+    if (id >= dc.nsignals) {
+      s = detail::fail(dc, BAD_SIGNAL, 0, owner, id);
+    } else {
+      const u64 slot = detail::signal_slot(dc, 0, id);
+      const u64 target = targets[owner];
+      const u32 k = detail::poll(dc, SIGNAL_TIMEOUT, [&] {
+        return signal_reached(detail::signal_sum_acquire(dc, slot), target);
+      });
+      if (k) s = detail::fail(dc, k, 0, owner, id);
+    }
+    if (s) atomicCAS(&status, OK, s);
+  }
+  __syncthreads();
+  const int s = status;
+  __syncthreads();
+  return s;
+}
+
 __device__ __forceinline__ const u8* meta_of(const Window& send, u64 tok, u32 m, u32 p) {
   return (const u8*)send.local_base + tok * m + p;
 }
@@ -195,11 +229,7 @@ extern "C" __global__ void ep_ll_combine(DevComm dc, Window send, Window csend, 
   }
   // csend is rewritten by the next step's expert.
   if (flush(dc, 0, CTA)) return;
-  for (u32 e = 0; e < experts; ++e) {
-    const u32 owner = e / l;
-    if (!active[owner]) continue;
-    if (ep::wait_from(dc, experts + e, ctarget[owner], owner)) return;
-  }
+  if (ep::wait_experts(dc, experts, experts, l, active, ctarget)) return;
   for (u32 tok = blockIdx.x; tok < tokens; tok += gridDim.x) {
     const u8* md = ep::meta_of(send, tok, m, p);
     const int* ids = (const int*)(md + 4);
