@@ -48,9 +48,6 @@ const SQ_CTL: u64 = 16;
 /// Bytes of a collapsed CQE.
 const CQE: u64 = 64;
 
-/// The former name of [`CudaEngineSpec`] here (until gin-core moves on).
-pub type CudaNicSpec = CudaEngineSpec<Fabric, Device>;
-
 /// Why the CUDA soft NIC could not be set up.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

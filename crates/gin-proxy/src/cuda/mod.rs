@@ -40,9 +40,6 @@ use executor::{CudaExecutor, Layout};
 /// then the completion index.
 const INDEX_BYTES: u64 = 16;
 
-/// The former name of [`CudaEngineSpec`] here (until gin-core moves on).
-pub type CudaProxySpec = CudaEngineSpec<Fabric, Device>;
-
 /// Why the CUDA proxy could not be set up.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
