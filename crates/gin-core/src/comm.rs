@@ -722,18 +722,7 @@ impl Comm {
                 c.store(0, Ordering::Release);
             }
         }
-        let mut rec = signal_base.to_le_bytes().to_vec();
-        rec.extend_from_slice(&counter_base.to_le_bytes());
-        let all = self.bootstrap.allgather_equal(&rec)?;
-        if all.chunks(16).any(|c| c != rec.as_slice()) {
-            return Err(CoreError::Mismatch {
-                rank: self.rank(),
-                what: "signal/counter placement".into(),
-                detail: "device communicators were created or destroyed in different orders, \
-                         or with different requirements"
-                    .into(),
-            });
-        }
+        self.agree_placement(signal_base, counter_base)?;
         let selected = self.settings.backend.selection();
         let log2 = self.settings.backend.queue_log2(req.queue_depth)?;
         self.settings.check_usable(&selected)?;
@@ -797,6 +786,24 @@ impl Comm {
             ranges,
             destroyed: false,
         })
+    }
+
+    /// Checks that every rank placed signals and counters alike
+    /// (collective).
+    fn agree_placement(&self, signal_base: u64, counter_base: u64) -> Result<(), CoreError> {
+        let mut rec = signal_base.to_le_bytes().to_vec();
+        rec.extend_from_slice(&counter_base.to_le_bytes());
+        let all = self.bootstrap.allgather_equal(&rec)?;
+        if all.chunks(16).any(|c| c != rec.as_slice()) {
+            return Err(CoreError::Mismatch {
+                rank: self.rank(),
+                what: "signal/counter placement".into(),
+                detail: "device communicators were created or destroyed in different orders, \
+                         or with different requirements"
+                    .into(),
+            });
+        }
+        Ok(())
     }
 
     /// The timeout of waits.
