@@ -7,17 +7,17 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use gin_bootstrap::Bootstrap;
-use gin_device::{Backend, Counters, DevComm, DevCommParts, Health, Window, WindowParts};
-use gin_gdaki::queue::Sharing;
-use gin_gdaki::{Gdaki, GdakiConfig};
+use gin_device::{
+    Backend, Counters, CpuStart, DevComm, DevCommParts, Exchange, Health, HostError, Window,
+    WindowParts,
+};
 use gin_net::region::{Access, RegionTable};
 use gin_net::shm::Segment;
 use gin_net::transport::{Alive, Scope, Setup};
 use gin_net::{Fabric, KeepAlive, MemDesc, MemParts, Memory, NetError, Reach};
-use gin_proxy::{Proxy, ProxyConfig};
 use tracing::{debug, info};
 
-use crate::config::{BackendKind, Settings};
+use crate::config::Settings;
 use crate::error::CoreError;
 use crate::liveness::{Liveness, ProcessId};
 use crate::record::{HostRecord, WindowRecord};
@@ -105,6 +105,15 @@ impl Health for BootstrapHealth {
 
     fn diagnose(&self) -> Option<String> {
         self.1.diagnose()
+    }
+}
+
+/// The bootstrap as the collective exchange a backend's start needs.
+struct BootstrapExchange<'a>(&'a Bootstrap);
+
+impl Exchange for BootstrapExchange<'_> {
+    fn allgather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, HostError> {
+        Ok(self.0.allgather(mine)?)
     }
 }
 
@@ -713,69 +722,28 @@ impl Comm {
                 c.store(0, Ordering::Release);
             }
         }
-        let mut rec = signal_base.to_le_bytes().to_vec();
-        rec.extend_from_slice(&counter_base.to_le_bytes());
-        let all = self.bootstrap.allgather_equal(&rec)?;
-        if all.chunks(16).any(|c| c != rec.as_slice()) {
-            return Err(CoreError::Mismatch {
-                rank: self.rank(),
-                what: "signal/counter placement".into(),
-                detail: "device communicators were created or destroyed in different orders, \
-                         or with different requirements"
-                    .into(),
-            });
-        }
+        self.agree_placement(signal_base, counter_base)?;
+        let selected = self.settings.backend.selection();
         let log2 = self.settings.backend.queue_log2(req.queue_depth)?;
-        let backend: Arc<dyn Backend> = match self.settings.backend {
-            BackendKind::Gdaki => {
-                self.settings.check_nic()?;
-                let g = Gdaki::start(
-                    self.fabric.clone(),
-                    self.counters.clone(),
-                    req.contexts,
-                    GdakiConfig {
-                        sq_log2: log2,
-                        sharing: if req.exclusive_contexts {
-                            Sharing::Thread
-                        } else {
-                            Sharing::Gpu
-                        },
-                        batch: self.settings.gdaki_batch,
-                        timeout: self.settings.timeout,
-                        spin: self.settings.proxy_spin,
-                    },
-                )?;
-                // QP numbers travel through the bootstrap, as a real NIC's
-                // connection set-up needs them.
-                let mine: Vec<u8> = g.qpns().iter().flat_map(|q| q.to_le_bytes()).collect();
-                let tables: Vec<Vec<u32>> = self
-                    .bootstrap
-                    .allgather(&mine)?
-                    .iter()
-                    .map(|t| {
-                        t.chunks_exact(4)
-                            .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
-                            .collect()
-                    })
-                    .collect();
-                g.connect(&tables)?;
-                Arc::new(g)
-            }
-            BackendKind::Auto | BackendKind::Proxy => Arc::new(Proxy::start(
-                self.fabric.clone(),
-                self.counters.clone(),
-                req.contexts,
-                ProxyConfig {
-                    ring_log2: log2,
-                    timeout: self.settings.timeout,
-                    spin: self.settings.proxy_spin,
-                    // `auto` lets a CPU rank send to tcp peers itself when nothing
-                    // is queued; `proxy` keeps every operation on the proxy thread.
-                    inline_tcp: self.settings.backend == BackendKind::Auto,
-                },
-            )?),
-        };
-        let direct = self.settings.backend == BackendKind::Auto;
+        self.settings.check_usable(&selected)?;
+        let backend = selected.queues.start_cpu(&CpuStart {
+            rank,
+            nranks: n,
+            fabric: &self.fabric,
+            counters: &self.counters,
+            nctx: req.contexts,
+            queue_log2: log2,
+            exclusive_contexts: req.exclusive_contexts,
+            // `auto` lets a CPU rank send to tcp peers itself when nothing
+            // is queued; otherwise every operation stays on the backend's
+            // thread.
+            inline: selected.load_store,
+            batch: self.settings.gdaki_batch,
+            timeout: self.settings.timeout,
+            spin: self.settings.proxy_spin,
+            exchange: &BootstrapExchange(&self.bootstrap),
+        })?;
+        let direct = selected.load_store;
         let connected: Vec<bool> = (0..n)
             .map(|p| req.connection == Connection::Full || p == rank || self.rail.contains(&p))
             .collect();
@@ -818,6 +786,24 @@ impl Comm {
             ranges,
             destroyed: false,
         })
+    }
+
+    /// Checks that every rank placed signals and counters alike
+    /// (collective).
+    fn agree_placement(&self, signal_base: u64, counter_base: u64) -> Result<(), CoreError> {
+        let mut rec = signal_base.to_le_bytes().to_vec();
+        rec.extend_from_slice(&counter_base.to_le_bytes());
+        let all = self.bootstrap.allgather_equal(&rec)?;
+        if all.chunks(16).any(|c| c != rec.as_slice()) {
+            return Err(CoreError::Mismatch {
+                rank: self.rank(),
+                what: "signal/counter placement".into(),
+                detail: "device communicators were created or destroyed in different orders, \
+                         or with different requirements"
+                    .into(),
+            });
+        }
+        Ok(())
     }
 
     /// The timeout of waits.

@@ -2,6 +2,12 @@
 
 use std::time::Duration;
 
+use gin_cuda::Device;
+use gin_device::{HostBackend, StartError};
+use gin_gdaki::GdakiBackend;
+use gin_net::Fabric;
+use gin_proxy::ProxyBackend;
+
 use crate::error::CoreError;
 
 /// `GIN_BACKEND`.
@@ -16,38 +22,87 @@ pub enum BackendKind {
     Gdaki,
 }
 
+/// What a [`BackendKind`] selects, once: the rest of gin-core starts and
+/// asks the backend through [`HostBackend`] and never matches on kinds.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Selection {
+    /// Peers whose memory is mapped here are reached by load/store
+    /// (`auto`), as far as the rank's kind of memory allows; every other
+    /// peer through [`Selection::queues`].
+    pub(crate) load_store: bool,
+    /// The backend serving the peers not reached by load/store.
+    pub(crate) queues: &'static dyn HostBackend<Fabric, Device>,
+    /// Its requests are executed by the NIC `GIN_NIC` names, which must
+    /// exist here ([`Settings::check_nic`]).
+    pub(crate) nic: bool,
+}
+
 impl BackendKind {
+    /// The one table from kinds to backends: `auto` is load/store where
+    /// mapped and the proxy elsewhere, `proxy` the proxy for every peer but
+    /// this rank, `gdaki` GDAKI for every peer but this rank.
+    pub(crate) fn selection(self) -> Selection {
+        let (load_store, queues, nic): (bool, &'static dyn HostBackend<Fabric, Device>, bool) =
+            match self {
+                Self::Auto => (true, &ProxyBackend, false),
+                Self::Proxy => (false, &ProxyBackend, false),
+                Self::Gdaki => (false, &GdakiBackend, true),
+            };
+        Selection {
+            load_store,
+            queues,
+            nic,
+        }
+    }
+
     /// The backend's name in messages, and the range of queue depths it
     /// accepts (`DevCommRequirements::queue_depth`), on CPU and CUDA ranks
     /// alike. `auto` queues through the proxy.
     pub fn queue_depths(self) -> (&'static str, std::ops::RangeInclusive<u32>) {
-        match self {
-            Self::Auto | Self::Proxy => (
-                "proxy",
-                gin_proxy::MIN_QUEUE_DEPTH..=gin_proxy::MAX_QUEUE_DEPTH,
-            ),
-            Self::Gdaki => (
-                "gdaki",
-                gin_gdaki::MIN_QUEUE_DEPTH..=gin_gdaki::MAX_QUEUE_DEPTH,
-            ),
-        }
+        let b = self.selection().queues;
+        (b.name(), b.queue_depths())
     }
 
     /// log2 of the queue a requested `depth` becomes (rounded up to a power
     /// of two), or an error naming the depth, the backend and its limit.
     /// Never raised or lowered silently.
     pub fn queue_log2(self, depth: u32) -> Result<u32, CoreError> {
-        let (name, range) = self.queue_depths();
-        if !range.contains(&depth) {
-            return Err(CoreError::QueueDepth {
-                backend: name,
+        let b = self.selection().queues;
+        b.queue_log2(depth).ok_or_else(|| {
+            let range = b.queue_depths();
+            CoreError::QueueDepth {
+                backend: b.name(),
                 asked: depth,
                 min: *range.start(),
                 max: *range.end(),
-            });
+            }
+        })
+    }
+}
+
+impl From<StartError> for CoreError {
+    /// A backend's start failure: gin-device's errors as they are, and the
+    /// errors of the layers below (bootstrap, CUDA, fabric) as gin-core
+    /// reports them anywhere else.
+    fn from(e: StartError) -> Self {
+        match e {
+            StartError::Gin(e) => e.into(),
+            StartError::Host(e) => {
+                let e = match e.downcast::<gin_bootstrap::BootstrapError>() {
+                    Ok(e) => return (*e).into(),
+                    Err(e) => e,
+                };
+                let e = match e.downcast::<gin_cuda::CudaError>() {
+                    Ok(e) => return (*e).into(),
+                    Err(e) => e,
+                };
+                match e.downcast::<gin_net::NetError>() {
+                    Ok(e) => (*e).into(),
+                    Err(e) => CoreError::Invalid(e.to_string()),
+                }
+            }
+            e => CoreError::Invalid(e.to_string()),
         }
-        // Both bounds are powers of two, so rounding stays within them.
-        Ok(depth.next_power_of_two().trailing_zeros())
     }
 }
 
@@ -119,6 +174,12 @@ pub struct Settings {
 }
 
 impl Settings {
+    /// Fails unless what `sel` needs exists here: the NIC, for a backend
+    /// whose requests a NIC executes.
+    pub(crate) fn check_usable(&self, sel: &Selection) -> Result<(), CoreError> {
+        if sel.nic { self.check_nic() } else { Ok(()) }
+    }
+
     /// Fails unless the NIC asked for exists here: `GIN_NIC=mlx5` probes
     /// rdma-core and reports what is missing (the library, a device, or the
     /// devx queue set-up, which is not built).
@@ -285,6 +346,64 @@ mod tests {
         );
         let e = BackendKind::Proxy.queue_log2(1).unwrap_err().to_string();
         assert!(e.contains("below the proxy backend's minimum 2"), "{e}");
+    }
+
+    #[test]
+    fn each_kind_selects_one_backend_through_which_its_depths_are_known() {
+        let table: Vec<_> = [BackendKind::Auto, BackendKind::Proxy, BackendKind::Gdaki]
+            .into_iter()
+            .map(|k| {
+                let s = k.selection();
+                (s.load_store, s.queues.name(), s.nic)
+            })
+            .collect();
+        assert_eq!(
+            table,
+            [
+                (true, "proxy", false),
+                (false, "proxy", false),
+                (false, "gdaki", true),
+            ]
+        );
+        assert_eq!(
+            BackendKind::Auto.queue_depths(),
+            (
+                "proxy",
+                gin_proxy::MIN_QUEUE_DEPTH..=gin_proxy::MAX_QUEUE_DEPTH
+            )
+        );
+        assert_eq!(
+            BackendKind::Gdaki.queue_depths(),
+            (
+                "gdaki",
+                gin_gdaki::MIN_QUEUE_DEPTH..=gin_gdaki::MAX_QUEUE_DEPTH
+            )
+        );
+        // Only a NIC-executed backend needs the NIC: GIN_NIC=mlx5 fails
+        // for gdaki here (no ConnectX), never for the proxy.
+        let s =
+            Settings::from_vars(vars(&[("GIN_NIC", "mlx5"), ("GIN_BACKEND", "gdaki")])).unwrap();
+        s.check_usable(&BackendKind::Proxy.selection()).unwrap();
+        assert!(s.check_usable(&BackendKind::Gdaki.selection()).is_err());
+    }
+
+    #[test]
+    fn start_errors_keep_the_lower_layers_error() {
+        let e: CoreError =
+            StartError::Host(Box::new(gin_net::NetError::NotRegistered { window: 7 })).into();
+        assert!(matches!(e, CoreError::Net(_)), "{e:?}");
+        let e: CoreError = StartError::Host("a ring's size is out of range".into()).into();
+        assert!(
+            matches!(&e, CoreError::Invalid(m) if m == "a ring's size is out of range"),
+            "{e:?}"
+        );
+        let e: CoreError = StartError::Gin(gin_device::GinError::Spawn {
+            rank: 2,
+            what: "CUDA proxy thread",
+            why: "no".into(),
+        })
+        .into();
+        assert!(matches!(e, CoreError::Device(_)), "{e:?}");
     }
 
     #[test]

@@ -18,6 +18,11 @@
 //! - **Backend selection** (`GIN_BACKEND`): `auto` uses direct load/store for
 //!   same-host peers and the proxy for the rest; `proxy` sends everything
 //!   through the proxy; `gdaki` builds mlx5 WQEs that soft-mlx5 executes.
+//!   The kind is turned into a backend once (`config.rs`, the one table);
+//!   from there each backend is started through gin-device's
+//!   [`HostBackend`](gin_device::HostBackend), one call for CPU ranks
+//!   (`start_cpu`) and one for CUDA ranks (`start_cuda`), with no match on
+//!   backend kinds anywhere else.
 //! - **CUDA ranks** ([`cuda`]): GPU windows, device communicators for
 //!   kernels that include `gin/gin.cuh`; gin-proxy's CUDA proxy,
 //!   gin-gdaki's CUDA soft NIC, NVRTC and the rest of the runtime come from
@@ -26,7 +31,8 @@
 //!
 //! # What it does not know
 //!
-//! Descriptor, WQE and CQE formats (gin-proxy, gin-gdaki) and the device
+//! Descriptor, WQE and CQE formats, queue set-up and connection exchanges
+//! (gin-proxy, gin-gdaki, behind the `HostBackend` seam) and the device
 //! API's semantics (gin-device): it assembles them.
 
 #![deny(unsafe_op_in_unsafe_fn)]

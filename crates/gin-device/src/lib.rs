@@ -21,6 +21,11 @@
 //!   and reports local completion through tickets. Only a backend makes a
 //!   [`Ticket`] (private fields, a [`TicketIssuer`] it owns), and only the
 //!   instance that issued one redeems it.
+//! - **The host-side seam** ([`host`]): every backend crate provides one
+//!   [`HostBackend`], through which the host layer starts it for CPU ranks
+//!   (a [`Backend`]) or CUDA ranks (a [`CudaEngine`]) with one call each;
+//!   [`Direct`] (load/store only, no queues) is always available. The
+//!   fabric and the GPU are type parameters here, never named.
 //! - **Waits** poll with back-off (spin, yield, short sleeps, so ranks and
 //!   proxies share few cores), honour a timeout and an abort flag, consult the
 //!   job's health (a dead or departed peer is an error, not a hang; the
@@ -42,6 +47,7 @@
 pub mod abi;
 mod comm;
 mod error;
+pub mod host;
 mod ops;
 pub mod wait;
 mod window;
@@ -52,5 +58,8 @@ pub use comm::{
     PutOp, SignalUpdate, Source, Ticket, TicketIssuer, signal_slots_per_context,
 };
 pub use error::GinError;
+pub use host::{
+    CpuStart, CudaEngine, CudaEngineSpec, Direct, Exchange, HostBackend, HostError, StartError,
+};
 pub use ops::{CounterId, Fence, Local, Order, Remote, SignalId, SignalOp, Team};
 pub use window::{Window, WindowParts};

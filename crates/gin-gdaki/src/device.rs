@@ -12,7 +12,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use gin_device::{
-    Backend, Counters, GetOp, GinError, Order, PutOp, Source, Ticket, TicketIssuer, Window,
+    Backend, Counters, Exchange, GetOp, GinError, Order, PutOp, Source, StartError, Ticket,
+    TicketIssuer, Window,
 };
 use gin_net::Fabric;
 use gin_net::sticky::StickyError;
@@ -218,6 +219,24 @@ impl Gdaki {
             }
         }
         Ok(())
+    }
+
+    /// Exchanges QP numbers through `exchange` (collective), as a real
+    /// NIC's connection set-up needs them, and records each main QP's
+    /// remote end ([`Gdaki::connect`]).
+    pub fn exchange_qpns(&self, exchange: &dyn Exchange) -> Result<(), StartError> {
+        let mine: Vec<u8> = self.qpns().iter().flat_map(|q| q.to_le_bytes()).collect();
+        let tables: Vec<Vec<u32>> = exchange
+            .allgather(&mine)
+            .map_err(StartError::Host)?
+            .iter()
+            .map(|t| {
+                t.chunks_exact(4)
+                    .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect()
+            })
+            .collect();
+        Ok(self.connect(&tables)?)
     }
 
     /// WQEs the soft NIC executed so far.
@@ -1060,6 +1079,64 @@ mod tests {
                 1 << log2
             );
             assert!(e.contains(&want), "{e}");
+        }
+    }
+
+    /// An exchange that answers with what it was given, or fails.
+    struct Echo(Option<&'static str>);
+    impl Exchange for Echo {
+        fn allgather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, gin_device::HostError> {
+            match self.0 {
+                Some(why) => Err(why.into()),
+                None => Ok(vec![mine.to_vec()]),
+            }
+        }
+    }
+
+    #[test]
+    fn the_host_backend_starts_gdaki_with_its_depths_and_exchanges_qp_numbers() {
+        use gin_device::{CpuStart, HostBackend};
+        let b: &dyn HostBackend<Fabric, gin_cuda::Device> = &crate::GdakiBackend;
+        assert_eq!(b.name(), "gdaki");
+        assert_eq!(b.queue_depths(), MIN_QUEUE_DEPTH..=MAX_QUEUE_DEPTH);
+        assert_eq!(b.queue_log2(3), None);
+        assert_eq!(b.queue_log2(5), Some(3));
+        assert_eq!(b.queue_log2(MAX_QUEUE_DEPTH), Some(MAX_SQ_LOG2));
+        assert_eq!(b.queue_log2(MAX_QUEUE_DEPTH + 1), None);
+        let lb = Loopback::new(64, Duration::from_secs(5));
+        let counters = Arc::new(Counters::new(1));
+        let mut start = CpuStart {
+            rank: 0,
+            nranks: 1,
+            fabric: &lb.fabric,
+            counters: &counters,
+            nctx: 2,
+            queue_log2: 2,
+            exclusive_contexts: true,
+            inline: false,
+            batch: 1,
+            timeout: Duration::from_secs(5),
+            spin: Duration::from_micros(100),
+            exchange: &Echo(None),
+        };
+        let g = b.start_cpu(&start).unwrap();
+        assert_eq!(g.name(), "gdaki");
+        drop(g);
+        // The exchange's own error comes back unchanged.
+        start.exchange = &Echo(Some("rank 1 died"));
+        match b.start_cpu(&start) {
+            Err(StartError::Host(e)) => assert_eq!(e.to_string(), "rank 1 died"),
+            other => panic!("{other:?}"),
+        }
+        // The QP numbers land where connect puts them.
+        let config = GdakiConfig {
+            sq_log2: 2,
+            ..GdakiConfig::default()
+        };
+        let g = Gdaki::start(lb.fabric.clone(), counters.clone(), 2, config).unwrap();
+        g.exchange_qpns(&Echo(None)).unwrap();
+        for (c, q) in g.main.iter().enumerate() {
+            assert_eq!(q.remote_qpn.load(Ordering::Acquire), g.qpns()[c]);
         }
     }
 

@@ -21,6 +21,9 @@
 //!   fetch-add on the local counter), as NCCL does.
 //! - **The device side for CPU ranks** ([`Gdaki`]) implements
 //!   `gin_device::Backend`: what a kernel does, in Rust.
+//! - **The host-side seam** ([`GdakiBackend`]): gin-device's `HostBackend`,
+//!   through which gin-core starts GDAKI for CPU ranks (with the QP-number
+//!   exchange) or CUDA ranks with one call, and learns its queue depths.
 //! - **soft-mlx5** ([`nic`]) is one engine, a deterministic state machine
 //!   generic over an executor: gin-net's fabric on CPU ranks, CUDA streams
 //!   on CUDA ranks ([`cuda`], which also sets up the queues kernels post
@@ -51,3 +54,51 @@ pub mod queue;
 pub mod wqe;
 
 pub use device::{Gdaki, GdakiConfig, MAX_QUEUE_DEPTH, MAX_SQ_LOG2, MIN_QUEUE_DEPTH};
+
+use std::ops::RangeInclusive;
+use std::sync::Arc;
+
+use gin_cuda::Device;
+use gin_device::{Backend, CpuStart, CudaEngine, CudaEngineSpec, HostBackend, StartError};
+use gin_net::Fabric;
+
+/// GDAKI as the host layer starts it: [`Gdaki`] and its soft NIC on CPU
+/// ranks (QP numbers exchanged through the host's bootstrap), the queues
+/// kernels post to and [`cuda::CudaNic`] on CUDA ranks.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GdakiBackend;
+
+impl HostBackend<Fabric, Device> for GdakiBackend {
+    fn name(&self) -> &'static str {
+        "gdaki"
+    }
+
+    fn queue_depths(&self) -> RangeInclusive<u32> {
+        MIN_QUEUE_DEPTH..=MAX_QUEUE_DEPTH
+    }
+
+    fn start_cpu(&self, s: &CpuStart<'_, Fabric>) -> Result<Arc<dyn Backend>, StartError> {
+        let config = GdakiConfig {
+            sq_log2: s.queue_log2,
+            sharing: if s.exclusive_contexts {
+                queue::Sharing::Thread
+            } else {
+                queue::Sharing::Gpu
+            },
+            batch: s.batch,
+            timeout: s.timeout,
+            spin: s.spin,
+        };
+        let g = Gdaki::start(s.fabric.clone(), s.counters.clone(), s.nctx, config)?;
+        g.exchange_qpns(s.exchange)?;
+        Ok(Arc::new(g))
+    }
+
+    unsafe fn start_cuda(
+        &self,
+        spec: CudaEngineSpec<Fabric, Device>,
+    ) -> Result<Box<dyn CudaEngine>, StartError> {
+        // SAFETY: the caller's contract, which is `CudaNic::start`'s.
+        Ok(Box::new(unsafe { cuda::CudaNic::start(spec) }?))
+    }
+}

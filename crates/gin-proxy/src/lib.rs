@@ -34,6 +34,10 @@
 //! - **The CPU backend** ([`Proxy`]): gin-device's `Backend` for CPU ranks,
 //!   the producer side of the rings (reserve, credit wait, write, wake) and
 //!   tickets, with an engine on a driver thread behind it.
+//! - **The host-side seam** ([`ProxyBackend`]): gin-device's
+//!   `HostBackend`, through which gin-core starts the CPU backend or the
+//!   CUDA engine with one call, and learns the queue depths the proxy
+//!   accepts.
 //! - **The CUDA backend** ([`cuda::CudaProxy`]): the rings kernels write
 //!   (mapped pinned memory, indices in device memory, the `ProxyRingAbi`
 //!   table) and the same engine on a driver thread, executing through one
@@ -67,3 +71,48 @@ pub use error::{ExecError, FirstError, Invalid, ProxyError, RingMemError, Why};
 pub use executor::{Executor, Issued, Site};
 pub use proxy::{MAX_QUEUE_DEPTH, MIN_QUEUE_DEPTH, Proxy, ProxyConfig};
 pub use ring::RingMem;
+
+use std::ops::RangeInclusive;
+use std::sync::Arc;
+
+use gin_cuda::Device;
+use gin_device::{Backend, CpuStart, CudaEngine, CudaEngineSpec, HostBackend, StartError};
+use gin_net::Fabric;
+
+/// The proxy as the host layer starts it: [`Proxy`] on CPU ranks,
+/// [`cuda::CudaProxy`] on CUDA ranks.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ProxyBackend;
+
+impl HostBackend<Fabric, Device> for ProxyBackend {
+    fn name(&self) -> &'static str {
+        "proxy"
+    }
+
+    fn queue_depths(&self) -> RangeInclusive<u32> {
+        MIN_QUEUE_DEPTH..=MAX_QUEUE_DEPTH
+    }
+
+    fn start_cpu(&self, s: &CpuStart<'_, Fabric>) -> Result<Arc<dyn Backend>, StartError> {
+        let config = ProxyConfig {
+            ring_log2: s.queue_log2,
+            timeout: s.timeout,
+            spin: s.spin,
+            inline_tcp: s.inline,
+        };
+        Ok(Arc::new(Proxy::start(
+            s.fabric.clone(),
+            s.counters.clone(),
+            s.nctx,
+            config,
+        )?))
+    }
+
+    unsafe fn start_cuda(
+        &self,
+        spec: CudaEngineSpec<Fabric, Device>,
+    ) -> Result<Box<dyn CudaEngine>, StartError> {
+        // SAFETY: the caller's contract, which is `CudaProxy::start`'s.
+        Ok(Box::new(unsafe { cuda::CudaProxy::start(spec) }?))
+    }
+}

@@ -568,4 +568,48 @@ mod tests {
         let r = rig(64, 1, 1);
         flush(&r.proxy).unwrap();
     }
+
+    #[test]
+    fn the_host_backend_names_the_proxys_depths_and_starts_it() {
+        use gin_device::{CpuStart, Exchange, HostBackend, HostError};
+        struct Alone;
+        impl Exchange for Alone {
+            fn allgather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, HostError> {
+                Ok(vec![mine.to_vec()])
+            }
+        }
+        let b: &dyn HostBackend<Fabric, gin_cuda::Device> = &crate::ProxyBackend;
+        assert_eq!(b.name(), "proxy");
+        assert_eq!(b.queue_depths(), MIN_QUEUE_DEPTH..=MAX_QUEUE_DEPTH);
+        assert_eq!(b.queue_log2(MIN_QUEUE_DEPTH - 1), None);
+        assert_eq!(b.queue_log2(3), Some(2));
+        assert_eq!(b.queue_log2(MAX_QUEUE_DEPTH), Some(16));
+        assert_eq!(b.queue_log2(MAX_QUEUE_DEPTH + 1), None);
+        let fabric = Arc::new(Fabric::local(
+            Arc::new(RegionTable::default()),
+            Duration::from_secs(5),
+        ));
+        let counters = Arc::new(Counters::new(1));
+        let mut start = CpuStart {
+            rank: 0,
+            nranks: 1,
+            fabric: &fabric,
+            counters: &counters,
+            nctx: 2,
+            queue_log2: 1,
+            exclusive_contexts: false,
+            inline: false,
+            batch: 1,
+            timeout: Duration::from_secs(5),
+            spin: Duration::from_micros(100),
+            exchange: &Alone,
+        };
+        let p = b.start_cpu(&start).unwrap();
+        assert_eq!(p.name(), "proxy");
+        assert!(p.done(&p.ticket(1, None).unwrap()).unwrap());
+        // Its own range is checked again at start.
+        start.queue_log2 = 17;
+        let e = b.start_cpu(&start).unwrap_err().to_string();
+        assert!(e.contains("queue depth 2^17"), "{e}");
+    }
 }

@@ -1,24 +1,23 @@
 //! Device communicators for CUDA kernels: requirements agreed by every
-//! rank, signal and counter ranges, how each peer is reached, the backend
-//! serving the other peers (gin-proxy's CUDA proxy or gin-gdaki's CUDA soft
-//! NIC, each kept as an opaque handle), and running a kernel while watching
-//! the job.
+//! rank, signal and counter ranges, how each peer is reached, the engine
+//! serving the other peers (started through the selected backend's
+//! `HostBackend::start_cuda` and kept as an opaque `CudaEngine`), and
+//! running a kernel while watching the job.
 
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
 use gin_cuda::{DevMem, Function, Stream};
 use gin_device::abi::{
-    BACKEND_GDAKI, BACKEND_NONE, BACKEND_PROXY, DEVCOMM_FLAG_CTA_CTX, DEVCOMM_FLAG_EXCLUSIVE_CTX,
-    DEVCOMM_FLAG_LSA_ONLY, DEVCOMM_FLAG_SENDER_SLOTS, DEVCOMM_FLAG_STRONG_SIGNALS, DevCommAbi,
-    WindowAbi, errword,
+    DEVCOMM_FLAG_CTA_CTX, DEVCOMM_FLAG_EXCLUSIVE_CTX, DEVCOMM_FLAG_LSA_ONLY,
+    DEVCOMM_FLAG_SENDER_SLOTS, DEVCOMM_FLAG_STRONG_SIGNALS, DevCommAbi, WindowAbi, errword,
 };
-use gin_gdaki::cuda::{CudaNic, CudaNicError, CudaNicSpec};
-use gin_proxy::cuda::{CudaProxy, CudaProxyError, CudaProxySpec};
+use gin_device::{CudaEngine, CudaEngineSpec, HostBackend};
+use gin_net::Fabric;
 
 use super::record::Placement;
 use super::{CtxSharing, CudaComm, REACH_LSA, REACH_NONE, REACH_QUEUE};
-use crate::config::BackendKind;
+use crate::config::{BackendKind, Selection};
 use crate::error::CoreError;
 use crate::requirements;
 use crate::{Connection, DevCommRequirements};
@@ -37,9 +36,10 @@ struct Reach {
 
 impl Reach {
     /// Not at all for ranks off the rail with a rail connection (as on CPU
-    /// ranks); load/store for this rank, and with `auto` every peer mapped
-    /// here (not those over TCP); queues for the others.
-    fn of(cuda: &CudaComm<'_>, rail_only: bool, kind: BackendKind) -> Self {
+    /// ranks); load/store for this rank, and where the selection reaches
+    /// peers by load/store (`auto`) every peer mapped here (not those over
+    /// TCP); queues for the others.
+    fn of(cuda: &CudaComm<'_>, rail_only: bool, load_store: bool) -> Self {
         let comm = cuda.comm;
         let (rank, n) = (comm.rank(), comm.nranks());
         let tcp: Vec<bool> = (0..n).map(|p| comm.tcp_link(p).is_some()).collect();
@@ -48,7 +48,7 @@ impl Reach {
             .map(|p| {
                 if p != rank && rail_only && !rail.contains(&(p as u32)) {
                     REACH_NONE
-                } else if p == rank || (kind == BackendKind::Auto && !tcp[p]) {
+                } else if p == rank || (load_store && !tcp[p]) {
                     REACH_LSA
                 } else {
                     REACH_QUEUE
@@ -91,17 +91,17 @@ impl<'c> CudaComm<'c> {
         let comm = self.comm;
         let (rank, n) = (comm.rank(), comm.nranks());
         self.dev.make_current()?;
-        let sig_per_ctx = self.check_requirements(req, kind)?;
+        let selected = kind.selection();
+        let sig_per_ctx = self.check_requirements(req, &selected)?;
         let ranges = self.take_ranges(req, sig_per_ctx)?;
-        let reach = Reach::of(self, req.connection == Connection::Rail, kind);
+        let reach = Reach::of(
+            self,
+            req.connection == Connection::Rail,
+            selected.load_store,
+        );
         let lsa_only = self.agree_placement(&ranges, &reach.lsa)?;
         let log2 = kind.queue_log2(req.queue_depth)?;
-        let proxy = self.start_proxy(req.contexts as usize, &reach.lsa, kind, log2)?;
-        let nic = if kind == BackendKind::Gdaki && reach.lsa.contains(&REACH_QUEUE) {
-            Some(self.start_nic(req.contexts as usize, &reach.lsa, log2)?)
-        } else {
-            None
-        };
+        let engine = self.start_engine(req.contexts as usize, &reach.lsa, selected.queues, log2)?;
         let tables = self.reach_tables(req, &reach)?;
         let timeout = comm.settings().timeout;
         let abi = DevCommAbi {
@@ -118,14 +118,8 @@ impl<'c> CudaComm<'c> {
             abort_flag: self.abort.ptr(),
             error_word: self.error.ptr(),
             timeout_ticks: u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX),
-            rings: nic.as_ref().map_or(proxy.rings(), CudaNic::table),
-            backend_kind: if proxy.serves() {
-                BACKEND_PROXY
-            } else if nic.is_some() {
-                BACKEND_GDAKI
-            } else {
-                BACKEND_NONE
-            },
+            rings: engine.rings(),
+            backend_kind: engine.backend_kind(),
             sig_per_ctx,
             lsa: tables.lsa.ptr(),
             signal_peers: tables.sig_peers.ptr(),
@@ -137,20 +131,20 @@ impl<'c> CudaComm<'c> {
         Ok(CudaDevComm {
             cuda: self,
             abi,
-            proxy: Some(proxy),
-            nic,
+            engine: Some(engine),
             _mem: vec![tables.lsa, tables.sig_peers],
             ranges: Some(ranges),
             lsa: reach.lsa.iter().map(|&b| b == REACH_LSA).collect(),
         })
     }
 
-    /// Checks `req` for `kind` and that every rank asks alike; returns the
-    /// signals each context takes (its own, then one per barrier).
+    /// Checks `req` for the selected backend and that every rank asks
+    /// alike; returns the signals each context takes (its own, then one per
+    /// barrier).
     fn check_requirements(
         &self,
         req: &DevCommRequirements,
-        kind: BackendKind,
+        selected: &Selection,
     ) -> Result<u32, CoreError> {
         let comm = self.comm;
         // Every rank must agree on which peers are reached by load/store,
@@ -161,7 +155,7 @@ impl<'c> CudaComm<'c> {
             req,
             &[(
                 "GIN_BACKEND (load/store to peers or not)",
-                u64::from(kind == BackendKind::Auto),
+                u64::from(selected.load_store),
             )],
         )?;
         requirements::check_bounds(comm.rank(), comm.nranks(), req)?;
@@ -172,9 +166,7 @@ impl<'c> CudaComm<'c> {
                 req.world_barriers
             )));
         }
-        if kind == BackendKind::Gdaki {
-            comm.settings().check_nic()?;
-        }
+        comm.settings().check_usable(selected)?;
         req.signals
             .checked_add(req.world_barriers)
             .and_then(|v| v.checked_add(req.rail_barriers))
@@ -247,25 +239,24 @@ impl<'c> CudaComm<'c> {
         Ok(all.iter().all(|p| p.lsa_only))
     }
 
-    /// The proxy's rings for the peers it serves (none with `gdaki`), and
-    /// the proxy serving them (gin-proxy's engine on CUDA streams; no
-    /// thread when it serves none).
-    fn start_proxy(
+    /// The queues of every context to every peer not reached by
+    /// load/store, and the selected backend's engine serving them on CUDA
+    /// streams (no thread when it serves none; the queue table is made
+    /// anyway).
+    fn start_engine(
         &self,
         nctx: usize,
         lsa: &[u8],
-        kind: BackendKind,
+        backend: &dyn HostBackend<Fabric, gin_cuda::Device>,
         log2: u32,
-    ) -> Result<CudaProxy, CoreError> {
+    ) -> Result<Box<dyn CudaEngine>, CoreError> {
         let comm = self.comm;
-        let spec = CudaProxySpec {
+        let spec = CudaEngineSpec {
             dev: self.dev.clone(),
             fabric: comm.fabric().clone(),
             nctx,
-            serve: lsa
-                .iter()
-                .map(|&l| l == REACH_QUEUE && kind != BackendKind::Gdaki)
-                .collect(),
+            serve: lsa.iter().map(|&l| l == REACH_QUEUE).collect(),
+            // Within the backend's bounds (`BackendKind::queue_log2`).
             log2,
             signal_window: self.signal_window.id(),
             counters: self.counters.ptr(),
@@ -274,20 +265,11 @@ impl<'c> CudaComm<'c> {
         };
         // SAFETY: the counter array holds `counter_slots * 16` bytes of
         // this GPU's memory and belongs to the CUDA communicator, which
-        // outlives the device communicator that stops the proxy (destroy
+        // outlives the device communicator that stops the engine (destroy
         // or drop). GPU windows leave the fabric's directory before their
         // memory is freed, and `free_window` asks that the contexts using
         // them were flushed first.
-        unsafe { CudaProxy::start(spec) }.map_err(|e| match e {
-            CudaProxyError::Cuda(e) => e.into(),
-            CudaProxyError::Spawn { rank, why } => gin_device::GinError::Spawn {
-                rank,
-                what: "CUDA proxy thread",
-                why,
-            }
-            .into(),
-            e => CoreError::Invalid(e.to_string()),
-        })
+        Ok(unsafe { backend.start_cuda(spec) }?)
     }
 
     /// The reach table, then the rail team at the next multiple of 4; and
@@ -311,40 +293,6 @@ impl<'c> CudaComm<'c> {
         let peers: Vec<u64> = sig.peer_bases.iter().map(|&b| b as u64).collect();
         sig_peers.write(0, &peers)?;
         Ok(ReachTables { lsa, sig_peers })
-    }
-
-    /// The GDAKI queues of every context to every peer not reached by
-    /// load/store, and gin-gdaki's soft NIC serving them on CUDA streams.
-    fn start_nic(&self, nctx: usize, lsa: &[u8], log2: u32) -> Result<CudaNic, CoreError> {
-        let comm = self.comm;
-        let spec = CudaNicSpec {
-            dev: self.dev.clone(),
-            fabric: comm.fabric().clone(),
-            nctx,
-            serve: lsa.iter().map(|&l| l == REACH_QUEUE).collect(),
-            // Within gin-gdaki's bounds (`BackendKind::queue_log2`).
-            log2,
-            signal_window: self.signal_window.id(),
-            counters: self.counters.ptr(),
-            counter_slots: comm.settings().counter_slots,
-            spin: comm.settings().proxy_spin,
-        };
-        // SAFETY: as for the proxy (`start_proxy`): the counter array
-        // belongs to the CUDA communicator, which outlives the device
-        // communicator that stops the NIC; GPU windows leave the fabric's
-        // directory before their memory is freed, after their contexts were
-        // flushed.
-        unsafe { CudaNic::start(spec) }.map_err(|e| match e {
-            CudaNicError::Cuda(e) => e.into(),
-            CudaNicError::Net(e) => e.into(),
-            CudaNicError::Spawn { rank, why } => gin_device::GinError::Spawn {
-                rank,
-                what: "CUDA soft NIC thread",
-                why,
-            }
-            .into(),
-            e => CoreError::Invalid(e.to_string()),
-        })
     }
 }
 
@@ -389,10 +337,8 @@ impl Drop for Ranges<'_, '_> {
 pub struct CudaDevComm<'a, 'c> {
     cuda: &'a CudaComm<'c>,
     abi: DevCommAbi,
-    /// The proxy's ring table and thread (taken when stopped).
-    proxy: Option<CudaProxy>,
-    /// The soft NIC's queue table and thread (taken when stopped).
-    nic: Option<CudaNic>,
+    /// The engine's queue table and thread (taken when stopped).
+    engine: Option<Box<dyn CudaEngine>>,
     _mem: Vec<DevMem>,
     ranges: Option<Ranges<'a, 'c>>,
     lsa: Vec<bool>,
@@ -428,16 +374,9 @@ impl CudaDevComm<'_, '_> {
     /// and peers over TCP: "load/store + proxy").
     pub fn backend_name(&self) -> &'static str {
         let mixed = self.lsa.iter().filter(|&&l| l).count() > 1;
-        let proxy = self.proxy.as_ref().is_some_and(CudaProxy::serves);
-        if proxy && mixed {
-            "load/store + proxy"
-        } else if proxy {
-            "proxy"
-        } else if self.nic.is_some() {
-            "gdaki"
-        } else {
-            "load/store"
-        }
+        self.engine
+            .as_ref()
+            .map_or("load/store", |e| e.describe(mixed))
     }
 
     /// Launches `f` on `grid` blocks of `block` threads and waits for it,
@@ -506,10 +445,12 @@ impl CudaDevComm<'_, '_> {
         if cause.is_some() {
             cuda.abort_stream.sync()?;
             cuda.abort.zero(0, 8)?;
-        } else if let Some(e) = self.nic.as_ref().and_then(CudaNic::error) {
-            // A kernel that met an error CQE may end before the watch
-            // above saw the NIC's account of it.
-            cause = Some(format!("the soft NIC reported: {e}"));
+        } else if let Some(engine) = self.engine.as_ref().filter(|e| e.kernel_sees_errors())
+            && let Some(e) = engine.error()
+        {
+            // A kernel that met an error completion may end before the
+            // watch above saw the engine's account of it.
+            cause = Some(format!("{}: {e}", engine.failure()));
         }
         Ok(cause)
     }
@@ -525,13 +466,9 @@ impl CudaDevComm<'_, '_> {
         } else if let Err(e) = comm.fabric().health() {
             *tcp_failed = Some((Instant::now(), format!("the TCP transport failed: {e}")));
             None
-        } else if let Some(e) = self.proxy.as_ref().and_then(CudaProxy::error) {
-            Some(format!("the CUDA proxy failed: {e}"))
         } else {
-            self.nic
-                .as_ref()
-                .and_then(CudaNic::error)
-                .map(|e| format!("the soft NIC reported: {e}"))
+            let engine = self.engine.as_ref()?;
+            engine.error().map(|e| format!("{}: {e}", engine.failure()))
         }
     }
 
@@ -563,27 +500,20 @@ impl CudaDevComm<'_, '_> {
         Ok(())
     }
 
-    /// Stops the proxy after checking that every rank got here, and gives
+    /// Stops the engine after checking that every rank got here, and gives
     /// the ids back (collective).
     pub fn destroy(mut self) -> Result<(), CoreError> {
-        if let Some(p) = self.proxy.take() {
-            p.stop().map_err(|e| {
+        if let Some(engine) = self.engine.take() {
+            let context = engine.failure();
+            engine.stop().map_err(|error| {
                 CoreError::CudaRuntime(gin_cuda::CudaError::Worker {
-                    context: "the CUDA proxy failed".into(),
-                    error: e.to_string(),
+                    context: context.into(),
+                    error,
                 })
             })?;
         }
-        if let Some(n) = self.nic.take() {
-            n.stop().map_err(|e| {
-                CoreError::CudaRuntime(gin_cuda::CudaError::Worker {
-                    context: "the soft NIC reported".into(),
-                    error: e.to_string(),
-                })
-            })?;
-        }
-        // What the proxy or NIC sent over TCP has been executed before any
-        // rank reuses the slots.
+        // What the engine sent over TCP has been executed before any rank
+        // reuses the slots.
         self.cuda.comm.fabric().fence_all()?;
         self.cuda.comm.bootstrap().barrier()?;
         self.ranges.take();
@@ -632,11 +562,8 @@ unsafe fn launch(
 
 impl Drop for CudaDevComm<'_, '_> {
     fn drop(&mut self) {
-        if let Some(p) = self.proxy.take() {
-            let _ = p.stop();
-        }
-        if let Some(n) = self.nic.take() {
-            let _ = n.stop();
+        if let Some(engine) = self.engine.take() {
+            let _ = engine.stop();
         }
         // Without destroy, a signal may still be in flight to these slots:
         // keep them out of reuse.

@@ -1,8 +1,10 @@
 //! CUDA ranks: windows in GPU memory, device communicators whose
 //! [`DevCommAbi`](gin_device::abi::DevCommAbi) kernels receive, and
-//! run-time compilation, on gin-cuda's host runtime; the CUDA proxy is
-//! gin-proxy's (`gin_proxy::cuda`) and the soft NIC gin-gdaki's
-//! (`gin_gdaki::cuda`), one of them started per device communicator.
+//! run-time compilation, on gin-cuda's host runtime. The engine serving
+//! the peers not reached by load/store is the selected backend's (the CUDA
+//! proxy of `gin_proxy::cuda`, the soft NIC of `gin_gdaki::cuda`), started
+//! per device communicator through gin-device's `HostBackend::start_cuda`
+//! and kept as an opaque `CudaEngine`.
 //!
 //! # Design
 //!

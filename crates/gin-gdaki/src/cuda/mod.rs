@@ -16,8 +16,10 @@
 //! companion, so a counter lands after the data it counts) on a driver
 //! thread with the GPU idle policy ([`Idle::gpu`]).
 //!
-//! What a device communicator keeps is the opaque [`CudaNic`]: the table's
-//! address for the ABI, the first error while a kernel runs, and `stop`.
+//! What a device communicator keeps is the opaque [`CudaNic`], as a
+//! [`CudaEngine`] (gin-core starts it through [`crate::GdakiBackend`]): the
+//! table's address for the ABI, the first error while a kernel runs, and
+//! `stop`.
 
 mod executor;
 
@@ -27,7 +29,8 @@ use std::time::Duration;
 use gin_cuda::batch::pass_len;
 use gin_cuda::staging::Stage;
 use gin_cuda::{CudaError, DevMem, Device, HostMem};
-use gin_device::abi::{GdakiQpAbi, GdakiSqAbi};
+use gin_device::abi::{BACKEND_GDAKI, BACKEND_NONE, GdakiQpAbi, GdakiSqAbi};
+use gin_device::{CudaEngine, CudaEngineSpec, GinError, StartError};
 use gin_net::{Fabric, KeepAlive, NetError, Reach};
 
 use crate::completion::FRESH_OP_OWN;
@@ -44,32 +47,6 @@ use executor::{CudaExecutor, DevCq, Layout};
 const SQ_CTL: u64 = 16;
 /// Bytes of a collapsed CQE.
 const CQE: u64 = 64;
-
-/// What [`CudaNic::start`] sets up.
-#[derive(Debug, Clone)]
-pub struct CudaNicSpec {
-    /// This rank's GPU (its context is made current on the NIC's thread).
-    pub dev: Arc<Device>,
-    /// The rank's fabric: its window directory holds the GPU windows WQEs
-    /// name by key, and it reaches peers over keyed transports.
-    pub fabric: Arc<Fabric>,
-    /// Contexts of the device communicator.
-    pub nctx: usize,
-    /// By rank: whether the NIC serves that peer (a QP pair per context).
-    pub serve: Vec<bool>,
-    /// log2 of each send queue's WQEs (within [`crate::MAX_SQ_LOG2`]).
-    pub log2: u32,
-    /// The signal window's id: each signal has one 8-byte sub-slot per
-    /// rank, and this rank's NIC is the only writer of its own.
-    pub signal_window: u32,
-    /// Device address of the counter array: 16 bytes a slot, the NIC's
-    /// running total first.
-    pub counters: u64,
-    /// Slots of the counter array.
-    pub counter_slots: u64,
-    /// How long an idle NIC polls at least (never less than 5 ms).
-    pub spin: Duration,
-}
 
 /// Why the CUDA soft NIC could not be set up.
 #[derive(Debug, thiserror::Error)]
@@ -284,7 +261,7 @@ impl CudaNic {
     /// description says until it leaves the directory, and then until every
     /// stream of this NIC has executed the work it queued on it (free a
     /// window only after the kernels that used it were flushed).
-    pub unsafe fn start(spec: CudaNicSpec) -> Result<Self, CudaNicError> {
+    pub unsafe fn start(spec: CudaEngineSpec<Fabric, Device>) -> Result<Self, CudaNicError> {
         let (rank, n) = (spec.fabric.rank(), spec.fabric.nranks());
         let serve: Vec<bool> = (0..n)
             .map(|p| p != rank && spec.serve.get(p).copied().unwrap_or(false))
@@ -351,7 +328,7 @@ impl CudaNic {
     /// # Safety
     /// As [`CudaNic::start`].
     unsafe fn serve(
-        spec: &CudaNicSpec,
+        spec: &CudaEngineSpec<Fabric, Device>,
         serve: &[bool],
         queues: Vec<QueueSpec<DevCq>>,
         sink: Arc<Sink>,
@@ -431,6 +408,68 @@ impl CudaNic {
     /// its streams; returns the first error.
     pub fn stop(mut self) -> Result<(), DriverError> {
         self.driver.take().map_or(Ok(()), SoftNic::stop)
+    }
+}
+
+impl From<CudaNicError> for StartError {
+    /// The thread's failure as gin-device's `Spawn`; the CUDA runtime's
+    /// and the fabric's errors, and any other, passed on unchanged for the
+    /// host layer.
+    fn from(e: CudaNicError) -> Self {
+        match e {
+            CudaNicError::Spawn { rank, why } => StartError::Gin(GinError::Spawn {
+                rank,
+                what: "CUDA soft NIC thread",
+                why,
+            }),
+            CudaNicError::Cuda(e) => StartError::Host(Box::new(e)),
+            CudaNicError::Net(e) => StartError::Host(Box::new(e)),
+            e => StartError::Host(Box::new(e)),
+        }
+    }
+}
+
+impl CudaEngine for CudaNic {
+    fn rings(&self) -> u64 {
+        self.table()
+    }
+
+    fn backend_kind(&self) -> u32 {
+        if self.serves() {
+            BACKEND_GDAKI
+        } else {
+            BACKEND_NONE
+        }
+    }
+
+    fn serves(&self) -> bool {
+        CudaNic::serves(self)
+    }
+
+    fn describe(&self, load_store: bool) -> &'static str {
+        match (self.serves(), load_store) {
+            (true, true) => "load/store + gdaki",
+            (true, false) => "gdaki",
+            (false, _) => "load/store",
+        }
+    }
+
+    fn error(&self) -> Option<String> {
+        CudaNic::error(self).map(|e| e.to_string())
+    }
+
+    fn failure(&self) -> &'static str {
+        "the soft NIC reported"
+    }
+
+    /// A kernel that meets an error CQE ends on its own, perhaps before
+    /// the watch saw the NIC's account of it.
+    fn kernel_sees_errors(&self) -> bool {
+        true
+    }
+
+    fn stop(self: Box<Self>) -> Result<(), String> {
+        CudaNic::stop(*self).map_err(|e| e.to_string())
     }
 }
 

@@ -12,8 +12,10 @@
 //! `executor.rs`) on a driver thread whose idle policy suits a GPU rank
 //! ([`IdlePolicy::gpu`]).
 //!
-//! What a device communicator keeps is the opaque [`CudaProxy`]: the table
-//! address for the ABI, the first error while a kernel runs, and `stop`.
+//! What a device communicator keeps is the opaque [`CudaProxy`], as a
+//! [`CudaEngine`] (gin-core starts it through [`crate::ProxyBackend`]): the
+//! table address for the ABI, the first error while a kernel runs, and
+//! `stop`.
 
 mod executor;
 
@@ -23,7 +25,8 @@ use std::time::Duration;
 use gin_cuda::batch::pass_len;
 use gin_cuda::staging::Stage;
 use gin_cuda::{CudaError, DevMem, Device, HostMem};
-use gin_device::abi::ProxyRingAbi;
+use gin_device::abi::{BACKEND_NONE, BACKEND_PROXY, ProxyRingAbi};
+use gin_device::{CudaEngine, CudaEngineSpec, GinError, StartError};
 use gin_net::{Fabric, Reach};
 
 use crate::driver::{Driver, IdlePolicy};
@@ -36,32 +39,6 @@ use executor::{CudaExecutor, Layout};
 /// Bytes of one ring's indices in the index array: the producer index,
 /// then the completion index.
 const INDEX_BYTES: u64 = 16;
-
-/// What [`CudaProxy::start`] sets up.
-#[derive(Debug, Clone)]
-pub struct CudaProxySpec {
-    /// This rank's GPU (its context is made current on the driver thread).
-    pub dev: Arc<Device>,
-    /// The rank's fabric: its window directory holds the GPU windows
-    /// descriptors name, and it reaches peers over keyed transports.
-    pub fabric: Arc<Fabric>,
-    /// Contexts of the device communicator.
-    pub nctx: usize,
-    /// By rank: whether the proxy serves that peer (a ring per context).
-    pub serve: Vec<bool>,
-    /// log2 of each ring's descriptors.
-    pub log2: u32,
-    /// The signal window's id (signals name this rank's sub-slot of it).
-    pub signal_window: u32,
-    /// Device address of the counter array: 16 bytes a slot, the proxy's
-    /// running total first.
-    pub counters: u64,
-    /// Slots of the counter array.
-    pub counter_slots: u64,
-    /// How long an idle proxy polls at least (`GIN_PROXY_SPIN`; never less
-    /// than 5 ms on a GPU rank).
-    pub spin: Duration,
-}
 
 /// Why the CUDA proxy could not be set up.
 #[derive(Debug, thiserror::Error)]
@@ -145,7 +122,7 @@ impl CudaProxy {
     /// until it leaves the directory, and then until every stream of this
     /// proxy has executed the work it queued on it (free a window only
     /// after the kernels that used it were flushed).
-    pub unsafe fn start(spec: CudaProxySpec) -> Result<Self, CudaProxyError> {
+    pub unsafe fn start(spec: CudaEngineSpec<Fabric, Device>) -> Result<Self, CudaProxyError> {
         let (rank, n) = (spec.fabric.rank(), spec.fabric.nranks());
         let serve: Vec<bool> = (0..n)
             .map(|p| spec.serve.get(p).copied().unwrap_or(false))
@@ -248,6 +225,66 @@ impl CudaProxy {
     /// waited for its streams; returns the first error.
     pub fn stop(mut self) -> Result<(), ProxyError> {
         self.driver.take().map_or(Ok(()), Driver::stop)
+    }
+}
+
+impl From<CudaProxyError> for StartError {
+    /// The thread's failure as gin-device's `Spawn`; the CUDA runtime's
+    /// error, and any other, passed on unchanged for the host layer.
+    fn from(e: CudaProxyError) -> Self {
+        match e {
+            CudaProxyError::Spawn { rank, why } => StartError::Gin(GinError::Spawn {
+                rank,
+                what: "CUDA proxy thread",
+                why,
+            }),
+            CudaProxyError::Cuda(e) => StartError::Host(Box::new(e)),
+            e => StartError::Host(Box::new(e)),
+        }
+    }
+}
+
+impl CudaEngine for CudaProxy {
+    fn rings(&self) -> u64 {
+        CudaProxy::rings(self)
+    }
+
+    fn backend_kind(&self) -> u32 {
+        if self.serves() {
+            BACKEND_PROXY
+        } else {
+            BACKEND_NONE
+        }
+    }
+
+    fn serves(&self) -> bool {
+        CudaProxy::serves(self)
+    }
+
+    fn describe(&self, load_store: bool) -> &'static str {
+        match (self.serves(), load_store) {
+            (true, true) => "load/store + proxy",
+            (true, false) => "proxy",
+            (false, _) => "load/store",
+        }
+    }
+
+    fn error(&self) -> Option<String> {
+        CudaProxy::error(self).map(ToString::to_string)
+    }
+
+    fn failure(&self) -> &'static str {
+        "the CUDA proxy failed"
+    }
+
+    /// Kernels see a failed proxy only as progress that stops, which the
+    /// watch over a running kernel notices.
+    fn kernel_sees_errors(&self) -> bool {
+        false
+    }
+
+    fn stop(self: Box<Self>) -> Result<(), String> {
+        CudaProxy::stop(*self).map_err(|e| e.to_string())
     }
 }
 
