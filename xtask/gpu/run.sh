@@ -86,6 +86,10 @@ for backend in auto proxy gdaki; do
   step "badinput-$backend" env GIN_BACKEND=$backend GIN_TIMEOUT=2s "$st" badinput --ranks 2
   expect_die "die-$backend" env GIN_BACKEND=$backend GIN_TIMEOUT=60s "$st" die 1 --ranks 2
 done
+# NCCL's GIN all-to-all kernel, in NCCL's names, through gin/nccl_compat.cuh.
+for backend in auto proxy gdaki; do
+  step "nccl-alltoall-$backend" env GIN_BACKEND=$backend "$st" nccl-alltoall --ranks 2
+done
 # The shallowest queues each backend accepts: credit and wraparound all the time.
 step "selftest-proxy-depth2" env GIN_BACKEND=proxy GIN_SELFTEST_QUEUE_DEPTH=2 "$st" all --ranks 2
 step "selftest-gdaki-depth4" env GIN_BACKEND=gdaki GIN_SELFTEST_QUEUE_DEPTH=4 "$st" all --ranks 2

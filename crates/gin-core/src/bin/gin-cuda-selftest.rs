@@ -14,7 +14,11 @@
 //! GIN_TIMEOUT), `die VICTIM` (the victim dies while the others wait in a
 //! kernel: they must fail naming it, not hang), `dropped` (over TCP: the
 //! last rank drops a window without freeing it, and rank 0's get from it
-//! must fail with the target's refusal, not read freed memory).
+//! must fail with the target's refusal, not read freed memory),
+//! `nccl-alltoall` (kernels/nccl_alltoall.cu, an all-to-all written in
+//! NCCL's GIN device names through gin/nccl_compat.cuh, launched as NCCL's
+//! example launches it: 16 blocks of 512 threads, one signal and one world
+//! barrier per block; every byte received is checked on the host).
 //!
 //! `--hosts K` splits the ranks into K emulated hosts (consecutive ranks
 //! share one, by host id), so peers on other "hosts" are reached over TCP
@@ -82,6 +86,7 @@ fn main() -> ExitCode {
             "rail" => rail(&cuda, &k),
             "badinput" => badinput(&cuda, &k),
             "dropped" => dropped(&cuda, &k),
+            "nccl-alltoall" => nccl_alltoall(&cuda),
             "die" => die(
                 &cuda,
                 &k,
@@ -628,4 +633,96 @@ fn die(c: &CudaComm<'_>, k: &Kernels<'_>, victim: usize) -> R {
         Ok(()) => Err("the wait succeeded without the victim's signal".into()),
         Err(e) => Err(format!("{e} (after {:.2}s)", t.elapsed().as_secs_f64())),
     }
+}
+
+/// The NCCL example's launch shape: one signal and one world barrier per block.
+const NCCL_BLOCKS: u32 = 16;
+const NCCL_THREADS: u32 = 512;
+
+/// The 4-byte word `src` sends to `dst` at element `i` (distinct per source,
+/// destination and element, so a block landing in the wrong place shows).
+fn nccl_word(src: usize, dst: usize, i: usize) -> u32 {
+    let x = (src as u32).wrapping_mul(0x9e37_79b9) ^ (dst as u32).wrapping_mul(0x85eb_ca6b);
+    x ^ (i as u32).wrapping_mul(0xc2b2_ae35) ^ 0x5bd1_e995
+}
+
+/// NCCL's GIN all-to-all through the compatibility header: every rank sends
+/// `count` floats to every rank, twice per size (the signals keep counting
+/// across runs, as NCCL's do); each rank checks every received byte.
+fn nccl_alltoall(c: &CudaComm<'_>) -> R {
+    const SRC: &str = include_str!("../../kernels/nccl_alltoall.cu");
+    let module = c.compile(SRC, "nccl_alltoall.cu").map_err(s)?;
+    let f = module.function("nccl_alltoall").map_err(s)?;
+    let (me, n) = (c.comm().rank(), c.comm().nranks());
+    let dc = c
+        .dev_comm(
+            &DevCommRequirements {
+                signals: NCCL_BLOCKS,
+                world_barriers: NCCL_BLOCKS,
+                ..req()
+            },
+            CtxSharing::Gpu,
+        )
+        .map_err(s)?;
+    // 4 B, NCCL's 4 KiB, and 256 KiB per peer: one thread puts each block,
+    // NCCL's idiom, which is slow on the load/store path (docs/porting.md).
+    for count in [1usize, 1024, 65536] {
+        let bytes = (count * 4 * n) as u64;
+        let send = c.alloc_window(bytes).map_err(s)?;
+        let recv = c.alloc_window(bytes).map_err(s)?;
+        let words: Vec<u32> = (0..n * count)
+            .map(|k| nccl_word(me, k / count, k % count))
+            .collect();
+        send.local().write(0, &words).map_err(s)?;
+        for round in 0..2 {
+            recv.local().write(0, &vec![0u32; n * count]).map_err(s)?;
+            c.comm().bootstrap().barrier().map_err(s)?;
+            let t = Instant::now();
+            // SAFETY: nccl_alltoall(ncclWindow_t send, size_t, ncclWindow_t
+            // recv, size_t, size_t count, ncclDevComm) in nccl_alltoall.cu:
+            // ncclWindow_t is gin::Window and ncclDevComm is gin::DevComm
+            // byte for byte (static_asserts in gin/nccl_compat.cuh), size_t
+            // is 8 bytes; both windows hold `count` floats per rank on every
+            // rank, and the kernel touches nothing else. The communicator
+            // has NCCL_BLOCKS signals and world barriers, one per block.
+            unsafe {
+                dc.run(
+                    &f,
+                    NCCL_BLOCKS,
+                    NCCL_THREADS,
+                    &[
+                        Arg::Window(send.abi()),
+                        Arg::U64(0),
+                        Arg::Window(recv.abi()),
+                        Arg::U64(0),
+                        Arg::U64(count as u64),
+                        Arg::DevComm(dc.abi()),
+                    ],
+                )
+            }
+            .map_err(|e| format!("nccl-alltoall {count} floats round {round}: {e}"))?;
+            let took = t.elapsed();
+            let mut got = vec![0u32; n * count];
+            recv.local().read(0, &mut got).map_err(s)?;
+            if let Some(k) = (0..n * count).find(|&k| got[k] != nccl_word(k / count, me, k % count))
+            {
+                return Err(format!(
+                    "nccl-alltoall {count} floats round {round}: element {} from rank {} is \
+                     {:#010x}, expected {:#010x}",
+                    k % count,
+                    k / count,
+                    got[k],
+                    nccl_word(k / count, me, k % count)
+                ));
+            }
+            println!(
+                "rank {me}: nccl-alltoall {} B per peer round {round} verified via {} in {:.3} ms",
+                count * 4,
+                dc.backend_name(),
+                took.as_secs_f64() * 1e3
+            );
+        }
+        c.comm().bootstrap().barrier().map_err(s)?;
+    }
+    dc.destroy().map_err(s)
 }
