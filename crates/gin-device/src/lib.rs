@@ -63,3 +63,15 @@ pub use host::{
 };
 pub use ops::{CounterId, Fence, Local, Order, Remote, SignalId, SignalOp, Team};
 pub use window::{Window, WindowParts};
+
+/// This crate's CUDA headers, by the name kernels include them with
+/// (`#include "gin/…"`): the data NVRTC is handed at run time, so that no
+/// crate reads another crate's files to assemble the tree.
+pub const HEADERS: &[(&str, &str)] = &[
+    ("gin/abi.cuh", include_str!("../include/gin/abi.cuh")),
+    ("gin/gin.cuh", include_str!("../include/gin/gin.cuh")),
+    (
+        "gin/nccl_compat.cuh",
+        include_str!("../include/gin/nccl_compat.cuh"),
+    ),
+];

@@ -102,3 +102,8 @@ impl HostBackend<Fabric, Device> for GdakiBackend {
         Ok(Box::new(unsafe { cuda::CudaNic::start(spec) }?))
     }
 }
+
+/// This crate's CUDA headers, by the name kernels include them with
+/// (`#include "gin/…"`): the data NVRTC is handed at run time, so that no
+/// crate reads another crate's files to assemble the tree.
+pub const HEADERS: &[(&str, &str)] = &[("gin/gdaki.cuh", include_str!("../include/gin/gdaki.cuh"))];

@@ -1,34 +1,18 @@
 //! Run-time compilation of kernels that include `gin/gin.cuh`: gin-cuda's
 //! NVRTC wrapper, given the device API's header tree.
 //!
-//! The tree is assembled here from the crates that own the headers
-//! (gin-device, gin-proxy, gin-gdaki) until each exports its own as data.
+//! Each crate that owns headers exports them as data (`gin_device::HEADERS`,
+//! `gin_proxy::HEADERS`, `gin_gdaki::HEADERS`); this module only puts the
+//! three lists together.
+
+use std::sync::LazyLock;
 
 use crate::error::CoreError;
 
-/// The CUDA header tree, by the name kernels include it with.
-pub const HEADERS: [(&str, &str); 5] = [
-    (
-        "gin/abi.cuh",
-        include_str!("../../../gin-device/include/gin/abi.cuh"),
-    ),
-    (
-        "gin/gin.cuh",
-        include_str!("../../../gin-device/include/gin/gin.cuh"),
-    ),
-    (
-        "gin/nccl_compat.cuh",
-        include_str!("../../../gin-device/include/gin/nccl_compat.cuh"),
-    ),
-    (
-        "gin/proxy.cuh",
-        include_str!("../../../gin-proxy/include/gin/proxy.cuh"),
-    ),
-    (
-        "gin/gdaki.cuh",
-        include_str!("../../../gin-gdaki/include/gin/gdaki.cuh"),
-    ),
-];
+/// The CUDA header tree, by the name kernels include it with: the device
+/// API's headers, then each backend's.
+pub static HEADERS: LazyLock<Vec<(&'static str, &'static str)>> =
+    LazyLock::new(|| [gin_device::HEADERS, gin_proxy::HEADERS, gin_gdaki::HEADERS].concat());
 
 /// Compiles `source` (named `name` in diagnostics) for compute capability
 /// `cc` into a cubin, with [`HEADERS`] (or `GIN_CUDA_HEADERS=DIR`, see
