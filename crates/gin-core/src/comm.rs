@@ -365,15 +365,11 @@ impl Comm {
         &self.settings
     }
 
-    /// The TCP link to `peer`, where the fabric reaches it over TCP.
-    /// Transitional: CUDA ranks' engines still drive links directly; they
-    /// move to the fabric's keyed operations (`Fabric::put_key`,
-    /// `Fabric::read_key`, `Fabric::reach`), then this goes.
-    pub(crate) fn tcp_link(&self, peer: usize) -> Option<Arc<gin_net::tcp::Link>> {
-        let t: &dyn std::any::Any = &**self.fabric.path(peer)?.transport();
-        t.downcast_ref::<gin_net::tcp::TcpTransport>()?
-            .link(peer)
-            .cloned()
+    /// Whether the fabric reaches `peer` over a keyed transport (tcp): no
+    /// mapping, requests name region keys. CUDA ranks stage GPU memory for
+    /// such peers through pinned host memory.
+    pub(crate) fn reaches_keyed(&self, peer: usize) -> bool {
+        self.fabric.reach(peer) == Some(gin_net::Reach::Keyed)
     }
 
     /// The regions this rank serves to TCP peers.

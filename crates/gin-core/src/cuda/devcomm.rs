@@ -42,7 +42,7 @@ impl Reach {
     fn of(cuda: &CudaComm<'_>, rail_only: bool, load_store: bool) -> Self {
         let comm = cuda.comm;
         let (rank, n) = (comm.rank(), comm.nranks());
-        let tcp: Vec<bool> = (0..n).map(|p| comm.tcp_link(p).is_some()).collect();
+        let tcp: Vec<bool> = (0..n).map(|p| comm.reaches_keyed(p)).collect();
         let rail: Vec<u32> = comm.rail().iter().map(|&r| r as u32).collect();
         let lsa = (0..n)
             .map(|p| {

@@ -179,7 +179,7 @@ impl<'c> CudaComm<'c> {
         let n = comm.nranks() as u64;
         let s = comm.settings();
         let home = Arc::new(());
-        let server = if (0..comm.nranks()).any(|p| comm.tcp_link(p).is_some()) {
+        let server = if (0..comm.nranks()).any(|p| comm.reaches_keyed(p)) {
             Some(Arc::new(gin_cuda::staging::Server::new(dev.clone())?))
         } else {
             None
@@ -225,7 +225,7 @@ impl<'c> CudaComm<'c> {
     /// Whether `peer` is reached over TCP (staged through host memory)
     /// rather than through CUDA IPC.
     pub fn reaches_over_tcp(&self, peer: usize) -> bool {
-        self.comm.tcp_link(peer).is_some()
+        self.comm.reaches_keyed(peer)
     }
 
     /// Allocates a window of `bytes` of GPU memory on this rank (collective;

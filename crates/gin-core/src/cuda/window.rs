@@ -235,7 +235,7 @@ fn open_parts(comm: &Comm, id: u32, local: &DevMem, all: &[Vec<u8>]) -> Result<P
         parts.tcp_keys.push(rec.key);
         if p == rank {
             parts.bases.push(local.ptr());
-        } else if comm.tcp_link(p).is_some() {
+        } else if comm.reaches_keyed(p) {
             // Reached over TCP: no mapping; requests name `key`.
             if rec.key == 0 {
                 return Err(CoreError::Invalid(format!(
