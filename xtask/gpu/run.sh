@@ -135,7 +135,7 @@ if [ "$suite" = full ]; then
   # them peer-nvshmem.why says why, and gin-bench's column prints it.
   step "peers" bash "$here/peers/peers.sh" "$out"
   step "bench-cuda" "$here/gin-bench" cuda --json "$out/cuda.json" --csv "$out/cuda.csv" \
-    --peer-json "$out/peer-nvshmem.json"
+    --peer-json "$out/peer-nvshmem.json" --peer-json "$out/peer-nccl.json"
   # The suite's common flags reach the same measurements.
   step "pingpong-device-cuda" "$here/gin-bench" pingpong --device cuda --sizes 8,64k --coop block --iters 500 --runs 3
   step "bench-cuda-tcp" env GIN_TRANSPORT=tcp "$here/gin-bench" cuda --tests pingpong,bandwidth --paths proxy,gdaki --sizes 8,1k,64k,1m --blocks 16 --runs 3 --json "$out/cuda-tcp.json"

@@ -6,7 +6,8 @@
 #
 # usage: peers.sh RESULTS_DIR
 # Writes RESULTS_DIR/peer-nvshmem.json, or RESULTS_DIR/peer-nvshmem.why (one
-# line: why there is none), and the build and PE logs beside them. Fails
+# line: why there is none), and the build and PE logs beside them; and
+# RESULTS_DIR/peer-nccl.why, as there is no NCCL peer program (yet). Fails
 # softly: a peer that cannot be built or run leaves its reason and the script
 # still exits 0; gin-bench prints the reason in the peer's column.
 #
@@ -26,10 +27,21 @@ mkdir -p "$out"
 out="$(cd "$out" && pwd)"
 json="$out/peer-nvshmem.json"
 why="$out/peer-nvshmem.why"
-rm -f "$json" "$why"
+rm -f "$json" "$why" "$out"/peer-nvshmem-*.log "$out/peer-nccl.json" "$out/peer-nccl.why"
 # The binary and the unique-id file stay out of the results.
 build="$(mktemp -d /tmp/gin-peers.XXXXXX)" || { echo "no temporary directory" > "$why"; exit 0; }
 trap 'rm -rf "$build"' EXIT
+
+# NCCL: no peer program. On one GPU there cannot be one: NCCL 2.28's
+# communicator init refuses two ranks on one GPU of one host ("Duplicate GPU
+# detected", ncclInvalidUsage; src/init.cc).
+ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+if [ "${ngpu:-0}" -eq 1 ]; then
+  echo "NCCL refuses two ranks on one GPU (Duplicate GPU detected), so it cannot run beside gin-rs here" > "$out/peer-nccl.why"
+else
+  echo "no NCCL peer program yet (only NVSHMEM's is built)" > "$out/peer-nccl.why"
+fi
+echo "peer nccl: none: $(cat "$out/peer-nccl.why")"
 
 missing() {
   echo "$*" > "$why"
@@ -68,7 +80,6 @@ if ! "$nvcc" -std=c++17 -rdc=true -arch="$arch" -I "$root/include" "$here/nvshme
   missing "the NVSHMEM peer did not build with $nvcc against $root: $err (peer-nvshmem-build.log)"
 fi
 
-ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
 if [ "${ngpu:-0}" -eq 1 ] && [ -z "${CUDA_MPS_PIPE_DIRECTORY:-}" ]; then
   missing "one GPU and no MPS daemon: its two PEs would be time-sliced, so their figures would measure the slices"
 fi
