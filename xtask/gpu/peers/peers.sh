@@ -100,6 +100,8 @@ pe1=$!
 timeout "$limit" env "${env_[@]}" "$bin" --pe 0 --uid-file "$uid" --json "$json" "${args[@]}" \
   > "$out/peer-nvshmem-pe0.log" 2>&1
 r0=$?
+# PE 0 failed: PE 1 would wait for it until its timeout.
+[ "$r0" -ne 0 ] && kill "$pe1" 2>/dev/null
 wait "$pe1"
 r1=$?
 cat "$out/peer-nvshmem-pe0.log"
@@ -107,6 +109,7 @@ if [ "$r0" -ne 0 ] || [ "$r1" -ne 0 ] || [ ! -s "$json" ]; then
   rm -f "$json"
   said() {
     if [ "$2" -eq 124 ]; then echo "PE $1 timed out after $limit s"
+    elif [ "$1" -eq 1 ] && [ "$r0" -ne 0 ] && [ "$2" -eq 143 ]; then echo "PE 1 stopped after PE 0 failed"
     else echo "PE $1 exit $2: $(grep -v '^\s*$' "$out/peer-nvshmem-pe$1.log" | tail -n 1)"; fi
   }
   missing "the NVSHMEM peer failed to run: $(said 0 "$r0"); $(said 1 "$r1") (peer-nvshmem-pe0.log, peer-nvshmem-pe1.log)"
