@@ -1,6 +1,6 @@
 //! `gin-bench cuda`: CUDA ranks on two GPUs (one process each), against
-//! floors measured in the same job and the peer figures we measured for
-//! NVSHMEM 3.4 and NCCL 2.28 on 2x H200 (docs/cuda.md).
+//! floors measured in the same job and, with `--peer-json`, peers (NVSHMEM)
+//! run in the same job by `run.sh` ([`crate::peers`], docs/cuda.md).
 //!
 //! - ping-pong: put-with-signal round trip, one kernel per GPU, for the
 //!   load/store path (thread / warp / block coops), the proxy and GDAKI
