@@ -134,6 +134,10 @@ if [ "$suite" = full ]; then
   # run with 2 PEs (one GPU: under this MPS daemon). Fails softly: without
   # them peer-nvshmem.why says why, and gin-bench's column prints it.
   step "peers" bash "$here/peers/peers.sh" "$out"
+  # NVSHMEM's block figures are usually for 1024-thread blocks: the block
+  # coop's ping-pong at 1024 too, beside the peer's 1024-thread rows.
+  step "bench-cuda-block1024" "$here/gin-bench" cuda --tests pingpong --paths loadstore --coops block \
+    --block-threads 1024 --json "$out/cuda-block1024.json" --peer-json "$out/peer-nvshmem.json"
   step "bench-cuda" "$here/gin-bench" cuda --json "$out/cuda.json" --csv "$out/cuda.csv" \
     --peer-json "$out/peer-nvshmem.json" --peer-json "$out/peer-nccl.json"
   # The suite's common flags reach the same measurements.
