@@ -133,7 +133,17 @@ if [ "$suite" = full ]; then
   for n in 2 4; do
     step "bench-moe-cuda-${n}ranks" "$here/gin-bench" moe --device cuda --ranks $n --json "$out/moe-cuda-${n}ranks.json"
   done
-  step "bench-cuda" "$here/gin-bench" cuda --json "$out/cuda.json" --csv "$out/cuda.csv"
+  # Peers in the same job (issue 22): NVSHMEM's put-with-signal ping-pong and
+  # put bandwidth, built here with this machine's nvcc against its NVSHMEM and
+  # run with 2 PEs (one GPU: under this MPS daemon). Fails softly: without
+  # them peer-nvshmem.why says why, and gin-bench's column prints it.
+  step "peers" bash "$here/peers/peers.sh" "$out"
+  # NVSHMEM's block figures are usually for 1024-thread blocks: the block
+  # coop's ping-pong at 1024 too, beside the peer's 1024-thread rows.
+  step "bench-cuda-block1024" "$here/gin-bench" cuda --tests pingpong --paths loadstore --coops block \
+    --block-threads 1024 --json "$out/cuda-block1024.json" --peer-json "$out/peer-nvshmem.json"
+  step "bench-cuda" "$here/gin-bench" cuda --json "$out/cuda.json" --csv "$out/cuda.csv" \
+    --peer-json "$out/peer-nvshmem.json" --peer-json "$out/peer-nccl.json"
   # The suite's common flags reach the same measurements.
   step "pingpong-device-cuda" "$here/gin-bench" pingpong --device cuda --sizes 8,64k --coop block --iters 500 --runs 3
   step "bench-cuda-tcp" env GIN_TRANSPORT=tcp "$here/gin-bench" cuda --tests pingpong,bandwidth --paths proxy,gdaki --sizes 8,1k,64k,1m --blocks 16 --runs 3 --json "$out/cuda-tcp.json"

@@ -1,6 +1,6 @@
 //! `gin-bench cuda`: CUDA ranks on two GPUs (one process each), against
-//! floors measured in the same job and the peer figures we measured for
-//! NVSHMEM 3.4 and NCCL 2.28 on 2x H200 (docs/cuda.md).
+//! floors measured in the same job and, with `--peer-json`, peers (NVSHMEM)
+//! run in the same job by `run.sh` ([`crate::peers`], docs/cuda.md).
 //!
 //! - ping-pong: put-with-signal round trip, one kernel per GPU, for the
 //!   load/store path (thread / warp / block coops), the proxy and GDAKI
@@ -28,6 +28,7 @@ use gin_core::{BackendKind, Comm, DevCommRequirements};
 use serde::{Deserialize, Serialize};
 
 use crate::common::{Backend, Common, Coop, Transport, human_size, parse_size};
+use crate::peers::{Peer, PeerCell};
 use crate::report::{Report, Table};
 use crate::stats::Summary;
 
@@ -139,6 +140,12 @@ pub struct CudaArgs {
     /// Also write the table as CSV to this file.
     #[arg(long)]
     pub csv: Option<std::path::PathBuf>,
+    /// A peer's results from the same job (repeatable): its figure for the
+    /// same test, coop, size and threads is printed beside gin-rs's, with
+    /// the ratio; where FILE is missing, the column says why, from the
+    /// `.why` file beside it (`peer-nvshmem.json` -> `peer-nvshmem.why`).
+    #[arg(long = "peer-json", value_name = "FILE")]
+    pub peer_json: Vec<std::path::PathBuf>,
 }
 
 impl CudaArgs {
@@ -194,6 +201,7 @@ impl CudaArgs {
             paths,
             json: c.json.clone(),
             csv: c.csv.clone(),
+            peer_json: Vec::new(),
         })
     }
 
@@ -244,8 +252,14 @@ pub struct CudaRow {
     pub value: Summary,
     /// The floor measured in the same job, same unit, where there is one.
     pub floor: Option<Summary>,
-    /// A peer system's figure from our earlier measurements on 2x H200.
+    /// The all-to-all's LogGP prediction from this run's ping-pong.
     pub peer: Option<(String, f64)>,
+    /// Threads of each block that ran it.
+    pub threads: u32,
+    /// The `--peer-json` peers' figures for the same test, coop, size and
+    /// threads, measured in the same job, or why there are none.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub peers: Vec<PeerCell>,
 }
 
 /// Threads of the one block that runs `c`'s ping-pong kernel.
@@ -372,10 +386,11 @@ pub fn run(a: &CudaArgs) -> Result<()> {
                     bytes,
                     value: summary(&gin)?,
                     floor: Some(summary(&floor)?),
-                    // Peers (NVSHMEM, NCCL) are measured in the same job by
-                    // the issue that runs them there; no figure from
-                    // another run stands in for them.
+                    // Peers (NVSHMEM) come from --peer-json, measured in
+                    // the same job; no figure from another run stands in.
                     peer: None,
+                    threads: block,
+                    peers: Vec::new(),
                 });
             }
         }
@@ -414,8 +429,9 @@ pub fn run(a: &CudaArgs) -> Result<()> {
                     bytes,
                     value: summary(&gin)?,
                     floor,
-                    // That peer run crossed NVLink, not TCP.
                     peer: None,
+                    threads: 1,
+                    peers: Vec::new(),
                 });
             }
         }
@@ -476,6 +492,8 @@ pub fn run(a: &CudaArgs) -> Result<()> {
                             value: summary(&r)?,
                             floor: None,
                             peer: None,
+                            threads: a.threads,
+                            peers: Vec::new(),
                         });
                     }
                 }
@@ -517,12 +535,16 @@ pub fn run(a: &CudaArgs) -> Result<()> {
                             f.intercept + (p - 1.0) * bytes as f64 * f.slope,
                         )
                     }),
+                    threads: shape.block,
+                    peers: Vec::new(),
                 });
             }
         }
     }
     if comm.rank() == 0 {
-        let mut t = table(&rows, a.runs);
+        let peers: Vec<Peer> = a.peer_json.iter().map(|f| Peer::load(f)).collect();
+        add_peers(&mut rows, &peers);
+        let mut t = table(&rows, a.runs, &peers);
         if let Some(g) = &shared {
             t.note(format!(
                 "{}: {}",
@@ -708,19 +730,32 @@ struct Shape {
     runs: usize,
 }
 
-fn table(rows: &[CudaRow], runs: usize) -> Table {
+/// Each peer's figure for every ping-pong and bandwidth row (the
+/// all-to-all has none: its `peer` is the LogGP prediction).
+fn add_peers(rows: &mut [CudaRow], peers: &[Peer]) {
+    for r in rows.iter_mut().filter(|r| r.test != CudaTest::Alltoall) {
+        r.peers = peers
+            .iter()
+            .map(|p| p.cell(r.test, &r.coop, r.bytes, r.threads, r.value.median))
+            .collect();
+    }
+}
+
+fn table(rows: &[CudaRow], runs: usize, peers: &[Peer]) -> Table {
+    let mut columns = vec![
+        "test", "path", "coop", "size", "median", "p10", "p90", "p99", "floor", "ratio", "peer",
+    ];
+    columns.extend(peers.iter().map(Peer::name));
     let mut t = Table::new(
         "cuda",
         format!(
             "CUDA ranks, one GPU each: round trip (us) or one-way bandwidth (GB/s) between ranks 0 and 1, all-to-all (us) over all ranks; {runs} launches"
         ),
-        &[
-            "test", "path", "coop", "size", "median", "p10", "p90", "p99", "floor", "ratio", "peer",
-        ],
+        &columns,
     );
     for r in rows {
         let f = |v: f64| format!("{v:.2}");
-        t.row(vec![
+        let mut cells = vec![
             format!("{:?}", r.test).to_lowercase(),
             r.path.clone(),
             r.coop.clone(),
@@ -736,7 +771,23 @@ fn table(rows: &[CudaRow], runs: usize) -> Table {
             r.peer.as_ref().map_or(String::new(), |(n, v)| {
                 format!("{n}: {v:.2} ({:.2}x)", r.value.median / v)
             }),
-        ]);
+        ];
+        cells.extend(
+            peers
+                .iter()
+                .enumerate()
+                .map(|(i, _)| r.peers.get(i).map_or_else(String::new, PeerCell::text)),
+        );
+        t.row(cells);
+    }
+    for p in peers {
+        t.note(match p {
+            Peer::Found { name, file, .. } => format!(
+                "{name}: its median for the same test, coop, size and threads, measured in this job ({}); (x) = gin-rs / {name}: a round trip at or below 1.00 is as fast or faster, a bandwidth at or above 1.00 as fast or faster",
+                file.display()
+            ),
+            Peer::Missing { name, why } => format!("{name}: no figures: {why}"),
+        });
     }
     t.note("ping-pong: round trip in us timed on the GPU (%globaltimer); floor = the same traffic without gin-rs, in the same job; ratio = median / floor");
     t.note("alltoall: us per iteration (put + signal to every rank, wait for all, flush), one block per peer; peer = the LogGP prediction from this run's ping-pong (half round trip = L + 2o + nG, least squares), with measured / predicted");
@@ -1169,6 +1220,97 @@ mod tests {
         // 256-thread blocks, three to an SM: 264 blocks passed.
         assert_eq!(spinning_sms(264, 3, 132), None);
         assert_eq!(spinning_sms(16, 0, 132), None);
+    }
+
+    #[test]
+    fn peers_get_a_column_each_beside_the_rows_they_measured() {
+        let row = |test, coop: &str, bytes, threads, median| CudaRow {
+            test,
+            path: "load/store".into(),
+            coop: coop.into(),
+            bytes,
+            value: Summary::of(&[median]).unwrap(),
+            floor: None,
+            peer: None,
+            threads,
+            peers: Vec::new(),
+        };
+        let mut rows = vec![
+            row(CudaTest::Pingpong, "block", 1024, 1024, 3.84),
+            row(CudaTest::Pingpong, "block", 8, 512, 3.40),
+            row(CudaTest::Alltoall, "2 ranks", 8, 512, 9.0),
+        ];
+        let stat = Summary::of(&[2.91]).unwrap();
+        let peers = [
+            Peer::Found {
+                name: "NVSHMEM 3.4.5".into(),
+                file: "peer-nvshmem.json".into(),
+                rows: vec![crate::peers::PeerRow {
+                    test: CudaTest::Pingpong,
+                    path: "nvshmem".into(),
+                    coop: "block".into(),
+                    threads: Some(1024),
+                    bytes: 1024,
+                    value: stat,
+                }],
+            },
+            Peer::Missing {
+                name: "nccl".into(),
+                why: "no nccl_device.h".into(),
+            },
+        ];
+        add_peers(&mut rows, &peers);
+        assert!(rows[2].peers.is_empty(), "the all-to-all has no peer");
+        let t = table(&rows, 1, &peers);
+        assert_eq!(&t.columns[10..], ["peer", "NVSHMEM 3.4.5", "nccl"]);
+        assert_eq!(
+            t.rows[0][11..],
+            ["2.91 (1.32x)", "- (not run: no nccl_device.h)"]
+        );
+        assert_eq!(t.rows[1][11], "- (not measured by the peer)");
+        assert_eq!(t.rows[2][11..], ["", ""]);
+        assert!(
+            t.notes
+                .iter()
+                .any(|n| n == "nccl: no figures: no nccl_device.h")
+        );
+        assert!(
+            t.notes
+                .iter()
+                .any(|n| n.starts_with("NVSHMEM 3.4.5: its median")
+                    && n.contains("peer-nvshmem.json"))
+        );
+        // The JSON rows carry the peers' figures.
+        let j = serde_json::to_value(&rows[0]).unwrap();
+        assert_eq!(j["peers"][0]["value"], 2.91);
+        assert_eq!(j["peers"][1]["why"], "not run: no nccl_device.h");
+        assert!(
+            serde_json::to_value(&rows[2])
+                .unwrap()
+                .get("peers")
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn peer_json_is_repeatable() {
+        #[derive(clap::Parser)]
+        struct P {
+            #[command(flatten)]
+            a: CudaArgs,
+        }
+        let a = <P as clap::Parser>::parse_from([
+            "cuda",
+            "--peer-json",
+            "a.json",
+            "--peer-json",
+            "b.json",
+        ])
+        .a;
+        assert_eq!(
+            a.peer_json,
+            [std::path::PathBuf::from("a.json"), "b.json".into()]
+        );
     }
 
     #[test]

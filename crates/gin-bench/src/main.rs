@@ -22,6 +22,7 @@ mod layout;
 mod loggp;
 mod model;
 mod moe;
+mod peers;
 mod pingpong;
 mod progress;
 mod ranks;
