@@ -736,7 +736,7 @@ fn add_peers(rows: &mut [CudaRow], peers: &[Peer]) {
     for r in rows.iter_mut().filter(|r| r.test != CudaTest::Alltoall) {
         r.peers = peers
             .iter()
-            .map(|p| p.cell(r.test, &r.coop, r.bytes, r.threads, r.value.median))
+            .map(|p| p.cell(r.test, &r.path, &r.coop, r.bytes, r.threads, r.value.median))
             .collect();
     }
 }
@@ -1245,6 +1245,7 @@ mod tests {
             Peer::Found {
                 name: "NVSHMEM 3.4.5".into(),
                 file: "peer-nvshmem.json".into(),
+                like: None,
                 rows: vec![crate::peers::PeerRow {
                     test: CudaTest::Pingpong,
                     path: "nvshmem".into(),

@@ -8,8 +8,10 @@
 //! there, the peer's column says why, read from the `.why` file the peer's
 //! script leaves beside it (`peer-nvshmem.json` -> `peer-nvshmem.why`).
 //!
-//! The peer JSON: `{"peer": NAME, "results": [ROW...]}` (other keys are
-//! ignored), each ROW `{"test": "pingpong"|"bandwidth", "path", "coop",
+//! The peer JSON: `{"peer": NAME, "like": PATH, "results": [ROW...]}`
+//! (other keys are ignored; `like`, optional, is the gin-rs path the peer's
+//! figures compare with: NVSHMEM within one host moves data by load/store,
+//! so its figures stand beside gin-rs's load/store rows only), each ROW `{"test": "pingpong"|"bandwidth", "path", "coop",
 //! "threads", "bytes", "value": {"n", "median", "p10", "p90", "p99", "min",
 //! "max"}}` — the shape of gin-bench cuda's own rows. `coop` is `thread`,
 //! `warp` or `block` for the ping-pong (with `threads` the block's threads)
@@ -46,6 +48,8 @@ pub struct PeerRow {
 #[derive(Debug, Clone, Deserialize)]
 struct PeerFile {
     peer: String,
+    #[serde(default)]
+    like: Option<String>,
     results: Vec<PeerRow>,
 }
 
@@ -58,6 +62,8 @@ pub enum Peer {
         name: String,
         /// Where its figures came from.
         file: PathBuf,
+        /// The gin-rs path its figures compare with (any, when absent).
+        like: Option<String>,
         /// Its figures.
         rows: Vec<PeerRow>,
     },
@@ -111,6 +117,7 @@ impl Peer {
             Ok(p) => Peer::Found {
                 name: p.peer,
                 file: file.to_path_buf(),
+                like: p.like,
                 rows: p.results,
             },
             Err(e) => Peer::Missing {
@@ -127,11 +134,13 @@ impl Peer {
         }
     }
 
-    /// This peer's figure for gin-rs's row (`test`, `coop`, `bytes`, run by
-    /// blocks of `threads`) whose median is `median`.
+    /// This peer's figure for gin-rs's row (`test` on `path`, `coop`,
+    /// `bytes`, run by blocks of `threads`) whose median is `median`.
+    #[allow(clippy::too_many_arguments)] // one row's identity, spelled out
     pub fn cell(
         &self,
         test: CudaTest,
+        path: &str,
         coop: &str,
         bytes: u64,
         threads: u32,
@@ -139,6 +148,9 @@ impl Peer {
     ) -> PeerCell {
         let (value, why) = match self {
             Peer::Missing { why, .. } => (None, Some(format!("not run: {why}"))),
+            Peer::Found {
+                like: Some(like), ..
+            } if like != path => (None, Some(format!("the peer compares with {like} rows"))),
             Peer::Found { rows, .. } => {
                 let same = |r: &&PeerRow| r.test == test && r.coop == coop && r.bytes == bytes;
                 let mut like = rows.iter().filter(same).peekable();
@@ -199,6 +211,7 @@ mod tests {
   "bench": "peer",
   "peer": "NVSHMEM 3.4.5",
   "path": "nvshmem",
+  "like": "load/store",
   "gpu": "NVIDIA H200",
   "gpus": 1,
   "runs": 5,
@@ -229,27 +242,34 @@ mod tests {
             panic!("{p:?}")
         };
         assert_eq!((rows.len(), file.as_path()), (3, f.as_path()));
-        let c = p.cell(CudaTest::Pingpong, "warp", 8, 32, 2.82);
+        let c = p.cell(CudaTest::Pingpong, "load/store", "warp", 8, 32, 2.82);
         assert_eq!(c.value, Some(2.76));
         assert!((c.ratio.unwrap() - 2.82 / 2.76).abs() < 1e-12);
         assert_eq!(c.text(), "2.76 (1.02x)");
         let bw = p.cell(
             CudaTest::Bandwidth,
+            "load/store",
             "16x512 threads, signal last",
             4 << 20,
             512,
             420.0,
         );
         assert_eq!(bw.text(), "400.00 (1.05x)");
+        // NVSHMEM within a host is a load/store path: the proxy's rows are
+        // not set beside it.
+        let proxy = p.cell(CudaTest::Pingpong, "proxy", "warp", 8, 32, 13.0);
+        assert_eq!(proxy.value, None);
+        assert_eq!(proxy.text(), "- (the peer compares with load/store rows)");
         // The block coop with another thread count is not the same row.
-        let b = p.cell(CudaTest::Pingpong, "block", 1024, 512, 3.84);
+        let b = p.cell(CudaTest::Pingpong, "load/store", "block", 1024, 512, 3.84);
         assert_eq!(b.value, None);
         assert_eq!(
             b.why.as_deref(),
             Some("measured with 1024 threads, this row with 512")
         );
         assert_eq!(
-            p.cell(CudaTest::Pingpong, "block", 1024, 1024, 3.84).value,
+            p.cell(CudaTest::Pingpong, "load/store", "block", 1024, 1024, 3.84)
+                .value,
             Some(2.91)
         );
         // Nothing for that size or test.
@@ -258,7 +278,7 @@ mod tests {
             (CudaTest::Alltoall, "2 ranks", 8),
             (CudaTest::Pingpong, "thread", 8),
         ] {
-            let c = p.cell(t, coop, bytes, 32, 1.0);
+            let c = p.cell(t, "load/store", coop, bytes, 32, 1.0);
             assert_eq!(
                 c.text(),
                 "- (not measured by the peer)",
@@ -286,7 +306,7 @@ mod tests {
                 why: "one GPU and no MPS daemon: its two PEs would be time-sliced".into()
             }
         );
-        let c = p.cell(CudaTest::Pingpong, "warp", 8, 32, 2.82);
+        let c = p.cell(CudaTest::Pingpong, "load/store", "warp", 8, 32, 2.82);
         assert_eq!((c.value, c.ratio), (None, None));
         assert_eq!(
             c.why.as_deref(),

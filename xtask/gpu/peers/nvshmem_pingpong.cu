@@ -470,7 +470,7 @@ int main(int argc, char** argv) {
     if (!f) die("cannot write " + tmp + ": " + std::strerror(errno));
     std::fprintf(f,
                  "{\n  \"bench\": \"peer\",\n  \"peer\": \"NVSHMEM %d.%d.%d\",\n  \"path\": "
-                 "\"nvshmem\",\n  \"gpu\": \"%s\",\n  \"gpus\": %d,\n  \"runs\": %d,\n"
+                 "\"nvshmem\",\n  \"like\": \"load/store\",\n  \"gpu\": \"%s\",\n  \"gpus\": %d,\n  \"runs\": %d,\n"
                  "  \"results\": [\n",
                  major, minor, patch, prop.name, ngpu, o.runs);
     for (size_t i = 0; i < rows.size(); ++i)
