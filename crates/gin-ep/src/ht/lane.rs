@@ -217,6 +217,8 @@ fn drive<L: Lane>(sh: &Shared<'_>, lanes: &mut [(usize, L)]) -> Result<(), EpErr
             continue;
         }
         let waited = since.elapsed();
+        // Back-off while polling, not synchronisation (as gin-device's
+        // waits): ranks share cores with their peers and backend threads.
         if waited < Duration::from_micros(200) {
             std::thread::yield_now();
         } else {
@@ -321,6 +323,7 @@ pub(crate) fn complete(
                     waited,
                 });
             }
+            // Back-off while polling the counter, not synchronisation.
             if waited < Duration::from_micros(200) {
                 std::thread::yield_now();
             } else {
