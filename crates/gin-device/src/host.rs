@@ -417,22 +417,25 @@ mod tests {
     #[test]
     fn the_direct_backend_refuses_queued_operations_and_completes_tickets_at_once() {
         let counters = Arc::new(Counters::new(1));
-        let b = direct()
-            .start_cpu(&CpuStart {
-                rank: 1,
-                nranks: 2,
-                fabric: &Arc::new(NoFabric),
-                counters: &counters,
-                nctx: 2,
-                queue_log2: 0,
-                exclusive_contexts: false,
-                inline: true,
-                batch: 1,
-                timeout: Duration::from_secs(1),
-                spin: Duration::ZERO,
-                exchange: &NoExchange,
-            })
-            .unwrap();
+        let start = || {
+            direct()
+                .start_cpu(&CpuStart {
+                    rank: 1,
+                    nranks: 2,
+                    fabric: &Arc::new(NoFabric),
+                    counters: &counters,
+                    nctx: 2,
+                    queue_log2: 0,
+                    exclusive_contexts: false,
+                    inline: true,
+                    batch: 1,
+                    timeout: Duration::from_secs(1),
+                    spin: Duration::ZERO,
+                    exchange: &NoExchange,
+                })
+                .unwrap()
+        };
+        let b = start();
         assert_eq!(b.name(), "direct");
         let t = b.ticket(1, Some(0)).unwrap();
         assert!(b.done(&t).unwrap());
@@ -442,22 +445,7 @@ mod tests {
         let e = b.ticket(0, Some(2)).unwrap_err().to_string();
         assert!(e.contains("rank 1") && e.contains('2'), "{e}");
         // Another instance's ticket is refused, not taken as done.
-        let other = direct()
-            .start_cpu(&CpuStart {
-                rank: 1,
-                nranks: 2,
-                fabric: &Arc::new(NoFabric),
-                counters: &counters,
-                nctx: 2,
-                queue_log2: 0,
-                exclusive_contexts: false,
-                inline: true,
-                batch: 1,
-                timeout: Duration::from_secs(1),
-                spin: Duration::ZERO,
-                exchange: &NoExchange,
-            })
-            .unwrap();
+        let other = start();
         let e = other.done(&t).unwrap_err().to_string();
         assert!(e.contains("another device communicator"), "{e}");
         b.health().unwrap();
