@@ -13,6 +13,10 @@
 //!   error naming it within twice the timeout (docs/reliability.md).
 //! - `loggp-summary FILE...`: medians over several `gin-bench loggp --json`
 //!   reports of one path, as Markdown (what docs/loggp.md quotes).
+//! - `test [ARGS]`: the README's test command: installs the pinned wheels
+//!   (`.ci/wheels.txt`: UCX, Open MPI) under `target/wheels` and runs
+//!   `cargo test --workspace ARGS` pointed at them (see `wheels.rs`).
+//! - `wheels`: only installs them, printing the variables that name them.
 //! - `ci`: what CI runs (`.ci/run`).
 //! - `gpu-package [DIR]`: release binaries and a run script for a GPU
 //!   machine without Rust (see docs/cuda.md).
@@ -29,6 +33,7 @@ mod gpu;
 mod plot;
 mod rdma;
 mod summary;
+mod wheels;
 
 use std::process::{Command, ExitCode};
 use std::time::Duration;
@@ -59,6 +64,8 @@ const USAGES: &[(&str, &str)] = &[
         "usage: cargo xtask faults [--quick] [--timeout 5s] [--only TEXT] [--out FILE.md]",
     ),
     ("loggp-summary", "usage: cargo xtask loggp-summary FILE..."),
+    ("test", wheels::TEST_USAGE),
+    ("wheels", wheels::WHEELS_USAGE),
     ("ci", "usage: cargo xtask ci"),
     ("gpu-package", "usage: cargo xtask gpu-package [DIR]"),
     (
@@ -104,6 +111,8 @@ fn run() -> Result<ExitCode> {
         Some("faults") => faults::run(&args[1..]).map(|()| ExitCode::SUCCESS),
         Some("loggp-summary") => summary::run(&args[1..]).map(|()| ExitCode::SUCCESS),
         Some("rdma-bindings") => rdma::run(&args[1..]).map(|()| ExitCode::SUCCESS),
+        Some("test") => wheels::test_cmd(&args[1..]),
+        Some("wheels") => wheels::wheels_cmd(),
         Some("ci") => {
             let st = Command::new("bash")
                 .arg(".ci/run")
