@@ -6,7 +6,7 @@
 //! Set-up is collective over every rank of the communicator (ranks past 1
 //! only join the exchanges), so a benchmark with spectators stays in step.
 
-use std::io::{Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -108,9 +108,31 @@ impl ShmPair {
     }
 }
 
-/// Collective: a connected TCP stream between ranks 0 and 1 (no Nagle);
-/// other ranks get `None`.
-pub fn tcp_pair(comm: &Comm) -> Result<Option<TcpStream>> {
+/// The raw TCP floor's connection between ranks 0 and 1, as two handles
+/// on one socket: what this rank writes and what it reads (a second thread
+/// reads while the first writes in bidirectional streams). One connection
+/// carries both directions: measured on the 2-core machine, a connection
+/// per direction (as gin-rs's transport links a pair) made the 8-byte floor
+/// about 1 µs slower and the 64 KiB one no faster.
+#[derive(Debug)]
+pub struct TcpPair {
+    /// What this rank writes to the other.
+    tx: TcpStream,
+    /// What it reads from the other (the same socket).
+    rx: TcpStream,
+}
+
+impl TcpPair {
+    fn set_nonblocking(&self, on: bool) -> Result<()> {
+        // One socket: its flags are shared by both handles.
+        self.tx.set_nonblocking(on)?;
+        Ok(())
+    }
+}
+
+/// Collective: the floor's TCP connection between ranks 0 and 1 (no
+/// Nagle); other ranks get `None`.
+pub fn tcp_pair(comm: &Comm) -> Result<Option<TcpPair>> {
     let r = comm.rank();
     let ip = comm.bootstrap().listen_addr().ip();
     let listener = if r == 1 {
@@ -125,18 +147,19 @@ pub fn tcp_pair(comm: &Comm) -> Result<Option<TcpStream>> {
         .unwrap_or_default();
     let all = comm.bootstrap().allgather(addr.as_bytes())?;
     let s = match (listener, r) {
-        (Some(l), _) => Some(l.accept()?.0),
-        (None, 0) => Some(TcpStream::connect(std::str::from_utf8(&all[1])?)?),
-        (None, _) => None,
+        (Some(l), _) => l.accept()?.0,
+        (None, 0) => TcpStream::connect(std::str::from_utf8(&all[1])?)?,
+        (None, _) => return Ok(None),
     };
-    if let Some(s) = &s {
-        s.set_nodelay(true)?;
-        // A peer that died or stopped fails the floor within the job's
-        // timeout instead of blocking it forever.
-        s.set_read_timeout(Some(comm.timeout()))?;
-        s.set_write_timeout(Some(comm.timeout()))?;
-    }
-    Ok(s)
+    s.set_nodelay(true)?;
+    // A peer that died or stopped fails the floor within the job's timeout
+    // instead of blocking it forever.
+    s.set_read_timeout(Some(comm.timeout()))?;
+    s.set_write_timeout(Some(comm.timeout()))?;
+    Ok(Some(TcpPair {
+        rx: s.try_clone()?,
+        tx: s,
+    }))
 }
 
 /// Waits for `flag` to reach `target`: spins, then yields between looks.
@@ -215,31 +238,156 @@ pub fn shm_pingpong(
     Ok(out)
 }
 
+/// Reads exactly `buf.len()` bytes from a non-blocking stream by polling,
+/// as gin-rs's fastest TCP path polls (spins, then yields between looks):
+/// a blocking `read` would add a sleep and a wake-up per message and make
+/// the floor slower than the path it bounds. A peer that stops fails it
+/// after `timeout`; a closed stream fails at once.
+fn poll_read(s: &mut TcpStream, buf: &mut [u8], timeout: Duration) -> Result<()> {
+    let blocking = !is_nonblocking(s);
+    let mut got = 0;
+    let mut idle = 0u32;
+    let mut since: Option<Instant> = None;
+    while got < buf.len() {
+        match s.read(&mut buf[got..]) {
+            Ok(0) => bail!("the floor's TCP peer closed the stream"),
+            Ok(n) => {
+                got += n;
+                idle = 0;
+                since = None;
+            }
+            Err(e)
+                if blocking && matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) =>
+            {
+                bail!("the floor's TCP read waited {timeout:?} for its peer")
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                idle = back_off(idle, &mut since, timeout, "read")?;
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+/// Writes all of `buf` to a non-blocking stream, polling while the socket's
+/// buffer is full.
+fn poll_write(s: &mut TcpStream, buf: &[u8], timeout: Duration) -> Result<()> {
+    let blocking = !is_nonblocking(s);
+    let mut put = 0;
+    let mut idle = 0u32;
+    let mut since: Option<Instant> = None;
+    while put < buf.len() {
+        match s.write(&buf[put..]) {
+            Ok(0) => bail!("the floor's TCP peer closed the stream"),
+            Ok(n) => {
+                put += n;
+                idle = 0;
+                since = None;
+            }
+            Err(e)
+                if blocking && matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) =>
+            {
+                bail!("the floor's TCP write waited {timeout:?} for its peer")
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                idle = back_off(idle, &mut since, timeout, "write")?;
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+/// Whether `s` is in non-blocking mode (`O_NONBLOCK`); a stream whose
+/// flags cannot be read counts as blocking.
+fn is_nonblocking(s: &TcpStream) -> bool {
+    use std::os::fd::AsRawFd;
+    // SAFETY: F_GETFL on a descriptor this stream owns reads its flags.
+    let flags = unsafe { libc::fcntl(s.as_raw_fd(), libc::F_GETFL) };
+    flags >= 0 && flags & libc::O_NONBLOCK != 0
+}
+
+/// One empty look of a polling loop: spins first, then yields; fails when
+/// the loop has been idle for `timeout`.
+fn back_off(idle: u32, since: &mut Option<Instant>, timeout: Duration, what: &str) -> Result<u32> {
+    if idle < 2000 {
+        std::hint::spin_loop();
+    } else {
+        std::thread::yield_now();
+        if idle.is_multiple_of(256) && since.get_or_insert_with(Instant::now).elapsed() > timeout {
+            bail!("the floor's TCP {what} waited {timeout:?} for its peer");
+        }
+    }
+    Ok(idle.wrapping_add(1))
+}
+
+/// How a raw TCP floor waits for its socket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TcpWait {
+    /// Blocking calls: the kernel wakes the thread when data arrives.
+    Block,
+    /// Non-blocking calls in a loop that spins, then yields (as gin-rs's
+    /// fastest TCP path polls).
+    Poll,
+}
+
+impl TcpWait {
+    /// Both, in the order a floor measures them.
+    pub const BOTH: [Self; 2] = [Self::Poll, Self::Block];
+}
+
 /// A raw TCP ping-pong of `size` bytes between ranks 0 and 1: half round
-/// trips, µs.
+/// trips, µs, waiting as `wait` says. Neither way is the faster at every
+/// size (polling wins small messages, blocking can win large ones on a
+/// machine with few cores), so the floor is the faster of the two
+/// (see [`tcp_pingpong_floor`]).
 pub fn tcp_pingpong(
-    s: &mut TcpStream,
+    s: &mut TcpPair,
     rank: usize,
     size: u64,
-    warm: usize,
-    iters: usize,
+    (warm, iters): (usize, usize),
+    timeout: Duration,
+    wait: TcpWait,
 ) -> Result<Vec<f64>> {
+    s.set_nonblocking(wait == TcpWait::Poll)?;
     let mut buf = vec![rank as u8; size as usize];
     let mut out = Vec::with_capacity(iters);
     for i in 0..warm + iters {
         let t = Instant::now();
         if rank == 0 {
-            s.write_all(&buf)?;
-            s.read_exact(&mut buf)?;
+            poll_write(&mut s.tx, &buf, timeout)?;
+            poll_read(&mut s.rx, &mut buf, timeout)?;
         } else {
-            s.read_exact(&mut buf)?;
-            s.write_all(&buf)?;
+            poll_read(&mut s.rx, &mut buf, timeout)?;
+            poll_write(&mut s.tx, &buf, timeout)?;
         }
         if i >= warm {
             out.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
         }
     }
+    s.set_nonblocking(false)?;
     Ok(out)
+}
+
+/// The raw TCP ping-pong floor: the lower of the blocking and the polling
+/// loop's medians, both measured here (µs per half round trip).
+pub fn tcp_pingpong_floor(
+    s: &mut TcpPair,
+    rank: usize,
+    size: u64,
+    rounds: (usize, usize),
+    timeout: Duration,
+) -> Result<f64> {
+    let mut best = f64::INFINITY;
+    for wait in TcpWait::BOTH {
+        best = best.min(crate::stats::median(&tcp_pingpong(
+            s, rank, size, rounds, timeout, wait,
+        )?));
+    }
+    Ok(best)
 }
 
 /// One run of a stream: who sends, how much, and when the receiver is told.
@@ -338,57 +486,64 @@ pub fn reset_incoming(pair: &ShmPair) {
 
 /// The raw TCP stream, on rank 0 or 1: one `write` of `size` bytes per
 /// message; the receiver says it is ready with one byte, reads every
-/// message, then acknowledges with one byte.
+/// message, then acknowledges with one byte. Both sides wait as `wait`
+/// says (see [`tcp_pingpong`]); the floor is the faster of the two.
 /// Bidirectional streams read on a second thread. Returns elapsed µs.
-pub fn tcp_stream(s: &mut TcpStream, rank: usize, st: &Stream, src: &[u8]) -> Result<f64> {
+pub fn tcp_stream(
+    s: &mut TcpPair,
+    rank: usize,
+    st: &Stream,
+    src: &[u8],
+    timeout: Duration,
+    wait: TcpWait,
+) -> Result<f64> {
+    s.set_nonblocking(wait == TcpWait::Poll)?;
     let size = st.size as usize;
     let total = st.messages() * size;
-    let receive = |mut rx: TcpStream| -> Result<()> {
+    let receive = |rx: &mut TcpStream| -> Result<()> {
         let mut buf = vec![0u8; (1 << 20).min(total.max(1))];
         let mut left = total;
         while left > 0 {
             let want = left.min(buf.len());
-            let n = rx.read(&mut buf[..want])?;
-            if n == 0 {
-                bail!("the floor's TCP peer closed the stream");
-            }
-            left -= n;
+            poll_read(rx, &mut buf[..want], timeout)?;
+            left -= want;
         }
         Ok(())
     };
     // "Ready" first, so that the clock starts when the receiver is.
     if st.receives(rank) {
-        s.write_all(&[2])?;
+        poll_write(&mut s.tx, &[2], timeout)?;
     }
     if st.sends(rank) {
-        s.read_exact(&mut [0u8])
-            .context("waiting for the floor's receiver")?;
+        poll_read(&mut s.rx, &mut [0u8], timeout).context("waiting for the floor's receiver")?;
     }
     let t = Instant::now();
     if st.bidir {
-        let rx = s.try_clone()?;
+        let TcpPair { tx, rx } = &mut *s;
         std::thread::scope(|sc| -> Result<()> {
             let h = sc.spawn(move || receive(rx));
             for m in 0..st.messages() {
                 let off = st.slots.offset(m) as usize;
-                s.write_all(&src[off..off + size])?;
+                poll_write(tx, &src[off..off + size], timeout)?;
             }
             h.join()
                 .map_err(|_| anyhow::anyhow!("the floor's TCP reader panicked"))??;
             Ok(())
         })?;
-        s.write_all(&[1])?;
-        s.read_exact(&mut [0u8])?;
+        poll_write(&mut s.tx, &[1], timeout)?;
+        poll_read(&mut s.rx, &mut [0u8], timeout)?;
     } else if rank == 0 {
         for m in 0..st.messages() {
             let off = st.slots.offset(m) as usize;
-            s.write_all(&src[off..off + size])?;
+            poll_write(&mut s.tx, &src[off..off + size], timeout)?;
         }
-        s.read_exact(&mut [0u8])
+        poll_read(&mut s.rx, &mut [0u8], timeout)
             .context("waiting for the floor's acknowledgement")?;
     } else {
-        receive(s.try_clone()?)?;
-        s.write_all(&[1])?;
+        receive(&mut s.rx)?;
+        poll_write(&mut s.tx, &[1], timeout)?;
     }
-    Ok(t.elapsed().as_secs_f64() * 1e6)
+    let us = t.elapsed().as_secs_f64() * 1e6;
+    s.set_nonblocking(false)?;
+    Ok(us)
 }

@@ -165,7 +165,7 @@ fn rank_main(args: &PingPongArgs) -> Result<()> {
     crate::common::bind_rank_thread(c, comm.local_rank())?;
     let floor_kind = FloorKind::for_path(&path);
     let floor_name = match floor_kind {
-        FloorKind::Tcp => "raw TCP ping-pong of the same size",
+        FloorKind::Tcp => "raw TCP ping-pong of the same size, the faster of polling and blocking",
         FloorKind::Shm => "raw shared-memory copy + flag ping-pong of the same size",
     };
     let mut tcp = match floor_kind {
@@ -234,7 +234,9 @@ fn rank_main(args: &PingPongArgs) -> Result<()> {
             }
             floors.push(match (&shm, &mut tcp) {
                 (Some(pair), _) => median(&floor::shm_pingpong(pair, &comm, size, warm, iters)?),
-                (None, Some(s)) => median(&floor::tcp_pingpong(s, r, size, warm, iters)?),
+                (None, Some(s)) => {
+                    floor::tcp_pingpong_floor(s, r, size, (warm, iters), comm.timeout())?
+                }
                 (None, None) => f64::NAN,
             });
             crate::progress::tick(r);
