@@ -17,8 +17,10 @@
 //!
 //! `--device cuda` runs the low-latency mode on CUDA ranks (gin-ep's
 //! `CudaBuffer`, kernels including `gin/gin.cuh`; ranks share a GPU where
-//! there are fewer GPUs than ranks) beside the same floor as a kernel
-//! (`ep_floor`: one block per peer, one put and one signal each). Each
+//! there are fewer GPUs than ranks) beside a floor kernel (`ep_floor`: the
+//! same bytes to each peer in equal parts over as many blocks as the
+//! phases' kernels use, one put and one signal per part; a single block per
+//! peer, as before 2026-11-25, copied too slowly to bound anything). Each
 //! phase is timed on the GPU (`%globaltimer`, from the kernel's first block
 //! start to its last block end) after a bootstrap barrier; a run's figure
 //! is the slowest rank's mean, as on CPU ranks.
@@ -227,7 +229,8 @@ fn table(all: &[MoeResult]) -> Table {
     }
     t.note(
         "per step: the slowest rank's mean over a run, median and p10/p90 over runs; GB/s = rank 0's bytes \
-         (DeepEP's accounting) / median; floor = the same bytes by one plain put + signal per peer",
+         (DeepEP's accounting) / median; floor = the same bytes by plain puts + one signal per part \
+         (CPU ranks: one part per peer; CUDA ranks: each peer's bytes over the phases' grid)",
     );
     t
 }

@@ -103,6 +103,40 @@ __device__ __forceinline__ const u8* meta_of(const Window& send, u64 tok, u32 m,
   return (const u8*)send.local_base + tok * m + p;
 }
 
+// Block-wide: the staged tokens among [base, base + blockDim.x) whose top-k
+// names expert e, in token order, into list[0..n); returns n on every
+// thread. blockDim.x is a multiple of 32 (the host launches 512 threads).
+__device__ u32 hits_of(const Window& send, u32 base, u32 tokens, u32 m, u32 p, u32 k, u32 e,
+                       u32* list) {
+  __shared__ u32 before[32];
+  __shared__ u32 total;
+  const u32 tok = base + threadIdx.x, lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+  bool hit = false;
+  if (tok < tokens) {
+    const int* ids = (const int*)(meta_of(send, tok, m, p) + 4);
+    for (u32 j = 0; j < k; ++j) hit |= ids[j] == (int)e;
+  }
+  const u32 ballot = __ballot_sync(0xffffffffu, hit);
+  if (lane == 0) before[warp] = __popc(ballot);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    u32 sum = 0;
+    for (u32 w = 0; w < blockDim.x / 32u; ++w) {
+      const u32 c = before[w];
+      before[w] = sum;
+      sum += c;
+    }
+    total = sum;
+  }
+  __syncthreads();
+  if (hit) list[before[warp] + __popc(ballot & ((1u << lane) - 1u))] = tok;
+  __syncthreads();
+  const u32 n = total;
+  // Nobody rewrites `before` or `total` (the next call) before all read.
+  __syncthreads();
+  return n;
+}
+
 // Round to nearest even, NaN kept a NaN: gin-ep's Bf16::from_f32.
 __device__ __forceinline__ unsigned short to_bf16(float v) {
   const u32 bits = __float_as_uint(v);
@@ -130,18 +164,30 @@ extern "C" __global__ void ep_ll_dispatch(DevComm dc, Window send, Window recv, 
                                           u64* seen, u32* counts, u32* meta, u64* clock) {
   ep::clock_start(clock);
   const u32 r = dc.nranks, experts = l * r;
+  // Each warp puts its own tokens (warp-wide copies of a message, all the
+  // block's warps at once); the expert's signal follows the block's puts.
+  __shared__ u32 list[1024];
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  const u32 warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   for (u32 e = blockIdx.x; e < experts; e += gridDim.x) {
     const u32 dst = e / l, le = e % l;
     if (!active[dst]) continue;
     u32 count = 0;
-    for (u32 tok = 0; tok < tokens; ++tok) {
-      const int* ids = (const int*)(ep::meta_of(send, tok, m, p) + 4);
-      bool hit = false;
-      for (u32 j = 0; j < k; ++j) hit |= ids[j] == (int)e;
-      if (!hit) continue;
-      const u64 off = ((u64)(le * r + dc.rank) * t + count) * m;
-      if (put(dc, 0, dst, recv, off, send, (u64)tok * m, m, no_signal(), no_counter(), CTA)) return;
-      ++count;
+    for (u32 base = 0; base < tokens; base += blockDim.x) {
+      const u32 n = ep::hits_of(send, base, tokens, m, p, k, e, list);
+      for (u32 j = warp; j < n; j += warps) {
+        const u64 off = ((u64)(le * r + dc.rank) * t + count + j) * m;
+        if (put(dc, 0, dst, recv, off, send, (u64)list[j] * m, m, no_signal(), no_counter(),
+                WARP)) {
+          if ((threadIdx.x & 31u) == 0) failed = 1;
+          break;
+        }
+      }
+      count += n;
+      __syncthreads();
+      if (failed) return;
     }
     if (signal(dc, 0, dst, signal_add(le * r + dc.rank, (u64)count + 1), CTA)) return;
   }
@@ -212,19 +258,29 @@ extern "C" __global__ void ep_ll_combine(DevComm dc, Window send, Window csend, 
   ep::clock_start(clock);
   const u32 r = dc.nranks, experts = l * r;
   const u64 h2 = 2ull * h;
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  const u32 warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   for (u32 q = blockIdx.x; q < experts; q += gridDim.x) {
     const u32 le = q / r, src = q % r;
     if (!active[src]) continue;
     const u32 c = counts[q] > t ? t : counts[q];
-    for (u32 i = 0; i < c; ++i) {
+    // A warp per token, all the block's warps at once; the pair's signal
+    // follows the block's puts.
+    for (u32 i = warp; i < c; i += warps) {
       const u32* md = meta + 3 * ((u64)q * t + i);
       const u32 tok = md[0], kk = md[1];
       // The host refuses the step before combining (EpError::Protocol).
       if (tok >= t || kk >= k) continue;
       if (put(dc, 0, src, crecv, ((u64)tok * k + kk) * h2, csend, ((u64)q * t + i) * h2, h2,
-              no_signal(), no_counter(), CTA))
-        return;
+              no_signal(), no_counter(), WARP)) {
+        if ((threadIdx.x & 31u) == 0) failed = 1;
+        break;
+      }
     }
+    __syncthreads();
+    if (failed) return;
     if (signal(dc, 0, src, signal_add(experts + dc.rank * l + le, 1), CTA)) return;
   }
   // csend is rewritten by the next step's expert.
@@ -234,13 +290,35 @@ extern "C" __global__ void ep_ll_combine(DevComm dc, Window send, Window csend, 
     const u8* md = ep::meta_of(send, tok, m, p);
     const int* ids = (const int*)(md + 4);
     const float* w = (const float*)(md + 4 + 4 * (u64)k);
+    const u8* rows = (const u8*)crecv.local_base + (u64)tok * k * h2;
+    if ((h & 7u) == 0) {
+      // Eight columns per thread, one 16-byte load per slot: the same
+      // products and sums, in the same order, as the column loop below.
+      for (u32 col = 8 * threadIdx.x; col < h; col += 8 * blockDim.x) {
+        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (u32 j = 0; j < k; ++j) {
+          const int e = ids[j];
+          if (e < 0 || (u32)e >= experts || !active[(u32)e / l]) continue;
+          const uint4 v = *(const uint4*)(rows + j * h2 + 2ull * col);
+          const u32 words[4] = {v.x, v.y, v.z, v.w};
+          for (u32 c = 0; c < 8; ++c) {
+            const unsigned short b = (unsigned short)(words[c / 2] >> (16 * (c % 2)));
+            acc[c] = __fadd_rn(acc[c], __fmul_rn(w[j], ep::from_bf16(b)));
+          }
+        }
+        u32 o[4];
+        for (u32 c = 0; c < 4; ++c)
+          o[c] = (u32)ep::to_bf16(acc[2 * c]) | ((u32)ep::to_bf16(acc[2 * c + 1]) << 16);
+        *(uint4*)(out + (u64)tok * h + col) = make_uint4(o[0], o[1], o[2], o[3]);
+      }
+      continue;
+    }
     for (u32 col = threadIdx.x; col < h; col += blockDim.x) {
       float acc = 0.0f;
       for (u32 j = 0; j < k; ++j) {
         const int e = ids[j];
         if (e < 0 || (u32)e >= experts || !active[(u32)e / l]) continue;
-        const unsigned short* row =
-            (const unsigned short*)((const u8*)crecv.local_base + ((u64)tok * k + j) * h2);
+        const unsigned short* row = (const unsigned short*)(rows + j * h2);
         // No contraction into an FMA: the CPU ranks' reduction rounds the
         // product and the sum separately.
         acc = __fadd_rn(acc, __fmul_rn(w[j], ep::from_bf16(row[col])));
@@ -251,15 +329,22 @@ extern "C" __global__ void ep_ll_combine(DevComm dc, Window send, Window csend, 
   ep::clock_end(clock);
 }
 
-// The same-job floor: one block per peer puts bytes[peer] bytes of send to
-// the peer's recv at rank * block with one signal each (signal 0), then
-// every block waits until signal 0 reaches target (the host counts
-// nranks per exchange) and flushes.
+// The same-job floor: the same bytes as a phase, by plain puts spread over
+// the grid the phase's kernels use. The host launches nranks x parts
+// blocks; block b puts part b / nranks of bytes[peer] (peer = rank + b, mod
+// nranks; parts of 16-byte multiples) of send to the peer's recv at rank *
+// block with one signal each (signal 0), then every block waits until
+// signal 0 reaches target (the host counts nranks x parts per exchange) and
+// flushes.
 extern "C" __global__ void ep_floor(DevComm dc, Window send, Window recv, u64 block,
                                     const u64* bytes, u64 target, u64* clock) {
   ep::clock_start(clock);
-  const u32 peer = (dc.rank + blockIdx.x) % dc.nranks;
-  if (put(dc, 0, peer, recv, (u64)dc.rank * block, send, 0, bytes[peer], signal_inc(0),
+  const u32 n = dc.nranks, parts = gridDim.x / n;
+  const u32 peer = (dc.rank + blockIdx.x) % n, part = blockIdx.x / n;
+  const u64 total = bytes[peer];
+  const u64 chunk = ((total + parts - 1) / parts + 15) & ~15ull;
+  const u64 lo = min(total, (u64)part * chunk), hi = min(total, lo + chunk);
+  if (put(dc, 0, peer, recv, (u64)dc.rank * block + lo, send, lo, hi - lo, signal_inc(0),
           no_counter(), CTA))
     return;
   if (ep::wait_from(dc, 0, target, NO_PEER)) return;

@@ -739,9 +739,10 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     }
 }
 
-/// The same-job floor of `gin-bench moe --device cuda`: one put per peer of
-/// a whole phase's bytes and one signal each (`ep_floor`), on its own
-/// device communicator and windows.
+/// The same-job floor of `gin-bench moe --device cuda`: a phase's bytes to
+/// each peer by plain puts spread over as many blocks as the phase's
+/// kernels run (`ep_floor`: each peer's bytes in equal parts, one put and
+/// one signal per part), on its own device communicator and windows.
 #[derive(Debug)]
 pub struct CudaFloor<'a, 'c> {
     cuda: &'a CudaComm<'c>,
@@ -754,6 +755,8 @@ pub struct CudaFloor<'a, 'c> {
     comb: DevMem,
     clock: DevMem,
     target: u64,
+    /// Blocks per peer.
+    parts: u32,
     kernels: Kernels,
 }
 
@@ -812,7 +815,16 @@ impl<'a, 'c> CudaFloor<'a, 'c> {
             recv,
             block,
             target: 0,
+            parts: (BLOCKS / u32::try_from(n).unwrap_or(u32::MAX)).max(1),
         })
+    }
+
+    /// Spreads each peer's bytes over `blocks` blocks in all (at least one
+    /// per peer), as [`CudaBuffer::set_blocks`] sets the phases' grid; the
+    /// same on every rank.
+    pub fn set_blocks(&mut self, blocks: u32) {
+        let n = u32::try_from(self.cuda.comm().nranks()).unwrap_or(u32::MAX);
+        self.parts = (blocks / n).max(1);
     }
 
     /// One exchange (the dispatch's bytes or the combine's); returns when
@@ -820,7 +832,8 @@ impl<'a, 'c> CudaFloor<'a, 'c> {
     pub fn step(&mut self, dispatch: bool) -> Result<KernelClock, EpError> {
         let n = self.cuda.comm().nranks();
         self.cuda.device().make_current().map_err(CoreError::from)?;
-        self.target += n as u64;
+        let grid = Self::ranks_u32(n).saturating_mul(self.parts);
+        self.target += u64::from(grid);
         reset_clock(&self.clock)?;
         let bytes = if dispatch { &self.disp } else { &self.comb };
         let args = [
@@ -835,12 +848,13 @@ impl<'a, 'c> CudaFloor<'a, 'c> {
         let rank = self.cuda.comm().rank();
         // SAFETY: ep_floor(DevComm, Window send, Window recv, u64 block,
         // const u64* bytes, u64 target, u64* clock) takes these in this
-        // order; block b puts bytes[peer] ≤ block bytes of send (block
-        // bytes) to the peer's recv at rank × block (nranks × block bytes),
-        // one block per rank; bytes holds nranks u64, clock 2.
+        // order; the blocks for a peer put parts of bytes[peer] ≤ block
+        // bytes of send (block bytes) to the peer's recv at rank × block
+        // (nranks × block bytes), nranks × parts blocks in all; bytes holds
+        // nranks u64, clock 2.
         unsafe {
             self.dc
-                .run(&self.kernels.floor, Self::ranks_u32(n), THREADS, &args)
+                .run(&self.kernels.floor, grid, THREADS, &args)
                 .map_err(|e| kernel_error(rank, "floor", e))?;
         }
         Ok(read_clock(&self.clock)?)
