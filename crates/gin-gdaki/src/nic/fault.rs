@@ -230,6 +230,11 @@ impl FaultLog {
         self.0.get(queue).and_then(OnceLock::get)
     }
 
+    /// Some queue's first error completion, if any queue has one.
+    pub fn any(&self) -> Option<&QpFault> {
+        self.0.iter().find_map(OnceLock::get)
+    }
+
     pub(super) fn record(&self, f: &QpFault) {
         if let Some(slot) = self.0.get(f.queue) {
             let _ = slot.set(f.clone());

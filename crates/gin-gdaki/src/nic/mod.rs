@@ -228,12 +228,24 @@ impl SoftNic {
     }
 
     /// The first error this NIC met: an error completion, or why it stopped.
+    ///
+    /// An error completion is logged per queue before its CQE is published
+    /// and reported here from that log too, so whoever saw the CQE (a
+    /// kernel that ended on it) finds the reason even before the thread
+    /// has finished its pass and recorded the fault as its first error.
     pub fn first_error(&self) -> Option<DriverError> {
-        self.shared
+        let first = self
+            .shared
             .first
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+            .clone();
+        first.or_else(|| {
+            self.shared.faults.any().map(|f| DriverError::Fault {
+                nic: self.shared.name.clone(),
+                fault: f.clone(),
+            })
+        })
     }
 
     /// Stops the thread (draining first if so configured) and reports the

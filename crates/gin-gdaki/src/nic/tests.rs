@@ -988,3 +988,97 @@ fn a_driver_whose_executor_cannot_enter_reports_it_and_executes_nothing() {
     assert!(e.to_string().contains("entering failed"), "{e}");
     assert_eq!(collapsed(&qps[MAIN]).opcode, CQE_INVALID);
 }
+
+/// An executor that stops in the middle of the pass that publishes the
+/// first completion, until the test lets it go: what a kernel sees while
+/// the NIC's thread has not finished that pass.
+struct Gate {
+    inner: Fake,
+    published: std::sync::mpsc::Sender<()>,
+    release: std::sync::mpsc::Receiver<()>,
+    held: bool,
+}
+
+impl Executor for Gate {
+    type Cq = CqView;
+
+    fn part(&mut self, window: u32, rank: usize) -> Option<Part> {
+        self.inner.part(window, rank)
+    }
+    fn write(&mut self, ch: Channel, dst: Loc, src: Payload<'_>) -> Result<(), ExecError> {
+        self.inner.write(ch, dst, src)
+    }
+    fn read(&mut self, ch: Channel, src: Loc, dst: Loc) -> Result<ReadStatus, ExecError> {
+        self.inner.read(ch, src, dst)
+    }
+    fn read_done(&mut self, t: ReadTicket) -> Result<bool, ExecError> {
+        self.inner.read_done(t)
+    }
+    fn fetch_add(&mut self, ch: Channel, at: Loc, add: u64) -> Result<u64, ExecError> {
+        self.inner.fetch_add(ch, at, add)
+    }
+    fn compare_swap(&mut self, ch: Channel, at: Loc, c: u64, s: u64) -> Result<u64, ExecError> {
+        self.inner.compare_swap(ch, at, c, s)
+    }
+    fn publish(&mut self, ch: Channel, cq: &CqView, stores: &[CqStore]) -> Result<(), ExecError> {
+        self.inner.publish(ch, cq, stores)?;
+        if !self.held {
+            self.held = true;
+            let _ = self.published.send(());
+            // Until the test lets go (or has gone).
+            let _ = self.release.recv();
+        }
+        Ok(())
+    }
+    fn confirm(&self, peer: usize) -> Result<(), ExecError> {
+        self.inner.confirm(peer)
+    }
+    fn health(&self) -> Result<(), ExecError> {
+        self.inner.health()
+    }
+}
+
+/// A kernel that ends on an error CQE asks the NIC why at once (CUDA
+/// ranks' watch does): the reason must be known as soon as the CQE is
+/// visible, not only once the NIC's thread has finished that pass. On the
+/// H200 the watch once asked in between and reported the bare syndrome.
+#[test]
+fn the_reason_for_an_error_cqe_is_known_as_soon_as_the_cqe_is_visible() {
+    let mut r = rig(true, 3);
+    r.fake.refuse_writes(DATA, 1);
+    r.post(MAIN, &[(write(0, 8), FM_NONE)]);
+    let Rig { fake, engine, qps } = r;
+    let (published, seen) = std::sync::mpsc::channel();
+    let (release, held) = std::sync::mpsc::channel();
+    let gate = Gate {
+        inner: fake,
+        published,
+        release: held,
+        held: false,
+    };
+    let cfg = DriverConfig {
+        name: "nic-under-test".into(),
+        idle: Idle::cpu(std::time::Duration::ZERO),
+        drain_on_stop: true,
+        join_within: std::time::Duration::MAX,
+    };
+    let nic = SoftNic::start(engine, gate, cfg).unwrap();
+    // Dropped before `nic` (whose drop joins the held thread) if an
+    // assertion below fails.
+    let release = release;
+    // (A bound against a hang only: the pass publishes at once.)
+    seen.recv_timeout(std::time::Duration::from_secs(30))
+        .expect("the NIC published the error CQE");
+    // The thread is inside that pass now, and stays there.
+    assert_eq!(collapsed(&qps[MAIN]).opcode, CQE_REQ_ERR);
+    let e = nic
+        .first_error()
+        .expect("the reason is known while the pass is still running");
+    assert!(
+        matches!(&e, DriverError::Fault { nic, fault } if nic == "nic-under-test"
+            && fault.syndrome == syndrome::REMOTE_ACCESS_ERR),
+        "{e}"
+    );
+    release.send(()).unwrap();
+    assert!(matches!(nic.stop(), Err(DriverError::Fault { .. })));
+}
