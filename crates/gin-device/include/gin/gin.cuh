@@ -208,19 +208,22 @@ GIN_DEV void coop_copy(Coop c, u8* dst, const u8* src, u64 bytes) {
     const u64 vecs = bytes / 16;
     uint4* d = (uint4*)dst;
     const uint4* s = (const uint4*)src;
-    u64 i = r;
-    // Eight 16-byte loads in flight per thread before the stores: a lone
-    // thread or a warp is bound by load latency, not by the link.
+    // Up to eight 16-byte loads in flight per thread before the stores: a
+    // lone thread or a warp is bound by load latency, not by the link. The
+    // last round is predicated rather than left to a one-load loop, which
+    // left every copy of fewer than eight vectors per thread (64 KiB for a
+    // 512-thread block, so each block's share of a 4 MiB put over 66 or
+    // more blocks) waiting on one load at a time.
 #pragma unroll 1
-    for (; i + 7 * n < vecs; i += 8 * n) {
+    for (u64 i = r; i < vecs; i += 8 * (u64)n) {
       uint4 v[8];
 #pragma unroll
-      for (int k = 0; k < 8; ++k) v[k] = s[i + k * n];
+      for (int k = 0; k < 8; ++k)
+        if (i + k * n < vecs) v[k] = s[i + k * n];
 #pragma unroll
-      for (int k = 0; k < 8; ++k) d[i + k * n] = v[k];
+      for (int k = 0; k < 8; ++k)
+        if (i + k * n < vecs) d[i + k * n] = v[k];
     }
-#pragma unroll 1
-    for (; i < vecs; i += n) d[i] = s[i];
     head = vecs * 16;
   }
 #pragma unroll 1
