@@ -274,7 +274,3 @@ impl<'c> CudaComm<'c> {
 pub fn skip_reason() -> Option<String> {
     available().err().map(|e| e.to_string())
 }
-
-/// The kernels of `gin-cuda-selftest` and the CUDA benchmarks (CUDA C++ that
-/// includes `gin/gin.cuh`), for [`CudaComm::compile`].
-pub const SELFTEST_KERNELS: &str = include_str!("../../kernels/selftest.cu");
