@@ -28,6 +28,17 @@
 //!   all-to-all (fixed and variable sizes), binomial broadcast, dissemination
 //!   barrier. Every blocking call honours [`Config::timeout`] (`GIN_TIMEOUT`),
 //!   and its error names the ranks it was waiting for.
+//! - **Liveness** ([`liveness`]): a rank that was stopped (SIGSTOP, a
+//!   debugger, a frozen cgroup) keeps its sockets open, so the death watch
+//!   cannot see it; after a timeout, the process state of same-host peers
+//!   (from `/proc`, by pid, start time, boot id and pid namespace) names the
+//!   stopped or gone ones.
+//! - **Records** ([`record`]): the small codec for what ranks allgather
+//!   (window parts, host ids, placements); decoding checks the shape and
+//!   names the rank that sent a malformed record. [`Bootstrap::agree`]
+//!   ([`agree`]) is the collective for values every rank must give alike:
+//!   every rank fails with the same error naming the field and who gave
+//!   what.
 //! - **Frames** ([`frame`]) are length-prefixed and versioned; lengths are
 //!   checked before allocation and payloads read in bounded chunks.
 //! - **Launch.** [`launch()`] starts N local rank processes with the `GIN_*`
@@ -56,6 +67,7 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod agree;
 mod cli;
 mod collectives;
 mod comm;
@@ -65,7 +77,9 @@ pub mod frame;
 mod gate;
 mod id;
 pub mod launch;
+pub mod liveness;
 mod net;
+pub mod record;
 mod root;
 pub mod selftest;
 

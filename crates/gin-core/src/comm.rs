@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use gin_bootstrap::Bootstrap;
+use gin_bootstrap::liveness::{Liveness, ProcessId};
 use gin_device::{
     Backend, Counters, CpuStart, DevComm, DevCommParts, Exchange, Health, HostError, Window,
     WindowParts,
@@ -19,7 +20,6 @@ use tracing::{debug, info};
 
 use crate::config::Settings;
 use crate::error::CoreError;
-use crate::liveness::{Liveness, ProcessId};
 use crate::record::{HostRecord, WindowRecord};
 use crate::requirements;
 use crate::space::IdSpace;

@@ -179,6 +179,23 @@ pub enum CoreError {
     },
 }
 
+impl From<gin_bootstrap::record::Malformed> for CoreError {
+    fn from(e: gin_bootstrap::record::Malformed) -> Self {
+        let gin_bootstrap::record::Malformed {
+            rank,
+            what,
+            got,
+            expected,
+        } = e;
+        CoreError::MalformedRecord {
+            rank,
+            what,
+            got,
+            expected,
+        }
+    }
+}
+
 impl From<gin_cuda::CudaError> for CoreError {
     /// Keeps the variants callers matched before the runtime had its own
     /// crate: a missing driver or NVRTC is [`CoreError::Unavailable`] with

@@ -43,7 +43,6 @@ pub mod config;
 pub mod cuda;
 mod error;
 pub mod launch;
-mod liveness;
 mod record;
 pub mod requirements;
 pub mod space;

@@ -1,7 +1,11 @@
-//! The records CPU ranks allgather while building a communicator and its
-//! windows, as small codecs: decoding checks the shape and names the rank
-//! that sent a malformed record (the ranks run different builds, or memory
-//! was corrupted), instead of slicing bytes by hand at each use.
+//! The records ranks allgather while building a communicator, its windows
+//! and device communicators, CPU and CUDA alike, each a layout over
+//! gin-bootstrap's record codec ([`gin_bootstrap::record`]): decoding checks
+//! the shape and names the rank that sent a malformed record (the ranks run
+//! different builds, or memory was corrupted), instead of slicing bytes by
+//! hand at each use.
+
+use gin_bootstrap::record::{Reader, Writer};
 
 use crate::error::CoreError;
 
@@ -10,35 +14,25 @@ use crate::error::CoreError;
 pub(crate) struct HostRecord<'a> {
     /// The host id (`GIN_HOSTID` or the machine's).
     pub host: &'a [u8],
-    /// The encoded process identity (`liveness::ProcessId`).
+    /// The encoded process identity (`gin_bootstrap::liveness::ProcessId`).
     pub process: &'a [u8],
 }
 
 impl<'a> HostRecord<'a> {
     /// Host id length (u32 LE), host id, process identity.
     pub fn encode(&self) -> Vec<u8> {
-        let mut b = (self.host.len() as u32).to_le_bytes().to_vec();
-        b.extend_from_slice(self.host);
-        b.extend_from_slice(self.process);
-        b
+        Writer::new()
+            .prefixed(self.host)
+            .bytes(self.process)
+            .finish()
     }
 
     /// Decodes what rank `rank` sent.
     pub fn decode(rank: usize, b: &'a [u8]) -> Result<Self, CoreError> {
-        let malformed = || CoreError::MalformedRecord {
-            rank,
-            what: "host record".into(),
-            got: b.len(),
-            expected: 4,
-        };
-        let len = b
-            .get(..4)
-            .map(|l| u32::from_le_bytes([l[0], l[1], l[2], l[3]]) as usize)
-            .ok_or_else(malformed)?;
-        let end = 4usize.checked_add(len).ok_or_else(malformed)?;
+        let mut r = Reader::with_head(rank, "host record", b, 4)?;
         Ok(Self {
-            host: b.get(4..end).ok_or_else(malformed)?,
-            process: b.get(end..).ok_or_else(malformed)?,
+            host: r.prefixed()?,
+            process: r.rest(),
         })
     }
 }
@@ -62,56 +56,105 @@ impl<'a> WindowRecord<'a> {
     /// Size (u64 LE), key (u32 LE), address (u64 LE), shared flag (one byte,
     /// 0 or 1), then the segment path in UTF-8.
     pub const HEAD: usize = 21;
-    // (Decoding spells the 21 out: a generic `Self` cannot size an array.)
 
     pub fn encode(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(Self::HEAD + self.segment.len());
-        b.extend_from_slice(&self.size.to_le_bytes());
-        b.extend_from_slice(&self.key.to_le_bytes());
-        b.extend_from_slice(&self.addr.to_le_bytes());
-        b.push(u8::from(self.shared));
-        b.extend_from_slice(self.segment.as_bytes());
-        b
+        Writer::new()
+            .u64(self.size)
+            .u32(self.key)
+            .u64(self.addr)
+            .flag(self.shared)
+            .bytes(self.segment.as_bytes())
+            .finish()
     }
 
     /// Decodes what rank `rank` sent for window `window`.
     pub fn decode(rank: usize, window: u32, b: &'a [u8]) -> Result<Self, CoreError> {
-        let what = |why: &str| format!("window {window} record ({why})");
-        let head: &[u8; 21] = b
-            .get(..Self::HEAD)
-            .and_then(|h| h.try_into().ok())
-            .ok_or_else(|| CoreError::MalformedRecord {
-                rank,
-                what: what("too short"),
-                got: b.len(),
-                expected: Self::HEAD,
-            })?;
-        let shared = match head[20] {
-            0 => false,
-            1 => true,
-            _ => {
-                return Err(CoreError::MalformedRecord {
-                    rank,
-                    what: what("a shared flag that is neither 0 nor 1"),
-                    got: b.len(),
-                    expected: Self::HEAD,
-                });
-            }
-        };
-        let segment =
-            std::str::from_utf8(&b[Self::HEAD..]).map_err(|_| CoreError::MalformedRecord {
-                rank,
-                what: what("a segment path that is not UTF-8"),
-                got: b.len(),
-                expected: Self::HEAD,
-            })?;
-        let word = |at: usize| u64::from_le_bytes(std::array::from_fn(|i| head[at + i]));
+        let what = format!("window {window} record");
+        let mut r = Reader::with_head(rank, &what, b, Self::HEAD)?;
         Ok(Self {
-            size: word(0),
-            key: u32::from_le_bytes(std::array::from_fn(|i| head[8 + i])),
-            addr: word(12),
-            shared,
-            segment,
+            size: r.u64()?,
+            key: r.u32()?,
+            addr: r.u64()?,
+            shared: r.flag("shared flag")?,
+            segment: r.rest_str("a segment path")?,
+        })
+    }
+}
+
+/// What a rank tells the others about its part of a GPU window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct GpuWindowRecord {
+    /// The part's size in bytes.
+    pub size: u64,
+    /// Its device address on the sending rank (what WQEs name).
+    pub addr: u64,
+    /// Its CUDA IPC handle, for same-host peers.
+    pub ipc: [u8; 64],
+    /// Its region key for TCP peers (0: not served over TCP).
+    pub key: u32,
+}
+
+impl GpuWindowRecord {
+    /// Encoded length: size, address (u64 LE each), the IPC handle, the
+    /// key (u32 LE).
+    pub const LEN: usize = 84;
+
+    pub fn encode(&self) -> Vec<u8> {
+        Writer::new()
+            .u64(self.size)
+            .u64(self.addr)
+            .bytes(&self.ipc)
+            .u32(self.key)
+            .finish()
+    }
+
+    /// Decodes what rank `rank` sent for GPU window `window`.
+    pub fn decode(rank: usize, window: u32, b: &[u8]) -> Result<Self, CoreError> {
+        let what = format!("GPU window {window} record");
+        let mut r = Reader::exact(rank, &what, b, Self::LEN)?;
+        Ok(Self {
+            size: r.u64()?,
+            addr: r.u64()?,
+            ipc: r.array()?,
+            key: r.u32()?,
+        })
+    }
+}
+
+/// Where a rank placed a CUDA device communicator's signals and counters,
+/// and whether it reaches every peer by load/store. Every rank must place
+/// them alike.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Placement {
+    /// First signal slot.
+    pub signals: u64,
+    /// First counter slot.
+    pub counters: u64,
+    /// Whether this rank reaches every rank it is connected to by
+    /// load/store.
+    pub lsa_only: bool,
+}
+
+impl Placement {
+    /// Encoded length: signals, counters (u64 LE each), then 0 or 1.
+    pub const LEN: usize = 17;
+
+    pub fn encode(&self) -> Vec<u8> {
+        Writer::new()
+            .u64(self.signals)
+            .u64(self.counters)
+            .flag(self.lsa_only)
+            .finish()
+    }
+
+    /// Decodes what rank `rank` sent.
+    pub fn decode(rank: usize, b: &[u8]) -> Result<Self, CoreError> {
+        let what = "CUDA device communicator placement record";
+        let mut r = Reader::exact(rank, what, b, Self::LEN)?;
+        Ok(Self {
+            signals: r.u64()?,
+            counters: r.u64()?,
+            lsa_only: r.flag("load/store flag")?,
         })
     }
 }
@@ -179,5 +222,80 @@ mod tests {
         name.extend_from_slice(&[0xff, 0xfe]);
         let e = WindowRecord::decode(2, 9, &name).unwrap_err().to_string();
         assert!(e.contains("UTF-8"), "{e}");
+    }
+
+    #[test]
+    fn a_gpu_window_record_round_trips_in_the_layout_ranks_exchange() {
+        let r = GpuWindowRecord {
+            size: 0x0102_0304_0506_0708,
+            addr: 0x7f00_0000_1000,
+            ipc: std::array::from_fn(|i| i as u8 ^ 0xa5),
+            key: 0xfeed_beef,
+        };
+        let b = r.encode();
+        // The layout older builds sent by hand: size, address, handle, key.
+        assert_eq!(b[..8], r.size.to_le_bytes());
+        assert_eq!(b[8..16], r.addr.to_le_bytes());
+        assert_eq!(b[16..80], r.ipc);
+        assert_eq!(b[80..], r.key.to_le_bytes());
+        assert_eq!(GpuWindowRecord::decode(3, 9, &b).unwrap(), r);
+    }
+
+    #[test]
+    fn a_malformed_gpu_window_record_names_the_rank_and_window() {
+        let b = [0u8; 80];
+        let e = GpuWindowRecord::decode(3, 9, &b).unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                CoreError::MalformedRecord {
+                    rank: 3,
+                    got: 80,
+                    expected: 84,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert_eq!(
+            e.to_string(),
+            "rank 3 sent a malformed GPU window 9 record (80 bytes, expected 84)"
+        );
+        assert!(GpuWindowRecord::decode(0, 0, &[0u8; 85]).is_err());
+    }
+
+    #[test]
+    fn a_placement_round_trips_and_refuses_a_bad_flag() {
+        for lsa_only in [false, true] {
+            let p = Placement {
+                signals: 17,
+                counters: u64::MAX - 3,
+                lsa_only,
+            };
+            let b = p.encode();
+            assert_eq!(b[..8], 17u64.to_le_bytes());
+            assert_eq!(b[16], u8::from(lsa_only));
+            assert_eq!(Placement::decode(1, &b).unwrap(), p);
+        }
+        let mut b = Placement {
+            signals: 0,
+            counters: 0,
+            lsa_only: true,
+        }
+        .encode();
+        b[16] = 2;
+        let e = Placement::decode(5, &b).unwrap_err();
+        assert!(
+            matches!(e, CoreError::MalformedRecord { rank: 5, .. }),
+            "{e}"
+        );
+        assert!(matches!(
+            Placement::decode(2, &b[..16]),
+            Err(CoreError::MalformedRecord {
+                rank: 2,
+                got: 16,
+                ..
+            })
+        ));
     }
 }

@@ -15,10 +15,10 @@ use gin_device::abi::{
 use gin_device::{CudaEngine, CudaEngineSpec, HostBackend};
 use gin_net::Fabric;
 
-use super::record::Placement;
 use super::{CtxSharing, CudaComm, REACH_LSA, REACH_NONE, REACH_QUEUE};
 use crate::config::{BackendKind, Selection};
 use crate::error::CoreError;
+use crate::record::Placement;
 use crate::requirements;
 use crate::{Connection, DevCommRequirements};
 

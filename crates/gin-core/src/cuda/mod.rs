@@ -18,7 +18,7 @@
 //!   peers open each other's parts through CUDA IPC, so a kernel reaches a
 //!   peer's part by load/store over NVLink (or PCIe), and the proxy's copy
 //!   engine reaches it with `cuMemcpyAsync`. Ranks exchange their parts as
-//!   records with a codec (`record`). Each window is registered in the
+//!   records with gin-bootstrap's codec (gin-core's `record`). Each window is registered in the
 //!   fabric's window directory as `Memory::Device`, which the proxy and the
 //!   soft NIC resolve descriptors and keys against.
 //! - **Signals** are `nranks` sub-slots each (`DEVCOMM_FLAG_SENDER_SLOTS`) in
@@ -55,10 +55,9 @@
 //!   parts are served to it from the region table through the copy engine,
 //!   and the proxy (or soft NIC) stages what it sends and fetches through
 //!   pinned host memory. `auto` reaches such peers through the proxy.
-
 mod devcomm;
 pub mod nvrtc;
-mod record;
+
 mod window;
 
 #[doc(hidden)]

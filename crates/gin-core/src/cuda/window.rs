@@ -10,10 +10,10 @@ use gin_device::abi::WindowAbi;
 use gin_net::region::RegionTable;
 use gin_net::{Fabric, MemDesc, MemParts, Memory};
 
-use super::record::WindowRecord;
 use super::{COUNTER_KEY, CudaComm, WINDOW_KEY_BASE, window_key};
 use crate::comm::Comm;
 use crate::error::CoreError;
+use crate::record::GpuWindowRecord;
 
 /// A window in GPU memory, registered in the fabric's window directory as
 /// `Memory::Device`. Dropping it removes it from the directory, so the
@@ -130,7 +130,7 @@ impl CudaComm<'_> {
             Some(sv) => Some(serve(comm, &local, bytes, sv)?),
             None => None,
         };
-        let mine = WindowRecord {
+        let mine = GpuWindowRecord {
             size: bytes,
             addr: local.ptr(),
             ipc: handle,
@@ -229,7 +229,7 @@ fn open_parts(comm: &Comm, id: u32, local: &DevMem, all: &[Vec<u8>]) -> Result<P
         opened: Vec::new(),
     };
     for (p, rec) in all.iter().enumerate() {
-        let rec = WindowRecord::decode(p, id, rec)?;
+        let rec = GpuWindowRecord::decode(p, id, rec)?;
         parts.sizes.push(rec.size);
         parts.addrs.push(rec.addr);
         parts.tcp_keys.push(rec.key);
