@@ -200,7 +200,8 @@ impl From<gin_cuda::CudaError> for CoreError {
     /// Keeps the variants callers matched before the runtime had its own
     /// crate: a missing driver or NVRTC is [`CoreError::Unavailable`] with
     /// CPU ranks as the alternative, a failing driver call
-    /// [`CoreError::Cuda`]; everything else is carried whole.
+    /// [`CoreError::Cuda`], a malformed window record
+    /// [`CoreError::MalformedRecord`]; everything else is carried whole.
     fn from(e: gin_cuda::CudaError) -> Self {
         use gin_cuda::CudaError as E;
         match e {
@@ -220,6 +221,7 @@ impl From<gin_cuda::CudaError> for CoreError {
                 name: d.name,
                 text: d.text,
             },
+            E::Record(m) => m.into(),
             other => CoreError::CudaRuntime(other),
         }
     }

@@ -1,5 +1,6 @@
 //! The records ranks allgather while building a communicator, its windows
-//! and device communicators, CPU and CUDA alike, each a layout over
+//! and device communicators (a GPU window part's is gin-cuda's,
+//! `gin_cuda::window::PartRecord`), each a layout over
 //! gin-bootstrap's record codec ([`gin_bootstrap::record`]): decoding checks
 //! the shape and names the rank that sent a malformed record (the ranks run
 //! different builds, or memory was corrupted), instead of slicing bytes by
@@ -77,46 +78,6 @@ impl<'a> WindowRecord<'a> {
             addr: r.u64()?,
             shared: r.flag("shared flag")?,
             segment: r.rest_str("a segment path")?,
-        })
-    }
-}
-
-/// What a rank tells the others about its part of a GPU window.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct GpuWindowRecord {
-    /// The part's size in bytes.
-    pub size: u64,
-    /// Its device address on the sending rank (what WQEs name).
-    pub addr: u64,
-    /// Its CUDA IPC handle, for same-host peers.
-    pub ipc: [u8; 64],
-    /// Its region key for TCP peers (0: not served over TCP).
-    pub key: u32,
-}
-
-impl GpuWindowRecord {
-    /// Encoded length: size, address (u64 LE each), the IPC handle, the
-    /// key (u32 LE).
-    pub const LEN: usize = 84;
-
-    pub fn encode(&self) -> Vec<u8> {
-        Writer::new()
-            .u64(self.size)
-            .u64(self.addr)
-            .bytes(&self.ipc)
-            .u32(self.key)
-            .finish()
-    }
-
-    /// Decodes what rank `rank` sent for GPU window `window`.
-    pub fn decode(rank: usize, window: u32, b: &[u8]) -> Result<Self, CoreError> {
-        let what = format!("GPU window {window} record");
-        let mut r = Reader::exact(rank, &what, b, Self::LEN)?;
-        Ok(Self {
-            size: r.u64()?,
-            addr: r.u64()?,
-            ipc: r.array()?,
-            key: r.u32()?,
         })
     }
 }
@@ -224,27 +185,14 @@ mod tests {
         assert!(e.contains("UTF-8"), "{e}");
     }
 
+    /// A GPU window part's record is gin-cuda's (`gin_cuda::window`); a
+    /// malformed one still reaches gin-core's callers as
+    /// [`CoreError::MalformedRecord`], naming rank and window.
     #[test]
-    fn a_gpu_window_record_round_trips_in_the_layout_ranks_exchange() {
-        let r = GpuWindowRecord {
-            size: 0x0102_0304_0506_0708,
-            addr: 0x7f00_0000_1000,
-            ipc: std::array::from_fn(|i| i as u8 ^ 0xa5),
-            key: 0xfeed_beef,
-        };
-        let b = r.encode();
-        // The layout older builds sent by hand: size, address, handle, key.
-        assert_eq!(b[..8], r.size.to_le_bytes());
-        assert_eq!(b[8..16], r.addr.to_le_bytes());
-        assert_eq!(b[16..80], r.ipc);
-        assert_eq!(b[80..], r.key.to_le_bytes());
-        assert_eq!(GpuWindowRecord::decode(3, 9, &b).unwrap(), r);
-    }
-
-    #[test]
-    fn a_malformed_gpu_window_record_names_the_rank_and_window() {
-        let b = [0u8; 80];
-        let e = GpuWindowRecord::decode(3, 9, &b).unwrap_err();
+    fn a_malformed_gpu_window_record_is_a_malformed_record_naming_the_rank_and_window() {
+        let e: CoreError = gin_cuda::window::PartRecord::decode(3, 9, &[0u8; 80])
+            .unwrap_err()
+            .into();
         assert!(
             matches!(
                 &e,
@@ -261,7 +209,6 @@ mod tests {
             e.to_string(),
             "rank 3 sent a malformed GPU window 9 record (80 bytes, expected 84)"
         );
-        assert!(GpuWindowRecord::decode(0, 0, &[0u8; 85]).is_err());
     }
 
     #[test]
