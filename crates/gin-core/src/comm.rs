@@ -12,6 +12,7 @@ use gin_device::{
     Backend, Counters, CpuStart, DevComm, DevCommParts, Exchange, Health, HostError, Window,
     WindowParts,
 };
+use gin_net::part::{HostPart, HostParts, PartRecord, Registration};
 use gin_net::region::{Access, RegionTable};
 use gin_net::shm::Segment;
 use gin_net::transport::{Alive, Scope, Setup};
@@ -20,7 +21,7 @@ use tracing::{debug, info};
 
 use crate::config::Settings;
 use crate::error::CoreError;
-use crate::record::{HostRecord, WindowRecord};
+use crate::record::HostRecord;
 use crate::requirements;
 use crate::space::IdSpace;
 
@@ -145,19 +146,6 @@ pub struct Comm {
     liveness: Liveness,
 }
 
-/// One rank's part of a window, as every rank learns it.
-#[derive(Debug, Clone, Copy)]
-struct PeerPart {
-    size: u64,
-    key: u32,
-    /// The owner's address of its part.
-    addr: u64,
-    /// The part mapped here (0: not mapped).
-    mapped: usize,
-    /// The owner's revocation word mapped here (0: not mapped).
-    state: usize,
-}
-
 /// What keeps a window's memory alive. Fields drop in order: the
 /// registration goes first, so peers stop being served before the memory
 /// goes; the mappings themselves are shared with the fabric's description,
@@ -175,39 +163,6 @@ struct WindowMemory {
 struct Mapped {
     _own: Option<Segment>,
     _peers: Vec<Segment>,
-}
-
-/// A window part served to peers under `key` and known to the fabric as
-/// `id`. Dropping it stops both before the memory goes: a window dropped
-/// without [`Comm::deregister_window`] (the communicator's own signal
-/// window, always; a user's on an error path or by mistake) would otherwise
-/// leave a peer's late put, signal or read pointing at unmapped memory.
-/// [`RegionTable::remove`] waits for requests being served. Same-host
-/// peers, which write the mapping itself, see the segment's revocation word
-/// set first and refuse operations on it from then on.
-#[derive(Debug)]
-struct Registration {
-    table: Arc<RegionTable>,
-    fabric: Arc<Fabric>,
-    key: u32,
-    base: usize,
-    id: u32,
-    /// The address of this part's revocation word (0: none, user memory).
-    state: usize,
-}
-
-impl Drop for Registration {
-    fn drop(&mut self) {
-        if self.state != 0 {
-            // SAFETY: the revocation word of this part's segment, which
-            // `WindowMemory` drops only after this registration.
-            unsafe { &*(self.state as *const AtomicU64) }.store(1, Ordering::Release);
-        }
-        self.fabric.remove_window(self.id);
-        // Only if the key is still this part's: after a deregistration it may
-        // have been drawn again for another window.
-        self.table.remove_region(self.key, self.base);
-    }
 }
 
 /// How long a departing rank waits for its TCP peers to confirm what it
@@ -404,22 +359,24 @@ impl Comm {
         let key = unsafe { self.table.insert(seg.as_ptr(), bytes, Access::ALL)? };
         // Declared after `seg`, so dropped before it on every path.
         let mut registration = self.registration(id, key, seg.as_ptr());
-        registration.state = std::ptr::from_ref(seg.state()) as usize;
+        // SAFETY: the segment's header, mapped until `seg` drops, after
+        // `registration` on every path.
+        unsafe { registration.set_state(seg.state()) };
         let path = seg.path().to_string_lossy().into_owned();
         let r = self.finish_window(id, seg.as_ptr(), bytes, key, &path, true);
         // Every peer has mapped it (finish_window ends with a barrier), or
         // the registration failed: either way no name is needed any more.
         seg.unlink();
         self.remove_segment_names(id);
-        let (peers, peer_segments) = r?;
+        let HostParts { parts, segments } = r?;
         Ok(self.make_window(
             id,
             seg.as_ptr(),
-            &peers,
+            &parts,
             registration,
             Mapped {
                 _own: Some(seg),
-                _peers: peer_segments,
+                _peers: segments,
             },
         ))
     }
@@ -456,15 +413,15 @@ impl Comm {
         // SAFETY: forwarded from the caller's promise.
         let key = unsafe { self.table.insert(ptr, bytes, Access::ALL)? };
         let registration = self.registration(id, key, ptr);
-        let (peers, segs) = self.finish_window(id, ptr, bytes, key, "", false)?;
+        let HostParts { parts, segments } = self.finish_window(id, ptr, bytes, key, "", false)?;
         Ok(self.make_window(
             id,
             ptr,
-            &peers,
+            &parts,
             registration,
             Mapped {
                 _own: None,
-                _peers: segs,
+                _peers: segments,
             },
         ))
     }
@@ -490,14 +447,13 @@ impl Comm {
     }
 
     fn registration(&self, id: u32, key: u32, base: *mut u8) -> Registration {
-        Registration {
-            table: self.table.clone(),
-            fabric: self.fabric.clone(),
-            key,
-            base: base as usize,
+        Registration::new(
+            self.table.clone(),
+            self.fabric.clone(),
             id,
-            state: 0,
-        }
+            key,
+            base as usize,
+        )
     }
 
     pub(crate) fn take_window_id(&self) -> u32 {
@@ -520,8 +476,8 @@ impl Comm {
         key: u32,
         path: &str,
         shared: bool,
-    ) -> Result<(Vec<PeerPart>, Vec<Segment>), CoreError> {
-        let mine = WindowRecord {
+    ) -> Result<HostParts, CoreError> {
+        let mine = PartRecord {
             size: bytes,
             key,
             addr: base as u64,
@@ -530,41 +486,19 @@ impl Comm {
         }
         .encode();
         let all = self.bootstrap.allgather(&mine)?;
-        let mut peers = Vec::with_capacity(all.len());
-        let mut segs = Vec::new();
-        for (p, e) in all.iter().enumerate() {
-            let WindowRecord {
-                size,
-                key,
-                addr,
-                shared,
-                segment,
-            } = WindowRecord::decode(p, id, e)?;
-            let (mut mapped, mut state) = (0usize, 0usize);
-            if p != self.rank() && self.fabric.reach(p) == Some(Reach::Mapped) && shared {
-                let seg = Segment::open(std::path::Path::new(segment), size as usize)?;
-                mapped = seg.as_ptr() as usize;
-                state = std::ptr::from_ref(seg.state()) as usize;
-                segs.push(seg);
-            }
-            peers.push(PeerPart {
-                size,
-                key,
-                addr,
-                mapped,
-                state,
-            });
-        }
+        let parts = HostParts::open(self.rank(), id, &all, |p| {
+            self.fabric.reach(p) == Some(Reach::Mapped)
+        })?;
         self.bootstrap.barrier()?;
         debug!(rank = self.rank(), id, "window registered");
-        Ok((peers, segs))
+        Ok(parts)
     }
 
     fn make_window(
         &self,
         id: u32,
         base: *mut u8,
-        peers: &[PeerPart],
+        peers: &[HostPart],
         registration: Registration,
         mapped: Mapped,
     ) -> Window {
@@ -586,7 +520,7 @@ impl Comm {
             .enumerate()
             .map(|(p, e)| {
                 if p == self.rank() {
-                    registration.state
+                    registration.state()
                 } else {
                     e.state
                 }

@@ -119,7 +119,7 @@ pub enum CoreError {
     Bootstrap(#[from] gin_bootstrap::BootstrapError),
     /// The transport failed.
     #[error(transparent)]
-    Net(#[from] gin_net::NetError),
+    Net(gin_net::NetError),
     /// A device-API call failed.
     #[error(transparent)]
     Device(#[from] gin_device::GinError),
@@ -192,6 +192,17 @@ impl From<gin_bootstrap::record::Malformed> for CoreError {
             what,
             got,
             expected,
+        }
+    }
+}
+
+impl From<gin_net::NetError> for CoreError {
+    /// A malformed window record is [`CoreError::MalformedRecord`], whichever
+    /// layer decoded it; everything else is carried whole.
+    fn from(e: gin_net::NetError) -> Self {
+        match e {
+            gin_net::NetError::Record(m) => m.into(),
+            e => CoreError::Net(e),
         }
     }
 }

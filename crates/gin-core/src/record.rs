@@ -1,5 +1,6 @@
-//! The records ranks allgather while building a communicator, its windows
-//! and device communicators (a GPU window part's is gin-cuda's,
+//! The records ranks allgather while building a communicator and its CUDA
+//! device communicators (a window part's is gin-net's,
+//! `gin_net::part::PartRecord`, or for GPU windows gin-cuda's,
 //! `gin_cuda::window::PartRecord`), each a layout over
 //! gin-bootstrap's record codec ([`gin_bootstrap::record`]): decoding checks
 //! the shape and names the rank that sent a malformed record (the ranks run
@@ -34,50 +35,6 @@ impl<'a> HostRecord<'a> {
         Ok(Self {
             host: r.prefixed()?,
             process: r.rest(),
-        })
-    }
-}
-
-/// What a rank tells the others about its part of a CPU window.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct WindowRecord<'a> {
-    /// The part's size in bytes.
-    pub size: u64,
-    /// Its region key (what keyed transports name).
-    pub key: u32,
-    /// Its address on the sending rank.
-    pub addr: u64,
-    /// Whether it lives in a shared segment same-host peers may map.
-    pub shared: bool,
-    /// The segment's path (empty when not shared).
-    pub segment: &'a str,
-}
-
-impl<'a> WindowRecord<'a> {
-    /// Size (u64 LE), key (u32 LE), address (u64 LE), shared flag (one byte,
-    /// 0 or 1), then the segment path in UTF-8.
-    pub const HEAD: usize = 21;
-
-    pub fn encode(&self) -> Vec<u8> {
-        Writer::new()
-            .u64(self.size)
-            .u32(self.key)
-            .u64(self.addr)
-            .flag(self.shared)
-            .bytes(self.segment.as_bytes())
-            .finish()
-    }
-
-    /// Decodes what rank `rank` sent for window `window`.
-    pub fn decode(rank: usize, window: u32, b: &'a [u8]) -> Result<Self, CoreError> {
-        let what = format!("window {window} record");
-        let mut r = Reader::with_head(rank, &what, b, Self::HEAD)?;
-        Ok(Self {
-            size: r.u64()?,
-            key: r.u32()?,
-            addr: r.u64()?,
-            shared: r.flag("shared flag")?,
-            segment: r.rest_str("a segment path")?,
         })
     }
 }
@@ -142,47 +99,27 @@ mod tests {
         assert!(HostRecord::decode(1, &bad).is_err());
     }
 
+    /// A host window part's record is gin-net's (`gin_net::part`); a
+    /// malformed one still reaches gin-core's callers as
+    /// [`CoreError::MalformedRecord`], naming rank and window.
     #[test]
-    fn a_window_record_round_trips_in_the_byte_layout_ranks_exchange() {
-        let r = WindowRecord {
-            size: 4096,
-            key: 0xdead_beef,
-            addr: 0x7f00_0000_1000,
-            shared: true,
-            segment: "/dev/shm/gin-1-2",
-        };
-        let b = r.encode();
-        assert_eq!(&b[..8], &4096u64.to_le_bytes());
-        assert_eq!(&b[8..12], &0xdead_beefu32.to_le_bytes());
-        assert_eq!(&b[12..20], &0x7f00_0000_1000u64.to_le_bytes());
-        assert_eq!(b[20], 1);
-        assert_eq!(&b[21..], b"/dev/shm/gin-1-2");
-        assert_eq!(WindowRecord::decode(0, 5, &b).unwrap(), r);
-    }
-
-    #[test]
-    fn a_malformed_window_record_names_the_rank_and_the_window() {
-        let good = WindowRecord {
-            size: 8,
-            key: 1,
-            addr: 2,
-            shared: false,
-            segment: "",
-        }
-        .encode();
-        let e = WindowRecord::decode(2, 9, &good[..20])
+    fn a_malformed_window_record_is_a_malformed_record_naming_the_rank_and_window() {
+        let e: CoreError = gin_net::part::PartRecord::decode(2, 9, &[0u8; 20])
             .unwrap_err()
-            .to_string();
-        assert!(e.contains("rank 2") && e.contains("window 9"), "{e}");
-        let mut flag = good.clone();
-        flag[20] = 7;
-        let e = WindowRecord::decode(2, 9, &flag).unwrap_err().to_string();
-        assert!(e.contains("shared flag"), "{e}");
-        let mut name = good;
-        name[20] = 1;
-        name.extend_from_slice(&[0xff, 0xfe]);
-        let e = WindowRecord::decode(2, 9, &name).unwrap_err().to_string();
-        assert!(e.contains("UTF-8"), "{e}");
+            .into();
+        assert!(
+            matches!(
+                &e,
+                CoreError::MalformedRecord {
+                    rank: 2,
+                    got: 20,
+                    expected: 21,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("window 9"), "{e}");
     }
 
     /// A GPU window part's record is gin-cuda's (`gin_cuda::window`); a
