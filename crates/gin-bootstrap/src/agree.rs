@@ -1,6 +1,7 @@
 //! Agreement: every rank contributes named values that all must give
-//! alike (requirements, placements), and every rank learns the same
-//! verdict: the first value they differ on and which ranks gave what. So a
+//! alike (requirements, placements), or whether it can go on at all, and
+//! every rank learns the same verdict: the first value they differ on and
+//! which ranks gave what, or the first rank that cannot go on. So a
 //! rank with different values makes every rank fail with the same error,
 //! instead of one rank failing alone while the others wait for it in a
 //! later collective.
@@ -41,6 +42,17 @@ impl Bootstrap {
             .collect();
         let names: Vec<&'static str> = fields.iter().map(|(n, _)| *n).collect();
         Ok(first_disagreement(&names, &per_rank))
+    }
+
+    /// Collective: every rank says whether it can go on (`ok`); every rank
+    /// learns the first rank that cannot (`None`: all can), so that all
+    /// stop alike instead of some waiting for the others in a later
+    /// collective.
+    pub fn first_refusal(&self, ok: bool) -> Result<Option<usize>, BootstrapError> {
+        Ok(self
+            .allgather(&[u8::from(ok)])?
+            .iter()
+            .position(|v| v.first() != Some(&1)))
     }
 }
 
@@ -120,6 +132,18 @@ mod tests {
         assert_eq!(p.detail, "rank 0 gave 4; ranks 1-3 gave 64");
         let same = vec![vec![4, 16], vec![4, 16]];
         assert_eq!(first_disagreement(&names, &same), None);
+    }
+
+    #[test]
+    fn every_rank_learns_the_first_that_cannot_go_on() {
+        let out = crate::run_threads(3, crate::Config::default(), |b| {
+            b.first_refusal(b.rank() != 1)
+        })
+        .unwrap();
+        assert!(out.into_iter().all(|r| r.unwrap() == Some(1)));
+        let out =
+            crate::run_threads(2, crate::Config::default(), |b| b.first_refusal(true)).unwrap();
+        assert!(out.into_iter().all(|r| r.unwrap().is_none()));
     }
 
     #[test]

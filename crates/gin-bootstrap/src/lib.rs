@@ -28,6 +28,9 @@
 //!   all-to-all (fixed and variable sizes), binomial broadcast, dissemination
 //!   barrier. Every blocking call honours [`Config::timeout`] (`GIN_TIMEOUT`),
 //!   and its error names the ranks it was waiting for.
+//! - **Topology** ([`topology`]): one exchange of host ids (`GIN_HOSTID`,
+//!   else hostname and boot id) and process identities tells every rank
+//!   which ranks share its host, its local index and its rail.
 //! - **Liveness** ([`liveness`]): a rank that was stopped (SIGSTOP, a
 //!   debugger, a frozen cgroup) keeps its sockets open, so the death watch
 //!   cannot see it; after a timeout, the process state of same-host peers
@@ -82,6 +85,7 @@ mod net;
 pub mod record;
 mod root;
 pub mod selftest;
+pub mod topology;
 
 pub use cli::{
     DEBUG_VAR, error_chain, exit_code, init_tracing_from_env, parse_filter, tracing_requested,

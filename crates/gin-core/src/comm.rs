@@ -7,7 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use gin_bootstrap::Bootstrap;
-use gin_bootstrap::liveness::{Liveness, ProcessId};
+use gin_bootstrap::liveness::Liveness;
+use gin_bootstrap::topology::Topology;
 use gin_device::{
     Backend, Counters, CpuStart, DevComm, DevCommParts, Exchange, Health, HostError, Window,
     WindowParts,
@@ -21,7 +22,6 @@ use tracing::{debug, info};
 
 use crate::config::Settings;
 use crate::error::CoreError;
-use crate::record::HostRecord;
 use crate::requirements;
 use crate::space::IdSpace;
 
@@ -204,42 +204,16 @@ impl Comm {
     pub fn with_settings(bootstrap: Bootstrap, settings: Settings) -> Result<Self, CoreError> {
         let b = Arc::new(bootstrap);
         let (rank, n) = (b.rank(), b.nranks());
-        // Who shares a host: identical host ids.
-        // Who shares a host, and each rank's process (named after a timeout
-        // when it is found stopped or gone): one exchange.
-        let me = ProcessId::own().encode();
-        let rec = HostRecord {
-            host: settings.host_id.as_bytes(),
-            process: &me,
-        }
-        .encode();
-        let recs = b.allgather(&rec)?;
-        let mut ids = Vec::with_capacity(n);
-        let mut procs = Vec::with_capacity(n);
-        for (r, rec) in recs.iter().enumerate() {
-            let HostRecord {
-                host: id,
-                process: proc,
-            } = HostRecord::decode(r, rec)?;
-            ids.push(id.to_vec());
-            procs.push(ProcessId::decode(proc));
-        }
-        let liveness = Liveness::new(rank, &procs);
-        let mut distinct: Vec<&Vec<u8>> = Vec::new();
-        let hosts: Vec<usize> = ids
-            .iter()
-            .map(|id| {
-                distinct.iter().position(|d| *d == id).unwrap_or_else(|| {
-                    distinct.push(id);
-                    distinct.len() - 1
-                })
-            })
-            .collect();
-        let local: Vec<usize> = (0..n).filter(|&r| hosts[r] == hosts[rank]).collect();
-        let local_rank = local.iter().position(|&r| r == rank).unwrap_or(0);
-        let rail: Vec<usize> = (0..n)
-            .filter(|&r| (0..n).filter(|&q| q < r && hosts[q] == hosts[r]).count() == local_rank)
-            .collect();
+        // Who shares a host (identical host ids), and each rank's process
+        // (named after a timeout when it is found stopped or gone): one
+        // exchange.
+        let Topology {
+            hosts,
+            nhosts,
+            local_rank,
+            rail,
+            liveness,
+        } = b.topology(&settings.host_id)?;
         let table = Arc::new(RegionTable::default());
         let fabric = Arc::new(start_fabric(&b, &table, &hosts, &settings)?);
         // A job-unique tag for shared-memory names.
@@ -252,7 +226,7 @@ impl Comm {
         info!(
             rank,
             nranks = n,
-            hosts = distinct.len(),
+            hosts = nhosts,
             local_rank,
             paths = ?fabric.path_names(),
             "communicator ready"
@@ -391,8 +365,7 @@ impl Comm {
     pub unsafe fn register_window(&self, ptr: *mut u8, bytes: u64) -> Result<Window, CoreError> {
         let shm = self.mapped_peers();
         // Every rank must agree, or some would wait in the collective forever.
-        let ok = self.bootstrap.allgather(&[u8::from(shm.is_empty())])?;
-        if let Some(r) = ok.iter().position(|v| v.first() != Some(&1)) {
+        if let Some(r) = self.bootstrap.first_refusal(shm.is_empty())? {
             return Err(CoreError::Unavailable {
                 what: "register_window of user memory".into(),
                 why: format!(
@@ -721,24 +694,35 @@ impl Comm {
     /// Checks that every rank placed signals and counters alike
     /// (collective).
     fn agree_placement(&self, signal_base: u64, counter_base: u64) -> Result<(), CoreError> {
-        let mut rec = signal_base.to_le_bytes().to_vec();
-        rec.extend_from_slice(&counter_base.to_le_bytes());
-        let all = self.bootstrap.allgather_equal(&rec)?;
-        if all.chunks(16).any(|c| c != rec.as_slice()) {
-            return Err(CoreError::Mismatch {
-                rank: self.rank(),
-                what: "signal/counter placement".into(),
-                detail: "device communicators were created or destroyed in different orders, \
-                         or with different requirements"
-                    .into(),
-            });
-        }
-        Ok(())
+        agree_placement(&self.bootstrap, signal_base, counter_base)
     }
 
     /// The timeout of waits.
     pub fn timeout(&self) -> Duration {
         self.settings.timeout
+    }
+}
+
+/// Checks that every rank placed a device communicator's signals and
+/// counters alike (collective), CPU and CUDA ranks alike: each rank fails
+/// with the same [`CoreError::Mismatch`], naming who placed them where.
+pub(crate) fn agree_placement(
+    bootstrap: &Bootstrap,
+    signal_base: u64,
+    counter_base: u64,
+) -> Result<(), CoreError> {
+    let placement = [("signal", signal_base), ("counter", counter_base)];
+    match bootstrap.agree(&placement)? {
+        None => Ok(()),
+        Some(d) => Err(CoreError::Mismatch {
+            rank: bootstrap.rank(),
+            what: format!("{} placement", d.field),
+            detail: format!(
+                "{}: device communicators were created or destroyed in different orders, \
+                 or with different requirements",
+                d.detail
+            ),
+        }),
     }
 }
 

@@ -259,7 +259,7 @@ impl Settings {
                 available: "GIN_BACKEND=gdaki with GIN_NIC=mlx5, or GIN_NIC unset".into(),
             });
         }
-        let host_id = get("GIN_HOSTID").unwrap_or_else(default_host_id);
+        let host_id = get("GIN_HOSTID").unwrap_or_else(gin_bootstrap::topology::default_host_id);
         let timeout = gin_bootstrap::Config::from_vars(&get)?.timeout;
         let slots = |var: &'static str, default: u64| -> Result<u64, CoreError> {
             get(var).map_or(Ok(default), |v| {
@@ -293,14 +293,6 @@ impl Settings {
             nic,
         })
     }
-}
-
-/// Hostname plus kernel boot id: processes in another UTS namespace, or on
-/// another machine, count as another host.
-fn default_host_id() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    format!("{}/{}", host.trim(), boot.trim())
 }
 
 #[cfg(test)]

@@ -116,7 +116,7 @@ pub enum CoreError {
     Space(#[from] crate::space::SpaceError),
     /// The bootstrap failed (a peer died, a timeout, a rendezvous refused).
     #[error(transparent)]
-    Bootstrap(#[from] gin_bootstrap::BootstrapError),
+    Bootstrap(gin_bootstrap::BootstrapError),
     /// The transport failed.
     #[error(transparent)]
     Net(gin_net::NetError),
@@ -196,6 +196,17 @@ impl From<gin_bootstrap::record::Malformed> for CoreError {
     }
 }
 
+impl From<gin_bootstrap::BootstrapError> for CoreError {
+    /// A malformed set-up record is [`CoreError::MalformedRecord`]; everything
+    /// else is carried whole.
+    fn from(e: gin_bootstrap::BootstrapError) -> Self {
+        match e {
+            gin_bootstrap::BootstrapError::Record(m) => m.into(),
+            e => CoreError::Bootstrap(e),
+        }
+    }
+}
+
 impl From<gin_net::NetError> for CoreError {
     /// A malformed window record is [`CoreError::MalformedRecord`], whichever
     /// layer decoded it; everything else is carried whole.
@@ -235,5 +246,78 @@ impl From<gin_cuda::CudaError> for CoreError {
             E::Record(m) => m.into(),
             other => CoreError::CudaRuntime(other),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A host window part's record is gin-net's (`gin_net::part`); a
+    /// malformed one still reaches gin-core's callers as
+    /// [`CoreError::MalformedRecord`], naming rank and window.
+    #[test]
+    fn a_malformed_window_record_is_a_malformed_record_naming_the_rank_and_window() {
+        let e: CoreError = gin_net::part::PartRecord::decode(2, 9, &[0u8; 20])
+            .unwrap_err()
+            .into();
+        assert!(
+            matches!(
+                &e,
+                CoreError::MalformedRecord {
+                    rank: 2,
+                    got: 20,
+                    expected: 21,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("window 9"), "{e}");
+    }
+
+    /// A GPU window part's record is gin-cuda's (`gin_cuda::window`); a
+    /// malformed one still reaches gin-core's callers as
+    /// [`CoreError::MalformedRecord`], naming rank and window.
+    #[test]
+    fn a_malformed_gpu_window_record_is_a_malformed_record_naming_the_rank_and_window() {
+        let e: CoreError = gin_cuda::window::PartRecord::decode(3, 9, &[0u8; 80])
+            .unwrap_err()
+            .into();
+        assert!(
+            matches!(
+                &e,
+                CoreError::MalformedRecord {
+                    rank: 3,
+                    got: 80,
+                    expected: 84,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert_eq!(
+            e.to_string(),
+            "rank 3 sent a malformed GPU window 9 record (80 bytes, expected 84)"
+        );
+    }
+
+    /// A host record's, too (gin-bootstrap's `topology`).
+    #[test]
+    fn a_malformed_host_record_is_a_malformed_record_naming_the_rank() {
+        let b = gin_bootstrap::topology::HostRecord::decode(3, &[0u8; 3]).unwrap_err();
+        let e: CoreError = gin_bootstrap::BootstrapError::from(b).into();
+        assert!(
+            matches!(
+                &e,
+                CoreError::MalformedRecord {
+                    rank: 3,
+                    got: 3,
+                    expected: 4,
+                    ..
+                }
+            ),
+            "{e}"
+        );
     }
 }

@@ -43,7 +43,7 @@ pub mod config;
 pub mod cuda;
 mod error;
 pub mod launch;
-mod record;
+
 pub mod requirements;
 pub mod space;
 

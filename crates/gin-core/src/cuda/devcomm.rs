@@ -18,7 +18,6 @@ use gin_net::Fabric;
 use super::{CtxSharing, CudaComm, REACH_LSA, REACH_NONE, REACH_QUEUE};
 use crate::config::{BackendKind, Selection};
 use crate::error::CoreError;
-use crate::record::Placement;
 use crate::requirements;
 use crate::{Connection, DevCommRequirements};
 
@@ -215,28 +214,10 @@ impl<'c> CudaComm<'c> {
     /// (`DEVCOMM_FLAG_LSA_ONLY`: a wait reads one word). Unconnected ranks
     /// never signal here.
     fn agree_placement(&self, ranges: &Ranges<'_, '_>, lsa: &[u8]) -> Result<bool, CoreError> {
-        let mine = Placement {
-            signals: ranges.signals.0,
-            counters: ranges.counters.0,
-            lsa_only: lsa.iter().all(|&l| l != REACH_QUEUE),
-        };
-        let all = self.comm.bootstrap().allgather_equal(&mine.encode())?;
-        let all = all
-            .chunks(Placement::LEN)
-            .enumerate()
-            .map(|(p, c)| Placement::decode(p, c))
-            .collect::<Result<Vec<_>, _>>()?;
-        if all
-            .iter()
-            .any(|p| (p.signals, p.counters) != (mine.signals, mine.counters))
-        {
-            return Err(CoreError::Invalid(
-                "ranks disagree on signal/counter placement: CUDA device communicators were \
-                 created in different orders or with different requirements"
-                    .into(),
-            ));
-        }
-        Ok(all.iter().all(|p| p.lsa_only))
+        let b = self.comm.bootstrap();
+        crate::comm::agree_placement(b, ranges.signals.0, ranges.counters.0)?;
+        let lsa_only = lsa.iter().all(|&l| l != REACH_QUEUE);
+        Ok(b.first_refusal(lsa_only)?.is_none())
     }
 
     /// The queues of every context to every peer not reached by

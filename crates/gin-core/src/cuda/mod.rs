@@ -17,10 +17,11 @@
 //! - **Windows** ([`CudaComm::alloc_window`]) are `cuMemAlloc` memory; same-host
 //!   peers open each other's parts through CUDA IPC, so a kernel reaches a
 //!   peer's part by load/store over NVLink (or PCIe), and the proxy's copy
-//!   engine reaches it with `cuMemcpyAsync`. Ranks exchange their parts as
-//!   records with gin-bootstrap's codec (gin-core's `record`). Each window is registered in the
-//!   fabric's window directory as `Memory::Device`, which the proxy and the
-//!   soft NIC resolve descriptors and keys against.
+//!   engine reaches it with `cuMemcpyAsync`. The parts, their records and
+//!   the IPC mappings are gin-cuda's (`gin_cuda::window`); gin-core gives
+//!   each window its id, NIC keys and the arrays kernels index, and
+//!   registers it in the fabric's window directory as `Memory::Device`,
+//!   which the proxy and the soft NIC resolve descriptors and keys against.
 //! - **Signals** are `nranks` sub-slots each (`DEVCOMM_FLAG_SENDER_SLOTS`) in
 //!   a GPU signal window, summed: the proxy, the only writer of its rank's
 //!   sub-slot at the peers it serves, stores running totals with
@@ -159,11 +160,7 @@ impl<'c> CudaComm<'c> {
             };
             Ok(Device::open(ordinal)?)
         });
-        let ok = comm
-            .bootstrap()
-            .allgather(&[u8::from(local.is_ok())])?
-            .iter()
-            .position(|v| v.first() != Some(&1));
+        let ok = comm.bootstrap().first_refusal(local.is_ok())?;
         let dev = match (local, ok) {
             (Err(e), _) => return Err(e),
             (Ok(_), Some(r)) => {
