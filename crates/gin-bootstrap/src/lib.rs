@@ -50,7 +50,8 @@
 //!   (SIGTERM, then SIGKILL), so wrapper scripts and their children go too; the
 //!   only `unsafe` in the crate is the few libc calls that needs. [`LaunchEnv`]
 //!   reads a rank's identity from `GIN_*`, torchrun, Slurm or Open MPI
-//!   variables.
+//!   variables; [`run_ranks`] lets a program be a rank under a launcher or
+//!   start its own local ranks.
 //! - **Programs.** [`init_tracing_from_env`] (`GIN_DEBUG`) and [`exit_code`]
 //!   (errors as Display) are what every binary and example of the project
 //!   calls; being the one crate they all reach, gin-bootstrap holds them. The
@@ -97,6 +98,7 @@ pub use env::{
 pub use error::BootstrapError;
 pub use id::UniqueId;
 pub use launch::{
-    Fault, FaultKind, LaunchReport, LaunchSpec, Output, RankExit, launch, run_threads,
+    Fault, FaultKind, LaunchReport, LaunchSpec, Output, RankExit, Role, launch, run_ranks,
+    run_threads,
 };
 pub use root::BootstrapRoot;

@@ -83,25 +83,10 @@ struct BootstrapHealth(Arc<Bootstrap>, Liveness);
 
 impl Health for BootstrapHealth {
     fn check(&self) -> Result<(), String> {
-        match self.0.health() {
-            Ok(()) => Ok(()),
-            // A rank that left in order often left because it heard of a
-            // death first (its error path drops its communicator), and the
-            // notice of its departure can overtake the root's notice of the
-            // death: give the cause a moment. Failure path only.
-            Err(left @ gin_bootstrap::BootstrapError::PeerExited { .. }) => {
-                let until = std::time::Instant::now() + gin_device::CAUSE_GRACE;
-                while std::time::Instant::now() < until {
-                    std::thread::sleep(Duration::from_millis(5));
-                    match self.0.health() {
-                        Err(gin_bootstrap::BootstrapError::PeerExited { .. }) | Ok(()) => {}
-                        Err(cause) => return Err(cause.to_string()),
-                    }
-                }
-                Err(left.to_string())
-            }
-            Err(e) => Err(e.to_string()),
-        }
+        // A departure is named only once no death explains it.
+        (self.0)
+            .health_settled(gin_device::CAUSE_GRACE)
+            .map_err(|e| e.to_string())
     }
 
     fn diagnose(&self) -> Option<String> {
