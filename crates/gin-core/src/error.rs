@@ -14,7 +14,8 @@ pub enum CoreError {
         /// What can be used instead.
         available: String,
     },
-    /// An argument or state that cannot be used, described in words.
+    /// A failure no variant below names (a backend's own error of a type
+    /// gin-core does not know), described in words.
     #[error("{0}")]
     Invalid(String),
     /// Ranks gave different values where every rank must give the same
@@ -153,6 +154,16 @@ pub enum CoreError {
         /// The length expected (for a record whose length varies, that of
         /// its fixed head).
         expected: usize,
+    },
+    /// A CUDA kernel finished without a device-side error, but the job
+    /// broke while it ran (a peer died; a transport, the proxy or the NIC
+    /// failed): what it computed cannot be trusted.
+    #[error("rank {rank}: kernel finished, but {cause}")]
+    AfterKernel {
+        /// The rank that ran the kernel.
+        rank: usize,
+        /// What the host saw.
+        cause: String,
     },
     /// A CUDA kernel's device-side call failed: the error word it wrote,
     /// decoded (see [`gin_device::abi::errword`]).

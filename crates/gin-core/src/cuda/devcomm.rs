@@ -159,17 +159,23 @@ impl<'c> CudaComm<'c> {
         )?;
         requirements::check_bounds(comm.rank(), comm.nranks(), req)?;
         if req.connection == Connection::Rail && req.world_barriers != 0 {
-            return Err(CoreError::Invalid(format!(
-                "{} world barriers asked for with a rail connection, which reaches only the \
-                 rail's ranks; use rail barriers or a full connection",
-                req.world_barriers
-            )));
+            return Err(CoreError::Requirement {
+                rank: comm.rank(),
+                what: format!(
+                    "{} world barriers asked for with a rail connection, which reaches only the \
+                     rail's ranks; use rail barriers or a full connection",
+                    req.world_barriers
+                ),
+            });
         }
         comm.settings().check_usable(selected)?;
         req.signals
             .checked_add(req.world_barriers)
             .and_then(|v| v.checked_add(req.rail_barriers))
-            .ok_or_else(|| CoreError::Invalid("signal and barrier counts overflow".into()))
+            .ok_or_else(|| CoreError::Requirement {
+                rank: comm.rank(),
+                what: "signal and barrier counts overflow".into(),
+            })
     }
 
     /// Takes the signal and counter ranges from the id spaces (given back
@@ -473,10 +479,10 @@ impl CudaDevComm<'_, '_> {
             });
         }
         if let Some(c) = cause {
-            return Err(CoreError::Invalid(format!(
-                "rank {}: kernel finished, but {c}",
-                cuda.comm.rank()
-            )));
+            return Err(CoreError::AfterKernel {
+                rank: cuda.comm.rank(),
+                cause: c,
+            });
         }
         Ok(())
     }

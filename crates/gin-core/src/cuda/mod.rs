@@ -153,8 +153,10 @@ impl<'c> CudaComm<'c> {
         // wait in the collectives below forever.
         let local = available().and_then(|n| {
             let ordinal = match std::env::var("GIN_CUDA_DEVICE") {
-                Ok(v) => v.trim().parse::<usize>().map_err(|_| {
-                    CoreError::Invalid(format!("GIN_CUDA_DEVICE={v:?} is not a GPU index"))
+                Ok(v) => v.trim().parse::<usize>().map_err(|_| CoreError::Setting {
+                    var: "GIN_CUDA_DEVICE",
+                    value: v.clone(),
+                    why: "not a GPU index".into(),
                 })?,
                 Err(_) => comm.local_rank() % n,
             };
@@ -244,9 +246,10 @@ impl<'c> CudaComm<'c> {
         let id = w.id();
         let ours = w.belongs_to(&self.home) && id != self.signal_window.id();
         if !ours {
-            return Err(CoreError::Invalid(format!(
-                "window {id} is not a window of this CUDA communicator"
-            )));
+            return Err(CoreError::ForeignWindow {
+                rank: self.comm.rank(),
+                window: id,
+            });
         }
         // Every request this rank sent over TCP has been executed before
         // anyone frees.

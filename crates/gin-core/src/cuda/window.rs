@@ -91,11 +91,13 @@ impl CudaComm<'_> {
         let keys = (0..n)
             .map(|p| window_key(id, p, n))
             .collect::<Option<Vec<u32>>>()
-            .ok_or_else(|| {
-                CoreError::Invalid(format!(
-                    "window id {id} of {n} ranks has no NIC key left (ids below {} only)",
-                    (COUNTER_KEY - WINDOW_KEY_BASE) as usize / n.max(1)
-                ))
+            .ok_or_else(|| CoreError::Limit {
+                rank,
+                what: "GPU window id".into(),
+                asked: id.into(),
+                limit: ((COUNTER_KEY - WINDOW_KEY_BASE) as usize / n.max(1)).saturating_sub(1)
+                    as u64,
+                hint: format!("no NIC key is left for more windows with {n} ranks"),
             })?;
         // sizes u64[n], peer bases u64[n], addresses u64[n], keys u32[n]:
         // every array aligned for its loads.
