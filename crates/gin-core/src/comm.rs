@@ -23,7 +23,7 @@ use tracing::{debug, info};
 use crate::config::Settings;
 use crate::error::CoreError;
 use crate::requirements;
-use crate::space::IdSpace;
+use crate::space::{Ranges, Spaces};
 
 /// What a device communicator needs; every rank passes the same values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -103,12 +103,6 @@ impl Exchange for BootstrapExchange<'_> {
     }
 }
 
-#[derive(Debug)]
-struct Spaces {
-    signals: IdSpace,
-    counters: IdSpace,
-}
-
 /// The host communicator of one rank.
 #[derive(Debug)]
 pub struct Comm {
@@ -123,7 +117,7 @@ pub struct Comm {
     fabric: Arc<Fabric>,
     table: Arc<RegionTable>,
     next_window: Mutex<u32>,
-    spaces: Mutex<Spaces>,
+    spaces: Spaces,
     signal_window: Window,
     counters: Arc<Counters>,
     job_tag: String,
@@ -225,10 +219,7 @@ impl Comm {
             fabric,
             table,
             next_window: Mutex::new(0),
-            spaces: Mutex::new(Spaces {
-                signals: IdSpace::new(settings.signal_slots),
-                counters: IdSpace::new(settings.counter_slots),
-            }),
+            spaces: Spaces::new(settings.signal_slots, settings.counter_slots),
             counters: Arc::new(Counters::new(settings.counter_slots as usize)),
             signal_window: dangling_window(),
             job_tag,
@@ -577,28 +568,9 @@ impl Comm {
         })?;
         let nsig = per_ctx * u64::from(req.contexts);
         let ncnt = u64::from(req.counters) * u64::from(req.contexts);
-        let (signal_base, counter_base) = {
-            let mut s = self
-                .spaces
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let sb = s.signals.alloc(nsig, "signal")?;
-            let cb = match s.counters.alloc(ncnt, "counter") {
-                Ok(c) => c,
-                Err(e) => {
-                    let _ = s.signals.free(sb, nsig);
-                    return Err(e.into());
-                }
-            };
-            (sb, cb)
-        };
         // Freed on every error exit below; kept by the handle on success.
-        let ranges = IdRanges {
-            comm: self,
-            signals: (signal_base, nsig),
-            counters: (counter_base, ncnt),
-            release: true,
-        };
+        let ranges = self.spaces.take(nsig, ncnt)?;
+        let (signal_base, counter_base) = (ranges.signals.0, ranges.counters.0);
         // Fresh slots start at zero, on every rank, before anyone signals.
         for i in 0..nsig {
             if let Ok(slot) = self.signal_window.slot((signal_base + i) * 8) {
@@ -773,31 +745,6 @@ fn dangling_window() -> Window {
     }
 }
 
-/// Signal and counter ranges taken from the communicator's id spaces.
-#[derive(Debug)]
-struct IdRanges<'c> {
-    comm: &'c Comm,
-    signals: (u64, u64),
-    counters: (u64, u64),
-    /// Give the ranges back when dropped.
-    release: bool,
-}
-
-impl Drop for IdRanges<'_> {
-    fn drop(&mut self) {
-        if !self.release {
-            return;
-        }
-        let mut s = self
-            .comm
-            .spaces
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let _ = s.signals.free(self.signals.0, self.signals.1);
-        let _ = s.counters.free(self.counters.0, self.counters.1);
-    }
-}
-
 /// A device communicator and what it holds; dereferences to [`DevComm`].
 /// Destroy it collectively with [`DevCommHandle::destroy`] to get its ids
 /// back. One dropped without `destroy` keeps its ids out of reuse: a signal
@@ -807,7 +754,7 @@ pub struct DevCommHandle<'c> {
     comm: &'c Comm,
     dc: Option<DevComm>,
     _backend: Arc<dyn Backend>,
-    ranges: IdRanges<'c>,
+    ranges: Ranges<'c>,
     destroyed: bool,
 }
 
@@ -836,7 +783,7 @@ impl Drop for DevCommHandle<'_> {
     fn drop(&mut self) {
         self.dc.take();
         if !self.destroyed {
-            self.ranges.release = false;
+            self.ranges.keep_reserved();
             tracing::debug!(
                 rank = self.comm.rank(),
                 "device communicator dropped without destroy(): its signal and counter ids stay reserved"

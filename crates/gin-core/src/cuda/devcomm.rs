@@ -19,6 +19,7 @@ use super::{CtxSharing, CudaComm, REACH_LSA, REACH_NONE, REACH_QUEUE};
 use crate::config::{BackendKind, Selection};
 use crate::error::CoreError;
 use crate::requirements;
+use crate::space::Ranges;
 use crate::{Connection, DevCommRequirements};
 
 /// How a lost TCP link waits for the bootstrap to name a dead peer before
@@ -184,28 +185,11 @@ impl<'c> CudaComm<'c> {
         &self,
         req: &DevCommRequirements,
         sig_per_ctx: u32,
-    ) -> Result<Ranges<'_, 'c>, CoreError> {
+    ) -> Result<Ranges<'_>, CoreError> {
         let nsig = u64::from(sig_per_ctx) * u64::from(req.contexts);
         let ncnt = u64::from(req.counters) * u64::from(req.contexts);
-        let (sb, cb) = {
-            let mut s = self
-                .spaces
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let sb = s.signals.alloc(nsig, "signal")?;
-            match s.counters.alloc(ncnt, "counter") {
-                Ok(cb) => (sb, cb),
-                Err(e) => {
-                    let _ = s.signals.free(sb, nsig);
-                    return Err(e.into());
-                }
-            }
-        };
-        let ranges = Ranges {
-            cuda: self,
-            signals: (sb, nsig),
-            counters: (cb, ncnt),
-        };
+        let ranges = self.spaces.take(nsig, ncnt)?;
+        let (sb, cb) = (ranges.signals.0, ranges.counters.0);
         let nn = self.comm.nranks() as u64;
         self.signal_window
             .local()
@@ -219,7 +203,7 @@ impl<'c> CudaComm<'c> {
     /// whether every rank reaches every rank by load/store
     /// (`DEVCOMM_FLAG_LSA_ONLY`: a wait reads one word). Unconnected ranks
     /// never signal here.
-    fn agree_placement(&self, ranges: &Ranges<'_, '_>, lsa: &[u8]) -> Result<bool, CoreError> {
+    fn agree_placement(&self, ranges: &Ranges<'_>, lsa: &[u8]) -> Result<bool, CoreError> {
         let b = self.comm.bootstrap();
         crate::comm::agree_placement(b, ranges.signals.0, ranges.counters.0)?;
         let lsa_only = lsa.iter().all(|&l| l != REACH_QUEUE);
@@ -299,26 +283,6 @@ fn flags(lsa_only: bool, sharing: CtxSharing) -> u32 {
         }
 }
 
-/// Signal and counter ranges taken from the CUDA id spaces.
-#[derive(Debug)]
-struct Ranges<'a, 'c> {
-    cuda: &'a CudaComm<'c>,
-    signals: (u64, u64),
-    counters: (u64, u64),
-}
-
-impl Drop for Ranges<'_, '_> {
-    fn drop(&mut self) {
-        let mut s = self
-            .cuda
-            .spaces
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let _ = s.signals.free(self.signals.0, self.signals.1);
-        let _ = s.counters.free(self.counters.0, self.counters.1);
-    }
-}
-
 /// A device communicator for CUDA kernels.
 #[derive(Debug)]
 pub struct CudaDevComm<'a, 'c> {
@@ -327,7 +291,7 @@ pub struct CudaDevComm<'a, 'c> {
     /// The engine's queue table and thread (taken when stopped).
     engine: Option<Box<dyn CudaEngine>>,
     _mem: Vec<DevMem>,
-    ranges: Option<Ranges<'a, 'c>>,
+    ranges: Option<Ranges<'a>>,
     lsa: Vec<bool>,
 }
 
@@ -554,8 +518,8 @@ impl Drop for CudaDevComm<'_, '_> {
         }
         // Without destroy, a signal may still be in flight to these slots:
         // keep them out of reuse.
-        if let Some(r) = self.ranges.take() {
-            std::mem::forget(r);
+        if let Some(r) = &mut self.ranges {
+            r.keep_reserved();
         }
     }
 }

@@ -68,11 +68,11 @@ pub use gin_cuda::{Cubin, CudaError, DevMem, Device, Function, HostMem, IpcMem, 
 pub use devcomm::{Arg, CudaDevComm};
 pub use window::GpuWindow;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use crate::comm::Comm;
 use crate::error::CoreError;
-use crate::space::IdSpace;
+use crate::space::Spaces;
 
 /// Whether a CUDA driver with at least one GPU is usable here (how many
 /// GPUs); the error says why not. Checked once per process.
@@ -105,12 +105,6 @@ pub(crate) use gin_gdaki::ids::{COUNTER_KEY, WINDOW_KEY_BASE};
 /// p`, so the soft NIC decodes a key without a table.
 pub use gin_gdaki::ids::{window_key, window_of_key};
 
-#[derive(Debug)]
-struct Spaces {
-    signals: IdSpace,
-    counters: IdSpace,
-}
-
 /// The CUDA side of a communicator: this rank's GPU, its windows, and the
 /// memory every device communicator shares (signals, counters, abort flag,
 /// error word). All ranks of the communicator must call its collectives.
@@ -131,7 +125,7 @@ pub struct CudaComm<'c> {
     abort: DevMem,
     abort_stream: Stream,
     error: DevMem,
-    spaces: Mutex<Spaces>,
+    spaces: Spaces,
     stream: Stream,
     /// Serves window parts to TCP peers (`None`: no peer is reached over TCP).
     server: Option<Arc<gin_cuda::staging::Server>>,
@@ -192,10 +186,7 @@ impl<'c> CudaComm<'c> {
             abort: DevMem::new(64)?,
             abort_stream: Stream::new()?,
             error: DevMem::new(8)?,
-            spaces: Mutex::new(Spaces {
-                signals: IdSpace::new(s.signal_slots),
-                counters: IdSpace::new(s.counter_slots),
-            }),
+            spaces: Spaces::new(s.signal_slots, s.counter_slots),
             stream: Stream::new()?,
             server,
             dev,
