@@ -16,7 +16,7 @@ use gin_device::{
 use gin_net::part::{HostPart, HostParts, PartRecord, Registration};
 use gin_net::region::{Access, RegionTable};
 use gin_net::shm::Segment;
-use gin_net::transport::{Alive, Scope, Setup};
+use gin_net::transport::{Scope, Setup};
 use gin_net::{Fabric, KeepAlive, MemDesc, MemParts, Memory, NetError, Reach};
 use tracing::{debug, info};
 
@@ -221,7 +221,7 @@ impl Comm {
             next_window: Mutex::new(0),
             spaces: Spaces::new(settings.signal_slots, settings.counter_slots),
             counters: Arc::new(Counters::new(settings.counter_slots as usize)),
-            signal_window: dangling_window(),
+            signal_window: Window::empty(),
             job_tag,
             liveness,
             settings,
@@ -714,35 +714,9 @@ fn start_fabric(
         e => e.into(),
     })?;
     // A send blocked on a peer that stopped draining also ends when the job
-    // hears of a death (weak: the transports must not keep the bootstrap
-    // alive past the communicator).
-    let weak = Arc::downgrade(b);
-    let alive: Alive = Arc::new(move || {
-        weak.upgrade()
-            .map_or(Ok(()), |b| b.health().map_err(|e| e.to_string()))
-    });
-    fabric.watch(&alive);
+    // hears of a death.
+    fabric.watch_job(b);
     Ok(fabric)
-}
-
-fn dangling_window() -> Window {
-    // SAFETY: an empty window: no bytes are ever accessed through it.
-    unsafe {
-        Window::from_parts(
-            WindowParts {
-                id: u32::MAX,
-                rank: 0,
-                comm_id: 0,
-                local_base: std::ptr::NonNull::<u64>::dangling().as_ptr().cast(),
-                sizes: vec![0],
-                peer_bases: vec![std::ptr::null_mut()],
-                keys: vec![0],
-                addrs: vec![0],
-                states: vec![std::ptr::null()],
-            },
-            Box::new(()),
-        )
-    }
 }
 
 /// A device communicator and what it holds; dereferences to [`DevComm`].
