@@ -207,6 +207,33 @@ impl From<gin_bootstrap::record::Malformed> for CoreError {
     }
 }
 
+impl From<gin_device::StartError> for CoreError {
+    /// A backend's start failure: gin-device's errors as they are, and the
+    /// errors of the layers below (bootstrap, CUDA, fabric) as gin-core
+    /// reports them anywhere else.
+    fn from(e: gin_device::StartError) -> Self {
+        use gin_device::StartError;
+        match e {
+            StartError::Gin(e) => e.into(),
+            StartError::Host(e) => {
+                let e = match e.downcast::<gin_bootstrap::BootstrapError>() {
+                    Ok(e) => return (*e).into(),
+                    Err(e) => e,
+                };
+                let e = match e.downcast::<gin_cuda::CudaError>() {
+                    Ok(e) => return (*e).into(),
+                    Err(e) => e,
+                };
+                match e.downcast::<gin_net::NetError>() {
+                    Ok(e) => (*e).into(),
+                    Err(e) => CoreError::Invalid(e.to_string()),
+                }
+            }
+            e => CoreError::Invalid(e.to_string()),
+        }
+    }
+}
+
 impl From<gin_bootstrap::BootstrapError> for CoreError {
     /// A malformed set-up record is [`CoreError::MalformedRecord`]; everything
     /// else is carried whole.
