@@ -61,8 +61,6 @@ pub mod nvrtc;
 
 mod window;
 
-#[doc(hidden)]
-pub use gin_cuda::batch::bench_pass;
 pub use gin_cuda::{Cubin, CudaError, DevMem, Device, Function, HostMem, IpcMem, Module, Stream};
 
 pub use devcomm::{Arg, CudaDevComm};
