@@ -126,7 +126,7 @@ impl Fabric {
         Ok(Self::new(rank, paths, setup.table.clone(), setup.timeout))
     }
 
-    /// Hands every transport the job's health ([`Bootstrap::health`]) as
+    /// Hands every transport the job's health ([`gin_bootstrap::Bootstrap::health`]) as
     /// the check its blocked operations consult, so a send blocked on a
     /// peer that stopped draining also ends when the job hears of a death.
     /// The check holds the bootstrap weakly: the transports do not keep it
