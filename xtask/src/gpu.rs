@@ -11,7 +11,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 const BINARIES: [(&str, &str); 3] = [
-    ("gin-core", "gin-cuda-selftest"),
+    ("gin-selftest", "gin-cuda-selftest"),
     ("gin-ep", "gin-ep-selftest"),
     ("gin-bench", "gin-bench"),
 ];

@@ -325,7 +325,7 @@ pub fn run(a: &CudaArgs) -> Result<()> {
              no load/store path, no floors"
         );
     }
-    let m = c.compile(cuda::SELFTEST_KERNELS, "selftest.cu")?;
+    let m = c.compile(gin_selftest::KERNELS, "selftest.cu")?;
     let want = |t: CudaTest| a.tests.contains(&t);
     let mut max = 8u64;
     if want(CudaTest::Pingpong) {
@@ -1193,7 +1193,7 @@ mod tests {
         ] {
             assert_eq!(kernel_name(base, coop, threads), want);
         }
-        // Every name the bench asks for is a kernel of selftest.cu.
+        // Every name the bench asks for is a kernel of gin-selftest's selftest.cu.
         for base in ["gin_pingpong", "gin_floor_lsa"] {
             for (coop, threads) in [
                 (Coop::Thread, 1),
@@ -1203,7 +1203,7 @@ mod tests {
             ] {
                 let name = kernel_name(base, coop, threads);
                 assert!(
-                    gin_core::cuda::SELFTEST_KERNELS.contains(&format!("({name},")),
+                    gin_selftest::KERNELS.contains(&format!("({name},")),
                     "{name} is not defined in selftest.cu"
                 );
             }

@@ -751,6 +751,29 @@ impl Bootstrap {
         Ok(())
     }
 
+    /// [`Bootstrap::health`], for a caller about to report a departure as
+    /// the reason a wait failed: a rank that left in order often left
+    /// because it heard of a death first (its error path drops its
+    /// communicator), and the notice of its departure can overtake the
+    /// root's notice of the death. So a departure is reported only after
+    /// `grace` has passed without a death being heard of; a death is
+    /// reported at once. Sleeps only on that failure path.
+    pub fn health_settled(&self, grace: Duration) -> Result<(), BootstrapError> {
+        let left = match self.health() {
+            Err(left @ BootstrapError::PeerExited { .. }) => left,
+            other => return other,
+        };
+        let until = Instant::now() + grace;
+        while Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+            match self.health() {
+                Err(BootstrapError::PeerExited { .. }) | Ok(()) => {}
+                Err(cause) => return Err(cause),
+            }
+        }
+        Err(left)
+    }
+
     /// Fails if `peer` itself died, stopped responding or left the job, or
     /// the root was lost; never blocks. Unlike [`Bootstrap::health`], another
     /// rank's failure is not `peer`'s: a caller that masks lost peers (and

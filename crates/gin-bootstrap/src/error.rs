@@ -190,6 +190,12 @@ pub enum BootstrapError {
     /// Failures of the local launcher.
     #[error("launch: {0}")]
     Launch(String),
+
+    /// A rank's record in a set-up exchange (its host record) has the
+    /// wrong shape: the ranks run different builds, or memory was
+    /// corrupted.
+    #[error(transparent)]
+    Record(#[from] crate::record::Malformed),
 }
 
 fn fmt_rank(r: Option<usize>) -> String {

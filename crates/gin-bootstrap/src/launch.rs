@@ -614,6 +614,37 @@ fn pump<R: Read + Send + 'static>(
     });
 }
 
+/// The outcome of [`run_ranks`] in the process that called it.
+#[derive(Debug)]
+pub enum Role {
+    /// This process is a rank: run the job.
+    Rank,
+    /// This process launched the ranks; they all succeeded.
+    Launched,
+}
+
+/// Runs a program as every rank of a local job without a launcher: if a
+/// launcher started this process (`GIN_*`, torchrun, Slurm or Open MPI
+/// variables, see [`LaunchEnv`](crate::LaunchEnv)), returns
+/// [`Role::Rank`]. Otherwise starts `n` ranks of this executable with the
+/// same arguments through [`launch`] (output prefixed by rank), waits, and
+/// returns [`Role::Launched`], or an error describing which ranks failed.
+pub fn run_ranks(n: usize) -> Result<Role, String> {
+    if crate::LaunchEnv::present(|k| std::env::var(k).ok()) {
+        return Ok(Role::Rank);
+    }
+    let exe = std::env::current_exe().map_err(|e| format!("finding this executable: {e}"))?;
+    let mut spec = LaunchSpec::new(n, exe, std::env::args_os().skip(1));
+    spec.output = Output::Prefix;
+    spec.grace = Duration::from_secs(5);
+    let report = launch(&spec).map_err(|e| e.to_string())?;
+    if report.success() {
+        Ok(Role::Launched)
+    } else {
+        Err(report.describe_failures())
+    }
+}
+
 /// Runs `f` in `n` threads, each with its own [`crate::Bootstrap`] of one job
 /// whose root runs in this process. For tests and for users who want ranks as
 /// threads.

@@ -28,6 +28,20 @@
 //!   all-to-all (fixed and variable sizes), binomial broadcast, dissemination
 //!   barrier. Every blocking call honours [`Config::timeout`] (`GIN_TIMEOUT`),
 //!   and its error names the ranks it was waiting for.
+//! - **Topology** ([`topology`]): one exchange of host ids (`GIN_HOSTID`,
+//!   else hostname and boot id) and process identities tells every rank
+//!   which ranks share its host, its local index and its rail.
+//! - **Liveness** ([`liveness`]): a rank that was stopped (SIGSTOP, a
+//!   debugger, a frozen cgroup) keeps its sockets open, so the death watch
+//!   cannot see it; after a timeout, the process state of same-host peers
+//!   (from `/proc`, by pid, start time, boot id and pid namespace) names the
+//!   stopped or gone ones.
+//! - **Records** ([`record`]): the small codec for what ranks allgather
+//!   (window parts, host ids, placements); decoding checks the shape and
+//!   names the rank that sent a malformed record. [`Bootstrap::agree`]
+//!   ([`agree`]) is the collective for values every rank must give alike:
+//!   every rank fails with the same error naming the field and who gave
+//!   what.
 //! - **Frames** ([`frame`]) are length-prefixed and versioned; lengths are
 //!   checked before allocation and payloads read in bounded chunks.
 //! - **Launch.** [`launch()`] starts N local rank processes with the `GIN_*`
@@ -36,7 +50,8 @@
 //!   (SIGTERM, then SIGKILL), so wrapper scripts and their children go too; the
 //!   only `unsafe` in the crate is the few libc calls that needs. [`LaunchEnv`]
 //!   reads a rank's identity from `GIN_*`, torchrun, Slurm or Open MPI
-//!   variables.
+//!   variables; [`run_ranks`] lets a program be a rank under a launcher or
+//!   start its own local ranks.
 //! - **Programs.** [`init_tracing_from_env`] (`GIN_DEBUG`) and [`exit_code`]
 //!   (errors as Display) are what every binary and example of the project
 //!   calls; being the one crate they all reach, gin-bootstrap holds them. The
@@ -56,6 +71,7 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod agree;
 mod cli;
 mod collectives;
 mod comm;
@@ -65,9 +81,12 @@ pub mod frame;
 mod gate;
 mod id;
 pub mod launch;
+pub mod liveness;
 mod net;
+pub mod record;
 mod root;
 pub mod selftest;
+pub mod topology;
 
 pub use cli::{
     DEBUG_VAR, error_chain, exit_code, init_tracing_from_env, parse_filter, tracing_requested,
@@ -79,6 +98,7 @@ pub use env::{
 pub use error::BootstrapError;
 pub use id::UniqueId;
 pub use launch::{
-    Fault, FaultKind, LaunchReport, LaunchSpec, Output, RankExit, launch, run_threads,
+    Fault, FaultKind, LaunchReport, LaunchSpec, Output, RankExit, Role, launch, run_ranks,
+    run_threads,
 };
 pub use root::BootstrapRoot;

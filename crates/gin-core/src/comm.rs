@@ -7,22 +7,23 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use gin_bootstrap::Bootstrap;
+use gin_bootstrap::liveness::Liveness;
+use gin_bootstrap::topology::Topology;
 use gin_device::{
     Backend, Counters, CpuStart, DevComm, DevCommParts, Exchange, Health, HostError, Window,
     WindowParts,
 };
+use gin_net::part::{HostPart, HostParts, PartRecord, Registration};
 use gin_net::region::{Access, RegionTable};
 use gin_net::shm::Segment;
-use gin_net::transport::{Alive, Scope, Setup};
+use gin_net::transport::{Scope, Setup};
 use gin_net::{Fabric, KeepAlive, MemDesc, MemParts, Memory, NetError, Reach};
 use tracing::{debug, info};
 
 use crate::config::Settings;
 use crate::error::CoreError;
-use crate::liveness::{Liveness, ProcessId};
-use crate::record::{HostRecord, WindowRecord};
 use crate::requirements;
-use crate::space::IdSpace;
+use crate::space::{Ranges, Spaces};
 
 /// What a device communicator needs; every rank passes the same values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,25 +83,10 @@ struct BootstrapHealth(Arc<Bootstrap>, Liveness);
 
 impl Health for BootstrapHealth {
     fn check(&self) -> Result<(), String> {
-        match self.0.health() {
-            Ok(()) => Ok(()),
-            // A rank that left in order often left because it heard of a
-            // death first (its error path drops its communicator), and the
-            // notice of its departure can overtake the root's notice of the
-            // death: give the cause a moment. Failure path only.
-            Err(left @ gin_bootstrap::BootstrapError::PeerExited { .. }) => {
-                let until = std::time::Instant::now() + gin_device::CAUSE_GRACE;
-                while std::time::Instant::now() < until {
-                    std::thread::sleep(Duration::from_millis(5));
-                    match self.0.health() {
-                        Err(gin_bootstrap::BootstrapError::PeerExited { .. }) | Ok(()) => {}
-                        Err(cause) => return Err(cause.to_string()),
-                    }
-                }
-                Err(left.to_string())
-            }
-            Err(e) => Err(e.to_string()),
-        }
+        // A departure is named only once no death explains it.
+        (self.0)
+            .health_settled(gin_device::CAUSE_GRACE)
+            .map_err(|e| e.to_string())
     }
 
     fn diagnose(&self) -> Option<String> {
@@ -117,12 +103,6 @@ impl Exchange for BootstrapExchange<'_> {
     }
 }
 
-#[derive(Debug)]
-struct Spaces {
-    signals: IdSpace,
-    counters: IdSpace,
-}
-
 /// The host communicator of one rank.
 #[derive(Debug)]
 pub struct Comm {
@@ -137,25 +117,12 @@ pub struct Comm {
     fabric: Arc<Fabric>,
     table: Arc<RegionTable>,
     next_window: Mutex<u32>,
-    spaces: Mutex<Spaces>,
+    spaces: Spaces,
     signal_window: Window,
     counters: Arc<Counters>,
     job_tag: String,
     /// Same-host peers' processes, looked at after a timeout.
     liveness: Liveness,
-}
-
-/// One rank's part of a window, as every rank learns it.
-#[derive(Debug, Clone, Copy)]
-struct PeerPart {
-    size: u64,
-    key: u32,
-    /// The owner's address of its part.
-    addr: u64,
-    /// The part mapped here (0: not mapped).
-    mapped: usize,
-    /// The owner's revocation word mapped here (0: not mapped).
-    state: usize,
 }
 
 /// What keeps a window's memory alive. Fields drop in order: the
@@ -175,39 +142,6 @@ struct WindowMemory {
 struct Mapped {
     _own: Option<Segment>,
     _peers: Vec<Segment>,
-}
-
-/// A window part served to peers under `key` and known to the fabric as
-/// `id`. Dropping it stops both before the memory goes: a window dropped
-/// without [`Comm::deregister_window`] (the communicator's own signal
-/// window, always; a user's on an error path or by mistake) would otherwise
-/// leave a peer's late put, signal or read pointing at unmapped memory.
-/// [`RegionTable::remove`] waits for requests being served. Same-host
-/// peers, which write the mapping itself, see the segment's revocation word
-/// set first and refuse operations on it from then on.
-#[derive(Debug)]
-struct Registration {
-    table: Arc<RegionTable>,
-    fabric: Arc<Fabric>,
-    key: u32,
-    base: usize,
-    id: u32,
-    /// The address of this part's revocation word (0: none, user memory).
-    state: usize,
-}
-
-impl Drop for Registration {
-    fn drop(&mut self) {
-        if self.state != 0 {
-            // SAFETY: the revocation word of this part's segment, which
-            // `WindowMemory` drops only after this registration.
-            unsafe { &*(self.state as *const AtomicU64) }.store(1, Ordering::Release);
-        }
-        self.fabric.remove_window(self.id);
-        // Only if the key is still this part's: after a deregistration it may
-        // have been drawn again for another window.
-        self.table.remove_region(self.key, self.base);
-    }
 }
 
 /// How long a departing rank waits for its TCP peers to confirm what it
@@ -249,42 +183,16 @@ impl Comm {
     pub fn with_settings(bootstrap: Bootstrap, settings: Settings) -> Result<Self, CoreError> {
         let b = Arc::new(bootstrap);
         let (rank, n) = (b.rank(), b.nranks());
-        // Who shares a host: identical host ids.
-        // Who shares a host, and each rank's process (named after a timeout
-        // when it is found stopped or gone): one exchange.
-        let me = ProcessId::own().encode();
-        let rec = HostRecord {
-            host: settings.host_id.as_bytes(),
-            process: &me,
-        }
-        .encode();
-        let recs = b.allgather(&rec)?;
-        let mut ids = Vec::with_capacity(n);
-        let mut procs = Vec::with_capacity(n);
-        for (r, rec) in recs.iter().enumerate() {
-            let HostRecord {
-                host: id,
-                process: proc,
-            } = HostRecord::decode(r, rec)?;
-            ids.push(id.to_vec());
-            procs.push(ProcessId::decode(proc));
-        }
-        let liveness = Liveness::new(rank, &procs);
-        let mut distinct: Vec<&Vec<u8>> = Vec::new();
-        let hosts: Vec<usize> = ids
-            .iter()
-            .map(|id| {
-                distinct.iter().position(|d| *d == id).unwrap_or_else(|| {
-                    distinct.push(id);
-                    distinct.len() - 1
-                })
-            })
-            .collect();
-        let local: Vec<usize> = (0..n).filter(|&r| hosts[r] == hosts[rank]).collect();
-        let local_rank = local.iter().position(|&r| r == rank).unwrap_or(0);
-        let rail: Vec<usize> = (0..n)
-            .filter(|&r| (0..n).filter(|&q| q < r && hosts[q] == hosts[r]).count() == local_rank)
-            .collect();
+        // Who shares a host (identical host ids), and each rank's process
+        // (named after a timeout when it is found stopped or gone): one
+        // exchange.
+        let Topology {
+            hosts,
+            nhosts,
+            local_rank,
+            rail,
+            liveness,
+        } = b.topology(&settings.host_id)?;
         let table = Arc::new(RegionTable::default());
         let fabric = Arc::new(start_fabric(&b, &table, &hosts, &settings)?);
         // A job-unique tag for shared-memory names.
@@ -297,7 +205,7 @@ impl Comm {
         info!(
             rank,
             nranks = n,
-            hosts = distinct.len(),
+            hosts = nhosts,
             local_rank,
             paths = ?fabric.path_names(),
             "communicator ready"
@@ -311,12 +219,9 @@ impl Comm {
             fabric,
             table,
             next_window: Mutex::new(0),
-            spaces: Mutex::new(Spaces {
-                signals: IdSpace::new(settings.signal_slots),
-                counters: IdSpace::new(settings.counter_slots),
-            }),
+            spaces: Spaces::new(settings.signal_slots, settings.counter_slots),
             counters: Arc::new(Counters::new(settings.counter_slots as usize)),
-            signal_window: dangling_window(),
+            signal_window: Window::empty(),
             job_tag,
             liveness,
             settings,
@@ -404,22 +309,24 @@ impl Comm {
         let key = unsafe { self.table.insert(seg.as_ptr(), bytes, Access::ALL)? };
         // Declared after `seg`, so dropped before it on every path.
         let mut registration = self.registration(id, key, seg.as_ptr());
-        registration.state = std::ptr::from_ref(seg.state()) as usize;
+        // SAFETY: the segment's header, mapped until `seg` drops, after
+        // `registration` on every path.
+        unsafe { registration.set_state(seg.state()) };
         let path = seg.path().to_string_lossy().into_owned();
         let r = self.finish_window(id, seg.as_ptr(), bytes, key, &path, true);
         // Every peer has mapped it (finish_window ends with a barrier), or
         // the registration failed: either way no name is needed any more.
         seg.unlink();
         self.remove_segment_names(id);
-        let (peers, peer_segments) = r?;
+        let HostParts { parts, segments } = r?;
         Ok(self.make_window(
             id,
             seg.as_ptr(),
-            &peers,
+            &parts,
             registration,
             Mapped {
                 _own: Some(seg),
-                _peers: peer_segments,
+                _peers: segments,
             },
         ))
     }
@@ -434,8 +341,7 @@ impl Comm {
     pub unsafe fn register_window(&self, ptr: *mut u8, bytes: u64) -> Result<Window, CoreError> {
         let shm = self.mapped_peers();
         // Every rank must agree, or some would wait in the collective forever.
-        let ok = self.bootstrap.allgather(&[u8::from(shm.is_empty())])?;
-        if let Some(r) = ok.iter().position(|v| v.first() != Some(&1)) {
+        if let Some(r) = self.bootstrap.first_refusal(shm.is_empty())? {
             return Err(CoreError::Unavailable {
                 what: "register_window of user memory".into(),
                 why: format!(
@@ -456,15 +362,15 @@ impl Comm {
         // SAFETY: forwarded from the caller's promise.
         let key = unsafe { self.table.insert(ptr, bytes, Access::ALL)? };
         let registration = self.registration(id, key, ptr);
-        let (peers, segs) = self.finish_window(id, ptr, bytes, key, "", false)?;
+        let HostParts { parts, segments } = self.finish_window(id, ptr, bytes, key, "", false)?;
         Ok(self.make_window(
             id,
             ptr,
-            &peers,
+            &parts,
             registration,
             Mapped {
                 _own: None,
-                _peers: segs,
+                _peers: segments,
             },
         ))
     }
@@ -490,14 +396,13 @@ impl Comm {
     }
 
     fn registration(&self, id: u32, key: u32, base: *mut u8) -> Registration {
-        Registration {
-            table: self.table.clone(),
-            fabric: self.fabric.clone(),
-            key,
-            base: base as usize,
+        Registration::new(
+            self.table.clone(),
+            self.fabric.clone(),
             id,
-            state: 0,
-        }
+            key,
+            base as usize,
+        )
     }
 
     pub(crate) fn take_window_id(&self) -> u32 {
@@ -520,8 +425,8 @@ impl Comm {
         key: u32,
         path: &str,
         shared: bool,
-    ) -> Result<(Vec<PeerPart>, Vec<Segment>), CoreError> {
-        let mine = WindowRecord {
+    ) -> Result<HostParts, CoreError> {
+        let mine = PartRecord {
             size: bytes,
             key,
             addr: base as u64,
@@ -530,41 +435,19 @@ impl Comm {
         }
         .encode();
         let all = self.bootstrap.allgather(&mine)?;
-        let mut peers = Vec::with_capacity(all.len());
-        let mut segs = Vec::new();
-        for (p, e) in all.iter().enumerate() {
-            let WindowRecord {
-                size,
-                key,
-                addr,
-                shared,
-                segment,
-            } = WindowRecord::decode(p, id, e)?;
-            let (mut mapped, mut state) = (0usize, 0usize);
-            if p != self.rank() && self.fabric.reach(p) == Some(Reach::Mapped) && shared {
-                let seg = Segment::open(std::path::Path::new(segment), size as usize)?;
-                mapped = seg.as_ptr() as usize;
-                state = std::ptr::from_ref(seg.state()) as usize;
-                segs.push(seg);
-            }
-            peers.push(PeerPart {
-                size,
-                key,
-                addr,
-                mapped,
-                state,
-            });
-        }
+        let parts = HostParts::open(self.rank(), id, &all, |p| {
+            self.fabric.reach(p) == Some(Reach::Mapped)
+        })?;
         self.bootstrap.barrier()?;
         debug!(rank = self.rank(), id, "window registered");
-        Ok((peers, segs))
+        Ok(parts)
     }
 
     fn make_window(
         &self,
         id: u32,
         base: *mut u8,
-        peers: &[PeerPart],
+        peers: &[HostPart],
         registration: Registration,
         mapped: Mapped,
     ) -> Window {
@@ -586,7 +469,7 @@ impl Comm {
             .enumerate()
             .map(|(p, e)| {
                 if p == self.rank() {
-                    registration.state
+                    registration.state()
                 } else {
                     e.state
                 }
@@ -685,28 +568,9 @@ impl Comm {
         })?;
         let nsig = per_ctx * u64::from(req.contexts);
         let ncnt = u64::from(req.counters) * u64::from(req.contexts);
-        let (signal_base, counter_base) = {
-            let mut s = self
-                .spaces
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let sb = s.signals.alloc(nsig, "signal")?;
-            let cb = match s.counters.alloc(ncnt, "counter") {
-                Ok(c) => c,
-                Err(e) => {
-                    let _ = s.signals.free(sb, nsig);
-                    return Err(e.into());
-                }
-            };
-            (sb, cb)
-        };
         // Freed on every error exit below; kept by the handle on success.
-        let ranges = IdRanges {
-            comm: self,
-            signals: (signal_base, nsig),
-            counters: (counter_base, ncnt),
-            release: true,
-        };
+        let ranges = self.spaces.take(nsig, ncnt)?;
+        let (signal_base, counter_base) = (ranges.signals.0, ranges.counters.0);
         // Fresh slots start at zero, on every rank, before anyone signals.
         for i in 0..nsig {
             if let Ok(slot) = self.signal_window.slot((signal_base + i) * 8) {
@@ -787,24 +651,35 @@ impl Comm {
     /// Checks that every rank placed signals and counters alike
     /// (collective).
     fn agree_placement(&self, signal_base: u64, counter_base: u64) -> Result<(), CoreError> {
-        let mut rec = signal_base.to_le_bytes().to_vec();
-        rec.extend_from_slice(&counter_base.to_le_bytes());
-        let all = self.bootstrap.allgather_equal(&rec)?;
-        if all.chunks(16).any(|c| c != rec.as_slice()) {
-            return Err(CoreError::Mismatch {
-                rank: self.rank(),
-                what: "signal/counter placement".into(),
-                detail: "device communicators were created or destroyed in different orders, \
-                         or with different requirements"
-                    .into(),
-            });
-        }
-        Ok(())
+        agree_placement(&self.bootstrap, signal_base, counter_base)
     }
 
     /// The timeout of waits.
     pub fn timeout(&self) -> Duration {
         self.settings.timeout
+    }
+}
+
+/// Checks that every rank placed a device communicator's signals and
+/// counters alike (collective), CPU and CUDA ranks alike: each rank fails
+/// with the same [`CoreError::Mismatch`], naming who placed them where.
+pub(crate) fn agree_placement(
+    bootstrap: &Bootstrap,
+    signal_base: u64,
+    counter_base: u64,
+) -> Result<(), CoreError> {
+    let placement = [("signal", signal_base), ("counter", counter_base)];
+    match bootstrap.agree(&placement)? {
+        None => Ok(()),
+        Some(d) => Err(CoreError::Mismatch {
+            rank: bootstrap.rank(),
+            what: format!("{} placement", d.field),
+            detail: format!(
+                "{}: device communicators were created or destroyed in different orders, \
+                 or with different requirements",
+                d.detail
+            ),
+        }),
     }
 }
 
@@ -839,60 +714,9 @@ fn start_fabric(
         e => e.into(),
     })?;
     // A send blocked on a peer that stopped draining also ends when the job
-    // hears of a death (weak: the transports must not keep the bootstrap
-    // alive past the communicator).
-    let weak = Arc::downgrade(b);
-    let alive: Alive = Arc::new(move || {
-        weak.upgrade()
-            .map_or(Ok(()), |b| b.health().map_err(|e| e.to_string()))
-    });
-    fabric.watch(&alive);
+    // hears of a death.
+    fabric.watch_job(b);
     Ok(fabric)
-}
-
-fn dangling_window() -> Window {
-    // SAFETY: an empty window: no bytes are ever accessed through it.
-    unsafe {
-        Window::from_parts(
-            WindowParts {
-                id: u32::MAX,
-                rank: 0,
-                comm_id: 0,
-                local_base: std::ptr::NonNull::<u64>::dangling().as_ptr().cast(),
-                sizes: vec![0],
-                peer_bases: vec![std::ptr::null_mut()],
-                keys: vec![0],
-                addrs: vec![0],
-                states: vec![std::ptr::null()],
-            },
-            Box::new(()),
-        )
-    }
-}
-
-/// Signal and counter ranges taken from the communicator's id spaces.
-#[derive(Debug)]
-struct IdRanges<'c> {
-    comm: &'c Comm,
-    signals: (u64, u64),
-    counters: (u64, u64),
-    /// Give the ranges back when dropped.
-    release: bool,
-}
-
-impl Drop for IdRanges<'_> {
-    fn drop(&mut self) {
-        if !self.release {
-            return;
-        }
-        let mut s = self
-            .comm
-            .spaces
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let _ = s.signals.free(self.signals.0, self.signals.1);
-        let _ = s.counters.free(self.counters.0, self.counters.1);
-    }
 }
 
 /// A device communicator and what it holds; dereferences to [`DevComm`].
@@ -904,7 +728,7 @@ pub struct DevCommHandle<'c> {
     comm: &'c Comm,
     dc: Option<DevComm>,
     _backend: Arc<dyn Backend>,
-    ranges: IdRanges<'c>,
+    ranges: Ranges<'c>,
     destroyed: bool,
 }
 
@@ -933,7 +757,7 @@ impl Drop for DevCommHandle<'_> {
     fn drop(&mut self) {
         self.dc.take();
         if !self.destroyed {
-            self.ranges.release = false;
+            self.ranges.keep_reserved();
             tracing::debug!(
                 rank = self.comm.rank(),
                 "device communicator dropped without destroy(): its signal and counter ids stay reserved"

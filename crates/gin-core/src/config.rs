@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use gin_cuda::Device;
-use gin_device::{HostBackend, StartError};
+use gin_device::HostBackend;
 use gin_gdaki::GdakiBackend;
 use gin_net::Fabric;
 use gin_proxy::ProxyBackend;
@@ -77,32 +77,6 @@ impl BackendKind {
                 max: *range.end(),
             }
         })
-    }
-}
-
-impl From<StartError> for CoreError {
-    /// A backend's start failure: gin-device's errors as they are, and the
-    /// errors of the layers below (bootstrap, CUDA, fabric) as gin-core
-    /// reports them anywhere else.
-    fn from(e: StartError) -> Self {
-        match e {
-            StartError::Gin(e) => e.into(),
-            StartError::Host(e) => {
-                let e = match e.downcast::<gin_bootstrap::BootstrapError>() {
-                    Ok(e) => return (*e).into(),
-                    Err(e) => e,
-                };
-                let e = match e.downcast::<gin_cuda::CudaError>() {
-                    Ok(e) => return (*e).into(),
-                    Err(e) => e,
-                };
-                match e.downcast::<gin_net::NetError>() {
-                    Ok(e) => (*e).into(),
-                    Err(e) => CoreError::Invalid(e.to_string()),
-                }
-            }
-            e => CoreError::Invalid(e.to_string()),
-        }
     }
 }
 
@@ -259,7 +233,7 @@ impl Settings {
                 available: "GIN_BACKEND=gdaki with GIN_NIC=mlx5, or GIN_NIC unset".into(),
             });
         }
-        let host_id = get("GIN_HOSTID").unwrap_or_else(default_host_id);
+        let host_id = get("GIN_HOSTID").unwrap_or_else(gin_bootstrap::topology::default_host_id);
         let timeout = gin_bootstrap::Config::from_vars(&get)?.timeout;
         let slots = |var: &'static str, default: u64| -> Result<u64, CoreError> {
             get(var).map_or(Ok(default), |v| {
@@ -295,14 +269,6 @@ impl Settings {
     }
 }
 
-/// Hostname plus kernel boot id: processes in another UTS namespace, or on
-/// another machine, count as another host.
-fn default_host_id() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    format!("{}/{}", host.trim(), boot.trim())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -314,38 +280,6 @@ mod tests {
                 .find(|(n, _)| *n == k)
                 .map(|(_, v)| (*v).to_owned())
         }
-    }
-
-    #[test]
-    fn queue_depths_are_rounded_up_within_the_backends_range_never_clamped() {
-        assert_eq!(BackendKind::Proxy.queue_log2(2).unwrap(), 1);
-        assert_eq!(BackendKind::Auto.queue_log2(3).unwrap(), 2);
-        assert_eq!(BackendKind::Gdaki.queue_log2(4).unwrap(), 2);
-        assert_eq!(BackendKind::Gdaki.queue_log2(5).unwrap(), 3);
-        assert_eq!(BackendKind::Proxy.queue_log2(1 << 16).unwrap(), 16);
-        let e = BackendKind::Gdaki.queue_log2(3).unwrap_err().to_string();
-        assert!(
-            e.contains("queue depth 3 is below the gdaki backend's minimum 4"),
-            "{e}"
-        );
-        let e = BackendKind::Gdaki
-            .queue_log2((1 << 14) + 1)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("exceeds the gdaki backend's maximum 16384"),
-            "{e}"
-        );
-        let e = BackendKind::Proxy
-            .queue_log2(u32::MAX)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("exceeds the proxy backend's maximum 65536"),
-            "{e}"
-        );
-        let e = BackendKind::Proxy.queue_log2(1).unwrap_err().to_string();
-        assert!(e.contains("below the proxy backend's minimum 2"), "{e}");
     }
 
     #[test]
@@ -385,82 +319,5 @@ mod tests {
             Settings::from_vars(vars(&[("GIN_NIC", "mlx5"), ("GIN_BACKEND", "gdaki")])).unwrap();
         s.check_usable(&BackendKind::Proxy.selection()).unwrap();
         assert!(s.check_usable(&BackendKind::Gdaki.selection()).is_err());
-    }
-
-    #[test]
-    fn start_errors_keep_the_lower_layers_error() {
-        let e: CoreError =
-            StartError::Host(Box::new(gin_net::NetError::NotRegistered { window: 7 })).into();
-        assert!(matches!(e, CoreError::Net(_)), "{e:?}");
-        let e: CoreError = StartError::Host("a ring's size is out of range".into()).into();
-        assert!(
-            matches!(&e, CoreError::Invalid(m) if m == "a ring's size is out of range"),
-            "{e:?}"
-        );
-        let e: CoreError = StartError::Gin(gin_device::GinError::Spawn {
-            rank: 2,
-            what: "CUDA proxy thread",
-            why: "no".into(),
-        })
-        .into();
-        assert!(matches!(e, CoreError::Device(_)), "{e:?}");
-    }
-
-    #[test]
-    fn choices_parse_and_unknown_ones_list_the_alternatives() {
-        let s = Settings::from_vars(vars(&[
-            ("GIN_BACKEND", "proxy"),
-            ("GIN_TRANSPORT", "tcp"),
-            ("GIN_HOSTID", "h1"),
-        ]))
-        .unwrap();
-        assert_eq!(
-            (s.backend, s.transport, s.host_id.as_str()),
-            (BackendKind::Proxy, TransportKind::TCP, "h1")
-        );
-        let e = Settings::from_vars(vars(&[("GIN_NIC", "cx9")]))
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("GIN_NIC=cx9") && e.contains("soft, mlx5"), "{e}");
-        // A NIC for a backend that would ignore it is refused, not ignored.
-        let e = Settings::from_vars(vars(&[("GIN_NIC", "mlx5")]))
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("GIN_NIC=mlx5")
-                && e.contains("GIN_BACKEND is auto")
-                && e.contains("GIN_BACKEND=gdaki"),
-            "{e}"
-        );
-        let e = Settings::from_vars(vars(&[("GIN_NIC", "mlx5"), ("GIN_BACKEND", "proxy")]))
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("GIN_BACKEND is proxy"), "{e}");
-        let s =
-            Settings::from_vars(vars(&[("GIN_NIC", "mlx5"), ("GIN_BACKEND", "gdaki")])).unwrap();
-        assert_eq!(s.nic, NicKind::Mlx5);
-        // No ConnectX here (or anywhere CI runs): an error naming what is
-        // missing, and the way out.
-        let e = s.check_nic().unwrap_err().to_string();
-        assert!(
-            e.contains("GIN_NIC=mlx5") && e.contains("GIN_NIC=soft") && e.contains("RDMA")
-                || e.contains("libmlx5.so.1"),
-            "{e}"
-        );
-        let e = Settings::from_vars(vars(&[("GIN_BACKEND", "ibgda")]))
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("GIN_BACKEND=ibgda") && e.contains("auto, proxy, gdaki"),
-            "{e}"
-        );
-        let e = Settings::from_vars(vars(&[("GIN_TRANSPORT", "rdma")]))
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("auto, shm, tcp"), "{e}");
-        let e = Settings::from_vars(vars(&[("GIN_SIGNAL_SLOTS", "0")]))
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("GIN_SIGNAL_SLOTS"), "{e}");
     }
 }

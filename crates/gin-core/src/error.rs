@@ -14,7 +14,8 @@ pub enum CoreError {
         /// What can be used instead.
         available: String,
     },
-    /// An argument or state that cannot be used, described in words.
+    /// A failure no variant below names (a backend's own error of a type
+    /// gin-core does not know), described in words.
     #[error("{0}")]
     Invalid(String),
     /// Ranks gave different values where every rank must give the same
@@ -116,10 +117,10 @@ pub enum CoreError {
     Space(#[from] crate::space::SpaceError),
     /// The bootstrap failed (a peer died, a timeout, a rendezvous refused).
     #[error(transparent)]
-    Bootstrap(#[from] gin_bootstrap::BootstrapError),
+    Bootstrap(gin_bootstrap::BootstrapError),
     /// The transport failed.
     #[error(transparent)]
-    Net(#[from] gin_net::NetError),
+    Net(gin_net::NetError),
     /// A device-API call failed.
     #[error(transparent)]
     Device(#[from] gin_device::GinError),
@@ -154,6 +155,16 @@ pub enum CoreError {
         /// its fixed head).
         expected: usize,
     },
+    /// A CUDA kernel finished without a device-side error, but the job
+    /// broke while it ran (a peer died; a transport, the proxy or the NIC
+    /// failed): what it computed cannot be trusted.
+    #[error("rank {rank}: kernel finished, but {cause}")]
+    AfterKernel {
+        /// The rank that ran the kernel.
+        rank: usize,
+        /// What the host saw.
+        cause: String,
+    },
     /// A CUDA kernel's device-side call failed: the error word it wrote,
     /// decoded (see [`gin_device::abi::errword`]).
     #[error(
@@ -179,11 +190,78 @@ pub enum CoreError {
     },
 }
 
+impl From<gin_bootstrap::record::Malformed> for CoreError {
+    fn from(e: gin_bootstrap::record::Malformed) -> Self {
+        let gin_bootstrap::record::Malformed {
+            rank,
+            what,
+            got,
+            expected,
+        } = e;
+        CoreError::MalformedRecord {
+            rank,
+            what,
+            got,
+            expected,
+        }
+    }
+}
+
+impl From<gin_device::StartError> for CoreError {
+    /// A backend's start failure: gin-device's errors as they are, and the
+    /// errors of the layers below (bootstrap, CUDA, fabric) as gin-core
+    /// reports them anywhere else.
+    fn from(e: gin_device::StartError) -> Self {
+        use gin_device::StartError;
+        match e {
+            StartError::Gin(e) => e.into(),
+            StartError::Host(e) => {
+                let e = match e.downcast::<gin_bootstrap::BootstrapError>() {
+                    Ok(e) => return (*e).into(),
+                    Err(e) => e,
+                };
+                let e = match e.downcast::<gin_cuda::CudaError>() {
+                    Ok(e) => return (*e).into(),
+                    Err(e) => e,
+                };
+                match e.downcast::<gin_net::NetError>() {
+                    Ok(e) => (*e).into(),
+                    Err(e) => CoreError::Invalid(e.to_string()),
+                }
+            }
+            e => CoreError::Invalid(e.to_string()),
+        }
+    }
+}
+
+impl From<gin_bootstrap::BootstrapError> for CoreError {
+    /// A malformed set-up record is [`CoreError::MalformedRecord`]; everything
+    /// else is carried whole.
+    fn from(e: gin_bootstrap::BootstrapError) -> Self {
+        match e {
+            gin_bootstrap::BootstrapError::Record(m) => m.into(),
+            e => CoreError::Bootstrap(e),
+        }
+    }
+}
+
+impl From<gin_net::NetError> for CoreError {
+    /// A malformed window record is [`CoreError::MalformedRecord`], whichever
+    /// layer decoded it; everything else is carried whole.
+    fn from(e: gin_net::NetError) -> Self {
+        match e {
+            gin_net::NetError::Record(m) => m.into(),
+            e => CoreError::Net(e),
+        }
+    }
+}
+
 impl From<gin_cuda::CudaError> for CoreError {
     /// Keeps the variants callers matched before the runtime had its own
     /// crate: a missing driver or NVRTC is [`CoreError::Unavailable`] with
     /// CPU ranks as the alternative, a failing driver call
-    /// [`CoreError::Cuda`]; everything else is carried whole.
+    /// [`CoreError::Cuda`], a malformed window record
+    /// [`CoreError::MalformedRecord`]; everything else is carried whole.
     fn from(e: gin_cuda::CudaError) -> Self {
         use gin_cuda::CudaError as E;
         match e {
@@ -203,7 +281,81 @@ impl From<gin_cuda::CudaError> for CoreError {
                 name: d.name,
                 text: d.text,
             },
+            E::Record(m) => m.into(),
             other => CoreError::CudaRuntime(other),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A host window part's record is gin-net's (`gin_net::part`); a
+    /// malformed one still reaches gin-core's callers as
+    /// [`CoreError::MalformedRecord`], naming rank and window.
+    #[test]
+    fn a_malformed_window_record_is_a_malformed_record_naming_the_rank_and_window() {
+        let e: CoreError = gin_net::part::PartRecord::decode(2, 9, &[0u8; 20])
+            .unwrap_err()
+            .into();
+        assert!(
+            matches!(
+                &e,
+                CoreError::MalformedRecord {
+                    rank: 2,
+                    got: 20,
+                    expected: 21,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("window 9"), "{e}");
+    }
+
+    /// A GPU window part's record is gin-cuda's (`gin_cuda::window`); a
+    /// malformed one still reaches gin-core's callers as
+    /// [`CoreError::MalformedRecord`], naming rank and window.
+    #[test]
+    fn a_malformed_gpu_window_record_is_a_malformed_record_naming_the_rank_and_window() {
+        let e: CoreError = gin_cuda::window::PartRecord::decode(3, 9, &[0u8; 80])
+            .unwrap_err()
+            .into();
+        assert!(
+            matches!(
+                &e,
+                CoreError::MalformedRecord {
+                    rank: 3,
+                    got: 80,
+                    expected: 84,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert_eq!(
+            e.to_string(),
+            "rank 3 sent a malformed GPU window 9 record (80 bytes, expected 84)"
+        );
+    }
+
+    /// A host record's, too (gin-bootstrap's `topology`).
+    #[test]
+    fn a_malformed_host_record_is_a_malformed_record_naming_the_rank() {
+        let b = gin_bootstrap::topology::HostRecord::decode(3, &[0u8; 3]).unwrap_err();
+        let e: CoreError = gin_bootstrap::BootstrapError::from(b).into();
+        assert!(
+            matches!(
+                &e,
+                CoreError::MalformedRecord {
+                    rank: 3,
+                    got: 3,
+                    expected: 4,
+                    ..
+                }
+            ),
+            "{e}"
+        );
     }
 }

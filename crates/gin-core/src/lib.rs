@@ -3,18 +3,22 @@
 //! # Design
 //!
 //! - [`Comm`] is built from a `gin_bootstrap::Bootstrap`. It learns which
-//!   ranks share a host (`GIN_HOSTID`, else hostname and boot id), picks a path
-//!   to every peer (`GIN_TRANSPORT`: shm within a host, tcp across, or tcp
-//!   everywhere), and builds the fabric.
+//!   ranks share a host (`GIN_HOSTID`, else hostname and boot id: the
+//!   bootstrap's `topology` exchange), picks a path to every peer
+//!   (`GIN_TRANSPORT`: shm within a host, tcp across, or tcp everywhere),
+//!   and builds the fabric.
 //! - **Windows** are registered collectively and in order, so a window's id is
 //!   the same on every rank; sizes may differ per rank and every rank knows
 //!   every size. [`Comm::alloc_window`] allocates shared memory that same-host
 //!   peers map (the direct path); [`Comm::register_window`] registers user
-//!   memory for TCP peers.
+//!   memory for TCP peers. gin-net's `part` module maps and serves the
+//!   parts (gin-cuda's `window` for GPU windows); gin-core gives a window its
+//!   id and the handle users hold.
 //! - **Device communicators** ([`Comm::dev_comm`]) take their signal and
 //!   counter ranges from communicator-wide id spaces ([`space::IdSpace`],
 //!   first fit with coalescing); ranges freed by destroy are reused, and
-//!   every rank checks that all placed them alike.
+//!   every rank checks that all placed them alike (`Bootstrap::agree`, as
+//!   for the requirements: every rank fails alike, naming who gave what).
 //! - **Backend selection** (`GIN_BACKEND`): `auto` uses direct load/store for
 //!   same-host peers and the proxy for the rest; `proxy` sends everything
 //!   through the proxy; `gdaki` builds mlx5 WQEs that soft-mlx5 executes.
@@ -32,8 +36,11 @@
 //! # What it does not know
 //!
 //! Descriptor, WQE and CQE formats, queue set-up and connection exchanges
-//! (gin-proxy, gin-gdaki, behind the `HostBackend` seam) and the device
-//! API's semantics (gin-device): it assembles them.
+//! (gin-proxy, gin-gdaki, behind the `HostBackend` seam), the device API's
+//! semantics (gin-device), the job's topology, liveness, records and
+//! agreement (gin-bootstrap), and how window parts are mapped and served
+//! (gin-net, gin-cuda): it assembles them. Its checks of the whole API
+//! across a job are users' code and live in the gin-selftest crate.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
@@ -43,8 +50,7 @@ pub mod config;
 pub mod cuda;
 mod error;
 pub mod launch;
-mod liveness;
-mod record;
+
 pub mod requirements;
 pub mod space;
 

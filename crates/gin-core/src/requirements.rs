@@ -9,9 +9,8 @@
 //! The bounds then depend only on values every rank holds alike, so every
 //! rank passes or fails them together.
 
-use std::fmt::Write as _;
-
 use gin_bootstrap::Bootstrap;
+use gin_bootstrap::agree::Field;
 
 use crate::comm::{Connection, DevCommRequirements};
 use crate::error::CoreError;
@@ -25,9 +24,6 @@ pub const MAX_QUEUE_BYTES: u64 = 1 << 30;
 
 /// The size of one queue slot: a proxy descriptor or a GDAKI WQE basic block.
 pub const QUEUE_SLOT_BYTES: u64 = 64;
-
-/// A field every rank must give alike, by name, with its value.
-type Field = (&'static str, u64);
 
 /// The fields of `req` that shape the layout or the semantics of a device
 /// communicator, in a fixed order.
@@ -52,90 +48,9 @@ pub(crate) fn fields(req: &DevCommRequirements) -> Vec<Field> {
     ]
 }
 
-fn encode(fields: &[Field]) -> Vec<u8> {
-    fields.iter().flat_map(|(_, v)| v.to_le_bytes()).collect()
-}
-
-/// Decodes every rank's record; `None` for a record of the wrong length.
-fn decode(all: &[u8], n: usize) -> Option<Vec<u64>> {
-    if all.len() != n * 8 {
-        return None;
-    }
-    Some(
-        all.chunks_exact(8)
-            .map(|c| {
-                let mut b = [0; 8];
-                b.copy_from_slice(c);
-                u64::from_le_bytes(b)
-            })
-            .collect(),
-    )
-}
-
-/// Compares every rank's fields (`all[rank][field]`) and describes the
-/// first field on which they differ: which ranks gave which value.
-pub(crate) fn first_disagreement(names: &[&'static str], all: &[Vec<u64>]) -> Option<Disagreement> {
-    for (f, name) in names.iter().enumerate() {
-        let mut groups: Vec<(u64, Vec<usize>)> = Vec::new();
-        for (r, vals) in all.iter().enumerate() {
-            let v = vals[f];
-            match groups.iter_mut().find(|(g, _)| *g == v) {
-                Some((_, ranks)) => ranks.push(r),
-                None => groups.push((v, vec![r])),
-            }
-        }
-        if groups.len() > 1 {
-            let mut detail = String::new();
-            for (i, (v, ranks)) in groups.iter().enumerate() {
-                let _ = write!(
-                    detail,
-                    "{}{} {} gave {v}",
-                    if i == 0 { "" } else { "; " },
-                    if ranks.len() == 1 { "rank" } else { "ranks" },
-                    rank_list(ranks),
-                );
-            }
-            return Some(Disagreement {
-                field: name,
-                detail,
-            });
-        }
-    }
-    None
-}
-
-/// The field the ranks disagree on and who gave what.
-#[derive(Debug, PartialEq, Eq)]
-pub(crate) struct Disagreement {
-    pub field: &'static str,
-    pub detail: String,
-}
-
-/// `0, 2, 3` with runs shortened: `0-3, 7`.
-fn rank_list(ranks: &[usize]) -> String {
-    let mut out = String::new();
-    let mut i = 0;
-    while i < ranks.len() {
-        let mut j = i;
-        while j + 1 < ranks.len() && ranks[j + 1] == ranks[j] + 1 {
-            j += 1;
-        }
-        if !out.is_empty() {
-            out.push_str(", ");
-        }
-        let _ = match j - i {
-            0 => write!(out, "{}", ranks[i]),
-            1 => write!(out, "{}, {}", ranks[i], ranks[j]),
-            _ => write!(out, "{}-{}", ranks[i], ranks[j]),
-        };
-        i = j + 1;
-    }
-    out
-}
-
-/// Collective: every rank sends its fields (`req`'s, then `extra`), and
-/// every rank fails alike, naming the field and the ranks, unless all gave
-/// the same values.
+/// Collective ([`Bootstrap::agree`]): every rank sends its fields
+/// (`req`'s, then `extra`), and every rank fails alike, naming the field
+/// and the ranks, unless all gave the same values.
 pub(crate) fn agree(
     bootstrap: &Bootstrap,
     req: &DevCommRequirements,
@@ -143,30 +58,12 @@ pub(crate) fn agree(
 ) -> Result<(), CoreError> {
     let mut mine = fields(req);
     mine.extend_from_slice(extra);
-    let names: Vec<&'static str> = mine.iter().map(|(n, _)| *n).collect();
-    let all = bootstrap.allgather_equal(&encode(&mine))?;
-    let n = bootstrap.nranks();
-    let per_rank: Vec<Vec<u64>> = all
-        .chunks(mine.len() * 8)
-        .map(|c| decode(c, mine.len()).unwrap_or_default())
-        .collect();
-    if per_rank.len() != n || per_rank.iter().any(|v| v.len() != mine.len()) {
-        return Err(CoreError::MalformedRecord {
-            rank: per_rank
-                .iter()
-                .position(|v| v.len() != mine.len())
-                .unwrap_or(bootstrap.rank()),
-            what: "device communicator requirements record".into(),
-            got: per_rank.iter().map(Vec::len).min().unwrap_or(0) * 8,
-            expected: mine.len() * 8,
-        });
-    }
-    match first_disagreement(&names, &per_rank) {
+    match bootstrap.agree(&mine)? {
         None => Ok(()),
-        Some(p) => Err(CoreError::Mismatch {
+        Some(d) => Err(CoreError::Mismatch {
             rank: bootstrap.rank(),
-            what: format!("DevCommRequirements::{}", p.field),
-            detail: p.detail,
+            what: format!("DevCommRequirements::{}", d.field),
+            detail: d.detail,
         }),
     }
 }
@@ -226,24 +123,7 @@ pub(crate) fn check_bounds(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn rank_lists_shorten_runs() {
-        assert_eq!(rank_list(&[0]), "0");
-        assert_eq!(rank_list(&[1, 2]), "1, 2");
-        assert_eq!(rank_list(&[1, 2, 3, 7, 9, 10]), "1-3, 7, 9, 10");
-    }
-
-    #[test]
-    fn the_first_differing_field_is_named_with_who_gave_what() {
-        let names = ["signals", "counters"];
-        let all = vec![vec![4, 16], vec![64, 16], vec![64, 16], vec![64, 8]];
-        let p = first_disagreement(&names, &all).unwrap();
-        assert_eq!(p.field, "signals");
-        assert_eq!(p.detail, "rank 0 gave 4; ranks 1-3 gave 64");
-        let same = vec![vec![4, 16], vec![4, 16]];
-        assert_eq!(first_disagreement(&names, &same), None);
-    }
+    use gin_bootstrap::agree::first_disagreement;
 
     #[test]
     fn every_field_that_shapes_the_layout_is_compared() {

@@ -1,8 +1,12 @@
 //! The signal / counter id space: first-fit allocation of contiguous ranges
 //! with coalescing on free (as NCCL's ncclSpace). Pure: every rank runs the
-//! same sequence of calls and so gets the same ranges.
+//! same sequence of calls and so gets the same ranges. [`IdSpace`] is the
+//! allocator; a communicator's pair of spaces (signals, counters), taken
+//! from together and given back on drop, is `Spaces`, the same for CPU and
+//! CUDA ranks.
 
 use std::collections::BTreeMap;
+use std::sync::{Mutex, PoisonError};
 
 /// A space of `capacity` slots handed out in contiguous ranges.
 #[derive(Debug, Clone)]
@@ -114,6 +118,69 @@ impl IdSpace {
     }
 }
 
+/// A communicator's signal and counter id spaces (CPU and CUDA ranks each
+/// have theirs): a device communicator takes one range of each, both or
+/// neither, and gives them back when the [`Ranges`] drop.
+#[derive(Debug)]
+pub(crate) struct Spaces(Mutex<(IdSpace, IdSpace)>);
+
+impl Spaces {
+    /// `signals` signal slots and `counters` counter slots.
+    pub(crate) fn new(signals: u64, counters: u64) -> Self {
+        Self(Mutex::new((IdSpace::new(signals), IdSpace::new(counters))))
+    }
+
+    /// Takes `nsig` signals and `ncnt` counters: both, or (on an error)
+    /// neither.
+    pub(crate) fn take(&self, nsig: u64, ncnt: u64) -> Result<Ranges<'_>, SpaceError> {
+        let mut s = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let sb = s.0.alloc(nsig, "signal")?;
+        let cb = match s.1.alloc(ncnt, "counter") {
+            Ok(cb) => cb,
+            Err(e) => {
+                let _ = s.0.free(sb, nsig);
+                return Err(e);
+            }
+        };
+        Ok(Ranges {
+            spaces: self,
+            signals: (sb, nsig),
+            counters: (cb, ncnt),
+            release: true,
+        })
+    }
+}
+
+/// Signal and counter ranges (start, length) taken from [`Spaces`], given
+/// back when dropped unless [kept reserved](Ranges::keep_reserved).
+#[derive(Debug)]
+pub(crate) struct Ranges<'s> {
+    spaces: &'s Spaces,
+    pub(crate) signals: (u64, u64),
+    pub(crate) counters: (u64, u64),
+    release: bool,
+}
+
+impl Ranges<'_> {
+    /// Keeps the ranges out of reuse for good: a device communicator
+    /// dropped without being destroyed may still have a signal in flight
+    /// to them, which could otherwise land in a newer one.
+    pub(crate) fn keep_reserved(&mut self) {
+        self.release = false;
+    }
+}
+
+impl Drop for Ranges<'_> {
+    fn drop(&mut self) {
+        if !self.release {
+            return;
+        }
+        let mut s = self.spaces.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let _ = s.0.free(self.signals.0, self.signals.1);
+        let _ = s.1.free(self.counters.0, self.counters.1);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -177,5 +244,23 @@ mod tests {
             Err(SpaceError::NotAllocated { start: 4, len: 4 })
         );
         assert!(s.free(9, 5).is_err());
+    }
+
+    /// Signals and counters are taken both or neither; dropped ranges come
+    /// back, kept ones never do (the id-range rollback CPU and CUDA ranks
+    /// share).
+    #[test]
+    fn ranges_are_taken_both_or_neither_and_given_back_unless_kept() {
+        let s = Spaces::new(8, 4);
+        let e = s.take(8, 5).unwrap_err();
+        assert!(e.to_string().contains("counter space exhausted"), "{e}");
+        let mut r = s.take(8, 4).unwrap();
+        assert_eq!((r.signals, r.counters), ((0, 8), (0, 4)));
+        assert!(s.take(1, 0).is_err());
+        drop(r);
+        r = s.take(8, 4).unwrap();
+        r.keep_reserved();
+        drop(r);
+        assert!(s.take(1, 0).is_err());
     }
 }

@@ -1,13 +1,11 @@
-//! What the project's programs print: with `GIN_DEBUG` the selftest and the
-//! examples log to stderr, without it they stay quiet, and their errors read
-//! as Display, never Debug.
+//! What the examples print: with `GIN_DEBUG` they log to stderr, without it
+//! they stay quiet, and their errors read as Display, never Debug. (The
+//! selftest's logs are checked in gin-selftest's `tests/logs.rs`.)
 
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
-
-const SELFTEST: &str = env!("CARGO_BIN_EXE_gin-selftest");
 
 /// Runs `exe args` as a user would (it spawns its own ranks) with `GIN_DEBUG`
 /// set to `debug` or unset.
@@ -59,11 +57,6 @@ fn check_logs(exe: &PathBuf, args: &[&str]) {
         !err.contains("DEBUG"),
         "debug lines without GIN_DEBUG:\n{err}"
     );
-}
-
-#[test]
-fn gin_debug_turns_on_the_selftests_logs() {
-    check_logs(&PathBuf::from(SELFTEST), &["ring", "--ranks", "2"]);
 }
 
 #[test]

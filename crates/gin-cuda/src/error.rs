@@ -155,4 +155,35 @@ pub enum CudaError {
     /// The TCP transport failed a staged transfer.
     #[error(transparent)]
     Net(#[from] gin_net::NetError),
+    /// A rank's allgathered record (of a GPU window part) has the wrong
+    /// shape: the ranks run different builds, or memory was corrupted.
+    #[error(transparent)]
+    Record(#[from] gin_bootstrap::record::Malformed),
+    /// A peer reached over TCP does not serve its part of a GPU window: the
+    /// ranks disagree on who is reached over TCP.
+    #[error(
+        "rank {peer} does not serve GPU window {window} over TCP, but rank {rank} reaches it \
+         over TCP (GIN_TRANSPORT or host ids differ between ranks?)"
+    )]
+    NotServed {
+        /// The rank that reaches it over TCP.
+        rank: usize,
+        /// The rank that does not serve its part.
+        peer: usize,
+        /// The window's id.
+        window: u32,
+    },
+    /// A same-host peer's part of a GPU window cannot be mapped through
+    /// CUDA IPC.
+    #[error("rank {rank} cannot map GPU window {window} of rank {peer} through CUDA IPC: {source}")]
+    IpcOpen {
+        /// The rank mapping it.
+        rank: usize,
+        /// The rank whose part it is.
+        peer: usize,
+        /// The window's id.
+        window: u32,
+        /// Why the mapping failed.
+        source: Box<CudaError>,
+    },
 }

@@ -26,13 +26,19 @@
 //!   gin-net's region table ([`staging::GpuRegion`] is a
 //!   `gin_net::region::Backing`), and the pinned buffer through which an
 //!   engine sends and fetches through the fabric's keyed operations.
+//! - **Window parts** ([`window`]): this rank's part of a GPU window
+//!   (device memory, its IPC handle, its registration for TCP peers), the
+//!   record ranks exchange about it (with gin-bootstrap's record codec),
+//!   and the peers' parts as reached here (CUDA IPC or region keys).
 //! - Errors are [`CudaError`]: the failing driver call with its `CUresult`
 //!   name, the allocation size, the device ordinal, NVRTC's log.
 //!
 //! # What it does not know
 //!
-//! Windows, signals, descriptors, WQEs and the device API: the backend
-//! crates and gin-core build their CUDA engines on top of this crate, and
+//! What a window means to the device API (ids, NIC keys, the arrays kernels
+//! index, the fabric's directory), signals, descriptors, WQEs and the
+//! device API: the backend crates and gin-core build their CUDA engines
+//! and windows on top of this crate, and
 //! hand NVRTC their headers ([`nvrtc::compile`] takes them as data).
 
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -44,6 +50,7 @@ mod error;
 pub mod nvrtc;
 pub mod staging;
 pub mod testing;
+pub mod window;
 
 pub use driver::{
     Cubin, DevMem, Device, Function, HostMem, IpcMem, MAX_WRITES, Module, Stream, available,

@@ -112,6 +112,32 @@ impl Window {
         }
     }
 
+    /// A window of no bytes on one rank, with id `u32::MAX`, belonging to
+    /// no communicator (`comm_id` 0): every access to it is out of bounds.
+    /// A placeholder where a window must exist before the real one can be
+    /// made.
+    pub fn empty() -> Self {
+        // SAFETY: an empty window: its sizes are 0, so no byte is ever
+        // accessed through it; the base is dangling but aligned, and there
+        // is no peer base or revocation word.
+        unsafe {
+            Self::from_parts(
+                WindowParts {
+                    id: u32::MAX,
+                    rank: 0,
+                    comm_id: 0,
+                    local_base: std::ptr::NonNull::<u64>::dangling().as_ptr().cast(),
+                    sizes: vec![0],
+                    peer_bases: vec![std::ptr::null_mut()],
+                    keys: vec![0],
+                    addrs: vec![0],
+                    states: vec![std::ptr::null()],
+                },
+                Box::new(()),
+            )
+        }
+    }
+
     /// Same on every rank.
     pub fn id(&self) -> u32 {
         self.inner.abi.id
@@ -326,5 +352,20 @@ impl Window {
         }
         // SAFETY: as in `slot`, for the peer's mapped part.
         Some(unsafe { &*(base.add(offset as usize).cast::<AtomicU64>()) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_empty_window_refuses_every_access() {
+        let w = Window::empty();
+        assert_eq!((w.id(), w.local_size(), w.comm_id()), (u32::MAX, 0, 0));
+        assert!(w.write(0, &[1]).is_err());
+        assert!(w.read(0, &mut [0; 1]).is_err());
+        assert!(w.slot(0).is_err());
+        assert_eq!(w.peer_ptr(1), None);
     }
 }

@@ -126,6 +126,20 @@ impl Fabric {
         Ok(Self::new(rank, paths, setup.table.clone(), setup.timeout))
     }
 
+    /// Hands every transport the job's health ([`gin_bootstrap::Bootstrap::health`]) as
+    /// the check its blocked operations consult, so a send blocked on a
+    /// peer that stopped draining also ends when the job hears of a death.
+    /// The check holds the bootstrap weakly: the transports do not keep it
+    /// alive past its owner.
+    pub fn watch_job(&self, bootstrap: &Arc<gin_bootstrap::Bootstrap>) {
+        let weak = Arc::downgrade(bootstrap);
+        let alive: Alive = Arc::new(move || {
+            weak.upgrade()
+                .map_or(Ok(()), |b| b.health().map_err(|e| e.to_string()))
+        });
+        self.watch(&alive);
+    }
+
     /// Hands every transport the job-health check its blocked operations
     /// consult (see [`Transport::watch`]).
     pub fn watch(&self, alive: &Alive) {

@@ -21,6 +21,11 @@
 //!   registered in one table and chosen in one place, from `GIN_TRANSPORT`
 //!   and the ranks' host ids: a new transport is one module and one line
 //!   of registration.
+//! - **Window parts in host memory** ([`part`]): the record a rank tells
+//!   the others about its part (size, key, address, shared segment), the
+//!   peers' parts as reached here (same-host segments mapped), and the
+//!   registration whose drop revokes a part, removes it from the directory
+//!   and stops serving it, before its memory goes.
 //! - **Regions** ([`region::RegionTable`]): memory remote peers may
 //!   access, named by random 32-bit keys; every remote request is checked
 //!   for key, rights, bounds and alignment at the target (defence in
@@ -59,6 +64,7 @@
 
 pub mod fabric;
 pub mod idle;
+pub mod part;
 pub mod region;
 pub mod shm;
 pub mod sticky;
@@ -268,6 +274,11 @@ pub enum NetError {
     /// A job collective (address exchange, barrier) failed.
     #[error(transparent)]
     Bootstrap(#[from] gin_bootstrap::BootstrapError),
+    /// A rank's allgathered record of a window part ([`part::PartRecord`])
+    /// has the wrong shape: the ranks run different builds, or memory was
+    /// corrupted.
+    #[error(transparent)]
+    Record(#[from] gin_bootstrap::record::Malformed),
 }
 
 impl NetError {
@@ -285,6 +296,7 @@ impl NetError {
             | Self::Broken { peer, .. }
             | Self::Timeout { peer, .. }
             | Self::BadRecord { peer, .. } => Some(*peer),
+            Self::Record(m) => Some(m.rank),
             _ => None,
         }
     }

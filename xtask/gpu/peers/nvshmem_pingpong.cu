@@ -11,7 +11,7 @@
 //   nvshmem_pingpong --pe 1 --uid-file F [options]
 //
 // The two PEs must be given the same options. What is measured mirrors
-// gin-bench cuda (crates/gin-core/kernels/selftest.cu):
+// gin-bench cuda (crates/gin-selftest/kernels/selftest.cu):
 // - pingpong: PE 0 puts `bytes` with a signal (NVSHMEM_SIGNAL_ADD, as
 //   gin-rs's signal_inc; --signal-op set writes the count instead) and waits
 //   for PE 1's echo of the same buffer; one

@@ -15,11 +15,11 @@ use gin_device::abi::{
 use gin_device::{CudaEngine, CudaEngineSpec, HostBackend};
 use gin_net::Fabric;
 
-use super::record::Placement;
 use super::{CtxSharing, CudaComm, REACH_LSA, REACH_NONE, REACH_QUEUE};
 use crate::config::{BackendKind, Selection};
 use crate::error::CoreError;
 use crate::requirements;
+use crate::space::Ranges;
 use crate::{Connection, DevCommRequirements};
 
 /// How a lost TCP link waits for the bootstrap to name a dead peer before
@@ -160,17 +160,23 @@ impl<'c> CudaComm<'c> {
         )?;
         requirements::check_bounds(comm.rank(), comm.nranks(), req)?;
         if req.connection == Connection::Rail && req.world_barriers != 0 {
-            return Err(CoreError::Invalid(format!(
-                "{} world barriers asked for with a rail connection, which reaches only the \
-                 rail's ranks; use rail barriers or a full connection",
-                req.world_barriers
-            )));
+            return Err(CoreError::Requirement {
+                rank: comm.rank(),
+                what: format!(
+                    "{} world barriers asked for with a rail connection, which reaches only the \
+                     rail's ranks; use rail barriers or a full connection",
+                    req.world_barriers
+                ),
+            });
         }
         comm.settings().check_usable(selected)?;
         req.signals
             .checked_add(req.world_barriers)
             .and_then(|v| v.checked_add(req.rail_barriers))
-            .ok_or_else(|| CoreError::Invalid("signal and barrier counts overflow".into()))
+            .ok_or_else(|| CoreError::Requirement {
+                rank: comm.rank(),
+                what: "signal and barrier counts overflow".into(),
+            })
     }
 
     /// Takes the signal and counter ranges from the id spaces (given back
@@ -179,28 +185,11 @@ impl<'c> CudaComm<'c> {
         &self,
         req: &DevCommRequirements,
         sig_per_ctx: u32,
-    ) -> Result<Ranges<'_, 'c>, CoreError> {
+    ) -> Result<Ranges<'_>, CoreError> {
         let nsig = u64::from(sig_per_ctx) * u64::from(req.contexts);
         let ncnt = u64::from(req.counters) * u64::from(req.contexts);
-        let (sb, cb) = {
-            let mut s = self
-                .spaces
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let sb = s.signals.alloc(nsig, "signal")?;
-            match s.counters.alloc(ncnt, "counter") {
-                Ok(cb) => (sb, cb),
-                Err(e) => {
-                    let _ = s.signals.free(sb, nsig);
-                    return Err(e.into());
-                }
-            }
-        };
-        let ranges = Ranges {
-            cuda: self,
-            signals: (sb, nsig),
-            counters: (cb, ncnt),
-        };
+        let ranges = self.spaces.take(nsig, ncnt)?;
+        let (sb, cb) = (ranges.signals.0, ranges.counters.0);
         let nn = self.comm.nranks() as u64;
         self.signal_window
             .local()
@@ -214,29 +203,11 @@ impl<'c> CudaComm<'c> {
     /// whether every rank reaches every rank by load/store
     /// (`DEVCOMM_FLAG_LSA_ONLY`: a wait reads one word). Unconnected ranks
     /// never signal here.
-    fn agree_placement(&self, ranges: &Ranges<'_, '_>, lsa: &[u8]) -> Result<bool, CoreError> {
-        let mine = Placement {
-            signals: ranges.signals.0,
-            counters: ranges.counters.0,
-            lsa_only: lsa.iter().all(|&l| l != REACH_QUEUE),
-        };
-        let all = self.comm.bootstrap().allgather_equal(&mine.encode())?;
-        let all = all
-            .chunks(Placement::LEN)
-            .enumerate()
-            .map(|(p, c)| Placement::decode(p, c))
-            .collect::<Result<Vec<_>, _>>()?;
-        if all
-            .iter()
-            .any(|p| (p.signals, p.counters) != (mine.signals, mine.counters))
-        {
-            return Err(CoreError::Invalid(
-                "ranks disagree on signal/counter placement: CUDA device communicators were \
-                 created in different orders or with different requirements"
-                    .into(),
-            ));
-        }
-        Ok(all.iter().all(|p| p.lsa_only))
+    fn agree_placement(&self, ranges: &Ranges<'_>, lsa: &[u8]) -> Result<bool, CoreError> {
+        let b = self.comm.bootstrap();
+        crate::comm::agree_placement(b, ranges.signals.0, ranges.counters.0)?;
+        let lsa_only = lsa.iter().all(|&l| l != REACH_QUEUE);
+        Ok(b.first_refusal(lsa_only)?.is_none())
     }
 
     /// The queues of every context to every peer not reached by
@@ -312,26 +283,6 @@ fn flags(lsa_only: bool, sharing: CtxSharing) -> u32 {
         }
 }
 
-/// Signal and counter ranges taken from the CUDA id spaces.
-#[derive(Debug)]
-struct Ranges<'a, 'c> {
-    cuda: &'a CudaComm<'c>,
-    signals: (u64, u64),
-    counters: (u64, u64),
-}
-
-impl Drop for Ranges<'_, '_> {
-    fn drop(&mut self) {
-        let mut s = self
-            .cuda
-            .spaces
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let _ = s.signals.free(self.signals.0, self.signals.1);
-        let _ = s.counters.free(self.counters.0, self.counters.1);
-    }
-}
-
 /// A device communicator for CUDA kernels.
 #[derive(Debug)]
 pub struct CudaDevComm<'a, 'c> {
@@ -340,7 +291,7 @@ pub struct CudaDevComm<'a, 'c> {
     /// The engine's queue table and thread (taken when stopped).
     engine: Option<Box<dyn CudaEngine>>,
     _mem: Vec<DevMem>,
-    ranges: Option<Ranges<'a, 'c>>,
+    ranges: Option<Ranges<'a>>,
     lsa: Vec<bool>,
 }
 
@@ -492,10 +443,10 @@ impl CudaDevComm<'_, '_> {
             });
         }
         if let Some(c) = cause {
-            return Err(CoreError::Invalid(format!(
-                "rank {}: kernel finished, but {c}",
-                cuda.comm.rank()
-            )));
+            return Err(CoreError::AfterKernel {
+                rank: cuda.comm.rank(),
+                cause: c,
+            });
         }
         Ok(())
     }
@@ -567,8 +518,8 @@ impl Drop for CudaDevComm<'_, '_> {
         }
         // Without destroy, a signal may still be in flight to these slots:
         // keep them out of reuse.
-        if let Some(r) = self.ranges.take() {
-            std::mem::forget(r);
+        if let Some(r) = &mut self.ranges {
+            r.keep_reserved();
         }
     }
 }

@@ -17,10 +17,11 @@
 //! - **Windows** ([`CudaComm::alloc_window`]) are `cuMemAlloc` memory; same-host
 //!   peers open each other's parts through CUDA IPC, so a kernel reaches a
 //!   peer's part by load/store over NVLink (or PCIe), and the proxy's copy
-//!   engine reaches it with `cuMemcpyAsync`. Ranks exchange their parts as
-//!   records with a codec (`record`). Each window is registered in the
-//!   fabric's window directory as `Memory::Device`, which the proxy and the
-//!   soft NIC resolve descriptors and keys against.
+//!   engine reaches it with `cuMemcpyAsync`. The parts, their records and
+//!   the IPC mappings are gin-cuda's (`gin_cuda::window`); gin-core gives
+//!   each window its id, NIC keys and the arrays kernels index, and
+//!   registers it in the fabric's window directory as `Memory::Device`,
+//!   which the proxy and the soft NIC resolve descriptors and keys against.
 //! - **Signals** are `nranks` sub-slots each (`DEVCOMM_FLAG_SENDER_SLOTS`) in
 //!   a GPU signal window, summed: the proxy, the only writer of its rank's
 //!   sub-slot at the peers it serves, stores running totals with
@@ -55,24 +56,21 @@
 //!   parts are served to it from the region table through the copy engine,
 //!   and the proxy (or soft NIC) stages what it sends and fetches through
 //!   pinned host memory. `auto` reaches such peers through the proxy.
-
 mod devcomm;
 pub mod nvrtc;
-mod record;
+
 mod window;
 
-#[doc(hidden)]
-pub use gin_cuda::batch::bench_pass;
 pub use gin_cuda::{Cubin, CudaError, DevMem, Device, Function, HostMem, IpcMem, Module, Stream};
 
 pub use devcomm::{Arg, CudaDevComm};
 pub use window::GpuWindow;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use crate::comm::Comm;
 use crate::error::CoreError;
-use crate::space::IdSpace;
+use crate::space::Spaces;
 
 /// Whether a CUDA driver with at least one GPU is usable here (how many
 /// GPUs); the error says why not. Checked once per process.
@@ -105,12 +103,6 @@ pub(crate) use gin_gdaki::ids::{COUNTER_KEY, WINDOW_KEY_BASE};
 /// p`, so the soft NIC decodes a key without a table.
 pub use gin_gdaki::ids::{window_key, window_of_key};
 
-#[derive(Debug)]
-struct Spaces {
-    signals: IdSpace,
-    counters: IdSpace,
-}
-
 /// The CUDA side of a communicator: this rank's GPU, its windows, and the
 /// memory every device communicator shares (signals, counters, abort flag,
 /// error word). All ranks of the communicator must call its collectives.
@@ -131,7 +123,7 @@ pub struct CudaComm<'c> {
     abort: DevMem,
     abort_stream: Stream,
     error: DevMem,
-    spaces: Mutex<Spaces>,
+    spaces: Spaces,
     stream: Stream,
     /// Serves window parts to TCP peers (`None`: no peer is reached over TCP).
     server: Option<Arc<gin_cuda::staging::Server>>,
@@ -153,18 +145,16 @@ impl<'c> CudaComm<'c> {
         // wait in the collectives below forever.
         let local = available().and_then(|n| {
             let ordinal = match std::env::var("GIN_CUDA_DEVICE") {
-                Ok(v) => v.trim().parse::<usize>().map_err(|_| {
-                    CoreError::Invalid(format!("GIN_CUDA_DEVICE={v:?} is not a GPU index"))
+                Ok(v) => v.trim().parse::<usize>().map_err(|_| CoreError::Setting {
+                    var: "GIN_CUDA_DEVICE",
+                    value: v.clone(),
+                    why: "not a GPU index".into(),
                 })?,
                 Err(_) => comm.local_rank() % n,
             };
             Ok(Device::open(ordinal)?)
         });
-        let ok = comm
-            .bootstrap()
-            .allgather(&[u8::from(local.is_ok())])?
-            .iter()
-            .position(|v| v.first() != Some(&1));
+        let ok = comm.bootstrap().first_refusal(local.is_ok())?;
         let dev = match (local, ok) {
             (Err(e), _) => return Err(e),
             (Ok(_), Some(r)) => {
@@ -194,10 +184,7 @@ impl<'c> CudaComm<'c> {
             abort: DevMem::new(64)?,
             abort_stream: Stream::new()?,
             error: DevMem::new(8)?,
-            spaces: Mutex::new(Spaces {
-                signals: IdSpace::new(s.signal_slots),
-                counters: IdSpace::new(s.counter_slots),
-            }),
+            spaces: Spaces::new(s.signal_slots, s.counter_slots),
             stream: Stream::new()?,
             server,
             dev,
@@ -248,9 +235,10 @@ impl<'c> CudaComm<'c> {
         let id = w.id();
         let ours = w.belongs_to(&self.home) && id != self.signal_window.id();
         if !ours {
-            return Err(CoreError::Invalid(format!(
-                "window {id} is not a window of this CUDA communicator"
-            )));
+            return Err(CoreError::ForeignWindow {
+                rank: self.comm.rank(),
+                window: id,
+            });
         }
         // Every request this rank sent over TCP has been executed before
         // anyone frees.
@@ -274,7 +262,3 @@ impl<'c> CudaComm<'c> {
 pub fn skip_reason() -> Option<String> {
     available().err().map(|e| e.to_string())
 }
-
-/// The kernels of `gin-cuda-selftest` and the CUDA benchmarks (CUDA C++ that
-/// includes `gin/gin.cuh`), for [`CudaComm::compile`].
-pub const SELFTEST_KERNELS: &str = include_str!("../../kernels/selftest.cu");

@@ -74,7 +74,7 @@ fn main() -> ExitCode {
     let r = join(hosts).and_then(|comm| {
         let cuda = comm.cuda().map_err(s)?;
         let module = cuda
-            .compile(cuda::SELFTEST_KERNELS, "selftest.cu")
+            .compile(gin_selftest::KERNELS, "selftest.cu")
             .map_err(s)?;
         let k = Kernels { m: &module };
         let r = match mode.as_str() {
@@ -650,8 +650,9 @@ fn nccl_word(src: usize, dst: usize, i: usize) -> u32 {
 /// `count` floats to every rank, twice per size (the signals keep counting
 /// across runs, as NCCL's do); each rank checks every received byte.
 fn nccl_alltoall(c: &CudaComm<'_>) -> R {
-    const SRC: &str = include_str!("../../kernels/nccl_alltoall.cu");
-    let module = c.compile(SRC, "nccl_alltoall.cu").map_err(s)?;
+    let module = c
+        .compile(gin_selftest::NCCL_ALLTOALL, "nccl_alltoall.cu")
+        .map_err(s)?;
     let f = module.function("nccl_alltoall").map_err(s)?;
     let (me, n) = (c.comm().rank(), c.comm().nranks());
     let dc = c

@@ -1,17 +1,17 @@
-//! One pass of the CUDA proxy's stream batching (`cuda/batch.rs`): 256
+//! One pass of the CUDA proxy's stream batching (gin-cuda's `batch.rs`): 256
 //! slices of one message, posted out of order as blocks win their ring
 //! reservations, checked for overlap, merged and flushed to a stream that
 //! drops them. The baseline is the pairwise overlap scan the batch did
 //! before it kept its pending bytes as sorted spans, on the same slices.
 //!
-//! `cargo bench -p gin-core --bench batch`
+//! `cargo bench -p gin-cuda --bench batch`
 
 #![allow(clippy::unwrap_used)]
 
 use std::hint::black_box;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use gin_core::cuda::bench_pass;
+use gin_cuda::batch::bench_pass;
 
 /// 256 slices of 32 KiB, in a scrambled order (97 is coprime with 256).
 fn slices() -> Vec<(u64, u64, usize)> {

@@ -1,4 +1,5 @@
-//! Which same-host peers look to blame when a wait times out.
+//! Which same-host peers look to blame when a wait times out: the part of a
+//! job's health that the bootstrap's death watch cannot see.
 //!
 //! A rank that was stopped (SIGSTOP, a debugger, a frozen cgroup) keeps its
 //! sockets open and its shared memory mapped: nothing in the job's traffic
@@ -9,13 +10,15 @@
 //! those that are stopped or gone. Peers on other hosts (or in another pid
 //! namespace) are not looked at: a pid means nothing there.
 //!
-//! This runs on the failure path only, never while waiting.
+//! This runs on the failure path only, never while waiting. The records are
+//! the caller's to exchange (gin-core sends [`ProcessId`] in the host record
+//! it allgathers while building a communicator).
 
 use std::fmt::Write as _;
 
 /// What identifies a process to a peer on the same kernel.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct ProcessId {
+pub struct ProcessId {
     pid: u32,
     /// Clock ticks since boot at which it started (`/proc/PID/stat` field
     /// 22): tells a recycled pid from the rank's.
@@ -26,8 +29,9 @@ pub(crate) struct ProcessId {
 }
 
 impl ProcessId {
-    /// This process.
-    pub(crate) fn own() -> Self {
+    /// This process (fields that cannot be read stay empty: such a record
+    /// is not looked at).
+    pub fn own() -> Self {
         let pid = std::process::id();
         let start = read_stat(pid).map_or(0, |s| s.start);
         let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
@@ -42,7 +46,7 @@ impl ProcessId {
     }
 
     /// Wire form: pid, start time, then the kernel identity.
-    pub(crate) fn encode(&self) -> Vec<u8> {
+    pub fn encode(&self) -> Vec<u8> {
         let mut out = self.pid.to_le_bytes().to_vec();
         out.extend_from_slice(&self.start.to_le_bytes());
         out.extend_from_slice(self.kernel.as_bytes());
@@ -50,7 +54,7 @@ impl ProcessId {
     }
 
     /// `None` for a record too short to be one.
-    pub(crate) fn decode(b: &[u8]) -> Option<Self> {
+    pub fn decode(b: &[u8]) -> Option<Self> {
         let pid = u32::from_le_bytes(b.get(..4)?.try_into().ok()?);
         let start = u64::from_le_bytes(b.get(4..12)?.try_into().ok()?);
         let kernel = String::from_utf8_lossy(b.get(12..)?).into_owned();
@@ -79,16 +83,17 @@ fn parse_stat(text: &str) -> Option<Stat> {
     Some(Stat { state, start })
 }
 
-/// The peers whose process state can be read after a timeout.
+/// The peers whose process state can be read after a timeout: those on this
+/// kernel and pid namespace.
 #[derive(Debug, Clone)]
-pub(crate) struct Liveness {
+pub struct Liveness {
     /// (rank, process) of every other rank on this kernel and pid namespace.
     peers: Vec<(usize, ProcessId)>,
 }
 
 impl Liveness {
     /// From every rank's record (`None`: unreadable), as this rank sees them.
-    pub(crate) fn new(rank: usize, all: &[Option<ProcessId>]) -> Self {
+    pub fn new(rank: usize, all: &[Option<ProcessId>]) -> Self {
         let own = ProcessId::own();
         let peers = all
             .iter()
@@ -102,7 +107,7 @@ impl Liveness {
 
     /// "rank 1 is stopped (SIGSTOP or a debugger); rank 3 exited", or
     /// `None` when every peer looked at is running.
-    pub(crate) fn diagnose(&self) -> Option<String> {
+    pub fn diagnose(&self) -> Option<String> {
         let mut out = String::new();
         for (rank, p) in &self.peers {
             let why = match read_stat(p.pid) {

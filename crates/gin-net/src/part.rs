@@ -1,0 +1,242 @@
+//! A window's parts in host memory as the fabric knows them: the record a
+//! rank tells the others about its part (size, region key, address, the
+//! shared segment same-host peers map), the peers' parts as reached here
+//! ([`HostParts::open`] maps same-host peers' segments), and the
+//! [`Registration`] that stops serving a part before its memory goes.
+//!
+//! What a window means to the device API (its id's allocation, the
+//! communicator it belongs to, the handle users hold) is gin-core's: it
+//! allgathers the records and assembles the window. GPU windows have the
+//! same three pieces in gin-cuda (`gin_cuda::window`).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use gin_bootstrap::record::{Reader, Writer};
+
+use crate::NetError;
+use crate::fabric::Fabric;
+use crate::region::RegionTable;
+use crate::shm::Segment;
+
+/// What a rank tells the others about its part of a host window.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartRecord<'a> {
+    /// The part's size in bytes.
+    pub size: u64,
+    /// Its region key (what keyed transports name).
+    pub key: u32,
+    /// Its address on the sending rank.
+    pub addr: u64,
+    /// Whether it lives in a shared segment same-host peers may map.
+    pub shared: bool,
+    /// The segment's path (empty when not shared).
+    pub segment: &'a str,
+}
+
+impl<'a> PartRecord<'a> {
+    /// Size (u64 LE), key (u32 LE), address (u64 LE), shared flag (one byte,
+    /// 0 or 1), then the segment path in UTF-8.
+    pub const HEAD: usize = 21;
+
+    /// The bytes ranks exchange.
+    pub fn encode(&self) -> Vec<u8> {
+        Writer::new()
+            .u64(self.size)
+            .u32(self.key)
+            .u64(self.addr)
+            .flag(self.shared)
+            .bytes(self.segment.as_bytes())
+            .finish()
+    }
+
+    /// Decodes what rank `rank` sent for window `window`.
+    pub fn decode(rank: usize, window: u32, b: &'a [u8]) -> Result<Self, NetError> {
+        let what = format!("window {window} record");
+        let mut r = Reader::with_head(rank, &what, b, Self::HEAD)?;
+        Ok(Self {
+            size: r.u64()?,
+            key: r.u32()?,
+            addr: r.u64()?,
+            shared: r.flag("shared flag")?,
+            segment: r.rest_str("a segment path")?,
+        })
+    }
+}
+
+/// One rank's part of a window, as this rank learns it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostPart {
+    /// Its size in bytes.
+    pub size: u64,
+    /// Its region key (0: not served).
+    pub key: u32,
+    /// The owner's address of its part.
+    pub addr: u64,
+    /// The part mapped here (0: not mapped).
+    pub mapped: usize,
+    /// The owner's revocation word mapped here (0: not mapped).
+    pub state: usize,
+}
+
+/// Every rank's part of a window as reached here, by rank, and the
+/// same-host peers' segments that map them (unmapped when dropped).
+#[derive(Debug)]
+pub struct HostParts {
+    /// Each rank's part.
+    pub parts: Vec<HostPart>,
+    /// The peers' segments mapped here.
+    pub segments: Vec<Segment>,
+}
+
+impl HostParts {
+    /// Decodes every rank's record of window `window` and maps the shared
+    /// segment of each peer other than `rank` for which `mapped` holds.
+    pub fn open(
+        rank: usize,
+        window: u32,
+        records: &[Vec<u8>],
+        mapped: impl Fn(usize) -> bool,
+    ) -> Result<Self, NetError> {
+        let mut parts = Vec::with_capacity(records.len());
+        let mut segments = Vec::new();
+        for (p, rec) in records.iter().enumerate() {
+            let PartRecord {
+                size,
+                key,
+                addr,
+                shared,
+                segment,
+            } = PartRecord::decode(p, window, rec)?;
+            let (mut base, mut state) = (0usize, 0usize);
+            if p != rank && shared && mapped(p) {
+                let seg = Segment::open(std::path::Path::new(segment), size as usize)?;
+                base = seg.as_ptr() as usize;
+                state = std::ptr::from_ref(seg.state()) as usize;
+                segments.push(seg);
+            }
+            parts.push(HostPart {
+                size,
+                key,
+                addr,
+                mapped: base,
+                state,
+            });
+        }
+        Ok(Self { parts, segments })
+    }
+}
+
+/// A window part served to peers under `key` and known to the fabric as
+/// window `id`. Dropping it stops both before the memory goes: it sets the
+/// part's revocation word (same-host peers, which write the mapping itself,
+/// refuse operations on it from then on), removes the window from the
+/// fabric's directory and the key from the region table
+/// ([`RegionTable::remove_region`] waits for requests being served).
+#[derive(Debug)]
+pub struct Registration {
+    table: Arc<RegionTable>,
+    fabric: Arc<Fabric>,
+    key: u32,
+    base: usize,
+    id: u32,
+    /// The address of this part's revocation word (0: none, user memory).
+    state: usize,
+}
+
+impl Registration {
+    /// The registration of the part at `base`, served under `key`, of
+    /// window `id`, with no revocation word (user memory).
+    pub fn new(
+        table: Arc<RegionTable>,
+        fabric: Arc<Fabric>,
+        id: u32,
+        key: u32,
+        base: usize,
+    ) -> Self {
+        Self {
+            table,
+            fabric,
+            key,
+            base,
+            id,
+            state: 0,
+        }
+    }
+
+    /// Sets the revocation word the drop raises.
+    ///
+    /// # Safety
+    /// `state` must stay valid for atomic 8-byte stores until this
+    /// registration drops (the segment's header: [`Segment::state`]).
+    pub unsafe fn set_state(&mut self, state: *const AtomicU64) {
+        self.state = state as usize;
+    }
+
+    /// The revocation word's address (0: none).
+    pub fn state(&self) -> usize {
+        self.state
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        if self.state != 0 {
+            // SAFETY: valid until this registration drops (`set_state`).
+            unsafe { &*(self.state as *const AtomicU64) }.store(1, Ordering::Release);
+        }
+        self.fabric.remove_window(self.id);
+        // Only if the key is still this part's: after a deregistration it may
+        // have been drawn again for another window.
+        self.table.remove_region(self.key, self.base);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn a_part_record_round_trips_in_the_byte_layout_ranks_exchange() {
+        let r = PartRecord {
+            size: 4096,
+            key: 0xdead_beef,
+            addr: 0x7f00_0000_1000,
+            shared: true,
+            segment: "/dev/shm/gin-1-2",
+        };
+        let b = r.encode();
+        assert_eq!(&b[..8], &4096u64.to_le_bytes());
+        assert_eq!(&b[8..12], &0xdead_beefu32.to_le_bytes());
+        assert_eq!(&b[12..20], &0x7f00_0000_1000u64.to_le_bytes());
+        assert_eq!(b[20], 1);
+        assert_eq!(&b[21..], b"/dev/shm/gin-1-2");
+        assert_eq!(PartRecord::decode(0, 5, &b).unwrap(), r);
+    }
+
+    #[test]
+    fn a_malformed_part_record_names_the_rank_and_the_window() {
+        let good = PartRecord {
+            size: 8,
+            key: 1,
+            addr: 2,
+            shared: false,
+            segment: "",
+        }
+        .encode();
+        let e = PartRecord::decode(2, 9, &good[..20])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("rank 2") && e.contains("window 9"), "{e}");
+        let mut flag = good.clone();
+        flag[20] = 7;
+        let e = PartRecord::decode(2, 9, &flag).unwrap_err().to_string();
+        assert!(e.contains("shared flag"), "{e}");
+        let mut name = good;
+        name[20] = 1;
+        name.extend_from_slice(&[0xff, 0xfe]);
+        let e = PartRecord::decode(2, 9, &name).unwrap_err().to_string();
+        assert!(e.contains("UTF-8"), "{e}");
+    }
+}
