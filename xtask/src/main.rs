@@ -4,6 +4,8 @@
 //!   ranks of CMD with the `GIN_*` variables set, output prefixed by rank; if a
 //!   rank fails, the others are stopped after the grace period and the exit
 //!   status is non-zero.
+//! - `cluster [--launcher mpirun|srun|ssh] [--hosts A,B] -- CMD ARGS...`: CMD
+//!   as a multi-host job through mpirun, srun or ssh (docs/cluster.md).
 //! - `bench [smoke|quick|full] [--machine NAME] [--out DIR]`: a suite of gin-bench
 //!   runs, written to `target/bench/<machine>/` (or `--out DIR`) as JSON,
 //!   Markdown and SVG plots.
@@ -28,6 +30,7 @@
 //! for the rdma-core bindings.
 
 mod bench;
+mod cluster;
 mod faults;
 mod gpu;
 mod plot;
@@ -58,6 +61,7 @@ const LAUNCH_USAGE: &str =
 /// Each subcommand's usage line, in the order `--help` lists them.
 const USAGES: &[(&str, &str)] = &[
     ("launch", LAUNCH_USAGE),
+    ("cluster", cluster::USAGE),
     ("bench", bench::USAGE),
     (
         "faults",
@@ -106,6 +110,7 @@ fn run() -> Result<ExitCode> {
     }
     match cmd {
         Some("launch") => launch_cmd(&args[1..]),
+        Some("cluster") => cluster::run(&args[1..]),
         Some("gpu-package") => gpu::package(&args[1..]).map(|()| ExitCode::SUCCESS),
         Some("bench") => bench::run(&args[1..]).map(|()| ExitCode::SUCCESS),
         Some("faults") => faults::run(&args[1..]).map(|()| ExitCode::SUCCESS),

@@ -66,12 +66,44 @@ fn main() -> std::process::ExitCode {
     // GIN_DEBUG sets the log filter (like NCCL_DEBUG), warnings by default;
     // errors print as one line of Display with their causes.
     gin_bootstrap::init_tracing_from_env();
-    match run(Cli::parse()) {
+    let cli = Cli::parse();
+    // A rank of a launched job writes its own record with --json (the
+    // front end, which writes the full report, is not there).
+    let record = ranks::is_rank()
+        .then(|| cli.cmd.as_ref().and_then(Cmd::json))
+        .flatten();
+    let outcome = run(cli);
+    let outcome = match record {
+        Some((bench, path)) => {
+            let error = outcome.as_ref().err().map(|e| format!("{e:#}"));
+            let wrote = report::write_rank_record(&path, bench, error, ranks::emitted().cloned());
+            outcome.and(wrote)
+        }
+        None => outcome,
+    };
+    match outcome {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("gin-bench: {e:#}");
             std::process::ExitCode::FAILURE
         }
+    }
+}
+
+impl Cmd {
+    /// The subcommand's name and its `--json` path, when given.
+    fn json(&self) -> Option<(&'static str, std::path::PathBuf)> {
+        let (name, path) = match self {
+            Cmd::Pingpong(a) => ("pingpong", &a.common.json),
+            Cmd::Bandwidth(a) => ("bandwidth", &a.common.json),
+            Cmd::Rate(a) => ("rate", &a.common.json),
+            Cmd::Alltoall(a) => ("alltoall", &a.common.json),
+            Cmd::Loggp(a) => ("loggp", &a.common.json),
+            Cmd::Cuda(a) => ("cuda", &a.json),
+            Cmd::Moe(a) => ("moe", &a.common.json),
+            Cmd::Bootstrap(a) => ("bootstrap", &a.json),
+        };
+        path.clone().map(|p| (name, p))
     }
 }
 

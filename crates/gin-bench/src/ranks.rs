@@ -16,10 +16,21 @@ pub fn is_rank() -> bool {
     LaunchEnv::present(|k| std::env::var(k).ok())
 }
 
+/// The result this rank emitted, for its `--json` record (see
+/// [`crate::report::write_rank_record`]).
+static EMITTED: std::sync::OnceLock<serde_json::Value> = std::sync::OnceLock::new();
+
 /// Prints a rank's result for the front end to collect.
 pub fn emit<T: serde::Serialize>(value: &T) -> Result<()> {
-    println!("{RESULT_PREFIX}{}", serde_json::to_string(value)?);
+    let json = serde_json::to_value(value)?;
+    println!("{RESULT_PREFIX}{json}");
+    let _ = EMITTED.set(json);
     Ok(())
+}
+
+/// What [`emit`] printed in this process, if anything.
+pub fn emitted() -> Option<&'static serde_json::Value> {
+    EMITTED.get()
 }
 
 /// Carries a subcommand's parsed options to its ranks as JSON, so that a

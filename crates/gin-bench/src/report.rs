@@ -184,6 +184,71 @@ impl<T: Serialize> Report<T> {
     }
 }
 
+/// What one rank of a launched job writes with `--json` (a rank prints no
+/// tables: the front end that would has not run). In a `--json` path,
+/// `{rank}` stands for the rank, so that every rank of a multi-host job
+/// (`cargo xtask cluster`) writes its own file; a path without it is written
+/// by rank 0 only.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RankRecord {
+    /// The subcommand.
+    pub bench: String,
+    /// The command line, as typed.
+    pub command: String,
+    /// This process's rank and the job's rank count.
+    pub rank: usize,
+    pub nranks: usize,
+    /// Whose variables named the rank: `gin`, `torchrun`, `slurm`, `openmpi`.
+    pub launcher: String,
+    pub host: Host,
+    /// UTC date of the run, `YYYY-MM-DD`.
+    pub date: String,
+    /// The error this rank ended with, if any.
+    pub error: Option<String>,
+    /// The result this rank printed for the job (rank 0 in most
+    /// subcommands), else null.
+    pub result: Option<serde_json::Value>,
+}
+
+/// `path` with `{rank}` replaced by `rank`; `None` when the path has no
+/// `{rank}` and this is not rank 0 (one file, one writer).
+pub fn rank_json_path(path: &Path, rank: usize) -> Option<std::path::PathBuf> {
+    let text = path.to_string_lossy();
+    if text.contains("{rank}") {
+        Some(text.replace("{rank}", &rank.to_string()).into())
+    } else {
+        (rank == 0).then(|| path.to_path_buf())
+    }
+}
+
+/// In a rank: writes its [`RankRecord`] to `path` (see [`rank_json_path`]).
+pub fn write_rank_record(
+    path: &Path,
+    bench: &str,
+    error: Option<String>,
+    result: Option<serde_json::Value>,
+) -> Result<()> {
+    let env = gin_bootstrap::LaunchEnv::from_env()?;
+    let Some(path) = rank_json_path(path, env.rank) else {
+        return Ok(());
+    };
+    let rec = RankRecord {
+        bench: bench.to_owned(),
+        command: command_line(),
+        rank: env.rank,
+        nranks: env.nranks,
+        launcher: env.launcher.to_owned(),
+        host: Host::probe(),
+        date: today(),
+        error,
+        result,
+    };
+    std::fs::write(&path, serde_json::to_string_pretty(&rec)?)
+        .with_context(|| format!("rank {}: writing {}", env.rank, path.display()))?;
+    eprintln!("wrote {}", path.display());
+    Ok(())
+}
+
 /// `out.csv` + `params` -> `out-params.csv`: where tables after the first go.
 pub fn extra_csv_path(path: &Path, name: &str) -> std::path::PathBuf {
     let stem = path
@@ -237,6 +302,15 @@ pub fn civil_from_days(z: i64) -> (i64, u32, u32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rank_placeholders_give_each_rank_its_own_file() {
+        let p = Path::new("/out/rank-{rank}.json");
+        assert_eq!(rank_json_path(p, 3), Some("/out/rank-3.json".into()));
+        let one = Path::new("/out/job.json");
+        assert_eq!(rank_json_path(one, 0), Some(one.to_path_buf()));
+        assert_eq!(rank_json_path(one, 1), None, "one file, one writer: rank 0");
+    }
 
     #[test]
     fn dates() {
