@@ -65,6 +65,7 @@ pub mod sticky;
 pub mod tcp;
 pub mod testing;
 pub mod transport;
+pub mod ucx;
 pub mod window;
 
 pub use fabric::{Fabric, Path};
@@ -264,6 +265,17 @@ pub enum NetError {
         peer: usize,
         /// What the record was.
         what: &'static str,
+    },
+    /// A transport that was asked for cannot run here (its library is
+    /// missing or too old); says what is missing and the alternatives.
+    #[error("GIN_TRANSPORT={transport} is not available: {why}; {alternatives}")]
+    Unavailable {
+        /// The transport's name.
+        transport: &'static str,
+        /// What is missing.
+        why: String,
+        /// What to do instead.
+        alternatives: &'static str,
     },
     /// A job collective (address exchange, barrier) failed.
     #[error(transparent)]
