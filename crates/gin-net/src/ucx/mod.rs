@@ -85,6 +85,10 @@ use worker::{Started, Ucp, started};
 /// return at once; larger ones wait for local completion.
 pub const BOUNCE: usize = 64 << 10;
 
+/// How long a wait gives a request to complete after its endpoint was
+/// force-closed before releasing it anyway.
+const CLOSE_WAIT: Duration = Duration::from_secs(1);
+
 /// How the fabric finds and starts the ucx transport.
 pub const REGISTRATION: Registration = Registration {
     name: "ucx",
@@ -138,6 +142,11 @@ struct Peer {
     error: StickyError,
     /// Something was put since the last confirmation.
     dirty: AtomicBool,
+    /// A put was issued since the last fence: the next get or atomic to
+    /// this peer is fenced first, so requests to one peer execute in
+    /// order, as over one tcp connection (a soft NIC's put then its
+    /// signal atomic rely on it).
+    unfenced: AtomicBool,
 }
 
 /// Work the progress thread does outside UCX callbacks.
@@ -223,6 +232,7 @@ impl UcxTransport {
                     }),
                     error: StickyError::default(),
                     dirty: AtomicBool::new(false),
+                    unfenced: AtomicBool::new(false),
                 })
             })
             .collect();
@@ -283,7 +293,7 @@ struct OpCtx {
     what: &'static str,
     lib: *const sys::UcpLib,
     inflight: Arc<AtomicU64>,
-    _bounce: Option<Box<[u8]>>,
+    bounce: Option<Box<[u8]>>,
     get: Option<(Arc<AtomicU64>, Option<KeepAlive>)>,
     /// A get's landing buffer and where its bytes go when it completes.
     land: Option<(*mut u8, Box<[u8]>)>,
@@ -298,7 +308,6 @@ unsafe extern "C" fn op_done(req: *mut c_void, status: sys::ucs_status_t, user: 
     // callback, so `launched` leaves pending ones to this).
     unsafe { (*ctx.lib).ucp_request_free(req) };
     ctx.inflight.fetch_sub(1, Ordering::AcqRel);
-    tracing::debug!(what = ctx.what, status, "ucx request completed");
     ctx.finish(status);
 }
 
@@ -357,12 +366,19 @@ impl Inner {
         })
     }
 
-    /// An endpoint to `peer`: with peer-failure handling where UCX's
-    /// transports to it offer it (tcp), else without (shared memory has
-    /// no failure handler; deadlines and the job's health cover it).
+    /// An endpoint to `peer`. Without UCX's peer-failure handling by
+    /// default: shared memory has no failure handler, and with it UCX
+    /// 1.22's tcp transport loses its emulated atomics ("cannot find
+    /// remote protocol for amo_post"). Deadlines and the job's health
+    /// detect dead and stopped peers instead. `GIN_UCX_PEER_FAILURE=1`
+    /// asks for it (falling back where it is refused).
     fn connect(&self, peer: &Peer, addr: &[u8]) -> Result<sys::ucp_ep_h, NetError> {
-        self.connect_with(peer, addr, sys::UCP_ERR_HANDLING_MODE_PEER)
-            .or_else(|_| self.connect_with(peer, addr, sys::UCP_ERR_HANDLING_MODE_NONE))
+        if std::env::var("GIN_UCX_PEER_FAILURE").is_ok_and(|v| v == "1")
+            && let Ok(ep) = self.connect_with(peer, addr, sys::UCP_ERR_HANDLING_MODE_PEER)
+        {
+            return Ok(ep);
+        }
+        self.connect_with(peer, addr, sys::UCP_ERR_HANDLING_MODE_NONE)
     }
 
     fn connect_with(
@@ -389,7 +405,11 @@ impl Inner {
         // SAFETY: a live worker; `addr` is a peer's worker address (UCX
         // validates it); the handler's argument is the peer, which lives
         // as long as the endpoint (closed in `Inner::drop` before peers go).
-        let st = unsafe { self.ucp.lib.ucp_ep_create(self.ucp.worker, &raw const params, &raw mut ep) };
+        let st = unsafe {
+            self.ucp
+                .lib
+                .ucp_ep_create(self.ucp.worker, &raw const params, &raw mut ep)
+        };
         if st != sys::UCS_OK {
             return Err(NetError::Broken {
                 peer: peer.rank,
@@ -413,7 +433,11 @@ impl Inner {
     /// Handles what a fire-and-forget `*_nbx` returned: completes its
     /// context at once when UCX did; otherwise the callback completes it
     /// and releases the request.
-    fn launched(&self, p: &sys::ucp_request_param_t, r: sys::ucs_status_ptr_t) -> Result<(), sys::ucs_status_t> {
+    fn launched(
+        &self,
+        p: &sys::ucp_request_param_t,
+        r: sys::ucs_status_ptr_t,
+    ) -> Result<(), sys::ucs_status_t> {
         match started(r) {
             // Released by its callback (`op_done`).
             Started::Pending(_) => Ok(()),
@@ -422,7 +446,11 @@ impl Inner {
                 // for an operation completed or failed in place).
                 let ctx = unsafe { Box::from_raw(p.user_data.cast::<OpCtx>()) };
                 self.inflight.fetch_sub(1, Ordering::AcqRel);
-                let st = if let Started::Failed(st) = s { st } else { sys::UCS_OK };
+                let st = if let Started::Failed(st) = s {
+                    st
+                } else {
+                    sys::UCS_OK
+                };
                 // A failure is returned, not recorded: the caller reports it.
                 let mut ctx = *ctx;
                 if st == sys::UCS_OK {
@@ -443,6 +471,7 @@ impl Inner {
 
     /// A completion context, counted in flight until its request
     /// completes (pass it to exactly one `*_nbx` call and `launched`).
+    #[allow(clippy::unnecessary_box_returns)] // leaked into UCX's user data
     fn op_ctx(&self, peer: &Peer, what: &'static str) -> Box<OpCtx> {
         self.inflight.fetch_add(1, Ordering::AcqRel);
         Box::new(OpCtx {
@@ -450,7 +479,7 @@ impl Inner {
             what,
             lib: Arc::as_ptr(&self.ucp.lib),
             inflight: self.inflight.clone(),
-            _bounce: None,
+            bounce: None,
             get: None,
             land: None,
         })
@@ -459,13 +488,32 @@ impl Inner {
     /// Progresses until `req` completes; past `deadline` or when the job
     /// fails, force-closes the endpoint to `peer` (which completes `req`)
     /// and reports why. `req` is released either way.
-    fn wait(&self, peer: &Peer, req: *mut c_void, deadline: Instant, what: &str) -> Result<(), NetError> {
+    fn wait(
+        &self,
+        peer: &Peer,
+        req: *mut c_void,
+        deadline: Instant,
+        what: &str,
+    ) -> Result<(), NetError> {
         let start = Instant::now();
         let mut failed: Option<NetError> = None;
         let mut spins = 0u32;
+        let mut closed_at: Option<Instant> = None;
         loop {
             // SAFETY: a live request, not yet released.
             let st = unsafe { self.ucp.status(req) };
+            if st == sys::UCS_INPROGRESS
+                && closed_at.is_some_and(|at| at.elapsed() > CLOSE_WAIT)
+                && let Some(e) = failed.take()
+            {
+                // UCX did not complete the request after the force-close
+                // (seen with flushes to a stopped tcp peer): release it
+                // (UCX finishes it internally) and report.
+                tracing::warn!(rank = self.rank, peer = peer.rank, %e, "a request outlived its endpoint's force-close");
+                // SAFETY: a live request, released once.
+                unsafe { self.ucp.free(req) };
+                return Err(e);
+            }
             if st != sys::UCS_INPROGRESS {
                 // SAFETY: complete; released once.
                 unsafe { self.ucp.free(req) };
@@ -475,7 +523,11 @@ impl Inner {
                 if st == sys::UCS_OK {
                     return Ok(());
                 }
-                peer.error.set(format!("{what} at rank {} failed: {}", peer.rank, self.ucp.text(st)));
+                peer.error.set(format!(
+                    "{what} at rank {} failed: {}",
+                    peer.rank,
+                    self.ucp.text(st)
+                ));
                 self.broken(peer)?;
                 return Ok(());
             }
@@ -492,7 +544,10 @@ impl Inner {
                     })
                 } else {
                     match self.alive.get().map(|a| a()) {
-                        Some(Err(job)) => Some(NetError::Broken { peer: peer.rank, why: job }),
+                        Some(Err(job)) => Some(NetError::Broken {
+                            peer: peer.rank,
+                            why: job,
+                        }),
                         _ => None,
                     }
                 };
@@ -500,6 +555,7 @@ impl Inner {
                     peer.error.set(e.to_string());
                     self.close(peer);
                     failed = Some(e);
+                    closed_at = Some(Instant::now());
                 }
             }
         }
@@ -549,7 +605,9 @@ impl Inner {
             Err(wire::Refusal::Device) => {
                 return Err(NetError::Refused {
                     peer: peer.rank,
-                    why: format!("key {key:#010x} names GPU memory, which the ucx transport does not map yet"),
+                    why: format!(
+                        "key {key:#010x} names GPU memory, which the ucx transport does not map yet"
+                    ),
                     window: None,
                 });
             }
@@ -568,16 +626,26 @@ impl Inner {
         if s.ep.is_null() {
             drop(s);
             self.broken(peer)?;
-            return Err(NetError::Broken { peer: peer.rank, why: "endpoint closed".into() });
+            return Err(NetError::Broken {
+                peer: peer.rank,
+                why: "endpoint closed".into(),
+            });
         }
         let mut rkey: sys::ucp_rkey_h = std::ptr::null_mut();
         // SAFETY: a live endpoint (under the lock) and the owner's packed
         // rkey bytes; the rkey is destroyed in `Inner::drop`.
-        let st = unsafe { self.ucp.lib.ucp_ep_rkey_unpack(s.ep, served.rkey.as_ptr().cast(), &raw mut rkey) };
+        let st = unsafe {
+            self.ucp
+                .lib
+                .ucp_ep_rkey_unpack(s.ep, served.rkey.as_ptr().cast(), &raw mut rkey)
+        };
         if st != sys::UCS_OK {
             return Err(NetError::Refused {
                 peer: peer.rank,
-                why: format!("cannot unpack the rkey of key {key:#010x}: {}", self.ucp.text(st)),
+                why: format!(
+                    "cannot unpack the rkey of key {key:#010x}: {}",
+                    self.ucp.text(st)
+                ),
                 window: None,
             });
         }
@@ -631,7 +699,13 @@ struct Resolved {
 }
 
 impl UcxTransport {
-    fn resolve(&self, peer: &Peer, t: Target<'_>, len: u64, op: &'static str) -> Result<Resolved, NetError> {
+    fn resolve(
+        &self,
+        peer: &Peer,
+        t: Target<'_>,
+        len: u64,
+        op: &'static str,
+    ) -> Result<Resolved, NetError> {
         self.inner.broken(peer)?;
         t.check_range(peer.rank, len)?;
         let (key, offset) = t.key_at(peer.rank, "ucx")?;
@@ -653,7 +727,10 @@ impl UcxTransport {
         if offset.checked_add(len).is_none_or(|e| e > remote.len) {
             return Err(NetError::Refused {
                 peer: peer.rank,
-                why: format!("{len} bytes at offset {offset} exceed the {} bytes of key {key:#010x}", remote.len),
+                why: format!(
+                    "{len} bytes at offset {offset} exceed the {} bytes of key {key:#010x}",
+                    remote.len
+                ),
                 window: None,
             });
         }
@@ -680,7 +757,9 @@ impl UcxTransport {
                 },
                 Target::Key { .. } => NetError::Refused {
                     peer: peer.rank,
-                    why: format!("{op} at offset {offset} of key {key:#010x} is not 8-byte aligned"),
+                    why: format!(
+                        "{op} at offset {offset} of key {key:#010x} is not 8-byte aligned"
+                    ),
                     window: None,
                 },
             });
@@ -699,15 +778,36 @@ impl UcxTransport {
         if s.ep.is_null() {
             drop(s);
             self.inner.broken(peer)?;
-            return Err(NetError::Broken { peer: peer.rank, why: "the endpoint was closed".into() });
+            return Err(NetError::Broken {
+                peer: peer.rank,
+                why: "the endpoint was closed".into(),
+            });
         }
         f(s.ep, &s)
     }
 
+    /// Fences before a get or an atomic that follows a put to `peer`.
+    fn order(&self, peer: &Peer) -> Result<(), NetError> {
+        if peer.unfenced.swap(false, Ordering::AcqRel) {
+            self.inner
+                .ucp
+                .fence()
+                .map_err(|st| self.failed(peer, "a fence", st))?;
+        }
+        Ok(())
+    }
+
     fn failed(&self, peer: &Peer, what: &str, st: sys::ucs_status_t) -> NetError {
-        let why = format!("{what} to rank {} failed: {}", peer.rank, self.inner.ucp.text(st));
+        let why = format!(
+            "{what} to rank {} failed: {}",
+            peer.rank,
+            self.inner.ucp.text(st)
+        );
         peer.error.set(why.clone());
-        NetError::Broken { peer: peer.rank, why }
+        NetError::Broken {
+            peer: peer.rank,
+            why,
+        }
     }
 
     /// A revocation that ran between resolving and issuing: the rkey in
@@ -761,7 +861,9 @@ impl Transport for UcxTransport {
         p.dirty.store(true, Ordering::Release);
         let big = src.len() > BOUNCE;
         let pending = self.with_ep(p, |ep, st| {
-            if !Self::still(st, &d.remote) || s.as_ref().is_some_and(|(s, _)| !Self::still(st, &s.remote)) {
+            if !Self::still(st, &d.remote)
+                || s.as_ref().is_some_and(|(s, _)| !Self::still(st, &s.remote))
+            {
                 return Err(match dst {
                     Target::Window(_, a) => NetError::Revoked {
                         peer,
@@ -783,7 +885,7 @@ impl Transport for UcxTransport {
             } else {
                 let b: Box<[u8]> = src.into();
                 let ptr = b.as_ptr();
-                ctx._bounce = Some(b);
+                ctx.bounce = Some(b);
                 (ptr, Some(()))
             };
             let mut pending_req = None;
@@ -791,14 +893,34 @@ impl Transport for UcxTransport {
                 let prm = Inner::params(ctx);
                 // SAFETY: a live endpoint and rkey; the bounce buffer is
                 // owned by the request's context until it completes.
-                let r = unsafe { inner.ucp.lib.ucp_put_nbx(ep, buf.cast(), src.len(), d.addr, d.remote.rkey, &raw const prm) };
-                inner.launched(&prm, r).map_err(|st| self.failed(p, "put", st))?;
+                let r = unsafe {
+                    inner.ucp.lib.ucp_put_nbx(
+                        ep,
+                        buf.cast(),
+                        src.len(),
+                        d.addr,
+                        d.remote.rkey,
+                        &raw const prm,
+                    )
+                };
+                inner
+                    .launched(&prm, r)
+                    .map_err(|st| self.failed(p, "put", st))?;
             } else {
                 let prm = sys::ucp_request_param_t::default();
                 // SAFETY: a live endpoint and rkey; `src` is borrowed until
                 // the request completes locally (waited for below, or the
                 // endpoint force-closed, before this call returns).
-                let r = unsafe { inner.ucp.lib.ucp_put_nbx(ep, buf.cast(), src.len(), d.addr, d.remote.rkey, &raw const prm) };
+                let r = unsafe {
+                    inner.ucp.lib.ucp_put_nbx(
+                        ep,
+                        buf.cast(),
+                        src.len(),
+                        d.addr,
+                        d.remote.rkey,
+                        &raw const prm,
+                    )
+                };
                 match started(r) {
                     Started::Done => {}
                     Started::Failed(st) => return Err(self.failed(p, "put", st)),
@@ -806,11 +928,15 @@ impl Transport for UcxTransport {
                 }
             }
             if let Some((sr, v)) = &s {
-                inner.ucp.fence().map_err(|st| self.failed(p, "fence before a signal", st))?;
+                inner
+                    .ucp
+                    .fence()
+                    .map_err(|st| self.failed(p, "fence before a signal", st))?;
                 self.post_add(p, ep, sr, *v)?;
             }
             Ok(pending_req)
         })?;
+        p.unfenced.store(s.is_none(), Ordering::Release);
         if let Some(req) = pending {
             let deadline = Instant::now() + inner.timeout;
             inner.wait(p, req, deadline, "a put's local completion")?;
@@ -830,6 +956,7 @@ impl Transport for UcxTransport {
         let inner = &self.inner;
         let p = inner.peer(peer)?;
         let r = self.resolve(p, src, len, "get")?;
+        self.order(p)?;
         let n = usize::try_from(len).map_err(|_| NetError::OutOfBounds {
             peer,
             window: 0,
@@ -847,9 +974,15 @@ impl Transport for UcxTransport {
             let prm = Inner::params(ctx);
             // SAFETY: the caller keeps `dst` valid for `len` bytes until
             // `done` is counted down (the request's completion does that).
-            let r = unsafe { inner.ucp.lib.ucp_get_nbx(ep, dst.cast(), n, r.addr, r.remote.rkey, &raw const prm) };
-            tracing::debug!(rank = inner.rank, peer, len, ret = r as isize, "ucx get issued");
-            inner.launched(&prm, r).map_err(|st| self.failed(p, "get", st))
+            let r = unsafe {
+                inner
+                    .ucp
+                    .lib
+                    .ucp_get_nbx(ep, dst.cast(), n, r.addr, r.remote.rkey, &raw const prm)
+            };
+            inner
+                .launched(&prm, r)
+                .map_err(|st| self.failed(p, "get", st))
         })
     }
 
@@ -863,12 +996,22 @@ impl Transport for UcxTransport {
         let inner = &self.inner;
         let p = inner.peer(peer)?;
         let r = self.resolve(p, src, out.len() as u64, "get")?;
+        self.order(p)?;
         let deadline = Instant::now() + timeout;
         let prm = sys::ucp_request_param_t::default();
         let st = self.with_ep(p, |ep, _| {
             // SAFETY: `out` is borrowed until the request completes (waited
             // for below; a timeout force-closes the endpoint first).
-            Ok(unsafe { inner.ucp.lib.ucp_get_nbx(ep, out.as_mut_ptr().cast(), out.len(), r.addr, r.remote.rkey, &raw const prm) })
+            Ok(unsafe {
+                inner.ucp.lib.ucp_get_nbx(
+                    ep,
+                    out.as_mut_ptr().cast(),
+                    out.len(),
+                    r.addr,
+                    r.remote.rkey,
+                    &raw const prm,
+                )
+            })
         })?;
         match started(st) {
             Started::Done => Ok(()),
@@ -888,10 +1031,13 @@ impl Transport for UcxTransport {
         let p = inner.peer(peer)?;
         at.check_aligned(peer, "atomic")?;
         let r = self.resolve(p, at, 8, "atomic")?;
+        self.order(p)?;
         let deadline = Instant::now() + timeout;
         let (code, x, mut reply) = match op {
             AtomicOp::FetchAdd(v) => (sys::UCP_ATOMIC_OP_ADD, v, 0u64),
-            AtomicOp::CompareSwap { expected, desired } => (sys::UCP_ATOMIC_OP_CSWAP, expected, desired),
+            AtomicOp::CompareSwap { expected, desired } => {
+                (sys::UCP_ATOMIC_OP_CSWAP, expected, desired)
+            }
         };
         let prm = sys::ucp_request_param_t {
             op_attr_mask: sys::UCP_OP_ATTR_FIELD_DATATYPE | sys::UCP_OP_ATTR_FIELD_REPLY_BUFFER,
@@ -902,7 +1048,17 @@ impl Transport for UcxTransport {
         let st = self.with_ep(p, |ep, _| {
             // SAFETY: `x` and `reply` live on this frame until the request
             // completes (waited for below; a timeout force-closes first).
-            Ok(unsafe { inner.ucp.lib.ucp_atomic_op_nbx(ep, code, (&raw const x).cast(), 1, r.addr, r.remote.rkey, &raw const prm) })
+            Ok(unsafe {
+                inner.ucp.lib.ucp_atomic_op_nbx(
+                    ep,
+                    code,
+                    (&raw const x).cast(),
+                    1,
+                    r.addr,
+                    r.remote.rkey,
+                    &raw const prm,
+                )
+            })
         })?;
         match started(st) {
             Started::Done => {}
@@ -930,7 +1086,9 @@ impl Transport for UcxTransport {
     }
 
     fn health(&self, peer: usize) -> Result<(), NetError> {
-        self.inner.peer_opt(peer).map_or(Ok(()), |p| self.inner.broken(p))
+        self.inner
+            .peer_opt(peer)
+            .map_or(Ok(()), |p| self.inner.broken(p))
     }
 
     fn watch(&self, alive: Alive) {
@@ -951,7 +1109,19 @@ impl UcxTransport {
         prm.datatype = CONTIG8;
         // SAFETY: a live endpoint and rkey; the operand may be released as
         // soon as a non-fetching atomic returns.
-        let st = unsafe { inner.ucp.lib.ucp_atomic_op_nbx(ep, sys::UCP_ATOMIC_OP_ADD, (&raw const v).cast(), 1, r.addr, r.remote.rkey, &raw const prm) };
-        inner.launched(&prm, st).map_err(|st| self.failed(p, "signal", st))
+        let st = unsafe {
+            inner.ucp.lib.ucp_atomic_op_nbx(
+                ep,
+                sys::UCP_ATOMIC_OP_ADD,
+                (&raw const v).cast(),
+                1,
+                r.addr,
+                r.remote.rkey,
+                &raw const prm,
+            )
+        };
+        inner
+            .launched(&prm, st)
+            .map_err(|st| self.failed(p, "signal", st))
     }
 }

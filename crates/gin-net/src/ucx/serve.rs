@@ -62,9 +62,18 @@ pub(super) fn set_handlers(inner: &Arc<Inner>) -> Result<(), NetError> {
             ..Default::default()
         };
         // SAFETY: a live worker and a valid parameter block.
-        let st = unsafe { inner.ucp.lib.ucp_worker_set_am_recv_handler(inner.ucp.worker, &raw const p) };
+        let st = unsafe {
+            inner
+                .ucp
+                .lib
+                .ucp_worker_set_am_recv_handler(inner.ucp.worker, &raw const p)
+        };
         if st != sys::UCS_OK {
-            return Err(super::worker::setup_error(&inner.ucp.lib, "ucp_worker_set_am_recv_handler", st));
+            return Err(super::worker::setup_error(
+                &inner.ucp.lib,
+                "ucp_worker_set_am_recv_handler",
+                st,
+            ));
         }
     }
     Ok(())
@@ -87,7 +96,11 @@ type AmCb = unsafe extern "C" fn(
 unsafe fn parts<'a>(arg: *mut c_void, header: *const c_void, len: usize) -> (&'a Inner, &'a [u8]) {
     // SAFETY: see the function's contract.
     unsafe {
-        let h = if len == 0 { &[][..] } else { std::slice::from_raw_parts(header.cast::<u8>(), len) };
+        let h = if len == 0 {
+            &[][..]
+        } else {
+            std::slice::from_raw_parts(header.cast::<u8>(), len)
+        };
         (&*arg.cast::<Inner>(), h)
     }
 }
@@ -222,7 +235,15 @@ impl Inner {
         // SAFETY: a live endpoint under the peer's lock; the header is
         // copied; the data is owned by the request until `sent` runs.
         let r = unsafe {
-            self.ucp.lib.ucp_am_send_nbx(s.ep, id, header.as_ptr().cast(), header.len(), ptr.cast(), n, &raw const p)
+            self.ucp.lib.ucp_am_send_nbx(
+                s.ep,
+                id,
+                header.as_ptr().cast(),
+                header.len(),
+                ptr.cast(),
+                n,
+                &raw const p,
+            )
         };
         match started(r) {
             // `sent` frees it and the request.
@@ -251,7 +272,9 @@ impl Inner {
             }
             let m = self.map(info).ok_or(wire::Refusal::Map)?;
             let s = m.served.clone();
-            served.insert(key, m).map(|old| old.unmap(&self.ucp));
+            if let Some(old) = served.insert(key, m) {
+                old.unmap(&self.ucp);
+            }
             if let Some(m) = served.get_mut(&key) {
                 m.holders.insert(from);
             }
@@ -261,14 +284,21 @@ impl Inner {
             Ok(s) => (Ok(()), s.encode()),
             Err(r) => (Err(r), Vec::new()),
         };
-        self.send(peer, wire::id::ANSWER, &wire::Answer { id, status }.encode(), data);
+        self.send(
+            peer,
+            wire::id::ANSWER,
+            &wire::Answer { id, status }.encode(),
+            data,
+        );
     }
 
     /// `ucp_mem_map` and `ucp_rkey_pack` of a region (called under the
     /// table's read guard: the memory stays valid meanwhile).
     fn map(&self, info: crate::region::RegionInfo) -> Option<Mapping> {
         let params = sys::ucp_mem_map_params_t {
-            field_mask: u64::from(sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH),
+            field_mask: u64::from(
+                sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+            ),
             address: info.base as *mut c_void,
             length: usize::try_from(info.len).ok()?,
             ..Default::default()
@@ -276,14 +306,22 @@ impl Inner {
         let mut memh: sys::ucp_mem_h = std::ptr::null_mut();
         // SAFETY: a registered region (valid while the guard is held);
         // UCX registers it without allocating.
-        let st = unsafe { self.ucp.lib.ucp_mem_map(self.ucp.ctx, &raw const params, &raw mut memh) };
+        let st = unsafe {
+            self.ucp
+                .lib
+                .ucp_mem_map(self.ucp.ctx, &raw const params, &raw mut memh)
+        };
         if st != sys::UCS_OK {
             tracing::warn!(rank = self.rank, st = %self.ucp.text(st), "ucp_mem_map failed");
             return None;
         }
         let (mut buf, mut n): (*mut c_void, usize) = (std::ptr::null_mut(), 0);
         // SAFETY: a live memory handle; valid out-pointers; released below.
-        let st = unsafe { self.ucp.lib.ucp_rkey_pack(self.ucp.ctx, memh, &raw mut buf, &raw mut n) };
+        let st = unsafe {
+            self.ucp
+                .lib
+                .ucp_rkey_pack(self.ucp.ctx, memh, &raw mut buf, &raw mut n)
+        };
         if st != sys::UCS_OK {
             // SAFETY: mapped above, unmapped once.
             let _ = unsafe { self.ucp.lib.ucp_mem_unmap(self.ucp.ctx, memh) };
@@ -342,7 +380,11 @@ impl Inner {
             // SAFETY: released once.
             unsafe { self.ucp.free(req) };
         }
-        let ack = wire::Ask { from: u32::try_from(self.rank).unwrap_or(u32::MAX), key, id: 0 };
+        let ack = wire::Ask {
+            from: u32::try_from(self.rank).unwrap_or(u32::MAX),
+            key,
+            id: 0,
+        };
         self.send(peer, wire::id::REVOKED, &ack.encode(), Vec::new());
     }
 
@@ -379,7 +421,17 @@ impl RegionObserver for Inner {
             .collect();
         lock(&self.acks).extend(holders.iter().map(|p| (key, p.rank)));
         for p in &holders {
-            self.send(p, wire::id::REVOKE, &wire::Ask { from: me, key, id: 0 }.encode(), Vec::new());
+            self.send(
+                p,
+                wire::id::REVOKE,
+                &wire::Ask {
+                    from: me,
+                    key,
+                    id: 0,
+                }
+                .encode(),
+                Vec::new(),
+            );
         }
         let until = Instant::now() + REVOKE_WAIT.min(self.timeout);
         loop {
@@ -391,9 +443,16 @@ impl RegionObserver for Inner {
             let waiting = left
                 .iter()
                 .any(|&p| self.peer_opt(p).is_some_and(|p| p.error.get().is_none()));
-            if !waiting || Instant::now() > until {
+            // A job that lost a rank is over: nobody will send again.
+            let job_over = self.alive.get().is_some_and(|a| a().is_err());
+            if !waiting || job_over || Instant::now() > until {
                 if waiting {
-                    tracing::warn!(rank = self.rank, key, ?left, "peers did not acknowledge a revoked rkey in time");
+                    tracing::warn!(
+                        rank = self.rank,
+                        key,
+                        ?left,
+                        "peers did not acknowledge a revoked rkey in time"
+                    );
                 }
                 lock(&self.acks).retain(|(k, _)| *k != key);
                 break;
@@ -408,10 +467,18 @@ impl RegionObserver for Inner {
 
 /// Asks `peer` for `key`'s rkey and progresses until the answer arrives
 /// (within the job's timeout).
-pub(super) fn ask(inner: &Inner, peer: &Peer, key: u32) -> Result<Result<wire::Served, wire::Refusal>, NetError> {
+pub(super) fn ask(
+    inner: &Inner,
+    peer: &Peer,
+    key: u32,
+) -> Result<Result<wire::Served, wire::Refusal>, NetError> {
     let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
     lock(&inner.answers).insert(id, None);
-    let a = wire::Ask { from: u32::try_from(inner.rank).unwrap_or(u32::MAX), key, id };
+    let a = wire::Ask {
+        from: u32::try_from(inner.rank).unwrap_or(u32::MAX),
+        key,
+        id,
+    };
     inner.send(peer, wire::id::ASK, &a.encode(), Vec::new());
     let start = Instant::now();
     let mut spins = 0u32;
@@ -428,7 +495,10 @@ pub(super) fn ask(inner: &Inner, peer: &Peer, key: u32) -> Result<Result<wire::S
             let err = if let Err(e) = inner.broken(peer) {
                 Some(e)
             } else if let Some(Err(job)) = inner.alive.get().map(|a| a()) {
-                Some(NetError::Broken { peer: peer.rank, why: job })
+                Some(NetError::Broken {
+                    peer: peer.rank,
+                    why: job,
+                })
             } else if start.elapsed() > inner.timeout {
                 Some(NetError::Timeout {
                     peer: peer.rank,
@@ -468,7 +538,11 @@ pub(super) fn spawn_progress(inner: &Arc<Inner>) -> Result<JoinHandle<()>, NetEr
                     continue;
                 }
                 if inner.ucp.arm() {
-                    let mut fds = libc::pollfd { fd: efd, events: libc::POLLIN, revents: 0 };
+                    let mut fds = libc::pollfd {
+                        fd: efd,
+                        events: libc::POLLIN,
+                        revents: 0,
+                    };
                     // SAFETY: one valid pollfd; a bounded wait, so closing
                     // is noticed.
                     unsafe { libc::poll(&raw mut fds, 1, 100) };

@@ -189,7 +189,11 @@ mod tests {
             let x = Answer { id: 9, status };
             assert_eq!(Answer::decode(&x.encode()), Some(x));
         }
-        let mut bad = Answer { id: 1, status: Ok(()) }.encode();
+        let mut bad = Answer {
+            id: 1,
+            status: Ok(()),
+        }
+        .encode();
         bad[8] = 9;
         assert_eq!(Answer::decode(&bad), None);
         let s = Served {

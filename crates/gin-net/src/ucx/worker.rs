@@ -48,21 +48,35 @@ impl Ucp {
         let mut config: *mut sys::ucp_config_t = std::ptr::null_mut();
         // SAFETY: null prefix and file mean "UCX_ from the environment";
         // `config` is a valid out-pointer, released below.
-        let st = unsafe { lib.ucp_config_read(std::ptr::null(), std::ptr::null(), &raw mut config) };
+        let st =
+            unsafe { lib.ucp_config_read(std::ptr::null(), std::ptr::null(), &raw mut config) };
         if st != sys::UCS_OK {
             return Err(setup_error(&lib, "ucp_config_read", st));
         }
         let params = sys::ucp_params_t {
-            field_mask: u64::from(sys::UCP_PARAM_FIELD_FEATURES | sys::UCP_PARAM_FIELD_MT_WORKERS_SHARED),
+            field_mask: u64::from(
+                sys::UCP_PARAM_FIELD_FEATURES | sys::UCP_PARAM_FIELD_MT_WORKERS_SHARED,
+            ),
             features: u64::from(
-                sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_AMO64 | sys::UCP_FEATURE_AM | sys::UCP_FEATURE_WAKEUP,
+                sys::UCP_FEATURE_RMA
+                    | sys::UCP_FEATURE_AMO64
+                    | sys::UCP_FEATURE_AM
+                    | sys::UCP_FEATURE_WAKEUP,
             ),
             mt_workers_shared: 1,
             ..Default::default()
         };
         let mut ctx: sys::ucp_context_h = std::ptr::null_mut();
         // SAFETY: valid params and config; `ctx` is a valid out-pointer.
-        let st = unsafe { lib.ucp_init_version(MIN_VERSION.0, MIN_VERSION.1, &raw const params, config, &raw mut ctx) };
+        let st = unsafe {
+            lib.ucp_init_version(
+                MIN_VERSION.0,
+                MIN_VERSION.1,
+                &raw const params,
+                config,
+                &raw mut ctx,
+            )
+        };
         // SAFETY: read above; not used after this.
         unsafe { lib.ucp_config_release(config) };
         if st != sys::UCS_OK {
@@ -89,7 +103,10 @@ impl Ucp {
         let mut a: *mut sys::ucp_address_t = std::ptr::null_mut();
         let mut len = 0usize;
         // SAFETY: a live worker; valid out-pointers; released below.
-        let st = unsafe { self.lib.ucp_worker_get_address(self.worker, &raw mut a, &raw mut len) };
+        let st = unsafe {
+            self.lib
+                .ucp_worker_get_address(self.worker, &raw mut a, &raw mut len)
+        };
         if st != sys::UCS_OK {
             return Err(setup_error(&self.lib, "ucp_worker_get_address", st));
         }
