@@ -24,6 +24,8 @@
 //!   machine without Rust (see docs/cuda.md).
 //! - `rdma-bindings [INCLUDE_DIR]`: regenerate gin-gdaki's rdma-core
 //!   bindings with bindgen (needs rdma-core's headers and libclang).
+//! - `ucx-bindings [INCLUDE_DIR]`: regenerate gin-net's UCP bindings with
+//!   bindgen (needs UCX's headers, e.g. the pinned wheel's, and libclang).
 //!
 //! Dependencies stay few: plotters (SVG only) for the plots, serde_json
 //! to read gin-bench's reports, and bindgen (libclang loaded at run time)
@@ -36,6 +38,7 @@ mod gpu;
 mod plot;
 mod rdma;
 mod summary;
+mod ucx;
 mod wheels;
 
 use std::process::{Command, ExitCode};
@@ -76,6 +79,7 @@ const USAGES: &[(&str, &str)] = &[
         "rdma-bindings",
         "usage: cargo xtask rdma-bindings [INCLUDE_DIR]",
     ),
+    ("ucx-bindings", ucx::USAGE),
 ];
 
 /// Every usage line, aligned under the first.
@@ -116,6 +120,7 @@ fn run() -> Result<ExitCode> {
         Some("faults") => faults::run(&args[1..]).map(|()| ExitCode::SUCCESS),
         Some("loggp-summary") => summary::run(&args[1..]).map(|()| ExitCode::SUCCESS),
         Some("rdma-bindings") => rdma::run(&args[1..]).map(|()| ExitCode::SUCCESS),
+        Some("ucx-bindings") => ucx::run(&args[1..]).map(|()| ExitCode::SUCCESS),
         Some("test") => wheels::test_cmd(&args[1..]),
         Some("wheels") => wheels::wheels_cmd(),
         Some("ci") => {

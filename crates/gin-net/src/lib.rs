@@ -45,6 +45,11 @@
 //!   construction. Errors come back as answers, not silence, and are
 //!   sticky on the link until reported. No send blocks past the job's
 //!   timeout on a peer that stopped reading; the error names that peer.
+//! - **ucx** ([`ucx`]): any host, through UCX's UCP API (`libucp.so.0`
+//!   opened at run time; `GIN_TRANSPORT=ucx`). Regions are mapped with
+//!   `ucp_mem_map` when a peer first asks for their rkey and revoked at
+//!   every holder before their memory goes; a put's signal follows a
+//!   `ucp_worker_fence`. docs/ucx.md has the ordering per UCX transport.
 //! - Endpoint addresses are exchanged through gin-bootstrap; transport
 //!   connections authenticate with a token derived from the job secret.
 //!
@@ -56,8 +61,9 @@
 //! It never dereferences GPU memory: CUDA ranks' engines copy it with the
 //! GPU, and reach peers over keyed transports through the fabric's keyed
 //! operations ([`Fabric::put_key`], [`Fabric::read_key`], [`Fabric::read`];
-//! until they have moved, they also drive [`tcp::Link`]s directly). There
-//! is no RDMA (ibverbs, UCX) transport yet.
+//! until they have moved, they also drive [`tcp::Link`]s directly). The
+//! ucx transport maps host memory only: GPU memory over UCX
+//! (`UCS_MEMORY_TYPE_CUDA`) is not done yet.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
@@ -71,6 +77,7 @@ pub mod sticky;
 pub mod tcp;
 pub mod testing;
 pub mod transport;
+pub mod ucx;
 pub mod window;
 
 pub use fabric::{Fabric, Path};
@@ -270,6 +277,17 @@ pub enum NetError {
         peer: usize,
         /// What the record was.
         what: &'static str,
+    },
+    /// A transport that was asked for cannot run here (its library is
+    /// missing or too old); says what is missing and the alternatives.
+    #[error("GIN_TRANSPORT={transport} is not available: {why}; {alternatives}")]
+    Unavailable {
+        /// The transport's name.
+        transport: &'static str,
+        /// What is missing.
+        why: String,
+        /// What to do instead.
+        alternatives: &'static str,
     },
     /// A job collective (address exchange, barrier) failed.
     #[error(transparent)]

@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 
 use crate::NetError;
 
@@ -132,11 +132,43 @@ enum Target<'a> {
     Backed(&'a dyn Backing, u64),
 }
 
+/// Told when a region stops being served, before the call that removed it
+/// returns (so before its owner frees the memory): a transport that handed
+/// peers a capability for it (the ucx transport's rkeys) revokes and
+/// unmaps it here. Called without the table's lock held.
+pub trait RegionObserver: Send + Sync {
+    /// `key` (the region at `base`) was removed.
+    fn removed(&self, key: u32, base: usize);
+}
+
+/// A region as [`RegionTable::with_region`] shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RegionInfo {
+    /// Its address in this process (an identity only for backed regions).
+    pub base: usize,
+    /// Its size.
+    pub len: u64,
+    /// What peers may do.
+    pub access: Access,
+    /// Whether it is reached through a [`Backing`] (GPU memory), not
+    /// plain loads and stores.
+    pub backed: bool,
+}
+
 /// Registered regions by key. Lookups check bounds and rights, so a remote
 /// request can never touch memory outside what was registered.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct RegionTable {
     map: RwLock<HashMap<u32, Entry>>,
+    observers: Mutex<Vec<Weak<dyn RegionObserver>>>,
+}
+
+impl std::fmt::Debug for RegionTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegionTable")
+            .field("map", &self.map)
+            .finish_non_exhaustive()
+    }
 }
 
 impl RegionTable {
@@ -195,23 +227,74 @@ impl RegionTable {
     }
 
     /// Forgets a key; later requests with it are refused. Waits for the
-    /// requests being served under it.
+    /// requests being served under it, then tells the observers.
     pub fn remove(&self, key: u32) {
-        self.map
+        let gone = self
+            .map
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .remove(&key);
+        if let Some(e) = gone {
+            self.tell_removed(key, e.base);
+        }
+    }
+
+    /// Registers `o` to be told of every later removal (held weakly: it
+    /// stops being told when dropped).
+    pub fn observe(&self, o: Weak<dyn RegionObserver>) {
+        let mut v = self
+            .observers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        v.retain(|w| w.strong_count() > 0);
+        v.push(o);
+    }
+
+    fn tell_removed(&self, key: u32, base: usize) {
+        let live: Vec<Arc<dyn RegionObserver>> = self
+            .observers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect();
+        for o in live {
+            o.removed(key, base);
+        }
+    }
+
+    /// Runs `f` on the region `key` names (or `None`) while holding the
+    /// table's read guard: the region is not removed, so its memory stays
+    /// valid, until `f` returns. `f` must not remove regions.
+    pub fn with_region<T>(&self, key: u32, f: impl FnOnce(Option<RegionInfo>) -> T) -> T {
+        let map = self
+            .map
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        f(map.get(&key).map(|e| RegionInfo {
+            base: e.base,
+            len: e.len,
+            access: e.access,
+            backed: e.backing.is_some(),
+        }))
     }
 
     /// Forgets `key` if it still names the region at `base` (keys of removed
     /// regions may be drawn again); as [`RegionTable::remove`] otherwise.
     pub fn remove_region(&self, key: u32, base: usize) {
-        let mut map = self
-            .map
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if map.get(&key).is_some_and(|e| e.base == base) {
-            map.remove(&key);
+        let gone = {
+            let mut map = self
+                .map
+                .write()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if map.get(&key).is_some_and(|e| e.base == base) {
+                map.remove(&key)
+            } else {
+                None
+            }
+        };
+        if gone.is_some() {
+            self.tell_removed(key, base);
         }
     }
 

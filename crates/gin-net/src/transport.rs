@@ -277,7 +277,11 @@ pub struct Registration {
 }
 
 /// Every transport, in order of preference for `auto`.
-pub static REGISTRY: &[Registration] = &[crate::shm::REGISTRATION, crate::tcp::REGISTRATION];
+pub static REGISTRY: &[Registration] = &[
+    crate::shm::REGISTRATION,
+    crate::tcp::REGISTRATION,
+    crate::ucx::REGISTRATION,
+];
 
 /// The registered transports' names, in order.
 pub fn names() -> Vec<&'static str> {

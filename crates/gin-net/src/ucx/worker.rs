@@ -1,0 +1,217 @@
+//! One UCP context and worker, owned together: created from the
+//! environment (`UCX_TLS` and every other `UCX_*` variable are honoured),
+//! destroyed together. The worker runs in `UCS_THREAD_MODE_MULTI`: rank
+//! threads issue operations and progress it while they wait, and the
+//! transport's progress thread progresses it when nobody else does (UCX's
+//! tcp transport emulates RMA and atomics with active messages the target
+//! must progress).
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use super::load::{MIN_VERSION, status_text};
+use super::sys;
+use crate::NetError;
+
+/// A context and its worker.
+pub struct Ucp {
+    pub(super) lib: Arc<sys::UcpLib>,
+    pub(super) ctx: sys::ucp_context_h,
+    pub(super) worker: sys::ucp_worker_h,
+}
+
+// SAFETY: the context is created with `mt_workers_shared` and the worker in
+// `UCS_THREAD_MODE_MULTI`, so UCX serialises every call on them itself.
+unsafe impl Send for Ucp {}
+// SAFETY: as above.
+unsafe impl Sync for Ucp {}
+
+impl std::fmt::Debug for Ucp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ucp").finish_non_exhaustive()
+    }
+}
+
+/// The error for a failed UCX set-up call.
+pub(super) fn setup_error(lib: &sys::UcpLib, what: &str, st: sys::ucs_status_t) -> NetError {
+    NetError::Unavailable {
+        transport: "ucx",
+        why: format!("{what} failed: {}", status_text(lib, st)),
+        alternatives: "check UCX_TLS and the UCX_* variables, or choose GIN_TRANSPORT=tcp",
+    }
+}
+
+impl Ucp {
+    /// Reads UCX's configuration from the environment and creates the
+    /// context (RMA, 64-bit atomics, active messages, wake-up) and worker.
+    pub fn new(lib: Arc<sys::UcpLib>) -> Result<Self, NetError> {
+        let mut config: *mut sys::ucp_config_t = std::ptr::null_mut();
+        // SAFETY: null prefix and file mean "UCX_ from the environment";
+        // `config` is a valid out-pointer, released below.
+        let st =
+            unsafe { lib.ucp_config_read(std::ptr::null(), std::ptr::null(), &raw mut config) };
+        if st != sys::UCS_OK {
+            return Err(setup_error(&lib, "ucp_config_read", st));
+        }
+        let params = sys::ucp_params_t {
+            field_mask: u64::from(
+                sys::UCP_PARAM_FIELD_FEATURES | sys::UCP_PARAM_FIELD_MT_WORKERS_SHARED,
+            ),
+            features: u64::from(
+                sys::UCP_FEATURE_RMA
+                    | sys::UCP_FEATURE_AMO64
+                    | sys::UCP_FEATURE_AM
+                    | sys::UCP_FEATURE_WAKEUP,
+            ),
+            mt_workers_shared: 1,
+            ..Default::default()
+        };
+        let mut ctx: sys::ucp_context_h = std::ptr::null_mut();
+        // SAFETY: valid params and config; `ctx` is a valid out-pointer.
+        let st = unsafe {
+            lib.ucp_init_version(
+                MIN_VERSION.0,
+                MIN_VERSION.1,
+                &raw const params,
+                config,
+                &raw mut ctx,
+            )
+        };
+        // SAFETY: read above; not used after this.
+        unsafe { lib.ucp_config_release(config) };
+        if st != sys::UCS_OK {
+            return Err(setup_error(&lib, "ucp_init", st));
+        }
+        let wp = sys::ucp_worker_params_t {
+            field_mask: u64::from(sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE),
+            thread_mode: sys::UCS_THREAD_MODE_MULTI,
+            ..Default::default()
+        };
+        let mut worker: sys::ucp_worker_h = std::ptr::null_mut();
+        // SAFETY: a live context, valid params and out-pointer.
+        let st = unsafe { lib.ucp_worker_create(ctx, &raw const wp, &raw mut worker) };
+        if st != sys::UCS_OK {
+            // SAFETY: the context made above, with no worker.
+            unsafe { lib.ucp_cleanup(ctx) };
+            return Err(setup_error(&lib, "ucp_worker_create", st));
+        }
+        Ok(Self { lib, ctx, worker })
+    }
+
+    /// The worker's address, to be sent to peers.
+    pub fn address(&self) -> Result<Vec<u8>, NetError> {
+        let mut a: *mut sys::ucp_address_t = std::ptr::null_mut();
+        let mut len = 0usize;
+        // SAFETY: a live worker; valid out-pointers; released below.
+        let st = unsafe {
+            self.lib
+                .ucp_worker_get_address(self.worker, &raw mut a, &raw mut len)
+        };
+        if st != sys::UCS_OK {
+            return Err(setup_error(&self.lib, "ucp_worker_get_address", st));
+        }
+        // SAFETY: UCX returned `len` bytes at `a`.
+        let v = unsafe { std::slice::from_raw_parts(a.cast::<u8>(), len) }.to_vec();
+        // SAFETY: returned by `ucp_worker_get_address` on this worker.
+        unsafe { self.lib.ucp_worker_release_address(self.worker, a) };
+        Ok(v)
+    }
+
+    /// Progresses the worker once; the number of events handled.
+    pub fn progress(&self) -> u32 {
+        // SAFETY: a live worker in multi-thread mode.
+        unsafe { self.lib.ucp_worker_progress(self.worker) }
+    }
+
+    /// The worker's event file descriptor.
+    pub fn efd(&self) -> Result<i32, NetError> {
+        let mut fd = -1;
+        // SAFETY: a live worker created with the wake-up feature.
+        let st = unsafe { self.lib.ucp_worker_get_efd(self.worker, &raw mut fd) };
+        if st != sys::UCS_OK {
+            return Err(setup_error(&self.lib, "ucp_worker_get_efd", st));
+        }
+        Ok(fd)
+    }
+
+    /// Arms the event descriptor: true when the caller may sleep on it.
+    pub fn arm(&self) -> bool {
+        // SAFETY: a live worker.
+        unsafe { self.lib.ucp_worker_arm(self.worker) == sys::UCS_OK }
+    }
+
+    /// Wakes a thread sleeping on the event descriptor.
+    pub fn signal(&self) {
+        // SAFETY: a live worker; safe from any thread and from callbacks.
+        let _ = unsafe { self.lib.ucp_worker_signal(self.worker) };
+    }
+
+    /// Orders every operation issued after it on this worker after every
+    /// operation issued before it.
+    pub fn fence(&self) -> Result<(), sys::ucs_status_t> {
+        // SAFETY: a live worker.
+        match unsafe { self.lib.ucp_worker_fence(self.worker) } {
+            sys::UCS_OK => Ok(()),
+            st => Err(st),
+        }
+    }
+
+    /// A request's status (`UCS_INPROGRESS` while pending).
+    ///
+    /// # Safety
+    /// `req` is a live request of this worker.
+    pub unsafe fn status(&self, req: *mut c_void) -> sys::ucs_status_t {
+        // SAFETY: forwarded.
+        unsafe { self.lib.ucp_request_check_status(req) }
+    }
+
+    /// Releases a request (at once if complete, else when it completes;
+    /// its callback still runs).
+    ///
+    /// # Safety
+    /// `req` is a live request of this worker, released once.
+    pub unsafe fn free(&self, req: *mut c_void) {
+        // SAFETY: forwarded.
+        unsafe { self.lib.ucp_request_free(req) };
+    }
+
+    /// UCX's text for a status.
+    pub fn text(&self, st: sys::ucs_status_t) -> String {
+        status_text(&self.lib, st)
+    }
+}
+
+impl Drop for Ucp {
+    fn drop(&mut self) {
+        // SAFETY: the owner closed every endpoint and released every memory
+        // handle and rkey first (`Inner::drop`); each is destroyed once.
+        unsafe {
+            self.lib.ucp_worker_destroy(self.worker);
+            self.lib.ucp_cleanup(self.ctx);
+        }
+    }
+}
+
+/// What a `*_nbx` call returned.
+pub enum Started {
+    /// Completed in place.
+    Done,
+    /// A request to wait for (or release).
+    Pending(*mut c_void),
+    /// Failed at once.
+    Failed(sys::ucs_status_t),
+}
+
+/// Classifies a status pointer (UCX's `UCS_PTR_IS_ERR` / `UCS_PTR_STATUS`).
+pub fn started(p: sys::ucs_status_ptr_t) -> Started {
+    let v = p as isize;
+    if v == 0 {
+        Started::Done
+    } else if (-100..0).contains(&v) {
+        // UCS_ERR_LAST is -100: error codes live in the lowest addresses'
+        // negatives, as UCS_PTR_IS_ERR tests.
+        Started::Failed(i8::try_from(v).unwrap_or(sys::UCS_ERR_NO_ELEM))
+    } else {
+        Started::Pending(p)
+    }
+}
