@@ -89,6 +89,10 @@ impl Health for BootstrapHealth {
             .map_err(|e| e.to_string())
     }
 
+    fn check_peer(&self, peer: usize) -> Result<(), String> {
+        self.0.peer_health(peer).map_err(|e| e.to_string())
+    }
+
     fn diagnose(&self) -> Option<String> {
         self.1.diagnose()
     }

@@ -235,6 +235,17 @@ pub trait Health: Send + Sync + std::fmt::Debug {
     /// responding or left.
     fn check(&self) -> Result<(), String>;
 
+    /// `Err` with a message once `peer` has died, stopped responding or
+    /// left, or the job's liveness watch itself is lost. A wait for
+    /// operations to one peer consults this rather than [`Health::check`]:
+    /// another rank's death does not stop them completing (what a job that
+    /// masks lost ranks, as gin-ep does, relies on). The default is the
+    /// job-level check.
+    fn check_peer(&self, peer: usize) -> Result<(), String> {
+        let _ = peer;
+        self.check()
+    }
+
     /// After a wait timed out: which peers look to blame (stopped, gone),
     /// as a sentence, or `None` when nothing is known. Failure path only.
     fn diagnose(&self) -> Option<String> {
@@ -593,6 +604,22 @@ impl DevComm {
         }
     }
 
+    /// As [`DevComm::health`] for a wait on operations to `peer` only: that
+    /// peer's liveness instead of the whole job's, and the backend's own.
+    fn peer_health(&self, peer: usize) -> Result<(), GinError> {
+        self.p
+            .health
+            .check_peer(peer)
+            .map_err(|why| GinError::JobFailed {
+                rank: self.p.rank,
+                why,
+            })?;
+        match self.p.backend.health() {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.cause_of(e)),
+        }
+    }
+
     /// A backend's error (a broken link, a failed completion) is often the
     /// echo of a death or departure the job-level watch is about to report
     /// (a peer that quit because a third rank died): give it a moment, so
@@ -624,7 +651,8 @@ impl DevComm {
         }
     }
 
-    /// Polls `ready` with this communicator's timeout, abort flag and health.
+    /// Polls `ready` with this communicator's timeout, abort flag and health
+    /// (the job's, or `peer`'s alone when the wait covers one peer).
     fn wait(
         &self,
         ctx: u32,
@@ -649,7 +677,7 @@ impl DevComm {
                     true
                 }
             },
-            || self.health(),
+            || peer.map_or_else(|| self.health(), |p| self.peer_health(p)),
         );
         if let Some(e) = err {
             return Err(self.cause_of(e));

@@ -324,10 +324,36 @@ impl<'c> Buffer<'c> {
                     let issued = self.issued[c as usize];
                     crate::ht::complete(&self.dc, c, issued, self.timeout, self.rank)?;
                 } else {
-                    self.dc.ctx(c)?.flush()?;
+                    self.settle_low_latency(c)?;
                 }
             }
             self.unflushed = false;
+        }
+        Ok(())
+    }
+
+    /// Low-latency mode's local completion on context `c`: one wait per
+    /// active peer, each judged by that peer's liveness, so a rank lost in
+    /// the meantime fails (or, masking, is masked) by itself and never
+    /// fails the waits for the survivors (a wait for every peer at once
+    /// fails on any death in the job).
+    fn settle_low_latency(&mut self, c: u32) -> Result<(), EpError> {
+        let mut lost = Vec::new();
+        {
+            let ctx = self.dc.ctx(c)?;
+            for peer in (0..self.nranks).filter(|&p| self.active[p]) {
+                let t = ctx.flush_async(peer)?;
+                match ctx.wait(&t) {
+                    Ok(()) => {}
+                    Err(_) if self.policy == OnPeerLoss::Mask && self.bootstrap_lost(peer) => {
+                        lost.push(peer);
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        }
+        for peer in lost {
+            self.mask_lost(peer);
         }
         Ok(())
     }
