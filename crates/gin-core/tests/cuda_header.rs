@@ -101,6 +101,10 @@ fn header_matches_rust_abi_and_encoders() {
         ("flag.SENDER_SLOTS", abi::DEVCOMM_FLAG_SENDER_SLOTS),
         ("flag.CTA_CTX", abi::DEVCOMM_FLAG_CTA_CTX),
         ("flag.LSA_ONLY", abi::DEVCOMM_FLAG_LSA_ONLY),
+        ("flag.QUEUE_ATOMICS", abi::DEVCOMM_FLAG_QUEUE_ATOMICS),
+        ("fence.NONE", abi::FENCE_NONE),
+        ("fence.CONTEXT", abi::FENCE_CONTEXT),
+        ("fence.ALL_CONTEXTS", abi::FENCE_ALL_CONTEXTS),
         ("backend.NONE", abi::BACKEND_NONE),
         ("backend.PROXY", abi::BACKEND_PROXY),
         ("backend.GDAKI", abi::BACKEND_GDAKI),
@@ -147,6 +151,10 @@ fn header_matches_rust_abi_and_encoders() {
         assert_eq!(num(&format!("offset.{f}")), rust, "{f}");
     }
     assert_eq!(num("errkind.WQE_ERROR"), usize::from(errword::WQE_ERROR));
+    assert_eq!(
+        num("errkind.COPY_ENGINE"),
+        usize::from(errword::COPY_ENGINE)
+    );
 
     let golden = Desc {
         op: Op::Put,
@@ -197,6 +205,26 @@ fn header_matches_rust_abi_and_encoders() {
         get("desc.golden_signal_top"),
         qwords(&signal_top.encode(0, 2))
     );
+
+    // A 2-byte put_value with a weak VA signal: the descriptor carries the
+    // size and any signal window, which the proxy engine checks.
+    let value2 = Desc {
+        op: Op::Put,
+        bytes: 2,
+        dst_window: 6,
+        dst_offset: 0x22,
+        src_window: 0,
+        src_offset: 0,
+        inline: Some(0xbeef),
+        signal: Some(Sig {
+            window: 4,
+            offset: 0x40,
+            add: 3,
+            strong: false,
+        }),
+        counter: None,
+    };
+    assert_eq!(get("desc.golden_value2_va"), qwords(&value2.encode(9, 3)));
 
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     for i in 0..64 {
@@ -298,6 +326,36 @@ fn header_matches_rust_abi_and_encoders() {
             wqe::CQ_UPDATE,
         ),
         (
+            "wqe.inline1",
+            WqeOp::WriteInline {
+                remote: m(0x41, 3),
+                data: vec![1],
+            },
+            4,
+            1,
+            wqe::CQ_UPDATE,
+        ),
+        (
+            "wqe.inline2",
+            WqeOp::WriteInline {
+                remote: m(0x42, 3),
+                data: vec![1, 2],
+            },
+            5,
+            1,
+            wqe::CQ_UPDATE,
+        ),
+        (
+            "wqe.inline4",
+            WqeOp::WriteInline {
+                remote: m(0x44, 3),
+                data: vec![1, 2, 3, 4],
+            },
+            6,
+            1,
+            wqe::CQ_UPDATE,
+        ),
+        (
             "wqe.wait",
             WqeOp::Wait {
                 max_index: 0x1_0203,
@@ -345,5 +403,12 @@ fn header_matches_rust_abi_and_encoders() {
     assert_eq!(
         get("errword_none"),
         format!("{:016x}", errword::encode(errword::ABORTED, 1000, None, 1))
+    );
+    assert_eq!(
+        get("errword_copy_engine"),
+        format!(
+            "{:016x}",
+            errword::encode(errword::COPY_ENGINE, 0, Some(1), 9)
+        )
     );
 }

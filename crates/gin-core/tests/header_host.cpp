@@ -45,6 +45,9 @@ int main() {
   std::printf("flag.SENDER_SLOTS %u\n", FLAG_SENDER_SLOTS);
   std::printf("flag.CTA_CTX %u\n", FLAG_CTA_CTX);
   std::printf("flag.LSA_ONLY %u\n", FLAG_LSA_ONLY);
+  std::printf("flag.QUEUE_ATOMICS %u\n", FLAG_QUEUE_ATOMICS);
+  std::printf("fence.NONE %u\nfence.CONTEXT %u\nfence.ALL_CONTEXTS %u\n", (unsigned)FENCE_NONE,
+              (unsigned)FENCE_CONTEXT, (unsigned)FENCE_ALL_CONTEXTS);
   std::printf("backend.NONE %u\nbackend.PROXY %u\nbackend.GDAKI %u\n", BACKEND_NONE, BACKEND_PROXY,
               BACKEND_GDAKI);
   std::printf("sizeof.DevComm %zu\n", sizeof(DevComm));
@@ -67,6 +70,7 @@ int main() {
   std::printf("offset.GdakiQpAbi.counter_key %zu\n", __builtin_offsetof(GdakiQpAbi, counter_key));
   std::printf("offset.GdakiQpAbi.sink_key %zu\n", __builtin_offsetof(GdakiQpAbi, sink_key));
   std::printf("errkind.WQE_ERROR %u\n", (unsigned)WQE_ERROR);
+  std::printf("errkind.COPY_ENGINE %u\n", (unsigned)COPY_ENGINE);
 
   // Descriptors: the Rust golden cases, then random ones.
   proxy::Desc d = blank(proxy::OP_PUT);
@@ -98,6 +102,20 @@ int main() {
   g.sig_add = 0x8000000000000005ull;
   g.sig_strong = 1;
   desc("desc.golden_signal_top", g, 0, 2);
+  // put_value of 2 bytes with a weak VA signal (a signal in window 4, not
+  // the signal window), as put_value_sized posts it.
+  proxy::Desc pv = blank(proxy::OP_PUT);
+  pv.bytes = 2;
+  pv.dst_window = 6;
+  pv.dst_offset = 0x22;
+  pv.has_inline = 1;
+  pv.inline_value = 0xbeef;
+  pv.has_signal = 1;
+  pv.sig_window = 4;
+  pv.sig_offset = 0x40;
+  pv.sig_add = 3;
+  pv.sig_strong = 0;
+  desc("desc.golden_value2_va", pv, 9, 3);
   for (int i = 0; i < 64; ++i) {
     proxy::Desc r = blank((next() & 1) ? proxy::OP_PUT : proxy::OP_GET);
     r.bytes = next() & proxy::MAX_BYTES;
@@ -137,6 +155,13 @@ int main() {
   const u8 data[8] = {1, 2, 3, 4, 5, 6, 7, 8};
   gdaki::write_inline(b, 2, 1, gdaki::CQ_UPDATE, 0x40, 3, data, 8);
   hex("wqe.inline", b, 64);
+  // A 1, 2 and 4-byte put_value's inline write (put_value_sized).
+  gdaki::write_inline(b, 4, 1, gdaki::CQ_UPDATE, 0x41, 3, data, 1);
+  hex("wqe.inline1", b, 64);
+  gdaki::write_inline(b, 5, 1, gdaki::CQ_UPDATE, 0x42, 3, data, 2);
+  hex("wqe.inline2", b, 64);
+  gdaki::write_inline(b, 6, 1, gdaki::CQ_UPDATE, 0x44, 3, data, 4);
+  hex("wqe.inline4", b, 64);
   gdaki::wait(b, 9, 2, gdaki::CQ_UPDATE, 0x10203, 0x42);
   hex("wqe.wait", b, 64);
 
@@ -155,5 +180,7 @@ int main() {
   std::printf("doorbell %016llx\n", (unsigned long long)gdaki::doorbell(0x0102, 0xabcdef));
   std::printf("errword %016llx\n", (unsigned long long)error_word(OUT_OF_WINDOW, 3, 7, 0xdeadbeef));
   std::printf("errword_none %016llx\n", (unsigned long long)error_word(ABORTED, 1000, NO_PEER, 1));
+  std::printf("errword_copy_engine %016llx\n",
+              (unsigned long long)error_word(COPY_ENGINE, 0, 1, 9));
   return 0;
 }

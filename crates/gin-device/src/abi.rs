@@ -152,6 +152,23 @@ pub const DEVCOMM_FLAG_SENDER_SLOTS: u32 = 1 << 3;
 /// serialises.
 pub const DEVCOMM_FLAG_LSA_ONLY: u32 = 1 << 5;
 
+/// The engine behind the queue paths applies atomics to any window word and
+/// stores inline data of 1, 2 or 4 bytes, so signals by window address and
+/// sub-word `put_value` may take those paths (CUDA ranks). Clear while the
+/// CUDA engines execute with the copy engine, which has neither: the header
+/// then refuses such calls with [`errword::COPY_ENGINE`] before posting.
+pub const DEVCOMM_FLAG_QUEUE_ATOMICS: u32 = 1 << 6;
+
+/// `gin::Fence` of the CUDA header ([`crate::ops::Fence::None`]):
+/// synchronisation only.
+pub const FENCE_NONE: u32 = 0;
+/// `gin::Fence` ([`crate::ops::Fence::Context`]): earlier puts of the
+/// barrier's context are visible.
+pub const FENCE_CONTEXT: u32 = 1;
+/// `gin::Fence` ([`crate::ops::Fence::AllContexts`]): earlier puts of every
+/// context are visible.
+pub const FENCE_ALL_CONTEXTS: u32 = 2;
+
 /// [`DevCommAbi::backend_kind`]: no queues; every peer is reached by load/store.
 pub const BACKEND_NONE: u32 = 0;
 /// [`DevCommAbi::backend_kind`]: descriptor rings read by a proxy thread.
@@ -281,6 +298,11 @@ pub mod errword {
     pub const MISALIGNED: u8 = 13;
     /// A WQE completed in error; the value is `syndrome << 16 | WQE index`.
     pub const WQE_ERROR: u8 = 14;
+    /// The path's engine is the copy engine (CUDA ranks' proxy and soft
+    /// NIC), which has no atomics (a signal by window address) and stores 8
+    /// aligned bytes at a time (a 1, 2 or 4-byte `put_value`); the value is
+    /// the window id. Refused before anything was posted.
+    pub const COPY_ENGINE: u8 = 15;
 
     /// A decoded error word.
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -335,6 +357,12 @@ pub mod errword {
             BARRIER_TIMEOUT => "timed out in a barrier",
             MISALIGNED => "misaligned offset",
             WQE_ERROR => "a work request completed in error (value: syndrome << 16 | WQE index)",
+            COPY_ENGINE => {
+                "refused: this path's engine is the copy engine, which has no atomics (a signal \
+                 by window address) and stores 8 aligned bytes at a time (a 1, 2 or 4-byte \
+                 put_value); use the load/store path, a signal id or an 8-byte value (value: \
+                 the window id)"
+            }
             _ => "unknown error kind",
         }
     }

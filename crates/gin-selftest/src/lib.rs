@@ -31,3 +31,8 @@ pub const KERNELS: &str = include_str!("../kernels/selftest.cu");
 /// (through `gin/nccl_compat.cuh`): kernel `nccl_alltoall`, run by
 /// `gin-cuda-selftest nccl-alltoall`.
 pub const NCCL_ALLTOALL: &str = include_str!("../kernels/nccl_alltoall.cu");
+
+/// The kernels of `gin-cuda-selftest parity` (`gin_parity`,
+/// `gin_parity_refuse`): weak signals, put_value of 1/2/4/8 bytes, VA
+/// signals, per-call timeouts, flush_async/wait and barrier fences.
+pub const PARITY: &str = include_str!("../kernels/parity.cu");

@@ -25,6 +25,7 @@ fn nvrtc_compiles_the_kernels_for_hopper() {
     assert_eq!(&cubin.as_bytes()[..4], b"\x7fELF");
     compile(gin_selftest::NCCL_ALLTOALL, "nccl_alltoall.cu", (9, 0))
         .unwrap_or_else(|e| panic!("{e}"));
+    compile(gin_selftest::PARITY, "parity.cu", (9, 0)).unwrap_or_else(|e| panic!("{e}"));
     let err = compile(
         "#include \"gin/gin.cuh\"\n__global__ void k() { undefined(); }",
         "bad.cu",
@@ -46,11 +47,10 @@ fn nvrtc_compiles_no_nccl_name_gin_cannot_honour() {
                 ncclDevComm c) { ncclGin g{c, 0}; ncclTeam t = ncclTeamWorld(c); ";
     for (body, why) in [
         (
-            "g.put(t, 1, w, 0, w, 0, 8, ncclGin_WeakVASignalInc{w, 0});",
-            "VA signals",
+            "struct V { long a, b; }; g.putValue(t, 1, w, 0, V{1, 2});",
+            "putValue takes a value of 1, 2, 4 or 8 bytes",
         ),
-        ("g.waitSignal(ncclCoopCta(), w, 0, 1);", "VA signals"),
-        ("g.putValue(t, 1, w, 0, 7u);", "putValue of 1, 2 or 4 bytes"),
+        ("g.put(t, 1, w, 0, w, 0, 8, 5u);", "not a remote action"),
         ("g.flush(ncclCoopLanes{3u});", "this coop is not supported"),
         ("g.flush(ncclCoopTile<4>());", "this coop is not supported"),
         ("g.getSignalShadowPtr(0u);", "signal shadows"),
@@ -64,11 +64,6 @@ fn nvrtc_compiles_no_nccl_name_gin_cannot_honour() {
             "ncclGinBarrierSession<ncclCoopCta> b{ncclCoopCta(), g, t, ncclGinBarrierHandle{0}, 0};",
             "world and rail barriers only",
         ),
-        (
-            "ncclGinBarrierSession<ncclCoopCta> b{ncclCoopCta(), g, ncclTeamTagWorld(), 0}; \
-             b.sync(ncclCoopCta(), cuda::memory_order_acquire, ncclGinFenceLevel::None, 10ull);",
-            "per-call barrier timeouts",
-        ),
     ] {
         let src = format!("{head}{body} (void)t; }}");
         let Err(err) = compile(&src, "refused.cu", (9, 0)) else {
@@ -76,4 +71,42 @@ fn nvrtc_compiles_no_nccl_name_gin_cannot_honour() {
         };
         assert!(err.to_string().contains(why), "{body}: {err}");
     }
+}
+
+/// NCCL's names that map onto the header-parity calls compile: VA signals
+/// as actions and their read/wait/reset, weak signals, putValue of 1, 2, 4
+/// and 8 bytes, flushAsync/wait, fence levels, a barrier with a timeout.
+#[test]
+fn nvrtc_compiles_nccl_names_of_the_parity_calls() {
+    if !gin_cuda::nvrtc::is_available() {
+        assert!(std::env::var_os("GIN_REQUIRE_NVRTC").is_none());
+        return;
+    }
+    let src = "#include \"gin/nccl_compat.cuh\"\n\
+        extern \"C\" __global__ void k(ncclWindow_t w, ncclDevComm c) {\n\
+          ncclGin g{c, 0};\n\
+          ncclTeam t = ncclTeamWorld(c);\n\
+          g.put(t, 1, w, 0, w, 0, 8, ncclGin_WeakVASignalInc{w, 0});\n\
+          g.put(t, 1, w, 0, w, 0, 8, ncclGin_StrongVASignalAdd{w, 8, 3});\n\
+          g.signal(t, 1, ncclGin_VASignalInc{w, 0});\n\
+          g.waitSignal(ncclCoopCta(), w, 0, 1);\n\
+          g.waitSignal(ncclCoopWarp(), w, 0, 1, 32);\n\
+          (void)g.readSignal(w, 0);\n\
+          g.resetSignal(w, 0);\n\
+          g.putValue(t, 1, w, 4, 7u);\n\
+          g.putValue(t, 1, w, 2, (unsigned short)7);\n\
+          g.putValue(t, 1, w, 1, (unsigned char)7, ncclGin_WeakSignalInc{0});\n\
+          g.putValue(t, 1, w, 8, 7.0);\n\
+          ncclGinRequest_t r;\n\
+          g.flushAsync(t, 1, &r);\n\
+          g.wait(r);\n\
+          ncclGinBarrierSession<ncclCoopCta> b{ncclCoopCta(), g, ncclTeamTagWorld(), 0};\n\
+          b.sync(ncclCoopCta(), cuda::memory_order_acquire, ncclGinFenceLevel::None);\n\
+          if (b.sync(ncclCoopCta(), cuda::memory_order_acquire, ncclGinFenceLevel::Put, 10ull) \
+              == ncclTimeout) return;\n\
+          ncclGinBarrierSession<ncclCoopCta> a{ncclCoopCta(), ncclGinAllContexts(c), \
+              ncclTeamTagWorld(), 0};\n\
+          a.sync(ncclCoopCta(), cuda::memory_order_acquire);\n\
+        }\n";
+    compile(src, "parity_names.cu", (9, 0)).unwrap_or_else(|e| panic!("{e}"));
 }

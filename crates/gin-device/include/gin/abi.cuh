@@ -47,6 +47,22 @@ constexpr u32 FLAG_CTA_CTX = 1u << 4;
 // Every rank reaches every rank by load/store (CUDA ranks): every signal to
 // this rank lands in its own sub-slot, so a wait reads one word.
 constexpr u32 FLAG_LSA_ONLY = 1u << 5;
+// The engine behind the queue paths (proxy or NIC) applies atomics to any
+// window word and stores inline data of 1, 2 or 4 bytes: VA signals and
+// sub-word put_value may take those paths. Clear on CUDA ranks today, whose
+// engines execute with the copy engine (no atomics, 8-byte stores only):
+// there such calls fail with COPY_ENGINE before anything is posted.
+constexpr u32 FLAG_QUEUE_ATOMICS = 1u << 6;
+
+// What a barrier guarantees about earlier puts (gin-device's ops::Fence).
+enum Fence : u32 {
+  FENCE_NONE = 0,         // synchronisation only; earlier puts may be in flight
+  FENCE_CONTEXT = 1,      // earlier puts of the barrier's context are visible
+  FENCE_ALL_CONTEXTS = 2, // earlier puts of every context are visible
+};
+
+// A per-call timeout (nanoseconds) that never expires.
+constexpr u64 NO_TIMEOUT = ~0ull;
 
 // DevComm::backend_kind
 constexpr u32 BACKEND_NONE = 0;
@@ -71,6 +87,10 @@ enum ErrorKind : u32 {
   BARRIER_TIMEOUT = 12,
   MISALIGNED = 13,
   WQE_ERROR = 14, // value: syndrome << 16 | WQE index
+  // The path's engine is the copy engine, which has no atomics (a VA
+  // signal) and stores 8 aligned bytes at a time (a 1/2/4-byte put_value);
+  // value: the window id. Refused before anything is posted.
+  COPY_ENGINE = 15,
 };
 
 GIN_HD u64 error_word(u32 kind, u32 ctx, u32 peer, u32 value) {

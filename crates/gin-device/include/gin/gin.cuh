@@ -27,16 +27,42 @@
 #if defined(__CUDACC__)
 namespace gin {
 
-// The remote action of a put.
+// The remote action of a put (gin-device's ops::Remote).
 struct Remote {
-  u32 kind; // 0: none, 1: signal
+  u32 kind; // 0: none, 1: signal `id`, 2: signal by window address (VA)
   u32 id;
   u64 add;
-  u32 weak; // 1: order only the signal's own put
+  u32 weak;          // 1: order only the signal's own put (Order::Weak)
+  const Window* win; // kind 2: the window holding the signal word
+  u64 off;           // kind 2: the word's offset in the peer's part (8-aligned)
 };
-GIN_HD Remote no_signal() { return Remote{0, 0, 0, 0}; }
-GIN_HD Remote signal_inc(u32 id) { return Remote{1, id, 1, 0}; }
-GIN_HD Remote signal_add(u32 id, u64 v) { return Remote{1, id, v, 0}; }
+GIN_HD Remote no_signal() { return Remote{0, 0, 0, 0, nullptr, 0}; }
+// Signal `id` of the put's context: strong (every earlier put of the
+// context to that peer is visible when it is) or weak (only its own put).
+GIN_HD Remote signal_inc(u32 id) { return Remote{1, id, 1, 0, nullptr, 0}; }
+GIN_HD Remote signal_add(u32 id, u64 v) { return Remote{1, id, v, 0, nullptr, 0}; }
+GIN_HD Remote signal_inc_weak(u32 id) { return Remote{1, id, 1, 1, nullptr, 0}; }
+GIN_HD Remote signal_add_weak(u32 id, u64 v) { return Remote{1, id, v, 1, nullptr, 0}; }
+// A signal by window address (Remote::VaSignal): adds to the 8-byte word at
+// `off` of the peer's part of `w`, which a wait_va_signal there watches.
+// The load/store path adds with a system-scope atomic; the queue paths need
+// an engine with atomics (FLAG_QUEUE_ATOMICS), else the call fails with
+// COPY_ENGINE. `w` must outlive the call (the Remote keeps its address).
+GIN_HD Remote va_signal_inc(const Window& w, u64 off) { return Remote{2, 0, 1, 0, &w, off}; }
+GIN_HD Remote va_signal_add(const Window& w, u64 off, u64 v) { return Remote{2, 0, v, 0, &w, off}; }
+GIN_HD Remote va_signal_inc_weak(const Window& w, u64 off) { return Remote{2, 0, 1, 1, &w, off}; }
+GIN_HD Remote va_signal_add_weak(const Window& w, u64 off, u64 v) {
+  return Remote{2, 0, v, 1, &w, off};
+}
+
+// A pending local completion from flush_async: what `wait` waits for (the
+// queue marks of one (context, peer) when it was taken).
+struct Request {
+  u64 main; // proxy: the ring's producer index; GDAKI: the main SQ's reservation
+  u64 aux;  // GDAKI: the companion SQ's reservation (0 otherwise)
+  u32 peer; // NO_PEER: nothing to wait for (a load/store peer)
+  u32 ctx;
+};
 
 // The local action of a put: counter `id` counts it once the source may be
 // reused.
@@ -124,29 +150,39 @@ GIN_DEV void red_add_release_sys(u64* p, u64 v) {
 // or ABORTED (the error word is written by the caller). Before giving up it
 // looks once more: the host raises the abort flag when a peer leaves, and a
 // value that peer wrote before it left still satisfies the wait.
+// `limit` is the timeout in %globaltimer nanoseconds (NO_TIMEOUT: none; 0:
+// one look).
 template <class Ready>
-GIN_DEV u32 poll(const DevComm& dc, u32 timeout_kind, Ready ready) {
+GIN_DEV u32 poll_for(const DevComm& dc, u64 limit, u32 timeout_kind, Ready ready) {
   if (ready()) return OK;
+  if (limit == 0) return timeout_kind;
   const u64 start = proxy::globaltimer();
   for (u32 spin = 1;; ++spin) {
     if (ready()) return OK;
     if ((spin & 1023) == 0) {
       if (dc.abort_flag && *(volatile u32*)dc.abort_flag != 0) return ready() ? OK : ABORTED;
-      if (dc.timeout_ticks && proxy::globaltimer() - start > dc.timeout_ticks)
+      if (limit != NO_TIMEOUT && proxy::globaltimer() - start > limit)
         return ready() ? OK : timeout_kind;
     }
   }
+}
+// The communicator's timeout as a poll limit.
+GIN_DEV u64 comm_limit(const DevComm& dc) { return dc.timeout_ticks ? dc.timeout_ticks : NO_TIMEOUT; }
+template <class Ready>
+GIN_DEV u32 poll(const DevComm& dc, u32 timeout_kind, Ready ready) {
+  return poll_for(dc, comm_limit(dc), timeout_kind, ready);
 }
 
 // `poll` for a whole warp: every lane reads (the same words, one
 // transaction) and lane 0's reading decides, so the warp never diverges
 // while it waits. Returns the same code on every lane.
 template <class Ready>
-GIN_DEV u32 poll_warp(const DevComm& dc, u32 timeout_kind, Ready ready) {
+GIN_DEV u32 poll_warp(const DevComm& dc, u64 limit, u32 timeout_kind, Ready ready) {
   constexpr u32 NOT_YET = ~0u;
   u64 start = 0;
   for (u32 spin = 0;; ++spin) {
     u32 k = ready() ? OK : NOT_YET;
+    if (k == NOT_YET && limit == 0) k = timeout_kind;
     if (k == NOT_YET && (spin & 1023) == 1) {
       const u64 now = proxy::globaltimer();
       // The first check starts the clock (the timer is never 0), once: the
@@ -154,7 +190,7 @@ GIN_DEV u32 poll_warp(const DevComm& dc, u32 timeout_kind, Ready ready) {
       if (start == 0) start = now;
       // One last look before giving up, as in `poll`.
       if (dc.abort_flag && *(volatile u32*)dc.abort_flag != 0) k = ready() ? OK : ABORTED;
-      else if (dc.timeout_ticks && now - start > dc.timeout_ticks) k = ready() ? OK : timeout_kind;
+      else if (limit != NO_TIMEOUT && now - start > limit) k = ready() ? OK : timeout_kind;
     }
     k = __shfl_sync(0xffffffffu, k, 0);
     if (k != NOT_YET) return k;
@@ -277,9 +313,27 @@ GIN_DEV int check_ctx(const DevComm& dc, u32 ctx) {
   return ctx < dc.nctx ? OK : fail(dc, BAD_CONTEXT, ctx, NO_PEER, ctx);
 }
 
+GIN_DEV bool has_queues(const DevComm& dc);
+GIN_DEV bool is_queued(const DevComm& dc, u32 peer);
+// A VA signal's word: inside the peer's part, 8-byte aligned, and on a
+// queue path only with an engine that has atomics.
+GIN_DEV int check_va(const DevComm& dc, u32 ctx, u32 peer, Remote rem) {
+  const Window& w = *rem.win;
+  if (!range_ok(rem.off, 8, ((const u64*)w.sizes)[peer]))
+    return fail(dc, OUT_OF_WINDOW, ctx, peer, w.id);
+  if (rem.off & 7) return fail(dc, MISALIGNED, ctx, peer, w.id);
+  if (has_queues(dc) && is_queued(dc, peer) && !(dc.flags & FLAG_QUEUE_ATOMICS))
+    return fail(dc, COPY_ENGINE, ctx, peer, w.id);
+  return OK;
+}
+
 GIN_DEV int check_actions(const DevComm& dc, u32 ctx, u32 peer, Remote rem, LocalAction loc) {
   if (rem.kind == 1 && rem.id >= dc.nsignals) return fail(dc, BAD_SIGNAL, ctx, peer, rem.id);
-  if (rem.kind > 1) return fail(dc, UNSUPPORTED, ctx, peer, rem.kind);
+  if (rem.kind == 2) {
+    const int e = check_va(dc, ctx, peer, rem);
+    if (e) return e;
+  }
+  if (rem.kind > 2) return fail(dc, UNSUPPORTED, ctx, peer, rem.kind);
   if (loc.kind == 1 && loc.id >= dc.ncounters) return fail(dc, BAD_COUNTER, ctx, peer, loc.id);
   if (loc.kind > 1) return fail(dc, UNSUPPORTED, ctx, peer, loc.kind);
   return OK;
@@ -332,10 +386,20 @@ GIN_DEV int gdaki_post(const DevComm& dc, u32 ctx, u32 peer, const GdakiQpAbi& q
   constexpr u64 CHUNK = 1ull << 30;
   const u32 nchunks =
       d.kind == 2 ? 1u : (d.kind == 1 || d.kind == 3) ? (u32)((d.bytes + CHUNK - 1) / CHUNK) : 0u;
-  const u32 nsig = rem.kind == 1 ? 1u : 0u;
+  const u32 nsig = rem.kind ? 1u : 0u;
   const u32 k = nchunks + nsig > 0 ? nchunks + nsig : 1u;
   if (k > (1u << q.main.log2) / 2) return fail(dc, UNSUPPORTED, ctx, peer, k);
-  const u64 sig_off = nsig ? sender_offset(dc, signal_slot(dc, ctx, rem.id)) : 0;
+  // The signal's word: this rank's sub-slot of signal `id` at the peer, or
+  // a VA signal's word in the peer's part of its window.
+  u64 sig_ra = 0;
+  u32 sig_rk = 0;
+  if (rem.kind == 1) {
+    sig_ra = q.sig_addr + sender_offset(dc, signal_slot(dc, ctx, rem.id));
+    sig_rk = q.sig_key;
+  } else if (rem.kind == 2) {
+    sig_ra = ((const u64*)rem.win->addrs)[peer] + rem.off;
+    sig_rk = ((const u32*)rem.win->keys)[peer];
+  }
   const u32 qpn = q.main.qpn;
   Giver g{dc, 0, OK};
   u64 last = 0;
@@ -345,8 +409,9 @@ GIN_DEV int gdaki_post(const DevComm& dc, u32 ctx, u32 peer, const GdakiQpAbi& q
       [&](u32 i, u8* b, u16 idx) {
         if (i < nchunks) {
           if (d.kind == 2) {
+            // The value's low `bytes` bytes, little-endian as in memory.
             gdaki::write_inline(b, idx, qpn, gdaki::CQ_UPDATE, d.raddr, d.rkey,
-                                (const u8*)&d.value, 8);
+                                (const u8*)&d.value, (u32)d.bytes);
           } else {
             const u64 off = (u64)i * CHUNK;
             const u64 len = d.bytes - off < CHUNK ? d.bytes - off : CHUNK;
@@ -355,8 +420,8 @@ GIN_DEV int gdaki_post(const DevComm& dc, u32 ctx, u32 peer, const GdakiQpAbi& q
           }
         } else if (nsig) {
           const u8 fm = rem.weak ? 0 : gdaki::FM_STRONG_ORDERING;
-          gdaki::fetch_add(b, idx, qpn, gdaki::CQ_UPDATE | fm, q.sig_addr + sig_off, q.sig_key,
-                           rem.add, q.sink, q.sink_key);
+          gdaki::fetch_add(b, idx, qpn, gdaki::CQ_UPDATE | fm, sig_ra, sig_rk, rem.add, q.sink,
+                           q.sink_key);
         } else {
           gdaki::nop(b, idx, qpn, gdaki::CQ_UPDATE);
         }
@@ -415,20 +480,31 @@ GIN_DEV void lsa_actions(const DevComm& dc, u32 ctx, u32 peer, u64* sig_base, Re
     // add goes to the peer's own sub-slot (see signal_slot).
     red_add_release_sys(
         (u64*)((u8*)sig_base + receiver_offset(dc, signal_slot(dc, ctx, rem.id), peer)), rem.add);
+  } else if (rem.kind == 2) {
+    // A VA signal: the word itself, in the peer's part as mapped here.
+    red_add_release_sys((u64*)((u8*)sig_base + rem.off), rem.add);
   }
   if (loc.kind == 1) atomicAdd((unsigned long long*)(counter_subslots(dc, ctx, loc.id) + 1), 1ull);
 }
 GIN_DEV u64* signal_peer(const DevComm& dc, u32 peer) {
   return (u64*)((const u64*)dc.signal_peers)[peer];
 }
+// The base lsa_actions adds `rem`'s signal relative to, as mapped here (null
+// where unmapped or there is no signal): the peer's signal window for a
+// signal id, the peer's part of the window for a VA signal.
+GIN_DEV u64* lsa_signal_base(const DevComm& dc, u32 peer, Remote rem) {
+  if (rem.kind == 1) return signal_peer(dc, peer);
+  if (rem.kind == 2) return (u64*)((const u64*)rem.win->peer_bases)[peer];
+  return nullptr;
+}
 
 GIN_DEV void proxy_actions(const DevComm& dc, u32 ctx, Remote rem, LocalAction loc,
                            proxy::Desc& d) {
-  if (rem.kind == 1) {
+  if (rem.kind == 1 || rem.kind == 2) {
     d.has_signal = 1;
     d.sig_strong = rem.weak ? 0 : 1;
-    d.sig_window = dc.signal_window;
-    d.sig_offset = sender_offset(dc, signal_slot(dc, ctx, rem.id));
+    d.sig_window = rem.kind == 1 ? dc.signal_window : rem.win->id;
+    d.sig_offset = rem.kind == 1 ? sender_offset(dc, signal_slot(dc, ctx, rem.id)) : rem.off;
     d.sig_add = rem.add;
   }
   if (loc.kind == 1) {
@@ -523,7 +599,7 @@ GIN_DEV int put(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst
   const bool lsa = is_lsa(dc, peer);
   const u64 dst_size = ((const u64*)dst.sizes)[peer];
   u8* const d = (u8*)((const u64*)dst.peer_bases)[peer];
-  u64* const sig = rem.kind == 1 ? signal_peer(dc, peer) : nullptr;
+  u64* const sig = lsa_signal_base(dc, peer, rem);
   // The ring too, where there are rings (unused for a load/store peer).
   ProxyRingAbi rg{};
   if (dc.backend_kind == BACKEND_PROXY) rg = ring(dc, ctx, peer);
@@ -535,7 +611,7 @@ GIN_DEV int put(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst
     return fail_unreachable(dc, ctx, peer);
   if (!range_ok(dst_off, bytes, dst_size)) return fail(dc, OUT_OF_WINDOW, ctx, peer, dst.id);
   if (lsa) {
-    if (!d || (rem.kind == 1 && !sig)) return fail(dc, UNSUPPORTED, ctx, peer, dst.id);
+    if (!d || (rem.kind != 0 && !sig)) return fail(dc, UNSUPPORTED, ctx, peer, dst.id);
     u8* const dp = d + dst_off;
     if (tiny) {
       // The leader stores and signals: its own stores precede its release.
@@ -592,37 +668,51 @@ GIN_DEV int put(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst
   return coop_bcast(coop, r);
 }
 
-// Puts the 8-byte `value` at `dst_off` (8-byte aligned) in `peer`'s part of
-// `dst`, then performs `rem`. Called by the leader's value for a coop.
-GIN_DEV int put_value(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst_off,
-                      u64 value, Remote rem = no_signal(), Coop coop = THREAD) {
+// Puts the low `size` bytes (1, 2, 4 or 8) of `value` at `dst_off` (a
+// multiple of `size`) in `peer`'s part of `dst`, then performs `rem`, as one
+// store: bytes beside it are left alone. Called by the leader's value for a
+// coop. On the load/store path every size is a plain store; on the queue
+// paths the value travels inline (descriptor or WQE), and a size below 8
+// needs an engine that stores sub-words (FLAG_QUEUE_ATOMICS), else it fails
+// with COPY_ENGINE: the copy engine stores 8 aligned bytes at a time.
+GIN_DEV int put_value_sized(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst_off,
+                            u64 value, u32 size, Remote rem = no_signal(), Coop coop = THREAD) {
   using namespace detail;
   int e = check_ctx(dc, ctx);
   if (!e) e = check_peer(dc, ctx, peer);
+  if (!e && size != 1 && size != 2 && size != 4 && size != 8)
+    e = fail(dc, UNSUPPORTED, ctx, peer, size);
   if (!e) e = check_actions(dc, ctx, peer, rem, no_counter());
-  if (!e && !range_ok(dst_off, 8, ((const u64*)dst.sizes)[peer]))
+  if (!e && !range_ok(dst_off, size, ((const u64*)dst.sizes)[peer]))
     e = fail(dc, OUT_OF_WINDOW, ctx, peer, dst.id);
-  if (!e && (dst_off & 7)) e = fail(dc, MISALIGNED, ctx, peer, dst.id);
+  if (!e && (dst_off & (size - 1))) e = fail(dc, MISALIGNED, ctx, peer, dst.id);
+  if (!e && size < 8 && is_queued(dc, peer) && !(dc.flags & FLAG_QUEUE_ATOMICS))
+    e = fail(dc, COPY_ENGINE, ctx, peer, dst.id);
   if (e) return e;
+  if (size < 8) value &= (1ull << (8 * size)) - 1;
   coop_sync(coop);
   int r = OK;
   if (coop_rank(coop) == 0) {
     if (is_lsa(dc, peer)) {
       u8* d = (u8*)((const u64*)dst.peer_bases)[peer];
-      u64* sig = rem.kind == 1 ? signal_peer(dc, peer) : nullptr;
-      if (!d || (rem.kind == 1 && !sig)) {
+      u64* sig = lsa_signal_base(dc, peer, rem);
+      if (!d || (rem.kind != 0 && !sig)) {
         r = fail(dc, UNSUPPORTED, ctx, peer, dst.id);
       } else {
-        *(volatile u64*)(d + dst_off) = value;
+        u8* const p = d + dst_off;
+        if (size == 8) *(volatile u64*)p = value;
+        else if (size == 4) *(volatile u32*)p = (u32)value;
+        else if (size == 2) *(volatile u16*)p = (u16)value;
+        else *(volatile u8*)p = (u8)value;
         lsa_actions(dc, ctx, peer, sig, rem, no_counter());
       }
     } else if (dc.backend_kind == BACKEND_GDAKI) {
       const GdakiData g{2, ((const u32*)dst.keys)[peer], 0, ((const u64*)dst.addrs)[peer] + dst_off,
-                        0, 8, value};
+                        0, size, value};
       r = gdaki_post(dc, ctx, peer, gqp(dc, ctx, peer), g, rem, no_counter());
     } else {
       proxy::Desc d = empty_desc(proxy::OP_PUT);
-      d.bytes = 8;
+      d.bytes = size;
       d.dst_window = dst.id;
       d.dst_offset = dst_off;
       d.has_inline = 1;
@@ -632,6 +722,27 @@ GIN_DEV int put_value(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u
     }
   }
   return coop_bcast(coop, r);
+}
+
+// Puts the 8-byte `value` at `dst_off` (8-byte aligned) in `peer`'s part of
+// `dst`, then performs `rem`. Called by the leader's value for a coop.
+GIN_DEV int put_value(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst_off,
+                      u64 value, Remote rem = no_signal(), Coop coop = THREAD) {
+  return put_value_sized(dc, ctx, peer, dst, dst_off, value, 8, rem, coop);
+}
+
+// put_value_sized of a value of type T (1, 2, 4 or 8 bytes): its bytes, as
+// they lie in memory.
+template <class T>
+GIN_DEV int put_value_of(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst_off,
+                         T value, Remote rem = no_signal(), Coop coop = THREAD) {
+  static_assert(sizeof(T) == 1 || sizeof(T) == 2 || sizeof(T) == 4 || sizeof(T) == 8,
+                "gin: put_value_of takes a value of 1, 2, 4 or 8 bytes");
+  const u8* b = reinterpret_cast<const u8*>(&value);
+  u64 v = 0;
+#pragma unroll
+  for (u32 i = 0; i < sizeof(T); ++i) v |= (u64)b[i] << (8 * i);
+  return put_value_sized(dc, ctx, peer, dst, dst_off, v, (u32)sizeof(T), rem, coop);
 }
 
 // Performs `rem` at `peer` with no data (ordered after earlier puts of the
@@ -646,8 +757,8 @@ GIN_DEV int signal(const DevComm& dc, u32 ctx, u32 peer, Remote rem, Coop coop =
   int r = OK;
   if (coop_rank(coop) == 0) {
     if (is_lsa(dc, peer)) {
-      u64* sig = signal_peer(dc, peer);
-      if (sig) lsa_actions(dc, ctx, peer, sig, rem, no_counter());
+      u64* sig = lsa_signal_base(dc, peer, rem);
+      if (sig || rem.kind == 0) lsa_actions(dc, ctx, peer, sig, rem, no_counter());
       else r = fail(dc, UNSUPPORTED, ctx, peer, 0);
     } else if (dc.backend_kind == BACKEND_GDAKI) {
       r = gdaki_post(dc, ctx, peer, gqp(dc, ctx, peer), GdakiData{}, rem, no_counter());
@@ -735,34 +846,172 @@ GIN_DEV int flush(const DevComm& dc, u32 ctx, Coop coop = THREAD) {
   return r;
 }
 
+// Takes a request covering the operations this context has issued so far
+// to `peer` (Ctx::flush_async): `wait` then waits until they have completed
+// locally, as flush does for all peers, while the caller does other work.
+// Every member of the coop takes its own; the leader's is the one `wait`
+// uses. A load/store peer's operations are complete when issued: its
+// request has nothing to wait for.
+GIN_DEV int flush_async(const DevComm& dc, u32 ctx, u32 peer, Request* req, Coop coop = THREAD) {
+  using namespace detail;
+  *req = Request{0, 0, NO_PEER, ctx};
+  int e = check_ctx(dc, ctx);
+  if (!e) e = check_peer(dc, ctx, peer);
+  if (e) return e;
+  if (is_queued(dc, peer)) {
+    if (dc.backend_kind == BACKEND_PROXY) {
+      *req = Request{*(volatile const u64*)ring(dc, ctx, peer).head, 0, peer, ctx};
+    } else if (dc.backend_kind == BACKEND_GDAKI) {
+      const GdakiQpAbi& q = gqp(dc, ctx, peer);
+      *req = Request{*(volatile const u64*)q.main.indices, *(volatile const u64*)q.companion.indices,
+                     peer, ctx};
+    }
+  }
+  coop_sync(coop);
+  return OK;
+}
+
+// Waits for a request of flush_async (Ctx::wait): the operations it covers
+// have completed locally (sources reusable, gets landed).
+GIN_DEV int wait(const DevComm& dc, u32 ctx, const Request& req, Coop coop = THREAD) {
+  using namespace detail;
+  int e = check_ctx(dc, ctx);
+  if (!e && req.peer != NO_PEER && (req.ctx != ctx || req.peer >= dc.nranks))
+    e = fail(dc, BAD_CONTEXT, ctx, req.peer, req.ctx);
+  if (e) return e;
+  coop_sync(coop);
+  int r = OK;
+  if (coop_rank(coop) == 0 && req.peer != NO_PEER) {
+    const u32 p = req.peer;
+    if (dc.backend_kind == BACKEND_PROXY) {
+      const u64* done = (const u64*)ring(dc, ctx, p).done;
+      const u32 k = poll(dc, FLUSH_TIMEOUT,
+                         [&] { return signal_reached(proxy::ld_acquire_gpu(done), req.main); });
+      if (k) r = fail(dc, k, ctx, p, (u32)req.main);
+    } else if (dc.backend_kind == BACKEND_GDAKI) {
+      const GdakiQpAbi& q = gqp(dc, ctx, p);
+      for (int j = 0; j < 2 && r == OK; ++j) {
+        const GdakiSqAbi& sq = j ? q.companion : q.main;
+        const u64 mark = j ? req.aux : req.main;
+        if (mark == 0) continue;
+        gdaki::Completion c{};
+        const u32 k = poll(dc, FLUSH_TIMEOUT, [&] {
+          c = gdaki::completed(sq, mark - 1);
+          return c.state != 0;
+        });
+        if (k) r = fail(dc, k, ctx, p, (u32)mark);
+        else if (c.state == 2) r = fail(dc, WQE_ERROR, ctx, p, (c.syndrome << 16) | c.wqe);
+      }
+    }
+  }
+  return coop_bcast(coop, r);
+}
+
 // The current value of signal `id` of context `ctx`.
 GIN_DEV u64 read_signal(const DevComm& dc, u32 ctx, u32 id) {
   return detail::signal_sum(dc, detail::signal_slot(dc, ctx, id));
 }
 
-// Waits until signal `id` reaches `target` (rolling compare). Data announced
-// by the signal is visible to the whole coop afterwards.
-GIN_DEV int wait_signal(const DevComm& dc, u32 ctx, u32 id, u64 target, Coop coop = THREAD) {
-  using namespace detail;
-  int e = check_ctx(dc, ctx);
-  if (!e && id >= dc.nsignals) e = fail(dc, BAD_SIGNAL, ctx, NO_PEER, id);
-  if (e) return e;
-  const u64 slot = signal_slot(dc, ctx, id);
-  const auto ready = [&] { return signal_reached(signal_sum_acquire(dc, slot), target); };
+namespace detail {
+// Polls `ready` for the coop within `limit`; a failure is recorded in the
+// error word unless it is `kind` and `quiet` (a per-call timeout is the
+// caller's to handle, as Ctx::wait_signal_for's Err is). Data the leader
+// acquired is visible to the whole coop afterwards.
+template <class Ready>
+GIN_DEV int wait_coop(const DevComm& dc, u32 ctx, u32 value, u64 limit, bool quiet, u32 kind,
+                      Coop coop, Ready ready) {
   if (coop == WARP) {
-    const u32 k = poll_warp(dc, SIGNAL_TIMEOUT, ready);
-    if (k && lane() == 0) fail(dc, k, ctx, NO_PEER, id);
+    const u32 k = poll_warp(dc, limit, kind, ready);
+    if (k && !(quiet && k == kind) && lane() == 0) fail(dc, k, ctx, NO_PEER, value);
     __syncwarp();
     return (int)k;
   }
   int r = OK;
   if (coop_rank(coop) == 0) {
-    const u32 k = poll(dc, SIGNAL_TIMEOUT, ready);
-    if (k) r = fail(dc, k, ctx, NO_PEER, id);
+    const u32 k = poll_for(dc, limit, kind, ready);
+    if (k && !(quiet && k == kind)) fail(dc, k, ctx, NO_PEER, value);
+    r = (int)k;
   }
   // The leader's acquire, then the coop's barrier, make the announced data
   // visible to every member.
   return coop_bcast(coop, r);
+}
+
+GIN_DEV int wait_signal_within(const DevComm& dc, u32 ctx, u32 id, u64 target, u64 limit,
+                               bool quiet, Coop coop) {
+  int e = check_ctx(dc, ctx);
+  if (!e && id >= dc.nsignals) e = fail(dc, BAD_SIGNAL, ctx, NO_PEER, id);
+  if (e) return e;
+  const u64 slot = signal_slot(dc, ctx, id);
+  return wait_coop(dc, ctx, id, limit, quiet, SIGNAL_TIMEOUT, coop,
+                   [&] { return signal_reached(signal_sum_acquire(dc, slot), target); });
+}
+
+// The word of a VA signal in this rank's part of `w`, checked: OK and the
+// word in `*p`, or the error kind (recorded).
+GIN_DEV int va_word(const DevComm& dc, u32 ctx, const Window& w, u64 off, u64** p) {
+  *p = nullptr;
+  if (check_ctx(dc, ctx)) return BAD_CONTEXT;
+  if (!range_ok(off, 8, w.local_size)) return fail(dc, OUT_OF_WINDOW, ctx, NO_PEER, w.id);
+  if (off & 7) return fail(dc, MISALIGNED, ctx, NO_PEER, w.id);
+  *p = (u64*)(w.local_base + off);
+  return OK;
+}
+} // namespace detail
+
+// Waits until signal `id` reaches `target` (rolling compare), within the
+// communicator's timeout. Data announced by the signal is visible to the
+// whole coop afterwards.
+GIN_DEV int wait_signal(const DevComm& dc, u32 ctx, u32 id, u64 target, Coop coop = THREAD) {
+  return detail::wait_signal_within(dc, ctx, id, target, detail::comm_limit(dc), false, coop);
+}
+
+// wait_signal with its own timeout (Ctx::wait_signal_for): `timeout_ns`
+// nanoseconds (NO_TIMEOUT: none; 0: one look). Running out returns
+// SIGNAL_TIMEOUT without recording it in the error word (the caller may
+// carry on); an abort or a bad argument is recorded as usual.
+GIN_DEV int wait_signal_for(const DevComm& dc, u32 ctx, u32 id, u64 target, u64 timeout_ns,
+                            Coop coop = THREAD) {
+  return detail::wait_signal_within(dc, ctx, id, target, timeout_ns, true, coop);
+}
+
+// The current value of the VA signal at `off` of this rank's part of `w`
+// (0 after recording an error for a bad offset).
+GIN_DEV u64 read_va_signal(const DevComm& dc, u32 ctx, const Window& w, u64 off) {
+  u64* p;
+  return detail::va_word(dc, ctx, w, off, &p) ? 0 : detail::ld_relaxed_sys(p);
+}
+
+// Waits until the VA signal at `off` of this rank's part of `w` reaches
+// `target` (Ctx::wait_va_signal). Errors name the window id.
+GIN_DEV int wait_va_signal(const DevComm& dc, u32 ctx, const Window& w, u64 off, u64 target,
+                           Coop coop = THREAD) {
+  u64* p;
+  const int e = detail::va_word(dc, ctx, w, off, &p);
+  if (e) return e;
+  return detail::wait_coop(dc, ctx, w.id, detail::comm_limit(dc), false, SIGNAL_TIMEOUT, coop,
+                           [&] { return signal_reached(detail::ld_acquire_sys(p), target); });
+}
+
+// wait_va_signal with its own timeout, as wait_signal_for.
+GIN_DEV int wait_va_signal_for(const DevComm& dc, u32 ctx, const Window& w, u64 off, u64 target,
+                               u64 timeout_ns, Coop coop = THREAD) {
+  u64* p;
+  const int e = detail::va_word(dc, ctx, w, off, &p);
+  if (e) return e;
+  return detail::wait_coop(dc, ctx, w.id, timeout_ns, true, SIGNAL_TIMEOUT, coop,
+                           [&] { return signal_reached(detail::ld_acquire_sys(p), target); });
+}
+
+// Sets the VA signal at `off` of this rank's part of `w` back to zero (no
+// signal to it may be in flight); from one thread, as reset_signal.
+GIN_DEV int reset_va_signal(const DevComm& dc, u32 ctx, const Window& w, u64 off) {
+  u64* p;
+  const int e = detail::va_word(dc, ctx, w, off, &p);
+  if (e) return e;
+  // System scope: peers add to this word over NVLink.
+  atomicAdd_system((unsigned long long*)p, (unsigned long long)(0 - detail::ld_relaxed_sys(p)));
+  return OK;
 }
 
 // Sets signal `id` back to zero (no signal to it may be in flight). Call it
@@ -784,19 +1033,32 @@ GIN_DEV u64 read_counter(const DevComm& dc, u32 ctx, u32 id) {
   return (detail::ld_relaxed_sys(c) + detail::ld_relaxed_sys(c + 1)) & COUNTER_MASK;
 }
 
-// Waits until counter `id` reaches `target` (56-bit rolling compare).
-GIN_DEV int wait_counter(const DevComm& dc, u32 ctx, u32 id, u64 target, Coop coop = THREAD) {
-  using namespace detail;
+namespace detail {
+GIN_DEV int wait_counter_within(const DevComm& dc, u32 ctx, u32 id, u64 target, u64 limit,
+                                bool quiet, Coop coop) {
   int e = check_ctx(dc, ctx);
   if (!e && id >= dc.ncounters) e = fail(dc, BAD_COUNTER, ctx, NO_PEER, id);
   if (e) return e;
   int r = OK;
   if (coop_rank(coop) == 0) {
-    u32 k = poll(dc, COUNTER_TIMEOUT,
-                 [&] { return counter_reached(read_counter(dc, ctx, id), target); });
-    if (k) r = fail(dc, k, ctx, NO_PEER, id);
+    const u32 k = poll_for(dc, limit, COUNTER_TIMEOUT,
+                           [&] { return counter_reached(read_counter(dc, ctx, id), target); });
+    if (k && !(quiet && k == COUNTER_TIMEOUT)) fail(dc, k, ctx, NO_PEER, id);
+    r = (int)k;
   }
   return coop_bcast(coop, r);
+}
+} // namespace detail
+
+// Waits until counter `id` reaches `target` (56-bit rolling compare).
+GIN_DEV int wait_counter(const DevComm& dc, u32 ctx, u32 id, u64 target, Coop coop = THREAD) {
+  return detail::wait_counter_within(dc, ctx, id, target, detail::comm_limit(dc), false, coop);
+}
+
+// wait_counter with its own timeout, as wait_signal_for (COUNTER_TIMEOUT).
+GIN_DEV int wait_counter_for(const DevComm& dc, u32 ctx, u32 id, u64 target, u64 timeout_ns,
+                             Coop coop = THREAD) {
+  return detail::wait_counter_within(dc, ctx, id, target, timeout_ns, true, coop);
 }
 
 // Sets counter `id` back to zero; from one thread, as reset_signal.
@@ -812,13 +1074,22 @@ GIN_DEV int reset_counter(const DevComm& dc, u32 ctx, u32 id) {
 
 namespace detail {
 // A barrier over `count` ranks (`members[i]`, or rank i where `members` is
-// null) on signal slot `id` of context `ctx`: flushes the context, signals
-// every member, and waits until every member has arrived as often as this
-// rank. Each member's arrivals count in its own sub-slot.
+// null) on signal slot `id` of context `ctx`: completes what `fence` asks
+// (flushes the context, or every context), signals every member (strong
+// signals, weak ones with FENCE_NONE), and waits until every member has
+// arrived as often as this rank, within `limit` (a timeout is recorded
+// unless `quiet`). Each member's arrivals count in its own sub-slot.
 GIN_DEV int team_barrier(const DevComm& dc, u32 ctx, u32 id, const u32* members, u32 count,
-                         Coop coop) {
-  int r = flush(dc, ctx, coop);
+                         Coop coop, u32 fence, u64 limit, bool quiet) {
+  if (fence > FENCE_ALL_CONTEXTS) return fail(dc, UNSUPPORTED, ctx, NO_PEER, fence);
+  int r = OK;
+  if (fence == FENCE_ALL_CONTEXTS) {
+    for (u32 k = 0; k < dc.nctx && r == OK; ++k) r = flush(dc, k, coop);
+  } else if (fence == FENCE_CONTEXT) {
+    r = flush(dc, ctx, coop);
+  }
   if (r) return r;
+  const u32 weak = fence == FENCE_NONE ? 1u : 0u;
   if (coop_rank(coop) == 0) {
     const u64 slot = signal_slot(dc, ctx, id);
     const u64 off = sender_offset(dc, slot);
@@ -829,11 +1100,12 @@ GIN_DEV int team_barrier(const DevComm& dc, u32 ctx, u32 id, const u32* members,
       } else if (!is_queued(dc, p)) {
         r = fail(dc, BAD_PEER, ctx, p, p);
       } else if (dc.backend_kind == BACKEND_GDAKI) {
-        r = gdaki_post(dc, ctx, p, gqp(dc, ctx, p), GdakiData{}, Remote{1, id, 1, 0}, no_counter());
+        r = gdaki_post(dc, ctx, p, gqp(dc, ctx, p), GdakiData{},
+                       weak ? signal_inc_weak(id) : signal_inc(id), no_counter());
       } else {
         proxy::Desc d = empty_desc(proxy::OP_PUT);
         d.has_signal = 1;
-        d.sig_strong = 1;
+        d.sig_strong = weak ? 0 : 1;
         d.sig_window = dc.signal_window;
         d.sig_offset = off;
         d.sig_add = 1;
@@ -846,36 +1118,67 @@ GIN_DEV int team_barrier(const DevComm& dc, u32 ctx, u32 id, const u32* members,
       const u64 epoch = ld_acquire_sys(s + dc.rank);
       for (u32 i = 0; i < count && r == OK; ++i) {
         const u32 p = members ? members[i] : i;
-        u32 k = poll(dc, BARRIER_TIMEOUT, [&] { return signal_reached(ld_acquire_sys(s + p), epoch); });
-        if (k) r = fail(dc, k, ctx, p, (u32)epoch);
+        const u32 k = poll_for(dc, limit, BARRIER_TIMEOUT,
+                               [&] { return signal_reached(ld_acquire_sys(s + p), epoch); });
+        if (k && !(quiet && k == BARRIER_TIMEOUT)) fail(dc, k, ctx, p, (u32)epoch);
+        r = (int)k;
       }
       __threadfence_system();
     }
   }
   return coop_bcast(coop, r);
 }
-} // namespace detail
 
-// World barrier `index` on context `ctx`: flushes the context, signals every
-// rank, and waits until every rank has arrived as often as this one. Puts
-// issued before it are visible at their targets when it returns.
-GIN_DEV int barrier(const DevComm& dc, u32 ctx, u32 index, Coop coop = THREAD) {
-  using namespace detail;
+GIN_DEV int world_barrier(const DevComm& dc, u32 ctx, u32 index, Coop coop, u32 fence, u64 limit,
+                          bool quiet) {
   int e = check_ctx(dc, ctx);
   if (!e && index >= dc.world_barriers) e = fail(dc, BAD_SIGNAL, ctx, NO_PEER, index);
   if (e) return e;
-  return team_barrier(dc, ctx, dc.nsignals + index, nullptr, dc.nranks, coop);
+  return team_barrier(dc, ctx, dc.nsignals + index, nullptr, dc.nranks, coop, fence, limit, quiet);
 }
 
-// Rail barrier `index` on context `ctx`: as `barrier`, over this rank's
-// rail (the ranks with its local rank, one per host, NCCL's rail team).
-GIN_DEV int rail_barrier(const DevComm& dc, u32 ctx, u32 index, Coop coop = THREAD) {
-  using namespace detail;
+GIN_DEV int rail_team_barrier(const DevComm& dc, u32 ctx, u32 index, Coop coop, u32 fence,
+                              u64 limit, bool quiet) {
   int e = check_ctx(dc, ctx);
   const u32* team = rail_team(dc);
   if (!e && index >= team[0]) e = fail(dc, BAD_SIGNAL, ctx, NO_PEER, index);
   if (e) return e;
-  return team_barrier(dc, ctx, dc.nsignals + dc.world_barriers + index, team + 2, team[1], coop);
+  return team_barrier(dc, ctx, dc.nsignals + dc.world_barriers + index, team + 2, team[1], coop,
+                      fence, limit, quiet);
+}
+} // namespace detail
+
+// World barrier `index` on context `ctx` (a BarrierSession's sync): signals
+// every rank and waits until every rank has arrived as often as this one.
+// `fence` (ops::Fence): FENCE_CONTEXT (the default) flushes the context
+// first, so puts issued before it are visible at their targets when it
+// returns; FENCE_ALL_CONTEXTS flushes every context; FENCE_NONE only
+// synchronises (weak signals, no flush).
+GIN_DEV int barrier(const DevComm& dc, u32 ctx, u32 index, Coop coop = THREAD,
+                    Fence fence = FENCE_CONTEXT) {
+  return detail::world_barrier(dc, ctx, index, coop, fence, detail::comm_limit(dc), false);
+}
+
+// barrier with its own timeout (nanoseconds; NO_TIMEOUT: none). Running out
+// returns BARRIER_TIMEOUT without recording it; this rank has then arrived
+// without leaving, so the barrier's slot is out of step: do not use it
+// again in this run.
+GIN_DEV int barrier_for(const DevComm& dc, u32 ctx, u32 index, u64 timeout_ns, Coop coop = THREAD,
+                        Fence fence = FENCE_CONTEXT) {
+  return detail::world_barrier(dc, ctx, index, coop, fence, timeout_ns, true);
+}
+
+// Rail barrier `index` on context `ctx`: as `barrier`, over this rank's
+// rail (the ranks with its local rank, one per host, NCCL's rail team).
+GIN_DEV int rail_barrier(const DevComm& dc, u32 ctx, u32 index, Coop coop = THREAD,
+                         Fence fence = FENCE_CONTEXT) {
+  return detail::rail_team_barrier(dc, ctx, index, coop, fence, detail::comm_limit(dc), false);
+}
+
+// rail_barrier with its own timeout, as barrier_for.
+GIN_DEV int rail_barrier_for(const DevComm& dc, u32 ctx, u32 index, u64 timeout_ns,
+                             Coop coop = THREAD, Fence fence = FENCE_CONTEXT) {
+  return detail::rail_team_barrier(dc, ctx, index, coop, fence, timeout_ns, true);
 }
 
 // The number of ranks in this rank's rail, and the `i`-th of them.

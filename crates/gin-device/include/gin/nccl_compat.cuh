@@ -5,9 +5,12 @@
 // the two cannot be mixed in one translation unit.
 //
 // What gin cannot honour is refused at compile time with a static_assert
-// that says why (VA signals, signal shadows, custom barrier teams, coops
-// other than a thread, a warp or a block, per-call timeouts, 1/2/4-byte
-// putValue, host-memory segments, symmetric pointers, the LSA team).
+// that says why (signal shadows, custom barrier teams, coops other than a
+// thread, a warp or a block, putValue of other than 1, 2, 4 or 8 bytes,
+// host-memory segments, symmetric pointers, the LSA team). VA signals and
+// 1/2/4-byte putValue compile and work on the load/store path; on a queue
+// path of CUDA ranks (the copy engine: no atomics, 8-byte stores) they are
+// refused at run time with gin's COPY_ENGINE error.
 // Refusals fire only where a kernel uses the name, so a kernel that does
 // not use them compiles.
 //
@@ -269,7 +272,8 @@ struct ncclGin_SignalAdd {
   uint64_t value;
 };
 
-// Signals by window address: refused (gin.cuh has no VA signals yet).
+// Signals by window address: gin's va_signal_* (see gin.cuh for the paths
+// that can apply them).
 struct ncclGin_StrongVASignalInc {
   ncclWindow_t signalWindow;
   size_t signalOffset;
@@ -339,60 +343,52 @@ struct ncclSymPtr {
 
 namespace gin {
 namespace nccl_compat {
-template <class A>
-struct is_va_signal {
-  static constexpr bool value = false;
-};
-template <>
-struct is_va_signal<ncclGin_StrongVASignalInc> {
-  static constexpr bool value = true;
-};
-template <>
-struct is_va_signal<ncclGin_WeakVASignalInc> {
-  static constexpr bool value = true;
-};
-template <>
-struct is_va_signal<ncclGin_VASignalInc> {
-  static constexpr bool value = true;
-};
-template <>
-struct is_va_signal<ncclGin_StrongVASignalAdd> {
-  static constexpr bool value = true;
-};
-template <>
-struct is_va_signal<ncclGin_WeakVASignalAdd> {
-  static constexpr bool value = true;
-};
-template <>
-struct is_va_signal<ncclGin_VASignalAdd> {
-  static constexpr bool value = true;
-};
-
 // The gin remote action of an NCCL one.
 template <class A>
 GIN_DEV Remote remote(const DevComm&, A) {
-  static_assert(!is_va_signal<A>::value,
-                "gin-rs nccl_compat: VA signals (ncclGin_*VASignal*) are not supported: gin.cuh "
-                "has no window-address signals yet; use a signal id (ncclGin_*SignalInc/Add)");
-  static_assert(is_va_signal<A>::value,
-                "gin-rs nccl_compat: not a remote action: use ncclGin_None or "
-                "ncclGin_{Strong,Weak,}Signal{Inc,Add}");
+  static_assert(never<A>::value,
+                "gin-rs nccl_compat: not a remote action: use ncclGin_None, "
+                "ncclGin_{Strong,Weak,}Signal{Inc,Add} or ncclGin_{Strong,Weak,}VASignal{Inc,Add}");
   return no_signal();
 }
+// VA signals keep the address of the action's window: the action must
+// outlive the call, as it does when passed to it.
+GIN_DEV Remote remote(const DevComm&, const ncclGin_StrongVASignalInc& a) {
+  return va_signal_inc(a.signalWindow, a.signalOffset);
+}
+GIN_DEV Remote remote(const DevComm&, const ncclGin_WeakVASignalInc& a) {
+  return va_signal_inc_weak(a.signalWindow, a.signalOffset);
+}
+GIN_DEV Remote remote(const DevComm& dc, const ncclGin_VASignalInc& a) {
+  return (dc.flags & FLAG_STRONG_SIGNALS) ? va_signal_inc(a.signalWindow, a.signalOffset)
+                                          : va_signal_inc_weak(a.signalWindow, a.signalOffset);
+}
+GIN_DEV Remote remote(const DevComm&, const ncclGin_StrongVASignalAdd& a) {
+  return va_signal_add(a.signalWindow, a.signalOffset, a.value);
+}
+GIN_DEV Remote remote(const DevComm&, const ncclGin_WeakVASignalAdd& a) {
+  return va_signal_add_weak(a.signalWindow, a.signalOffset, a.value);
+}
+GIN_DEV Remote remote(const DevComm& dc, const ncclGin_VASignalAdd& a) {
+  return (dc.flags & FLAG_STRONG_SIGNALS)
+             ? va_signal_add(a.signalWindow, a.signalOffset, a.value)
+             : va_signal_add_weak(a.signalWindow, a.signalOffset, a.value);
+}
 GIN_DEV Remote remote(const DevComm&, ncclGin_None) { return no_signal(); }
-GIN_DEV Remote remote(const DevComm&, ncclGin_StrongSignalInc a) { return Remote{1, a.signal, 1, 0}; }
-GIN_DEV Remote remote(const DevComm&, ncclGin_WeakSignalInc a) { return Remote{1, a.signal, 1, 1}; }
+GIN_DEV Remote remote(const DevComm&, ncclGin_StrongSignalInc a) { return signal_inc(a.signal); }
+GIN_DEV Remote remote(const DevComm&, ncclGin_WeakSignalInc a) { return signal_inc_weak(a.signal); }
 GIN_DEV Remote remote(const DevComm& dc, ncclGin_SignalInc a) {
-  return Remote{1, a.signal, 1, (dc.flags & FLAG_STRONG_SIGNALS) ? 0u : 1u};
+  return (dc.flags & FLAG_STRONG_SIGNALS) ? signal_inc(a.signal) : signal_inc_weak(a.signal);
 }
 GIN_DEV Remote remote(const DevComm&, ncclGin_StrongSignalAdd a) {
-  return Remote{1, a.signal, a.value, 0};
+  return signal_add(a.signal, a.value);
 }
 GIN_DEV Remote remote(const DevComm&, ncclGin_WeakSignalAdd a) {
-  return Remote{1, a.signal, a.value, 1};
+  return signal_add_weak(a.signal, a.value);
 }
 GIN_DEV Remote remote(const DevComm& dc, ncclGin_SignalAdd a) {
-  return Remote{1, a.signal, a.value, (dc.flags & FLAG_STRONG_SIGNALS) ? 0u : 1u};
+  return (dc.flags & FLAG_STRONG_SIGNALS) ? signal_add(a.signal, a.value)
+                                          : signal_add_weak(a.signal, a.value);
 }
 
 // The gin local action of an NCCL one.
@@ -507,7 +503,9 @@ struct ncclGin {
              gin::nccl_compat::coop_of<Coop>::value);
   }
 
-  // Puts an 8-byte `value` (its bytes) at `dstOffset` (8-byte aligned).
+  // Puts `value` (its 1, 2, 4 or 8 bytes) at `dstOffset` (a multiple of its
+  // size): gin's put_value_of. Sizes below 8 on a queue path of CUDA ranks
+  // fail at run time with COPY_ENGINE (the copy engine stores 8 bytes).
   template <typename T, typename RemoteAction = ncclGin_None, typename Coop = ncclCoopThread,
             typename DescriptorSmem = ncclGin_None>
   GIN_DEV void putValue(ncclTeam team, int peer, const ncclWindow_t& dstWnd, size_t dstOffset,
@@ -516,17 +514,13 @@ struct ncclGin {
                         cuda::thread_scope = cuda::thread_scope_thread,
                         cuda::thread_scope = cuda::thread_scope_device,
                         uint32_t = ncclGinOptFlagsDefault) const {
-    static_assert(sizeof(T) == 8,
-                  "gin-rs nccl_compat: putValue of 1, 2 or 4 bytes is not supported: gin.cuh's "
-                  "put_value writes 8 bytes; widen the value or put it from a window");
+    static_assert(sizeof(T) == 1 || sizeof(T) == 2 || sizeof(T) == 4 || sizeof(T) == 8,
+                  "gin-rs nccl_compat: putValue takes a value of 1, 2, 4 or 8 bytes; put a "
+                  "larger one from a window");
     (void)gin::nccl_compat::descriptor_ok<DescriptorSmem>{};
-    // The value's bytes as a little-endian word (no memcpy under NVRTC).
-    const unsigned char* b = reinterpret_cast<const unsigned char*>(&value);
-    gin::u64 v = 0;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v |= (gin::u64)b[i] << (8 * i);
-    gin::put_value(dc(), contextId, world(team, peer), dstWnd, dstOffset, v,
-                   gin::nccl_compat::remote(dc(), remoteAction), gin::nccl_compat::coop_of<Coop>::value);
+    gin::put_value_of(dc(), contextId, world(team, peer), dstWnd, dstOffset, value,
+                      gin::nccl_compat::remote(dc(), remoteAction),
+                      gin::nccl_compat::coop_of<Coop>::value);
   }
 
   // The remote action alone, ordered after earlier puts of the context to
@@ -567,22 +561,31 @@ struct ncclGin {
     gin::flush(dc(), contextId, gin::nccl_compat::coop_of<Coop>::value);
   }
 
-  // NCCL 2.30's split flush. gin.cuh has no flush_async yet, so this one
-  // completes the whole context's operations before it returns (as
-  // flush()), and `wait` then has nothing left to wait for: correct, but
-  // without the overlap.
+  // NCCL 2.30's split flush: gin's flush_async and wait. The request holds
+  // gin::Request's marks: opaque[0] the main one, opaque[1] the companion
+  // queue's (low 48 bits; GDAKI compares only its low 16) and the peer + 1
+  // in its top 16 bits (0: nothing to wait for).
   template <typename Coop = ncclCoopThread, typename DescriptorSmem = ncclGin_None>
-  GIN_DEV void flushAsync(ncclTeam, uint32_t, ncclGinRequest_t* outRequest, Coop = ncclCoopThread{},
-                          uint32_t = ncclGinOptFlagsDefault, DescriptorSmem = ncclGin_None{}) const {
+  GIN_DEV void flushAsync(ncclTeam team, uint32_t peer, ncclGinRequest_t* outRequest,
+                          Coop = ncclCoopThread{}, uint32_t = ncclGinOptFlagsDefault,
+                          DescriptorSmem = ncclGin_None{}) const {
     (void)gin::nccl_compat::descriptor_ok<DescriptorSmem>{};
-    gin::flush(dc(), contextId, gin::nccl_compat::coop_of<Coop>::value);
-    outRequest->opaque[0] = outRequest->opaque[1] = 0;
+    gin::Request r;
+    gin::flush_async(dc(), contextId, world(team, (int)peer), &r,
+                     gin::nccl_compat::coop_of<Coop>::value);
+    const gin::u64 tag = r.peer == gin::NO_PEER ? 0 : (gin::u64)(r.peer + 1) << 48;
+    outRequest->opaque[0] = r.main;
+    outRequest->opaque[1] = (r.aux & ((1ull << 48) - 1)) | tag;
   }
   template <typename Coop = ncclCoopThread, typename DescriptorSmem = ncclGin_None>
-  GIN_DEV void wait(ncclGinRequest_t&, Coop = ncclCoopThread{}, DescriptorSmem = ncclGin_None{},
+  GIN_DEV void wait(ncclGinRequest_t& request, Coop = ncclCoopThread{},
+                    DescriptorSmem = ncclGin_None{},
                     cuda::memory_order = cuda::memory_order_acquire) const {
     (void)gin::nccl_compat::descriptor_ok<DescriptorSmem>{};
-    (void)gin::nccl_compat::coop_of<Coop>::value;
+    const gin::u64 tag = request.opaque[1] >> 48;
+    const gin::Request r{request.opaque[0], request.opaque[1] & ((1ull << 48) - 1),
+                         tag ? (gin::u32)(tag - 1) : gin::NO_PEER, contextId};
+    gin::wait(dc(), contextId, r, gin::nccl_compat::coop_of<Coop>::value);
   }
 
   // Counters: 56 bits in gin as in NCCL; `bits` narrows the compare.
@@ -654,27 +657,40 @@ struct ncclGin {
 
   // ---- refused
 
-  template <typename Offset>
-  GIN_DEV uint64_t readSignal(const ncclWindow_t&, Offset, int = 64,
-                              cuda::memory_order = cuda::memory_order_acquire) const {
-    static_assert(gin::nccl_compat::never<Offset>::value,
-                  "gin-rs nccl_compat: VA signals (readSignal(window, offset)) are not supported: "
-                  "gin.cuh has no window-address signals yet; use a signal id");
-    return 0;
+  // VA signals: the 8-byte word at `signalOffset` of this rank's part of
+  // `signalWindow` (gin's read_va_signal, wait_va_signal, reset_va_signal).
+  GIN_DEV uint64_t readSignal(const ncclWindow_t& signalWindow, size_t signalOffset, int bits = 64,
+                              cuda::memory_order ord = cuda::memory_order_acquire) const {
+    if (bits < 1 || bits > 64) {
+      gin::nccl_compat::refuse(dc(), gin::UNSUPPORTED, contextId, (gin::u32)bits);
+      bits = 64;
+    }
+    const gin::u64 v = gin::read_va_signal(dc(), contextId, signalWindow, signalOffset);
+    if (ord != cuda::memory_order_relaxed) __threadfence_system();
+    return v & gin::nccl_compat::low_bits(bits);
   }
   template <typename Coop>
-  GIN_DEV void waitSignal(Coop, ncclWindow_t, size_t, uint64_t, int = 64,
+  GIN_DEV void waitSignal(Coop, const ncclWindow_t& signalWindow, size_t signalOffset,
+                          uint64_t least, int bits = 64,
                           cuda::memory_order = cuda::memory_order_acquire) const {
-    static_assert(gin::nccl_compat::never<Coop>::value,
-                  "gin-rs nccl_compat: VA signals (waitSignal(coop, window, offset, ...)) are not "
-                  "supported: gin.cuh has no window-address signals yet; use a signal id");
+    constexpr gin::Coop c = gin::nccl_compat::coop_of<Coop>::value;
+    if (bits < 1 || bits > 64) {
+      gin::nccl_compat::refuse(dc(), gin::UNSUPPORTED, contextId, (gin::u32)bits);
+      return;
+    }
+    gin::u64 target = least;
+    if (bits < 64) {
+      const gin::u64 now = gin::read_va_signal(dc(), contextId, signalWindow, signalOffset);
+      if (!gin::nccl_compat::widen(now, least, bits, &target)) target = now;
+    }
+    gin::wait_va_signal(dc(), contextId, signalWindow, signalOffset, target, c);
   }
-  template <typename Offset>
-  GIN_DEV void resetSignal(const ncclWindow_t&, Offset) const {
-    static_assert(gin::nccl_compat::never<Offset>::value,
-                  "gin-rs nccl_compat: VA signals (resetSignal(window, offset)) are not supported: "
-                  "gin.cuh has no window-address signals yet; use a signal id");
+  GIN_DEV void resetSignal(const ncclWindow_t& signalWindow, size_t signalOffset) const {
+    gin::reset_va_signal(dc(), contextId, signalWindow, signalOffset);
   }
+
+  // ---- refused
+
   template <typename S>
   GIN_DEV uint64_t* getSignalShadowPtr(S) const {
     static_assert(gin::nccl_compat::never<S>::value,
@@ -736,10 +752,13 @@ struct ncclGinBarrierHandle {
 typedef ncclGinBarrierHandle ncclGinBarrierHandle_t;
 
 // A world or rail barrier, gin's barrier(index) or rail_barrier(index).
-// gin's barrier completes the context's operations (flush) and signals
-// with strong signals, so it always gives NCCL's strongest fence
-// (Put | Get) for its context; a weaker fence level is honoured by it, and
-// every memory order too (it releases before and acquires after).
+// The fence level maps onto gin's fences: None (or Relaxed) is FENCE_NONE
+// (synchronisation only), Put and/or Get is FENCE_CONTEXT (the context's
+// operations complete, strong signals), or FENCE_ALL_CONTEXTS with
+// ncclGinAllContexts. Every memory order is honoured (gin's barrier
+// releases before and acquires after). The timeout overload of sync is
+// gin's barrier_for, with NCCL's cycles read as nanoseconds (the SM clock
+// runs at 1 to 2 GHz: at least the wait asked for, at most twice it).
 template <typename Coop>
 struct ncclGinBarrierSession {
   const ncclDevComm& comm;
@@ -767,24 +786,28 @@ struct ncclGinBarrierSession {
   }
   ncclGinBarrierSession(const ncclGinBarrierSession&) = delete;
 
+  GIN_DEV gin::Fence fence_of(ncclGinFenceLevel f) const {
+    if (f == ncclGinFenceLevel::None) return gin::FENCE_NONE;
+    return allContexts ? gin::FENCE_ALL_CONTEXTS : gin::FENCE_CONTEXT;
+  }
   GIN_DEV void sync(Coop, cuda::memory_order,
-                    ncclGinFenceLevel = ncclGinFenceLevel::Put | ncclGinFenceLevel::Get) {
+                    ncclGinFenceLevel fence = ncclGinFenceLevel::Put | ncclGinFenceLevel::Get) {
     constexpr gin::Coop c = gin::nccl_compat::coop_of<Coop>::value;
     const gin::DevComm& d = gin::nccl_compat::dev(comm);
-    if (allContexts) {
-      for (gin::u32 k = 1; k < d.nctx; ++k)
-        if (gin::flush(d, k, c)) return;
-    }
-    if (rail) gin::rail_barrier(d, ctx, index, c);
-    else gin::barrier(d, ctx, index, c);
+    if (rail) gin::rail_barrier(d, ctx, index, c, fence_of(fence));
+    else gin::barrier(d, ctx, index, c, fence_of(fence));
   }
-  // Refused: gin's waits take the communicator's timeout (GIN_TIMEOUT).
-  template <typename Cycles>
-  GIN_DEV ncclResult_t sync(Coop, cuda::memory_order, ncclGinFenceLevel, Cycles) {
-    static_assert(gin::nccl_compat::never<Cycles>::value,
-                  "gin-rs nccl_compat: per-call barrier timeouts are not supported: gin's waits "
-                  "use the communicator's timeout (GIN_TIMEOUT)");
-    return ncclInvalidUsage;
+  // With a timeout: ncclTimeout when it ran out (not recorded as an error:
+  // the barrier's slot is then out of step, do not use it again), another
+  // error for other failures (recorded), else ncclSuccess.
+  GIN_DEV ncclResult_t sync(Coop, cuda::memory_order, ncclGinFenceLevel fence,
+                            uint64_t timeoutCycles) {
+    constexpr gin::Coop c = gin::nccl_compat::coop_of<Coop>::value;
+    const gin::DevComm& d = gin::nccl_compat::dev(comm);
+    const int e = rail ? gin::rail_barrier_for(d, ctx, index, timeoutCycles, c, fence_of(fence))
+                       : gin::barrier_for(d, ctx, index, timeoutCycles, c, fence_of(fence));
+    if (e == gin::BARRIER_TIMEOUT) return ncclTimeout;
+    return e ? ncclInvalidUsage : ncclSuccess;
   }
 };
 

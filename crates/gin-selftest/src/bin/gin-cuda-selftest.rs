@@ -18,7 +18,11 @@
 //! `nccl-alltoall` (kernels/nccl_alltoall.cu, an all-to-all written in
 //! NCCL's GIN device names through gin/nccl_compat.cuh, launched as NCCL's
 //! example launches it: 16 blocks of 512 threads, one signal and one world
-//! barrier per block; every byte received is checked on the host).
+//! barrier per block; every byte received is checked on the host),
+//! `parity` (kernels/parity.cu, each coop: weak signals, put_value of
+//! 1/2/4/8 bytes, VA signals, per-call timeouts, flush_async/wait, barrier
+//! fence levels, checked on the device; then the calls a copy-engine path
+//! must refuse, each failing with the error that says why).
 //!
 //! `--hosts K` splits the ranks into K emulated hosts (consecutive ranks
 //! share one, by host id), so peers on other "hosts" are reached over TCP
@@ -87,6 +91,7 @@ fn main() -> ExitCode {
             "badinput" => badinput(&cuda, &k),
             "dropped" => dropped(&cuda, &k),
             "nccl-alltoall" => nccl_alltoall(&cuda),
+            "parity" => parity(&cuda),
             "die" => die(
                 &cuda,
                 &k,
@@ -726,4 +731,168 @@ fn nccl_alltoall(c: &CudaComm<'_>) -> R {
         c.comm().bootstrap().barrier().map_err(s)?;
     }
     dc.destroy().map_err(s)
+}
+
+/// `gin_parity`'s steps (out[2]), as parity.cu numbers them.
+const PARITY_STEPS: [(u64, &str); 6] = [
+    (1, "put_value 8 B + weak signal"),
+    (2, "put_value 1/2/4 B (neighbours untouched)"),
+    (
+        4,
+        "VA signals (strong inc with a put, weak add; read, wait, reset)",
+    ),
+    (
+        8,
+        "per-call timeouts (signal 2 ms, counter 1 ms, VA 1 ms, satisfied 0 and none)",
+    ),
+    (16, "flush_async/wait of a 2 KiB get"),
+    (
+        32,
+        "fences (ctx 1 put seen after an all-contexts barrier; none; barrier_for)",
+    ),
+];
+
+/// The header-parity calls on every coop (kernels/parity.cu), then the
+/// calls that must fail: on a copy-engine path VA signals and sub-word
+/// values with the copy-engine refusal, everywhere a misaligned VA signal
+/// and a 3-byte value.
+fn parity(c: &CudaComm<'_>) -> R {
+    let module = c.compile(gin_selftest::PARITY, "parity.cu").map_err(s)?;
+    let f = module.function("gin_parity").map_err(s)?;
+    let me = c.comm().rank();
+    let r = DevCommRequirements {
+        contexts: 2,
+        world_barriers: 2,
+        ..req()
+    };
+    let mut copy_engine = false;
+    for (coop, block, name) in [(0u32, 1u32, "thread"), (1, 32, "warp"), (2, 256, "block")] {
+        let dc = c.dev_comm(&r, CtxSharing::Gpu).map_err(s)?;
+        let recv = c.alloc_window(4096).map_err(s)?;
+        let src = c.alloc_window(4096).map_err(s)?;
+        let sig = c.alloc_window(64).map_err(s)?;
+        recv.local().write(0, &[0x5au8; 4096]).map_err(s)?;
+        sig.local().write(0, &[0u64; 8]).map_err(s)?;
+        let out = DevMem::new(40).map_err(s)?;
+        out.write(0, &[0u64; 5]).map_err(s)?;
+        c.comm().bootstrap().barrier().map_err(s)?;
+        let what = format!("parity ({name} coop)");
+        // SAFETY: gin_parity(DevComm, Window recv, Window src, Window sig,
+        // u32 coop, u64* out) in parity.cu: recv and src hold 4096 bytes a
+        // rank and sig 64, as the kernel's layout needs; `out` holds the 40
+        // bytes it writes. The communicator has the 2 contexts and 2 world
+        // barriers it uses.
+        unsafe {
+            dc.run(
+                &f,
+                1,
+                block,
+                &[
+                    Arg::DevComm(dc.abi()),
+                    Arg::Window(recv.abi()),
+                    Arg::Window(src.abi()),
+                    Arg::Window(sig.abi()),
+                    Arg::U32(coop),
+                    Arg::Ptr(out.ptr()),
+                ],
+            )
+        }
+        .map_err(|e| format!("{what}: {e}"))?;
+        let mut o = [0u64; 5];
+        out.read(0, &mut o).map_err(s)?;
+        if o[0] != 0 {
+            return Err(format!("{what}: kernel returned error kind {}", o[0]));
+        }
+        if o[1] != 0 {
+            return Err(format!("{what}: {} checks failed", o[1]));
+        }
+        copy_engine = o[3] != 0;
+        let need = if copy_engine { 1 | 8 | 16 | 32 } else { 63 };
+        if o[2] & need != need {
+            return Err(format!("{what}: steps {:#x} ran, {need:#x} expected", o[2]));
+        }
+        for (bit, step) in PARITY_STEPS {
+            if o[2] & bit != 0 {
+                println!(
+                    "rank {me}: {what}: {step} verified via {}",
+                    dc.backend_name()
+                );
+            } else {
+                println!(
+                    "rank {me}: {what}: {step} skipped: refused on this copy-engine path (below)"
+                );
+            }
+        }
+        println!(
+            "rank {me}: {what}: wait_signal_for(2 ms) returned SIGNAL_TIMEOUT after {:.3} ms, error word clean",
+            o[4] as f64 / 1e6
+        );
+        c.comm().bootstrap().barrier().map_err(s)?;
+        dc.destroy().map_err(s)?;
+        for w in [recv, src, sig] {
+            c.free_window(w).map_err(s)?;
+        }
+    }
+    parity_refusals(c, copy_engine)
+}
+
+/// Each refused call must fail with the error naming why; on the
+/// load/store path the copy-engine cases succeed instead.
+fn parity_refusals(c: &CudaComm<'_>, copy_engine: bool) -> R {
+    let module = c.compile(gin_selftest::PARITY, "parity.cu").map_err(s)?;
+    let f = module.function("gin_parity_refuse").map_err(s)?;
+    let me = c.comm().rank();
+    let dc = c.dev_comm(&req(), CtxSharing::Gpu).map_err(s)?;
+    let recv = c.alloc_window(64).map_err(s)?;
+    let sig = c.alloc_window(64).map_err(s)?;
+    let ce = if copy_engine {
+        Some("copy engine")
+    } else {
+        None
+    };
+    let cases: [(u32, &str, Option<&str>); 5] = [
+        (1, "4-byte put_value", ce),
+        (2, "bare VA signal", ce),
+        (3, "put with a VA signal", ce),
+        (4, "VA signal at offset 4", Some("misaligned")),
+        (5, "3-byte put_value", Some("not supported")),
+    ];
+    for (which, what, want) in cases {
+        // SAFETY: gin_parity_refuse(DevComm, Window recv, Window sig, u32
+        // which) in parity.cu: one call through the device API, which
+        // checks it; both windows hold the 64 bytes it may touch.
+        let r = unsafe {
+            dc.run(
+                &f,
+                1,
+                1,
+                &[
+                    Arg::DevComm(dc.abi()),
+                    Arg::Window(recv.abi()),
+                    Arg::Window(sig.abi()),
+                    Arg::U32(which),
+                ],
+            )
+        };
+        match (r, want) {
+            (Err(e), Some(w)) if e.to_string().contains(w) => {
+                println!("rank {me}: parity refusal {which} ({what}) -> {e}");
+            }
+            (Err(e), _) => {
+                return Err(format!("parity refusal {which} ({what}): wrong error: {e}"));
+            }
+            (Ok(()), Some(w)) => {
+                return Err(format!(
+                    "parity refusal {which} ({what}) succeeded; expected an error with {w:?}"
+                ));
+            }
+            (Ok(()), None) => {
+                println!("rank {me}: parity {which} ({what}) accepted on the load/store path");
+            }
+        }
+    }
+    c.comm().bootstrap().barrier().map_err(s)?;
+    dc.destroy().map_err(s)?;
+    c.free_window(recv).map_err(s)?;
+    c.free_window(sig).map_err(s)
 }
