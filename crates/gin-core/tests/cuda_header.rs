@@ -326,6 +326,16 @@ fn header_matches_rust_abi_and_encoders() {
             wqe::CQ_UPDATE,
         ),
         (
+            "wqe.inline_value8",
+            WqeOp::WriteInline {
+                remote: m(0x40, 3),
+                data: vec![1, 2, 3, 4, 5, 6, 7, 8],
+            },
+            2,
+            1,
+            wqe::CQ_UPDATE,
+        ),
+        (
             "wqe.inline1",
             WqeOp::WriteInline {
                 remote: m(0x41, 3),

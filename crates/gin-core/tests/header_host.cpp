@@ -155,13 +155,19 @@ int main() {
   const u8 data[8] = {1, 2, 3, 4, 5, 6, 7, 8};
   gdaki::write_inline(b, 2, 1, gdaki::CQ_UPDATE, 0x40, 3, data, 8);
   hex("wqe.inline", b, 64);
-  // A 1, 2 and 4-byte put_value's inline write (put_value_sized).
-  gdaki::write_inline(b, 4, 1, gdaki::CQ_UPDATE, 0x41, 3, data, 1);
+  // A 1, 2 and 4-byte put_value's inline write (put_value_sized), as
+  // kernels build it: from the value in a register (the bytes of `data`,
+  // little-endian), the bytes past the size left zero.
+  const u64 value = 0x0807060504030201ull;
+  gdaki::write_inline_value(b, 4, 1, gdaki::CQ_UPDATE, 0x41, 3, value, 1);
   hex("wqe.inline1", b, 64);
-  gdaki::write_inline(b, 5, 1, gdaki::CQ_UPDATE, 0x42, 3, data, 2);
+  gdaki::write_inline_value(b, 5, 1, gdaki::CQ_UPDATE, 0x42, 3, value, 2);
   hex("wqe.inline2", b, 64);
-  gdaki::write_inline(b, 6, 1, gdaki::CQ_UPDATE, 0x44, 3, data, 4);
+  gdaki::write_inline_value(b, 6, 1, gdaki::CQ_UPDATE, 0x44, 3, value, 4);
   hex("wqe.inline4", b, 64);
+  // The 8-byte one both ways: the same bytes.
+  gdaki::write_inline_value(b, 2, 1, gdaki::CQ_UPDATE, 0x40, 3, value, 8);
+  hex("wqe.inline_value8", b, 64);
   gdaki::wait(b, 9, 2, gdaki::CQ_UPDATE, 0x10203, 0x42);
   hex("wqe.wait", b, 64);
 

@@ -410,8 +410,8 @@ GIN_DEV int gdaki_post(const DevComm& dc, u32 ctx, u32 peer, const GdakiQpAbi& q
         if (i < nchunks) {
           if (d.kind == 2) {
             // The value's low `bytes` bytes, little-endian as in memory.
-            gdaki::write_inline(b, idx, qpn, gdaki::CQ_UPDATE, d.raddr, d.rkey,
-                                (const u8*)&d.value, (u32)d.bytes);
+            gdaki::write_inline_value(b, idx, qpn, gdaki::CQ_UPDATE, d.raddr, d.rkey, d.value,
+                                      (u32)d.bytes);
           } else {
             const u64 off = (u64)i * CHUNK;
             const u64 len = d.bytes - off < CHUNK ? d.bytes - off : CHUNK;

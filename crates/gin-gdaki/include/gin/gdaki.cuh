@@ -68,6 +68,21 @@ GIN_HD void write_inline(u8* b, u16 index, u32 qpn, u8 fm_ce_se, u64 ra, u32 rke
   ctrl(b, index, OP_RDMA_WRITE, qpn, (u8)(2 + (4 + n + 15) / 16), fm_ce_se);
 }
 
+// As write_inline with the data the low `n` (1 to 8) bytes of `value`,
+// little-endian as in memory. No address is taken and every index is a
+// constant, so the WQE being built stays in registers (a pointer to the
+// value, or a loop over `n`, puts it on the stack); the bytes past `n` are
+// zero, as write_inline leaves them.
+GIN_HD void write_inline_value(u8* b, u16 index, u32 qpn, u8 fm_ce_se, u64 ra, u32 rkey,
+                               u64 value, u32 n) {
+  clear(b);
+  raddr(b, ra, rkey);
+  put32(b, 32, n | INLINE_SEG);
+  if (n < 8) value &= (1ull << (8 * n)) - 1;
+  for (u32 i = 0; i < 8; ++i) b[36 + i] = (u8)(value >> (8 * i));
+  ctrl(b, index, OP_RDMA_WRITE, qpn, (u8)(2 + (4 + n + 15) / 16), fm_ce_se);
+}
+
 // 8-byte atomic fetch-add at (ra, rkey); the old value lands at (la, lkey).
 GIN_HD void fetch_add(u8* b, u16 index, u32 qpn, u8 fm_ce_se, u64 ra, u32 rkey, u64 add, u64 la,
                       u32 lkey) {
