@@ -12,6 +12,9 @@ use std::sync::LazyLock;
 
 use crate::error::CoreError;
 
+/// Whether NVRTC (`libnvrtc.so.13`) can be loaded here.
+pub use gin_cuda::nvrtc::is_available;
+
 /// The CUDA header tree, by the name kernels include it with: the device
 /// API's headers, then each backend's.
 pub static HEADERS: LazyLock<Vec<(&'static str, &'static str)>> =
@@ -134,7 +137,17 @@ pub fn compile_with(
     cc: (i32, i32),
     opts: &CompileOptions,
 ) -> Result<gin_cuda::Cubin, CoreError> {
-    let cccl = cccl_dir();
+    compile_found(source, name, cc, opts, cccl_dir())
+}
+
+/// [`compile_with`], CCCL found at `cccl` (or not).
+fn compile_found(
+    source: &str,
+    name: &str,
+    cc: (i32, i32),
+    opts: &CompileOptions,
+    cccl: Option<PathBuf>,
+) -> Result<gin_cuda::Cubin, CoreError> {
     let input = |why: String| {
         CoreError::CudaRuntime(gin_cuda::CudaError::CompileInput {
             name: name.into(),
@@ -224,6 +237,89 @@ mod tests {
         std::fs::remove_dir_all(&root).unwrap();
         assert_eq!(found, Some(inc));
         assert_eq!(find_cccl(&[root.join("nothing")]), None);
+    }
+
+    /// A source including CCCL is refused before NVRTC (none is needed
+    /// here) when CCCL is neither found nor in the include folders.
+    #[test]
+    fn a_cccl_include_without_cccl_is_refused_with_where_it_was_looked_for() {
+        let src = "#include <cuda/atomic>\n__global__ void k() {}";
+        let e = compile_found(src, "k.cu", (9, 0), &CompileOptions::default(), None)
+            .expect_err("no CCCL");
+        let m = e.to_string();
+        assert!(m.contains("run-time compilation of k.cu"), "{m}");
+        assert!(m.contains("CCCL was not found"), "{m}");
+        assert!(m.contains("CUDA_HOME"), "{m}");
+        // A bad define is refused before NVRTC too.
+        let bad = CompileOptions {
+            defines: vec![("A B".into(), None)],
+            ..CompileOptions::default()
+        };
+        let e = compile_found("", "d.cu", (9, 0), &bad, None).expect_err("bad define");
+        assert!(e.to_string().contains("not a macro name"), "{e}");
+    }
+
+    /// NVRTC finds a user's header through `include_dirs`, applies the
+    /// defines, and (where CCCL is found) compiles `<cuda/atomic>` beside
+    /// gin's headers. Skipped where NVRTC cannot be loaded, except under
+    /// `GIN_REQUIRE_NVRTC=1` (.ci/nvcc-check).
+    #[test]
+    fn nvrtc_compiles_a_users_kernel_with_its_include_folder_and_cccl() {
+        if !is_available() {
+            assert!(
+                std::env::var_os("GIN_REQUIRE_NVRTC").is_none(),
+                "GIN_REQUIRE_NVRTC is set but libnvrtc cannot be loaded"
+            );
+            eprintln!(
+                "skipped: libnvrtc.so.13 cannot be loaded (add its folder to LD_LIBRARY_PATH)"
+            );
+            return;
+        }
+        let root = std::env::temp_dir().join(format!("gin-user-inc-{}", std::process::id()));
+        std::fs::create_dir_all(root.join("mine")).unwrap();
+        std::fs::write(
+            root.join("mine/op.cuh"),
+            "#pragma once\n__device__ inline unsigned long long twice(unsigned long long v)              { return USER_K * v; }\n",
+        )
+        .unwrap();
+        let cccl = cccl_dir();
+        let src = format!(
+            "#include \"gin/gin.cuh\"\n#include \"mine/op.cuh\"\n{}\n             extern \"C\" __global__ void k(gin::DevComm dc, unsigned long long* p) {{\n               p[0] = twice(dc.rank);\n{}\n}}\n",
+            if cccl.is_some() {
+                "#include <cuda/atomic>"
+            } else {
+                ""
+            },
+            if cccl.is_some() {
+                "cuda::atomic_ref<unsigned long long, cuda::thread_scope_device> a(p[1]);                  a.fetch_add(1);"
+            } else {
+                ""
+            }
+        );
+        let opts = CompileOptions {
+            include_dirs: vec![root.clone()],
+            defines: vec![("USER_K".into(), Some("2ull".into()))],
+            extra_opts: vec!["-maxrregcount=64".into()],
+        };
+        let r = compile_with(&src, "user.cu", (9, 0), &opts);
+        // Without the define, the header does not compile: it was applied.
+        let without = compile_with(
+            &src,
+            "user.cu",
+            (9, 0),
+            &CompileOptions {
+                defines: Vec::new(),
+                ..opts.clone()
+            },
+        );
+        std::fs::remove_dir_all(&root).unwrap();
+        let cubin = r.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(&cubin.as_bytes()[..4], b"\x7fELF");
+        let e = without.expect_err("USER_K undefined");
+        assert!(e.to_string().contains("USER_K"), "{e}");
+        if cccl.is_none() {
+            eprintln!("note: CCCL not found; <cuda/atomic> was not tried");
+        }
     }
 
     #[test]
