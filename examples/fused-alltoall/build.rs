@@ -57,7 +57,7 @@ fn main() {
         // A broken toolkit must not break the build: NVRTC remains.
         Ok(s) => println!("cargo::warning=nvcc failed ({s}); the kernel is compiled with NVRTC"),
         Err(e) => {
-            println!("cargo::warning=nvcc did not run ({e}); the kernel is compiled with NVRTC")
+            println!("cargo::warning=nvcc did not run ({e}); the kernel is compiled with NVRTC");
         }
     }
 }

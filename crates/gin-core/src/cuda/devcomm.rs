@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use gin_bootstrap::Bootstrap;
-use gin_cuda::{DevMem, Device, Function, LaunchConfig, StreamRef};
+use gin_cuda::{DevMem, Function, LaunchConfig, StreamRef};
 use gin_device::abi::{
     DEVCOMM_FLAG_CTA_CTX, DEVCOMM_FLAG_EXCLUSIVE_CTX, DEVCOMM_FLAG_LSA_ONLY,
     DEVCOMM_FLAG_SENDER_SLOTS, DEVCOMM_FLAG_STRONG_SIGNALS, DevCommAbi, WindowAbi, errword,
@@ -472,15 +472,17 @@ impl Drop for Watcher<'_> {
     }
 }
 
-/// A watcher thread's loop: look each millisecond until told to stop.
-fn watch_loop(shared: &WatchShared, sentinel: &Sentinel, abort: &Abort, dev: &Device) {
+/// A watcher thread's loop: look each millisecond until told to stop;
+/// `raise` raises the abort flag.
+fn watch_loop(
+    shared: &WatchShared,
+    sentinel: &Sentinel,
+    mut raise: impl FnMut() -> Result<(), gin_cuda::CudaError>,
+) {
     let mut state = WatchState::default();
-    let mut current = false;
     while !shared.stop.load(Ordering::Acquire) {
         if state.look(sentinel) {
-            let raised =
-                (if current { Ok(()) } else { dev.make_current() }).and_then(|()| abort.raise());
-            current = true;
+            let raised = raise();
             let mut found = shared.found();
             found.cause.clone_from(&state.cause);
             match raised {
@@ -594,7 +596,17 @@ impl CudaDevComm<'_, '_> {
             let (shared, abort) = (shared.clone(), abort.clone());
             std::thread::Builder::new()
                 .name(format!("gin-watch-r{}", self.cuda.comm.rank()))
-                .spawn(move || watch_loop(&shared, &sentinel, &abort, &dev))
+                .spawn(move || {
+                    // The context is made current on the first raise only.
+                    let mut current = false;
+                    watch_loop(&shared, &sentinel, || {
+                        if !current {
+                            dev.make_current()?;
+                            current = true;
+                        }
+                        abort.raise()
+                    });
+                })
                 .map_err(|source| gin_cuda::CudaError::Spawn {
                     what: "CUDA watcher",
                     source,
@@ -747,5 +759,129 @@ impl Drop for CudaDevComm<'_, '_> {
         if let Some(r) = &mut self.ranges {
             r.keep_reserved();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use gin_bootstrap::{Config, run_threads};
+
+    /// An engine whose error the test sets.
+    #[derive(Debug, Default)]
+    struct FakeEngine {
+        error: Arc<Mutex<Option<String>>>,
+        sees: bool,
+    }
+
+    impl CudaEngine for FakeEngine {
+        fn rings(&self) -> u64 {
+            0
+        }
+        fn backend_kind(&self) -> u32 {
+            0
+        }
+        fn serves(&self) -> bool {
+            true
+        }
+        fn describe(&self, _: bool) -> &'static str {
+            "fake"
+        }
+        fn error(&self) -> Option<String> {
+            self.error.lock().unwrap().clone()
+        }
+        fn failure(&self) -> &'static str {
+            "the fake engine failed"
+        }
+        fn kernel_sees_errors(&self) -> bool {
+            self.sees
+        }
+        fn stop(self: Box<Self>) -> Result<(), String> {
+            Ok(())
+        }
+    }
+
+    /// Runs `f` on a one-rank communicator's sentinel with a fake engine
+    /// (its error slot handed to `f`).
+    fn with_sentinel(
+        sees: bool,
+        f: impl Fn(Arc<Sentinel>, Arc<Mutex<Option<String>>>) + Send + Sync + 'static,
+    ) {
+        run_threads(1, Config::default(), move |b| {
+            let comm = crate::Comm::new(b).unwrap();
+            let error = Arc::new(Mutex::new(None));
+            let engine = FakeEngine {
+                error: error.clone(),
+                sees,
+            };
+            let sentinel = Arc::new(Sentinel {
+                bootstrap: comm.bootstrap_arc().clone(),
+                fabric: comm.fabric().clone(),
+                engine: Mutex::new(Some(Box::new(engine))),
+            });
+            f(sentinel, error);
+        })
+        .unwrap();
+    }
+
+    /// A healthy job gives no cause; an engine's error does, once, in the
+    /// words the run's error carries.
+    #[test]
+    fn a_watch_finds_an_engines_failure_once() {
+        with_sentinel(false, |s, error| {
+            let mut w = WatchState::default();
+            assert!(!w.look(&s));
+            assert_eq!(w.cause, None);
+            *error.lock().unwrap() = Some("boom".into());
+            assert!(w.look(&s));
+            assert_eq!(w.cause.as_deref(), Some("the fake engine failed: boom"));
+            // Raised once: a second look finds nothing new.
+            assert!(!w.look(&s));
+            // Errors kernels do not see themselves are not looked at late.
+            assert_eq!(s.late_cause(), None);
+        });
+        with_sentinel(true, |s, error| {
+            assert_eq!(s.late_cause(), None);
+            *error.lock().unwrap() = Some("bad CQE".into());
+            assert_eq!(
+                s.late_cause().as_deref(),
+                Some("the fake engine failed: bad CQE")
+            );
+            // Once the engine is stopped (taken), nothing is reported.
+            s.engine().take();
+            assert_eq!(s.late_cause(), None);
+        });
+    }
+
+    /// The watcher's thread raises the flag when the engine fails, records
+    /// the cause (and a failure to raise), and stops when told.
+    #[test]
+    fn a_watcher_thread_raises_the_abort_flag_and_records_the_cause() {
+        with_sentinel(false, |s, error| {
+            let shared = Arc::new(WatchShared::default());
+            let (tx, rx) = std::sync::mpsc::channel();
+            let t = {
+                let (shared, s) = (shared.clone(), s.clone());
+                std::thread::spawn(move || {
+                    watch_loop(&shared, &s, || {
+                        tx.send(()).unwrap();
+                        Err(gin_cuda::CudaError::Unavailable { why: "test".into() })
+                    });
+                })
+            };
+            *error.lock().unwrap() = Some("boom".into());
+            // The raise is the synchronisation: wait for it (bounded).
+            rx.recv_timeout(Duration::from_secs(30)).unwrap();
+            shared.stop.store(true, Ordering::Release);
+            t.thread().unpark();
+            t.join().unwrap();
+            let found = std::mem::take(&mut *shared.found());
+            assert_eq!(found.cause.as_deref(), Some("the fake engine failed: boom"));
+            assert!(!found.raised);
+            assert!(found.failed.unwrap().contains("test"));
+            // Raised once only.
+            assert!(rx.try_recv().is_err());
+        });
     }
 }
