@@ -13,7 +13,8 @@
 //!   be used instead of panicking. Its memory types, streams and kernels
 //!   are re-exported here ([`DevMem`], [`HostMem`], [`Stream`],
 //!   [`Function`], ...): what takes a raw address or launches a kernel is
-//!   `unsafe`, [`CudaDevComm::run`] included.
+//!   `unsafe`, [`CudaDevComm::run`] and [`CudaDevComm::launch_on`]
+//!   included.
 //! - **Windows** ([`CudaComm::alloc_window`]) are `cuMemAlloc` memory; same-host
 //!   peers open each other's parts through CUDA IPC, so a kernel reaches a
 //!   peer's part by load/store over NVLink (or PCIe), and the proxy's copy
@@ -40,6 +41,17 @@
 //!   kernel runs, [`CudaDevComm::run`] watches the job's health and the
 //!   proxy or the soft NIC, and raises the abort flag so device waits give
 //!   up.
+//! - **A library for CUDA applications**: the user's kernels run on the
+//!   user's streams ([`CudaDevComm::launch_on`], returning at once, with a
+//!   [`Watcher`] thread raising the abort flag and [`CudaDevComm::check`]
+//!   turning the error word into the error `run` gives; `run` is the three
+//!   composed, its watch on the calling thread), with cudarc's launch builder
+//!   too ([`DevCommParam`], [`WindowParam`]); the user's device memory
+//!   becomes a window ([`CudaComm::register_window`], exported by its
+//!   allocation's IPC handle and offset, refused on every rank where it
+//!   cannot be shared); NVRTC takes the user's include folders, defines and
+//!   CCCL ([`CudaComm::compile_with`]). Everything runs in the GPU's primary
+//!   context, cudarc's too ([`CudaComm::context_info`]).
 //!
 //! - **GDAKI** (`GIN_BACKEND=gdaki`): kernels build mlx5 WQEs into send
 //!   queues in mapped pinned host memory, mark them ready in order and write
