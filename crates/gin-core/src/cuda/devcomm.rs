@@ -628,6 +628,8 @@ impl CudaDevComm<'_, '_> {
     /// [`CudaDevComm::run`]. Checking while a kernel still runs misses what
     /// it records later.
     pub fn check(&self, watcher: Option<Watcher<'_>>) -> Result<(), CoreError> {
+        // Any thread may check: the error word is read in gin's context.
+        self.cuda.dev.make_current()?;
         let cause = match watcher {
             Some(w) => w.finish()?,
             None => None,

@@ -195,7 +195,7 @@ impl<'c> CudaComm<'c> {
             abort: Arc::new(Abort {
                 flag: DevMem::new(64)?,
                 stream: Stream::new()?,
-                _dev: dev.clone(),
+                dev: dev.clone(),
             }),
             error: DevMem::new(8)?,
             spaces: Spaces::new(s.signal_slots, s.counter_slots),
@@ -348,7 +348,7 @@ struct Abort {
     flag: DevMem,
     stream: Stream,
     /// Last: the context must outlive the memory and the stream.
-    _dev: Arc<Device>,
+    dev: Arc<Device>,
 }
 
 impl Abort {
@@ -362,6 +362,8 @@ impl Abort {
     /// Lowers the flag again once the raise has landed (after the kernels
     /// it aborted have finished).
     fn clear(&self) -> Result<(), CudaError> {
+        // From any thread (a watcher dropped elsewhere).
+        self.dev.make_current()?;
         self.stream.sync()?;
         self.flag.zero(0, 8)
     }
