@@ -23,8 +23,9 @@
 //! pointer.
 //!
 //! Usage: `fused-alltoall [--ranks N] [--rounds R] [--count C] [--launcher
-//! cudarc|gin] [--nvrtc]` (spawns N ranks, default 2; or runs as one rank
-//! under a launcher). Prints one `rank r of n: ... verified` line per rank.
+//! cudarc|gin] [--nvrtc] [--cooperative]` (spawns N ranks, default 2; or
+//! runs as one rank under a launcher; `--nvrtc` ignores the build-time
+//! cubin, `--cooperative` launches with `cuLaunchCooperativeKernel`). Prints one `rank r of n: ... verified` line per rank.
 //! Exit codes: 0 verified, or `SKIPPED: no GPU: <why>` where no GPU is
 //! usable (after compiling the kernel with NVRTC where NVRTC is there); 1 the
 //! ranks could not be launched; 3 `FAILED: <why>`.
@@ -64,6 +65,7 @@ struct Opts {
     count: usize,
     cudarc_launcher: bool,
     force_nvrtc: bool,
+    cooperative: bool,
 }
 
 fn opts() -> R<Opts> {
@@ -85,6 +87,7 @@ fn opts() -> R<Opts> {
         count: num("--count", 4096)?.max(1),
         cudarc_launcher: launcher == "cudarc",
         force_nvrtc: a.iter().any(|x| x == "--nvrtc"),
+        cooperative: a.iter().any(|x| x == "--cooperative"),
     })
 }
 
@@ -317,7 +320,7 @@ fn launch_rounds(
         grid: (n.max(8), 1, 1),
         block: (256, 1, 1),
         shared_mem_bytes: 0,
-        cooperative: false,
+        cooperative: o.cooperative,
     };
     let count = o.count as u64;
     let watcher = dc.watch().map_err(s)?;
@@ -342,7 +345,14 @@ fn launch_rounds(
             // the device communicator outlive the kernels (the stream is
             // synchronised before they are freed), and `out` holds
             // rounds * count floats.
-            unsafe { b.launch(lc) }.map_err(s)?;
+            unsafe {
+                if o.cooperative {
+                    b.launch_cooperative(lc)
+                } else {
+                    b.launch(lc)
+                }
+            }
+            .map_err(s)?;
         }
     } else {
         // SAFETY: a complete cubin (NVRTC's, or nvcc's from build.rs).
@@ -365,7 +375,8 @@ fn launch_rounds(
     stream.synchronize().map_err(s)?;
     dc.check(Some(watcher)).map_err(s)?;
     Ok(format!(
-        "kernel from {from}, launched with {}",
+        "kernel from {from}, launched{} with {}",
+        if o.cooperative { " cooperatively" } else { "" },
         if o.cudarc_launcher {
             "cudarc's launch builder"
         } else {
