@@ -539,9 +539,11 @@ impl CudaDevComm<'_, '_> {
         args: &[Arg<'_>],
     ) -> Result<(), CoreError> {
         let cuda = self.cuda;
+        cuda.dev.make_current()?;
+        // gin's own stream: no context to check (as `launch_on` does).
         let stream = StreamRef::from(&cuda.stream);
         // SAFETY: the caller's contract.
-        unsafe { self.launch_on(f, &LaunchConfig::linear(grid, block), stream, args)? };
+        unsafe { launch(f, &LaunchConfig::linear(grid, block), stream, args)? };
         let cause = self.watch_inline(stream)?;
         self.settle(cause)
     }
