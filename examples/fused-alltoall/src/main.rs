@@ -23,9 +23,11 @@
 //! pointer.
 //!
 //! Usage: `fused-alltoall [--ranks N] [--rounds R] [--count C] [--launcher
-//! cudarc|gin] [--nvrtc] [--cooperative]` (spawns N ranks, default 2; or
-//! runs as one rank under a launcher; `--nvrtc` ignores the build-time
-//! cubin, `--cooperative` launches with `cuLaunchCooperativeKernel`). Prints one `rank r of n: ... verified` line per rank.
+//! cudarc|gin] [--nvrtc] [--cooperative] [--die V]` (spawns N ranks,
+//! default 2; or runs as one rank under a launcher; `--nvrtc` ignores the
+//! build-time cubin, `--cooperative` launches with
+//! `cuLaunchCooperativeKernel`, `--die V` kills rank V while the others
+//! wait in the kernel: their watchers must abort it and name V). Prints one `rank r of n: ... verified` line per rank.
 //! Exit codes: 0 verified, or `SKIPPED: no GPU: <why>` where no GPU is
 //! usable (after compiling the kernel with NVRTC where NVRTC is there); 1 the
 //! ranks could not be launched; 3 `FAILED: <why>`.
@@ -66,6 +68,8 @@ struct Opts {
     cudarc_launcher: bool,
     force_nvrtc: bool,
     cooperative: bool,
+    /// `--die V`: rank V dies while the others wait in the kernel.
+    die: Option<usize>,
 }
 
 fn opts() -> R<Opts> {
@@ -88,6 +92,9 @@ fn opts() -> R<Opts> {
         cudarc_launcher: launcher == "cudarc",
         force_nvrtc: a.iter().any(|x| x == "--nvrtc"),
         cooperative: a.iter().any(|x| x == "--cooperative"),
+        die: val("--die")
+            .map(|v| v.parse().map_err(|_| format!("--die {v}: not a rank")))
+            .transpose()?,
     })
 }
 
@@ -258,6 +265,9 @@ fn rank(o: &Opts) -> R<String> {
         ..DevCommRequirements::default()
     };
     let dc = cuda.dev_comm(&req, CtxSharing::Gpu).map_err(s)?;
+    if let Some(victim) = o.die {
+        return die(o, victim, &cuda, &dc, &stream, (&sw, &rw), &mut out);
+    }
     let how = launch_rounds(o, &cuda, &dc, &stream, (&sw, &rw), &mut out)?;
     let got = stream.clone_dtoh(out.slice()).map_err(s)?;
     let bad = verify(&got, me, n, count);
@@ -275,6 +285,38 @@ fn rank(o: &Opts) -> R<String> {
          cuMemAlloc memory (recv at offset {RECV_OFFSET}); {refusal}",
         o.rounds
     ))
+}
+
+/// `--die V`: rank V dies once the others are inside their kernel (one
+/// round: their puts reach V before it dies, and no later round puts to
+/// it); the others' watchers must raise the abort flag, so that their waits
+/// for V's data give up, and `check` must name V. The survivors report
+/// `FAILED: ...` with the error and how long it took (exit code 3, as
+/// gin-cuda-selftest's `die`); the victim aborts.
+fn die(
+    o: &Opts,
+    victim: usize,
+    cuda: &CudaComm<'_>,
+    dc: &CudaDevComm<'_, '_>,
+    stream: &Arc<CudaStream>,
+    windows: (&GpuWindow, &GpuWindow),
+    out: &mut UserMem,
+) -> R<String> {
+    cuda.comm().bootstrap().barrier().map_err(s)?;
+    if cuda.comm().rank() == victim {
+        // Die once the others are inside their kernels.
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        std::process::abort();
+    }
+    let t = std::time::Instant::now();
+    let one = Opts {
+        rounds: 1,
+        ..o.clone()
+    };
+    match launch_rounds(&one, cuda, dc, stream, windows, out) {
+        Ok(_) => Err(format!("rank {victim} died, but the kernel succeeded")),
+        Err(e) => Err(format!("{e} (after {:.2}s)", t.elapsed().as_secs_f64())),
+    }
 }
 
 /// The first reduced value that differs: (index, expected, got). The
