@@ -249,6 +249,11 @@ impl Comm {
         &self.bootstrap
     }
 
+    /// The bootstrap, shared (a CUDA watcher thread checks its health).
+    pub(crate) fn bootstrap_arc(&self) -> &Arc<Bootstrap> {
+        &self.bootstrap
+    }
+
     /// This rank's index among the ranks of its host.
     pub fn local_rank(&self) -> usize {
         self.local_rank

@@ -198,6 +198,14 @@ impl Device {
         })?)
     }
 
+    /// The GPU's primary context (`cuDevicePrimaryCtxRetain`), in which gin
+    /// allocates, creates its streams and loads its modules. cudarc's
+    /// `CudaContext::new(ordinal)` retains the same primary context, so a
+    /// cudarc user's streams, slices and modules share it with gin.
+    pub fn raw_context(&self) -> cu::CUcontext {
+        self.ctx
+    }
+
     /// The GPU's ordinal among those the driver shows this process (after
     /// `CUDA_VISIBLE_DEVICES`).
     pub fn ordinal(&self) -> usize {
@@ -264,6 +272,9 @@ impl Drop for Device {
 pub struct DevMem {
     ptr: u64,
     len: usize,
+    /// Whether drop frees it (`false`: memory the user lent,
+    /// [`DevMem::from_raw_parts`]).
+    owned: bool,
 }
 
 impl DevMem {
@@ -284,13 +295,40 @@ impl DevMem {
         })
         .map_err(alloc)?;
         // From here on, a failure frees the allocation (drop).
-        let this = Self { ptr, len };
+        let this = Self {
+            ptr,
+            len,
+            owned: true,
+        };
         // SAFETY: the allocation holds `len.max(1)` bytes.
         check("cuMemsetD8", unsafe {
             cu::cuMemsetD8_v2(ptr, 0, len.max(1))
         })
         .map_err(alloc)?;
         Ok(this)
+    }
+
+    /// Device memory that something else allocated and frees (a cudarc
+    /// `CudaSlice`, another allocator's buffer): the same checked accessors,
+    /// but drop leaves the memory alone.
+    ///
+    /// # Safety
+    /// `ptr` must be the start of `len` bytes of device memory of the
+    /// current context's GPU (or memory it reaches, such as a peer's
+    /// allocation with peer access enabled) that stay allocated, and are
+    /// not freed or reused, until the returned value has dropped.
+    pub unsafe fn from_raw_parts(ptr: u64, len: usize) -> Self {
+        Self {
+            ptr,
+            len,
+            owned: false,
+        }
+    }
+
+    /// Whether drop frees the memory (`false` for
+    /// [`DevMem::from_raw_parts`]).
+    pub fn is_owned(&self) -> bool {
+        self.owned
     }
 
     /// The allocation's device address.
@@ -366,6 +404,9 @@ impl DevMem {
 
 impl Drop for DevMem {
     fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
         // SAFETY: frees what `new` allocated.
         unsafe {
             cu::cuMemFree_v2(self.ptr);
@@ -552,6 +593,12 @@ impl Stream {
             )
         })?;
         Ok(Self(s))
+    }
+
+    /// The raw `CUstream` (for another CUDA library; queueing work on it
+    /// there is as `unsafe` as here).
+    pub fn raw(&self) -> cu::CUstream {
+        self.0
     }
 
     /// Whether all work queued so far has finished.
@@ -853,7 +900,7 @@ impl Drop for Module {
 /// A kernel. Launching one is `unsafe` ([`Function::launch`]): nothing
 /// here knows its parameter list or what it writes.
 #[derive(Debug, Clone, Copy)]
-pub struct Function(cu::CUfunction);
+pub struct Function(pub(crate) cu::CUfunction);
 
 // SAFETY: function handles may be launched from any thread.
 unsafe impl Send for Function {}
@@ -887,22 +934,14 @@ impl Function {
         block: u32,
         params: &mut [*mut c_void],
     ) -> Result<(), CudaError> {
-        // SAFETY: forwarded from the caller.
-        Ok(check("cuLaunchKernel", unsafe {
-            cu::cuLaunchKernel(
-                self.0,
-                grid,
-                1,
-                1,
-                block,
-                1,
-                1,
-                0,
-                stream.0,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
+        // SAFETY: forwarded from the caller; gin's own stream is live.
+        unsafe {
+            self.launch_with(
+                &crate::LaunchConfig::linear(grid, block),
+                stream.into(),
+                params,
             )
-        })?)
+        }
     }
 }
 
@@ -952,7 +991,11 @@ mod tests {
     /// before reaching the driver (which is absent here), and it is never
     /// dropped (no `cuMemFree` either).
     fn fake_devmem(len: usize) -> ManuallyDrop<DevMem> {
-        ManuallyDrop::new(DevMem { ptr: 0x1000, len })
+        ManuallyDrop::new(DevMem {
+            ptr: 0x1000,
+            len,
+            owned: true,
+        })
     }
 
     #[test]

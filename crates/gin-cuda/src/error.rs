@@ -186,4 +186,49 @@ pub enum CudaError {
         /// Why the mapping failed.
         source: Box<CudaError>,
     },
+    /// A launch shape CUDA cannot run, refused before the driver.
+    #[error("launch of grid {:?} x block {:?}: {why}", config.grid, config.block)]
+    LaunchShape {
+        /// The launch asked for.
+        config: crate::LaunchConfig,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// A stream that does not belong to this GPU's primary context.
+    #[error(
+        "the stream belongs to another CUDA context than GPU {ordinal}'s primary context \
+         (where gin's memory and modules live); create it in the primary context, e.g. with \
+         cudarc's CudaContext::new({ordinal})"
+    )]
+    ForeignStream {
+        /// The GPU gin runs on.
+        ordinal: usize,
+    },
+    /// Memory this rank was asked to register as a GPU window cannot be
+    /// used as one (here: the pointer, and why).
+    #[error("rank {rank} cannot register {bytes} bytes at {ptr:#x} as a GPU window: {why}")]
+    NotRegistrable {
+        /// The rank that was asked.
+        rank: usize,
+        /// The device address given.
+        ptr: u64,
+        /// The bytes given.
+        bytes: u64,
+        /// Why not (not device memory, another GPU's, not exportable
+        /// through CUDA IPC, ...).
+        why: String,
+    },
+    /// Some rank could not contribute its part of a GPU window (its memory
+    /// could not be allocated or registered): every rank fails alike.
+    #[error("GPU window {window} was not created on rank {rank}: rank {peer} refused: {why}")]
+    WindowRefused {
+        /// This rank.
+        rank: usize,
+        /// The window id it would have had.
+        window: u32,
+        /// The first rank that refused.
+        peer: usize,
+        /// That rank's account.
+        why: String,
+    },
 }

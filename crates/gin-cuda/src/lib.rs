@@ -17,6 +17,12 @@
 //!   executor, a staged transfer — is an `unsafe fn` with a `# Safety`
 //!   section, and so is launching a kernel ([`Function::launch`]): nothing
 //!   here can check a kernel's parameter list or what it writes.
+//!   [`Function::launch_with`] takes any shape, dynamic shared memory, a
+//!   cooperative launch and any stream of the GPU's primary context
+//!   ([`StreamRef`]: gin's, a cudarc `CudaStream`, or a raw `CUstream`
+//!   through an `unsafe` constructor). Memory another allocator owns
+//!   enters through `unsafe` [`DevMem::from_raw_parts`], which drop leaves
+//!   alone.
 //! - **Batching** ([`batch::StreamBatch`]): the driver time of one
 //!   `cuMemcpyAsync` or `cuStreamWriteValue64` bounds a CPU-driven engine,
 //!   so consecutive copies and stores of one queue go to the driver as one
@@ -29,7 +35,13 @@
 //! - **Window parts** ([`window`]): this rank's part of a GPU window
 //!   (device memory, its IPC handle, its registration for TCP peers), the
 //!   record ranks exchange about it (with gin-bootstrap's record codec),
-//!   and the peers' parts as reached here (CUDA IPC or region keys).
+//!   and the peers' parts as reached here (CUDA IPC or region keys). A
+//!   part may be the user's memory ([`window::LocalPart::register`]):
+//!   [`pointer`] asks the driver what it is and decides, as pure code,
+//!   whether it can be one and how it is exported (its allocation's IPC
+//!   handle and its offset there). Ranks exchange offers, not bare
+//!   records ([`window::Offer`]), so a rank that cannot contribute makes
+//!   every rank fail alike.
 //! - Errors are [`CudaError`]: the failing driver call with its `CUresult`
 //!   name, the allocation size, the device ordinal, NVRTC's log.
 //!
@@ -47,12 +59,19 @@
 pub mod batch;
 mod driver;
 mod error;
+mod launch;
 pub mod nvrtc;
+pub mod pointer;
 pub mod staging;
 pub mod testing;
 pub mod window;
 
+/// The cudarc gin-cuda is built on (its driver API, loaded at run time),
+/// re-exported so that users share its version: a cudarc `CudaStream`
+/// converts into a [`StreamRef`].
+pub use cudarc;
 pub use driver::{
     Cubin, DevMem, Device, Function, HostMem, IpcMem, MAX_WRITES, Module, Stream, available,
 };
 pub use error::{CudaError, DriverError};
+pub use launch::{LaunchConfig, StreamRef};

@@ -62,6 +62,29 @@ pub fn compile(
     cc: (i32, i32),
     headers: &[(&str, &str)],
 ) -> Result<Cubin, CudaError> {
+    compile_with(source, name, cc, headers, &[])
+}
+
+/// The options every compilation gets: the GPU's architecture, C++17,
+/// device code by default, line information for profilers.
+pub fn base_options(cc: (i32, i32)) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture=sm_{}{}", cc.0, cc.1),
+        "--std=c++17".into(),
+        "-default-device".into(),
+        "-lineinfo".into(),
+    ]
+}
+
+/// As [`compile`], with `extra` NVRTC options after [`base_options`]
+/// (include folders as `-I DIR`, defines, ...).
+pub fn compile_with(
+    source: &str,
+    name: &str,
+    cc: (i32, i32),
+    headers: &[(&str, &str)],
+    extra: &[String],
+) -> Result<Cubin, CudaError> {
     if !is_available() {
         return Err(CudaError::NvrtcUnavailable {
             name: name.into(),
@@ -83,15 +106,11 @@ pub fn compile(
         .iter()
         .map(|(n, _)| nul(n))
         .collect::<Result<_, _>>()?;
-    let opts: Vec<CString> = [
-        format!("--gpu-architecture=sm_{}{}", cc.0, cc.1),
-        "--std=c++17".into(),
-        "-default-device".into(),
-        "-lineinfo".into(),
-    ]
-    .iter()
-    .map(|o| nul(o))
-    .collect::<Result<_, _>>()?;
+    let opts: Vec<CString> = base_options(cc)
+        .iter()
+        .chain(extra)
+        .map(|o| nul(o))
+        .collect::<Result<_, _>>()?;
     let texts: Vec<*const c_char> = hdr_text.iter().map(|c| c.as_ptr()).collect();
     let names: Vec<*const c_char> = hdr_name.iter().map(|c| c.as_ptr()).collect();
     let optp: Vec<*const c_char> = opts.iter().map(|c| c.as_ptr()).collect();

@@ -15,6 +15,7 @@ use gin_net::region::RegionTable;
 
 use crate::driver::{DevMem, Device, IpcMem};
 use crate::error::CudaError;
+use crate::pointer::{PointerFacts, ipc_handle_of};
 use crate::staging::{GpuRegion, Server};
 
 /// What a rank tells the others about its part of a GPU window.
@@ -28,12 +29,15 @@ pub struct PartRecord {
     pub ipc: [u8; 64],
     /// Its region key for TCP peers (0: not served over TCP).
     pub key: u32,
+    /// Its offset in the allocation the IPC handle exports (0 for memory
+    /// gin allocated; a registered range may start inside an allocation).
+    pub offset: u64,
 }
 
 impl PartRecord {
     /// Encoded length: size, address (u64 LE each), the IPC handle, the
-    /// key (u32 LE).
-    pub const LEN: usize = 84;
+    /// key (u32 LE), the offset (u64 LE).
+    pub const LEN: usize = 92;
 
     /// The bytes ranks exchange.
     pub fn encode(&self) -> Vec<u8> {
@@ -42,6 +46,7 @@ impl PartRecord {
             .u64(self.addr)
             .bytes(&self.ipc)
             .u32(self.key)
+            .u64(self.offset)
             .finish()
     }
 
@@ -54,7 +59,72 @@ impl PartRecord {
             addr: r.u64()?,
             ipc: r.array()?,
             key: r.u32()?,
+            offset: r.u64()?,
         })
+    }
+}
+
+/// What a rank contributes to a GPU window being created: its part's
+/// record, or why it has none (its memory could not be allocated or
+/// registered). Every rank learns every offer, so all fail alike when one
+/// refuses instead of some waiting for a rank that gave up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Offer {
+    /// The part's record.
+    Part(PartRecord),
+    /// Why this rank has no part.
+    Refused(String),
+}
+
+impl Offer {
+    /// A tag byte (0: part, 1: refusal), then the record or the text.
+    pub fn encode(&self) -> Vec<u8> {
+        match self {
+            Self::Part(r) => [&[0u8][..], &r.encode()].concat(),
+            Self::Refused(why) => [&[1u8][..], why.as_bytes()].concat(),
+        }
+    }
+
+    /// Decodes what rank `rank` offered for GPU window `window`.
+    pub fn decode(rank: usize, window: u32, b: &[u8]) -> Result<Self, CudaError> {
+        match b.split_first() {
+            Some((0, rec)) => Ok(Self::Part(PartRecord::decode(rank, window, rec)?)),
+            Some((1, why)) => Ok(Self::Refused(String::from_utf8_lossy(why).into_owned())),
+            _ => Err(gin_bootstrap::record::Malformed {
+                rank,
+                what: format!("GPU window {window} offer"),
+                got: b.len(),
+                expected: PartRecord::LEN + 1,
+            }
+            .into()),
+        }
+    }
+
+    /// Every rank's record, by rank; the first refusal (its rank and
+    /// account) if any rank refused. `rank` is this rank (for the error).
+    pub fn gather(
+        rank: usize,
+        window: u32,
+        offers: &[Vec<u8>],
+    ) -> Result<Vec<PartRecord>, CudaError> {
+        let offers = offers
+            .iter()
+            .enumerate()
+            .map(|(p, b)| Self::decode(p, window, b))
+            .collect::<Result<Vec<_>, _>>()?;
+        offers
+            .into_iter()
+            .enumerate()
+            .map(|(peer, o)| match o {
+                Self::Part(r) => Ok(r),
+                Self::Refused(why) => Err(CudaError::WindowRefused {
+                    rank,
+                    window,
+                    peer,
+                    why,
+                }),
+            })
+            .collect()
     }
 }
 
@@ -65,8 +135,13 @@ impl PartRecord {
 pub struct LocalPart {
     /// First: removed from the region table before `mem` is freed.
     served: Option<(Arc<RegionTable>, u32)>,
+    /// Gin's allocation, or the user's memory (not freed here).
     mem: DevMem,
+    /// The IPC handle of the allocation `mem` lies in (zeros: not
+    /// exported, no same-host peer maps it).
     ipc: [u8; 64],
+    /// `mem`'s offset in that allocation.
+    offset: u64,
 }
 
 impl LocalPart {
@@ -80,11 +155,77 @@ impl LocalPart {
         dev.make_current()?;
         let mem = DevMem::new(bytes as usize)?;
         let ipc = mem.ipc_handle()?;
-        let mut part = Self {
-            served: None,
-            mem,
-            ipc,
+        Self::serve(
+            Self {
+                served: None,
+                mem,
+                ipc,
+                offset: 0,
+            },
+            bytes,
+            serve,
+        )
+    }
+
+    /// The user's `bytes` of device memory at `ptr` as rank `rank`'s part
+    /// on `dev`: checked with the driver (this GPU's device memory, inside
+    /// one allocation, and exportable through CUDA IPC where `ipc`: a
+    /// same-host peer maps it), exported by its allocation's IPC handle and
+    /// its offset there, and with `serve` registered in the region table.
+    /// Dropping the part leaves the memory alone.
+    ///
+    /// # Safety
+    /// `ptr` must be the start of `bytes` bytes of `dev`'s device memory
+    /// that stay allocated until the part has dropped (and, once a window
+    /// holds the part, until the window has been freed on every rank: peers
+    /// write it until then).
+    pub unsafe fn register(
+        rank: usize,
+        dev: &Device,
+        ptr: u64,
+        bytes: u64,
+        ipc: bool,
+        serve: Option<(&Arc<RegionTable>, &Arc<Server>)>,
+    ) -> Result<Self, CudaError> {
+        dev.make_current()?;
+        let refuse = |why: String| CudaError::NotRegistrable {
+            rank,
+            ptr,
+            bytes,
+            why,
         };
+        let facts = PointerFacts::query(ptr)?;
+        let export = facts
+            .export(ptr, bytes, dev.ordinal(), ipc)
+            .map_err(refuse)?;
+        let handle = if ipc {
+            ipc_handle_of(export.base).map_err(|e| refuse(e.to_string()))?
+        } else {
+            [0; 64]
+        };
+        let len = usize::try_from(bytes).map_err(|_| refuse("too large".into()))?;
+        // SAFETY: the caller's contract: `bytes` bytes of this GPU's device
+        // memory (checked against the driver's account above) that outlive
+        // the part.
+        let mem = unsafe { DevMem::from_raw_parts(ptr, len) };
+        Self::serve(
+            Self {
+                served: None,
+                mem,
+                ipc: handle,
+                offset: export.offset,
+            },
+            bytes,
+            serve,
+        )
+    }
+
+    /// `part`, registered in the region table with `serve`.
+    fn serve(
+        mut part: Self,
+        bytes: u64,
+        serve: Option<(&Arc<RegionTable>, &Arc<Server>)>,
+    ) -> Result<Self, CudaError> {
         if let Some((table, server)) = serve {
             let ptr = part.mem.ptr();
             // SAFETY: `mem` holds `bytes` bytes of device memory, and the
@@ -109,6 +250,7 @@ impl LocalPart {
             addr: self.mem.ptr(),
             ipc: self.ipc,
             key: self.served.as_ref().map_or(0, |s| s.1),
+            offset: self.offset,
         }
     }
 }
@@ -139,14 +281,15 @@ pub struct PeerParts {
 }
 
 impl PeerParts {
-    /// Decodes every rank's record of window `window` and reaches each
-    /// part: this rank's own (`local`), a peer `over_tcp` by its region
-    /// key, any other by mapping it through CUDA IPC.
+    /// Reaches each part of window `window` from every rank's record
+    /// ([`Offer::gather`]): this rank's own (`local`), a peer `over_tcp` by
+    /// its region key, any other by mapping it through CUDA IPC (the
+    /// allocation, plus the part's offset in it).
     pub fn open(
         rank: usize,
         window: u32,
         local: &LocalPart,
-        records: &[Vec<u8>],
+        records: &[PartRecord],
         over_tcp: impl Fn(usize) -> bool,
     ) -> Result<Self, CudaError> {
         let n = records.len();
@@ -158,7 +301,6 @@ impl PeerParts {
             opened: Vec::new(),
         };
         for (peer, rec) in records.iter().enumerate() {
-            let rec = PartRecord::decode(peer, window, rec)?;
             parts.sizes.push(rec.size);
             parts.addrs.push(rec.addr);
             parts.tcp_keys.push(rec.key);
@@ -177,7 +319,7 @@ impl PeerParts {
                     window,
                     source: Box::new(e),
                 })?;
-                parts.bases.push(m.ptr());
+                parts.bases.push(m.ptr() + rec.offset);
                 parts.opened.push(m);
             }
         }
@@ -197,13 +339,16 @@ mod tests {
             addr: 0x7f00_0000_1000,
             ipc: std::array::from_fn(|i| i as u8 ^ 0xa5),
             key: 0xfeed_beef,
+            offset: 0x0000_0000_0040_1000,
         };
         let b = r.encode();
-        // The layout older builds sent by hand: size, address, handle, key.
+        // The layout older builds sent by hand: size, address, handle, key;
+        // then the offset of a registered range in its allocation.
         assert_eq!(b[..8], r.size.to_le_bytes());
         assert_eq!(b[8..16], r.addr.to_le_bytes());
         assert_eq!(b[16..80], r.ipc);
-        assert_eq!(b[80..], r.key.to_le_bytes());
+        assert_eq!(b[80..84], r.key.to_le_bytes());
+        assert_eq!(b[84..], r.offset.to_le_bytes());
         assert_eq!(PartRecord::decode(3, 9, &b).unwrap(), r);
     }
 
@@ -217,7 +362,7 @@ mod tests {
                 CudaError::Record(gin_bootstrap::record::Malformed {
                     rank: 3,
                     got: 80,
-                    expected: 84,
+                    expected: 92,
                     ..
                 })
             ),
@@ -225,8 +370,58 @@ mod tests {
         );
         assert_eq!(
             e.to_string(),
-            "rank 3 sent a malformed GPU window 9 record (80 bytes, expected 84)"
+            "rank 3 sent a malformed GPU window 9 record (80 bytes, expected 92)"
         );
-        assert!(PartRecord::decode(0, 0, &[0u8; 85]).is_err());
+        assert!(PartRecord::decode(0, 0, &[0u8; 93]).is_err());
+        // The record of a build without offsets (84 bytes) is refused too.
+        assert!(PartRecord::decode(0, 0, &[0u8; 84]).is_err());
+    }
+
+    fn record(offset: u64) -> PartRecord {
+        PartRecord {
+            size: 4096,
+            addr: 0x7f00_0000_0000 + offset,
+            ipc: [7; 64],
+            key: 0,
+            offset,
+        }
+    }
+
+    #[test]
+    fn offers_round_trip_and_every_rank_learns_the_first_refusal() {
+        let part = Offer::Part(record(0x100));
+        let no = Offer::Refused("rank 1 cannot register 4096 bytes at 0x10: managed".into());
+        for o in [&part, &no] {
+            assert_eq!(&Offer::decode(0, 4, &o.encode()).unwrap(), o);
+        }
+        let all = vec![part.encode(), Offer::Part(record(0)).encode()];
+        let recs = Offer::gather(0, 4, &all).unwrap();
+        assert_eq!((recs[0].offset, recs[1].offset), (0x100, 0));
+        // Rank 1 refused: ranks 0 and 2 both fail, naming it and its reason.
+        let all = vec![
+            part.encode(),
+            no.encode(),
+            Offer::Refused("later".into()).encode(),
+        ];
+        for me in [0, 2] {
+            let e = Offer::gather(me, 4, &all).unwrap_err();
+            assert!(
+                matches!(&e, CudaError::WindowRefused { rank, window: 4, peer: 1, why }
+                    if *rank == me && why.contains("managed")),
+                "{e}"
+            );
+            assert!(e.to_string().contains(&format!(
+                "GPU window 4 was not created on rank {me}: rank 1 refused"
+            )));
+        }
+    }
+
+    #[test]
+    fn a_malformed_offer_names_the_rank_and_window() {
+        for b in [&[][..], &[2u8, 0, 0][..], &[0u8; 10][..]] {
+            let e = Offer::decode(5, 6, b).unwrap_err();
+            assert!(e.to_string().contains("rank 5"), "{e}");
+            assert!(e.to_string().contains("GPU window 6"), "{e}");
+        }
     }
 }

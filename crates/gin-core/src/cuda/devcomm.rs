@@ -5,9 +5,13 @@
 //! running a kernel while watching the job.
 
 use std::ffi::c_void;
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use gin_cuda::{DevMem, Function, Stream};
+use gin_bootstrap::Bootstrap;
+use gin_cuda::{DevMem, Function, LaunchConfig, StreamRef};
 use gin_device::abi::{
     DEVCOMM_FLAG_CTA_CTX, DEVCOMM_FLAG_EXCLUSIVE_CTX, DEVCOMM_FLAG_LSA_ONLY,
     DEVCOMM_FLAG_SENDER_SLOTS, DEVCOMM_FLAG_STRONG_SIGNALS, DevCommAbi, WindowAbi, errword,
@@ -15,7 +19,7 @@ use gin_device::abi::{
 use gin_device::{CudaEngine, CudaEngineSpec, HostBackend};
 use gin_net::Fabric;
 
-use super::{CtxSharing, CudaComm, REACH_LSA, REACH_NONE, REACH_QUEUE};
+use super::{Abort, CtxSharing, CudaComm, REACH_LSA, REACH_NONE, REACH_QUEUE, cudarc};
 use crate::config::{BackendKind, Selection};
 use crate::error::CoreError;
 use crate::requirements;
@@ -115,7 +119,7 @@ impl<'c> CudaComm<'c> {
             signals: self.signal_window.local().ptr(),
             counter_base: ranges.counters.0,
             counters: self.counters.ptr(),
-            abort_flag: self.abort.ptr(),
+            abort_flag: self.abort.flag.ptr(),
             error_word: self.error.ptr(),
             timeout_ticks: u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX),
             rings: engine.rings(),
@@ -131,7 +135,11 @@ impl<'c> CudaComm<'c> {
         Ok(CudaDevComm {
             cuda: self,
             abi,
-            engine: Some(engine),
+            sentinel: Arc::new(Sentinel {
+                bootstrap: comm.bootstrap_arc().clone(),
+                fabric: comm.fabric().clone(),
+                engine: Mutex::new(Some(engine)),
+            }),
             _mem: vec![tables.lsa, tables.sig_peers],
             ranges: Some(ranges),
             lsa: reach.lsa.iter().map(|&b| b == REACH_LSA).collect(),
@@ -288,14 +296,90 @@ fn flags(lsa_only: bool, sharing: CtxSharing) -> u32 {
 pub struct CudaDevComm<'a, 'c> {
     cuda: &'a CudaComm<'c>,
     abi: DevCommAbi,
-    /// The engine's queue table and thread (taken when stopped).
-    engine: Option<Box<dyn CudaEngine>>,
+    /// What watchers check: the job's health and the engine (its queue
+    /// table and thread, taken when stopped).
+    sentinel: Arc<Sentinel>,
     _mem: Vec<DevMem>,
     ranges: Option<Ranges<'a>>,
     lsa: Vec<bool>,
 }
 
-/// One kernel parameter, passed by value.
+/// The engine, shared with watcher threads (taken out when stopped).
+type EngineSlot = Mutex<Option<Box<dyn CudaEngine>>>;
+
+/// What tells a watch that kernels should give up: the bootstrap (a dead
+/// peer), the fabric (a failed TCP transport), the engine (its first
+/// error). Owned (`Arc`s), so a watcher thread may hold it.
+#[derive(Debug)]
+struct Sentinel {
+    bootstrap: Arc<Bootstrap>,
+    fabric: Arc<Fabric>,
+    engine: EngineSlot,
+}
+
+impl Sentinel {
+    fn engine(&self) -> MutexGuard<'_, Option<Box<dyn CudaEngine>>> {
+        self.engine.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Why kernels should give up, if they should: a dead peer, a failed
+    /// TCP transport (after [`DEATH_GRACE`]), a failed engine.
+    fn cause(&self, tcp_failed: &mut Option<(Instant, String)>) -> Option<String> {
+        if let Err(e) = self.bootstrap.health() {
+            Some(e.to_string())
+        } else if let Some((since, why)) = tcp_failed {
+            (since.elapsed() > DEATH_GRACE).then(|| why.clone())
+        } else if let Err(e) = self.fabric.health() {
+            *tcp_failed = Some((Instant::now(), format!("the TCP transport failed: {e}")));
+            None
+        } else {
+            let engine = self.engine();
+            let engine = engine.as_ref()?;
+            engine.error().map(|e| format!("{}: {e}", engine.failure()))
+        }
+    }
+
+    /// The engine's account of an error that kernels see themselves (error
+    /// completions): a kernel that met one may end before a watch saw it.
+    fn late_cause(&self) -> Option<String> {
+        let engine = self.engine();
+        let engine = engine.as_ref().filter(|e| e.kernel_sees_errors())?;
+        engine.error().map(|e| format!("{}: {e}", engine.failure()))
+    }
+}
+
+/// One watch's state: the cause once found, and a lost TCP link's account
+/// while the bootstrap is given [`DEATH_GRACE`] to name a dead peer (a lost
+/// link is often one).
+#[derive(Debug, Default)]
+struct WatchState {
+    cause: Option<String>,
+    tcp_failed: Option<(Instant, String)>,
+}
+
+impl WatchState {
+    /// Looks once; true when a cause was found just now (raise the abort
+    /// flag).
+    fn look(&mut self, s: &Sentinel) -> bool {
+        if self.cause.is_some() {
+            return false;
+        }
+        self.cause = s.cause(&mut self.tcp_failed);
+        self.cause.is_some()
+    }
+}
+
+/// A device communicator as one kernel parameter (a `gin::DevComm` by
+/// value), for cudarc's launch builder: `builder.arg(&dev_comm.param())`.
+#[repr(transparent)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DevCommParam(pub DevCommAbi);
+
+// SAFETY: plain `#[repr(C)]` integers (gin-device asserts its layout),
+// passed by value as the header's `gin::DevComm`.
+unsafe impl cudarc::driver::DeviceRepr for DevCommParam {}
+
+/// A kernel parameter, passed by value.
 #[derive(Debug)]
 pub enum Arg<'p> {
     /// A `gin::DevComm` (the device communicator's [`CudaDevComm::abi`]).
@@ -310,10 +394,117 @@ pub enum Arg<'p> {
     Ptr(u64),
 }
 
+/// Watches the job while kernels run without blocking the thread that
+/// launched them ([`CudaDevComm::watch`]): a thread that, each millisecond
+/// while the watcher lives, checks the bootstrap (a dead peer), the TCP
+/// transport and the engine, and on the first failure raises the abort
+/// flag (the kernels' waits give up with an error) and records the cause.
+/// Hand it to [`CudaDevComm::check`] once the kernels have finished;
+/// dropping it stops the thread too (and lowers a raised flag: drop it
+/// only once the kernels it watched have finished).
+#[derive(Debug)]
+pub struct Watcher<'d> {
+    shared: Arc<WatchShared>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    abort: Arc<Abort>,
+    _dev_comm: PhantomData<&'d ()>,
+}
+
+/// What a watcher shares with its thread.
+#[derive(Debug, Default)]
+struct WatchShared {
+    stop: AtomicBool,
+    /// The cause, once found; the thread's own error if it failed.
+    found: Mutex<Found>,
+}
+
+#[derive(Debug, Default)]
+struct Found {
+    cause: Option<String>,
+    /// Whether the abort flag was raised (lowered when the watch ends).
+    raised: bool,
+    /// The thread's own failure (raising the flag).
+    failed: Option<String>,
+}
+
+impl WatchShared {
+    fn found(&self) -> MutexGuard<'_, Found> {
+        self.found.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl Watcher<'_> {
+    /// The cause found so far (a dead peer, a failed transport or engine),
+    /// if any: the abort flag is raised then.
+    pub fn cause(&self) -> Option<String> {
+        self.shared.found().cause.clone()
+    }
+
+    /// Stops the thread; returns the cause, the abort flag lowered again.
+    fn finish(mut self) -> Result<Option<String>, CoreError> {
+        self.stop()
+    }
+
+    fn stop(&mut self) -> Result<Option<String>, CoreError> {
+        let Some(t) = self.thread.take() else {
+            return Ok(None);
+        };
+        self.shared.stop.store(true, Ordering::Release);
+        t.thread().unpark();
+        let _ = t.join();
+        let found = std::mem::take(&mut *self.shared.found());
+        if found.raised {
+            self.abort.clear()?;
+        }
+        if let Some(why) = found.failed {
+            return Err(CoreError::CudaRuntime(gin_cuda::CudaError::Worker {
+                context: "the CUDA watcher failed".into(),
+                error: why,
+            }));
+        }
+        Ok(found.cause)
+    }
+}
+
+impl Drop for Watcher<'_> {
+    fn drop(&mut self) {
+        let _ = self.stop();
+    }
+}
+
+/// A watcher thread's loop: look each millisecond until told to stop;
+/// `raise` raises the abort flag.
+fn watch_loop(
+    shared: &WatchShared,
+    sentinel: &Sentinel,
+    mut raise: impl FnMut() -> Result<(), gin_cuda::CudaError>,
+) {
+    let mut state = WatchState::default();
+    while !shared.stop.load(Ordering::Acquire) {
+        if state.look(sentinel) {
+            let raised = raise();
+            let mut found = shared.found();
+            found.cause.clone_from(&state.cause);
+            match raised {
+                Ok(()) => found.raised = true,
+                Err(e) => found.failed = Some(e.to_string()),
+            }
+        }
+        std::thread::park_timeout(Duration::from_millis(1));
+    }
+}
+
 impl CudaDevComm<'_, '_> {
     /// What a kernel receives (pass by value as `gin::DevComm`).
     pub fn abi(&self) -> &DevCommAbi {
         &self.abi
+    }
+
+    /// [`CudaDevComm::abi`] as a kernel parameter for cudarc's launch
+    /// builder (`builder.arg(&dc.param())`; that launch is `unsafe` in
+    /// cudarc, with the promises of [`CudaDevComm::launch_on`]).
+    pub fn param(&self) -> DevCommParam {
+        DevCommParam(self.abi)
     }
 
     /// Whether `peer` is reached by load/store.
@@ -325,7 +516,8 @@ impl CudaDevComm<'_, '_> {
     /// and peers over TCP: "load/store + proxy").
     pub fn backend_name(&self) -> &'static str {
         let mixed = self.lsa.iter().filter(|&&l| l).count() > 1;
-        self.engine
+        self.sentinel
+            .engine()
             .as_ref()
             .map_or("load/store", |e| e.describe(mixed))
     }
@@ -333,7 +525,37 @@ impl CudaDevComm<'_, '_> {
     /// Launches `f` on `grid` blocks of `block` threads and waits for it,
     /// raising the abort flag if a peer dies or the proxy fails meanwhile.
     /// Afterwards the error word is read: a device-side error becomes an
-    /// error naming this rank, the peer, the context and the id.
+    /// error naming this rank, the peer, the context and the id. (This is
+    /// [`CudaDevComm::launch_on`] gin's stream, a watch on this thread
+    /// while the stream runs, and [`CudaDevComm::check`].)
+    ///
+    /// # Safety
+    /// As [`CudaDevComm::launch_on`].
+    pub unsafe fn run(
+        &self,
+        f: &Function,
+        grid: u32,
+        block: u32,
+        args: &[Arg<'_>],
+    ) -> Result<(), CoreError> {
+        let cuda = self.cuda;
+        cuda.dev.make_current()?;
+        // gin's own stream: no context to check (as `launch_on` does).
+        let stream = StreamRef::from(&cuda.stream);
+        // SAFETY: the caller's contract.
+        unsafe { launch(f, &LaunchConfig::linear(grid, block), stream, args)? };
+        let cause = self.watch_inline(stream)?;
+        self.settle(cause)
+    }
+
+    /// Queues `f` on `stream` as `cfg` says (any grid and block shape,
+    /// dynamic shared memory, cooperative) with `args` by value, and
+    /// returns at once. Watch the job meanwhile ([`CudaDevComm::watch`])
+    /// and, once the kernel has finished (synchronise the stream), turn
+    /// its error word into an error ([`CudaDevComm::check`]). The stream
+    /// may be gin's, the user's (a cudarc `CudaStream`, or a raw one
+    /// through `StreamRef::from_raw`), or one being captured into a CUDA
+    /// graph; it must belong to the GPU's primary context (checked).
     ///
     /// # Safety
     /// `f` must take exactly `args`, in order: `Arg::DevComm` a
@@ -345,47 +567,91 @@ impl CudaDevComm<'_, '_> {
     /// `Arg::DevComm` the ABIs of live windows and of this device
     /// communicator (the kernel follows their pointers; the device API
     /// checks offsets against a window's sizes, not that the window
-    /// exists).
-    pub unsafe fn run(
+    /// exists). The windows and this device communicator must outlive the
+    /// kernel (do not free or destroy them before it has finished), and a
+    /// graph captured with the launch must not run after that.
+    pub unsafe fn launch_on(
         &self,
         f: &Function,
-        grid: u32,
-        block: u32,
+        cfg: &LaunchConfig,
+        stream: StreamRef<'_>,
         args: &[Arg<'_>],
     ) -> Result<(), CoreError> {
         let cuda = self.cuda;
-        cuda.dev.make_current()?;
+        stream.check_context(&cuda.dev)?;
         // SAFETY: the caller's contract.
-        unsafe { launch(f, &cuda.stream, grid, block, args)? };
-        let cause = self.watch()?;
+        unsafe { launch(f, cfg, stream, args) }
+    }
+
+    /// Starts watching the job while kernels run (see [`Watcher`]): from
+    /// now until the watcher is handed to [`CudaDevComm::check`] or
+    /// dropped, a peer's death, a failed transport or engine raises the
+    /// abort flag, so the kernels' waits give up.
+    pub fn watch(&self) -> Result<Watcher<'_>, CoreError> {
+        let shared = Arc::new(WatchShared::default());
+        let (sentinel, abort, dev) = (
+            self.sentinel.clone(),
+            self.cuda.abort.clone(),
+            self.cuda.dev.clone(),
+        );
+        let thread = {
+            let (shared, abort) = (shared.clone(), abort.clone());
+            std::thread::Builder::new()
+                .name(format!("gin-watch-r{}", self.cuda.comm.rank()))
+                .spawn(move || {
+                    // The context is made current on the first raise only.
+                    let mut current = false;
+                    watch_loop(&shared, &sentinel, || {
+                        if !current {
+                            dev.make_current()?;
+                            current = true;
+                        }
+                        abort.raise()
+                    });
+                })
+                .map_err(|source| gin_cuda::CudaError::Spawn {
+                    what: "CUDA watcher",
+                    source,
+                })?
+        };
+        Ok(Watcher {
+            shared,
+            thread: Some(thread),
+            abort,
+            _dev_comm: PhantomData,
+        })
+    }
+
+    /// Once the kernels launched since the last check have finished (their
+    /// stream synchronised), reads and clears the error word: a device-side
+    /// error becomes [`CoreError::Kernel`] naming this rank, the peer, the
+    /// context and the id, with the watcher's cause; a cause without one
+    /// [`CoreError::AfterKernel`]. The same errors as
+    /// [`CudaDevComm::run`]. Checking while a kernel still runs misses what
+    /// it records later.
+    pub fn check(&self, watcher: Option<Watcher<'_>>) -> Result<(), CoreError> {
+        // Any thread may check: the error word is read in gin's context.
+        self.cuda.dev.make_current()?;
+        let cause = match watcher {
+            Some(w) => w.finish()?,
+            None => None,
+        };
+        let cause = cause.or_else(|| self.sentinel.late_cause());
         self.settle(cause)
     }
 
-    /// Waits for the kernel, raising the abort flag once a peer dies, the
-    /// TCP transport fails or an engine reports an error; returns that
-    /// cause.
-    fn watch(&self) -> Result<Option<String>, CoreError> {
+    /// Waits for `stream` on this thread, raising the abort flag once a
+    /// peer dies, the TCP transport fails or an engine reports an error;
+    /// returns that cause.
+    fn watch_inline(&self, stream: StreamRef<'_>) -> Result<Option<String>, CoreError> {
         let cuda = self.cuda;
-        let mut cause: Option<String> = None;
+        let mut state = WatchState::default();
         let mut next = Instant::now();
-        // A lost TCP link is often a dead peer that the bootstrap names a
-        // moment later: give it that moment before settling for the link's
-        // account.
-        let mut tcp_failed: Option<(Instant, String)> = None;
-        while !cuda.stream.idle()? {
+        while !stream.idle()? {
             if Instant::now() >= next {
                 next = Instant::now() + Duration::from_millis(1);
-                if cause.is_none() {
-                    cause = self.cause(&mut tcp_failed);
-                    if cause.is_some() {
-                        // Queued on its own stream, which runs beside the
-                        // kernel's; the kernel's waits read the flag.
-                        // SAFETY: the flag is 64 bytes of device memory the
-                        // CUDA communicator owns (it outlives `self`), and
-                        // the stream is waited for below before anything
-                        // else touches it.
-                        unsafe { cuda.abort_stream.write_u64(cuda.abort.ptr(), 1)? };
-                    }
+                if state.look(&self.sentinel) {
+                    cuda.abort.raise()?;
                 }
             }
             // Watching a running kernel, not synchronising: the driver has
@@ -393,34 +659,11 @@ impl CudaDevComm<'_, '_> {
             // (and, each millisecond, the job's health) with a short pause.
             std::thread::sleep(Duration::from_micros(20));
         }
-        if cause.is_some() {
-            cuda.abort_stream.sync()?;
-            cuda.abort.zero(0, 8)?;
-        } else if let Some(engine) = self.engine.as_ref().filter(|e| e.kernel_sees_errors())
-            && let Some(e) = engine.error()
-        {
-            // A kernel that met an error completion may end before the
-            // watch above saw the engine's account of it.
-            cause = Some(format!("{}: {e}", engine.failure()));
+        if state.cause.is_some() {
+            cuda.abort.clear()?;
+            return Ok(state.cause);
         }
-        Ok(cause)
-    }
-
-    /// Why the kernel should give up, if it should: a dead peer, a failed
-    /// TCP transport (after [`DEATH_GRACE`]), a failed engine.
-    fn cause(&self, tcp_failed: &mut Option<(Instant, String)>) -> Option<String> {
-        let comm = self.cuda.comm;
-        if let Err(e) = comm.bootstrap().health() {
-            Some(e.to_string())
-        } else if let Some((since, why)) = tcp_failed {
-            (since.elapsed() > DEATH_GRACE).then(|| why.clone())
-        } else if let Err(e) = comm.fabric().health() {
-            *tcp_failed = Some((Instant::now(), format!("the TCP transport failed: {e}")));
-            None
-        } else {
-            let engine = self.engine.as_ref()?;
-            engine.error().map(|e| format!("{}: {e}", engine.failure()))
-        }
+        Ok(self.sentinel.late_cause())
     }
 
     /// Reads (and clears) the error word after the kernel: a device-side
@@ -454,7 +697,7 @@ impl CudaDevComm<'_, '_> {
     /// Stops the engine after checking that every rank got here, and gives
     /// the ids back (collective).
     pub fn destroy(mut self) -> Result<(), CoreError> {
-        if let Some(engine) = self.engine.take() {
+        if let Some(engine) = self.sentinel.engine().take() {
             let context = engine.failure();
             engine.stop().map_err(|error| {
                 CoreError::CudaRuntime(gin_cuda::CudaError::Worker {
@@ -475,12 +718,11 @@ impl CudaDevComm<'_, '_> {
 /// Queues `f` on `stream` with `args` passed by value.
 ///
 /// # Safety
-/// As [`CudaDevComm::run`].
+/// As [`CudaDevComm::launch_on`].
 unsafe fn launch(
     f: &Function,
-    stream: &Stream,
-    grid: u32,
-    block: u32,
+    cfg: &LaunchConfig,
+    stream: StreamRef<'_>,
     args: &[Arg<'_>],
 ) -> Result<(), CoreError> {
     let mut vals: Vec<u64> = args
@@ -507,13 +749,13 @@ unsafe fn launch(
     // SAFETY: the parameter pointers stay valid for the call (the driver
     // copies the values before it returns); the caller matches the
     // kernel's signature and vouches for what it reaches.
-    unsafe { f.launch(stream, grid, block, &mut params)? };
+    unsafe { f.launch_with(cfg, stream, &mut params)? };
     Ok(())
 }
 
 impl Drop for CudaDevComm<'_, '_> {
     fn drop(&mut self) {
-        if let Some(engine) = self.engine.take() {
+        if let Some(engine) = self.sentinel.engine().take() {
             let _ = engine.stop();
         }
         // Without destroy, a signal may still be in flight to these slots:
@@ -521,5 +763,129 @@ impl Drop for CudaDevComm<'_, '_> {
         if let Some(r) = &mut self.ranges {
             r.keep_reserved();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use gin_bootstrap::{Config, run_threads};
+
+    /// An engine whose error the test sets.
+    #[derive(Debug, Default)]
+    struct FakeEngine {
+        error: Arc<Mutex<Option<String>>>,
+        sees: bool,
+    }
+
+    impl CudaEngine for FakeEngine {
+        fn rings(&self) -> u64 {
+            0
+        }
+        fn backend_kind(&self) -> u32 {
+            0
+        }
+        fn serves(&self) -> bool {
+            true
+        }
+        fn describe(&self, _: bool) -> &'static str {
+            "fake"
+        }
+        fn error(&self) -> Option<String> {
+            self.error.lock().unwrap().clone()
+        }
+        fn failure(&self) -> &'static str {
+            "the fake engine failed"
+        }
+        fn kernel_sees_errors(&self) -> bool {
+            self.sees
+        }
+        fn stop(self: Box<Self>) -> Result<(), String> {
+            Ok(())
+        }
+    }
+
+    /// Runs `f` on a one-rank communicator's sentinel with a fake engine
+    /// (its error slot handed to `f`).
+    fn with_sentinel(
+        sees: bool,
+        f: impl Fn(Arc<Sentinel>, Arc<Mutex<Option<String>>>) + Send + Sync + 'static,
+    ) {
+        run_threads(1, Config::default(), move |b| {
+            let comm = crate::Comm::new(b).unwrap();
+            let error = Arc::new(Mutex::new(None));
+            let engine = FakeEngine {
+                error: error.clone(),
+                sees,
+            };
+            let sentinel = Arc::new(Sentinel {
+                bootstrap: comm.bootstrap_arc().clone(),
+                fabric: comm.fabric().clone(),
+                engine: Mutex::new(Some(Box::new(engine))),
+            });
+            f(sentinel, error);
+        })
+        .unwrap();
+    }
+
+    /// A healthy job gives no cause; an engine's error does, once, in the
+    /// words the run's error carries.
+    #[test]
+    fn a_watch_finds_an_engines_failure_once() {
+        with_sentinel(false, |s, error| {
+            let mut w = WatchState::default();
+            assert!(!w.look(&s));
+            assert_eq!(w.cause, None);
+            *error.lock().unwrap() = Some("boom".into());
+            assert!(w.look(&s));
+            assert_eq!(w.cause.as_deref(), Some("the fake engine failed: boom"));
+            // Raised once: a second look finds nothing new.
+            assert!(!w.look(&s));
+            // Errors kernels do not see themselves are not looked at late.
+            assert_eq!(s.late_cause(), None);
+        });
+        with_sentinel(true, |s, error| {
+            assert_eq!(s.late_cause(), None);
+            *error.lock().unwrap() = Some("bad CQE".into());
+            assert_eq!(
+                s.late_cause().as_deref(),
+                Some("the fake engine failed: bad CQE")
+            );
+            // Once the engine is stopped (taken), nothing is reported.
+            s.engine().take();
+            assert_eq!(s.late_cause(), None);
+        });
+    }
+
+    /// The watcher's thread raises the flag when the engine fails, records
+    /// the cause (and a failure to raise), and stops when told.
+    #[test]
+    fn a_watcher_thread_raises_the_abort_flag_and_records_the_cause() {
+        with_sentinel(false, |s, error| {
+            let shared = Arc::new(WatchShared::default());
+            let (tx, rx) = std::sync::mpsc::channel();
+            let t = {
+                let (shared, s) = (shared.clone(), s.clone());
+                std::thread::spawn(move || {
+                    watch_loop(&shared, &s, || {
+                        tx.send(()).unwrap();
+                        Err(gin_cuda::CudaError::Unavailable { why: "test".into() })
+                    });
+                })
+            };
+            *error.lock().unwrap() = Some("boom".into());
+            // The raise is the synchronisation: wait for it (bounded).
+            rx.recv_timeout(Duration::from_secs(30)).unwrap();
+            shared.stop.store(true, Ordering::Release);
+            t.thread().unpark();
+            t.join().unwrap();
+            let found = std::mem::take(&mut *shared.found());
+            assert_eq!(found.cause.as_deref(), Some("the fake engine failed: boom"));
+            assert!(!found.raised);
+            assert!(found.failed.unwrap().contains("test"));
+            // Raised once only.
+            assert!(rx.try_recv().is_err());
+        });
     }
 }

@@ -13,7 +13,8 @@
 //!   be used instead of panicking. Its memory types, streams and kernels
 //!   are re-exported here ([`DevMem`], [`HostMem`], [`Stream`],
 //!   [`Function`], ...): what takes a raw address or launches a kernel is
-//!   `unsafe`, [`CudaDevComm::run`] included.
+//!   `unsafe`, [`CudaDevComm::run`] and [`CudaDevComm::launch_on`]
+//!   included.
 //! - **Windows** ([`CudaComm::alloc_window`]) are `cuMemAlloc` memory; same-host
 //!   peers open each other's parts through CUDA IPC, so a kernel reaches a
 //!   peer's part by load/store over NVLink (or PCIe), and the proxy's copy
@@ -40,6 +41,17 @@
 //!   kernel runs, [`CudaDevComm::run`] watches the job's health and the
 //!   proxy or the soft NIC, and raises the abort flag so device waits give
 //!   up.
+//! - **A library for CUDA applications**: the user's kernels run on the
+//!   user's streams ([`CudaDevComm::launch_on`], returning at once, with a
+//!   [`Watcher`] thread raising the abort flag and [`CudaDevComm::check`]
+//!   turning the error word into the error `run` gives; `run` is the three
+//!   composed, its watch on the calling thread), with cudarc's launch builder
+//!   too ([`DevCommParam`], [`WindowParam`]); the user's device memory
+//!   becomes a window ([`CudaComm::register_window`], exported by its
+//!   allocation's IPC handle and offset, refused on every rank where it
+//!   cannot be shared); NVRTC takes the user's include folders, defines and
+//!   CCCL ([`CudaComm::compile_with`]). Everything runs in the GPU's primary
+//!   context, cudarc's too ([`CudaComm::context_info`]).
 //!
 //! - **GDAKI** (`GIN_BACKEND=gdaki`): kernels build mlx5 WQEs into send
 //!   queues in mapped pinned host memory, mark them ready in order and write
@@ -61,10 +73,14 @@ pub mod nvrtc;
 
 mod window;
 
-pub use gin_cuda::{Cubin, CudaError, DevMem, Device, Function, HostMem, IpcMem, Module, Stream};
+pub use gin_cuda::{
+    Cubin, CudaError, DevMem, Device, Function, HostMem, IpcMem, LaunchConfig, Module, Stream,
+    StreamRef, cudarc,
+};
 
-pub use devcomm::{Arg, CudaDevComm};
-pub use window::GpuWindow;
+pub use devcomm::{Arg, CudaDevComm, DevCommParam, Watcher};
+pub use nvrtc::CompileOptions;
+pub use window::{GpuWindow, WindowParam};
 
 use std::sync::Arc;
 
@@ -115,13 +131,8 @@ pub struct CudaComm<'c> {
     home: Arc<()>,
     signal_window: GpuWindow,
     counters: DevMem,
-    /// The abort flag, in device memory: kernels poll it, and a kernel that
-    /// reads host memory, even one thread per block once every 100 us,
-    /// starves the copies the CUDA proxy queues (measured with
-    /// `xtask/gpu/probe/ce_probe.cu`). The host raises it with a stream
-    /// write on `abort_stream`.
-    abort: DevMem,
-    abort_stream: Stream,
+    /// The abort flag (shared with watcher threads).
+    abort: Arc<Abort>,
     error: DevMem,
     spaces: Spaces,
     stream: Stream,
@@ -181,8 +192,11 @@ impl<'c> CudaComm<'c> {
             home,
             signal_window,
             counters: DevMem::new(s.counter_slots as usize * 16)?,
-            abort: DevMem::new(64)?,
-            abort_stream: Stream::new()?,
+            abort: Arc::new(Abort {
+                flag: DevMem::new(64)?,
+                stream: Stream::new()?,
+                dev: dev.clone(),
+            }),
             error: DevMem::new(8)?,
             spaces: Spaces::new(s.signal_slots, s.counter_slots),
             stream: Stream::new()?,
@@ -249,12 +263,109 @@ impl<'c> CudaComm<'c> {
         Ok(())
     }
 
+    /// Registers the user's `bytes` of device memory at `ptr` as this
+    /// rank's part of a new window (collective; sizes may differ per rank,
+    /// as with [`CudaComm::alloc_window`]). Same-host peers map it through
+    /// CUDA IPC (its allocation's handle and its offset there), peers over
+    /// TCP reach it through the engines. Memory that cannot be a part — not
+    /// this GPU's device memory, not inside one allocation, or, with a
+    /// same-host peer, not exportable through legacy CUDA IPC (managed
+    /// memory, a stream-ordered pool's such as cudarc's `alloc` on most
+    /// GPUs, VMM mappings) — makes every rank fail, naming the rank, the
+    /// pointer and why. [`CudaComm::free_window`] unregisters it and leaves
+    /// the memory alone.
+    ///
+    /// # Safety
+    /// `ptr` must be the start of `bytes` bytes of device memory of this
+    /// rank's GPU ([`CudaComm::device`]) that stay allocated, and are not
+    /// reused for anything else, until the window has been freed on every
+    /// rank or dropped: peers and engines write it until then.
+    pub unsafe fn register_window(&self, ptr: u64, bytes: u64) -> Result<GpuWindow, CoreError> {
+        // SAFETY: the caller's contract.
+        unsafe { self.adopt_window(ptr, bytes) }
+    }
+
     /// Compiles `source` (which includes `gin/gin.cuh`) for this GPU with
     /// NVRTC and loads it.
     pub fn compile(&self, source: &str, name: &str) -> Result<Module, CoreError> {
+        self.compile_with(source, name, &CompileOptions::default())
+    }
+
+    /// As [`CudaComm::compile`], with the user's include folders, defines
+    /// and NVRTC options (and CCCL's headers where installed: see
+    /// [`nvrtc::compile_with`]).
+    pub fn compile_with(
+        &self,
+        source: &str,
+        name: &str,
+        opts: &CompileOptions,
+    ) -> Result<Module, CoreError> {
         self.dev.make_current()?;
-        let cubin = nvrtc::compile(source, name, self.dev.cc())?;
+        let cubin = nvrtc::compile_with(source, name, self.dev.cc(), opts)?;
         Ok(Module::load(&cubin)?)
+    }
+
+    /// Which CUDA context and streams gin uses on this rank's GPU, to share
+    /// them with another CUDA library (cudarc, PyTorch).
+    pub fn context_info(&self) -> ContextInfo {
+        ContextInfo {
+            ordinal: self.dev.ordinal(),
+            context: self.dev.raw_context(),
+            primary: true,
+            stream: self.stream.raw(),
+        }
+    }
+}
+
+/// Which CUDA context gin uses on a rank's GPU ([`CudaComm::context_info`]):
+/// the device's **primary context**, which cudarc's
+/// `CudaContext::new(ordinal)` (and the CUDA runtime, so PyTorch) retain
+/// too. Memory, streams and modules of one are valid in the others; kernels
+/// a user launches with [`CudaDevComm::launch_on`] may use any stream of
+/// this context. Each device communicator's engine (the CUDA proxy, the
+/// soft NIC) creates its own streams in it.
+#[derive(Debug, Clone, Copy)]
+pub struct ContextInfo {
+    /// The GPU's ordinal (after `CUDA_VISIBLE_DEVICES`).
+    pub ordinal: usize,
+    /// The context, as a raw `CUcontext`.
+    pub context: cudarc::driver::sys::CUcontext,
+    /// Whether it is the device's primary context (always, today).
+    pub primary: bool,
+    /// The stream [`CudaDevComm::run`] launches on (a non-blocking stream
+    /// of that context).
+    pub stream: cudarc::driver::sys::CUstream,
+}
+
+/// The abort flag, in device memory: kernels poll it, and a kernel that
+/// reads host memory, even one thread per block once every 100 us, starves
+/// the copies the CUDA proxy queues (measured with
+/// `xtask/gpu/probe/ce_probe.cu`). The host raises it with a stream write
+/// on its own stream, which runs beside the kernels'. Shared (`Arc`) with
+/// watcher threads, so it outlives any of them.
+#[derive(Debug)]
+struct Abort {
+    flag: DevMem,
+    stream: Stream,
+    /// Last: the context must outlive the memory and the stream.
+    dev: Arc<Device>,
+}
+
+impl Abort {
+    /// Queues the raise (the calling thread needs the context current).
+    fn raise(&self) -> Result<(), CudaError> {
+        // SAFETY: the flag is 64 bytes of device memory this value owns,
+        // and the stream is waited for (`clear`) before the flag is reset.
+        unsafe { self.stream.write_u64(self.flag.ptr(), 1) }
+    }
+
+    /// Lowers the flag again once the raise has landed (after the kernels
+    /// it aborted have finished).
+    fn clear(&self) -> Result<(), CudaError> {
+        // From any thread (a watcher dropped elsewhere).
+        self.dev.make_current()?;
+        self.stream.sync()?;
+        self.flag.zero(0, 8)
     }
 }
 

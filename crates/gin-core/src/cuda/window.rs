@@ -7,12 +7,12 @@
 use std::sync::Arc;
 
 use gin_cuda::staging::Server;
-use gin_cuda::window::{LocalPart, PeerParts};
+use gin_cuda::window::{LocalPart, Offer, PeerParts};
 use gin_cuda::{DevMem, Device, IpcMem};
 use gin_device::abi::WindowAbi;
 use gin_net::{Fabric, MemDesc, MemParts, Memory};
 
-use super::{COUNTER_KEY, CudaComm, WINDOW_KEY_BASE, window_key};
+use super::{COUNTER_KEY, CudaComm, WINDOW_KEY_BASE, cudarc, window_key};
 use crate::comm::Comm;
 use crate::error::CoreError;
 
@@ -36,10 +36,26 @@ pub struct GpuWindow {
     _dev: Arc<Device>,
 }
 
+/// A window's ABI as one kernel parameter (a `gin::Window` by value), for
+/// cudarc's launch builder: `builder.arg(&window.param())`.
+#[repr(transparent)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WindowParam(pub WindowAbi);
+
+// SAFETY: plain `#[repr(C)]` integers (gin-device asserts its layout),
+// passed by value as the header's `gin::Window`.
+unsafe impl cudarc::driver::DeviceRepr for WindowParam {}
+
 impl GpuWindow {
     /// What a kernel receives (pass by value).
     pub fn abi(&self) -> &WindowAbi {
         &self.abi
+    }
+
+    /// [`GpuWindow::abi`] as a kernel parameter for cudarc's launch
+    /// builder.
+    pub fn param(&self) -> WindowParam {
+        WindowParam(self.abi)
     }
 
     /// The window's id, the same on every rank.
@@ -74,6 +90,7 @@ impl Drop for GpuWindow {
 }
 
 impl CudaComm<'_> {
+    /// A window of `bytes` of device memory gin allocates (collective).
     pub(super) fn make_window(
         comm: &Comm,
         dev: &Arc<Device>,
@@ -82,12 +99,52 @@ impl CudaComm<'_> {
         bytes: u64,
     ) -> Result<GpuWindow, CoreError> {
         let id = comm.take_window_id();
-        let (rank, n) = (comm.rank(), comm.nranks());
         // Served to TCP peers from the region table (removed again when
         // `local` drops, on an error path below or after the window's drop).
-        let local = LocalPart::new(dev, bytes, server.map(|s| (comm.region_table(), s)))?;
-        let all = comm.bootstrap().allgather(&local.record().encode())?;
-        let parts = PeerParts::open(rank, id, &local, &all, |p| comm.reaches_keyed(p))?;
+        let local = LocalPart::new(dev, bytes, server.map(|s| (comm.region_table(), s)));
+        Self::assemble(comm, dev, home, id, local)
+    }
+
+    /// A window whose part here is the user's `bytes` at `ptr`
+    /// (collective): see [`CudaComm::register_window`].
+    ///
+    /// # Safety
+    /// As [`CudaComm::register_window`].
+    pub(super) unsafe fn adopt_window(&self, ptr: u64, bytes: u64) -> Result<GpuWindow, CoreError> {
+        let comm = self.comm;
+        let id = comm.take_window_id();
+        let (rank, n) = (comm.rank(), comm.nranks());
+        // Only a same-host peer needs the part exported through CUDA IPC.
+        let ipc = (0..n).any(|p| p != rank && !comm.reaches_keyed(p));
+        let serve = self.server.as_ref().map(|s| (comm.region_table(), s));
+        // SAFETY: the caller's contract.
+        let local = unsafe { LocalPart::register(rank, &self.dev, ptr, bytes, ipc, serve) };
+        Self::assemble(comm, &self.dev, &self.home, id, local)
+    }
+
+    /// Tells every rank what this rank contributes to window `id` (its
+    /// part, or why it has none), reaches the others' parts and registers
+    /// the window in the fabric's directory. Where any rank has no part,
+    /// every rank fails naming it.
+    fn assemble(
+        comm: &Comm,
+        dev: &Arc<Device>,
+        home: &Arc<()>,
+        id: u32,
+        local: Result<LocalPart, gin_cuda::CudaError>,
+    ) -> Result<GpuWindow, CoreError> {
+        let (rank, n) = (comm.rank(), comm.nranks());
+        let offer = match &local {
+            Ok(part) => Offer::Part(part.record()),
+            Err(e) => Offer::Refused(e.to_string()),
+        };
+        let all = comm.bootstrap().allgather(&offer.encode())?;
+        let records = Offer::gather(rank, id, &all);
+        // This rank's own error where it refused, else the first refusal.
+        let local = local?;
+        let records = records?;
+        let bytes = local.record().size;
+        let parts = PeerParts::open(rank, id, &local, &records, |p| comm.reaches_keyed(p))?;
         let keys = (0..n)
             .map(|p| window_key(id, p, n))
             .collect::<Option<Vec<u32>>>()

@@ -1,0 +1,280 @@
+//! Launching kernels the way their authors want: any grid and block shape,
+//! dynamic shared memory, cooperative launches, on gin's streams or on the
+//! user's own (a raw `CUstream` or a cudarc `CudaStream` of the same
+//! context).
+//!
+//! Launching stays `unsafe` ([`Function::launch_with`]): nothing here knows
+//! a kernel's parameter list or what it writes. What is checked before the
+//! driver is called — the shape's limits, that the stream belongs to the
+//! GPU's context — is pure code, tested without a GPU.
+
+use std::ffi::c_void;
+use std::marker::PhantomData;
+
+use cudarc::driver::sys as cu;
+
+use crate::driver::{Device, Function, Stream, check};
+use crate::error::CudaError;
+
+/// How a kernel is launched: its grid and block shapes (x, y, z), its
+/// dynamic shared memory and whether it is a cooperative launch
+/// (`cuLaunchCooperativeKernel`: every block resident at once, so grid-wide
+/// synchronisation is allowed; the grid must fit the GPU).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaunchConfig {
+    /// Blocks in x, y, z.
+    pub grid: (u32, u32, u32),
+    /// Threads per block in x, y, z.
+    pub block: (u32, u32, u32),
+    /// Dynamic shared memory per block, in bytes (above 48 KiB, raise the
+    /// kernel's limit first: [`Function::set_max_dynamic_shared`]).
+    pub shared_mem_bytes: u32,
+    /// Whether to launch with `cuLaunchCooperativeKernel`.
+    pub cooperative: bool,
+}
+
+impl LaunchConfig {
+    /// `grid` blocks of `block` threads in x, no dynamic shared memory, not
+    /// cooperative.
+    pub fn linear(grid: u32, block: u32) -> Self {
+        Self {
+            grid: (grid, 1, 1),
+            block: (block, 1, 1),
+            shared_mem_bytes: 0,
+            cooperative: false,
+        }
+    }
+
+    /// Threads per block.
+    pub fn threads_per_block(&self) -> u64 {
+        let (x, y, z) = self.block;
+        u64::from(x) * u64::from(y) * u64::from(z)
+    }
+
+    /// Checks the shape against CUDA's fixed limits (no dimension zero, at
+    /// most 1024 threads per block, a block's y and z at most 1024 and 64,
+    /// a grid's y and z at most 65535), before any driver call.
+    pub fn check(&self) -> Result<(), CudaError> {
+        let bad = |why: String| Err(CudaError::LaunchShape { config: *self, why });
+        let (gx, gy, gz) = self.grid;
+        let (bx, by, bz) = self.block;
+        if [gx, gy, gz, bx, by, bz].contains(&0) {
+            return bad("a grid or block dimension is zero".into());
+        }
+        if gx > i32::MAX as u32 || gy > 65_535 || gz > 65_535 {
+            return bad("the grid exceeds (2^31 - 1, 65535, 65535) blocks".into());
+        }
+        if by > 1024 || bz > 64 {
+            return bad("the block exceeds (1024, 1024, 64) threads".into());
+        }
+        let t = self.threads_per_block();
+        if t > 1024 {
+            return bad(format!("{t} threads per block, at most 1024"));
+        }
+        Ok(())
+    }
+}
+
+/// A stream to queue a kernel on: one of gin's ([`Stream`]), a cudarc
+/// `CudaStream`, or a raw `CUstream` from elsewhere
+/// ([`StreamRef::from_raw`]). It borrows what it was made from, so the
+/// stream outlives every use of it.
+#[derive(Debug, Clone, Copy)]
+pub struct StreamRef<'s> {
+    raw: cu::CUstream,
+    _borrow: PhantomData<&'s ()>,
+}
+
+impl<'s> From<&'s Stream> for StreamRef<'s> {
+    fn from(s: &'s Stream) -> Self {
+        Self {
+            raw: s.0,
+            _borrow: PhantomData,
+        }
+    }
+}
+
+impl<'s> From<&'s cudarc::driver::CudaStream> for StreamRef<'s> {
+    /// A cudarc stream: made in cudarc's `CudaContext::new(ordinal)`, the
+    /// GPU's primary context, which is gin's too ([`Device::open`]).
+    fn from(s: &'s cudarc::driver::CudaStream) -> Self {
+        Self {
+            raw: s.cu_stream(),
+            _borrow: PhantomData,
+        }
+    }
+}
+
+impl StreamRef<'static> {
+    /// A stream gin did not create (PyTorch's, a CUDA graph's capture
+    /// stream, the legacy default stream as null).
+    ///
+    /// # Safety
+    /// `raw` must be null or a live stream, and stay alive (not destroyed)
+    /// for as long as the result or a copy of it is used.
+    pub unsafe fn from_raw(raw: cu::CUstream) -> Self {
+        Self {
+            raw,
+            _borrow: PhantomData,
+        }
+    }
+}
+
+impl StreamRef<'_> {
+    /// The raw `CUstream`.
+    pub fn raw(&self) -> cu::CUstream {
+        self.raw
+    }
+
+    /// Whether all work queued so far on the stream has finished.
+    pub fn idle(&self) -> Result<bool, CudaError> {
+        // SAFETY: the stream is alive (this borrows its owner, or the
+        // creator of a raw one promised so).
+        let r = unsafe { cu::cuStreamQuery(self.raw) };
+        if r == cu::CUresult::CUDA_ERROR_NOT_READY {
+            return Ok(false);
+        }
+        check("cuStreamQuery", r).map(|()| true).map_err(Into::into)
+    }
+
+    /// Waits until all work queued so far on the stream has finished.
+    pub fn sync(&self) -> Result<(), CudaError> {
+        // SAFETY: as in `idle`.
+        Ok(check("cuStreamSynchronize", unsafe {
+            cu::cuStreamSynchronize(self.raw)
+        })?)
+    }
+
+    /// Checks that the stream belongs to `dev`'s context (a stream of
+    /// another GPU, or of a context the user created, would run the kernel
+    /// where gin's memory is not).
+    pub fn check_context(&self, dev: &Device) -> Result<(), CudaError> {
+        dev.make_current()?;
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; the stream is alive (see `idle`). The
+        // null stream answers with the current context.
+        check("cuStreamGetCtx", unsafe {
+            cu::cuStreamGetCtx(self.raw, &raw mut ctx)
+        })?;
+        if ctx != dev.raw_context() {
+            return Err(CudaError::ForeignStream {
+                ordinal: dev.ordinal(),
+            });
+        }
+        Ok(())
+    }
+}
+
+// SAFETY: a CUstream may be used from any thread with its context current.
+unsafe impl Send for StreamRef<'_> {}
+// SAFETY: as above.
+unsafe impl Sync for StreamRef<'_> {}
+
+impl Function {
+    /// Queues the kernel on `stream` as `cfg` says, with one pointer per
+    /// kernel parameter; returns once the driver has queued it.
+    ///
+    /// # Safety
+    /// `params` must match the kernel's parameter list in number, order and
+    /// size, and stay valid until this call returns; every address the
+    /// kernel receives must be memory it may access as it does, until it
+    /// has finished. The stream must belong to the current context.
+    pub unsafe fn launch_with(
+        &self,
+        cfg: &LaunchConfig,
+        stream: StreamRef<'_>,
+        params: &mut [*mut c_void],
+    ) -> Result<(), CudaError> {
+        cfg.check()?;
+        let (gx, gy, gz) = cfg.grid;
+        let (bx, by, bz) = cfg.block;
+        let (call, r) = if cfg.cooperative {
+            // SAFETY: forwarded from the caller.
+            ("cuLaunchCooperativeKernel", unsafe {
+                cu::cuLaunchCooperativeKernel(
+                    self.0,
+                    gx,
+                    gy,
+                    gz,
+                    bx,
+                    by,
+                    bz,
+                    cfg.shared_mem_bytes,
+                    stream.raw,
+                    params.as_mut_ptr(),
+                )
+            })
+        } else {
+            // SAFETY: forwarded from the caller.
+            ("cuLaunchKernel", unsafe {
+                cu::cuLaunchKernel(
+                    self.0,
+                    gx,
+                    gy,
+                    gz,
+                    bx,
+                    by,
+                    bz,
+                    cfg.shared_mem_bytes,
+                    stream.raw,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            })
+        };
+        Ok(check(call, r)?)
+    }
+
+    /// Lets launches of this kernel ask for up to `bytes` of dynamic shared
+    /// memory per block (needed above 48 KiB).
+    pub fn set_max_dynamic_shared(&self, bytes: u32) -> Result<(), CudaError> {
+        // SAFETY: a valid function handle; the driver checks the value.
+        Ok(check("cuFuncSetAttribute", unsafe {
+            cu::cuFuncSetAttribute(
+                self.0,
+                cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+        })?)
+    }
+
+    /// The raw `CUfunction` (to launch it with another launcher, such as
+    /// cudarc's; that launch is as `unsafe` as [`Function::launch_with`]).
+    pub fn raw(&self) -> cu::CUfunction {
+        self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn launch_shapes_are_checked_before_the_driver() {
+        assert!(LaunchConfig::linear(132, 1024).check().is_ok());
+        let mut c = LaunchConfig::linear(4, 256);
+        c.grid = (4, 2, 3);
+        c.block = (16, 16, 4);
+        assert_eq!(c.threads_per_block(), 1024);
+        assert!(c.check().is_ok());
+        c.block = (32, 32, 2);
+        let e = c.check().expect_err("2048 threads");
+        assert!(e.to_string().contains("2048 threads per block"), "{e}");
+        assert!(LaunchConfig::linear(0, 32).check().is_err());
+        assert!(LaunchConfig::linear(1, 1025).check().is_err());
+        let mut c = LaunchConfig::linear(1, 32);
+        c.grid.1 = 65_536;
+        assert!(c.check().is_err());
+        c.grid.1 = 1;
+        c.block = (1, 1, 65);
+        let e = c.check().expect_err("z of 65");
+        assert!(matches!(e, CudaError::LaunchShape { .. }), "{e}");
+    }
+
+    #[test]
+    fn a_raw_stream_keeps_its_handle() {
+        // SAFETY: the null stream; nothing is queued on it here.
+        let s = unsafe { StreamRef::from_raw(std::ptr::null_mut()) };
+        assert!(s.raw().is_null());
+    }
+}
