@@ -25,6 +25,13 @@ nvidia-smi topo -m > "$out/topo.txt" 2>&1 || true
 # (GPUs only: under MIG, nvidia-smi -L lists the instances too.)
 ngpu=$(nvidia-smi -L | grep -c '^GPU ')
 fail=0
+# Cleanup on exit: the MPS daemon this script started, UCX's unpacked copy.
+mps_up="" ucx_tmp=""
+on_exit() {
+  if [ -n "$mps_up" ]; then echo quit | nvidia-cuda-mps-control; rm -rf "$CUDA_MPS_PIPE_DIRECTORY"; fi
+  if [ -n "$ucx_tmp" ]; then rm -rf "$ucx_tmp"; fi
+}
+trap on_exit EXIT
 # One GPU: the ranks share it, and without MPS the GPU time-slices their
 # processes, so the benchmarks would measure the slices. Start a private MPS
 # daemon for this script's processes (its own pipe directory; the card's
@@ -36,7 +43,7 @@ if [ "$ngpu" -eq 1 ] && [ -z "${GIN_NO_MPS:-}" ] && command -v nvidia-cuda-mps-c
     export CUDA_MPS_PIPE_DIRECTORY="$pipe" CUDA_MPS_LOG_DIRECTORY="$out/mps-log"
     mkdir -p "$CUDA_MPS_LOG_DIRECTORY"
     if nvidia-cuda-mps-control -d; then
-      trap 'echo quit | nvidia-cuda-mps-control; rm -rf "$CUDA_MPS_PIPE_DIRECTORY"' EXIT
+      mps_up=1
       echo "one GPU: MPS started for this run ($CUDA_MPS_PIPE_DIRECTORY)"
     else
       unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
@@ -149,6 +156,89 @@ if [ "$suite" = full ]; then
   step "bench-cuda-tcp" env GIN_TRANSPORT=tcp "$here/gin-bench" cuda --tests pingpong,bandwidth --paths proxy,gdaki --sizes 8,1k,64k,1m --blocks 16 --runs 3 --json "$out/cuda-tcp.json"
 else
   step "bench-cuda" "$here/gin-bench" cuda --sizes 8,64k --coops block --iters 500 --runs 3 --blocks 32 --json "$out/cuda.json"
+fi
+# CUDA ranks over UCX (issue 24): the pinned libucx-cu13 wheel's subset
+# (ucx.tgz, made by `cargo xtask gpu-package`), unpacked into a temporary
+# folder; only these steps see it (GIN_UCX_LIB, LD_LIBRARY_PATH). GPU memory
+# goes to UCX directly (cuda_ipc between the ranks' processes, one GPU under
+# MPS), signals and counters as running totals put after the data. Where UCX
+# cannot run here (no ucx.tgz, no CUDA transports), each step says why and
+# is skipped without failing the run.
+if [ "$suite" = full ]; then
+  ucx_why=""
+  if [ ! -f "$here/ucx.tgz" ]; then
+    ucx_why="no ucx.tgz in the package (cargo xtask gpu-package packs it from cargo xtask wheels)"
+  elif ! ucx_tmp="$(mktemp -d /tmp/gin-ucx.XXXXXX)"; then
+    ucx_tmp="" ucx_why="no temporary directory to unpack UCX into"
+  elif ! tar xzf "$here/ucx.tgz" -C "$ucx_tmp"; then
+    ucx_why="ucx.tgz did not unpack"
+  fi
+  ucx_lib="$ucx_tmp/libucx/lib" ucx_bin="$ucx_tmp/libucx/bin"
+  ucx_env=(env GIN_UCX_LIB="$ucx_lib/libucp.so.0" LD_LIBRARY_PATH="$ucx_lib:$LD_LIBRARY_PATH")
+  if [ -z "$ucx_why" ]; then
+    # Which transports and memory domains UCX finds here: cuda_copy and
+    # cuda_ipc (GPU memory), posix, sysv, cma (shared memory), tcp.
+    echo "== ucx-info: ucx_info -v -d"
+    if "${ucx_env[@]}" "$ucx_bin/ucx_info" -v -d > "$out/ucx-info.log" 2>&1; then
+      grep -E "Library version|Transport:" "$out/ucx-info.log" | sort | uniq -c
+      for tl in cuda_copy cuda_ipc; do
+        grep -q "Transport: $tl" "$out/ucx-info.log" || ucx_why="UCX lists no $tl transport here (see ucx-info.log)"
+      done
+    else
+      ucx_why="ucx_info failed (see ucx-info.log)"; tail -n 20 "$out/ucx-info.log"
+    fi
+  fi
+  [ -z "$ucx_why" ] || echo "UCX steps skipped: $ucx_why"
+  ustep() {
+    # A step over UCX, or its skip with the reason.
+    local name="$1"; shift
+    if [ -n "$ucx_why" ]; then
+      echo "== $name: SKIPPED ($ucx_why)"; echo "SKIPPED: $ucx_why" > "$out/$name.log"
+    else
+      step "$name" "${ucx_env[@]}" GIN_TRANSPORT=ucx "$@"
+    fi
+  }
+  # Correctness first. UCX_PROTO_INFO=y logs which UCX protocol and
+  # transport carries each kind of request (look for cuda_ipc).
+  for backend in auto proxy gdaki; do
+    ustep "selftest-ucx-$backend" env UCX_PROTO_INFO=y GIN_BACKEND=$backend "$st" all --ranks 2
+  done
+  for backend in proxy gdaki; do
+    ustep "badinput-ucx-$backend" env GIN_BACKEND=$backend GIN_TIMEOUT=2s "$st" badinput --ranks 2
+    ustep "dropped-ucx-$backend" env GIN_BACKEND=$backend "$st" dropped --ranks 2
+  done
+  # Round trips and bandwidth (4 MiB: target >= 30 GB/s, 10x bench-cuda-tcp)
+  # with exactly bench-cuda-tcp's arguments, so the two compare row by row;
+  # then the same with GPU memory staged through pinned host memory
+  # (GIN_UCX_DEVICE=0), which isolates what the direct path buys.
+  ustep "bench-cuda-ucx" "$here/gin-bench" cuda --tests pingpong,bandwidth --paths proxy,gdaki --sizes 8,1k,64k,1m --blocks 16 --runs 3 --json "$out/cuda-ucx.json"
+  ustep "bench-cuda-ucx-staged" env GIN_UCX_DEVICE=0 "$here/gin-bench" cuda --tests pingpong,bandwidth --paths proxy --sizes 8,64k,1m --blocks 16 --runs 3 --json "$out/cuda-ucx-staged.json"
+  # The raw UCX floor in the same job: ucx_perftest between two processes on
+  # loopback, GPU memory on both sides (-m cuda,cuda), the same UCX.
+  ucx_perf() {
+    local name="$1"; shift
+    if [ -n "$ucx_why" ]; then
+      echo "== $name: SKIPPED ($ucx_why)"; echo "SKIPPED: $ucx_why" > "$out/$name.log"; return
+    fi
+    local port=$((20000 + RANDOM % 20000)) try
+    echo "== $name: ucx_perftest $*"
+    "${ucx_env[@]}" timeout 300 "$ucx_bin/ucx_perftest" -p "$port" > "$out/$name-server.log" 2>&1 &
+    local server=$!
+    for try in 1 2 3 4 5; do
+      sleep 1 # (the server must be listening before the client connects)
+      if "${ucx_env[@]}" timeout 240 "$ucx_bin/ucx_perftest" 127.0.0.1 -p "$port" "$@" > "$out/$name.log" 2>&1; then
+        tail -n 8 "$out/$name.log"; wait "$server"; return
+      fi
+      grep -qi "refused" "$out/$name.log" || break
+    done
+    echo "FAILED ($name), last lines:"; tail -n 30 "$out/$name.log"; tail -n 10 "$out/$name-server.log"; fail=1
+    kill "$server" 2> /dev/null; wait "$server" 2> /dev/null
+  }
+  for size in 8 65536 1048576; do
+    ucx_perf "ucx-perftest-put-lat-$size" -t ucp_put_lat -m cuda,cuda -s "$size" -n 10000 -w 1000
+  done
+  ucx_perf "ucx-perftest-put-bw-4m" -t ucp_put_bw -m cuda,cuda -s 4194304 -n 2000 -w 100
+  ucx_perf "ucx-perftest-put-bw-4m-o16" -t ucp_put_bw -m cuda,cuda -s 4194304 -n 2000 -w 100 -O 16
 fi
 # A/B against another build (GIN_AB_BASE=path/to/its/gin-bench), in ABBA
 # order so drift over the run falls on both alike: the round trips and

@@ -4,6 +4,16 @@
 //! folder stays far under the 64 MiB a device run may carry. The peers' sources
 //! (`xtask/gpu/peers/`: programs run.sh builds there with the machine's nvcc
 //! and runs beside gin-rs, issue 22) go to DIR/peers/.
+//!
+//! UCX for CUDA ranks over `GIN_TRANSPORT=ucx` (issue 24): the subset of the
+//! pinned `libucx-cu13` wheel (installed by `cargo xtask wheels` under
+//! `target/wheels/libucx-cu13`) that run.sh needs goes to DIR/ucx.tgz in the
+//! wheel's own layout: the libraries (`libucp`, `libuct`, `libucs`,
+//! `libucm`, `libucs_signal`), UCX's transport modules (`lib/ucx/*.so.0`:
+//! cma, cuda with cuda_copy and cuda_ipc, ucm's CUDA hooks, ucx_perftest's
+//! CUDA memory), the wheel's bundled libraries (`libucx_cu13.libs`),
+//! `ucx_info`, `ucx_perftest` and `etc/`. run.sh unpacks it into a
+//! temporary folder and points only its ucx steps at it.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -18,6 +28,81 @@ const BINARIES: [(&str, &str); 3] = [
 
 /// The peers' sources and their build-and-run script, copied to DIR/peers.
 const PEERS: &str = "xtask/gpu/peers";
+
+/// The pinned UCX wheel's root, as `cargo xtask wheels` unpacks it (under
+/// the target directory).
+const UCX_WHEEL: &str = "wheels/libucx-cu13";
+
+/// Whether `rel` (a path inside the UCX wheel's root, `/`-separated) is part
+/// of the GPU package's UCX subset: the versioned shared libraries and
+/// modules UCX loads (by the `.so.0` name its own libucs was loaded as),
+/// the bundled libraries, the two tools run.sh runs, and the configuration.
+/// Static archives, libtool files, unversioned duplicates, headers and
+/// Python files stay behind.
+fn ucx_wanted(rel: &str) -> bool {
+    let lib = |name: &str| {
+        ["libucp", "libuct", "libucs", "libucm", "libucs_signal"]
+            .iter()
+            .any(|l| name == format!("{l}.so.0"))
+    };
+    match rel.split('/').collect::<Vec<_>>().as_slice() {
+        ["libucx", "lib", name] => lib(name),
+        ["libucx", "lib", "ucx", name] => name.ends_with(".so.0"),
+        ["libucx", "bin", "ucx_info" | "ucx_perftest"]
+        | ["libucx", "etc", ..]
+        | ["libucx_cu13.libs", _] => true,
+        _ => false,
+    }
+}
+
+/// Every file under `root` (the UCX wheel) the package takes, as paths
+/// relative to `root`, sorted; an error unless libucp and ucx_perftest are
+/// among them.
+fn ucx_subset(root: &Path) -> Result<Vec<String>> {
+    let mut found = Vec::new();
+    let mut todo = vec![PathBuf::new()];
+    while let Some(rel) = todo.pop() {
+        let dir = root.join(&rel);
+        for e in std::fs::read_dir(&dir).with_context(|| format!("reading {}", dir.display()))? {
+            let e = e?;
+            let r = rel.join(e.file_name());
+            let t = e.file_type()?;
+            if t.is_dir() {
+                todo.push(r);
+            } else if let Some(s) = r.to_str().filter(|s| ucx_wanted(s)) {
+                found.push(s.to_owned());
+            }
+        }
+    }
+    found.sort();
+    for need in ["libucx/lib/libucp.so.0", "libucx/bin/ucx_perftest"] {
+        if !found.iter().any(|f| f == need) {
+            bail!(
+                "{} has no {need}: run `cargo xtask wheels` (it installs the pinned UCX wheel)",
+                root.display()
+            );
+        }
+    }
+    Ok(found)
+}
+
+/// Packs the UCX subset of the wheel at `root` into `to` (gzip'd tar, the
+/// wheel's layout, files' modes kept); its size.
+fn pack_ucx(root: &Path, to: &Path) -> Result<u64> {
+    let files = ucx_subset(root)?;
+    let st = Command::new("tar")
+        .arg("czf")
+        .arg(to)
+        .arg("-C")
+        .arg(root)
+        .args(&files)
+        .status()
+        .context("running tar")?;
+    if !st.success() {
+        bail!("tar failed packing {}", to.display());
+    }
+    Ok(std::fs::metadata(to)?.len())
+}
 
 /// Every file in `dir` (the peers' sources: `.cu` programs and `peers.sh`),
 /// sorted; an error if there are none, as run.sh needs them.
@@ -68,6 +153,9 @@ pub fn package(args: &[String]) -> Result<()> {
         std::fs::copy(&from, &to).with_context(|| format!("copying {}", from.display()))?;
         total += std::fs::metadata(&to)?.len();
     }
+    let ucx = pack_ucx(&Path::new(&target).join(UCX_WHEEL), &dir.join("ucx.tgz"))?;
+    println!("UCX subset: ucx.tgz, {:.1} MiB", ucx as f64 / 1_048_576.0);
+    total += ucx;
     if total > 60 << 20 {
         bail!("the package is {} MiB, over the 60 MiB budget", total >> 20);
     }
@@ -106,5 +194,80 @@ mod tests {
         assert!(script.contains(r#"json="$out/peer-nvshmem.json""#));
         assert!(script.contains(r#"why="$out/peer-nvshmem.why""#));
         assert!(peer_sources(Path::new("gpu/no-such-dir")).is_err());
+    }
+
+    /// The UCX subset: what UCX loads by the names it loads them, the two
+    /// tools and the configuration, nothing else (a made-up wheel tree).
+    #[test]
+    fn the_package_carries_the_ucx_subset_run_sh_needs() {
+        let root = std::env::temp_dir().join(format!("gin-xtask-ucx-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let files = [
+            "libucx/lib/libucp.so.0",
+            "libucx/lib/libucp.so",
+            "libucx/lib/libucp.a",
+            "libucx/lib/libucp.la",
+            "libucx/lib/libuct.so.0",
+            "libucx/lib/libucs.so.0",
+            "libucx/lib/libucm.so.0",
+            "libucx/lib/libucs_signal.so.0",
+            "libucx/lib/libucs_signal.so.0.0.0",
+            "libucx/lib/ucx/libuct_cuda.so.0",
+            "libucx/lib/ucx/libuct_cuda.so",
+            "libucx/lib/ucx/libuct_cuda.a",
+            "libucx/lib/ucx/libucm_cuda.so.0",
+            "libucx/lib/ucx/libuct_cma.so.0",
+            "libucx/lib/ucx/libucx_perftest_cuda.so.0",
+            "libucx/lib/pkgconfig/ucx.pc",
+            "libucx/bin/ucx_info",
+            "libucx/bin/ucx_perftest",
+            "libucx/bin/io_demo",
+            "libucx/etc/ucx/ucx.conf",
+            "libucx/include/ucp/api/ucp.h",
+            "libucx/load.py",
+            "libucx_cu13.libs/libcudart-9f92e4c3.so.13.3.29",
+            "libucx_cu13.libs/libgomp-855c301a.so.1.0.0",
+            "libucx_cu13-1.22.0.dist-info/RECORD",
+        ];
+        for f in files {
+            let p = root.join(f);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(&p, f).unwrap();
+        }
+        let got = ucx_subset(&root).unwrap();
+        assert_eq!(
+            got,
+            [
+                "libucx/bin/ucx_info",
+                "libucx/bin/ucx_perftest",
+                "libucx/etc/ucx/ucx.conf",
+                "libucx/lib/libucm.so.0",
+                "libucx/lib/libucp.so.0",
+                "libucx/lib/libucs.so.0",
+                "libucx/lib/libucs_signal.so.0",
+                "libucx/lib/libuct.so.0",
+                "libucx/lib/ucx/libucm_cuda.so.0",
+                "libucx/lib/ucx/libuct_cma.so.0",
+                "libucx/lib/ucx/libuct_cuda.so.0",
+                "libucx/lib/ucx/libucx_perftest_cuda.so.0",
+                "libucx_cu13.libs/libcudart-9f92e4c3.so.13.3.29",
+                "libucx_cu13.libs/libgomp-855c301a.so.1.0.0",
+            ]
+        );
+        let tgz = root.join("ucx.tgz");
+        assert!(pack_ucx(&root, &tgz).unwrap() > 0);
+        std::fs::remove_file(root.join("libucx/lib/libucp.so.0")).unwrap();
+        let e = ucx_subset(&root).unwrap_err().to_string();
+        assert!(
+            e.contains("libucp.so.0") && e.contains("cargo xtask wheels"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&root).unwrap();
+        // run.sh unpacks it and runs the ucx steps against it, only them.
+        let run = std::fs::read_to_string("gpu/run.sh").unwrap();
+        assert!(run.contains(r#"tar xzf "$here/ucx.tgz""#));
+        assert!(run.contains("GIN_UCX_LIB="));
+        assert!(run.contains("ucx_perftest"));
+        assert!(run.contains("GIN_TRANSPORT=ucx"));
     }
 }

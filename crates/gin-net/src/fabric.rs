@@ -297,6 +297,78 @@ impl Fabric {
             .map_err(|e| self.name_window(e))
     }
 
+    /// [`Fabric::put_key`], executed at `peer` after every earlier request
+    /// to it ([`Transport::put_ordered`]): a running total after the data
+    /// it counts.
+    pub fn put_key_ordered(
+        &self,
+        peer: usize,
+        key: u32,
+        offset: u64,
+        src: &[u8],
+    ) -> Result<(), NetError> {
+        self.path_to(peer)?
+            .transport
+            .put_ordered(peer, Target::Key { key, offset }, src)
+            .map_err(|e| self.name_window(e))
+    }
+
+    /// Whether the transport to `peer` moves GPU memory of this process
+    /// directly ([`Transport::takes_device_memory`]): then
+    /// [`Fabric::put_device_key`] and [`Fabric::read_device_key`] replace
+    /// staging through host memory.
+    pub fn takes_device_memory(&self, peer: usize) -> bool {
+        self.path_to(peer)
+            .is_ok_and(|p| p.transport.takes_device_memory())
+    }
+
+    /// Writes `len` bytes of GPU memory at device address `src` to `offset`
+    /// of the region `peer` serves under `key` ([`Transport::put_device`]).
+    /// Complete locally on return.
+    ///
+    /// # Safety
+    /// As for [`Transport::put_device`].
+    pub unsafe fn put_device_key(
+        &self,
+        peer: usize,
+        key: u32,
+        offset: u64,
+        src: u64,
+        len: u64,
+    ) -> Result<(), NetError> {
+        let path = self.path_to(peer)?;
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            path.transport
+                .put_device(peer, Target::Key { key, offset }, src, len)
+        }
+        .map_err(|e| self.name_window(e))
+    }
+
+    /// Reads `len` bytes at `offset` of the region `peer` serves under
+    /// `key` into GPU memory at device address `dst`
+    /// ([`Transport::read_device`]); returns once they landed, or with an
+    /// error within the fabric's timeout.
+    ///
+    /// # Safety
+    /// As for [`Transport::read_device`].
+    pub unsafe fn read_device_key(
+        &self,
+        peer: usize,
+        key: u32,
+        offset: u64,
+        dst: u64,
+        len: u64,
+    ) -> Result<(), NetError> {
+        let path = self.path_to(peer)?;
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            path.transport
+                .read_device(peer, Target::Key { key, offset }, dst, len, self.timeout)
+        }
+        .map_err(|e| self.name_window(e))
+    }
+
     /// Reads `len` bytes at `src` on `peer` into `dst`. `done` is decremented
     /// when the data has landed; the caller increments it first. `keep` (the
     /// destination window's [`MemParts::keep`](crate::MemParts::keep)) is held until the data has

@@ -61,9 +61,12 @@
 //! It never dereferences GPU memory: CUDA ranks' engines copy it with the
 //! GPU, and reach peers over keyed transports through the fabric's keyed
 //! operations ([`Fabric::put_key`], [`Fabric::read_key`], [`Fabric::read`];
-//! until they have moved, they also drive [`tcp::Link`]s directly). The
-//! ucx transport maps host memory only: GPU memory over UCX
-//! (`UCS_MEMORY_TYPE_CUDA`) is not done yet.
+//! until they have moved, they also drive [`tcp::Link`]s directly). A
+//! transport that takes GPU memory itself
+//! ([`Transport::takes_device_memory`]: ucx, which maps GPU regions with
+//! `UCS_MEMORY_TYPE_CUDA` and hands device addresses to UCX) gets it
+//! directly ([`Fabric::put_device_key`], [`Fabric::read_device_key`]);
+//! running totals follow the data through [`Fabric::put_key_ordered`].
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]

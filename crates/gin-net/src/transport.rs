@@ -239,6 +239,71 @@ pub trait Transport: Send + Sync + std::fmt::Debug + std::any::Any {
     fn watch(&self, alive: Alive) {
         let _ = alive;
     }
+
+    /// Writes `src` to `dst` at `peer`, executed there after every earlier
+    /// request to `peer` (a running total after the data it counts).
+    /// Complete locally on return, as [`Transport::put`].
+    ///
+    /// The default is [`Transport::put`]: right for transports whose
+    /// requests to one peer execute in order (one connection, as tcp).
+    /// Transports that may reorder puts to one peer (ucx) fence first.
+    fn put_ordered(&self, peer: usize, dst: Target<'_>, src: &[u8]) -> Result<(), NetError> {
+        self.put(peer, dst, src, None)
+    }
+
+    /// Whether [`Transport::put_device`] and [`Transport::read_device`]
+    /// move GPU memory of this process directly, with no staging through
+    /// host memory (ucx with its CUDA transports).
+    fn takes_device_memory(&self) -> bool {
+        false
+    }
+
+    /// Writes `len` bytes of this process's GPU memory at device address
+    /// `src` to `dst` at `peer`. Complete locally on return (the source may
+    /// be reused); ordered before a later [`Transport::put_ordered`] to
+    /// `peer`. The default refuses: see
+    /// [`Transport::takes_device_memory`].
+    ///
+    /// # Safety
+    /// `src..src + len` must be GPU memory of this process that no one
+    /// writes until the call returns.
+    unsafe fn put_device(
+        &self,
+        peer: usize,
+        dst: Target<'_>,
+        src: u64,
+        len: u64,
+    ) -> Result<(), NetError> {
+        let _ = (peer, dst, src, len);
+        Err(NetError::Unsupported {
+            transport: self.name(),
+            op: "puts from GPU memory",
+        })
+    }
+
+    /// Reads `len` bytes at `src` on `peer` into this process's GPU memory
+    /// at device address `dst` and returns once they have landed (after
+    /// every earlier request to `peer`), or with an error (at the latest
+    /// after `timeout`). Nothing writes `dst` after it returns. The default
+    /// refuses: see [`Transport::takes_device_memory`].
+    ///
+    /// # Safety
+    /// `dst..dst + len` must be GPU memory of this process that nothing
+    /// else reads or writes until the call returns.
+    unsafe fn read_device(
+        &self,
+        peer: usize,
+        src: Target<'_>,
+        dst: u64,
+        len: u64,
+        timeout: Duration,
+    ) -> Result<(), NetError> {
+        let _ = (peer, src, dst, len, timeout);
+        Err(NetError::Unsupported {
+            transport: self.name(),
+            op: "reads into GPU memory",
+        })
+    }
 }
 
 /// What a transport's start needs from the job.

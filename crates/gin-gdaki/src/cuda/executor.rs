@@ -12,12 +12,21 @@
 //! counters as 8-byte writes. An atomic's old value goes to the sink, in
 //! process memory that nothing on the GPU reads.
 //!
-//! Peers reached over a keyed transport (tcp) go through the fabric: a
+//! Peers reached over a keyed transport (tcp, ucx) go through the fabric.
+//! Where the transport takes GPU memory ([`Fabric::takes_device_memory`]:
+//! ucx with its CUDA transports), a write's source goes to it directly
+//! ([`Fabric::put_device_key`]) and a read lands directly
+//! ([`Fabric::read_device_key`]), each after the channel's stream has
+//! executed everything queued before it (flushed and waited for), and
+//! returning once the transport is done with the GPU memory. Otherwise a
 //! write's source is staged through pinned host memory on the channel's
-//! stream (waited for) and sent with [`Fabric::put_key`]; an 8-byte value
-//! is sent as is, after the data on the same ordered path; a read's answer
-//! comes with [`Fabric::read_key`] into the pinned buffer and is copied to
-//! the GPU (waited for). A transport failure is [`ExecError::Transport`].
+//! stream (waited for) and sent with [`Fabric::put_key`], and a read's
+//! answer comes with [`Fabric::read_key`] into the pinned buffer and is
+//! copied to the GPU (waited for). An 8-byte value (an inline write, a
+//! running total) is sent as is, ordered after every earlier request to
+//! the peer ([`Fabric::put_key_ordered`]), so a signal's total never
+//! overtakes the data it counts. A transport failure is
+//! [`ExecError::Transport`].
 //!
 //! Windows come from the fabric's directory, GPU windows
 //! ([`Memory::Device`]) only; every address handed to a stream is checked
@@ -302,10 +311,32 @@ impl<G: Gpu> CudaExecutor<G> {
         unsafe { self.store(ch, self.layout.counters + dst.offset, v) }
     }
 
-    /// A window part's bytes to a peer over tcp, staged a chunk at a time
-    /// after everything queued on the channel so far.
+    /// Hands everything queued on the channel's stream to the driver and
+    /// waits for it: GPU memory the transport reads or writes next is as
+    /// the WQEs before this one left it.
+    fn drain(&mut self, ch: Channel) -> Result<(), ExecError> {
+        let l = self.lane(ch)?;
+        l.batch.flush(&l.stream).map_err(cuda("queueing"))?;
+        l.stream.sync().map_err(cuda("cuStreamSynchronize"))
+    }
+
+    /// A window part's bytes to a peer over a keyed transport, after
+    /// everything queued on the channel so far: handed to the transport
+    /// directly where it takes GPU memory, else staged a chunk at a time.
     fn send(&mut self, ch: Channel, dst: Loc, at: (u32, u64), src: Loc) -> Result<(), ExecError> {
         let (_, from) = self.source(src, dst)?;
+        if self.fabric.takes_device_memory(dst.rank) {
+            self.drain(ch)?;
+            // SAFETY: `dst.len` bytes of this rank's part at `from`
+            // (checked above), GPU memory no stream of this executor
+            // writes meanwhile (drained; nothing is queued until this
+            // returns).
+            return unsafe {
+                self.fabric
+                    .put_device_key(dst.rank, at.0, at.1, from, dst.len)
+            }
+            .map_err(net(dst.rank));
+        }
         self.lane(ch)?;
         let Self {
             lanes,
@@ -330,12 +361,21 @@ impl<G: Gpu> CudaExecutor<G> {
         Ok(())
     }
 
-    /// A peer's bytes over tcp into this rank's part, read a chunk at a
-    /// time into pinned memory and copied to the GPU, after everything
-    /// queued on the channel.
+    /// A peer's bytes over a keyed transport into this rank's part, after
+    /// everything queued on the channel: read directly into GPU memory
+    /// where the transport takes it, else a chunk at a time into pinned
+    /// memory and copied to the GPU.
     fn fetch(&mut self, ch: Channel, src: Loc, dst: Loc) -> Result<(), ExecError> {
         let (key, off) = self.keyed_at(src)?;
         let (_, to) = self.mapped(dst)?;
+        if self.fabric.takes_device_memory(src.rank) {
+            self.drain(ch)?;
+            // SAFETY: `src.len` (= `dst.len`, checked by the caller) bytes
+            // of this rank's part at `to` (checked above), GPU memory no
+            // stream of this executor touches until the read returned.
+            return unsafe { self.fabric.read_device_key(src.rank, key, off, to, src.len) }
+                .map_err(net(src.rank));
+        }
         self.lane(ch)?;
         let Self {
             lanes,
@@ -400,7 +440,7 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
                 Payload::Bytes(b) => {
                     qword(b)?;
                     self.fabric
-                        .put_key(dst.rank, at.0, at.1, b)
+                        .put_key_ordered(dst.rank, at.0, at.1, b)
                         .map_err(net(dst.rank))
                 }
                 Payload::Local(l) => self.send(ch, dst, at, l),

@@ -16,7 +16,7 @@ use std::sync::atomic::Ordering;
 
 use gin_cuda::testing::{Call, Log, RecordingGpu as FakeGpu};
 use gin_net::region::RegionTable;
-use gin_net::testing::KeyedRecorder as Keyed;
+use gin_net::testing::{KeyedOp, KeyedRecorder as Keyed};
 use gin_net::{MemDesc, MemParts, Memory, Path};
 
 use super::*;
@@ -81,7 +81,12 @@ fn device(va: [u64; N], at: [usize; N], key: u32, size: u64) -> MemDesc {
 }
 
 fn rig() -> Rig {
-    let keyed = Arc::new(Keyed::default());
+    rig_over(Keyed::default())
+}
+
+/// The rig with rank 2 reached over `keyed`.
+fn rig_over(keyed: Keyed) -> Rig {
+    let keyed = Arc::new(keyed);
     let fabric = Arc::new(Fabric::new(
         0,
         vec![Path::local(), Path::local(), Path::new(keyed.clone())],
@@ -646,6 +651,14 @@ fn a_tcp_peer_gets_puts_through_the_fabric_and_a_dead_one_is_0x15() {
     );
     assert!(r.fault(TCP).contains("no staging buffer"));
     assert_eq!(r.keyed.puts().len(), 2);
+    // Every 8-byte value is ordered after what came before it.
+    assert!(matches!(
+        r.keyed.ops().as_slice(),
+        [
+            KeyedOp::Put { ordered: true, .. },
+            KeyedOp::Put { ordered: true, .. }
+        ]
+    ));
 
     let mut r = rig();
     r.keyed.kill();
@@ -667,6 +680,92 @@ fn a_tcp_peer_gets_puts_through_the_fabric_and_a_dead_one_is_0x15() {
             Call::Stores(vec![(data(1, 0), 7), done(MAIN, 0, OP_WRITE)])
         )]
     );
+}
+
+/// A transport that takes GPU memory (ucx with its CUDA transports) gets
+/// a write's source and a read's destination as device addresses: no
+/// staging (the rig has no staging buffer), the pair's stream drained
+/// first, the signal's running total put after the data, ordered, and the
+/// CQE stored after all of it.
+#[test]
+fn a_transport_taking_gpu_memory_gets_it_directly_and_the_total_after_it() {
+    let mut r = rig_over(Keyed::taking_device_memory());
+    let sink = r.sink.addr();
+    let read = Op::Read {
+        remote: MemRef {
+            addr: VA[2] + 128,
+            key: key(DATA, 2),
+        },
+        local: MemRef {
+            addr: VA[0] + 32,
+            key: key(DATA, 0),
+        },
+        len: 16,
+    };
+    r.post(
+        TCP,
+        &[
+            (write(2, 0, 64), FM_NONE),
+            (signal(2, 2, 9, sink), FM_STRONG_ORDERING),
+            (read, FM_NONE),
+        ],
+    );
+    assert_eq!(r.step().consumed, 3);
+    assert_eq!(
+        r.keyed.ops(),
+        vec![
+            KeyedOp::PutDevice {
+                peer: 2,
+                key: DATA_KEY,
+                offset: 0,
+                src: data(0, 0),
+                len: 64
+            },
+            KeyedOp::Put {
+                peer: 2,
+                key: SIG_KEY,
+                offset: 48,
+                bytes: 9u64.to_le_bytes().to_vec(),
+                ordered: true
+            },
+            KeyedOp::ReadDevice {
+                peer: 2,
+                key: DATA_KEY,
+                offset: 128,
+                dst: data(0, 32),
+                len: 16
+            },
+        ]
+    );
+    let (a, v) = done(TCP, 2, OP_RDMA_READ);
+    assert_eq!(
+        r.calls(),
+        vec![(1, Call::Sync), (1, Call::Sync), (1, Call::Store(a, v))]
+    );
+}
+
+/// A write the transport refuses completes with an error CQE as over tcp;
+/// the signal after it is never sent.
+#[test]
+fn a_refused_gpu_memory_write_is_an_error_cqe_without_its_signal() {
+    let mut r = rig_over(Keyed::taking_device_memory());
+    let sink = r.sink.addr();
+    r.keyed.refuse(DATA_KEY);
+    r.post(
+        TCP,
+        &[
+            (write(2, 0, 64), FM_NONE),
+            (signal(2, 2, 9, sink), FM_STRONG_ORDERING),
+        ],
+    );
+    r.step();
+    let calls = r.calls();
+    assert_eq!(calls.first(), Some(&(1, Call::Sync)));
+    let (op, idx, _) = error_cqe(&calls[1..], TCP);
+    assert_eq!((op, idx), (CQE_REQ_ERR, 0));
+    let e = r.fault(TCP);
+    assert!(e.contains("0x00000077"), "{e}");
+    assert!(r.keyed.ops().is_empty());
 }
 
 /// Reads from a mapped peer are copies the other way on the pair's

@@ -53,8 +53,17 @@
 //!   complete with errors, so no caller memory is touched after the call
 //!   returns), and the path to that peer stays failed (sticky), as an RDMA
 //!   QP in its error state.
-//! - GPU memory: not mapped yet. The owner refuses a backed region's rkey
-//!   (the `UCS_MEMORY_TYPE_CUDA` memory type in `ucp_mem_map` is the seam).
+//! - GPU memory: an owner maps a GPU region (a region behind a backing,
+//!   whose base is its device address) with the `UCS_MEMORY_TYPE_CUDA`
+//!   memory type. CUDA ranks hand their side directly
+//!   ([`Transport::put_device`], [`Transport::read_device`]: `ucp_put_nbx`
+//!   / `ucp_get_nbx` with the CUDA memory type, waited for), so cuda_ipc
+//!   copies GPU to GPU between processes of a host and a NIC reads and
+//!   writes GPU memory with GPUDirect RDMA; no staging through host
+//!   memory. Their signals and counters stay running totals written as
+//!   8-byte puts ([`Transport::put_ordered`]: fenced after the data):
+//!   UCX has no atomics on GPU memory over cuda_ipc. `GIN_UCX_DEVICE=0`
+//!   makes CUDA ranks stage through pinned host memory instead.
 
 mod load;
 mod serve;
@@ -182,6 +191,27 @@ pub(crate) struct Inner {
 pub struct UcxTransport {
     inner: Arc<Inner>,
     progress: Option<JoinHandle<()>>,
+    /// Whether GPU memory goes to UCX directly
+    /// ([`Transport::takes_device_memory`]); `GIN_UCX_DEVICE=0` makes
+    /// CUDA ranks stage it through pinned host memory instead.
+    device: bool,
+}
+
+/// Whether `GIN_UCX_DEVICE` (unset: yes) lets CUDA ranks hand GPU memory
+/// to UCX directly.
+fn device_from_env(v: Option<&str>) -> bool {
+    !matches!(v, Some("0" | "no" | "off" | "false"))
+}
+
+/// The parameter block of a blocking request on GPU memory of this
+/// process: the CUDA memory type, so UCX neither probes the address nor
+/// takes it for host memory.
+fn device_param() -> sys::ucp_request_param_t {
+    sys::ucp_request_param_t {
+        op_attr_mask: sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE,
+        memory_type: sys::UCS_MEMORY_TYPE_CUDA,
+        ..Default::default()
+    }
 }
 
 impl std::fmt::Debug for UcxTransport {
@@ -266,6 +296,7 @@ impl UcxTransport {
         Ok(Self {
             inner,
             progress: Some(progress),
+            device: device_from_env(std::env::var("GIN_UCX_DEVICE").ok().as_deref()),
         })
     }
 }
@@ -606,7 +637,8 @@ impl Inner {
                 return Err(NetError::Refused {
                     peer: peer.rank,
                     why: format!(
-                        "key {key:#010x} names GPU memory, which the ucx transport does not map yet"
+                        "key {key:#010x} names GPU memory, which rank {}'s UCX could not map with the CUDA memory type (are its cuda_copy and cuda_ipc transports loaded? `ucx_info -d` lists them)",
+                        peer.rank
                     ),
                     window: None,
                 });
@@ -1094,6 +1126,137 @@ impl Transport for UcxTransport {
     fn watch(&self, alive: Alive) {
         let _ = self.inner.alive.set(alive);
     }
+
+    /// Fences after an earlier put (`ucp_worker_fence`), then puts: UCP
+    /// orders puts to one peer only across a fence.
+    fn put_ordered(&self, peer: usize, dst: Target<'_>, src: &[u8]) -> Result<(), NetError> {
+        self.order(self.inner.peer(peer)?)?;
+        self.put(peer, dst, src, None)
+    }
+
+    fn takes_device_memory(&self) -> bool {
+        self.device
+    }
+
+    /// `ucp_put_nbx` from GPU memory (memory type CUDA), waited for until
+    /// UCX has read the source: cuda_ipc copies it into the peer's
+    /// memory mapped here, a NIC reads it with GPUDirect RDMA.
+    unsafe fn put_device(
+        &self,
+        peer: usize,
+        dst: Target<'_>,
+        src: u64,
+        len: u64,
+    ) -> Result<(), NetError> {
+        let inner = &self.inner;
+        let p = inner.peer(peer)?;
+        let d = self.resolve(p, dst, len, "put")?;
+        let n = usize::try_from(len).map_err(|_| too_long(peer, dst, len))?;
+        p.dirty.store(true, Ordering::Release);
+        let prm = device_param();
+        let r = self.with_ep(p, |ep, st| {
+            if !Self::still(st, &d.remote) {
+                return Err(revoked(peer, dst, len, "put"));
+            }
+            // SAFETY: a live endpoint and rkey; the caller keeps `src`
+            // (GPU memory of this process) unchanged until this call
+            // returns, which is after the request completed locally (waited
+            // for below; a timeout force-closes the endpoint first).
+            Ok(unsafe {
+                inner.ucp.lib.ucp_put_nbx(
+                    ep,
+                    src as *const c_void,
+                    n,
+                    d.addr,
+                    d.remote.rkey,
+                    &raw const prm,
+                )
+            })
+        })?;
+        p.unfenced.store(true, Ordering::Release);
+        match started(r) {
+            Started::Done => Ok(()),
+            Started::Failed(st) => Err(self.failed(p, "put from GPU memory", st)),
+            Started::Pending(req) => {
+                let deadline = Instant::now() + inner.timeout;
+                inner.wait(p, req, deadline, "a put from GPU memory")
+            }
+        }
+    }
+
+    /// `ucp_get_nbx` into GPU memory (memory type CUDA), after a fence
+    /// when a put preceded it, waited for until the data landed.
+    unsafe fn read_device(
+        &self,
+        peer: usize,
+        src: Target<'_>,
+        dst: u64,
+        len: u64,
+        timeout: Duration,
+    ) -> Result<(), NetError> {
+        let inner = &self.inner;
+        let p = inner.peer(peer)?;
+        let r = self.resolve(p, src, len, "get")?;
+        let n = usize::try_from(len).map_err(|_| too_long(peer, src, len))?;
+        self.order(p)?;
+        let deadline = Instant::now() + timeout;
+        let prm = device_param();
+        let st = self.with_ep(p, |ep, _| {
+            // SAFETY: the caller keeps `dst` (GPU memory of this process)
+            // to this read until the call returns, which is after the
+            // request completed (waited for below; a timeout force-closes
+            // the endpoint first).
+            Ok(unsafe {
+                inner.ucp.lib.ucp_get_nbx(
+                    ep,
+                    dst as *mut c_void,
+                    n,
+                    r.addr,
+                    r.remote.rkey,
+                    &raw const prm,
+                )
+            })
+        })?;
+        match started(st) {
+            Started::Done => Ok(()),
+            Started::Failed(st) => Err(self.failed(p, "read into GPU memory", st)),
+            Started::Pending(req) => inner.wait(p, req, deadline, "a read into GPU memory"),
+        }
+    }
+}
+
+/// The refusal of an operation whose rkey a revocation dropped between
+/// resolving and issuing.
+fn revoked(peer: usize, t: Target<'_>, len: u64, op: &'static str) -> NetError {
+    match t {
+        Target::Window(_, a) => NetError::Revoked {
+            peer,
+            window: a.window,
+            offset: a.offset,
+            len,
+            op,
+        },
+        Target::Key { key, .. } => NetError::Refused {
+            peer,
+            why: format!("unknown memory key {key:#010x}"),
+            window: None,
+        },
+    }
+}
+
+/// A length this process cannot address.
+fn too_long(peer: usize, t: Target<'_>, len: u64) -> NetError {
+    let (window, offset) = match t {
+        Target::Window(_, a) => (a.window, a.offset),
+        Target::Key { offset, .. } => (0, offset),
+    };
+    NetError::OutOfBounds {
+        peer,
+        window,
+        offset,
+        len,
+        size: usize::MAX as u64,
+    }
 }
 
 /// `ucp_dt_make_contig(8)`: one 64-bit element.
@@ -1123,5 +1286,31 @@ impl UcxTransport {
         inner
             .launched(&prm, st)
             .map_err(|st| self.failed(p, "signal", st))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A request on GPU memory names the CUDA memory type and nothing
+    /// else (no callback: the caller waits for it).
+    #[test]
+    fn device_requests_name_the_cuda_memory_type() {
+        let p = device_param();
+        assert_eq!(p.op_attr_mask, sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE);
+        assert_eq!(p.memory_type, sys::UCS_MEMORY_TYPE_CUDA);
+        assert!(p.user_data.is_null());
+        // SAFETY: reading the union's variant a default block holds (none).
+        assert!(unsafe { p.cb.send }.is_none());
+    }
+
+    #[test]
+    fn gin_ucx_device_turns_direct_gpu_memory_off_only_when_asked() {
+        assert!(device_from_env(None));
+        assert!(device_from_env(Some("1")));
+        for off in ["0", "no", "off", "false"] {
+            assert!(!device_from_env(Some(off)), "{off}");
+        }
     }
 }

@@ -40,6 +40,28 @@ impl Mapping {
 /// unmaps anyway (a stopped or dead peer must not hold a deregistration).
 const REVOKE_WAIT: Duration = Duration::from_secs(2);
 
+/// `ucp_mem_map`'s parameters for a region: its address and length, and
+/// for GPU memory (a region behind a backing, whose base is its device
+/// address) the CUDA memory type, so UCX registers it with its CUDA
+/// memory domains (cuda_ipc between processes of a host, GPUDirect RDMA
+/// on a NIC) instead of probing it. `None`: a length this process cannot
+/// address.
+pub(super) fn map_params(info: &crate::region::RegionInfo) -> Option<sys::ucp_mem_map_params_t> {
+    let mut p = sys::ucp_mem_map_params_t {
+        field_mask: u64::from(
+            sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+        ),
+        address: info.base as *mut c_void,
+        length: usize::try_from(info.len).ok()?,
+        ..Default::default()
+    };
+    if info.backed {
+        p.field_mask |= u64::from(sys::UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE);
+        p.memory_type = sys::UCS_MEMORY_TYPE_CUDA;
+    }
+    Some(p)
+}
+
 /// Registers the transport's active-message handlers on the worker.
 pub(super) fn set_handlers(inner: &Arc<Inner>) -> Result<(), NetError> {
     for (id, cb) in [
@@ -262,15 +284,16 @@ impl Inner {
         };
         let answer = self.table.with_region(key, |info| {
             let info = info.ok_or(wire::Refusal::Unknown)?;
-            if info.backed {
-                return Err(wire::Refusal::Device);
-            }
             let mut served = lock(&self.served);
             if let Some(m) = served.get_mut(&key).filter(|m| m.base == info.base) {
                 m.holders.insert(from);
                 return Ok(m.served.clone());
             }
-            let m = self.map(info).ok_or(wire::Refusal::Map)?;
+            let m = self.map(info).ok_or(if info.backed {
+                wire::Refusal::Device
+            } else {
+                wire::Refusal::Map
+            })?;
             let s = m.served.clone();
             if let Some(old) = served.insert(key, m) {
                 old.unmap(&self.ucp);
@@ -295,14 +318,7 @@ impl Inner {
     /// `ucp_mem_map` and `ucp_rkey_pack` of a region (called under the
     /// table's read guard: the memory stays valid meanwhile).
     fn map(&self, info: crate::region::RegionInfo) -> Option<Mapping> {
-        let params = sys::ucp_mem_map_params_t {
-            field_mask: u64::from(
-                sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH,
-            ),
-            address: info.base as *mut c_void,
-            length: usize::try_from(info.len).ok()?,
-            ..Default::default()
-        };
+        let params = map_params(&info)?;
         let mut memh: sys::ucp_mem_h = std::ptr::null_mut();
         // SAFETY: a registered region (valid while the guard is held);
         // UCX registers it without allocating.
@@ -312,7 +328,7 @@ impl Inner {
                 .ucp_mem_map(self.ucp.ctx, &raw const params, &raw mut memh)
         };
         if st != sys::UCS_OK {
-            tracing::warn!(rank = self.rank, st = %self.ucp.text(st), "ucp_mem_map failed");
+            tracing::warn!(rank = self.rank, st = %self.ucp.text(st), gpu = info.backed, "ucp_mem_map failed");
             return None;
         }
         let (mut buf, mut n): (*mut c_void, usize) = (std::ptr::null_mut(), 0);
@@ -553,4 +569,52 @@ pub(super) fn spawn_progress(inner: &Arc<Inner>) -> Result<JoinHandle<()>, NetEr
             what: "spawning the ucx progress thread".into(),
             source: e,
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::region::{Access, RegionInfo};
+
+    /// Host memory is mapped by address and length, UCX detecting nothing
+    /// else; GPU memory (a backed region) also names the CUDA memory
+    /// type. Nothing is mapped here: the parameter block is what
+    /// `ucp_mem_map` would be handed.
+    #[test]
+    fn gpu_regions_are_mapped_with_the_cuda_memory_type() {
+        let host = RegionInfo {
+            base: 0x7f00_0000_1000,
+            len: 4096,
+            access: Access::ALL,
+            backed: false,
+        };
+        let p = map_params(&host).expect("addressable");
+        assert_eq!(
+            p.field_mask,
+            u64::from(sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH)
+        );
+        assert_eq!(p.address as usize, host.base);
+        assert_eq!(p.length, 4096);
+        assert_eq!(p.memory_type, sys::UCS_MEMORY_TYPE_HOST);
+        assert_eq!(p.flags, 0, "UCX must not allocate: the region exists");
+        let gpu = RegionInfo {
+            base: 0x7e00_0020_0000,
+            len: 1 << 22,
+            access: Access::COPY,
+            backed: true,
+        };
+        let p = map_params(&gpu).expect("addressable");
+        assert_eq!(
+            p.field_mask,
+            u64::from(
+                sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+                    | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH
+                    | sys::UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE
+            )
+        );
+        assert_eq!(p.address as usize, gpu.base);
+        assert_eq!(p.length, 1 << 22);
+        assert_eq!(p.memory_type, sys::UCS_MEMORY_TYPE_CUDA);
+        assert_eq!(p.flags, 0);
+    }
 }

@@ -64,8 +64,8 @@ impl Ask {
 pub enum Refusal {
     /// No region has this key (never registered, or removed).
     Unknown,
-    /// The region is GPU memory behind a backing, which the ucx transport
-    /// does not map yet (`UCS_MEMORY_TYPE_CUDA` is the seam).
+    /// The region is GPU memory that the owner's UCX could not map with
+    /// the CUDA memory type (UCX without its CUDA transports).
     Device,
     /// `ucp_mem_map` or `ucp_rkey_pack` failed at the owner.
     Map,

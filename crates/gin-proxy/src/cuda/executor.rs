@@ -13,12 +13,20 @@
 //! the index sees the data, signals and counters before it; nothing waits
 //! for the GPU.
 //!
-//! Peers reached over a keyed transport (tcp) go through the fabric: a
+//! Peers reached over a keyed transport (tcp, ucx) go through the fabric.
+//! Where the transport takes GPU memory ([`Fabric::takes_device_memory`]:
+//! ucx with its CUDA transports), a put's source goes to it directly
+//! ([`Fabric::put_device_key`]) and a get lands directly
+//! ([`Fabric::read_device_key`]), each after the ring's stream has
+//! executed everything queued before it (flushed and waited for), and
+//! returning once the transport is done with the GPU memory. Otherwise a
 //! put's source is staged through pinned host memory on the ring's stream
-//! (waited for) and sent with [`Fabric::put_key`], its signal follows as an
-//! 8-byte put of the running total on the same ordered path, and a get's
-//! answer is read with [`Fabric::read_key`] into the pinned buffer and
-//! copied to the GPU (waited for).
+//! (waited for) and sent with [`Fabric::put_key`], and a get's answer is
+//! read with [`Fabric::read_key`] into the pinned buffer and copied to the
+//! GPU (waited for). Either way a put's signal follows as an 8-byte put of
+//! the running total ordered after the data ([`Fabric::put_key_ordered`]),
+//! and the counter's and completion index's stores are queued on the
+//! stream only after the data left.
 //!
 //! Windows come from the fabric's directory, GPU windows
 //! ([`Memory::Device`]) only; every address handed to a stream is checked
@@ -217,8 +225,18 @@ impl<G: Gpu> CudaExecutor<G> {
         }
     }
 
+    /// Hands everything queued on the ring's stream to the driver and
+    /// waits for it: GPU memory the transport reads or writes next is as
+    /// the descriptors before this one left it.
+    fn drain(&mut self, site: Site) -> Result<(), ExecError> {
+        let q = self.queue(site)?;
+        q.batch.flush(&q.stream).map_err(cuda("queueing"))?;
+        q.stream.sync().map_err(cuda("cuStreamSynchronize"))
+    }
+
     /// A put's data to a peer over a keyed transport: an inline value
-    /// sent as is, a window's bytes staged a chunk at a time after
+    /// sent as is, a window's bytes handed to the transport directly where
+    /// it takes GPU memory, else staged a chunk at a time, after
     /// everything queued so far.
     fn send_data(&mut self, site: Site, d: &Data<Arc<MemDesc>>) -> Result<(), ExecError> {
         let peer = site.peer;
@@ -232,6 +250,18 @@ impl<G: Gpu> CudaExecutor<G> {
             }
             Source::Window(t) => self.local(t, d.bytes)?,
         };
+        if self.fabric.takes_device_memory(peer) {
+            self.drain(site)?;
+            // SAFETY: `d.bytes` of this rank's part at `src` (checked
+            // above), GPU memory that no stream of this executor writes
+            // meanwhile (drained, and nothing is queued until this
+            // returns); the kernel handed it over with the descriptor.
+            return unsafe {
+                self.fabric
+                    .put_device_key(peer, key, d.dst.offset, src, d.bytes)
+            }
+            .map_err(|e| net(peer, e));
+        }
         self.queue(site)?;
         let Self {
             queues,
@@ -278,7 +308,7 @@ impl<G: Gpu> CudaExecutor<G> {
     }
 
     /// A put's signal: this rank's running total, stored after the data
-    /// (mapped), or sent after the data on the same ordered path (keyed).
+    /// (mapped), or put ordered after the data (keyed).
     fn signal(
         &mut self,
         site: Site,
@@ -288,7 +318,7 @@ impl<G: Gpu> CudaExecutor<G> {
         match at {
             SignalAt::Key(key) => self
                 .fabric
-                .put_key(site.peer, key, s.at.offset, &s.total.to_le_bytes())
+                .put_key_ordered(site.peer, key, s.at.offset, &s.total.to_le_bytes())
                 .map_err(|e| net(site.peer, e)),
             // SAFETY: this rank's 8-aligned sub-slot inside the peer's part
             // of the signal window as mapped here (checked by `signal_at`).
@@ -296,12 +326,24 @@ impl<G: Gpu> CudaExecutor<G> {
         }
     }
 
-    /// A get from a peer over a keyed transport, read a chunk at a time
-    /// into pinned memory and copied to the GPU, after everything queued.
+    /// A get from a peer over a keyed transport, after everything queued:
+    /// read directly into GPU memory where the transport takes it, else a
+    /// chunk at a time into pinned memory and copied to the GPU.
     fn fetch(&mut self, site: Site, get: &Get<Arc<MemDesc>>) -> Result<(), ExecError> {
         let peer = site.peer;
         let key = Self::key(peer, &get.remote)?;
         let dst = self.local(&get.local, get.bytes)?;
+        if self.fabric.takes_device_memory(peer) {
+            self.drain(site)?;
+            // SAFETY: `get.bytes` of this rank's part at `dst` (checked
+            // above), GPU memory no stream of this executor touches until
+            // the read returned (drained; nothing is queued meanwhile).
+            return unsafe {
+                self.fabric
+                    .read_device_key(peer, key, get.remote.offset, dst, get.bytes)
+            }
+            .map_err(|e| net(peer, e));
+        }
         self.queue(site)?;
         let Self {
             queues,

@@ -12,7 +12,7 @@ use gin_net::region::RegionTable;
 use gin_net::{MemDesc, MemParts, Memory, Path};
 
 use gin_cuda::testing::{Call, Log, RecordingGpu as FakeGpu};
-use gin_net::testing::KeyedRecorder as Keyed;
+use gin_net::testing::{KeyedOp, KeyedRecorder as Keyed};
 
 use super::executor::{CudaExecutor, Layout};
 use super::*;
@@ -64,7 +64,12 @@ fn device(at: [usize; N], key: u32, size: u64) -> MemDesc {
 }
 
 fn rig() -> Rig {
-    let keyed = Arc::new(Keyed::default());
+    rig_over(Keyed::default())
+}
+
+/// The rig with rank 2 reached over `keyed`.
+fn rig_over(keyed: Keyed) -> Rig {
+    let keyed = Arc::new(keyed);
     let fabric = Arc::new(Fabric::new(
         0,
         vec![Path::local(), Path::local(), Path::new(keyed.clone())],
@@ -287,13 +292,116 @@ fn a_keyed_peer_gets_puts_of_values_and_totals_through_the_fabric() {
         rig.calls(),
         vec![(1, Call::Stores(vec![(COUNTERS, 1), (DONE[1], 1)]))]
     );
-    // Staging a window's bytes needs the pinned buffer, which only a GPU
-    // rank with keyed peers has: refused, nothing sent.
+    // The total is ordered after the data it counts.
+    assert!(matches!(
+        rig.keyed.ops().as_slice(),
+        [
+            KeyedOp::Put { ordered: false, .. },
+            KeyedOp::Put { ordered: true, .. }
+        ]
+    ));
+    // A transport that does not take GPU memory gets a window's bytes
+    // staged, which needs the pinned buffer only a GPU rank with keyed
+    // peers has: refused, nothing sent.
     rig.post(1, &put(64, 0, 0));
     rig.step();
     let e = rig.engine.failure().unwrap().to_string();
     assert!(e.contains("no staging buffer"), "{e}");
     assert_eq!(rig.keyed.puts().len(), 2);
+    assert_eq!(rig.keyed.ops().len(), 2);
+}
+
+/// A transport that takes GPU memory (ucx with its CUDA transports) gets
+/// a put's source and a get's destination as device addresses: no
+/// staging (the rig has no staging buffer), the ring's stream drained
+/// first, the signal's running total put after the data, ordered, and
+/// the counter and completion index stored only after both.
+#[test]
+fn a_transport_taking_gpu_memory_gets_it_directly_and_the_total_after_it() {
+    let mut rig = rig_over(Keyed::taking_device_memory());
+    rig.post(
+        1,
+        &Desc {
+            signal: Some(signal(48, 9)),
+            counter: Some(1),
+            ..put(4096, 0, 0)
+        },
+    );
+    rig.post(
+        1,
+        &Desc {
+            op: Op::Get,
+            ..put(32, 512, 2048)
+        },
+    );
+    let p = rig.step();
+    assert_eq!(
+        (p.executed, p.published),
+        (2, 1),
+        "{:?}",
+        rig.engine.failure()
+    );
+    assert_eq!(
+        rig.keyed.ops(),
+        vec![
+            KeyedOp::PutDevice {
+                peer: 2,
+                key: DATA_KEY,
+                offset: 0,
+                src: data(0, 0),
+                len: 4096
+            },
+            KeyedOp::Put {
+                peer: 2,
+                key: SIG_KEY,
+                offset: 48,
+                bytes: 9u64.to_le_bytes().to_vec(),
+                ordered: true
+            },
+            KeyedOp::ReadDevice {
+                peer: 2,
+                key: DATA_KEY,
+                offset: 512,
+                dst: data(0, 2048),
+                len: 32
+            },
+        ]
+    );
+    // The stream is drained before the put reads its source; the
+    // counter's store is queued after the put and its signal left, and
+    // waited for before the get writes its destination.
+    assert_eq!(
+        rig.calls(),
+        vec![
+            (1, Call::Sync),
+            (1, Call::Store(COUNTERS + 16, 1)),
+            (1, Call::Sync),
+            (1, Call::Store(DONE[1], 2)),
+        ]
+    );
+}
+
+/// A put the transport refuses fails its descriptor as over tcp: its
+/// signal is never sent and its counter never counts; the proxy stops.
+#[test]
+fn a_refused_gpu_memory_put_fails_its_descriptor_without_its_signal() {
+    let mut rig = rig_over(Keyed::taking_device_memory());
+    rig.keyed.refuse(DATA_KEY);
+    rig.post(
+        1,
+        &Desc {
+            signal: Some(signal(48, 9)),
+            counter: Some(1),
+            ..put(64, 0, 0)
+        },
+    );
+    rig.step();
+    let e = rig.engine.failure().unwrap();
+    assert_eq!(e.seq(), Some(0));
+    let e = e.to_string();
+    assert!(e.contains("rank 2") && e.contains("0x00000077"), "{e}");
+    assert!(rig.keyed.ops().is_empty());
+    assert_eq!(rig.calls(), vec![(1, Call::Sync)]);
 }
 
 /// Fail-stop: a signal that is not this rank's sub-slot is refused before
