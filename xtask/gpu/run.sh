@@ -97,6 +97,26 @@ done
 for backend in auto proxy gdaki; do
   step "nccl-alltoall-$backend" env GIN_BACKEND=$backend "$st" nccl-alltoall --ranks 2
 done
+# Header parity with the Rust API (issue 21): 1/2/4/8-byte put_value, weak
+# and VA signals, per-call timeouts, flush_async/wait and barrier fences on
+# every coop; the copy-engine paths must refuse what they cannot apply.
+for backend in auto proxy gdaki; do
+  step "parity-$backend" env GIN_BACKEND=$backend "$st" parity --ranks 2
+done
+# CUDA ranks as a library (issue 21): a user's fused all-to-all + reduction
+# kernel on the user's cudarc stream with the user's memory as windows,
+# launched through cudarc's builder or CudaDevComm::launch_on, watched by
+# the watcher thread; and a rank that dies under it.
+fa="$here/fused-alltoall"
+step "fused-cudarc" "$fa" --ranks 2
+step "fused-launch-on-nvrtc" "$fa" --ranks 2 --launcher gin --nvrtc
+step "fused-cooperative" "$fa" --ranks 2 --cooperative
+step "fused-launch-on-cooperative" "$fa" --ranks 2 --launcher gin --cooperative
+for backend in proxy gdaki; do
+  step "fused-$backend" env GIN_BACKEND=$backend "$fa" --ranks 2
+done
+step "fused-tcp-proxy" env GIN_TRANSPORT=tcp GIN_BACKEND=proxy "$fa" --ranks 2
+expect_die "fused-die" env GIN_TIMEOUT=60s "$fa" --ranks 2 --die 1
 # The shallowest queues each backend accepts: credit and wraparound all the time.
 step "selftest-proxy-depth2" env GIN_BACKEND=proxy GIN_SELFTEST_QUEUE_DEPTH=2 "$st" all --ranks 2
 step "selftest-gdaki-depth4" env GIN_BACKEND=gdaki GIN_SELFTEST_QUEUE_DEPTH=4 "$st" all --ranks 2

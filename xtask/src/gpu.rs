@@ -20,10 +20,13 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
-const BINARIES: [(&str, &str); 3] = [
+const BINARIES: [(&str, &str); 4] = [
     ("gin-selftest", "gin-cuda-selftest"),
     ("gin-ep", "gin-ep-selftest"),
     ("gin-bench", "gin-bench"),
+    // The users' example of issue 21 (its build embeds an nvcc cubin where
+    // nvcc is on PATH; otherwise it compiles its kernel with NVRTC there).
+    ("fused-alltoall", "fused-alltoall"),
 ];
 
 /// The peers' sources and their build-and-run script, copied to DIR/peers.
