@@ -22,6 +22,8 @@ struct PathSpec {
     name: &'static str,
     label: &'static str,
     flags: &'static [&'static str],
+    /// Environment for gin-bench (and the ranks it spawns).
+    env: &'static [(&'static str, &'static str)],
 }
 
 const PATHS: &[PathSpec] = &[
@@ -29,23 +31,37 @@ const PATHS: &[PathSpec] = &[
         name: "direct",
         label: "direct load/store (auto, same host)",
         flags: &[],
+        env: &[],
     },
     PathSpec {
         name: "proxy-shm",
         label: "proxy over shared memory",
         flags: &["--backend", "proxy", "--transport", "shm"],
+        env: &[],
     },
     PathSpec {
         name: "gdaki-shm",
         label: "GDAKI (soft-mlx5) over shared memory",
         flags: &["--backend", "gdaki", "--transport", "shm"],
+        env: &[],
     },
     PathSpec {
         name: "tcp",
         label: "tcp (auto backend)",
         flags: &["--transport", "tcp"],
+        env: &[],
+    },
+    PathSpec {
+        name: UCX_PATH,
+        label: "ucx over UCX's tcp (auto backend; floor: ucx_perftest)",
+        flags: &["--transport", "ucx"],
+        env: &[("UCX_TLS", "tcp,self")],
     },
 ];
+
+/// The path that needs UCX: in a suite only when `GIN_UCX_LIB` names a
+/// file (`cargo xtask wheels` installs one), else left out with a note.
+const UCX_PATH: &str = "ucx-tcp";
 
 /// One gin-bench invocation of a suite.
 #[derive(Debug, Clone)]
@@ -55,9 +71,12 @@ pub struct Job {
     pub bench: String,
     pub path_label: String,
     pub args: Vec<String>,
+    /// Environment for this run.
+    pub env: Vec<(String, String)>,
 }
 
-fn jobs(suite: &str) -> Result<Vec<Job>> {
+/// The jobs of `suite`; `ucx`: whether the UCX path is measured.
+fn jobs(suite: &str, ucx: bool) -> Result<Vec<Job>> {
     // (bench, arguments, which paths)
     let plan: Vec<(&str, &str, &[&str])> = match suite {
         // Seconds: what CI runs to prove the whole pipeline works.
@@ -83,17 +102,17 @@ fn jobs(suite: &str) -> Result<Vec<Job>> {
             (
                 "pingpong",
                 "--sizes 8,512,4k,64k,256k,1m --iters 300 --runs 3",
-                &["direct", "proxy-shm", "gdaki-shm", "tcp"],
+                &["direct", "proxy-shm", "gdaki-shm", "tcp", UCX_PATH],
             ),
             (
                 "bandwidth",
                 "--sizes 4k,64k,1m --window 16 --iters 200 --runs 3",
-                &["direct", "proxy-shm", "gdaki-shm", "tcp"],
+                &["direct", "proxy-shm", "gdaki-shm", "tcp", UCX_PATH],
             ),
             (
                 "rate",
                 "--window 1,64 --iters 10000 --runs 3",
-                &["direct", "proxy-shm", "gdaki-shm", "tcp"],
+                &["direct", "proxy-shm", "gdaki-shm", "tcp", UCX_PATH],
             ),
             (
                 "alltoall",
@@ -110,17 +129,17 @@ fn jobs(suite: &str) -> Result<Vec<Job>> {
             (
                 "pingpong",
                 "--sizes 8,64,512,4k,32k,64k,256k,1m,4m --iters 1000 --runs 7",
-                &["direct", "proxy-shm", "gdaki-shm", "tcp"],
+                &["direct", "proxy-shm", "gdaki-shm", "tcp", UCX_PATH],
             ),
             (
                 "bandwidth",
                 "--sizes 64,4k,64k,1m,4m --window 1,16,64 --runs 5",
-                &["direct", "proxy-shm", "gdaki-shm", "tcp"],
+                &["direct", "proxy-shm", "gdaki-shm", "tcp", UCX_PATH],
             ),
             (
                 "rate",
                 "--window 1,16,128 --runs 5",
-                &["direct", "proxy-shm", "gdaki-shm", "tcp"],
+                &["direct", "proxy-shm", "gdaki-shm", "tcp", UCX_PATH],
             ),
             (
                 "alltoall",
@@ -137,7 +156,10 @@ fn jobs(suite: &str) -> Result<Vec<Job>> {
     };
     let mut out = Vec::new();
     for (bench, args, paths) in plan {
-        for p in PATHS.iter().filter(|p| paths.contains(&p.name)) {
+        for p in PATHS
+            .iter()
+            .filter(|p| paths.contains(&p.name) && (ucx || p.name != UCX_PATH))
+        {
             let mut a = vec![bench.to_owned()];
             a.extend(args.split_whitespace().map(str::to_owned));
             a.extend(p.flags.iter().map(|s| (*s).to_owned()));
@@ -146,6 +168,11 @@ fn jobs(suite: &str) -> Result<Vec<Job>> {
                 bench: bench.to_owned(),
                 path_label: p.label.to_owned(),
                 args: a,
+                env: p
+                    .env
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                    .collect(),
             });
         }
     }
@@ -251,7 +278,13 @@ pub fn run(args: &[String]) -> Result<()> {
             other => bail!("unknown option {other:?}\n{USAGE}"),
         }
     }
-    let jobs = jobs(&suite)?;
+    let ucx = std::env::var_os("GIN_UCX_LIB").is_some_and(|p| Path::new(&p).is_file());
+    if !ucx {
+        eprintln!(
+            "xtask bench: GIN_UCX_LIB does not name a libucp.so.0: the ucx rows are left out (`cargo xtask wheels` prints it)"
+        );
+    }
+    let jobs = jobs(&suite, ucx)?;
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
     let machine = machine.unwrap_or_else(|| machine_name(&cpu_model(), cores));
     if machine.is_empty() || machine.contains(['/', '\\']) || machine.starts_with('.') {
@@ -322,6 +355,7 @@ fn run_jobs(root: &Path, out: &Path, jobs: &[Job]) -> Result<Vec<(Job, Value)>> 
         );
         let st = Command::new(&exe)
             .args(&job.args)
+            .envs(job.env.iter().map(|(k, v)| (k, v)))
             .arg("--json")
             .arg(&json)
             .current_dir(root)
@@ -484,13 +518,20 @@ mod tests {
 
     #[test]
     fn suites_expand_to_jobs_per_path() {
-        let q = jobs("quick").unwrap();
+        let q = jobs("quick", false).unwrap();
         assert!(q.iter().any(|j| j.name == "pingpong-direct"));
         assert!(q.iter().any(|j| j.name == "loggp-proxy-shm"));
-        let f = jobs("full").unwrap();
+        assert!(!q.iter().any(|j| j.name.ends_with(UCX_PATH)));
+        let f = jobs("full", false).unwrap();
         assert!(f.iter().any(|j| j.name == "loggp-tcp"));
         assert!(f.iter().all(|j| j.args[0] == j.bench));
-        assert!(jobs("nope").is_err());
+        assert!(jobs("nope", false).is_err());
+        let u = jobs("full", true).unwrap();
+        let p = u.iter().find(|j| j.name == "pingpong-ucx-tcp").unwrap();
+        assert!(p.args.windows(2).any(|w| w == ["--transport", "ucx"]));
+        assert_eq!(p.env, [("UCX_TLS".to_owned(), "tcp,self".to_owned())]);
+        assert!(u.iter().any(|j| j.name == "bandwidth-ucx-tcp"));
+        assert!(u.iter().any(|j| j.name == "rate-ucx-tcp"));
     }
 
     #[test]

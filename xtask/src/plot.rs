@@ -379,6 +379,7 @@ mod tests {
             bench: bench.to_owned(),
             path_label: label.to_owned(),
             args: vec![bench.to_owned()],
+            env: Vec::new(),
         }
     }
 

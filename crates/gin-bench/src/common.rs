@@ -64,6 +64,9 @@ pub enum Transport {
     Auto,
     Shm,
     Tcp,
+    /// UCX's UCP API (`GIN_UCX_LIB`, `UCX_TLS`); the floor is
+    /// `ucx_perftest` from the same library.
+    Ucx,
 }
 
 impl Backend {
@@ -82,6 +85,7 @@ impl Transport {
             Transport::Auto => "auto",
             Transport::Shm => "shm",
             Transport::Tcp => "tcp",
+            Transport::Ucx => "ucx",
         }
     }
 }

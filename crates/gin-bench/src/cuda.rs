@@ -160,9 +160,10 @@ impl CudaArgs {
                 c.ranks
             );
         }
-        if c.transport == Some(Transport::Tcp) {
+        if let Some(t @ (Transport::Tcp | Transport::Ucx)) = c.transport {
+            let t = t.name();
             bail!(
-                "--device cuda --transport tcp: run `GIN_TRANSPORT=tcp gin-bench cuda` instead (CUDA ranks read the transport from the environment)"
+                "--device cuda --transport {t}: run `GIN_TRANSPORT={t} gin-bench cuda` instead (CUDA ranks read the transport from the environment)"
             );
         }
         if !c.cpus.is_empty() {

@@ -1,7 +1,8 @@
 //! Raw floors, measured in the same job as the gin-rs figures they bound:
 //! the same traffic between ranks 0 and 1 without gin-rs. For same-host
 //! paths (direct, and proxy or GDAKI over shared memory) the two processes
-//! copy into a shared segment and bump a flag; for tcp, a raw TCP stream.
+//! copy into a shared segment and bump a flag; for tcp, a raw TCP stream;
+//! for ucx, `ucx_perftest` from the same library ([`crate::ucxfloor`]).
 //!
 //! Set-up is collective over every rank of the communicator (ranks past 1
 //! only join the exchanges), so a benchmark with spectators stays in step.
@@ -23,12 +24,18 @@ use crate::stream::Completion;
 pub enum FloorKind {
     Shm,
     Tcp,
+    /// `ucx_perftest` from the same library ([`crate::ucxfloor`]).
+    Ucx,
 }
 
 impl FloorKind {
     /// From rank 0's path name for rank 1 (`shm`, `tcp`, ...).
     pub fn for_path(path: &str) -> Self {
-        if path == "tcp" { Self::Tcp } else { Self::Shm }
+        match path {
+            "tcp" => Self::Tcp,
+            "ucx" => Self::Ucx,
+            _ => Self::Shm,
+        }
     }
 }
 

@@ -30,6 +30,7 @@ mod rate;
 mod report;
 mod stats;
 mod stream;
+mod ucxfloor;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};

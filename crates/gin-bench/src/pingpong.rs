@@ -164,17 +164,25 @@ fn rank_main(args: &PingPongArgs) -> Result<()> {
     let path = ranks::path_to_rank1(&comm)?;
     crate::common::bind_rank_thread(c, comm.local_rank())?;
     let floor_kind = FloorKind::for_path(&path);
+    let ucx = match floor_kind {
+        FloorKind::Ucx => Some(crate::ucxfloor::setup(&comm)?),
+        _ => None,
+    };
     let floor_name = match floor_kind {
         FloorKind::Tcp => "raw TCP ping-pong of the same size, the faster of polling and blocking",
         FloorKind::Shm => "raw shared-memory copy + flag ping-pong of the same size",
+        FloorKind::Ucx => {
+            "ucx_perftest ucp_put_lat of the same size, same library and UCX_TLS (two processes \
+             beside ranks 0 and 1), median half round trip"
+        }
     };
     let mut tcp = match floor_kind {
         FloorKind::Tcp => floor::tcp_pair(&comm)?,
-        FloorKind::Shm => None,
+        FloorKind::Shm | FloorKind::Ucx => None,
     };
     let shm = match floor_kind {
         FloorKind::Shm => ShmPair::new(&comm, max as usize)?,
-        FloorKind::Tcp => None,
+        FloorKind::Tcp | FloorKind::Ucx => None,
     };
     let mut results = Vec::new();
     let mut signal_seen = 0u64;
@@ -232,12 +240,13 @@ fn rank_main(args: &PingPongArgs) -> Result<()> {
                 runs.push(median(&samples));
                 all.extend(samples);
             }
-            floors.push(match (&shm, &mut tcp) {
-                (Some(pair), _) => median(&floor::shm_pingpong(pair, &comm, size, warm, iters)?),
-                (None, Some(s)) => {
+            floors.push(match (&shm, &mut tcp, &ucx) {
+                (Some(pair), _, _) => median(&floor::shm_pingpong(pair, &comm, size, warm, iters)?),
+                (None, Some(s), _) => {
                     floor::tcp_pingpong_floor(s, r, size, (warm, iters), comm.timeout())?
                 }
-                (None, None) => f64::NAN,
+                (None, None, Some(perf)) => ucx_lat(perf, &comm, size, (warm, iters))?,
+                (None, None, None) => f64::NAN,
             });
             crate::progress::tick(r);
         }
@@ -270,4 +279,33 @@ fn rank_main(args: &PingPongArgs) -> Result<()> {
     drop(shm);
     dc.destroy()?;
     Ok(())
+}
+
+/// Collective: one `ucp_put_lat` run between ranks 0 and 1 (the server
+/// beside rank 1 listens before the barrier, the client beside rank 0
+/// runs after it); rank 0 returns the median half round trip, µs.
+fn ucx_lat(
+    perf: &crate::ucxfloor::UcxPerf,
+    comm: &Comm,
+    size: u64,
+    (warm, iters): (usize, usize),
+) -> Result<f64> {
+    let r = comm.rank();
+    let mut server = if r == 1 { Some(perf.serve()?) } else { None };
+    comm.bootstrap().barrier()?;
+    let us = if r == 0 {
+        perf.client(crate::ucxfloor::Test::PutLat, size, warm, iters)?
+    } else {
+        f64::NAN
+    };
+    if let Some(s) = &mut server {
+        let (status, _, err) = s.finish()?;
+        if !status.success() {
+            bail!(
+                "rank 1: the ucx_perftest server failed ({status}): {}",
+                err.trim()
+            );
+        }
+    }
+    Ok(us)
 }

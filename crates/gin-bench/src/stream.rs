@@ -95,6 +95,8 @@ pub struct Engine<'a> {
     pub floor: FloorKind,
     pub shm: Option<ShmPair>,
     pub tcp: Option<floor::TcpPair>,
+    /// `ucx_perftest` for the ucx path's floor.
+    pub ucx: Option<crate::ucxfloor::UcxPerf>,
     /// Cumulative signal targets (signals only ever grow).
     data_seen: u64,
     ack_seen: u64,
@@ -126,9 +128,10 @@ impl<'a> Engine<'a> {
         path: &str,
     ) -> Result<Self> {
         let floor = FloorKind::for_path(path);
-        let (shm, tcp) = match floor {
-            FloorKind::Shm => (ShmPair::new(comm, src.local_size() as usize)?, None),
-            FloorKind::Tcp => (None, floor::tcp_pair(comm)?),
+        let (shm, tcp, ucx) = match floor {
+            FloorKind::Shm => (ShmPair::new(comm, src.local_size() as usize)?, None, None),
+            FloorKind::Tcp => (None, floor::tcp_pair(comm)?, None),
+            FloorKind::Ucx => (None, None, Some(crate::ucxfloor::setup(comm)?)),
         };
         Ok(Self {
             comm,
@@ -138,6 +141,7 @@ impl<'a> Engine<'a> {
             floor,
             shm,
             tcp,
+            ucx,
             data_seen: 0,
             ack_seen: 0,
             ready_seen: 0,
@@ -236,6 +240,9 @@ impl<'a> Engine<'a> {
         let r = self.comm.rank();
         if let Some(pair) = &self.shm {
             floor::reset_incoming(pair);
+        }
+        if let Some(perf) = &self.ucx {
+            return ucx_stream(perf, self.comm, st);
         }
         self.comm.bootstrap().barrier()?;
         match (&self.shm, &mut self.tcp) {
@@ -386,6 +393,10 @@ pub fn rank_main(common: &crate::common::Common, points: &[Point]) -> Result<()>
         FloorKind::Tcp => {
             "raw TCP stream, one write per message, same traffic, the faster of polling and blocking"
         }
+        FloorKind::Ucx => {
+            "ucx_perftest ucp_put_bw, same size, -O = window (sliding), same library and UCX_TLS, \
+             one buffer, sender-timed, plain puts; bi: the one-way time"
+        }
     };
     drop(engine);
     let peaks = comm
@@ -407,4 +418,35 @@ pub fn rank_main(common: &crate::common::Common, points: &[Point]) -> Result<()>
     comm.bootstrap().barrier()?;
     dc.destroy()?;
     Ok(())
+}
+
+/// One ucx floor run on rank 0 or 1 (the caller's only collective is the
+/// barrier here, as for the other floors): the server beside rank 1 listens
+/// before it, the client beside rank 0 runs `ucp_put_bw` after it with
+/// `-O` = the window. Rank 0 returns the run's µs (per put times the
+/// messages of one direction); rank 1 returns 0, so a bidirectional run's
+/// floor is the one-way time ([`crate::ucxfloor`] says why that bounds it).
+fn ucx_stream(perf: &crate::ucxfloor::UcxPerf, comm: &Comm, st: &Stream) -> Result<f64> {
+    let r = comm.rank();
+    let mut server = if r == 1 { Some(perf.serve()?) } else { None };
+    comm.bootstrap().barrier()?;
+    let us = if r == 0 {
+        let n = st.messages();
+        let test = crate::ucxfloor::Test::PutBw {
+            outstanding: st.window,
+        };
+        perf.client(test, st.size, (n / 10).max(st.window), n)? * n as f64
+    } else {
+        0.0
+    };
+    if let Some(s) = &mut server {
+        let (status, _, err) = s.finish()?;
+        if !status.success() {
+            bail!(
+                "rank 1: the ucx_perftest server failed ({status}): {}",
+                err.trim()
+            );
+        }
+    }
+    Ok(us)
 }

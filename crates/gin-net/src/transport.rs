@@ -367,35 +367,69 @@ pub fn find(name: &str) -> Result<&'static Registration, NetError> {
         })
 }
 
+/// `GIN_TRANSPORT_REMOTE`: the transport for peers on other hosts, whatever
+/// `GIN_TRANSPORT` chose within a host (unset, empty or `auto`: as
+/// `GIN_TRANSPORT` says). `GIN_TRANSPORT=auto GIN_TRANSPORT_REMOTE=ucx` is
+/// shared memory within a host and UCX across hosts.
+pub const REMOTE_ENV: &str = "GIN_TRANSPORT_REMOTE";
+
 /// The transport `rank` uses for each peer (`None`: the rank itself, which
 /// reaches its own memory directly), from the ranks' host indices (equal:
-/// same host) and the transport asked for (`None`: auto, the first
+/// same host), the transport asked for (`None`: auto, the first
 /// host-scope transport within a host and the first any-scope one across
-/// hosts). Pure: every rank computes every rank's choice alike.
+/// hosts) and [`REMOTE_ENV`] from this process's environment (every rank
+/// of a job is given the same). See [`select_with`].
 pub fn select(
     rank: usize,
     hosts: &[usize],
     wanted: Option<&str>,
 ) -> Result<Vec<Option<&'static Registration>>, NetError> {
+    let remote = std::env::var(REMOTE_ENV).ok();
+    let remote = remote.as_deref().map(str::trim);
+    select_with(
+        rank,
+        hosts,
+        wanted,
+        remote.filter(|r| !r.is_empty() && *r != "auto"),
+    )
+}
+
+/// [`select`] with the transport for peers on other hosts given (`None`:
+/// as `wanted` says). Pure: every rank computes every rank's choice alike.
+pub fn select_with(
+    rank: usize,
+    hosts: &[usize],
+    wanted: Option<&str>,
+    remote: Option<&str>,
+) -> Result<Vec<Option<&'static Registration>>, NetError> {
     let here = hosts.get(rank).copied();
     let same = |p: usize| hosts.get(p).copied() == here;
+    let others: Vec<usize> = (0..hosts.len()).filter(|&p| !same(p)).collect();
+    let host_only = |r: &'static Registration| {
+        if r.scope == Scope::Host && !others.is_empty() {
+            return Err(NetError::HostOnly {
+                transport: r.name,
+                others: others.clone(),
+            });
+        }
+        Ok(())
+    };
     let pick = |scope: Scope| REGISTRY.iter().find(|r| r.scope == scope);
-    let (within, across) = match wanted {
+    let (within, mut across) = match wanted {
         None => (pick(Scope::Host), pick(Scope::Any)),
         Some(name) => {
             let r = find(name)?;
-            if r.scope == Scope::Host {
-                let others: Vec<usize> = (0..hosts.len()).filter(|&p| !same(p)).collect();
-                if !others.is_empty() {
-                    return Err(NetError::HostOnly {
-                        transport: r.name,
-                        others,
-                    });
-                }
+            if remote.is_none() {
+                host_only(r)?;
             }
             (Some(r), Some(r))
         }
     };
+    if let Some(name) = remote {
+        let r = find(name)?;
+        host_only(r)?;
+        across = Some(r);
+    }
     (0..hosts.len())
         .map(|p| {
             if p == rank {
@@ -449,6 +483,43 @@ mod tests {
             e.contains("infiniband") && e.contains("auto, shm, tcp"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_remote_transport_serves_only_peers_on_other_hosts() {
+        let chosen_with = |rank, hosts: &[usize], wanted, remote| -> Vec<&'static str> {
+            select_with(rank, hosts, wanted, remote)
+                .unwrap()
+                .into_iter()
+                .map(|r| r.map_or("local", |r| r.name))
+                .collect()
+        };
+        let hosts = [0, 0, 1, 1];
+        assert_eq!(
+            chosen_with(0, &hosts, None, Some("ucx")),
+            ["local", "shm", "ucx", "ucx"]
+        );
+        assert_eq!(
+            chosen_with(3, &hosts, None, Some("ucx")),
+            ["ucx", "ucx", "shm", "local"]
+        );
+        // A host-scope transport asked for within hosts is fine when the
+        // remote one covers the others.
+        assert_eq!(
+            chosen_with(1, &hosts, Some("shm"), Some("tcp")),
+            ["shm", "local", "tcp", "tcp"]
+        );
+        // One host: the remote transport has no peer to serve.
+        assert_eq!(chosen_with(0, &[0, 0], None, Some("ucx")), ["local", "shm"]);
+        let e = select_with(0, &hosts, None, Some("shm")).unwrap_err();
+        assert!(
+            matches!(&e, NetError::HostOnly { transport: "shm", others } if others == &[2, 3]),
+            "{e}"
+        );
+        let e = select_with(0, &hosts, None, Some("carrier-pigeon"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("carrier-pigeon"), "{e}");
     }
 
     #[test]
