@@ -194,7 +194,10 @@ if [ "$suite" = full ]; then
     ucx_why="ucx.tgz did not unpack"
   fi
   ucx_lib="$ucx_tmp/libucx/lib" ucx_bin="$ucx_tmp/libucx/bin"
-  ucx_env=(env GIN_UCX_LIB="$ucx_lib/libucp.so.0" LD_LIBRARY_PATH="$ucx_lib:$LD_LIBRARY_PATH")
+  # A short timeout: a path that does not work fails in seconds, not in the
+  # default five minutes, and the rest of the run goes on.
+  ucx_env=(env GIN_UCX_LIB="$ucx_lib/libucp.so.0" LD_LIBRARY_PATH="$ucx_lib:$LD_LIBRARY_PATH"
+    GIN_TIMEOUT="${GIN_UCX_TIMEOUT:-20s}")
   if [ -z "$ucx_why" ]; then
     # Which transports and memory domains UCX finds here: cuda_copy and
     # cuda_ipc (GPU memory), posix, sysv, cma (shared memory), tcp.
@@ -242,11 +245,11 @@ if [ "$suite" = full ]; then
     fi
     local port=$((20000 + RANDOM % 20000)) try
     echo "== $name: ucx_perftest $*"
-    "${ucx_env[@]}" timeout 300 "$ucx_bin/ucx_perftest" -p "$port" > "$out/$name-server.log" 2>&1 &
+    "${ucx_env[@]}" timeout 90 "$ucx_bin/ucx_perftest" -p "$port" > "$out/$name-server.log" 2>&1 &
     local server=$!
     for try in 1 2 3 4 5; do
       sleep 1 # (the server must be listening before the client connects)
-      if "${ucx_env[@]}" timeout 240 "$ucx_bin/ucx_perftest" 127.0.0.1 -p "$port" "$@" > "$out/$name.log" 2>&1; then
+      if "${ucx_env[@]}" timeout 60 "$ucx_bin/ucx_perftest" 127.0.0.1 -p "$port" "$@" > "$out/$name.log" 2>&1; then
         tail -n 8 "$out/$name.log"; wait "$server"; return
       fi
       grep -qi "refused" "$out/$name.log" || break

@@ -35,6 +35,40 @@ fn nvrtc_compiles_the_kernels_for_hopper() {
     assert!(err.to_string().contains("undefined"), "{err}");
 }
 
+/// NCCL's all-to-all kernel compiles as CUDA ranks compile it at run time
+/// (`CudaComm::compile`: CCCL's include folder added where it is found, as
+/// on a machine with the CUDA toolkit). On the H200 this failed once: with
+/// CCCL reachable, `gin/nccl_compat.cuh`'s stand-in `int64_t` clashed with
+/// the one `<cuda/atomic>` brings. Requires CCCL under
+/// `GIN_REQUIRE_NVRTC=1` (`.ci/nvcc-check`: the nvcc wheel carries it).
+#[test]
+fn nvrtc_compiles_the_nccl_kernel_with_cccl_reachable() {
+    if !gin_cuda::nvrtc::is_available() {
+        assert!(
+            std::env::var_os("GIN_REQUIRE_NVRTC").is_none(),
+            "GIN_REQUIRE_NVRTC is set but libnvrtc cannot be loaded"
+        );
+        eprintln!("skipped: libnvrtc.so.13 cannot be loaded (add its folder to LD_LIBRARY_PATH)");
+        return;
+    }
+    let Some(cccl) = gin_core::cuda::nvrtc::cccl_dir() else {
+        assert!(
+            std::env::var_os("GIN_REQUIRE_NVRTC").is_none(),
+            "GIN_REQUIRE_NVRTC is set but CCCL was not found beside NVRTC"
+        );
+        eprintln!("skipped: CCCL's include folder was not found");
+        return;
+    };
+    let opts = gin_core::cuda::nvrtc::CompileOptions::default();
+    gin_core::cuda::nvrtc::compile_with(
+        gin_selftest::NCCL_ALLTOALL,
+        "nccl_alltoall.cu",
+        (9, 0),
+        &opts,
+    )
+    .unwrap_or_else(|e| panic!("with CCCL at {}: {e}", cccl.display()));
+}
+
 /// What gin cannot honour under NCCL's names fails to compile, with a
 /// message that says why (gin/nccl_compat.cuh, docs/porting.md).
 #[test]

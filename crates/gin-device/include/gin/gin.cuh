@@ -244,20 +244,31 @@ GIN_DEV void coop_copy(Coop c, u8* dst, const u8* src, u64 bytes) {
     const u64 vecs = bytes / 16;
     uint4* d = (uint4*)dst;
     const uint4* s = (const uint4*)src;
-    // Up to eight 16-byte loads in flight per thread before the stores: a
-    // lone thread or a warp is bound by load latency, not by the link. The
-    // last round is predicated rather than left to a one-load loop, which
-    // left every copy of fewer than eight vectors per thread (64 KiB for a
-    // 512-thread block, so each block's share of a 4 MiB put over 66 or
-    // more blocks) waiting on one load at a time.
+    u64 i = r;
+    // Eight 16-byte loads in flight per thread before the stores: a lone
+    // thread or a warp is bound by load latency, not by the link.
 #pragma unroll 1
-    for (u64 i = r; i < vecs; i += 8 * (u64)n) {
+    for (; i + 7 * n < vecs; i += 8 * n) {
       uint4 v[8];
 #pragma unroll
-      for (int k = 0; k < 8; ++k)
+      for (int k = 0; k < 8; ++k) v[k] = s[i + k * n];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) d[i + k * n] = v[k];
+    }
+    // The rest, fewer than eight vectors for this thread: two predicated
+    // rounds of four loads in flight. A loop of one load at a time left
+    // every copy of fewer than eight vectors per thread (64 KiB for a
+    // 512-thread block: each block's share of a 4 MiB put over 66 or more
+    // blocks) waiting on one load at a time; one predicated round of eight
+    // made 1024-thread blocks, capped at 64 registers, spill in this loop.
+#pragma unroll 1
+    for (int round = 0; round < 2 && i < vecs; ++round, i += 4 * n) {
+      uint4 v[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
         if (i + k * n < vecs) v[k] = s[i + k * n];
 #pragma unroll
-      for (int k = 0; k < 8; ++k)
+      for (int k = 0; k < 4; ++k)
         if (i + k * n < vecs) d[i + k * n] = v[k];
     }
     head = vecs * 16;

@@ -32,9 +32,13 @@
 #if defined(__CUDACC__)
 
 // Fixed-width integers: the platform's where it has a stdint.h (nvcc, NVRTC
-// with a system include path), else glibc's LP64 choices (NVRTC alone).
+// with a system include path), else CCCL's (NVRTC given CCCL's include path:
+// its <cuda/atomic> below declares them too, as long long, so a stand-in
+// here would clash), else glibc's LP64 choices (NVRTC alone).
 #if __has_include(<stdint.h>)
 #include <stdint.h>
+#elif __has_include(<cuda/std/cstdint>)
+#include <cuda/std/cstdint>
 #else
 typedef signed char int8_t;
 typedef short int16_t;
