@@ -3,7 +3,7 @@
 //! each benchmark's fields) and one JSON envelope for every subcommand.
 
 use std::fmt::Write as _;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
@@ -164,6 +164,7 @@ impl<T: Serialize> Report<T> {
             println!("{}", t.render_text());
         }
         if let Some(path) = json {
+            let _ = REPORT_WRITTEN.set(path.to_path_buf());
             std::fs::write(path, serde_json::to_string_pretty(self)?)
                 .with_context(|| format!("writing {}", path.display()))?;
             eprintln!("wrote {}", path.display());
@@ -183,6 +184,9 @@ impl<T: Serialize> Report<T> {
         Ok(())
     }
 }
+
+/// The `--json` path this process wrote a whole report to, if any.
+static REPORT_WRITTEN: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
 
 /// What one rank of a launched job writes with `--json` (a rank prints no
 /// tables: the front end that would has not run). In a `--json` path,
@@ -221,6 +225,14 @@ pub fn rank_json_path(path: &Path, rank: usize) -> Option<std::path::PathBuf> {
     }
 }
 
+/// Where rank `rank`'s record goes ([`rank_json_path`]), unless this
+/// process already wrote the whole report there (`written`): a subcommand
+/// whose rank 0 writes the report itself (`cuda`, whose ranks are copies of
+/// the command line) keeps it rather than have the shorter record replace it.
+fn record_path(path: &Path, rank: usize, written: Option<&Path>) -> Option<PathBuf> {
+    rank_json_path(path, rank).filter(|p| Some(p.as_path()) != written)
+}
+
 /// In a rank: writes its [`RankRecord`] to `path` (see [`rank_json_path`]).
 pub fn write_rank_record(
     path: &Path,
@@ -229,7 +241,7 @@ pub fn write_rank_record(
     result: Option<serde_json::Value>,
 ) -> Result<()> {
     let env = gin_bootstrap::LaunchEnv::from_env()?;
-    let Some(path) = rank_json_path(path, env.rank) else {
+    let Some(path) = record_path(path, env.rank, REPORT_WRITTEN.get().map(PathBuf::as_path)) else {
         return Ok(());
     };
     let rec = RankRecord {
@@ -302,6 +314,23 @@ pub fn civil_from_days(z: i64) -> (i64, u32, u32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// gin-bench cuda's rank 0 writes the whole report to --json; its rank
+    /// record must not replace it (seen on the H200: the A/B's JSON files
+    /// held a record with no result). Other ranks and {rank} paths still
+    /// get their records.
+    #[test]
+    fn a_rank_keeps_the_report_it_wrote_and_records_elsewhere() {
+        let p = Path::new("/tmp/r.json");
+        assert_eq!(record_path(p, 0, Some(p)), None);
+        assert_eq!(record_path(p, 0, None), Some(p.to_path_buf()));
+        assert_eq!(record_path(p, 1, None), None);
+        let each = Path::new("/tmp/r-{rank}.json");
+        assert_eq!(
+            record_path(each, 0, Some(p)),
+            Some(PathBuf::from("/tmp/r-0.json"))
+        );
+    }
 
     #[test]
     fn rank_placeholders_give_each_rank_its_own_file() {
