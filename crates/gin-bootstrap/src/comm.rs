@@ -304,113 +304,13 @@ impl Bootstrap {
         }
         let r = Some(rank);
         let deadline = Instant::now() + config.timeout;
-        let mut root = connect(r, id.addr, deadline, "the bootstrap root")?;
-        // Listen on the interface that reaches the root: that is the one the
-        // other ranks can reach too.
-        let local_ip = root
-            .local_addr()
-            .map_err(|e| BootstrapError::io(r, "reading the local address", e))?
-            .ip();
-        let listener = TcpListener::bind((local_ip, 0))
-            .map_err(|e| BootstrapError::io(r, format!("listening on {local_ip}"), e))?;
-        let listen_addr = listener
-            .local_addr()
-            .map_err(|e| BootstrapError::io(r, "reading the listening address", e))?;
-        let root_name = format!("the bootstrap root at {}", id.addr);
-        if let Err(reason) = handshake_dial(
-            &mut root,
-            id,
-            (
-                Purpose::Root,
-                rank as u32,
-                nranks as u32,
-                &listen_addr.to_string(),
-            ),
-            deadline,
-            config.max_frame,
-            &root_name,
-        )? {
-            return Err(BootstrapError::Refused {
-                rank,
-                root: id.addr.to_string(),
-                reason,
-            });
-        }
-        // Wait for the address table, the root's verdict, or our deadline.
-        // The root's own deadline is the same length but started earlier, so
-        // normally its Abort (which names the missing ranks) arrives first.
-        let left = deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(2);
-        root.set_read_timeout(Some(left))
-            .map_err(|e| BootstrapError::io(r, "setting a read timeout", e))?;
-        let addrs = match read_frame(&mut root, config.max_frame) {
-            Ok(Some(Frame::Table { addrs })) => addrs,
-            Ok(Some(Frame::Refuse { reason })) => {
-                return Err(BootstrapError::Refused {
-                    rank,
-                    root: id.addr.to_string(),
-                    reason,
-                });
-            }
-            Ok(Some(Frame::Abort { reason, missing })) => {
-                return Err(BootstrapError::Aborted {
-                    rank,
-                    reason,
-                    missing: missing.into_iter().map(|m| m as usize).collect(),
-                });
-            }
-            Ok(Some(other)) => {
-                return Err(BootstrapError::Aborted {
-                    rank,
-                    reason: format!("unexpected {other:?} from the root"),
-                    missing: vec![],
-                });
-            }
-            Ok(None) => {
-                return Err(BootstrapError::Aborted {
-                    rank,
-                    reason: "the root closed the connection before the rendezvous completed".into(),
-                    missing: vec![],
-                });
-            }
-            Err(crate::frame::ReadError::Io(e))
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) =>
-            {
-                return Err(BootstrapError::Timeout {
-                    rank,
-                    op: "bootstrap init".into(),
-                    what: format!("the address table from {root_name}"),
-                    waited: config.timeout,
-                    missing: vec![],
-                });
-            }
-            Err(e) => return Err(BootstrapError::from_read(r, &root_name, e)),
-        };
-        root.set_read_timeout(None)
-            .map_err(|e| BootstrapError::io(r, "clearing the read timeout", e))?;
-        if addrs.len() != nranks {
-            return Err(BootstrapError::Aborted {
-                rank,
-                reason: format!(
-                    "the root's table has {} ranks, expected {nranks}",
-                    addrs.len()
-                ),
-                missing: vec![],
-            });
-        }
-        let addrs = addrs
-            .iter()
-            .enumerate()
-            .map(|(i, a)| {
-                a.parse().map_err(|_| BootstrapError::Aborted {
-                    rank,
-                    reason: format!("the root's table has a bad address {a:?} for rank {i}"),
-                    missing: vec![],
-                })
-            })
-            .collect::<Result<Vec<SocketAddr>, _>>()?;
+        let Joined {
+            mut root,
+            listener,
+            listen_addr,
+            root_name,
+        } = join_root(id, rank, nranks, config, deadline)?;
+        let addrs = await_table(&mut root, id, rank, nranks, config, deadline, &root_name)?;
 
         let shared = Arc::new(Shared {
             rank,
@@ -854,6 +754,169 @@ impl Drop for Bootstrap {
             }
         }
     }
+}
+
+/// A rank admitted by the root: its root connection and its own listener.
+struct Joined {
+    root: TcpStream,
+    listener: TcpListener,
+    listen_addr: SocketAddr,
+    /// "the bootstrap root at ADDR", for messages.
+    root_name: String,
+}
+
+/// Connects to the root, listens on the interface that reaches it and
+/// introduces this rank (the first half of [`Bootstrap::init_with`]).
+fn join_root(
+    id: &UniqueId,
+    rank: usize,
+    nranks: usize,
+    config: Config,
+    deadline: Instant,
+) -> Result<Joined, BootstrapError> {
+    let r = Some(rank);
+    let mut root = connect(r, id.addr, deadline, "the bootstrap root")?;
+    // Listen on the interface that reaches the root: that is the one the
+    // other ranks can reach too.
+    let local_ip = root
+        .local_addr()
+        .map_err(|e| BootstrapError::io(r, "reading the local address", e))?
+        .ip();
+    let listener = TcpListener::bind((local_ip, 0))
+        .map_err(|e| BootstrapError::io(r, format!("listening on {local_ip}"), e))?;
+    let listen_addr = listener
+        .local_addr()
+        .map_err(|e| BootstrapError::io(r, "reading the listening address", e))?;
+    let root_name = format!("the bootstrap root at {}", id.addr);
+    if let Err(reason) = handshake_dial(
+        &mut root,
+        id,
+        (
+            Purpose::Root,
+            rank as u32,
+            nranks as u32,
+            &listen_addr.to_string(),
+        ),
+        deadline,
+        config.max_frame,
+        &root_name,
+    )? {
+        return Err(BootstrapError::Refused {
+            rank,
+            root: id.addr.to_string(),
+            reason,
+        });
+    }
+    Ok(Joined {
+        root,
+        listener,
+        listen_addr,
+        root_name,
+    })
+}
+
+/// Waits for the root's address table (or its verdict, or the deadline) and
+/// checks it: one usable address for each of the `nranks` ranks.
+fn await_table(
+    root: &mut TcpStream,
+    id: &UniqueId,
+    rank: usize,
+    nranks: usize,
+    config: Config,
+    deadline: Instant,
+    root_name: &str,
+) -> Result<Vec<SocketAddr>, BootstrapError> {
+    let r = Some(rank);
+    // Wait for the address table, the root's verdict, or our deadline.
+    // The root's own deadline is the same length but started earlier, so
+    // normally its Abort (which names the missing ranks) arrives first.
+    let left = deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(2);
+    root.set_read_timeout(Some(left))
+        .map_err(|e| BootstrapError::io(r, "setting a read timeout", e))?;
+    let addrs = match read_frame(root, config.max_frame) {
+        Ok(Some(Frame::Table { addrs })) => addrs,
+        other => return Err(table_error(other, id, rank, config, root_name)),
+    };
+    root.set_read_timeout(None)
+        .map_err(|e| BootstrapError::io(r, "clearing the read timeout", e))?;
+    parse_table(&addrs, rank, nranks)
+}
+
+/// Why what the root sent instead of its address table ends the join.
+fn table_error(
+    got: Result<Option<Frame>, frame::ReadError>,
+    id: &UniqueId,
+    rank: usize,
+    config: Config,
+    root_name: &str,
+) -> BootstrapError {
+    match got {
+        Ok(Some(Frame::Refuse { reason })) => BootstrapError::Refused {
+            rank,
+            root: id.addr.to_string(),
+            reason,
+        },
+        Ok(Some(Frame::Abort { reason, missing })) => BootstrapError::Aborted {
+            rank,
+            reason,
+            missing: missing.into_iter().map(|m| m as usize).collect(),
+        },
+        Ok(Some(other)) => BootstrapError::Aborted {
+            rank,
+            reason: format!("unexpected {other:?} from the root"),
+            missing: vec![],
+        },
+        Ok(None) => BootstrapError::Aborted {
+            rank,
+            reason: "the root closed the connection before the rendezvous completed".into(),
+            missing: vec![],
+        },
+        Err(frame::ReadError::Io(e))
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) =>
+        {
+            BootstrapError::Timeout {
+                rank,
+                op: "bootstrap init".into(),
+                what: format!("the address table from {root_name}"),
+                waited: config.timeout,
+                missing: vec![],
+            }
+        }
+        Err(e) => BootstrapError::from_read(Some(rank), root_name, e),
+    }
+}
+
+/// Parses the root's address table, which must name every one of `nranks`
+/// ranks.
+fn parse_table(
+    addrs: &[String],
+    rank: usize,
+    nranks: usize,
+) -> Result<Vec<SocketAddr>, BootstrapError> {
+    if addrs.len() != nranks {
+        return Err(BootstrapError::Aborted {
+            rank,
+            reason: format!(
+                "the root's table has {} ranks, expected {nranks}",
+                addrs.len()
+            ),
+            missing: vec![],
+        });
+    }
+    addrs
+        .iter()
+        .enumerate()
+        .map(|(i, a)| {
+            a.parse().map_err(|_| BootstrapError::Aborted {
+                rank,
+                reason: format!("the root's table has a bad address {a:?} for rank {i}"),
+                missing: vec![],
+            })
+        })
+        .collect()
 }
 
 fn spawn_acceptor(

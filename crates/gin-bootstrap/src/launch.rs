@@ -373,30 +373,57 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchReport, BootstrapError> {
     let id = root.id().to_string();
     let catch = group::Catch::install();
     let start = Instant::now();
-    let mut ranks: Vec<Running> = Vec::with_capacity(spec.nranks);
     let (out_tx, out_rx) = mpsc::channel();
+    let (mut ranks, pumps) = spawn_ranks(spec, &id, &out_tx)?;
+    drop(out_tx);
+    let sup = supervise(spec, start, &mut ranks);
+    let outputs = gather_output(&out_rx, pumps, spec.nranks);
+    // Restores the handlers; re-raises a caught signal if this was the last
+    // launch running.
+    drop(catch);
+    if let Some(sig) = sup.interrupted {
+        return Err(BootstrapError::Launch(format!(
+            "interrupted by signal {sig}; every rank was stopped"
+        )));
+    }
+    let ranks = ranks
+        .into_iter()
+        .zip(outputs)
+        .enumerate()
+        .map(|(rank, (r, (stdout, stderr)))| RankExit {
+            rank,
+            status: r.exit,
+            stopped: r.stopped || r.lost,
+            stdout,
+            stderr,
+            ended: r.ended,
+        })
+        .collect();
+    Ok(LaunchReport {
+        ranks,
+        first_failure: sup.first_failure,
+        elapsed: start.elapsed(),
+        fault_at: sup.fault_at,
+    })
+}
+
+/// A captured stream of one rank at end of file: (rank, is standard error,
+/// what was kept).
+type PumpDone = (usize, bool, String);
+
+/// Starts every rank, each in a process group of its own, with the job's
+/// `GIN_*` variables and its output pumped as `spec.output` says. Returns
+/// the ranks and how many output pumps will report to `out_tx`. If a rank
+/// cannot be started, those already started are killed and reaped.
+fn spawn_ranks(
+    spec: &LaunchSpec,
+    id: &str,
+    out_tx: &mpsc::Sender<PumpDone>,
+) -> Result<(Vec<Running>, usize), BootstrapError> {
+    let mut ranks: Vec<Running> = Vec::with_capacity(spec.nranks);
     let mut pumps = 0;
     for rank in 0..spec.nranks {
-        let mut cmd = Command::new(&spec.program);
-        cmd.args(&spec.args)
-            // Our variables take precedence over any other launcher's.
-            .env("GIN_RANK", rank.to_string())
-            .env("GIN_NRANKS", spec.nranks.to_string())
-            .env("GIN_LOCAL_RANK", rank.to_string())
-            .env("GIN_LOCAL_NRANKS", spec.nranks.to_string())
-            .env("GIN_UNIQUE_ID", &id)
-            .stdin(Stdio::null())
-            // A group of its own, so the rank can be stopped with everything
-            // it started (and a Ctrl-C meant for the launcher reaches the
-            // ranks through the launcher's stop, not all at once).
-            .process_group(0);
-        for (k, v) in &spec.env {
-            cmd.env(k, v);
-        }
-        if spec.output != Output::Inherit {
-            cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-        }
-        let mut child = match cmd.spawn() {
+        let mut child = match rank_command(spec, id, rank).spawn() {
             Ok(c) => c,
             Err(e) => {
                 for r in &mut ranks {
@@ -429,26 +456,100 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchReport, BootstrapError> {
             kill_at: None,
         });
     }
-    drop(out_tx);
+    Ok((ranks, pumps))
+}
 
-    let mut first_failure = None;
-    let mut stop_at: Option<Instant> = None;
-    let mut fault = spec.fault;
-    let mut fault_at = None;
-    let mut stopped_rank = None;
-    let mut interrupted = None;
+/// The command that starts `rank`.
+fn rank_command(spec: &LaunchSpec, id: &str, rank: usize) -> Command {
+    let mut cmd = Command::new(&spec.program);
+    cmd.args(&spec.args)
+        // Our variables take precedence over any other launcher's.
+        .env("GIN_RANK", rank.to_string())
+        .env("GIN_NRANKS", spec.nranks.to_string())
+        .env("GIN_LOCAL_RANK", rank.to_string())
+        .env("GIN_LOCAL_NRANKS", spec.nranks.to_string())
+        .env("GIN_UNIQUE_ID", id)
+        .stdin(Stdio::null())
+        // A group of its own, so the rank can be stopped with everything
+        // it started (and a Ctrl-C meant for the launcher reaches the
+        // ranks through the launcher's stop, not all at once).
+        .process_group(0);
+    for (k, v) in &spec.env {
+        cmd.env(k, v);
+    }
+    if spec.output != Output::Inherit {
+        cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    }
+    cmd
+}
+
+/// The supervision loop's state: the fault still to inject, what has
+/// happened, and when the ranks are to be stopped.
+struct Supervisor<'a> {
+    spec: &'a LaunchSpec,
+    start: Instant,
+    first_failure: Option<usize>,
+    /// When every rank still running gets stopped.
+    stop_at: Option<Instant>,
+    /// The fault, until it is injected (or found moot).
+    fault: Option<Fault>,
+    fault_at: Option<Duration>,
+    /// The rank the fault stopped (SIGSTOP), if it did.
+    stopped_rank: Option<usize>,
+    /// The launcher's own termination signal, once caught.
+    interrupted: Option<libc::c_int>,
+}
+
+/// Watches the ranks until every one has ended: injects the fault when it is
+/// due, reaps ranks as they end, and stops the rest after a failure (once the
+/// grace has passed), at the limit, or when the launcher is interrupted.
+fn supervise<'a>(spec: &'a LaunchSpec, start: Instant, ranks: &mut [Running]) -> Supervisor<'a> {
+    let mut sup = Supervisor {
+        spec,
+        start,
+        first_failure: None,
+        stop_at: None,
+        fault: spec.fault,
+        fault_at: None,
+        stopped_rank: None,
+        interrupted: None,
+    };
     let poll = Duration::from_millis(5);
     loop {
-        if let Some(f) = fault.filter(|f| start.elapsed() >= f.after) {
-            fault = None;
+        sup.inject_due_fault(ranks);
+        let running = sup.reap(ranks);
+        if running == 0 {
+            break;
+        }
+        let now = Instant::now();
+        sup.update_stop_time(ranks, running, now);
+        sup.signal_due(ranks, now);
+        // Polling child status is the supervision loop itself, not a stand-in
+        // for synchronisation: std offers no wait-for-any-child.
+        thread::sleep(poll);
+    }
+    sup
+}
+
+impl Supervisor<'_> {
+    /// Injects the fault once it is due, if its rank is still running.
+    fn inject_due_fault(&mut self, ranks: &mut [Running]) {
+        let start = self.start;
+        if let Some(f) = self.fault.filter(|f| start.elapsed() >= f.after) {
+            self.fault = None;
             if let Some(r) = ranks.get_mut(f.rank).filter(|r| r.exit.is_none()) {
                 inject(r.pgid, f.kind);
-                fault_at = Some(start.elapsed());
+                self.fault_at = Some(start.elapsed());
                 if f.kind == FaultKind::Stop {
-                    stopped_rank = Some(f.rank);
+                    self.stopped_rank = Some(f.rank);
                 }
             }
         }
+    }
+
+    /// Reaps every rank that has ended (killing what it left in its group),
+    /// notes the first failure, and returns how many are still running.
+    fn reap(&mut self, ranks: &mut [Running]) -> usize {
         let mut running = 0;
         for (rank, r) in ranks.iter_mut().enumerate() {
             if r.exit.is_some() || r.lost {
@@ -469,10 +570,10 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchReport, BootstrapError> {
             match r.child.try_wait() {
                 Ok(Some(st)) => {
                     r.exit = Some(st);
-                    r.ended = Some(start.elapsed());
-                    if !st.success() && first_failure.is_none() {
-                        first_failure = Some(rank);
-                        stop_at = Some(Instant::now() + spec.grace);
+                    r.ended = Some(self.start.elapsed());
+                    if !st.success() && self.first_failure.is_none() {
+                        self.first_failure = Some(rank);
+                        self.stop_at = Some(Instant::now() + self.spec.grace);
                         tracing::warn!(rank, status = %describe_status(st), "rank failed; stopping the others after the grace period");
                     }
                 }
@@ -480,36 +581,45 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchReport, BootstrapError> {
                 Err(_) => r.lost = true,
             }
         }
-        if running == 0 {
-            break;
-        }
-        let now = Instant::now();
+        running
+    }
+
+    /// Brings the stop forward to `now` when a stopped rank is all that is
+    /// left, the limit has passed, or the launcher was interrupted.
+    fn update_stop_time(&mut self, ranks: &[Running], running: usize, now: Instant) {
         // A stopped rank with nobody left to wait for it serves nothing:
         // end it now rather than after the grace period.
         if running == 1
-            && stopped_rank.is_some_and(|v| ranks.get(v).is_some_and(|r| r.exit.is_none()))
+            && self
+                .stopped_rank
+                .is_some_and(|v| ranks.get(v).is_some_and(|r| r.exit.is_none()))
         {
-            stop_at = Some(stop_at.map_or(now, |t| t.min(now)));
+            self.stop_at = Some(self.stop_at.map_or(now, |t| t.min(now)));
         }
-        let over_limit = spec.limit.is_some_and(|l| now >= start + l);
-        if over_limit && stop_at.is_none() {
-            stop_at = Some(now);
+        let over_limit = self.spec.limit.is_some_and(|l| now >= self.start + l);
+        if over_limit && self.stop_at.is_none() {
+            self.stop_at = Some(now);
         }
         if let Some(sig) = group::Catch::caught() {
-            if interrupted.is_none() {
+            if self.interrupted.is_none() {
                 tracing::warn!(signal = sig, "launcher interrupted; stopping every rank");
-                interrupted = Some(sig);
+                self.interrupted = Some(sig);
             }
-            stop_at = Some(stop_at.map_or(now, |t| t.min(now)));
+            self.stop_at = Some(self.stop_at.map_or(now, |t| t.min(now)));
         }
-        if stop_at.is_some_and(|t| now >= t) {
+    }
+
+    /// Once the stop is due, sends SIGTERM to every running rank's group;
+    /// sends SIGKILL to each group whose time after SIGTERM is up.
+    fn signal_due(&self, ranks: &mut [Running], now: Instant) {
+        if self.stop_at.is_some_and(|t| now >= t) {
             for r in ranks
                 .iter_mut()
                 .filter(|r| r.exit.is_none() && !r.lost && !r.stopped)
             {
                 r.stopped = true;
                 group::signal(r.pgid, group::SIGTERM);
-                r.kill_at = Some(now + KILL_AFTER_TERM.min(spec.grace));
+                r.kill_at = Some(now + KILL_AFTER_TERM.min(self.spec.grace));
             }
         }
         for r in ranks.iter_mut().filter(|r| r.exit.is_none() && !r.lost) {
@@ -518,13 +628,18 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchReport, BootstrapError> {
                 r.kill_at = None;
             }
         }
-        // Polling child status is the supervision loop itself, not a stand-in
-        // for synchronisation: std offers no wait-for-any-child.
-        thread::sleep(poll);
     }
-    // Every group has been emptied, so the pipes reach end of file unless a
-    // process escaped its group; do not wait for that one for ever.
-    let mut outputs: Vec<(String, String)> = vec![Default::default(); spec.nranks];
+}
+
+/// Collects the `pumps` streams' captured output, (stdout, stderr) by rank.
+/// Every group has been emptied, so the pipes reach end of file unless a
+/// process escaped its group; this does not wait for that one for ever.
+fn gather_output(
+    out_rx: &mpsc::Receiver<PumpDone>,
+    pumps: usize,
+    nranks: usize,
+) -> Vec<(String, String)> {
+    let mut outputs: Vec<(String, String)> = vec![Default::default(); nranks];
     let drain_until = Instant::now() + OUTPUT_DRAIN;
     for _ in 0..pumps {
         let left = drain_until.saturating_duration_since(Instant::now());
@@ -539,33 +654,7 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchReport, BootstrapError> {
             }
         }
     }
-    // Restores the handlers; re-raises a caught signal if this was the last
-    // launch running.
-    drop(catch);
-    if let Some(sig) = interrupted {
-        return Err(BootstrapError::Launch(format!(
-            "interrupted by signal {sig}; every rank was stopped"
-        )));
-    }
-    let ranks = ranks
-        .into_iter()
-        .zip(outputs)
-        .enumerate()
-        .map(|(rank, (r, (stdout, stderr)))| RankExit {
-            rank,
-            status: r.exit,
-            stopped: r.stopped || r.lost,
-            stdout,
-            stderr,
-            ended: r.ended,
-        })
-        .collect();
-    Ok(LaunchReport {
-        ranks,
-        first_failure,
-        elapsed: start.elapsed(),
-        fault_at,
-    })
+    outputs
 }
 
 /// Kills or stops a rank's process group (wrapper scripts included).
@@ -586,7 +675,7 @@ fn pump<R: Read + Send + 'static>(
     rank: usize,
     capture: bool,
     is_err: bool,
-    done: mpsc::Sender<(usize, bool, String)>,
+    done: mpsc::Sender<PumpDone>,
 ) {
     thread::spawn(move || {
         let mut kept = String::new();

@@ -171,17 +171,49 @@ struct Member {
 /// The root's state machine: rendezvous, then watch.
 fn run(rx: &mpsc::Receiver<Event>, tx: &Sender<Event>, fixed_n: Option<usize>, config: Config) {
     let start = Instant::now();
-    let deadline = start + config.timeout;
-    let mut n = fixed_n;
-    let mut members: Vec<Option<Member>> = Vec::new();
-    let mut generation = 0u64;
-    // Rendezvous: wait for every rank.
+    let Some(mut members) = rendezvous(rx, tx, fixed_n, config, start + config.timeout) else {
+        return;
+    };
+    send_table(&mut members, start);
+    watch_members(rx, members);
+}
+
+/// Writes `frame` to every member still present (a member that cannot take
+/// it is left to its own watcher to report).
+fn tell_all(members: &mut [Option<Member>], frame: &Frame) {
+    for m in members.iter_mut().flatten() {
+        let _ = write_frame(&mut m.stream, frame);
+    }
+}
+
+/// The rendezvous phase: who has joined so far.
+struct Rendezvous<'a> {
+    tx: &'a Sender<Event>,
+    /// The job size, fixed up front or by the first rank to join.
+    n: Option<usize>,
+    members: Vec<Option<Member>>,
+    generation: u64,
+}
+
+/// Waits for every rank until `deadline`; returns the members once all have
+/// joined, or None when the rendezvous failed (the members were told why) or
+/// the event channel closed.
+fn rendezvous(
+    rx: &mpsc::Receiver<Event>,
+    tx: &Sender<Event>,
+    fixed_n: Option<usize>,
+    config: Config,
+    deadline: Instant,
+) -> Option<Vec<Option<Member>>> {
+    let mut rv = Rendezvous {
+        tx,
+        n: fixed_n,
+        members: Vec::new(),
+        generation: 0,
+    };
     loop {
-        if let Some(n) = n
-            && members.len() == n
-            && members.iter().all(Option::is_some)
-        {
-            break;
+        if rv.complete() {
+            return Some(rv.members);
         }
         let left = deadline.saturating_duration_since(Instant::now());
         match rx.recv_timeout(left) {
@@ -189,87 +221,105 @@ fn run(rx: &mpsc::Receiver<Event>, tx: &Sender<Event>, fixed_n: Option<usize>, c
                 rank,
                 nranks,
                 listen_addr,
-                mut stream,
-            }) => {
-                let job_n = *n.get_or_insert(nranks);
-                if members.len() < job_n {
-                    members.resize_with(job_n, || None);
-                }
-                let refusal = if nranks != job_n {
-                    Some(format!(
-                        "rank {rank} says the job has {nranks} ranks, but it has {job_n}"
-                    ))
-                } else if let Some(m) = &members[rank] {
-                    Some(format!(
-                        "rank {rank} has already joined (listening at {}); duplicate rank",
-                        m.listen_addr
-                    ))
-                } else if listen_addr.parse::<SocketAddr>().is_err() {
-                    Some(format!(
-                        "rank {rank} gave an unusable address {listen_addr:?}"
-                    ))
-                } else {
-                    None
-                };
-                if let Some(reason) = refusal {
-                    warn!(rank, %reason, "bootstrap root refused a rank");
-                    let _ = write_frame(&mut stream, &Frame::Refuse { reason });
-                    continue;
-                }
-                debug!(rank, %listen_addr, "rank joined");
-                let _ = stream.set_write_timeout(Some(MEMBER_WRITE_LIMIT));
-                generation += 1;
-                watch(&stream, rank, generation, tx.clone());
-                members[rank] = Some(Member {
-                    stream,
-                    listen_addr,
-                    generation,
-                });
-            }
+                stream,
+            }) => rv.join(rank, nranks, listen_addr, stream),
             Ok(Event::Left {
                 rank,
                 generation: g,
                 ..
-            }) => {
-                // A rank that leaves before the table is out may rejoin.
-                if members
-                    .get(rank)
-                    .and_then(Option::as_ref)
-                    .is_some_and(|m| m.generation == g)
-                {
-                    warn!(rank, "rank left before the rendezvous completed");
-                    members[rank] = None;
-                }
-            }
+            }) => rv.leave(rank, g),
             Err(RecvTimeoutError::Timeout) => {
-                let missing: Vec<u32> = (0..n.unwrap_or(0))
-                    .filter(|&r| members.get(r).is_none_or(Option::is_none))
-                    .map(|r| r as u32)
-                    .collect();
-                let reason = if n.is_some() {
-                    format!("rendezvous timed out after {:.1?}", config.timeout)
-                } else {
-                    format!(
-                        "rendezvous timed out after {:.1?}: no rank arrived",
-                        config.timeout
-                    )
-                };
-                warn!(?missing, %reason, "bootstrap rendezvous failed");
-                for m in members.iter_mut().flatten() {
-                    let _ = write_frame(
-                        &mut m.stream,
-                        &Frame::Abort {
-                            reason: reason.clone(),
-                            missing: missing.clone(),
-                        },
-                    );
-                }
-                return;
+                rv.abort(config);
+                return None;
             }
             Ok(Event::Stuck { .. }) => {}
-            Err(RecvTimeoutError::Disconnected) => return,
+            Err(RecvTimeoutError::Disconnected) => return None,
         }
     }
+}
+
+impl Rendezvous<'_> {
+    /// Every rank of a known job size has joined.
+    fn complete(&self) -> bool {
+        self.n
+            .is_some_and(|n| self.members.len() == n && self.members.iter().all(Option::is_some))
+    }
+
+    /// Admits `rank`, or refuses it (wrong job size, duplicate, unusable
+    /// address).
+    fn join(&mut self, rank: usize, nranks: usize, listen_addr: String, mut stream: TcpStream) {
+        let job_n = *self.n.get_or_insert(nranks);
+        if self.members.len() < job_n {
+            self.members.resize_with(job_n, || None);
+        }
+        let refusal = if nranks != job_n {
+            Some(format!(
+                "rank {rank} says the job has {nranks} ranks, but it has {job_n}"
+            ))
+        } else if let Some(m) = &self.members[rank] {
+            Some(format!(
+                "rank {rank} has already joined (listening at {}); duplicate rank",
+                m.listen_addr
+            ))
+        } else if listen_addr.parse::<SocketAddr>().is_err() {
+            Some(format!(
+                "rank {rank} gave an unusable address {listen_addr:?}"
+            ))
+        } else {
+            None
+        };
+        if let Some(reason) = refusal {
+            warn!(rank, %reason, "bootstrap root refused a rank");
+            let _ = write_frame(&mut stream, &Frame::Refuse { reason });
+            return;
+        }
+        debug!(rank, %listen_addr, "rank joined");
+        let _ = stream.set_write_timeout(Some(MEMBER_WRITE_LIMIT));
+        self.generation += 1;
+        watch(&stream, rank, self.generation, self.tx.clone());
+        self.members[rank] = Some(Member {
+            stream,
+            listen_addr,
+            generation: self.generation,
+        });
+    }
+
+    /// A rank that leaves before the table is out may rejoin: forget it
+    /// (unless a newer connection of the same rank has replaced it).
+    fn leave(&mut self, rank: usize, generation: u64) {
+        if self
+            .members
+            .get(rank)
+            .and_then(Option::as_ref)
+            .is_some_and(|m| m.generation == generation)
+        {
+            warn!(rank, "rank left before the rendezvous completed");
+            self.members[rank] = None;
+        }
+    }
+
+    /// The deadline passed: tells every member which ranks are missing.
+    fn abort(&mut self, config: Config) {
+        let n = self.n;
+        let missing: Vec<u32> = (0..n.unwrap_or(0))
+            .filter(|&r| self.members.get(r).is_none_or(Option::is_none))
+            .map(|r| r as u32)
+            .collect();
+        let reason = if n.is_some() {
+            format!("rendezvous timed out after {:.1?}", config.timeout)
+        } else {
+            format!(
+                "rendezvous timed out after {:.1?}: no rank arrived",
+                config.timeout
+            )
+        };
+        warn!(?missing, %reason, "bootstrap rendezvous failed");
+        tell_all(&mut self.members, &Frame::Abort { reason, missing });
+    }
+}
+
+/// Sends every member the address table: the rendezvous is complete.
+fn send_table(members: &mut [Option<Member>], start: Instant) {
     let addrs: Vec<String> = members
         .iter()
         .map(|m| {
@@ -278,16 +328,14 @@ fn run(rx: &mpsc::Receiver<Event>, tx: &Sender<Event>, fixed_n: Option<usize>, c
                 .unwrap_or_default()
         })
         .collect();
-    for m in members.iter_mut().flatten() {
-        let _ = write_frame(
-            &mut m.stream,
-            &Frame::Table {
-                addrs: addrs.clone(),
-            },
-        );
-    }
-    info!(nranks = addrs.len(), elapsed = ?start.elapsed(), "bootstrap rendezvous complete");
-    // Watch: relay deaths until everyone has left.
+    let nranks = addrs.len();
+    tell_all(members, &Frame::Table { addrs });
+    info!(nranks, elapsed = ?start.elapsed(), "bootstrap rendezvous complete");
+}
+
+/// The watch phase: relays deaths, departures and stuck ranks to the others
+/// until everyone has left.
+fn watch_members(rx: &mpsc::Receiver<Event>, mut members: Vec<Option<Member>>) {
     let mut live = members.len();
     let mut stuck = vec![false; members.len()];
     while live > 0 {
@@ -298,49 +346,20 @@ fn run(rx: &mpsc::Receiver<Event>, tx: &Sender<Event>, fixed_n: Option<usize>, c
                 }
                 stuck[rank] = true;
                 warn!(rank, by, %why, "rank stopped responding; telling the others");
-                for other in members.iter_mut().flatten() {
-                    let _ = write_frame(
-                        &mut other.stream,
-                        &Frame::PeerStuck {
-                            rank: rank as u32,
-                            reason: why.clone(),
-                        },
-                    );
-                }
+                let frame = Frame::PeerStuck {
+                    rank: rank as u32,
+                    reason: why,
+                };
+                tell_all(&mut members, &frame);
             }
             Ok(Event::Left {
                 rank,
                 orderly,
                 why,
-                generation: g,
+                generation,
             }) => {
-                let Some(m) = members.get_mut(rank) else {
-                    continue;
-                };
-                if m.as_ref().is_none_or(|m| m.generation != g) {
-                    continue;
-                }
-                *m = None;
-                live -= 1;
-                if orderly {
-                    // Peers on the same host have no connection of their own
-                    // to notice this by: tell them.
-                    debug!(rank, "rank left; telling the others");
-                    for other in members.iter_mut().flatten() {
-                        let _ =
-                            write_frame(&mut other.stream, &Frame::PeerLeft { rank: rank as u32 });
-                    }
-                    continue;
-                }
-                warn!(rank, %why, "rank died; telling the others");
-                for other in members.iter_mut().flatten() {
-                    let _ = write_frame(
-                        &mut other.stream,
-                        &Frame::PeerDied {
-                            rank: rank as u32,
-                            reason: why.clone(),
-                        },
-                    );
+                if relay_leaving(&mut members, rank, orderly, why, generation) {
+                    live -= 1;
                 }
             }
             Ok(Event::Joined {
@@ -353,6 +372,39 @@ fn run(rx: &mpsc::Receiver<Event>, tx: &Sender<Event>, fixed_n: Option<usize>, c
             Err(_) => return,
         }
     }
+}
+
+/// A member's root connection ended: forgets it and tells the others whether
+/// it left in order or died. False when the event is about a connection no
+/// longer current (an unknown rank or an older generation).
+fn relay_leaving(
+    members: &mut [Option<Member>],
+    rank: usize,
+    orderly: bool,
+    why: String,
+    generation: u64,
+) -> bool {
+    let Some(m) = members.get_mut(rank) else {
+        return false;
+    };
+    if m.as_ref().is_none_or(|m| m.generation != generation) {
+        return false;
+    }
+    *m = None;
+    if orderly {
+        // Peers on the same host have no connection of their own
+        // to notice this by: tell them.
+        debug!(rank, "rank left; telling the others");
+        tell_all(members, &Frame::PeerLeft { rank: rank as u32 });
+        return true;
+    }
+    warn!(rank, %why, "rank died; telling the others");
+    let frame = Frame::PeerDied {
+        rank: rank as u32,
+        reason: why,
+    };
+    tell_all(members, &frame);
+    true
 }
 
 /// Reads a member's root connection until it ends, then reports how.
