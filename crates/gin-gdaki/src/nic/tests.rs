@@ -462,6 +462,7 @@ fn a_refused_write_is_a_remote_access_error() {
 /// One bad operand per case, on a fresh NIC: the syndrome, the cause, and
 /// no data moved.
 #[test]
+#[allow(clippy::too_many_lines)] // a table of cases, one bad operand each
 fn bad_keys_bounds_and_access_are_refused_with_their_syndromes() {
     let at = |addr, key| MemRef { addr, key };
     let put = |remote, local| Op::Write {
