@@ -36,11 +36,10 @@
 //!   writing memory that is gone.
 //! - put → `ucp_put_nbx`, get → `ucp_get_nbx`, fetch-add and
 //!   compare-swap → `ucp_atomic_op_nbx`, fence and confirm →
-//!   `ucp_ep_flush_nbx`. Puts of up to [`BOUNCE`] bytes are copied into a
-//!   buffer the request owns, so they return at once and any number is in
-//!   flight (the [`Transport`] contract: a put is complete locally on
-//!   return); larger puts wait for local completion only (UCX has read the
-//!   source), never for the target.
+//!   `ucp_ep_flush_nbx`. Every put's source is copied into a buffer the
+//!   request owns, so it returns at once and any number is in flight (the
+//!   [`Transport`] contract: a put is complete locally on return), and UCX
+//!   never reads the caller's slice after the call returned.
 //! - **Signal after data**: a put's signal is `put`, `ucp_worker_fence`,
 //!   then a non-fetching atomic add. `ucp_worker_fence` guarantees that
 //!   operations issued after it are executed at their targets after every
@@ -49,10 +48,13 @@
 //!   each UCX transport does underneath.
 //! - Deadlines: every wait progresses the worker, asks the job's health
 //!   ([`Transport::watch`]) and ends at the job's timeout; a request still
-//!   pending then is cancelled by force-closing the endpoint (its requests
-//!   complete with errors, so no caller memory is touched after the call
-//!   returns), and the path to that peer stays failed (sticky), as an RDMA
-//!   QP in its error state.
+//!   pending then is cancelled by force-closing the endpoint, and the path
+//!   to that peer stays failed (sticky), as an RDMA QP in its error state.
+//!   A request UCX has not completed a second after the force-close is
+//!   given up on only where it touches memory this module owns (reads and
+//!   atomics land in heap buffers, leaked when given up on, and copied out
+//!   on success); requests on GPU memory the caller lent are waited for
+//!   until UCX completes them.
 //! - GPU memory: an owner maps a GPU region (a region behind a backing,
 //!   whose base is its device address) with the `UCS_MEMORY_TYPE_CUDA`
 //!   memory type. CUDA ranks hand their side directly
@@ -89,10 +91,6 @@ use crate::sticky::StickyError;
 use crate::transport::{Alive, AtomicOp, Reach, Registration, Scope, Target, Transport};
 use crate::window::KeepAlive;
 use worker::{Started, Ucp, started};
-
-/// Puts up to this size are copied into a buffer their request owns and
-/// return at once; larger ones wait for local completion.
-pub const BOUNCE: usize = 64 << 10;
 
 /// How long a wait gives a request to complete after its endpoint was
 /// force-closed before releasing it anyway.
@@ -518,13 +516,42 @@ impl Inner {
 
     /// Progresses until `req` completes; past `deadline` or when the job
     /// fails, force-closes the endpoint to `peer` (which completes `req`)
-    /// and reports why. `req` is released either way.
+    /// and reports why. `req` is released either way. A request UCX has not
+    /// completed [`CLOSE_WAIT`] after the force-close is given up on (and
+    /// UCX finishes it internally): callers whose request touches memory
+    /// they do not own must use [`Inner::wait_done`] instead.
     fn wait(
         &self,
         peer: &Peer,
         req: *mut c_void,
         deadline: Instant,
         what: &str,
+    ) -> Result<(), NetError> {
+        self.wait_inner(peer, req, deadline, what, true)
+    }
+
+    /// As [`Inner::wait`], but never gives a request up before UCX has
+    /// completed it: for requests on memory the caller keeps only until
+    /// this returns (GPU memory handed in by an `unsafe fn` that promises
+    /// nothing touches it afterwards). A request UCX never completes after
+    /// the force-close blocks here, with a warning each `CLOSE_WAIT`.
+    fn wait_done(
+        &self,
+        peer: &Peer,
+        req: *mut c_void,
+        deadline: Instant,
+        what: &str,
+    ) -> Result<(), NetError> {
+        self.wait_inner(peer, req, deadline, what, false)
+    }
+
+    fn wait_inner(
+        &self,
+        peer: &Peer,
+        req: *mut c_void,
+        deadline: Instant,
+        what: &str,
+        may_abandon: bool,
     ) -> Result<(), NetError> {
         let start = Instant::now();
         let mut failed: Option<NetError> = None;
@@ -534,6 +561,19 @@ impl Inner {
             // SAFETY: a live request, not yet released.
             let st = unsafe { self.ucp.status(req) };
             if st == sys::UCS_INPROGRESS
+                && !may_abandon
+                && closed_at.is_some_and(|at| at.elapsed() > CLOSE_WAIT)
+            {
+                tracing::warn!(
+                    rank = self.rank,
+                    peer = peer.rank,
+                    what,
+                    "a request on borrowed memory outlives its endpoint's force-close; still waiting for UCX to finish it"
+                );
+                closed_at = Some(Instant::now());
+            }
+            if st == sys::UCS_INPROGRESS
+                && may_abandon
                 && closed_at.is_some_and(|at| at.elapsed() > CLOSE_WAIT)
                 && let Some(e) = failed.take()
             {
@@ -654,6 +694,12 @@ impl Inner {
         let mut s = lock(&peer.state);
         if let Some(r) = s.keys.get(&key) {
             return Ok(Some(r.clone()));
+        }
+        // The owner may have revoked the key while its answer was on the
+        // way (the revocation can overtake the answer): a revoked key is
+        // never cached, or later puts would reach memory it unmapped.
+        if s.revoked.contains(&key) {
+            return Ok(None);
         }
         if s.ep.is_null() {
             drop(s);
@@ -891,8 +937,11 @@ impl Transport for UcxTransport {
             None => None,
         };
         p.dirty.store(true, Ordering::Release);
-        let big = src.len() > BOUNCE;
-        let pending = self.with_ep(p, |ep, st| {
+        // Every put's source is copied into a buffer its request owns: a
+        // put that borrowed the caller's slice could be read by UCX after a
+        // timeout's force-close had returned (a safe fn must not leave
+        // that), and an owned copy lets any number be in flight.
+        self.with_ep(p, |ep, st| {
             if !Self::still(st, &d.remote)
                 || s.as_ref().is_some_and(|(s, _)| !Self::still(st, &s.remote))
             {
@@ -912,53 +961,25 @@ impl Transport for UcxTransport {
                 });
             }
             let mut ctx = inner.op_ctx(p, "put");
-            let (buf, pending) = if big {
-                (src.as_ptr(), None)
-            } else {
-                let b: Box<[u8]> = src.into();
-                let ptr = b.as_ptr();
-                ctx.bounce = Some(b);
-                (ptr, Some(()))
+            let owned: Box<[u8]> = src.into();
+            let buf = owned.as_ptr();
+            ctx.bounce = Some(owned);
+            let prm = Inner::params(ctx);
+            // SAFETY: a live endpoint and rkey; the bounce buffer is owned
+            // by the request's context until it completes.
+            let started = unsafe {
+                inner.ucp.lib.ucp_put_nbx(
+                    ep,
+                    buf.cast(),
+                    src.len(),
+                    d.addr,
+                    d.remote.rkey,
+                    &raw const prm,
+                )
             };
-            let mut pending_req = None;
-            if pending.is_some() {
-                let prm = Inner::params(ctx);
-                // SAFETY: a live endpoint and rkey; the bounce buffer is
-                // owned by the request's context until it completes.
-                let r = unsafe {
-                    inner.ucp.lib.ucp_put_nbx(
-                        ep,
-                        buf.cast(),
-                        src.len(),
-                        d.addr,
-                        d.remote.rkey,
-                        &raw const prm,
-                    )
-                };
-                inner
-                    .launched(&prm, r)
-                    .map_err(|st| self.failed(p, "put", st))?;
-            } else {
-                let prm = sys::ucp_request_param_t::default();
-                // SAFETY: a live endpoint and rkey; `src` is borrowed until
-                // the request completes locally (waited for below, or the
-                // endpoint force-closed, before this call returns).
-                let r = unsafe {
-                    inner.ucp.lib.ucp_put_nbx(
-                        ep,
-                        buf.cast(),
-                        src.len(),
-                        d.addr,
-                        d.remote.rkey,
-                        &raw const prm,
-                    )
-                };
-                match started(r) {
-                    Started::Done => {}
-                    Started::Failed(st) => return Err(self.failed(p, "put", st)),
-                    Started::Pending(req) => pending_req = Some(req),
-                }
-            }
+            inner
+                .launched(&prm, started)
+                .map_err(|st| self.failed(p, "put", st))?;
             if let Some((sr, v)) = &s {
                 inner
                     .ucp
@@ -966,13 +987,11 @@ impl Transport for UcxTransport {
                     .map_err(|st| self.failed(p, "fence before a signal", st))?;
                 self.post_add(p, ep, sr, *v)?;
             }
-            Ok(pending_req)
+            // Under the peer's lock, before any later put_ordered can look.
+            p.unfenced.store(s.is_none(), Ordering::Release);
+            Ok(())
         })?;
-        p.unfenced.store(s.is_none(), Ordering::Release);
-        if let Some(req) = pending {
-            let deadline = Instant::now() + inner.timeout;
-            inner.wait(p, req, deadline, "a put's local completion")?;
-        }
+
         Ok(())
     }
 
@@ -1031,13 +1050,18 @@ impl Transport for UcxTransport {
         self.order(p)?;
         let deadline = Instant::now() + timeout;
         let prm = sys::ucp_request_param_t::default();
+        // The data lands in a buffer owned here, copied to `out` on
+        // success: after a timeout UCX may still finish the request, and it
+        // must not write into `out` (or this frame) once this call returned.
+        let mut land: Box<[u8]> = vec![0u8; out.len()].into_boxed_slice();
+        let at = land.as_mut_ptr();
         let st = self.with_ep(p, |ep, _| {
-            // SAFETY: `out` is borrowed until the request completes (waited
-            // for below; a timeout force-closes the endpoint first).
+            // SAFETY: `land` lives until the request completes, or is
+            // leaked below when this call gives up on it.
             Ok(unsafe {
                 inner.ucp.lib.ucp_get_nbx(
                     ep,
-                    out.as_mut_ptr().cast(),
+                    at.cast(),
                     out.len(),
                     r.addr,
                     r.remote.rkey,
@@ -1045,10 +1069,21 @@ impl Transport for UcxTransport {
                 )
             })
         })?;
-        match started(st) {
+        let done = match started(st) {
             Started::Done => Ok(()),
             Started::Failed(st) => Err(self.failed(p, "read", st)),
             Started::Pending(req) => inner.wait(p, req, deadline, "a read"),
+        };
+        match done {
+            Ok(()) => {
+                out.copy_from_slice(&land);
+                Ok(())
+            }
+            Err(e) => {
+                // A request given up on may still land: leave it memory.
+                Box::leak(land);
+                Err(e)
+            }
         }
     }
 
@@ -1065,26 +1100,30 @@ impl Transport for UcxTransport {
         let r = self.resolve(p, at, 8, "atomic")?;
         self.order(p)?;
         let deadline = Instant::now() + timeout;
-        let (code, x, mut reply) = match op {
+        let (code, x, reply) = match op {
             AtomicOp::FetchAdd(v) => (sys::UCP_ATOMIC_OP_ADD, v, 0u64),
             AtomicOp::CompareSwap { expected, desired } => {
                 (sys::UCP_ATOMIC_OP_CSWAP, expected, desired)
             }
         };
+        // Operand and reply live on the heap, leaked if this call gives up
+        // on the request: UCX may still finish it after a timeout.
+        let mut words: Box<[u64; 2]> = Box::new([x, reply]);
+        let (xp, rp) = (&raw const words[0], &raw mut words[1]);
         let prm = sys::ucp_request_param_t {
             op_attr_mask: sys::UCP_OP_ATTR_FIELD_DATATYPE | sys::UCP_OP_ATTR_FIELD_REPLY_BUFFER,
             datatype: CONTIG8,
-            reply_buffer: (&raw mut reply).cast(),
+            reply_buffer: rp.cast(),
             ..Default::default()
         };
         let st = self.with_ep(p, |ep, _| {
-            // SAFETY: `x` and `reply` live on this frame until the request
-            // completes (waited for below; a timeout force-closes first).
+            // SAFETY: `words` lives until the request completes, or is
+            // leaked below when this call gives up on it.
             Ok(unsafe {
                 inner.ucp.lib.ucp_atomic_op_nbx(
                     ep,
                     code,
-                    (&raw const x).cast(),
+                    xp.cast(),
                     1,
                     r.addr,
                     r.remote.rkey,
@@ -1092,12 +1131,18 @@ impl Transport for UcxTransport {
                 )
             })
         })?;
-        match started(st) {
-            Started::Done => {}
-            Started::Failed(st) => return Err(self.failed(p, "atomic", st)),
-            Started::Pending(req) => inner.wait(p, req, deadline, "an atomic's answer")?,
+        let done = match started(st) {
+            Started::Done => Ok(()),
+            Started::Failed(st) => Err(self.failed(p, "atomic", st)),
+            Started::Pending(req) => inner.wait(p, req, deadline, "an atomic's answer"),
+        };
+        match done {
+            Ok(()) => Ok(words[1]),
+            Err(e) => {
+                Box::leak(words);
+                Err(e)
+            }
         }
-        Ok(reply)
     }
 
     fn fence(&self, peer: usize, timeout: Duration) -> Result<(), NetError> {
@@ -1179,7 +1224,7 @@ impl Transport for UcxTransport {
             Started::Failed(st) => Err(self.failed(p, "put from GPU memory", st)),
             Started::Pending(req) => {
                 let deadline = Instant::now() + inner.timeout;
-                inner.wait(p, req, deadline, "a put from GPU memory")
+                inner.wait_done(p, req, deadline, "a put from GPU memory")
             }
         }
     }
@@ -1220,7 +1265,7 @@ impl Transport for UcxTransport {
         match started(st) {
             Started::Done => Ok(()),
             Started::Failed(st) => Err(self.failed(p, "read into GPU memory", st)),
-            Started::Pending(req) => inner.wait(p, req, deadline, "a read into GPU memory"),
+            Started::Pending(req) => inner.wait_done(p, req, deadline, "a read into GPU memory"),
         }
     }
 }
