@@ -824,7 +824,15 @@ impl UcxTransport {
                 window: None,
             });
         }
-        let addr = remote.base + offset;
+        // The base is the owner's word: an address past the end of the
+        // address space is a refusal, not an overflow.
+        let Some(addr) = remote.base.checked_add(offset) else {
+            return Err(NetError::Refused {
+                peer: peer.rank,
+                why: format!("key {key:#010x}'s base plus offset {offset} overflows"),
+                window: None,
+            });
+        };
         if (op == "atomic" || op == "signal") && !addr.is_multiple_of(8) {
             return Err(match t {
                 Target::Window(_, a) => NetError::Misaligned {
