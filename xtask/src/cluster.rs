@@ -644,11 +644,12 @@ fn ssh_procs(
     procs
 }
 
-/// Quotes a word for a POSIX shell when it needs it.
+/// Quotes a word for a POSIX shell when it needs it (braces always: bash
+/// would expand `a{b,c}`).
 fn quote(w: &str) -> String {
     let plain = !w.is_empty()
         && w.chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-_./:=,+@%{}".contains(c));
+            .all(|c| c.is_ascii_alphanumeric() || "-_./:=,+@%".contains(c));
     if plain {
         w.to_owned()
     } else {

@@ -443,7 +443,8 @@ fn srun_inside_an_allocation_dry_run_prints_the_step() {
         "GIN_TRANSPORT=ucx",
         "UCX_TLS=rc_x,cuda_copy",
         "GIN_JOB_SECRET=<secret>",
-        &format!("--json {}/rank-{{rank}}.json", dir.display()),
+        // Quoted: braces are left to no shell's brace expansion.
+        &format!("--json '{}/rank-{{rank}}.json'", dir.display()),
     ] {
         assert!(s.contains(want), "missing {want:?} in\n{s}");
     }
