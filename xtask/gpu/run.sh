@@ -1,12 +1,26 @@
 #!/usr/bin/env bash
 # Runs gin-rs's CUDA tests and benchmarks on a GPU machine that has a CUDA
 # driver and NVRTC but no Rust toolchain. Made by `cargo xtask gpu-package`;
-# usage: ./run.sh RESULTS_DIR [quick|full]. Every step's output goes to
-# RESULTS_DIR/<step>.log; the exit status is non-zero if any step failed.
+# usage: ./run.sh RESULTS_DIR [quick|check|bench|full]. Every step's output
+# goes to RESULTS_DIR/<step>.log; the exit status is non-zero if any step
+# failed. Suites: `check` runs every correctness step (selftests, bad input,
+# dead peers, NCCL's kernel, parity, the fused example, gin-ep's oracle, the
+# UCX selftests); `bench` runs every benchmark (gin-bench cuda and moe, the
+# peers built here, the UCX benchmarks and ucx_perftest floor); `full` is
+# both (it takes longer than a ten-minute slot: run check and bench as two
+# calls there); `quick` is check without UCX plus a short benchmark.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-out="${1:?usage: run.sh RESULTS_DIR [quick|full]}"
+out="${1:?usage: run.sh RESULTS_DIR [quick|check|bench|full]}"
 suite="${2:-full}"
+case "$suite" in
+  quick | check | bench | full) ;;
+  *) echo "unknown suite '$suite': quick, check, bench or full" >&2; exit 2 ;;
+esac
+checks="" benches="" ucx=""
+[ "$suite" = bench ] || checks=1
+[ "$suite" = bench ] || [ "$suite" = full ] && benches=1
+[ "$suite" = quick ] || ucx=1
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"
 # Never use NVLink multicast on shared machines.
@@ -88,6 +102,8 @@ expect_refused() {
   fi
 }
 st="$here/gin-cuda-selftest"
+ep="$here/gin-ep-selftest"
+if [ -n "$checks" ]; then
 for backend in auto proxy gdaki; do
   step "selftest-$backend" env GIN_BACKEND=$backend "$st" all --ranks 2
   step "badinput-$backend" env GIN_BACKEND=$backend GIN_TIMEOUT=2s "$st" badinput --ranks 2
@@ -146,7 +162,6 @@ fi
 # and 4 ranks (one GPU: shared under MPS), on each backend, at DeepEP's
 # low-latency shape, and on two emulated hosts (the other host's peers over
 # TCP through the proxy).
-ep="$here/gin-ep-selftest"
 for n in 2 4; do
   for backend in auto proxy gdaki; do
     step "ep-ll-cuda-${n}ranks-$backend" env GIN_BACKEND=$backend "$ep" ll device=cuda ranks=$n
@@ -154,7 +169,8 @@ for n in 2 4; do
 done
 step "ep-ll-cuda-2ranks-deepep-shape" "$ep" ll device=cuda ranks=2 tokens=128 hidden=7168 topk=8 experts=32 repeats=5
 step "ep-ll-cuda-4ranks-2hosts" "$ep" ll device=cuda ranks=4 hosts=2
-if [ "$suite" = full ]; then
+fi
+if [ -n "$benches" ]; then
   # Low-latency dispatch + combine on CUDA ranks beside the same-job floor
   # (DeepEP's shape: 128 tokens, hidden 7168, top-8, 32 experts per rank).
   for n in 2 4; do
@@ -174,7 +190,7 @@ if [ "$suite" = full ]; then
   # The suite's common flags reach the same measurements.
   step "pingpong-device-cuda" "$here/gin-bench" pingpong --device cuda --sizes 8,64k --coop block --iters 500 --runs 3
   step "bench-cuda-tcp" env GIN_TRANSPORT=tcp "$here/gin-bench" cuda --tests pingpong,bandwidth --paths proxy,gdaki --sizes 8,1k,64k,1m --blocks 16 --runs 3 --json "$out/cuda-tcp.json"
-else
+elif [ "$suite" = quick ]; then
   step "bench-cuda" "$here/gin-bench" cuda --sizes 8,64k --coops block --iters 500 --runs 3 --blocks 32 --json "$out/cuda.json"
 fi
 # CUDA ranks over UCX (issue 24): the pinned libucx-cu13 wheel's subset
@@ -184,7 +200,7 @@ fi
 # MPS), signals and counters as running totals put after the data. Where UCX
 # cannot run here (no ucx.tgz, no CUDA transports), each step says why and
 # is skipped without failing the run.
-if [ "$suite" = full ]; then
+if [ -n "$ucx" ]; then
   ucx_why=""
   if [ ! -f "$here/ucx.tgz" ]; then
     ucx_why="no ucx.tgz in the package (cargo xtask gpu-package packs it from cargo xtask wheels)"
@@ -223,6 +239,7 @@ if [ "$suite" = full ]; then
   }
   # Correctness first. UCX_PROTO_INFO=y logs which UCX protocol and
   # transport carries each kind of request (look for cuda_ipc).
+  if [ -n "$checks" ]; then
   for backend in auto proxy gdaki; do
     ustep "selftest-ucx-$backend" env UCX_PROTO_INFO=y GIN_BACKEND=$backend "$st" all --ranks 2
   done
@@ -230,10 +247,12 @@ if [ "$suite" = full ]; then
     ustep "badinput-ucx-$backend" env GIN_BACKEND=$backend GIN_TIMEOUT=2s "$st" badinput --ranks 2
     ustep "dropped-ucx-$backend" env GIN_BACKEND=$backend "$st" dropped --ranks 2
   done
+  fi
   # Round trips and bandwidth (4 MiB: target >= 30 GB/s, 10x bench-cuda-tcp)
   # with exactly bench-cuda-tcp's arguments, so the two compare row by row;
   # then the same with GPU memory staged through pinned host memory
   # (GIN_UCX_DEVICE=0), which isolates what the direct path buys.
+  if [ -n "$benches" ]; then
   ustep "bench-cuda-ucx" "$here/gin-bench" cuda --tests pingpong,bandwidth --paths proxy,gdaki --sizes 8,1k,64k,1m --blocks 16 --runs 3 --json "$out/cuda-ucx.json"
   ustep "bench-cuda-ucx-staged" env GIN_UCX_DEVICE=0 "$here/gin-bench" cuda --tests pingpong,bandwidth --paths proxy --sizes 8,64k,1m --blocks 16 --runs 3 --json "$out/cuda-ucx-staged.json"
   # The raw UCX floor in the same job: ucx_perftest between two processes on
@@ -262,6 +281,7 @@ if [ "$suite" = full ]; then
   done
   ucx_perf "ucx-perftest-put-bw-4m" -t ucp_put_bw -m cuda,cuda -s 4194304 -n 2000 -w 100
   ucx_perf "ucx-perftest-put-bw-4m-o16" -t ucp_put_bw -m cuda,cuda -s 4194304 -n 2000 -w 100 -O 16
+  fi
 fi
 # A/B against another build (GIN_AB_BASE=path/to/its/gin-bench), in ABBA
 # order so drift over the run falls on both alike: the round trips and

@@ -163,7 +163,7 @@ pub fn package(args: &[String]) -> Result<()> {
         bail!("the package is {} MiB, over the 60 MiB budget", total >> 20);
     }
     println!(
-        "packed {} ({:.1} MiB): run `{}/run.sh RESULTS_DIR [quick|full]` on the GPU machine",
+        "packed {} ({:.1} MiB): run `{}/run.sh RESULTS_DIR [quick|check|bench|full]` on the GPU machine",
         dir.display(),
         total as f64 / 1_048_576.0,
         dir.display()
