@@ -69,12 +69,13 @@ if [ "$ngpu" -eq 1 ] && [ -z "${GIN_NO_MPS:-}" ] && command -v nvidia-cuda-mps-c
   fi
 fi
 step() {
-  local name="$1"; shift
+  local name="$1" t0=$SECONDS; shift
   echo "== $name: $*"
   if "$@" > "$out/$name.log" 2>&1; then
     tail -n 40 "$out/$name.log"
+    echo "-- $name: ok in $((SECONDS - t0)) s"
   else
-    echo "FAILED ($name), last lines:"; tail -n 60 "$out/$name.log"; fail=1
+    echo "FAILED ($name) after $((SECONDS - t0)) s, last lines:"; tail -n 60 "$out/$name.log"; fail=1
   fi
 }
 expect_die() {
