@@ -64,6 +64,7 @@ pub mod nvrtc;
 pub mod pointer;
 pub mod staging;
 pub mod testing;
+pub mod watch;
 pub mod window;
 
 /// The cudarc gin-cuda is built on (its driver API, loaded at run time),

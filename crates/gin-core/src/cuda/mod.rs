@@ -84,6 +84,8 @@ pub use window::{GpuWindow, WindowParam};
 
 use std::sync::Arc;
 
+use gin_cuda::watch::{Abort, DeviceFlag};
+
 use crate::comm::Comm;
 use crate::error::CoreError;
 use crate::space::Spaces;
@@ -131,7 +133,9 @@ pub struct CudaComm<'c> {
     home: Arc<()>,
     signal_window: GpuWindow,
     counters: DevMem,
-    /// The abort flag (shared with watcher threads).
+    /// The abort flag kernels poll (in device memory), shared with
+    /// watcher threads: every watch of this communicator raises the one
+    /// flag, lowered when the last that raised it lets go.
     abort: Arc<Abort>,
     error: DevMem,
     spaces: Spaces,
@@ -192,11 +196,7 @@ impl<'c> CudaComm<'c> {
             home,
             signal_window,
             counters: DevMem::new(s.counter_slots as usize * 16)?,
-            abort: Arc::new(Abort {
-                flag: DevMem::new(64)?,
-                stream: Stream::new()?,
-                dev: dev.clone(),
-            }),
+            abort: Arc::new(Abort::new(DeviceFlag::new(dev.clone())?)),
             error: DevMem::new(8)?,
             spaces: Spaces::new(s.signal_slots, s.counter_slots),
             stream: Stream::new()?,
@@ -335,38 +335,6 @@ pub struct ContextInfo {
     /// The stream [`CudaDevComm::run`] launches on (a non-blocking stream
     /// of that context).
     pub stream: cudarc::driver::sys::CUstream,
-}
-
-/// The abort flag, in device memory: kernels poll it, and a kernel that
-/// reads host memory, even one thread per block once every 100 us, starves
-/// the copies the CUDA proxy queues (measured with
-/// `xtask/gpu/probe/ce_probe.cu`). The host raises it with a stream write
-/// on its own stream, which runs beside the kernels'. Shared (`Arc`) with
-/// watcher threads, so it outlives any of them.
-#[derive(Debug)]
-struct Abort {
-    flag: DevMem,
-    stream: Stream,
-    /// Last: the context must outlive the memory and the stream.
-    dev: Arc<Device>,
-}
-
-impl Abort {
-    /// Queues the raise (the calling thread needs the context current).
-    fn raise(&self) -> Result<(), CudaError> {
-        // SAFETY: the flag is 64 bytes of device memory this value owns,
-        // and the stream is waited for (`clear`) before the flag is reset.
-        unsafe { self.stream.write_u64(self.flag.ptr(), 1) }
-    }
-
-    /// Lowers the flag again once the raise has landed (after the kernels
-    /// it aborted have finished).
-    fn clear(&self) -> Result<(), CudaError> {
-        // From any thread (a watcher dropped elsewhere).
-        self.dev.make_current()?;
-        self.stream.sync()?;
-        self.flag.zero(0, 8)
-    }
 }
 
 /// Used by tests and benchmarks to tell a CUDA-less machine apart.
