@@ -75,4 +75,4 @@ pub use driver::{
     Cubin, DevMem, Device, Function, HostMem, IpcMem, MAX_WRITES, Module, Stream, available,
 };
 pub use error::{CudaError, DriverError};
-pub use launch::{LaunchConfig, StreamRef};
+pub use launch::{Borrowed, LaunchConfig, Param, StreamRef};

@@ -15,14 +15,20 @@
 //! it at once: [`Abort`] counts the watches that raised it and lowers it
 //! when the last of them lets go, so a watch that ends does not lower the
 //! flag under kernels another watch still aborts.
+//!
+//! [`Supervisor`] puts the pieces together for a communicator's kernels:
+//! the flag, the error word kernels record their first error in, and the
+//! stream kernels run on when the caller names none; it launches, watches
+//! and reads the error word, and leaves what the word and the cause mean to
+//! its caller (the device API's encoding is not this crate's).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use crate::driver::{DevMem, Device, Stream};
+use crate::driver::{DevMem, Device, Function, Stream};
 use crate::error::CudaError;
-use crate::launch::StreamRef;
+use crate::launch::{LaunchConfig, Param, StreamRef};
 
 /// How often a watch looks at the job's health.
 const LOOK_EVERY: Duration = Duration::from_millis(1);
@@ -323,6 +329,176 @@ impl<F: Flag> Drop for Watcher<F> {
     fn drop(&mut self) {
         let _ = self.stop();
     }
+}
+
+/// How kernels ended, as the host saw them: the error word they wrote
+/// (zero: none; its encoding is the caller's) and the cause a watch found
+/// (the abort flag was raised for it).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Outcome {
+    /// The error word, read and cleared after the kernels.
+    pub word: u64,
+    /// Why the watch raised the abort flag, if it did.
+    pub cause: Option<String>,
+}
+
+/// What a communicator's kernels share on one GPU: the abort flag, the
+/// error word (8 bytes of device memory kernels record their first error
+/// in) and the stream kernels run on when the caller names none. Every
+/// launch and watch of the communicator goes through it.
+#[derive(Debug)]
+pub struct Supervisor {
+    abort: Arc<Abort>,
+    error: DevMem,
+    stream: Stream,
+    /// Last: the context must outlive the memory and the stream.
+    dev: Arc<Device>,
+}
+
+impl Supervisor {
+    /// A lowered flag, a clear error word and a stream on `dev`.
+    ///
+    /// # Errors
+    /// The driver's, allocating them.
+    pub fn new(dev: Arc<Device>) -> Result<Self, CudaError> {
+        let abort = Arc::new(Abort::new(DeviceFlag::new(dev.clone())?));
+        Ok(Self {
+            abort,
+            error: DevMem::new(8)?,
+            stream: Stream::new()?,
+            dev,
+        })
+    }
+
+    /// The abort flag's device address (kernels poll it).
+    pub fn abort_flag(&self) -> u64 {
+        self.abort.flag().ptr()
+    }
+
+    /// The error word's device address (kernels record their first error).
+    pub fn error_word(&self) -> u64 {
+        self.error.ptr()
+    }
+
+    /// Which context and stream [`Supervisor::run`] launches on.
+    pub fn context_info(&self) -> ContextInfo {
+        ContextInfo {
+            ordinal: self.dev.ordinal(),
+            context: self.dev.raw_context(),
+            primary: true,
+            stream: self.stream.raw(),
+        }
+    }
+
+    /// Launches `f` on this supervisor's stream and waits for it, raising
+    /// the abort flag once `health` names a cause; then reads and clears
+    /// the error word.
+    ///
+    /// # Errors
+    /// The driver's, launching, waiting or reading the word.
+    ///
+    /// # Safety
+    /// As [`Function::launch_params`].
+    pub unsafe fn run(
+        &self,
+        f: &Function,
+        cfg: &LaunchConfig,
+        params: &[Param<'_>],
+        health: impl FnMut() -> Option<String>,
+    ) -> Result<Outcome, CudaError> {
+        self.dev.make_current()?;
+        // This supervisor's own stream: no context to check (as
+        // `launch_on` does).
+        let stream = StreamRef::from(&self.stream);
+        // SAFETY: the caller's contract.
+        unsafe { f.launch_params(cfg, stream, params)? };
+        let cause = wait_watching(stream, &self.abort, health)?;
+        Ok(Outcome {
+            word: self.take_word()?,
+            cause,
+        })
+    }
+
+    /// Queues `f` on `stream`, which must belong to the GPU's primary
+    /// context (checked), and returns at once.
+    ///
+    /// # Errors
+    /// [`CudaError::ForeignStream`] for a stream of another context; the
+    /// driver's, launching.
+    ///
+    /// # Safety
+    /// As [`Function::launch_params`].
+    pub unsafe fn launch_on(
+        &self,
+        f: &Function,
+        cfg: &LaunchConfig,
+        stream: StreamRef<'_>,
+        params: &[Param<'_>],
+    ) -> Result<(), CudaError> {
+        stream.check_context(&self.dev)?;
+        // SAFETY: the caller's contract.
+        unsafe { f.launch_params(cfg, stream, params) }
+    }
+
+    /// Starts a watcher thread named `name` on `health` (see [`Watcher`]).
+    ///
+    /// # Errors
+    /// [`CudaError::Spawn`] when the thread cannot be started.
+    pub fn watch(
+        &self,
+        name: String,
+        health: impl FnMut() -> Option<String> + Send + 'static,
+    ) -> Result<Watcher, CudaError> {
+        Watcher::start(name, self.abort.clone(), health)
+    }
+
+    /// Once the kernels launched since the last check have finished, stops
+    /// `watcher` (if any) and reads and clears the error word. From any
+    /// thread.
+    ///
+    /// # Errors
+    /// The watcher's, and the driver's, reading the word.
+    pub fn check(&self, watcher: Option<Watcher>) -> Result<Outcome, CudaError> {
+        self.dev.make_current()?;
+        let cause = match watcher {
+            Some(w) => w.finish()?,
+            None => None,
+        };
+        Ok(Outcome {
+            word: self.take_word()?,
+            cause,
+        })
+    }
+
+    /// Reads the error word, and clears it where it is set.
+    fn take_word(&self) -> Result<u64, CudaError> {
+        let mut w = [0u64];
+        self.error.read(0, &mut w)?;
+        if w[0] != 0 {
+            self.error.zero(0, 8)?;
+        }
+        Ok(w[0])
+    }
+}
+
+/// Which CUDA context kernels run in on a GPU
+/// ([`Supervisor::context_info`], gin-core's `CudaComm::context_info`): the
+/// device's **primary context**, which cudarc's `CudaContext::new(ordinal)`
+/// (and the CUDA runtime, so PyTorch) retain too. Memory, streams and
+/// modules of one are valid in the others; kernels a user launches with
+/// [`Supervisor::launch_on`] may use any stream of this context. Each
+/// engine (the CUDA proxy, the soft NIC) creates its own streams in it.
+#[derive(Debug, Clone, Copy)]
+pub struct ContextInfo {
+    /// The GPU's ordinal (after `CUDA_VISIBLE_DEVICES`).
+    pub ordinal: usize,
+    /// The context, as a raw `CUcontext`.
+    pub context: cudarc::driver::sys::CUcontext,
+    /// Whether it is the device's primary context (always, today).
+    pub primary: bool,
+    /// The stream [`Supervisor::run`] launches on (a non-blocking stream
+    /// of that context).
+    pub stream: cudarc::driver::sys::CUstream,
 }
 
 /// A watcher thread's loop: look each millisecond until told to stop.

@@ -4,13 +4,13 @@
 //! `HostBackend::start_cuda` and kept as an opaque `CudaEngine`), and
 //! running a kernel while watching the job.
 
-use std::ffi::c_void;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use gin_bootstrap::Bootstrap;
-use gin_cuda::{DevMem, Function, LaunchConfig, StreamRef};
+use gin_cuda::watch::Outcome;
+use gin_cuda::{DevMem, Function, LaunchConfig, Param, StreamRef};
 use gin_device::abi::{
     DEVCOMM_FLAG_CTA_CTX, DEVCOMM_FLAG_EXCLUSIVE_CTX, DEVCOMM_FLAG_LSA_ONLY,
     DEVCOMM_FLAG_SENDER_SLOTS, DEVCOMM_FLAG_STRONG_SIGNALS, DevCommAbi, WindowAbi, errword,
@@ -118,8 +118,8 @@ impl<'c> CudaComm<'c> {
             signals: self.signal_window.local().ptr(),
             counter_base: ranges.counters.0,
             counters: self.counters.ptr(),
-            abort_flag: self.abort.flag().ptr(),
-            error_word: self.error.ptr(),
+            abort_flag: self.kernels.abort_flag(),
+            error_word: self.kernels.error_word(),
             timeout_ticks: u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX),
             rings: engine.rings(),
             backend_kind: engine.backend_kind(),
@@ -448,14 +448,12 @@ impl CudaDevComm<'_, '_> {
         block: u32,
         args: &[Arg<'_>],
     ) -> Result<(), CoreError> {
-        let cuda = self.cuda;
-        cuda.dev.make_current()?;
-        // gin's own stream: no context to check (as `launch_on` does).
-        let stream = StreamRef::from(&cuda.stream);
+        let cfg = LaunchConfig::linear(grid, block);
+        let params = params(args);
+        let health = self.sentinel.health();
         // SAFETY: the caller's contract.
-        unsafe { launch(f, &LaunchConfig::linear(grid, block), stream, args)? };
-        let cause = self.watch_inline(stream)?;
-        self.settle(cause)
+        let out = unsafe { self.cuda.kernels.run(f, &cfg, &params, health)? };
+        self.settle(out)
     }
 
     /// Queues `f` on `stream` as `cfg` says (any grid and block shape,
@@ -487,10 +485,8 @@ impl CudaDevComm<'_, '_> {
         stream: StreamRef<'_>,
         args: &[Arg<'_>],
     ) -> Result<(), CoreError> {
-        let cuda = self.cuda;
-        stream.check_context(&cuda.dev)?;
         // SAFETY: the caller's contract.
-        unsafe { launch(f, cfg, stream, args) }
+        unsafe { Ok(self.cuda.kernels.launch_on(f, cfg, stream, &params(args))?) }
     }
 
     /// Starts watching the job while kernels run (see [`Watcher`]): from
@@ -498,9 +494,8 @@ impl CudaDevComm<'_, '_> {
     /// dropped, a peer's death, a failed transport or engine raises the
     /// abort flag, so the kernels' waits give up.
     pub fn watch(&self) -> Result<Watcher<'_>, CoreError> {
-        let inner = gin_cuda::watch::Watcher::start(
+        let inner = self.cuda.kernels.watch(
             format!("gin-watch-r{}", self.cuda.comm.rank()),
-            self.cuda.abort.clone(),
             self.sentinel.health(),
         )?;
         Ok(Watcher {
@@ -518,34 +513,16 @@ impl CudaDevComm<'_, '_> {
     /// it records later.
     pub fn check(&self, watcher: Option<Watcher<'_>>) -> Result<(), CoreError> {
         // Any thread may check: the error word is read in gin's context.
-        self.cuda.dev.make_current()?;
-        let cause = match watcher {
-            Some(w) => w.inner.finish()?,
-            None => None,
-        };
-        let cause = cause.or_else(|| self.sentinel.late_cause());
-        self.settle(cause)
+        let out = self.cuda.kernels.check(watcher.map(|w| w.inner))?;
+        self.settle(out)
     }
 
-    /// Waits for `stream` on this thread, raising the abort flag once a
-    /// peer dies, the TCP transport fails or an engine reports an error;
-    /// returns that cause (else the engine's late one).
-    fn watch_inline(&self, stream: StreamRef<'_>) -> Result<Option<String>, CoreError> {
-        let cause =
-            gin_cuda::watch::wait_watching(stream, &self.cuda.abort, self.sentinel.health())?;
-        Ok(cause.or_else(|| self.sentinel.late_cause()))
-    }
-
-    /// Reads (and clears) the error word after the kernel: a device-side
-    /// error, else the watch's cause, is the run's error.
-    fn settle(&self, cause: Option<String>) -> Result<(), CoreError> {
+    /// Turns how the kernels ended into the run's error: a device-side
+    /// error, else the watch's cause (else the engine's late one).
+    fn settle(&self, out: Outcome) -> Result<(), CoreError> {
         let cuda = self.cuda;
-        let mut w = [0u64];
-        cuda.error.read(0, &mut w)?;
-        if w[0] != 0 {
-            cuda.error.zero(0, 8)?;
-        }
-        if let Some(d) = errword::decode(w[0]) {
+        let cause = out.cause.or_else(|| self.sentinel.late_cause());
+        if let Some(d) = errword::decode(out.word) {
             return Err(CoreError::Kernel {
                 rank: cuda.comm.rank(),
                 what: errword::describe(d.kind),
@@ -585,42 +562,16 @@ impl CudaDevComm<'_, '_> {
     }
 }
 
-/// Queues `f` on `stream` with `args` passed by value.
-///
-/// # Safety
-/// As [`CudaDevComm::launch_on`].
-unsafe fn launch(
-    f: &Function,
-    cfg: &LaunchConfig,
-    stream: StreamRef<'_>,
-    args: &[Arg<'_>],
-) -> Result<(), CoreError> {
-    let mut vals: Vec<u64> = args
-        .iter()
-        .map(|a| match a {
-            Arg::U64(v) | Arg::Ptr(v) => *v,
-            Arg::U32(v) => u64::from(*v),
-            Arg::DevComm(_) | Arg::Window(_) => 0,
+/// `args` as gin-cuda's kernel parameters (by value).
+fn params<'p>(args: &[Arg<'p>]) -> Vec<Param<'p>> {
+    args.iter()
+        .map(|a| match *a {
+            Arg::DevComm(d) => Param::value(d),
+            Arg::Window(w) => Param::value(w),
+            Arg::U64(v) | Arg::Ptr(v) => Param::U64(v),
+            Arg::U32(v) => Param::U32(v),
         })
-        .collect();
-    let mut u32s: Vec<u32> = args
-        .iter()
-        .map(|a| if let Arg::U32(v) = a { *v } else { 0 })
-        .collect();
-    let mut params: Vec<*mut c_void> = Vec::with_capacity(args.len());
-    for (i, a) in args.iter().enumerate() {
-        params.push(match a {
-            Arg::DevComm(d) => std::ptr::from_ref::<DevCommAbi>(d).cast_mut().cast(),
-            Arg::Window(w) => std::ptr::from_ref::<WindowAbi>(w).cast_mut().cast(),
-            Arg::U32(_) => (&raw mut u32s[i]).cast(),
-            Arg::U64(_) | Arg::Ptr(_) => (&raw mut vals[i]).cast(),
-        });
-    }
-    // SAFETY: the parameter pointers stay valid for the call (the driver
-    // copies the values before it returns); the caller matches the
-    // kernel's signature and vouches for what it reaches.
-    unsafe { f.launch_with(cfg, stream, &mut params)? };
-    Ok(())
+        .collect()
 }
 
 impl Drop for CudaDevComm<'_, '_> {

@@ -79,12 +79,16 @@ pub use gin_cuda::{
 };
 
 pub use devcomm::{Arg, CudaDevComm, DevCommParam, Watcher};
+/// Which CUDA context gin uses on a rank's GPU
+/// ([`CudaComm::context_info`]); kernels a user launches with
+/// [`CudaDevComm::launch_on`] may use any stream of it.
+pub use gin_cuda::watch::ContextInfo;
 pub use nvrtc::CompileOptions;
 pub use window::{GpuWindow, WindowParam};
 
 use std::sync::Arc;
 
-use gin_cuda::watch::{Abort, DeviceFlag};
+use gin_cuda::watch::Supervisor;
 
 use crate::comm::Comm;
 use crate::error::CoreError;
@@ -133,13 +137,11 @@ pub struct CudaComm<'c> {
     home: Arc<()>,
     signal_window: GpuWindow,
     counters: DevMem,
-    /// The abort flag kernels poll (in device memory), shared with
-    /// watcher threads: every watch of this communicator raises the one
-    /// flag, lowered when the last that raised it lets go.
-    abort: Arc<Abort>,
-    error: DevMem,
+    /// The abort flag kernels poll (shared with watcher threads: every
+    /// watch of this communicator raises the one flag, lowered when the
+    /// last that raised it lets go), the error word and gin's stream.
+    kernels: Supervisor,
     spaces: Spaces,
-    stream: Stream,
     /// Serves window parts to TCP peers (`None`: no peer is reached over TCP).
     server: Option<Arc<gin_cuda::staging::Server>>,
     /// Last: the context must outlive every allocation above.
@@ -196,10 +198,8 @@ impl<'c> CudaComm<'c> {
             home,
             signal_window,
             counters: DevMem::new(s.counter_slots as usize * 16)?,
-            abort: Arc::new(Abort::new(DeviceFlag::new(dev.clone())?)),
-            error: DevMem::new(8)?,
+            kernels: Supervisor::new(dev.clone())?,
             spaces: Spaces::new(s.signal_slots, s.counter_slots),
-            stream: Stream::new()?,
             server,
             dev,
         };
@@ -306,35 +306,11 @@ impl<'c> CudaComm<'c> {
     }
 
     /// Which CUDA context and streams gin uses on this rank's GPU, to share
-    /// them with another CUDA library (cudarc, PyTorch).
+    /// them with another CUDA library (cudarc, PyTorch): the primary
+    /// context, and the stream [`CudaDevComm::run`] launches on.
     pub fn context_info(&self) -> ContextInfo {
-        ContextInfo {
-            ordinal: self.dev.ordinal(),
-            context: self.dev.raw_context(),
-            primary: true,
-            stream: self.stream.raw(),
-        }
+        self.kernels.context_info()
     }
-}
-
-/// Which CUDA context gin uses on a rank's GPU ([`CudaComm::context_info`]):
-/// the device's **primary context**, which cudarc's
-/// `CudaContext::new(ordinal)` (and the CUDA runtime, so PyTorch) retain
-/// too. Memory, streams and modules of one are valid in the others; kernels
-/// a user launches with [`CudaDevComm::launch_on`] may use any stream of
-/// this context. Each device communicator's engine (the CUDA proxy, the
-/// soft NIC) creates its own streams in it.
-#[derive(Debug, Clone, Copy)]
-pub struct ContextInfo {
-    /// The GPU's ordinal (after `CUDA_VISIBLE_DEVICES`).
-    pub ordinal: usize,
-    /// The context, as a raw `CUcontext`.
-    pub context: cudarc::driver::sys::CUcontext,
-    /// Whether it is the device's primary context (always, today).
-    pub primary: bool,
-    /// The stream [`CudaDevComm::run`] launches on (a non-blocking stream
-    /// of that context).
-    pub stream: cudarc::driver::sys::CUstream,
 }
 
 /// Used by tests and benchmarks to tell a CUDA-less machine apart.
