@@ -81,15 +81,27 @@ impl BackendKind {
 }
 
 /// `GIN_TRANSPORT`: `auto`, or the name of a transport registered in
-/// gin-net (`gin_net::transport::REGISTRY`; today `shm` and `tcp`), so a
-/// new transport needs no change here.
+/// gin-net (`gin_net::transport::REGISTRY`; today `shm`, `tcp` and `ucx`),
+/// so a new transport needs no change here.
+///
+/// Peers on other hosts may be given a transport of their own with
+/// `GIN_TRANSPORT_REMOTE` (`gin_net::transport::REMOTE_ENV`), which gin-net
+/// reads when the fabric starts (`gin_net::transport::select`) and which
+/// overrides this choice across hosts only: `GIN_TRANSPORT=auto
+/// GIN_TRANSPORT_REMOTE=ucx` is shared memory within a host and UCX across
+/// hosts. Unset, empty or `auto`, it leaves this choice for every peer. A
+/// host-only transport (`shm`) left to reach peers on other hosts (named
+/// by `GIN_TRANSPORT` without `GIN_TRANSPORT_REMOTE`, or by
+/// `GIN_TRANSPORT_REMOTE`) is an error naming the ranks it cannot reach.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum TransportKind {
     /// Within a host the first host-scope transport (shared memory), across
-    /// hosts the first any-scope one (TCP).
+    /// hosts the first any-scope one (TCP), unless `GIN_TRANSPORT_REMOTE`
+    /// names another for peers on other hosts.
     Auto,
-    /// Every peer through the transport of this name.
+    /// Every peer through the transport of this name, except peers on
+    /// other hosts where `GIN_TRANSPORT_REMOTE` names another.
     Named(&'static str),
 }
 
@@ -125,7 +137,8 @@ pub enum NicKind {
 pub struct Settings {
     /// The network backend (`GIN_BACKEND`).
     pub backend: BackendKind,
-    /// The transport between ranks (`GIN_TRANSPORT`).
+    /// The transport between ranks (`GIN_TRANSPORT`; peers on other hosts
+    /// may have `GIN_TRANSPORT_REMOTE`'s instead, see [`TransportKind`]).
     pub transport: TransportKind,
     /// Ranks with equal host ids share a host (`GIN_HOSTID`, else hostname
     /// and boot id).

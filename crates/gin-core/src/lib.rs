@@ -5,8 +5,9 @@
 //! - [`Comm`] is built from a `gin_bootstrap::Bootstrap`. It learns which
 //!   ranks share a host (`GIN_HOSTID`, else hostname and boot id: the
 //!   bootstrap's `topology` exchange), picks a path to every peer
-//!   (`GIN_TRANSPORT`: shm within a host, tcp across, or tcp everywhere),
-//!   and builds the fabric.
+//!   (`GIN_TRANSPORT`: shm within a host and tcp across, or one transport
+//!   everywhere, shm, tcp or ucx; `GIN_TRANSPORT_REMOTE` may name another
+//!   for peers on other hosts, as ucx), and builds the fabric.
 //! - **Windows** are registered collectively and in order, so a window's id is
 //!   the same on every rank; sizes may differ per rank and every rank knows
 //!   every size. [`Comm::alloc_window`] allocates shared memory that same-host

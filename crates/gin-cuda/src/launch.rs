@@ -225,6 +225,29 @@ impl Function {
         Ok(check(call, r)?)
     }
 
+    /// Queues the kernel as [`Function::launch_with`] does, with `params`
+    /// passed by value: the parameter pointers are made here, from values
+    /// that live for the call.
+    ///
+    /// # Safety
+    /// As [`Function::launch_with`]: `params` must match the kernel's
+    /// parameter list in number, order and size (a [`Param::value`] the
+    /// size and layout of the parameter it stands for), and every address
+    /// the kernel reaches through them must be memory it may access as it
+    /// does, until it has finished.
+    pub unsafe fn launch_params(
+        &self,
+        cfg: &LaunchConfig,
+        stream: StreamRef<'_>,
+        params: &[Param<'_>],
+    ) -> Result<(), CudaError> {
+        let mut values = Values::of(params);
+        // SAFETY: the pointers point into `values` and the caller's values,
+        // which live until the driver has copied them (before it returns);
+        // the rest is the caller's contract.
+        unsafe { self.launch_with(cfg, stream, &mut values.pointers()) }
+    }
+
     /// Lets launches of this kernel ask for up to `bytes` of dynamic shared
     /// memory per block (needed above 48 KiB).
     pub fn set_max_dynamic_shared(&self, bytes: u32) -> Result<(), CudaError> {
@@ -245,9 +268,135 @@ impl Function {
     }
 }
 
+/// One kernel parameter, passed by value ([`Function::launch_params`]).
+#[derive(Debug, Clone, Copy)]
+pub enum Param<'p> {
+    /// An 8-byte integer (or a device address).
+    U64(u64),
+    /// A 4-byte integer.
+    U32(u32),
+    /// A value of the caller's, passed by value as its bytes (a
+    /// `#[repr(C)]` struct the kernel takes by value), borrowed until the
+    /// launch has been queued.
+    Value(Borrowed<'p>),
+}
+
+/// A borrowed value a kernel receives by value ([`Param::value`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Borrowed<'p> {
+    ptr: *const c_void,
+    _borrow: PhantomData<&'p ()>,
+}
+
+impl<'p> Param<'p> {
+    /// `v` passed by value: the kernel's parameter must have `T`'s size
+    /// and layout (the launch's contract).
+    pub fn value<T: Copy>(v: &'p T) -> Self {
+        Self::Value(Borrowed {
+            ptr: std::ptr::from_ref(v).cast(),
+            _borrow: PhantomData,
+        })
+    }
+}
+
+/// The integers of a parameter list, stored where the driver can read them
+/// while a launch is queued.
+#[derive(Debug)]
+struct Values {
+    kinds: Vec<Kind>,
+    u64s: Vec<u64>,
+    u32s: Vec<u32>,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    U64,
+    U32,
+    Value(*const c_void),
+}
+
+impl Values {
+    fn of(params: &[Param<'_>]) -> Self {
+        let mut v = Self {
+            kinds: Vec::with_capacity(params.len()),
+            u64s: Vec::with_capacity(params.len()),
+            u32s: Vec::with_capacity(params.len()),
+        };
+        for p in params {
+            match *p {
+                Param::U64(x) => {
+                    v.kinds.push(Kind::U64);
+                    v.u64s.push(x);
+                }
+                Param::U32(x) => {
+                    v.kinds.push(Kind::U32);
+                    v.u32s.push(x);
+                }
+                Param::Value(b) => v.kinds.push(Kind::Value(b.ptr)),
+            }
+        }
+        v
+    }
+
+    /// One pointer per parameter, in order (valid while `self` and the
+    /// borrowed values are neither moved nor dropped).
+    fn pointers(&mut self) -> Vec<*mut c_void> {
+        let (mut i64, mut i32) = (0, 0);
+        let (u64s, u32s) = (self.u64s.as_mut_ptr(), self.u32s.as_mut_ptr());
+        self.kinds
+            .iter()
+            .map(|k| match *k {
+                Kind::U64 => {
+                    i64 += 1;
+                    // In bounds: one u64 was stored per U64 kind.
+                    u64s.wrapping_add(i64 - 1).cast()
+                }
+                Kind::U32 => {
+                    i32 += 1;
+                    u32s.wrapping_add(i32 - 1).cast()
+                }
+                Kind::Value(p) => p.cast_mut(),
+            })
+            .collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each parameter's pointer reads back its value, in order: integers
+    /// from the list's own storage, values from the caller's.
+    #[test]
+    fn parameters_point_at_their_values_in_order() {
+        #[derive(Clone, Copy)]
+        #[repr(C)]
+        struct Abi {
+            a: u32,
+            b: u64,
+        }
+        let abi = Abi { a: 7, b: 9 };
+        let params = [
+            Param::U64(1),
+            Param::value(&abi),
+            Param::U32(2),
+            Param::U64(u64::MAX),
+            Param::U32(3),
+        ];
+        let mut values = Values::of(&params);
+        let p = values.pointers();
+        assert_eq!(p.len(), 5);
+        // SAFETY: each pointer points at a live value of the type read.
+        unsafe {
+            assert_eq!(*p[0].cast::<u64>(), 1);
+            let v = &*p[1].cast::<Abi>();
+            assert_eq!((v.a, v.b), (7, 9));
+            assert_eq!(*p[2].cast::<u32>(), 2);
+            assert_eq!(*p[3].cast::<u64>(), u64::MAX);
+            assert_eq!(*p[4].cast::<u32>(), 3);
+        }
+        assert_eq!(p[1].cast_const(), std::ptr::from_ref(&abi).cast());
+    }
 
     #[test]
     fn launch_shapes_are_checked_before_the_driver() {

@@ -1,7 +1,8 @@
 //! gin-cuda: the CUDA host runtime under gin-rs's CUDA ranks — the driver
-//! wrapper, run-time compilation, stream batching and TCP staging of GPU
-//! memory. (The CUDA proxy and the soft NIC run on their backend crates'
-//! drivers, gin-proxy's and gin-gdaki's, as on CPU ranks.)
+//! wrapper, run-time compilation, kernel launches and the watch over them,
+//! stream batching and TCP staging of GPU memory. (The CUDA proxy and the
+//! soft NIC run on their backend crates' drivers, gin-proxy's and
+//! gin-gdaki's, as on CPU ranks.)
 //!
 //! # Design
 //!
@@ -20,9 +21,21 @@
 //!   [`Function::launch_with`] takes any shape, dynamic shared memory, a
 //!   cooperative launch and any stream of the GPU's primary context
 //!   ([`StreamRef`]: gin's, a cudarc `CudaStream`, or a raw `CUstream`
-//!   through an `unsafe` constructor). Memory another allocator owns
-//!   enters through `unsafe` [`DevMem::from_raw_parts`], which drop leaves
-//!   alone.
+//!   through an `unsafe` constructor); [`Function::launch_params`] packs a
+//!   parameter list of integers and borrowed values ([`Param`]) for it.
+//!   Memory another allocator owns enters through `unsafe`
+//!   [`DevMem::from_raw_parts`], which drop leaves alone.
+//! - **Run-time compilation** ([`nvrtc`]): NVRTC with the header tree
+//!   handed over as data, the user's include folders, defines and options
+//!   ([`nvrtc::CompileOptions`]), and CCCL's headers where a toolkit or the
+//!   NVRTC wheel has them ([`nvrtc::cccl_dir`]).
+//! - **Watching kernels** ([`watch`]): kernels cannot learn that a peer
+//!   died, so a host thread (or the launching thread) asks a health
+//!   callback each millisecond and raises an abort flag in device memory
+//!   that their waits poll. One flag serves every watch of a communicator
+//!   and stays raised until the last watch that raised it ends;
+//!   [`watch::Supervisor`] launches, watches and reads the error word
+//!   kernels record their first error in, whose meaning is its caller's.
 //! - **Batching** ([`batch::StreamBatch`]): the driver time of one
 //!   `cuMemcpyAsync` or `cuStreamWriteValue64` bounds a CPU-driven engine,
 //!   so consecutive copies and stores of one queue go to the driver as one
@@ -37,21 +50,23 @@
 //!   record ranks exchange about it (with gin-bootstrap's record codec),
 //!   and the peers' parts as reached here (CUDA IPC or region keys). A
 //!   part may be the user's memory ([`window::LocalPart::register`]):
-//!   [`pointer`] asks the driver what it is and decides, as pure code,
+//!   [`pointer`](mod@pointer) asks the driver what it is and decides, as pure code,
 //!   whether it can be one and how it is exported (its allocation's IPC
 //!   handle and its offset there). Ranks exchange offers, not bare
-//!   records ([`window::Offer`]), so a rank that cannot contribute makes
-//!   every rank fail alike.
+//!   records ([`window::exchange`]), so a rank that cannot contribute makes
+//!   every rank fail alike; the parts are listed in the fabric's window
+//!   directory as `Memory::Device` while they live ([`window::Listed`]).
 //! - Errors are [`CudaError`]: the failing driver call with its `CUresult`
 //!   name, the allocation size, the device ordinal, NVRTC's log.
 //!
 //! # What it does not know
 //!
 //! What a window means to the device API (ids, NIC keys, the arrays kernels
-//! index, the fabric's directory), signals, descriptors, WQEs and the
-//! device API: the backend crates and gin-core build their CUDA engines
-//! and windows on top of this crate, and
-//! hand NVRTC their headers ([`nvrtc::compile`] takes them as data).
+//! index), signals, descriptors, WQEs, the error word's encoding, what job
+//! health is, and the device API: the backend crates and gin-core build
+//! their CUDA engines and windows on top of this crate, hand NVRTC their
+//! headers ([`nvrtc::compile`] takes them as data) and the watch its
+//! health check.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
@@ -64,6 +79,7 @@ pub mod nvrtc;
 pub mod pointer;
 pub mod staging;
 pub mod testing;
+pub mod watch;
 pub mod window;
 
 /// The cudarc gin-cuda is built on (its driver API, loaded at run time),
@@ -74,4 +90,4 @@ pub use driver::{
     Cubin, DevMem, Device, Function, HostMem, IpcMem, MAX_WRITES, Module, Stream, available,
 };
 pub use error::{CudaError, DriverError};
-pub use launch::{LaunchConfig, StreamRef};
+pub use launch::{Borrowed, LaunchConfig, Param, StreamRef};

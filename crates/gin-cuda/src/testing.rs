@@ -3,12 +3,17 @@
 //! gin-proxy's and gin-gdaki's CUDA executors drive the same engine and
 //! executor code the GPU path runs against it, down to the batching of
 //! driver calls, with made-up device addresses that nothing dereferences.
+//! And an abort flag in host memory ([`HostFlag`]), for the watchers'
+//! tests.
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
+use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
 
 use crate::batch::{Dma, Gpu};
 use crate::error::CudaError;
+use crate::watch::Flag;
 
 /// One call a recording stream was handed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -106,5 +111,67 @@ impl Gpu for RecordingGpu {
             id,
             log: self.log.clone(),
         })
+    }
+}
+
+/// An abort flag in host memory: its value, and how often it was asked to
+/// rise, for tests to wait on.
+#[derive(Debug, Default)]
+pub struct HostFlag {
+    state: Mutex<FlagState>,
+    raised: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct FlagState {
+    value: u64,
+    raises: usize,
+    fail: bool,
+}
+
+impl HostFlag {
+    fn state(&self) -> MutexGuard<'_, FlagState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The flag's value (1: raised).
+    pub fn value(&self) -> u64 {
+        self.state().value
+    }
+
+    /// Makes later raises fail (or succeed again).
+    pub fn fail_raises(&self, fail: bool) {
+        self.state().fail = fail;
+    }
+
+    /// Waits until at least `n` raises were asked for (failed ones too),
+    /// at most `limit`; whether they were.
+    pub fn wait_raises(&self, n: usize, limit: Duration) -> bool {
+        let s = self.state();
+        let (s, _) = self
+            .raised
+            .wait_timeout_while(s, limit, |s| s.raises < n)
+            .unwrap_or_else(PoisonError::into_inner);
+        s.raises >= n
+    }
+}
+
+impl Flag for HostFlag {
+    fn raise(&self) -> Result<(), CudaError> {
+        let mut s = self.state();
+        s.raises += 1;
+        self.raised.notify_all();
+        if s.fail {
+            return Err(CudaError::Unavailable {
+                why: "the test fails raises".into(),
+            });
+        }
+        s.value = 1;
+        Ok(())
+    }
+
+    fn lower(&self) -> Result<(), CudaError> {
+        self.state().value = 0;
+        Ok(())
     }
 }

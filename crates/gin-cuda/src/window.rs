@@ -3,15 +3,18 @@
 //! the record it tells the other ranks, and the peers' parts as reached
 //! here (mapped through CUDA IPC, or named by region key over TCP).
 //!
-//! What a window means to the device API (ids, NIC keys, the arrays a
-//! kernel indexes, the fabric's directory entry) is gin-core's: it
-//! allgathers the records and assembles the window from a [`LocalPart`]
+//! Ranks exchange offers ([`exchange`]), and a window's parts are listed
+//! in the fabric's window directory as `Memory::Device` while they live
+//! ([`Listed`]), which the CUDA engines resolve requests against. What a
+//! window means to the device API (ids, NIC keys, the arrays a kernel
+//! indexes) is gin-core's: it assembles the window from a [`LocalPart`]
 //! and [`PeerParts`].
 
 use std::sync::Arc;
 
 use gin_bootstrap::record::{Reader, Writer};
 use gin_net::region::RegionTable;
+use gin_net::{Fabric, MemDesc, MemParts, Memory};
 
 use crate::driver::{DevMem, Device, IpcMem};
 use crate::error::CudaError;
@@ -327,6 +330,92 @@ impl PeerParts {
     }
 }
 
+/// Tells every rank what this rank contributes to window `window` (its
+/// part, or why it has none: `local`'s error) through `allgather`, and
+/// reaches every rank's part ([`PeerParts::open`]). Where any rank has no
+/// part, every rank fails naming it (this rank with its own error first).
+pub fn exchange<E: From<CudaError>>(
+    rank: usize,
+    window: u32,
+    local: Result<LocalPart, CudaError>,
+    allgather: impl FnOnce(&[u8]) -> Result<Vec<Vec<u8>>, E>,
+    over_tcp: impl Fn(usize) -> bool,
+) -> Result<(LocalPart, PeerParts), E> {
+    let offer = match &local {
+        Ok(part) => Offer::Part(part.record()),
+        Err(e) => Offer::Refused(e.to_string()),
+    };
+    let all = allgather(&offer.encode())?;
+    let records = Offer::gather(rank, window, &all);
+    let local = local?;
+    let records = records?;
+    let parts = PeerParts::open(rank, window, &local, &records, over_tcp)?;
+    Ok((local, parts))
+}
+
+/// A GPU window's parts, listed in the fabric's window directory as
+/// `Memory::Device` while this lives, with the memory the entry describes:
+/// this rank's part and the peers' IPC mappings. Dropping it unlists the
+/// window first, so the proxy and the soft NIC refuse requests naming it
+/// ("unknown window") rather than execute them on freed memory; then the
+/// part leaves the region table (TCP peers' requests are refused) and the
+/// memory is freed and unmapped.
+#[derive(Debug)]
+pub struct Listed {
+    fabric: Arc<Fabric>,
+    id: u32,
+    local: LocalPart,
+    _peers: Vec<IpcMem>,
+}
+
+impl Listed {
+    /// Lists window `id`'s parts in `fabric`'s directory.
+    ///
+    /// # Safety
+    /// `parts` must be what [`PeerParts::open`] (or [`exchange`]) made for
+    /// `local`, unchanged: the directory entry describes its bases and
+    /// sizes, which the CUDA engines copy to and from.
+    pub unsafe fn new(fabric: &Arc<Fabric>, id: u32, local: LocalPart, parts: PeerParts) -> Self {
+        let n = parts.sizes.len();
+        let desc = MemParts {
+            memory: Memory::Device,
+            local_base: local.mem().ptr() as usize,
+            sizes: parts.sizes,
+            peer_bases: parts.bases.iter().map(|&b| b as usize).collect(),
+            keys: parts.tcp_keys,
+            addrs: parts.addrs,
+            states: vec![0; n],
+            keep: None,
+        };
+        // SAFETY: device memory: `local` is this rank's part and each
+        // non-zero peer base a CUDA IPC mapping of that peer's part (its
+        // size), both held here until the description is removed from the
+        // directory (drop). Nothing on the host dereferences them
+        // (`Memory::Device`); the CUDA engines that copy them are stopped,
+        // or told to flush, before a window is freed.
+        fabric.add_window(id, unsafe { MemDesc::new(desc) });
+        Self {
+            fabric: fabric.clone(),
+            id,
+            local,
+            _peers: parts.opened,
+        }
+    }
+
+    /// This rank's part.
+    pub fn local(&self) -> &LocalPart {
+        &self.local
+    }
+}
+
+impl Drop for Listed {
+    fn drop(&mut self) {
+        // Before the memory goes (then `local`'s drop removes the part
+        // from the region table, before its memory is freed).
+        self.fabric.remove_window(self.id);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -414,6 +503,31 @@ mod tests {
                 "GPU window 4 was not created on rank {me}: rank 1 refused"
             )));
         }
+    }
+
+    /// A rank without a part tells the others why, and fails with its own
+    /// error rather than the refusal it reads back.
+    #[test]
+    fn a_rank_without_a_part_offers_its_refusal_and_fails_with_its_own_error() {
+        let mut sent = None;
+        let e = exchange(
+            0,
+            4,
+            Err(CudaError::Unavailable {
+                why: "no GPU".into(),
+            }),
+            |mine: &[u8]| -> Result<_, CudaError> {
+                sent = Some(Offer::decode(0, 4, mine)?);
+                Ok(vec![mine.to_vec(), Offer::Part(record(0)).encode()])
+            },
+            |_| true,
+        )
+        .unwrap_err();
+        assert!(matches!(e, CudaError::Unavailable { .. }), "{e}");
+        assert!(
+            matches!(&sent, Some(Offer::Refused(why)) if why.contains("no GPU")),
+            "{sent:?}"
+        );
     }
 
     #[test]

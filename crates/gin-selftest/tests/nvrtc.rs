@@ -144,3 +144,66 @@ fn nvrtc_compiles_nccl_names_of_the_parity_calls() {
         }\n";
     compile(src, "parity_names.cu", (9, 0)).unwrap_or_else(|e| panic!("{e}"));
 }
+
+/// NVRTC finds a user's header through `include_dirs`, applies the
+/// defines, and (where CCCL is found) compiles `<cuda/atomic>` beside
+/// gin's headers (`gin_core::cuda::nvrtc::compile_with`, what
+/// `CudaComm::compile_with` compiles with). Skipped where NVRTC cannot be
+/// loaded, except under `GIN_REQUIRE_NVRTC=1` (.ci/nvcc-check).
+#[test]
+fn nvrtc_compiles_a_users_kernel_with_its_include_folder_and_cccl() {
+    use gin_core::cuda::nvrtc::{CompileOptions, cccl_dir, compile_with};
+    if !gin_cuda::nvrtc::is_available() {
+        assert!(
+            std::env::var_os("GIN_REQUIRE_NVRTC").is_none(),
+            "GIN_REQUIRE_NVRTC is set but libnvrtc cannot be loaded"
+        );
+        eprintln!("skipped: libnvrtc.so.13 cannot be loaded (add its folder to LD_LIBRARY_PATH)");
+        return;
+    }
+    let root = std::env::temp_dir().join(format!("gin-user-inc-{}", std::process::id()));
+    std::fs::create_dir_all(root.join("mine")).unwrap();
+    std::fs::write(
+        root.join("mine/op.cuh"),
+        "#pragma once\n__device__ inline unsigned long long twice(unsigned long long v)              { return USER_K * v; }\n",
+    )
+    .unwrap();
+    let cccl = cccl_dir();
+    let src = format!(
+        "#include \"gin/gin.cuh\"\n#include \"mine/op.cuh\"\n{}\n             extern \"C\" __global__ void k(gin::DevComm dc, unsigned long long* p) {{\n               p[0] = twice(dc.rank);\n{}\n}}\n",
+        if cccl.is_some() {
+            "#include <cuda/atomic>"
+        } else {
+            ""
+        },
+        if cccl.is_some() {
+            "cuda::atomic_ref<unsigned long long, cuda::thread_scope_device> a(p[1]);                  a.fetch_add(1);"
+        } else {
+            ""
+        }
+    );
+    let opts = CompileOptions {
+        include_dirs: vec![root.clone()],
+        defines: vec![("USER_K".into(), Some("2ull".into()))],
+        extra_opts: vec!["-maxrregcount=64".into()],
+    };
+    let r = compile_with(&src, "user.cu", (9, 0), &opts);
+    // Without the define, the header does not compile: it was applied.
+    let without = compile_with(
+        &src,
+        "user.cu",
+        (9, 0),
+        &CompileOptions {
+            defines: Vec::new(),
+            ..opts.clone()
+        },
+    );
+    std::fs::remove_dir_all(&root).unwrap();
+    let cubin = r.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(&cubin.as_bytes()[..4], b"\x7fELF");
+    let e = without.expect_err("USER_K undefined");
+    assert!(e.to_string().contains("USER_K"), "{e}");
+    if cccl.is_none() {
+        eprintln!("note: CCCL not found; <cuda/atomic> was not tried");
+    }
+}

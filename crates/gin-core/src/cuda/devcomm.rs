@@ -4,14 +4,13 @@
 //! `HostBackend::start_cuda` and kept as an opaque `CudaEngine`), and
 //! running a kernel while watching the job.
 
-use std::ffi::c_void;
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use gin_bootstrap::Bootstrap;
-use gin_cuda::{DevMem, Function, LaunchConfig, StreamRef};
+use gin_cuda::watch::Outcome;
+use gin_cuda::{DevMem, Function, LaunchConfig, Param, StreamRef};
 use gin_device::abi::{
     DEVCOMM_FLAG_CTA_CTX, DEVCOMM_FLAG_EXCLUSIVE_CTX, DEVCOMM_FLAG_LSA_ONLY,
     DEVCOMM_FLAG_SENDER_SLOTS, DEVCOMM_FLAG_STRONG_SIGNALS, DevCommAbi, WindowAbi, errword,
@@ -19,7 +18,7 @@ use gin_device::abi::{
 use gin_device::{CudaEngine, CudaEngineSpec, HostBackend};
 use gin_net::Fabric;
 
-use super::{Abort, CtxSharing, CudaComm, REACH_LSA, REACH_NONE, REACH_QUEUE, cudarc};
+use super::{CtxSharing, CudaComm, REACH_LSA, REACH_NONE, REACH_QUEUE, cudarc};
 use crate::config::{BackendKind, Selection};
 use crate::error::CoreError;
 use crate::requirements;
@@ -119,8 +118,8 @@ impl<'c> CudaComm<'c> {
             signals: self.signal_window.local().ptr(),
             counter_base: ranges.counters.0,
             counters: self.counters.ptr(),
-            abort_flag: self.abort.flag.ptr(),
-            error_word: self.error.ptr(),
+            abort_flag: self.kernels.abort_flag(),
+            error_word: self.kernels.error_word(),
             timeout_ticks: u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX),
             rings: engine.rings(),
             backend_kind: engine.backend_kind(),
@@ -339,33 +338,20 @@ impl Sentinel {
         }
     }
 
+    /// What a watch asks each millisecond (gin-cuda's `watch`): the cause,
+    /// a lost TCP link's account kept meanwhile while the bootstrap is
+    /// given [`DEATH_GRACE`] to name a dead peer (a lost link is often one).
+    fn health(self: &Arc<Self>) -> impl FnMut() -> Option<String> + Send + 'static {
+        let (me, mut tcp_failed) = (self.clone(), None);
+        move || me.cause(&mut tcp_failed)
+    }
+
     /// The engine's account of an error that kernels see themselves (error
     /// completions): a kernel that met one may end before a watch saw it.
     fn late_cause(&self) -> Option<String> {
         let engine = self.engine();
         let engine = engine.as_ref().filter(|e| e.kernel_sees_errors())?;
         engine.error().map(|e| format!("{}: {e}", engine.failure()))
-    }
-}
-
-/// One watch's state: the cause once found, and a lost TCP link's account
-/// while the bootstrap is given [`DEATH_GRACE`] to name a dead peer (a lost
-/// link is often one).
-#[derive(Debug, Default)]
-struct WatchState {
-    cause: Option<String>,
-    tcp_failed: Option<(Instant, String)>,
-}
-
-impl WatchState {
-    /// Looks once; true when a cause was found just now (raise the abort
-    /// flag).
-    fn look(&mut self, s: &Sentinel) -> bool {
-        if self.cause.is_some() {
-            return false;
-        }
-        self.cause = s.cause(&mut self.tcp_failed);
-        self.cause.is_some()
     }
 }
 
@@ -400,97 +386,21 @@ pub enum Arg<'p> {
 /// transport and the engine, and on the first failure raises the abort
 /// flag (the kernels' waits give up with an error) and records the cause.
 /// Hand it to [`CudaDevComm::check`] once the kernels have finished;
-/// dropping it stops the thread too (and lowers a raised flag: drop it
-/// only once the kernels it watched have finished).
+/// dropping it stops the thread too (and lets go of the flag: drop it only
+/// once the kernels it watched have finished). Watchers of one CUDA
+/// communicator share its flag, which stays raised until the last watcher
+/// that raised it lets go (gin-cuda's `watch::Watcher`, `watch::Abort`).
 #[derive(Debug)]
 pub struct Watcher<'d> {
-    shared: Arc<WatchShared>,
-    thread: Option<std::thread::JoinHandle<()>>,
-    abort: Arc<Abort>,
+    inner: gin_cuda::watch::Watcher,
     _dev_comm: PhantomData<&'d ()>,
-}
-
-/// What a watcher shares with its thread.
-#[derive(Debug, Default)]
-struct WatchShared {
-    stop: AtomicBool,
-    /// The cause, once found; the thread's own error if it failed.
-    found: Mutex<Found>,
-}
-
-#[derive(Debug, Default)]
-struct Found {
-    cause: Option<String>,
-    /// Whether the abort flag was raised (lowered when the watch ends).
-    raised: bool,
-    /// The thread's own failure (raising the flag).
-    failed: Option<String>,
-}
-
-impl WatchShared {
-    fn found(&self) -> MutexGuard<'_, Found> {
-        self.found.lock().unwrap_or_else(PoisonError::into_inner)
-    }
 }
 
 impl Watcher<'_> {
     /// The cause found so far (a dead peer, a failed transport or engine),
     /// if any: the abort flag is raised then.
     pub fn cause(&self) -> Option<String> {
-        self.shared.found().cause.clone()
-    }
-
-    /// Stops the thread; returns the cause, the abort flag lowered again.
-    fn finish(mut self) -> Result<Option<String>, CoreError> {
-        self.stop()
-    }
-
-    fn stop(&mut self) -> Result<Option<String>, CoreError> {
-        let Some(t) = self.thread.take() else {
-            return Ok(None);
-        };
-        self.shared.stop.store(true, Ordering::Release);
-        t.thread().unpark();
-        let _ = t.join();
-        let found = std::mem::take(&mut *self.shared.found());
-        if found.raised {
-            self.abort.clear()?;
-        }
-        if let Some(why) = found.failed {
-            return Err(CoreError::CudaRuntime(gin_cuda::CudaError::Worker {
-                context: "the CUDA watcher failed".into(),
-                error: why,
-            }));
-        }
-        Ok(found.cause)
-    }
-}
-
-impl Drop for Watcher<'_> {
-    fn drop(&mut self) {
-        let _ = self.stop();
-    }
-}
-
-/// A watcher thread's loop: look each millisecond until told to stop;
-/// `raise` raises the abort flag.
-fn watch_loop(
-    shared: &WatchShared,
-    sentinel: &Sentinel,
-    mut raise: impl FnMut() -> Result<(), gin_cuda::CudaError>,
-) {
-    let mut state = WatchState::default();
-    while !shared.stop.load(Ordering::Acquire) {
-        if state.look(sentinel) {
-            let raised = raise();
-            let mut found = shared.found();
-            found.cause.clone_from(&state.cause);
-            match raised {
-                Ok(()) => found.raised = true,
-                Err(e) => found.failed = Some(e.to_string()),
-            }
-        }
-        std::thread::park_timeout(Duration::from_millis(1));
+        self.inner.cause()
     }
 }
 
@@ -538,14 +448,12 @@ impl CudaDevComm<'_, '_> {
         block: u32,
         args: &[Arg<'_>],
     ) -> Result<(), CoreError> {
-        let cuda = self.cuda;
-        cuda.dev.make_current()?;
-        // gin's own stream: no context to check (as `launch_on` does).
-        let stream = StreamRef::from(&cuda.stream);
+        let cfg = LaunchConfig::linear(grid, block);
+        let params = params(args);
+        let health = self.sentinel.health();
         // SAFETY: the caller's contract.
-        unsafe { launch(f, &LaunchConfig::linear(grid, block), stream, args)? };
-        let cause = self.watch_inline(stream)?;
-        self.settle(cause)
+        let out = unsafe { self.cuda.kernels.run(f, &cfg, &params, health)? };
+        self.settle(out)
     }
 
     /// Queues `f` on `stream` as `cfg` says (any grid and block shape,
@@ -577,10 +485,8 @@ impl CudaDevComm<'_, '_> {
         stream: StreamRef<'_>,
         args: &[Arg<'_>],
     ) -> Result<(), CoreError> {
-        let cuda = self.cuda;
-        stream.check_context(&cuda.dev)?;
         // SAFETY: the caller's contract.
-        unsafe { launch(f, cfg, stream, args) }
+        unsafe { Ok(self.cuda.kernels.launch_on(f, cfg, stream, &params(args))?) }
     }
 
     /// Starts watching the job while kernels run (see [`Watcher`]): from
@@ -588,36 +494,12 @@ impl CudaDevComm<'_, '_> {
     /// dropped, a peer's death, a failed transport or engine raises the
     /// abort flag, so the kernels' waits give up.
     pub fn watch(&self) -> Result<Watcher<'_>, CoreError> {
-        let shared = Arc::new(WatchShared::default());
-        let (sentinel, abort, dev) = (
-            self.sentinel.clone(),
-            self.cuda.abort.clone(),
-            self.cuda.dev.clone(),
-        );
-        let thread = {
-            let (shared, abort) = (shared.clone(), abort.clone());
-            std::thread::Builder::new()
-                .name(format!("gin-watch-r{}", self.cuda.comm.rank()))
-                .spawn(move || {
-                    // The context is made current on the first raise only.
-                    let mut current = false;
-                    watch_loop(&shared, &sentinel, || {
-                        if !current {
-                            dev.make_current()?;
-                            current = true;
-                        }
-                        abort.raise()
-                    });
-                })
-                .map_err(|source| gin_cuda::CudaError::Spawn {
-                    what: "CUDA watcher",
-                    source,
-                })?
-        };
+        let inner = self.cuda.kernels.watch(
+            format!("gin-watch-r{}", self.cuda.comm.rank()),
+            self.sentinel.health(),
+        )?;
         Ok(Watcher {
-            shared,
-            thread: Some(thread),
-            abort,
+            inner,
             _dev_comm: PhantomData,
         })
     }
@@ -631,51 +513,16 @@ impl CudaDevComm<'_, '_> {
     /// it records later.
     pub fn check(&self, watcher: Option<Watcher<'_>>) -> Result<(), CoreError> {
         // Any thread may check: the error word is read in gin's context.
-        self.cuda.dev.make_current()?;
-        let cause = match watcher {
-            Some(w) => w.finish()?,
-            None => None,
-        };
-        let cause = cause.or_else(|| self.sentinel.late_cause());
-        self.settle(cause)
+        let out = self.cuda.kernels.check(watcher.map(|w| w.inner))?;
+        self.settle(out)
     }
 
-    /// Waits for `stream` on this thread, raising the abort flag once a
-    /// peer dies, the TCP transport fails or an engine reports an error;
-    /// returns that cause.
-    fn watch_inline(&self, stream: StreamRef<'_>) -> Result<Option<String>, CoreError> {
+    /// Turns how the kernels ended into the run's error: a device-side
+    /// error, else the watch's cause (else the engine's late one).
+    fn settle(&self, out: Outcome) -> Result<(), CoreError> {
         let cuda = self.cuda;
-        let mut state = WatchState::default();
-        let mut next = Instant::now();
-        while !stream.idle()? {
-            if Instant::now() >= next {
-                next = Instant::now() + Duration::from_millis(1);
-                if state.look(&self.sentinel) {
-                    cuda.abort.raise()?;
-                }
-            }
-            // Watching a running kernel, not synchronising: the driver has
-            // no wait that also wakes on a peer's death, so poll the stream
-            // (and, each millisecond, the job's health) with a short pause.
-            std::thread::sleep(Duration::from_micros(20));
-        }
-        if state.cause.is_some() {
-            cuda.abort.clear()?;
-            return Ok(state.cause);
-        }
-        Ok(self.sentinel.late_cause())
-    }
-
-    /// Reads (and clears) the error word after the kernel: a device-side
-    /// error, else the watch's cause, is the run's error.
-    fn settle(&self, cause: Option<String>) -> Result<(), CoreError> {
-        let cuda = self.cuda;
-        let mut w = [0u64];
-        cuda.error.read(0, &mut w)?;
-        if w[0] != 0 {
-            cuda.error.zero(0, 8)?;
-        }
-        if let Some(d) = errword::decode(w[0]) {
+        let cause = out.cause.or_else(|| self.sentinel.late_cause());
+        if let Some(d) = errword::decode(out.word) {
             return Err(CoreError::Kernel {
                 rank: cuda.comm.rank(),
                 what: errword::describe(d.kind),
@@ -715,42 +562,16 @@ impl CudaDevComm<'_, '_> {
     }
 }
 
-/// Queues `f` on `stream` with `args` passed by value.
-///
-/// # Safety
-/// As [`CudaDevComm::launch_on`].
-unsafe fn launch(
-    f: &Function,
-    cfg: &LaunchConfig,
-    stream: StreamRef<'_>,
-    args: &[Arg<'_>],
-) -> Result<(), CoreError> {
-    let mut vals: Vec<u64> = args
-        .iter()
-        .map(|a| match a {
-            Arg::U64(v) | Arg::Ptr(v) => *v,
-            Arg::U32(v) => u64::from(*v),
-            Arg::DevComm(_) | Arg::Window(_) => 0,
+/// `args` as gin-cuda's kernel parameters (by value).
+fn params<'p>(args: &[Arg<'p>]) -> Vec<Param<'p>> {
+    args.iter()
+        .map(|a| match *a {
+            Arg::DevComm(d) => Param::value(d),
+            Arg::Window(w) => Param::value(w),
+            Arg::U64(v) | Arg::Ptr(v) => Param::U64(v),
+            Arg::U32(v) => Param::U32(v),
         })
-        .collect();
-    let mut u32s: Vec<u32> = args
-        .iter()
-        .map(|a| if let Arg::U32(v) = a { *v } else { 0 })
-        .collect();
-    let mut params: Vec<*mut c_void> = Vec::with_capacity(args.len());
-    for (i, a) in args.iter().enumerate() {
-        params.push(match a {
-            Arg::DevComm(d) => std::ptr::from_ref::<DevCommAbi>(d).cast_mut().cast(),
-            Arg::Window(w) => std::ptr::from_ref::<WindowAbi>(w).cast_mut().cast(),
-            Arg::U32(_) => (&raw mut u32s[i]).cast(),
-            Arg::U64(_) | Arg::Ptr(_) => (&raw mut vals[i]).cast(),
-        });
-    }
-    // SAFETY: the parameter pointers stay valid for the call (the driver
-    // copies the values before it returns); the caller matches the
-    // kernel's signature and vouches for what it reaches.
-    unsafe { f.launch_with(cfg, stream, &mut params)? };
-    Ok(())
+        .collect()
 }
 
 impl Drop for CudaDevComm<'_, '_> {
@@ -771,6 +592,8 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
     use gin_bootstrap::{Config, run_threads};
+    use gin_cuda::testing::HostFlag;
+    use gin_cuda::watch::{Abort, Watch, Watcher};
 
     /// An engine whose error the test sets.
     #[derive(Debug, Default)]
@@ -834,14 +657,14 @@ mod tests {
     #[test]
     fn a_watch_finds_an_engines_failure_once() {
         with_sentinel(false, |s, error| {
-            let mut w = WatchState::default();
-            assert!(!w.look(&s));
-            assert_eq!(w.cause, None);
+            let (mut w, mut health) = (Watch::default(), s.health());
+            assert!(!w.look(&mut health));
+            assert_eq!(w.cause(), None);
             *error.lock().unwrap() = Some("boom".into());
-            assert!(w.look(&s));
-            assert_eq!(w.cause.as_deref(), Some("the fake engine failed: boom"));
+            assert!(w.look(&mut health));
+            assert_eq!(w.cause(), Some("the fake engine failed: boom"));
             // Raised once: a second look finds nothing new.
-            assert!(!w.look(&s));
+            assert!(!w.look(&mut health));
             // Errors kernels do not see themselves are not looked at late.
             assert_eq!(s.late_cause(), None);
         });
@@ -863,29 +686,23 @@ mod tests {
     #[test]
     fn a_watcher_thread_raises_the_abort_flag_and_records_the_cause() {
         with_sentinel(false, |s, error| {
-            let shared = Arc::new(WatchShared::default());
-            let (tx, rx) = std::sync::mpsc::channel();
-            let t = {
-                let (shared, s) = (shared.clone(), s.clone());
-                std::thread::spawn(move || {
-                    watch_loop(&shared, &s, || {
-                        tx.send(()).unwrap();
-                        Err(gin_cuda::CudaError::Unavailable { why: "test".into() })
-                    });
-                })
-            };
+            let abort = Arc::new(Abort::new(HostFlag::default()));
+            let w = Watcher::start("test-watch".into(), abort.clone(), s.health()).unwrap();
             *error.lock().unwrap() = Some("boom".into());
             // The raise is the synchronisation: wait for it (bounded).
-            rx.recv_timeout(Duration::from_secs(30)).unwrap();
-            shared.stop.store(true, Ordering::Release);
-            t.thread().unpark();
-            t.join().unwrap();
-            let found = std::mem::take(&mut *shared.found());
-            assert_eq!(found.cause.as_deref(), Some("the fake engine failed: boom"));
-            assert!(!found.raised);
-            assert!(found.failed.unwrap().contains("test"));
-            // Raised once only.
-            assert!(rx.try_recv().is_err());
+            assert!(abort.flag().wait_raises(1, Duration::from_secs(30)));
+            assert_eq!(abort.flag().value(), 1);
+            let cause = w.finish().unwrap();
+            assert_eq!(cause.as_deref(), Some("the fake engine failed: boom"));
+            // Lowered once the watch ends; raised once only.
+            assert_eq!((abort.flag().value(), abort.held()), (0, 0));
+            assert!(!abort.flag().wait_raises(2, Duration::ZERO));
+            // A failure to raise is the watch's error.
+            abort.flag().fail_raises(true);
+            let w = Watcher::start("test-watch".into(), abort.clone(), s.health()).unwrap();
+            assert!(abort.flag().wait_raises(2, Duration::from_secs(30)));
+            let e = w.finish().expect_err("the raise failed");
+            assert!(e.to_string().contains("the test fails raises"), "{e}");
         });
     }
 }

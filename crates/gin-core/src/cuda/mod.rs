@@ -79,10 +79,16 @@ pub use gin_cuda::{
 };
 
 pub use devcomm::{Arg, CudaDevComm, DevCommParam, Watcher};
+/// Which CUDA context gin uses on a rank's GPU
+/// ([`CudaComm::context_info`]); kernels a user launches with
+/// [`CudaDevComm::launch_on`] may use any stream of it.
+pub use gin_cuda::watch::ContextInfo;
 pub use nvrtc::CompileOptions;
 pub use window::{GpuWindow, WindowParam};
 
 use std::sync::Arc;
+
+use gin_cuda::watch::Supervisor;
 
 use crate::comm::Comm;
 use crate::error::CoreError;
@@ -131,11 +137,11 @@ pub struct CudaComm<'c> {
     home: Arc<()>,
     signal_window: GpuWindow,
     counters: DevMem,
-    /// The abort flag (shared with watcher threads).
-    abort: Arc<Abort>,
-    error: DevMem,
+    /// The abort flag kernels poll (shared with watcher threads: every
+    /// watch of this communicator raises the one flag, lowered when the
+    /// last that raised it lets go), the error word and gin's stream.
+    kernels: Supervisor,
     spaces: Spaces,
-    stream: Stream,
     /// Serves window parts to TCP peers (`None`: no peer is reached over TCP).
     server: Option<Arc<gin_cuda::staging::Server>>,
     /// Last: the context must outlive every allocation above.
@@ -192,14 +198,8 @@ impl<'c> CudaComm<'c> {
             home,
             signal_window,
             counters: DevMem::new(s.counter_slots as usize * 16)?,
-            abort: Arc::new(Abort {
-                flag: DevMem::new(64)?,
-                stream: Stream::new()?,
-                dev: dev.clone(),
-            }),
-            error: DevMem::new(8)?,
+            kernels: Supervisor::new(dev.clone())?,
             spaces: Spaces::new(s.signal_slots, s.counter_slots),
-            stream: Stream::new()?,
             server,
             dev,
         };
@@ -306,66 +306,10 @@ impl<'c> CudaComm<'c> {
     }
 
     /// Which CUDA context and streams gin uses on this rank's GPU, to share
-    /// them with another CUDA library (cudarc, PyTorch).
+    /// them with another CUDA library (cudarc, PyTorch): the primary
+    /// context, and the stream [`CudaDevComm::run`] launches on.
     pub fn context_info(&self) -> ContextInfo {
-        ContextInfo {
-            ordinal: self.dev.ordinal(),
-            context: self.dev.raw_context(),
-            primary: true,
-            stream: self.stream.raw(),
-        }
-    }
-}
-
-/// Which CUDA context gin uses on a rank's GPU ([`CudaComm::context_info`]):
-/// the device's **primary context**, which cudarc's
-/// `CudaContext::new(ordinal)` (and the CUDA runtime, so PyTorch) retain
-/// too. Memory, streams and modules of one are valid in the others; kernels
-/// a user launches with [`CudaDevComm::launch_on`] may use any stream of
-/// this context. Each device communicator's engine (the CUDA proxy, the
-/// soft NIC) creates its own streams in it.
-#[derive(Debug, Clone, Copy)]
-pub struct ContextInfo {
-    /// The GPU's ordinal (after `CUDA_VISIBLE_DEVICES`).
-    pub ordinal: usize,
-    /// The context, as a raw `CUcontext`.
-    pub context: cudarc::driver::sys::CUcontext,
-    /// Whether it is the device's primary context (always, today).
-    pub primary: bool,
-    /// The stream [`CudaDevComm::run`] launches on (a non-blocking stream
-    /// of that context).
-    pub stream: cudarc::driver::sys::CUstream,
-}
-
-/// The abort flag, in device memory: kernels poll it, and a kernel that
-/// reads host memory, even one thread per block once every 100 us, starves
-/// the copies the CUDA proxy queues (measured with
-/// `xtask/gpu/probe/ce_probe.cu`). The host raises it with a stream write
-/// on its own stream, which runs beside the kernels'. Shared (`Arc`) with
-/// watcher threads, so it outlives any of them.
-#[derive(Debug)]
-struct Abort {
-    flag: DevMem,
-    stream: Stream,
-    /// Last: the context must outlive the memory and the stream.
-    dev: Arc<Device>,
-}
-
-impl Abort {
-    /// Queues the raise (the calling thread needs the context current).
-    fn raise(&self) -> Result<(), CudaError> {
-        // SAFETY: the flag is 64 bytes of device memory this value owns,
-        // and the stream is waited for (`clear`) before the flag is reset.
-        unsafe { self.stream.write_u64(self.flag.ptr(), 1) }
-    }
-
-    /// Lowers the flag again once the raise has landed (after the kernels
-    /// it aborted have finished).
-    fn clear(&self) -> Result<(), CudaError> {
-        // From any thread (a watcher dropped elsewhere).
-        self.dev.make_current()?;
-        self.stream.sync()?;
-        self.flag.zero(0, 8)
+        self.kernels.context_info()
     }
 }
 

@@ -1,16 +1,15 @@
 //! GPU windows: gin-cuda's window parts ([`gin_cuda::window`]: this rank's
 //! part in device memory, its peers' parts mapped through CUDA IPC or
 //! named by region keys over TCP) assembled into what the device API sees:
-//! the window id, NIC keys, the arrays kernels index by rank and the
-//! fabric's directory entry.
+//! the window id, NIC keys and the arrays kernels index by rank (gin-cuda
+//! lists the parts in the fabric's directory: `gin_cuda::window::Listed`).
 
 use std::sync::Arc;
 
 use gin_cuda::staging::Server;
-use gin_cuda::window::{LocalPart, Offer, PeerParts};
-use gin_cuda::{DevMem, Device, IpcMem};
+use gin_cuda::window::{Listed, LocalPart};
+use gin_cuda::{DevMem, Device};
 use gin_device::abi::WindowAbi;
-use gin_net::{Fabric, MemDesc, MemParts, Memory};
 
 use super::{COUNTER_KEY, CudaComm, WINDOW_KEY_BASE, cudarc, window_key};
 use crate::comm::Comm;
@@ -24,14 +23,12 @@ use crate::error::CoreError;
 pub struct GpuWindow {
     abi: WindowAbi,
     bases: Vec<u64>,
-    /// The directory it is registered in.
-    fabric: Arc<Fabric>,
     /// The CUDA communicator that made it.
     home: Arc<()>,
-    /// This rank's part (served to TCP peers until it drops).
-    local: LocalPart,
+    /// Every part, listed in the fabric's directory (this rank's served
+    /// to TCP peers) until it drops.
+    parts: Listed,
     _arrays: DevMem,
-    _peers: Vec<IpcMem>,
     /// Last: the context must outlive the memory above.
     _dev: Arc<Device>,
 }
@@ -65,7 +62,7 @@ impl GpuWindow {
 
     /// This rank's part, in device memory.
     pub fn local(&self) -> &DevMem {
-        self.local.mem()
+        self.parts.local().mem()
     }
 
     /// Rank `p`'s part as mapped here (device address), if it exists.
@@ -76,16 +73,6 @@ impl GpuWindow {
     /// Whether the CUDA communicator named `home` made this window.
     pub(super) fn belongs_to(&self, home: &Arc<()>) -> bool {
         Arc::ptr_eq(&self.home, home)
-    }
-}
-
-impl Drop for GpuWindow {
-    fn drop(&mut self) {
-        // Before the memory goes: a request naming the window from now on is
-        // refused ("unknown window"), not executed on freed memory.
-        // (Then `local`'s drop removes the part from the region table, so
-        // TCP peers' requests are refused, before its memory is freed.)
-        self.fabric.remove_window(self.abi.id);
     }
 }
 
@@ -134,17 +121,10 @@ impl CudaComm<'_> {
         local: Result<LocalPart, gin_cuda::CudaError>,
     ) -> Result<GpuWindow, CoreError> {
         let (rank, n) = (comm.rank(), comm.nranks());
-        let offer = match &local {
-            Ok(part) => Offer::Part(part.record()),
-            Err(e) => Offer::Refused(e.to_string()),
-        };
-        let all = comm.bootstrap().allgather(&offer.encode())?;
-        let records = Offer::gather(rank, id, &all);
-        // This rank's own error where it refused, else the first refusal.
-        let local = local?;
-        let records = records?;
+        let allgather = |b: &[u8]| -> Result<_, CoreError> { Ok(comm.bootstrap().allgather(b)?) };
+        let (local, parts) =
+            gin_cuda::window::exchange(rank, id, local, allgather, |p| comm.reaches_keyed(p))?;
         let bytes = local.record().size;
-        let parts = PeerParts::open(rank, id, &local, &records, |p| comm.reaches_keyed(p))?;
         let keys = (0..n)
             .map(|p| window_key(id, p, n))
             .collect::<Option<Vec<u32>>>()
@@ -174,34 +154,17 @@ impl CudaComm<'_> {
             addrs: arrays.ptr() + n as u64 * 16,
         };
         comm.bootstrap().barrier()?;
-        // Registered last: an error above leaves no description of memory
-        // that is freed on the way out.
-        let desc = MemParts {
-            memory: Memory::Device,
-            local_base: local.mem().ptr() as usize,
-            sizes: parts.sizes,
-            peer_bases: parts.bases.iter().map(|&b| b as usize).collect(),
-            keys: parts.tcp_keys,
-            addrs: parts.addrs,
-            states: vec![0; n],
-            keep: None,
-        };
-        // SAFETY: device memory: `local` is this rank's part (`bytes`
-        // bytes) and each non-zero peer base a CUDA IPC mapping of that
-        // peer's part (its size), both held by the window, which removes
-        // the description from the directory (its drop) before they are
-        // freed. Nothing on the host dereferences them (`Memory::Device`);
-        // the CUDA engines that copy them are stopped, or told to flush,
-        // before a window is freed.
-        comm.fabric().add_window(id, unsafe { MemDesc::new(desc) });
+        let bases = parts.bases.clone();
+        // Listed last: an error above leaves no description of memory that
+        // is freed on the way out.
+        // SAFETY: `exchange` opened `parts` for `local`.
+        let parts = unsafe { Listed::new(comm.fabric(), id, local, parts) };
         Ok(GpuWindow {
             abi,
-            bases: parts.bases,
-            fabric: comm.fabric().clone(),
+            bases,
             home: home.clone(),
-            local,
+            parts,
             _arrays: arrays,
-            _peers: parts.opened,
             _dev: dev.clone(),
         })
     }

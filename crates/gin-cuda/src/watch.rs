@@ -1,0 +1,592 @@
+//! Watching a job while kernels run: kernels wait on peers (signals,
+//! credits, barriers) and cannot learn on their own that a peer died or an
+//! engine failed, so a host thread looks at the job's health and, on the
+//! first failure, raises an abort flag the kernels poll, so their waits
+//! give up with an error.
+//!
+//! What "health" means is the caller's (a callback returning the cause
+//! kernels should give up for: gin-core asks the bootstrap, the fabric and
+//! the backend's engine); this module owns the flag, its sharing between
+//! watches, and the two ways of watching: a thread beside kernels the user
+//! launched ([`Watcher`]), and the calling thread while one stream runs
+//! ([`wait_watching`]).
+//!
+//! One flag serves every kernel of a communicator, and so every watch of
+//! it at once: [`Abort`] counts the watches that raised it and lowers it
+//! when the last of them lets go, so a watch that ends does not lower the
+//! flag under kernels another watch still aborts.
+//!
+//! [`Supervisor`] puts the pieces together for a communicator's kernels:
+//! the flag, the error word kernels record their first error in, and the
+//! stream kernels run on when the caller names none; it launches, watches
+//! and reads the error word, and leaves what the word and the cause mean to
+//! its caller (the device API's encoding is not this crate's).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use crate::driver::{DevMem, Device, Function, Stream};
+use crate::error::CudaError;
+use crate::launch::{LaunchConfig, Param, StreamRef};
+
+/// How often a watch looks at the job's health.
+const LOOK_EVERY: Duration = Duration::from_millis(1);
+
+/// Where the abort flag lives and how it is raised and lowered.
+pub trait Flag: Send + Sync + 'static {
+    /// Queues the raise: kernels see the flag set soon after.
+    ///
+    /// # Errors
+    /// The driver's, when the raise cannot be queued.
+    fn raise(&self) -> Result<(), CudaError>;
+    /// Lowers the flag once every raise queued before has landed (the
+    /// kernels it aborted have finished).
+    ///
+    /// # Errors
+    /// The driver's, when the flag cannot be reset.
+    fn lower(&self) -> Result<(), CudaError>;
+}
+
+/// The abort flag in device memory: kernels poll it, and a kernel that
+/// reads host memory, even one thread per block once every 100 us, starves
+/// the copies the CUDA proxy queues (measured with
+/// `xtask/gpu/probe/ce_probe.cu`). The host raises it with a stream write
+/// on the flag's own stream, which runs beside the kernels'.
+#[derive(Debug)]
+pub struct DeviceFlag {
+    mem: DevMem,
+    stream: Stream,
+    /// Last: the context must outlive the memory and the stream.
+    dev: Arc<Device>,
+}
+
+impl DeviceFlag {
+    /// A lowered flag in `dev`'s memory (64 bytes: a line of its own).
+    pub fn new(dev: Arc<Device>) -> Result<Self, CudaError> {
+        dev.make_current()?;
+        Ok(Self {
+            mem: DevMem::new(64)?,
+            stream: Stream::new()?,
+            dev,
+        })
+    }
+
+    /// The flag's device address, which kernels poll (a nonzero `u64`:
+    /// give up).
+    pub fn ptr(&self) -> u64 {
+        self.mem.ptr()
+    }
+}
+
+impl Flag for DeviceFlag {
+    fn raise(&self) -> Result<(), CudaError> {
+        // From any thread (a watcher's).
+        self.dev.make_current()?;
+        // SAFETY: the flag is 64 bytes of device memory this value owns,
+        // and the stream is waited for (`lower`) before the flag is reset
+        // or freed.
+        unsafe { self.stream.write_u64(self.mem.ptr(), 1) }
+    }
+
+    fn lower(&self) -> Result<(), CudaError> {
+        self.dev.make_current()?;
+        self.stream.sync()?;
+        self.mem.zero(0, 8)
+    }
+}
+
+/// An abort flag shared by every watch of one communicator (hold it in an
+/// `Arc`): raised while at least one watch that raised it has not let go.
+#[derive(Debug)]
+pub struct Abort<F = DeviceFlag> {
+    flag: F,
+    /// Watches holding the flag raised. Raising and lowering happen under
+    /// this lock, so a raise never lands between a lower's wait and reset.
+    holds: Mutex<usize>,
+}
+
+impl<F: Flag> Abort<F> {
+    /// A lowered flag that no watch holds.
+    pub fn new(flag: F) -> Self {
+        Self {
+            flag,
+            holds: Mutex::new(0),
+        }
+    }
+
+    /// The flag.
+    pub fn flag(&self) -> &F {
+        &self.flag
+    }
+
+    fn holds(&self) -> MutexGuard<'_, usize> {
+        self.holds.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Raises the flag for one more watch, which must [`Abort::release`]
+    /// it once the kernels it aborts have finished.
+    ///
+    /// # Errors
+    /// The flag's, when the raise cannot be queued (then nothing is held).
+    pub fn raise(&self) -> Result<(), CudaError> {
+        let mut holds = self.holds();
+        self.flag.raise()?;
+        *holds += 1;
+        Ok(())
+    }
+
+    /// Lets go of one watch's raise; the flag is lowered when no watch
+    /// holds it any more.
+    ///
+    /// # Errors
+    /// The flag's, when it cannot be lowered.
+    pub fn release(&self) -> Result<(), CudaError> {
+        let mut holds = self.holds();
+        *holds = holds.saturating_sub(1);
+        if *holds == 0 {
+            self.flag.lower()?;
+        }
+        Ok(())
+    }
+
+    /// How many watches hold the flag raised.
+    pub fn held(&self) -> usize {
+        *self.holds()
+    }
+}
+
+/// One watch's state: the cause, once found. A watch looks until it finds
+/// one and raises the flag once.
+#[derive(Debug, Default)]
+pub struct Watch {
+    cause: Option<String>,
+}
+
+impl Watch {
+    /// Asks `health` for a cause unless one was found already; true when
+    /// one was found just now (raise the flag).
+    pub fn look(&mut self, health: impl FnOnce() -> Option<String>) -> bool {
+        if self.cause.is_some() {
+            return false;
+        }
+        self.cause = health();
+        self.cause.is_some()
+    }
+
+    /// The cause found, if any.
+    pub fn cause(&self) -> Option<&str> {
+        self.cause.as_deref()
+    }
+
+    /// The cause found, if any, taken out.
+    pub fn into_cause(self) -> Option<String> {
+        self.cause
+    }
+}
+
+/// Waits for `stream` on this thread, looking at `health` each millisecond
+/// and raising `abort` once it names a cause; returns that cause, the
+/// flag let go again once the stream has finished.
+///
+/// # Errors
+/// The driver's, querying the stream or raising and lowering the flag.
+pub fn wait_watching<F: Flag>(
+    stream: StreamRef<'_>,
+    abort: &Abort<F>,
+    mut health: impl FnMut() -> Option<String>,
+) -> Result<Option<String>, CudaError> {
+    let mut watch = Watch::default();
+    let mut raised = false;
+    let mut next = Instant::now();
+    let waited = loop {
+        match stream.idle() {
+            Ok(true) => break Ok(()),
+            Ok(false) => {}
+            Err(e) => break Err(e),
+        }
+        if Instant::now() >= next {
+            next = Instant::now() + LOOK_EVERY;
+            if watch.look(&mut health) {
+                if let Err(e) = abort.raise() {
+                    break Err(e);
+                }
+                raised = true;
+            }
+        }
+        // Watching a running kernel, not synchronising: the driver has no
+        // wait that also wakes on a peer's death, so poll the stream (and,
+        // each millisecond, the job's health) with a short pause.
+        std::thread::sleep(Duration::from_micros(20));
+    };
+    let released = if raised { abort.release() } else { Ok(()) };
+    waited?;
+    released?;
+    Ok(watch.into_cause())
+}
+
+/// Watches the job while kernels run without blocking the thread that
+/// launched them: a thread that, each millisecond while the watcher lives,
+/// asks the health callback and, on the first cause, raises the abort flag
+/// and records the cause. [`Watcher::finish`] (or dropping it) stops the
+/// thread and lets go of the flag: do so only once the kernels it watched
+/// have finished.
+#[derive(Debug)]
+pub struct Watcher<F: Flag = DeviceFlag> {
+    shared: Arc<Shared>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    abort: Arc<Abort<F>>,
+}
+
+/// What a watcher shares with its thread.
+#[derive(Debug, Default)]
+struct Shared {
+    stop: AtomicBool,
+    /// The cause, once found; the thread's own error if it failed.
+    found: Mutex<Found>,
+}
+
+#[derive(Debug, Default)]
+struct Found {
+    cause: Option<String>,
+    /// Whether this watch holds the abort flag raised.
+    raised: bool,
+    /// The thread's own failure (raising the flag).
+    failed: Option<String>,
+}
+
+impl Shared {
+    fn found(&self) -> MutexGuard<'_, Found> {
+        self.found.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl<F: Flag> Watcher<F> {
+    /// Starts a thread named `name` that watches `health` and raises
+    /// `abort`.
+    ///
+    /// # Errors
+    /// [`CudaError::Spawn`] when the thread cannot be started.
+    pub fn start(
+        name: String,
+        abort: Arc<Abort<F>>,
+        mut health: impl FnMut() -> Option<String> + Send + 'static,
+    ) -> Result<Self, CudaError> {
+        let shared = Arc::new(Shared::default());
+        let thread = {
+            let (shared, abort) = (shared.clone(), abort.clone());
+            std::thread::Builder::new()
+                .name(name)
+                .spawn(move || watch_loop(&shared, &abort, &mut health))
+                .map_err(|source| CudaError::Spawn {
+                    what: "CUDA watcher",
+                    source,
+                })?
+        };
+        Ok(Self {
+            shared,
+            thread: Some(thread),
+            abort,
+        })
+    }
+
+    /// The cause found so far, if any: the abort flag is raised then.
+    pub fn cause(&self) -> Option<String> {
+        self.shared.found().cause.clone()
+    }
+
+    /// Stops the thread and lets go of the flag; returns the cause.
+    ///
+    /// # Errors
+    /// [`CudaError::Worker`] when the thread could not raise the flag, the
+    /// flag's error when it could not be lowered.
+    pub fn finish(mut self) -> Result<Option<String>, CudaError> {
+        self.stop()
+    }
+
+    fn stop(&mut self) -> Result<Option<String>, CudaError> {
+        let Some(t) = self.thread.take() else {
+            return Ok(None);
+        };
+        self.shared.stop.store(true, Ordering::Release);
+        t.thread().unpark();
+        let _ = t.join();
+        let found = std::mem::take(&mut *self.shared.found());
+        if found.raised {
+            self.abort.release()?;
+        }
+        if let Some(why) = found.failed {
+            return Err(CudaError::Worker {
+                context: "the CUDA watcher failed".into(),
+                error: why,
+            });
+        }
+        Ok(found.cause)
+    }
+}
+
+impl<F: Flag> Drop for Watcher<F> {
+    fn drop(&mut self) {
+        let _ = self.stop();
+    }
+}
+
+/// How kernels ended, as the host saw them: the error word they wrote
+/// (zero: none; its encoding is the caller's) and the cause a watch found
+/// (the abort flag was raised for it).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Outcome {
+    /// The error word, read and cleared after the kernels.
+    pub word: u64,
+    /// Why the watch raised the abort flag, if it did.
+    pub cause: Option<String>,
+}
+
+/// What a communicator's kernels share on one GPU: the abort flag, the
+/// error word (8 bytes of device memory kernels record their first error
+/// in) and the stream kernels run on when the caller names none. Every
+/// launch and watch of the communicator goes through it.
+#[derive(Debug)]
+pub struct Supervisor {
+    abort: Arc<Abort>,
+    error: DevMem,
+    stream: Stream,
+    /// Last: the context must outlive the memory and the stream.
+    dev: Arc<Device>,
+}
+
+impl Supervisor {
+    /// A lowered flag, a clear error word and a stream on `dev`.
+    ///
+    /// # Errors
+    /// The driver's, allocating them.
+    pub fn new(dev: Arc<Device>) -> Result<Self, CudaError> {
+        let abort = Arc::new(Abort::new(DeviceFlag::new(dev.clone())?));
+        Ok(Self {
+            abort,
+            error: DevMem::new(8)?,
+            stream: Stream::new()?,
+            dev,
+        })
+    }
+
+    /// The abort flag's device address (kernels poll it).
+    pub fn abort_flag(&self) -> u64 {
+        self.abort.flag().ptr()
+    }
+
+    /// The error word's device address (kernels record their first error).
+    pub fn error_word(&self) -> u64 {
+        self.error.ptr()
+    }
+
+    /// Which context and stream [`Supervisor::run`] launches on.
+    pub fn context_info(&self) -> ContextInfo {
+        ContextInfo {
+            ordinal: self.dev.ordinal(),
+            context: self.dev.raw_context(),
+            primary: true,
+            stream: self.stream.raw(),
+        }
+    }
+
+    /// Launches `f` on this supervisor's stream and waits for it, raising
+    /// the abort flag once `health` names a cause; then reads and clears
+    /// the error word.
+    ///
+    /// # Errors
+    /// The driver's, launching, waiting or reading the word.
+    ///
+    /// # Safety
+    /// As [`Function::launch_params`].
+    pub unsafe fn run(
+        &self,
+        f: &Function,
+        cfg: &LaunchConfig,
+        params: &[Param<'_>],
+        health: impl FnMut() -> Option<String>,
+    ) -> Result<Outcome, CudaError> {
+        self.dev.make_current()?;
+        // This supervisor's own stream: no context to check (as
+        // `launch_on` does).
+        let stream = StreamRef::from(&self.stream);
+        // SAFETY: the caller's contract.
+        unsafe { f.launch_params(cfg, stream, params)? };
+        let cause = wait_watching(stream, &self.abort, health)?;
+        Ok(Outcome {
+            word: self.take_word()?,
+            cause,
+        })
+    }
+
+    /// Queues `f` on `stream`, which must belong to the GPU's primary
+    /// context (checked), and returns at once.
+    ///
+    /// # Errors
+    /// [`CudaError::ForeignStream`] for a stream of another context; the
+    /// driver's, launching.
+    ///
+    /// # Safety
+    /// As [`Function::launch_params`].
+    pub unsafe fn launch_on(
+        &self,
+        f: &Function,
+        cfg: &LaunchConfig,
+        stream: StreamRef<'_>,
+        params: &[Param<'_>],
+    ) -> Result<(), CudaError> {
+        stream.check_context(&self.dev)?;
+        // SAFETY: the caller's contract.
+        unsafe { f.launch_params(cfg, stream, params) }
+    }
+
+    /// Starts a watcher thread named `name` on `health` (see [`Watcher`]).
+    ///
+    /// # Errors
+    /// [`CudaError::Spawn`] when the thread cannot be started.
+    pub fn watch(
+        &self,
+        name: String,
+        health: impl FnMut() -> Option<String> + Send + 'static,
+    ) -> Result<Watcher, CudaError> {
+        Watcher::start(name, self.abort.clone(), health)
+    }
+
+    /// Once the kernels launched since the last check have finished, stops
+    /// `watcher` (if any) and reads and clears the error word. From any
+    /// thread.
+    ///
+    /// # Errors
+    /// The watcher's, and the driver's, reading the word.
+    pub fn check(&self, watcher: Option<Watcher>) -> Result<Outcome, CudaError> {
+        self.dev.make_current()?;
+        let cause = match watcher {
+            Some(w) => w.finish()?,
+            None => None,
+        };
+        Ok(Outcome {
+            word: self.take_word()?,
+            cause,
+        })
+    }
+
+    /// Reads the error word, and clears it where it is set.
+    fn take_word(&self) -> Result<u64, CudaError> {
+        let mut w = [0u64];
+        self.error.read(0, &mut w)?;
+        if w[0] != 0 {
+            self.error.zero(0, 8)?;
+        }
+        Ok(w[0])
+    }
+}
+
+/// Which CUDA context kernels run in on a GPU
+/// ([`Supervisor::context_info`], gin-core's `CudaComm::context_info`): the
+/// device's **primary context**, which cudarc's `CudaContext::new(ordinal)`
+/// (and the CUDA runtime, so PyTorch) retain too. Memory, streams and
+/// modules of one are valid in the others; kernels a user launches with
+/// [`Supervisor::launch_on`] may use any stream of this context. Each
+/// engine (the CUDA proxy, the soft NIC) creates its own streams in it.
+#[derive(Debug, Clone, Copy)]
+pub struct ContextInfo {
+    /// The GPU's ordinal (after `CUDA_VISIBLE_DEVICES`).
+    pub ordinal: usize,
+    /// The context, as a raw `CUcontext`.
+    pub context: cudarc::driver::sys::CUcontext,
+    /// Whether it is the device's primary context (always, today).
+    pub primary: bool,
+    /// The stream [`Supervisor::run`] launches on (a non-blocking stream
+    /// of that context).
+    pub stream: cudarc::driver::sys::CUstream,
+}
+
+/// A watcher thread's loop: look each millisecond until told to stop.
+fn watch_loop<F: Flag>(
+    shared: &Shared,
+    abort: &Abort<F>,
+    health: &mut impl FnMut() -> Option<String>,
+) {
+    let mut watch = Watch::default();
+    while !shared.stop.load(Ordering::Acquire) {
+        if watch.look(&mut *health) {
+            let raised = abort.raise();
+            let mut found = shared.found();
+            found.cause = watch.cause().map(str::to_owned);
+            match raised {
+                Ok(()) => found.raised = true,
+                Err(e) => found.failed = Some(e.to_string()),
+            }
+        }
+        std::thread::park_timeout(LOOK_EVERY);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+    use super::*;
+    use crate::testing::HostFlag;
+
+    /// A watch asks for a cause until it finds one, and reports it once.
+    #[test]
+    fn a_watch_finds_a_cause_once() {
+        let mut w = Watch::default();
+        assert!(!w.look(|| None));
+        assert_eq!(w.cause(), None);
+        assert!(w.look(|| Some("boom".into())));
+        assert_eq!(w.cause(), Some("boom"));
+        // Found once: the health is not asked again.
+        assert!(!w.look(|| panic!("asked again")));
+        assert_eq!(w.into_cause().as_deref(), Some("boom"));
+    }
+
+    /// The flag stays raised while any watch holding it has not let go,
+    /// and is lowered by the last.
+    #[test]
+    fn the_flag_is_lowered_by_the_last_watch_that_raised_it() {
+        let abort = Abort::new(HostFlag::default());
+        abort.raise().unwrap();
+        abort.raise().unwrap();
+        assert_eq!((abort.held(), abort.flag().value()), (2, 1));
+        abort.release().unwrap();
+        assert_eq!((abort.held(), abort.flag().value()), (1, 1));
+        abort.release().unwrap();
+        assert_eq!((abort.held(), abort.flag().value()), (0, 0));
+        // A raise that cannot be queued holds nothing.
+        abort.flag().fail_raises(true);
+        assert!(abort.raise().is_err());
+        assert_eq!((abort.held(), abort.flag().value()), (0, 0));
+    }
+
+    /// Two watchers of one communicator share its flag: the first to stop
+    /// leaves it raised for the kernels the other still aborts (it used to
+    /// lower it), and the second lowers it.
+    #[test]
+    fn a_watcher_that_stops_leaves_the_flag_raised_for_another() {
+        let abort = Arc::new(Abort::new(HostFlag::default()));
+        let start = |why: &'static str| {
+            Watcher::start("test-watch".into(), abort.clone(), move || Some(why.into())).unwrap()
+        };
+        let (a, b) = (start("peer 1 died"), start("the engine failed"));
+        // The raises are the synchronisation: wait for both (bounded).
+        assert!(abort.flag().wait_raises(2, Duration::from_secs(30)));
+        assert_eq!(a.finish().unwrap().as_deref(), Some("peer 1 died"));
+        assert_eq!(abort.flag().value(), 1, "lowered under b's kernels");
+        assert_eq!(b.finish().unwrap().as_deref(), Some("the engine failed"));
+        assert_eq!((abort.held(), abort.flag().value()), (0, 0));
+    }
+
+    /// A watcher that cannot raise the flag records the cause and reports
+    /// its failure when finished; it holds nothing.
+    #[test]
+    fn a_watcher_that_cannot_raise_reports_it() {
+        let abort = Arc::new(Abort::new(HostFlag::default()));
+        abort.flag().fail_raises(true);
+        let w = Watcher::start("test-watch".into(), abort.clone(), || Some("boom".into())).unwrap();
+        assert!(abort.flag().wait_raises(1, Duration::from_secs(30)));
+        let e = w.finish().expect_err("the raise failed");
+        assert!(e.to_string().contains("the CUDA watcher failed"), "{e}");
+        assert_eq!((abort.held(), abort.flag().value()), (0, 0));
+    }
+}
