@@ -17,17 +17,26 @@
 //!   synchronised, [`CudaDevComm::check`] reads the error word, and the
 //!   host verifies every reduced value.
 //!
+//! With `--graph` the kernel's replayable form (`fused_alltoall_replay`) is
+//! captured once into a CUDA graph on the same stream, after a memset of
+//! the output, and the graph is launched `--iters` times, each replay
+//! watched, checked and verified (see the `graph` module).
+//!
 //! It also shows the refusal of memory same-host peers cannot map: a
 //! stream-ordered pool allocation (cudarc's `alloc_zeros` on GPUs with
 //! memory pools) must be refused on every rank, naming the rank and the
 //! pointer.
 //!
 //! Usage: `fused-alltoall [--ranks N] [--rounds R] [--count C] [--launcher
-//! cudarc|gin] [--nvrtc] [--cooperative] [--die V]` (spawns N ranks,
+//! cudarc|gin] [--nvrtc] [--cooperative] [--die V] [--graph [--iters K]
+//! [--capture-mode global|thread-local|relaxed]]` (spawns N ranks,
 //! default 2; or runs as one rank under a launcher; `--nvrtc` ignores the
 //! build-time cubin, `--cooperative` launches with
 //! `cuLaunchCooperativeKernel`, `--die V` kills rank V while the others
-//! wait in the kernel: their watchers must abort it and name V). Prints one `rank r of n: ... verified` line per rank.
+//! wait in the kernel: their watchers must abort it and name V; `--graph`
+//! replays a captured graph K times, default 20, captured in the given
+//! mode, default global). Prints one `rank r of n: ... verified` line per
+//! rank.
 //! Exit codes: 0 verified, or `SKIPPED: no GPU: <why>` where no GPU is
 //! usable (after compiling the kernel with NVRTC where NVRTC is there); 1 the
 //! ranks could not be launched; 3 `FAILED: <why>`.
@@ -45,6 +54,8 @@ use gin_core::cuda::{
 use gin_core::launch::{Role, run_ranks};
 use gin_core::{Comm, DevCommRequirements};
 
+mod graph;
+
 /// The kernel's source and the user header it includes.
 const SOURCE: &str = include_str!("../kernels/fused_alltoall.cu");
 const OP_HEADER: &str = include_str!("../kernels/include/fused/op.cuh");
@@ -53,8 +64,10 @@ const SCALE: f32 = 2.0;
 /// Where the receive window starts in its allocation.
 const RECV_OFFSET: usize = 4096;
 
+/// The example's result: an error in words.
 type R<T = ()> = Result<T, String>;
 
+/// An error in words.
 fn s<E: std::fmt::Display>(e: E) -> String {
     e.to_string()
 }
@@ -70,10 +83,16 @@ struct Opts {
     cooperative: bool,
     /// `--die V`: rank V dies while the others wait in the kernel.
     die: Option<usize>,
+    /// `--graph`: capture once, replay.
+    graph: Option<graph::GraphOpts>,
 }
 
 fn opts() -> R<Opts> {
-    let a: Vec<String> = std::env::args().skip(1).collect();
+    parse(&std::env::args().skip(1).collect::<Vec<_>>())
+}
+
+/// The command line's words (without the program's name).
+fn parse(a: &[String]) -> R<Opts> {
     let val = |k: &str| a.iter().position(|x| x == k).and_then(|i| a.get(i + 1));
     let num = |k: &str, d: usize| {
         val(k).map_or(Ok(d), |v| {
@@ -85,6 +104,31 @@ fn opts() -> R<Opts> {
     if !matches!(launcher, "cudarc" | "gin") {
         return Err(format!("--launcher {launcher}: cudarc or gin"));
     }
+    let graph = a.iter().any(|x| x == "--graph");
+    let die = val("--die")
+        .map(|v| v.parse().map_err(|_| format!("--die {v}: not a rank")))
+        .transpose()?;
+    if graph && die.is_some() {
+        return Err("--graph and --die: one at a time".into());
+    }
+    if !graph && (val("--iters").is_some() || val("--capture-mode").is_some()) {
+        return Err("--iters and --capture-mode need --graph".into());
+    }
+    let graph = if graph {
+        let iters =
+            u32::try_from(num("--iters", 20)?).map_err(|_| "--iters: too many".to_string())?;
+        if iters == 0 {
+            return Err("--iters 0: at least one replay".into());
+        }
+        Some(graph::GraphOpts {
+            iters,
+            capture_mode: val("--capture-mode").map_or(Ok(graph::CaptureMode::Global), |m| {
+                graph::CaptureMode::parse(m)
+            })?,
+        })
+    } else {
+        None
+    };
     Ok(Opts {
         ranks: num("--ranks", 2)?,
         rounds: num("--rounds", 4)? as u32,
@@ -92,9 +136,8 @@ fn opts() -> R<Opts> {
         cudarc_launcher: launcher == "cudarc",
         force_nvrtc: a.iter().any(|x| x == "--nvrtc"),
         cooperative: a.iter().any(|x| x == "--cooperative"),
-        die: val("--die")
-            .map(|v| v.parse().map_err(|_| format!("--die {v}: not a rank")))
-            .transpose()?,
+        die,
+        graph,
     })
 }
 
@@ -182,19 +225,19 @@ fn compile_offline() -> R<String> {
 /// The user's device memory: a cudarc slice over a `cuMemAlloc`
 /// allocation (cudarc's own `alloc` takes it from a stream-ordered pool on
 /// most GPUs, which CUDA IPC cannot export), freed with `cuMemFree`.
-struct UserMem {
-    slice: ManuallyDrop<CudaSlice<f32>>,
+struct UserMem<T = f32> {
+    slice: ManuallyDrop<CudaSlice<T>>,
     ptr: u64,
     len: usize,
 }
 
-impl UserMem {
+impl<T: cd::DeviceRepr> UserMem<T> {
     fn new(stream: &Arc<CudaStream>, len: usize) -> R<Self> {
         // SAFETY: a plain allocation; the bytes are written before use.
-        let ptr = unsafe { cd::result::malloc_sync(len * 4) }.map_err(s)?;
-        // SAFETY: `ptr` holds `len` f32s, owned by the slice until `drop`
+        let ptr = unsafe { cd::result::malloc_sync(len * size_of::<T>()) }.map_err(s)?;
+        // SAFETY: `ptr` holds `len` Ts, owned by the slice until `drop`
         // leaks it back.
-        let slice = unsafe { stream.upgrade_device_ptr::<f32>(ptr, len) };
+        let slice = unsafe { stream.upgrade_device_ptr::<T>(ptr, len) };
         Ok(Self {
             slice: ManuallyDrop::new(slice),
             ptr,
@@ -202,12 +245,12 @@ impl UserMem {
         })
     }
 
-    fn slice(&mut self) -> &mut CudaSlice<f32> {
+    fn slice(&mut self) -> &mut CudaSlice<T> {
         &mut self.slice
     }
 }
 
-impl Drop for UserMem {
+impl<T> Drop for UserMem<T> {
     fn drop(&mut self) {
         // SAFETY: taken once, here; the field is not used again.
         let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
@@ -236,6 +279,13 @@ fn rank(o: &Opts) -> R<String> {
     if ctx.cu_ctx() != info.context {
         return Err("cudarc's context is not gin's".into());
     }
+    if o.graph.is_some() {
+        // SAFETY: everything here runs on one stream, so cudarc need not
+        // order streams with events; and an event recorded while capturing
+        // (cudarc records one per slice argument) could not be waited for
+        // after the capture. Turned off before any slice is made.
+        unsafe { ctx.disable_event_tracking() };
+    }
     let stream = ctx.new_stream().map_err(s)?;
     let refusal = refuse_pool_memory(&cuda, &stream)?;
 
@@ -245,8 +295,13 @@ fn rank(o: &Opts) -> R<String> {
         .map(|j| value(me, j / count, j % count))
         .collect();
     stream.memcpy_htod(&host, send.slice()).map_err(s)?;
-    let recv = UserMem::new(&stream, RECV_OFFSET / 4 + 2 * n * count)?;
-    let mut out = UserMem::new(&stream, o.rounds as usize * count)?;
+    let recv = UserMem::<f32>::new(&stream, RECV_OFFSET / 4 + 2 * n * count)?;
+    let rounds = if o.graph.is_some() {
+        1
+    } else {
+        o.rounds as usize
+    };
+    let mut out = UserMem::new(&stream, rounds * count)?;
     stream.synchronize().map_err(s)?;
     // SAFETY: both ranges are this GPU's device memory (cuMemAlloc) that
     // outlives the windows: they are freed below, before `send` and
@@ -260,13 +315,34 @@ fn rank(o: &Opts) -> R<String> {
         )
     };
     let req = DevCommRequirements {
-        signals: 1,
+        // The replayable kernel has one signal per sender.
+        signals: if o.graph.is_some() { n as u32 } else { 1 },
         counters: 0,
         ..DevCommRequirements::default()
     };
     let dc = cuda.dev_comm(&req, CtxSharing::Gpu).map_err(s)?;
     if let Some(victim) = o.die {
         return die(o, victim, &cuda, &dc, &stream, (&sw, &rw), &mut out);
+    }
+    if let Some(g) = o.graph {
+        let mut state = UserMem::<u64>::new(&stream, 2)?;
+        stream.memcpy_htod(&[0u64; 2], state.slice()).map_err(s)?;
+        let done = graph::replays(
+            o,
+            g,
+            &cuda,
+            &dc,
+            &stream,
+            (&sw, &rw),
+            (&mut state, &mut out),
+        )?;
+        dc.destroy().map_err(s)?;
+        cuda.free_window(rw).map_err(s)?;
+        cuda.free_window(sw).map_err(s)?;
+        return Ok(format!(
+            "rank {me} of {n}: fused all-to-all + reduction in a CUDA graph verified: {done}, \
+             on the user's cudarc stream, windows over the user's cuMemAlloc memory; {refusal}"
+        ));
     }
     let how = launch_rounds(o, &cuda, &dc, &stream, (&sw, &rw), &mut out)?;
     let got = stream.clone_dtoh(out.slice()).map_err(s)?;
@@ -506,6 +582,50 @@ mod tests {
             verify(&bad, 1, n, count),
             Some((13, good[13], good[13] + 1.0))
         );
+    }
+
+    fn args(line: &str) -> Vec<String> {
+        line.split_whitespace().map(String::from).collect()
+    }
+
+    /// `--graph` and its options: defaults, and what is refused before any
+    /// rank starts.
+    #[test]
+    fn graph_options_parse_and_refuse_what_does_not_combine() {
+        let o = parse(&args("--graph")).unwrap_or_else(|e| panic!("{e}"));
+        assert!(o.cudarc_launcher);
+        let want = graph::GraphOpts {
+            iters: 20,
+            capture_mode: graph::CaptureMode::Global,
+        };
+        assert_eq!(o.graph, Some(want));
+        let o = parse(&args(
+            "--graph --iters 5 --capture-mode thread-local --launcher gin",
+        ))
+        .unwrap_or_else(|e| panic!("{e}"));
+        let want = graph::GraphOpts {
+            iters: 5,
+            capture_mode: graph::CaptureMode::ThreadLocal,
+        };
+        assert_eq!(o.graph, Some(want));
+        assert!(!o.cudarc_launcher);
+        let o = parse(&args("--ranks 3")).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(o.graph, None);
+        for (line, want) in [
+            ("--iters 5", "need --graph"),
+            ("--capture-mode relaxed", "need --graph"),
+            ("--graph --die 1", "one at a time"),
+            ("--graph --iters 0", "at least one replay"),
+            ("--graph --iters x", "--iters x: not a number"),
+            ("--graph --iters 4294967296", "--iters: too many"),
+            (
+                "--graph --capture-mode local",
+                "global, thread-local or relaxed",
+            ),
+        ] {
+            let e = parse(&args(line)).unwrap_err();
+            assert!(e.contains(want), "{line}: {e}");
+        }
     }
 
     /// The user's header is written where the include folder points.
