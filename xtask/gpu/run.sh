@@ -134,6 +134,21 @@ for backend in proxy gdaki; do
 done
 step "fused-tcp-proxy" env GIN_TRANSPORT=tcp GIN_BACKEND=proxy "$fa" --ranks 2
 expect_die "fused-die" env GIN_TIMEOUT=60s "$fa" --ranks 2 --die 1
+# CUDA graphs (issue 21): the replayable fused kernel captured once on the
+# user's cudarc stream (cudarc's builder, or launch_on on the capturing
+# stream), replayed 20 times, each replay watched, checked and verified;
+# each log ends with what check() does inside a capture (the "probe:" part).
+step "fused-graph-cudarc" timeout 300 "$fa" --ranks 2 --graph --iters 20
+step "fused-graph-launch-on" timeout 300 "$fa" --ranks 2 --graph --iters 20 --launcher gin
+step "fused-graph-launch-on-nvrtc" timeout 300 "$fa" --ranks 2 --graph --launcher gin --nvrtc
+for backend in proxy gdaki; do
+  step "fused-graph-$backend" env GIN_BACKEND=$backend timeout 300 "$fa" --ranks 2 --graph --iters 20
+done
+step "fused-graph-tcp-proxy" env GIN_TRANSPORT=tcp GIN_BACKEND=proxy timeout 300 "$fa" --ranks 2 --graph --iters 20
+step "fused-graph-cooperative" timeout 300 "$fa" --ranks 2 --graph --cooperative
+# Three ranks on one GPU: where one signal per sender matters (both kernels).
+step "fused-3ranks-proxy" env GIN_BACKEND=proxy timeout 300 "$fa" --ranks 3
+step "fused-graph-3ranks-proxy" env GIN_BACKEND=proxy timeout 300 "$fa" --ranks 3 --graph --iters 20
 # The shallowest queues each backend accepts: credit and wraparound all the time.
 step "selftest-proxy-depth2" env GIN_BACKEND=proxy GIN_SELFTEST_QUEUE_DEPTH=2 "$st" all --ranks 2
 step "selftest-gdaki-depth4" env GIN_BACKEND=gdaki GIN_SELFTEST_QUEUE_DEPTH=4 "$st" all --ranks 2

@@ -5,12 +5,15 @@
 //
 // Round `round` (one block per peer at least): block b < nranks puts this
 // rank's chunk b (`count` floats of `send`) to rank b, at chunk `rank` of the
-// recv half `round % 2`, with signal 0. Every block then waits until the
-// nranks puts of this round have arrived (signal 0 reaches
-// nranks * (round + 1)), and the grid reduces: out[round * count + i] =
-// FUSED_SCALE * sum over ranks q of recv[half][q][i]. Two halves: a peer in
-// round r + 2 writes a half again only after this rank's round r + 1 put,
-// which the stream orders after this rank's round r reduction.
+// recv half `round % 2`, with signal `rank`: one signal per sender. Every
+// block then waits until each rank q's put of this round has arrived (signal
+// q reaches round + 1), and the grid reduces: out[round * count + i] =
+// FUSED_SCALE * sum over ranks q of recv[half][q][i]. One signal counting
+// every arrival would not do: a peer one round ahead (it finished round r
+// once every put to it landed) adds its round r + 1 arrival, which could
+// stand in for another sender's round r put still in flight. Two halves: a
+// peer in round r + 2 writes a half again only after this rank's round r + 1
+// put, which the stream orders after this rank's round r reduction.
 #include "gin/gin.cuh"
 #include "fused/op.cuh"
 
@@ -37,9 +40,9 @@ extern "C" __global__ void fused_alltoall(DevComm dc, Window send, Window recv,
   if (blockIdx.x < n) {
     const u32 p = blockIdx.x;
     e = put(dc, 0, p, recv, half + (u64)dc.rank * chunk, send, (u64)p * chunk, chunk,
-            signal_inc(0), no_counter(), CTA);
+            signal_inc(dc.rank), no_counter(), CTA);
   }
-  if (!e) e = wait_signal(dc, 0, 0, (u64)n * (round + 1), CTA);
+  for (u32 q = 0; q < n && !e; ++q) e = wait_signal(dc, 0, q, (u64)round + 1, CTA);
   if (!e && blockIdx.x < n) e = flush(dc, 0, CTA);
   // An error is in the error word (the host's check() reports it).
   if (e) return;

@@ -315,8 +315,8 @@ fn rank(o: &Opts) -> R<String> {
         )
     };
     let req = DevCommRequirements {
-        // The replayable kernel has one signal per sender.
-        signals: if o.graph.is_some() { n as u32 } else { 1 },
+        // Both kernels have one signal per sender (see the kernel file).
+        signals: n as u32,
         counters: 0,
         ..DevCommRequirements::default()
     };
