@@ -13,8 +13,13 @@
 //! kernel). Every device wait is bounded by the job timeout and a failure
 //! names the peer waited for ([`EpError::Kernel`]).
 //!
-//! What this first version leaves out: high-throughput mode and FP8 on
-//! CUDA ranks (refused when the buffer is created), the active-rank mask
+//! With FP8 the host stages the BF16 tokens and the dispatch kernel
+//! quantises them into the messages, bit for bit as
+//! [`crate::num::quantize_fp8`] (`tests/fp8_host.rs` compiles the kernel's
+//! number functions as host C++ and compares); the combine stays BF16.
+//!
+//! What this version leaves out: high-throughput mode on CUDA ranks
+//! (refused when the buffer is created), the active-rank mask
 //! under a peer's loss (a lost peer fails the step, naming it), and inputs
 //! that already live on the GPU (the host stages `x`, `topk_idx` and the
 //! weights into the send window and reads the combined tokens back).
@@ -24,7 +29,7 @@ use gin_core::{CoreError, DevCommRequirements};
 
 use crate::config::{Config, Mode};
 use crate::error::EpError;
-use crate::ll::{Combined, write_messages};
+use crate::ll::{Combined, write_messages, write_metadata};
 use crate::num::Bf16;
 
 /// The kernels of CUDA ranks (CUDA C++ including `gin/gin.cuh`), for
@@ -82,6 +87,12 @@ struct State {
     out: DevMem,
     /// `u64[2]`: earliest block start, latest block end of a launch.
     clock: DevMem,
+    /// FP8: `u16[t × hidden]`, this step's tokens in BF16, which the
+    /// dispatch kernel quantises into the staged messages.
+    xin: Option<DevMem>,
+    /// `u64`: the dispatch kernel's grid barrier (FP8), a count that only
+    /// grows.
+    bar: DevMem,
 }
 
 impl State {
@@ -100,6 +111,12 @@ impl State {
             ctarget: zeroed(8 * n)?,
             out: zeroed(2 * t * cfg.hidden)?,
             clock: zeroed(16)?,
+            xin: if cfg.fp8 {
+                Some(zeroed(2 * t * cfg.hidden)?)
+            } else {
+                None
+            },
+            bar: zeroed(8)?,
         })
     }
 }
@@ -212,6 +229,8 @@ pub struct CudaBuffer<'a, 'c> {
     last: (KernelClock, KernelClock),
     /// A kernel failed: no further step can run (destroy the buffer).
     failed: bool,
+    /// What the FP8 dispatch's grid barrier counts up to this step.
+    bar_target: u64,
 }
 
 /// What a CUDA rank received in one low-latency dispatch: per (local
@@ -293,11 +312,11 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         crate::buffer::agree_config(comm, &cfg)?;
         let kernels = load_agreed(cuda)?;
         // Every rank passed the same configuration: all refuse alike.
-        if cfg.mode != Mode::LowLatency || cfg.fp8 {
+        if cfg.mode != Mode::LowLatency {
             return Err(EpError::Mode {
                 rank,
-                what: "CUDA ranks run the low-latency mode with BF16 tokens only \
-                       (high-throughput mode and FP8 on CUDA ranks are not built yet)"
+                what: "CUDA ranks run the low-latency mode only \
+                       (high-throughput mode on CUDA ranks is not built yet)"
                     .into(),
             });
         }
@@ -332,6 +351,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             staged: Vec::new(),
             last: (KernelClock::default(), KernelClock::default()),
             failed: false,
+            bar_target: 0,
         };
         me.write_active()?;
         Ok(me)
@@ -481,7 +501,12 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         )?;
         let tokens = layout.tokens;
         self.staged.resize(tokens * cfg.msg_bytes(), 0);
-        write_messages(&cfg, x, topk_idx, topk_weights, &mut self.staged);
+        if cfg.fp8 {
+            // The kernel quantises the payloads from the BF16 tokens.
+            write_metadata(&cfg, topk_idx, topk_weights, &mut self.staged);
+        } else {
+            write_messages(&cfg, x, topk_idx, topk_weights, &mut self.staged);
+        }
         self.current()?;
         if !self.staged.is_empty() {
             self.wins[SEND]
@@ -489,7 +514,16 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
                 .write(0, &self.staged)
                 .map_err(CoreError::from)?;
         }
+        if let Some(xin) = &self.state.xin
+            && !x.is_empty()
+        {
+            xin.write(0, x).map_err(CoreError::from)?;
+        }
+        let grid = self.grid(cfg.num_experts);
         self.step += 1;
+        if cfg.fp8 {
+            self.bar_target += u64::from(grid);
+        }
         let s = &self.state;
         reset_clock(&s.clock)?;
         let (l, t) = (cfg.local_experts(self.nranks), cfg.max_tokens_per_rank);
@@ -509,17 +543,24 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             Arg::Ptr(s.counts.ptr()),
             Arg::Ptr(s.meta.ptr()),
             Arg::Ptr(s.clock.ptr()),
+            Arg::Ptr(s.xin.as_ref().map_or(0, DevMem::ptr)),
+            Arg::U32(u(cfg.hidden)),
+            Arg::Ptr(s.bar.ptr()),
+            Arg::U64(self.bar_target),
         ];
-        let grid = self.grid(cfg.num_experts);
         // SAFETY: ep_ll_dispatch(DevComm, Window send, Window recv, u32
         // tokens, u32 l, u32 t, u32 m, u32 p, u32 k, const u32* active, u64*
-        // seen, u32* counts, u32* meta, u64* clock) in kernels/ll.cu takes
-        // these arguments in this order. The windows and the device
-        // communicator are this buffer's, alive for the call; the kernel
-        // reads `tokens` staged messages (written above) and indexes active
-        // by rank (nranks u32), seen and counts by pair (experts), meta by
-        // received slot (3 × experts × t u32) and clock (2 u64): the sizes
-        // State::new allocated for this configuration.
+        // seen, u32* counts, u32* meta, u64* clock, const u16* xin, u32 h,
+        // u64* bar, u64 bar_target) in kernels/ll.cu takes these arguments
+        // in this order. The windows and the device communicator are this
+        // buffer's, alive for the call; the kernel reads `tokens` staged
+        // messages (written above) and indexes active by rank (nranks u32),
+        // seen and counts by pair (experts), meta by received slot (3 ×
+        // experts × t u32) and clock (2 u64): the sizes State::new allocated
+        // for this configuration. With FP8 it reads tokens × h u16 of xin (t
+        // × h allocated), writes the payloads of the `tokens` staged
+        // messages (within the send window) and adds 1 per block to bar (one
+        // u64); without, xin is null and neither is touched.
         let run = unsafe { self.dc.run(&self.kernels.dispatch, grid, THREADS, &args) };
         if let Err(e) = run {
             // Peers may be anywhere in the step: the buffer cannot go on.
@@ -633,11 +674,13 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             Arg::U32(u(cfg.msg_bytes())),
             Arg::U32(u(2 * cfg.hidden)),
             Arg::Ptr(self.state.counts.ptr()),
+            Arg::U32(u32::from(cfg.fp8)),
         ];
         // SAFETY: ep_ll_echo(Window recv, Window csend, u32 pairs, u32 t,
-        // u32 m, u32 h2, const u32* counts) takes these in this order; it
-        // reads at most t slots per pair of recv (pairs × t × m bytes) and
-        // writes as many of csend (pairs × t × h2): the windows' sizes
+        // u32 m, u32 h2, const u32* counts, u32 fp8) takes these in this
+        // order; it reads at most t slots per pair of recv (pairs × t × m
+        // bytes; with FP8 the payload of h bytes and h / 128 scales, within
+        // m) and writes as many of csend (pairs × t × h2): the windows' sizes
         // (ll::resources), both alive; counts holds `pairs` u32.
         let run = unsafe {
             self.dc.run(
