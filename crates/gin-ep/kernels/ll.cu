@@ -5,7 +5,9 @@
 // cumulative signal per (expert, source) carrying count + 1 after the data
 // (id le * r + src), and in the combine one signal per (expert, source)
 // (id experts + e) after the expert's outputs were put back to their
-// (token, top-k slot) places.
+// (token, top-k slot) places, or, where the source reads the expert rank's
+// combine slots in place (load/store peers, agreed at creation: pull), with
+// no puts before it.
 //
 // Windows (this rank's part): send (tokens x m: the staged messages), recv
 // (l x r x t x m), csend (l x r x t x 2h), crecv (t x k x 2h). A message is
@@ -139,6 +141,11 @@ EP_FN u16 dequantize(u8 b, float s) {
 
 #if defined(__CUDACC__)
 
+// Threads per block of every launch (cuda.rs's THREADS): the heavy kernels
+// promise it to ptxas, which then keeps them within the registers a block
+// of that size may have (128 per thread) rather than fail at launch.
+#define EP_THREADS 512
+
 namespace ep {
 
 // The earliest block start and the latest block end of a launch, in
@@ -253,6 +260,31 @@ __device__ u32 hits_of(const Window& send, u32 base, u32 tokens, u32 m, u32 p, u
 using fp8::from_bf16;
 using fp8::to_bf16;
 
+// Where the combine finds the expert output for top-k slot j (expert e) of
+// this rank's token tok: read in place in the expert rank's csend slot
+// (((e mod l) * r + rank) * t + eslot) where this rank reads that rank in
+// place (pull[rank * r + owner]: a load/store peer, or itself), else where
+// the expert put it, crecv's place (tok * k + j). Null (after recording the
+// error, naming the expert's rank and the window) where a read in place
+// would leave the expert's part: the host agreed on `pull` from the
+// mappings, so that is a broken invariant, not a peer's doing.
+__device__ __forceinline__ const u8* combine_row(const DevComm& dc, const Window& csend,
+                                                 const Window& crecv, const u8* pull,
+                                                 const u32* eslot, u32 tok, u32 j, u32 e, u32 l,
+                                                 u32 t, u32 k, u64 h2) {
+  const u32 r = dc.nranks, owner = e / l;
+  if (!pull[dc.rank * r + owner]) return (const u8*)crecv.local_base + ((u64)tok * k + j) * h2;
+  const u32 i = eslot[(u64)tok * k + j];
+  const u64 off = (((u64)(e % l) * r + dc.rank) * t + i) * h2;
+  const u8* base = owner == dc.rank ? (const u8*)csend.local_base
+                                    : (const u8*)((const u64*)csend.peer_bases)[owner];
+  if (!base || i >= t || !detail::range_ok(off, h2, ((const u64*)csend.sizes)[owner])) {
+    detail::fail(dc, OUT_OF_WINDOW, 0, owner, csend.id);
+    return nullptr;
+  }
+  return base + off;
+}
+
 // Grid-wide barrier of one launch (every block of the grid is resident: the
 // host keeps grids small): each block adds one to `bar`, a counter that only
 // grows, and waits until it reaches `target` (the host adds the grid size per
@@ -315,10 +347,14 @@ __device__ void quantize_tokens(const Window& send, const u16* xin, u32 tokens, 
 // FP8 (xin not null: tokens x h BF16): first every block quantises its share
 // of the tokens into their staged messages, then a grid barrier (bar, to
 // reach bar_target) before any block sends.
-extern "C" __global__ void ep_ll_dispatch(DevComm dc, Window send, Window recv, u32 tokens,
+// eslot[token * k + j] (t x k u32): the token's index among this rank's
+// tokens for the expert its top-k slot j names (the layout's expert slot),
+// written as the token is sent, for the combine's reads in place.
+extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_dispatch(DevComm dc, Window send, Window recv, u32 tokens,
                                           u32 l, u32 t, u32 m, u32 p, u32 k, const u32* active,
                                           u64* seen, u32* counts, u32* meta, u64* clock,
-                                          const u16* xin, u32 h, u64* bar, u64 bar_target) {
+                                          const u16* xin, u32 h, u64* bar, u64 bar_target,
+                                          u32* eslot) {
   ep::clock_start(clock);
   const u32 r = dc.nranks, experts = l * r;
   if (xin) {
@@ -340,6 +376,13 @@ extern "C" __global__ void ep_ll_dispatch(DevComm dc, Window send, Window recv, 
       const u32 n = ep::hits_of(send, base, tokens, m, p, k, e, list);
       for (u32 j = warp; j < n; j += warps) {
         const u64 off = ((u64)(le * r + dc.rank) * t + count + j) * m;
+        // Where the token lies among e's slots, for the combine's reads in
+        // place: eslot[token * k + the top-k slot naming e].
+        if ((threadIdx.x & 31u) == 0) {
+          const int* ids = (const int*)(ep::meta_of(send, list[j], m, p) + 4);
+          for (u32 kk = 0; kk < k; ++kk)
+            if (ids[kk] == (int)e) eslot[(u64)list[j] * k + kk] = count + j;
+        }
         if (put(dc, 0, dst, recv, off, send, (u64)list[j] * m, m, no_signal(), no_counter(),
                 WARP)) {
           if ((threadIdx.x & 31u) == 0) failed = 1;
@@ -425,16 +468,28 @@ extern "C" __global__ void ep_ll_echo(Window recv, Window csend, u32 pairs, u32 
 
 // Low-latency combine (send and receive halves in one launch). Sends: for
 // each pair q = le * r + src, each received token's combine slot goes back
-// to src's crecv at (source token * k + top-k slot) * 2h, then signal
-// experts + e there adds 1. Receives: waits for every active expert's
-// signal to reach ctarget[its rank] (the host counts the steps each rank
-// took part in), then reduces each of this rank's tokens over its top-k
-// slots with the weights (f32, in slot order, rounded once to BF16), leaving
-// out empty slots and masked ranks' experts, into out (tokens x h BF16).
-extern "C" __global__ void ep_ll_combine(DevComm dc, Window send, Window csend, Window crecv,
+// to src's crecv at (source token * k + top-k slot) * 2h, unless src reads
+// this rank's slots in place (pull[src * r + rank]: a load/store peer, or
+// this rank itself), then signal experts + e there adds 1 (after the puts;
+// for a reader in place it says the slots hold this step's outputs: they
+// were written by earlier launches). Receives: waits for every active
+// expert's signal to reach ctarget[its rank] (the host counts the steps
+// each rank took part in), then reduces each of this rank's tokens over its
+// top-k slots with the weights (f32, in slot order, rounded once to BF16),
+// reading each slot in place or from crecv (combine_row), leaving out empty
+// slots and masked ranks' experts, into out (tokens x h BF16). Reading in
+// place or from crecv, the same bytes meet the same products and sums in the
+// same order: the results are bit-identical either way.
+//
+// An expert rank rewrites its csend slots (the next step's expert) only
+// after its next dispatch received every active source's count, which each
+// source sends after this launch ended, that is after its reads here: the
+// next dispatch's count is the reader's credit (docs/ep.md).
+extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_combine(DevComm dc, Window send, Window csend, Window crecv,
                                          u32 tokens, u32 l, u32 t, u32 m, u32 p, u32 k, u32 h,
                                          const u32* active, const u32* counts, const u32* meta,
-                                         const u64* ctarget, unsigned short* out, u64* clock) {
+                                         const u64* ctarget, unsigned short* out, u64* clock,
+                                         const u32* eslot, const u8* pull) {
   ep::clock_start(clock);
   const u32 r = dc.nranks, experts = l * r;
   const u64 h2 = 2ull * h;
@@ -445,7 +500,8 @@ extern "C" __global__ void ep_ll_combine(DevComm dc, Window send, Window csend, 
   for (u32 q = blockIdx.x; q < experts; q += gridDim.x) {
     const u32 le = q / r, src = q % r;
     if (!active[src]) continue;
-    const u32 c = counts[q] > t ? t : counts[q];
+    // A source reading in place needs only the signal.
+    const u32 c = pull[src * r + dc.rank] ? 0 : counts[q] > t ? t : counts[q];
     // A warp per token, all the block's warps at once; the pair's signal
     // follows the block's puts.
     for (u32 i = warp; i < c; i += warps) {
@@ -470,7 +526,6 @@ extern "C" __global__ void ep_ll_combine(DevComm dc, Window send, Window csend, 
     const u8* md = ep::meta_of(send, tok, m, p);
     const int* ids = (const int*)(md + 4);
     const float* w = (const float*)(md + 4 + 4 * (u64)k);
-    const u8* rows = (const u8*)crecv.local_base + (u64)tok * k * h2;
     if ((h & 7u) == 0) {
       // Eight columns per thread, one 16-byte load per slot: the same
       // products and sums, in the same order, as the column loop below.
@@ -479,7 +534,9 @@ extern "C" __global__ void ep_ll_combine(DevComm dc, Window send, Window csend, 
         for (u32 j = 0; j < k; ++j) {
           const int e = ids[j];
           if (e < 0 || (u32)e >= experts || !active[(u32)e / l]) continue;
-          const uint4 v = *(const uint4*)(rows + j * h2 + 2ull * col);
+          const u8* row = ep::combine_row(dc, csend, crecv, pull, eslot, tok, j, (u32)e, l, t, k, h2);
+          if (!row) continue;
+          const uint4 v = *(const uint4*)(row + 2ull * col);
           const u32 words[4] = {v.x, v.y, v.z, v.w};
           for (u32 c = 0; c < 8; ++c) {
             const unsigned short b = (unsigned short)(words[c / 2] >> (16 * (c % 2)));
@@ -498,10 +555,11 @@ extern "C" __global__ void ep_ll_combine(DevComm dc, Window send, Window csend, 
       for (u32 j = 0; j < k; ++j) {
         const int e = ids[j];
         if (e < 0 || (u32)e >= experts || !active[(u32)e / l]) continue;
-        const unsigned short* row = (const unsigned short*)(rows + j * h2);
+        const u8* row = ep::combine_row(dc, csend, crecv, pull, eslot, tok, j, (u32)e, l, t, k, h2);
+        if (!row) continue;
         // No contraction into an FMA: the CPU ranks' reduction rounds the
         // product and the sum separately.
-        acc = __fadd_rn(acc, __fmul_rn(w[j], ep::from_bf16(row[col])));
+        acc = __fadd_rn(acc, __fmul_rn(w[j], ep::from_bf16(((const unsigned short*)row)[col])));
       }
       out[(u64)tok * h + col] = ep::to_bf16(acc);
     }

@@ -196,9 +196,12 @@ fn cuda_oracle_run(comm: &Comm, args: &Args) -> Res<String> {
         }
     }
     let backend = buf.backend_name();
+    let reads: Vec<usize> = (0..comm.nranks())
+        .filter(|&p| buf.combine_reads_in_place()[p])
+        .collect();
     buf.destroy()?;
     Ok(format!(
-        "CUDA ranks ({backend}, GPU {}): {} tokens, hidden {}, {} experts, top-{}{}, {repeats} repeats bit-identical",
+        "CUDA ranks ({backend}, GPU {}; combine reads ranks {reads:?} in place): {} tokens, hidden {}, {} experts, top-{}{}, {repeats} repeats bit-identical, combine digest {:016x}",
         cuda.device().name(),
         all[comm.rank()].tokens,
         cfg.hidden,
@@ -209,6 +212,7 @@ fn cuda_oracle_run(comm: &Comm, args: &Args) -> Res<String> {
         } else {
             ""
         },
+        first.1,
     ))
 }
 
@@ -377,12 +381,13 @@ fn oracle_run(comm: &Comm, args: &Args, mode: Mode) -> Res<String> {
     }
     buf.destroy()?;
     Ok(format!(
-        "{} tokens, hidden {}, {} experts, top-{}{}, {repeats} repeats bit-identical",
+        "{} tokens, hidden {}, {} experts, top-{}{}, {repeats} repeats bit-identical, combine digest {:016x}",
         all[comm.rank()].tokens,
         cfg.hidden,
         cfg.num_experts,
         cfg.topk,
-        if cfg.fp8 { ", fp8" } else { "" }
+        if cfg.fp8 { ", fp8" } else { "" },
+        first.1,
     ))
 }
 
