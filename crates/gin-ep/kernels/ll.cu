@@ -531,16 +531,32 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_combine(DevComm d
       // products and sums, in the same order, as the column loop below.
       for (u32 col = 8 * threadIdx.x; col < h; col += 8 * blockDim.x) {
         float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        for (u32 j = 0; j < k; ++j) {
-          const int e = ids[j];
-          if (e < 0 || (u32)e >= experts || !active[(u32)e / l]) continue;
-          const u8* row = ep::combine_row(dc, csend, crecv, pull, eslot, tok, j, (u32)e, l, t, k, h2);
-          if (!row) continue;
-          const uint4 v = *(const uint4*)(row + 2ull * col);
-          const u32 words[4] = {v.x, v.y, v.z, v.w};
-          for (u32 c = 0; c < 8; ++c) {
-            const unsigned short b = (unsigned short)(words[c / 2] >> (16 * (c % 2)));
-            acc[c] = __fadd_rn(acc[c], __fmul_rn(w[j], ep::from_bf16(b)));
+        // Four slots' loads in flight at once, then their products and
+        // sums in slot order.
+        for (u32 j0 = 0; j0 < k; j0 += 4) {
+          uint4 v[4];
+          bool live[4];
+#pragma unroll
+          for (u32 u = 0; u < 4; ++u) {
+            const u32 j = j0 + u;
+            live[u] = false;
+            if (j >= k) continue;
+            const int e = ids[j];
+            if (e < 0 || (u32)e >= experts || !active[(u32)e / l]) continue;
+            const u8* row =
+                ep::combine_row(dc, csend, crecv, pull, eslot, tok, j, (u32)e, l, t, k, h2);
+            if (!row) continue;
+            v[u] = *(const uint4*)(row + 2ull * col);
+            live[u] = true;
+          }
+#pragma unroll
+          for (u32 u = 0; u < 4; ++u) {
+            if (!live[u]) continue;
+            const u32 words[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+            for (u32 c = 0; c < 8; ++c) {
+              const unsigned short b = (unsigned short)(words[c / 2] >> (16 * (c % 2)));
+              acc[c] = __fadd_rn(acc[c], __fmul_rn(w[j0 + u], ep::from_bf16(b)));
+            }
           }
         }
         u32 o[4];
