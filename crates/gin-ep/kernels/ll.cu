@@ -5,12 +5,19 @@
 // cumulative signal per (expert, source) carrying count + 1 after the data
 // (id le * r + src), and in the combine one signal per (expert, source)
 // (id experts + e) after the expert's outputs were put back to their
-// (token, top-k slot) places.
+// (token, top-k slot) places, or, where the source reads the expert rank's
+// combine slots in place (load/store peers, agreed at creation: pull), with
+// no puts before it.
 //
 // Windows (this rank's part): send (tokens x m: the staged messages), recv
 // (l x r x t x m), csend (l x r x t x 2h), crecv (t x k x 2h). A message is
-// the payload (BF16, 2h bytes), then u32 source token, i32 expert ids[k],
-// f32 weights[k], padded to 16 bytes.
+// the payload (BF16, 2h bytes; or FP8: h bytes of E4M3, then one f32 scale
+// per 128 elements), then u32 source token, i32 expert ids[k], f32
+// weights[k], padded to 16 bytes. With FP8 the host stages the metadata and
+// the BF16 tokens (xin), and the dispatch kernel quantises each token into
+// its message before sending anything: bit for bit what gin-ep's num.rs
+// computes (the ep::fp8 functions below compile as host C++ too, and
+// tests/fp8_host.rs checks them against num.rs).
 //
 // Blocks loop over experts (dispatch sends, combine receives) and over
 // (expert, source) pairs (dispatch receives, combine sends): every block
@@ -21,10 +28,123 @@
 // accounted value `seen[q]`.
 //
 // Compiled at run time by NVRTC (gin-core's CudaComm::compile) and in CI by
-// nvcc (.ci/nvcc-check).
+// nvcc (.ci/nvcc-check). As host C++ (no __CUDACC__) only the number
+// formats below are visible.
 #include "gin/gin.cuh"
 
 using namespace gin;
+
+// The number formats tokens travel in, for the kernels and (compiled as host
+// C++) for the cross-check against gin-ep's num.rs. Every operation rounds
+// as Rust's f32 arithmetic does: to nearest even, denormals kept (NVRTC and
+// nvcc flush none without fast-math, and the explicit _rn intrinsics never
+// contract into an FMA).
+#if defined(__CUDACC__)
+#define EP_FN __device__ __forceinline__
+#else
+#define EP_FN inline
+#endif
+
+namespace ep {
+namespace fp8 {
+
+#if defined(__CUDACC__)
+EP_FN u32 bits_of(float v) { return __float_as_uint(v); }
+EP_FN float float_of(u32 b) { return __uint_as_float(b); }
+EP_FN float div_rn(float a, float b) { return __fdiv_rn(a, b); }
+EP_FN float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+#else
+EP_FN u32 bits_of(float v) {
+  u32 b;
+  __builtin_memcpy(&b, &v, 4);
+  return b;
+}
+EP_FN float float_of(u32 b) {
+  float v;
+  __builtin_memcpy(&v, &b, 4);
+  return v;
+}
+EP_FN float div_rn(float a, float b) { return a / b; }
+EP_FN float mul_rn(float a, float b) { return a * b; }
+#endif
+
+// Round to nearest even, NaN kept a NaN: num.rs's Bf16::from_f32.
+EP_FN u16 to_bf16(float v) {
+  const u32 bits = bits_of(v);
+  if (v != v) return (u16)((bits >> 16) | 0x40);
+  return (u16)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+EP_FN float from_bf16(u16 b) { return float_of((u32)b << 16); }
+
+// The largest finite E4M3 value, and elements per scale.
+constexpr float MAX = 448.0f;
+constexpr u32 BLOCK = 128;
+
+// num.rs's f32_to_e4m3: FP8 E4M3 (bias 7, no infinities, 0x7f NaN),
+// rounding to nearest even and saturating at +-448, by integer rounding of
+// the f32 bits (exact; num.rs takes the exponent from log2 and gets the
+// same codes, which the host cross-check pins).
+EP_FN u8 e4m3_of(float v) {
+  const u32 bits = bits_of(v);
+  const u32 sign = (bits >> 24) & 0x80u, a = bits & 0x7fffffffu;
+  if (a > 0x7f800000u) return 0x7f;            // NaN
+  if (a >= 0x43e00000u) return (u8)(sign | 0x7eu); // 448 and above, infinity
+  const u32 ef = a >> 23;                      // the biased f32 exponent
+  if (ef < 121u) {
+    // Below 2^-6: multiples of 2^-9, q = a * 2^9 rounded to even (8 is the
+    // smallest normal, 2^-6). a = mant * 2^(ef - 150), so q = mant >> s.
+    const u32 s = 141u - ef;
+    if (s > 25u) return (u8)sign;              // below half of 2^-9
+    const u32 mant = (a & 0x7fffffu) | 0x800000u;
+    return (u8)(sign | ((mant + (1u << (s - 1)) - 1u + ((mant >> s) & 1u)) >> s));
+  }
+  // Normal: round the mantissa to 3 bits (a carry moves the exponent on),
+  // then rebias from 127 to 7.
+  const u32 r = (a + 0x7ffffu + ((a >> 20) & 1u)) >> 20;
+  return (u8)(sign | (r - (120u << 3)));
+}
+
+// num.rs's e4m3_to_f32 (exact in f32).
+EP_FN float e4m3_value(u8 b) {
+  if ((b & 0x7fu) == 0x7fu) return float_of(0x7fc00000u);
+  const u32 e = (b >> 3) & 0xfu, m = b & 7u;
+  const float mag = e == 0 ? float_of(0x3b000000u) * (float)m                  // m * 2^-9
+                           : float_of((e + 120u) << 23) * (1.0f + (float)m / 8.0f); // 2^(e-7)
+  return (b & 0x80u) ? -mag : mag;
+}
+
+// The running largest magnitude of a block: num.rs's fold with f32::max,
+// which skips a NaN (quiet or signalling; fmax would turn a signalling NaN
+// into a NaN on the host).
+EP_FN float absmax(float acc, float x) {
+  const float a = x < 0.0f ? -x : x;
+  return a > acc ? a : acc;
+}
+
+// The scale of a block whose largest magnitude is `amax` (quantize_fp8:
+// amax / 448, 1 for an all-zero block).
+EP_FN float scale_of(float amax) { return amax > 0.0f ? div_rn(amax, MAX) : 1.0f; }
+
+// One element of a block with scale `s`: quantize_fp8's f32_to_e4m3(x / s).
+EP_FN u8 quantize(float x, float s) { return e4m3_of(div_rn(x, s)); }
+
+// dequantize_fp8's Bf16::from_f32(e4m3_to_f32(b) * s). A NaN code is
+// num.rs's f32::NAN times the scale: the quiet NaN x86 passes through
+// (0x7fc0 in BF16), where a GPU would make its own NaN.
+EP_FN u16 dequantize(u8 b, float s) {
+  if ((b & 0x7fu) == 0x7fu) return 0x7fc0;
+  return to_bf16(mul_rn(e4m3_value(b), s));
+}
+
+} // namespace fp8
+} // namespace ep
+
+#if defined(__CUDACC__)
+
+// Threads per block of every launch (cuda.rs's THREADS): the heavy kernels
+// promise it to ptxas, which then keeps them within the registers a block
+// of that size may have (128 per thread) rather than fail at launch.
+#define EP_THREADS 512
 
 namespace ep {
 
@@ -137,14 +257,79 @@ __device__ u32 hits_of(const Window& send, u32 base, u32 tokens, u32 m, u32 p, u
   return n;
 }
 
-// Round to nearest even, NaN kept a NaN: gin-ep's Bf16::from_f32.
-__device__ __forceinline__ unsigned short to_bf16(float v) {
-  const u32 bits = __float_as_uint(v);
-  if (v != v) return (unsigned short)((bits >> 16) | 0x40);
-  return (unsigned short)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+using fp8::from_bf16;
+using fp8::to_bf16;
+
+// Where the combine finds the expert output for top-k slot j (expert e) of
+// this rank's token tok: read in place in the expert rank's csend slot
+// (((e mod l) * r + rank) * t + eslot) where this rank reads that rank in
+// place (pull[rank * r + owner]: a load/store peer, or itself), else where
+// the expert put it, crecv's place (tok * k + j). Null (after recording the
+// error, naming the expert's rank and the window) where a read in place
+// would leave the expert's part: the host agreed on `pull` from the
+// mappings, so that is a broken invariant, not a peer's doing.
+__device__ __forceinline__ const u8* combine_row(const DevComm& dc, const Window& csend,
+                                                 const Window& crecv, const u8* pull,
+                                                 const u32* eslot, u32 tok, u32 j, u32 e, u32 l,
+                                                 u32 t, u32 k, u64 h2) {
+  const u32 r = dc.nranks, owner = e / l;
+  if (!pull[dc.rank * r + owner]) return (const u8*)crecv.local_base + ((u64)tok * k + j) * h2;
+  const u32 i = eslot[(u64)tok * k + j];
+  const u64 off = (((u64)(e % l) * r + dc.rank) * t + i) * h2;
+  const u8* base = owner == dc.rank ? (const u8*)csend.local_base
+                                    : (const u8*)((const u64*)csend.peer_bases)[owner];
+  if (!base || i >= t || !detail::range_ok(off, h2, ((const u64*)csend.sizes)[owner])) {
+    detail::fail(dc, OUT_OF_WINDOW, 0, owner, csend.id);
+    return nullptr;
+  }
+  return base + off;
 }
-__device__ __forceinline__ float from_bf16(unsigned short b) {
-  return __uint_as_float((u32)b << 16);
+
+// Grid-wide barrier of one launch (every block of the grid is resident: the
+// host keeps grids small): each block adds one to `bar`, a counter that only
+// grows, and waits until it reaches `target` (the host adds the grid size per
+// launch), bounded by the job timeout and the abort flag. Every store a
+// block made before it is visible to every block after it (fences at both
+// ends, as cooperative groups' grid sync). Returns the same status on every
+// thread.
+__device__ int grid_sync(const DevComm& dc, u64* bar, u64 target) {
+  __shared__ int status;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd((unsigned long long*)bar, 1ull);
+    const u32 k = detail::poll(dc, BARRIER_TIMEOUT, [&] { return *(volatile u64*)bar >= target; });
+    __threadfence();
+    status = k ? detail::fail(dc, k, 0, dc.rank, 0) : OK;
+  }
+  __syncthreads();
+  return status;
+}
+
+// FP8 dispatch: quantises this rank's staged tokens (BF16 rows of xin) into
+// the payloads of their messages in the send window, one warp per block of
+// 128 elements across the grid (4 elements per lane): the block's largest
+// magnitude (a max, exact in any order), its scale, each element's code,
+// as num.rs's quantize_fp8.
+__device__ void quantize_tokens(const Window& send, const u16* xin, u32 tokens, u32 m, u32 h) {
+  const u32 lane = threadIdx.x & 31u, warps = blockDim.x >> 5;
+  const u32 blocks = h / fp8::BLOCK, items = tokens * blocks;
+  for (u32 it = blockIdx.x * warps + (threadIdx.x >> 5); it < items; it += gridDim.x * warps) {
+    const u32 tok = it / blocks, b = it % blocks;
+    const uint2 raw = *(const uint2*)(xin + (u64)tok * h + b * fp8::BLOCK + 4 * lane);
+    const float x[4] = {from_bf16((u16)raw.x), from_bf16((u16)(raw.x >> 16)),
+                        from_bf16((u16)raw.y), from_bf16((u16)(raw.y >> 16))};
+    float amax = 0.0f;
+    for (u32 i = 0; i < 4; ++i) amax = fp8::absmax(amax, x[i]);
+    for (u32 o = 16; o > 0; o >>= 1)
+      amax = fp8::absmax(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float sc = fp8::scale_of(amax);
+    u32 q = 0;
+    for (u32 i = 0; i < 4; ++i) q |= (u32)fp8::quantize(x[i], sc) << (8 * i);
+    u8* msg = (u8*)send.local_base + (u64)tok * m;
+    *(u32*)(msg + b * fp8::BLOCK + 4 * lane) = q;
+    if (lane == 0) *(float*)(msg + h + 4 * b) = sc;
+  }
 }
 
 } // namespace ep
@@ -159,11 +344,23 @@ __device__ __forceinline__ float from_bf16(unsigned short b) {
 // token, top-k slot naming this rank's expert (~0 if none), weight bits.
 // counts[q] is the count as signalled (the host checks it against t).
 // active[rank]: 0 for a masked rank (nothing sent to it or awaited from it).
-extern "C" __global__ void ep_ll_dispatch(DevComm dc, Window send, Window recv, u32 tokens,
+// FP8 (xin not null: tokens x h BF16): first every block quantises its share
+// of the tokens into their staged messages, then a grid barrier (bar, to
+// reach bar_target) before any block sends.
+// eslot[token * k + j] (t x k u32): the token's index among this rank's
+// tokens for the expert its top-k slot j names (the layout's expert slot),
+// written as the token is sent, for the combine's reads in place.
+extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_dispatch(DevComm dc, Window send, Window recv, u32 tokens,
                                           u32 l, u32 t, u32 m, u32 p, u32 k, const u32* active,
-                                          u64* seen, u32* counts, u32* meta, u64* clock) {
+                                          u64* seen, u32* counts, u32* meta, u64* clock,
+                                          const u16* xin, u32 h, u64* bar, u64 bar_target,
+                                          u32* eslot) {
   ep::clock_start(clock);
   const u32 r = dc.nranks, experts = l * r;
+  if (xin) {
+    ep::quantize_tokens(send, xin, tokens, m, h);
+    if (ep::grid_sync(dc, bar, bar_target)) return;
+  }
   // Each warp puts its own tokens (warp-wide copies of a message, all the
   // block's warps at once); the expert's signal follows the block's puts.
   __shared__ u32 list[1024];
@@ -179,6 +376,13 @@ extern "C" __global__ void ep_ll_dispatch(DevComm dc, Window send, Window recv, 
       const u32 n = ep::hits_of(send, base, tokens, m, p, k, e, list);
       for (u32 j = warp; j < n; j += warps) {
         const u64 off = ((u64)(le * r + dc.rank) * t + count + j) * m;
+        // Where the token lies among e's slots, for the combine's reads in
+        // place: eslot[token * k + the top-k slot naming e].
+        if ((threadIdx.x & 31u) == 0) {
+          const int* ids = (const int*)(ep::meta_of(send, list[j], m, p) + 4);
+          for (u32 kk = 0; kk < k; ++kk)
+            if (ids[kk] == (int)e) eslot[(u64)list[j] * k + kk] = count + j;
+        }
         if (put(dc, 0, dst, recv, off, send, (u64)list[j] * m, m, no_signal(), no_counter(),
                 WARP)) {
           if ((threadIdx.x & 31u) == 0) failed = 1;
@@ -230,31 +434,62 @@ extern "C" __global__ void ep_ll_dispatch(DevComm dc, Window send, Window recv, 
 }
 
 // The identity expert: copies each received BF16 payload into its combine
-// slot (csend, 2h bytes per slot, same slot index).
+// slot (csend, 2h bytes per slot, same slot index); with FP8 (fp8 = 1) it
+// dequantises it (num.rs's dequantize_fp8), eight elements per thread.
 extern "C" __global__ void ep_ll_echo(Window recv, Window csend, u32 pairs, u32 t, u32 m, u32 h2,
-                                      const u32* counts) {
+                                      const u32* counts, u32 fp8) {
+  const u32 h = h2 / 2;
   for (u32 q = blockIdx.x; q < pairs; q += gridDim.x) {
     const u32 c = counts[q] > t ? t : counts[q];
     for (u32 i = 0; i < c; ++i) {
-      const uint4* s = (const uint4*)((const u8*)recv.local_base + ((u64)q * t + i) * m);
+      const u8* msg = (const u8*)recv.local_base + ((u64)q * t + i) * m;
       uint4* d = (uint4*)((u8*)csend.local_base + ((u64)q * t + i) * h2);
-      for (u32 v = threadIdx.x; v < h2 / 16; v += blockDim.x) d[v] = s[v];
+      if (!fp8) {
+        const uint4* s = (const uint4*)msg;
+        for (u32 v = threadIdx.x; v < h2 / 16; v += blockDim.x) d[v] = s[v];
+        continue;
+      }
+      const float* scales = (const float*)(msg + h);
+      for (u32 v = threadIdx.x; v < h / 8; v += blockDim.x) {
+        const uint2 codes = ((const uint2*)msg)[v];
+        const float sc = scales[8 * v / ep::fp8::BLOCK];
+        u32 o[4];
+        for (u32 j = 0; j < 4; ++j) {
+          const u32 w = j < 2 ? codes.x : codes.y;
+          const u32 sh = 16 * (j & 1u);
+          o[j] = (u32)ep::fp8::dequantize((u8)(w >> sh), sc) |
+                 ((u32)ep::fp8::dequantize((u8)(w >> (sh + 8)), sc) << 16);
+        }
+        d[v] = make_uint4(o[0], o[1], o[2], o[3]);
+      }
     }
   }
 }
 
 // Low-latency combine (send and receive halves in one launch). Sends: for
 // each pair q = le * r + src, each received token's combine slot goes back
-// to src's crecv at (source token * k + top-k slot) * 2h, then signal
-// experts + e there adds 1. Receives: waits for every active expert's
-// signal to reach ctarget[its rank] (the host counts the steps each rank
-// took part in), then reduces each of this rank's tokens over its top-k
-// slots with the weights (f32, in slot order, rounded once to BF16), leaving
-// out empty slots and masked ranks' experts, into out (tokens x h BF16).
-extern "C" __global__ void ep_ll_combine(DevComm dc, Window send, Window csend, Window crecv,
+// to src's crecv at (source token * k + top-k slot) * 2h, unless src reads
+// this rank's slots in place (pull[src * r + rank]: a load/store peer, or
+// this rank itself), then signal experts + e there adds 1 (after the puts;
+// for a reader in place it says the slots hold this step's outputs: they
+// were written by earlier launches). Receives: waits for every active
+// expert's signal to reach ctarget[its rank] (the host counts the steps
+// each rank took part in), then reduces each of this rank's tokens over its
+// top-k slots with the weights (f32, in slot order, rounded once to BF16),
+// reading each slot in place or from crecv (combine_row), leaving out empty
+// slots and masked ranks' experts, into out (tokens x h BF16). Reading in
+// place or from crecv, the same bytes meet the same products and sums in the
+// same order: the results are bit-identical either way.
+//
+// An expert rank rewrites its csend slots (the next step's expert) only
+// after its next dispatch received every active source's count, which each
+// source sends after this launch ended, that is after its reads here: the
+// next dispatch's count is the reader's credit (docs/ep.md).
+extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_combine(DevComm dc, Window send, Window csend, Window crecv,
                                          u32 tokens, u32 l, u32 t, u32 m, u32 p, u32 k, u32 h,
                                          const u32* active, const u32* counts, const u32* meta,
-                                         const u64* ctarget, unsigned short* out, u64* clock) {
+                                         const u64* ctarget, unsigned short* out, u64* clock,
+                                         const u32* eslot, const u8* pull) {
   ep::clock_start(clock);
   const u32 r = dc.nranks, experts = l * r;
   const u64 h2 = 2ull * h;
@@ -265,7 +500,8 @@ extern "C" __global__ void ep_ll_combine(DevComm dc, Window send, Window csend, 
   for (u32 q = blockIdx.x; q < experts; q += gridDim.x) {
     const u32 le = q / r, src = q % r;
     if (!active[src]) continue;
-    const u32 c = counts[q] > t ? t : counts[q];
+    // A source reading in place needs only the signal.
+    const u32 c = pull[src * r + dc.rank] ? 0 : counts[q] > t ? t : counts[q];
     // A warp per token, all the block's warps at once; the pair's signal
     // follows the block's puts.
     for (u32 i = warp; i < c; i += warps) {
@@ -290,20 +526,37 @@ extern "C" __global__ void ep_ll_combine(DevComm dc, Window send, Window csend, 
     const u8* md = ep::meta_of(send, tok, m, p);
     const int* ids = (const int*)(md + 4);
     const float* w = (const float*)(md + 4 + 4 * (u64)k);
-    const u8* rows = (const u8*)crecv.local_base + (u64)tok * k * h2;
     if ((h & 7u) == 0) {
       // Eight columns per thread, one 16-byte load per slot: the same
       // products and sums, in the same order, as the column loop below.
       for (u32 col = 8 * threadIdx.x; col < h; col += 8 * blockDim.x) {
         float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        for (u32 j = 0; j < k; ++j) {
-          const int e = ids[j];
-          if (e < 0 || (u32)e >= experts || !active[(u32)e / l]) continue;
-          const uint4 v = *(const uint4*)(rows + j * h2 + 2ull * col);
-          const u32 words[4] = {v.x, v.y, v.z, v.w};
-          for (u32 c = 0; c < 8; ++c) {
-            const unsigned short b = (unsigned short)(words[c / 2] >> (16 * (c % 2)));
-            acc[c] = __fadd_rn(acc[c], __fmul_rn(w[j], ep::from_bf16(b)));
+        // Four slots' loads in flight at once, then their products and
+        // sums in slot order.
+        for (u32 j0 = 0; j0 < k; j0 += 4) {
+          uint4 v[4];
+          bool live[4];
+#pragma unroll
+          for (u32 u = 0; u < 4; ++u) {
+            const u32 j = j0 + u;
+            live[u] = false;
+            if (j >= k) continue;
+            const int e = ids[j];
+            if (e < 0 || (u32)e >= experts || !active[(u32)e / l]) continue;
+            const u8* row =
+                ep::combine_row(dc, csend, crecv, pull, eslot, tok, j, (u32)e, l, t, k, h2);
+            if (!row) continue;
+            v[u] = *(const uint4*)(row + 2ull * col);
+            live[u] = true;
+          }
+#pragma unroll
+          for (u32 u = 0; u < 4; ++u) {
+            if (!live[u]) continue;
+            const u32 words[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+            for (u32 c = 0; c < 8; ++c) {
+              const unsigned short b = (unsigned short)(words[c / 2] >> (16 * (c % 2)));
+              acc[c] = __fadd_rn(acc[c], __fmul_rn(w[j0 + u], ep::from_bf16(b)));
+            }
           }
         }
         u32 o[4];
@@ -318,10 +571,11 @@ extern "C" __global__ void ep_ll_combine(DevComm dc, Window send, Window csend, 
       for (u32 j = 0; j < k; ++j) {
         const int e = ids[j];
         if (e < 0 || (u32)e >= experts || !active[(u32)e / l]) continue;
-        const unsigned short* row = (const unsigned short*)(rows + j * h2);
+        const u8* row = ep::combine_row(dc, csend, crecv, pull, eslot, tok, j, (u32)e, l, t, k, h2);
+        if (!row) continue;
         // No contraction into an FMA: the CPU ranks' reduction rounds the
         // product and the sum separately.
-        acc = __fadd_rn(acc, __fmul_rn(w[j], ep::from_bf16(row[col])));
+        acc = __fadd_rn(acc, __fmul_rn(w[j], ep::from_bf16(((const unsigned short*)row)[col])));
       }
       out[(u64)tok * h + col] = ep::to_bf16(acc);
     }
@@ -351,3 +605,5 @@ extern "C" __global__ void ep_floor(DevComm dc, Window send, Window recv, u64 bl
   if (flush(dc, 0, CTA)) return;
   ep::clock_end(clock);
 }
+
+#endif // __CUDACC__

@@ -13,8 +13,20 @@
 //! kernel). Every device wait is bounded by the job timeout and a failure
 //! names the peer waited for ([`EpError::Kernel`]).
 //!
-//! What this first version leaves out: high-throughput mode and FP8 on
-//! CUDA ranks (refused when the buffer is created), the active-rank mask
+//! The combine reads the expert outputs of every rank reached by
+//! load/store in place, in that rank's combine window, as CPU ranks do;
+//! only other peers put them back ([`CudaBuffer::combine_reads_in_place`],
+//! agreed at creation). The next dispatch's counts are the readers'
+//! credits: an expert rewrites its slots only after it received them
+//! (docs/ep.md).
+//!
+//! With FP8 the host stages the BF16 tokens and the dispatch kernel
+//! quantises them into the messages, bit for bit as
+//! [`crate::num::quantize_fp8`] (`tests/fp8_host.rs` compiles the kernel's
+//! number functions as host C++ and compares); the combine stays BF16.
+//!
+//! What this version leaves out: high-throughput mode on CUDA ranks
+//! (refused when the buffer is created), the active-rank mask
 //! under a peer's loss (a lost peer fails the step, naming it), and inputs
 //! that already live on the GPU (the host stages `x`, `topk_idx` and the
 //! weights into the send window and reads the combined tokens back).
@@ -24,7 +36,7 @@ use gin_core::{CoreError, DevCommRequirements};
 
 use crate::config::{Config, Mode};
 use crate::error::EpError;
-use crate::ll::{Combined, write_messages};
+use crate::ll::{Combined, write_messages, write_metadata};
 use crate::num::Bf16;
 
 /// The kernels of CUDA ranks (CUDA C++ including `gin/gin.cuh`), for
@@ -82,6 +94,18 @@ struct State {
     out: DevMem,
     /// `u64[2]`: earliest block start, latest block end of a launch.
     clock: DevMem,
+    /// FP8: `u16[t × hidden]`, this step's tokens in BF16, which the
+    /// dispatch kernel quantises into the staged messages.
+    xin: Option<DevMem>,
+    /// `u64`: the dispatch kernel's grid barrier (FP8), a count that only
+    /// grows.
+    bar: DevMem,
+    /// `u32[t × topk]`: per (token, top-k slot), the token's index among
+    /// this rank's tokens for that expert (written by the dispatch kernel).
+    eslot: DevMem,
+    /// `u8[nranks × nranks]`: `[src × nranks + owner]` is 1 where `src`
+    /// reads `owner`'s combine slots in place.
+    pull: DevMem,
 }
 
 impl State {
@@ -100,6 +124,14 @@ impl State {
             ctarget: zeroed(8 * n)?,
             out: zeroed(2 * t * cfg.hidden)?,
             clock: zeroed(16)?,
+            xin: if cfg.fp8 {
+                Some(zeroed(2 * t * cfg.hidden)?)
+            } else {
+                None
+            },
+            bar: zeroed(8)?,
+            eslot: zeroed(4 * t * cfg.topk)?,
+            pull: zeroed(n * n)?,
         })
     }
 }
@@ -212,6 +244,10 @@ pub struct CudaBuffer<'a, 'c> {
     last: (KernelClock, KernelClock),
     /// A kernel failed: no further step can run (destroy the buffer).
     failed: bool,
+    /// What the FP8 dispatch's grid barrier counts up to this step.
+    bar_target: u64,
+    /// `[owner]`: whether this rank reads `owner`'s combine slots in place.
+    reads: Vec<bool>,
 }
 
 /// What a CUDA rank received in one low-latency dispatch: per (local
@@ -293,11 +329,11 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         crate::buffer::agree_config(comm, &cfg)?;
         let kernels = load_agreed(cuda)?;
         // Every rank passed the same configuration: all refuse alike.
-        if cfg.mode != Mode::LowLatency || cfg.fp8 {
+        if cfg.mode != Mode::LowLatency {
             return Err(EpError::Mode {
                 rank,
-                what: "CUDA ranks run the low-latency mode with BF16 tokens only \
-                       (high-throughput mode and FP8 on CUDA ranks are not built yet)"
+                what: "CUDA ranks run the low-latency mode only \
+                       (high-throughput mode on CUDA ranks is not built yet)"
                     .into(),
             });
         }
@@ -332,8 +368,11 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             staged: Vec::new(),
             last: (KernelClock::default(), KernelClock::default()),
             failed: false,
+            bar_target: 0,
+            reads: Vec::new(),
         };
         me.write_active()?;
+        me.agree_pull()?;
         Ok(me)
     }
 
@@ -393,6 +432,44 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     fn current(&self) -> Result<(), EpError> {
         self.cuda.device().make_current().map_err(CoreError::from)?;
         Ok(())
+    }
+
+    /// Which combine slots each source reads in place (collective, at
+    /// creation): this rank reads its own, and those of every peer the
+    /// device communicator reaches by load/store and whose combine window
+    /// is mapped here, unless `GIN_EP_COMBINE=put` (every expert output is
+    /// put back, as before reads in place existed: for comparisons). The
+    /// matrix is all-gathered, so that an expert knows which sources to put
+    /// to, and copied to the GPU.
+    fn agree_pull(&mut self) -> Result<(), EpError> {
+        let (rank, n) = (self.rank, self.nranks);
+        let put_only = std::env::var("GIN_EP_COMBINE").is_ok_and(|v| v == "put");
+        let mine: Vec<u8> = (0..n)
+            .map(|p| {
+                let mapped = self.wins[CSEND].peer_base(p).is_some_and(|b| b != 0);
+                u8::from(!put_only && (p == rank || (self.dc.is_lsa(p) && mapped)))
+            })
+            .collect();
+        let all = self.cuda.comm().bootstrap().allgather(&mine)?;
+        let matrix: Vec<u8> = all
+            .iter()
+            .flat_map(|row| (0..n).map(move |p| u8::from(row.get(p) == Some(&1))))
+            .collect();
+        self.reads = matrix[rank * n..(rank + 1) * n]
+            .iter()
+            .map(|&v| v == 1)
+            .collect();
+        self.current()?;
+        self.state.pull.write(0, &matrix).map_err(CoreError::from)?;
+        Ok(())
+    }
+
+    /// `[owner]`: whether this rank's combine reads `owner`'s expert
+    /// outputs in place (its own, and load/store peers'), rather than
+    /// receiving them by put; agreed by every rank when the buffer was
+    /// created.
+    pub fn combine_reads_in_place(&self) -> &[bool] {
+        &self.reads
     }
 
     fn write_active(&mut self) -> Result<(), EpError> {
@@ -481,7 +558,12 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         )?;
         let tokens = layout.tokens;
         self.staged.resize(tokens * cfg.msg_bytes(), 0);
-        write_messages(&cfg, x, topk_idx, topk_weights, &mut self.staged);
+        if cfg.fp8 {
+            // The kernel quantises the payloads from the BF16 tokens.
+            write_metadata(&cfg, topk_idx, topk_weights, &mut self.staged);
+        } else {
+            write_messages(&cfg, x, topk_idx, topk_weights, &mut self.staged);
+        }
         self.current()?;
         if !self.staged.is_empty() {
             self.wins[SEND]
@@ -489,7 +571,16 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
                 .write(0, &self.staged)
                 .map_err(CoreError::from)?;
         }
+        if let Some(xin) = &self.state.xin
+            && !x.is_empty()
+        {
+            xin.write(0, x).map_err(CoreError::from)?;
+        }
+        let grid = self.grid(cfg.num_experts);
         self.step += 1;
+        if cfg.fp8 {
+            self.bar_target += u64::from(grid);
+        }
         let s = &self.state;
         reset_clock(&s.clock)?;
         let (l, t) = (cfg.local_experts(self.nranks), cfg.max_tokens_per_rank);
@@ -509,17 +600,27 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             Arg::Ptr(s.counts.ptr()),
             Arg::Ptr(s.meta.ptr()),
             Arg::Ptr(s.clock.ptr()),
+            Arg::Ptr(s.xin.as_ref().map_or(0, DevMem::ptr)),
+            Arg::U32(u(cfg.hidden)),
+            Arg::Ptr(s.bar.ptr()),
+            Arg::U64(self.bar_target),
+            Arg::Ptr(s.eslot.ptr()),
         ];
-        let grid = self.grid(cfg.num_experts);
         // SAFETY: ep_ll_dispatch(DevComm, Window send, Window recv, u32
         // tokens, u32 l, u32 t, u32 m, u32 p, u32 k, const u32* active, u64*
-        // seen, u32* counts, u32* meta, u64* clock) in kernels/ll.cu takes
-        // these arguments in this order. The windows and the device
-        // communicator are this buffer's, alive for the call; the kernel
-        // reads `tokens` staged messages (written above) and indexes active
-        // by rank (nranks u32), seen and counts by pair (experts), meta by
-        // received slot (3 × experts × t u32) and clock (2 u64): the sizes
-        // State::new allocated for this configuration.
+        // seen, u32* counts, u32* meta, u64* clock, const u16* xin, u32 h,
+        // u64* bar, u64 bar_target, u32* eslot) in kernels/ll.cu takes these
+        // arguments in this order. The windows and the device communicator are this
+        // buffer's, alive for the call; the kernel reads `tokens` staged
+        // messages (written above) and indexes active by rank (nranks u32),
+        // seen and counts by pair (experts), meta by received slot (3 ×
+        // experts × t u32) and clock (2 u64): the sizes State::new allocated
+        // for this configuration. With FP8 it reads tokens × h u16 of xin (t
+        // × h allocated), writes the payloads of the `tokens` staged
+        // messages (within the send window) and adds 1 per block to bar (one
+        // u64); without, xin is null and neither is touched. It writes
+        // eslot at (token × k + slot) for tokens < t and slots < k (t × k
+        // u32 allocated).
         let run = unsafe { self.dc.run(&self.kernels.dispatch, grid, THREADS, &args) };
         if let Err(e) = run {
             // Peers may be anywhere in the step: the buffer cannot go on.
@@ -633,11 +734,13 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             Arg::U32(u(cfg.msg_bytes())),
             Arg::U32(u(2 * cfg.hidden)),
             Arg::Ptr(self.state.counts.ptr()),
+            Arg::U32(u32::from(cfg.fp8)),
         ];
         // SAFETY: ep_ll_echo(Window recv, Window csend, u32 pairs, u32 t,
-        // u32 m, u32 h2, const u32* counts) takes these in this order; it
-        // reads at most t slots per pair of recv (pairs × t × m bytes) and
-        // writes as many of csend (pairs × t × h2): the windows' sizes
+        // u32 m, u32 h2, const u32* counts, u32 fp8) takes these in this
+        // order; it reads at most t slots per pair of recv (pairs × t × m
+        // bytes; with FP8 the payload of h bytes and h / 128 scales, within
+        // m) and writes as many of csend (pairs × t × h2): the windows' sizes
         // (ll::resources), both alive; counts holds `pairs` u32.
         let run = unsafe {
             self.dc.run(
@@ -656,11 +759,14 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     }
 
     /// Low-latency combine on CUDA ranks: the combine kernel puts each
-    /// combine slot back to its source's (token, top-k slot) place with one
-    /// signal per (expert, source), waits (bounded) for every active
-    /// expert's signal, and reduces each token over its top-k slots with
-    /// the weights, leaving out empty slots and masked ranks' experts. The
-    /// combined tokens are read back.
+    /// combine slot back to its source's (token, top-k slot) place, except
+    /// to sources that read this rank's slots in place
+    /// ([`CudaBuffer::combine_reads_in_place`]), with one signal per
+    /// (expert, source); waits (bounded) for every active expert's signal,
+    /// and reduces each token over its top-k slots with the weights (read
+    /// in place where it can, else from where the expert put them), leaving
+    /// out empty slots and masked ranks' experts. The combined tokens are
+    /// read back.
     pub fn ll_combine(&mut self, d: &CudaLlDispatch) -> Result<Combined, EpError> {
         self.expect_dispatch("ll_combine", d)?;
         self.current()?;
@@ -693,16 +799,21 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             Arg::Ptr(s.ctarget.ptr()),
             Arg::Ptr(s.out.ptr()),
             Arg::Ptr(s.clock.ptr()),
+            Arg::Ptr(s.eslot.ptr()),
+            Arg::Ptr(s.pull.ptr()),
         ];
         // SAFETY: ep_ll_combine(DevComm, Window send, Window csend, Window
         // crecv, u32 tokens, u32 l, u32 t, u32 m, u32 p, u32 k, u32 h, const
         // u32* active, const u32* counts, const u32* meta, const u64*
-        // ctarget, u16* out, u64* clock) takes these in this order. It
-        // reads the `tokens` messages staged by this step's dispatch, slots
-        // of csend and crecv within their sizes (ll::resources; metadata out
-        // of range is skipped), and writes tokens × hidden u16 of out
-        // (t × hidden allocated) and the 2 u64 of clock; active and ctarget
-        // hold nranks entries, counts and meta the dispatch's.
+        // ctarget, u16* out, u64* clock, const u32* eslot, const u8* pull)
+        // takes these in this order. It reads the `tokens` messages staged
+        // by this step's dispatch, slots of csend and crecv within their
+        // sizes (ll::resources; metadata out of range is skipped), peers'
+        // csend slots through their mappings only after checking the slot
+        // against the peer part's size, and writes tokens × hidden u16 of
+        // out (t × hidden allocated) and the 2 u64 of clock; active and
+        // ctarget hold nranks entries, pull nranks × nranks, counts and meta
+        // the dispatch's, eslot t × k.
         let run = unsafe {
             self.dc.run(
                 &self.kernels.combine,
@@ -904,14 +1015,30 @@ mod tests {
         }
     }
 
-    /// The kernels the host launches exist under the names it looks up.
+    /// The kernels the host launches exist under the names it looks up
+    /// (`extern "C" __global__ void`, launch bounds allowed before the
+    /// name).
     #[test]
     fn every_launched_kernel_is_defined() {
         for name in ["ep_ll_dispatch", "ep_ll_echo", "ep_ll_combine", "ep_floor"] {
-            assert!(
-                LL_KERNELS.contains(&format!("__global__ void {name}(")),
-                "{name}"
-            );
+            let defined = LL_KERNELS.lines().any(|l| {
+                l.strip_prefix("extern \"C\" __global__ void ")
+                    .is_some_and(|rest| {
+                        rest.trim_start_matches("__launch_bounds__(EP_THREADS) ")
+                            .starts_with(&format!("{name}("))
+                    })
+            });
+            assert!(defined, "{name}");
         }
+    }
+
+    /// The launch bounds the kernels promise ptxas are the block size the
+    /// host launches.
+    #[test]
+    fn kernels_are_bounded_for_the_block_size_launched() {
+        assert!(
+            LL_KERNELS.contains(&format!("#define EP_THREADS {THREADS}\n")),
+            "ll.cu's EP_THREADS is not cuda.rs's THREADS ({THREADS})"
+        );
     }
 }

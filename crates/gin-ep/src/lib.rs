@@ -46,8 +46,11 @@
 //! (`kernels/ll.cu`, including `gin/gin.cuh`) compiled by NVRTC and
 //! launched through gin-core's public CUDA API. Inputs are checked on the
 //! host by the CPU ranks' code, and [`oracle`] checks both alike
-//! ([`oracle::LlView`]). High-throughput mode, FP8 and masking a lost peer
-//! are CPU-rank only so far.
+//! ([`oracle::LlView`]). FP8 dispatch is quantised by the dispatch kernel,
+//! bit for bit as [`num::quantize_fp8`] (cross-checked as host C++). The
+//! combine reads load/store peers' expert outputs in place, as on CPU
+//! ranks.
+//! High-throughput mode and masking a lost peer are CPU-rank only so far.
 
 #![warn(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]

@@ -140,7 +140,7 @@ pub(crate) fn write_messages(
     weights: &[f32],
     buf: &mut [u8],
 ) {
-    let (m, p, h, k) = (cfg.msg_bytes(), cfg.payload_bytes(), cfg.hidden, cfg.topk);
+    let (m, p, h) = (cfg.msg_bytes(), cfg.payload_bytes(), cfg.hidden);
     for (t, msg) in buf.chunks_exact_mut(m).enumerate() {
         let row = &x[t * h..(t + 1) * h];
         if cfg.fp8 {
@@ -148,6 +148,17 @@ pub(crate) fn write_messages(
         } else {
             msg[..p].copy_from_slice(bf16_bytes(row));
         }
+    }
+    write_metadata(cfg, topk_idx, weights, buf);
+}
+
+/// Writes the metadata part of every message in `buf` (`tokens ×
+/// msg_bytes`), leaving the payloads as they are: the source token index,
+/// the top-k expert ids and the top-k weights. CUDA ranks' FP8 dispatch
+/// stages this and lets the kernel quantise the payloads.
+pub(crate) fn write_metadata(cfg: &Config, topk_idx: &[i64], weights: &[f32], buf: &mut [u8]) {
+    let (m, p, k) = (cfg.msg_bytes(), cfg.payload_bytes(), cfg.topk);
+    for (t, msg) in buf.chunks_exact_mut(m).enumerate() {
         let meta = &mut msg[p..];
         meta[..4].copy_from_slice(&(t as u32).to_le_bytes());
         for j in 0..k {

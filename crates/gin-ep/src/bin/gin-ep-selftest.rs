@@ -120,6 +120,9 @@ fn cuda_step(
     let got = buf.ll_received(&d)?;
     if check {
         oracle::check_ll_view(rank, &cfg, buf.active(), &got, all, tables)?;
+        if cfg.fp8 {
+            fp8_bit_exact(rank, &cfg, &got, all)?;
+        }
     }
     let dig = oracle::ll_view_digest(&cfg, n, &got);
     buf.ll_echo(&d)?;
@@ -127,11 +130,47 @@ fn cuda_step(
     if check {
         let active = buf.active().to_vec();
         let l = cfg.local_experts(n);
-        oracle::check_combine(rank, &combined.x, me, cfg.hidden, cfg.topk, false, |e| {
+        oracle::check_combine(rank, &combined.x, me, cfg.hidden, cfg.topk, cfg.fp8, |e| {
             active[e / l]
         })?;
     }
     Ok((dig, oracle::bf16_digest(&combined.x)))
+}
+
+/// FP8 on CUDA ranks: every received payload, quantised by the dispatch
+/// kernel, is byte for byte what CPU ranks' `quantize_fp8` makes of the
+/// source token (beyond the oracle's tolerance: the same bits).
+fn fp8_bit_exact(
+    rank: usize,
+    cfg: &Config,
+    got: &gin_ep::cuda::LlReceived,
+    all: &[RankInput],
+) -> Res<()> {
+    use gin_ep::oracle::LlView;
+    let (h, n) = (cfg.hidden, all.len());
+    let mut want = vec![0u8; cfg.payload_bytes()];
+    for le in 0..cfg.local_experts(n) {
+        for (src, input) in all.iter().enumerate() {
+            for i in 0..got.count(le, src) {
+                let tok = got.src_token(le, src, i);
+                let row = input
+                    .x
+                    .get(tok * h..(tok + 1) * h)
+                    .ok_or_else(|| format!("rank {rank}: no token {tok} at rank {src}"))?;
+                gin_ep::num::quantize_fp8(row, &mut want);
+                let p = got.payload(le, src, i)?;
+                if let Some(b) = p.iter().zip(&want).position(|(a, b)| a != b) {
+                    return Err(format!(
+                        "rank {rank}: FP8 payload of token {tok} from rank {src} for local expert {le} \
+                         differs from num.rs at byte {b}: kernel {:#04x}, num.rs {:#04x}",
+                        p[b], want[b]
+                    )
+                    .into());
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The `ll` oracle on CUDA ranks: the first step checked, `repeats` steps
@@ -157,14 +196,23 @@ fn cuda_oracle_run(comm: &Comm, args: &Args) -> Res<String> {
         }
     }
     let backend = buf.backend_name();
+    let reads: Vec<usize> = (0..comm.nranks())
+        .filter(|&p| buf.combine_reads_in_place()[p])
+        .collect();
     buf.destroy()?;
     Ok(format!(
-        "CUDA ranks ({backend}, GPU {}): {} tokens, hidden {}, {} experts, top-{}, {repeats} repeats bit-identical",
+        "CUDA ranks ({backend}, GPU {}; combine reads ranks {reads:?} in place): {} tokens, hidden {}, {} experts, top-{}{}, {repeats} repeats bit-identical, combine digest {:016x}",
         cuda.device().name(),
         all[comm.rank()].tokens,
         cfg.hidden,
         cfg.num_experts,
         cfg.topk,
+        if cfg.fp8 {
+            ", FP8 dispatch (payloads bit-identical to num.rs)"
+        } else {
+            ""
+        },
+        first.1,
     ))
 }
 
@@ -333,12 +381,13 @@ fn oracle_run(comm: &Comm, args: &Args, mode: Mode) -> Res<String> {
     }
     buf.destroy()?;
     Ok(format!(
-        "{} tokens, hidden {}, {} experts, top-{}{}, {repeats} repeats bit-identical",
+        "{} tokens, hidden {}, {} experts, top-{}{}, {repeats} repeats bit-identical, combine digest {:016x}",
         all[comm.rank()].tokens,
         cfg.hidden,
         cfg.num_experts,
         cfg.topk,
-        if cfg.fp8 { ", fp8" } else { "" }
+        if cfg.fp8 { ", fp8" } else { "" },
+        first.1,
     ))
 }
 
