@@ -185,12 +185,33 @@ for n in 2 4; do
 done
 step "ep-ll-cuda-2ranks-deepep-shape" "$ep" ll device=cuda ranks=2 tokens=128 hidden=7168 topk=8 experts=32 repeats=5
 step "ep-ll-cuda-4ranks-2hosts" "$ep" ll device=cuda ranks=4 hosts=2
+# FP8 dispatch (payloads checked byte for byte against gin-ep's num.rs),
+# the combine by puts everywhere (GIN_EP_COMBINE=put), and CPU ranks.
+for n in 2 4; do
+  step "ep-ll-cuda-${n}ranks-fp8" "$ep" ll device=cuda ranks=$n fp8=1
+  step "ep-ll-cuda-${n}ranks-combine-put" env GIN_EP_COMBINE=put "$ep" ll device=cuda ranks=$n
+  step "ep-ll-cpu-${n}ranks" "$ep" ll ranks=$n
+done
+step "ep-ll-cuda-2ranks-deepep-shape-fp8" "$ep" ll device=cuda ranks=2 tokens=128 hidden=7168 topk=8 experts=32 repeats=5 fp8=1
+step "ep-ll-cuda-4ranks-2hosts-fp8" "$ep" ll device=cuda ranks=4 hosts=2 fp8=1
+# The combine's result must not depend on its path: read in place (auto),
+# put (proxy, GIN_EP_COMBINE=put), or CPU ranks: every rank's digest agrees.
+ep_digests() { sed -n 's/.*rank \([0-9]*\) of [0-9]*: ll ok.*combine digest \([0-9a-f]*\).*/\1 \2/p' "$out/$1.log" | sort; }
+ep_same_digests() {
+  local ref l; ref=$(ep_digests "$1"); [ -n "$ref" ] || { echo "no digests in $1"; return 1; }
+  shift; for l in "$@"; do [ "$(ep_digests "$l")" = "$ref" ] || { echo "$l differs from the first"; return 1; }; done; echo "$ref"
+}
+for n in 2 4; do
+  step "ep-ll-${n}ranks-combine-paths-agree" ep_same_digests "ep-ll-cuda-${n}ranks-auto" "ep-ll-cuda-${n}ranks-proxy" "ep-ll-cuda-${n}ranks-combine-put" "ep-ll-cpu-${n}ranks"
+done
 fi
 if [ -n "$benches" ]; then
   # Low-latency dispatch + combine on CUDA ranks beside the same-job floor
   # (DeepEP's shape: 128 tokens, hidden 7168, top-8, 32 experts per rank).
   for n in 2 4; do
     step "bench-moe-cuda-${n}ranks" "$here/gin-bench" moe --device cuda --ranks $n --json "$out/moe-cuda-${n}ranks.json"
+    step "bench-moe-cuda-${n}ranks-fp8" "$here/gin-bench" moe --device cuda --ranks $n --fp8 --json "$out/moe-cuda-${n}ranks-fp8.json"
+    step "bench-moe-cuda-${n}ranks-combine-put" env GIN_EP_COMBINE=put "$here/gin-bench" moe --device cuda --ranks $n --json "$out/moe-cuda-${n}ranks-combine-put.json"
   done
   # Peers in the same job (issue 22): NVSHMEM's put-with-signal ping-pong and
   # put bandwidth, built here with this machine's nvcc against its NVSHMEM and
