@@ -20,7 +20,7 @@ use tracing::info;
 
 use crate::config::Settings;
 use crate::error::CoreError;
-use crate::requirements;
+use crate::requirements::{self, overflow};
 use crate::space::{Ranges, Spaces};
 
 /// What a device communicator needs; every rank passes the same values.
@@ -392,36 +392,28 @@ impl Comm {
     pub fn dev_comm(&self, req: &DevCommRequirements) -> Result<DevCommHandle<'_>, CoreError> {
         let rank = self.rank();
         let n = self.nranks();
-        requirements::agree(&self.bootstrap, req, &[])?;
-        requirements::check_bounds(rank, n, req)?;
-        let per_ctx = gin_device::signal_slots_per_context(
-            req.signals,
-            req.world_barriers,
-            req.rail_barriers,
-            n,
-        )
-        .map(u64::from)
-        .ok_or_else(|| CoreError::Requirement {
-            rank: self.rank(),
-            what: "signal and barrier counts overflow".into(),
-        })?;
-        let nsig = per_ctx * u64::from(req.contexts);
-        let ncnt = u64::from(req.counters) * u64::from(req.contexts);
+        let zero = |r: &Ranges<'_>| {
+            // Fresh slots start at zero, on every rank, before anyone signals.
+            for i in r.signals.0..r.signals.0 + r.signals.1 {
+                if let Ok(slot) = self.signal_window.slot(i * 8) {
+                    slot.store(0, Ordering::Release);
+                }
+            }
+            for i in r.counters.0..r.counters.0 + r.counters.1 {
+                if let Some(c) = self.counters.slot(i) {
+                    c.store(0, Ordering::Release);
+                }
+            }
+            Ok(())
+        };
+        let per_ctx = || {
+            let (s, w, r) = (req.signals, req.world_barriers, req.rail_barriers);
+            gin_device::signal_slots_per_context(s, w, r, n).ok_or_else(|| overflow(rank))
+        };
         // Freed on every error exit below; kept by the handle on success.
-        let ranges = self.spaces.take(nsig, ncnt)?;
+        let (_, ranges) =
+            requirements::reserve(&self.bootstrap, &self.spaces, req, &[], per_ctx, zero)?;
         let (signal_base, counter_base) = (ranges.signals.0, ranges.counters.0);
-        // Fresh slots start at zero, on every rank, before anyone signals.
-        for i in 0..nsig {
-            if let Ok(slot) = self.signal_window.slot((signal_base + i) * 8) {
-                slot.store(0, Ordering::Release);
-            }
-        }
-        for i in 0..ncnt {
-            if let Some(c) = self.counters.slot(counter_base + i) {
-                c.store(0, Ordering::Release);
-            }
-        }
-        self.agree_placement(signal_base, counter_base)?;
         let selected = self.settings.backend.selection();
         let log2 = self.settings.backend.queue_log2(req.queue_depth)?;
         self.settings.check_usable(&selected)?;
@@ -457,7 +449,7 @@ impl Comm {
             rail_barriers: req.rail_barriers,
             signal_window: self.signal_window.clone(),
             signal_base,
-            signal_slots: nsig,
+            signal_slots: ranges.signals.1,
             counters: self.counters.clone(),
             counter_base,
             lsa: (0..n)
@@ -487,38 +479,9 @@ impl Comm {
         })
     }
 
-    /// Checks that every rank placed signals and counters alike
-    /// (collective).
-    fn agree_placement(&self, signal_base: u64, counter_base: u64) -> Result<(), CoreError> {
-        agree_placement(&self.bootstrap, signal_base, counter_base)
-    }
-
     /// The timeout of waits.
     pub fn timeout(&self) -> Duration {
         self.settings.timeout
-    }
-}
-
-/// Checks that every rank placed a device communicator's signals and
-/// counters alike (collective), CPU and CUDA ranks alike: each rank fails
-/// with the same [`CoreError::Mismatch`], naming who placed them where.
-pub(crate) fn agree_placement(
-    bootstrap: &Bootstrap,
-    signal_base: u64,
-    counter_base: u64,
-) -> Result<(), CoreError> {
-    let placement = [("signal", signal_base), ("counter", counter_base)];
-    match bootstrap.agree(&placement)? {
-        None => Ok(()),
-        Some(d) => Err(CoreError::Mismatch {
-            rank: bootstrap.rank(),
-            what: format!("{} placement", d.field),
-            detail: format!(
-                "{}: device communicators were created or destroyed in different orders, \
-                 or with different requirements",
-                d.detail
-            ),
-        }),
     }
 }
 
