@@ -1,7 +1,6 @@
 //! The communicator: who is where, how each peer is reached, windows, and
 //! device communicators.
 
-use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -13,16 +12,15 @@ use gin_device::{
     Backend, Counters, CpuStart, DevComm, DevCommParts, Exchange, Health, HostError, Window,
     WindowParts,
 };
-use gin_net::part::{HostPart, HostParts, PartRecord, Registration};
-use gin_net::region::{Access, RegionTable};
-use gin_net::shm::Segment;
+use gin_net::host_window::{HostWindow, HostWindows};
+use gin_net::region::RegionTable;
 use gin_net::transport::{Scope, Setup};
-use gin_net::{Fabric, KeepAlive, MemDesc, MemParts, Memory, NetError, Reach};
-use tracing::{debug, info};
+use gin_net::{Fabric, NetError, Reach};
+use tracing::info;
 
 use crate::config::Settings;
 use crate::error::CoreError;
-use crate::requirements;
+use crate::requirements::{self, overflow};
 use crate::space::{Ranges, Spaces};
 
 /// What a device communicator needs; every rank passes the same values.
@@ -124,28 +122,10 @@ pub struct Comm {
     spaces: Spaces,
     signal_window: Window,
     counters: Arc<Counters>,
-    job_tag: String,
+    /// Host windows' segments, exchange and directory entries.
+    windows: HostWindows,
     /// Same-host peers' processes, looked at after a timeout.
     liveness: Liveness,
-}
-
-/// What keeps a window's memory alive. Fields drop in order: the
-/// registration goes first, so peers stop being served before the memory
-/// goes; the mappings themselves are shared with the fabric's description,
-/// so an operation of this rank's proxy or NIC that looked the window up
-/// before the drop finishes on mapped memory.
-#[derive(Debug)]
-struct WindowMemory {
-    _registration: Registration,
-    _mapped: Arc<Mapped>,
-}
-
-/// A window's mappings: this rank's segment (none for user memory) and the
-/// same-host peers' segments mapped here.
-#[derive(Debug)]
-struct Mapped {
-    _own: Option<Segment>,
-    _peers: Vec<Segment>,
 }
 
 /// How long a departing rank waits for its TCP peers to confirm what it
@@ -201,10 +181,7 @@ impl Comm {
         let fabric = Arc::new(start_fabric(&b, &table, &hosts, &settings)?);
         // A job-unique tag for shared-memory names.
         let token = b.job_token("gin-core shm names");
-        let job_tag = token[..6].iter().fold(String::new(), |mut t, x| {
-            let _ = write!(t, "{x:02x}");
-            t
-        });
+        let windows = HostWindows::new(fabric.clone(), hosts.clone(), &token);
         let comm_id = u64::from_le_bytes(token[8..16].try_into().expect("8 bytes"));
         info!(
             rank,
@@ -226,7 +203,7 @@ impl Comm {
             spaces: Spaces::new(settings.signal_slots, settings.counter_slots),
             counters: Arc::new(Counters::new(settings.counter_slots as usize)),
             signal_window: Window::empty(),
-            job_tag,
+            windows,
             liveness,
             settings,
         };
@@ -296,48 +273,15 @@ impl Comm {
         &self.fabric
     }
 
-    /// Peers whose window parts this rank maps (same-host peers on the
-    /// shm path).
-    fn mapped_peers(&self) -> Vec<usize> {
-        (0..self.nranks())
-            .filter(|&p| p != self.rank() && self.fabric.reach(p) == Some(Reach::Mapped))
-            .collect()
-    }
-
     /// Allocates a window collectively: `bytes` of memory on this rank
     /// (ranks may ask for different sizes), shared with same-host peers so
     /// they can map it, served to remote ones over TCP.
     pub fn alloc_window(&self, bytes: u64) -> Result<Window, CoreError> {
-        let rank = self.rank();
         let id = self.take_window_id();
-        let name = self.segment_name(rank, id);
-        let mut seg = Segment::create(&name, bytes as usize)?;
-        // SAFETY: the segment stays mapped until `registration`, dropped
-        // before it on every path (or deregistration, earlier), has removed
-        // the key from the table.
-        let key = unsafe { self.table.insert(seg.as_ptr(), bytes, Access::ALL)? };
-        // Declared after `seg`, so dropped before it on every path.
-        let mut registration = self.registration(id, key, seg.as_ptr());
-        // SAFETY: the segment's header, mapped until `seg` drops, after
-        // `registration` on every path.
-        unsafe { registration.set_state(seg.state()) };
-        let path = seg.path().to_string_lossy().into_owned();
-        let r = self.finish_window(id, seg.as_ptr(), bytes, key, &path, true);
-        // Every peer has mapped it (finish_window ends with a barrier), or
-        // the registration failed: either way no name is needed any more.
-        seg.unlink();
-        self.remove_segment_names(id);
-        let HostParts { parts, segments } = r?;
-        Ok(self.make_window(
-            id,
-            seg.as_ptr(),
-            &parts,
-            registration,
-            Mapped {
-                _own: Some(seg),
-                _peers: segments,
-            },
-        ))
+        let gather = |m: &[u8]| self.bootstrap.allgather(m).map_err(CoreError::from);
+        let barrier = || self.bootstrap.barrier().map_err(CoreError::from);
+        let w = self.windows.alloc(id, bytes, gather, barrier)?;
+        Ok(self.make_window(w))
     }
 
     /// Registers user memory as a window (collective). Only peers reached
@@ -348,7 +292,7 @@ impl Comm {
     /// `ptr` must be valid for reads and writes of `bytes` bytes, 8-byte
     /// aligned, and outlive the window; remote peers write it concurrently.
     pub unsafe fn register_window(&self, ptr: *mut u8, bytes: u64) -> Result<Window, CoreError> {
-        let shm = self.mapped_peers();
+        let shm = self.windows.mapped_peers();
         // Every rank must agree, or some would wait in the collective forever.
         if let Some(r) = self.bootstrap.first_refusal(shm.is_empty())? {
             return Err(CoreError::Unavailable {
@@ -368,50 +312,11 @@ impl Comm {
             });
         }
         let id = self.take_window_id();
+        let gather = |m: &[u8]| self.bootstrap.allgather(m).map_err(CoreError::from);
+        let barrier = || self.bootstrap.barrier().map_err(CoreError::from);
         // SAFETY: forwarded from the caller's promise.
-        let key = unsafe { self.table.insert(ptr, bytes, Access::ALL)? };
-        let registration = self.registration(id, key, ptr);
-        let HostParts { parts, segments } = self.finish_window(id, ptr, bytes, key, "", false)?;
-        Ok(self.make_window(
-            id,
-            ptr,
-            &parts,
-            registration,
-            Mapped {
-                _own: None,
-                _peers: segments,
-            },
-        ))
-    }
-
-    /// The name of `rank`'s segment for window `id`.
-    fn segment_name(&self, rank: usize, id: u32) -> String {
-        format!("gin-{}-r{rank}-w{id}", self.job_tag)
-    }
-
-    /// Removes every same-host rank's segment name for window `id`. Each
-    /// creator removes its own once the registration is over, but a creator
-    /// killed before that (SIGKILL runs no destructor) would leave its file
-    /// in `GIN_SHM_DIR` for good: every survivor removes the names too,
-    /// after the barrier (nobody needs them then) or when the registration
-    /// failed (it cannot complete anywhere). Names are per job and window,
-    /// so this never touches another job's or window's segment.
-    fn remove_segment_names(&self, id: u32) {
-        let dir = gin_net::shm::shm_dir();
-        let here = self.hosts[self.rank()];
-        for p in (0..self.nranks()).filter(|&p| p != self.rank() && self.hosts[p] == here) {
-            let _ = std::fs::remove_file(dir.join(self.segment_name(p, id)));
-        }
-    }
-
-    fn registration(&self, id: u32, key: u32, base: *mut u8) -> Registration {
-        Registration::new(
-            self.table.clone(),
-            self.fabric.clone(),
-            id,
-            key,
-            base as usize,
-        )
+        let w = unsafe { self.windows.register(id, ptr, bytes, gather, barrier)? };
+        Ok(self.make_window(w))
     }
 
     pub(crate) fn take_window_id(&self) -> u32 {
@@ -424,103 +329,29 @@ impl Comm {
         id
     }
 
-    /// Exchanges (size, key, address, segment name) and maps same-host
-    /// peers' segments.
-    fn finish_window(
-        &self,
-        id: u32,
-        base: *mut u8,
-        bytes: u64,
-        key: u32,
-        path: &str,
-        shared: bool,
-    ) -> Result<HostParts, CoreError> {
-        let mine = PartRecord {
-            size: bytes,
-            key,
-            addr: base as u64,
-            shared,
-            segment: path,
-        }
-        .encode();
-        let all = self.bootstrap.allgather(&mine)?;
-        let parts = HostParts::open(self.rank(), id, &all, |p| {
-            self.fabric.reach(p) == Some(Reach::Mapped)
-        })?;
-        self.bootstrap.barrier()?;
-        debug!(rank = self.rank(), id, "window registered");
-        Ok(parts)
-    }
-
-    fn make_window(
-        &self,
-        id: u32,
-        base: *mut u8,
-        peers: &[HostPart],
-        registration: Registration,
-        mapped: Mapped,
-    ) -> Window {
-        let mapped = Arc::new(mapped);
-        let sizes: Vec<u64> = peers.iter().map(|p| p.size).collect();
-        let peer_bases: Vec<*mut u8> = peers
-            .iter()
-            .enumerate()
-            .map(|(p, e)| {
-                if p == self.rank() {
-                    base
-                } else {
-                    e.mapped as *mut u8
-                }
-            })
-            .collect();
-        let states: Vec<usize> = peers
-            .iter()
-            .enumerate()
-            .map(|(p, e)| {
-                if p == self.rank() {
-                    registration.state()
-                } else {
-                    e.state
-                }
-            })
-            .collect();
-        let parts = MemParts {
-            memory: Memory::Host,
-            local_base: base as usize,
-            sizes: sizes.clone(),
-            peer_bases: peer_bases.iter().map(|p| *p as usize).collect(),
-            keys: peers.iter().map(|p| p.key).collect(),
-            addrs: peers.iter().map(|p| p.addr).collect(),
-            states: states.clone(),
-            keep: Some(KeepAlive(mapped.clone())),
-        };
-        // SAFETY: `base` is this rank's part (sizes[rank] bytes), each
-        // non-null peer base a mapping of that peer's part (sizes[p] bytes)
-        // and each non-zero state a segment's revocation word, all kept
-        // mapped by `mapped`, which the description holds; shared memory is
-        // only reached through raw pointers and atomics.
-        self.fabric.add_window(id, unsafe { MemDesc::new(parts) });
-        let mem = WindowMemory {
-            _registration: registration,
-            _mapped: mapped,
-        };
-        // SAFETY: `base` is this rank's part (sizes[rank] bytes), each non-null
-        // peer base a mapping of that peer's part, each non-null state a
-        // segment's revocation word, all kept alive by `mem`.
+    /// What the device API sees of a host window: its parts, with the
+    /// communicator's id, kept alive by the window.
+    fn make_window(&self, w: HostWindow) -> Window {
+        let id = w.id();
+        let (p, keeper) = w.into_parts();
+        // SAFETY: gin-net listed these parts: `local_base` is this rank's
+        // part (sizes[rank] bytes), each non-null peer base a mapping of
+        // that peer's part, each non-null state a segment's revocation word,
+        // all kept alive by `keeper`.
         unsafe {
             Window::from_parts(
                 WindowParts {
                     id,
                     rank: self.rank(),
                     comm_id: self.id,
-                    local_base: base,
-                    sizes,
-                    peer_bases,
-                    keys: peers.iter().map(|p| p.key).collect(),
-                    addrs: peers.iter().map(|p| p.addr).collect(),
-                    states: states.iter().map(|&s| s as *const AtomicU64).collect(),
+                    local_base: p.local_base as *mut u8,
+                    sizes: p.sizes,
+                    peer_bases: p.peer_bases.iter().map(|&b| b as *mut u8).collect(),
+                    keys: p.keys,
+                    addrs: p.addrs,
+                    states: p.states.iter().map(|&s| s as *const AtomicU64).collect(),
                 },
-                Box::new(mem),
+                keeper,
             )
         }
     }
@@ -552,9 +383,8 @@ impl Comm {
         self.fabric.fence_all()?;
         self.bootstrap.barrier()?;
         w.mark_deregistered();
-        self.fabric.remove_window(w.id());
-        self.table
-            .remove_region(w.key_of(self.rank()), w.as_ptr() as usize);
+        self.windows
+            .withdraw(w.id(), w.key_of(self.rank()), w.as_ptr() as usize);
         Ok(())
     }
 
@@ -562,36 +392,28 @@ impl Comm {
     pub fn dev_comm(&self, req: &DevCommRequirements) -> Result<DevCommHandle<'_>, CoreError> {
         let rank = self.rank();
         let n = self.nranks();
-        requirements::agree(&self.bootstrap, req, &[])?;
-        requirements::check_bounds(rank, n, req)?;
-        let per_ctx = gin_device::signal_slots_per_context(
-            req.signals,
-            req.world_barriers,
-            req.rail_barriers,
-            n,
-        )
-        .map(u64::from)
-        .ok_or_else(|| CoreError::Requirement {
-            rank: self.rank(),
-            what: "signal and barrier counts overflow".into(),
-        })?;
-        let nsig = per_ctx * u64::from(req.contexts);
-        let ncnt = u64::from(req.counters) * u64::from(req.contexts);
+        let zero = |r: &Ranges<'_>| {
+            // Fresh slots start at zero, on every rank, before anyone signals.
+            for i in r.signals.0..r.signals.0 + r.signals.1 {
+                if let Ok(slot) = self.signal_window.slot(i * 8) {
+                    slot.store(0, Ordering::Release);
+                }
+            }
+            for i in r.counters.0..r.counters.0 + r.counters.1 {
+                if let Some(c) = self.counters.slot(i) {
+                    c.store(0, Ordering::Release);
+                }
+            }
+            Ok(())
+        };
+        let per_ctx = || {
+            let (s, w, r) = (req.signals, req.world_barriers, req.rail_barriers);
+            gin_device::signal_slots_per_context(s, w, r, n).ok_or_else(|| overflow(rank))
+        };
         // Freed on every error exit below; kept by the handle on success.
-        let ranges = self.spaces.take(nsig, ncnt)?;
+        let (_, ranges) =
+            requirements::reserve(&self.bootstrap, &self.spaces, req, &[], per_ctx, zero)?;
         let (signal_base, counter_base) = (ranges.signals.0, ranges.counters.0);
-        // Fresh slots start at zero, on every rank, before anyone signals.
-        for i in 0..nsig {
-            if let Ok(slot) = self.signal_window.slot((signal_base + i) * 8) {
-                slot.store(0, Ordering::Release);
-            }
-        }
-        for i in 0..ncnt {
-            if let Some(c) = self.counters.slot(counter_base + i) {
-                c.store(0, Ordering::Release);
-            }
-        }
-        self.agree_placement(signal_base, counter_base)?;
         let selected = self.settings.backend.selection();
         let log2 = self.settings.backend.queue_log2(req.queue_depth)?;
         self.settings.check_usable(&selected)?;
@@ -627,7 +449,7 @@ impl Comm {
             rail_barriers: req.rail_barriers,
             signal_window: self.signal_window.clone(),
             signal_base,
-            signal_slots: nsig,
+            signal_slots: ranges.signals.1,
             counters: self.counters.clone(),
             counter_base,
             lsa: (0..n)
@@ -657,38 +479,9 @@ impl Comm {
         })
     }
 
-    /// Checks that every rank placed signals and counters alike
-    /// (collective).
-    fn agree_placement(&self, signal_base: u64, counter_base: u64) -> Result<(), CoreError> {
-        agree_placement(&self.bootstrap, signal_base, counter_base)
-    }
-
     /// The timeout of waits.
     pub fn timeout(&self) -> Duration {
         self.settings.timeout
-    }
-}
-
-/// Checks that every rank placed a device communicator's signals and
-/// counters alike (collective), CPU and CUDA ranks alike: each rank fails
-/// with the same [`CoreError::Mismatch`], naming who placed them where.
-pub(crate) fn agree_placement(
-    bootstrap: &Bootstrap,
-    signal_base: u64,
-    counter_base: u64,
-) -> Result<(), CoreError> {
-    let placement = [("signal", signal_base), ("counter", counter_base)];
-    match bootstrap.agree(&placement)? {
-        None => Ok(()),
-        Some(d) => Err(CoreError::Mismatch {
-            rank: bootstrap.rank(),
-            what: format!("{} placement", d.field),
-            detail: format!(
-                "{}: device communicators were created or destroyed in different orders, \
-                 or with different requirements",
-                d.detail
-            ),
-        }),
     }
 }
 

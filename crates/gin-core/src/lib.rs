@@ -12,9 +12,10 @@
 //!   the same on every rank; sizes may differ per rank and every rank knows
 //!   every size. [`Comm::alloc_window`] allocates shared memory that same-host
 //!   peers map (the direct path); [`Comm::register_window`] registers user
-//!   memory for TCP peers. gin-net's `part` module maps and serves the
-//!   parts (gin-cuda's `window` for GPU windows); gin-core gives a window its
-//!   id and the handle users hold.
+//!   memory for TCP peers. gin-net's `host_window` module creates, names,
+//!   exchanges, maps, serves and lists the parts (gin-cuda's `window` for
+//!   GPU windows); gin-core gives a window its id, runs the collectives and
+//!   hands out the handle users hold.
 //! - **Device communicators** ([`Comm::dev_comm`]) take their signal and
 //!   counter ranges from communicator-wide id spaces ([`space::IdSpace`],
 //!   first fit with coalescing); ranges freed by destroy are reused, and

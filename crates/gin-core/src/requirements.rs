@@ -14,6 +14,7 @@ use gin_bootstrap::agree::Field;
 
 use crate::comm::{Connection, DevCommRequirements};
 use crate::error::CoreError;
+use crate::space::{Ranges, Spaces};
 
 /// The most contexts a device communicator may have.
 pub const MAX_CONTEXTS: u32 = 1 << 16;
@@ -64,6 +65,63 @@ pub(crate) fn agree(
             rank: bootstrap.rank(),
             what: format!("DevCommRequirements::{}", d.field),
             detail: d.detail,
+        }),
+    }
+}
+
+/// The first steps of every device communicator, on CPU and CUDA ranks
+/// alike, in this order: every rank agrees on `req` (and `extra`,
+/// collective), `req` is bounded, `check` runs the rank's own checks and
+/// returns the signal slots one context takes, the signal and counter
+/// ranges are taken from `spaces` and `zero`ed, and every rank checks that
+/// all placed them alike (collective). On an error after they were taken
+/// the ranges go back.
+pub(crate) fn reserve<'s>(
+    bootstrap: &Bootstrap,
+    spaces: &'s Spaces,
+    req: &DevCommRequirements,
+    extra: &[Field],
+    check: impl FnOnce() -> Result<u32, CoreError>,
+    zero: impl FnOnce(&Ranges<'s>) -> Result<(), CoreError>,
+) -> Result<(u32, Ranges<'s>), CoreError> {
+    agree(bootstrap, req, extra)?;
+    check_bounds(bootstrap.rank(), bootstrap.nranks(), req)?;
+    let per_ctx = check()?;
+    let nsig = u64::from(per_ctx) * u64::from(req.contexts);
+    let ncnt = u64::from(req.counters) * u64::from(req.contexts);
+    let ranges = spaces.take(nsig, ncnt)?;
+    zero(&ranges)?;
+    agree_placement(bootstrap, ranges.signals.0, ranges.counters.0)?;
+    Ok((per_ctx, ranges))
+}
+
+/// What a rank whose signal and barrier counts overflow fails with.
+pub(crate) fn overflow(rank: usize) -> CoreError {
+    CoreError::Requirement {
+        rank,
+        what: "signal and barrier counts overflow".into(),
+    }
+}
+
+/// Checks that every rank placed a device communicator's signals and
+/// counters alike (collective), CPU and CUDA ranks alike: each rank fails
+/// with the same [`CoreError::Mismatch`], naming who placed them where.
+fn agree_placement(
+    bootstrap: &Bootstrap,
+    signal_base: u64,
+    counter_base: u64,
+) -> Result<(), CoreError> {
+    let placement = [("signal", signal_base), ("counter", counter_base)];
+    match bootstrap.agree(&placement)? {
+        None => Ok(()),
+        Some(d) => Err(CoreError::Mismatch {
+            rank: bootstrap.rank(),
+            what: format!("{} placement", d.field),
+            detail: format!(
+                "{}: device communicators were created or destroyed in different orders, \
+                 or with different requirements",
+                d.detail
+            ),
         }),
     }
 }
@@ -206,5 +264,34 @@ mod tests {
         let e = check_bounds(0, 2, &deep).unwrap_err().to_string();
         assert!(e.contains("queue memory"), "{e}");
         check_bounds(0, 16, &DevCommRequirements::default()).unwrap();
+    }
+
+    #[test]
+    fn reserve_takes_zeroed_ranges_or_gives_them_back() {
+        use gin_bootstrap::{Config, run_threads};
+        let req = DevCommRequirements {
+            counters: 3,
+            contexts: 2,
+            ..DevCommRequirements::default()
+        };
+        let out = run_threads(1, Config::default(), move |b| {
+            let spaces = Spaces::new(64, 64);
+            let refuse = || Err(overflow(0));
+            let e = reserve(&b, &spaces, &req, &[], refuse, |_| Ok(())).unwrap_err();
+            assert!(e.to_string().contains("overflow"), "{e}");
+            let fail = |_: &Ranges<'_>| Err(CoreError::Invalid("zeroing failed".into()));
+            reserve(&b, &spaces, &req, &[], || Ok(5), fail).unwrap_err();
+            // Neither failure kept a slot: the whole of both spaces is free.
+            drop(spaces.take(64, 64).unwrap());
+            let mut zeroed = None;
+            let zero = |r: &Ranges<'_>| {
+                zeroed = Some((r.signals, r.counters));
+                Ok(())
+            };
+            let (per_ctx, r) = reserve(&b, &spaces, &req, &[], || Ok(5), zero).unwrap();
+            assert_eq!((per_ctx, r.signals, r.counters), (5, (0, 10), (0, 6)));
+            assert_eq!(zeroed, Some(((0, 10), (0, 6))));
+        });
+        out.unwrap();
     }
 }

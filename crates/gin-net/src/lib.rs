@@ -25,7 +25,8 @@
 //!   the others about its part (size, key, address, shared segment), the
 //!   peers' parts as reached here (same-host segments mapped), and the
 //!   registration whose drop revokes a part, removes it from the directory
-//!   and stops serving it, before its memory goes.
+//!   and stops serving it, before its memory goes; and a host window's
+//!   whole set-up on one rank ([`host_window`]: segment, exchange, entry).
 //! - **Regions** ([`region::RegionTable`]): memory remote peers may
 //!   access, named by random 32-bit keys; every remote request is checked
 //!   for key, rights, bounds and alignment at the target (defence in
@@ -72,6 +73,7 @@
 #![warn(missing_docs)]
 
 pub mod fabric;
+pub mod host_window;
 pub mod idle;
 pub mod part;
 pub mod region;

@@ -4,9 +4,10 @@
 //! ([`HostParts::open`] maps same-host peers' segments), and the
 //! [`Registration`] that stops serving a part before its memory goes.
 //!
-//! What a window means to the device API (its id's allocation, the
-//! communicator it belongs to, the handle users hold) is gin-core's: it
-//! allgathers the records and assembles the window. GPU windows have the
+//! [`crate::host_window`] puts them together: a part's segment, the
+//! exchange of records and the window's directory entry. What a window
+//! means to the device API (its id's allocation, the communicator it
+//! belongs to, the handle users hold) is gin-core's. GPU windows have the
 //! same three pieces in gin-cuda (`gin_cuda::window`).
 
 use std::sync::Arc;

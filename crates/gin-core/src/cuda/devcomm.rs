@@ -95,14 +95,17 @@ impl<'c> CudaComm<'c> {
         let (rank, n) = (comm.rank(), comm.nranks());
         self.dev.make_current()?;
         let selected = kind.selection();
-        let sig_per_ctx = self.check_requirements(req, &selected)?;
-        let ranges = self.take_ranges(req, sig_per_ctx)?;
         let reach = Reach::of(
             self,
             req.connection == Connection::Rail,
             selected.load_store,
         );
-        let lsa_only = self.agree_placement(&ranges, &reach.lsa)?;
+        let (sig_per_ctx, ranges) = self.reserve(req, &selected)?;
+        // Whether every rank reaches every rank by load/store
+        // (`DEVCOMM_FLAG_LSA_ONLY`: a wait reads one word); unconnected
+        // ranks never signal here.
+        let lsa_only = reach.lsa.iter().all(|&l| l != REACH_QUEUE);
+        let lsa_only = comm.bootstrap().first_refusal(lsa_only)?.is_none();
         let log2 = kind.queue_log2(req.queue_depth)?;
         let engine = self.start_engine(req.contexts as usize, &reach.lsa, selected.queues, log2)?;
         let tables = self.reach_tables(req, &reach)?;
@@ -146,75 +149,50 @@ impl<'c> CudaComm<'c> {
     }
 
     /// Checks `req` for the selected backend and that every rank asks
-    /// alike; returns the signals each context takes (its own, then one per
-    /// barrier).
-    fn check_requirements(
+    /// alike, takes the signal and counter ranges from the id spaces (given
+    /// back when they drop), zeroes their slots and checks that every rank
+    /// placed them alike; returns the signals each context takes (its own,
+    /// then one per barrier) and the ranges.
+    fn reserve(
         &self,
         req: &DevCommRequirements,
         selected: &Selection,
-    ) -> Result<u32, CoreError> {
+    ) -> Result<(u32, Ranges<'_>), CoreError> {
         let comm = self.comm;
+        let rank = comm.rank();
+        let check = || {
+            if req.connection == Connection::Rail && req.world_barriers != 0 {
+                return Err(CoreError::Requirement {
+                    rank,
+                    what: format!(
+                        "{} world barriers asked for with a rail connection, which reaches only \
+                         the rail's ranks; use rail barriers or a full connection",
+                        req.world_barriers
+                    ),
+                });
+            }
+            comm.settings().check_usable(selected)?;
+            (req.signals.checked_add(req.world_barriers))
+                .and_then(|v| v.checked_add(req.rail_barriers))
+                .ok_or_else(|| requirements::overflow(rank))
+        };
+        let zero = |r: &Ranges<'_>| {
+            let nn = comm.nranks() as u64;
+            let ((sb, nsig), (cb, ncnt)) = (r.signals, r.counters);
+            let signals = self.signal_window.local();
+            signals.zero((sb * nn * 8) as usize, (nsig * nn * 8) as usize)?;
+            Ok(self
+                .counters
+                .zero((cb * 16) as usize, (ncnt * 16) as usize)?)
+        };
         // Every rank must agree on which peers are reached by load/store,
         // since signals land in different sub-slots for them: the backend
         // travels along with the requirements.
-        requirements::agree(
-            comm.bootstrap(),
-            req,
-            &[(
-                "GIN_BACKEND (load/store to peers or not)",
-                u64::from(selected.load_store),
-            )],
-        )?;
-        requirements::check_bounds(comm.rank(), comm.nranks(), req)?;
-        if req.connection == Connection::Rail && req.world_barriers != 0 {
-            return Err(CoreError::Requirement {
-                rank: comm.rank(),
-                what: format!(
-                    "{} world barriers asked for with a rail connection, which reaches only the \
-                     rail's ranks; use rail barriers or a full connection",
-                    req.world_barriers
-                ),
-            });
-        }
-        comm.settings().check_usable(selected)?;
-        req.signals
-            .checked_add(req.world_barriers)
-            .and_then(|v| v.checked_add(req.rail_barriers))
-            .ok_or_else(|| CoreError::Requirement {
-                rank: comm.rank(),
-                what: "signal and barrier counts overflow".into(),
-            })
-    }
-
-    /// Takes the signal and counter ranges from the id spaces (given back
-    /// when the result drops) and zeroes their slots.
-    fn take_ranges(
-        &self,
-        req: &DevCommRequirements,
-        sig_per_ctx: u32,
-    ) -> Result<Ranges<'_>, CoreError> {
-        let nsig = u64::from(sig_per_ctx) * u64::from(req.contexts);
-        let ncnt = u64::from(req.counters) * u64::from(req.contexts);
-        let ranges = self.spaces.take(nsig, ncnt)?;
-        let (sb, cb) = (ranges.signals.0, ranges.counters.0);
-        let nn = self.comm.nranks() as u64;
-        self.signal_window
-            .local()
-            .zero((sb * nn * 8) as usize, (nsig * nn * 8) as usize)?;
-        self.counters
-            .zero((cb * 16) as usize, (ncnt * 16) as usize)?;
-        Ok(ranges)
-    }
-
-    /// Checks that every rank placed signals and counters alike; returns
-    /// whether every rank reaches every rank by load/store
-    /// (`DEVCOMM_FLAG_LSA_ONLY`: a wait reads one word). Unconnected ranks
-    /// never signal here.
-    fn agree_placement(&self, ranges: &Ranges<'_>, lsa: &[u8]) -> Result<bool, CoreError> {
-        let b = self.comm.bootstrap();
-        crate::comm::agree_placement(b, ranges.signals.0, ranges.counters.0)?;
-        let lsa_only = lsa.iter().all(|&l| l != REACH_QUEUE);
-        Ok(b.first_refusal(lsa_only)?.is_none())
+        let backend = (
+            "GIN_BACKEND (load/store to peers or not)",
+            u64::from(selected.load_store),
+        );
+        requirements::reserve(comm.bootstrap(), &self.spaces, req, &[backend], check, zero)
     }
 
     /// The queues of every context to every peer not reached by
