@@ -1141,6 +1141,8 @@ pub struct UcpLib {
         worker_p: *mut ucp_worker_h,
     ) -> ucs_status_t,
     pub ucp_worker_destroy: unsafe extern "C" fn(worker: ucp_worker_h),
+    pub ucp_worker_query:
+        unsafe extern "C" fn(worker: ucp_worker_h, attr: *mut ucp_worker_attr_t) -> ucs_status_t,
     pub ucp_worker_release_address:
         unsafe extern "C" fn(worker: ucp_worker_h, address: *mut ucp_address_t),
     pub ucp_worker_progress: unsafe extern "C" fn(worker: ucp_worker_h) -> ::std::os::raw::c_uint,
@@ -1241,6 +1243,7 @@ impl UcpLib {
         let ucp_cleanup = __library.get(b"ucp_cleanup\0").map(|sym| *sym)?;
         let ucp_worker_create = __library.get(b"ucp_worker_create\0").map(|sym| *sym)?;
         let ucp_worker_destroy = __library.get(b"ucp_worker_destroy\0").map(|sym| *sym)?;
+        let ucp_worker_query = __library.get(b"ucp_worker_query\0").map(|sym| *sym)?;
         let ucp_worker_release_address = __library
             .get(b"ucp_worker_release_address\0")
             .map(|sym| *sym)?;
@@ -1281,6 +1284,7 @@ impl UcpLib {
             ucp_cleanup,
             ucp_worker_create,
             ucp_worker_destroy,
+            ucp_worker_query,
             ucp_worker_release_address,
             ucp_worker_progress,
             ucp_worker_get_efd,
@@ -1375,6 +1379,13 @@ impl UcpLib {
     }
     pub unsafe fn ucp_worker_destroy(&self, worker: ucp_worker_h) {
         (self.ucp_worker_destroy)(worker)
+    }
+    pub unsafe fn ucp_worker_query(
+        &self,
+        worker: ucp_worker_h,
+        attr: *mut ucp_worker_attr_t,
+    ) -> ucs_status_t {
+        (self.ucp_worker_query)(worker, attr)
     }
     pub unsafe fn ucp_worker_release_address(
         &self,

@@ -95,7 +95,27 @@ impl Ucp {
             unsafe { lib.ucp_cleanup(ctx) };
             return Err(setup_error(&lib, "ucp_worker_create", st));
         }
-        Ok(Self { lib, ctx, worker })
+        let ucp = Self { lib, ctx, worker };
+        // Dropping `ucp` on a refusal destroys the worker and the context.
+        thread_mode_ok(ucp.thread_mode()?)?;
+        Ok(ucp)
+    }
+
+    /// The thread mode UCX actually gave the worker (`ucp_worker_query`):
+    /// a UCX built without thread support hands out a single-thread worker
+    /// whatever was asked.
+    pub(super) fn thread_mode(&self) -> Result<sys::ucs_thread_mode_t, NetError> {
+        let mut attr = sys::ucp_worker_attr_t {
+            field_mask: u64::from(sys::UCP_WORKER_ATTR_FIELD_THREAD_MODE),
+            ..Default::default()
+        };
+        // SAFETY: a live worker and a valid attribute block asking for the
+        // thread mode only.
+        let st = unsafe { self.lib.ucp_worker_query(self.worker, &raw mut attr) };
+        if st != sys::UCS_OK {
+            return Err(setup_error(&self.lib, "ucp_worker_query", st));
+        }
+        Ok(attr.thread_mode)
     }
 
     /// The worker's address, to be sent to peers.
@@ -190,6 +210,26 @@ impl Drop for Ucp {
             self.lib.ucp_cleanup(self.ctx);
         }
     }
+}
+
+/// Refuses a worker whose thread mode is not `UCS_THREAD_MODE_MULTI`: rank
+/// threads, the progress thread and UCX's callbacks all use it at once.
+pub(super) fn thread_mode_ok(mode: sys::ucs_thread_mode_t) -> Result<(), NetError> {
+    if mode == sys::UCS_THREAD_MODE_MULTI {
+        return Ok(());
+    }
+    let name = match mode {
+        sys::UCS_THREAD_MODE_SINGLE => "UCS_THREAD_MODE_SINGLE",
+        sys::UCS_THREAD_MODE_SERIALIZED => "UCS_THREAD_MODE_SERIALIZED",
+        _ => "an unknown thread mode",
+    };
+    Err(NetError::Unavailable {
+        transport: "ucx",
+        why: format!(
+            "UCX gave the worker {name} ({mode}), not the UCS_THREAD_MODE_MULTI gin-rs asked for: this UCX was built without multi-thread support (configure --enable-mt)"
+        ),
+        alternatives: "use a UCX built with --enable-mt (the pinned wheel is; `cargo xtask wheels`), or choose GIN_TRANSPORT=tcp",
+    })
 }
 
 /// What a `*_nbx` call returned.
