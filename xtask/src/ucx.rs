@@ -20,6 +20,7 @@ const FUNCTIONS: &[&str] = &[
     "ucp_get_version",
     "ucp_config_read",
     "ucp_config_release",
+    "ucp_config_modify",
     "ucp_init_version",
     "ucp_cleanup",
     "ucp_worker_create",

@@ -1122,6 +1122,11 @@ pub struct UcpLib {
         config_p: *mut *mut ucp_config_t,
     ) -> ucs_status_t,
     pub ucp_config_release: unsafe extern "C" fn(config: *mut ucp_config_t),
+    pub ucp_config_modify: unsafe extern "C" fn(
+        config: *mut ucp_config_t,
+        name: *const ::std::os::raw::c_char,
+        value: *const ::std::os::raw::c_char,
+    ) -> ucs_status_t,
     pub ucp_get_version: unsafe extern "C" fn(
         major_version: *mut ::std::os::raw::c_uint,
         minor_version: *mut ::std::os::raw::c_uint,
@@ -1238,6 +1243,7 @@ impl UcpLib {
         let ucp_worker_get_address = __library.get(b"ucp_worker_get_address\0").map(|sym| *sym)?;
         let ucp_config_read = __library.get(b"ucp_config_read\0").map(|sym| *sym)?;
         let ucp_config_release = __library.get(b"ucp_config_release\0").map(|sym| *sym)?;
+        let ucp_config_modify = __library.get(b"ucp_config_modify\0").map(|sym| *sym)?;
         let ucp_get_version = __library.get(b"ucp_get_version\0").map(|sym| *sym)?;
         let ucp_init_version = __library.get(b"ucp_init_version\0").map(|sym| *sym)?;
         let ucp_cleanup = __library.get(b"ucp_cleanup\0").map(|sym| *sym)?;
@@ -1279,6 +1285,7 @@ impl UcpLib {
             ucp_worker_get_address,
             ucp_config_read,
             ucp_config_release,
+            ucp_config_modify,
             ucp_get_version,
             ucp_init_version,
             ucp_cleanup,
@@ -1341,6 +1348,14 @@ impl UcpLib {
     }
     pub unsafe fn ucp_config_release(&self, config: *mut ucp_config_t) {
         (self.ucp_config_release)(config)
+    }
+    pub unsafe fn ucp_config_modify(
+        &self,
+        config: *mut ucp_config_t,
+        name: *const ::std::os::raw::c_char,
+        value: *const ::std::os::raw::c_char,
+    ) -> ucs_status_t {
+        (self.ucp_config_modify)(config, name, value)
     }
     pub unsafe fn ucp_get_version(
         &self,

@@ -383,3 +383,18 @@ fn gin_ucx_device_turns_direct_gpu_memory_off_only_when_asked() {
         assert!(!device_from_env(Some(off)), "{off}");
     }
 }
+
+/// The pinned UCX takes the endpoint-based fence every context is made
+/// with (unless `UCX_FENCE_MODE` says otherwise), and refuses a value it
+/// does not know (the fallback to UCX's own default then applies).
+#[test]
+fn the_endpoint_based_fence_is_accepted_and_a_bad_value_is_refused() {
+    if !ucx_here() {
+        return;
+    }
+    let lib = load::open().unwrap();
+    let ctx = Ucp::init(&lib, Some(worker::EP_BASED_FENCE)).unwrap();
+    // SAFETY: made just above, with no worker.
+    unsafe { lib.ucp_cleanup(ctx) };
+    assert!(Ucp::init(&lib, Some((c"FENCE_MODE", c"sometimes"))).is_err());
+}
