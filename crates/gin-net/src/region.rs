@@ -105,7 +105,22 @@ pub trait Backing: Send + Sync {
     fn write(&self, offset: u64, data: &[u8]) -> Result<(), String>;
     /// Copies the bytes at `offset` into `out`; the table checked the range.
     fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), String>;
+
+    /// What makes this memory's device context current on the calling
+    /// thread (for GPU memory: the CUDA context that owns it), for a
+    /// transport whose own threads hand the memory to a library that
+    /// needs it current (the ucx transport's progress thread, where UCX
+    /// maps a region registered before the transport started and executes
+    /// peers' software-emulated writes into it). `None` (the default):
+    /// nothing to make current.
+    fn thread_context(&self) -> Option<ThreadContext> {
+        None
+    }
 }
+
+/// A hook that makes a device context current on the calling thread (see
+/// [`Backing::thread_context`]).
+pub type ThreadContext = Arc<dyn Fn() + Send + Sync>;
 
 #[derive(Clone)]
 struct Entry {
@@ -301,6 +316,16 @@ impl RegionTable {
             access: e.access,
             backed: e.backing.is_some(),
         }))
+    }
+
+    /// The thread-context hook of the backing behind `key`, if any
+    /// ([`Backing::thread_context`]).
+    pub fn thread_context(&self, key: u32) -> Option<ThreadContext> {
+        let map = self
+            .map
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        map.get(&key)?.backing.as_ref()?.thread_context()
     }
 
     /// Forgets `key` if it still names the region at `base` (keys of removed

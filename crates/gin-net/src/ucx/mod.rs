@@ -180,6 +180,11 @@ pub(crate) struct Inner {
     failed: Mutex<HashMap<u32, (usize, wire::Refusal)>>,
     /// Outstanding revocations: (key, peer) pairs not yet acknowledged.
     acks: Mutex<HashSet<(u32, usize)>>,
+    /// The device context the progress thread makes current (from the
+    /// last GPU region registered whose backing has one), and how many
+    /// times it changed: the progress thread runs the newest once.
+    thread_context: Mutex<Option<crate::region::ThreadContext>>,
+    thread_context_changes: AtomicU64,
     /// When each peer's progress thread last answered a ping.
     heard: Mutex<HashMap<usize, Instant>>,
     answers: Mutex<HashMap<u64, Option<Result<wire::Served, wire::Refusal>>>>,
@@ -305,6 +310,8 @@ impl UcxTransport {
             failed: Mutex::new(HashMap::new()),
             acks: Mutex::new(HashSet::new()),
             heard: Mutex::new(HashMap::new()),
+            thread_context: Mutex::new(None),
+            thread_context_changes: AtomicU64::new(0),
             answers: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             inflight: Arc::new(AtomicU64::new(0)),

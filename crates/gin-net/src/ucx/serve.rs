@@ -331,17 +331,24 @@ impl Inner {
             );
             return;
         };
-        let answer =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.answer_for(from, key)))
-                .unwrap_or_else(|_| {
-                    tracing::error!(
-                        rank = self.rank,
-                        from,
-                        key,
-                        "serving an rkey request panicked"
-                    );
-                    Err(wire::Refusal::Internal)
-                });
+        let answer = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            // A GPU region mapped here (registered before the transport
+            // started) needs its context current on this thread.
+            if let Some(h) = self.table.thread_context(key) {
+                h();
+                self.adopt_thread_context(h);
+            }
+            self.answer_for(from, key)
+        }))
+        .unwrap_or_else(|_| {
+            tracing::error!(
+                rank = self.rank,
+                from,
+                key,
+                "serving an rkey request panicked"
+            );
+            Err(wire::Refusal::Internal)
+        });
         if let Err(r) = answer {
             tracing::warn!(
                 rank = self.rank,
@@ -392,9 +399,45 @@ impl Inner {
         })
     }
 
-    /// Maps a region just registered, on the registering thread; a
-    /// failure is kept and answered to every peer that asks.
+    /// Has the progress thread make `h` current on itself (a device
+    /// context: UCX executes peers' software-emulated writes into GPU
+    /// memory there).
+    fn adopt_thread_context(&self, h: crate::region::ThreadContext) {
+        let mut cur = lock(&self.thread_context);
+        if cur.as_ref().is_some_and(|c| Arc::ptr_eq(c, &h)) {
+            return;
+        }
+        *cur = Some(h);
+        self.thread_context_changes.fetch_add(1, Ordering::AcqRel);
+        drop(cur);
+        self.ucp.signal();
+    }
+
+    /// Runs the newest thread-context hook on the calling thread (the
+    /// progress thread) if it changed since `seen`.
+    fn enter_thread_context(&self, seen: &mut u64) {
+        let now = self.thread_context_changes.load(Ordering::Acquire);
+        if now != *seen {
+            *seen = now;
+            let h = lock(&self.thread_context).clone();
+            if let Some(h) = h {
+                h();
+            }
+        }
+    }
+
+    /// Maps a region just registered, on the registering thread (a CUDA
+    /// rank's, where its context is current); a failure is kept and
+    /// answered to every peer that asks. A GPU region's thread-context
+    /// hook is handed to the progress thread.
     fn map_registered(&self, key: u32, base: usize) {
+        self.map_registered_here(key, base);
+        if let Some(h) = self.table.thread_context(key) {
+            self.adopt_thread_context(h);
+        }
+    }
+
+    fn map_registered_here(&self, key: u32, base: usize) {
         self.table.with_region(key, |info| {
             // Removed (or the key drawn again) meanwhile: nothing to map.
             let Some(info) = info.filter(|i| i.base == base) else {
@@ -431,6 +474,8 @@ impl Inner {
         let fail = |call, status| wire::Failure { call, status };
         let params =
             map_params(&info).ok_or(fail(wire::Call::MemMap, sys::UCS_ERR_INVALID_PARAM))?;
+        #[cfg(test)]
+        self.test.mapping_on_this_thread(info.base);
         #[cfg(test)]
         if let Some(st) = self.test.map_fails() {
             return Err(fail(wire::Call::MemMap, st));
@@ -855,7 +900,9 @@ pub(super) fn spawn_progress(
         .name(format!("gin-ucx-{}", inner.rank))
         .spawn(move || {
             let mut idle = Idle::new(spin, Instant::now());
+            let mut context_seen = 0;
             while !inner.closing.load(Ordering::Acquire) {
+                inner.enter_thread_context(&mut context_seen);
                 let worked = inner.drain();
                 let progressed = inner.progress_until_idle();
                 if worked || progressed {

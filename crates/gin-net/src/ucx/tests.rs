@@ -22,6 +22,8 @@ pub(super) struct Hooks {
     hold: AtomicBool,
     /// ... here, until `release_acks`.
     held: Mutex<Vec<(usize, u32)>>,
+    /// Every mapping attempted: the region's base and the thread's name.
+    mapped: Mutex<Vec<(usize, String)>>,
 }
 
 impl Hooks {
@@ -30,6 +32,11 @@ impl Hooks {
             0 => None,
             st => Some(st),
         }
+    }
+
+    pub(super) fn mapping_on_this_thread(&self, base: usize) {
+        let name = std::thread::current().name().unwrap_or("?").to_owned();
+        lock(&self.mapped).push((base, name));
     }
 
     /// Whether the acknowledgement of `key` to `owner` is held back.
@@ -397,4 +404,90 @@ fn the_endpoint_based_fence_is_accepted_and_a_bad_value_is_refused() {
     // SAFETY: made just above, with no worker.
     unsafe { lib.ucp_cleanup(ctx) };
     assert!(Ucp::init(&lib, Some((c"FENCE_MODE", c"sometimes"))).is_err());
+}
+
+/// GPU memory in these tests: nothing behind it (UCX cannot map it with
+/// the CUDA memory type here); its thread-context hook records the
+/// threads it ran on.
+#[derive(Default)]
+struct FakeGpu {
+    entered: Arc<Mutex<Vec<String>>>,
+}
+
+impl crate::region::Backing for FakeGpu {
+    fn write(&self, _: u64, _: &[u8]) -> Result<(), String> {
+        Err("not reached in this test".into())
+    }
+    fn read(&self, _: u64, _: &mut [u8]) -> Result<(), String> {
+        Err("not reached in this test".into())
+    }
+    fn thread_context(&self) -> Option<crate::region::ThreadContext> {
+        let entered = self.entered.clone();
+        Some(Arc::new(move || {
+            let name = std::thread::current().name().unwrap_or("?").to_owned();
+            lock(&entered).push(name);
+        }))
+    }
+}
+
+/// A GPU region is mapped when it is registered, on the registering
+/// thread (a CUDA rank's, where its context is current), never on the
+/// progress thread; the region's thread-context hook is then run on the
+/// progress thread, which executes peers' emulated writes; a peer asking
+/// for its rkey gets the owner's refusal with UCX's status at once.
+#[test]
+fn gpu_regions_are_mapped_on_the_registering_thread_and_the_progress_thread_enters_their_context() {
+    if !ucx_here() {
+        return;
+    }
+    let timeout = Duration::from_secs(30);
+    let out = two_ranks(timeout, move |b, table| {
+        let t = start(b, &table, timeout);
+        let gpu = FakeGpu::default();
+        let entered = gpu.entered.clone();
+        let base = 0x7e00_0000_0000_u64 + b.rank() as u64 * 0x1000_0000;
+        let key = if b.rank() == 1 {
+            table.insert_backed(base, 1 << 20, Arc::new(gpu)).unwrap()
+        } else {
+            0
+        };
+        let key = key_of(b, key, 1);
+        let mut seen = None;
+        if b.rank() == 0 {
+            let began = Instant::now();
+            let e = t
+                .put(1, Target::Key { key, offset: 0 }, &[1; 8], None)
+                .unwrap_err();
+            seen = Some((began.elapsed(), e.to_string()));
+        } else {
+            let began = Instant::now();
+            while lock(&entered).is_empty() {
+                assert!(began.elapsed() < timeout, "the hook never ran");
+                std::thread::yield_now();
+            }
+        }
+        b.barrier().unwrap();
+        let mapped = lock(&t.inner.test.mapped).clone();
+        let me = std::thread::current().name().unwrap_or("?").to_owned();
+        drop(t);
+        let entered = lock(&entered).clone();
+        (seen, mapped, me, base as usize, entered)
+    });
+    let (mapped, me, base, entered) = (&out[1].1, &out[1].2, out[1].3, &out[1].4);
+    let on: Vec<&String> = mapped
+        .iter()
+        .filter(|(b, _)| *b == base)
+        .map(|(_, t)| t)
+        .collect();
+    assert_eq!(on, [me], "mapped on {on:?}, registered on {me:?}");
+    assert!(
+        entered.iter().any(|t| t == "gin-ucx-1"),
+        "entered on {entered:?}"
+    );
+    let (took, e) = out[0].0.as_ref().unwrap();
+    assert!(*took < Duration::from_secs(5), "{took:?}: {e}");
+    assert!(
+        e.contains("GPU memory") && e.contains("ucp_mem_map failed"),
+        "{e}"
+    );
 }
