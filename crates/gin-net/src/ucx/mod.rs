@@ -12,28 +12,39 @@
 //!
 //! # Design
 //!
-//! - One UCP context and worker per rank (`UCS_THREAD_MODE_MULTI`); worker
-//!   addresses are allgathered through gin-bootstrap at the transport's
-//!   collective start, and an endpoint is made to every peer that chose
-//!   ucx (error handling mode "peer": a lost connection fails the
-//!   endpoint and everything in flight on it).
-//! - A progress thread per rank sleeps on the worker's event descriptor
-//!   and progresses it when traffic arrives, so a target whose rank thread
-//!   is busy still executes the software-emulated RMA and atomics of UCX's
-//!   tcp transport, and answers rkey requests. Rank threads progress the
-//!   worker themselves while they wait (flush, atomics, reads).
-//! - Regions are mapped (`ucp_mem_map`) and their rkeys packed by their
-//!   owner when a peer first asks for a key (an active message); the peer
-//!   unpacks each rkey once and caches it. Asking, not allgathering at
-//!   window registration, keeps window registration (gin-core's
-//!   collective) unchanged and serves bare region keys (CUDA ranks' keyed
-//!   operations) alike. When the owner stops serving a region
-//!   ([`crate::region::RegionObserver`]: deregistration, or a window
-//!   dropped without it), it revokes the rkey at every peer that holds it
-//!   and waits (bounded) until each has dropped it and flushed what it
-//!   sent, then unmaps: a later operation fails at its initiator with
-//!   [`NetError::Revoked`], naming rank, window and offset, instead of
-//!   writing memory that is gone.
+//! - One UCP context and worker per rank (`UCS_THREAD_MODE_MULTI`, checked
+//!   with `ucp_worker_query`: a UCX built without thread support is
+//!   refused); worker addresses are allgathered through gin-bootstrap at
+//!   the transport's collective start, and an endpoint is made to every
+//!   peer that chose ucx. Contexts use UCX's endpoint-based fence
+//!   (`FENCE_MODE=ep_based`, unless `UCX_FENCE_MODE` is set).
+//! - A progress thread per rank progresses the worker, so a target whose
+//!   rank thread is busy still executes the software-emulated RMA and
+//!   atomics of UCX's tcp transport, and answers rkey requests. It polls
+//!   for `GIN_UCX_SPIN` (100 µs) after the last event, then sleeps on the
+//!   worker's event descriptor; it never waits inside a loop of its own
+//!   (a revocation's flush completes by callback), and every loop checks
+//!   whether the transport is closing. Rank threads progress the worker
+//!   themselves while they wait (flush, atomics, reads).
+//! - Regions are mapped (`ucp_mem_map`) and their rkeys packed when they
+//!   are registered, on the registering thread
+//!   ([`crate::region::RegionObserver::inserted`]; a CUDA rank registers
+//!   GPU memory from the thread its context is current on), or, for a
+//!   region registered before the transport started, when a peer first
+//!   asks for its key (an active message). Every request is answered: with
+//!   the rkey, or with the UCX call that failed and its status, which the
+//!   initiator's error names with the window and offset. A GPU region's
+//!   backing may name a hook that makes its context current
+//!   ([`crate::region::Backing::thread_context`]): the progress thread
+//!   runs it. The peer unpacks each rkey once and caches it. When the
+//!   owner stops serving a region ([`crate::region::RegionObserver`]:
+//!   deregistration, or a window dropped without it), it revokes the rkey
+//!   at every peer that holds it and waits until each has dropped it and
+//!   flushed what it sent (pinging a late one: a peer whose progress
+//!   thread answers is waited for up to the job's timeout, one silent for
+//!   2 s is taken for dead), or the job failed, then unmaps: a later
+//!   operation fails at its initiator with [`NetError::Revoked`], naming
+//!   rank, window and offset, instead of writing memory that is gone.
 //! - put → `ucp_put_nbx`, get → `ucp_get_nbx`, fetch-add and
 //!   compare-swap → `ucp_atomic_op_nbx`, fence and confirm →
 //!   `ucp_ep_flush_nbx`. Every put's source is copied into a buffer the
