@@ -531,7 +531,6 @@ impl Inner {
         let ctx = Box::new(Flushed {
             work: self.work.clone(),
             lib: Arc::as_ptr(&self.ucp.lib),
-            worker: self.ucp.worker,
             owner,
             key,
         });
@@ -648,25 +647,25 @@ fn refusal(info: RegionInfo, f: wire::Failure) -> wire::Refusal {
 struct Flushed {
     work: Arc<Mutex<Vec<Work>>>,
     lib: *const sys::UcpLib,
-    worker: sys::ucp_worker_h,
     owner: usize,
     key: u32,
 }
 
 /// Completion of a revocation's flush: queues the acknowledgement for the
-/// progress thread (a callback takes no peer lock: it may run inside a
-/// thread's progress that holds one) and wakes it.
+/// progress thread. The callback takes no peer lock (it may run inside a
+/// thread's progress that holds one) and does not call into the worker
+/// (it may run while the worker is destroyed, cancelled): the progress
+/// thread, which runs most completions itself, sees the work after its
+/// progress call, or within its bounded sleep.
 unsafe extern "C" fn flushed(req: *mut c_void, _status: sys::ucs_status_t, user: *mut c_void) {
     // SAFETY: the `Box<Flushed>` leaked by `revoke`; each request
-    // completes once; the library and the worker outlive every request
-    // (endpoints are force-closed before they go).
+    // completes once; the library outlives every request.
     unsafe {
         let f = Box::from_raw(user.cast::<Flushed>());
         lock(&f.work).push(Work::Acknowledge {
             owner: f.owner,
             key: f.key,
         });
-        let _ = (*f.lib).ucp_worker_signal(f.worker);
         (*f.lib).ucp_request_free(req);
     }
 }
