@@ -48,8 +48,9 @@
 //!   timeout on a peer that stopped reading; the error names that peer.
 //! - **ucx** ([`ucx`]): any host, through UCX's UCP API (`libucp.so.0`
 //!   opened at run time; `GIN_TRANSPORT=ucx`). Regions are mapped with
-//!   `ucp_mem_map` when a peer first asks for their rkey and revoked at
-//!   every holder before their memory goes; a put's signal follows a
+//!   `ucp_mem_map` when they are registered (on the registering thread),
+//!   their rkeys handed to a peer when it first asks, and revoked at every
+//!   holder before their memory goes; a put's signal follows a
 //!   `ucp_worker_fence`. docs/ucx.md has the ordering per UCX transport.
 //! - Endpoint addresses are exchanged through gin-bootstrap; transport
 //!   connections authenticate with a token derived from the job secret.

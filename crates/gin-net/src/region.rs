@@ -105,7 +105,22 @@ pub trait Backing: Send + Sync {
     fn write(&self, offset: u64, data: &[u8]) -> Result<(), String>;
     /// Copies the bytes at `offset` into `out`; the table checked the range.
     fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), String>;
+
+    /// What makes this memory's device context current on the calling
+    /// thread (for GPU memory: the CUDA context that owns it), for a
+    /// transport whose own threads hand the memory to a library that
+    /// needs it current (the ucx transport's progress thread, where UCX
+    /// maps a region registered before the transport started and executes
+    /// peers' software-emulated writes into it). `None` (the default):
+    /// nothing to make current.
+    fn thread_context(&self) -> Option<ThreadContext> {
+        None
+    }
 }
+
+/// A hook that makes a device context current on the calling thread (see
+/// [`Backing::thread_context`]).
+pub type ThreadContext = Arc<dyn Fn() + Send + Sync>;
 
 #[derive(Clone)]
 struct Entry {
@@ -136,9 +151,20 @@ enum Target<'a> {
 /// returns (so before its owner frees the memory): a transport that handed
 /// peers a capability for it (the ucx transport's rkeys) revokes and
 /// unmaps it here. Called without the table's lock held.
+///
+/// Also told when a region is registered, on the registering thread,
+/// before the call that registered it returns: a transport that must
+/// prepare memory on a thread with the right state (the ucx transport maps
+/// GPU memory where the rank's CUDA context is current) does it there.
 pub trait RegionObserver: Send + Sync {
     /// `key` (the region at `base`) was removed.
     fn removed(&self, key: u32, base: usize);
+
+    /// `key` (the region at `base`) was registered. The default does
+    /// nothing.
+    fn inserted(&self, key: u32, base: usize) {
+        let _ = (key, base);
+    }
 }
 
 /// A region as [`RegionTable::with_region`] shows it.
@@ -177,7 +203,8 @@ impl RegionTable {
     /// # Safety
     /// The memory must stay valid for reads and writes of `len` bytes until
     /// [`RegionTable::remove`] is called with the returned key; remote peers
-    /// write it concurrently with local use.
+    /// write it concurrently with local use. Observers are told
+    /// ([`RegionObserver::inserted`]) before this returns.
     pub unsafe fn insert(&self, base: *mut u8, len: u64, access: Access) -> Result<u32, NetError> {
         self.insert_entry(Entry {
             base: base as usize,
@@ -190,7 +217,8 @@ impl RegionTable {
     /// Registers `len` bytes reached through `backing` under a fresh random
     /// key; `base` only identifies the region for
     /// [`RegionTable::remove_region`] (a GPU address). Writes and reads
-    /// only: atomics on it are refused.
+    /// only: atomics on it are refused. Observers are told
+    /// ([`RegionObserver::inserted`]) before this returns.
     pub fn insert_backed(
         &self,
         base: u64,
@@ -208,6 +236,15 @@ impl RegionTable {
     }
 
     fn insert_entry(&self, entry: Entry) -> Result<u32, NetError> {
+        let base = entry.base;
+        let key = self.draw_and_insert(entry)?;
+        for o in self.live_observers() {
+            o.inserted(key, base);
+        }
+        Ok(key)
+    }
+
+    fn draw_and_insert(&self, entry: Entry) -> Result<u32, NetError> {
         let mut map = self
             .map
             .write()
@@ -250,15 +287,17 @@ impl RegionTable {
         v.push(o);
     }
 
-    fn tell_removed(&self, key: u32, base: usize) {
-        let live: Vec<Arc<dyn RegionObserver>> = self
-            .observers
+    fn live_observers(&self) -> Vec<Arc<dyn RegionObserver>> {
+        self.observers
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .iter()
             .filter_map(Weak::upgrade)
-            .collect();
-        for o in live {
+            .collect()
+    }
+
+    fn tell_removed(&self, key: u32, base: usize) {
+        for o in self.live_observers() {
             o.removed(key, base);
         }
     }
@@ -277,6 +316,16 @@ impl RegionTable {
             access: e.access,
             backed: e.backing.is_some(),
         }))
+    }
+
+    /// The thread-context hook of the backing behind `key`, if any
+    /// ([`Backing::thread_context`]).
+    pub fn thread_context(&self, key: u32) -> Option<ThreadContext> {
+        let map = self
+            .map
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        map.get(&key)?.backing.as_ref()?.thread_context()
     }
 
     /// Forgets `key` if it still names the region at `base` (keys of removed

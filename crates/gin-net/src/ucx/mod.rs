@@ -12,28 +12,39 @@
 //!
 //! # Design
 //!
-//! - One UCP context and worker per rank (`UCS_THREAD_MODE_MULTI`); worker
-//!   addresses are allgathered through gin-bootstrap at the transport's
-//!   collective start, and an endpoint is made to every peer that chose
-//!   ucx (error handling mode "peer": a lost connection fails the
-//!   endpoint and everything in flight on it).
-//! - A progress thread per rank sleeps on the worker's event descriptor
-//!   and progresses it when traffic arrives, so a target whose rank thread
-//!   is busy still executes the software-emulated RMA and atomics of UCX's
-//!   tcp transport, and answers rkey requests. Rank threads progress the
-//!   worker themselves while they wait (flush, atomics, reads).
-//! - Regions are mapped (`ucp_mem_map`) and their rkeys packed by their
-//!   owner when a peer first asks for a key (an active message); the peer
-//!   unpacks each rkey once and caches it. Asking, not allgathering at
-//!   window registration, keeps window registration (gin-core's
-//!   collective) unchanged and serves bare region keys (CUDA ranks' keyed
-//!   operations) alike. When the owner stops serving a region
-//!   ([`crate::region::RegionObserver`]: deregistration, or a window
-//!   dropped without it), it revokes the rkey at every peer that holds it
-//!   and waits (bounded) until each has dropped it and flushed what it
-//!   sent, then unmaps: a later operation fails at its initiator with
-//!   [`NetError::Revoked`], naming rank, window and offset, instead of
-//!   writing memory that is gone.
+//! - One UCP context and worker per rank (`UCS_THREAD_MODE_MULTI`, checked
+//!   with `ucp_worker_query`: a UCX built without thread support is
+//!   refused); worker addresses are allgathered through gin-bootstrap at
+//!   the transport's collective start, and an endpoint is made to every
+//!   peer that chose ucx. Contexts use UCX's endpoint-based fence
+//!   (`FENCE_MODE=ep_based`, unless `UCX_FENCE_MODE` is set).
+//! - A progress thread per rank progresses the worker, so a target whose
+//!   rank thread is busy still executes the software-emulated RMA and
+//!   atomics of UCX's tcp transport, and answers rkey requests. It polls
+//!   for `GIN_UCX_SPIN` (100 µs) after the last event, then sleeps on the
+//!   worker's event descriptor; it never waits inside a loop of its own
+//!   (a revocation's flush completes by callback), and every loop checks
+//!   whether the transport is closing. Rank threads progress the worker
+//!   themselves while they wait (flush, atomics, reads).
+//! - Regions are mapped (`ucp_mem_map`) and their rkeys packed when they
+//!   are registered, on the registering thread
+//!   ([`crate::region::RegionObserver::inserted`]; a CUDA rank registers
+//!   GPU memory from the thread its context is current on), or, for a
+//!   region registered before the transport started, when a peer first
+//!   asks for its key (an active message). Every request is answered: with
+//!   the rkey, or with the UCX call that failed and its status, which the
+//!   initiator's error names with the window and offset. A GPU region's
+//!   backing may name a hook that makes its context current
+//!   ([`crate::region::Backing::thread_context`]): the progress thread
+//!   runs it. The peer unpacks each rkey once and caches it. When the
+//!   owner stops serving a region ([`crate::region::RegionObserver`]:
+//!   deregistration, or a window dropped without it), it revokes the rkey
+//!   at every peer that holds it and waits until each has dropped it and
+//!   flushed what it sent (pinging a late one: a peer whose progress
+//!   thread answers is waited for up to the job's timeout, one silent for
+//!   2 s is taken for dead), or the job failed, then unmaps: a later
+//!   operation fails at its initiator with [`NetError::Revoked`], naming
+//!   rank, window and offset, instead of writing memory that is gone.
 //! - put → `ucp_put_nbx`, get → `ucp_get_nbx`, fetch-add and
 //!   compare-swap → `ucp_atomic_op_nbx`, fence and confirm →
 //!   `ucp_ep_flush_nbx`. Every put's source is copied into a buffer the
@@ -160,8 +171,12 @@ struct Peer {
 enum Work {
     /// Answer `from`'s request for `key`'s rkey.
     Serve { from: usize, key: u32, id: u64 },
-    /// Drop `key`'s rkey from `owner`, flush, acknowledge.
+    /// Drop `key`'s rkey from `owner`, flush, then acknowledge.
     Revoke { owner: usize, key: u32 },
+    /// The flush of a revocation completed: acknowledge it to `owner`.
+    Acknowledge { owner: usize, key: u32 },
+    /// Answer `to`'s ping.
+    Pong { to: usize },
 }
 
 /// Shared by the transport, its progress thread and UCX's callbacks.
@@ -171,18 +186,31 @@ pub(crate) struct Inner {
     peers: Vec<Option<Peer>>,
     table: Arc<RegionTable>,
     served: Mutex<HashMap<u32, serve::Mapping>>,
+    /// Regions UCX could not map, by key: (base, why), answered to every
+    /// peer that asks.
+    failed: Mutex<HashMap<u32, (usize, wire::Refusal)>>,
     /// Outstanding revocations: (key, peer) pairs not yet acknowledged.
     acks: Mutex<HashSet<(u32, usize)>>,
+    /// The device context the progress thread makes current (from the
+    /// last GPU region registered whose backing has one), and how many
+    /// times it changed: the progress thread runs the newest once.
+    thread_context: Mutex<Option<crate::region::ThreadContext>>,
+    thread_context_changes: AtomicU64,
+    /// When each peer's progress thread last answered a ping.
+    heard: Mutex<HashMap<usize, Instant>>,
     answers: Mutex<HashMap<u64, Option<Result<wire::Served, wire::Refusal>>>>,
     next_id: AtomicU64,
     /// Fire-and-forget requests still pending: while any is, the progress
     /// thread polls instead of sleeping (a proxy waiting for a get's
     /// counter does not progress the worker itself).
     inflight: Arc<AtomicU64>,
-    work: Mutex<Vec<Work>>,
+    work: Arc<Mutex<Vec<Work>>>,
     closing: AtomicBool,
     timeout: Duration,
     alive: OnceLock<Alive>,
+    /// Failures the tests inject.
+    #[cfg(test)]
+    test: tests::Hooks,
 }
 
 /// The ucx transport of one rank.
@@ -194,6 +222,24 @@ pub struct UcxTransport {
     /// CUDA ranks stage it through pinned host memory instead.
     device: bool,
 }
+
+/// How long the progress thread polls after the last event before it
+/// sleeps (`GIN_UCX_SPIN`, default [`SPIN`]; 0: sleep whenever idle).
+fn spin_from_env(v: Option<&str>) -> Result<Duration, NetError> {
+    match v {
+        None => Ok(SPIN),
+        Some(t) if t.trim() == "0" => Ok(Duration::ZERO),
+        Some(t) => gin_bootstrap::parse_duration(t).map_err(|why| NetError::Unavailable {
+            transport: "ucx",
+            why: format!("GIN_UCX_SPIN={t:?} is not a duration: {why}"),
+            alternatives: "unset GIN_UCX_SPIN or give a duration such as 100us",
+        }),
+    }
+}
+
+/// The progress thread's default polling time after the last event: as an
+/// idle proxy's (`GIN_PROXY_SPIN`'s default).
+const SPIN: Duration = Duration::from_micros(100);
 
 /// Whether `GIN_UCX_DEVICE` (unset: yes) lets CUDA ranks hand GPU memory
 /// to UCX directly.
@@ -233,12 +279,14 @@ impl UcxTransport {
         // Every rank joins the address exchange, even one that cannot load
         // UCX (it sends an empty address), so none waits in a collective
         // its peers left: all fail, each naming what is missing.
+        let spin = spin_from_env(std::env::var("GIN_UCX_SPIN").ok().as_deref());
         let ucp = load::open().and_then(Ucp::new);
-        let mine = match &ucp {
-            Ok(u) => u.address()?,
-            Err(_) => Vec::new(),
+        let mine = match (&spin, &ucp) {
+            (Ok(_), Ok(u)) => u.address()?,
+            _ => Vec::new(),
         };
         let addrs = b.allgather(&mine)?;
+        let spin = spin?;
         let ucp = ucp?;
         if let Some(p) = addrs.iter().position(Vec::is_empty) {
             return Err(NetError::Unavailable {
@@ -270,14 +318,20 @@ impl UcxTransport {
             peers,
             table: table.clone(),
             served: Mutex::new(HashMap::new()),
+            failed: Mutex::new(HashMap::new()),
             acks: Mutex::new(HashSet::new()),
+            heard: Mutex::new(HashMap::new()),
+            thread_context: Mutex::new(None),
+            thread_context_changes: AtomicU64::new(0),
             answers: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             inflight: Arc::new(AtomicU64::new(0)),
-            work: Mutex::new(Vec::new()),
+            work: Arc::new(Mutex::new(Vec::new())),
             closing: AtomicBool::new(false),
             timeout,
             alive: OnceLock::new(),
+            #[cfg(test)]
+            test: tests::Hooks::default(),
         });
         serve::set_handlers(&inner)?;
         for (p, a) in addrs.iter().enumerate() {
@@ -288,7 +342,7 @@ impl UcxTransport {
         }
         let weak: Weak<dyn crate::region::RegionObserver> = Arc::downgrade(&inner) as Weak<_>;
         table.observe(weak);
-        let progress = serve::spawn_progress(&inner)?;
+        let progress = serve::spawn_progress(&inner, spin)?;
         // Every worker has its endpoints and handlers before anyone sends.
         b.barrier()?;
         Ok(Self {
@@ -673,23 +727,7 @@ impl Inner {
         let served = match serve::ask(self, peer, key)? {
             Ok(s) => s,
             Err(wire::Refusal::Unknown) => return Ok(None),
-            Err(wire::Refusal::Device) => {
-                return Err(NetError::Refused {
-                    peer: peer.rank,
-                    why: format!(
-                        "key {key:#010x} names GPU memory, which rank {}'s UCX could not map with the CUDA memory type (are its cuda_copy and cuda_ipc transports loaded? `ucx_info -d` lists them)",
-                        peer.rank
-                    ),
-                    window: None,
-                });
-            }
-            Err(wire::Refusal::Map) => {
-                return Err(NetError::Refused {
-                    peer: peer.rank,
-                    why: format!("rank {} could not map key {key:#010x} with UCX", peer.rank),
-                    window: None,
-                });
-            }
+            Err(r) => return Err(self.refused(peer.rank, key, r)),
         };
         let mut s = lock(&peer.state);
         if let Some(r) = s.keys.get(&key) {
@@ -735,6 +773,33 @@ impl Inner {
         });
         s.keys.insert(key, r.clone());
         Ok(Some(r))
+    }
+}
+
+impl Inner {
+    /// The error for an owner's refusal to serve `key`, with the UCX call
+    /// that failed there and its status.
+    fn refused(&self, owner: usize, key: u32, r: wire::Refusal) -> NetError {
+        let failed =
+            |f: wire::Failure| format!("{} failed: {}", f.call.name(), self.ucp.text(f.status));
+        let why = match r {
+            wire::Refusal::Device(f) => format!(
+                "rank {owner} could not map key {key:#010x} (GPU memory) with UCX's CUDA memory type: {} (are its cuda_copy and cuda_ipc transports loaded? `ucx_info -d` lists them)",
+                failed(f)
+            ),
+            wire::Refusal::Map(f) => format!(
+                "rank {owner} could not map key {key:#010x} (host memory) with UCX: {}",
+                failed(f)
+            ),
+            wire::Refusal::Internal | wire::Refusal::Unknown => {
+                format!("rank {owner} failed serving key {key:#010x} (its log says why)")
+            }
+        };
+        NetError::Refused {
+            peer: owner,
+            why,
+            window: None,
+        }
     }
 }
 
@@ -801,7 +866,26 @@ impl UcxTransport {
                 window: None,
             },
         };
-        let remote = self.inner.remote(peer, key)?.ok_or_else(gone)?;
+        let remote = self
+            .inner
+            .remote(peer, key)
+            .map_err(|e| match (e, t) {
+                // The owner's refusal names the key; this rank knows its window.
+                (
+                    NetError::Refused {
+                        peer,
+                        why,
+                        window: None,
+                    },
+                    Target::Window(_, a),
+                ) => NetError::Refused {
+                    peer,
+                    why: format!("{why}, at offset {}", a.offset),
+                    window: Some(a.window),
+                },
+                (e, _) => e,
+            })?
+            .ok_or_else(gone)?;
         if offset.checked_add(len).is_none_or(|e| e > remote.len) {
             return Err(NetError::Refused {
                 peer: peer.rank,
@@ -1343,27 +1427,4 @@ impl UcxTransport {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A request on GPU memory names the CUDA memory type and nothing
-    /// else (no callback: the caller waits for it).
-    #[test]
-    fn device_requests_name_the_cuda_memory_type() {
-        let p = device_param();
-        assert_eq!(p.op_attr_mask, sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE);
-        assert_eq!(p.memory_type, sys::UCS_MEMORY_TYPE_CUDA);
-        assert!(p.user_data.is_null());
-        // SAFETY: reading the union's variant a default block holds (none).
-        assert!(unsafe { p.cb.send }.is_none());
-    }
-
-    #[test]
-    fn gin_ucx_device_turns_direct_gpu_memory_off_only_when_asked() {
-        assert!(device_from_env(None));
-        assert!(device_from_env(Some("1")));
-        for off in ["0", "no", "off", "false"] {
-            assert!(!device_from_env(Some(off)), "{off}");
-        }
-    }
-}
+mod tests;

@@ -1,19 +1,22 @@
 //! The owner's side of the ucx transport, and the progress thread: regions
-//! are mapped and their rkeys packed when a peer first asks for a key,
-//! and revoked at every peer that holds them when the region stops being
-//! served.
+//! are mapped and their rkeys packed when they are registered (on the
+//! registering thread, which for a CUDA rank has its context current), or
+//! when a peer first asks for a key of a region registered before the
+//! transport started; every request is answered, with UCX's status when
+//! the mapping failed; rkeys are revoked at every peer that holds them
+//! when the region stops being served.
 
 use std::collections::HashSet;
 use std::ffi::c_void;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::worker::{Started, Ucp, started};
 use super::{Inner, Peer, Work, lock, sys, wire};
 use crate::NetError;
-use crate::region::RegionObserver;
+use crate::region::{RegionInfo, RegionObserver};
 
 /// A region this rank mapped for its peers.
 pub(super) struct Mapping {
@@ -35,10 +38,6 @@ impl Mapping {
         let _ = unsafe { ucp.lib.ucp_mem_unmap(ucp.ctx, self.memh) };
     }
 }
-
-/// How long an owner waits for peers to acknowledge a revocation before it
-/// unmaps anyway (a stopped or dead peer must not hold a deregistration).
-const REVOKE_WAIT: Duration = Duration::from_secs(2);
 
 /// `ucp_mem_map`'s parameters for a region: its address and length, and
 /// for GPU memory (a region behind a backing, whose base is its device
@@ -69,6 +68,8 @@ pub(super) fn set_handlers(inner: &Arc<Inner>) -> Result<(), NetError> {
         (wire::id::ANSWER, on_answer),
         (wire::id::REVOKE, on_revoke),
         (wire::id::REVOKED, on_revoked),
+        (wire::id::PING, on_ping),
+        (wire::id::PONG, on_pong),
     ] {
         let p = sys::ucp_am_handler_param_t {
             field_mask: u64::from(
@@ -167,7 +168,7 @@ unsafe extern "C" fn on_answer(
         unsafe { std::slice::from_raw_parts(data.cast::<u8>(), len) }
     };
     let got = match a.status {
-        Ok(()) => wire::Served::decode(body).ok_or(wire::Refusal::Map),
+        Ok(()) => wire::Served::decode(body).ok_or(wire::Refusal::Internal),
         Err(r) => Err(r),
     };
     if let Some(slot) = lock(&inner.answers).get_mut(&a.id) {
@@ -211,6 +212,40 @@ unsafe extern "C" fn on_revoked(
     sys::UCS_OK
 }
 
+unsafe extern "C" fn on_ping(
+    arg: *mut c_void,
+    header: *const c_void,
+    hlen: usize,
+    _data: *mut c_void,
+    _len: usize,
+    _param: *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t {
+    // SAFETY: called by UCX as registered.
+    let (inner, h) = unsafe { parts(arg, header, hlen) };
+    if let Some(a) = wire::Ask::decode(h) {
+        inner.queue(Work::Pong {
+            to: a.from as usize,
+        });
+    }
+    sys::UCS_OK
+}
+
+unsafe extern "C" fn on_pong(
+    arg: *mut c_void,
+    header: *const c_void,
+    hlen: usize,
+    _data: *mut c_void,
+    _len: usize,
+    _param: *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t {
+    // SAFETY: called by UCX as registered.
+    let (inner, h) = unsafe { parts(arg, header, hlen) };
+    if let Some(a) = wire::Ask::decode(h) {
+        lock(&inner.heard).insert(a.from as usize, Instant::now());
+    }
+    sys::UCS_OK
+}
+
 /// What a message send owns until it completes.
 struct Sending {
     data: Vec<u8>,
@@ -218,7 +253,11 @@ struct Sending {
 }
 
 /// Completion of a message send: frees what it carried and the request.
-unsafe extern "C" fn sent(req: *mut c_void, _status: sys::ucs_status_t, user: *mut c_void) {
+unsafe extern "C" fn sent(req: *mut c_void, status: sys::ucs_status_t, user: *mut c_void) {
+    if status != sys::UCS_OK {
+        // Its receiver times out waiting (naming what it waited for).
+        tracing::warn!(status, "a ucx transport message was not delivered");
+    }
     // SAFETY: the `Box<Sending>` leaked by `send`; each request completes
     // once; the library outlives every request.
     unsafe {
@@ -228,17 +267,17 @@ unsafe extern "C" fn sent(req: *mut c_void, _status: sys::ucs_status_t, user: *m
 }
 
 impl Inner {
-    fn queue(&self, w: Work) {
+    pub(super) fn queue(&self, w: Work) {
         lock(&self.work).push(w);
         self.ucp.signal();
     }
 
     /// Sends an active message to `peer` (header copied, `data` owned by
-    /// the request until sent). Failures surface as the peer's error.
-    fn send(&self, peer: &Peer, id: u32, header: &[u8], data: Vec<u8>) {
+    /// the request until sent); why not, when it could not be sent.
+    fn send(&self, peer: &Peer, id: u32, header: &[u8], data: Vec<u8>) -> Result<(), String> {
         let s = lock(&peer.state);
         if s.ep.is_null() {
-            return;
+            return Err(format!("the endpoint to rank {} is closed", peer.rank));
         }
         let data = Box::new(Sending {
             data,
@@ -267,58 +306,180 @@ impl Inner {
                 &raw const p,
             )
         };
-        match started(r) {
+        let st = started(r);
+        if !matches!(st, Started::Pending(_)) {
+            // SAFETY: UCX did not keep the data (no callback runs).
+            drop(unsafe { Box::from_raw(p.user_data.cast::<Sending>()) });
+        }
+        match st {
             // `sent` frees it and the request.
-            Started::Pending(_) => {}
-            Started::Done | Started::Failed(_) => {
-                // SAFETY: UCX did not keep the data (no callback runs).
-                drop(unsafe { Box::from_raw(p.user_data.cast::<Sending>()) });
-            }
+            Started::Pending(_) | Started::Done => Ok(()),
+            Started::Failed(st) => Err(format!("ucp_am_send_nbx failed: {}", self.ucp.text(st))),
         }
     }
 
-    /// Maps `key` (once) and answers `from`'s request for its rkey.
+    /// Answers `from`'s request for `key`'s rkey, always: with the rkey
+    /// (mapped at registration, or now), or with why not (an unknown key,
+    /// the UCX call that failed and its status, or an internal failure).
     fn serve(&self, from: usize, key: u32, id: u64) {
         let Some(peer) = self.peer_opt(from) else {
+            tracing::warn!(
+                rank = self.rank,
+                from,
+                key,
+                "an rkey request from a rank this transport does not reach"
+            );
             return;
         };
-        let answer = self.table.with_region(key, |info| {
+        let answer = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            // A GPU region mapped here (registered before the transport
+            // started) needs its context current on this thread.
+            if let Some(h) = self.table.thread_context(key) {
+                h();
+                self.adopt_thread_context(h);
+            }
+            self.answer_for(from, key)
+        }))
+        .unwrap_or_else(|_| {
+            tracing::error!(
+                rank = self.rank,
+                from,
+                key,
+                "serving an rkey request panicked"
+            );
+            Err(wire::Refusal::Internal)
+        });
+        if let Err(r) = answer {
+            tracing::warn!(
+                rank = self.rank,
+                from,
+                key = format_args!("{key:#010x}"),
+                ?r,
+                "refusing an rkey request"
+            );
+        }
+        let (status, data) = match answer {
+            Ok(s) => (Ok(()), s.encode()),
+            Err(r) => (Err(r), Vec::new()),
+        };
+        if let Err(why) = self.send(
+            peer,
+            wire::id::ANSWER,
+            &wire::Answer { id, status }.encode(),
+            data,
+        ) {
+            tracing::warn!(rank = self.rank, to = from, key, %why, "cannot answer an rkey request");
+        }
+    }
+
+    /// The rkey of `key` for `from`: the mapping made at registration, or
+    /// one made now (a region registered before this transport started);
+    /// a mapping that failed is refused with the failed call and status.
+    fn answer_for(&self, from: usize, key: u32) -> Result<wire::Served, wire::Refusal> {
+        self.table.with_region(key, |info| {
             let info = info.ok_or(wire::Refusal::Unknown)?;
+            if let Some(&(_, r)) = lock(&self.failed)
+                .get(&key)
+                .filter(|(b, _)| *b == info.base)
+            {
+                return Err(r);
+            }
             let mut served = lock(&self.served);
             if let Some(m) = served.get_mut(&key).filter(|m| m.base == info.base) {
                 m.holders.insert(from);
                 return Ok(m.served.clone());
             }
-            let m = self.map(info).ok_or(if info.backed {
-                wire::Refusal::Device
-            } else {
-                wire::Refusal::Map
-            })?;
+            let mut m = self.map(info).map_err(|f| refusal(info, f))?;
+            m.holders.insert(from);
             let s = m.served.clone();
             if let Some(old) = served.insert(key, m) {
                 old.unmap(&self.ucp);
             }
-            if let Some(m) = served.get_mut(&key) {
-                m.holders.insert(from);
-            }
             Ok(s)
+        })
+    }
+
+    /// Has the progress thread make `h` current on itself (a device
+    /// context: UCX executes peers' software-emulated writes into GPU
+    /// memory there).
+    fn adopt_thread_context(&self, h: crate::region::ThreadContext) {
+        let mut cur = lock(&self.thread_context);
+        if cur.as_ref().is_some_and(|c| Arc::ptr_eq(c, &h)) {
+            return;
+        }
+        *cur = Some(h);
+        self.thread_context_changes.fetch_add(1, Ordering::AcqRel);
+        drop(cur);
+        self.ucp.signal();
+    }
+
+    /// Runs the newest thread-context hook on the calling thread (the
+    /// progress thread) if it changed since `seen`.
+    fn enter_thread_context(&self, seen: &mut u64) {
+        let now = self.thread_context_changes.load(Ordering::Acquire);
+        if now != *seen {
+            *seen = now;
+            let h = lock(&self.thread_context).clone();
+            if let Some(h) = h {
+                h();
+            }
+        }
+    }
+
+    /// Maps a region just registered, on the registering thread (a CUDA
+    /// rank's, where its context is current); a failure is kept and
+    /// answered to every peer that asks. A GPU region's thread-context
+    /// hook is handed to the progress thread.
+    fn map_registered(&self, key: u32, base: usize) {
+        self.map_registered_here(key, base);
+        if let Some(h) = self.table.thread_context(key) {
+            self.adopt_thread_context(h);
+        }
+    }
+
+    fn map_registered_here(&self, key: u32, base: usize) {
+        self.table.with_region(key, |info| {
+            // Removed (or the key drawn again) meanwhile: nothing to map.
+            let Some(info) = info.filter(|i| i.base == base) else {
+                return;
+            };
+            let mut served = lock(&self.served);
+            if served.get(&key).is_some_and(|m| m.base == base) {
+                return;
+            }
+            match self.map(info) {
+                Ok(m) => {
+                    if let Some(old) = served.insert(key, m) {
+                        old.unmap(&self.ucp);
+                    }
+                }
+                Err(f) => {
+                    tracing::warn!(
+                        rank = self.rank,
+                        key = format_args!("{key:#010x}"),
+                        gpu = info.backed,
+                        call = f.call.name(),
+                        status = %self.ucp.text(f.status),
+                        "cannot map a registered region with UCX; peers asking for it are refused"
+                    );
+                    lock(&self.failed).insert(key, (base, refusal(info, f)));
+                }
+            }
         });
-        let (status, data) = match answer {
-            Ok(s) => (Ok(()), s.encode()),
-            Err(r) => (Err(r), Vec::new()),
-        };
-        self.send(
-            peer,
-            wire::id::ANSWER,
-            &wire::Answer { id, status }.encode(),
-            data,
-        );
     }
 
     /// `ucp_mem_map` and `ucp_rkey_pack` of a region (called under the
     /// table's read guard: the memory stays valid meanwhile).
-    fn map(&self, info: crate::region::RegionInfo) -> Option<Mapping> {
-        let params = map_params(&info)?;
+    fn map(&self, info: RegionInfo) -> Result<Mapping, wire::Failure> {
+        let fail = |call, status| wire::Failure { call, status };
+        let params =
+            map_params(&info).ok_or(fail(wire::Call::MemMap, sys::UCS_ERR_INVALID_PARAM))?;
+        #[cfg(test)]
+        self.test.mapping_on_this_thread(info.base);
+        #[cfg(test)]
+        if let Some(st) = self.test.map_fails() {
+            return Err(fail(wire::Call::MemMap, st));
+        }
         let mut memh: sys::ucp_mem_h = std::ptr::null_mut();
         // SAFETY: a registered region (valid while the guard is held);
         // UCX registers it without allocating.
@@ -328,8 +489,7 @@ impl Inner {
                 .ucp_mem_map(self.ucp.ctx, &raw const params, &raw mut memh)
         };
         if st != sys::UCS_OK {
-            tracing::warn!(rank = self.rank, st = %self.ucp.text(st), gpu = info.backed, "ucp_mem_map failed");
-            return None;
+            return Err(fail(wire::Call::MemMap, st));
         }
         let (mut buf, mut n): (*mut c_void, usize) = (std::ptr::null_mut(), 0);
         // SAFETY: a live memory handle; valid out-pointers; released below.
@@ -341,13 +501,13 @@ impl Inner {
         if st != sys::UCS_OK {
             // SAFETY: mapped above, unmapped once.
             let _ = unsafe { self.ucp.lib.ucp_mem_unmap(self.ucp.ctx, memh) };
-            return None;
+            return Err(fail(wire::Call::RkeyPack, st));
         }
         // SAFETY: UCX returned `n` bytes at `buf`.
         let rkey = unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), n) }.to_vec();
         // SAFETY: returned by `ucp_rkey_pack`, released once.
         unsafe { self.ucp.lib.ucp_rkey_buffer_release(buf) };
-        Some(Mapping {
+        Ok(Mapping {
             memh,
             base: info.base,
             served: wire::Served {
@@ -361,63 +521,167 @@ impl Inner {
     }
 
     /// Drops `key`'s rkey from `owner`, then flushes what was sent to it
-    /// and acknowledges: the owner unmaps only after that.
+    /// and acknowledges once the flush completed (the owner unmaps only
+    /// after that). Never waits here: the flush's completion queues the
+    /// acknowledgement, so the progress thread keeps answering meanwhile.
     fn revoke(&self, owner: usize, key: u32) {
         let Some(peer) = self.peer_opt(owner) else {
             return;
         };
-        let ep = {
+        let ctx = Box::new(Flushed {
+            work: self.work.clone(),
+            lib: Arc::as_ptr(&self.ucp.lib),
+            owner,
+            key,
+        });
+        let mut p = sys::ucp_request_param_t {
+            op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA,
+            user_data: Box::into_raw(ctx).cast(),
+            ..Default::default()
+        };
+        p.cb.send = Some(flushed);
+        let r = {
             let mut s = lock(&peer.state);
             if let Some(r) = s.keys.remove(&key) {
                 s.graveyard.push(r);
             }
             s.revoked.insert(key);
-            s.ep
-        };
-        if ep.is_null() {
-            return;
-        }
-        let p = sys::ucp_request_param_t::default();
-        let r = {
-            let s = lock(&peer.state);
             if s.ep.is_null() {
-                return;
+                None
+            } else {
+                // SAFETY: a live endpoint under the peer's lock; the
+                // context is the callback's until it runs.
+                Some(unsafe { self.ucp.lib.ucp_ep_flush_nbx(s.ep, &raw const p) })
             }
-            // SAFETY: a live endpoint under the peer's lock.
-            unsafe { self.ucp.lib.ucp_ep_flush_nbx(s.ep, &raw const p) }
         };
-        if let Started::Pending(req) = started(r) {
-            let until = Instant::now() + self.timeout;
-            // SAFETY: a live request of this worker (the progress thread
-            // progresses here, outside any callback).
-            while unsafe { self.ucp.status(req) } == sys::UCS_INPROGRESS && Instant::now() < until {
-                self.ucp.progress();
+        match r.map(started) {
+            // `flushed` queues the acknowledgement.
+            Some(Started::Pending(_)) => {}
+            Some(Started::Done | Started::Failed(_)) => {
+                // SAFETY: UCX did not keep the context (no callback runs).
+                drop(unsafe { Box::from_raw(p.user_data.cast::<Flushed>()) });
+                self.acknowledge(owner, key);
             }
-            // SAFETY: released once.
-            unsafe { self.ucp.free(req) };
+            None => {
+                // SAFETY: never handed to UCX.
+                drop(unsafe { Box::from_raw(p.user_data.cast::<Flushed>()) });
+            }
+        }
+    }
+
+    /// Tells `owner` that `key`'s rkey is dropped and what was sent before
+    /// is complete.
+    fn acknowledge(&self, owner: usize, key: u32) {
+        let Some(peer) = self.peer_opt(owner) else {
+            return;
+        };
+        #[cfg(test)]
+        if self.test.hold_ack(owner, key) {
+            return;
         }
         let ack = wire::Ask {
             from: u32::try_from(self.rank).unwrap_or(u32::MAX),
             key,
             id: 0,
         };
-        self.send(peer, wire::id::REVOKED, &ack.encode(), Vec::new());
+        if let Err(why) = self.send(peer, wire::id::REVOKED, &ack.encode(), Vec::new()) {
+            tracing::warn!(rank = self.rank, owner, key, %why, "cannot acknowledge a revocation");
+        }
     }
 
-    /// Does the queued work.
-    fn drain(&self) {
+    /// Sends `to` a message with this rank's id and nothing else (a ping
+    /// or its answer).
+    fn signal_to(&self, to: usize, id: u32) {
+        let Some(peer) = self.peer_opt(to) else {
+            return;
+        };
+        let h = wire::Ask {
+            from: u32::try_from(self.rank).unwrap_or(u32::MAX),
+            key: 0,
+            id: 0,
+        };
+        if let Err(why) = self.send(peer, id, &h.encode(), Vec::new()) {
+            tracing::debug!(rank = self.rank, to, id, %why, "cannot send a liveness message");
+        }
+    }
+
+    /// Does the queued work; whether there was any.
+    fn drain(&self) -> bool {
         let work = std::mem::take(&mut *lock(&self.work));
+        let any = !work.is_empty();
         for w in work {
             match w {
                 Work::Serve { from, key, id } => self.serve(from, key, id),
                 Work::Revoke { owner, key } => self.revoke(owner, key),
+                Work::Acknowledge { owner, key } => self.acknowledge(owner, key),
+                Work::Pong { to } => self.signal_to(to, wire::id::PONG),
             }
         }
+        any
+    }
+
+    /// Progresses the worker until it has nothing more to do, work was
+    /// queued or the transport is closing; whether anything happened.
+    fn progress_until_idle(&self) -> bool {
+        let mut any = false;
+        while self.ucp.progress() != 0 {
+            any = true;
+            if self.closing.load(Ordering::Acquire) || !lock(&self.work).is_empty() {
+                break;
+            }
+        }
+        any
+    }
+}
+
+/// The refusal for a region UCX could not map.
+fn refusal(info: RegionInfo, f: wire::Failure) -> wire::Refusal {
+    if info.backed {
+        wire::Refusal::Device(f)
+    } else {
+        wire::Refusal::Map(f)
+    }
+}
+
+/// What a revocation's flush needs to queue its acknowledgement.
+struct Flushed {
+    work: Arc<Mutex<Vec<Work>>>,
+    lib: *const sys::UcpLib,
+    owner: usize,
+    key: u32,
+}
+
+/// Completion of a revocation's flush: queues the acknowledgement for the
+/// progress thread. The callback takes no peer lock (it may run inside a
+/// thread's progress that holds one) and does not call into the worker
+/// (it may run while the worker is destroyed, cancelled): the progress
+/// thread, which runs most completions itself, sees the work after its
+/// progress call, or within its bounded sleep.
+unsafe extern "C" fn flushed(req: *mut c_void, _status: sys::ucs_status_t, user: *mut c_void) {
+    // SAFETY: the `Box<Flushed>` leaked by `revoke`; each request
+    // completes once; the library outlives every request.
+    unsafe {
+        let f = Box::from_raw(user.cast::<Flushed>());
+        lock(&f.work).push(Work::Acknowledge {
+            owner: f.owner,
+            key: f.key,
+        });
+        (*f.lib).ucp_request_free(req);
     }
 }
 
 impl RegionObserver for Inner {
+    fn inserted(&self, key: u32, base: usize) {
+        self.map_registered(key, base);
+    }
+
     fn removed(&self, key: u32, base: usize) {
+        {
+            let mut failed = lock(&self.failed);
+            if failed.get(&key).is_some_and(|(b, _)| *b == base) {
+                failed.remove(&key);
+            }
+        }
         let m = {
             let mut served = lock(&self.served);
             match served.get(&key) {
@@ -433,53 +697,106 @@ impl RegionObserver for Inner {
             .holders
             .iter()
             .filter_map(|&p| self.peer_opt(p))
-            .filter(|p| p.error.get().is_none())
+            .filter(|p| Self::reachable(p))
             .collect();
         lock(&self.acks).extend(holders.iter().map(|p| (key, p.rank)));
         for p in &holders {
-            self.send(
-                p,
-                wire::id::REVOKE,
-                &wire::Ask {
-                    from: me,
-                    key,
-                    id: 0,
-                }
-                .encode(),
-                Vec::new(),
-            );
+            let revoke = wire::Ask {
+                from: me,
+                key,
+                id: 0,
+            };
+            if let Err(why) = self.send(p, wire::id::REVOKE, &revoke.encode(), Vec::new()) {
+                tracing::warn!(rank = self.rank, peer = p.rank, key, %why, "cannot revoke an rkey");
+            }
         }
-        let until = Instant::now() + REVOKE_WAIT.min(self.timeout);
+        self.await_acks(key);
+        m.unmap(&self.ucp);
+    }
+}
+
+impl Inner {
+    /// Whether `p` can still send: its path has not failed and its
+    /// endpoint is open.
+    fn reachable(p: &Peer) -> bool {
+        p.error.get().is_none() && !lock(&p.state).ep.is_null()
+    }
+
+    /// Waits until every peer that held `key`'s rkey acknowledged its
+    /// revocation (it dropped the rkey and flushed what it sent), or is
+    /// known dead or closed, or the job failed, or the job's timeout
+    /// passed: only then may the memory be unmapped, since a slow peer's
+    /// puts could still land. A peer late to acknowledge is pinged: one
+    /// whose progress thread answers is slow and waited for; one silent
+    /// for [`SILENT`] is taken for dead (a dead rank is also known to the
+    /// job, but the job's health may be gone by the time a window is
+    /// dropped on an error path).
+    fn await_acks(&self, key: u32) {
+        let start = Instant::now();
+        let mut pinged: Option<Instant> = None;
+        let mut spins = 0u32;
         loop {
+            let now = Instant::now();
             let left: Vec<usize> = lock(&self.acks)
                 .iter()
                 .filter(|(k, _)| *k == key)
                 .map(|(_, p)| *p)
+                .filter(|&p| self.peer_opt(p).is_some_and(Self::reachable))
                 .collect();
-            let waiting = left
-                .iter()
-                .any(|&p| self.peer_opt(p).is_some_and(|p| p.error.get().is_none()));
-            // A job that lost a rank is over: nobody will send again.
-            let job_over = self.alive.get().is_some_and(|a| a().is_err());
-            if !waiting || job_over || Instant::now() > until {
-                if waiting {
+            let silent: Vec<usize> = {
+                let heard = lock(&self.heard);
+                left.iter()
+                    .copied()
+                    .filter(|p| {
+                        heard
+                            .get(p)
+                            .is_none_or(|&t| now.saturating_duration_since(t) > SILENT)
+                    })
+                    .collect()
+            };
+            if left.is_empty() {
+                break;
+            }
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(256) {
+                // A job that lost a rank is over: nobody will send again.
+                let job_over = self.alive.get().is_some_and(|a| a().is_err());
+                let closing = self.closing.load(Ordering::Acquire);
+                let all_silent = silent.len() == left.len() && start.elapsed() > SILENT;
+                if job_over || closing || all_silent || start.elapsed() > self.timeout {
                     tracing::warn!(
                         rank = self.rank,
-                        key,
+                        key = format_args!("{key:#010x}"),
                         ?left,
-                        "peers did not acknowledge a revoked rkey in time"
+                        ?silent,
+                        waited = ?start.elapsed(),
+                        job_over,
+                        closing,
+                        "unmapping a revoked region without every peer's acknowledgement"
                     );
+                    break;
                 }
-                lock(&self.acks).retain(|(k, _)| *k != key);
-                break;
+                if pinged.is_none_or(|t| now.saturating_duration_since(t) > PING_EVERY) {
+                    for &p in &left {
+                        self.signal_to(p, wire::id::PING);
+                    }
+                    pinged = Some(now);
+                }
             }
             if self.ucp.progress() == 0 {
                 std::thread::yield_now();
             }
         }
-        m.unmap(&self.ucp);
+        lock(&self.acks).retain(|(k, _)| *k != key);
     }
 }
+
+/// How long a peer that owes a revocation's acknowledgement may leave
+/// pings unanswered before it is taken for dead.
+const SILENT: Duration = Duration::from_secs(2);
+
+/// How often such a peer is pinged.
+const PING_EVERY: Duration = Duration::from_millis(200);
 
 /// Asks `peer` for `key`'s rkey and progresses until the answer arrives
 /// (within the job's timeout).
@@ -495,7 +812,14 @@ pub(super) fn ask(
         key,
         id,
     };
-    inner.send(peer, wire::id::ASK, &a.encode(), Vec::new());
+    if let Err(why) = inner.send(peer, wire::id::ASK, &a.encode(), Vec::new()) {
+        lock(&inner.answers).remove(&id);
+        inner.broken(peer)?;
+        return Err(NetError::Broken {
+            peer: peer.rank,
+            why: format!("cannot ask for the rkey of key {key:#010x}: {why}"),
+        });
+    }
     let start = Instant::now();
     let mut spins = 0u32;
     loop {
@@ -535,21 +859,66 @@ pub(super) fn ask(
     }
 }
 
-/// Starts the progress thread: it does queued work, progresses the worker
-/// until idle, then sleeps on its event descriptor.
-pub(super) fn spawn_progress(inner: &Arc<Inner>) -> Result<JoinHandle<()>, NetError> {
+/// How long the progress thread keeps polling after the last event before
+/// it sleeps on the worker's event descriptor: a message arriving within
+/// it is handled without a wake-up (the latency of a ping-pong), one after
+/// it costs one.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Idle {
+    spin: Duration,
+    last: Instant,
+}
+
+impl Idle {
+    pub(super) fn new(spin: Duration, now: Instant) -> Self {
+        Self { spin, last: now }
+    }
+
+    /// Something happened at `now`.
+    pub(super) fn busy(&mut self, now: Instant) {
+        self.last = now;
+    }
+
+    /// Whether the thread may sleep at `now`.
+    pub(super) fn may_sleep(&self, now: Instant) -> bool {
+        now.saturating_duration_since(self.last) >= self.spin
+    }
+}
+
+/// Starts the progress thread: it does queued work and progresses the
+/// worker; idle for longer than `spin`, it sleeps on the worker's event
+/// descriptor. Every loop in it checks `closing`, so dropping the
+/// transport joins it at once.
+pub(super) fn spawn_progress(
+    inner: &Arc<Inner>,
+    spin: Duration,
+) -> Result<JoinHandle<()>, NetError> {
     let efd = inner.ucp.efd()?;
     let inner = inner.clone();
     std::thread::Builder::new()
         .name(format!("gin-ucx-{}", inner.rank))
         .spawn(move || {
+            let mut idle = Idle::new(spin, Instant::now());
+            let mut context_seen = 0;
             while !inner.closing.load(Ordering::Acquire) {
-                inner.drain();
-                while inner.ucp.progress() != 0 {}
+                inner.enter_thread_context(&mut context_seen);
+                let worked = inner.drain();
+                let progressed = inner.progress_until_idle();
+                if worked || progressed {
+                    idle.busy(Instant::now());
+                    continue;
+                }
+                // Fire-and-forget requests in flight: a proxy waiting for
+                // a get's counter does not progress the worker itself.
+                if inner.inflight.load(Ordering::Acquire) > 0 {
+                    idle.busy(Instant::now());
+                    std::thread::yield_now();
+                    continue;
+                }
                 if !lock(&inner.work).is_empty() {
                     continue;
                 }
-                if inner.inflight.load(Ordering::Acquire) > 0 {
+                if !idle.may_sleep(Instant::now()) {
                     std::thread::yield_now();
                     continue;
                 }
@@ -560,7 +929,7 @@ pub(super) fn spawn_progress(inner: &Arc<Inner>) -> Result<JoinHandle<()>, NetEr
                         revents: 0,
                     };
                     // SAFETY: one valid pollfd; a bounded wait, so closing
-                    // is noticed.
+                    // is noticed (the drop also signals the worker).
                     unsafe { libc::poll(&raw mut fds, 1, 100) };
                 }
             }

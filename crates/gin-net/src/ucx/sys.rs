@@ -1122,6 +1122,11 @@ pub struct UcpLib {
         config_p: *mut *mut ucp_config_t,
     ) -> ucs_status_t,
     pub ucp_config_release: unsafe extern "C" fn(config: *mut ucp_config_t),
+    pub ucp_config_modify: unsafe extern "C" fn(
+        config: *mut ucp_config_t,
+        name: *const ::std::os::raw::c_char,
+        value: *const ::std::os::raw::c_char,
+    ) -> ucs_status_t,
     pub ucp_get_version: unsafe extern "C" fn(
         major_version: *mut ::std::os::raw::c_uint,
         minor_version: *mut ::std::os::raw::c_uint,
@@ -1141,6 +1146,8 @@ pub struct UcpLib {
         worker_p: *mut ucp_worker_h,
     ) -> ucs_status_t,
     pub ucp_worker_destroy: unsafe extern "C" fn(worker: ucp_worker_h),
+    pub ucp_worker_query:
+        unsafe extern "C" fn(worker: ucp_worker_h, attr: *mut ucp_worker_attr_t) -> ucs_status_t,
     pub ucp_worker_release_address:
         unsafe extern "C" fn(worker: ucp_worker_h, address: *mut ucp_address_t),
     pub ucp_worker_progress: unsafe extern "C" fn(worker: ucp_worker_h) -> ::std::os::raw::c_uint,
@@ -1236,11 +1243,13 @@ impl UcpLib {
         let ucp_worker_get_address = __library.get(b"ucp_worker_get_address\0").map(|sym| *sym)?;
         let ucp_config_read = __library.get(b"ucp_config_read\0").map(|sym| *sym)?;
         let ucp_config_release = __library.get(b"ucp_config_release\0").map(|sym| *sym)?;
+        let ucp_config_modify = __library.get(b"ucp_config_modify\0").map(|sym| *sym)?;
         let ucp_get_version = __library.get(b"ucp_get_version\0").map(|sym| *sym)?;
         let ucp_init_version = __library.get(b"ucp_init_version\0").map(|sym| *sym)?;
         let ucp_cleanup = __library.get(b"ucp_cleanup\0").map(|sym| *sym)?;
         let ucp_worker_create = __library.get(b"ucp_worker_create\0").map(|sym| *sym)?;
         let ucp_worker_destroy = __library.get(b"ucp_worker_destroy\0").map(|sym| *sym)?;
+        let ucp_worker_query = __library.get(b"ucp_worker_query\0").map(|sym| *sym)?;
         let ucp_worker_release_address = __library
             .get(b"ucp_worker_release_address\0")
             .map(|sym| *sym)?;
@@ -1276,11 +1285,13 @@ impl UcpLib {
             ucp_worker_get_address,
             ucp_config_read,
             ucp_config_release,
+            ucp_config_modify,
             ucp_get_version,
             ucp_init_version,
             ucp_cleanup,
             ucp_worker_create,
             ucp_worker_destroy,
+            ucp_worker_query,
             ucp_worker_release_address,
             ucp_worker_progress,
             ucp_worker_get_efd,
@@ -1338,6 +1349,14 @@ impl UcpLib {
     pub unsafe fn ucp_config_release(&self, config: *mut ucp_config_t) {
         (self.ucp_config_release)(config)
     }
+    pub unsafe fn ucp_config_modify(
+        &self,
+        config: *mut ucp_config_t,
+        name: *const ::std::os::raw::c_char,
+        value: *const ::std::os::raw::c_char,
+    ) -> ucs_status_t {
+        (self.ucp_config_modify)(config, name, value)
+    }
     pub unsafe fn ucp_get_version(
         &self,
         major_version: *mut ::std::os::raw::c_uint,
@@ -1375,6 +1394,13 @@ impl UcpLib {
     }
     pub unsafe fn ucp_worker_destroy(&self, worker: ucp_worker_h) {
         (self.ucp_worker_destroy)(worker)
+    }
+    pub unsafe fn ucp_worker_query(
+        &self,
+        worker: ucp_worker_h,
+        attr: *mut ucp_worker_attr_t,
+    ) -> ucs_status_t {
+        (self.ucp_worker_query)(worker, attr)
     }
     pub unsafe fn ucp_worker_release_address(
         &self,

@@ -19,6 +19,12 @@ pub mod id {
     pub const REVOKE: u32 = 0x67_03;
     /// "I dropped K's rkey and everything I sent before is done."
     pub const REVOKED: u32 = 0x67_04;
+    /// "Are you there?": an owner waiting for a revocation's
+    /// acknowledgement asks a peer that is late (header [`super::Ask`],
+    /// key 0).
+    pub const PING: u32 = 0x67_05;
+    /// "I am": the answer, sent by the peer's progress thread.
+    pub const PONG: u32 = 0x67_06;
 }
 
 /// A request for a key's rkey, or a revocation and its acknowledgement
@@ -65,10 +71,42 @@ pub enum Refusal {
     /// No region has this key (never registered, or removed).
     Unknown,
     /// The region is GPU memory that the owner's UCX could not map with
-    /// the CUDA memory type (UCX without its CUDA transports).
-    Device,
+    /// the CUDA memory type (UCX without its CUDA transports, or a CUDA
+    /// error).
+    Device(Failure),
     /// `ucp_mem_map` or `ucp_rkey_pack` failed at the owner.
-    Map,
+    Map(Failure),
+    /// The owner failed serving the key for a reason of its own (its log
+    /// says which).
+    Internal,
+}
+
+/// Which UCX call failed at the owner, and its status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Failure {
+    /// The call.
+    pub call: Call,
+    /// UCX's status (`ucs_status_t`, negative).
+    pub status: i8,
+}
+
+/// An owner-side UCX call that can refuse a region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Call {
+    /// `ucp_mem_map`.
+    MemMap,
+    /// `ucp_rkey_pack`.
+    RkeyPack,
+}
+
+impl Call {
+    /// The call's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::MemMap => "ucp_mem_map",
+            Self::RkeyPack => "ucp_rkey_pack",
+        }
+    }
 }
 
 /// The owner's answer header: the request id and a status.
@@ -81,20 +119,29 @@ pub struct Answer {
 }
 
 impl Answer {
-    /// Encoded size.
-    pub const LEN: usize = 12;
+    /// Encoded size: the id, the status word, the failed call and UCX's
+    /// status (both 0 unless a call failed), two bytes of padding.
+    pub const LEN: usize = 16;
 
     /// Encodes.
     pub fn encode(&self) -> [u8; Self::LEN] {
         let mut b = [0; Self::LEN];
         b[0..8].copy_from_slice(&self.id.to_le_bytes());
-        let s: u32 = match self.status {
-            Ok(()) => 0,
-            Err(Refusal::Unknown) => 1,
-            Err(Refusal::Device) => 2,
-            Err(Refusal::Map) => 3,
+        let (s, f): (u32, Option<Failure>) = match self.status {
+            Ok(()) => (0, None),
+            Err(Refusal::Unknown) => (1, None),
+            Err(Refusal::Device(f)) => (2, Some(f)),
+            Err(Refusal::Map(f)) => (3, Some(f)),
+            Err(Refusal::Internal) => (4, None),
         };
         b[8..12].copy_from_slice(&s.to_le_bytes());
+        if let Some(f) = f {
+            b[12] = match f.call {
+                Call::MemMap => 1,
+                Call::RkeyPack => 2,
+            };
+            b[13] = f.status.to_le_bytes()[0];
+        }
         b
     }
 
@@ -103,11 +150,23 @@ impl Answer {
         if b.len() != Self::LEN {
             return None;
         }
+        let failure = || {
+            let call = match b[12] {
+                1 => Call::MemMap,
+                2 => Call::RkeyPack,
+                _ => return None,
+            };
+            Some(Failure {
+                call,
+                status: i8::from_le_bytes([b[13]]),
+            })
+        };
         let status = match u32::from_le_bytes(b[8..12].try_into().ok()?) {
             0 => Ok(()),
             1 => Err(Refusal::Unknown),
-            2 => Err(Refusal::Device),
-            3 => Err(Refusal::Map),
+            2 => Err(Refusal::Device(failure()?)),
+            3 => Err(Refusal::Map(failure()?)),
+            4 => Err(Refusal::Internal),
             _ => return None,
         };
         Some(Self {
@@ -180,15 +239,31 @@ mod tests {
         };
         assert_eq!(Ask::decode(&a.encode()), Some(a));
         assert_eq!(Ask::decode(&a.encode()[..15]), None);
+        let f = Failure {
+            call: Call::RkeyPack,
+            status: -3,
+        };
         for status in [
             Ok(()),
             Err(Refusal::Unknown),
-            Err(Refusal::Device),
-            Err(Refusal::Map),
+            Err(Refusal::Device(f)),
+            Err(Refusal::Map(Failure {
+                call: Call::MemMap,
+                status: -100,
+            })),
+            Err(Refusal::Internal),
         ] {
             let x = Answer { id: 9, status };
             assert_eq!(Answer::decode(&x.encode()), Some(x));
         }
+        // A refusal that names no call is malformed.
+        let mut bad = Answer {
+            id: 1,
+            status: Err(Refusal::Map(f)),
+        }
+        .encode();
+        bad[12] = 0;
+        assert_eq!(Answer::decode(&bad), None);
         let mut bad = Answer {
             id: 1,
             status: Ok(()),

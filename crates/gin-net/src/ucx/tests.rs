@@ -1,0 +1,493 @@
+//! The ucx transport's unit tests. Those that need UCX load it from
+//! `GIN_UCX_LIB` (`cargo xtask test` sets it to the pinned wheel's
+//! library) and run ranks as threads of this process; without it they
+//! print that they were skipped and why, and with `GIN_REQUIRE_UCX=1` or
+//! `CI` set they fail instead.
+
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+use std::sync::atomic::AtomicI8;
+
+use gin_bootstrap::{Config, run_threads};
+
+use super::*;
+use crate::window::{Addr, MemDesc, MemParts};
+
+/// Failures the tests inject into a transport.
+#[derive(Default)]
+pub(super) struct Hooks {
+    /// Non-zero: every `ucp_mem_map` fails with this status instead.
+    map_fails: AtomicI8,
+    /// Revocation acknowledgements are held back (a slow peer) ...
+    hold: AtomicBool,
+    /// ... here, until `release_acks`.
+    held: Mutex<Vec<(usize, u32)>>,
+    /// Every mapping attempted: the region's base and the thread's name.
+    mapped: Mutex<Vec<(usize, String)>>,
+}
+
+impl Hooks {
+    pub(super) fn map_fails(&self) -> Option<i8> {
+        match self.map_fails.load(Ordering::Acquire) {
+            0 => None,
+            st => Some(st),
+        }
+    }
+
+    pub(super) fn mapping_on_this_thread(&self, base: usize) {
+        let name = std::thread::current().name().unwrap_or("?").to_owned();
+        lock(&self.mapped).push((base, name));
+    }
+
+    /// Whether the acknowledgement of `key` to `owner` is held back.
+    pub(super) fn hold_ack(&self, owner: usize, key: u32) -> bool {
+        let mut held = lock(&self.held);
+        if self.hold.load(Ordering::Acquire) {
+            held.push((owner, key));
+            return true;
+        }
+        false
+    }
+}
+
+impl UcxTransport {
+    fn release_acks(&self) {
+        let held = {
+            let mut h = lock(&self.inner.test.held);
+            self.inner.test.hold.store(false, Ordering::Release);
+            std::mem::take(&mut *h)
+        };
+        for (owner, key) in held {
+            self.inner.queue(Work::Acknowledge { owner, key });
+        }
+    }
+}
+
+/// Whether UCX can be loaded; `false` after printing why the test is
+/// skipped (panicking instead where UCX is required).
+fn ucx_here() -> bool {
+    let found = std::env::var("GIN_UCX_LIB")
+        .ok()
+        .is_some_and(|p| std::path::Path::new(&p).exists());
+    if !found {
+        let why = "GIN_UCX_LIB does not name an existing libucp.so.0 (`cargo xtask test` installs the pinned UCX wheel and sets it)";
+        let required = std::env::var("GIN_REQUIRE_UCX").is_ok_and(|v| v == "1")
+            || std::env::var_os("CI").is_some();
+        assert!(
+            !required,
+            "UCX is required here (GIN_REQUIRE_UCX=1 or CI) but {why}"
+        );
+        println!("SKIPPED: this test needs UCX: {why}");
+    }
+    found
+}
+
+/// Two ranks as threads, each with its own region table and ucx
+/// transport to the other.
+fn two_ranks<T: Send + 'static>(
+    timeout: Duration,
+    f: impl Fn(&gin_bootstrap::Bootstrap, Arc<RegionTable>) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let cfg = Config {
+        timeout: Duration::from_secs(60),
+        ..Config::default()
+    };
+    run_threads(2, cfg, move |b| {
+        let _ = timeout;
+        f(&b, Arc::new(RegionTable::default()))
+    })
+    .unwrap()
+}
+
+fn start(
+    b: &gin_bootstrap::Bootstrap,
+    table: &Arc<RegionTable>,
+    timeout: Duration,
+) -> UcxTransport {
+    let peers = [b.rank() == 1, b.rank() == 0];
+    UcxTransport::start(b, table.clone(), &peers, timeout).unwrap()
+}
+
+/// Registers `mem` (kept alive by the caller until it is removed).
+fn register(table: &RegionTable, mem: &mut [u64]) -> u32 {
+    // SAFETY: the callers keep `mem` alive, unmoved, until the region is
+    // removed or the test ends (after the transport is dropped).
+    unsafe { table.insert(mem.as_mut_ptr().cast(), (mem.len() * 8) as u64, Access::ALL) }.unwrap()
+}
+
+fn key_of(b: &gin_bootstrap::Bootstrap, key: u32, rank: usize) -> u32 {
+    let keys = b.allgather(&key.to_le_bytes()).unwrap();
+    u32::from_le_bytes(keys[rank][..4].try_into().unwrap())
+}
+
+/// A window description with the owner's key only (no bases: nothing is
+/// mapped here).
+fn window_of(key: u32) -> MemDesc {
+    // SAFETY: no base and no state word: nothing to vouch for.
+    unsafe {
+        MemDesc::new(MemParts {
+            sizes: vec![4096, 4096],
+            keys: vec![0, key],
+            addrs: vec![0, 0],
+            ..Default::default()
+        })
+    }
+}
+
+/// An owner whose `ucp_mem_map` fails answers the request for the rkey
+/// with UCX's status, at once: for a region mapped at registration (the
+/// failure kept) and one mapped when first asked for (registered before
+/// the transport started). The initiator's error names the window and
+/// offset, the key, the failed call and UCX's text for the status.
+#[test]
+fn an_owner_that_cannot_map_a_region_answers_with_the_ucx_status_promptly() {
+    if !ucx_here() {
+        return;
+    }
+    let timeout = Duration::from_secs(30);
+    let out = two_ranks(timeout, move |b, table| {
+        let mut early = vec![0u64; 512];
+        let mut late = vec![0u64; 512];
+        let early_key = if b.rank() == 1 {
+            register(&table, &mut early)
+        } else {
+            0
+        };
+        let t = start(b, &table, timeout);
+        let late_key = if b.rank() == 1 {
+            t.inner
+                .test
+                .map_fails
+                .store(sys::UCS_ERR_IO_ERROR, Ordering::Release);
+            register(&table, &mut late)
+        } else {
+            0
+        };
+        let (early_key, late_key) = (key_of(b, early_key, 1), key_of(b, late_key, 1));
+        let mut errors = Vec::new();
+        if b.rank() == 0 {
+            for key in [late_key, early_key] {
+                let w = window_of(key);
+                let at = Target::Window(
+                    &w,
+                    Addr {
+                        window: 7,
+                        offset: 64,
+                    },
+                );
+                let began = Instant::now();
+                let e = t.put(1, at, &[1; 8], None).unwrap_err();
+                errors.push((key, began.elapsed(), e.to_string()));
+            }
+        }
+        b.barrier().unwrap();
+        drop(t);
+        errors
+    });
+    let text = {
+        let lib = load::open().unwrap();
+        load::status_text(&lib, sys::UCS_ERR_IO_ERROR)
+    };
+    assert_eq!(out[0].len(), 2);
+    for (key, took, e) in &out[0] {
+        assert!(
+            *took < Duration::from_secs(5),
+            "{took:?} for the refusal: {e}"
+        );
+        for part in [
+            "ucp_mem_map failed",
+            text.as_str(),
+            &format!("{key:#010x}"),
+            "window 7",
+            "offset 64",
+        ] {
+            assert!(e.contains(part), "{e:?} lacks {part:?}");
+        }
+    }
+}
+
+/// An owner unmaps a revoked region only after every peer that held its
+/// rkey acknowledged (a peer slower than any fixed bound), not after a
+/// fixed wait.
+#[test]
+fn an_owner_unmaps_only_after_every_holder_acknowledged() {
+    if !ucx_here() {
+        return;
+    }
+    let timeout = Duration::from_secs(30);
+    let released = Arc::new(AtomicBool::new(false));
+    let out = two_ranks(timeout, move |b, table| {
+        let released = released.clone();
+        let t = start(b, &table, timeout);
+        let mut mem = vec![0u64; 512];
+        let key = if b.rank() == 1 {
+            register(&table, &mut mem)
+        } else {
+            0
+        };
+        let key = key_of(b, key, 1);
+        let mut seen = None;
+        if b.rank() == 0 {
+            t.put(1, Target::Key { key, offset: 0 }, &[5; 8], None)
+                .unwrap();
+            t.fence(1, timeout).unwrap();
+            t.inner.test.hold.store(true, Ordering::Release);
+        }
+        b.barrier().unwrap();
+        if b.rank() == 1 {
+            table.remove(key);
+            seen = Some(released.load(Ordering::Acquire));
+        } else {
+            let began = Instant::now();
+            while lock(&t.inner.test.held).is_empty() {
+                assert!(began.elapsed() < timeout, "no revocation arrived");
+                std::thread::yield_now();
+            }
+            // Slower than the 2 s an owner used to wait at most.
+            std::thread::sleep(Duration::from_secs(3));
+            released.store(true, Ordering::Release);
+            t.release_acks();
+        }
+        b.barrier().unwrap();
+        drop(t);
+        seen
+    });
+    assert_eq!(
+        out[1],
+        Some(true),
+        "the owner unmapped before the peer acknowledged"
+    );
+}
+
+/// A removal waiting for a peer's acknowledgement ends when the
+/// transport is dropped (closing), not at the job's timeout.
+#[test]
+fn dropping_the_transport_ends_a_wait_for_acknowledgements() {
+    if !ucx_here() {
+        return;
+    }
+    let timeout = Duration::from_secs(40);
+    let out = two_ranks(timeout, move |b, table| {
+        let t = start(b, &table, timeout);
+        let mut mem = vec![0u64; 512];
+        let key = if b.rank() == 1 {
+            register(&table, &mut mem)
+        } else {
+            0
+        };
+        let key = key_of(b, key, 1);
+        if b.rank() == 0 {
+            t.put(1, Target::Key { key, offset: 0 }, &[5; 8], None)
+                .unwrap();
+            t.fence(1, timeout).unwrap();
+            t.inner.test.hold.store(true, Ordering::Release);
+        }
+        b.barrier().unwrap();
+        let mut took = None;
+        if b.rank() == 1 {
+            let began = Instant::now();
+            let remover = {
+                let table = table.clone();
+                std::thread::spawn(move || table.remove(key))
+            };
+            // The removal is waiting once its revocation is outstanding.
+            while lock(&t.inner.acks).is_empty() && !remover.is_finished() {
+                std::thread::yield_now();
+            }
+            drop(t);
+            remover.join().unwrap();
+            took = Some(began.elapsed());
+            b.barrier().unwrap();
+        } else {
+            b.barrier().unwrap();
+            drop(t);
+        }
+        took
+    });
+    let took = out[1].unwrap();
+    assert!(
+        took < Duration::from_secs(10),
+        "the removal waited {took:?}"
+    );
+}
+
+/// The progress thread sleeps only after polling `spin` since the last
+/// event.
+#[test]
+fn the_progress_thread_polls_for_spin_after_the_last_event() {
+    let t0 = Instant::now();
+    let spin = Duration::from_micros(100);
+    let mut idle = serve::Idle::new(spin, t0);
+    assert!(!idle.may_sleep(t0));
+    assert!(!idle.may_sleep(t0 + Duration::from_micros(99)));
+    assert!(idle.may_sleep(t0 + spin));
+    idle.busy(t0 + spin);
+    assert!(!idle.may_sleep(t0 + spin + Duration::from_micros(50)));
+    assert!(idle.may_sleep(t0 + spin * 2));
+    // No spin: sleep whenever idle.
+    assert!(serve::Idle::new(Duration::ZERO, t0).may_sleep(t0));
+}
+
+#[test]
+fn gin_ucx_spin_is_a_duration_or_an_error_naming_it() {
+    assert_eq!(spin_from_env(None).unwrap(), SPIN);
+    assert_eq!(spin_from_env(Some("0")).unwrap(), Duration::ZERO);
+    assert_eq!(
+        spin_from_env(Some("250us")).unwrap(),
+        Duration::from_micros(250)
+    );
+    let e = spin_from_env(Some("soon")).unwrap_err().to_string();
+    assert!(e.contains("GIN_UCX_SPIN") && e.contains("soon"), "{e}");
+}
+
+/// A worker without `UCS_THREAD_MODE_MULTI` is refused, naming the mode.
+#[test]
+fn a_worker_without_multi_thread_mode_is_refused() {
+    assert!(worker::thread_mode_ok(sys::UCS_THREAD_MODE_MULTI).is_ok());
+    for (mode, name) in [
+        (sys::UCS_THREAD_MODE_SINGLE, "UCS_THREAD_MODE_SINGLE"),
+        (
+            sys::UCS_THREAD_MODE_SERIALIZED,
+            "UCS_THREAD_MODE_SERIALIZED",
+        ),
+    ] {
+        let e = worker::thread_mode_ok(mode).unwrap_err().to_string();
+        assert!(
+            e.contains(name) && e.contains("UCS_THREAD_MODE_MULTI"),
+            "{e}"
+        );
+    }
+}
+
+/// The pinned UCX gives the worker the multi-thread mode (checked at
+/// every start; here through the query itself).
+#[test]
+fn the_pinned_ucx_gives_a_multi_thread_worker() {
+    if !ucx_here() {
+        return;
+    }
+    let ucp = Ucp::new(load::open().unwrap()).unwrap();
+    assert_eq!(ucp.thread_mode().unwrap(), sys::UCS_THREAD_MODE_MULTI);
+}
+
+/// A request on GPU memory names the CUDA memory type and nothing
+/// else (no callback: the caller waits for it).
+#[test]
+fn device_requests_name_the_cuda_memory_type() {
+    let p = device_param();
+    assert_eq!(p.op_attr_mask, sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE);
+    assert_eq!(p.memory_type, sys::UCS_MEMORY_TYPE_CUDA);
+    assert!(p.user_data.is_null());
+    // SAFETY: reading the union's variant a default block holds (none).
+    assert!(unsafe { p.cb.send }.is_none());
+}
+
+#[test]
+fn gin_ucx_device_turns_direct_gpu_memory_off_only_when_asked() {
+    assert!(device_from_env(None));
+    assert!(device_from_env(Some("1")));
+    for off in ["0", "no", "off", "false"] {
+        assert!(!device_from_env(Some(off)), "{off}");
+    }
+}
+
+/// The pinned UCX takes the endpoint-based fence every context is made
+/// with (unless `UCX_FENCE_MODE` says otherwise), and refuses a value it
+/// does not know (the fallback to UCX's own default then applies).
+#[test]
+fn the_endpoint_based_fence_is_accepted_and_a_bad_value_is_refused() {
+    if !ucx_here() {
+        return;
+    }
+    let lib = load::open().unwrap();
+    let ctx = Ucp::init(&lib, Some(worker::EP_BASED_FENCE)).unwrap();
+    // SAFETY: made just above, with no worker.
+    unsafe { lib.ucp_cleanup(ctx) };
+    assert!(Ucp::init(&lib, Some((c"FENCE_MODE", c"sometimes"))).is_err());
+}
+
+/// GPU memory in these tests: nothing behind it (UCX cannot map it with
+/// the CUDA memory type here); its thread-context hook records the
+/// threads it ran on.
+#[derive(Default)]
+struct FakeGpu {
+    entered: Arc<Mutex<Vec<String>>>,
+}
+
+impl crate::region::Backing for FakeGpu {
+    fn write(&self, _: u64, _: &[u8]) -> Result<(), String> {
+        Err("not reached in this test".into())
+    }
+    fn read(&self, _: u64, _: &mut [u8]) -> Result<(), String> {
+        Err("not reached in this test".into())
+    }
+    fn thread_context(&self) -> Option<crate::region::ThreadContext> {
+        let entered = self.entered.clone();
+        Some(Arc::new(move || {
+            let name = std::thread::current().name().unwrap_or("?").to_owned();
+            lock(&entered).push(name);
+        }))
+    }
+}
+
+/// A GPU region is mapped when it is registered, on the registering
+/// thread (a CUDA rank's, where its context is current), never on the
+/// progress thread; the region's thread-context hook is then run on the
+/// progress thread, which executes peers' emulated writes; a peer asking
+/// for its rkey gets the owner's refusal with UCX's status at once.
+#[test]
+fn gpu_regions_are_mapped_on_the_registering_thread_and_the_progress_thread_enters_their_context() {
+    if !ucx_here() {
+        return;
+    }
+    let timeout = Duration::from_secs(30);
+    let out = two_ranks(timeout, move |b, table| {
+        let t = start(b, &table, timeout);
+        let gpu = FakeGpu::default();
+        let entered = gpu.entered.clone();
+        let base = 0x7e00_0000_0000_u64 + b.rank() as u64 * 0x1000_0000;
+        let key = if b.rank() == 1 {
+            table.insert_backed(base, 1 << 20, Arc::new(gpu)).unwrap()
+        } else {
+            0
+        };
+        let key = key_of(b, key, 1);
+        let mut seen = None;
+        if b.rank() == 0 {
+            let began = Instant::now();
+            let e = t
+                .put(1, Target::Key { key, offset: 0 }, &[1; 8], None)
+                .unwrap_err();
+            seen = Some((began.elapsed(), e.to_string()));
+        } else {
+            let began = Instant::now();
+            while lock(&entered).is_empty() {
+                assert!(began.elapsed() < timeout, "the hook never ran");
+                std::thread::yield_now();
+            }
+        }
+        b.barrier().unwrap();
+        let mapped = lock(&t.inner.test.mapped).clone();
+        let me = std::thread::current().name().unwrap_or("?").to_owned();
+        drop(t);
+        let entered = lock(&entered).clone();
+        (seen, mapped, me, base as usize, entered)
+    });
+    let (mapped, me, base, entered) = (&out[1].1, &out[1].2, out[1].3, &out[1].4);
+    let on: Vec<&String> = mapped
+        .iter()
+        .filter(|(b, _)| *b == base)
+        .map(|(_, t)| t)
+        .collect();
+    assert_eq!(on, [me], "mapped on {on:?}, registered on {me:?}");
+    assert!(
+        entered.iter().any(|t| t == "gin-ucx-1"),
+        "entered on {entered:?}"
+    );
+    let (took, e) = out[0].0.as_ref().unwrap();
+    assert!(*took < Duration::from_secs(5), "{took:?}: {e}");
+    assert!(
+        e.contains("GPU memory") && e.contains("ucp_mem_map failed"),
+        "{e}"
+    );
+}
