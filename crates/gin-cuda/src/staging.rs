@@ -21,7 +21,7 @@
 use std::mem::ManuallyDrop;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use gin_net::region::Backing;
+use gin_net::region::{Backing, ThreadContext};
 
 use crate::batch::Dma;
 use crate::driver::{Device, HostMem, Stream, span};
@@ -230,5 +230,18 @@ impl Backing for GpuRegion {
             }
             Ok(())
         })
+    }
+
+    /// The part's GPU context, made current on a transport's own thread
+    /// (UCX's progress thread maps the part and executes peers' emulated
+    /// writes into it). A failure is logged, not raised: the call UCX makes
+    /// next then fails with its own error, which the peer is answered with.
+    fn thread_context(&self) -> Option<ThreadContext> {
+        let dev = Arc::clone(&self.server.dev);
+        Some(Arc::new(move || {
+            if let Err(e) = dev.make_current() {
+                tracing::warn!(error = %e, "making the GPU context current on a transport thread");
+            }
+        }))
     }
 }
