@@ -36,6 +36,9 @@
 //!   and stays raised until the last watch that raised it ends;
 //!   [`watch::Supervisor`] launches, watches and reads the error word
 //!   kernels record their first error in, whose meaning is its caller's.
+//!   [`watch::Sentinel`] is the callback's policy: a dead peer at once, a
+//!   lost link only after a grace without a dead peer named, then the
+//!   engine's first error, over what the caller reports of each.
 //! - **Batching** ([`batch::StreamBatch`]): the driver time of one
 //!   `cuMemcpyAsync` or `cuStreamWriteValue64` bounds a CPU-driven engine,
 //!   so consecutive copies and stores of one queue go to the driver as one
@@ -62,8 +65,9 @@
 //! # What it does not know
 //!
 //! What a window means to the device API (ids, NIC keys, the arrays kernels
-//! index), signals, descriptors, WQEs, the error word's encoding, what job
-//! health is, and the device API: the backend crates and gin-core build
+//! index), signals, descriptors, WQEs, the error word's encoding, where job
+//! health comes from (the bootstrap, the fabric, an engine: the sentinel
+//! asks its caller), and the device API: the backend crates and gin-core build
 //! their CUDA engines and windows on top of this crate, hand NVRTC their
 //! headers ([`nvrtc::compile`] takes them as data) and the watch its
 //! health check.

@@ -5,11 +5,16 @@
 //! give up with an error.
 //!
 //! What "health" means is the caller's (a callback returning the cause
-//! kernels should give up for: gin-core asks the bootstrap, the fabric and
-//! the backend's engine); this module owns the flag, its sharing between
-//! watches, and the two ways of watching: a thread beside kernels the user
-//! launched ([`Watcher`]), and the calling thread while one stream runs
-//! ([`wait_watching`]).
+//! kernels should give up for); this module owns the flag, its sharing
+//! between watches, and the two ways of watching: a thread beside kernels
+//! the user launched ([`Watcher`]), and the calling thread while one stream
+//! runs ([`wait_watching`]).
+//!
+//! [`Sentinel`] is the callback's policy over what the caller reports
+//! ([`JobHealth`]: gin-core's bootstrap and fabric; [`EngineHealth`]: the
+//! backend's engine): a dead peer is a cause at once, a lost link only once
+//! a grace has passed without a dead peer named (a lost link is often the
+//! echo of a death), then the engine's first error.
 //!
 //! One flag serves every kernel of a communicator, and so every watch of
 //! it at once: [`Abort`] counts the watches that raised it and lowers it
@@ -331,6 +336,100 @@ impl<F: Flag> Drop for Watcher<F> {
     }
 }
 
+/// What a [`Sentinel`] asks about the job each look, implemented by its
+/// caller (gin-core asks its bootstrap and its fabric): whether a peer
+/// died, and whether the transport lost a link.
+pub trait JobHealth: Send + Sync + 'static {
+    /// The account of a dead peer, if one died (the bootstrap's): a cause
+    /// at once.
+    fn dead_peer(&self) -> Option<String>;
+    /// The account of a lost link, if the transport lost one: often the
+    /// echo of a dead peer, so a cause only when no dead peer is named
+    /// within the sentinel's grace.
+    fn lost_link(&self) -> Option<String>;
+}
+
+/// The engine serving a device communicator, as a [`Sentinel`] watches it
+/// (gin-core's is gin-device's `CudaEngine`).
+pub trait EngineHealth: Send + 'static {
+    /// The first error, once the engine failed (kernels waiting on it
+    /// should be aborted).
+    fn error(&self) -> Option<String>;
+    /// How a failure of this engine is introduced in messages (`"the CUDA
+    /// proxy failed"`).
+    fn failure(&self) -> &'static str;
+    /// Whether kernels see this engine's errors themselves (error
+    /// completions) and may end before a watch saw its account: then
+    /// [`Sentinel::late_cause`] looks once more after the kernels.
+    fn kernel_sees_errors(&self) -> bool;
+}
+
+/// What tells a watch that kernels should give up — the health callback's
+/// policy: a dead peer at once; a lost link once `grace` has passed
+/// without a dead peer named (a lost link is often one's echo); the
+/// engine's first error. Owns the engine (taken out when stopped) and is
+/// shared with watcher threads in an `Arc`.
+#[derive(Debug)]
+pub struct Sentinel<J, E> {
+    job: J,
+    engine: Mutex<Option<E>>,
+    grace: Duration,
+}
+
+/// A lost link's account and when a look first saw it.
+type LostLink = Option<(Instant, String)>;
+
+impl<J: JobHealth, E: EngineHealth> Sentinel<J, E> {
+    /// Watches `job` and `engine` (if any), giving the job `grace` to name
+    /// a dead peer behind a lost link (gin-core: `gin_device::CAUSE_GRACE`).
+    pub fn new(job: J, engine: Option<E>, grace: Duration) -> Self {
+        Self {
+            job,
+            engine: Mutex::new(engine),
+            grace,
+        }
+    }
+
+    /// The engine, while it has not been taken out (to stop it).
+    pub fn engine(&self) -> MutexGuard<'_, Option<E>> {
+        self.engine.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Why kernels should give up at `now`, if they should: a dead peer, a
+    /// lost link (seen first at the time kept in `lost`, after the grace),
+    /// a failed engine.
+    fn cause(&self, lost: &mut LostLink, now: Instant) -> Option<String> {
+        if let Some(why) = self.job.dead_peer() {
+            Some(why)
+        } else if let Some((since, why)) = lost {
+            (now.saturating_duration_since(*since) > self.grace).then(|| why.clone())
+        } else if let Some(why) = self.job.lost_link() {
+            *lost = Some((now, why));
+            None
+        } else {
+            let engine = self.engine();
+            let engine = engine.as_ref()?;
+            engine.error().map(|e| format!("{}: {e}", engine.failure()))
+        }
+    }
+
+    /// What a watch asks each millisecond ([`Watcher::start`],
+    /// [`Supervisor::run`]): the cause, a lost link's account kept
+    /// meanwhile while the job is given the grace to name a dead peer.
+    pub fn health(self: &Arc<Self>) -> impl FnMut() -> Option<String> + Send + 'static {
+        let (me, mut lost) = (self.clone(), None);
+        move || me.cause(&mut lost, Instant::now())
+    }
+
+    /// The engine's account of an error that kernels see themselves (error
+    /// completions): a kernel that met one may end before a watch saw it.
+    pub fn late_cause(&self) -> Option<String> {
+        let engine = self.engine();
+        let engine = engine.as_ref().filter(|e| e.kernel_sees_errors())?;
+        engine.error().map(|e| format!("{}: {e}", engine.failure()))
+    }
+}
+
 /// How kernels ended, as the host saw them: the error word they wrote
 /// (zero: none; its encoding is the caller's) and the cause a watch found
 /// (the abort flag was raised for it).
@@ -588,5 +687,146 @@ mod tests {
         let e = w.finish().expect_err("the raise failed");
         assert!(e.to_string().contains("the CUDA watcher failed"), "{e}");
         assert_eq!((abort.held(), abort.flag().value()), (0, 0));
+    }
+
+    /// A job whose dead peer and lost link the test sets.
+    #[derive(Debug, Default)]
+    struct FakeJob {
+        dead_peer: Mutex<Option<String>>,
+        lost_link: Mutex<Option<String>>,
+    }
+
+    impl JobHealth for Arc<FakeJob> {
+        fn dead_peer(&self) -> Option<String> {
+            self.dead_peer.lock().unwrap().clone()
+        }
+        fn lost_link(&self) -> Option<String> {
+            self.lost_link.lock().unwrap().clone()
+        }
+    }
+
+    /// An engine whose error the test sets.
+    #[derive(Debug, Default)]
+    struct FakeEngine {
+        error: Arc<Mutex<Option<String>>>,
+        sees: bool,
+    }
+
+    impl EngineHealth for FakeEngine {
+        fn error(&self) -> Option<String> {
+            self.error.lock().unwrap().clone()
+        }
+        fn failure(&self) -> &'static str {
+            "the fake engine failed"
+        }
+        fn kernel_sees_errors(&self) -> bool {
+            self.sees
+        }
+    }
+
+    type FakeSentinel = Sentinel<Arc<FakeJob>, FakeEngine>;
+
+    /// A healthy job's sentinel with a fake engine (its error slot
+    /// returned), giving the job `grace`; the job is returned too.
+    fn sentinel(
+        sees: bool,
+        grace: Duration,
+    ) -> (Arc<FakeSentinel>, Arc<Mutex<Option<String>>>, Arc<FakeJob>) {
+        let (job, error) = (Arc::new(FakeJob::default()), Arc::new(Mutex::new(None)));
+        let engine = FakeEngine {
+            error: error.clone(),
+            sees,
+        };
+        let s = Arc::new(Sentinel::new(job.clone(), Some(engine), grace));
+        (s, error, job)
+    }
+
+    /// A healthy job gives no cause; an engine's error does, once, in the
+    /// words the run's error carries.
+    #[test]
+    fn a_watch_finds_an_engines_failure_once() {
+        let (s, error, _) = sentinel(false, Duration::from_millis(500));
+        let (mut w, mut health) = (Watch::default(), s.health());
+        assert!(!w.look(&mut health));
+        assert_eq!(w.cause(), None);
+        *error.lock().unwrap() = Some("boom".into());
+        assert!(w.look(&mut health));
+        assert_eq!(w.cause(), Some("the fake engine failed: boom"));
+        // Raised once: a second look finds nothing new.
+        assert!(!w.look(&mut health));
+        // Errors kernels do not see themselves are not looked at late.
+        assert_eq!(s.late_cause(), None);
+
+        let (s, error, _) = sentinel(true, Duration::from_millis(500));
+        assert_eq!(s.late_cause(), None);
+        *error.lock().unwrap() = Some("bad CQE".into());
+        assert_eq!(
+            s.late_cause().as_deref(),
+            Some("the fake engine failed: bad CQE")
+        );
+        // Once the engine is stopped (taken), nothing is reported.
+        s.engine().take();
+        assert_eq!(s.late_cause(), None);
+    }
+
+    /// The watcher's thread raises the flag when the engine fails, records
+    /// the cause (and a failure to raise), and stops when told.
+    #[test]
+    fn a_watcher_thread_raises_the_abort_flag_and_records_the_cause() {
+        let (s, error, _) = sentinel(false, Duration::from_millis(500));
+        let abort = Arc::new(Abort::new(HostFlag::default()));
+        let w = Watcher::start("test-watch".into(), abort.clone(), s.health()).unwrap();
+        *error.lock().unwrap() = Some("boom".into());
+        // The raise is the synchronisation: wait for it (bounded).
+        assert!(abort.flag().wait_raises(1, Duration::from_secs(30)));
+        assert_eq!(abort.flag().value(), 1);
+        let cause = w.finish().unwrap();
+        assert_eq!(cause.as_deref(), Some("the fake engine failed: boom"));
+        // Lowered once the watch ends; raised once only.
+        assert_eq!((abort.flag().value(), abort.held()), (0, 0));
+        assert!(!abort.flag().wait_raises(2, Duration::ZERO));
+        // A failure to raise is the watch's error.
+        abort.flag().fail_raises(true);
+        let w = Watcher::start("test-watch".into(), abort.clone(), s.health()).unwrap();
+        assert!(abort.flag().wait_raises(2, Duration::from_secs(30)));
+        let e = w.finish().expect_err("the raise failed");
+        assert!(e.to_string().contains("the test fails raises"), "{e}");
+    }
+
+    /// A lost link is the cause only once the grace has passed (strictly)
+    /// since a look first saw it, and hides the engine meanwhile; a dead
+    /// peer named within the grace is the cause instead (death beats its
+    /// echo). Time is the test's: no sleeps.
+    #[test]
+    fn a_lost_link_waits_the_grace_for_a_dead_peer() {
+        let grace = Duration::from_millis(500);
+        let (s, error, job) = sentinel(false, grace);
+        let t0 = Instant::now();
+        let mut lost = None;
+        assert_eq!(s.cause(&mut lost, t0), None);
+        *job.lost_link.lock().unwrap() = Some("link to rank 2 lost".into());
+        *error.lock().unwrap() = Some("send failed".into());
+        assert_eq!(s.cause(&mut lost, t0), None, "seen, not yet a cause");
+        assert_eq!(s.cause(&mut lost, t0 + grace), None, "within the grace");
+        let ms = Duration::from_millis(1);
+        assert_eq!(
+            s.cause(&mut lost, t0 + grace + ms).as_deref(),
+            Some("link to rank 2 lost")
+        );
+        // The grace runs from the first look that saw the link lost.
+        let mut lost = None;
+        assert_eq!(s.cause(&mut lost, t0 + grace), None);
+        assert_eq!(s.cause(&mut lost, t0 + grace * 2), None);
+        // A dead peer named within the grace wins, and at once.
+        *job.dead_peer.lock().unwrap() = Some("rank 1 died".into());
+        assert_eq!(
+            s.cause(&mut lost, t0 + grace + ms).as_deref(),
+            Some("rank 1 died")
+        );
+        assert_eq!(
+            s.cause(&mut None, t0).as_deref(),
+            Some("rank 1 died"),
+            "no grace for a dead peer"
+        );
     }
 }

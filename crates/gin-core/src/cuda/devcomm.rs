@@ -5,11 +5,10 @@
 //! running a kernel while watching the job.
 
 use std::marker::PhantomData;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
 
 use gin_bootstrap::Bootstrap;
-use gin_cuda::watch::Outcome;
+use gin_cuda::watch::{EngineHealth, JobHealth, Outcome};
 use gin_cuda::{DevMem, Function, LaunchConfig, Param, StreamRef};
 use gin_device::abi::{
     DEVCOMM_FLAG_CTA_CTX, DEVCOMM_FLAG_EXCLUSIVE_CTX, DEVCOMM_FLAG_LSA_ONLY,
@@ -24,10 +23,6 @@ use crate::error::CoreError;
 use crate::requirements;
 use crate::space::Ranges;
 use crate::{Connection, DevCommRequirements};
-
-/// How a lost TCP link waits for the bootstrap to name a dead peer before
-/// the link's own account is taken as the cause: the workspace's one grace.
-const DEATH_GRACE: Duration = gin_device::CAUSE_GRACE;
 
 /// How each peer is reached.
 struct Reach {
@@ -137,11 +132,17 @@ impl<'c> CudaComm<'c> {
         Ok(CudaDevComm {
             cuda: self,
             abi,
-            sentinel: Arc::new(Sentinel {
-                bootstrap: comm.bootstrap_arc().clone(),
-                fabric: comm.fabric().clone(),
-                engine: Mutex::new(Some(engine)),
-            }),
+            sentinel: Arc::new(Sentinel::new(
+                Job {
+                    bootstrap: comm.bootstrap_arc().clone(),
+                    fabric: comm.fabric().clone(),
+                },
+                Some(Served(engine)),
+                // How a lost TCP link waits for the bootstrap to name a
+                // dead peer before the link's own account is taken as the
+                // cause: the workspace's one grace.
+                gin_device::CAUSE_GRACE,
+            )),
             _mem: vec![tables.lsa, tables.sig_peers],
             ranges: Some(ranges),
             lsa: reach.lsa.iter().map(|&b| b == REACH_LSA).collect(),
@@ -281,55 +282,45 @@ pub struct CudaDevComm<'a, 'c> {
     lsa: Vec<bool>,
 }
 
-/// The engine, shared with watcher threads (taken out when stopped).
-type EngineSlot = Mutex<Option<Box<dyn CudaEngine>>>;
+/// What tells a watch that kernels should give up (gin-cuda's policy over
+/// the job and the engine, its grace the workspace's one). Owned (`Arc`s),
+/// so a watcher thread may hold it.
+type Sentinel = gin_cuda::watch::Sentinel<Job, Served>;
 
-/// What tells a watch that kernels should give up: the bootstrap (a dead
-/// peer), the fabric (a failed TCP transport), the engine (its first
-/// error). Owned (`Arc`s), so a watcher thread may hold it.
+/// The job's health as a sentinel asks it: the bootstrap (a dead peer),
+/// the fabric (a failed TCP transport).
 #[derive(Debug)]
-struct Sentinel {
+struct Job {
     bootstrap: Arc<Bootstrap>,
     fabric: Arc<Fabric>,
-    engine: EngineSlot,
 }
 
-impl Sentinel {
-    fn engine(&self) -> MutexGuard<'_, Option<Box<dyn CudaEngine>>> {
-        self.engine.lock().unwrap_or_else(PoisonError::into_inner)
+impl JobHealth for Job {
+    fn dead_peer(&self) -> Option<String> {
+        self.bootstrap.health().err().map(|e| e.to_string())
     }
 
-    /// Why kernels should give up, if they should: a dead peer, a failed
-    /// TCP transport (after [`DEATH_GRACE`]), a failed engine.
-    fn cause(&self, tcp_failed: &mut Option<(Instant, String)>) -> Option<String> {
-        if let Err(e) = self.bootstrap.health() {
-            Some(e.to_string())
-        } else if let Some((since, why)) = tcp_failed {
-            (since.elapsed() > DEATH_GRACE).then(|| why.clone())
-        } else if let Err(e) = self.fabric.health() {
-            *tcp_failed = Some((Instant::now(), format!("the TCP transport failed: {e}")));
-            None
-        } else {
-            let engine = self.engine();
-            let engine = engine.as_ref()?;
-            engine.error().map(|e| format!("{}: {e}", engine.failure()))
-        }
+    fn lost_link(&self) -> Option<String> {
+        let e = self.fabric.health().err()?;
+        Some(format!("the TCP transport failed: {e}"))
+    }
+}
+
+/// The engine, shared with watcher threads (taken out when stopped).
+#[derive(Debug)]
+struct Served(Box<dyn CudaEngine>);
+
+impl EngineHealth for Served {
+    fn error(&self) -> Option<String> {
+        self.0.error()
     }
 
-    /// What a watch asks each millisecond (gin-cuda's `watch`): the cause,
-    /// a lost TCP link's account kept meanwhile while the bootstrap is
-    /// given [`DEATH_GRACE`] to name a dead peer (a lost link is often one).
-    fn health(self: &Arc<Self>) -> impl FnMut() -> Option<String> + Send + 'static {
-        let (me, mut tcp_failed) = (self.clone(), None);
-        move || me.cause(&mut tcp_failed)
+    fn failure(&self) -> &'static str {
+        self.0.failure()
     }
 
-    /// The engine's account of an error that kernels see themselves (error
-    /// completions): a kernel that met one may end before a watch saw it.
-    fn late_cause(&self) -> Option<String> {
-        let engine = self.engine();
-        let engine = engine.as_ref().filter(|e| e.kernel_sees_errors())?;
-        engine.error().map(|e| format!("{}: {e}", engine.failure()))
+    fn kernel_sees_errors(&self) -> bool {
+        self.0.kernel_sees_errors()
     }
 }
 
@@ -407,7 +398,7 @@ impl CudaDevComm<'_, '_> {
         self.sentinel
             .engine()
             .as_ref()
-            .map_or("load/store", |e| e.describe(mixed))
+            .map_or("load/store", |e| e.0.describe(mixed))
     }
 
     /// Launches `f` on `grid` blocks of `block` threads and waits for it,
@@ -522,7 +513,7 @@ impl CudaDevComm<'_, '_> {
     /// Stops the engine after checking that every rank got here, and gives
     /// the ids back (collective).
     pub fn destroy(mut self) -> Result<(), CoreError> {
-        if let Some(engine) = self.sentinel.engine().take() {
+        if let Some(Served(engine)) = self.sentinel.engine().take() {
             let context = engine.failure();
             engine.stop().map_err(|error| {
                 CoreError::CudaRuntime(gin_cuda::CudaError::Worker {
@@ -554,7 +545,7 @@ fn params<'p>(args: &[Arg<'p>]) -> Vec<Param<'p>> {
 
 impl Drop for CudaDevComm<'_, '_> {
     fn drop(&mut self) {
-        if let Some(engine) = self.sentinel.engine().take() {
+        if let Some(Served(engine)) = self.sentinel.engine().take() {
             let _ = engine.stop();
         }
         // Without destroy, a signal may still be in flight to these slots:
@@ -562,125 +553,5 @@ impl Drop for CudaDevComm<'_, '_> {
         if let Some(r) = &mut self.ranges {
             r.keep_reserved();
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #![allow(clippy::unwrap_used)]
-    use super::*;
-    use gin_bootstrap::{Config, run_threads};
-    use gin_cuda::testing::HostFlag;
-    use gin_cuda::watch::{Abort, Watch, Watcher};
-
-    /// An engine whose error the test sets.
-    #[derive(Debug, Default)]
-    struct FakeEngine {
-        error: Arc<Mutex<Option<String>>>,
-        sees: bool,
-    }
-
-    impl CudaEngine for FakeEngine {
-        fn rings(&self) -> u64 {
-            0
-        }
-        fn backend_kind(&self) -> u32 {
-            0
-        }
-        fn serves(&self) -> bool {
-            true
-        }
-        fn describe(&self, _: bool) -> &'static str {
-            "fake"
-        }
-        fn error(&self) -> Option<String> {
-            self.error.lock().unwrap().clone()
-        }
-        fn failure(&self) -> &'static str {
-            "the fake engine failed"
-        }
-        fn kernel_sees_errors(&self) -> bool {
-            self.sees
-        }
-        fn stop(self: Box<Self>) -> Result<(), String> {
-            Ok(())
-        }
-    }
-
-    /// Runs `f` on a one-rank communicator's sentinel with a fake engine
-    /// (its error slot handed to `f`).
-    fn with_sentinel(
-        sees: bool,
-        f: impl Fn(Arc<Sentinel>, Arc<Mutex<Option<String>>>) + Send + Sync + 'static,
-    ) {
-        run_threads(1, Config::default(), move |b| {
-            let comm = crate::Comm::new(b).unwrap();
-            let error = Arc::new(Mutex::new(None));
-            let engine = FakeEngine {
-                error: error.clone(),
-                sees,
-            };
-            let sentinel = Arc::new(Sentinel {
-                bootstrap: comm.bootstrap_arc().clone(),
-                fabric: comm.fabric().clone(),
-                engine: Mutex::new(Some(Box::new(engine))),
-            });
-            f(sentinel, error);
-        })
-        .unwrap();
-    }
-
-    /// A healthy job gives no cause; an engine's error does, once, in the
-    /// words the run's error carries.
-    #[test]
-    fn a_watch_finds_an_engines_failure_once() {
-        with_sentinel(false, |s, error| {
-            let (mut w, mut health) = (Watch::default(), s.health());
-            assert!(!w.look(&mut health));
-            assert_eq!(w.cause(), None);
-            *error.lock().unwrap() = Some("boom".into());
-            assert!(w.look(&mut health));
-            assert_eq!(w.cause(), Some("the fake engine failed: boom"));
-            // Raised once: a second look finds nothing new.
-            assert!(!w.look(&mut health));
-            // Errors kernels do not see themselves are not looked at late.
-            assert_eq!(s.late_cause(), None);
-        });
-        with_sentinel(true, |s, error| {
-            assert_eq!(s.late_cause(), None);
-            *error.lock().unwrap() = Some("bad CQE".into());
-            assert_eq!(
-                s.late_cause().as_deref(),
-                Some("the fake engine failed: bad CQE")
-            );
-            // Once the engine is stopped (taken), nothing is reported.
-            s.engine().take();
-            assert_eq!(s.late_cause(), None);
-        });
-    }
-
-    /// The watcher's thread raises the flag when the engine fails, records
-    /// the cause (and a failure to raise), and stops when told.
-    #[test]
-    fn a_watcher_thread_raises_the_abort_flag_and_records_the_cause() {
-        with_sentinel(false, |s, error| {
-            let abort = Arc::new(Abort::new(HostFlag::default()));
-            let w = Watcher::start("test-watch".into(), abort.clone(), s.health()).unwrap();
-            *error.lock().unwrap() = Some("boom".into());
-            // The raise is the synchronisation: wait for it (bounded).
-            assert!(abort.flag().wait_raises(1, Duration::from_secs(30)));
-            assert_eq!(abort.flag().value(), 1);
-            let cause = w.finish().unwrap();
-            assert_eq!(cause.as_deref(), Some("the fake engine failed: boom"));
-            // Lowered once the watch ends; raised once only.
-            assert_eq!((abort.flag().value(), abort.held()), (0, 0));
-            assert!(!abort.flag().wait_raises(2, Duration::ZERO));
-            // A failure to raise is the watch's error.
-            abort.flag().fail_raises(true);
-            let w = Watcher::start("test-watch".into(), abort.clone(), s.health()).unwrap();
-            assert!(abort.flag().wait_raises(2, Duration::from_secs(30)));
-            let e = w.finish().expect_err("the raise failed");
-            assert!(e.to_string().contains("the test fails raises"), "{e}");
-        });
     }
 }
