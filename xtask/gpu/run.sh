@@ -147,8 +147,14 @@ done
 step "fused-graph-tcp-proxy" env GIN_TRANSPORT=tcp GIN_BACKEND=proxy timeout 300 "$fa" --ranks 2 --graph --iters 20
 step "fused-graph-cooperative" timeout 300 "$fa" --ranks 2 --graph --cooperative
 # Three ranks on one GPU: where one signal per sender matters (both kernels).
-step "fused-3ranks-proxy" env GIN_BACKEND=proxy timeout 300 "$fa" --ranks 3
-step "fused-graph-3ranks-proxy" env GIN_BACKEND=proxy timeout 300 "$fa" --ranks 3 --graph --iters 20
+# Four rounds queued at once on each rank's stream: the engine's copies must
+# not share a hardware work queue with the user's waiting kernels, and under
+# MPS the clients share one small pool of them (docs/cuda.md, "Hardware work
+# queues"): at the default this deadlocks until the kernels time out; with
+# 16 connections per client it runs.
+step "fused-3ranks-proxy" env CUDA_DEVICE_MAX_CONNECTIONS=16 GIN_BACKEND=proxy GIN_TIMEOUT=20s timeout 120 "$fa" --ranks 3
+step "fused-3ranks-gdaki" env CUDA_DEVICE_MAX_CONNECTIONS=16 GIN_BACKEND=gdaki GIN_TIMEOUT=20s timeout 120 "$fa" --ranks 3
+step "fused-graph-3ranks-proxy" env GIN_BACKEND=proxy GIN_TIMEOUT=20s timeout 120 "$fa" --ranks 3 --graph --iters 20
 # The shallowest queues each backend accepts: credit and wraparound all the time.
 step "selftest-proxy-depth2" env GIN_BACKEND=proxy GIN_SELFTEST_QUEUE_DEPTH=2 "$st" all --ranks 2
 step "selftest-gdaki-depth4" env GIN_BACKEND=gdaki GIN_SELFTEST_QUEUE_DEPTH=4 "$st" all --ranks 2
