@@ -324,10 +324,15 @@ pub fn run(a: &CudaArgs) -> Result<()> {
         .filter(|&p| !(tcp && p == CudaPath::LoadStore))
         .collect();
     if tcp && comm.rank() == 0 {
-        println!(
-            "rank 0 reaches rank 1 over TCP (GPU memory staged through host memory): \
-             no load/store path, no floors"
-        );
+        // The transport the fabric gave rank 1 ("tcp", or "ucx", which
+        // hands GPU memory to UCX directly where it can).
+        let over = comm.path_names().get(1).copied().unwrap_or("tcp");
+        let how = if over == "tcp" {
+            "GPU memory staged through host memory"
+        } else {
+            "not mapped here"
+        };
+        println!("rank 0 reaches rank 1 over {over} ({how}): no load/store path, no floors");
     }
     let m = c.compile(gin_selftest::KERNELS, "selftest.cu")?;
     let want = |t: CudaTest| a.tests.contains(&t);
