@@ -33,7 +33,11 @@
 //!   region registered before the transport started, when a peer first
 //!   asks for its key (an active message). Every request is answered: with
 //!   the rkey, or with the UCX call that failed and its status, which the
-//!   initiator's error names with the window and offset. A GPU region's
+//!   initiator's error names with the window and offset. An owner late to
+//!   answer is pinged; a timeout says whether it answered pings (it had
+//!   the request) or nothing (its worker was held by a blocked UCX call on
+//!   another of its threads; every UCX call held over a second is logged
+//!   there). A GPU region's
 //!   backing may name a hook that makes its context current
 //!   ([`crate::region::Backing::thread_context`]): the progress thread
 //!   runs it. The peer unpacks each rkey once and caches it. When the
@@ -106,6 +110,10 @@ use worker::{Started, Ucp, started};
 /// How long a wait gives a request to complete after its endpoint was
 /// force-closed before releasing it anyway.
 const CLOSE_WAIT: Duration = Duration::from_secs(1);
+
+/// A UCX call or a progress-thread turn longer than this is logged (see
+/// [`Inner::held`]): UCX answers within microseconds unless a call blocks.
+const HELD: Duration = Duration::from_secs(1);
 
 /// How the fabric finds and starts the ucx transport.
 pub const REGISTRATION: Registration = Registration {
@@ -422,6 +430,24 @@ impl OpCtx {
 }
 
 impl Inner {
+    /// Logs a UCX call `what` (to `peer`, if one) that began at `began` and held
+    /// this rank's worker longer than [`HELD`]: meanwhile this rank
+    /// answered no peer (a GPU memory call can block in the CUDA driver,
+    /// e.g. UCX's cuda_ipc unmapping a stale mapping of a peer's freed
+    /// memory, which waits for this process's running kernels).
+    fn held(&self, began: Instant, peer: Option<usize>, what: &str) {
+        let took = began.elapsed();
+        if took > HELD {
+            tracing::warn!(
+                rank = self.rank,
+                ?peer,
+                call = what,
+                ?took,
+                "a UCX call held this rank's worker: no rkey request, revocation or ping from any peer was answered meanwhile"
+            );
+        }
+    }
+
     fn peer_opt(&self, p: usize) -> Option<&Peer> {
         self.peers.get(p).and_then(Option::as_ref)
     }
@@ -862,7 +888,10 @@ impl UcxTransport {
             },
             Target::Key { key, .. } => NetError::Refused {
                 peer: peer.rank,
-                why: format!("unknown memory key {key:#010x}"),
+                why: format!(
+                    "unknown memory key {key:#010x} (rank {} serves no such key: never registered there, or removed)",
+                    peer.rank
+                ),
                 window: None,
             },
         };
@@ -937,11 +966,15 @@ impl UcxTransport {
         Ok(Resolved { remote, addr })
     }
 
-    /// Issues, under the peer's lock, `f` with the live endpoint; the
-    /// error for a closed one.
+    /// Issues, under the peer's lock, `f` with the live endpoint (`what`:
+    /// the operation, for the log); the error for a closed one. An issue
+    /// call that UCX held longer than [`HELD`] is logged: UCX's worker was
+    /// held meanwhile, so this rank answered no peer (rkey requests,
+    /// revocations, pings) until it returned.
     fn with_ep<T>(
         &self,
         peer: &Peer,
+        what: &str,
         f: impl FnOnce(sys::ucp_ep_h, &PeerState) -> Result<T, NetError>,
     ) -> Result<T, NetError> {
         let s = lock(&peer.state);
@@ -953,7 +986,12 @@ impl UcxTransport {
                 why: "the endpoint was closed".into(),
             });
         }
-        f(s.ep, &s)
+        let began = Instant::now();
+        #[cfg(test)]
+        self.inner.test.issuing();
+        let r = f(s.ep, &s);
+        self.inner.held(began, Some(peer.rank), what);
+        r
     }
 
     /// Fences before a get or an atomic that follows a put to `peer`.
@@ -989,7 +1027,7 @@ impl UcxTransport {
     fn flush(&self, peer: &Peer, timeout: Duration, what: &str) -> Result<(), NetError> {
         let deadline = Instant::now() + timeout;
         let p = sys::ucp_request_param_t::default();
-        let r = self.with_ep(peer, |ep, _| {
+        let r = self.with_ep(peer, what, |ep, _| {
             // SAFETY: a live endpoint under the peer's lock.
             Ok(unsafe { self.inner.ucp.lib.ucp_ep_flush_nbx(ep, &raw const p) })
         })?;
@@ -1033,7 +1071,7 @@ impl Transport for UcxTransport {
         // put that borrowed the caller's slice could be read by UCX after a
         // timeout's force-close had returned (a safe fn must not leave
         // that), and an owned copy lets any number be in flight.
-        self.with_ep(p, |ep, st| {
+        self.with_ep(p, "ucp_put_nbx", |ep, st| {
             if !Self::still(st, &d.remote)
                 || s.as_ref().is_some_and(|(s, _)| !Self::still(st, &s.remote))
             {
@@ -1107,7 +1145,7 @@ impl Transport for UcxTransport {
             len,
             size: u64::MAX,
         })?;
-        self.with_ep(p, |ep, _| {
+        self.with_ep(p, "ucp_get_nbx", |ep, _| {
             let mut ctx = inner.op_ctx(p, "get");
             ctx.get = Some((done.clone(), keep));
             let buf: Box<[u8]> = vec![0u8; n].into_boxed_slice();
@@ -1147,7 +1185,7 @@ impl Transport for UcxTransport {
         // must not write into `out` (or this frame) once this call returned.
         let mut land: Box<[u8]> = vec![0u8; out.len()].into_boxed_slice();
         let at = land.as_mut_ptr();
-        let st = self.with_ep(p, |ep, _| {
+        let st = self.with_ep(p, "ucp_get_nbx (read)", |ep, _| {
             // SAFETY: `land` lives until the request completes, or is
             // leaked below when this call gives up on it.
             Ok(unsafe {
@@ -1208,7 +1246,7 @@ impl Transport for UcxTransport {
             reply_buffer: rp.cast(),
             ..Default::default()
         };
-        let st = self.with_ep(p, |ep, _| {
+        let st = self.with_ep(p, "ucp_atomic_op_nbx", |ep, _| {
             // SAFETY: `words` lives until the request completes, or is
             // leaked below when this call gives up on it.
             Ok(unsafe {
@@ -1291,7 +1329,7 @@ impl Transport for UcxTransport {
         let n = usize::try_from(len).map_err(|_| too_long(peer, dst, len))?;
         p.dirty.store(true, Ordering::Release);
         let prm = device_param();
-        let r = self.with_ep(p, |ep, st| {
+        let r = self.with_ep(p, "ucp_put_nbx from GPU memory", |ep, st| {
             if !Self::still(st, &d.remote) {
                 return Err(revoked(peer, dst, len, "put"));
             }
@@ -1338,7 +1376,7 @@ impl Transport for UcxTransport {
         self.order(p)?;
         let deadline = Instant::now() + timeout;
         let prm = device_param();
-        let st = self.with_ep(p, |ep, _| {
+        let st = self.with_ep(p, "ucp_get_nbx into GPU memory", |ep, _| {
             // SAFETY: the caller keeps `dst` (GPU memory of this process)
             // to this read until the call returns, which is after the
             // request completed (waited for below; a timeout force-closes

@@ -477,6 +477,16 @@ impl Inner {
         #[cfg(test)]
         self.test.mapping_on_this_thread(info.base);
         #[cfg(test)]
+        let params = if self.test.backed_as_host.load(Ordering::Acquire) {
+            map_params(&RegionInfo {
+                backed: false,
+                ..info
+            })
+            .unwrap_or(params)
+        } else {
+            params
+        };
+        #[cfg(test)]
         if let Some(st) = self.test.map_fails() {
             return Err(fail(wire::Call::MemMap, st));
         }
@@ -624,7 +634,15 @@ impl Inner {
     /// queued or the transport is closing; whether anything happened.
     fn progress_until_idle(&self) -> bool {
         let mut any = false;
-        while self.ucp.progress() != 0 {
+        loop {
+            let began = Instant::now();
+            let n = self.ucp.progress();
+            // Waiting for the worker held by another thread's call, or
+            // for a callback: either way nothing was answered meanwhile.
+            self.held(began, None, "ucp_worker_progress on the progress thread");
+            if n == 0 {
+                break;
+            }
             any = true;
             if self.closing.load(Ordering::Acquire) || !lock(&self.work).is_empty() {
                 break;
@@ -799,7 +817,11 @@ const SILENT: Duration = Duration::from_secs(2);
 const PING_EVERY: Duration = Duration::from_millis(200);
 
 /// Asks `peer` for `key`'s rkey and progresses until the answer arrives
-/// (within the job's timeout).
+/// (within the job's timeout). An owner late to answer is pinged every
+/// [`PING_EVERY`] after [`ASK_PATIENCE`]: a timeout then says whether its
+/// progress thread answered pings meanwhile (it received the request but
+/// did not answer it) or nothing at all (its UCX worker made no progress:
+/// a UCX call on another of its threads held it).
 pub(super) fn ask(
     inner: &Inner,
     peer: &Peer,
@@ -821,6 +843,7 @@ pub(super) fn ask(
         });
     }
     let start = Instant::now();
+    let mut pinged: Option<Instant> = None;
     let mut spins = 0u32;
     loop {
         {
@@ -832,6 +855,7 @@ pub(super) fn ask(
         }
         spins = spins.wrapping_add(1);
         if spins.is_multiple_of(256) {
+            let now = Instant::now();
             let err = if let Err(e) = inner.broken(peer) {
                 Some(e)
             } else if let Some(Err(job)) = inner.alive.get().map(|a| a()) {
@@ -840,11 +864,7 @@ pub(super) fn ask(
                     why: job,
                 })
             } else if start.elapsed() > inner.timeout {
-                Some(NetError::Timeout {
-                    peer: peer.rank,
-                    what: format!("the rkey of key {key:#010x}"),
-                    waited: start.elapsed(),
-                })
+                Some(unanswered(inner, peer.rank, key, start, pinged.is_some()))
             } else {
                 None
             };
@@ -852,12 +872,43 @@ pub(super) fn ask(
                 lock(&inner.answers).remove(&id);
                 return Err(e);
             }
+            let late = now.saturating_duration_since(start) > ASK_PATIENCE;
+            if late && pinged.is_none_or(|t| now.saturating_duration_since(t) > PING_EVERY) {
+                inner.signal_to(peer.rank, wire::id::PING);
+                pinged = Some(now);
+            }
         }
         if inner.ucp.progress() == 0 {
             std::thread::yield_now();
         }
     }
 }
+
+/// The timeout of a request for `key`'s rkey that `owner` never answered,
+/// saying whether its progress thread answered a ping meanwhile.
+fn unanswered(inner: &Inner, owner: usize, key: u32, start: Instant, pinged: bool) -> NetError {
+    let heard = lock(&inner.heard).get(&owner).is_some_and(|&t| t > start);
+    let what = if heard {
+        format!(
+            "the rkey of key {key:#010x}: rank {owner}'s progress thread answered pings meanwhile but not this request (its log says why)"
+        )
+    } else if pinged {
+        format!(
+            "the rkey of key {key:#010x}: rank {owner} answered no ping either, so its UCX worker made no progress (a UCX call on another of its threads held the worker; its log names a call that took long)"
+        )
+    } else {
+        format!("the rkey of key {key:#010x}")
+    };
+    NetError::Timeout {
+        peer: owner,
+        what,
+        waited: start.elapsed(),
+    }
+}
+
+/// How long a request for an rkey waits before its owner is pinged (an
+/// owner answers within microseconds unless something holds it).
+const ASK_PATIENCE: Duration = Duration::from_millis(500);
 
 /// How long the progress thread keeps polling after the last event before
 /// it sleeps on the worker's event descriptor: a message arriving within
@@ -902,7 +953,9 @@ pub(super) fn spawn_progress(
             let mut context_seen = 0;
             while !inner.closing.load(Ordering::Acquire) {
                 inner.enter_thread_context(&mut context_seen);
+                let turn = Instant::now();
                 let worked = inner.drain();
+                inner.held(turn, None, "the progress thread's queued work");
                 let progressed = inner.progress_until_idle();
                 if worked || progressed {
                     idle.busy(Instant::now());

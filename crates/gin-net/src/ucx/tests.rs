@@ -24,6 +24,14 @@ pub(super) struct Hooks {
     held: Mutex<Vec<(usize, u32)>>,
     /// Every mapping attempted: the region's base and the thread's name.
     mapped: Mutex<Vec<(usize, String)>>,
+    /// Regions behind a backing are mapped as host memory (their base is
+    /// host memory in these tests: CUDA ranks' windows imitated).
+    pub(super) backed_as_host: AtomicBool,
+    /// Issue calls block while set, holding the peer's lock (a UCX call
+    /// held in the CUDA driver, which holds UCX's worker) ...
+    block_issue: AtomicBool,
+    /// ... and set this once one does.
+    blocked: AtomicBool,
 }
 
 impl Hooks {
@@ -37,6 +45,16 @@ impl Hooks {
     pub(super) fn mapping_on_this_thread(&self, base: usize) {
         let name = std::thread::current().name().unwrap_or("?").to_owned();
         lock(&self.mapped).push((base, name));
+    }
+
+    /// Blocks an issue call while `block_issue` is set.
+    pub(super) fn issuing(&self) {
+        if self.block_issue.load(Ordering::Acquire) {
+            self.blocked.store(true, Ordering::Release);
+            while self.block_issue.load(Ordering::Acquire) {
+                std::thread::yield_now();
+            }
+        }
     }
 
     /// Whether the acknowledgement of `key` to `owner` is held back.
@@ -490,4 +508,221 @@ fn gpu_regions_are_mapped_on_the_registering_thread_and_the_progress_thread_ente
         e.contains("GPU memory") && e.contains("ucp_mem_map failed"),
         "{e}"
     );
+}
+
+/// An owner whose UCX worker is held by a blocked call on another of its
+/// threads (on a GPU: UCX's cuda_ipc closing a stale mapping of a peer's
+/// freed memory inside `ucp_put_nbx`, which the CUDA driver holds until
+/// the rank's running kernel ends) answers no rkey request and no ping.
+/// The initiator's timeout says so, naming the owner and the key, instead
+/// of only that it timed out.
+#[test]
+fn an_rkey_request_to_an_owner_held_by_a_blocked_ucx_call_times_out_saying_so() {
+    if !ucx_here() {
+        return;
+    }
+    let timeout = Duration::from_secs(3);
+    let out = two_ranks(timeout, move |b, table| {
+        let t = start(b, &table, timeout);
+        let mut mem = vec![0u64; 512];
+        let mine = register(&table, &mut mem);
+        let keys = b.allgather(&mine.to_le_bytes()).unwrap();
+        let key = |r: usize| u32::from_le_bytes(keys[r][..4].try_into().unwrap());
+        let mut seen = None;
+        if b.rank() == 1 {
+            t.inner.test.block_issue.store(true, Ordering::Release);
+            std::thread::scope(|s| {
+                // Gets rank 0's rkey, then blocks in the issue call.
+                let put = s.spawn(|| {
+                    t.put(
+                        0,
+                        Target::Key {
+                            key: key(0),
+                            offset: 0,
+                        },
+                        &[1; 8],
+                        None,
+                    )
+                });
+                while !t.inner.test.blocked.load(Ordering::Acquire) {
+                    assert!(!put.is_finished(), "the put did not block");
+                    std::thread::yield_now();
+                }
+                b.barrier().unwrap();
+                // Rank 0 asked and gave up.
+                b.barrier().unwrap();
+                t.inner.test.block_issue.store(false, Ordering::Release);
+                put.join().unwrap().unwrap();
+            });
+        } else {
+            b.barrier().unwrap();
+            let e = t
+                .put(
+                    1,
+                    Target::Key {
+                        key: key(1),
+                        offset: 0,
+                    },
+                    &[2; 8],
+                    None,
+                )
+                .unwrap_err();
+            seen = Some((key(1), e.to_string()));
+            b.barrier().unwrap();
+        }
+        b.barrier().unwrap();
+        drop(t);
+        table.remove(mine);
+        seen
+    });
+    let (key, e) = out[0].as_ref().unwrap();
+    for part in [
+        "rank 1",
+        &format!("the rkey of key {key:#010x}"),
+        "answered no ping either",
+        "UCX worker made no progress",
+    ] {
+        assert!(e.contains(part), "{e:?} lacks {part:?}");
+    }
+}
+
+/// A window part's memory in these tests: host memory behind a backing,
+/// mapped as host memory (`backed_as_host`), so UCX serves it here.
+struct HostGpu;
+
+impl crate::region::Backing for HostGpu {
+    fn write(&self, _: u64, _: &[u8]) -> Result<(), String> {
+        Err("not reached in this test: UCX writes the memory".into())
+    }
+    fn read(&self, _: u64, _: &mut [u8]) -> Result<(), String> {
+        Err("not reached in this test: UCX reads the memory".into())
+    }
+    fn thread_context(&self) -> Option<crate::region::ThreadContext> {
+        Some(Arc::new(|| {}))
+    }
+}
+
+/// CUDA ranks' windows as gin-cuda-selftest's ring uses them, on the CPU:
+/// each round every rank registers two fresh parts behind a backing (send
+/// and receive, as `LocalPart` does before the key exchange), the ranks
+/// exchange keys, each puts the round's bytes and then an ordered 8-byte
+/// total into the other's receive part (asking for its rkey first), and
+/// both free their parts collectively (revoking the rkeys the peer holds).
+/// Rounds of 8, 1000, 1024 B and 1 MiB, twice: every rkey request is
+/// answered and every revocation acknowledged at once, round after round.
+/// (The third round's failure on the GPU needs UCX's cuda_ipc cache: see
+/// docs/ucx.md.)
+#[test]
+fn window_parts_registered_and_freed_in_rounds_are_served_every_round() {
+    if !ucx_here() {
+        return;
+    }
+    let timeout = Duration::from_secs(30);
+    let out = two_ranks(timeout, move |b, table| {
+        let t = start(b, &table, timeout);
+        t.inner.test.backed_as_host.store(true, Ordering::Release);
+        let (me, peer) = (b.rank(), 1 - b.rank());
+        let mut took = Vec::new();
+        for (round, size) in [8usize, 1000, 1024, 1 << 20, 8, 1000, 1024]
+            .into_iter()
+            .enumerate()
+        {
+            let began = Instant::now();
+            let send = vec![u8::try_from(round * 2 + me).unwrap(); size];
+            let recv = vec![0u8; size + 8].into_boxed_slice();
+            let send_key = table
+                .insert_backed(send.as_ptr() as u64, size as u64, Arc::new(HostGpu))
+                .unwrap();
+            let recv_key = table
+                .insert_backed(recv.as_ptr() as u64, size as u64 + 8, Arc::new(HostGpu))
+                .unwrap();
+            let theirs = key_of(b, recv_key, peer);
+            t.put(
+                peer,
+                Target::Key {
+                    key: theirs,
+                    offset: 0,
+                },
+                &send,
+                None,
+            )
+            .unwrap();
+            let total = (round as u64 + 1).to_le_bytes();
+            t.put_ordered(
+                peer,
+                Target::Key {
+                    key: theirs,
+                    offset: size as u64,
+                },
+                &total,
+            )
+            .unwrap();
+            t.fence(peer, timeout).unwrap();
+            b.barrier().unwrap();
+            let want = u8::try_from(round * 2 + peer).unwrap();
+            assert!(recv[..size].iter().all(|&x| x == want), "round {round}");
+            assert_eq!(recv[size..], total, "round {round}");
+            b.barrier().unwrap();
+            table.remove(send_key);
+            table.remove(recv_key);
+            took.push((size, began.elapsed()));
+        }
+        b.barrier().unwrap();
+        drop(t);
+        took
+    });
+    for (rank, rounds) in out.iter().enumerate() {
+        for (size, took) in rounds {
+            assert!(
+                *took < Duration::from_secs(5),
+                "rank {rank}: the {size} B round took {took:?}"
+            );
+        }
+    }
+}
+
+/// An owner asked for a key it does not serve (never registered, or
+/// removed in an earlier round) answers at once, and the initiator's
+/// error names the key and that the owner serves no such key.
+#[test]
+fn an_owner_asked_for_a_key_it_does_not_serve_answers_at_once() {
+    if !ucx_here() {
+        return;
+    }
+    let timeout = Duration::from_secs(30);
+    let out = two_ranks(timeout, move |b, table| {
+        let t = start(b, &table, timeout);
+        let mut mem = vec![0u64; 512];
+        let removed = if b.rank() == 1 {
+            let k = register(&table, &mut mem);
+            table.remove(k);
+            k
+        } else {
+            0
+        };
+        let removed = key_of(b, removed, 1);
+        let mut seen = Vec::new();
+        if b.rank() == 0 {
+            for key in [removed, removed ^ 0x5a5a_0000] {
+                let began = Instant::now();
+                let e = t
+                    .put(1, Target::Key { key, offset: 0 }, &[1; 8], None)
+                    .unwrap_err();
+                seen.push((key, began.elapsed(), e.to_string()));
+            }
+        }
+        b.barrier().unwrap();
+        drop(t);
+        seen
+    });
+    assert_eq!(out[0].len(), 2);
+    for (key, took, e) in &out[0] {
+        assert!(*took < Duration::from_secs(5), "{took:?}: {e}");
+        for part in [
+            format!("unknown memory key {key:#010x}"),
+            "rank 1 serves no such key".into(),
+        ] {
+            assert!(e.contains(&part), "{e:?} lacks {part:?}");
+        }
+    }
 }
