@@ -586,3 +586,49 @@ fn a_ring_stream_that_never_completes_is_a_stall_naming_the_ring() {
     rig.gpu.complete(1);
     assert_eq!(w.check(after + thr * 20), None);
 }
+
+/// Watched for stalls, work handed to a stream before it is drained (a
+/// transport taking GPU memory reads what the stream wrote) carries the
+/// ring's mark too, so that work the stream never completes there (the
+/// drain would never return) is diagnosed; a drain of an empty batch
+/// queues none. (The recording streams execute nothing, syncs included.)
+#[test]
+fn work_drained_for_a_transport_carries_its_mark() {
+    let mut rig = rig_over(Keyed::taking_device_memory());
+    let w = Arc::new(StallWatch::new(
+        0,
+        "CUDA proxy",
+        vec![ring_name(0, 0, 1), ring_name(1, 0, 2)],
+        rig.gpu.marks(2),
+        Duration::from_secs(2),
+        WorkQueues::default(),
+    ));
+    rig.exec.watch_stalls(w.clone());
+    rig.post(
+        1,
+        &Desc {
+            counter: Some(1),
+            ..put(64, 0, 0)
+        },
+    );
+    rig.post(
+        1,
+        &Desc {
+            op: Op::Get,
+            ..put(32, 512, 2048)
+        },
+    );
+    let t = Instant::now();
+    rig.step();
+    assert_eq!(
+        rig.calls(),
+        vec![
+            (1, Call::Sync),
+            (1, Call::Stores(vec![(COUNTERS + 16, 1), (MARKS_AT + 8, 1)])),
+            (1, Call::Sync),
+            (1, Call::Stores(vec![(DONE[1], 2), (MARKS_AT + 8, 2)])),
+        ]
+    );
+    let s = w.check(t + Duration::from_secs(3)).unwrap();
+    assert_eq!(s.stream, "ring 1 (context 0, peer 2)");
+}
