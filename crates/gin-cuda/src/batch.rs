@@ -15,6 +15,13 @@
 //! many blocks send in slices (a slice a descriptor or WQE) costs one copy
 //! per pass, not one per slice. Copies are merged only within a region, so a
 //! merged copy never spans two allocations that happen to be adjacent.
+//!
+//! [`stall`] watches the streams an engine hands its batches to: a mark
+//! after each batch, so that work a stream has not completed for seconds
+//! (it waits behind a user's kernel on a shared hardware work queue) is
+//! diagnosed instead of ending in the kernels' bare timeouts.
+
+pub mod stall;
 
 use std::sync::Arc;
 
@@ -406,8 +413,8 @@ impl StreamBatch {
         }
     }
 
-    #[cfg(test)]
-    fn is_empty(&self) -> bool {
+    /// Whether nothing is pending (queued, not yet handed to a stream).
+    pub fn is_empty(&self) -> bool {
         self.dst.is_empty() && self.writes.is_empty()
     }
 }

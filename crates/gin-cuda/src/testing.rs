@@ -8,9 +8,11 @@
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
-use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
+use crate::batch::stall::Marks;
 use crate::batch::{Dma, Gpu};
 use crate::error::CudaError;
 use crate::watch::Flag;
@@ -34,15 +36,26 @@ pub enum Call {
 /// are numbered in the order they were made).
 pub type Log = Rc<RefCell<Vec<(usize, Call)>>>;
 
+/// Every store any stream was handed: (stream, address, value), kept for
+/// [`RecordingGpu::complete`] (tests drain the [`Log`]).
+type Stores = Rc<RefCell<Vec<(usize, u64, u64)>>>;
+
 /// A stream that records and executes nothing.
 #[derive(Debug)]
 pub struct RecordingStream {
     id: usize,
     log: Log,
+    stores: Stores,
 }
 
 impl RecordingStream {
     fn record(&self, c: Call) {
+        let mut stores = self.stores.borrow_mut();
+        match &c {
+            Call::Store(a, v) => stores.push((self.id, *a, *v)),
+            Call::Stores(w) => stores.extend(w.iter().map(|&(a, v)| (self.id, a, v))),
+            _ => {}
+        }
         self.log.borrow_mut().push((self.id, c));
     }
 }
@@ -77,16 +90,73 @@ impl Dma for RecordingStream {
     }
 }
 
-/// A GPU whose streams record into one shared [`Log`].
-#[derive(Debug, Default)]
+/// A GPU whose streams record into one shared [`Log`]. Clones share
+/// everything (the log, the streams made, the marks), so a test keeps one
+/// while an executor owns another.
+#[derive(Debug, Default, Clone)]
 pub struct RecordingGpu {
     /// What every stream was handed.
     pub log: Log,
-    streams: Cell<usize>,
-    entered: Cell<bool>,
+    stores: Stores,
+    streams: Rc<Cell<usize>>,
+    entered: Rc<Cell<bool>>,
+    marks: Rc<RefCell<Vec<Arc<MarkWords>>>>,
 }
 
+/// Mark words at made-up addresses ([`RecordingGpu::marks`]).
+#[derive(Debug)]
+pub struct MarkWords {
+    base: u64,
+    words: Vec<AtomicU64>,
+}
+
+impl MarkWords {
+    /// The word at device address `a`, if it is one of these.
+    fn word(&self, a: u64) -> Option<&AtomicU64> {
+        let i = usize::try_from(a.checked_sub(self.base)? / 8).ok()?;
+        self.words.get(i).filter(|_| a.is_multiple_of(8))
+    }
+}
+
+impl Marks for Arc<MarkWords> {
+    fn addr(&self, i: usize) -> Option<u64> {
+        (i < self.words.len()).then(|| self.base + i as u64 * 8)
+    }
+
+    fn read(&self, i: usize) -> u64 {
+        self.words.get(i).map_or(0, |w| w.load(Ordering::Acquire))
+    }
+}
+
+/// Where the first set of mark words lies (made up; the next set 64 KiB
+/// above).
+pub const MARKS_AT: u64 = 0x7a00_0000;
+
 impl RecordingGpu {
+    /// Mark words for `n` streams, at [`MARKS_AT`] for the first set (the
+    /// next 64 KiB above), which the streams execute only when a test says
+    /// so ([`RecordingGpu::complete`]).
+    pub fn marks(&self, n: usize) -> Box<dyn Marks> {
+        let mut all = self.marks.borrow_mut();
+        let m = Arc::new(MarkWords {
+            base: MARKS_AT + all.len() as u64 * 0x1_0000,
+            words: (0..n).map(|_| AtomicU64::new(0)).collect(),
+        });
+        all.push(m.clone());
+        Box::new(m)
+    }
+
+    /// Stream `stream` executes what it was handed so far, as far as
+    /// anything reads it: its stores into mark words.
+    pub fn complete(&self, stream: usize) {
+        let marks = self.marks.borrow();
+        for &(_, a, v) in self.stores.borrow().iter().filter(|x| x.0 == stream) {
+            if let Some(w) = marks.iter().find_map(|m| m.word(a)) {
+                w.store(v, Ordering::Release);
+            }
+        }
+    }
+
     /// Whether [`Gpu::enter`] was called.
     pub fn entered(&self) -> bool {
         self.entered.get()
@@ -110,6 +180,7 @@ impl Gpu for RecordingGpu {
         Ok(RecordingStream {
             id,
             log: self.log.clone(),
+            stores: self.stores.clone(),
         })
     }
 }

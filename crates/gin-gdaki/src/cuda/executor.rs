@@ -32,11 +32,18 @@
 //! ([`Memory::Device`]) only; every address handed to a stream is checked
 //! here again against the window's sizes, the counter array or the CQE,
 //! right where it is used.
+//!
+//! With a [`StallWatch`] ([`CudaExecutor::watch_stalls`], as the NIC runs),
+//! every batch handed to a channel's stream ends with the channel's next
+//! mark, so that work a stream has not completed for seconds is diagnosed
+//! as a stall (see `gin_cuda::batch::stall`).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Instant;
 
 use gin_cuda::CudaError;
+use gin_cuda::batch::stall::StallWatch;
 use gin_cuda::batch::{BatchStats, Dma, Gpu, StreamBatch, region};
 use gin_cuda::staging::{STAGE, Stage};
 use gin_net::{Fabric, MemDesc, Memory, NetError, Reach};
@@ -84,6 +91,9 @@ pub(crate) struct CudaExecutor<G: Gpu> {
     lanes: Vec<Lane<G::Stream>>,
     /// Pinned staging for peers over keyed transports (`None`: none).
     stage: Option<Stage>,
+    /// Watches the streams for stalls, stream `i` being channel `i`'s
+    /// (kept until the streams were synchronised: they store its marks).
+    stalls: Option<Arc<StallWatch>>,
     /// GPU window descriptions by id, as of directory `generation` (a few
     /// windows: a scan beats hashing on the per-WQE path).
     windows: Vec<(u32, Arc<MemDesc>)>,
@@ -101,6 +111,22 @@ impl<G: Gpu> std::fmt::Debug for CudaExecutor<G> {
             .field("staging", &self.stage.is_some())
             .finish_non_exhaustive()
     }
+}
+
+/// Hands everything queued for channel `ch` to its stream (`l`'s), after
+/// the channel's next mark where `stalls` watches it.
+fn hand<S: Dma>(
+    l: &mut Lane<S>,
+    ch: Channel,
+    stalls: Option<&Arc<StallWatch>>,
+) -> Result<(), ExecError> {
+    if let Some(w) = stalls {
+        // SAFETY: `l` is channel `ch`'s stream, the watch's stream `ch`;
+        // the executor keeps the watch until its streams were synchronised.
+        unsafe { w.mark(ch, &mut l.batch, &l.stream, Instant::now()) }
+            .map_err(cuda("cuStreamWriteValue64"))?;
+    }
+    l.batch.flush(&l.stream).map_err(cuda("queueing"))
 }
 
 /// A driver call's failure.
@@ -160,10 +186,17 @@ impl<G: Gpu> CudaExecutor<G> {
             sink,
             lanes: Vec::new(),
             stage,
+            stalls: None,
             windows: Vec::new(),
             generation: u64::MAX,
             _keep: keep,
         }
+    }
+
+    /// Watches the channels' streams with `w` (its stream `i` is channel
+    /// `i`'s): every batch handed to a stream carries a mark from then on.
+    pub(crate) fn watch_stalls(&mut self, w: Arc<StallWatch>) {
+        self.stalls = Some(w);
     }
 
     /// Whether `peer` is reached over a keyed transport (tcp): staged.
@@ -315,8 +348,9 @@ impl<G: Gpu> CudaExecutor<G> {
     /// waits for it: GPU memory the transport reads or writes next is as
     /// the WQEs before this one left it.
     fn drain(&mut self, ch: Channel) -> Result<(), ExecError> {
-        let l = self.lane(ch)?;
-        l.batch.flush(&l.stream).map_err(cuda("queueing"))?;
+        self.lane(ch)?;
+        let l = &mut self.lanes[ch];
+        hand(l, ch, self.stalls.as_ref())?;
         l.stream.sync().map_err(cuda("cuStreamSynchronize"))
     }
 
@@ -342,11 +376,12 @@ impl<G: Gpu> CudaExecutor<G> {
             lanes,
             stage,
             fabric,
+            stalls,
             ..
         } = self;
         let l = &mut lanes[ch];
         let stage = stage.as_mut().ok_or_else(no_stage(dst.rank))?;
-        l.batch.flush(&l.stream).map_err(cuda("queueing"))?;
+        hand(l, ch, stalls.as_ref())?;
         let mut done = 0;
         while done < dst.len {
             let c = (dst.len - done).min(STAGE as u64);
@@ -381,12 +416,13 @@ impl<G: Gpu> CudaExecutor<G> {
             lanes,
             stage,
             fabric,
+            stalls,
             ..
         } = self;
         let l = &mut lanes[ch];
         let peer = src.rank;
         let stage = stage.as_mut().ok_or_else(no_stage(peer))?;
-        l.batch.flush(&l.stream).map_err(cuda("queueing"))?;
+        hand(l, ch, stalls.as_ref())?;
         let mut done = 0;
         while done < src.len {
             let c = (src.len - done).min(STAGE as u64);
@@ -544,10 +580,11 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
     }
 
     /// The pass's copies and stores reach the driver (nothing waits in a
-    /// batch past a pass).
+    /// batch past a pass), with the channel's mark after them where stalls
+    /// are watched.
     fn end_pass(&mut self, ch: Channel) -> Result<(), ExecError> {
-        let l = self.lane(ch)?;
-        l.batch.flush(&l.stream).map_err(cuda("queueing"))
+        self.lane(ch)?;
+        hand(&mut self.lanes[ch], ch, self.stalls.as_ref())
     }
 
     fn confirm(&self, peer: usize) -> Result<(), ExecError> {
@@ -576,6 +613,9 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
                 stream,
                 batch: StreamBatch::default(),
             });
+        }
+        if let Some(w) = &self.stalls {
+            w.log_start();
         }
         Ok(())
     }

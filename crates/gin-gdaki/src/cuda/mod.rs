@@ -16,17 +16,26 @@
 //! companion, so a counter lands after the data it counts) on a driver
 //! thread with the GPU idle policy ([`Idle::gpu`]).
 //!
+//! The channels' streams are watched for stalls (a [`StallWatch`], and a
+//! monitor thread that logs one): work a stream has not completed for
+//! [`stall_threshold`] of the job's timeout is diagnosed — it waits behind
+//! a kernel on a shared hardware work queue — and reported as the NIC's
+//! error while it lasts ([`CudaNic::stall`]), so that the watch over
+//! running kernels aborts them with that cause instead of their waits
+//! timing out bare.
+//!
 //! What a device communicator keeps is the opaque [`CudaNic`], as a
 //! [`CudaEngine`] (gin-core starts it through [`crate::GdakiBackend`]): the
-//! table's address for the ABI, the first error while a kernel runs, and
-//! `stop`.
+//! table's address for the ABI, the first error (or a stall) while a
+//! kernel runs, and `stop`.
 
 mod executor;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use gin_cuda::batch::pass_len;
+use gin_cuda::batch::stall::{HostMarks, Monitor, Stall, StallWatch, WorkQueues, stall_threshold};
 use gin_cuda::staging::Stage;
 use gin_cuda::{CudaError, DevMem, Device, HostMem};
 use gin_device::abi::{BACKEND_GDAKI, BACKEND_NONE, GdakiQpAbi, GdakiSqAbi};
@@ -103,6 +112,9 @@ pub enum CudaNicError {
 pub struct CudaNic {
     /// First: stopped (and joined) before the memory below is freed.
     driver: Option<SoftNic>,
+    /// The channels' streams, watched for stalls (with the thread that
+    /// logs them), while a thread runs.
+    stalls: Option<(Arc<StallWatch>, Monitor)>,
     table: DevMem,
     _mem: Arc<QueueMem>,
 }
@@ -131,6 +143,12 @@ fn layout(nctx: usize, serve: &[bool]) -> impl Iterator<Item = Slot> + '_ {
             index: ctx * n + peer,
             channel,
         })
+}
+
+/// How the stall watch names channel `ch`, context `ctx`'s QP pair to
+/// `peer`.
+fn channel_name(ch: usize, ctx: usize, peer: usize) -> String {
+    format!("channel {ch} (context {ctx}'s QPs to peer {peer})")
 }
 
 /// Where the queues' shared arrays are, as kernels see them.
@@ -310,20 +328,38 @@ impl CudaNic {
         }
         let tab = DevMem::new(table.len() * std::mem::size_of::<GdakiQpAbi>())?;
         tab.write(0, &table)?;
-        let driver = if queues.is_empty() {
-            None
-        } else {
-            // SAFETY: the counters and windows are the caller's contract.
-            Some(unsafe { Self::serve(&spec, &serve, queues, sink, &mem) }?)
-        };
+        if queues.is_empty() {
+            return Ok(Self {
+                driver: None,
+                stalls: None,
+                table: tab,
+                _mem: mem,
+            });
+        }
+        let stalls = Arc::new(StallWatch::new(
+            rank,
+            "CUDA soft NIC",
+            slots
+                .iter()
+                .map(|s| channel_name(s.channel, s.ctx, s.peer))
+                .collect(),
+            Box::new(HostMarks::new(slots.len())?),
+            stall_threshold(spec.fabric.timeout()),
+            WorkQueues::from_env(),
+        ));
+        // SAFETY: the counters and windows are the caller's contract.
+        let driver = unsafe { Self::serve(&spec, &serve, queues, sink, &mem, &stalls) }?;
+        let monitor = stalls.monitor(format!("gin-cuda-nic-stalls-{rank}"))?;
         Ok(Self {
-            driver,
+            driver: Some(driver),
+            stalls: Some((stalls, monitor)),
             table: tab,
             _mem: mem,
         })
     }
 
-    /// Starts the engine over `queues` with a CUDA-stream executor.
+    /// Starts the engine over `queues` with a CUDA-stream executor whose
+    /// streams `stalls` watches.
     ///
     /// # Safety
     /// As [`CudaNic::start`].
@@ -333,6 +369,7 @@ impl CudaNic {
         queues: Vec<QueueSpec<DevCq>>,
         sink: Arc<Sink>,
         mem: &Arc<QueueMem>,
+        stalls: &Arc<StallWatch>,
     ) -> Result<SoftNic, CudaNicError> {
         let (rank, n) = (spec.fabric.rank(), spec.fabric.nranks());
         let keyed = |p: usize| serve[p] && spec.fabric.reach(p) == Some(Reach::Keyed);
@@ -360,7 +397,7 @@ impl CudaNic {
         // SAFETY: the counters and windows are the caller's contract; the
         // CQEs the engine publishes into are in `mem`, which the executor
         // keeps.
-        let exec = unsafe {
+        let mut exec = unsafe {
             CudaExecutor::new(
                 spec.dev.clone(),
                 spec.fabric.clone(),
@@ -370,6 +407,7 @@ impl CudaNic {
                 Box::new(mem.clone()),
             )
         };
+        exec.watch_stalls(stalls.clone());
         let driver = DriverConfig {
             name: format!("gin-cuda-nic-{rank}"),
             idle: Idle::gpu(spec.spin),
@@ -401,6 +439,13 @@ impl CudaNic {
     /// aborted.
     pub fn error(&self) -> Option<DriverError> {
         self.driver.as_ref().and_then(SoftNic::first_error)
+    }
+
+    /// A stall of the NIC's streams, while there is one: work queued on a
+    /// channel's stream has not completed for longer than the threshold
+    /// (logged at warn the first time it is seen).
+    pub fn stall(&self) -> Option<Stall> {
+        self.stalls.as_ref()?.0.check(Instant::now())
     }
 
     /// Stops the thread after it has executed what kernels posted (a
@@ -454,8 +499,12 @@ impl CudaEngine for CudaNic {
         }
     }
 
+    /// The first error, else a stall while it lasts (the kernels waiting
+    /// on the stalled work are what it waits for).
     fn error(&self) -> Option<String> {
-        CudaNic::error(self).map(|e| e.to_string())
+        CudaNic::error(self)
+            .map(|e| e.to_string())
+            .or_else(|| self.stall().map(|s| s.to_string()))
     }
 
     fn failure(&self) -> &'static str {

@@ -13,8 +13,10 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Instant;
 
-use gin_cuda::testing::{Call, Log, RecordingGpu as FakeGpu};
+use gin_cuda::batch::stall::{StallWatch, WorkQueues};
+use gin_cuda::testing::{Call, Log, MARKS_AT, RecordingGpu as FakeGpu};
 use gin_net::region::RegionTable;
 use gin_net::testing::{KeyedOp, KeyedRecorder as Keyed};
 use gin_net::{MemDesc, MemParts, Memory, Path};
@@ -57,6 +59,9 @@ struct Rig {
     exec: CudaExecutor<FakeGpu>,
     qps: [Arc<Qp>; 4],
     log: Log,
+    /// The executor's GPU (shared): its marks, which a test may have a
+    /// stream execute.
+    gpu: FakeGpu,
     keyed: Arc<Keyed>,
     fabric: Arc<Fabric>,
     sink: Arc<Sink>,
@@ -158,7 +163,7 @@ fn rig_over(keyed: Keyed) -> Rig {
     // SAFETY: the fake GPU's streams touch no memory.
     let mut exec = unsafe {
         CudaExecutor::new(
-            gpu,
+            gpu.clone(),
             fabric.clone(),
             layout,
             sink.clone(),
@@ -172,6 +177,7 @@ fn rig_over(keyed: Keyed) -> Rig {
         exec,
         qps,
         log,
+        gpu,
         keyed,
         fabric,
         sink,
@@ -972,4 +978,67 @@ fn the_executor_refuses_locations_it_cannot_vouch_for() {
     }
     r.exec.end_pass(0).unwrap();
     assert!(r.calls().is_empty());
+}
+
+/// Watched for stalls, every pass handed to a channel's stream ends with
+/// the channel's next mark, after the pass's CQE in the same driver call.
+/// A stream that never executes it is a stall once the threshold has
+/// passed (strictly) since the pass was handed over, not before, naming
+/// its channel (context and peer) and CUDA_DEVICE_MAX_CONNECTIONS; one that
+/// completes late, but before the threshold, is none. Time is the test's:
+/// the pass was handed over between `before` and `after`.
+#[test]
+fn a_channel_stream_that_never_completes_is_a_stall_naming_the_peer() {
+    let mut r = rig();
+    let thr = Duration::from_secs(2);
+    let w = Arc::new(StallWatch::new(
+        0,
+        "CUDA soft NIC",
+        vec![channel_name(0, 0, 1), channel_name(1, 0, 2)],
+        r.gpu.marks(2),
+        thr,
+        WorkQueues {
+            max_connections: Some("2".into()),
+            mps: true,
+        },
+    ));
+    r.exec.watch_stalls(w.clone());
+    r.post(MAIN, &[(write(1, 16, 64), FM_NONE)]);
+    let before = Instant::now();
+    assert_eq!(r.step().consumed, 1);
+    let after = Instant::now();
+    assert_eq!(
+        r.calls(),
+        vec![
+            (0, Call::Copy(data(1, 16), data(0, 16), 64)),
+            (
+                0,
+                Call::Stores(vec![done(MAIN, 0, OP_WRITE), (MARKS_AT, 1)])
+            ),
+        ]
+    );
+    assert_eq!(w.check(before + thr), None, "not before the threshold");
+    let s = w.check(after + thr + Duration::from_millis(1)).unwrap();
+    let m = s.to_string();
+    for want in [
+        "the CUDA soft NIC stalled",
+        "channel 0 (context 0's QPs to peer 1)",
+        "CUDA_DEVICE_MAX_CONNECTIONS=2",
+        "MPS in use",
+    ] {
+        assert!(m.contains(want), "{want:?} missing from {m}");
+    }
+    assert!(s.first);
+    assert!(!w.check(after + thr * 2).unwrap().first, "reported once");
+    r.gpu.complete(0);
+    assert_eq!(w.check(after + thr * 10), None);
+
+    // Late, but before the threshold: never a stall.
+    r.post(MAIN, &[(write(1, 0, 8), FM_NONE)]);
+    let before = Instant::now();
+    r.step();
+    assert_eq!(r.calls().len(), 2, "the copy, then the CQE and mark 2");
+    assert_eq!(w.check(before + thr / 2), None);
+    r.gpu.complete(0);
+    assert_eq!(w.check(before + thr * 10), None);
 }

@@ -31,11 +31,18 @@
 //! Windows come from the fabric's directory, GPU windows
 //! ([`Memory::Device`]) only; every address handed to a stream is checked
 //! here again against the window's sizes, right where it is used.
+//!
+//! With a [`StallWatch`] ([`CudaExecutor::watch_stalls`], as the proxy
+//! runs), every batch handed to a ring's stream ends with the ring's next
+//! mark, so that work a stream has not completed for seconds is diagnosed
+//! as a stall (see `gin_cuda::batch::stall`).
 
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::time::Instant;
 
 use gin_cuda::CudaError;
+use gin_cuda::batch::stall::StallWatch;
 use gin_cuda::batch::{BatchStats, Dma, Gpu, StreamBatch, region};
 use gin_cuda::staging::{STAGE, Stage};
 use gin_net::{Fabric, MemDesc, Memory, Reach};
@@ -74,6 +81,9 @@ pub(crate) struct CudaExecutor<G: Gpu> {
     queues: Vec<Queue<G::Stream>>,
     /// Pinned staging for peers over keyed transports (`None`: none).
     stage: Option<Stage>,
+    /// Watches the streams for stalls, stream `i` being ring `i`'s (kept
+    /// until the streams were synchronised: they store its marks).
+    stalls: Option<Arc<StallWatch>>,
     /// What keeps the memory `layout` names alive while streams may still
     /// store into it (the index array).
     _keep: Box<dyn std::any::Any + Send>,
@@ -88,6 +98,22 @@ impl<G: Gpu> std::fmt::Debug for CudaExecutor<G> {
             .field("staging", &self.stage.is_some())
             .finish_non_exhaustive()
     }
+}
+
+/// Hands everything queued for ring `i` to its stream `q`, after the
+/// ring's next mark where `stalls` watches it.
+fn hand<S: Dma>(
+    q: &mut Queue<S>,
+    i: usize,
+    stalls: Option<&Arc<StallWatch>>,
+) -> Result<(), ExecError> {
+    if let Some(w) = stalls {
+        // SAFETY: `q` is ring `i`'s stream, the watch's stream `i`; the
+        // executor keeps the watch until its streams were synchronised.
+        unsafe { w.mark(i, &mut q.batch, &q.stream, Instant::now()) }
+            .map_err(cuda("cuStreamWriteValue64"))?;
+    }
+    q.batch.flush(&q.stream).map_err(cuda("queueing"))
 }
 
 /// A driver call's failure as an executor error.
@@ -125,8 +151,15 @@ impl<G: Gpu> CudaExecutor<G> {
             layout,
             queues: Vec::new(),
             stage,
+            stalls: None,
             _keep: keep,
         }
+    }
+
+    /// Watches the rings' streams with `w` (its stream `i` is ring `i`'s):
+    /// every batch handed to a stream carries a mark from then on.
+    pub(crate) fn watch_stalls(&mut self, w: Arc<StallWatch>) {
+        self.stalls = Some(w);
     }
 
     /// Whether `peer` is reached over a keyed transport (tcp): staged.
@@ -229,8 +262,9 @@ impl<G: Gpu> CudaExecutor<G> {
     /// waits for it: GPU memory the transport reads or writes next is as
     /// the descriptors before this one left it.
     fn drain(&mut self, site: Site) -> Result<(), ExecError> {
-        let q = self.queue(site)?;
-        q.batch.flush(&q.stream).map_err(cuda("queueing"))?;
+        self.queue(site)?;
+        let q = &mut self.queues[site.ring];
+        hand(q, site.ring, self.stalls.as_ref())?;
         q.stream.sync().map_err(cuda("cuStreamSynchronize"))
     }
 
@@ -267,11 +301,12 @@ impl<G: Gpu> CudaExecutor<G> {
             queues,
             stage,
             fabric,
+            stalls,
             ..
         } = self;
         let q = &mut queues[site.ring];
         let stage = stage.as_mut().ok_or_else(no_stage(peer))?;
-        q.batch.flush(&q.stream).map_err(cuda("queueing"))?;
+        hand(q, site.ring, stalls.as_ref())?;
         let mut at = 0;
         while at < d.bytes {
             let c = (d.bytes - at).min(STAGE as u64);
@@ -349,11 +384,12 @@ impl<G: Gpu> CudaExecutor<G> {
             queues,
             stage,
             fabric,
+            stalls,
             ..
         } = self;
         let q = &mut queues[site.ring];
         let stage = stage.as_mut().ok_or_else(no_stage(peer))?;
-        q.batch.flush(&q.stream).map_err(cuda("queueing"))?;
+        hand(q, site.ring, stalls.as_ref())?;
         let mut at = 0;
         while at < get.bytes {
             let c = (get.bytes - at).min(STAGE as u64);
@@ -418,6 +454,9 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
                 stream,
                 batch: StreamBatch::default(),
             });
+        }
+        if let Some(w) = &self.stalls {
+            w.log_start();
         }
         Ok(())
     }
@@ -496,10 +535,11 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
     }
 
     /// The batch's signals, counters and completion index (and an inline
-    /// put's value) reach the driver together.
+    /// put's value) reach the driver together, with the ring's mark after
+    /// them where stalls are watched.
     fn flush(&mut self, site: Site) -> Result<(), ExecError> {
-        let q = self.queue(site)?;
-        q.batch.flush(&q.stream).map_err(cuda("queueing"))
+        self.queue(site)?;
+        hand(&mut self.queues[site.ring], site.ring, self.stalls.as_ref())
     }
 
     /// Waits for every stream; logs what reached the driver. Whatever is

@@ -12,17 +12,26 @@
 //! `executor.rs`) on a driver thread whose idle policy suits a GPU rank
 //! ([`IdlePolicy::gpu`]).
 //!
+//! The rings' streams are watched for stalls (a [`StallWatch`], and a
+//! monitor thread that logs one): work a stream has not completed for
+//! [`stall_threshold`] of the job's timeout is diagnosed — it waits behind
+//! a kernel on a shared hardware work queue — and reported as the
+//! engine's error while it lasts ([`CudaProxy::stall`]), so that the watch
+//! over running kernels aborts them with that cause instead of their
+//! waits timing out bare.
+//!
 //! What a device communicator keeps is the opaque [`CudaProxy`], as a
 //! [`CudaEngine`] (gin-core starts it through [`crate::ProxyBackend`]): the
-//! table address for the ABI, the first error while a kernel runs, and
-//! `stop`.
+//! table address for the ABI, the first error (or a stall) while a kernel
+//! runs, and `stop`.
 
 mod executor;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use gin_cuda::batch::pass_len;
+use gin_cuda::batch::stall::{HostMarks, Monitor, Stall, StallWatch, WorkQueues, stall_threshold};
 use gin_cuda::staging::Stage;
 use gin_cuda::{CudaError, DevMem, Device, HostMem};
 use gin_device::abi::{BACKEND_NONE, BACKEND_PROXY, ProxyRingAbi};
@@ -69,6 +78,9 @@ pub enum CudaProxyError {
 pub struct CudaProxy {
     /// First: stopped (and joined) before the memory below is freed.
     driver: Option<Driver>,
+    /// The rings' streams, watched for stalls (with the thread that logs
+    /// them), while a thread runs.
+    stalls: Option<(Arc<StallWatch>, Monitor)>,
     table: DevMem,
     _indices: Arc<DevMem>,
 }
@@ -92,6 +104,11 @@ fn layout(nctx: usize, serve: &[bool]) -> impl Iterator<Item = Slot> + '_ {
             index: ctx * n + peer,
         })
     })
+}
+
+/// How the stall watch names engine ring `i`, of context `ctx` to `peer`.
+fn ring_name(i: usize, ctx: u32, peer: usize) -> String {
+    format!("ring {i} (context {ctx}, peer {peer})")
 }
 
 /// Ring `index`'s entry of the table: its slots, and its producer and
@@ -153,10 +170,23 @@ impl CudaProxy {
         if rings.is_empty() {
             return Ok(Self {
                 driver: None,
+                stalls: None,
                 table,
                 _indices: indices,
             });
         }
+        let stalls = Arc::new(StallWatch::new(
+            rank,
+            "CUDA proxy",
+            rings
+                .iter()
+                .enumerate()
+                .map(|(i, r)| ring_name(i, r.ctx, r.peer))
+                .collect(),
+            Box::new(HostMarks::new(rings.len())?),
+            stall_threshold(spec.fabric.timeout()),
+            WorkQueues::from_env(),
+        ));
         let keyed = |p: usize| serve[p] && spec.fabric.reach(p) == Some(Reach::Keyed);
         let stage = (0..n).any(keyed).then(Stage::new).transpose()?;
         let layout = Layout {
@@ -168,7 +198,7 @@ impl CudaProxy {
         // SAFETY: the counters are the caller's contract; each `done` is
         // 8 aligned bytes of `indices`, which the executor keeps; the
         // windows are the caller's contract.
-        let exec = unsafe {
+        let mut exec = unsafe {
             CudaExecutor::new(
                 spec.dev.clone(),
                 spec.fabric.clone(),
@@ -177,6 +207,7 @@ impl CudaProxy {
                 Box::new(indices.clone()),
             )
         };
+        exec.watch_stalls(stalls.clone());
         let config = EngineConfig {
             rank,
             batch: pass_len(spec.log2),
@@ -196,8 +227,10 @@ impl CudaProxy {
             rank,
             why: e.to_string(),
         })?;
+        let monitor = stalls.monitor(format!("gin-cuda-proxy-stalls-{rank}"))?;
         Ok(Self {
             driver: Some(driver),
+            stalls: Some((stalls, monitor)),
             table,
             _indices: indices,
         })
@@ -218,6 +251,13 @@ impl CudaProxy {
     /// it should be aborted.
     pub fn error(&self) -> Option<&ProxyError> {
         self.driver.as_ref().and_then(Driver::error)
+    }
+
+    /// A stall of the proxy's streams, while there is one: work queued on
+    /// a ring's stream has not completed for longer than the threshold
+    /// (logged at warn the first time it is seen).
+    pub fn stall(&self) -> Option<Stall> {
+        self.stalls.as_ref()?.0.check(Instant::now())
     }
 
     /// Stops the thread after it has executed what kernels queued (a
@@ -269,8 +309,12 @@ impl CudaEngine for CudaProxy {
         }
     }
 
+    /// The first error, else a stall while it lasts (the kernels waiting
+    /// on the stalled work are what it waits for).
     fn error(&self) -> Option<String> {
-        CudaProxy::error(self).map(ToString::to_string)
+        CudaProxy::error(self)
+            .map(ToString::to_string)
+            .or_else(|| self.stall().map(|s| s.to_string()))
     }
 
     fn failure(&self) -> &'static str {

@@ -7,11 +7,13 @@
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use gin_net::region::RegionTable;
 use gin_net::{MemDesc, MemParts, Memory, Path};
 
-use gin_cuda::testing::{Call, Log, RecordingGpu as FakeGpu};
+use gin_cuda::batch::stall::{StallWatch, WorkQueues};
+use gin_cuda::testing::{Call, Log, MARKS_AT, RecordingGpu as FakeGpu};
 use gin_net::testing::{KeyedOp, KeyedRecorder as Keyed};
 
 use super::executor::{CudaExecutor, Layout};
@@ -43,6 +45,9 @@ struct Rig {
     exec: CudaExecutor<FakeGpu>,
     rings: [Arc<Ring>; 2],
     log: Log,
+    /// The executor's GPU (shared): its marks, which a test may have a
+    /// stream execute.
+    gpu: FakeGpu,
     keyed: Arc<Keyed>,
     _host: Box<[u64]>,
 }
@@ -101,7 +106,7 @@ fn rig_over(keyed: Keyed) -> Rig {
         done: DONE.to_vec(),
     };
     // SAFETY: the fake GPU's streams touch no memory.
-    let mut exec = unsafe { CudaExecutor::new(gpu, fabric, layout, None, Box::new(())) };
+    let mut exec = unsafe { CudaExecutor::new(gpu.clone(), fabric, layout, None, Box::new(())) };
     exec.enter().unwrap();
     let rings = [Arc::new(Ring::new(LOG2)), Arc::new(Ring::new(LOG2))];
     let specs = rings
@@ -124,6 +129,7 @@ fn rig_over(keyed: Keyed) -> Rig {
         exec,
         rings,
         log,
+        gpu,
         keyed,
         _host: host,
     }
@@ -488,4 +494,141 @@ fn the_ring_table_matches_the_abi() {
         }
     );
     assert!(layout(3, &[false; 4]).next().is_none());
+}
+
+/// Watched for stalls, every batch handed to a ring's stream ends with the
+/// ring's next mark, in the same driver call as its stores. A stream that
+/// never executes it is a stall once the threshold has passed (strictly)
+/// since the batch was handed over, not before, naming its ring and
+/// CUDA_DEVICE_MAX_CONNECTIONS; a stream that completes late, but before
+/// the threshold, is none. Time is the test's: the batch was handed over
+/// between `before` and `after`.
+#[test]
+fn a_ring_stream_that_never_completes_is_a_stall_naming_the_ring() {
+    let mut rig = rig();
+    let thr = Duration::from_secs(2);
+    let w = Arc::new(StallWatch::new(
+        0,
+        "CUDA proxy",
+        vec![ring_name(0, 0, 1), ring_name(1, 0, 2)],
+        rig.gpu.marks(2),
+        thr,
+        WorkQueues::default(),
+    ));
+    rig.exec.watch_stalls(w.clone());
+    rig.post(
+        0,
+        &Desc {
+            counter: Some(2),
+            ..put(256, 64, 128)
+        },
+    );
+    let before = Instant::now();
+    rig.step();
+    let after = Instant::now();
+    assert_eq!(
+        rig.calls(),
+        vec![
+            (0, Call::Copy(data(1, 64), data(0, 128), 256)),
+            (
+                0,
+                Call::Stores(vec![(COUNTERS + 32, 1), (DONE[0], 1), (MARKS_AT, 1)])
+            ),
+        ]
+    );
+    assert_eq!(w.check(before + thr), None, "not before the threshold");
+    let s = w.check(after + thr + Duration::from_millis(1)).unwrap();
+    let m = s.to_string();
+    for want in [
+        "rank 0",
+        "ring 0 (context 0, peer 1)",
+        "CUDA_DEVICE_MAX_CONNECTIONS unset",
+        "set CUDA_DEVICE_MAX_CONNECTIONS to at least",
+    ] {
+        assert!(m.contains(want), "{want:?} missing from {m}");
+    }
+    assert_eq!((s.first, s.others, s.engine_streams), (true, 0, 2));
+    // The stream completes at last: no stall any more.
+    rig.gpu.complete(0);
+    assert_eq!(w.check(after + thr * 10), None);
+
+    // Late, but before the threshold: never a stall. Ring 1's stream
+    // (a keyed peer: the counter and completion on the stream) too.
+    rig.post(0, &put(8, 0, 0));
+    rig.post(
+        1,
+        &Desc {
+            inline: Some(7),
+            counter: Some(0),
+            ..put(8, 16, 0)
+        },
+    );
+    let before = Instant::now();
+    rig.step();
+    let after = Instant::now();
+    assert_eq!(
+        rig.calls(),
+        vec![
+            (0, Call::Copy(data(1, 0), data(0, 0), 8)),
+            (0, Call::Stores(vec![(DONE[0], 2), (MARKS_AT, 2)])),
+            (
+                1,
+                Call::Stores(vec![(COUNTERS, 1), (DONE[1], 1), (MARKS_AT + 8, 1)])
+            ),
+        ]
+    );
+    assert_eq!(w.check(before + thr / 2), None);
+    rig.gpu.complete(0);
+    // Ring 0's stream completed; ring 1's never does.
+    let s = w.check(after + thr * 10).unwrap();
+    assert_eq!(s.stream, "ring 1 (context 0, peer 2)");
+    assert_eq!(s.others, 0);
+    rig.gpu.complete(1);
+    assert_eq!(w.check(after + thr * 20), None);
+}
+
+/// Watched for stalls, work handed to a stream before it is drained (a
+/// transport taking GPU memory reads what the stream wrote) carries the
+/// ring's mark too, so that work the stream never completes there (the
+/// drain would never return) is diagnosed; a drain of an empty batch
+/// queues none. (The recording streams execute nothing, syncs included.)
+#[test]
+fn work_drained_for_a_transport_carries_its_mark() {
+    let mut rig = rig_over(Keyed::taking_device_memory());
+    let w = Arc::new(StallWatch::new(
+        0,
+        "CUDA proxy",
+        vec![ring_name(0, 0, 1), ring_name(1, 0, 2)],
+        rig.gpu.marks(2),
+        Duration::from_secs(2),
+        WorkQueues::default(),
+    ));
+    rig.exec.watch_stalls(w.clone());
+    rig.post(
+        1,
+        &Desc {
+            counter: Some(1),
+            ..put(64, 0, 0)
+        },
+    );
+    rig.post(
+        1,
+        &Desc {
+            op: Op::Get,
+            ..put(32, 512, 2048)
+        },
+    );
+    let t = Instant::now();
+    rig.step();
+    assert_eq!(
+        rig.calls(),
+        vec![
+            (1, Call::Sync),
+            (1, Call::Stores(vec![(COUNTERS + 16, 1), (MARKS_AT + 8, 1)])),
+            (1, Call::Sync),
+            (1, Call::Stores(vec![(DONE[1], 2), (MARKS_AT + 8, 2)])),
+        ]
+    );
+    let s = w.check(t + Duration::from_secs(3)).unwrap();
+    assert_eq!(s.stream, "ring 1 (context 0, peer 2)");
 }
