@@ -155,6 +155,24 @@ step "fused-graph-cooperative" timeout 300 "$fa" --ranks 2 --graph --cooperative
 step "fused-3ranks-proxy" env CUDA_DEVICE_MAX_CONNECTIONS=16 GIN_BACKEND=proxy GIN_TIMEOUT=20s timeout 120 "$fa" --ranks 3
 step "fused-3ranks-gdaki" env CUDA_DEVICE_MAX_CONNECTIONS=16 GIN_BACKEND=gdaki GIN_TIMEOUT=20s timeout 120 "$fa" --ranks 3
 step "fused-graph-3ranks-proxy" env GIN_BACKEND=proxy GIN_TIMEOUT=20s timeout 120 "$fa" --ranks 3 --graph --iters 20
+# At the default work queues the same run either passes or fails naming the
+# engine's stalled stream and CUDA_DEVICE_MAX_CONNECTIONS: never a bare
+# timeout, and never a hang.
+for backend in proxy gdaki; do
+  name="fused-3ranks-$backend-default-queues"
+  echo "== $name"
+  t0=$SECONDS
+  timeout 120 env -u CUDA_DEVICE_MAX_CONNECTIONS GIN_BACKEND=$backend GIN_TIMEOUT=20s "$fa" --ranks 3 > "$out/$name.log" 2>&1
+  rc=$?
+  if [ $rc -eq 0 ]; then
+    echo "-- $name: ok in $((SECONDS - t0)) s (no stall this time)"
+  elif grep -q "stalled: work it queued.*CUDA_DEVICE_MAX_CONNECTIONS" "$out/$name.log" && [ $rc -ne 124 ]; then
+    grep -m1 -o "cause: .*stalled: work it queued[^(]*" "$out/$name.log" | cut -c1-200
+    echo "-- $name: ok in $((SECONDS - t0)) s (the stall was named)"
+  else
+    echo "FAILED ($name) after $((SECONDS - t0)) s: neither verified nor a named stall"; tail -n 30 "$out/$name.log"; fail=1
+  fi
+done
 # The shallowest queues each backend accepts: credit and wraparound all the time.
 step "selftest-proxy-depth2" env GIN_BACKEND=proxy GIN_SELFTEST_QUEUE_DEPTH=2 "$st" all --ranks 2
 step "selftest-gdaki-depth4" env GIN_BACKEND=gdaki GIN_SELFTEST_QUEUE_DEPTH=4 "$st" all --ranks 2
