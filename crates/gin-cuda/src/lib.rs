@@ -43,7 +43,12 @@
 //!   `cuMemcpyAsync` or `cuStreamWriteValue64` bounds a CPU-driven engine,
 //!   so consecutive copies and stores of one queue go to the driver as one
 //!   call each, with the outcome of issuing them one by one (proptested
-//!   against that model with a host-memory executor).
+//!   against that model with a host-memory executor). Every batch an
+//!   engine hands a stream ends with a mark in mapped host memory
+//!   ([`batch::stall`]): work not done long after it was queued is a
+//!   *stall* (the stream waits behind a user's kernel on a shared hardware
+//!   work queue), which the engine reports as its error, naming
+//!   `CUDA_DEVICE_MAX_CONNECTIONS`, instead of letting kernels time out.
 //! - **Staging** ([`staging`]): GPU memory served to TCP peers through
 //!   gin-net's region table ([`staging::GpuRegion`] is a
 //!   `gin_net::region::Backing`), and the pinned buffer through which an
