@@ -3,12 +3,13 @@
 //! without a driver gets an error, never a panic.
 
 use std::ffi::{CStr, c_void};
-use std::sync::OnceLock;
 use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use cudarc::driver::sys as cu;
 
 use crate::error::{CudaError, DriverError};
+use crate::pool::{IDLE_LIMIT, Pool, size_class};
 
 /// Turns a driver result into an error naming the call.
 pub(crate) fn check(call: &'static str, r: cu::CUresult) -> Result<(), DriverError> {
@@ -96,6 +97,9 @@ pub struct Device {
     uuid: Option<String>,
     sms: u32,
     mps: bool,
+    /// Freed windows' allocations kept for later windows
+    /// ([`Device::window_mem`]), freed before the context is released.
+    pool: Arc<Mutex<Pool<DevMem>>>,
 }
 
 // SAFETY: a CUcontext may be made current on any thread.
@@ -184,6 +188,7 @@ impl Device {
             uuid,
             sms: sms.max(0) as u32,
             mps,
+            pool: Arc::new(Mutex::new(Pool::new(IDLE_LIMIT))),
         };
         // On failure `this` is dropped, which releases the retain.
         this.make_current()?;
@@ -242,6 +247,51 @@ impl Device {
         self.mps
     }
 
+    /// `bytes` of zeroed device memory for a window gin allocates, from
+    /// this device's pool: an idle allocation of the size class
+    /// ([`crate::pool`]: `bytes` rounded up to a multiple of 2 MiB) if one
+    /// was returned, else a fresh one (after freeing the idle ones, where
+    /// the driver is out of memory). Only `bytes` are exposed; the whole
+    /// allocation is zeroed, as a fresh one is. Dropping the result
+    /// returns the allocation to the pool (freed there beyond its idle
+    /// limit, or once the device has gone).
+    pub(crate) fn window_mem(&self, bytes: usize) -> Result<PoolMem, CudaError> {
+        self.make_current()?;
+        // Past the largest class: a class of its own, which the driver
+        // refuses and the pool would never keep.
+        let class = size_class(bytes).unwrap_or(bytes);
+        let reused = lock(&self.pool).take(class);
+        let block = match reused {
+            Some(b) => {
+                // On failure the block is dropped: freed, not returned.
+                b.zero(0, class)?;
+                b
+            }
+            None => match DevMem::new(class) {
+                Ok(b) => b,
+                Err(e) => {
+                    let idle = lock(&self.pool).drain();
+                    if idle.is_empty() {
+                        return Err(e);
+                    }
+                    drop(idle);
+                    DevMem::new(class)?
+                }
+            },
+        };
+        Ok(PoolMem {
+            block: Some(block),
+            class,
+            len: bytes,
+            pool: self.pool.clone(),
+        })
+    }
+
+    /// Bytes of freed windows' memory this device keeps for later windows.
+    pub fn pooled_bytes(&self) -> usize {
+        lock(&self.pool).idle_bytes()
+    }
+
     /// Whether this GPU can map `other`'s memory (NVLink or PCIe peer access).
     pub fn can_access_peer(&self, other: &Device) -> Result<bool, CudaError> {
         if other.ordinal == self.ordinal {
@@ -258,6 +308,12 @@ impl Device {
 
 impl Drop for Device {
     fn drop(&mut self) {
+        // The pool's idle memory goes back to the driver while the context
+        // is still retained; a block still in use when the device goes is
+        // freed when it is returned. (Best effort: on failure the frees
+        // below report nothing, as any drop's.)
+        let _ = self.make_current();
+        drop(lock(&self.pool).close());
         // SAFETY: releases the retain taken in `open`.
         unsafe {
             cu::cuDevicePrimaryCtxRelease_v2(self.dev);
@@ -410,6 +466,59 @@ impl Drop for DevMem {
         // SAFETY: frees what `new` allocated.
         unsafe {
             cu::cuMemFree_v2(self.ptr);
+        }
+    }
+}
+
+/// The pool's lock; a panic while it was held leaves the pool consistent
+/// (each operation completes before anything can panic), so poisoning is
+/// ignored.
+fn lock(pool: &Mutex<Pool<DevMem>>) -> MutexGuard<'_, Pool<DevMem>> {
+    pool.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A window's allocation from its device's pool ([`Device::window_mem`]):
+/// `len` bytes exposed of a `class`-byte allocation, returned to the pool
+/// on drop (and the blocks the pool lets go freed, outside its lock).
+#[derive(Debug)]
+pub(crate) struct PoolMem {
+    /// `Some` until drop.
+    block: Option<DevMem>,
+    class: usize,
+    len: usize,
+    pool: Arc<Mutex<Pool<DevMem>>>,
+}
+
+impl PoolMem {
+    /// The allocation's device address.
+    pub(crate) fn ptr(&self) -> u64 {
+        self.block.as_ref().map_or(0, DevMem::ptr)
+    }
+
+    /// The `len` bytes asked for, as device memory that drop leaves alone
+    /// (this block frees or returns the allocation).
+    pub(crate) fn view(&self) -> DevMem {
+        DevMem {
+            ptr: self.ptr(),
+            len: self.len,
+            owned: false,
+        }
+    }
+
+    /// The allocation's IPC handle.
+    pub(crate) fn ipc_handle(&self) -> Result<[u8; 64], CudaError> {
+        match &self.block {
+            Some(b) => b.ipc_handle(),
+            None => Ok([0; 64]),
+        }
+    }
+}
+
+impl Drop for PoolMem {
+    fn drop(&mut self) {
+        if let Some(b) = self.block.take() {
+            let free = lock(&self.pool).give(self.class, b);
+            drop(free);
         }
     }
 }

@@ -64,6 +64,11 @@
 //!   records ([`window::exchange`]), so a rank that cannot contribute makes
 //!   every rank fail alike; the parts are listed in the fabric's window
 //!   directory as `Memory::Device` while they live ([`window::Listed`]).
+//!   The memory of a part gin allocates comes from a per-device pool
+//!   (size classes of whole 2 MiB pages, at most 1 GiB idle, freed with the
+//!   device): a freed part's allocation, zeroed, serves the next part of its
+//!   class, so a peer's UCX never finds a new allocation at an address whose
+//!   IPC mapping it cached. Users' registered memory is not pooled.
 //! - Errors are [`CudaError`]: the failing driver call with its `CUresult`
 //!   name, the allocation size, the device ordinal, NVRTC's log.
 //!
@@ -86,6 +91,7 @@ mod error;
 mod launch;
 pub mod nvrtc;
 pub mod pointer;
+mod pool;
 pub mod staging;
 pub mod testing;
 pub mod watch;

@@ -16,7 +16,7 @@ use gin_bootstrap::record::{Reader, Writer};
 use gin_net::region::RegionTable;
 use gin_net::{Fabric, MemDesc, MemParts, Memory};
 
-use crate::driver::{DevMem, Device, IpcMem};
+use crate::driver::{DevMem, Device, IpcMem, PoolMem};
 use crate::error::CudaError;
 use crate::pointer::{PointerFacts, ipc_handle_of};
 use crate::staging::{GpuRegion, Server};
@@ -133,37 +133,54 @@ impl Offer {
 
 /// This rank's part of a GPU window: device memory, its IPC handle, and
 /// (where some peer is reached over TCP) its registration in the region
-/// table, removed again when the part drops, before the memory is freed.
+/// table, removed again when the part drops, before the memory is freed
+/// (gin's allocation: returned to the device's pool, see
+/// [`LocalPart::new`]).
 #[derive(Debug)]
 pub struct LocalPart {
     /// First: removed from the region table before `mem` is freed.
     served: Option<(Arc<RegionTable>, u32)>,
-    /// Gin's allocation, or the user's memory (not freed here).
+    /// The part's bytes (never freed through this: gin's allocation is
+    /// `_block`'s, the user's memory is the user's).
     mem: DevMem,
     /// The IPC handle of the allocation `mem` lies in (zeros: not
     /// exported, no same-host peer maps it).
     ipc: [u8; 64],
     /// `mem`'s offset in that allocation.
     offset: u64,
+    /// Last: gin's allocation, returned to the device's pool where
+    /// `cuMemFree` used to free it (after the region's removal); `None`
+    /// for the user's memory.
+    _block: Option<PoolMem>,
 }
 
 impl LocalPart {
-    /// Allocates `bytes` of device memory on `dev` and, with `serve`,
-    /// registers it in the region table, served by the staging server.
+    /// Allocates `bytes` of zeroed device memory on `dev` and, with
+    /// `serve`, registers it in the region table, served by the staging
+    /// server.
+    ///
+    /// The memory comes from `dev`'s pool: a freed part's allocation of the
+    /// same size class (`bytes` rounded up to a multiple of 2 MiB) is
+    /// reused, zeroed, with its IPC handle, so a peer's UCX never meets a
+    /// new allocation at an address whose IPC mapping it cached (see
+    /// docs/ucx.md, "CUDA ranks"). Only `bytes` are exposed ([`Self::mem`],
+    /// the record's size). Dropping the part returns the allocation to the
+    /// pool, which keeps at most 1 GiB idle and frees the rest, and frees
+    /// all of it when the last holder of `dev` drops it.
     pub fn new(
         dev: &Device,
         bytes: u64,
         serve: Option<(&Arc<RegionTable>, &Arc<Server>)>,
     ) -> Result<Self, CudaError> {
-        dev.make_current()?;
-        let mem = DevMem::new(bytes as usize)?;
-        let ipc = mem.ipc_handle()?;
+        let block = dev.window_mem(bytes as usize)?;
+        let ipc = block.ipc_handle()?;
         Self::serve(
             Self {
                 served: None,
-                mem,
+                mem: block.view(),
                 ipc,
                 offset: 0,
+                _block: Some(block),
             },
             bytes,
             serve,
@@ -217,6 +234,7 @@ impl LocalPart {
                 mem,
                 ipc: handle,
                 offset: export.offset,
+                _block: None,
             },
             bytes,
             serve,
