@@ -218,6 +218,24 @@ pub enum CudaError {
         /// through CUDA IPC, ...).
         why: String,
     },
+    /// A kernel launched with more threads per block than its register
+    /// use allows (`CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES`).
+    #[error(
+        "{call}: blocks of {threads} threads are more than the kernel can run: it uses {regs} \
+         registers per thread, so at most {max_threads} threads per block (give the kernel \
+         __launch_bounds__({threads}) so the compiler keeps within the block, or launch fewer \
+         threads)"
+    )]
+    LaunchResources {
+        /// The driver call that refused.
+        call: &'static str,
+        /// Threads per block asked for.
+        threads: u32,
+        /// Registers per thread the kernel was compiled with.
+        regs: i32,
+        /// The most threads per block the kernel can be launched with.
+        max_threads: i32,
+    },
     /// Some rank could not contribute its part of a GPU window (its memory
     /// could not be allocated or registered): every rank fails alike.
     #[error("GPU window {window} was not created on rank {rank}: rank {peer} refused: {why}")]

@@ -222,7 +222,34 @@ impl Function {
                 )
             })
         };
+        if r == cu::CUresult::CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES {
+            // Say why where the kernel's attributes tell it: registers per
+            // thread times threads per block over the SM's register file.
+            let threads = bx.saturating_mul(by).saturating_mul(bz);
+            if let (Ok(regs), Ok(max_threads)) = (
+                self.attribute(cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NUM_REGS),
+                self.attribute(cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK),
+            ) && i64::from(threads) > i64::from(max_threads)
+            {
+                return Err(CudaError::LaunchResources {
+                    call,
+                    threads,
+                    regs,
+                    max_threads,
+                });
+            }
+        }
         Ok(check(call, r)?)
+    }
+
+    /// One of the kernel's attributes (`cuFuncGetAttribute`).
+    fn attribute(&self, which: cu::CUfunction_attribute) -> Result<i32, CudaError> {
+        let mut v = 0;
+        // SAFETY: valid out-pointer and function handle.
+        check("cuFuncGetAttribute", unsafe {
+            cu::cuFuncGetAttribute(&raw mut v, which, self.0)
+        })?;
+        Ok(v)
     }
 
     /// Queues the kernel as [`Function::launch_with`] does, with `params`

@@ -28,8 +28,11 @@ __device__ __forceinline__ void verify(const u8* p, u64 n, u32 rank, u32 round, 
 // Ring exchange (one block): each round, put `bytes` of this rank's pattern
 // to the next rank with a signal; wait for the previous rank's; check it.
 // out[0]: 0 or the first error kind; out[1]: bytes that differ.
-extern "C" __global__ void gin_ring(DevComm dc, Window send, Window recv, u64 bytes, u32 rounds,
-                                    u32 coop, u64* out) {
+// (Bounded at 512 threads a block, as every kernel here: on sm_80 ptxas
+// would otherwise take 164 registers a thread and a 512-thread block could
+// not launch; .ci/nvcc-check checks every kernel against it.)
+extern "C" __global__ void __launch_bounds__(512)
+    gin_ring(DevComm dc, Window send, Window recv, u64 bytes, u32 rounds, u32 coop, u64* out) {
   const u32 next = (dc.rank + 1) % dc.nranks, prev = (dc.rank + dc.nranks - 1) % dc.nranks;
   for (u32 r = 0; r < rounds; ++r) {
     fill((u8*)send.local_base, bytes, dc.rank, r);
@@ -82,8 +85,11 @@ extern "C" __global__ void gin_alltoall(DevComm dc, Window send, Window recv, u6
 // until every rank's put of this iteration has arrived, and flushes. `base`:
 // signal 0 before this launch. out[0]: error; out[2]: ns of `iters`
 // iterations after `warmup`, on block 0. Data is checked by gin_alltoall.
-extern "C" __global__ void gin_alltoall_timed(DevComm dc, Window send, Window recv, u64 bytes,
-                                              u32 iters, u32 warmup, u64 base, u64* out) {
+// gin-bench launches it with blocks of 512 threads: bounded so, or ptxas
+// takes up to 142 registers a thread, more than a 512-thread block can hold.
+extern "C" __global__ void __launch_bounds__(512)
+    gin_alltoall_timed(DevComm dc, Window send, Window recv, u64 bytes, u32 iters, u32 warmup,
+                       u64 base, u64* out) {
   const u32 p = blockIdx.x;
   u64 t0 = 0;
   for (u32 i = 0; i < warmup + iters; ++i) {
@@ -150,8 +156,9 @@ GIN_PINGPONG(gin_pingpong_block_1024, CTA, 1024)
 // NVSHMEM's put_bw issues puts then quiet). Rank 1 waits for all of them and
 // answers with signal 3. out[2]: ns on rank 0 from the first put to the
 // answer. base2, base3: signals 2 and 3 before this launch.
-extern "C" __global__ void gin_bandwidth(DevComm dc, Window src, Window dst, u64 bytes, u32 iters,
-                                         u32 sig_each, u64 base2, u64 base3, u64* out) {
+extern "C" __global__ void __launch_bounds__(512)
+    gin_bandwidth(DevComm dc, Window src, Window dst, u64 bytes, u32 iters, u32 sig_each,
+                  u64 base2, u64 base3, u64* out) {
   if (dc.rank > 1) return;
   const u64 slice = (bytes / gridDim.x + 15) & ~15ull;
   const u64 off = slice * blockIdx.x;
