@@ -261,10 +261,11 @@ impl Device {
         // refuses and the pool would never keep.
         let class = size_class(bytes).unwrap_or(bytes);
         let reused = lock(&self.pool).take(class);
+        let fresh = reused.is_none();
         let block = match reused {
             Some(b) => {
                 // On failure the block is dropped: freed, not returned.
-                b.zero(0, class)?;
+                b.zero_wait(0, class)?;
                 b
             }
             None => match DevMem::new(class) {
@@ -279,6 +280,11 @@ impl Device {
                 }
             },
         };
+        if fresh {
+            // A fresh allocation's zeroing (DevMem::new) is asynchronous
+            // too: done before any peer learns of the memory.
+            wait_legacy_stream()?;
+        }
         Ok(PoolMem {
             block: Some(block),
             class,
@@ -331,6 +337,15 @@ pub struct DevMem {
     /// Whether drop frees it (`false`: memory the user lent,
     /// [`DevMem::from_raw_parts`]).
     owned: bool,
+}
+
+/// Waits for the current context's legacy stream, where `cuMemsetD8` of
+/// device memory is ordered.
+fn wait_legacy_stream() -> Result<(), CudaError> {
+    // SAFETY: the legacy stream of the current context always exists.
+    Ok(check("cuStreamSynchronize", unsafe {
+        cu::cuStreamSynchronize(std::ptr::null_mut())
+    })?)
 }
 
 impl DevMem {
@@ -437,13 +452,23 @@ impl DevMem {
         })?)
     }
 
-    /// Zeroes `len` bytes at `off` (synchronously).
+    /// Zeroes `len` bytes at `off` with `cuMemsetD8`: for device memory
+    /// asynchronous to the host and ordered on the legacy stream only (use
+    /// [`DevMem::zero_wait`] where a peer may write right afterwards).
     pub fn zero(&self, off: usize, len: usize) -> Result<(), CudaError> {
         let dst = self.at("zeroing", off, len)?;
         // SAFETY: the range was checked.
         Ok(check("cuMemsetD8", unsafe {
             cu::cuMemsetD8_v2(dst, 0, len)
         })?)
+    }
+
+    /// Zeroes as [`DevMem::zero`] does and waits for the legacy stream, so
+    /// the bytes are zero before a peer (through IPC) or gin's non-blocking
+    /// streams write them. Not for use while a capture is open.
+    pub fn zero_wait(&self, off: usize, len: usize) -> Result<(), CudaError> {
+        self.zero(off, len)?;
+        wait_legacy_stream()
     }
 
     /// The IPC handle other processes open this allocation with.

@@ -159,11 +159,24 @@ impl Server {
 /// One GPU window part as a region of the rank's region table: gin-net's
 /// TCP server checks every request against the region, then calls here,
 /// and the part's own bounds are checked again before any copy.
-#[derive(Debug)]
 pub struct GpuRegion {
     ptr: u64,
     len: u64,
     server: Arc<Server>,
+    /// Makes the GPU's context current on a transport's thread (one per
+    /// region, so a transport can tell it has it already). It holds the
+    /// device weakly: a transport keeping the hook does not keep the
+    /// device, its context or its pooled memory alive.
+    context: ThreadContext,
+}
+
+impl std::fmt::Debug for GpuRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuRegion")
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
 }
 
 impl GpuRegion {
@@ -175,7 +188,22 @@ impl GpuRegion {
     /// region table before freeing the memory), and that peers may read
     /// and write.
     pub unsafe fn new(ptr: u64, len: u64, server: Arc<Server>) -> Self {
-        Self { ptr, len, server }
+        let dev = Arc::downgrade(&server.dev);
+        let context: ThreadContext = Arc::new(move || {
+            // A device already gone has no context to make current; the
+            // region is then gone from the table too.
+            if let Some(dev) = dev.upgrade()
+                && let Err(e) = dev.make_current()
+            {
+                tracing::warn!(error = %e, "making the GPU context current on a transport thread");
+            }
+        });
+        Self {
+            ptr,
+            len,
+            server,
+            context,
+        }
     }
 
     /// The device address `offset` bytes in, where `bytes` fit from there.
@@ -234,14 +262,10 @@ impl Backing for GpuRegion {
 
     /// The part's GPU context, made current on a transport's own thread
     /// (UCX's progress thread maps the part and executes peers' emulated
-    /// writes into it). A failure is logged, not raised: the call UCX makes
-    /// next then fails with its own error, which the peer is answered with.
+    /// writes into it): the same hook every time, holding the device
+    /// weakly. A failure is logged, not raised: the call UCX makes next
+    /// then fails with its own error, which the peer is answered with.
     fn thread_context(&self) -> Option<ThreadContext> {
-        let dev = Arc::clone(&self.server.dev);
-        Some(Arc::new(move || {
-            if let Err(e) = dev.make_current() {
-                tracing::warn!(error = %e, "making the GPU context current on a transport thread");
-            }
-        }))
+        Some(Arc::clone(&self.context))
     }
 }

@@ -355,6 +355,12 @@ pub trait EngineHealth: Send + 'static {
     /// The first error, once the engine failed (kernels waiting on it
     /// should be aborted).
     fn error(&self) -> Option<String>;
+    /// A stall while it lasts (kernels waiting on it should be aborted; a
+    /// run that ended well did not fail for it, so [`Sentinel::late_cause`]
+    /// leaves it out). `None` by default.
+    fn stall(&self) -> Option<String> {
+        None
+    }
     /// How a failure of this engine is introduced in messages (`"the CUDA
     /// proxy failed"`).
     fn failure(&self) -> &'static str;
@@ -409,7 +415,10 @@ impl<J: JobHealth, E: EngineHealth> Sentinel<J, E> {
         } else {
             let engine = self.engine();
             let engine = engine.as_ref()?;
-            engine.error().map(|e| format!("{}: {e}", engine.failure()))
+            engine
+                .error()
+                .or_else(|| engine.stall())
+                .map(|e| format!("{}: {e}", engine.failure()))
         }
     }
 
@@ -709,12 +718,16 @@ mod tests {
     #[derive(Debug, Default)]
     struct FakeEngine {
         error: Arc<Mutex<Option<String>>>,
+        stall: Arc<Mutex<Option<String>>>,
         sees: bool,
     }
 
     impl EngineHealth for FakeEngine {
         fn error(&self) -> Option<String> {
             self.error.lock().unwrap().clone()
+        }
+        fn stall(&self) -> Option<String> {
+            self.stall.lock().unwrap().clone()
         }
         fn failure(&self) -> &'static str {
             "the fake engine failed"
@@ -735,6 +748,7 @@ mod tests {
         let (job, error) = (Arc::new(FakeJob::default()), Arc::new(Mutex::new(None)));
         let engine = FakeEngine {
             error: error.clone(),
+            stall: Arc::default(),
             sees,
         };
         let s = Arc::new(Sentinel::new(job.clone(), Some(engine), grace));
@@ -767,6 +781,34 @@ mod tests {
         // Once the engine is stopped (taken), nothing is reported.
         s.engine().take();
         assert_eq!(s.late_cause(), None);
+    }
+
+    /// A stall is a cause a watch aborts kernels for, but not a late cause:
+    /// a run whose kernels ended well did not fail for a stall that passed
+    /// meanwhile (the engine is not fail-stop for it).
+    #[test]
+    fn a_stall_aborts_waiting_kernels_but_never_fails_a_finished_run() {
+        let (job, error, stall) = (
+            Arc::new(FakeJob::default()),
+            Arc::new(Mutex::new(None)),
+            Arc::new(Mutex::new(Some("stalled: ring 1".to_string()))),
+        );
+        let engine = FakeEngine {
+            error: error.clone(),
+            stall,
+            sees: true,
+        };
+        let s = Arc::new(Sentinel::new(job, Some(engine), Duration::from_millis(500)));
+        let (mut w, mut health) = (Watch::default(), s.health());
+        assert!(w.look(&mut health));
+        assert_eq!(w.cause(), Some("the fake engine failed: stalled: ring 1"));
+        assert_eq!(s.late_cause(), None);
+        // An error still wins over the stall, late as well.
+        *error.lock().unwrap() = Some("bad CQE".into());
+        assert_eq!(
+            s.late_cause().as_deref(),
+            Some("the fake engine failed: bad CQE")
+        );
     }
 
     /// The watcher's thread raises the flag when the engine fails, records

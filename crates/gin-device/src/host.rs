@@ -154,6 +154,14 @@ pub trait CudaEngine: Send + Sync + Debug {
     /// should be aborted).
     fn error(&self) -> Option<String>;
 
+    /// A stall while it lasts: work the engine queued that has not run for
+    /// far longer than it should (kernels waiting on it should be aborted
+    /// by a watch, but a run that ended well did not fail for it). `None`
+    /// by default.
+    fn stall(&self) -> Option<String> {
+        None
+    }
+
     /// How a failure of this engine is introduced in messages (`"the CUDA
     /// proxy failed"`).
     fn failure(&self) -> &'static str;

@@ -315,6 +315,10 @@ impl EngineHealth for Served {
         self.0.error()
     }
 
+    fn stall(&self) -> Option<String> {
+        self.0.stall()
+    }
+
     fn failure(&self) -> &'static str {
         self.0.failure()
     }

@@ -70,7 +70,15 @@ pub fn process_streams() -> usize {
 
 /// Words streams store their marks into, one per stream, which the host
 /// reads from any thread.
-pub trait Marks: Send + Sync + fmt::Debug {
+///
+/// # Safety
+/// Every address [`Marks::addr`] returns is 8 aligned bytes that the
+/// watched streams may write with `cuStreamWriteValue64` for as long as
+/// this value lives ([`StallWatch::mark`] queues stores there): memory the
+/// implementation owns, mapped for the streams' GPU, that nothing else
+/// uses. (A test's recording GPU, which executes no store, may return any
+/// address.)
+pub unsafe trait Marks: Send + Sync + fmt::Debug {
     /// The device address stream `i` stores its marks at (`None`: no such
     /// stream).
     fn addr(&self, i: usize) -> Option<u64>;
@@ -99,7 +107,10 @@ impl HostMarks {
     }
 }
 
-impl Marks for HostMarks {
+// SAFETY: word `i` of `mem`, mapped pinned host memory this value owns
+// (allocated with the device-map flag for the streams' GPU), used for
+// nothing else.
+unsafe impl Marks for HostMarks {
     fn addr(&self, i: usize) -> Option<u64> {
         (i < self.n).then(|| self.mem.dev() + i as u64 * 8)
     }
@@ -266,7 +277,9 @@ impl StallWatch {
     /// # Safety
     /// `q` is stream `i` of this watch, and executes the store before this
     /// watch is dropped (keep an `Arc` of it until the stream was
-    /// synchronised).
+    /// synchronised); `q` may write the watch's marks (true of
+    /// [`HostMarks`] and streams of their GPU; `testing::MarkWords` only
+    /// with a GPU that executes no store).
     pub unsafe fn mark(
         &self,
         i: usize,
@@ -467,7 +480,8 @@ mod tests {
     #[derive(Debug, Default)]
     struct Words([AtomicU64; 2]);
 
-    impl Marks for Arc<Words> {
+    // SAFETY: the fake GPU of these tests executes no store.
+    unsafe impl Marks for Arc<Words> {
         fn addr(&self, i: usize) -> Option<u64> {
             (i < 2).then_some(0x1000 + i as u64 * 8)
         }

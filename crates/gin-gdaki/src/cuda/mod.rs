@@ -499,12 +499,14 @@ impl CudaEngine for CudaNic {
         }
     }
 
-    /// The first error, else a stall while it lasts (the kernels waiting
-    /// on the stalled work are what it waits for).
     fn error(&self) -> Option<String> {
-        CudaNic::error(self)
-            .map(|e| e.to_string())
-            .or_else(|| self.stall().map(|s| s.to_string()))
+        CudaNic::error(self).map(|e| e.to_string())
+    }
+
+    /// A stall while it lasts (the kernels waiting on the stalled work are
+    /// what it waits for).
+    fn stall(&self) -> Option<String> {
+        CudaNic::stall(self).map(|s| s.to_string())
     }
 
     fn failure(&self) -> &'static str {

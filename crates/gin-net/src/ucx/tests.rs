@@ -312,6 +312,13 @@ fn dropping_the_transport_ends_a_wait_for_acknowledgements() {
             while lock(&t.inner.acks).is_empty() && !remover.is_finished() {
                 std::thread::yield_now();
             }
+            // The removal must really be waiting for rank 0's
+            // acknowledgement (held back above) when the transport goes:
+            // else this test would pass without a wait to end.
+            assert!(
+                !remover.is_finished() && !lock(&t.inner.acks).is_empty(),
+                "the removal did not wait for the held acknowledgement"
+            );
             drop(t);
             remover.join().unwrap();
             took = Some(began.elapsed());

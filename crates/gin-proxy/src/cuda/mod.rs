@@ -309,12 +309,14 @@ impl CudaEngine for CudaProxy {
         }
     }
 
-    /// The first error, else a stall while it lasts (the kernels waiting
-    /// on the stalled work are what it waits for).
     fn error(&self) -> Option<String> {
-        CudaProxy::error(self)
-            .map(ToString::to_string)
-            .or_else(|| self.stall().map(|s| s.to_string()))
+        CudaProxy::error(self).map(ToString::to_string)
+    }
+
+    /// A stall while it lasts (the kernels waiting on the stalled work are
+    /// what it waits for).
+    fn stall(&self) -> Option<String> {
+        CudaProxy::stall(self).map(|s| s.to_string())
     }
 
     fn failure(&self) -> &'static str {
