@@ -48,7 +48,10 @@
 //!   thread answers is waited for up to the job's timeout, one silent for
 //!   2 s is taken for dead), or the job failed, then unmaps: a later
 //!   operation fails at its initiator with [`NetError::Revoked`], naming
-//!   rank, window and offset, instead of writing memory that is gone.
+//!   rank, window and offset, instead of writing memory that is gone. (Not
+//!   yet for a live peer silent for 2 s, a stopped one or one whose worker
+//!   is held: a put it had issued may land after the unmap; see
+//!   docs/ucx.md.)
 //! - put → `ucp_put_nbx`, get → `ucp_get_nbx`, fetch-add and
 //!   compare-swap → `ucp_atomic_op_nbx`, fence and confirm →
 //!   `ucp_ep_flush_nbx`. Every put's source is copied into a buffer the
