@@ -12,6 +12,8 @@
 
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
+mod common;
+
 use std::time::Duration;
 
 use gin_bootstrap::{LaunchReport, LaunchSpec, Output, launch};
@@ -21,23 +23,9 @@ const BIN: &str = env!("CARGO_BIN_EXE_gin-selftest");
 /// UCX's transports between the hosts (`UCX_TLS`).
 const TLS: [(&str, &str); 2] = [("tcp", "tcp,self"), ("shared memory", "posix,cma,self")];
 
-/// The library to load, or `None` after printing why the test is skipped
-/// (panicking instead where UCX is required).
+/// The library to load, or `None` after printing why the tests are skipped.
 fn ucx() -> Option<String> {
-    let lib = std::env::var("GIN_UCX_LIB")
-        .ok()
-        .filter(|p| std::path::Path::new(p).exists());
-    if lib.is_none() {
-        let why = "GIN_UCX_LIB does not name an existing libucp.so.0 (`cargo xtask test` installs the pinned UCX wheel and sets it)";
-        let required = std::env::var("GIN_REQUIRE_UCX").is_ok_and(|v| v == "1")
-            || std::env::var_os("CI").is_some();
-        assert!(
-            !required,
-            "UCX is required here (GIN_REQUIRE_UCX=1 or CI) but {why}"
-        );
-        println!("SKIPPED: the UCX two-hosts tests need UCX: {why}");
-    }
-    lib
+    common::ucx("the UCX two-hosts tests")
 }
 
 /// Four ranks, ranks 0 and 1 on host `h0`, 2 and 3 on `h1`.
