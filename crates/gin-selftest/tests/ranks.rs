@@ -220,25 +220,42 @@ fn a_stopped_peer_fails_a_tcp_sender_within_the_timeout_and_teardown_returns() {
     }
 }
 
-/// A rank that stops (SIGSTOP) is noticed by the rank streaming at it over
-/// tcp, whose transport waited the whole timeout; that rank then fails and
-/// leaves. Ranks waiting on the one that left used to report "rank 0
-/// exited (it left the job in order)" (`cargo xtask faults`, alltoall on 4
-/// ranks, gdaki over tcp, 2 runs in 5): the transport now tells the job
-/// which peer stopped answering, so every bystander names it, promptly.
+/// A rank that stops (SIGSTOP) is noticed by a witness: the rank streaming
+/// at it over tcp, whose transport waited the whole timeout, or a rank whose
+/// wait on it timed out (any path; its kernel shows the victim stopped). The
+/// witness then fails and leaves. Ranks waiting on the witness used to
+/// report "rank 0 exited (it left the job in order)" (`cargo xtask faults`,
+/// alltoall on 4 ranks: gdaki over tcp, 2 runs in 5; proxy over shm): the
+/// witness now tells the job which peer stopped, so every bystander names
+/// it, promptly.
 #[test]
 fn bystanders_name_the_stopped_rank_not_the_witness_that_left_because_of_it() {
-    let timeout = 2.0;
-    for (name, env) in MODES
+    let tcp = |env: &[(&str, &str)]| env.contains(&("GIN_TRANSPORT", "tcp"));
+    let streams = MODES
         .iter()
-        .filter(|(_, env)| env.contains(&("GIN_TRANSPORT", "tcp")))
+        .filter(|(_, env)| tcp(env))
+        .map(|m| (*m, "stream"));
+    let waits = MODES
+        .iter()
+        .filter(|(_, env)| !tcp(env))
+        .map(|m| (*m, "wait"));
+    for ((name, env), how) in streams.chain(waits) {
+        bystander_names_the_stopped_rank(name, env, how);
+    }
+}
+
+fn bystander_names_the_stopped_rank(name: &str, env: &[(&str, &str)], how: &str) {
+    let timeout = 2.0;
+    let name = format!("{name}, witness {how}s");
     {
-        let mut spec = LaunchSpec::new(3, BIN, ["stop-bystander", "1"]).env("GIN_TIMEOUT", "2");
-        for (k, v) in *env {
+        let mut spec =
+            LaunchSpec::new(3, BIN, ["stop-bystander", "1", how]).env("GIN_TIMEOUT", "2");
+        for (k, v) in env {
             spec = spec.env(k, v);
         }
         spec.output = Output::Capture;
-        spec.grace = Duration::from_secs(8);
+        // The stopped victim is killed this long after the witness fails.
+        spec.grace = Duration::from_secs(3);
         spec.limit = Some(Duration::from_secs(60));
         let report = launch(&spec).unwrap();
         let witness = &report.ranks[0].stdout;
