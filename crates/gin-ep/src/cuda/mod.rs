@@ -31,8 +31,19 @@
 //! that already live on the GPU (the host stages `x`, `topk_idx` and the
 //! weights into the send window and reads the combined tokens back).
 
-use gin_core::cuda::{Arg, CtxSharing, CudaComm, CudaDevComm, DevMem, Function, GpuWindow, Module};
+use std::sync::atomic::Ordering;
+
+use gin_core::cuda::{
+    Arg, CtxSharing, CudaComm, CudaDevComm, DevMem, Function, GpuWindow, HostMem, LaunchConfig,
+    Module, StreamRef,
+};
 use gin_core::{CoreError, DevCommRequirements};
+
+mod dev;
+
+pub use dev::{
+    DeviceInputs, LlDeviceLayout, Span, check_device_inputs, check_device_output, decode_error,
+};
 
 use crate::config::{Config, Mode};
 use crate::error::EpError;
@@ -41,7 +52,7 @@ use crate::num::Bf16;
 
 /// The kernels of CUDA ranks (CUDA C++ including `gin/gin.cuh`), for
 /// [`CudaComm::compile`].
-pub const LL_KERNELS: &str = include_str!("../kernels/ll.cu");
+pub const LL_KERNELS: &str = include_str!("../../kernels/ll.cu");
 
 const SEND: usize = 0;
 const RECV: usize = 1;
@@ -76,6 +87,52 @@ fn kernel_error(rank: usize, kernel: &'static str, e: CoreError) -> EpError {
     }
 }
 
+/// Where a launch goes: gin's stream, waited for ([`CudaDevComm::run`],
+/// which watches the job meanwhile and reads the error word), or the
+/// caller's, queued ([`CudaDevComm::launch_on`]).
+#[derive(Debug, Clone, Copy)]
+enum On<'s> {
+    Wait,
+    Queue(StreamRef<'s>),
+}
+
+impl PartialEq for On<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        matches!((self, other), (On::Wait, On::Wait))
+            || matches!((self, other), (On::Queue(a), On::Queue(b)) if a.raw() == b.raw())
+    }
+}
+
+/// Where the dispatch kernel finds this step's messages: device addresses
+/// of the BF16 tokens (`xin`), the top-k ids (`idx`, i64) and weights
+/// (`wts`, f32), 0 for what the host staged in the send window.
+#[derive(Debug, Clone, Copy)]
+struct Source {
+    xin: u64,
+    idx: u64,
+    wts: u64,
+}
+
+/// Launches `f` on `grid` blocks of [`THREADS`] threads where `on` says.
+///
+/// # Safety
+/// As [`CudaDevComm::launch_on`] for `f` and `args`.
+unsafe fn go(
+    dc: &CudaDevComm<'_, '_>,
+    f: Function,
+    on: On<'_>,
+    grid: u32,
+    args: &[Arg<'_>],
+) -> Result<(), CoreError> {
+    // SAFETY: the caller's contract.
+    unsafe {
+        match on {
+            On::Wait => dc.run(&f, grid, THREADS, args),
+            On::Queue(s) => dc.launch_on(&f, &LaunchConfig::linear(grid, THREADS), s, args),
+        }
+    }
+}
+
 /// Device memory of a CUDA buffer beside its windows.
 #[derive(Debug)]
 struct State {
@@ -88,17 +145,18 @@ struct State {
     /// `u32[3 × experts × t]`: per received token, source token, top-k
     /// slot, weight bits.
     meta: DevMem,
-    /// `u64[nranks]`: the combine signal each rank's experts must reach.
+    /// `u64[nranks]`: the combine signal each rank's experts must reach
+    /// (the dispatch kernel adds 1 for each active rank).
     ctarget: DevMem,
     /// `u16[t × hidden]`: the combined tokens.
     out: DevMem,
     /// `u64[2]`: earliest block start, latest block end of a launch.
     clock: DevMem,
-    /// FP8: `u16[t × hidden]`, this step's tokens in BF16, which the
-    /// dispatch kernel quantises into the staged messages.
+    /// FP8: `u16[t × hidden]`, this step's tokens in BF16 staged by the
+    /// host, which the dispatch kernel quantises into the messages.
     xin: Option<DevMem>,
-    /// `u64`: the dispatch kernel's grid barrier (FP8), a count that only
-    /// grows.
+    /// `u64`: the dispatch kernel's grid barrier (FP8 and device-resident
+    /// inputs), a count that only grows.
     bar: DevMem,
     /// `u32[t × topk]`: per (token, top-k slot), the token's index among
     /// this rank's tokens for that expert (written by the dispatch kernel).
@@ -106,6 +164,15 @@ struct State {
     /// `u8[nranks × nranks]`: `[src × nranks + owner]` is 1 where `src`
     /// reads `owner`'s combine slots in place.
     pull: DevMem,
+    /// `u64`: the first bad device-resident input entry of this step (the
+    /// dispatch kernel's `bad_key`), `!0` for none; the combine kernel
+    /// clears it.
+    inbad: DevMem,
+    /// `u64[4]`: the first error a kernel recorded (`ep::record`).
+    err: DevMem,
+    /// Its copy in pinned host memory, polled without waiting for a
+    /// stream.
+    errh: HostMem,
 }
 
 impl State {
@@ -132,6 +199,13 @@ impl State {
             bar: zeroed(8)?,
             eslot: zeroed(4 * t * cfg.topk)?,
             pull: zeroed(n * n)?,
+            inbad: {
+                let m = DevMem::new(8)?;
+                m.write(0, &[u64::MAX])?;
+                m
+            },
+            err: zeroed(32)?,
+            errh: HostMem::new(32)?,
         })
     }
 }
@@ -233,10 +307,13 @@ pub struct CudaBuffer<'a, 'c> {
     state: State,
     kernels: Kernels,
     active: Vec<bool>,
-    /// Host copy of `State::ctarget`.
-    ctarget: Vec<u64>,
     step: u64,
     phase: Phase,
+    /// Tokens this rank dispatched in the step under way.
+    tokens: usize,
+    /// Launches were queued on a caller's stream and not checked since
+    /// ([`CudaBuffer::check`]).
+    queued: bool,
     blocks: u32,
     /// Host staging of the send window, reused between steps.
     staged: Vec<u8>,
@@ -257,6 +334,7 @@ pub struct CudaBuffer<'a, 'c> {
 #[derive(Debug, Clone)]
 pub struct CudaLlDispatch {
     step: u64,
+    tokens: usize,
     nranks: usize,
     max: usize,
     /// `[le * nranks + src]`.
@@ -265,7 +343,32 @@ pub struct CudaLlDispatch {
     meta: Vec<u32>,
 }
 
+/// A low-latency step under way on CUDA ranks, its outputs in GPU memory
+/// ([`CudaBuffer::ll_dispatch_device`], [`CudaBuffer::ll_dispatch_on`]):
+/// hand it to the combine of the same step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaLlStep {
+    step: u64,
+    tokens: usize,
+}
+
+impl CudaLlStep {
+    /// Tokens this rank dispatched (rows of the combine's output).
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+}
+
 impl CudaLlDispatch {
+    /// The step this dispatch belongs to, for the device-resident calls
+    /// ([`CudaBuffer::ll_echo_device`], [`CudaBuffer::ll_combine_device`]).
+    pub fn handle(&self) -> CudaLlStep {
+        CudaLlStep {
+            step: self.step,
+            tokens: self.tokens,
+        }
+    }
+
     fn at(&self, le: usize, src: usize, i: usize) -> usize {
         3 * ((le * self.nranks + src) * self.max + i)
     }
@@ -361,9 +464,10 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             state,
             kernels,
             active: vec![true; n],
-            ctarget: vec![0; n],
             step: 0,
             phase: Phase::Idle,
+            tokens: 0,
+            queued: false,
             blocks: BLOCKS,
             staged: Vec::new(),
             last: (KernelClock::default(), KernelClock::default()),
@@ -483,8 +587,50 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         if self.failed {
             return Err(EpError::Mode {
                 rank: self.rank,
-                what: format!("{call}: an earlier kernel of this buffer failed; destroy it"),
+                what: format!(
+                    "{call}: an earlier kernel or step of this buffer failed; destroy it"
+                ),
             });
+        }
+        Ok(())
+    }
+
+    /// A call that waits for its kernel on gin's stream cannot follow
+    /// launches queued on the caller's stream before they were checked
+    /// (gin's stream is not ordered after the caller's).
+    fn expect_unqueued(&self, call: &'static str) -> Result<(), EpError> {
+        if self.queued {
+            return Err(EpError::Phase {
+                rank: self.rank,
+                call,
+                phase: "holding launches queued on a stream (synchronise it, then call check)",
+            });
+        }
+        Ok(())
+    }
+
+    /// The error a kernel recorded, if any (read from pinned host memory,
+    /// without waiting for a stream).
+    fn recorded(&self) -> Option<[u64; 4]> {
+        let word = |i: usize| {
+            self.state
+                .errh
+                .atomic_u64(8 * i)
+                .map_or(0, |a| a.load(Ordering::Acquire))
+        };
+        let w0 = word(0);
+        (w0 != 0).then(|| [w0, word(1), word(2), word(3)])
+    }
+
+    /// Reports the error a kernel recorded (a peer's broken protocol, bad
+    /// device-resident inputs), once: the buffer refuses further steps.
+    fn poll(&mut self) -> Result<(), EpError> {
+        if let Some(e) = self
+            .recorded()
+            .and_then(|w| decode_error(self.rank, &self.cfg, w))
+        {
+            self.failed = true;
+            return Err(e);
         }
         Ok(())
     }
@@ -502,7 +648,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         }
     }
 
-    fn expect_dispatch(&self, call: &'static str, d: &CudaLlDispatch) -> Result<(), EpError> {
+    fn expect_dispatch(&self, call: &'static str, step: u64) -> Result<(), EpError> {
         self.check_usable(call)?;
         if self.phase != Phase::Dispatched {
             return Err(EpError::Phase {
@@ -511,10 +657,10 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
                 phase: "idle",
             });
         }
-        if d.step != self.step {
+        if step != self.step {
             return Err(EpError::StaleHandle {
                 rank: self.rank,
-                handle_step: d.step,
+                handle_step: step,
                 step: self.step,
             });
         }
@@ -532,13 +678,126 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         u32::try_from(v).unwrap_or(u32::MAX)
     }
 
-    /// Low-latency dispatch on CUDA ranks: checks the inputs (nothing is
-    /// sent on an error), stages each token's message in the send window,
-    /// and runs the dispatch kernel, which puts every token into a slot of
-    /// each rank holding one of its experts, signals every (expert, source)
-    /// pair with its count, and waits (bounded) for every active source's
-    /// count for every local expert. The counts and metadata are read back
-    /// and checked.
+    /// The launch clock of a launch: reset and timed on gin's stream (the
+    /// host reads it after the wait), none on the caller's (the host would
+    /// have to write it while earlier launches may still run).
+    fn clock_for(&self, on: On<'_>) -> Result<u64, EpError> {
+        match on {
+            On::Wait => {
+                reset_clock(&self.state.clock)?;
+                Ok(self.state.clock.ptr())
+            }
+            On::Queue(_) => Ok(0),
+        }
+    }
+
+    /// After a launch: a failure fails the buffer (peers may be anywhere in
+    /// the step); a launch queued on the caller's stream is to be checked.
+    fn launched(
+        &mut self,
+        on: On<'_>,
+        kernel: &'static str,
+        r: Result<(), CoreError>,
+    ) -> Result<(), EpError> {
+        if let Err(e) = r {
+            self.failed = true;
+            return Err(kernel_error(self.rank, kernel, e));
+        }
+        if matches!(on, On::Queue(_)) {
+            self.queued = true;
+        }
+        Ok(())
+    }
+
+    /// Launches the dispatch kernel for `tokens` tokens whose messages come
+    /// from `src` (see [`Source`]), on `on`; the step begins.
+    ///
+    /// # Safety
+    /// `src`'s non-zero addresses hold at least `tokens` rows each (`xin`:
+    /// `tokens × hidden` u16, 16-byte aligned; `idx`, `wts`: `tokens ×
+    /// topk` i64 and f32, aligned) and stay allocated and unwritten until
+    /// the kernel has finished; `idx` and `wts` are both zero or both not.
+    /// With [`On::Queue`], [`CudaDevComm::launch_on`]'s contract for the
+    /// buffer's own memory: this buffer is not destroyed or dropped before
+    /// the stream has executed the kernel.
+    unsafe fn launch_dispatch(
+        &mut self,
+        on: On<'_>,
+        tokens: usize,
+        src: Source,
+    ) -> Result<(), EpError> {
+        let cfg = self.cfg;
+        self.current()?;
+        let grid = self.grid(cfg.num_experts);
+        self.step += 1;
+        self.tokens = tokens;
+        if src.xin != 0 || src.idx != 0 {
+            self.bar_target += u64::from(grid);
+        }
+        let clock = self.clock_for(on)?;
+        let s = &self.state;
+        let (l, t) = (cfg.local_experts(self.nranks), cfg.max_tokens_per_rank);
+        let u = Self::u32_of;
+        let args = [
+            Arg::DevComm(self.dc.abi()),
+            Arg::Window(self.wins[SEND].abi()),
+            Arg::Window(self.wins[RECV].abi()),
+            Arg::U32(u(tokens)),
+            Arg::U32(u(l)),
+            Arg::U32(u(t)),
+            Arg::U32(u(cfg.msg_bytes())),
+            Arg::U32(u(cfg.payload_bytes())),
+            Arg::U32(u(cfg.topk)),
+            Arg::Ptr(s.active.ptr()),
+            Arg::Ptr(s.seen.ptr()),
+            Arg::Ptr(s.counts.ptr()),
+            Arg::Ptr(s.meta.ptr()),
+            Arg::Ptr(clock),
+            Arg::Ptr(src.xin),
+            Arg::U32(u(cfg.hidden)),
+            Arg::Ptr(s.bar.ptr()),
+            Arg::U64(self.bar_target),
+            Arg::Ptr(s.eslot.ptr()),
+            Arg::U32(u32::from(cfg.fp8)),
+            Arg::Ptr(src.idx),
+            Arg::Ptr(src.wts),
+            Arg::Ptr(s.inbad.ptr()),
+            Arg::Ptr(s.err.ptr()),
+            Arg::Ptr(s.errh.dev()),
+            Arg::Ptr(s.ctarget.ptr()),
+        ];
+        // SAFETY: ep_ll_dispatch(DevComm, Window send, Window recv, u32
+        // tokens, u32 l, u32 t, u32 m, u32 p, u32 k, const u32* active, u64*
+        // seen, u32* counts, u32* meta, u64* clock, const u16* xin, u32 h,
+        // u64* bar, u64 bar_target, u32* eslot, u32 fp8, const i64* idx,
+        // const f32* wts, u64* inbad, u64* err, u64* errh, u64* ctarget) in
+        // kernels/ll.cu takes these arguments in this order. The windows and
+        // the device communicator are this buffer's, alive for the kernel
+        // (the caller's contract where it is queued). The kernel reads and
+        // writes `tokens` (≤ t) messages of the send window (t × m bytes),
+        // indexes active and ctarget by rank (nranks entries), seen and
+        // counts by pair (experts), meta by received slot (3 × experts × t
+        // u32), eslot by (token, slot) (t × k u32), clock (2 u64, or null),
+        // bar and inbad (one u64 each), err (4 u64) and errh (4 u64 of
+        // mapped pinned memory): the sizes State::new allocated for this
+        // configuration. It reads tokens × h u16 of xin and tokens × k of
+        // idx and wts where they are not null: the caller's contract.
+        let r = unsafe { go(&self.dc, self.kernels.dispatch, on, grid, &args) };
+        self.launched(on, "dispatch", r)?;
+        self.phase = Phase::Dispatched;
+        if on == On::Wait {
+            self.last.0 = read_clock(&self.state.clock)?;
+        }
+        Ok(())
+    }
+
+    /// Low-latency dispatch on CUDA ranks from host memory: checks the
+    /// inputs (nothing is sent on an error), stages each token's message in
+    /// the send window, and runs the dispatch kernel, which puts every
+    /// token into a slot of each rank holding one of its experts, signals
+    /// every (expert, source) pair with its count, and waits (bounded) for
+    /// every active source's count for every local expert. The counts and
+    /// metadata are read back and checked.
     pub fn ll_dispatch(
         &mut self,
         x: &[Bf16],
@@ -546,6 +805,8 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         topk_weights: &[f32],
     ) -> Result<CudaLlDispatch, EpError> {
         self.expect_idle("ll_dispatch")?;
+        self.expect_unqueued("ll_dispatch")?;
+        self.poll()?;
         let cfg = self.cfg;
         let layout = crate::ll::check_inputs(
             self.rank,
@@ -571,75 +832,129 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
                 .write(0, &self.staged)
                 .map_err(CoreError::from)?;
         }
-        if let Some(xin) = &self.state.xin
-            && !x.is_empty()
-        {
-            xin.write(0, x).map_err(CoreError::from)?;
+        let mut xin = 0;
+        if let Some(m) = &self.state.xin {
+            if !x.is_empty() {
+                m.write(0, x).map_err(CoreError::from)?;
+            }
+            xin = m.ptr();
         }
-        let grid = self.grid(cfg.num_experts);
-        self.step += 1;
-        if cfg.fp8 {
-            self.bar_target += u64::from(grid);
+        // SAFETY: gin's stream, waited for. With FP8, xin holds t × hidden
+        // u16 (State::new), its first `tokens` rows written above; without,
+        // it is null; the metadata is staged (no idx, wts).
+        unsafe {
+            self.launch_dispatch(
+                On::Wait,
+                tokens,
+                Source {
+                    xin,
+                    idx: 0,
+                    wts: 0,
+                },
+            )?;
         }
-        let s = &self.state;
-        reset_clock(&s.clock)?;
-        let (l, t) = (cfg.local_experts(self.nranks), cfg.max_tokens_per_rank);
-        let u = Self::u32_of;
-        let args = [
-            Arg::DevComm(self.dc.abi()),
-            Arg::Window(self.wins[SEND].abi()),
-            Arg::Window(self.wins[RECV].abi()),
-            Arg::U32(u(tokens)),
-            Arg::U32(u(l)),
-            Arg::U32(u(t)),
-            Arg::U32(u(cfg.msg_bytes())),
-            Arg::U32(u(cfg.payload_bytes())),
-            Arg::U32(u(cfg.topk)),
-            Arg::Ptr(s.active.ptr()),
-            Arg::Ptr(s.seen.ptr()),
-            Arg::Ptr(s.counts.ptr()),
-            Arg::Ptr(s.meta.ptr()),
-            Arg::Ptr(s.clock.ptr()),
-            Arg::Ptr(s.xin.as_ref().map_or(0, DevMem::ptr)),
-            Arg::U32(u(cfg.hidden)),
-            Arg::Ptr(s.bar.ptr()),
-            Arg::U64(self.bar_target),
-            Arg::Ptr(s.eslot.ptr()),
-        ];
-        // SAFETY: ep_ll_dispatch(DevComm, Window send, Window recv, u32
-        // tokens, u32 l, u32 t, u32 m, u32 p, u32 k, const u32* active, u64*
-        // seen, u32* counts, u32* meta, u64* clock, const u16* xin, u32 h,
-        // u64* bar, u64 bar_target, u32* eslot) in kernels/ll.cu takes these
-        // arguments in this order. The windows and the device communicator are this
-        // buffer's, alive for the call; the kernel reads `tokens` staged
-        // messages (written above) and indexes active by rank (nranks u32),
-        // seen and counts by pair (experts), meta by received slot (3 ×
-        // experts × t u32) and clock (2 u64): the sizes State::new allocated
-        // for this configuration. With FP8 it reads tokens × h u16 of xin (t
-        // × h allocated), writes the payloads of the `tokens` staged
-        // messages (within the send window) and adds 1 per block to bar (one
-        // u64); without, xin is null and neither is touched. It writes
-        // eslot at (token × k + slot) for tokens < t and slots < k (t × k
-        // u32 allocated).
-        let run = unsafe { self.dc.run(&self.kernels.dispatch, grid, THREADS, &args) };
-        if let Err(e) = run {
-            // Peers may be anywhere in the step: the buffer cannot go on.
-            self.failed = true;
-            return Err(kernel_error(self.rank, "dispatch", e));
-        }
-        self.last.0 = read_clock(&s.clock)?;
-        let d = self.read_dispatch();
+        let d = self.read_dispatch("ll_dispatch");
         // A sender broke the protocol: the step cannot be finished.
-        self.failed = d.is_err();
-        self.phase = Phase::Dispatched;
+        if d.is_err() {
+            self.failed = true;
+        }
         d
+    }
+
+    /// What a device-resident dispatch checks before it launches.
+    fn prepare_device(
+        &mut self,
+        call: &'static str,
+        inp: &DeviceInputs<'_>,
+    ) -> Result<Source, EpError> {
+        self.expect_idle(call)?;
+        self.poll()?;
+        check_device_inputs(
+            self.rank,
+            &self.cfg,
+            inp.tokens,
+            inp.x.into(),
+            inp.topk_idx.into(),
+            inp.topk_weights.into(),
+        )?;
+        Ok(Source {
+            xin: inp.x.ptr(),
+            idx: inp.topk_idx.ptr(),
+            wts: inp.topk_weights.ptr(),
+        })
+    }
+
+    /// Low-latency dispatch from device-resident inputs (DeepEP's
+    /// `low_latency_dispatch` on tensors in GPU memory): no host copy. The
+    /// dispatch kernel stages each token's message itself (copying the BF16
+    /// row, or quantising it to FP8 bit for bit as
+    /// [`crate::num::quantize_fp8`]), checks every top-k entry as the host
+    /// path does, sends, and receives; runs on gin's stream and returns
+    /// when it has finished. The received tokens, counts and metadata stay
+    /// in GPU memory ([`CudaBuffer::recv_tokens`],
+    /// [`CudaBuffer::recv_counts`], [`CudaBuffer::recv_meta`], laid out as
+    /// [`CudaBuffer::device_layout`] says), for the caller's expert kernel;
+    /// [`CudaBuffer::ll_read_back`] copies them to the host for checks.
+    ///
+    /// The token count, the buffers' sizes and their alignment are checked
+    /// here, before anything is sent. An expert id out of range, an expert
+    /// named twice in a token or a live slot's weight that is not finite is
+    /// found by the kernel: this rank then sends no token and every
+    /// receiver learns that its inputs were refused; this rank reports the
+    /// first bad entry as the host path would ([`EpError::ExpertOutOfRange`],
+    /// [`EpError::DuplicateExpert`], [`EpError::BadWeight`]), the others a
+    /// [`EpError::Protocol`] naming it, and the buffers refuse further steps.
+    pub fn ll_dispatch_device(&mut self, inp: &DeviceInputs<'_>) -> Result<CudaLlStep, EpError> {
+        self.expect_unqueued("ll_dispatch_device")?;
+        let src = self.prepare_device("ll_dispatch_device", inp)?;
+        // SAFETY: gin's stream, waited for while `inp` borrows the buffers,
+        // whose sizes and alignment prepare_device checked.
+        unsafe { self.launch_dispatch(On::Wait, inp.tokens, src)? };
+        self.poll()?;
+        Ok(CudaLlStep {
+            step: self.step,
+            tokens: inp.tokens,
+        })
+    }
+
+    /// [`CudaBuffer::ll_dispatch_device`] queued on the caller's `stream`
+    /// (a stream of the GPU's primary context: PyTorch's current stream, a
+    /// cudarc stream, one being captured into a CUDA graph), returning at
+    /// once: no host synchronisation. An error a kernel records (bad
+    /// inputs, a peer's broken protocol) is reported by the next call on
+    /// this buffer that finds it, or by [`CudaBuffer::check`] once the
+    /// stream has been synchronised. The kernels' waits stay bounded by the
+    /// job timeout; a failed one is reported by [`CudaBuffer::check`].
+    ///
+    /// # Safety
+    /// The launches of one buffer must execute in the order they were
+    /// queued, each after the previous one finished (queue them on one
+    /// stream, or order the streams). `inp`'s buffers must stay allocated,
+    /// and unwritten, until the stream has executed the dispatch; this
+    /// buffer must not be destroyed or dropped before the stream has
+    /// executed everything queued for it (synchronise it, then call
+    /// [`CudaBuffer::check`]). `stream` must stay alive until then.
+    pub unsafe fn ll_dispatch_on(
+        &mut self,
+        stream: StreamRef<'_>,
+        inp: &DeviceInputs<'_>,
+    ) -> Result<CudaLlStep, EpError> {
+        let src = self.prepare_device("ll_dispatch_on", inp)?;
+        // SAFETY: the caller's contract; sizes and alignment checked.
+        unsafe { self.launch_dispatch(On::Queue(stream), inp.tokens, src)? };
+        Ok(CudaLlStep {
+            step: self.step,
+            tokens: inp.tokens,
+        })
     }
 
     /// Reads the counts and metadata back and checks them as the CPU ranks'
     /// receive does: a count above the maximum, a token index out of range
     /// or a message that does not name the expert is the sender's
-    /// protocol error.
-    fn read_dispatch(&self) -> Result<CudaLlDispatch, EpError> {
+    /// protocol error (recorded by the kernel, and checked again here).
+    fn read_dispatch(&mut self, call: &'static str) -> Result<CudaLlDispatch, EpError> {
+        self.expect_unqueued(call)?;
+        self.poll()?;
         let (r, cfg) = (self.nranks, self.cfg);
         let (l, t) = (cfg.local_experts(r), cfg.max_tokens_per_rank);
         let mut counts = vec![0u32; l * r];
@@ -654,6 +969,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             .map_err(CoreError::from)?;
         let d = CudaLlDispatch {
             step: self.step,
+            tokens: self.tokens,
             nranks: r,
             max: t,
             counts,
@@ -677,7 +993,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
                     let tok = d.src_token(le, src, i);
                     if tok >= t {
                         return Err(bad(format!(
-                            "token index {tok} at or above the maximum {t}"
+                            "token index {tok} at or above the maximum {t} in expert {e}'s slots"
                         )));
                     }
                     if d.meta[d.at(le, src, i) + 1] as usize >= cfg.topk {
@@ -691,10 +1007,25 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         Ok(d)
     }
 
+    /// Copies what a device-resident dispatch received (counts and
+    /// metadata) to the host and checks it as [`CudaBuffer::ll_dispatch`]
+    /// does: for tests and inspection, not the data path. After launches
+    /// queued on a stream, synchronise it and call [`CudaBuffer::check`]
+    /// first.
+    pub fn ll_read_back(&mut self, s: &CudaLlStep) -> Result<CudaLlDispatch, EpError> {
+        self.expect_dispatch("ll_read_back", s.step)?;
+        let d = self.read_dispatch("ll_read_back");
+        if d.is_err() {
+            self.failed = true;
+        }
+        d
+    }
+
     /// Copies the received messages of `d` back from GPU memory, for
     /// checks ([`crate::oracle::check_ll_view`]).
     pub fn ll_received(&self, d: &CudaLlDispatch) -> Result<LlReceived, EpError> {
-        self.expect_dispatch("ll_received", d)?;
+        self.expect_dispatch("ll_received", d.step)?;
+        self.expect_unqueued("ll_received")?;
         self.current()?;
         let (m, t) = (self.cfg.msg_bytes(), self.cfg.max_tokens_per_rank);
         let recv = self.wins[RECV].local();
@@ -719,13 +1050,49 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         })
     }
 
-    /// The identity expert on the GPU: copies every received token into its
-    /// combine slot.
-    pub fn ll_echo(&mut self, d: &CudaLlDispatch) -> Result<(), EpError> {
-        self.expect_dispatch("ll_echo", d)?;
+    /// Where the device-resident outputs lie ([`LlDeviceLayout`]).
+    pub fn device_layout(&self) -> LlDeviceLayout {
+        LlDeviceLayout::new(&self.cfg, self.nranks)
+    }
+
+    /// The received messages in GPU memory (this rank's part of the
+    /// receive window), laid out as [`CudaBuffer::device_layout`] says;
+    /// valid from the dispatch until the next step's dispatch.
+    pub fn recv_tokens(&self) -> &DevMem {
+        self.wins[RECV].local()
+    }
+
+    /// The tokens received per (local expert, source) pair, `u32` each, in
+    /// GPU memory.
+    pub fn recv_counts(&self) -> &DevMem {
+        &self.state.counts
+    }
+
+    /// Per received token, its index at its source, the top-k slot naming
+    /// this rank's expert and the weight's bits (three `u32`), in GPU
+    /// memory.
+    pub fn recv_meta(&self) -> &DevMem {
+        &self.state.meta
+    }
+
+    /// The expert outputs' slots in GPU memory (this rank's part of the
+    /// combine window, BF16 `hidden` per slot, laid out as
+    /// [`CudaBuffer::device_layout`] says): the caller's expert kernel
+    /// writes slot `q · t + i` for the `i`th token of pair `q` between the
+    /// dispatch and the combine, after the dispatch finished.
+    pub fn combine_slots(&self) -> &DevMem {
+        self.wins[CSEND].local()
+    }
+
+    /// Launches the identity expert.
+    ///
+    /// # Safety
+    /// With [`On::Queue`], as [`CudaBuffer::ll_dispatch_on`].
+    unsafe fn launch_echo(&mut self, on: On<'_>) -> Result<(), EpError> {
         self.current()?;
         let cfg = self.cfg;
         let u = Self::u32_of;
+        let grid = self.grid(cfg.num_experts);
         let args = [
             Arg::Window(self.wins[RECV].abi()),
             Arg::Window(self.wins[CSEND].abi()),
@@ -741,45 +1108,51 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         // order; it reads at most t slots per pair of recv (pairs × t × m
         // bytes; with FP8 the payload of h bytes and h / 128 scales, within
         // m) and writes as many of csend (pairs × t × h2): the windows' sizes
-        // (ll::resources), both alive; counts holds `pairs` u32.
-        let run = unsafe {
-            self.dc.run(
-                &self.kernels.echo,
-                self.grid(cfg.num_experts),
-                THREADS,
-                &args,
-            )
-        };
-        if let Err(e) = run {
-            // Peers may be anywhere in the step: the buffer cannot go on.
-            self.failed = true;
-            return Err(kernel_error(self.rank, "echo", e));
-        }
-        Ok(())
+        // (ll::resources), both alive (the caller's contract where queued);
+        // counts holds `pairs` u32.
+        let r = unsafe { go(&self.dc, self.kernels.echo, on, grid, &args) };
+        self.launched(on, "echo", r)
     }
 
-    /// Low-latency combine on CUDA ranks: the combine kernel puts each
-    /// combine slot back to its source's (token, top-k slot) place, except
-    /// to sources that read this rank's slots in place
-    /// ([`CudaBuffer::combine_reads_in_place`]), with one signal per
-    /// (expert, source); waits (bounded) for every active expert's signal,
-    /// and reduces each token over its top-k slots with the weights (read
-    /// in place where it can, else from where the expert put them), leaving
-    /// out empty slots and masked ranks' experts. The combined tokens are
-    /// read back.
-    pub fn ll_combine(&mut self, d: &CudaLlDispatch) -> Result<Combined, EpError> {
-        self.expect_dispatch("ll_combine", d)?;
+    /// The identity expert on the GPU: copies every received token into its
+    /// combine slot.
+    pub fn ll_echo(&mut self, d: &CudaLlDispatch) -> Result<(), EpError> {
+        self.ll_echo_device(&d.handle())
+    }
+
+    /// The identity expert of a device-resident step, on gin's stream.
+    pub fn ll_echo_device(&mut self, s: &CudaLlStep) -> Result<(), EpError> {
+        self.expect_dispatch("ll_echo", s.step)?;
+        self.expect_unqueued("ll_echo")?;
+        // SAFETY: gin's stream, waited for.
+        unsafe { self.launch_echo(On::Wait) }
+    }
+
+    /// The identity expert queued on the caller's `stream`.
+    ///
+    /// # Safety
+    /// As [`CudaBuffer::ll_dispatch_on`].
+    pub unsafe fn ll_echo_on(&mut self, stream: StreamRef<'_>, s: &CudaLlStep) -> Result<(), EpError> {
+        self.expect_dispatch("ll_echo_on", s.step)?;
+        self.poll()?;
+        // SAFETY: the caller's contract.
+        unsafe { self.launch_echo(On::Queue(stream)) }
+    }
+
+    /// Launches the combine kernel of the step under way, writing the
+    /// combined tokens to `out` (device address); the step ends.
+    ///
+    /// # Safety
+    /// `out` holds `tokens × hidden` u16, 16-byte aligned, writable and
+    /// otherwise untouched until the kernel has finished; with
+    /// [`On::Queue`], as [`CudaBuffer::ll_dispatch_on`].
+    unsafe fn launch_combine(&mut self, on: On<'_>, out: u64) -> Result<(), EpError> {
         self.current()?;
         let cfg = self.cfg;
-        let tokens = self.staged.len() / cfg.msg_bytes();
-        for (t, &a) in self.ctarget.iter_mut().zip(&self.active) {
-            if a {
-                *t += 1;
-            }
-        }
+        let tokens = self.tokens;
+        let clock = self.clock_for(on)?;
+        let grid = self.grid(cfg.num_experts.max(tokens));
         let s = &self.state;
-        s.ctarget.write(0, &self.ctarget).map_err(CoreError::from)?;
-        reset_clock(&s.clock)?;
         let u = Self::u32_of;
         let args = [
             Arg::DevComm(self.dc.abi()),
@@ -797,46 +1170,115 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             Arg::Ptr(s.counts.ptr()),
             Arg::Ptr(s.meta.ptr()),
             Arg::Ptr(s.ctarget.ptr()),
-            Arg::Ptr(s.out.ptr()),
-            Arg::Ptr(s.clock.ptr()),
+            Arg::Ptr(out),
+            Arg::Ptr(clock),
             Arg::Ptr(s.eslot.ptr()),
             Arg::Ptr(s.pull.ptr()),
+            Arg::Ptr(s.inbad.ptr()),
         ];
         // SAFETY: ep_ll_combine(DevComm, Window send, Window csend, Window
         // crecv, u32 tokens, u32 l, u32 t, u32 m, u32 p, u32 k, u32 h, const
         // u32* active, const u32* counts, const u32* meta, const u64*
-        // ctarget, u16* out, u64* clock, const u32* eslot, const u8* pull)
-        // takes these in this order. It reads the `tokens` messages staged
-        // by this step's dispatch, slots of csend and crecv within their
-        // sizes (ll::resources; metadata out of range is skipped), peers'
-        // csend slots through their mappings only after checking the slot
-        // against the peer part's size, and writes tokens × hidden u16 of
-        // out (t × hidden allocated) and the 2 u64 of clock; active and
-        // ctarget hold nranks entries, pull nranks × nranks, counts and meta
-        // the dispatch's, eslot t × k.
-        let run = unsafe {
-            self.dc.run(
-                &self.kernels.combine,
-                self.grid(cfg.num_experts.max(tokens)),
-                THREADS,
-                &args,
-            )
-        };
-        if let Err(e) = run {
-            // Peers may be anywhere in the step: the buffer cannot go on.
-            self.failed = true;
-            return Err(kernel_error(self.rank, "combine", e));
-        }
-        self.last.1 = read_clock(&s.clock)?;
-        let mut raw = vec![0u16; tokens * cfg.hidden];
-        if !raw.is_empty() {
-            s.out.read(0, &mut raw).map_err(CoreError::from)?;
-        }
+        // ctarget, u16* out, u64* clock, const u32* eslot, const u8* pull,
+        // u64* inbad) takes these in this order. It reads the `tokens`
+        // messages this step's dispatch staged, slots of csend and crecv
+        // within their sizes (ll::resources; metadata out of range is
+        // skipped), peers' csend slots through their mappings only after
+        // checking the slot against the peer part's size, and writes tokens
+        // × hidden u16 of out (the caller's contract), the 2 u64 of clock
+        // (or none: null) and the u64 of inbad; active and ctarget hold
+        // nranks entries, pull nranks × nranks, counts and meta the
+        // dispatch's, eslot t × k.
+        let r = unsafe { go(&self.dc, self.kernels.combine, on, grid, &args) };
+        self.launched(on, "combine", r)?;
         self.phase = Phase::Idle;
+        if on == On::Wait {
+            self.last.1 = read_clock(&self.state.clock)?;
+        }
+        Ok(())
+    }
+
+    /// Low-latency combine on CUDA ranks: the combine kernel puts each
+    /// combine slot back to its source's (token, top-k slot) place, except
+    /// to sources that read this rank's slots in place
+    /// ([`CudaBuffer::combine_reads_in_place`]), with one signal per
+    /// (expert, source); waits (bounded) for every active expert's signal,
+    /// and reduces each token over its top-k slots with the weights (read
+    /// in place where it can, else from where the expert put them), leaving
+    /// out empty slots and masked ranks' experts. The combined tokens are
+    /// read back.
+    pub fn ll_combine(&mut self, d: &CudaLlDispatch) -> Result<Combined, EpError> {
+        self.expect_dispatch("ll_combine", d.step)?;
+        self.expect_unqueued("ll_combine")?;
+        self.poll()?;
+        let out = self.state.out.ptr();
+        // SAFETY: gin's stream, waited for; State::out holds t × hidden u16
+        // (tokens ≤ t), from cuMemAlloc (aligned).
+        unsafe { self.launch_combine(On::Wait, out)? };
+        let mut raw = vec![0u16; self.tokens * self.cfg.hidden];
+        if !raw.is_empty() {
+            self.state
+                .out
+                .read(0, &mut raw)
+                .map_err(CoreError::from)?;
+        }
         Ok(Combined {
             x: raw.into_iter().map(Bf16).collect(),
             lost: Vec::new(),
         })
+    }
+
+    /// The combine of a device-resident step (DeepEP's
+    /// `low_latency_combine`): reads the expert outputs from
+    /// [`CudaBuffer::combine_slots`] (written by the caller's expert kernel
+    /// after the dispatch) and writes the combined tokens, `tokens × hidden`
+    /// BF16, into `out`, the caller's device memory (size and alignment
+    /// checked); on gin's stream, returning when it has finished. Bit for
+    /// bit what [`CudaBuffer::ll_combine`] returns.
+    pub fn ll_combine_device(&mut self, s: &CudaLlStep, out: &DevMem) -> Result<(), EpError> {
+        self.expect_dispatch("ll_combine_device", s.step)?;
+        self.expect_unqueued("ll_combine_device")?;
+        self.poll()?;
+        check_device_output(self.rank, &self.cfg, self.tokens, out.into())?;
+        // SAFETY: gin's stream, waited for while `out` is borrowed; its size
+        // and alignment were checked.
+        unsafe { self.launch_combine(On::Wait, out.ptr())? };
+        self.poll()
+    }
+
+    /// [`CudaBuffer::ll_combine_device`] queued on the caller's `stream`,
+    /// returning at once.
+    ///
+    /// # Safety
+    /// As [`CudaBuffer::ll_dispatch_on`]; `out` must stay allocated, and
+    /// untouched, until the stream has executed the combine.
+    pub unsafe fn ll_combine_on(
+        &mut self,
+        stream: StreamRef<'_>,
+        s: &CudaLlStep,
+        out: &DevMem,
+    ) -> Result<(), EpError> {
+        self.expect_dispatch("ll_combine_on", s.step)?;
+        self.poll()?;
+        check_device_output(self.rank, &self.cfg, self.tokens, out.into())?;
+        // SAFETY: the caller's contract; size and alignment checked.
+        unsafe { self.launch_combine(On::Queue(stream), out.ptr()) }
+    }
+
+    /// Once the stream that launches were queued on has been synchronised:
+    /// reports a kernel's failure (a wait that ran out, naming the peer) as
+    /// [`EpError::Kernel`], and an error a kernel recorded (bad inputs, a
+    /// peer's broken protocol) as the waiting calls do. Checking while a
+    /// kernel still runs misses what it does later.
+    pub fn check(&mut self) -> Result<(), EpError> {
+        self.current()?;
+        let r = self.dc.check(None);
+        self.queued = false;
+        if let Err(e) = r {
+            self.failed = true;
+            return Err(kernel_error(self.rank, "queued", e));
+        }
+        self.poll()
     }
 
     /// Destroys the buffer collectively: stops the device communicator
