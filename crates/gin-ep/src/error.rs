@@ -69,7 +69,9 @@ pub enum EpError {
     },
     /// A device buffer whose address is not aligned as the kernel reads it
     /// (CUDA ranks' device-resident inputs and outputs).
-    #[error("rank {rank}: {what} lies at device address {addr:#x}, not a multiple of {align} bytes")]
+    #[error(
+        "rank {rank}: {what} lies at device address {addr:#x}, not a multiple of {align} bytes"
+    )]
     Misaligned {
         /// This rank.
         rank: usize,

@@ -239,7 +239,10 @@ pub fn decode_error(rank: usize, cfg: &Config, w: [u64; 4]) -> Option<EpError> {
     if w[0] == 0 {
         return None;
     }
-    let (kind, peer) = (w[0] & 0xff, usize::try_from(w[0] >> 8).unwrap_or(usize::MAX));
+    let (kind, peer) = (
+        w[0] & 0xff,
+        usize::try_from(w[0] >> 8).unwrap_or(usize::MAX),
+    );
     let t = cfg.max_tokens_per_rank;
     let proto = |what: String| EpError::Protocol { rank, peer, what };
     // Narrowing a recorded u64 the kernel wrote from a u32 or an index.
@@ -376,8 +379,14 @@ mod tests {
                 align: 16
             })
         ));
-        let idx_off =
-            check_device_inputs(1, &c, 1, span(0x1000, 512), span(0x2004, 32), span(0x3000, 16));
+        let idx_off = check_device_inputs(
+            1,
+            &c,
+            1,
+            span(0x1000, 512),
+            span(0x2004, 32),
+            span(0x3000, 16),
+        );
         assert!(matches!(
             idx_off,
             Err(EpError::Misaligned {
@@ -407,7 +416,14 @@ mod tests {
         let c = cfg();
         assert!(decode_error(0, &c, [0, 5, 6, 7]).is_none());
         let e = decode_error(1, &c, [code::COUNT_OVER_MAX | 3 << 8, 5, 99, 0]).unwrap();
-        assert!(matches!(e, EpError::Protocol { rank: 1, peer: 3, .. }));
+        assert!(matches!(
+            e,
+            EpError::Protocol {
+                rank: 1,
+                peer: 3,
+                ..
+            }
+        ));
         assert_eq!(
             e.to_string(),
             "rank 1: rank 3 broke the protocol: count 99 for expert 5, above the maximum 16"
@@ -418,10 +434,20 @@ mod tests {
             "rank 0: rank 2 broke the protocol: token 11 in expert 4's slots does not name it"
         );
         let e = decode_error(0, &c, [code::TOKEN_RANGE | 1 << 8, 6, 40, 0]).unwrap();
-        assert!(e.to_string().contains("token index 40 at or above the maximum 16"));
+        assert!(
+            e.to_string()
+                .contains("token index 40 at or above the maximum 16")
+        );
         assert!(e.to_string().contains("expert 6"));
         let e = decode_error(2, &c, [code::PEER_BAD_INPUT | 1 << 8, 7, 0, 0]).unwrap();
-        assert!(matches!(e, EpError::Protocol { rank: 2, peer: 1, .. }));
+        assert!(matches!(
+            e,
+            EpError::Protocol {
+                rank: 2,
+                peer: 1,
+                ..
+            }
+        ));
         assert!(e.to_string().contains("expert 7"));
         let e = decode_error(1, &c, [code::EXPERT_RANGE, 3, 2, (-5i64).cast_unsigned()]).unwrap();
         assert!(matches!(

@@ -667,6 +667,20 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         Ok(())
     }
 
+    /// What a step's handle may read after its combine too: what the
+    /// dispatch received stays until the next dispatch.
+    fn expect_latest(&self, call: &'static str, step: u64) -> Result<(), EpError> {
+        self.check_usable(call)?;
+        if step == 0 || step != self.step {
+            return Err(EpError::StaleHandle {
+                rank: self.rank,
+                handle_step: step,
+                step: self.step,
+            });
+        }
+        Ok(())
+    }
+
     fn grid(&self, items: usize) -> u32 {
         u32::try_from(items.max(1))
             .unwrap_or(u32::MAX)
@@ -729,12 +743,13 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         let cfg = self.cfg;
         self.current()?;
         let grid = self.grid(cfg.num_experts);
+        // Before the step's counters move: a failure here launches nothing.
+        let clock = self.clock_for(on)?;
         self.step += 1;
         self.tokens = tokens;
         if src.xin != 0 || src.idx != 0 {
             self.bar_target += u64::from(grid);
         }
-        let clock = self.clock_for(on)?;
         let s = &self.state;
         let (l, t) = (cfg.local_experts(self.nranks), cfg.max_tokens_per_rank);
         let u = Self::u32_of;
@@ -1009,11 +1024,11 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
 
     /// Copies what a device-resident dispatch received (counts and
     /// metadata) to the host and checks it as [`CudaBuffer::ll_dispatch`]
-    /// does: for tests and inspection, not the data path. After launches
-    /// queued on a stream, synchronise it and call [`CudaBuffer::check`]
-    /// first.
+    /// does: for tests and inspection, not the data path. Valid until the
+    /// next dispatch (after the step's combine too). After launches queued
+    /// on a stream, synchronise it and call [`CudaBuffer::check`] first.
     pub fn ll_read_back(&mut self, s: &CudaLlStep) -> Result<CudaLlDispatch, EpError> {
-        self.expect_dispatch("ll_read_back", s.step)?;
+        self.expect_latest("ll_read_back", s.step)?;
         let d = self.read_dispatch("ll_read_back");
         if d.is_err() {
             self.failed = true;
@@ -1022,9 +1037,10 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     }
 
     /// Copies the received messages of `d` back from GPU memory, for
-    /// checks ([`crate::oracle::check_ll_view`]).
+    /// checks ([`crate::oracle::check_ll_view`]); valid until the next
+    /// dispatch.
     pub fn ll_received(&self, d: &CudaLlDispatch) -> Result<LlReceived, EpError> {
-        self.expect_dispatch("ll_received", d.step)?;
+        self.expect_latest("ll_received", d.step)?;
         self.expect_unqueued("ll_received")?;
         self.current()?;
         let (m, t) = (self.cfg.msg_bytes(), self.cfg.max_tokens_per_rank);
@@ -1079,7 +1095,11 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// combine window, BF16 `hidden` per slot, laid out as
     /// [`CudaBuffer::device_layout`] says): the caller's expert kernel
     /// writes slot `q · t + i` for the `i`th token of pair `q` between the
-    /// dispatch and the combine, after the dispatch finished.
+    /// dispatch and the combine, after the dispatch finished, and must have
+    /// finished before the combine starts (queue the combine on the same
+    /// stream with [`CudaBuffer::ll_combine_on`], or synchronise it before
+    /// [`CudaBuffer::ll_combine_device`]): peers that read these slots in
+    /// place rely on the combine's signal coming after them.
     pub fn combine_slots(&self) -> &DevMem {
         self.wins[CSEND].local()
     }
@@ -1132,7 +1152,11 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     ///
     /// # Safety
     /// As [`CudaBuffer::ll_dispatch_on`].
-    pub unsafe fn ll_echo_on(&mut self, stream: StreamRef<'_>, s: &CudaLlStep) -> Result<(), EpError> {
+    pub unsafe fn ll_echo_on(
+        &mut self,
+        stream: StreamRef<'_>,
+        s: &CudaLlStep,
+    ) -> Result<(), EpError> {
         self.expect_dispatch("ll_echo_on", s.step)?;
         self.poll()?;
         // SAFETY: the caller's contract.
@@ -1217,10 +1241,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         unsafe { self.launch_combine(On::Wait, out)? };
         let mut raw = vec![0u16; self.tokens * self.cfg.hidden];
         if !raw.is_empty() {
-            self.state
-                .out
-                .read(0, &mut raw)
-                .map_err(CoreError::from)?;
+            self.state.out.read(0, &mut raw).map_err(CoreError::from)?;
         }
         Ok(Combined {
             x: raw.into_iter().map(Bf16).collect(),
