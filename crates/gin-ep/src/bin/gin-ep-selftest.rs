@@ -11,7 +11,7 @@
 //! kernels of `kernels/ll.cu`) with the same oracle; `hosts=K` splits the
 //! ranks into K emulated hosts (consecutive ranks, by host id), so peers on
 //! other hosts are reached over TCP. Without a usable GPU it fails at once
-//! with "device=cuda needs a GPU: <why>".
+//! with "device=cuda needs a GPU: `<why>`".
 //!
 //! With `device=cuda`, `inputs=device` keeps each rank's inputs and the
 //! combine's output in GPU memory (`CudaBuffer::ll_dispatch_device`,

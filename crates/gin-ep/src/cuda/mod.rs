@@ -20,16 +20,52 @@
 //! credits: an expert rewrites its slots only after it received them
 //! (docs/ep.md).
 //!
-//! With FP8 the host stages the BF16 tokens and the dispatch kernel
-//! quantises them into the messages, bit for bit as
-//! [`crate::num::quantize_fp8`] (`tests/fp8_host.rs` compiles the kernel's
-//! number functions as host C++ and compares); the combine stays BF16.
+//! With FP8 the dispatch kernel quantises the BF16 tokens into the
+//! messages, bit for bit as [`crate::num::quantize_fp8`]
+//! (`tests/fp8_host.rs` compiles the kernel's number functions as host C++
+//! and compares); the combine stays BF16.
+//!
+//! # Inputs and outputs in GPU memory
+//!
+//! [`CudaBuffer::ll_dispatch`] and [`CudaBuffer::ll_combine`] take host
+//! slices: the host checks and stages the messages and reads the counts,
+//! metadata and combined tokens back. [`CudaBuffer::ll_dispatch_device`]
+//! takes `x`, `topk_idx` and `topk_weights` in GPU memory
+//! ([`DeviceInputs`], typed [`DevMem`]; a framework's tensor is lent with
+//! the `unsafe` [`DevMem::from_raw_parts`]): the dispatch kernel stages
+//! the messages itself and checks every top-k entry, and what it received
+//! stays in GPU memory ([`CudaBuffer::recv_tokens`],
+//! [`CudaBuffer::recv_counts`], [`CudaBuffer::recv_meta`], laid out as
+//! [`LlDeviceLayout`] says) for the caller's expert kernel, which writes
+//! [`CudaBuffer::combine_slots`]; [`CudaBuffer::ll_combine_device`] writes
+//! the combined tokens into the caller's [`DevMem`]. Those run on gin's
+//! stream and return when their kernel has finished; the `unsafe`
+//! `*_on` calls ([`CudaBuffer::ll_dispatch_on`],
+//! [`CudaBuffer::ll_echo_on`], [`CudaBuffer::ll_combine_on`]) queue the
+//! same kernels on the caller's stream ([`CudaDevComm::launch_on`]) and
+//! return at once, with [`CudaBuffer::check`] after the caller synchronised
+//! it. No step copies anything between host and GPU or writes GPU memory
+//! from the host: the counters the host used to write (the combine's
+//! target) are advanced by the kernels.
+//!
+//! What the host checked on read-back, the kernels check and record
+//! (`ep::record`: device memory, mirrored to pinned host memory the host
+//! polls without waiting): a count above the maximum, a token index out of
+//! range or a message that does not name its expert is the source's
+//! [`EpError::Protocol`], naming it and the expert; such a pair counts 0
+//! tokens, so an expert kernel reading the counts stays within the slots.
+//! Bad device-resident inputs make the rank send no token but a refused
+//! count (`POISON`) to every expert's rank, so every rank finishes the
+//! step and reports it: the rank its entry ([`EpError::ExpertOutOfRange`],
+//! [`EpError::DuplicateExpert`], [`EpError::BadWeight`]), the others a
+//! protocol error naming the rank. After any such error the buffer refuses
+//! further steps.
 //!
 //! What this version leaves out: high-throughput mode on CUDA ranks
-//! (refused when the buffer is created), the active-rank mask
-//! under a peer's loss (a lost peer fails the step, naming it), and inputs
-//! that already live on the GPU (the host stages `x`, `topk_idx` and the
-//! weights into the send window and reads the combined tokens back).
+//! (refused when the buffer is created), the active-rank mask under a
+//! peer's loss (a lost peer fails the step, naming it), and a watch while
+//! launches queued on the caller's stream run (their waits end at the job
+//! timeout rather than at once when a peer dies).
 
 use std::sync::atomic::Ordering;
 
