@@ -137,6 +137,76 @@ EP_FN u16 dequantize(u8 b, float s) {
 }
 
 } // namespace fp8
+
+// The errors the kernels record for the host (cuda/dev.rs's decode_error):
+// word 0 is the kind | the peer << 8 (0: none), words 1-3 say what. The
+// first error of a buffer wins and stays (the buffer refuses further steps
+// once the host has seen it).
+constexpr u64 ERR_COUNT_OVER_MAX = 1;  // peer, expert, count
+constexpr u64 ERR_PEER_BAD_INPUT = 2;  // peer, expert
+constexpr u64 ERR_TOKEN_RANGE = 3;     // peer, expert, token index
+constexpr u64 ERR_NOT_NAMED = 4;       // peer, expert, token index
+constexpr u64 ERR_EXPERT_RANGE = 5;    // token, slot, expert (i64 bits)
+constexpr u64 ERR_DUPLICATE = 6;       // token, second | first << 32, expert
+constexpr u64 ERR_WEIGHT = 7;          // token, slot, weight bits
+// What a source adds to a dispatch signal when its inputs were refused on
+// the GPU (a real count adds count + 1 <= 2^31): no tokens, and the
+// receivers know why.
+constexpr u64 POISON = 1ull << 32;
+
+// The checks of device-resident inputs (compiled as host C++ too:
+// tests/input_host.rs compares them with the host path's checks).
+namespace input {
+
+// The order in which a bad input is reported, as the host checks: every
+// weight first (a live slot's weight that is not finite), then the top-k
+// entries (out of range, or an expert named twice), each by (token, slot).
+// The smallest key of a step's entries is its first error.
+EP_FN u64 key(u64 cls, u32 tok, u32 slot) { return cls << 62 | (u64)tok << 20 | slot; }
+
+EP_FN bool finite(float w) { return (fp8::bits_of(w) & 0x7f800000u) != 0x7f800000u; }
+
+// The key of entry j of token tok (ids and w: that token's top-k ids and
+// weights), ~0 where it is fine: ll::check_inputs's weight rule, then
+// layout::check_topk's.
+EP_FN u64 entry_key(const long long* ids, const float* w, u32 tok, u32 j, u32 experts) {
+  const long long e = ids[j];
+  if (e >= 0 && !finite(w[j])) return key(0, tok, j);
+  if (e == -1) return ~0ull;
+  if (e < 0 || e >= (long long)experts) return key(1, tok, j);
+  for (u32 i = 0; i < j; ++i)
+    if (ids[i] == e) return key(1, tok, j);
+  return ~0ull;
+}
+
+// The error words (ERR_*) of the entry with key `key` (not ~0), from the
+// inputs (idx, wts: tokens x k), as the host reports it.
+EP_FN void error_of(u64 key, const long long* idx, const float* wts, u32 k, u32 experts,
+                    u64 out[4]) {
+  const u32 tok = (u32)((key >> 20) & 0xffffffffull), j = (u32)(key & 0xfffffu);
+  const long long* ids = idx + (u64)tok * k;
+  const long long e = ids[j];
+  out[1] = tok;
+  if (key >> 62 == 0) {
+    out[0] = ERR_WEIGHT;
+    out[2] = j;
+    out[3] = fp8::bits_of(wts[(u64)tok * k + j]);
+    return;
+  }
+  if (e < 0 || e >= (long long)experts) {
+    out[0] = ERR_EXPERT_RANGE;
+    out[2] = j;
+    out[3] = (u64)e;
+    return;
+  }
+  u32 first = 0;
+  while (first < j && ids[first] != e) ++first;
+  out[0] = ERR_DUPLICATE;
+  out[2] = (u64)j | (u64)first << 32;
+  out[3] = (u64)e;
+}
+
+} // namespace input
 } // namespace ep
 
 #if defined(__CUDACC__)
@@ -332,22 +402,6 @@ __device__ void quantize_tokens(const Window& send, const u16* xin, u32 tokens, 
   }
 }
 
-// The errors the kernels record for the host (cuda.rs's DeviceError, which
-// decodes them): word 0 is the kind | the peer << 8 (0: none), words 1-3
-// say what. The first error of a buffer wins and stays (the buffer refuses
-// further steps once the host has seen it).
-constexpr u64 ERR_COUNT_OVER_MAX = 1;  // peer, expert, count
-constexpr u64 ERR_PEER_BAD_INPUT = 2;  // peer, expert
-constexpr u64 ERR_TOKEN_RANGE = 3;     // peer, expert, token index
-constexpr u64 ERR_NOT_NAMED = 4;       // peer, expert, token index
-constexpr u64 ERR_EXPERT_RANGE = 5;    // token, slot, expert (i64 bits)
-constexpr u64 ERR_DUPLICATE = 6;       // token, second | first << 32, expert
-constexpr u64 ERR_WEIGHT = 7;          // token, slot, weight bits
-// What a source adds to a dispatch signal when its inputs were refused on
-// the GPU (a real count adds count + 1 <= 2^31): no tokens, and the
-// receivers know why.
-constexpr u64 POISON = 1ull << 32;
-
 // Records an error: the first one (err[0] claimed by a CAS in device
 // memory) is copied to errh, pinned host memory the host polls without
 // waiting for the stream: words 1-3 first, word 0 last, each fenced at
@@ -367,20 +421,13 @@ __device__ void record(u64* err, u64* errh, u64 w0, u64 w1, u64 w2, u64 w3) {
   __threadfence_system();
 }
 
-// The order in which a bad input is reported, as the host checks: every
-// weight first (a live slot's weight that is not finite), then the top-k
-// entries (out of range, or an expert named twice), each by (token, slot).
-__device__ __forceinline__ u64 bad_key(u64 cls, u32 tok, u32 slot) {
-  return cls << 62 | (u64)tok << 20 | slot;
-}
-
 // Device-resident inputs: writes each token's metadata into its message in
 // the send window (source token, top-k ids as i32, weights, zero padding to
 // m: what ll.rs's write_metadata stages on the host), and with BF16
 // (fp8 = 0) copies its payload from x (16-byte aligned rows: the host
 // checks the address; hidden is a multiple of 8). A warp per token across
-// the grid. Checks every top-k entry as the host would (ll::check_inputs):
-// the smallest bad_key found goes to inbad (atomicMin; the combine kernel
+// the grid. Checks every top-k entry as the host would (input::entry_key):
+// the smallest key found goes to inbad (atomicMin; the combine kernel
 // resets it to ~0 for the next step).
 __device__ __noinline__ void stage_tokens(const Window& send, const u16* x, const long long* idx,
                                           const float* wts, u32 tokens, u32 m, u32 p, u32 k,
@@ -396,38 +443,16 @@ __device__ __noinline__ void stage_tokens(const Window& send, const u16* x, cons
     u8* md = msg + p;
     if (lane == 0) *(u32*)md = tok;
     u64 bad = ~0ull;
+    const long long* ids = idx + (u64)tok * k;
+    const float* w = wts + (u64)tok * k;
     for (u32 j = lane; j < k; j += 32) {
-      const long long e = idx[(u64)tok * k + j];
-      const float w = wts[(u64)tok * k + j];
-      ((int*)(md + 4))[j] = (int)e;
-      ((float*)(md + 4 + 4 * (u64)k))[j] = w;
-      if (e >= 0 && (__float_as_uint(w) & 0x7f800000u) == 0x7f800000u) bad = min(bad, bad_key(0, tok, j));
-      if (e != -1 && (e < 0 || e >= (long long)experts)) bad = min(bad, bad_key(1, tok, j));
-      for (u32 i = 0; e >= 0 && i < j; ++i)
-        if (idx[(u64)tok * k + i] == e) bad = min(bad, bad_key(1, tok, j));
+      ((int*)(md + 4))[j] = (int)ids[j];
+      ((float*)(md + 4 + 4 * (u64)k))[j] = w[j];
+      bad = min(bad, input::entry_key(ids, w, tok, j, experts));
     }
     for (u32 b = p + 4 + 8 * k + lane; b < m; b += 32) msg[b] = 0;
     if (bad != ~0ull) atomicMin((unsigned long long*)inbad, (unsigned long long)bad);
   }
-}
-
-// The input error of bad_key `key`, recorded by one thread once the grid
-// agreed the inputs are bad: re-reads the entry for what the host reports.
-__device__ void record_input_error(const long long* idx, const float* wts, u32 k, u32 experts,
-                                   u64 key, u64* err, u64* errh) {
-  const u32 tok = (u32)((key >> 20) & 0xffffffffull), j = (u32)(key & 0xfffffu);
-  const long long e = idx[(u64)tok * k + j];
-  if (key >> 62 == 0) {
-    record(err, errh, ERR_WEIGHT, tok, j, __float_as_uint(wts[(u64)tok * k + j]));
-    return;
-  }
-  if (e != -1 && (e < 0 || e >= (long long)experts)) {
-    record(err, errh, ERR_EXPERT_RANGE, tok, j, (u64)e);
-    return;
-  }
-  u32 first = 0;
-  while (first < j && idx[(u64)tok * k + first] != e) ++first;
-  record(err, errh, ERR_DUPLICATE, tok, (u64)j | (u64)first << 32, (u64)e);
 }
 
 } // namespace ep
@@ -483,8 +508,11 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_dispatch(DevComm 
     if (idx) {
       const u64 key = *(volatile u64*)inbad;
       bad = key != ~0ull;
-      if (bad && blockIdx.x == 0 && threadIdx.x == 0)
-        ep::record_input_error(idx, wts, k, experts, key, err, errh);
+      if (bad && blockIdx.x == 0 && threadIdx.x == 0) {
+        u64 w[4];
+        ep::input::error_of(key, idx, wts, k, experts, w);
+        ep::record(err, errh, w[0], w[1], w[2], w[3]);
+      }
     }
   }
   // Each warp puts its own tokens (warp-wide copies of a message, all the

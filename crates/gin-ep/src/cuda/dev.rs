@@ -100,6 +100,21 @@ pub fn check_device_inputs(
     Ok(())
 }
 
+/// The first error the host path's checks find in a step's top-k ids and
+/// weights (`tokens × topk` each; the weights of every live slot first,
+/// then every entry in order): what the dispatch kernel reports for the
+/// same inputs in GPU memory (`tests/input_host.rs` compares the kernel's
+/// check, compiled as host C++, with this).
+pub fn check_entries(
+    rank: usize,
+    cfg: &Config,
+    topk_idx: &[i64],
+    topk_weights: &[f32],
+) -> Result<(), EpError> {
+    crate::ll::check_weights(rank, cfg.topk, topk_idx, topk_weights)?;
+    crate::layout::check_topk(rank, topk_idx, cfg.topk, cfg.num_experts)
+}
+
 /// Checks the caller's output buffer of a device-resident combine: room
 /// for `tokens × hidden` BF16, 16-byte aligned (the kernel writes 16 bytes
 /// at a time).

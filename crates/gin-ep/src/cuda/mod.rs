@@ -78,7 +78,8 @@ use gin_core::{CoreError, DevCommRequirements};
 mod dev;
 
 pub use dev::{
-    DeviceInputs, LlDeviceLayout, Span, check_device_inputs, check_device_output, decode_error,
+    DeviceInputs, LlDeviceLayout, Span, check_device_inputs, check_device_output, check_entries,
+    decode_error,
 };
 
 use crate::config::{Config, Mode};
