@@ -228,6 +228,9 @@ for n in 2 4; do
   step "ep-ll-cuda-${n}ranks-inputs-stream" "$ep" ll device=cuda ranks=$n inputs=stream
   step "ep-ll-cuda-${n}ranks-inputs-device-fp8" "$ep" ll device=cuda ranks=$n inputs=device fp8=1
   step "ep-ll-cuda-${n}ranks-inputs-device-bad" "$ep" ll device=cuda ranks=$n inputs=device bad=1
+  # The expert outputs in the caller's tensor (ll_combine_from_*).
+  step "ep-ll-cuda-${n}ranks-inputs-device-expert-tensor" "$ep" ll device=cuda ranks=$n inputs=device expert=tensor
+  step "ep-ll-cuda-${n}ranks-inputs-stream-expert-tensor" "$ep" ll device=cuda ranks=$n inputs=stream expert=tensor
 done
 step "ep-ll-cuda-2ranks-deepep-shape-inputs-stream" "$ep" ll device=cuda ranks=2 tokens=128 hidden=7168 topk=8 experts=32 repeats=5 inputs=stream
 step "ep-ll-cuda-4ranks-2hosts-inputs-device" "$ep" ll device=cuda ranks=4 hosts=2 inputs=device
@@ -240,7 +243,8 @@ ep_same_digests() {
 }
 for n in 2 4; do
   step "ep-ll-${n}ranks-combine-paths-agree" ep_same_digests "ep-ll-cuda-${n}ranks-auto" "ep-ll-cuda-${n}ranks-proxy" "ep-ll-cuda-${n}ranks-combine-put" "ep-ll-cpu-${n}ranks" \
-    "ep-ll-cuda-${n}ranks-inputs-device" "ep-ll-cuda-${n}ranks-inputs-stream"
+    "ep-ll-cuda-${n}ranks-inputs-device" "ep-ll-cuda-${n}ranks-inputs-stream" \
+    "ep-ll-cuda-${n}ranks-inputs-device-expert-tensor" "ep-ll-cuda-${n}ranks-inputs-stream-expert-tensor"
   step "ep-ll-${n}ranks-fp8-inputs-agree" ep_same_digests "ep-ll-cuda-${n}ranks-fp8" "ep-ll-cuda-${n}ranks-inputs-device-fp8"
 done
 fi

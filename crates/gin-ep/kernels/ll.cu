@@ -637,6 +637,21 @@ extern "C" __global__ void ep_ll_echo(Window recv, Window csend, u32 pairs, u32 
   }
 }
 
+// The caller's expert outputs into the combine slots: src holds pairs x t
+// slots of h2 bytes (the layout of csend: DeepEP's [l, r * t, h] expert
+// output tensor, 16-byte aligned), of which the received ones (counts) are
+// copied, 16 bytes per thread.
+extern "C" __global__ void ep_ll_take_outputs(Window csend, const u8* src, u32 pairs, u32 t,
+                                              u32 h2, const u32* counts) {
+  for (u32 q = blockIdx.x; q < pairs; q += gridDim.x) {
+    const u32 c = counts[q] > t ? t : counts[q];
+    const u64 n = (u64)c * (h2 / 16);
+    const uint4* s = (const uint4*)(src + (u64)q * t * h2);
+    uint4* d = (uint4*)((u8*)csend.local_base + (u64)q * t * h2);
+    for (u64 v = threadIdx.x; v < n; v += blockDim.x) d[v] = s[v];
+  }
+}
+
 // Low-latency combine (send and receive halves in one launch). Sends: for
 // each pair q = le * r + src, each received token's combine slot goes back
 // to src's crecv at (source token * k + top-k slot) * 2h, unless src reads

@@ -302,6 +302,14 @@ fn device_resident_steps_need_a_gpu_and_pass_the_oracle() {
                 inputs,
             );
             assert_ok(
+                &run(
+                    2,
+                    &["ll", "device=cuda", inputs, "expert=tensor", "repeats=3"],
+                    &[],
+                ),
+                &format!("{inputs} expert=tensor"),
+            );
+            assert_ok(
                 &run(2, &["ll", "device=cuda", "inputs=device", "bad=1"], &[]),
                 "bad inputs on the GPU",
             );

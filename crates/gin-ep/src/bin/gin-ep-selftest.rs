@@ -19,7 +19,10 @@
 //! queues the whole step on a stream of the test's own
 //! (`ll_dispatch_on`, `ll_echo_on`, `ll_combine_on`), synchronised once per
 //! step; both are checked with the same oracle and print the same digests
-//! as `inputs=host` (the default). `inputs=device bad=1` gives rank
+//! as `inputs=host` (the default). With either, `expert=tensor` moves the
+//! identity expert's outputs into a tensor of the rank's own and combines
+//! from there (`ll_combine_from_device`, `ll_combine_from_on`: DeepEP's
+//! `low_latency_combine(x, ...)`). `inputs=device bad=1` gives rank
 //! `victim` (default 1) an expert id out of range on the GPU and expects it
 //! to report that entry and every other rank a protocol error naming it.
 
@@ -146,6 +149,8 @@ struct DevTensors {
     out: gin_core::cuda::DevMem,
     tokens: usize,
     stream: Option<gin_core::cuda::Stream>,
+    /// `expert=tensor`: the expert outputs' own tensor.
+    eout: Option<gin_core::cuda::DevMem>,
 }
 
 impl DevTensors {
@@ -156,6 +161,7 @@ impl DevTensors {
         me: &RankInput,
         h: usize,
         stream: bool,
+        eout_bytes: Option<usize>,
     ) -> Res<Self> {
         use gin_core::cuda::DevMem;
         cuda.device().make_current()?;
@@ -181,6 +187,7 @@ impl DevTensors {
             } else {
                 None
             },
+            eout: eout_bytes.map(mem).transpose()?,
         })
     }
 
@@ -194,6 +201,36 @@ impl DevTensors {
     }
 }
 
+/// Runs `f` (launches queued on `st`), then synchronises `st`, error or
+/// not, before anything the launches use can be dropped, and checks them.
+fn on_stream<T>(
+    buf: &mut gin_ep::cuda::CudaBuffer<'_, '_>,
+    st: &gin_core::cuda::Stream,
+    f: impl FnOnce(
+        &mut gin_ep::cuda::CudaBuffer<'_, '_>,
+        gin_core::cuda::StreamRef<'_>,
+    ) -> Result<T, EpError>,
+) -> Res<T> {
+    let r = f(buf, st.into());
+    st.sync()?;
+    let v = r?;
+    buf.check()?;
+    Ok(v)
+}
+
+/// `expert=tensor`: the identity expert's outputs moved from the combine
+/// slots into the rank's own expert-output tensor, and the slots zeroed,
+/// so that the combine can only find them in the tensor
+/// (`ll_combine_from_*`). Host copies: the test's, not the step's.
+fn move_outputs(buf: &gin_ep::cuda::CudaBuffer<'_, '_>, eout: &gin_core::cuda::DevMem) -> Res<()> {
+    let n = buf.device_layout().combine_bytes();
+    let mut v = vec![0u8; n];
+    buf.combine_slots().read(0, &mut v)?;
+    eout.write(0, &v)?;
+    buf.combine_slots().zero_wait(0, n)?;
+    Ok(())
+}
+
 /// One device-resident step (dispatch, identity expert, combine into the
 /// rank's output buffer), then what it received and combined copied back
 /// for the checks (after the step: not part of it).
@@ -202,28 +239,43 @@ fn device_step(
     dt: &DevTensors,
 ) -> Res<(gin_ep::cuda::LlReceived, Vec<gin_ep::Bf16>)> {
     let inp = dt.inputs();
-    let s = if let Some(st) = &dt.stream {
-        let on = gin_core::cuda::StreamRef::from(st);
-        let queued = (|| -> Result<_, EpError> {
+    let s = match (&dt.stream, &dt.eout) {
+        (Some(st), None) => on_stream(buf, st, |buf, on| {
             // SAFETY: one stream, in order; dt's buffers and the stream
-            // outlive the step, which is synchronised just below before
-            // anything is dropped or written, error or not.
+            // outlive the step, synchronised by on_stream before anything
+            // is dropped or written, error or not.
             unsafe {
                 let s = buf.ll_dispatch_on(on, &inp)?;
                 buf.ll_echo_on(on, &s)?;
                 buf.ll_combine_on(on, &s, &dt.out)?;
                 Ok(s)
             }
-        })();
-        st.sync()?;
-        let s = queued?;
-        buf.check()?;
-        s
-    } else {
-        let s = buf.ll_dispatch_device(&inp)?;
-        buf.ll_echo_device(&s)?;
-        buf.ll_combine_device(&s, &dt.out)?;
-        s
+        })?,
+        (Some(st), Some(eout)) => {
+            // SAFETY: as above.
+            let s = on_stream(buf, st, |buf, on| unsafe {
+                let s = buf.ll_dispatch_on(on, &inp)?;
+                buf.ll_echo_on(on, &s)?;
+                Ok(s)
+            })?;
+            move_outputs(buf, eout)?;
+            // SAFETY: as above; eout outlives the step too.
+            on_stream(buf, st, |buf, on| unsafe {
+                buf.ll_combine_from_on(on, &s, eout, &dt.out)
+            })?;
+            s
+        }
+        (None, eout) => {
+            let s = buf.ll_dispatch_device(&inp)?;
+            buf.ll_echo_device(&s)?;
+            if let Some(eout) = eout {
+                move_outputs(buf, eout)?;
+                buf.ll_combine_from_device(&s, eout, &dt.out)?;
+            } else {
+                buf.ll_combine_device(&s, &dt.out)?;
+            }
+            s
+        }
     };
     let d = buf.ll_read_back(&s)?;
     let got = buf.ll_received(&d)?;
@@ -327,6 +379,8 @@ fn cuda_oracle_run(comm: &Comm, args: &Args) -> Res<String> {
             &all[comm.rank()],
             cfg.hidden,
             kind == Inputs::Stream,
+            (args.kv.get("expert").map(String::as_str) == Some("tensor"))
+                .then(|| buf.device_layout().combine_bytes()),
         )?),
     };
     let repeats = args.get("repeats", 20);
@@ -347,8 +401,13 @@ fn cuda_oracle_run(comm: &Comm, args: &Args) -> Res<String> {
         .collect();
     buf.destroy()?;
     Ok(format!(
-        "CUDA ranks ({backend}, GPU {}; combine reads ranks {reads:?} in place; inputs {kind:?}): {} tokens, hidden {}, {} experts, top-{}{}, {repeats} repeats bit-identical, combine digest {:016x}",
+        "CUDA ranks ({backend}, GPU {}; combine reads ranks {reads:?} in place; inputs {kind:?}{}): {} tokens, hidden {}, {} experts, top-{}{}, {repeats} repeats bit-identical, combine digest {:016x}",
         cuda.device().name(),
+        if dev.as_ref().is_some_and(|d| d.eout.is_some()) {
+            ", expert outputs in a tensor of the rank's"
+        } else {
+            ""
+        },
         all[comm.rank()].tokens,
         cfg.hidden,
         cfg.num_experts,
@@ -379,7 +438,7 @@ fn cuda_device_bad(comm: &Comm, args: &Args) -> Res<String> {
     let (tok, slot) = (all[victim].tokens - 1, cfg.topk - 1);
     let bad = i64::try_from(cfg.num_experts + 3)?;
     all[victim].topk_idx[tok * cfg.topk + slot] = bad;
-    let dt = DevTensors::upload(&cuda, &all[rank], cfg.hidden, false)?;
+    let dt = DevTensors::upload(&cuda, &all[rank], cfg.hidden, false, None)?;
     let t = Instant::now();
     let got = buf.ll_dispatch_device(&dt.inputs());
     let waited = t.elapsed();

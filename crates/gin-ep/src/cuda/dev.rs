@@ -146,6 +146,37 @@ pub fn check_device_output(
     Ok(())
 }
 
+/// Checks the caller's expert outputs of a device-resident combine
+/// ([`super::CudaBuffer::ll_combine_from_device`]): laid out as the combine
+/// slots (`pairs × max_tokens` slots of `hidden` BF16: DeepEP's `[local
+/// experts, ranks × max tokens, hidden]`), 16-byte aligned.
+pub fn check_expert_outputs(
+    rank: usize,
+    layout: &LlDeviceLayout,
+    outputs: Span,
+) -> Result<(), EpError> {
+    let expected = layout.combine_bytes() / 2;
+    if outputs.bytes / 2 < expected {
+        return Err(EpError::Shape {
+            rank,
+            what: "expert outputs",
+            len: outputs.bytes / 2,
+            expected,
+            tokens: layout.pairs() * layout.max_tokens,
+            per_token: layout.hidden,
+        });
+    }
+    if !outputs.addr.is_multiple_of(16) {
+        return Err(EpError::Misaligned {
+            rank,
+            what: "expert outputs",
+            addr: outputs.addr,
+            align: 16,
+        });
+    }
+    Ok(())
+}
+
 /// Where a device-resident dispatch leaves what it received, and where the
 /// expert's outputs go, in the buffer's device memory
 /// ([`super::CudaBuffer::recv_tokens`], [`super::CudaBuffer::recv_counts`],
@@ -420,6 +451,28 @@ mod tests {
             })
         ));
         assert!(check_device_output(2, &c, 3, span(0x10, 2 * 256 * 3)).is_ok());
+        // Expert outputs: every slot of every pair (8 experts on 2 ranks: 4
+        // local, 2 sources, 16 slots each).
+        let lay = LlDeviceLayout::new(&c, 2);
+        let need = 4 * 2 * 16 * 2 * 256;
+        assert_eq!(lay.combine_bytes(), need);
+        assert!(check_expert_outputs(0, &lay, span(0x100, need)).is_ok());
+        assert!(matches!(
+            check_expert_outputs(0, &lay, span(0x100, need - 2)),
+            Err(EpError::Shape {
+                what: "expert outputs",
+                tokens: 128,
+                per_token: 256,
+                ..
+            })
+        ));
+        assert!(matches!(
+            check_expert_outputs(0, &lay, span(0x108, need)),
+            Err(EpError::Misaligned {
+                what: "expert outputs",
+                ..
+            })
+        ));
         assert!(matches!(
             check_device_output(2, &c, 3, span(0x18, 4096)),
             Err(EpError::Misaligned { align: 16, .. })

@@ -37,8 +37,10 @@
 //! stays in GPU memory ([`CudaBuffer::recv_tokens`],
 //! [`CudaBuffer::recv_counts`], [`CudaBuffer::recv_meta`], laid out as
 //! [`LlDeviceLayout`] says) for the caller's expert kernel, which writes
-//! [`CudaBuffer::combine_slots`]; [`CudaBuffer::ll_combine_device`] writes
-//! the combined tokens into the caller's [`DevMem`]. Those run on gin's
+//! [`CudaBuffer::combine_slots`] (or its own tensor of that layout, for
+//! [`CudaBuffer::ll_combine_from_device`], which copies it in first);
+//! [`CudaBuffer::ll_combine_device`] writes the combined tokens into the
+//! caller's [`DevMem`]. Those run on gin's
 //! stream and return when their kernel has finished; the `unsafe`
 //! `*_on` calls ([`CudaBuffer::ll_dispatch_on`],
 //! [`CudaBuffer::ll_echo_on`], [`CudaBuffer::ll_combine_on`]) queue the
@@ -79,7 +81,7 @@ mod dev;
 
 pub use dev::{
     DeviceInputs, LlDeviceLayout, Span, check_device_inputs, check_device_output, check_entries,
-    decode_error,
+    check_expert_outputs, decode_error,
 };
 
 use crate::config::{Config, Mode};
@@ -252,6 +254,7 @@ impl State {
 struct Kernels {
     dispatch: Function,
     echo: Function,
+    take: Function,
     combine: Function,
     floor: Function,
     _module: Module,
@@ -263,6 +266,7 @@ impl Kernels {
         Ok(Self {
             dispatch: m.function("ep_ll_dispatch")?,
             echo: m.function("ep_ll_echo")?,
+            take: m.function("ep_ll_take_outputs")?,
             combine: m.function("ep_ll_combine")?,
             floor: m.function("ep_floor")?,
             _module: m,
@@ -1200,6 +1204,95 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         unsafe { self.launch_echo(On::Queue(stream)) }
     }
 
+    /// Launches the copy of the caller's expert outputs (device address
+    /// `src`, laid out as the combine slots) into the combine slots.
+    ///
+    /// # Safety
+    /// `src` holds [`LlDeviceLayout::combine_bytes`] bytes, 16-byte
+    /// aligned, readable until the kernel has finished; with
+    /// [`On::Queue`], as [`CudaBuffer::ll_dispatch_on`].
+    unsafe fn launch_take(&mut self, on: On<'_>, src: u64) -> Result<(), EpError> {
+        self.current()?;
+        let cfg = self.cfg;
+        let u = Self::u32_of;
+        let grid = self.grid(cfg.num_experts);
+        let args = [
+            Arg::Window(self.wins[CSEND].abi()),
+            Arg::Ptr(src),
+            Arg::U32(u(cfg.num_experts)),
+            Arg::U32(u(cfg.max_tokens_per_rank)),
+            Arg::U32(u(2 * cfg.hidden)),
+            Arg::Ptr(self.state.counts.ptr()),
+        ];
+        // SAFETY: ep_ll_take_outputs(Window csend, const u8* src, u32
+        // pairs, u32 t, u32 h2, const u32* counts) takes these in this
+        // order; it copies at most t slots of h2 bytes per pair from src
+        // (pairs × t × h2 bytes: the caller's contract) to the same place
+        // of csend (its size, ll::resources; alive, the caller's contract
+        // where queued); counts holds `pairs` u32.
+        let r = unsafe { go(&self.dc, self.kernels.take, on, grid, &args) };
+        self.launched(on, "take_outputs", r)
+    }
+
+    /// What a combine from the caller's expert outputs checks first.
+    fn prepare_from(
+        &mut self,
+        call: &'static str,
+        s: &CudaLlStep,
+        expert_out: &DevMem,
+        out: &DevMem,
+    ) -> Result<(), EpError> {
+        self.expect_dispatch(call, s.step)?;
+        self.poll()?;
+        check_device_output(self.rank, &self.cfg, self.tokens, out.into())?;
+        check_expert_outputs(self.rank, &self.device_layout(), expert_out.into())
+    }
+
+    /// [`CudaBuffer::ll_combine_device`] with the expert outputs in the
+    /// caller's device memory (DeepEP's `low_latency_combine(x, ...)`, `x`
+    /// of shape `[local experts, ranks × max tokens, hidden]`: the layout of
+    /// [`CudaBuffer::combine_slots`], [`LlDeviceLayout::combine_offset`]):
+    /// a kernel copies the received tokens' outputs into the combine slots
+    /// (peers read those in place, so they must be in the buffer's window),
+    /// then the combine runs; both on gin's stream, returning when done.
+    pub fn ll_combine_from_device(
+        &mut self,
+        s: &CudaLlStep,
+        expert_out: &DevMem,
+        out: &DevMem,
+    ) -> Result<(), EpError> {
+        self.expect_unqueued("ll_combine_from_device")?;
+        self.prepare_from("ll_combine_from_device", s, expert_out, out)?;
+        // SAFETY: gin's stream, waited for while both are borrowed; sizes
+        // and alignment checked.
+        unsafe {
+            self.launch_take(On::Wait, expert_out.ptr())?;
+            self.launch_combine(On::Wait, out.ptr())?;
+        }
+        self.poll()
+    }
+
+    /// [`CudaBuffer::ll_combine_from_device`] queued on the caller's
+    /// `stream`, returning at once.
+    ///
+    /// # Safety
+    /// As [`CudaBuffer::ll_combine_on`]; `expert_out` must stay allocated,
+    /// and unwritten, until the stream has executed the combine.
+    pub unsafe fn ll_combine_from_on(
+        &mut self,
+        stream: StreamRef<'_>,
+        s: &CudaLlStep,
+        expert_out: &DevMem,
+        out: &DevMem,
+    ) -> Result<(), EpError> {
+        self.prepare_from("ll_combine_from_on", s, expert_out, out)?;
+        // SAFETY: the caller's contract; sizes and alignment checked.
+        unsafe {
+            self.launch_take(On::Queue(stream), expert_out.ptr())?;
+            self.launch_combine(On::Queue(stream), out.ptr())
+        }
+    }
+
     /// Launches the combine kernel of the step under way, writing the
     /// combined tokens to `out` (device address); the step ends.
     ///
@@ -1520,7 +1613,13 @@ mod tests {
     /// name).
     #[test]
     fn every_launched_kernel_is_defined() {
-        for name in ["ep_ll_dispatch", "ep_ll_echo", "ep_ll_combine", "ep_floor"] {
+        for name in [
+            "ep_ll_dispatch",
+            "ep_ll_echo",
+            "ep_ll_take_outputs",
+            "ep_ll_combine",
+            "ep_floor",
+        ] {
             let defined = LL_KERNELS.lines().any(|l| {
                 l.strip_prefix("extern \"C\" __global__ void ")
                     .is_some_and(|rest| {
