@@ -46,9 +46,10 @@
 //! [`CudaBuffer::ll_echo_on`], [`CudaBuffer::ll_combine_on`]) queue the
 //! same kernels on the caller's stream ([`CudaDevComm::launch_on`]) and
 //! return at once, with [`CudaBuffer::check`] after the caller synchronised
-//! it. No step copies anything between host and GPU or writes GPU memory
-//! from the host: the counters the host used to write (the combine's
-//! target) are advanced by the kernels.
+//! it. No step copies tokens, routing, counts or outputs between host and
+//! GPU: the counters the host used to write (the combine's target) are
+//! advanced by the kernels, and only the waiting calls reset their launch
+//! clock (16 bytes, for [`CudaBuffer::last_kernels`]).
 //!
 //! What the host checked on read-back, the kernels check and record
 //! (`ep::record`: device memory, mirrored to pinned host memory the host
