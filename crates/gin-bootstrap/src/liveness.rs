@@ -16,6 +16,8 @@
 
 use std::fmt::Write as _;
 
+use crate::Bootstrap;
+
 /// What identifies a process to a peer on the same kernel.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProcessId {
@@ -117,6 +119,24 @@ impl Liveness {
             );
         }
         (!out.is_empty()).then_some(out)
+    }
+
+    /// [`Liveness::diagnose`], after telling the job of every peer found
+    /// stopped ([`Bootstrap::report_unresponsive`]): the caller's wait timed
+    /// out and it is about to fail, and the ranks waiting on it would
+    /// otherwise name its departure, a symptom, rather than the stopped
+    /// peer (`cargo xtask faults`, all-to-all over shm).
+    pub fn diagnose_and_report(&self, bootstrap: &Bootstrap) -> Option<String> {
+        for (peer, state) in self.stopped() {
+            bootstrap.report_unresponsive(
+                peer,
+                &format!(
+                    "rank {} found it stopped after a wait timed out: rank {peer} {state}",
+                    bootstrap.rank()
+                ),
+            );
+        }
+        self.diagnose()
     }
 
     /// The peers whose process is stopped, each with what its state says

@@ -91,21 +91,8 @@ impl Health for BootstrapHealth {
         self.0.peer_health(peer).map_err(|e| e.to_string())
     }
 
-    /// Also tells the job of every peer this kernel shows stopped: this
-    /// rank's wait timed out and it is about to fail, and the ranks waiting
-    /// on it would otherwise name its departure, a symptom, rather than the
-    /// stopped peer (`cargo xtask faults`, all-to-all over shm).
     fn diagnose(&self) -> Option<String> {
-        for (peer, state) in self.1.stopped() {
-            self.0.report_unresponsive(
-                peer,
-                &format!(
-                    "rank {} found it stopped after a wait timed out: rank {peer} {state}",
-                    self.0.rank()
-                ),
-            );
-        }
-        self.1.diagnose()
+        self.1.diagnose_and_report(&self.0)
     }
 }
 
