@@ -93,6 +93,15 @@ impl DeviceFlag {
     }
 }
 
+/// The last holder of a flag may be a watcher dropped on any thread (it
+/// outlives its communicator): its memory and stream are freed in the
+/// flag's context, made current here first.
+impl Drop for DeviceFlag {
+    fn drop(&mut self) {
+        let _ = self.dev.make_current();
+    }
+}
+
 impl Flag for DeviceFlag {
     fn raise(&self) -> Result<(), CudaError> {
         // From any thread (a watcher's).
