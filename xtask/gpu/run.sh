@@ -232,6 +232,12 @@ for n in 2 4; do
   step "ep-ll-cuda-${n}ranks-inputs-device-expert-tensor" "$ep" ll device=cuda ranks=$n inputs=device expert=tensor
   step "ep-ll-cuda-${n}ranks-inputs-stream-expert-tensor" "$ep" ll device=cuda ranks=$n inputs=stream expert=tensor
 done
+# A rank killed between two steps queued on the caller's stream: the
+# watcher CudaBuffer starts with the queued launches aborts the survivor's
+# waits at once (within run.sh's 60 s, against a 120 s job timeout), and
+# check's error names the dead rank.
+expect_refused "ep-ll-cuda-2ranks-inputs-stream-die" "queued kernel failed.*rank 1 died" \
+  env GIN_TIMEOUT=120s "$ep" kill device=cuda ranks=2
 step "ep-ll-cuda-2ranks-deepep-shape-inputs-stream" "$ep" ll device=cuda ranks=2 tokens=128 hidden=7168 topk=8 experts=32 repeats=5 inputs=stream
 step "ep-ll-cuda-4ranks-2hosts-inputs-device" "$ep" ll device=cuda ranks=4 hosts=2 inputs=device
 # The combine's result must not depend on its path: read in place (auto),

@@ -194,6 +194,21 @@ pub enum CudaError {
         /// What is wrong with it.
         why: String,
     },
+    /// A watcher handed to the check of kernels it was not started for
+    /// (another device communicator's, or another CUDA communicator's).
+    #[error(
+        "watcher {watcher} was started by device communicator {started_by}, but handed to the \
+         check of device communicator {checked_by} (or of another CUDA communicator); hand each \
+         check the watchers its own device communicator's watch started"
+    )]
+    ForeignWatcher {
+        /// The watcher's thread name (gin-core's names the rank).
+        watcher: String,
+        /// The device communicator that started it ([`crate::watch::Owner::id`]).
+        started_by: u64,
+        /// The one whose check it was handed.
+        checked_by: u64,
+    },
     /// A stream that does not belong to this GPU's primary context.
     #[error(
         "the stream belongs to another CUDA context than GPU {ordinal}'s primary context \

@@ -33,7 +33,10 @@
 //!   died, so a host thread (or the launching thread) asks a health
 //!   callback each millisecond and raises an abort flag in device memory
 //!   that their waits poll. One flag serves every watch of a communicator
-//!   and stays raised until the last watch that raised it ends;
+//!   and stays raised until the last watch that raised it ends. A
+//!   [`watch::Watcher`] owns what it touches (the flag, a weak hold of the
+//!   job and engine it asks about), so it may outlive the communicator
+//!   that started it, whose check refuses another's watcher;
 //!   [`watch::Supervisor`] launches, watches and reads the error word
 //!   kernels record their first error in, whose meaning is its caller's.
 //!   [`watch::Sentinel`] is the callback's policy: a dead peer at once, a

@@ -248,3 +248,15 @@ impl Flag for HostFlag {
         Ok(())
     }
 }
+
+/// A flag the test keeps a hold of too, to look at it after every other
+/// holder (the watcher's `Abort`) let go.
+impl Flag for Arc<HostFlag> {
+    fn raise(&self) -> Result<(), CudaError> {
+        HostFlag::raise(self)
+    }
+
+    fn lower(&self) -> Result<(), CudaError> {
+        HostFlag::lower(self)
+    }
+}

@@ -21,13 +21,22 @@
 //! when the last of them lets go, so a watch that ends does not lower the
 //! flag under kernels another watch still aborts.
 //!
+//! A [`Watcher`] owns what it touches, so it may outlive whoever started
+//! it (a library type keeps one beside the device communicator it owns):
+//! the flag (an `Arc` of the [`Abort`]), and the health it asks, which for
+//! a [`Sentinel`] is a weak reference ([`Sentinel::watch_health`]): once
+//! the sentinel is gone (its device communicator dropped), the watcher
+//! asks nothing more and holds nothing of the job or the engine. Each
+//! watcher carries its [`Owner`], so a check refuses a watcher some other
+//! communicator started ([`Watcher::finish_for`]).
+//!
 //! [`Supervisor`] puts the pieces together for a communicator's kernels:
 //! the flag, the error word kernels record their first error in, and the
 //! stream kernels run on when the caller names none; it launches, watches
 //! and reads the error word, and leaves what the word and the cause mean to
 //! its caller (the device API's encoding is not this crate's).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -81,6 +90,15 @@ impl DeviceFlag {
     /// give up).
     pub fn ptr(&self) -> u64 {
         self.mem.ptr()
+    }
+}
+
+/// The last holder of a flag may be a watcher dropped on any thread (it
+/// outlives its communicator): its memory and stream are freed in the
+/// flag's context, made current here first.
+impl Drop for DeviceFlag {
+    fn drop(&mut self) {
+        let _ = self.dev.make_current();
     }
 }
 
@@ -230,17 +248,55 @@ pub fn wait_watching<F: Flag>(
     Ok(watch.into_cause())
 }
 
+/// Who started a watcher (a device communicator's [`Sentinel`]): a number
+/// unique in the process, so a check can refuse a watcher another one
+/// started ([`Watcher::finish_for`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Owner(u64);
+
+impl Owner {
+    /// A number no other owner of this process has.
+    pub fn new() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        Self(NEXT.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// The number (in messages: "device communicator 3").
+    pub fn id(self) -> u64 {
+        self.0
+    }
+}
+
+impl Default for Owner {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl std::fmt::Display for Owner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
 /// Watches the job while kernels run without blocking the thread that
 /// launched them: a thread that, each millisecond while the watcher lives,
 /// asks the health callback and, on the first cause, raises the abort flag
 /// and records the cause. [`Watcher::finish`] (or dropping it) stops the
 /// thread and lets go of the flag: do so only once the kernels it watched
 /// have finished.
+///
+/// It is `'static` and `Send`: it owns the flag (an `Arc`), and the
+/// health callback is its own (a [`Sentinel`]'s holds the sentinel
+/// weakly), so it may outlive the communicator that started it, which
+/// then only stops being asked about.
 #[derive(Debug)]
 pub struct Watcher<F: Flag = DeviceFlag> {
     shared: Arc<Shared>,
     thread: Option<std::thread::JoinHandle<()>>,
     abort: Arc<Abort<F>>,
+    owner: Owner,
+    name: String,
 }
 
 /// What a watcher shares with its thread.
@@ -267,13 +323,14 @@ impl Shared {
 }
 
 impl<F: Flag> Watcher<F> {
-    /// Starts a thread named `name` that watches `health` and raises
-    /// `abort`.
+    /// Starts a thread named `name`, on behalf of `owner`, that watches
+    /// `health` and raises `abort`.
     ///
     /// # Errors
     /// [`CudaError::Spawn`] when the thread cannot be started.
     pub fn start(
         name: String,
+        owner: Owner,
         abort: Arc<Abort<F>>,
         mut health: impl FnMut() -> Option<String> + Send + 'static,
     ) -> Result<Self, CudaError> {
@@ -281,7 +338,7 @@ impl<F: Flag> Watcher<F> {
         let thread = {
             let (shared, abort) = (shared.clone(), abort.clone());
             std::thread::Builder::new()
-                .name(name)
+                .name(name.clone())
                 .spawn(move || watch_loop(&shared, &abort, &mut health))
                 .map_err(|source| CudaError::Spawn {
                     what: "CUDA watcher",
@@ -292,7 +349,19 @@ impl<F: Flag> Watcher<F> {
             shared,
             thread: Some(thread),
             abort,
+            owner,
+            name,
         })
+    }
+
+    /// Who started it.
+    pub fn owner(&self) -> Owner {
+        self.owner
+    }
+
+    /// Its thread's name.
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
     /// The cause found so far, if any: the abort flag is raised then.
@@ -307,6 +376,29 @@ impl<F: Flag> Watcher<F> {
     /// flag's error when it could not be lowered.
     pub fn finish(mut self) -> Result<Option<String>, CudaError> {
         self.stop()
+    }
+
+    /// [`Watcher::finish`] for the check of `owner`'s kernels on `abort`'s
+    /// flag: a watcher another owner started, or one raising another flag,
+    /// is refused (and stopped, letting go of its own flag), so its cause
+    /// is never taken for these kernels'.
+    ///
+    /// # Errors
+    /// [`CudaError::ForeignWatcher`] for such a watcher; those of
+    /// [`Watcher::finish`].
+    pub fn finish_for(
+        self,
+        owner: Owner,
+        abort: &Arc<Abort<F>>,
+    ) -> Result<Option<String>, CudaError> {
+        if self.owner != owner || !Arc::ptr_eq(&self.abort, abort) {
+            return Err(CudaError::ForeignWatcher {
+                watcher: self.name.clone(),
+                started_by: self.owner.id(),
+                checked_by: owner.id(),
+            });
+        }
+        self.finish()
     }
 
     fn stop(&mut self) -> Result<Option<String>, CudaError> {
@@ -380,6 +472,7 @@ pub struct Sentinel<J, E> {
     job: J,
     engine: Mutex<Option<E>>,
     grace: Duration,
+    owner: Owner,
 }
 
 /// A lost link's account and when a look first saw it.
@@ -393,7 +486,13 @@ impl<J: JobHealth, E: EngineHealth> Sentinel<J, E> {
             job,
             engine: Mutex::new(engine),
             grace,
+            owner: Owner::new(),
         }
+    }
+
+    /// Who its watchers were started by ([`Watcher::finish_for`]).
+    pub fn owner(&self) -> Owner {
+        self.owner
     }
 
     /// The engine, while it has not been taken out (to stop it).
@@ -428,6 +527,15 @@ impl<J: JobHealth, E: EngineHealth> Sentinel<J, E> {
     pub fn health(self: &Arc<Self>) -> impl FnMut() -> Option<String> + Send + 'static {
         let (me, mut lost) = (self.clone(), None);
         move || me.cause(&mut lost, Instant::now())
+    }
+
+    /// [`Sentinel::health`] for a [`Watcher`] thread, which may outlive
+    /// the sentinel: it holds it weakly, so it keeps neither the job nor
+    /// the engine alive, and once the sentinel is gone it finds no cause
+    /// (and touches nothing of either).
+    pub fn watch_health(self: &Arc<Self>) -> impl FnMut() -> Option<String> + Send + 'static {
+        let (me, mut lost) = (Arc::downgrade(self), None);
+        move || me.upgrade()?.cause(&mut lost, Instant::now())
     }
 
     /// The engine's account of an error that kernels see themselves (error
@@ -548,28 +656,32 @@ impl Supervisor {
         unsafe { f.launch_params(cfg, stream, params) }
     }
 
-    /// Starts a watcher thread named `name` on `health` (see [`Watcher`]).
+    /// Starts a watcher thread named `name` on `health`, on behalf of
+    /// `owner` (see [`Watcher`]).
     ///
     /// # Errors
     /// [`CudaError::Spawn`] when the thread cannot be started.
     pub fn watch(
         &self,
         name: String,
+        owner: Owner,
         health: impl FnMut() -> Option<String> + Send + 'static,
     ) -> Result<Watcher, CudaError> {
-        Watcher::start(name, self.abort.clone(), health)
+        Watcher::start(name, owner, self.abort.clone(), health)
     }
 
     /// Once the kernels launched since the last check have finished, stops
-    /// `watcher` (if any) and reads and clears the error word. From any
-    /// thread.
+    /// `watcher` (if any: one `owner` started on this supervisor's flag)
+    /// and reads and clears the error word. From any thread.
     ///
     /// # Errors
-    /// The watcher's, and the driver's, reading the word.
-    pub fn check(&self, watcher: Option<Watcher>) -> Result<Outcome, CudaError> {
+    /// [`CudaError::ForeignWatcher`] for a watcher someone else started
+    /// (the error word is left for the next check); the watcher's, and the
+    /// driver's, reading the word.
+    pub fn check(&self, watcher: Option<Watcher>, owner: Owner) -> Result<Outcome, CudaError> {
         self.dev.make_current()?;
         let cause = match watcher {
-            Some(w) => w.finish()?,
+            Some(w) => w.finish_for(owner, &self.abort)?,
             None => None,
         };
         Ok(Outcome {
@@ -674,7 +786,13 @@ mod tests {
     fn a_watcher_that_stops_leaves_the_flag_raised_for_another() {
         let abort = Arc::new(Abort::new(HostFlag::default()));
         let start = |why: &'static str| {
-            Watcher::start("test-watch".into(), abort.clone(), move || Some(why.into())).unwrap()
+            Watcher::start(
+                "test-watch".into(),
+                Owner::new(),
+                abort.clone(),
+                move || Some(why.into()),
+            )
+            .unwrap()
         };
         let (a, b) = (start("peer 1 died"), start("the engine failed"));
         // The raises are the synchronisation: wait for both (bounded).
@@ -691,7 +809,10 @@ mod tests {
     fn a_watcher_that_cannot_raise_reports_it() {
         let abort = Arc::new(Abort::new(HostFlag::default()));
         abort.flag().fail_raises(true);
-        let w = Watcher::start("test-watch".into(), abort.clone(), || Some("boom".into())).unwrap();
+        let w = Watcher::start("test-watch".into(), Owner::new(), abort.clone(), || {
+            Some("boom".into())
+        })
+        .unwrap();
         assert!(abort.flag().wait_raises(1, Duration::from_secs(30)));
         let e = w.finish().expect_err("the raise failed");
         assert!(e.to_string().contains("the CUDA watcher failed"), "{e}");
@@ -720,6 +841,8 @@ mod tests {
         error: Arc<Mutex<Option<String>>>,
         stall: Arc<Mutex<Option<String>>>,
         sees: bool,
+        /// Held while the engine lives (tests count its holders).
+        _alive: Arc<()>,
     }
 
     impl EngineHealth for FakeEngine {
@@ -750,6 +873,7 @@ mod tests {
             error: error.clone(),
             stall: Arc::default(),
             sees,
+            _alive: Arc::default(),
         };
         let s = Arc::new(Sentinel::new(job.clone(), Some(engine), grace));
         (s, error, job)
@@ -797,6 +921,7 @@ mod tests {
             error: error.clone(),
             stall,
             sees: true,
+            _alive: Arc::default(),
         };
         let s = Arc::new(Sentinel::new(job, Some(engine), Duration::from_millis(500)));
         let (mut w, mut health) = (Watch::default(), s.health());
@@ -817,7 +942,8 @@ mod tests {
     fn a_watcher_thread_raises_the_abort_flag_and_records_the_cause() {
         let (s, error, _) = sentinel(false, Duration::from_millis(500));
         let abort = Arc::new(Abort::new(HostFlag::default()));
-        let w = Watcher::start("test-watch".into(), abort.clone(), s.health()).unwrap();
+        let w =
+            Watcher::start("test-watch".into(), Owner::new(), abort.clone(), s.health()).unwrap();
         *error.lock().unwrap() = Some("boom".into());
         // The raise is the synchronisation: wait for it (bounded).
         assert!(abort.flag().wait_raises(1, Duration::from_secs(30)));
@@ -829,7 +955,8 @@ mod tests {
         assert!(!abort.flag().wait_raises(2, Duration::ZERO));
         // A failure to raise is the watch's error.
         abort.flag().fail_raises(true);
-        let w = Watcher::start("test-watch".into(), abort.clone(), s.health()).unwrap();
+        let w =
+            Watcher::start("test-watch".into(), Owner::new(), abort.clone(), s.health()).unwrap();
         assert!(abort.flag().wait_raises(2, Duration::from_secs(30)));
         let e = w.finish().expect_err("the raise failed");
         assert!(e.to_string().contains("the test fails raises"), "{e}");
@@ -870,5 +997,116 @@ mod tests {
             Some("rank 1 died"),
             "no grace for a dead peer"
         );
+    }
+
+    /// A sentinel over a healthy job and an engine whose liveness the test
+    /// sees (the `Arc` the engine holds), as a device communicator's.
+    fn owned_sentinel() -> (Arc<FakeSentinel>, Arc<FakeJob>, Arc<()>) {
+        let (job, alive) = (Arc::new(FakeJob::default()), Arc::new(()));
+        let engine = FakeEngine {
+            _alive: alive.clone(),
+            ..FakeEngine::default()
+        };
+        let s = Sentinel::new(job.clone(), Some(engine), Duration::from_millis(500));
+        (Arc::new(s), job, alive)
+    }
+
+    /// A watcher's health ([`Sentinel::watch_health`]) holds its sentinel
+    /// weakly: it finds the job's dead peer while the sentinel lives, keeps
+    /// neither the job nor the engine alive, and once the sentinel is gone
+    /// (the device communicator dropped) asks nothing: no cause, though
+    /// the job would still give one. Steps, no thread.
+    #[test]
+    fn a_watchers_health_lets_its_sentinel_go() {
+        let (s, job, alive) = owned_sentinel();
+        let mut health = s.watch_health();
+        assert_eq!(health(), None);
+        *job.dead_peer.lock().unwrap() = Some("rank 1 died".into());
+        assert_eq!(health().as_deref(), Some("rank 1 died"));
+        assert_eq!((Arc::strong_count(&job), Arc::strong_count(&alive)), (2, 2));
+        drop(s);
+        // The job and the engine went with the sentinel.
+        assert_eq!((Arc::strong_count(&job), Arc::strong_count(&alive)), (1, 1));
+        assert_eq!(health(), None, "asked a dropped sentinel");
+    }
+
+    /// An owned watcher (its flag an `Arc`, its health weak) raises the
+    /// flag on a dead peer, and outlives both the sentinel and the
+    /// supervisor's hold on the flag: finishing it afterwards still
+    /// reports the cause and lowers the flag it owns, and the engine was
+    /// dropped with the sentinel, not kept by the watcher.
+    #[test]
+    fn an_owned_watcher_outlives_its_device_communicator() {
+        let (s, job, alive) = owned_sentinel();
+        let flag = Arc::new(HostFlag::default());
+        let abort = Arc::new(Abort::new(flag.clone()));
+        let w = Watcher::start(
+            "test-watch".into(),
+            s.owner(),
+            abort.clone(),
+            s.watch_health(),
+        )
+        .unwrap();
+        *job.dead_peer.lock().unwrap() = Some("rank 1 died".into());
+        // The raise is the synchronisation (bounded): the watch found its
+        // cause and asks no more, so it holds no strong reference now.
+        assert!(flag.wait_raises(1, Duration::from_secs(30)));
+        assert_eq!(w.cause().as_deref(), Some("rank 1 died"));
+        drop((s, abort));
+        assert_eq!(
+            Arc::strong_count(&alive),
+            1,
+            "the engine outlived its sentinel"
+        );
+        assert_eq!(Arc::strong_count(&job), 1, "the job outlived its sentinel");
+        assert_eq!(flag.value(), 1, "lowered under the watched kernels");
+        assert_eq!(w.finish().unwrap().as_deref(), Some("rank 1 died"));
+        assert_eq!(flag.value(), 0);
+    }
+
+    /// A check refuses a watcher another owner started, or one on another
+    /// flag, with an error naming the watcher and both owners; the refused
+    /// watcher is stopped and lets go of its own flag. Its own owner's
+    /// check on its flag takes its cause.
+    #[test]
+    fn a_check_refuses_a_foreign_watcher() {
+        let (mine, theirs) = (owned_sentinel().0, owned_sentinel().0);
+        assert_ne!(mine.owner(), theirs.owner());
+        let abort = Arc::new(Abort::new(HostFlag::default()));
+        let other = Arc::new(Abort::new(HostFlag::default()));
+        let start = |n: usize| {
+            let name = format!("gin-watch-r0-d{}", theirs.owner());
+            let w = Watcher::start(name, theirs.owner(), abort.clone(), || Some("boom".into()));
+            let w = w.unwrap();
+            assert!(abort.flag().wait_raises(n, Duration::from_secs(30)));
+            w
+        };
+        let e = start(1).finish_for(mine.owner(), &abort).unwrap_err();
+        let CudaError::ForeignWatcher {
+            watcher,
+            started_by,
+            checked_by,
+        } = &e
+        else {
+            panic!("{e}")
+        };
+        assert_eq!(watcher, &format!("gin-watch-r0-d{}", theirs.owner()));
+        assert_eq!(
+            (*started_by, *checked_by),
+            (theirs.owner().id(), mine.owner().id())
+        );
+        let text = e.to_string();
+        assert!(
+            text.contains(&format!("device communicator {}", mine.owner())),
+            "{text}"
+        );
+        assert_eq!((abort.held(), abort.flag().value()), (0, 0));
+        // Its owner, but another flag (another CUDA communicator's).
+        let e = start(2).finish_for(theirs.owner(), &other).unwrap_err();
+        assert!(matches!(e, CudaError::ForeignWatcher { .. }), "{e}");
+        assert_eq!((abort.held(), abort.flag().value()), (0, 0));
+        let cause = start(3).finish_for(theirs.owner(), &abort).unwrap();
+        assert_eq!(cause.as_deref(), Some("boom"));
+        assert_eq!((abort.held(), abort.flag().value()), (0, 0));
     }
 }

@@ -4,7 +4,6 @@
 //! `HostBackend::start_cuda` and kept as an opaque `CudaEngine`), and
 //! running a kernel while watching the job.
 
-use std::marker::PhantomData;
 use std::sync::Arc;
 
 use gin_bootstrap::Bootstrap;
@@ -363,13 +362,18 @@ pub enum Arg<'p> {
 /// once the kernels it watched have finished). Watchers of one CUDA
 /// communicator share its flag, which stays raised until the last watcher
 /// that raised it lets go (gin-cuda's `watch::Watcher`, `watch::Abort`).
+///
+/// Owned (`'static`, `Send`): it holds the flag's memory itself and its
+/// device communicator's job and engine weakly, so a type owning the
+/// device communicator keeps one beside it, and a watcher outliving it
+/// just stops looking. The check of another device communicator refuses
+/// it (`CudaError::ForeignWatcher`, naming both).
 #[derive(Debug)]
-pub struct Watcher<'d> {
+pub struct Watcher {
     inner: gin_cuda::watch::Watcher,
-    _dev_comm: PhantomData<&'d ()>,
 }
 
-impl Watcher<'_> {
+impl Watcher {
     /// The cause found so far (a dead peer, a failed transport or engine),
     /// if any: the abort flag is raised then.
     pub fn cause(&self) -> Option<String> {
@@ -466,15 +470,11 @@ impl CudaDevComm<'_, '_> {
     /// now until the watcher is handed to [`CudaDevComm::check`] or
     /// dropped, a peer's death, a failed transport or engine raises the
     /// abort flag, so the kernels' waits give up.
-    pub fn watch(&self) -> Result<Watcher<'_>, CoreError> {
-        let inner = self.cuda.kernels.watch(
-            format!("gin-watch-r{}", self.cuda.comm.rank()),
-            self.sentinel.health(),
-        )?;
-        Ok(Watcher {
-            inner,
-            _dev_comm: PhantomData,
-        })
+    pub fn watch(&self) -> Result<Watcher, CoreError> {
+        let (s, rank) = (&self.sentinel, self.cuda.comm.rank());
+        let name = format!("gin-watch-r{rank}-d{}", s.owner());
+        let inner = (self.cuda.kernels).watch(name, s.owner(), s.watch_health())?;
+        Ok(Watcher { inner })
     }
 
     /// Once the kernels launched since the last check have finished (their
@@ -483,10 +483,12 @@ impl CudaDevComm<'_, '_> {
     /// context and the id, with the watcher's cause; a cause without one
     /// [`CoreError::AfterKernel`]. The same errors as
     /// [`CudaDevComm::run`]. Checking while a kernel still runs misses what
-    /// it records later.
-    pub fn check(&self, watcher: Option<Watcher<'_>>) -> Result<(), CoreError> {
+    /// it records later. A watcher another device communicator started is
+    /// refused (stopped; the word is left for the next check).
+    pub fn check(&self, watcher: Option<Watcher>) -> Result<(), CoreError> {
         // Any thread may check: the error word is read in gin's context.
-        let out = self.cuda.kernels.check(watcher.map(|w| w.inner))?;
+        let owner = self.sentinel.owner();
+        let out = self.cuda.kernels.check(watcher.map(|w| w.inner), owner)?;
         self.settle(out)
     }
 

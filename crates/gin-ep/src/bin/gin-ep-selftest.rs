@@ -25,6 +25,9 @@
 //! `low_latency_combine(x, ...)`). `inputs=device bad=1` gives rank
 //! `victim` (default 1) an expert id out of range on the GPU and expects it
 //! to report that entry and every other rank a protocol error naming it.
+//! `kill device=cuda` queues steps on the test's stream and kills rank
+//! `victim` between two: the survivors' queued waits must give up at once,
+//! their error naming it.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -72,9 +75,9 @@ fn run() -> Res<()> {
     };
     if cuda {
         gin_ep::cuda::gpu_available().map_err(|why| format!("device=cuda needs a GPU: {why}"))?;
-        if args.scenario != "ll" {
+        if args.scenario != "ll" && args.scenario != "kill" {
             return Err(format!(
-                "device=cuda runs the ll scenario only, not {:?}",
+                "device=cuda runs the ll and kill scenarios only, not {:?}",
                 args.scenario
             )
             .into());
@@ -91,6 +94,7 @@ fn run() -> Res<()> {
         "ll" => oracle_run(&comm, &args, Mode::LowLatency)?,
         "ht" => oracle_run(&comm, &args, Mode::HighThroughput)?,
         "bad" => bad_inputs(&comm, &args)?,
+        "kill" if cuda => cuda_kill(&comm, &args)?,
         "kill" => kill(&comm, &args)?,
         "mask" => masked(&comm, &args)?,
         other => return Err(format!("unknown scenario {other:?}").into()),
@@ -419,6 +423,48 @@ fn cuda_oracle_run(comm: &Comm, args: &Args) -> Res<String> {
         },
         first.1,
     ))
+}
+
+/// `kill device=cuda`: one verified step with every rank, its launches
+/// queued on the test's stream (as `inputs=stream`); then rank `victim`
+/// (default the last) dies once every survivor is past a barrier, and the
+/// survivors queue the next step. The watcher the buffer started with the
+/// queued launches must abort their waits at once: each survivor fails
+/// with the step's error, which names the dead rank (run.sh greps it), or,
+/// where the waits lasted half the job timeout or more, with an error
+/// saying no watcher aborted them.
+fn cuda_kill(comm: &Comm, args: &Args) -> Res<String> {
+    let cfg = config(comm, args, Mode::LowLatency);
+    let cuda = comm.cuda()?;
+    let mut buf = gin_ep::cuda::CudaBuffer::new(&cuda, cfg)?;
+    let (all, tables) = inputs(comm, &cfg)?;
+    let dt = DevTensors::upload(&cuda, &all[comm.rank()], cfg.hidden, true, None)?;
+    cuda_step(&mut buf, &all, &tables, true, Some(&dt))?;
+    let (rank, victim) = (comm.rank(), args.get("victim", comm.nranks() - 1));
+    comm.bootstrap().barrier()?;
+    if rank == victim {
+        for p in (0..comm.nranks()).filter(|&p| p != victim) {
+            comm.bootstrap().recv(p, PAST_BARRIER)?;
+        }
+        std::process::abort();
+    }
+    comm.bootstrap().send(victim, PAST_BARRIER, b"past")?;
+    let t = Instant::now();
+    let r = device_step(&mut buf, &dt);
+    let (took, timeout) = (t.elapsed(), comm.settings().timeout);
+    match r {
+        Ok(_) => Err(format!("rank {rank}: the step after rank {victim} died succeeded").into()),
+        Err(e) if took * 2 >= timeout => {
+            eprintln!("rank {rank}: the step's error: {e}");
+            Err(format!(
+                "rank {rank}: the queued step's waits ended only after {took:?} (GIN_TIMEOUT \
+                 {timeout:?}): no watcher aborted them"
+            )
+            .into())
+        }
+        // No collective destroy: the job has lost a rank.
+        Err(e) => Err(format!("{e} (after {took:?}, GIN_TIMEOUT {timeout:?})").into()),
+    }
 }
 
 /// Bad inputs found on the GPU (`device=cuda inputs=device bad=1`): rank

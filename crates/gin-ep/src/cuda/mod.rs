@@ -46,7 +46,11 @@
 //! [`CudaBuffer::ll_echo_on`], [`CudaBuffer::ll_combine_on`]) queue the
 //! same kernels on the caller's stream ([`CudaDevComm::launch_on`]) and
 //! return at once, with [`CudaBuffer::check`] after the caller synchronised
-//! it. No step copies tokens, routing, counts or outputs between host and
+//! it. While they run, a watcher the buffer started before the first of
+//! them ([`gin_core::cuda::Watcher`], a thread) raises the abort flag on a
+//! peer's death or a failed transport or engine, so their waits give up at
+//! once; `check` hands it to gin-core's check, which names the cause. No
+//! step copies tokens, routing, counts or outputs between host and
 //! GPU: the counters the host used to write (the combine's target) are
 //! advanced by the kernels, and only the waiting calls reset their launch
 //! clock (16 bytes, for [`CudaBuffer::last_kernels`]).
@@ -65,16 +69,14 @@
 //! further steps.
 //!
 //! What this version leaves out: high-throughput mode on CUDA ranks
-//! (refused when the buffer is created), the active-rank mask under a
-//! peer's loss (a lost peer fails the step, naming it), and a watch while
-//! launches queued on the caller's stream run (their waits end at the job
-//! timeout rather than at once when a peer dies).
+//! (refused when the buffer is created), and the active-rank mask under a
+//! peer's loss (a lost peer fails the step, naming it).
 
 use std::sync::atomic::Ordering;
 
 use gin_core::cuda::{
     Arg, CtxSharing, CudaComm, CudaDevComm, DevMem, Function, GpuWindow, HostMem, LaunchConfig,
-    Module, StreamRef,
+    Module, StreamRef, Watcher,
 };
 use gin_core::{CoreError, DevCommRequirements};
 
@@ -356,6 +358,10 @@ pub struct CudaBuffer<'a, 'c> {
     /// Launches were queued on a caller's stream and not checked since
     /// ([`CudaBuffer::check`]).
     queued: bool,
+    /// Watches the job while launches queued on a caller's stream run:
+    /// started before the first of them after a check, handed to gin-core's
+    /// check by [`CudaBuffer::check`].
+    watcher: Option<Watcher>,
     blocks: u32,
     /// Host staging of the send window, reused between steps.
     staged: Vec<u8>,
@@ -510,6 +516,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             phase: Phase::Idle,
             tokens: 0,
             queued: false,
+            watcher: None,
             blocks: BLOCKS,
             staged: Vec::new(),
             last: (KernelClock::default(), KernelClock::default()),
@@ -747,6 +754,20 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         }
     }
 
+    /// Before a launch on `on`: this rank's GPU current, and for one queued
+    /// on the caller's stream a watcher running (started before the first
+    /// such launch after a check, so that a dead peer, a failed transport
+    /// or engine raises the abort flag and the queued kernels' waits give
+    /// up at once rather than at the job timeout). A watcher that cannot
+    /// start fails the call before anything is launched.
+    fn prepare_launch(&mut self, on: On<'_>) -> Result<(), EpError> {
+        self.current()?;
+        if matches!(on, On::Queue(_)) {
+            self.watch()?;
+        }
+        Ok(())
+    }
+
     /// After a launch: a failure fails the buffer (peers may be anywhere in
     /// the step); a launch queued on the caller's stream is to be checked.
     fn launched(
@@ -783,7 +804,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         src: Source,
     ) -> Result<(), EpError> {
         let cfg = self.cfg;
-        self.current()?;
+        self.prepare_launch(on)?;
         let grid = self.grid(cfg.num_experts);
         // Before the step's counters move: a failure here launches nothing.
         let clock = self.clock_for(on)?;
@@ -981,7 +1002,11 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// inputs, a peer's broken protocol) is reported by the next call on
     /// this buffer that finds it, or by [`CudaBuffer::check`] once the
     /// stream has been synchronised. The kernels' waits stay bounded by the
-    /// job timeout; a failed one is reported by [`CudaBuffer::check`].
+    /// job timeout, and give up at once when a peer dies or a transport or
+    /// engine fails: the first launch queued after a check starts a watcher
+    /// thread (one per checked span, not per launch), which
+    /// [`CudaBuffer::check`] stops; a failed wait is reported there,
+    /// naming the peer and the cause.
     ///
     /// # Safety
     /// The launches of one buffer must execute in the order they were
@@ -1151,7 +1176,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// # Safety
     /// With [`On::Queue`], as [`CudaBuffer::ll_dispatch_on`].
     unsafe fn launch_echo(&mut self, on: On<'_>) -> Result<(), EpError> {
-        self.current()?;
+        self.prepare_launch(on)?;
         let cfg = self.cfg;
         let u = Self::u32_of;
         let grid = self.grid(cfg.num_experts);
@@ -1213,7 +1238,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// aligned, readable until the kernel has finished; with
     /// [`On::Queue`], as [`CudaBuffer::ll_dispatch_on`].
     unsafe fn launch_take(&mut self, on: On<'_>, src: u64) -> Result<(), EpError> {
-        self.current()?;
+        self.prepare_launch(on)?;
         let cfg = self.cfg;
         let u = Self::u32_of;
         let grid = self.grid(cfg.num_experts);
@@ -1302,7 +1327,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// otherwise untouched until the kernel has finished; with
     /// [`On::Queue`], as [`CudaBuffer::ll_dispatch_on`].
     unsafe fn launch_combine(&mut self, on: On<'_>, out: u64) -> Result<(), EpError> {
-        self.current()?;
+        self.prepare_launch(on)?;
         let cfg = self.cfg;
         let tokens = self.tokens;
         let clock = self.clock_for(on)?;
@@ -1417,14 +1442,32 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         unsafe { self.launch_combine(On::Queue(stream), out.ptr()) }
     }
 
+    /// Starts watching the job until the next [`CudaBuffer::check`], if no
+    /// watch is running: the `_on` calls do so themselves; call it before
+    /// replaying a CUDA graph captured from them (a replay queues nothing
+    /// through this buffer), then synchronise and check as after the `_on`
+    /// calls.
+    ///
+    /// # Errors
+    /// gin-core's, when the watcher thread cannot be started.
+    pub fn watch(&mut self) -> Result<(), EpError> {
+        if self.watcher.is_none() {
+            self.watcher = Some(self.dc.watch()?);
+        }
+        Ok(())
+    }
+
     /// Once the stream that launches were queued on has been synchronised:
-    /// reports a kernel's failure (a wait that ran out, naming the peer) as
+    /// stops the watcher that ran while they did, and reports a kernel's
+    /// failure (a wait that ran out or was aborted, naming the peer, with
+    /// the watcher's cause: a dead peer, a failed transport or engine) as
     /// [`EpError::Kernel`], and an error a kernel recorded (bad inputs, a
     /// peer's broken protocol) as the waiting calls do. Checking while a
-    /// kernel still runs misses what it does later.
+    /// kernel still runs misses what it does later, and lowers the abort
+    /// flag under it.
     pub fn check(&mut self) -> Result<(), EpError> {
         self.current()?;
-        let r = self.dc.check(None);
+        let r = self.dc.check(self.watcher.take());
         self.queued = false;
         if let Err(e) = r {
             self.failed = true;
@@ -1435,7 +1478,10 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
 
     /// Destroys the buffer collectively: stops the device communicator
     /// (every rank arrives), then frees the windows on every rank.
-    pub fn destroy(self) -> Result<(), EpError> {
+    pub fn destroy(mut self) -> Result<(), EpError> {
+        // Unchecked queued launches have run (the `_on` calls' contract):
+        // stop their watcher before the engine.
+        drop(self.watcher.take());
         self.dc.destroy()?;
         for w in self.wins {
             self.cuda.free_window(w)?;
@@ -1630,6 +1676,17 @@ mod tests {
             });
             assert!(defined, "{name}");
         }
+    }
+
+    /// The watcher a buffer keeps beside the device communicator it owns
+    /// (across its `&mut self` calls, until `check`) is gin-core's owned
+    /// one: no borrow of the device communicator, movable with the buffer
+    /// to another thread. (Compile-time: the test is that this builds.)
+    #[test]
+    fn the_buffers_watcher_is_owned() {
+        fn owned<T: Send + 'static>() {}
+        owned::<Watcher>();
+        owned::<Option<Watcher>>();
     }
 
     /// The launch bounds the kernels promise ptxas are the block size the
