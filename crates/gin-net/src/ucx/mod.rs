@@ -72,15 +72,20 @@
 //!   given up on only where it touches memory this module owns (reads and
 //!   atomics land in heap buffers, leaked when given up on, and copied out
 //!   on success); requests on GPU memory the caller lent are waited for
-//!   until UCX completes them.
+//!   until UCX completes them, unless the caller gave a [`KeepAlive`] that
+//!   holds that memory (then the request holds it instead).
 //! - GPU memory: an owner maps a GPU region (a region behind a backing,
 //!   whose base is its device address) with the `UCS_MEMORY_TYPE_CUDA`
 //!   memory type. CUDA ranks hand their side directly
-//!   ([`Transport::put_device`], [`Transport::read_device`]: `ucp_put_nbx`
-//!   / `ucp_get_nbx` with the CUDA memory type, waited for), so cuda_ipc
+//!   ([`Transport::start_put_device`], [`Transport::read_device`]:
+//!   `ucp_put_nbx` / `ucp_get_nbx` with the CUDA memory type), so cuda_ipc
 //!   copies GPU to GPU between processes of a host and a NIC reads and
 //!   writes GPU memory with GPUDirect RDMA; no staging through host
-//!   memory. Their signals and counters stay running totals written as
+//!   memory. Puts from GPU memory are pipelined: each completes by its
+//!   callback, up to 64 are in flight to a peer (the next waits for one),
+//!   and [`Transport::complete_device`], `confirm` and `fence` wait for
+//!   them (the executors do before a counter, a completion or a read says
+//!   the source may be reused). A read is waited for. Their signals and counters stay running totals written as
 //!   8-byte puts ([`Transport::put_ordered`]: fenced after the data):
 //!   UCX has no atomics on GPU memory over cuda_ipc. `GIN_UCX_DEVICE=0`
 //!   makes CUDA ranks stage through pinned host memory instead.
@@ -176,7 +181,19 @@ struct Peer {
     /// order, as over one tcp connection (a soft NIC's put then its
     /// signal atomic rely on it).
     unfenced: AtomicBool,
+    /// Puts from memory the caller lends ([`Transport::start_put_device`])
+    /// not yet complete: counted down by their completions, waited for by
+    /// [`Inner::settle`].
+    lent: AtomicU64,
+    /// Those of them whose lender gave nothing that keeps the memory alive
+    /// (no [`KeepAlive`]): a failed wait still waits for these.
+    bare: AtomicU64,
 }
+
+/// The most puts from lent memory in flight to one peer: the next waits
+/// for one of them to complete (`ucp_put_bw -O 16` already reaches its
+/// peak over cuda_ipc on one H200).
+const LENT_MAX: u64 = 64;
 
 /// Work the progress thread does outside UCX callbacks.
 enum Work {
@@ -320,6 +337,8 @@ impl UcxTransport {
                     error: StickyError::default(),
                     dirty: AtomicBool::new(false),
                     unfenced: AtomicBool::new(false),
+                    lent: AtomicU64::new(0),
+                    bare: AtomicU64::new(0),
                 })
             })
             .collect();
@@ -381,7 +400,9 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// Completion of a fire-and-forget request (put, signal, get): records a
-/// failure on the peer, frees the bounce buffer, counts a get down.
+/// failure on the peer, frees the bounce buffer, counts a get down, counts
+/// a put from lent memory down on its peer (and drops what kept that
+/// memory alive).
 struct OpCtx {
     peer: *const Peer,
     what: &'static str,
@@ -391,6 +412,16 @@ struct OpCtx {
     get: Option<(Arc<AtomicU64>, Option<KeepAlive>)>,
     /// A get's landing buffer and where its bytes go when it completes.
     land: Option<(*mut u8, Box<[u8]>)>,
+    /// A put from lent memory (counted in its peer's `lent`).
+    lent: Option<Lent>,
+}
+
+/// What keeps the memory of a put from lent memory alive.
+enum Lent {
+    /// Nothing: the lender waits for the put ([`Inner::settle`]).
+    Bare,
+    /// What the lender gave, dropped when the put completes.
+    Kept(#[allow(dead_code)] KeepAlive),
 }
 
 unsafe extern "C" fn op_done(req: *mut c_void, status: sys::ucs_status_t, user: *mut c_void) {
@@ -406,7 +437,7 @@ unsafe extern "C" fn op_done(req: *mut c_void, status: sys::ucs_status_t, user: 
 }
 
 impl OpCtx {
-    fn finish(self, status: sys::ucs_status_t) {
+    fn finish(mut self, status: sys::ucs_status_t) {
         if status != sys::UCS_OK {
             // SAFETY: peers and the library outlive every request: the
             // transport force-closes its endpoints, which completes every
@@ -428,6 +459,21 @@ impl OpCtx {
         }
         if let Some((done, _keep)) = &self.get {
             done.fetch_sub(1, Ordering::AcqRel);
+        }
+        self.release_lent();
+    }
+
+    /// Counts a put from lent memory down on its peer, after its failure
+    /// (if any) was recorded: a waiter that sees the count drop sees it.
+    fn release_lent(&mut self) {
+        if let Some(keep) = self.lent.take() {
+            // SAFETY: peers outlive every request (see `finish`).
+            let peer = unsafe { &*self.peer };
+            if matches!(keep, Lent::Bare) {
+                peer.bare.fetch_sub(1, Ordering::AcqRel);
+            }
+            drop(keep);
+            peer.lent.fetch_sub(1, Ordering::AcqRel);
         }
     }
 }
@@ -575,6 +621,7 @@ impl Inner {
                     if let Some((done, _)) = ctx.get.take() {
                         done.fetch_sub(1, Ordering::AcqRel);
                     }
+                    ctx.release_lent();
                     Err(st)
                 }
             }
@@ -594,6 +641,7 @@ impl Inner {
             bounce: None,
             get: None,
             land: None,
+            lent: None,
         })
     }
 
@@ -712,6 +760,90 @@ impl Inner {
                     closed_at = Some(Instant::now());
                 }
             }
+        }
+    }
+
+    /// Progresses until at most `upto` puts from lent memory to `peer` are
+    /// in flight (`what`: what is waited for, for the error). Past
+    /// `deadline` or when the job fails, fails the path and force-closes
+    /// the endpoint (UCX then completes its requests with an error, where
+    /// it can: with `UCP_ERR_HANDLING_MODE_NONE`, the default, it refuses
+    /// to force-close, and a request to a stopped peer over tcp stays
+    /// pending). Once the path failed, puts whose lender gave a
+    /// [`KeepAlive`] are left to finish (or not) holding it, but those
+    /// without are still waited for, since their memory is lent only
+    /// until the lender's wait returns: that wait blocks until UCX
+    /// finishes them, with a warning each [`CLOSE_WAIT`]. (Over cuda_ipc
+    /// and RDMA a put completes whatever the peer does.) Then reports the
+    /// path's first failure, if any.
+    fn settle(
+        &self,
+        peer: &Peer,
+        upto: u64,
+        deadline: Instant,
+        what: &str,
+    ) -> Result<(), NetError> {
+        let start = Instant::now();
+        let mut failed: Option<NetError> = None;
+        let mut given_up: Option<Instant> = None;
+        let mut spins = 0u32;
+        loop {
+            let left = if given_up.is_some() {
+                peer.bare.load(Ordering::Acquire)
+            } else {
+                peer.lent.load(Ordering::Acquire)
+            };
+            if left <= upto {
+                break;
+            }
+            if self.ucp.progress() == 0 {
+                std::thread::yield_now();
+            }
+            spins = spins.wrapping_add(1);
+            if !spins.is_multiple_of(256) {
+                continue;
+            }
+            if let Some(at) = given_up.filter(|at| at.elapsed() > CLOSE_WAIT) {
+                tracing::warn!(
+                    rank = self.rank,
+                    peer = peer.rank,
+                    what,
+                    left,
+                    "puts from lent memory (GPU memory nothing keeps alive) are not finished after their path failed; still waiting for UCX to finish them"
+                );
+                given_up = Some(at + CLOSE_WAIT);
+                continue;
+            }
+            if given_up.is_some() {
+                continue;
+            }
+            let why = if peer.error.get().is_some() {
+                // A request failed: the path is down; its error is reported.
+                given_up = Some(Instant::now());
+                continue;
+            } else if Instant::now() > deadline {
+                NetError::Timeout {
+                    peer: peer.rank,
+                    what: format!("{what} ({left} of them still in flight)"),
+                    waited: start.elapsed(),
+                }
+            } else {
+                match self.alive.get().map(|a| a()) {
+                    Some(Err(job)) => NetError::Broken {
+                        peer: peer.rank,
+                        why: job,
+                    },
+                    _ => continue,
+                }
+            };
+            peer.error.set(why.to_string());
+            self.close(peer);
+            failed = Some(why);
+            given_up = Some(Instant::now());
+        }
+        match failed {
+            Some(e) => Err(e),
+            None => self.broken(peer),
         }
     }
 
@@ -1027,8 +1159,7 @@ impl UcxTransport {
         s.keys.values().any(|r| Arc::ptr_eq(r, key))
     }
 
-    fn flush(&self, peer: &Peer, timeout: Duration, what: &str) -> Result<(), NetError> {
-        let deadline = Instant::now() + timeout;
+    fn flush(&self, peer: &Peer, deadline: Instant, what: &str) -> Result<(), NetError> {
         let p = sys::ucp_request_param_t::default();
         let r = self.with_ep(peer, what, |ep, _| {
             // SAFETY: a live endpoint under the peer's lock.
@@ -1280,19 +1411,29 @@ impl Transport for UcxTransport {
 
     fn fence(&self, peer: usize, timeout: Duration) -> Result<(), NetError> {
         match self.inner.peer_opt(peer) {
-            Some(p) => self.flush(p, timeout, "a fence"),
+            Some(p) => {
+                let deadline = Instant::now() + timeout;
+                self.inner
+                    .settle(p, 0, deadline, "the puts from lent memory")?;
+                self.flush(p, deadline, "a fence")
+            }
             None => Ok(()),
         }
     }
 
+    /// Waits for the puts from lent memory first (their memory is lent
+    /// until this returns), then flushes the endpoint.
     fn confirm(&self, peer: usize, timeout: Duration) -> Result<(), NetError> {
         let Some(p) = self.inner.peer_opt(peer) else {
             return Ok(());
         };
+        let deadline = Instant::now() + timeout;
+        self.inner
+            .settle(p, 0, deadline, "the puts from lent memory")?;
         if !p.dirty.swap(false, Ordering::AcqRel) {
             return self.inner.broken(p);
         }
-        self.flush(p, timeout, "the confirmation of puts")
+        self.flush(p, deadline, "the confirmation of puts")
     }
 
     fn health(&self, peer: usize) -> Result<(), NetError> {
@@ -1316,9 +1457,8 @@ impl Transport for UcxTransport {
         self.device
     }
 
-    /// `ucp_put_nbx` from GPU memory (memory type CUDA), waited for until
-    /// UCX has read the source: cuda_ipc copies it into the peer's
-    /// memory mapped here, a NIC reads it with GPUDirect RDMA.
+    /// [`Transport::start_put_device`], then waits until it (and every
+    /// earlier one to `peer`) has completed locally.
     unsafe fn put_device(
         &self,
         peer: usize,
@@ -1326,39 +1466,51 @@ impl Transport for UcxTransport {
         src: u64,
         len: u64,
     ) -> Result<(), NetError> {
-        let inner = &self.inner;
-        let p = inner.peer(peer)?;
-        let d = self.resolve(p, dst, len, "put")?;
-        let n = usize::try_from(len).map_err(|_| too_long(peer, dst, len))?;
-        p.dirty.store(true, Ordering::Release);
-        let prm = device_param();
-        let r = self.with_ep(p, "ucp_put_nbx from GPU memory", |ep, st| {
-            if !Self::still(st, &d.remote) {
-                return Err(revoked(peer, dst, len, "put"));
+        // SAFETY: the caller keeps `src` unchanged until this returns,
+        // which is after the put completed (settled below).
+        unsafe { self.start_put_device(peer, dst, src, len, None) }?;
+        let p = self.inner.peer(peer)?;
+        self.inner.settle(
+            p,
+            0,
+            Instant::now() + self.inner.timeout,
+            "a put from GPU memory",
+        )
+    }
+
+    /// `ucp_put_nbx` from GPU memory (memory type CUDA), completed by its
+    /// callback: cuda_ipc copies it into the peer's memory mapped here, a
+    /// NIC reads it with GPUDirect RDMA. Up to 64 are in flight to a peer
+    /// (the next waits for one to complete); the source is lent until
+    /// [`Transport::complete_device`], `confirm` or `fence` returns.
+    unsafe fn start_put_device(
+        &self,
+        peer: usize,
+        dst: Target<'_>,
+        src: u64,
+        len: u64,
+        keep: Option<KeepAlive>,
+    ) -> Result<(), NetError> {
+        // SAFETY: the caller's contract (the trait's) is `put_lent`'s.
+        unsafe {
+            self.put_lent(
+                peer,
+                dst,
+                src as *const u8,
+                len,
+                sys::UCS_MEMORY_TYPE_CUDA,
+                keep,
+            )
+        }
+    }
+
+    fn complete_device(&self, peer: usize, timeout: Duration) -> Result<(), NetError> {
+        match self.inner.peer_opt(peer) {
+            Some(p) => {
+                self.inner
+                    .settle(p, 0, Instant::now() + timeout, "the puts from GPU memory")
             }
-            // SAFETY: a live endpoint and rkey; the caller keeps `src`
-            // (GPU memory of this process) unchanged until this call
-            // returns, which is after the request completed locally (waited
-            // for below; a timeout force-closes the endpoint first).
-            Ok(unsafe {
-                inner.ucp.lib.ucp_put_nbx(
-                    ep,
-                    src as *const c_void,
-                    n,
-                    d.addr,
-                    d.remote.rkey,
-                    &raw const prm,
-                )
-            })
-        })?;
-        p.unfenced.store(true, Ordering::Release);
-        match started(r) {
-            Started::Done => Ok(()),
-            Started::Failed(st) => Err(self.failed(p, "put from GPU memory", st)),
-            Started::Pending(req) => {
-                let deadline = Instant::now() + inner.timeout;
-                inner.wait_done(p, req, deadline, "a put from GPU memory")
-            }
+            None => Ok(()),
         }
     }
 
@@ -1441,6 +1593,67 @@ fn too_long(peer: usize, t: Target<'_>, len: u64) -> NetError {
 const CONTIG8: sys::ucp_datatype_t = 8 << 3;
 
 impl UcxTransport {
+    /// `ucp_put_nbx` of `len` bytes of memory the caller lends at `src`
+    /// (of memory type `mem`: GPU memory, or host memory in the tests),
+    /// completed by its callback, which counts it down on the peer and
+    /// drops `keep`. With [`LENT_MAX`] in flight to the peer it first
+    /// waits for one to complete.
+    ///
+    /// # Safety
+    /// `src..src + len` must be memory of this process of type `mem` that
+    /// no one writes, and that stays allocated, until a later
+    /// [`Inner::settle`] to `peer` down to zero (`complete_device`,
+    /// `confirm`, `fence`) returned or the transport was dropped (or, where
+    /// `keep` owns it, while `keep` is held).
+    unsafe fn put_lent(
+        &self,
+        peer: usize,
+        dst: Target<'_>,
+        src: *const u8,
+        len: u64,
+        mem: sys::ucs_memory_type_t,
+        keep: Option<KeepAlive>,
+    ) -> Result<(), NetError> {
+        let inner = &self.inner;
+        let p = inner.peer(peer)?;
+        let d = self.resolve(p, dst, len, "put")?;
+        let n = usize::try_from(len).map_err(|_| too_long(peer, dst, len))?;
+        if p.lent.load(Ordering::Acquire) >= LENT_MAX {
+            let deadline = Instant::now() + inner.timeout;
+            inner.settle(p, LENT_MAX - 1, deadline, "a put from lent memory")?;
+        }
+        p.dirty.store(true, Ordering::Release);
+        self.with_ep(p, "ucp_put_nbx from lent memory", |ep, st| {
+            if !Self::still(st, &d.remote) {
+                return Err(revoked(peer, dst, len, "put"));
+            }
+            let mut ctx = inner.op_ctx(p, "put from GPU memory");
+            if keep.is_none() {
+                p.bare.fetch_add(1, Ordering::AcqRel);
+            }
+            ctx.lent = Some(keep.map_or(Lent::Bare, Lent::Kept));
+            p.lent.fetch_add(1, Ordering::AcqRel);
+            let mut prm = Inner::params(ctx);
+            prm.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+            prm.memory_type = mem;
+            // SAFETY: a live endpoint and rkey; the caller lends `src`
+            // until the request completed (its callback counts it down,
+            // and every wait for that force-closes the endpoint at worst).
+            let r = unsafe {
+                inner
+                    .ucp
+                    .lib
+                    .ucp_put_nbx(ep, src.cast(), n, d.addr, d.remote.rkey, &raw const prm)
+            };
+            inner
+                .launched(&prm, r)
+                .map_err(|st| self.failed(p, "put from GPU memory", st))?;
+            // Under the peer's lock, before any later put_ordered can look.
+            p.unfenced.store(true, Ordering::Release);
+            Ok(())
+        })
+    }
+
     /// A non-fetching atomic add of `v` at `r`, fire-and-forget (a
     /// signal): its failure is recorded on the peer.
     fn post_add(&self, p: &Peer, ep: sys::ucp_ep_h, r: &Resolved, v: u64) -> Result<(), NetError> {

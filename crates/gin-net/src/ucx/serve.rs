@@ -952,6 +952,12 @@ pub(super) fn spawn_progress(
             let mut idle = Idle::new(spin, Instant::now());
             let mut context_seen = 0;
             while !inner.closing.load(Ordering::Acquire) {
+                #[cfg(test)]
+                if inner.test.stopped.load(Ordering::Acquire) {
+                    // A stopped rank (SIGSTOP): its worker makes no progress.
+                    std::thread::sleep(Duration::from_millis(1));
+                    continue;
+                }
                 inner.enter_thread_context(&mut context_seen);
                 let turn = Instant::now();
                 let worked = inner.drain();

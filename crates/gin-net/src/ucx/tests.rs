@@ -32,6 +32,8 @@ pub(super) struct Hooks {
     block_issue: AtomicBool,
     /// ... and set this once one does.
     blocked: AtomicBool,
+    /// The progress thread makes no progress while set (a stopped rank).
+    pub(super) stopped: AtomicBool,
 }
 
 impl Hooks {
@@ -730,6 +732,214 @@ fn an_owner_asked_for_a_key_it_does_not_serve_answers_at_once() {
             "rank 1 serves no such key".into(),
         ] {
             assert!(e.contains(&part), "{e:?} lacks {part:?}");
+        }
+    }
+}
+
+/// Two ranks as threads whose UCX contexts use `tls` (`UCX_TLS`; `None`:
+/// the environment's).
+fn two_ranks_over<T: Send + 'static>(
+    tls: Option<&'static std::ffi::CStr>,
+    f: impl Fn(&gin_bootstrap::Bootstrap, Arc<RegionTable>) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    two_ranks(Duration::ZERO, move |b, table| {
+        worker::TEST_TLS.with(|t| t.set(tls));
+        f(b, table)
+    })
+}
+
+/// The byte at `i` of the lent source in these tests.
+fn lent_byte(i: usize) -> u8 {
+    (i.wrapping_mul(131) ^ (i >> 11)) as u8
+}
+
+/// Puts from lent memory (host memory standing in for GPU memory: the
+/// code is `start_put_device`'s with another memory type) are many in
+/// flight, more than the per-peer bound, and one confirmation completes
+/// them: every byte arrives, and a running total put ordered after them
+/// is never seen before the data it counts. Over UCX's tcp (where puts
+/// stay pending until the socket takes them) and the default transports.
+#[test]
+fn many_lent_puts_in_flight_then_one_confirm_deliver_every_byte_with_the_signal_last() {
+    const CHUNK: usize = 128 << 10;
+    const N: usize = 96;
+    if !ucx_here() {
+        return;
+    }
+    for tls in [Some(c"tcp,self"), None] {
+        let timeout = Duration::from_secs(30);
+        let out = two_ranks_over(tls, move |b, table| {
+            let t = start(b, &table, timeout);
+            let mut recv = vec![0u64; N * CHUNK / 8 + 1];
+            let key = if b.rank() == 1 {
+                register(&table, &mut recv)
+            } else {
+                0
+            };
+            let key = key_of(b, key, 1);
+            let total = 0x5151_0000_0000_0042_u64;
+            let mut most = 0;
+            if b.rank() == 0 {
+                let src: Vec<u8> = (0..N * CHUNK).map(lent_byte).collect();
+                let p = t.inner.peer(1).unwrap();
+                for i in 0..N {
+                    let at = Target::Key {
+                        key,
+                        offset: (i * CHUNK) as u64,
+                    };
+                    // SAFETY: `src` is host memory nobody writes, alive
+                    // until after the confirmation below.
+                    unsafe {
+                        t.put_lent(
+                            1,
+                            at,
+                            src[i * CHUNK..].as_ptr(),
+                            CHUNK as u64,
+                            sys::UCS_MEMORY_TYPE_HOST,
+                            None,
+                        )
+                    }
+                    .unwrap();
+                    most = most.max(p.lent.load(Ordering::Acquire));
+                }
+                let sig = Target::Key {
+                    key,
+                    offset: (N * CHUNK) as u64,
+                };
+                t.put_ordered(1, sig, &total.to_le_bytes()).unwrap();
+                t.confirm(1, timeout).unwrap();
+                assert_eq!(p.lent.load(Ordering::Acquire), 0);
+                assert!(most <= LENT_MAX, "{most} in flight");
+                drop(src);
+            } else {
+                let began = Instant::now();
+                // SAFETY: the last word of `recv`, written by UCX; read
+                // atomically (an aligned u64).
+                let word = unsafe { &*recv.as_ptr().add(N * CHUNK / 8).cast::<AtomicU64>() };
+                while word.load(Ordering::Acquire) != total {
+                    assert!(began.elapsed() < timeout, "the signal never came");
+                    std::thread::yield_now();
+                }
+                // The signal is visible: every byte before it must be.
+                let base = recv.as_ptr().cast::<u8>();
+                for i in 0..N * CHUNK {
+                    // SAFETY: inside `recv`; nothing writes it any more.
+                    let got = unsafe { std::ptr::read_volatile(base.add(i)) };
+                    assert_eq!(got, lent_byte(i), "byte {i} after the signal ({tls:?})");
+                }
+            }
+            b.barrier().unwrap();
+            drop(t);
+            most
+        });
+        println!(
+            "{tls:?}: at most {} puts from lent memory in flight",
+            out[0]
+        );
+        if tls.is_some() {
+            // Over tcp a put stays pending until the socket took it.
+            assert!(out[0] > 1, "never more than one put in flight");
+        }
+    }
+}
+
+/// A peer that stops making progress (its worker held: a stopped or dead
+/// rank) while many puts from lent memory are in flight to it: the
+/// confirmation fails naming it, as soon as the job says it failed or at
+/// the timeout, without hanging, and no request is left reading the lent
+/// memory when it returns.
+#[test]
+fn a_peer_failing_mid_pipeline_fails_the_confirm_naming_it_without_hanging() {
+    const CHUNK: usize = 1 << 20;
+    const N: usize = 48;
+    if !ucx_here() {
+        return;
+    }
+    for job_says in [true, false] {
+        let timeout = if job_says {
+            Duration::from_secs(60)
+        } else {
+            Duration::from_secs(2)
+        };
+        let out = two_ranks_over(Some(c"tcp,self"), move |b, table| {
+            let t = start(b, &table, timeout);
+            let died = Arc::new(AtomicBool::new(false));
+            let seen = died.clone();
+            t.watch(Arc::new(move || {
+                if seen.load(Ordering::Acquire) {
+                    Err("rank 1 died (the test says so)".into())
+                } else {
+                    Ok(())
+                }
+            }));
+            let mut recv = vec![0u64; N * CHUNK / 8];
+            let key = if b.rank() == 1 {
+                register(&table, &mut recv)
+            } else {
+                0
+            };
+            let key = key_of(b, key, 1);
+            let mut seen = None;
+            if b.rank() == 0 {
+                // The rkey and the connection first.
+                t.put(1, Target::Key { key, offset: 0 }, &[1; 8], None)
+                    .unwrap();
+                t.fence(1, timeout).unwrap();
+            }
+            b.barrier().unwrap();
+            if b.rank() == 1 {
+                t.inner.test.stopped.store(true, Ordering::Release);
+            }
+            b.barrier().unwrap();
+            if b.rank() == 0 {
+                // Kept alive by the requests (a window's `KeepAlive`): a
+                // put UCX cannot cancel holds it rather than the wait.
+                let src: Arc<Vec<u8>> = Arc::new(vec![7u8; N * CHUNK]);
+                let p = t.inner.peer(1).unwrap();
+                for i in 0..N {
+                    let at = Target::Key {
+                        key,
+                        offset: (i * CHUNK) as u64,
+                    };
+                    // SAFETY: `src` is kept alive by every request, and
+                    // nobody writes it.
+                    unsafe {
+                        t.put_lent(
+                            1,
+                            at,
+                            src[i * CHUNK..].as_ptr(),
+                            CHUNK as u64,
+                            sys::UCS_MEMORY_TYPE_HOST,
+                            Some(KeepAlive(src.clone())),
+                        )
+                    }
+                    .unwrap();
+                }
+                let pending = p.lent.load(Ordering::Acquire);
+                died.store(job_says, Ordering::Release);
+                let began = Instant::now();
+                let e = t.confirm(1, timeout).unwrap_err();
+                let took = began.elapsed();
+                assert_eq!(p.bare.load(Ordering::Acquire), 0, "{e}");
+                // Later waits fail at once, naming the cause.
+                let again = t.confirm(1, timeout).unwrap_err().to_string();
+                assert!(again.contains("rank 1"), "{again}");
+                seen = Some((pending, took, e.to_string()));
+            }
+            b.barrier().unwrap();
+            t.inner.test.stopped.store(false, Ordering::Release);
+            drop(t);
+            seen
+        });
+        let (pending, took, e) = out[0].clone().unwrap();
+        assert!(pending > 1, "only {pending} put(s) were in flight: {e}");
+        assert!(e.contains("rank 1"), "{e}");
+        if job_says {
+            assert!(e.contains("rank 1 died"), "{e}");
+            assert!(took < Duration::from_secs(10), "{took:?}: {e}");
+        } else {
+            assert!(e.contains("timed out") || e.contains("waited"), "{e}");
+            assert!(took < Duration::from_secs(10), "{took:?}: {e}");
         }
     }
 }
