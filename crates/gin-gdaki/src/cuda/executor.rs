@@ -23,7 +23,9 @@
 //! ([`Transport::complete_device`]) before anything that says their source
 //! may be reused or that the GPU may write it: the channel's CQE, a
 //! counter's total, a read, [`Executor::quiesce`] (and the executor's
-//! drop). An 8-byte value put ordered after them needs no wait. Otherwise a
+//! drop). An 8-byte value is put ordered after them
+//! ([`Transport::put_ordered`]: ucx waits for them first unless
+//! `GIN_UCX_GPU_ORDER=fence`). Otherwise a
 //! write's source is staged through pinned host memory on the channel's
 //! stream (waited for) and sent with [`Fabric::put_key`], and a read's
 //! answer comes with [`Fabric::read_key`] into the pinned buffer and is

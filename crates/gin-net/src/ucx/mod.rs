@@ -249,6 +249,27 @@ pub struct UcxTransport {
     /// ([`Transport::takes_device_memory`]); `GIN_UCX_DEVICE=0` makes
     /// CUDA ranks stage it through pinned host memory instead.
     device: bool,
+    /// Whether a request ordered after puts from GPU memory (a signal's
+    /// total, a read) waits for them to complete first
+    /// (`GIN_UCX_GPU_ORDER=wait`, the default), or relies on UCX's fence
+    /// alone (`fence`).
+    wait_lent: bool,
+}
+
+/// `GIN_UCX_GPU_ORDER`: whether a request ordered after puts from GPU
+/// memory waits for them (`wait`, the default: UCX's cuda_ipc copies on
+/// several CUDA streams, and whether its endpoint fence orders them was
+/// not verified) or relies on UCX's fence alone (`fence`).
+fn wait_lent_from_env(v: Option<&str>) -> Result<bool, NetError> {
+    match v.map(str::trim) {
+        None | Some("" | "wait") => Ok(true),
+        Some("fence") => Ok(false),
+        Some(o) => Err(NetError::Unavailable {
+            transport: "ucx",
+            why: format!("GIN_UCX_GPU_ORDER={o:?} is neither wait nor fence"),
+            alternatives: "unset GIN_UCX_GPU_ORDER, or set it to wait or fence",
+        }),
+    }
 }
 
 /// How long the progress thread polls after the last event before it
@@ -307,14 +328,17 @@ impl UcxTransport {
         // Every rank joins the address exchange, even one that cannot load
         // UCX (it sends an empty address), so none waits in a collective
         // its peers left: all fail, each naming what is missing.
-        let spin = spin_from_env(std::env::var("GIN_UCX_SPIN").ok().as_deref());
+        let spin = spin_from_env(std::env::var("GIN_UCX_SPIN").ok().as_deref()).and_then(|s| {
+            let w = wait_lent_from_env(std::env::var("GIN_UCX_GPU_ORDER").ok().as_deref())?;
+            Ok((s, w))
+        });
         let ucp = load::open().and_then(Ucp::new);
         let mine = match (&spin, &ucp) {
             (Ok(_), Ok(u)) => u.address()?,
             _ => Vec::new(),
         };
         let addrs = b.allgather(&mine)?;
-        let spin = spin?;
+        let (spin, wait_lent) = spin?;
         let ucp = ucp?;
         if let Some(p) = addrs.iter().position(Vec::is_empty) {
             return Err(NetError::Unavailable {
@@ -379,6 +403,7 @@ impl UcxTransport {
             inner,
             progress: Some(progress),
             device: device_from_env(std::env::var("GIN_UCX_DEVICE").ok().as_deref()),
+            wait_lent,
         })
     }
 }
@@ -1129,8 +1154,11 @@ impl UcxTransport {
         r
     }
 
-    /// Fences before a get or an atomic that follows a put to `peer`.
+    /// Fences before a get or an atomic that follows a put to `peer`
+    /// (after waiting for puts from GPU memory, unless
+    /// `GIN_UCX_GPU_ORDER=fence`).
     fn order(&self, peer: &Peer) -> Result<(), NetError> {
+        self.after_lent(peer)?;
         if peer.unfenced.swap(false, Ordering::AcqRel) {
             self.inner
                 .ucp
@@ -1138,6 +1166,22 @@ impl UcxTransport {
                 .map_err(|st| self.failed(peer, "a fence", st))?;
         }
         Ok(())
+    }
+
+    /// Waits for the puts from GPU memory in flight to `peer` before a
+    /// request that must execute after them (a signal's total, a read),
+    /// unless `GIN_UCX_GPU_ORDER=fence` leaves that to UCX's fence.
+    fn after_lent(&self, peer: &Peer) -> Result<(), NetError> {
+        if !self.wait_lent || peer.lent.load(Ordering::Acquire) == 0 {
+            return Ok(());
+        }
+        let deadline = Instant::now() + self.inner.timeout;
+        self.inner.settle(
+            peer,
+            0,
+            deadline,
+            "the puts from GPU memory before a request ordered after them",
+        )
     }
 
     fn failed(&self, peer: &Peer, what: &str, st: sys::ucs_status_t) -> NetError {
@@ -1195,6 +1239,7 @@ impl Transport for UcxTransport {
         let d = self.resolve(p, dst, src.len() as u64, "put")?;
         let s = match sig {
             Some((t, v)) => {
+                self.after_lent(p)?;
                 t.check_aligned(peer, "signal")?;
                 Some((self.resolve(p, t, 8, "signal")?, v))
             }

@@ -757,8 +757,10 @@ fn lent_byte(i: usize) -> u8 {
 /// code is `start_put_device`'s with another memory type) are many in
 /// flight, more than the per-peer bound, and one confirmation completes
 /// them: every byte arrives, and a running total put ordered after them
-/// is never seen before the data it counts. Over UCX's tcp (where puts
-/// stay pending until the socket takes them) and the default transports.
+/// is never seen before the data it counts, whether it waits for them
+/// (`GIN_UCX_GPU_ORDER=wait`) or relies on UCX's fence (`fence`). Over
+/// UCX's tcp (where puts stay pending until the socket takes them) and the
+/// default transports.
 #[test]
 fn many_lent_puts_in_flight_then_one_confirm_deliver_every_byte_with_the_signal_last() {
     const CHUNK: usize = 128 << 10;
@@ -766,10 +768,16 @@ fn many_lent_puts_in_flight_then_one_confirm_deliver_every_byte_with_the_signal_
     if !ucx_here() {
         return;
     }
-    for tls in [Some(c"tcp,self"), None] {
+    for (tls, wait) in [
+        (Some(c"tcp,self"), true),
+        (Some(c"tcp,self"), false),
+        (None, true),
+        (None, false),
+    ] {
         let timeout = Duration::from_secs(30);
         let out = two_ranks_over(tls, move |b, table| {
-            let t = start(b, &table, timeout);
+            let mut t = start(b, &table, timeout);
+            t.wait_lent = wait;
             let mut recv = vec![0u64; N * CHUNK / 8 + 1];
             let key = if b.rank() == 1 {
                 register(&table, &mut recv)
@@ -833,7 +841,7 @@ fn many_lent_puts_in_flight_then_one_confirm_deliver_every_byte_with_the_signal_
             most
         });
         println!(
-            "{tls:?}: at most {} puts from lent memory in flight",
+            "{tls:?}, wait {wait}: at most {} puts from lent memory in flight",
             out[0]
         );
         if tls.is_some() {
@@ -942,4 +950,16 @@ fn a_peer_failing_mid_pipeline_fails_the_confirm_naming_it_without_hanging() {
             assert!(took < Duration::from_secs(10), "{took:?}: {e}");
         }
     }
+}
+
+#[test]
+fn gin_ucx_gpu_order_is_wait_or_fence() {
+    assert!(wait_lent_from_env(None).unwrap());
+    assert!(wait_lent_from_env(Some("wait")).unwrap());
+    assert!(!wait_lent_from_env(Some("fence")).unwrap());
+    let e = wait_lent_from_env(Some("maybe")).unwrap_err().to_string();
+    assert!(
+        e.contains("GIN_UCX_GPU_ORDER") && e.contains("maybe"),
+        "{e}"
+    );
 }

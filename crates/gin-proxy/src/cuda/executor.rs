@@ -24,8 +24,9 @@
 //! ([`Transport::complete_device`]) before anything that says their source
 //! may be reused or that the GPU may write it: a counter, the ring's
 //! completion index, a get into this rank's memory, [`Executor::quiesce`]
-//! (and the executor's drop). Their signals need no wait: a running total
-//! is put ordered after them ([`Transport::put_ordered`]). Otherwise a
+//! (and the executor's drop). A signal's running total is put ordered
+//! after them ([`Transport::put_ordered`]: ucx waits for them first unless
+//! `GIN_UCX_GPU_ORDER=fence`). Otherwise a
 //! put's source is staged through pinned host memory on the ring's stream
 //! (waited for) and sent with [`Fabric::put_key`], and a get's answer is
 //! read with [`Fabric::read_key`] into the pinned buffer and copied to the
