@@ -7,8 +7,9 @@
 //! ucx-bindings`), `load` (opening `libucp.so.0` at run time: `GIN_UCX_LIB`,
 //! else the usual names; building needs no UCX), `worker` (the context and
 //! worker), [`wire`] (the transport's own active messages, pure), `serve`
-//! (the owner's side: mapping regions, answering and revoking rkeys); this
-//! module holds [`UcxTransport`] and its registration.
+//! (the owner's side: mapping regions, answering and revoking rkeys),
+//! `proc` (whether a peer's process on this kernel is gone); this module
+//! holds [`UcxTransport`] and its registration.
 //!
 //! # Design
 //!
@@ -44,14 +45,17 @@
 //!   owner stops serving a region ([`crate::region::RegionObserver`]:
 //!   deregistration, or a window dropped without it), it revokes the rkey
 //!   at every peer that holds it and waits until each has dropped it and
-//!   flushed what it sent (pinging a late one: a peer whose progress
-//!   thread answers is waited for up to the job's timeout, one silent for
-//!   2 s is taken for dead), or the job failed, then unmaps: a later
+//!   flushed what it sent, or is known to have failed (its path's error,
+//!   its endpoint closed, the job's health, its process gone where it runs
+//!   on this kernel), then unmaps: a later
 //!   operation fails at its initiator with [`NetError::Revoked`], naming
-//!   rank, window and offset, instead of writing memory that is gone. (Not
-//!   yet for a live peer silent for 2 s, a stopped one or one whose worker
-//!   is held: a put it had issued may land after the unmap; see
-//!   docs/ucx.md.)
+//!   rank, window and offset, instead of writing memory that is gone. A
+//!   peer late to acknowledge is pinged (the log says whether it answers)
+//!   and waited for up to the job's timeout, silent or not (a stopped rank,
+//!   or one whose worker a UCX call holds, may still write); after that the
+//!   region stays mapped, quarantined until the transport goes, and the
+//!   removal says so ([`crate::region::Removal::Quarantined`]: its owner
+//!   should leak the memory rather than reuse it).
 //! - put → `ucp_put_nbx`, get → `ucp_get_nbx`, fetch-add and
 //!   compare-swap → `ucp_atomic_op_nbx`, fence and confirm →
 //!   `ucp_ep_flush_nbx`. Every put's source is copied into a buffer the
@@ -91,6 +95,7 @@
 //!   makes CUDA ranks stage through pinned host memory instead.
 
 mod load;
+mod proc;
 mod serve;
 #[allow(missing_docs, unused_imports, clippy::all, clippy::pedantic)]
 mod sys;
@@ -219,6 +224,9 @@ pub(crate) struct Inner {
     failed: Mutex<HashMap<u32, (usize, wire::Refusal)>>,
     /// Outstanding revocations: (key, peer) pairs not yet acknowledged.
     acks: Mutex<HashSet<(u32, usize)>>,
+    /// Revoked regions a peer may still write (no acknowledgement within
+    /// the job's timeout): kept mapped until the transport goes.
+    quarantined: Mutex<Vec<serve::Mapping>>,
     /// The device context the progress thread makes current (from the
     /// last GPU region registered whose backing has one), and how many
     /// times it changed: the progress thread runs the newest once.
@@ -236,6 +244,10 @@ pub(crate) struct Inner {
     closing: AtomicBool,
     timeout: Duration,
     alive: OnceLock<Alive>,
+    /// The job's failure, once `alive` reported one ([`Inner::job`]).
+    job_failed: OnceLock<String>,
+    /// Each peer's process, where it runs on this kernel (see `proc`).
+    procs: Vec<Option<proc::ProcId>>,
     /// Failures the tests inject.
     #[cfg(test)]
     test: tests::Hooks,
@@ -347,6 +359,13 @@ impl UcxTransport {
                 alternatives: ALTERNATIVES,
             });
         }
+        // Which peers share this kernel (their pids mean something here).
+        let me = proc::ProcId::mine();
+        let procs = b
+            .allgather(&proc::ProcId::encode(me.as_ref()))?
+            .iter()
+            .map(|r| proc::ProcId::decode(r).filter(|p| me.as_ref().is_some_and(|m| m.near(p))))
+            .collect();
         let rank = b.rank();
         let peers = (0..b.nranks())
             .map(|p| {
@@ -374,6 +393,7 @@ impl UcxTransport {
             served: Mutex::new(HashMap::new()),
             failed: Mutex::new(HashMap::new()),
             acks: Mutex::new(HashSet::new()),
+            quarantined: Mutex::new(Vec::new()),
             heard: Mutex::new(HashMap::new()),
             thread_context: Mutex::new(None),
             thread_context_changes: AtomicU64::new(0),
@@ -384,6 +404,8 @@ impl UcxTransport {
             closing: AtomicBool::new(false),
             timeout,
             alive: OnceLock::new(),
+            job_failed: OnceLock::new(),
+            procs,
             #[cfg(test)]
             test: tests::Hooks::default(),
         });
@@ -522,6 +544,25 @@ impl Inner {
         }
     }
 
+    /// The job's health ([`Transport::watch`]), remembered once it failed:
+    /// the check holds the job weakly, and a rank tearing down after a
+    /// failure may have dropped the job by the time it drops its windows
+    /// (whose revocations must then not wait for peers that are gone).
+    /// The progress thread asks it periodically, so a failure is known
+    /// even where no wait asked while the job was there.
+    fn job(&self) -> Result<(), String> {
+        if let Some(why) = self.job_failed.get() {
+            return Err(why.clone());
+        }
+        match self.alive.get().map(|a| a()) {
+            Some(Err(why)) => {
+                let _ = self.job_failed.set(why.clone());
+                Err(why)
+            }
+            _ => Ok(()),
+        }
+    }
+
     fn peer_opt(&self, p: usize) -> Option<&Peer> {
         self.peers.get(p).and_then(Option::as_ref)
     }
@@ -539,9 +580,9 @@ impl Inner {
         let Some(why) = peer.error.get() else {
             return Ok(());
         };
-        let why = match self.alive.get().map(|a| a()) {
-            Some(Err(job)) => format!("{job} ({why})"),
-            _ => why,
+        let why = match self.job() {
+            Err(job) => format!("{job} ({why})"),
+            Ok(()) => why,
         };
         Err(NetError::Broken {
             peer: peer.rank,
@@ -770,12 +811,12 @@ impl Inner {
                         waited: start.elapsed(),
                     })
                 } else {
-                    match self.alive.get().map(|a| a()) {
-                        Some(Err(job)) => Some(NetError::Broken {
+                    match self.job() {
+                        Err(job) => Some(NetError::Broken {
                             peer: peer.rank,
                             why: job,
                         }),
-                        _ => None,
+                        Ok(()) => None,
                     }
                 };
                 if let Some(e) = why {
@@ -853,12 +894,12 @@ impl Inner {
                     waited: start.elapsed(),
                 }
             } else {
-                match self.alive.get().map(|a| a()) {
-                    Some(Err(job)) => NetError::Broken {
+                match self.job() {
+                    Err(job) => NetError::Broken {
                         peer: peer.rank,
                         why: job,
                     },
-                    _ => continue,
+                    Ok(()) => continue,
                 }
             };
             peer.error.set(why.to_string());
@@ -1006,6 +1047,11 @@ impl Drop for Inner {
             }
         }
         for (_, m) in lock(&self.served).drain() {
+            m.unmap(&self.ucp);
+        }
+        // With the endpoints closed and the worker going, nothing of this
+        // rank writes them any more (a peer's RDMA would fail at its side).
+        for m in lock(&self.quarantined).drain(..) {
             m.unmap(&self.ucp);
         }
     }

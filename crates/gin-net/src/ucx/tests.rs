@@ -11,6 +11,7 @@ use std::sync::atomic::AtomicI8;
 use gin_bootstrap::{Config, run_threads};
 
 use super::*;
+use crate::region::Removal;
 use crate::window::{Addr, MemDesc, MemParts};
 
 /// Failures the tests inject into a transport.
@@ -34,6 +35,8 @@ pub(super) struct Hooks {
     blocked: AtomicBool,
     /// The progress thread makes no progress while set (a stopped rank).
     pub(super) stopped: AtomicBool,
+    /// Bases of the revoked regions unmapped.
+    pub(super) unmapped: Mutex<Vec<usize>>,
 }
 
 impl Hooks {
@@ -228,7 +231,7 @@ fn an_owner_that_cannot_map_a_region_answers_with_the_ucx_status_promptly() {
 
 /// An owner unmaps a revoked region only after every peer that held its
 /// rkey acknowledged (a peer slower than any fixed bound), not after a
-/// fixed wait.
+/// fixed wait; then the memory is released to its owner.
 #[test]
 fn an_owner_unmaps_only_after_every_holder_acknowledged() {
     if !ucx_here() {
@@ -255,8 +258,10 @@ fn an_owner_unmaps_only_after_every_holder_acknowledged() {
         }
         b.barrier().unwrap();
         if b.rank() == 1 {
-            table.remove(key);
-            seen = Some(released.load(Ordering::Acquire));
+            let verdict = table.remove(key);
+            let base = mem.as_ptr() as usize;
+            let unmapped = lock(&t.inner.test.unmapped).contains(&base);
+            seen = Some((released.load(Ordering::Acquire), verdict, unmapped));
         } else {
             let began = Instant::now();
             while lock(&t.inner.test.held).is_empty() {
@@ -272,11 +277,68 @@ fn an_owner_unmaps_only_after_every_holder_acknowledged() {
         drop(t);
         seen
     });
-    assert_eq!(
-        out[1],
-        Some(true),
-        "the owner unmapped before the peer acknowledged"
-    );
+    let (acked, verdict, unmapped) = out[1].unwrap();
+    assert!(acked, "the owner unmapped before the peer acknowledged");
+    assert_eq!(verdict, Removal::Released);
+    assert!(unmapped, "the acknowledged region was not unmapped");
+}
+
+/// A peer that holds a region's rkey and neither acknowledges its
+/// revocation nor is known to have failed is waited for up to the job's
+/// timeout, whether it is silent (stopped: no answer to pings, once taken
+/// for dead after 2 s) or answers pings: then the region stays mapped,
+/// quarantined, and its owner is told not to reuse the memory.
+#[test]
+fn a_peer_that_never_acknowledges_leaves_the_region_quarantined_not_unmapped() {
+    if !ucx_here() {
+        return;
+    }
+    for stopped in [true, false] {
+        let timeout = Duration::from_secs(3);
+        let out = two_ranks(timeout, move |b, table| {
+            let t = start(b, &table, timeout);
+            let mut mem = vec![0u64; 512];
+            let key = if b.rank() == 1 {
+                register(&table, &mut mem)
+            } else {
+                0
+            };
+            let key = key_of(b, key, 1);
+            if b.rank() == 0 {
+                t.put(1, Target::Key { key, offset: 0 }, &[5; 8], None)
+                    .unwrap();
+                t.fence(1, timeout).unwrap();
+                if stopped {
+                    t.inner.test.stopped.store(true, Ordering::Release);
+                } else {
+                    t.inner.test.hold.store(true, Ordering::Release);
+                }
+            }
+            b.barrier().unwrap();
+            let mut seen = None;
+            if b.rank() == 1 {
+                let began = Instant::now();
+                let verdict = table.remove(key);
+                let took = began.elapsed();
+                let base = mem.as_ptr() as usize;
+                let unmapped = lock(&t.inner.test.unmapped).contains(&base);
+                let kept = lock(&t.inner.quarantined).iter().any(|m| m.base() == base);
+                seen = Some((verdict, took, unmapped, kept));
+            }
+            b.barrier().unwrap();
+            t.inner.test.stopped.store(false, Ordering::Release);
+            drop(t);
+            seen
+        });
+        let (verdict, took, unmapped, kept) = out[1].unwrap();
+        assert_eq!(verdict, Removal::Quarantined, "stopped: {stopped}");
+        assert!(
+            took >= Duration::from_secs(3),
+            "stopped: {stopped}: ended after {took:?}, before the job's timeout"
+        );
+        assert!(took < Duration::from_secs(10), "{took:?}");
+        assert!(!unmapped && kept, "stopped: {stopped}: unmapped");
+    }
 }
 
 /// A removal waiting for a peer's acknowledgement ends when the
