@@ -218,6 +218,22 @@ for n in 2 4; do
 done
 step "ep-ll-cuda-2ranks-deepep-shape-fp8" "$ep" ll device=cuda ranks=2 tokens=128 hidden=7168 topk=8 experts=32 repeats=5 fp8=1
 step "ep-ll-cuda-4ranks-2hosts-fp8" "$ep" ll device=cuda ranks=4 hosts=2 fp8=1
+# Inputs and outputs in GPU memory (no host copy in the step): on gin's
+# stream (inputs=device) and queued on the caller's stream, synchronised
+# once per step (inputs=stream); the same oracle, and (below) the same
+# digests as host inputs. Bad inputs found on the GPU: the victim reports
+# its entry, every other rank a protocol error naming it, nobody times out.
+for n in 2 4; do
+  step "ep-ll-cuda-${n}ranks-inputs-device" "$ep" ll device=cuda ranks=$n inputs=device
+  step "ep-ll-cuda-${n}ranks-inputs-stream" "$ep" ll device=cuda ranks=$n inputs=stream
+  step "ep-ll-cuda-${n}ranks-inputs-device-fp8" "$ep" ll device=cuda ranks=$n inputs=device fp8=1
+  step "ep-ll-cuda-${n}ranks-inputs-device-bad" "$ep" ll device=cuda ranks=$n inputs=device bad=1
+  # The expert outputs in the caller's tensor (ll_combine_from_*).
+  step "ep-ll-cuda-${n}ranks-inputs-device-expert-tensor" "$ep" ll device=cuda ranks=$n inputs=device expert=tensor
+  step "ep-ll-cuda-${n}ranks-inputs-stream-expert-tensor" "$ep" ll device=cuda ranks=$n inputs=stream expert=tensor
+done
+step "ep-ll-cuda-2ranks-deepep-shape-inputs-stream" "$ep" ll device=cuda ranks=2 tokens=128 hidden=7168 topk=8 experts=32 repeats=5 inputs=stream
+step "ep-ll-cuda-4ranks-2hosts-inputs-device" "$ep" ll device=cuda ranks=4 hosts=2 inputs=device
 # The combine's result must not depend on its path: read in place (auto),
 # put (proxy, GIN_EP_COMBINE=put), or CPU ranks: every rank's digest agrees.
 ep_digests() { sed -n 's/.*rank \([0-9]*\) of [0-9]*: ll ok.*combine digest \([0-9a-f]*\).*/\1 \2/p' "$out/$1.log" | sort; }
@@ -226,7 +242,10 @@ ep_same_digests() {
   shift; for l in "$@"; do [ "$(ep_digests "$l")" = "$ref" ] || { echo "$l differs from the first"; return 1; }; done; echo "$ref"
 }
 for n in 2 4; do
-  step "ep-ll-${n}ranks-combine-paths-agree" ep_same_digests "ep-ll-cuda-${n}ranks-auto" "ep-ll-cuda-${n}ranks-proxy" "ep-ll-cuda-${n}ranks-combine-put" "ep-ll-cpu-${n}ranks"
+  step "ep-ll-${n}ranks-combine-paths-agree" ep_same_digests "ep-ll-cuda-${n}ranks-auto" "ep-ll-cuda-${n}ranks-proxy" "ep-ll-cuda-${n}ranks-combine-put" "ep-ll-cpu-${n}ranks" \
+    "ep-ll-cuda-${n}ranks-inputs-device" "ep-ll-cuda-${n}ranks-inputs-stream" \
+    "ep-ll-cuda-${n}ranks-inputs-device-expert-tensor" "ep-ll-cuda-${n}ranks-inputs-stream-expert-tensor"
+  step "ep-ll-${n}ranks-fp8-inputs-agree" ep_same_digests "ep-ll-cuda-${n}ranks-fp8" "ep-ll-cuda-${n}ranks-inputs-device-fp8"
 done
 fi
 if [ -n "$benches" ]; then
@@ -236,6 +255,7 @@ if [ -n "$benches" ]; then
     step "bench-moe-cuda-${n}ranks" "$here/gin-bench" moe --device cuda --ranks $n --json "$out/moe-cuda-${n}ranks.json"
     step "bench-moe-cuda-${n}ranks-fp8" "$here/gin-bench" moe --device cuda --ranks $n --fp8 --json "$out/moe-cuda-${n}ranks-fp8.json"
     step "bench-moe-cuda-${n}ranks-combine-put" env GIN_EP_COMBINE=put "$here/gin-bench" moe --device cuda --ranks $n --json "$out/moe-cuda-${n}ranks-combine-put.json"
+    step "bench-moe-cuda-${n}ranks-inputs-device" "$here/gin-bench" moe --device cuda --ranks $n --inputs device --json "$out/moe-cuda-${n}ranks-inputs-device.json"
   done
   # Peers in the same job (issue 22): NVSHMEM's put-with-signal ping-pong and
   # put bandwidth, built here with this machine's nvcc against its NVSHMEM and

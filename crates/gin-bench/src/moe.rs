@@ -23,7 +23,11 @@
 //! peer, as before 2026-11-25, copied too slowly to bound anything). Each
 //! phase is timed on the GPU (`%globaltimer`, from the kernel's first block
 //! start to its last block end) after a bootstrap barrier; a run's figure
-//! is the slowest rank's mean, as on CPU ranks.
+//! is the slowest rank's mean, as on CPU ranks. `--inputs device` keeps the
+//! tokens, routing and combined output in GPU memory (gin-ep's
+//! `ll_dispatch_device`, `ll_combine_device`): the dispatch kernel then
+//! stages the messages itself, inside the timed kernel, and no step copies
+//! anything to or from the host.
 
 use std::time::Instant;
 
@@ -39,6 +43,17 @@ use crate::progress::Progress;
 use crate::ranks;
 use crate::report::{Report, Table};
 use crate::stats::Row;
+
+/// Where `--device cuda`'s inputs and output live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MoeInputs {
+    /// Host slices, staged into GPU memory by gin-ep each step.
+    #[default]
+    Host,
+    /// GPU memory: the dispatch kernel stages the messages itself.
+    Device,
+}
 
 /// The two schemes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
@@ -87,6 +102,11 @@ pub struct MoeArgs {
     /// thread interleaves them).
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
+    /// Where a step's inputs and output live (`--device cuda`): `host`
+    /// slices gin-ep stages, or `device` memory (no host copy in the step).
+    #[arg(long, value_enum, default_value_t = MoeInputs::Host)]
+    #[serde(default)]
+    pub inputs: MoeInputs,
     #[command(flatten)]
     #[serde(flatten)]
     pub common: Common,
@@ -116,6 +136,9 @@ pub struct MoeResult {
     /// `cpu` or `cuda` ranks.
     #[serde(default)]
     pub device: String,
+    /// Where the inputs and output lived (CUDA ranks).
+    #[serde(default)]
+    pub inputs: MoeInputs,
 }
 
 pub fn run(args: &MoeArgs) -> Result<()> {
@@ -132,6 +155,7 @@ pub fn run(args: &MoeArgs) -> Result<()> {
         check_cuda_args(args)?;
     } else {
         c.validate("moe")?;
+        check_cpu_args(args)?;
     }
     if args.tokens == 0 || args.hidden == 0 || args.topk == 0 || args.hosts == 0 {
         bail!("--tokens, --hidden, --topk and --hosts must be positive");
@@ -178,10 +202,10 @@ fn table(all: &[MoeResult]) -> Table {
             } else {
                 "high-throughput"
             },
-            if r.device == "cuda" {
-                ", CUDA ranks"
-            } else {
-                ""
+            match (r.device.as_str(), r.inputs) {
+                ("cuda", MoeInputs::Device) => ", CUDA ranks, inputs and output in GPU memory",
+                ("cuda", MoeInputs::Host) => ", CUDA ranks",
+                _ => "",
             },
             r.tokens,
             r.hidden,
@@ -355,10 +379,19 @@ fn rank_main(args: &MoeArgs) -> Result<()> {
             combine: Row::new(cb, c_runs, fc_runs).context("no samples")?,
             total: Row::new(db + cb, t_runs, ft_runs).context("no samples")?,
             device: "cpu".into(),
+            inputs: MoeInputs::Host,
         })?;
     }
     floor.dc.destroy()?;
     buf.destroy()?;
+    Ok(())
+}
+
+/// What CPU ranks refuse, before any rank starts.
+fn check_cpu_args(args: &MoeArgs) -> Result<()> {
+    if args.inputs == MoeInputs::Device {
+        bail!("--inputs device is for --device cuda (CPU ranks' inputs are host memory)");
+    }
     Ok(())
 }
 
@@ -400,13 +433,24 @@ fn cuda_rank_main(args: &MoeArgs) -> Result<()> {
         &comb[rank * n..(rank + 1) * n],
     )?;
     let me = &inputs[rank];
+    let dev = match args.inputs {
+        MoeInputs::Host => None,
+        MoeInputs::Device => Some(DevInputs::upload(&cuda, me, args.hidden)?),
+    };
     // Per step: dispatch, combine, floor dispatch, floor combine (µs).
     let mut step = |timed: &mut [f64; 4]| -> Result<()> {
         comm.bootstrap().barrier()?;
-        let d = buf.ll_dispatch(&me.x, &me.topk_idx, &me.weights)?;
-        buf.ll_echo(&d)?;
-        comm.bootstrap().barrier()?;
-        buf.ll_combine(&d)?;
+        if let Some(dv) = &dev {
+            let s = buf.ll_dispatch_device(&dv.inputs())?;
+            buf.ll_echo_device(&s)?;
+            comm.bootstrap().barrier()?;
+            buf.ll_combine_device(&s, &dv.out)?;
+        } else {
+            let d = buf.ll_dispatch(&me.x, &me.topk_idx, &me.weights)?;
+            buf.ll_echo(&d)?;
+            comm.bootstrap().barrier()?;
+            buf.ll_combine(&d)?;
+        }
         let (kd, kc) = buf.last_kernels();
         comm.bootstrap().barrier()?;
         let fd = floor.step(true)?;
@@ -466,11 +510,56 @@ fn cuda_rank_main(args: &MoeArgs) -> Result<()> {
             combine: Row::new(cb, cm, fc).context("no samples")?,
             total: Row::new(db + cb, t, ft).context("no samples")?,
             device: "cuda".into(),
+            inputs: args.inputs,
         })?;
     }
     floor.destroy()?;
     buf.destroy()?;
     Ok(())
+}
+
+/// A rank's inputs and output in GPU memory for `--inputs device`,
+/// uploaded once before anything is timed (a framework's tensors).
+struct DevInputs {
+    x: gin_core::cuda::DevMem,
+    idx: gin_core::cuda::DevMem,
+    w: gin_core::cuda::DevMem,
+    out: gin_core::cuda::DevMem,
+    tokens: usize,
+}
+
+impl DevInputs {
+    fn upload(cuda: &gin_core::cuda::CudaComm<'_>, me: &RankInput, hidden: usize) -> Result<Self> {
+        use gin_core::cuda::DevMem;
+        cuda.device().make_current()?;
+        let mem = |bytes: usize| DevMem::new(bytes.max(16));
+        let (x, idx, w) = (
+            mem(2 * me.x.len())?,
+            mem(8 * me.topk_idx.len())?,
+            mem(4 * me.weights.len())?,
+        );
+        if me.tokens > 0 {
+            x.write(0, &me.x)?;
+            idx.write(0, &me.topk_idx)?;
+            w.write(0, &me.weights)?;
+        }
+        Ok(Self {
+            x,
+            idx,
+            w,
+            out: mem(2 * me.tokens * hidden)?,
+            tokens: me.tokens,
+        })
+    }
+
+    fn inputs(&self) -> gin_ep::cuda::DeviceInputs<'_> {
+        gin_ep::cuda::DeviceInputs {
+            x: &self.x,
+            topk_idx: &self.idx,
+            topk_weights: &self.w,
+            tokens: self.tokens,
+        }
+    }
 }
 
 /// One CUDA step with the oracle's checks, before timing.
@@ -691,5 +780,19 @@ mod cuda_tests {
             }
             None => assert!(fp8.is_ok(), "{fp8:?}"),
         }
+    }
+
+    /// `--inputs device` selects device-resident inputs on CUDA ranks and
+    /// is refused on CPU ranks; host inputs are the default.
+    #[test]
+    fn inputs_device_is_for_cuda_ranks() {
+        assert_eq!(parse(&[]).inputs, MoeInputs::Host);
+        let dev = parse(&["--device", "cuda", "--inputs", "device"]);
+        assert_eq!(dev.inputs, MoeInputs::Device);
+        let e = check_cpu_args(&parse(&["--inputs", "device"]))
+            .expect_err("device inputs on CPU ranks")
+            .to_string();
+        assert!(e.contains("--inputs device is for --device cuda"), "{e}");
+        assert!(check_cpu_args(&parse(&[])).is_ok());
     }
 }

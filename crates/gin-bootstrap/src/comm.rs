@@ -494,6 +494,25 @@ impl Bootstrap {
         }
     }
 
+    /// Tells the job that `peer` stopped answering: a data path of this rank
+    /// (a transport) waited the job's whole timeout for `peer` to take or
+    /// answer a request, which a live process does in microseconds whatever
+    /// its rank thread is doing. The root tells every rank, so ranks that
+    /// were waiting on a third rank, one that gives up because of `peer` and
+    /// leaves, name `peer` as the cause instead of that rank's departure.
+    /// `why` says what went unanswered, for how long. Ignored for this rank
+    /// itself, a rank outside the job, and a peer already known to have
+    /// failed. Writes one frame to the root and waits for no answer.
+    pub fn report_unresponsive(&self, peer: usize, why: &str) {
+        if peer == self.rank || peer >= self.nranks {
+            return;
+        }
+        if self.shared.lock().failed[peer].is_some() {
+            return;
+        }
+        self.report_stuck(peer, why);
+    }
+
     /// Records that `peer` stopped draining its connections and tells the
     /// root, which tells every rank.
     fn report_stuck(&self, peer: usize, why: &str) {

@@ -16,6 +16,8 @@
 
 use std::fmt::Write as _;
 
+use crate::Bootstrap;
+
 /// What identifies a process to a peer on the same kernel.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProcessId {
@@ -109,24 +111,90 @@ impl Liveness {
     /// `None` when every peer looked at is running.
     pub fn diagnose(&self) -> Option<String> {
         let mut out = String::new();
-        for (rank, p) in &self.peers {
-            let why = match read_stat(p.pid) {
-                Some(s) if s.start != p.start => "exited",
-                None => "exited",
-                Some(s) => match s.state {
-                    'T' | 't' => "is stopped (SIGSTOP, a debugger or a frozen cgroup)",
-                    'Z' | 'X' | 'x' => "exited",
-                    _ => continue,
-                },
-            };
+        for (rank, state) in self.look() {
             let _ = write!(
                 out,
-                "{}rank {rank} {why} (pid {})",
+                "{}rank {rank} {state}",
                 if out.is_empty() { "" } else { "; " },
-                p.pid
             );
         }
         (!out.is_empty()).then_some(out)
+    }
+
+    /// [`Liveness::diagnose`], after telling the job of every peer found
+    /// stopped ([`Bootstrap::report_unresponsive`]): the caller's wait timed
+    /// out and it is about to fail, and the ranks waiting on it would
+    /// otherwise name its departure, a symptom, rather than the stopped
+    /// peer (`cargo xtask faults`, all-to-all over shm).
+    pub fn diagnose_and_report(&self, bootstrap: &Bootstrap) -> Option<String> {
+        for (peer, state) in self.stopped() {
+            bootstrap.report_unresponsive(
+                peer,
+                &format!(
+                    "rank {} found it stopped after a wait timed out: rank {peer} {state}",
+                    bootstrap.rank()
+                ),
+            );
+        }
+        self.diagnose()
+    }
+
+    /// The peers whose process is stopped, each with what its state says
+    /// ("is stopped (SIGSTOP, a debugger or a frozen cgroup) (pid N)"). A
+    /// stopped process answers nobody, so the caller may tell the whole job
+    /// (`Bootstrap::report_unresponsive`); exits need no telling, the
+    /// bootstrap's death watch sees them.
+    pub fn stopped(&self) -> Vec<(usize, String)> {
+        self.look()
+            .into_iter()
+            .filter(|(_, s)| s.stopped)
+            .map(|(rank, s)| (rank, s.to_string()))
+            .collect()
+    }
+
+    /// Every peer looked at that is not running, with its state.
+    fn look(&self) -> Vec<(usize, PeerState)> {
+        self.peers
+            .iter()
+            .filter_map(|(rank, p)| {
+                let stopped = match read_stat(p.pid) {
+                    Some(s) if s.start != p.start => false,
+                    None => false,
+                    Some(s) => match s.state {
+                        'T' | 't' => true,
+                        'Z' | 'X' | 'x' => false,
+                        _ => return None,
+                    },
+                };
+                Some((
+                    *rank,
+                    PeerState {
+                        stopped,
+                        pid: p.pid,
+                    },
+                ))
+            })
+            .collect()
+    }
+}
+
+/// A peer process that is not running: stopped, or gone.
+struct PeerState {
+    stopped: bool,
+    pid: u32,
+}
+
+impl std::fmt::Display for PeerState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.stopped {
+            write!(
+                f,
+                "is stopped (SIGSTOP, a debugger or a frozen cgroup) (pid {})",
+                self.pid
+            )
+        } else {
+            write!(f, "exited (pid {})", self.pid)
+        }
     }
 }
 
@@ -167,6 +235,7 @@ mod tests {
         };
         let live = Liveness::new(0, &[Some(own), Some(peer)]);
         assert_eq!(live.diagnose(), None);
+        assert!(live.stopped().is_empty());
         let stop = |sig: &str| {
             assert!(
                 Command::new("kill")
@@ -189,9 +258,18 @@ mod tests {
         }
         let said = said.unwrap();
         assert!(said.contains("rank 1 is stopped"), "{said}");
+        let stopped = live.stopped();
+        assert_eq!(stopped.len(), 1, "{stopped:?}");
+        assert_eq!(stopped[0].0, 1);
+        assert!(
+            stopped[0].1.contains(&format!("(pid {pid})")),
+            "{stopped:?}"
+        );
         child.kill().unwrap();
         child.wait().unwrap();
         let said = live.diagnose().unwrap();
         assert!(said.contains("rank 1 exited"), "{said}");
+        // A gone peer is the death watch's news, not a stopped one.
+        assert!(live.stopped().is_empty());
     }
 }

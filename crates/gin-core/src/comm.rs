@@ -92,7 +92,7 @@ impl Health for BootstrapHealth {
     }
 
     fn diagnose(&self) -> Option<String> {
-        self.1.diagnose()
+        self.1.diagnose_and_report(&self.0)
     }
 }
 

@@ -637,12 +637,24 @@ impl DevComm {
         }
     }
 
-    /// The backend's own error, if it reports one within a short grace.
-    fn backend_cause(&self) -> Option<GinError> {
+    /// Why a wait timed out, if something reports it within a short grace:
+    /// the job's liveness watch (the whole job's, or `peer`'s alone for a
+    /// wait on one peer) first, then the backend's own error. The two often
+    /// arrive together: when a peer stops, every rank's waits time out at
+    /// about the moment the job hears which peer it was, and a backend error
+    /// seen then (a link to a rank that gave up and left) is the echo.
+    fn timeout_cause(&self, peer: Option<usize>) -> Option<GinError> {
         let until = std::time::Instant::now() + CAUSE_GRACE;
         loop {
+            let job = peer.map_or_else(|| self.p.health.check(), |p| self.p.health.check_peer(p));
+            if let Err(why) = job {
+                return Some(GinError::JobFailed {
+                    rank: self.p.rank,
+                    why,
+                });
+            }
             if let Err(e) = self.p.backend.health() {
-                return Some(e);
+                return Some(self.cause_of(e));
             }
             if std::time::Instant::now() >= until {
                 return None;
@@ -688,19 +700,22 @@ impl DevComm {
                 let e = match stop {
                     // A timeout is often the echo of a backend thread blocked
                     // on the same stalled peer (a proxy or NIC sending to a
-                    // rank that stopped reading), which gives up at about the
-                    // same moment with an error naming that peer: give it a
-                    // moment, so the error names the cause. Failure path only.
-                    Stop::Timeout(waited) => self.backend_cause().unwrap_or(GinError::Timeout {
-                        rank: self.p.rank,
-                        ctx,
-                        peer,
-                        what: what(),
-                        last,
-                        expected,
-                        waited,
-                        suspects: self.p.health.diagnose().unwrap_or_default(),
-                    }),
+                    // rank that stopped reading), or of another rank's
+                    // transport, which give up at about the same moment with
+                    // an error naming that peer: give them a moment, so the
+                    // error names the cause. Failure path only.
+                    Stop::Timeout(waited) => {
+                        self.timeout_cause(peer).unwrap_or(GinError::Timeout {
+                            rank: self.p.rank,
+                            ctx,
+                            peer,
+                            what: what(),
+                            last,
+                            expected,
+                            waited,
+                            suspects: self.p.health.diagnose().unwrap_or_default(),
+                        })
+                    }
                     Stop::Aborted => GinError::Aborted {
                         rank: self.p.rank,
                         ctx,

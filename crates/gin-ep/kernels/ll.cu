@@ -137,6 +137,76 @@ EP_FN u16 dequantize(u8 b, float s) {
 }
 
 } // namespace fp8
+
+// The errors the kernels record for the host (cuda/dev.rs's decode_error):
+// word 0 is the kind | the peer << 8 (0: none), words 1-3 say what. The
+// first error of a buffer wins and stays (the buffer refuses further steps
+// once the host has seen it).
+constexpr u64 ERR_COUNT_OVER_MAX = 1;  // peer, expert, count
+constexpr u64 ERR_PEER_BAD_INPUT = 2;  // peer, expert
+constexpr u64 ERR_TOKEN_RANGE = 3;     // peer, expert, token index
+constexpr u64 ERR_NOT_NAMED = 4;       // peer, expert, token index
+constexpr u64 ERR_EXPERT_RANGE = 5;    // token, slot, expert (i64 bits)
+constexpr u64 ERR_DUPLICATE = 6;       // token, second | first << 32, expert
+constexpr u64 ERR_WEIGHT = 7;          // token, slot, weight bits
+// What a source adds to a dispatch signal when its inputs were refused on
+// the GPU (a real count adds count + 1 <= 2^31): no tokens, and the
+// receivers know why.
+constexpr u64 POISON = 1ull << 32;
+
+// The checks of device-resident inputs (compiled as host C++ too:
+// tests/input_host.rs compares them with the host path's checks).
+namespace input {
+
+// The order in which a bad input is reported, as the host checks: every
+// weight first (a live slot's weight that is not finite), then the top-k
+// entries (out of range, or an expert named twice), each by (token, slot).
+// The smallest key of a step's entries is its first error.
+EP_FN u64 key(u64 cls, u32 tok, u32 slot) { return cls << 62 | (u64)tok << 20 | slot; }
+
+EP_FN bool finite(float w) { return (fp8::bits_of(w) & 0x7f800000u) != 0x7f800000u; }
+
+// The key of entry j of token tok (ids and w: that token's top-k ids and
+// weights), ~0 where it is fine: ll::check_inputs's weight rule, then
+// layout::check_topk's.
+EP_FN u64 entry_key(const long long* ids, const float* w, u32 tok, u32 j, u32 experts) {
+  const long long e = ids[j];
+  if (e >= 0 && !finite(w[j])) return key(0, tok, j);
+  if (e == -1) return ~0ull;
+  if (e < 0 || e >= (long long)experts) return key(1, tok, j);
+  for (u32 i = 0; i < j; ++i)
+    if (ids[i] == e) return key(1, tok, j);
+  return ~0ull;
+}
+
+// The error words (ERR_*) of the entry with key `key` (not ~0), from the
+// inputs (idx, wts: tokens x k), as the host reports it.
+EP_FN void error_of(u64 key, const long long* idx, const float* wts, u32 k, u32 experts,
+                    u64 out[4]) {
+  const u32 tok = (u32)((key >> 20) & 0xffffffffull), j = (u32)(key & 0xfffffu);
+  const long long* ids = idx + (u64)tok * k;
+  const long long e = ids[j];
+  out[1] = tok;
+  if (key >> 62 == 0) {
+    out[0] = ERR_WEIGHT;
+    out[2] = j;
+    out[3] = fp8::bits_of(wts[(u64)tok * k + j]);
+    return;
+  }
+  if (e < 0 || e >= (long long)experts) {
+    out[0] = ERR_EXPERT_RANGE;
+    out[2] = j;
+    out[3] = (u64)e;
+    return;
+  }
+  u32 first = 0;
+  while (first < j && ids[first] != e) ++first;
+  out[0] = ERR_DUPLICATE;
+  out[2] = (u64)j | (u64)first << 32;
+  out[3] = (u64)e;
+}
+
+} // namespace input
 } // namespace ep
 
 #if defined(__CUDACC__)
@@ -332,6 +402,59 @@ __device__ void quantize_tokens(const Window& send, const u16* xin, u32 tokens, 
   }
 }
 
+// Records an error: the first one (err[0] claimed by a CAS in device
+// memory) is copied to errh, pinned host memory the host polls without
+// waiting for the stream: words 1-3 first, word 0 last, each fenced at
+// system scope, so a host that sees word 0 sees the rest.
+__device__ void record(u64* err, u64* errh, u64 w0, u64 w1, u64 w2, u64 w3) {
+  if (!err || atomicCAS((unsigned long long*)err, 0ull, (unsigned long long)w0) != 0ull) return;
+  err[1] = w1;
+  err[2] = w2;
+  err[3] = w3;
+  if (!errh) return;
+  volatile u64* hv = errh;
+  hv[1] = w1;
+  hv[2] = w2;
+  hv[3] = w3;
+  __threadfence_system();
+  hv[0] = w0;
+  __threadfence_system();
+}
+
+// Device-resident inputs: writes each token's metadata into its message in
+// the send window (source token, top-k ids as i32, weights, zero padding to
+// m: what ll.rs's write_metadata stages on the host), and with BF16
+// (fp8 = 0) copies its payload from x (16-byte aligned rows: the host
+// checks the address; hidden is a multiple of 8). A warp per token across
+// the grid. Checks every top-k entry as the host would (input::entry_key):
+// the smallest key found goes to inbad (atomicMin; the combine kernel
+// resets it to ~0 for the next step).
+__device__ __noinline__ void stage_tokens(const Window& send, const u16* x, const long long* idx,
+                                          const float* wts, u32 tokens, u32 m, u32 p, u32 k,
+                                          u32 experts, u32 fp8, u64* inbad) {
+  const u32 lane = threadIdx.x & 31u, warps = blockDim.x >> 5;
+  for (u32 tok = blockIdx.x * warps + (threadIdx.x >> 5); tok < tokens; tok += gridDim.x * warps) {
+    u8* msg = (u8*)send.local_base + (u64)tok * m;
+    if (!fp8) {
+      const uint4* s = (const uint4*)(x + (u64)tok * (p / 2));
+      uint4* d = (uint4*)msg;
+      for (u32 v = lane; v < p / 16; v += 32) d[v] = s[v];
+    }
+    u8* md = msg + p;
+    if (lane == 0) *(u32*)md = tok;
+    u64 bad = ~0ull;
+    const long long* ids = idx + (u64)tok * k;
+    const float* w = wts + (u64)tok * k;
+    for (u32 j = lane; j < k; j += 32) {
+      ((int*)(md + 4))[j] = (int)ids[j];
+      ((float*)(md + 4 + 4 * (u64)k))[j] = w[j];
+      bad = min(bad, input::entry_key(ids, w, tok, j, experts));
+    }
+    for (u32 b = p + 4 + 8 * k + lane; b < m; b += 32) msg[b] = 0;
+    if (bad != ~0ull) atomicMin((unsigned long long*)inbad, (unsigned long long)bad);
+  }
+}
+
 } // namespace ep
 
 // Low-latency dispatch (send and receive halves in one launch). Sends: for
@@ -342,11 +465,27 @@ __device__ void quantize_tokens(const Window& send, const u16* xin, u32 tokens, 
 // * r + src, wait for signal q to pass seen[q], take the count from how far
 // it moved, and read each token's metadata: meta[3 * (q * t + i)] = source
 // token, top-k slot naming this rank's expert (~0 if none), weight bits.
-// counts[q] is the count as signalled (the host checks it against t).
+// counts[q] is the count, checked here: a count above t, a source's refused
+// inputs (POISON), a token index at or above t or a message that does not
+// name the expert is the source's protocol error, recorded in err/errh
+// (the host reports it), and such a pair counts 0 tokens, so that what an
+// expert kernel reads of counts stays within the slots.
 // active[rank]: 0 for a masked rank (nothing sent to it or awaited from it).
-// FP8 (xin not null: tokens x h BF16): first every block quantises its share
-// of the tokens into their staged messages, then a grid barrier (bar, to
-// reach bar_target) before any block sends.
+// Block 0 first adds 1 to ctarget[p] for each active rank p: the combine
+// signal each rank's experts reach in this step's combine.
+//
+// Where the messages come from:
+// - staged by the host (xin and idx null): nothing to do;
+// - FP8 (fp8 = 1, xin: tokens x h BF16): every block quantises its share of
+//   the tokens into their messages;
+// - device-resident inputs (idx and wts not null: tokens x k i64 and f32;
+//   xin the BF16 tokens): every block also writes its tokens' metadata (and
+//   with BF16 copies their payloads) and checks the inputs (stage_tokens).
+// Whenever blocks stage, a grid barrier (bar, to reach bar_target) comes
+// before any block sends. Inputs found bad (inbad below ~0) send no token:
+// every expert's signal adds POISON instead, so every receiver records why
+// its count is missing rather than waiting, and this rank records the first
+// bad entry as the host would report it.
 // eslot[token * k + j] (t x k u32): the token's index among this rank's
 // tokens for the expert its top-k slot j names (the layout's expert slot),
 // written as the token is sent, for the combine's reads in place.
@@ -354,12 +493,27 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_dispatch(DevComm 
                                           u32 l, u32 t, u32 m, u32 p, u32 k, const u32* active,
                                           u64* seen, u32* counts, u32* meta, u64* clock,
                                           const u16* xin, u32 h, u64* bar, u64 bar_target,
-                                          u32* eslot) {
+                                          u32* eslot, u32 fp8, const long long* idx,
+                                          const float* wts, u64* inbad, u64* err, u64* errh,
+                                          u64* ctarget) {
   ep::clock_start(clock);
   const u32 r = dc.nranks, experts = l * r;
-  if (xin) {
-    ep::quantize_tokens(send, xin, tokens, m, h);
+  if (blockIdx.x == 0)
+    for (u32 q = threadIdx.x; q < r; q += blockDim.x) ctarget[q] += active[q] ? 1 : 0;
+  bool bad = false;
+  if (xin || idx) {
+    if (idx) ep::stage_tokens(send, xin, idx, wts, tokens, m, p, k, experts, fp8, inbad);
+    if (fp8) ep::quantize_tokens(send, xin, tokens, m, h);
     if (ep::grid_sync(dc, bar, bar_target)) return;
+    if (idx) {
+      const u64 key = *(volatile u64*)inbad;
+      bad = key != ~0ull;
+      if (bad && blockIdx.x == 0 && threadIdx.x == 0) {
+        u64 w[4];
+        ep::input::error_of(key, idx, wts, k, experts, w);
+        ep::record(err, errh, w[0], w[1], w[2], w[3]);
+      }
+    }
   }
   // Each warp puts its own tokens (warp-wide copies of a message, all the
   // block's warps at once); the expert's signal follows the block's puts.
@@ -371,6 +525,10 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_dispatch(DevComm 
   for (u32 e = blockIdx.x; e < experts; e += gridDim.x) {
     const u32 dst = e / l, le = e % l;
     if (!active[dst]) continue;
+    if (bad) {
+      if (signal(dc, 0, dst, signal_add(le * r + dc.rank, ep::POISON), CTA)) return;
+      continue;
+    }
     u32 count = 0;
     for (u32 base = 0; base < tokens; base += blockDim.x) {
       const u32 n = ep::hits_of(send, base, tokens, m, p, k, e, list);
@@ -407,8 +565,16 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_dispatch(DevComm 
     if (ep::wait_from(dc, q, base + 1, src)) return;
     const u64 v = read_signal(dc, 0, q);
     const u64 c = v - base - 1;
-    const u32 got = c > t ? t : (u32)c;
     const int mine = (int)(dc.rank * l + le);
+    u32 got = (u32)c;
+    if (c + 1 >= ep::POISON || c > t) {
+      got = 0;
+      // A rank whose own inputs were refused has recorded that instead.
+      if (threadIdx.x == 0 && !bad)
+        ep::record(err, errh, (c + 1 >= ep::POISON ? ep::ERR_PEER_BAD_INPUT : ep::ERR_COUNT_OVER_MAX) |
+                                  (u64)src << 8,
+                   (u64)mine, c, 0);
+    }
     for (u32 i = threadIdx.x; i < got; i += blockDim.x) {
       const u8* md = (const u8*)recv.local_base + ((u64)q * t + i) * m + p;
       const int* ids = (const int*)(md + 4);
@@ -420,14 +586,19 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_dispatch(DevComm 
           break;
         }
       u32* out = meta + 3 * ((u64)q * t + i);
-      out[0] = *(const u32*)md;
+      const u32 tok = *(const u32*)md;
+      out[0] = tok;
       out[1] = kk;
       out[2] = kk < k ? __float_as_uint(w[kk]) : 0u;
+      if (tok >= t)
+        ep::record(err, errh, ep::ERR_TOKEN_RANGE | (u64)src << 8, (u64)mine, tok, 0);
+      else if (kk >= k)
+        ep::record(err, errh, ep::ERR_NOT_NAMED | (u64)src << 8, (u64)mine, tok, 0);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
       seen[q] = v;
-      counts[q] = c > 0xffffffffull ? 0xffffffffu : (u32)c;
+      counts[q] = got;
     }
   }
   ep::clock_end(clock);
@@ -466,6 +637,21 @@ extern "C" __global__ void ep_ll_echo(Window recv, Window csend, u32 pairs, u32 
   }
 }
 
+// The caller's expert outputs into the combine slots: src holds pairs x t
+// slots of h2 bytes (the layout of csend: DeepEP's [l, r * t, h] expert
+// output tensor, 16-byte aligned), of which the received ones (counts) are
+// copied, 16 bytes per thread.
+extern "C" __global__ void ep_ll_take_outputs(Window csend, const u8* src, u32 pairs, u32 t,
+                                              u32 h2, const u32* counts) {
+  for (u32 q = blockIdx.x; q < pairs; q += gridDim.x) {
+    const u32 c = counts[q] > t ? t : counts[q];
+    const u64 n = (u64)c * (h2 / 16);
+    const uint4* s = (const uint4*)(src + (u64)q * t * h2);
+    uint4* d = (uint4*)((u8*)csend.local_base + (u64)q * t * h2);
+    for (u64 v = threadIdx.x; v < n; v += blockDim.x) d[v] = s[v];
+  }
+}
+
 // Low-latency combine (send and receive halves in one launch). Sends: for
 // each pair q = le * r + src, each received token's combine slot goes back
 // to src's crecv at (source token * k + top-k slot) * 2h, unless src reads
@@ -473,13 +659,15 @@ extern "C" __global__ void ep_ll_echo(Window recv, Window csend, u32 pairs, u32 
 // this rank itself), then signal experts + e there adds 1 (after the puts;
 // for a reader in place it says the slots hold this step's outputs: they
 // were written by earlier launches). Receives: waits for every active
-// expert's signal to reach ctarget[its rank] (the host counts the steps
-// each rank took part in), then reduces each of this rank's tokens over its
+// expert's signal to reach ctarget[its rank] (the steps each rank took part
+// in, counted by the dispatch kernel), then reduces each of this rank's tokens over its
 // top-k slots with the weights (f32, in slot order, rounded once to BF16),
 // reading each slot in place or from crecv (combine_row), leaving out empty
 // slots and masked ranks' experts, into out (tokens x h BF16). Reading in
 // place or from crecv, the same bytes meet the same products and sums in the
-// same order: the results are bit-identical either way.
+// same order: the results are bit-identical either way. out is the
+// buffer's own device memory (read back by the host) or the caller's.
+// Block 0 clears inbad (the dispatch's input check) for the next step.
 //
 // An expert rank rewrites its csend slots (the next step's expert) only
 // after its next dispatch received every active source's count, which each
@@ -489,10 +677,13 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_combine(DevComm d
                                          u32 tokens, u32 l, u32 t, u32 m, u32 p, u32 k, u32 h,
                                          const u32* active, const u32* counts, const u32* meta,
                                          const u64* ctarget, unsigned short* out, u64* clock,
-                                         const u32* eslot, const u8* pull) {
+                                         const u32* eslot, const u8* pull, u64* inbad) {
   ep::clock_start(clock);
   const u32 r = dc.nranks, experts = l * r;
   const u64 h2 = 2ull * h;
+  // The dispatch of this step has read it (an earlier launch); the next
+  // dispatch finds it clear.
+  if (blockIdx.x == 0 && threadIdx.x == 0) *inbad = ~0ull;
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
@@ -507,7 +698,7 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_combine(DevComm d
     for (u32 i = warp; i < c; i += warps) {
       const u32* md = meta + 3 * ((u64)q * t + i);
       const u32 tok = md[0], kk = md[1];
-      // The host refuses the step before combining (EpError::Protocol).
+      // The dispatch recorded it (the host reports EpError::Protocol).
       if (tok >= t || kk >= k) continue;
       if (put(dc, 0, src, crecv, ((u64)tok * k + kk) * h2, csend, ((u64)q * t + i) * h2, h2,
               no_signal(), no_counter(), WARP)) {

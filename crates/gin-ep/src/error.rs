@@ -67,6 +67,21 @@ pub enum EpError {
         /// Elements per token (hidden size or top-k).
         per_token: usize,
     },
+    /// A device buffer whose address is not aligned as the kernel reads it
+    /// (CUDA ranks' device-resident inputs and outputs).
+    #[error(
+        "rank {rank}: {what} lies at device address {addr:#x}, not a multiple of {align} bytes"
+    )]
+    Misaligned {
+        /// This rank.
+        rank: usize,
+        /// Which buffer (`x`, `topk_idx`, `topk_weights`, `combine output`).
+        what: &'static str,
+        /// Its device address.
+        addr: u64,
+        /// The alignment it needs.
+        align: u64,
+    },
     /// A top-k slot names an expert that does not exist (only -1, "no
     /// expert", is allowed outside `0..experts`).
     #[error(

@@ -49,7 +49,10 @@
 //! ([`oracle::LlView`]). FP8 dispatch is quantised by the dispatch kernel,
 //! bit for bit as [`num::quantize_fp8`] (cross-checked as host C++). The
 //! combine reads load/store peers' expert outputs in place, as on CPU
-//! ranks.
+//! ranks. Inputs and outputs may live in GPU memory
+//! ([`cuda::DeviceInputs`]), with steps on gin's stream or queued on the
+//! caller's: no host copy or synchronisation in the step, the checks the
+//! host made on read-back done and recorded by the kernels.
 //! High-throughput mode and masking a lost peer are CPU-rank only so far.
 
 #![warn(missing_docs)]

@@ -66,6 +66,27 @@ pub(crate) fn pull_matrix(
         .collect())
 }
 
+/// The weight rule of [`check_inputs`]: a live slot's weight must be
+/// finite (checked before the top-k entries, for every token).
+pub(crate) fn check_weights(
+    rank: usize,
+    topk: usize,
+    topk_idx: &[i64],
+    weights: &[f32],
+) -> Result<(), EpError> {
+    for (i, (&e, &w)) in topk_idx.iter().zip(weights).enumerate() {
+        if e >= 0 && !w.is_finite() {
+            return Err(EpError::BadWeight {
+                rank,
+                token: i / topk,
+                slot: i % topk,
+                weight: w,
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Checks a step's inputs against `cfg` before anything moves (shared by
 /// CPU and CUDA ranks); returns the layout.
 pub(crate) fn check_inputs(
@@ -110,16 +131,7 @@ pub(crate) fn check_inputs(
             topk,
         ));
     }
-    for (i, (&e, &w)) in topk_idx.iter().zip(weights).enumerate() {
-        if e >= 0 && !w.is_finite() {
-            return Err(EpError::BadWeight {
-                rank,
-                token: i / topk,
-                slot: i % topk,
-                weight: w,
-            });
-        }
-    }
+    check_weights(rank, topk, topk_idx, weights)?;
     Layout::new(
         rank,
         topk_idx,

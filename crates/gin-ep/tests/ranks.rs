@@ -289,3 +289,45 @@ fn cuda_ranks_need_a_gpu_and_say_so() {
         ),
     }
 }
+
+/// The device-resident steps (`inputs=device`, `inputs=stream`) need a GPU
+/// alike and say so before starting a rank; with a GPU they pass the same
+/// oracle, and bad inputs found on the GPU are reported on every rank.
+#[test]
+fn device_resident_steps_need_a_gpu_and_pass_the_oracle() {
+    for inputs in ["inputs=device", "inputs=stream"] {
+        let Some(why) = gin_core::cuda::skip_reason() else {
+            assert_ok(
+                &run(2, &["ll", "device=cuda", inputs, "repeats=5"], &[]),
+                inputs,
+            );
+            assert_ok(
+                &run(
+                    2,
+                    &["ll", "device=cuda", inputs, "expert=tensor", "repeats=3"],
+                    &[],
+                ),
+                &format!("{inputs} expert=tensor"),
+            );
+            assert_ok(
+                &run(2, &["ll", "device=cuda", "inputs=device", "bad=1"], &[]),
+                "bad inputs on the GPU",
+            );
+            continue;
+        };
+        let out = std::process::Command::new(BIN)
+            .args(["ll", "device=cuda", inputs, "ranks=2"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "{inputs}: exited successfully: {err}"
+        );
+        assert!(
+            err.contains("device=cuda needs a GPU: ") && err.contains(&why),
+            "{inputs}: {err}"
+        );
+        assert!(out.stdout.is_empty(), "{inputs}");
+    }
+}

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use crate::NetError;
 use crate::region::RegionTable;
 use crate::shm::ShmTransport;
-use crate::transport::{self, Alive, AtomicOp, Reach, Setup, Target, Transport};
+use crate::transport::{self, Alive, AtomicOp, Blame, Reach, Setup, Target, Transport};
 use crate::window::{Addr, KeepAlive, MemDesc};
 
 /// How a peer is reached: the transport the job chose for it.
@@ -138,19 +138,40 @@ impl Fabric {
                 .map_or(Ok(()), |b| b.health().map_err(|e| e.to_string()))
         });
         self.watch(&alive);
+        let weak = Arc::downgrade(bootstrap);
+        let blame: Blame = Arc::new(move |peer, why| {
+            if let Some(b) = weak.upgrade() {
+                b.report_unresponsive(peer, why);
+            }
+        });
+        self.blame_to(&blame);
     }
 
     /// Hands every transport the job-health check its blocked operations
     /// consult (see [`Transport::watch`]).
     pub fn watch(&self, alive: &Alive) {
-        let mut seen: Vec<*const ()> = Vec::new();
+        for t in self.transports() {
+            t.watch(alive.clone());
+        }
+    }
+
+    /// Hands every transport where to report a peer that did not answer
+    /// for the job's whole timeout (see [`Transport::blame_to`]).
+    pub fn blame_to(&self, blame: &Blame) {
+        for t in self.transports() {
+            t.blame_to(blame.clone());
+        }
+    }
+
+    /// Each transport this fabric's paths use, once.
+    fn transports(&self) -> Vec<&Arc<dyn Transport>> {
+        let mut seen: Vec<&Arc<dyn Transport>> = Vec::new();
         for p in &self.paths {
-            let id = Arc::as_ptr(&p.transport).cast::<()>();
-            if !seen.contains(&id) {
-                seen.push(id);
-                p.transport.watch(alive.clone());
+            if !seen.iter().any(|t| Arc::ptr_eq(t, &p.transport)) {
+                seen.push(&p.transport);
             }
         }
+        seen
     }
 
     /// This rank.

@@ -157,6 +157,14 @@ pub enum AtomicOp {
 /// with that cause. It must not block.
 pub type Alive = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
 
+/// Where a transport reports a peer that left one of its requests unanswered
+/// (or its connection undrained) for the job's whole timeout: `(peer, why)`.
+/// The job tells every rank (see
+/// [`gin_bootstrap::Bootstrap::report_unresponsive`]), so ranks waiting on
+/// a third rank that gives up because of that peer name the peer, not the
+/// third rank's departure. It must not block.
+pub type Blame = Arc<dyn Fn(usize, &str) + Send + Sync>;
+
 /// What a transport does for the peers it reaches. One instance serves
 /// every peer the job chose it for; `peer` is always a rank of the job.
 ///
@@ -238,6 +246,15 @@ pub trait Transport: Send + Sync + std::fmt::Debug + std::any::Any {
     /// should consult (set once; later calls may be ignored).
     fn watch(&self, alive: Alive) {
         let _ = alive;
+    }
+
+    /// Hands the transport where to report a peer that did not answer for
+    /// the job's whole timeout (set once; later calls may be ignored). A
+    /// transport whose requests a live peer answers on its own threads
+    /// (whatever the peer's rank thread does) reports such a peer as
+    /// stopped; the default reports nothing.
+    fn blame_to(&self, blame: Blame) {
+        let _ = blame;
     }
 
     /// Writes `src` to `dst` at `peer`, executed there after every earlier

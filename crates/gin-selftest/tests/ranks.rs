@@ -220,6 +220,71 @@ fn a_stopped_peer_fails_a_tcp_sender_within_the_timeout_and_teardown_returns() {
     }
 }
 
+/// A rank that stops (SIGSTOP) is noticed by a witness: the rank streaming
+/// at it over tcp, whose transport waited the whole timeout, or a rank whose
+/// wait on it timed out (any path; its kernel shows the victim stopped). The
+/// witness then fails and leaves. Ranks waiting on the witness used to
+/// report "rank 0 exited (it left the job in order)" (`cargo xtask faults`,
+/// alltoall on 4 ranks: gdaki over tcp, 2 runs in 5; proxy over shm): the
+/// witness now tells the job which peer stopped, so every bystander names
+/// it, promptly.
+#[test]
+fn bystanders_name_the_stopped_rank_not_the_witness_that_left_because_of_it() {
+    let tcp = |env: &[(&str, &str)]| env.contains(&("GIN_TRANSPORT", "tcp"));
+    let streams = MODES
+        .iter()
+        .filter(|(_, env)| tcp(env))
+        .map(|m| (*m, "stream"));
+    let waits = MODES
+        .iter()
+        .filter(|(_, env)| !tcp(env))
+        .map(|m| (*m, "wait"));
+    for ((name, env), how) in streams.chain(waits) {
+        bystander_names_the_stopped_rank(name, env, how);
+    }
+}
+
+fn bystander_names_the_stopped_rank(name: &str, env: &[(&str, &str)], how: &str) {
+    let timeout = 2.0;
+    let name = format!("{name}, witness {how}s");
+    {
+        let mut spec =
+            LaunchSpec::new(3, BIN, ["stop-bystander", "1", how]).env("GIN_TIMEOUT", "2");
+        for (k, v) in env {
+            spec = spec.env(k, v);
+        }
+        spec.output = Output::Capture;
+        // The stopped victim is killed this long after the witness fails.
+        spec.grace = Duration::from_secs(3);
+        spec.limit = Some(Duration::from_secs(60));
+        let report = launch(&spec).unwrap();
+        let witness = &report.ranks[0].stdout;
+        assert!(
+            witness.contains("witness failed") && witness.contains("rank 1"),
+            "{name}: the witness did not fail naming rank 1: {witness}{}",
+            report.ranks[0].stderr
+        );
+        let by = &report.ranks[2];
+        assert!(
+            by.stdout.contains("bystander failed"),
+            "{name}: the bystander did not fail by itself: {}{}",
+            by.stdout,
+            by.stderr
+        );
+        assert!(
+            by.stdout.contains("rank 1 stopped responding") && !by.stdout.contains("rank 0 exited"),
+            "{name}: the bystander does not name the stopped rank: {}",
+            by.stdout
+        );
+        let at = seconds_after(&by.stdout, "bystander failed after");
+        assert!(
+            at < 3.0 * timeout,
+            "{name}: the bystander failed {at} s after the stop: {}",
+            by.stdout
+        );
+    }
+}
+
 /// A rank killed during registration, after creating its segment, used to
 /// leave the file in /dev/shm (5 of 5 kills): survivors now remove the
 /// job's names for that window.

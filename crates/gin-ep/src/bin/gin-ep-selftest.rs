@@ -11,7 +11,20 @@
 //! kernels of `kernels/ll.cu`) with the same oracle; `hosts=K` splits the
 //! ranks into K emulated hosts (consecutive ranks, by host id), so peers on
 //! other hosts are reached over TCP. Without a usable GPU it fails at once
-//! with "device=cuda needs a GPU: <why>".
+//! with "device=cuda needs a GPU: `<why>`".
+//!
+//! With `device=cuda`, `inputs=device` keeps each rank's inputs and the
+//! combine's output in GPU memory (`CudaBuffer::ll_dispatch_device`,
+//! `ll_combine_device`: no host copy in the step), and `inputs=stream`
+//! queues the whole step on a stream of the test's own
+//! (`ll_dispatch_on`, `ll_echo_on`, `ll_combine_on`), synchronised once per
+//! step; both are checked with the same oracle and print the same digests
+//! as `inputs=host` (the default). With either, `expert=tensor` moves the
+//! identity expert's outputs into a tensor of the rank's own and combines
+//! from there (`ll_combine_from_device`, `ll_combine_from_on`: DeepEP's
+//! `low_latency_combine(x, ...)`). `inputs=device bad=1` gives rank
+//! `victim` (default 1) an expert id out of range on the GPU and expects it
+//! to report that entry and every other rank a protocol error naming it.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -73,6 +86,7 @@ fn run() -> Res<()> {
     let comm = join(&args)?;
     let t = Instant::now();
     let what = match args.scenario.as_str() {
+        "ll" if cuda && args.get("bad", 0) == 1 => cuda_device_bad(&comm, &args)?,
         "ll" if cuda => cuda_oracle_run(&comm, &args)?,
         "ll" => oracle_run(&comm, &args, Mode::LowLatency)?,
         "ht" => oracle_run(&comm, &args, Mode::HighThroughput)?,
@@ -104,20 +118,196 @@ fn join(args: &Args) -> Res<Comm> {
     Ok(Comm::with_settings(b, settings)?)
 }
 
+/// Where a CUDA step's inputs and output live (`inputs=`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Inputs {
+    /// Host slices, staged by gin-ep (`ll_dispatch`, `ll_combine`).
+    Host,
+    /// GPU memory, steps on gin's stream (`ll_dispatch_device`...).
+    Device,
+    /// GPU memory, steps queued on the test's stream (`ll_dispatch_on`...).
+    Stream,
+}
+
+impl Inputs {
+    fn of(args: &Args) -> Res<Self> {
+        match args.kv.get("inputs").map(String::as_str) {
+            None | Some("host") => Ok(Self::Host),
+            Some("device") => Ok(Self::Device),
+            Some("stream") => Ok(Self::Stream),
+            Some(o) => Err(format!("unknown inputs={o:?} (host, device or stream)").into()),
+        }
+    }
+}
+
+/// This rank's inputs and combine output in GPU memory, as a framework's
+/// tensors would be, and the stream of `inputs=stream`.
+struct DevTensors {
+    x: gin_core::cuda::DevMem,
+    idx: gin_core::cuda::DevMem,
+    w: gin_core::cuda::DevMem,
+    out: gin_core::cuda::DevMem,
+    tokens: usize,
+    stream: Option<gin_core::cuda::Stream>,
+    /// `expert=tensor`: the expert outputs' own tensor.
+    eout: Option<gin_core::cuda::DevMem>,
+}
+
+impl DevTensors {
+    /// Uploads `me` (once, before the steps: the inputs a framework would
+    /// already hold on the GPU).
+    fn upload(
+        cuda: &gin_core::cuda::CudaComm<'_>,
+        me: &RankInput,
+        h: usize,
+        stream: bool,
+        eout_bytes: Option<usize>,
+    ) -> Res<Self> {
+        use gin_core::cuda::DevMem;
+        cuda.device().make_current()?;
+        let mem = |bytes: usize| DevMem::new(bytes.max(16));
+        let (x, idx, w) = (
+            mem(2 * me.x.len())?,
+            mem(8 * me.topk_idx.len())?,
+            mem(4 * me.weights.len())?,
+        );
+        if me.tokens > 0 {
+            x.write(0, &me.x)?;
+            idx.write(0, &me.topk_idx)?;
+            w.write(0, &me.weights)?;
+        }
+        Ok(Self {
+            x,
+            idx,
+            w,
+            out: mem(2 * me.tokens * h)?,
+            tokens: me.tokens,
+            stream: if stream {
+                Some(gin_core::cuda::Stream::new()?)
+            } else {
+                None
+            },
+            eout: eout_bytes.map(mem).transpose()?,
+        })
+    }
+
+    fn inputs(&self) -> gin_ep::cuda::DeviceInputs<'_> {
+        gin_ep::cuda::DeviceInputs {
+            x: &self.x,
+            topk_idx: &self.idx,
+            topk_weights: &self.w,
+            tokens: self.tokens,
+        }
+    }
+}
+
+/// Runs `f` (launches queued on `st`), then synchronises `st`, error or
+/// not, before anything the launches use can be dropped, and checks them.
+fn on_stream<T>(
+    buf: &mut gin_ep::cuda::CudaBuffer<'_, '_>,
+    st: &gin_core::cuda::Stream,
+    f: impl FnOnce(
+        &mut gin_ep::cuda::CudaBuffer<'_, '_>,
+        gin_core::cuda::StreamRef<'_>,
+    ) -> Result<T, EpError>,
+) -> Res<T> {
+    let r = f(buf, st.into());
+    st.sync()?;
+    let v = r?;
+    buf.check()?;
+    Ok(v)
+}
+
+/// `expert=tensor`: the identity expert's outputs moved from the combine
+/// slots into the rank's own expert-output tensor, and the slots zeroed,
+/// so that the combine can only find them in the tensor
+/// (`ll_combine_from_*`). Host copies: the test's, not the step's.
+fn move_outputs(buf: &gin_ep::cuda::CudaBuffer<'_, '_>, eout: &gin_core::cuda::DevMem) -> Res<()> {
+    let n = buf.device_layout().combine_bytes();
+    let mut v = vec![0u8; n];
+    buf.combine_slots().read(0, &mut v)?;
+    eout.write(0, &v)?;
+    buf.combine_slots().zero_wait(0, n)?;
+    Ok(())
+}
+
+/// One device-resident step (dispatch, identity expert, combine into the
+/// rank's output buffer), then what it received and combined copied back
+/// for the checks (after the step: not part of it).
+fn device_step(
+    buf: &mut gin_ep::cuda::CudaBuffer<'_, '_>,
+    dt: &DevTensors,
+) -> Res<(gin_ep::cuda::LlReceived, Vec<gin_ep::Bf16>)> {
+    let inp = dt.inputs();
+    let s = match (&dt.stream, &dt.eout) {
+        (Some(st), None) => on_stream(buf, st, |buf, on| {
+            // SAFETY: one stream, in order; dt's buffers and the stream
+            // outlive the step, synchronised by on_stream before anything
+            // is dropped or written, error or not.
+            unsafe {
+                let s = buf.ll_dispatch_on(on, &inp)?;
+                buf.ll_echo_on(on, &s)?;
+                buf.ll_combine_on(on, &s, &dt.out)?;
+                Ok(s)
+            }
+        })?,
+        (Some(st), Some(eout)) => {
+            // SAFETY: as above.
+            let s = on_stream(buf, st, |buf, on| unsafe {
+                let s = buf.ll_dispatch_on(on, &inp)?;
+                buf.ll_echo_on(on, &s)?;
+                Ok(s)
+            })?;
+            move_outputs(buf, eout)?;
+            // SAFETY: as above; eout outlives the step too.
+            on_stream(buf, st, |buf, on| unsafe {
+                buf.ll_combine_from_on(on, &s, eout, &dt.out)
+            })?;
+            s
+        }
+        (None, eout) => {
+            let s = buf.ll_dispatch_device(&inp)?;
+            buf.ll_echo_device(&s)?;
+            if let Some(eout) = eout {
+                move_outputs(buf, eout)?;
+                buf.ll_combine_from_device(&s, eout, &dt.out)?;
+            } else {
+                buf.ll_combine_device(&s, &dt.out)?;
+            }
+            s
+        }
+    };
+    let d = buf.ll_read_back(&s)?;
+    let got = buf.ll_received(&d)?;
+    let h = buf.config().hidden;
+    let mut raw = vec![0u16; dt.tokens * h];
+    if !raw.is_empty() {
+        dt.out.read(0, &mut raw)?;
+    }
+    Ok((got, raw.into_iter().map(gin_ep::Bf16).collect()))
+}
+
 /// One step on CUDA ranks: dispatch, check (first time), the identity
 /// expert on the GPU, combine, check; the digests of what was received and
-/// combined.
+/// combined. With `dev`, the step's inputs and output live in GPU memory.
 fn cuda_step(
     buf: &mut gin_ep::cuda::CudaBuffer<'_, '_>,
     all: &[RankInput],
     tables: &[Vec<i64>],
     check: bool,
+    dev: Option<&DevTensors>,
 ) -> Res<(u64, u64)> {
     let cfg = *buf.config();
     let (rank, n) = (buf.rank(), buf.nranks());
     let me = &all[rank];
-    let d = buf.ll_dispatch(&me.x, &me.topk_idx, &me.weights)?;
-    let got = buf.ll_received(&d)?;
+    let (got, combined) = if let Some(dt) = dev {
+        device_step(buf, dt)?
+    } else {
+        let d = buf.ll_dispatch(&me.x, &me.topk_idx, &me.weights)?;
+        let got = buf.ll_received(&d)?;
+        buf.ll_echo(&d)?;
+        (got, buf.ll_combine(&d)?.x)
+    };
     if check {
         oracle::check_ll_view(rank, &cfg, buf.active(), &got, all, tables)?;
         if cfg.fp8 {
@@ -125,16 +315,14 @@ fn cuda_step(
         }
     }
     let dig = oracle::ll_view_digest(&cfg, n, &got);
-    buf.ll_echo(&d)?;
-    let combined = buf.ll_combine(&d)?;
     if check {
         let active = buf.active().to_vec();
         let l = cfg.local_experts(n);
-        oracle::check_combine(rank, &combined.x, me, cfg.hidden, cfg.topk, cfg.fp8, |e| {
+        oracle::check_combine(rank, &combined, me, cfg.hidden, cfg.topk, cfg.fp8, |e| {
             active[e / l]
         })?;
     }
-    Ok((dig, oracle::bf16_digest(&combined.x)))
+    Ok((dig, oracle::bf16_digest(&combined)))
 }
 
 /// FP8 on CUDA ranks: every received payload, quantised by the dispatch
@@ -183,10 +371,22 @@ fn cuda_oracle_run(comm: &Comm, args: &Args) -> Res<String> {
         buf.set_blocks(b);
     }
     let (all, tables) = inputs(comm, &cfg)?;
+    let kind = Inputs::of(args)?;
+    let dev = match kind {
+        Inputs::Host => None,
+        _ => Some(DevTensors::upload(
+            &cuda,
+            &all[comm.rank()],
+            cfg.hidden,
+            kind == Inputs::Stream,
+            (args.kv.get("expert").map(String::as_str) == Some("tensor"))
+                .then(|| buf.device_layout().combine_bytes()),
+        )?),
+    };
     let repeats = args.get("repeats", 20);
-    let first = cuda_step(&mut buf, &all, &tables, true)?;
+    let first = cuda_step(&mut buf, &all, &tables, true, dev.as_ref())?;
     for i in 1..repeats {
-        let again = cuda_step(&mut buf, &all, &tables, false)?;
+        let again = cuda_step(&mut buf, &all, &tables, false, dev.as_ref())?;
         if again != first {
             return Err(format!(
                 "rank {}: repeat {i} on CUDA ranks differs from the first (digests {again:x?} vs {first:x?})",
@@ -201,8 +401,13 @@ fn cuda_oracle_run(comm: &Comm, args: &Args) -> Res<String> {
         .collect();
     buf.destroy()?;
     Ok(format!(
-        "CUDA ranks ({backend}, GPU {}; combine reads ranks {reads:?} in place): {} tokens, hidden {}, {} experts, top-{}{}, {repeats} repeats bit-identical, combine digest {:016x}",
+        "CUDA ranks ({backend}, GPU {}; combine reads ranks {reads:?} in place; inputs {kind:?}{}): {} tokens, hidden {}, {} experts, top-{}{}, {repeats} repeats bit-identical, combine digest {:016x}",
         cuda.device().name(),
+        if dev.as_ref().is_some_and(|d| d.eout.is_some()) {
+            ", expert outputs in a tensor of the rank's"
+        } else {
+            ""
+        },
         all[comm.rank()].tokens,
         cfg.hidden,
         cfg.num_experts,
@@ -213,6 +418,63 @@ fn cuda_oracle_run(comm: &Comm, args: &Args) -> Res<String> {
             ""
         },
         first.1,
+    ))
+}
+
+/// Bad inputs found on the GPU (`device=cuda inputs=device bad=1`): rank
+/// `victim` names an expert out of range in its top-k ids, in GPU memory.
+/// Its dispatch kernel sends no token and a refused count instead; it
+/// reports the entry as the host path would (`ExpertOutOfRange`), every
+/// other rank a protocol error naming it, and no rank waits for the
+/// timeout.
+fn cuda_device_bad(comm: &Comm, args: &Args) -> Res<String> {
+    let (rank, n) = (comm.rank(), comm.nranks());
+    let victim = args.get("victim", 1) % n;
+    let cfg = config(comm, args, Mode::LowLatency);
+    let cuda = comm.cuda()?;
+    let mut buf = gin_ep::cuda::CudaBuffer::new(&cuda, cfg)?;
+    let (mut all, _) = inputs(comm, &cfg)?;
+    // The last top-k slot of the victim's last token.
+    let (tok, slot) = (all[victim].tokens - 1, cfg.topk - 1);
+    let bad = i64::try_from(cfg.num_experts + 3)?;
+    all[victim].topk_idx[tok * cfg.topk + slot] = bad;
+    let dt = DevTensors::upload(&cuda, &all[rank], cfg.hidden, false, None)?;
+    let t = Instant::now();
+    let got = buf.ll_dispatch_device(&dt.inputs());
+    let waited = t.elapsed();
+    let what = match (&got, rank == victim) {
+        (
+            Err(EpError::ExpertOutOfRange {
+                rank: r,
+                token,
+                slot: s,
+                expert,
+                ..
+            }),
+            true,
+        ) if *r == rank && *token == tok && *s == slot && *expert == bad => {
+            format!("refused its token {tok} slot {slot} (expert {bad}) on the GPU")
+        }
+        (Err(EpError::Protocol { peer, .. }), false) if *peer == victim => {
+            format!("told by rank {victim} that its inputs were refused")
+        }
+        _ => {
+            return Err(format!(
+                "rank {rank}: device-side bad input at rank {victim}: unexpected outcome {got:?}"
+            )
+            .into());
+        }
+    };
+    let e = got.err().map(|e| e.to_string()).unwrap_or_default();
+    // The buffer refuses further steps.
+    let again = buf.ll_dispatch_device(&dt.inputs());
+    if again.is_ok() {
+        return Err(format!("rank {rank}: a step after a refused one was accepted").into());
+    }
+    buf.destroy()?;
+    Ok(format!(
+        "CUDA ranks, device-side bad input at rank {victim}: {what} in {:.0} ms ({e})",
+        waited.as_secs_f64() * 1e3
     ))
 }
 

@@ -19,29 +19,42 @@ use super::wire::{
 };
 use crate::NetError;
 use crate::sticky::StickyError;
-use crate::transport::Alive;
+use crate::transport::{Alive, Blame};
 use crate::window::KeepAlive;
 
 /// Replies carry a 32-bit length: larger reads go as several requests.
 const PIECE: u64 = 1 << 30;
 
-/// The job-health check shared by a transport's links (set once).
+/// The job-health check shared by a transport's links, and where they
+/// report a peer that did not answer for the whole timeout (each set once).
 #[derive(Default)]
-pub(super) struct Watch(pub(super) OnceLock<Alive>);
+pub(super) struct Watch {
+    pub(super) alive: OnceLock<Alive>,
+    pub(super) blame: OnceLock<Blame>,
+}
 
 impl Watch {
     fn check(&self) -> Result<(), String> {
-        self.0.get().map_or(Ok(()), |f| f())
+        self.alive.get().map_or(Ok(()), |f| f())
+    }
+
+    /// A peer's server thread drains its connection and answers requests
+    /// whatever its rank thread is doing: one silent for the link's whole
+    /// timeout belongs to a process that stopped (or a host that froze), so
+    /// the job hears of it (see [`Blame`]).
+    fn blame(&self, peer: usize, why: &str) {
+        if let Some(f) = self.blame.get() {
+            f(peer, why);
+        }
     }
 }
 
 impl std::fmt::Debug for Watch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(if self.0.get().is_some() {
-            "Watch(set)"
-        } else {
-            "Watch(unset)"
-        })
+        f.debug_struct("Watch")
+            .field("alive", &self.alive.get().is_some())
+            .field("blame", &self.blame.get().is_some())
+            .finish()
     }
 }
 
@@ -421,6 +434,13 @@ impl Link {
                         let what = format!(
                             "rank {peer} to drain its transport connection (it accepted no byte: stopped, frozen or overloaded)"
                         );
+                        self.watch.blame(
+                            peer,
+                            &format!(
+                                "rank {} could not send to it for {waited:.1?}: its transport connection accepted no byte",
+                                self.rank
+                            ),
+                        );
                         return Err((
                             format!("timed out after {waited:.1?} waiting for {what}"),
                             NetError::Timeout { peer, what, waited },
@@ -578,6 +598,7 @@ impl Link {
         until: Instant,
     ) -> Result<(), NetError> {
         let len = out.len() as u64;
+        let start = Instant::now();
         let slot: Slot = Arc::new(Mutex::new(Some(out.as_mut_ptr() as usize)));
         let (tx, rx) = mpsc::sync_channel(1);
         let fill = Pending::Fill {
@@ -600,13 +621,30 @@ impl Link {
         match r? {
             (_, Ok(Ok(()))) => Ok(()),
             (_, Ok(Err(why))) => Err(self.failure(why)),
-            (req, Err(_)) => Err(NetError::Timeout {
-                peer: self.peer,
-                what: format!(
-                    "the answer to get {req} ({len} bytes at offset {off} of key {key:#010x})"
+            (req, Err(_)) => Err(self.unanswered(
+                format!("the answer to get {req} ({len} bytes at offset {off} of key {key:#010x})"),
+                start.elapsed(),
+            )),
+        }
+    }
+
+    /// The timeout of a request `peer` left unanswered for `waited`; one
+    /// silent for the link's whole timeout is reported to the job (see
+    /// [`Watch::blame`]). A caller's shorter deadline blames nobody.
+    fn unanswered(&self, what: String, waited: Duration) -> NetError {
+        if waited >= self.timeout {
+            self.watch.blame(
+                self.peer,
+                &format!(
+                    "rank {} had no answer from it for {waited:.1?} ({what})",
+                    self.rank
                 ),
-                waited: until.saturating_duration_since(Instant::now()),
-            }),
+            );
+        }
+        NetError::Timeout {
+            peer: self.peer,
+            what,
+            waited,
         }
     }
 
@@ -622,11 +660,7 @@ impl Link {
         match rx.recv_timeout(timeout) {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(why)) => Err(self.failure(why)),
-            Err(_) => Err(NetError::Timeout {
-                peer: self.peer,
-                what: format!("the answer to request {req}"),
-                waited: timeout,
-            }),
+            Err(_) => Err(self.unanswered(format!("the answer to request {req}"), timeout)),
         }
     }
 

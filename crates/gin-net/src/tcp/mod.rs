@@ -62,7 +62,7 @@ use link::Watch;
 
 use crate::NetError;
 use crate::region::RegionTable;
-use crate::transport::{Alive, AtomicOp, Reach, Registration, Scope, Target, Transport};
+use crate::transport::{Alive, AtomicOp, Blame, Reach, Registration, Scope, Target, Transport};
 use crate::window::KeepAlive;
 
 /// A blocked send wakes at least this often to check its deadline, the
@@ -163,7 +163,7 @@ impl TcpTransport {
     /// soon as the job heard of a death, not only after the timeout. Set
     /// once; later calls are ignored. `alive` must not block.
     pub fn watch(&self, alive: impl Fn() -> Result<(), String> + Send + Sync + 'static) {
-        let _ = self.watch.0.set(Arc::new(alive));
+        let _ = self.watch.alive.set(Arc::new(alive));
     }
 
     /// The link to `peer`, when this transport reaches it.
@@ -294,6 +294,13 @@ impl Transport for TcpTransport {
     }
 
     fn watch(&self, alive: Alive) {
-        let _ = self.watch.0.set(alive);
+        let _ = self.watch.alive.set(alive);
+    }
+
+    /// A request to a peer unanswered for the whole timeout, or a connection
+    /// it did not drain for as long, is reported: its server thread answers
+    /// whatever its rank does, so only a stopped process stays silent.
+    fn blame_to(&self, blame: Blame) {
+        let _ = self.watch.blame.set(blame);
     }
 }

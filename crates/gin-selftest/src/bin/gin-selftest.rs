@@ -9,7 +9,10 @@
 //! `die VICTIM` (VICTIM crashes while the others wait on it; they must fail
 //! with an error naming it), `stop VICTIM` (VICTIM stops itself, as a frozen
 //! host, while the others stream 1 MiB puts at it over tcp; they must fail
-//! within about the timeout naming it, and tear down in bounded time). A
+//! within about the timeout naming it, and tear down in bounded time),
+//! `stop-bystander VICTIM [wait]` (VICTIM stops itself while one witness
+//! streams at it, or waits on it, and the other ranks wait on the witness:
+//! they must fail naming VICTIM, not the witness that left because of it). A
 //! failed check prints `FAILED: ...` and exits 3. `killreg` (rank 1 dies,
 //! without running a destructor, right after creating its segment of a
 //! window the others are registering: they must fail and leave nothing in
@@ -84,6 +87,11 @@ fn main() -> ExitCode {
         "killreg" => killreg(&comm),
         "refused" => refused(&comm),
         "stop" => stop(&comm, args.get(1).and_then(|v| v.parse().ok()).unwrap_or(1)),
+        "stop-bystander" => stop_bystander(
+            &comm,
+            args.get(1).and_then(|v| v.parse().ok()).unwrap_or(1),
+            args.get(2).is_some_and(|v| v == "wait"),
+        ),
         other => Err(format!("unknown scenario {other:?}")),
     };
     match r {
@@ -818,6 +826,65 @@ fn stop(c: &Comm, victim: usize) -> R {
     let line = format!(
         "stopped peer noticed after {:.2} s, torn down in {:.2} s: {e}",
         noticed.as_secs_f64(),
+        t.elapsed().as_secs_f64()
+    );
+    println!("{line}");
+    Err(line)
+}
+
+/// The victim stops itself; one witness (the lowest other rank) streams
+/// 1 MiB puts at it, as in `stop` (or, with `wait`, waits for a signal from
+/// it), and fails after about the timeout; every other rank, a bystander,
+/// waits (ten timeouts long) for a signal the witness would send after.
+/// A bystander must end soon after the witness gives up, naming the victim
+/// as the cause: the witness's departure is only a symptom. Prints
+/// `bystander failed after S s: ERROR` (or `witness failed ...`).
+fn stop_bystander(c: &Comm, victim: usize, wait: bool) -> R {
+    const BIG: u64 = 1 << 20;
+    let r = c.rank();
+    let witness = usize::from(victim == 0);
+    let w = c.alloc_window(BIG).map_err(s)?;
+    let dc = c.dev_comm(&DevCommRequirements::default()).map_err(s)?;
+    let ctx = dc.ctx(0).map_err(s)?;
+    c.bootstrap().barrier().map_err(s)?;
+    if r == victim {
+        let _ = std::process::Command::new("kill")
+            .args(["-STOP", &std::process::id().to_string()])
+            .status();
+        return Err("the victim was resumed".into());
+    }
+    let limit = c.settings().timeout * 10;
+    let t = Instant::now();
+    let e = if r == witness && wait {
+        match ctx.wait_signal(0, 1) {
+            Ok(_) => return Err("a signal nobody sends arrived".into()),
+            Err(e) => e.to_string(),
+        }
+    } else if r == witness {
+        'stream: loop {
+            for _ in 0..64 {
+                if let Err(e) = ctx.put(victim, &w, 0, &w, 0, BIG, Remote::None, Local::None) {
+                    break 'stream e.to_string();
+                }
+            }
+            if let Err(e) = ctx.flush() {
+                break e.to_string();
+            }
+            if t.elapsed() > limit {
+                return Err(format!(
+                    "still streaming to the stopped rank after {limit:?}"
+                ));
+            }
+        }
+    } else {
+        match ctx.wait_signal_for(0, 1, limit) {
+            Ok(_) => return Err("a signal nobody sends arrived".into()),
+            Err(e) => e.to_string(),
+        }
+    };
+    let role = if r == witness { "witness" } else { "bystander" };
+    let line = format!(
+        "{role} failed after {:.2} s: {e}",
         t.elapsed().as_secs_f64()
     );
     println!("{line}");

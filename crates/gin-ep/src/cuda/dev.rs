@@ -1,0 +1,597 @@
+//! Device-resident steps on CUDA ranks, the parts that need no GPU: what
+//! the inputs must look like ([`check_device_inputs`]), where the outputs
+//! lie in the buffer's device memory ([`LlDeviceLayout`]), and the errors
+//! the kernels record for the host ([`decode_error`], the codes of
+//! `kernels/ll.cu`'s `ep::ERR_*`).
+
+use gin_core::cuda::DevMem;
+
+use crate::config::Config;
+use crate::error::EpError;
+
+/// The inputs of one low-latency dispatch, in GPU memory (DeepEP's `x`,
+/// `topk_idx`, `topk_weights` tensors): `tokens` rows of BF16 (`x`,
+/// `tokens × hidden` u16, 16-byte aligned), the top-k expert ids
+/// (`topk_idx`, `tokens × topk` i64, -1 for an empty slot, 8-byte aligned)
+/// and their weights (`topk_weights`, `tokens × topk` f32, 4-byte
+/// aligned). Each buffer may be larger than that; only its first rows are
+/// read. Memory a framework allocated is lent with the `unsafe`
+/// [`DevMem::from_raw_parts`] (its contract: the memory stays allocated
+/// while the `DevMem` lives).
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceInputs<'m> {
+    /// The tokens, BF16, `tokens × hidden`.
+    pub x: &'m DevMem,
+    /// The top-k expert ids, i64, `tokens × topk`.
+    pub topk_idx: &'m DevMem,
+    /// The top-k weights, f32, `tokens × topk`.
+    pub topk_weights: &'m DevMem,
+    /// Tokens this rank dispatches in this step (at most the buffer's
+    /// `max_tokens_per_rank`).
+    pub tokens: usize,
+}
+
+/// One device buffer's address and size, as [`check_device_inputs`] sees
+/// it (a [`DevMem`]'s `ptr()` and `len()`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Span {
+    /// The device address.
+    pub addr: u64,
+    /// Its size in bytes.
+    pub bytes: usize,
+}
+
+impl From<&DevMem> for Span {
+    fn from(m: &DevMem) -> Self {
+        Self {
+            addr: m.ptr(),
+            bytes: m.len(),
+        }
+    }
+}
+
+/// Checks a device-resident dispatch's inputs where the host can, before
+/// anything is launched: the token count against the buffer, each buffer's
+/// size against it (in elements, as [`EpError::Shape`] counts) and each
+/// address's alignment (the kernel reads `x` 16 bytes at a time). What lies
+/// in the buffers (expert ids, weights) is checked by the dispatch kernel.
+pub fn check_device_inputs(
+    rank: usize,
+    cfg: &Config,
+    tokens: usize,
+    x: Span,
+    topk_idx: Span,
+    topk_weights: Span,
+) -> Result<(), EpError> {
+    if tokens > cfg.max_tokens_per_rank {
+        return Err(EpError::TooManyTokens {
+            rank,
+            tokens,
+            max: cfg.max_tokens_per_rank,
+        });
+    }
+    let k = cfg.topk;
+    for (what, s, size, per_token) in [
+        ("x", x, 2, cfg.hidden),
+        ("topk_idx", topk_idx, 8, k),
+        ("topk_weights", topk_weights, 4, k),
+    ] {
+        let expected = tokens * per_token;
+        if s.bytes / size < expected {
+            return Err(EpError::Shape {
+                rank,
+                what,
+                len: s.bytes / size,
+                expected,
+                tokens,
+                per_token,
+            });
+        }
+        let align = if what == "x" { 16 } else { size as u64 };
+        if !s.addr.is_multiple_of(align) {
+            return Err(EpError::Misaligned {
+                rank,
+                what,
+                addr: s.addr,
+                align,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The first error the host path's checks find in a step's top-k ids and
+/// weights (`tokens × topk` each; the weights of every live slot first,
+/// then every entry in order): what the dispatch kernel reports for the
+/// same inputs in GPU memory (`tests/input_host.rs` compares the kernel's
+/// check, compiled as host C++, with this).
+pub fn check_entries(
+    rank: usize,
+    cfg: &Config,
+    topk_idx: &[i64],
+    topk_weights: &[f32],
+) -> Result<(), EpError> {
+    crate::ll::check_weights(rank, cfg.topk, topk_idx, topk_weights)?;
+    crate::layout::check_topk(rank, topk_idx, cfg.topk, cfg.num_experts)
+}
+
+/// Checks the caller's output buffer of a device-resident combine: room
+/// for `tokens × hidden` BF16, 16-byte aligned (the kernel writes 16 bytes
+/// at a time).
+pub fn check_device_output(
+    rank: usize,
+    cfg: &Config,
+    tokens: usize,
+    out: Span,
+) -> Result<(), EpError> {
+    let expected = tokens * cfg.hidden;
+    if out.bytes / 2 < expected {
+        return Err(EpError::Shape {
+            rank,
+            what: "combine output",
+            len: out.bytes / 2,
+            expected,
+            tokens,
+            per_token: cfg.hidden,
+        });
+    }
+    if !out.addr.is_multiple_of(16) {
+        return Err(EpError::Misaligned {
+            rank,
+            what: "combine output",
+            addr: out.addr,
+            align: 16,
+        });
+    }
+    Ok(())
+}
+
+/// Checks the caller's expert outputs of a device-resident combine
+/// ([`super::CudaBuffer::ll_combine_from_device`]): laid out as the combine
+/// slots (`pairs × max_tokens` slots of `hidden` BF16: DeepEP's `[local
+/// experts, ranks × max tokens, hidden]`), 16-byte aligned.
+pub fn check_expert_outputs(
+    rank: usize,
+    layout: &LlDeviceLayout,
+    outputs: Span,
+) -> Result<(), EpError> {
+    let expected = layout.combine_bytes() / 2;
+    if outputs.bytes / 2 < expected {
+        return Err(EpError::Shape {
+            rank,
+            what: "expert outputs",
+            len: outputs.bytes / 2,
+            expected,
+            tokens: layout.pairs() * layout.max_tokens,
+            per_token: layout.hidden,
+        });
+    }
+    if !outputs.addr.is_multiple_of(16) {
+        return Err(EpError::Misaligned {
+            rank,
+            what: "expert outputs",
+            addr: outputs.addr,
+            align: 16,
+        });
+    }
+    Ok(())
+}
+
+/// Where a device-resident dispatch leaves what it received, and where the
+/// expert's outputs go, in the buffer's device memory
+/// ([`super::CudaBuffer::recv_tokens`], [`super::CudaBuffer::recv_counts`],
+/// [`super::CudaBuffer::recv_meta`], [`super::CudaBuffer::combine_slots`]):
+/// for an expert kernel that reads and writes them without the host.
+///
+/// Pair `q = le · r + src` (local expert `le`, source rank `src`) holds
+/// `count(q)` tokens (`recv_counts`, u32 per pair; 0 where the source is
+/// masked or broke the protocol), in the source's token order; its `i`th
+/// is a message in slot `q · t + i` of `recv_tokens` (the payload first:
+/// BF16 `2·hidden` bytes, or FP8 `hidden` E4M3 bytes then one f32 scale
+/// per 128 elements), its metadata in `recv_meta` (three u32: the token's
+/// index at its source, the top-k slot naming this expert, the weight's
+/// bits), and the expert writes its output (BF16, `hidden`) into slot
+/// `q · t + i` of `combine_slots`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LlDeviceLayout {
+    /// Ranks.
+    pub nranks: usize,
+    /// Local experts per rank.
+    pub local_experts: usize,
+    /// Slots per pair (the buffer's `max_tokens_per_rank`).
+    pub max_tokens: usize,
+    /// Hidden size.
+    pub hidden: usize,
+    /// Bytes of a received message (the row stride of `recv_tokens`).
+    pub msg_bytes: usize,
+    /// Bytes of its payload (at the start of the message).
+    pub payload_bytes: usize,
+    /// Whether payloads are FP8 (scales at byte `hidden` of the payload).
+    pub fp8: bool,
+}
+
+impl LlDeviceLayout {
+    /// The layout of a buffer of `cfg` in a job of `nranks` ranks.
+    pub fn new(cfg: &Config, nranks: usize) -> Self {
+        Self {
+            nranks,
+            local_experts: cfg.local_experts(nranks),
+            max_tokens: cfg.max_tokens_per_rank,
+            hidden: cfg.hidden,
+            msg_bytes: cfg.msg_bytes(),
+            payload_bytes: cfg.payload_bytes(),
+            fp8: cfg.fp8,
+        }
+    }
+
+    /// Pairs (entries of `recv_counts`).
+    pub fn pairs(&self) -> usize {
+        self.local_experts * self.nranks
+    }
+
+    /// The pair of (local expert, source): its index in `recv_counts`.
+    pub fn pair(&self, le: usize, src: usize) -> usize {
+        le * self.nranks + src
+    }
+
+    /// The slot of the `i`th token of a pair.
+    pub fn slot(&self, le: usize, src: usize, i: usize) -> usize {
+        self.pair(le, src) * self.max_tokens + i
+    }
+
+    /// Byte offset of that token's message in `recv_tokens`.
+    pub fn recv_offset(&self, le: usize, src: usize, i: usize) -> usize {
+        self.slot(le, src, i) * self.msg_bytes
+    }
+
+    /// Index (in u32) of that token's metadata in `recv_meta`.
+    pub fn meta_index(&self, le: usize, src: usize, i: usize) -> usize {
+        3 * self.slot(le, src, i)
+    }
+
+    /// Byte offset of that token's output slot in `combine_slots`.
+    pub fn combine_offset(&self, le: usize, src: usize, i: usize) -> usize {
+        self.slot(le, src, i) * 2 * self.hidden
+    }
+
+    /// Bytes of `recv_tokens` the slots span.
+    pub fn recv_bytes(&self) -> usize {
+        self.pairs() * self.max_tokens * self.msg_bytes
+    }
+
+    /// Bytes of `combine_slots` the slots span.
+    pub fn combine_bytes(&self) -> usize {
+        self.pairs() * self.max_tokens * 2 * self.hidden
+    }
+}
+
+/// Error codes of `kernels/ll.cu` (`ep::ERR_*`).
+pub(crate) mod code {
+    pub const COUNT_OVER_MAX: u64 = 1;
+    pub const PEER_BAD_INPUT: u64 = 2;
+    pub const TOKEN_RANGE: u64 = 3;
+    pub const NOT_NAMED: u64 = 4;
+    pub const EXPERT_RANGE: u64 = 5;
+    pub const DUPLICATE: u64 = 6;
+    pub const WEIGHT: u64 = 7;
+}
+
+/// The error a kernel recorded (`ep::record`: word 0 the kind | the peer
+/// << 8, words 1-3 what), as the host reports it: the source's protocol
+/// errors as [`EpError::Protocol`] naming it and this rank's expert, bad
+/// inputs as the host's own input checks name them. `None` for no error
+/// (word 0 zero).
+pub fn decode_error(rank: usize, cfg: &Config, w: [u64; 4]) -> Option<EpError> {
+    if w[0] == 0 {
+        return None;
+    }
+    let (kind, peer) = (
+        w[0] & 0xff,
+        usize::try_from(w[0] >> 8).unwrap_or(usize::MAX),
+    );
+    let t = cfg.max_tokens_per_rank;
+    let proto = |what: String| EpError::Protocol { rank, peer, what };
+    // Narrowing a recorded u64 the kernel wrote from a u32 or an index.
+    let us = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
+    Some(match kind {
+        code::COUNT_OVER_MAX => proto(format!(
+            "count {} for expert {}, above the maximum {t}",
+            w[2], w[1]
+        )),
+        code::PEER_BAD_INPUT => proto(format!(
+            "its inputs were refused on the GPU, so it sent expert {} no tokens \
+             (its own error names the entry)",
+            w[1]
+        )),
+        code::TOKEN_RANGE => proto(format!(
+            "token index {} at or above the maximum {t} in expert {}'s slots",
+            w[2], w[1]
+        )),
+        code::NOT_NAMED => proto(format!(
+            "token {} in expert {}'s slots does not name it",
+            w[2], w[1]
+        )),
+        code::EXPERT_RANGE => EpError::ExpertOutOfRange {
+            rank,
+            token: us(w[1]),
+            slot: us(w[2]),
+            expert: w[3].cast_signed(),
+            experts: cfg.num_experts,
+        },
+        code::DUPLICATE => EpError::DuplicateExpert {
+            rank,
+            token: us(w[1]),
+            expert: w[3].cast_signed(),
+            first: us(w[2] >> 32),
+            second: us(w[2] & 0xffff_ffff),
+        },
+        code::WEIGHT => EpError::BadWeight {
+            rank,
+            token: us(w[1]),
+            slot: us(w[2]),
+            weight: f32::from_bits(u32::try_from(w[3] & 0xffff_ffff).unwrap_or(0)),
+        },
+        other => EpError::Mode {
+            rank,
+            what: format!(
+                "a kernel recorded an unknown error {other} (words {w:x?}): gin-ep's kernels and host code differ"
+            ),
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn cfg() -> Config {
+        Config::low_latency(256, 16, 8, 4)
+    }
+
+    fn span(addr: u64, bytes: usize) -> Span {
+        Span { addr, bytes }
+    }
+
+    #[test]
+    fn device_inputs_are_checked_for_size_and_alignment() {
+        let c = cfg();
+        let ok = |t: usize| {
+            check_device_inputs(
+                3,
+                &c,
+                t,
+                span(0x1000, 2 * 256 * t),
+                span(0x2000, 8 * 4 * t),
+                span(0x3000, 4 * 4 * t),
+            )
+        };
+        assert!(ok(0).is_ok());
+        assert!(ok(16).is_ok());
+        assert!(matches!(
+            ok(17),
+            Err(EpError::TooManyTokens {
+                rank: 3,
+                tokens: 17,
+                max: 16
+            })
+        ));
+        // Larger buffers are fine (a framework's storage), smaller are not.
+        let big = check_device_inputs(
+            0,
+            &c,
+            2,
+            span(0x1000, 1 << 20),
+            span(0x2000, 1 << 20),
+            span(0x3000, 1 << 20),
+        );
+        assert!(big.is_ok());
+        let small = check_device_inputs(
+            0,
+            &c,
+            2,
+            span(0x1000, 2 * 256 * 2),
+            span(0x2000, 8 * 4 * 2 - 1),
+            span(0x3000, 4 * 4 * 2),
+        );
+        assert!(
+            matches!(
+                small,
+                Err(EpError::Shape {
+                    what: "topk_idx",
+                    len: 7,
+                    expected: 8,
+                    tokens: 2,
+                    per_token: 4,
+                    ..
+                })
+            ),
+            "{small:?}"
+        );
+        let x_off = check_device_inputs(
+            1,
+            &c,
+            1,
+            span(0x1008, 512),
+            span(0x2000, 32),
+            span(0x3000, 16),
+        );
+        assert!(matches!(
+            x_off,
+            Err(EpError::Misaligned {
+                rank: 1,
+                what: "x",
+                addr: 0x1008,
+                align: 16
+            })
+        ));
+        let idx_off = check_device_inputs(
+            1,
+            &c,
+            1,
+            span(0x1000, 512),
+            span(0x2004, 32),
+            span(0x3000, 16),
+        );
+        assert!(matches!(
+            idx_off,
+            Err(EpError::Misaligned {
+                what: "topk_idx",
+                align: 8,
+                ..
+            })
+        ));
+        let out = check_device_output(2, &c, 3, span(0x10, 2 * 256 * 3 - 2));
+        assert!(matches!(
+            out,
+            Err(EpError::Shape {
+                what: "combine output",
+                expected: 768,
+                ..
+            })
+        ));
+        assert!(check_device_output(2, &c, 3, span(0x10, 2 * 256 * 3)).is_ok());
+        // Expert outputs: every slot of every pair (8 experts on 2 ranks: 4
+        // local, 2 sources, 16 slots each).
+        let lay = LlDeviceLayout::new(&c, 2);
+        let need = 4 * 2 * 16 * 2 * 256;
+        assert_eq!(lay.combine_bytes(), need);
+        assert!(check_expert_outputs(0, &lay, span(0x100, need)).is_ok());
+        assert!(matches!(
+            check_expert_outputs(0, &lay, span(0x100, need - 2)),
+            Err(EpError::Shape {
+                what: "expert outputs",
+                tokens: 128,
+                per_token: 256,
+                ..
+            })
+        ));
+        assert!(matches!(
+            check_expert_outputs(0, &lay, span(0x108, need)),
+            Err(EpError::Misaligned {
+                what: "expert outputs",
+                ..
+            })
+        ));
+        assert!(matches!(
+            check_device_output(2, &c, 3, span(0x18, 4096)),
+            Err(EpError::Misaligned { align: 16, .. })
+        ));
+    }
+
+    #[test]
+    fn recorded_errors_name_the_rank_the_peer_and_the_expert() {
+        let c = cfg();
+        assert!(decode_error(0, &c, [0, 5, 6, 7]).is_none());
+        let e = decode_error(1, &c, [code::COUNT_OVER_MAX | 3 << 8, 5, 99, 0]).unwrap();
+        assert!(matches!(
+            e,
+            EpError::Protocol {
+                rank: 1,
+                peer: 3,
+                ..
+            }
+        ));
+        assert_eq!(
+            e.to_string(),
+            "rank 1: rank 3 broke the protocol: count 99 for expert 5, above the maximum 16"
+        );
+        let e = decode_error(0, &c, [code::NOT_NAMED | 2 << 8, 4, 11, 0]).unwrap();
+        assert_eq!(
+            e.to_string(),
+            "rank 0: rank 2 broke the protocol: token 11 in expert 4's slots does not name it"
+        );
+        let e = decode_error(0, &c, [code::TOKEN_RANGE | 1 << 8, 6, 40, 0]).unwrap();
+        assert!(
+            e.to_string()
+                .contains("token index 40 at or above the maximum 16")
+        );
+        assert!(e.to_string().contains("expert 6"));
+        let e = decode_error(2, &c, [code::PEER_BAD_INPUT | 1 << 8, 7, 0, 0]).unwrap();
+        assert!(matches!(
+            e,
+            EpError::Protocol {
+                rank: 2,
+                peer: 1,
+                ..
+            }
+        ));
+        assert!(e.to_string().contains("expert 7"));
+        let e = decode_error(1, &c, [code::EXPERT_RANGE, 3, 2, (-5i64).cast_unsigned()]).unwrap();
+        assert!(matches!(
+            e,
+            EpError::ExpertOutOfRange {
+                rank: 1,
+                token: 3,
+                slot: 2,
+                expert: -5,
+                experts: 8
+            }
+        ));
+        let e = decode_error(1, &c, [code::DUPLICATE, 4, 3 | 1 << 32, 6]).unwrap();
+        assert!(matches!(
+            e,
+            EpError::DuplicateExpert {
+                rank: 1,
+                token: 4,
+                expert: 6,
+                first: 1,
+                second: 3
+            }
+        ));
+        let e = decode_error(0, &c, [code::WEIGHT, 9, 1, u64::from(f32::NAN.to_bits())]).unwrap();
+        assert!(
+            matches!(e, EpError::BadWeight { token: 9, slot: 1, weight, .. } if weight.is_nan())
+        );
+        let e = decode_error(0, &c, [200, 0, 0, 0]).unwrap();
+        assert!(e.to_string().contains("unknown error 200"));
+    }
+
+    /// The kernels' codes are the host's (`ep::ERR_*` in ll.cu).
+    #[test]
+    fn error_codes_match_the_kernels() {
+        let src = super::super::LL_KERNELS;
+        for (name, v) in [
+            ("ERR_COUNT_OVER_MAX", code::COUNT_OVER_MAX),
+            ("ERR_PEER_BAD_INPUT", code::PEER_BAD_INPUT),
+            ("ERR_TOKEN_RANGE", code::TOKEN_RANGE),
+            ("ERR_NOT_NAMED", code::NOT_NAMED),
+            ("ERR_EXPERT_RANGE", code::EXPERT_RANGE),
+            ("ERR_DUPLICATE", code::DUPLICATE),
+            ("ERR_WEIGHT", code::WEIGHT),
+        ] {
+            let decl = format!("constexpr u64 {name} = {v};");
+            assert!(src.contains(&decl), "ll.cu lacks {decl:?}");
+        }
+    }
+
+    proptest! {
+        /// The device layout is the CPU ranks' slot numbering
+        /// (`((le · r + src) · t + i)`), every slot inside the windows
+        /// `ll::resources` sizes, and no two slots overlap.
+        #[test]
+        fn device_layout_slots_fit_the_windows(
+            r in 1usize..6, l in 1usize..5, t in 1usize..9, h8 in 1usize..40, fp8 in any::<bool>(), k in 1usize..4,
+        ) {
+            let mut c = Config::low_latency(if fp8 { 128 * h8.div_ceil(16) } else { 8 * h8 }, t, l * r, k.min(l * r));
+            c.fp8 = fp8;
+            let d = LlDeviceLayout::new(&c, r);
+            let (_, sizes) = crate::ll::resources(&c, r);
+            prop_assert_eq!(d.recv_bytes(), sizes[1]);
+            prop_assert_eq!(d.combine_bytes(), sizes[2]);
+            let mut seen = std::collections::HashSet::new();
+            for le in 0..l {
+                for src in 0..r {
+                    for i in 0..t {
+                        prop_assert_eq!(d.slot(le, src, i), (le * r + src) * t + i);
+                        prop_assert!(seen.insert(d.slot(le, src, i)));
+                        prop_assert!(d.recv_offset(le, src, i) + d.msg_bytes <= sizes[1]);
+                        prop_assert!(d.combine_offset(le, src, i) + 2 * c.hidden <= sizes[2]);
+                        prop_assert!(d.meta_index(le, src, i) + 3 <= 3 * l * r * t);
+                        prop_assert!(d.payload_bytes <= d.msg_bytes);
+                    }
+                }
+            }
+        }
+    }
+}

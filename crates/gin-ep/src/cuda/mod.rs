@@ -1,0 +1,1644 @@
+//! CUDA ranks: the low-latency mode as kernels (`kernels/ll.cu`, which
+//! includes `gin/gin.cuh`), launched through gin-core's public CUDA API
+//! ([`gin_core::cuda`]): windows from [`CudaComm::alloc_window`], kernels
+//! compiled by NVRTC ([`CudaComm::compile`]) and run on a
+//! [`CudaDevComm`].
+//!
+//! The windows, message format, slot and signal numbering and the
+//! cumulative-signal protocol are the CPU ranks' ([`crate::ll`]); inputs
+//! are checked on the host with the same code before anything is sent
+//! (bad input leaves every rank as it was). A step is three launches:
+//! dispatch (send and receive halves in one kernel), the expert (here the
+//! identity, [`CudaBuffer::ll_echo`]), combine (send and reduce in one
+//! kernel). Every device wait is bounded by the job timeout and a failure
+//! names the peer waited for ([`EpError::Kernel`]).
+//!
+//! The combine reads the expert outputs of every rank reached by
+//! load/store in place, in that rank's combine window, as CPU ranks do;
+//! only other peers put them back ([`CudaBuffer::combine_reads_in_place`],
+//! agreed at creation). The next dispatch's counts are the readers'
+//! credits: an expert rewrites its slots only after it received them
+//! (docs/ep.md).
+//!
+//! With FP8 the dispatch kernel quantises the BF16 tokens into the
+//! messages, bit for bit as [`crate::num::quantize_fp8`]
+//! (`tests/fp8_host.rs` compiles the kernel's number functions as host C++
+//! and compares); the combine stays BF16.
+//!
+//! # Inputs and outputs in GPU memory
+//!
+//! [`CudaBuffer::ll_dispatch`] and [`CudaBuffer::ll_combine`] take host
+//! slices: the host checks and stages the messages and reads the counts,
+//! metadata and combined tokens back. [`CudaBuffer::ll_dispatch_device`]
+//! takes `x`, `topk_idx` and `topk_weights` in GPU memory
+//! ([`DeviceInputs`], typed [`DevMem`]; a framework's tensor is lent with
+//! the `unsafe` [`DevMem::from_raw_parts`]): the dispatch kernel stages
+//! the messages itself and checks every top-k entry, and what it received
+//! stays in GPU memory ([`CudaBuffer::recv_tokens`],
+//! [`CudaBuffer::recv_counts`], [`CudaBuffer::recv_meta`], laid out as
+//! [`LlDeviceLayout`] says) for the caller's expert kernel, which writes
+//! [`CudaBuffer::combine_slots`] (or its own tensor of that layout, for
+//! [`CudaBuffer::ll_combine_from_device`], which copies it in first);
+//! [`CudaBuffer::ll_combine_device`] writes the combined tokens into the
+//! caller's [`DevMem`]. Those run on gin's
+//! stream and return when their kernel has finished; the `unsafe`
+//! `*_on` calls ([`CudaBuffer::ll_dispatch_on`],
+//! [`CudaBuffer::ll_echo_on`], [`CudaBuffer::ll_combine_on`]) queue the
+//! same kernels on the caller's stream ([`CudaDevComm::launch_on`]) and
+//! return at once, with [`CudaBuffer::check`] after the caller synchronised
+//! it. No step copies tokens, routing, counts or outputs between host and
+//! GPU: the counters the host used to write (the combine's target) are
+//! advanced by the kernels, and only the waiting calls reset their launch
+//! clock (16 bytes, for [`CudaBuffer::last_kernels`]).
+//!
+//! What the host checked on read-back, the kernels check and record
+//! (`ep::record`: device memory, mirrored to pinned host memory the host
+//! polls without waiting): a count above the maximum, a token index out of
+//! range or a message that does not name its expert is the source's
+//! [`EpError::Protocol`], naming it and the expert; such a pair counts 0
+//! tokens, so an expert kernel reading the counts stays within the slots.
+//! Bad device-resident inputs make the rank send no token but a refused
+//! count (`POISON`) to every expert's rank, so every rank finishes the
+//! step and reports it: the rank its entry ([`EpError::ExpertOutOfRange`],
+//! [`EpError::DuplicateExpert`], [`EpError::BadWeight`]), the others a
+//! protocol error naming the rank. After any such error the buffer refuses
+//! further steps.
+//!
+//! What this version leaves out: high-throughput mode on CUDA ranks
+//! (refused when the buffer is created), the active-rank mask under a
+//! peer's loss (a lost peer fails the step, naming it), and a watch while
+//! launches queued on the caller's stream run (their waits end at the job
+//! timeout rather than at once when a peer dies).
+
+use std::sync::atomic::Ordering;
+
+use gin_core::cuda::{
+    Arg, CtxSharing, CudaComm, CudaDevComm, DevMem, Function, GpuWindow, HostMem, LaunchConfig,
+    Module, StreamRef,
+};
+use gin_core::{CoreError, DevCommRequirements};
+
+mod dev;
+
+pub use dev::{
+    DeviceInputs, LlDeviceLayout, Span, check_device_inputs, check_device_output, check_entries,
+    check_expert_outputs, decode_error,
+};
+
+use crate::config::{Config, Mode};
+use crate::error::EpError;
+use crate::ll::{Combined, write_messages, write_metadata};
+use crate::num::Bf16;
+
+/// The kernels of CUDA ranks (CUDA C++ including `gin/gin.cuh`), for
+/// [`CudaComm::compile`].
+pub const LL_KERNELS: &str = include_str!("../../kernels/ll.cu");
+
+const SEND: usize = 0;
+const RECV: usize = 1;
+const CSEND: usize = 2;
+const CRECV: usize = 3;
+
+/// Threads per block of every kernel.
+const THREADS: u32 = 512;
+/// Default blocks per launch: few enough that every rank's grid is resident
+/// at once when ranks share one GPU under MPS (a block waits only after it
+/// sent everything it sends, but it must be running to send).
+const BLOCKS: u32 = 32;
+
+/// Whether CUDA ranks can run here; the error says why not (no driver, no
+/// GPU), in words a user can act on.
+pub fn gpu_available() -> Result<(), String> {
+    gin_core::cuda::skip_reason().map_or(Ok(()), Err)
+}
+
+/// The kernel error of `kernel`, naming the peer gin-core's error word
+/// names.
+fn kernel_error(rank: usize, kernel: &'static str, e: CoreError) -> EpError {
+    let peer = match &e {
+        CoreError::Kernel { peer, .. } => *peer,
+        _ => None,
+    };
+    EpError::Kernel {
+        rank,
+        kernel,
+        peer,
+        source: Box::new(e),
+    }
+}
+
+/// Where a launch goes: gin's stream, waited for ([`CudaDevComm::run`],
+/// which watches the job meanwhile and reads the error word), or the
+/// caller's, queued ([`CudaDevComm::launch_on`]).
+#[derive(Debug, Clone, Copy)]
+enum On<'s> {
+    Wait,
+    Queue(StreamRef<'s>),
+}
+
+impl PartialEq for On<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        matches!((self, other), (On::Wait, On::Wait))
+            || matches!((self, other), (On::Queue(a), On::Queue(b)) if a.raw() == b.raw())
+    }
+}
+
+/// Where the dispatch kernel finds this step's messages: device addresses
+/// of the BF16 tokens (`xin`), the top-k ids (`idx`, i64) and weights
+/// (`wts`, f32), 0 for what the host staged in the send window.
+#[derive(Debug, Clone, Copy)]
+struct Source {
+    xin: u64,
+    idx: u64,
+    wts: u64,
+}
+
+/// Launches `f` on `grid` blocks of [`THREADS`] threads where `on` says.
+///
+/// # Safety
+/// As [`CudaDevComm::launch_on`] for `f` and `args`.
+unsafe fn go(
+    dc: &CudaDevComm<'_, '_>,
+    f: Function,
+    on: On<'_>,
+    grid: u32,
+    args: &[Arg<'_>],
+) -> Result<(), CoreError> {
+    // SAFETY: the caller's contract.
+    unsafe {
+        match on {
+            On::Wait => dc.run(&f, grid, THREADS, args),
+            On::Queue(s) => dc.launch_on(&f, &LaunchConfig::linear(grid, THREADS), s, args),
+        }
+    }
+}
+
+/// Device memory of a CUDA buffer beside its windows.
+#[derive(Debug)]
+struct State {
+    /// `u32[nranks]`: 1 for an active rank.
+    active: DevMem,
+    /// `u64[experts]`: per dispatch signal, the value accounted for.
+    seen: DevMem,
+    /// `u32[experts]`: tokens per (local expert, source) pair.
+    counts: DevMem,
+    /// `u32[3 × experts × t]`: per received token, source token, top-k
+    /// slot, weight bits.
+    meta: DevMem,
+    /// `u64[nranks]`: the combine signal each rank's experts must reach
+    /// (the dispatch kernel adds 1 for each active rank).
+    ctarget: DevMem,
+    /// `u16[t × hidden]`: the combined tokens.
+    out: DevMem,
+    /// `u64[2]`: earliest block start, latest block end of a launch.
+    clock: DevMem,
+    /// FP8: `u16[t × hidden]`, this step's tokens in BF16 staged by the
+    /// host, which the dispatch kernel quantises into the messages.
+    xin: Option<DevMem>,
+    /// `u64`: the dispatch kernel's grid barrier (FP8 and device-resident
+    /// inputs), a count that only grows.
+    bar: DevMem,
+    /// `u32[t × topk]`: per (token, top-k slot), the token's index among
+    /// this rank's tokens for that expert (written by the dispatch kernel).
+    eslot: DevMem,
+    /// `u8[nranks × nranks]`: `[src × nranks + owner]` is 1 where `src`
+    /// reads `owner`'s combine slots in place.
+    pull: DevMem,
+    /// `u64`: the first bad device-resident input entry of this step (the
+    /// dispatch kernel's `bad_key`), `!0` for none; the combine kernel
+    /// clears it.
+    inbad: DevMem,
+    /// `u64[4]`: the first error a kernel recorded (`ep::record`).
+    err: DevMem,
+    /// Its copy in pinned host memory, polled without waiting for a
+    /// stream.
+    errh: HostMem,
+}
+
+impl State {
+    fn new(cfg: &Config, n: usize) -> Result<Self, CoreError> {
+        let (e, t) = (cfg.num_experts, cfg.max_tokens_per_rank);
+        let zeroed = |bytes: usize| -> Result<DevMem, CoreError> {
+            let m = DevMem::new(bytes.max(16))?;
+            m.zero(0, m.len())?;
+            Ok(m)
+        };
+        Ok(Self {
+            active: zeroed(4 * n)?,
+            seen: zeroed(8 * e)?,
+            counts: zeroed(4 * e)?,
+            meta: zeroed(12 * e * t)?,
+            ctarget: zeroed(8 * n)?,
+            out: zeroed(2 * t * cfg.hidden)?,
+            clock: zeroed(16)?,
+            xin: if cfg.fp8 {
+                Some(zeroed(2 * t * cfg.hidden)?)
+            } else {
+                None
+            },
+            bar: zeroed(8)?,
+            eslot: zeroed(4 * t * cfg.topk)?,
+            pull: zeroed(n * n)?,
+            inbad: {
+                let m = DevMem::new(8)?;
+                m.write(0, &[u64::MAX])?;
+                m
+            },
+            err: zeroed(32)?,
+            errh: HostMem::new(32)?,
+        })
+    }
+}
+
+/// The kernels, and the module that holds them (unloaded last).
+#[derive(Debug)]
+struct Kernels {
+    dispatch: Function,
+    echo: Function,
+    take: Function,
+    combine: Function,
+    floor: Function,
+    _module: Module,
+}
+
+impl Kernels {
+    fn load(cuda: &CudaComm<'_>) -> Result<Self, CoreError> {
+        let m = cuda.compile(LL_KERNELS, "ll.cu")?;
+        Ok(Self {
+            dispatch: m.function("ep_ll_dispatch")?,
+            echo: m.function("ep_ll_echo")?,
+            take: m.function("ep_ll_take_outputs")?,
+            combine: m.function("ep_ll_combine")?,
+            floor: m.function("ep_floor")?,
+            _module: m,
+        })
+    }
+}
+
+/// Compiles and loads the kernels on every rank (collective): a rank that
+/// cannot (no NVRTC, a compile error) fails with its reason, and every
+/// other rank with an error naming it, rather than waiting for it later.
+fn load_agreed(cuda: &CudaComm<'_>) -> Result<Kernels, EpError> {
+    let comm = cuda.comm();
+    let k = Kernels::load(cuda);
+    let all = comm.bootstrap().allgather(&[u8::from(k.is_ok())])?;
+    let k = k?;
+    match all.iter().position(|v| v.first() != Some(&1)) {
+        Some(p) => Err(EpError::Mode {
+            rank: comm.rank(),
+            what: format!("rank {p} could not compile gin-ep's CUDA kernels (kernels/ll.cu)"),
+        }),
+        None => Ok(k),
+    }
+}
+
+/// Resets a launch clock to {no start yet, no end yet}.
+fn reset_clock(clock: &DevMem) -> Result<(), CoreError> {
+    Ok(clock.write(0, &[u64::MAX, 0])?)
+}
+
+/// The earliest block start and the latest block end of the last launch
+/// (%globaltimer ns).
+fn read_clock(clock: &DevMem) -> Result<KernelClock, CoreError> {
+    let mut c = [0u64; 2];
+    clock.read(0, &mut c)?;
+    Ok(KernelClock {
+        start_ns: c[0],
+        end_ns: c[1],
+    })
+}
+
+/// When a launch ran on the GPU, by its `%globaltimer` (nanoseconds; one
+/// clock for every process on a GPU, and kept close to the host's across
+/// the GPUs of one machine): from the earliest block start to the latest
+/// block end.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KernelClock {
+    /// The earliest block start.
+    pub start_ns: u64,
+    /// The latest block end.
+    pub end_ns: u64,
+}
+
+impl KernelClock {
+    /// Microseconds from start to end.
+    pub fn us(&self) -> f64 {
+        self.end_ns.saturating_sub(self.start_ns) as f64 / 1e3
+    }
+}
+
+/// Where a CUDA buffer's step stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Idle,
+    Dispatched,
+}
+
+/// A CUDA rank's low-latency expert-parallel buffer: the windows of
+/// [`crate::ll`] in GPU memory, a device communicator, and the kernels.
+/// Created collectively with the same [`Config`] on every rank; steps are
+/// collective too.
+#[derive(Debug)]
+pub struct CudaBuffer<'a, 'c> {
+    cuda: &'a CudaComm<'c>,
+    dc: CudaDevComm<'a, 'c>,
+    cfg: Config,
+    rank: usize,
+    nranks: usize,
+    wins: Vec<GpuWindow>,
+    state: State,
+    kernels: Kernels,
+    active: Vec<bool>,
+    step: u64,
+    phase: Phase,
+    /// Tokens this rank dispatched in the step under way.
+    tokens: usize,
+    /// Launches were queued on a caller's stream and not checked since
+    /// ([`CudaBuffer::check`]).
+    queued: bool,
+    blocks: u32,
+    /// Host staging of the send window, reused between steps.
+    staged: Vec<u8>,
+    /// The last dispatch and combine launches (GPU clock).
+    last: (KernelClock, KernelClock),
+    /// A kernel failed: no further step can run (destroy the buffer).
+    failed: bool,
+    /// What the FP8 dispatch's grid barrier counts up to this step.
+    bar_target: u64,
+    /// `[owner]`: whether this rank reads `owner`'s combine slots in place.
+    reads: Vec<bool>,
+}
+
+/// What a CUDA rank received in one low-latency dispatch: per (local
+/// expert, source) pair, the count and each token's metadata, read back
+/// and checked; the payloads stay in GPU memory
+/// ([`CudaBuffer::ll_received`] copies them back).
+#[derive(Debug, Clone)]
+pub struct CudaLlDispatch {
+    step: u64,
+    tokens: usize,
+    nranks: usize,
+    max: usize,
+    /// `[le * nranks + src]`.
+    counts: Vec<u32>,
+    /// `[3 * ((le * nranks + src) * max + i)]`: token, top-k slot, weight.
+    meta: Vec<u32>,
+}
+
+/// A low-latency step under way on CUDA ranks, its outputs in GPU memory
+/// ([`CudaBuffer::ll_dispatch_device`], [`CudaBuffer::ll_dispatch_on`]):
+/// hand it to the combine of the same step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaLlStep {
+    step: u64,
+    tokens: usize,
+}
+
+impl CudaLlStep {
+    /// Tokens this rank dispatched (rows of the combine's output).
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+}
+
+impl CudaLlDispatch {
+    /// The step this dispatch belongs to, for the device-resident calls
+    /// ([`CudaBuffer::ll_echo_device`], [`CudaBuffer::ll_combine_device`]).
+    pub fn handle(&self) -> CudaLlStep {
+        CudaLlStep {
+            step: self.step,
+            tokens: self.tokens,
+        }
+    }
+
+    fn at(&self, le: usize, src: usize, i: usize) -> usize {
+        3 * ((le * self.nranks + src) * self.max + i)
+    }
+
+    /// Tokens received from `src` for local expert `le`: one contiguous
+    /// block, in the source's token order.
+    pub fn count(&self, le: usize, src: usize) -> usize {
+        self.counts[le * self.nranks + src] as usize
+    }
+
+    /// The index, at its source, of the `i`th token from `src` for `le`.
+    pub fn src_token(&self, le: usize, src: usize, i: usize) -> usize {
+        self.meta[self.at(le, src, i)] as usize
+    }
+
+    /// The top-k weight the source gave this expert for that token.
+    pub fn weight(&self, le: usize, src: usize, i: usize) -> f32 {
+        f32::from_bits(self.meta[self.at(le, src, i) + 2])
+    }
+}
+
+/// A CUDA dispatch with its payloads copied back, for checks
+/// ([`crate::oracle::LlView`]).
+#[derive(Debug, Clone)]
+pub struct LlReceived {
+    d: CudaLlDispatch,
+    payload: usize,
+    msg: usize,
+    /// Per pair, its received messages.
+    msgs: Vec<Vec<u8>>,
+}
+
+impl crate::oracle::LlView for LlReceived {
+    fn count(&self, le: usize, src: usize) -> usize {
+        self.d.count(le, src)
+    }
+    fn src_token(&self, le: usize, src: usize, i: usize) -> usize {
+        self.d.src_token(le, src, i)
+    }
+    fn weight(&self, le: usize, src: usize, i: usize) -> f32 {
+        self.d.weight(le, src, i)
+    }
+    fn payload(&self, le: usize, src: usize, i: usize) -> Result<&[u8], String> {
+        let q = le * self.d.nranks + src;
+        self.msgs
+            .get(q)
+            .and_then(|m| m.get(i * self.msg..i * self.msg + self.payload))
+            .ok_or_else(|| format!("no received token {i} from rank {src} for local expert {le}"))
+    }
+}
+
+impl<'a, 'c> CudaBuffer<'a, 'c> {
+    /// Creates the buffer collectively on CUDA ranks: checks `cfg` and that
+    /// every rank passed the same one (before any window exists), then
+    /// allocates the low-latency windows in GPU memory, a device
+    /// communicator with one signal per (expert, source) for each phase,
+    /// and compiles the kernels with NVRTC.
+    pub fn new(cuda: &'a CudaComm<'c>, cfg: Config) -> Result<Self, EpError> {
+        let comm = cuda.comm();
+        let (rank, n) = (comm.rank(), comm.nranks());
+        crate::buffer::agree_config(comm, &cfg)?;
+        let kernels = load_agreed(cuda)?;
+        // Every rank passed the same configuration: all refuse alike.
+        if cfg.mode != Mode::LowLatency {
+            return Err(EpError::Mode {
+                rank,
+                what: "CUDA ranks run the low-latency mode only \
+                       (high-throughput mode on CUDA ranks is not built yet)"
+                    .into(),
+            });
+        }
+        let (signals, sizes) = crate::ll::resources(&cfg, n);
+        let req = DevCommRequirements {
+            signals,
+            counters: 1,
+            contexts: 1,
+            ..DevCommRequirements::default()
+        };
+        let dc = cuda.dev_comm(&req, CtxSharing::Gpu)?;
+        let wins = sizes
+            .iter()
+            .map(|&b| cuda.alloc_window(b.max(64) as u64))
+            .collect::<Result<Vec<_>, _>>()?;
+        cuda.device().make_current().map_err(CoreError::from)?;
+        let state = State::new(&cfg, n)?;
+        let mut me = Self {
+            cuda,
+            dc,
+            cfg,
+            rank,
+            nranks: n,
+            wins,
+            state,
+            kernels,
+            active: vec![true; n],
+            step: 0,
+            phase: Phase::Idle,
+            tokens: 0,
+            queued: false,
+            blocks: BLOCKS,
+            staged: Vec::new(),
+            last: (KernelClock::default(), KernelClock::default()),
+            failed: false,
+            bar_target: 0,
+            reads: Vec::new(),
+        };
+        me.write_active()?;
+        me.agree_pull()?;
+        Ok(me)
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Ranks of the job.
+    pub fn nranks(&self) -> usize {
+        self.nranks
+    }
+
+    /// Which ranks take part (a masked rank's experts are empty slots).
+    pub fn active(&self) -> &[bool] {
+        &self.active
+    }
+
+    /// The backend the device communicator uses ("load/store", "proxy",
+    /// "gdaki", "load/store + proxy").
+    pub fn backend_name(&self) -> &'static str {
+        self.dc.backend_name()
+    }
+
+    /// Masks or unmasks `peer` between steps (every rank must apply the
+    /// same mask before the next step).
+    pub fn set_active(&mut self, peer: usize, active: bool) -> Result<(), EpError> {
+        if peer >= self.nranks {
+            return Err(EpError::Gin(gin_core::GinError::BadPeer {
+                rank: self.rank,
+                peer,
+                nranks: self.nranks,
+            }));
+        }
+        self.expect_idle("set_active")?;
+        self.active[peer] = active;
+        self.write_active()
+    }
+
+    /// Blocks per launch (at least 1; default 32). Every rank's grid must
+    /// be resident at once, which bounds it where ranks share a GPU.
+    pub fn set_blocks(&mut self, blocks: u32) {
+        self.blocks = blocks.max(1);
+    }
+
+    /// When the last dispatch and combine kernels ran on the GPU.
+    pub fn last_kernels(&self) -> (KernelClock, KernelClock) {
+        self.last
+    }
+
+    /// Makes this rank's GPU current on the calling thread.
+    fn current(&self) -> Result<(), EpError> {
+        self.cuda.device().make_current().map_err(CoreError::from)?;
+        Ok(())
+    }
+
+    /// Which combine slots each source reads in place (collective, at
+    /// creation): this rank reads its own, and those of every peer the
+    /// device communicator reaches by load/store and whose combine window
+    /// is mapped here, unless `GIN_EP_COMBINE=put` (every expert output is
+    /// put back, as before reads in place existed: for comparisons). The
+    /// matrix is all-gathered, so that an expert knows which sources to put
+    /// to, and copied to the GPU.
+    fn agree_pull(&mut self) -> Result<(), EpError> {
+        let (rank, n) = (self.rank, self.nranks);
+        let put_only = std::env::var("GIN_EP_COMBINE").is_ok_and(|v| v == "put");
+        let mine: Vec<u8> = (0..n)
+            .map(|p| {
+                let mapped = self.wins[CSEND].peer_base(p).is_some_and(|b| b != 0);
+                u8::from(!put_only && (p == rank || (self.dc.is_lsa(p) && mapped)))
+            })
+            .collect();
+        let all = self.cuda.comm().bootstrap().allgather(&mine)?;
+        let matrix: Vec<u8> = all
+            .iter()
+            .flat_map(|row| (0..n).map(move |p| u8::from(row.get(p) == Some(&1))))
+            .collect();
+        self.reads = matrix[rank * n..(rank + 1) * n]
+            .iter()
+            .map(|&v| v == 1)
+            .collect();
+        self.current()?;
+        self.state.pull.write(0, &matrix).map_err(CoreError::from)?;
+        Ok(())
+    }
+
+    /// `[owner]`: whether this rank's combine reads `owner`'s expert
+    /// outputs in place (its own, and load/store peers'), rather than
+    /// receiving them by put; agreed by every rank when the buffer was
+    /// created.
+    pub fn combine_reads_in_place(&self) -> &[bool] {
+        &self.reads
+    }
+
+    fn write_active(&mut self) -> Result<(), EpError> {
+        self.current()?;
+        let a: Vec<u32> = self.active.iter().map(|&b| u32::from(b)).collect();
+        self.state.active.write(0, &a).map_err(CoreError::from)?;
+        Ok(())
+    }
+
+    fn check_usable(&self, call: &'static str) -> Result<(), EpError> {
+        if self.failed {
+            return Err(EpError::Mode {
+                rank: self.rank,
+                what: format!(
+                    "{call}: an earlier kernel or step of this buffer failed; destroy it"
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// A call that waits for its kernel on gin's stream cannot follow
+    /// launches queued on the caller's stream before they were checked
+    /// (gin's stream is not ordered after the caller's).
+    fn expect_unqueued(&self, call: &'static str) -> Result<(), EpError> {
+        if self.queued {
+            return Err(EpError::Phase {
+                rank: self.rank,
+                call,
+                phase: "holding launches queued on a stream (synchronise it, then call check)",
+            });
+        }
+        Ok(())
+    }
+
+    /// The error a kernel recorded, if any (read from pinned host memory,
+    /// without waiting for a stream).
+    fn recorded(&self) -> Option<[u64; 4]> {
+        let word = |i: usize| {
+            self.state
+                .errh
+                .atomic_u64(8 * i)
+                .map_or(0, |a| a.load(Ordering::Acquire))
+        };
+        let w0 = word(0);
+        (w0 != 0).then(|| [w0, word(1), word(2), word(3)])
+    }
+
+    /// Reports the error a kernel recorded (a peer's broken protocol, bad
+    /// device-resident inputs), once: the buffer refuses further steps.
+    fn poll(&mut self) -> Result<(), EpError> {
+        if let Some(e) = self
+            .recorded()
+            .and_then(|w| decode_error(self.rank, &self.cfg, w))
+        {
+            self.failed = true;
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    fn expect_idle(&self, call: &'static str) -> Result<(), EpError> {
+        self.check_usable(call)?;
+        if self.phase == Phase::Idle {
+            Ok(())
+        } else {
+            Err(EpError::Phase {
+                rank: self.rank,
+                call,
+                phase: "holding a dispatch (combine next)",
+            })
+        }
+    }
+
+    fn expect_dispatch(&self, call: &'static str, step: u64) -> Result<(), EpError> {
+        self.check_usable(call)?;
+        if self.phase != Phase::Dispatched {
+            return Err(EpError::Phase {
+                rank: self.rank,
+                call,
+                phase: "idle",
+            });
+        }
+        if step != self.step {
+            return Err(EpError::StaleHandle {
+                rank: self.rank,
+                handle_step: step,
+                step: self.step,
+            });
+        }
+        Ok(())
+    }
+
+    /// What a step's handle may read after its combine too: what the
+    /// dispatch received stays until the next dispatch.
+    fn expect_latest(&self, call: &'static str, step: u64) -> Result<(), EpError> {
+        self.check_usable(call)?;
+        if step == 0 || step != self.step {
+            return Err(EpError::StaleHandle {
+                rank: self.rank,
+                handle_step: step,
+                step: self.step,
+            });
+        }
+        Ok(())
+    }
+
+    fn grid(&self, items: usize) -> u32 {
+        u32::try_from(items.max(1))
+            .unwrap_or(u32::MAX)
+            .min(self.blocks)
+    }
+
+    fn u32_of(v: usize) -> u32 {
+        // Config::validate bounds every size a kernel receives far below.
+        u32::try_from(v).unwrap_or(u32::MAX)
+    }
+
+    /// The launch clock of a launch: reset and timed on gin's stream (the
+    /// host reads it after the wait), none on the caller's (the host would
+    /// have to write it while earlier launches may still run).
+    fn clock_for(&self, on: On<'_>) -> Result<u64, EpError> {
+        match on {
+            On::Wait => {
+                reset_clock(&self.state.clock)?;
+                Ok(self.state.clock.ptr())
+            }
+            On::Queue(_) => Ok(0),
+        }
+    }
+
+    /// After a launch: a failure fails the buffer (peers may be anywhere in
+    /// the step); a launch queued on the caller's stream is to be checked.
+    fn launched(
+        &mut self,
+        on: On<'_>,
+        kernel: &'static str,
+        r: Result<(), CoreError>,
+    ) -> Result<(), EpError> {
+        if let Err(e) = r {
+            self.failed = true;
+            return Err(kernel_error(self.rank, kernel, e));
+        }
+        if matches!(on, On::Queue(_)) {
+            self.queued = true;
+        }
+        Ok(())
+    }
+
+    /// Launches the dispatch kernel for `tokens` tokens whose messages come
+    /// from `src` (see [`Source`]), on `on`; the step begins.
+    ///
+    /// # Safety
+    /// `src`'s non-zero addresses hold at least `tokens` rows each (`xin`:
+    /// `tokens × hidden` u16, 16-byte aligned; `idx`, `wts`: `tokens ×
+    /// topk` i64 and f32, aligned) and stay allocated and unwritten until
+    /// the kernel has finished; `idx` and `wts` are both zero or both not.
+    /// With [`On::Queue`], [`CudaDevComm::launch_on`]'s contract for the
+    /// buffer's own memory: this buffer is not destroyed or dropped before
+    /// the stream has executed the kernel.
+    unsafe fn launch_dispatch(
+        &mut self,
+        on: On<'_>,
+        tokens: usize,
+        src: Source,
+    ) -> Result<(), EpError> {
+        let cfg = self.cfg;
+        self.current()?;
+        let grid = self.grid(cfg.num_experts);
+        // Before the step's counters move: a failure here launches nothing.
+        let clock = self.clock_for(on)?;
+        self.step += 1;
+        self.tokens = tokens;
+        if src.xin != 0 || src.idx != 0 {
+            self.bar_target += u64::from(grid);
+        }
+        let s = &self.state;
+        let (l, t) = (cfg.local_experts(self.nranks), cfg.max_tokens_per_rank);
+        let u = Self::u32_of;
+        let args = [
+            Arg::DevComm(self.dc.abi()),
+            Arg::Window(self.wins[SEND].abi()),
+            Arg::Window(self.wins[RECV].abi()),
+            Arg::U32(u(tokens)),
+            Arg::U32(u(l)),
+            Arg::U32(u(t)),
+            Arg::U32(u(cfg.msg_bytes())),
+            Arg::U32(u(cfg.payload_bytes())),
+            Arg::U32(u(cfg.topk)),
+            Arg::Ptr(s.active.ptr()),
+            Arg::Ptr(s.seen.ptr()),
+            Arg::Ptr(s.counts.ptr()),
+            Arg::Ptr(s.meta.ptr()),
+            Arg::Ptr(clock),
+            Arg::Ptr(src.xin),
+            Arg::U32(u(cfg.hidden)),
+            Arg::Ptr(s.bar.ptr()),
+            Arg::U64(self.bar_target),
+            Arg::Ptr(s.eslot.ptr()),
+            Arg::U32(u32::from(cfg.fp8)),
+            Arg::Ptr(src.idx),
+            Arg::Ptr(src.wts),
+            Arg::Ptr(s.inbad.ptr()),
+            Arg::Ptr(s.err.ptr()),
+            Arg::Ptr(s.errh.dev()),
+            Arg::Ptr(s.ctarget.ptr()),
+        ];
+        // SAFETY: ep_ll_dispatch(DevComm, Window send, Window recv, u32
+        // tokens, u32 l, u32 t, u32 m, u32 p, u32 k, const u32* active, u64*
+        // seen, u32* counts, u32* meta, u64* clock, const u16* xin, u32 h,
+        // u64* bar, u64 bar_target, u32* eslot, u32 fp8, const i64* idx,
+        // const f32* wts, u64* inbad, u64* err, u64* errh, u64* ctarget) in
+        // kernels/ll.cu takes these arguments in this order. The windows and
+        // the device communicator are this buffer's, alive for the kernel
+        // (the caller's contract where it is queued). The kernel reads and
+        // writes `tokens` (≤ t) messages of the send window (t × m bytes),
+        // indexes active and ctarget by rank (nranks entries), seen and
+        // counts by pair (experts), meta by received slot (3 × experts × t
+        // u32), eslot by (token, slot) (t × k u32), clock (2 u64, or null),
+        // bar and inbad (one u64 each), err (4 u64) and errh (4 u64 of
+        // mapped pinned memory): the sizes State::new allocated for this
+        // configuration. It reads tokens × h u16 of xin and tokens × k of
+        // idx and wts where they are not null: the caller's contract.
+        let r = unsafe { go(&self.dc, self.kernels.dispatch, on, grid, &args) };
+        self.launched(on, "dispatch", r)?;
+        self.phase = Phase::Dispatched;
+        if on == On::Wait {
+            self.last.0 = read_clock(&self.state.clock)?;
+        }
+        Ok(())
+    }
+
+    /// Low-latency dispatch on CUDA ranks from host memory: checks the
+    /// inputs (nothing is sent on an error), stages each token's message in
+    /// the send window, and runs the dispatch kernel, which puts every
+    /// token into a slot of each rank holding one of its experts, signals
+    /// every (expert, source) pair with its count, and waits (bounded) for
+    /// every active source's count for every local expert. The counts and
+    /// metadata are read back and checked.
+    pub fn ll_dispatch(
+        &mut self,
+        x: &[Bf16],
+        topk_idx: &[i64],
+        topk_weights: &[f32],
+    ) -> Result<CudaLlDispatch, EpError> {
+        self.expect_idle("ll_dispatch")?;
+        self.expect_unqueued("ll_dispatch")?;
+        self.poll()?;
+        let cfg = self.cfg;
+        let layout = crate::ll::check_inputs(
+            self.rank,
+            &cfg,
+            &self.active,
+            1,
+            x.len(),
+            topk_idx,
+            topk_weights,
+        )?;
+        let tokens = layout.tokens;
+        self.staged.resize(tokens * cfg.msg_bytes(), 0);
+        if cfg.fp8 {
+            // The kernel quantises the payloads from the BF16 tokens.
+            write_metadata(&cfg, topk_idx, topk_weights, &mut self.staged);
+        } else {
+            write_messages(&cfg, x, topk_idx, topk_weights, &mut self.staged);
+        }
+        self.current()?;
+        if !self.staged.is_empty() {
+            self.wins[SEND]
+                .local()
+                .write(0, &self.staged)
+                .map_err(CoreError::from)?;
+        }
+        let mut xin = 0;
+        if let Some(m) = &self.state.xin {
+            if !x.is_empty() {
+                m.write(0, x).map_err(CoreError::from)?;
+            }
+            xin = m.ptr();
+        }
+        // SAFETY: gin's stream, waited for. With FP8, xin holds t × hidden
+        // u16 (State::new), its first `tokens` rows written above; without,
+        // it is null; the metadata is staged (no idx, wts).
+        unsafe {
+            self.launch_dispatch(
+                On::Wait,
+                tokens,
+                Source {
+                    xin,
+                    idx: 0,
+                    wts: 0,
+                },
+            )?;
+        }
+        let d = self.read_dispatch("ll_dispatch");
+        // A sender broke the protocol: the step cannot be finished.
+        if d.is_err() {
+            self.failed = true;
+        }
+        d
+    }
+
+    /// What a device-resident dispatch checks before it launches.
+    fn prepare_device(
+        &mut self,
+        call: &'static str,
+        inp: &DeviceInputs<'_>,
+    ) -> Result<Source, EpError> {
+        self.expect_idle(call)?;
+        self.poll()?;
+        check_device_inputs(
+            self.rank,
+            &self.cfg,
+            inp.tokens,
+            inp.x.into(),
+            inp.topk_idx.into(),
+            inp.topk_weights.into(),
+        )?;
+        Ok(Source {
+            xin: inp.x.ptr(),
+            idx: inp.topk_idx.ptr(),
+            wts: inp.topk_weights.ptr(),
+        })
+    }
+
+    /// Low-latency dispatch from device-resident inputs (DeepEP's
+    /// `low_latency_dispatch` on tensors in GPU memory): no host copy. The
+    /// dispatch kernel stages each token's message itself (copying the BF16
+    /// row, or quantising it to FP8 bit for bit as
+    /// [`crate::num::quantize_fp8`]), checks every top-k entry as the host
+    /// path does, sends, and receives; runs on gin's stream and returns
+    /// when it has finished. The received tokens, counts and metadata stay
+    /// in GPU memory ([`CudaBuffer::recv_tokens`],
+    /// [`CudaBuffer::recv_counts`], [`CudaBuffer::recv_meta`], laid out as
+    /// [`CudaBuffer::device_layout`] says), for the caller's expert kernel;
+    /// [`CudaBuffer::ll_read_back`] copies them to the host for checks.
+    ///
+    /// The token count, the buffers' sizes and their alignment are checked
+    /// here, before anything is sent. An expert id out of range, an expert
+    /// named twice in a token or a live slot's weight that is not finite is
+    /// found by the kernel: this rank then sends no token and every
+    /// receiver learns that its inputs were refused; this rank reports the
+    /// first bad entry as the host path would ([`EpError::ExpertOutOfRange`],
+    /// [`EpError::DuplicateExpert`], [`EpError::BadWeight`]), the others a
+    /// [`EpError::Protocol`] naming it, and the buffers refuse further steps.
+    pub fn ll_dispatch_device(&mut self, inp: &DeviceInputs<'_>) -> Result<CudaLlStep, EpError> {
+        self.expect_unqueued("ll_dispatch_device")?;
+        let src = self.prepare_device("ll_dispatch_device", inp)?;
+        // SAFETY: gin's stream, waited for while `inp` borrows the buffers,
+        // whose sizes and alignment prepare_device checked.
+        unsafe { self.launch_dispatch(On::Wait, inp.tokens, src)? };
+        self.poll()?;
+        Ok(CudaLlStep {
+            step: self.step,
+            tokens: inp.tokens,
+        })
+    }
+
+    /// [`CudaBuffer::ll_dispatch_device`] queued on the caller's `stream`
+    /// (a stream of the GPU's primary context: PyTorch's current stream, a
+    /// cudarc stream, one being captured into a CUDA graph), returning at
+    /// once: no host synchronisation. An error a kernel records (bad
+    /// inputs, a peer's broken protocol) is reported by the next call on
+    /// this buffer that finds it, or by [`CudaBuffer::check`] once the
+    /// stream has been synchronised. The kernels' waits stay bounded by the
+    /// job timeout; a failed one is reported by [`CudaBuffer::check`].
+    ///
+    /// # Safety
+    /// The launches of one buffer must execute in the order they were
+    /// queued, each after the previous one finished (queue them on one
+    /// stream, or order the streams). `inp`'s buffers must stay allocated,
+    /// and unwritten, until the stream has executed the dispatch; this
+    /// buffer must not be destroyed or dropped before the stream has
+    /// executed everything queued for it (synchronise it, then call
+    /// [`CudaBuffer::check`]). `stream` must stay alive until then.
+    pub unsafe fn ll_dispatch_on(
+        &mut self,
+        stream: StreamRef<'_>,
+        inp: &DeviceInputs<'_>,
+    ) -> Result<CudaLlStep, EpError> {
+        let src = self.prepare_device("ll_dispatch_on", inp)?;
+        // SAFETY: the caller's contract; sizes and alignment checked.
+        unsafe { self.launch_dispatch(On::Queue(stream), inp.tokens, src)? };
+        Ok(CudaLlStep {
+            step: self.step,
+            tokens: inp.tokens,
+        })
+    }
+
+    /// Reads the counts and metadata back and checks them as the CPU ranks'
+    /// receive does: a count above the maximum, a token index out of range
+    /// or a message that does not name the expert is the sender's
+    /// protocol error (recorded by the kernel, and checked again here).
+    fn read_dispatch(&mut self, call: &'static str) -> Result<CudaLlDispatch, EpError> {
+        self.expect_unqueued(call)?;
+        self.poll()?;
+        let (r, cfg) = (self.nranks, self.cfg);
+        let (l, t) = (cfg.local_experts(r), cfg.max_tokens_per_rank);
+        let mut counts = vec![0u32; l * r];
+        self.state
+            .counts
+            .read(0, &mut counts)
+            .map_err(CoreError::from)?;
+        let mut meta = vec![0u32; 3 * l * r * t];
+        self.state
+            .meta
+            .read(0, &mut meta)
+            .map_err(CoreError::from)?;
+        let d = CudaLlDispatch {
+            step: self.step,
+            tokens: self.tokens,
+            nranks: r,
+            max: t,
+            counts,
+            meta,
+        };
+        for le in 0..l {
+            let e = self.rank * l + le;
+            for src in 0..r {
+                let bad = |what: String| EpError::Protocol {
+                    rank: self.rank,
+                    peer: src,
+                    what,
+                };
+                let c = d.count(le, src);
+                if c > t {
+                    return Err(bad(format!(
+                        "count {c} for expert {e}, above the maximum {t}"
+                    )));
+                }
+                for i in 0..c {
+                    let tok = d.src_token(le, src, i);
+                    if tok >= t {
+                        return Err(bad(format!(
+                            "token index {tok} at or above the maximum {t} in expert {e}'s slots"
+                        )));
+                    }
+                    if d.meta[d.at(le, src, i) + 1] as usize >= cfg.topk {
+                        return Err(bad(format!(
+                            "token {tok} in expert {e}'s slots does not name it"
+                        )));
+                    }
+                }
+            }
+        }
+        Ok(d)
+    }
+
+    /// Copies what a device-resident dispatch received (counts and
+    /// metadata) to the host and checks it as [`CudaBuffer::ll_dispatch`]
+    /// does: for tests and inspection, not the data path. Valid until the
+    /// next dispatch (after the step's combine too). After launches queued
+    /// on a stream, synchronise it and call [`CudaBuffer::check`] first.
+    pub fn ll_read_back(&mut self, s: &CudaLlStep) -> Result<CudaLlDispatch, EpError> {
+        self.expect_latest("ll_read_back", s.step)?;
+        let d = self.read_dispatch("ll_read_back");
+        if d.is_err() {
+            self.failed = true;
+        }
+        d
+    }
+
+    /// Copies the received messages of `d` back from GPU memory, for
+    /// checks ([`crate::oracle::check_ll_view`]); valid until the next
+    /// dispatch.
+    pub fn ll_received(&self, d: &CudaLlDispatch) -> Result<LlReceived, EpError> {
+        self.expect_latest("ll_received", d.step)?;
+        self.expect_unqueued("ll_received")?;
+        self.current()?;
+        let (m, t) = (self.cfg.msg_bytes(), self.cfg.max_tokens_per_rank);
+        let recv = self.wins[RECV].local();
+        let msgs = d
+            .counts
+            .iter()
+            .enumerate()
+            .map(|(q, &c)| {
+                let mut v = vec![0u8; c as usize * m];
+                if !v.is_empty() {
+                    recv.read(q * t * m, &mut v)?;
+                }
+                Ok(v)
+            })
+            .collect::<Result<Vec<_>, gin_core::cuda::CudaError>>()
+            .map_err(CoreError::from)?;
+        Ok(LlReceived {
+            d: d.clone(),
+            payload: self.cfg.payload_bytes(),
+            msg: m,
+            msgs,
+        })
+    }
+
+    /// Where the device-resident outputs lie ([`LlDeviceLayout`]).
+    pub fn device_layout(&self) -> LlDeviceLayout {
+        LlDeviceLayout::new(&self.cfg, self.nranks)
+    }
+
+    /// The received messages in GPU memory (this rank's part of the
+    /// receive window), laid out as [`CudaBuffer::device_layout`] says;
+    /// valid from the dispatch until the next step's dispatch.
+    pub fn recv_tokens(&self) -> &DevMem {
+        self.wins[RECV].local()
+    }
+
+    /// The tokens received per (local expert, source) pair, `u32` each, in
+    /// GPU memory.
+    pub fn recv_counts(&self) -> &DevMem {
+        &self.state.counts
+    }
+
+    /// Per received token, its index at its source, the top-k slot naming
+    /// this rank's expert and the weight's bits (three `u32`), in GPU
+    /// memory.
+    pub fn recv_meta(&self) -> &DevMem {
+        &self.state.meta
+    }
+
+    /// The expert outputs' slots in GPU memory (this rank's part of the
+    /// combine window, BF16 `hidden` per slot, laid out as
+    /// [`CudaBuffer::device_layout`] says): the caller's expert kernel
+    /// writes slot `q · t + i` for the `i`th token of pair `q` between the
+    /// dispatch and the combine, after the dispatch finished, and must have
+    /// finished before the combine starts (queue the combine on the same
+    /// stream with [`CudaBuffer::ll_combine_on`], or synchronise it before
+    /// [`CudaBuffer::ll_combine_device`]): peers that read these slots in
+    /// place rely on the combine's signal coming after them.
+    pub fn combine_slots(&self) -> &DevMem {
+        self.wins[CSEND].local()
+    }
+
+    /// Launches the identity expert.
+    ///
+    /// # Safety
+    /// With [`On::Queue`], as [`CudaBuffer::ll_dispatch_on`].
+    unsafe fn launch_echo(&mut self, on: On<'_>) -> Result<(), EpError> {
+        self.current()?;
+        let cfg = self.cfg;
+        let u = Self::u32_of;
+        let grid = self.grid(cfg.num_experts);
+        let args = [
+            Arg::Window(self.wins[RECV].abi()),
+            Arg::Window(self.wins[CSEND].abi()),
+            Arg::U32(u(cfg.num_experts)),
+            Arg::U32(u(cfg.max_tokens_per_rank)),
+            Arg::U32(u(cfg.msg_bytes())),
+            Arg::U32(u(2 * cfg.hidden)),
+            Arg::Ptr(self.state.counts.ptr()),
+            Arg::U32(u32::from(cfg.fp8)),
+        ];
+        // SAFETY: ep_ll_echo(Window recv, Window csend, u32 pairs, u32 t,
+        // u32 m, u32 h2, const u32* counts, u32 fp8) takes these in this
+        // order; it reads at most t slots per pair of recv (pairs × t × m
+        // bytes; with FP8 the payload of h bytes and h / 128 scales, within
+        // m) and writes as many of csend (pairs × t × h2): the windows' sizes
+        // (ll::resources), both alive (the caller's contract where queued);
+        // counts holds `pairs` u32.
+        let r = unsafe { go(&self.dc, self.kernels.echo, on, grid, &args) };
+        self.launched(on, "echo", r)
+    }
+
+    /// The identity expert on the GPU: copies every received token into its
+    /// combine slot.
+    pub fn ll_echo(&mut self, d: &CudaLlDispatch) -> Result<(), EpError> {
+        self.ll_echo_device(&d.handle())
+    }
+
+    /// The identity expert of a device-resident step, on gin's stream.
+    pub fn ll_echo_device(&mut self, s: &CudaLlStep) -> Result<(), EpError> {
+        self.expect_dispatch("ll_echo", s.step)?;
+        self.expect_unqueued("ll_echo")?;
+        // SAFETY: gin's stream, waited for.
+        unsafe { self.launch_echo(On::Wait) }
+    }
+
+    /// The identity expert queued on the caller's `stream`.
+    ///
+    /// # Safety
+    /// As [`CudaBuffer::ll_dispatch_on`].
+    pub unsafe fn ll_echo_on(
+        &mut self,
+        stream: StreamRef<'_>,
+        s: &CudaLlStep,
+    ) -> Result<(), EpError> {
+        self.expect_dispatch("ll_echo_on", s.step)?;
+        self.poll()?;
+        // SAFETY: the caller's contract.
+        unsafe { self.launch_echo(On::Queue(stream)) }
+    }
+
+    /// Launches the copy of the caller's expert outputs (device address
+    /// `src`, laid out as the combine slots) into the combine slots.
+    ///
+    /// # Safety
+    /// `src` holds [`LlDeviceLayout::combine_bytes`] bytes, 16-byte
+    /// aligned, readable until the kernel has finished; with
+    /// [`On::Queue`], as [`CudaBuffer::ll_dispatch_on`].
+    unsafe fn launch_take(&mut self, on: On<'_>, src: u64) -> Result<(), EpError> {
+        self.current()?;
+        let cfg = self.cfg;
+        let u = Self::u32_of;
+        let grid = self.grid(cfg.num_experts);
+        let args = [
+            Arg::Window(self.wins[CSEND].abi()),
+            Arg::Ptr(src),
+            Arg::U32(u(cfg.num_experts)),
+            Arg::U32(u(cfg.max_tokens_per_rank)),
+            Arg::U32(u(2 * cfg.hidden)),
+            Arg::Ptr(self.state.counts.ptr()),
+        ];
+        // SAFETY: ep_ll_take_outputs(Window csend, const u8* src, u32
+        // pairs, u32 t, u32 h2, const u32* counts) takes these in this
+        // order; it copies at most t slots of h2 bytes per pair from src
+        // (pairs × t × h2 bytes: the caller's contract) to the same place
+        // of csend (its size, ll::resources; alive, the caller's contract
+        // where queued); counts holds `pairs` u32.
+        let r = unsafe { go(&self.dc, self.kernels.take, on, grid, &args) };
+        self.launched(on, "take_outputs", r)
+    }
+
+    /// What a combine from the caller's expert outputs checks first.
+    fn prepare_from(
+        &mut self,
+        call: &'static str,
+        s: &CudaLlStep,
+        expert_out: &DevMem,
+        out: &DevMem,
+    ) -> Result<(), EpError> {
+        self.expect_dispatch(call, s.step)?;
+        self.poll()?;
+        check_device_output(self.rank, &self.cfg, self.tokens, out.into())?;
+        check_expert_outputs(self.rank, &self.device_layout(), expert_out.into())
+    }
+
+    /// [`CudaBuffer::ll_combine_device`] with the expert outputs in the
+    /// caller's device memory (DeepEP's `low_latency_combine(x, ...)`, `x`
+    /// of shape `[local experts, ranks × max tokens, hidden]`: the layout of
+    /// [`CudaBuffer::combine_slots`], [`LlDeviceLayout::combine_offset`]):
+    /// a kernel copies the received tokens' outputs into the combine slots
+    /// (peers read those in place, so they must be in the buffer's window),
+    /// then the combine runs; both on gin's stream, returning when done.
+    pub fn ll_combine_from_device(
+        &mut self,
+        s: &CudaLlStep,
+        expert_out: &DevMem,
+        out: &DevMem,
+    ) -> Result<(), EpError> {
+        self.expect_unqueued("ll_combine_from_device")?;
+        self.prepare_from("ll_combine_from_device", s, expert_out, out)?;
+        // SAFETY: gin's stream, waited for while both are borrowed; sizes
+        // and alignment checked.
+        unsafe {
+            self.launch_take(On::Wait, expert_out.ptr())?;
+            self.launch_combine(On::Wait, out.ptr())?;
+        }
+        self.poll()
+    }
+
+    /// [`CudaBuffer::ll_combine_from_device`] queued on the caller's
+    /// `stream`, returning at once.
+    ///
+    /// # Safety
+    /// As [`CudaBuffer::ll_combine_on`]; `expert_out` must stay allocated,
+    /// and unwritten, until the stream has executed the combine.
+    pub unsafe fn ll_combine_from_on(
+        &mut self,
+        stream: StreamRef<'_>,
+        s: &CudaLlStep,
+        expert_out: &DevMem,
+        out: &DevMem,
+    ) -> Result<(), EpError> {
+        self.prepare_from("ll_combine_from_on", s, expert_out, out)?;
+        // SAFETY: the caller's contract; sizes and alignment checked.
+        unsafe {
+            self.launch_take(On::Queue(stream), expert_out.ptr())?;
+            self.launch_combine(On::Queue(stream), out.ptr())
+        }
+    }
+
+    /// Launches the combine kernel of the step under way, writing the
+    /// combined tokens to `out` (device address); the step ends.
+    ///
+    /// # Safety
+    /// `out` holds `tokens × hidden` u16, 16-byte aligned, writable and
+    /// otherwise untouched until the kernel has finished; with
+    /// [`On::Queue`], as [`CudaBuffer::ll_dispatch_on`].
+    unsafe fn launch_combine(&mut self, on: On<'_>, out: u64) -> Result<(), EpError> {
+        self.current()?;
+        let cfg = self.cfg;
+        let tokens = self.tokens;
+        let clock = self.clock_for(on)?;
+        let grid = self.grid(cfg.num_experts.max(tokens));
+        let s = &self.state;
+        let u = Self::u32_of;
+        let args = [
+            Arg::DevComm(self.dc.abi()),
+            Arg::Window(self.wins[SEND].abi()),
+            Arg::Window(self.wins[CSEND].abi()),
+            Arg::Window(self.wins[CRECV].abi()),
+            Arg::U32(u(tokens)),
+            Arg::U32(u(cfg.local_experts(self.nranks))),
+            Arg::U32(u(cfg.max_tokens_per_rank)),
+            Arg::U32(u(cfg.msg_bytes())),
+            Arg::U32(u(cfg.payload_bytes())),
+            Arg::U32(u(cfg.topk)),
+            Arg::U32(u(cfg.hidden)),
+            Arg::Ptr(s.active.ptr()),
+            Arg::Ptr(s.counts.ptr()),
+            Arg::Ptr(s.meta.ptr()),
+            Arg::Ptr(s.ctarget.ptr()),
+            Arg::Ptr(out),
+            Arg::Ptr(clock),
+            Arg::Ptr(s.eslot.ptr()),
+            Arg::Ptr(s.pull.ptr()),
+            Arg::Ptr(s.inbad.ptr()),
+        ];
+        // SAFETY: ep_ll_combine(DevComm, Window send, Window csend, Window
+        // crecv, u32 tokens, u32 l, u32 t, u32 m, u32 p, u32 k, u32 h, const
+        // u32* active, const u32* counts, const u32* meta, const u64*
+        // ctarget, u16* out, u64* clock, const u32* eslot, const u8* pull,
+        // u64* inbad) takes these in this order. It reads the `tokens`
+        // messages this step's dispatch staged, slots of csend and crecv
+        // within their sizes (ll::resources; metadata out of range is
+        // skipped), peers' csend slots through their mappings only after
+        // checking the slot against the peer part's size, and writes tokens
+        // × hidden u16 of out (the caller's contract), the 2 u64 of clock
+        // (or none: null) and the u64 of inbad; active and ctarget hold
+        // nranks entries, pull nranks × nranks, counts and meta the
+        // dispatch's, eslot t × k.
+        let r = unsafe { go(&self.dc, self.kernels.combine, on, grid, &args) };
+        self.launched(on, "combine", r)?;
+        self.phase = Phase::Idle;
+        if on == On::Wait {
+            self.last.1 = read_clock(&self.state.clock)?;
+        }
+        Ok(())
+    }
+
+    /// Low-latency combine on CUDA ranks: the combine kernel puts each
+    /// combine slot back to its source's (token, top-k slot) place, except
+    /// to sources that read this rank's slots in place
+    /// ([`CudaBuffer::combine_reads_in_place`]), with one signal per
+    /// (expert, source); waits (bounded) for every active expert's signal,
+    /// and reduces each token over its top-k slots with the weights (read
+    /// in place where it can, else from where the expert put them), leaving
+    /// out empty slots and masked ranks' experts. The combined tokens are
+    /// read back.
+    pub fn ll_combine(&mut self, d: &CudaLlDispatch) -> Result<Combined, EpError> {
+        self.expect_dispatch("ll_combine", d.step)?;
+        self.expect_unqueued("ll_combine")?;
+        self.poll()?;
+        let out = self.state.out.ptr();
+        // SAFETY: gin's stream, waited for; State::out holds t × hidden u16
+        // (tokens ≤ t), from cuMemAlloc (aligned).
+        unsafe { self.launch_combine(On::Wait, out)? };
+        let mut raw = vec![0u16; self.tokens * self.cfg.hidden];
+        if !raw.is_empty() {
+            self.state.out.read(0, &mut raw).map_err(CoreError::from)?;
+        }
+        Ok(Combined {
+            x: raw.into_iter().map(Bf16).collect(),
+            lost: Vec::new(),
+        })
+    }
+
+    /// The combine of a device-resident step (DeepEP's
+    /// `low_latency_combine`): reads the expert outputs from
+    /// [`CudaBuffer::combine_slots`] (written by the caller's expert kernel
+    /// after the dispatch) and writes the combined tokens, `tokens × hidden`
+    /// BF16, into `out`, the caller's device memory (size and alignment
+    /// checked); on gin's stream, returning when it has finished. Bit for
+    /// bit what [`CudaBuffer::ll_combine`] returns.
+    pub fn ll_combine_device(&mut self, s: &CudaLlStep, out: &DevMem) -> Result<(), EpError> {
+        self.expect_dispatch("ll_combine_device", s.step)?;
+        self.expect_unqueued("ll_combine_device")?;
+        self.poll()?;
+        check_device_output(self.rank, &self.cfg, self.tokens, out.into())?;
+        // SAFETY: gin's stream, waited for while `out` is borrowed; its size
+        // and alignment were checked.
+        unsafe { self.launch_combine(On::Wait, out.ptr())? };
+        self.poll()
+    }
+
+    /// [`CudaBuffer::ll_combine_device`] queued on the caller's `stream`,
+    /// returning at once.
+    ///
+    /// # Safety
+    /// As [`CudaBuffer::ll_dispatch_on`]; `out` must stay allocated, and
+    /// untouched, until the stream has executed the combine.
+    pub unsafe fn ll_combine_on(
+        &mut self,
+        stream: StreamRef<'_>,
+        s: &CudaLlStep,
+        out: &DevMem,
+    ) -> Result<(), EpError> {
+        self.expect_dispatch("ll_combine_on", s.step)?;
+        self.poll()?;
+        check_device_output(self.rank, &self.cfg, self.tokens, out.into())?;
+        // SAFETY: the caller's contract; size and alignment checked.
+        unsafe { self.launch_combine(On::Queue(stream), out.ptr()) }
+    }
+
+    /// Once the stream that launches were queued on has been synchronised:
+    /// reports a kernel's failure (a wait that ran out, naming the peer) as
+    /// [`EpError::Kernel`], and an error a kernel recorded (bad inputs, a
+    /// peer's broken protocol) as the waiting calls do. Checking while a
+    /// kernel still runs misses what it does later.
+    pub fn check(&mut self) -> Result<(), EpError> {
+        self.current()?;
+        let r = self.dc.check(None);
+        self.queued = false;
+        if let Err(e) = r {
+            self.failed = true;
+            return Err(kernel_error(self.rank, "queued", e));
+        }
+        self.poll()
+    }
+
+    /// Destroys the buffer collectively: stops the device communicator
+    /// (every rank arrives), then frees the windows on every rank.
+    pub fn destroy(self) -> Result<(), EpError> {
+        self.dc.destroy()?;
+        for w in self.wins {
+            self.cuda.free_window(w)?;
+        }
+        Ok(())
+    }
+}
+
+/// The same-job floor of `gin-bench moe --device cuda`: a phase's bytes to
+/// each peer by plain puts spread over as many blocks as the phase's
+/// kernels run (`ep_floor`: each peer's bytes in equal parts, one put and
+/// one signal per part), on its own device communicator and windows.
+#[derive(Debug)]
+pub struct CudaFloor<'a, 'c> {
+    cuda: &'a CudaComm<'c>,
+    dc: CudaDevComm<'a, 'c>,
+    send: GpuWindow,
+    recv: GpuWindow,
+    block: u64,
+    /// `u64[nranks]` each: bytes to each peer, dispatch and combine.
+    disp: DevMem,
+    comb: DevMem,
+    clock: DevMem,
+    target: u64,
+    /// Blocks per peer.
+    parts: u32,
+    kernels: Kernels,
+}
+
+impl<'a, 'c> CudaFloor<'a, 'c> {
+    /// Sets the floor up collectively; `disp[p]` and `comb[p]` are the bytes
+    /// this rank sends peer `p` in each phase.
+    pub fn new(cuda: &'a CudaComm<'c>, disp: &[u64], comb: &[u64]) -> Result<Self, EpError> {
+        let n = cuda.comm().nranks();
+        if disp.len() != n || comb.len() != n {
+            return Err(EpError::Mode {
+                rank: cuda.comm().rank(),
+                what: format!(
+                    "floor byte counts for {} and {} peers in a job of {n} ranks",
+                    disp.len(),
+                    comb.len()
+                ),
+            });
+        }
+        let kernels = load_agreed(cuda)?;
+        // Every rank lays its peers' slots out alike: the largest message
+        // any rank sends, agreed on by all (unequal token counts make
+        // ranks' own maxima differ).
+        let mine = disp.iter().chain(comb).copied().max().unwrap_or(8).max(8);
+        let block = cuda
+            .comm()
+            .bootstrap()
+            .allgather(&mine.to_le_bytes())?
+            .iter()
+            .filter_map(|b| Some(u64::from_le_bytes(b.as_slice().try_into().ok()?)))
+            .max()
+            .unwrap_or(mine)
+            .max(mine);
+        let req = DevCommRequirements {
+            signals: 1,
+            counters: 1,
+            contexts: 1,
+            ..DevCommRequirements::default()
+        };
+        let dc = cuda.dev_comm(&req, CtxSharing::Gpu)?;
+        let send = cuda.alloc_window(block)?;
+        let recv = cuda.alloc_window(block * n as u64)?;
+        cuda.device().make_current().map_err(CoreError::from)?;
+        let mem = |v: &[u64]| -> Result<DevMem, CoreError> {
+            let m = DevMem::new(8 * v.len().max(2))?;
+            m.write(0, v)?;
+            Ok(m)
+        };
+        Ok(Self {
+            disp: mem(disp)?,
+            comb: mem(comb)?,
+            clock: mem(&[0, 0])?,
+            kernels,
+            cuda,
+            dc,
+            send,
+            recv,
+            block,
+            target: 0,
+            parts: (BLOCKS / u32::try_from(n).unwrap_or(u32::MAX)).max(1),
+        })
+    }
+
+    /// Spreads each peer's bytes over `blocks` blocks in all (at least one
+    /// per peer), as [`CudaBuffer::set_blocks`] sets the phases' grid; the
+    /// same on every rank.
+    pub fn set_blocks(&mut self, blocks: u32) {
+        let n = u32::try_from(self.cuda.comm().nranks()).unwrap_or(u32::MAX);
+        self.parts = (blocks / n).max(1);
+    }
+
+    /// One exchange (the dispatch's bytes or the combine's); returns when
+    /// its kernel ran on the GPU.
+    pub fn step(&mut self, dispatch: bool) -> Result<KernelClock, EpError> {
+        let n = self.cuda.comm().nranks();
+        self.cuda.device().make_current().map_err(CoreError::from)?;
+        let grid = Self::ranks_u32(n).saturating_mul(self.parts);
+        self.target += u64::from(grid);
+        reset_clock(&self.clock)?;
+        let bytes = if dispatch { &self.disp } else { &self.comb };
+        let args = [
+            Arg::DevComm(self.dc.abi()),
+            Arg::Window(self.send.abi()),
+            Arg::Window(self.recv.abi()),
+            Arg::U64(self.block),
+            Arg::Ptr(bytes.ptr()),
+            Arg::U64(self.target),
+            Arg::Ptr(self.clock.ptr()),
+        ];
+        let rank = self.cuda.comm().rank();
+        // SAFETY: ep_floor(DevComm, Window send, Window recv, u64 block,
+        // const u64* bytes, u64 target, u64* clock) takes these in this
+        // order; the blocks for a peer put parts of bytes[peer] ≤ block
+        // bytes of send (block bytes) to the peer's recv at rank × block
+        // (nranks × block bytes), nranks × parts blocks in all; bytes holds
+        // nranks u64, clock 2.
+        unsafe {
+            self.dc
+                .run(&self.kernels.floor, grid, THREADS, &args)
+                .map_err(|e| kernel_error(rank, "floor", e))?;
+        }
+        Ok(read_clock(&self.clock)?)
+    }
+
+    fn ranks_u32(n: usize) -> u32 {
+        u32::try_from(n).unwrap_or(u32::MAX)
+    }
+
+    /// The backend of the floor's device communicator.
+    pub fn backend_name(&self) -> &'static str {
+        self.dc.backend_name()
+    }
+
+    /// Tears the floor down collectively.
+    pub fn destroy(self) -> Result<(), EpError> {
+        self.dc.destroy()?;
+        self.cuda.free_window(self.send)?;
+        self.cuda.free_window(self.recv)?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// NVRTC compiles the CUDA-rank kernels with gin-core's header tree, as
+    /// [`CudaBuffer::new`] does at run time (no GPU needed, only libnvrtc:
+    /// `.ci/nvcc-check` installs it). Skipped with a reason where NVRTC
+    /// cannot be loaded, except under `GIN_REQUIRE_NVRTC=1`.
+    #[test]
+    fn nvrtc_compiles_the_ll_kernels_for_hopper_and_ampere() {
+        for cc in [(9, 0), (8, 0)] {
+            match gin_core::cuda::nvrtc::compile(LL_KERNELS, "ll.cu", cc) {
+                Ok(cubin) => assert_eq!(&cubin.as_bytes()[..4], b"\x7fELF", "{cc:?}"),
+                Err(CoreError::Unavailable { why, .. }) => {
+                    assert!(
+                        std::env::var_os("GIN_REQUIRE_NVRTC").is_none(),
+                        "GIN_REQUIRE_NVRTC is set but NVRTC cannot be used: {why}"
+                    );
+                    eprintln!("skipped: NVRTC cannot be loaded ({why})");
+                    return;
+                }
+                Err(e) => panic!("ll.cu for {cc:?}: {e}"),
+            }
+        }
+    }
+
+    /// The kernels the host launches exist under the names it looks up
+    /// (`extern "C" __global__ void`, launch bounds allowed before the
+    /// name).
+    #[test]
+    fn every_launched_kernel_is_defined() {
+        for name in [
+            "ep_ll_dispatch",
+            "ep_ll_echo",
+            "ep_ll_take_outputs",
+            "ep_ll_combine",
+            "ep_floor",
+        ] {
+            let defined = LL_KERNELS.lines().any(|l| {
+                l.strip_prefix("extern \"C\" __global__ void ")
+                    .is_some_and(|rest| {
+                        rest.trim_start_matches("__launch_bounds__(EP_THREADS) ")
+                            .starts_with(&format!("{name}("))
+                    })
+            });
+            assert!(defined, "{name}");
+        }
+    }
+
+    /// The launch bounds the kernels promise ptxas are the block size the
+    /// host launches.
+    #[test]
+    fn kernels_are_bounded_for_the_block_size_launched() {
+        assert!(
+            LL_KERNELS.contains(&format!("#define EP_THREADS {THREADS}\n")),
+            "ll.cu's EP_THREADS is not cuda.rs's THREADS ({THREADS})"
+        );
+    }
+}
