@@ -116,7 +116,7 @@ pub use load::{ALTERNATIVES, USUAL};
 use crate::NetError;
 use crate::region::{Access, RegionTable};
 use crate::sticky::StickyError;
-use crate::transport::{Alive, AtomicOp, Reach, Registration, Scope, Target, Transport};
+use crate::transport::{Alive, AtomicOp, Blame, Reach, Registration, Scope, Target, Transport};
 use crate::window::KeepAlive;
 use worker::{Started, Ucp, started};
 
@@ -246,6 +246,12 @@ pub(crate) struct Inner {
     alive: OnceLock<Alive>,
     /// The job's failure, once `alive` reported one ([`Inner::job`]).
     job_failed: OnceLock<String>,
+    /// Where a peer silent for the job's whole timeout is reported
+    /// ([`Transport::blame_to`]).
+    blame: OnceLock<Blame>,
+    /// What kept the memory of completed puts from lent memory alive, to
+    /// be dropped outside UCX's progress ([`Inner::drop_released`]).
+    released: Arc<Mutex<Vec<KeepAlive>>>,
     /// Each peer's process, where it runs on this kernel (see `proc`).
     procs: Vec<Option<proc::ProcId>>,
     /// Failures the tests inject.
@@ -405,6 +411,8 @@ impl UcxTransport {
             timeout,
             alive: OnceLock::new(),
             job_failed: OnceLock::new(),
+            blame: OnceLock::new(),
+            released: Arc::new(Mutex::new(Vec::new())),
             procs,
             #[cfg(test)]
             test: tests::Hooks::default(),
@@ -467,8 +475,11 @@ struct OpCtx {
 enum Lent {
     /// Nothing: the lender waits for the put ([`Inner::settle`]).
     Bare,
-    /// What the lender gave, dropped when the put completes.
-    Kept(#[allow(dead_code)] KeepAlive),
+    /// What the lender gave, released when the put completes: into the
+    /// list the progress thread and every wait for such puts empty outside
+    /// UCX's progress (dropping it may free GPU memory, a CUDA call that
+    /// must not run inside a UCX callback holding the worker).
+    Kept(KeepAlive, Arc<Mutex<Vec<KeepAlive>>>),
 }
 
 unsafe extern "C" fn op_done(req: *mut c_void, status: sys::ucs_status_t, user: *mut c_void) {
@@ -516,10 +527,12 @@ impl OpCtx {
         if let Some(keep) = self.lent.take() {
             // SAFETY: peers outlive every request (see `finish`).
             let peer = unsafe { &*self.peer };
-            if matches!(keep, Lent::Bare) {
-                peer.bare.fetch_sub(1, Ordering::AcqRel);
+            match keep {
+                Lent::Bare => {
+                    peer.bare.fetch_sub(1, Ordering::AcqRel);
+                }
+                Lent::Kept(k, released) => lock(&released).push(k),
             }
-            drop(keep);
             peer.lent.fetch_sub(1, Ordering::AcqRel);
         }
     }
@@ -560,6 +573,31 @@ impl Inner {
                 Err(why)
             }
             _ => Ok(()),
+        }
+    }
+
+    /// Drops what kept the memory of completed puts from lent memory alive
+    /// (outside UCX's progress: see [`Lent::Kept`]).
+    fn drop_released(&self) {
+        let gone = std::mem::take(&mut *lock(&self.released));
+        drop(gone);
+    }
+
+    /// Tells the job that `peer` left a request unanswered for `waited`
+    /// (`what`), if that is the job's whole timeout: ranks waiting on this
+    /// one, which is about to fail, then name `peer` rather than this
+    /// rank's departure. A shorter deadline blames nobody.
+    fn blame(&self, peer: usize, waited: Duration, what: &str) {
+        if waited >= self.timeout
+            && let Some(f) = self.blame.get()
+        {
+            f(
+                peer,
+                &format!(
+                    "rank {} had no answer from it over ucx for {waited:.1?} ({what})",
+                    self.rank
+                ),
+            );
         }
     }
 
@@ -805,6 +843,7 @@ impl Inner {
             spins = spins.wrapping_add(1);
             if failed.is_none() && spins.is_multiple_of(256) {
                 let why = if Instant::now() > deadline {
+                    self.blame(peer.rank, start.elapsed(), what);
                     Some(NetError::Timeout {
                         peer: peer.rank,
                         what: what.to_string(),
@@ -888,9 +927,11 @@ impl Inner {
                 given_up = Some(Instant::now());
                 continue;
             } else if Instant::now() > deadline {
+                let what = format!("{what} ({left} of them still in flight)");
+                self.blame(peer.rank, start.elapsed(), &what);
                 NetError::Timeout {
                     peer: peer.rank,
-                    what: format!("{what} ({left} of them still in flight)"),
+                    what,
                     waited: start.elapsed(),
                 }
             } else {
@@ -907,6 +948,7 @@ impl Inner {
             failed = Some(why);
             given_up = Some(Instant::now());
         }
+        self.drop_released();
         match failed {
             Some(e) => Err(e),
             None => self.broken(peer),
@@ -1537,6 +1579,13 @@ impl Transport for UcxTransport {
         let _ = self.inner.alive.set(alive);
     }
 
+    /// Reports a peer that left a request (a flush, a read, an atomic, an
+    /// rkey request, puts from GPU memory, a revocation's acknowledgement)
+    /// unanswered for the job's whole timeout.
+    fn blame_to(&self, blame: Blame) {
+        let _ = self.inner.blame.set(blame);
+    }
+
     /// Fences after an earlier put (`ucp_worker_fence`), then puts: UCP
     /// orders puts to one peer only across a fence.
     fn put_ordered(&self, peer: usize, dst: Target<'_>, src: &[u8]) -> Result<(), NetError> {
@@ -1722,7 +1771,7 @@ impl UcxTransport {
             if keep.is_none() {
                 p.bare.fetch_add(1, Ordering::AcqRel);
             }
-            ctx.lent = Some(keep.map_or(Lent::Bare, Lent::Kept));
+            ctx.lent = Some(keep.map_or(Lent::Bare, |k| Lent::Kept(k, inner.released.clone())));
             p.lent.fetch_add(1, Ordering::AcqRel);
             let mut prm = Inner::params(ctx);
             prm.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE;

@@ -825,6 +825,13 @@ impl Inner {
                         .filter(|p| heard.get(p).is_some_and(|&t| t > start))
                         .collect();
                     drop(heard);
+                    for &p in left.iter().filter(|p| !answering.contains(p)) {
+                        self.blame(
+                            p,
+                            start.elapsed(),
+                            &format!("the acknowledgement of the revocation of key {key:#010x}"),
+                        );
+                    }
                     tracing::error!(
                         rank = self.rank,
                         key = format_args!("{key:#010x}"),
@@ -934,6 +941,13 @@ pub(super) fn ask(
 /// saying whether its progress thread answered a ping meanwhile.
 fn unanswered(inner: &Inner, owner: usize, key: u32, start: Instant, pinged: bool) -> NetError {
     let heard = lock(&inner.heard).get(&owner).is_some_and(|&t| t > start);
+    if !heard {
+        inner.blame(
+            owner,
+            start.elapsed(),
+            &format!("the rkey of key {key:#010x}"),
+        );
+    }
     let what = if heard {
         format!(
             "the rkey of key {key:#010x}: rank {owner}'s progress thread answered pings meanwhile but not this request (its log says why)"
@@ -1015,6 +1029,9 @@ pub(super) fn spawn_progress(
                 let worked = inner.drain();
                 inner.held(turn, None, "the progress thread's queued work");
                 let progressed = inner.progress_until_idle();
+                if progressed {
+                    inner.drop_released();
+                }
                 if worked || progressed {
                     idle.busy(Instant::now());
                     continue;

@@ -287,7 +287,8 @@ fn an_owner_unmaps_only_after_every_holder_acknowledged() {
 /// revocation nor is known to have failed is waited for up to the job's
 /// timeout, whether it is silent (stopped: no answer to pings, once taken
 /// for dead after 2 s) or answers pings: then the region stays mapped,
-/// quarantined, and its owner is told not to reuse the memory.
+/// quarantined, and its owner is told not to reuse the memory. A silent
+/// peer is reported to the job (`blame_to`), one answering pings is not.
 #[test]
 fn a_peer_that_never_acknowledges_leaves_the_region_quarantined_not_unmapped() {
     if !ucx_here() {
@@ -297,6 +298,11 @@ fn a_peer_that_never_acknowledges_leaves_the_region_quarantined_not_unmapped() {
         let timeout = Duration::from_secs(3);
         let out = two_ranks(timeout, move |b, table| {
             let t = start(b, &table, timeout);
+            let blamed = Arc::new(Mutex::new(Vec::new()));
+            let to = blamed.clone();
+            t.blame_to(Arc::new(move |peer, why: &str| {
+                lock(&to).push((peer, why.to_owned()));
+            }));
             let mut mem = vec![0u64; 512];
             let key = if b.rank() == 1 {
                 register(&table, &mut mem)
@@ -323,14 +329,26 @@ fn a_peer_that_never_acknowledges_leaves_the_region_quarantined_not_unmapped() {
                 let base = mem.as_ptr() as usize;
                 let unmapped = lock(&t.inner.test.unmapped).contains(&base);
                 let kept = lock(&t.inner.quarantined).iter().any(|m| m.base() == base);
-                seen = Some((verdict, took, unmapped, kept));
+                let blamed = lock(&blamed).clone();
+                seen = Some((verdict, took, unmapped, kept, blamed));
             }
             b.barrier().unwrap();
             t.inner.test.stopped.store(false, Ordering::Release);
             drop(t);
             seen
         });
-        let (verdict, took, unmapped, kept) = out[1].unwrap();
+        let (verdict, took, unmapped, kept, blamed) = out[1].clone().unwrap();
+        if stopped {
+            assert_eq!(blamed.len(), 1, "{blamed:?}");
+            assert_eq!(blamed[0].0, 0);
+            assert!(
+                blamed[0].1.contains("rank 1 had no answer")
+                    && blamed[0].1.contains("acknowledgement of the revocation"),
+                "{blamed:?}"
+            );
+        } else {
+            assert!(blamed.is_empty(), "{blamed:?}");
+        }
         assert_eq!(verdict, Removal::Quarantined, "stopped: {stopped}");
         assert!(
             took >= Duration::from_secs(3),
@@ -851,6 +869,8 @@ fn many_lent_puts_in_flight_then_one_confirm_deliver_every_byte_with_the_signal_
             let mut most = 0;
             if b.rank() == 0 {
                 let src: Vec<u8> = (0..N * CHUNK).map(lent_byte).collect();
+                // Every other put carries a keeper, as a window's would.
+                let keeper = Arc::new(());
                 let p = t.inner.peer(1).unwrap();
                 for i in 0..N {
                     let at = Target::Key {
@@ -866,7 +886,7 @@ fn many_lent_puts_in_flight_then_one_confirm_deliver_every_byte_with_the_signal_
                             src[i * CHUNK..].as_ptr(),
                             CHUNK as u64,
                             sys::UCS_MEMORY_TYPE_HOST,
-                            None,
+                            (i % 2 == 0).then(|| KeepAlive(keeper.clone())),
                         )
                     }
                     .unwrap();
@@ -879,6 +899,14 @@ fn many_lent_puts_in_flight_then_one_confirm_deliver_every_byte_with_the_signal_
                 t.put_ordered(1, sig, &total.to_le_bytes()).unwrap();
                 t.confirm(1, timeout).unwrap();
                 assert_eq!(p.lent.load(Ordering::Acquire), 0);
+                assert_eq!(p.bare.load(Ordering::Acquire), 0);
+                // Every keeper was released once its put completed (the
+                // progress thread may be dropping the last ones).
+                let began = Instant::now();
+                while Arc::strong_count(&keeper) > 1 {
+                    assert!(began.elapsed() < timeout, "a keeper was never released");
+                    std::thread::yield_now();
+                }
                 assert!(most <= LENT_MAX, "{most} in flight");
                 drop(src);
             } else {
@@ -942,6 +970,9 @@ fn a_peer_failing_mid_pipeline_fails_the_confirm_naming_it_without_hanging() {
                     Ok(())
                 }
             }));
+            let blamed = Arc::new(Mutex::new(Vec::new()));
+            let to = blamed.clone();
+            t.blame_to(Arc::new(move |peer, _: &str| lock(&to).push(peer)));
             let mut recv = vec![0u64; N * CHUNK / 8];
             let key = if b.rank() == 1 {
                 register(&table, &mut recv)
@@ -994,22 +1025,25 @@ fn a_peer_failing_mid_pipeline_fails_the_confirm_naming_it_without_hanging() {
                 // Later waits fail at once, naming the cause.
                 let again = t.confirm(1, timeout).unwrap_err().to_string();
                 assert!(again.contains("rank 1"), "{again}");
-                seen = Some((pending, took, e.to_string()));
+                seen = Some((pending, took, e.to_string(), lock(&blamed).clone()));
             }
             b.barrier().unwrap();
             t.inner.test.stopped.store(false, Ordering::Release);
             drop(t);
             seen
         });
-        let (pending, took, e) = out[0].clone().unwrap();
+        let (pending, took, e, blamed) = out[0].clone().unwrap();
         assert!(pending > 1, "only {pending} put(s) were in flight: {e}");
         assert!(e.contains("rank 1"), "{e}");
         if job_says {
             assert!(e.contains("rank 1 died"), "{e}");
             assert!(took < Duration::from_secs(10), "{took:?}: {e}");
+            assert!(blamed.is_empty(), "{blamed:?}");
         } else {
             assert!(e.contains("timed out") || e.contains("waited"), "{e}");
             assert!(took < Duration::from_secs(10), "{took:?}: {e}");
+            // Silent for the whole timeout: the job hears of it.
+            assert_eq!(blamed, [1], "{e}");
         }
     }
 }
