@@ -754,6 +754,27 @@ fn a_transport_taking_gpu_memory_gets_it_directly_and_the_total_after_it() {
     assert_eq!(r.calls(), vec![(1, Call::Sync), (1, Call::Store(a, v))]);
 }
 
+/// Writes from GPU memory are pipelined: a pass's writes are all started
+/// (the stream drained once, before the first), and completed once, after
+/// the last, before the pass's CQE is stored.
+#[test]
+fn writes_from_gpu_memory_are_many_in_flight_and_completed_before_the_cqe() {
+    let mut r = rig_over(Keyed::taking_device_memory());
+    let writes: Vec<(Op, u8)> = (0..4).map(|i| (write(2, i * 64, 64), FM_NONE)).collect();
+    r.post(TCP, &writes);
+    assert_eq!(r.step().consumed, 4);
+    let ops = r.keyed.ops();
+    assert_eq!(ops.len(), 4);
+    assert!(
+        ops.iter()
+            .all(|o| matches!(o, KeyedOp::PutDevice { len: 64, .. }))
+    );
+    assert_eq!(r.keyed.completions(), vec![(2, 4)]);
+    assert_eq!(r.keyed.in_flight(), 0);
+    let (a, v) = done(TCP, 3, OP_WRITE);
+    assert_eq!(r.calls(), vec![(1, Call::Sync), (1, Call::Store(a, v))]);
+}
+
 /// A write the transport refuses completes with an error CQE as over tcp;
 /// the signal after it is never sent.
 #[test]
