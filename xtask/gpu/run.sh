@@ -333,6 +333,11 @@ if [ -n "$ucx" ]; then
   for backend in proxy gdaki; do
     ustep "badinput-ucx-$backend" env GIN_BACKEND=$backend GIN_TIMEOUT=2s "$st" badinput --ranks 2
     ustep "dropped-ucx-$backend" env GIN_BACKEND=$backend "$st" dropped --ranks 2
+    # A signal's total ordered after pipelined puts from GPU memory by
+    # UCX's endpoint fence alone (the default waits for the puts first):
+    # the ring scenario checks every byte once the signal arrived, so a
+    # fence that does not order cuda_ipc's copies fails here.
+    ustep "selftest-ucx-fence-$backend" env GIN_UCX_GPU_ORDER=fence GIN_BACKEND=$backend "$st" all --ranks 2
   done
   fi
   # Round trips and bandwidth (4 MiB: target >= 30 GB/s, 10x bench-cuda-tcp)
@@ -341,6 +346,9 @@ if [ -n "$ucx" ]; then
   # (GIN_UCX_DEVICE=0), which isolates what the direct path buys.
   if [ -n "$benches" ]; then
   ustep "bench-cuda-ucx" "$here/gin-bench" cuda --tests pingpong,bandwidth --paths proxy,gdaki --sizes 8,1k,64k,1m --blocks 16 --runs 3 --json "$out/cuda-ucx.json"
+  # Bandwidth with signals ordered by UCX's fence alone (see the
+  # selftest-ucx-fence steps, which must pass for these figures to count).
+  ustep "bench-cuda-ucx-fence" env GIN_UCX_GPU_ORDER=fence "$here/gin-bench" cuda --tests bandwidth --paths proxy,gdaki --blocks 16 --runs 3 --json "$out/cuda-ucx-fence.json"
   ustep "bench-cuda-ucx-staged" env GIN_UCX_DEVICE=0 "$here/gin-bench" cuda --tests pingpong,bandwidth --paths proxy --sizes 8,64k,1m --blocks 16 --runs 3 --json "$out/cuda-ucx-staged.json"
   # The raw UCX floor in the same job: ucx_perftest between two processes on
   # loopback, GPU memory on both sides (-m cuda,cuda), the same UCX.

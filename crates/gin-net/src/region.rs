@@ -157,14 +157,29 @@ enum Target<'a> {
 /// prepare memory on a thread with the right state (the ucx transport maps
 /// GPU memory where the rank's CUDA context is current) does it there.
 pub trait RegionObserver: Send + Sync {
-    /// `key` (the region at `base`) was removed.
-    fn removed(&self, key: u32, base: usize);
+    /// `key` (the region at `base`) was removed; whether its memory may be
+    /// reused ([`Removal`]).
+    fn removed(&self, key: u32, base: usize) -> Removal;
 
     /// `key` (the region at `base`) was registered. The default does
     /// nothing.
     fn inserted(&self, key: u32, base: usize) {
         let _ = (key, base);
     }
+}
+
+/// What became of a removed region's memory, as the observers say
+/// ([`RegionTable::remove`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Removal {
+    /// Nothing reaches it any more: its owner may free or reuse it.
+    Released,
+    /// A peer may still write it: it held a capability for the region (a
+    /// ucx rkey), never acknowledged its revocation within the job's
+    /// timeout, and nothing says it failed. The transport keeps its own
+    /// mapping (quarantined, logged); the owner should leak the memory
+    /// rather than reuse it.
+    Quarantined,
 }
 
 /// A region as [`RegionTable::with_region`] shows it.
@@ -264,15 +279,17 @@ impl RegionTable {
     }
 
     /// Forgets a key; later requests with it are refused. Waits for the
-    /// requests being served under it, then tells the observers.
-    pub fn remove(&self, key: u32) {
+    /// requests being served under it, then tells the observers, and says
+    /// whether the memory may be reused.
+    pub fn remove(&self, key: u32) -> Removal {
         let gone = self
             .map
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .remove(&key);
-        if let Some(e) = gone {
-            self.tell_removed(key, e.base);
+        match gone {
+            Some(e) => self.tell_removed(key, e.base),
+            None => Removal::Released,
         }
     }
 
@@ -296,10 +313,14 @@ impl RegionTable {
             .collect()
     }
 
-    fn tell_removed(&self, key: u32, base: usize) {
+    fn tell_removed(&self, key: u32, base: usize) -> Removal {
+        let mut r = Removal::Released;
         for o in self.live_observers() {
-            o.removed(key, base);
+            if o.removed(key, base) == Removal::Quarantined {
+                r = Removal::Quarantined;
+            }
         }
+        r
     }
 
     /// Runs `f` on the region `key` names (or `None`) while holding the
@@ -330,7 +351,7 @@ impl RegionTable {
 
     /// Forgets `key` if it still names the region at `base` (keys of removed
     /// regions may be drawn again); as [`RegionTable::remove`] otherwise.
-    pub fn remove_region(&self, key: u32, base: usize) {
+    pub fn remove_region(&self, key: u32, base: usize) -> Removal {
         let gone = {
             let mut map = self
                 .map
@@ -343,7 +364,9 @@ impl RegionTable {
             }
         };
         if gone.is_some() {
-            self.tell_removed(key, base);
+            self.tell_removed(key, base)
+        } else {
+            Removal::Released
         }
     }
 

@@ -73,6 +73,10 @@ pub struct KeyedRecorder {
     dead: AtomicBool,
     device: bool,
     refused: Mutex<Vec<u32>>,
+    /// Puts from GPU memory started and not yet completed, and each
+    /// completion: (peer, how many operations were recorded before it).
+    started: AtomicU64,
+    completions: Mutex<Vec<(usize, usize)>>,
 }
 
 impl KeyedRecorder {
@@ -92,6 +96,21 @@ impl KeyedRecorder {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
+    }
+
+    /// Every [`Transport::complete_device`] that had puts to complete:
+    /// (peer, how many operations [`KeyedRecorder::ops`] held then).
+    pub fn completions(&self) -> Vec<(usize, usize)> {
+        self.completions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Puts from GPU memory started ([`Transport::start_put_device`]) and
+    /// not completed since.
+    pub fn in_flight(&self) -> u64 {
+        self.started.load(Ordering::Acquire)
     }
 
     /// From now on every operation on `key` is refused, as by a target
@@ -266,6 +285,32 @@ impl Transport for KeyedRecorder {
             len,
         });
         Ok(())
+    }
+    /// Records the device address as [`Transport::put_device`] does, and
+    /// counts the put in flight until [`Transport::complete_device`].
+    unsafe fn start_put_device(
+        &self,
+        peer: usize,
+        dst: Target<'_>,
+        src: u64,
+        len: u64,
+        _: Option<KeepAlive>,
+    ) -> Result<(), NetError> {
+        // SAFETY: records the address only.
+        unsafe { self.put_device(peer, dst, src, len) }?;
+        self.started.fetch_add(1, Ordering::AcqRel);
+        Ok(())
+    }
+    /// Completes every put started, recording when.
+    fn complete_device(&self, peer: usize, _: Duration) -> Result<(), NetError> {
+        if self.started.swap(0, Ordering::AcqRel) > 0 {
+            let n = self.ops().len();
+            self.completions
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push((peer, n));
+        }
+        self.alive(peer)
     }
     /// Records the device address; dereferences nothing.
     unsafe fn read_device(

@@ -298,6 +298,44 @@ pub trait Transport: Send + Sync + std::fmt::Debug + std::any::Any {
         })
     }
 
+    /// [`Transport::put_device`] that may return before the transport has
+    /// read the source, so that many are in flight: each is complete
+    /// locally (and `keep` dropped) only once a later
+    /// [`Transport::complete_device`], [`Transport::confirm`] or
+    /// [`Transport::fence`] to `peer` returned, whether or not it
+    /// succeeded. Ordered as `put_device`: before a later
+    /// [`Transport::put_ordered`] to `peer` at the target. The default is
+    /// `put_device` (complete on return).
+    ///
+    /// # Safety
+    /// `src..src + len` must be GPU memory of this process that no one
+    /// writes, and that stays allocated, until one of those calls to
+    /// `peer` returned or the transport was dropped (or, where `keep` owns
+    /// that memory, for as long as `keep` is held).
+    unsafe fn start_put_device(
+        &self,
+        peer: usize,
+        dst: Target<'_>,
+        src: u64,
+        len: u64,
+        keep: Option<KeepAlive>,
+    ) -> Result<(), NetError> {
+        drop(keep);
+        // SAFETY: the caller's contract covers `put_device`'s.
+        unsafe { self.put_device(peer, dst, src, len) }
+    }
+
+    /// Returns once every [`Transport::start_put_device`] to `peer` so far
+    /// is complete locally (the transport reads none of their sources any
+    /// more, also when this returns an error), or with the first failure
+    /// among them (at the latest after `timeout` plus the time the
+    /// transport needs to cancel them). The default has nothing to wait
+    /// for.
+    fn complete_device(&self, peer: usize, timeout: Duration) -> Result<(), NetError> {
+        let _ = (peer, timeout);
+        Ok(())
+    }
+
     /// Reads `len` bytes at `src` on `peer` into this process's GPU memory
     /// at device address `dst` and returns once they have landed (after
     /// every earlier request to `peer`), or with an error (at the latest

@@ -14,11 +14,18 @@
 //!
 //! Peers reached over a keyed transport (tcp, ucx) go through the fabric.
 //! Where the transport takes GPU memory ([`Fabric::takes_device_memory`]:
-//! ucx with its CUDA transports), a write's source goes to it directly
-//! ([`Fabric::put_device_key`]) and a read lands directly
-//! ([`Fabric::read_device_key`]), each after the channel's stream has
-//! executed everything queued before it (flushed and waited for), and
-//! returning once the transport is done with the GPU memory. Otherwise a
+//! ucx with its CUDA transports), a write's source goes to it directly and
+//! a read lands directly ([`Fabric::read_device_key`]), each after the
+//! channel's stream has executed everything queued before it (flushed and
+//! waited for, unless nothing was queued since the last wait). Writes are
+//! pipelined: each is started ([`Transport::start_put_device`]), many are
+//! in flight, and a channel's are completed
+//! ([`Transport::complete_device`]) before anything that says their source
+//! may be reused or that the GPU may write it: the channel's CQE, a
+//! counter's total, a read, [`Executor::quiesce`] (and the executor's
+//! drop). An 8-byte value is put ordered after them
+//! ([`Transport::put_ordered`]: ucx waits for them first unless
+//! `GIN_UCX_GPU_ORDER=fence`). Otherwise a
 //! write's source is staged through pinned host memory on the channel's
 //! stream (waited for) and sent with [`Fabric::put_key`], and a read's
 //! answer comes with [`Fabric::read_key`] into the pinned buffer and is
@@ -46,7 +53,7 @@ use gin_cuda::CudaError;
 use gin_cuda::batch::stall::StallWatch;
 use gin_cuda::batch::{BatchStats, Dma, Gpu, StreamBatch, region};
 use gin_cuda::staging::{STAGE, Stage};
-use gin_net::{Fabric, MemDesc, Memory, NetError, Reach};
+use gin_net::{Fabric, MemDesc, Memory, NetError, Reach, Transport};
 
 use crate::nic::{
     Atomics, Channel, CqStore, ExecError, Executor, Loc, Part, Payload, ReadStatus, ReadTicket,
@@ -62,6 +69,12 @@ pub(crate) struct DevCq(pub(crate) u64);
 struct Lane<S> {
     stream: S,
     batch: StreamBatch,
+    /// Nothing was queued since the stream was last waited for: GPU
+    /// memory is as the earlier WQEs left it, without a wait.
+    idle: bool,
+    /// Peers with writes from GPU memory started on this channel and not
+    /// yet completed ([`CudaExecutor::settle`]).
+    started: Vec<usize>,
 }
 
 /// Where the executor stores, besides windows: what the set-up laid out.
@@ -220,6 +233,7 @@ impl<G: Gpu> CudaExecutor<G> {
     /// it has executed the store.
     unsafe fn store(&mut self, ch: Channel, addr: u64, v: u64) -> Result<(), ExecError> {
         let l = self.lane(ch)?;
+        l.idle = false;
         // SAFETY: the caller's contract.
         unsafe { l.batch.write(&l.stream, addr, v) }.map_err(cuda("cuStreamWriteValue64"))
     }
@@ -333,6 +347,8 @@ impl<G: Gpu> CudaExecutor<G> {
             return Ok(());
         }
         let v = qword(v)?;
+        // A counter counts completed WQEs: their sources are free.
+        self.settle(ch)?;
         if dst.offset + 8 > self.layout.counter_slots * 16 || !dst.offset.is_multiple_of(16) {
             return Err(malformed(format!(
                 "offset {} is not the NIC's sub-slot of one of this rank's {} counters",
@@ -348,10 +364,52 @@ impl<G: Gpu> CudaExecutor<G> {
     /// waits for it: GPU memory the transport reads or writes next is as
     /// the WQEs before this one left it.
     fn drain(&mut self, ch: Channel) -> Result<(), ExecError> {
-        self.lane(ch)?;
+        if self.lane(ch)?.idle {
+            return Ok(());
+        }
         let l = &mut self.lanes[ch];
         hand(l, ch, self.stalls.as_ref())?;
-        l.stream.sync().map_err(cuda("cuStreamSynchronize"))
+        l.stream.sync().map_err(cuda("cuStreamSynchronize"))?;
+        l.idle = true;
+        Ok(())
+    }
+
+    /// The transport that reaches `peer`.
+    fn transport(&self, peer: usize) -> Result<&Arc<dyn Transport>, ExecError> {
+        self.fabric
+            .path(peer)
+            .map(gin_net::Path::transport)
+            .ok_or_else(|| {
+                net(peer)(NetError::NoPath {
+                    peer,
+                    nranks: self.fabric.nranks(),
+                })
+            })
+    }
+
+    /// Completes the writes from GPU memory started on channel `ch`: the
+    /// transport reads none of their sources any more, also when this
+    /// fails (every peer's are completed; the first failure).
+    fn settle(&mut self, ch: Channel) -> Result<(), ExecError> {
+        let peers = std::mem::take(&mut self.lane(ch)?.started);
+        let mut first = Ok(());
+        for peer in peers {
+            let done = self.transport(peer).and_then(|t| {
+                t.complete_device(peer, self.fabric.timeout())
+                    .map_err(net(peer))
+            });
+            first = first.and(done);
+        }
+        first
+    }
+
+    /// [`CudaExecutor::settle`] for every channel; the first failure.
+    fn settle_all(&mut self) -> Result<(), ExecError> {
+        let mut first = Ok(());
+        for ch in 0..self.lanes.len() {
+            first = first.and(self.settle(ch));
+        }
+        first
     }
 
     /// A window part's bytes to a peer over a keyed transport, after
@@ -360,16 +418,30 @@ impl<G: Gpu> CudaExecutor<G> {
     fn send(&mut self, ch: Channel, dst: Loc, at: (u32, u64), src: Loc) -> Result<(), ExecError> {
         let (_, from) = self.source(src, dst)?;
         if self.fabric.takes_device_memory(dst.rank) {
+            let keep = self.window_of(src)?.1.keep.clone();
             self.drain(ch)?;
+            let peer = dst.rank;
+            let to = gin_net::Target::Key {
+                key: at.0,
+                offset: at.1,
+            };
             // SAFETY: `dst.len` bytes of this rank's part at `from`
-            // (checked above), GPU memory no stream of this executor
-            // writes meanwhile (drained; nothing is queued until this
-            // returns).
-            return unsafe {
-                self.fabric
-                    .put_device_key(dst.rank, at.0, at.1, from, dst.len)
+            // (checked above), GPU memory that no stream of this executor
+            // writes (drained) until the write is settled: before the
+            // channel's next CQE, counter, read or quiesce, whatever queues
+            // a write after it; the kernel reuses it only after a CQE or
+            // counter, and a window is freed only after a fence of every
+            // peer (which completes the write) or once its kernels ended.
+            unsafe {
+                self.transport(peer)?
+                    .start_put_device(peer, to, from, dst.len, keep)
             }
-            .map_err(net(dst.rank));
+            .map_err(net(peer))?;
+            let l = self.lane(ch)?;
+            if !l.started.contains(&peer) {
+                l.started.push(peer);
+            }
+            return Ok(());
         }
         self.lane(ch)?;
         let Self {
@@ -404,6 +476,8 @@ impl<G: Gpu> CudaExecutor<G> {
         let (key, off) = self.keyed_at(src)?;
         let (_, to) = self.mapped(dst)?;
         if self.fabric.takes_device_memory(src.rank) {
+            // Earlier writes may read what this read overwrites.
+            self.settle(ch)?;
             self.drain(ch)?;
             // SAFETY: `src.len` (= `dst.len`, checked by the caller) bytes
             // of this rank's part at `to` (checked above), GPU memory no
@@ -500,6 +574,7 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
                 let (sid, from) = self.source(l, dst)?;
                 let g = region(true, id, sid);
                 let lane = self.lane(ch)?;
+                lane.idle = false;
                 // SAFETY: the destination lies in a window part mapped here,
                 // the source in this rank's part (both checked), and `g`
                 // names the two windows.
@@ -526,6 +601,7 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
         let (did, to) = self.mapped(dst)?;
         let g = region(false, sid, did);
         let lane = self.lane(ch)?;
+        lane.idle = false;
         // SAFETY: the destination lies in this rank's part, the source in a
         // part mapped here (both checked), and `g` names the two windows.
         unsafe { lane.batch.push(&lane.stream, to, from, dst.len as usize, g) }
@@ -558,8 +634,10 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
         })
     }
 
-    /// Queues the CQE's stores after the channel's work.
+    /// Queues the CQE's stores after the channel's work, once its writes
+    /// from GPU memory completed.
     fn publish(&mut self, ch: Channel, cq: &DevCq, stores: &[CqStore]) -> Result<(), ExecError> {
+        self.settle(ch)?;
         if let Some(s) = stores
             .iter()
             .find(|s| !s.offset.is_multiple_of(8) || s.offset + 8 > 64)
@@ -612,6 +690,9 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
             self.lanes.push(Lane {
                 stream,
                 batch: StreamBatch::default(),
+                // Unknown until first waited for.
+                idle: false,
+                started: Vec::new(),
             });
         }
         if let Some(w) = &self.stalls {
@@ -623,7 +704,7 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
     /// Waits for every stream; logs what reached the driver.
     fn quiesce(&mut self) -> Result<(), ExecError> {
         let mut calls = BatchStats::default();
-        let mut first = Ok(());
+        let mut first = self.settle_all();
         for l in &self.lanes {
             first = first.and(l.stream.sync().map_err(cuda("cuStreamSynchronize")));
             calls += l.batch.stats;
@@ -637,5 +718,15 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
             "CUDA soft NIC streams drained"
         );
         first
+    }
+}
+
+impl<G: Gpu> Drop for CudaExecutor<G> {
+    /// Writes from GPU memory still in flight (an executor dropped without
+    /// quiescing) are completed first: the memory is lent until then.
+    fn drop(&mut self) {
+        if let Err(e) = self.settle_all() {
+            tracing::warn!(rank = self.rank, %e, "writes from GPU memory failed while the soft NIC's CUDA executor was dropped");
+        }
     }
 }

@@ -691,7 +691,8 @@ fn a_tcp_peer_gets_puts_through_the_fabric_and_a_dead_one_is_0x15() {
 /// A transport that takes GPU memory (ucx with its CUDA transports) gets
 /// a write's source and a read's destination as device addresses: no
 /// staging (the rig has no staging buffer), the pair's stream drained
-/// first, the signal's running total put after the data, ordered, and the
+/// first (once: nothing is queued between), the signal's running total put
+/// after the data, ordered, the write completed before the read, and the
 /// CQE stored after all of it.
 #[test]
 fn a_transport_taking_gpu_memory_gets_it_directly_and_the_total_after_it() {
@@ -743,11 +744,35 @@ fn a_transport_taking_gpu_memory_gets_it_directly_and_the_total_after_it() {
             },
         ]
     );
+    // The write is completed before the read may overwrite its source
+    // (after the write and its total were handed over, before the read);
+    // the stream, drained before the write and given nothing since, is
+    // not waited for again.
+    assert_eq!(r.keyed.completions(), vec![(2, 2)]);
+    assert_eq!(r.keyed.in_flight(), 0);
     let (a, v) = done(TCP, 2, OP_RDMA_READ);
-    assert_eq!(
-        r.calls(),
-        vec![(1, Call::Sync), (1, Call::Sync), (1, Call::Store(a, v))]
+    assert_eq!(r.calls(), vec![(1, Call::Sync), (1, Call::Store(a, v))]);
+}
+
+/// Writes from GPU memory are pipelined: a pass's writes are all started
+/// (the stream drained once, before the first), and completed once, after
+/// the last, before the pass's CQE is stored.
+#[test]
+fn writes_from_gpu_memory_are_many_in_flight_and_completed_before_the_cqe() {
+    let mut r = rig_over(Keyed::taking_device_memory());
+    let writes: Vec<(Op, u8)> = (0..4).map(|i| (write(2, i * 64, 64), FM_NONE)).collect();
+    r.post(TCP, &writes);
+    assert_eq!(r.step().consumed, 4);
+    let ops = r.keyed.ops();
+    assert_eq!(ops.len(), 4);
+    assert!(
+        ops.iter()
+            .all(|o| matches!(o, KeyedOp::PutDevice { len: 64, .. }))
     );
+    assert_eq!(r.keyed.completions(), vec![(2, 4)]);
+    assert_eq!(r.keyed.in_flight(), 0);
+    let (a, v) = done(TCP, 3, OP_WRITE);
+    assert_eq!(r.calls(), vec![(1, Call::Sync), (1, Call::Store(a, v))]);
 }
 
 /// A write the transport refuses completes with an error CQE as over tcp;

@@ -7,8 +7,9 @@
 //! ucx-bindings`), `load` (opening `libucp.so.0` at run time: `GIN_UCX_LIB`,
 //! else the usual names; building needs no UCX), `worker` (the context and
 //! worker), [`wire`] (the transport's own active messages, pure), `serve`
-//! (the owner's side: mapping regions, answering and revoking rkeys); this
-//! module holds [`UcxTransport`] and its registration.
+//! (the owner's side: mapping regions, answering and revoking rkeys),
+//! `proc` (whether a peer's process on this kernel is gone); this module
+//! holds [`UcxTransport`] and its registration.
 //!
 //! # Design
 //!
@@ -44,14 +45,17 @@
 //!   owner stops serving a region ([`crate::region::RegionObserver`]:
 //!   deregistration, or a window dropped without it), it revokes the rkey
 //!   at every peer that holds it and waits until each has dropped it and
-//!   flushed what it sent (pinging a late one: a peer whose progress
-//!   thread answers is waited for up to the job's timeout, one silent for
-//!   2 s is taken for dead), or the job failed, then unmaps: a later
+//!   flushed what it sent, or is known to have failed (its path's error,
+//!   its endpoint closed, the job's health, its process gone where it runs
+//!   on this kernel), then unmaps: a later
 //!   operation fails at its initiator with [`NetError::Revoked`], naming
-//!   rank, window and offset, instead of writing memory that is gone. (Not
-//!   yet for a live peer silent for 2 s, a stopped one or one whose worker
-//!   is held: a put it had issued may land after the unmap; see
-//!   docs/ucx.md.)
+//!   rank, window and offset, instead of writing memory that is gone. A
+//!   peer late to acknowledge is pinged (the log says whether it answers)
+//!   and waited for up to the job's timeout, silent or not (a stopped rank,
+//!   or one whose worker a UCX call holds, may still write); after that the
+//!   region stays mapped, quarantined until the transport goes, and the
+//!   removal says so ([`crate::region::Removal::Quarantined`]: its owner
+//!   should leak the memory rather than reuse it).
 //! - put → `ucp_put_nbx`, get → `ucp_get_nbx`, fetch-add and
 //!   compare-swap → `ucp_atomic_op_nbx`, fence and confirm →
 //!   `ucp_ep_flush_nbx`. Every put's source is copied into a buffer the
@@ -72,20 +76,26 @@
 //!   given up on only where it touches memory this module owns (reads and
 //!   atomics land in heap buffers, leaked when given up on, and copied out
 //!   on success); requests on GPU memory the caller lent are waited for
-//!   until UCX completes them.
+//!   until UCX completes them, unless the caller gave a [`KeepAlive`] that
+//!   holds that memory (then the request holds it instead).
 //! - GPU memory: an owner maps a GPU region (a region behind a backing,
 //!   whose base is its device address) with the `UCS_MEMORY_TYPE_CUDA`
 //!   memory type. CUDA ranks hand their side directly
-//!   ([`Transport::put_device`], [`Transport::read_device`]: `ucp_put_nbx`
-//!   / `ucp_get_nbx` with the CUDA memory type, waited for), so cuda_ipc
+//!   ([`Transport::start_put_device`], [`Transport::read_device`]:
+//!   `ucp_put_nbx` / `ucp_get_nbx` with the CUDA memory type), so cuda_ipc
 //!   copies GPU to GPU between processes of a host and a NIC reads and
 //!   writes GPU memory with GPUDirect RDMA; no staging through host
-//!   memory. Their signals and counters stay running totals written as
+//!   memory. Puts from GPU memory are pipelined: each completes by its
+//!   callback, up to 64 are in flight to a peer (the next waits for one),
+//!   and [`Transport::complete_device`], `confirm` and `fence` wait for
+//!   them (the executors do before a counter, a completion or a read says
+//!   the source may be reused). A read is waited for. Their signals and counters stay running totals written as
 //!   8-byte puts ([`Transport::put_ordered`]: fenced after the data):
 //!   UCX has no atomics on GPU memory over cuda_ipc. `GIN_UCX_DEVICE=0`
 //!   makes CUDA ranks stage through pinned host memory instead.
 
 mod load;
+mod proc;
 mod serve;
 #[allow(missing_docs, unused_imports, clippy::all, clippy::pedantic)]
 mod sys;
@@ -106,7 +116,7 @@ pub use load::{ALTERNATIVES, USUAL};
 use crate::NetError;
 use crate::region::{Access, RegionTable};
 use crate::sticky::StickyError;
-use crate::transport::{Alive, AtomicOp, Reach, Registration, Scope, Target, Transport};
+use crate::transport::{Alive, AtomicOp, Blame, Reach, Registration, Scope, Target, Transport};
 use crate::window::KeepAlive;
 use worker::{Started, Ucp, started};
 
@@ -176,7 +186,19 @@ struct Peer {
     /// order, as over one tcp connection (a soft NIC's put then its
     /// signal atomic rely on it).
     unfenced: AtomicBool,
+    /// Puts from memory the caller lends ([`Transport::start_put_device`])
+    /// not yet complete: counted down by their completions, waited for by
+    /// [`Inner::settle`].
+    lent: AtomicU64,
+    /// Those of them whose lender gave nothing that keeps the memory alive
+    /// (no [`KeepAlive`]): a failed wait still waits for these.
+    bare: AtomicU64,
 }
+
+/// The most puts from lent memory in flight to one peer: the next waits
+/// for one of them to complete (`ucp_put_bw -O 16` already reaches its
+/// peak over cuda_ipc on one H200).
+const LENT_MAX: u64 = 64;
 
 /// Work the progress thread does outside UCX callbacks.
 enum Work {
@@ -202,6 +224,9 @@ pub(crate) struct Inner {
     failed: Mutex<HashMap<u32, (usize, wire::Refusal)>>,
     /// Outstanding revocations: (key, peer) pairs not yet acknowledged.
     acks: Mutex<HashSet<(u32, usize)>>,
+    /// Revoked regions a peer may still write (no acknowledgement within
+    /// the job's timeout): kept mapped until the transport goes.
+    quarantined: Mutex<Vec<serve::Mapping>>,
     /// The device context the progress thread makes current (from the
     /// last GPU region registered whose backing has one), and how many
     /// times it changed: the progress thread runs the newest once.
@@ -219,6 +244,16 @@ pub(crate) struct Inner {
     closing: AtomicBool,
     timeout: Duration,
     alive: OnceLock<Alive>,
+    /// The job's failure, once `alive` reported one ([`Inner::job`]).
+    job_failed: OnceLock<String>,
+    /// Where a peer silent for the job's whole timeout is reported
+    /// ([`Transport::blame_to`]).
+    blame: OnceLock<Blame>,
+    /// What kept the memory of completed puts from lent memory alive, to
+    /// be dropped outside UCX's progress ([`Inner::drop_released`]).
+    released: Arc<Mutex<Vec<KeepAlive>>>,
+    /// Each peer's process, where it runs on this kernel (see `proc`).
+    procs: Vec<Option<proc::ProcId>>,
     /// Failures the tests inject.
     #[cfg(test)]
     test: tests::Hooks,
@@ -232,6 +267,27 @@ pub struct UcxTransport {
     /// ([`Transport::takes_device_memory`]); `GIN_UCX_DEVICE=0` makes
     /// CUDA ranks stage it through pinned host memory instead.
     device: bool,
+    /// Whether a request ordered after puts from GPU memory (a signal's
+    /// total, a read) waits for them to complete first
+    /// (`GIN_UCX_GPU_ORDER=wait`, the default), or relies on UCX's fence
+    /// alone (`fence`).
+    wait_lent: bool,
+}
+
+/// `GIN_UCX_GPU_ORDER`: whether a request ordered after puts from GPU
+/// memory waits for them (`wait`, the default: UCX's cuda_ipc copies on
+/// several CUDA streams, and whether its endpoint fence orders them was
+/// not verified) or relies on UCX's fence alone (`fence`).
+fn wait_lent_from_env(v: Option<&str>) -> Result<bool, NetError> {
+    match v.map(str::trim) {
+        None | Some("" | "wait") => Ok(true),
+        Some("fence") => Ok(false),
+        Some(o) => Err(NetError::Unavailable {
+            transport: "ucx",
+            why: format!("GIN_UCX_GPU_ORDER={o:?} is neither wait nor fence"),
+            alternatives: "unset GIN_UCX_GPU_ORDER, or set it to wait or fence",
+        }),
+    }
 }
 
 /// How long the progress thread polls after the last event before it
@@ -290,14 +346,17 @@ impl UcxTransport {
         // Every rank joins the address exchange, even one that cannot load
         // UCX (it sends an empty address), so none waits in a collective
         // its peers left: all fail, each naming what is missing.
-        let spin = spin_from_env(std::env::var("GIN_UCX_SPIN").ok().as_deref());
+        let spin = spin_from_env(std::env::var("GIN_UCX_SPIN").ok().as_deref()).and_then(|s| {
+            let w = wait_lent_from_env(std::env::var("GIN_UCX_GPU_ORDER").ok().as_deref())?;
+            Ok((s, w))
+        });
         let ucp = load::open().and_then(Ucp::new);
         let mine = match (&spin, &ucp) {
             (Ok(_), Ok(u)) => u.address()?,
             _ => Vec::new(),
         };
         let addrs = b.allgather(&mine)?;
-        let spin = spin?;
+        let (spin, wait_lent) = spin?;
         let ucp = ucp?;
         if let Some(p) = addrs.iter().position(Vec::is_empty) {
             return Err(NetError::Unavailable {
@@ -306,6 +365,13 @@ impl UcxTransport {
                 alternatives: ALTERNATIVES,
             });
         }
+        // Which peers share this kernel (their pids mean something here).
+        let me = proc::ProcId::mine();
+        let procs = b
+            .allgather(&proc::ProcId::encode(me.as_ref()))?
+            .iter()
+            .map(|r| proc::ProcId::decode(r).filter(|p| me.as_ref().is_some_and(|m| m.near(p))))
+            .collect();
         let rank = b.rank();
         let peers = (0..b.nranks())
             .map(|p| {
@@ -320,6 +386,8 @@ impl UcxTransport {
                     error: StickyError::default(),
                     dirty: AtomicBool::new(false),
                     unfenced: AtomicBool::new(false),
+                    lent: AtomicU64::new(0),
+                    bare: AtomicU64::new(0),
                 })
             })
             .collect();
@@ -331,6 +399,7 @@ impl UcxTransport {
             served: Mutex::new(HashMap::new()),
             failed: Mutex::new(HashMap::new()),
             acks: Mutex::new(HashSet::new()),
+            quarantined: Mutex::new(Vec::new()),
             heard: Mutex::new(HashMap::new()),
             thread_context: Mutex::new(None),
             thread_context_changes: AtomicU64::new(0),
@@ -341,6 +410,10 @@ impl UcxTransport {
             closing: AtomicBool::new(false),
             timeout,
             alive: OnceLock::new(),
+            job_failed: OnceLock::new(),
+            blame: OnceLock::new(),
+            released: Arc::new(Mutex::new(Vec::new())),
+            procs,
             #[cfg(test)]
             test: tests::Hooks::default(),
         });
@@ -360,6 +433,7 @@ impl UcxTransport {
             inner,
             progress: Some(progress),
             device: device_from_env(std::env::var("GIN_UCX_DEVICE").ok().as_deref()),
+            wait_lent,
         })
     }
 }
@@ -381,7 +455,9 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// Completion of a fire-and-forget request (put, signal, get): records a
-/// failure on the peer, frees the bounce buffer, counts a get down.
+/// failure on the peer, frees the bounce buffer, counts a get down, counts
+/// a put from lent memory down on its peer (and drops what kept that
+/// memory alive).
 struct OpCtx {
     peer: *const Peer,
     what: &'static str,
@@ -391,6 +467,19 @@ struct OpCtx {
     get: Option<(Arc<AtomicU64>, Option<KeepAlive>)>,
     /// A get's landing buffer and where its bytes go when it completes.
     land: Option<(*mut u8, Box<[u8]>)>,
+    /// A put from lent memory (counted in its peer's `lent`).
+    lent: Option<Lent>,
+}
+
+/// What keeps the memory of a put from lent memory alive.
+enum Lent {
+    /// Nothing: the lender waits for the put ([`Inner::settle`]).
+    Bare,
+    /// What the lender gave, released when the put completes: into the
+    /// list the progress thread and every wait for such puts empty outside
+    /// UCX's progress (dropping it may free GPU memory, a CUDA call that
+    /// must not run inside a UCX callback holding the worker).
+    Kept(KeepAlive, Arc<Mutex<Vec<KeepAlive>>>),
 }
 
 unsafe extern "C" fn op_done(req: *mut c_void, status: sys::ucs_status_t, user: *mut c_void) {
@@ -406,7 +495,7 @@ unsafe extern "C" fn op_done(req: *mut c_void, status: sys::ucs_status_t, user: 
 }
 
 impl OpCtx {
-    fn finish(self, status: sys::ucs_status_t) {
+    fn finish(mut self, status: sys::ucs_status_t) {
         if status != sys::UCS_OK {
             // SAFETY: peers and the library outlive every request: the
             // transport force-closes its endpoints, which completes every
@@ -428,6 +517,23 @@ impl OpCtx {
         }
         if let Some((done, _keep)) = &self.get {
             done.fetch_sub(1, Ordering::AcqRel);
+        }
+        self.release_lent();
+    }
+
+    /// Counts a put from lent memory down on its peer, after its failure
+    /// (if any) was recorded: a waiter that sees the count drop sees it.
+    fn release_lent(&mut self) {
+        if let Some(keep) = self.lent.take() {
+            // SAFETY: peers outlive every request (see `finish`).
+            let peer = unsafe { &*self.peer };
+            match keep {
+                Lent::Bare => {
+                    peer.bare.fetch_sub(1, Ordering::AcqRel);
+                }
+                Lent::Kept(k, released) => lock(&released).push(k),
+            }
+            peer.lent.fetch_sub(1, Ordering::AcqRel);
         }
     }
 }
@@ -451,6 +557,50 @@ impl Inner {
         }
     }
 
+    /// The job's health ([`Transport::watch`]), remembered once it failed:
+    /// the check holds the job weakly, and a rank tearing down after a
+    /// failure may have dropped the job by the time it drops its windows
+    /// (whose revocations must then not wait for peers that are gone).
+    /// The progress thread asks it periodically, so a failure is known
+    /// even where no wait asked while the job was there.
+    fn job(&self) -> Result<(), String> {
+        if let Some(why) = self.job_failed.get() {
+            return Err(why.clone());
+        }
+        match self.alive.get().map(|a| a()) {
+            Some(Err(why)) => {
+                let _ = self.job_failed.set(why.clone());
+                Err(why)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Drops what kept the memory of completed puts from lent memory alive
+    /// (outside UCX's progress: see [`Lent::Kept`]).
+    fn drop_released(&self) {
+        let gone = std::mem::take(&mut *lock(&self.released));
+        drop(gone);
+    }
+
+    /// Tells the job that `peer` left a request unanswered for `waited`
+    /// (`what`), if that is the job's whole timeout: ranks waiting on this
+    /// one, which is about to fail, then name `peer` rather than this
+    /// rank's departure. A shorter deadline blames nobody.
+    fn blame(&self, peer: usize, waited: Duration, what: &str) {
+        if waited >= self.timeout
+            && let Some(f) = self.blame.get()
+        {
+            f(
+                peer,
+                &format!(
+                    "rank {} had no answer from it over ucx for {waited:.1?} ({what})",
+                    self.rank
+                ),
+            );
+        }
+    }
+
     fn peer_opt(&self, p: usize) -> Option<&Peer> {
         self.peers.get(p).and_then(Option::as_ref)
     }
@@ -468,9 +618,9 @@ impl Inner {
         let Some(why) = peer.error.get() else {
             return Ok(());
         };
-        let why = match self.alive.get().map(|a| a()) {
-            Some(Err(job)) => format!("{job} ({why})"),
-            _ => why,
+        let why = match self.job() {
+            Err(job) => format!("{job} ({why})"),
+            Ok(()) => why,
         };
         Err(NetError::Broken {
             peer: peer.rank,
@@ -575,6 +725,7 @@ impl Inner {
                     if let Some((done, _)) = ctx.get.take() {
                         done.fetch_sub(1, Ordering::AcqRel);
                     }
+                    ctx.release_lent();
                     Err(st)
                 }
             }
@@ -594,6 +745,7 @@ impl Inner {
             bounce: None,
             get: None,
             land: None,
+            lent: None,
         })
     }
 
@@ -691,18 +843,19 @@ impl Inner {
             spins = spins.wrapping_add(1);
             if failed.is_none() && spins.is_multiple_of(256) {
                 let why = if Instant::now() > deadline {
+                    self.blame(peer.rank, start.elapsed(), what);
                     Some(NetError::Timeout {
                         peer: peer.rank,
                         what: what.to_string(),
                         waited: start.elapsed(),
                     })
                 } else {
-                    match self.alive.get().map(|a| a()) {
-                        Some(Err(job)) => Some(NetError::Broken {
+                    match self.job() {
+                        Err(job) => Some(NetError::Broken {
                             peer: peer.rank,
                             why: job,
                         }),
-                        _ => None,
+                        Ok(()) => None,
                     }
                 };
                 if let Some(e) = why {
@@ -712,6 +865,93 @@ impl Inner {
                     closed_at = Some(Instant::now());
                 }
             }
+        }
+    }
+
+    /// Progresses until at most `upto` puts from lent memory to `peer` are
+    /// in flight (`what`: what is waited for, for the error). Past
+    /// `deadline` or when the job fails, fails the path and force-closes
+    /// the endpoint (UCX then completes its requests with an error, where
+    /// it can: with `UCP_ERR_HANDLING_MODE_NONE`, the default, it refuses
+    /// to force-close, and a request to a stopped peer over tcp stays
+    /// pending). Once the path failed, puts whose lender gave a
+    /// [`KeepAlive`] are left to finish (or not) holding it, but those
+    /// without are still waited for, since their memory is lent only
+    /// until the lender's wait returns: that wait blocks until UCX
+    /// finishes them, with a warning each [`CLOSE_WAIT`]. (Over cuda_ipc
+    /// and RDMA a put completes whatever the peer does.) Then reports the
+    /// path's first failure, if any.
+    fn settle(
+        &self,
+        peer: &Peer,
+        upto: u64,
+        deadline: Instant,
+        what: &str,
+    ) -> Result<(), NetError> {
+        let start = Instant::now();
+        let mut failed: Option<NetError> = None;
+        let mut given_up: Option<Instant> = None;
+        let mut spins = 0u32;
+        loop {
+            let left = if given_up.is_some() {
+                peer.bare.load(Ordering::Acquire)
+            } else {
+                peer.lent.load(Ordering::Acquire)
+            };
+            if left <= upto {
+                break;
+            }
+            if self.ucp.progress() == 0 {
+                std::thread::yield_now();
+            }
+            spins = spins.wrapping_add(1);
+            if !spins.is_multiple_of(256) {
+                continue;
+            }
+            if let Some(at) = given_up.filter(|at| at.elapsed() > CLOSE_WAIT) {
+                tracing::warn!(
+                    rank = self.rank,
+                    peer = peer.rank,
+                    what,
+                    left,
+                    "puts from lent memory (GPU memory nothing keeps alive) are not finished after their path failed; still waiting for UCX to finish them"
+                );
+                given_up = Some(at + CLOSE_WAIT);
+                continue;
+            }
+            if given_up.is_some() {
+                continue;
+            }
+            let why = if peer.error.get().is_some() {
+                // A request failed: the path is down; its error is reported.
+                given_up = Some(Instant::now());
+                continue;
+            } else if Instant::now() > deadline {
+                let what = format!("{what} ({left} of them still in flight)");
+                self.blame(peer.rank, start.elapsed(), &what);
+                NetError::Timeout {
+                    peer: peer.rank,
+                    what,
+                    waited: start.elapsed(),
+                }
+            } else {
+                match self.job() {
+                    Err(job) => NetError::Broken {
+                        peer: peer.rank,
+                        why: job,
+                    },
+                    Ok(()) => continue,
+                }
+            };
+            peer.error.set(why.to_string());
+            self.close(peer);
+            failed = Some(why);
+            given_up = Some(Instant::now());
+        }
+        self.drop_released();
+        match failed {
+            Some(e) => Err(e),
+            None => self.broken(peer),
         }
     }
 
@@ -849,6 +1089,11 @@ impl Drop for Inner {
             }
         }
         for (_, m) in lock(&self.served).drain() {
+            m.unmap(&self.ucp);
+        }
+        // With the endpoints closed and the worker going, nothing of this
+        // rank writes them any more (a peer's RDMA would fail at its side).
+        for m in lock(&self.quarantined).drain(..) {
             m.unmap(&self.ucp);
         }
     }
@@ -997,8 +1242,11 @@ impl UcxTransport {
         r
     }
 
-    /// Fences before a get or an atomic that follows a put to `peer`.
+    /// Fences before a get or an atomic that follows a put to `peer`
+    /// (after waiting for puts from GPU memory, unless
+    /// `GIN_UCX_GPU_ORDER=fence`).
     fn order(&self, peer: &Peer) -> Result<(), NetError> {
+        self.after_lent(peer)?;
         if peer.unfenced.swap(false, Ordering::AcqRel) {
             self.inner
                 .ucp
@@ -1006,6 +1254,22 @@ impl UcxTransport {
                 .map_err(|st| self.failed(peer, "a fence", st))?;
         }
         Ok(())
+    }
+
+    /// Waits for the puts from GPU memory in flight to `peer` before a
+    /// request that must execute after them (a signal's total, a read),
+    /// unless `GIN_UCX_GPU_ORDER=fence` leaves that to UCX's fence.
+    fn after_lent(&self, peer: &Peer) -> Result<(), NetError> {
+        if !self.wait_lent || peer.lent.load(Ordering::Acquire) == 0 {
+            return Ok(());
+        }
+        let deadline = Instant::now() + self.inner.timeout;
+        self.inner.settle(
+            peer,
+            0,
+            deadline,
+            "the puts from GPU memory before a request ordered after them",
+        )
     }
 
     fn failed(&self, peer: &Peer, what: &str, st: sys::ucs_status_t) -> NetError {
@@ -1027,8 +1291,7 @@ impl UcxTransport {
         s.keys.values().any(|r| Arc::ptr_eq(r, key))
     }
 
-    fn flush(&self, peer: &Peer, timeout: Duration, what: &str) -> Result<(), NetError> {
-        let deadline = Instant::now() + timeout;
+    fn flush(&self, peer: &Peer, deadline: Instant, what: &str) -> Result<(), NetError> {
         let p = sys::ucp_request_param_t::default();
         let r = self.with_ep(peer, what, |ep, _| {
             // SAFETY: a live endpoint under the peer's lock.
@@ -1064,6 +1327,7 @@ impl Transport for UcxTransport {
         let d = self.resolve(p, dst, src.len() as u64, "put")?;
         let s = match sig {
             Some((t, v)) => {
+                self.after_lent(p)?;
                 t.check_aligned(peer, "signal")?;
                 Some((self.resolve(p, t, 8, "signal")?, v))
             }
@@ -1280,19 +1544,29 @@ impl Transport for UcxTransport {
 
     fn fence(&self, peer: usize, timeout: Duration) -> Result<(), NetError> {
         match self.inner.peer_opt(peer) {
-            Some(p) => self.flush(p, timeout, "a fence"),
+            Some(p) => {
+                let deadline = Instant::now() + timeout;
+                self.inner
+                    .settle(p, 0, deadline, "the puts from lent memory")?;
+                self.flush(p, deadline, "a fence")
+            }
             None => Ok(()),
         }
     }
 
+    /// Waits for the puts from lent memory first (their memory is lent
+    /// until this returns), then flushes the endpoint.
     fn confirm(&self, peer: usize, timeout: Duration) -> Result<(), NetError> {
         let Some(p) = self.inner.peer_opt(peer) else {
             return Ok(());
         };
+        let deadline = Instant::now() + timeout;
+        self.inner
+            .settle(p, 0, deadline, "the puts from lent memory")?;
         if !p.dirty.swap(false, Ordering::AcqRel) {
             return self.inner.broken(p);
         }
-        self.flush(p, timeout, "the confirmation of puts")
+        self.flush(p, deadline, "the confirmation of puts")
     }
 
     fn health(&self, peer: usize) -> Result<(), NetError> {
@@ -1303,6 +1577,13 @@ impl Transport for UcxTransport {
 
     fn watch(&self, alive: Alive) {
         let _ = self.inner.alive.set(alive);
+    }
+
+    /// Reports a peer that left a request (a flush, a read, an atomic, an
+    /// rkey request, puts from GPU memory, a revocation's acknowledgement)
+    /// unanswered for the job's whole timeout.
+    fn blame_to(&self, blame: Blame) {
+        let _ = self.inner.blame.set(blame);
     }
 
     /// Fences after an earlier put (`ucp_worker_fence`), then puts: UCP
@@ -1316,9 +1597,8 @@ impl Transport for UcxTransport {
         self.device
     }
 
-    /// `ucp_put_nbx` from GPU memory (memory type CUDA), waited for until
-    /// UCX has read the source: cuda_ipc copies it into the peer's
-    /// memory mapped here, a NIC reads it with GPUDirect RDMA.
+    /// [`Transport::start_put_device`], then waits until it (and every
+    /// earlier one to `peer`) has completed locally.
     unsafe fn put_device(
         &self,
         peer: usize,
@@ -1326,39 +1606,51 @@ impl Transport for UcxTransport {
         src: u64,
         len: u64,
     ) -> Result<(), NetError> {
-        let inner = &self.inner;
-        let p = inner.peer(peer)?;
-        let d = self.resolve(p, dst, len, "put")?;
-        let n = usize::try_from(len).map_err(|_| too_long(peer, dst, len))?;
-        p.dirty.store(true, Ordering::Release);
-        let prm = device_param();
-        let r = self.with_ep(p, "ucp_put_nbx from GPU memory", |ep, st| {
-            if !Self::still(st, &d.remote) {
-                return Err(revoked(peer, dst, len, "put"));
+        // SAFETY: the caller keeps `src` unchanged until this returns,
+        // which is after the put completed (settled below).
+        unsafe { self.start_put_device(peer, dst, src, len, None) }?;
+        let p = self.inner.peer(peer)?;
+        self.inner.settle(
+            p,
+            0,
+            Instant::now() + self.inner.timeout,
+            "a put from GPU memory",
+        )
+    }
+
+    /// `ucp_put_nbx` from GPU memory (memory type CUDA), completed by its
+    /// callback: cuda_ipc copies it into the peer's memory mapped here, a
+    /// NIC reads it with GPUDirect RDMA. Up to 64 are in flight to a peer
+    /// (the next waits for one to complete); the source is lent until
+    /// [`Transport::complete_device`], `confirm` or `fence` returns.
+    unsafe fn start_put_device(
+        &self,
+        peer: usize,
+        dst: Target<'_>,
+        src: u64,
+        len: u64,
+        keep: Option<KeepAlive>,
+    ) -> Result<(), NetError> {
+        // SAFETY: the caller's contract (the trait's) is `put_lent`'s.
+        unsafe {
+            self.put_lent(
+                peer,
+                dst,
+                src as *const u8,
+                len,
+                sys::UCS_MEMORY_TYPE_CUDA,
+                keep,
+            )
+        }
+    }
+
+    fn complete_device(&self, peer: usize, timeout: Duration) -> Result<(), NetError> {
+        match self.inner.peer_opt(peer) {
+            Some(p) => {
+                self.inner
+                    .settle(p, 0, Instant::now() + timeout, "the puts from GPU memory")
             }
-            // SAFETY: a live endpoint and rkey; the caller keeps `src`
-            // (GPU memory of this process) unchanged until this call
-            // returns, which is after the request completed locally (waited
-            // for below; a timeout force-closes the endpoint first).
-            Ok(unsafe {
-                inner.ucp.lib.ucp_put_nbx(
-                    ep,
-                    src as *const c_void,
-                    n,
-                    d.addr,
-                    d.remote.rkey,
-                    &raw const prm,
-                )
-            })
-        })?;
-        p.unfenced.store(true, Ordering::Release);
-        match started(r) {
-            Started::Done => Ok(()),
-            Started::Failed(st) => Err(self.failed(p, "put from GPU memory", st)),
-            Started::Pending(req) => {
-                let deadline = Instant::now() + inner.timeout;
-                inner.wait_done(p, req, deadline, "a put from GPU memory")
-            }
+            None => Ok(()),
         }
     }
 
@@ -1441,6 +1733,67 @@ fn too_long(peer: usize, t: Target<'_>, len: u64) -> NetError {
 const CONTIG8: sys::ucp_datatype_t = 8 << 3;
 
 impl UcxTransport {
+    /// `ucp_put_nbx` of `len` bytes of memory the caller lends at `src`
+    /// (of memory type `mem`: GPU memory, or host memory in the tests),
+    /// completed by its callback, which counts it down on the peer and
+    /// drops `keep`. With [`LENT_MAX`] in flight to the peer it first
+    /// waits for one to complete.
+    ///
+    /// # Safety
+    /// `src..src + len` must be memory of this process of type `mem` that
+    /// no one writes, and that stays allocated, until a later
+    /// [`Inner::settle`] to `peer` down to zero (`complete_device`,
+    /// `confirm`, `fence`) returned or the transport was dropped (or, where
+    /// `keep` owns it, while `keep` is held).
+    unsafe fn put_lent(
+        &self,
+        peer: usize,
+        dst: Target<'_>,
+        src: *const u8,
+        len: u64,
+        mem: sys::ucs_memory_type_t,
+        keep: Option<KeepAlive>,
+    ) -> Result<(), NetError> {
+        let inner = &self.inner;
+        let p = inner.peer(peer)?;
+        let d = self.resolve(p, dst, len, "put")?;
+        let n = usize::try_from(len).map_err(|_| too_long(peer, dst, len))?;
+        if p.lent.load(Ordering::Acquire) >= LENT_MAX {
+            let deadline = Instant::now() + inner.timeout;
+            inner.settle(p, LENT_MAX - 1, deadline, "a put from lent memory")?;
+        }
+        p.dirty.store(true, Ordering::Release);
+        self.with_ep(p, "ucp_put_nbx from lent memory", |ep, st| {
+            if !Self::still(st, &d.remote) {
+                return Err(revoked(peer, dst, len, "put"));
+            }
+            let mut ctx = inner.op_ctx(p, "put from GPU memory");
+            if keep.is_none() {
+                p.bare.fetch_add(1, Ordering::AcqRel);
+            }
+            ctx.lent = Some(keep.map_or(Lent::Bare, |k| Lent::Kept(k, inner.released.clone())));
+            p.lent.fetch_add(1, Ordering::AcqRel);
+            let mut prm = Inner::params(ctx);
+            prm.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+            prm.memory_type = mem;
+            // SAFETY: a live endpoint and rkey; the caller lends `src`
+            // until the request completed (its callback counts it down,
+            // and every wait for that force-closes the endpoint at worst).
+            let r = unsafe {
+                inner
+                    .ucp
+                    .lib
+                    .ucp_put_nbx(ep, src.cast(), n, d.addr, d.remote.rkey, &raw const prm)
+            };
+            inner
+                .launched(&prm, r)
+                .map_err(|st| self.failed(p, "put from GPU memory", st))?;
+            // Under the peer's lock, before any later put_ordered can look.
+            p.unfenced.store(true, Ordering::Release);
+            Ok(())
+        })
+    }
+
     /// A non-fetching atomic add of `v` at `r`, fire-and-forget (a
     /// signal): its failure is recorded on the peer.
     fn post_add(&self, p: &Peer, ep: sys::ucp_ep_h, r: &Resolved, v: u64) -> Result<(), NetError> {

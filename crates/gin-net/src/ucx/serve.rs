@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use super::worker::{Started, Ucp, started};
 use super::{Inner, Peer, Work, lock, sys, wire};
 use crate::NetError;
-use crate::region::{RegionInfo, RegionObserver};
+use crate::region::{RegionInfo, RegionObserver, Removal};
 
 /// A region this rank mapped for its peers.
 pub(super) struct Mapping {
@@ -32,6 +32,12 @@ pub(super) struct Mapping {
 unsafe impl Send for Mapping {}
 
 impl Mapping {
+    /// The region's base.
+    #[cfg(test)]
+    pub(super) fn base(&self) -> usize {
+        self.base
+    }
+
     pub(super) fn unmap(self, ucp: &Ucp) {
         // SAFETY: mapped once by `map`, unmapped once (the mapping was
         // taken out of the table).
@@ -693,7 +699,7 @@ impl RegionObserver for Inner {
         self.map_registered(key, base);
     }
 
-    fn removed(&self, key: u32, base: usize) {
+    fn removed(&self, key: u32, base: usize) -> Removal {
         {
             let mut failed = lock(&self.failed);
             if failed.get(&key).is_some_and(|(b, _)| *b == base) {
@@ -708,7 +714,7 @@ impl RegionObserver for Inner {
             }
         };
         let Some(m) = m else {
-            return;
+            return Removal::Released;
         };
         let me = u32::try_from(self.rank).unwrap_or(u32::MAX);
         let holders: Vec<&Peer> = m
@@ -728,8 +734,20 @@ impl RegionObserver for Inner {
                 tracing::warn!(rank = self.rank, peer = p.rank, key, %why, "cannot revoke an rkey");
             }
         }
-        self.await_acks(key);
-        m.unmap(&self.ucp);
+        match self.await_acks(key) {
+            Removal::Released => {
+                #[cfg(test)]
+                lock(&self.test.unmapped).push(m.base);
+                m.unmap(&self.ucp);
+                Removal::Released
+            }
+            Removal::Quarantined => {
+                // Still mapped, never reused through this transport: a
+                // late put lands where it always would have.
+                lock(&self.quarantined).push(m);
+                Removal::Quarantined
+            }
+        }
     }
 }
 
@@ -740,20 +758,37 @@ impl Inner {
         p.error.get().is_none() && !lock(&p.state).ep.is_null()
     }
 
+    /// Fails the path to each of `peers` whose process is gone (a peer on
+    /// this kernel that died or exited cannot write any more).
+    fn mark_gone(&self, peers: &[usize]) {
+        for &p in peers {
+            if let (Some(peer), Some(Some(id))) = (self.peer_opt(p), self.procs.get(p))
+                && id.gone()
+            {
+                peer.error.set(format!(
+                    "rank {p}'s process (pid {}) is gone: it died or exited",
+                    id.pid()
+                ));
+            }
+        }
+    }
+
     /// Waits until every peer that held `key`'s rkey acknowledged its
     /// revocation (it dropped the rkey and flushed what it sent), or is
-    /// known dead or closed, or the job failed, or the job's timeout
-    /// passed: only then may the memory be unmapped, since a slow peer's
-    /// puts could still land. A peer late to acknowledge is pinged: one
-    /// whose progress thread answers is slow and waited for; one silent
-    /// for [`SILENT`] is taken for dead (a dead rank is also known to the
-    /// job, but the job's health may be gone by the time a window is
-    /// dropped on an error path).
-    fn await_acks(&self, key: u32) {
+    /// known to have failed (its path's error, its endpoint closed, its
+    /// process gone where it runs on this kernel), or
+    /// the job failed, or the transport is closing: then the memory may be
+    /// reused ([`Removal::Released`]). A peer late to acknowledge is pinged
+    /// every [`PING_EVERY`] (the log says whether it answered); one that
+    /// neither acknowledges nor is known failed is waited for up to the
+    /// job's timeout, answering pings or not (a stopped rank, or one whose
+    /// worker a UCX call holds, may still write), and then the region is
+    /// [`Removal::Quarantined`].
+    fn await_acks(&self, key: u32) -> Removal {
         let start = Instant::now();
         let mut pinged: Option<Instant> = None;
         let mut spins = 0u32;
-        loop {
+        let verdict = loop {
             let now = Instant::now();
             let left: Vec<usize> = lock(&self.acks)
                 .iter()
@@ -761,38 +796,51 @@ impl Inner {
                 .map(|(_, p)| *p)
                 .filter(|&p| self.peer_opt(p).is_some_and(Self::reachable))
                 .collect();
-            let silent: Vec<usize> = {
-                let heard = lock(&self.heard);
-                left.iter()
-                    .copied()
-                    .filter(|p| {
-                        heard
-                            .get(p)
-                            .is_none_or(|&t| now.saturating_duration_since(t) > SILENT)
-                    })
-                    .collect()
-            };
             if left.is_empty() {
-                break;
+                break Removal::Released;
             }
             spins = spins.wrapping_add(1);
             if spins.is_multiple_of(256) {
+                self.mark_gone(&left);
                 // A job that lost a rank is over: nobody will send again.
-                let job_over = self.alive.get().is_some_and(|a| a().is_err());
+                let job_over = self.job().is_err();
                 let closing = self.closing.load(Ordering::Acquire);
-                let all_silent = silent.len() == left.len() && start.elapsed() > SILENT;
-                if job_over || closing || all_silent || start.elapsed() > self.timeout {
+                if job_over || closing {
                     tracing::warn!(
                         rank = self.rank,
                         key = format_args!("{key:#010x}"),
                         ?left,
-                        ?silent,
                         waited = ?start.elapsed(),
                         job_over,
                         closing,
                         "unmapping a revoked region without every peer's acknowledgement"
                     );
-                    break;
+                    break Removal::Released;
+                }
+                if start.elapsed() > self.timeout {
+                    let heard = lock(&self.heard);
+                    let answering: Vec<usize> = left
+                        .iter()
+                        .copied()
+                        .filter(|p| heard.get(p).is_some_and(|&t| t > start))
+                        .collect();
+                    drop(heard);
+                    for &p in left.iter().filter(|p| !answering.contains(p)) {
+                        self.blame(
+                            p,
+                            start.elapsed(),
+                            &format!("the acknowledgement of the revocation of key {key:#010x}"),
+                        );
+                    }
+                    tracing::error!(
+                        rank = self.rank,
+                        key = format_args!("{key:#010x}"),
+                        ?left,
+                        answering_pings = ?answering,
+                        waited = ?start.elapsed(),
+                        "peers never acknowledged the revocation of a region's rkey within the job's timeout, and nothing says they failed: their puts may still land, so the region stays mapped and quarantined (its memory is leaked, not reused)"
+                    );
+                    break Removal::Quarantined;
                 }
                 if pinged.is_none_or(|t| now.saturating_duration_since(t) > PING_EVERY) {
                     for &p in &left {
@@ -804,17 +852,22 @@ impl Inner {
             if self.ucp.progress() == 0 {
                 std::thread::yield_now();
             }
-        }
+        };
         lock(&self.acks).retain(|(k, _)| *k != key);
+        verdict
     }
 }
 
-/// How long a peer that owes a revocation's acknowledgement may leave
-/// pings unanswered before it is taken for dead.
-const SILENT: Duration = Duration::from_secs(2);
-
 /// How often such a peer is pinged.
 const PING_EVERY: Duration = Duration::from_millis(200);
+
+/// How often the progress thread asks the job's health (remembered once
+/// it failed: see `Inner::job`).
+const ASK_JOB_EVERY: Duration = Duration::from_millis(5);
+
+/// The longest the idle progress thread sleeps on the worker's event
+/// descriptor, in milliseconds.
+const SLEEP_MS: i32 = 100;
 
 /// Asks `peer` for `key`'s rkey and progresses until the answer arrives
 /// (within the job's timeout). An owner late to answer is pinged every
@@ -858,7 +911,7 @@ pub(super) fn ask(
             let now = Instant::now();
             let err = if let Err(e) = inner.broken(peer) {
                 Some(e)
-            } else if let Some(Err(job)) = inner.alive.get().map(|a| a()) {
+            } else if let Err(job) = inner.job() {
                 Some(NetError::Broken {
                     peer: peer.rank,
                     why: job,
@@ -888,6 +941,13 @@ pub(super) fn ask(
 /// saying whether its progress thread answered a ping meanwhile.
 fn unanswered(inner: &Inner, owner: usize, key: u32, start: Instant, pinged: bool) -> NetError {
     let heard = lock(&inner.heard).get(&owner).is_some_and(|&t| t > start);
+    if !heard {
+        inner.blame(
+            owner,
+            start.elapsed(),
+            &format!("the rkey of key {key:#010x}"),
+        );
+    }
     let what = if heard {
         format!(
             "the rkey of key {key:#010x}: rank {owner}'s progress thread answered pings meanwhile but not this request (its log says why)"
@@ -951,12 +1011,27 @@ pub(super) fn spawn_progress(
         .spawn(move || {
             let mut idle = Idle::new(spin, Instant::now());
             let mut context_seen = 0;
+            let mut asked = Instant::now();
             while !inner.closing.load(Ordering::Acquire) {
+                if asked.elapsed() >= ASK_JOB_EVERY {
+                    // Remembered once failed (see `Inner::job`).
+                    let _ = inner.job();
+                    asked = Instant::now();
+                }
+                #[cfg(test)]
+                if inner.test.stopped.load(Ordering::Acquire) {
+                    // A stopped rank (SIGSTOP): its worker makes no progress.
+                    std::thread::sleep(Duration::from_millis(1));
+                    continue;
+                }
                 inner.enter_thread_context(&mut context_seen);
                 let turn = Instant::now();
                 let worked = inner.drain();
                 inner.held(turn, None, "the progress thread's queued work");
                 let progressed = inner.progress_until_idle();
+                if progressed {
+                    inner.drop_released();
+                }
                 if worked || progressed {
                     idle.busy(Instant::now());
                     continue;
@@ -982,8 +1057,9 @@ pub(super) fn spawn_progress(
                         revents: 0,
                     };
                     // SAFETY: one valid pollfd; a bounded wait, so closing
-                    // is noticed (the drop also signals the worker).
-                    unsafe { libc::poll(&raw mut fds, 1, 100) };
+                    // is noticed (the drop also signals the worker) and the
+                    // job's health asked.
+                    unsafe { libc::poll(&raw mut fds, 1, SLEEP_MS) };
                 }
             }
         })

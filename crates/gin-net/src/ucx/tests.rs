@@ -11,6 +11,7 @@ use std::sync::atomic::AtomicI8;
 use gin_bootstrap::{Config, run_threads};
 
 use super::*;
+use crate::region::Removal;
 use crate::window::{Addr, MemDesc, MemParts};
 
 /// Failures the tests inject into a transport.
@@ -32,6 +33,10 @@ pub(super) struct Hooks {
     block_issue: AtomicBool,
     /// ... and set this once one does.
     blocked: AtomicBool,
+    /// The progress thread makes no progress while set (a stopped rank).
+    pub(super) stopped: AtomicBool,
+    /// Bases of the revoked regions unmapped.
+    pub(super) unmapped: Mutex<Vec<usize>>,
 }
 
 impl Hooks {
@@ -226,7 +231,7 @@ fn an_owner_that_cannot_map_a_region_answers_with_the_ucx_status_promptly() {
 
 /// An owner unmaps a revoked region only after every peer that held its
 /// rkey acknowledged (a peer slower than any fixed bound), not after a
-/// fixed wait.
+/// fixed wait; then the memory is released to its owner.
 #[test]
 fn an_owner_unmaps_only_after_every_holder_acknowledged() {
     if !ucx_here() {
@@ -253,8 +258,10 @@ fn an_owner_unmaps_only_after_every_holder_acknowledged() {
         }
         b.barrier().unwrap();
         if b.rank() == 1 {
-            table.remove(key);
-            seen = Some(released.load(Ordering::Acquire));
+            let verdict = table.remove(key);
+            let base = mem.as_ptr() as usize;
+            let unmapped = lock(&t.inner.test.unmapped).contains(&base);
+            seen = Some((released.load(Ordering::Acquire), verdict, unmapped));
         } else {
             let began = Instant::now();
             while lock(&t.inner.test.held).is_empty() {
@@ -270,11 +277,86 @@ fn an_owner_unmaps_only_after_every_holder_acknowledged() {
         drop(t);
         seen
     });
-    assert_eq!(
-        out[1],
-        Some(true),
-        "the owner unmapped before the peer acknowledged"
-    );
+    let (acked, verdict, unmapped) = out[1].unwrap();
+    assert!(acked, "the owner unmapped before the peer acknowledged");
+    assert_eq!(verdict, Removal::Released);
+    assert!(unmapped, "the acknowledged region was not unmapped");
+}
+
+/// A peer that holds a region's rkey and neither acknowledges its
+/// revocation nor is known to have failed is waited for up to the job's
+/// timeout, whether it is silent (stopped: no answer to pings, once taken
+/// for dead after 2 s) or answers pings: then the region stays mapped,
+/// quarantined, and its owner is told not to reuse the memory. A silent
+/// peer is reported to the job (`blame_to`), one answering pings is not.
+#[test]
+fn a_peer_that_never_acknowledges_leaves_the_region_quarantined_not_unmapped() {
+    if !ucx_here() {
+        return;
+    }
+    for stopped in [true, false] {
+        let timeout = Duration::from_secs(3);
+        let out = two_ranks(timeout, move |b, table| {
+            let t = start(b, &table, timeout);
+            let blamed = Arc::new(Mutex::new(Vec::new()));
+            let to = blamed.clone();
+            t.blame_to(Arc::new(move |peer, why: &str| {
+                lock(&to).push((peer, why.to_owned()));
+            }));
+            let mut mem = vec![0u64; 512];
+            let key = if b.rank() == 1 {
+                register(&table, &mut mem)
+            } else {
+                0
+            };
+            let key = key_of(b, key, 1);
+            if b.rank() == 0 {
+                t.put(1, Target::Key { key, offset: 0 }, &[5; 8], None)
+                    .unwrap();
+                t.fence(1, timeout).unwrap();
+                if stopped {
+                    t.inner.test.stopped.store(true, Ordering::Release);
+                } else {
+                    t.inner.test.hold.store(true, Ordering::Release);
+                }
+            }
+            b.barrier().unwrap();
+            let mut seen = None;
+            if b.rank() == 1 {
+                let began = Instant::now();
+                let verdict = table.remove(key);
+                let took = began.elapsed();
+                let base = mem.as_ptr() as usize;
+                let unmapped = lock(&t.inner.test.unmapped).contains(&base);
+                let kept = lock(&t.inner.quarantined).iter().any(|m| m.base() == base);
+                let blamed = lock(&blamed).clone();
+                seen = Some((verdict, took, unmapped, kept, blamed));
+            }
+            b.barrier().unwrap();
+            t.inner.test.stopped.store(false, Ordering::Release);
+            drop(t);
+            seen
+        });
+        let (verdict, took, unmapped, kept, blamed) = out[1].clone().unwrap();
+        if stopped {
+            assert_eq!(blamed.len(), 1, "{blamed:?}");
+            assert_eq!(blamed[0].0, 0);
+            assert!(
+                blamed[0].1.contains("rank 1 had no answer")
+                    && blamed[0].1.contains("acknowledgement of the revocation"),
+                "{blamed:?}"
+            );
+        } else {
+            assert!(blamed.is_empty(), "{blamed:?}");
+        }
+        assert_eq!(verdict, Removal::Quarantined, "stopped: {stopped}");
+        assert!(
+            took >= Duration::from_secs(3),
+            "stopped: {stopped}: ended after {took:?}, before the job's timeout"
+        );
+        assert!(took < Duration::from_secs(10), "{took:?}");
+        assert!(!unmapped && kept, "stopped: {stopped}: unmapped");
+    }
 }
 
 /// A removal waiting for a peer's acknowledgement ends when the
@@ -732,4 +814,248 @@ fn an_owner_asked_for_a_key_it_does_not_serve_answers_at_once() {
             assert!(e.contains(&part), "{e:?} lacks {part:?}");
         }
     }
+}
+
+/// Two ranks as threads whose UCX contexts use `tls` (`UCX_TLS`; `None`:
+/// the environment's).
+fn two_ranks_over<T: Send + 'static>(
+    tls: Option<&'static std::ffi::CStr>,
+    f: impl Fn(&gin_bootstrap::Bootstrap, Arc<RegionTable>) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    two_ranks(Duration::ZERO, move |b, table| {
+        worker::TEST_TLS.with(|t| t.set(tls));
+        f(b, table)
+    })
+}
+
+/// The byte at `i` of the lent source in these tests.
+fn lent_byte(i: usize) -> u8 {
+    (i.wrapping_mul(131) ^ (i >> 11)) as u8
+}
+
+/// Puts from lent memory (host memory standing in for GPU memory: the
+/// code is `start_put_device`'s with another memory type) are many in
+/// flight, more than the per-peer bound, and one confirmation completes
+/// them: every byte arrives, and a running total put ordered after them
+/// is never seen before the data it counts, whether it waits for them
+/// (`GIN_UCX_GPU_ORDER=wait`) or relies on UCX's fence (`fence`). Over
+/// UCX's tcp (where puts stay pending until the socket takes them) and the
+/// default transports.
+#[test]
+fn many_lent_puts_in_flight_then_one_confirm_deliver_every_byte_with_the_signal_last() {
+    const CHUNK: usize = 128 << 10;
+    const N: usize = 96;
+    if !ucx_here() {
+        return;
+    }
+    for (tls, wait) in [
+        (Some(c"tcp,self"), true),
+        (Some(c"tcp,self"), false),
+        (None, true),
+        (None, false),
+    ] {
+        let timeout = Duration::from_secs(30);
+        let out = two_ranks_over(tls, move |b, table| {
+            let mut t = start(b, &table, timeout);
+            t.wait_lent = wait;
+            let mut recv = vec![0u64; N * CHUNK / 8 + 1];
+            let key = if b.rank() == 1 {
+                register(&table, &mut recv)
+            } else {
+                0
+            };
+            let key = key_of(b, key, 1);
+            let total = 0x5151_0000_0000_0042_u64;
+            let mut most = 0;
+            if b.rank() == 0 {
+                let src: Vec<u8> = (0..N * CHUNK).map(lent_byte).collect();
+                // Every other put carries a keeper, as a window's would.
+                let keeper = Arc::new(());
+                let p = t.inner.peer(1).unwrap();
+                for i in 0..N {
+                    let at = Target::Key {
+                        key,
+                        offset: (i * CHUNK) as u64,
+                    };
+                    // SAFETY: `src` is host memory nobody writes, alive
+                    // until after the confirmation below.
+                    unsafe {
+                        t.put_lent(
+                            1,
+                            at,
+                            src[i * CHUNK..].as_ptr(),
+                            CHUNK as u64,
+                            sys::UCS_MEMORY_TYPE_HOST,
+                            (i % 2 == 0).then(|| KeepAlive(keeper.clone())),
+                        )
+                    }
+                    .unwrap();
+                    most = most.max(p.lent.load(Ordering::Acquire));
+                }
+                let sig = Target::Key {
+                    key,
+                    offset: (N * CHUNK) as u64,
+                };
+                t.put_ordered(1, sig, &total.to_le_bytes()).unwrap();
+                t.confirm(1, timeout).unwrap();
+                assert_eq!(p.lent.load(Ordering::Acquire), 0);
+                assert_eq!(p.bare.load(Ordering::Acquire), 0);
+                // Every keeper was released once its put completed (the
+                // progress thread may be dropping the last ones).
+                let began = Instant::now();
+                while Arc::strong_count(&keeper) > 1 {
+                    assert!(began.elapsed() < timeout, "a keeper was never released");
+                    std::thread::yield_now();
+                }
+                assert!(most <= LENT_MAX, "{most} in flight");
+                drop(src);
+            } else {
+                let began = Instant::now();
+                // SAFETY: the last word of `recv`, written by UCX; read
+                // atomically (an aligned u64).
+                let word = unsafe { &*recv.as_ptr().add(N * CHUNK / 8).cast::<AtomicU64>() };
+                while word.load(Ordering::Acquire) != total {
+                    assert!(began.elapsed() < timeout, "the signal never came");
+                    std::thread::yield_now();
+                }
+                // The signal is visible: every byte before it must be.
+                let base = recv.as_ptr().cast::<u8>();
+                for i in 0..N * CHUNK {
+                    // SAFETY: inside `recv`; nothing writes it any more.
+                    let got = unsafe { std::ptr::read_volatile(base.add(i)) };
+                    assert_eq!(got, lent_byte(i), "byte {i} after the signal ({tls:?})");
+                }
+            }
+            b.barrier().unwrap();
+            drop(t);
+            most
+        });
+        println!(
+            "{tls:?}, wait {wait}: at most {} puts from lent memory in flight",
+            out[0]
+        );
+        if tls.is_some() {
+            // Over tcp a put stays pending until the socket took it.
+            assert!(out[0] > 1, "never more than one put in flight");
+        }
+    }
+}
+
+/// A peer that stops making progress (its worker held: a stopped or dead
+/// rank) while many puts from lent memory are in flight to it: the
+/// confirmation fails naming it, as soon as the job says it failed or at
+/// the timeout, without hanging, and no request is left reading the lent
+/// memory when it returns.
+#[test]
+fn a_peer_failing_mid_pipeline_fails_the_confirm_naming_it_without_hanging() {
+    const CHUNK: usize = 1 << 20;
+    const N: usize = 48;
+    if !ucx_here() {
+        return;
+    }
+    for job_says in [true, false] {
+        let timeout = if job_says {
+            Duration::from_secs(60)
+        } else {
+            Duration::from_secs(2)
+        };
+        let out = two_ranks_over(Some(c"tcp,self"), move |b, table| {
+            let t = start(b, &table, timeout);
+            let died = Arc::new(AtomicBool::new(false));
+            let seen = died.clone();
+            t.watch(Arc::new(move || {
+                if seen.load(Ordering::Acquire) {
+                    Err("rank 1 died (the test says so)".into())
+                } else {
+                    Ok(())
+                }
+            }));
+            let blamed = Arc::new(Mutex::new(Vec::new()));
+            let to = blamed.clone();
+            t.blame_to(Arc::new(move |peer, _: &str| lock(&to).push(peer)));
+            let mut recv = vec![0u64; N * CHUNK / 8];
+            let key = if b.rank() == 1 {
+                register(&table, &mut recv)
+            } else {
+                0
+            };
+            let key = key_of(b, key, 1);
+            let mut seen = None;
+            if b.rank() == 0 {
+                // The rkey and the connection first.
+                t.put(1, Target::Key { key, offset: 0 }, &[1; 8], None)
+                    .unwrap();
+                t.fence(1, timeout).unwrap();
+            }
+            b.barrier().unwrap();
+            if b.rank() == 1 {
+                t.inner.test.stopped.store(true, Ordering::Release);
+            }
+            b.barrier().unwrap();
+            if b.rank() == 0 {
+                // Kept alive by the requests (a window's `KeepAlive`): a
+                // put UCX cannot cancel holds it rather than the wait.
+                let src: Arc<Vec<u8>> = Arc::new(vec![7u8; N * CHUNK]);
+                let p = t.inner.peer(1).unwrap();
+                for i in 0..N {
+                    let at = Target::Key {
+                        key,
+                        offset: (i * CHUNK) as u64,
+                    };
+                    // SAFETY: `src` is kept alive by every request, and
+                    // nobody writes it.
+                    unsafe {
+                        t.put_lent(
+                            1,
+                            at,
+                            src[i * CHUNK..].as_ptr(),
+                            CHUNK as u64,
+                            sys::UCS_MEMORY_TYPE_HOST,
+                            Some(KeepAlive(src.clone())),
+                        )
+                    }
+                    .unwrap();
+                }
+                let pending = p.lent.load(Ordering::Acquire);
+                died.store(job_says, Ordering::Release);
+                let began = Instant::now();
+                let e = t.confirm(1, timeout).unwrap_err();
+                let took = began.elapsed();
+                assert_eq!(p.bare.load(Ordering::Acquire), 0, "{e}");
+                // Later waits fail at once, naming the cause.
+                let again = t.confirm(1, timeout).unwrap_err().to_string();
+                assert!(again.contains("rank 1"), "{again}");
+                seen = Some((pending, took, e.to_string(), lock(&blamed).clone()));
+            }
+            b.barrier().unwrap();
+            t.inner.test.stopped.store(false, Ordering::Release);
+            drop(t);
+            seen
+        });
+        let (pending, took, e, blamed) = out[0].clone().unwrap();
+        assert!(pending > 1, "only {pending} put(s) were in flight: {e}");
+        assert!(e.contains("rank 1"), "{e}");
+        if job_says {
+            assert!(e.contains("rank 1 died"), "{e}");
+            assert!(took < Duration::from_secs(10), "{took:?}: {e}");
+            assert!(blamed.is_empty(), "{blamed:?}");
+        } else {
+            assert!(e.contains("timed out") || e.contains("waited"), "{e}");
+            assert!(took < Duration::from_secs(10), "{took:?}: {e}");
+            // Silent for the whole timeout: the job hears of it.
+            assert_eq!(blamed, [1], "{e}");
+        }
+    }
+}
+
+#[test]
+fn gin_ucx_gpu_order_is_wait_or_fence() {
+    assert!(wait_lent_from_env(None).unwrap());
+    assert!(wait_lent_from_env(Some("wait")).unwrap());
+    assert!(!wait_lent_from_env(Some("fence")).unwrap());
+    let e = wait_lent_from_env(Some("maybe")).unwrap_err().to_string();
+    assert!(
+        e.contains("GIN_UCX_GPU_ORDER") && e.contains("maybe"),
+        "{e}"
+    );
 }

@@ -41,6 +41,14 @@ pub(super) fn setup_error(lib: &sys::UcpLib, what: &str, st: sys::ucs_status_t) 
     }
 }
 
+#[cfg(test)]
+thread_local! {
+    /// `UCX_TLS` for contexts this thread makes (a test's rank thread),
+    /// without touching the environment other tests' ranks read.
+    pub(super) static TEST_TLS: std::cell::Cell<Option<&'static std::ffi::CStr>> =
+        const { std::cell::Cell::new(None) };
+}
+
 /// `UCX_FENCE_MODE=ep_based`: `ucp_worker_fence` then orders each
 /// endpoint's next operation after its earlier ones, with a fence on the
 /// lane when both use one lane (free over tcp) and a flush of that
@@ -66,7 +74,11 @@ impl Ucp {
         if st != sys::UCS_OK {
             return Err(setup_error(lib, "ucp_config_read", st));
         }
-        if let Some((name, value)) = set {
+        #[cfg(test)]
+        let tls = TEST_TLS.with(std::cell::Cell::get).map(|t| (c"TLS", t));
+        #[cfg(not(test))]
+        let tls = None;
+        for (name, value) in set.into_iter().chain(tls) {
             // SAFETY: a live configuration and two NUL-terminated strings.
             let st = unsafe { lib.ucp_config_modify(config, name.as_ptr(), value.as_ptr()) };
             if st != sys::UCS_OK {

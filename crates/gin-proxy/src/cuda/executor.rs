@@ -15,11 +15,18 @@
 //!
 //! Peers reached over a keyed transport (tcp, ucx) go through the fabric.
 //! Where the transport takes GPU memory ([`Fabric::takes_device_memory`]:
-//! ucx with its CUDA transports), a put's source goes to it directly
-//! ([`Fabric::put_device_key`]) and a get lands directly
-//! ([`Fabric::read_device_key`]), each after the ring's stream has
-//! executed everything queued before it (flushed and waited for), and
-//! returning once the transport is done with the GPU memory. Otherwise a
+//! ucx with its CUDA transports), a put's source goes to it directly and a
+//! get lands directly ([`Fabric::read_device_key`]), each after the ring's
+//! stream has executed everything queued before it (flushed and waited
+//! for, unless nothing was queued since the last wait). Puts are
+//! pipelined: each is started ([`Transport::start_put_device`]) and many
+//! are in flight to a peer; they are completed
+//! ([`Transport::complete_device`]) before anything that says their source
+//! may be reused or that the GPU may write it: a counter, the ring's
+//! completion index, a get into this rank's memory, [`Executor::quiesce`]
+//! (and the executor's drop). A signal's running total is put ordered
+//! after them ([`Transport::put_ordered`]: ucx waits for them first unless
+//! `GIN_UCX_GPU_ORDER=fence`). Otherwise a
 //! put's source is staged through pinned host memory on the ring's stream
 //! (waited for) and sent with [`Fabric::put_key`], and a get's answer is
 //! read with [`Fabric::read_key`] into the pinned buffer and copied to the
@@ -45,7 +52,7 @@ use gin_cuda::CudaError;
 use gin_cuda::batch::stall::StallWatch;
 use gin_cuda::batch::{BatchStats, Dma, Gpu, StreamBatch, region};
 use gin_cuda::staging::{STAGE, Stage};
-use gin_net::{Fabric, MemDesc, Memory, Reach};
+use gin_net::{Fabric, MemDesc, Memory, NetError, Reach, Transport};
 
 use crate::error::ExecError;
 use crate::executor::{Data, Executor, Get, Issued, Put, Signal, Site, Source, Target};
@@ -55,6 +62,9 @@ use crate::fabric::net;
 struct Queue<S> {
     stream: S,
     batch: StreamBatch,
+    /// Nothing was queued since the stream was last waited for: GPU
+    /// memory is as the earlier descriptors left it, without a wait.
+    idle: bool,
 }
 
 /// Where the executor stores: what the device communicator laid out.
@@ -84,6 +94,9 @@ pub(crate) struct CudaExecutor<G: Gpu> {
     /// Watches the streams for stalls, stream `i` being ring `i`'s (kept
     /// until the streams were synchronised: they store its marks).
     stalls: Option<Arc<StallWatch>>,
+    /// Peers with puts from GPU memory started and not yet completed
+    /// ([`CudaExecutor::settle`]).
+    started: Vec<usize>,
     /// What keeps the memory `layout` names alive while streams may still
     /// store into it (the index array).
     _keep: Box<dyn std::any::Any + Send>,
@@ -152,6 +165,7 @@ impl<G: Gpu> CudaExecutor<G> {
             queues: Vec::new(),
             stage,
             stalls: None,
+            started: Vec::new(),
             _keep: keep,
         }
     }
@@ -184,6 +198,7 @@ impl<G: Gpu> CudaExecutor<G> {
     /// it has executed the store.
     unsafe fn store(&mut self, site: Site, addr: u64, v: u64) -> Result<(), ExecError> {
         let q = self.queue(site)?;
+        q.idle = false;
         // SAFETY: the caller's contract.
         unsafe { q.batch.write(&q.stream, addr, v) }.map_err(cuda("cuStreamWriteValue64"))
     }
@@ -249,6 +264,7 @@ impl<G: Gpu> CudaExecutor<G> {
                 let src = self.local(t, d.bytes)?;
                 let g = region(true, d.dst.id, t.id);
                 let q = self.queue(site)?;
+                q.idle = false;
                 // SAFETY: the destination lies in the peer's part as mapped
                 // here, the source in this rank's part (both checked), and
                 // `g` names the two windows.
@@ -262,10 +278,53 @@ impl<G: Gpu> CudaExecutor<G> {
     /// waits for it: GPU memory the transport reads or writes next is as
     /// the descriptors before this one left it.
     fn drain(&mut self, site: Site) -> Result<(), ExecError> {
-        self.queue(site)?;
+        if self.queue(site)?.idle {
+            return Ok(());
+        }
         let q = &mut self.queues[site.ring];
         hand(q, site.ring, self.stalls.as_ref())?;
-        q.stream.sync().map_err(cuda("cuStreamSynchronize"))
+        q.stream.sync().map_err(cuda("cuStreamSynchronize"))?;
+        q.idle = true;
+        Ok(())
+    }
+
+    /// The transport that reaches `peer`.
+    fn transport(&self, peer: usize) -> Result<&Arc<dyn Transport>, ExecError> {
+        self.fabric
+            .path(peer)
+            .map(gin_net::Path::transport)
+            .ok_or_else(|| {
+                net(
+                    peer,
+                    NetError::NoPath {
+                        peer,
+                        nranks: self.fabric.nranks(),
+                    },
+                )
+            })
+    }
+
+    /// Completes the puts from GPU memory started to `peer` (none: at
+    /// once): the transport reads none of their sources any more, also
+    /// when this fails.
+    fn settle(&mut self, peer: usize) -> Result<(), ExecError> {
+        let Some(i) = self.started.iter().position(|&p| p == peer) else {
+            return Ok(());
+        };
+        self.started.swap_remove(i);
+        self.transport(peer)?
+            .complete_device(peer, self.fabric.timeout())
+            .map_err(|e| net(peer, e))
+    }
+
+    /// [`CudaExecutor::settle`] for every peer, all of them even after a
+    /// failure; the first failure.
+    fn settle_all(&mut self) -> Result<(), ExecError> {
+        let mut first = Ok(());
+        while let Some(&p) = self.started.last() {
+            first = first.and(self.settle(p));
+        }
+        first
     }
 
     /// A put's data to a peer over a keyed transport: an inline value
@@ -286,15 +345,28 @@ impl<G: Gpu> CudaExecutor<G> {
         };
         if self.fabric.takes_device_memory(peer) {
             self.drain(site)?;
+            let at = gin_net::Target::Key {
+                key,
+                offset: d.dst.offset,
+            };
+            let keep = t_keep(d);
             // SAFETY: `d.bytes` of this rank's part at `src` (checked
             // above), GPU memory that no stream of this executor writes
-            // meanwhile (drained, and nothing is queued until this
-            // returns); the kernel handed it over with the descriptor.
-            return unsafe {
-                self.fabric
-                    .put_device_key(peer, key, d.dst.offset, src, d.bytes)
+            // (drained) until the put is settled: before the next count,
+            // publication, get or quiesce, whatever queues a write after
+            // it; the kernel handed it over with the descriptor and reuses
+            // it only after one of those, and a window is freed only
+            // after a fence of every peer (which completes the put) or
+            // once its kernels ended (published: settled).
+            unsafe {
+                self.transport(peer)?
+                    .start_put_device(peer, at, src, d.bytes, keep)
             }
-            .map_err(|e| net(peer, e));
+            .map_err(|e| net(peer, e))?;
+            if !self.started.contains(&peer) {
+                self.started.push(peer);
+            }
+            return Ok(());
         }
         self.queue(site)?;
         let Self {
@@ -369,6 +441,8 @@ impl<G: Gpu> CudaExecutor<G> {
         let key = Self::key(peer, &get.remote)?;
         let dst = self.local(&get.local, get.bytes)?;
         if self.fabric.takes_device_memory(peer) {
+            // Earlier puts may read what this read overwrites.
+            self.settle(peer)?;
             self.drain(site)?;
             // SAFETY: `get.bytes` of this rank's part at `dst` (checked
             // above), GPU memory no stream of this executor touches until
@@ -453,6 +527,8 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
             self.queues.push(Queue {
                 stream,
                 batch: StreamBatch::default(),
+                // Unknown until first waited for.
+                idle: false,
             });
         }
         if let Some(w) = &self.stalls {
@@ -496,6 +572,7 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
         let dst = self.local(&get.local, get.bytes)?;
         let g = region(false, get.remote.id, get.local.id);
         let q = self.queue(site)?;
+        q.idle = false;
         // SAFETY: the destination lies in this rank's part, the source in
         // the peer's part as mapped here (both checked), and `g` names the
         // two windows.
@@ -508,8 +585,10 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
         match *get {}
     }
 
-    /// Stores the running total into the proxy's sub-slot of the counter.
+    /// Stores the running total into the proxy's sub-slot of the counter,
+    /// after the puts from GPU memory to the peer completed.
     fn count(&mut self, site: Site, slot: u32, total: u64) -> Result<(), ExecError> {
+        self.settle(site.peer)?;
         let slots = self.layout.counter_slots;
         if u64::from(slot) >= slots {
             return Err(invalid(format!(
@@ -522,8 +601,10 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
         unsafe { self.store(site, at, total) }
     }
 
-    /// Queues the store of the ring's completion index after its work.
+    /// Queues the store of the ring's completion index after its work,
+    /// once the puts from GPU memory to the peer completed.
     fn publish(&mut self, site: Site, upto: u64) -> Result<(), ExecError> {
+        self.settle(site.peer)?;
         let at = *self
             .layout
             .done
@@ -547,7 +628,7 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
     /// engine flushes every batch it hands over) and is dropped.
     fn quiesce(&mut self) -> Result<(), ExecError> {
         let mut calls = BatchStats::default();
-        let mut first = Ok(());
+        let mut first = self.settle_all();
         for q in &self.queues {
             first = first.and(q.stream.sync().map_err(cuda("cuStreamSynchronize")));
             calls += q.batch.stats;
@@ -561,5 +642,24 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
             "CUDA proxy streams drained"
         );
         first
+    }
+}
+
+impl<G: Gpu> Drop for CudaExecutor<G> {
+    /// Puts from GPU memory still in flight (an executor dropped without
+    /// quiescing) are completed first: the memory is lent until then.
+    fn drop(&mut self) {
+        if let Err(e) = self.settle_all() {
+            tracing::warn!(rank = self.fabric.rank(), %e, "puts from GPU memory failed while the CUDA proxy's executor was dropped");
+        }
+    }
+}
+
+/// What keeps the source of a put from GPU memory alive while the
+/// transport reads it: the window's, where its description holds one.
+fn t_keep(d: &Data<Arc<MemDesc>>) -> Option<gin_net::KeepAlive> {
+    match &d.src {
+        Source::Window(t) => t.window.keep.clone(),
+        Source::Inline(_) => None,
     }
 }

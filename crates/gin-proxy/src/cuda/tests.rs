@@ -387,6 +387,61 @@ fn a_transport_taking_gpu_memory_gets_it_directly_and_the_total_after_it() {
     );
 }
 
+/// Puts from GPU memory are pipelined: a batch of them is started one
+/// after another (the stream drained once, before the first: nothing is
+/// queued between them), their signal's total put ordered after them
+/// without waiting, and they are completed once, before the completion
+/// index (or a counter) that lets the kernel reuse their sources is
+/// queued; a batch without a completion to publish completes nothing.
+#[test]
+fn puts_from_gpu_memory_are_many_in_flight_and_completed_before_the_index() {
+    let mut rig = rig_over(Keyed::taking_device_memory());
+    for i in 0..5 {
+        rig.post(1, &put(512, i * 512, i * 512));
+    }
+    rig.post(
+        1,
+        &Desc {
+            signal: Some(signal(48, 1)),
+            ..put(512, 2560, 2560)
+        },
+    );
+    let p = rig.step();
+    assert_eq!((p.executed, p.published), (6, 1));
+    let ops = rig.keyed.ops();
+    assert_eq!(ops.len(), 7);
+    assert!(
+        ops[..6]
+            .iter()
+            .all(|o| matches!(o, KeyedOp::PutDevice { len: 512, .. }))
+    );
+    assert!(matches!(ops[6], KeyedOp::Put { ordered: true, .. }));
+    // One completion, after every put and the total were handed over.
+    assert_eq!(rig.keyed.completions(), vec![(2, 7)]);
+    assert_eq!(rig.keyed.in_flight(), 0);
+    assert_eq!(
+        rig.calls(),
+        vec![(1, Call::Sync), (1, Call::Store(DONE[1], 6))]
+    );
+    // A counter is a completion too: the put is completed before it.
+    rig.post(
+        1,
+        &Desc {
+            counter: Some(1),
+            ..put(64, 0, 0)
+        },
+    );
+    rig.step();
+    assert_eq!(rig.keyed.completions(), vec![(2, 7), (2, 8)]);
+    assert_eq!(
+        rig.calls(),
+        vec![
+            (1, Call::Sync),
+            (1, Call::Stores(vec![(COUNTERS + 16, 1), (DONE[1], 7)]))
+        ]
+    );
+}
+
 /// A put the transport refuses fails its descriptor as over tcp: its
 /// signal is never sent and its counter never counts; the proxy stops.
 #[test]
