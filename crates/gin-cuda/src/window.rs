@@ -13,7 +13,7 @@
 use std::sync::Arc;
 
 use gin_bootstrap::record::{Reader, Writer};
-use gin_net::region::RegionTable;
+use gin_net::region::{RegionTable, Removal};
 use gin_net::{Fabric, MemDesc, MemParts, Memory};
 
 use crate::driver::{DevMem, Device, IpcMem, PoolMem};
@@ -141,7 +141,7 @@ pub struct LocalPart {
     /// First: removed from the region table before `mem` is freed.
     served: Option<(Arc<RegionTable>, u32)>,
     /// The part's bytes (never freed through this: gin's allocation is
-    /// `_block`'s, the user's memory is the user's).
+    /// `block`'s, the user's memory is the user's).
     mem: DevMem,
     /// The IPC handle of the allocation `mem` lies in (zeros: not
     /// exported, no same-host peer maps it).
@@ -151,7 +151,7 @@ pub struct LocalPart {
     /// Last: gin's allocation, returned to the device's pool where
     /// `cuMemFree` used to free it (after the region's removal); `None`
     /// for the user's memory.
-    _block: Option<PoolMem>,
+    block: Option<PoolMem>,
 }
 
 impl LocalPart {
@@ -180,7 +180,7 @@ impl LocalPart {
                 mem: block.view(),
                 ipc,
                 offset: 0,
-                _block: Some(block),
+                block: Some(block),
             },
             bytes,
             serve,
@@ -234,7 +234,7 @@ impl LocalPart {
                 mem,
                 ipc: handle,
                 offset: export.offset,
-                _block: None,
+                block: None,
             },
             bytes,
             serve,
@@ -280,8 +280,25 @@ impl Drop for LocalPart {
     fn drop(&mut self) {
         // TCP peers' requests are refused ("unknown memory key") from now
         // on; the removal waits for a request being served.
-        if let Some((t, key)) = &self.served {
-            t.remove_region(*key, self.mem.ptr() as usize);
+        if let Some((t, key)) = &self.served
+            && t.remove_region(*key, self.mem.ptr() as usize) == Removal::Quarantined
+        {
+            // A peer may still write the part (a ucx rkey whose revocation
+            // was never acknowledged): gin's allocation is leaked, never
+            // returned to the pool for another window; the user's memory is
+            // the user's, who is told.
+            if let Some(block) = self.block.take() {
+                tracing::error!(
+                    key,
+                    "a peer may still write this GPU window part: its allocation is leaked, never reused"
+                );
+                std::mem::forget(block);
+            } else {
+                tracing::error!(
+                    key,
+                    "a peer may still write this GPU window part, which is the caller's memory: do not reuse it before the job ends"
+                );
+            }
         }
     }
 }

@@ -291,6 +291,8 @@ impl HostWindows {
         // pointers and atomics.
         self.fabric
             .add_window(id, unsafe { MemDesc::new(parts.clone()) });
+        let mut registration = registration;
+        registration.hold(KeepAlive(mapped.clone()));
         HostWindow {
             id,
             parts,

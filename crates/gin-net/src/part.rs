@@ -17,8 +17,9 @@ use gin_bootstrap::record::{Reader, Writer};
 
 use crate::NetError;
 use crate::fabric::Fabric;
-use crate::region::RegionTable;
+use crate::region::{RegionTable, Removal};
 use crate::shm::Segment;
+use crate::window::KeepAlive;
 
 /// What a rank tells the others about its part of a host window.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -143,6 +144,10 @@ pub struct Registration {
     id: u32,
     /// The address of this part's revocation word (0: none, user memory).
     state: usize,
+    /// What keeps the part's memory mapped, leaked rather than dropped when
+    /// the removal says a peer may still write the memory
+    /// ([`Removal::Quarantined`]).
+    hold: Option<KeepAlive>,
 }
 
 impl Registration {
@@ -162,7 +167,17 @@ impl Registration {
             base,
             id,
             state: 0,
+            hold: None,
         }
+    }
+
+    /// Hands the registration what keeps the part's memory mapped: if a
+    /// peer may still write the memory when the part stops being served (a
+    /// ucx rkey never acknowledged as revoked, [`Removal::Quarantined`]),
+    /// the registration leaks it, so the memory is never unmapped or
+    /// reused under that peer's late writes.
+    pub fn hold(&mut self, keep: KeepAlive) {
+        self.hold = Some(keep);
     }
 
     /// Sets the revocation word the drop raises.
@@ -189,7 +204,25 @@ impl Drop for Registration {
         self.fabric.remove_window(self.id);
         // Only if the key is still this part's: after a deregistration it may
         // have been drawn again for another window.
-        self.table.remove_region(self.key, self.base);
+        if self.table.remove_region(self.key, self.base) == Removal::Quarantined {
+            if self.state == 0 {
+                // User memory is the user's to free: say what may happen.
+                tracing::error!(
+                    window = self.id,
+                    key = self.key,
+                    "a peer may still write this window part, which is the caller's memory: do not reuse it before the job ends"
+                );
+            } else {
+                tracing::error!(
+                    window = self.id,
+                    key = self.key,
+                    "a peer may still write this window part: its memory stays mapped (leaked), never reused"
+                );
+            }
+            if let Some(keep) = self.hold.take() {
+                std::mem::forget(keep);
+            }
+        }
     }
 }
 
@@ -197,6 +230,46 @@ impl Drop for Registration {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    /// Says every removal is quarantined (a peer never acknowledged the
+    /// revocation of its rkey), or every one released.
+    struct Verdict(Removal);
+
+    impl crate::region::RegionObserver for Verdict {
+        fn removed(&self, _: u32, _: usize) -> Removal {
+            self.0
+        }
+    }
+
+    /// A part whose removal is quarantined keeps its memory: what held it
+    /// mapped is leaked, never dropped (so never unmapped or reused under a
+    /// peer's late write); a released one lets it go.
+    #[test]
+    fn a_quarantined_part_leaks_what_keeps_its_memory_and_a_released_one_does_not() {
+        for (verdict, kept) in [(Removal::Quarantined, true), (Removal::Released, false)] {
+            let table = Arc::new(RegionTable::default());
+            let observer: Arc<dyn crate::region::RegionObserver> = Arc::new(Verdict(verdict));
+            table.observe(Arc::downgrade(&observer));
+            let fabric = Arc::new(Fabric::local(
+                table.clone(),
+                std::time::Duration::from_secs(1),
+            ));
+            let mut mem = vec![0u8; 64];
+            // SAFETY: `mem` outlives the registration, which removes the key.
+            let key =
+                unsafe { table.insert(mem.as_mut_ptr(), 64, crate::region::Access::COPY) }.unwrap();
+            let memory = Arc::new(7u32);
+            let weak = Arc::downgrade(&memory);
+            let mut r = Registration::new(table.clone(), fabric, 1, key, mem.as_ptr() as usize);
+            r.hold(KeepAlive(memory));
+            drop(r);
+            assert_eq!(weak.upgrade().is_some(), kept, "{verdict:?}");
+            assert!(
+                table.with_region(key, |r| r.is_none()),
+                "the key is no longer served"
+            );
+        }
+    }
 
     #[test]
     fn a_part_record_round_trips_in_the_byte_layout_ranks_exchange() {
