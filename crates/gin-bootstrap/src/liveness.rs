@@ -62,6 +62,28 @@ impl ProcessId {
         let kernel = String::from_utf8_lossy(b.get(12..)?).into_owned();
         Some(Self { pid, start, kernel })
     }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Whether `other` runs on this record's kernel and pid namespace, so
+    /// that its pid names the same process here (never for records whose
+    /// fields could not be read).
+    pub fn near(&self, other: &Self) -> bool {
+        !self.kernel.is_empty() && self.kernel == other.kernel && other.start != 0
+    }
+
+    /// Whether the process is gone: no such pid, a zombie, or the pid now
+    /// names a process started later. Meaningful only for a record
+    /// [`ProcessId::near`] this process.
+    pub fn gone(&self) -> bool {
+        match read_stat(self.pid) {
+            None => true,
+            Some(s) => matches!(s.state, 'Z' | 'X' | 'x') || s.start != self.start,
+        }
+    }
 }
 
 /// The fields of `/proc/PID/stat` this module reads.
@@ -102,7 +124,7 @@ impl Liveness {
             .enumerate()
             .filter(|&(r, _)| r != rank)
             .filter_map(|(r, p)| Some((r, p.clone()?)))
-            .filter(|(_, p)| !own.kernel.is_empty() && p.kernel == own.kernel && p.start != 0)
+            .filter(|(_, p)| own.near(p))
             .collect();
         Self { peers }
     }
@@ -233,7 +255,8 @@ mod tests {
             start,
             kernel: own.kernel.clone(),
         };
-        let live = Liveness::new(0, &[Some(own), Some(peer)]);
+        assert!(own.near(&peer) && !peer.gone());
+        let live = Liveness::new(0, &[Some(own), Some(peer.clone())]);
         assert_eq!(live.diagnose(), None);
         assert!(live.stopped().is_empty());
         let stop = |sig: &str| {
@@ -271,5 +294,15 @@ mod tests {
         assert!(said.contains("rank 1 exited"), "{said}");
         // A gone peer is the death watch's news, not a stopped one.
         assert!(live.stopped().is_empty());
+        assert!(peer.gone(), "a reaped child");
+        // A pid reused by a later process is another process.
+        let me = ProcessId::own();
+        assert!(!me.gone());
+        let later = ProcessId {
+            start: me.start + 1,
+            ..me.clone()
+        };
+        assert!(later.gone());
+        assert_eq!(ProcessId::decode(&me.encode()), Some(me));
     }
 }

@@ -95,7 +95,6 @@
 //!   makes CUDA ranks stage through pinned host memory instead.
 
 mod load;
-mod proc;
 mod serve;
 #[allow(missing_docs, unused_imports, clippy::all, clippy::pedantic)]
 mod sys;
@@ -110,6 +109,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use gin_bootstrap::Bootstrap;
+use gin_bootstrap::liveness::ProcessId;
 
 pub use load::{ALTERNATIVES, USUAL};
 
@@ -253,7 +253,7 @@ pub(crate) struct Inner {
     /// be dropped outside UCX's progress ([`Inner::drop_released`]).
     released: Arc<Mutex<Vec<KeepAlive>>>,
     /// Each peer's process, where it runs on this kernel (see `proc`).
-    procs: Vec<Option<proc::ProcId>>,
+    procs: Vec<Option<ProcessId>>,
     /// Failures the tests inject.
     #[cfg(test)]
     test: tests::Hooks,
@@ -366,11 +366,11 @@ impl UcxTransport {
             });
         }
         // Which peers share this kernel (their pids mean something here).
-        let me = proc::ProcId::mine();
+        let me = ProcessId::own();
         let procs = b
-            .allgather(&proc::ProcId::encode(me.as_ref()))?
+            .allgather(&me.encode())?
             .iter()
-            .map(|r| proc::ProcId::decode(r).filter(|p| me.as_ref().is_some_and(|m| m.near(p))))
+            .map(|r| ProcessId::decode(r).filter(|p| me.near(p)))
             .collect();
         let rank = b.rank();
         let peers = (0..b.nranks())
