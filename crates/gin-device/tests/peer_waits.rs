@@ -7,10 +7,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use gin_device::{
-    Backend, Counters, DevComm, DevCommParts, GetOp, GinError, Health, PutOp, Ticket, TicketIssuer,
-    Window,
-};
+mod common;
+
+use gin_device::{Backend, DevComm, GetOp, GinError, Health, PutOp, Ticket, TicketIssuer};
 
 /// Operations complete after a few looks, as a proxy thread on a busy
 /// machine completes them: a wait polls (and checks health) meanwhile.
@@ -63,31 +62,13 @@ impl Health for TwoDied {
 }
 
 fn dev_comm() -> DevComm {
-    DevComm::new(DevCommParts {
-        rank: 0,
-        nranks: 3,
-        comm_id: 0,
-        nctx: 1,
-        nsignals: 0,
-        ncounters: 0,
-        world_barriers: 0,
-        rail_barriers: 0,
-        signal_window: Window::empty(),
-        signal_base: 0,
-        signal_slots: 0,
-        counters: Arc::new(Counters::new(0)),
-        counter_base: 0,
-        lsa: vec![false; 3],
-        connected: vec![true; 3],
-        rail: vec![0],
-        strong_signals: false,
-        va_signals: false,
-        exclusive_contexts: false,
-        backend: Arc::new(Slow::default()),
-        health: Arc::new(TwoDied),
-        timeout: Duration::from_secs(60),
-    })
-    .expect("a device communicator with no signals")
+    common::dev_comm(
+        0,
+        3,
+        Arc::new(Slow::default()),
+        Arc::new(TwoDied),
+        Duration::from_secs(60),
+    )
 }
 
 #[test]

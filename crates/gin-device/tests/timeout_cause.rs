@@ -10,10 +10,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use gin_device::{
-    Backend, Counters, DevComm, DevCommParts, GetOp, GinError, Health, PutOp, Ticket, TicketIssuer,
-    Window,
-};
+mod common;
+
+use gin_device::{Backend, DevComm, GetOp, GinError, Health, PutOp, Ticket, TicketIssuer};
 
 /// The news of the stop: it arrives while the wait runs its last health
 /// check, just before it times out.
@@ -72,34 +71,11 @@ impl Health for Job {
 
 fn dev_comm(timeout: Duration) -> DevComm {
     let news = Arc::new(News::default());
-    DevComm::new(DevCommParts {
-        rank: 3,
-        nranks: 4,
-        comm_id: 0,
-        nctx: 1,
-        nsignals: 0,
-        ncounters: 0,
-        world_barriers: 0,
-        rail_barriers: 0,
-        signal_window: Window::empty(),
-        signal_base: 0,
-        signal_slots: 0,
-        counters: Arc::new(Counters::new(0)),
-        counter_base: 0,
-        lsa: vec![false; 4],
-        connected: vec![true; 4],
-        rail: vec![0],
-        strong_signals: false,
-        va_signals: false,
-        exclusive_contexts: false,
-        backend: Arc::new(Stalled {
-            issuer: TicketIssuer::default(),
-            news: news.clone(),
-        }),
-        health: Arc::new(Job(news)),
-        timeout,
-    })
-    .expect("a device communicator with no signals")
+    let backend = Stalled {
+        issuer: TicketIssuer::default(),
+        news: news.clone(),
+    };
+    common::dev_comm(3, 4, Arc::new(backend), Arc::new(Job(news)), timeout)
 }
 
 #[test]

@@ -796,29 +796,11 @@ fn stop(c: &Comm, victim: usize) -> R {
     let ctx = dc.ctx(0).map_err(s)?;
     c.bootstrap().barrier().map_err(s)?;
     if r == victim {
-        // `kill` is a child process: it returns after stopping this one.
-        let _ = std::process::Command::new("kill")
-            .args(["-STOP", &std::process::id().to_string()])
-            .status();
-        return Err("the victim was resumed".into());
+        return stop_self();
     }
     let limit = c.settings().timeout * 10;
     let t = Instant::now();
-    let e = 'stream: loop {
-        for _ in 0..64 {
-            if let Err(e) = ctx.put(victim, &w, 0, &w, 0, BIG, Remote::None, Local::None) {
-                break 'stream e;
-            }
-        }
-        if let Err(e) = ctx.flush() {
-            break e;
-        }
-        if t.elapsed() > limit {
-            return Err(format!(
-                "still streaming to the stopped rank after {limit:?}"
-            ));
-        }
-    };
+    let e = stream_until_failure(&ctx, victim, &w, limit)?;
     let noticed = t.elapsed();
     let t = Instant::now();
     drop(dc);
@@ -830,6 +812,42 @@ fn stop(c: &Comm, victim: usize) -> R {
     );
     println!("{line}");
     Err(line)
+}
+
+/// Stops this process (SIGSTOP: a frozen host, as far as its peers can
+/// tell). `kill` is a child process: it returns after stopping this one.
+fn stop_self() -> R {
+    let _ = std::process::Command::new("kill")
+        .args(["-STOP", &std::process::id().to_string()])
+        .status();
+    Err("the victim was resumed".into())
+}
+
+/// Streams the first 1 MiB of `w` at `victim`, 64 puts per flush, until
+/// a put or a flush fails (its error) or `limit` passes (an error).
+fn stream_until_failure(
+    ctx: &gin_core::Ctx<'_>,
+    victim: usize,
+    w: &gin_core::Window,
+    limit: Duration,
+) -> Result<GinError, String> {
+    const BIG: u64 = 1 << 20;
+    let t = Instant::now();
+    loop {
+        for _ in 0..64 {
+            if let Err(e) = ctx.put(victim, w, 0, w, 0, BIG, Remote::None, Local::None) {
+                return Ok(e);
+            }
+        }
+        if let Err(e) = ctx.flush() {
+            return Ok(e);
+        }
+        if t.elapsed() > limit {
+            return Err(format!(
+                "still streaming to the stopped rank after {limit:?}"
+            ));
+        }
+    }
 }
 
 /// The victim stops itself; one witness (the lowest other rank) streams
@@ -848,10 +866,7 @@ fn stop_bystander(c: &Comm, victim: usize, wait: bool) -> R {
     let ctx = dc.ctx(0).map_err(s)?;
     c.bootstrap().barrier().map_err(s)?;
     if r == victim {
-        let _ = std::process::Command::new("kill")
-            .args(["-STOP", &std::process::id().to_string()])
-            .status();
-        return Err("the victim was resumed".into());
+        return stop_self();
     }
     let limit = c.settings().timeout * 10;
     let t = Instant::now();
@@ -861,21 +876,7 @@ fn stop_bystander(c: &Comm, victim: usize, wait: bool) -> R {
             Err(e) => e.to_string(),
         }
     } else if r == witness {
-        'stream: loop {
-            for _ in 0..64 {
-                if let Err(e) = ctx.put(victim, &w, 0, &w, 0, BIG, Remote::None, Local::None) {
-                    break 'stream e.to_string();
-                }
-            }
-            if let Err(e) = ctx.flush() {
-                break e.to_string();
-            }
-            if t.elapsed() > limit {
-                return Err(format!(
-                    "still streaming to the stopped rank after {limit:?}"
-                ));
-            }
-        }
+        stream_until_failure(&ctx, victim, &w, limit)?.to_string()
     } else {
         match ctx.wait_signal_for(0, 1, limit) {
             Ok(_) => return Err("a signal nobody sends arrived".into()),
