@@ -198,7 +198,9 @@ struct State {
     /// host, which the dispatch kernel quantises into the messages.
     xin: Option<DevMem>,
     /// `u64`: the dispatch kernel's grid barrier (FP8 and device-resident
-    /// inputs), a count that only grows.
+    /// inputs), an arrival counter in its low word whose bit 31 flips once
+    /// per barrier (`ep::grid_sync`): its state lives on the device alone,
+    /// so a CUDA graph replays the barrier.
     bar: DevMem,
     /// `u32[t × topk]`: per (token, top-k slot), the token's index among
     /// this rank's tokens for that expert (written by the dispatch kernel).
@@ -369,8 +371,6 @@ pub struct CudaBuffer<'a, 'c> {
     last: (KernelClock, KernelClock),
     /// A kernel failed: no further step can run (destroy the buffer).
     failed: bool,
-    /// What the FP8 dispatch's grid barrier counts up to this step.
-    bar_target: u64,
     /// `[owner]`: whether this rank reads `owner`'s combine slots in place.
     reads: Vec<bool>,
 }
@@ -521,7 +521,6 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             staged: Vec::new(),
             last: (KernelClock::default(), KernelClock::default()),
             failed: false,
-            bar_target: 0,
             reads: Vec::new(),
         };
         me.write_active()?;
@@ -810,9 +809,6 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         let clock = self.clock_for(on)?;
         self.step += 1;
         self.tokens = tokens;
-        if src.xin != 0 || src.idx != 0 {
-            self.bar_target += u64::from(grid);
-        }
         let s = &self.state;
         let (l, t) = (cfg.local_experts(self.nranks), cfg.max_tokens_per_rank);
         let u = Self::u32_of;
@@ -834,7 +830,6 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             Arg::Ptr(src.xin),
             Arg::U32(u(cfg.hidden)),
             Arg::Ptr(s.bar.ptr()),
-            Arg::U64(self.bar_target),
             Arg::Ptr(s.eslot.ptr()),
             Arg::U32(u32::from(cfg.fp8)),
             Arg::Ptr(src.idx),
@@ -847,7 +842,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         // SAFETY: ep_ll_dispatch(DevComm, Window send, Window recv, u32
         // tokens, u32 l, u32 t, u32 m, u32 p, u32 k, const u32* active, u64*
         // seen, u32* counts, u32* meta, u64* clock, const u16* xin, u32 h,
-        // u64* bar, u64 bar_target, u32* eslot, u32 fp8, const i64* idx,
+        // u32* bar, u32* eslot, u32 fp8, const i64* idx,
         // const f32* wts, u64* inbad, u64* err, u64* errh, u64* ctarget) in
         // kernels/ll.cu takes these arguments in this order. The windows and
         // the device communicator are this buffer's, alive for the kernel
@@ -856,7 +851,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         // indexes active and ctarget by rank (nranks entries), seen and
         // counts by pair (experts), meta by received slot (3 × experts × t
         // u32), eslot by (token, slot) (t × k u32), clock (2 u64, or null),
-        // bar and inbad (one u64 each), err (4 u64) and errh (4 u64 of
+        // bar (the low u32 of a u64) and inbad (one u64 each), err (4 u64) and errh (4 u64 of
         // mapped pinned memory): the sizes State::new allocated for this
         // configuration. It reads tokens × h u16 of xin and tokens × k of
         // idx and wts where they are not null: the caller's contract.
@@ -1355,20 +1350,21 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             Arg::Ptr(s.eslot.ptr()),
             Arg::Ptr(s.pull.ptr()),
             Arg::Ptr(s.inbad.ptr()),
+            Arg::Ptr(s.err.ptr()),
         ];
         // SAFETY: ep_ll_combine(DevComm, Window send, Window csend, Window
         // crecv, u32 tokens, u32 l, u32 t, u32 m, u32 p, u32 k, u32 h, const
         // u32* active, const u32* counts, const u32* meta, const u64*
         // ctarget, u16* out, u64* clock, const u32* eslot, const u8* pull,
-        // u64* inbad) takes these in this order. It reads the `tokens`
-        // messages this step's dispatch staged, slots of csend and crecv
-        // within their sizes (ll::resources; metadata out of range is
-        // skipped), peers' csend slots through their mappings only after
+        // u64* inbad, const u64* err) takes these in this order. It reads
+        // the `tokens` messages this step's dispatch staged, slots of csend
+        // and crecv within their sizes (ll::resources; metadata out of range
+        // is skipped), peers' csend slots through their mappings only after
         // checking the slot against the peer part's size, and writes tokens
         // × hidden u16 of out (the caller's contract), the 2 u64 of clock
-        // (or none: null) and the u64 of inbad; active and ctarget hold
-        // nranks entries, pull nranks × nranks, counts and meta the
-        // dispatch's, eslot t × k.
+        // (or none: null) and the u64 of inbad, and reads the first u64 of
+        // err; active and ctarget hold nranks entries, pull nranks ×
+        // nranks, counts and meta the dispatch's, eslot t × k.
         let r = unsafe { go(&self.dc, self.kernels.combine, on, grid, &args) };
         self.launched(on, "combine", r)?;
         self.phase = Phase::Idle;
