@@ -53,7 +53,16 @@
 //! step copies tokens, routing, counts or outputs between host and
 //! GPU: the counters the host used to write (the combine's target) are
 //! advanced by the kernels, and only the waiting calls reset their launch
-//! clock (16 bytes, for [`CudaBuffer::last_kernels`]).
+//! clock (16 bytes, for [`CudaBuffer::last_kernels`]). Nothing
+//! step-dependent is baked into a launch's arguments (the signals'
+//! accounted values, the combine targets, the dispatch's grid barrier and
+//! its input check's word live in device memory), so the `*_on` calls may
+//! be captured into a CUDA graph whose every replay is a step. After one
+//! failure, every later queued dispatch or combine returns at once (gin's
+//! error word, sticky until checked, or an error gin-ep recorded), rather
+//! than waiting a job timeout for peers that stopped with it. The received
+//! tokens are valid until this rank's combine is launched: a peer it
+//! signals may then dispatch its next step into them.
 //!
 //! What the host checked on read-back, the kernels check and record
 //! (`ep::record`: device memory, mirrored to pinned host memory the host
@@ -931,7 +940,15 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// engine fails: the first launch queued after a check starts a watcher
     /// thread (one per checked span, not per launch), which
     /// [`CudaBuffer::check`] stops; a failed wait is reported there,
-    /// naming the peer and the cause.
+    /// naming the peer and the cause. After a failure, the launches queued
+    /// behind it return at once. A stream of another context is refused
+    /// before anything moves.
+    ///
+    /// Captured into a CUDA graph, each replay is a step: the kernels'
+    /// arguments hold nothing step-dependent. Capture whole steps
+    /// (dispatch, expert, combine); a replay reads the captured tensors (and
+    /// token count). Call [`CudaBuffer::watch`] before replaying, and
+    /// [`CudaBuffer::check`] after synchronising.
     ///
     /// # Safety
     /// The launches of one buffer must execute in the order they were
@@ -1144,6 +1161,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     pub fn ll_echo_device(&mut self, s: &CudaLlStep) -> Result<(), EpError> {
         self.expect_dispatch("ll_echo", s.step)?;
         self.expect_unqueued("ll_echo")?;
+        self.poll()?;
         // SAFETY: gin's stream, waited for.
         unsafe { self.launch_echo(On::Wait) }
     }
