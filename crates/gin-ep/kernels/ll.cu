@@ -253,14 +253,16 @@ __device__ __forceinline__ bool gin_failed(const DevComm& dc) {
   return dc.error_word && *(volatile const u64*)dc.error_word != 0;
 }
 
-// Block-wide, at a kernel's entry: whether an earlier launch of this buffer
-// failed (gin's error word, or an error gin-ep's kernels recorded: err), so
-// that this one returns at once instead of waiting, up to the job timeout,
-// for peers that stopped with it. A failure is sticky: the host refuses
-// further steps once it has seen one. The same answer on every thread.
-__device__ __forceinline__ bool failed_before(const DevComm& dc, const u64* err) {
-  return __syncthreads_or(threadIdx.x == 0 &&
-                          (gin_failed(dc) || (err && *(volatile const u64*)err != 0)));
+// Block-wide, at a kernel's entry: whether an earlier launch failed (gin's
+// error word: sticky until the host checks it, and the host refuses further
+// steps once it has seen one), so that this one returns at once instead of
+// waiting, up to the job timeout, for peers that stopped with it. An error
+// gin-ep recorded (ep::record: bad inputs, a peer's broken protocol) does not
+// stop the kernels: a broken pair counts 0 tokens, so they stay within their
+// slots, and running on lets every peer finish its steps rather than wait
+// for this rank; the host reports it. The same answer on every thread.
+__device__ __forceinline__ bool failed_before(const DevComm& dc) {
+  return __syncthreads_or(threadIdx.x == 0 && gin_failed(dc));
 }
 
 // gin's poll (the job timeout, the abort flag) of `ready`, which also gives
@@ -556,7 +558,7 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_dispatch(DevComm 
                                           u64* ctarget) {
   // After a failure (an earlier launch's, queued since the host checked):
   // return at once rather than wait for peers that stopped.
-  if (ep::failed_before(dc, err)) return;
+  if (ep::failed_before(dc)) return;
   ep::clock_start(clock);
   const u32 r = dc.nranks, experts = l * r;
   if (blockIdx.x == 0)
@@ -744,11 +746,10 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_combine(DevComm d
                                          u32 tokens, u32 l, u32 t, u32 m, u32 p, u32 k, u32 h,
                                          const u32* active, const u32* counts, const u32* meta,
                                          const u64* ctarget, unsigned short* out, u64* clock,
-                                         const u32* eslot, const u8* pull, u64* inbad,
-                                         const u64* err) {
+                                         const u32* eslot, const u8* pull, u64* inbad) {
   // After a failure (this step's dispatch, or an earlier launch's): return
   // at once, as the dispatch does.
-  if (ep::failed_before(dc, err)) return;
+  if (ep::failed_before(dc)) return;
   ep::clock_start(clock);
   const u32 r = dc.nranks, experts = l * r;
   const u64 h2 = 2ull * h;

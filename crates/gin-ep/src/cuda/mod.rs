@@ -58,9 +58,9 @@
 //! accounted values, the combine targets, the dispatch's grid barrier and
 //! its input check's word live in device memory), so the `*_on` calls may
 //! be captured into a CUDA graph whose every replay is a step. After one
-//! failure, every later queued dispatch or combine returns at once (gin's
-//! error word, sticky until checked, or an error gin-ep recorded), rather
-//! than waiting a job timeout for peers that stopped with it. The received
+//! failed wait or put, every later queued dispatch or combine returns at
+//! once (gin's error word, sticky until checked), rather than waiting a job
+//! timeout for peers that stopped with it. The received
 //! tokens are valid until this rank's combine is launched: a peer it
 //! signals may then dispatch its next step into them.
 //!
@@ -1306,21 +1306,20 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             Arg::Ptr(s.eslot.ptr()),
             Arg::Ptr(s.pull.ptr()),
             Arg::Ptr(s.inbad.ptr()),
-            Arg::Ptr(s.err.ptr()),
         ];
         // SAFETY: ep_ll_combine(DevComm, Window send, Window csend, Window
         // crecv, u32 tokens, u32 l, u32 t, u32 m, u32 p, u32 k, u32 h, const
         // u32* active, const u32* counts, const u32* meta, const u64*
         // ctarget, u16* out, u64* clock, const u32* eslot, const u8* pull,
-        // u64* inbad, const u64* err) takes these in this order. It reads
+        // u64* inbad) takes these in this order. It reads
         // the `tokens` messages this step's dispatch staged, slots of csend
         // and crecv within their sizes (ll::resources; metadata out of range
         // is skipped), peers' csend slots through their mappings only after
         // checking the slot against the peer part's size, and writes tokens
         // × hidden u16 of out (the caller's contract), the 2 u64 of clock
-        // (or none: null) and the u64 of inbad, and reads the first u64 of
-        // err; active and ctarget hold nranks entries, pull nranks ×
-        // nranks, counts and meta the dispatch's, eslot t × k.
+        // (or none: null) and the u64 of inbad; active and ctarget hold
+        // nranks entries, pull nranks × nranks, counts and meta the
+        // dispatch's, eslot t × k.
         let r = unsafe { go(&self.dc, self.kernels.combine, on, grid, &args) };
         self.launched(on, "combine", r)?;
         self.st.combined();
