@@ -314,8 +314,9 @@ __device__ int wait_from(const DevComm& dc, u32 id, u64 target, u32 peer) {
 // different experts at once, each bounded by the job timeout and the abort
 // flag (a serial wait per expert costs a round trip and two barriers each);
 // the first failure is recorded in the error word naming the expert's rank,
-// and every thread gives up once gin's error word is set. Returns the same status on every thread; what the signals announced is
-// visible to the whole block afterwards.
+// and every thread gives up once gin's error word is set. Returns the same
+// status on every thread; what the signals announced is visible to the whole
+// block afterwards.
 __device__ int wait_experts(const DevComm& dc, u32 first, u32 count, u32 l, const u32* active,
                             const u64* targets) {
   __shared__ int status;
@@ -412,8 +413,8 @@ __device__ __forceinline__ const u8* combine_row(const DevComm& dc, const Window
 // Grid-wide barrier of one launch (every block of the grid is resident: the
 // host keeps grids small), cooperative groups' arrival counter (barrier::):
 // block 0 adds 2^31 - (grid - 1) to `bar` (the low word of the buffer's
-// u64), every other block 1, so that a launch's blocks add exactly 2^31 in all: bit 31 flips
-// once, when the last block arrives (never before: the low bits start at 0
+// u64), every other block 1, so that a launch's blocks add exactly 2^31 in
+// all: bit 31 flips once, when the last block arrives (never before: the low bits start at 0
 // and the sum stays below 2^31 until then), and the low bits come back to 0.
 // Each block waits for the flip from the value it found. The barrier's
 // state lives on the device alone, nothing of it in the launch's arguments:
@@ -543,7 +544,8 @@ __device__ __noinline__ void stage_tokens(const Window& send, const u16* x, cons
 //   xin the BF16 tokens): every block also writes its tokens' metadata (and
 //   with BF16 copies their payloads) and checks the inputs (stage_tokens).
 // Whenever blocks stage, a grid barrier (grid_sync on bar, its state on the
-// device alone) comes before any block sends. Inputs found bad (inbad below ~0) send no token:
+// device alone) comes before any block sends. Inputs found bad (inbad below
+// ~0) send no token:
 // every expert's signal adds POISON instead, so every receiver records why
 // its count is missing rather than waiting, and this rank records the first
 // bad entry as the host would report it.
@@ -553,9 +555,9 @@ __device__ __noinline__ void stage_tokens(const Window& send, const u16* x, cons
 extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_dispatch(DevComm dc, Window send, Window recv, u32 tokens,
                                           u32 l, u32 t, u32 m, u32 p, u32 k, const u32* active,
                                           u64* seen, u32* counts, u32* meta, u64* clock,
-                                          const u16* xin, u32 h, u32* bar, u32* eslot, u32 fp8, const long long* idx,
-                                          const float* wts, u64* inbad, u64* err, u64* errh,
-                                          u64* ctarget) {
+                                          const u16* xin, u32 h, u32* bar, u32* eslot,
+                                          u32 fp8, const long long* idx, const float* wts,
+                                          u64* inbad, u64* err, u64* errh, u64* ctarget) {
   // After a failure (an earlier launch's, queued since the host checked):
   // return at once rather than wait for peers that stopped.
   if (ep::failed_before(dc)) return;
