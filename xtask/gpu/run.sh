@@ -219,13 +219,19 @@ done
 step "ep-ll-cuda-2ranks-deepep-shape-fp8" "$ep" ll device=cuda ranks=2 tokens=128 hidden=7168 topk=8 experts=32 repeats=5 fp8=1
 step "ep-ll-cuda-4ranks-2hosts-fp8" "$ep" ll device=cuda ranks=4 hosts=2 fp8=1
 # Inputs and outputs in GPU memory (no host copy in the step): on gin's
-# stream (inputs=device) and queued on the caller's stream, synchronised
-# once per step (inputs=stream); the same oracle, and (below) the same
-# digests as host inputs. Bad inputs found on the GPU: the victim reports
+# stream (inputs=device) and queued on the caller's stream (inputs=stream:
+# synchronised after the expert, where the received tokens are read back,
+# and after the combine); the same oracle, and (below) the same digests as
+# host inputs. inputs=queued queues every repeat back to back, each with
+# inputs of its own, synchronised once: the device-side counters and the
+# grid barrier carry the steps; each step's combine is checked against its
+# own inputs, and step 0's digest joins the comparisons below. Bad inputs found on the GPU: the victim reports
 # its entry, every other rank a protocol error naming it, nobody times out.
 for n in 2 4; do
   step "ep-ll-cuda-${n}ranks-inputs-device" "$ep" ll device=cuda ranks=$n inputs=device
   step "ep-ll-cuda-${n}ranks-inputs-stream" "$ep" ll device=cuda ranks=$n inputs=stream
+  step "ep-ll-cuda-${n}ranks-inputs-queued" "$ep" ll device=cuda ranks=$n inputs=queued
+  step "ep-ll-cuda-${n}ranks-inputs-queued-fp8" "$ep" ll device=cuda ranks=$n inputs=queued fp8=1
   step "ep-ll-cuda-${n}ranks-inputs-device-fp8" "$ep" ll device=cuda ranks=$n inputs=device fp8=1
   step "ep-ll-cuda-${n}ranks-inputs-device-bad" "$ep" ll device=cuda ranks=$n inputs=device bad=1
   # The expert outputs in the caller's tensor (ll_combine_from_*).
@@ -240,6 +246,8 @@ expect_refused "ep-ll-cuda-2ranks-inputs-stream-die" "queued kernel failed.*rank
   env GIN_TIMEOUT=120s "$ep" kill device=cuda ranks=2
 step "ep-ll-cuda-2ranks-deepep-shape-inputs-stream" "$ep" ll device=cuda ranks=2 tokens=128 hidden=7168 topk=8 experts=32 repeats=5 inputs=stream
 step "ep-ll-cuda-4ranks-2hosts-inputs-device" "$ep" ll device=cuda ranks=4 hosts=2 inputs=device
+step "ep-ll-cuda-2ranks-deepep-shape-inputs-queued" "$ep" ll device=cuda ranks=2 tokens=128 hidden=7168 topk=8 experts=32 repeats=5 inputs=queued
+step "ep-ll-cuda-4ranks-2hosts-inputs-queued" "$ep" ll device=cuda ranks=4 hosts=2 inputs=queued
 # The combine's result must not depend on its path: read in place (auto),
 # put (proxy, GIN_EP_COMBINE=put), or CPU ranks: every rank's digest agrees.
 ep_digests() { sed -n 's/.*rank \([0-9]*\) of [0-9]*: ll ok.*combine digest \([0-9a-f]*\).*/\1 \2/p' "$out/$1.log" | sort; }
@@ -249,9 +257,9 @@ ep_same_digests() {
 }
 for n in 2 4; do
   step "ep-ll-${n}ranks-combine-paths-agree" ep_same_digests "ep-ll-cuda-${n}ranks-auto" "ep-ll-cuda-${n}ranks-proxy" "ep-ll-cuda-${n}ranks-combine-put" "ep-ll-cpu-${n}ranks" \
-    "ep-ll-cuda-${n}ranks-inputs-device" "ep-ll-cuda-${n}ranks-inputs-stream" \
+    "ep-ll-cuda-${n}ranks-inputs-device" "ep-ll-cuda-${n}ranks-inputs-stream" "ep-ll-cuda-${n}ranks-inputs-queued" \
     "ep-ll-cuda-${n}ranks-inputs-device-expert-tensor" "ep-ll-cuda-${n}ranks-inputs-stream-expert-tensor"
-  step "ep-ll-${n}ranks-fp8-inputs-agree" ep_same_digests "ep-ll-cuda-${n}ranks-fp8" "ep-ll-cuda-${n}ranks-inputs-device-fp8"
+  step "ep-ll-${n}ranks-fp8-inputs-agree" ep_same_digests "ep-ll-cuda-${n}ranks-fp8" "ep-ll-cuda-${n}ranks-inputs-device-fp8" "ep-ll-cuda-${n}ranks-inputs-queued-fp8"
 done
 fi
 if [ -n "$benches" ]; then

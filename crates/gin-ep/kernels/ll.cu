@@ -207,6 +207,23 @@ EP_FN void error_of(u64 key, const long long* idx, const float* wts, u32 k, u32 
 }
 
 } // namespace input
+
+// The dispatch's grid barrier (grid_sync below), cooperative groups'
+// arrival counter, as pure functions (compiled as host C++ too:
+// tests/barrier_host.rs checks them over many launches of varying grids in
+// every order of arrival).
+namespace barrier {
+
+// What block `block` of a grid of `grid` blocks adds to the counter when it
+// arrives: block 0 2^31 - (grid - 1), every other block 1, so that a
+// launch's blocks add exactly 2^31 in all.
+EP_FN u32 arrival(u32 block, u32 grid) { return block == 0 ? 0x80000000u - (grid - 1u) : 1u; }
+
+// Whether the barrier a block joined when the counter read `old` (before its
+// own add) has passed, the counter reading `now`: bit 31 has flipped.
+EP_FN bool passed(u32 old, u32 now) { return ((old ^ now) & 0x80000000u) != 0; }
+
+} // namespace barrier
 } // namespace ep
 
 #if defined(__CUDACC__)
@@ -228,8 +245,45 @@ __device__ __forceinline__ void clock_end(u64* clock) {
   if (clock && threadIdx.x == 0) atomicMax((unsigned long long*)&clock[1], proxy::globaltimer());
 }
 
+// Whether gin's error word holds a failure (a wait that ran out or was
+// aborted, a refused put...) of this launch or of one queued before it since
+// the host last checked: the word stays set until the host reads it (after
+// each waiting call, or in CudaBuffer::check).
+__device__ __forceinline__ bool gin_failed(const DevComm& dc) {
+  return dc.error_word && *(volatile const u64*)dc.error_word != 0;
+}
+
+// Block-wide, at a kernel's entry: whether an earlier launch failed (gin's
+// error word: sticky until the host checks it, and the host refuses further
+// steps once it has seen one), so that this one returns at once instead of
+// waiting, up to the job timeout, for peers that stopped with it. An error
+// gin-ep recorded (ep::record: bad inputs, a peer's broken protocol) does not
+// stop the kernels: a broken pair counts 0 tokens, so they stay within their
+// slots, and running on lets every peer finish its steps rather than wait
+// for this rank; the host reports it. The same answer on every thread.
+__device__ __forceinline__ bool failed_before(const DevComm& dc) {
+  return __syncthreads_or(threadIdx.x == 0 && gin_failed(dc));
+}
+
+// gin's poll (the job timeout, the abort flag) of `ready`, which also gives
+// up, as ABORTED, once gin's error word is set: another block of this launch
+// or an earlier launch failed, and the peer this wait is for may be waiting
+// for this rank in turn. The word is read every 64th look, off the fast path.
+template <class Ready>
+__device__ u32 poll_unless_failed(const DevComm& dc, u32 timeout_kind, Ready ready) {
+  u32 looks = 0;
+  bool gave_up = false;
+  const u32 k = detail::poll(dc, timeout_kind, [&] {
+    if (ready()) return true;
+    if ((++looks & 63u) == 0 && gin_failed(dc)) gave_up = true;
+    return gave_up;
+  });
+  return k ? k : gave_up ? (u32)ABORTED : (u32)OK;
+}
+
 // Block-wide wait for signal `id` (context 0) to reach `target`, bounded by
-// the job timeout and the abort flag; a failure is recorded in the error
+// the job timeout and the abort flag, and given up once gin's error word
+// holds a failure (poll_unless_failed); a failure is recorded in the error
 // word naming `peer`, the rank that sends the signal, and the id. Returns
 // the same status on every thread; what the signal announced is visible to
 // the whole block afterwards.
@@ -241,7 +295,7 @@ __device__ int wait_from(const DevComm& dc, u32 id, u64 target, u32 peer) {
       s = detail::fail(dc, BAD_SIGNAL, 0, peer, id);
     } else {
       const u64 slot = detail::signal_slot(dc, 0, id);
-      const u32 k = detail::poll(dc, SIGNAL_TIMEOUT, [&] {
+      const u32 k = poll_unless_failed(dc, SIGNAL_TIMEOUT, [&] {
         return signal_reached(detail::signal_sum_acquire(dc, slot), target);
       });
       if (k) s = detail::fail(dc, k, 0, peer, id);
@@ -259,9 +313,10 @@ __device__ int wait_from(const DevComm& dc, u32 id, u64 target, u32 peer) {
 // first + e must reach targets[e / l] (e < count). The block's threads poll
 // different experts at once, each bounded by the job timeout and the abort
 // flag (a serial wait per expert costs a round trip and two barriers each);
-// the first failure is recorded in the error word naming the expert's rank.
-// Returns the same status on every thread; what the signals announced is
-// visible to the whole block afterwards.
+// the first failure is recorded in the error word naming the expert's rank,
+// and every thread gives up once gin's error word is set. Returns the same
+// status on every thread; what the signals announced is visible to the whole
+// block afterwards.
 __device__ int wait_experts(const DevComm& dc, u32 first, u32 count, u32 l, const u32* active,
                             const u64* targets) {
   __shared__ int status;
@@ -276,7 +331,7 @@ __device__ int wait_experts(const DevComm& dc, u32 first, u32 count, u32 l, cons
     } else {
       const u64 slot = detail::signal_slot(dc, 0, id);
       const u64 target = targets[owner];
-      const u32 k = detail::poll(dc, SIGNAL_TIMEOUT, [&] {
+      const u32 k = poll_unless_failed(dc, SIGNAL_TIMEOUT, [&] {
         return signal_reached(detail::signal_sum_acquire(dc, slot), target);
       });
       if (k) s = detail::fail(dc, k, 0, owner, id);
@@ -356,19 +411,26 @@ __device__ __forceinline__ const u8* combine_row(const DevComm& dc, const Window
 }
 
 // Grid-wide barrier of one launch (every block of the grid is resident: the
-// host keeps grids small): each block adds one to `bar`, a counter that only
-// grows, and waits until it reaches `target` (the host adds the grid size per
-// launch), bounded by the job timeout and the abort flag. Every store a
-// block made before it is visible to every block after it (fences at both
-// ends, as cooperative groups' grid sync). Returns the same status on every
-// thread.
-__device__ int grid_sync(const DevComm& dc, u64* bar, u64 target) {
+// host keeps grids small), cooperative groups' arrival counter (barrier::):
+// block 0 adds 2^31 - (grid - 1) to `bar` (the low word of the buffer's
+// u64), every other block 1, so that a launch's blocks add exactly 2^31 in
+// all: bit 31 flips once, when the last block arrives (never before: the low bits start at 0
+// and the sum stays below 2^31 until then), and the low bits come back to 0.
+// Each block waits for the flip from the value it found. The barrier's
+// state lives on the device alone, nothing of it in the launch's arguments:
+// a CUDA graph that captured the launch replays it, and a grid of any size
+// may follow one of another. Bounded by the job timeout and the abort flag,
+// and given up when gin's error word is set. Every store a block made
+// before it is visible to every block after it (fences at both ends, as
+// cooperative groups' grid sync). Returns the same status on every thread.
+__device__ int grid_sync(const DevComm& dc, u32* bar) {
   __shared__ int status;
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
-    atomicAdd((unsigned long long*)bar, 1ull);
-    const u32 k = detail::poll(dc, BARRIER_TIMEOUT, [&] { return *(volatile u64*)bar >= target; });
+    const u32 old = atomicAdd(bar, barrier::arrival(blockIdx.x, gridDim.x));
+    const u32 k = poll_unless_failed(
+        dc, BARRIER_TIMEOUT, [&] { return barrier::passed(old, *(volatile u32*)bar); });
     __threadfence();
     status = k ? detail::fail(dc, k, 0, dc.rank, 0) : OK;
   }
@@ -481,8 +543,9 @@ __device__ __noinline__ void stage_tokens(const Window& send, const u16* x, cons
 // - device-resident inputs (idx and wts not null: tokens x k i64 and f32;
 //   xin the BF16 tokens): every block also writes its tokens' metadata (and
 //   with BF16 copies their payloads) and checks the inputs (stage_tokens).
-// Whenever blocks stage, a grid barrier (bar, to reach bar_target) comes
-// before any block sends. Inputs found bad (inbad below ~0) send no token:
+// Whenever blocks stage, a grid barrier (grid_sync on bar, its state on the
+// device alone) comes before any block sends. Inputs found bad (inbad below
+// ~0) send no token:
 // every expert's signal adds POISON instead, so every receiver records why
 // its count is missing rather than waiting, and this rank records the first
 // bad entry as the host would report it.
@@ -492,10 +555,12 @@ __device__ __noinline__ void stage_tokens(const Window& send, const u16* x, cons
 extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_dispatch(DevComm dc, Window send, Window recv, u32 tokens,
                                           u32 l, u32 t, u32 m, u32 p, u32 k, const u32* active,
                                           u64* seen, u32* counts, u32* meta, u64* clock,
-                                          const u16* xin, u32 h, u64* bar, u64 bar_target,
-                                          u32* eslot, u32 fp8, const long long* idx,
-                                          const float* wts, u64* inbad, u64* err, u64* errh,
-                                          u64* ctarget) {
+                                          const u16* xin, u32 h, u32* bar, u32* eslot,
+                                          u32 fp8, const long long* idx, const float* wts,
+                                          u64* inbad, u64* err, u64* errh, u64* ctarget) {
+  // After a failure (an earlier launch's, queued since the host checked):
+  // return at once rather than wait for peers that stopped.
+  if (ep::failed_before(dc)) return;
   ep::clock_start(clock);
   const u32 r = dc.nranks, experts = l * r;
   if (blockIdx.x == 0)
@@ -504,7 +569,7 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_dispatch(DevComm 
   if (xin || idx) {
     if (idx) ep::stage_tokens(send, xin, idx, wts, tokens, m, p, k, experts, fp8, inbad);
     if (fp8) ep::quantize_tokens(send, xin, tokens, m, h);
-    if (ep::grid_sync(dc, bar, bar_target)) return;
+    if (ep::grid_sync(dc, bar)) return;
     if (idx) {
       const u64 key = *(volatile u64*)inbad;
       bad = key != ~0ull;
@@ -575,6 +640,7 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_dispatch(DevComm 
                                   (u64)src << 8,
                    (u64)mine, c, 0);
     }
+    bool broken = false;
     for (u32 i = threadIdx.x; i < got; i += blockDim.x) {
       const u8* md = (const u8*)recv.local_base + ((u64)q * t + i) * m + p;
       const int* ids = (const int*)(md + 4);
@@ -590,12 +656,17 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_dispatch(DevComm 
       out[0] = tok;
       out[1] = kk;
       out[2] = kk < k ? __float_as_uint(w[kk]) : 0u;
-      if (tok >= t)
+      if (tok >= t) {
         ep::record(err, errh, ep::ERR_TOKEN_RANGE | (u64)src << 8, (u64)mine, tok, 0);
-      else if (kk >= k)
+        broken = true;
+      } else if (kk >= k) {
         ep::record(err, errh, ep::ERR_NOT_NAMED | (u64)src << 8, (u64)mine, tok, 0);
+        broken = true;
+      }
     }
-    __syncthreads();
+    // A pair with a broken message counts 0 tokens, as a count above t or a
+    // refused source's does.
+    if (__syncthreads_or(broken)) got = 0;
     if (threadIdx.x == 0) {
       seen[q] = v;
       counts[q] = got;
@@ -678,6 +749,9 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_combine(DevComm d
                                          const u32* active, const u32* counts, const u32* meta,
                                          const u64* ctarget, unsigned short* out, u64* clock,
                                          const u32* eslot, const u8* pull, u64* inbad) {
+  // After a failure (this step's dispatch, or an earlier launch's): return
+  // at once, as the dispatch does.
+  if (ep::failed_before(dc)) return;
   ep::clock_start(clock);
   const u32 r = dc.nranks, experts = l * r;
   const u64 h2 = 2ull * h;

@@ -17,6 +17,13 @@ pub enum Mode {
     HighThroughput,
 }
 
+/// The largest `hidden` a buffer takes (2^24 BF16 elements per token).
+pub const MAX_HIDDEN: usize = 1 << 24;
+/// The largest `topk` a buffer takes.
+pub const MAX_TOPK: usize = 1 << 16;
+/// The most experts a buffer takes.
+pub const MAX_EXPERTS: usize = 1 << 24;
+
 /// The shape a buffer is sized for; every rank passes the same values
 /// (checked when the buffer is created).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,6 +100,12 @@ impl Config {
         if self.hidden == 0 || !self.hidden.is_multiple_of(8) {
             return bad("hidden", self.hidden, "must be a positive multiple of 8");
         }
+        // The limits below keep every size a kernel takes in a u32 (a
+        // message is under 2^26 bytes) and a top-k slot within the 20 bits
+        // the device-side input check keys it by.
+        if self.hidden > MAX_HIDDEN {
+            return bad("hidden", self.hidden, "must be at most 2^24");
+        }
         if self.fp8 && !self.hidden.is_multiple_of(FP8_BLOCK) {
             return bad(
                 "hidden",
@@ -107,6 +120,9 @@ impl Config {
                 "must be positive and below 2^31",
             );
         }
+        if self.num_experts > MAX_EXPERTS {
+            return bad("num_experts", self.num_experts, "must be at most 2^24");
+        }
         if self.num_experts == 0 || !self.num_experts.is_multiple_of(nranks) {
             return bad(
                 "num_experts",
@@ -116,6 +132,9 @@ impl Config {
         }
         if self.topk == 0 || self.topk > self.num_experts {
             return bad("topk", self.topk, "must be in 1..=num_experts");
+        }
+        if self.topk > MAX_TOPK {
+            return bad("topk", self.topk, "must be at most 2^16");
         }
         if self.mode == Mode::HighThroughput && self.ring_slots == 0 {
             return bad("ring_slots", self.ring_slots, "must be positive");
@@ -199,6 +218,41 @@ mod tests {
         ] {
             let e = c.validate(1, 4).unwrap_err().to_string();
             assert!(e.contains(field) && e.starts_with("rank 1"), "{e}");
+        }
+    }
+
+    /// Sizes a kernel takes as u32, and top-k slots keyed by 20 bits on
+    /// the GPU, are bounded: every size the CUDA kernels receive fits.
+    #[test]
+    fn sizes_beyond_what_the_kernels_take_are_refused() {
+        let ok = Config::low_latency(MAX_HIDDEN, 16, MAX_EXPERTS, MAX_TOPK);
+        assert!(ok.validate(0, 4).is_ok());
+        assert!(u32::try_from(ok.msg_bytes()).is_ok());
+        for (c, field) in [
+            (
+                Config {
+                    hidden: MAX_HIDDEN + 8,
+                    ..ok
+                },
+                "hidden",
+            ),
+            (
+                Config {
+                    topk: MAX_TOPK + 1,
+                    ..ok
+                },
+                "topk",
+            ),
+            (
+                Config {
+                    num_experts: MAX_EXPERTS + 4,
+                    ..ok
+                },
+                "num_experts",
+            ),
+        ] {
+            let e = c.validate(2, 4).unwrap_err().to_string();
+            assert!(e.contains(field) && e.contains("at most"), "{e}");
         }
     }
 

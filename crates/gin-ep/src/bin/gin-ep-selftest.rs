@@ -16,10 +16,14 @@
 //! With `device=cuda`, `inputs=device` keeps each rank's inputs and the
 //! combine's output in GPU memory (`CudaBuffer::ll_dispatch_device`,
 //! `ll_combine_device`: no host copy in the step), and `inputs=stream`
-//! queues the whole step on a stream of the test's own
-//! (`ll_dispatch_on`, `ll_echo_on`, `ll_combine_on`), synchronised once per
-//! step; both are checked with the same oracle and print the same digests
-//! as `inputs=host` (the default). With either, `expert=tensor` moves the
+//! queues the step on a stream of the test's own
+//! (`ll_dispatch_on`, `ll_echo_on`, `ll_combine_on`), synchronised after
+//! the expert (the received tokens are read back before the combine, as
+//! they must be) and after the combine; both are checked with the same
+//! oracle and print the same digests as `inputs=host` (the default).
+//! `inputs=queued` queues all `repeats` steps back to back, each with
+//! inputs of its own, and synchronises once: each step's combine is checked
+//! against its own inputs, and step 0's digest is the other modes'. With either, `expert=tensor` moves the
 //! identity expert's outputs into a tensor of the rank's own and combines
 //! from there (`ll_combine_from_device`, `ll_combine_from_on`: DeepEP's
 //! `low_latency_combine(x, ...)`). `inputs=device bad=1` gives rank
@@ -131,6 +135,9 @@ enum Inputs {
     Device,
     /// GPU memory, steps queued on the test's stream (`ll_dispatch_on`...).
     Stream,
+    /// GPU memory, every repeat queued on the test's stream, synchronised
+    /// once ([`queued_steps`]).
+    Queued,
 }
 
 impl Inputs {
@@ -139,7 +146,8 @@ impl Inputs {
             None | Some("host") => Ok(Self::Host),
             Some("device") => Ok(Self::Device),
             Some("stream") => Ok(Self::Stream),
-            Some(o) => Err(format!("unknown inputs={o:?} (host, device or stream)").into()),
+            Some("queued") => Ok(Self::Queued),
+            Some(o) => Err(format!("unknown inputs={o:?} (host, device, stream or queued)").into()),
         }
     }
 }
@@ -236,59 +244,128 @@ fn move_outputs(buf: &gin_ep::cuda::CudaBuffer<'_, '_>, eout: &gin_core::cuda::D
 }
 
 /// One device-resident step (dispatch, identity expert, combine into the
-/// rank's output buffer), then what it received and combined copied back
-/// for the checks (after the step: not part of it).
+/// rank's output buffer); what it received is copied back for the checks
+/// between the dispatch and the combine (the received tokens are valid only
+/// until the combine is launched: a peer's next dispatch may overwrite them
+/// after it), what it combined after the step. With `inputs=stream` the
+/// dispatch and the expert are queued, synchronised and checked, then the
+/// combine; the copies are the test's, not the step's.
 fn device_step(
     buf: &mut gin_ep::cuda::CudaBuffer<'_, '_>,
     dt: &DevTensors,
 ) -> Res<(gin_ep::cuda::LlReceived, Vec<gin_ep::Bf16>)> {
     let inp = dt.inputs();
-    let s = match (&dt.stream, &dt.eout) {
-        (Some(st), None) => on_stream(buf, st, |buf, on| {
-            // SAFETY: one stream, in order; dt's buffers and the stream
-            // outlive the step, synchronised by on_stream before anything
-            // is dropped or written, error or not.
-            unsafe {
-                let s = buf.ll_dispatch_on(on, &inp)?;
-                buf.ll_echo_on(on, &s)?;
-                buf.ll_combine_on(on, &s, &dt.out)?;
-                Ok(s)
-            }
-        })?,
-        (Some(st), Some(eout)) => {
-            // SAFETY: as above.
-            let s = on_stream(buf, st, |buf, on| unsafe {
-                let s = buf.ll_dispatch_on(on, &inp)?;
-                buf.ll_echo_on(on, &s)?;
-                Ok(s)
-            })?;
+    let (s, got) = if let Some(st) = &dt.stream {
+        // SAFETY: one stream, in order; dt's buffers and the stream
+        // outlive the step, synchronised by on_stream before anything is
+        // dropped or written, error or not.
+        let s = on_stream(buf, st, |buf, on| unsafe {
+            let s = buf.ll_dispatch_on(on, &inp)?;
+            buf.ll_echo_on(on, &s)?;
+            Ok(s)
+        })?;
+        let d = buf.ll_read_back(&s)?;
+        let got = buf.ll_received(&d)?;
+        if let Some(eout) = &dt.eout {
             move_outputs(buf, eout)?;
             // SAFETY: as above; eout outlives the step too.
             on_stream(buf, st, |buf, on| unsafe {
                 buf.ll_combine_from_on(on, &s, eout, &dt.out)
             })?;
-            s
+        } else {
+            // SAFETY: as above.
+            on_stream(buf, st, |buf, on| unsafe {
+                buf.ll_combine_on(on, &s, &dt.out)
+            })?;
         }
-        (None, eout) => {
-            let s = buf.ll_dispatch_device(&inp)?;
-            buf.ll_echo_device(&s)?;
-            if let Some(eout) = eout {
-                move_outputs(buf, eout)?;
-                buf.ll_combine_from_device(&s, eout, &dt.out)?;
-            } else {
-                buf.ll_combine_device(&s, &dt.out)?;
-            }
-            s
+        (s, got)
+    } else {
+        let s = buf.ll_dispatch_device(&inp)?;
+        let d = buf.ll_read_back(&s)?;
+        let got = buf.ll_received(&d)?;
+        buf.ll_echo_device(&s)?;
+        if let Some(eout) = &dt.eout {
+            move_outputs(buf, eout)?;
+            buf.ll_combine_from_device(&s, eout, &dt.out)?;
+        } else {
+            buf.ll_combine_device(&s, &dt.out)?;
         }
+        (s, got)
     };
-    let d = buf.ll_read_back(&s)?;
-    let got = buf.ll_received(&d)?;
+    // Counts and metadata are this rank's own memory: still readable.
+    buf.ll_read_back(&s)?;
     let h = buf.config().hidden;
     let mut raw = vec![0u16; dt.tokens * h];
     if !raw.is_empty() {
         dt.out.read(0, &mut raw)?;
     }
     Ok((got, raw.into_iter().map(gin_ep::Bf16).collect()))
+}
+
+/// `inputs=queued`: `repeats` steps queued on the test's stream back to
+/// back (dispatch, identity expert, combine), each with inputs of its own
+/// (another seed, and another token count) and its own output tensor, then
+/// one synchronisation and one check for all of them: the device-side state
+/// (each signal's accounted value, the combine targets, the grid barrier,
+/// the input check's word) carries the steps with no host between them.
+/// Each step's combine is checked by the oracle against that step's inputs,
+/// so a step that met another step's tokens fails. Step 0's inputs are the
+/// other modes': its combine digest is returned, theirs too.
+fn queued_steps(
+    buf: &mut gin_ep::cuda::CudaBuffer<'_, '_>,
+    cuda: &gin_core::cuda::CudaComm<'_>,
+    repeats: usize,
+) -> Res<u64> {
+    let cfg = *buf.config();
+    let (rank, n, h) = (buf.rank(), buf.nranks(), cfg.hidden);
+    let steps: Vec<RankInput> = (0..repeats)
+        .map(|i| {
+            oracle::rank_input(
+                20 + i as u64,
+                rank,
+                n,
+                oracle::tokens_for_rank(cfg.max_tokens_per_rank, rank + i),
+                h,
+                cfg.num_experts,
+                cfg.topk,
+            )
+        })
+        .collect();
+    let tensors = steps
+        .iter()
+        .map(|me| DevTensors::upload(cuda, me, h, false, None))
+        .collect::<Res<Vec<_>>>()?;
+    let st = gin_core::cuda::Stream::new()?;
+    on_stream(buf, &st, |buf, on| {
+        for dt in &tensors {
+            let inp = dt.inputs();
+            // SAFETY: one stream, in order; every step's tensors and the
+            // stream outlive the launches: on_stream synchronises before
+            // anything is dropped or read, error or not.
+            unsafe {
+                let s = buf.ll_dispatch_on(on, &inp)?;
+                buf.ll_echo_on(on, &s)?;
+                buf.ll_combine_on(on, &s, &dt.out)?;
+            }
+        }
+        Ok(())
+    })?;
+    let active = buf.active().to_vec();
+    let l = cfg.local_experts(n);
+    let mut first = 0;
+    for (i, (me, dt)) in steps.iter().zip(&tensors).enumerate() {
+        let mut raw = vec![0u16; dt.tokens * h];
+        if !raw.is_empty() {
+            dt.out.read(0, &mut raw)?;
+        }
+        let combined: Vec<gin_ep::Bf16> = raw.into_iter().map(gin_ep::Bf16).collect();
+        oracle::check_combine(rank, &combined, me, h, cfg.topk, cfg.fp8, |e| active[e / l])
+            .map_err(|e| format!("queued step {i} of {repeats}: {e}"))?;
+        if i == 0 {
+            first = oracle::bf16_digest(&combined);
+        }
+    }
+    Ok(first)
 }
 
 /// One step on CUDA ranks: dispatch, check (first time), the identity
@@ -376,36 +453,51 @@ fn cuda_oracle_run(comm: &Comm, args: &Args) -> Res<String> {
     }
     let (all, tables) = inputs(comm, &cfg)?;
     let kind = Inputs::of(args)?;
+    let tensor = args.kv.get("expert").map(String::as_str) == Some("tensor");
+    let repeats = args.get("repeats", 20);
     let dev = match kind {
-        Inputs::Host => None,
+        Inputs::Host | Inputs::Queued => None,
         _ => Some(DevTensors::upload(
             &cuda,
             &all[comm.rank()],
             cfg.hidden,
             kind == Inputs::Stream,
-            (args.kv.get("expert").map(String::as_str) == Some("tensor"))
-                .then(|| buf.device_layout().combine_bytes()),
+            tensor.then(|| buf.device_layout().combine_bytes()),
         )?),
     };
-    let repeats = args.get("repeats", 20);
-    let first = cuda_step(&mut buf, &all, &tables, true, dev.as_ref())?;
-    for i in 1..repeats {
-        let again = cuda_step(&mut buf, &all, &tables, false, dev.as_ref())?;
-        if again != first {
-            return Err(format!(
-                "rank {}: repeat {i} on CUDA ranks differs from the first (digests {again:x?} vs {first:x?})",
-                comm.rank()
-            )
-            .into());
+    let (first, steps) = if kind == Inputs::Queued {
+        if tensor {
+            return Err("inputs=queued takes the identity expert only (no expert=tensor)".into());
         }
-    }
+        let d = queued_steps(&mut buf, &cuda, repeats.max(1))?;
+        (
+            (0, d),
+            format!(
+                "{} steps queued back to back with inputs of their own, synchronised once, each combine checked",
+                repeats.max(1)
+            ),
+        )
+    } else {
+        let first = cuda_step(&mut buf, &all, &tables, true, dev.as_ref())?;
+        for i in 1..repeats {
+            let again = cuda_step(&mut buf, &all, &tables, false, dev.as_ref())?;
+            if again != first {
+                return Err(format!(
+                    "rank {}: repeat {i} on CUDA ranks differs from the first (digests {again:x?} vs {first:x?})",
+                    comm.rank()
+                )
+                .into());
+            }
+        }
+        (first, format!("{repeats} repeats bit-identical"))
+    };
     let backend = buf.backend_name();
     let reads: Vec<usize> = (0..comm.nranks())
         .filter(|&p| buf.combine_reads_in_place()[p])
         .collect();
     buf.destroy()?;
     Ok(format!(
-        "CUDA ranks ({backend}, GPU {}; combine reads ranks {reads:?} in place; inputs {kind:?}{}): {} tokens, hidden {}, {} experts, top-{}{}, {repeats} repeats bit-identical, combine digest {:016x}",
+        "CUDA ranks ({backend}, GPU {}; combine reads ranks {reads:?} in place; inputs {kind:?}{}): {} tokens, hidden {}, {} experts, top-{}{}, {steps}, combine digest {:016x}",
         cuda.device().name(),
         if dev.as_ref().is_some_and(|d| d.eout.is_some()) {
             ", expert outputs in a tensor of the rank's"

@@ -53,7 +53,16 @@
 //! step copies tokens, routing, counts or outputs between host and
 //! GPU: the counters the host used to write (the combine's target) are
 //! advanced by the kernels, and only the waiting calls reset their launch
-//! clock (16 bytes, for [`CudaBuffer::last_kernels`]).
+//! clock (16 bytes, for [`CudaBuffer::last_kernels`]). Nothing
+//! step-dependent is baked into a launch's arguments (the signals'
+//! accounted values, the combine targets, the dispatch's grid barrier and
+//! its input check's word live in device memory), so the `*_on` calls may
+//! be captured into a CUDA graph whose every replay is a step. After one
+//! failed wait or put, every later queued dispatch or combine returns at
+//! once (gin's error word, sticky until checked), rather than waiting a job
+//! timeout for peers that stopped with it. The received
+//! tokens are valid until this rank's combine is launched: a peer it
+//! signals may then dispatch its next step into them.
 //!
 //! What the host checked on read-back, the kernels check and record
 //! (`ep::record`: device memory, mirrored to pinned host memory the host
@@ -81,6 +90,7 @@ use gin_core::cuda::{
 use gin_core::{CoreError, DevCommRequirements};
 
 mod dev;
+mod steps;
 
 pub use dev::{
     DeviceInputs, LlDeviceLayout, Span, check_device_inputs, check_device_output, check_entries,
@@ -198,7 +208,9 @@ struct State {
     /// host, which the dispatch kernel quantises into the messages.
     xin: Option<DevMem>,
     /// `u64`: the dispatch kernel's grid barrier (FP8 and device-resident
-    /// inputs), a count that only grows.
+    /// inputs), an arrival counter in its low word whose bit 31 flips once
+    /// per barrier (`ep::grid_sync`): its state lives on the device alone,
+    /// so a CUDA graph replays the barrier.
     bar: DevMem,
     /// `u32[t × topk]`: per (token, top-k slot), the token's index among
     /// this rank's tokens for that expert (written by the dispatch kernel).
@@ -329,13 +341,6 @@ impl KernelClock {
     }
 }
 
-/// Where a CUDA buffer's step stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Phase {
-    Idle,
-    Dispatched,
-}
-
 /// A CUDA rank's low-latency expert-parallel buffer: the windows of
 /// [`crate::ll`] in GPU memory, a device communicator, and the kernels.
 /// Created collectively with the same [`Config`] on every rank; steps are
@@ -351,13 +356,8 @@ pub struct CudaBuffer<'a, 'c> {
     state: State,
     kernels: Kernels,
     active: Vec<bool>,
-    step: u64,
-    phase: Phase,
-    /// Tokens this rank dispatched in the step under way.
-    tokens: usize,
-    /// Launches were queued on a caller's stream and not checked since
-    /// ([`CudaBuffer::check`]).
-    queued: bool,
+    /// Where the steps stand, what is queued, whether one failed.
+    st: steps::Steps,
     /// Watches the job while launches queued on a caller's stream run:
     /// started before the first of them after a check, handed to gin-core's
     /// check by [`CudaBuffer::check`].
@@ -367,10 +367,6 @@ pub struct CudaBuffer<'a, 'c> {
     staged: Vec<u8>,
     /// The last dispatch and combine launches (GPU clock).
     last: (KernelClock, KernelClock),
-    /// A kernel failed: no further step can run (destroy the buffer).
-    failed: bool,
-    /// What the FP8 dispatch's grid barrier counts up to this step.
-    bar_target: u64,
     /// `[owner]`: whether this rank reads `owner`'s combine slots in place.
     reads: Vec<bool>,
 }
@@ -512,16 +508,11 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             state,
             kernels,
             active: vec![true; n],
-            step: 0,
-            phase: Phase::Idle,
-            tokens: 0,
-            queued: false,
+            st: steps::Steps::new(rank),
             watcher: None,
             blocks: BLOCKS,
             staged: Vec::new(),
             last: (KernelClock::default(), KernelClock::default()),
-            failed: false,
-            bar_target: 0,
             reads: Vec::new(),
         };
         me.write_active()?;
@@ -565,7 +556,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
                 nranks: self.nranks,
             }));
         }
-        self.expect_idle("set_active")?;
+        self.st.for_set_active()?;
         self.active[peer] = active;
         self.write_active()
     }
@@ -632,30 +623,11 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         Ok(())
     }
 
-    fn check_usable(&self, call: &'static str) -> Result<(), EpError> {
-        if self.failed {
-            return Err(EpError::Mode {
-                rank: self.rank,
-                what: format!(
-                    "{call}: an earlier kernel or step of this buffer failed; destroy it"
-                ),
-            });
-        }
-        Ok(())
-    }
-
     /// A call that waits for its kernel on gin's stream cannot follow
     /// launches queued on the caller's stream before they were checked
     /// (gin's stream is not ordered after the caller's).
     fn expect_unqueued(&self, call: &'static str) -> Result<(), EpError> {
-        if self.queued {
-            return Err(EpError::Phase {
-                rank: self.rank,
-                call,
-                phase: "holding launches queued on a stream (synchronise it, then call check)",
-            });
-        }
-        Ok(())
+        self.st.unqueued(call)
     }
 
     /// The error a kernel recorded, if any (read from pinned host memory,
@@ -678,56 +650,18 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             .recorded()
             .and_then(|w| decode_error(self.rank, &self.cfg, w))
         {
-            self.failed = true;
+            self.st.fail();
             return Err(e);
         }
         Ok(())
     }
 
     fn expect_idle(&self, call: &'static str) -> Result<(), EpError> {
-        self.check_usable(call)?;
-        if self.phase == Phase::Idle {
-            Ok(())
-        } else {
-            Err(EpError::Phase {
-                rank: self.rank,
-                call,
-                phase: "holding a dispatch (combine next)",
-            })
-        }
+        self.st.idle(call)
     }
 
     fn expect_dispatch(&self, call: &'static str, step: u64) -> Result<(), EpError> {
-        self.check_usable(call)?;
-        if self.phase != Phase::Dispatched {
-            return Err(EpError::Phase {
-                rank: self.rank,
-                call,
-                phase: "idle",
-            });
-        }
-        if step != self.step {
-            return Err(EpError::StaleHandle {
-                rank: self.rank,
-                handle_step: step,
-                step: self.step,
-            });
-        }
-        Ok(())
-    }
-
-    /// What a step's handle may read after its combine too: what the
-    /// dispatch received stays until the next dispatch.
-    fn expect_latest(&self, call: &'static str, step: u64) -> Result<(), EpError> {
-        self.check_usable(call)?;
-        if step == 0 || step != self.step {
-            return Err(EpError::StaleHandle {
-                rank: self.rank,
-                handle_step: step,
-                step: self.step,
-            });
-        }
-        Ok(())
+        self.st.dispatched(call, step)
     }
 
     fn grid(&self, items: usize) -> u32 {
@@ -737,7 +671,12 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     }
 
     fn u32_of(v: usize) -> u32 {
-        // Config::validate bounds every size a kernel receives far below.
+        // Every size a kernel receives is a token count (at most
+        // max_tokens_per_rank) or derived from the configuration, which
+        // Config::validate bounds so that each fits a u32 (hidden ≤ 2^24,
+        // topk ≤ 2^16, num_experts ≤ 2^24, max_tokens_per_rank < 2^31:
+        // messages under 2^26 bytes): the saturation never happens.
+        debug_assert!(u32::try_from(v).is_ok(), "{v} does not fit a u32");
         u32::try_from(v).unwrap_or(u32::MAX)
     }
 
@@ -760,9 +699,15 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// or engine raises the abort flag and the queued kernels' waits give
     /// up at once rather than at the job timeout). A watcher that cannot
     /// start fails the call before anything is launched.
+    ///
+    /// A caller's stream of another context (another GPU, a context the
+    /// caller created) is refused here, before the step's counters move or
+    /// anything is launched, so the buffer stays usable.
     fn prepare_launch(&mut self, on: On<'_>) -> Result<(), EpError> {
         self.current()?;
-        if matches!(on, On::Queue(_)) {
+        if let On::Queue(s) = on {
+            s.check_context(self.cuda.device())
+                .map_err(CoreError::from)?;
             self.watch()?;
         }
         Ok(())
@@ -776,14 +721,8 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         kernel: &'static str,
         r: Result<(), CoreError>,
     ) -> Result<(), EpError> {
-        if let Err(e) = r {
-            self.failed = true;
-            return Err(kernel_error(self.rank, kernel, e));
-        }
-        if matches!(on, On::Queue(_)) {
-            self.queued = true;
-        }
-        Ok(())
+        self.st.launched(matches!(on, On::Queue(_)), r.is_ok());
+        r.map_err(|e| kernel_error(self.rank, kernel, e))
     }
 
     /// Launches the dispatch kernel for `tokens` tokens whose messages come
@@ -808,11 +747,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         let grid = self.grid(cfg.num_experts);
         // Before the step's counters move: a failure here launches nothing.
         let clock = self.clock_for(on)?;
-        self.step += 1;
-        self.tokens = tokens;
-        if src.xin != 0 || src.idx != 0 {
-            self.bar_target += u64::from(grid);
-        }
+        self.st.begin(tokens);
         let s = &self.state;
         let (l, t) = (cfg.local_experts(self.nranks), cfg.max_tokens_per_rank);
         let u = Self::u32_of;
@@ -834,7 +769,6 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             Arg::Ptr(src.xin),
             Arg::U32(u(cfg.hidden)),
             Arg::Ptr(s.bar.ptr()),
-            Arg::U64(self.bar_target),
             Arg::Ptr(s.eslot.ptr()),
             Arg::U32(u32::from(cfg.fp8)),
             Arg::Ptr(src.idx),
@@ -847,7 +781,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         // SAFETY: ep_ll_dispatch(DevComm, Window send, Window recv, u32
         // tokens, u32 l, u32 t, u32 m, u32 p, u32 k, const u32* active, u64*
         // seen, u32* counts, u32* meta, u64* clock, const u16* xin, u32 h,
-        // u64* bar, u64 bar_target, u32* eslot, u32 fp8, const i64* idx,
+        // u32* bar, u32* eslot, u32 fp8, const i64* idx,
         // const f32* wts, u64* inbad, u64* err, u64* errh, u64* ctarget) in
         // kernels/ll.cu takes these arguments in this order. The windows and
         // the device communicator are this buffer's, alive for the kernel
@@ -856,13 +790,13 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         // indexes active and ctarget by rank (nranks entries), seen and
         // counts by pair (experts), meta by received slot (3 × experts × t
         // u32), eslot by (token, slot) (t × k u32), clock (2 u64, or null),
-        // bar and inbad (one u64 each), err (4 u64) and errh (4 u64 of
+        // bar (the low u32 of a u64) and inbad (one u64 each), err (4 u64) and errh (4 u64 of
         // mapped pinned memory): the sizes State::new allocated for this
         // configuration. It reads tokens × h u16 of xin and tokens × k of
         // idx and wts where they are not null: the caller's contract.
         let r = unsafe { go(&self.dc, self.kernels.dispatch, on, grid, &args) };
         self.launched(on, "dispatch", r)?;
-        self.phase = Phase::Dispatched;
+        self.st.dispatched_now();
         if on == On::Wait {
             self.last.0 = read_clock(&self.state.clock)?;
         }
@@ -934,7 +868,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         let d = self.read_dispatch("ll_dispatch");
         // A sender broke the protocol: the step cannot be finished.
         if d.is_err() {
-            self.failed = true;
+            self.st.fail();
         }
         d
     }
@@ -990,7 +924,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         unsafe { self.launch_dispatch(On::Wait, inp.tokens, src)? };
         self.poll()?;
         Ok(CudaLlStep {
-            step: self.step,
+            step: self.st.step,
             tokens: inp.tokens,
         })
     }
@@ -1006,7 +940,15 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// engine fails: the first launch queued after a check starts a watcher
     /// thread (one per checked span, not per launch), which
     /// [`CudaBuffer::check`] stops; a failed wait is reported there,
-    /// naming the peer and the cause.
+    /// naming the peer and the cause. After a failure, the launches queued
+    /// behind it return at once. A stream of another context is refused
+    /// before anything moves.
+    ///
+    /// Captured into a CUDA graph, each replay is a step: the kernels'
+    /// arguments hold nothing step-dependent. Capture whole steps
+    /// (dispatch, expert, combine); a replay reads the captured tensors (and
+    /// token count). Call [`CudaBuffer::watch`] before replaying, and
+    /// [`CudaBuffer::check`] after synchronising.
     ///
     /// # Safety
     /// The launches of one buffer must execute in the order they were
@@ -1025,7 +967,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         // SAFETY: the caller's contract; sizes and alignment checked.
         unsafe { self.launch_dispatch(On::Queue(stream), inp.tokens, src)? };
         Ok(CudaLlStep {
-            step: self.step,
+            step: self.st.step,
             tokens: inp.tokens,
         })
     }
@@ -1050,8 +992,8 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             .read(0, &mut meta)
             .map_err(CoreError::from)?;
         let d = CudaLlDispatch {
-            step: self.step,
-            tokens: self.tokens,
+            step: self.st.step,
+            tokens: self.st.tokens,
             nranks: r,
             max: t,
             counts,
@@ -1091,24 +1033,29 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
 
     /// Copies what a device-resident dispatch received (counts and
     /// metadata) to the host and checks it as [`CudaBuffer::ll_dispatch`]
-    /// does: for tests and inspection, not the data path. Valid until the
-    /// next dispatch (after the step's combine too). After launches queued
+    /// does: for tests and inspection, not the data path. The counts and
+    /// metadata are this rank's own memory, rewritten only by its next
+    /// dispatch: readable after the step's combine too (the received
+    /// tokens are not: [`CudaBuffer::ll_received`]). After launches queued
     /// on a stream, synchronise it and call [`CudaBuffer::check`] first.
     pub fn ll_read_back(&mut self, s: &CudaLlStep) -> Result<CudaLlDispatch, EpError> {
-        self.expect_latest("ll_read_back", s.step)?;
+        self.st.for_read_back("ll_read_back", s.step)?;
         let d = self.read_dispatch("ll_read_back");
         if d.is_err() {
-            self.failed = true;
+            self.st.fail();
         }
         d
     }
 
     /// Copies the received messages of `d` back from GPU memory, for
-    /// checks ([`crate::oracle::check_ll_view`]); valid until the next
-    /// dispatch.
+    /// checks ([`crate::oracle::check_ll_view`]): only between the
+    /// dispatch and the launch of the step's combine (refused after it).
+    /// Once this rank's combine has signalled a peer, that peer may finish
+    /// its own combine and dispatch its next step into this rank's receive
+    /// slots. After launches queued on a stream, synchronise it and call
+    /// [`CudaBuffer::check`] first.
     pub fn ll_received(&self, d: &CudaLlDispatch) -> Result<LlReceived, EpError> {
-        self.expect_latest("ll_received", d.step)?;
-        self.expect_unqueued("ll_received")?;
+        self.st.for_received("ll_received", d.step)?;
         self.current()?;
         let (m, t) = (self.cfg.msg_bytes(), self.cfg.max_tokens_per_rank);
         let recv = self.wins[RECV].local();
@@ -1140,7 +1087,10 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
 
     /// The received messages in GPU memory (this rank's part of the
     /// receive window), laid out as [`CudaBuffer::device_layout`] says;
-    /// valid from the dispatch until the next step's dispatch.
+    /// valid from the end of the dispatch until this rank's combine is
+    /// launched (queue the expert kernel that reads them before the
+    /// combine): once the combine has signalled a peer, that peer may
+    /// finish its own combine and dispatch its next step into these slots.
     pub fn recv_tokens(&self) -> &DevMem {
         self.wins[RECV].local()
     }
@@ -1211,6 +1161,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     pub fn ll_echo_device(&mut self, s: &CudaLlStep) -> Result<(), EpError> {
         self.expect_dispatch("ll_echo", s.step)?;
         self.expect_unqueued("ll_echo")?;
+        self.poll()?;
         // SAFETY: gin's stream, waited for.
         unsafe { self.launch_echo(On::Wait) }
     }
@@ -1270,7 +1221,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     ) -> Result<(), EpError> {
         self.expect_dispatch(call, s.step)?;
         self.poll()?;
-        check_device_output(self.rank, &self.cfg, self.tokens, out.into())?;
+        check_device_output(self.rank, &self.cfg, self.st.tokens, out.into())?;
         check_expert_outputs(self.rank, &self.device_layout(), expert_out.into())
     }
 
@@ -1329,7 +1280,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     unsafe fn launch_combine(&mut self, on: On<'_>, out: u64) -> Result<(), EpError> {
         self.prepare_launch(on)?;
         let cfg = self.cfg;
-        let tokens = self.tokens;
+        let tokens = self.st.tokens;
         let clock = self.clock_for(on)?;
         let grid = self.grid(cfg.num_experts.max(tokens));
         let s = &self.state;
@@ -1360,10 +1311,10 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         // crecv, u32 tokens, u32 l, u32 t, u32 m, u32 p, u32 k, u32 h, const
         // u32* active, const u32* counts, const u32* meta, const u64*
         // ctarget, u16* out, u64* clock, const u32* eslot, const u8* pull,
-        // u64* inbad) takes these in this order. It reads the `tokens`
-        // messages this step's dispatch staged, slots of csend and crecv
-        // within their sizes (ll::resources; metadata out of range is
-        // skipped), peers' csend slots through their mappings only after
+        // u64* inbad) takes these in this order. It reads
+        // the `tokens` messages this step's dispatch staged, slots of csend
+        // and crecv within their sizes (ll::resources; metadata out of range
+        // is skipped), peers' csend slots through their mappings only after
         // checking the slot against the peer part's size, and writes tokens
         // × hidden u16 of out (the caller's contract), the 2 u64 of clock
         // (or none: null) and the u64 of inbad; active and ctarget hold
@@ -1371,7 +1322,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         // dispatch's, eslot t × k.
         let r = unsafe { go(&self.dc, self.kernels.combine, on, grid, &args) };
         self.launched(on, "combine", r)?;
-        self.phase = Phase::Idle;
+        self.st.combined();
         if on == On::Wait {
             self.last.1 = read_clock(&self.state.clock)?;
         }
@@ -1395,7 +1346,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         // SAFETY: gin's stream, waited for; State::out holds t × hidden u16
         // (tokens ≤ t), from cuMemAlloc (aligned).
         unsafe { self.launch_combine(On::Wait, out)? };
-        let mut raw = vec![0u16; self.tokens * self.cfg.hidden];
+        let mut raw = vec![0u16; self.st.tokens * self.cfg.hidden];
         if !raw.is_empty() {
             self.state.out.read(0, &mut raw).map_err(CoreError::from)?;
         }
@@ -1416,7 +1367,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         self.expect_dispatch("ll_combine_device", s.step)?;
         self.expect_unqueued("ll_combine_device")?;
         self.poll()?;
-        check_device_output(self.rank, &self.cfg, self.tokens, out.into())?;
+        check_device_output(self.rank, &self.cfg, self.st.tokens, out.into())?;
         // SAFETY: gin's stream, waited for while `out` is borrowed; its size
         // and alignment were checked.
         unsafe { self.launch_combine(On::Wait, out.ptr())? };
@@ -1437,7 +1388,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     ) -> Result<(), EpError> {
         self.expect_dispatch("ll_combine_on", s.step)?;
         self.poll()?;
-        check_device_output(self.rank, &self.cfg, self.tokens, out.into())?;
+        check_device_output(self.rank, &self.cfg, self.st.tokens, out.into())?;
         // SAFETY: the caller's contract; size and alignment checked.
         unsafe { self.launch_combine(On::Queue(stream), out.ptr()) }
     }
@@ -1468,19 +1419,29 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     pub fn check(&mut self) -> Result<(), EpError> {
         self.current()?;
         let r = self.dc.check(self.watcher.take());
-        self.queued = false;
-        if let Err(e) = r {
-            self.failed = true;
-            return Err(kernel_error(self.rank, "queued", e));
-        }
+        self.st.checked(r.is_ok());
+        r.map_err(|e| kernel_error(self.rank, "queued", e))?;
         self.poll()
     }
 
     /// Destroys the buffer collectively: stops the device communicator
     /// (every rank arrives), then frees the windows on every rank.
+    ///
+    /// # Errors
+    /// Refused while launches queued on a caller's stream are unchecked
+    /// (synchronise the stream, then call [`CudaBuffer::check`]): nothing
+    /// tells the host they have finished (gin-core offers no CUDA event),
+    /// and they use the buffer's memory, windows and device communicator.
+    /// A refused buffer is leaked, not freed under kernels that may still
+    /// run (its GPU memory stays allocated, its engine serving), and its
+    /// peers' destroy fails at the bootstrap's timeout. Otherwise gin-core's
+    /// errors.
     pub fn destroy(mut self) -> Result<(), EpError> {
-        // Unchecked queued launches have run (the `_on` calls' contract):
-        // stop their watcher before the engine.
+        if let Err(e) = self.st.for_destroy() {
+            std::mem::forget(self);
+            return Err(e);
+        }
+        // A watch started for a graph's replays (`watch`) and never checked.
         drop(self.watcher.take());
         self.dc.destroy()?;
         for w in self.wins {

@@ -1,0 +1,324 @@
+//! Where a CUDA buffer's steps stand on the host, and what each call
+//! requires of it: pure state, so that the rules are tested without a GPU.
+//!
+//! A step is a dispatch launch (the step begins: [`Steps::begin`]), the
+//! expert, and a combine launch (it ends: [`Steps::combined`]). Launches
+//! queued on a caller's stream are unchecked until [`Steps::checked`]
+//! (after the caller synchronised the stream): meanwhile nothing may run on
+//! gin's stream (not ordered after the caller's), read GPU memory those
+//! launches write, change what they read, or free the buffer. A failure
+//! (a kernel's, a recorded error, a refused read-back) is sticky.
+
+use crate::error::EpError;
+
+/// Where a CUDA buffer's step stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Phase {
+    /// Between steps (before the first dispatch, after a combine).
+    Idle,
+    /// A dispatch was launched; its combine is next.
+    Dispatched,
+}
+
+/// The host side of a CUDA buffer's steps.
+#[derive(Debug, Clone)]
+pub(crate) struct Steps {
+    rank: usize,
+    /// Dispatches launched (the current step's number; 0 before the first).
+    pub(crate) step: u64,
+    pub(crate) phase: Phase,
+    /// Tokens this rank dispatched in the current step.
+    pub(crate) tokens: usize,
+    /// Launches were queued on a caller's stream and not checked since.
+    pub(crate) queued: bool,
+    /// A kernel or step failed: every later call is refused.
+    pub(crate) failed: bool,
+}
+
+const QUEUED: &str = "holding launches queued on a stream (synchronise it, then call check)";
+
+impl Steps {
+    pub(crate) fn new(rank: usize) -> Self {
+        Self {
+            rank,
+            step: 0,
+            phase: Phase::Idle,
+            tokens: 0,
+            queued: false,
+            failed: false,
+        }
+    }
+
+    /// Refused after a failure.
+    pub(crate) fn usable(&self, call: &'static str) -> Result<(), EpError> {
+        if self.failed {
+            return Err(EpError::Mode {
+                rank: self.rank,
+                what: format!(
+                    "{call}: an earlier kernel or step of this buffer failed; destroy it"
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Refused while queued launches are unchecked.
+    pub(crate) fn unqueued(&self, call: &'static str) -> Result<(), EpError> {
+        if self.queued {
+            return Err(EpError::Phase {
+                rank: self.rank,
+                call,
+                phase: QUEUED,
+            });
+        }
+        Ok(())
+    }
+
+    /// Between steps.
+    pub(crate) fn idle(&self, call: &'static str) -> Result<(), EpError> {
+        self.usable(call)?;
+        if self.phase == Phase::Idle {
+            Ok(())
+        } else {
+            Err(EpError::Phase {
+                rank: self.rank,
+                call,
+                phase: "holding a dispatch (combine next)",
+            })
+        }
+    }
+
+    /// Within step `step`, its combine not launched yet.
+    pub(crate) fn dispatched(&self, call: &'static str, step: u64) -> Result<(), EpError> {
+        self.usable(call)?;
+        if self.phase != Phase::Dispatched {
+            return Err(EpError::Phase {
+                rank: self.rank,
+                call,
+                phase: "idle",
+            });
+        }
+        self.latest(call, step)
+    }
+
+    /// `step` is the latest step (its combine may have been launched).
+    fn latest(&self, call: &'static str, step: u64) -> Result<(), EpError> {
+        self.usable(call)?;
+        if step == 0 || step != self.step {
+            return Err(EpError::StaleHandle {
+                rank: self.rank,
+                handle_step: step,
+                step: self.step,
+            });
+        }
+        Ok(())
+    }
+
+    /// `set_active`: between steps, nothing queued (the kernels read the
+    /// mask the host rewrites).
+    pub(crate) fn for_set_active(&self) -> Result<(), EpError> {
+        self.idle("set_active")?;
+        self.unqueued("set_active")
+    }
+
+    /// Reading the received tokens (this rank's receive window): only
+    /// within the step, before its combine is launched. From then on a
+    /// peer that received this rank's combine signal may finish its own
+    /// combine and dispatch its next step into these slots.
+    pub(crate) fn for_received(&self, call: &'static str, step: u64) -> Result<(), EpError> {
+        self.dispatched(call, step)?;
+        self.unqueued(call)
+    }
+
+    /// Reading the counts and metadata (this rank's own memory, rewritten
+    /// only by its next dispatch): the latest step, after its combine too.
+    pub(crate) fn for_read_back(&self, call: &'static str, step: u64) -> Result<(), EpError> {
+        self.latest(call, step)?;
+        self.unqueued(call)
+    }
+
+    /// `destroy`: nothing queued unchecked (the kernels may still use the
+    /// buffer's memory; gin-core offers no event that would say they have
+    /// finished).
+    pub(crate) fn for_destroy(&self) -> Result<(), EpError> {
+        self.unqueued("destroy")
+    }
+
+    /// A dispatch of `tokens` tokens is about to be launched: the step
+    /// begins.
+    pub(crate) fn begin(&mut self, tokens: usize) {
+        self.step += 1;
+        self.tokens = tokens;
+    }
+
+    /// How a launch went: a failure fails the buffer; a launch queued on a
+    /// caller's stream is to be checked.
+    pub(crate) fn launched(&mut self, queued: bool, ok: bool) {
+        if !ok {
+            self.failed = true;
+        } else if queued {
+            self.queued = true;
+        }
+    }
+
+    /// The dispatch was launched.
+    pub(crate) fn dispatched_now(&mut self) {
+        self.phase = Phase::Dispatched;
+    }
+
+    /// The combine was launched: the step ends.
+    pub(crate) fn combined(&mut self) {
+        self.phase = Phase::Idle;
+    }
+
+    /// The queued launches were checked (the caller synchronised their
+    /// stream), `ok` or not.
+    pub(crate) fn checked(&mut self, ok: bool) {
+        self.queued = false;
+        if !ok {
+            self.failed = true;
+        }
+    }
+
+    /// A failure found outside a launch (a recorded error, a refused
+    /// read-back).
+    pub(crate) fn fail(&mut self) {
+        self.failed = true;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn phase_of(r: Result<(), EpError>) -> Option<&'static str> {
+        match r {
+            Err(EpError::Phase { phase, .. }) => Some(phase),
+            _ => None,
+        }
+    }
+
+    /// One queued step: dispatch, expert, combine on the caller's stream.
+    fn queued_step(s: &mut Steps, tokens: usize) {
+        s.idle("ll_dispatch_on").unwrap();
+        s.begin(tokens);
+        s.launched(true, true);
+        s.dispatched_now();
+        s.dispatched("ll_echo_on", s.step).unwrap();
+        s.launched(true, true);
+        s.dispatched("ll_combine_on", s.step).unwrap();
+        s.launched(true, true);
+        s.combined();
+    }
+
+    #[test]
+    fn set_active_is_refused_while_launches_are_queued() {
+        let mut s = Steps::new(1);
+        s.for_set_active().unwrap();
+        queued_step(&mut s, 4);
+        assert_eq!(phase_of(s.for_set_active()), Some(QUEUED));
+        s.checked(true);
+        s.for_set_active().unwrap();
+    }
+
+    #[test]
+    fn set_active_is_refused_within_a_step() {
+        let mut s = Steps::new(0);
+        s.begin(3);
+        s.launched(false, true);
+        s.dispatched_now();
+        assert!(phase_of(s.for_set_active()).is_some_and(|p| p.contains("dispatch")));
+    }
+
+    /// Received tokens are readable only before the step's combine is
+    /// launched (a peer's next dispatch may overwrite them after it);
+    /// counts and metadata, this rank's own memory, until the next
+    /// dispatch.
+    #[test]
+    fn received_tokens_are_readable_only_before_the_combine() {
+        let mut s = Steps::new(0);
+        s.begin(5);
+        s.launched(false, true);
+        s.dispatched_now();
+        let step = s.step;
+        s.for_received("ll_received", step).unwrap();
+        s.for_read_back("ll_read_back", step).unwrap();
+        s.launched(false, true);
+        s.combined();
+        assert_eq!(phase_of(s.for_received("ll_received", step)), Some("idle"));
+        s.for_read_back("ll_read_back", step).unwrap();
+        s.begin(5);
+        assert!(matches!(
+            s.for_read_back("ll_read_back", step),
+            Err(EpError::StaleHandle {
+                handle_step: 1,
+                step: 2,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn received_tokens_of_queued_launches_wait_for_the_check() {
+        let mut s = Steps::new(0);
+        s.begin(2);
+        s.launched(true, true);
+        s.dispatched_now();
+        let step = s.step;
+        assert_eq!(phase_of(s.for_received("ll_received", step)), Some(QUEUED));
+        assert_eq!(
+            phase_of(s.for_read_back("ll_read_back", step)),
+            Some(QUEUED)
+        );
+        s.checked(true);
+        s.for_received("ll_received", step).unwrap();
+    }
+
+    #[test]
+    fn destroy_is_refused_while_launches_are_queued() {
+        let mut s = Steps::new(2);
+        s.for_destroy().unwrap();
+        queued_step(&mut s, 1);
+        queued_step(&mut s, 1);
+        assert_eq!(phase_of(s.for_destroy()), Some(QUEUED));
+        s.checked(false);
+        // A failed check still lets the buffer be destroyed.
+        s.for_destroy().unwrap();
+        assert!(s.idle("ll_dispatch_on").is_err());
+    }
+
+    /// Steps queued back to back advance the host's step count without a
+    /// check between them; a handle of an earlier one is stale.
+    #[test]
+    fn queued_steps_chain_without_a_check() {
+        let mut s = Steps::new(0);
+        for i in 1..=5 {
+            queued_step(&mut s, i);
+            assert_eq!((s.step, s.tokens, s.queued), (i as u64, i, true));
+        }
+        s.begin(1);
+        s.launched(true, true);
+        s.dispatched_now();
+        assert!(matches!(
+            s.dispatched("ll_combine_on", 5),
+            Err(EpError::StaleHandle {
+                handle_step: 5,
+                step: 6,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn a_failed_launch_fails_every_later_call() {
+        let mut s = Steps::new(3);
+        s.begin(1);
+        s.launched(true, false);
+        assert!(!s.queued, "nothing was queued by a failed launch");
+        assert!(matches!(
+            s.idle("ll_dispatch_on"),
+            Err(EpError::Mode { rank: 3, .. })
+        ));
+        assert!(s.dispatched("ll_combine_on", 1).is_err());
+    }
+}
