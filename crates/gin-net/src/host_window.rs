@@ -19,7 +19,7 @@ use std::sync::Arc;
 use tracing::debug;
 
 use crate::part::{HostParts, PartRecord, Registration};
-use crate::region::Access;
+use crate::region::{Access, Removal};
 use crate::shm::{Segment, shm_dir};
 use crate::{Fabric, KeepAlive, MemDesc, MemParts, Memory, NetError, Reach};
 
@@ -363,10 +363,13 @@ impl HostWindows {
 
     /// Stops serving this rank's part of window `id` (at `base`, under
     /// `key`) and removes the window from the directory: a deregistration,
-    /// before the window's keeper drops.
-    pub fn withdraw(&self, id: u32, key: u32, base: usize) {
+    /// before the window's keeper drops. Where the removal is quarantined
+    /// (a peer may still write the part), the keeper's drop leaks the
+    /// memory: the region table remembers the verdict
+    /// ([`RegionTable::remove_region`]).
+    pub fn withdraw(&self, id: u32, key: u32, base: usize) -> Removal {
         self.fabric.remove_window(id);
-        self.fabric.table().remove_region(key, base);
+        self.fabric.table().remove_region(key, base)
     }
 }
 

@@ -243,10 +243,18 @@ mod tests {
 
     /// A part whose removal is quarantined keeps its memory: what held it
     /// mapped is leaked, never dropped (so never unmapped or reused under a
-    /// peer's late write); a released one lets it go.
+    /// peer's late write); a released one lets it go. The same when a
+    /// deregistration removed the region before the part dropped (the
+    /// verdict used to be lost there: the drop's second removal found no
+    /// region and said "released").
     #[test]
     fn a_quarantined_part_leaks_what_keeps_its_memory_and_a_released_one_does_not() {
-        for (verdict, kept) in [(Removal::Quarantined, true), (Removal::Released, false)] {
+        for (verdict, kept, withdrawn) in [
+            (Removal::Quarantined, true, false),
+            (Removal::Released, false, false),
+            (Removal::Quarantined, true, true),
+            (Removal::Released, false, true),
+        ] {
             let table = Arc::new(RegionTable::default());
             let observer: Arc<dyn crate::region::RegionObserver> = Arc::new(Verdict(verdict));
             table.observe(Arc::downgrade(&observer));
@@ -262,8 +270,16 @@ mod tests {
             let weak = Arc::downgrade(&memory);
             let mut r = Registration::new(table.clone(), fabric, 1, key, mem.as_ptr() as usize);
             r.hold(KeepAlive(memory));
+            if withdrawn {
+                // A deregistration: the region goes before the part.
+                assert_eq!(table.remove_region(key, mem.as_ptr() as usize), verdict);
+            }
             drop(r);
-            assert_eq!(weak.upgrade().is_some(), kept, "{verdict:?}");
+            assert_eq!(
+                weak.upgrade().is_some(),
+                kept,
+                "{verdict:?}, withdrawn {withdrawn}"
+            );
             assert!(
                 table.with_region(key, |r| r.is_none()),
                 "the key is no longer served"

@@ -202,6 +202,10 @@ pub struct RegionInfo {
 pub struct RegionTable {
     map: RwLock<HashMap<u32, Entry>>,
     observers: Mutex<Vec<Weak<dyn RegionObserver>>>,
+    /// (key, base) of every region whose removal was quarantined: a later
+    /// [`RegionTable::remove_region`] of it (the owner's drop after a
+    /// deregistration removed it) says so again.
+    quarantined: Mutex<std::collections::HashSet<(u32, usize)>>,
 }
 
 impl std::fmt::Debug for RegionTable {
@@ -320,6 +324,12 @@ impl RegionTable {
                 r = Removal::Quarantined;
             }
         }
+        if r == Removal::Quarantined {
+            self.quarantined
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .insert((key, base));
+        }
         r
     }
 
@@ -351,6 +361,9 @@ impl RegionTable {
 
     /// Forgets `key` if it still names the region at `base` (keys of removed
     /// regions may be drawn again); as [`RegionTable::remove`] otherwise.
+    /// Where the region was already removed, says again whether that
+    /// removal was quarantined: a window's owner drops its memory after a
+    /// deregistration removed the region, and must still leak it then.
     pub fn remove_region(&self, key: u32, base: usize) -> Removal {
         let gone = {
             let mut map = self
@@ -365,6 +378,13 @@ impl RegionTable {
         };
         if gone.is_some() {
             self.tell_removed(key, base)
+        } else if self
+            .quarantined
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .contains(&(key, base))
+        {
+            Removal::Quarantined
         } else {
             Removal::Released
         }

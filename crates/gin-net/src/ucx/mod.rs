@@ -7,8 +7,9 @@
 //! ucx-bindings`), `load` (opening `libucp.so.0` at run time: `GIN_UCX_LIB`,
 //! else the usual names; building needs no UCX), `worker` (the context and
 //! worker), [`wire`] (the transport's own active messages, pure), `serve`
-//! (the owner's side: mapping regions, answering and revoking rkeys),
-//! `proc` (whether a peer's process on this kernel is gone); this module
+//! (the owner's side: mapping regions, answering and revoking rkeys;
+//! whether a peer's process on this kernel is gone is gin-bootstrap's
+//! `ProcessId::gone`); this module
 //! holds [`UcxTransport`] and its registration.
 //!
 //! # Design
@@ -252,7 +253,7 @@ pub(crate) struct Inner {
     /// What kept the memory of completed puts from lent memory alive, to
     /// be dropped outside UCX's progress ([`Inner::drop_released`]).
     released: Arc<Mutex<Vec<KeepAlive>>>,
-    /// Each peer's process, where it runs on this kernel (see `proc`).
+    /// Each peer's process, where it runs on this kernel (`ProcessId`).
     procs: Vec<Option<ProcessId>>,
     /// Failures the tests inject.
     #[cfg(test)]

@@ -717,14 +717,13 @@ impl RegionObserver for Inner {
             return Removal::Released;
         };
         let me = u32::try_from(self.rank).unwrap_or(u32::MAX);
-        let holders: Vec<&Peer> = m
-            .holders
-            .iter()
-            .filter_map(|&p| self.peer_opt(p))
-            .filter(|p| Self::reachable(p))
-            .collect();
+        // Every holder may still write, reachable or not: a path this rank
+        // gave up on (its own wait timed out, its endpoint closed here)
+        // does not stop the peer's puts already under way; only an
+        // acknowledgement or the peer's process gone does.
+        let holders: Vec<&Peer> = m.holders.iter().filter_map(|&p| self.peer_opt(p)).collect();
         lock(&self.acks).extend(holders.iter().map(|p| (key, p.rank)));
-        for p in &holders {
+        for p in holders.iter().filter(|p| Self::reachable(p)) {
             let revoke = wire::Ask {
                 from: me,
                 key,
@@ -774,38 +773,55 @@ impl Inner {
     }
 
     /// Waits until every peer that held `key`'s rkey acknowledged its
-    /// revocation (it dropped the rkey and flushed what it sent), or is
-    /// known to have failed (its path's error, its endpoint closed, its
-    /// process gone where it runs on this kernel), or
-    /// the job failed, or the transport is closing: then the memory may be
-    /// reused ([`Removal::Released`]). A peer late to acknowledge is pinged
-    /// every [`PING_EVERY`] (the log says whether it answered); one that
-    /// neither acknowledges nor is known failed is waited for up to the
-    /// job's timeout, answering pings or not (a stopped rank, or one whose
-    /// worker a UCX call holds, may still write), and then the region is
-    /// [`Removal::Quarantined`].
+    /// revocation (it dropped the rkey and flushed what it sent) or is gone
+    /// (its process, where it runs on this kernel): then the memory may be
+    /// reused ([`Removal::Released`]). Nothing else counts as release:
+    /// silence, a path this rank gave up on or a failed job do not stop
+    /// puts a peer already issued. A peer late to acknowledge is pinged
+    /// every [`PING_EVERY`] (the log says whether it answered); the wait
+    /// ends without every acknowledgement once the job has failed, the
+    /// transport is closing, no peer left is reachable, or the job's
+    /// timeout passed (answering pings or not: a stopped rank, or one whose
+    /// worker a UCX call holds, may still write), and the region is then
+    /// [`Removal::Quarantined`]: kept mapped here, its owner told to leak
+    /// the memory rather than reuse it.
     fn await_acks(&self, key: u32) -> Removal {
         let start = Instant::now();
         let mut pinged: Option<Instant> = None;
         let mut spins = 0u32;
+        let mut gone: Vec<usize> = Vec::new();
         let verdict = loop {
             let now = Instant::now();
-            let left: Vec<usize> = lock(&self.acks)
+            // Collected first, the lock let go before `reachable` takes a
+            // peer's state lock: a thread issuing a put holds that one
+            // while it waits for the worker, whose progress (on the
+            // progress thread) takes this one to file an acknowledgement.
+            let holders: Vec<usize> = lock(&self.acks)
                 .iter()
                 .filter(|(k, _)| *k == key)
                 .map(|(_, p)| *p)
-                .filter(|&p| self.peer_opt(p).is_some_and(Self::reachable))
                 .collect();
+            let left: Vec<usize> = holders.into_iter().filter(|p| !gone.contains(p)).collect();
             if left.is_empty() {
                 break Removal::Released;
             }
             spins = spins.wrapping_add(1);
             if spins.is_multiple_of(256) {
                 self.mark_gone(&left);
-                // A job that lost a rank is over: nobody will send again.
+                gone.extend(left.iter().copied().filter(|&p| self.is_gone(p)));
+                let waiting: Vec<usize> = left
+                    .iter()
+                    .copied()
+                    .filter(|p| !gone.contains(p))
+                    .filter(|&p| self.peer_opt(p).is_some_and(Self::reachable))
+                    .collect();
                 let job_over = self.job().is_err();
                 let closing = self.closing.load(Ordering::Acquire);
-                if job_over || closing {
+                if job_over || closing || waiting.is_empty() {
+                    let left: Vec<usize> = left.into_iter().filter(|p| !gone.contains(p)).collect();
+                    if left.is_empty() {
+                        break Removal::Released;
+                    }
                     tracing::warn!(
                         rank = self.rank,
                         key = format_args!("{key:#010x}"),
@@ -813,19 +829,19 @@ impl Inner {
                         waited = ?start.elapsed(),
                         job_over,
                         closing,
-                        "unmapping a revoked region without every peer's acknowledgement"
+                        "a revoked region's rkey holders will not acknowledge (the job failed, the transport is closing, or their paths failed here) and may still write: the region stays mapped and quarantined (its memory is leaked, not reused)"
                     );
-                    break Removal::Released;
+                    break Removal::Quarantined;
                 }
                 if start.elapsed() > self.timeout {
                     let heard = lock(&self.heard);
-                    let answering: Vec<usize> = left
+                    let answering: Vec<usize> = waiting
                         .iter()
                         .copied()
                         .filter(|p| heard.get(p).is_some_and(|&t| t > start))
                         .collect();
                     drop(heard);
-                    for &p in left.iter().filter(|p| !answering.contains(p)) {
+                    for &p in waiting.iter().filter(|p| !answering.contains(p)) {
                         self.blame(
                             p,
                             start.elapsed(),
@@ -835,7 +851,7 @@ impl Inner {
                     tracing::error!(
                         rank = self.rank,
                         key = format_args!("{key:#010x}"),
-                        ?left,
+                        left = ?waiting,
                         answering_pings = ?answering,
                         waited = ?start.elapsed(),
                         "peers never acknowledged the revocation of a region's rkey within the job's timeout, and nothing says they failed: their puts may still land, so the region stays mapped and quarantined (its memory is leaked, not reused)"
@@ -843,7 +859,7 @@ impl Inner {
                     break Removal::Quarantined;
                 }
                 if pinged.is_none_or(|t| now.saturating_duration_since(t) > PING_EVERY) {
-                    for &p in &left {
+                    for &p in &waiting {
                         self.signal_to(p, wire::id::PING);
                     }
                     pinged = Some(now);
@@ -855,6 +871,12 @@ impl Inner {
         };
         lock(&self.acks).retain(|(k, _)| *k != key);
         verdict
+    }
+
+    /// Whether `p`'s process is gone (only known for a peer on this
+    /// kernel).
+    fn is_gone(&self, p: usize) -> bool {
+        matches!(self.procs.get(p), Some(Some(id)) if id.gone())
     }
 }
 

@@ -359,6 +359,55 @@ fn a_peer_that_never_acknowledges_leaves_the_region_quarantined_not_unmapped() {
     }
 }
 
+/// A holder whose path this rank gave up on (its own wait timed out, its
+/// endpoint closed here) may still write: the region is quarantined, not
+/// released (it was released, and its memory freed, before), and at once,
+/// since no acknowledgement can be awaited.
+#[test]
+fn a_holder_whose_path_failed_here_leaves_the_region_quarantined() {
+    if !ucx_here() {
+        return;
+    }
+    let timeout = Duration::from_secs(20);
+    let out = two_ranks(timeout, move |b, table| {
+        let t = start(b, &table, timeout);
+        let mut mem = vec![0u64; 512];
+        let key = if b.rank() == 1 {
+            register(&table, &mut mem)
+        } else {
+            0
+        };
+        let key = key_of(b, key, 1);
+        if b.rank() == 0 {
+            t.put(1, Target::Key { key, offset: 0 }, &[5; 8], None)
+                .unwrap();
+            t.fence(1, timeout).unwrap();
+            t.inner.test.hold.store(true, Ordering::Release);
+        }
+        b.barrier().unwrap();
+        let mut seen = None;
+        if b.rank() == 1 {
+            t.inner
+                .peer_opt(0)
+                .unwrap()
+                .error
+                .set("test: this rank gave up on rank 0".into());
+            let began = Instant::now();
+            let verdict = table.remove(key);
+            let base = mem.as_ptr() as usize;
+            let unmapped = lock(&t.inner.test.unmapped).contains(&base);
+            seen = Some((verdict, began.elapsed(), unmapped));
+        }
+        b.barrier().unwrap();
+        drop(t);
+        seen
+    });
+    let (verdict, took, unmapped) = out[1].unwrap();
+    assert_eq!(verdict, Removal::Quarantined);
+    assert!(!unmapped, "the region was unmapped");
+    assert!(took < Duration::from_secs(5), "the removal waited {took:?}");
+}
+
 /// A removal waiting for a peer's acknowledgement ends when the
 /// transport is dropped (closing), not at the job's timeout.
 #[test]
