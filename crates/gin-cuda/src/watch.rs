@@ -730,9 +730,11 @@ fn watch_loop<F: Flag>(
     let mut watch = Watch::default();
     while !shared.stop.load(Ordering::Acquire) {
         if watch.look(&mut *health) {
-            let raised = abort.raise();
+            // The cause is recorded before the flag goes up, under the
+            // lock: whoever sees the flag raised finds the cause.
             let mut found = shared.found();
             found.cause = watch.cause().map(str::to_owned);
+            let raised = abort.raise();
             match raised {
                 Ok(()) => found.raised = true,
                 Err(e) => found.failed = Some(e.to_string()),
