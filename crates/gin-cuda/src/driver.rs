@@ -3,7 +3,7 @@
 //! without a driver gets an error, never a panic.
 
 use std::ffi::{CStr, c_void};
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use cudarc::driver::sys as cu;
@@ -260,6 +260,9 @@ impl Device {
         // Past the largest class: a class of its own, which the driver
         // refuses and the pool would never keep.
         let class = size_class(bytes).unwrap_or(bytes);
+        // Blocks their last holders let go of on threads that must not wait
+        // for the device are freed here, on an allocating thread.
+        drop(lock(&self.pool).reap());
         let reused = lock(&self.pool).take(class);
         let fresh = reused.is_none();
         let block = match reused {
@@ -290,6 +293,7 @@ impl Device {
             class,
             len: bytes,
             pool: self.pool.clone(),
+            leak: AtomicBool::new(false),
         })
     }
 
@@ -512,6 +516,8 @@ pub(crate) struct PoolMem {
     class: usize,
     len: usize,
     pool: Arc<Mutex<Pool<DevMem>>>,
+    /// Quarantined ([`PoolMem::quarantine`]): leaked on drop.
+    leak: AtomicBool,
 }
 
 impl PoolMem {
@@ -530,6 +536,13 @@ impl PoolMem {
         }
     }
 
+    /// A peer may still write the allocation (a transport quarantined
+    /// it): whichever holder drops it last leaks it, never returning it to
+    /// the pool for another window.
+    pub(crate) fn quarantine(&self) {
+        self.leak.store(true, Ordering::Release);
+    }
+
     /// The allocation's IPC handle.
     pub(crate) fn ipc_handle(&self) -> Result<[u8; 64], CudaError> {
         match &self.block {
@@ -542,8 +555,20 @@ impl PoolMem {
 impl Drop for PoolMem {
     fn drop(&mut self) {
         if let Some(b) = self.block.take() {
-            let free = lock(&self.pool).give(self.class, b);
-            drop(free);
+            if self.leak.load(Ordering::Acquire) {
+                std::mem::forget(b);
+                return;
+            }
+            // Not freed here while the device lives: the last holder may be
+            // a thread a running kernel waits on (see `Pool::give_later`).
+            let mut pool = lock(&self.pool);
+            pool.give_later(self.class, b);
+            if pool.closed() {
+                // The device has gone: nothing runs on it any more.
+                let free = pool.reap();
+                drop(pool);
+                drop(free);
+            }
         }
     }
 }

@@ -52,6 +52,12 @@ pub struct Pool<B> {
     limit: usize,
     /// Closed: nothing is kept any more (the device is going).
     closed: bool,
+    /// Blocks let go of ([`Pool::give`]) but not freed yet: freeing GPU
+    /// memory waits for the device, and the last holder of a window's
+    /// block may be a thread a running kernel waits on (a transport's
+    /// progress thread completing a put). They are freed by the next
+    /// thread that takes a block ([`Pool::reap`]) or closes the pool.
+    doomed: Vec<B>,
 }
 
 impl<B> Pool<B> {
@@ -62,7 +68,21 @@ impl<B> Pool<B> {
             idle_bytes: 0,
             limit,
             closed: false,
+            doomed: Vec::new(),
         }
+    }
+
+    /// Returns a block of `class` as [`Pool::give`] does, keeping what that
+    /// lets go of for a later [`Pool::reap`] instead of handing it back.
+    pub fn give_later(&mut self, class: usize, b: B) {
+        let free = self.give(class, b);
+        self.doomed.extend(free);
+    }
+
+    /// The blocks let go of by [`Pool::give_later`] since the last reap,
+    /// for the caller to free (a thread that allocates: it may wait).
+    pub fn reap(&mut self) -> Vec<B> {
+        std::mem::take(&mut self.doomed)
     }
 
     /// An idle block of `class` (the most recently returned), if any.
@@ -103,7 +123,20 @@ impl<B> Pool<B> {
     /// caller's to free.
     pub fn close(&mut self) -> Vec<B> {
         self.closed = true;
-        self.drain()
+        let mut all = self.drain();
+        all.append(&mut self.doomed);
+        all
+    }
+
+    /// Whether the pool was closed (its device has gone).
+    pub fn closed(&self) -> bool {
+        self.closed
+    }
+
+    /// Blocks let go of and not reaped yet.
+    #[cfg(test)]
+    pub fn doomed_blocks(&self) -> usize {
+        self.doomed.len()
     }
 
     /// Bytes idle.
@@ -125,6 +158,29 @@ mod tests {
     use proptest::prelude::*;
 
     const M: usize = 1 << 20;
+
+    /// What a block's last holder lets go of is not freed on its thread:
+    /// it waits for the next taker (or the close), which frees it.
+    #[test]
+    fn blocks_let_go_of_later_are_freed_by_the_next_taker_or_the_close() {
+        let mut p = Pool::new(4 * GRANULE);
+        // Beyond the limit: the oldest idle block is let go of.
+        for b in 0..5 {
+            p.give_later(GRANULE, b);
+        }
+        assert_eq!((p.idle_blocks(), p.doomed_blocks()), (4, 1));
+        // A block larger than the limit is let go of at once, later too.
+        p.give_later(8 * GRANULE, 9);
+        assert_eq!(p.reap(), vec![0, 9]);
+        assert!(p.reap().is_empty());
+        p.give_later(8 * GRANULE, 10);
+        let mut all = p.close();
+        all.sort_unstable();
+        assert_eq!(all, vec![1, 2, 3, 4, 10]);
+        // Closed: a block given back is let go of, for the next reap.
+        p.give_later(GRANULE, 11);
+        assert_eq!(p.reap(), vec![11]);
+    }
 
     proptest! {
         #[test]

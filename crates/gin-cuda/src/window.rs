@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use gin_bootstrap::record::{Reader, Writer};
 use gin_net::region::{RegionTable, Removal};
-use gin_net::{Fabric, MemDesc, MemParts, Memory};
+use gin_net::{Fabric, KeepAlive, MemDesc, MemParts, Memory};
 
 use crate::driver::{DevMem, Device, IpcMem, PoolMem};
 use crate::error::CudaError;
@@ -150,8 +150,9 @@ pub struct LocalPart {
     offset: u64,
     /// Last: gin's allocation, returned to the device's pool where
     /// `cuMemFree` used to free it (after the region's removal); `None`
-    /// for the user's memory.
-    block: Option<PoolMem>,
+    /// for the user's memory. Shared with the window's description
+    /// (`MemParts::keep`): a put a transport still reads it for holds it.
+    block: Option<Arc<PoolMem>>,
 }
 
 impl LocalPart {
@@ -180,7 +181,7 @@ impl LocalPart {
                 mem: block.view(),
                 ipc,
                 offset: 0,
-                block: Some(block),
+                block: Some(Arc::new(block)),
             },
             bytes,
             serve,
@@ -264,6 +265,17 @@ impl LocalPart {
         &self.mem
     }
 
+    /// What keeps gin's allocation alive (`None` for the user's memory):
+    /// the window's description hands it to transports that read the
+    /// memory after the call that started the read returned (ucx's
+    /// pipelined puts), so a wait that gives up on them leaves them
+    /// holding it rather than the memory going back to the pool.
+    pub fn keeper(&self) -> Option<KeepAlive> {
+        self.block
+            .as_ref()
+            .map(|b| KeepAlive(b.clone() as Arc<dyn std::any::Any + Send + Sync>))
+    }
+
     /// The record the other ranks learn this part by.
     pub fn record(&self) -> PartRecord {
         PartRecord {
@@ -287,12 +299,12 @@ impl Drop for LocalPart {
             // was never acknowledged): gin's allocation is leaked, never
             // returned to the pool for another window; the user's memory is
             // the user's, who is told.
-            if let Some(block) = self.block.take() {
+            if let Some(block) = &self.block {
                 tracing::error!(
                     key,
                     "a peer may still write this GPU window part: its allocation is leaked, never reused"
                 );
-                std::mem::forget(block);
+                block.quarantine();
             } else {
                 tracing::error!(
                     key,
@@ -420,7 +432,7 @@ impl Listed {
             keys: parts.tcp_keys,
             addrs: parts.addrs,
             states: vec![0; n],
-            keep: None,
+            keep: local.keeper(),
         };
         // SAFETY: device memory: `local` is this rank's part and each
         // non-zero peer base a CUDA IPC mapping of that peer's part (its
