@@ -262,7 +262,10 @@ impl Device {
         let class = size_class(bytes).unwrap_or(bytes);
         // Blocks their last holders let go of on threads that must not wait
         // for the device are freed here, on an allocating thread.
-        drop(lock(&self.pool).reap());
+        // (Outside the pool's lock: a holder letting go meanwhile must not
+        // wait for these frees.)
+        let doomed = lock(&self.pool).reap();
+        drop(doomed);
         let reused = lock(&self.pool).take(class);
         let fresh = reused.is_none();
         let block = match reused {
@@ -323,7 +326,8 @@ impl Drop for Device {
         // freed when it is returned. (Best effort: on failure the frees
         // below report nothing, as any drop's.)
         let _ = self.make_current();
-        drop(lock(&self.pool).close());
+        let all = lock(&self.pool).close();
+        drop(all);
         // SAFETY: releases the retain taken in `open`.
         unsafe {
             cu::cuDevicePrimaryCtxRelease_v2(self.dev);
