@@ -80,7 +80,7 @@ pub(super) fn am_max_from_env(v: Option<&str>) -> Result<usize, NetError> {
 }
 
 /// `GIN_UCX_AM_MAX`'s default (docs/ucx.md has the measurement).
-pub(super) const AM_MAX: usize = 4096;
+pub(super) const AM_MAX: usize = 16 << 10;
 
 pub(super) unsafe extern "C" fn on_put(
     arg: *mut c_void,

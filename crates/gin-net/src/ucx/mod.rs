@@ -63,7 +63,7 @@
 //!   request owns, so it returns at once and any number is in flight (the
 //!   [`Transport`] contract: a put is complete locally on return), and UCX
 //!   never reads the caller's slice after the call returned.
-//! - Small puts (up to `GIN_UCX_AM_MAX` bytes, 4 KiB by default; 0: none)
+//! - Small puts (up to `GIN_UCX_AM_MAX` bytes, 16 KiB by default; 0: none)
 //!   to host memory go as one active message each, data and signal, which
 //!   the target's handler checks against its region table and applies,
 //!   data first: one UCX message where an RMA put with a signal is two
