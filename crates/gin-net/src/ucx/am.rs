@@ -40,6 +40,7 @@
 //! GPU memory (a region behind a backing) is never a target: the
 //! handler would copy into it from the progress thread.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;
@@ -55,16 +56,42 @@ use crate::region::{AccessKind, RegionError};
 pub(super) struct AmIn {
     /// How many were executed (or refused): the next is `done + 1`.
     done: u64,
-    /// Those that arrived before their turn, with a copy of their bytes.
-    held: BTreeMap<u64, (wire::AmPut, Vec<u8>)>,
+    /// Those that arrived before their turn (a put with a copy of its
+    /// bytes).
+    held: BTreeMap<u64, Msg<'static>>,
     /// The first refusal: every later put is refused too.
     refused: Option<String>,
     /// Sync requests not answered yet: (upto, id).
     syncs: Vec<(u64, u64)>,
 }
 
-/// An answer to a sync: how many puts were executed, the first refusal.
-pub(super) type SyncAnswer = (u64, Option<String>);
+/// An answer to a sync or an atomic message: how many messages were
+/// executed, an atomic's old value, the first refusal.
+pub(super) type SyncAnswer = (u64, u64, Option<String>);
+
+/// A message executed in its sender's sequence.
+enum Msg<'a> {
+    /// A put and its bytes (`Err(len)`: it came by rendezvous, refused).
+    Put(wire::AmPut, Result<Cow<'a, [u8]>, usize>),
+    /// An atomic, answered with its old value.
+    Atomic(wire::AmAtomic),
+}
+
+impl Msg<'_> {
+    fn seq(&self) -> u64 {
+        match self {
+            Msg::Put(p, _) => p.seq,
+            Msg::Atomic(a) => a.seq,
+        }
+    }
+
+    fn owned(self) -> Msg<'static> {
+        match self {
+            Msg::Put(p, b) => Msg::Put(p, b.map(|b| Cow::Owned(b.into_owned()))),
+            Msg::Atomic(a) => Msg::Atomic(a),
+        }
+    }
+}
 
 /// `GIN_UCX_AM_MAX`: the largest put (bytes) sent as one active message;
 /// 0 turns them off.
@@ -99,14 +126,36 @@ pub(super) unsafe extern "C" fn on_put(
     // SAFETY: UCX passes its receive parameters, valid during the call.
     let rndv = !param.is_null()
         && unsafe { (*param).recv_attr } & u64::from(sys::UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
-    let bytes = if len == 0 || data.is_null() || rndv {
-        &[][..]
+    let bytes = if rndv {
+        // Sent eager: a rendezvous put is a protocol error, refused.
+        Err(len)
+    } else if len == 0 || data.is_null() {
+        Ok(Cow::Borrowed(&[][..]))
     } else {
         // SAFETY: UCX passes `len` bytes of data, valid during the call.
-        unsafe { std::slice::from_raw_parts(data.cast::<u8>(), len) }
+        Ok(Cow::Borrowed(unsafe {
+            std::slice::from_raw_parts(data.cast::<u8>(), len)
+        }))
     };
-    // Sent eager: a rendezvous put is a protocol error, refused.
-    inner.am_arrived(put, bytes, rndv.then_some(len));
+    inner.am_arrived(put.from as usize, Msg::Put(put, bytes));
+    sys::UCS_OK
+}
+
+pub(super) unsafe extern "C" fn on_atomic(
+    arg: *mut c_void,
+    header: *const c_void,
+    hlen: usize,
+    _data: *mut c_void,
+    _len: usize,
+    _param: *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t {
+    // SAFETY: called by UCX as registered.
+    let (inner, h) = unsafe { parts(arg, header, hlen) };
+    if let Some(a) = wire::AmAtomic::decode(h) {
+        inner.am_arrived(a.from as usize, Msg::Atomic(a));
+    } else {
+        tracing::warn!(rank = inner.rank, "a malformed atomic message was dropped");
+    }
     sys::UCS_OK
 }
 
@@ -129,6 +178,7 @@ pub(super) unsafe extern "C" fn on_sync(
                     to: from,
                     id: y.id,
                     done: st.done,
+                    value: 0,
                     refused: st.refused.clone(),
                 });
             } else {
@@ -158,17 +208,15 @@ pub(super) unsafe extern "C" fn on_synced(
         String::from_utf8_lossy(b).into_owned()
     });
     if let Some(slot) = lock(&inner.synced).get_mut(&a.id) {
-        *slot = Some((a.done, refused));
+        *slot = Some((a.done, a.value, refused));
     }
     sys::UCS_OK
 }
 
 impl Inner {
-    /// A put message from a peer: executed in its sequence order (held
+    /// A message from peer `from`: executed in its sequence order (held
     /// until its turn), then the syncs it completes are answered.
-    /// `rndv`: it came by rendezvous with this many bytes (refused).
-    fn am_arrived(&self, put: wire::AmPut, bytes: &[u8], rndv: Option<usize>) {
-        let from = put.from as usize;
+    fn am_arrived(&self, from: usize, msg: Msg<'_>) {
         let Some(state) = self
             .am_in
             .get(from)
@@ -177,25 +225,26 @@ impl Inner {
             tracing::warn!(
                 rank = self.rank,
                 from,
-                "a put message from a rank this transport does not reach was dropped"
+                "a message from a rank this transport does not reach was dropped"
             );
             return;
         };
         let mut st = lock(state);
-        if put.seq <= st.done {
+        let seq = msg.seq();
+        if seq <= st.done {
             return;
         }
-        if put.seq > st.done + 1 {
-            st.held.insert(put.seq, (put, bytes.to_vec()));
+        if seq > st.done + 1 {
+            st.held.insert(seq, msg.owned());
             return;
         }
-        self.am_execute(&mut st, put, bytes, rndv);
+        self.am_execute(from, &mut st, msg);
         loop {
             let next = st.done + 1;
-            let Some((p, b)) = st.held.remove(&next) else {
+            let Some(m) = st.held.remove(&next) else {
                 break;
             };
-            self.am_execute(&mut st, p, &b, None);
+            self.am_execute(from, &mut st, m);
         }
         let done = st.done;
         let refused = st.refused.clone();
@@ -207,31 +256,65 @@ impl Inner {
                 to: from,
                 id,
                 done,
+                value: 0,
                 refused: refused.clone(),
             });
             false
         });
     }
 
-    /// Executes one put in its turn, or refuses it (and every later one).
-    fn am_execute(&self, st: &mut AmIn, put: wire::AmPut, bytes: &[u8], rndv: Option<usize>) {
-        st.done = put.seq;
-        if st.refused.is_some() {
-            return;
-        }
-        let len = rndv.unwrap_or(bytes.len());
-        let r = if rndv.is_some() {
-            Err("it came by rendezvous (puts are sent eager)".to_owned())
-        } else {
-            self.am_apply(&put, bytes).map_err(|e| e.to_string())
+    /// Executes one message in its turn, or refuses it (and every later
+    /// one); an atomic is answered.
+    fn am_execute(&self, from: usize, st: &mut AmIn, msg: Msg<'_>) {
+        st.done = msg.seq();
+        let (r, atomic) = match msg {
+            Msg::Put(put, bytes) => {
+                if st.refused.is_some() {
+                    return;
+                }
+                let r = match &bytes {
+                    Err(_) => Err("it came by rendezvous (puts are sent eager)".to_owned()),
+                    Ok(b) => self.am_apply(&put, b).map_err(|e| e.to_string()),
+                };
+                let len = bytes.as_ref().map_or_else(|&n| n, |b| b.len());
+                let r = r.map_err(|e| {
+                    format!(
+                        "put #{} ({len} bytes at offset {}): {e}",
+                        put.seq, put.offset
+                    )
+                });
+                (r.map(|()| 0), None)
+            }
+            Msg::Atomic(a) => {
+                let r = if st.refused.is_some() {
+                    Ok(0)
+                } else {
+                    let t = &self.table;
+                    match a.swap {
+                        None => t.fetch_add(a.key, a.offset, a.a),
+                        Some(d) => t.compare_swap(a.key, a.offset, a.a, d),
+                    }
+                    .map_err(|e| format!("atomic #{} at offset {}: {e}", a.seq, a.offset))
+                };
+                (r, Some(a.id))
+            }
         };
-        if let Err(e) = r {
-            let why = format!(
-                "put #{} ({len} bytes at offset {}): {e}",
-                put.seq, put.offset
-            );
-            tracing::warn!(rank = self.rank, from = put.from, %why, "refusing a put message");
-            st.refused = Some(why);
+        let value = match r {
+            Ok(v) => v,
+            Err(why) => {
+                tracing::warn!(rank = self.rank, from, %why, "refusing a message");
+                st.refused = Some(why);
+                0
+            }
+        };
+        if let Some(id) = atomic {
+            self.queue(Work::Synced {
+                to: from,
+                id,
+                done: st.done,
+                value,
+                refused: st.refused.clone(),
+            });
         }
     }
 
@@ -251,7 +334,14 @@ impl Inner {
     }
 
     /// Answers a sync (on the progress thread: queued by the handlers).
-    pub(super) fn am_answer(&self, to: usize, id: u64, done: u64, refused: Option<String>) {
+    pub(super) fn am_answer(
+        &self,
+        to: usize,
+        id: u64,
+        done: u64,
+        value: u64,
+        refused: Option<String>,
+    ) {
         let Some(peer) = self.peer_opt(to) else {
             return;
         };
@@ -259,7 +349,7 @@ impl Inner {
         if let Err(why) = self.send(
             peer,
             wire::id::SYNCED,
-            &wire::Synced { id, done }.encode(),
+            &wire::Synced { id, done, value }.encode(),
             data,
         ) {
             tracing::warn!(rank = self.rank, to, %why, "cannot answer a sync of put messages");
@@ -366,10 +456,83 @@ impl UcxTransport {
                 why: format!("cannot ask for the execution of put messages: {why}"),
             });
         }
+        self.am_wait(p, id, upto, deadline, what).map(|_| ())
+    }
+
+    /// An atomic on the word at `key` and `offset` of `p`, as a message
+    /// executed after the put messages before it (instead of a sync and
+    /// then an RMA atomic: one round trip, not two); its old value.
+    pub(super) fn am_atomic(
+        &self,
+        p: &Peer,
+        remote: &std::sync::Arc<super::Remote>,
+        at: crate::transport::Target<'_>,
+        op: crate::transport::AtomicOp,
+        deadline: Instant,
+    ) -> Result<u64, NetError> {
+        let inner = &self.inner;
+        let (key, offset) = at.key_at(p.rank, "ucx")?;
+        let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
+        lock(&inner.synced).insert(id, None);
+        let (a, swap) = match op {
+            crate::transport::AtomicOp::FetchAdd(v) => (v, None),
+            crate::transport::AtomicOp::CompareSwap { expected, desired } => {
+                (expected, Some(desired))
+            }
+        };
+        let sent = self.with_ep(p, "ucp_am_send_nbx (atomic)", |_, st| {
+            if !Self::still(st, remote) {
+                return Ok(None);
+            }
+            let seq = p.am_sent.load(Ordering::Acquire) + 1;
+            let h = wire::AmAtomic {
+                from: u32::try_from(inner.rank).unwrap_or(u32::MAX),
+                seq,
+                id,
+                key,
+                offset,
+                swap,
+                a,
+            };
+            // The peer's lock is held: `send` takes it, so send here.
+            inner
+                .send_locked(p, st, wire::id::ATOMIC, &h.encode(), Vec::new())
+                .map_err(|why| NetError::Broken {
+                    peer: p.rank,
+                    why: format!("cannot send an atomic: {why}"),
+                })?;
+            p.am_sent.store(seq, Ordering::Release);
+            Ok(Some(seq))
+        });
+        let seq = match sent {
+            Ok(Some(seq)) => seq,
+            Ok(None) => {
+                lock(&inner.synced).remove(&id);
+                return Err(super::revoked(p.rank, at, 8, "atomic"));
+            }
+            Err(e) => {
+                lock(&inner.synced).remove(&id);
+                return Err(e);
+            }
+        };
+        self.am_wait(p, id, seq, deadline, "an atomic's answer")
+    }
+
+    /// Waits for the answer `id` to a sync or atomic covering the
+    /// messages up to `upto`; the atomic's old value.
+    fn am_wait(
+        &self,
+        p: &Peer,
+        id: u64,
+        upto: u64,
+        deadline: Instant,
+        what: &str,
+    ) -> Result<u64, NetError> {
+        let inner = &self.inner;
         let start = Instant::now();
         let mut spins = 0u32;
         loop {
-            if let Some((done, refused)) = {
+            if let Some((done, value, refused)) = {
                 let mut s = lock(&inner.synced);
                 let got = s.get_mut(&id).and_then(Option::take);
                 if got.is_some() {
@@ -381,7 +544,8 @@ impl UcxTransport {
                 if let Some(why) = refused {
                     let _ = p.refused.set(why);
                 }
-                return inner.broken(p);
+                inner.broken(p)?;
+                return Ok(value);
             }
             spins = spins.wrapping_add(1);
             if spins.is_multiple_of(256) {
@@ -393,7 +557,7 @@ impl UcxTransport {
                         why: job,
                     })
                 } else if Instant::now() > deadline {
-                    let what = format!("{what} (put messages up to #{upto})");
+                    let what = format!("{what} (messages up to #{upto})");
                     inner.blame(p.rank, start.elapsed(), &what);
                     Some(NetError::Timeout {
                         peer: p.rank,

@@ -79,6 +79,7 @@ pub(super) fn set_handlers(inner: &Arc<Inner>) -> Result<(), NetError> {
         (wire::id::PUT, super::am::on_put),
         (wire::id::SYNC, super::am::on_sync),
         (wire::id::SYNCED, super::am::on_synced),
+        (wire::id::ATOMIC, super::am::on_atomic),
     ] {
         let p = sys::ucp_am_handler_param_t {
             field_mask: u64::from(
@@ -295,6 +296,18 @@ impl Inner {
         data: Vec<u8>,
     ) -> Result<(), String> {
         let s = lock(&peer.state);
+        self.send_locked(peer, &s, id, header, data)
+    }
+
+    /// As [`Inner::send`], with the peer's lock held (`s` is its state).
+    pub(super) fn send_locked(
+        &self,
+        peer: &Peer,
+        s: &super::PeerState,
+        id: u32,
+        header: &[u8],
+        data: Vec<u8>,
+    ) -> Result<(), String> {
         if s.ep.is_null() {
             return Err(format!("the endpoint to rank {} is closed", peer.rank));
         }
@@ -649,8 +662,9 @@ impl Inner {
                     to,
                     id,
                     done,
+                    value,
                     refused,
-                } => self.am_answer(to, id, done, refused),
+                } => self.am_answer(to, id, done, value, refused),
             }
         }
         any

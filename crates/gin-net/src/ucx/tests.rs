@@ -1202,6 +1202,19 @@ fn a_refused_put_message_fails_the_confirm_by_name_without_applying_the_signal()
                     t.am_issue(p, ep, key, 24, Some((key, 16, 1)), &[7; 8])
                 })
                 .unwrap();
+                // An atomic message behind them is refused, not applied.
+                let atomic = t
+                    .atomic(
+                        1,
+                        Target::Key { key, offset: 16 },
+                        AtomicOp::FetchAdd(1),
+                        timeout,
+                    )
+                    .unwrap_err();
+                assert!(
+                    matches!(atomic, NetError::Refused { peer: 1, .. }),
+                    "{atomic}"
+                );
                 let e = t.confirm(1, timeout).unwrap_err();
                 let again = t.health(1).unwrap_err();
                 let later = t
@@ -1313,6 +1326,62 @@ fn a_mix_of_put_messages_and_rma_puts_to_one_peer_keeps_issue_order() {
             b.barrier().unwrap();
             if b.rank() == 1 {
                 assert_eq!(word(&recv, 0), 3 * ROUNDS);
+            }
+            b.barrier().unwrap();
+            drop(t);
+        });
+    }
+}
+
+/// An atomic right after put messages (a soft NIC's signal after its
+/// write) goes as a message in their sequence and sees their data: a
+/// fetch-add on the word a put message just wrote returns that put's
+/// value, a compare-swap too; nothing went by RMA.
+#[test]
+fn an_atomic_after_put_messages_executes_after_them() {
+    const N: u64 = 500;
+    if !ucx_here() {
+        return;
+    }
+    for tls in [Some(c"tcp,self"), None] {
+        let timeout = Duration::from_secs(30);
+        two_ranks_over(tls, move |b, table| {
+            let t = start(b, &table, timeout);
+            let mut recv = vec![0u64; 16];
+            let key = if b.rank() == 1 {
+                register(&table, &mut recv)
+            } else {
+                0
+            };
+            let key = key_of(b, key, 1);
+            if b.rank() == 0 {
+                let w = Target::Key { key, offset: 8 };
+                for i in 1..=N {
+                    t.put(1, w, &(i << 20).to_le_bytes(), None).unwrap();
+                    let old = t.atomic(1, w, AtomicOp::FetchAdd(1), timeout).unwrap();
+                    assert_eq!(old, i << 20, "{tls:?}");
+                    t.put(1, w, &(i << 21).to_le_bytes(), None).unwrap();
+                    let old = t
+                        .atomic(
+                            1,
+                            w,
+                            AtomicOp::CompareSwap {
+                                expected: i << 21,
+                                desired: 7,
+                            },
+                            timeout,
+                        )
+                        .unwrap();
+                    assert_eq!(old, i << 21, "{tls:?}");
+                }
+                t.confirm(1, timeout).unwrap();
+                let p = t.inner.peer(1).unwrap();
+                assert_eq!(p.am_sent.load(Ordering::Acquire), 4 * N);
+                assert_eq!(p.rma_issued.load(Ordering::Acquire), 0);
+            }
+            b.barrier().unwrap();
+            if b.rank() == 1 {
+                assert_eq!(word(&recv, 1), 7);
             }
             b.barrier().unwrap();
             drop(t);

@@ -39,6 +39,71 @@ pub mod id {
     /// The answer (header [`super::Synced`], data the first refusal's
     /// text, empty when none).
     pub const SYNCED: u32 = 0x67_09;
+    /// An atomic executed in turn with the put messages (header
+    /// [`super::AmAtomic`]), answered as a sync with its old value.
+    pub const ATOMIC: u32 = 0x67_0a;
+}
+
+/// An atomic carried as an active message (`id::ATOMIC`), in the same
+/// sequence as [`AmPut`]s.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AmAtomic {
+    /// The sender's rank.
+    pub from: u32,
+    /// Its place in the sender's sequence of messages to this target.
+    pub seq: u64,
+    /// The answer's request id.
+    pub id: u64,
+    /// The word's region key and offset.
+    pub key: u32,
+    /// Offset of the 8-byte word in its region.
+    pub offset: u64,
+    /// Fetch-add of `a` (`None`), or compare-swap from `a` to this.
+    pub swap: Option<u64>,
+    /// The amount added, or the value expected.
+    pub a: u64,
+}
+
+impl AmAtomic {
+    /// Encoded size.
+    pub const LEN: usize = 56;
+
+    /// Encodes.
+    pub fn encode(&self) -> [u8; Self::LEN] {
+        let mut b = [0; Self::LEN];
+        let (op, desired) = self.swap.map_or((0u32, 0), |d| (1, d));
+        b[0..4].copy_from_slice(&self.from.to_le_bytes());
+        b[4..8].copy_from_slice(&op.to_le_bytes());
+        b[8..16].copy_from_slice(&self.seq.to_le_bytes());
+        b[16..24].copy_from_slice(&self.id.to_le_bytes());
+        b[24..28].copy_from_slice(&self.key.to_le_bytes());
+        b[32..40].copy_from_slice(&self.offset.to_le_bytes());
+        b[40..48].copy_from_slice(&self.a.to_le_bytes());
+        b[48..56].copy_from_slice(&desired.to_le_bytes());
+        b
+    }
+
+    /// Decodes, or `None` for a malformed header.
+    pub fn decode(b: &[u8]) -> Option<Self> {
+        if b.len() != Self::LEN {
+            return None;
+        }
+        let u64_at = |i: usize| Some(u64::from_le_bytes(b[i..i + 8].try_into().ok()?));
+        let swap = match u32::from_le_bytes(b[4..8].try_into().ok()?) {
+            0 => None,
+            1 => Some(u64_at(48)?),
+            _ => return None,
+        };
+        Some(Self {
+            from: u32::from_le_bytes(b[0..4].try_into().ok()?),
+            seq: u64_at(8)?,
+            id: u64_at(16)?,
+            key: u32::from_le_bytes(b[24..28].try_into().ok()?),
+            offset: u64_at(32)?,
+            swap,
+            a: u64_at(40)?,
+        })
+    }
 }
 
 /// A put carried as one active message (`id::PUT`).
@@ -147,17 +212,20 @@ pub struct Synced {
     pub id: u64,
     /// How many of the sender's puts the target executed (or refused).
     pub done: u64,
+    /// An atomic's old value (0 for a sync).
+    pub value: u64,
 }
 
 impl Synced {
     /// Encoded size.
-    pub const LEN: usize = 16;
+    pub const LEN: usize = 24;
 
     /// Encodes.
     pub fn encode(&self) -> [u8; Self::LEN] {
         let mut b = [0; Self::LEN];
         b[0..8].copy_from_slice(&self.id.to_le_bytes());
         b[8..16].copy_from_slice(&self.done.to_le_bytes());
+        b[16..24].copy_from_slice(&self.value.to_le_bytes());
         b
     }
 
@@ -169,6 +237,7 @@ impl Synced {
         Some(Self {
             id: u64::from_le_bytes(b[0..8].try_into().ok()?),
             done: u64::from_le_bytes(b[8..16].try_into().ok()?),
+            value: u64::from_le_bytes(b[16..24].try_into().ok()?),
         })
     }
 }
@@ -464,8 +533,25 @@ mod tests {
         };
         assert_eq!(Sync::decode(&sync.encode()), Some(sync));
         assert_eq!(Sync::decode(&sync.encode()[..23]), None);
-        let synced = Synced { id: 77, done: 9 };
+        let synced = Synced {
+            id: 77,
+            done: 9,
+            value: u64::MAX,
+        };
         assert_eq!(Synced::decode(&synced.encode()), Some(synced));
-        assert_eq!(Synced::decode(&[0; 15]), None);
+        assert_eq!(Synced::decode(&[0; 23]), None);
+        for swap in [None, Some(u64::MAX)] {
+            let atomic = AmAtomic {
+                from: 2,
+                seq: 5,
+                id: 1 << 60,
+                key: 0xabcd_ef01,
+                offset: 4088,
+                swap,
+                a: 3,
+            };
+            assert_eq!(AmAtomic::decode(&atomic.encode()), Some(atomic));
+            assert_eq!(AmAtomic::decode(&atomic.encode()[..55]), None);
+        }
     }
 }
