@@ -18,9 +18,10 @@
 //! Completion: the target acknowledges execution on demand. A
 //! [`wire::Sync`] asks it to answer once every put up to a sequence number
 //! was executed (or refused), with the first refusal's text; `confirm`,
-//! `fence`, and every request that must execute after them (anything on
-//! the RMA path: a larger put, a get, an atomic, a put from GPU memory)
-//! send one and wait. UCX's flush is not used for them: it completes an
+//! `fence`, and every request that must execute after them on the RMA
+//! path (a larger put, a get, a put from GPU memory) send one and wait.
+//! An atomic after them goes as a message in their sequence instead
+//! ([`wire::AmAtomic`], answered with its old value): one round trip. UCX's flush is not used for them: it completes an
 //! active message once the transport delivered it, not once the handler
 //! ran.
 //!
@@ -34,8 +35,9 @@
 //! what gin-rs relies on: over shared memory a cma put is done by the
 //! initiator's own process while an active message waits in the target's
 //! queue, so neither direction could be left to UCX.
-//! `a_mix_of_active_message_and_rma_puts_to_one_peer_keeps_issue_order`
-//! tests it.
+//! `a_mix_of_put_messages_and_rma_puts_to_one_peer_keeps_issue_order`
+//! tests it (without the sync it fails over shared memory: a small put
+//! landed after the larger RMA put issued after it).
 //!
 //! GPU memory (a region behind a backing) is never a target: the
 //! handler would copy into it from the progress thread.
