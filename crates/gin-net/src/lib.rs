@@ -50,7 +50,9 @@
 //!   opened at run time; `GIN_TRANSPORT=ucx`). Regions are mapped with
 //!   `ucp_mem_map` when they are registered (on the registering thread),
 //!   their rkeys handed to a peer when it first asks, and revoked at every
-//!   holder before their memory goes; a put's signal follows a
+//!   holder before their memory goes; a small put and its signal go as
+//!   one active message the target applies, data first
+//!   (`GIN_UCX_AM_MAX`), a larger put's signal follows a
 //!   `ucp_worker_fence`. docs/ucx.md has the ordering per UCX transport.
 //! - Endpoint addresses are exchanged through gin-bootstrap; transport
 //!   connections authenticate with a token derived from the job secret.

@@ -9,8 +9,9 @@
 //! worker), [`wire`] (the transport's own active messages, pure), `serve`
 //! (the owner's side: mapping regions, answering and revoking rkeys;
 //! whether a peer's process on this kernel is gone is gin-bootstrap's
-//! `ProcessId::gone`); this module
-//! holds [`UcxTransport`] and its registration.
+//! `ProcessId::gone`), `am` (small puts and their signals as one active
+//! message each, applied by the target's handler); this module holds
+//! [`UcxTransport`] and its registration.
 //!
 //! # Design
 //!
@@ -63,6 +64,15 @@
 //!   request owns, so it returns at once and any number is in flight (the
 //!   [`Transport`] contract: a put is complete locally on return), and UCX
 //!   never reads the caller's slice after the call returned.
+//! - Small puts (up to `GIN_UCX_AM_MAX` bytes, 16 KiB by default; 0: none)
+//!   to host memory go as one active message each, data and signal, which
+//!   the target's handler checks against its region table and applies,
+//!   data first: one UCX message where an RMA put with a signal is two
+//!   (over tcp, each emulated by the target's progress). A sync message
+//!   the target answers once it executed them completes them (`confirm`,
+//!   `fence`, and any RMA request after them waits for it); a refusal
+//!   comes back with it as [`NetError::Refused`]. See `am` for how they
+//!   stay ordered with the RMA path.
 //! - **Signal after data**: a put's signal is `put`, `ucp_worker_fence`,
 //!   then a non-fetching atomic add. `ucp_worker_fence` guarantees that
 //!   operations issued after it are executed at their targets after every
@@ -95,6 +105,7 @@
 //!   UCX has no atomics on GPU memory over cuda_ipc. `GIN_UCX_DEVICE=0`
 //!   makes CUDA ranks stage through pinned host memory instead.
 
+mod am;
 mod load;
 mod serve;
 #[allow(missing_docs, unused_imports, clippy::all, clippy::pedantic)]
@@ -149,6 +160,8 @@ struct Remote {
     base: u64,
     len: u64,
     access: Access,
+    /// GPU memory: never the target of a put message ([`am`]).
+    backed: bool,
 }
 
 // SAFETY: an rkey of a context shared by threads (`mt_workers_shared`),
@@ -194,6 +207,18 @@ struct Peer {
     /// Those of them whose lender gave nothing that keeps the memory alive
     /// (no [`KeepAlive`]): a failed wait still waits for these.
     bare: AtomicU64,
+    /// Puts sent as active messages ([`am`]), each one's sequence number
+    /// (assigned under the peer's lock) ...
+    am_sent: AtomicU64,
+    /// ... and up to which the target said it executed them.
+    am_synced: AtomicU64,
+    /// RMA puts issued (under the peer's lock) ...
+    rma_issued: AtomicU64,
+    /// ... and up to which a completed flush covers them.
+    rma_flushed: AtomicU64,
+    /// The target's first refusal of a put message: the path is in its
+    /// error state (reported as [`NetError::Refused`]).
+    refused: OnceLock<String>,
 }
 
 /// The most puts from lent memory in flight to one peer: the next waits
@@ -211,6 +236,14 @@ enum Work {
     Acknowledge { owner: usize, key: u32 },
     /// Answer `to`'s ping.
     Pong { to: usize },
+    /// Answer `to`'s sync `id` of put messages ([`am`]).
+    Synced {
+        to: usize,
+        id: u64,
+        done: u64,
+        value: u64,
+        refused: Option<String>,
+    },
 }
 
 /// Shared by the transport, its progress thread and UCX's callbacks.
@@ -236,6 +269,10 @@ pub(crate) struct Inner {
     /// When each peer's progress thread last answered a ping.
     heard: Mutex<HashMap<usize, Instant>>,
     answers: Mutex<HashMap<u64, Option<Result<wire::Served, wire::Refusal>>>>,
+    /// Each initiator's put messages, by rank ([`am`]).
+    am_in: Vec<Mutex<am::AmIn>>,
+    /// Answers to this rank's syncs of put messages, by request id.
+    synced: Mutex<HashMap<u64, Option<am::SyncAnswer>>>,
     next_id: AtomicU64,
     /// Fire-and-forget requests still pending: while any is, the progress
     /// thread polls instead of sleeping (a proxy waiting for a get's
@@ -273,6 +310,9 @@ pub struct UcxTransport {
     /// (`GIN_UCX_GPU_ORDER=wait`, the default), or relies on UCX's fence
     /// alone (`fence`).
     wait_lent: bool,
+    /// The largest put sent as one active message (`GIN_UCX_AM_MAX`; 0:
+    /// none), see [`am`].
+    am_max: usize,
 }
 
 /// `GIN_UCX_GPU_ORDER`: whether a request ordered after puts from GPU
@@ -349,7 +389,8 @@ impl UcxTransport {
         // its peers left: all fail, each naming what is missing.
         let spin = spin_from_env(std::env::var("GIN_UCX_SPIN").ok().as_deref()).and_then(|s| {
             let w = wait_lent_from_env(std::env::var("GIN_UCX_GPU_ORDER").ok().as_deref())?;
-            Ok((s, w))
+            let a = am::am_max_from_env(std::env::var("GIN_UCX_AM_MAX").ok().as_deref())?;
+            Ok((s, w, a))
         });
         let ucp = load::open().and_then(Ucp::new);
         let mine = match (&spin, &ucp) {
@@ -357,7 +398,7 @@ impl UcxTransport {
             _ => Vec::new(),
         };
         let addrs = b.allgather(&mine)?;
-        let (spin, wait_lent) = spin?;
+        let (spin, wait_lent, am_max) = spin?;
         let ucp = ucp?;
         if let Some(p) = addrs.iter().position(Vec::is_empty) {
             return Err(NetError::Unavailable {
@@ -389,6 +430,11 @@ impl UcxTransport {
                     unfenced: AtomicBool::new(false),
                     lent: AtomicU64::new(0),
                     bare: AtomicU64::new(0),
+                    am_sent: AtomicU64::new(0),
+                    am_synced: AtomicU64::new(0),
+                    rma_issued: AtomicU64::new(0),
+                    rma_flushed: AtomicU64::new(0),
+                    refused: OnceLock::new(),
                 })
             })
             .collect();
@@ -405,6 +451,8 @@ impl UcxTransport {
             thread_context: Mutex::new(None),
             thread_context_changes: AtomicU64::new(0),
             answers: Mutex::new(HashMap::new()),
+            am_in: (0..b.nranks()).map(|_| Mutex::default()).collect(),
+            synced: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             inflight: Arc::new(AtomicU64::new(0)),
             work: Arc::new(Mutex::new(Vec::new())),
@@ -435,6 +483,7 @@ impl UcxTransport {
             progress: Some(progress),
             device: device_from_env(std::env::var("GIN_UCX_DEVICE").ok().as_deref()),
             wait_lent,
+            am_max,
         })
     }
 }
@@ -616,6 +665,13 @@ impl Inner {
     /// The peer's sticky error as this transport reports it: the job's
     /// verdict (a death, a departure) when it has one, else UCX's.
     fn broken(&self, peer: &Peer) -> Result<(), NetError> {
+        if let Some(why) = peer.refused.get() {
+            return Err(NetError::Refused {
+                peer: peer.rank,
+                why: format!("rank {} refused: {why}", peer.rank),
+                window: None,
+            });
+        }
         let Some(why) = peer.error.get() else {
             return Ok(());
         };
@@ -1040,6 +1096,7 @@ impl Inner {
             base: served.base,
             len: served.len,
             access: served.access,
+            backed: served.backed,
         });
         s.keys.insert(key, r.clone());
         Ok(Some(r))
@@ -1248,6 +1305,7 @@ impl UcxTransport {
     /// `GIN_UCX_GPU_ORDER=fence`).
     fn order(&self, peer: &Peer) -> Result<(), NetError> {
         self.after_lent(peer)?;
+        self.after_am(peer)?;
         if peer.unfenced.swap(false, Ordering::AcqRel) {
             self.inner
                 .ucp
@@ -1292,18 +1350,26 @@ impl UcxTransport {
         s.keys.values().any(|r| Arc::ptr_eq(r, key))
     }
 
+    /// Flushes the endpoint: every RMA request issued before is complete
+    /// at the target (put messages are not covered: see [`am`]).
     fn flush(&self, peer: &Peer, deadline: Instant, what: &str) -> Result<(), NetError> {
         let p = sys::ucp_request_param_t::default();
-        let r = self.with_ep(peer, what, |ep, _| {
+        let (r, covers) = self.with_ep(peer, what, |ep, _| {
+            let covers = peer.rma_issued.load(Ordering::Acquire);
             // SAFETY: a live endpoint under the peer's lock.
-            Ok(unsafe { self.inner.ucp.lib.ucp_ep_flush_nbx(ep, &raw const p) })
+            Ok((
+                unsafe { self.inner.ucp.lib.ucp_ep_flush_nbx(ep, &raw const p) },
+                covers,
+            ))
         })?;
         match started(r) {
             Started::Done => {}
             Started::Failed(st) => return Err(self.failed(peer, what, st)),
             Started::Pending(req) => self.inner.wait(peer, req, deadline, what)?,
         }
-        self.inner.broken(peer)
+        self.inner.broken(peer)?;
+        peer.rma_flushed.fetch_max(covers, Ordering::AcqRel);
+        Ok(())
     }
 }
 
@@ -1316,6 +1382,9 @@ impl Transport for UcxTransport {
         Reach::Keyed
     }
 
+    /// One active message for a small put and its signal, else
+    /// `ucp_put_nbx` (then `ucp_worker_fence` and an atomic add for a
+    /// signal); see [`am`] for which and how they stay ordered.
     fn put(
         &self,
         peer: usize,
@@ -1323,74 +1392,7 @@ impl Transport for UcxTransport {
         src: &[u8],
         sig: Option<(Target<'_>, u64)>,
     ) -> Result<(), NetError> {
-        let inner = &self.inner;
-        let p = inner.peer(peer)?;
-        let d = self.resolve(p, dst, src.len() as u64, "put")?;
-        let s = match sig {
-            Some((t, v)) => {
-                self.after_lent(p)?;
-                t.check_aligned(peer, "signal")?;
-                Some((self.resolve(p, t, 8, "signal")?, v))
-            }
-            None => None,
-        };
-        p.dirty.store(true, Ordering::Release);
-        // Every put's source is copied into a buffer its request owns: a
-        // put that borrowed the caller's slice could be read by UCX after a
-        // timeout's force-close had returned (a safe fn must not leave
-        // that), and an owned copy lets any number be in flight.
-        self.with_ep(p, "ucp_put_nbx", |ep, st| {
-            if !Self::still(st, &d.remote)
-                || s.as_ref().is_some_and(|(s, _)| !Self::still(st, &s.remote))
-            {
-                return Err(match dst {
-                    Target::Window(_, a) => NetError::Revoked {
-                        peer,
-                        window: a.window,
-                        offset: a.offset,
-                        len: src.len() as u64,
-                        op: "put",
-                    },
-                    Target::Key { key, .. } => NetError::Refused {
-                        peer,
-                        why: format!("unknown memory key {key:#010x}"),
-                        window: None,
-                    },
-                });
-            }
-            let mut ctx = inner.op_ctx(p, "put");
-            let owned: Box<[u8]> = src.into();
-            let buf = owned.as_ptr();
-            ctx.bounce = Some(owned);
-            let prm = Inner::params(ctx);
-            // SAFETY: a live endpoint and rkey; the bounce buffer is owned
-            // by the request's context until it completes.
-            let started = unsafe {
-                inner.ucp.lib.ucp_put_nbx(
-                    ep,
-                    buf.cast(),
-                    src.len(),
-                    d.addr,
-                    d.remote.rkey,
-                    &raw const prm,
-                )
-            };
-            inner
-                .launched(&prm, started)
-                .map_err(|st| self.failed(p, "put", st))?;
-            if let Some((sr, v)) = &s {
-                inner
-                    .ucp
-                    .fence()
-                    .map_err(|st| self.failed(p, "fence before a signal", st))?;
-                self.post_add(p, ep, sr, *v)?;
-            }
-            // Under the peer's lock, before any later put_ordered can look.
-            p.unfenced.store(s.is_none(), Ordering::Release);
-            Ok(())
-        })?;
-
-        Ok(())
+        self.put_inner(peer, dst, src, sig, false)
     }
 
     unsafe fn get(
@@ -1496,8 +1498,13 @@ impl Transport for UcxTransport {
         let p = inner.peer(peer)?;
         at.check_aligned(peer, "atomic")?;
         let r = self.resolve(p, at, 8, "atomic")?;
-        self.order(p)?;
         let deadline = Instant::now() + timeout;
+        // After put messages not known executed: in their sequence, one
+        // round trip (a sync and then an RMA atomic would be two).
+        if p.am_pending() && !r.remote.backed {
+            return self.am_atomic(p, &r.remote, at, op, deadline);
+        }
+        self.order(p)?;
         let (code, x, reply) = match op {
             AtomicOp::FetchAdd(v) => (sys::UCP_ATOMIC_OP_ADD, v, 0u64),
             AtomicOp::CompareSwap { expected, desired } => {
@@ -1549,7 +1556,8 @@ impl Transport for UcxTransport {
                 let deadline = Instant::now() + timeout;
                 self.inner
                     .settle(p, 0, deadline, "the puts from lent memory")?;
-                self.flush(p, deadline, "a fence")
+                self.flush(p, deadline, "a fence")?;
+                self.am_sync(p, deadline, "a fence")
             }
             None => Ok(()),
         }
@@ -1567,7 +1575,14 @@ impl Transport for UcxTransport {
         if !p.dirty.swap(false, Ordering::AcqRel) {
             return self.inner.broken(p);
         }
-        self.flush(p, deadline, "the confirmation of puts")
+        let am = p.am_pending();
+        if !p.rma_clean() || !am {
+            self.flush(p, deadline, "the confirmation of puts")?;
+        }
+        if am {
+            self.am_sync(p, deadline, "the confirmation of put messages")?;
+        }
+        self.inner.broken(p)
     }
 
     fn health(&self, peer: usize) -> Result<(), NetError> {
@@ -1590,8 +1605,7 @@ impl Transport for UcxTransport {
     /// Fences after an earlier put (`ucp_worker_fence`), then puts: UCP
     /// orders puts to one peer only across a fence.
     fn put_ordered(&self, peer: usize, dst: Target<'_>, src: &[u8]) -> Result<(), NetError> {
-        self.order(self.inner.peer(peer)?)?;
-        self.put(peer, dst, src, None)
+        self.put_inner(peer, dst, src, None, true)
     }
 
     fn takes_device_memory(&self) -> bool {
@@ -1759,6 +1773,7 @@ impl UcxTransport {
         let p = inner.peer(peer)?;
         let d = self.resolve(p, dst, len, "put")?;
         let n = usize::try_from(len).map_err(|_| too_long(peer, dst, len))?;
+        self.after_am(p)?;
         if p.lent.load(Ordering::Acquire) >= LENT_MAX {
             let deadline = Instant::now() + inner.timeout;
             inner.settle(p, LENT_MAX - 1, deadline, "a put from lent memory")?;
@@ -1789,10 +1804,126 @@ impl UcxTransport {
             inner
                 .launched(&prm, r)
                 .map_err(|st| self.failed(p, "put from GPU memory", st))?;
+            p.rma_issued.fetch_add(1, Ordering::AcqRel);
             // Under the peer's lock, before any later put_ordered can look.
             p.unfenced.store(true, Ordering::Release);
             Ok(())
         })
+    }
+
+    /// A put (`ordered`: executed after every earlier request to `peer`,
+    /// [`Transport::put_ordered`]): one active message when it fits
+    /// ([`UcxTransport::am_fits`]) and no RMA put to `peer` is unflushed,
+    /// else by RMA after the put messages before it were executed.
+    fn put_inner(
+        &self,
+        peer: usize,
+        dst: Target<'_>,
+        src: &[u8],
+        sig: Option<(Target<'_>, u64)>,
+        ordered: bool,
+    ) -> Result<(), NetError> {
+        let p = self.inner.peer(peer)?;
+        let d = self.resolve(p, dst, src.len() as u64, "put")?;
+        let s = match sig {
+            Some((at, add)) => {
+                at.check_aligned(peer, "signal")?;
+                let (skey, soff) = at.key_at(peer, "ucx")?;
+                Some((self.resolve(p, at, 8, "signal")?, (skey, soff, add)))
+            }
+            None => None,
+        };
+        let (key, offset) = dst.key_at(peer, "ucx")?;
+        let mut am = self.am_fits(src.len(), &d, s.as_ref().map(|(r, _)| r)) && p.rma_clean();
+        p.dirty.store(true, Ordering::Release);
+        loop {
+            if !am {
+                if ordered {
+                    self.order(p)?;
+                } else {
+                    self.after_am(p)?;
+                    if s.is_some() {
+                        self.after_lent(p)?;
+                    }
+                }
+            }
+            let sent = self.with_ep(p, "ucp_put_nbx", |ep, st| {
+                if !Self::still(st, &d.remote)
+                    || s.as_ref().is_some_and(|(s, _)| !Self::still(st, &s.remote))
+                {
+                    return Err(revoked(peer, dst, src.len() as u64, "put"));
+                }
+                if am {
+                    // An RMA put from another thread since the check: this
+                    // one goes by RMA too.
+                    if !p.rma_clean() {
+                        return Ok(false);
+                    }
+                    self.am_issue(p, ep, key, offset, s.as_ref().map(|(_, w)| *w), src)?;
+                    return Ok(true);
+                }
+                // A put message from another thread since the sync: wait
+                // for it too.
+                if p.am_pending() {
+                    return Ok(false);
+                }
+                self.rma_put(p, ep, &d, s.as_ref().map(|(r, (_, _, v))| (r, *v)), src)?;
+                Ok(true)
+            })?;
+            if sent {
+                return Ok(());
+            }
+            am = false;
+        }
+    }
+
+    /// `ucp_put_nbx` from a copy of `src` the request owns, then, for a
+    /// signal, `ucp_worker_fence` and a non-fetching atomic add (under the
+    /// peer's lock: `ep` is its live endpoint).
+    fn rma_put(
+        &self,
+        p: &Peer,
+        ep: sys::ucp_ep_h,
+        d: &Resolved,
+        sig: Option<(&Resolved, u64)>,
+        src: &[u8],
+    ) -> Result<(), NetError> {
+        let inner = &self.inner;
+        // Every put's source is copied into a buffer its request owns: a
+        // put that borrowed the caller's slice could be read by UCX after a
+        // timeout's force-close had returned (a safe fn must not leave
+        // that), and an owned copy lets any number be in flight.
+        let mut ctx = inner.op_ctx(p, "put");
+        let owned: Box<[u8]> = src.into();
+        let buf = owned.as_ptr();
+        ctx.bounce = Some(owned);
+        let prm = Inner::params(ctx);
+        // SAFETY: a live endpoint and rkey; the bounce buffer is owned by
+        // the request's context until it completes.
+        let started = unsafe {
+            inner.ucp.lib.ucp_put_nbx(
+                ep,
+                buf.cast(),
+                src.len(),
+                d.addr,
+                d.remote.rkey,
+                &raw const prm,
+            )
+        };
+        inner
+            .launched(&prm, started)
+            .map_err(|st| self.failed(p, "put", st))?;
+        p.rma_issued.fetch_add(1, Ordering::AcqRel);
+        if let Some((sr, v)) = sig {
+            inner
+                .ucp
+                .fence()
+                .map_err(|st| self.failed(p, "fence before a signal", st))?;
+            self.post_add(p, ep, sr, v)?;
+        }
+        // Under the peer's lock, before any later put_ordered can look.
+        p.unfenced.store(sig.is_none(), Ordering::Release);
+        Ok(())
     }
 
     /// A non-fetching atomic add of `v` at `r`, fire-and-forget (a

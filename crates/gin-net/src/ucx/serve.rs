@@ -76,6 +76,10 @@ pub(super) fn set_handlers(inner: &Arc<Inner>) -> Result<(), NetError> {
         (wire::id::REVOKED, on_revoked),
         (wire::id::PING, on_ping),
         (wire::id::PONG, on_pong),
+        (wire::id::PUT, super::am::on_put),
+        (wire::id::SYNC, super::am::on_sync),
+        (wire::id::SYNCED, super::am::on_synced),
+        (wire::id::ATOMIC, super::am::on_atomic),
     ] {
         let p = sys::ucp_am_handler_param_t {
             field_mask: u64::from(
@@ -122,7 +126,11 @@ type AmCb = unsafe extern "C" fn(
 /// # Safety
 /// As UCX calls a handler: `arg` is what `set_handlers` registered and
 /// `header` points to `len` bytes (or is unused when `len` is 0).
-unsafe fn parts<'a>(arg: *mut c_void, header: *const c_void, len: usize) -> (&'a Inner, &'a [u8]) {
+pub(super) unsafe fn parts<'a>(
+    arg: *mut c_void,
+    header: *const c_void,
+    len: usize,
+) -> (&'a Inner, &'a [u8]) {
     // SAFETY: see the function's contract.
     unsafe {
         let h = if len == 0 {
@@ -280,8 +288,26 @@ impl Inner {
 
     /// Sends an active message to `peer` (header copied, `data` owned by
     /// the request until sent); why not, when it could not be sent.
-    fn send(&self, peer: &Peer, id: u32, header: &[u8], data: Vec<u8>) -> Result<(), String> {
+    pub(super) fn send(
+        &self,
+        peer: &Peer,
+        id: u32,
+        header: &[u8],
+        data: Vec<u8>,
+    ) -> Result<(), String> {
         let s = lock(&peer.state);
+        self.send_locked(peer, &s, id, header, data)
+    }
+
+    /// As [`Inner::send`], with the peer's lock held (`s` is its state).
+    pub(super) fn send_locked(
+        &self,
+        peer: &Peer,
+        s: &super::PeerState,
+        id: u32,
+        header: &[u8],
+        data: Vec<u8>,
+    ) -> Result<(), String> {
         if s.ep.is_null() {
             return Err(format!("the endpoint to rank {} is closed", peer.rank));
         }
@@ -530,6 +556,7 @@ impl Inner {
                 base: info.base as u64,
                 len: info.len,
                 access: info.access,
+                backed: info.backed,
                 rkey,
             },
             holders: HashSet::new(),
@@ -631,6 +658,13 @@ impl Inner {
                 Work::Revoke { owner, key } => self.revoke(owner, key),
                 Work::Acknowledge { owner, key } => self.acknowledge(owner, key),
                 Work::Pong { to } => self.signal_to(to, wire::id::PONG),
+                Work::Synced {
+                    to,
+                    id,
+                    done,
+                    value,
+                    refused,
+                } => self.am_answer(to, id, done, value, refused),
             }
         }
         any

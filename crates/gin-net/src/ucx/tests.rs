@@ -1108,3 +1108,332 @@ fn gin_ucx_gpu_order_is_wait_or_fence() {
         "{e}"
     );
 }
+
+#[test]
+fn gin_ucx_am_max_is_a_size_or_an_error_naming_it() {
+    assert_eq!(am::am_max_from_env(None).unwrap(), am::AM_MAX);
+    assert_eq!(am::am_max_from_env(Some("0")).unwrap(), 0);
+    assert_eq!(am::am_max_from_env(Some(" 256 ")).unwrap(), 256);
+    let e = am::am_max_from_env(Some("4k")).unwrap_err().to_string();
+    assert!(e.contains("GIN_UCX_AM_MAX") && e.contains("4k"), "{e}");
+}
+
+/// The 8-byte word at `i` of `mem`, read atomically.
+fn word(mem: &[u64], i: usize) -> u64 {
+    // SAFETY: inside `mem`, aligned; written by peers through the region
+    // table or UCX, read atomically here.
+    unsafe { &*mem.as_ptr().add(i).cast::<AtomicU64>() }.load(Ordering::Acquire)
+}
+
+/// Many small puts with a signal each go as one active message each (none
+/// by RMA), and execute in issue order with each signal after its data:
+/// whenever the target sees the count reach `c`, the payload of put `c`
+/// is there (or a later one's in the same slot), and after the confirm
+/// every byte is the last put's. Over UCX's tcp and the default
+/// transports (shared memory).
+#[test]
+fn many_put_messages_deliver_their_bytes_with_each_signal_after_its_data() {
+    const N: u64 = 3000;
+    const SLOTS: u64 = 16;
+    const WORDS: usize = 32; // 256 bytes a put
+    if !ucx_here() {
+        return;
+    }
+    for tls in [Some(c"tcp,self"), None] {
+        let timeout = Duration::from_secs(30);
+        two_ranks_over(tls, move |b, table| {
+            let mut t = start(b, &table, timeout);
+            t.am_max = 4096;
+            let mut recv = vec![0u64; SLOTS as usize * WORDS + 1];
+            let key = if b.rank() == 1 {
+                register(&table, &mut recv)
+            } else {
+                0
+            };
+            let key = key_of(b, key, 1);
+            let count_at = SLOTS * WORDS as u64 * 8;
+            if b.rank() == 0 {
+                for i in 1..=N {
+                    let payload: Vec<u8> = (0..WORDS as u64)
+                        .flat_map(|w| (i << 8 | w).to_le_bytes())
+                        .collect();
+                    let at = Target::Key {
+                        key,
+                        offset: (i % SLOTS) * WORDS as u64 * 8,
+                    };
+                    let sig = Target::Key {
+                        key,
+                        offset: count_at,
+                    };
+                    t.put(1, at, &payload, Some((sig, 1))).unwrap();
+                }
+                t.confirm(1, timeout).unwrap();
+                let p = t.inner.peer(1).unwrap();
+                assert_eq!(p.am_sent.load(Ordering::Acquire), N);
+                assert_eq!(p.rma_issued.load(Ordering::Acquire), 0);
+            } else {
+                let began = Instant::now();
+                let mut seen = 0;
+                while seen < N {
+                    let c = word(&recv, SLOTS as usize * WORDS);
+                    assert!(began.elapsed() < timeout, "the signal stopped at {c}");
+                    if c == seen {
+                        std::thread::yield_now();
+                        continue;
+                    }
+                    seen = c;
+                    // Put `c`'s data, or a later put's to the same slot.
+                    let slot = (c % SLOTS) as usize * WORDS;
+                    for w in 0..WORDS {
+                        let v = word(&recv, slot + w);
+                        assert!(
+                            v >> 8 >= c && (v >> 8) % SLOTS == c % SLOTS && v & 0xff == w as u64,
+                            "signal {c} seen before its data: word {w} of its slot is {v:#x} ({tls:?})"
+                        );
+                    }
+                }
+            }
+            b.barrier().unwrap();
+            if b.rank() == 1 {
+                for s in 0..SLOTS {
+                    // The last put to slot `s`.
+                    let last = N - (N + SLOTS - s) % SLOTS;
+                    for w in 0..WORDS {
+                        let v = word(&recv, s as usize * WORDS + w);
+                        assert_eq!(v, last << 8 | w as u64, "slot {s} word {w} ({tls:?})");
+                    }
+                }
+            }
+            b.barrier().unwrap();
+            drop(t);
+        });
+    }
+}
+
+/// A put message the target refuses (its range exceeds the region: the
+/// target's own check, the initiator's bypassed) is never applied, nor is
+/// its signal, nor anything after it (the stream is in its error state,
+/// as an RDMA QP); the next confirm fails as a refusal naming the target,
+/// the key and the offset, and so does every later request to that peer.
+#[test]
+fn a_refused_put_message_fails_the_confirm_by_name_without_applying_the_signal() {
+    if !ucx_here() {
+        return;
+    }
+    for tls in [Some(c"tcp,self"), None] {
+        let timeout = Duration::from_secs(30);
+        let out = two_ranks_over(tls, move |b, table| {
+            let t = start(b, &table, timeout);
+            let mut recv = vec![0u64; 512];
+            let key = if b.rank() == 1 {
+                register(&table, &mut recv)
+            } else {
+                0
+            };
+            let key = key_of(b, key, 1);
+            let mut got = None;
+            if b.rank() == 0 {
+                let p = t.inner.peer(1).unwrap();
+                // A good one first: it lands.
+                t.put(
+                    1,
+                    Target::Key { key, offset: 0 },
+                    &[9; 8],
+                    Some((Target::Key { key, offset: 8 }, 1)),
+                )
+                .unwrap();
+                t.confirm(1, timeout).unwrap();
+                p.dirty.store(true, Ordering::Release);
+                t.with_ep(p, "test", |ep, _| {
+                    // 16 bytes at offset 4088 of a 4096-byte region.
+                    t.am_issue(p, ep, key, 4088, Some((key, 16, 1)), &[7; 16])?;
+                    // A good one after it: refused too.
+                    t.am_issue(p, ep, key, 24, Some((key, 16, 1)), &[7; 8])
+                })
+                .unwrap();
+                // An atomic message behind them is refused, not applied.
+                let atomic = t
+                    .atomic(
+                        1,
+                        Target::Key { key, offset: 16 },
+                        AtomicOp::FetchAdd(1),
+                        timeout,
+                    )
+                    .unwrap_err();
+                assert!(
+                    matches!(atomic, NetError::Refused { peer: 1, .. }),
+                    "{atomic}"
+                );
+                let e = t.confirm(1, timeout).unwrap_err();
+                let again = t.health(1).unwrap_err();
+                let later = t
+                    .put(1, Target::Key { key, offset: 0 }, &vec![1; 64 << 10], None)
+                    .unwrap_err();
+                got = Some((e, again, later));
+            }
+            b.barrier().unwrap();
+            if b.rank() == 1 {
+                assert_eq!(word(&recv, 0), u64::from_le_bytes([9; 8]));
+                assert_eq!(word(&recv, 1), 1, "the good signal");
+                assert_eq!(word(&recv, 2), 0, "a refused put's signal was applied");
+                assert_eq!(word(&recv, 3), 0, "a put after a refusal was applied");
+                assert_eq!(word(&recv, 511), 0, "refused data was applied");
+            }
+            b.barrier().unwrap();
+            drop(t);
+            got.map(|g| (g, key))
+        });
+        let ((e, again, later), key) = out.into_iter().next().flatten().unwrap();
+        let text = e.to_string();
+        assert!(matches!(e, NetError::Refused { peer: 1, .. }), "{text}");
+        assert!(
+            text.contains("rank 1")
+                && text.contains("offset 4088")
+                && text.contains(&format!("{key:#010x}")),
+            "{text}"
+        );
+        assert!(
+            matches!(again, NetError::Refused { peer: 1, .. }),
+            "{again}"
+        );
+        assert!(
+            matches!(later, NetError::Refused { peer: 1, .. }),
+            "{later}"
+        );
+    }
+}
+
+/// Puts to one peer that alternate between active messages (small) and
+/// RMA (large) execute in issue order: a small put, a large one over the
+/// same bytes, a small one with a signal, some rounds fenced between
+/// (so the next small put goes as a message again). The target sees the
+/// first word only grow, and when the signal says round `r` is done, the
+/// word is at least that round's last value; the last write wins.
+#[test]
+fn a_mix_of_put_messages_and_rma_puts_to_one_peer_keeps_issue_order() {
+    const ROUNDS: u64 = 400;
+    const BIG: usize = 8 << 10;
+    if !ucx_here() {
+        return;
+    }
+    for tls in [Some(c"tcp,self"), None] {
+        let timeout = Duration::from_secs(30);
+        two_ranks_over(tls, move |b, table| {
+            let mut t = start(b, &table, timeout);
+            t.am_max = 64;
+            let mut recv = vec![0u64; BIG / 8 + 1];
+            let key = if b.rank() == 1 {
+                register(&table, &mut recv)
+            } else {
+                0
+            };
+            let key = key_of(b, key, 1);
+            let at = Target::Key { key, offset: 0 };
+            let sig = Target::Key {
+                key,
+                offset: BIG as u64,
+            };
+            if b.rank() == 0 {
+                let mut big = vec![0u8; BIG];
+                for r in 0..ROUNDS {
+                    t.put(1, at, &(3 * r + 1).to_le_bytes(), None).unwrap();
+                    big[..8].copy_from_slice(&(3 * r + 2).to_le_bytes());
+                    t.put(1, at, &big, None).unwrap();
+                    if r % 2 == 0 {
+                        t.fence(1, timeout).unwrap();
+                    }
+                    t.put(1, at, &(3 * r + 3).to_le_bytes(), Some((sig, 1)))
+                        .unwrap();
+                }
+                t.confirm(1, timeout).unwrap();
+                let p = t.inner.peer(1).unwrap();
+                let am = p.am_sent.load(Ordering::Acquire);
+                let rma = p.rma_issued.load(Ordering::Acquire);
+                assert!(
+                    am >= ROUNDS && rma >= ROUNDS,
+                    "{am} messages, {rma} RMA puts"
+                );
+            } else {
+                let began = Instant::now();
+                let mut last = 0;
+                loop {
+                    let done = word(&recv, BIG / 8);
+                    let v = word(&recv, 0);
+                    assert!(v >= last, "word 0 went back from {last} to {v} ({tls:?})");
+                    last = v;
+                    assert!(
+                        v >= 3 * done,
+                        "round {done} signalled but word 0 is {v} ({tls:?})"
+                    );
+                    if done == ROUNDS {
+                        break;
+                    }
+                    assert!(began.elapsed() < timeout, "the signal stopped at {done}");
+                    std::thread::yield_now();
+                }
+            }
+            b.barrier().unwrap();
+            if b.rank() == 1 {
+                assert_eq!(word(&recv, 0), 3 * ROUNDS);
+            }
+            b.barrier().unwrap();
+            drop(t);
+        });
+    }
+}
+
+/// An atomic right after put messages (a soft NIC's signal after its
+/// write) goes as a message in their sequence and sees their data: a
+/// fetch-add on the word a put message just wrote returns that put's
+/// value, a compare-swap too; nothing went by RMA.
+#[test]
+fn an_atomic_after_put_messages_executes_after_them() {
+    const N: u64 = 500;
+    if !ucx_here() {
+        return;
+    }
+    for tls in [Some(c"tcp,self"), None] {
+        let timeout = Duration::from_secs(30);
+        two_ranks_over(tls, move |b, table| {
+            let t = start(b, &table, timeout);
+            let mut recv = vec![0u64; 16];
+            let key = if b.rank() == 1 {
+                register(&table, &mut recv)
+            } else {
+                0
+            };
+            let key = key_of(b, key, 1);
+            if b.rank() == 0 {
+                let w = Target::Key { key, offset: 8 };
+                for i in 1..=N {
+                    t.put(1, w, &(i << 20).to_le_bytes(), None).unwrap();
+                    let old = t.atomic(1, w, AtomicOp::FetchAdd(1), timeout).unwrap();
+                    assert_eq!(old, i << 20, "{tls:?}");
+                    t.put(1, w, &(i << 21).to_le_bytes(), None).unwrap();
+                    let old = t
+                        .atomic(
+                            1,
+                            w,
+                            AtomicOp::CompareSwap {
+                                expected: i << 21,
+                                desired: 7,
+                            },
+                            timeout,
+                        )
+                        .unwrap();
+                    assert_eq!(old, i << 21, "{tls:?}");
+                }
+                t.confirm(1, timeout).unwrap();
+                let p = t.inner.peer(1).unwrap();
+                assert_eq!(p.am_sent.load(Ordering::Acquire), 4 * N);
+                assert_eq!(p.rma_issued.load(Ordering::Acquire), 0);
+            }
+            b.barrier().unwrap();
+            if b.rank() == 1 {
+                assert_eq!(word(&recv, 1), 7);
+            }
+            b.barrier().unwrap();
+            drop(t);
+        });
+    }
+}
