@@ -501,14 +501,18 @@ impl Bootstrap {
     /// were waiting on a third rank, one that gives up because of `peer` and
     /// leaves, name `peer` as the cause instead of that rank's departure.
     /// `why` says what went unanswered, for how long. Ignored for this rank
-    /// itself, a rank outside the job, and a peer already known to have
-    /// failed. Writes one frame to the root and waits for no answer.
+    /// itself, a rank outside the job, a peer already known to have failed,
+    /// and while this rank closes. Writes one frame to the root and waits
+    /// for no answer.
     pub fn report_unresponsive(&self, peer: usize, why: &str) {
         if peer == self.rank || peer >= self.nranks {
             return;
         }
-        if self.shared.lock().failed[peer].is_some() {
-            return;
+        {
+            let st = self.shared.lock();
+            if st.closing || st.failed[peer].is_some() {
+                return;
+            }
         }
         self.report_stuck(peer, why);
     }

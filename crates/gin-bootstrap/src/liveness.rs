@@ -143,22 +143,40 @@ impl Liveness {
         (!out.is_empty()).then_some(out)
     }
 
-    /// [`Liveness::diagnose`], after telling the job of every peer found
-    /// stopped ([`Bootstrap::report_unresponsive`]): the caller's wait timed
-    /// out and it is about to fail, and the ranks waiting on it would
-    /// otherwise name its departure, a symptom, rather than the stopped
-    /// peer (`cargo xtask faults`, all-to-all over shm).
-    pub fn diagnose_and_report(&self, bootstrap: &Bootstrap) -> Option<String> {
-        for (peer, state) in self.stopped() {
-            bootstrap.report_unresponsive(
-                peer,
-                &format!(
-                    "rank {} found it stopped after a wait timed out: rank {peer} {state}",
-                    bootstrap.rank()
-                ),
-            );
+    /// Tells the job of each peer (`peer`, or every one looked at) that is
+    /// stopped by a signal ([`Bootstrap::report_unresponsive`]): the
+    /// caller's wait, as long as the job's timeout, timed out and it is
+    /// about to fail, and the ranks waiting on it would otherwise name its
+    /// departure, a symptom, rather than the stopped peer (`cargo xtask
+    /// faults`, all-to-all over shm). Only a job-control stop (`T`, not a
+    /// tracer's `t`: a debugger stepping a rank is not a dead rank) seen
+    /// twice, 20 ms apart, counts. Failure path only (it sleeps).
+    pub fn report_stopped(&self, bootstrap: &Bootstrap, peer: Option<usize>) {
+        let first = self.stopped_now(peer);
+        if first.is_empty() {
+            return;
         }
-        self.diagnose()
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        for (p, state) in self.stopped_now(peer) {
+            if first.iter().any(|(q, _)| *q == p) {
+                bootstrap.report_unresponsive(
+                    p,
+                    &format!(
+                        "rank {} found it stopped after a wait timed out: rank {p} {state}",
+                        bootstrap.rank()
+                    ),
+                );
+            }
+        }
+    }
+
+    /// The peers (`peer`, or all) stopped by a signal now.
+    fn stopped_now(&self, peer: Option<usize>) -> Vec<(usize, String)> {
+        self.look()
+            .into_iter()
+            .filter(|(r, s)| s.signal_stop && peer.is_none_or(|p| p == *r))
+            .map(|(r, s)| (r, s.to_string()))
+            .collect()
     }
 
     /// The peers whose process is stopped, each with what its state says
@@ -179,12 +197,13 @@ impl Liveness {
         self.peers
             .iter()
             .filter_map(|(rank, p)| {
-                let stopped = match read_stat(p.pid) {
-                    Some(s) if s.start != p.start => false,
-                    None => false,
+                let (stopped, signal_stop) = match read_stat(p.pid) {
+                    Some(s) if s.start != p.start => (false, false),
+                    None => (false, false),
                     Some(s) => match s.state {
-                        'T' | 't' => true,
-                        'Z' | 'X' | 'x' => false,
+                        'T' => (true, true),
+                        't' => (true, false),
+                        'Z' | 'X' | 'x' => (false, false),
                         _ => return None,
                     },
                 };
@@ -192,6 +211,7 @@ impl Liveness {
                     *rank,
                     PeerState {
                         stopped,
+                        signal_stop,
                         pid: p.pid,
                     },
                 ))
@@ -203,6 +223,8 @@ impl Liveness {
 /// A peer process that is not running: stopped, or gone.
 struct PeerState {
     stopped: bool,
+    /// Stopped by a signal (`T`), not by a tracer (`t`).
+    signal_stop: bool,
     pid: u32,
 }
 

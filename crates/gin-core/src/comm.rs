@@ -92,7 +92,11 @@ impl Health for BootstrapHealth {
     }
 
     fn diagnose(&self) -> Option<String> {
-        self.1.diagnose_and_report(&self.0)
+        self.1.diagnose()
+    }
+
+    fn report_stopped(&self, peer: Option<usize>) {
+        self.1.report_stopped(&self.0, peer);
     }
 }
 

@@ -251,6 +251,15 @@ pub trait Health: Send + Sync + std::fmt::Debug {
     fn diagnose(&self) -> Option<String> {
         None
     }
+
+    /// After a wait as long as the job's timeout timed out (on operations
+    /// to `peer`, or on any peer): tells the job of the peers that are
+    /// certainly stopped, so ranks waiting on this one, which is about to
+    /// fail, name them rather than its departure. Failure path only; the
+    /// default does nothing.
+    fn report_stopped(&self, peer: Option<usize>) {
+        let _ = peer;
+    }
 }
 
 /// The local counter array, shared with the backend that bumps it.
@@ -704,8 +713,14 @@ impl DevComm {
                     // transport, which give up at about the same moment with
                     // an error naming that peer: give them a moment, so the
                     // error names the cause. Failure path only.
-                    Stop::Timeout(waited) => {
-                        self.timeout_cause(peer).unwrap_or(GinError::Timeout {
+                    Stop::Timeout(waited) => self.timeout_cause(peer).unwrap_or_else(|| {
+                        // A wait as long as the job's timeout on a peer
+                        // that stopped: the job hears of it (a caller's
+                        // shorter deadline judges nobody).
+                        if timeout >= self.p.timeout {
+                            self.p.health.report_stopped(peer);
+                        }
+                        GinError::Timeout {
                             rank: self.p.rank,
                             ctx,
                             peer,
@@ -714,8 +729,8 @@ impl DevComm {
                             expected,
                             waited,
                             suspects: self.p.health.diagnose().unwrap_or_default(),
-                        })
-                    }
+                        }
+                    }),
                     Stop::Aborted => GinError::Aborted {
                         rank: self.p.rank,
                         ctx,

@@ -25,6 +25,10 @@ use crate::window::KeepAlive;
 /// Replies carry a 32-bit length: larger reads go as several requests.
 const PIECE: u64 = 1 << 30;
 
+/// How long a request past its deadline still waits for an answer before
+/// the peer is blamed (see `Link::call`).
+const LATE_ANSWER: Duration = Duration::from_millis(100);
+
 /// The job-health check shared by a transport's links, and where they
 /// report a peer that did not answer for the whole timeout (each set once).
 #[derive(Default)]
@@ -612,7 +616,8 @@ impl Link {
             .map(|req| {
                 (
                     req,
-                    rx.recv_timeout(until.saturating_duration_since(Instant::now())),
+                    rx.recv_timeout(until.saturating_duration_since(Instant::now()))
+                        .or_else(|_| rx.recv_timeout(LATE_ANSWER)),
                 )
             });
         // Whatever happened, nothing writes `out` once this is done: the
@@ -657,7 +662,13 @@ impl Link {
             self.pending().remove(&req);
             return Err(e);
         }
-        match rx.recv_timeout(timeout) {
+        // A short second look after the deadline: had this rank itself
+        // been stopped past it, the answer that arrived meanwhile is still
+        // being filed by its reader thread, and the peer is not to blame.
+        match rx
+            .recv_timeout(timeout)
+            .or_else(|_| rx.recv_timeout(LATE_ANSWER))
+        {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(why)) => Err(self.failure(why)),
             Err(_) => Err(self.unanswered(format!("the answer to request {req}"), timeout)),
