@@ -540,6 +540,20 @@ impl PoolMem {
         }
     }
 
+    /// Returns the allocation to the pool now, freeing at once what the
+    /// pool lets go of: for its owner's thread (which may wait for the
+    /// device), when no transport holds the allocation any more.
+    pub(crate) fn release_now(mut self) {
+        if let Some(b) = self.block.take() {
+            if self.leak.load(Ordering::Acquire) {
+                std::mem::forget(b);
+                return;
+            }
+            let free = lock(&self.pool).give(self.class, b);
+            drop(free);
+        }
+    }
+
     /// A peer may still write the allocation (a transport quarantined
     /// it): whichever holder drops it last leaks it, never returning it to
     /// the pool for another window.

@@ -290,6 +290,23 @@ impl LocalPart {
 
 impl Drop for LocalPart {
     fn drop(&mut self) {
+        self.stop_serving();
+        // The owner dropping the last hold frees at once what the pool lets
+        // go of (a user freeing a window to make room expects the memory
+        // back); a transport still holding it (a pipelined put) returns it
+        // later, its frees left to an allocating thread.
+        if let Some(block) = self.block.take()
+            && let Ok(block) = Arc::try_unwrap(block)
+        {
+            block.release_now();
+        }
+    }
+}
+
+impl LocalPart {
+    /// Stops serving the part over TCP and ucx; on a quarantined removal,
+    /// marks gin's allocation to be leaked.
+    fn stop_serving(&mut self) {
         // TCP peers' requests are refused ("unknown memory key") from now
         // on; the removal waits for a request being served.
         if let Some((t, key)) = &self.served

@@ -324,6 +324,13 @@ impl Inner {
     /// data, then adds the signal (release: whoever sees it sees the data).
     fn am_apply(&self, put: &wire::AmPut, bytes: &[u8]) -> Result<(), RegionError> {
         let t = &self.table;
+        // GPU memory is never written from a UCX handler (a CUDA copy there
+        // could wait on a kernel that waits on this worker): initiators send
+        // put messages to host memory only, and a stale or recycled key
+        // that now names GPU memory is refused here too.
+        if t.with_region(put.key, |r| r.is_some_and(|r| r.backed)) {
+            return Err(RegionError::CopyOnly { key: put.key });
+        }
         t.check(put.key, put.offset, bytes.len() as u64, AccessKind::Write)?;
         if let Some((k, o, _)) = put.signal {
             t.check(k, o, 8, AccessKind::Atomic)?;

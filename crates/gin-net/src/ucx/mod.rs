@@ -219,6 +219,12 @@ struct Peer {
     /// The target's first refusal of a put message: the path is in its
     /// error state (reported as [`NetError::Refused`]).
     refused: OnceLock<String>,
+    /// This rank gave up on the peer after a wait timed out (and closed
+    /// its endpoint, which UCX may refuse): the peer, silent but perhaps
+    /// alive, may still write what it issued, unlike one whose endpoint
+    /// failed (it left or died). A region it held an rkey for is then
+    /// quarantined rather than released (`serve::await_acks`).
+    gave_up: AtomicBool,
 }
 
 /// The most puts from lent memory in flight to one peer: the next waits
@@ -435,6 +441,7 @@ impl UcxTransport {
                     rma_issued: AtomicU64::new(0),
                     rma_flushed: AtomicU64::new(0),
                     refused: OnceLock::new(),
+                    gave_up: AtomicBool::new(false),
                 })
             })
             .collect();
@@ -901,6 +908,7 @@ impl Inner {
             if failed.is_none() && spins.is_multiple_of(256) {
                 let why = if Instant::now() > deadline {
                     self.blame(peer.rank, start.elapsed(), what);
+                    peer.gave_up.store(true, Ordering::Release);
                     Some(NetError::Timeout {
                         peer: peer.rank,
                         what: what.to_string(),
@@ -986,6 +994,7 @@ impl Inner {
             } else if Instant::now() > deadline {
                 let what = format!("{what} ({left} of them still in flight)");
                 self.blame(peer.rank, start.elapsed(), &what);
+                peer.gave_up.store(true, Ordering::Release);
                 NetError::Timeout {
                     peer: peer.rank,
                     what,

@@ -24,7 +24,7 @@ pub(super) struct Mapping {
     base: usize,
     served: wire::Served,
     /// Peers that were sent its rkey.
-    holders: HashSet<usize>,
+    pub(super) holders: HashSet<usize>,
 }
 
 // SAFETY: a memory handle of a context shared by threads
@@ -809,16 +809,18 @@ impl Inner {
     /// Waits until every peer that held `key`'s rkey acknowledged its
     /// revocation (it dropped the rkey and flushed what it sent) or is gone
     /// (its process, where it runs on this kernel): then the memory may be
-    /// reused ([`Removal::Released`]). Nothing else counts as release:
-    /// silence, a path this rank gave up on or a failed job do not stop
-    /// puts a peer already issued. A peer late to acknowledge is pinged
-    /// every [`PING_EVERY`] (the log says whether it answered); the wait
-    /// ends without every acknowledgement once the job has failed, the
-    /// transport is closing, no peer left is reachable, or the job's
-    /// timeout passed (answering pings or not: a stopped rank, or one whose
-    /// worker a UCX call holds, may still write), and the region is then
-    /// [`Removal::Quarantined`]: kept mapped here, its owner told to leak
-    /// the memory rather than reuse it.
+    /// reused ([`Removal::Released`]). A peer late to acknowledge is
+    /// pinged every [`PING_EVERY`] (the log says whether it answered). The
+    /// wait ends without every acknowledgement once the job has failed or
+    /// a rank left, the transport is closing, or no holder left is
+    /// reachable: a holder whose endpoint failed from its side (it left
+    /// after flushing, or died) writes nothing more, but one this rank gave
+    /// up on after a timeout (`Peer::gave_up`: silent, perhaps stopped) may
+    /// still write, and so may one silent past the job's timeout (answering
+    /// pings or not: a stopped rank, or one whose worker a UCX call holds).
+    /// With such a holder the region is [`Removal::Quarantined`]: kept
+    /// mapped here, its owner told to leak the memory rather than reuse
+    /// it.
     fn await_acks(&self, key: u32) -> Removal {
         let start = Instant::now();
         let mut pinged: Option<Instant> = None;
@@ -852,7 +854,18 @@ impl Inner {
                 let job_over = self.job().is_err();
                 let closing = self.closing.load(Ordering::Acquire);
                 if job_over || closing || waiting.is_empty() {
-                    let left: Vec<usize> = left.into_iter().filter(|p| !gone.contains(p)).collect();
+                    // No acknowledgement will come. A holder whose endpoint
+                    // failed from its side (it left, flushing what it sent,
+                    // or died) writes nothing more; one this rank gave up
+                    // on after a timeout may still be alive and writing.
+                    let left: Vec<usize> = left
+                        .into_iter()
+                        .filter(|p| !gone.contains(p))
+                        .filter(|&p| {
+                            self.peer_opt(p)
+                                .is_some_and(|q| q.gave_up.load(Ordering::Acquire))
+                        })
+                        .collect();
                     if left.is_empty() {
                         break Removal::Released;
                     }

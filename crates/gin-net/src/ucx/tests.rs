@@ -362,7 +362,9 @@ fn a_peer_that_never_acknowledges_leaves_the_region_quarantined_not_unmapped() {
 /// A holder whose path this rank gave up on (its own wait timed out, its
 /// endpoint closed here) may still write: the region is quarantined, not
 /// released (it was released, and its memory freed, before), and at once,
-/// since no acknowledgement can be awaited.
+/// since no acknowledgement can be awaited. (A holder whose endpoint failed
+/// from its side, one that left or died, releases it: normal teardown
+/// must not leak.)
 #[test]
 fn a_holder_whose_path_failed_here_leaves_the_region_quarantined() {
     if !ucx_here() {
@@ -387,11 +389,10 @@ fn a_holder_whose_path_failed_here_leaves_the_region_quarantined() {
         b.barrier().unwrap();
         let mut seen = None;
         if b.rank() == 1 {
-            t.inner
-                .peer_opt(0)
-                .unwrap()
-                .error
-                .set("test: this rank gave up on rank 0".into());
+            // As a wait that timed out does (`Inner::settle`, `wait`).
+            let p0 = t.inner.peer_opt(0).unwrap();
+            p0.gave_up.store(true, Ordering::Release);
+            p0.error.set("test: this rank gave up on rank 0".into());
             let began = Instant::now();
             let verdict = table.remove(key);
             let base = mem.as_ptr() as usize;
@@ -405,6 +406,70 @@ fn a_holder_whose_path_failed_here_leaves_the_region_quarantined() {
     let (verdict, took, unmapped) = out[1].unwrap();
     assert_eq!(verdict, Removal::Quarantined);
     assert!(!unmapped, "the region was unmapped");
+    assert!(took < Duration::from_secs(5), "the removal waited {took:?}");
+}
+
+/// A holder that left in order (its transport dropped, after its puts
+/// were confirmed) writes nothing more: an owner removing the region after
+/// the job heard of the departure releases it, and does not quarantine
+/// (leak) it. Every region of a normal teardown used to be quarantined
+/// once a rank had left (review of ea353aa).
+#[test]
+fn a_holder_that_left_in_order_releases_the_region() {
+    if !ucx_here() {
+        return;
+    }
+    let timeout = Duration::from_secs(20);
+    let out = two_ranks(timeout, move |b, table| {
+        let t = start(b, &table, timeout);
+        // The job's health, as the fabric hands it: fails once rank 0 left.
+        let left = Arc::new(AtomicBool::new(false));
+        let seen = left.clone();
+        t.watch(Arc::new(move || {
+            if seen.load(Ordering::Acquire) {
+                Err("rank 0 exited (it left the job in order)".into())
+            } else {
+                Ok(())
+            }
+        }));
+        let mut mem = vec![0u64; 8192];
+        let key = if b.rank() == 1 {
+            register(&table, &mut mem)
+        } else {
+            0
+        };
+        let key = key_of(b, key, 1);
+        if b.rank() == 0 {
+            // Larger than a put message: by RMA, with the region's rkey.
+            t.put(1, Target::Key { key, offset: 0 }, &vec![5; 32 << 10], None)
+                .unwrap();
+            t.confirm(1, timeout).unwrap();
+            t.inner.test.hold.store(true, Ordering::Release);
+            drop(t);
+            b.barrier().unwrap();
+            b.barrier().unwrap();
+            return None;
+        }
+        b.barrier().unwrap();
+        let held = lock(&t.inner.served)
+            .get(&key)
+            .is_some_and(|m| m.holders.contains(&0));
+        assert!(
+            held,
+            "rank 0 never asked for the rkey: nothing would test the release"
+        );
+        left.store(true, Ordering::Release);
+        let began = Instant::now();
+        let verdict = table.remove(key);
+        let took = began.elapsed();
+        let unmapped = lock(&t.inner.test.unmapped).contains(&(mem.as_ptr() as usize));
+        b.barrier().unwrap();
+        drop(t);
+        Some((verdict, took, unmapped))
+    });
+    let (verdict, took, unmapped) = out[1].unwrap();
+    assert_eq!(verdict, Removal::Released);
+    assert!(unmapped, "the released region was not unmapped");
     assert!(took < Duration::from_secs(5), "the removal waited {took:?}");
 }
 
