@@ -362,12 +362,8 @@ pub enum Arg<'p> {
 /// once the kernels it watched have finished). Watchers of one CUDA
 /// communicator share its flag, which stays raised until the last watcher
 /// that raised it lets go (gin-cuda's `watch::Watcher`, `watch::Abort`).
-///
-/// Owned (`'static`, `Send`): it holds the flag's memory itself and its
-/// device communicator's job and engine weakly, so a type owning the
-/// device communicator keeps one beside it, and a watcher outliving it
-/// just stops looking. The check of another device communicator refuses
-/// it (`CudaError::ForeignWatcher`, naming both).
+/// Owned (`'static`, `Send`: a type owning the device communicator keeps
+/// one beside it); another device communicator's check refuses it.
 #[derive(Debug)]
 pub struct Watcher {
     inner: gin_cuda::watch::Watcher,
