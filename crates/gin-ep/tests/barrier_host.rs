@@ -11,44 +11,15 @@
 
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
-use std::path::{Path, PathBuf};
 use std::process::Command;
 
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
+mod common;
 
 #[test]
 fn the_grid_barrier_holds_across_launches_without_a_reset() {
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    let exe = std::env::temp_dir().join(format!("gin-ep-barrier-host-{}", std::process::id()));
-    let r = root();
-    let status = Command::new(&cxx)
-        .args(["-std=c++17", "-Wall", "-Wextra", "-Werror", "-O1"])
-        .arg("-I")
-        .arg(r.join("crates/gin-device/include"))
-        .arg("-I")
-        .arg(r.join("crates/gin-proxy/include"))
-        .arg("-I")
-        .arg(r.join("crates/gin-gdaki/include"))
-        .arg(r.join("crates/gin-ep/tests/barrier_host.cpp"))
-        .arg("-o")
-        .arg(&exe)
-        .status();
-    match status {
-        Err(e) => {
-            assert!(
-                std::env::var_os("CI").is_none(),
-                "CI needs a C++ compiler for the barrier check: {cxx}: {e}"
-            );
-            eprintln!("skipped: no C++ compiler ({cxx}: {e}); set CXX to run this test");
-            return;
-        }
-        Ok(s) => assert!(
-            s.success(),
-            "{cxx} failed to compile ll.cu's grid barrier as host C++"
-        ),
-    }
+    let Some(exe) = common::compile("barrier_host", &[], "grid barrier check") else {
+        return;
+    };
     let out = Command::new(&exe).output().unwrap();
     let _ = std::fs::remove_file(&exe);
     assert!(

@@ -8,51 +8,18 @@
 //! Needs a C++ compiler (`CXX`, else `c++`): skipped with a printed reason
 //! where there is none, except in CI (`CI` set), where that is a failure.
 
-use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use gin_ep::num::{Bf16, FP8_MAX, e4m3_to_f32, f32_to_e4m3, quantize_fp8};
+mod common;
 
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
+use gin_ep::num::{Bf16, FP8_MAX, e4m3_to_f32, f32_to_e4m3, quantize_fp8};
 
 /// Compiles and runs fp8_host.cpp; its output, or `None` (after saying why)
 /// when no compiler exists outside CI.
 fn host_output() -> Option<Vec<u8>> {
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    let tmp = std::env::temp_dir();
-    let exe = tmp.join(format!("gin-ep-fp8-host-{}", std::process::id()));
-    let data = tmp.join(format!("gin-ep-fp8-host-{}.bin", std::process::id()));
-    let r = root();
-    let status = Command::new(&cxx)
-        .args(["-std=c++17", "-Wall", "-Wextra", "-Werror", "-O1"])
-        // Rust never contracts a product and a sum into an FMA.
-        .arg("-ffp-contract=off")
-        .arg("-I")
-        .arg(r.join("crates/gin-device/include"))
-        .arg("-I")
-        .arg(r.join("crates/gin-proxy/include"))
-        .arg("-I")
-        .arg(r.join("crates/gin-gdaki/include"))
-        .arg(r.join("crates/gin-ep/tests/fp8_host.cpp"))
-        .arg("-o")
-        .arg(&exe)
-        .status();
-    match status {
-        Err(e) => {
-            assert!(
-                std::env::var_os("CI").is_none(),
-                "CI needs a C++ compiler for the FP8 cross-check: {cxx}: {e}"
-            );
-            eprintln!("skipped: no C++ compiler ({cxx}: {e}); set CXX to run this test");
-            return None;
-        }
-        Ok(s) => assert!(
-            s.success(),
-            "{cxx} failed to compile ll.cu's numbers as host C++"
-        ),
-    }
+    let data = std::env::temp_dir().join(format!("gin-ep-fp8-host-{}.bin", std::process::id()));
+    // Rust never contracts a product and a sum into an FMA.
+    let exe = common::compile("fp8_host", &["-ffp-contract=off"], "FP8 cross-check")?;
     let run = Command::new(&exe)
         .arg(&data)
         .status()

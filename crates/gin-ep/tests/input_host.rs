@@ -11,15 +11,12 @@
 
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
-use std::path::{Path, PathBuf};
 use std::process::Command;
+
+mod common;
 
 use gin_ep::Config;
 use gin_ep::cuda::{check_entries, decode_error};
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
 
 /// One case: a routing table and its weights.
 struct Case {
@@ -109,41 +106,13 @@ fn cases() -> Vec<Case> {
 /// Compiles and runs input_host.cpp on `cases`; its four words per case, or
 /// `None` (after saying why) when no compiler exists outside CI.
 fn host_words(cases: &[Case]) -> Option<Vec<[u64; 4]>> {
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
     let tmp = std::env::temp_dir();
     let id = std::process::id();
-    let exe = tmp.join(format!("gin-ep-input-host-{id}"));
     let (inp, outp) = (
         tmp.join(format!("gin-ep-input-host-{id}.in")),
         tmp.join(format!("gin-ep-input-host-{id}.out")),
     );
-    let r = root();
-    let status = Command::new(&cxx)
-        .args(["-std=c++17", "-Wall", "-Wextra", "-Werror", "-O1"])
-        .arg("-I")
-        .arg(r.join("crates/gin-device/include"))
-        .arg("-I")
-        .arg(r.join("crates/gin-proxy/include"))
-        .arg("-I")
-        .arg(r.join("crates/gin-gdaki/include"))
-        .arg(r.join("crates/gin-ep/tests/input_host.cpp"))
-        .arg("-o")
-        .arg(&exe)
-        .status();
-    match status {
-        Err(e) => {
-            assert!(
-                std::env::var_os("CI").is_none(),
-                "CI needs a C++ compiler for the input-check cross-check: {cxx}: {e}"
-            );
-            eprintln!("skipped: no C++ compiler ({cxx}: {e}); set CXX to run this test");
-            return None;
-        }
-        Ok(s) => assert!(
-            s.success(),
-            "{cxx} failed to compile ll.cu's input checks as host C++"
-        ),
-    }
+    let exe = common::compile("input_host", &[], "input-check cross-check")?;
     let mut bytes = Vec::new();
     bytes.extend(u32::try_from(cases.len()).unwrap().to_le_bytes());
     for c in cases {
