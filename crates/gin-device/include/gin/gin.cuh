@@ -201,7 +201,7 @@ GIN_DEV u32 poll_warp(const DevComm& dc, u64 limit, u32 timeout_kind, Ready read
 // context's queues (proxy ring or GDAKI QP), 2 not at all (a rail
 // connection reaches only the rail).
 constexpr u8 REACH_QUEUE = 0, REACH_LSA = 1, REACH_NONE = 2;
-GIN_DEV u8 reach(const DevComm& dc, u32 peer) { return ((const u8*)dc.lsa)[peer]; }
+GIN_DEV u8 reach(const DevComm& dc, u32 peer) { return __ldg((const unsigned char*)dc.lsa + peer); }
 GIN_DEV bool is_lsa(const DevComm& dc, u32 peer) { return reach(dc, peer) == REACH_LSA; }
 GIN_DEV bool is_queued(const DevComm& dc, u32 peer) { return reach(dc, peer) == REACH_QUEUE; }
 // The rail team after the reach table: rail barriers, members, ranks.
@@ -498,7 +498,7 @@ GIN_DEV void lsa_actions(const DevComm& dc, u32 ctx, u32 peer, u64* sig_base, Re
   if (loc.kind == 1) atomicAdd((unsigned long long*)(counter_subslots(dc, ctx, loc.id) + 1), 1ull);
 }
 GIN_DEV u64* signal_peer(const DevComm& dc, u32 peer) {
-  return (u64*)((const u64*)dc.signal_peers)[peer];
+  return (u64*)__ldg((const unsigned long long*)dc.signal_peers + peer);
 }
 // The base lsa_actions adds `rem`'s signal relative to, as mapped here (null
 // where unmapped or there is no signal): the peer's signal window for a
@@ -608,8 +608,8 @@ GIN_DEV int put(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst
   }
   // Every per-peer table read at once: one L2 round trip, not one each.
   const bool lsa = is_lsa(dc, peer);
-  const u64 dst_size = ((const u64*)dst.sizes)[peer];
-  u8* const d = (u8*)((const u64*)dst.peer_bases)[peer];
+  const u64 dst_size = __ldg((const unsigned long long*)dst.sizes + peer);
+  u8* const d = (u8*)__ldg((const unsigned long long*)dst.peer_bases + peer);
   u64* const sig = lsa_signal_base(dc, peer, rem);
   // The ring too, where there are rings (unused for a load/store peer).
   ProxyRingAbi rg{};
