@@ -102,6 +102,22 @@ expect_refused() {
     echo "FAILED ($name): no error saying '$want'"; tail -n 20 "$out/$name.log"; fail=1
   fi
 }
+expect_refused_by() {
+  # As expect_refused, but each of the first N ranks must print its own
+  # refusal: a line "FAILED: rank R <want>" for every R (the launcher
+  # prefixes each with "[rank R] ").
+  local name="$1" n="$2" want="$3" r missing=""; shift 3
+  echo "== $name: $*"
+  timeout 60 "$@" > "$out/$name.log" 2>&1
+  for r in $(seq 0 $((n - 1))); do
+    grep -q "FAILED: rank $r $want" "$out/$name.log" || missing="$missing $r"
+  done
+  if [ -z "$missing" ]; then
+    grep -o "FAILED: rank [0-9]* $want" "$out/$name.log" | cut -c1-240 | head -n "$n"
+  else
+    echo "FAILED ($name): no error saying '$want' from rank(s)$missing"; tail -n 20 "$out/$name.log"; fail=1
+  fi
+}
 st="$here/gin-cuda-selftest"
 ep="$here/gin-ep-selftest"
 if [ -n "$checks" ]; then
@@ -134,6 +150,19 @@ for backend in proxy gdaki; do
 done
 step "fused-tcp-proxy" env GIN_TRANSPORT=tcp GIN_BACKEND=proxy "$fa" --ranks 2
 expect_die "fused-die" env GIN_TIMEOUT=60s "$fa" --ranks 2 --die 1
+# Users' VMM memory as windows (issue 21): the windows' buffers from the
+# user's own cuMemCreate allocator, requesting the POSIX file descriptor
+# handle type; same-host peers import each part from the descriptor its
+# rank hands over a Unix socket, and the all-to-all is verified as above
+# (over TCP nothing is exported: the part is served through staging).
+# Without that handle type every rank must refuse its memory, saying what
+# to request.
+for backend in auto proxy gdaki; do
+  step "fused-vmm-$backend" env GIN_BACKEND=$backend "$fa" --ranks 2 --memory vmm
+done
+step "fused-vmm-tcp-proxy" env GIN_TRANSPORT=tcp GIN_BACKEND=proxy "$fa" --ranks 2 --memory vmm
+expect_refused_by "fused-vmm-no-fd" 2 "cannot register .*created without CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR" \
+  "$fa" --ranks 2 --memory vmm-no-fd
 # CUDA graphs (issue 21): the replayable fused kernel captured once on the
 # user's cudarc stream (cudarc's builder, or launch_on on the capturing
 # stream), replayed 20 times, each replay watched, checked and verified;

@@ -328,7 +328,7 @@ mod tests {
                 CoreError::MalformedRecord {
                     rank: 3,
                     got: 80,
-                    expected: 92,
+                    expected: 100,
                     ..
                 }
             ),
@@ -336,7 +336,7 @@ mod tests {
         );
         assert_eq!(
             e.to_string(),
-            "rank 3 sent a malformed GPU window 9 record (80 bytes, expected 92)"
+            "rank 3 sent a malformed GPU window 9 record (80 bytes, expected 100)"
         );
     }
 

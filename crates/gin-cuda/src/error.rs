@@ -186,6 +186,26 @@ pub enum CudaError {
         /// Why the mapping failed.
         source: Box<CudaError>,
     },
+    /// A same-host peer's part of a GPU window, a VMM allocation, cannot be
+    /// imported from its file descriptor and mapped here.
+    #[error(
+        "rank {rank} cannot map GPU window {window} of rank {peer} from its VMM export (POSIX \
+         file descriptor): {source}"
+    )]
+    VmmOpen {
+        /// The rank mapping it.
+        rank: usize,
+        /// The rank whose part it is.
+        peer: usize,
+        /// The window's id.
+        window: u32,
+        /// Why the mapping failed.
+        source: Box<CudaError>,
+    },
+    /// Handing a VMM allocation's file descriptor to a same-host peer
+    /// failed (the error names the ranks and the window).
+    #[error(transparent)]
+    FdPass(#[from] crate::fdpass::FdPassError),
     /// A launch shape CUDA cannot run, refused before the driver.
     #[error("launch of grid {:?} x block {:?}: {why}", config.grid, config.block)]
     LaunchShape {

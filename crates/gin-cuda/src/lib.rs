@@ -62,8 +62,13 @@
 //!   and the peers' parts as reached here (CUDA IPC or region keys). A
 //!   part may be the user's memory ([`window::LocalPart::register`]):
 //!   [`pointer`](mod@pointer) asks the driver what it is and decides, as pure code,
-//!   whether it can be one and how it is exported (its allocation's IPC
-//!   handle and its offset there). Ranks exchange offers, not bare
+//!   whether it can be one and how it is exported: its allocation's IPC
+//!   handle, or for VMM memory ([`vmm`]) the allocation's POSIX file
+//!   descriptor, and its offset there. Same-host peers fetch such a
+//!   descriptor from the exporting rank over a Unix socket in the abstract
+//!   namespace (`SCM_RIGHTS`, [`fdpass`]: authenticated by a job token,
+//!   with the job's timeout) and import and map it
+//!   ([`vmm::VmmMapping`]). Ranks exchange offers, not bare
 //!   records ([`window::exchange`]), so a rank that cannot contribute makes
 //!   every rank fail alike; the parts are listed in the fabric's window
 //!   directory as `Memory::Device` while they live ([`window::Listed`]).
@@ -91,12 +96,14 @@
 pub mod batch;
 mod driver;
 mod error;
+pub mod fdpass;
 mod launch;
 pub mod nvrtc;
 pub mod pointer;
 mod pool;
 pub mod staging;
 pub mod testing;
+pub mod vmm;
 pub mod watch;
 pub mod window;
 

@@ -1,10 +1,12 @@
 //! What the driver knows about a device pointer a user hands in
-//! (`cuPointerGetAttributes`), and whether that memory can be a GPU window
+//! (`cuPointerGetAttributes`, and for VMM memory the allocation's handle
+//! types and mapped range), and whether that memory can be a GPU window
 //! part: this GPU's device memory, inside one allocation, and, where a
-//! same-host peer maps it, exportable through legacy CUDA IPC (a
-//! `cuMemAlloc` allocation: not managed memory, not a stream-ordered pool's,
-//! not a VMM `cuMemCreate` mapping). The decision ([`PointerFacts::export`])
-//! is pure code, tested without a GPU.
+//! same-host peer maps it, exportable — through legacy CUDA IPC (a
+//! `cuMemAlloc` allocation) or as a POSIX file descriptor (a VMM
+//! `cuMemCreate` allocation that requested that handle type, within one
+//! mapping) — but not managed memory nor a stream-ordered pool's. The
+//! decision ([`PointerFacts::export`]) is pure code, tested without a GPU.
 
 use std::ffi::c_void;
 
@@ -12,6 +14,7 @@ use cudarc::driver::sys as cu;
 
 use crate::driver::check;
 use crate::error::CudaError;
+pub use crate::vmm::VmmFacts;
 
 /// `CU_MEMORYTYPE_DEVICE`.
 const MEMORYTYPE_DEVICE: u32 = 2;
@@ -37,17 +40,25 @@ pub struct PointerFacts {
     pub range_start: u64,
     /// `CU_POINTER_ATTRIBUTE_RANGE_SIZE`: the allocation's size.
     pub range_size: u64,
+    /// The VMM mapping the pointer lies in (`None`: not VMM memory), asked
+    /// of the driver for device memory that legacy CUDA IPC cannot export
+    /// and no pool holds.
+    pub vmm: Option<VmmFacts>,
 }
 
 /// How a registered range is exported: the allocation's start (what CUDA
-/// IPC exports) and the range's offset in it (what a peer adds to its
-/// mapping).
+/// IPC exports, or where the VMM allocation is mapped) and the range's
+/// offset in it (what a peer adds to its mapping).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Export {
     /// The allocation's start.
     pub base: u64,
     /// The range's offset from it.
     pub offset: u64,
+    /// `Some(size)`: a VMM allocation that same-host peers import from its
+    /// POSIX file descriptor and map, `size` bytes from `base`; `None`:
+    /// legacy CUDA IPC (or no same-host peer).
+    pub vmm: Option<u64>,
 }
 
 impl PointerFacts {
@@ -87,7 +98,7 @@ impl PointerFacts {
         check("cuPointerGetAttributes", unsafe {
             cu::cuPointerGetAttributes(7, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr)
         })?;
-        Ok(Self {
+        let mut facts = Self {
             memory_type,
             ordinal,
             managed: managed != 0,
@@ -95,12 +106,22 @@ impl PointerFacts {
             pool: !pool.is_null(),
             range_start,
             range_size: range_size as u64,
-        })
+            vmm: None,
+        };
+        if facts.memory_type == MEMORYTYPE_DEVICE
+            && !facts.managed
+            && !facts.legacy_ipc
+            && !facts.pool
+        {
+            facts.vmm = crate::vmm::facts(ptr)?;
+        }
+        Ok(facts)
     }
 
     /// Whether `bytes` at `ptr` can be a window part on GPU `ordinal`, and
-    /// how it is exported; `ipc`: whether a same-host peer maps it
-    /// (through legacy CUDA IPC). The error says why not, in words.
+    /// how it is exported; `ipc`: whether a same-host peer maps it (through
+    /// legacy CUDA IPC, or a VMM allocation's file descriptor). The error
+    /// says why not, in words.
     pub fn export(
         &self,
         ptr: u64,
@@ -140,6 +161,26 @@ impl PointerFacts {
                 self.ordinal
             ));
         }
+        if ipc && !self.legacy_ipc {
+            return match (self.pool, self.vmm) {
+                (true, _) => Err(
+                    "it comes from a stream-ordered memory pool (cuMemAllocAsync, which cudarc's \
+                     alloc uses on GPUs with memory pools), which legacy CUDA IPC cannot export \
+                     to same-host peers; allocate it with cuMemAlloc (cudarc: \
+                     result::malloc_sync, then stream.upgrade_device_ptr), or with cuMemCreate \
+                     requesting CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR"
+                        .into(),
+                ),
+                (false, Some(v)) => Self::export_vmm(v, ptr, bytes),
+                (false, None) => Err(
+                    "it cannot be exported to same-host peers: neither legacy CUDA IPC nor the \
+                     driver's VMM calls (cuMemRetainAllocationHandle) know it; allocate it with \
+                     cuMemAlloc, or with cuMemCreate requesting \
+                     CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR"
+                        .into(),
+                ),
+            };
+        }
         let end = self.range_start.saturating_add(self.range_size);
         if ptr < self.range_start || ptr.checked_add(bytes).is_none_or(|e| e > end) {
             return Err(format!(
@@ -148,22 +189,52 @@ impl PointerFacts {
                 self.range_start, self.range_size
             ));
         }
-        if ipc && !self.legacy_ipc {
-            return Err(if self.pool {
-                "it comes from a stream-ordered memory pool (cuMemAllocAsync, which cudarc's \
-                 alloc uses on GPUs with memory pools), which legacy CUDA IPC cannot export to \
-                 same-host peers; allocate it with cuMemAlloc (cudarc: result::malloc_sync, \
-                 then stream.upgrade_device_ptr)"
-                    .into()
-            } else {
-                "it cannot be exported through legacy CUDA IPC to same-host peers (a VMM \
-                 cuMemCreate mapping?); allocate it with cuMemAlloc"
-                    .into()
-            });
-        }
         Ok(Export {
             base: self.range_start,
             offset: ptr - self.range_start,
+            vmm: None,
+        })
+    }
+
+    /// How a range in VMM mapping `v` is exported to same-host peers: as
+    /// the allocation's POSIX file descriptor, which it must have been
+    /// created to allow, and within the one mapping (a range over several
+    /// adjacent mappings, each its own allocation, is refused naming the
+    /// one it runs out of).
+    fn export_vmm(v: VmmFacts, ptr: u64, bytes: u64) -> Result<Export, String> {
+        if !v.posix_fd() {
+            return Err(format!(
+                "it is VMM memory (cuMemCreate) whose allocation was created without \
+                 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR among its requested handle types \
+                 ({:#x}), so it cannot be shared with same-host peers; create the allocation \
+                 with CUmemAllocationProp::requestedHandleTypes including \
+                 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR (or allocate with cuMemAlloc)",
+                v.handle_types
+            ));
+        }
+        let end = v.base.saturating_add(v.size);
+        if ptr < v.base || ptr >= end {
+            return Err(format!(
+                "the driver places it in the VMM mapping at {:#x} ({} bytes), which does not \
+                 hold it",
+                v.base, v.size
+            ));
+        }
+        if ptr.checked_add(bytes).is_none_or(|e| e > end) {
+            return Err(format!(
+                "the range runs past the end of the VMM chunk it starts in (the cuMemCreate \
+                 allocation mapped at {:#x}, {} bytes, ends {} bytes into the range): a window \
+                 over several chunks mapped side by side is not supported; register each chunk \
+                 as its own window, or back the range with one cuMemCreate allocation",
+                v.base,
+                v.size,
+                end - ptr
+            ));
+        }
+        Ok(Export {
+            base: v.base,
+            offset: ptr - v.base,
+            vmm: Some(v.size),
         })
     }
 }
@@ -194,6 +265,7 @@ mod tests {
             pool: false,
             range_start: 0x7f00_0000_0000,
             range_size: 1 << 20,
+            vmm: None,
         }
     }
 
@@ -207,7 +279,8 @@ mod tests {
             e,
             Export {
                 base: 0x7f00_0000_0000,
-                offset: 0x1000
+                offset: 0x1000,
+                vmm: None,
             }
         );
         // The whole allocation, exactly.
@@ -261,5 +334,115 @@ mod tests {
             ..f
         };
         assert!(why(vmm, 0x7f00_0000_0000, 8, true).contains("cuMemCreate"));
+    }
+
+    /// A VMM allocation of 2 MiB mapped at 0x7e00_0000_0000, as
+    /// cuMemCreate makes it with `handle_types` requested; the pointer
+    /// attributes say what they say of such memory (device memory, not
+    /// legacy-IPC capable, no pool).
+    fn vmm(handle_types: u32) -> PointerFacts {
+        PointerFacts {
+            memory_type: MEMORYTYPE_DEVICE,
+            ordinal: 0,
+            managed: false,
+            legacy_ipc: false,
+            pool: false,
+            range_start: 0x7e00_0000_0000,
+            range_size: 2 << 20,
+            vmm: Some(VmmFacts {
+                base: 0x7e00_0000_0000,
+                size: 2 << 20,
+                handle_types,
+            }),
+        }
+    }
+
+    #[test]
+    fn vmm_memory_with_the_posix_fd_handle_type_is_exported_by_descriptor() {
+        let f = vmm(crate::vmm::HANDLE_TYPE_POSIX_FD);
+        let e = f
+            .export(0x7e00_0000_1000, 4096, 0, true)
+            .unwrap_or_else(|w| panic!("{w}"));
+        assert_eq!(
+            e,
+            Export {
+                base: 0x7e00_0000_0000,
+                offset: 0x1000,
+                vmm: Some(2 << 20),
+            }
+        );
+        // The whole mapping, exactly; and other handle types beside it
+        // (FABRIC, 8) change nothing.
+        let f = vmm(crate::vmm::HANDLE_TYPE_POSIX_FD | 8);
+        let e = f
+            .export(0x7e00_0000_0000, 2 << 20, 0, true)
+            .unwrap_or_else(|w| panic!("{w}"));
+        assert_eq!((e.offset, e.vmm), (0, Some(2 << 20)));
+        // Without same-host peers nothing is exported: the pointer's
+        // allocation range is all that counts, as for any memory.
+        let e = f
+            .export(0x7e00_0000_0000, 4096, 0, false)
+            .unwrap_or_else(|w| panic!("{w}"));
+        assert_eq!(e.vmm, None);
+    }
+
+    #[test]
+    fn vmm_memory_without_the_posix_fd_handle_type_is_refused_saying_what_to_request() {
+        for types in [0, 8] {
+            let f = vmm(types);
+            let e = f.export(0x7e00_0000_0000, 4096, 0, true).unwrap_err();
+            assert!(
+                e.contains("VMM memory (cuMemCreate)")
+                    && e.contains("created without CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR")
+                    && e.contains(
+                        "requestedHandleTypes including CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR"
+                    ),
+                "{e}"
+            );
+            // Fine where no same-host peer maps it.
+            assert!(f.export(0x7e00_0000_0000, 4096, 0, false).is_ok());
+        }
+    }
+
+    #[test]
+    fn a_range_over_several_vmm_chunks_is_refused_naming_the_chunk_it_runs_out_of() {
+        let f = vmm(crate::vmm::HANDLE_TYPE_POSIX_FD);
+        // 4 KiB before the end of the 2 MiB chunk, 8 KiB long: it runs into
+        // whatever is mapped next.
+        let e = f.export(0x7e00_001f_f000, 8192, 0, true).unwrap_err();
+        assert!(
+            e.contains("runs past the end of the VMM chunk")
+                && e.contains(
+                    "mapped at 0x7e0000000000, 2097152 bytes, ends 4096 bytes into the range"
+                )
+                && e.contains("register each chunk as its own window"),
+            "{e}"
+        );
+        assert!(f.export(0x7e00_0000_0000, u64::MAX, 0, true).is_err());
+        // The driver's account of the mapping not holding the pointer.
+        let e = f.export(0x7e00_0020_0000, 8, 0, true).unwrap_err();
+        assert!(e.contains("does not hold it"), "{e}");
+    }
+
+    #[test]
+    fn pool_and_managed_memory_stay_refused_whatever_the_vmm_facts() {
+        let f = vmm(crate::vmm::HANDLE_TYPE_POSIX_FD);
+        let pool = PointerFacts { pool: true, ..f };
+        let e = pool.export(0x7e00_0000_0000, 8, 0, true).unwrap_err();
+        assert!(e.contains("stream-ordered memory pool"), "{e}");
+        let managed = PointerFacts {
+            managed: true,
+            memory_type: 4,
+            ..f
+        };
+        let e = managed.export(0x7e00_0000_0000, 8, 0, true).unwrap_err();
+        assert!(e.contains("managed memory"), "{e}");
+        // The other checks come first for VMM memory too.
+        let e = f.export(0x7e00_0000_0000, 8, 1, true).unwrap_err();
+        assert!(
+            e.contains("memory of GPU 0, but this rank runs on GPU 1"),
+            "{e}"
+        );
+        assert!(f.export(0, 8, 0, true).unwrap_err().contains("non-null"));
     }
 }

@@ -1,7 +1,9 @@
 //! The CUDA half of a GPU window: this rank's part in device memory,
-//! exported for CUDA IPC and served to TCP peers from the region table,
-//! the record it tells the other ranks, and the peers' parts as reached
-//! here (mapped through CUDA IPC, or named by region key over TCP).
+//! exported for same-host peers (CUDA IPC, or a VMM allocation's file
+//! descriptor handed over a Unix socket, [`crate::fdpass`]) and served to
+//! TCP peers from the region table, the record it tells the other ranks,
+//! and the peers' parts as reached here (mapped through CUDA IPC or
+//! imported from a VMM descriptor, or named by region key over TCP).
 //!
 //! Ranks exchange offers ([`exchange`]), and a window's parts are listed
 //! in the fabric's window directory as `Memory::Device` while they live
@@ -10,6 +12,7 @@
 //! indexes) is gin-core's: it assembles the window from a [`LocalPart`]
 //! and [`PeerParts`].
 
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 
 use gin_bootstrap::record::{Reader, Writer};
@@ -18,8 +21,10 @@ use gin_net::{Fabric, KeepAlive, MemDesc, MemParts, Memory};
 
 use crate::driver::{DevMem, Device, IpcMem, PoolMem};
 use crate::error::CudaError;
+use crate::fdpass::{FdJob, FdListener, FdServer};
 use crate::pointer::{PointerFacts, ipc_handle_of};
 use crate::staging::{GpuRegion, Server};
+use crate::vmm::VmmMapping;
 
 /// What a rank tells the others about its part of a GPU window.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,15 +37,21 @@ pub struct PartRecord {
     pub ipc: [u8; 64],
     /// Its region key for TCP peers (0: not served over TCP).
     pub key: u32,
-    /// Its offset in the allocation the IPC handle exports (0 for memory
-    /// gin allocated; a registered range may start inside an allocation).
+    /// Its offset in the allocation the IPC handle exports, or in the VMM
+    /// mapping (0 for memory gin allocated; a registered range may start
+    /// inside an allocation).
     pub offset: u64,
+    /// `Some(size)`: a VMM allocation same-host peers import from its file
+    /// descriptor (fetched from the sending rank, [`crate::fdpass`]) and
+    /// map, `size` bytes, instead of opening `ipc`.
+    pub vmm: Option<u64>,
 }
 
 impl PartRecord {
     /// Encoded length: size, address (u64 LE each), the IPC handle, the
-    /// key (u32 LE), the offset (u64 LE).
-    pub const LEN: usize = 92;
+    /// key (u32 LE), the offset, the VMM mapping's size (u64 LE each, 0:
+    /// not VMM).
+    pub const LEN: usize = 100;
 
     /// The bytes ranks exchange.
     pub fn encode(&self) -> Vec<u8> {
@@ -50,6 +61,7 @@ impl PartRecord {
             .bytes(&self.ipc)
             .u32(self.key)
             .u64(self.offset)
+            .u64(self.vmm.unwrap_or(0))
             .finish()
     }
 
@@ -63,6 +75,7 @@ impl PartRecord {
             ipc: r.array()?,
             key: r.u32()?,
             offset: r.u64()?,
+            vmm: Some(r.u64()?).filter(|&s| s != 0),
         })
     }
 }
@@ -131,6 +144,59 @@ impl Offer {
     }
 }
 
+/// How this rank's part of a registered window is shared with the ranks of
+/// its host that map it.
+#[derive(Debug, Clone)]
+pub struct SameHost {
+    /// The window's id.
+    pub window: u32,
+    /// The same-host peers that map the part (through CUDA IPC, or a VMM
+    /// allocation's descriptor); empty: none does.
+    pub peers: Vec<usize>,
+    /// What names and authenticates the descriptor sockets, and the job's
+    /// timeout.
+    pub job: FdJob,
+}
+
+impl SameHost {
+    /// Window `window`'s sharing with `peers`, in the job `bootstrap`
+    /// belongs to, whose waits last `timeout`.
+    pub fn new(
+        bootstrap: &gin_bootstrap::Bootstrap,
+        window: u32,
+        peers: Vec<usize>,
+        timeout: std::time::Duration,
+    ) -> Self {
+        Self {
+            window,
+            peers,
+            job: FdJob::new(bootstrap, timeout),
+        }
+    }
+}
+
+/// A registered part's sharing, as [`PeerParts::open`] needs it to fetch
+/// same-host peers' VMM descriptors.
+#[derive(Debug)]
+struct Sharing {
+    host: SameHost,
+    /// The GPU peers' VMM allocations are mapped for.
+    ordinal: usize,
+}
+
+/// A VMM part's file descriptor on its way to the same-host peers: bound
+/// (before the offers go out, so peers can connect as soon as they learn
+/// of it), then served ([`LocalPart::serve_descriptor`]) until every peer
+/// has it or the part drops.
+#[derive(Debug)]
+enum FdExport {
+    Bound(FdListener, OwnedFd, Vec<usize>),
+    Serving {
+        /// Held for its drop, which stops the server.
+        _server: FdServer,
+    },
+}
+
 /// This rank's part of a GPU window: device memory, its IPC handle, and
 /// (where some peer is reached over TCP) its registration in the region
 /// table, removed again when the part drops, before the memory is freed
@@ -148,6 +214,12 @@ pub struct LocalPart {
     ipc: [u8; 64],
     /// `mem`'s offset in that allocation.
     offset: u64,
+    /// A VMM part: the mapping's size (see [`PartRecord::vmm`]).
+    vmm: Option<u64>,
+    /// A VMM part's descriptor, handed to same-host peers.
+    fds: Option<FdExport>,
+    /// A registered part's sharing (`None`: gin's allocation).
+    share: Option<Sharing>,
     /// Last: gin's allocation, returned to the device's pool where
     /// `cuMemFree` used to free it (after the region's removal); `None`
     /// for the user's memory. Shared with the window's description
@@ -181,6 +253,9 @@ impl LocalPart {
                 mem: block.view(),
                 ipc,
                 offset: 0,
+                vmm: None,
+                fds: None,
+                share: None,
                 block: Some(Arc::new(block)),
             },
             bytes,
@@ -190,10 +265,13 @@ impl LocalPart {
 
     /// The user's `bytes` of device memory at `ptr` as rank `rank`'s part
     /// on `dev`: checked with the driver (this GPU's device memory, inside
-    /// one allocation, and exportable through CUDA IPC where `ipc`: a
-    /// same-host peer maps it), exported by its allocation's IPC handle and
-    /// its offset there, and with `serve` registered in the region table.
-    /// Dropping the part leaves the memory alone.
+    /// one allocation, and, where same-host peers map it (`host.peers`),
+    /// exportable), exported by its allocation's IPC handle and its offset
+    /// there, or, for VMM memory, by its allocation's POSIX file
+    /// descriptor (whose socket is bound here and served from
+    /// [`exchange`] on) and its offset in the mapping; and with `serve`
+    /// registered in the region table. Dropping the part leaves the memory
+    /// alone.
     ///
     /// # Safety
     /// `ptr` must be the start of `bytes` bytes of `dev`'s device memory
@@ -205,10 +283,11 @@ impl LocalPart {
         dev: &Device,
         ptr: u64,
         bytes: u64,
-        ipc: bool,
+        host: SameHost,
         serve: Option<(&Arc<RegionTable>, &Arc<Server>)>,
     ) -> Result<Self, CudaError> {
         dev.make_current()?;
+        let ipc = !host.peers.is_empty();
         let refuse = |why: String| CudaError::NotRegistrable {
             rank,
             ptr,
@@ -219,10 +298,17 @@ impl LocalPart {
         let export = facts
             .export(ptr, bytes, dev.ordinal(), ipc)
             .map_err(refuse)?;
-        let handle = if ipc {
-            ipc_handle_of(export.base).map_err(|e| refuse(e.to_string()))?
-        } else {
-            [0; 64]
+        let (handle, fds) = match (ipc, export.vmm) {
+            (false, _) => ([0; 64], None),
+            (true, None) => (
+                ipc_handle_of(export.base).map_err(|e| refuse(e.to_string()))?,
+                None,
+            ),
+            (true, Some(_)) => {
+                let fd = crate::vmm::export_fd(export.base).map_err(|e| refuse(e.to_string()))?;
+                let l = FdListener::bind(&host.job, rank, host.window)?;
+                ([0; 64], Some(FdExport::Bound(l, fd, host.peers.clone())))
+            }
         };
         let len = usize::try_from(bytes).map_err(|_| refuse("too large".into()))?;
         // SAFETY: the caller's contract: `bytes` bytes of this GPU's device
@@ -235,6 +321,12 @@ impl LocalPart {
                 mem,
                 ipc: handle,
                 offset: export.offset,
+                vmm: export.vmm,
+                fds,
+                share: Some(Sharing {
+                    host,
+                    ordinal: dev.ordinal(),
+                }),
                 block: None,
             },
             bytes,
@@ -284,7 +376,47 @@ impl LocalPart {
             ipc: self.ipc,
             key: self.served.as_ref().map_or(0, |s| s.1),
             offset: self.offset,
+            vmm: self.vmm,
         }
+    }
+
+    /// Starts handing a VMM part's descriptor to the same-host peers (a
+    /// thread, until each has it, the job's timeout passes, or the part
+    /// drops); nothing for other parts. Called once the offers are out.
+    fn serve_descriptor(&mut self) -> Result<(), CudaError> {
+        self.fds = match self.fds.take() {
+            Some(FdExport::Bound(l, fd, peers)) => Some(FdExport::Serving {
+                _server: FdServer::start(l, fd, peers)?,
+            }),
+            other => other,
+        };
+        Ok(())
+    }
+
+    /// Fetches rank `peer`'s VMM descriptor for this part's window and
+    /// maps `size` bytes of its allocation here (this is rank `rank`).
+    fn import_vmm(&self, rank: usize, peer: usize, size: u64) -> Result<VmmMapping, CudaError> {
+        let open = |window, e| CudaError::VmmOpen {
+            rank,
+            peer,
+            window,
+            source: Box::new(e),
+        };
+        let Some(s) = &self.share else {
+            return Err(open(
+                0,
+                CudaError::Unavailable {
+                    why: "this rank's part is memory gin allocated, not registered memory: the \
+                          ranks disagree on what kind of window this is"
+                        .into(),
+                },
+            ));
+        };
+        let window = s.host.window;
+        let fd = crate::fdpass::fetch(&s.host.job, rank, window, peer)?;
+        // The descriptor closes after the import, which holds the
+        // allocation.
+        VmmMapping::open(fd.as_fd(), size, s.ordinal).map_err(|e| open(window, e))
     }
 }
 
@@ -343,15 +475,36 @@ pub struct PeerParts {
     pub bases: Vec<u64>,
     /// Each rank's region key (0: not served over TCP).
     pub tcp_keys: Vec<u32>,
-    /// The IPC mappings, unmapped when this drops.
-    pub opened: Vec<IpcMem>,
+    /// The same-host peers' parts as mapped here, unmapped when this
+    /// drops.
+    pub opened: Vec<PeerMapping>,
+}
+
+/// A same-host peer's part mapped here, unmapped on drop.
+#[derive(Debug)]
+pub enum PeerMapping {
+    /// Through legacy CUDA IPC (the peer's allocation's handle).
+    Ipc(IpcMem),
+    /// Imported from the peer's VMM allocation's file descriptor.
+    Vmm(VmmMapping),
+}
+
+impl PeerMapping {
+    /// The mapping's device address here (the peer's allocation's start).
+    pub fn ptr(&self) -> u64 {
+        match self {
+            Self::Ipc(m) => m.ptr(),
+            Self::Vmm(m) => m.ptr(),
+        }
+    }
 }
 
 impl PeerParts {
     /// Reaches each part of window `window` from every rank's record
     /// ([`Offer::gather`]): this rank's own (`local`), a peer `over_tcp` by
-    /// its region key, any other by mapping it through CUDA IPC (the
-    /// allocation, plus the part's offset in it).
+    /// its region key, any other by mapping its allocation (through CUDA
+    /// IPC, or, for a VMM part, by importing the descriptor fetched from
+    /// it), plus the part's offset in it.
     pub fn open(
         rank: usize,
         window: u32,
@@ -380,12 +533,17 @@ impl PeerParts {
                 }
                 parts.bases.push(0);
             } else {
-                let m = IpcMem::open(&rec.ipc).map_err(|e| CudaError::IpcOpen {
-                    rank,
-                    peer,
-                    window,
-                    source: Box::new(e),
-                })?;
+                let m = match rec.vmm {
+                    Some(size) => PeerMapping::Vmm(local.import_vmm(rank, peer, size)?),
+                    None => PeerMapping::Ipc(IpcMem::open(&rec.ipc).map_err(|e| {
+                        CudaError::IpcOpen {
+                            rank,
+                            peer,
+                            window,
+                            source: Box::new(e),
+                        }
+                    })?),
+                };
                 parts.bases.push(m.ptr() + rec.offset);
                 parts.opened.push(m);
             }
@@ -395,9 +553,10 @@ impl PeerParts {
 }
 
 /// Tells every rank what this rank contributes to window `window` (its
-/// part, or why it has none: `local`'s error) through `allgather`, and
-/// reaches every rank's part ([`PeerParts::open`]). Where any rank has no
-/// part, every rank fails naming it (this rank with its own error first).
+/// part, or why it has none: `local`'s error) through `allgather`, starts
+/// handing a VMM part's descriptor to same-host peers, and reaches every
+/// rank's part ([`PeerParts::open`]). Where any rank has no part, every
+/// rank fails naming it (this rank with its own error first).
 pub fn exchange<E: From<CudaError>>(
     rank: usize,
     window: u32,
@@ -411,8 +570,11 @@ pub fn exchange<E: From<CudaError>>(
     };
     let all = allgather(&offer.encode())?;
     let records = Offer::gather(rank, window, &all);
-    let local = local?;
+    let mut local = local?;
     let records = records?;
+    // Every rank serves before it fetches, so none waits on another's
+    // fetch.
+    local.serve_descriptor()?;
     let parts = PeerParts::open(rank, window, &local, &records, over_tcp)?;
     Ok((local, parts))
 }
@@ -429,7 +591,7 @@ pub struct Listed {
     fabric: Arc<Fabric>,
     id: u32,
     local: LocalPart,
-    _peers: Vec<IpcMem>,
+    _peers: Vec<PeerMapping>,
 }
 
 impl Listed {
@@ -452,8 +614,8 @@ impl Listed {
             keep: local.keeper(),
         };
         // SAFETY: device memory: `local` is this rank's part and each
-        // non-zero peer base a CUDA IPC mapping of that peer's part (its
-        // size), both held here until the description is removed from the
+        // non-zero peer base a mapping of that peer's part (CUDA IPC or
+        // VMM; its size), both held here until the description is removed from the
         // directory (drop). Nothing on the host dereferences them
         // (`Memory::Device`); the CUDA engines that copy them are stopped,
         // or told to flush, before a window is freed.
@@ -493,16 +655,28 @@ mod tests {
             ipc: std::array::from_fn(|i| i as u8 ^ 0xa5),
             key: 0xfeed_beef,
             offset: 0x0000_0000_0040_1000,
+            vmm: None,
         };
         let b = r.encode();
         // The layout older builds sent by hand: size, address, handle, key;
-        // then the offset of a registered range in its allocation.
+        // then the offset of a registered range in its allocation; then
+        // the VMM mapping's size (0: the IPC handle is the export).
         assert_eq!(b[..8], r.size.to_le_bytes());
         assert_eq!(b[8..16], r.addr.to_le_bytes());
         assert_eq!(b[16..80], r.ipc);
         assert_eq!(b[80..84], r.key.to_le_bytes());
-        assert_eq!(b[84..], r.offset.to_le_bytes());
+        assert_eq!(b[84..92], r.offset.to_le_bytes());
+        assert_eq!(b[92..], [0; 8]);
         assert_eq!(PartRecord::decode(3, 9, &b).unwrap(), r);
+        // A VMM part: its mapping's size, no IPC handle.
+        let v = PartRecord {
+            ipc: [0; 64],
+            vmm: Some(4 << 20),
+            ..r
+        };
+        let b = v.encode();
+        assert_eq!(b[92..], (4u64 << 20).to_le_bytes());
+        assert_eq!(PartRecord::decode(3, 9, &b).unwrap(), v);
     }
 
     #[test]
@@ -515,7 +689,7 @@ mod tests {
                 CudaError::Record(gin_bootstrap::record::Malformed {
                     rank: 3,
                     got: 80,
-                    expected: 92,
+                    expected: 100,
                     ..
                 })
             ),
@@ -523,11 +697,13 @@ mod tests {
         );
         assert_eq!(
             e.to_string(),
-            "rank 3 sent a malformed GPU window 9 record (80 bytes, expected 92)"
+            "rank 3 sent a malformed GPU window 9 record (80 bytes, expected 100)"
         );
-        assert!(PartRecord::decode(0, 0, &[0u8; 93]).is_err());
-        // The record of a build without offsets (84 bytes) is refused too.
+        assert!(PartRecord::decode(0, 0, &[0u8; 101]).is_err());
+        // The record of a build without offsets (84 bytes), or without VMM
+        // exports (92), is refused too.
         assert!(PartRecord::decode(0, 0, &[0u8; 84]).is_err());
+        assert!(PartRecord::decode(0, 0, &[0u8; 92]).is_err());
     }
 
     fn record(offset: u64) -> PartRecord {
@@ -537,6 +713,7 @@ mod tests {
             ipc: [7; 64],
             key: 0,
             offset,
+            vmm: None,
         }
     }
 
@@ -601,5 +778,163 @@ mod tests {
             assert!(e.to_string().contains("rank 5"), "{e}");
             assert!(e.to_string().contains("GPU window 6"), "{e}");
         }
+    }
+
+    /// A job of its own for each test (socket names are host-wide).
+    fn job(timeout_ms: u64) -> FdJob {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let mut tag = [0xee; 8];
+        tag[..4].copy_from_slice(&std::process::id().to_le_bytes());
+        tag[4..6].copy_from_slice(
+            &(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) as u16).to_le_bytes(),
+        );
+        FdJob::from_tokens(tag, [3; 32], std::time::Duration::from_millis(timeout_ms))
+    }
+
+    /// A memfd standing in for a VMM allocation's descriptor.
+    fn memfd(bytes: &[u8]) -> OwnedFd {
+        use std::io::Write;
+        use std::os::fd::FromRawFd;
+        // SAFETY: a NUL-terminated name; the result is checked.
+        let fd = unsafe { libc::memfd_create(c"gin-window-test".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: a new descriptor owned here.
+        let mut f = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+        f.write_all(bytes).unwrap();
+        f.into()
+    }
+
+    /// Rank `rank`'s registered VMM part of window `window`, shared with
+    /// `peers`, its descriptor (a memfd) bound but not served yet. Its
+    /// memory is never touched: nothing here calls the driver, and drop
+    /// leaves it alone.
+    fn vmm_part(rank: usize, window: u32, peers: Vec<usize>, job: &FdJob) -> LocalPart {
+        LocalPart {
+            served: None,
+            // SAFETY: never dereferenced (see above).
+            mem: unsafe { DevMem::from_raw_parts(0x7e00_0000_1000, 4096) },
+            ipc: [0; 64],
+            offset: 0x1000,
+            vmm: Some(2 << 20),
+            fds: Some(FdExport::Bound(
+                FdListener::bind(job, rank, window).unwrap(),
+                memfd(b"vmm"),
+                peers.clone(),
+            )),
+            share: Some(Sharing {
+                host: SameHost {
+                    window,
+                    peers,
+                    job: job.clone(),
+                },
+                ordinal: 0,
+            }),
+            block: None,
+        }
+    }
+
+    #[test]
+    fn a_vmm_part_records_its_mapping_and_serves_its_descriptor_once_the_offers_are_out() {
+        let job = job(60_000);
+        let mut part = vmm_part(0, 3, vec![1], &job);
+        let r = part.record();
+        assert_eq!((r.vmm, r.offset, r.ipc), (Some(2 << 20), 0x1000, [0; 64]));
+        // Bound, not served: a fetch now would wait in the backlog.
+        assert!(matches!(part.fds, Some(FdExport::Bound(..))));
+        part.serve_descriptor().unwrap();
+        assert!(matches!(part.fds, Some(FdExport::Serving { .. })));
+        // Serving twice changes nothing.
+        part.serve_descriptor().unwrap();
+        let fd = crate::fdpass::fetch(&job, 1, 3, 0).unwrap();
+        let mut b = [0u8; 3];
+        std::os::unix::fs::FileExt::read_exact_at(&std::fs::File::from(fd), &mut b, 0).unwrap();
+        assert_eq!(&b, b"vmm");
+    }
+
+    /// A same-host peer's VMM record makes this rank fetch its descriptor
+    /// (from the peer's socket) and import it; without CUDA here the
+    /// import fails, naming rank, peer and window, after the fetch
+    /// succeeded (the server saw its one peer).
+    #[test]
+    fn a_peers_vmm_record_is_fetched_from_its_socket_and_imported() {
+        let job = job(60_000);
+        let server =
+            FdServer::start(FdListener::bind(&job, 0, 5).unwrap(), memfd(b"x"), [1]).unwrap();
+        let local = vmm_part(1, 5, vec![0], &job);
+        let peer = PartRecord {
+            vmm: Some(2 << 20),
+            ipc: [0; 64],
+            ..record(0x2000)
+        };
+        let e = PeerParts::open(1, 5, &local, &[peer, local.record()], |_| false).unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                CudaError::VmmOpen {
+                    rank: 1,
+                    peer: 0,
+                    window: 5,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(
+            e.to_string()
+                .starts_with("rank 1 cannot map GPU window 5 of rank 0 from its VMM export"),
+            "{e}"
+        );
+        server.wait().unwrap();
+        // A peer over TCP is reached by its key: nothing is fetched.
+        let tcp = PartRecord { key: 9, ..peer };
+        let parts = PeerParts::open(1, 5, &local, &[tcp, local.record()], |p| p == 0).unwrap();
+        assert_eq!((parts.bases[0], parts.opened.len()), (0, 0));
+    }
+
+    #[test]
+    fn a_vmm_peer_that_does_not_serve_its_descriptor_is_named() {
+        let job = job(60_000);
+        let local = vmm_part(1, 6, vec![0], &job);
+        let peer = PartRecord {
+            vmm: Some(2 << 20),
+            ..record(0)
+        };
+        let e = PeerParts::open(1, 6, &local, &[peer, local.record()], |_| false).unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                CudaError::FdPass(crate::fdpass::FdPassError::Gone {
+                    rank: 1,
+                    peer: 0,
+                    window: 6,
+                    ..
+                })
+            ),
+            "{e}"
+        );
+    }
+
+    /// A window of gin's memory has no VMM parts: a peer's VMM record there
+    /// means the ranks disagree, said as such.
+    #[test]
+    fn a_vmm_record_beside_gins_own_memory_is_an_error() {
+        let mut local = vmm_part(1, 7, vec![0], &job(60_000));
+        local.share = None;
+        let peer = PartRecord {
+            vmm: Some(2 << 20),
+            ..record(0)
+        };
+        let e = PeerParts::open(1, 7, &local, &[peer, local.record()], |_| false).unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                CudaError::VmmOpen {
+                    rank: 1,
+                    peer: 0,
+                    ..
+                }
+            ) && e.to_string().contains("the ranks disagree"),
+            "{e}"
+        );
     }
 }

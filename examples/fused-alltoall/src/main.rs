@@ -22,13 +22,21 @@
 //! the output, and the graph is launched `--iters` times, each replay
 //! watched, checked and verified (see the `graph` module).
 //!
+//! With `--memory vmm` the two windows' buffers come from the user's own
+//! VMM allocator instead (`cuMemCreate` requesting
+//! `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`, mapped with `cuMemMap`; see
+//! the `vmm` module): same-host peers import each part from its file
+//! descriptor. `--memory vmm-no-fd` allocates them without that handle
+//! type, which every rank must refuse, saying what to request.
+//!
 //! It also shows the refusal of memory same-host peers cannot map: a
 //! stream-ordered pool allocation (cudarc's `alloc_zeros` on GPUs with
 //! memory pools) must be refused on every rank, naming the rank and the
 //! pointer.
 //!
 //! Usage: `fused-alltoall [--ranks N] [--rounds R] [--count C] [--launcher
-//! cudarc|gin] [--nvrtc] [--cooperative] [--die V] [--graph [--iters K]
+//! cudarc|gin] [--nvrtc] [--cooperative] [--memory malloc|vmm|vmm-no-fd]
+//! [--die V] [--graph [--iters K]
 //! [--capture-mode global|thread-local|relaxed]]` (spawns N ranks,
 //! default 2; or runs as one rank under a launcher; `--nvrtc` ignores the
 //! build-time cubin, `--cooperative` launches with
@@ -55,6 +63,7 @@ use gin_core::launch::{Role, run_ranks};
 use gin_core::{Comm, DevCommRequirements};
 
 mod graph;
+mod vmm;
 
 /// The kernel's source and the user header it includes.
 const SOURCE: &str = include_str!("../kernels/fused_alltoall.cu");
@@ -85,6 +94,40 @@ struct Opts {
     die: Option<usize>,
     /// `--graph`: capture once, replay.
     graph: Option<graph::GraphOpts>,
+    /// `--memory`: how the windows' buffers are allocated.
+    memory: Memory,
+}
+
+/// How the user allocates the windows' buffers (`--memory`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Memory {
+    /// `cuMemAlloc` (legacy CUDA IPC).
+    Malloc,
+    /// The user's VMM allocator; `posix_fd`: with the POSIX file
+    /// descriptor handle type requested.
+    Vmm { posix_fd: bool },
+}
+
+impl Memory {
+    fn parse(v: &str) -> R<Self> {
+        match v {
+            "malloc" => Ok(Self::Malloc),
+            "vmm" => Ok(Self::Vmm { posix_fd: true }),
+            "vmm-no-fd" => Ok(Self::Vmm { posix_fd: false }),
+            _ => Err(format!("--memory {v}: malloc, vmm or vmm-no-fd")),
+        }
+    }
+
+    /// In words, for the result line.
+    fn describe(self) -> &'static str {
+        match self {
+            Self::Malloc => "cuMemAlloc memory",
+            Self::Vmm { posix_fd: true } => {
+                "VMM memory (cuMemCreate with the POSIX file descriptor handle type)"
+            }
+            Self::Vmm { posix_fd: false } => "VMM memory without a shareable handle type",
+        }
+    }
 }
 
 fn opts() -> R<Opts> {
@@ -138,6 +181,7 @@ fn parse(a: &[String]) -> R<Opts> {
         cooperative: a.iter().any(|x| x == "--cooperative"),
         die,
         graph,
+        memory: val("--memory").map_or(Ok(Memory::Malloc), |m| Memory::parse(m))?,
     })
 }
 
@@ -224,17 +268,33 @@ fn compile_offline() -> R<String> {
 
 /// The user's device memory: a cudarc slice over a `cuMemAlloc`
 /// allocation (cudarc's own `alloc` takes it from a stream-ordered pool on
-/// most GPUs, which CUDA IPC cannot export), freed with `cuMemFree`.
+/// most GPUs, which CUDA IPC cannot export), freed with `cuMemFree`; or
+/// over the user's VMM allocation, unmapped and released.
 struct UserMem<T = f32> {
     slice: ManuallyDrop<CudaSlice<T>>,
     ptr: u64,
     len: usize,
+    /// `Some`: the VMM allocation the slice lies in.
+    vmm: Option<vmm::VmmAlloc>,
 }
 
 impl<T: cd::DeviceRepr> UserMem<T> {
     fn new(stream: &Arc<CudaStream>, len: usize) -> R<Self> {
-        // SAFETY: a plain allocation; the bytes are written before use.
-        let ptr = unsafe { cd::result::malloc_sync(len * size_of::<T>()) }.map_err(s)?;
+        Self::with(stream, len, Memory::Malloc)
+    }
+
+    /// `len` Ts allocated as `memory` says.
+    fn with(stream: &Arc<CudaStream>, len: usize, memory: Memory) -> R<Self> {
+        let bytes = len * size_of::<T>();
+        let (ptr, vmm) = match memory {
+            // SAFETY: a plain allocation; the bytes are written before use.
+            Memory::Malloc => (unsafe { cd::result::malloc_sync(bytes) }.map_err(s)?, None),
+            Memory::Vmm { posix_fd } => {
+                stream.context().bind_to_thread().map_err(s)?;
+                let a = vmm::VmmAlloc::new(stream.context().ordinal(), bytes, posix_fd)?;
+                (a.ptr(), Some(a))
+            }
+        };
         // SAFETY: `ptr` holds `len` Ts, owned by the slice until `drop`
         // leaks it back.
         let slice = unsafe { stream.upgrade_device_ptr::<T>(ptr, len) };
@@ -242,6 +302,7 @@ impl<T: cd::DeviceRepr> UserMem<T> {
             slice: ManuallyDrop::new(slice),
             ptr,
             len,
+            vmm,
         })
     }
 
@@ -255,6 +316,11 @@ impl<T> Drop for UserMem<T> {
         // SAFETY: taken once, here; the field is not used again.
         let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
         let ptr = slice.leak();
+        if let Some(vmm) = self.vmm.take() {
+            // Unmapped and released (the windows over it were freed first).
+            drop(vmm);
+            return;
+        }
         // SAFETY: `malloc_sync` allocated it; nothing uses it any more (the
         // windows over it were freed first).
         unsafe {
@@ -290,12 +356,12 @@ fn rank(o: &Opts) -> R<String> {
     let refusal = refuse_pool_memory(&cuda, &stream)?;
 
     let count = o.count;
-    let mut send = UserMem::new(&stream, n * count)?;
+    let mut send = UserMem::with(&stream, n * count, o.memory)?;
     let host: Vec<f32> = (0..n * count)
         .map(|j| value(me, j / count, j % count))
         .collect();
     stream.memcpy_htod(&host, send.slice()).map_err(s)?;
-    let recv = UserMem::<f32>::new(&stream, RECV_OFFSET / 4 + 2 * n * count)?;
+    let recv = UserMem::<f32>::with(&stream, RECV_OFFSET / 4 + 2 * n * count, o.memory)?;
     let rounds = if o.graph.is_some() {
         1
     } else {
@@ -303,8 +369,8 @@ fn rank(o: &Opts) -> R<String> {
     };
     let mut out = UserMem::new(&stream, rounds * count)?;
     stream.synchronize().map_err(s)?;
-    // SAFETY: both ranges are this GPU's device memory (cuMemAlloc) that
-    // outlives the windows: they are freed below, before `send` and
+    // SAFETY: both ranges are this GPU's device memory (cuMemAlloc or VMM)
+    // that outlives the windows: they are freed below, before `send` and
     // `recv` drop.
     let (sw, rw) = unsafe {
         (
@@ -341,7 +407,8 @@ fn rank(o: &Opts) -> R<String> {
         cuda.free_window(sw).map_err(s)?;
         return Ok(format!(
             "rank {me} of {n}: fused all-to-all + reduction in a CUDA graph verified: {done}, \
-             on the user's cudarc stream, windows over the user's cuMemAlloc memory; {refusal}"
+             on the user's cudarc stream, windows over the user's {}; {refusal}",
+            o.memory.describe()
         ));
     }
     let how = launch_rounds(o, &cuda, &dc, &stream, (&sw, &rw), &mut out)?;
@@ -357,9 +424,10 @@ fn rank(o: &Opts) -> R<String> {
     }
     Ok(format!(
         "rank {me} of {n}: fused all-to-all + reduction verified: {} rounds x {count} floats \
-         from {n} ranks, {how}, on the user's cudarc stream, windows over the user's \
-         cuMemAlloc memory (recv at offset {RECV_OFFSET}); {refusal}",
-        o.rounds
+         from {n} ranks, {how}, on the user's cudarc stream, windows over the user's {} \
+         (recv at offset {RECV_OFFSET}); {refusal}",
+        o.rounds,
+        o.memory.describe()
     ))
 }
 
@@ -626,6 +694,20 @@ mod tests {
             let e = parse(&args(line)).unwrap_err();
             assert!(e.contains(want), "{line}: {e}");
         }
+    }
+
+    /// `--memory`: the default, both VMM kinds, and a word it refuses.
+    #[test]
+    fn memory_options_parse() {
+        let o = parse(&args("--ranks 2")).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(o.memory, Memory::Malloc);
+        let o = parse(&args("--memory vmm --graph")).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(o.memory, Memory::Vmm { posix_fd: true });
+        assert!(o.memory.describe().contains("POSIX file descriptor"));
+        let o = parse(&args("--memory vmm-no-fd")).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(o.memory, Memory::Vmm { posix_fd: false });
+        let e = parse(&args("--memory managed")).unwrap_err();
+        assert!(e.contains("malloc, vmm or vmm-no-fd"), "{e}");
     }
 
     /// The user's header is written where the include folder points.

@@ -47,8 +47,8 @@
 //!   turning the error word into the error `run` gives; `run` is the three
 //!   composed, its watch on the calling thread), with cudarc's launch builder
 //!   too ([`DevCommParam`], [`WindowParam`]); the user's device memory
-//!   becomes a window ([`CudaComm::register_window`], exported by its
-//!   allocation's IPC handle and offset, refused on every rank where it
+//!   becomes a window ([`CudaComm::register_window`], exported by its IPC
+//!   handle or VMM descriptor and offset, refused on every rank where it
 //!   cannot be shared); NVRTC takes the user's include folders, defines and
 //!   CCCL ([`CudaComm::compile_with`]). Everything runs in the GPU's primary
 //!   context, cudarc's too ([`CudaComm::context_info`]).
@@ -265,15 +265,15 @@ impl<'c> CudaComm<'c> {
 
     /// Registers the user's `bytes` of device memory at `ptr` as this
     /// rank's part of a new window (collective; sizes may differ per rank,
-    /// as with [`CudaComm::alloc_window`]). Same-host peers map it through
-    /// CUDA IPC (its allocation's handle and its offset there), peers over
-    /// TCP reach it through the engines. Memory that cannot be a part — not
-    /// this GPU's device memory, not inside one allocation, or, with a
-    /// same-host peer, not exportable through legacy CUDA IPC (managed
-    /// memory, a stream-ordered pool's such as cudarc's `alloc` on most
-    /// GPUs, VMM mappings) — makes every rank fail, naming the rank, the
-    /// pointer and why. [`CudaComm::free_window`] unregisters it and leaves
-    /// the memory alone.
+    /// as with [`CudaComm::alloc_window`]). Same-host peers map its
+    /// allocation (`cuMemAlloc`: CUDA IPC; VMM `cuMemCreate` with the POSIX
+    /// file descriptor handle type: its descriptor over a Unix socket) plus
+    /// its offset; peers over TCP reach it through the engines. Memory that
+    /// cannot be a part — not this GPU's device memory, not inside one
+    /// allocation (one VMM chunk), or, with a same-host peer, managed, a
+    /// stream-ordered pool's (cudarc's `alloc` on most GPUs), VMM without
+    /// that handle type — makes every rank fail, naming the rank, the
+    /// pointer and why; [`CudaComm::free_window`] leaves the memory alone.
     ///
     /// # Safety
     /// `ptr` must be the start of `bytes` bytes of device memory of this

@@ -1,5 +1,5 @@
 //! GPU windows: gin-cuda's window parts ([`gin_cuda::window`]: this rank's
-//! part in device memory, its peers' parts mapped through CUDA IPC or
+//! part in device memory, its peers' parts mapped (CUDA IPC, VMM) or
 //! named by region keys over TCP) assembled into what the device API sees:
 //! the window id, NIC keys and the arrays kernels index by rank (gin-cuda
 //! lists the parts in the fabric's directory: `gin_cuda::window::Listed`).
@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use gin_cuda::staging::Server;
-use gin_cuda::window::{Listed, LocalPart};
+use gin_cuda::window::{Listed, LocalPart, SameHost};
 use gin_cuda::{DevMem, Device};
 use gin_device::abi::WindowAbi;
 
@@ -101,11 +101,12 @@ impl CudaComm<'_> {
         let comm = self.comm;
         let id = comm.take_window_id();
         let (rank, n) = (comm.rank(), comm.nranks());
-        // Only a same-host peer needs the part exported through CUDA IPC.
-        let ipc = (0..n).any(|p| p != rank && !comm.reaches_keyed(p));
+        // Only same-host peers map the part (CUDA IPC, or a VMM descriptor).
+        let peers = (0..n).filter(|&p| p != rank && !comm.reaches_keyed(p));
+        let host = SameHost::new(comm.bootstrap(), id, peers.collect(), comm.timeout());
         let serve = self.server.as_ref().map(|s| (comm.region_table(), s));
         // SAFETY: the caller's contract.
-        let local = unsafe { LocalPart::register(rank, &self.dev, ptr, bytes, ipc, serve) };
+        let local = unsafe { LocalPart::register(rank, &self.dev, ptr, bytes, host, serve) };
         Self::assemble(comm, &self.dev, &self.home, id, local)
     }
 
