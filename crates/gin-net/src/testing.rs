@@ -3,7 +3,13 @@
 //! to fail as a dead peer's connection does. No sockets, no threads.
 //! [`KeyedRecorder::taking_device_memory`] makes one that also takes GPU
 //! memory directly, as ucx with its CUDA transports does: it records
-//! device addresses ([`KeyedOp`]) and dereferences nothing.
+//! device addresses ([`KeyedOp`]) and dereferences nothing. Its puts from
+//! GPU memory complete at once, or, once held
+//! ([`KeyedRecorder::hold_device_puts`]), only when the test says
+//! ([`KeyedRecorder::complete_device_puts`]); it can order requests after
+//! them by waiting, as ucx's `GIN_UCX_GPU_ORDER=wait` does
+//! ([`KeyedRecorder::order_by_waiting`]), and then refuses a request that
+//! would have to wait for a put not yet complete.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -73,10 +79,20 @@ pub struct KeyedRecorder {
     dead: AtomicBool,
     device: bool,
     refused: Mutex<Vec<u32>>,
-    /// Puts from GPU memory started and not yet completed, and each
-    /// completion: (peer, how many operations were recorded before it).
+    /// Puts from GPU memory started (the newest's number), how far they
+    /// are complete, up to which the last [`Transport::complete_device`]
+    /// covered them, and each one that had puts started since the one
+    /// before: (peer, how many operations were recorded before it).
     started: AtomicU64,
+    device_done: AtomicU64,
+    covered: AtomicU64,
     completions: Mutex<Vec<(usize, usize)>>,
+    /// Puts from GPU memory complete only when the test says.
+    hold: AtomicBool,
+    /// A request ordered after puts from GPU memory waits for them.
+    waits: AtomicBool,
+    /// Why [`Transport::device_puts_completed`] fails, once it does.
+    device_failure: Mutex<Option<String>>,
 }
 
 impl KeyedRecorder {
@@ -98,7 +114,8 @@ impl KeyedRecorder {
             .clone()
     }
 
-    /// Every [`Transport::complete_device`] that had puts to complete:
+    /// Every [`Transport::complete_device`] that had puts started since
+    /// the one before (whether or not they had completed meanwhile):
     /// (peer, how many operations [`KeyedRecorder::ops`] held then).
     pub fn completions(&self) -> Vec<(usize, usize)> {
         self.completions
@@ -108,9 +125,55 @@ impl KeyedRecorder {
     }
 
     /// Puts from GPU memory started ([`Transport::start_put_device`]) and
-    /// not completed since.
+    /// not complete since.
     pub fn in_flight(&self) -> u64 {
-        self.started.load(Ordering::Acquire)
+        self.started.load(Ordering::Acquire) - self.device_done.load(Ordering::Acquire)
+    }
+
+    /// From now on puts from GPU memory stay in flight until
+    /// [`KeyedRecorder::complete_device_puts`] (or
+    /// [`Transport::complete_device`]) completes them.
+    pub fn hold_device_puts(&self) {
+        self.hold.store(true, Ordering::Release);
+    }
+
+    /// Completes the puts from GPU memory numbered up to `upto` (in
+    /// order, as [`Transport::device_puts_completed`] reports them).
+    pub fn complete_device_puts(&self, upto: u64) {
+        let upto = upto.min(self.started.load(Ordering::Acquire));
+        self.device_done.fetch_max(upto, Ordering::AcqRel);
+    }
+
+    /// From now on a request ordered after puts from GPU memory waits for
+    /// them ([`Transport::ordered_waits_for_device_puts`]), as ucx's
+    /// `GIN_UCX_GPU_ORDER=wait`: the recorder refuses one that would have
+    /// to wait (its caller must hold it back instead of blocking).
+    pub fn order_by_waiting(&self) {
+        self.waits.store(true, Ordering::Release);
+    }
+
+    /// From now on [`Transport::device_puts_completed`] fails, as when a
+    /// put from GPU memory failed.
+    pub fn fail_device_puts(&self, why: &str) {
+        *self
+            .device_failure
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(why.into());
+    }
+
+    /// Refuses a request ordered after the puts from GPU memory up to
+    /// `after` that would have to wait for them.
+    fn check_order(&self, peer: usize, after: u64) -> Result<(), NetError> {
+        let done = self.device_done.load(Ordering::Acquire);
+        if self.waits.load(Ordering::Acquire) && done < after {
+            return Err(NetError::Broken {
+                peer,
+                why: format!(
+                    "an ordered request would block until put {after} from GPU memory completes (complete up to {done})"
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// From now on every operation on `key` is refused, as by a target
@@ -257,7 +320,21 @@ impl Transport for KeyedRecorder {
         self.alive(peer)
     }
     fn put_ordered(&self, peer: usize, dst: Target<'_>, src: &[u8]) -> Result<(), NetError> {
+        self.check_order(peer, self.started.load(Ordering::Acquire))?;
         self.host_put(peer, dst, src, true)
+    }
+    fn put_ordered_after(
+        &self,
+        peer: usize,
+        dst: Target<'_>,
+        src: &[u8],
+        after: u64,
+    ) -> Result<(), NetError> {
+        self.check_order(peer, after)?;
+        self.host_put(peer, dst, src, true)
+    }
+    fn ordered_waits_for_device_puts(&self) -> bool {
+        self.waits.load(Ordering::Acquire)
     }
     fn takes_device_memory(&self) -> bool {
         self.device
@@ -287,7 +364,8 @@ impl Transport for KeyedRecorder {
         Ok(())
     }
     /// Records the device address as [`Transport::put_device`] does, and
-    /// counts the put in flight until [`Transport::complete_device`].
+    /// numbers the put: complete at once, or, held, once the test or
+    /// [`Transport::complete_device`] completes it.
     unsafe fn start_put_device(
         &self,
         peer: usize,
@@ -295,15 +373,33 @@ impl Transport for KeyedRecorder {
         src: u64,
         len: u64,
         _: Option<KeepAlive>,
-    ) -> Result<(), NetError> {
+    ) -> Result<u64, NetError> {
         // SAFETY: records the address only.
         unsafe { self.put_device(peer, dst, src, len) }?;
-        self.started.fetch_add(1, Ordering::AcqRel);
-        Ok(())
+        let seq = self.started.fetch_add(1, Ordering::AcqRel) + 1;
+        if !self.hold.load(Ordering::Acquire) {
+            self.device_done.fetch_max(seq, Ordering::AcqRel);
+        }
+        Ok(seq)
     }
-    /// Completes every put started, recording when.
+    fn device_puts_completed(&self, peer: usize) -> Result<u64, NetError> {
+        self.alive(peer)?;
+        if let Some(why) = self
+            .device_failure
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+        {
+            return Err(NetError::Broken { peer, why });
+        }
+        Ok(self.device_done.load(Ordering::Acquire))
+    }
+    /// Completes every put started, recording when puts were started
+    /// since the last time.
     fn complete_device(&self, peer: usize, _: Duration) -> Result<(), NetError> {
-        if self.started.swap(0, Ordering::AcqRel) > 0 {
+        let started = self.started.load(Ordering::Acquire);
+        self.device_done.fetch_max(started, Ordering::AcqRel);
+        if self.covered.swap(started, Ordering::AcqRel) < started {
             let n = self.ops().len();
             self.completions
                 .lock()

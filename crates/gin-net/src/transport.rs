@@ -299,19 +299,23 @@ pub trait Transport: Send + Sync + std::fmt::Debug + std::any::Any {
     }
 
     /// [`Transport::put_device`] that may return before the transport has
-    /// read the source, so that many are in flight: each is complete
-    /// locally (and `keep` dropped) only once a later
-    /// [`Transport::complete_device`], [`Transport::confirm`] or
-    /// [`Transport::fence`] to `peer` returned, whether or not it
-    /// succeeded. Ordered as `put_device`: before a later
+    /// read the source, so that many are in flight. Returns the put's
+    /// sequence number among those started to `peer` (1 for the first,
+    /// one more for each next), or 0 where the put is complete on return.
+    ///
+    /// Each is complete locally (and `keep` dropped) once
+    /// [`Transport::device_puts_completed`] to `peer` answers at least its
+    /// number, or once a later [`Transport::complete_device`],
+    /// [`Transport::confirm`] or [`Transport::fence`] to `peer` returned,
+    /// whether or not it succeeded. Ordered as `put_device`: before a later
     /// [`Transport::put_ordered`] to `peer` at the target. The default is
-    /// `put_device` (complete on return).
+    /// `put_device` (complete on return: 0).
     ///
     /// # Safety
     /// `src..src + len` must be GPU memory of this process that no one
-    /// writes, and that stays allocated, until one of those calls to
-    /// `peer` returned or the transport was dropped (or, where `keep` owns
-    /// that memory, for as long as `keep` is held).
+    /// writes, and that stays allocated, until the put is complete locally
+    /// as above or the transport was dropped (or, where `keep` owns that
+    /// memory, for as long as `keep` is held).
     unsafe fn start_put_device(
         &self,
         peer: usize,
@@ -319,10 +323,58 @@ pub trait Transport: Send + Sync + std::fmt::Debug + std::any::Any {
         src: u64,
         len: u64,
         keep: Option<KeepAlive>,
-    ) -> Result<(), NetError> {
+    ) -> Result<u64, NetError> {
         drop(keep);
         // SAFETY: the caller's contract covers `put_device`'s.
-        unsafe { self.put_device(peer, dst, src, len) }
+        unsafe { self.put_device(peer, dst, src, len) }?;
+        Ok(0)
+    }
+
+    /// Without blocking: how far the [`Transport::start_put_device`]s to
+    /// `peer` are complete locally, in order of their sequence numbers:
+    /// every put numbered at or below the answer is complete (the
+    /// transport reads none of their sources any more). A put that
+    /// completes before an earlier one is covered only once the earlier one
+    /// is. The answer never decreases; the default, for transports whose
+    /// puts complete on return, is `u64::MAX`.
+    ///
+    /// An error names the peer: a put to it failed, its path failed, or no
+    /// put to it completed for the job's whole timeout while some were in
+    /// flight (which fails the path). After an error the puts not yet
+    /// complete may still read their sources: [`Transport::complete_device`]
+    /// waits for them.
+    fn device_puts_completed(&self, peer: usize) -> Result<u64, NetError> {
+        let _ = peer;
+        Ok(u64::MAX)
+    }
+
+    /// Whether [`Transport::put_ordered`] to a peer waits (blocks) until
+    /// the puts from GPU memory started to it before are complete, rather
+    /// than ordering itself after them without waiting (ucx with
+    /// `GIN_UCX_GPU_ORDER=wait`, its default). A caller that must not block
+    /// holds such a request back until
+    /// [`Transport::device_puts_completed`] covers the puts it follows,
+    /// then sends it with [`Transport::put_ordered_after`]. The default:
+    /// no.
+    fn ordered_waits_for_device_puts(&self) -> bool {
+        false
+    }
+
+    /// [`Transport::put_ordered`] that, where it waits for puts from GPU
+    /// memory ([`Transport::ordered_waits_for_device_puts`]), waits only
+    /// for those to `peer` numbered at or below `after` (a sequence number
+    /// [`Transport::start_put_device`] returned), not for any started
+    /// since: executed at `peer` after every earlier request to it all the
+    /// same. The default is [`Transport::put_ordered`].
+    fn put_ordered_after(
+        &self,
+        peer: usize,
+        dst: Target<'_>,
+        src: &[u8],
+        after: u64,
+    ) -> Result<(), NetError> {
+        let _ = after;
+        self.put_ordered(peer, dst, src)
     }
 
     /// Returns once every [`Transport::start_put_device`] to `peer` so far

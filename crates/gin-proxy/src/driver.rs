@@ -181,8 +181,10 @@ fn run<E: Executor>(
             idle_since = None;
             continue;
         }
-        // Asked to stop, the driver has drained what was queued.
-        if stopping {
+        // Asked to stop, the driver has drained what was queued, and
+        // everything in flight landed (a held signal was sent): an
+        // operation that never lands fails the engine in time instead.
+        if stopping && engine.in_flight() == 0 {
             break;
         }
         polls = polls.saturating_add(1);

@@ -21,8 +21,12 @@
 //!   counters per slot, handed to the executor with every add (see
 //!   [`crate::executor::Signal`]).
 //! - **In-order completion.** A ring's completion index is published (by the
-//!   executor) up to the first get still in flight; a counter carried by
-//!   such a get is counted when it lands.
+//!   executor) up to the first operation still in flight: a get whose
+//!   answer has not landed, or a put whose source the transport still
+//!   reads (a put from GPU memory over ucx), whichever order they complete
+//!   in; a counter carried by such an operation is counted when it lands.
+//!   Many operations are in flight at once: the engine issues the next
+//!   ones while earlier ones complete, and never waits for one.
 //! - **Fail-stop.** The first error — a corrupt descriptor, an invalid one,
 //!   an executor error — is recorded as a [`ProxyError`] naming rank,
 //!   context, peer and sequence. The ring's completion index is still
@@ -65,7 +69,7 @@ pub struct RingSpec {
 pub struct Progress {
     /// Descriptors handed to the executor.
     pub executed: u64,
-    /// Gets in flight that landed.
+    /// Operations in flight (gets, puts) that landed.
     pub landed: u64,
     /// Rings whose completion index was published anew.
     pub published: u64,
@@ -88,13 +92,18 @@ pub struct EngineStats {
     pub batches: u64,
     /// Polls that found a ring's next slot not yet written.
     pub pending_polls: u64,
-    /// Gets that were in flight and landed.
+    /// Operations (gets, puts) that were in flight and landed.
     pub landed: u64,
 }
 
+/// An operation in flight: its descriptor's sequence number and operation,
+/// the executor's handle (`None`: complete, but with a counter that waits
+/// for the operations in flight before it), and the counter to count when
+/// it lands.
 struct Flight<P> {
     seq: u64,
-    get: P,
+    op: Op,
+    token: Option<P>,
     counter: Option<u32>,
 }
 
@@ -106,7 +115,7 @@ struct RingState<P> {
     next: u64,
     /// The completion index last published.
     published: u64,
-    /// Gets in flight, in ring order.
+    /// Operations in flight, in ring order.
     flights: VecDeque<Flight<P>>,
 }
 
@@ -177,8 +186,10 @@ impl<E: Executor> Engine<E> {
         }
     }
 
-    /// One pass over every ring: landed gets, up to `batch` new
-    /// descriptors, publication. Does nothing once the engine has failed.
+    /// One pass over every ring: landed operations, up to `batch` new
+    /// descriptors, operations that landed meanwhile (a put may complete
+    /// as it is issued), publication. Does nothing once the engine has
+    /// failed.
     pub fn step(&mut self, exec: &mut E) -> Progress {
         let mut p = Progress::default();
         if self.failure.is_some() {
@@ -193,9 +204,11 @@ impl<E: Executor> Engine<E> {
         p
     }
 
-    /// One ring's turn: landed gets, new descriptors, publication. After an
-    /// error the ring's completion is still published up to the failing
-    /// descriptor (those before it were executed and are complete).
+    /// One ring's turn: landed operations, new descriptors, landed ones
+    /// again, publication. After an error the ring's completion is still
+    /// published up to the failing descriptor (those before it were
+    /// executed and are complete), or to the first operation still in
+    /// flight before it.
     fn step_ring(
         &mut self,
         index: usize,
@@ -218,6 +231,7 @@ impl<E: Executor> Engine<E> {
         let before = *progress;
         let error = land(ring, site, totals, exec, progress, stats)
             .and_then(|()| take(config, ring, site, totals, exec, progress, stats))
+            .and_then(|()| land(ring, site, totals, exec, progress, stats))
             .err()
             .map(|(seq, op, why)| ProxyError::Descriptor {
                 rank: config.rank,
@@ -259,8 +273,9 @@ impl<E: Executor> Engine<E> {
     }
 
     /// Whether a step could do something now: a ring's next slot is written
-    /// (or corrupt), or a get is in flight. A driver about to sleep asks
-    /// this after announcing itself (see [`gin_net::idle::Sleeper`]).
+    /// (or corrupt), or an operation is in flight (it must be polled until
+    /// it lands). A driver about to sleep asks this after announcing itself
+    /// (see [`gin_net::idle::Sleeper`]).
     pub fn has_work(&self) -> bool {
         self.failure.is_none()
             && self
@@ -269,7 +284,7 @@ impl<E: Executor> Engine<E> {
                 .any(|r| !r.flights.is_empty() || !matches!(r.mem.peek(r.next), Ok(Slot::Pending)))
     }
 
-    /// Gets in flight, over every ring.
+    /// Operations (gets, puts) in flight, over every ring.
     pub fn in_flight(&self) -> usize {
         self.rings.iter().map(|r| r.flights.len()).sum()
     }
@@ -304,7 +319,9 @@ impl<E: Executor> Engine<E> {
 /// why.
 type Failed = (u64, Option<Op>, Why);
 
-/// Gets of `ring` that landed, in ring order, each one's counter after it.
+/// Operations of `ring` in flight that landed, in ring order (polling
+/// stops at the first that has not: completion is published in order,
+/// whatever order they complete in), each one's counter after it.
 fn land<E: Executor>(
     ring: &mut RingState<E::InFlight>,
     site: Site,
@@ -314,10 +331,13 @@ fn land<E: Executor>(
     stats: &mut EngineStats,
 ) -> Result<(), Failed> {
     while let Some(f) = ring.flights.front_mut() {
-        let seq = f.seq;
-        let landed = exec
-            .landed(site, &mut f.get)
-            .map_err(|e| (seq, Some(Op::Get), e.into()))?;
+        let (seq, op) = (f.seq, f.op);
+        let landed = match &mut f.token {
+            Some(t) => exec
+                .landed(site, t)
+                .map_err(|e| (seq, Some(op), e.into()))?,
+            None => true,
+        };
         if !landed {
             break;
         }
@@ -326,7 +346,7 @@ fn land<E: Executor>(
         if let Some(c) = ring.flights.pop_front().and_then(|f| f.counter) {
             totals
                 .count(exec, site, c)
-                .map_err(|e| (seq, Some(Op::Get), e.into()))?;
+                .map_err(|e| (seq, Some(op), e.into()))?;
         }
     }
     Ok(())
@@ -353,10 +373,29 @@ fn take<E: Executor>(
             Ok(Slot::Ready(desc)) => desc,
             Err(e) => return Err((seq, None, e.into())),
         };
-        let flight =
-            execute(config, totals, exec, site, &desc).map_err(|why| (seq, Some(desc.op), why))?;
-        if let Some(f) = flight {
-            ring.flights.push_back(Flight { seq, ..f });
+        let fail = |why| (seq, Some(desc.op), why);
+        let issued = execute(config, totals, exec, site, &desc).map_err(fail)?;
+        // A counter counts once its operation and every one before it in
+        // the ring completed.
+        match (issued, desc.counter) {
+            (Issued::InFlight(t), counter) => ring.flights.push_back(Flight {
+                seq,
+                op: desc.op,
+                token: Some(t),
+                counter,
+            }),
+            (Issued::Ordered, Some(c)) if !ring.flights.is_empty() => {
+                ring.flights.push_back(Flight {
+                    seq,
+                    op: desc.op,
+                    token: None,
+                    counter: Some(c),
+                });
+            }
+            (Issued::Ordered, Some(c)) => {
+                totals.count(exec, site, c).map_err(|e| fail(e.into()))?;
+            }
+            (Issued::Ordered, None) => {}
         }
         ring.next = seq.wrapping_add(1);
         progress.executed += 1;
@@ -365,15 +404,14 @@ fn take<E: Executor>(
     Ok(())
 }
 
-/// Executes one descriptor; a get still in flight is returned with its
-/// counter, to be counted when it lands (the caller fills in `seq`).
+/// Executes one descriptor (its counter is the caller's to count).
 fn execute<E: Executor>(
     config: &EngineConfig,
     totals: &mut Totals,
     exec: &mut E,
     site: Site,
     d: &Desc,
-) -> Result<Option<Flight<E::InFlight>>, Why> {
+) -> Result<Issued<E::InFlight>, Why> {
     check_counter(d, config.counter_slots)?;
     match d.op {
         Op::Put => {
@@ -381,23 +419,13 @@ fn execute<E: Executor>(
             if let Some(s) = &mut put.signal {
                 s.total = totals.signal(site.peer, s.at.id, s.at.offset, s.add);
             }
-            exec.put(site, &put)?;
+            Ok(exec.put(site, &put)?)
         }
         Op::Get => {
             let get = resolve_get(exec, config.rank, site.peer, d)?;
-            if let Issued::InFlight(get) = exec.get(site, &get)? {
-                return Ok(Some(Flight {
-                    seq: 0,
-                    get,
-                    counter: d.counter,
-                }));
-            }
+            Ok(exec.get(site, &get)?)
         }
     }
-    if let Some(c) = d.counter {
-        totals.count(exec, site, c)?;
-    }
-    Ok(None)
 }
 
 /// Checks a descriptor's counter slot against the `slots` that exist.

@@ -360,6 +360,169 @@ fn a_late_get_holds_the_completion_index_back_until_it_lands() {
     assert!(!p.engine.has_work());
 }
 
+/// Puts reported in flight (a put from GPU memory over ucx) hold the
+/// completion index at the oldest one, whatever order they complete in:
+/// later descriptors are still issued, and the index moves in ring order
+/// as the oldest ones land; credit comes back only with it.
+#[test]
+fn puts_in_flight_hold_the_index_at_the_oldest_and_publish_in_order() {
+    let mut p = pair(&[1], 3, 0, 64);
+    p.fake.set_late_puts(true);
+    for k in 0..4 {
+        p.push(0, &put(k * 8, 8));
+    }
+    let did = p.step();
+    assert_eq!((did.executed, did.published), (4, 0));
+    assert_eq!(p.engine.in_flight(), 4);
+    assert!(p.engine.has_work(), "in flight: poll, never sleep");
+    assert_eq!(p.rings[0].tail(), 0);
+    // The last two complete first: nothing moves.
+    p.fake.complete_put(3);
+    p.fake.complete_put(2);
+    assert!(!p.step().did_work());
+    assert_eq!(p.rings[0].tail(), 0);
+    // The oldest completes: it alone lands (the next is still in flight).
+    p.fake.complete_put(0);
+    let did = p.step();
+    assert_eq!((did.landed, did.published), (1, 1));
+    assert_eq!(p.rings[0].tail(), 1);
+    // The second: it and the two behind it land together.
+    p.fake.complete_put(1);
+    let did = p.step();
+    assert_eq!((did.landed, did.published), (3, 1));
+    assert_eq!(p.rings[0].tail(), 4);
+    assert_eq!(p.engine.in_flight(), 0);
+    assert!(!p.engine.has_work());
+    let published: Vec<u64> = p
+        .fake
+        .log()
+        .iter()
+        .filter_map(|e| match e {
+            Event::Publish { upto, .. } => Some(*upto),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(published, [1, 4]);
+}
+
+/// A signal behind a put in flight is held (the executor applies it when
+/// it finds the put complete, as `GIN_UCX_GPU_ORDER=wait` needs), and so
+/// are the completion index and counters: a counter counts only completed
+/// operations, in ring order, even one carried by a descriptor that is
+/// itself complete at once (a get behind the put).
+#[test]
+fn a_signal_and_a_counter_behind_a_put_in_flight_wait_for_it() {
+    let mut p = pair(&[1], 3, 0, 64);
+    p.fake.set_late_puts(true);
+    p.push(0, &counted(signalled(put(64, 16), 8, 3, true), 1));
+    // A get is complete at once (the fake's gets are not late here).
+    p.push(0, &counted(get(0, 0, 8), 1));
+    p.step();
+    assert_eq!(
+        p.fake.read(1, DATA, 64, 16),
+        p.fake.read(RANK, DATA, 64, 16)
+    );
+    assert_eq!(p.fake.read_u64(1, SIGNALS, 8), 0, "held behind its put");
+    assert_eq!(p.fake.counter(1), 0, "neither counted yet");
+    assert_eq!(p.engine.published(0), Some(0));
+    p.fake.complete_put(0);
+    let did = p.step();
+    assert_eq!((did.landed, did.published), (2, 1));
+    assert_eq!(p.fake.read_u64(1, SIGNALS, 8), 3);
+    assert_eq!(p.fake.counter(1), 2);
+    let tail: Vec<&Event> = p.fake.log().iter().rev().take(4).collect();
+    assert!(
+        matches!(
+            tail[..],
+            [
+                Event::Publish { upto: 2, .. },
+                Event::Count { slot: 1, total: 2 },
+                Event::Count { slot: 1, total: 1 },
+                Event::Signal { total: 3, .. },
+            ]
+        ),
+        "{tail:?}"
+    );
+}
+
+/// A put that fails in flight fails the engine naming its sequence and
+/// the peer; what completed before it is published, nothing after it,
+/// and its signal is never applied.
+#[test]
+fn a_put_failing_in_flight_fails_the_engine_with_its_sequence() {
+    let mut p = pair(&[1], 3, 0, 64);
+    p.fake.set_late_puts(true);
+    p.push(0, &put(0, 8));
+    p.push(0, &signalled(put(8, 8), 8, 1, true));
+    p.push(0, &put(16, 8));
+    p.step();
+    p.fake.complete_put(0);
+    p.fake.complete_put(2);
+    p.fake.fail_put(
+        1,
+        ExecError::Unreachable {
+            peer: 1,
+            why: "the put from GPU memory failed".into(),
+        },
+    );
+    p.step();
+    let e = p.engine.failure().cloned().unwrap();
+    assert!(
+        matches!(
+            &e,
+            ProxyError::Descriptor {
+                peer: 1,
+                seq: 1,
+                op: Some(Op::Put),
+                why: Why::Executor(ExecError::Unreachable { peer: 1, .. }),
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("put #1 to rank 1"), "{e}");
+    assert_eq!(p.rings[0].tail(), 1);
+    assert_eq!(p.fake.read_u64(1, SIGNALS, 8), 0);
+    assert!(!p.step().did_work());
+    assert!(!p.engine.has_work());
+}
+
+/// Credit and sequence arithmetic are unaffected by puts in flight: through
+/// the smallest ring, past 2^16 and across u64::MAX, completing puts only
+/// when a producer runs out of credit, every signal total comes out in
+/// order and the index reaches the end.
+#[test]
+fn puts_in_flight_wrap_past_2_16_and_u64_max() {
+    for (log2, first, n) in [(1, 0, (1u64 << 16) + 10), (2, u64::MAX - 5, 40)] {
+        let mut p = pair(&[1], log2, first, 64);
+        p.fake.set_late_puts(true);
+        for _ in 0..n {
+            while !p.credit(0) {
+                p.fake.land_all();
+                assert!(p.step().did_work(), "no credit and no progress");
+            }
+            p.push(0, &signalled(put(0, 8), 8, 1, false));
+            p.step();
+        }
+        p.fake.land_all();
+        p.settle();
+        assert_eq!(p.engine.published(0), Some(first.wrapping_add(n)));
+        assert_eq!(p.rings[0].tail(), first.wrapping_add(n));
+        let totals: Vec<u64> = p
+            .fake
+            .log()
+            .iter()
+            .filter_map(|e| match e {
+                Event::Signal { total, .. } => Some(*total),
+                _ => None,
+            })
+            .collect();
+        assert!(totals.iter().copied().eq(1..=n), "ring of 2^{log2}");
+        assert_eq!(p.fake.puts_in_flight(), 0);
+        assert!(p.engine.failure().is_none());
+    }
+}
+
 /// Writes qwords at `seq` that decode to `WrongSequence`.
 fn corrupt(p: &Pair, i: usize) -> u64 {
     let r = &p.rings[i];
@@ -683,19 +846,20 @@ impl ModelOp {
 proptest! {
     /// Random operations on two rings, random batch and ring sizes, random
     /// interleavings of producer, engine and executor, with a synchronous,
-    /// a queued (slow) or a late-get executor: the outcome is that of
-    /// applying each ring's operations one by one in order.
+    /// a queued (slow), a late-get or a late-put executor: the outcome is
+    /// that of applying each ring's operations one by one in order.
     #[test]
     fn the_engine_matches_a_sequential_model(
         ops in proptest::collection::vec((0..2usize, model_op()), 1..120),
         schedule in proptest::collection::vec(0..4u8, 1..400),
         log2 in 1u32..4,
         batch in 1u64..6,
-        mode in 0..3u8,
+        mode in 0..4u8,
     ) {
         let mut p = pair(&[1, 2], log2, 0, batch);
         p.fake.set_queued(mode == 1);
         p.fake.set_late_gets(mode == 2);
+        p.fake.set_late_puts(mode == 3);
         // The model: memory as the fake starts, operations applied in order.
         let mut mem = std::collections::HashMap::<(usize, u32), Vec<u8>>::default();
         for r in 0..NRANKS {

@@ -98,15 +98,17 @@ pub struct Get<W> {
     pub bytes: u64,
 }
 
-/// How a get was issued.
+/// How a get or a put was issued.
 #[derive(Debug)]
 pub enum Issued<P> {
     /// Complete, or ordered before everything the ring queues after it
     /// (so the next [`Executor::publish`] of the ring covers it).
     Ordered,
     /// In flight outside the ring's order (a tcp get whose answer comes
-    /// when it comes): the engine publishes nothing past it until
-    /// [`Executor::landed`] says it has landed.
+    /// when it comes; a put from GPU memory whose source the transport
+    /// reads until it completes): the engine publishes nothing past it,
+    /// and counts its counter, only once [`Executor::landed`] says it has
+    /// landed. Meanwhile it goes on issuing what comes after it.
     InFlight(P),
 }
 
@@ -125,6 +127,13 @@ pub enum Issued<P> {
 ///   flush asks the peer to [`confirm`](Executor::confirm) it); a tcp get is
 ///   [`Issued::InFlight`] until its answer lands; `publish` is a release
 ///   store of the ring's consumer index.
+/// - **In flight** (a CUDA rank's put from GPU memory to a transport that
+///   takes it, ucx): the put is started and [`Issued::InFlight`]; its
+///   signal is sent ordered after the data by the transport, or, where
+///   the transport would block for that, held back by the executor and
+///   sent when [`Executor::landed`] finds the put complete. The engine
+///   publishes and counts it only then, so the kernel reuses the source
+///   only once the transport is done with it.
 /// - **Asynchronous, in order** (CUDA streams, one per ring): every call
 ///   only *queues* work on the ring's stream — a copy, then the signal's
 ///   running `total` as an 8-byte stream store (`cuStreamWriteValue64`),
@@ -149,7 +158,7 @@ pub trait Executor {
     /// `Arc<MemDesc>`; for CUDA, the window's device addresses), handed
     /// back in [`Target`]s so the executor need not look it up again.
     type Window: Clone;
-    /// A get in flight ([`Issued::InFlight`]).
+    /// A get or put in flight ([`Issued::InFlight`]).
     type InFlight;
 
     /// Looks a window up in the directory (`None`: not registered).
@@ -163,8 +172,15 @@ pub trait Executor {
         Ok(())
     }
 
-    /// A put to `site.peer`, with its signal after the data.
-    fn put(&mut self, site: Site, put: &Put<Self::Window>) -> Result<(), ExecError>;
+    /// A put to `site.peer`, with its signal after the data: done or
+    /// ordered, or in flight until [`Executor::landed`] says it completed
+    /// (its signal may be held back until then, never sent before its
+    /// data).
+    fn put(
+        &mut self,
+        site: Site,
+        put: &Put<Self::Window>,
+    ) -> Result<Issued<Self::InFlight>, ExecError>;
 
     /// A get from `site.peer`.
     fn get(
@@ -173,9 +189,12 @@ pub trait Executor {
         get: &Get<Self::Window>,
     ) -> Result<Issued<Self::InFlight>, ExecError>;
 
-    /// Whether a get in flight has landed (polled in ring order; once it
-    /// returns true the engine drops the handle).
-    fn landed(&mut self, site: Site, get: &mut Self::InFlight) -> Result<bool, ExecError>;
+    /// Whether a get or put in flight has landed (polled in ring order,
+    /// the oldest first, never one behind an operation that has not; once
+    /// it returns true the engine drops the handle). It must not block:
+    /// an operation that will never land (a stopped peer) fails here in
+    /// time, naming the peer.
+    fn landed(&mut self, site: Site, op: &mut Self::InFlight) -> Result<bool, ExecError>;
 
     /// Counts one completed operation in counter `slot`, whose running total
     /// is then `total` (an executor that adds bumps by one; one that stores

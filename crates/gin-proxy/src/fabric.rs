@@ -109,7 +109,12 @@ impl Executor for FabricExecutor {
         window.sizes.get(owner).copied().unwrap_or(0)
     }
 
-    fn put(&mut self, site: Site, put: &Put<Arc<MemDesc>>) -> Result<(), ExecError> {
+    /// Complete on return (the fabric's puts are).
+    fn put(
+        &mut self,
+        site: Site,
+        put: &Put<Arc<MemDesc>>,
+    ) -> Result<Issued<Arc<AtomicU64>>, ExecError> {
         let peer = site.peer;
         let sig = put
             .signal
@@ -141,7 +146,7 @@ impl Executor for FabricExecutor {
                     .put_in(peer, (&d.dst.window, addr(&d.dst)), src, sig)
             }
         };
-        r.map_err(|e| net(peer, e))
+        r.map(|()| Issued::Ordered).map_err(|e| net(peer, e))
     }
 
     fn get(

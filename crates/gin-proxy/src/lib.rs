@@ -18,8 +18,10 @@
 //!   with no threads, sleeps or clocks, generic over an [`Executor`] that
 //!   moves the bytes. It owns ring order and batching (up to a batch per
 //!   ring, then the next ring), validation against the window directory,
-//!   signal and counter running totals, in-order completion (a get in
-//!   flight holds the completion index back), and the failure policy:
+//!   signal and counter running totals, in-order completion (an operation
+//!   in flight — a tcp get, a put from GPU memory over ucx — holds the
+//!   completion index and later counters back, never the engine), and the
+//!   failure policy:
 //!   **fail-stop** — the first error is recorded, naming rank, context, peer
 //!   and descriptor sequence, and nothing is executed after it.
 //! - **Executors** ([`executor`]): gin-net's fabric for CPU ranks

@@ -261,8 +261,9 @@ impl Proxy {
         let mut exec = self.exec.clone();
         // The fabric applies the signal's `add`; the running total is the
         // engine's and this put bypasses it, so it stays 0 here.
+        // The fabric's puts are complete on return (never in flight).
         exec.put(site, &put)
-            .and_then(|()| d.counter.map_or(Ok(()), |c| exec.count(site, c, 0)))
+            .and_then(|_| d.counter.map_or(Ok(()), |c| exec.count(site, c, 0)))
             .map_err(|e| fail(e.into()))
     }
 }

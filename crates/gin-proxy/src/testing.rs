@@ -15,8 +15,12 @@
 //! Faults to inject: a peer that dies now or after some operations
 //! ([`Fake::kill`], [`Fake::kill_after`]), a target that refuses puts to a
 //! window ([`Fake::refuse`]), gets whose answers come late
-//! ([`Fake::set_late_gets`], [`Fake::land`]), and a failing publication
-//! ([`Fake::set_fail_publish`]).
+//! ([`Fake::set_late_gets`], [`Fake::land`]), puts that stay in flight
+//! until the test completes them, in any order, or fails them
+//! ([`Fake::set_late_puts`], [`Fake::complete_put`], [`Fake::fail_put`]:
+//! a put from GPU memory over ucx, its signal held back until it
+//! completed, as `GIN_UCX_GPU_ORDER=wait` has it), and a failing
+//! publication ([`Fake::set_fail_publish`]).
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -122,6 +126,34 @@ pub enum Call {
     },
 }
 
+/// The fake's handle for an operation in flight ([`Executor::InFlight`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Token {
+    /// A late get ([`Fake::land`] takes its number).
+    Get(usize),
+    /// A late put ([`Fake::complete_put`] takes its number).
+    Put(usize),
+}
+
+/// A put in flight ([`Fake::set_late_puts`]).
+#[derive(Debug)]
+struct LatePut {
+    ring: usize,
+    /// The test completed it.
+    done: bool,
+    /// The test failed it.
+    failed: Option<ExecError>,
+    /// Its signal, held until it completed and the engine saw that.
+    signal: Option<Event>,
+}
+
+/// Which operations stay in flight until the test lands them.
+#[derive(Debug, Default, Clone, Copy)]
+struct Late {
+    gets: bool,
+    puts: bool,
+}
+
 /// The in-memory executor (see the module documentation).
 #[derive(Debug, Default)]
 pub struct Fake {
@@ -138,9 +170,11 @@ pub struct Fake {
     dead: HashSet<usize>,
     lives: HashMap<usize, u64>,
     refused: HashSet<(usize, u32)>,
-    late_gets: bool,
+    late: Late,
     /// Gets in flight: the event to log and the bytes the peer served.
     gets: Vec<Option<(Event, Vec<u8>)>>,
+    /// Puts in flight, by number (`None`: the engine saw it land).
+    puts: Vec<Option<LatePut>>,
     fail_publish: bool,
 }
 
@@ -178,7 +212,35 @@ impl Fake {
     /// Gets stay in flight until [`Fake::land`] (the peer serves them when
     /// they are issued; their data lands later).
     pub fn set_late_gets(&mut self, late: bool) {
-        self.late_gets = late;
+        self.late.gets = late;
+    }
+
+    /// Puts stay in flight until [`Fake::complete_put`] (or
+    /// [`Fake::land_all`]): their data moves when they are issued, their
+    /// signal only when the engine, polling, finds them complete.
+    pub fn set_late_puts(&mut self, late: bool) {
+        self.late.puts = late;
+    }
+
+    /// Completes the put in flight numbered `n` (0 for the first one
+    /// issued in flight); the engine sees it when it polls it.
+    pub fn complete_put(&mut self, n: usize) {
+        if let Some(Some(p)) = self.puts.get_mut(n) {
+            p.done = true;
+        }
+    }
+
+    /// Fails the put in flight numbered `n`, as a transport whose put
+    /// failed after it was issued: the engine's poll reports `e`.
+    pub fn fail_put(&mut self, n: usize, e: ExecError) {
+        if let Some(Some(p)) = self.puts.get_mut(n) {
+            p.failed = Some(e);
+        }
+    }
+
+    /// Puts in flight that the engine has not seen land.
+    pub fn puts_in_flight(&self) -> usize {
+        self.puts.iter().filter(|p| p.is_some()).count()
     }
 
     /// Publication fails from now on.
@@ -288,10 +350,13 @@ impl Fake {
         }
     }
 
-    /// Lands every get in flight.
+    /// Lands every get in flight and completes every put in flight.
     pub fn land_all(&mut self) {
         for t in 0..self.gets.len() {
             self.land(t);
+        }
+        for n in 0..self.puts.len() {
+            self.complete_put(n);
         }
     }
 
@@ -373,7 +438,7 @@ impl Fake {
 
 impl Executor for Fake {
     type Window = u32;
-    type InFlight = usize;
+    type InFlight = Token;
 
     fn window(&self, id: u32) -> Option<u32> {
         self.windows.contains_key(&id).then_some(id)
@@ -387,7 +452,7 @@ impl Executor for Fake {
             .unwrap_or(0)
     }
 
-    fn put(&mut self, site: Site, put: &Put<u32>) -> Result<(), ExecError> {
+    fn put(&mut self, site: Site, put: &Put<u32>) -> Result<Issued<Token>, ExecError> {
         self.calls.push(Call::Put {
             site,
             dst: put.data.as_ref().map(|d| d.dst.offset),
@@ -419,20 +484,29 @@ impl Executor for Fake {
             };
             self.effect(site.ring, e);
         }
-        if let Some(s) = &put.signal {
-            let e = Event::Signal {
-                peer: site.peer,
-                window: s.at.id,
-                offset: s.at.offset,
-                add: s.add,
-                total: s.total,
-            };
+        let signal = put.signal.as_ref().map(|s| Event::Signal {
+            peer: site.peer,
+            window: s.at.id,
+            offset: s.at.offset,
+            add: s.add,
+            total: s.total,
+        });
+        if self.late.puts {
+            self.puts.push(Some(LatePut {
+                ring: site.ring,
+                done: false,
+                failed: None,
+                signal,
+            }));
+            return Ok(Issued::InFlight(Token::Put(self.puts.len() - 1)));
+        }
+        if let Some(e) = signal {
             self.effect(site.ring, e);
         }
-        Ok(())
+        Ok(Issued::Ordered)
     }
 
-    fn get(&mut self, site: Site, get: &Get<u32>) -> Result<Issued<usize>, ExecError> {
+    fn get(&mut self, site: Site, get: &Get<u32>) -> Result<Issued<Token>, ExecError> {
         self.calls.push(Call::Get {
             site,
             remote: get.remote.offset,
@@ -444,7 +518,7 @@ impl Executor for Fake {
             local: (get.local.id, get.local.offset),
             bytes: get.bytes,
         };
-        if self.late_gets {
+        if self.late.gets {
             let bytes = self
                 .read(
                     site.peer,
@@ -454,14 +528,35 @@ impl Executor for Fake {
                 )
                 .to_vec();
             self.gets.push(Some((e, bytes)));
-            return Ok(Issued::InFlight(self.gets.len() - 1));
+            return Ok(Issued::InFlight(Token::Get(self.gets.len() - 1)));
         }
         self.effect(site.ring, e);
         Ok(Issued::Ordered)
     }
 
-    fn landed(&mut self, _: Site, get: &mut usize) -> Result<bool, ExecError> {
-        Ok(self.gets.get(*get).is_some_and(Option::is_none))
+    /// A late put's held signal takes effect when the engine finds it
+    /// complete.
+    fn landed(&mut self, _: Site, op: &mut Token) -> Result<bool, ExecError> {
+        match *op {
+            Token::Get(n) => Ok(self.gets.get(n).is_some_and(Option::is_none)),
+            Token::Put(n) => {
+                let Some(Some(p)) = self.puts.get_mut(n) else {
+                    return Ok(true);
+                };
+                if let Some(e) = &p.failed {
+                    return Err(e.clone());
+                }
+                if !p.done {
+                    return Ok(false);
+                }
+                let (ring, signal) = (p.ring, p.signal.take());
+                self.puts[n] = None;
+                if let Some(e) = signal {
+                    self.effect(ring, e);
+                }
+                Ok(true)
+            }
+        }
     }
 
     fn count(&mut self, site: Site, slot: u32, total: u64) -> Result<(), ExecError> {

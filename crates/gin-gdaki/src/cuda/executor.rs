@@ -17,15 +17,26 @@
 //! ucx with its CUDA transports), a write's source goes to it directly and
 //! a read lands directly ([`Fabric::read_device_key`]), each after the
 //! channel's stream has executed everything queued before it (flushed and
-//! waited for, unless nothing was queued since the last wait). Writes are
-//! pipelined: each is started ([`Transport::start_put_device`]), many are
-//! in flight, and a channel's are completed
-//! ([`Transport::complete_device`]) before anything that says their source
-//! may be reused or that the GPU may write it: the channel's CQE, a
-//! counter's total, a read, [`Executor::quiesce`] (and the executor's
-//! drop). An 8-byte value is put ordered after them
-//! ([`Transport::put_ordered`]: ucx waits for them first unless
-//! `GIN_UCX_GPU_ORDER=fence`). Otherwise a
+//! waited for, unless no copy or window store was queued since the last
+//! wait: CQE and counter stores write no window). Writes are pipelined and
+//! never waited for on the NIC's thread: each is started
+//! ([`Transport::start_put_device`], numbered per peer) and returned
+//! [`WriteStatus::Pending`]; [`Executor::write_done`] polls
+//! [`Transport::device_puts_completed`], so the engine publishes the CQE
+//! that covers a write (and a WAIT on it passes) only once the transport is
+//! done with its source. An 8-byte value (an inline write, a running total)
+//! is put ordered after them ([`Transport::put_ordered`]) at once where the
+//! transport orders it without waiting (`GIN_UCX_GPU_ORDER=fence`); where
+//! it would wait ([`Transport::ordered_waits_for_device_puts`], ucx's
+//! default) and writes to the peer are in flight, it is held, in a queue
+//! per peer that keeps the peer's values in issue order, and sent
+//! ([`Transport::put_ordered_after`]) once the writes before it completed;
+//! a counter's total behind writes in flight is held the same way (a
+//! counter counts completed writes). A read completes the peer's writes
+//! first ([`Transport::complete_device`]: they may read what it
+//! overwrites) and sends what was held for them; [`Executor::quiesce`]
+//! (and the executor's drop) complete every write still in flight.
+//! Otherwise a
 //! write's source is staged through pinned host memory on the channel's
 //! stream (waited for) and sent with [`Fabric::put_key`], and a read's
 //! answer comes with [`Fabric::read_key`] into the pinned buffer and is
@@ -45,6 +56,7 @@
 //! mark, so that work a stream has not completed for seconds is diagnosed
 //! as a stall (see `gin_cuda::batch::stall`).
 
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -57,7 +69,7 @@ use gin_net::{Fabric, MemDesc, Memory, NetError, Reach, Transport};
 
 use crate::nic::{
     Atomics, Channel, CqStore, ExecError, Executor, Loc, Part, Payload, ReadStatus, ReadTicket,
-    Region, Sink, SoleWriter,
+    Region, Sink, SoleWriter, WriteStatus, WriteTicket,
 };
 
 /// A collapsed CQ in device memory: the device address of its one 64-byte
@@ -69,12 +81,54 @@ pub(crate) struct DevCq(pub(crate) u64);
 struct Lane<S> {
     stream: S,
     batch: StreamBatch,
-    /// Nothing was queued since the stream was last waited for: GPU
-    /// memory is as the earlier WQEs left it, without a wait.
+    /// No copy and no store into a window was queued since the stream was
+    /// last waited for: window memory is as the earlier WQEs left it,
+    /// without a wait (CQE and counter stores may be pending: the
+    /// transport touches neither).
     idle: bool,
-    /// Peers with writes from GPU memory started on this channel and not
-    /// yet completed ([`CudaExecutor::settle`]).
-    started: Vec<usize>,
+    /// The peer this channel's writes from GPU memory went to (a channel
+    /// is one context's QPs to one peer): a counter's total waits behind
+    /// them.
+    peer: Option<usize>,
+}
+
+/// What an entry of a peer's queue does once the writes before it
+/// completed.
+#[derive(Debug, Clone, Copy)]
+enum Held {
+    /// An 8-byte value to the peer (an inline write, a running total).
+    Send {
+        key: u32,
+        offset: u64,
+        bytes: [u8; 8],
+    },
+    /// A counter's total, stored on channel `ch`'s stream at `addr` (the
+    /// NIC's sub-slot of an existing counter, checked).
+    Store { ch: Channel, addr: u64, v: u64 },
+}
+
+/// One entry of a peer's queue: a write in flight (the transport's number
+/// `after`), or a value held behind the writes numbered up to `after`.
+#[derive(Debug)]
+struct Entry {
+    after: u64,
+    held: Option<Held>,
+}
+
+/// The writes from GPU memory to one peer not yet seen complete, and what
+/// is held behind them, in issue order.
+#[derive(Debug)]
+struct PeerPuts {
+    peer: usize,
+    queue: VecDeque<Entry>,
+    /// Entries made and released (the entry numbered `released` is the
+    /// queue's front).
+    made: u64,
+    released: u64,
+    /// The transport's number of the newest write started.
+    last: u64,
+    /// Writes were started since the last [`Transport::complete_device`].
+    unsettled: bool,
 }
 
 /// Where the executor stores, besides windows: what the set-up laid out.
@@ -110,6 +164,12 @@ pub(crate) struct CudaExecutor<G: Gpu> {
     /// GPU window descriptions by id, as of directory `generation` (a few
     /// windows: a scan beats hashing on the per-WQE path).
     windows: Vec<(u32, Arc<MemDesc>)>,
+    /// Per peer written from GPU memory: writes in flight and what is held
+    /// behind them (a few peers: a scan).
+    puts: Vec<PeerPuts>,
+    /// Writes in flight and held values, by ticket: (peer, entry number).
+    tickets: HashMap<u64, (usize, u64)>,
+    next_ticket: u64,
     generation: u64,
     /// What keeps the memory the streams store into alive (the CQEs).
     _keep: Box<dyn std::any::Any + Send>,
@@ -202,6 +262,9 @@ impl<G: Gpu> CudaExecutor<G> {
             stalls: None,
             windows: Vec::new(),
             generation: u64::MAX,
+            puts: Vec::new(),
+            tickets: HashMap::new(),
+            next_ticket: 0,
             _keep: keep,
         }
     }
@@ -226,14 +289,22 @@ impl<G: Gpu> CudaExecutor<G> {
         })
     }
 
-    /// Queues an 8-byte store on the channel's stream.
+    /// Queues an 8-byte store on the channel's stream; `window`: into
+    /// window memory (an inline write), which a later transport request
+    /// must wait for (not a counter or a CQE).
     ///
     /// # Safety
     /// `addr` 8 aligned bytes of device memory the stream may write until
     /// it has executed the store.
-    unsafe fn store(&mut self, ch: Channel, addr: u64, v: u64) -> Result<(), ExecError> {
+    unsafe fn store(
+        &mut self,
+        ch: Channel,
+        addr: u64,
+        v: u64,
+        window: bool,
+    ) -> Result<(), ExecError> {
         let l = self.lane(ch)?;
-        l.idle = false;
+        l.idle &= !window;
         // SAFETY: the caller's contract.
         unsafe { l.batch.write(&l.stream, addr, v) }.map_err(cuda("cuStreamWriteValue64"))
     }
@@ -325,9 +396,10 @@ impl<G: Gpu> CudaExecutor<G> {
         }
     }
 
-    /// An 8-byte value into this rank's counters (a running total) or sink
-    /// (an atomic's old value).
-    fn local_qword(&mut self, ch: Channel, dst: Loc, v: &[u8]) -> Result<(), ExecError> {
+    /// An 8-byte value into this rank's counters (a running total: held
+    /// behind the channel's writes in flight, since a counter counts
+    /// completed writes) or sink (an atomic's old value).
+    fn local_qword(&mut self, ch: Channel, dst: Loc, v: &[u8]) -> Result<WriteStatus, ExecError> {
         if dst.rank != self.rank || !dst.offset.is_multiple_of(8) || dst.len != 8 {
             return Err(malformed(format!(
                 "{} bytes at offset {} of rank {}'s {}: the NIC's own memory takes aligned qwords of this rank",
@@ -344,20 +416,28 @@ impl<G: Gpu> CudaExecutor<G> {
                 .try_into()
                 .map_err(|_| malformed(format!("{} bytes for a qword", v.len())))?;
             slot.store(u64::from_ne_bytes(b), Ordering::Release);
-            return Ok(());
+            return Ok(WriteStatus::Done);
         }
         let v = qword(v)?;
-        // A counter counts completed WQEs: their sources are free.
-        self.settle(ch)?;
         if dst.offset + 8 > self.layout.counter_slots * 16 || !dst.offset.is_multiple_of(16) {
             return Err(malformed(format!(
                 "offset {} is not the NIC's sub-slot of one of this rank's {} counters",
                 dst.offset, self.layout.counter_slots
             )));
         }
+        let addr = self.layout.counters + dst.offset;
+        // A counter counts completed WQEs: their sources are free.
+        if let Some(peer) = self.lane(ch)?.peer
+            && self.pending(peer)
+        {
+            let after = self.peer_puts(peer).last;
+            let t = self.enqueue(peer, after, Some(Held::Store { ch, addr, v }));
+            return Ok(WriteStatus::Pending(t));
+        }
         // SAFETY: the NIC's sub-slot of an existing counter (checked
         // above), which `new`'s caller keeps alive.
-        unsafe { self.store(ch, self.layout.counters + dst.offset, v) }
+        unsafe { self.store(ch, addr, v, false) }?;
+        Ok(WriteStatus::Done)
     }
 
     /// Hands everything queued on the channel's stream to the driver and
@@ -387,13 +467,104 @@ impl<G: Gpu> CudaExecutor<G> {
             })
     }
 
-    /// Completes the writes from GPU memory started on channel `ch`: the
-    /// transport reads none of their sources any more, also when this
-    /// fails (every peer's are completed; the first failure).
-    fn settle(&mut self, ch: Channel) -> Result<(), ExecError> {
-        let peers = std::mem::take(&mut self.lane(ch)?.started);
+    /// `peer`'s writes from GPU memory, made on first use.
+    fn peer_puts(&mut self, peer: usize) -> &mut PeerPuts {
+        let i = self
+            .puts
+            .iter()
+            .position(|p| p.peer == peer)
+            .unwrap_or_else(|| {
+                self.puts.push(PeerPuts {
+                    peer,
+                    queue: VecDeque::new(),
+                    made: 0,
+                    released: 0,
+                    last: 0,
+                    unsettled: false,
+                });
+                self.puts.len() - 1
+            });
+        &mut self.puts[i]
+    }
+
+    /// Whether `peer` has writes from GPU memory, or values held, not yet
+    /// released.
+    fn pending(&self, peer: usize) -> bool {
+        self.puts
+            .iter()
+            .any(|p| p.peer == peer && !p.queue.is_empty())
+    }
+
+    /// Adds an entry to `peer`'s queue (released once the writes numbered
+    /// up to `after` completed, doing what is `held` then); its ticket.
+    fn enqueue(&mut self, peer: usize, after: u64, held: Option<Held>) -> WriteTicket {
+        let p = self.peer_puts(peer);
+        p.queue.push_back(Entry { after, held });
+        p.made += 1;
+        let n = p.made - 1;
+        let t = self.next_ticket;
+        self.next_ticket += 1;
+        self.tickets.insert(t, (peer, n));
+        WriteTicket(t)
+    }
+
+    /// Releases the entries of `peer`'s queue whose writes completed, in
+    /// order, doing what was held behind them, without waiting: the
+    /// transport says how far its writes are complete.
+    fn release(&mut self, peer: usize) -> Result<(), ExecError> {
+        if !self.pending(peer) {
+            return Ok(());
+        }
+        let t = self.transport(peer)?.clone();
+        let done = t.device_puts_completed(peer).map_err(net(peer))?;
+        loop {
+            let p = self.peer_puts(peer);
+            if p.queue.front().is_none_or(|e| e.after > done) {
+                return Ok(());
+            }
+            let Some(e) = p.queue.pop_front() else {
+                return Ok(());
+            };
+            p.released += 1;
+            match e.held {
+                None => {}
+                Some(Held::Send { key, offset, bytes }) => {
+                    let at = gin_net::Target::Key { key, offset };
+                    t.put_ordered_after(peer, at, &bytes, e.after)
+                        .map_err(net(peer))?;
+                }
+                // SAFETY: the NIC's sub-slot of an existing counter
+                // (checked when it was held), which `new`'s caller keeps
+                // alive.
+                Some(Held::Store { ch, addr, v }) => unsafe { self.store(ch, addr, v, false) }?,
+            }
+        }
+    }
+
+    /// Completes the writes from GPU memory started to `peer` (none: at
+    /// once), waiting: the transport reads none of their sources any more,
+    /// also when this fails. Then does what was held behind them.
+    fn settle(&mut self, peer: usize) -> Result<(), ExecError> {
+        let p = self.peer_puts(peer);
+        if std::mem::replace(&mut p.unsettled, false) {
+            self.transport(peer)?
+                .complete_device(peer, self.fabric.timeout())
+                .map_err(net(peer))?;
+        }
+        self.release(peer)
+    }
+
+    /// Completes every write from GPU memory still in flight, to every
+    /// peer even after a failure (what is still held is not done: the
+    /// engine stopped, or failed, with it in flight); the first failure.
+    fn settle_all(&mut self) -> Result<(), ExecError> {
         let mut first = Ok(());
-        for peer in peers {
+        for i in 0..self.puts.len() {
+            let p = &mut self.puts[i];
+            if !std::mem::replace(&mut p.unsettled, false) {
+                continue;
+            }
+            let peer = p.peer;
             let done = self.transport(peer).and_then(|t| {
                 t.complete_device(peer, self.fabric.timeout())
                     .map_err(net(peer))
@@ -403,19 +574,40 @@ impl<G: Gpu> CudaExecutor<G> {
         first
     }
 
-    /// [`CudaExecutor::settle`] for every channel; the first failure.
-    fn settle_all(&mut self) -> Result<(), ExecError> {
-        let mut first = Ok(());
-        for ch in 0..self.lanes.len() {
-            first = first.and(self.settle(ch));
+    /// An 8-byte value to `peer` over a keyed transport, at `(key,
+    /// offset)`: put ordered after every earlier request now, or held
+    /// behind the writes from GPU memory to the peer where the transport
+    /// would wait for them.
+    fn send_value(
+        &mut self,
+        peer: usize,
+        (key, offset): (u32, u64),
+        b: &[u8],
+    ) -> Result<WriteStatus, ExecError> {
+        let v = qword(b)?;
+        if self.transport(peer)?.ordered_waits_for_device_puts() && self.pending(peer) {
+            let after = self.peer_puts(peer).last;
+            let bytes = v.to_le_bytes();
+            let held = Held::Send { key, offset, bytes };
+            return Ok(WriteStatus::Pending(self.enqueue(peer, after, Some(held))));
         }
-        first
+        self.fabric
+            .put_key_ordered(peer, key, offset, b)
+            .map_err(net(peer))?;
+        Ok(WriteStatus::Done)
     }
 
     /// A window part's bytes to a peer over a keyed transport, after
     /// everything queued on the channel so far: handed to the transport
-    /// directly where it takes GPU memory, else staged a chunk at a time.
-    fn send(&mut self, ch: Channel, dst: Loc, at: (u32, u64), src: Loc) -> Result<(), ExecError> {
+    /// directly where it takes GPU memory (in flight), else staged a chunk
+    /// at a time.
+    fn send(
+        &mut self,
+        ch: Channel,
+        dst: Loc,
+        at: (u32, u64),
+        src: Loc,
+    ) -> Result<WriteStatus, ExecError> {
         let (_, from) = self.source(src, dst)?;
         if self.fabric.takes_device_memory(dst.rank) {
             let keep = self.window_of(src)?.1.keep.clone();
@@ -427,21 +619,23 @@ impl<G: Gpu> CudaExecutor<G> {
             };
             // SAFETY: `dst.len` bytes of this rank's part at `from`
             // (checked above), GPU memory that no stream of this executor
-            // writes (drained) until the write is settled: before the
-            // channel's next CQE, counter, read or quiesce, whatever queues
-            // a write after it; the kernel reuses it only after a CQE or
-            // counter, and a window is freed only after a fence of every
-            // peer (which completes the write) or once its kernels ended.
-            unsafe {
+            // writes (drained; only a read writes this rank's windows, and
+            // one from this peer completes the write first) until the write
+            // is complete: the kernel reuses it only after a CQE or counter
+            // covers it, which the engine publishes only once `write_done`
+            // found it complete; a window is freed only after a fence of
+            // every peer (which completes the write) or once its kernels
+            // ended.
+            let seq = unsafe {
                 self.transport(peer)?
                     .start_put_device(peer, to, from, dst.len, keep)
             }
             .map_err(net(peer))?;
-            let l = self.lane(ch)?;
-            if !l.started.contains(&peer) {
-                l.started.push(peer);
-            }
-            return Ok(());
+            self.lane(ch)?.peer = Some(peer);
+            let p = self.peer_puts(peer);
+            p.unsettled = true;
+            p.last = p.last.max(seq);
+            return Ok(WriteStatus::Pending(self.enqueue(peer, seq, None)));
         }
         self.lane(ch)?;
         let Self {
@@ -465,7 +659,7 @@ impl<G: Gpu> CudaExecutor<G> {
                 .map_err(net(dst.rank))?;
             done += c;
         }
-        Ok(())
+        Ok(WriteStatus::Done)
     }
 
     /// A peer's bytes over a keyed transport into this rank's part, after
@@ -476,8 +670,9 @@ impl<G: Gpu> CudaExecutor<G> {
         let (key, off) = self.keyed_at(src)?;
         let (_, to) = self.mapped(dst)?;
         if self.fabric.takes_device_memory(src.rank) {
-            // Earlier writes may read what this read overwrites.
-            self.settle(ch)?;
+            // Earlier writes may read what this read overwrites (and what
+            // was held behind them goes first, as it was issued).
+            self.settle(src.rank)?;
             self.drain(ch)?;
             // SAFETY: `src.len` (= `dst.len`, checked by the caller) bytes
             // of this rank's part at `to` (checked above), GPU memory no
@@ -537,7 +732,7 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
         })
     }
 
-    fn write(&mut self, ch: Channel, dst: Loc, src: Payload<'_>) -> Result<(), ExecError> {
+    fn write(&mut self, ch: Channel, dst: Loc, src: Payload<'_>) -> Result<WriteStatus, ExecError> {
         if let Region::Counters | Region::Sink = dst.region {
             let Payload::Bytes(b) = src else {
                 return Err(malformed(format!("a copy into {}", dst.region)));
@@ -547,12 +742,7 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
         if self.keyed(dst.rank) {
             let at = self.keyed_at(dst)?;
             return match src {
-                Payload::Bytes(b) => {
-                    qword(b)?;
-                    self.fabric
-                        .put_key_ordered(dst.rank, at.0, at.1, b)
-                        .map_err(net(dst.rank))
-                }
+                Payload::Bytes(b) => self.send_value(dst.rank, at, b),
                 Payload::Local(l) => self.send(ch, dst, at, l),
             };
         }
@@ -568,7 +758,8 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
                 }
                 // SAFETY: 8 aligned bytes inside a window part mapped here
                 // (checked above).
-                unsafe { self.store(ch, to, v) }
+                unsafe { self.store(ch, to, v, true) }?;
+                Ok(WriteStatus::Done)
             }
             Payload::Local(l) => {
                 let (sid, from) = self.source(l, dst)?;
@@ -579,9 +770,25 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
                 // the source in this rank's part (both checked), and `g`
                 // names the two windows.
                 unsafe { lane.batch.push(&lane.stream, to, from, dst.len as usize, g) }
-                    .map_err(cuda("cuMemcpyAsync"))
+                    .map_err(cuda("cuMemcpyAsync"))?;
+                Ok(WriteStatus::Done)
             }
         }
+    }
+
+    /// Whether the write (or held value) `t` was released: the transport's
+    /// writes to its peer up to it completed (asked without waiting), and
+    /// what was held was done.
+    fn write_done(&mut self, t: WriteTicket) -> Result<bool, ExecError> {
+        let Some(&(peer, n)) = self.tickets.get(&t.0) else {
+            return Err(malformed(format!("no write in flight has ticket {}", t.0)));
+        };
+        self.release(peer)?;
+        let done = self.peer_puts(peer).released > n;
+        if done {
+            self.tickets.remove(&t.0);
+        }
+        Ok(done)
     }
 
     /// A copy on the channel's stream (mapped), or staged and waited for
@@ -634,10 +841,9 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
         })
     }
 
-    /// Queues the CQE's stores after the channel's work, once its writes
-    /// from GPU memory completed.
+    /// Queues the CQE's stores after the channel's work (the engine
+    /// publishes a CQE past a write from GPU memory once it completed).
     fn publish(&mut self, ch: Channel, cq: &DevCq, stores: &[CqStore]) -> Result<(), ExecError> {
-        self.settle(ch)?;
         if let Some(s) = stores
             .iter()
             .find(|s| !s.offset.is_multiple_of(8) || s.offset + 8 > 64)
@@ -650,9 +856,11 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
             });
         }
         for s in stores {
-            // SAFETY: an aligned qword of the queue's 64-byte CQE (checked
-            // above), which `new`'s caller keeps alive.
-            unsafe { self.store(ch, cq.0 + s.offset as u64, u64::from_le_bytes(s.bytes))? };
+            // An aligned qword of the queue's 64-byte CQE (checked above),
+            // which `new`'s caller keeps alive.
+            let (addr, v) = (cq.0 + s.offset as u64, u64::from_le_bytes(s.bytes));
+            // SAFETY: that qword.
+            unsafe { self.store(ch, addr, v, false) }?;
         }
         Ok(())
     }
@@ -692,7 +900,7 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
                 batch: StreamBatch::default(),
                 // Unknown until first waited for.
                 idle: false,
-                started: Vec::new(),
+                peer: None,
             });
         }
         if let Some(w) = &self.stalls {

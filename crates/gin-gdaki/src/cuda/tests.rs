@@ -755,24 +755,144 @@ fn a_transport_taking_gpu_memory_gets_it_directly_and_the_total_after_it() {
 }
 
 /// Writes from GPU memory are pipelined: a pass's writes are all started
-/// (the stream drained once, before the first), and completed once, after
-/// the last, before the pass's CQE is stored.
+/// (the stream drained once, before the first), nothing waits for them,
+/// and the collapsed CQE reports, in order, the newest WQE before the
+/// oldest write still in flight, as the transport reports them complete.
 #[test]
-fn writes_from_gpu_memory_are_many_in_flight_and_completed_before_the_cqe() {
+fn writes_from_gpu_memory_are_many_in_flight_and_reported_as_they_complete() {
     let mut r = rig_over(Keyed::taking_device_memory());
+    r.keyed.hold_device_puts();
     let writes: Vec<(Op, u8)> = (0..4).map(|i| (write(2, i * 64, 64), FM_NONE)).collect();
     r.post(TCP, &writes);
-    assert_eq!(r.step().consumed, 4);
+    let p = r.step();
+    assert_eq!((p.consumed, p.landed), (4, 0));
     let ops = r.keyed.ops();
     assert_eq!(ops.len(), 4);
     assert!(
         ops.iter()
             .all(|o| matches!(o, KeyedOp::PutDevice { len: 64, .. }))
     );
-    assert_eq!(r.keyed.completions(), vec![(2, 4)]);
-    assert_eq!(r.keyed.in_flight(), 0);
+    assert_eq!(r.keyed.in_flight(), 4);
+    assert_eq!(r.engine.in_flight(), 4);
+    assert!(r.engine.has_work(), "writes in flight: poll, never sleep");
+    assert_eq!(r.calls(), vec![(1, Call::Sync)], "no CQE yet");
+    assert_eq!(r.step(), Progress::default());
+    r.keyed.complete_device_puts(2);
+    assert_eq!(r.step().landed, 2);
+    let (a, v) = done(TCP, 1, OP_WRITE);
+    assert_eq!(r.calls(), vec![(1, Call::Store(a, v))]);
+    r.keyed.complete_device_puts(4);
+    assert_eq!(r.step().landed, 2);
     let (a, v) = done(TCP, 3, OP_WRITE);
-    assert_eq!(r.calls(), vec![(1, Call::Sync), (1, Call::Store(a, v))]);
+    assert_eq!(r.calls(), vec![(1, Call::Store(a, v))]);
+    assert!(r.keyed.completions().is_empty(), "never waited");
+    assert!(!r.engine.has_work());
+}
+
+/// Where the transport would wait for writes from GPU memory before an
+/// 8-byte value ordered after them (ucx's `GIN_UCX_GPU_ORDER=wait`), a
+/// running total behind writes in flight is held, not waited for, and sent
+/// once they completed; the companion's WAIT on the main queue passes only
+/// then, and its counter's total follows. (The recorder refuses an ordered
+/// put that would have to wait.)
+#[test]
+fn a_total_behind_writes_in_flight_is_held_and_the_companion_waits_for_them() {
+    let mut r = rig_over(Keyed::taking_device_memory());
+    r.keyed.hold_device_puts();
+    r.keyed.order_by_waiting();
+    let sink = r.sink.addr();
+    r.post(
+        TCP,
+        &[
+            (write(2, 0, 64), FM_NONE),
+            (write(2, 64, 64), FM_NONE),
+            (signal(2, 2, 9, sink), FM_STRONG_ORDERING),
+        ],
+    );
+    r.post(
+        TCP + 1,
+        &[
+            (
+                Op::Wait {
+                    max_index: 2,
+                    cqn: 0x104,
+                },
+                FM_NONE,
+            ),
+            (counter(1, sink + 8), FM_NONE),
+        ],
+    );
+    let p = r.step();
+    assert_eq!(p.consumed, 3, "the WAIT blocks");
+    assert!(r.engine.fault_log().get(TCP).is_none());
+    let totals = |r: &Rig| -> Vec<u64> {
+        r.keyed
+            .ops()
+            .iter()
+            .filter_map(|o| match o {
+                KeyedOp::Put {
+                    key: SIG_KEY,
+                    bytes,
+                    ..
+                } => Some(u64::from_le_bytes(bytes[..].try_into().unwrap())),
+                _ => None,
+            })
+            .collect()
+    };
+    assert!(totals(&r).is_empty(), "held behind the writes");
+    assert_eq!(r.calls(), vec![(1, Call::Sync)]);
+    r.keyed.complete_device_puts(1);
+    assert_eq!(r.step().consumed, 0, "the second write is still in flight");
+    assert!(totals(&r).is_empty());
+    let (a, v) = done(TCP, 0, OP_WRITE);
+    assert_eq!(r.calls(), vec![(1, Call::Store(a, v))]);
+    r.keyed.complete_device_puts(2);
+    let p = r.step();
+    assert_eq!(p.consumed, 2, "the WAIT passed, then the counter");
+    assert_eq!(totals(&r), [9]);
+    let (a, v) = done(TCP, 2, OP_FETCH_ADD);
+    assert_eq!(
+        r.calls(),
+        vec![
+            (1, Call::Store(a, v)),
+            (
+                1,
+                Call::Stores(vec![(COUNTERS + 16, 1), done(TCP + 1, 1, OP_FETCH_ADD)])
+            ),
+        ]
+    );
+    assert!(r.keyed.completions().is_empty(), "never waited");
+}
+
+/// A write from GPU memory that fails in flight (the transport reports it
+/// when polled) is an error CQE for its WQE, whatever ran after it; what
+/// completed before it was reported, nothing after it is.
+#[test]
+fn a_write_failing_in_flight_is_an_error_cqe_at_its_wqe() {
+    let mut r = rig_over(Keyed::taking_device_memory());
+    r.keyed.hold_device_puts();
+    let writes: Vec<(Op, u8)> = (0..3).map(|i| (write(2, i * 64, 64), FM_NONE)).collect();
+    r.post(TCP, &writes);
+    r.step();
+    r.calls();
+    r.keyed.complete_device_puts(1);
+    r.step();
+    let (a, v) = done(TCP, 0, OP_WRITE);
+    assert_eq!(r.calls(), vec![(1, Call::Store(a, v))]);
+    r.keyed
+        .fail_device_puts("put from GPU memory to rank 2 failed: Connection reset");
+    r.step();
+    let calls = r.calls();
+    let (op, idx, syn) = error_cqe(&calls, TCP);
+    assert_eq!((op, idx), (CQE_REQ_ERR, 1));
+    assert_eq!(syn, syndrome::TRANSPORT_RETRY_EXC_ERR);
+    let e = r.fault(TCP);
+    assert!(e.contains("Connection reset"), "{e}");
+    assert!(r.engine.is_failed(TCP));
+    assert_eq!(r.engine.in_flight(), 0);
+    // Quiescing completes what is still in flight.
+    r.exec.quiesce().unwrap();
+    assert_eq!(r.keyed.in_flight(), 0);
 }
 
 /// A write the transport refuses completes with an error CQE as over tcp;
@@ -949,34 +1069,39 @@ fn the_executor_refuses_locations_it_cannot_vouch_for() {
     let src = Payload::Local(loc(0, data, 0, 8));
     let cases: Vec<(Result<(), ExecError>, &str)> = vec![
         (
-            r.exec.write(0, loc(1, data, 252, 8), src),
+            r.exec.write(0, loc(1, data, 252, 8), src).map(|_| ()),
             "exceed rank 1's 256 bytes",
         ),
         (
-            r.exec.write(0, loc(1, data, 0, 16), src),
+            r.exec.write(0, loc(1, data, 0, 16), src).map(|_| ()),
             "a write of 8 bytes from rank 0's memory into 16 bytes",
         ),
         (
             r.exec
-                .write(0, loc(1, data, 0, 8), Payload::Local(loc(1, data, 0, 8))),
+                .write(0, loc(1, data, 0, 8), Payload::Local(loc(1, data, 0, 8)))
+                .map(|_| ()),
             "from rank 1's memory",
         ),
         (
             r.exec
-                .write(0, loc(0, Region::Counters, 8, 8), Payload::Bytes(&[0; 8])),
-            "not the NIC's sub-slot",
-        ),
-        (
-            r.exec.write(
-                0,
-                loc(0, Region::Counters, COUNTER_SLOTS * 16, 8),
-                Payload::Bytes(&[0; 8]),
-            ),
+                .write(0, loc(0, Region::Counters, 8, 8), Payload::Bytes(&[0; 8]))
+                .map(|_| ()),
             "not the NIC's sub-slot",
         ),
         (
             r.exec
-                .write(0, loc(0, Region::Sink, 64, 8), Payload::Bytes(&[0; 8])),
+                .write(
+                    0,
+                    loc(0, Region::Counters, COUNTER_SLOTS * 16, 8),
+                    Payload::Bytes(&[0; 8]),
+                )
+                .map(|_| ()),
+            "not the NIC's sub-slot",
+        ),
+        (
+            r.exec
+                .write(0, loc(0, Region::Sink, 64, 8), Payload::Bytes(&[0; 8]))
+                .map(|_| ()),
             "outside the atomic result sink",
         ),
         (

@@ -3,11 +3,19 @@
 //! and executes them through an [`Executor`], writes their completions,
 //! and says what it did; a driver ([`crate::nic::SoftNic`]) or a test calls
 //! it.
+//!
+//! Completions are in order. A write the executor reports in flight
+//! ([`WriteStatus::Pending`]: a write from GPU memory the transport still
+//! reads) does not hold the queue: later WQEs execute, but their
+//! completions (and errors, and flushes) wait behind it, in order, until
+//! the executor says it completed ([`Executor::write_done`], polled every
+//! step, never waited for); a WAIT on the queue's CQ sees only what was
+//! completed. A read in flight holds the queue at its WQE.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
-use super::exec::{Channel, CqStore, ExecError, Executor, Part, ReadTicket, Region};
+use super::exec::{Channel, CqStore, ExecError, Executor, Part, ReadTicket, Region, WriteTicket};
 use super::fault::{Cause, FaultLog, QpFault};
 use super::mem::SqView;
 use crate::completion::{CQE_BYTES, CQE_REQ, CQE_REQ_ERR, Cqe, syndrome};
@@ -128,6 +136,9 @@ pub enum EngineError {
 pub struct Progress {
     /// WQEs consumed (executed, or flushed in error).
     pub consumed: u64,
+    /// Completions (or errors, or flushes) of WQEs behind writes in flight
+    /// that were reported now, writes in flight included.
+    pub landed: u64,
     /// Error completions written, in order (at most one per queue: later
     /// WQEs of a failed queue are flushed, not reported again).
     pub faults: Vec<QpFault>,
@@ -164,6 +175,33 @@ pub(super) enum Outcome {
     Blocked,
     /// A read whose data is on its way.
     Pending(ReadTicket, u32),
+    /// A write in flight (`byte_cnt` for its CQE once it completed).
+    InFlight(WriteTicket, u32),
+}
+
+/// What a WQE behind a write in flight does once everything before it
+/// completed.
+#[derive(Debug)]
+enum Then {
+    /// Completes well: its CQE, if it asked for one.
+    Complete {
+        send_opcode: u8,
+        byte_cnt: u32,
+        cq_update: bool,
+    },
+    /// Fails: the queue's error CQE.
+    Fail { send_opcode: u8, fail: Fail },
+    /// Flushed in error (the queue failed before it).
+    Flush,
+}
+
+/// A WQE whose completion waits: for its own write in flight (`ticket`),
+/// or for those before it.
+#[derive(Debug)]
+struct Flight {
+    index: u64,
+    ticket: Option<WriteTicket>,
+    then: Then,
 }
 
 /// A read the queue waits for before anything after it.
@@ -188,7 +226,11 @@ pub(super) struct Queue<C> {
     /// CQEs written to a ring CQ (its producer index).
     cqes: u64,
     pub(super) failed: bool,
+    /// A failure waits behind writes in flight: nothing more executes.
+    failing: bool,
     pending: Option<PendingRead>,
+    /// WQEs whose completions wait behind writes in flight, in order.
+    flights: VecDeque<Flight>,
     /// Collapsed CQ: the newest success of this pass, published at its end.
     newest: Option<(u64, Cqe)>,
 }
@@ -245,7 +287,9 @@ impl<C> Engine<C> {
                 published: 0,
                 cqes: 0,
                 failed: false,
+                failing: false,
                 pending: None,
+                flights: VecDeque::new(),
                 newest: None,
             })
             .collect();
@@ -286,15 +330,22 @@ impl<C> Engine<C> {
         self.queues.get(i).is_some_and(|q| q.failed)
     }
 
-    /// Whether a step would find something to do: a read in flight, or a
-    /// queue whose doorbell record names WQEs not consumed yet (a WAIT that
-    /// is still blocked counts).
+    /// Whether a step would find something to do: a read or write in
+    /// flight, or a queue whose doorbell record names WQEs not consumed yet
+    /// (a WAIT that is still blocked counts).
     pub fn has_work(&self) -> bool {
         self.queues.iter().any(|q| {
             q.pending.is_some()
+                || !q.flights.is_empty()
                 || producer_index(q.spec.sq.producer16(), q.ci, q.spec.sq.size())
                     .is_ok_and(|pi| pi != q.ci)
         })
+    }
+
+    /// WQEs whose completions wait behind writes in flight, over every
+    /// queue (a driver asked to stop drains them first).
+    pub fn in_flight(&self) -> usize {
+        self.queues.iter().map(|q| q.flights.len()).sum()
     }
 
     /// Serves every queue once: up to [`EngineConfig::batch`] WQEs each.
@@ -315,21 +366,22 @@ impl<C> Engine<C> {
         ex: &mut E,
         p: &mut Progress,
     ) -> Result<(), EngineError> {
-        let mut touched = false;
+        let mut touched = self.land(i, ex, p)?;
         if let Some(r) = self.queues[i].pending {
-            match ex.read_done(r.ticket) {
-                Ok(false) => return Ok(()),
-                Ok(true) => {
-                    self.queues[i].pending = None;
-                    if r.cq_update {
-                        self.complete(i, r.index, r.send_opcode, r.byte_cnt, ex)?;
-                    }
-                }
-                Err(e) => {
-                    self.queues[i].pending = None;
-                    self.fail(i, r.index, r.send_opcode, Fail::exec(e), ex, p)?;
-                }
-            }
+            let then = match ex.read_done(r.ticket) {
+                Ok(false) => return self.end_pass(i, touched, ex),
+                Ok(true) => Then::Complete {
+                    send_opcode: r.send_opcode,
+                    byte_cnt: r.byte_cnt,
+                    cq_update: r.cq_update,
+                },
+                Err(e) => Then::Fail {
+                    send_opcode: r.send_opcode,
+                    fail: Fail::exec(e),
+                },
+            };
+            self.queues[i].pending = None;
+            self.later(i, r.index, then, ex, p)?;
             touched = true;
         }
         let q = &self.queues[i];
@@ -341,9 +393,13 @@ impl<C> Engine<C> {
                 // nothing past the consumer index executes (executing the
                 // phantom WQEs would also overrun the CQ and lose the very
                 // completions that report the error).
-                if !q.failed {
+                if !q.failed && !q.failing {
                     let fail = Fail::new(syndrome::LOCAL_QP_OP_ERR, Cause::ProducerIndex(bad));
-                    self.fail(i, bad.ci, 0, fail, ex, p)?;
+                    let then = Then::Fail {
+                        send_opcode: 0,
+                        fail,
+                    };
+                    self.later(i, bad.ci, then, ex, p)?;
                     touched = true;
                 }
                 return self.end_pass(i, touched, ex);
@@ -364,7 +420,9 @@ impl<C> Engine<C> {
             }
         }
         p.consumed += n;
-        self.end_pass(i, touched || n > 0, ex)
+        // Writes that completed as they were issued report now.
+        let landed = self.land(i, ex, p)?;
+        self.end_pass(i, touched || n > 0 || landed, ex)
     }
 
     /// Executes (or, in the error state, flushes) the WQE at `idx` of
@@ -378,18 +436,34 @@ impl<C> Engine<C> {
         p: &mut Progress,
     ) -> Result<Consumed, EngineError> {
         let (send_opcode, cq_update) = (bytes[3], bytes[11] & CQ_UPDATE != 0);
-        if self.queues[i].failed {
+        if self.queues[i].failed || self.queues[i].failing {
             // Error state: everything left completes as flushed (a
             // collapsed CQ keeps showing the first error).
-            self.flushed(i, idx, ex)?;
+            self.later(i, idx, Then::Flush, ex, p)?;
             return Ok(Consumed::Next);
         }
         match self.execute(i, idx, bytes, ex) {
             Ok(Outcome::Blocked) => Ok(Consumed::Blocked),
             Ok(Outcome::Done(byte_cnt)) => {
-                if cq_update {
-                    self.complete(i, idx, send_opcode, byte_cnt, ex)?;
-                }
+                let then = Then::Complete {
+                    send_opcode,
+                    byte_cnt,
+                    cq_update,
+                };
+                self.later(i, idx, then, ex, p)?;
+                Ok(Consumed::Next)
+            }
+            Ok(Outcome::InFlight(ticket, byte_cnt)) => {
+                // Later WQEs execute; their completions wait behind it.
+                self.queues[i].flights.push_back(Flight {
+                    index: idx,
+                    ticket: Some(ticket),
+                    then: Then::Complete {
+                        send_opcode,
+                        byte_cnt,
+                        cq_update,
+                    },
+                });
                 Ok(Consumed::Next)
             }
             Ok(Outcome::Pending(ticket, byte_cnt)) => {
@@ -404,10 +478,97 @@ impl<C> Engine<C> {
                 Ok(Consumed::Held)
             }
             Err(fail) => {
-                self.fail(i, idx, send_opcode, fail, ex, p)?;
+                self.later(i, idx, Then::Fail { send_opcode, fail }, ex, p)?;
                 Ok(Consumed::Next)
             }
         }
+    }
+
+    /// What happens to the WQE at `idx` of queue `i` once everything
+    /// before it completed: now, or, behind writes in flight, when they
+    /// have (a failure stops execution at once all the same).
+    fn later<E: Executor<Cq = C>>(
+        &mut self,
+        i: usize,
+        idx: u64,
+        then: Then,
+        ex: &mut E,
+        p: &mut Progress,
+    ) -> Result<(), EngineError> {
+        let q = &mut self.queues[i];
+        if q.flights.is_empty() {
+            return self.act(i, idx, then, ex, p);
+        }
+        q.failing |= matches!(then, Then::Fail { .. });
+        q.flights.push_back(Flight {
+            index: idx,
+            ticket: None,
+            then,
+        });
+        Ok(())
+    }
+
+    /// Reports what the WQE at `idx` of queue `i` came to; in the error
+    /// state, a completion or a later error is a flush.
+    fn act<E: Executor<Cq = C>>(
+        &mut self,
+        i: usize,
+        idx: u64,
+        then: Then,
+        ex: &mut E,
+        p: &mut Progress,
+    ) -> Result<(), EngineError> {
+        match then {
+            _ if self.queues[i].failed => self.flushed(i, idx, ex),
+            Then::Complete {
+                send_opcode,
+                byte_cnt,
+                cq_update,
+            } => {
+                if cq_update {
+                    self.complete(i, idx, send_opcode, byte_cnt, ex)?;
+                }
+                Ok(())
+            }
+            Then::Fail { send_opcode, fail } => self.fail(i, idx, send_opcode, fail, ex, p),
+            Then::Flush => self.flushed(i, idx, ex),
+        }
+    }
+
+    /// Reports, in order, the WQEs of queue `i` whose completions waited
+    /// behind writes in flight, up to the first write still in flight
+    /// (asked without waiting); a write that failed fails the queue there,
+    /// and what follows it is flushed. Whether anything was reported.
+    fn land<E: Executor<Cq = C>>(
+        &mut self,
+        i: usize,
+        ex: &mut E,
+        p: &mut Progress,
+    ) -> Result<bool, EngineError> {
+        let mut touched = false;
+        while let Some(f) = self.queues[i].flights.front() {
+            let failed = match f.ticket {
+                Some(t) if !self.queues[i].failed => match ex.write_done(t) {
+                    Ok(false) => break,
+                    Ok(true) => None,
+                    Err(e) => Some(Fail::exec(e)),
+                },
+                _ => None,
+            };
+            let Some(f) = self.queues[i].flights.pop_front() else {
+                break;
+            };
+            let then = match (failed, f.then) {
+                (Some(fail), Then::Complete { send_opcode, .. }) => {
+                    Then::Fail { send_opcode, fail }
+                }
+                (_, then) => then,
+            };
+            self.act(i, f.index, then, ex, p)?;
+            p.landed += 1;
+            touched = true;
+        }
+        Ok(touched)
     }
 
     /// Publishes a collapsed CQ's newest completion, then lets the

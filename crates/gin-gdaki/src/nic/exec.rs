@@ -83,6 +83,24 @@ pub enum ReadStatus {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ReadTicket(pub u64);
 
+/// How a write went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteStatus {
+    /// Done, or queued ahead of everything handed over later on the
+    /// channel.
+    Done,
+    /// In flight (a write from GPU memory the transport still reads, or a
+    /// value the executor holds back behind such writes until they
+    /// completed): ask [`Executor::write_done`] with this ticket. Later
+    /// WQEs still execute; the completions of this one and of every later
+    /// one on its queue wait until it completed.
+    Pending(WriteTicket),
+}
+
+/// An executor's name for a write in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct WriteTicket(pub u64);
+
 /// One 8-byte store of a CQE: `bytes` at byte `offset` of the CQ's
 /// memory. The engine hands a CQE's stores in the order they must become
 /// visible, the one a poller checks last.
@@ -180,6 +198,10 @@ pub enum ExecError {
 ///   this by finishing each call before returning.
 /// - **Reads** may finish later: [`ReadStatus::Pending`] holds the queue
 ///   at that WQE until [`Executor::read_done`] says the data landed.
+/// - **Writes** may finish later: [`WriteStatus::Pending`] lets later WQEs
+///   execute, but holds the queue's completions at that WQE until
+///   [`Executor::write_done`] says it completed (its source may be reused).
+///   A write to this rank's sink is never pending.
 /// - **Atomics** return the old value at once ([`Atomics::Native`]), or the
 ///   executor declares it has none ([`Atomics::RunningTotals`]).
 /// - **Errors** name the rank and what failed; the engine turns them into
@@ -217,8 +239,9 @@ pub trait Executor {
     /// no such window (never registered, or freed).
     fn part(&mut self, window: u32, rank: usize) -> Option<Part>;
 
-    /// Writes `src` to `dst` (`dst.len` bytes) on channel `ch`.
-    fn write(&mut self, ch: Channel, dst: Loc, src: Payload<'_>) -> Result<(), ExecError>;
+    /// Writes `src` to `dst` (`dst.len` bytes) on channel `ch`: done, or
+    /// in flight.
+    fn write(&mut self, ch: Channel, dst: Loc, src: Payload<'_>) -> Result<WriteStatus, ExecError>;
 
     /// Reads `src` (remote) into `dst` (this rank's) on channel `ch`.
     fn read(&mut self, ch: Channel, src: Loc, dst: Loc) -> Result<ReadStatus, ExecError>;
@@ -226,6 +249,15 @@ pub trait Executor {
     /// Whether the read `t` has landed; an error when it failed or its
     /// answer will not come (the executor keeps the clock).
     fn read_done(&mut self, t: ReadTicket) -> Result<bool, ExecError>;
+
+    /// Whether the write `t` in flight has completed; an error when it
+    /// failed or will not complete (the executor keeps the clock). Must not
+    /// block. The default has no writes in flight.
+    fn write_done(&mut self, t: WriteTicket) -> Result<bool, ExecError> {
+        Err(ExecError::Malformed {
+            why: format!("no write in flight has ticket {}", t.0),
+        })
+    }
 
     /// Adds `add` to the 8 bytes at `at`; returns the old value.
     fn fetch_add(&mut self, ch: Channel, at: Loc, add: u64) -> Result<u64, ExecError>;

@@ -13,6 +13,7 @@ use gin_net::{Addr, Fabric, KeepAlive, MemDesc, Memory, NetError};
 
 use super::exec::{
     Channel, CqStore, ExecError, Executor, Loc, Part, Payload, ReadStatus, ReadTicket, Region,
+    WriteStatus,
 };
 use super::mem::CqView;
 
@@ -225,7 +226,8 @@ impl Executor for FabricExecutor {
         })
     }
 
-    fn write(&mut self, _: Channel, dst: Loc, src: Payload<'_>) -> Result<(), ExecError> {
+    /// Complete on return (the fabric's writes are).
+    fn write(&mut self, _: Channel, dst: Loc, src: Payload<'_>) -> Result<WriteStatus, ExecError> {
         let put = |me: &mut Self, data: &[u8]| -> Result<(), ExecError> {
             if data.len() as u64 != dst.len {
                 return Err(malformed(format!(
@@ -255,6 +257,7 @@ impl Executor for FabricExecutor {
             Payload::Bytes(b) => put(self, b),
             Payload::Local(l) => self.with_local(l, put),
         }
+        .map(|()| WriteStatus::Done)
     }
 
     fn read(&mut self, _: Channel, src: Loc, dst: Loc) -> Result<ReadStatus, ExecError> {

@@ -1,14 +1,15 @@
 //! An executor in memory, for deterministic step tests of the engine (and
 //! of anything built on it): window parts, the counter array and the sink
 //! are byte vectors, everything handed over is logged in order, and faults
-//! are injected: a dead peer, a refused write, late reads, a failing
-//! completion path, no atomics.
+//! are injected: a dead peer, a refused write, late reads, writes that stay
+//! in flight until the test completes (or fails) them in any order, a
+//! failing completion path, no atomics.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use super::exec::{
     Atomics, Channel, CqStore, ExecError, Executor, Loc, Part, Payload, ReadStatus, ReadTicket,
-    Region,
+    Region, WriteStatus, WriteTicket,
 };
 use super::mem::CqView;
 
@@ -99,6 +100,10 @@ pub struct Fake {
     read_delay: u32,
     reads: HashMap<u64, FakeRead>,
     next_read: u64,
+    late_writes: bool,
+    /// Writes in flight by ticket: `Ok(done)`, or how they failed.
+    writes: BTreeMap<u64, Result<bool, ExecError>>,
+    next_write: u64,
     atomics: Atomics,
     publish_fails: bool,
     enter_fails: bool,
@@ -125,6 +130,9 @@ impl Fake {
             read_delay: 0,
             reads: HashMap::new(),
             next_read: 0,
+            late_writes: false,
+            writes: BTreeMap::new(),
+            next_write: 0,
             atomics: Atomics::Native,
             publish_fails: false,
             enter_fails: false,
@@ -196,6 +204,32 @@ impl Fake {
     /// they were issued (0: at once).
     pub fn delay_reads(&mut self, polls: u32) {
         self.read_delay = polls;
+    }
+
+    /// From now on writes of window bytes to another rank stay in flight
+    /// (their data moves at once) until [`Fake::complete_write`], numbered
+    /// from 0 in issue order.
+    pub fn late_writes(&mut self) {
+        self.late_writes = true;
+    }
+
+    /// Completes the write in flight numbered `t`.
+    pub fn complete_write(&mut self, t: u64) {
+        if let Some(w) = self.writes.get_mut(&t) {
+            *w = Ok(true);
+        }
+    }
+
+    /// Fails the write in flight numbered `t` with `e`.
+    pub fn fail_write(&mut self, t: u64, e: ExecError) {
+        if let Some(w) = self.writes.get_mut(&t) {
+            *w = Err(e);
+        }
+    }
+
+    /// Writes in flight the engine has not seen complete.
+    pub fn writes_in_flight(&self) -> usize {
+        self.writes.len()
     }
 
     /// How this executor does atomics from now on.
@@ -275,7 +309,7 @@ impl Executor for Fake {
         })
     }
 
-    fn write(&mut self, ch: Channel, dst: Loc, src: Payload<'_>) -> Result<(), ExecError> {
+    fn write(&mut self, ch: Channel, dst: Loc, src: Payload<'_>) -> Result<WriteStatus, ExecError> {
         self.alive(dst.rank)?;
         if let Region::Window(w) = dst.region
             && self.refused.contains(&(w, dst.rank))
@@ -297,7 +331,23 @@ impl Executor for Fake {
         }
         m.copy_from_slice(&bytes);
         self.log.push(Event::Write { ch, dst, bytes });
-        Ok(())
+        if self.late_writes && matches!(src, Payload::Local(_)) && dst.rank != self.rank {
+            let t = self.next_write;
+            self.next_write += 1;
+            self.writes.insert(t, Ok(false));
+            return Ok(WriteStatus::Pending(WriteTicket(t)));
+        }
+        Ok(WriteStatus::Done)
+    }
+
+    fn write_done(&mut self, t: WriteTicket) -> Result<bool, ExecError> {
+        match self.writes.get(&t.0) {
+            None => Err(ExecError::Malformed {
+                why: format!("no write in flight has ticket {}", t.0),
+            }),
+            Some(Ok(false)) => Ok(false),
+            Some(_) => self.writes.remove(&t.0).unwrap_or(Ok(true)),
+        }
     }
 
     fn read(&mut self, ch: Channel, src: Loc, dst: Loc) -> Result<ReadStatus, ExecError> {

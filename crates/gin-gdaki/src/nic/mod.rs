@@ -7,7 +7,9 @@
 //!   syndrome and moves the QP to the error state; every later WQE on it
 //!   completes as flushed in error, as hardware does. It owns WAIT on the
 //!   companion queue, 16-bit WQE counters, the two CQ models ([`CqMode`]),
-//!   and the running totals an executor without atomics needs.
+//!   in-order completion behind writes in flight ([`WriteStatus::Pending`]:
+//!   later WQEs execute, their CQEs wait), and the running totals an
+//!   executor without atomics needs.
 //! - **Executors** move bytes: gin-net's fabric on CPU ranks
 //!   ([`FabricExecutor`]), CUDA streams on CUDA ranks ([`crate::cuda`]), and an in-memory
 //!   [`Fake`] with injectable faults, which the step tests drive the engine
@@ -31,7 +33,7 @@ mod tests;
 pub use engine::{CqMode, Engine, EngineConfig, EngineError, Progress, QueueSpec};
 pub use exec::{
     Atomics, Channel, CqStore, ExecError, Executor, Loc, Part, Payload, ReadStatus, ReadTicket,
-    Region, SoleWriter,
+    Region, SoleWriter, WriteStatus, WriteTicket,
 };
 pub use fabric::{FabricExecutor, SINK_QWORDS, Sink};
 pub use fake::{Event, Fake};
@@ -320,7 +322,7 @@ fn serve<E: Executor>(
                 break;
             }
         };
-        let did = p.consumed;
+        let did = p.consumed + p.landed;
         s.faults(p);
         if did > 0 {
             s.executed.fetch_add(did, Ordering::Relaxed);
@@ -328,8 +330,9 @@ fn serve<E: Executor>(
             spins = 0;
             continue;
         }
-        if stopping {
-            // Drained: a pass found nothing to execute.
+        if stopping && engine.in_flight() == 0 {
+            // Drained: a pass found nothing to execute, and nothing waits
+            // behind a write in flight.
             break;
         }
         let since = *idle_since.get_or_insert_with(Instant::now);
@@ -337,7 +340,7 @@ fn serve<E: Executor>(
         if spins < idle.spins {
             std::hint::spin_loop();
         } else if since.elapsed() < idle.yield_for || engine.has_work() {
-            // Recently busy, or a WAIT or a read in flight to poll.
+            // Recently busy, or a WAIT, a read or a write in flight to poll.
             thread::yield_now();
         } else {
             s.sleeper.sleep(idle.nap, || engine.has_work());

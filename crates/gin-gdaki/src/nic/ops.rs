@@ -3,7 +3,9 @@
 //! the executor.
 
 use super::engine::{Engine, Fail, Outcome};
-use super::exec::{Atomics, Channel, Executor, Loc, Payload, ReadStatus, Region, SoleWriter};
+use super::exec::{
+    Atomics, Channel, Executor, Loc, Payload, ReadStatus, Region, SoleWriter, WriteStatus,
+};
 use super::fault::{Access, Cause};
 use crate::completion::syndrome;
 use crate::ids::{COUNTER_KEY, SINK_KEY, window_of_key};
@@ -45,15 +47,16 @@ impl<C> Engine<C> {
             Op::Write { remote, local, len } => {
                 let src = self.resolve(ex, me, *local, u64::from(*len), Access::LocalRead)?;
                 let dst = self.resolve(ex, peer, *remote, u64::from(*len), Access::RemoteWrite)?;
-                ex.write(ch, dst, Payload::Local(src)).map_err(Fail::exec)?;
-                Ok(Outcome::Done(*len))
+                let w = ex.write(ch, dst, Payload::Local(src)).map_err(Fail::exec)?;
+                Ok(written(w, *len))
             }
             Op::WriteInline { remote, data } => {
                 let len = data.len() as u64;
                 let dst = self.resolve(ex, peer, *remote, len, Access::RemoteWrite)?;
-                ex.write(ch, dst, Payload::Bytes(data))
+                let w = ex
+                    .write(ch, dst, Payload::Bytes(data))
                     .map_err(Fail::exec)?;
-                Ok(Outcome::Done(len as u32))
+                Ok(written(w, len as u32))
             }
             Op::Read { remote, local, len } => {
                 let dst = self.resolve(ex, me, *local, u64::from(*len), Access::LocalWrite)?;
@@ -135,8 +138,7 @@ impl<C> Engine<C> {
             }
         }
         .map_err(Fail::exec)?;
-        ex.write(ch, res, Payload::Bytes(&old.to_be_bytes()))
-            .map_err(Fail::exec)?;
+        sink_write(ex, ch, res, old)?;
         Ok(Outcome::Done(8))
     }
 
@@ -171,12 +173,12 @@ impl<C> Engine<C> {
         let key = (at.rank, at.region, at.offset);
         let old = self.totals.get(&key).copied().unwrap_or(0);
         let new = old.wrapping_add(add);
-        ex.write(ch, at, Payload::Bytes(&new.to_le_bytes()))
+        let w = ex
+            .write(ch, at, Payload::Bytes(&new.to_le_bytes()))
             .map_err(Fail::exec)?;
         self.totals.insert(key, new);
-        ex.write(ch, res, Payload::Bytes(&old.to_be_bytes()))
-            .map_err(Fail::exec)?;
-        Ok(Outcome::Done(8))
+        sink_write(ex, ch, res, old)?;
+        Ok(written(w, 8))
     }
 
     /// Resolves `(key, addr)` of `len` bytes on `rank` for `access`: the
@@ -236,6 +238,31 @@ impl<C> Engine<C> {
             offset,
             len,
         })
+    }
+}
+
+/// A write's outcome, `byte_cnt` for its CQE.
+fn written(w: WriteStatus, byte_cnt: u32) -> Outcome {
+    match w {
+        WriteStatus::Done => Outcome::Done(byte_cnt),
+        WriteStatus::Pending(t) => Outcome::InFlight(t, byte_cnt),
+    }
+}
+
+/// An atomic's old value (big-endian) into this rank's memory at `res`:
+/// never in flight (the executor's contract).
+fn sink_write<E: Executor>(ex: &mut E, ch: Channel, res: Loc, old: u64) -> Result<(), Fail> {
+    match ex
+        .write(ch, res, Payload::Bytes(&old.to_be_bytes()))
+        .map_err(Fail::exec)?
+    {
+        WriteStatus::Done => Ok(()),
+        WriteStatus::Pending(t) => Err(Fail::exec(super::exec::ExecError::Malformed {
+            why: format!(
+                "the write of an atomic's old value to {} is in flight (ticket {}): this NIC needs it done",
+                res.region, t.0
+            ),
+        })),
     }
 }
 

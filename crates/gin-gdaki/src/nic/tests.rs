@@ -706,6 +706,211 @@ fn producers_marking_out_of_order_are_executed_in_reservation_order() {
     assert_eq!(r.data(1)[..48], r.data(0)[..48]);
 }
 
+/// Writes in flight (a write from GPU memory the transport still reads)
+/// do not hold their queue: later WQEs execute at once. Their CQEs, and
+/// every later one, wait in order behind the oldest write in flight,
+/// whatever order the writes complete in; credit comes back with them.
+#[test]
+fn writes_in_flight_hold_completions_in_order_not_execution() {
+    let mut r = rig(false, 3);
+    r.fake.late_writes();
+    r.post(
+        MAIN,
+        &[
+            (write(0, 8), FM_NONE),
+            (write(8, 8), FM_NONE),
+            (Op::Nop, FM_NONE),
+            (write(16, 8), FM_NONE),
+        ],
+    );
+    let p = r.step();
+    assert_eq!((p.consumed, p.landed), (4, 0));
+    assert_eq!(r.data(1)[..24], r.data(0)[..24], "every write was issued");
+    assert!(r.reap(MAIN).is_empty());
+    assert_eq!(r.engine.in_flight(), 4);
+    assert!(r.engine.has_work(), "in flight: poll, never sleep");
+    // The last write and the second complete first: nothing reported.
+    r.fake.complete_write(2);
+    r.fake.complete_write(1);
+    assert_eq!(r.step(), Progress::default());
+    assert!(r.reap(MAIN).is_empty());
+    // The first: it, the second and the NOP behind it report.
+    r.fake.complete_write(0);
+    assert_eq!(r.step().landed, 4);
+    let got: Vec<_> = r.reap(MAIN).iter().map(ok).collect();
+    assert_eq!(
+        got,
+        [
+            (CQE_REQ, 0, 0),
+            (CQE_REQ, 1, 0),
+            (CQE_REQ, 2, 0),
+            (CQE_REQ, 3, 0)
+        ]
+    );
+    assert_eq!(r.engine.in_flight(), 0);
+    assert!(!r.engine.has_work());
+    assert_eq!(r.fake.writes_in_flight(), 0);
+}
+
+/// A WAIT on a queue with writes in flight passes only once the write it
+/// names completed (its CQE reported), so the companion's counter counts
+/// completed writes; a collapsed CQ shows the newest completion before
+/// the oldest write in flight.
+#[test]
+fn a_wait_on_writes_in_flight_passes_only_once_they_completed() {
+    let mut r = rig(true, 3);
+    r.fake.late_writes();
+    r.post(MAIN, &[(write(0, 8), FM_NONE), (write(8, 8), FM_NONE)]);
+    let w = wait_main(&r, 1);
+    r.post(COMP, &[(w, FM_NONE), (bump(0), FM_NONE)]);
+    assert_eq!(r.step().consumed, 2, "the WAIT blocks");
+    assert_eq!(r.fake.qword(Region::Counters, 0, 0), 0);
+    assert_eq!(r.collapsed(MAIN).opcode, CQE_INVALID);
+    r.fake.complete_write(0);
+    assert_eq!(r.step().consumed, 0, "WQE 1 is still in flight");
+    assert_eq!(ok(&r.collapsed(MAIN)), (CQE_REQ, 0, 0));
+    assert_eq!(r.fake.qword(Region::Counters, 0, 0), 0);
+    r.fake.complete_write(1);
+    assert_eq!(r.step().consumed, 2, "the WAIT, then the counter");
+    assert_eq!(ok(&r.collapsed(MAIN)), (CQE_REQ, 1, 0));
+    assert_eq!(ok(&r.collapsed(COMP)), (CQE_REQ, 1, 0));
+    assert_eq!(r.fake.qword(Region::Counters, 0, 0), 1);
+}
+
+/// A write that fails in flight is its WQE's error CQE, in order: the
+/// WQEs before it completed, the ones after it (already executed, or not)
+/// are flushed, and nothing executes on the queue any more. An error of a
+/// later WQE behind writes in flight waits for them as well.
+#[test]
+fn a_write_failing_in_flight_is_an_error_cqe_in_order() {
+    let mut r = rig(false, 3);
+    r.fake.late_writes();
+    r.post(
+        MAIN,
+        &[
+            (write(0, 8), FM_NONE),
+            (write(8, 8), FM_NONE),
+            (write(16, 8), FM_NONE),
+        ],
+    );
+    r.step();
+    r.fake.complete_write(0);
+    r.fake.complete_write(2);
+    r.fake.fail_write(
+        1,
+        ExecError::Transport {
+            peer: 1,
+            why: "the write from GPU memory failed".into(),
+        },
+    );
+    r.post(MAIN, &[(write(24, 8), FM_NONE)]);
+    let p = r.step();
+    assert_eq!(p.faults.len(), 1);
+    assert_eq!(
+        (p.faults[0].index, p.faults[0].syndrome),
+        (1, syndrome::TRANSPORT_RETRY_EXC_ERR)
+    );
+    let got: Vec<_> = r.reap(MAIN).iter().map(ok).collect();
+    let flush = syndrome::WR_FLUSH_ERR;
+    assert_eq!(
+        got,
+        [
+            (CQE_REQ, 0, 0),
+            (CQE_REQ_ERR, 1, syndrome::TRANSPORT_RETRY_EXC_ERR),
+            (CQE_REQ_ERR, 2, flush),
+            (CQE_REQ_ERR, 3, flush)
+        ]
+    );
+    assert_eq!(r.data(1)[24..32], [0; 8], "not executed after the error");
+    assert!(r.engine.is_failed(MAIN));
+    assert_eq!(r.engine.in_flight(), 0);
+    // An invalid WQE behind a write in flight: its error waits, in order.
+    let mut r = rig(false, 3);
+    r.fake.late_writes();
+    let bad = Op::Write {
+        remote: MemRef {
+            addr: VA[1] + 250,
+            key: key(DATA, 1),
+        },
+        local: MemRef {
+            addr: VA[0],
+            key: key(DATA, 0),
+        },
+        len: 8,
+    };
+    r.post(
+        MAIN,
+        &[
+            (write(0, 8), FM_NONE),
+            (bad, FM_NONE),
+            (write(8, 8), FM_NONE),
+        ],
+    );
+    let p = r.step();
+    assert!(p.faults.is_empty(), "behind the write in flight");
+    assert!(r.reap(MAIN).is_empty());
+    assert_eq!(r.data(1)[8..16], [0; 8], "nothing executes after it");
+    r.fake.complete_write(0);
+    let p = r.step();
+    assert_eq!(p.faults.len(), 1);
+    let got: Vec<_> = r.reap(MAIN).iter().map(ok).collect();
+    assert_eq!(
+        got,
+        [
+            (CQE_REQ, 0, 0),
+            (CQE_REQ_ERR, 1, syndrome::REMOTE_ACCESS_ERR),
+            (CQE_REQ_ERR, 2, flush)
+        ]
+    );
+}
+
+/// 16-bit WQE counters and credit wrap with writes in flight: 70,000
+/// writes through a 4-entry queue, completed only when the producer runs
+/// out of credit, report every CQE in order.
+#[test]
+fn writes_in_flight_wrap_past_2_16() {
+    let mut r = rig(false, 2);
+    r.fake.late_writes();
+    let total = 70_000u64;
+    let (mut seen, mut main_done, mut completed) = (0u64, 0u64, 0u64);
+    for i in 0..total {
+        let start = loop {
+            let qp = &r.qps[MAIN];
+            if has_space(qp.idx.resv.load(Ordering::Acquire), 1, main_done, qp.size()) {
+                break qp.idx.reserve(1);
+            }
+            // Out of credit: the writes issued so far complete.
+            while completed < i {
+                r.fake.complete_write(completed);
+                completed += 1;
+            }
+            r.step();
+            for c in reap_all(&r.qps[MAIN]) {
+                assert_eq!(ok(&c), (CQE_REQ, seen as u16, 0), "CQE {seen}");
+                seen += 1;
+            }
+            main_done = r.qps[MAIN].idx.done.load(Ordering::Acquire);
+        };
+        assert_eq!(start, i);
+        r.fill(MAIN, start, &[(write(8 * (i % 16), 8), FM_NONE)]);
+        assert!(r.qps[MAIN].try_post(start, start + 1, Sharing::Thread, |_| false));
+        r.step();
+    }
+    while completed < total {
+        r.fake.complete_write(completed);
+        completed += 1;
+    }
+    r.step();
+    for c in reap_all(&r.qps[MAIN]) {
+        assert_eq!(ok(&c), (CQE_REQ, seen as u16, 0));
+        seen += 1;
+    }
+    assert_eq!(seen, total);
+    assert_eq!(r.engine.in_flight(), 0);
+    assert_eq!(r.fake.writes_in_flight(), 0);
+    assert!(r.engine.fault_log().get(MAIN).is_none());
+}
+
 #[test]
 fn a_late_read_holds_its_queue_but_not_the_others() {
     let mut r = rig(false, 3);
@@ -1006,8 +1211,11 @@ impl Executor for Gate {
     fn part(&mut self, window: u32, rank: usize) -> Option<Part> {
         self.inner.part(window, rank)
     }
-    fn write(&mut self, ch: Channel, dst: Loc, src: Payload<'_>) -> Result<(), ExecError> {
+    fn write(&mut self, ch: Channel, dst: Loc, src: Payload<'_>) -> Result<WriteStatus, ExecError> {
         self.inner.write(ch, dst, src)
+    }
+    fn write_done(&mut self, t: WriteTicket) -> Result<bool, ExecError> {
+        self.inner.write_done(t)
     }
     fn read(&mut self, ch: Channel, src: Loc, dst: Loc) -> Result<ReadStatus, ExecError> {
         self.inner.read(ch, src, dst)

@@ -96,14 +96,22 @@
 //!   `ucp_put_nbx` / `ucp_get_nbx` with the CUDA memory type), so cuda_ipc
 //!   copies GPU to GPU between processes of a host and a NIC reads and
 //!   writes GPU memory with GPUDirect RDMA; no staging through host
-//!   memory. Puts from GPU memory are pipelined: each completes by its
-//!   callback, up to 64 are in flight to a peer (the next waits for one),
-//!   and [`Transport::complete_device`], `confirm` and `fence` wait for
-//!   them (the executors do before a counter, a completion or a read says
-//!   the source may be reused). A read is waited for. Their signals and counters stay running totals written as
-//!   8-byte puts ([`Transport::put_ordered`]: fenced after the data):
-//!   UCX has no atomics on GPU memory over cuda_ipc. `GIN_UCX_DEVICE=0`
-//!   makes CUDA ranks stage through pinned host memory instead.
+//!   memory. Puts from GPU memory are pipelined: each is numbered per
+//!   peer in issue order and completes by its callback, up to 64 are in
+//!   flight to a peer (the next waits for one), and
+//!   [`Transport::device_puts_completed`] says without waiting how far
+//!   they are complete in that order (callbacks may come in any order), so
+//!   an engine thread publishes completions as they come instead of
+//!   waiting for each batch; [`Transport::complete_device`], `confirm` and
+//!   `fence` wait for them all. A read is waited for. Their signals and
+//!   counters stay running totals written as 8-byte puts
+//!   ([`Transport::put_ordered`]: fenced after the data): UCX has no
+//!   atomics on GPU memory over cuda_ipc. With `GIN_UCX_GPU_ORDER=wait`
+//!   (the default) such a put first waits for the puts from GPU memory
+//!   before it; [`Transport::put_ordered_after`] waits only for those up to
+//!   a number (an executor holds a signal back until they completed, then
+//!   sends it without waiting). `GIN_UCX_DEVICE=0` makes CUDA ranks stage
+//!   through pinned host memory instead.
 
 mod am;
 mod load;
@@ -204,6 +212,18 @@ struct Peer {
     /// not yet complete: counted down by their completions, waited for by
     /// [`Inner::settle`].
     lent: AtomicU64,
+    /// Those puts started so far: the sequence number of the newest
+    /// (assigned under the peer's lock) ...
+    lent_seq: AtomicU64,
+    /// ... how far, in order of those numbers, they are complete (counted
+    /// by their completions, which may come in any order) ...
+    lent_done: Mutex<Prefix>,
+    /// ... and its `upto`, for readers that take no lock
+    /// ([`Transport::device_puts_completed`]).
+    lent_upto: AtomicU64,
+    /// Where that stood when it was first seen not to move, and when the
+    /// job was last asked about it ([`Inner::stalled`]).
+    lent_stall: Mutex<Option<Stall>>,
     /// Those of them whose lender gave nothing that keeps the memory alive
     /// (no [`KeepAlive`]): a failed wait still waits for these.
     bare: AtomicU64,
@@ -231,6 +251,64 @@ struct Peer {
 /// for one of them to complete (`ucp_put_bw -O 16` already reaches its
 /// peak over cuda_ipc on one H200).
 const LENT_MAX: u64 = 64;
+
+/// What [`Inner::settle`] waits for.
+#[derive(Debug, Clone, Copy)]
+enum Until {
+    /// At most this many puts from lent memory in flight (after a failure:
+    /// of those whose lender gave nothing that keeps the memory alive).
+    AtMost(u64),
+    /// Every put from lent memory numbered at or below this complete (or
+    /// the path failed).
+    Covers(u64),
+}
+
+/// How often a poll of puts from lent memory that made no progress asks
+/// the job's health ([`Inner::stalled`]).
+const JOB_POLL: Duration = Duration::from_millis(1);
+
+/// In-order completion of numbered requests (puts from lent memory, from
+/// 1 on): how far every number is complete, whatever order they complete
+/// in. Pure: values in, values out.
+#[derive(Debug, Default)]
+struct Prefix {
+    /// Every number at or below it is complete.
+    upto: u64,
+    /// Numbers above `upto + 1` that completed before it.
+    early: std::collections::BTreeSet<u64>,
+}
+
+impl Prefix {
+    /// Records `n` complete; returns how far every number is now.
+    fn complete(&mut self, n: u64) -> u64 {
+        if n == self.upto.wrapping_add(1) {
+            self.upto = n;
+            while self.early.remove(&self.upto.wrapping_add(1)) {
+                self.upto = self.upto.wrapping_add(1);
+            }
+        } else if n > self.upto {
+            self.early.insert(n);
+        }
+        self.upto
+    }
+}
+
+/// Puts from lent memory to a peer seen not to complete: the `upto`
+/// seen, since when, and when the job was last asked.
+#[derive(Debug, Clone, Copy)]
+struct Stall {
+    upto: u64,
+    since: Instant,
+    asked: Instant,
+}
+
+impl Peer {
+    /// Counts the put from lent memory numbered `seq` complete.
+    fn lent_completed(&self, seq: u64) {
+        let upto = lock(&self.lent_done).complete(seq);
+        self.lent_upto.fetch_max(upto, Ordering::AcqRel);
+    }
+}
 
 /// Work the progress thread does outside UCX callbacks.
 enum Work {
@@ -435,6 +513,10 @@ impl UcxTransport {
                     dirty: AtomicBool::new(false),
                     unfenced: AtomicBool::new(false),
                     lent: AtomicU64::new(0),
+                    lent_seq: AtomicU64::new(0),
+                    lent_done: Mutex::new(Prefix::default()),
+                    lent_upto: AtomicU64::new(0),
+                    lent_stall: Mutex::new(None),
                     bare: AtomicU64::new(0),
                     am_sent: AtomicU64::new(0),
                     am_synced: AtomicU64::new(0),
@@ -524,8 +606,9 @@ struct OpCtx {
     get: Option<(Arc<AtomicU64>, Option<KeepAlive>)>,
     /// A get's landing buffer and where its bytes go when it completes.
     land: Option<(*mut u8, Box<[u8]>)>,
-    /// A put from lent memory (counted in its peer's `lent`).
-    lent: Option<Lent>,
+    /// A put from lent memory (counted in its peer's `lent`), with its
+    /// sequence number.
+    lent: Option<(u64, Lent)>,
 }
 
 /// What keeps the memory of a put from lent memory alive.
@@ -578,10 +661,11 @@ impl OpCtx {
         self.release_lent();
     }
 
-    /// Counts a put from lent memory down on its peer, after its failure
-    /// (if any) was recorded: a waiter that sees the count drop sees it.
+    /// Counts a put from lent memory down on its peer, and complete in
+    /// its order, after its failure (if any) was recorded: a waiter that
+    /// sees it complete sees the failure.
     fn release_lent(&mut self) {
-        if let Some(keep) = self.lent.take() {
+        if let Some((seq, keep)) = self.lent.take() {
             // SAFETY: peers outlive every request (see `finish`).
             let peer = unsafe { &*self.peer };
             match keep {
@@ -591,6 +675,7 @@ impl OpCtx {
                 Lent::Kept(k, released) => lock(&released).push(k),
             }
             peer.lent.fetch_sub(1, Ordering::AcqRel);
+            peer.lent_completed(seq);
         }
     }
 }
@@ -933,8 +1018,8 @@ impl Inner {
         }
     }
 
-    /// Progresses until at most `upto` puts from lent memory to `peer` are
-    /// in flight (`what`: what is waited for, for the error). Past
+    /// Progresses until the puts from lent memory to `peer` are as `until`
+    /// says (`what`: what is waited for, for the error). Past
     /// `deadline` or when the job fails, fails the path and force-closes
     /// the endpoint (UCX then completes its requests with an error, where
     /// it can: with `UCP_ERR_HANDLING_MODE_NONE`, the default, it refuses
@@ -949,7 +1034,7 @@ impl Inner {
     fn settle(
         &self,
         peer: &Peer,
-        upto: u64,
+        until: Until,
         deadline: Instant,
         what: &str,
     ) -> Result<(), NetError> {
@@ -963,7 +1048,14 @@ impl Inner {
             } else {
                 peer.lent.load(Ordering::Acquire)
             };
-            if left <= upto {
+            let done = match until {
+                Until::AtMost(n) => left <= n,
+                // Nothing lent waits on this: a failure ends it.
+                Until::Covers(seq) => {
+                    given_up.is_some() || peer.lent_upto.load(Ordering::Acquire) >= seq
+                }
+            };
+            if done {
                 break;
             }
             if self.ucp.progress() == 0 {
@@ -1019,6 +1111,59 @@ impl Inner {
             Some(e) => Err(e),
             None => self.broken(peer),
         }
+    }
+
+    /// Fails the path to `peer` (force-closing its endpoint, as
+    /// [`Inner::settle`] does) when its puts from lent memory, complete in
+    /// order up to `upto` with more in flight, were seen at that same
+    /// `upto` for the job's whole timeout, or the job failed meanwhile
+    /// (asked at most every [`JOB_POLL`]); else nothing. A poll without a
+    /// wait: [`Transport::device_puts_completed`].
+    fn stalled(&self, peer: &Peer, upto: u64) -> Result<(), NetError> {
+        let now = Instant::now();
+        let mut s = lock(&peer.lent_stall);
+        let st = match &mut *s {
+            // The put after `upto` was in flight when this was recorded,
+            // and is still.
+            Some(st) if st.upto == upto => st,
+            other => {
+                *other = Some(Stall {
+                    upto,
+                    since: now,
+                    asked: now,
+                });
+                return Ok(());
+            }
+        };
+        let waited = now.duration_since(st.since);
+        let why = if waited > self.timeout {
+            let what = format!(
+                "the puts from GPU memory (none completed; {} of them in flight)",
+                peer.lent.load(Ordering::Acquire)
+            );
+            self.blame(peer.rank, waited, &what);
+            peer.gave_up.store(true, Ordering::Release);
+            NetError::Timeout {
+                peer: peer.rank,
+                what,
+                waited,
+            }
+        } else if now.duration_since(st.asked) >= JOB_POLL {
+            st.asked = now;
+            match self.job() {
+                Err(job) => NetError::Broken {
+                    peer: peer.rank,
+                    why: job,
+                },
+                Ok(()) => return Ok(()),
+            }
+        } else {
+            return Ok(());
+        };
+        drop(s);
+        peer.error.set(why.to_string());
+        self.close(peer);
+        Err(why)
     }
 
     /// Force-closes the endpoint to `peer`: every request on it completes
@@ -1310,10 +1455,10 @@ impl UcxTransport {
     }
 
     /// Fences before a get or an atomic that follows a put to `peer`
-    /// (after waiting for puts from GPU memory, unless
-    /// `GIN_UCX_GPU_ORDER=fence`).
-    fn order(&self, peer: &Peer) -> Result<(), NetError> {
-        self.after_lent(peer)?;
+    /// (after waiting for puts from GPU memory, those numbered up to
+    /// `after` or all started so far, unless `GIN_UCX_GPU_ORDER=fence`).
+    fn order(&self, peer: &Peer, after: Option<u64>) -> Result<(), NetError> {
+        self.after_lent(peer, after)?;
         self.after_am(peer)?;
         if peer.unfenced.swap(false, Ordering::AcqRel) {
             self.inner
@@ -1324,17 +1469,22 @@ impl UcxTransport {
         Ok(())
     }
 
-    /// Waits for the puts from GPU memory in flight to `peer` before a
-    /// request that must execute after them (a signal's total, a read),
-    /// unless `GIN_UCX_GPU_ORDER=fence` leaves that to UCX's fence.
-    fn after_lent(&self, peer: &Peer) -> Result<(), NetError> {
-        if !self.wait_lent || peer.lent.load(Ordering::Acquire) == 0 {
+    /// Waits for the puts from GPU memory to `peer` before a request that
+    /// must execute after them (a signal's total, a read): those numbered
+    /// up to `after`, else every one started so far; unless
+    /// `GIN_UCX_GPU_ORDER=fence` leaves that to UCX's fence.
+    fn after_lent(&self, peer: &Peer, after: Option<u64>) -> Result<(), NetError> {
+        if !self.wait_lent {
+            return Ok(());
+        }
+        let upto = after.unwrap_or_else(|| peer.lent_seq.load(Ordering::Acquire));
+        if peer.lent_upto.load(Ordering::Acquire) >= upto {
             return Ok(());
         }
         let deadline = Instant::now() + self.inner.timeout;
         self.inner.settle(
             peer,
-            0,
+            Until::Covers(upto),
             deadline,
             "the puts from GPU memory before a request ordered after them",
         )
@@ -1401,7 +1551,7 @@ impl Transport for UcxTransport {
         src: &[u8],
         sig: Option<(Target<'_>, u64)>,
     ) -> Result<(), NetError> {
-        self.put_inner(peer, dst, src, sig, false)
+        self.put_inner(peer, dst, src, sig, Order::Free)
     }
 
     unsafe fn get(
@@ -1416,7 +1566,7 @@ impl Transport for UcxTransport {
         let inner = &self.inner;
         let p = inner.peer(peer)?;
         let r = self.resolve(p, src, len, "get")?;
-        self.order(p)?;
+        self.order(p, None)?;
         let n = usize::try_from(len).map_err(|_| NetError::OutOfBounds {
             peer,
             window: 0,
@@ -1456,7 +1606,7 @@ impl Transport for UcxTransport {
         let inner = &self.inner;
         let p = inner.peer(peer)?;
         let r = self.resolve(p, src, out.len() as u64, "get")?;
-        self.order(p)?;
+        self.order(p, None)?;
         let deadline = Instant::now() + timeout;
         let prm = sys::ucp_request_param_t::default();
         // The data lands in a buffer owned here, copied to `out` on
@@ -1513,7 +1663,7 @@ impl Transport for UcxTransport {
         if p.am_pending() && !r.remote.backed {
             return self.am_atomic(p, &r.remote, at, op, deadline);
         }
-        self.order(p)?;
+        self.order(p, None)?;
         let (code, x, reply) = match op {
             AtomicOp::FetchAdd(v) => (sys::UCP_ATOMIC_OP_ADD, v, 0u64),
             AtomicOp::CompareSwap { expected, desired } => {
@@ -1564,7 +1714,7 @@ impl Transport for UcxTransport {
             Some(p) => {
                 let deadline = Instant::now() + timeout;
                 self.inner
-                    .settle(p, 0, deadline, "the puts from lent memory")?;
+                    .settle(p, Until::AtMost(0), deadline, "the puts from lent memory")?;
                 self.flush(p, deadline, "a fence")?;
                 self.am_sync(p, deadline, "a fence")
             }
@@ -1580,7 +1730,7 @@ impl Transport for UcxTransport {
         };
         let deadline = Instant::now() + timeout;
         self.inner
-            .settle(p, 0, deadline, "the puts from lent memory")?;
+            .settle(p, Until::AtMost(0), deadline, "the puts from lent memory")?;
         if !p.dirty.swap(false, Ordering::AcqRel) {
             return self.inner.broken(p);
         }
@@ -1614,7 +1764,7 @@ impl Transport for UcxTransport {
     /// Fences after an earlier put (`ucp_worker_fence`), then puts: UCP
     /// orders puts to one peer only across a fence.
     fn put_ordered(&self, peer: usize, dst: Target<'_>, src: &[u8]) -> Result<(), NetError> {
-        self.put_inner(peer, dst, src, None, true)
+        self.put_inner(peer, dst, src, None, Order::AfterAll)
     }
 
     fn takes_device_memory(&self) -> bool {
@@ -1636,7 +1786,7 @@ impl Transport for UcxTransport {
         let p = self.inner.peer(peer)?;
         self.inner.settle(
             p,
-            0,
+            Until::AtMost(0),
             Instant::now() + self.inner.timeout,
             "a put from GPU memory",
         )
@@ -1646,6 +1796,7 @@ impl Transport for UcxTransport {
     /// callback: cuda_ipc copies it into the peer's memory mapped here, a
     /// NIC reads it with GPUDirect RDMA. Up to 64 are in flight to a peer
     /// (the next waits for one to complete); the source is lent until
+    /// [`Transport::device_puts_completed`] covers its number, or
     /// [`Transport::complete_device`], `confirm` or `fence` returns.
     unsafe fn start_put_device(
         &self,
@@ -1654,7 +1805,7 @@ impl Transport for UcxTransport {
         src: u64,
         len: u64,
         keep: Option<KeepAlive>,
-    ) -> Result<(), NetError> {
+    ) -> Result<u64, NetError> {
         // SAFETY: the caller's contract (the trait's) is `put_lent`'s.
         unsafe {
             self.put_lent(
@@ -1670,12 +1821,51 @@ impl Transport for UcxTransport {
 
     fn complete_device(&self, peer: usize, timeout: Duration) -> Result<(), NetError> {
         match self.inner.peer_opt(peer) {
-            Some(p) => {
-                self.inner
-                    .settle(p, 0, Instant::now() + timeout, "the puts from GPU memory")
-            }
+            Some(p) => self.inner.settle(
+                p,
+                Until::AtMost(0),
+                Instant::now() + timeout,
+                "the puts from GPU memory",
+            ),
             None => Ok(()),
         }
+    }
+
+    /// The in-order completion the requests' callbacks counted; progresses
+    /// the worker once first where some are still in flight (the progress
+    /// thread polls meanwhile too). Puts that made no progress for the
+    /// job's whole timeout, or a job that failed meanwhile, fail the path
+    /// ([`Inner::stalled`]).
+    fn device_puts_completed(&self, peer: usize) -> Result<u64, NetError> {
+        let inner = &self.inner;
+        let p = inner.peer(peer)?;
+        let issued = p.lent_seq.load(Ordering::Acquire);
+        let mut upto = p.lent_upto.load(Ordering::Acquire);
+        if upto < issued {
+            inner.ucp.progress();
+            upto = p.lent_upto.load(Ordering::Acquire);
+        }
+        inner.drop_released();
+        inner.broken(p)?;
+        if upto < issued {
+            inner.stalled(p, upto)?;
+        }
+        Ok(upto)
+    }
+
+    /// With `GIN_UCX_GPU_ORDER=wait` (the default).
+    fn ordered_waits_for_device_puts(&self) -> bool {
+        self.device && self.wait_lent
+    }
+
+    fn put_ordered_after(
+        &self,
+        peer: usize,
+        dst: Target<'_>,
+        src: &[u8],
+        after: u64,
+    ) -> Result<(), NetError> {
+        self.put_inner(peer, dst, src, None, Order::After(after))
     }
 
     /// `ucp_get_nbx` into GPU memory (memory type CUDA), after a fence
@@ -1692,7 +1882,7 @@ impl Transport for UcxTransport {
         let p = inner.peer(peer)?;
         let r = self.resolve(p, src, len, "get")?;
         let n = usize::try_from(len).map_err(|_| too_long(peer, src, len))?;
-        self.order(p)?;
+        self.order(p, None)?;
         let deadline = Instant::now() + timeout;
         let prm = device_param();
         let st = self.with_ep(p, "ucp_get_nbx into GPU memory", |ep, _| {
@@ -1753,22 +1943,38 @@ fn too_long(peer: usize, t: Target<'_>, len: u64) -> NetError {
     }
 }
 
+/// How a put is ordered with the requests to its peer before it.
+#[derive(Debug, Clone, Copy)]
+enum Order {
+    /// Not ordered (a signal it carries is, after the data).
+    Free,
+    /// After every earlier request, having waited for every put from GPU
+    /// memory started so far where `GIN_UCX_GPU_ORDER=wait`.
+    AfterAll,
+    /// After every earlier request, having waited for the puts from GPU
+    /// memory numbered up to this one where `GIN_UCX_GPU_ORDER=wait`.
+    After(u64),
+}
+
 /// `ucp_dt_make_contig(8)`: one 64-bit element.
 const CONTIG8: sys::ucp_datatype_t = 8 << 3;
 
 impl UcxTransport {
     /// `ucp_put_nbx` of `len` bytes of memory the caller lends at `src`
     /// (of memory type `mem`: GPU memory, or host memory in the tests),
-    /// completed by its callback, which counts it down on the peer and
-    /// drops `keep`. With [`LENT_MAX`] in flight to the peer it first
-    /// waits for one to complete.
+    /// completed by its callback, which counts it down on the peer, counts
+    /// it complete in order ([`Prefix`]) and drops `keep`. With
+    /// [`LENT_MAX`] in flight to the peer it first waits for one to
+    /// complete. Returns its sequence number among the puts from lent
+    /// memory to `peer` (from 1 on).
     ///
     /// # Safety
     /// `src..src + len` must be memory of this process of type `mem` that
-    /// no one writes, and that stays allocated, until a later
-    /// [`Inner::settle`] to `peer` down to zero (`complete_device`,
-    /// `confirm`, `fence`) returned or the transport was dropped (or, where
-    /// `keep` owns it, while `keep` is held).
+    /// no one writes, and that stays allocated, until the put is complete
+    /// in order ([`Transport::device_puts_completed`] covers its number) or
+    /// a later [`Inner::settle`] to `peer` down to zero
+    /// (`complete_device`, `confirm`, `fence`) returned, or the transport
+    /// was dropped (or, where `keep` owns it, while `keep` is held).
     unsafe fn put_lent(
         &self,
         peer: usize,
@@ -1777,7 +1983,7 @@ impl UcxTransport {
         len: u64,
         mem: sys::ucs_memory_type_t,
         keep: Option<KeepAlive>,
-    ) -> Result<(), NetError> {
+    ) -> Result<u64, NetError> {
         let inner = &self.inner;
         let p = inner.peer(peer)?;
         let d = self.resolve(p, dst, len, "put")?;
@@ -1785,7 +1991,12 @@ impl UcxTransport {
         self.after_am(p)?;
         if p.lent.load(Ordering::Acquire) >= LENT_MAX {
             let deadline = Instant::now() + inner.timeout;
-            inner.settle(p, LENT_MAX - 1, deadline, "a put from lent memory")?;
+            inner.settle(
+                p,
+                Until::AtMost(LENT_MAX - 1),
+                deadline,
+                "a put from lent memory",
+            )?;
         }
         p.dirty.store(true, Ordering::Release);
         self.with_ep(p, "ucp_put_nbx from lent memory", |ep, st| {
@@ -1796,7 +2007,11 @@ impl UcxTransport {
             if keep.is_none() {
                 p.bare.fetch_add(1, Ordering::AcqRel);
             }
-            ctx.lent = Some(keep.map_or(Lent::Bare, |k| Lent::Kept(k, inner.released.clone())));
+            // Numbered under the peer's lock, so in the order issued; from
+            // here on the request completes it, or `launched` does.
+            let seq = p.lent_seq.fetch_add(1, Ordering::AcqRel) + 1;
+            let lent = keep.map_or(Lent::Bare, |k| Lent::Kept(k, inner.released.clone()));
+            ctx.lent = Some((seq, lent));
             p.lent.fetch_add(1, Ordering::AcqRel);
             let mut prm = Inner::params(ctx);
             prm.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE;
@@ -1816,12 +2031,14 @@ impl UcxTransport {
             p.rma_issued.fetch_add(1, Ordering::AcqRel);
             // Under the peer's lock, before any later put_ordered can look.
             p.unfenced.store(true, Ordering::Release);
-            Ok(())
+            Ok(seq)
         })
     }
 
     /// A put (`ordered`: executed after every earlier request to `peer`,
-    /// [`Transport::put_ordered`]): one active message when it fits
+    /// [`Transport::put_ordered`], having waited for the puts from GPU
+    /// memory numbered up to the given one, or all: see
+    /// [`UcxTransport::after_lent`]): one active message when it fits
     /// ([`UcxTransport::am_fits`]) and no RMA put to `peer` is unflushed,
     /// else by RMA after the put messages before it were executed.
     fn put_inner(
@@ -1830,7 +2047,7 @@ impl UcxTransport {
         dst: Target<'_>,
         src: &[u8],
         sig: Option<(Target<'_>, u64)>,
-        ordered: bool,
+        ordered: Order,
     ) -> Result<(), NetError> {
         let p = self.inner.peer(peer)?;
         let d = self.resolve(p, dst, src.len() as u64, "put")?;
@@ -1847,12 +2064,14 @@ impl UcxTransport {
         p.dirty.store(true, Ordering::Release);
         loop {
             if !am {
-                if ordered {
-                    self.order(p)?;
-                } else {
-                    self.after_am(p)?;
-                    if s.is_some() {
-                        self.after_lent(p)?;
+                match ordered {
+                    Order::AfterAll => self.order(p, None)?,
+                    Order::After(seq) => self.order(p, Some(seq))?,
+                    Order::Free => {
+                        self.after_am(p)?;
+                        if s.is_some() {
+                            self.after_lent(p, None)?;
+                        }
                     }
                 }
             }

@@ -1162,6 +1162,280 @@ fn a_peer_failing_mid_pipeline_fails_the_confirm_naming_it_without_hanging() {
     }
 }
 
+proptest::proptest! {
+    /// In-order completion against a model: whatever order numbered puts
+    /// complete in, the answer is the longest run from 1 that completed,
+    /// and it never goes back.
+    #[test]
+    fn completion_is_counted_in_order_whatever_order_puts_complete_in(
+        keys in proptest::collection::vec(proptest::prelude::any::<u32>(), 1..200),
+    ) {
+        let mut order: Vec<u64> = (1..=keys.len() as u64).collect();
+        order.sort_by_key(|&n| keys[n as usize - 1]);
+        let mut prefix = Prefix::default();
+        let mut done = std::collections::HashSet::new();
+        let mut last = 0;
+        for n in order {
+            done.insert(n);
+            let upto = prefix.complete(n);
+            let mut model = 0;
+            while done.contains(&(model + 1)) {
+                model += 1;
+            }
+            proptest::prop_assert_eq!(upto, model);
+            proptest::prop_assert!(upto >= last);
+            last = upto;
+        }
+        proptest::prop_assert_eq!(last, keys.len() as u64);
+        proptest::prop_assert!(prefix.early.is_empty());
+    }
+}
+
+/// Puts from lent memory are numbered in issue order, and
+/// `device_puts_completed` reports, without waiting, how far they are
+/// complete in that order: it only grows, never passes the newest, and
+/// once it covers a put its memory is released (the put is no longer
+/// counted in flight, its keeper dropped). A running total put after
+/// the puts up to the middle one (`put_ordered_after`) waits, under
+/// `GIN_UCX_GPU_ORDER=wait`, for those only, and is still executed at the
+/// target after every put issued before it. Over UCX's tcp and the
+/// default transports, in both orders.
+#[test]
+fn lent_puts_are_numbered_and_their_completion_is_polled_in_order() {
+    const CHUNK: usize = 128 << 10;
+    const N: usize = 80;
+    if !ucx_here() {
+        return;
+    }
+    for (tls, wait) in [
+        (Some(c"tcp,self"), true),
+        (Some(c"tcp,self"), false),
+        (None, true),
+        (None, false),
+    ] {
+        let timeout = Duration::from_secs(30);
+        two_ranks_over(tls, move |b, table| {
+            let mut t = start(b, &table, timeout);
+            t.wait_lent = wait;
+            assert_eq!(t.ordered_waits_for_device_puts(), t.device && wait);
+            let mut recv = vec![0u64; N * CHUNK / 8 + 1];
+            let key = if b.rank() == 1 {
+                register(&table, &mut recv)
+            } else {
+                0
+            };
+            let key = key_of(b, key, 1);
+            let total = 0x7171_0000_0000_0017_u64;
+            if b.rank() == 0 {
+                let src: Vec<u8> = (0..N * CHUNK).map(lent_byte).collect();
+                let keeper = Arc::new(());
+                let p = t.inner.peer(1).unwrap();
+                let mut seqs = Vec::new();
+                for i in 0..N {
+                    let at = Target::Key {
+                        key,
+                        offset: (i * CHUNK) as u64,
+                    };
+                    // SAFETY: `src` is host memory nobody writes, alive
+                    // until every put is complete (polled below).
+                    let seq = unsafe {
+                        t.put_lent(
+                            1,
+                            at,
+                            src[i * CHUNK..].as_ptr(),
+                            CHUNK as u64,
+                            sys::UCS_MEMORY_TYPE_HOST,
+                            Some(KeepAlive(keeper.clone())),
+                        )
+                    }
+                    .unwrap();
+                    seqs.push(seq);
+                }
+                assert_eq!(seqs, (1..=N as u64).collect::<Vec<_>>());
+                let half = N as u64 / 2;
+                let sig = Target::Key {
+                    key,
+                    offset: (N * CHUNK) as u64,
+                };
+                t.put_ordered_after(1, sig, &total.to_le_bytes(), half)
+                    .unwrap();
+                if wait {
+                    // It waited for the puts up to `half`.
+                    assert!(t.device_puts_completed(1).unwrap() >= half);
+                }
+                let began = Instant::now();
+                let mut last = 0;
+                loop {
+                    let upto = t.device_puts_completed(1).unwrap();
+                    assert!(upto >= last && upto <= N as u64, "{last} then {upto}");
+                    last = upto;
+                    if upto == N as u64 {
+                        break;
+                    }
+                    assert!(began.elapsed() < timeout, "complete up to {upto} only");
+                    std::thread::yield_now();
+                }
+                assert_eq!(p.lent.load(Ordering::Acquire), 0);
+                // Every keeper was released once its put completed (the
+                // progress thread may be dropping the last ones).
+                while Arc::strong_count(&keeper) > 1 {
+                    assert!(began.elapsed() < timeout, "a keeper was never released");
+                    t.device_puts_completed(1).unwrap();
+                    std::thread::yield_now();
+                }
+                t.confirm(1, timeout).unwrap();
+                drop(src);
+            } else {
+                let began = Instant::now();
+                // SAFETY: the last word of `recv`, written by UCX; read
+                // atomically (an aligned u64).
+                let word = unsafe { &*recv.as_ptr().add(N * CHUNK / 8).cast::<AtomicU64>() };
+                while word.load(Ordering::Acquire) != total {
+                    assert!(began.elapsed() < timeout, "the signal never came");
+                    std::thread::yield_now();
+                }
+                // Ordered after every put issued before it: all of them.
+                let base = recv.as_ptr().cast::<u8>();
+                for i in 0..N * CHUNK {
+                    // SAFETY: inside `recv`; nothing writes it any more.
+                    let got = unsafe { std::ptr::read_volatile(base.add(i)) };
+                    assert_eq!(got, lent_byte(i), "byte {i} after the signal ({tls:?})");
+                }
+            }
+            b.barrier().unwrap();
+            drop(t);
+        });
+    }
+}
+
+/// A peer that stops making progress while puts from lent memory are in
+/// flight to it: polling their completion never blocks, and fails naming
+/// the peer, as soon as the job says it failed or once nothing completed
+/// for the job's whole timeout (then blaming it); the wait that follows
+/// still returns with the puts finished or given up on, as the confirm
+/// after a failed pipeline does.
+#[test]
+fn polling_lent_puts_to_a_stopped_peer_fails_naming_it_without_blocking() {
+    const CHUNK: usize = 1 << 20;
+    const N: usize = 48;
+    if !ucx_here() {
+        return;
+    }
+    for job_says in [true, false] {
+        let timeout = if job_says {
+            Duration::from_secs(60)
+        } else {
+            Duration::from_secs(2)
+        };
+        let out = two_ranks_over(Some(c"tcp,self"), move |b, table| {
+            let t = start(b, &table, timeout);
+            let died = Arc::new(AtomicBool::new(false));
+            let seen = died.clone();
+            t.watch(Arc::new(move || {
+                if seen.load(Ordering::Acquire) {
+                    Err("rank 1 died (the test says so)".into())
+                } else {
+                    Ok(())
+                }
+            }));
+            let blamed = Arc::new(Mutex::new(Vec::new()));
+            let to = blamed.clone();
+            t.blame_to(Arc::new(move |peer, _: &str| lock(&to).push(peer)));
+            let mut recv = vec![0u64; N * CHUNK / 8];
+            let key = if b.rank() == 1 {
+                register(&table, &mut recv)
+            } else {
+                0
+            };
+            let key = key_of(b, key, 1);
+            let mut seen = None;
+            if b.rank() == 0 {
+                t.put(1, Target::Key { key, offset: 0 }, &[1; 8], None)
+                    .unwrap();
+                t.fence(1, timeout).unwrap();
+            }
+            b.barrier().unwrap();
+            if b.rank() == 1 {
+                t.inner.test.stopped.store(true, Ordering::Release);
+            }
+            b.barrier().unwrap();
+            if b.rank() == 0 {
+                let src: Arc<Vec<u8>> = Arc::new(vec![7u8; N * CHUNK]);
+                for i in 0..N {
+                    let at = Target::Key {
+                        key,
+                        offset: (i * CHUNK) as u64,
+                    };
+                    // SAFETY: `src` is kept alive by every request, and
+                    // nobody writes it.
+                    unsafe {
+                        t.put_lent(
+                            1,
+                            at,
+                            src[i * CHUNK..].as_ptr(),
+                            CHUNK as u64,
+                            sys::UCS_MEMORY_TYPE_HOST,
+                            Some(KeepAlive(src.clone())),
+                        )
+                    }
+                    .unwrap();
+                }
+                let first = t.device_puts_completed(1).unwrap();
+                died.store(job_says, Ordering::Release);
+                let began = Instant::now();
+                let mut longest = Duration::ZERO;
+                let e = loop {
+                    let call = Instant::now();
+                    let r = t.device_puts_completed(1);
+                    longest = longest.max(call.elapsed());
+                    match r {
+                        Ok(upto) => assert!(upto < N as u64, "all complete at a stopped peer"),
+                        Err(e) => break e,
+                    }
+                    assert!(began.elapsed() < Duration::from_secs(20), "never failed");
+                    std::thread::yield_now();
+                };
+                let took = began.elapsed();
+                // The puts not finished are still waited for (or given
+                // up on, holding their keeper): the wait returns.
+                let after = t.complete_device(1, timeout).unwrap_err().to_string();
+                let p = t.inner.peer(1).unwrap();
+                assert_eq!(p.bare.load(Ordering::Acquire), 0, "{e}");
+                seen = Some((
+                    first,
+                    took,
+                    longest,
+                    e.to_string(),
+                    after,
+                    lock(&blamed).clone(),
+                ));
+            }
+            b.barrier().unwrap();
+            t.inner.test.stopped.store(false, Ordering::Release);
+            drop(t);
+            seen
+        });
+        let (first, took, longest, e, after, blamed) = out[0].clone().unwrap();
+        assert!(first < N as u64, "{first} complete at once: {e}");
+        assert!(e.contains("rank 1"), "{e}");
+        assert!(after.contains("rank 1"), "{after}");
+        // No poll waited: each returned long before the timeout.
+        assert!(
+            longest < Duration::from_millis(500),
+            "a poll took {longest:?}: {e}"
+        );
+        if job_says {
+            assert!(e.contains("rank 1 died"), "{e}");
+            assert!(took < Duration::from_secs(10), "{took:?}: {e}");
+            assert!(blamed.is_empty(), "{blamed:?}");
+        } else {
+            assert!(e.contains("timed out") || e.contains("waited"), "{e}");
+            assert!(took < Duration::from_secs(10), "{took:?}: {e}");
+            assert_eq!(blamed, [1], "{e}");
+        }
+    }
+}
+
 #[test]
 fn gin_ucx_gpu_order_is_wait_or_fence() {
     assert!(wait_lent_from_env(None).unwrap());

@@ -17,16 +17,27 @@
 //! Where the transport takes GPU memory ([`Fabric::takes_device_memory`]:
 //! ucx with its CUDA transports), a put's source goes to it directly and a
 //! get lands directly ([`Fabric::read_device_key`]), each after the ring's
-//! stream has executed everything queued before it (flushed and waited
-//! for, unless nothing was queued since the last wait). Puts are
-//! pipelined: each is started ([`Transport::start_put_device`]) and many
-//! are in flight to a peer; they are completed
-//! ([`Transport::complete_device`]) before anything that says their source
-//! may be reused or that the GPU may write it: a counter, the ring's
-//! completion index, a get into this rank's memory, [`Executor::quiesce`]
-//! (and the executor's drop). A signal's running total is put ordered
-//! after them ([`Transport::put_ordered`]: ucx waits for them first unless
-//! `GIN_UCX_GPU_ORDER=fence`). Otherwise a
+//! stream has executed every copy or window store queued before it
+//! (flushed and waited for, unless none was queued since the last wait;
+//! counter and completion-index stores write no window). Puts are
+//! pipelined and never waited for on the engine's thread: each is started
+//! ([`Transport::start_put_device`], numbered per peer) and returned
+//! [`Issued::InFlight`]; [`Executor::landed`] polls
+//! [`Transport::device_puts_completed`] and says it landed once the
+//! transport is done with its source, so the engine counts its counter
+//! and publishes the ring's completion index past it only then. A
+//! signal's running total is put ordered after the data
+//! ([`Transport::put_ordered`]) at once where the transport orders it
+//! without waiting (`GIN_UCX_GPU_ORDER=fence`); where it would wait
+//! ([`Transport::ordered_waits_for_device_puts`], ucx's default), the
+//! total is held back, in a queue per peer that keeps every total to the
+//! peer in issue order, until the puts before it completed, and sent then
+//! ([`Transport::put_ordered_after`]) before its put is said to have
+//! landed. A get into this rank's memory completes every put to the peer
+//! first ([`Transport::complete_device`]: they may read what it
+//! overwrites) and sends the totals held for it; [`Executor::quiesce`]
+//! (and the executor's drop) complete every put still in flight.
+//! Otherwise a
 //! put's source is staged through pinned host memory on the ring's stream
 //! (waited for) and sent with [`Fabric::put_key`], and a get's answer is
 //! read with [`Fabric::read_key`] into the pinned buffer and copied to the
@@ -44,7 +55,7 @@
 //! mark, so that work a stream has not completed for seconds is diagnosed
 //! as a stall (see `gin_cuda::batch::stall`).
 
-use std::convert::Infallible;
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -62,9 +73,52 @@ use crate::fabric::net;
 struct Queue<S> {
     stream: S,
     batch: StreamBatch,
-    /// Nothing was queued since the stream was last waited for: GPU
-    /// memory is as the earlier descriptors left it, without a wait.
+    /// No copy and no store into a window was queued since the stream was
+    /// last waited for: window memory is as the earlier descriptors left
+    /// it, without a wait (counter and completion-index stores may be
+    /// pending: the transport touches neither).
     idle: bool,
+}
+
+/// A put from GPU memory in flight, or one whose signal is held back
+/// ([`Executor::InFlight`]): its peer, and its place in the peer's
+/// [`PeerPuts::queue`].
+#[derive(Debug)]
+pub(crate) struct PutInFlight {
+    peer: usize,
+    n: u64,
+}
+
+/// A signal's running total held back until the puts before it completed.
+#[derive(Debug, Clone, Copy)]
+struct Held {
+    key: u32,
+    offset: u64,
+    total: u64,
+}
+
+/// One entry of a peer's queue: released once the transport's puts
+/// numbered up to `after` completed, its held total sent then.
+#[derive(Debug)]
+struct Entry {
+    after: u64,
+    signal: Option<Held>,
+}
+
+/// The puts from GPU memory to one peer not yet seen complete, and the
+/// totals held behind them, in issue order.
+#[derive(Debug)]
+struct PeerPuts {
+    peer: usize,
+    queue: VecDeque<Entry>,
+    /// Entries made, and released (the entry numbered `released` is the
+    /// queue's front).
+    made: u64,
+    released: u64,
+    /// The transport's number of the newest put started.
+    last: u64,
+    /// Puts were started since the last [`Transport::complete_device`].
+    unsettled: bool,
 }
 
 /// Where the executor stores: what the device communicator laid out.
@@ -94,9 +148,9 @@ pub(crate) struct CudaExecutor<G: Gpu> {
     /// Watches the streams for stalls, stream `i` being ring `i`'s (kept
     /// until the streams were synchronised: they store its marks).
     stalls: Option<Arc<StallWatch>>,
-    /// Peers with puts from GPU memory started and not yet completed
-    /// ([`CudaExecutor::settle`]).
-    started: Vec<usize>,
+    /// Per peer reached with puts from GPU memory: those in flight and the
+    /// totals held behind them (a few peers: a scan).
+    puts: Vec<PeerPuts>,
     /// What keeps the memory `layout` names alive while streams may still
     /// store into it (the index array).
     _keep: Box<dyn std::any::Any + Send>,
@@ -165,7 +219,7 @@ impl<G: Gpu> CudaExecutor<G> {
             queues: Vec::new(),
             stage,
             stalls: None,
-            started: Vec::new(),
+            puts: Vec::new(),
             _keep: keep,
         }
     }
@@ -191,14 +245,22 @@ impl<G: Gpu> CudaExecutor<G> {
         })
     }
 
-    /// Queues an 8-byte store on the ring's stream.
+    /// Queues an 8-byte store on the ring's stream; `window`: into window
+    /// memory (an inline put, a signal), which a later transport request
+    /// must wait for (not a counter or the completion index).
     ///
     /// # Safety
     /// `addr` 8 aligned bytes of device memory the stream may write until
     /// it has executed the store.
-    unsafe fn store(&mut self, site: Site, addr: u64, v: u64) -> Result<(), ExecError> {
+    unsafe fn store(
+        &mut self,
+        site: Site,
+        addr: u64,
+        v: u64,
+        window: bool,
+    ) -> Result<(), ExecError> {
         let q = self.queue(site)?;
-        q.idle = false;
+        q.idle &= !window;
         // SAFETY: the caller's contract.
         unsafe { q.batch.write(&q.stream, addr, v) }.map_err(cuda("cuStreamWriteValue64"))
     }
@@ -258,7 +320,7 @@ impl<G: Gpu> CudaExecutor<G> {
                 }
                 // SAFETY: 8 aligned bytes inside the peer's part as mapped
                 // here (checked above).
-                unsafe { self.store(site, dst, *v) }
+                unsafe { self.store(site, dst, *v, true) }
             }
             Source::Window(t) => {
                 let src = self.local(t, d.bytes)?;
@@ -304,34 +366,140 @@ impl<G: Gpu> CudaExecutor<G> {
             })
     }
 
-    /// Completes the puts from GPU memory started to `peer` (none: at
-    /// once): the transport reads none of their sources any more, also
-    /// when this fails.
-    fn settle(&mut self, peer: usize) -> Result<(), ExecError> {
-        let Some(i) = self.started.iter().position(|&p| p == peer) else {
-            return Ok(());
-        };
-        self.started.swap_remove(i);
-        self.transport(peer)?
-            .complete_device(peer, self.fabric.timeout())
-            .map_err(|e| net(peer, e))
+    /// `peer`'s puts from GPU memory, made on first use.
+    fn peer_puts(&mut self, peer: usize) -> &mut PeerPuts {
+        let i = self
+            .puts
+            .iter()
+            .position(|p| p.peer == peer)
+            .unwrap_or_else(|| {
+                self.puts.push(PeerPuts {
+                    peer,
+                    queue: VecDeque::new(),
+                    made: 0,
+                    released: 0,
+                    last: 0,
+                    unsettled: false,
+                });
+                self.puts.len() - 1
+            });
+        &mut self.puts[i]
     }
 
-    /// [`CudaExecutor::settle`] for every peer, all of them even after a
-    /// failure; the first failure.
+    /// Whether `peer` has puts from GPU memory, or totals held, not yet
+    /// released.
+    fn pending(&self, peer: usize) -> bool {
+        self.puts
+            .iter()
+            .any(|p| p.peer == peer && !p.queue.is_empty())
+    }
+
+    /// Adds an entry to `peer`'s queue (released once the puts numbered up
+    /// to `after` completed, sending `signal` then): what the engine polls.
+    fn enqueue(&mut self, peer: usize, after: u64, signal: Option<Held>) -> PutInFlight {
+        let p = self.peer_puts(peer);
+        p.queue.push_back(Entry { after, signal });
+        p.made += 1;
+        PutInFlight {
+            peer,
+            n: p.made - 1,
+        }
+    }
+
+    /// Releases the entries of `peer`'s queue whose puts completed, in
+    /// order, sending the totals held behind them, without waiting: the
+    /// transport says how far its puts are complete.
+    fn release(&mut self, peer: usize) -> Result<(), ExecError> {
+        if !self.pending(peer) {
+            return Ok(());
+        }
+        let t = self.transport(peer)?.clone();
+        let done = t.device_puts_completed(peer).map_err(|e| net(peer, e))?;
+        let p = self.peer_puts(peer);
+        while let Some(e) = p.queue.front() {
+            if e.after > done {
+                break;
+            }
+            let Some(e) = p.queue.pop_front() else { break };
+            p.released += 1;
+            if let Some(h) = e.signal {
+                let at = gin_net::Target::Key {
+                    key: h.key,
+                    offset: h.offset,
+                };
+                t.put_ordered_after(peer, at, &h.total.to_le_bytes(), e.after)
+                    .map_err(|e| net(peer, e))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Completes the puts from GPU memory started to `peer` (none: at
+    /// once), waiting: the transport reads none of their sources any more,
+    /// also when this fails. Then sends the totals held behind them.
+    fn settle(&mut self, peer: usize) -> Result<(), ExecError> {
+        let p = self.peer_puts(peer);
+        if std::mem::replace(&mut p.unsettled, false) {
+            self.transport(peer)?
+                .complete_device(peer, self.fabric.timeout())
+                .map_err(|e| net(peer, e))?;
+        }
+        self.release(peer)
+    }
+
+    /// Completes every put from GPU memory still in flight, to every peer
+    /// even after a failure (totals still held are not sent: the engine
+    /// stopped, or failed, with them in flight); the first failure.
     fn settle_all(&mut self) -> Result<(), ExecError> {
         let mut first = Ok(());
-        while let Some(&p) = self.started.last() {
-            first = first.and(self.settle(p));
+        for i in 0..self.puts.len() {
+            let p = &mut self.puts[i];
+            if !std::mem::replace(&mut p.unsettled, false) {
+                continue;
+            }
+            let peer = p.peer;
+            let done = self.transport(peer).and_then(|t| {
+                t.complete_device(peer, self.fabric.timeout())
+                    .map_err(|e| net(peer, e))
+            });
+            first = first.and(done);
         }
         first
     }
 
+    /// A put's signal to a peer over a keyed transport: its running total
+    /// put ordered after the data now, or held back behind the puts from
+    /// GPU memory to the peer (this one's, `started`, and earlier ones)
+    /// where the transport would wait for them; then in flight.
+    fn send_signal(
+        &mut self,
+        peer: usize,
+        s: &Signal<Arc<MemDesc>>,
+        key: u32,
+        started: Option<u64>,
+    ) -> Result<Option<PutInFlight>, ExecError> {
+        let waits = self.transport(peer)?.ordered_waits_for_device_puts();
+        if waits && (started.is_some() || self.pending(peer)) {
+            let after = self.peer_puts(peer).last;
+            let held = Held {
+                key,
+                offset: s.at.offset,
+                total: s.total,
+            };
+            return Ok(Some(self.enqueue(peer, after, Some(held))));
+        }
+        self.fabric
+            .put_key_ordered(peer, key, s.at.offset, &s.total.to_le_bytes())
+            .map_err(|e| net(peer, e))?;
+        Ok(started.map(|seq| self.enqueue(peer, seq, None)))
+    }
+
     /// A put's data to a peer over a keyed transport: an inline value
     /// sent as is, a window's bytes handed to the transport directly where
-    /// it takes GPU memory, else staged a chunk at a time, after
-    /// everything queued so far.
-    fn send_data(&mut self, site: Site, d: &Data<Arc<MemDesc>>) -> Result<(), ExecError> {
+    /// it takes GPU memory (started: the transport's number for it
+    /// returned), else staged a chunk at a time, after everything queued
+    /// so far.
+    fn send_data(&mut self, site: Site, d: &Data<Arc<MemDesc>>) -> Result<Option<u64>, ExecError> {
         let peer = site.peer;
         let key = Self::key(peer, &d.dst)?;
         let src = match &d.src {
@@ -339,6 +507,7 @@ impl<G: Gpu> CudaExecutor<G> {
                 return self
                     .fabric
                     .put_key(peer, key, d.dst.offset, &v.to_le_bytes())
+                    .map(|()| None)
                     .map_err(|e| net(peer, e));
             }
             Source::Window(t) => self.local(t, d.bytes)?,
@@ -352,21 +521,23 @@ impl<G: Gpu> CudaExecutor<G> {
             let keep = t_keep(d);
             // SAFETY: `d.bytes` of this rank's part at `src` (checked
             // above), GPU memory that no stream of this executor writes
-            // (drained) until the put is settled: before the next count,
-            // publication, get or quiesce, whatever queues a write after
-            // it; the kernel handed it over with the descriptor and reuses
-            // it only after one of those, and a window is freed only
-            // after a fence of every peer (which completes the put) or
-            // once its kernels ended (published: settled).
-            unsafe {
+            // (drained; only a get writes this rank's windows, and one to
+            // this peer completes the put first) until the put is
+            // complete: the kernel handed it over with the descriptor and
+            // reuses it only once the completion index or a counter covers
+            // it, which the engine publishes or counts only once
+            // `landed` found the put complete; a window is freed only after
+            // a fence of every peer (which completes the put) or once its
+            // kernels ended (published: complete).
+            let seq = unsafe {
                 self.transport(peer)?
                     .start_put_device(peer, at, src, d.bytes, keep)
             }
             .map_err(|e| net(peer, e))?;
-            if !self.started.contains(&peer) {
-                self.started.push(peer);
-            }
-            return Ok(());
+            let p = self.peer_puts(peer);
+            p.unsettled = true;
+            p.last = p.last.max(seq);
+            return Ok(Some(seq));
         }
         self.queue(site)?;
         let Self {
@@ -390,7 +561,7 @@ impl<G: Gpu> CudaExecutor<G> {
                 .map_err(|e| net(peer, e))?;
             at += c;
         }
-        Ok(())
+        Ok(None)
     }
 
     /// Where a put's signal goes, checked before any of the put is
@@ -415,21 +586,26 @@ impl<G: Gpu> CudaExecutor<G> {
     }
 
     /// A put's signal: this rank's running total, stored after the data
-    /// (mapped), or put ordered after the data (keyed).
+    /// (mapped), or put ordered after the data (keyed: see
+    /// [`CudaExecutor::send_signal`]); `started`: the transport's number
+    /// for the put's data, if it is in flight. The put is in flight while
+    /// its data is or its total is held.
     fn signal(
         &mut self,
         site: Site,
         s: &Signal<Arc<MemDesc>>,
         at: SignalAt,
-    ) -> Result<(), ExecError> {
+        started: Option<u64>,
+    ) -> Result<Option<PutInFlight>, ExecError> {
         match at {
-            SignalAt::Key(key) => self
-                .fabric
-                .put_key_ordered(site.peer, key, s.at.offset, &s.total.to_le_bytes())
-                .map_err(|e| net(site.peer, e)),
-            // SAFETY: this rank's 8-aligned sub-slot inside the peer's part
-            // of the signal window as mapped here (checked by `signal_at`).
-            SignalAt::Mapped(addr) => unsafe { self.store(site, addr, s.total) },
+            SignalAt::Key(key) => self.send_signal(site.peer, s, key, started),
+            SignalAt::Mapped(addr) => {
+                // SAFETY: this rank's 8-aligned sub-slot inside the peer's
+                // part of the signal window as mapped here (checked by
+                // `signal_at`).
+                unsafe { self.store(site, addr, s.total, true) }?;
+                Ok(None)
+            }
         }
     }
 
@@ -441,7 +617,8 @@ impl<G: Gpu> CudaExecutor<G> {
         let key = Self::key(peer, &get.remote)?;
         let dst = self.local(&get.local, get.bytes)?;
         if self.fabric.takes_device_memory(peer) {
-            // Earlier puts may read what this read overwrites.
+            // Earlier puts may read what this read overwrites (and the
+            // totals held behind them go first, as they were issued).
             self.settle(peer)?;
             self.drain(site)?;
             // SAFETY: `get.bytes` of this rank's part at `dst` (checked
@@ -503,7 +680,7 @@ fn no_stage(peer: usize) -> impl Fn() -> ExecError {
 
 impl<G: Gpu> Executor for CudaExecutor<G> {
     type Window = Arc<MemDesc>;
-    type InFlight = Infallible;
+    type InFlight = PutInFlight;
 
     /// GPU windows only: a host window has no device address to copy.
     fn window(&self, id: u32) -> Option<Arc<MemDesc>> {
@@ -538,23 +715,31 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
     }
 
     /// Every address of the put is checked before any of it is queued, so
-    /// a put this executor refuses never half-happens.
-    fn put(&mut self, site: Site, put: &Put<Arc<MemDesc>>) -> Result<(), ExecError> {
+    /// a put this executor refuses never half-happens. In flight while its
+    /// data (from GPU memory, handed to the transport) is, or its signal's
+    /// total is held back behind puts to the peer.
+    fn put(
+        &mut self,
+        site: Site,
+        put: &Put<Arc<MemDesc>>,
+    ) -> Result<Issued<PutInFlight>, ExecError> {
         let sig = match &put.signal {
             Some(s) => Some((s, self.signal_at(site.peer, s)?)),
             None => None,
         };
+        let mut started = None;
         if let Some(d) = &put.data {
             if self.keyed(site.peer) {
-                self.send_data(site, d)?;
+                started = self.send_data(site, d)?;
             } else {
                 self.copy_data(site, d)?;
             }
         }
-        match sig {
-            Some((s, at)) => self.signal(site, s, at),
-            None => Ok(()),
-        }
+        let flight = match sig {
+            Some((s, at)) => self.signal(site, s, at, started)?,
+            None => started.map(|seq| self.enqueue(site.peer, seq, None)),
+        };
+        Ok(flight.map_or(Issued::Ordered, Issued::InFlight))
     }
 
     /// A copy on the ring's stream (mapped), or staged and waited for
@@ -563,7 +748,7 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
         &mut self,
         site: Site,
         get: &Get<Arc<MemDesc>>,
-    ) -> Result<Issued<Infallible>, ExecError> {
+    ) -> Result<Issued<PutInFlight>, ExecError> {
         if self.keyed(site.peer) {
             self.fetch(site, get)?;
             return Ok(Issued::Ordered);
@@ -581,14 +766,17 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
         Ok(Issued::Ordered)
     }
 
-    fn landed(&mut self, _: Site, get: &mut Infallible) -> Result<bool, ExecError> {
-        match *get {}
+    /// Whether the put's entry was released: the transport's puts to the
+    /// peer up to it completed (asked without waiting) and a total held
+    /// behind them was sent.
+    fn landed(&mut self, _: Site, op: &mut PutInFlight) -> Result<bool, ExecError> {
+        self.release(op.peer)?;
+        Ok(self.peer_puts(op.peer).released > op.n)
     }
 
-    /// Stores the running total into the proxy's sub-slot of the counter,
-    /// after the puts from GPU memory to the peer completed.
+    /// Stores the running total into the proxy's sub-slot of the counter
+    /// (the engine counts an operation in flight once it landed).
     fn count(&mut self, site: Site, slot: u32, total: u64) -> Result<(), ExecError> {
-        self.settle(site.peer)?;
         let slots = self.layout.counter_slots;
         if u64::from(slot) >= slots {
             return Err(invalid(format!(
@@ -598,13 +786,12 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
         let at = self.layout.counters + u64::from(slot) * 16;
         // SAFETY: the proxy's sub-slot of an existing counter (checked
         // above) of the counter array, which `new`'s caller keeps alive.
-        unsafe { self.store(site, at, total) }
+        unsafe { self.store(site, at, total, false) }
     }
 
-    /// Queues the store of the ring's completion index after its work,
-    /// once the puts from GPU memory to the peer completed.
+    /// Queues the store of the ring's completion index after its work (the
+    /// engine publishes past a put from GPU memory once it landed).
     fn publish(&mut self, site: Site, upto: u64) -> Result<(), ExecError> {
-        self.settle(site.peer)?;
         let at = *self
             .layout
             .done
@@ -612,7 +799,7 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
             .ok_or_else(|| invalid(format!("no ring {} to publish into", site.ring)))?;
         // SAFETY: the ring's completion index, which `new`'s caller keeps
         // alive.
-        unsafe { self.store(site, at, upto) }
+        unsafe { self.store(site, at, upto, false) }
     }
 
     /// The batch's signals, counters and completion index (and an inline

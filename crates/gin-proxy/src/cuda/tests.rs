@@ -373,29 +373,34 @@ fn a_transport_taking_gpu_memory_gets_it_directly_and_the_total_after_it() {
             },
         ]
     );
+    // The get completed the put first (it may read what the get
+    // overwrites): the completion came before the read.
+    assert_eq!(rig.keyed.completions(), vec![(2, 2)]);
     // The stream is drained before the put reads its source; the
-    // counter's store is queued after the put and its signal left, and
-    // waited for before the get writes its destination.
+    // counter's store is queued once the put landed (it completed at
+    // once), with the completion index; nothing queued since writes a
+    // window, so the get needs no second wait.
     assert_eq!(
         rig.calls(),
         vec![
             (1, Call::Sync),
-            (1, Call::Store(COUNTERS + 16, 1)),
-            (1, Call::Sync),
-            (1, Call::Store(DONE[1], 2)),
+            (1, Call::Stores(vec![(COUNTERS + 16, 1), (DONE[1], 2)])),
         ]
     );
 }
 
 /// Puts from GPU memory are pipelined: a batch of them is started one
-/// after another (the stream drained once, before the first: nothing is
-/// queued between them), their signal's total put ordered after them
-/// without waiting, and they are completed once, before the completion
-/// index (or a counter) that lets the kernel reuse their sources is
-/// queued; a batch without a completion to publish completes nothing.
+/// after another (the stream drained once, before the first: nothing that
+/// writes a window is queued between them), their signal's total put
+/// ordered after them without waiting (`GIN_UCX_GPU_ORDER=fence`), and
+/// nothing waits for them: the completion index advances as the transport
+/// reports them complete, in order, up to the oldest one still in flight,
+/// and a counter counts only once its put (and every one before it)
+/// completed.
 #[test]
-fn puts_from_gpu_memory_are_many_in_flight_and_completed_before_the_index() {
+fn puts_from_gpu_memory_are_many_in_flight_and_published_as_they_complete() {
     let mut rig = rig_over(Keyed::taking_device_memory());
+    rig.keyed.hold_device_puts();
     for i in 0..5 {
         rig.post(1, &put(512, i * 512, i * 512));
     }
@@ -407,7 +412,7 @@ fn puts_from_gpu_memory_are_many_in_flight_and_completed_before_the_index() {
         },
     );
     let p = rig.step();
-    assert_eq!((p.executed, p.published), (6, 1));
+    assert_eq!((p.executed, p.published), (6, 0));
     let ops = rig.keyed.ops();
     assert_eq!(ops.len(), 7);
     assert!(
@@ -416,14 +421,22 @@ fn puts_from_gpu_memory_are_many_in_flight_and_completed_before_the_index() {
             .all(|o| matches!(o, KeyedOp::PutDevice { len: 512, .. }))
     );
     assert!(matches!(ops[6], KeyedOp::Put { ordered: true, .. }));
-    // One completion, after every put and the total were handed over.
-    assert_eq!(rig.keyed.completions(), vec![(2, 7)]);
-    assert_eq!(rig.keyed.in_flight(), 0);
-    assert_eq!(
-        rig.calls(),
-        vec![(1, Call::Sync), (1, Call::Store(DONE[1], 6))]
-    );
-    // A counter is a completion too: the put is completed before it.
+    assert_eq!(rig.keyed.in_flight(), 6);
+    assert_eq!(rig.engine.in_flight(), 6);
+    assert!(rig.engine.has_work(), "puts in flight: poll, never sleep");
+    // Nothing waited for them, and nothing was published.
+    assert!(rig.keyed.completions().is_empty());
+    assert_eq!(rig.calls(), vec![(1, Call::Sync)]);
+    // Polling changes nothing until the transport reports progress.
+    assert!(!rig.step().did_work());
+    // Three complete: published up to the fourth, still in flight.
+    rig.keyed.complete_device_puts(3);
+    let p = rig.step();
+    assert_eq!((p.landed, p.published), (3, 1));
+    assert_eq!(rig.calls(), vec![(1, Call::Store(DONE[1], 3))]);
+    assert_eq!(rig.engine.published(1), Some(3));
+    // A counted put behind the ones in flight: counted when it lands, in
+    // order, never before.
     rig.post(
         1,
         &Desc {
@@ -432,14 +445,196 @@ fn puts_from_gpu_memory_are_many_in_flight_and_completed_before_the_index() {
         },
     );
     rig.step();
-    assert_eq!(rig.keyed.completions(), vec![(2, 7), (2, 8)]);
+    assert_eq!(rig.calls(), vec![]);
+    rig.keyed.complete_device_puts(6);
+    let p = rig.step();
+    assert_eq!((p.landed, p.published), (3, 1));
+    assert_eq!(rig.calls(), vec![(1, Call::Store(DONE[1], 6))]);
+    rig.keyed.complete_device_puts(7);
+    rig.step();
     assert_eq!(
         rig.calls(),
-        vec![
-            (1, Call::Sync),
-            (1, Call::Stores(vec![(COUNTERS + 16, 1), (DONE[1], 7)]))
-        ]
+        vec![(1, Call::Stores(vec![(COUNTERS + 16, 1), (DONE[1], 7)]))]
     );
+    assert!(rig.keyed.completions().is_empty(), "never waited");
+    assert_eq!(rig.engine.in_flight(), 0);
+    assert!(!rig.engine.has_work());
+}
+
+/// Where the transport would wait for puts from GPU memory before a
+/// running total ordered after them (ucx's `GIN_UCX_GPU_ORDER=wait`), the
+/// total is held back instead of blocking the engine, and sent once the
+/// puts before it completed, before its put is published; totals to the
+/// peer keep their order (a signal without data, or with inline data,
+/// behind a held one is held too), and a put with no signal after a held
+/// one is published only after it. (The recorder refuses any ordered put
+/// that would have to wait: the engine would fail.)
+#[test]
+fn a_total_behind_puts_in_flight_is_held_until_they_complete_not_waited_for() {
+    let mut rig = rig_over(Keyed::taking_device_memory());
+    rig.keyed.hold_device_puts();
+    rig.keyed.order_by_waiting();
+    rig.post(
+        1,
+        &Desc {
+            signal: Some(signal(48, 1)),
+            ..put(512, 0, 0)
+        },
+    );
+    rig.post(
+        1,
+        &Desc {
+            signal: Some(signal(48, 2)),
+            ..put(512, 512, 512)
+        },
+    );
+    rig.post(
+        1,
+        &Desc {
+            signal: Some(signal(48, 4)),
+            ..put(0, 0, 0)
+        },
+    );
+    rig.post(
+        1,
+        &Desc {
+            inline: Some(0xbeef),
+            signal: Some(signal(48, 8)),
+            ..put(8, 1024, 0)
+        },
+    );
+    let p = rig.step();
+    assert_eq!(p.executed, 4, "{:?}", rig.engine.failure());
+    assert!(rig.engine.failure().is_none());
+    assert_eq!(rig.engine.in_flight(), 4);
+    let totals = |rig: &Rig| -> Vec<u64> {
+        rig.keyed
+            .ops()
+            .iter()
+            .filter_map(|o| match o {
+                KeyedOp::Put {
+                    key: SIG_KEY,
+                    bytes,
+                    ordered: true,
+                    ..
+                } => Some(u64::from_le_bytes(bytes[..].try_into().unwrap())),
+                _ => None,
+            })
+            .collect()
+    };
+    // The data moved (two puts from GPU memory, the inline value), no
+    // total did.
+    assert!(totals(&rig).is_empty());
+    assert_eq!(rig.keyed.ops().len(), 3);
+    // The first put completes: its total goes, it is published; the rest
+    // wait behind the second.
+    rig.keyed.complete_device_puts(1);
+    let p = rig.step();
+    assert_eq!((p.landed, p.published), (1, 1));
+    assert_eq!(totals(&rig), [1]);
+    assert_eq!(rig.engine.published(1), Some(1));
+    rig.keyed.complete_device_puts(2);
+    let p = rig.step();
+    assert_eq!((p.landed, p.published), (3, 1));
+    assert_eq!(totals(&rig), [1, 3, 7, 15]);
+    assert_eq!(rig.engine.published(1), Some(4));
+    // Nothing queued: a total goes at once, ordered after the puts (none
+    // in flight: the transport need not wait).
+    rig.post(
+        1,
+        &Desc {
+            signal: Some(signal(48, 16)),
+            ..put(0, 0, 0)
+        },
+    );
+    let p = rig.step();
+    assert_eq!((p.executed, p.published), (1, 1));
+    assert_eq!(totals(&rig), [1, 3, 7, 15, 31]);
+    assert!(rig.engine.failure().is_none());
+    assert!(rig.keyed.completions().is_empty(), "never waited");
+}
+
+/// A put from GPU memory that fails after it was started (the transport
+/// reports it when polled) fails the engine naming its descriptor and the
+/// peer; what completed before it is published, nothing after it.
+#[test]
+fn a_put_failing_in_flight_fails_the_engine_at_its_sequence() {
+    let mut rig = rig_over(Keyed::taking_device_memory());
+    rig.keyed.hold_device_puts();
+    for i in 0..4 {
+        rig.post(1, &put(512, i * 512, i * 512));
+    }
+    rig.step();
+    rig.keyed.complete_device_puts(2);
+    rig.keyed
+        .fail_device_puts("put from GPU memory to rank 2 failed: Connection reset");
+    rig.step();
+    let e = rig.engine.failure().unwrap();
+    assert_eq!((e.peer(), e.seq()), (Some(2), Some(0)));
+    let words = e.to_string();
+    assert!(
+        words.contains("put #0 to rank 2") && words.contains("Connection reset"),
+        "{words}"
+    );
+    assert_eq!(rig.engine.published(1), Some(0));
+    // Stepping again does nothing; quiescing completes what is in flight.
+    assert!(!rig.step().did_work());
+    rig.exec.quiesce().unwrap();
+    assert_eq!(rig.keyed.in_flight(), 0);
+    assert_eq!(rig.keyed.completions(), vec![(2, 4)]);
+}
+
+/// A get from a peer with puts from GPU memory in flight completes them
+/// first (they may read what it overwrites), sends the totals held behind
+/// them in their order, then reads; the puts land at the engine's next
+/// poll. Quiescing completes puts still in flight.
+#[test]
+fn a_get_behind_puts_in_flight_completes_them_and_their_totals_first() {
+    let mut rig = rig_over(Keyed::taking_device_memory());
+    rig.keyed.hold_device_puts();
+    rig.keyed.order_by_waiting();
+    rig.post(
+        1,
+        &Desc {
+            signal: Some(signal(48, 5)),
+            ..put(512, 0, 0)
+        },
+    );
+    rig.post(
+        1,
+        &Desc {
+            op: Op::Get,
+            ..put(32, 512, 2048)
+        },
+    );
+    let p = rig.step();
+    assert_eq!(
+        (p.executed, p.published),
+        (2, 1),
+        "{:?}",
+        rig.engine.failure()
+    );
+    let ops = rig.keyed.ops();
+    assert!(
+        matches!(
+            ops[..],
+            [
+                KeyedOp::PutDevice { .. },
+                KeyedOp::Put { ordered: true, .. },
+                KeyedOp::ReadDevice { .. }
+            ]
+        ),
+        "{ops:?}"
+    );
+    assert_eq!(rig.keyed.completions(), vec![(2, 1)]);
+    assert_eq!(rig.engine.published(1), Some(2));
+    // Quiescing with a put still in flight completes it.
+    rig.post(1, &put(512, 0, 0));
+    rig.step();
+    assert_eq!(rig.keyed.in_flight(), 1);
+    rig.exec.quiesce().unwrap();
+    assert_eq!(rig.keyed.in_flight(), 0);
+    assert_eq!(rig.keyed.completions(), vec![(2, 1), (2, 4)]);
 }
 
 /// A put the transport refuses fails its descriptor as over tcp: its
@@ -679,9 +874,10 @@ fn work_drained_for_a_transport_carries_its_mark() {
         rig.calls(),
         vec![
             (1, Call::Sync),
-            (1, Call::Stores(vec![(COUNTERS + 16, 1), (MARKS_AT + 8, 1)])),
-            (1, Call::Sync),
-            (1, Call::Stores(vec![(DONE[1], 2), (MARKS_AT + 8, 2)])),
+            (
+                1,
+                Call::Stores(vec![(COUNTERS + 16, 1), (DONE[1], 2), (MARKS_AT + 8, 1)])
+            ),
         ]
     );
     let s = w.check(t + Duration::from_secs(3)).unwrap();
