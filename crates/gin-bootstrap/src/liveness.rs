@@ -132,7 +132,10 @@ impl Liveness {
     /// The pid of rank `rank` where it runs on this kernel and in this pid
     /// namespace (so that the pid names it here); `None` otherwise.
     pub fn pid(&self, rank: usize) -> Option<u32> {
-        self.peers.iter().find(|(r, _)| *r == rank).map(|(_, p)| p.pid)
+        self.peers
+            .iter()
+            .find(|(r, _)| *r == rank)
+            .map(|(_, p)| p.pid)
     }
 
     /// "rank 1 is stopped (SIGSTOP or a debugger); rank 3 exited", or

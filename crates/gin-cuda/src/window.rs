@@ -160,17 +160,19 @@ pub struct SameHost {
 
 impl SameHost {
     /// Window `window`'s sharing with `peers`, in the job `bootstrap`
-    /// belongs to, whose waits last `timeout`.
+    /// belongs to, whose waits last `timeout`; `liveness` gives the
+    /// same-host peers' pids, which the descriptor sockets check.
     pub fn new(
         bootstrap: &gin_bootstrap::Bootstrap,
+        liveness: &gin_bootstrap::liveness::Liveness,
         window: u32,
-        peers: Vec<usize>,
+        peers: impl IntoIterator<Item = usize>,
         timeout: std::time::Duration,
     ) -> Self {
         Self {
             window,
-            peers,
-            job: FdJob::new(bootstrap, timeout),
+            peers: peers.into_iter().collect(),
+            job: FdJob::new(bootstrap, liveness, timeout),
         }
     }
 }
