@@ -22,7 +22,7 @@ use gin_net::{Fabric, KeepAlive, MemDesc, MemParts, Memory};
 use crate::driver::{DevMem, Device, IpcMem, PoolMem};
 use crate::error::CudaError;
 use crate::fdpass::{FdJob, FdListener, FdServer};
-use crate::pointer::{PointerFacts, ipc_handle_of};
+use crate::pointer::{PointerFacts, ipc_handle_of, unmeasured};
 use crate::staging::{GpuRegion, Server};
 use crate::vmm::VmmMapping;
 
@@ -296,7 +296,10 @@ impl LocalPart {
             bytes,
             why,
         };
-        let facts = PointerFacts::query(ptr)?;
+        let facts = PointerFacts::query(ptr, ipc).map_err(|e| match unmeasured(&e) {
+            Some(why) => refuse(why),
+            None => e,
+        })?;
         let export = facts
             .export(ptr, bytes, dev.ordinal(), ipc)
             .map_err(refuse)?;
@@ -686,7 +689,9 @@ impl Listed {
         // VMM; its size), both held here until the description is removed from the
         // directory (drop). Nothing on the host dereferences them
         // (`Memory::Device`); the CUDA engines that copy them are stopped,
-        // or told to flush, before a window is freed.
+        // or told to flush, before a window is freed: the peers' mappings
+        // go after that (`cuIpcCloseMemHandle`, or `cuMemUnmap` for a VMM
+        // import, both of which fault a copy still running on them).
         fabric.add_window(id, unsafe { MemDesc::new(desc) });
         Self {
             fabric: fabric.clone(),
