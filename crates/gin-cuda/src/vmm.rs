@@ -266,3 +266,7 @@ impl Drop for VmmMapping {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "vmm_tests.rs"]
+mod tests;
