@@ -129,6 +129,15 @@ impl Liveness {
         Self { peers }
     }
 
+    /// The pid of rank `rank` where it runs on this kernel and in this pid
+    /// namespace (so that the pid names it here); `None` otherwise.
+    pub fn pid(&self, rank: usize) -> Option<u32> {
+        self.peers
+            .iter()
+            .find(|(r, _)| *r == rank)
+            .map(|(_, p)| p.pid)
+    }
+
     /// "rank 1 is stopped (SIGSTOP or a debugger); rank 3 exited", or
     /// `None` when every peer looked at is running.
     pub fn diagnose(&self) -> Option<String> {
@@ -262,6 +271,25 @@ mod tests {
         assert!(own.start > 0 && !own.kernel.is_empty(), "{own:?}");
         assert_eq!(ProcessId::decode(&own.encode()), Some(own));
         assert_eq!(ProcessId::decode(&[1, 2, 3]), None);
+    }
+
+    /// A peer's pid is known where its record names this kernel and pid
+    /// namespace, and not otherwise (nor for this rank, nor one unknown).
+    #[test]
+    fn a_near_peers_pid_is_known_and_a_far_ones_is_not() {
+        let own = ProcessId::own();
+        let near = ProcessId {
+            pid: 4242,
+            ..own.clone()
+        };
+        let far = ProcessId {
+            pid: 4343,
+            kernel: "another-boot/pid:[1]".into(),
+            ..own.clone()
+        };
+        let live = Liveness::new(0, &[Some(own.clone()), Some(near), Some(far), None]);
+        let pids: Vec<_> = (0..5).map(|r| live.pid(r)).collect();
+        assert_eq!(pids, [None, Some(4242), None, None, None]);
     }
 
     /// A real child stands in for a peer: running, it is not named; stopped,

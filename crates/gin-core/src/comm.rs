@@ -129,7 +129,7 @@ pub struct Comm {
     /// Host windows' segments, exchange and directory entries.
     windows: HostWindows,
     /// Same-host peers' processes, looked at after a timeout.
-    liveness: Liveness,
+    pub(crate) liveness: Liveness,
 }
 
 /// How long a departing rank waits for its TCP peers to confirm what it

@@ -2,9 +2,23 @@
 //! listens on a Unix domain socket in the abstract namespace, under a name
 //! unique to the job, the window and the exporting rank (nothing on the
 //! file system to clean up; the name goes when the listener closes). Each
-//! same-host peer connects, presents the job's authenticator and receives
-//! the descriptor as `SCM_RIGHTS` ancillary data. `SOCK_SEQPACKET` keeps
-//! message boundaries, so a short or long message is seen as such.
+//! same-host peer connects and receives the descriptor as `SCM_RIGHTS`
+//! ancillary data. `SOCK_SEQPACKET` keeps message boundaries, so a short
+//! or long message is seen as such.
+//!
+//! Abstract socket names are visible host-wide (`/proc/net/unix`), and
+//! where the job's secret is derived from public values (a launcher's
+//! environment) anyone on the host can compute them: a name proves
+//! nothing. Each side therefore asks the kernel who is at the other end
+//! (`SO_PEERCRED`, the credentials of the process that connected, or that
+//! listened) before anything else: a process of this user (the effective
+//! uid) and, where the job knows the rank's pid (gin-bootstrap's process
+//! records, for ranks on this kernel and in this pid namespace), that very
+//! process. The exporter drops any other connection at once, the fetcher
+//! refuses to talk to any other listener (a squatter that bound the name
+//! first, or during teardown). Then the exporter sends a random nonce and
+//! the fetcher answers with a keyed hash of it, the window and both ranks
+//! under the job's token: a squatter learns nothing it could replay.
 //!
 //! This is how a VMM allocation's POSIX file descriptor
 //! (`cuMemExportToShareableHandle`) reaches the peers that map it; nothing
@@ -14,28 +28,45 @@
 //! Every wait has a deadline, the job's timeout. A fetch whose exporter has
 //! gone fails at once (nobody listens, or the connection closes), one whose
 //! exporter never answers fails at the deadline, naming it. A server
-//! ([`FdServer`]) stops once every expected peer has the descriptor, when
-//! its owner drops it, or at its deadline, naming the peers that never came.
+//! ([`FdServer`]) polls its pending connections together (a silent one
+//! holds nobody up, and is dropped after [`REQUEST_WAIT`]); it stops once
+//! every expected peer has the descriptor, when its owner drops it, or at
+//! its deadline, naming the peers that never came.
 
 use std::collections::BTreeSet;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use gin_bootstrap::Bootstrap;
+use gin_bootstrap::liveness::Liveness;
 
-/// The first four bytes of every message.
+/// The first four bytes of a request or a reply.
 const MAGIC: [u8; 4] = *b"GINF";
+/// The first four bytes of a challenge.
+const CHALLENGE_MAGIC: [u8; 4] = *b"GINC";
+/// A challenge, the exporter's first message: magic `GINC`, window,
+/// exporter (u32 LE each), a 16-byte random nonce.
+pub const CHALLENGE_LEN: usize = 28;
 /// A request: magic, window (u32 LE), exporter (u32 LE), requester (u32
-/// LE), the job's 32-byte authenticator.
+/// LE), the 32-byte answer to the challenge (a keyed hash of its nonce and
+/// the three numbers under the job's token).
 pub const REQUEST_LEN: usize = 48;
 /// A reply: magic, window, exporter, status (u32 LE each); the descriptor
-/// rides along when the status is 0.
+/// rides along when the status is 0. A refusal may come in place of the
+/// challenge (a connecting process that is not a peer's).
 pub const REPLY_LEN: usize = 16;
-/// How long a server waits for a request on a connection it accepted
-/// (peers send theirs at once; a stranger that sends nothing is dropped).
-const REQUEST_WAIT: Duration = Duration::from_secs(2);
+/// How long a server keeps a connection it accepted waiting for its
+/// request (peers send theirs at once; one that sends nothing is dropped,
+/// holding up nobody meanwhile).
+pub const REQUEST_WAIT: Duration = Duration::from_secs(2);
+/// The most connections a server keeps waiting for their request at once
+/// (more are dropped as they come).
+const MAX_PENDING: usize = 64;
+/// Instead of a deadline beyond what [`Instant`] can hold: a century.
+const FAR: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
 /// What a server answers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,32 +75,44 @@ enum Status {
     Granted = 0,
     /// The requester is not one of the peers this descriptor is for.
     NotAPeer = 1,
-    /// The authenticator is not this job's.
+    /// The answer to the challenge is not this job's.
     Unauthenticated = 2,
     /// The request names another window or exporter.
     WrongWindow = 3,
+    /// The connecting process is not the rank's (another user's, or
+    /// another pid than the rank's).
+    WrongProcess = 4,
 }
 
 impl Status {
-    fn why(code: u32) -> &'static str {
+    fn why(code: u32) -> String {
         match code {
-            1 => "it does not hand this descriptor to this rank (not a same-host peer there)",
-            2 => "the request's authenticator is not this job's",
-            3 => "the request named another window or exporting rank",
-            _ => "an unknown refusal",
+            1 => {
+                "it does not hand this descriptor to this rank (not a same-host peer there)".into()
+            }
+            2 => {
+                "the request's authenticator (the answer to its challenge) is not this job's".into()
+            }
+            3 => "the request named another window or exporting rank".into(),
+            4 => "the connecting process is not the one that rank runs as (another user's, or \
+                  another pid than the job's records give)"
+                .into(),
+            code => format!("an unknown refusal (status {code}; a newer build?)"),
         }
     }
 }
 
-/// What names a job's descriptor sockets and authenticates requests, and
-/// the job's timeout. Every rank of a job derives the same from its
-/// bootstrap ([`FdJob::new`]); other users of the host see the socket
-/// names (`/proc/net/unix`) but cannot derive the authenticator.
+/// What names a job's descriptor sockets and authenticates requests, the
+/// job's timeout, and the pids of its ranks where known. Every rank of a
+/// job derives the same from its bootstrap ([`FdJob::new`]).
 #[derive(Clone)]
 pub struct FdJob {
     tag: [u8; 8],
     auth: [u8; 32],
     timeout: Duration,
+    /// Each rank's pid, by rank, where it names the rank here (`None`:
+    /// unknown, only the uid is checked).
+    pids: Arc<[Option<u32>]>,
 }
 
 impl std::fmt::Debug for FdJob {
@@ -77,6 +120,7 @@ impl std::fmt::Debug for FdJob {
         f.debug_struct("FdJob")
             .field("tag", &hex(&self.tag))
             .field("timeout", &self.timeout)
+            .field("pids", &self.pids)
             .finish_non_exhaustive()
     }
 }
@@ -90,19 +134,60 @@ fn hex(b: &[u8]) -> String {
     })
 }
 
+/// `timeout` from now, or a century where that is past what [`Instant`]
+/// holds.
+fn deadline_after(timeout: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(timeout)
+        .or_else(|| now.checked_add(FAR))
+        .unwrap_or(now)
+}
+
 impl FdJob {
     /// The job's names and authenticator, from its bootstrap's job tokens;
-    /// waits last `timeout` (the job's).
-    pub fn new(bootstrap: &Bootstrap, timeout: Duration) -> Self {
+    /// the ranks' pids from `liveness` (this process's own, and each peer's
+    /// that runs on this kernel and in this pid namespace); waits last
+    /// `timeout` (the job's).
+    pub fn new(bootstrap: &Bootstrap, liveness: &Liveness, timeout: Duration) -> Self {
         let name = bootstrap.job_token("gin-cuda fd socket names");
         let mut tag = [0u8; 8];
         tag.copy_from_slice(&name[..8]);
-        Self::from_tokens(tag, bootstrap.job_token("gin-cuda fd requests"), timeout)
+        let me = bootstrap.rank();
+        let pids = (0..bootstrap.nranks())
+            .map(|r| {
+                if r == me {
+                    Some(std::process::id())
+                } else {
+                    liveness.pid(r)
+                }
+            })
+            .collect();
+        Self::from_tokens(tag, bootstrap.job_token("gin-cuda fd requests"), timeout).with_pids(pids)
     }
 
-    /// From explicit tokens (tests, or a job with its own secrets).
+    /// From explicit tokens (tests, or a job with its own secrets), no
+    /// rank's pid known (see [`FdJob::with_pids`]).
     pub fn from_tokens(tag: [u8; 8], auth: [u8; 32], timeout: Duration) -> Self {
-        Self { tag, auth, timeout }
+        Self {
+            tag,
+            auth,
+            timeout,
+            pids: Arc::new([]),
+        }
+    }
+
+    /// With each rank's pid, by rank (`None`, or a rank past the end:
+    /// unknown, so only a connecting or listening process's uid is
+    /// checked for it).
+    #[must_use]
+    pub fn with_pids(mut self, pids: Vec<Option<u32>>) -> Self {
+        self.pids = pids.into();
+        self
+    }
+
+    /// Rank `rank`'s pid, where the job knows it.
+    pub fn pid(&self, rank: usize) -> Option<u32> {
+        self.pids.get(rank).copied().flatten()
     }
 
     /// How long a fetch waits, and a server waits for its peers.
@@ -115,6 +200,84 @@ impl FdJob {
     pub fn socket_name(&self, window: u32, exporter: usize) -> String {
         format!("gin-rs/fd/{}/w{window}/r{exporter}", hex(&self.tag))
     }
+
+    /// The answer to a challenge's `nonce` for a request of window
+    /// `window` of `exporter` by `requester`.
+    fn answer(&self, nonce: &[u8; 16], window: u32, exporter: u32, requester: u32) -> [u8; 32] {
+        let mut h = blake3::Hasher::new_keyed(&self.auth);
+        h.update(b"gin-rs fd request v1");
+        h.update(nonce);
+        h.update(&window.to_le_bytes());
+        h.update(&exporter.to_le_bytes());
+        h.update(&requester.to_le_bytes());
+        *h.finalize().as_bytes()
+    }
+}
+
+/// The process at the other end of a Unix socket (`SO_PEERCRED`: the
+/// process that connected, or that listened), as this process's pid and
+/// user namespaces see it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerCred {
+    /// Its pid (0 where it runs in a pid namespace this one cannot see).
+    pub pid: u32,
+    /// Its effective uid.
+    pub uid: u32,
+}
+
+impl std::fmt::Display for PeerCred {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "pid {} (uid {})", self.pid, self.uid)
+    }
+}
+
+impl PeerCred {
+    /// Why this is not rank `rank`'s process: not of user `uid` (this
+    /// process's effective uid), or not `pid` where the rank's pid is
+    /// known; `None` when it may be.
+    fn mismatch(self, rank: usize, uid: u32, pid: Option<u32>) -> Option<String> {
+        if self.uid != uid {
+            return Some(format!(
+                "{self} belongs to another user than this process's (uid {uid})"
+            ));
+        }
+        match pid {
+            Some(p) if p != self.pid => Some(format!(
+                "{self} is not rank {rank}'s process (pid {p}, as the job's records give it)"
+            )),
+            _ => None,
+        }
+    }
+}
+
+/// `SO_PEERCRED` of `sock`.
+fn peer_cred(sock: BorrowedFd<'_>) -> io::Result<PeerCred> {
+    let mut c = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: a ucred of the size passed, and its length.
+    cvt(unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&raw mut c).cast(),
+            &raw mut len,
+        )
+    })?;
+    Ok(PeerCred {
+        pid: u32::try_from(c.pid).unwrap_or(0),
+        uid: c.uid,
+    })
+}
+
+/// This process's effective uid.
+fn euid() -> u32 {
+    // SAFETY: always succeeds.
+    unsafe { libc::geteuid() }
 }
 
 /// What passing a descriptor fails with; every message names the rank
@@ -122,11 +285,28 @@ impl FdJob {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum FdPassError {
-    /// A socket call failed.
+    /// A socket call of an exporting rank failed.
     #[error("rank {rank}: {what} for the descriptor of GPU window {window}: {source}")]
     Io {
         /// This rank.
         rank: usize,
+        /// The window.
+        window: u32,
+        /// What was being done.
+        what: &'static str,
+        /// The system's error.
+        source: io::Error,
+    },
+    /// A socket call of a fetching rank failed.
+    #[error(
+        "rank {rank}: {what} to fetch the descriptor of GPU window {window} from rank {peer}: \
+         {source}"
+    )]
+    Fetch {
+        /// This rank.
+        rank: usize,
+        /// The exporting rank.
+        peer: usize,
         /// The window.
         window: u32,
         /// What was being done.
@@ -148,6 +328,24 @@ pub enum FdPassError {
         name: String,
         /// The system's error.
         source: io::Error,
+    },
+    /// The process listening on the exporter's socket is not the
+    /// exporter's: nothing was sent to it.
+    #[error(
+        "rank {rank} will not fetch the descriptor of GPU window {window} from the process on \
+         rank {peer}'s socket: {why} (another process holds the socket's name)"
+    )]
+    Impostor {
+        /// This rank.
+        rank: usize,
+        /// The exporting rank.
+        peer: usize,
+        /// The window.
+        window: u32,
+        /// The listening process.
+        cred: PeerCred,
+        /// How it differs from the exporter's.
+        why: String,
     },
     /// The exporter is not there (nobody listens, or it closed the
     /// connection without an answer).
@@ -196,6 +394,20 @@ pub enum FdPassError {
         /// How long it waited.
         waited: Duration,
     },
+    /// The server thread panicked (a bug): whether the peers have the
+    /// descriptor is unknown.
+    #[error(
+        "rank {rank}'s server of the descriptor of GPU window {window} panicked: {why} (a bug in \
+         gin-cuda; whether every peer fetched the descriptor is unknown)"
+    )]
+    ServerPanicked {
+        /// This (exporting) rank.
+        rank: usize,
+        /// The window.
+        window: u32,
+        /// The panic's message, where it has one.
+        why: String,
+    },
     /// The exporter's answer is not a reply of this protocol.
     #[error(
         "rank {rank} got a malformed answer from rank {peer} for the descriptor of GPU window \
@@ -212,7 +424,10 @@ pub enum FdPassError {
         why: String,
     },
     /// The exporter refused.
-    #[error("rank {peer} refused rank {rank} the descriptor of GPU window {window}: {why}")]
+    #[error(
+        "rank {peer} refused rank {rank} the descriptor of GPU window {window}: {why} (status \
+         {status})"
+    )]
     Refused {
         /// This rank.
         rank: usize,
@@ -220,8 +435,10 @@ pub enum FdPassError {
         peer: usize,
         /// The window.
         window: u32,
-        /// Why, as the exporter answered.
-        why: &'static str,
+        /// The status the exporter answered.
+        status: u32,
+        /// What it means.
+        why: String,
     },
 }
 
@@ -266,9 +483,9 @@ fn abstract_addr(name: &str) -> io::Result<(libc::sockaddr_un, libc::socklen_t)>
     Ok((addr, len as libc::socklen_t))
 }
 
-/// Which of `fds` is readable (or hung up) first, waiting until `until`;
-/// `None` at the deadline.
-fn poll_in(fds: &[BorrowedFd<'_>], until: Instant) -> io::Result<Option<usize>> {
+/// Which of `fds` are readable (or hung up), by index, waiting until
+/// `until` for one to be; all `false` at the deadline.
+fn poll_ready(fds: &[BorrowedFd<'_>], until: Instant) -> io::Result<Vec<bool>> {
     let mut p: Vec<libc::pollfd> = fds
         .iter()
         .map(|f| libc::pollfd {
@@ -280,7 +497,7 @@ fn poll_in(fds: &[BorrowedFd<'_>], until: Instant) -> io::Result<Option<usize>> 
     loop {
         let left = until.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Ok(None);
+            return Ok(vec![false; fds.len()]);
         }
         // Rounded up, so the deadline is not missed by a partial millisecond.
         let ms = left.as_millis().saturating_add(1).min(i32::MAX as u128) as libc::c_int;
@@ -293,13 +510,16 @@ fn poll_in(fds: &[BorrowedFd<'_>], until: Instant) -> io::Result<Option<usize>> 
             }
             return Err(e);
         }
-        if let Some(i) = p.iter().position(|x| x.revents != 0) {
-            return Ok(Some(i));
-        }
-        for x in &mut p {
-            x.revents = 0;
+        if r > 0 {
+            return Ok(p.iter().map(|x| x.revents != 0).collect());
         }
     }
+}
+
+/// Which of `fds` is readable (or hung up) first, waiting until `until`;
+/// `None` at the deadline.
+fn poll_in(fds: &[BorrowedFd<'_>], until: Instant) -> io::Result<Option<usize>> {
+    Ok(poll_ready(fds, until)?.iter().position(|&r| r))
 }
 
 /// Sends `bytes` as one message on `sock`, with `fd` as `SCM_RIGHTS`
@@ -406,13 +626,20 @@ fn recv_msg(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<(usize, bool, Op
     Ok((n, truncated, first))
 }
 
+/// `t` as a `timeval`, at least a microsecond: `SO_SNDTIMEO` takes a zero
+/// one as "wait forever".
+fn timeval_of(t: Duration) -> libc::timeval {
+    let t = t.max(Duration::from_micros(1));
+    libc::timeval {
+        tv_sec: t.as_secs().min(i64::MAX as u64) as libc::time_t,
+        tv_usec: libc::suseconds_t::from(t.subsec_micros()),
+    }
+}
+
 /// Sets `SO_SNDTIMEO` on `sock` (what a blocking `connect` to a full
 /// backlog waits).
 fn send_timeout(sock: BorrowedFd<'_>, t: Duration) -> io::Result<()> {
-    let tv = libc::timeval {
-        tv_sec: t.as_secs().min(i64::MAX as u64) as libc::time_t,
-        tv_usec: libc::suseconds_t::from(t.subsec_micros()),
-    };
+    let tv = timeval_of(t);
     // SAFETY: a timeval of the size passed.
     cvt(unsafe {
         libc::setsockopt(
@@ -433,14 +660,32 @@ fn u32_at(b: &[u8], at: usize) -> u32 {
     u32::from_le_bytes(w)
 }
 
-/// A request for window `window` of `exporter` by `requester`.
-fn request(job: &FdJob, window: u32, exporter: usize, requester: usize) -> [u8; REQUEST_LEN] {
+/// A challenge about window `window` of `exporter`.
+fn challenge(window: u32, exporter: usize, nonce: &[u8; 16]) -> [u8; CHALLENGE_LEN] {
+    let mut b = [0u8; CHALLENGE_LEN];
+    b[..4].copy_from_slice(&CHALLENGE_MAGIC);
+    b[4..8].copy_from_slice(&window.to_le_bytes());
+    b[8..12].copy_from_slice(&(exporter as u32).to_le_bytes());
+    b[12..].copy_from_slice(nonce);
+    b
+}
+
+/// A request for window `window` of `exporter` by `requester`, answering
+/// the challenge `nonce`.
+fn request(
+    job: &FdJob,
+    nonce: &[u8; 16],
+    window: u32,
+    exporter: usize,
+    requester: usize,
+) -> [u8; REQUEST_LEN] {
+    let (exporter, requester) = (exporter as u32, requester as u32);
     let mut b = [0u8; REQUEST_LEN];
     b[..4].copy_from_slice(&MAGIC);
     b[4..8].copy_from_slice(&window.to_le_bytes());
-    b[8..12].copy_from_slice(&(exporter as u32).to_le_bytes());
-    b[12..16].copy_from_slice(&(requester as u32).to_le_bytes());
-    b[16..].copy_from_slice(&job.auth);
+    b[8..12].copy_from_slice(&exporter.to_le_bytes());
+    b[12..16].copy_from_slice(&requester.to_le_bytes());
+    b[16..].copy_from_slice(&job.answer(nonce, window, exporter, requester));
     b
 }
 
@@ -503,6 +748,8 @@ impl FdListener {
 /// [`FdServer::start`]), or when this is dropped (which waits for it).
 #[derive(Debug)]
 pub struct FdServer {
+    rank: usize,
+    window: u32,
     /// The write end of a pipe the thread polls: closing it stops the
     /// thread.
     stop: Option<OwnedFd>,
@@ -510,8 +757,10 @@ pub struct FdServer {
 }
 
 impl FdServer {
-    /// Serves `fd` on `listener` to each of `peers` that asks with the
-    /// job's authenticator. The descriptor is closed when the server ends.
+    /// Serves `fd` on `listener` to each of `peers` that connects from its
+    /// own process (its uid, and its pid where the job knows it) and
+    /// answers the challenge with the job's token. The descriptor is
+    /// closed when the server ends.
     pub fn start(
         listener: FdListener,
         fd: OwnedFd,
@@ -531,11 +780,18 @@ impl FdServer {
         // SAFETY: two new descriptors this function owns.
         let (rd, wr) = unsafe { (OwnedFd::from_raw_fd(p[0]), OwnedFd::from_raw_fd(p[1])) };
         let peers: BTreeSet<usize> = peers.into_iter().filter(|&q| q != rank).collect();
-        let deadline = Instant::now() + listener.job.timeout;
+        let deadline = deadline_after(listener.job.timeout);
         let thread = std::thread::Builder::new()
             .name(format!("gin-fd-r{rank}-w{window}"))
             .spawn(move || {
-                let r = serve(&listener, &fd, peers, &rd, deadline);
+                let r = Server {
+                    l: &listener,
+                    fd: &fd,
+                    peers,
+                    pending: Vec::new(),
+                    uid: euid(),
+                }
+                .run(&rd, deadline);
                 if let Err(e) = &r {
                     tracing::warn!("{e}");
                 }
@@ -543,6 +799,8 @@ impl FdServer {
             })
             .map_err(|e| io("starting the server thread", e))?;
         Ok(Self {
+            rank,
+            window,
             stop: Some(wr),
             thread: Some(thread),
         })
@@ -551,8 +809,21 @@ impl FdServer {
     /// Waits for the server to end: `Ok` once every peer had the
     /// descriptor, else the error naming those that never came.
     pub fn wait(mut self) -> Result<(), FdPassError> {
-        let t = self.thread.take();
-        t.map_or(Ok(()), |t| t.join().unwrap_or(Ok(())))
+        let Some(t) = self.thread.take() else {
+            return Ok(());
+        };
+        t.join().unwrap_or_else(|p| {
+            let why = p
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "no message".into());
+            Err(FdPassError::ServerPanicked {
+                rank: self.rank,
+                window: self.window,
+                why,
+            })
+        })
     }
 }
 
@@ -566,113 +837,275 @@ impl Drop for FdServer {
     }
 }
 
-/// The server's loop: accepts, answers, until every one of `peers` has
-/// `fd`, `stop` hangs up, or `deadline`.
-fn serve(
-    l: &FdListener,
-    fd: &OwnedFd,
-    mut peers: BTreeSet<usize>,
-    stop: &OwnedFd,
-    deadline: Instant,
-) -> Result<(), FdPassError> {
-    let started = Instant::now();
-    let io = |what, source| FdPassError::Io {
-        rank: l.rank,
-        window: l.window,
-        what,
-        source,
-    };
-    while !peers.is_empty() {
-        match poll_in(&[stop.as_fd(), l.sock.as_fd()], deadline)
-            .map_err(|e| io("waiting for peers", e))?
-        {
-            Some(0) => return Ok(()),
-            Some(_) => {}
-            None => {
+/// A connection accepted from a process that may be a peer's, waiting for
+/// its request.
+struct Pending {
+    conn: OwnedFd,
+    /// Who connected.
+    cred: PeerCred,
+    /// The challenge it was sent.
+    nonce: [u8; 16],
+    /// When it is dropped if no request came.
+    until: Instant,
+}
+
+/// What a failed `accept4` means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AcceptFailure {
+    /// Try again at once (interrupted, or the connection went before it
+    /// was accepted).
+    Again,
+    /// Nothing left to accept now: the poll says when there is.
+    Drained,
+    /// Anything else (out of descriptors, ...): the server gives up
+    /// rather than spin on it.
+    Fatal,
+}
+
+impl AcceptFailure {
+    fn of(e: &io::Error) -> Self {
+        match e.raw_os_error() {
+            Some(libc::EINTR | libc::ECONNABORTED) => Self::Again,
+            Some(libc::EAGAIN) => Self::Drained,
+            _ => Self::Fatal,
+        }
+    }
+}
+
+/// A server thread's state.
+struct Server<'a> {
+    l: &'a FdListener,
+    fd: &'a OwnedFd,
+    /// The peers that do not have the descriptor yet.
+    peers: BTreeSet<usize>,
+    pending: Vec<Pending>,
+    /// This process's effective uid.
+    uid: u32,
+}
+
+impl Server<'_> {
+    fn io(&self, what: &'static str, source: io::Error) -> FdPassError {
+        FdPassError::Io {
+            rank: self.l.rank,
+            window: self.l.window,
+            what,
+            source,
+        }
+    }
+
+    /// Accepts, answers, until every one of the peers has the descriptor,
+    /// `stop` hangs up, or `deadline`. The pending connections are polled
+    /// together with the listener: none holds up another.
+    fn run(mut self, stop: &OwnedFd, deadline: Instant) -> Result<(), FdPassError> {
+        let started = Instant::now();
+        while !self.peers.is_empty() {
+            let wake = self
+                .pending
+                .iter()
+                .map(|p| p.until)
+                .fold(deadline, Instant::min);
+            let ready = {
+                let mut fds = vec![stop.as_fd(), self.l.sock.as_fd()];
+                fds.extend(self.pending.iter().map(|p| p.conn.as_fd()));
+                poll_ready(&fds, wake).map_err(|e| self.io("waiting for peers", e))?
+            };
+            if ready[0] {
+                return Ok(());
+            }
+            // Descending, so that `swap_remove` moves only entries already
+            // looked at.
+            for i in (0..self.pending.len()).rev() {
+                if ready[i + 2] {
+                    let p = self.pending.swap_remove(i);
+                    self.answer(&p);
+                }
+            }
+            let now = Instant::now();
+            self.pending.retain(|p| {
+                let keep = p.until > now;
+                if !keep {
+                    drop_warning(self.l, p.cred, "no request arrived on the connection");
+                }
+                keep
+            });
+            if ready[1] {
+                self.accept_all()?;
+            }
+            if !self.peers.is_empty() && Instant::now() >= deadline {
                 return Err(FdPassError::NeverFetched {
-                    rank: l.rank,
-                    window: l.window,
-                    peers: peers.into_iter().collect(),
+                    rank: self.l.rank,
+                    window: self.l.window,
+                    peers: self.peers.into_iter().collect(),
                     waited: started.elapsed(),
                 });
             }
         }
-        // SAFETY: a listening socket; no address is asked for.
-        let c = unsafe {
-            libc::accept4(
-                l.sock.as_raw_fd(),
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-                libc::SOCK_CLOEXEC,
-            )
-        };
-        if c < 0 {
-            // The connection went before it was accepted, or a transient
-            // failure: the poll says when there is another.
-            continue;
-        }
-        // SAFETY: a new descriptor this function owns.
-        let conn = unsafe { OwnedFd::from_raw_fd(c) };
-        let until = deadline.min(Instant::now() + REQUEST_WAIT);
-        match answer(l, fd, &peers, conn.as_fd(), stop.as_fd(), until) {
-            Ok(Some(peer)) => {
-                peers.remove(&peer);
+        Ok(())
+    }
+
+    /// Accepts every connection waiting in the backlog: one from a process
+    /// that cannot be a peer's is refused and closed at once, one that may
+    /// be is sent a challenge and kept pending.
+    fn accept_all(&mut self) -> Result<(), FdPassError> {
+        loop {
+            // SAFETY: a listening socket; no address is asked for.
+            let c = unsafe {
+                libc::accept4(
+                    self.l.sock.as_raw_fd(),
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
+                )
+            };
+            if c < 0 {
+                let e = io::Error::last_os_error();
+                match AcceptFailure::of(&e) {
+                    AcceptFailure::Again => continue,
+                    AcceptFailure::Drained => return Ok(()),
+                    AcceptFailure::Fatal => return Err(self.io("accepting a connection", e)),
+                }
             }
-            Ok(None) => {}
-            Err(why) => tracing::warn!(
-                rank = l.rank,
-                window = l.window,
-                "a request for the descriptor of GPU window {} was dropped: {why}",
-                l.window
-            ),
+            // SAFETY: a new descriptor this function owns.
+            let conn = unsafe { OwnedFd::from_raw_fd(c) };
+            let cred = match peer_cred(conn.as_fd()) {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(
+                        rank = self.l.rank,
+                        window = self.l.window,
+                        "a connection for the descriptor of GPU window {} was dropped: its \
+                         credentials cannot be read: {e}",
+                        self.l.window
+                    );
+                    continue;
+                }
+            };
+            if let Some(why) = self.stranger(cred) {
+                // Told why (nothing it could use), then closed.
+                let _ = send_msg(
+                    conn.as_fd(),
+                    &reply(self.l.window, self.l.rank, Status::WrongProcess),
+                    None,
+                );
+                drop_warning(self.l, cred, &why);
+                continue;
+            }
+            if self.pending.len() >= MAX_PENDING {
+                drop_warning(self.l, cred, "too many connections wait for their request");
+                continue;
+            }
+            let mut nonce = [0u8; 16];
+            getrandom::fill(&mut nonce)
+                .map_err(|e| self.io("drawing a challenge", io::Error::other(e.to_string())))?;
+            let sent = send_msg(
+                conn.as_fd(),
+                &challenge(self.l.window, self.l.rank, &nonce),
+                None,
+            );
+            if let Err(e) = sent {
+                drop_warning(self.l, cred, &format!("sending the challenge: {e}"));
+                continue;
+            }
+            self.pending.push(Pending {
+                conn,
+                cred,
+                nonce,
+                until: deadline_after(REQUEST_WAIT),
+            });
         }
     }
-    Ok(())
+
+    /// Why `cred` cannot be the process of any peer still to be served:
+    /// another user's, or a pid none of theirs is (where each is known).
+    fn stranger(&self, cred: PeerCred) -> Option<String> {
+        let mut why = None;
+        for &q in &self.peers {
+            match cred.mismatch(q, self.uid, self.l.job.pid(q)) {
+                None => return None,
+                Some(w) => why = why.or(Some(w)),
+            }
+        }
+        Some(why.map_or_else(
+            || "no peer is left to serve".into(),
+            |w| format!("{w}, nor any other peer's still to be served"),
+        ))
+    }
+
+    /// Reads `p`'s request and answers it; a request that is not one of
+    /// this protocol's gets no answer (the connection closes). Either way
+    /// the connection closes after.
+    fn answer(&mut self, p: &Pending) {
+        match self.status_of(p) {
+            Ok((status, requester)) => {
+                let attach = (status == Status::Granted).then(|| self.fd.as_fd());
+                match send_msg(
+                    p.conn.as_fd(),
+                    &reply(self.l.window, self.l.rank, status),
+                    attach,
+                ) {
+                    Ok(()) if status == Status::Granted => {
+                        self.peers.remove(&requester);
+                    }
+                    Ok(()) => {}
+                    Err(e) => drop_warning(self.l, p.cred, &format!("answering it: {e}")),
+                }
+            }
+            Err(why) => drop_warning(self.l, p.cred, &why),
+        }
+    }
+
+    /// What `p`'s request gets, and the rank it claims to be; `Err`: no
+    /// answer, and why.
+    fn status_of(&self, p: &Pending) -> Result<(Status, usize), String> {
+        let mut b = [0u8; REQUEST_LEN + 1];
+        let (n, long, _) = recv_msg(p.conn.as_fd(), &mut b).map_err(|e| e.to_string())?;
+        if n == 0 {
+            return Err("the connection closed without a request".into());
+        }
+        if n != REQUEST_LEN || long || b[..4] != MAGIC {
+            return Err(format!(
+                "a malformed request ({n} bytes, expected {REQUEST_LEN} starting with GINF)"
+            ));
+        }
+        let (window, exporter, requester) = (u32_at(&b, 4), u32_at(&b, 8), u32_at(&b, 12));
+        let claimed = requester as usize;
+        // Not a constant-time comparison: the nonce is used once, so no
+        // guess at one answer helps with the next.
+        let status =
+            if b[16..REQUEST_LEN] != self.l.job.answer(&p.nonce, window, exporter, requester) {
+                Status::Unauthenticated
+            } else if window != self.l.window || exporter as usize != self.l.rank {
+                Status::WrongWindow
+            } else if !self.peers.contains(&claimed) {
+                Status::NotAPeer
+            } else if p
+                .cred
+                .mismatch(claimed, self.uid, self.l.job.pid(claimed))
+                .is_some()
+            {
+                Status::WrongProcess
+            } else {
+                Status::Granted
+            };
+        Ok((status, claimed))
+    }
 }
 
-/// Reads one request on `conn` and answers it; the peer served, if any.
-/// A request that is not one of this protocol's gets no answer (the
-/// connection closes).
-fn answer(
-    l: &FdListener,
-    fd: &OwnedFd,
-    peers: &BTreeSet<usize>,
-    conn: BorrowedFd<'_>,
-    stop: BorrowedFd<'_>,
-    until: Instant,
-) -> Result<Option<usize>, String> {
-    match poll_in(&[stop, conn], until).map_err(|e| e.to_string())? {
-        Some(1) => {}
-        Some(_) => return Ok(None),
-        None => return Err("no request arrived on the connection".into()),
-    }
-    let mut b = [0u8; REQUEST_LEN + 1];
-    let (n, long, _) = recv_msg(conn, &mut b).map_err(|e| e.to_string())?;
-    if n != REQUEST_LEN || long || b[..4] != MAGIC {
-        return Err(format!(
-            "a malformed request ({n} bytes, expected {REQUEST_LEN} starting with GINF)"
-        ));
-    }
-    let (window, exporter, requester) = (u32_at(&b, 4), u32_at(&b, 8), u32_at(&b, 12) as usize);
-    // Not a constant-time comparison: the authenticator keeps strangers
-    // out of a job's memory, and a guess per connection is no timing
-    // oracle worth having.
-    let status = if b[16..REQUEST_LEN] != l.job.auth {
-        Status::Unauthenticated
-    } else if window != l.window || exporter as usize != l.rank {
-        Status::WrongWindow
-    } else if !peers.contains(&requester) {
-        Status::NotAPeer
-    } else {
-        Status::Granted
-    };
-    let attach = (status == Status::Granted).then(|| fd.as_fd());
-    send_msg(conn, &reply(l.window, l.rank, status), attach).map_err(|e| e.to_string())?;
-    Ok((status == Status::Granted).then_some(requester))
+/// Warns that a connection from `cred` to `l`'s socket was dropped, and
+/// why.
+fn drop_warning(l: &FdListener, cred: PeerCred, why: &str) {
+    tracing::warn!(
+        rank = l.rank,
+        window = l.window,
+        "a connection for the descriptor of GPU window {}, from {cred}, was dropped: {why}",
+        l.window
+    );
 }
 
 /// Fetches window `window`'s descriptor from rank `exporter` (this is rank
-/// `rank`), waiting at most the job's timeout.
+/// `rank`), waiting at most the job's timeout. The listening process must
+/// be the exporter's (this user's, and the exporter's pid where the job
+/// knows it) before anything is sent to it.
 pub fn fetch(
     job: &FdJob,
     rank: usize,
@@ -680,9 +1113,10 @@ pub fn fetch(
     exporter: usize,
 ) -> Result<OwnedFd, FdPassError> {
     let started = Instant::now();
-    let deadline = started + job.timeout;
-    let io = |what, source| FdPassError::Io {
+    let deadline = deadline_after(job.timeout);
+    let io = |what, source| FdPassError::Fetch {
         rank,
+        peer: exporter,
         window,
         what,
         source,
@@ -715,48 +1149,163 @@ pub fn fetch(
             )),
         });
     }
-    send_msg(sock.as_fd(), &request(job, window, exporter, rank), None)
-        .map_err(|e| gone(format!("sending the request: {e}")))?;
-    if poll_in(&[sock.as_fd()], deadline)
-        .map_err(|e| io("waiting for the answer", e))?
-        .is_none()
-    {
-        return Err(timeout());
-    }
-    let mut b = [0u8; REPLY_LEN + 1];
-    let (n, long, fd) =
-        recv_msg(sock.as_fd(), &mut b).map_err(|e| gone(format!("reading the answer: {e}")))?;
-    let malformed = |why: String| FdPassError::Malformed {
-        rank,
-        peer: exporter,
-        window,
-        why,
-    };
-    if n == 0 {
-        return Err(gone("it closed the connection without an answer".into()));
-    }
-    if n != REPLY_LEN || long || b[..4] != MAGIC {
-        return Err(malformed(format!(
-            "{n} bytes{}, expected {REPLY_LEN} starting with GINF",
-            if long { " or more" } else { "" }
-        )));
-    }
-    if u32_at(&b, 4) != window || u32_at(&b, 8) as usize != exporter {
-        return Err(malformed(format!(
-            "it answered for window {} of rank {}",
-            u32_at(&b, 4),
-            u32_at(&b, 8)
-        )));
-    }
-    match (u32_at(&b, 12), fd) {
-        (0, Some(fd)) => Ok(fd),
-        (0, None) => Err(malformed("no descriptor came with it".into())),
-        (code, _) => Err(FdPassError::Refused {
+    let cred = peer_cred(sock.as_fd()).map_err(|e| io("reading the listener's credentials", e))?;
+    if let Some(why) = cred.mismatch(exporter, euid(), job.pid(exporter)) {
+        return Err(FdPassError::Impostor {
             rank,
             peer: exporter,
             window,
-            why: Status::why(code),
-        }),
+            cred,
+            why,
+        });
+    }
+    let exchange = Exchange {
+        sock: sock.as_fd(),
+        exporter,
+        window,
+        deadline,
+    };
+    let nonce = exchange
+        .challenge()
+        .map_err(|e| e.into_error(rank, exporter, window, started))?;
+    send_msg(
+        sock.as_fd(),
+        &request(job, &nonce, window, exporter, rank),
+        None,
+    )
+    .map_err(|e| gone(format!("sending the request: {e}")))?;
+    exchange
+        .grant()
+        .map_err(|e| e.into_error(rank, exporter, window, started))
+}
+
+/// How a step of a fetch failed, before the names are added.
+enum Step {
+    Timeout,
+    Gone(String),
+    Malformed(String),
+    Refused(u32),
+    Io(&'static str, io::Error),
+}
+
+impl Step {
+    fn into_error(self, rank: usize, peer: usize, window: u32, started: Instant) -> FdPassError {
+        match self {
+            Self::Timeout => FdPassError::Timeout {
+                rank,
+                peer,
+                window,
+                waited: started.elapsed(),
+            },
+            Self::Gone(why) => FdPassError::Gone {
+                rank,
+                peer,
+                window,
+                why,
+            },
+            Self::Malformed(why) => FdPassError::Malformed {
+                rank,
+                peer,
+                window,
+                why,
+            },
+            Self::Refused(status) => FdPassError::Refused {
+                rank,
+                peer,
+                window,
+                status,
+                why: Status::why(status),
+            },
+            Self::Io(what, source) => FdPassError::Fetch {
+                rank,
+                peer,
+                window,
+                what,
+                source,
+            },
+        }
+    }
+}
+
+/// A fetch's connection to its exporter, checked.
+struct Exchange<'a> {
+    sock: BorrowedFd<'a>,
+    exporter: usize,
+    window: u32,
+    deadline: Instant,
+}
+
+impl Exchange<'_> {
+    /// The next message, into `b`: its length, whether it was longer, the
+    /// descriptor it carried.
+    fn next(&self, b: &mut [u8]) -> Result<(usize, bool, Option<OwnedFd>), Step> {
+        if poll_in(&[self.sock], self.deadline)
+            .map_err(|e| Step::Io("waiting for the answer", e))?
+            .is_none()
+        {
+            return Err(Step::Timeout);
+        }
+        let r =
+            recv_msg(self.sock, b).map_err(|e| Step::Gone(format!("reading the answer: {e}")))?;
+        if r.0 == 0 {
+            return Err(Step::Gone(
+                "it closed the connection without an answer".into(),
+            ));
+        }
+        Ok(r)
+    }
+
+    /// Whether `b` names this window and exporter.
+    fn names_this(&self, b: &[u8]) -> Result<(), Step> {
+        if u32_at(b, 4) != self.window || u32_at(b, 8) as usize != self.exporter {
+            return Err(Step::Malformed(format!(
+                "it answered for window {} of rank {}",
+                u32_at(b, 4),
+                u32_at(b, 8)
+            )));
+        }
+        Ok(())
+    }
+
+    /// The exporter's challenge's nonce (or its refusal).
+    fn challenge(&self) -> Result<[u8; 16], Step> {
+        let mut b = [0u8; CHALLENGE_LEN + 1];
+        let (n, long, _) = self.next(&mut b)?;
+        if n == REPLY_LEN && !long && b[..4] == MAGIC {
+            self.names_this(&b)?;
+            return Err(match u32_at(&b, 12) {
+                0 => Step::Malformed("a grant before any request".into()),
+                code => Step::Refused(code),
+            });
+        }
+        if n != CHALLENGE_LEN || long || b[..4] != CHALLENGE_MAGIC {
+            return Err(Step::Malformed(format!(
+                "{n} bytes{}, expected a {CHALLENGE_LEN}-byte challenge starting with GINC",
+                if long { " or more" } else { "" }
+            )));
+        }
+        self.names_this(&b)?;
+        let mut nonce = [0u8; 16];
+        nonce.copy_from_slice(&b[12..CHALLENGE_LEN]);
+        Ok(nonce)
+    }
+
+    /// The exporter's reply to the request: the descriptor, or why not.
+    fn grant(&self) -> Result<OwnedFd, Step> {
+        let mut b = [0u8; REPLY_LEN + 1];
+        let (n, long, fd) = self.next(&mut b)?;
+        if n != REPLY_LEN || long || b[..4] != MAGIC {
+            return Err(Step::Malformed(format!(
+                "{n} bytes{}, expected {REPLY_LEN} starting with GINF",
+                if long { " or more" } else { "" }
+            )));
+        }
+        self.names_this(&b)?;
+        match (u32_at(&b, 12), fd) {
+            (0, Some(fd)) => Ok(fd),
+            (0, None) => Err(Step::Malformed("no descriptor came with it".into())),
+            (code, _) => Err(Step::Refused(code)),
+        }
     }
 }
 

@@ -66,8 +66,10 @@
 //!   handle, or for VMM memory ([`vmm`]) the allocation's POSIX file
 //!   descriptor, and its offset there. Same-host peers fetch such a
 //!   descriptor from the exporting rank over a Unix socket in the abstract
-//!   namespace (`SCM_RIGHTS`, [`fdpass`]: authenticated by a job token,
-//!   with the job's timeout) and import and map it
+//!   namespace (`SCM_RIGHTS`, [`fdpass`]: each side checks the other's
+//!   `SO_PEERCRED` against the rank's uid and pid, then a challenge-response
+//!   under a job token; every wait bounded by the job's timeout) and import
+//!   and map it whole
 //!   ([`vmm::VmmMapping`]). Ranks exchange offers, not bare
 //!   records ([`window::exchange`]), so a rank that cannot contribute makes
 //!   every rank fail alike; the parts are listed in the fabric's window

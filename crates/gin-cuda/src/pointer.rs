@@ -40,9 +40,9 @@ pub struct PointerFacts {
     pub range_start: u64,
     /// `CU_POINTER_ATTRIBUTE_RANGE_SIZE`: the allocation's size.
     pub range_size: u64,
-    /// The VMM mapping the pointer lies in (`None`: not VMM memory), asked
-    /// of the driver for device memory that legacy CUDA IPC cannot export
-    /// and no pool holds.
+    /// The VMM mapping the pointer lies in (`None`: not VMM memory, or not
+    /// asked), asked of the driver for device memory that legacy CUDA IPC
+    /// cannot export and no pool holds, where same-host peers map it.
     pub vmm: Option<VmmFacts>,
 }
 
@@ -63,8 +63,11 @@ pub struct Export {
 
 impl PointerFacts {
     /// Asks the driver about `ptr` (in one `cuPointerGetAttributes` call,
-    /// which answers zeros rather than failing for an unknown pointer).
-    pub fn query(ptr: u64) -> Result<Self, CudaError> {
+    /// which answers zeros rather than failing for an unknown pointer),
+    /// and, where `same_host` peers map it and only then, about the VMM
+    /// mapping it may lie in (without them nothing is exported: a VMM
+    /// range whose mapping the driver cannot measure yet is no obstacle).
+    pub fn query(ptr: u64, same_host: bool) -> Result<Self, CudaError> {
         use cu::CUpointer_attribute as A;
         crate::available()?;
         let mut memory_type = 0u32;
@@ -108,7 +111,8 @@ impl PointerFacts {
             range_size: range_size as u64,
             vmm: None,
         };
-        if facts.memory_type == MEMORYTYPE_DEVICE
+        if same_host
+            && facts.memory_type == MEMORYTYPE_DEVICE
             && !facts.managed
             && !facts.legacy_ipc
             && !facts.pool
@@ -206,9 +210,11 @@ impl PointerFacts {
             return Err(format!(
                 "it is VMM memory (cuMemCreate) whose allocation was created without \
                  CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR among its requested handle types \
-                 ({:#x}), so it cannot be shared with same-host peers; create the allocation \
-                 with CUmemAllocationProp::requestedHandleTypes including \
-                 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR (or allocate with cuMemAlloc)",
+                 ({:#x}), or imported from another process (whose allocations report none), so \
+                 it cannot be shared with same-host peers; create the allocation with \
+                 CUmemAllocationProp::requestedHandleTypes including \
+                 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR in the process that registers it (or \
+                 allocate with cuMemAlloc)",
                 v.handle_types
             ));
         }
@@ -236,6 +242,20 @@ impl PointerFacts {
             offset: ptr - v.base,
             vmm: Some(v.size),
         })
+    }
+}
+
+/// The refusal to give where [`PointerFacts::query`] failed with `e`
+/// because the driver cannot measure a VMM mapping: before
+/// `cuMemSetAccess`, `cuMemGetAddressRange` does not find the range
+/// (`CUDA_ERROR_NOT_FOUND`). `None` for any other failure.
+pub(crate) fn unmeasured(e: &CudaError) -> Option<String> {
+    match e {
+        CudaError::Driver(d) if d.call == "cuMemGetAddressRange" => Some(format!(
+            "it is VMM memory (cuMemCreate) whose mapped range the driver cannot give ({d}): set \
+             access to the mapping with cuMemSetAccess before registering it"
+        )),
+        _ => None,
     }
 }
 
@@ -394,6 +414,7 @@ mod tests {
             assert!(
                 e.contains("VMM memory (cuMemCreate)")
                     && e.contains("created without CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR")
+                    && e.contains("or imported from another process")
                     && e.contains(
                         "requestedHandleTypes including CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR"
                     ),
@@ -422,6 +443,28 @@ mod tests {
         // The driver's account of the mapping not holding the pointer.
         let e = f.export(0x7e00_0020_0000, 8, 0, true).unwrap_err();
         assert!(e.contains("does not hold it"), "{e}");
+    }
+
+    #[test]
+    fn a_vmm_mapping_the_driver_cannot_measure_is_refused_saying_to_set_access() {
+        let d = crate::error::DriverError {
+            call: "cuMemGetAddressRange",
+            code: 500,
+            name: "CUDA_ERROR_NOT_FOUND".into(),
+            text: "named symbol not found".into(),
+        };
+        let why = unmeasured(&CudaError::Driver(d.clone())).unwrap();
+        assert!(
+            why.contains("CUDA_ERROR_NOT_FOUND")
+                && why.contains("set access to the mapping with cuMemSetAccess"),
+            "{why}"
+        );
+        // Any other failure is left as it is.
+        let other = crate::error::DriverError {
+            call: "cuPointerGetAttributes",
+            ..d
+        };
+        assert_eq!(unmeasured(&CudaError::Driver(other)), None);
     }
 
     #[test]

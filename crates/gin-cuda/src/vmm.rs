@@ -21,12 +21,17 @@ use crate::error::{CudaError, DriverError};
 /// handle-type mask.
 pub const HANDLE_TYPE_POSIX_FD: u32 = 1;
 
+/// `CU_MEM_LOCATION_TYPE_DEVICE`.
+const LOCATION_TYPE_DEVICE: u32 = 1;
+
 /// What the driver says about the VMM mapping a pointer lies in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct VmmFacts {
     /// The mapping's start (`cuMemGetAddressRange`): where this process
-    /// mapped the allocation (`cuMemMap` maps an allocation from its
-    /// start).
+    /// mapped the allocation. `cuMemMap` maps an allocation from offset 0
+    /// only (the driver's current limit: a non-zero offset returns
+    /// `CUDA_ERROR_NOT_SUPPORTED` on driver 580), so this is where the
+    /// allocation starts, and a peer maps it whole, from offset 0.
     pub base: u64,
     /// The mapping's size.
     pub size: u64,
@@ -91,9 +96,14 @@ impl Retained {
 impl Drop for Retained {
     fn drop(&mut self) {
         // SAFETY: releases the reference `of` took.
-        unsafe {
-            cu::cuMemRelease(self.0);
-        }
+        warn_on("cuMemRelease", unsafe { cu::cuMemRelease(self.0) });
+    }
+}
+
+/// Logs a failed driver call of a drop (which cannot fail) at warn.
+fn warn_on(call: &'static str, r: cu::CUresult) {
+    if let Err(e) = check(call, r) {
+        tracing::warn!("undoing a VMM mapping: {e}");
     }
 }
 
@@ -151,8 +161,9 @@ pub struct VmmMapping {
 }
 
 impl VmmMapping {
-    /// Imports the allocation `fd` names and maps its first `size` bytes
-    /// (the exporter's mapping) read/write for GPU `ordinal`. The
+    /// Imports the allocation `fd` names and maps it whole, `size` bytes
+    /// from offset 0 (the exporter's mapping, of the whole allocation:
+    /// `cuMemMap` maps from offset 0 only), read/write for GPU `ordinal`. The
     /// descriptor stays the caller's (close it after: the import holds the
     /// allocation).
     pub fn open(fd: BorrowedFd<'_>, size: u64, ordinal: usize) -> Result<Self, CudaError> {
@@ -177,10 +188,17 @@ impl VmmMapping {
             size: len,
             mapped: false,
         };
+        // The granularity of this GPU (the importer's), not of the
+        // exporter's, which the handle's properties name.
         let mut p = props(handle)?;
+        p.location_type = LOCATION_TYPE_DEVICE;
+        p.location_id = i32::try_from(ordinal).map_err(|_| CudaError::NoSuchDevice {
+            ordinal,
+            count: crate::available().unwrap_or(0),
+        })?;
         let mut granularity = 0usize;
         // SAFETY: `p` has `CUmemAllocationProp`'s layout, as the driver
-        // wrote it; valid out-pointer.
+        // wrote it, with this GPU as its location; valid out-pointer.
         check("cuMemGetAllocationGranularity", unsafe {
             cu::cuMemGetAllocationGranularity(
                 &raw mut granularity,
@@ -231,14 +249,24 @@ impl VmmMapping {
 impl Drop for VmmMapping {
     fn drop(&mut self) {
         // SAFETY: undoes, in reverse, what `open` did (and only that).
+        // Unmapping while a copy engine still reads or writes the range
+        // would fault it: the owner (`window::Listed`) drops this only
+        // after the engines were stopped or flushed, as for CUDA IPC.
         unsafe {
             if self.mapped {
-                cu::cuMemUnmap(self.ptr, self.size);
+                warn_on("cuMemUnmap", cu::cuMemUnmap(self.ptr, self.size));
             }
             if self.ptr != 0 {
-                cu::cuMemAddressFree(self.ptr, self.size);
+                warn_on(
+                    "cuMemAddressFree",
+                    cu::cuMemAddressFree(self.ptr, self.size),
+                );
             }
-            cu::cuMemRelease(self.handle);
+            warn_on("cuMemRelease", cu::cuMemRelease(self.handle));
         }
     }
 }
+
+#[cfg(test)]
+#[path = "vmm_tests.rs"]
+mod tests;

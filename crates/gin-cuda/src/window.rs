@@ -22,7 +22,7 @@ use gin_net::{Fabric, KeepAlive, MemDesc, MemParts, Memory};
 use crate::driver::{DevMem, Device, IpcMem, PoolMem};
 use crate::error::CudaError;
 use crate::fdpass::{FdJob, FdListener, FdServer};
-use crate::pointer::{PointerFacts, ipc_handle_of};
+use crate::pointer::{PointerFacts, ipc_handle_of, unmeasured};
 use crate::staging::{GpuRegion, Server};
 use crate::vmm::VmmMapping;
 
@@ -160,17 +160,19 @@ pub struct SameHost {
 
 impl SameHost {
     /// Window `window`'s sharing with `peers`, in the job `bootstrap`
-    /// belongs to, whose waits last `timeout`.
+    /// belongs to, whose waits last `timeout`; `liveness` gives the
+    /// same-host peers' pids, which the descriptor sockets check.
     pub fn new(
         bootstrap: &gin_bootstrap::Bootstrap,
+        liveness: &gin_bootstrap::liveness::Liveness,
         window: u32,
-        peers: Vec<usize>,
+        peers: impl IntoIterator<Item = usize>,
         timeout: std::time::Duration,
     ) -> Self {
         Self {
             window,
-            peers,
-            job: FdJob::new(bootstrap, timeout),
+            peers: peers.into_iter().collect(),
+            job: FdJob::new(bootstrap, liveness, timeout),
         }
     }
 }
@@ -294,7 +296,10 @@ impl LocalPart {
             bytes,
             why,
         };
-        let facts = PointerFacts::query(ptr)?;
+        let facts = PointerFacts::query(ptr, ipc).map_err(|e| match unmeasured(&e) {
+            Some(why) => refuse(why),
+            None => e,
+        })?;
         let export = facts
             .export(ptr, bytes, dev.ordinal(), ipc)
             .map_err(refuse)?;
@@ -393,30 +398,58 @@ impl LocalPart {
         Ok(())
     }
 
-    /// Fetches rank `peer`'s VMM descriptor for this part's window and
-    /// maps `size` bytes of its allocation here (this is rank `rank`).
-    fn import_vmm(&self, rank: usize, peer: usize, size: u64) -> Result<VmmMapping, CudaError> {
-        let open = |window, e| CudaError::VmmOpen {
+    /// Fetches rank `peer`'s VMM descriptor for window `window` (this
+    /// part's) and maps its allocation here, whole (`rec.vmm` bytes, from
+    /// its start); this is rank `rank`. The record's part must lie inside
+    /// the mapping, checked before anything is fetched.
+    fn import_vmm(
+        &self,
+        rank: usize,
+        peer: usize,
+        window: u32,
+        rec: &PartRecord,
+        mapped: u64,
+    ) -> Result<VmmMapping, CudaError> {
+        let open = |why: String| CudaError::VmmOpen {
+            rank,
+            peer,
+            window,
+            source: Box::new(CudaError::Unavailable { why }),
+        };
+        let Some(s) = &self.share else {
+            return Err(open(
+                "this rank's part is memory gin allocated, not registered memory: the ranks \
+                 disagree on what kind of window this is"
+                    .into(),
+            ));
+        };
+        if s.host.window != window {
+            return Err(open(format!(
+                "this rank's part was registered for GPU window {}, not {window} (a bug)",
+                s.host.window
+            )));
+        }
+        if rec.size == 0
+            || rec
+                .offset
+                .checked_add(rec.size)
+                .is_none_or(|end| end > mapped)
+        {
+            return Err(open(format!(
+                "its record puts {} bytes at offset {} of a {mapped}-byte VMM mapping, which \
+                 does not hold them (ranks of different builds, or a corrupted record)",
+                rec.size, rec.offset
+            )));
+        }
+        let fd = crate::fdpass::fetch(&s.host.job, rank, window, peer)?;
+        // The descriptor closes after the import, which holds the
+        // allocation.
+        VmmMapping::open(fd.as_fd(), mapped, s.ordinal).map_err(|e| CudaError::VmmOpen {
             rank,
             peer,
             window,
             source: Box::new(e),
-        };
-        let Some(s) = &self.share else {
-            return Err(open(
-                0,
-                CudaError::Unavailable {
-                    why: "this rank's part is memory gin allocated, not registered memory: the \
-                          ranks disagree on what kind of window this is"
-                        .into(),
-                },
-            ));
-        };
-        let window = s.host.window;
-        let fd = crate::fdpass::fetch(&s.host.job, rank, window, peer)?;
-        // The descriptor closes after the import, which holds the
-        // allocation.
-        VmmMapping::open(fd.as_fd(), size, s.ordinal).map_err(|e| open(window, e))
+        })
     }
 }
 
@@ -533,22 +566,60 @@ impl PeerParts {
                 }
                 parts.bases.push(0);
             } else {
-                let m = match rec.vmm {
-                    Some(size) => PeerMapping::Vmm(local.import_vmm(rank, peer, size)?),
-                    None => PeerMapping::Ipc(IpcMem::open(&rec.ipc).map_err(|e| {
-                        CudaError::IpcOpen {
-                            rank,
-                            peer,
-                            window,
-                            source: Box::new(e),
-                        }
-                    })?),
-                };
-                parts.bases.push(m.ptr() + rec.offset);
+                let (m, base) = Self::map(rank, window, peer, local, rec)?;
+                parts.bases.push(base);
                 parts.opened.push(m);
             }
         }
         Ok(parts)
+    }
+}
+
+impl PeerParts {
+    /// Maps same-host rank `peer`'s part of window `window` here (this is
+    /// rank `rank`): the mapping, and the part's address in it.
+    fn map(
+        rank: usize,
+        window: u32,
+        peer: usize,
+        local: &LocalPart,
+        rec: &PartRecord,
+    ) -> Result<(PeerMapping, u64), CudaError> {
+        let m = match rec.vmm {
+            Some(mapped) => PeerMapping::Vmm(local.import_vmm(rank, peer, window, rec, mapped)?),
+            None => PeerMapping::Ipc(IpcMem::open(&rec.ipc).map_err(|e| CudaError::IpcOpen {
+                rank,
+                peer,
+                window,
+                source: Box::new(e),
+            })?),
+        };
+        // The VMM record was checked against its mapping; an IPC record's
+        // offset at least stays in the address space.
+        let Some(base) = m.ptr().checked_add(rec.offset) else {
+            let source = Box::new(CudaError::Unavailable {
+                why: format!(
+                    "its offset {} past the mapping at {:#x} is beyond the address space",
+                    rec.offset,
+                    m.ptr()
+                ),
+            });
+            return Err(match m {
+                PeerMapping::Vmm(_) => CudaError::VmmOpen {
+                    rank,
+                    peer,
+                    window,
+                    source,
+                },
+                PeerMapping::Ipc(_) => CudaError::IpcOpen {
+                    rank,
+                    peer,
+                    window,
+                    source,
+                },
+            });
+        };
+        Ok((m, base))
     }
 }
 
@@ -618,7 +689,9 @@ impl Listed {
         // VMM; its size), both held here until the description is removed from the
         // directory (drop). Nothing on the host dereferences them
         // (`Memory::Device`); the CUDA engines that copy them are stopped,
-        // or told to flush, before a window is freed.
+        // or told to flush, before a window is freed: the peers' mappings
+        // go after that (`cuIpcCloseMemHandle`, or `cuMemUnmap` for a VMM
+        // import, both of which fault a copy still running on them).
         fabric.add_window(id, unsafe { MemDesc::new(desc) });
         Self {
             fabric: fabric.clone(),
@@ -789,6 +862,7 @@ mod tests {
             &(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) as u16).to_le_bytes(),
         );
         FdJob::from_tokens(tag, [3; 32], std::time::Duration::from_millis(timeout_ms))
+            .with_pids(vec![Some(std::process::id()); 4])
     }
 
     /// A memfd standing in for a VMM allocation's descriptor.
@@ -851,12 +925,23 @@ mod tests {
         assert_eq!(&b, b"vmm");
     }
 
+    /// Whether `e` is what importing a memfd as a VMM allocation fails
+    /// with: CUDA's absence here, or, with a GPU, the driver refusing it.
+    fn import_refused(e: &CudaError) -> bool {
+        match e {
+            CudaError::Unavailable { why } => {
+                crate::available().is_err_and(|a| a.to_string().ends_with(why.as_str()))
+            }
+            CudaError::Driver(d) => d.call == "cuMemImportFromShareableHandle",
+            _ => false,
+        }
+    }
+
     /// A same-host peer's VMM record makes this rank fetch its descriptor
-    /// (from the peer's socket) and import it; without CUDA here the
-    /// import fails, naming rank, peer and window, after the fetch
-    /// succeeded (the server saw its one peer).
+    /// (from the peer's socket: the server sees its one peer served), then
+    /// try the import, which a memfd fails, naming rank, peer and window.
     #[test]
-    fn a_peers_vmm_record_is_fetched_from_its_socket_and_imported() {
+    fn a_peers_vmm_record_is_fetched_from_its_socket_before_the_import_is_tried() {
         let job = job(60_000);
         let server =
             FdServer::start(FdListener::bind(&job, 0, 5).unwrap(), memfd(b"x"), [1]).unwrap();
@@ -874,8 +959,8 @@ mod tests {
                     rank: 1,
                     peer: 0,
                     window: 5,
-                    ..
-                }
+                    source,
+                } if import_refused(source)
             ),
             "{e}"
         );
@@ -884,11 +969,133 @@ mod tests {
                 .starts_with("rank 1 cannot map GPU window 5 of rank 0 from its VMM export"),
             "{e}"
         );
+        // The fetch came first: the server's one peer has the descriptor.
         server.wait().unwrap();
         // A peer over TCP is reached by its key: nothing is fetched.
         let tcp = PartRecord { key: 9, ..peer };
         let parts = PeerParts::open(1, 5, &local, &[tcp, local.record()], |p| p == 0).unwrap();
         assert_eq!((parts.bases[0], parts.opened.len()), (0, 0));
+    }
+
+    /// A VMM record whose part does not lie inside the mapping it names
+    /// (engines would write past it) is refused before anything is
+    /// fetched (no server listens here: a fetch would fail otherwise).
+    #[test]
+    fn a_vmm_record_whose_part_lies_outside_its_mapping_is_refused() {
+        let job = job(60_000);
+        let local = vmm_part(1, 21, vec![0], &job);
+        let bad = [
+            (4096, (2 << 20) - 4095),
+            (2 << 20, 1),
+            (4096, u64::MAX - 100),
+            (0, 0),
+        ];
+        for (size, offset) in bad {
+            let peer = PartRecord {
+                vmm: Some(2 << 20),
+                size,
+                offset,
+                ..record(0)
+            };
+            let e = PeerParts::open(1, 21, &local, &[peer, local.record()], |_| false).unwrap_err();
+            assert!(
+                matches!(
+                    &e,
+                    CudaError::VmmOpen {
+                        rank: 1,
+                        peer: 0,
+                        window: 21,
+                        ..
+                    }
+                ),
+                "{size} at {offset}: {e}"
+            );
+            assert!(
+                e.to_string().contains(&format!(
+                    "its record puts {size} bytes at offset {offset} of a 2097152-byte VMM \
+                     mapping, which does not hold them"
+                )),
+                "{e}"
+            );
+        }
+        // The last byte of the mapping is fine: the fetch is tried (and
+        // fails, nobody serving).
+        let edge = PartRecord {
+            vmm: Some(2 << 20),
+            size: 4096,
+            offset: (2 << 20) - 4096,
+            ..record(0)
+        };
+        let e = PeerParts::open(1, 21, &local, &[edge, local.record()], |_| false).unwrap_err();
+        assert!(matches!(&e, CudaError::FdPass(_)), "{e}");
+    }
+
+    /// Ranks that disagree on the window's id are told so, under the id
+    /// being created (not a placeholder).
+    #[test]
+    fn a_part_registered_for_another_window_is_refused_under_the_real_id() {
+        let job = job(60_000);
+        let local = vmm_part(1, 22, vec![0], &job);
+        let peer = PartRecord {
+            vmm: Some(2 << 20),
+            ..record(0)
+        };
+        let e = PeerParts::open(1, 23, &local, &[peer, local.record()], |_| false).unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                CudaError::VmmOpen {
+                    rank: 1,
+                    peer: 0,
+                    window: 23,
+                    ..
+                }
+            ) && e
+                .to_string()
+                .contains("registered for GPU window 22, not 23"),
+            "{e}"
+        );
+    }
+
+    /// Two ranks as threads, each with a VMM part (a memfd), run the whole
+    /// exchange: each serves its descriptor before it fetches the other's,
+    /// so both fetches succeed at once and both fail at the import (of a
+    /// memfd), well before the job's timeout. Fetching first would
+    /// deadlock the two until it.
+    #[test]
+    fn every_rank_serves_its_descriptor_before_it_fetches_a_peers() {
+        use std::sync::{Barrier, Mutex};
+        let job = job(120_000);
+        let slots = Mutex::new(vec![Vec::new(); 2]);
+        let barrier = Barrier::new(2);
+        let started = std::time::Instant::now();
+        let results: Vec<_> = std::thread::scope(|s| {
+            let ranks: Vec<_> = (0..2)
+                .map(|rank| {
+                    let (job, slots, barrier) = (&job, &slots, &barrier);
+                    s.spawn(move || {
+                        let part = vmm_part(rank, 24, vec![1 - rank], job);
+                        let allgather = |mine: &[u8]| -> Result<_, CudaError> {
+                            slots.lock().unwrap()[rank] = mine.to_vec();
+                            barrier.wait();
+                            let all = slots.lock().unwrap().clone();
+                            Ok(all)
+                        };
+                        exchange(rank, 24, Ok(part), allgather, |_| false).map(drop)
+                    })
+                })
+                .collect();
+            ranks.into_iter().map(|t| t.join().unwrap()).collect()
+        });
+        for (rank, r) in results.iter().enumerate() {
+            let e = r.as_ref().unwrap_err();
+            assert!(
+                matches!(e, CudaError::VmmOpen { rank: r, peer, window: 24, source }
+                    if *r == rank && *peer == 1 - rank && import_refused(source)),
+                "rank {rank}: {e}"
+            );
+        }
+        assert!(started.elapsed() < job.timeout() / 4);
     }
 
     #[test]

@@ -267,13 +267,13 @@ impl<'c> CudaComm<'c> {
     /// rank's part of a new window (collective; sizes may differ per rank,
     /// as with [`CudaComm::alloc_window`]). Same-host peers map its
     /// allocation (`cuMemAlloc`: CUDA IPC; VMM `cuMemCreate` with the POSIX
-    /// file descriptor handle type: its descriptor over a Unix socket) plus
-    /// its offset; peers over TCP reach it through the engines. Memory that
-    /// cannot be a part — not this GPU's device memory, not inside one
-    /// allocation (one VMM chunk), or, with a same-host peer, managed, a
-    /// stream-ordered pool's (cudarc's `alloc` on most GPUs), VMM without
-    /// that handle type — makes every rank fail, naming the rank, the
-    /// pointer and why; [`CudaComm::free_window`] leaves the memory alone.
+    /// fd handle type, mapped whole from offset 0: its fd over a Unix
+    /// socket) plus its offset; peers over TCP reach it through the engines.
+    /// Memory that cannot be a part — not this GPU's device memory, not
+    /// inside one allocation (one VMM chunk), or, with a same-host peer,
+    /// managed, a stream-ordered pool's (cudarc's `alloc` on most GPUs), VMM
+    /// without that handle type — makes every rank fail, naming the rank,
+    /// the pointer and why; [`CudaComm::free_window`] leaves the memory alone.
     ///
     /// # Safety
     /// `ptr` must be the start of `bytes` bytes of device memory of this

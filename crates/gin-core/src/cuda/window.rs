@@ -103,7 +103,7 @@ impl CudaComm<'_> {
         let (rank, n) = (comm.rank(), comm.nranks());
         // Only same-host peers map the part (CUDA IPC, or a VMM descriptor).
         let peers = (0..n).filter(|&p| p != rank && !comm.reaches_keyed(p));
-        let host = SameHost::new(comm.bootstrap(), id, peers.collect(), comm.timeout());
+        let host = SameHost::new(comm.bootstrap(), &comm.liveness, id, peers, comm.timeout());
         let serve = self.server.as_ref().map(|s| (comm.region_table(), s));
         // SAFETY: the caller's contract.
         let local = unsafe { LocalPart::register(rank, &self.dev, ptr, bytes, host, serve) };
