@@ -35,6 +35,32 @@ pub(crate) struct Steps {
     pub(crate) failed: bool,
 }
 
+/// A call of one mode's steps on a buffer of `have`: refused on a buffer
+/// sized for the other mode (every rank refuses alike: the configuration
+/// is agreed).
+pub(crate) fn expect_mode(
+    rank: usize,
+    call: &'static str,
+    want: crate::Mode,
+    have: crate::Mode,
+) -> Result<(), EpError> {
+    if want == have {
+        return Ok(());
+    }
+    let name = |m: crate::Mode| match m {
+        crate::Mode::LowLatency => "low-latency",
+        crate::Mode::HighThroughput => "high-throughput",
+    };
+    Err(EpError::Mode {
+        rank,
+        what: format!(
+            "{call} is a {} call, on a buffer sized for {} mode",
+            name(want),
+            name(have)
+        ),
+    })
+}
+
 const QUEUED: &str = "holding launches queued on a stream (synchronise it, then call check)";
 
 impl Steps {
