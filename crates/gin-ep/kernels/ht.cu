@@ -510,8 +510,9 @@ __device__ u64 arrived(const Args& a, u32 ch, u32 src, u64 value, u64 base, u64 
 }
 
 // Thread 0: forwards what arrived from other hosts' sources, as far as the
-// batch allows. False after a protocol error.
-__device__ bool forward(const Args& a, Batch& b, u32 ch, u64* L) {
+// batch allows (`moved` set if anything arrived: a token only this rank
+// receives needs no op). False after a protocol error.
+__device__ bool forward(const Args& a, Batch& b, u32 ch, u64* L, bool& moved) {
   const Shape& s = a.s;
   const u32 me = s.rank, need = 2 * s.l + 2;
   u64* seen = a.seen + (u64)ch * s.nsig;
@@ -523,6 +524,7 @@ __device__ bool forward(const Args& a, Batch& b, u32 ch, u64* L) {
       const u64 base = seen[sig_dtail(s, src)] + dd;
       u64 avail = arrived(a, ch, src, read_acq(a.dc, ch, sig_dtail(s, src)), base, dexp - dd);
       if (avail == ~0ull) return false;
+      moved |= avail > 0;
       bool queued = false;
       for (; avail > 0 && room(b, need, 0); --avail) {
         const u32 j = a.tb.recv_start(me, src) + a.tb.rank_chan_start(src, me, ch) + (u32)dd;
@@ -537,6 +539,7 @@ __device__ bool forward(const Args& a, Batch& b, u32 ch, u64* L) {
       const u64 most = rexp - rd < s.ring ? rexp - rd : s.ring;
       u64 avail = arrived(a, ch, src, read_acq(a.dc, ch, sig_tail(s, src)), base, most);
       if (avail == ~0ull) return false;
+      moved |= avail > 0;
       bool queued = false;
       u64 done = 0;
       for (; avail > 0 && room(b, need, 0); --avail, ++done) {
@@ -556,11 +559,13 @@ __device__ bool forward(const Args& a, Batch& b, u32 ch, u64* L) {
 }
 
 // Thread 0: writes this channel's tokens into their final place at the
-// ranks of this host that receive them, as far as the batch allows.
-__device__ void local_writes(const Args& a, Batch& b, u32 end, u64* L) {
+// ranks of this host that receive them, as far as the batch allows; true
+// if the cursor moved (a token for other hosts only needs no op).
+__device__ bool local_writes(const Args& a, Batch& b, u32 end, u64* L) {
   const Shape& s = a.s;
   const u32 me = s.rank, host = me / s.l;
   u64& cur = L[l_misc(s) + 0];
+  const u64 from = cur;
   for (u32 done = 0; cur < end && done < CHUNK && room(b, 2 * s.l, 0); ++done) {
     const u32 t = (u32)cur++;
     const u32* meta = my_meta(a, t);
@@ -574,6 +579,7 @@ __device__ void local_writes(const Args& a, Batch& b, u32 end, u64* L) {
       L[l_delivered(s) + dl] += 1;
     }
   }
+  return cur != from;
 }
 
 // Thread 0: everything of the channel sent and forwarded.
@@ -679,12 +685,13 @@ __device__ void dispatch_batch(const Args& a, Batch& b, u32 ch, u32 tokens, cons
   b.nops = b.nrows = b.stop = 0;
   for (u32 h = 0; h < s.h; ++h)
     if (h != host) send_runs(a, b, ch, h, end, L);
-  if (!forward(a, b, ch, L)) {
+  bool moved = false;
+  if (!forward(a, b, ch, L, moved)) {
     b.stop = 1;
     return;
   }
-  local_writes(a, b, end, L);
-  bool moved = b.nops > 0;
+  moved |= local_writes(a, b, end, L);
+  moved |= b.nops > 0;
   u64& signalled = L[l_misc(s) + 1];
   if (!signalled && b.nops == 0 && sent_all(a, ch, end, L, active)) {
     for (u32 dl = 0; dl < s.l; ++dl)
@@ -721,10 +728,19 @@ __device__ void dispatch_batch(const Args& a, Batch& b, u32 ch, u32 tokens, cons
   if (idle(a.dc, ch, since, peer, id, a.err)) b.stop = 1;
 }
 
-// Thread 0: the channel's scratch, zeroed.
-__device__ void clear_lane(const Args& a, u32 ch) {
-  u64* L = a.lane + (u64)ch * lane_words(a.s);
-  for (u32 i = 0; i < lane_words(a.s); ++i) L[i] = 0;
+// Thread 0: the channel's scratch, zeroed, its cursors at `lo` (the
+// channel's first token): the dispatch's send and local-writes cursors
+// (`dispatch`), or the combine's next token to reduce.
+__device__ void clear_lane(const Args& a, u32 ch, u32 lo, bool dispatch) {
+  const Shape& s = a.s;
+  u64* L = a.lane + (u64)ch * lane_words(s);
+  for (u32 i = 0; i < lane_words(s); ++i) L[i] = 0;
+  if (dispatch) {
+    for (u32 h = 0; h < s.h; ++h) L[l_send_cur(s) + h] = lo;
+    L[l_misc(s) + 0] = lo;
+  } else {
+    L[c_misc(s) + 3] = lo;
+  }
 }
 
 } // namespace ht
@@ -789,7 +805,7 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_dispatch(DevComm 
                        s, ep::ht::Tables{tables, s}, seen, lane, contrib, err, errh};
   const u32 ch = blockIdx.x;
   if (ch >= s.chans) return;
-  if (threadIdx.x == 0) ep::ht::clear_lane(a, ch);
+  if (threadIdx.x == 0) ep::ht::clear_lane(a, ch, ep::ht::chan_lo(s, tokens, ch), true);
   u64 since = 0;
   for (;;) {
     if (threadIdx.x == 0) ep::ht::dispatch_batch(a, b, ch, tokens, active, since);
@@ -1101,7 +1117,7 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_combine(DevComm d
   const u32 ch = blockIdx.x;
   if (ch >= s.chans) return;
   const u32 me = s.rank, host = me / s.l;
-  if (threadIdx.x == 0) ep::ht::clear_lane(a, ch);
+  if (threadIdx.x == 0) ep::ht::clear_lane(a, ch, ep::ht::chan_lo(s, tokens, ch), false);
   for (u32 dl = 0; dl < s.l; ++dl) {
     const u32 p = host * s.l + dl;
     if (active[p] && signal(dc, ch, p, signal_add(ep::ht::sig_cready(s, me % s.l), 1), CTA))

@@ -130,6 +130,9 @@ pub(crate) struct HtState {
     direct: DevMem,
     /// Count exchanges so far (their rows alternate between two halves).
     rounds: u64,
+    /// When this step's notify kernel started (GPU clock): the dispatch's
+    /// clock runs from there to the dispatch kernel's end.
+    notify_start: u64,
     /// Host staging of the payloads and metadata, reused between steps.
     xin: Vec<u8>,
     meta: Vec<u8>,
@@ -162,6 +165,7 @@ impl HtState {
             contrib: zeroed(4 * s.r * s.t * s.l)?,
             direct: d,
             rounds: 0,
+            notify_start: 0,
             xin: Vec::new(),
             meta: Vec::new(),
             s,
@@ -459,8 +463,10 @@ impl CudaBuffer<'_, '_> {
         // HtState::new and State::new allocated. gin's stream, waited for.
         let r = unsafe { go(&self.dc, f, On::Wait, 1, &args) };
         r.map_err(|e| kernel_error(self.rank, "ht_notify", e))?;
+        let started = read_clock(&self.state.clock)?.start_ns;
         if let Some(h) = self.ht.as_mut() {
             h.rounds += 1;
+            h.notify_start = started;
         }
         let mut raw = vec![0u8; s.r * width];
         self.wins[NRECV]
@@ -526,7 +532,12 @@ impl CudaBuffer<'_, '_> {
         // waited for.
         let r = unsafe { go(&self.dc, f, On::Wait, grid, &args) };
         self.launched(On::Wait, "ht_dispatch", r)?;
-        self.last.0 = read_clock(&self.state.clock)?;
+        let ended = read_clock(&self.state.clock)?;
+        let start_ns = self.ht.as_ref().map_or(ended.start_ns, |h| h.notify_start);
+        self.last.0 = super::KernelClock {
+            start_ns,
+            end_ns: ended.end_ns,
+        };
         self.poll()
     }
 

@@ -77,9 +77,14 @@
 //! protocol error naming the rank. After any such error the buffer refuses
 //! further steps.
 //!
-//! What this version leaves out: high-throughput mode on CUDA ranks
-//! (refused when the buffer is created), and the active-rank mask under a
-//! peer's loss (a lost peer fails the step, naming it).
+//! High-throughput mode (`ht.rs`, `kernels/ht.cu`): a buffer created with
+//! [`Config::high_throughput`] runs [`CudaBuffer::ht_dispatch`],
+//! [`CudaBuffer::ht_echo`] and [`CudaBuffer::ht_combine`] from host inputs
+//! (the low-latency calls are refused on it, and the reverse).
+//!
+//! What this version leaves out: high-throughput mode from inputs in GPU
+//! memory, and the active-rank mask under a peer's loss (a lost peer fails
+//! the step, naming it).
 
 use std::sync::atomic::Ordering;
 
@@ -365,8 +370,9 @@ impl KernelClock {
     }
 }
 
-/// A CUDA rank's low-latency expert-parallel buffer: the windows of
-/// [`crate::ll`] in GPU memory, a device communicator, and the kernels.
+/// A CUDA rank's expert-parallel buffer: the windows of [`crate::ll`] (or,
+/// in high-throughput mode, of [`crate::ht`]) in GPU memory, a device
+/// communicator, and the kernels.
 /// Created collectively with the same [`Config`] on every rank; steps are
 /// collective too.
 #[derive(Debug)]
@@ -493,9 +499,11 @@ impl crate::oracle::LlView for LlReceived {
 impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// Creates the buffer collectively on CUDA ranks: checks `cfg` and that
     /// every rank passed the same one (before any window exists), then
-    /// allocates the low-latency windows in GPU memory, a device
-    /// communicator with one signal per (expert, source) for each phase,
-    /// and compiles the kernels with NVRTC.
+    /// allocates the mode's windows in GPU memory (low-latency: a device
+    /// communicator with one signal per (expert, source) for each phase;
+    /// high-throughput: the CPU ranks' windows and signals, one context per
+    /// channel, which needs hosts of equal size numbered host by host), and
+    /// compiles the kernels with NVRTC.
     pub fn new(cuda: &'a CudaComm<'c>, cfg: Config) -> Result<Self, EpError> {
         let comm = cuda.comm();
         let (rank, n) = (comm.rank(), comm.nranks());
@@ -623,7 +631,10 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         self.blocks = blocks.max(1);
     }
 
-    /// When the last dispatch and combine kernels ran on the GPU.
+    /// When the last dispatch and combine kernels ran on the GPU (in
+    /// high-throughput mode the dispatch's clock runs from the notify
+    /// kernel's start to the dispatch kernel's end: the host's plan between
+    /// them counts, as DeepEP's CPU sync does).
     pub fn last_kernels(&self) -> (KernelClock, KernelClock) {
         self.last
     }

@@ -237,6 +237,30 @@ mod tests {
         s.combined();
     }
 
+    /// A call of one mode on a buffer sized for the other is refused,
+    /// naming both; the mode's own calls pass.
+    #[test]
+    fn calls_of_the_other_mode_are_refused() {
+        use crate::Mode::{HighThroughput, LowLatency};
+        assert!(expect_mode(2, "ht_dispatch", HighThroughput, HighThroughput).is_ok());
+        assert!(expect_mode(2, "ll_dispatch", LowLatency, LowLatency).is_ok());
+        for (call, want, have) in [
+            ("ht_dispatch", HighThroughput, LowLatency),
+            ("ll_dispatch", LowLatency, HighThroughput),
+        ] {
+            match expect_mode(2, call, want, have) {
+                Err(EpError::Mode { rank: 2, what }) => {
+                    assert!(what.starts_with(call), "{what}");
+                    assert!(
+                        what.contains("low-latency") && what.contains("high-throughput"),
+                        "{what}"
+                    );
+                }
+                other => panic!("{call}: {other:?}"),
+            }
+        }
+    }
+
     #[test]
     fn set_active_is_refused_while_launches_are_queued() {
         let mut s = Steps::new(1);
