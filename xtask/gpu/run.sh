@@ -291,6 +291,51 @@ for n in 2 4; do
   step "ep-ll-${n}ranks-fp8-inputs-agree" ep_same_digests "ep-ll-cuda-${n}ranks-fp8" "ep-ll-cuda-${n}ranks-inputs-device-fp8" "ep-ll-cuda-${n}ranks-inputs-queued-fp8"
 done
 fi
+# gin-ep's high-throughput mode on CUDA ranks (kernels/ht.cu after ll.cu
+# through NVRTC; host inputs): DeepEP's oracle (exact tokens, ordered
+# per-source blocks, local weights, per-expert counts, combine within
+# calc_diff, repeats bit-identical) with 2 and 4 ranks on one host (load/
+# store), on two emulated hosts (between hosts only to the rank of the same
+# local index, the proxy over TCP; within a host forwarded by load/store),
+# through 2-slot rings on 3 channels (credits wrap many times a step), on
+# the proxy everywhere (rows fetched by get), and with FP8 payloads. The
+# kernels run the CPU ranks' protocol and reduction order: each rank's
+# dispatch and combine digests must equal CPU ranks' with the same
+# arguments ("ht ok ... dispatch digest D, combine digest C").
+if [ -n "$checks" ]; then
+  for n in 2 4; do
+    step "ep-ht-cuda-${n}ranks" "$ep" ht device=cuda ranks=$n
+    step "ep-ht-cpu-${n}ranks" "$ep" ht ranks=$n
+  done
+  step "ep-ht-cuda-4ranks-2hosts" "$ep" ht device=cuda ranks=4 hosts=2
+  step "ep-ht-cpu-4ranks-2hosts" "$ep" ht ranks=4 hosts=2
+  step "ep-ht-cuda-2ranks-2hosts" "$ep" ht device=cuda ranks=2 hosts=2
+  step "ep-ht-cuda-4ranks-2hosts-ring2" "$ep" ht device=cuda ranks=4 hosts=2 tokens=40 ring=2 channels=3 repeats=5
+  step "ep-ht-cpu-4ranks-2hosts-ring2" "$ep" ht ranks=4 hosts=2 tokens=40 ring=2 channels=3 repeats=5
+  step "ep-ht-cuda-4ranks-proxy" env GIN_BACKEND=proxy "$ep" ht device=cuda ranks=4 hosts=2
+  step "ep-ht-cuda-2ranks-fp8" "$ep" ht device=cuda ranks=2 fp8=1
+  step "ep-ht-cuda-4ranks-2hosts-deepep-shape" "$ep" ht device=cuda ranks=4 hosts=2 tokens=512 hidden=7168 topk=8 experts=32 repeats=3
+  ep_ht_digests() { sed -n 's/.*rank \([0-9]*\) of [0-9]*: ht ok.*dispatch digest \([0-9a-f]*\), combine digest \([0-9a-f]*\).*/\1 \2 \3/p' "$out/$1.log" | sort; }
+  ep_ht_agree() {
+    local a b; a=$(ep_ht_digests "$1"); b=$(ep_ht_digests "$2")
+    [ -n "$a" ] || { echo "no digests in $1"; return 1; }
+    [ "$a" = "$b" ] || { echo "$1 and $2 differ:"; echo "$a"; echo "$b"; return 1; }
+    echo "$a"; echo "oracle ok: $1 and $2 agree bit for bit"
+  }
+  for n in 2 4; do
+    step "ep-ht-${n}ranks-cuda-cpu-agree" ep_ht_agree "ep-ht-cuda-${n}ranks" "ep-ht-cpu-${n}ranks"
+  done
+  step "ep-ht-4ranks-2hosts-cuda-cpu-agree" ep_ht_agree "ep-ht-cuda-4ranks-2hosts" "ep-ht-cpu-4ranks-2hosts"
+  step "ep-ht-4ranks-2hosts-ring2-cuda-cpu-agree" ep_ht_agree "ep-ht-cuda-4ranks-2hosts-ring2" "ep-ht-cpu-4ranks-2hosts-ring2"
+  step "ep-ht-4ranks-2hosts-proxy-agrees" ep_ht_agree "ep-ht-cuda-4ranks-proxy" "ep-ht-cpu-4ranks-2hosts"
+fi
+if [ -n "$benches" ]; then
+  # High-throughput dispatch + combine on CUDA ranks at DeepEP's shape
+  # (4096 tokens, hidden 7168, top-8, 32 experts per rank) beside the
+  # same-job floor, on one host and on two emulated hosts.
+  step "bench-moe-ht-cuda-2ranks" "$here/gin-bench" moe --device cuda --mode ht --tokens 4096 --ranks 2 --iters 5 --runs 3 --json "$out/moe-ht-cuda-2ranks.json"
+  step "bench-moe-ht-cuda-4ranks-2hosts" "$here/gin-bench" moe --device cuda --mode ht --tokens 4096 --ranks 4 --hosts 2 --iters 5 --runs 3 --json "$out/moe-ht-cuda-4ranks-2hosts.json"
+fi
 if [ -n "$benches" ]; then
   # Low-latency dispatch + combine on CUDA ranks beside the same-job floor
   # (DeepEP's shape: 128 tokens, hidden 7168, top-8, 32 experts per rank).

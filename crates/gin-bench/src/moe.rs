@@ -15,7 +15,7 @@
 //! bytes between the same ranks with the plainest code: one put per peer
 //! of the whole block, one signal each, wait for every peer, flush.
 //!
-//! `--device cuda` runs the low-latency mode on CUDA ranks (gin-ep's
+//! `--device cuda` runs either mode on CUDA ranks (gin-ep's
 //! `CudaBuffer`, kernels including `gin/gin.cuh`; ranks share a GPU where
 //! there are fewer GPUs than ranks) beside a floor kernel (`ep_floor`: the
 //! same bytes to each peer in equal parts over as many blocks as the
@@ -398,8 +398,10 @@ fn check_cpu_args(args: &MoeArgs) -> Result<()> {
 /// What `--device cuda` supports, checked before any rank starts; and that
 /// a GPU is there (else an error saying it needs one, and why not).
 fn check_cuda_args(args: &MoeArgs) -> Result<()> {
-    if args.mode != MoeMode::Ll {
-        bail!("--device cuda runs --mode ll only (high-throughput on CUDA ranks is not built yet)");
+    if args.mode == MoeMode::Ht && args.inputs == MoeInputs::Device {
+        bail!(
+            "--device cuda --mode ht takes host inputs only (--inputs device is the low-latency mode's so far)"
+        );
     }
     if !args.common.cpus.is_empty() {
         bail!("--cpus has no meaning for --device cuda (the ranks' work runs on the GPUs)");
@@ -410,15 +412,22 @@ fn check_cuda_args(args: &MoeArgs) -> Result<()> {
     Ok(())
 }
 
-/// One rank of `--device cuda`: the low-latency step on CUDA ranks, checked
-/// once with the oracle, then timed beside the floor kernel.
+/// One rank of `--device cuda`: the step on CUDA ranks (low-latency, or
+/// high-throughput with host inputs), checked once with the oracle, then
+/// timed beside the floor kernel.
 fn cuda_rank_main(args: &MoeArgs) -> Result<()> {
     use gin_ep::cuda::{CudaBuffer, CudaFloor};
     let c = &args.common;
     let comm = join(args)?;
     let (rank, n) = (comm.rank(), comm.nranks());
     let experts = args.experts.unwrap_or(32 * n);
-    let mut cfg = Config::low_latency(args.hidden, args.tokens, experts, args.topk);
+    let mut cfg = match args.mode {
+        MoeMode::Ll => Config::low_latency(args.hidden, args.tokens, experts, args.topk),
+        MoeMode::Ht => Config {
+            channels: args.channels,
+            ..Config::high_throughput(args.hidden, args.tokens, experts, args.topk)
+        },
+    };
     cfg.fp8 = args.fp8;
     let cuda = comm.cuda()?;
     let mut buf = CudaBuffer::new(&cuda, cfg)?;
@@ -440,7 +449,14 @@ fn cuda_rank_main(args: &MoeArgs) -> Result<()> {
     // Per step: dispatch, combine, floor dispatch, floor combine (µs).
     let mut step = |timed: &mut [f64; 4]| -> Result<()> {
         comm.bootstrap().barrier()?;
-        if let Some(dv) = &dev {
+        if args.mode == MoeMode::Ht {
+            // The dispatch's clock runs from the notify kernel's start to the
+            // dispatch kernel's end (the plan built on the host between).
+            let d = buf.ht_dispatch(&me.x, &me.topk_idx, &me.weights)?;
+            buf.ht_echo(&d)?;
+            comm.bootstrap().barrier()?;
+            buf.ht_combine(&d)?;
+        } else if let Some(dv) = &dev {
             let s = buf.ll_dispatch_device(&dv.inputs())?;
             buf.ll_echo_device(&s)?;
             comm.bootstrap().barrier()?;
@@ -495,7 +511,7 @@ fn cuda_rank_main(args: &MoeArgs) -> Result<()> {
         let [d, cm, t, fd, fc, ft] = samples;
         ranks::emit(&MoeResult {
             ranks: n,
-            mode: MoeMode::Ll,
+            mode: args.mode,
             backend: buf.backend_name().to_owned(),
             paths: vec![format!("GPU {}", cuda.device().name())],
             tokens: args.tokens,
@@ -504,7 +520,11 @@ fn cuda_rank_main(args: &MoeArgs) -> Result<()> {
             experts,
             fp8: args.fp8,
             hosts: args.hosts,
-            channels: 0,
+            channels: if args.mode == MoeMode::Ht {
+                args.channels
+            } else {
+                0
+            },
             threads: 0,
             dispatch: Row::new(db, d, fd).context("no samples")?,
             combine: Row::new(cb, cm, fc).context("no samples")?,
@@ -568,12 +588,21 @@ fn cuda_verify(buf: &mut gin_ep::cuda::CudaBuffer<'_, '_>, inputs: &[RankInput])
     let rank = buf.rank();
     let me = &inputs[rank];
     let tables: Vec<Vec<i64>> = inputs.iter().map(|i| i.topk_idx.clone()).collect();
-    let d = buf.ll_dispatch(&me.x, &me.topk_idx, &me.weights)?;
-    let got = buf.ll_received(&d)?;
-    oracle::check_ll_view(rank, &cfg, buf.active(), &got, inputs, &tables)
-        .map_err(anyhow::Error::msg)?;
-    buf.ll_echo(&d)?;
-    let combined = buf.ll_combine(&d)?;
+    let combined = if cfg.mode == Mode::HighThroughput {
+        let d = buf.ht_dispatch(&me.x, &me.topk_idx, &me.weights)?;
+        let got = buf.ht_received(&d)?;
+        oracle::check_ht_view(rank, &cfg, buf.active(), &got, inputs, &tables)
+            .map_err(anyhow::Error::msg)?;
+        buf.ht_echo(&d)?;
+        buf.ht_combine(&d)?
+    } else {
+        let d = buf.ll_dispatch(&me.x, &me.topk_idx, &me.weights)?;
+        let got = buf.ll_received(&d)?;
+        oracle::check_ll_view(rank, &cfg, buf.active(), &got, inputs, &tables)
+            .map_err(anyhow::Error::msg)?;
+        buf.ll_echo(&d)?;
+        buf.ll_combine(&d)?
+    };
     oracle::check_combine(rank, &combined.x, me, cfg.hidden, cfg.topk, cfg.fp8, |_| {
         true
     })
@@ -756,8 +785,8 @@ mod cuda_tests {
 
     /// `--device cuda` without a usable GPU is an error saying it needs one
     /// and why, before any rank starts; what CUDA ranks do not run yet is
-    /// refused by name; `--fp8` is accepted (FP8 dispatch runs on CUDA
-    /// ranks).
+    /// refused by name; `--fp8` and `--mode ht` are accepted (both run on
+    /// CUDA ranks).
     #[test]
     fn device_cuda_needs_a_gpu_and_refuses_what_it_does_not_run() {
         let r = check_cuda_args(&parse(&["--device", "cuda"]));
@@ -768,17 +797,26 @@ mod cuda_tests {
             }
             None => assert!(r.is_ok(), "{r:?}"),
         }
-        let e = check_cuda_args(&parse(&["--device", "cuda", "--mode", "ht"]))
-            .expect_err("ht on CUDA ranks")
-            .to_string();
-        assert!(e.contains("--mode ll only"), "{e}");
-        let fp8 = check_cuda_args(&parse(&["--device", "cuda", "--fp8"]));
-        match gin_core::cuda::skip_reason() {
-            Some(why) => {
-                let e = fp8.expect_err("no GPU here").to_string();
-                assert_eq!(e, format!("gin-bench moe --device cuda needs a GPU: {why}"));
+        // High-throughput mode runs on CUDA ranks from host inputs; device
+        // inputs are refused by name, before the GPU is looked for.
+        let e = check_cuda_args(&parse(&[
+            "--device", "cuda", "--mode", "ht", "--inputs", "device",
+        ]))
+        .expect_err("ht with device inputs on CUDA ranks")
+        .to_string();
+        assert!(e.contains("--mode ht takes host inputs only"), "{e}");
+        for accepted in [
+            &["--device", "cuda", "--fp8"][..],
+            &["--device", "cuda", "--mode", "ht", "--tokens", "4096"][..],
+        ] {
+            let r = check_cuda_args(&parse(accepted));
+            match gin_core::cuda::skip_reason() {
+                Some(why) => {
+                    let e = r.expect_err("no GPU here").to_string();
+                    assert_eq!(e, format!("gin-bench moe --device cuda needs a GPU: {why}"));
+                }
+                None => assert!(r.is_ok(), "{accepted:?}: {r:?}"),
             }
-            None => assert!(fp8.is_ok(), "{fp8:?}"),
         }
     }
 

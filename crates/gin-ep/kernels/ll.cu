@@ -32,6 +32,10 @@
 // formats below are visible.
 #include "gin/gin.cuh"
 
+// ht.cu, compiled after this file in one source (or alone by nvcc, which
+// then includes it), knows it is here by this.
+#define GIN_EP_LL_CU 1
+
 using namespace gin;
 
 // The number formats tokens travel in, for the kernels and (compiled as host

@@ -53,7 +53,10 @@
 //! ([`cuda::DeviceInputs`]), with steps on gin's stream or queued on the
 //! caller's: no host copy or synchronisation in the step, the checks the
 //! host made on read-back done and recorded by the kernels.
-//! High-throughput mode and masking a lost peer are CPU-rank only so far.
+//! High-throughput mode runs on CUDA ranks too, from host inputs
+//! (`kernels/ht.cu`: the CPU ranks' plan, built on the host and uploaded;
+//! a block per channel runs the lanes' protocol, bit for bit the CPU
+//! ranks' combine). Masking a lost peer is CPU-rank only so far.
 
 #![warn(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]

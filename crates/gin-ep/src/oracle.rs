@@ -419,21 +419,91 @@ pub fn check_combine(
     Ok(diff)
 }
 
+/// What the high-throughput oracle reads of a dispatch: CPU ranks'
+/// [`crate::HtDispatch`] with its buffer, or CUDA ranks' dispatch with its
+/// payloads copied back ([`crate::cuda::HtReceived`]).
+pub trait HtView {
+    /// Tokens received from `src`.
+    fn count(&self, src: usize) -> usize;
+    /// Where `src`'s block starts among the received tokens.
+    fn block_start(&self, src: usize) -> usize;
+    /// Tokens received in all.
+    fn received(&self) -> usize;
+    /// The index at its source of received token `j`.
+    fn src_token(&self, j: usize) -> usize;
+    /// The sum of received token `j`'s weights for this rank's experts.
+    fn local_weight(&self, j: usize) -> f32;
+    /// Received tokens naming local expert `le`.
+    fn expert_count(&self, le: usize) -> usize;
+    /// The payload of received token `j`.
+    fn payload(&self, j: usize) -> Result<&[u8], String>;
+}
+
+/// A CPU rank's high-throughput dispatch, with its buffer (where the
+/// payloads are).
+struct CpuHt<'b, 'c> {
+    buf: &'b crate::Buffer<'c>,
+    d: &'b crate::HtDispatch,
+}
+
+impl HtView for CpuHt<'_, '_> {
+    fn count(&self, src: usize) -> usize {
+        self.d.count(src)
+    }
+    fn block_start(&self, src: usize) -> usize {
+        self.d.block_start(src)
+    }
+    fn received(&self) -> usize {
+        self.d.received()
+    }
+    fn src_token(&self, j: usize) -> usize {
+        self.d.src_token(j)
+    }
+    fn local_weight(&self, j: usize) -> f32 {
+        self.d.local_weight(j)
+    }
+    fn expert_count(&self, le: usize) -> usize {
+        self.d.expert_count(le)
+    }
+    fn payload(&self, j: usize) -> Result<&[u8], String> {
+        self.buf.ht_token(self.d, j).map_err(|e| e.to_string())
+    }
+}
+
 /// Checks a high-throughput dispatch at this rank: every active source's
 /// block holds exactly its tokens that name one of this rank's experts, in
 /// token order, with the right payloads and summed local weights, masked
 /// sources' blocks are empty, and per-expert counts equal counting the
-/// all-gathered table (over active sources).
+/// all-gathered routing table (DeepEP's checks).
 pub fn check_ht_dispatch(
     buf: &crate::Buffer<'_>,
     d: &crate::HtDispatch,
     inputs: &[RankInput],
     tables: &[Vec<i64>],
 ) -> Result<(), String> {
-    let (rank, n, cfg) = (buf.rank(), buf.nranks(), *buf.config());
+    check_ht_view(
+        buf.rank(),
+        buf.config(),
+        buf.active(),
+        &CpuHt { buf, d },
+        inputs,
+        tables,
+    )
+}
+
+/// [`check_ht_dispatch`] for any [`HtView`] (CUDA ranks too): `rank`'s
+/// dispatch under `cfg` with the active mask `active`.
+pub fn check_ht_view(
+    rank: usize,
+    cfg: &crate::Config,
+    active: &[bool],
+    d: &impl HtView,
+    inputs: &[RankInput],
+    tables: &[Vec<i64>],
+) -> Result<(), String> {
+    let n = active.len();
     let l = cfg.local_experts(n);
     let mine = |e: i64| e >= 0 && e as usize / l == rank;
-    let active = buf.active().to_vec();
     let counts = count_experts(tables, cfg.num_experts, |r| active[r]);
     for le in 0..l {
         if d.expert_count(le) != counts[rank * l + le] {
@@ -475,7 +545,7 @@ pub fn check_ht_dispatch(
                     d.local_weight(j)
                 ));
             }
-            let p = buf.ht_token(d, j).map_err(|e| e.to_string())?;
+            let p = d.payload(j)?;
             check_payload(p, src, t, cfg.hidden, cfg.fp8)
                 .map_err(|m| format!("rank {rank}: {m}"))?;
         }
@@ -483,13 +553,20 @@ pub fn check_ht_dispatch(
     Ok(())
 }
 
-/// A digest of everything a high-throughput dispatch delivered here.
+/// A digest of everything a high-throughput dispatch received (for the
+/// repeats' bit-identity).
 pub fn ht_digest(buf: &crate::Buffer<'_>, d: &crate::HtDispatch) -> u64 {
+    ht_view_digest(&CpuHt { buf, d })
+}
+
+/// [`ht_digest`] for any [`HtView`]: CPU and CUDA ranks' digests of the
+/// same dispatch are equal.
+pub fn ht_view_digest(d: &impl HtView) -> u64 {
     let mut words = Vec::new();
     for j in 0..d.received() {
         words.push(d.src_token(j) as i64);
         words.push(i64::from(d.local_weight(j).to_bits()));
-        if let Ok(p) = buf.ht_token(d, j) {
+        if let Ok(p) = d.payload(j) {
             words.extend(p.chunks(8).map(|c| {
                 let mut b = [0u8; 8];
                 b[..c.len()].copy_from_slice(c);

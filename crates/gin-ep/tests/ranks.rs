@@ -290,6 +290,48 @@ fn cuda_ranks_need_a_gpu_and_say_so() {
     }
 }
 
+/// High-throughput mode on CUDA ranks (`ht device=cuda`) needs a GPU alike
+/// and says so before starting a rank; with a GPU it passes the oracle on
+/// one host and on two emulated hosts through small rings, repeats
+/// bit-identical.
+#[test]
+fn cuda_ranks_run_high_throughput_mode_with_a_gpu_and_say_so_without() {
+    if let Some(why) = gin_core::cuda::skip_reason() {
+        let out = std::process::Command::new(BIN)
+            .args(["ht", "device=cuda", "ranks=2"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "exited successfully: {err}");
+        assert!(
+            err.contains("gin-ep-selftest: device=cuda needs a GPU: ") && err.contains(&why),
+            "{err}"
+        );
+        assert!(
+            out.stdout.is_empty(),
+            "{}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+    } else {
+        assert_ok(
+            &run(2, &["ht", "device=cuda", "repeats=3"], &[]),
+            "ht on CUDA ranks",
+        );
+        let two_hosts = [
+            "ht",
+            "device=cuda",
+            "hosts=2",
+            "ring=2",
+            "channels=3",
+            "repeats=3",
+        ];
+        assert_ok(
+            &run(4, &two_hosts, &[]),
+            "ht on CUDA ranks, two emulated hosts, 2-slot rings",
+        );
+    }
+}
+
 /// The device-resident steps (`inputs=device`, `inputs=stream`) need a GPU
 /// alike and say so before starting a rank; with a GPU they pass the same
 /// oracle, and bad inputs found on the GPU are reported on every rank.

@@ -8,7 +8,10 @@
 //! local ranks of itself (default 2).
 //!
 //! `device=cuda` runs `ll` on CUDA ranks (gin-ep's `CudaBuffer`: the
-//! kernels of `kernels/ll.cu`) with the same oracle; `hosts=K` splits the
+//! kernels of `kernels/ll.cu`) with the same oracle, and `ht` (the
+//! high-throughput mode, `kernels/ht.cu`, host inputs; `ring`, `channels`
+//! and `fp8` as on CPU ranks) likewise, printing the same combine digest as
+//! CPU ranks' `ht` with the same arguments; `hosts=K` splits the
 //! ranks into K emulated hosts (consecutive ranks, by host id), so peers on
 //! other hosts are reached over TCP. Without a usable GPU it fails at once
 //! with "device=cuda needs a GPU: `<why>`".
@@ -79,9 +82,9 @@ fn run() -> Res<()> {
     };
     if cuda {
         gin_ep::cuda::gpu_available().map_err(|why| format!("device=cuda needs a GPU: {why}"))?;
-        if args.scenario != "ll" && args.scenario != "kill" {
+        if !["ll", "ht", "kill"].contains(&args.scenario.as_str()) {
             return Err(format!(
-                "device=cuda runs the ll and kill scenarios only, not {:?}",
+                "device=cuda runs the ll, ht and kill scenarios only, not {:?}",
                 args.scenario
             )
             .into());
@@ -96,6 +99,7 @@ fn run() -> Res<()> {
         "ll" if cuda && args.get("bad", 0) == 1 => cuda_device_bad(&comm, &args)?,
         "ll" if cuda => cuda_oracle_run(&comm, &args)?,
         "ll" => oracle_run(&comm, &args, Mode::LowLatency)?,
+        "ht" if cuda => cuda_ht_run(&comm, &args)?,
         "ht" => oracle_run(&comm, &args, Mode::HighThroughput)?,
         "bad" => bad_inputs(&comm, &args)?,
         "kill" if cuda => cuda_kill(&comm, &args)?,
@@ -517,6 +521,72 @@ fn cuda_oracle_run(comm: &Comm, args: &Args) -> Res<String> {
     ))
 }
 
+/// One high-throughput step on CUDA ranks: dispatch, check (first time),
+/// the identity expert on the GPU, combine, check; the digests of what was
+/// received and combined (those of CPU ranks' `ht` with the same inputs).
+fn cuda_ht_step(
+    buf: &mut gin_ep::cuda::CudaBuffer<'_, '_>,
+    all: &[RankInput],
+    tables: &[Vec<i64>],
+    check: bool,
+) -> Res<(u64, u64)> {
+    let cfg = *buf.config();
+    let rank = buf.rank();
+    let me = &all[rank];
+    let d = buf.ht_dispatch(&me.x, &me.topk_idx, &me.weights)?;
+    let got = buf.ht_received(&d)?;
+    if check {
+        oracle::check_ht_view(rank, &cfg, buf.active(), &got, all, tables)?;
+    }
+    let dig = oracle::ht_view_digest(&got);
+    buf.ht_echo(&d)?;
+    let combined = buf.ht_combine(&d)?;
+    if check {
+        let active = buf.active().to_vec();
+        let l = cfg.local_experts(buf.nranks());
+        oracle::check_combine(rank, &combined.x, me, cfg.hidden, cfg.topk, cfg.fp8, |e| {
+            active[e / l]
+        })?;
+    }
+    Ok((dig, oracle::bf16_digest(&combined.x)))
+}
+
+/// The `ht` oracle on CUDA ranks: the first step checked, `repeats` steps
+/// bit-identical.
+fn cuda_ht_run(comm: &Comm, args: &Args) -> Res<String> {
+    let cfg = config(comm, args, Mode::HighThroughput);
+    let cuda = comm.cuda()?;
+    let mut buf = gin_ep::cuda::CudaBuffer::new(&cuda, cfg)?;
+    let (all, tables) = inputs(comm, &cfg)?;
+    let repeats = args.get("repeats", 20);
+    let first = cuda_ht_step(&mut buf, &all, &tables, true)?;
+    for i in 1..repeats {
+        let again = cuda_ht_step(&mut buf, &all, &tables, false)?;
+        if again != first {
+            return Err(format!(
+                "rank {}: high-throughput repeat {i} on CUDA ranks differs from the first (digests {again:x?} vs {first:x?})",
+                comm.rank()
+            )
+            .into());
+        }
+    }
+    let backend = buf.backend_name();
+    buf.destroy()?;
+    Ok(format!(
+        "CUDA ranks ({backend}, GPU {}): {} tokens, hidden {}, {} experts, top-{}{}, {} channels, rings of {}, {repeats} repeats bit-identical, dispatch digest {:016x}, combine digest {:016x}",
+        cuda.device().name(),
+        all[comm.rank()].tokens,
+        cfg.hidden,
+        cfg.num_experts,
+        cfg.topk,
+        if cfg.fp8 { ", fp8" } else { "" },
+        cfg.channels,
+        cfg.ring_slots,
+        first.0,
+        first.1,
+    ))
+}
+
 /// `kill device=cuda`: one verified step with every rank, its launches
 /// queued on the test's stream (as `inputs=stream`); then rank `victim`
 /// (default the last) dies once every survivor is past a barrier, and the
@@ -781,12 +851,13 @@ fn oracle_run(comm: &Comm, args: &Args, mode: Mode) -> Res<String> {
     }
     buf.destroy()?;
     Ok(format!(
-        "{} tokens, hidden {}, {} experts, top-{}{}, {repeats} repeats bit-identical, combine digest {:016x}",
+        "{} tokens, hidden {}, {} experts, top-{}{}, {repeats} repeats bit-identical, dispatch digest {:016x}, combine digest {:016x}",
         all[comm.rank()].tokens,
         cfg.hidden,
         cfg.num_experts,
         cfg.topk,
         if cfg.fp8 { ", fp8" } else { "" },
+        first.0,
         first.1,
     ))
 }

@@ -274,6 +274,50 @@ pub(crate) mod code {
     pub const EXPERT_RANGE: u64 = 5;
     pub const DUPLICATE: u64 = 6;
     pub const WEIGHT: u64 = 7;
+    /// High-throughput mode (`kernels/ht.cu`'s `ep::ERR_HT`): word 1 is
+    /// what ([`ht`]) | the channel << 32.
+    pub const HT: u64 = 8;
+
+    /// What an `HT` error says (`ep::ht::HT_*`).
+    pub mod ht {
+        pub const STREAM_AHEAD: u64 = 1;
+        pub const TOKEN_OUTSIDE: u64 = 2;
+        pub const RANK_SLOT: u64 = 3;
+        pub const WRONG_PLACE: u64 = 4;
+        pub const RING_FOR_SELF: u64 = 5;
+        pub const DELIVERED: u64 = 6;
+        pub const ROWS_AHEAD: u64 = 7;
+    }
+}
+
+/// The words of a high-throughput protocol error (`ep::ht::protocol`:
+/// word 1 what | the channel << 32, words 2-3 the values), in words.
+fn ht_protocol_what(w: [u64; 4]) -> String {
+    let (what, ch, a, b) = (w[1] & 0xffff_ffff, w[1] >> 32, w[2], w[3]);
+    match what {
+        code::ht::STREAM_AHEAD => {
+            format!("stream signal {a} runs ahead of the {b} messages expected (channel {ch})")
+        }
+        code::ht::TOKEN_OUTSIDE => format!(
+            "token {a} with host slot {b}, outside channel {ch}'s range of its tokens for this host"
+        ),
+        code::ht::RANK_SLOT => {
+            format!("rank slot {a} for rank {b}, beyond the tokens it expects (channel {ch})")
+        }
+        code::ht::WRONG_PLACE => {
+            format!("a token landed in place {a}, its slot says {b} (channel {ch})")
+        }
+        code::ht::RING_FOR_SELF => {
+            format!("token {a} for this forwarder came through the ring (channel {ch})")
+        }
+        code::ht::DELIVERED => format!(
+            "this host's forwarders delivered {a} tokens in channel {ch}, the counts say {b}"
+        ),
+        code::ht::ROWS_AHEAD => {
+            format!("{a} combined rows in channel {ch}, {b} expected")
+        }
+        other => format!("an unknown high-throughput error {other} (words {w:x?})"),
+    }
 }
 
 /// The error a kernel recorded (`ep::record`: word 0 the kind | the peer
@@ -331,6 +375,7 @@ pub fn decode_error(rank: usize, cfg: &Config, w: [u64; 4]) -> Option<EpError> {
             slot: us(w[2]),
             weight: f32::from_bits(u32::try_from(w[3] & 0xffff_ffff).unwrap_or(0)),
         },
+        code::HT => proto(ht_protocol_what(w)),
         other => EpError::Mode {
             rank,
             what: format!(
@@ -562,6 +607,40 @@ mod tests {
         ] {
             let decl = format!("constexpr u64 {name} = {v};");
             assert!(src.contains(&decl), "ll.cu lacks {decl:?}");
+        }
+    }
+
+    /// High-throughput mode's codes are ht.cu's (`ep::ERR_HT`,
+    /// `ep::ht::HT_*`), and each decodes to a protocol error naming the
+    /// peer and the channel.
+    #[test]
+    fn ht_error_codes_match_the_kernels_and_decode() {
+        let src = super::super::HT_KERNELS;
+        assert!(src.contains(&format!("constexpr u64 ERR_HT = {};", code::HT)));
+        for (name, v) in [
+            ("HT_STREAM_AHEAD", code::ht::STREAM_AHEAD),
+            ("HT_TOKEN_OUTSIDE", code::ht::TOKEN_OUTSIDE),
+            ("HT_RANK_SLOT", code::ht::RANK_SLOT),
+            ("HT_WRONG_PLACE", code::ht::WRONG_PLACE),
+            ("HT_RING_FOR_SELF", code::ht::RING_FOR_SELF),
+            ("HT_DELIVERED", code::ht::DELIVERED),
+            ("HT_ROWS_AHEAD", code::ht::ROWS_AHEAD),
+        ] {
+            let decl = format!("constexpr u64 {name} = {v};");
+            assert!(src.contains(&decl), "ht.cu lacks {decl:?}");
+            let cfg = Config::high_throughput(256, 16, 8, 4);
+            let e = decode_error(2, &cfg, [code::HT | 5 << 8, v | 3 << 32, 7, 9]);
+            match e {
+                Some(EpError::Protocol {
+                    rank: 2,
+                    peer: 5,
+                    what,
+                }) => {
+                    assert!(what.contains("channel 3"), "{name}: {what}");
+                    assert!(!what.contains("unknown"), "{name}: {what}");
+                }
+                other => panic!("{name}: {other:?}"),
+            }
         }
     }
 

@@ -77,9 +77,14 @@
 //! protocol error naming the rank. After any such error the buffer refuses
 //! further steps.
 //!
-//! What this version leaves out: high-throughput mode on CUDA ranks
-//! (refused when the buffer is created), and the active-rank mask under a
-//! peer's loss (a lost peer fails the step, naming it).
+//! High-throughput mode (`ht.rs`, `kernels/ht.cu`): a buffer created with
+//! [`Config::high_throughput`] runs [`CudaBuffer::ht_dispatch`],
+//! [`CudaBuffer::ht_echo`] and [`CudaBuffer::ht_combine`] from host inputs
+//! (the low-latency calls are refused on it, and the reverse).
+//!
+//! What this version leaves out: high-throughput mode from inputs in GPU
+//! memory, and the active-rank mask under a peer's loss (a lost peer fails
+//! the step, naming it).
 
 use std::sync::atomic::Ordering;
 
@@ -90,7 +95,10 @@ use gin_core::cuda::{
 use gin_core::{CoreError, DevCommRequirements};
 
 mod dev;
+mod ht;
 mod steps;
+
+pub use ht::{CudaHtDispatch, HT_KERNELS, HtReceived};
 
 pub use dev::{
     DeviceInputs, LlDeviceLayout, Span, check_device_inputs, check_device_output, check_entries,
@@ -230,8 +238,14 @@ struct State {
 }
 
 impl State {
-    fn new(cfg: &Config, n: usize) -> Result<Self, CoreError> {
-        let (e, t) = (cfg.num_experts, cfg.max_tokens_per_rank);
+    /// `ll`: with the low-latency mode's tables (the high-throughput mode
+    /// uses the mask, the output, the clock and the error words only).
+    fn new(cfg: &Config, n: usize, ll: bool) -> Result<Self, CoreError> {
+        let (e, t) = if ll {
+            (cfg.num_experts, cfg.max_tokens_per_rank)
+        } else {
+            (1, 1)
+        };
         let zeroed = |bytes: usize| -> Result<DevMem, CoreError> {
             let m = DevMem::new(bytes.max(16))?;
             m.zero(0, m.len())?;
@@ -243,9 +257,9 @@ impl State {
             counts: zeroed(4 * e)?,
             meta: zeroed(12 * e * t)?,
             ctarget: zeroed(8 * n)?,
-            out: zeroed(2 * t * cfg.hidden)?,
+            out: zeroed(2 * cfg.max_tokens_per_rank * cfg.hidden)?,
             clock: zeroed(16)?,
-            xin: if cfg.fp8 {
+            xin: if cfg.fp8 && ll {
                 Some(zeroed(2 * t * cfg.hidden)?)
             } else {
                 None
@@ -272,18 +286,27 @@ struct Kernels {
     take: Function,
     combine: Function,
     floor: Function,
+    /// High-throughput mode's (`kernels/ht.cu`, compiled after `ll.cu`).
+    ht: Option<ht::HtFunctions>,
     _module: Module,
 }
 
 impl Kernels {
-    fn load(cuda: &CudaComm<'_>) -> Result<Self, CoreError> {
-        let m = cuda.compile(LL_KERNELS, "ll.cu")?;
+    fn load(cuda: &CudaComm<'_>, mode: Mode) -> Result<Self, CoreError> {
+        let m = match mode {
+            Mode::LowLatency => cuda.compile(LL_KERNELS, "ll.cu")?,
+            Mode::HighThroughput => cuda.compile(HT_KERNELS, "ht.cu")?,
+        };
         Ok(Self {
             dispatch: m.function("ep_ll_dispatch")?,
             echo: m.function("ep_ll_echo")?,
             take: m.function("ep_ll_take_outputs")?,
             combine: m.function("ep_ll_combine")?,
             floor: m.function("ep_floor")?,
+            ht: match mode {
+                Mode::LowLatency => None,
+                Mode::HighThroughput => Some(ht::HtFunctions::of(&m)?),
+            },
             _module: m,
         })
     }
@@ -292,15 +315,21 @@ impl Kernels {
 /// Compiles and loads the kernels on every rank (collective): a rank that
 /// cannot (no NVRTC, a compile error) fails with its reason, and every
 /// other rank with an error naming it, rather than waiting for it later.
-fn load_agreed(cuda: &CudaComm<'_>) -> Result<Kernels, EpError> {
+fn load_agreed(cuda: &CudaComm<'_>, mode: Mode) -> Result<Kernels, EpError> {
     let comm = cuda.comm();
-    let k = Kernels::load(cuda);
+    let k = Kernels::load(cuda, mode);
     let all = comm.bootstrap().allgather(&[u8::from(k.is_ok())])?;
     let k = k?;
     match all.iter().position(|v| v.first() != Some(&1)) {
         Some(p) => Err(EpError::Mode {
             rank: comm.rank(),
-            what: format!("rank {p} could not compile gin-ep's CUDA kernels (kernels/ll.cu)"),
+            what: format!(
+                "rank {p} could not compile gin-ep's CUDA kernels ({})",
+                match mode {
+                    Mode::LowLatency => "kernels/ll.cu",
+                    Mode::HighThroughput => "kernels/ll.cu and kernels/ht.cu",
+                }
+            ),
         }),
         None => Ok(k),
     }
@@ -341,8 +370,9 @@ impl KernelClock {
     }
 }
 
-/// A CUDA rank's low-latency expert-parallel buffer: the windows of
-/// [`crate::ll`] in GPU memory, a device communicator, and the kernels.
+/// A CUDA rank's expert-parallel buffer: the windows of [`crate::ll`] (or,
+/// in high-throughput mode, of [`crate::ht`]) in GPU memory, a device
+/// communicator, and the kernels.
 /// Created collectively with the same [`Config`] on every rank; steps are
 /// collective too.
 #[derive(Debug)]
@@ -369,6 +399,8 @@ pub struct CudaBuffer<'a, 'c> {
     last: (KernelClock, KernelClock),
     /// `[owner]`: whether this rank reads `owner`'s combine slots in place.
     reads: Vec<bool>,
+    /// High-throughput mode's device memory and staging.
+    ht: Option<ht::HtState>,
 }
 
 /// What a CUDA rank received in one low-latency dispatch: per (local
@@ -467,37 +499,66 @@ impl crate::oracle::LlView for LlReceived {
 impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// Creates the buffer collectively on CUDA ranks: checks `cfg` and that
     /// every rank passed the same one (before any window exists), then
-    /// allocates the low-latency windows in GPU memory, a device
-    /// communicator with one signal per (expert, source) for each phase,
-    /// and compiles the kernels with NVRTC.
+    /// allocates the mode's windows in GPU memory (low-latency: a device
+    /// communicator with one signal per (expert, source) for each phase;
+    /// high-throughput: the CPU ranks' windows and signals, one context per
+    /// channel, which needs hosts of equal size numbered host by host), and
+    /// compiles the kernels with NVRTC.
     pub fn new(cuda: &'a CudaComm<'c>, cfg: Config) -> Result<Self, EpError> {
         let comm = cuda.comm();
         let (rank, n) = (comm.rank(), comm.nranks());
         crate::buffer::agree_config(comm, &cfg)?;
-        let kernels = load_agreed(cuda)?;
-        // Every rank passed the same configuration: all refuse alike.
-        if cfg.mode != Mode::LowLatency {
-            return Err(EpError::Mode {
-                rank,
-                what: "CUDA ranks run the low-latency mode only \
-                       (high-throughput mode on CUDA ranks is not built yet)"
-                    .into(),
-            });
-        }
-        let (signals, sizes) = crate::ll::resources(&cfg, n);
+        let kernels = load_agreed(cuda, cfg.mode)?;
+        // Every rank passed the same configuration and host map: all take
+        // the same branch, and refuse alike.
+        let (signals, contexts, mut sizes, hosts) = match cfg.mode {
+            Mode::LowLatency => {
+                let (signals, sizes) = crate::ll::resources(&cfg, n);
+                (signals, 1, sizes, None)
+            }
+            Mode::HighThroughput => {
+                let ids = comm
+                    .bootstrap()
+                    .allgather(comm.settings().host_id.as_bytes())?;
+                let hosts = crate::Hosts::from_ids(&ids);
+                let (signals, contexts, sizes) = crate::ht::resources(&cfg, rank, &hosts)?;
+                (signals, contexts, sizes, hosts.ranks_per_host)
+            }
+        };
         let req = DevCommRequirements {
             signals,
             counters: 1,
-            contexts: 1,
+            contexts,
             ..DevCommRequirements::default()
         };
         let dc = cuda.dev_comm(&req, CtxSharing::Gpu)?;
+        if let Some(l) = hosts {
+            // Rows of same-host peers not mapped here are fetched by get.
+            sizes[crate::ht::CGET] = crate::ht::cget_bytes(&cfg, l, true);
+        }
         let wins = sizes
             .iter()
             .map(|&b| cuda.alloc_window(b.max(64) as u64))
             .collect::<Result<Vec<_>, _>>()?;
         cuda.device().make_current().map_err(CoreError::from)?;
-        let state = State::new(&cfg, n)?;
+        let state = State::new(&cfg, n, cfg.mode == Mode::LowLatency)?;
+        let ht = match hosts {
+            Some(l) => {
+                let s = crate::ht::plan::Shape::of(&cfg, n, l);
+                let direct: Vec<bool> = (0..n)
+                    .map(|p| {
+                        p == rank
+                            || (p / l == rank / l
+                                && dc.is_lsa(p)
+                                && wins[crate::ht::plan::CSEND]
+                                    .peer_base(p)
+                                    .is_some_and(|b| b != 0))
+                    })
+                    .collect();
+                Some(ht::HtState::new(s, rank, &cfg, &direct)?)
+            }
+            None => None,
+        };
         let mut me = Self {
             cuda,
             dc,
@@ -514,9 +575,12 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             staged: Vec::new(),
             last: (KernelClock::default(), KernelClock::default()),
             reads: Vec::new(),
+            ht,
         };
         me.write_active()?;
-        me.agree_pull()?;
+        if cfg.mode == Mode::LowLatency {
+            me.agree_pull()?;
+        }
         Ok(me)
     }
 
@@ -567,7 +631,10 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         self.blocks = blocks.max(1);
     }
 
-    /// When the last dispatch and combine kernels ran on the GPU.
+    /// When the last dispatch and combine kernels ran on the GPU (in
+    /// high-throughput mode the dispatch's clock runs from the notify
+    /// kernel's start to the dispatch kernel's end: the host's plan between
+    /// them counts, as DeepEP's CPU sync does).
     pub fn last_kernels(&self) -> (KernelClock, KernelClock) {
         self.last
     }
@@ -656,11 +723,18 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         Ok(())
     }
 
+    /// A low-latency step's call: refused on a high-throughput buffer.
+    fn ll_only(&self, call: &'static str) -> Result<(), EpError> {
+        steps::expect_mode(self.rank, call, Mode::LowLatency, self.cfg.mode)
+    }
+
     fn expect_idle(&self, call: &'static str) -> Result<(), EpError> {
+        self.ll_only(call)?;
         self.st.idle(call)
     }
 
     fn expect_dispatch(&self, call: &'static str, step: u64) -> Result<(), EpError> {
+        self.ll_only(call)?;
         self.st.dispatched(call, step)
     }
 
@@ -1039,6 +1113,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// tokens are not: [`CudaBuffer::ll_received`]). After launches queued
     /// on a stream, synchronise it and call [`CudaBuffer::check`] first.
     pub fn ll_read_back(&mut self, s: &CudaLlStep) -> Result<CudaLlDispatch, EpError> {
+        self.ll_only("ll_read_back")?;
         self.st.for_read_back("ll_read_back", s.step)?;
         let d = self.read_dispatch("ll_read_back");
         if d.is_err() {
@@ -1055,6 +1130,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// slots. After launches queued on a stream, synchronise it and call
     /// [`CudaBuffer::check`] first.
     pub fn ll_received(&self, d: &CudaLlDispatch) -> Result<LlReceived, EpError> {
+        self.ll_only("ll_received")?;
         self.st.for_received("ll_received", d.step)?;
         self.current()?;
         let (m, t) = (self.cfg.msg_bytes(), self.cfg.max_tokens_per_rank);
@@ -1487,7 +1563,7 @@ impl<'a, 'c> CudaFloor<'a, 'c> {
                 ),
             });
         }
-        let kernels = load_agreed(cuda)?;
+        let kernels = load_agreed(cuda, Mode::LowLatency)?;
         // Every rank lays its peers' slots out alike: the largest message
         // any rank sends, agreed on by all (unequal token counts make
         // ranks' own maxima differ).

@@ -35,6 +35,32 @@ pub(crate) struct Steps {
     pub(crate) failed: bool,
 }
 
+/// A call of one mode's steps on a buffer of `have`: refused on a buffer
+/// sized for the other mode (every rank refuses alike: the configuration
+/// is agreed).
+pub(crate) fn expect_mode(
+    rank: usize,
+    call: &'static str,
+    want: crate::Mode,
+    have: crate::Mode,
+) -> Result<(), EpError> {
+    if want == have {
+        return Ok(());
+    }
+    let name = |m: crate::Mode| match m {
+        crate::Mode::LowLatency => "low-latency",
+        crate::Mode::HighThroughput => "high-throughput",
+    };
+    Err(EpError::Mode {
+        rank,
+        what: format!(
+            "{call} is a {} call, on a buffer sized for {} mode",
+            name(want),
+            name(have)
+        ),
+    })
+}
+
 const QUEUED: &str = "holding launches queued on a stream (synchronise it, then call check)";
 
 impl Steps {
@@ -209,6 +235,30 @@ mod tests {
         s.dispatched("ll_combine_on", s.step).unwrap();
         s.launched(true, true);
         s.combined();
+    }
+
+    /// A call of one mode on a buffer sized for the other is refused,
+    /// naming both; the mode's own calls pass.
+    #[test]
+    fn calls_of_the_other_mode_are_refused() {
+        use crate::Mode::{HighThroughput, LowLatency};
+        assert!(expect_mode(2, "ht_dispatch", HighThroughput, HighThroughput).is_ok());
+        assert!(expect_mode(2, "ll_dispatch", LowLatency, LowLatency).is_ok());
+        for (call, want, have) in [
+            ("ht_dispatch", HighThroughput, LowLatency),
+            ("ll_dispatch", LowLatency, HighThroughput),
+        ] {
+            match expect_mode(2, call, want, have) {
+                Err(EpError::Mode { rank: 2, what }) => {
+                    assert!(what.starts_with(call), "{what}");
+                    assert!(
+                        what.contains("low-latency") && what.contains("high-throughput"),
+                        "{what}"
+                    );
+                }
+                other => panic!("{call}: {other:?}"),
+            }
+        }
     }
 
     #[test]

@@ -529,21 +529,7 @@ impl<'a> DispatchLane<'a> {
     }
 
     fn meta_word(&self, t: usize, i: usize) -> u32 {
-        let (s, lay) = (&self.sh.s, self.inp.lay);
-        let k = s.k;
-        if i == 0 {
-            t as u32
-        } else if i < s.w_weights() {
-            self.inp.idx[t * k + i - s.w_ids()] as i32 as u32
-        } else if i < s.w_host_slot(0) {
-            self.inp.w[t * k + i - s.w_weights()].to_bits()
-        } else if i < s.w_rank_slot(0) {
-            lay.host_slot[t * s.h + i - s.w_host_slot(0)]
-        } else if i < s.w_rank_slot(s.r) {
-            lay.rank_slot[t * s.r + i - s.w_rank_slot(0)]
-        } else {
-            0
-        }
+        super::plan::meta_word(&self.sh.s, self.inp.lay, self.inp.idx, self.inp.w, t, i)
     }
 
     /// Sends runs of tokens to host `sends[i]`'s forwarder as far as credits

@@ -41,7 +41,7 @@
 mod combine;
 mod lane;
 mod mem;
-mod plan;
+pub(crate) mod plan;
 
 use gin_core::Remote;
 
@@ -132,6 +132,35 @@ impl HtDispatch {
     pub fn lost(&self) -> &[usize] {
         &self.lost
     }
+}
+
+/// From a received token's metadata (at least its first `1 + 2k` words):
+/// its index at the source, and the sum, in top-k order, of its weights
+/// for the experts in `mine` (this rank's), each of which it counts in
+/// `expert_counts` (by local expert). Shared by CPU and CUDA ranks.
+pub(crate) fn read_meta(
+    s: &Shape,
+    mine: std::ops::Range<usize>,
+    meta: &[u8],
+    expert_counts: &mut [u32],
+) -> (u32, f32) {
+    let word = |i: usize| {
+        u32::from_le_bytes([
+            meta[4 * i],
+            meta[4 * i + 1],
+            meta[4 * i + 2],
+            meta[4 * i + 3],
+        ])
+    };
+    let mut w = 0f32;
+    for i in 0..s.k {
+        let e = word(s.w_ids() + i) as i32;
+        if e >= 0 && mine.contains(&(e as usize)) {
+            w += f32::from_bits(word(s.w_weights() + i));
+            expert_counts[e as usize - mine.start] += 1;
+        }
+    }
+    (word(0), w)
 }
 
 /// A high-throughput dispatch sent and not yet received: counts exchanged,
@@ -350,23 +379,8 @@ impl Buffer<'_> {
         d.local_weight.reserve(total);
         for j in 0..total {
             let meta = self.bytes(RECVM, j * s.mm, 4 * (1 + 2 * s.k));
-            let word = |i: usize| {
-                u32::from_le_bytes([
-                    meta[4 * i],
-                    meta[4 * i + 1],
-                    meta[4 * i + 2],
-                    meta[4 * i + 3],
-                ])
-            };
-            d.src_token.push(word(0));
-            let mut w = 0f32;
-            for i in 0..s.k {
-                let e = word(s.w_ids() + i) as i32;
-                if e >= 0 && (lo..hi).contains(&(e as usize)) {
-                    w += f32::from_bits(word(s.w_weights() + i));
-                    d.expert_counts[e as usize - lo] += 1;
-                }
-            }
+            let (tok, w) = read_meta(s, lo..hi, meta, &mut d.expert_counts);
+            d.src_token.push(tok);
             d.local_weight.push(w);
         }
     }

@@ -144,6 +144,34 @@ impl Shape {
     }
 }
 
+/// Word `i` of token `t`'s metadata (shared by CPU and CUDA ranks): its
+/// index, top-k ids (as i32) and weights, its slot among this rank's tokens
+/// for every host and every rank ([`crate::layout::NONE`] where it does not
+/// go), zero padding.
+pub(crate) fn meta_word(
+    s: &Shape,
+    lay: &Layout,
+    idx: &[i64],
+    w: &[f32],
+    t: usize,
+    i: usize,
+) -> u32 {
+    let k = s.k;
+    if i == 0 {
+        t as u32
+    } else if i < s.w_weights() {
+        idx[t * k + i - s.w_ids()] as i32 as u32
+    } else if i < s.w_host_slot(0) {
+        w[t * k + i - s.w_weights()].to_bits()
+    } else if i < s.w_rank_slot(0) {
+        lay.host_slot[t * s.h + i - s.w_host_slot(0)]
+    } else if i < s.w_rank_slot(s.r) {
+        lay.rank_slot[t * s.r + i - s.w_rank_slot(0)]
+    } else {
+        0
+    }
+}
+
 /// Signals (per context), contexts and window sizes of a high-throughput
 /// buffer.
 pub(crate) fn resources(
@@ -222,7 +250,7 @@ pub(crate) struct Plan {
 
 impl Plan {
     /// From every rank's row (`None` for masked ranks).
-    fn new(s: &Shape, active: Vec<bool>, rows: &[Option<Vec<u32>>]) -> Self {
+    pub(crate) fn new(s: &Shape, active: Vec<bool>, rows: &[Option<Vec<u32>>]) -> Self {
         let (r, h, c, mw) = (s.r, s.h, s.chans, s.mask_words());
         let mut rank_chan = vec![0u32; r * r * c];
         let mut host_chan = vec![0u32; r * h * c];
@@ -289,6 +317,24 @@ impl Plan {
     pub(crate) fn forwarder(&self, src: usize, host: usize) -> Option<usize> {
         self.fwd_of[src * self.h + host]
     }
+    /// The plan as one table of `u32` words for the CUDA kernels
+    /// ([`TableAt`] says where each part starts): the tokens per (source,
+    /// destination, channel) and per (source, host, channel), each
+    /// receiver's block starts, and the forwarder of every (source, host)
+    /// ([`crate::layout::NONE`] for none).
+    pub(crate) fn tables(&self) -> Vec<u32> {
+        let mut v = Vec::with_capacity(TableAt::of(self.r, self.h, self.c).words);
+        v.extend_from_slice(&self.rank_chan);
+        v.extend_from_slice(&self.host_chan);
+        v.extend_from_slice(&self.recv_pre);
+        v.extend(
+            self.fwd_of
+                .iter()
+                .map(|f| f.map_or(crate::layout::NONE, |p| p as u32)),
+        );
+        v
+    }
+
     /// Remote sources whose tokens `fwd` forwards on its host, in rank
     /// order.
     pub(crate) fn forwarded_sources(&self, fwd: usize) -> Vec<usize> {
@@ -296,6 +342,32 @@ impl Plan {
         (0..self.r)
             .filter(|&src| src / self.l != host && self.forwarder(src, host) == Some(fwd))
             .collect()
+    }
+}
+
+/// Where each part of [`Plan::tables`] starts (words), and its length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TableAt {
+    pub(crate) rank_chan: usize,
+    pub(crate) host_chan: usize,
+    pub(crate) recv_pre: usize,
+    pub(crate) fwd_of: usize,
+    pub(crate) words: usize,
+}
+
+impl TableAt {
+    /// For `r` ranks, `h` hosts and `c` channels.
+    pub(crate) fn of(r: usize, h: usize, c: usize) -> Self {
+        let host_chan = r * r * c;
+        let recv_pre = host_chan + r * h * c;
+        let fwd_of = recv_pre + r * (r + 1);
+        Self {
+            rank_chan: 0,
+            host_chan,
+            recv_pre,
+            fwd_of,
+            words: fwd_of + r * h,
+        }
     }
 }
 
@@ -314,7 +386,7 @@ pub(crate) fn forwarder(active: &[bool], l: usize, src: usize, host: usize) -> O
 
 /// This rank's notify row: its active mask, then its tokens per (rank,
 /// channel) and per (host, channel).
-fn notify_row(s: &Shape, lay: &Layout, active: &[bool]) -> Vec<u32> {
+pub(crate) fn notify_row(s: &Shape, lay: &Layout, active: &[bool]) -> Vec<u32> {
     let (r, h, c) = (s.r, s.h, s.chans);
     let mw = s.mask_words();
     let mut row = vec![0u32; s.row_words()];
@@ -451,40 +523,52 @@ impl Buffer<'_> {
                 .chunks_exact(4)
                 .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                 .collect();
-            self.check_row(s, src, &words)?;
+            check_row(s, self.rank, src, &words)?;
             *slot = Some(words);
         }
         Ok(rows)
     }
+}
 
-    /// A row's counts must fit the buffer.
-    fn check_row(&self, s: &Shape, src: usize, row: &[u32]) -> Result<(), EpError> {
-        let mw = s.mask_words();
-        let mine: u64 = (0..s.chans)
-            .map(|c| u64::from(row[mw + self.rank * s.chans + c]))
-            .sum();
-        let most = (0..s.r)
-            .map(|d| {
-                (0..s.chans)
-                    .map(|c| u64::from(row[mw + d * s.chans + c]))
-                    .sum::<u64>()
-            })
-            .chain((0..s.h).map(|host| {
-                (0..s.chans)
-                    .map(|c| u64::from(row[mw + (s.r + host) * s.chans + c]))
-                    .sum()
-            }))
-            .max()
-            .unwrap_or(0);
-        if mine > s.t as u64 || most > s.t as u64 {
-            return Err(EpError::Protocol {
-                rank: self.rank,
-                peer: src,
-                what: format!("count {} above the maximum {}", mine.max(most), s.t),
-            });
-        }
-        Ok(())
+/// A notify row from `src`, received at `rank`: its counts must fit the
+/// buffer (shared by CPU and CUDA ranks).
+pub(crate) fn check_row(s: &Shape, rank: usize, src: usize, row: &[u32]) -> Result<(), EpError> {
+    let mw = s.mask_words();
+    if row.len() != s.row_words() {
+        return Err(EpError::Protocol {
+            rank,
+            peer: src,
+            what: format!(
+                "notify row of {} words, {} expected",
+                row.len(),
+                s.row_words()
+            ),
+        });
     }
+    let mine: u64 = (0..s.chans)
+        .map(|c| u64::from(row[mw + rank * s.chans + c]))
+        .sum();
+    let most = (0..s.r)
+        .map(|d| {
+            (0..s.chans)
+                .map(|c| u64::from(row[mw + d * s.chans + c]))
+                .sum::<u64>()
+        })
+        .chain((0..s.h).map(|host| {
+            (0..s.chans)
+                .map(|c| u64::from(row[mw + (s.r + host) * s.chans + c]))
+                .sum()
+        }))
+        .max()
+        .unwrap_or(0);
+    if mine > s.t as u64 || most > s.t as u64 {
+        return Err(EpError::Protocol {
+            rank,
+            peer: src,
+            what: format!("count {} above the maximum {}", mine.max(most), s.t),
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]

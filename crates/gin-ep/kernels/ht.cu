@@ -1,0 +1,1150 @@
+// gin-ep's high-throughput mode on CUDA ranks: the count exchange (notify),
+// dispatch, the identity expert and combine, on gin/gin.cuh's put, get,
+// signal and flush. The protocol, windows, signal numbering and message
+// layout are the CPU ranks' (src/ht: plan.rs, lane.rs, combine.rs;
+// docs/ep.md): hosts of l ranks, rank = host * l + local index; each rank's
+// tokens split into `chans` contiguous ranges (channels), channel c on
+// context c with its own rings, credits and signals.
+//
+// The host stages each step: the notify row (NSEND), every token's payload
+// (XIN: BF16, or FP8 quantised by num.rs) and metadata (MIN: source index,
+// top-k ids and weights, its slot among this rank's tokens for every host
+// and every rank, NONE where it does not go). After the notify kernel the
+// host reads every rank's row back (NRECV), builds the step's plan with the
+// CPU ranks' code (plan.rs) and uploads it as one table of u32 words (the
+// count matrix per channel, each receiver's block starts, the forwarders):
+// the kernels move runs of tokens by it.
+//
+// A channel is one block (DeepEP's channel is one SM), a state machine as
+// the CPU ranks' lane: thread 0 decides what can move without waiting (a
+// batch of puts, gets, flushes, signals and row sums), the whole block
+// carries the batch out (gin's CTA-wide calls, load/store copies where the
+// peer is mapped), and so on until the channel's part of the step is done.
+// Thread 0 reads signals without waiting; when nothing moved for the job
+// timeout, or gin's abort flag is raised (a watcher saw a peer die), it
+// records the failure in gin's error word naming the peer it waits for
+// (the host's error names it). Every block only polls, so no block waits
+// for another's progress while holding up its own.
+//
+// Dispatch (channel c, rank me on host H):
+// - sender: for each other host, its tokens for that host go to the host's
+//   forwarder for me (the rank with my local index, or the next active
+//   one) in runs of consecutive tokens, one put of payloads and one of
+//   metadata carrying the signal: straight into their final place when the
+//   forwarder receives them itself (dtail), else into the forwarder's ring
+//   for (c, me), within the credits (tail counts messages in; head, back at
+//   the sender, messages consumed);
+// - own host: its tokens for ranks of H go into their final place at each
+//   of them;
+// - forwarder: what arrives from other hosts' sources (in the ring, or in
+//   its own final place) goes on to the other ranks of H that receive it;
+//   the ring's credits go back once the copies are complete; where each
+//   receiver holds each token is recorded for the combine (contrib:
+//   DeepEP's send_nvl_head);
+// - receiver: finally it tells each rank of H how many tokens it delivered
+//   there, and waits for the same from each of them; the totals must match
+//   the count matrix.
+// Combine (channel c): every rank tells the ranks of its host its rows are
+// written (cready); a forwarder sums its host's rows of every token it
+// forwarded (read in place where mapped, else fetched by get) and puts one
+// row per token back to the source in runs counted by ctail; a source
+// reduces each token once every host it went to has delivered, its own
+// host's rows read in place, in the CPU ranks' order (so the result is
+// theirs bit for bit).
+//
+// Compiled after ll.cu, in one NVRTC source (cuda::HT_KERNELS); nvcc
+// compiles this file alone, including ll.cu. As host C++ (no __CUDACC__)
+// only the index arithmetic in ep::ht is visible (tests cross-check it
+// against the Rust plan).
+#ifndef GIN_EP_LL_CU
+#include "ll.cu"
+#endif
+
+namespace ep {
+
+// The error kind of high-throughput mode beside ll.cu's ERR_*: a peer broke
+// the protocol; word 1 is what (ht::HT_*) | the channel << 32, words 2-3
+// the values it names.
+constexpr u64 ERR_HT = 8;
+
+namespace ht {
+
+// "Not there" in the metadata's slots and the plan's forwarders
+// (layout::NONE).
+constexpr u32 NONE = 0xffffffffu;
+
+// Messages one put into a ring carries at most, messages or rows one put
+// carries where no ring bounds it, and combine rows a channel stages before
+// it flushes (plan.rs's CHUNK, RUN, STAGE).
+constexpr u32 CHUNK = 16;
+constexpr u32 RUN = 64;
+constexpr u32 STAGE = 64;
+
+// Window indices (plan.rs): every high-throughput kernel takes the twelve
+// windows in this order.
+constexpr u32 NSEND = 0, NRECV = 1, XIN = 2, MIN = 3, RINGX = 4, RINGM = 5, RECVX = 6,
+              RECVM = 7, CSEND = 8, CSTAGE = 9, CRDMA = 10, CGET = 11, WINDOWS = 12;
+
+// The shape words (cuda/ht.rs's shape_words): where each value lies.
+constexpr u32 SW_R = 0;      // ranks
+constexpr u32 SW_H = 1;      // hosts
+constexpr u32 SW_L = 2;      // ranks per host
+constexpr u32 SW_T = 3;      // max tokens per rank
+constexpr u32 SW_K = 4;      // top-k
+constexpr u32 SW_P = 5;      // payload bytes of a token
+constexpr u32 SW_MM = 6;     // metadata bytes of a token
+constexpr u32 SW_H2 = 7;     // bytes of a combine row
+constexpr u32 SW_RING = 8;   // slots of each (channel, source) ring
+constexpr u32 SW_CHANS = 9;  // channels
+constexpr u32 SW_RANK = 10;  // this rank
+constexpr u32 SW_HIDDEN = 11;
+constexpr u32 SW_LEXP = 12;  // experts per rank
+constexpr u32 SW_FP8 = 13;   // 1: FP8 payloads
+constexpr u32 SW_NSIG = 14;  // signals per context
+constexpr u32 SW_WORDS = 15;
+static_assert(SW_NSIG + 1 == SW_WORDS, "ep::ht: shape words");
+
+struct Shape {
+  u32 r, h, l, t, k, p, mm, h2, ring, chans, rank, hidden, lexp, fp8, nsig;
+};
+
+EP_FN Shape shape_of(const u32* w) {
+  return Shape{w[SW_R],  w[SW_H],    w[SW_L],     w[SW_T],    w[SW_K],
+               w[SW_P],  w[SW_MM],   w[SW_H2],    w[SW_RING], w[SW_CHANS],
+               w[SW_RANK], w[SW_HIDDEN], w[SW_LEXP], w[SW_FP8], w[SW_NSIG]};
+}
+
+// Signal ids, the same in every context (plan.rs's Shape).
+EP_FN u32 sig_notify(const Shape&, u32 src) { return src; }
+EP_FN u32 sig_tail(const Shape& s, u32 src) { return s.r + src; }
+EP_FN u32 sig_dtail(const Shape& s, u32 src) { return 2 * s.r + src; }
+EP_FN u32 sig_head(const Shape& s, u32 fwd) { return 3 * s.r + fwd; }
+EP_FN u32 sig_fwd(const Shape& s, u32 local) { return 4 * s.r + local; }
+EP_FN u32 sig_cready(const Shape& s, u32 local) { return 4 * s.r + s.l + local; }
+EP_FN u32 sig_ctail(const Shape& s, u32 host) { return 4 * s.r + 2 * s.l + host; }
+EP_FN u32 signals(const Shape& s) { return 4 * s.r + 2 * s.l + s.h; }
+
+// Word offsets in a token's metadata.
+EP_FN u32 w_ids(const Shape&) { return 1; }
+EP_FN u32 w_weights(const Shape& s) { return 1 + s.k; }
+EP_FN u32 w_host_slot(const Shape& s, u32 host) { return 1 + 2 * s.k + host; }
+EP_FN u32 w_rank_slot(const Shape& s, u32 rank) { return 1 + 2 * s.k + s.h + rank; }
+
+// Channel c's share of `tokens` tokens: [chan_lo(c), chan_lo(c + 1)).
+EP_FN u32 chan_lo(const Shape& s, u32 tokens, u32 c) {
+  return (u32)((u64)tokens * c / s.chans);
+}
+
+// The plan's table (plan.rs's Plan::tables, TableAt).
+struct Tables {
+  const u32* w;
+  Shape s;
+  EP_FN u32 at_host_chan() const { return s.r * s.r * s.chans; }
+  EP_FN u32 at_recv_pre() const { return at_host_chan() + s.r * s.h * s.chans; }
+  EP_FN u32 at_fwd_of() const { return at_recv_pre() + s.r * (s.r + 1); }
+  EP_FN u32 words() const { return at_fwd_of() + s.r * s.h; }
+  // Tokens from src to dst in channel ch, and in the channels before ch.
+  EP_FN u32 rank_chan(u32 src, u32 dst, u32 ch) const {
+    return w[(src * s.r + dst) * s.chans + ch];
+  }
+  EP_FN u32 rank_chan_start(u32 src, u32 dst, u32 ch) const {
+    u32 n = 0;
+    for (u32 c = 0; c < ch; ++c) n += rank_chan(src, dst, c);
+    return n;
+  }
+  EP_FN u32 count(u32 src, u32 dst) const { return rank_chan_start(src, dst, s.chans); }
+  // Tokens from src to host in channel ch, and in the channels before ch.
+  EP_FN u32 host_chan(u32 src, u32 host, u32 ch) const {
+    return w[at_host_chan() + (src * s.h + host) * s.chans + ch];
+  }
+  EP_FN u32 host_chan_start(u32 src, u32 host, u32 ch) const {
+    u32 n = 0;
+    for (u32 c = 0; c < ch; ++c) n += host_chan(src, host, c);
+    return n;
+  }
+  // Where src's block starts among dst's received tokens.
+  EP_FN u32 recv_start(u32 dst, u32 src) const { return w[at_recv_pre() + dst * (s.r + 1) + src]; }
+  // The rank forwarding src's tokens on host (NONE: none).
+  EP_FN u32 forwarder(u32 src, u32 host) const { return w[at_fwd_of() + src * s.h + host]; }
+  // Whether `fwd` forwards src's tokens on its host (src on another host).
+  EP_FN bool forwards(u32 fwd, u32 src) const {
+    return src / s.l != fwd / s.l && forwarder(src, fwd / s.l) == fwd;
+  }
+  // At forwarder `me`: messages src puts into its ring in channel ch, and
+  // straight into their final place here.
+  EP_FN u32 ring_expect(u32 src, u32 me, u32 ch) const {
+    const u32 n = host_chan(src, me / s.l, ch), d = rank_chan(src, me, ch);
+    return n - (d < n ? d : n);
+  }
+  EP_FN u32 direct_expect(u32 src, u32 me, u32 ch) const { return rank_chan(src, me, ch); }
+};
+
+// Where things lie: a slot of the (ch, src) ring for the message with
+// sequence number seq, a row of CRDMA, an entry of the forwarder's record,
+// a staging row, a row fetched by get.
+EP_FN u64 ring_slot(const Shape& s, u32 ch, u32 src, u64 seq) {
+  return ((u64)ch * s.r + src) * s.ring + seq % s.ring;
+}
+EP_FN u64 crdma_off(const Shape& s, u32 host, u32 hs) { return ((u64)host * s.t + hs) * s.h2; }
+EP_FN u64 contrib_at(const Shape& s, u32 src, u32 hs, u32 local) {
+  return ((u64)src * s.t + hs) * s.l + local;
+}
+EP_FN u64 stage_off(const Shape& s, u32 ch, u32 i) { return ((u64)ch * STAGE + i) * s.h2; }
+EP_FN u64 cget_off(const Shape& s, u32 ch, u32 i) { return ((u64)ch * s.l + i) * s.h2; }
+
+// The per-channel scratch of a kernel's thread 0 (u64 words, in device
+// memory): where each part starts, and its length.
+EP_FN u32 lane_words(const Shape& s) { return 2 * s.h + 2 * s.r + 3 * s.l + 16; }
+// Dispatch: per host the send cursor and the messages sent into its ring;
+// per source the ring and direct messages forwarded; per local rank the
+// tokens delivered there, the count heard from it, whether heard; the
+// local-writes cursor; whether the delivered counts went out.
+EP_FN u32 l_send_cur(const Shape&) { return 0; }
+EP_FN u32 l_send_ring(const Shape& s) { return s.h; }
+EP_FN u32 l_ring_done(const Shape& s) { return 2 * s.h; }
+EP_FN u32 l_direct_done(const Shape& s) { return 2 * s.h + s.r; }
+EP_FN u32 l_delivered(const Shape& s) { return 2 * s.h + 2 * s.r; }
+EP_FN u32 l_heard(const Shape& s) { return 2 * s.h + 2 * s.r + s.l; }
+EP_FN u32 l_heard_ok(const Shape& s) { return 2 * s.h + 2 * s.r + 2 * s.l; }
+EP_FN u32 l_misc(const Shape& s) { return 2 * s.h + 2 * s.r + 3 * s.l; }
+// Combine: per host the rows arrived; then the forwarded source and token
+// under way, staging rows used, the next token to reduce.
+EP_FN u32 c_got(const Shape&) { return 0; }
+EP_FN u32 c_misc(const Shape& s) { return s.h; }
+
+// Protocol errors a high-throughput kernel records (word 1 of ERR_HT: the
+// code | the channel << 32; words 2 and 3 the values named), cuda/dev.rs's
+// decode_error.
+constexpr u64 HT_STREAM_AHEAD = 1;  // signal value, messages expected
+constexpr u64 HT_TOKEN_OUTSIDE = 2; // token, host slot
+constexpr u64 HT_RANK_SLOT = 3;     // rank slot, destination rank
+constexpr u64 HT_WRONG_PLACE = 4;   // place landed, place its slot says
+constexpr u64 HT_RING_FOR_SELF = 5; // token
+constexpr u64 HT_DELIVERED = 6;     // tokens delivered, the counts say
+constexpr u64 HT_ROWS_AHEAD = 7;    // rows arrived, rows expected
+
+} // namespace ht
+} // namespace ep
+
+#if defined(__CUDACC__)
+
+namespace ep {
+namespace ht {
+
+// What a batch holds: puts, gets, flushes, bare signals, row sums.
+constexpr u32 OP_PUT = 1, OP_GET = 2, OP_FLUSH = 3, OP_SIGNAL = 4, OP_SUM = 5;
+// Ops and row pointers one batch holds at most (a token's forwarding needs
+// 2 (l - 1) puts, l <= 64; a reduction l + h - 1 rows).
+constexpr u32 MAX_OPS = 160;
+constexpr u32 MAX_ROWS = 320;
+
+// One thing the block does. OP_PUT: bytes from window src at src_off here
+// to window dst at dst_off of peer, then signal sig += add there (add 0: no
+// signal). OP_GET: bytes from window src at src_off of peer to window dst
+// at dst_off here. OP_SIGNAL: sig += add at peer. OP_SUM: rows[row0 ..
+// row0 + nrows) summed into the row at address dst_off (a BF16 row of
+// hidden elements).
+struct Op {
+  u32 kind, peer, dst, src;
+  u64 dst_off, src_off, bytes;
+  u32 sig, row0, nrows, pad;
+  u64 add;
+};
+
+// A batch, filled by thread 0, carried out by the block.
+struct Batch {
+  Op ops[MAX_OPS];
+  const u8* rows[MAX_ROWS];
+  u32 nops, nrows;
+  // 1: the channel's part is done (or failed): leave the loop.
+  u32 stop;
+};
+
+EP_FN bool room(const Batch& b, u32 ops, u32 rows) {
+  return b.nops + ops <= MAX_OPS && b.nrows + rows <= MAX_ROWS;
+}
+
+__device__ __forceinline__ void add_put(Batch& b, u32 peer, u32 dst, u64 dst_off, u32 src,
+                                        u64 src_off, u64 bytes, u32 sig, u64 add) {
+  b.ops[b.nops++] = Op{OP_PUT, peer, dst, src, dst_off, src_off, bytes, sig, 0, 0, 0, add};
+}
+__device__ __forceinline__ void add_get(Batch& b, u32 peer, u32 dst, u64 dst_off, u32 src,
+                                        u64 src_off, u64 bytes) {
+  b.ops[b.nops++] = Op{OP_GET, peer, dst, src, dst_off, src_off, bytes, 0, 0, 0, 0, 0};
+}
+__device__ __forceinline__ void add_flush(Batch& b) {
+  b.ops[b.nops++] = Op{OP_FLUSH, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+}
+__device__ __forceinline__ void add_signal(Batch& b, u32 peer, u32 sig, u64 add) {
+  b.ops[b.nops++] = Op{OP_SIGNAL, peer, 0, 0, 0, 0, 0, sig, 0, 0, 0, add};
+}
+__device__ __forceinline__ void add_sum(Batch& b, u8* out, u32 row0, u32 nrows) {
+  b.ops[b.nops++] = Op{OP_SUM, 0, 0, 0, (u64)out, 0, 0, 0, row0, nrows, 0, 0};
+}
+
+// Block-wide: rows summed into out (BF16, h elements), as num.rs's
+// sum_bf16_rows: none gives zeros, one is copied, more are added in f32 in
+// order and rounded once (no contraction: __fadd_rn).
+__device__ void sum_rows(const u8* const* rows, u32 n, u8* out, u32 h) {
+  if (n == 1 && (h & 7u) == 0) {
+    const uint4* s = (const uint4*)rows[0];
+    uint4* d = (uint4*)out;
+    for (u32 v = threadIdx.x; v < h / 8; v += blockDim.x) d[v] = s[v];
+    return;
+  }
+  if ((h & 7u) == 0) {
+    for (u32 col = 8 * threadIdx.x; col < h; col += 8 * blockDim.x) {
+      float acc[8];
+      u32 o[4] = {0, 0, 0, 0};
+      if (n > 0) {
+        for (u32 i = 0; i < n; ++i) {
+          const uint4 v = *(const uint4*)(rows[i] + 2ull * col);
+          const u32 words[4] = {v.x, v.y, v.z, v.w};
+          for (u32 c = 0; c < 8; ++c) {
+            const float x = fp8::from_bf16((u16)(words[c / 2] >> (16 * (c % 2))));
+            acc[c] = i == 0 ? x : __fadd_rn(acc[c], x);
+          }
+        }
+        for (u32 c = 0; c < 4; ++c)
+          o[c] = (u32)fp8::to_bf16(acc[2 * c]) | ((u32)fp8::to_bf16(acc[2 * c + 1]) << 16);
+      }
+      *(uint4*)(out + 2ull * col) = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+    return;
+  }
+  for (u32 col = threadIdx.x; col < h; col += blockDim.x) {
+    u16 r = 0;
+    if (n == 1) {
+      r = ((const u16*)rows[0])[col];
+    } else if (n > 1) {
+      float acc = fp8::from_bf16(((const u16*)rows[0])[col]);
+      for (u32 i = 1; i < n; ++i) acc = __fadd_rn(acc, fp8::from_bf16(((const u16*)rows[i])[col]));
+      r = fp8::to_bf16(acc);
+    }
+    ((u16*)out)[col] = r;
+  }
+}
+
+// Block-wide: carries out the batch on context ctx. Returns gin's status
+// (the same on every thread).
+__device__ int run_batch(const DevComm& dc, u32 ctx, const Window* const* W, const Batch& b,
+                         u32 hidden) {
+  for (u32 i = 0; i < b.nops; ++i) {
+    const Op o = b.ops[i];
+    int e = OK;
+    const Remote rem = o.add ? signal_add(o.sig, o.add) : no_signal();
+    if (o.kind == OP_PUT) {
+      e = put(dc, ctx, o.peer, *W[o.dst], o.dst_off, *W[o.src], o.src_off, o.bytes, rem,
+              no_counter(), CTA);
+    } else if (o.kind == OP_GET) {
+      e = get(dc, ctx, o.peer, *W[o.src], o.src_off, *W[o.dst], o.dst_off, o.bytes, CTA);
+    } else if (o.kind == OP_FLUSH) {
+      e = flush(dc, ctx, CTA);
+    } else if (o.kind == OP_SIGNAL) {
+      e = signal(dc, ctx, o.peer, rem, CTA);
+    } else if (o.kind == OP_SUM) {
+      // The rows were written by peers (acquired by thread 0's signal reads
+      // before this batch), by gets (completed by the flush before), or by
+      // an earlier launch.
+      __syncthreads();
+      sum_rows(b.rows + o.row0, o.nrows, (u8*)o.dst_off, hidden);
+      __syncthreads();
+    }
+    if (e) return e;
+  }
+  return OK;
+}
+
+// Signal id of context ctx, read with an acquire (what its sender released
+// before it is visible to this thread, and through the block's barrier to
+// the block).
+__device__ __forceinline__ u64 read_acq(const DevComm& dc, u32 ctx, u32 id) {
+  return gin::detail::signal_sum_acquire(dc, gin::detail::signal_slot(dc, ctx, id));
+}
+
+// Thread 0, between batches: nothing moved. Fails the launch once nothing
+// moved for the job timeout, or at once when gin's abort flag is up (a
+// watcher saw a peer die or a transport fail), naming in gin's error word
+// the peer waited for and the signal id; true to leave the loop (also when
+// another block or launch failed, or a protocol error was recorded).
+__device__ bool idle(const DevComm& dc, u32 ctx, u64& since, u32 peer, u32 id, const u64* err) {
+  if (gin_failed(dc) || (err && *(volatile const u64*)err != 0)) return true;
+  if (dc.abort_flag && *(volatile const u32*)dc.abort_flag != 0) {
+    gin::detail::fail(dc, ABORTED, ctx, peer, id);
+    return true;
+  }
+  const u64 now = proxy::globaltimer();
+  if (since == 0) since = now;
+  if (dc.timeout_ticks && now - since > dc.timeout_ticks) {
+    gin::detail::fail(dc, SIGNAL_TIMEOUT, ctx, peer, id);
+    return true;
+  }
+  __nanosleep(64);
+  return false;
+}
+
+// Thread 0: records a protocol error of peer (the first of the buffer).
+__device__ void protocol(u64* err, u64* errh, u32 peer, u64 code, u32 ch, u64 a, u64 b) {
+  record(err, errh, ERR_HT | (u64)peer << 8, code | (u64)ch << 32, a, b);
+}
+
+// The arguments every high-throughput kernel shares.
+struct Args {
+  DevComm dc;
+  const Window* W[WINDOWS];
+  Shape s;
+  Tables tb;
+  u64* seen;  // [ch * nsig + id]: the value of each signal accounted for
+  u64* lane;  // [ch * lane_words + i]: thread 0's scratch
+  u32* contrib;
+  u64* err;
+  u64* errh;
+};
+
+// ------------------------------------------------------------- dispatch
+
+// Thread 0: the metadata of this rank's token t (MIN), and one of its words.
+__device__ __forceinline__ const u32* my_meta(const Args& a, u32 t) {
+  return (const u32*)((const u8*)a.W[MIN]->local_base + (u64)t * a.s.mm);
+}
+
+// Thread 0: runs of this channel's tokens to host `host`'s forwarder, as far
+// as credits and the batch allow.
+__device__ void send_runs(const Args& a, Batch& b, u32 ch, u32 host, u32 end, u64* L) {
+  const Shape& s = a.s;
+  const u32 me = s.rank, fwd = a.tb.forwarder(me, host);
+  if (fwd == NONE) return;
+  u64* seen = a.seen + (u64)ch * s.nsig;
+  for (u32 rep = 0; rep < 4 && room(b, 2, 0); ++rep) {
+    u32 t0 = (u32)L[l_send_cur(s) + host];
+    while (t0 < end && my_meta(a, t0)[w_host_slot(s, host)] == NONE) ++t0;
+    L[l_send_cur(s) + host] = t0;
+    if (t0 == end) return;
+    const bool direct = my_meta(a, t0)[w_rank_slot(s, fwd)] != NONE;
+    u32 limit, sig;
+    u64 slot;
+    if (direct) {
+      limit = RUN;
+      slot = a.tb.recv_start(fwd, me) + my_meta(a, t0)[w_rank_slot(s, fwd)];
+      sig = sig_dtail(s, me);
+    } else {
+      const u64 sent = seen[sig_head(s, fwd)] + L[l_send_ring(s) + host];
+      const u64 head = read_acq(a.dc, ch, sig_head(s, fwd));
+      const u64 used = sent - head;
+      const u64 credits = used >= s.ring ? 0 : s.ring - used;
+      if (credits == 0) return;
+      const u64 at = sent % s.ring;
+      u64 lim = credits < s.ring - at ? credits : s.ring - at;
+      limit = (u32)(lim < CHUNK ? lim : CHUNK);
+      slot = ((u64)ch * s.r + me) * s.ring + at;
+      sig = sig_tail(s, me);
+    }
+    u32 n = 1;
+    while (n < limit && t0 + n < end && my_meta(a, t0 + n)[w_host_slot(s, host)] != NONE &&
+           (my_meta(a, t0 + n)[w_rank_slot(s, fwd)] != NONE) == direct)
+      ++n;
+    add_put(b, fwd, direct ? RECVX : RINGX, slot * s.p, XIN, (u64)t0 * s.p, (u64)n * s.p, 0, 0);
+    add_put(b, fwd, direct ? RECVM : RINGM, slot * s.mm, MIN, (u64)t0 * s.mm, (u64)n * s.mm, sig,
+            n);
+    if (!direct) L[l_send_ring(s) + host] += n;
+    L[l_send_cur(s) + host] = t0 + n;
+  }
+}
+
+// Thread 0: forwards one message from src (in window mw/xw at `slot`) to
+// the ranks of this host that receive it, and records where each holds it.
+// `at_recv` is its place here when it came straight into it (NONE: from the
+// ring). Returns false after recording a protocol error.
+__device__ bool deliver(const Args& a, Batch& b, u32 ch, u32 src, u32 xw, u32 mw, u64 slot,
+                        u32 at_recv, u64* L, bool& queued) {
+  const Shape& s = a.s;
+  const u32 me = s.rank, host = me / s.l;
+  const u32* meta = (const u32*)((const u8*)a.W[mw]->local_base + slot * s.mm);
+  const u32 tok = meta[0], hs = meta[w_host_slot(s, host)];
+  const u32 hs0 = a.tb.host_chan_start(src, host, ch), n = a.tb.host_chan(src, host, ch);
+  if (tok >= s.t || hs < hs0 || hs - hs0 >= n) {
+    protocol(a.err, a.errh, src, HT_TOKEN_OUTSIDE, ch, tok, hs);
+    return false;
+  }
+  for (u32 dl = 0; dl < s.l; ++dl) {
+    const u32 dst = host * s.l + dl, rs = meta[w_rank_slot(s, dst)];
+    u32* c = a.contrib + contrib_at(s, src, hs, dl);
+    if (rs == NONE) {
+      *c = NONE;
+      continue;
+    }
+    if (a.tb.forwarder(dst, host) != dst || rs >= a.tb.count(src, dst)) {
+      protocol(a.err, a.errh, src, HT_RANK_SLOT, ch, rs, dst);
+      return false;
+    }
+    const u32 j = a.tb.recv_start(dst, src) + rs;
+    *c = j;
+    if (dst == me) {
+      if (at_recv == NONE) {
+        protocol(a.err, a.errh, src, HT_RING_FOR_SELF, ch, tok, 0);
+        return false;
+      }
+      if (j != at_recv) {
+        protocol(a.err, a.errh, src, HT_WRONG_PLACE, ch, at_recv, j);
+        return false;
+      }
+      continue;
+    }
+    add_put(b, dst, RECVX, (u64)j * s.p, xw, slot * s.p, s.p, 0, 0);
+    add_put(b, dst, RECVM, (u64)j * s.mm, mw, slot * s.mm, s.mm, 0, 0);
+    queued |= !gin::detail::is_lsa(a.dc, dst);
+    L[l_delivered(s) + dl] += 1;
+  }
+  return true;
+}
+
+// Thread 0: messages newly arrived on a stream of src (value less base),
+// at most `most`; more is src's protocol error (returns ~0).
+__device__ u64 arrived(const Args& a, u32 ch, u32 src, u64 value, u64 base, u64 most) {
+  const u64 avail = value - base;
+  if (avail > most) {
+    protocol(a.err, a.errh, src, HT_STREAM_AHEAD, ch, value, most);
+    return ~0ull;
+  }
+  return avail;
+}
+
+// Thread 0: forwards what arrived from other hosts' sources, as far as the
+// batch allows (`moved` set if anything arrived: a token only this rank
+// receives needs no op). False after a protocol error.
+__device__ bool forward(const Args& a, Batch& b, u32 ch, u64* L, bool& moved) {
+  const Shape& s = a.s;
+  const u32 me = s.rank, need = 2 * s.l + 2;
+  u64* seen = a.seen + (u64)ch * s.nsig;
+  for (u32 src = 0; src < s.r; ++src) {
+    if (!a.tb.forwards(me, src)) continue;
+    u64& dd = L[l_direct_done(s) + src];
+    const u64 dexp = a.tb.direct_expect(src, me, ch);
+    if (dd < dexp && room(b, need, 0)) {
+      const u64 base = seen[sig_dtail(s, src)] + dd;
+      u64 avail = arrived(a, ch, src, read_acq(a.dc, ch, sig_dtail(s, src)), base, dexp - dd);
+      if (avail == ~0ull) return false;
+      moved |= avail > 0;
+      bool queued = false;
+      for (; avail > 0 && room(b, need, 0); --avail) {
+        const u32 j = a.tb.recv_start(me, src) + a.tb.rank_chan_start(src, me, ch) + (u32)dd;
+        if (!deliver(a, b, ch, src, RECVX, RECVM, j, j, L, queued)) return false;
+        ++dd;
+      }
+    }
+    u64& rd = L[l_ring_done(s) + src];
+    const u64 rexp = a.tb.ring_expect(src, me, ch);
+    if (rd < rexp && room(b, need, 0)) {
+      const u64 base = seen[sig_tail(s, src)] + rd;
+      const u64 most = rexp - rd < s.ring ? rexp - rd : s.ring;
+      u64 avail = arrived(a, ch, src, read_acq(a.dc, ch, sig_tail(s, src)), base, most);
+      if (avail == ~0ull) return false;
+      moved |= avail > 0;
+      bool queued = false;
+      u64 done = 0;
+      for (; avail > 0 && room(b, need, 0); --avail, ++done) {
+        const u64 seq = seen[sig_tail(s, src)] + rd;
+        if (!deliver(a, b, ch, src, RINGX, RINGM, ring_slot(s, ch, src, seq), NONE, L, queued))
+          return false;
+        ++rd;
+      }
+      if (done > 0) {
+        // The credits go back once no put reads the slots any more.
+        if (queued) add_flush(b);
+        add_signal(b, src, sig_head(s, me), done);
+      }
+    }
+  }
+  return true;
+}
+
+// Thread 0: writes this channel's tokens into their final place at the
+// ranks of this host that receive them, as far as the batch allows; true
+// if the cursor moved (a token for other hosts only needs no op).
+__device__ bool local_writes(const Args& a, Batch& b, u32 end, u64* L) {
+  const Shape& s = a.s;
+  const u32 me = s.rank, host = me / s.l;
+  u64& cur = L[l_misc(s) + 0];
+  const u64 from = cur;
+  for (u32 done = 0; cur < end && done < CHUNK && room(b, 2 * s.l, 0); ++done) {
+    const u32 t = (u32)cur++;
+    const u32* meta = my_meta(a, t);
+    if (meta[w_host_slot(s, host)] == NONE) continue;
+    for (u32 dl = 0; dl < s.l; ++dl) {
+      const u32 dst = host * s.l + dl, rs = meta[w_rank_slot(s, dst)];
+      if (rs == NONE) continue;
+      const u64 j = a.tb.recv_start(dst, me) + rs;
+      add_put(b, dst, RECVX, j * s.p, XIN, (u64)t * s.p, s.p, 0, 0);
+      add_put(b, dst, RECVM, j * s.mm, MIN, (u64)t * s.mm, s.mm, 0, 0);
+      L[l_delivered(s) + dl] += 1;
+    }
+  }
+  return cur != from;
+}
+
+// Thread 0: everything of the channel sent and forwarded.
+__device__ bool sent_all(const Args& a, u32 ch, u32 end, const u64* L, const u32* active) {
+  const Shape& s = a.s;
+  if (L[l_misc(s) + 0] != end) return false;
+  for (u32 host = 0; host < s.h; ++host)
+    if (host != s.rank / s.l && a.tb.forwarder(s.rank, host) != NONE &&
+        L[l_send_cur(s) + host] != end)
+      return false;
+  for (u32 src = 0; src < s.r; ++src) {
+    if (!a.tb.forwards(s.rank, src) || !active[src]) continue;
+    if (L[l_ring_done(s) + src] != a.tb.ring_expect(src, s.rank, ch)) return false;
+    if (L[l_direct_done(s) + src] != a.tb.direct_expect(src, s.rank, ch)) return false;
+  }
+  return true;
+}
+
+// Thread 0: collects the other forwarders' counts; checks the total once
+// all are in. False after a protocol error.
+__device__ bool hear(const Args& a, u32 ch, u64* L, const u32* active, bool& moved) {
+  const Shape& s = a.s;
+  const u32 me = s.rank, host = me / s.l;
+  u64* seen = a.seen + (u64)ch * s.nsig;
+  bool all = true;
+  for (u32 fl = 0; fl < s.l; ++fl) {
+    if (L[l_heard_ok(s) + fl]) continue;
+    if (!active[host * s.l + fl]) {
+      L[l_heard_ok(s) + fl] = 1;
+      continue;
+    }
+    const u32 id = sig_fwd(s, fl);
+    const u64 v = read_acq(a.dc, ch, id);
+    if (signal_reached(v, seen[id] + 1)) {
+      L[l_heard(s) + fl] = v - seen[id] - 1;
+      L[l_heard_ok(s) + fl] = 1;
+      seen[id] = v;
+      moved = true;
+    } else {
+      all = false;
+    }
+  }
+  if (!all || !moved) return true;
+  u64 got = 0, want = 0;
+  for (u32 fl = 0; fl < s.l; ++fl) got += L[l_heard(s) + fl];
+  for (u32 src = 0; src < s.r; ++src) {
+    if (a.tb.forwards(me, src)) got += a.tb.direct_expect(src, me, ch);
+    want += a.tb.rank_chan(src, me, ch);
+  }
+  if (got != want) {
+    protocol(a.err, a.errh, host * s.l, HT_DELIVERED, ch, got, want);
+    return false;
+  }
+  return true;
+}
+
+// Thread 0: what the channel waits for (the peer, the signal id), for a
+// timeout's error: as the CPU lane's `waiting`.
+__device__ void waiting(const Args& a, u32 ch, u32 end, const u64* L, const u32* active,
+                        u32& peer, u32& id) {
+  const Shape& s = a.s;
+  const u32 me = s.rank, host = me / s.l;
+  for (u32 h = 0; h < s.h; ++h) {
+    const u32 fwd = a.tb.forwarder(me, h);
+    if (h != host && fwd != NONE && L[l_send_cur(s) + h] < end) {
+      peer = fwd;
+      id = sig_head(s, fwd);
+      return;
+    }
+  }
+  for (u32 src = 0; src < s.r; ++src) {
+    if (!a.tb.forwards(me, src)) continue;
+    if (L[l_direct_done(s) + src] < a.tb.direct_expect(src, me, ch)) {
+      peer = src;
+      id = sig_dtail(s, src);
+      return;
+    }
+    if (L[l_ring_done(s) + src] < a.tb.ring_expect(src, me, ch)) {
+      peer = src;
+      id = sig_tail(s, src);
+      return;
+    }
+  }
+  for (u32 fl = 0; fl < s.l; ++fl) {
+    if (!L[l_heard_ok(s) + fl] && active[host * s.l + fl]) {
+      peer = host * s.l + fl;
+      id = sig_fwd(s, fl);
+      return;
+    }
+  }
+  peer = NO_PEER;
+  id = 0;
+}
+
+// Thread 0: the next batch of channel ch's dispatch.
+__device__ void dispatch_batch(const Args& a, Batch& b, u32 ch, u32 tokens, const u32* active,
+                               u64& since) {
+  const Shape& s = a.s;
+  const u32 me = s.rank, host = me / s.l;
+  u64* L = a.lane + (u64)ch * lane_words(s);
+  u64* seen = a.seen + (u64)ch * s.nsig;
+  const u32 end = chan_lo(s, tokens, ch + 1);
+  b.nops = b.nrows = b.stop = 0;
+  for (u32 h = 0; h < s.h; ++h)
+    if (h != host) send_runs(a, b, ch, h, end, L);
+  bool moved = false;
+  if (!forward(a, b, ch, L, moved)) {
+    b.stop = 1;
+    return;
+  }
+  moved |= local_writes(a, b, end, L);
+  moved |= b.nops > 0;
+  u64& signalled = L[l_misc(s) + 1];
+  if (!signalled && b.nops == 0 && sent_all(a, ch, end, L, active)) {
+    for (u32 dl = 0; dl < s.l; ++dl)
+      if (active[host * s.l + dl])
+        add_signal(b, host * s.l + dl, sig_fwd(s, me % s.l), L[l_delivered(s) + dl] + 1);
+    for (u32 h = 0; h < s.h; ++h) {
+      const u32 fwd = a.tb.forwarder(me, h);
+      if (h != host && fwd != NONE) seen[sig_head(s, fwd)] += L[l_send_ring(s) + h];
+    }
+    for (u32 src = 0; src < s.r; ++src) {
+      if (!a.tb.forwards(me, src)) continue;
+      seen[sig_tail(s, src)] += L[l_ring_done(s) + src];
+      seen[sig_dtail(s, src)] += L[l_direct_done(s) + src];
+    }
+    signalled = 1;
+    moved = true;
+  }
+  if (signalled) {
+    if (!hear(a, ch, L, active, moved)) {
+      b.stop = 1;
+      return;
+    }
+    bool all = true;
+    for (u32 fl = 0; fl < s.l; ++fl) all &= L[l_heard_ok(s) + fl] != 0;
+    // Done once the delivered counts went out (carried out in this batch).
+    if (all) b.stop = 2;
+  }
+  if (moved) {
+    since = 0;
+    return;
+  }
+  u32 peer, id;
+  waiting(a, ch, end, L, active, peer, id);
+  if (idle(a.dc, ch, since, peer, id, a.err)) b.stop = 1;
+}
+
+// Thread 0: the channel's scratch, zeroed, its cursors at `lo` (the
+// channel's first token): the dispatch's send and local-writes cursors
+// (`dispatch`), or the combine's next token to reduce.
+__device__ void clear_lane(const Args& a, u32 ch, u32 lo, bool dispatch) {
+  const Shape& s = a.s;
+  u64* L = a.lane + (u64)ch * lane_words(s);
+  for (u32 i = 0; i < lane_words(s); ++i) L[i] = 0;
+  if (dispatch) {
+    for (u32 h = 0; h < s.h; ++h) L[l_send_cur(s) + h] = lo;
+    L[l_misc(s) + 0] = lo;
+  } else {
+    L[c_misc(s) + 3] = lo;
+  }
+}
+
+} // namespace ht
+} // namespace ep
+
+// The twelve windows of a high-throughput buffer, in plan.rs's order.
+#define EP_HT_WINDOWS                                                                       \
+  Window nsend, Window nrecv, Window xin, Window xmeta, Window ringx, Window ringm,              \
+      Window recvx, Window recvm, Window csend, Window cstage, Window crdma, Window cget
+#define EP_HT_WINDOW_TABLE                                                                  \
+  { &nsend, &nrecv, &xin, &xmeta, &ringx, &ringm, &recvx, &recvm, &csend, &cstage, &crdma, &cget }
+
+// The count exchange (one block, context 0): this rank's notify row (NSEND,
+// `width` bytes, staged by the host) goes to every active rank's NRECV at
+// (parity * r + rank) * width with signal notify(rank) += 1; then the
+// block waits (bounded, naming the rank) for each active rank's row, exactly
+// one round each (a faster rank may be a round ahead: rows alternate
+// between the two halves of NRECV). The host reads the rows back.
+extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_notify(DevComm dc, EP_HT_WINDOWS, u32 width, u32 parity,
+                                        const u32* shape, const u32* active, u64* seen,
+                                        u64* clock) {
+  if (ep::failed_before(dc)) return;
+  ep::clock_start(clock);
+  const ep::ht::Shape s = ep::ht::shape_of(shape);
+  const u32 me = s.rank;
+  const Window* W[ep::ht::WINDOWS] = EP_HT_WINDOW_TABLE;
+  for (u32 p = 0; p < s.r; ++p) {
+    if (!active[p]) continue;
+    if (put(dc, 0, p, *W[ep::ht::NRECV], ((u64)parity * s.r + me) * width, *W[ep::ht::NSEND], 0,
+            width,
+            signal_add(ep::ht::sig_notify(s, me), 1), no_counter(), CTA))
+      return;
+  }
+  // NSEND is rewritten by the host before the next step.
+  if (flush(dc, 0, CTA)) return;
+  for (u32 src = 0; src < s.r; ++src) {
+    if (!active[src]) continue;
+    const u32 id = ep::ht::sig_notify(s, src);
+    if (ep::wait_from(dc, id, seen[id] + 1, src)) return;
+    __syncthreads();
+    if (threadIdx.x == 0) seen[id] += 1;
+  }
+  ep::clock_end(clock);
+}
+
+// High-throughput dispatch: block ch runs channel ch (context ch) to the
+// end of its part of the step (see the top of this file). `tokens`: this
+// rank's tokens, staged in XIN and MIN. tables: the step's plan; active
+// (u32 per rank, 1 active) as the plan's; seen, lane: per channel, the
+// signals' accounted values and thread 0's scratch; contrib (r x t x l
+// u32): per forwarded (source, host slot, local rank), where that rank holds
+// the token (NONE: not there), for the combine.
+extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_dispatch(DevComm dc, EP_HT_WINDOWS, u32 tokens, const u32* shape, const u32* tables, const u32* active, u64* seen, u64* lane, u32* contrib, u64* err, u64* errh,
+                   u64* clock) {
+  if (ep::failed_before(dc)) return;
+  ep::clock_start(clock);
+  __shared__ ep::ht::Batch b;
+  const ep::ht::Shape s = ep::ht::shape_of(shape);
+  const Window* W[ep::ht::WINDOWS] = EP_HT_WINDOW_TABLE;
+  const ep::ht::Args a{dc, {W[0], W[1], W[2], W[3], W[4], W[5], W[6], W[7], W[8], W[9], W[10],
+                            W[11]},
+                       s, ep::ht::Tables{tables, s}, seen, lane, contrib, err, errh};
+  const u32 ch = blockIdx.x;
+  if (ch >= s.chans) return;
+  if (threadIdx.x == 0) ep::ht::clear_lane(a, ch, ep::ht::chan_lo(s, tokens, ch), true);
+  u64 since = 0;
+  for (;;) {
+    if (threadIdx.x == 0) ep::ht::dispatch_batch(a, b, ch, tokens, active, since);
+    __syncthreads();
+    if (b.stop == 1) return;
+    if (ep::ht::run_batch(dc, ch, a.W, b, s.hidden)) return;
+    const bool done = b.stop == 2;
+    __syncthreads();
+    if (done) break;
+  }
+  // The send windows and ring slots are rewritten in the next step.
+  if (flush(dc, ch, CTA)) return;
+  ep::clock_end(clock);
+}
+
+// The identity expert: each received token (RECVX, j < received) times the
+// sum of its weights for this rank's experts (from RECVM, in top-k order)
+// into its combine row (CSEND), as the CPU ranks' ht_echo: FP8 payloads
+// dequantised first (num.rs's dequantize_fp8), each product rounded to BF16.
+extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_echo(EP_HT_WINDOWS, u32 received, const u32* shape) {
+  const ep::ht::Shape s = ep::ht::shape_of(shape);
+  const u32 lo = s.rank * s.lexp, hi = lo + s.lexp, h = s.hidden;
+  __shared__ float w;
+  for (u32 j = blockIdx.x; j < received; j += gridDim.x) {
+    if (threadIdx.x == 0) {
+      const u32* meta = (const u32*)((const u8*)recvm.local_base + (u64)j * s.mm);
+      float acc = 0.0f;
+      for (u32 i = 0; i < s.k; ++i) {
+        const int e = (int)meta[ep::ht::w_ids(s) + i];
+        if (e >= 0 && (u32)e >= lo && (u32)e < hi)
+          acc = __fadd_rn(acc, __uint_as_float(meta[ep::ht::w_weights(s) + i]));
+      }
+      w = acc;
+    }
+    __syncthreads();
+    const u8* x = (const u8*)recvx.local_base + (u64)j * s.p;
+    u16* out = (u16*)((u8*)csend.local_base + (u64)j * s.h2);
+    for (u32 c = threadIdx.x; c < h; c += blockDim.x) {
+      const u16 v = s.fp8 ? ep::fp8::dequantize(x[c], ((const float*)(x + h))[c / ep::fp8::BLOCK])
+                          : ((const u16*)x)[c];
+      out[c] = ep::fp8::to_bf16(__fmul_rn(ep::fp8::from_bf16(v), w));
+    }
+    __syncthreads();
+  }
+}
+
+// -------------------------------------------------------------- combine
+
+namespace ep {
+namespace ht {
+
+// Block-wide wait for signal id of context ctx to reach target, bounded by
+// the job timeout and the abort flag (and given up once gin's error word
+// is set); a failure is recorded naming peer. The same status on every
+// thread; what the signal announced is visible to the block afterwards.
+__device__ int wait_ctx(const DevComm& dc, u32 ctx, u32 id, u64 target, u32 peer) {
+  __shared__ int status;
+  if (threadIdx.x == 0) {
+    int st = OK;
+    if (id >= dc.nsignals) {
+      st = gin::detail::fail(dc, BAD_SIGNAL, ctx, peer, id);
+    } else {
+      const u64 slot = gin::detail::signal_slot(dc, ctx, id);
+      const u32 k = poll_unless_failed(dc, SIGNAL_TIMEOUT, [&] {
+        return signal_reached(gin::detail::signal_sum_acquire(dc, slot), target);
+      });
+      if (k) st = gin::detail::fail(dc, k, ctx, peer, id);
+    }
+    status = st;
+  }
+  __syncthreads();
+  const int st = status;
+  __syncthreads();
+  return st;
+}
+
+// Thread 0: the combine row of the token `j`th among dst's received tokens
+// for the batch's row list: read in place where dst's combine rows are
+// mapped here (direct[dst]), else fetched by get into this channel's row
+// `i` of CGET (the caller flushes before the rows are read). Null after
+// recording a failure (a place outside dst's window: a broken invariant).
+__device__ const u8* row_of(const Args& a, Batch& b, const u32* direct, u32 ch, u32 dst, u32 j,
+                            u32 i, bool& fetched) {
+  const Shape& s = a.s;
+  const Window& cs = *a.W[CSEND];
+  const u64 off = (u64)j * s.h2;
+  if (direct[dst]) {
+    const u8* base = dst == s.rank ? (const u8*)cs.local_base
+                                   : (const u8*)((const u64*)cs.peer_bases)[dst];
+    if (!base || !gin::detail::range_ok(off, s.h2, ((const u64*)cs.sizes)[dst])) {
+      gin::detail::fail(a.dc, OUT_OF_WINDOW, ch, dst, cs.id);
+      return nullptr;
+    }
+    return base + off;
+  }
+  add_get(b, dst, CGET, cget_off(s, ch, i), CSEND, off, s.h2);
+  fetched = true;
+  return (const u8*)a.W[CGET]->local_base + cget_off(s, ch, i);
+}
+
+// A run of combined rows for one put: n rows from window win at src_off
+// here to CRDMA at dst_off of `to`.
+struct RowRun {
+  u32 to, win, n;
+  u64 src_off, dst_off;
+};
+
+// Thread 0: puts the pending run back to its source, its signal counting
+// the rows.
+__device__ void issue(const Args& a, Batch& b, RowRun& run) {
+  if (run.n == 0) return;
+  const Shape& s = a.s;
+  add_put(b, run.to, CRDMA, run.dst_off, run.win, run.src_off, (u64)run.n * s.h2,
+          sig_ctail(s, s.rank / s.l), run.n);
+  run.n = 0;
+}
+
+// Thread 0: adds one row to the pending run, or issues it and starts
+// another.
+__device__ void append(const Args& a, Batch& b, RowRun& run, u32 to, u32 win, u64 src_off,
+                       u64 dst_off) {
+  const u64 h2 = a.s.h2;
+  if (run.n > 0 && run.to == to && run.win == win && run.src_off + run.n * h2 == src_off &&
+      run.dst_off + run.n * h2 == dst_off && run.n < RUN) {
+    ++run.n;
+    return;
+  }
+  issue(a, b, run);
+  run = RowRun{to, win, 1, src_off, dst_off};
+}
+
+// Thread 0: sums and sends back the rows of the tokens this rank forwarded
+// in channel ch, as far as the batch allows; true if any. False in `ok`
+// after a failure.
+__device__ bool forward_rows(const Args& a, Batch& b, u32 ch, const u32* direct, u64* L,
+                             bool& ok) {
+  const Shape& s = a.s;
+  const u32 me = s.rank, host = me / s.l;
+  u64 &src = L[c_misc(s) + 0], &pos = L[c_misc(s) + 1], &staged = L[c_misc(s) + 2];
+  RowRun run{0, 0, 0, 0, 0};
+  u32 done = 0;
+  while (src < s.r && done < RUN && room(b, s.l + 6, s.l)) {
+    const u32 n = a.tb.forwards(me, (u32)src) ? a.tb.host_chan((u32)src, host, ch) : 0;
+    if (pos >= n) {
+      ++src;
+      pos = 0;
+      continue;
+    }
+    const u32 hs = a.tb.host_chan_start((u32)src, host, ch) + (u32)pos;
+    const u64 dst_off = crdma_off(s, host, hs);
+    u32 pairs = 0, only = NONE, only_j = 0;
+    for (u32 dl = 0; dl < s.l; ++dl) {
+      const u32 j = a.contrib[contrib_at(s, (u32)src, hs, dl)];
+      if (j == NONE) continue;
+      ++pairs;
+      only = host * s.l + dl;
+      only_j = j;
+    }
+    if (pairs == 1 && only == me) {
+      append(a, b, run, (u32)src, CSEND, (u64)only_j * s.h2, dst_off);
+    } else {
+      if (staged == STAGE) {
+        // Every staging row is in use: complete the puts reading them.
+        issue(a, b, run);
+        add_flush(b);
+        staged = 0;
+      }
+      const u64 g = stage_off(s, ch, (u32)staged);
+      ++staged;
+      const u32 row0 = b.nrows;
+      bool fetched = false;
+      u32 i = 0;
+      for (u32 dl = 0; dl < s.l; ++dl) {
+        const u32 j = a.contrib[contrib_at(s, (u32)src, hs, dl)];
+        if (j == NONE) continue;
+        const u8* r = row_of(a, b, direct, ch, host * s.l + dl, j, i++, fetched);
+        if (!r) {
+          ok = false;
+          return false;
+        }
+        b.rows[b.nrows++] = r;
+      }
+      if (fetched) add_flush(b);
+      add_sum(b, (u8*)a.W[CSTAGE]->local_base + g, row0, b.nrows - row0);
+      append(a, b, run, (u32)src, CSTAGE, g, dst_off);
+    }
+    ++pos;
+    ++done;
+  }
+  issue(a, b, run);
+  return done > 0;
+}
+
+// Thread 0: reduces this channel's tokens, in order, while every host each
+// went to has delivered, as far as the batch allows; true if any. `out`:
+// tokens x hidden BF16. False in `ok` after a failure.
+__device__ bool reduce(const Args& a, Batch& b, u32 ch, u32 end, const u32* direct, u8* out,
+                       u64* L, bool& ok) {
+  const Shape& s = a.s;
+  const u32 me = s.rank, host = me / s.l;
+  u64* seen = a.seen + (u64)ch * s.nsig;
+  u64& next = L[c_misc(s) + 3];
+  u32 done = 0;
+  while (next < end && done < CHUNK && room(b, s.l + 3, s.l + s.h)) {
+    const u32 t = (u32)next;
+    const u32* meta = my_meta(a, t);
+    for (u32 hh = 0; hh < s.h; ++hh) {
+      const u32 hs = meta[w_host_slot(s, hh)];
+      if (hh == host || hs == NONE) continue;
+      const u64 need = (u64)(hs - a.tb.host_chan_start(me, hh, ch)) + 1;
+      if (L[c_got(s) + hh] >= need) continue;
+      const u32 id = sig_ctail(s, hh);
+      const u64 got = read_acq(a.dc, ch, id) - seen[id];
+      const u64 want = a.tb.host_chan(me, hh, ch);
+      if (got > want) {
+        const u32 fwd = a.tb.forwarder(me, hh);
+        protocol(a.err, a.errh, fwd == NONE ? hh * s.l : fwd, HT_ROWS_AHEAD, ch, got, want);
+        ok = false;
+        return false;
+      }
+      L[c_got(s) + hh] = got;
+      if (got < need) return done > 0;
+    }
+    const u32 row0 = b.nrows;
+    bool fetched = false;
+    u32 i = 0;
+    for (u32 dl = 0; dl < s.l; ++dl) {
+      const u32 dst = host * s.l + dl, rs = meta[w_rank_slot(s, dst)];
+      if (rs == NONE) continue;
+      const u8* r =
+          row_of(a, b, direct, ch, dst, a.tb.recv_start(dst, me) + rs, i++, fetched);
+      if (!r) {
+        ok = false;
+        return false;
+      }
+      b.rows[b.nrows++] = r;
+    }
+    for (u32 hh = 0; hh < s.h; ++hh) {
+      const u32 hs = meta[w_host_slot(s, hh)];
+      if (hh == host || hs == NONE) continue;
+      b.rows[b.nrows++] = (const u8*)a.W[CRDMA]->local_base + crdma_off(s, hh, hs);
+    }
+    if (fetched) add_flush(b);
+    add_sum(b, out + (u64)t * s.h2, row0, b.nrows - row0);
+    ++next;
+    ++done;
+  }
+  return done > 0;
+}
+
+// Thread 0: the next batch of channel ch's combine.
+__device__ void combine_batch(const Args& a, Batch& b, u32 ch, u32 tokens, const u32* direct,
+                              u8* out, u64& since) {
+  const Shape& s = a.s;
+  const u32 me = s.rank, host = me / s.l;
+  u64* L = a.lane + (u64)ch * lane_words(s);
+  u64* seen = a.seen + (u64)ch * s.nsig;
+  const u32 end = chan_lo(s, tokens, ch + 1);
+  b.nops = b.nrows = b.stop = 0;
+  bool ok = true;
+  bool moved = forward_rows(a, b, ch, direct, L, ok);
+  if (ok) moved |= reduce(a, b, ch, end, direct, out, L, ok);
+  if (!ok) {
+    b.stop = 1;
+    return;
+  }
+  if (L[c_misc(s) + 0] >= s.r && L[c_misc(s) + 3] >= end) {
+    for (u32 hh = 0; hh < s.h; ++hh)
+      if (hh != host) seen[sig_ctail(s, hh)] += a.tb.host_chan(me, hh, ch);
+    b.stop = 2;
+    return;
+  }
+  if (moved) {
+    since = 0;
+    return;
+  }
+  // What the next token waits for: the first other host it went to.
+  const u32 t = (u32)L[c_misc(s) + 3];
+  u32 peer = NO_PEER, id = 0;
+  for (u32 hh = 0; hh < s.h && t < end; ++hh) {
+    if (hh == host || my_meta(a, t)[w_host_slot(s, hh)] == NONE) continue;
+    peer = a.tb.forwarder(me, hh);
+    id = sig_ctail(s, hh);
+    break;
+  }
+  if (idle(a.dc, ch, since, peer, id, a.err)) b.stop = 1;
+}
+
+} // namespace ht
+} // namespace ep
+
+// High-throughput combine: block ch runs channel ch (context ch). First it
+// tells every active rank of this host that this rank's combine rows
+// (CSEND, written by earlier launches) are ready, and waits for the same
+// from each of them (cready, bounded, naming the rank); then it forwards
+// and reduces (see the top of this file). out: tokens x hidden BF16;
+// direct (u32 per rank): 1 where this rank reads that rank's combine rows
+// in place (itself, and load/store peers of its host).
+extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_combine(DevComm dc, EP_HT_WINDOWS, u32 tokens, const u32* shape, const u32* tables, const u32* active, const u32* direct, u64* seen, u64* lane, u32* contrib,
+                  u16* out, u64* err, u64* errh, u64* clock) {
+  if (ep::failed_before(dc)) return;
+  ep::clock_start(clock);
+  __shared__ ep::ht::Batch b;
+  const ep::ht::Shape s = ep::ht::shape_of(shape);
+  const Window* W[ep::ht::WINDOWS] = EP_HT_WINDOW_TABLE;
+  const ep::ht::Args a{dc, {W[0], W[1], W[2], W[3], W[4], W[5], W[6], W[7], W[8], W[9], W[10],
+                            W[11]},
+                       s, ep::ht::Tables{tables, s}, seen, lane, contrib, err, errh};
+  const u32 ch = blockIdx.x;
+  if (ch >= s.chans) return;
+  const u32 me = s.rank, host = me / s.l;
+  if (threadIdx.x == 0) ep::ht::clear_lane(a, ch, ep::ht::chan_lo(s, tokens, ch), false);
+  for (u32 dl = 0; dl < s.l; ++dl) {
+    const u32 p = host * s.l + dl;
+    if (active[p] && signal(dc, ch, p, signal_add(ep::ht::sig_cready(s, me % s.l), 1), CTA))
+      return;
+  }
+  u64* seen_ch = seen + (u64)ch * s.nsig;
+  for (u32 dl = 0; dl < s.l; ++dl) {
+    const u32 p = host * s.l + dl, id = ep::ht::sig_cready(s, dl);
+    if (!active[p]) continue;
+    if (ep::ht::wait_ctx(dc, ch, id, seen_ch[id] + 1, p)) return;
+    if (threadIdx.x == 0) seen_ch[id] += 1;
+    __syncthreads();
+  }
+  u64 since = 0;
+  for (;;) {
+    if (threadIdx.x == 0)
+      ep::ht::combine_batch(a, b, ch, tokens, direct, (u8*)out, since);
+    __syncthreads();
+    if (b.stop == 1) return;
+    if (ep::ht::run_batch(dc, ch, a.W, b, s.hidden)) return;
+    const bool done = b.stop == 2;
+    __syncthreads();
+    if (done) break;
+  }
+  // CSTAGE and CSEND are rewritten in the next step.
+  if (flush(dc, ch, CTA)) return;
+  ep::clock_end(clock);
+}
+
+#endif // __CUDACC__

@@ -1,0 +1,700 @@
+//! High-throughput mode on CUDA ranks (`kernels/ht.cu`, compiled after
+//! `kernels/ll.cu` in one NVRTC source): the CPU ranks' protocol
+//! ([`crate::ht`]: windows, signal ids, metadata, rings and credits,
+//! forwarding, the combine's order of sums) with each channel run by one
+//! block of the dispatch and combine kernels.
+//!
+//! A step from host memory ([`CudaBuffer::ht_dispatch`],
+//! [`CudaBuffer::ht_combine`], DeepEP's normal mode with its CPU sync after
+//! the counts): the host checks the inputs with the CPU ranks' code (nothing
+//! is sent on an error), stages this rank's notify row, the notify kernel
+//! exchanges the rows (gin puts and one signal each), the host reads them
+//! back and builds the step's plan with the CPU ranks' code
+//! ([`crate::ht`]'s `Plan`), stages every token's payload (BF16, or FP8
+//! quantised by [`crate::num::quantize_fp8`]) and metadata, uploads the
+//! plan as one table, and the dispatch kernel moves runs of tokens by it.
+//! The received tokens' metadata is read back (source index, weights) as
+//! the CPU ranks' receive reads it. Inputs in GPU memory are a later step.
+
+use gin_core::CoreError;
+use gin_core::cuda::{Arg, DevMem, Function, Module};
+
+use super::{CudaBuffer, On, go, kernel_error, read_clock};
+use crate::config::Mode;
+use crate::error::EpError;
+use crate::ht::plan::{self, Plan, Shape, TableAt};
+use crate::layout::Layout;
+use crate::ll::Combined;
+use crate::num::{Bf16, bf16_bytes, quantize_fp8};
+use crate::oracle::HtView;
+
+/// The kernels of CUDA ranks in high-throughput mode: `kernels/ll.cu` then
+/// `kernels/ht.cu`, one source for [`gin_core::cuda::CudaComm::compile`].
+pub const HT_KERNELS: &str = concat!(
+    include_str!("../../kernels/ll.cu"),
+    "\n",
+    include_str!("../../kernels/ht.cu")
+);
+
+/// The high-throughput kernels of a loaded module.
+#[derive(Debug)]
+pub(crate) struct HtFunctions {
+    pub(crate) notify: Function,
+    pub(crate) dispatch: Function,
+    pub(crate) echo: Function,
+    pub(crate) combine: Function,
+}
+
+impl HtFunctions {
+    pub(crate) fn of(m: &Module) -> Result<Self, CoreError> {
+        Ok(Self {
+            notify: m.function("ep_ht_notify")?,
+            dispatch: m.function("ep_ht_dispatch")?,
+            echo: m.function("ep_ht_echo")?,
+            combine: m.function("ep_ht_combine")?,
+        })
+    }
+}
+
+/// Where each value lies among the shape words the kernels read (ht.cu's
+/// `SW_*`, compared with it by a test).
+pub(crate) const SHAPE_WORDS: [(&str, usize); 15] = [
+    ("SW_R", 0),
+    ("SW_H", 1),
+    ("SW_L", 2),
+    ("SW_T", 3),
+    ("SW_K", 4),
+    ("SW_P", 5),
+    ("SW_MM", 6),
+    ("SW_H2", 7),
+    ("SW_RING", 8),
+    ("SW_CHANS", 9),
+    ("SW_RANK", 10),
+    ("SW_HIDDEN", 11),
+    ("SW_LEXP", 12),
+    ("SW_FP8", 13),
+    ("SW_NSIG", 14),
+];
+
+/// The shape words of rank `rank`'s buffer (see [`SHAPE_WORDS`]): every
+/// value fits a u32 (`Config::validate` bounds them).
+pub(crate) fn shape_words(
+    s: &Shape,
+    rank: usize,
+    hidden: usize,
+    lexp: usize,
+    fp8: bool,
+) -> Vec<u32> {
+    let u = CudaBuffer::u32_of;
+    vec![
+        u(s.r),
+        u(s.h),
+        u(s.l),
+        u(s.t),
+        u(s.k),
+        u(s.p),
+        u(s.mm),
+        u(s.h2),
+        u(s.ring),
+        u(s.chans),
+        u(rank),
+        u(hidden),
+        u(lexp),
+        u32::from(fp8),
+        s.signals(),
+    ]
+}
+
+/// Words of thread 0's scratch per channel (ht.cu's `lane_words`).
+pub(crate) fn lane_words(s: &Shape) -> usize {
+    2 * s.h + 2 * s.r + 3 * s.l + 16
+}
+
+/// Device memory of a high-throughput CUDA buffer beside its windows.
+#[derive(Debug)]
+pub(crate) struct HtState {
+    pub(crate) s: Shape,
+    /// The shape words (written once).
+    shape: DevMem,
+    /// The step's plan ([`Plan::tables`]).
+    tables: DevMem,
+    /// `u64[chans × signals]`: per context, the value of each signal
+    /// accounted for (the kernels advance it).
+    seen: DevMem,
+    /// `u64[chans × lane_words]`: the kernels' per-channel scratch.
+    lane: DevMem,
+    /// `u32[r × t × l]`: where each forwarded token is held (dispatch to
+    /// combine).
+    contrib: DevMem,
+    /// `u32[r]`: 1 where this rank reads that rank's combine rows in place.
+    direct: DevMem,
+    /// Count exchanges so far (their rows alternate between two halves).
+    rounds: u64,
+    /// When this step's notify kernel started (GPU clock): the dispatch's
+    /// clock runs from there to the dispatch kernel's end.
+    notify_start: u64,
+    /// Host staging of the payloads and metadata, reused between steps.
+    xin: Vec<u8>,
+    meta: Vec<u8>,
+}
+
+impl HtState {
+    /// `direct[p]`: whether this rank reads `p`'s combine rows in place.
+    pub(crate) fn new(
+        s: Shape,
+        rank: usize,
+        cfg: &crate::Config,
+        direct: &[bool],
+    ) -> Result<Self, CoreError> {
+        let zeroed = |bytes: usize| -> Result<DevMem, CoreError> {
+            let m = DevMem::new(bytes.max(16))?;
+            m.zero(0, m.len())?;
+            Ok(m)
+        };
+        let lexp = cfg.local_experts(s.r);
+        let shape = zeroed(4 * plan_shape_len())?;
+        shape.write(0, &shape_words(&s, rank, cfg.hidden, lexp, cfg.fp8))?;
+        let d = zeroed(4 * s.r)?;
+        let dw: Vec<u32> = direct.iter().map(|&b| u32::from(b)).collect();
+        d.write(0, &dw)?;
+        Ok(Self {
+            shape,
+            tables: zeroed(4 * TableAt::of(s.r, s.h, s.chans).words)?,
+            seen: zeroed(8 * s.chans * s.signals() as usize)?,
+            lane: zeroed(8 * s.chans * lane_words(&s))?,
+            contrib: zeroed(4 * s.r * s.t * s.l)?,
+            direct: d,
+            rounds: 0,
+            notify_start: 0,
+            xin: Vec::new(),
+            meta: Vec::new(),
+            s,
+        })
+    }
+}
+
+fn plan_shape_len() -> usize {
+    SHAPE_WORDS.len()
+}
+
+/// What a CUDA rank received in one high-throughput dispatch: the blocks by
+/// source, each token's index at its source and weight for this rank's
+/// experts (read back from GPU memory and checked); the payloads stay there
+/// ([`CudaBuffer::ht_received`] copies them back).
+#[derive(Debug, Clone)]
+pub struct CudaHtDispatch {
+    step: u64,
+    tokens: usize,
+    nranks: usize,
+    plan: Plan,
+    recv_prefix: Vec<u32>,
+    src_token: Vec<u32>,
+    local_weight: Vec<f32>,
+    expert_counts: Vec<u32>,
+}
+
+impl CudaHtDispatch {
+    /// Tokens received from `src` (one contiguous block, in the source's
+    /// token order).
+    pub fn count(&self, src: usize) -> usize {
+        (self.recv_prefix[src + 1] - self.recv_prefix[src]) as usize
+    }
+    /// Tokens received in all.
+    pub fn received(&self) -> usize {
+        self.src_token.len()
+    }
+    /// Where `src`'s block starts among the received tokens.
+    pub fn block_start(&self, src: usize) -> usize {
+        self.recv_prefix[src] as usize
+    }
+    /// The index at its source of received token `j`.
+    pub fn src_token(&self, j: usize) -> usize {
+        self.src_token[j] as usize
+    }
+    /// The sum of received token `j`'s weights for this rank's experts.
+    pub fn local_weight(&self, j: usize) -> f32 {
+        self.local_weight[j]
+    }
+    /// Received tokens that name local expert `le`.
+    pub fn expert_count(&self, le: usize) -> usize {
+        self.expert_counts[le] as usize
+    }
+    /// Tokens this rank dispatched.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+    /// The job's count matrix: tokens from `src` to `dst`.
+    pub fn tokens_between(&self, src: usize, dst: usize) -> usize {
+        self.plan.count(src, dst) as usize
+    }
+    /// Ranks of the job.
+    pub fn nranks(&self) -> usize {
+        self.nranks
+    }
+}
+
+/// A CUDA high-throughput dispatch with its payloads copied back, for the
+/// oracle ([`crate::oracle::check_ht_view`]).
+#[derive(Debug, Clone)]
+pub struct HtReceived {
+    d: CudaHtDispatch,
+    payload: usize,
+    data: Vec<u8>,
+}
+
+impl HtView for HtReceived {
+    fn count(&self, src: usize) -> usize {
+        self.d.count(src)
+    }
+    fn block_start(&self, src: usize) -> usize {
+        self.d.block_start(src)
+    }
+    fn received(&self) -> usize {
+        self.d.received()
+    }
+    fn src_token(&self, j: usize) -> usize {
+        self.d.src_token(j)
+    }
+    fn local_weight(&self, j: usize) -> f32 {
+        self.d.local_weight(j)
+    }
+    fn expert_count(&self, le: usize) -> usize {
+        self.d.expert_count(le)
+    }
+    fn payload(&self, j: usize) -> Result<&[u8], String> {
+        self.data
+            .get(j * self.payload..(j + 1) * self.payload)
+            .ok_or_else(|| format!("no received token {j} ({} received)", self.d.received()))
+    }
+}
+
+/// The rows of a count exchange (`parity`'s half of NRECV, `width` bytes
+/// each) as the plan takes them: every active rank's, checked (its counts
+/// fit the buffer; its active mask is this rank's: a mask applied
+/// differently is refused naming the rank).
+pub(crate) fn notify_rows(
+    s: &Shape,
+    rank: usize,
+    active: &[bool],
+    raw: &[u8],
+) -> Result<Vec<Option<Vec<u32>>>, EpError> {
+    let width = 4 * s.row_words();
+    let mut rows = vec![None; s.r];
+    for (src, slot) in rows.iter_mut().enumerate() {
+        if !active[src] {
+            continue;
+        }
+        let words: Vec<u32> = raw
+            .get(src * width..(src + 1) * width)
+            .unwrap_or(&[])
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        plan::check_row(s, rank, src, &words)?;
+        for (p, &a) in active.iter().enumerate() {
+            if (words[p / 32] >> (p % 32) & 1 == 1) != a {
+                return Err(EpError::Protocol {
+                    rank,
+                    peer: src,
+                    what: format!(
+                        "its active mask says rank {p} is {}, here it is {} (set_active must be applied alike on every rank)",
+                        if a { "masked" } else { "active" },
+                        if a { "active" } else { "masked" }
+                    ),
+                });
+            }
+        }
+        *slot = Some(words);
+    }
+    Ok(rows)
+}
+
+/// Stages this rank's tokens for the dispatch kernel: payloads (BF16 bytes,
+/// or FP8 with scales as [`quantize_fp8`] makes them) into `xin`, metadata
+/// ([`plan::meta_word`]) into `meta`.
+pub(crate) fn stage_tokens(
+    s: &Shape,
+    fp8: bool,
+    lay: &Layout,
+    x: &[Bf16],
+    idx: &[i64],
+    w: &[f32],
+    (xin, meta): (&mut Vec<u8>, &mut Vec<u8>),
+) {
+    let (tokens, hidden) = (lay.tokens, s.h2 / 2);
+    xin.resize(tokens * s.p, 0);
+    meta.resize(tokens * s.mm, 0);
+    for t in 0..tokens {
+        let row = &x[t * hidden..(t + 1) * hidden];
+        let out = &mut xin[t * s.p..(t + 1) * s.p];
+        if fp8 {
+            quantize_fp8(row, out);
+        } else {
+            out.copy_from_slice(bf16_bytes(row));
+        }
+        for i in 0..s.mm / 4 {
+            let v = plan::meta_word(s, lay, idx, w, t, i);
+            meta[t * s.mm + 4 * i..t * s.mm + 4 * i + 4].copy_from_slice(&v.to_le_bytes());
+        }
+    }
+}
+
+impl CudaBuffer<'_, '_> {
+    fn ht_state(&self, call: &'static str) -> Result<&HtState, EpError> {
+        super::steps::expect_mode(self.rank, call, Mode::HighThroughput, self.cfg.mode)?;
+        self.ht.as_ref().ok_or(EpError::Mode {
+            rank: self.rank,
+            what: format!("{call}: the buffer holds no high-throughput state"),
+        })
+    }
+
+    fn ht_functions(&self) -> Result<&HtFunctions, EpError> {
+        self.kernels.ht.as_ref().ok_or(EpError::Mode {
+            rank: self.rank,
+            what: "the high-throughput kernels are not loaded".into(),
+        })
+    }
+
+    /// The twelve windows, as every high-throughput kernel takes them.
+    fn ht_windows(&self) -> Vec<Arg<'_>> {
+        self.wins.iter().map(|w| Arg::Window(w.abi())).collect()
+    }
+
+    /// High-throughput dispatch on CUDA ranks from host memory: checks the
+    /// inputs (nothing is sent on an error), exchanges the counts (the
+    /// notify kernel), builds the step's plan from every rank's row, stages
+    /// the tokens and runs the dispatch kernel: between hosts each token
+    /// goes only to the rank with this rank's local index (into its final
+    /// place there or through the channel's ring, within credits), within a
+    /// host tokens are forwarded over load/store where mapped. Every wait
+    /// is bounded by the job timeout and names the peer; the received
+    /// tokens' metadata is read back and checked.
+    pub fn ht_dispatch(
+        &mut self,
+        x: &[Bf16],
+        topk_idx: &[i64],
+        topk_weights: &[f32],
+    ) -> Result<CudaHtDispatch, EpError> {
+        self.ht_state("ht_dispatch")?;
+        self.st.idle("ht_dispatch")?;
+        self.expect_unqueued("ht_dispatch")?;
+        self.poll()?;
+        let cfg = self.cfg;
+        let s = self.ht_state("ht_dispatch")?.s;
+        let lay = crate::ll::check_inputs(
+            self.rank,
+            &cfg,
+            &self.active,
+            s.l,
+            x.len(),
+            topk_idx,
+            topk_weights,
+        )?;
+        self.current()?;
+        self.st.begin(lay.tokens);
+        let r = self.ht_dispatch_steps(&s, &lay, x, topk_idx, topk_weights);
+        if r.is_err() {
+            self.st.fail();
+        }
+        r
+    }
+
+    fn ht_dispatch_steps(
+        &mut self,
+        s: &Shape,
+        lay: &Layout,
+        x: &[Bf16],
+        idx: &[i64],
+        w: &[f32],
+    ) -> Result<CudaHtDispatch, EpError> {
+        let plan = self.ht_notify(s, lay)?;
+        let (mut xin, mut meta) = {
+            let h = self.ht.as_mut().ok_or(EpError::Mode {
+                rank: self.rank,
+                what: "no high-throughput state".into(),
+            })?;
+            (std::mem::take(&mut h.xin), std::mem::take(&mut h.meta))
+        };
+        stage_tokens(s, self.cfg.fp8, lay, x, idx, w, (&mut xin, &mut meta));
+        let staged = self.ht_upload(&plan, &xin, &meta);
+        if let Some(h) = self.ht.as_mut() {
+            h.xin = xin;
+            h.meta = meta;
+        }
+        staged?;
+        self.ht_launch_dispatch(s, lay.tokens)?;
+        self.st.dispatched_now();
+        self.ht_read_dispatch(s, plan)
+    }
+
+    /// The count exchange: this rank's row to every active rank (the notify
+    /// kernel), every active rank's row read back; the step's plan.
+    fn ht_notify(&mut self, s: &Shape, lay: &Layout) -> Result<Plan, EpError> {
+        use crate::ht::plan::{NRECV, NSEND};
+        let row = plan::notify_row(s, lay, &self.active);
+        let bytes: Vec<u8> = row.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let width = bytes.len();
+        let st = self.ht_state("ht_dispatch")?;
+        let parity = (st.rounds % 2) as usize;
+        let (shape, seen) = (st.shape.ptr(), st.seen.ptr());
+        self.wins[NSEND]
+            .local()
+            .write(0, &bytes)
+            .map_err(CoreError::from)?;
+        let clock = self.clock_for(On::Wait)?;
+        let mut args = vec![Arg::DevComm(self.dc.abi())];
+        args.extend(self.ht_windows());
+        args.extend([
+            Arg::U32(Self::u32_of(width)),
+            Arg::U32(Self::u32_of(parity)),
+            Arg::Ptr(shape),
+            Arg::Ptr(self.state.active.ptr()),
+            Arg::Ptr(seen),
+            Arg::Ptr(clock),
+        ]);
+        let f = self.ht_functions()?.notify;
+        // SAFETY: ep_ht_notify(DevComm, 12 Windows, u32 width, u32 parity,
+        // const u32* shape, const u32* active, u64* seen, u64* clock) takes
+        // these in this order. It puts `width` bytes of NSEND (its size:
+        // ht::resources, 4 × row words) to each active rank's NRECV at
+        // (parity × r + rank) × width (2 × r × width bytes), reads shape
+        // (SHAPE_WORDS u32), active (r u32) and the notify entries of seen
+        // (context 0: r u64 of chans × signals) and clock (2 u64): the sizes
+        // HtState::new and State::new allocated. gin's stream, waited for.
+        let r = unsafe { go(&self.dc, f, On::Wait, 1, &args) };
+        r.map_err(|e| kernel_error(self.rank, "ht_notify", e))?;
+        let started = read_clock(&self.state.clock)?.start_ns;
+        if let Some(h) = self.ht.as_mut() {
+            h.rounds += 1;
+            h.notify_start = started;
+        }
+        let mut raw = vec![0u8; s.r * width];
+        self.wins[NRECV]
+            .local()
+            .read(parity * s.r * width, &mut raw)
+            .map_err(CoreError::from)?;
+        let rows = notify_rows(s, self.rank, &self.active, &raw)?;
+        Ok(Plan::new(s, self.active.clone(), &rows))
+    }
+
+    /// Writes the staged tokens and the plan's table to GPU memory.
+    fn ht_upload(&self, plan: &Plan, xin: &[u8], meta: &[u8]) -> Result<(), EpError> {
+        use crate::ht::plan::{MIN, XIN};
+        if !xin.is_empty() {
+            self.wins[XIN]
+                .local()
+                .write(0, xin)
+                .map_err(CoreError::from)?;
+            self.wins[MIN]
+                .local()
+                .write(0, meta)
+                .map_err(CoreError::from)?;
+        }
+        let st = self.ht_state("ht_dispatch")?;
+        st.tables
+            .write(0, &plan.tables())
+            .map_err(CoreError::from)?;
+        Ok(())
+    }
+
+    fn ht_launch_dispatch(&mut self, s: &Shape, tokens: usize) -> Result<(), EpError> {
+        let st = self.ht_state("ht_dispatch")?;
+        let ptrs = [
+            st.shape.ptr(),
+            st.tables.ptr(),
+            self.state.active.ptr(),
+            st.seen.ptr(),
+            st.lane.ptr(),
+            st.contrib.ptr(),
+        ];
+        let clock = self.clock_for(On::Wait)?;
+        let mut args = vec![Arg::DevComm(self.dc.abi())];
+        args.extend(self.ht_windows());
+        args.push(Arg::U32(Self::u32_of(tokens)));
+        args.extend(ptrs.map(Arg::Ptr));
+        args.extend([
+            Arg::Ptr(self.state.err.ptr()),
+            Arg::Ptr(self.state.errh.dev()),
+            Arg::Ptr(clock),
+        ]);
+        let f = self.ht_functions()?.dispatch;
+        let grid = Self::u32_of(s.chans);
+        // SAFETY: ep_ht_dispatch(DevComm, 12 Windows, u32 tokens, const u32*
+        // shape, const u32* tables, const u32* active, u64* seen, u64* lane,
+        // u32* contrib, u64* err, u64* errh, u64* clock) takes these in this
+        // order, one block per channel. It reads `tokens` (≤ t) staged
+        // tokens of XIN and MIN, writes rings and final places within their
+        // sizes (ht::resources: every place comes from the plan, whose
+        // counts check_row bounded by t) and contrib entries (src, host
+        // slot < t, local rank: r × t × l u32), and the chans × signals
+        // entries of seen and chans × lane_words of lane that HtState::new
+        // allocated; err and errh hold 4 u64 each, clock 2. gin's stream,
+        // waited for.
+        let r = unsafe { go(&self.dc, f, On::Wait, grid, &args) };
+        self.launched(On::Wait, "ht_dispatch", r)?;
+        let ended = read_clock(&self.state.clock)?;
+        let start_ns = self.ht.as_ref().map_or(ended.start_ns, |h| h.notify_start);
+        self.last.0 = super::KernelClock {
+            start_ns,
+            end_ns: ended.end_ns,
+        };
+        self.poll()
+    }
+
+    /// Reads the received tokens' metadata back and checks it.
+    fn ht_read_dispatch(&mut self, s: &Shape, plan: Plan) -> Result<CudaHtDispatch, EpError> {
+        use crate::ht::plan::RECVM;
+        let me = self.rank;
+        let prefix = plan.recv_prefix(me).to_vec();
+        let total = prefix[s.r] as usize;
+        let mut raw = vec![0u8; total * s.mm];
+        if total > 0 {
+            self.wins[RECVM]
+                .local()
+                .read(0, &mut raw)
+                .map_err(CoreError::from)?;
+        }
+        let lexp = self.cfg.local_experts(s.r);
+        let mut d = CudaHtDispatch {
+            step: self.st.step,
+            tokens: self.st.tokens,
+            nranks: s.r,
+            plan,
+            recv_prefix: prefix,
+            src_token: Vec::with_capacity(total),
+            local_weight: Vec::with_capacity(total),
+            expert_counts: vec![0; lexp],
+        };
+        for j in 0..total {
+            let (tok, w) = crate::ht::read_meta(
+                s,
+                me * lexp..(me + 1) * lexp,
+                &raw[j * s.mm..(j + 1) * s.mm],
+                &mut d.expert_counts,
+            );
+            if tok as usize >= s.t {
+                let src = d.recv_prefix.partition_point(|&p| p as usize <= j) - 1;
+                return Err(EpError::Protocol {
+                    rank: me,
+                    peer: src,
+                    what: format!(
+                        "received token {j} names token {tok} at or above the maximum {}",
+                        s.t
+                    ),
+                });
+            }
+            d.src_token.push(tok);
+            d.local_weight.push(w);
+        }
+        Ok(d)
+    }
+
+    /// Copies the received payloads of `d` back from GPU memory, for checks
+    /// ([`crate::oracle::check_ht_view`]): only between the dispatch and
+    /// the combine.
+    pub fn ht_received(&self, d: &CudaHtDispatch) -> Result<HtReceived, EpError> {
+        use crate::ht::plan::RECVX;
+        self.ht_state("ht_received")?;
+        self.st.for_received("ht_received", d.step)?;
+        self.current()?;
+        let p = self.cfg.payload_bytes();
+        let mut data = vec![0u8; d.received() * p];
+        if !data.is_empty() {
+            self.wins[RECVX]
+                .local()
+                .read(0, &mut data)
+                .map_err(CoreError::from)?;
+        }
+        Ok(HtReceived {
+            d: d.clone(),
+            payload: p,
+            data,
+        })
+    }
+
+    /// The identity expert on the GPU: each received token times the sum of
+    /// its weights for this rank's experts, as its combine row (the CPU
+    /// ranks' [`crate::Buffer::ht_echo`], bit for bit).
+    pub fn ht_echo(&mut self, d: &CudaHtDispatch) -> Result<(), EpError> {
+        let shape = self.ht_state("ht_echo")?.shape.ptr();
+        self.st.dispatched("ht_echo", d.step)?;
+        self.expect_unqueued("ht_echo")?;
+        self.poll()?;
+        self.current()?;
+        let mut args = self.ht_windows();
+        args.extend([Arg::U32(Self::u32_of(d.received())), Arg::Ptr(shape)]);
+        let f = self.ht_functions()?.echo;
+        let grid = self.grid(d.received());
+        // SAFETY: ep_ht_echo(12 Windows, u32 received, const u32* shape)
+        // takes these in this order; it reads `received` tokens of RECVX
+        // and RECVM and writes as many rows of CSEND, all within their sizes
+        // (r × t slots each: ht::resources; received ≤ r × t by the plan's
+        // checked counts). gin's stream, waited for.
+        let r = unsafe { go(&self.dc, f, On::Wait, grid, &args) };
+        self.launched(On::Wait, "ht_echo", r)
+    }
+
+    /// High-throughput combine on CUDA ranks: forwarders sum their host's
+    /// rows of each token they forwarded and put them back to the source;
+    /// each source reduces a token once every host it went to has
+    /// delivered, its own host's rows read in place (the CPU ranks'
+    /// reduction order: the result is theirs bit for bit). The combined
+    /// tokens are read back.
+    pub fn ht_combine(&mut self, d: &CudaHtDispatch) -> Result<Combined, EpError> {
+        self.ht_state("ht_combine")?;
+        self.st.dispatched("ht_combine", d.step)?;
+        self.expect_unqueued("ht_combine")?;
+        self.poll()?;
+        self.current()?;
+        let cfg = self.cfg;
+        let tokens = self.st.tokens;
+        let st = self.ht_state("ht_combine")?;
+        let grid = Self::u32_of(st.s.chans);
+        let ptrs = [
+            st.shape.ptr(),
+            st.tables.ptr(),
+            self.state.active.ptr(),
+            st.direct.ptr(),
+            st.seen.ptr(),
+            st.lane.ptr(),
+            st.contrib.ptr(),
+            self.state.out.ptr(),
+            self.state.err.ptr(),
+            self.state.errh.dev(),
+        ];
+        let clock = self.clock_for(On::Wait)?;
+        let mut args = vec![Arg::DevComm(self.dc.abi())];
+        args.extend(self.ht_windows());
+        args.push(Arg::U32(Self::u32_of(tokens)));
+        args.extend(ptrs.map(Arg::Ptr));
+        args.push(Arg::Ptr(clock));
+        let f = self.ht_functions()?.combine;
+        // SAFETY: ep_ht_combine(DevComm, 12 Windows, u32 tokens, const u32*
+        // shape, const u32* tables, const u32* active, const u32* direct,
+        // u64* seen, u64* lane, u32* contrib, u16* out, u64* err, u64* errh,
+        // u64* clock) takes these in this order, one block per channel. It
+        // reads this step's staged metadata (MIN), combine rows of CSEND
+        // here and of this host's ranks (through their mappings after a
+        // range check, or by get into CGET: chans × l rows), CRDMA rows (h ×
+        // t), contrib as the dispatch wrote it, writes CSTAGE rows (chans ×
+        // STAGE), tokens × hidden u16 of out (State::out holds t × hidden),
+        // seen and lane as the dispatch; err, errh 4 u64, clock 2. gin's
+        // stream, waited for.
+        let r = unsafe { go(&self.dc, f, On::Wait, grid, &args) };
+        self.launched(On::Wait, "ht_combine", r)?;
+        self.st.combined();
+        self.last.1 = read_clock(&self.state.clock)?;
+        self.poll()?;
+        let mut raw = vec![0u16; tokens * cfg.hidden];
+        if !raw.is_empty() {
+            self.state.out.read(0, &mut raw).map_err(CoreError::from)?;
+        }
+        Ok(Combined {
+            x: raw.into_iter().map(Bf16).collect(),
+            lost: Vec::new(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,544 @@
+//! Host-side tests of high-throughput mode on CUDA ranks: the kernels
+//! compile (NVRTC), the names and constants the host and `kernels/ht.cu`
+//! share agree, the host's staging and checks of a step, and the kernels'
+//! index arithmetic (compiled as host C++) against the CPU ranks' plan.
+
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+use std::fmt::Write as _;
+use std::sync::OnceLock;
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::Config;
+use crate::ht::plan::{CGET, CHUNK, CRDMA, CSEND, CSTAGE, MIN, NRECV, NSEND, RECVM, RECVX};
+use crate::ht::plan::{RINGM, RINGX, RUN, STAGE, XIN, forwarder};
+
+#[path = "../../../tests/common/mod.rs"]
+mod common;
+
+/// NVRTC compiles the high-throughput kernels (with the low-latency ones
+/// before them, as `CudaBuffer::new` does) for Hopper and Ampere. Skipped
+/// with a reason where NVRTC cannot be loaded, except under
+/// `GIN_REQUIRE_NVRTC=1` (`.ci/nvcc-check`).
+#[test]
+fn nvrtc_compiles_the_ht_kernels_for_hopper_and_ampere() {
+    for cc in [(9, 0), (8, 0)] {
+        match gin_core::cuda::nvrtc::compile(HT_KERNELS, "ht.cu", cc) {
+            Ok(cubin) => assert_eq!(&cubin.as_bytes()[..4], b"\x7fELF", "{cc:?}"),
+            Err(CoreError::Unavailable { why, .. }) => {
+                assert!(
+                    std::env::var_os("GIN_REQUIRE_NVRTC").is_none(),
+                    "GIN_REQUIRE_NVRTC is set but NVRTC cannot be used: {why}"
+                );
+                eprintln!("skipped: NVRTC cannot be loaded ({why})");
+                return;
+            }
+            Err(e) => panic!("ht.cu for {cc:?}: {e}"),
+        }
+    }
+}
+
+/// The kernels the host launches exist under the names it looks up, one
+/// line each as the low-latency test reads them.
+#[test]
+fn every_ht_kernel_is_defined() {
+    for name in [
+        "ep_ht_notify",
+        "ep_ht_dispatch",
+        "ep_ht_echo",
+        "ep_ht_combine",
+    ] {
+        let want = format!("extern \"C\" __global__ void __launch_bounds__(EP_THREADS) {name}(");
+        assert!(HT_KERNELS.lines().any(|l| l.starts_with(&want)), "{name}");
+    }
+}
+
+/// `constexpr u32 NAME = V;` of ht.cu, where declared alone or in a list.
+fn kernel_u32(name: &str) -> Option<u64> {
+    let text = include_str!("../../../kernels/ht.cu");
+    text.split([';', '\n', ',']).find_map(|part| {
+        let part = part.trim().trim_start_matches("constexpr u32 ");
+        let (n, v) = part.split_once('=')?;
+        (n.trim() == name).then(|| v.trim().parse().ok())?
+    })
+}
+
+/// The shape words, constants and window indices are where ht.cu reads
+/// them.
+#[test]
+fn shape_words_constants_and_windows_match_the_kernels() {
+    for (name, at) in SHAPE_WORDS {
+        assert_eq!(kernel_u32(name), Some(at as u64), "{name}");
+    }
+    assert_eq!(kernel_u32("SW_WORDS"), Some(SHAPE_WORDS.len() as u64));
+    for (name, v) in [("CHUNK", CHUNK), ("RUN", RUN), ("STAGE", STAGE)] {
+        assert_eq!(kernel_u32(name), Some(v as u64), "{name}");
+    }
+    for (name, w) in [
+        ("NSEND", NSEND),
+        ("NRECV", NRECV),
+        ("XIN", XIN),
+        ("MIN", MIN),
+        ("RINGX", RINGX),
+        ("RINGM", RINGM),
+        ("RECVX", RECVX),
+        ("RECVM", RECVM),
+        ("CSEND", CSEND),
+        ("CSTAGE", CSTAGE),
+        ("CRDMA", CRDMA),
+        ("CGET", CGET),
+    ] {
+        assert_eq!(kernel_u32(name), Some(w as u64), "window {name}");
+    }
+    assert_eq!(kernel_u32("WINDOWS"), Some(12));
+    assert_eq!(
+        kernel_u32("NONE"),
+        None,
+        "NONE is 0xffffffffu, not a decimal"
+    );
+    assert!(include_str!("../../../kernels/ht.cu").contains("constexpr u32 NONE = 0xffffffffu;"));
+    assert_eq!(crate::layout::NONE, 0xffff_ffff);
+}
+
+#[test]
+fn shape_words_hold_the_buffers_values() {
+    let cfg = Config {
+        channels: 3,
+        ring_slots: 5,
+        fp8: true,
+        ..Config::high_throughput(256, 40, 16, 4)
+    };
+    let s = Shape::of(&cfg, 8, 2);
+    let w = shape_words(&s, 5, cfg.hidden, cfg.local_experts(8), cfg.fp8);
+    let at = |name: &str| w[SHAPE_WORDS.iter().find(|(n, _)| *n == name).unwrap().1];
+    assert_eq!(w.len(), SHAPE_WORDS.len());
+    assert_eq!((at("SW_R"), at("SW_H"), at("SW_L")), (8, 4, 2));
+    assert_eq!(
+        (at("SW_T"), at("SW_K"), at("SW_RING"), at("SW_CHANS")),
+        (40, 4, 5, 3)
+    );
+    assert_eq!(at("SW_P") as usize, cfg.payload_bytes());
+    assert_eq!(at("SW_MM") as usize, s.mm);
+    assert_eq!(at("SW_H2"), 512);
+    assert_eq!(
+        (at("SW_RANK"), at("SW_HIDDEN"), at("SW_LEXP"), at("SW_FP8")),
+        (5, 256, 2, 1)
+    );
+    assert_eq!(at("SW_NSIG"), s.signals());
+}
+
+fn shape(r: usize, l: usize, chans: usize) -> (Config, Shape) {
+    let cfg = Config {
+        channels: chans,
+        ..Config::high_throughput(128, 10, 2 * r, 2)
+    };
+    (cfg, Shape::of(&cfg, r, l))
+}
+
+/// A row as `notify_row` writes it, as bytes.
+fn row_bytes(row: &[u32]) -> Vec<u8> {
+    row.iter().flat_map(|w| w.to_le_bytes()).collect()
+}
+
+/// Every rank's layout of a small routing table, under `active`.
+fn layouts(cfg: &Config, s: &Shape, active: &[bool], seed: u64) -> Vec<Layout> {
+    (0..s.r)
+        .map(|rank| {
+            let input = crate::oracle::rank_input(
+                seed,
+                rank,
+                s.r,
+                crate::oracle::tokens_for_rank(cfg.max_tokens_per_rank, rank),
+                cfg.hidden,
+                cfg.num_experts,
+                cfg.topk,
+            );
+            Layout::new(
+                rank,
+                &input.topk_idx,
+                cfg.topk,
+                cfg.num_experts,
+                active,
+                s.l,
+            )
+            .unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn notify_rows_are_taken_checked_and_a_differing_mask_is_refused() {
+    let (cfg, s) = shape(4, 2, 2);
+    let active = vec![true, true, false, true];
+    let lays = layouts(&cfg, &s, &active, 7);
+    let mut raw: Vec<u8> = Vec::new();
+    for lay in &lays {
+        raw.extend(row_bytes(&plan::notify_row(&s, lay, &active)));
+    }
+    let rows = notify_rows(&s, 1, &active, &raw).unwrap();
+    assert!(rows[2].is_none(), "a masked rank's row is not taken");
+    for (p, row) in rows.iter().enumerate().filter(|(p, _)| active[*p]) {
+        assert_eq!(
+            row.as_ref().unwrap(),
+            &plan::notify_row(&s, &lays[p], &active)
+        );
+    }
+    // Rank 3 masked rank 0 where this rank did not.
+    let width = 4 * s.row_words();
+    let mut odd = raw.clone();
+    odd[3 * width] &= !1;
+    match notify_rows(&s, 1, &active, &odd) {
+        Err(EpError::Protocol {
+            rank: 1,
+            peer: 3,
+            what,
+        }) => {
+            assert!(
+                what.contains("rank 0") && what.contains("set_active"),
+                "{what}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    // Rank 0 claims more tokens for this rank than the buffer holds.
+    let mut over = raw;
+    let at = 4 * (s.mask_words() + s.chans); // rank 0's count for rank 1, channel 0
+    over[at..at + 4].copy_from_slice(&(s.t as u32 + 1).to_le_bytes());
+    assert!(matches!(
+        notify_rows(&s, 1, &active, &over),
+        Err(EpError::Protocol {
+            rank: 1,
+            peer: 0,
+            ..
+        })
+    ));
+}
+
+#[test]
+fn staged_tokens_carry_the_cpu_ranks_payloads_and_metadata() {
+    for fp8 in [false, true] {
+        let (mut cfg, s0) = shape(4, 2, 2);
+        cfg.fp8 = fp8;
+        let s = Shape::of(&cfg, s0.r, s0.l);
+        let active = vec![true; 4];
+        let input = crate::oracle::rank_input(3, 1, 4, 9, cfg.hidden, cfg.num_experts, cfg.topk);
+        let lay = Layout::new(1, &input.topk_idx, cfg.topk, cfg.num_experts, &active, 2).unwrap();
+        let (mut xin, mut meta) = (Vec::new(), Vec::new());
+        stage_tokens(
+            &s,
+            fp8,
+            &lay,
+            &input.x,
+            &input.topk_idx,
+            &input.weights,
+            (&mut xin, &mut meta),
+        );
+        assert_eq!((xin.len(), meta.len()), (9 * s.p, 9 * s.mm));
+        let mut want = vec![0u8; s.p];
+        for t in 0..9 {
+            let row = &input.x[t * cfg.hidden..(t + 1) * cfg.hidden];
+            if fp8 {
+                quantize_fp8(row, &mut want);
+            } else {
+                want.copy_from_slice(bf16_bytes(row));
+            }
+            assert_eq!(&xin[t * s.p..(t + 1) * s.p], &want[..], "token {t}");
+            for i in 0..s.mm / 4 {
+                let got = u32::from_le_bytes(
+                    meta[t * s.mm + 4 * i..t * s.mm + 4 * i + 4]
+                        .try_into()
+                        .unwrap(),
+                );
+                let w = plan::meta_word(&s, &lay, &input.topk_idx, &input.weights, t, i);
+                assert_eq!(got, w, "token {t} word {i}");
+            }
+            // What the combine and forwarders read: the host and rank slots.
+            for h in 0..s.h {
+                assert_eq!(
+                    plan::meta_word(
+                        &s,
+                        &lay,
+                        &input.topk_idx,
+                        &input.weights,
+                        t,
+                        s.w_host_slot(h)
+                    ),
+                    lay.host_slot[t * s.h + h]
+                );
+            }
+        }
+        // The receive side reads the source index and weights back.
+        let mut counts = vec![0u32; cfg.local_experts(4)];
+        let (tok, w) = crate::ht::read_meta(&s, 2..4, &meta[3 * s.mm..4 * s.mm], &mut counts);
+        assert_eq!(tok, 3);
+        let k = cfg.topk;
+        let want_w: f32 = (0..k)
+            .filter(|&j| (2..4).contains(&input.topk_idx[3 * k + j]))
+            .map(|j| input.weights[3 * k + j])
+            .sum();
+        assert_eq!(w.to_bits(), want_w.to_bits());
+    }
+}
+
+#[test]
+fn tables_follow_their_layout() {
+    let (cfg, s) = shape(6, 3, 2);
+    let active = vec![true, true, true, true, false, true];
+    let lays = layouts(&cfg, &s, &active, 11);
+    let rows: Vec<Option<Vec<u32>>> = lays
+        .iter()
+        .enumerate()
+        .map(|(p, lay)| active[p].then(|| plan::notify_row(&s, lay, &active)))
+        .collect();
+    let plan = Plan::new(&s, active.clone(), &rows);
+    let t = plan.tables();
+    let at = TableAt::of(s.r, s.h, s.chans);
+    assert_eq!(t.len(), at.words);
+    for src in 0..s.r {
+        for dst in 0..s.r {
+            for ch in 0..s.chans {
+                assert_eq!(
+                    t[at.rank_chan + (src * s.r + dst) * s.chans + ch],
+                    plan.rank_chan(src, dst, ch)
+                );
+            }
+            assert_eq!(
+                t[at.recv_pre + dst * (s.r + 1) + src],
+                plan.recv_start(dst, src)
+            );
+        }
+        for h in 0..s.h {
+            let f = plan
+                .forwarder(src, h)
+                .map_or(crate::layout::NONE, |p| p as u32);
+            assert_eq!(t[at.fwd_of + src * s.h + h], f);
+            for ch in 0..s.chans {
+                assert_eq!(
+                    t[at.host_chan + (src * s.h + h) * s.chans + ch],
+                    plan.host_chan(src, h, ch)
+                );
+            }
+        }
+    }
+}
+
+/// The host C++ build of `tests/ht_host.cpp` (once per test process).
+fn ht_host() -> Option<&'static std::path::PathBuf> {
+    static EXE: OnceLock<Option<std::path::PathBuf>> = OnceLock::new();
+    EXE.get_or_init(|| common::compile("ht_host", &[], "high-throughput index cross-check"))
+        .as_ref()
+}
+
+/// What ht_host prints for one case, computed from the CPU ranks' plan
+/// (see tests/ht_host.cpp for the order).
+fn expected(s: &Shape, tokens: usize, plan: &Plan) -> String {
+    let mut o = String::new();
+    let mut put = |v: u64| writeln!(o, "{v}").unwrap();
+    put(u64::from(s.signals()));
+    for src in 0..s.r {
+        for v in [s.notify(src), s.tail(src), s.dtail(src), s.head(src)] {
+            put(u64::from(v));
+        }
+    }
+    for l in 0..s.l {
+        put(u64::from(s.fwd(l)));
+        put(u64::from(s.cready(l)));
+    }
+    for h in 0..s.h {
+        put(u64::from(s.ctail(h)));
+    }
+    put(s.w_ids() as u64);
+    put(s.w_weights() as u64);
+    for h in 0..s.h {
+        put(s.w_host_slot(h) as u64);
+    }
+    for r in 0..s.r {
+        put(s.w_rank_slot(r) as u64);
+    }
+    for c in 0..s.chans {
+        put(s.chan_range(tokens, c).start as u64);
+    }
+    put(s.chan_range(tokens, s.chans - 1).end as u64);
+    put(TableAt::of(s.r, s.h, s.chans).words as u64);
+    for src in 0..s.r {
+        for dst in 0..s.r {
+            for ch in 0..s.chans {
+                put(u64::from(plan.rank_chan(src, dst, ch)));
+                put(u64::from(plan.rank_chan_start(src, dst, ch)));
+            }
+            put(u64::from(plan.count(src, dst)));
+        }
+    }
+    for src in 0..s.r {
+        for h in 0..s.h {
+            for ch in 0..s.chans {
+                put(u64::from(plan.host_chan(src, h, ch)));
+                put(u64::from(plan.host_chan_start(src, h, ch)));
+            }
+        }
+    }
+    for dst in 0..s.r {
+        for &v in plan.recv_prefix(dst) {
+            put(u64::from(v));
+        }
+    }
+    for src in 0..s.r {
+        for h in 0..s.h {
+            put(plan
+                .forwarder(src, h)
+                .map_or(u64::from(crate::layout::NONE), |p| p as u64));
+        }
+    }
+    for fwd in 0..s.r {
+        let mine = plan.forwarded_sources(fwd);
+        for src in 0..s.r {
+            put(u64::from(mine.contains(&src)));
+        }
+    }
+    for src in 0..s.r {
+        for me in 0..s.r {
+            for ch in 0..s.chans {
+                // The CPU forwarder's FwdFrom::ring_expect and direct_expect.
+                let n = plan.host_chan(src, me / s.l, ch);
+                let direct = plan.rank_chan(src, me, ch);
+                put(u64::from(n - direct.min(n)));
+                put(u64::from(direct));
+            }
+        }
+    }
+    for ch in 0..s.chans {
+        for src in 0..s.r {
+            for seq in [0, 1, s.ring, 3 * s.ring + 1] {
+                // The CPU lane's ring slot of a message's sequence number.
+                put(((ch * s.r + src) * s.ring + seq % s.ring) as u64);
+            }
+        }
+    }
+    for h in 0..s.h {
+        for hs in [0, s.t - 1] {
+            put(((h * s.t + hs) * s.h2) as u64);
+        }
+    }
+    for src in 0..s.r {
+        for l in 0..s.l {
+            for hs in [0, s.t - 1] {
+                let at = (src * s.t + hs) * s.l + l;
+                assert!(
+                    at < s.r * s.t * s.l,
+                    "contrib entry inside HtState's r × t × l"
+                );
+                put(at as u64);
+            }
+        }
+    }
+    for ch in 0..s.chans {
+        put((ch * STAGE * s.h2) as u64);
+        put(((ch * STAGE + STAGE - 1) * s.h2) as u64);
+        for i in 0..s.l {
+            put(((ch * s.l + i) * s.h2) as u64);
+        }
+    }
+    put(lane_words(s) as u64);
+    o.push_str("--\n");
+    o
+}
+
+/// One random job: hosts of `l` ranks, some masked, random routing; the
+/// plan every rank builds from the notify rows.
+#[allow(clippy::too_many_arguments)] // the proptest's parameters, one each
+fn job(
+    hosts: usize,
+    l: usize,
+    chans: usize,
+    t: usize,
+    k: usize,
+    per: usize,
+    ring: usize,
+    seed: u64,
+    masked: u64,
+) -> (Shape, usize, Plan) {
+    let r = hosts * l;
+    let cfg = Config {
+        channels: chans,
+        ring_slots: ring,
+        ..Config::high_throughput(128, t, per * r, k.min(per * r))
+    };
+    let s = Shape::of(&cfg, r, l);
+    let mut active: Vec<bool> = (0..r).map(|p| masked >> p & 1 == 0).collect();
+    active[0] = true;
+    let lays: Vec<Layout> = (0..r)
+        .map(|rank| {
+            let input = crate::oracle::rank_input(
+                seed,
+                rank,
+                r,
+                crate::oracle::tokens_for_rank(t, rank),
+                128,
+                cfg.num_experts,
+                cfg.topk,
+            );
+            Layout::new(rank, &input.topk_idx, cfg.topk, cfg.num_experts, &active, l).unwrap()
+        })
+        .collect();
+    let rows: Vec<Option<Vec<u32>>> = lays
+        .iter()
+        .enumerate()
+        .map(|(p, lay)| active[p].then(|| plan::notify_row(&s, lay, &active)))
+        .collect();
+    let tokens = lays[0].tokens;
+    (s, tokens, Plan::new(&s, active, &rows))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// The kernels' index arithmetic (ht.cu's ep::ht as host C++) computes,
+    /// from the shape words and the plan's table, what the CPU ranks' plan,
+    /// lanes and combine compute: signal ids, metadata offsets, channel
+    /// ranges, counts and their prefix sums per channel, block starts,
+    /// forwarders (masked ranks rerouted), ring and direct expectations,
+    /// ring slots, the combine's places.
+    #[test]
+    fn kernel_index_arithmetic_matches_the_cpu_plan(
+        hosts in 1usize..4, l in 1usize..5, chans in 1usize..4, t in 1usize..13,
+        k in 1usize..4, per in 1usize..4, ring in 1usize..6, seed in 0u64..1000, masked in 0u64..64,
+    ) {
+        let Some(exe) = ht_host() else { return Ok(()) };
+        let (s, tokens, plan) = job(hosts, l, chans, t, k, per, ring, seed, masked);
+        let mut input = String::new();
+        for w in shape_words(&s, 0, 128, 1, false) {
+            write!(input, "{w} ").unwrap();
+        }
+        let tables = plan.tables();
+        write!(input, "{tokens} {} ", tables.len()).unwrap();
+        for w in &tables {
+            write!(input, "{w} ").unwrap();
+        }
+        let path = std::env::temp_dir().join(format!("gin-ep-ht-host-{}-{seed}-{masked}.txt", std::process::id()));
+        std::fs::write(&path, input).unwrap();
+        let out = std::process::Command::new(exe).arg(&path).output().unwrap();
+        std::fs::remove_file(&path).ok();
+        prop_assert!(out.status.success(), "ht_host: {:?}", out.status);
+        let got = String::from_utf8(out.stdout).unwrap();
+        let want = expected(&s, tokens, &plan);
+        if got != want {
+            let line = got.lines().zip(want.lines()).position(|(a, b)| a != b);
+            prop_assert!(false, "the kernels' arithmetic differs from the plan at line {line:?} (r {}, l {}, chans {}, t {})", s.r, s.l, s.chans, s.t);
+        }
+    }
+}
+
+#[test]
+fn forwarders_in_the_table_are_the_cpu_ranks() {
+    // 2 hosts of 3, rank 4 masked: its role passes on, as plan::forwarder.
+    let (_, _, plan) = job(2, 3, 2, 6, 2, 2, 2, 5, 1 << 4);
+    let mut active = vec![true; 6];
+    active[4] = false;
+    for src in 0..6 {
+        for h in 0..2 {
+            assert_eq!(plan.forwarder(src, h), forwarder(&active, 3, src, h));
+        }
+    }
+}

@@ -1,0 +1,105 @@
+// kernels/ht.cu's index arithmetic (ep::ht) compiled as host C++: reads the
+// cases src/cuda/ht/tests.rs wrote to argv[1] (whitespace-separated
+// numbers: per case the 15 shape words, a token count, the plan's table
+// length and words) and prints, per case, every signal id, metadata offset,
+// channel bound, plan lookup and place the kernels compute, one number a
+// line, in the order the Rust test computes them from the CPU ranks' plan.
+#include <cstdio>
+#include <vector>
+
+#include "../kernels/ht.cu"
+
+namespace {
+
+void put(unsigned long long v) { std::printf("%llu\n", v); }
+
+void one(const ep::ht::Shape& s, u32 tokens, const std::vector<u32>& tables) {
+  using namespace ep::ht;
+  const Tables tb{tables.data(), s};
+  put(signals(s));
+  for (u32 src = 0; src < s.r; ++src) {
+    put(sig_notify(s, src));
+    put(sig_tail(s, src));
+    put(sig_dtail(s, src));
+    put(sig_head(s, src));
+  }
+  for (u32 l = 0; l < s.l; ++l) {
+    put(sig_fwd(s, l));
+    put(sig_cready(s, l));
+  }
+  for (u32 h = 0; h < s.h; ++h) put(sig_ctail(s, h));
+  put(w_ids(s));
+  put(w_weights(s));
+  for (u32 h = 0; h < s.h; ++h) put(w_host_slot(s, h));
+  for (u32 r = 0; r < s.r; ++r) put(w_rank_slot(s, r));
+  for (u32 c = 0; c <= s.chans; ++c) put(chan_lo(s, tokens, c));
+  put(tb.words());
+  for (u32 src = 0; src < s.r; ++src)
+    for (u32 dst = 0; dst < s.r; ++dst) {
+      for (u32 ch = 0; ch < s.chans; ++ch) {
+        put(tb.rank_chan(src, dst, ch));
+        put(tb.rank_chan_start(src, dst, ch));
+      }
+      put(tb.count(src, dst));
+    }
+  for (u32 src = 0; src < s.r; ++src)
+    for (u32 h = 0; h < s.h; ++h)
+      for (u32 ch = 0; ch < s.chans; ++ch) {
+        put(tb.host_chan(src, h, ch));
+        put(tb.host_chan_start(src, h, ch));
+      }
+  for (u32 dst = 0; dst < s.r; ++dst)
+    for (u32 src = 0; src <= s.r; ++src) put(tb.recv_start(dst, src));
+  for (u32 src = 0; src < s.r; ++src)
+    for (u32 h = 0; h < s.h; ++h) put(tb.forwarder(src, h));
+  for (u32 fwd = 0; fwd < s.r; ++fwd)
+    for (u32 src = 0; src < s.r; ++src) put(tb.forwards(fwd, src) ? 1 : 0);
+  for (u32 src = 0; src < s.r; ++src)
+    for (u32 me = 0; me < s.r; ++me)
+      for (u32 ch = 0; ch < s.chans; ++ch) {
+        put(tb.ring_expect(src, me, ch));
+        put(tb.direct_expect(src, me, ch));
+      }
+  const unsigned long long seqs[4] = {0, 1, s.ring, 3ull * s.ring + 1};
+  for (u32 ch = 0; ch < s.chans; ++ch)
+    for (u32 src = 0; src < s.r; ++src)
+      for (unsigned long long q : seqs) put(ring_slot(s, ch, src, q));
+  for (u32 h = 0; h < s.h; ++h) {
+    put(crdma_off(s, h, 0));
+    put(crdma_off(s, h, s.t - 1));
+  }
+  for (u32 src = 0; src < s.r; ++src)
+    for (u32 l = 0; l < s.l; ++l) {
+      put(contrib_at(s, src, 0, l));
+      put(contrib_at(s, src, s.t - 1, l));
+    }
+  for (u32 ch = 0; ch < s.chans; ++ch) {
+    put(stage_off(s, ch, 0));
+    put(stage_off(s, ch, STAGE - 1));
+    for (u32 i = 0; i < s.l; ++i) put(cget_off(s, ch, i));
+  }
+  put(lane_words(s));
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) return 2;
+  FILE* in = std::fopen(argv[1], "r");
+  if (!in) return 3;
+  for (;;) {
+    u32 w[ep::ht::SW_WORDS];
+    bool ok = true;
+    for (u32 i = 0; i < ep::ht::SW_WORDS && ok; ++i) ok = std::fscanf(in, "%u", &w[i]) == 1;
+    if (!ok) break;
+    u32 tokens = 0, n = 0;
+    if (std::fscanf(in, "%u %u", &tokens, &n) != 2) return 4;
+    std::vector<u32> tables(n);
+    for (u32 i = 0; i < n; ++i)
+      if (std::fscanf(in, "%u", &tables[i]) != 1) return 5;
+    one(ep::ht::shape_of(w), tokens, tables);
+    std::printf("--\n");
+  }
+  std::fclose(in);
+  return 0;
+}
