@@ -68,8 +68,12 @@ if [ "$ngpu" -eq 1 ] && [ -z "${GIN_NO_MPS:-}" ] && command -v nvidia-cuda-mps-c
     echo "one GPU: no temporary directory for MPS; the ranks will be time-sliced"
   fi
 fi
+# GIN_STEPS=REGEX runs only the steps whose names match (bash regex), e.g.
+# GIN_STEPS='^ep-ht' to rerun one group in a short device slot.
+wanted() { [ -z "${GIN_STEPS:-}" ] || [[ "$1" =~ $GIN_STEPS ]]; }
 step() {
   local name="$1" t0=$SECONDS; shift
+  wanted "$name" || return 0
   echo "== $name: $*"
   if "$@" > "$out/$name.log" 2>&1; then
     tail -n 40 "$out/$name.log"
@@ -82,6 +86,7 @@ expect_die() {
   # The victim aborts; the survivor must report an error naming it, and
   # the launcher must not hang.
   local name="$1"; shift
+  wanted "$name" || return 0
   echo "== $name: $*"
   timeout 120 "$@" > "$out/$name.log" 2>&1
   if grep -q "FAILED: .*rank 1 died" "$out/$name.log"; then
@@ -94,6 +99,7 @@ expect_refused() {
   # A choice this machine cannot serve must fail on every rank with an
   # error naming it, promptly.
   local name="$1" want="$2"; shift 2
+  wanted "$name" || return 0
   echo "== $name: $*"
   timeout 60 "$@" > "$out/$name.log" 2>&1
   if grep -q "$want" "$out/$name.log"; then
@@ -107,6 +113,7 @@ expect_refused_by() {
   # refusal: a line "FAILED: rank R <want>" for every R (the launcher
   # prefixes each with "[rank R] ").
   local name="$1" n="$2" want="$3" r missing=""; shift 3
+  wanted "$name" || return 0
   echo "== $name: $*"
   timeout 60 "$@" > "$out/$name.log" 2>&1
   for r in $(seq 0 $((n - 1))); do
@@ -400,6 +407,7 @@ if [ -n "$ucx" ]; then
   ustep() {
     # A step over UCX, or its skip with the reason.
     local name="$1"; shift
+    wanted "$name" || return 0
     if [ -n "$ucx_why" ]; then
       echo "== $name: SKIPPED ($ucx_why)"; echo "SKIPPED: $ucx_why" > "$out/$name.log"
     else
@@ -436,6 +444,7 @@ if [ -n "$ucx" ]; then
   # loopback, GPU memory on both sides (-m cuda,cuda), the same UCX.
   ucx_perf() {
     local name="$1"; shift
+    wanted "$name" || return 0
     if [ -n "$ucx_why" ]; then
       echo "== $name: SKIPPED ($ucx_why)"; echo "SKIPPED: $ucx_why" > "$out/$name.log"; return
     fi
