@@ -906,7 +906,9 @@ fn counter_stores(calls: &[(usize, Call)], slot: u64) -> Vec<(usize, u64)> {
     for (ch, c) in calls {
         match c {
             Call::Store(a, v) if *a == at => out.push((*ch, *v)),
-            Call::Stores(s) => out.extend(s.iter().filter(|(a, _)| *a == at).map(|(_, v)| (*ch, *v))),
+            Call::Stores(s) => {
+                out.extend(s.iter().filter(|(a, _)| *a == at).map(|(_, v)| (*ch, *v)));
+            }
             _ => {}
         }
     }
@@ -962,7 +964,11 @@ fn a_held_total_that_cannot_be_sent_fails_its_own_wqe() {
     r.keyed.complete_device_puts(1);
     r.step();
     let (op, idx, syn) = error_cqe(&r.calls(), TCP);
-    assert_eq!((op, idx), (CQE_REQ_ERR, 1), "the signal's WQE, not the write's");
+    assert_eq!(
+        (op, idx),
+        (CQE_REQ_ERR, 1),
+        "the signal's WQE, not the write's"
+    );
     assert_eq!(syn, syndrome::TRANSPORT_RETRY_EXC_ERR);
     let e = r.fault(TCP);
     assert!(e.contains("0x00000088"), "{e}");
@@ -980,8 +986,11 @@ fn the_write_the_transport_names_failed_is_blamed_and_those_before_reported() {
     r.post(TCP, &writes);
     r.step();
     r.calls();
-    r.keyed
-        .fail_device_put(2, 3, "put from GPU memory to rank 2 failed: Connection reset");
+    r.keyed.fail_device_put(
+        2,
+        3,
+        "put from GPU memory to rank 2 failed: Connection reset",
+    );
     r.keyed.complete_device_puts(1);
     r.step();
     let (a, v) = done(TCP, 0, OP_WRITE);
@@ -990,7 +999,10 @@ fn the_write_the_transport_names_failed_is_blamed_and_those_before_reported() {
     r.keyed.complete_device_puts(2);
     r.step();
     let (op, idx, syn) = error_cqe(&r.calls(), TCP);
-    assert_eq!((op, idx, syn), (CQE_REQ_ERR, 2, syndrome::TRANSPORT_RETRY_EXC_ERR));
+    assert_eq!(
+        (op, idx, syn),
+        (CQE_REQ_ERR, 2, syndrome::TRANSPORT_RETRY_EXC_ERR)
+    );
     assert!(r.fault(TCP).contains("Connection reset"));
     assert_eq!(r.engine.in_flight(), 0);
 }
