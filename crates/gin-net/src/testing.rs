@@ -75,7 +75,9 @@ pub enum KeyedOp {
 
 /// A keyed transport that records puts (see the module documentation).
 /// Signals must travel as puts of their running totals: a put with a
-/// signal is refused. Gets and atomics are unsupported.
+/// signal is refused. Gets are unsupported, or, once
+/// [`KeyedRecorder::leave_gets_unanswered`], accepted and never answered;
+/// atomics are unsupported.
 #[derive(Debug, Default)]
 pub struct KeyedRecorder {
     puts: Mutex<Vec<KeyedPut>>,
@@ -94,6 +96,9 @@ pub struct KeyedRecorder {
     waits: AtomicBool,
     /// Why [`Transport::device_puts_completed`] fails, once it does.
     device_failure: Mutex<Option<String>>,
+    /// Gets are accepted and never answered: what keeps their landing
+    /// buffers alive, held for good.
+    unanswered: Option<Mutex<Vec<Option<KeepAlive>>>>,
 }
 
 /// A peer's puts from GPU memory.
@@ -127,6 +132,15 @@ impl KeyedRecorder {
             device: true,
             ..Self::default()
         }
+    }
+
+    /// From now on gets are accepted and never answered, as by a peer
+    /// that stopped (its connection open): their counters never count
+    /// down, and what keeps their landing buffers alive is held.
+    #[must_use]
+    pub fn leave_gets_unanswered(mut self) -> Self {
+        self.unanswered = Some(Mutex::default());
+        self
     }
 
     /// Everything handed over so far, in order (host puts, device puts and
@@ -334,17 +348,25 @@ impl Transport for KeyedRecorder {
     }
     unsafe fn get(
         &self,
-        _: usize,
-        _: Target<'_>,
+        peer: usize,
+        src: Target<'_>,
         _: *mut u8,
         _: u64,
         _: &Arc<AtomicU64>,
-        _: Option<KeepAlive>,
+        keep: Option<KeepAlive>,
     ) -> Result<(), NetError> {
-        Err(NetError::Unsupported {
-            transport: "keyed",
-            op: "get",
-        })
+        let Some(unanswered) = &self.unanswered else {
+            return Err(NetError::Unsupported {
+                transport: "keyed",
+                op: "get",
+            });
+        };
+        self.key(peer, src)?;
+        unanswered
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(keep);
+        Ok(())
     }
     fn read(
         &self,
