@@ -9,8 +9,12 @@
 //! ([`KeyedRecorder::complete_device_puts`]); it can order requests after
 //! them by waiting, as ucx's `GIN_UCX_GPU_ORDER=wait` does
 //! ([`KeyedRecorder::order_by_waiting`]), and then refuses a request that
-//! would have to wait for a put not yet complete.
+//! would have to wait for a put not yet complete. Puts from GPU memory are
+//! numbered per peer, as ucx numbers them; one of them can be made to fail
+//! ([`KeyedRecorder::fail_device_put`]), reported once those before it
+//! completed, as ucx reports it.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -71,7 +75,9 @@ pub enum KeyedOp {
 
 /// A keyed transport that records puts (see the module documentation).
 /// Signals must travel as puts of their running totals: a put with a
-/// signal is refused. Gets and atomics are unsupported.
+/// signal is refused. Gets are unsupported, or, once
+/// [`KeyedRecorder::leave_gets_unanswered`], accepted and never answered;
+/// atomics are unsupported.
 #[derive(Debug, Default)]
 pub struct KeyedRecorder {
     puts: Mutex<Vec<KeyedPut>>,
@@ -79,13 +85,10 @@ pub struct KeyedRecorder {
     dead: AtomicBool,
     device: bool,
     refused: Mutex<Vec<u32>>,
-    /// Puts from GPU memory started (the newest's number), how far they
-    /// are complete, up to which the last [`Transport::complete_device`]
-    /// covered them, and each one that had puts started since the one
-    /// before: (peer, how many operations were recorded before it).
-    started: AtomicU64,
-    device_done: AtomicU64,
-    covered: AtomicU64,
+    /// Puts from GPU memory by peer.
+    device_puts: Mutex<BTreeMap<usize, DevicePuts>>,
+    /// Each [`Transport::complete_device`] that had puts started since the
+    /// one before: (peer, how many operations were recorded before it).
     completions: Mutex<Vec<(usize, usize)>>,
     /// Puts from GPU memory complete only when the test says.
     hold: AtomicBool,
@@ -93,6 +96,32 @@ pub struct KeyedRecorder {
     waits: AtomicBool,
     /// Why [`Transport::device_puts_completed`] fails, once it does.
     device_failure: Mutex<Option<String>>,
+    /// Gets are accepted and never answered: what keeps their landing
+    /// buffers alive, held for good.
+    unanswered: Option<Mutex<Vec<Option<KeepAlive>>>>,
+}
+
+/// A peer's puts from GPU memory.
+#[derive(Debug, Default, Clone)]
+struct DevicePuts {
+    /// The newest's number (numbered from 1 per peer).
+    started: u64,
+    /// How far they are complete, in order.
+    done: u64,
+    /// Up to which the last [`Transport::complete_device`] covered them.
+    covered: u64,
+    /// The put that fails, and why ([`KeyedRecorder::fail_device_put`]).
+    fails: Option<(u64, String)>,
+}
+
+impl DevicePuts {
+    /// The failed put, once every put before it is complete.
+    fn failure(&self) -> Option<(u64, &str)> {
+        self.fails
+            .as_ref()
+            .filter(|(f, _)| self.done >= f - 1)
+            .map(|(f, why)| (*f, why.as_str()))
+    }
 }
 
 impl KeyedRecorder {
@@ -103,6 +132,15 @@ impl KeyedRecorder {
             device: true,
             ..Self::default()
         }
+    }
+
+    /// From now on gets are accepted and never answered, as by a peer
+    /// that stopped (its connection open): their counters never count
+    /// down, and what keeps their landing buffers alive is held.
+    #[must_use]
+    pub fn leave_gets_unanswered(mut self) -> Self {
+        self.unanswered = Some(Mutex::default());
+        self
     }
 
     /// Everything handed over so far, in order (host puts, device puts and
@@ -125,9 +163,20 @@ impl KeyedRecorder {
     }
 
     /// Puts from GPU memory started ([`Transport::start_put_device`]) and
-    /// not complete since.
+    /// not complete since, to every peer.
     pub fn in_flight(&self) -> u64 {
-        self.started.load(Ordering::Acquire) - self.device_done.load(Ordering::Acquire)
+        self.devs().values().map(|d| d.started - d.done).sum()
+    }
+
+    fn devs(&self) -> std::sync::MutexGuard<'_, BTreeMap<usize, DevicePuts>> {
+        self.device_puts
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// `peer`'s puts from GPU memory, as they are now.
+    fn dev(&self, peer: usize) -> DevicePuts {
+        self.devs().get(&peer).cloned().unwrap_or_default()
     }
 
     /// From now on puts from GPU memory stay in flight until
@@ -137,11 +186,29 @@ impl KeyedRecorder {
         self.hold.store(true, Ordering::Release);
     }
 
-    /// Completes the puts from GPU memory numbered up to `upto` (in
-    /// order, as [`Transport::device_puts_completed`] reports them).
+    /// Completes the puts from GPU memory to every peer numbered up to
+    /// `upto` (in order, as [`Transport::device_puts_completed`] reports
+    /// them).
     pub fn complete_device_puts(&self, upto: u64) {
-        let upto = upto.min(self.started.load(Ordering::Acquire));
-        self.device_done.fetch_max(upto, Ordering::AcqRel);
+        for d in self.devs().values_mut() {
+            d.done = d.done.max(upto.min(d.started));
+        }
+    }
+
+    /// Completes the puts from GPU memory to `peer` numbered up to `upto`.
+    pub fn complete_device_puts_to(&self, peer: usize, upto: u64) {
+        if let Some(d) = self.devs().get_mut(&peer) {
+            d.done = d.done.max(upto.min(d.started));
+        }
+    }
+
+    /// The put from GPU memory to `peer` numbered `seq` fails (`why`):
+    /// once every put before it is complete,
+    /// [`Transport::device_puts_completed`] fails and
+    /// [`Transport::device_put_failed`] names it, as ucx reports a failed
+    /// put; [`Transport::complete_device`] to `peer` fails from then on.
+    pub fn fail_device_put(&self, peer: usize, seq: u64, why: &str) {
+        self.devs().entry(peer).or_default().fails = Some((seq, why.into()));
     }
 
     /// From now on a request ordered after puts from GPU memory waits for
@@ -164,7 +231,7 @@ impl KeyedRecorder {
     /// Refuses a request ordered after the puts from GPU memory up to
     /// `after` that would have to wait for them.
     fn check_order(&self, peer: usize, after: u64) -> Result<(), NetError> {
-        let done = self.device_done.load(Ordering::Acquire);
+        let done = self.dev(peer).done;
         if self.waits.load(Ordering::Acquire) && done < after {
             return Err(NetError::Broken {
                 peer,
@@ -281,17 +348,25 @@ impl Transport for KeyedRecorder {
     }
     unsafe fn get(
         &self,
-        _: usize,
-        _: Target<'_>,
+        peer: usize,
+        src: Target<'_>,
         _: *mut u8,
         _: u64,
         _: &Arc<AtomicU64>,
-        _: Option<KeepAlive>,
+        keep: Option<KeepAlive>,
     ) -> Result<(), NetError> {
-        Err(NetError::Unsupported {
-            transport: "keyed",
-            op: "get",
-        })
+        let Some(unanswered) = &self.unanswered else {
+            return Err(NetError::Unsupported {
+                transport: "keyed",
+                op: "get",
+            });
+        };
+        self.key(peer, src)?;
+        unanswered
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(keep);
+        Ok(())
     }
     fn read(
         &self,
@@ -320,7 +395,7 @@ impl Transport for KeyedRecorder {
         self.alive(peer)
     }
     fn put_ordered(&self, peer: usize, dst: Target<'_>, src: &[u8]) -> Result<(), NetError> {
-        self.check_order(peer, self.started.load(Ordering::Acquire))?;
+        self.check_order(peer, self.dev(peer).started)?;
         self.host_put(peer, dst, src, true)
     }
     fn put_ordered_after(
@@ -376,11 +451,14 @@ impl Transport for KeyedRecorder {
     ) -> Result<u64, NetError> {
         // SAFETY: records the address only.
         unsafe { self.put_device(peer, dst, src, len) }?;
-        let seq = self.started.fetch_add(1, Ordering::AcqRel) + 1;
-        if !self.hold.load(Ordering::Acquire) {
-            self.device_done.fetch_max(seq, Ordering::AcqRel);
+        let hold = self.hold.load(Ordering::Acquire);
+        let mut devs = self.devs();
+        let d = devs.entry(peer).or_default();
+        d.started += 1;
+        if !hold {
+            d.done = d.started;
         }
-        Ok(seq)
+        Ok(d.started)
     }
     fn device_puts_completed(&self, peer: usize) -> Result<u64, NetError> {
         self.alive(peer)?;
@@ -392,21 +470,42 @@ impl Transport for KeyedRecorder {
         {
             return Err(NetError::Broken { peer, why });
         }
-        Ok(self.device_done.load(Ordering::Acquire))
+        let d = self.dev(peer);
+        if let Some((_, why)) = d.failure() {
+            return Err(NetError::Broken {
+                peer,
+                why: why.into(),
+            });
+        }
+        Ok(d.done)
     }
-    /// Completes every put started, recording when puts were started
+    fn device_put_failed(&self, peer: usize) -> Option<u64> {
+        self.dev(peer).failure().map(|(f, _)| f)
+    }
+    /// Completes every put started to `peer` (failing where one failed:
+    /// [`KeyedRecorder::fail_device_put`]), recording when puts were started
     /// since the last time.
     fn complete_device(&self, peer: usize, _: Duration) -> Result<(), NetError> {
-        let started = self.started.load(Ordering::Acquire);
-        self.device_done.fetch_max(started, Ordering::AcqRel);
-        if self.covered.swap(started, Ordering::AcqRel) < started {
+        let d = {
+            let mut devs = self.devs();
+            let d = devs.entry(peer).or_default();
+            d.done = d.started;
+            let fresh = d.covered < d.started;
+            d.covered = d.started;
+            (fresh, d.failure().map(|(_, why)| why.to_owned()))
+        };
+        if d.0 {
             let n = self.ops().len();
             self.completions
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .push((peer, n));
         }
-        self.alive(peer)
+        self.alive(peer)?;
+        match d.1 {
+            Some(why) => Err(NetError::Broken { peer, why }),
+            None => Ok(()),
+        }
     }
     /// Records the device address; dereferences nothing.
     unsafe fn read_device(

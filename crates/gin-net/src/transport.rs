@@ -336,16 +336,32 @@ pub trait Transport: Send + Sync + std::fmt::Debug + std::any::Any {
     /// transport reads none of their sources any more). A put that
     /// completes before an earlier one is covered only once the earlier one
     /// is. The answer never decreases; the default, for transports whose
-    /// puts complete on return, is `u64::MAX`.
+    /// puts complete on return (numbered 0), is 0: a transport that numbers
+    /// its puts must answer itself (a wrapper that forwards
+    /// `start_put_device` but not this leaves its puts in flight until
+    /// [`Transport::complete_device`], never complete too early).
     ///
     /// An error names the peer: a put to it failed, its path failed, or no
     /// put to it completed for the job's whole timeout while some were in
-    /// flight (which fails the path). After an error the puts not yet
-    /// complete may still read their sources: [`Transport::complete_device`]
-    /// waits for them.
+    /// flight (which fails the path). A put's failure is reported only once
+    /// every put numbered before it is complete (those answered complete
+    /// before it succeeded), and [`Transport::device_put_failed`] then
+    /// names it. After an error the puts not yet complete may still read
+    /// their sources: [`Transport::complete_device`] waits for them.
     fn device_puts_completed(&self, peer: usize) -> Result<u64, NetError> {
         let _ = peer;
-        Ok(u64::MAX)
+        Ok(0)
+    }
+
+    /// After [`Transport::device_puts_completed`] to `peer` failed because
+    /// a put from GPU memory failed: that put's number (every put numbered
+    /// below it completed successfully), so that its caller blames it
+    /// rather than the oldest put in flight. `None` where the failure was
+    /// not one put's (the path's, a stall, the job's) or is not known; the
+    /// default.
+    fn device_put_failed(&self, peer: usize) -> Option<u64> {
+        let _ = peer;
+        None
     }
 
     /// Whether [`Transport::put_ordered`] to a peer waits (blocks) until

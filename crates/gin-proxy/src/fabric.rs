@@ -2,13 +2,16 @@
 //!
 //! Every put completes locally before it returns (shm: copied; tcp: written
 //! to the ordered link), its signal applied after the data as an add at the
-//! target; a tcp get is in flight until its answer lands; a counter is a
+//! target; a tcp get is in flight until its answer lands, and fails once
+//! it has not for the fabric's timeout (a stopped peer never answers, and
+//! the transport sets no deadline on a get); a counter is a
 //! local add; publication is a release store of the [`Ring`]'s completion
 //! index; a waiter's [`Executor::confirm`] asks a tcp peer to confirm what it
 //! was sent.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 use gin_device::Counters;
 use gin_net::{Addr, Fabric, MemDesc, Memory, NetError};
@@ -25,6 +28,17 @@ pub(crate) struct FabricExecutor {
     fabric: Arc<Fabric>,
     counters: Arc<Counters>,
     rings: Arc<[Arc<Ring>]>,
+}
+
+/// A get in flight: counted down by the transport when its answer landed,
+/// given up on once it has not for the fabric's timeout.
+#[derive(Debug)]
+pub(crate) struct GetInFlight {
+    done: Arc<AtomicU64>,
+    since: Instant,
+    bytes: u64,
+    offset: u64,
+    window: u32,
 }
 
 impl FabricExecutor {
@@ -92,7 +106,7 @@ fn addr<W>(t: &Target<W>) -> Addr {
 
 impl Executor for FabricExecutor {
     type Window = Arc<MemDesc>;
-    type InFlight = Arc<AtomicU64>;
+    type InFlight = GetInFlight;
 
     /// Host windows only: a GPU window (`Memory::Device`, registered by a
     /// CUDA rank of the same communicator) has device addresses this
@@ -114,7 +128,7 @@ impl Executor for FabricExecutor {
         &mut self,
         site: Site,
         put: &Put<Arc<MemDesc>>,
-    ) -> Result<Issued<Arc<AtomicU64>>, ExecError> {
+    ) -> Result<Issued<GetInFlight>, ExecError> {
         let peer = site.peer;
         let sig = put
             .signal
@@ -153,7 +167,7 @@ impl Executor for FabricExecutor {
         &mut self,
         site: Site,
         get: &Get<Arc<MemDesc>>,
-    ) -> Result<Issued<Arc<AtomicU64>>, ExecError> {
+    ) -> Result<Issued<GetInFlight>, ExecError> {
         let dst = self.local(&get.local, get.bytes)? as *mut u8;
         let done = Arc::new(AtomicU64::new(1));
         // SAFETY: `dst` is `get.bytes` inside this rank's registered part
@@ -175,12 +189,37 @@ impl Executor for FabricExecutor {
         if done.load(Ordering::Acquire) == 0 {
             Ok(Issued::Ordered)
         } else {
-            Ok(Issued::InFlight(done))
+            Ok(Issued::InFlight(GetInFlight {
+                done,
+                since: Instant::now(),
+                bytes: get.bytes,
+                offset: get.remote.offset,
+                window: get.remote.id,
+            }))
         }
     }
 
-    fn landed(&mut self, _: Site, get: &mut Arc<AtomicU64>) -> Result<bool, ExecError> {
-        Ok(get.load(Ordering::Acquire) == 0)
+    /// Whether the get's answer landed; a get unanswered for the fabric's
+    /// timeout fails, naming the peer (the transport sets no deadline on
+    /// it: a stopped peer's would never land, and a proxy stopping waits
+    /// for what is in flight). Its landing buffer stays lent to the
+    /// transport, which holds the window's keep-alive until it lands.
+    fn landed(&mut self, site: Site, get: &mut GetInFlight) -> Result<bool, ExecError> {
+        if get.done.load(Ordering::Acquire) == 0 {
+            return Ok(true);
+        }
+        let waited = get.since.elapsed();
+        if waited >= self.fabric.timeout() {
+            return Err(ExecError::Timeout {
+                peer: site.peer,
+                what: format!(
+                    "the answer to a get of {} bytes at offset {} of its part of window {}",
+                    get.bytes, get.offset, get.window
+                ),
+                waited,
+            });
+        }
+        Ok(false)
     }
 
     fn count(&mut self, _: Site, slot: u32, _total: u64) -> Result<(), ExecError> {
@@ -330,5 +369,81 @@ mod tests {
             ),
             "{e}"
         );
+    }
+
+    /// A get a peer never answers (stopped, its connection open: the
+    /// transport sets no deadline) fails the engine once it has not landed
+    /// for the fabric's timeout, naming the ring's descriptor and the
+    /// peer, so that a proxy stopping with it in flight stops instead of
+    /// waiting for it for good. (A zero timeout: given up at the first
+    /// poll.)
+    #[test]
+    fn a_get_never_answered_fails_its_descriptor_after_the_timeout() {
+        use gin_net::Path;
+        use gin_net::testing::KeyedRecorder;
+
+        let keyed = Arc::new(KeyedRecorder::default().leave_gets_unanswered());
+        let fabric = Arc::new(Fabric::new(
+            0,
+            vec![Path::local(), Path::new(keyed)],
+            Arc::new(RegionTable::default()),
+            Duration::ZERO,
+        ));
+        let mut mem = vec![0u64; 8].into_boxed_slice();
+        let base = mem.as_mut_ptr() as usize;
+        let host = MemParts {
+            local_base: base,
+            sizes: vec![64, 64],
+            peer_bases: vec![base, 0],
+            keys: vec![0, 0x77],
+            addrs: vec![base as u64, 0x1000],
+            states: vec![0, 0],
+            ..MemParts::default()
+        };
+        // SAFETY: `mem` (64 bytes) outlives the fabric's users below (the
+        // recorder writes nothing into it).
+        fabric.add_window(1, unsafe { MemDesc::new(host) });
+        let ring = Arc::new(Ring::new(3));
+        let counters = Arc::new(Counters::new(1));
+        let mut exec = FabricExecutor::new(fabric, counters, Arc::from(vec![ring.clone()]));
+        ring.write(
+            0,
+            &Desc {
+                op: Op::Get,
+                bytes: 8,
+                dst_window: 1,
+                dst_offset: 16,
+                src_window: 1,
+                src_offset: 0,
+                inline: None,
+                signal: None,
+                counter: None,
+            },
+        );
+        let config = EngineConfig {
+            rank: 0,
+            batch: 8,
+            counter_slots: 1,
+        };
+        let spec = RingSpec {
+            ctx: 0,
+            peer: 1,
+            mem: RingMem::owned(ring.clone()),
+            first: 0,
+        };
+        let mut engine = Engine::new(config, vec![spec]);
+        engine.step(&mut exec);
+        if engine.failure().is_none() {
+            engine.step(&mut exec);
+        }
+        let e = engine.failure().unwrap();
+        assert_eq!((e.peer(), e.seq()), (Some(1), Some(0)), "{e}");
+        let words = e.to_string();
+        assert!(
+            words.contains("timed out") && words.contains("window 1"),
+            "{words}"
+        );
+        assert_eq!(ring.tail(), 0, "nothing published");
+        drop(mem);
     }
 }

@@ -30,9 +30,14 @@
 //! it would wait ([`Transport::ordered_waits_for_device_puts`], ucx's
 //! default) and writes to the peer are in flight, it is held, in a queue
 //! per peer that keeps the peer's values in issue order, and sent
-//! ([`Transport::put_ordered_after`]) once the writes before it completed;
-//! a counter's total behind writes in flight is held the same way (a
-//! counter counts completed writes). A read completes the peer's writes
+//! ([`Transport::put_ordered_after`]) once the writes before it completed,
+//! and only then counted released. A failure there, or of the writes
+//! (the transport names the write that failed where it can:
+//! [`Transport::device_put_failed`]), is the peer's from its queue's front
+//! on: every entry not yet released fails with it. A counter's total is
+//! stored at once: the engine runs a companion's counter only after its
+//! WAIT on the main queue passed, which it passes only once the CQE of
+//! the writes it waits for was published, i.e. once they completed. A read completes the peer's writes
 //! first ([`Transport::complete_device`]: they may read what it
 //! overwrites) and sends what was held for them; [`Executor::quiesce`]
 //! (and the executor's drop) complete every write still in flight.
@@ -86,25 +91,15 @@ struct Lane<S> {
     /// without a wait (CQE and counter stores may be pending: the
     /// transport touches neither).
     idle: bool,
-    /// The peer this channel's writes from GPU memory went to (a channel
-    /// is one context's QPs to one peer): a counter's total waits behind
-    /// them.
-    peer: Option<usize>,
 }
 
-/// What an entry of a peer's queue does once the writes before it
-/// completed.
+/// An 8-byte value to the peer (an inline write, a running total), sent
+/// once the writes before it completed.
 #[derive(Debug, Clone, Copy)]
-enum Held {
-    /// An 8-byte value to the peer (an inline write, a running total).
-    Send {
-        key: u32,
-        offset: u64,
-        bytes: [u8; 8],
-    },
-    /// A counter's total, stored on channel `ch`'s stream at `addr` (the
-    /// NIC's sub-slot of an existing counter, checked).
-    Store { ch: Channel, addr: u64, v: u64 },
+struct Held {
+    key: u32,
+    offset: u64,
+    bytes: [u8; 8],
 }
 
 /// One entry of a peer's queue: a write in flight (the transport's number
@@ -122,13 +117,18 @@ struct PeerPuts {
     peer: usize,
     queue: VecDeque<Entry>,
     /// Entries made and released (the entry numbered `released` is the
-    /// queue's front).
+    /// queue's front): an entry is released once its writes completed and
+    /// what it held was sent.
     made: u64,
     released: u64,
     /// The transport's number of the newest write started.
     last: u64,
     /// Writes were started since the last [`Transport::complete_device`].
     unsettled: bool,
+    /// Why the queue's front (and so every entry after it) failed: the
+    /// peer's writes, or the sending of the value held there; nothing is
+    /// released any more.
+    failed: Option<ExecError>,
 }
 
 /// Where the executor stores, besides windows: what the set-up laid out.
@@ -396,9 +396,8 @@ impl<G: Gpu> CudaExecutor<G> {
         }
     }
 
-    /// An 8-byte value into this rank's counters (a running total: held
-    /// behind the channel's writes in flight, since a counter counts
-    /// completed writes) or sink (an atomic's old value).
+    /// An 8-byte value into this rank's counters (a running total) or
+    /// sink (an atomic's old value), stored at once.
     fn local_qword(&mut self, ch: Channel, dst: Loc, v: &[u8]) -> Result<WriteStatus, ExecError> {
         if dst.rank != self.rank || !dst.offset.is_multiple_of(8) || dst.len != 8 {
             return Err(malformed(format!(
@@ -426,14 +425,15 @@ impl<G: Gpu> CudaExecutor<G> {
             )));
         }
         let addr = self.layout.counters + dst.offset;
-        // A counter counts completed WQEs: their sources are free.
-        if let Some(peer) = self.lane(ch)?.peer
-            && self.pending(peer)
-        {
-            let after = self.peer_puts(peer).last;
-            let t = self.enqueue(peer, after, Some(Held::Store { ch, addr, v }));
-            return Ok(WriteStatus::Pending(t));
-        }
+        // A counter counts completed WQEs, whose sources are free: the
+        // fetch-add of a counter runs on a companion queue after a WAIT on
+        // its main queue, which passes only once the CQE covering the
+        // writes it waits for was published, and the engine publishes that
+        // only once `write_done` found them complete. Writes to the peer
+        // still in flight now are later ones the counter does not count;
+        // holding the total behind them would let another channel's later
+        // total for the same counter (one counter, many companions) be
+        // stored first and this one after it, taking the counter back.
         // SAFETY: the NIC's sub-slot of an existing counter (checked
         // above), which `new`'s caller keeps alive.
         unsafe { self.store(ch, addr, v, false) }?;
@@ -481,6 +481,7 @@ impl<G: Gpu> CudaExecutor<G> {
                     released: 0,
                     last: 0,
                     unsettled: false,
+                    failed: None,
                 });
                 self.puts.len() - 1
             });
@@ -509,36 +510,49 @@ impl<G: Gpu> CudaExecutor<G> {
     }
 
     /// Releases the entries of `peer`'s queue whose writes completed, in
-    /// order, doing what was held behind them, without waiting: the
-    /// transport says how far its writes are complete.
+    /// order, sending what was held behind them, without waiting: the
+    /// transport says how far its writes are complete. A failure is the
+    /// peer's from then on ([`PeerPuts::failed`]), returned here and for
+    /// every entry not yet released.
     fn release(&mut self, peer: usize) -> Result<(), ExecError> {
-        if !self.pending(peer) {
+        let p = self.peer_puts(peer);
+        if let Some(e) = &p.failed {
+            return Err(e.clone());
+        }
+        if p.queue.is_empty() {
             return Ok(());
         }
-        let t = self.transport(peer)?.clone();
-        let done = t.device_puts_completed(peer).map_err(net(peer))?;
-        loop {
-            let p = self.peer_puts(peer);
-            if p.queue.front().is_none_or(|e| e.after > done) {
-                return Ok(());
-            }
-            let Some(e) = p.queue.pop_front() else {
-                return Ok(());
-            };
-            p.released += 1;
-            match e.held {
-                None => {}
-                Some(Held::Send { key, offset, bytes }) => {
-                    let at = gin_net::Target::Key { key, offset };
-                    t.put_ordered_after(peer, at, &bytes, e.after)
-                        .map_err(net(peer))?;
-                }
-                // SAFETY: the NIC's sub-slot of an existing counter
-                // (checked when it was held), which `new`'s caller keeps
-                // alive.
-                Some(Held::Store { ch, addr, v }) => unsafe { self.store(ch, addr, v, false) }?,
-            }
+        let r = self.release_done(peer);
+        if let Err(e) = &r {
+            self.peer_puts(peer).failed = Some(e.clone());
         }
+        r
+    }
+
+    /// [`CudaExecutor::release`]'s work: an entry is popped (and counted
+    /// released) only once what it held was sent. Where the transport
+    /// names the write that failed, the entries before it are released
+    /// first: the failure is that write's, not the oldest one's.
+    fn release_done(&mut self, peer: usize) -> Result<(), ExecError> {
+        let t = self.transport(peer)?.clone();
+        let (done, failure) = match t.device_puts_completed(peer) {
+            Ok(done) => (done, None),
+            Err(e) => {
+                let before = t.device_put_failed(peer).map_or(0, |f| f.saturating_sub(1));
+                (before, Some(net(peer)(e)))
+            }
+        };
+        let p = self.peer_puts(peer);
+        while let Some(e) = p.queue.front().filter(|e| e.after <= done) {
+            if let Some(Held { key, offset, bytes }) = e.held {
+                let at = gin_net::Target::Key { key, offset };
+                t.put_ordered_after(peer, at, &bytes, e.after)
+                    .map_err(net(peer))?;
+            }
+            p.queue.pop_front();
+            p.released += 1;
+        }
+        failure.map_or(Ok(()), Err)
     }
 
     /// Completes the writes from GPU memory started to `peer` (none: at
@@ -588,7 +602,7 @@ impl<G: Gpu> CudaExecutor<G> {
         if self.transport(peer)?.ordered_waits_for_device_puts() && self.pending(peer) {
             let after = self.peer_puts(peer).last;
             let bytes = v.to_le_bytes();
-            let held = Held::Send { key, offset, bytes };
+            let held = Held { key, offset, bytes };
             return Ok(WriteStatus::Pending(self.enqueue(peer, after, Some(held))));
         }
         self.fabric
@@ -631,7 +645,6 @@ impl<G: Gpu> CudaExecutor<G> {
                     .start_put_device(peer, to, from, dst.len, keep)
             }
             .map_err(net(peer))?;
-            self.lane(ch)?.peer = Some(peer);
             let p = self.peer_puts(peer);
             p.unsettled = true;
             p.last = p.last.max(seq);
@@ -778,17 +791,22 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
 
     /// Whether the write (or held value) `t` was released: the transport's
     /// writes to its peer up to it completed (asked without waiting), and
-    /// what was held was done.
+    /// what was held was sent. An entry released before a failure is done;
+    /// any other fails with the peer's failure. The ticket is forgotten
+    /// once answered done or failed.
     fn write_done(&mut self, t: WriteTicket) -> Result<bool, ExecError> {
         let Some(&(peer, n)) = self.tickets.get(&t.0) else {
             return Err(malformed(format!("no write in flight has ticket {}", t.0)));
         };
-        self.release(peer)?;
-        let done = self.peer_puts(peer).released > n;
-        if done {
+        let r = self.release(peer);
+        if self.peer_puts(peer).released > n {
+            self.tickets.remove(&t.0);
+            return Ok(true);
+        }
+        if r.is_err() {
             self.tickets.remove(&t.0);
         }
-        Ok(done)
+        r.map(|()| false)
     }
 
     /// A copy on the channel's stream (mapped), or staged and waited for
@@ -900,7 +918,6 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
                 batch: StreamBatch::default(),
                 // Unknown until first waited for.
                 idle: false,
-                peer: None,
             });
         }
         if let Some(w) = &self.stalls {

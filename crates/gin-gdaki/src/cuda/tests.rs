@@ -864,9 +864,12 @@ fn a_total_behind_writes_in_flight_is_held_and_the_companion_waits_for_them() {
     assert!(r.keyed.completions().is_empty(), "never waited");
 }
 
-/// A write from GPU memory that fails in flight (the transport reports it
-/// when polled) is an error CQE for its WQE, whatever ran after it; what
-/// completed before it was reported, nothing after it is.
+/// A failure of the writes from GPU memory in flight that the transport
+/// reports when polled without naming the write (its path failed) is an
+/// error CQE at the oldest write in flight, whatever ran after it; what
+/// was reported complete before stays so, nothing after it is. (Where the
+/// transport names the failed write, that one is blamed: see
+/// `the_write_the_transport_names_failed_is_blamed_and_those_before_reported`.)
 #[test]
 fn a_write_failing_in_flight_is_an_error_cqe_at_its_wqe() {
     let mut r = rig_over(Keyed::taking_device_memory());
@@ -893,6 +896,115 @@ fn a_write_failing_in_flight_is_an_error_cqe_at_its_wqe() {
     // Quiescing completes what is still in flight.
     r.exec.quiesce().unwrap();
     assert_eq!(r.keyed.in_flight(), 0);
+}
+
+/// The counter stores of a pass, in the order handed to the driver:
+/// (channel, value stored at counter `slot`'s NIC sub-slot).
+fn counter_stores(calls: &[(usize, Call)], slot: u64) -> Vec<(usize, u64)> {
+    let at = COUNTERS + slot * 16;
+    let mut out = Vec::new();
+    for (ch, c) in calls {
+        match c {
+            Call::Store(a, v) if *a == at => out.push((*ch, *v)),
+            Call::Stores(s) => {
+                out.extend(s.iter().filter(|(a, _)| *a == at).map(|(_, v)| (*ch, *v)));
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// One counter counted by two companions (the pair to rank 2, with a
+/// write from GPU memory still in flight, and the pair to rank 1): each
+/// total is stored at once, in the order counted, and nothing is stored
+/// later once the write completes: the counter never goes back (a total
+/// held behind an unrelated write in flight would be stored after the
+/// other companion's later one).
+#[test]
+fn companions_sharing_a_counter_store_its_totals_in_order() {
+    let mut r = rig_over(Keyed::taking_device_memory());
+    r.keyed.hold_device_puts();
+    let sink = r.sink.addr();
+    r.post(TCP, &[(write(2, 0, 64), FM_NONE)]);
+    r.post(TCP + 1, &[(counter(1, sink + 8), FM_NONE)]);
+    assert_eq!(r.step().consumed, 2);
+    let mut calls = r.calls();
+    r.post(COMP, &[(counter(1, sink + 16), FM_NONE)]);
+    assert_eq!(r.step().consumed, 1);
+    calls.extend(r.calls());
+    assert_eq!(r.keyed.in_flight(), 1, "the write is in flight");
+    r.keyed.complete_device_puts(1);
+    r.step();
+    calls.extend(r.calls());
+    assert_eq!(counter_stores(&calls, 1), vec![(1, 1), (0, 2)]);
+    assert!(!r.engine.has_work());
+}
+
+/// A value held behind writes in flight whose sending fails fails its own
+/// WQE: the write before it completed and is reported done, not blamed
+/// for the value's failure (an entry is released only once what it held
+/// was sent).
+#[test]
+fn a_held_total_that_cannot_be_sent_fails_its_own_wqe() {
+    let mut r = rig_over(Keyed::taking_device_memory());
+    r.keyed.hold_device_puts();
+    r.keyed.order_by_waiting();
+    let sink = r.sink.addr();
+    r.post(
+        TCP,
+        &[
+            (write(2, 0, 64), FM_NONE),
+            (signal(2, 2, 9, sink), FM_STRONG_ORDERING),
+        ],
+    );
+    assert_eq!(r.step().consumed, 2);
+    r.calls();
+    r.keyed.refuse(SIG_KEY);
+    r.keyed.complete_device_puts(1);
+    r.step();
+    let (op, idx, syn) = error_cqe(&r.calls(), TCP);
+    assert_eq!(
+        (op, idx),
+        (CQE_REQ_ERR, 1),
+        "the signal's WQE, not the write's"
+    );
+    assert_eq!(syn, syndrome::TRANSPORT_RETRY_EXC_ERR);
+    let e = r.fault(TCP);
+    assert!(e.contains("0x00000088"), "{e}");
+    assert_eq!(r.engine.in_flight(), 0);
+}
+
+/// Where the transport names the write from GPU memory that failed, the
+/// writes before it are reported done and the error CQE is at its WQE,
+/// not at the oldest write in flight.
+#[test]
+fn the_write_the_transport_names_failed_is_blamed_and_those_before_reported() {
+    let mut r = rig_over(Keyed::taking_device_memory());
+    r.keyed.hold_device_puts();
+    let writes: Vec<(Op, u8)> = (0..3).map(|i| (write(2, i * 64, 64), FM_NONE)).collect();
+    r.post(TCP, &writes);
+    r.step();
+    r.calls();
+    r.keyed.fail_device_put(
+        2,
+        3,
+        "put from GPU memory to rank 2 failed: Connection reset",
+    );
+    r.keyed.complete_device_puts(1);
+    r.step();
+    let (a, v) = done(TCP, 0, OP_WRITE);
+    assert_eq!(r.calls(), vec![(1, Call::Store(a, v))]);
+    // Put 2 completed: put 3's failure is due, and WQE 1 is not blamed.
+    r.keyed.complete_device_puts(2);
+    r.step();
+    let (op, idx, syn) = error_cqe(&r.calls(), TCP);
+    assert_eq!(
+        (op, idx, syn),
+        (CQE_REQ_ERR, 2, syndrome::TRANSPORT_RETRY_EXC_ERR)
+    );
+    assert!(r.fault(TCP).contains("Connection reset"));
+    assert_eq!(r.engine.in_flight(), 0);
 }
 
 /// A write the transport refuses completes with an error CQE as over tcp;

@@ -547,6 +547,14 @@ impl<C> Engine<C> {
     ) -> Result<bool, EngineError> {
         let mut touched = false;
         while let Some(f) = self.queues[i].flights.front() {
+            // Once the queue failed, what is behind the failure is flushed
+            // without asking whether its writes completed: the producer saw
+            // the error CQE (a collapsed CQ shows only the newest, and a
+            // flush reports no success), so it reuses no source on the
+            // strength of these; the writes' sources stay lent to the
+            // transport until the executor's quiesce (or drop) completes
+            // every write still in flight, and windows stay alive until
+            // then (their keep-alive goes with each write).
             let failed = match f.ticket {
                 Some(t) if !self.queues[i].failed => match ex.write_done(t) {
                     Ok(false) => break,

@@ -322,10 +322,12 @@ fn serve<E: Executor>(
                 break;
             }
         };
+        // WQEs consumed: one that waited behind a write in flight was
+        // consumed once, and landing later is progress, not a second WQE.
         let did = p.consumed + p.landed;
+        s.executed.fetch_add(p.consumed, Ordering::Relaxed);
         s.faults(p);
         if did > 0 {
-            s.executed.fetch_add(did, Ordering::Relaxed);
             idle_since = None;
             spins = 0;
             continue;

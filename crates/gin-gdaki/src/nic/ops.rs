@@ -173,11 +173,14 @@ impl<C> Engine<C> {
         let key = (at.rank, at.region, at.offset);
         let old = self.totals.get(&key).copied().unwrap_or(0);
         let new = old.wrapping_add(add);
+        // The old value first: a total handed over may be held in flight
+        // (sent later whatever happens to this WQE), so nothing may fail
+        // after it.
+        sink_write(ex, ch, res, old)?;
         let w = ex
             .write(ch, at, Payload::Bytes(&new.to_le_bytes()))
             .map_err(Fail::exec)?;
         self.totals.insert(key, new);
-        sink_write(ex, ch, res, old)?;
         Ok(written(w, 8))
     }
 

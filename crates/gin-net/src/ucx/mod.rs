@@ -269,16 +269,31 @@ const JOB_POLL: Duration = Duration::from_millis(1);
 
 /// In-order completion of numbered requests (puts from lent memory, from
 /// 1 on): how far every number is complete, whatever order they complete
-/// in. Pure: values in, values out.
+/// in, and the lowest number that failed. Pure: values in, values out.
 #[derive(Debug, Default)]
 struct Prefix {
-    /// Every number at or below it is complete.
+    /// Every number at or below it is complete (failed or not).
     upto: u64,
     /// Numbers above `upto + 1` that completed before it.
     early: std::collections::BTreeSet<u64>,
+    /// The lowest number recorded failed ([`Prefix::fail`]).
+    failed: Option<u64>,
 }
 
 impl Prefix {
+    /// Records `n` failed, before it is counted complete: every number
+    /// below the lowest failed one that is complete succeeded.
+    fn fail(&mut self, n: u64) {
+        self.failed = Some(self.failed.map_or(n, |f| f.min(n)));
+    }
+
+    /// The number of the put whose failure is due: the lowest failed one,
+    /// once every number before it is complete (`None`: none failed, or
+    /// earlier ones are still in flight and may yet succeed).
+    fn failure(&self) -> Option<u64> {
+        self.failed.filter(|&f| self.upto >= f - 1)
+    }
+
     /// Records `n` complete; returns how far every number is now.
     fn complete(&mut self, n: u64) -> u64 {
         if n == self.upto.wrapping_add(1) {
@@ -303,9 +318,14 @@ struct Stall {
 }
 
 impl Peer {
-    /// Counts the put from lent memory numbered `seq` complete.
-    fn lent_completed(&self, seq: u64) {
-        let upto = lock(&self.lent_done).complete(seq);
+    /// Counts the put from lent memory numbered `seq` complete (`failed`:
+    /// with an error, recorded first).
+    fn lent_completed(&self, seq: u64, failed: bool) {
+        let mut d = lock(&self.lent_done);
+        if failed {
+            d.fail(seq);
+        }
+        let upto = d.complete(seq);
         self.lent_upto.fetch_max(upto, Ordering::AcqRel);
     }
 }
@@ -658,13 +678,15 @@ impl OpCtx {
         if let Some((done, _keep)) = &self.get {
             done.fetch_sub(1, Ordering::AcqRel);
         }
-        self.release_lent();
+        self.release_lent(status != sys::UCS_OK);
     }
 
-    /// Counts a put from lent memory down on its peer, and complete in
-    /// its order, after its failure (if any) was recorded: a waiter that
-    /// sees it complete sees the failure.
-    fn release_lent(&mut self) {
+    /// Counts a put from lent memory complete in its order (`failed`: with
+    /// an error, recorded there), after its failure (if any) was recorded
+    /// on the peer, and then down on its peer: a waiter that sees it
+    /// complete sees the failure, and one that sees `lent` reach zero sees
+    /// the order caught up.
+    fn release_lent(&mut self, failed: bool) {
         if let Some((seq, keep)) = self.lent.take() {
             // SAFETY: peers outlive every request (see `finish`).
             let peer = unsafe { &*self.peer };
@@ -674,8 +696,8 @@ impl OpCtx {
                 }
                 Lent::Kept(k, released) => lock(&released).push(k),
             }
+            peer.lent_completed(seq, failed);
             peer.lent.fetch_sub(1, Ordering::AcqRel);
-            peer.lent_completed(seq);
         }
     }
 }
@@ -874,7 +896,7 @@ impl Inner {
                     if let Some((done, _)) = ctx.get.take() {
                         done.fetch_sub(1, Ordering::AcqRel);
                     }
-                    ctx.release_lent();
+                    ctx.release_lent(true);
                     Err(st)
                 }
             }
@@ -1846,11 +1868,25 @@ impl Transport for UcxTransport {
             upto = p.lent_upto.load(Ordering::Acquire);
         }
         inner.drop_released();
-        inner.broken(p)?;
+        let failed = lock(&p.lent_done).failed;
+        // A put failed but those before it are still in flight: every one
+        // complete so far succeeded (a failure is recorded before it is
+        // counted complete), so the failure is reported once they are
+        // (or, should they stall, as their stall).
+        if failed.is_none_or(|f| upto >= f - 1) {
+            inner.broken(p)?;
+        }
         if upto < issued {
             inner.stalled(p, upto)?;
         }
         Ok(upto)
+    }
+
+    /// The lowest put from GPU memory whose completion failed, once every
+    /// one before it is complete.
+    fn device_put_failed(&self, peer: usize) -> Option<u64> {
+        let p = self.inner.peer_opt(peer)?;
+        lock(&p.lent_done).failure()
     }
 
     /// With `GIN_UCX_GPU_ORDER=wait` (the default).

@@ -1191,6 +1191,30 @@ proptest::proptest! {
     }
 }
 
+/// A failed put is named only once every put before it is complete, and
+/// the lowest failed one is named whatever order failures come in: the
+/// puts before it completed successfully.
+#[test]
+fn the_lowest_failed_put_is_named_once_those_before_it_are_complete() {
+    let mut p = Prefix::default();
+    p.fail(3);
+    assert_eq!(p.complete(3), 0);
+    assert_eq!(p.failure(), None, "puts 1 and 2 may still succeed");
+    assert_eq!(p.complete(1), 1);
+    assert_eq!(p.failure(), None);
+    assert_eq!(p.complete(2), 3);
+    assert_eq!(p.failure(), Some(3), "puts 1 and 2 succeeded");
+    let mut p = Prefix::default();
+    p.fail(4);
+    assert_eq!(p.complete(4), 0);
+    p.fail(2);
+    assert_eq!(p.complete(2), 0);
+    assert_eq!(p.complete(1), 2);
+    assert_eq!(p.failure(), Some(2), "the lower failure, whatever order");
+    assert_eq!(p.complete(3), 4);
+    assert_eq!(p.failure(), Some(2));
+}
+
 /// Puts from lent memory are numbered in issue order, and
 /// `device_puts_completed` reports, without waiting, how far they are
 /// complete in that order: it only grows, never passes the newest, and

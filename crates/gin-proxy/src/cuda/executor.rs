@@ -33,7 +33,11 @@
 //! total is held back, in a queue per peer that keeps every total to the
 //! peer in issue order, until the puts before it completed, and sent then
 //! ([`Transport::put_ordered_after`]) before its put is said to have
-//! landed. A get into this rank's memory completes every put to the peer
+//! landed (an entry is released only once its total was sent). A failure
+//! there, or of the puts (the transport names the put that failed where it
+//! can: [`Transport::device_put_failed`]), is the peer's from its queue's
+//! front on: every put not yet landed fails with it. A get into this
+//! rank's memory completes every put to the peer
 //! first ([`Transport::complete_device`]: they may read what it
 //! overwrites) and sends the totals held for it; [`Executor::quiesce`]
 //! (and the executor's drop) complete every put still in flight.
@@ -119,6 +123,10 @@ struct PeerPuts {
     last: u64,
     /// Puts were started since the last [`Transport::complete_device`].
     unsettled: bool,
+    /// Why the queue's front (and so every entry after it) failed: the
+    /// peer's puts, or the sending of the total held there; nothing is
+    /// released any more.
+    failed: Option<ExecError>,
 }
 
 /// Where the executor stores: what the device communicator laid out.
@@ -380,6 +388,7 @@ impl<G: Gpu> CudaExecutor<G> {
                     released: 0,
                     last: 0,
                     unsettled: false,
+                    failed: None,
                 });
                 self.puts.len() - 1
             });
@@ -408,20 +417,39 @@ impl<G: Gpu> CudaExecutor<G> {
 
     /// Releases the entries of `peer`'s queue whose puts completed, in
     /// order, sending the totals held behind them, without waiting: the
-    /// transport says how far its puts are complete.
+    /// transport says how far its puts are complete. A failure is the
+    /// peer's from then on ([`PeerPuts::failed`]), returned here and for
+    /// every entry not yet released.
     fn release(&mut self, peer: usize) -> Result<(), ExecError> {
-        if !self.pending(peer) {
+        let p = self.peer_puts(peer);
+        if let Some(e) = &p.failed {
+            return Err(e.clone());
+        }
+        if p.queue.is_empty() {
             return Ok(());
         }
+        let r = self.release_done(peer);
+        if let Err(e) = &r {
+            self.peer_puts(peer).failed = Some(e.clone());
+        }
+        r
+    }
+
+    /// [`CudaExecutor::release`]'s work: an entry is popped (and counted
+    /// released) only once its total was sent. Where the transport names
+    /// the put that failed, the entries before it are released first: the
+    /// failure is that put's, not the oldest one's.
+    fn release_done(&mut self, peer: usize) -> Result<(), ExecError> {
         let t = self.transport(peer)?.clone();
-        let done = t.device_puts_completed(peer).map_err(|e| net(peer, e))?;
-        let p = self.peer_puts(peer);
-        while let Some(e) = p.queue.front() {
-            if e.after > done {
-                break;
+        let (done, failure) = match t.device_puts_completed(peer) {
+            Ok(done) => (done, None),
+            Err(e) => {
+                let before = t.device_put_failed(peer).map_or(0, |f| f.saturating_sub(1));
+                (before, Some(net(peer, e)))
             }
-            let Some(e) = p.queue.pop_front() else { break };
-            p.released += 1;
+        };
+        let p = self.peer_puts(peer);
+        while let Some(e) = p.queue.front().filter(|e| e.after <= done) {
             if let Some(h) = e.signal {
                 let at = gin_net::Target::Key {
                     key: h.key,
@@ -430,8 +458,10 @@ impl<G: Gpu> CudaExecutor<G> {
                 t.put_ordered_after(peer, at, &h.total.to_le_bytes(), e.after)
                     .map_err(|e| net(peer, e))?;
             }
+            p.queue.pop_front();
+            p.released += 1;
         }
-        Ok(())
+        failure.map_or(Ok(()), Err)
     }
 
     /// Completes the puts from GPU memory started to `peer` (none: at
@@ -768,10 +798,14 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
 
     /// Whether the put's entry was released: the transport's puts to the
     /// peer up to it completed (asked without waiting) and a total held
-    /// behind them was sent.
+    /// behind them was sent. An entry released before a failure landed;
+    /// any other fails with the peer's failure.
     fn landed(&mut self, _: Site, op: &mut PutInFlight) -> Result<bool, ExecError> {
-        self.release(op.peer)?;
-        Ok(self.peer_puts(op.peer).released > op.n)
+        let r = self.release(op.peer);
+        if self.peer_puts(op.peer).released > op.n {
+            return Ok(true);
+        }
+        r.map(|()| false)
     }
 
     /// Stores the running total into the proxy's sub-slot of the counter

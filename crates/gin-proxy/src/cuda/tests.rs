@@ -554,9 +554,14 @@ fn a_total_behind_puts_in_flight_is_held_until_they_complete_not_waited_for() {
     assert!(rig.keyed.completions().is_empty(), "never waited");
 }
 
-/// A put from GPU memory that fails after it was started (the transport
-/// reports it when polled) fails the engine naming its descriptor and the
-/// peer; what completed before it is published, nothing after it.
+/// A failure of the puts from GPU memory in flight that the transport
+/// reports when polled without naming the put (its path failed) fails the
+/// engine at the oldest descriptor still in flight, naming the peer; what
+/// was published before stays so, nothing after it is (here puts 1 and 2
+/// completed before the failure was seen, but nothing says the failure
+/// was not theirs: they are blamed with the rest). Where the transport
+/// names the failed put, that one is blamed: see
+/// `the_put_the_transport_names_failed_is_blamed_and_those_before_published`.
 #[test]
 fn a_put_failing_in_flight_fails_the_engine_at_its_sequence() {
     let mut rig = rig_over(Keyed::taking_device_memory());
@@ -582,6 +587,63 @@ fn a_put_failing_in_flight_fails_the_engine_at_its_sequence() {
     rig.exec.quiesce().unwrap();
     assert_eq!(rig.keyed.in_flight(), 0);
     assert_eq!(rig.keyed.completions(), vec![(2, 4)]);
+}
+
+/// Where the transport names the put from GPU memory that failed, the
+/// puts before it are published and the engine fails at its descriptor,
+/// not at the oldest one in flight.
+#[test]
+fn the_put_the_transport_names_failed_is_blamed_and_those_before_published() {
+    let mut rig = rig_over(Keyed::taking_device_memory());
+    rig.keyed.hold_device_puts();
+    for i in 0..4 {
+        rig.post(1, &put(512, i * 512, i * 512));
+    }
+    rig.step();
+    rig.calls();
+    rig.keyed.fail_device_put(
+        2,
+        3,
+        "put from GPU memory to rank 2 failed: Connection reset",
+    );
+    rig.keyed.complete_device_puts(2);
+    rig.step();
+    let e = rig.engine.failure().unwrap();
+    assert_eq!((e.peer(), e.seq()), (Some(2), Some(2)));
+    let words = e.to_string();
+    assert!(
+        words.contains("put #2 to rank 2") && words.contains("Connection reset"),
+        "{words}"
+    );
+    assert_eq!(rig.engine.published(1), Some(2));
+    assert_eq!(rig.calls(), vec![(1, Call::Store(DONE[1], 2))]);
+}
+
+/// A total held behind puts in flight whose sending fails fails its own
+/// descriptor: the put before it completed and is published, not blamed
+/// for the total's failure (an entry is released only once its total was
+/// sent).
+#[test]
+fn a_held_total_that_cannot_be_sent_fails_its_own_descriptor() {
+    let mut rig = rig_over(Keyed::taking_device_memory());
+    rig.keyed.hold_device_puts();
+    rig.keyed.order_by_waiting();
+    rig.post(1, &put(512, 0, 0));
+    rig.post(
+        1,
+        &Desc {
+            signal: Some(signal(48, 1)),
+            ..put(0, 0, 0)
+        },
+    );
+    assert_eq!(rig.step().executed, 2);
+    rig.keyed.refuse(SIG_KEY);
+    rig.keyed.complete_device_puts(1);
+    rig.step();
+    let e = rig.engine.failure().unwrap();
+    assert_eq!((e.peer(), e.seq()), (Some(2), Some(1)));
+    assert!(e.to_string().contains("0x00000088"), "{e}");
+    assert_eq!(rig.engine.published(1), Some(1));
 }
 
 /// A get from a peer with puts from GPU memory in flight completes them
