@@ -1087,14 +1087,24 @@ mod tests {
                 .collect();
             ranks.into_iter().map(|t| t.join().unwrap()).collect()
         });
+        // A rank whose import failed returns at once and drops its part,
+        // which stops its server: a peer still fetching from it then
+        // finds it gone (its own registration fails either way). At least
+        // the first to fetch got the descriptor and failed at the import.
+        let mut imported = 0;
         for (rank, r) in results.iter().enumerate() {
             let e = r.as_ref().unwrap_err();
-            assert!(
-                matches!(e, CudaError::VmmOpen { rank: r, peer, window: 24, source }
-                    if *r == rank && *peer == 1 - rank && import_refused(source)),
-                "rank {rank}: {e}"
-            );
+            let at_import = matches!(e, CudaError::VmmOpen { rank: r, peer, window: 24, source }
+                    if *r == rank && *peer == 1 - rank && import_refused(source));
+            let peer_gone = matches!(e, CudaError::FdPass(crate::fdpass::FdPassError::Gone { rank: r, peer, window: 24, .. })
+                    if *r == rank && *peer == 1 - rank);
+            assert!(at_import || peer_gone, "rank {rank}: {e}");
+            imported += usize::from(at_import);
         }
+        assert!(
+            imported >= 1,
+            "neither rank fetched a descriptor: {results:?}"
+        );
         assert!(started.elapsed() < job.timeout() / 4);
     }
 
