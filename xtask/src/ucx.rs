@@ -33,6 +33,7 @@ const FUNCTIONS: &[&str] = &[
     "ucp_worker_arm",
     "ucp_worker_signal",
     "ucp_worker_fence",
+    "ucp_ep_query",
     "ucp_worker_set_am_recv_handler",
     "ucp_ep_create",
     "ucp_ep_close_nbx",

@@ -9,10 +9,15 @@
 //! `ucp_put_bw`). Each child inherits the spawning rank thread's CPU
 //! binding, so the floor runs where the rank runs.
 //!
+//! The children also get the tcp segment sizes gin-net's contexts set
+//! (`gin_net::ucx::TCP_SEGMENTS`, unless the environment sets its own), so
+//! the floor and the ranks run UCX's tcp with one configuration.
+//!
 //! What it measures, and why it is a lower bound of the gin-rs figure:
 //! - `ucp_put_lat -s SIZE`: put ping-pong, each side polling the last byte
 //!   of its buffer; the 50th percentile of half round trips. gin-rs sends
-//!   a put and a signal (fence + atomic) per message, so it does more.
+//!   a put and a signal per message (one active message up to
+//!   `GIN_UCX_AM_MAX`, else a put, a fence and an atomic), so it does more.
 //! - `ucp_put_bw -s SIZE -O WINDOW`: puts of one buffer with at most
 //!   `WINDOW` outstanding (a sliding window, never drained between windows
 //!   as gin-bench's per-window flush drains), timed at the sender until the
@@ -29,6 +34,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use gin_core::Comm;
+use gin_net::ucx::TCP_SEGMENTS;
 
 /// A `ucx_perftest` test the floor runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -134,6 +140,17 @@ pub fn setup(comm: &Comm) -> Result<UcxPerf> {
 impl UcxPerf {
     fn command(&self) -> Command {
         let mut c = Command::new(&self.bin);
+        // The ranks' UCX contexts set UCX's tcp segment sizes unless the
+        // environment sets them (gin-net's `ucx::TCP_SEGMENTS`): the
+        // floor runs with the same, so it measures the same UCX transport.
+        let own = TCP_SEGMENTS
+            .iter()
+            .any(|(n, _)| std::env::var_os(format!("UCX_{n}")).is_some());
+        if !own {
+            for (n, v) in TCP_SEGMENTS {
+                c.env(format!("UCX_{n}"), v);
+            }
+        }
         if let Some(d) = &self.libdir {
             let mut paths = vec![d.clone()];
             if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {

@@ -3,6 +3,16 @@
 //! put and the signal's emulated atomic, each handled by the target's
 //! progress), where `ucp_put_lat` sends one.
 //!
+//! How large: `GIN_UCX_AM_MAX` for every peer when set, else per peer by
+//! the transports of its endpoint's lanes (`ucp_ep_query`): 64 KiB
+//! ([`AM_MAX_TCP`]) where they are UCX's tcp alone, whose segment sizes
+//! every context sets for it ([`TCP_SEGMENTS`]: UCX then sends a 64 KiB
+//! message as one zero-copy fragment, not eight copied ones), and 16 KiB
+//! ([`AM_MAX`]) otherwise: over shared memory and RDMA an active message
+//! above its transport's 8 KiB segment is fragmented and reassembled by
+//! UCX, and an RMA put (cma, an RDMA write) lands with no copy at the
+//! target.
+//!
 //! The initiator sends the header ([`wire::AmPut`]: key, offset, signal)
 //! and the bytes in one eager active message; the target's handler (on
 //! whichever of its threads progresses the worker) checks them against
@@ -95,12 +105,13 @@ impl Msg<'_> {
     }
 }
 
-/// `GIN_UCX_AM_MAX`: the largest put (bytes) sent as one active message;
-/// 0 turns them off.
-pub(super) fn am_max_from_env(v: Option<&str>) -> Result<usize, NetError> {
+/// `GIN_UCX_AM_MAX`: the largest put (bytes) sent as one active message
+/// to every peer; 0 turns them off; `None`: unset, each peer gets its
+/// transport's default ([`default_limit`]).
+pub(super) fn am_max_setting(v: Option<&str>) -> Result<Option<usize>, NetError> {
     match v.map(str::trim) {
-        None | Some("") => Ok(AM_MAX),
-        Some(t) => t.parse().map_err(|_| NetError::Unavailable {
+        None | Some("") => Ok(None),
+        Some(t) => t.parse().map(Some).map_err(|_| NetError::Unavailable {
             transport: "ucx",
             why: format!("GIN_UCX_AM_MAX={t:?} is not a number of bytes"),
             alternatives: "unset GIN_UCX_AM_MAX, or give a size in bytes (0: no active-message puts)",
@@ -108,8 +119,67 @@ pub(super) fn am_max_from_env(v: Option<&str>) -> Result<usize, NetError> {
     }
 }
 
-/// `GIN_UCX_AM_MAX`'s default (docs/ucx.md has the measurement).
+/// `GIN_UCX_AM_MAX`'s default for a peer reached by anything but UCX's
+/// tcp alone (shared memory, RDMA): above it an active message is
+/// fragmented by UCX (posix FIFO elements and RDMA segments are 8 KiB)
+/// and an RMA put wins (docs/ucx.md has the measurement).
 pub(super) const AM_MAX: usize = 16 << 10;
+
+/// `GIN_UCX_AM_MAX`'s default for a peer whose endpoint uses UCX's tcp
+/// alone, with [`TCP_SEGMENTS`]: a 64 KiB put and its signal are then one
+/// zero-copy message (one `sendmsg`, one receive into UCX's segment, one
+/// copy into the window), where the RMA path sends the put, then the
+/// signal's emulated atomic, which the target answers (measured: 15.6-18.4
+/// against 23-24 µs; the floor 16).
+pub(super) const AM_MAX_TCP: usize = 64 << 10;
+
+/// UCX's tcp segment sizes every context is made with, unless the
+/// environment sets either (`UCX_TCP_RX_SEG_SIZE`, `UCX_TCP_TX_SEG_SIZE`).
+/// UCX 1.22 sends an active message as one zero-copy fragment only up to
+/// the receive segment (less its headers) and, by its own estimate, about
+/// twice the send segment; with its defaults (64 KiB and 8 KiB) that is
+/// 16,515 bytes, above which it copies the message into 8 KiB fragments
+/// and the target reassembles it (a 64 KiB put message took 33 µs, the RMA
+/// path 24). With 128 KiB and 64 KiB it is 131,064 bytes. Receive first:
+/// a send segment above the receive segment is refused. Every rank of a
+/// job must use the same sizes (UCX's own rule).
+pub const TCP_SEGMENTS: [(&str, &str); 2] =
+    [("TCP_RX_SEG_SIZE", "128k"), ("TCP_TX_SEG_SIZE", "64k")];
+
+/// The [`TCP_SEGMENTS`] to set given `env` (a variable's value by name):
+/// all of them, or none when the environment sets any.
+pub(super) fn tcp_segments(env: impl Fn(&str) -> Option<String>) -> Vec<(String, String)> {
+    if TCP_SEGMENTS
+        .iter()
+        .any(|(name, _)| env(&format!("UCX_{name}")).is_some())
+    {
+        return Vec::new();
+    }
+    TCP_SEGMENTS
+        .iter()
+        .map(|&(n, v)| (n.to_owned(), v.to_owned()))
+        .collect()
+}
+
+/// The default largest put message to a peer whose endpoint's lanes use
+/// `transports` (UCX's names: `tcp`, `posix`, `cma`, `rc_mlx5`, ...):
+/// [`AM_MAX_TCP`] where every lane that carries host memory is tcp and the
+/// context has [`TCP_SEGMENTS`] (`tcp_segments`), else [`AM_MAX`].
+/// Memory-type transports (`cuda_copy`, `cuda_ipc`, `rocm_*`, `ze_*`,
+/// `gdr_copy`) carry GPU memory, never a put message, and are left out.
+pub(super) fn default_limit(transports: &[String], tcp_segments: bool) -> usize {
+    let gpu = |t: &str| {
+        ["cuda", "rocm", "ze_", "gdr"]
+            .iter()
+            .any(|p| t.starts_with(p))
+    };
+    let mut host = transports.iter().filter(|t| !gpu(t)).peekable();
+    if tcp_segments && host.peek().is_some() && host.all(|t| t == "tcp") {
+        AM_MAX_TCP
+    } else {
+        AM_MAX
+    }
+}
 
 pub(super) unsafe extern "C" fn on_put(
     arg: *mut c_void,
@@ -366,6 +436,70 @@ impl Inner {
     }
 }
 
+/// Each peer's largest put message: `set` (`GIN_UCX_AM_MAX`) for every
+/// peer, else each endpoint's [`default_limit`] (0 where this rank has no
+/// endpoint to the rank). Logged at `debug` with the endpoint's transports.
+pub(super) fn limits(inner: &Inner, set: Option<usize>) -> Vec<usize> {
+    (0..inner.peers.len())
+        .map(|rank| {
+            let Some(p) = inner.peer_opt(rank) else {
+                return 0;
+            };
+            let transports = transports(inner, p);
+            let max = set.unwrap_or_else(|| default_limit(&transports, inner.ucp.tcp_segments));
+            tracing::debug!(
+                rank = inner.rank,
+                peer = rank,
+                ?transports,
+                am_max = max,
+                "largest put message"
+            );
+            max
+        })
+        .collect()
+}
+
+/// The transport of each lane of `p`'s endpoint (`ucp_ep_query`); empty
+/// where UCX does not say (before 1.14, or no endpoint).
+fn transports(inner: &Inner, p: &Peer) -> Vec<String> {
+    const MAX_LANES: usize = 32;
+    let mut entries = [sys::ucp_transport_entry_t::default(); MAX_LANES];
+    let mut attr = sys::ucp_ep_attr_t {
+        field_mask: u64::from(sys::UCP_EP_ATTR_FIELD_TRANSPORTS),
+        transports: sys::ucp_transports_t {
+            entries: entries.as_mut_ptr(),
+            num_entries: MAX_LANES as u32,
+            entry_size: std::mem::size_of::<sys::ucp_transport_entry_t>(),
+        },
+        ..Default::default()
+    };
+    let st = lock(&p.state);
+    if st.ep.is_null() {
+        return Vec::new();
+    }
+    // SAFETY: a live endpoint (under the peer's lock); `attr` asks for the
+    // transports only, into `entries`, whose size and count it gives.
+    if unsafe { inner.ucp.lib.ucp_ep_query(st.ep, &raw mut attr) } != sys::UCS_OK {
+        return Vec::new();
+    }
+    drop(st);
+    let n = (attr.transports.num_entries as usize).min(MAX_LANES);
+    entries[..n]
+        .iter()
+        .map(|e| {
+            if e.transport_name.is_null() {
+                String::new()
+            } else {
+                // SAFETY: UCX points at a NUL-terminated name it keeps for
+                // the context's life; copied at once.
+                unsafe { std::ffi::CStr::from_ptr(e.transport_name) }
+                    .to_string_lossy()
+                    .into_owned()
+            }
+        })
+        .collect()
+}
+
 impl Peer {
     /// Active-message puts sent that the target has not said it executed.
     pub(super) fn am_pending(&self) -> bool {
@@ -379,18 +513,17 @@ impl Peer {
 }
 
 impl UcxTransport {
-    /// Whether a put of `len` bytes to `dst` (and its signal's word) may
-    /// go as one active message, its peer's RMA state aside.
+    /// Whether a put of `len` bytes to `dst` of `peer` (and its signal's
+    /// word) may go as one active message, its peer's RMA state aside.
     pub(super) fn am_fits(
         &self,
+        peer: usize,
         len: usize,
         dst: &super::Resolved,
         sig: Option<&super::Resolved>,
     ) -> bool {
-        self.am_max > 0
-            && len <= self.am_max
-            && !dst.remote.backed
-            && sig.is_none_or(|s| !s.remote.backed)
+        let max = self.am_max.get(peer).copied().unwrap_or(0);
+        max > 0 && len <= max && !dst.remote.backed && sig.is_none_or(|s| !s.remote.backed)
     }
 
     /// Sends one put message (under the peer's lock: `ep` is its live
@@ -601,5 +734,49 @@ impl UcxTransport {
             Instant::now() + self.inner.timeout,
             "the put messages before a request ordered after them",
         )
+    }
+}
+
+#[cfg(test)]
+mod unit {
+    use super::{AM_MAX, AM_MAX_TCP, TCP_SEGMENTS, default_limit, tcp_segments};
+
+    fn names(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    /// 64 KiB only where every lane carrying host memory is tcp and the
+    /// context has gin-rs's tcp segments; GPU memory-type lanes are left
+    /// out; an endpoint UCX says nothing about keeps the general default.
+    #[test]
+    fn the_default_limit_is_64_kib_over_tcp_alone_with_the_segments_else_16() {
+        assert_eq!(default_limit(&names(&["tcp", "tcp"]), true), AM_MAX_TCP);
+        assert_eq!(
+            default_limit(&names(&["tcp", "cuda_copy", "cuda_ipc"]), true),
+            AM_MAX_TCP
+        );
+        assert_eq!(default_limit(&names(&["tcp", "tcp"]), false), AM_MAX);
+        assert_eq!(default_limit(&names(&["posix", "cma"]), true), AM_MAX);
+        assert_eq!(default_limit(&names(&["tcp", "posix"]), true), AM_MAX);
+        assert_eq!(default_limit(&names(&["rc_mlx5", "tcp"]), true), AM_MAX);
+        assert_eq!(default_limit(&names(&["cuda_ipc"]), true), AM_MAX);
+        assert_eq!(default_limit(&[], true), AM_MAX);
+    }
+
+    /// The segments are set, receive first, unless the environment sets
+    /// either of them (then none: a send segment above the receive one is
+    /// refused by UCX).
+    #[test]
+    fn tcp_segments_are_set_receive_first_unless_the_environment_sets_one() {
+        let all = tcp_segments(|_| None);
+        assert_eq!(all.len(), 2);
+        assert_eq!(all[0].0, "TCP_RX_SEG_SIZE");
+        assert_eq!(all[1].0, "TCP_TX_SEG_SIZE");
+        assert_eq!(TCP_SEGMENTS[0].1, all[0].1);
+        for (name, _) in TCP_SEGMENTS {
+            let env = format!("UCX_{name}");
+            let set = tcp_segments(|v| (v == env).then(|| "32k".to_owned()));
+            assert!(set.is_empty(), "{name}");
+        }
     }
 }

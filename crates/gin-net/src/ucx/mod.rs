@@ -64,7 +64,9 @@
 //!   request owns, so it returns at once and any number is in flight (the
 //!   [`Transport`] contract: a put is complete locally on return), and UCX
 //!   never reads the caller's slice after the call returned.
-//! - Small puts (up to `GIN_UCX_AM_MAX` bytes, 16 KiB by default; 0: none)
+//! - Small puts (up to `GIN_UCX_AM_MAX` bytes; 0: none; by default 64 KiB
+//!   to a peer reached over UCX's tcp alone, whose segments each context
+//!   sets for it, `TCP_SEGMENTS`, and 16 KiB otherwise)
 //!   to host memory go as one active message each, data and signal, which
 //!   the target's handler checks against its region table and applies,
 //!   data first: one UCX message where an RMA put with a signal is two
@@ -131,6 +133,7 @@ use std::time::{Duration, Instant};
 use gin_bootstrap::Bootstrap;
 use gin_bootstrap::liveness::ProcessId;
 
+pub use am::TCP_SEGMENTS;
 pub use load::{ALTERNATIVES, USUAL};
 
 use crate::NetError;
@@ -414,9 +417,10 @@ pub struct UcxTransport {
     /// (`GIN_UCX_GPU_ORDER=wait`, the default), or relies on UCX's fence
     /// alone (`fence`).
     wait_lent: bool,
-    /// The largest put sent as one active message (`GIN_UCX_AM_MAX`; 0:
-    /// none), see [`am`].
-    am_max: usize,
+    /// The largest put sent as one active message to each peer
+    /// (`GIN_UCX_AM_MAX`, else by the peer's UCX transport,
+    /// [`am::limits`]; 0: none), see [`am`].
+    am_max: Vec<usize>,
 }
 
 /// `GIN_UCX_GPU_ORDER`: whether a request ordered after puts from GPU
@@ -493,7 +497,7 @@ impl UcxTransport {
         // its peers left: all fail, each naming what is missing.
         let spin = spin_from_env(std::env::var("GIN_UCX_SPIN").ok().as_deref()).and_then(|s| {
             let w = wait_lent_from_env(std::env::var("GIN_UCX_GPU_ORDER").ok().as_deref())?;
-            let a = am::am_max_from_env(std::env::var("GIN_UCX_AM_MAX").ok().as_deref())?;
+            let a = am::am_max_setting(std::env::var("GIN_UCX_AM_MAX").ok().as_deref())?;
             Ok((s, w, a))
         });
         let ucp = load::open().and_then(Ucp::new);
@@ -584,6 +588,7 @@ impl UcxTransport {
         }
         let weak: Weak<dyn crate::region::RegionObserver> = Arc::downgrade(&inner) as Weak<_>;
         table.observe(weak);
+        let am_max = am::limits(&inner, am_max);
         let progress = serve::spawn_progress(&inner, spin)?;
         // Every worker has its endpoints and handlers before anyone sends.
         b.barrier()?;
@@ -2096,7 +2101,7 @@ impl UcxTransport {
             None => None,
         };
         let (key, offset) = dst.key_at(peer, "ucx")?;
-        let mut am = self.am_fits(src.len(), &d, s.as_ref().map(|(r, _)| r)) && p.rma_clean();
+        let mut am = self.am_fits(peer, src.len(), &d, s.as_ref().map(|(r, _)| r)) && p.rma_clean();
         p.dirty.store(true, Ordering::Release);
         loop {
             if !am {

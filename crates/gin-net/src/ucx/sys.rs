@@ -1221,6 +1221,7 @@ pub struct UcpLib {
         unsafe extern "C" fn(worker: ucp_worker_h, request: *mut ::std::os::raw::c_void),
     pub ucp_request_free: unsafe extern "C" fn(request: *mut ::std::os::raw::c_void),
     pub ucp_worker_fence: unsafe extern "C" fn(worker: ucp_worker_h) -> ucs_status_t,
+    pub ucp_ep_query: unsafe extern "C" fn(ep: ucp_ep_h, attr: *mut ucp_ep_attr_t) -> ucs_status_t,
 }
 impl UcpLib {
     pub unsafe fn new<P>(path: P) -> Result<Self, ::libloading::Error>
@@ -1277,6 +1278,7 @@ impl UcpLib {
         let ucp_request_cancel = __library.get(b"ucp_request_cancel\0").map(|sym| *sym)?;
         let ucp_request_free = __library.get(b"ucp_request_free\0").map(|sym| *sym)?;
         let ucp_worker_fence = __library.get(b"ucp_worker_fence\0").map(|sym| *sym)?;
+        let ucp_ep_query = __library.get(b"ucp_ep_query\0").map(|sym| *sym)?;
         Ok(UcpLib {
             __library,
             ucs_status_string,
@@ -1313,6 +1315,7 @@ impl UcpLib {
             ucp_request_cancel,
             ucp_request_free,
             ucp_worker_fence,
+            ucp_ep_query,
         })
     }
     pub unsafe fn ucs_status_string(&self, status: ucs_status_t) -> *const ::std::os::raw::c_char {
@@ -1540,5 +1543,8 @@ impl UcpLib {
     }
     pub unsafe fn ucp_worker_fence(&self, worker: ucp_worker_h) -> ucs_status_t {
         (self.ucp_worker_fence)(worker)
+    }
+    pub unsafe fn ucp_ep_query(&self, ep: ucp_ep_h, attr: *mut ucp_ep_attr_t) -> ucs_status_t {
+        (self.ucp_ep_query)(ep, attr)
     }
 }

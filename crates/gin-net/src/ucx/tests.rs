@@ -1474,10 +1474,12 @@ fn gin_ucx_gpu_order_is_wait_or_fence() {
 
 #[test]
 fn gin_ucx_am_max_is_a_size_or_an_error_naming_it() {
-    assert_eq!(am::am_max_from_env(None).unwrap(), am::AM_MAX);
-    assert_eq!(am::am_max_from_env(Some("0")).unwrap(), 0);
-    assert_eq!(am::am_max_from_env(Some(" 256 ")).unwrap(), 256);
-    let e = am::am_max_from_env(Some("4k")).unwrap_err().to_string();
+    // Unset (or empty): each peer gets its transport's default.
+    assert_eq!(am::am_max_setting(None).unwrap(), None);
+    assert_eq!(am::am_max_setting(Some(" ")).unwrap(), None);
+    assert_eq!(am::am_max_setting(Some("0")).unwrap(), Some(0));
+    assert_eq!(am::am_max_setting(Some(" 256 ")).unwrap(), Some(256));
+    let e = am::am_max_setting(Some("4k")).unwrap_err().to_string();
     assert!(e.contains("GIN_UCX_AM_MAX") && e.contains("4k"), "{e}");
 }
 
@@ -1506,7 +1508,7 @@ fn many_put_messages_deliver_their_bytes_with_each_signal_after_its_data() {
         let timeout = Duration::from_secs(30);
         two_ranks_over(tls, move |b, table| {
             let mut t = start(b, &table, timeout);
-            t.am_max = 4096;
+            t.am_max.fill(4096);
             let mut recv = vec![0u64; SLOTS as usize * WORDS + 1];
             let key = if b.rank() == 1 {
                 register(&table, &mut recv)
@@ -1564,6 +1566,103 @@ fn many_put_messages_deliver_their_bytes_with_each_signal_after_its_data() {
                     for w in 0..WORDS {
                         let v = word(&recv, s as usize * WORDS + w);
                         assert_eq!(v, last << 8 | w as u64, "slot {s} word {w} ({tls:?})");
+                    }
+                }
+            }
+            b.barrier().unwrap();
+            drop(t);
+        });
+    }
+}
+
+/// With no `GIN_UCX_AM_MAX`, a peer reached over UCX's tcp alone gets
+/// 64 KiB put messages (the context's tcp segments make them one zero-copy
+/// message), any other (the default transports here: shared memory) 16 KiB;
+/// a 64 KiB put with a signal then goes as one message over tcp and by RMA
+/// otherwise, and either way each signal is seen only after its data.
+#[test]
+fn a_64_kib_put_goes_as_one_message_over_tcp_alone_with_its_signal_after_its_data() {
+    const N: u64 = 200;
+    const SLOTS: u64 = 2;
+    const WORDS: usize = 8192; // 64 KiB a put
+    if !ucx_here() {
+        return;
+    }
+    for tls in [Some(c"tcp,self"), None] {
+        let timeout = Duration::from_secs(30);
+        two_ranks_over(tls, move |b, table| {
+            let t = start(b, &table, timeout);
+            let tcp = tls == Some(c"tcp,self");
+            let want = if tcp && t.inner.ucp.tcp_segments {
+                am::AM_MAX_TCP
+            } else {
+                am::AM_MAX
+            };
+            let peer = 1 - b.rank();
+            assert_eq!(t.am_max[peer], want, "{tls:?}");
+            if tcp {
+                // The pinned UCX takes the settings when the environment
+                // has none of its own.
+                let own = am::TCP_SEGMENTS
+                    .iter()
+                    .any(|(n, _)| std::env::var_os(format!("UCX_{n}")).is_some());
+                assert_eq!(t.inner.ucp.tcp_segments, !own);
+            }
+            let mut recv = vec![0u64; SLOTS as usize * WORDS + 1];
+            let key = if b.rank() == 1 {
+                register(&table, &mut recv)
+            } else {
+                0
+            };
+            let key = key_of(b, key, 1);
+            let count_at = SLOTS * WORDS as u64 * 8;
+            if b.rank() == 0 {
+                for i in 1..=N {
+                    let payload: Vec<u8> = (0..WORDS as u64)
+                        .flat_map(|w| (i << 16 | w).to_le_bytes())
+                        .collect();
+                    let at = Target::Key {
+                        key,
+                        offset: (i % SLOTS) * WORDS as u64 * 8,
+                    };
+                    let sig = Target::Key {
+                        key,
+                        offset: count_at,
+                    };
+                    t.put(1, at, &payload, Some((sig, 1))).unwrap();
+                }
+                t.confirm(1, timeout).unwrap();
+                let p = t.inner.peer(1).unwrap();
+                let (messages, rma) = if want >= WORDS * 8 { (N, 0) } else { (0, N) };
+                assert_eq!(p.am_sent.load(Ordering::Acquire), messages, "{tls:?}");
+                assert_eq!(p.rma_issued.load(Ordering::Acquire), rma, "{tls:?}");
+            } else {
+                let began = Instant::now();
+                let mut seen = 0;
+                while seen < N {
+                    let c = word(&recv, SLOTS as usize * WORDS);
+                    assert!(began.elapsed() < timeout, "the signal stopped at {c}");
+                    if c == seen {
+                        std::thread::yield_now();
+                        continue;
+                    }
+                    seen = c;
+                    let slot = (c % SLOTS) as usize * WORDS;
+                    for w in 0..WORDS {
+                        let v = word(&recv, slot + w);
+                        assert!(
+                            v >> 16 >= c
+                                && (v >> 16) % SLOTS == c % SLOTS
+                                && v & 0xffff == w as u64,
+                            "signal {c} seen before its data: word {w} of its slot is {v:#x} ({tls:?})"
+                        );
+                    }
+                }
+                for s in 0..SLOTS {
+                    let last = N - (N + SLOTS - s) % SLOTS;
+                    for w in 0..WORDS {
+                        let v = word(&recv, s as usize * WORDS + w);
+                        assert_eq!(v, last << 16 | w as u64, "slot {s} word {w} ({tls:?})");
                     }
                 }
             }
@@ -1683,7 +1782,7 @@ fn a_mix_of_put_messages_and_rma_puts_to_one_peer_keeps_issue_order() {
         let timeout = Duration::from_secs(30);
         two_ranks_over(tls, move |b, table| {
             let mut t = start(b, &table, timeout);
-            t.am_max = 64;
+            t.am_max.fill(64);
             let mut recv = vec![0u64; BIG / 8 + 1];
             let key = if b.rank() == 1 {
                 register(&table, &mut recv)

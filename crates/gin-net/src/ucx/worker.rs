@@ -18,6 +18,10 @@ pub struct Ucp {
     pub(super) lib: Arc<sys::UcpLib>,
     pub(super) ctx: sys::ucp_context_h,
     pub(super) worker: sys::ucp_worker_h,
+    /// Whether the context has UCX's tcp segment sizes from
+    /// [`super::am::TCP_SEGMENTS`] (so a put message up to
+    /// [`super::am::AM_MAX_TCP`] is one zero-copy message over tcp).
+    pub(super) tcp_segments: bool,
 }
 
 // SAFETY: the context is created with `mt_workers_shared` and the worker in
@@ -62,10 +66,21 @@ pub(super) const EP_BASED_FENCE: (&std::ffi::CStr, &std::ffi::CStr) = (c"FENCE_M
 impl Ucp {
     /// `ucp_init` with the environment's configuration and `set` (a name
     /// and value) changed.
+    #[cfg(test)]
     pub(super) fn init(
         lib: &sys::UcpLib,
         set: Option<(&std::ffi::CStr, &std::ffi::CStr)>,
     ) -> Result<sys::ucp_context_h, NetError> {
+        Self::init_tuned(lib, set, &[]).map(|(ctx, _)| ctx)
+    }
+
+    /// [`Ucp::init`], with the `tuning` settings (names and values) also
+    /// made, in order, as far as UCX takes them; whether it took all.
+    fn init_tuned(
+        lib: &sys::UcpLib,
+        set: Option<(&std::ffi::CStr, &std::ffi::CStr)>,
+        tuning: &[(std::ffi::CString, std::ffi::CString)],
+    ) -> Result<(sys::ucp_context_h, bool), NetError> {
         let mut config: *mut sys::ucp_config_t = std::ptr::null_mut();
         // SAFETY: null prefix and file mean "UCX_ from the environment";
         // `config` is a valid out-pointer, released below.
@@ -85,6 +100,21 @@ impl Ucp {
                 // SAFETY: read above; not used after this.
                 unsafe { lib.ucp_config_release(config) };
                 return Err(setup_error(lib, "ucp_config_modify", st));
+            }
+        }
+        let mut tuned = true;
+        for (name, value) in tuning {
+            // SAFETY: as above.
+            let st = unsafe { lib.ucp_config_modify(config, name.as_ptr(), value.as_ptr()) };
+            if st != sys::UCS_OK {
+                tracing::debug!(
+                    ?name,
+                    ?value,
+                    st,
+                    "UCX refused a setting; its default stays"
+                );
+                tuned = false;
+                break;
             }
         }
         let params = sys::ucp_params_t {
@@ -116,7 +146,7 @@ impl Ucp {
         if st != sys::UCS_OK {
             return Err(setup_error(lib, "ucp_init", st));
         }
-        Ok(ctx)
+        Ok((ctx, tuned && !tuning.is_empty()))
     }
 
     /// Reads UCX's configuration from the environment and creates the
@@ -126,10 +156,29 @@ impl Ucp {
         // `fence_mode`. A UCX that refuses it (the old protocols) gets
         // its own default.
         let ep_based = std::env::var_os("UCX_FENCE_MODE").is_none();
-        let ctx = match Self::init(&lib, ep_based.then_some(EP_BASED_FENCE)) {
-            Err(_) if ep_based => Self::init(&lib, None),
+        // UCX's tcp segments for one-message puts (`am::TCP_SEGMENTS`),
+        // unless the environment chose its own.
+        let tcp: Vec<_> = super::am::tcp_segments(|v| std::env::var(v).ok())
+            .into_iter()
+            .filter_map(|(n, v)| {
+                Some((
+                    std::ffi::CString::new(n).ok()?,
+                    std::ffi::CString::new(v).ok()?,
+                ))
+            })
+            .collect();
+        let fence = ep_based.then_some(EP_BASED_FENCE);
+        let (ctx, tcp_segments) = match Self::init_tuned(&lib, fence, &tcp) {
+            Err(_) if ep_based => Self::init_tuned(&lib, None, &tcp),
             r => r,
-        }?;
+        }
+        .or_else(|e| {
+            if tcp.is_empty() {
+                Err(e)
+            } else {
+                Self::init_tuned(&lib, None, &[])
+            }
+        })?;
         let wp = sys::ucp_worker_params_t {
             field_mask: u64::from(sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE),
             thread_mode: sys::UCS_THREAD_MODE_MULTI,
@@ -143,7 +192,12 @@ impl Ucp {
             unsafe { lib.ucp_cleanup(ctx) };
             return Err(setup_error(&lib, "ucp_worker_create", st));
         }
-        let ucp = Self { lib, ctx, worker };
+        let ucp = Self {
+            lib,
+            ctx,
+            worker,
+            tcp_segments,
+        };
         // Dropping `ucp` on a refusal destroys the worker and the context.
         thread_mode_ok(ucp.thread_mode()?)?;
         Ok(ucp)
