@@ -16,6 +16,11 @@
 //! per pass, not one per slice. Copies are merged only within a region, so a
 //! merged copy never spans two allocations that happen to be adjacent.
 //!
+//! [`TotalOrder`] keeps the running totals that several streams store into
+//! one counter slot landing in the order they were assigned: a total that
+//! goes to another stream than the slot's previous one waits, on the GPU,
+//! for an event recorded after that one ([`follow`]).
+//!
 //! [`stall`] watches the streams an engine hands its batches to: a mark
 //! after each batch, so that work a stream has not completed for seconds
 //! (it waits behind a user's kernel on a shared hardware work queue) is
@@ -25,15 +30,18 @@ pub mod stall;
 
 use std::sync::Arc;
 
-use crate::driver::{Device, MAX_WRITES, Stream};
+use crate::driver::{Device, Event, MAX_WRITES, Stream};
 use crate::error::CudaError;
 
 /// What an engine's CUDA executor needs of a GPU: its context made current
-/// on the engine's thread, and streams. A [`Device`] in production; step
+/// on the engine's thread, streams, and events to order one stream's work
+/// after another's ([`TotalOrder`]). A [`Device`] in production; step
 /// tests use [`crate::testing::RecordingGpu`].
 pub trait Gpu {
     /// A stream: copies and 8-byte stores, executed in queue order.
     type Stream: Dma;
+    /// An event a stream records and another waits for.
+    type Event;
     /// Makes the GPU's context current on the calling thread.
     ///
     /// # Errors
@@ -44,15 +52,99 @@ pub trait Gpu {
     /// # Errors
     /// The driver's, when no stream can be created.
     fn stream(&self) -> Result<Self::Stream, CudaError>;
+    /// A new event (made once and recorded over and over: see
+    /// [`Gpu::record`]).
+    ///
+    /// # Errors
+    /// The driver's, when no event can be created.
+    fn event(&self) -> Result<Self::Event, CudaError>;
+    /// Records `e` after the work handed to `s` so far. Recording again
+    /// replaces what `e` stands for, for waits queued later only.
+    ///
+    /// # Errors
+    /// The driver's.
+    fn record(&self, s: &Self::Stream, e: &Self::Event) -> Result<(), CudaError>;
+    /// Makes the work handed to `s` from now on wait, on the GPU, until the
+    /// work `e` was last recorded after has executed.
+    ///
+    /// # Errors
+    /// The driver's.
+    fn wait(&self, s: &Self::Stream, e: &Self::Event) -> Result<(), CudaError>;
 }
 
 impl Gpu for Arc<Device> {
     type Stream = Stream;
+    type Event = Event;
     fn enter(&self) -> Result<(), CudaError> {
         self.make_current()
     }
     fn stream(&self) -> Result<Stream, CudaError> {
         Stream::new()
+    }
+    fn event(&self) -> Result<Event, CudaError> {
+        Event::new()
+    }
+    fn record(&self, s: &Stream, e: &Event) -> Result<(), CudaError> {
+        s.record(e)
+    }
+    fn wait(&self, s: &Stream, e: &Event) -> Result<(), CudaError> {
+        s.wait(e)
+    }
+}
+
+/// Keeps the running totals that several streams store into one slot
+/// landing in the order they were assigned.
+///
+/// An engine assigns a counter's running totals in its processing order,
+/// but the executor stores each on the stream of the ring or channel that
+/// carried the counted operation, after its data; one counter slot is
+/// shared by all of a context's rings (one per peer), each with its own
+/// stream. Stream A may still be busy with a long copy when stream B
+/// stores the later total, and A's earlier total would then land last and
+/// take the counter back: a kernel waiting for the later value would wait
+/// until its timeout (and the later total, which counts the earlier
+/// operation too, would claim it complete while its copy still ran). So a total that goes to another stream than the
+/// slot's previous one is queued behind a wait for an event the previous
+/// stream recorded after that total (each stream has one event, made on
+/// first use and recorded again at each such hand-over: a wait keeps the
+/// record it saw). A total on the same stream as the previous one is in
+/// stream order already and costs nothing more; totals of different slots
+/// never wait on each other.
+///
+/// This keeps, per slot, the stream that stored its last total; the
+/// executor does the rest ([`TotalOrder::before`], then
+/// [`TotalOrder::stored`] once the total is queued).
+#[derive(Debug, Default)]
+pub struct TotalOrder {
+    /// Per slot: the stream that stored its last total, if any did.
+    last: Vec<Option<usize>>,
+}
+
+impl TotalOrder {
+    /// Slots `0..slots`, none stored yet.
+    pub fn new(slots: usize) -> Self {
+        Self {
+            last: vec![None; slots],
+        }
+    }
+
+    /// The stream that stored `slot`'s last total, if another than
+    /// `stream`, which is about to store the next one: `stream` must wait
+    /// for that stream's work so far first. `None` for the same stream, a
+    /// first total, and a slot out of range (the caller refuses it).
+    pub fn before(&self, slot: usize, stream: usize) -> Option<usize> {
+        self.last
+            .get(slot)
+            .copied()
+            .flatten()
+            .filter(|&s| s != stream)
+    }
+
+    /// Notes that `stream` queued `slot`'s latest total.
+    pub fn stored(&mut self, slot: usize, stream: usize) {
+        if let Some(l) = self.last.get_mut(slot) {
+            *l = Some(stream);
+        }
     }
 }
 
@@ -135,6 +227,28 @@ impl Dma for Stream {
         // SAFETY: the same contract.
         unsafe { Stream::copy_many(self, dst, src, len) }
     }
+}
+
+/// Makes the work handed to stream `to` from now on wait, on the GPU, for
+/// the work handed to stream `from` so far, through `from`'s `event`
+/// (made here on first use, recorded again each time). Hand both streams'
+/// pending batches over first: `from`'s, so that the event follows them;
+/// `to`'s, so that its earlier work does not wait too.
+///
+/// # Errors
+/// The driver's, naming the call.
+pub fn follow<G: Gpu>(
+    gpu: &G,
+    from: &G::Stream,
+    event: &mut Option<G::Event>,
+    to: &G::Stream,
+) -> Result<(), CudaError> {
+    let e = match event {
+        Some(e) => e,
+        None => event.insert(gpu.event()?),
+    };
+    gpu.record(from, e)?;
+    gpu.wait(to, e)
 }
 
 /// What a copy's destination and source lie in, as the caller names them
@@ -485,6 +599,47 @@ mod tests {
             }
             Ok(())
         }
+    }
+
+    /// A slot's next total waits only where it changes streams, for the
+    /// stream of its previous total; slots are independent; out of range
+    /// is nobody's.
+    #[test]
+    fn a_total_waits_only_where_its_slot_changes_streams() {
+        let mut o = TotalOrder::new(3);
+        assert_eq!(o.before(0, 4), None, "a first total");
+        o.stored(0, 4);
+        assert_eq!(o.before(0, 4), None, "the same stream");
+        assert_eq!(o.before(0, 2), Some(4));
+        assert_eq!(o.before(1, 2), None, "another slot");
+        o.stored(0, 2);
+        o.stored(1, 7);
+        assert_eq!(o.before(0, 4), Some(2));
+        assert_eq!(o.before(1, 2), Some(7));
+        o.stored(9, 1);
+        assert_eq!(o.before(9, 0), None);
+    }
+
+    /// `follow` makes the earlier stream's event once, records it there
+    /// and has the later stream wait for it; again, the same event.
+    #[test]
+    fn follow_records_on_one_stream_and_waits_on_the_other() {
+        use crate::testing::{Call, RecordingGpu};
+        let gpu = RecordingGpu::default();
+        let (a, b) = (gpu.stream().unwrap(), gpu.stream().unwrap());
+        let mut ev = None;
+        follow(&gpu, &a, &mut ev, &b).unwrap();
+        follow(&gpu, &a, &mut ev, &b).unwrap();
+        assert_eq!(gpu.events(), 1);
+        assert_eq!(
+            gpu.log.borrow().clone(),
+            vec![
+                (0, Call::Record(0)),
+                (1, Call::Wait(0)),
+                (0, Call::Record(0)),
+                (1, Call::Wait(0))
+            ]
+        );
     }
 
     /// `b.push` on the fake.

@@ -913,6 +913,65 @@ impl Stream {
     }
 }
 
+impl Stream {
+    /// Records `e` after the work queued on this stream so far: a stream
+    /// that waits for `e` from now on waits for that work. Recording again
+    /// replaces what `e` stands for, for later waits only (a wait already
+    /// queued keeps the record it saw), so one event serves over and over.
+    pub fn record(&self, e: &Event) -> Result<(), CudaError> {
+        // SAFETY: the stream and the event are alive and of one context.
+        Ok(check("cuEventRecord", unsafe {
+            cu::cuEventRecord(e.0, self.0)
+        })?)
+    }
+
+    /// Makes the work queued on this stream from now on wait until the
+    /// work `e` was last recorded after has executed (at once if `e` was
+    /// never recorded). Nothing waits on the host.
+    pub fn wait(&self, e: &Event) -> Result<(), CudaError> {
+        // SAFETY: the stream and the event are alive and of one context.
+        Ok(check("cuStreamWaitEvent", unsafe {
+            cu::cuStreamWaitEvent(self.0, e.0, 0)
+        })?)
+    }
+}
+
+/// An event without timing, for one stream's work to wait for another's
+/// ([`Stream::record`], [`Stream::wait`]); destroyed on drop.
+#[derive(Debug)]
+pub struct Event(cu::CUevent);
+
+// SAFETY: events may be used from any thread with the context current.
+unsafe impl Send for Event {}
+// SAFETY: as above.
+unsafe impl Sync for Event {}
+
+impl Event {
+    /// Creates an event in the current context.
+    pub fn new() -> Result<Self, CudaError> {
+        available()?;
+        let mut e = std::ptr::null_mut();
+        // SAFETY: valid out-pointer.
+        check("cuEventCreate", unsafe {
+            cu::cuEventCreate(
+                &raw mut e,
+                cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
+            )
+        })?;
+        Ok(Self(e))
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: destroys what `new` created; the driver releases it once
+        // work recorded or waiting on it is done.
+        unsafe {
+            cu::cuEventDestroy_v2(self.0);
+        }
+    }
+}
+
 type BatchCopy = unsafe extern "C" fn(
     *mut cu::CUdeviceptr,
     *mut cu::CUdeviceptr,
@@ -1153,6 +1212,7 @@ mod tests {
             Err(CudaError::Unavailable { .. })
         ));
         assert!(matches!(Stream::new(), Err(CudaError::Unavailable { .. })));
+        assert!(matches!(Event::new(), Err(CudaError::Unavailable { .. })));
         assert!(matches!(
             IpcMem::open(&[0; 64]),
             Err(CudaError::Unavailable { .. })

@@ -1,8 +1,9 @@
 //! Test doubles for engines' CUDA executors: a GPU whose streams record what
-//! the driver would be handed, in order, and touch nothing. Step tests of
-//! gin-proxy's and gin-gdaki's CUDA executors drive the same engine and
-//! executor code the GPU path runs against it, down to the batching of
-//! driver calls, with made-up device addresses that nothing dereferences.
+//! the driver would be handed, in order (events recorded and waited for
+//! too), and touch nothing. Step tests of gin-proxy's and gin-gdaki's CUDA
+//! executors drive the same engine and executor code the GPU path runs
+//! against it, down to the batching of driver calls, with made-up device
+//! addresses that nothing dereferences.
 //! And an abort flag in host memory ([`HostFlag`]), for the watchers'
 //! tests.
 
@@ -30,6 +31,11 @@ pub enum Call {
     Stores(Vec<(u64, u64)>),
     /// A wait for everything queued.
     Sync,
+    /// An event recorded after everything handed over so far: the event's
+    /// number (events are numbered in the order they were made).
+    Record(usize),
+    /// Work handed over from now on waits for the event's last record.
+    Wait(usize),
 }
 
 /// Every call, in order, with the number of the stream it went to (streams
@@ -99,6 +105,7 @@ pub struct RecordingGpu {
     pub log: Log,
     stores: Stores,
     streams: Rc<Cell<usize>>,
+    events: Rc<Cell<usize>>,
     entered: Rc<Cell<bool>>,
     marks: Rc<RefCell<Vec<Arc<MarkWords>>>>,
 }
@@ -168,10 +175,20 @@ impl RecordingGpu {
     pub fn streams(&self) -> usize {
         self.streams.get()
     }
+
+    /// Events made so far.
+    pub fn events(&self) -> usize {
+        self.events.get()
+    }
 }
+
+/// An event of a [`RecordingGpu`]: its number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecordingEvent(pub usize);
 
 impl Gpu for RecordingGpu {
     type Stream = RecordingStream;
+    type Event = RecordingEvent;
     fn enter(&self) -> Result<(), CudaError> {
         self.entered.set(true);
         Ok(())
@@ -184,6 +201,19 @@ impl Gpu for RecordingGpu {
             log: self.log.clone(),
             stores: self.stores.clone(),
         })
+    }
+    fn event(&self) -> Result<RecordingEvent, CudaError> {
+        let id = self.events.get();
+        self.events.set(id + 1);
+        Ok(RecordingEvent(id))
+    }
+    fn record(&self, s: &RecordingStream, e: &RecordingEvent) -> Result<(), CudaError> {
+        s.record(Call::Record(e.0));
+        Ok(())
+    }
+    fn wait(&self, s: &RecordingStream, e: &RecordingEvent) -> Result<(), CudaError> {
+        s.record(Call::Wait(e.0));
+        Ok(())
     }
 }
 

@@ -12,6 +12,26 @@
 //! counters as 8-byte writes. An atomic's old value goes to the sink, in
 //! process memory that nothing on the GPU reads.
 //!
+//! A counter's totals land in the order the engine assigned them. One
+//! counter slot serves every channel of its context (one per peer: their
+//! companions count it), each with its own stream, and a stream may still
+//! be busy with a long copy when another stores the counter's next total:
+//! the earlier total would land last and take the counter back, and a
+//! kernel waiting for the later one would time out. So a total that goes
+//! to another channel's stream than the counter's previous total is
+//! queued behind a wait for an event recorded on that stream after it
+//! (`cuEventRecord`, `cuStreamWaitEvent`; one event per stream, made on
+//! first use and recorded again at each hand-over), both streams' pending
+//! work handed over first (this stream's need not wait); a total on the
+//! same stream as the previous one costs nothing more (see
+//! [`TotalOrder`]). The wait may also cover work the other stream was
+//! handed after the previous total (the event is recorded at the
+//! hand-over): later, never wrong. A signal's sub-slot needs none of this:
+//! each context has its own signal slots (`signal_slot(ctx, id)` in
+//! gin.cuh), and this rank's sub-slot of a slot at a peer is written only
+//! through the one QP pair of that context to that peer, so its totals
+//! are in one stream's order already.
+//!
 //! Peers reached over a keyed transport (tcp, ucx) go through the fabric.
 //! Where the transport takes GPU memory ([`Fabric::takes_device_memory`]:
 //! ucx with its CUDA transports), a write's source goes to it directly and
@@ -68,7 +88,7 @@ use std::time::Instant;
 
 use gin_cuda::CudaError;
 use gin_cuda::batch::stall::StallWatch;
-use gin_cuda::batch::{BatchStats, Dma, Gpu, StreamBatch, region};
+use gin_cuda::batch::{BatchStats, Dma, Gpu, StreamBatch, TotalOrder, follow, region};
 use gin_cuda::staging::{STAGE, Stage};
 use gin_net::{Fabric, MemDesc, Memory, NetError, Reach, Transport};
 
@@ -156,6 +176,11 @@ pub(crate) struct CudaExecutor<G: Gpu> {
     sink: Arc<Sink>,
     /// One per channel, made on the driver thread ([`Executor::enter`]).
     lanes: Vec<Lane<G::Stream>>,
+    /// Per channel, the event its stream records when a counter's next
+    /// total goes to another channel's stream (made on first use).
+    events: Vec<Option<G::Event>>,
+    /// Per counter slot, the channel whose stream stored its last total.
+    totals: TotalOrder,
     /// Pinned staging for peers over keyed transports (`None`: none).
     stage: Option<Stage>,
     /// Watches the streams for stalls, stream `i` being channel `i`'s
@@ -251,13 +276,16 @@ impl<G: Gpu> CudaExecutor<G> {
         stage: Option<Stage>,
         keep: Box<dyn std::any::Any + Send>,
     ) -> Self {
+        let slots = usize::try_from(layout.counter_slots).unwrap_or(usize::MAX);
         Self {
             gpu,
             rank: fabric.rank(),
             fabric,
+            totals: TotalOrder::new(slots),
             layout,
             sink,
             lanes: Vec::new(),
+            events: Vec::new(),
             stage,
             stalls: None,
             windows: Vec::new(),
@@ -434,10 +462,42 @@ impl<G: Gpu> CudaExecutor<G> {
         // holding the total behind them would let another channel's later
         // total for the same counter (one counter, many companions) be
         // stored first and this one after it, taking the counter back.
+        // For the same reason a total that goes to another channel's stream
+        // than the counter's previous one waits for that one first
+        // (`order_total`).
+        let slot = (dst.offset / 16) as usize;
+        self.order_total(ch, slot)?;
         // SAFETY: the NIC's sub-slot of an existing counter (checked
         // above), which `new`'s caller keeps alive.
         unsafe { self.store(ch, addr, v, false) }?;
+        self.totals.stored(slot, ch);
         Ok(WriteStatus::Done)
+    }
+
+    /// Orders counter `slot`'s next total, about to be queued on channel
+    /// `ch`'s stream, after its previous one where another channel's
+    /// stream stored that (see [`TotalOrder`]): that stream's work so far
+    /// handed over and its event recorded after it, this stream's work so
+    /// far handed over (it need not wait), then a wait for the event.
+    /// Nothing for a total on the same stream as the previous one.
+    fn order_total(&mut self, ch: Channel, slot: usize) -> Result<(), ExecError> {
+        self.lane(ch)?;
+        let Some(from) = self.totals.before(slot, ch) else {
+            return Ok(());
+        };
+        let stalls = self.stalls.as_ref();
+        hand(&mut self.lanes[from], from, stalls)?;
+        hand(&mut self.lanes[ch], ch, stalls)?;
+        let (lanes, events) = (&self.lanes, &mut self.events);
+        follow(
+            &self.gpu,
+            &lanes[from].stream,
+            &mut events[from],
+            &lanes[ch].stream,
+        )
+        .map_err(cuda(
+            "ordering a counter's totals (cuEventRecord, cuStreamWaitEvent)",
+        ))
     }
 
     /// Hands everything queued on the channel's stream to the driver and
@@ -769,6 +829,12 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
                         dst.offset
                     )));
                 }
+                // An inline write or a signal's running total. Unlike a
+                // counter's (`order_total`), a signal's totals need no
+                // ordering across streams: each context has its own signal
+                // slots, so this rank's sub-slot of a slot at the peer is
+                // stored only through this channel (the context's one QP
+                // pair to the peer), on its stream, in the engine's order.
                 // SAFETY: 8 aligned bytes inside a window part mapped here
                 // (checked above).
                 unsafe { self.store(ch, to, v, true) }?;
@@ -919,6 +985,7 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
                 // Unknown until first waited for.
                 idle: false,
             });
+            self.events.push(None);
         }
         if let Some(w) = &self.stalls {
             w.log_start();

@@ -941,6 +941,82 @@ fn companions_sharing_a_counter_store_its_totals_in_order() {
     assert!(!r.engine.has_work());
 }
 
+/// One counter counted by the companions of two channels, each with its
+/// own stream: a total that goes to another stream than the counter's
+/// previous one is queued behind a wait for an event recorded after that
+/// one, so that the earlier total (behind a long copy, say) never lands
+/// after the later one and takes the counter back. The channel's pending
+/// work is handed over before the wait (it need not wait); a total on the
+/// same stream as the previous one needs nothing; each stream has one
+/// event, made once and recorded again at each hand-over; totals of
+/// different counters never wait for one another.
+#[test]
+fn a_counter_shared_by_two_channels_stores_its_totals_in_order() {
+    let mut r = rig();
+    let sink = r.sink.addr();
+    let at = COUNTERS + 16;
+    r.post(TCP + 1, &[(counter(1, sink + 8), FM_NONE)]);
+    r.step();
+    assert_eq!(
+        r.calls(),
+        vec![(
+            1,
+            Call::Stores(vec![(at, 1), done(TCP + 1, 0, OP_FETCH_ADD)])
+        )]
+    );
+    // Channel 0: the write and its CQE handed over first, then the wait,
+    // then the total; twice more on channel 0: nothing more.
+    r.post(MAIN, &[(write(1, 0, 8), FM_NONE)]);
+    r.post(COMP, &[(counter(1, sink + 16), FM_NONE)]);
+    r.post(COMP, &[(counter(1, sink + 16), FM_NONE)]);
+    r.step();
+    let (w, c) = (done(MAIN, 0, OP_WRITE), done(COMP, 1, OP_FETCH_ADD));
+    assert_eq!(
+        r.calls(),
+        vec![
+            (0, Call::Copy(data(1, 0), data(0, 0), 8)),
+            (0, Call::Store(w.0, w.1)),
+            (1, Call::Record(0)),
+            (0, Call::Wait(0)),
+            (0, Call::Stores(vec![(at, 2), (at, 3), c])),
+        ]
+    );
+    // Back to channel 1, behind channel 0's total with channel 0's own
+    // event; then channel 1's event is recorded again, none is made.
+    r.post(TCP + 1, &[(counter(1, sink + 8), FM_NONE)]);
+    r.step();
+    r.post(COMP, &[(counter(1, sink + 16), FM_NONE)]);
+    r.step();
+    assert_eq!(
+        r.calls(),
+        vec![
+            (0, Call::Record(1)),
+            (1, Call::Wait(1)),
+            (
+                1,
+                Call::Stores(vec![(at, 4), done(TCP + 1, 1, OP_FETCH_ADD)])
+            ),
+            (1, Call::Record(0)),
+            (0, Call::Wait(0)),
+            (0, Call::Stores(vec![(at, 5), done(COMP, 2, OP_FETCH_ADD)])),
+        ]
+    );
+    assert_eq!(r.gpu.events(), 2);
+    // Other counters, one on each channel: no waits.
+    r.post(TCP + 1, &[(counter(2, sink + 8), FM_NONE)]);
+    r.post(COMP, &[(counter(3, sink + 16), FM_NONE)]);
+    r.step();
+    let calls = r.calls();
+    assert!(
+        !calls
+            .iter()
+            .any(|c| matches!(c.1, Call::Record(_) | Call::Wait(_))),
+        "{calls:?}"
+    );
+    assert_eq!(counter_stores(&calls, 2), vec![(1, 1)]);
+    assert_eq!(counter_stores(&calls, 3), vec![(0, 1)]);
+}
+
 /// A value held behind writes in flight whose sending fails fails its own
 /// WQE: the write before it completed and is reported done, not blamed
 /// for the value's failure (an entry is released only once what it held

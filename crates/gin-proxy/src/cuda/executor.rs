@@ -13,6 +13,25 @@
 //! the index sees the data, signals and counters before it; nothing waits
 //! for the GPU.
 //!
+//! A counter's totals land in the order the engine assigned them. One
+//! counter slot serves every ring of its context (one per peer), each
+//! with its own stream, and a stream may still be busy with a long copy
+//! when another stores the slot's next total: the earlier total would land
+//! last and take the counter back, and a kernel waiting for the later one
+//! would time out. So a total that goes to another ring's stream than the
+//! slot's previous total is queued behind a wait for an event recorded on
+//! that stream after it (`cuEventRecord`, `cuStreamWaitEvent`; one event
+//! per stream, made on first use and recorded again at each hand-over),
+//! both streams' pending work handed over first (this stream's need not
+//! wait); a total on the same stream as the previous one costs nothing
+//! more (see [`TotalOrder`]). The wait may also cover work the other
+//! stream was handed after the previous total (the event is recorded at
+//! the hand-over): later, never wrong. A signal's sub-slot needs none of
+//! this: each context has its own signal slots (`signal_slot(ctx, id)` in
+//! gin.cuh), and this rank's sub-slot of a slot at a peer is written only
+//! through the one ring of that context to that peer, so its totals are
+//! in one stream's order already.
+//!
 //! Peers reached over a keyed transport (tcp, ucx) go through the fabric.
 //! Where the transport takes GPU memory ([`Fabric::takes_device_memory`]:
 //! ucx with its CUDA transports), a put's source goes to it directly and a
@@ -65,7 +84,7 @@ use std::time::Instant;
 
 use gin_cuda::CudaError;
 use gin_cuda::batch::stall::StallWatch;
-use gin_cuda::batch::{BatchStats, Dma, Gpu, StreamBatch, region};
+use gin_cuda::batch::{BatchStats, Dma, Gpu, StreamBatch, TotalOrder, follow, region};
 use gin_cuda::staging::{STAGE, Stage};
 use gin_net::{Fabric, MemDesc, Memory, NetError, Reach, Transport};
 
@@ -151,6 +170,11 @@ pub(crate) struct CudaExecutor<G: Gpu> {
     layout: Layout,
     /// One per ring, made on the driver thread ([`Executor::enter`]).
     queues: Vec<Queue<G::Stream>>,
+    /// Per ring, the event its stream records when a counter's next total
+    /// goes to another ring's stream (made on first use).
+    events: Vec<Option<G::Event>>,
+    /// Per counter slot, the ring whose stream stored its last total.
+    totals: TotalOrder,
     /// Pinned staging for peers over keyed transports (`None`: none).
     stage: Option<Stage>,
     /// Watches the streams for stalls, stream `i` being ring `i`'s (kept
@@ -220,11 +244,14 @@ impl<G: Gpu> CudaExecutor<G> {
         stage: Option<Stage>,
         keep: Box<dyn std::any::Any + Send>,
     ) -> Self {
+        let slots = usize::try_from(layout.counter_slots).unwrap_or(usize::MAX);
         Self {
             gpu,
             fabric,
+            totals: TotalOrder::new(slots),
             layout,
             queues: Vec::new(),
+            events: Vec::new(),
             stage,
             stalls: None,
             puts: Vec::new(),
@@ -271,6 +298,33 @@ impl<G: Gpu> CudaExecutor<G> {
         q.idle &= !window;
         // SAFETY: the caller's contract.
         unsafe { q.batch.write(&q.stream, addr, v) }.map_err(cuda("cuStreamWriteValue64"))
+    }
+
+    /// Orders counter `slot`'s next total, about to be queued on `ring`'s
+    /// stream, after its previous one where another ring's stream stored
+    /// that (see [`TotalOrder`]): that stream's work so far handed over
+    /// and its event recorded after it, this stream's work so far handed
+    /// over (it need not wait), then a wait for the event. Nothing for a
+    /// total on the same stream as the previous one.
+    fn order_total(&mut self, site: Site, slot: usize) -> Result<(), ExecError> {
+        self.queue(site)?;
+        let ring = site.ring;
+        let Some(from) = self.totals.before(slot, ring) else {
+            return Ok(());
+        };
+        let stalls = self.stalls.as_ref();
+        hand(&mut self.queues[from], from, stalls)?;
+        hand(&mut self.queues[ring], ring, stalls)?;
+        let (queues, events) = (&self.queues, &mut self.events);
+        follow(
+            &self.gpu,
+            &queues[from].stream,
+            &mut events[from],
+            &queues[ring].stream,
+        )
+        .map_err(cuda(
+            "ordering a counter's totals (cuEventRecord, cuStreamWaitEvent)",
+        ))
     }
 
     /// The device address of this rank's `bytes` at `t`, checked.
@@ -620,6 +674,12 @@ impl<G: Gpu> CudaExecutor<G> {
     /// [`CudaExecutor::send_signal`]); `started`: the transport's number
     /// for the put's data, if it is in flight. The put is in flight while
     /// its data is or its total is held.
+    ///
+    /// Unlike a counter's ([`CudaExecutor::order_total`]), a signal's
+    /// totals need no ordering across streams: each context has its own
+    /// signal slots, so this rank's sub-slot of a slot at the peer is
+    /// stored only through this ring (the context's one ring to the peer),
+    /// on its stream, in the order the engine assigned the totals.
     fn signal(
         &mut self,
         site: Site,
@@ -737,6 +797,7 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
                 // Unknown until first waited for.
                 idle: false,
             });
+            self.events.push(None);
         }
         if let Some(w) = &self.stalls {
             w.log_start();
@@ -818,9 +879,13 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
             )));
         }
         let at = self.layout.counters + u64::from(slot) * 16;
+        let slot = slot as usize;
+        self.order_total(site, slot)?;
         // SAFETY: the proxy's sub-slot of an existing counter (checked
         // above) of the counter array, which `new`'s caller keeps alive.
-        unsafe { self.store(site, at, total, false) }
+        unsafe { self.store(site, at, total, false) }?;
+        self.totals.stored(slot, site.ring);
+        Ok(())
     }
 
     /// Queues the store of the ring's completion index after its work (the

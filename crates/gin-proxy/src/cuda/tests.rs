@@ -74,15 +74,39 @@ fn rig() -> Rig {
 
 /// The rig with rank 2 reached over `keyed`.
 fn rig_over(keyed: Keyed) -> Rig {
+    rig_with(keyed, false)
+}
+
+/// Where rank 2's parts are mapped here in [`rig_mapped`].
+const DATA_AT_2: usize = 0x70_0000;
+const SIG_AT_2: usize = 0x80_0000;
+
+/// The rig with rank 2 mapped here too: both rings' peers take copies on
+/// their rings' streams.
+fn rig_mapped() -> Rig {
+    rig_with(Keyed::default(), true)
+}
+
+/// The rig with rank 2 mapped here (`mapped`) or reached over `keyed`.
+fn rig_with(keyed: Keyed, mapped: bool) -> Rig {
     let keyed = Arc::new(keyed);
+    let two = if mapped {
+        Path::local()
+    } else {
+        Path::new(keyed.clone())
+    };
     let fabric = Arc::new(Fabric::new(
         0,
-        vec![Path::local(), Path::local(), Path::new(keyed.clone())],
+        vec![Path::local(), Path::local(), two],
         Arc::new(RegionTable::default()),
         Duration::from_secs(1),
     ));
-    fabric.add_window(DATA, device(DATA_AT, DATA_KEY, 4096));
-    fabric.add_window(SIGNALS, device(SIG_AT, SIG_KEY, 8 * N as u64 * 4));
+    let (mut data_at, mut sig_at) = (DATA_AT, SIG_AT);
+    if mapped {
+        (data_at[2], sig_at[2]) = (DATA_AT_2, SIG_AT_2);
+    }
+    fabric.add_window(DATA, device(data_at, DATA_KEY, 4096));
+    fabric.add_window(SIGNALS, device(sig_at, SIG_KEY, 8 * N as u64 * 4));
     let mut host = vec![0u64; 8].into_boxed_slice();
     let base = host.as_mut_ptr() as usize;
     let parts = MemParts {
@@ -944,4 +968,122 @@ fn work_drained_for_a_transport_carries_its_mark() {
     );
     let s = w.check(t + Duration::from_secs(3)).unwrap();
     assert_eq!(s.stream, "ring 1 (context 0, peer 2)");
+}
+
+/// A counted put to peer 1 on ring 0.
+fn counted(slot: u32, bytes: u64) -> Desc {
+    Desc {
+        counter: Some(slot),
+        ..put(bytes, 64, 128)
+    }
+}
+
+/// One counter slot shared by the rings to two peers (as an all-to-all
+/// counting its puts' local completions does), each ring with its own
+/// stream: a total that goes to another stream than the slot's previous
+/// one is queued behind a wait for an event recorded after that one, so
+/// that the earlier total (behind a long copy, say) never lands after the
+/// later one and takes the counter back. The other stream's pending copy
+/// is handed over before the wait (it need not wait); a total on the same
+/// stream as the previous one needs nothing; each stream has one event,
+/// made once and recorded again at each hand-over.
+#[test]
+fn a_counter_shared_by_two_rings_stores_its_totals_in_order() {
+    let mut rig = rig_mapped();
+    let at = COUNTERS + 3 * 16;
+    let (copy0, copy1) = (
+        Call::Copy(data(1, 64), data(0, 128), 8),
+        Call::Copy(DATA_AT_2 as u64 + 64, data(0, 128), 8),
+    );
+    rig.post(0, &counted(3, 4096 - 128));
+    rig.post(1, &counted(3, 8));
+    rig.step();
+    assert_eq!(
+        rig.calls(),
+        vec![
+            (0, Call::Copy(data(1, 64), data(0, 128), 4096 - 128)),
+            (0, Call::Stores(vec![(at, 1), (DONE[0], 1)])),
+            // Ring 1: its copy handed over first, free to run beside ring
+            // 0's; then its total waits for ring 0's.
+            (1, copy1.clone()),
+            (0, Call::Record(0)),
+            (1, Call::Wait(0)),
+            (1, Call::Stores(vec![(at, 2), (DONE[1], 1)])),
+        ]
+    );
+    // Ring 0 again: its first total behind ring 1's, with ring 1's own
+    // event; the next two on ring 0 need nothing more.
+    for _ in 0..3 {
+        rig.post(0, &counted(3, 8));
+    }
+    rig.step();
+    assert_eq!(
+        rig.calls(),
+        vec![
+            (0, copy0.clone()),
+            (1, Call::Record(1)),
+            (0, Call::Wait(1)),
+            (0, Call::Store(at, 3)),
+            (0, copy0.clone()),
+            (0, Call::Store(at, 4)),
+            (0, copy0.clone()),
+            (0, Call::Stores(vec![(at, 5), (DONE[0], 4)])),
+        ]
+    );
+    // Back to ring 1: ring 0's event is recorded again, none is made.
+    rig.post(1, &counted(3, 8));
+    rig.step();
+    assert_eq!(
+        rig.calls(),
+        vec![
+            (1, copy1),
+            (0, Call::Record(0)),
+            (1, Call::Wait(0)),
+            (1, Call::Stores(vec![(at, 6), (DONE[1], 2)])),
+        ]
+    );
+    assert_eq!(rig.gpu.events(), 2);
+}
+
+/// Totals of different counter slots never wait for one another, whatever
+/// rings store them: each slot keeps its own order.
+#[test]
+fn totals_of_different_counters_do_not_wait_for_each_other() {
+    let mut rig = rig_mapped();
+    rig.post(0, &counted(0, 8));
+    rig.post(1, &counted(1, 8));
+    rig.post(0, &counted(0, 8));
+    rig.post(1, &counted(1, 8));
+    rig.step();
+    rig.post(0, &counted(0, 8));
+    rig.post(1, &counted(1, 8));
+    rig.step();
+    let calls = rig.calls();
+    assert!(
+        !calls
+            .iter()
+            .any(|c| matches!(c.1, Call::Record(_) | Call::Wait(_))),
+        "{calls:?}"
+    );
+    assert_eq!(rig.gpu.events(), 0);
+    let stores: Vec<_> = calls
+        .iter()
+        .flat_map(|(q, c)| match c {
+            Call::Store(a, v) => vec![(*q, *a, *v)],
+            Call::Stores(w) => w.iter().map(|&(a, v)| (*q, a, v)).collect(),
+            _ => vec![],
+        })
+        .filter(|&(_, a, _)| a < COUNTERS + 4 * 16)
+        .collect();
+    assert_eq!(
+        stores,
+        vec![
+            (0, COUNTERS, 1),
+            (0, COUNTERS, 2),
+            (1, COUNTERS + 16, 1),
+            (1, COUNTERS + 16, 2),
+            (0, COUNTERS, 3),
+            (1, COUNTERS + 16, 3),
+        ]
+    );
 }
