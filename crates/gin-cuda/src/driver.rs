@@ -438,14 +438,23 @@ impl DevMem {
         Ok(self.ptr + off as u64)
     }
 
-    /// Copies `data` to `off` bytes into this allocation (synchronously).
+    /// Copies `data` to `off` bytes into this allocation; the bytes are in
+    /// device memory when it returns, for work on any stream.
+    ///
+    /// `cuMemcpyHtoD` from pageable memory returns once the source was
+    /// staged for DMA, not once the DMA landed (CUDA's "API
+    /// synchronization behavior"), and gin's streams are non-blocking, so
+    /// they do not wait for the legacy stream that copy runs on: a kernel
+    /// launched on one right after could read the tail of a large copy
+    /// before it lands. Waiting for the legacy stream closes that.
     pub fn write<T: Copy>(&self, off: usize, data: &[T]) -> Result<(), CudaError> {
         let n = std::mem::size_of_val(data);
         let dst = self.at("write", off, n)?;
         // SAFETY: the range was checked; `data` is valid for `n` bytes.
-        Ok(check("cuMemcpyHtoD", unsafe {
+        check("cuMemcpyHtoD", unsafe {
             cu::cuMemcpyHtoD_v2(dst, data.as_ptr().cast(), n)
-        })?)
+        })?;
+        wait_legacy_stream()
     }
 
     /// Reads `out.len()` values from `off` bytes into this allocation
