@@ -852,6 +852,15 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_echo(EP_HT_WINDOW
   }
 }
 
+// FP8 dispatch from host inputs: the host uploads the BF16 tokens (xbf:
+// tokens x h u16) while the notify kernel runs, and this kernel quantises
+// them into XIN's payloads (p bytes each: the FP8 codes, then one f32 scale
+// per 128 elements), bit for bit as num.rs's quantize_fp8: ll.cu's
+// quantize_tokens with the message stride p.
+extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_quantize(Window xin, const u16* xbf, u32 tokens, u32 p, u32 h) {
+  ep::quantize_tokens(xin, xbf, tokens, p, h);
+}
+
 // -------------------------------------------------------------- combine
 
 namespace ep {
