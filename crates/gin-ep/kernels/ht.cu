@@ -7,9 +7,9 @@
 // context c with its own rings, credits and signals.
 //
 // The host stages each step: the notify row (NSEND), every token's payload
-// (XIN: BF16, or FP8 quantised by num.rs) and metadata (MIN: source index,
-// top-k ids and weights, its slot among this rank's tokens for every host
-// and every rank, NONE where it does not go). After the notify kernel the
+// (XIN: the caller's BF16, or FP8 quantised from it by ep_ht_quantize) and
+// metadata (MIN: source index, top-k ids and weights, its slot among this
+// rank's tokens for every host and every rank, NONE where it does not go). After the notify kernel the
 // host reads every rank's row back (NRECV), builds the step's plan with the
 // CPU ranks' code (plan.rs) and uploads it as one table of u32 words (the
 // count matrix per channel, each receiver's block starts, the forwarders):

@@ -8,11 +8,13 @@
 //! [`CudaBuffer::ht_combine`], DeepEP's normal mode with its CPU sync after
 //! the counts): the host checks the inputs with the CPU ranks' code (nothing
 //! is sent on an error), stages this rank's notify row, the notify kernel
-//! exchanges the rows (gin puts and one signal each), the host reads them
-//! back and builds the step's plan with the CPU ranks' code
-//! ([`crate::ht`]'s `Plan`), stages every token's payload (BF16, or FP8
-//! quantised by [`crate::num::quantize_fp8`]) and metadata, uploads the
-//! plan as one table, and the dispatch kernel moves runs of tokens by it.
+//! exchanges the rows (gin puts and one signal each) while a second thread
+//! stages the tokens' metadata and uploads it and the tokens (one copy each
+//! from the caller's slices; FP8 is then quantised on the GPU by
+//! `ep_ht_quantize`, bit for bit [`crate::num::quantize_fp8`]), the host
+//! reads the rows back and builds the step's plan with the CPU ranks' code
+//! ([`crate::ht`]'s `Plan`), uploads it as one table, and the dispatch
+//! kernel moves runs of tokens by it.
 //! The received tokens' metadata is read back (source index, weights) as
 //! the CPU ranks' receive reads it. Inputs in GPU memory are a later step.
 
