@@ -497,8 +497,10 @@ impl CudaBuffer<'_, '_> {
         // Beside the notify kernel the upload writes XIN (or the FP8
         // staging) and MIN on the legacy stream: no kernel reads them before
         // the dispatch (or quantise) kernel, launched after both are done.
-        let (r, up) = std::thread::scope(|sc| {
-            let up = sc.spawn(|| inputs.upload(dev, meta));
+        let (r, helper) = std::thread::scope(|sc| {
+            let up = std::thread::Builder::new()
+                .name("gin-ep-upload".into())
+                .spawn_scoped(sc, || inputs.upload(dev, meta));
             // SAFETY: ep_ht_notify(DevComm, 12 Windows, u32 width, u32 parity,
             // const u32* shape, const u32* active, u64* seen, u64* clock) takes
             // these in this order. It puts `width` bytes of NSEND (its size:
@@ -508,10 +510,14 @@ impl CudaBuffer<'_, '_> {
             // (context 0: r u64 of chans × signals) and clock (2 u64): the sizes
             // HtState::new and State::new allocated. gin's stream, waited for.
             let r = unsafe { go(&self.dc, f, On::Wait, 1, &args) };
-            (r, up.join())
+            (r, up.map(std::thread::ScopedJoinHandle::join))
         });
         r.map_err(|e| kernel_error(self.rank, "ht_notify", e))?;
-        up.unwrap_or_else(|p| std::panic::resume_unwind(p))?;
+        match helper {
+            Ok(joined) => joined.unwrap_or_else(|p| std::panic::resume_unwind(p))?,
+            // No thread to be had: the upload after the exchange instead.
+            Err(_) => inputs.upload(dev, meta)?,
+        }
         let started = read_clock(&self.state.clock)?.start_ns;
         if let Some(h) = self.ht.as_mut() {
             h.rounds += 1;
