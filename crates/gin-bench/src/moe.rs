@@ -95,9 +95,11 @@ pub struct MoeArgs {
     #[arg(long, default_value_t = 1)]
     pub hosts: usize,
     /// High-throughput channels (each with its own context, rings and
-    /// credits).
-    #[arg(long, default_value_t = 2)]
-    pub channels: usize,
+    /// credits). Default: 2 on CPU ranks (lanes of a thread), on CUDA ranks
+    /// `gin_ep::CUDA_HT_CHANNELS` bounded by the GPU's SMs (a block each:
+    /// `Config::with_cuda_channels`).
+    #[arg(long)]
+    pub channels: Option<usize>,
     /// High-throughput: threads per rank running the channels (1: the rank
     /// thread interleaves them).
     #[arg(long, default_value_t = 1)]
@@ -311,7 +313,7 @@ fn rank_main(args: &MoeArgs) -> Result<()> {
     let mut cfg = match args.mode {
         MoeMode::Ll => Config::low_latency(args.hidden, args.tokens, experts, args.topk),
         MoeMode::Ht => Config {
-            channels: args.channels,
+            channels: args.channels.unwrap_or(2),
             ..Config::high_throughput(args.hidden, args.tokens, experts, args.topk)
         },
     };
@@ -373,7 +375,7 @@ fn rank_main(args: &MoeArgs) -> Result<()> {
             experts,
             fp8: args.fp8,
             hosts: args.hosts,
-            channels: args.channels,
+            channels: cfg.channels,
             threads: args.threads,
             dispatch: Row::new(db, d_runs, fd_runs).context("no samples")?,
             combine: Row::new(cb, c_runs, fc_runs).context("no samples")?,
@@ -421,15 +423,18 @@ fn cuda_rank_main(args: &MoeArgs) -> Result<()> {
     let comm = join(args)?;
     let (rank, n) = (comm.rank(), comm.nranks());
     let experts = args.experts.unwrap_or(32 * n);
+    let cuda = comm.cuda()?;
     let mut cfg = match args.mode {
         MoeMode::Ll => Config::low_latency(args.hidden, args.tokens, experts, args.topk),
-        MoeMode::Ht => Config {
-            channels: args.channels,
-            ..Config::high_throughput(args.hidden, args.tokens, experts, args.topk)
-        },
+        MoeMode::Ht => {
+            let ht = Config::high_throughput(args.hidden, args.tokens, experts, args.topk);
+            match args.channels {
+                Some(channels) => Config { channels, ..ht },
+                None => ht.with_cuda_channels(cuda.device().sms() as usize),
+            }
+        }
     };
     cfg.fp8 = args.fp8;
-    let cuda = comm.cuda()?;
     let mut buf = CudaBuffer::new(&cuda, cfg)?;
     let inputs: Vec<RankInput> = (0..n)
         .map(|r| oracle::rank_input(42, r, n, args.tokens, args.hidden, experts, args.topk))
@@ -521,7 +526,7 @@ fn cuda_rank_main(args: &MoeArgs) -> Result<()> {
             fp8: args.fp8,
             hosts: args.hosts,
             channels: if args.mode == MoeMode::Ht {
-                args.channels
+                cfg.channels
             } else {
                 0
             },

@@ -7,9 +7,9 @@
 // context c with its own rings, credits and signals.
 //
 // The host stages each step: the notify row (NSEND), every token's payload
-// (XIN: BF16, or FP8 quantised by num.rs) and metadata (MIN: source index,
-// top-k ids and weights, its slot among this rank's tokens for every host
-// and every rank, NONE where it does not go). After the notify kernel the
+// (XIN: the caller's BF16, or FP8 quantised from it by ep_ht_quantize) and
+// metadata (MIN: source index, top-k ids and weights, its slot among this
+// rank's tokens for every host and every rank, NONE where it does not go). After the notify kernel the
 // host reads every rank's row back (NRECV), builds the step's plan with the
 // CPU ranks' code (plan.rs) and uploads it as one table of u32 words (the
 // count matrix per channel, each receiver's block starts, the forwarders):
@@ -850,6 +850,15 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_echo(EP_HT_WINDOW
     }
     __syncthreads();
   }
+}
+
+// FP8 dispatch from host inputs: the host uploads the BF16 tokens (xbf:
+// tokens x h u16) while the notify kernel runs, and this kernel quantises
+// them into XIN's payloads (p bytes each: the FP8 codes, then one f32 scale
+// per 128 elements), bit for bit as num.rs's quantize_fp8: ll.cu's
+// quantize_tokens with the message stride p.
+extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_quantize(Window xin, const u16* xbf, u32 tokens, u32 p, u32 h) {
+  ep::quantize_tokens(xin, xbf, tokens, p, h);
 }
 
 // -------------------------------------------------------------- combine

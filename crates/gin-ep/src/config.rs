@@ -24,6 +24,14 @@ pub const MAX_TOPK: usize = 1 << 16;
 /// The most experts a buffer takes.
 pub const MAX_EXPERTS: usize = 1 << 24;
 
+/// Channels CUDA ranks use by default in high-throughput mode
+/// ([`Config::with_cuda_channels`]): a channel is one block of the dispatch
+/// and combine kernels, and the combine's time fell in proportion to the
+/// channel count up to 16 on an H200 (2 ranks, 4096 tokens: 6.5 ms at 2,
+/// 1.7 ms at 8, 0.9 ms at 16; docs/ep.md). The CPU ranks' default stays 2
+/// ([`Config::high_throughput`]: there a channel is a lane of a thread).
+pub const CUDA_HT_CHANNELS: usize = 16;
+
 /// The shape a buffer is sized for; every rank passes the same values
 /// (checked when the buffer is created).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,6 +92,26 @@ impl Config {
             ring_slots: 64,
             channels: 2,
             ..Self::low_latency(hidden, max_tokens_per_rank, num_experts, topk)
+        }
+    }
+
+    /// This configuration with the channel count CUDA ranks use by default
+    /// in high-throughput mode: [`CUDA_HT_CHANNELS`], bounded by `sms` (the
+    /// streaming multiprocessors a rank's kernels may use: a channel is one
+    /// block that polls for the whole step, so each gets an SM of its own)
+    /// and by `max_tokens_per_rank` (a channel carries a contiguous range of
+    /// each rank's tokens: more channels than tokens would carry nothing).
+    /// Every rank must pass the same `sms` (the channel count is checked
+    /// to agree). The rings grow with it: `channels × ranks × ring_slots`
+    /// messages per ring window.
+    #[must_use]
+    pub fn with_cuda_channels(self, sms: usize) -> Self {
+        Self {
+            channels: CUDA_HT_CHANNELS
+                .min(sms)
+                .min(self.max_tokens_per_rank)
+                .max(1),
+            ..self
         }
     }
 
@@ -254,6 +282,20 @@ mod tests {
             let e = c.validate(2, 4).unwrap_err().to_string();
             assert!(e.contains(field) && e.contains("at most"), "{e}");
         }
+    }
+
+    #[test]
+    fn cuda_channels_are_bounded_by_sms_and_tokens() {
+        let c = Config::high_throughput(7168, 4096, 64, 8);
+        assert_eq!(c.channels, 2, "the CPU ranks' default");
+        assert_eq!(c.with_cuda_channels(132).channels, CUDA_HT_CHANNELS);
+        assert_eq!(c.with_cuda_channels(8).channels, 8);
+        assert_eq!(c.with_cuda_channels(0).channels, 1);
+        let few = Config::high_throughput(7168, 5, 64, 8);
+        assert_eq!(few.with_cuda_channels(132).channels, 5);
+        let d = c.with_cuda_channels(132);
+        assert_eq!(Config { channels: 2, ..d }, c, "nothing else changes");
+        assert!(d.validate(0, 2).is_ok());
     }
 
     #[test]

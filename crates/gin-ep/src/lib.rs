@@ -75,7 +75,7 @@ pub mod num;
 pub mod oracle;
 
 pub use buffer::{Buffer, Hosts, OnPeerLoss, fingerprint};
-pub use config::{Config, MAX_EXPERTS, MAX_HIDDEN, MAX_TOPK, Mode};
+pub use config::{CUDA_HT_CHANNELS, Config, MAX_EXPERTS, MAX_HIDDEN, MAX_TOPK, Mode};
 pub use error::EpError;
 pub use ht::{HtDispatch, HtPending};
 pub use ll::{Combined, LlCombinePending, LlDispatch, LlPending};

@@ -8,16 +8,18 @@
 //! [`CudaBuffer::ht_combine`], DeepEP's normal mode with its CPU sync after
 //! the counts): the host checks the inputs with the CPU ranks' code (nothing
 //! is sent on an error), stages this rank's notify row, the notify kernel
-//! exchanges the rows (gin puts and one signal each), the host reads them
-//! back and builds the step's plan with the CPU ranks' code
-//! ([`crate::ht`]'s `Plan`), stages every token's payload (BF16, or FP8
-//! quantised by [`crate::num::quantize_fp8`]) and metadata, uploads the
-//! plan as one table, and the dispatch kernel moves runs of tokens by it.
+//! exchanges the rows (gin puts and one signal each) while a second thread
+//! stages the tokens' metadata and uploads it and the tokens (one copy each
+//! from the caller's slices; FP8 is then quantised on the GPU by
+//! `ep_ht_quantize`, bit for bit [`crate::num::quantize_fp8`]), the host
+//! reads the rows back and builds the step's plan with the CPU ranks' code
+//! ([`crate::ht`]'s `Plan`), uploads it as one table, and the dispatch
+//! kernel moves runs of tokens by it.
 //! The received tokens' metadata is read back (source index, weights) as
 //! the CPU ranks' receive reads it. Inputs in GPU memory are a later step.
 
 use gin_core::CoreError;
-use gin_core::cuda::{Arg, DevMem, Function, Module};
+use gin_core::cuda::{Arg, DevMem, Device, Function, Module};
 
 use super::{CudaBuffer, On, go, kernel_error, read_clock};
 use crate::config::Mode;
@@ -25,7 +27,7 @@ use crate::error::EpError;
 use crate::ht::plan::{self, Plan, Shape, TableAt};
 use crate::layout::Layout;
 use crate::ll::Combined;
-use crate::num::{Bf16, bf16_bytes, quantize_fp8};
+use crate::num::{Bf16, bf16_bytes};
 use crate::oracle::HtView;
 
 /// The kernels of CUDA ranks in high-throughput mode: `kernels/ll.cu` then
@@ -43,6 +45,7 @@ pub(crate) struct HtFunctions {
     pub(crate) dispatch: Function,
     pub(crate) echo: Function,
     pub(crate) combine: Function,
+    pub(crate) quantize: Function,
 }
 
 impl HtFunctions {
@@ -52,6 +55,7 @@ impl HtFunctions {
             dispatch: m.function("ep_ht_dispatch")?,
             echo: m.function("ep_ht_echo")?,
             combine: m.function("ep_ht_combine")?,
+            quantize: m.function("ep_ht_quantize")?,
         })
     }
 }
@@ -133,8 +137,10 @@ pub(crate) struct HtState {
     /// When this step's notify kernel started (GPU clock): the dispatch's
     /// clock runs from there to the dispatch kernel's end.
     notify_start: u64,
-    /// Host staging of the payloads and metadata, reused between steps.
-    xin: Vec<u8>,
+    /// FP8: the step's BF16 tokens (`t × hidden` u16), uploaded beside the
+    /// notify kernel and quantised into XIN by `ep_ht_quantize`.
+    xbf: Option<DevMem>,
+    /// Host staging of the metadata, reused between steps.
     meta: Vec<u8>,
 }
 
@@ -166,7 +172,11 @@ impl HtState {
             direct: d,
             rounds: 0,
             notify_start: 0,
-            xin: Vec::new(),
+            xbf: if cfg.fp8 {
+                Some(zeroed(2 * s.t * cfg.hidden)?)
+            } else {
+                None
+            },
             meta: Vec::new(),
             s,
         })
@@ -309,33 +319,47 @@ pub(crate) fn notify_rows(
     Ok(rows)
 }
 
-/// Stages this rank's tokens for the dispatch kernel: payloads (BF16 bytes,
-/// or FP8 with scales as [`quantize_fp8`] makes them) into `xin`, metadata
-/// ([`plan::meta_word`]) into `meta`.
-pub(crate) fn stage_tokens(
-    s: &Shape,
-    fp8: bool,
-    lay: &Layout,
-    x: &[Bf16],
-    idx: &[i64],
-    w: &[f32],
-    (xin, meta): (&mut Vec<u8>, &mut Vec<u8>),
-) {
-    let (tokens, hidden) = (lay.tokens, s.h2 / 2);
-    xin.resize(tokens * s.p, 0);
-    meta.resize(tokens * s.mm, 0);
-    for t in 0..tokens {
-        let row = &x[t * hidden..(t + 1) * hidden];
-        let out = &mut xin[t * s.p..(t + 1) * s.p];
-        if fp8 {
-            quantize_fp8(row, out);
-        } else {
-            out.copy_from_slice(bf16_bytes(row));
-        }
+/// Stages this rank's tokens' metadata ([`plan::meta_word`]: source index,
+/// top-k ids and weights, host and rank slots) into `meta`, `mm` bytes per
+/// token, one pass over the words.
+pub(crate) fn stage_meta(s: &Shape, lay: &Layout, idx: &[i64], w: &[f32], meta: &mut Vec<u8>) {
+    meta.clear();
+    meta.reserve(lay.tokens * s.mm);
+    for t in 0..lay.tokens {
         for i in 0..s.mm / 4 {
-            let v = plan::meta_word(s, lay, idx, w, t, i);
-            meta[t * s.mm + 4 * i..t * s.mm + 4 * i + 4].copy_from_slice(&v.to_le_bytes());
+            meta.extend_from_slice(&plan::meta_word(s, lay, idx, w, t, i).to_le_bytes());
         }
+    }
+}
+
+/// Where this step's inputs go in GPU memory, written by [`Inputs::upload`]
+/// on a thread of its own while the notify kernel exchanges the counts.
+pub(crate) struct Inputs<'a> {
+    pub(crate) s: &'a Shape,
+    pub(crate) lay: &'a Layout,
+    pub(crate) x: &'a [Bf16],
+    pub(crate) idx: &'a [i64],
+    pub(crate) w: &'a [f32],
+    /// The payloads' destination: XIN (BF16, the tokens' own bytes), or
+    /// with FP8 the BF16 staging `ep_ht_quantize` reads.
+    pub(crate) payloads: &'a DevMem,
+    /// MIN.
+    pub(crate) min: &'a DevMem,
+}
+
+impl Inputs<'_> {
+    /// Stages the metadata into `meta` and copies it and the tokens to the
+    /// GPU, each in one copy straight from its host slice (the tokens are
+    /// not copied on the host first), with `dev` current on this thread.
+    pub(crate) fn upload(&self, dev: &Device, meta: &mut Vec<u8>) -> Result<(), CoreError> {
+        stage_meta(self.s, self.lay, self.idx, self.w, meta);
+        if self.x.is_empty() {
+            return Ok(());
+        }
+        dev.make_current()?;
+        self.payloads.write(0, bf16_bytes(self.x))?;
+        self.min.write(0, meta)?;
+        Ok(())
     }
 }
 
@@ -407,30 +431,37 @@ impl CudaBuffer<'_, '_> {
         idx: &[i64],
         w: &[f32],
     ) -> Result<CudaHtDispatch, EpError> {
-        let plan = self.ht_notify(s, lay)?;
-        let (mut xin, mut meta) = {
-            let h = self.ht.as_mut().ok_or(EpError::Mode {
-                rank: self.rank,
-                what: "no high-throughput state".into(),
-            })?;
-            (std::mem::take(&mut h.xin), std::mem::take(&mut h.meta))
-        };
-        stage_tokens(s, self.cfg.fp8, lay, x, idx, w, (&mut xin, &mut meta));
-        let staged = self.ht_upload(&plan, &xin, &meta);
+        let mut meta = self
+            .ht
+            .as_mut()
+            .map(|h| std::mem::take(&mut h.meta))
+            .unwrap_or_default();
+        let plan = self.ht_notify(s, lay, (x, idx, w), &mut meta);
         if let Some(h) = self.ht.as_mut() {
-            h.xin = xin;
             h.meta = meta;
         }
-        staged?;
+        let plan = plan?;
+        if self.cfg.fp8 {
+            self.ht_quantize(s, lay.tokens)?;
+        }
+        self.ht_upload(&plan)?;
         self.ht_launch_dispatch(s, lay.tokens)?;
         self.st.dispatched_now();
         self.ht_read_dispatch(s, plan)
     }
 
     /// The count exchange: this rank's row to every active rank (the notify
-    /// kernel), every active rank's row read back; the step's plan.
-    fn ht_notify(&mut self, s: &Shape, lay: &Layout) -> Result<Plan, EpError> {
-        use crate::ht::plan::{NRECV, NSEND};
+    /// kernel), every active rank's row read back; the step's plan. While
+    /// the kernel runs (it waits for every peer's row), a second thread
+    /// stages the metadata and uploads it and the tokens ([`Inputs`]).
+    fn ht_notify(
+        &mut self,
+        s: &Shape,
+        lay: &Layout,
+        (x, idx, w): (&[Bf16], &[i64], &[f32]),
+        meta: &mut Vec<u8>,
+    ) -> Result<Plan, EpError> {
+        use crate::ht::plan::{MIN, NRECV, NSEND, XIN};
         let row = plan::notify_row(s, lay, &self.active);
         let bytes: Vec<u8> = row.iter().flat_map(|v| v.to_le_bytes()).collect();
         let width = bytes.len();
@@ -453,16 +484,40 @@ impl CudaBuffer<'_, '_> {
             Arg::Ptr(clock),
         ]);
         let f = self.ht_functions()?.notify;
-        // SAFETY: ep_ht_notify(DevComm, 12 Windows, u32 width, u32 parity,
-        // const u32* shape, const u32* active, u64* seen, u64* clock) takes
-        // these in this order. It puts `width` bytes of NSEND (its size:
-        // ht::resources, 4 × row words) to each active rank's NRECV at
-        // (parity × r + rank) × width (2 × r × width bytes), reads shape
-        // (SHAPE_WORDS u32), active (r u32) and the notify entries of seen
-        // (context 0: r u64 of chans × signals) and clock (2 u64): the sizes
-        // HtState::new and State::new allocated. gin's stream, waited for.
-        let r = unsafe { go(&self.dc, f, On::Wait, 1, &args) };
+        let inputs = Inputs {
+            s,
+            lay,
+            x,
+            idx,
+            w,
+            payloads: st.xbf.as_ref().unwrap_or(self.wins[XIN].local()),
+            min: self.wins[MIN].local(),
+        };
+        let dev = self.cuda.device();
+        // Beside the notify kernel the upload writes XIN (or the FP8
+        // staging) and MIN on the legacy stream: no kernel reads them before
+        // the dispatch (or quantise) kernel, launched after both are done.
+        let (r, helper) = std::thread::scope(|sc| {
+            let up = std::thread::Builder::new()
+                .name("gin-ep-upload".into())
+                .spawn_scoped(sc, || inputs.upload(dev, meta));
+            // SAFETY: ep_ht_notify(DevComm, 12 Windows, u32 width, u32 parity,
+            // const u32* shape, const u32* active, u64* seen, u64* clock) takes
+            // these in this order. It puts `width` bytes of NSEND (its size:
+            // ht::resources, 4 × row words) to each active rank's NRECV at
+            // (parity × r + rank) × width (2 × r × width bytes), reads shape
+            // (SHAPE_WORDS u32), active (r u32) and the notify entries of seen
+            // (context 0: r u64 of chans × signals) and clock (2 u64): the sizes
+            // HtState::new and State::new allocated. gin's stream, waited for.
+            let r = unsafe { go(&self.dc, f, On::Wait, 1, &args) };
+            (r, up.map(std::thread::ScopedJoinHandle::join))
+        });
         r.map_err(|e| kernel_error(self.rank, "ht_notify", e))?;
+        match helper {
+            Ok(joined) => joined.unwrap_or_else(|p| std::panic::resume_unwind(p))?,
+            // No thread to be had: the upload after the exchange instead.
+            Err(_) => inputs.upload(dev, meta)?,
+        }
         let started = read_clock(&self.state.clock)?.start_ns;
         if let Some(h) = self.ht.as_mut() {
             h.rounds += 1;
@@ -477,24 +532,46 @@ impl CudaBuffer<'_, '_> {
         Ok(Plan::new(s, self.active.clone(), &rows))
     }
 
-    /// Writes the staged tokens and the plan's table to GPU memory.
-    fn ht_upload(&self, plan: &Plan, xin: &[u8], meta: &[u8]) -> Result<(), EpError> {
-        use crate::ht::plan::{MIN, XIN};
-        if !xin.is_empty() {
-            self.wins[XIN]
-                .local()
-                .write(0, xin)
-                .map_err(CoreError::from)?;
-            self.wins[MIN]
-                .local()
-                .write(0, meta)
-                .map_err(CoreError::from)?;
-        }
+    /// Writes the plan's table to GPU memory.
+    fn ht_upload(&self, plan: &Plan) -> Result<(), EpError> {
         let st = self.ht_state("ht_dispatch")?;
         st.tables
             .write(0, &plan.tables())
             .map_err(CoreError::from)?;
         Ok(())
+    }
+
+    /// FP8: quantises the uploaded BF16 tokens into XIN's payloads
+    /// (`ep_ht_quantize`, bit for bit as [`crate::num::quantize_fp8`]).
+    fn ht_quantize(&mut self, s: &Shape, tokens: usize) -> Result<(), EpError> {
+        use crate::ht::plan::XIN;
+        let st = self.ht_state("ht_dispatch")?;
+        let xbf = st.xbf.as_ref().map(DevMem::ptr).ok_or(EpError::Mode {
+            rank: self.rank,
+            what: "an FP8 buffer without its BF16 staging".into(),
+        })?;
+        if tokens == 0 {
+            return Ok(());
+        }
+        let hidden = s.h2 / 2;
+        let args = [
+            Arg::Window(self.wins[XIN].abi()),
+            Arg::Ptr(xbf),
+            Arg::U32(Self::u32_of(tokens)),
+            Arg::U32(Self::u32_of(s.p)),
+            Arg::U32(Self::u32_of(hidden)),
+        ];
+        let f = self.ht_functions()?.quantize;
+        let warps = (super::THREADS / 32) as usize;
+        let grid = self.grid((tokens * (hidden / crate::num::FP8_BLOCK)).div_ceil(warps));
+        // SAFETY: ep_ht_quantize(Window xin, const u16* xbf, u32 tokens,
+        // u32 p, u32 h) takes these in this order. It reads tokens × hidden
+        // u16 of xbf (HtState::new allocated t × hidden; tokens ≤ t, checked
+        // by check_inputs) and writes tokens × p bytes of XIN (t × p:
+        // ht::resources), 4-byte aligned (p and hidden are multiples of 4:
+        // Config::validate). gin's stream, waited for.
+        let r = unsafe { go(&self.dc, f, On::Wait, grid, &args) };
+        r.map_err(|e| kernel_error(self.rank, "ht_quantize", e))
     }
 
     fn ht_launch_dispatch(&mut self, s: &Shape, tokens: usize) -> Result<(), EpError> {

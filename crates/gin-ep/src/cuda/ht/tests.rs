@@ -14,6 +14,7 @@ use super::*;
 use crate::Config;
 use crate::ht::plan::{CGET, CHUNK, CRDMA, CSEND, CSTAGE, MIN, NRECV, NSEND, RECVM, RECVX};
 use crate::ht::plan::{RINGM, RINGX, RUN, STAGE, XIN, forwarder};
+use crate::num::quantize_fp8;
 
 #[path = "../../../tests/common/mod.rs"]
 mod common;
@@ -49,6 +50,7 @@ fn every_ht_kernel_is_defined() {
         "ep_ht_dispatch",
         "ep_ht_echo",
         "ep_ht_combine",
+        "ep_ht_quantize",
     ] {
         let want = format!("extern \"C\" __global__ void __launch_bounds__(EP_THREADS) {name}(");
         assert!(HT_KERNELS.lines().any(|l| l.starts_with(&want)), "{name}");
@@ -216,8 +218,11 @@ fn notify_rows_are_taken_checked_and_a_differing_mask_is_refused() {
     ));
 }
 
+/// The staged metadata is the CPU ranks' ([`plan::meta_word`]), and the
+/// staging buffer is reused: a smaller step after a larger one leaves
+/// nothing of it behind.
 #[test]
-fn staged_tokens_carry_the_cpu_ranks_payloads_and_metadata() {
+fn staged_metadata_is_the_cpu_ranks() {
     for fp8 in [false, true] {
         let (mut cfg, s0) = shape(4, 2, 2);
         cfg.fp8 = fp8;
@@ -225,26 +230,10 @@ fn staged_tokens_carry_the_cpu_ranks_payloads_and_metadata() {
         let active = vec![true; 4];
         let input = crate::oracle::rank_input(3, 1, 4, 9, cfg.hidden, cfg.num_experts, cfg.topk);
         let lay = Layout::new(1, &input.topk_idx, cfg.topk, cfg.num_experts, &active, 2).unwrap();
-        let (mut xin, mut meta) = (Vec::new(), Vec::new());
-        stage_tokens(
-            &s,
-            fp8,
-            &lay,
-            &input.x,
-            &input.topk_idx,
-            &input.weights,
-            (&mut xin, &mut meta),
-        );
-        assert_eq!((xin.len(), meta.len()), (9 * s.p, 9 * s.mm));
-        let mut want = vec![0u8; s.p];
+        let mut meta = vec![0xa5; 40 * s.mm];
+        stage_meta(&s, &lay, &input.topk_idx, &input.weights, &mut meta);
+        assert_eq!(meta.len(), 9 * s.mm);
         for t in 0..9 {
-            let row = &input.x[t * cfg.hidden..(t + 1) * cfg.hidden];
-            if fp8 {
-                quantize_fp8(row, &mut want);
-            } else {
-                want.copy_from_slice(bf16_bytes(row));
-            }
-            assert_eq!(&xin[t * s.p..(t + 1) * s.p], &want[..], "token {t}");
             for i in 0..s.mm / 4 {
                 let got = u32::from_le_bytes(
                     meta[t * s.mm + 4 * i..t * s.mm + 4 * i + 4]
@@ -279,7 +268,48 @@ fn staged_tokens_carry_the_cpu_ranks_payloads_and_metadata() {
             .map(|j| input.weights[3 * k + j])
             .sum();
         assert_eq!(w.to_bits(), want_w.to_bits());
+        // No tokens: nothing staged.
+        let none = Layout::new(1, &[], cfg.topk, cfg.num_experts, &active, 2).unwrap();
+        stage_meta(&s, &none, &[], &[], &mut meta);
+        assert!(meta.is_empty());
     }
+}
+
+/// The payloads go up as the caller's BF16 bytes, which are the CPU ranks'
+/// BF16 payloads; with FP8, `ep_ht_quantize` quantises them on the GPU
+/// into XIN with the payload as its message stride: ll.cu's
+/// `quantize_tokens` (the low-latency dispatch's, checked bit for bit
+/// against [`quantize_fp8`] on the GPU), whose layout (codes, then one
+/// scale per 128 elements) is [`quantize_fp8`]'s for a payload of
+/// `Config::payload_bytes`.
+#[test]
+fn payloads_go_up_as_the_callers_bytes_and_fp8_is_quantised_on_the_gpu() {
+    let (cfg, s) = shape(4, 2, 2);
+    let input = crate::oracle::rank_input(3, 1, 4, 9, cfg.hidden, cfg.num_experts, cfg.topk);
+    assert_eq!(s.p, 2 * cfg.hidden);
+    assert_eq!(bf16_bytes(&input.x).len(), 9 * s.p);
+    for t in 0..9 {
+        let row = &input.x[t * cfg.hidden..(t + 1) * cfg.hidden];
+        assert_eq!(
+            &bf16_bytes(&input.x)[t * s.p..(t + 1) * s.p],
+            bf16_bytes(row)
+        );
+    }
+    let f = Config { fp8: true, ..cfg };
+    let sf = Shape::of(&f, 4, 2);
+    let mut out = vec![0u8; sf.p];
+    quantize_fp8(&input.x[..cfg.hidden], &mut out);
+    assert_eq!(sf.p, cfg.hidden + 4 * (cfg.hidden / crate::num::FP8_BLOCK));
+    let text = include_str!("../../../kernels/ht.cu");
+    let body = text
+        .split("ep_ht_quantize(")
+        .nth(1)
+        .and_then(|b| b.split('}').next())
+        .unwrap();
+    assert!(
+        body.contains("ep::quantize_tokens(xin, xbf, tokens, p, h);"),
+        "{body}"
+    );
 }
 
 #[test]
@@ -539,6 +569,117 @@ fn forwarders_in_the_table_are_the_cpu_ranks() {
     for src in 0..6 {
         for h in 0..2 {
             assert_eq!(plan.forwarder(src, h), forwarder(&active, 3, src, h));
+        }
+    }
+}
+
+/// The host's stages of one high-throughput dispatch on CUDA ranks at
+/// DeepEP's normal-mode size (4096 tokens × hidden 7168, top-8 of 64
+/// experts, 2 ranks on one host): printed, not asserted (run with
+/// `cargo test --release -p gin-ep host_stage_times -- --ignored
+/// --nocapture`). docs/ep.md quotes what it printed.
+#[test]
+#[ignore = "timing, run by hand"]
+fn host_stage_times() {
+    use std::time::Instant;
+    let (r, l, tokens, hidden, topk) = (2, 2, 4096, 7168, 8);
+    for (fp8, chans) in [(false, 2), (false, 16), (true, 16)] {
+        let cfg = Config {
+            channels: chans,
+            fp8,
+            ..Config::high_throughput(hidden, tokens, 32 * r, topk)
+        };
+        let s = Shape::of(&cfg, r, l);
+        let active = vec![true; r];
+        let inputs: Vec<_> = (0..r)
+            .map(|p| crate::oracle::rank_input(42, p, r, tokens, hidden, cfg.num_experts, topk))
+            .collect();
+        let me = &inputs[0];
+        let reps = 5;
+        let mut times: Vec<(&str, Vec<f64>)> = Vec::new();
+        let mut time = |name: &'static str, f: &mut dyn FnMut()| {
+            let mut v = Vec::new();
+            for _ in 0..reps {
+                let t0 = Instant::now();
+                f();
+                v.push(t0.elapsed().as_secs_f64() * 1e6);
+            }
+            v.sort_by(f64::total_cmp);
+            times.push((name, v));
+        };
+        let mut lay = None;
+        time("check_inputs (layout)", &mut || {
+            lay = Some(
+                crate::ll::check_inputs(0, &cfg, &active, l, me.x.len(), &me.topk_idx, &me.weights)
+                    .unwrap(),
+            );
+        });
+        let lay = lay.unwrap();
+        let lays: Vec<Layout> = inputs
+            .iter()
+            .enumerate()
+            .map(|(p, i)| Layout::new(p, &i.topk_idx, topk, cfg.num_experts, &active, l).unwrap())
+            .collect();
+        let mut raw = Vec::new();
+        time("notify_row", &mut || {
+            raw = lays
+                .iter()
+                .flat_map(|ly| row_bytes(&plan::notify_row(&s, ly, &active)))
+                .collect();
+        });
+        let mut plan_ = None;
+        time("notify_rows + Plan::new + tables", &mut || {
+            let rows = notify_rows(&s, 0, &active, &raw).unwrap();
+            let p = Plan::new(&s, active.clone(), &rows);
+            std::hint::black_box(p.tables());
+            plan_ = Some(p);
+        });
+        let mut meta = Vec::new();
+        time("stage_meta", &mut || {
+            stage_meta(&s, &lay, &me.topk_idx, &me.weights, &mut meta);
+        });
+        let mut xin = vec![0u8; tokens * s.p];
+        time(
+            "before: stage_tokens' payload copy or quantisation",
+            &mut || {
+                for t in 0..tokens {
+                    let row = &me.x[t * hidden..(t + 1) * hidden];
+                    let out = &mut xin[t * s.p..(t + 1) * s.p];
+                    if fp8 {
+                        quantize_fp8(row, out);
+                    } else {
+                        out.copy_from_slice(bf16_bytes(row));
+                    }
+                }
+            },
+        );
+        let plan_ = plan_.unwrap();
+        let total = plan_.recv_prefix(0)[r] as usize;
+        let rawm: Vec<u8> = (0..total)
+            .flat_map(|j| meta[(j % tokens) * s.mm..(j % tokens + 1) * s.mm].to_vec())
+            .collect();
+        time("read_meta of the received", &mut || {
+            let mut counts = vec![0u32; cfg.local_experts(r)];
+            for j in 0..total {
+                std::hint::black_box(crate::ht::read_meta(
+                    &s,
+                    0..cfg.local_experts(r),
+                    &rawm[j * s.mm..(j + 1) * s.mm],
+                    &mut counts,
+                ));
+            }
+        });
+        println!(
+            "fp8 {fp8} channels {chans}: {} payload bytes, {} metadata bytes, {total} received",
+            xin.len(),
+            meta.len()
+        );
+        for (name, v) in &times {
+            println!(
+                "  {name:40} median {:9.0} us  min {:9.0} us",
+                v[v.len() / 2],
+                v[0]
+            );
         }
     }
 }
