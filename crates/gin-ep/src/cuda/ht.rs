@@ -134,6 +134,10 @@ pub(crate) struct HtState {
     direct: DevMem,
     /// Count exchanges so far (their rows alternate between two halves).
     rounds: u64,
+    /// Tokens this rank received in the latest dispatch, as read back and
+    /// checked here: what `ht_echo` launches over, whatever handle it is
+    /// given (a handle of another buffer must not size a kernel here).
+    received: usize,
     /// When this step's notify kernel started (GPU clock): the dispatch's
     /// clock runs from there to the dispatch kernel's end.
     notify_start: u64,
@@ -154,7 +158,7 @@ impl HtState {
     ) -> Result<Self, CoreError> {
         let zeroed = |bytes: usize| -> Result<DevMem, CoreError> {
             let m = DevMem::new(bytes.max(16))?;
-            m.zero(0, m.len())?;
+            m.zero_wait(0, m.len())?;
             Ok(m)
         };
         let lexp = cfg.local_experts(s.r);
@@ -171,6 +175,7 @@ impl HtState {
             contrib: zeroed(4 * s.r * s.t * s.l)?,
             direct: d,
             rounds: 0,
+            received: 0,
             notify_start: 0,
             xbf: if cfg.fp8 {
                 Some(zeroed(2 * s.t * cfg.hidden)?)
@@ -631,6 +636,9 @@ impl CudaBuffer<'_, '_> {
                 .read(0, &mut raw)
                 .map_err(CoreError::from)?;
         }
+        if let Some(h) = self.ht.as_mut() {
+            h.received = total;
+        }
         let lexp = self.cfg.local_experts(s.r);
         let mut d = CudaHtDispatch {
             step: self.st.step,
@@ -693,20 +701,34 @@ impl CudaBuffer<'_, '_> {
     /// its weights for this rank's experts, as its combine row (the CPU
     /// ranks' [`crate::Buffer::ht_echo`], bit for bit).
     pub fn ht_echo(&mut self, d: &CudaHtDispatch) -> Result<(), EpError> {
-        let shape = self.ht_state("ht_echo")?.shape.ptr();
+        let st = self.ht_state("ht_echo")?;
+        let (shape, received) = (st.shape.ptr(), st.received);
         self.st.dispatched("ht_echo", d.step)?;
+        if d.received() != received {
+            // A handle of another buffer at the same step number.
+            return Err(EpError::Mode {
+                rank: self.rank,
+                what: format!(
+                    "ht_echo: the handle received {} tokens, this buffer's step {} received \
+                     {received}: it belongs to another buffer",
+                    d.received(),
+                    d.step
+                ),
+            });
+        }
         self.expect_unqueued("ht_echo")?;
         self.poll()?;
         self.current()?;
         let mut args = self.ht_windows();
-        args.extend([Arg::U32(Self::u32_of(d.received())), Arg::Ptr(shape)]);
+        args.extend([Arg::U32(Self::u32_of(received)), Arg::Ptr(shape)]);
         let f = self.ht_functions()?.echo;
-        let grid = self.grid(d.received());
+        let grid = self.grid(received);
         // SAFETY: ep_ht_echo(12 Windows, u32 received, const u32* shape)
         // takes these in this order; it reads `received` tokens of RECVX
         // and RECVM and writes as many rows of CSEND, all within their sizes
-        // (r × t slots each: ht::resources; received ≤ r × t by the plan's
-        // checked counts). gin's stream, waited for.
+        // (r × t slots each: ht::resources; `received` is this buffer's own
+        // count from its latest dispatch, ≤ r × t by the plan's checked
+        // counts, never the caller's handle's). gin's stream, waited for.
         let r = unsafe { go(&self.dc, f, On::Wait, grid, &args) };
         self.launched(On::Wait, "ht_echo", r)
     }
