@@ -446,7 +446,8 @@ impl DevMem {
     /// synchronization behavior"), and gin's streams are non-blocking, so
     /// they do not wait for the legacy stream that copy runs on: a kernel
     /// launched on one right after could read the tail of a large copy
-    /// before it lands. Waiting for the legacy stream closes that.
+    /// before it lands. Waiting for the legacy stream closes that (so, as
+    /// with [`DevMem::zero_wait`], not while a stream capture is open).
     pub fn write<T: Copy>(&self, off: usize, data: &[T]) -> Result<(), CudaError> {
         let n = std::mem::size_of_val(data);
         let dst = self.at("write", off, n)?;

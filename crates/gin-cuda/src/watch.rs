@@ -114,8 +114,12 @@ impl Flag for DeviceFlag {
 
     fn lower(&self) -> Result<(), CudaError> {
         self.dev.make_current()?;
-        self.stream.sync()?;
-        self.mem.zero(0, 8)
+        // On the stream that raised it, waited for: a `cuMemsetD8` on the
+        // legacy stream could land after the next kernel (on a
+        // non-blocking stream) started and abort it, or wipe a newer raise.
+        // SAFETY: as in `raise`; the store is waited for right here.
+        unsafe { self.stream.write_u64(self.mem.ptr(), 0) }?;
+        self.stream.sync()
     }
 }
 
@@ -695,7 +699,12 @@ impl Supervisor {
         let mut w = [0u64];
         self.error.read(0, &mut w)?;
         if w[0] != 0 {
-            self.error.zero(0, 8)?;
+            // On this supervisor's stream (idle: its kernels ended), waited
+            // for, so the next kernel on any stream finds the word clear
+            // and no late clear erases an error it records.
+            // SAFETY: the 8 bytes of the error word this supervisor owns.
+            unsafe { self.stream.write_u64(self.error.ptr(), 0) }?;
+            self.stream.sync()?;
         }
         Ok(w[0])
     }

@@ -180,10 +180,10 @@ impl<'c> CudaComm<'c> {
             let nn = comm.nranks() as u64;
             let ((sb, nsig), (cb, ncnt)) = (r.signals, r.counters);
             let signals = self.signal_window.local();
-            signals.zero((sb * nn * 8) as usize, (nsig * nn * 8) as usize)?;
+            signals.zero_wait((sb * nn * 8) as usize, (nsig * nn * 8) as usize)?;
             Ok(self
                 .counters
-                .zero((cb * 16) as usize, (ncnt * 16) as usize)?)
+                .zero_wait((cb * 16) as usize, (ncnt * 16) as usize)?)
         };
         // Every rank must agree on which peers are reached by load/store,
         // since signals land in different sub-slots for them: the backend
