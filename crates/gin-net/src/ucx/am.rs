@@ -437,16 +437,19 @@ impl Inner {
 }
 
 /// Each peer's largest put message: `set` (`GIN_UCX_AM_MAX`) for every
-/// peer, else each endpoint's [`default_limit`] (0 where this rank has no
-/// endpoint to the rank). Logged at `debug` with the endpoint's transports.
-pub(super) fn limits(inner: &Inner, set: Option<usize>) -> Vec<usize> {
+/// peer, else each endpoint's [`default_limit`], with the larger tcp
+/// segments only where both this rank's context and the peer's (`tuned`,
+/// by rank) took them (0 where this rank has no endpoint to the rank).
+/// Logged at `debug` with the endpoint's transports.
+pub(super) fn limits(inner: &Inner, set: Option<usize>, tuned: &[bool]) -> Vec<usize> {
     (0..inner.peers.len())
         .map(|rank| {
             let Some(p) = inner.peer_opt(rank) else {
                 return 0;
             };
             let transports = transports(inner, p);
-            let max = set.unwrap_or_else(|| default_limit(&transports, inner.ucp.tcp_segments));
+            let both = inner.ucp.tcp_segments && tuned.get(rank).copied().unwrap_or(false);
+            let max = set.unwrap_or_else(|| default_limit(&transports, both));
             tracing::debug!(
                 rank = inner.rank,
                 peer = rank,
@@ -462,7 +465,7 @@ pub(super) fn limits(inner: &Inner, set: Option<usize>) -> Vec<usize> {
 /// The transport of each lane of `p`'s endpoint (`ucp_ep_query`); empty
 /// where UCX does not say (before 1.14, or no endpoint).
 fn transports(inner: &Inner, p: &Peer) -> Vec<String> {
-    const MAX_LANES: usize = 32;
+    const MAX_LANES: usize = 64;
     let mut entries = [sys::ucp_transport_entry_t::default(); MAX_LANES];
     let mut attr = sys::ucp_ep_attr_t {
         field_mask: u64::from(sys::UCP_EP_ATTR_FIELD_TRANSPORTS),

@@ -522,6 +522,14 @@ impl UcxTransport {
             .iter()
             .map(|r| ProcessId::decode(r).filter(|p| me.near(p)))
             .collect();
+        // Which ranks' contexts took the larger tcp segments: a 64 KiB put
+        // message goes only where both ends did (UCX requires matching
+        // segments; a receiver with the default ones asserts on it).
+        let tuned: Vec<bool> = b
+            .allgather(&[u8::from(ucp.tcp_segments)])?
+            .iter()
+            .map(|f| f.first() == Some(&1))
+            .collect();
         let rank = b.rank();
         let peers = (0..b.nranks())
             .map(|p| {
@@ -588,7 +596,7 @@ impl UcxTransport {
         }
         let weak: Weak<dyn crate::region::RegionObserver> = Arc::downgrade(&inner) as Weak<_>;
         table.observe(weak);
-        let am_max = am::limits(&inner, am_max);
+        let am_max = am::limits(&inner, am_max, &tuned);
         let progress = serve::spawn_progress(&inner, spin)?;
         // Every worker has its endpoints and handlers before anyone sends.
         b.barrier()?;
