@@ -114,6 +114,12 @@ pub(crate) fn lane_words(s: &Shape) -> usize {
     2 * s.h + 2 * s.r + 3 * s.l + 16
 }
 
+/// Row pointers one batch of ht.cu's combine holds (`MAX_ROWS`): a
+/// forwarder's sum of a token reads one row per rank of its host and one
+/// per host, so a job with more than this many of them together could never
+/// fit one token's rows in a batch, and is refused at `CudaBuffer::new`.
+pub(crate) const MAX_ROWS: usize = 320;
+
 /// Device memory of a high-throughput CUDA buffer beside its windows.
 #[derive(Debug)]
 pub(crate) struct HtState {

@@ -545,6 +545,15 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         let ht = match hosts {
             Some(l) => {
                 let s = crate::ht::plan::Shape::of(&cfg, n, l);
+                if s.l + s.h > ht::MAX_ROWS {
+                    return Err(EpError::Config {
+                        rank,
+                        field: "ranks per host + hosts",
+                        value: s.l + s.h,
+                        why: "at most 320 on CUDA ranks: the rows one combine batch of the \
+                              high-throughput kernels holds",
+                    });
+                }
                 let direct: Vec<bool> = (0..n)
                     .map(|p| {
                         p == rank

@@ -75,7 +75,12 @@ fn shape_words_constants_and_windows_match_the_kernels() {
         assert_eq!(kernel_u32(name), Some(at as u64), "{name}");
     }
     assert_eq!(kernel_u32("SW_WORDS"), Some(SHAPE_WORDS.len() as u64));
-    for (name, v) in [("CHUNK", CHUNK), ("RUN", RUN), ("STAGE", STAGE)] {
+    for (name, v) in [
+        ("CHUNK", CHUNK),
+        ("RUN", RUN),
+        ("STAGE", STAGE),
+        ("MAX_ROWS", MAX_ROWS),
+    ] {
         assert_eq!(kernel_u32(name), Some(v as u64), "{name}");
     }
     for (name, w) in [
