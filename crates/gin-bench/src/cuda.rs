@@ -386,7 +386,16 @@ pub fn run(a: &CudaArgs) -> Result<()> {
                     block,
                     runs: a.runs,
                 };
-                let floor = lsa_floor(&c, &m, &stream, &dst, &flags, &out, &shape)?;
+                let floor = lsa_floor(
+                    &c,
+                    &m,
+                    &stream,
+                    &dst,
+                    &flags,
+                    &out,
+                    &shape,
+                    shared.is_some(),
+                )?;
                 let gin = gin_pingpong(&c, &m, BackendKind::Auto, &src, &out, &shape)?;
                 rows.push(CudaRow {
                     test: CudaTest::Pingpong,
@@ -880,6 +889,7 @@ fn lsa_floor(
     flags: &cuda::GpuWindow,
     out: &DevMem,
     sh: &Shape,
+    same_gpu: bool,
 ) -> Result<Vec<f64>> {
     let Shape {
         bytes,
@@ -918,8 +928,11 @@ fn lsa_floor(
                 u64::from(iters),
                 u64::from(warmup),
                 out.ptr(),
+                // The signal's release has GPU scope where ranks 0 and 1
+                // share this GPU, as gin-rs's has (REACH_SAME_GPU).
+                u64::from(same_gpu),
             ],
-            &[4, 8, 8, 8, 8, 8, 4, 4, 8],
+            &[4, 8, 8, 8, 8, 8, 4, 4, 8, 4],
         )?;
         v.push(read_ns(out)? as f64 / f64::from(iters) / 1000.0);
     }

@@ -53,7 +53,8 @@ pub struct DevCommAbi {
     /// (CUDA ranks; 0 on CPU ranks).
     pub sig_per_ctx: u32,
     /// Address of the reach table (CUDA ranks; 0 on CPU ranks): `u8[nranks]`,
-    /// how each rank is reached (0 queues, 1 load/store, 2 not connected),
+    /// how each rank is reached ([`REACH_QUEUE`], [`REACH_LSA`], plus
+    /// [`REACH_SAME_GPU`] for a peer on this GPU, or [`REACH_NONE`]),
     /// then, at the next multiple of 4 bytes, the rail team: `u32`
     /// rail barriers, `u32` members, `u32` ranks in team order. The team is
     /// read by rail barriers only, so it lives here rather than in this
@@ -168,6 +169,30 @@ pub const FENCE_CONTEXT: u32 = 1;
 /// `gin::Fence` ([`crate::ops::Fence::AllContexts`]): earlier puts of every
 /// context are visible.
 pub const FENCE_ALL_CONTEXTS: u32 = 2;
+
+/// [`DevCommAbi::lsa`]: the peer is reached through the context's queues.
+pub const REACH_QUEUE: u8 = 0;
+/// [`DevCommAbi::lsa`]: the peer is reached by load/store.
+pub const REACH_LSA: u8 = 1;
+/// [`DevCommAbi::lsa`]: the peer is not reached (off a rail connection).
+pub const REACH_NONE: u8 = 2;
+/// [`DevCommAbi::lsa`], a bit beside [`REACH_LSA`]: the peer runs on this
+/// rank's GPU (ranks sharing one GPU), so a signal's release to it needs
+/// only GPU scope, which waits for the data to reach this GPU's L2 rather
+/// than for the whole system.
+pub const REACH_SAME_GPU: u8 = 4;
+
+/// The reach table kernels read: `reach` (`REACH_*` by rank) with
+/// [`REACH_SAME_GPU`] added to each load/store peer whose GPU id in `gpus`
+/// (by rank, as all-gathered) is `me`; none where `me` is empty (a driver
+/// that gives no GPU id: every release then has system scope).
+pub fn kernel_reach(reach: &[u8], gpus: &[Vec<u8>], me: &[u8]) -> Vec<u8> {
+    let near =
+        |p: usize, l: u8| l == REACH_LSA && !me.is_empty() && gpus.get(p).is_some_and(|g| g == me);
+    (reach.iter().enumerate())
+        .map(|(p, &l)| l | (REACH_SAME_GPU * u8::from(near(p, l))))
+        .collect()
+}
 
 /// [`DevCommAbi::backend_kind`]: no queues; every peer is reached by load/store.
 pub const BACKEND_NONE: u32 = 0;
@@ -389,5 +414,28 @@ pub mod errword {
             assert_eq!((d.ctx, d.peer), (None, None));
             assert_eq!(decode(0), None);
         }
+    }
+}
+
+#[cfg(test)]
+mod reach_tests {
+    use super::*;
+
+    #[test]
+    fn only_load_store_peers_on_this_gpu_get_the_same_gpu_bit() {
+        let reach = [REACH_LSA, REACH_LSA, REACH_QUEUE, REACH_NONE, REACH_LSA];
+        let gpus: Vec<Vec<u8>> = ["a", "a", "a", "a", "b"]
+            .iter()
+            .map(|g| g.as_bytes().to_vec())
+            .collect();
+        assert_eq!(
+            kernel_reach(&reach, &gpus, b"a"),
+            [5, 5, REACH_QUEUE, REACH_NONE, REACH_LSA]
+        );
+        // Without a GPU id nothing is claimed, even where the ids agree.
+        let none: Vec<Vec<u8>> = vec![Vec::new(); 5];
+        assert_eq!(kernel_reach(&reach, &none, b""), reach);
+        // A short gather claims nothing for the ranks it lacks.
+        assert_eq!(kernel_reach(&reach, &gpus[..1], b"a"), [5, 1, 0, 2, 1]);
     }
 }

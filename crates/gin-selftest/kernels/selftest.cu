@@ -338,12 +338,13 @@ extern "C" __global__ void gin_floor_proxy(u32 rank, u64 host_flag, u64 dev_flag
 }
 
 // Floor of the load/store path, without gin-rs: a raw copy over the peer
-// mapping by the coop, then a release store of a flag. out[2] as above. One
+// mapping by the coop, then a release store of a flag (GPU scope where the
+// ranks share this GPU, as gin-rs's signal then has). out[2] as above. One
 // kernel per coop, as gin_pingpong_*.
 template <Coop C>
 __device__ __forceinline__ void floor_lsa(u32 rank, u64 peer_buf, u64 local_buf, u64 peer_flag,
                                           u64 my_flag, u64 bytes, u32 iters, u32 warmup,
-                                          u64* out) {
+                                          u64* out, u32 same_gpu) {
   u64 t0 = 0;
   for (u32 i = 0; i < warmup + iters; ++i) {
     if (i == warmup) t0 = proxy::globaltimer();
@@ -356,8 +357,10 @@ __device__ __forceinline__ void floor_lsa(u32 rank, u64 peer_buf, u64 local_buf,
     detail::coop_copy(C, (u8*)peer_buf, (const u8*)local_buf, bytes);
     detail::coop_sync(C);
     if (detail::coop_rank(C) == 0) {
-      __threadfence_system();
-      asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(peer_flag), "l"((u64)i + 1) : "memory");
+      if (same_gpu)
+        asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(peer_flag), "l"((u64)i + 1) : "memory");
+      else
+        asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(peer_flag), "l"((u64)i + 1) : "memory");
     }
     if (rank == 0) {
       if (detail::coop_rank(C) == 0)
@@ -372,8 +375,9 @@ __device__ __forceinline__ void floor_lsa(u32 rank, u64 peer_buf, u64 local_buf,
 #define GIN_FLOOR_LSA(name, coop, bounds)                                                          \
   extern "C" __global__ void __launch_bounds__(bounds)                                            \
       name(u32 rank, u64 peer_buf, u64 local_buf, u64 peer_flag, u64 my_flag, u64 bytes,          \
-           u32 iters, u32 warmup, u64* out) {                                                      \
-    floor_lsa<coop>(rank, peer_buf, local_buf, peer_flag, my_flag, bytes, iters, warmup, out);    \
+           u32 iters, u32 warmup, u64* out, u32 same_gpu) {                                        \
+    floor_lsa<coop>(rank, peer_buf, local_buf, peer_flag, my_flag, bytes, iters, warmup, out,     \
+                    same_gpu);                                                                     \
   }
 GIN_FLOOR_LSA(gin_floor_lsa_thread, THREAD, 1)
 GIN_FLOOR_LSA(gin_floor_lsa_warp, WARP, 32)

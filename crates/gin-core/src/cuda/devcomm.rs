@@ -11,12 +11,13 @@ use gin_cuda::watch::{EngineHealth, JobHealth, Outcome};
 use gin_cuda::{DevMem, Function, LaunchConfig, Param, StreamRef};
 use gin_device::abi::{
     DEVCOMM_FLAG_CTA_CTX, DEVCOMM_FLAG_EXCLUSIVE_CTX, DEVCOMM_FLAG_LSA_ONLY,
-    DEVCOMM_FLAG_SENDER_SLOTS, DEVCOMM_FLAG_STRONG_SIGNALS, DevCommAbi, WindowAbi, errword,
+    DEVCOMM_FLAG_SENDER_SLOTS, DEVCOMM_FLAG_STRONG_SIGNALS, DevCommAbi, REACH_LSA, REACH_NONE,
+    REACH_QUEUE, WindowAbi, errword, kernel_reach,
 };
 use gin_device::{CudaEngine, CudaEngineSpec, HostBackend};
 use gin_net::Fabric;
 
-use super::{CtxSharing, CudaComm, REACH_LSA, REACH_NONE, REACH_QUEUE, cudarc};
+use super::{CtxSharing, CudaComm, cudarc};
 use crate::config::{BackendKind, Selection};
 use crate::error::CoreError;
 use crate::requirements;
@@ -25,7 +26,7 @@ use crate::{Connection, DevCommRequirements};
 
 /// How each peer is reached.
 struct Reach {
-    /// The header's `REACH_*`, by rank.
+    /// The header's `REACH_*` (gin-device's `abi::REACH_*`), by rank.
     lsa: Vec<u8>,
     /// The rail team's ranks.
     rail: Vec<u32>,
@@ -241,8 +242,11 @@ impl<'c> CudaComm<'c> {
             .into_iter()
             .chain(reach.rail.iter().copied())
             .collect();
+        // Load/store peers on this GPU (same UUID) get REACH_SAME_GPU.
+        let me = self.dev.uuid().unwrap_or_default();
+        let gpus = self.comm.bootstrap().allgather(me.as_bytes())?;
         let lsa = DevMem::new(team_at + team.len() * 4)?;
-        lsa.write(0, &reach.lsa)?;
+        lsa.write(0, &kernel_reach(&reach.lsa, &gpus, me.as_bytes()))?;
         lsa.write(team_at, &team)?;
         let sig_peers = DevMem::new(n * 8)?;
         let sig = self.comm.fabric().window(self.signal_window.id())?;

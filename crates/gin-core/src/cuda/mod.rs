@@ -113,12 +113,6 @@ pub enum CtxSharing {
     Thread,
 }
 
-/// How a device communicator reaches a peer (`DevComm::lsa`, the header's
-/// `REACH_*`).
-const REACH_QUEUE: u8 = 0;
-const REACH_LSA: u8 = 1;
-const REACH_NONE: u8 = 2;
-
 pub(crate) use gin_gdaki::ids::{COUNTER_KEY, WINDOW_KEY_BASE};
 /// The NIC key scheme of GPU window parts is gin-gdaki's: the key of rank
 /// `p`'s part of window `id` in a job of `n` ranks is `0x1000 + id * n +

@@ -122,7 +122,8 @@ struct DevComm {
   u32 backend_kind; // BACKEND_*
   u32 sig_per_ctx;  // user signals, then one slot per world barrier
   u64 lsa;          // reach table: u8[nranks] (0 queues, 1 load/store, 2 not
-                    // connected); at the next multiple of 4, the rail team:
+                    // connected; +4 on a load/store peer on this GPU); at
+                    // the next multiple of 4, the rail team:
                     // u32 rail barriers, u32 members, u32 ranks[members]
   u64 signal_peers; // u64[nranks]: signal windows mapped here (0: none)
   u32 world_barriers;

@@ -141,9 +141,16 @@ GIN_DEV u64 ld_relaxed_sys(const u64* p) {
   return v;
 }
 // Adds `v` at `p` after every store this thread has made or observed
-// (including the coop's, through its barrier) is visible system-wide.
-GIN_DEV void red_add_release_sys(u64* p, u64 v) {
-  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+// (including the coop's, through its barrier) is visible to the reader:
+// system-wide, or, where `p` and the reader are on this GPU (`same_gpu`),
+// GPU-wide. A GPU-scope release waits only for the stores to reach this
+// GPU's L2, about 0.25 us less on an H200 than a system-scope one, and is
+// enough there: the reader's threads are in its scope.
+GIN_DEV void red_add_release(u64* p, u64 v, bool same_gpu) {
+  if (same_gpu)
+    asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+  else
+    asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 // Polls `ready` with a timeout and the abort flag; returns OK, `timeout_kind`
@@ -199,9 +206,17 @@ GIN_DEV u32 poll_warp(const DevComm& dc, u64 limit, u32 timeout_kind, Ready read
 
 // How a peer is reached, from DevComm::lsa: 1 load/store, 0 through the
 // context's queues (proxy ring or GDAKI QP), 2 not at all (a rail
-// connection reaches only the rail).
-constexpr u8 REACH_QUEUE = 0, REACH_LSA = 1, REACH_NONE = 2;
-GIN_DEV u8 reach(const DevComm& dc, u32 peer) { return __ldg((const unsigned char*)dc.lsa + peer); }
+// connection reaches only the rail); bit 2 (REACH_SAME_GPU) beside 1: the
+// peer runs on this GPU (ranks sharing one GPU), so releases to it need
+// only GPU scope.
+constexpr u8 REACH_QUEUE = 0, REACH_LSA = 1, REACH_NONE = 2, REACH_SAME_GPU = 4;
+GIN_DEV u8 reach_byte(const DevComm& dc, u32 peer) {
+  return __ldg((const unsigned char*)dc.lsa + peer);
+}
+GIN_DEV u8 reach(const DevComm& dc, u32 peer) { return reach_byte(dc, peer) & 3; }
+GIN_DEV bool same_gpu(const DevComm& dc, u32 peer) {
+  return (reach_byte(dc, peer) & REACH_SAME_GPU) != 0;
+}
 GIN_DEV bool is_lsa(const DevComm& dc, u32 peer) { return reach(dc, peer) == REACH_LSA; }
 GIN_DEV bool is_queued(const DevComm& dc, u32 peer) { return reach(dc, peer) == REACH_QUEUE; }
 // The rail team after the reach table: rail barriers, members, ranks.
@@ -484,16 +499,17 @@ GIN_DEV int gdaki_flush(const DevComm& dc, u32 ctx, u32 peer) {
 // `sig_base` is the peer's signal window as mapped here (read by the caller
 // together with its other per-peer loads).
 GIN_DEV void lsa_actions(const DevComm& dc, u32 ctx, u32 peer, u64* sig_base, Remote rem,
-                         LocalAction loc) {
+                         LocalAction loc, bool near) {
   if (rem.kind == 1) {
     // Release at system scope: the coop's stores (ordered before this thread
     // by the coop's barrier) are visible at the peer before the signal. The
     // add goes to the peer's own sub-slot (see signal_slot).
-    red_add_release_sys(
-        (u64*)((u8*)sig_base + receiver_offset(dc, signal_slot(dc, ctx, rem.id), peer)), rem.add);
+    red_add_release(
+        (u64*)((u8*)sig_base + receiver_offset(dc, signal_slot(dc, ctx, rem.id), peer)), rem.add,
+        near);
   } else if (rem.kind == 2) {
     // A VA signal: the word itself, in the peer's part as mapped here.
-    red_add_release_sys((u64*)((u8*)sig_base + rem.off), rem.add);
+    red_add_release((u64*)((u8*)sig_base + rem.off), rem.add, near);
   }
   if (loc.kind == 1) atomicAdd((unsigned long long*)(counter_subslots(dc, ctx, loc.id) + 1), 1ull);
 }
@@ -607,7 +623,8 @@ GIN_DEV int put(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst
     if (me + members < n) w1 = ((const uint4*)s)[me + members];
   }
   // Every per-peer table read at once: one L2 round trip, not one each.
-  const bool lsa = is_lsa(dc, peer);
+  const u8 how = reach_byte(dc, peer);
+  const bool lsa = (how & 3) == REACH_LSA, near = (how & REACH_SAME_GPU) != 0;
   const u64 dst_size = __ldg((const unsigned long long*)dst.sizes + peer);
   u8* const d = (u8*)__ldg((const unsigned long long*)dst.peer_bases + peer);
   u64* const sig = lsa_signal_base(dc, peer, rem);
@@ -629,7 +646,7 @@ GIN_DEV int put(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst
       if (me == 0) {
         if (bytes >= 8) ((u64*)dp)[0] = v0;
         if (bytes == 16) ((u64*)dp)[1] = v1;
-        lsa_actions(dc, ctx, peer, sig, rem, loc);
+        lsa_actions(dc, ctx, peer, sig, rem, loc, near);
       }
       // No member may reuse the source before the leader has read it.
       coop_sync(coop);
@@ -645,7 +662,7 @@ GIN_DEV int put(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst
     // Every member's loads of the source and stores precede the signal; no
     // member reads the source after this barrier.
     coop_sync(coop);
-    if (me == 0) lsa_actions(dc, ctx, peer, sig, rem, loc);
+    if (me == 0) lsa_actions(dc, ctx, peer, sig, rem, loc, near);
     return OK;
   }
   // One aligned 8-byte word travels inline, in the WQE or the descriptor,
@@ -715,7 +732,7 @@ GIN_DEV int put_value_sized(const DevComm& dc, u32 ctx, u32 peer, const Window& 
         else if (size == 4) *(volatile u32*)p = (u32)value;
         else if (size == 2) *(volatile u16*)p = (u16)value;
         else *(volatile u8*)p = (u8)value;
-        lsa_actions(dc, ctx, peer, sig, rem, no_counter());
+        lsa_actions(dc, ctx, peer, sig, rem, no_counter(), same_gpu(dc, peer));
       }
     } else if (dc.backend_kind == BACKEND_GDAKI) {
       const GdakiData g{2, ((const u32*)dst.keys)[peer], 0, ((const u64*)dst.addrs)[peer] + dst_off,
@@ -769,7 +786,8 @@ GIN_DEV int signal(const DevComm& dc, u32 ctx, u32 peer, Remote rem, Coop coop =
   if (coop_rank(coop) == 0) {
     if (is_lsa(dc, peer)) {
       u64* sig = lsa_signal_base(dc, peer, rem);
-      if (sig || rem.kind == 0) lsa_actions(dc, ctx, peer, sig, rem, no_counter());
+      if (sig || rem.kind == 0)
+        lsa_actions(dc, ctx, peer, sig, rem, no_counter(), same_gpu(dc, peer));
       else r = fail(dc, UNSUPPORTED, ctx, peer, 0);
     } else if (dc.backend_kind == BACKEND_GDAKI) {
       r = gdaki_post(dc, ctx, peer, gqp(dc, ctx, peer), GdakiData{}, rem, no_counter());
@@ -1107,7 +1125,7 @@ GIN_DEV int team_barrier(const DevComm& dc, u32 ctx, u32 id, const u32* members,
     for (u32 i = 0; i < count && r == OK; ++i) {
       const u32 p = members ? members[i] : i;
       if (is_lsa(dc, p)) {
-        red_add_release_sys((u64*)((u8*)signal_peer(dc, p) + off), 1);
+        red_add_release((u64*)((u8*)signal_peer(dc, p) + off), 1, same_gpu(dc, p));
       } else if (!is_queued(dc, p)) {
         r = fail(dc, BAD_PEER, ctx, p, p);
       } else if (dc.backend_kind == BACKEND_GDAKI) {
