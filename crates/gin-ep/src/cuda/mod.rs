@@ -99,7 +99,7 @@ mod ht;
 pub mod resident;
 mod steps;
 
-pub use ht::{CudaHtDispatch, HT_KERNELS, HtReceived};
+pub use ht::{CudaHtDispatch, CudaHtStep, HT_KERNELS, HtDeviceLayout, HtReceived};
 
 pub use dev::{
     DeviceInputs, LlDeviceLayout, Span, check_device_inputs, check_device_output, check_entries,
