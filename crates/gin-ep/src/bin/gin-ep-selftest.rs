@@ -548,7 +548,9 @@ fn cuda_ht_step(
         let s = buf.ht_dispatch_device(&dt.inputs())?;
         let d = buf.ht_read_back(&s)?;
         if d.received() != s.received() || (0..buf.nranks()).any(|p| d.count(p) != s.count(p)) {
-            return Err(format!("rank {rank}: the step's counts differ from the read-back's").into());
+            return Err(
+                format!("rank {rank}: the step's counts differ from the read-back's").into(),
+            );
         }
         let got = buf.ht_received(&d)?;
         buf.ht_echo_device(&s)?;
@@ -558,7 +560,13 @@ fn cuda_ht_step(
             dt.out.read(0, &mut raw)?;
         }
         let x = raw.into_iter().map(gin_ep::Bf16).collect();
-        (got, gin_ep::Combined { x, lost: Vec::new() })
+        (
+            got,
+            gin_ep::Combined {
+                x,
+                lost: Vec::new(),
+            },
+        )
     } else {
         let d = buf.ht_dispatch(&me.x, &me.topk_idx, &me.weights)?;
         let got = buf.ht_received(&d)?;
@@ -597,7 +605,9 @@ fn cuda_ht_run(comm: &Comm, args: &Args) -> Res<String> {
             None,
         )?),
         other => {
-            return Err(format!("ht on CUDA ranks takes inputs=host or device, not {other:?}").into());
+            return Err(
+                format!("ht on CUDA ranks takes inputs=host or device, not {other:?}").into(),
+            );
         }
     };
     let mut bad = String::new();
