@@ -786,6 +786,22 @@ __device__ void dispatch_batch(const Args& a, Batch& b, u32 ch, u32 tokens, cons
   if (idle(a.dc, ch, since, peer, id, a.err)) b.stop = 1;
 }
 
+// Block-wide hint: brings `bytes` at p into this SM's L1 (prefetch, no
+// effect on what is read): thread 0 walks the channel's metadata and the
+// plan's table one dependent load after another, each otherwise a trip to
+// L2 or memory while the other threads wait for its batch.
+__device__ __forceinline__ void prefetch_l1(const void* p, u64 bytes) {
+  for (u64 off = 128ull * threadIdx.x; off < bytes; off += 128ull * blockDim.x)
+    asm volatile("prefetch.global.L1 [%0];" ::"l"((const u8*)p + off));
+}
+
+// Block-wide: prefetches what thread 0 reads of channel ch's tokens [lo,
+// end) (their metadata in MIN) and the plan's table.
+__device__ void prefetch_channel(const Args& a, u32 lo, u32 end) {
+  prefetch_l1((const u8*)a.W[MIN]->local_base + (u64)lo * a.s.mm, (u64)(end - lo) * a.s.mm);
+  prefetch_l1(a.tb.w, 4ull * a.tb.words());
+}
+
 // Thread 0: the channel's scratch, zeroed, its cursors at `lo` (the
 // channel's first token): the dispatch's send and local-writes cursors
 // (`dispatch`), or the combine's next token to reduce.
@@ -864,6 +880,7 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_dispatch(DevComm 
   const u32 ch = blockIdx.x;
   if (ch >= s.chans) return;
   if (threadIdx.x == 0) ep::ht::clear_lane(a, ch, ep::ht::chan_lo(s, tokens, ch), true);
+  ep::ht::prefetch_channel(a, ep::ht::chan_lo(s, tokens, ch), ep::ht::chan_lo(s, tokens, ch + 1));
   u64 since = 0;
   for (;;) {
     if (threadIdx.x == 0) ep::ht::dispatch_batch(a, b, ch, tokens, active, since);
@@ -1185,6 +1202,7 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_combine(DevComm d
   if (ch >= s.chans) return;
   const u32 me = s.rank, host = me / s.l;
   if (threadIdx.x == 0) ep::ht::clear_lane(a, ch, ep::ht::chan_lo(s, tokens, ch), false);
+  ep::ht::prefetch_channel(a, ep::ht::chan_lo(s, tokens, ch), ep::ht::chan_lo(s, tokens, ch + 1));
   for (u32 dl = 0; dl < s.l; ++dl) {
     const u32 p = host * s.l + dl;
     if (active[p] && signal(dc, ch, p, signal_add(ep::ht::sig_cready(s, me % s.l), 1), CTA))
