@@ -16,7 +16,14 @@
 //! ([`crate::ht`]'s `Plan`), uploads it as one table, and the dispatch
 //! kernel moves runs of tokens by it.
 //! The received tokens' metadata is read back (source index, weights) as
-//! the CPU ranks' receive reads it. Inputs in GPU memory are a later step.
+//! the CPU ranks' receive reads it.
+//!
+//! From GPU memory ([`CudaBuffer::ht_dispatch_device`],
+//! [`CudaBuffer::ht_combine_device`]): the top-k ids and weights are read
+//! back for the same checks and plan, the BF16 tokens copied device to
+//! device into XIN beside the notify kernel (FP8: quantised from the
+//! caller's `x`), and what was received stays on the GPU for the caller's
+//! expert ([`HtDeviceLayout`]).
 
 use gin_core::CoreError;
 use gin_core::cuda::{Arg, DevMem, Device, Function, Module, Stream};

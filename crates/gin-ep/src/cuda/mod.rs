@@ -79,12 +79,17 @@
 //!
 //! High-throughput mode (`ht.rs`, `kernels/ht.cu`): a buffer created with
 //! [`Config::high_throughput`] runs [`CudaBuffer::ht_dispatch`],
-//! [`CudaBuffer::ht_echo`] and [`CudaBuffer::ht_combine`] from host inputs
-//! (the low-latency calls are refused on it, and the reverse).
+//! [`CudaBuffer::ht_echo`] and [`CudaBuffer::ht_combine`] from host inputs,
+//! or [`CudaBuffer::ht_dispatch_device`], [`CudaBuffer::ht_echo_device`] and
+//! [`CudaBuffer::ht_combine_device`] from inputs in GPU memory (the routing
+//! read back and checked on the host for the plan, the tokens never
+//! through it); the low-latency calls are refused on it, and the reverse.
+//! Its creation refuses a job whose channel blocks cannot all be resident
+//! on the GPUs the ranks share ([`resident`]).
 //!
-//! What this version leaves out: high-throughput mode from inputs in GPU
-//! memory, and the active-rank mask under a peer's loss (a lost peer fails
-//! the step, naming it).
+//! What this version leaves out: high-throughput steps queued on a
+//! caller's stream, and the active-rank mask under a peer's loss (a lost
+//! peer fails the step, naming it).
 
 use std::sync::atomic::Ordering;
 
