@@ -323,6 +323,17 @@ if [ -n "$checks" ]; then
   step "ep-ht-cuda-4ranks-proxy" env GIN_BACKEND=proxy "$ep" ht device=cuda ranks=4 hosts=2
   step "ep-ht-cuda-2ranks-fp8" "$ep" ht device=cuda ranks=2 fp8=1
   step "ep-ht-cuda-4ranks-2hosts-deepep-shape" "$ep" ht device=cuda ranks=4 hosts=2 tokens=512 hidden=7168 topk=8 experts=32 repeats=3
+  # Inputs and output in GPU memory (ht_dispatch_device, ht_combine_device):
+  # the same oracle, and (below) the same digests as host inputs and CPU
+  # ranks; bad=1: every rank's bad expert id in GPU memory is refused by
+  # name before anything is sent, and the steps after it verify.
+  for n in 2 4; do
+    step "ep-ht-cuda-${n}ranks-inputs-device" "$ep" ht device=cuda ranks=$n inputs=device
+  done
+  step "ep-ht-cuda-4ranks-2hosts-inputs-device" "$ep" ht device=cuda ranks=4 hosts=2 inputs=device
+  step "ep-ht-cuda-4ranks-2hosts-ring2-inputs-device" "$ep" ht device=cuda ranks=4 hosts=2 tokens=40 ring=2 channels=3 repeats=5 inputs=device
+  step "ep-ht-cuda-2ranks-fp8-inputs-device" "$ep" ht device=cuda ranks=2 fp8=1 inputs=device
+  step "ep-ht-cuda-2ranks-inputs-device-bad" "$ep" ht device=cuda ranks=2 inputs=device bad=1
   ep_ht_digests() { sed -n 's/.*rank \([0-9]*\) of [0-9]*: ht ok.*dispatch digest \([0-9a-f]*\), combine digest \([0-9a-f]*\).*/\1 \2 \3/p' "$out/$1.log" | sort; }
   ep_ht_agree() {
     local a b; a=$(ep_ht_digests "$1"); b=$(ep_ht_digests "$2")
@@ -336,6 +347,13 @@ if [ -n "$checks" ]; then
   step "ep-ht-4ranks-2hosts-cuda-cpu-agree" ep_ht_agree "ep-ht-cuda-4ranks-2hosts" "ep-ht-cpu-4ranks-2hosts"
   step "ep-ht-4ranks-2hosts-ring2-cuda-cpu-agree" ep_ht_agree "ep-ht-cuda-4ranks-2hosts-ring2" "ep-ht-cpu-4ranks-2hosts-ring2"
   step "ep-ht-4ranks-2hosts-proxy-agrees" ep_ht_agree "ep-ht-cuda-4ranks-proxy" "ep-ht-cpu-4ranks-2hosts"
+  for n in 2 4; do
+    step "ep-ht-${n}ranks-inputs-device-agree" ep_ht_agree "ep-ht-cuda-${n}ranks-inputs-device" "ep-ht-cpu-${n}ranks"
+  done
+  step "ep-ht-4ranks-2hosts-inputs-device-agree" ep_ht_agree "ep-ht-cuda-4ranks-2hosts-inputs-device" "ep-ht-cpu-4ranks-2hosts"
+  step "ep-ht-4ranks-2hosts-ring2-inputs-device-agree" ep_ht_agree "ep-ht-cuda-4ranks-2hosts-ring2-inputs-device" "ep-ht-cpu-4ranks-2hosts-ring2"
+  step "ep-ht-2ranks-fp8-inputs-device-agree" ep_ht_agree "ep-ht-cuda-2ranks-fp8-inputs-device" "ep-ht-cuda-2ranks-fp8"
+  step "ep-ht-2ranks-inputs-device-bad-agree" ep_ht_agree "ep-ht-cuda-2ranks-inputs-device-bad" "ep-ht-cpu-2ranks"
 fi
 if [ -n "$benches" ]; then
   # High-throughput dispatch + combine on CUDA ranks at DeepEP's shape
@@ -343,6 +361,9 @@ if [ -n "$benches" ]; then
   # same-job floor, on one host and on two emulated hosts.
   step "bench-moe-ht-cuda-2ranks" "$here/gin-bench" moe --device cuda --mode ht --tokens 4096 --ranks 2 --iters 5 --runs 3 --json "$out/moe-ht-cuda-2ranks.json"
   step "bench-moe-ht-cuda-4ranks-2hosts" "$here/gin-bench" moe --device cuda --mode ht --tokens 4096 --ranks 4 --hosts 2 --iters 5 --runs 3 --json "$out/moe-ht-cuda-4ranks-2hosts.json"
+  # The same from inputs in GPU memory (ht_dispatch_device / ht_combine_device).
+  step "bench-moe-ht-cuda-2ranks-inputs-device" "$here/gin-bench" moe --device cuda --mode ht --tokens 4096 --ranks 2 --inputs device --iters 5 --runs 3 --json "$out/moe-ht-cuda-2ranks-inputs-device.json"
+  step "bench-moe-ht-cuda-4ranks-inputs-device" "$here/gin-bench" moe --device cuda --mode ht --tokens 4096 --ranks 4 --inputs device --iters 5 --runs 3 --json "$out/moe-ht-cuda-4ranks-inputs-device.json"
 fi
 if [ -n "$benches" ]; then
   # Low-latency dispatch + combine on CUDA ranks beside the same-job floor

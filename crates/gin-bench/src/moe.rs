@@ -27,7 +27,11 @@
 //! tokens, routing and combined output in GPU memory (gin-ep's
 //! `ll_dispatch_device`, `ll_combine_device`): the dispatch kernel then
 //! stages the messages itself, inside the timed kernel, and no step copies
-//! anything to or from the host.
+//! anything to or from the host. With `--mode ht`, `--inputs device` runs
+//! `ht_dispatch_device` and `ht_combine_device`: the tokens stay on the
+//! GPU (copied into the send window beside the notify kernel) and the
+//! routing is read back and checked before the notify kernel, outside the
+//! dispatch's clock as host inputs' check is.
 
 use std::time::Instant;
 
@@ -400,11 +404,6 @@ fn check_cpu_args(args: &MoeArgs) -> Result<()> {
 /// What `--device cuda` supports, checked before any rank starts; and that
 /// a GPU is there (else an error saying it needs one, and why not).
 fn check_cuda_args(args: &MoeArgs) -> Result<()> {
-    if args.mode == MoeMode::Ht && args.inputs == MoeInputs::Device {
-        bail!(
-            "--device cuda --mode ht takes host inputs only (--inputs device is the low-latency mode's so far)"
-        );
-    }
     if !args.common.cpus.is_empty() {
         bail!("--cpus has no meaning for --device cuda (the ranks' work runs on the GPUs)");
     }
@@ -414,9 +413,9 @@ fn check_cuda_args(args: &MoeArgs) -> Result<()> {
     Ok(())
 }
 
-/// One rank of `--device cuda`: the step on CUDA ranks (low-latency, or
-/// high-throughput with host inputs), checked once with the oracle, then
-/// timed beside the floor kernel.
+/// One rank of `--device cuda`: the step on CUDA ranks (low-latency or
+/// high-throughput, from host or device inputs), checked once with the
+/// oracle, then timed beside the floor kernel.
 fn cuda_rank_main(args: &MoeArgs) -> Result<()> {
     use gin_ep::cuda::{CudaBuffer, CudaFloor};
     let c = &args.common;
@@ -440,38 +439,21 @@ fn cuda_rank_main(args: &MoeArgs) -> Result<()> {
         .map(|r| oracle::rank_input(42, r, n, args.tokens, args.hidden, experts, args.topk))
         .collect();
     let (disp, comb) = traffic(&cfg, &inputs);
-    cuda_verify(&mut buf, &inputs)?;
-    let mut floor = CudaFloor::new(
-        &cuda,
-        &disp[rank * n..(rank + 1) * n],
-        &comb[rank * n..(rank + 1) * n],
-    )?;
     let me = &inputs[rank];
     let dev = match args.inputs {
         MoeInputs::Host => None,
         MoeInputs::Device => Some(DevInputs::upload(&cuda, me, args.hidden)?),
     };
+    cuda_verify(&mut buf, &inputs, dev.as_ref())?;
+    let mut floor = CudaFloor::new(
+        &cuda,
+        &disp[rank * n..(rank + 1) * n],
+        &comb[rank * n..(rank + 1) * n],
+    )?;
     // Per step: dispatch, combine, floor dispatch, floor combine (µs).
     let mut step = |timed: &mut [f64; 4]| -> Result<()> {
         comm.bootstrap().barrier()?;
-        if args.mode == MoeMode::Ht {
-            // The dispatch's clock runs from the notify kernel's start to the
-            // dispatch kernel's end (the plan built on the host between).
-            let d = buf.ht_dispatch(&me.x, &me.topk_idx, &me.weights)?;
-            buf.ht_echo(&d)?;
-            comm.bootstrap().barrier()?;
-            buf.ht_combine(&d)?;
-        } else if let Some(dv) = &dev {
-            let s = buf.ll_dispatch_device(&dv.inputs())?;
-            buf.ll_echo_device(&s)?;
-            comm.bootstrap().barrier()?;
-            buf.ll_combine_device(&s, &dv.out)?;
-        } else {
-            let d = buf.ll_dispatch(&me.x, &me.topk_idx, &me.weights)?;
-            buf.ll_echo(&d)?;
-            comm.bootstrap().barrier()?;
-            buf.ll_combine(&d)?;
-        }
+        cuda_phases(&comm, &mut buf, args.mode, me, dev.as_ref())?;
         let (kd, kc) = buf.last_kernels();
         comm.bootstrap().barrier()?;
         let fd = floor.step(true)?;
@@ -543,6 +525,44 @@ fn cuda_rank_main(args: &MoeArgs) -> Result<()> {
     Ok(())
 }
 
+/// A step's dispatch, identity expert and combine on CUDA ranks, a
+/// bootstrap barrier before the combine (each phase's clock is read after).
+fn cuda_phases(
+    comm: &Comm,
+    buf: &mut gin_ep::cuda::CudaBuffer<'_, '_>,
+    mode: MoeMode,
+    me: &RankInput,
+    dev: Option<&DevInputs>,
+) -> Result<()> {
+    if let (MoeMode::Ht, Some(dv)) = (mode, dev) {
+        // The routing is read back and checked before the notify kernel
+        // (outside the clock, as host inputs' check is); the tokens
+        // never leave the GPU.
+        let s = buf.ht_dispatch_device(&dv.inputs())?;
+        buf.ht_echo_device(&s)?;
+        comm.bootstrap().barrier()?;
+        buf.ht_combine_device(&s, &dv.out)?;
+    } else if mode == MoeMode::Ht {
+        // The dispatch's clock runs from the notify kernel's start to the
+        // dispatch kernel's end (the plan built on the host between).
+        let d = buf.ht_dispatch(&me.x, &me.topk_idx, &me.weights)?;
+        buf.ht_echo(&d)?;
+        comm.bootstrap().barrier()?;
+        buf.ht_combine(&d)?;
+    } else if let Some(dv) = dev {
+        let s = buf.ll_dispatch_device(&dv.inputs())?;
+        buf.ll_echo_device(&s)?;
+        comm.bootstrap().barrier()?;
+        buf.ll_combine_device(&s, &dv.out)?;
+    } else {
+        let d = buf.ll_dispatch(&me.x, &me.topk_idx, &me.weights)?;
+        buf.ll_echo(&d)?;
+        comm.bootstrap().barrier()?;
+        buf.ll_combine(&d)?;
+    }
+    Ok(())
+}
+
 /// A rank's inputs and output in GPU memory for `--inputs device`,
 /// uploaded once before anything is timed (a framework's tensors).
 struct DevInputs {
@@ -587,13 +607,34 @@ impl DevInputs {
     }
 }
 
-/// One CUDA step with the oracle's checks, before timing.
-fn cuda_verify(buf: &mut gin_ep::cuda::CudaBuffer<'_, '_>, inputs: &[RankInput]) -> Result<()> {
+/// One CUDA step with the oracle's checks, before timing (high-throughput
+/// from `dev` where given: the path the timed steps take).
+fn cuda_verify(
+    buf: &mut gin_ep::cuda::CudaBuffer<'_, '_>,
+    inputs: &[RankInput],
+    dev: Option<&DevInputs>,
+) -> Result<()> {
     let cfg = *buf.config();
     let rank = buf.rank();
     let me = &inputs[rank];
     let tables: Vec<Vec<i64>> = inputs.iter().map(|i| i.topk_idx.clone()).collect();
-    let combined = if cfg.mode == Mode::HighThroughput {
+    let combined = if let (Mode::HighThroughput, Some(dv)) = (cfg.mode, dev) {
+        let s = buf.ht_dispatch_device(&dv.inputs())?;
+        let d = buf.ht_read_back(&s)?;
+        let got = buf.ht_received(&d)?;
+        oracle::check_ht_view(rank, &cfg, buf.active(), &got, inputs, &tables)
+            .map_err(anyhow::Error::msg)?;
+        buf.ht_echo_device(&s)?;
+        buf.ht_combine_device(&s, &dv.out)?;
+        let mut raw = vec![0u16; s.tokens() * cfg.hidden];
+        if !raw.is_empty() {
+            dv.out.read(0, &mut raw)?;
+        }
+        gin_ep::Combined {
+            x: raw.into_iter().map(gin_ep::Bf16).collect(),
+            lost: Vec::new(),
+        }
+    } else if cfg.mode == Mode::HighThroughput {
         let d = buf.ht_dispatch(&me.x, &me.topk_idx, &me.weights)?;
         let got = buf.ht_received(&d)?;
         oracle::check_ht_view(rank, &cfg, buf.active(), &got, inputs, &tables)
@@ -789,11 +830,10 @@ mod cuda_tests {
     }
 
     /// `--device cuda` without a usable GPU is an error saying it needs one
-    /// and why, before any rank starts; what CUDA ranks do not run yet is
-    /// refused by name; `--fp8` and `--mode ht` are accepted (both run on
-    /// CUDA ranks).
+    /// and why, before any rank starts; `--fp8`, `--mode ht` and `--mode ht
+    /// --inputs device` are accepted (all run on CUDA ranks).
     #[test]
-    fn device_cuda_needs_a_gpu_and_refuses_what_it_does_not_run() {
+    fn device_cuda_needs_a_gpu_and_takes_what_it_runs() {
         let r = check_cuda_args(&parse(&["--device", "cuda"]));
         match gin_core::cuda::skip_reason() {
             Some(why) => {
@@ -802,17 +842,12 @@ mod cuda_tests {
             }
             None => assert!(r.is_ok(), "{r:?}"),
         }
-        // High-throughput mode runs on CUDA ranks from host inputs; device
-        // inputs are refused by name, before the GPU is looked for.
-        let e = check_cuda_args(&parse(&[
-            "--device", "cuda", "--mode", "ht", "--inputs", "device",
-        ]))
-        .expect_err("ht with device inputs on CUDA ranks")
-        .to_string();
-        assert!(e.contains("--mode ht takes host inputs only"), "{e}");
+        // High-throughput mode runs on CUDA ranks from host or device
+        // inputs.
         for accepted in [
             &["--device", "cuda", "--fp8"][..],
             &["--device", "cuda", "--mode", "ht", "--tokens", "4096"][..],
+            &["--device", "cuda", "--mode", "ht", "--inputs", "device"][..],
         ] {
             let r = check_cuda_args(&parse(accepted));
             match gin_core::cuda::skip_reason() {

@@ -284,34 +284,10 @@ __device__ __forceinline__ void add_sum(Batch& b, u8* out, u32 row0, u32 nrows) 
 
 // Block-wide: rows summed into out (BF16, h elements), as num.rs's
 // sum_bf16_rows: none gives zeros, one is copied, more are added in f32 in
-// order and rounded once (no contraction: __fadd_rn).
+// order and rounded once (no contraction: __fadd_rn). Element by element:
+// the path for a hidden size that is not a multiple of 8 (sum_ops takes
+// the others).
 __device__ void sum_rows(const u8* const* rows, u32 n, u8* out, u32 h) {
-  if (n == 1 && (h & 7u) == 0) {
-    const uint4* s = (const uint4*)rows[0];
-    uint4* d = (uint4*)out;
-    for (u32 v = threadIdx.x; v < h / 8; v += blockDim.x) d[v] = s[v];
-    return;
-  }
-  if ((h & 7u) == 0) {
-    for (u32 col = 8 * threadIdx.x; col < h; col += 8 * blockDim.x) {
-      float acc[8];
-      u32 o[4] = {0, 0, 0, 0};
-      if (n > 0) {
-        for (u32 i = 0; i < n; ++i) {
-          const uint4 v = *(const uint4*)(rows[i] + 2ull * col);
-          const u32 words[4] = {v.x, v.y, v.z, v.w};
-          for (u32 c = 0; c < 8; ++c) {
-            const float x = fp8::from_bf16((u16)(words[c / 2] >> (16 * (c % 2))));
-            acc[c] = i == 0 ? x : __fadd_rn(acc[c], x);
-          }
-        }
-        for (u32 c = 0; c < 4; ++c)
-          o[c] = (u32)fp8::to_bf16(acc[2 * c]) | ((u32)fp8::to_bf16(acc[2 * c + 1]) << 16);
-      }
-      *(uint4*)(out + 2ull * col) = make_uint4(o[0], o[1], o[2], o[3]);
-    }
-    return;
-  }
   for (u32 col = threadIdx.x; col < h; col += blockDim.x) {
     u16 r = 0;
     if (n == 1) {
@@ -322,6 +298,83 @@ __device__ void sum_rows(const u8* const* rows, u32 n, u8* out, u32 h) {
       r = fp8::to_bf16(acc);
     }
     ((u16*)out)[col] = r;
+  }
+}
+
+// Items (16-byte pieces of one sum's output) a thread carries in lockstep in
+// sum_ops: their loads of one row are in flight together.
+constexpr u32 SUM_ITEMS = 4;
+
+// Block-wide: the row sums ops[i0, i1) of a batch (consecutive OP_SUMs:
+// independent, their rows ready) at once, as sum_rows each. Every thread
+// takes 16-byte pieces (8 columns) of any of the sums, SUM_ITEMS at a
+// time, and loads the pieces' row r together before adding them, so that
+// a block keeps SUM_ITEMS x 16 bytes a thread in flight instead of one
+// row's 16 bytes; each piece still meets its rows in order, with the same
+// __fadd_rn sums and one rounding (bit for bit sum_rows, and num.rs).
+// One barrier pair for the whole run of sums, not two per sum.
+__device__ __noinline__ void sum_ops(const Op* ops, const u8* const* rows, u32 i0, u32 i1,
+                                     u32 h) {
+  if ((h & 7u) != 0) {
+    for (u32 i = i0; i < i1; ++i)
+      sum_rows(rows + ops[i].row0, ops[i].nrows, (u8*)ops[i].dst_off, h);
+    return;
+  }
+  const u32 per = h / 8, items = (i1 - i0) * per;
+  for (u32 base = threadIdx.x; base < items; base += SUM_ITEMS * blockDim.x) {
+    const u8* const* rs[SUM_ITEMS];  // the piece's rows
+    u8* dst[SUM_ITEMS];              // where its 16 bytes go
+    u32 col[SUM_ITEMS];              // its byte offset in a row
+    u32 n[SUM_ITEMS];                // its rows (0: no piece)
+    bool live[SUM_ITEMS];
+    u32 nmax = 0;
+#pragma unroll
+    for (u32 u = 0; u < SUM_ITEMS; ++u) {
+      const u32 it = base + u * blockDim.x;
+      live[u] = it < items;
+      const Op& o = ops[i0 + (live[u] ? it / per : 0)];
+      col[u] = 16 * (live[u] ? it % per : 0);
+      rs[u] = rows + o.row0;
+      n[u] = live[u] ? o.nrows : 0;
+      dst[u] = (u8*)o.dst_off + col[u];
+      nmax = n[u] > nmax ? n[u] : nmax;
+    }
+    float acc[SUM_ITEMS][8];
+#pragma unroll
+    for (u32 u = 0; u < SUM_ITEMS; ++u)
+#pragma unroll
+      for (u32 c = 0; c < 8; ++c) acc[u][c] = 0.0f;
+    for (u32 r = 0; r < nmax; ++r) {
+      uint4 v[SUM_ITEMS];
+#pragma unroll
+      for (u32 u = 0; u < SUM_ITEMS; ++u)
+        v[u] = r < n[u] ? *(const uint4*)(rs[u][r] + col[u]) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (u32 u = 0; u < SUM_ITEMS; ++u) {
+        if (r >= n[u]) continue;
+        if (n[u] == 1) {
+          *(uint4*)dst[u] = v[u];  // one row: copied, as sum_rows
+          continue;
+        }
+        const u32 words[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+#pragma unroll
+        for (u32 c = 0; c < 8; ++c) {
+          const float x = fp8::from_bf16((u16)(words[c / 2] >> (16 * (c % 2))));
+          acc[u][c] = r == 0 ? x : __fadd_rn(acc[u][c], x);
+        }
+      }
+    }
+#pragma unroll
+    for (u32 u = 0; u < SUM_ITEMS; ++u) {
+      if (!live[u] || n[u] == 1) continue;
+      u32 o[4] = {0, 0, 0, 0};
+      if (n[u] > 1) {
+#pragma unroll
+        for (u32 c = 0; c < 4; ++c)
+          o[c] = (u32)fp8::to_bf16(acc[u][2 * c]) | ((u32)fp8::to_bf16(acc[u][2 * c + 1]) << 16);
+      }
+      *(uint4*)dst[u] = make_uint4(o[0], o[1], o[2], o[3]);
+    }
   }
 }
 
@@ -345,10 +398,15 @@ __device__ int run_batch(const DevComm& dc, u32 ctx, const Window* const* W, con
     } else if (o.kind == OP_SUM) {
       // The rows were written by peers (acquired by thread 0's signal reads
       // before this batch), by gets (completed by the flush before), or by
-      // an earlier launch.
+      // an earlier launch. A run of consecutive sums reads none of its own
+      // outputs (each writes its own staging row or output token; a get
+      // or flush ends the run), so the run is summed at once.
+      u32 j = i + 1;
+      while (j < b.nops && b.ops[j].kind == OP_SUM) ++j;
       __syncthreads();
-      sum_rows(b.rows + o.row0, o.nrows, (u8*)o.dst_off, hidden);
+      sum_ops(b.ops, b.rows, i, j, hidden);
       __syncthreads();
+      i = j - 1;
     }
     if (e) return e;
   }
@@ -728,6 +786,22 @@ __device__ void dispatch_batch(const Args& a, Batch& b, u32 ch, u32 tokens, cons
   if (idle(a.dc, ch, since, peer, id, a.err)) b.stop = 1;
 }
 
+// Block-wide hint: brings `bytes` at p into this SM's L1 (prefetch, no
+// effect on what is read): thread 0 walks the channel's metadata and the
+// plan's table one dependent load after another, each otherwise a trip to
+// L2 or memory while the other threads wait for its batch.
+__device__ __forceinline__ void prefetch_l1(const void* p, u64 bytes) {
+  for (u64 off = 128ull * threadIdx.x; off < bytes; off += 128ull * blockDim.x)
+    asm volatile("prefetch.global.L1 [%0];" ::"l"((const u8*)p + off));
+}
+
+// Block-wide: prefetches what thread 0 reads of channel ch's tokens [lo,
+// end) (their metadata in MIN) and the plan's table.
+__device__ void prefetch_channel(const Args& a, u32 lo, u32 end) {
+  prefetch_l1((const u8*)a.W[MIN]->local_base + (u64)lo * a.s.mm, (u64)(end - lo) * a.s.mm);
+  prefetch_l1(a.tb.w, 4ull * a.tb.words());
+}
+
 // Thread 0: the channel's scratch, zeroed, its cursors at `lo` (the
 // channel's first token): the dispatch's send and local-writes cursors
 // (`dispatch`), or the combine's next token to reduce.
@@ -806,6 +880,7 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_dispatch(DevComm 
   const u32 ch = blockIdx.x;
   if (ch >= s.chans) return;
   if (threadIdx.x == 0) ep::ht::clear_lane(a, ch, ep::ht::chan_lo(s, tokens, ch), true);
+  ep::ht::prefetch_channel(a, ep::ht::chan_lo(s, tokens, ch), ep::ht::chan_lo(s, tokens, ch + 1));
   u64 since = 0;
   for (;;) {
     if (threadIdx.x == 0) ep::ht::dispatch_batch(a, b, ch, tokens, active, since);
@@ -1127,6 +1202,7 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_combine(DevComm d
   if (ch >= s.chans) return;
   const u32 me = s.rank, host = me / s.l;
   if (threadIdx.x == 0) ep::ht::clear_lane(a, ch, ep::ht::chan_lo(s, tokens, ch), false);
+  ep::ht::prefetch_channel(a, ep::ht::chan_lo(s, tokens, ch), ep::ht::chan_lo(s, tokens, ch + 1));
   for (u32 dl = 0; dl < s.l; ++dl) {
     const u32 p = host * s.l + dl;
     if (active[p] && signal(dc, ch, p, signal_add(ep::ht::sig_cready(s, me % s.l), 1), CTA))

@@ -152,6 +152,33 @@ pub enum EpError {
         /// What is wrong.
         what: String,
     },
+    /// High-throughput mode on CUDA ranks: the channel blocks of the ranks
+    /// sharing one GPU cannot all be resident at once (a channel's block
+    /// waits for the same channel's block of its peers, so one that never
+    /// starts makes its peers time out). Checked at `CudaBuffer::new`, on
+    /// every rank alike.
+    #[error(
+        "rank {rank}: {channels} channels x {ranks_on_gpu} ranks on GPU {gpu} (ranks {ranks:?}) need {} resident blocks, but its {sms} SMs hold {blocks_per_sm} block(s) of the high-throughput kernels each ({} in all): pass Config::with_cuda_channels at most {most} channels (or put fewer ranks on that GPU)",
+        channels * ranks_on_gpu, sms * blocks_per_sm
+    )]
+    NotResident {
+        /// This rank.
+        rank: usize,
+        /// The GPU (its UUID) whose ranks do not fit.
+        gpu: String,
+        /// The ranks on it.
+        ranks: Vec<usize>,
+        /// Channels per rank (one block each).
+        channels: usize,
+        /// Ranks sharing that GPU.
+        ranks_on_gpu: usize,
+        /// Its streaming multiprocessors.
+        sms: usize,
+        /// Blocks of the dispatch and combine kernels one SM holds at once.
+        blocks_per_sm: usize,
+        /// The most channels that fit.
+        most: usize,
+    },
     /// A handle from another step or another buffer.
     #[error(
         "rank {rank}: handle of step {handle_step} used at step {step} (handles are valid for the step that made them)"

@@ -32,6 +32,11 @@
 //! `low_latency_combine(x, ...)`). `inputs=device bad=1` gives rank
 //! `victim` (default 1) an expert id out of range on the GPU and expects it
 //! to report that entry and every other rank a protocol error naming it.
+//! `ht device=cuda inputs=device` runs the high-throughput step from GPU
+//! memory (`ht_dispatch_device`, `ht_echo_device`, `ht_combine_device`)
+//! with the same oracle and digests as host inputs; with `bad=1` every
+//! rank first names an expert out of range in GPU memory and must be
+//! refused by name before anything is sent, the steps after it verified.
 //! `kill device=cuda` queues steps on the test's stream and kills rank
 //! `victim` between two: the survivors' queued waits must give up at once,
 //! their error naming it.
@@ -524,23 +529,54 @@ fn cuda_oracle_run(comm: &Comm, args: &Args) -> Res<String> {
 /// One high-throughput step on CUDA ranks: dispatch, check (first time),
 /// the identity expert on the GPU, combine, check; the digests of what was
 /// received and combined (those of CPU ranks' `ht` with the same inputs).
+/// With `dev` (`inputs=device`), the inputs and the combine's output live
+/// in GPU memory (`ht_dispatch_device`, `ht_echo_device`,
+/// `ht_combine_device`); what was received is copied back for the checks
+/// between the dispatch and the combine, what was combined after it (the
+/// test's copies, not the step's).
 fn cuda_ht_step(
     buf: &mut gin_ep::cuda::CudaBuffer<'_, '_>,
     all: &[RankInput],
     tables: &[Vec<i64>],
     check: bool,
+    dev: Option<&DevTensors>,
 ) -> Res<(u64, u64)> {
     let cfg = *buf.config();
     let rank = buf.rank();
     let me = &all[rank];
-    let d = buf.ht_dispatch(&me.x, &me.topk_idx, &me.weights)?;
-    let got = buf.ht_received(&d)?;
+    let (got, combined) = if let Some(dt) = dev {
+        let s = buf.ht_dispatch_device(&dt.inputs())?;
+        let d = buf.ht_read_back(&s)?;
+        if d.received() != s.received() || (0..buf.nranks()).any(|p| d.count(p) != s.count(p)) {
+            return Err(
+                format!("rank {rank}: the step's counts differ from the read-back's").into(),
+            );
+        }
+        let got = buf.ht_received(&d)?;
+        buf.ht_echo_device(&s)?;
+        buf.ht_combine_device(&s, &dt.out)?;
+        let mut raw = vec![0u16; s.tokens() * cfg.hidden];
+        if !raw.is_empty() {
+            dt.out.read(0, &mut raw)?;
+        }
+        let x = raw.into_iter().map(gin_ep::Bf16).collect();
+        (
+            got,
+            gin_ep::Combined {
+                x,
+                lost: Vec::new(),
+            },
+        )
+    } else {
+        let d = buf.ht_dispatch(&me.x, &me.topk_idx, &me.weights)?;
+        let got = buf.ht_received(&d)?;
+        buf.ht_echo(&d)?;
+        (got, buf.ht_combine(&d)?)
+    };
     if check {
         oracle::check_ht_view(rank, &cfg, buf.active(), &got, all, tables)?;
     }
     let dig = oracle::ht_view_digest(&got);
-    buf.ht_echo(&d)?;
-    let combined = buf.ht_combine(&d)?;
     if check {
         let active = buf.active().to_vec();
         let l = cfg.local_experts(buf.nranks());
@@ -558,10 +594,30 @@ fn cuda_ht_run(comm: &Comm, args: &Args) -> Res<String> {
     let cuda = comm.cuda()?;
     let mut buf = gin_ep::cuda::CudaBuffer::new(&cuda, cfg)?;
     let (all, tables) = inputs(comm, &cfg)?;
+    let kind = Inputs::of(args)?;
+    let dt = match kind {
+        Inputs::Host => None,
+        Inputs::Device => Some(DevTensors::upload(
+            &cuda,
+            &all[comm.rank()],
+            cfg.hidden,
+            false,
+            None,
+        )?),
+        other => {
+            return Err(
+                format!("ht on CUDA ranks takes inputs=host or device, not {other:?}").into(),
+            );
+        }
+    };
+    let mut bad = String::new();
+    if let (Some(dt), 1) = (&dt, args.get("bad", 0)) {
+        bad = ht_device_bad(&cuda, &mut buf, &all[comm.rank()], dt)?;
+    }
     let repeats = args.get("repeats", 20);
-    let first = cuda_ht_step(&mut buf, &all, &tables, true)?;
+    let first = cuda_ht_step(&mut buf, &all, &tables, true, dt.as_ref())?;
     for i in 1..repeats {
-        let again = cuda_ht_step(&mut buf, &all, &tables, false)?;
+        let again = cuda_ht_step(&mut buf, &all, &tables, false, dt.as_ref())?;
         if again != first {
             return Err(format!(
                 "rank {}: high-throughput repeat {i} on CUDA ranks differs from the first (digests {again:x?} vs {first:x?})",
@@ -573,7 +629,7 @@ fn cuda_ht_run(comm: &Comm, args: &Args) -> Res<String> {
     let backend = buf.backend_name();
     buf.destroy()?;
     Ok(format!(
-        "CUDA ranks ({backend}, GPU {}): {} tokens, hidden {}, {} experts, top-{}{}, {} channels, rings of {}, {repeats} repeats bit-identical, dispatch digest {:016x}, combine digest {:016x}",
+        "CUDA ranks ({backend}, GPU {}; inputs {kind:?}{bad}): {} tokens, hidden {}, {} experts, top-{}{}, {} channels, rings of {}, {repeats} repeats bit-identical, dispatch digest {:016x}, combine digest {:016x}",
         cuda.device().name(),
         all[comm.rank()].tokens,
         cfg.hidden,
@@ -585,6 +641,45 @@ fn cuda_ht_run(comm: &Comm, args: &Args) -> Res<String> {
         first.0,
         first.1,
     ))
+}
+
+/// `ht device=cuda inputs=device bad=1`: every rank names an expert out of
+/// range (its token 1, top-k slot 1, in GPU memory) and must be refused by
+/// name before anything is sent, its step count unchanged, so that the
+/// steps that follow (with good inputs) verify on every rank.
+fn ht_device_bad(
+    cuda: &gin_core::cuda::CudaComm<'_>,
+    buf: &mut gin_ep::cuda::CudaBuffer<'_, '_>,
+    me: &RankInput,
+    good: &DevTensors,
+) -> Res<String> {
+    let cfg = *buf.config();
+    let rank = buf.rank();
+    if me.tokens < 2 {
+        return Err(format!("rank {rank}: bad=1 needs 2 tokens or more").into());
+    }
+    let mut idx = me.topk_idx.clone();
+    let bad = i64::try_from(cfg.num_experts + 3)?;
+    idx[cfg.topk + 1] = bad;
+    cuda.device().make_current()?;
+    let bad_idx = gin_core::cuda::DevMem::new(8 * idx.len())?;
+    bad_idx.write(0, &idx)?;
+    let inp = gin_ep::cuda::DeviceInputs {
+        topk_idx: &bad_idx,
+        ..good.inputs()
+    };
+    match buf.ht_dispatch_device(&inp) {
+        Err(EpError::ExpertOutOfRange {
+            rank: r,
+            token: 1,
+            slot: 1,
+            expert,
+            ..
+        }) if r == rank && expert == bad => Ok(format!(
+            "; expert {bad} at token 1 slot 1 in GPU memory refused before anything was sent"
+        )),
+        other => Err(format!("rank {rank}: a bad expert id in GPU memory gave {other:?}").into()),
+    }
 }
 
 /// `kill device=cuda`: one verified step with every rank, its launches

@@ -16,12 +16,22 @@
 //! ([`crate::ht`]'s `Plan`), uploads it as one table, and the dispatch
 //! kernel moves runs of tokens by it.
 //! The received tokens' metadata is read back (source index, weights) as
-//! the CPU ranks' receive reads it. Inputs in GPU memory are a later step.
+//! the CPU ranks' receive reads it.
+//!
+//! From GPU memory ([`CudaBuffer::ht_dispatch_device`],
+//! [`CudaBuffer::ht_combine_device`]): the top-k ids and weights are read
+//! back for the same checks and plan, the BF16 tokens copied device to
+//! device into XIN beside the notify kernel (FP8: quantised from the
+//! caller's `x`), and what was received stays on the GPU for the caller's
+//! expert ([`HtDeviceLayout`]).
 
 use gin_core::CoreError;
-use gin_core::cuda::{Arg, DevMem, Device, Function, Module};
+use gin_core::cuda::{Arg, DevMem, Device, Function, Module, Stream};
 
-use super::{CudaBuffer, On, go, kernel_error, read_clock};
+use super::{
+    CudaBuffer, DeviceInputs, On, check_device_inputs, check_device_output, go, kernel_error,
+    read_clock,
+};
 use crate::config::Mode;
 use crate::error::EpError;
 use crate::ht::plan::{self, Plan, Shape, TableAt};
@@ -152,6 +162,16 @@ pub(crate) struct HtState {
     xbf: Option<DevMem>,
     /// Host staging of the metadata, reused between steps.
     meta: Vec<u8>,
+    /// The copy of device-resident tokens into XIN
+    /// ([`CudaBuffer::ht_dispatch_device`]): a non-blocking stream of its
+    /// own, so that it runs beside the notify kernel on gin's stream.
+    copy: Stream,
+    /// The latest dispatch's plan (for [`CudaBuffer::ht_read_back`]).
+    plan: Option<Plan>,
+    /// Device-resident inputs: the top-k ids and weights read back for the
+    /// host's checks and plan, reused between steps.
+    idx: Vec<i64>,
+    wts: Vec<f32>,
 }
 
 impl HtState {
@@ -189,6 +209,10 @@ impl HtState {
                 None
             },
             meta: Vec::new(),
+            copy: Stream::new()?,
+            plan: None,
+            idx: Vec::new(),
+            wts: Vec::new(),
             s,
         })
     }
@@ -331,16 +355,38 @@ pub(crate) fn notify_rows(
 }
 
 /// Stages this rank's tokens' metadata ([`plan::meta_word`]: source index,
-/// top-k ids and weights, host and rank slots) into `meta`, `mm` bytes per
-/// token, one pass over the words.
+/// top-k ids and weights, host and rank slots, zero padding) into `meta`,
+/// `mm` bytes per token: each token's words written in one pass over its
+/// row (the same bytes as [`plan::meta_word`] word by word, tested; on the
+/// dispatch's timed path beside the notify kernel, so without a call and a
+/// branch per word).
 pub(crate) fn stage_meta(s: &Shape, lay: &Layout, idx: &[i64], w: &[f32], meta: &mut Vec<u8>) {
+    let (k, h, r, mm) = (s.k, s.h, s.r, s.mm);
     meta.clear();
-    meta.reserve(lay.tokens * s.mm);
-    for t in 0..lay.tokens {
-        for i in 0..s.mm / 4 {
-            meta.extend_from_slice(&plan::meta_word(s, lay, idx, w, t, i).to_le_bytes());
+    meta.resize(lay.tokens * mm, 0);
+    for (t, row) in meta.chunks_exact_mut(mm).enumerate() {
+        let ids = idx[t * k..(t + 1) * k].iter().map(|&e| e as i32 as u32);
+        let wts = w[t * k..(t + 1) * k].iter().map(|v| v.to_bits());
+        let slots = lay.host_slot[t * h..(t + 1) * h]
+            .iter()
+            .chain(&lay.rank_slot[t * r..(t + 1) * r])
+            .copied();
+        let words = std::iter::once(t as u32).chain(ids).chain(wts).chain(slots);
+        for (b, v) in row.chunks_exact_mut(4).zip(words) {
+            b.copy_from_slice(&v.to_le_bytes());
         }
     }
+}
+
+/// Where a step's tokens come from.
+#[derive(Clone, Copy)]
+pub(crate) enum Tokens<'a> {
+    /// The caller's host slice (`tokens × hidden`), uploaded in one copy.
+    Host(&'a [Bf16]),
+    /// The caller's device memory (at least `tokens × hidden` BF16, checked
+    /// by [`check_device_inputs`]): BF16 payloads are copied into XIN on
+    /// the GPU, FP8 ones quantised from it by `ep_ht_quantize`.
+    Device(&'a DevMem),
 }
 
 /// Where this step's inputs go in GPU memory, written by [`Inputs::upload`]
@@ -348,7 +394,7 @@ pub(crate) fn stage_meta(s: &Shape, lay: &Layout, idx: &[i64], w: &[f32], meta: 
 pub(crate) struct Inputs<'a> {
     pub(crate) s: &'a Shape,
     pub(crate) lay: &'a Layout,
-    pub(crate) x: &'a [Bf16],
+    pub(crate) x: Tokens<'a>,
     pub(crate) idx: &'a [i64],
     pub(crate) w: &'a [f32],
     /// The payloads' destination: XIN (BF16, the tokens' own bytes), or
@@ -356,6 +402,11 @@ pub(crate) struct Inputs<'a> {
     pub(crate) payloads: &'a DevMem,
     /// MIN.
     pub(crate) min: &'a DevMem,
+    /// The stream of a device-to-device copy of the tokens.
+    pub(crate) copy: &'a Stream,
+    /// Whether payloads are FP8 (then device tokens are quantised after
+    /// the notify, not copied).
+    pub(crate) fp8: bool,
 }
 
 impl Inputs<'_> {
@@ -363,14 +414,37 @@ impl Inputs<'_> {
     /// GPU, each in one copy straight from its host slice (the tokens are
     /// not copied on the host first), with `dev` current on this thread.
     pub(crate) fn upload(&self, dev: &Device, meta: &mut Vec<u8>) -> Result<(), CoreError> {
-        stage_meta(self.s, self.lay, self.idx, self.w, meta);
-        if self.x.is_empty() {
+        let tokens = self.lay.tokens;
+        if tokens == 0 {
+            meta.clear();
             return Ok(());
         }
         dev.make_current()?;
-        self.payloads.write(0, bf16_bytes(self.x))?;
-        self.min.write(0, meta)?;
-        Ok(())
+        let copying = match self.x {
+            Tokens::Device(x) if !self.fp8 => {
+                let n = tokens * self.s.p;
+                // SAFETY: XIN holds t × p bytes (ht::resources) and x at
+                // least tokens × hidden BF16 = tokens × p bytes
+                // (check_device_inputs; tokens ≤ t); no kernel reads or
+                // writes XIN until the dispatch kernel, launched after this
+                // copy was waited for below; the caller's x is borrowed
+                // for the whole dispatch call.
+                unsafe { self.copy.copy(self.payloads.ptr(), x.ptr(), n)? };
+                true
+            }
+            _ => false,
+        };
+        stage_meta(self.s, self.lay, self.idx, self.w, meta);
+        let r = match self.x {
+            Tokens::Host(x) => self.payloads.write(0, bf16_bytes(x)),
+            Tokens::Device(_) => Ok(()),
+        }
+        .and_then(|()| self.min.write(0, meta));
+        // Waited for whatever happened above: the copy reads the caller's
+        // tokens, borrowed only until the dispatch call returns.
+        let synced = if copying { self.copy.sync() } else { Ok(()) };
+        r?;
+        Ok(synced?)
     }
 }
 
@@ -427,21 +501,121 @@ impl CudaBuffer<'_, '_> {
         )?;
         self.current()?;
         self.st.begin(lay.tokens);
-        let r = self.ht_dispatch_steps(&s, &lay, x, topk_idx, topk_weights);
+        let r = self
+            .ht_dispatch_steps(&s, &lay, Tokens::Host(x), topk_idx, topk_weights)
+            .and_then(|plan| self.ht_read_dispatch(&s, plan));
         if r.is_err() {
             self.st.fail();
         }
         r
     }
 
+    /// High-throughput dispatch from inputs in GPU memory (DeepEP's
+    /// normal-mode `dispatch` on tensors on the GPU; [`DeviceInputs`], as
+    /// [`CudaBuffer::ll_dispatch_device`] takes them): the tokens are read
+    /// from the caller's `x` on the GPU (BF16 copied into the send window
+    /// by a device-to-device copy beside the count exchange; FP8 quantised
+    /// from it by `ep_ht_quantize`), never through the host.
+    ///
+    /// The plan needs the routing on the host, as DeepEP's notify step
+    /// synchronises with the host for the counts: the top-k ids and weights
+    /// (`tokens × topk` × 12 bytes) are read back first and checked with
+    /// the host path's code, so that a bad entry (an expert out of range,
+    /// one named twice, a weight that is not finite) is refused by name
+    /// before anything is sent, leaving every rank as it was. Then the step
+    /// runs as [`CudaBuffer::ht_dispatch`]'s, bit for bit, and what was
+    /// received stays in GPU memory ([`CudaBuffer::ht_recv_tokens`],
+    /// [`CudaBuffer::ht_recv_meta`], laid out as [`HtDeviceLayout`] says)
+    /// for the caller's expert kernel, which writes
+    /// [`CudaBuffer::ht_combine_rows`]; [`CudaBuffer::ht_read_back`]
+    /// copies the metadata to the host for checks. On gin's stream,
+    /// returning when the dispatch kernel has finished.
+    pub fn ht_dispatch_device(&mut self, inp: &DeviceInputs<'_>) -> Result<CudaHtStep, EpError> {
+        const CALL: &str = "ht_dispatch_device";
+        self.ht_state(CALL)?;
+        self.st.idle(CALL)?;
+        self.expect_unqueued(CALL)?;
+        self.poll()?;
+        let cfg = self.cfg;
+        check_device_inputs(
+            self.rank,
+            &cfg,
+            inp.tokens,
+            inp.x.into(),
+            inp.topk_idx.into(),
+            inp.topk_weights.into(),
+        )?;
+        self.current()?;
+        let (mut idx, mut w) = self
+            .ht
+            .as_mut()
+            .map(|h| (std::mem::take(&mut h.idx), std::mem::take(&mut h.wts)))
+            .unwrap_or_default();
+        let r = self.ht_device_steps(inp, &mut idx, &mut w);
+        if let Some(h) = self.ht.as_mut() {
+            (h.idx, h.wts) = (idx, w);
+        }
+        r
+    }
+
+    /// [`CudaBuffer::ht_dispatch_device`] after its first checks, with the
+    /// routing's host buffers.
+    fn ht_device_steps(
+        &mut self,
+        inp: &DeviceInputs<'_>,
+        idx: &mut Vec<i64>,
+        w: &mut Vec<f32>,
+    ) -> Result<CudaHtStep, EpError> {
+        let cfg = self.cfg;
+        let s = self.ht_state("ht_dispatch_device")?.s;
+        let n = inp.tokens * cfg.topk;
+        idx.resize(n, 0);
+        w.resize(n, 0.0);
+        if n > 0 {
+            inp.topk_idx.read(0, idx).map_err(CoreError::from)?;
+            inp.topk_weights.read(0, w).map_err(CoreError::from)?;
+        }
+        let lay = crate::ll::check_inputs(
+            self.rank,
+            &cfg,
+            &self.active,
+            s.l,
+            inp.tokens * cfg.hidden,
+            idx,
+            w,
+        )?;
+        self.st.begin(lay.tokens);
+        let r = self.ht_dispatch_steps(&s, &lay, Tokens::Device(inp.x), idx, w);
+        let plan = match r {
+            Ok(p) => p,
+            Err(e) => {
+                self.st.fail();
+                return Err(e);
+            }
+        };
+        let recv_prefix = plan.recv_prefix(self.rank).to_vec();
+        let received = recv_prefix[s.r] as usize;
+        if let Some(h) = self.ht.as_mut() {
+            h.received = received;
+            h.plan = Some(plan);
+        }
+        Ok(CudaHtStep {
+            step: self.st.step,
+            tokens: lay.tokens,
+            recv_prefix,
+        })
+    }
+
+    /// The count exchange, the plan, the payloads (FP8: quantised) and the
+    /// dispatch kernel; the step's plan.
     fn ht_dispatch_steps(
         &mut self,
         s: &Shape,
         lay: &Layout,
-        x: &[Bf16],
+        x: Tokens<'_>,
         idx: &[i64],
         w: &[f32],
-    ) -> Result<CudaHtDispatch, EpError> {
+    ) -> Result<Plan, EpError> {
         let mut meta = self
             .ht
             .as_mut()
@@ -453,12 +627,23 @@ impl CudaBuffer<'_, '_> {
         }
         let plan = plan?;
         if self.cfg.fp8 {
-            self.ht_quantize(s, lay.tokens)?;
+            let xbf = match x {
+                Tokens::Device(d) => Some(d.ptr()),
+                Tokens::Host(_) => self.ht_state("ht_dispatch")?.xbf.as_ref().map(DevMem::ptr),
+            };
+            let xbf = xbf.ok_or(EpError::Mode {
+                rank: self.rank,
+                what: "an FP8 buffer without its BF16 staging".into(),
+            })?;
+            // SAFETY: xbf holds lay.tokens × hidden u16: HtState::xbf (t ×
+            // hidden, tokens ≤ t) or the caller's x (check_device_inputs),
+            // borrowed for this call; the launch is waited for.
+            unsafe { self.ht_quantize(s, lay.tokens, xbf)? };
         }
         self.ht_upload(&plan)?;
         self.ht_launch_dispatch(s, lay.tokens)?;
         self.st.dispatched_now();
-        self.ht_read_dispatch(s, plan)
+        Ok(plan)
     }
 
     /// The count exchange: this rank's row to every active rank (the notify
@@ -469,7 +654,7 @@ impl CudaBuffer<'_, '_> {
         &mut self,
         s: &Shape,
         lay: &Layout,
-        (x, idx, w): (&[Bf16], &[i64], &[f32]),
+        (x, idx, w): (Tokens<'_>, &[i64], &[f32]),
         meta: &mut Vec<u8>,
     ) -> Result<Plan, EpError> {
         use crate::ht::plan::{MIN, NRECV, NSEND, XIN};
@@ -501,8 +686,13 @@ impl CudaBuffer<'_, '_> {
             x,
             idx,
             w,
-            payloads: st.xbf.as_ref().unwrap_or(self.wins[XIN].local()),
+            payloads: match x {
+                Tokens::Host(_) => st.xbf.as_ref().unwrap_or(self.wins[XIN].local()),
+                Tokens::Device(_) => self.wins[XIN].local(),
+            },
             min: self.wins[MIN].local(),
+            copy: &st.copy,
+            fp8: self.cfg.fp8,
         };
         let dev = self.cuda.device();
         // Beside the notify kernel the upload writes XIN (or the FP8
@@ -552,15 +742,14 @@ impl CudaBuffer<'_, '_> {
         Ok(())
     }
 
-    /// FP8: quantises the uploaded BF16 tokens into XIN's payloads
-    /// (`ep_ht_quantize`, bit for bit as [`crate::num::quantize_fp8`]).
-    fn ht_quantize(&mut self, s: &Shape, tokens: usize) -> Result<(), EpError> {
+    /// FP8: quantises the BF16 tokens at `xbf` (the uploaded staging, or
+    /// the caller's device memory) into XIN's payloads (`ep_ht_quantize`,
+    /// bit for bit as [`crate::num::quantize_fp8`]).
+    ///
+    /// # Safety
+    /// `xbf` holds `tokens × hidden` u16, readable until this call returns.
+    unsafe fn ht_quantize(&mut self, s: &Shape, tokens: usize, xbf: u64) -> Result<(), EpError> {
         use crate::ht::plan::XIN;
-        let st = self.ht_state("ht_dispatch")?;
-        let xbf = st.xbf.as_ref().map(DevMem::ptr).ok_or(EpError::Mode {
-            rank: self.rank,
-            what: "an FP8 buffer without its BF16 staging".into(),
-        })?;
         if tokens == 0 {
             return Ok(());
         }
@@ -577,8 +766,7 @@ impl CudaBuffer<'_, '_> {
         let grid = self.grid((tokens * (hidden / crate::num::FP8_BLOCK)).div_ceil(warps));
         // SAFETY: ep_ht_quantize(Window xin, const u16* xbf, u32 tokens,
         // u32 p, u32 h) takes these in this order. It reads tokens × hidden
-        // u16 of xbf (HtState::new allocated t × hidden; tokens ≤ t, checked
-        // by check_inputs) and writes tokens × p bytes of XIN (t × p:
+        // u16 of xbf (the caller's contract) and writes tokens × p bytes of XIN (t × p:
         // ht::resources), 4-byte aligned (p and hidden are multiples of 4:
         // Config::validate). gin's stream, waited for.
         let r = unsafe { go(&self.dc, f, On::Wait, grid, &args) };
@@ -707,22 +895,34 @@ impl CudaBuffer<'_, '_> {
     /// its weights for this rank's experts, as its combine row (the CPU
     /// ranks' [`crate::Buffer::ht_echo`], bit for bit).
     pub fn ht_echo(&mut self, d: &CudaHtDispatch) -> Result<(), EpError> {
-        let st = self.ht_state("ht_echo")?;
+        self.launch_ht_echo("ht_echo", d.step, d.received())
+    }
+
+    /// [`CudaBuffer::ht_echo`] for a step dispatched from GPU memory.
+    pub fn ht_echo_device(&mut self, s: &CudaHtStep) -> Result<(), EpError> {
+        self.launch_ht_echo("ht_echo_device", s.step, s.received())
+    }
+
+    fn launch_ht_echo(
+        &mut self,
+        call: &'static str,
+        step: u64,
+        handle_received: usize,
+    ) -> Result<(), EpError> {
+        let st = self.ht_state(call)?;
         let (shape, received) = (st.shape.ptr(), st.received);
-        self.st.dispatched("ht_echo", d.step)?;
-        if d.received() != received {
+        self.st.dispatched(call, step)?;
+        if handle_received != received {
             // A handle of another buffer at the same step number.
             return Err(EpError::Mode {
                 rank: self.rank,
                 what: format!(
-                    "ht_echo: the handle received {} tokens, this buffer's step {} received \
-                     {received}: it belongs to another buffer",
-                    d.received(),
-                    d.step
+                    "{call}: the handle received {handle_received} tokens, this buffer's step \
+                     {step} received {received}: it belongs to another buffer"
                 ),
             });
         }
-        self.expect_unqueued("ht_echo")?;
+        self.expect_unqueued(call)?;
         self.poll()?;
         self.current()?;
         let mut args = self.ht_windows();
@@ -751,7 +951,49 @@ impl CudaBuffer<'_, '_> {
         self.expect_unqueued("ht_combine")?;
         self.poll()?;
         self.current()?;
-        let cfg = self.cfg;
+        let out = self.state.out.ptr();
+        // SAFETY: State::out holds t × hidden u16 (tokens ≤ t), from
+        // cuMemAlloc (aligned); the launch is waited for.
+        unsafe { self.launch_ht_combine(out)? };
+        let mut raw = vec![0u16; self.st.tokens * self.cfg.hidden];
+        if !raw.is_empty() {
+            self.state.out.read(0, &mut raw).map_err(CoreError::from)?;
+        }
+        Ok(Combined {
+            x: raw.into_iter().map(Bf16).collect(),
+            lost: Vec::new(),
+        })
+    }
+
+    /// The combine of a step dispatched from GPU memory (DeepEP's
+    /// normal-mode `combine`): reads the expert's rows from
+    /// [`CudaBuffer::ht_combine_rows`] (written by the caller's expert
+    /// kernel after the dispatch, or by [`CudaBuffer::ht_echo_device`]) and
+    /// writes the combined tokens, `tokens × hidden` BF16, into `out`, the
+    /// caller's device memory (size and alignment checked); nothing goes
+    /// through the host. On gin's stream, returning when it has finished;
+    /// bit for bit what [`CudaBuffer::ht_combine`] returns.
+    pub fn ht_combine_device(&mut self, s: &CudaHtStep, out: &DevMem) -> Result<(), EpError> {
+        const CALL: &str = "ht_combine_device";
+        self.ht_state(CALL)?;
+        self.st.dispatched(CALL, s.step)?;
+        self.expect_unqueued(CALL)?;
+        self.poll()?;
+        check_device_output(self.rank, &self.cfg, self.st.tokens, out.into())?;
+        self.current()?;
+        // SAFETY: `out` holds tokens × hidden u16, 16-byte aligned (checked
+        // above), borrowed until the launch, which is waited for, ends.
+        unsafe { self.launch_ht_combine(out.ptr())? };
+        self.poll()
+    }
+
+    /// Launches the combine kernel of the step under way into `out`; the
+    /// step ends.
+    ///
+    /// # Safety
+    /// `out` holds `tokens × hidden` u16 (this step's tokens), 16-byte
+    /// aligned, writable until this call returns.
+    unsafe fn launch_ht_combine(&mut self, out: u64) -> Result<(), EpError> {
         let tokens = self.st.tokens;
         let st = self.ht_state("ht_combine")?;
         let grid = Self::u32_of(st.s.chans);
@@ -763,7 +1005,7 @@ impl CudaBuffer<'_, '_> {
             st.seen.ptr(),
             st.lane.ptr(),
             st.contrib.ptr(),
-            self.state.out.ptr(),
+            out,
             self.state.err.ptr(),
             self.state.errh.dev(),
         ];
@@ -782,23 +1024,138 @@ impl CudaBuffer<'_, '_> {
         // here and of this host's ranks (through their mappings after a
         // range check, or by get into CGET: chans × l rows), CRDMA rows (h ×
         // t), contrib as the dispatch wrote it, writes CSTAGE rows (chans ×
-        // STAGE), tokens × hidden u16 of out (State::out holds t × hidden),
-        // seen and lane as the dispatch; err, errh 4 u64, clock 2. gin's
-        // stream, waited for.
+        // STAGE), tokens × hidden u16 of out (the caller's contract), seen
+        // and lane as the dispatch; err, errh 4 u64, clock 2. gin's stream,
+        // waited for.
         let r = unsafe { go(&self.dc, f, On::Wait, grid, &args) };
         self.launched(On::Wait, "ht_combine", r)?;
         self.st.combined();
         self.last.1 = read_clock(&self.state.clock)?;
-        self.poll()?;
-        let mut raw = vec![0u16; tokens * cfg.hidden];
-        if !raw.is_empty() {
-            self.state.out.read(0, &mut raw).map_err(CoreError::from)?;
-        }
-        Ok(Combined {
-            x: raw.into_iter().map(Bf16).collect(),
-            lost: Vec::new(),
-        })
+        self.poll()
     }
+
+    /// Copies what a dispatch from GPU memory received (the metadata of
+    /// every received token) to the host and checks it as
+    /// [`CudaBuffer::ht_dispatch`] does: for tests and inspection, not the
+    /// data path; between the dispatch and the combine only (once this
+    /// rank's combine has told its peers, they may dispatch their next
+    /// step into these places). [`CudaBuffer::ht_received`] then copies the
+    /// payloads too.
+    pub fn ht_read_back(&mut self, s: &CudaHtStep) -> Result<CudaHtDispatch, EpError> {
+        const CALL: &str = "ht_read_back";
+        self.ht_state(CALL)?;
+        self.st.for_received(CALL, s.step)?;
+        self.current()?;
+        let plan = self.ht.as_ref().and_then(|h| h.plan.clone());
+        let plan = plan.ok_or(EpError::Mode {
+            rank: self.rank,
+            what: format!("{CALL}: no dispatch from GPU memory holds a plan here"),
+        })?;
+        let shape = self.ht_state(CALL)?.s;
+        let d = self.ht_read_dispatch(&shape, plan);
+        if d.is_err() {
+            self.st.fail();
+        }
+        d
+    }
+
+    /// The received tokens' payloads in GPU memory (this rank's part of
+    /// RECVX): received token `j` (blocks by source, in each source's
+    /// token order; [`CudaHtStep::block_start`]) at byte
+    /// `j · payload_bytes` ([`HtDeviceLayout`]). Valid from the end of the
+    /// dispatch until this rank's combine is launched.
+    pub fn ht_recv_tokens(&self) -> &DevMem {
+        self.wins[crate::ht::plan::RECVX].local()
+    }
+
+    /// The received tokens' metadata in GPU memory (RECVM): token `j`'s
+    /// `meta_bytes` at byte `j · meta_bytes`, as [`HtDeviceLayout`] says
+    /// (its index at its source, top-k expert ids as i32, weights as f32).
+    pub fn ht_recv_meta(&self) -> &DevMem {
+        self.wins[crate::ht::plan::RECVM].local()
+    }
+
+    /// The combine rows in GPU memory (CSEND): the expert writes received
+    /// token `j`'s row, BF16 `hidden` (its experts' outputs, weighted and
+    /// summed, as DeepEP's normal-mode combine takes them) at byte `j · 2 ·
+    /// hidden`, between the dispatch and the combine, finished before the
+    /// combine starts (peers read these rows in place).
+    pub fn ht_combine_rows(&self) -> &DevMem {
+        self.wins[crate::ht::plan::CSEND].local()
+    }
+
+    /// Where the high-throughput device-resident outputs lie.
+    pub fn ht_device_layout(&self) -> HtDeviceLayout {
+        let s = self.ht.as_ref().map(|h| h.s);
+        let (k, mm) = s.map_or((self.cfg.topk, 0), |s| (s.k, s.mm));
+        HtDeviceLayout {
+            payload_bytes: self.cfg.payload_bytes(),
+            meta_bytes: mm,
+            row_bytes: 2 * self.cfg.hidden,
+            ids_word: 1,
+            weights_word: 1 + k,
+            topk: k,
+            fp8: self.cfg.fp8,
+        }
+    }
+}
+
+/// A high-throughput step dispatched from GPU memory
+/// ([`CudaBuffer::ht_dispatch_device`]): hand it to the expert and combine
+/// of the same step. It holds what the host knows without reading the
+/// received tokens back: how many came from each source.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CudaHtStep {
+    step: u64,
+    tokens: usize,
+    recv_prefix: Vec<u32>,
+}
+
+impl CudaHtStep {
+    /// Tokens this rank dispatched (rows of the combine's output).
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+    /// Tokens received in all.
+    pub fn received(&self) -> usize {
+        self.recv_prefix.last().map_or(0, |&v| v as usize)
+    }
+    /// Where `src`'s block starts among the received tokens.
+    pub fn block_start(&self, src: usize) -> usize {
+        self.recv_prefix[src] as usize
+    }
+    /// Tokens received from `src` (one contiguous block, in its order).
+    pub fn count(&self, src: usize) -> usize {
+        (self.recv_prefix[src + 1] - self.recv_prefix[src]) as usize
+    }
+}
+
+/// Where a high-throughput dispatch from GPU memory leaves what it
+/// received, and where the expert writes ([`CudaBuffer::ht_recv_tokens`],
+/// [`CudaBuffer::ht_recv_meta`], [`CudaBuffer::ht_combine_rows`]):
+/// received token `j` has its payload at byte `j · payload_bytes` (BF16
+/// `hidden`, or FP8 codes then one f32 scale per 128 elements), its
+/// metadata at byte `j · meta_bytes` (u32 words: word 0 its index at its
+/// source, words `ids_word..ids_word + topk` its top-k expert ids as i32,
+/// -1 empty, words `weights_word..weights_word + topk` the weights' f32
+/// bits; this rank's experts are `rank · local_experts ..`), and its combine
+/// row at byte `j · row_bytes`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HtDeviceLayout {
+    /// Bytes of a received payload.
+    pub payload_bytes: usize,
+    /// Bytes of a received token's metadata.
+    pub meta_bytes: usize,
+    /// Bytes of a combine row (BF16 `hidden`).
+    pub row_bytes: usize,
+    /// First word of the top-k ids in the metadata.
+    pub ids_word: usize,
+    /// First word of the top-k weights in the metadata.
+    pub weights_word: usize,
+    /// Top-k.
+    pub topk: usize,
+    /// Whether payloads are FP8.
+    pub fp8: bool,
 }
 
 #[cfg(test)]

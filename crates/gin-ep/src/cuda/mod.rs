@@ -79,12 +79,17 @@
 //!
 //! High-throughput mode (`ht.rs`, `kernels/ht.cu`): a buffer created with
 //! [`Config::high_throughput`] runs [`CudaBuffer::ht_dispatch`],
-//! [`CudaBuffer::ht_echo`] and [`CudaBuffer::ht_combine`] from host inputs
-//! (the low-latency calls are refused on it, and the reverse).
+//! [`CudaBuffer::ht_echo`] and [`CudaBuffer::ht_combine`] from host inputs,
+//! or [`CudaBuffer::ht_dispatch_device`], [`CudaBuffer::ht_echo_device`] and
+//! [`CudaBuffer::ht_combine_device`] from inputs in GPU memory (the routing
+//! read back and checked on the host for the plan, the tokens never
+//! through it); the low-latency calls are refused on it, and the reverse.
+//! Its creation refuses a job whose channel blocks cannot all be resident
+//! on the GPUs the ranks share ([`resident`]).
 //!
-//! What this version leaves out: high-throughput mode from inputs in GPU
-//! memory, and the active-rank mask under a peer's loss (a lost peer fails
-//! the step, naming it).
+//! What this version leaves out: high-throughput steps queued on a
+//! caller's stream, and the active-rank mask under a peer's loss (a lost
+//! peer fails the step, naming it).
 
 use std::sync::atomic::Ordering;
 
@@ -96,9 +101,10 @@ use gin_core::{CoreError, DevCommRequirements};
 
 mod dev;
 mod ht;
+pub mod resident;
 mod steps;
 
-pub use ht::{CudaHtDispatch, HT_KERNELS, HtReceived};
+pub use ht::{CudaHtDispatch, CudaHtStep, HT_KERNELS, HtDeviceLayout, HtReceived};
 
 pub use dev::{
     DeviceInputs, LlDeviceLayout, Span, check_device_inputs, check_device_output, check_entries,
@@ -335,6 +341,29 @@ fn load_agreed(cuda: &CudaComm<'_>, mode: Mode) -> Result<Kernels, EpError> {
     }
 }
 
+/// Collective, high-throughput mode: every rank's channel blocks fit its
+/// GPU at once beside those of the ranks sharing it ([`resident::check`],
+/// on the all-gathered seats, so every rank decides alike).
+fn agree_resident(cuda: &CudaComm<'_>, cfg: &Config, f: &ht::HtFunctions) -> Result<(), EpError> {
+    let comm = cuda.comm();
+    let d = cuda.device();
+    // A rank whose occupancy query fails says 0 blocks an SM: every rank
+    // then refuses, naming that GPU, rather than this one alone.
+    let per_sm = [f.dispatch, f.combine]
+        .iter()
+        .map(|k| k.blocks_per_sm(THREADS).unwrap_or(0))
+        .min()
+        .unwrap_or(0);
+    let me = resident::Seat {
+        gpu: d.uuid().map(str::to_owned),
+        sms: d.sms(),
+        blocks_per_sm: per_sm,
+    };
+    let all = comm.bootstrap().allgather(&me.to_bytes())?;
+    let seats: Vec<resident::Seat> = all.iter().map(|b| resident::Seat::from_bytes(b)).collect();
+    resident::check(comm.rank(), cfg.channels, &seats)
+}
+
 /// Resets a launch clock to {no start yet, no end yet}.
 fn reset_clock(clock: &DevMem) -> Result<(), CoreError> {
     Ok(clock.write(0, &[u64::MAX, 0])?)
@@ -509,6 +538,9 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         let (rank, n) = (comm.rank(), comm.nranks());
         crate::buffer::agree_config(comm, &cfg)?;
         let kernels = load_agreed(cuda, cfg.mode)?;
+        if let Some(f) = &kernels.ht {
+            agree_resident(cuda, &cfg, f)?;
+        }
         // Every rank passed the same configuration and host map: all take
         // the same branch, and refuse alike.
         let (signals, contexts, mut sizes, hosts) = match cfg.mode {
