@@ -61,6 +61,13 @@
 //! first ([`Transport::complete_device`]: they may read what it
 //! overwrites) and sends what was held for them; [`Executor::quiesce`]
 //! (and the executor's drop) complete every write still in flight.
+//! The queue per peer, and the merging of writes that continue one
+//! another, are gin-cuda's [`DevicePuts`]: where merging is on (the
+//! engine's set-up: `GIN_PUT_MERGE_MAX`, 4 MiB by default), a write from
+//! GPU memory starts only at the end of the pass ([`Executor::end_pass`], or before
+//! anything that must follow it), merged with the pass's writes to the
+//! peer whose destinations and sources it continues, and each original
+//! still completes (and fails, named) on its own.
 //! Otherwise a
 //! write's source is staged through pinned host memory on the channel's
 //! stream (waited for) and sent with [`Fabric::put_key`], and a read's
@@ -259,6 +266,14 @@ impl<G: Gpu> CudaExecutor<G> {
             next_ticket: 0,
             _keep: keep,
         }
+    }
+
+    /// Merges the puts from GPU memory that continue one another within
+    /// a pass into transport puts of up to `max` bytes (0: none merged,
+    /// each started as it comes, as a new executor does); before the first
+    /// put (see `gin_cuda::puts`).
+    pub(crate) fn merge_puts(&mut self, max: u64) {
+        self.puts = DevicePuts::new(self.fabric.clone(), max);
     }
 
     /// Watches the channels' streams with `w` (its stream `i` is channel

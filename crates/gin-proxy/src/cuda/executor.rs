@@ -60,6 +60,13 @@
 //! first ([`Transport::complete_device`]: they may read what it
 //! overwrites) and sends the totals held for it; [`Executor::quiesce`]
 //! (and the executor's drop) complete every put still in flight.
+//! The queue per peer, and the merging of puts that continue one
+//! another, are gin-cuda's [`DevicePuts`]: where merging is on (the
+//! engine's set-up: `GIN_PUT_MERGE_MAX`, 4 MiB by default), a put from
+//! GPU memory starts only at the end of the pass ([`Executor::flush`], or before
+//! anything that must follow it), merged with the pass's puts to the
+//! peer whose destinations and sources it continues, and each original
+//! still completes (and fails, named) on its own.
 //! Otherwise a
 //! put's source is staged through pinned host memory on the ring's stream
 //! (waited for) and sent with [`Fabric::put_key`], and a get's answer is
@@ -218,6 +225,14 @@ impl<G: Gpu> CudaExecutor<G> {
             stalls: None,
             _keep: keep,
         }
+    }
+
+    /// Merges the puts from GPU memory that continue one another within
+    /// a pass into transport puts of up to `max` bytes (0: none merged,
+    /// each started as it comes, as a new executor does); before the first
+    /// put (see `gin_cuda::puts`).
+    pub(crate) fn merge_puts(&mut self, max: u64) {
+        self.puts = DevicePuts::new(self.fabric.clone(), max);
     }
 
     /// Watches the rings' streams with `w` (its stream `i` is ring `i`'s):
@@ -486,8 +501,8 @@ impl<G: Gpu> CudaExecutor<G> {
 
     /// A put's signal: this rank's running total, stored after the data
     /// (mapped), or put ordered after the data (keyed: see
-    /// [`CudaExecutor::send_signal`]); `started`: the transport's number
-    /// for the put's data, if it is in flight. The put is in flight while
+    /// [`CudaExecutor::send_signal`]); `started`: the entry of the put's
+    /// data, if it is in flight. The put is in flight while
     /// its data is or its total is held.
     ///
     /// Unlike a counter's ([`CudaExecutor::order_total`]), a signal's
