@@ -52,6 +52,14 @@
 //!   *stall* (the stream waits behind a user's kernel on a shared hardware
 //!   work queue), which the engine reports as its error, naming
 //!   `CUDA_DEVICE_MAX_CONNECTIONS`, instead of letting kernels time out.
+//! - **Puts from GPU memory** ([`puts`]): the per-peer queue of puts
+//!   handed to a transport that takes GPU memory (ucx), shared by the CUDA
+//!   executors of the proxy and the soft NIC: puts in flight, the signals'
+//!   running totals held behind them until they completed, a failure
+//!   blamed on the put the transport names; and the merging of puts that
+//!   continue one another within an engine's pass into one transport put
+//!   (at most [`puts::MERGE_MAX`] by default), every original still
+//!   accounted for.
 //! - **Staging** ([`staging`]): GPU memory served to TCP peers through
 //!   gin-net's region table ([`staging::GpuRegion`] is a
 //!   `gin_net::region::Backing`), and the pinned buffer through which an
@@ -103,6 +111,7 @@ mod launch;
 pub mod nvrtc;
 pub mod pointer;
 mod pool;
+pub mod puts;
 pub mod staging;
 pub mod testing;
 pub mod vmm;

@@ -61,6 +61,13 @@
 //! first ([`Transport::complete_device`]: they may read what it
 //! overwrites) and sends what was held for them; [`Executor::quiesce`]
 //! (and the executor's drop) complete every write still in flight.
+//! The queue per peer, and the merging of writes that continue one
+//! another, are gin-cuda's [`DevicePuts`]: where merging is on (the
+//! engine's set-up: `GIN_PUT_MERGE_MAX`, 4 MiB by default), a write from
+//! GPU memory starts only at the end of the pass ([`Executor::end_pass`], or before
+//! anything that must follow it), merged with the pass's writes to the
+//! peer whose destinations and sources it continues, and each original
+//! still completes (and fails, named) on its own.
 //! Otherwise a
 //! write's source is staged through pinned host memory on the channel's
 //! stream (waited for) and sent with [`Fabric::put_key`], and a read's
@@ -81,7 +88,7 @@
 //! mark, so that work a stream has not completed for seconds is diagnosed
 //! as a stall (see `gin_cuda::batch::stall`).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -89,8 +96,9 @@ use std::time::Instant;
 use gin_cuda::CudaError;
 use gin_cuda::batch::stall::StallWatch;
 use gin_cuda::batch::{BatchStats, Dma, Gpu, StreamBatch, TotalOrder, follow, region};
+use gin_cuda::puts::{DevicePut, DevicePuts, Held, Merged, PutError, Ticket};
 use gin_cuda::staging::{STAGE, Stage};
-use gin_net::{Fabric, MemDesc, Memory, NetError, Reach, Transport};
+use gin_net::{Fabric, MemDesc, Memory, NetError, Reach};
 
 use crate::nic::{
     Atomics, Channel, CqStore, ExecError, Executor, Loc, Part, Payload, ReadStatus, ReadTicket,
@@ -111,44 +119,6 @@ struct Lane<S> {
     /// without a wait (CQE and counter stores may be pending: the
     /// transport touches neither).
     idle: bool,
-}
-
-/// An 8-byte value to the peer (an inline write, a running total), sent
-/// once the writes before it completed.
-#[derive(Debug, Clone, Copy)]
-struct Held {
-    key: u32,
-    offset: u64,
-    bytes: [u8; 8],
-}
-
-/// One entry of a peer's queue: a write in flight (the transport's number
-/// `after`), or a value held behind the writes numbered up to `after`.
-#[derive(Debug)]
-struct Entry {
-    after: u64,
-    held: Option<Held>,
-}
-
-/// The writes from GPU memory to one peer not yet seen complete, and what
-/// is held behind them, in issue order.
-#[derive(Debug)]
-struct PeerPuts {
-    peer: usize,
-    queue: VecDeque<Entry>,
-    /// Entries made and released (the entry numbered `released` is the
-    /// queue's front): an entry is released once its writes completed and
-    /// what it held was sent.
-    made: u64,
-    released: u64,
-    /// The transport's number of the newest write started.
-    last: u64,
-    /// Writes were started since the last [`Transport::complete_device`].
-    unsettled: bool,
-    /// Why the queue's front (and so every entry after it) failed: the
-    /// peer's writes, or the sending of the value held there; nothing is
-    /// released any more.
-    failed: Option<ExecError>,
 }
 
 /// Where the executor stores, besides windows: what the set-up laid out.
@@ -190,10 +160,11 @@ pub(crate) struct CudaExecutor<G: Gpu> {
     /// windows: a scan beats hashing on the per-WQE path).
     windows: Vec<(u32, Arc<MemDesc>)>,
     /// Per peer written from GPU memory: writes in flight and what is held
-    /// behind them (a few peers: a scan).
-    puts: Vec<PeerPuts>,
-    /// Writes in flight and held values, by ticket: (peer, entry number).
-    tickets: HashMap<u64, (usize, u64)>,
+    /// behind them, and the writes of the current pass waiting to be
+    /// merged.
+    puts: DevicePuts<ExecError>,
+    /// Writes in flight and held values, by ticket: their entries.
+    tickets: HashMap<u64, Ticket>,
     next_ticket: u64,
     generation: u64,
     /// What keeps the memory the streams store into alive (the CQEs).
@@ -280,6 +251,7 @@ impl<G: Gpu> CudaExecutor<G> {
         Self {
             gpu,
             rank: fabric.rank(),
+            puts: DevicePuts::new(fabric.clone(), 0),
             fabric,
             totals: TotalOrder::new(slots),
             layout,
@@ -290,11 +262,18 @@ impl<G: Gpu> CudaExecutor<G> {
             stalls: None,
             windows: Vec::new(),
             generation: u64::MAX,
-            puts: Vec::new(),
             tickets: HashMap::new(),
             next_ticket: 0,
             _keep: keep,
         }
+    }
+
+    /// Merges the puts from GPU memory that continue one another within
+    /// a pass into transport puts of up to `max` bytes (0: none merged,
+    /// each started as it comes, as a new executor does); before the first
+    /// put (see `gin_cuda::puts`).
+    pub(crate) fn merge_puts(&mut self, max: u64) {
+        self.puts = DevicePuts::new(self.fabric.clone(), max);
     }
 
     /// Watches the channels' streams with `w` (its stream `i` is channel
@@ -514,161 +493,30 @@ impl<G: Gpu> CudaExecutor<G> {
         Ok(())
     }
 
-    /// The transport that reaches `peer`.
-    fn transport(&self, peer: usize) -> Result<&Arc<dyn Transport>, ExecError> {
-        self.fabric
-            .path(peer)
-            .map(gin_net::Path::transport)
-            .ok_or_else(|| {
-                net(peer)(NetError::NoPath {
-                    peer,
-                    nranks: self.fabric.nranks(),
-                })
-            })
-    }
-
-    /// `peer`'s writes from GPU memory, made on first use.
-    fn peer_puts(&mut self, peer: usize) -> &mut PeerPuts {
-        let i = self
-            .puts
-            .iter()
-            .position(|p| p.peer == peer)
-            .unwrap_or_else(|| {
-                self.puts.push(PeerPuts {
-                    peer,
-                    queue: VecDeque::new(),
-                    made: 0,
-                    released: 0,
-                    last: 0,
-                    unsettled: false,
-                    failed: None,
-                });
-                self.puts.len() - 1
-            });
-        &mut self.puts[i]
-    }
-
-    /// Whether `peer` has writes from GPU memory, or values held, not yet
-    /// released.
-    fn pending(&self, peer: usize) -> bool {
-        self.puts
-            .iter()
-            .any(|p| p.peer == peer && !p.queue.is_empty())
-    }
-
-    /// Adds an entry to `peer`'s queue (released once the writes numbered
-    /// up to `after` completed, doing what is `held` then); its ticket.
-    fn enqueue(&mut self, peer: usize, after: u64, held: Option<Held>) -> WriteTicket {
-        let p = self.peer_puts(peer);
-        p.queue.push_back(Entry { after, held });
-        p.made += 1;
-        let n = p.made - 1;
-        let t = self.next_ticket;
+    /// A ticket for `t`'s entry, for the engine to poll.
+    fn ticket(&mut self, t: Ticket) -> WriteTicket {
+        let n = self.next_ticket;
         self.next_ticket += 1;
-        self.tickets.insert(t, (peer, n));
-        WriteTicket(t)
-    }
-
-    /// Releases the entries of `peer`'s queue whose writes completed, in
-    /// order, sending what was held behind them, without waiting: the
-    /// transport says how far its writes are complete. A failure is the
-    /// peer's from then on ([`PeerPuts::failed`]), returned here and for
-    /// every entry not yet released.
-    fn release(&mut self, peer: usize) -> Result<(), ExecError> {
-        let p = self.peer_puts(peer);
-        if let Some(e) = &p.failed {
-            return Err(e.clone());
-        }
-        if p.queue.is_empty() {
-            return Ok(());
-        }
-        let r = self.release_done(peer);
-        if let Err(e) = &r {
-            self.peer_puts(peer).failed = Some(e.clone());
-        }
-        r
-    }
-
-    /// [`CudaExecutor::release`]'s work: an entry is popped (and counted
-    /// released) only once what it held was sent. Where the transport
-    /// names the write that failed, the entries before it are released
-    /// first: the failure is that write's, not the oldest one's.
-    fn release_done(&mut self, peer: usize) -> Result<(), ExecError> {
-        let t = self.transport(peer)?.clone();
-        let (done, failure) = match t.device_puts_completed(peer) {
-            Ok(done) => (done, None),
-            Err(e) => {
-                let before = t.device_put_failed(peer).map_or(0, |f| f.saturating_sub(1));
-                (before, Some(net(peer)(e)))
-            }
-        };
-        let p = self.peer_puts(peer);
-        while let Some(e) = p.queue.front().filter(|e| e.after <= done) {
-            if let Some(Held { key, offset, bytes }) = e.held {
-                let at = gin_net::Target::Key { key, offset };
-                t.put_ordered_after(peer, at, &bytes, e.after)
-                    .map_err(net(peer))?;
-            }
-            p.queue.pop_front();
-            p.released += 1;
-        }
-        failure.map_or(Ok(()), Err)
-    }
-
-    /// Completes the writes from GPU memory started to `peer` (none: at
-    /// once), waiting: the transport reads none of their sources any more,
-    /// also when this fails. Then does what was held behind them.
-    fn settle(&mut self, peer: usize) -> Result<(), ExecError> {
-        let p = self.peer_puts(peer);
-        if std::mem::replace(&mut p.unsettled, false) {
-            self.transport(peer)?
-                .complete_device(peer, self.fabric.timeout())
-                .map_err(net(peer))?;
-        }
-        self.release(peer)
-    }
-
-    /// Completes every write from GPU memory still in flight, to every
-    /// peer even after a failure (what is still held is not done: the
-    /// engine stopped, or failed, with it in flight); the first failure.
-    fn settle_all(&mut self) -> Result<(), ExecError> {
-        let mut first = Ok(());
-        for i in 0..self.puts.len() {
-            let p = &mut self.puts[i];
-            if !std::mem::replace(&mut p.unsettled, false) {
-                continue;
-            }
-            let peer = p.peer;
-            let done = self.transport(peer).and_then(|t| {
-                t.complete_device(peer, self.fabric.timeout())
-                    .map_err(net(peer))
-            });
-            first = first.and(done);
-        }
-        first
+        self.tickets.insert(n, t);
+        WriteTicket(n)
     }
 
     /// An 8-byte value to `peer` over a keyed transport, at `(key,
-    /// offset)`: put ordered after every earlier request now, or held
-    /// behind the writes from GPU memory to the peer where the transport
-    /// would wait for them.
+    /// offset)`: put ordered after every earlier request now (after the
+    /// writes waiting to start), or held behind the writes from GPU memory
+    /// to the peer where the transport would wait for them.
     fn send_value(
         &mut self,
         peer: usize,
         (key, offset): (u32, u64),
         b: &[u8],
     ) -> Result<WriteStatus, ExecError> {
-        let v = qword(b)?;
-        if self.transport(peer)?.ordered_waits_for_device_puts() && self.pending(peer) {
-            let after = self.peer_puts(peer).last;
-            let bytes = v.to_le_bytes();
-            let held = Held { key, offset, bytes };
-            return Ok(WriteStatus::Pending(self.enqueue(peer, after, Some(held))));
-        }
-        self.fabric
-            .put_key_ordered(peer, key, offset, b)
-            .map_err(net(peer))?;
-        Ok(WriteStatus::Done)
+        let bytes = qword(b)?.to_le_bytes();
+        let held = Held { key, offset, bytes };
+        Ok(match self.puts.send_ordered(peer, held, None)? {
+            Some(t) => WriteStatus::Pending(self.ticket(t)),
+            None => WriteStatus::Done,
+        })
     }
 
     /// A window part's bytes to a peer over a keyed transport, after
@@ -684,31 +532,27 @@ impl<G: Gpu> CudaExecutor<G> {
     ) -> Result<WriteStatus, ExecError> {
         let (_, from) = self.source(src, dst)?;
         if self.fabric.takes_device_memory(dst.rank) {
-            let keep = self.window_of(src)?.1.keep.clone();
+            let (window, d) = self.window_of(src)?;
             self.drain(ch)?;
-            let peer = dst.rank;
-            let to = gin_net::Target::Key {
+            let put = DevicePut {
                 key: at.0,
                 offset: at.1,
+                window,
+                src: from,
+                len: dst.len,
+                keep: d.keep.clone(),
             };
             // SAFETY: `dst.len` bytes of this rank's part at `from`
             // (checked above), GPU memory that no stream of this executor
             // writes (drained; only a read writes this rank's windows, and
-            // one from this peer completes the write first) until the write
-            // is complete: the kernel reuses it only after a CQE or counter
-            // covers it, which the engine publishes only once `write_done`
-            // found it complete; a window is freed only after a fence of
-            // every peer (which completes the write) or once its kernels
-            // ended.
-            let seq = unsafe {
-                self.transport(peer)?
-                    .start_put_device(peer, to, from, dst.len, keep)
-            }
-            .map_err(net(peer))?;
-            let p = self.peer_puts(peer);
-            p.unsettled = true;
-            p.last = p.last.max(seq);
-            return Ok(WriteStatus::Pending(self.enqueue(peer, seq, None)));
+            // one from this peer starts and completes the write first)
+            // until the write is complete: the kernel reuses it only after
+            // a CQE or counter covers it, which the engine publishes only
+            // once `write_done` found it complete; a window is freed only
+            // after a fence of every peer (which completes the write) or
+            // once its kernels ended.
+            let t = unsafe { self.puts.put(ch, dst.rank, put) }?;
+            return Ok(WriteStatus::Pending(self.ticket(t)));
         }
         self.lane(ch)?;
         let Self {
@@ -745,7 +589,7 @@ impl<G: Gpu> CudaExecutor<G> {
         if self.fabric.takes_device_memory(src.rank) {
             // Earlier writes may read what this read overwrites (and what
             // was held behind them goes first, as it was issued).
-            self.settle(src.rank)?;
+            self.puts.settle(src.rank)?;
             self.drain(ch)?;
             // SAFETY: `src.len` (= `dst.len`, checked by the caller) bytes
             // of this rank's part at `to` (checked above), GPU memory no
@@ -782,6 +626,31 @@ impl<G: Gpu> CudaExecutor<G> {
             done += c;
         }
         Ok(())
+    }
+}
+
+/// The soft NIC's executor errors in the queue of writes from GPU memory.
+impl PutError for ExecError {
+    fn net(peer: usize, e: NetError) -> Self {
+        net(peer)(e)
+    }
+
+    /// The note follows the account.
+    fn noted(self, note: &Merged) -> Self {
+        let add = |w: String| format!("{w} ({note})");
+        match self {
+            Self::Transport { peer, why } => Self::Transport {
+                peer,
+                why: add(why),
+            },
+            Self::Refused { peer, why } => Self::Refused {
+                peer,
+                why: add(why),
+            },
+            Self::Unsupported { why } => Self::Unsupported { why: add(why) },
+            Self::Malformed { why } => Self::Malformed { why: add(why) },
+            Self::Driver { why } => Self::Driver { why: add(why) },
+        }
     }
 }
 
@@ -861,18 +730,14 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
     /// any other fails with the peer's failure. The ticket is forgotten
     /// once answered done or failed.
     fn write_done(&mut self, t: WriteTicket) -> Result<bool, ExecError> {
-        let Some(&(peer, n)) = self.tickets.get(&t.0) else {
+        let Some(&e) = self.tickets.get(&t.0) else {
             return Err(malformed(format!("no write in flight has ticket {}", t.0)));
         };
-        let r = self.release(peer);
-        if self.peer_puts(peer).released > n {
-            self.tickets.remove(&t.0);
-            return Ok(true);
-        }
-        if r.is_err() {
+        let r = self.puts.landed(e);
+        if !matches!(r, Ok(false)) {
             self.tickets.remove(&t.0);
         }
-        r.map(|()| false)
+        r
     }
 
     /// A copy on the channel's stream (mapped), or staged and waited for
@@ -953,6 +818,7 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
     /// batch past a pass), with the channel's mark after them where stalls
     /// are watched.
     fn end_pass(&mut self, ch: Channel) -> Result<(), ExecError> {
+        self.puts.issue();
         self.lane(ch)?;
         hand(&mut self.lanes[ch], ch, self.stalls.as_ref())
     }
@@ -996,7 +862,7 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
     /// Waits for every stream; logs what reached the driver.
     fn quiesce(&mut self) -> Result<(), ExecError> {
         let mut calls = BatchStats::default();
-        let mut first = self.settle_all();
+        let mut first = self.puts.settle_all();
         for l in &self.lanes {
             first = first.and(l.stream.sync().map_err(cuda("cuStreamSynchronize")));
             calls += l.batch.stats;
@@ -1007,6 +873,8 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
             copy_calls = calls.copy_calls,
             copies_issued = calls.copies_issued,
             store_calls = calls.store_calls,
+            gpu_writes = self.puts.stats().puts,
+            gpu_writes_started = self.puts.stats().started,
             "CUDA soft NIC streams drained"
         );
         first
@@ -1017,7 +885,7 @@ impl<G: Gpu> Drop for CudaExecutor<G> {
     /// Writes from GPU memory still in flight (an executor dropped without
     /// quiescing) are completed first: the memory is lent until then.
     fn drop(&mut self) {
-        if let Err(e) = self.settle_all() {
+        if let Err(e) = self.puts.settle_all() {
             tracing::warn!(rank = self.rank, %e, "writes from GPU memory failed while the soft NIC's CUDA executor was dropped");
         }
     }

@@ -102,6 +102,14 @@ pub enum CudaNicError {
         /// The operating system's account.
         why: String,
     },
+    /// A setting in the environment is not understood.
+    #[error("rank {rank}: {why}")]
+    Setting {
+        /// This rank.
+        rank: usize,
+        /// The variable, its value and what it takes.
+        why: String,
+    },
 }
 
 /// The soft NIC of one device communicator's GDAKI queues (see the module
@@ -408,6 +416,11 @@ impl CudaNic {
             )
         };
         exec.watch_stalls(stalls.clone());
+        let merge = std::env::var(gin_cuda::puts::MERGE_VAR).ok();
+        exec.merge_puts(
+            gin_cuda::puts::merge_max_from(merge.as_deref())
+                .map_err(|why| CudaNicError::Setting { rank, why })?,
+        );
         let driver = DriverConfig {
             name: format!("gin-cuda-nic-{rank}"),
             idle: Idle::gpu(spec.spin),

@@ -1380,3 +1380,86 @@ fn a_channel_stream_that_never_completes_is_a_stall_naming_the_peer() {
     r.gpu.complete(0);
     assert_eq!(w.check(before + thr * 10), None);
 }
+
+/// The rig over a transport taking GPU memory, its writes held in flight,
+/// with writes from GPU memory merged as the NIC runs.
+fn rig_merging() -> Rig {
+    let mut r = rig_over(Keyed::taking_device_memory());
+    r.keyed.hold_device_puts();
+    r.exec.merge_puts(gin_cuda::puts::MERGE_MAX);
+    r
+}
+
+/// Writes from GPU memory in one pass that continue one another, in any
+/// order, reach the transport as one put; the CQE covers them only once
+/// it completed; a signal's total held behind them goes only then, after
+/// the data.
+#[test]
+fn adjacent_writes_in_a_pass_go_as_one_transport_put() {
+    let mut r = rig_merging();
+    r.keyed.order_by_waiting();
+    let sink = r.sink.addr();
+    // A pass takes four WQEs here (a quarter of the queue).
+    let mut wqes: Vec<(Op, u8)> = [2u64, 0, 1]
+        .iter()
+        .map(|&i| (write(2, i * 64, 64), FM_NONE))
+        .collect();
+    wqes.push((signal(2, 2, 9, sink), FM_STRONG_ORDERING));
+    r.post(TCP, &wqes);
+    assert_eq!(r.step().consumed, 4);
+    let ops = r.keyed.ops();
+    assert_eq!(
+        ops,
+        vec![KeyedOp::PutDevice {
+            peer: 2,
+            key: DATA_KEY,
+            offset: 0,
+            src: data(0, 0),
+            len: 192
+        }],
+        "one put, and no total before it completed"
+    );
+    assert_eq!(r.calls(), vec![(1, Call::Sync)], "no CQE yet");
+    assert_eq!(r.step(), Progress::default());
+    r.keyed.complete_device_puts(1);
+    assert_eq!(r.step().landed, 4);
+    assert!(matches!(
+        r.keyed.ops()[1],
+        KeyedOp::Put {
+            key: SIG_KEY,
+            ordered: true,
+            ..
+        }
+    ));
+    let (a, v) = done(TCP, 3, OP_FETCH_ADD);
+    assert_eq!(r.calls(), vec![(1, Call::Store(a, v))]);
+}
+
+/// A merged write that fails is an error CQE at its first WQE, whose
+/// account names that write's bytes and offset and the merged put.
+#[test]
+fn a_failed_merged_write_is_an_error_cqe_naming_its_first_original() {
+    let mut r = rig_merging();
+    let wqes: Vec<(Op, u8)> = (0..3).map(|i| (write(2, i * 64, 64), FM_NONE)).collect();
+    r.post(TCP, &wqes);
+    r.step();
+    r.calls();
+    r.keyed.fail_device_put(
+        2,
+        1,
+        "put from GPU memory to rank 2 failed: Connection reset",
+    );
+    r.step();
+    let (op, idx, syn) = error_cqe(&r.calls(), TCP);
+    assert_eq!(
+        (op, idx, syn),
+        (CQE_REQ_ERR, 0, syndrome::TRANSPORT_RETRY_EXC_ERR)
+    );
+    let e = r.fault(TCP);
+    assert!(
+        e.contains("Connection reset")
+            && e.contains("this put's 64 bytes at offset 0 of key 0x00000077")
+            && e.contains("put #1, 192 bytes at offset 0 merged from 3 puts"),
+        "{e}"
+    );
+}

@@ -60,6 +60,13 @@
 //! first ([`Transport::complete_device`]: they may read what it
 //! overwrites) and sends the totals held for it; [`Executor::quiesce`]
 //! (and the executor's drop) complete every put still in flight.
+//! The queue per peer, and the merging of puts that continue one
+//! another, are gin-cuda's [`DevicePuts`]: where merging is on (the
+//! engine's set-up: `GIN_PUT_MERGE_MAX`, 4 MiB by default), a put from
+//! GPU memory starts only at the end of the pass ([`Executor::flush`], or before
+//! anything that must follow it), merged with the pass's puts to the
+//! peer whose destinations and sources it continues, and each original
+//! still completes (and fails, named) on its own.
 //! Otherwise a
 //! put's source is staged through pinned host memory on the ring's stream
 //! (waited for) and sent with [`Fabric::put_key`], and a get's answer is
@@ -78,15 +85,15 @@
 //! mark, so that work a stream has not completed for seconds is diagnosed
 //! as a stall (see `gin_cuda::batch::stall`).
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
 use gin_cuda::CudaError;
 use gin_cuda::batch::stall::StallWatch;
 use gin_cuda::batch::{BatchStats, Dma, Gpu, StreamBatch, TotalOrder, follow, region};
+use gin_cuda::puts::{DevicePut, DevicePuts, Held, Merged, PutError, Ticket};
 use gin_cuda::staging::{STAGE, Stage};
-use gin_net::{Fabric, MemDesc, Memory, NetError, Reach, Transport};
+use gin_net::{Fabric, MemDesc, Memory, NetError, Reach};
 
 use crate::error::ExecError;
 use crate::executor::{Data, Executor, Get, Issued, Put, Signal, Site, Source, Target};
@@ -104,49 +111,9 @@ struct Queue<S> {
 }
 
 /// A put from GPU memory in flight, or one whose signal is held back
-/// ([`Executor::InFlight`]): its peer, and its place in the peer's
-/// [`PeerPuts::queue`].
-#[derive(Debug)]
-pub(crate) struct PutInFlight {
-    peer: usize,
-    n: u64,
-}
-
-/// A signal's running total held back until the puts before it completed.
-#[derive(Debug, Clone, Copy)]
-struct Held {
-    key: u32,
-    offset: u64,
-    total: u64,
-}
-
-/// One entry of a peer's queue: released once the transport's puts
-/// numbered up to `after` completed, its held total sent then.
-#[derive(Debug)]
-struct Entry {
-    after: u64,
-    signal: Option<Held>,
-}
-
-/// The puts from GPU memory to one peer not yet seen complete, and the
-/// totals held behind them, in issue order.
-#[derive(Debug)]
-struct PeerPuts {
-    peer: usize,
-    queue: VecDeque<Entry>,
-    /// Entries made, and released (the entry numbered `released` is the
-    /// queue's front).
-    made: u64,
-    released: u64,
-    /// The transport's number of the newest put started.
-    last: u64,
-    /// Puts were started since the last [`Transport::complete_device`].
-    unsettled: bool,
-    /// Why the queue's front (and so every entry after it) failed: the
-    /// peer's puts, or the sending of the total held there; nothing is
-    /// released any more.
-    failed: Option<ExecError>,
-}
+/// ([`Executor::InFlight`]): its entry in the peer's queue of
+/// [`DevicePuts`].
+pub(crate) type PutInFlight = Ticket;
 
 /// Where the executor stores: what the device communicator laid out.
 #[derive(Debug, Clone)]
@@ -181,8 +148,9 @@ pub(crate) struct CudaExecutor<G: Gpu> {
     /// until the streams were synchronised: they store its marks).
     stalls: Option<Arc<StallWatch>>,
     /// Per peer reached with puts from GPU memory: those in flight and the
-    /// totals held behind them (a few peers: a scan).
-    puts: Vec<PeerPuts>,
+    /// totals held behind them, and the puts of the current pass waiting
+    /// to be merged.
+    puts: DevicePuts<ExecError>,
     /// What keeps the memory `layout` names alive while streams may still
     /// store into it (the index array).
     _keep: Box<dyn std::any::Any + Send>,
@@ -247,6 +215,7 @@ impl<G: Gpu> CudaExecutor<G> {
         let slots = usize::try_from(layout.counter_slots).unwrap_or(usize::MAX);
         Self {
             gpu,
+            puts: DevicePuts::new(fabric.clone(), 0),
             fabric,
             totals: TotalOrder::new(slots),
             layout,
@@ -254,9 +223,16 @@ impl<G: Gpu> CudaExecutor<G> {
             events: Vec::new(),
             stage,
             stalls: None,
-            puts: Vec::new(),
             _keep: keep,
         }
+    }
+
+    /// Merges the puts from GPU memory that continue one another within
+    /// a pass into transport puts of up to `max` bytes (0: none merged,
+    /// each started as it comes, as a new executor does); before the first
+    /// put (see `gin_cuda::puts`).
+    pub(crate) fn merge_puts(&mut self, max: u64) {
+        self.puts = DevicePuts::new(self.fabric.clone(), max);
     }
 
     /// Watches the rings' streams with `w` (its stream `i` is ring `i`'s):
@@ -412,145 +388,6 @@ impl<G: Gpu> CudaExecutor<G> {
         Ok(())
     }
 
-    /// The transport that reaches `peer`.
-    fn transport(&self, peer: usize) -> Result<&Arc<dyn Transport>, ExecError> {
-        self.fabric
-            .path(peer)
-            .map(gin_net::Path::transport)
-            .ok_or_else(|| {
-                net(
-                    peer,
-                    NetError::NoPath {
-                        peer,
-                        nranks: self.fabric.nranks(),
-                    },
-                )
-            })
-    }
-
-    /// `peer`'s puts from GPU memory, made on first use.
-    fn peer_puts(&mut self, peer: usize) -> &mut PeerPuts {
-        let i = self
-            .puts
-            .iter()
-            .position(|p| p.peer == peer)
-            .unwrap_or_else(|| {
-                self.puts.push(PeerPuts {
-                    peer,
-                    queue: VecDeque::new(),
-                    made: 0,
-                    released: 0,
-                    last: 0,
-                    unsettled: false,
-                    failed: None,
-                });
-                self.puts.len() - 1
-            });
-        &mut self.puts[i]
-    }
-
-    /// Whether `peer` has puts from GPU memory, or totals held, not yet
-    /// released.
-    fn pending(&self, peer: usize) -> bool {
-        self.puts
-            .iter()
-            .any(|p| p.peer == peer && !p.queue.is_empty())
-    }
-
-    /// Adds an entry to `peer`'s queue (released once the puts numbered up
-    /// to `after` completed, sending `signal` then): what the engine polls.
-    fn enqueue(&mut self, peer: usize, after: u64, signal: Option<Held>) -> PutInFlight {
-        let p = self.peer_puts(peer);
-        p.queue.push_back(Entry { after, signal });
-        p.made += 1;
-        PutInFlight {
-            peer,
-            n: p.made - 1,
-        }
-    }
-
-    /// Releases the entries of `peer`'s queue whose puts completed, in
-    /// order, sending the totals held behind them, without waiting: the
-    /// transport says how far its puts are complete. A failure is the
-    /// peer's from then on ([`PeerPuts::failed`]), returned here and for
-    /// every entry not yet released.
-    fn release(&mut self, peer: usize) -> Result<(), ExecError> {
-        let p = self.peer_puts(peer);
-        if let Some(e) = &p.failed {
-            return Err(e.clone());
-        }
-        if p.queue.is_empty() {
-            return Ok(());
-        }
-        let r = self.release_done(peer);
-        if let Err(e) = &r {
-            self.peer_puts(peer).failed = Some(e.clone());
-        }
-        r
-    }
-
-    /// [`CudaExecutor::release`]'s work: an entry is popped (and counted
-    /// released) only once its total was sent. Where the transport names
-    /// the put that failed, the entries before it are released first: the
-    /// failure is that put's, not the oldest one's.
-    fn release_done(&mut self, peer: usize) -> Result<(), ExecError> {
-        let t = self.transport(peer)?.clone();
-        let (done, failure) = match t.device_puts_completed(peer) {
-            Ok(done) => (done, None),
-            Err(e) => {
-                let before = t.device_put_failed(peer).map_or(0, |f| f.saturating_sub(1));
-                (before, Some(net(peer, e)))
-            }
-        };
-        let p = self.peer_puts(peer);
-        while let Some(e) = p.queue.front().filter(|e| e.after <= done) {
-            if let Some(h) = e.signal {
-                let at = gin_net::Target::Key {
-                    key: h.key,
-                    offset: h.offset,
-                };
-                t.put_ordered_after(peer, at, &h.total.to_le_bytes(), e.after)
-                    .map_err(|e| net(peer, e))?;
-            }
-            p.queue.pop_front();
-            p.released += 1;
-        }
-        failure.map_or(Ok(()), Err)
-    }
-
-    /// Completes the puts from GPU memory started to `peer` (none: at
-    /// once), waiting: the transport reads none of their sources any more,
-    /// also when this fails. Then sends the totals held behind them.
-    fn settle(&mut self, peer: usize) -> Result<(), ExecError> {
-        let p = self.peer_puts(peer);
-        if std::mem::replace(&mut p.unsettled, false) {
-            self.transport(peer)?
-                .complete_device(peer, self.fabric.timeout())
-                .map_err(|e| net(peer, e))?;
-        }
-        self.release(peer)
-    }
-
-    /// Completes every put from GPU memory still in flight, to every peer
-    /// even after a failure (totals still held are not sent: the engine
-    /// stopped, or failed, with them in flight); the first failure.
-    fn settle_all(&mut self) -> Result<(), ExecError> {
-        let mut first = Ok(());
-        for i in 0..self.puts.len() {
-            let p = &mut self.puts[i];
-            if !std::mem::replace(&mut p.unsettled, false) {
-                continue;
-            }
-            let peer = p.peer;
-            let done = self.transport(peer).and_then(|t| {
-                t.complete_device(peer, self.fabric.timeout())
-                    .map_err(|e| net(peer, e))
-            });
-            first = first.and(done);
-        }
-        first
-    }
-
     /// A put's signal to a peer over a keyed transport: its running total
     /// put ordered after the data now, or held back behind the puts from
     /// GPU memory to the peer (this one's, `started`, and earlier ones)
@@ -560,68 +397,61 @@ impl<G: Gpu> CudaExecutor<G> {
         peer: usize,
         s: &Signal<Arc<MemDesc>>,
         key: u32,
-        started: Option<u64>,
+        started: Option<PutInFlight>,
     ) -> Result<Option<PutInFlight>, ExecError> {
-        let waits = self.transport(peer)?.ordered_waits_for_device_puts();
-        if waits && (started.is_some() || self.pending(peer)) {
-            let after = self.peer_puts(peer).last;
-            let held = Held {
-                key,
-                offset: s.at.offset,
-                total: s.total,
-            };
-            return Ok(Some(self.enqueue(peer, after, Some(held))));
-        }
-        self.fabric
-            .put_key_ordered(peer, key, s.at.offset, &s.total.to_le_bytes())
-            .map_err(|e| net(peer, e))?;
-        Ok(started.map(|seq| self.enqueue(peer, seq, None)))
+        let held = Held {
+            key,
+            offset: s.at.offset,
+            bytes: s.total.to_le_bytes(),
+        };
+        self.puts.send_ordered(peer, held, started)
     }
 
     /// A put's data to a peer over a keyed transport: an inline value
-    /// sent as is, a window's bytes handed to the transport directly where
-    /// it takes GPU memory (started: the transport's number for it
-    /// returned), else staged a chunk at a time, after everything queued
-    /// so far.
-    fn send_data(&mut self, site: Site, d: &Data<Arc<MemDesc>>) -> Result<Option<u64>, ExecError> {
+    /// sent as is (after the puts from GPU memory waiting to start), a
+    /// window's bytes handed to the transport directly where it takes GPU
+    /// memory (in flight: its entry returned; started at the end of the
+    /// pass, merged with the puts it continues), else staged a chunk at a
+    /// time, after everything queued so far.
+    fn send_data(
+        &mut self,
+        site: Site,
+        d: &Data<Arc<MemDesc>>,
+    ) -> Result<Option<PutInFlight>, ExecError> {
         let peer = site.peer;
         let key = Self::key(peer, &d.dst)?;
-        let src = match &d.src {
+        let (src, window) = match &d.src {
             Source::Inline(v) => {
+                self.puts.issue();
                 return self
                     .fabric
                     .put_key(peer, key, d.dst.offset, &v.to_le_bytes())
                     .map(|()| None)
                     .map_err(|e| net(peer, e));
             }
-            Source::Window(t) => self.local(t, d.bytes)?,
+            Source::Window(t) => (self.local(t, d.bytes)?, t.id),
         };
         if self.fabric.takes_device_memory(peer) {
             self.drain(site)?;
-            let at = gin_net::Target::Key {
+            let put = DevicePut {
                 key,
                 offset: d.dst.offset,
+                window,
+                src,
+                len: d.bytes,
+                keep: t_keep(d),
             };
-            let keep = t_keep(d);
             // SAFETY: `d.bytes` of this rank's part at `src` (checked
             // above), GPU memory that no stream of this executor writes
             // (drained; only a get writes this rank's windows, and one to
-            // this peer completes the put first) until the put is
-            // complete: the kernel handed it over with the descriptor and
-            // reuses it only once the completion index or a counter covers
-            // it, which the engine publishes or counts only once
+            // this peer starts and completes the put first) until the put
+            // is complete: the kernel handed it over with the descriptor
+            // and reuses it only once the completion index or a counter
+            // covers it, which the engine publishes or counts only once
             // `landed` found the put complete; a window is freed only after
             // a fence of every peer (which completes the put) or once its
             // kernels ended (published: complete).
-            let seq = unsafe {
-                self.transport(peer)?
-                    .start_put_device(peer, at, src, d.bytes, keep)
-            }
-            .map_err(|e| net(peer, e))?;
-            let p = self.peer_puts(peer);
-            p.unsettled = true;
-            p.last = p.last.max(seq);
-            return Ok(Some(seq));
+            return unsafe { self.puts.put(site.ring, peer, put) }.map(Some);
         }
         self.queue(site)?;
         let Self {
@@ -671,8 +501,8 @@ impl<G: Gpu> CudaExecutor<G> {
 
     /// A put's signal: this rank's running total, stored after the data
     /// (mapped), or put ordered after the data (keyed: see
-    /// [`CudaExecutor::send_signal`]); `started`: the transport's number
-    /// for the put's data, if it is in flight. The put is in flight while
+    /// [`CudaExecutor::send_signal`]); `started`: the entry of the put's
+    /// data, if it is in flight. The put is in flight while
     /// its data is or its total is held.
     ///
     /// Unlike a counter's ([`CudaExecutor::order_total`]), a signal's
@@ -685,7 +515,7 @@ impl<G: Gpu> CudaExecutor<G> {
         site: Site,
         s: &Signal<Arc<MemDesc>>,
         at: SignalAt,
-        started: Option<u64>,
+        started: Option<PutInFlight>,
     ) -> Result<Option<PutInFlight>, ExecError> {
         match at {
             SignalAt::Key(key) => self.send_signal(site.peer, s, key, started),
@@ -709,7 +539,7 @@ impl<G: Gpu> CudaExecutor<G> {
         if self.fabric.takes_device_memory(peer) {
             // Earlier puts may read what this read overwrites (and the
             // totals held behind them go first, as they were issued).
-            self.settle(peer)?;
+            self.puts.settle(peer)?;
             self.drain(site)?;
             // SAFETY: `get.bytes` of this rank's part at `dst` (checked
             // above), GPU memory no stream of this executor touches until
@@ -828,7 +658,7 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
         }
         let flight = match sig {
             Some((s, at)) => self.signal(site, s, at, started)?,
-            None => started.map(|seq| self.enqueue(site.peer, seq, None)),
+            None => started,
         };
         Ok(flight.map_or(Issued::Ordered, Issued::InFlight))
     }
@@ -862,11 +692,7 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
     /// behind them was sent. An entry released before a failure landed;
     /// any other fails with the peer's failure.
     fn landed(&mut self, _: Site, op: &mut PutInFlight) -> Result<bool, ExecError> {
-        let r = self.release(op.peer);
-        if self.peer_puts(op.peer).released > op.n {
-            return Ok(true);
-        }
-        r.map(|()| false)
+        self.puts.landed(*op)
     }
 
     /// Stores the running total into the proxy's sub-slot of the counter
@@ -905,6 +731,7 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
     /// put's value) reach the driver together, with the ring's mark after
     /// them where stalls are watched.
     fn flush(&mut self, site: Site) -> Result<(), ExecError> {
+        self.puts.issue();
         self.queue(site)?;
         hand(&mut self.queues[site.ring], site.ring, self.stalls.as_ref())
     }
@@ -914,7 +741,7 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
     /// engine flushes every batch it hands over) and is dropped.
     fn quiesce(&mut self) -> Result<(), ExecError> {
         let mut calls = BatchStats::default();
-        let mut first = self.settle_all();
+        let mut first = self.puts.settle_all();
         for q in &self.queues {
             first = first.and(q.stream.sync().map_err(cuda("cuStreamSynchronize")));
             calls += q.batch.stats;
@@ -925,6 +752,8 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
             copy_calls = calls.copy_calls,
             copies_issued = calls.copies_issued,
             store_calls = calls.store_calls,
+            gpu_puts = self.puts.stats().puts,
+            gpu_puts_started = self.puts.stats().started,
             "CUDA proxy streams drained"
         );
         first
@@ -935,8 +764,41 @@ impl<G: Gpu> Drop for CudaExecutor<G> {
     /// Puts from GPU memory still in flight (an executor dropped without
     /// quiescing) are completed first: the memory is lent until then.
     fn drop(&mut self) {
-        if let Err(e) = self.settle_all() {
+        if let Err(e) = self.puts.settle_all() {
             tracing::warn!(rank = self.fabric.rank(), %e, "puts from GPU memory failed while the CUDA proxy's executor was dropped");
+        }
+    }
+}
+
+/// The proxy's executor errors in the queue of puts from GPU memory.
+impl PutError for ExecError {
+    fn net(peer: usize, e: NetError) -> Self {
+        net(peer, e)
+    }
+
+    /// The note follows the account (`why`, or what was waited for).
+    fn noted(self, note: &Merged) -> Self {
+        let add = |w: String| format!("{w} ({note})");
+        match self {
+            Self::Unreachable { peer, why } => Self::Unreachable {
+                peer,
+                why: add(why),
+            },
+            Self::Refused { peer, why } => Self::Refused {
+                peer,
+                why: add(why),
+            },
+            Self::Timeout { peer, what, waited } => Self::Timeout {
+                peer,
+                what: add(what),
+                waited,
+            },
+            Self::Invalid { why } => Self::Invalid { why: add(why) },
+            Self::Transport { why } => Self::Transport { why: add(why) },
+            Self::Device { what, why } => Self::Device {
+                what,
+                why: add(why),
+            },
         }
     }
 }

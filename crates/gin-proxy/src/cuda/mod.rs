@@ -68,6 +68,14 @@ pub enum CudaProxyError {
         /// The operating system's account.
         why: String,
     },
+    /// A setting in the environment is not understood.
+    #[error("rank {rank}: {why}")]
+    Setting {
+        /// This rank.
+        rank: usize,
+        /// The variable, its value and what it takes.
+        why: String,
+    },
 }
 
 /// The CUDA proxy of one device communicator (see the module
@@ -208,6 +216,11 @@ impl CudaProxy {
             )
         };
         exec.watch_stalls(stalls.clone());
+        let merge = std::env::var(gin_cuda::puts::MERGE_VAR).ok();
+        exec.merge_puts(
+            gin_cuda::puts::merge_max_from(merge.as_deref())
+                .map_err(|why| CudaProxyError::Setting { rank, why })?,
+        );
         let config = EngineConfig {
             rank,
             batch: pass_len(spec.log2),

@@ -1087,3 +1087,198 @@ fn totals_of_different_counters_do_not_wait_for_each_other() {
         ]
     );
 }
+
+/// The rig over a transport taking GPU memory, its puts held in flight,
+/// with puts from GPU memory merged as the proxy runs.
+fn rig_merging() -> Rig {
+    let mut rig = rig_over(Keyed::taking_device_memory());
+    rig.keyed.hold_device_puts();
+    rig.exec.merge_puts(gin_cuda::puts::MERGE_MAX);
+    rig
+}
+
+/// The puts from GPU memory the transport was handed: (offset, src, len).
+fn device_puts(rig: &Rig) -> Vec<(u64, u64, u64)> {
+    rig.keyed
+        .ops()
+        .into_iter()
+        .filter_map(|o| match o {
+            KeyedOp::PutDevice {
+                offset, src, len, ..
+            } => Some((offset, src, len)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Slices of one message in one pass, in any order, reach the transport
+/// as one put; every original stays in flight until it completed, then
+/// each lands and counts (the counter's total is the number of
+/// originals), and the completion index covers them all.
+#[test]
+fn adjacent_puts_in_a_pass_go_as_one_transport_put_and_each_counts() {
+    let mut rig = rig_merging();
+    for i in [2u64, 0, 3, 1] {
+        rig.post(
+            1,
+            &Desc {
+                counter: Some(1),
+                ..put(512, i * 512, i * 512)
+            },
+        );
+    }
+    let p = rig.step();
+    assert_eq!((p.executed, p.published), (4, 0));
+    assert_eq!(device_puts(&rig), [(0, data(0, 0), 2048)]);
+    assert_eq!(rig.engine.in_flight(), 4);
+    assert_eq!(rig.calls(), vec![(1, Call::Sync)]);
+    assert!(!rig.step().did_work());
+    rig.keyed.complete_device_puts(1);
+    let p = rig.step();
+    assert_eq!((p.landed, p.published), (4, 1));
+    let c = COUNTERS + 16;
+    assert_eq!(
+        rig.calls(),
+        vec![(
+            1,
+            Call::Stores(vec![(c, 1), (c, 2), (c, 3), (c, 4), (DONE[1], 4)])
+        )]
+    );
+}
+
+/// Not merged: puts with a gap between, puts to another window (another
+/// key at the peer), and puts on either side of a get (which completes
+/// the puts before it first); a put that overlaps a waiting one starts
+/// after it, not with it.
+#[test]
+fn puts_that_do_not_continue_or_have_a_get_between_are_not_merged() {
+    let mut rig = rig_merging();
+    rig.post(1, &put(512, 0, 0));
+    rig.post(1, &put(512, 1024, 1024));
+    rig.post(
+        1,
+        &Desc {
+            dst_window: SIGNALS,
+            ..put(8, 0, 1536)
+        },
+    );
+    rig.step();
+    assert_eq!(
+        device_puts(&rig),
+        [
+            (0, data(0, 0), 512),
+            (1024, data(0, 1024), 512),
+            (0, data(0, 1536), 8)
+        ]
+    );
+    let mut rig = rig_merging();
+    rig.post(1, &put(512, 0, 0));
+    rig.post(
+        1,
+        &Desc {
+            op: Op::Get,
+            ..put(32, 3072, 3072)
+        },
+    );
+    rig.post(1, &put(512, 512, 512));
+    rig.post(1, &put(512, 768, 768));
+    let p = rig.step();
+    assert_eq!(p.executed, 4, "{:?}", rig.engine.failure());
+    assert!(matches!(
+        &rig.keyed.ops()[..],
+        [
+            KeyedOp::PutDevice { len: 512, .. },
+            KeyedOp::ReadDevice { .. },
+            KeyedOp::PutDevice {
+                offset: 512,
+                len: 512,
+                ..
+            },
+            KeyedOp::PutDevice {
+                offset: 768,
+                len: 512,
+                ..
+            },
+        ]
+    ));
+    assert_eq!(rig.keyed.completions(), vec![(2, 1)]);
+}
+
+/// Where the transport would wait before a running total (ucx's
+/// default), every slice carrying a signal: the slices go as one put, and
+/// no total leaves before it completed; then every total goes, in order,
+/// and every put is published.
+#[test]
+fn signals_of_a_merged_put_go_only_once_it_completed() {
+    let mut rig = rig_merging();
+    rig.keyed.order_by_waiting();
+    for i in 0..3u64 {
+        rig.post(
+            1,
+            &Desc {
+                signal: Some(signal(48, 1 << i)),
+                ..put(1024, i * 1024, i * 1024)
+            },
+        );
+    }
+    let p = rig.step();
+    assert_eq!(p.executed, 3, "{:?}", rig.engine.failure());
+    assert_eq!(device_puts(&rig), [(0, data(0, 0), 3072)]);
+    assert_eq!(rig.keyed.ops().len(), 1, "no total before the data");
+    rig.keyed.complete_device_puts(1);
+    let p = rig.step();
+    assert_eq!((p.landed, p.published), (3, 1));
+    let totals: Vec<u64> = rig
+        .keyed
+        .ops()
+        .iter()
+        .filter_map(|o| match o {
+            KeyedOp::Put { bytes, .. } => Some(u64::from_le_bytes(bytes[..].try_into().unwrap())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(totals, [1, 3, 7]);
+    assert_eq!(rig.engine.published(1), Some(3));
+}
+
+/// A merged put that fails fails the engine at its first original,
+/// naming that original's bytes and offset and the merged put; every
+/// other original it carried fails too, each named.
+#[test]
+fn a_failed_merged_put_fails_each_original_naming_it() {
+    let mut rig = rig_merging();
+    for i in 0..3u64 {
+        rig.post(1, &put(512, i * 512, i * 512));
+    }
+    rig.step();
+    rig.keyed.fail_device_put(
+        2,
+        1,
+        "put from GPU memory to rank 2 failed: Connection reset",
+    );
+    rig.step();
+    let e = rig.engine.failure().unwrap();
+    assert_eq!((e.peer(), e.seq()), (Some(2), Some(0)));
+    let words = e.to_string();
+    assert!(
+        words.contains("Connection reset")
+            && words.contains("this put's 512 bytes at offset 0 of key 0x00000077")
+            && words.contains("put #1, 1536 bytes at offset 0 merged from 3 puts"),
+        "{words}"
+    );
+    let site = crate::executor::Site {
+        ring: 1,
+        ctx: 0,
+        peer: 2,
+    };
+    for n in 1..3u64 {
+        let mut t = gin_cuda::puts::Ticket { peer: 2, n };
+        let why = rig.exec.landed(site, &mut t).unwrap_err().to_string();
+        let own = format!("this put's 512 bytes at offset {}", n * 512);
+        assert!(
+            why.contains(&own) && why.contains("Connection reset"),
+            "{why}"
+        );
+    }
+    assert_eq!(rig.engine.published(1), Some(0));
+}
