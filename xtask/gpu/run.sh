@@ -461,6 +461,11 @@ if [ -n "$ucx" ]; then
   # Bandwidth with signals ordered by UCX's fence alone (see the
   # selftest-ucx-fence steps, which must pass for these figures to count).
   ustep "bench-cuda-ucx-fence" env GIN_UCX_GPU_ORDER=fence "$here/gin-bench" cuda --tests bandwidth --paths proxy,gdaki --blocks 16 --runs 3 --json "$out/cuda-ucx-fence.json"
+  # Bandwidth with 16, 32 and 66 blocks: puts from GPU memory that continue
+  # one another go to UCX as one put (the default), and each alone
+  # (GIN_PUT_MERGE_MAX=0), which UCX's ~6 us per cuda_ipc put bounds.
+  ustep "bench-cuda-ucx-blocks" "$here/gin-bench" cuda --tests bandwidth --paths proxy,gdaki --blocks 16,32,66 --runs 5 --json "$out/cuda-ucx-blocks.json"
+  ustep "bench-cuda-ucx-blocks-unmerged" env GIN_PUT_MERGE_MAX=0 "$here/gin-bench" cuda --tests bandwidth --paths proxy,gdaki --blocks 16,32,66 --runs 5 --json "$out/cuda-ucx-blocks-unmerged.json"
   ustep "bench-cuda-ucx-staged" env GIN_UCX_DEVICE=0 "$here/gin-bench" cuda --tests pingpong,bandwidth --paths proxy --sizes 8,64k,1m --blocks 16 --runs 3 --json "$out/cuda-ucx-staged.json"
   # The raw UCX floor in the same job: ucx_perftest between two processes on
   # loopback, GPU memory on both sides (-m cuda,cuda), the same UCX.
