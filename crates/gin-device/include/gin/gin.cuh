@@ -569,9 +569,14 @@ GIN_DEV u64 signal_sum_acquire(const DevComm& dc, u64 slot) {
   // With an even number of ranks every slot starts 16-byte aligned where
   // the signal array does (cuMemAlloc's is; checked, as a window could
   // someday come from elsewhere).
+  // Not unrolled: each acquire waits for its load before the next issues
+  // (it invalidates L1 after it), so unrolling bought nothing but code and
+  // registers, which a 1024-thread kernel (64 registers) paid in spills.
   if ((dc.nranks & 1) == 0 && (dc.signals & 15) == 0) {
+#pragma unroll 1
     for (u32 r = 0; r < dc.nranks; r += 2) sum += ld_acquire_sys_pair_sum(s + r);
   } else {
+#pragma unroll 1
     for (u32 r = 0; r < dc.nranks; ++r) sum += ld_acquire_sys(s + r);
   }
   return sum;
