@@ -257,6 +257,17 @@ pub enum EpError {
         /// gin-core's account (kind, context, peer, id or value).
         source: Box<gin_core::CoreError>,
     },
+    /// A step's inputs in GPU memory could not be read back to the host
+    /// (the high-throughput dispatch reads its routing back for the plan).
+    #[error("rank {rank}: reading {what} back from GPU memory failed: {source}")]
+    ReadBack {
+        /// This rank.
+        rank: usize,
+        /// The input (`topk_idx`, `topk_weights`).
+        what: &'static str,
+        /// gin-core's account of the failed copy.
+        source: Box<gin_core::CoreError>,
+    },
     /// A device-API error (gin-core / gin-device).
     #[error(transparent)]
     Gin(#[from] gin_core::GinError),
