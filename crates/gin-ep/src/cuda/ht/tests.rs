@@ -795,3 +795,31 @@ fn host_stage_times() {
         }
     }
 }
+
+/// The combine's row sums (`sum_ops` in ht.cu) take whole 16-byte pieces
+/// of a row (8 columns) and have no element-by-element path: every hidden
+/// size a high-throughput buffer takes is a multiple of 8, and any other
+/// (260, for one) is refused at `Config::validate`, before a kernel could
+/// see it.
+#[test]
+fn every_hidden_the_combine_sees_is_whole_16_byte_pieces() {
+    for hidden in [4, 12, 260, 7172] {
+        let cfg = Config::high_throughput(hidden, 16, 8, 2);
+        match cfg.validate(0, 2) {
+            Err(EpError::Config {
+                field: "hidden", ..
+            }) => {}
+            other => panic!("hidden {hidden}: {other:?}"),
+        }
+    }
+    for hidden in [8, 264, 7168] {
+        Config::high_throughput(hidden, 16, 8, 2)
+            .validate(0, 2)
+            .unwrap();
+    }
+    let ht = include_str!("../../../kernels/ht.cu");
+    assert!(
+        !ht.contains("sum_rows"),
+        "an element-by-element sum came back"
+    );
+}
