@@ -6,8 +6,10 @@
 //!
 //! A step from host memory ([`CudaBuffer::ht_dispatch`],
 //! [`CudaBuffer::ht_combine`], DeepEP's normal mode with its CPU sync after
-//! the counts): the host checks the inputs with the CPU ranks' code (nothing
-//! is sent on an error), stages this rank's notify row, the notify kernel
+//! the counts): the host checks the inputs with the CPU ranks' code (refused
+//! inputs still take part in the count exchange, with a refused row, so
+//! that every peer ends the step at once naming this rank; nothing else is
+//! sent), stages this rank's notify row, the notify kernel
 //! exchanges the rows (gin puts and one signal each) while a second thread
 //! stages the tokens' metadata and uploads it and the tokens (one copy each
 //! from the caller's slices; FP8 is then quantised on the GPU by
