@@ -325,15 +325,20 @@ if [ -n "$checks" ]; then
   step "ep-ht-cuda-4ranks-2hosts-deepep-shape" "$ep" ht device=cuda ranks=4 hosts=2 tokens=512 hidden=7168 topk=8 experts=32 repeats=3
   # Inputs and output in GPU memory (ht_dispatch_device, ht_combine_device):
   # the same oracle, and (below) the same digests as host inputs and CPU
-  # ranks; bad=1: every rank's bad expert id in GPU memory is refused by
-  # name before anything is sent, and the steps after it verify.
+  # ranks. bad=1 (host inputs, or in GPU memory): rank 1's bad expert id is
+  # refused naming its entry, every other rank is told at once by rank 1's
+  # refused notify row (a protocol error naming rank 1, well within the job
+  # timeout), nothing is sent, and the steps after it verify on every rank
+  # (the -bad-named steps count those lines; the -bad-agree steps compare
+  # the later steps' digests with CPU ranks').
   for n in 2 4; do
     step "ep-ht-cuda-${n}ranks-inputs-device" "$ep" ht device=cuda ranks=$n inputs=device
+    step "ep-ht-cuda-${n}ranks-inputs-device-bad" "$ep" ht device=cuda ranks=$n inputs=device bad=1
+    step "ep-ht-cuda-${n}ranks-bad" "$ep" ht device=cuda ranks=$n bad=1
   done
   step "ep-ht-cuda-4ranks-2hosts-inputs-device" "$ep" ht device=cuda ranks=4 hosts=2 inputs=device
   step "ep-ht-cuda-4ranks-2hosts-ring2-inputs-device" "$ep" ht device=cuda ranks=4 hosts=2 tokens=40 ring=2 channels=3 repeats=5 inputs=device
   step "ep-ht-cuda-2ranks-fp8-inputs-device" "$ep" ht device=cuda ranks=2 fp8=1 inputs=device
-  step "ep-ht-cuda-2ranks-inputs-device-bad" "$ep" ht device=cuda ranks=2 inputs=device bad=1
   ep_ht_digests() { sed -n 's/.*rank \([0-9]*\) of [0-9]*: ht ok.*dispatch digest \([0-9a-f]*\), combine digest \([0-9a-f]*\).*/\1 \2 \3/p' "$out/$1.log" | sort; }
   ep_ht_agree() {
     local a b; a=$(ep_ht_digests "$1"); b=$(ep_ht_digests "$2")
@@ -353,7 +358,20 @@ if [ -n "$checks" ]; then
   step "ep-ht-4ranks-2hosts-inputs-device-agree" ep_ht_agree "ep-ht-cuda-4ranks-2hosts-inputs-device" "ep-ht-cpu-4ranks-2hosts"
   step "ep-ht-4ranks-2hosts-ring2-inputs-device-agree" ep_ht_agree "ep-ht-cuda-4ranks-2hosts-ring2-inputs-device" "ep-ht-cpu-4ranks-2hosts-ring2"
   step "ep-ht-2ranks-fp8-inputs-device-agree" ep_ht_agree "ep-ht-cuda-2ranks-fp8-inputs-device" "ep-ht-cuda-2ranks-fp8"
-  step "ep-ht-2ranks-inputs-device-bad-agree" ep_ht_agree "ep-ht-cuda-2ranks-inputs-device-bad" "ep-ht-cpu-2ranks"
+  # The victim (rank 1) names its entry, each of the other n-1 ranks rank 1.
+  ep_ht_bad_named() {
+    local log="$out/$1.log" n=$2 v t
+    v=$(grep -c "rank 1 of $n: ht ok.*rank 1's bad expert id.*: refused its expert" "$log")
+    t=$(grep -c "rank [0-9]* of $n: ht ok.*told that rank 1's inputs were refused" "$log")
+    [ "$v" = 1 ] && [ "$t" = $((n - 1)) ] || { echo "$1: victim lines $v (1 expected), told lines $t ($((n - 1)) expected)"; return 1; }
+    echo "$1: rank 1 named its entry, $t other rank(s) named rank 1"
+  }
+  for n in 2 4; do
+    for kind in inputs-device-bad bad; do
+      step "ep-ht-${n}ranks-${kind}-named" ep_ht_bad_named "ep-ht-cuda-${n}ranks-${kind}" "$n"
+      step "ep-ht-${n}ranks-${kind}-agree" ep_ht_agree "ep-ht-cuda-${n}ranks-${kind}" "ep-ht-cpu-${n}ranks"
+    done
+  done
 fi
 if [ -n "$benches" ]; then
   # High-throughput dispatch + combine on CUDA ranks at DeepEP's shape

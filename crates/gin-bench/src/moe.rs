@@ -31,7 +31,9 @@
 //! `ht_dispatch_device` and `ht_combine_device`: the tokens stay on the
 //! GPU (copied into the send window beside the notify kernel) and the
 //! routing is read back and checked before the notify kernel, outside the
-//! dispatch's clock as host inputs' check is.
+//! dispatch's GPU clock as host inputs' check is; so CUDA ranks also report
+//! a "dispatch call" row: the host's wall time of the whole dispatch call
+//! (read-back, checks, plan, kernels and waits), the slowest rank's mean.
 
 use std::time::Instant;
 
@@ -139,6 +141,13 @@ pub struct MoeResult {
     pub dispatch: Row,
     pub combine: Row,
     pub total: Row,
+    /// CUDA ranks: the wall time of the whole dispatch call on the host
+    /// (`ht_dispatch_device`, `ht_dispatch`, ...: from the call to its
+    /// return, so with the routing's read-back and check, the plan and
+    /// the waits), the slowest rank's mean, beside the dispatch's GPU
+    /// clock (`dispatch`, which starts at the notify kernel).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dispatch_call: Option<Row>,
     /// `cpu` or `cuda` ranks.
     #[serde(default)]
     pub device: String,
@@ -238,11 +247,15 @@ fn table(all: &[MoeResult]) -> Table {
         ],
     );
     for r in all {
+        let call = r.dispatch_call.as_ref().map(|c| ("dispatch call", c));
         for (phase, row) in [
             ("dispatch", &r.dispatch),
             ("combine", &r.combine),
             ("both", &r.total),
-        ] {
+        ]
+        .into_iter()
+        .chain(call)
+        {
             t.row(vec![
                 r.ranks.to_string(),
                 r.experts.to_string(),
@@ -260,7 +273,10 @@ fn table(all: &[MoeResult]) -> Table {
     t.note(
         "per step: the slowest rank's mean over a run, median and p10/p90 over runs; GB/s = rank 0's bytes \
          (DeepEP's accounting) / median; floor = the same bytes by plain puts + one signal per part \
-         (CPU ranks: one part per peer; CUDA ranks: each peer's bytes over the phases' grid)",
+         (CPU ranks: one part per peer; CUDA ranks: each peer's bytes over the phases' grid); \
+         CUDA ranks' phases are GPU clocks (the dispatch from the first kernel's start, after \
+         the host's input checks), \"dispatch call\" the host's wall time of the whole dispatch \
+         call (checks, read-backs, plan and waits included)",
     );
     t
 }
@@ -384,6 +400,7 @@ fn rank_main(args: &MoeArgs) -> Result<()> {
             dispatch: Row::new(db, d_runs, fd_runs).context("no samples")?,
             combine: Row::new(cb, c_runs, fc_runs).context("no samples")?,
             total: Row::new(db + cb, t_runs, ft_runs).context("no samples")?,
+            dispatch_call: None,
             device: "cpu".into(),
             inputs: MoeInputs::Host,
         })?;
@@ -450,26 +467,30 @@ fn cuda_rank_main(args: &MoeArgs) -> Result<()> {
         &disp[rank * n..(rank + 1) * n],
         &comb[rank * n..(rank + 1) * n],
     )?;
-    // Per step: dispatch, combine, floor dispatch, floor combine (µs).
-    let mut step = |timed: &mut [f64; 4]| -> Result<()> {
+    // Per step: dispatch, combine, floor dispatch, floor combine (GPU
+    // clocks), the dispatch call's wall time (µs).
+    let mut step = |timed: &mut [f64; 5]| -> Result<()> {
         comm.bootstrap().barrier()?;
-        cuda_phases(&comm, &mut buf, args.mode, me, dev.as_ref())?;
+        let call = cuda_phases(&comm, &mut buf, args.mode, me, dev.as_ref())?;
         let (kd, kc) = buf.last_kernels();
         comm.bootstrap().barrier()?;
         let fd = floor.step(true)?;
         comm.bootstrap().barrier()?;
         let fc = floor.step(false)?;
-        for (t, k) in timed.iter_mut().zip([kd, kc, fd, fc]) {
-            *t += k.us();
+        for (t, k) in timed
+            .iter_mut()
+            .zip([kd.us(), kc.us(), fd.us(), fc.us(), call])
+        {
+            *t += k;
         }
         Ok(())
     };
     for _ in 0..c.warmup_for(c.iters) {
-        step(&mut [0.0; 4])?;
+        step(&mut [0.0; 5])?;
     }
-    let mut samples: [Vec<f64>; 6] = Default::default();
+    let mut samples: [Vec<f64>; 7] = Default::default();
     for _ in 0..c.runs {
-        let mut sums = [0.0; 4];
+        let mut sums = [0.0; 5];
         for _ in 0..c.iters {
             step(&mut sums)?;
         }
@@ -482,6 +503,7 @@ fn cuda_rank_main(args: &MoeArgs) -> Result<()> {
             slow[2],
             slow[3],
             slow[2] + slow[3],
+            slow[4],
         ]
         .into_iter()
         .enumerate()
@@ -495,7 +517,7 @@ fn cuda_rank_main(args: &MoeArgs) -> Result<()> {
         (0..n).map(|s| comb[s * n + rank]).sum::<u64>() as f64,
     );
     if rank == 0 {
-        let [d, cm, t, fd, fc, ft] = samples;
+        let [d, cm, t, fd, fc, ft, call] = samples;
         ranks::emit(&MoeResult {
             ranks: n,
             mode: args.mode,
@@ -513,9 +535,10 @@ fn cuda_rank_main(args: &MoeArgs) -> Result<()> {
                 0
             },
             threads: 0,
-            dispatch: Row::new(db, d, fd).context("no samples")?,
+            dispatch: Row::new(db, d, fd.clone()).context("no samples")?,
             combine: Row::new(cb, cm, fc).context("no samples")?,
             total: Row::new(db + cb, t, ft).context("no samples")?,
+            dispatch_call: Some(Row::new(db, call, fd).context("no samples")?),
             device: "cuda".into(),
             inputs: args.inputs,
         })?;
@@ -526,19 +549,24 @@ fn cuda_rank_main(args: &MoeArgs) -> Result<()> {
 }
 
 /// A step's dispatch, identity expert and combine on CUDA ranks, a
-/// bootstrap barrier before the combine (each phase's clock is read after).
+/// bootstrap barrier before the combine (each phase's clock is read
+/// after); the dispatch call's wall time on the host, µs.
 fn cuda_phases(
     comm: &Comm,
     buf: &mut gin_ep::cuda::CudaBuffer<'_, '_>,
     mode: MoeMode,
     me: &RankInput,
     dev: Option<&DevInputs>,
-) -> Result<()> {
+) -> Result<f64> {
+    let t0 = Instant::now();
+    let call = |t0: Instant| t0.elapsed().as_secs_f64() * 1e6;
+    let took;
     if let (MoeMode::Ht, Some(dv)) = (mode, dev) {
         // The routing is read back and checked before the notify kernel
-        // (outside the clock, as host inputs' check is); the tokens
-        // never leave the GPU.
+        // (outside the GPU clock, as host inputs' check is, inside the
+        // call's wall time); the tokens never leave the GPU.
         let s = buf.ht_dispatch_device(&dv.inputs())?;
+        took = call(t0);
         buf.ht_echo_device(&s)?;
         comm.bootstrap().barrier()?;
         buf.ht_combine_device(&s, &dv.out)?;
@@ -546,21 +574,24 @@ fn cuda_phases(
         // The dispatch's clock runs from the notify kernel's start to the
         // dispatch kernel's end (the plan built on the host between).
         let d = buf.ht_dispatch(&me.x, &me.topk_idx, &me.weights)?;
+        took = call(t0);
         buf.ht_echo(&d)?;
         comm.bootstrap().barrier()?;
         buf.ht_combine(&d)?;
     } else if let Some(dv) = dev {
         let s = buf.ll_dispatch_device(&dv.inputs())?;
+        took = call(t0);
         buf.ll_echo_device(&s)?;
         comm.bootstrap().barrier()?;
         buf.ll_combine_device(&s, &dv.out)?;
     } else {
         let d = buf.ll_dispatch(&me.x, &me.topk_idx, &me.weights)?;
+        took = call(t0);
         buf.ll_echo(&d)?;
         comm.bootstrap().barrier()?;
         buf.ll_combine(&d)?;
     }
-    Ok(())
+    Ok(took)
 }
 
 /// A rank's inputs and output in GPU memory for `--inputs device`,
@@ -806,6 +837,54 @@ mod tests {
         assert_eq!(traffic(&ht, &inputs).0, [0, 512, 512, 0]);
         let fp8 = Config { fp8: true, ..ll };
         assert_eq!(traffic(&fp8, &inputs).0[1], 2 * (256 + 8 + 16));
+    }
+
+    fn result(dispatch_call: Option<Row>) -> MoeResult {
+        let row = |us: f64| Row::new(1e6, vec![us; 3], vec![10.0; 3]).unwrap();
+        MoeResult {
+            ranks: 2,
+            mode: MoeMode::Ht,
+            backend: "load/store".into(),
+            paths: Vec::new(),
+            tokens: 4096,
+            hidden: 7168,
+            topk: 8,
+            experts: 64,
+            fp8: false,
+            hosts: 1,
+            channels: 16,
+            threads: 0,
+            dispatch: row(100.0),
+            combine: row(50.0),
+            total: row(150.0),
+            dispatch_call,
+            device: "cuda".into(),
+            inputs: MoeInputs::Device,
+        }
+    }
+
+    /// CUDA ranks report the dispatch call's wall time beside the phases'
+    /// GPU clocks (a "dispatch call" row, in the JSON as `dispatch_call`);
+    /// CPU ranks' results, and JSON written before it, have none.
+    #[test]
+    fn the_dispatch_calls_wall_time_is_a_row_of_its_own() {
+        let call = Row::new(1e6, vec![900.0; 3], vec![10.0; 3]).unwrap();
+        let t = table(&[result(Some(call))]);
+        let phases: Vec<&str> = t.rows.iter().map(|r| r[3].as_str()).collect();
+        assert_eq!(phases, ["dispatch", "combine", "both", "dispatch call"]);
+        assert_eq!(t.rows[3][4], "900.0");
+        assert!(
+            t.notes
+                .iter()
+                .any(|n| n.contains("\"dispatch call\" the host's wall time"))
+        );
+        let t = table(&[result(None)]);
+        assert_eq!(t.rows.len(), 3);
+        let mut json = serde_json::to_value(result(None)).unwrap();
+        assert!(json.get("dispatch_call").is_none());
+        json.as_object_mut().unwrap().remove("inputs");
+        let back: MoeResult = serde_json::from_value(json).unwrap();
+        assert!(back.dispatch_call.is_none());
     }
 }
 

@@ -282,44 +282,25 @@ __device__ __forceinline__ void add_sum(Batch& b, u8* out, u32 row0, u32 nrows) 
   b.ops[b.nops++] = Op{OP_SUM, 0, 0, 0, (u64)out, 0, 0, 0, row0, nrows, 0, 0};
 }
 
-// Block-wide: rows summed into out (BF16, h elements), as num.rs's
-// sum_bf16_rows: none gives zeros, one is copied, more are added in f32 in
-// order and rounded once (no contraction: __fadd_rn). Element by element:
-// the path for a hidden size that is not a multiple of 8 (sum_ops takes
-// the others).
-__device__ void sum_rows(const u8* const* rows, u32 n, u8* out, u32 h) {
-  for (u32 col = threadIdx.x; col < h; col += blockDim.x) {
-    u16 r = 0;
-    if (n == 1) {
-      r = ((const u16*)rows[0])[col];
-    } else if (n > 1) {
-      float acc = fp8::from_bf16(((const u16*)rows[0])[col]);
-      for (u32 i = 1; i < n; ++i) acc = __fadd_rn(acc, fp8::from_bf16(((const u16*)rows[i])[col]));
-      r = fp8::to_bf16(acc);
-    }
-    ((u16*)out)[col] = r;
-  }
-}
-
 // Items (16-byte pieces of one sum's output) a thread carries in lockstep in
 // sum_ops: their loads of one row are in flight together.
 constexpr u32 SUM_ITEMS = 4;
 
 // Block-wide: the row sums ops[i0, i1) of a batch (consecutive OP_SUMs:
-// independent, their rows ready) at once, as sum_rows each. Every thread
+// independent, their rows ready) at once, each into its out (BF16, h
+// elements) as num.rs's sum_bf16_rows: none gives zeros, one is copied,
+// more are added in f32 in order and rounded once (no contraction:
+// __fadd_rn). Every thread
 // takes 16-byte pieces (8 columns) of any of the sums, SUM_ITEMS at a
 // time, and loads the pieces' row r together before adding them, so that
 // a block keeps SUM_ITEMS x 16 bytes a thread in flight instead of one
 // row's 16 bytes; each piece still meets its rows in order, with the same
-// __fadd_rn sums and one rounding (bit for bit sum_rows, and num.rs).
+// __fadd_rn sums and one rounding (bit for bit num.rs).
 // One barrier pair for the whole run of sums, not two per sum.
+// h is a multiple of 8 (Config::validate refuses any other hidden size,
+// tested), so every row is whole 16-byte pieces.
 __device__ __noinline__ void sum_ops(const Op* ops, const u8* const* rows, u32 i0, u32 i1,
                                      u32 h) {
-  if ((h & 7u) != 0) {
-    for (u32 i = i0; i < i1; ++i)
-      sum_rows(rows + ops[i].row0, ops[i].nrows, (u8*)ops[i].dst_off, h);
-    return;
-  }
   const u32 per = h / 8, items = (i1 - i0) * per;
   for (u32 base = threadIdx.x; base < items; base += SUM_ITEMS * blockDim.x) {
     const u8* const* rs[SUM_ITEMS];  // the piece's rows
@@ -353,7 +334,7 @@ __device__ __noinline__ void sum_ops(const Op* ops, const u8* const* rows, u32 i
       for (u32 u = 0; u < SUM_ITEMS; ++u) {
         if (r >= n[u]) continue;
         if (n[u] == 1) {
-          *(uint4*)dst[u] = v[u];  // one row: copied, as sum_rows
+          *(uint4*)dst[u] = v[u];  // one row: copied
           continue;
         }
         const u32 words[4] = {v[u].x, v[u].y, v[u].z, v[u].w};

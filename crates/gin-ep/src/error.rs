@@ -158,8 +158,8 @@ pub enum EpError {
     /// starts makes its peers time out). Checked at `CudaBuffer::new`, on
     /// every rank alike.
     #[error(
-        "rank {rank}: {channels} channels x {ranks_on_gpu} ranks on GPU {gpu} (ranks {ranks:?}) need {} resident blocks, but its {sms} SMs hold {blocks_per_sm} block(s) of the high-throughput kernels each ({} in all): pass Config::with_cuda_channels at most {most} channels (or put fewer ranks on that GPU)",
-        channels * ranks_on_gpu, sms * blocks_per_sm
+        "rank {rank}: {channels} channels x {ranks_on_gpu} ranks on GPU {gpu} (ranks {ranks:?}) need {} resident blocks, but its {sms} SMs hold {blocks_per_sm} block(s) of the high-throughput kernels each ({} in all): {}",
+        channels * ranks_on_gpu, sms * blocks_per_sm, resident_advice(*most, *ranks_on_gpu)
     )]
     NotResident {
         /// This rank.
@@ -257,6 +257,32 @@ pub enum EpError {
         /// gin-core's account (kind, context, peer, id or value).
         source: Box<gin_core::CoreError>,
     },
+    /// High-throughput mode on CUDA ranks: rank `peer`'s driver could not
+    /// say how many blocks of the kernels one of its SMs holds (the
+    /// residency check's occupancy query), so no rank can check that the
+    /// channels fit. Checked at `CudaBuffer::new`, on every rank alike.
+    #[error(
+        "rank {rank}: rank {peer} could not ask its driver how many blocks of the high-throughput kernels one SM holds (cuOccupancyMaxActiveBlocksPerMultiprocessor): {why}"
+    )]
+    Occupancy {
+        /// This rank.
+        rank: usize,
+        /// The rank whose query failed.
+        peer: usize,
+        /// Its driver's error.
+        why: String,
+    },
+    /// A step's inputs in GPU memory could not be read back to the host
+    /// (the high-throughput dispatch reads its routing back for the plan).
+    #[error("rank {rank}: reading {what} back from GPU memory failed: {source}")]
+    ReadBack {
+        /// This rank.
+        rank: usize,
+        /// The input (`topk_idx`, `topk_weights`).
+        what: &'static str,
+        /// gin-core's account of the failed copy.
+        source: Box<gin_core::CoreError>,
+    },
     /// A device-API error (gin-core / gin-device).
     #[error(transparent)]
     Gin(#[from] gin_core::GinError),
@@ -266,4 +292,20 @@ pub enum EpError {
     /// A bootstrap error (configuration agreement).
     #[error(transparent)]
     Bootstrap(#[from] gin_bootstrap::BootstrapError),
+}
+
+/// What [`EpError::NotResident`] advises: the channel count that fits
+/// (`Config::channels`; `Config::with_cuda_channels` takes an SM count and
+/// uses at most one channel per SM, so passing it `most` gives at most
+/// `most`), or, where none does, fewer ranks on the GPU.
+fn resident_advice(most: usize, ranks_on_gpu: usize) -> String {
+    if most == 0 {
+        format!(
+            "no channel count fits its {ranks_on_gpu} rank(s): put fewer ranks on that GPU (or see why its SMs hold no block of these kernels)"
+        )
+    } else {
+        format!(
+            "set channels <= {most} (Config {{ channels: {most}, .. }}, or Config::with_cuda_channels({most}): it takes an SM count and uses at most one channel per SM), or put fewer ranks on that GPU"
+        )
+    }
 }

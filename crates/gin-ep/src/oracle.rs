@@ -491,6 +491,33 @@ pub fn check_ht_dispatch(
     )
 }
 
+/// What a high-throughput dispatch delivers to `rank` from each source, by
+/// the all-gathered routing `tables` (`tables[src]`: its `tokens × topk`
+/// expert ids) under the active mask `active`: the source's tokens that
+/// name one of `rank`'s experts (none from a masked source).
+pub fn ht_counts(
+    rank: usize,
+    cfg: &crate::Config,
+    active: &[bool],
+    tables: &[Vec<i64>],
+) -> Vec<usize> {
+    let l = cfg.local_experts(active.len());
+    let k = cfg.topk;
+    tables
+        .iter()
+        .enumerate()
+        .map(|(src, table)| {
+            if !active[src] {
+                return 0;
+            }
+            table
+                .chunks_exact(k)
+                .filter(|row| row.iter().any(|&e| e >= 0 && e as usize / l == rank))
+                .count()
+        })
+        .collect()
+}
+
 /// [`check_ht_dispatch`] for any [`HtView`] (CUDA ranks too): `rank`'s
 /// dispatch under `cfg` with the active mask `active`.
 pub fn check_ht_view(
@@ -594,6 +621,26 @@ mod tests {
         assert!(a.topk_idx.contains(&-1));
         assert!(a.topk_idx[4..8].iter().all(|&e| e == -1 || e / 4 == 2));
         assert!(tokens_for_rank(128, 1) < tokens_for_rank(128, 0));
+    }
+
+    /// A source's count is its tokens naming any of the rank's experts,
+    /// each once however many of them it names; a masked source sends
+    /// none.
+    #[test]
+    fn ht_counts_count_tokens_per_source_from_the_tables() {
+        // 3 ranks of 2 experts, top-2.
+        let cfg = crate::Config::high_throughput(128, 8, 6, 2);
+        let tables = vec![
+            vec![2, 3, 0, -1, 3, 5], // rank 1 twice in one token, then once
+            vec![-1, -1, 1, 2],
+            vec![4, 5, 2, 0, 3, -1],
+        ];
+        assert_eq!(ht_counts(1, &cfg, &[true; 3], &tables), vec![2, 1, 2]);
+        assert_eq!(ht_counts(0, &cfg, &[true; 3], &tables), vec![1, 1, 1]);
+        assert_eq!(
+            ht_counts(1, &cfg, &[true, true, false], &tables),
+            vec![2, 1, 0]
+        );
     }
 
     #[test]

@@ -34,9 +34,11 @@
 //! to report that entry and every other rank a protocol error naming it.
 //! `ht device=cuda inputs=device` runs the high-throughput step from GPU
 //! memory (`ht_dispatch_device`, `ht_echo_device`, `ht_combine_device`)
-//! with the same oracle and digests as host inputs; with `bad=1` every
-//! rank first names an expert out of range in GPU memory and must be
-//! refused by name before anything is sent, the steps after it verified.
+//! with the same oracle and digests as host inputs. `ht device=cuda bad=1`
+//! (host inputs or `inputs=device`) first gives rank `victim` (default 1)
+//! an expert id out of range: it must be refused by name, every other rank
+//! with a protocol error naming it, at once, then the steps after it
+//! verify on every rank.
 //! `kill device=cuda` queues steps on the test's stream and kills rank
 //! `victim` between two: the survivors' queued waits must give up at once,
 //! their error naming it.
@@ -546,12 +548,21 @@ fn cuda_ht_step(
     let me = &all[rank];
     let (got, combined) = if let Some(dt) = dev {
         let s = buf.ht_dispatch_device(&dt.inputs())?;
-        let d = buf.ht_read_back(&s)?;
-        if d.received() != s.received() || (0..buf.nranks()).any(|p| d.count(p) != s.count(p)) {
-            return Err(
-                format!("rank {rank}: the step's counts differ from the read-back's").into(),
-            );
+        // The handle's blocks by source against the all-gathered routing
+        // tables (the read-back's are checked by check_ht_view below).
+        let want = oracle::ht_counts(rank, &cfg, buf.active(), tables);
+        let start = |p: usize| want[..p].iter().sum::<usize>();
+        if (0..buf.nranks()).any(|p| s.count(p) != want[p] || s.block_start(p) != start(p))
+            || s.received() != want.iter().sum::<usize>()
+        {
+            let got: Vec<usize> = (0..buf.nranks()).map(|p| s.count(p)).collect();
+            return Err(format!(
+                "rank {rank}: the step's handle counts {got:?} tokens by source, the all-gathered \
+                 tables {want:?}"
+            )
+            .into());
         }
+        let d = buf.ht_read_back(&s)?;
         let got = buf.ht_received(&d)?;
         buf.ht_echo_device(&s)?;
         buf.ht_combine_device(&s, &dt.out)?;
@@ -611,8 +622,9 @@ fn cuda_ht_run(comm: &Comm, args: &Args) -> Res<String> {
         }
     };
     let mut bad = String::new();
-    if let (Some(dt), 1) = (&dt, args.get("bad", 0)) {
-        bad = ht_device_bad(&cuda, &mut buf, &all[comm.rank()], dt)?;
+    if args.get("bad", 0) == 1 {
+        let victim = args.get("victim", 1) % comm.nranks();
+        bad = ht_bad(&cuda, &mut buf, &all[comm.rank()], dt.as_ref(), victim)?;
     }
     let repeats = args.get("repeats", 20);
     let first = cuda_ht_step(&mut buf, &all, &tables, true, dt.as_ref())?;
@@ -643,43 +655,84 @@ fn cuda_ht_run(comm: &Comm, args: &Args) -> Res<String> {
     ))
 }
 
-/// `ht device=cuda inputs=device bad=1`: every rank names an expert out of
-/// range (its token 1, top-k slot 1, in GPU memory) and must be refused by
-/// name before anything is sent, its step count unchanged, so that the
-/// steps that follow (with good inputs) verify on every rank.
-fn ht_device_bad(
+/// `ht device=cuda bad=1` (host inputs or `inputs=device`): rank `victim`
+/// (default 1) names an expert out of range (its token 1, top-k slot 1; in
+/// GPU memory with `inputs=device`) and must be refused by name, every
+/// other rank with a protocol error naming the victim (told by the
+/// victim's refused notify row, at once: within half the job timeout), no
+/// rank sending anything; then every buffer takes the steps that follow
+/// (with good inputs), which verify on every rank.
+fn ht_bad(
     cuda: &gin_core::cuda::CudaComm<'_>,
     buf: &mut gin_ep::cuda::CudaBuffer<'_, '_>,
     me: &RankInput,
-    good: &DevTensors,
+    dt: Option<&DevTensors>,
+    victim: usize,
 ) -> Res<String> {
     let cfg = *buf.config();
     let rank = buf.rank();
-    if me.tokens < 2 {
-        return Err(format!("rank {rank}: bad=1 needs 2 tokens or more").into());
+    if me.tokens < 2 || cfg.topk < 2 {
+        return Err(format!("rank {rank}: bad=1 needs 2 tokens and top-2 or more").into());
     }
-    let mut idx = me.topk_idx.clone();
     let bad = i64::try_from(cfg.num_experts + 3)?;
-    idx[cfg.topk + 1] = bad;
-    cuda.device().make_current()?;
-    let bad_idx = gin_core::cuda::DevMem::new(8 * idx.len())?;
-    bad_idx.write(0, &idx)?;
-    let inp = gin_ep::cuda::DeviceInputs {
-        topk_idx: &bad_idx,
-        ..good.inputs()
-    };
-    match buf.ht_dispatch_device(&inp) {
-        Err(EpError::ExpertOutOfRange {
-            rank: r,
-            token: 1,
-            slot: 1,
-            expert,
-            ..
-        }) if r == rank && expert == bad => Ok(format!(
-            "; expert {bad} at token 1 slot 1 in GPU memory refused before anything was sent"
-        )),
-        other => Err(format!("rank {rank}: a bad expert id in GPU memory gave {other:?}").into()),
+    let mut idx = me.topk_idx.clone();
+    if rank == victim {
+        idx[cfg.topk + 1] = bad;
     }
+    let t = Instant::now();
+    let got = match dt {
+        Some(good) => {
+            cuda.device().make_current()?;
+            let bad_idx = gin_core::cuda::DevMem::new(8 * idx.len())?;
+            bad_idx.write(0, &idx)?;
+            let inp = gin_ep::cuda::DeviceInputs {
+                topk_idx: &bad_idx,
+                ..good.inputs()
+            };
+            buf.ht_dispatch_device(&inp).map(|_| ())
+        }
+        None => buf.ht_dispatch(&me.x, &idx, &me.weights).map(|_| ()),
+    };
+    let (took, timeout) = (t.elapsed(), cuda.comm().settings().timeout);
+    let what = match (&got, rank == victim) {
+        (
+            Err(EpError::ExpertOutOfRange {
+                rank: r,
+                token: 1,
+                slot: 1,
+                expert,
+                ..
+            }),
+            true,
+        ) if *r == rank && *expert == bad => format!("refused its expert {bad} at token 1 slot 1"),
+        (
+            Err(EpError::Protocol {
+                rank: r,
+                peer,
+                what,
+            }),
+            false,
+        ) if *r == rank && *peer == victim && what.contains("inputs were refused") => {
+            format!("told that rank {victim}'s inputs were refused")
+        }
+        _ => {
+            return Err(format!(
+                "rank {rank}: a bad expert id at rank {victim} gave {got:?} after {took:?}"
+            )
+            .into());
+        }
+    };
+    if took * 2 >= timeout {
+        return Err(format!(
+            "rank {rank}: the refused step ended only after {took:?} (GIN_TIMEOUT {timeout:?})"
+        )
+        .into());
+    }
+    Ok(format!(
+        "; rank {victim}'s bad expert id{}: {what} in {:.0} ms, then the buffer's steps verified",
+        if dt.is_some() { " in GPU memory" } else { "" },
+        took.as_secs_f64() * 1e3
+    ))
 }
 
 /// `kill device=cuda`: one verified step with every rank, its launches

@@ -17,7 +17,10 @@ use crate::error::EpError;
 /// aligned). Each buffer may be larger than that; only its first rows are
 /// read. Memory a framework allocated is lent with the `unsafe`
 /// [`DevMem::from_raw_parts`] (its contract: the memory stays allocated
-/// while the `DevMem` lives).
+/// while the `DevMem` lives). The inputs must be complete when a waiting
+/// `*_device` call takes them (their producer's stream synchronised): those
+/// calls run on gin's stream and the buffer's own, not ordered after the
+/// caller's (the `_on` calls take the caller's stream instead).
 #[derive(Debug, Clone, Copy)]
 pub struct DeviceInputs<'m> {
     /// The tokens, BF16, `tokens × hidden`.

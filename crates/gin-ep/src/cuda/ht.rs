@@ -6,8 +6,10 @@
 //!
 //! A step from host memory ([`CudaBuffer::ht_dispatch`],
 //! [`CudaBuffer::ht_combine`], DeepEP's normal mode with its CPU sync after
-//! the counts): the host checks the inputs with the CPU ranks' code (nothing
-//! is sent on an error), stages this rank's notify row, the notify kernel
+//! the counts): the host checks the inputs with the CPU ranks' code (refused
+//! inputs still take part in the count exchange, with a refused row, so
+//! that every peer ends the step at once naming this rank; nothing else is
+//! sent), stages this rank's notify row, the notify kernel
 //! exchanges the rows (gin puts and one signal each) while a second thread
 //! stages the tokens' metadata and uploads it and the tokens (one copy each
 //! from the caller's slices; FP8 is then quantised on the GPU by
@@ -222,6 +224,46 @@ fn plan_shape_len() -> usize {
     SHAPE_WORDS.len()
 }
 
+/// Whether handle `s` is the step under way (`step` here; `here`: the
+/// blocks by source its plan gave this rank and the tokens it dispatched,
+/// `None` where no dispatch from GPU memory holds a plan, as after a
+/// dispatch from host memory or a combine). A handle of another buffer at
+/// the same step number, or of a step whose plan is gone, is refused
+/// ([`EpError::Mode`]), naming the handle and what differs.
+pub(crate) fn own_step(
+    rank: usize,
+    call: &'static str,
+    s: &CudaHtStep,
+    step: u64,
+    here: Option<(&[u32], usize)>,
+) -> Result<(), EpError> {
+    let refuse = |why: String| EpError::Mode {
+        rank,
+        what: format!(
+            "{call}: the handle of step {} ({} tokens dispatched, {} received) is not this \
+             buffer's step: {why}",
+            s.step,
+            s.tokens,
+            s.received()
+        ),
+    };
+    let Some((prefix, tokens)) = here else {
+        return Err(refuse(format!(
+            "step {step} here holds no plan of a dispatch from GPU memory"
+        )));
+    };
+    if s.recv_prefix != prefix {
+        return Err(refuse(format!(
+            "its blocks by source start at {:?}, this buffer's at {prefix:?}",
+            s.recv_prefix
+        )));
+    }
+    if s.tokens != tokens {
+        return Err(refuse(format!("this buffer dispatched {tokens} tokens")));
+    }
+    Ok(())
+}
+
 /// What a CUDA rank received in one high-throughput dispatch: the blocks by
 /// source, each token's index at its source and weight for this rank's
 /// experts (read back from GPU memory and checked); the payloads stay there
@@ -313,28 +355,53 @@ impl HtView for HtReceived {
     }
 }
 
+/// What a count exchange brought ([`notify_rows`]).
+#[derive(Debug)]
+pub(crate) enum Rows {
+    /// Every active rank's row, checked.
+    Taken(Vec<Option<Vec<u32>>>),
+    /// An active rank refused its own inputs this step (its row is
+    /// [`plan::refused_row`]): that rank's [`EpError::Protocol`], naming
+    /// it. Nothing moves on any rank: every rank's count exchange has
+    /// completed, no plan is built and no token is sent, so every buffer
+    /// stays usable for the next step.
+    Refused(EpError),
+}
+
 /// The rows of a count exchange (`parity`'s half of NRECV, `width` bytes
 /// each) as the plan takes them: every active rank's, checked (its counts
 /// fit the buffer; its active mask is this rank's: a mask applied
-/// differently is refused naming the rank).
+/// differently is refused naming the rank). A refused row (the lowest
+/// such rank's) comes first: [`Rows::Refused`].
 pub(crate) fn notify_rows(
     s: &Shape,
     rank: usize,
     active: &[bool],
     raw: &[u8],
-) -> Result<Vec<Option<Vec<u32>>>, EpError> {
+) -> Result<Rows, EpError> {
     let width = 4 * s.row_words();
+    let row_of = |src: usize| -> Vec<u32> {
+        raw.get(src * width..(src + 1) * width)
+            .unwrap_or(&[])
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    };
+    if let Some(src) = (0..s.r).find(|&p| active[p] && plan::is_refused(s, &row_of(p))) {
+        return Ok(Rows::Refused(EpError::Protocol {
+            rank,
+            peer: src,
+            what: "its inputs were refused this step, so it sent nothing (its own error names \
+                   the entry); no rank sent anything and every buffer stays usable"
+                .into(),
+        }));
+    }
     let mut rows = vec![None; s.r];
     for (src, slot) in rows.iter_mut().enumerate() {
         if !active[src] {
             continue;
         }
-        let words: Vec<u32> = raw
-            .get(src * width..(src + 1) * width)
-            .unwrap_or(&[])
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
+        let words = row_of(src);
         plan::check_row(s, rank, src, &words)?;
         for (p, &a) in active.iter().enumerate() {
             if (words[p / 32] >> (p % 32) & 1 == 1) != a {
@@ -351,7 +418,7 @@ pub(crate) fn notify_rows(
         }
         *slot = Some(words);
     }
-    Ok(rows)
+    Ok(Rows::Taken(rows))
 }
 
 /// Stages this rank's tokens' metadata ([`plan::meta_word`]: source index,
@@ -376,6 +443,15 @@ pub(crate) fn stage_meta(s: &Shape, lay: &Layout, idx: &[i64], w: &[f32], meta: 
             b.copy_from_slice(&v.to_le_bytes());
         }
     }
+}
+
+/// How a step's count exchange ended for this rank.
+enum Notified {
+    /// Every active rank's row was taken: the step's plan.
+    Plan(Plan),
+    /// A peer refused its inputs ([`Rows::Refused`]): its error. Nothing
+    /// moved; the buffer stays usable.
+    Refused(EpError),
 }
 
 /// Where a step's tokens come from.
@@ -470,26 +546,35 @@ impl CudaBuffer<'_, '_> {
     }
 
     /// High-throughput dispatch on CUDA ranks from host memory: checks the
-    /// inputs (nothing is sent on an error), exchanges the counts (the
-    /// notify kernel), builds the step's plan from every rank's row, stages
-    /// the tokens and runs the dispatch kernel: between hosts each token
-    /// goes only to the rank with this rank's local index (into its final
-    /// place there or through the channel's ring, within credits), within a
-    /// host tokens are forwarded over load/store where mapped. Every wait
-    /// is bounded by the job timeout and names the peer; the received
-    /// tokens' metadata is read back and checked.
+    /// inputs, exchanges the counts (the notify kernel), builds the step's
+    /// plan from every rank's row, stages the tokens and runs the dispatch
+    /// kernel: between hosts each token goes only to the rank with this
+    /// rank's local index (into its final place there or through the
+    /// channel's ring, within credits), within a host tokens are forwarded
+    /// over load/store where mapped. Every wait is bounded by the job
+    /// timeout and names the peer; the received tokens' metadata is read
+    /// back and checked.
+    ///
+    /// Inputs refused by the checks (their error names the entry) still
+    /// take part in the count exchange with a refused row, so that every
+    /// peer's dispatch returns at once with [`EpError::Protocol`] naming
+    /// this rank; no rank sends a token, and every buffer stays usable for
+    /// the next step ([`CudaBuffer::ht_dispatch_device`] alike). Like every
+    /// step, the dispatch is collective: every active rank calls it.
     pub fn ht_dispatch(
         &mut self,
         x: &[Bf16],
         topk_idx: &[i64],
         topk_weights: &[f32],
     ) -> Result<CudaHtDispatch, EpError> {
-        self.ht_state("ht_dispatch")?;
-        self.st.idle("ht_dispatch")?;
-        self.expect_unqueued("ht_dispatch")?;
+        const CALL: &str = "ht_dispatch";
+        self.ht_state(CALL)?;
+        self.st.idle(CALL)?;
+        self.expect_unqueued(CALL)?;
         self.poll()?;
         let cfg = self.cfg;
-        let s = self.ht_state("ht_dispatch")?.s;
+        let s = self.ht_state(CALL)?.s;
+        self.ht_forget_plan();
         let lay = crate::ll::check_inputs(
             self.rank,
             &cfg,
@@ -498,16 +583,27 @@ impl CudaBuffer<'_, '_> {
             x.len(),
             topk_idx,
             topk_weights,
-        )?;
-        self.current()?;
+        )
+        .and_then(|lay| self.current().map(|()| lay));
+        let lay = match lay {
+            Ok(lay) => lay,
+            Err(e) => return Err(self.ht_refuse(&s, e)),
+        };
         self.st.begin(lay.tokens);
-        let r = self
-            .ht_dispatch_steps(&s, &lay, Tokens::Host(x), topk_idx, topk_weights)
-            .and_then(|plan| self.ht_read_dispatch(&s, plan));
-        if r.is_err() {
-            self.st.fail();
+        match self.ht_dispatch_steps(&s, &lay, Tokens::Host(x), topk_idx, topk_weights) {
+            Ok(Notified::Plan(plan)) => {
+                let r = self.ht_read_dispatch(&s, plan);
+                if r.is_err() {
+                    self.st.fail();
+                }
+                r
+            }
+            Ok(Notified::Refused(e)) => Err(e),
+            Err(e) => {
+                self.st.fail();
+                Err(e)
+            }
         }
-        r
     }
 
     /// High-throughput dispatch from inputs in GPU memory (DeepEP's
@@ -515,30 +611,63 @@ impl CudaBuffer<'_, '_> {
     /// [`CudaBuffer::ll_dispatch_device`] takes them): the tokens are read
     /// from the caller's `x` on the GPU (BF16 copied into the send window
     /// by a device-to-device copy beside the count exchange; FP8 quantised
-    /// from it by `ep_ht_quantize`), never through the host.
+    /// from it by `ep_ht_quantize`), never through the host. The inputs
+    /// must be complete when it is called: their producer's stream
+    /// synchronised (the copies run on gin's and the buffer's own streams,
+    /// not ordered after the caller's).
     ///
     /// The plan needs the routing on the host, as DeepEP's notify step
     /// synchronises with the host for the counts: the top-k ids and weights
     /// (`tokens × topk` × 12 bytes) are read back first and checked with
-    /// the host path's code, so that a bad entry (an expert out of range,
-    /// one named twice, a weight that is not finite) is refused by name
-    /// before anything is sent, leaving every rank as it was. Then the step
-    /// runs as [`CudaBuffer::ht_dispatch`]'s, bit for bit, and what was
-    /// received stays in GPU memory ([`CudaBuffer::ht_recv_tokens`],
-    /// [`CudaBuffer::ht_recv_meta`], laid out as [`HtDeviceLayout`] says)
-    /// for the caller's expert kernel, which writes
-    /// [`CudaBuffer::ht_combine_rows`]; [`CudaBuffer::ht_read_back`]
-    /// copies the metadata to the host for checks. On gin's stream,
-    /// returning when the dispatch kernel has finished.
+    /// the host path's code. A bad entry (an expert out of range, one named
+    /// twice, a weight that is not finite), like a size or alignment the
+    /// buffer refuses, is reported by name, and this rank still takes part
+    /// in the count exchange with a refused row: every peer's dispatch
+    /// returns at once with [`EpError::Protocol`] naming this rank, no rank
+    /// sends a token, and every buffer stays usable for the next step.
+    /// Otherwise the step runs as [`CudaBuffer::ht_dispatch`]'s, bit for
+    /// bit, and what was received stays in GPU memory
+    /// ([`CudaBuffer::ht_recv_tokens`], [`CudaBuffer::ht_recv_meta`], laid
+    /// out as [`HtDeviceLayout`] says) for the caller's expert kernel,
+    /// which writes [`CudaBuffer::ht_combine_rows`];
+    /// [`CudaBuffer::ht_read_back`] copies the metadata to the host for
+    /// checks. On gin's stream, returning when the dispatch kernel has
+    /// finished.
     pub fn ht_dispatch_device(&mut self, inp: &DeviceInputs<'_>) -> Result<CudaHtStep, EpError> {
         const CALL: &str = "ht_dispatch_device";
         self.ht_state(CALL)?;
         self.st.idle(CALL)?;
         self.expect_unqueued(CALL)?;
         self.poll()?;
-        let cfg = self.cfg;
+        let s = self.ht_state(CALL)?.s;
+        self.ht_forget_plan();
+        let (mut idx, mut w) = self
+            .ht
+            .as_mut()
+            .map(|h| (std::mem::take(&mut h.idx), std::mem::take(&mut h.wts)))
+            .unwrap_or_default();
+        let r = match self.ht_device_routing(inp, &mut idx, &mut w) {
+            Ok(lay) => self.ht_device_steps(&s, &lay, inp.x, &idx, &w),
+            Err(e) => Err(self.ht_refuse(&s, e)),
+        };
+        if let Some(h) = self.ht.as_mut() {
+            (h.idx, h.wts) = (idx, w);
+        }
+        r
+    }
+
+    /// [`CudaBuffer::ht_dispatch_device`]'s checks of its inputs: their
+    /// sizes and alignments, then the routing read back into `idx` and `w`
+    /// and checked as host inputs are; the step's layout.
+    fn ht_device_routing(
+        &mut self,
+        inp: &DeviceInputs<'_>,
+        idx: &mut Vec<i64>,
+        w: &mut Vec<f32>,
+    ) -> Result<Layout, EpError> {
+        let (cfg, rank) = (self.cfg, self.rank);
         check_device_inputs(
-            self.rank,
+            rank,
             &cfg,
             inp.tokens,
             inp.x.into(),
@@ -546,48 +675,45 @@ impl CudaBuffer<'_, '_> {
             inp.topk_weights.into(),
         )?;
         self.current()?;
-        let (mut idx, mut w) = self
-            .ht
-            .as_mut()
-            .map(|h| (std::mem::take(&mut h.idx), std::mem::take(&mut h.wts)))
-            .unwrap_or_default();
-        let r = self.ht_device_steps(inp, &mut idx, &mut w);
-        if let Some(h) = self.ht.as_mut() {
-            (h.idx, h.wts) = (idx, w);
-        }
-        r
-    }
-
-    /// [`CudaBuffer::ht_dispatch_device`] after its first checks, with the
-    /// routing's host buffers.
-    fn ht_device_steps(
-        &mut self,
-        inp: &DeviceInputs<'_>,
-        idx: &mut Vec<i64>,
-        w: &mut Vec<f32>,
-    ) -> Result<CudaHtStep, EpError> {
-        let cfg = self.cfg;
-        let s = self.ht_state("ht_dispatch_device")?.s;
         let n = inp.tokens * cfg.topk;
         idx.resize(n, 0);
         w.resize(n, 0.0);
         if n > 0 {
-            inp.topk_idx.read(0, idx).map_err(CoreError::from)?;
-            inp.topk_weights.read(0, w).map_err(CoreError::from)?;
+            let back = |what, e: gin_core::cuda::CudaError| EpError::ReadBack {
+                rank,
+                what,
+                source: Box::new(CoreError::from(e)),
+            };
+            inp.topk_idx.read(0, idx).map_err(|e| back("topk_idx", e))?;
+            inp.topk_weights
+                .read(0, w)
+                .map_err(|e| back("topk_weights", e))?;
         }
-        let lay = crate::ll::check_inputs(
-            self.rank,
+        let s = self.ht_state("ht_dispatch_device")?.s;
+        crate::ll::check_inputs(
+            rank,
             &cfg,
             &self.active,
             s.l,
             inp.tokens * cfg.hidden,
             idx,
             w,
-        )?;
+        )
+    }
+
+    /// [`CudaBuffer::ht_dispatch_device`] after its checks: the step.
+    fn ht_device_steps(
+        &mut self,
+        s: &Shape,
+        lay: &Layout,
+        x: &DevMem,
+        idx: &[i64],
+        w: &[f32],
+    ) -> Result<CudaHtStep, EpError> {
         self.st.begin(lay.tokens);
-        let r = self.ht_dispatch_steps(&s, &lay, Tokens::Device(inp.x), idx, w);
-        let plan = match r {
-            Ok(p) => p,
+        let plan = match self.ht_dispatch_steps(s, lay, Tokens::Device(x), idx, w) {
+            Ok(Notified::Plan(p)) => p,
+            Ok(Notified::Refused(e)) => return Err(e),
             Err(e) => {
                 self.st.fail();
                 return Err(e);
@@ -606,8 +732,38 @@ impl CudaBuffer<'_, '_> {
         })
     }
 
+    /// A dispatch starts: no plan of an earlier step is left for a stale
+    /// or foreign handle to read ([`CudaBuffer::ht_read_back`]).
+    fn ht_forget_plan(&mut self) {
+        if let Some(h) = self.ht.as_mut() {
+            h.plan = None;
+        }
+    }
+
+    /// This rank's inputs were refused (`err`): it still takes part in the
+    /// step's count exchange, with [`plan::refused_row`], so that each peer
+    /// ends the step at once with an error naming this rank (every peer
+    /// waits for every active rank's row); nothing else is sent, and the
+    /// buffer stays usable. Returns `err`, or where the exchange itself
+    /// failed its error (the buffer then refuses further steps).
+    fn ht_refuse(&mut self, s: &Shape, err: EpError) -> EpError {
+        self.st.begin(0);
+        let row = plan::refused_row(s, &self.active);
+        let r = self.current().and_then(|()| self.ht_exchange(&row, None));
+        match r {
+            Ok((_, started)) => {
+                self.ht_exchanged(started);
+                err
+            }
+            Err(e) => {
+                self.st.fail();
+                e
+            }
+        }
+    }
+
     /// The count exchange, the plan, the payloads (FP8: quantised) and the
-    /// dispatch kernel; the step's plan.
+    /// dispatch kernel; the step's plan, or a peer's refusal.
     fn ht_dispatch_steps(
         &mut self,
         s: &Shape,
@@ -615,7 +771,7 @@ impl CudaBuffer<'_, '_> {
         x: Tokens<'_>,
         idx: &[i64],
         w: &[f32],
-    ) -> Result<Plan, EpError> {
+    ) -> Result<Notified, EpError> {
         let mut meta = self
             .ht
             .as_mut()
@@ -625,7 +781,10 @@ impl CudaBuffer<'_, '_> {
         if let Some(h) = self.ht.as_mut() {
             h.meta = meta;
         }
-        let plan = plan?;
+        let plan = match plan? {
+            Notified::Plan(p) => p,
+            refused @ Notified::Refused(_) => return Ok(refused),
+        };
         if self.cfg.fp8 {
             let xbf = match x {
                 Tokens::Device(d) => Some(d.ptr()),
@@ -643,22 +802,63 @@ impl CudaBuffer<'_, '_> {
         self.ht_upload(&plan)?;
         self.ht_launch_dispatch(s, lay.tokens)?;
         self.st.dispatched_now();
-        Ok(plan)
+        Ok(Notified::Plan(plan))
     }
 
     /// The count exchange: this rank's row to every active rank (the notify
-    /// kernel), every active rank's row read back; the step's plan. While
-    /// the kernel runs (it waits for every peer's row), a second thread
-    /// stages the metadata and uploads it and the tokens ([`Inputs`]).
+    /// kernel), every active rank's row read back; the step's plan, or a
+    /// peer's refusal. While the kernel runs (it waits for every peer's
+    /// row), a second thread stages the metadata and uploads it and the
+    /// tokens ([`Inputs`]).
     fn ht_notify(
         &mut self,
         s: &Shape,
         lay: &Layout,
         (x, idx, w): (Tokens<'_>, &[i64], &[f32]),
         meta: &mut Vec<u8>,
-    ) -> Result<Plan, EpError> {
-        use crate::ht::plan::{MIN, NRECV, NSEND, XIN};
+    ) -> Result<Notified, EpError> {
+        use crate::ht::plan::{MIN, NRECV, XIN};
         let row = plan::notify_row(s, lay, &self.active);
+        let width = 4 * row.len();
+        let st = self.ht_state("ht_dispatch")?;
+        let inputs = Inputs {
+            s,
+            lay,
+            x,
+            idx,
+            w,
+            payloads: match x {
+                Tokens::Host(_) => st.xbf.as_ref().unwrap_or(self.wins[XIN].local()),
+                Tokens::Device(_) => self.wins[XIN].local(),
+            },
+            min: self.wins[MIN].local(),
+            copy: &st.copy,
+            fp8: self.cfg.fp8,
+        };
+        let exchanged = self.ht_exchange(&row, Some((&inputs, meta)));
+        let (parity, started) = exchanged?;
+        self.ht_exchanged(started);
+        let mut raw = vec![0u8; s.r * width];
+        self.wins[NRECV]
+            .local()
+            .read(parity * s.r * width, &mut raw)
+            .map_err(CoreError::from)?;
+        Ok(match notify_rows(s, self.rank, &self.active, &raw)? {
+            Rows::Taken(rows) => Notified::Plan(Plan::new(s, self.active.clone(), &rows)),
+            Rows::Refused(e) => Notified::Refused(e),
+        })
+    }
+
+    /// Runs the notify kernel with `row` as this rank's notify row and,
+    /// where given, the upload of the step's inputs beside it; the half of
+    /// NRECV the rows went into (its parity) and the kernel's start (GPU
+    /// clock). The caller then calls [`CudaBuffer::ht_exchanged`].
+    fn ht_exchange(
+        &self,
+        row: &[u32],
+        up: Option<(&Inputs<'_>, &mut Vec<u8>)>,
+    ) -> Result<(usize, u64), EpError> {
+        use crate::ht::plan::NSEND;
         let bytes: Vec<u8> = row.iter().flat_map(|v| v.to_le_bytes()).collect();
         let width = bytes.len();
         let st = self.ht_state("ht_dispatch")?;
@@ -680,28 +880,18 @@ impl CudaBuffer<'_, '_> {
             Arg::Ptr(clock),
         ]);
         let f = self.ht_functions()?.notify;
-        let inputs = Inputs {
-            s,
-            lay,
-            x,
-            idx,
-            w,
-            payloads: match x {
-                Tokens::Host(_) => st.xbf.as_ref().unwrap_or(self.wins[XIN].local()),
-                Tokens::Device(_) => self.wins[XIN].local(),
-            },
-            min: self.wins[MIN].local(),
-            copy: &st.copy,
-            fp8: self.cfg.fp8,
-        };
         let dev = self.cuda.device();
         // Beside the notify kernel the upload writes XIN (or the FP8
         // staging) and MIN on the legacy stream: no kernel reads them before
         // the dispatch (or quantise) kernel, launched after both are done.
+        let mut up = up;
         let (r, helper) = std::thread::scope(|sc| {
-            let up = std::thread::Builder::new()
-                .name("gin-ep-upload".into())
-                .spawn_scoped(sc, || inputs.upload(dev, meta));
+            let helper = up.as_mut().map(|(inputs, meta)| {
+                let inputs: &Inputs<'_> = inputs;
+                std::thread::Builder::new()
+                    .name("gin-ep-upload".into())
+                    .spawn_scoped(sc, move || inputs.upload(dev, meta))
+            });
             // SAFETY: ep_ht_notify(DevComm, 12 Windows, u32 width, u32 parity,
             // const u32* shape, const u32* active, u64* seen, u64* clock) takes
             // these in this order. It puts `width` bytes of NSEND (its size:
@@ -711,26 +901,30 @@ impl CudaBuffer<'_, '_> {
             // (context 0: r u64 of chans × signals) and clock (2 u64): the sizes
             // HtState::new and State::new allocated. gin's stream, waited for.
             let r = unsafe { go(&self.dc, f, On::Wait, 1, &args) };
-            (r, up.map(std::thread::ScopedJoinHandle::join))
+            (
+                r,
+                helper.map(|h| h.map(std::thread::ScopedJoinHandle::join)),
+            )
         });
         r.map_err(|e| kernel_error(self.rank, "ht_notify", e))?;
-        match helper {
-            Ok(joined) => joined.unwrap_or_else(|p| std::panic::resume_unwind(p))?,
+        match (helper, up) {
+            (Some(Ok(joined)), _) => joined.unwrap_or_else(|p| std::panic::resume_unwind(p))?,
             // No thread to be had: the upload after the exchange instead.
-            Err(_) => inputs.upload(dev, meta)?,
+            (Some(Err(_)), Some((inputs, meta))) => inputs.upload(dev, meta)?,
+            _ => {}
         }
         let started = read_clock(&self.state.clock)?.start_ns;
+        Ok((parity, started))
+    }
+
+    /// A count exchange ended (whatever its rows said): the next one's rows
+    /// go into the other half; `started`, the notify kernel's start, is
+    /// where the dispatch's clock starts.
+    fn ht_exchanged(&mut self, started: u64) {
         if let Some(h) = self.ht.as_mut() {
             h.rounds += 1;
             h.notify_start = started;
         }
-        let mut raw = vec![0u8; s.r * width];
-        self.wins[NRECV]
-            .local()
-            .read(parity * s.r * width, &mut raw)
-            .map_err(CoreError::from)?;
-        let rows = notify_rows(s, self.rank, &self.active, &raw)?;
-        Ok(Plan::new(s, self.active.clone(), &rows))
     }
 
     /// Writes the plan's table to GPU memory.
@@ -900,7 +1094,19 @@ impl CudaBuffer<'_, '_> {
 
     /// [`CudaBuffer::ht_echo`] for a step dispatched from GPU memory.
     pub fn ht_echo_device(&mut self, s: &CudaHtStep) -> Result<(), EpError> {
-        self.launch_ht_echo("ht_echo_device", s.step, s.received())
+        const CALL: &str = "ht_echo_device";
+        self.ht_state(CALL)?;
+        self.st.dispatched(CALL, s.step)?;
+        self.ht_own_step(CALL, s)?;
+        self.launch_ht_echo(CALL, s.step, s.received())
+    }
+
+    /// `s` is this buffer's step under way, dispatched from GPU memory
+    /// ([`own_step`] on this buffer's plan).
+    fn ht_own_step(&self, call: &'static str, s: &CudaHtStep) -> Result<(), EpError> {
+        let plan = self.ht.as_ref().and_then(|h| h.plan.as_ref());
+        let here = plan.map(|p| (p.recv_prefix(self.rank), self.st.tokens));
+        own_step(self.rank, call, s, self.st.step, here)
     }
 
     fn launch_ht_echo(
@@ -977,6 +1183,7 @@ impl CudaBuffer<'_, '_> {
         const CALL: &str = "ht_combine_device";
         self.ht_state(CALL)?;
         self.st.dispatched(CALL, s.step)?;
+        self.ht_own_step(CALL, s)?;
         self.expect_unqueued(CALL)?;
         self.poll()?;
         check_device_output(self.rank, &self.cfg, self.st.tokens, out.into())?;
@@ -1030,6 +1237,7 @@ impl CudaBuffer<'_, '_> {
         let r = unsafe { go(&self.dc, f, On::Wait, grid, &args) };
         self.launched(On::Wait, "ht_combine", r)?;
         self.st.combined();
+        self.ht_forget_plan();
         self.last.1 = read_clock(&self.state.clock)?;
         self.poll()
     }
@@ -1045,6 +1253,7 @@ impl CudaBuffer<'_, '_> {
         const CALL: &str = "ht_read_back";
         self.ht_state(CALL)?;
         self.st.for_received(CALL, s.step)?;
+        self.ht_own_step(CALL, s)?;
         self.current()?;
         let plan = self.ht.as_ref().and_then(|h| h.plan.clone());
         let plan = plan.ok_or(EpError::Mode {
@@ -1063,40 +1272,58 @@ impl CudaBuffer<'_, '_> {
     /// RECVX): received token `j` (blocks by source, in each source's
     /// token order; [`CudaHtStep::block_start`]) at byte
     /// `j · payload_bytes` ([`HtDeviceLayout`]). Valid from the end of the
-    /// dispatch until this rank's combine is launched.
-    pub fn ht_recv_tokens(&self) -> &DevMem {
-        self.wins[crate::ht::plan::RECVX].local()
+    /// dispatch until this rank's combine is launched. Refused
+    /// ([`EpError::Mode`]) on a buffer sized for low-latency mode.
+    pub fn ht_recv_tokens(&self) -> Result<&DevMem, EpError> {
+        self.ht_window("ht_recv_tokens", crate::ht::plan::RECVX)
     }
 
     /// The received tokens' metadata in GPU memory (RECVM): token `j`'s
     /// `meta_bytes` at byte `j · meta_bytes`, as [`HtDeviceLayout`] says
     /// (its index at its source, top-k expert ids as i32, weights as f32).
-    pub fn ht_recv_meta(&self) -> &DevMem {
-        self.wins[crate::ht::plan::RECVM].local()
+    /// Refused on a buffer sized for low-latency mode.
+    pub fn ht_recv_meta(&self) -> Result<&DevMem, EpError> {
+        self.ht_window("ht_recv_meta", crate::ht::plan::RECVM)
     }
 
     /// The combine rows in GPU memory (CSEND): the expert writes received
     /// token `j`'s row, BF16 `hidden` (its experts' outputs, weighted and
     /// summed, as DeepEP's normal-mode combine takes them) at byte `j · 2 ·
     /// hidden`, between the dispatch and the combine, finished before the
-    /// combine starts (peers read these rows in place).
-    pub fn ht_combine_rows(&self) -> &DevMem {
-        self.wins[crate::ht::plan::CSEND].local()
+    /// combine starts (peers read these rows in place). Refused on a
+    /// buffer sized for low-latency mode.
+    pub fn ht_combine_rows(&self) -> Result<&DevMem, EpError> {
+        self.ht_window("ht_combine_rows", crate::ht::plan::CSEND)
     }
 
-    /// Where the high-throughput device-resident outputs lie.
-    pub fn ht_device_layout(&self) -> HtDeviceLayout {
-        let s = self.ht.as_ref().map(|h| h.s);
-        let (k, mm) = s.map_or((self.cfg.topk, 0), |s| (s.k, s.mm));
-        HtDeviceLayout {
+    /// This rank's part of high-throughput window `w`, for `call`.
+    fn ht_window(&self, call: &'static str, w: usize) -> Result<&DevMem, EpError> {
+        self.ht_state(call)?;
+        self.wins
+            .get(w)
+            .map(gin_core::cuda::GpuWindow::local)
+            .ok_or(EpError::Mode {
+                rank: self.rank,
+                what: format!(
+                    "{call}: the buffer holds {} windows, not high-throughput window {w}",
+                    self.wins.len()
+                ),
+            })
+    }
+
+    /// Where the high-throughput device-resident outputs lie. Refused on a
+    /// buffer sized for low-latency mode.
+    pub fn ht_device_layout(&self) -> Result<HtDeviceLayout, EpError> {
+        let s = self.ht_state("ht_device_layout")?.s;
+        Ok(HtDeviceLayout {
             payload_bytes: self.cfg.payload_bytes(),
-            meta_bytes: mm,
+            meta_bytes: s.mm,
             row_bytes: 2 * self.cfg.hidden,
             ids_word: 1,
-            weights_word: 1 + k,
-            topk: k,
+            weights_word: 1 + s.k,
+            topk: s.k,
             fp8: self.cfg.fp8,
-        }
+        })
     }
 }
 

@@ -343,24 +343,40 @@ fn load_agreed(cuda: &CudaComm<'_>, mode: Mode) -> Result<Kernels, EpError> {
 
 /// Collective, high-throughput mode: every rank's channel blocks fit its
 /// GPU at once beside those of the ranks sharing it ([`resident::check`],
-/// on the all-gathered seats, so every rank decides alike).
+/// on the all-gathered seats, so every rank decides alike). Ranks sharing
+/// a GPU without MPS are warned about (their kernels take turns), not
+/// refused.
 fn agree_resident(cuda: &CudaComm<'_>, cfg: &Config, f: &ht::HtFunctions) -> Result<(), EpError> {
     let comm = cuda.comm();
     let d = cuda.device();
-    // A rank whose occupancy query fails says 0 blocks an SM: every rank
-    // then refuses, naming that GPU, rather than this one alone.
+    // A rank whose occupancy query fails says so with the driver's error:
+    // every rank then refuses, naming that rank and the error.
     let per_sm = [f.dispatch, f.combine]
         .iter()
-        .map(|k| k.blocks_per_sm(THREADS).unwrap_or(0))
-        .min()
-        .unwrap_or(0);
+        .map(|k| k.blocks_per_sm(THREADS))
+        .try_fold(u32::MAX, |least, n| n.map(|n| least.min(n)))
+        .map_err(|e| e.to_string());
     let me = resident::Seat {
         gpu: d.uuid().map(str::to_owned),
         sms: d.sms(),
         blocks_per_sm: per_sm,
+        mps: d.mps(),
     };
     let all = comm.bootstrap().allgather(&me.to_bytes())?;
     let seats: Vec<resident::Seat> = all.iter().map(|b| resident::Seat::from_bytes(b)).collect();
+    for (gpu, ranks) in resident::time_sliced(&seats) {
+        // Once per GPU: by its lowest rank.
+        if ranks.first() == Some(&comm.rank()) {
+            tracing::warn!(
+                gpu = %gpu,
+                ranks = ?ranks,
+                "ranks {ranks:?} share GPU {gpu} without MPS: their high-throughput kernels take \
+                 turns on it (time-sliced), and a channel waits for its peers' blocks to be \
+                 scheduled; start the MPS daemon (nvidia-cuda-mps-control -d) for them to run \
+                 side by side"
+            );
+        }
+    }
     resident::check(comm.rank(), cfg.channels, &seats)
 }
 

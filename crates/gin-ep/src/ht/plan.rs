@@ -410,6 +410,33 @@ pub(crate) fn notify_row(s: &Shape, lay: &Layout, active: &[bool]) -> Vec<u32> {
     row
 }
 
+/// Every count word of a refused notify row ([`refused_row`]): above any
+/// buffer's maximum, so that a reader that did not know the mark would
+/// still refuse the row by [`check_row`].
+pub(crate) const REFUSED: u32 = u32::MAX;
+
+/// The notify row of a CUDA rank whose own inputs were refused this step:
+/// its active mask as [`notify_row`] writes it, every count [`REFUSED`].
+/// It still takes part in the count exchange with this row, so that its
+/// peers (which wait for every active rank's row) learn at once that the
+/// step ends with nothing sent, rather than waiting for the job timeout.
+pub(crate) fn refused_row(s: &Shape, active: &[bool]) -> Vec<u32> {
+    let mw = s.mask_words();
+    let mut row = vec![REFUSED; s.row_words()];
+    row[..mw].fill(0);
+    for (p, _) in active.iter().enumerate().filter(|(_, a)| **a) {
+        row[p / 32] |= 1 << (p % 32);
+    }
+    row
+}
+
+/// Whether `row` is a [`refused_row`] (its first count word is
+/// [`REFUSED`]: no count of a real row reaches it, [`check_row`] bounding
+/// them by the buffer's maximum).
+pub(crate) fn is_refused(s: &Shape, row: &[u32]) -> bool {
+    row.get(s.mask_words()) == Some(&REFUSED)
+}
+
 impl Buffer<'_> {
     /// The notify exchange: every active rank puts its row to every active
     /// rank. A rank found lost meanwhile (under [`crate::OnPeerLoss::Mask`])

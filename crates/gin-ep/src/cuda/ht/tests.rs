@@ -184,7 +184,9 @@ fn notify_rows_are_taken_checked_and_a_differing_mask_is_refused() {
     for lay in &lays {
         raw.extend(row_bytes(&plan::notify_row(&s, lay, &active)));
     }
-    let rows = notify_rows(&s, 1, &active, &raw).unwrap();
+    let Rows::Taken(rows) = notify_rows(&s, 1, &active, &raw).unwrap() else {
+        panic!("good rows read as refused")
+    };
     assert!(rows[2].is_none(), "a masked rank's row is not taken");
     for (p, row) in rows.iter().enumerate().filter(|(p, _)| active[*p]) {
         assert_eq!(
@@ -221,6 +223,109 @@ fn notify_rows_are_taken_checked_and_a_differing_mask_is_refused() {
             ..
         })
     ));
+}
+
+/// A rank whose inputs were refused sends [`plan::refused_row`] in the
+/// count exchange: every peer reads it as that rank's refusal (a protocol
+/// error naming it, the lowest such rank where several refused), not as a
+/// broken row, before any other row's checks; a masked rank's row is not
+/// read at all; and a reader that did not know the mark would still
+/// refuse the row (its counts are above any maximum).
+#[test]
+fn a_refused_row_ends_the_step_naming_its_rank() {
+    let (cfg, s) = shape(4, 2, 2);
+    let active = vec![true, true, false, true];
+    let lays = layouts(&cfg, &s, &active, 7);
+    let width = 4 * s.row_words();
+    let mut raw: Vec<u8> = Vec::new();
+    for lay in &lays {
+        raw.extend(row_bytes(&plan::notify_row(&s, lay, &active)));
+    }
+    let refused = plan::refused_row(&s, &active);
+    assert!(plan::is_refused(&s, &refused));
+    assert_eq!(
+        refused[..s.mask_words()],
+        plan::notify_row(&s, &lays[0], &active)[..s.mask_words()]
+    );
+    assert!(matches!(
+        plan::check_row(&s, 1, 3, &refused),
+        Err(EpError::Protocol { peer: 3, .. })
+    ));
+    let with = |raw: &[u8], p: usize| {
+        let mut v = raw.to_vec();
+        v[p * width..(p + 1) * width].copy_from_slice(&row_bytes(&refused));
+        v
+    };
+    let by3 = with(&raw, 3);
+    match notify_rows(&s, 1, &active, &by3).unwrap() {
+        Rows::Refused(EpError::Protocol {
+            rank: 1,
+            peer: 3,
+            what,
+        }) => assert!(what.contains("inputs were refused"), "{what}"),
+        other => panic!("{other:?}"),
+    }
+    // Rank 0's row is broken too: the refusal (rank 3's) still comes first.
+    let mut broken = by3.clone();
+    broken[4 * s.mask_words()..4 * s.mask_words() + 4]
+        .copy_from_slice(&(s.t as u32 + 1).to_le_bytes());
+    assert!(matches!(
+        notify_rows(&s, 1, &active, &broken),
+        Ok(Rows::Refused(EpError::Protocol { peer: 3, .. }))
+    ));
+    // Ranks 0 and 3 refused: the lowest is named.
+    assert!(matches!(
+        notify_rows(&s, 1, &active, &with(&by3, 0)),
+        Ok(Rows::Refused(EpError::Protocol { peer: 0, .. }))
+    ));
+    // A masked rank's slot is not read, whatever it holds.
+    assert!(matches!(
+        notify_rows(&s, 1, &active, &with(&raw, 2)),
+        Ok(Rows::Taken(_))
+    ));
+}
+
+fn handle(step: u64, tokens: usize, recv_prefix: &[u32]) -> CudaHtStep {
+    CudaHtStep {
+        step,
+        tokens,
+        recv_prefix: recv_prefix.to_vec(),
+    }
+}
+
+/// A handle is the step under way only where this buffer's plan gave it:
+/// one of another buffer at the same step number (other blocks by source,
+/// or other tokens), or of a step with no plan from GPU memory (a
+/// dispatch from host memory, a finished step), is refused naming it.
+#[test]
+fn a_foreign_handle_at_the_same_step_is_refused() {
+    let prefix = [0u32, 3, 7];
+    let mine = handle(4, 5, &prefix);
+    own_step(1, "ht_read_back", &mine, 4, Some((&prefix, 5))).unwrap();
+    for (h, here, says) in [
+        (
+            handle(4, 5, &[0, 2, 7]),
+            Some((&prefix[..], 5)),
+            "[0, 2, 7]",
+        ),
+        (
+            handle(4, 6, &prefix),
+            Some((&prefix[..], 5)),
+            "dispatched 5 tokens",
+        ),
+        (mine.clone(), None, "no plan"),
+    ] {
+        match own_step(1, "ht_combine_device", &h, 4, here) {
+            Err(EpError::Mode { rank: 1, what }) => {
+                assert!(
+                    what.starts_with("ht_combine_device: the handle of step 4"),
+                    "{what}"
+                );
+                assert!(what.contains(says), "{what}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
 }
 
 /// The staged metadata is the CPU ranks' ([`plan::meta_word`]), and the
@@ -634,7 +739,9 @@ fn host_stage_times() {
         });
         let mut plan_ = None;
         time("notify_rows + Plan::new + tables", &mut || {
-            let rows = notify_rows(&s, 0, &active, &raw).unwrap();
+            let Rows::Taken(rows) = notify_rows(&s, 0, &active, &raw).unwrap() else {
+                panic!("good rows read as refused")
+            };
             let p = Plan::new(&s, active.clone(), &rows);
             std::hint::black_box(p.tables());
             plan_ = Some(p);
@@ -687,4 +794,32 @@ fn host_stage_times() {
             );
         }
     }
+}
+
+/// The combine's row sums (`sum_ops` in ht.cu) take whole 16-byte pieces
+/// of a row (8 columns) and have no element-by-element path: every hidden
+/// size a high-throughput buffer takes is a multiple of 8, and any other
+/// (260, for one) is refused at `Config::validate`, before a kernel could
+/// see it.
+#[test]
+fn every_hidden_the_combine_sees_is_whole_16_byte_pieces() {
+    for hidden in [4, 12, 260, 7172] {
+        let cfg = Config::high_throughput(hidden, 16, 8, 2);
+        match cfg.validate(0, 2) {
+            Err(EpError::Config {
+                field: "hidden", ..
+            }) => {}
+            other => panic!("hidden {hidden}: {other:?}"),
+        }
+    }
+    for hidden in [8, 264, 7168] {
+        Config::high_throughput(hidden, 16, 8, 2)
+            .validate(0, 2)
+            .unwrap();
+    }
+    let ht = include_str!("../../../kernels/ht.cu");
+    assert!(
+        !ht.contains("sum_rows"),
+        "an element-by-element sum came back"
+    );
 }
