@@ -1161,14 +1161,7 @@ impl CudaBuffer<'_, '_> {
         // SAFETY: State::out holds t × hidden u16 (tokens ≤ t), from
         // cuMemAlloc (aligned); the launch is waited for.
         unsafe { self.launch_ht_combine(out)? };
-        let mut raw = vec![0u16; self.st.tokens * self.cfg.hidden];
-        if !raw.is_empty() {
-            self.state.out.read(0, &mut raw).map_err(CoreError::from)?;
-        }
-        Ok(Combined {
-            x: raw.into_iter().map(Bf16).collect(),
-            lost: Vec::new(),
-        })
+        self.read_combined()
     }
 
     /// The combine of a step dispatched from GPU memory (DeepEP's

@@ -1479,6 +1479,12 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         // SAFETY: gin's stream, waited for; State::out holds t × hidden u16
         // (tokens ≤ t), from cuMemAlloc (aligned).
         unsafe { self.launch_combine(On::Wait, out)? };
+        self.read_combined()
+    }
+
+    /// The step's combined tokens, read back from `State::out` (LL and HT
+    /// combines on CUDA ranks write them there).
+    fn read_combined(&self) -> Result<Combined, EpError> {
         let mut raw = vec![0u16; self.st.tokens * self.cfg.hidden];
         if !raw.is_empty() {
             self.state.out.read(0, &mut raw).map_err(CoreError::from)?;
