@@ -96,7 +96,7 @@ use std::time::Instant;
 use gin_cuda::CudaError;
 use gin_cuda::batch::stall::StallWatch;
 use gin_cuda::batch::{BatchStats, Dma, Gpu, StreamBatch, TotalOrder, follow, region};
-use gin_cuda::puts::{DevicePut, DevicePuts, Held, Merged, PutError, Ticket};
+use gin_cuda::puts::{DevicePut, DevicePuts, Held, Note, PutError, Ticket};
 use gin_cuda::staging::{STAGE, Stage};
 use gin_net::{Fabric, MemDesc, Memory, NetError, Reach};
 
@@ -636,7 +636,7 @@ impl PutError for ExecError {
     }
 
     /// The note follows the account.
-    fn noted(self, note: &Merged) -> Self {
+    fn noted(self, note: &Note) -> Self {
         let add = |w: String| format!("{w} ({note})");
         match self {
             Self::Transport { peer, why } => Self::Transport {
