@@ -1354,3 +1354,230 @@ fn a_failed_merged_put_fails_each_original_naming_it() {
     }
     assert_eq!(rig.engine.published(1), Some(0));
 }
+
+/// The totals sent ordered (`Put { ordered: true }`) to the signals' key.
+fn totals(rig: &Rig) -> Vec<u64> {
+    rig.keyed
+        .ops()
+        .iter()
+        .filter_map(|o| match o {
+            KeyedOp::Put {
+                key: SIG_KEY,
+                bytes,
+                ordered: true,
+                ..
+            } => Some(u64::from_le_bytes(bytes[..].try_into().unwrap())),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Where the transport orders a total after the puts without waiting
+/// (`GIN_UCX_GPU_ORDER=fence`), a signal ends the run of puts that merge:
+/// those before it start as one, then its total, then the put after it
+/// alone; all are published once both puts completed.
+#[test]
+fn a_fenced_signal_ends_a_merged_run_and_follows_it() {
+    let mut rig = rig_merging();
+    rig.post(1, &put(512, 0, 0));
+    rig.post(
+        1,
+        &Desc {
+            signal: Some(signal(48, 1)),
+            ..put(512, 512, 512)
+        },
+    );
+    rig.post(1, &put(512, 1024, 1024));
+    assert_eq!(rig.step().executed, 3, "{:?}", rig.engine.failure());
+    let ops = rig.keyed.ops();
+    assert!(
+        matches!(
+            ops[..],
+            [
+                KeyedOp::PutDevice {
+                    offset: 0,
+                    len: 1024,
+                    ..
+                },
+                KeyedOp::Put { ordered: true, .. },
+                KeyedOp::PutDevice {
+                    offset: 1024,
+                    len: 512,
+                    ..
+                },
+            ]
+        ),
+        "{ops:?}"
+    );
+    assert_eq!(totals(&rig), [1]);
+    rig.keyed.complete_device_puts(1);
+    let p = rig.step();
+    assert_eq!((p.landed, p.published), (2, 1));
+    assert_eq!(rig.engine.published(1), Some(2));
+    rig.keyed.complete_device_puts(2);
+    rig.step();
+    assert_eq!(rig.engine.published(1), Some(3));
+}
+
+/// A get behind merged puts whose totals are held (ucx's default): the
+/// puts start as one, are completed before the read, and their totals
+/// go in order, before the read; every descriptor is published.
+#[test]
+fn a_get_behind_merged_puts_sends_their_held_totals_first() {
+    let mut rig = rig_merging();
+    rig.keyed.order_by_waiting();
+    for i in 0..2u64 {
+        rig.post(
+            1,
+            &Desc {
+                signal: Some(signal(48, 1 << i)),
+                ..put(512, i * 512, i * 512)
+            },
+        );
+    }
+    rig.post(
+        1,
+        &Desc {
+            op: Op::Get,
+            ..put(32, 3072, 2048)
+        },
+    );
+    let p = rig.step();
+    assert_eq!(
+        (p.executed, p.published),
+        (3, 1),
+        "{:?}",
+        rig.engine.failure()
+    );
+    let ops = rig.keyed.ops();
+    assert!(
+        matches!(
+            ops[..],
+            [
+                KeyedOp::PutDevice {
+                    offset: 0,
+                    len: 1024,
+                    ..
+                },
+                KeyedOp::Put { ordered: true, .. },
+                KeyedOp::Put { ordered: true, .. },
+                KeyedOp::ReadDevice { .. }
+            ]
+        ),
+        "{ops:?}"
+    );
+    assert_eq!(totals(&rig), [1, 3]);
+    assert_eq!(rig.keyed.completions(), vec![(2, 1)]);
+    assert_eq!(rig.engine.published(1), Some(3));
+}
+
+/// A total held behind a merged put that completed, which cannot be sent,
+/// fails its own descriptor, noted that its put is not what failed; the
+/// other original of the merged put is published.
+#[test]
+fn a_held_total_behind_a_merged_put_that_cannot_be_sent_fails_its_own_descriptor() {
+    let mut rig = rig_merging();
+    rig.keyed.order_by_waiting();
+    rig.post(1, &put(512, 0, 0));
+    rig.post(
+        1,
+        &Desc {
+            signal: Some(signal(48, 1)),
+            ..put(512, 512, 512)
+        },
+    );
+    assert_eq!(rig.step().executed, 2);
+    assert_eq!(device_puts(&rig), [(0, data(0, 0), 1024)]);
+    rig.keyed.refuse(SIG_KEY);
+    rig.keyed.complete_device_puts(1);
+    rig.step();
+    let e = rig.engine.failure().unwrap();
+    assert_eq!((e.peer(), e.seq()), (Some(2), Some(1)));
+    let words = e.to_string();
+    assert!(
+        words.contains("0x00000088")
+            && words.contains(
+                "put #1, 1024 bytes at offset 0 merged from 2 puts, which is not what failed"
+            ),
+        "{words}"
+    );
+    assert_eq!(rig.engine.published(1), Some(1));
+}
+
+/// Merged puts of two passes, the transport naming the second failed: the
+/// first's originals are published, the engine fails at the second's
+/// first original, named as its own put, and the second's other original
+/// fails too.
+#[test]
+fn the_merged_put_the_transport_names_failed_is_blamed_across_passes() {
+    let mut rig = rig_merging();
+    for pass in 0..2u64 {
+        rig.post(1, &put(512, pass * 2048, 0));
+        rig.post(1, &put(512, pass * 2048 + 512, 512));
+        rig.step();
+    }
+    assert_eq!(
+        device_puts(&rig),
+        [(0, data(0, 0), 1024), (2048, data(0, 0), 1024)]
+    );
+    rig.keyed.fail_device_put(
+        2,
+        2,
+        "put from GPU memory to rank 2 failed: Connection reset",
+    );
+    rig.keyed.complete_device_puts(1);
+    rig.step();
+    let e = rig.engine.failure().unwrap();
+    assert_eq!((e.peer(), e.seq()), (Some(2), Some(2)));
+    let words = e.to_string();
+    assert!(
+        words.contains("Connection reset")
+            && words.contains("this put's 512 bytes at offset 2048 of key 0x00000077")
+            && words.contains("put #2, 1024 bytes at offset 2048 merged from 2 puts")
+            && !words.contains("not what failed"),
+        "{words}"
+    );
+    assert_eq!(rig.engine.published(1), Some(2));
+    let site = crate::executor::Site {
+        ring: 1,
+        ctx: 0,
+        peer: 2,
+    };
+    let mut t = gin_cuda::puts::Ticket { peer: 2, n: 3 };
+    let why = rig.exec.landed(site, &mut t).unwrap_err().to_string();
+    assert!(
+        why.contains("this put's 512 bytes at offset 2560") && why.contains("put #2"),
+        "{why}"
+    );
+}
+
+/// A put refused at start while the put before it is in flight: the put
+/// of the next pass (to a region the peer still serves) is never handed
+/// to the transport, as with merging off (where the refusal stops the
+/// proxy at once); the engine fails at the refused descriptor once the
+/// put before it landed.
+#[test]
+fn a_put_refused_at_start_stops_the_next_pass_while_one_flies() {
+    let mut rig = rig_merging();
+    rig.post(1, &put(512, 0, 0));
+    rig.step();
+    rig.keyed.refuse(DATA_KEY);
+    rig.post(1, &put(512, 1024, 1024));
+    rig.step();
+    rig.post(
+        1,
+        &Desc {
+            dst_window: SIGNALS,
+            ..put(8, 0, 1536)
+        },
+    );
+    rig.step();
+    assert_eq!(device_puts(&rig), [(0, data(0, 0), 512)]);
+    rig.keyed.complete_device_puts(1);
+    rig.step();
+    let e = rig.engine.failure().unwrap();
+    assert_eq!((e.peer(), e.seq()), (Some(2), Some(1)));
+    assert!(e.to_string().contains("0x00000077"), "{e}");
+    assert_eq!(rig.engine.published(1), Some(1));
+    assert_eq!(device_puts(&rig).len(), 1);
+}
