@@ -1528,3 +1528,218 @@ fn a_failed_merged_write_is_an_error_cqe_naming_its_first_original() {
         "{e}"
     );
 }
+
+/// Where the transport orders a value after the writes without waiting
+/// (`GIN_UCX_GPU_ORDER=fence`), a signal ends the run of writes that
+/// merge: those before it start as one, then its total, then the write
+/// after it alone; the CQE covers the pass once both completed.
+#[test]
+fn a_fenced_signal_ends_a_merged_run_and_follows_it() {
+    let mut r = rig_merging();
+    let sink = r.sink.addr();
+    r.post(
+        TCP,
+        &[
+            (write(2, 0, 64), FM_NONE),
+            (write(2, 64, 64), FM_NONE),
+            (signal(2, 2, 9, sink), FM_STRONG_ORDERING),
+            (write(2, 128, 64), FM_NONE),
+        ],
+    );
+    assert_eq!(r.step().consumed, 4);
+    let ops = r.keyed.ops();
+    assert!(
+        matches!(
+            ops[..],
+            [
+                KeyedOp::PutDevice {
+                    offset: 0,
+                    len: 128,
+                    ..
+                },
+                KeyedOp::Put {
+                    key: SIG_KEY,
+                    ordered: true,
+                    ..
+                },
+                KeyedOp::PutDevice {
+                    offset: 128,
+                    len: 64,
+                    ..
+                },
+            ]
+        ),
+        "{ops:?}"
+    );
+    r.keyed.complete_device_puts(2);
+    assert_eq!(r.step().landed, 4);
+    let (a, v) = done(TCP, 3, OP_WRITE);
+    assert_eq!(r.calls(), vec![(1, Call::Sync), (1, Call::Store(a, v))]);
+}
+
+/// A read behind merged writes whose signal's total is held (ucx's
+/// default): the writes start as one and are completed before the read,
+/// the total goes before it; the CQE covers the read.
+#[test]
+fn a_read_behind_merged_writes_sends_their_held_total_first() {
+    let mut r = rig_merging();
+    r.keyed.order_by_waiting();
+    let sink = r.sink.addr();
+    let read = Op::Read {
+        remote: MemRef {
+            addr: VA[2] + 192,
+            key: key(DATA, 2),
+        },
+        local: MemRef {
+            addr: VA[0] + 192,
+            key: key(DATA, 0),
+        },
+        len: 16,
+    };
+    r.post(
+        TCP,
+        &[
+            (write(2, 0, 64), FM_NONE),
+            (write(2, 64, 64), FM_NONE),
+            (signal(2, 2, 9, sink), FM_STRONG_ORDERING),
+            (read, FM_NONE),
+        ],
+    );
+    assert_eq!(r.step().consumed, 4);
+    let ops = r.keyed.ops();
+    assert!(
+        matches!(
+            ops[..],
+            [
+                KeyedOp::PutDevice {
+                    offset: 0,
+                    len: 128,
+                    ..
+                },
+                KeyedOp::Put {
+                    key: SIG_KEY,
+                    ordered: true,
+                    ..
+                },
+                KeyedOp::ReadDevice { .. },
+            ]
+        ),
+        "{ops:?}"
+    );
+    assert_eq!(r.keyed.completions(), vec![(2, 1)]);
+    r.step();
+    assert!(r.engine.fault_log().get(TCP).is_none());
+    let (a, v) = done(TCP, 3, OP_RDMA_READ);
+    let calls = r.calls();
+    assert_eq!(calls.last(), Some(&(1, Call::Store(a, v))), "{calls:?}");
+    assert!(!r.engine.has_work());
+}
+
+/// A signal's total held behind a merged write that completed, which
+/// cannot be sent, fails its own WQE, not the writes'.
+#[test]
+fn a_held_total_behind_a_merged_write_that_cannot_be_sent_fails_its_own_wqe() {
+    let mut r = rig_merging();
+    r.keyed.order_by_waiting();
+    let sink = r.sink.addr();
+    r.post(
+        TCP,
+        &[
+            (write(2, 0, 64), FM_NONE),
+            (write(2, 64, 64), FM_NONE),
+            (signal(2, 2, 9, sink), FM_STRONG_ORDERING),
+        ],
+    );
+    assert_eq!(r.step().consumed, 3);
+    assert_eq!(r.keyed.ops().len(), 1, "one put, the total held");
+    r.calls();
+    r.keyed.refuse(SIG_KEY);
+    r.keyed.complete_device_puts(1);
+    r.step();
+    let (op, idx, syn) = error_cqe(&r.calls(), TCP);
+    assert_eq!(
+        (op, idx, syn),
+        (CQE_REQ_ERR, 2, syndrome::TRANSPORT_RETRY_EXC_ERR)
+    );
+    assert!(r.fault(TCP).contains("0x00000088"), "{}", r.fault(TCP));
+}
+
+/// Merged writes of two passes, the transport naming the second failed:
+/// the first pass's writes are reported done once complete, then the
+/// error CQE is at the second's first WQE, named as its own put.
+#[test]
+fn the_merged_write_the_transport_names_failed_is_blamed_across_passes() {
+    let mut r = rig_merging();
+    for pass in 0..2u64 {
+        r.post(
+            TCP,
+            &[
+                (write(2, pass * 128, 64), FM_NONE),
+                (write(2, pass * 128 + 64, 64), FM_NONE),
+            ],
+        );
+        r.step();
+    }
+    assert_eq!(r.keyed.ops().len(), 2);
+    r.calls();
+    r.keyed.complete_device_puts(1);
+    r.step();
+    let (a, v) = done(TCP, 1, OP_WRITE);
+    assert_eq!(r.calls(), vec![(1, Call::Store(a, v))]);
+    r.keyed.fail_device_put(
+        2,
+        2,
+        "put from GPU memory to rank 2 failed: Connection reset",
+    );
+    r.step();
+    let (op, idx, _) = error_cqe(&r.calls(), TCP);
+    assert_eq!((op, idx), (CQE_REQ_ERR, 2));
+    let e = r.fault(TCP);
+    assert!(
+        e.contains("Connection reset")
+            && e.contains("this put's 64 bytes at offset 128 of key 0x00000077")
+            && e.contains("put #2, 128 bytes at offset 128 merged from 2 puts")
+            && !e.contains("not what failed"),
+        "{e}"
+    );
+}
+
+/// A write refused at start while the write before it is in flight: the
+/// next pass's write (to a region the peer still serves) is never handed
+/// to the transport, as with merging off (where the refusal puts the
+/// queue in error at once); the error CQE is the refused WQE's once the
+/// write before it completed.
+#[test]
+fn a_write_refused_at_start_stops_the_next_pass_while_one_flies() {
+    let mut r = rig_merging();
+    r.post(TCP, &[(write(2, 0, 64), FM_NONE)]);
+    r.step();
+    r.keyed.refuse(DATA_KEY);
+    r.post(TCP, &[(write(2, 64, 64), FM_NONE)]);
+    r.step();
+    let to_signals = Op::Write {
+        remote: MemRef {
+            addr: SIG_VA[2],
+            key: key(SIG, 2),
+        },
+        local: MemRef {
+            addr: VA[0],
+            key: key(DATA, 0),
+        },
+        len: 8,
+    };
+    r.post(TCP, &[(to_signals, FM_NONE)]);
+    r.step();
+    assert_eq!(r.keyed.ops().len(), 1, "{:?}", r.keyed.ops());
+    r.calls();
+    r.keyed.complete_device_puts(1);
+    r.step();
+    let (op, idx, _) = error_cqe(&r.calls(), TCP);
+    assert_eq!(
+        (op, idx),
+        (CQE_REQ_ERR, 1),
+        "the refused WQE's, the collapsed CQE's first error"
+    );
+    assert!(r.fault(TCP).contains("0x00000077"), "{}", r.fault(TCP));
+    assert_eq!(r.keyed.ops().len(), 1);
+}
