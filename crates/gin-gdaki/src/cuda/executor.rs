@@ -875,6 +875,7 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
             store_calls = calls.store_calls,
             gpu_writes = self.puts.stats().puts,
             gpu_writes_started = self.puts.stats().started,
+            gpu_writes_unstarted = self.puts.stats().unstarted,
             "CUDA soft NIC streams drained"
         );
         first

@@ -761,6 +761,7 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
             store_calls = calls.store_calls,
             gpu_puts = self.puts.stats().puts,
             gpu_puts_started = self.puts.stats().started,
+            gpu_puts_unstarted = self.puts.stats().unstarted,
             "CUDA proxy streams drained"
         );
         first
