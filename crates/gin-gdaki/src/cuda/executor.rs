@@ -67,7 +67,8 @@
 //! GPU memory starts only at the end of the pass ([`Executor::end_pass`], or before
 //! anything that must follow it), merged with the pass's writes to the
 //! peer whose destinations and sources it continues, and each original
-//! still completes (and fails, named) on its own.
+//! still completes (and fails, named) on its own; a write refused at start
+//! bars its peer at once: nothing after it is started or sent there.
 //! Otherwise a
 //! write's source is staged through pinned host memory on the channel's
 //! stream (waited for) and sent with [`Fabric::put_key`], and a read's

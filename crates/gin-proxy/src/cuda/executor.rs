@@ -66,7 +66,8 @@
 //! GPU memory starts only at the end of the pass ([`Executor::flush`], or before
 //! anything that must follow it), merged with the pass's puts to the
 //! peer whose destinations and sources it continues, and each original
-//! still completes (and fails, named) on its own.
+//! still completes (and fails, named) on its own; a put refused at start
+//! bars its peer at once: nothing after it is started or sent there.
 //! Otherwise a
 //! put's source is staged through pinned host memory on the ring's stream
 //! (waited for) and sent with [`Fabric::put_key`], and a get's answer is
