@@ -19,7 +19,10 @@
 //! puts, where the transport names the failed put with
 //! [`Transport::device_put_failed`] the entries before it are released
 //! first; of a held value's sending; of a put's start) is the peer's from
-//! that entry on: every entry not yet released fails with it, sticky.
+//! that entry on: every entry not yet released fails with it, sticky. A
+//! put refused at start is the peer's at once: nothing handed over after
+//! it is started to that peer, in that pass or any later one, even while
+//! puts before it are still in flight, and no value is sent after it.
 //!
 //! **Merging.** UCX spends about 6 µs on a put from GPU memory over
 //! cuda_ipc whatever its size, so a message that many blocks put in
@@ -40,7 +43,10 @@
 //! releases each of them (a held value behind one of them is sent only
 //! once the merged put, and every put before it, completed), and its
 //! failure fails each, the error naming the original's bytes and offset
-//! and the merged put that carried them ([`Merged`]).
+//! and the merged put that carried them ([`Note`]). The note also says
+//! when an original's own put is not what failed (the transport named
+//! another put, a value held behind the puts could not be sent, a put
+//! before it was refused at start) and when it was never started.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -82,14 +88,14 @@ pub fn merge_max_from(v: Option<&str>) -> Result<u64, String> {
 }
 
 /// What an executor's error must offer the queue: a transport's failure
-/// about a peer, and a note naming the original put a merged put carried.
+/// about a peer, and a note on the put that failed with it.
 pub trait PutError: Clone {
     /// `e`, which the transport reported about `peer`.
     fn net(peer: usize, e: NetError) -> Self;
-    /// This error, told of the original put that failed with it as part of
-    /// a merged put.
+    /// This error, told how the put it fails went ([`Note`]: a merged
+    /// put that carried it, a put that was not its own, or none started).
     #[must_use]
-    fn noted(self, note: &Merged) -> Self;
+    fn noted(self, note: &Note) -> Self;
 }
 
 /// An 8-byte value held until the puts before it completed: its key and
@@ -132,52 +138,124 @@ pub struct Ticket {
     pub n: u64,
 }
 
-/// How an original put went in a merged one, for its errors.
+/// How a put's failure reached it, as its [`Note`] tells.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fate {
+    /// Its own put failed, or the transport did not say which put did.
+    Failed,
+    /// Its own put was refused at start.
+    Refused,
+    /// It was never started: a put to the peer before it had been refused
+    /// at start, or had failed.
+    NotStarted,
+    /// Its own put is not what failed: the transport named another put, a
+    /// value held behind the puts could not be sent, or a put before it
+    /// was refused at start, before this one was released.
+    Behind,
+}
+
+/// The merged put that carried an original.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Carrier {
+    /// How many puts it carried.
+    pub puts: usize,
+    /// Its bytes.
+    pub total: u64,
+    /// Its destination offset.
+    pub at: u64,
+}
+
+/// How an original put went, for its errors: where it went and why the
+/// failure is its own, or not.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Merged {
-    /// The original's bytes and destination offset.
+pub struct Note {
+    /// The original's bytes.
     pub bytes: u64,
     /// Its destination offset.
     pub offset: u64,
-    /// The transport's number of the merged put (0: it was not started).
-    pub seq: u64,
-    /// How many puts the merged put carried.
-    pub puts: usize,
-    /// The merged put's bytes.
-    pub total: u64,
-    /// The merged put's destination offset.
-    pub at: u64,
     /// The destination key.
     pub key: u32,
+    /// The transport's number of the put that carried it (0: none was
+    /// started).
+    pub seq: u64,
+    /// The merged put that carried it, if it was merged.
+    pub merged: Option<Carrier>,
+    /// How the failure reached it.
+    pub fate: Fate,
 }
 
-impl std::fmt::Display for Merged {
+impl std::fmt::Display for Note {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "this put's {} bytes at offset {} of key {:#010x} went in ",
+            "this put's {} bytes at offset {} of key {:#010x} ",
             self.bytes, self.offset, self.key
         )?;
-        if self.seq > 0 {
-            write!(f, "the transport's put #{}, ", self.seq)?;
-        } else {
-            write!(f, "a put, never started, ")?;
+        let merged = |f: &mut std::fmt::Formatter<'_>| match self.merged {
+            Some(m) => write!(
+                f,
+                ", {} bytes at offset {} merged from {} puts",
+                m.total, m.at, m.puts
+            ),
+            None => Ok(()),
+        };
+        match self.fate {
+            Fate::Failed => {
+                write!(f, "went in the transport's put #{}", self.seq)?;
+                merged(f)
+            }
+            Fate::Refused => {
+                write!(f, "went in a put refused at start, never started")?;
+                merged(f)
+            }
+            Fate::NotStarted => {
+                write!(
+                    f,
+                    "was never started: a put to the peer before it had been refused at start, or had failed"
+                )?;
+                if self.merged.is_some() {
+                    write!(f, " (it would have gone in a put")?;
+                    merged(f)?;
+                    write!(f, ")")?;
+                }
+                Ok(())
+            }
+            Fate::Behind => {
+                write!(f, "went in the transport's put #{}", self.seq)?;
+                merged(f)?;
+                write!(
+                    f,
+                    ", which is not what failed: another put to the peer, or a value held behind the puts, failed before this one was released"
+                )
+            }
         }
-        write!(
-            f,
-            "{} bytes at offset {} merged from {} puts",
-            self.total, self.at, self.puts
-        )
     }
 }
 
 /// Counts for the executors' debug logs.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct PutStats {
-    /// Puts handed over.
+    /// Puts handed over (those never started included).
     pub puts: u64,
-    /// Puts the transport was asked to start (after merging).
+    /// Puts the transport was asked to start and started (after merging).
     pub started: u64,
+    /// Puts handed over that never reached the transport: refused at
+    /// start, never started behind a refused or failed one, or dropped
+    /// waiting when the executor stopped mid-pass.
+    pub unstarted: u64,
+}
+
+/// Why a peer's queue failed: whose the failure is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Cause {
+    /// The transport's puts failed, naming none.
+    Unnamed,
+    /// The transport named its put with this number.
+    Named(u64),
+    /// A value held behind the puts could not be sent.
+    Held,
+    /// A put was refused at start.
+    Refused,
 }
 
 /// How far an entry's puts must be complete before it is released.
@@ -196,7 +274,26 @@ enum After<E> {
 struct Entry<E> {
     after: After<E>,
     held: Option<Held>,
-    merged: Option<Merged>,
+    /// The put it is, if any (a value alone is none).
+    put: Option<Note>,
+}
+
+impl<E> Entry<E> {
+    /// The note on this entry's failure, under a queue that failed for
+    /// `cause`: none for a put that failed, or was refused, as itself
+    /// (its error names it) unless it was merged.
+    fn note(&self, cause: Option<Cause>) -> Option<Note> {
+        let mut n = self.put.clone()?;
+        if let After::Seq(_) = self.after {
+            n.fate = match cause {
+                Some(Cause::Named(f)) if f != n.seq => Fate::Behind,
+                Some(Cause::Held | Cause::Refused) => Fate::Behind,
+                _ => Fate::Failed,
+            };
+        }
+        let plain = matches!(n.fate, Fate::Failed | Fate::Refused);
+        (n.merged.is_some() || !plain).then_some(n)
+    }
 }
 
 /// The puts from GPU memory to one peer not yet seen complete, and the
@@ -217,12 +314,24 @@ struct PeerPuts<E> {
     /// peer's puts, or the sending of the value held there; nothing is
     /// released any more.
     failed: Option<E>,
+    /// Whose the failure is.
+    cause: Option<Cause>,
+    /// Why a put to the peer was refused at start: set as it is refused
+    /// (the entries before it may still be in flight), so that nothing
+    /// after it is started or sent.
+    refused: Option<E>,
 }
 
-impl<E> PeerPuts<E> {
+impl<E: Clone> PeerPuts<E> {
     fn entry(&mut self, n: u64) -> Option<&mut Entry<E>> {
         let i = n.checked_sub(self.released)?;
         self.queue.get_mut(usize::try_from(i).ok()?)
+    }
+
+    /// Why nothing more may start or be sent to the peer, if so: a put
+    /// refused at start, or the peer's failure.
+    fn broken(&self) -> Option<E> {
+        self.refused.clone().or_else(|| self.failed.clone())
     }
 }
 
@@ -299,6 +408,8 @@ impl<E: PutError> DevicePuts<E> {
                     last: 0,
                     unsettled: false,
                     failed: None,
+                    cause: None,
+                    refused: None,
                 });
                 self.peers.len() - 1
             });
@@ -314,13 +425,15 @@ impl<E: PutError> DevicePuts<E> {
     }
 
     /// Adds an entry to `peer`'s queue.
-    fn enqueue(&mut self, peer: usize, after: After<E>, held: Option<Held>) -> Ticket {
+    fn enqueue(
+        &mut self,
+        peer: usize,
+        after: After<E>,
+        held: Option<Held>,
+        put: Option<Note>,
+    ) -> Ticket {
         let p = self.peer(peer);
-        p.queue.push_back(Entry {
-            after,
-            held,
-            merged: None,
-        });
+        p.queue.push_back(Entry { after, held, put });
         p.made += 1;
         Ticket {
             peer,
@@ -336,9 +449,10 @@ impl<E: PutError> DevicePuts<E> {
     /// [`DevicePuts::landed`].
     ///
     /// # Errors
-    /// Merging off: the transport's refusal to start it. Merging on, a
-    /// put that cannot start fails its entry instead ([`DevicePuts::landed`]
-    /// reports it).
+    /// Merging off: the transport's refusal to start it (counted
+    /// [`PutStats::unstarted`]). Merging on, a put that cannot start fails
+    /// its entry instead ([`DevicePuts::landed`] reports it), and so does
+    /// every put to the peer after it.
     ///
     /// # Safety
     /// As [`Transport::start_put_device`] for `p.src` and `p.len` (with
@@ -348,18 +462,29 @@ impl<E: PutError> DevicePuts<E> {
     /// writes the source.
     pub unsafe fn put(&mut self, lane: usize, peer: usize, p: DevicePut) -> Result<Ticket, E> {
         self.stats.puts += 1;
+        let note = Note {
+            bytes: p.len,
+            offset: p.offset,
+            key: p.key,
+            seq: 0,
+            merged: None,
+            fate: Fate::Failed,
+        };
         if self.merge_max == 0 {
-            let t = self.transport(peer)?;
             let to = gin_net::Target::Key {
                 key: p.key,
                 offset: p.offset,
             };
-            // SAFETY: the caller's contract.
-            let seq = unsafe { t.start_put_device(peer, to, p.src, p.len, p.keep) }
-                .map_err(|e| E::net(peer, e))?;
+            let seq = self.transport(peer).and_then(|t| {
+                // SAFETY: the caller's contract.
+                unsafe { t.start_put_device(peer, to, p.src, p.len, p.keep) }
+                    .map_err(|e| E::net(peer, e))
+            });
+            let seq = seq.inspect_err(|_| self.stats.unstarted += 1)?;
             self.stats.started += 1;
             self.started(peer, seq);
-            return Ok(self.enqueue(peer, After::Seq(seq), None));
+            let note = Note { seq, ..note };
+            return Ok(self.enqueue(peer, After::Seq(seq), None, Some(note)));
         }
         let clash = self.waiting.as_ref().is_some_and(|w| {
             w.peer != peer
@@ -379,7 +504,7 @@ impl<E: PutError> DevicePuts<E> {
             puts: Vec::new(),
         });
         let k = w.puts.len() + 1;
-        let t = self.enqueue(peer, After::Waiting(k), None);
+        let t = self.enqueue(peer, After::Waiting(k), None, Some(note));
         if let Some(w) = &mut self.waiting {
             w.puts.push((p, t.n));
         }
@@ -430,19 +555,15 @@ impl<E: PutError> DevicePuts<E> {
                 Some(k) => After::Waiting(k),
                 None => After::Seq(self.peer(peer).last),
             };
-            return Ok(Some(self.enqueue(peer, after, Some(h))));
+            return Ok(Some(self.enqueue(peer, after, Some(h), None)));
         }
         if self.waiting_for(peer).is_some() {
             self.issue();
         }
-        let broken = self.peer(peer).queue.iter().find_map(|e| match &e.after {
-            After::Failed(e) => Some(e.clone()),
-            _ => None,
-        });
-        if let Some(e) = broken {
-            return Ok(Some(
-                with.unwrap_or_else(|| self.enqueue(peer, After::Failed(e), None)),
-            ));
+        if let Some(e) = self.peer(peer).broken() {
+            return Ok(Some(with.unwrap_or_else(|| {
+                self.enqueue(peer, After::Failed(e), None, None)
+            })));
         }
         self.fabric
             .put_key_ordered(peer, h.key, h.offset, &h.bytes)
@@ -450,28 +571,92 @@ impl<E: PutError> DevicePuts<E> {
         Ok(with)
     }
 
+    /// Where nothing more may go to `peer` (a put to it was refused at
+    /// start, or its puts failed): after starting what waits for it, an
+    /// entry failed with that, for what the caller was about to send
+    /// otherwise (an inline value), to report in its place. `None`: send.
+    pub fn barred(&mut self, peer: usize) -> Option<Ticket> {
+        if self.waiting_for(peer).is_some() {
+            self.issue();
+        }
+        let e = self.peers.iter().find(|p| p.peer == peer)?.broken()?;
+        Some(self.enqueue(peer, After::Failed(e), None, None))
+    }
+
     /// Starts the waiting puts, those that continue one another merged
     /// (see the module documentation); a put that cannot start fails its
-    /// entry, and so do the entries after it (the puts after it are not
-    /// started).
+    /// entry, and so do the entries after it: the puts after it are not
+    /// started, in this pass or any later one (the refusal is the peer's
+    /// at once, sticky), and neither is anything after a failure of the
+    /// peer's puts.
     pub fn issue(&mut self) {
         let Some(w) = self.waiting.take() else {
             return;
         };
         let peer = w.peer;
-        let link = self.transport(peer);
         let spans: Vec<Span> = w.puts.iter().map(|(p, _)| Span::of(p)).collect();
         let chains = plan(&spans, self.merge_max);
+        let seq_of = self.start_chains(&w, &chains);
+        // What the first k waiting puts need: prefix[k - 1].
+        let mut prefix: Vec<Result<u64, E>> = Vec::with_capacity(spans.len());
+        let mut acc: Result<u64, E> = Ok(0);
+        for s in &seq_of {
+            acc = match (acc, s) {
+                (Err(e), _) => Err(e),
+                (Ok(_), Err((e, _))) => Err(e.clone()),
+                (Ok(a), Ok(b)) => Ok(a.max(*b)),
+            };
+            prefix.push(acc.clone());
+        }
+        let p = self.peer(peer);
+        for c in &chains {
+            let merged = (c.members.len() > 1).then_some(Carrier {
+                puts: c.members.len(),
+                total: c.len,
+                at: c.offset,
+            });
+            for &m in &c.members {
+                let (_, n) = &w.puts[m];
+                let Some(note) = p.entry(*n).and_then(|e| e.put.as_mut()) else {
+                    continue;
+                };
+                note.merged = merged;
+                (note.seq, note.fate) = match (&seq_of[m], &prefix[m]) {
+                    (Ok(s), Ok(_)) => (*s, Fate::Failed),
+                    (Ok(s), Err(_)) => (*s, Fate::Behind),
+                    (Err((_, fate)), _) => (0, *fate),
+                };
+            }
+        }
+        for e in &mut p.queue {
+            if let After::Waiting(k) = e.after {
+                e.after = match prefix.get(k.saturating_sub(1)) {
+                    Some(Ok(s)) => After::Seq(*s),
+                    Some(Err(f)) => After::Failed(f.clone()),
+                    None => After::Seq(p.last),
+                };
+            }
+        }
+    }
+
+    /// [`DevicePuts::issue`]'s starts: per waiting put of `w`, the
+    /// transport's number of the put that carries it (`chains`, started
+    /// in order), or why it did not start and whether it was refused
+    /// itself ([`Fate::Refused`]) or never tried ([`Fate::NotStarted`]:
+    /// the peer refused a put before it, in this pass or an earlier one,
+    /// or failed). The first refusal is recorded as the peer's.
+    #[allow(clippy::type_complexity)] // a private helper's one result
+    fn start_chains(&mut self, w: &Waiting, chains: &[Chain]) -> Vec<Result<u64, (E, Fate)>> {
+        let peer = w.peer;
+        let link = self.transport(peer);
         let mut broken = match &link {
-            Ok(_) => self.peer(peer).failed.clone(),
+            Ok(_) => self.peer(peer).broken(),
             Err(e) => Some(e.clone()),
         };
-        // Per waiting put: its chain's number at the transport, or why it
-        // did not start.
-        let mut seq_of: Vec<Result<u64, E>> = vec![Ok(0); spans.len()];
-        for c in &chains {
+        let mut seq_of: Vec<Result<u64, (E, Fate)>> = vec![Ok(0); w.puts.len()];
+        for c in chains {
             let r = match (&broken, &link) {
-                (Some(e), _) | (None, Err(e)) => Err(e.clone()),
+                (Some(e), _) | (None, Err(e)) => Err((e.clone(), Fate::NotStarted)),
                 (None, Ok(t)) => {
                     let first = &w.puts[c.members[0]].0;
                     let to = gin_net::Target::Key {
@@ -484,7 +669,7 @@ impl<E: PutError> DevicePuts<E> {
                     // one region of the peer.
                     let r =
                         unsafe { t.start_put_device(peer, to, c.src, c.len, first.keep.clone()) };
-                    r.map_err(|e| E::net(peer, e))
+                    r.map_err(|e| (E::net(peer, e), Fate::Refused))
                 }
             };
             match &r {
@@ -492,50 +677,19 @@ impl<E: PutError> DevicePuts<E> {
                     self.stats.started += 1;
                     self.started(peer, *seq);
                 }
-                Err(e) => broken = Some(e.clone()),
+                Err((e, fate)) => {
+                    self.stats.unstarted += c.members.len() as u64;
+                    if *fate == Fate::Refused {
+                        self.peer(peer).refused.get_or_insert_with(|| e.clone());
+                        broken = Some(e.clone());
+                    }
+                }
             }
             for &m in &c.members {
                 seq_of[m].clone_from(&r);
             }
         }
-        // What the first k waiting puts need: prefix[k - 1].
-        let mut prefix: Vec<Result<u64, E>> = Vec::with_capacity(spans.len());
-        let mut acc: Result<u64, E> = Ok(0);
-        for s in &seq_of {
-            acc = match (acc, s) {
-                (Err(e), _) => Err(e),
-                (Ok(_), Err(e)) => Err(e.clone()),
-                (Ok(a), Ok(b)) => Ok(a.max(*b)),
-            };
-            prefix.push(acc.clone());
-        }
-        let p = self.peer(peer);
-        for e in &mut p.queue {
-            if let After::Waiting(k) = e.after {
-                e.after = match prefix.get(k.saturating_sub(1)) {
-                    Some(Ok(s)) => After::Seq(*s),
-                    Some(Err(f)) => After::Failed(f.clone()),
-                    None => After::Seq(p.last),
-                };
-            }
-        }
-        for c in chains.iter().filter(|c| c.members.len() > 1) {
-            let seq = seq_of[c.members[0]].as_ref().map_or(0, |s| *s);
-            for &m in &c.members {
-                let (put, n) = &w.puts[m];
-                if let Some(e) = p.entry(*n) {
-                    e.merged = Some(Merged {
-                        bytes: put.len,
-                        offset: put.offset,
-                        seq,
-                        puts: c.members.len(),
-                        total: c.len,
-                        at: c.offset,
-                        key: put.key,
-                    });
-                }
-            }
-        }
+        seq_of
     }
 
     /// Whether `t`'s entry was released: the puts to its peer up to it
@@ -544,20 +698,36 @@ impl<E: PutError> DevicePuts<E> {
     /// before a failure landed.
     ///
     /// # Errors
-    /// The peer's failure, for every entry not released: noted with the
-    /// merged put that carried the entry's own put, if one did.
+    /// The peer's failure, for every entry not released; an entry failed
+    /// at issue (refused at start, or behind a refusal) at once, with
+    /// that refusal. Noted ([`Note`]) where its put was merged, is not
+    /// what failed, or was never started.
     pub fn landed(&mut self, t: Ticket) -> Result<bool, E> {
         if self.waiting_for(t.peer).is_some() {
             self.issue();
         }
-        let r = self.release(t.peer);
-        let p = self.peer(t.peer);
-        if p.released > t.n {
+        let released = self.release(t.peer);
+        let queue = self.peer(t.peer);
+        if queue.released > t.n {
             return Ok(true);
         }
-        let note = p.entry(t.n).and_then(|e| e.merged.clone());
-        r.map(|()| false)
-            .map_err(|e| note.map_or_else(|| e.clone(), |m| e.clone().noted(&m)))
+        let cause = queue.cause;
+        let (own, note) = match queue.entry(t.n) {
+            Some(entry) => (
+                match &entry.after {
+                    After::Failed(f) => Some(f.clone()),
+                    _ => None,
+                },
+                entry.note(cause),
+            ),
+            None => (None, None),
+        };
+        // An entry failed at issue (a put refused at start, or after one)
+        // fails at once, with that, even where puts before it are still in
+        // flight or the queue's front failed otherwise.
+        own.map_or(released, Err)
+            .map(|()| false)
+            .map_err(|e| note.map_or_else(|| e.clone(), |n| e.clone().noted(&n)))
     }
 
     /// Releases the entries of `peer`'s queue whose puts completed, in
@@ -572,30 +742,33 @@ impl<E: PutError> DevicePuts<E> {
         if p.queue.is_empty() {
             return Ok(());
         }
-        let r = self.release_done(peer);
-        if let Err(e) = &r {
-            self.peer(peer).failed = Some(e.clone());
-        }
-        r
+        self.release_done(peer).map_err(|(e, cause)| {
+            let p = self.peer(peer);
+            p.failed = Some(e.clone());
+            p.cause = Some(cause);
+            e
+        })
     }
 
     /// [`DevicePuts::release`]'s work: an entry is popped (and counted
     /// released) only once its value was sent. Where the transport names
     /// the put that failed, the entries before it are released first: the
     /// failure is that put's, not the oldest one's.
-    fn release_done(&mut self, peer: usize) -> Result<(), E> {
-        let t = self.transport(peer)?;
+    fn release_done(&mut self, peer: usize) -> Result<(), (E, Cause)> {
+        let t = self.transport(peer).map_err(|e| (e, Cause::Unnamed))?;
         let (done, failure) = match t.device_puts_completed(peer) {
             Ok(done) => (done, None),
             Err(e) => {
-                let before = t.device_put_failed(peer).map_or(0, |f| f.saturating_sub(1));
-                (before, Some(E::net(peer, e)))
+                let named = t.device_put_failed(peer);
+                let before = named.map_or(0, |f| f.saturating_sub(1));
+                let cause = named.map_or(Cause::Unnamed, Cause::Named);
+                (before, Some((E::net(peer, e), cause)))
             }
         };
         let p = self.peer(peer);
         while let Some(e) = p.queue.front() {
             match &e.after {
-                After::Failed(f) => return Err(f.clone()),
+                After::Failed(f) => return Err((f.clone(), Cause::Refused)),
                 After::Seq(s) if *s <= done => {}
                 After::Seq(_) | After::Waiting(_) => break,
             }
@@ -609,7 +782,7 @@ impl<E: PutError> DevicePuts<E> {
                     _ => 0,
                 };
                 t.put_ordered_after(peer, at, &h.bytes, after)
-                    .map_err(|e| E::net(peer, e))?;
+                    .map_err(|e| (E::net(peer, e), Cause::Held))?;
             }
             p.queue.pop_front();
             p.released += 1;
@@ -647,6 +820,7 @@ impl<E: PutError> DevicePuts<E> {
     /// The first transport's.
     pub fn settle_all(&mut self) -> Result<(), E> {
         if let Some(w) = self.waiting.take() {
+            self.stats.unstarted += w.puts.len() as u64;
             tracing::debug!(
                 rank = self.fabric.rank(),
                 peer = w.peer,
@@ -654,6 +828,12 @@ impl<E: PutError> DevicePuts<E> {
                 "puts from GPU memory dropped before they started (the engine stopped mid-pass)"
             );
         }
+        // Only what was started is completed: a put never started (dropped
+        // above, or failed at issue) lends the transport nothing, and a
+        // peer whose puts failed is still completed, so that its sources
+        // are free once this returns. `unsettled` is cleared first: a
+        // completion that fails is not retried (the transport reads none
+        // of the sources after failing, as `complete_device` promises).
         let mut first = Ok(());
         for i in 0..self.peers.len() {
             let p = &mut self.peers[i];

@@ -18,16 +18,19 @@ use super::*;
 struct Why(String);
 
 impl PutError for Why {
-    fn net(peer: usize, e: NetError) -> Self {
-        Self(format!("rank {peer}: {e}"))
+    /// The transport's words, which name the peer already.
+    fn net(_: usize, e: NetError) -> Self {
+        Self(e.to_string())
     }
-    fn noted(self, note: &Merged) -> Self {
+    fn noted(self, note: &Note) -> Self {
         Self(format!("{} ({note})", self.0))
     }
 }
 
 const KEY: u32 = 0x77;
 const SIG: u32 = 0x88;
+/// Another region at the peer, never refused.
+const OTHER: u32 = 0x99;
 /// This rank's part of the source window.
 const SRC: u64 = 0x10_0000;
 
@@ -188,7 +191,8 @@ fn without_merging_each_put_starts_at_once() {
         d.stats(),
         PutStats {
             puts: 3,
-            started: 3
+            started: 3,
+            unstarted: 0
         }
     );
 }
@@ -218,7 +222,8 @@ fn adjacent_puts_start_as_one_and_release_each_original() {
         d.stats(),
         PutStats {
             puts: 4,
-            started: 1
+            started: 1,
+            unstarted: 0
         }
     );
 }
@@ -331,8 +336,9 @@ fn a_failed_merged_put_fails_each_original_by_name() {
 }
 
 /// A merged put the transport refuses to start fails its originals and
-/// every entry after them: nothing after it starts, and a fenced value
-/// behind it is never sent.
+/// every entry after them: nothing after it starts (a later put to a
+/// region the peer still serves included), and a fenced value behind it
+/// is never sent.
 #[test]
 fn a_merged_put_refused_at_start_fails_what_follows_it() {
     let (mut d, k) = rig(MERGE_MAX);
@@ -351,8 +357,142 @@ fn a_merged_put_refused_at_start_fails_what_follows_it() {
             "{why}"
         );
     }
-    let later = put(&mut d, 0, 1, dput(1024, 64));
-    assert!(d.landed(later).is_err());
+    let later = put(
+        &mut d,
+        0,
+        1,
+        DevicePut {
+            key: OTHER,
+            ..dput(1024, 64)
+        },
+    );
+    let why = d.landed(later).unwrap_err().0;
+    assert!(
+        why.contains("0x00000077")
+            && why
+                .contains("this put's 64 bytes at offset 1024 of key 0x00000099 was never started"),
+        "{why}"
+    );
+    assert!(k.ops().is_empty(), "{:?}", k.ops());
+    assert_eq!(
+        d.stats(),
+        PutStats {
+            puts: 3,
+            started: 0,
+            unstarted: 3
+        }
+    );
+}
+
+/// A put refused at start while a put before it is still in flight bars
+/// the peer at once: a put of a later pass (to a region the peer still
+/// serves) is never started, a fenced value and an inline one are never
+/// sent, and each fails saying so; the put before the refusal lands once
+/// it completed, the refused one fails with its own refusal.
+#[test]
+fn a_put_refused_at_start_stops_later_passes_while_earlier_ones_fly() {
+    let (mut d, k) = rig(MERGE_MAX);
+    let other = |off| DevicePut {
+        key: OTHER,
+        ..dput(off, 64)
+    };
+    let before = put(&mut d, 0, 1, other(0));
+    d.issue();
+    assert_eq!(d.barred(1), None, "nothing refused yet");
+    k.refuse(KEY);
+    let refused = put(&mut d, 0, 1, dput(0, 64));
+    d.issue();
+    let after = put(&mut d, 0, 1, other(4096));
+    d.issue();
+    assert_eq!(device_ops(&k), [(1, 0, SRC, 64)], "only the put before");
+    let value = d.send_ordered(1, held(1), None).unwrap().unwrap();
+    let inline = d.barred(1).unwrap();
+    assert!(values(&k).is_empty());
+    assert!(!d.landed(before).unwrap(), "still in flight");
+    let why = d.landed(after).unwrap_err().0;
+    assert!(
+        why.contains("0x00000077")
+            && why
+                .contains("this put's 64 bytes at offset 4096 of key 0x00000099 was never started"),
+        "{why}"
+    );
+    k.complete_device_puts(1);
+    assert!(d.landed(before).unwrap());
+    let why = d.landed(refused).unwrap_err().0;
+    assert!(
+        why.contains("0x00000077") && !why.contains("this put's"),
+        "its own refusal, no note: {why}"
+    );
+    for t in [after, value, inline] {
+        assert!(d.landed(t).unwrap_err().0.contains("0x00000077"));
+    }
+    assert_eq!(
+        d.stats(),
+        PutStats {
+            puts: 3,
+            started: 1,
+            unstarted: 2
+        }
+    );
+}
+
+/// Where the transport names the failed put, an original carried by a
+/// later merged put (started, unreleased) fails with the peer, its note
+/// saying that its own put is not what failed; those of the failed one
+/// are named as its own.
+#[test]
+fn an_original_behind_the_failed_put_says_its_own_did_not_fail() {
+    let (mut d, k) = rig(MERGE_MAX);
+    let mut t = Vec::new();
+    for pass in 0..3u64 {
+        t.push(put(&mut d, 0, 1, dput(pass * 1024, 64)));
+        t.push(put(&mut d, 0, 1, dput(pass * 1024 + 64, 64)));
+        d.issue();
+    }
+    assert_eq!(device_ops(&k).len(), 3);
+    k.fail_device_put(1, 2, "Connection reset");
+    k.complete_device_puts(1);
+    assert!(d.landed(t[0]).unwrap() && d.landed(t[1]).unwrap());
+    let own = d.landed(t[2]).unwrap_err().0;
+    assert!(
+        own.contains("Connection reset")
+            && own.contains("put #2, 128 bytes at offset 1024 merged from 2 puts")
+            && !own.contains("not what failed"),
+        "{own}"
+    );
+    let behind = d.landed(t[5]).unwrap_err().0;
+    assert!(
+        behind.contains("Connection reset")
+            && behind.contains("this put's 64 bytes at offset 2112 of key 0x00000077")
+            && behind.contains(
+                "put #3, 128 bytes at offset 2048 merged from 2 puts, which is not what failed"
+            ),
+        "{behind}"
+    );
+}
+
+/// A merged put that completed, whose signal held behind it cannot be
+/// sent: each original fails with the value's failure, noted that its
+/// put is not what failed.
+#[test]
+fn a_merged_put_failed_by_its_held_value_says_its_own_did_not_fail() {
+    let (mut d, k) = rig(MERGE_MAX);
+    k.order_by_waiting();
+    let first = put(&mut d, 0, 1, dput(0, 64));
+    let second = put(&mut d, 0, 1, dput(64, 64));
+    d.send_ordered(1, held(1), Some(second)).unwrap();
+    d.issue();
+    k.refuse(SIG);
+    k.complete_device_puts(1);
+    assert!(d.landed(first).unwrap(), "released before the value");
+    let why = d.landed(second).unwrap_err().0;
+    assert!(
+        why.contains("0x00000088")
+            && why.contains(
+                "put #1, 128 bytes at offset 0 merged from 2 puts, which is not what failed"
+            ),
+        "{why}"
+    );
 }
 
 /// A settle starts what waits, completes it and sends what was held;

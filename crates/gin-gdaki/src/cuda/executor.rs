@@ -67,7 +67,8 @@
 //! GPU memory starts only at the end of the pass ([`Executor::end_pass`], or before
 //! anything that must follow it), merged with the pass's writes to the
 //! peer whose destinations and sources it continues, and each original
-//! still completes (and fails, named) on its own.
+//! still completes (and fails, named) on its own; a write refused at start
+//! bars its peer at once: nothing after it is started or sent there.
 //! Otherwise a
 //! write's source is staged through pinned host memory on the channel's
 //! stream (waited for) and sent with [`Fabric::put_key`], and a read's
@@ -96,7 +97,7 @@ use std::time::Instant;
 use gin_cuda::CudaError;
 use gin_cuda::batch::stall::StallWatch;
 use gin_cuda::batch::{BatchStats, Dma, Gpu, StreamBatch, TotalOrder, follow, region};
-use gin_cuda::puts::{DevicePut, DevicePuts, Held, Merged, PutError, Ticket};
+use gin_cuda::puts::{DevicePut, DevicePuts, Held, Note, PutError, Ticket};
 use gin_cuda::staging::{STAGE, Stage};
 use gin_net::{Fabric, MemDesc, Memory, NetError, Reach};
 
@@ -636,7 +637,7 @@ impl PutError for ExecError {
     }
 
     /// The note follows the account.
-    fn noted(self, note: &Merged) -> Self {
+    fn noted(self, note: &Note) -> Self {
         let add = |w: String| format!("{w} ({note})");
         match self {
             Self::Transport { peer, why } => Self::Transport {
@@ -875,6 +876,7 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
             store_calls = calls.store_calls,
             gpu_writes = self.puts.stats().puts,
             gpu_writes_started = self.puts.stats().started,
+            gpu_writes_unstarted = self.puts.stats().unstarted,
             "CUDA soft NIC streams drained"
         );
         first

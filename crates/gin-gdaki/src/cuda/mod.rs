@@ -289,6 +289,10 @@ impl CudaNic {
     /// window only after the kernels that used it were flushed).
     pub unsafe fn start(spec: CudaEngineSpec<Fabric, Device>) -> Result<Self, CudaNicError> {
         let (rank, n) = (spec.fabric.rank(), spec.fabric.nranks());
+        // A bad setting is refused before anything is allocated.
+        let merge = std::env::var(gin_cuda::puts::MERGE_VAR).ok();
+        let merge = gin_cuda::puts::merge_max_from(merge.as_deref())
+            .map_err(|why| CudaNicError::Setting { rank, why })?;
         let serve: Vec<bool> = (0..n)
             .map(|p| p != rank && spec.serve.get(p).copied().unwrap_or(false))
             .collect();
@@ -356,7 +360,7 @@ impl CudaNic {
             WorkQueues::from_env(),
         ));
         // SAFETY: the counters and windows are the caller's contract.
-        let driver = unsafe { Self::serve(&spec, &serve, queues, sink, &mem, &stalls) }?;
+        let driver = unsafe { Self::serve(&spec, &serve, queues, sink, &mem, (&stalls, merge)) }?;
         let monitor = stalls.monitor(format!("gin-cuda-nic-stalls-{rank}"))?;
         Ok(Self {
             driver: Some(driver),
@@ -367,7 +371,8 @@ impl CudaNic {
     }
 
     /// Starts the engine over `queues` with a CUDA-stream executor whose
-    /// streams `stalls` watches.
+    /// streams `stalls` watches, merging puts from GPU memory up to
+    /// `merge` bytes.
     ///
     /// # Safety
     /// As [`CudaNic::start`].
@@ -377,7 +382,7 @@ impl CudaNic {
         queues: Vec<QueueSpec<DevCq>>,
         sink: Arc<Sink>,
         mem: &Arc<QueueMem>,
-        stalls: &Arc<StallWatch>,
+        (stalls, merge): (&Arc<StallWatch>, u64),
     ) -> Result<SoftNic, CudaNicError> {
         let (rank, n) = (spec.fabric.rank(), spec.fabric.nranks());
         let keyed = |p: usize| serve[p] && spec.fabric.reach(p) == Some(Reach::Keyed);
@@ -416,11 +421,7 @@ impl CudaNic {
             )
         };
         exec.watch_stalls(stalls.clone());
-        let merge = std::env::var(gin_cuda::puts::MERGE_VAR).ok();
-        exec.merge_puts(
-            gin_cuda::puts::merge_max_from(merge.as_deref())
-                .map_err(|why| CudaNicError::Setting { rank, why })?,
-        );
+        exec.merge_puts(merge);
         let driver = DriverConfig {
             name: format!("gin-cuda-nic-{rank}"),
             idle: Idle::gpu(spec.spin),

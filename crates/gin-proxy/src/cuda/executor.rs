@@ -66,7 +66,8 @@
 //! GPU memory starts only at the end of the pass ([`Executor::flush`], or before
 //! anything that must follow it), merged with the pass's puts to the
 //! peer whose destinations and sources it continues, and each original
-//! still completes (and fails, named) on its own.
+//! still completes (and fails, named) on its own; a put refused at start
+//! bars its peer at once: nothing after it is started or sent there.
 //! Otherwise a
 //! put's source is staged through pinned host memory on the ring's stream
 //! (waited for) and sent with [`Fabric::put_key`], and a get's answer is
@@ -91,7 +92,7 @@ use std::time::Instant;
 use gin_cuda::CudaError;
 use gin_cuda::batch::stall::StallWatch;
 use gin_cuda::batch::{BatchStats, Dma, Gpu, StreamBatch, TotalOrder, follow, region};
-use gin_cuda::puts::{DevicePut, DevicePuts, Held, Merged, PutError, Ticket};
+use gin_cuda::puts::{DevicePut, DevicePuts, Held, Note, PutError, Ticket};
 use gin_cuda::staging::{STAGE, Stage};
 use gin_net::{Fabric, MemDesc, Memory, NetError, Reach};
 
@@ -408,7 +409,9 @@ impl<G: Gpu> CudaExecutor<G> {
     }
 
     /// A put's data to a peer over a keyed transport: an inline value
-    /// sent as is (after the puts from GPU memory waiting to start), a
+    /// sent as is (after the puts from GPU memory waiting to start; never
+    /// where a put to the peer was refused at start: then it is in flight
+    /// and fails with that), a
     /// window's bytes handed to the transport directly where it takes GPU
     /// memory (in flight: its entry returned; started at the end of the
     /// pass, merged with the puts it continues), else staged a chunk at a
@@ -422,6 +425,11 @@ impl<G: Gpu> CudaExecutor<G> {
         let key = Self::key(peer, &d.dst)?;
         let (src, window) = match &d.src {
             Source::Inline(v) => {
+                // Nothing goes to a peer barred by a put refused at start
+                // (or failed): the value fails in its place, unsent.
+                if let Some(t) = self.puts.barred(peer) {
+                    return Ok(Some(t));
+                }
                 self.puts.issue();
                 return self
                     .fabric
@@ -754,6 +762,7 @@ impl<G: Gpu> Executor for CudaExecutor<G> {
             store_calls = calls.store_calls,
             gpu_puts = self.puts.stats().puts,
             gpu_puts_started = self.puts.stats().started,
+            gpu_puts_unstarted = self.puts.stats().unstarted,
             "CUDA proxy streams drained"
         );
         first
@@ -777,7 +786,7 @@ impl PutError for ExecError {
     }
 
     /// The note follows the account (`why`, or what was waited for).
-    fn noted(self, note: &Merged) -> Self {
+    fn noted(self, note: &Note) -> Self {
         let add = |w: String| format!("{w} ({note})");
         match self {
             Self::Unreachable { peer, why } => Self::Unreachable {

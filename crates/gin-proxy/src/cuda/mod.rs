@@ -149,6 +149,10 @@ impl CudaProxy {
     /// after the kernels that used it were flushed).
     pub unsafe fn start(spec: CudaEngineSpec<Fabric, Device>) -> Result<Self, CudaProxyError> {
         let (rank, n) = (spec.fabric.rank(), spec.fabric.nranks());
+        // A bad setting is refused before anything is allocated.
+        let merge = std::env::var(gin_cuda::puts::MERGE_VAR).ok();
+        let merge = gin_cuda::puts::merge_max_from(merge.as_deref())
+            .map_err(|why| CudaProxyError::Setting { rank, why })?;
         let serve: Vec<bool> = (0..n)
             .map(|p| spec.serve.get(p).copied().unwrap_or(false))
             .collect();
@@ -216,11 +220,7 @@ impl CudaProxy {
             )
         };
         exec.watch_stalls(stalls.clone());
-        let merge = std::env::var(gin_cuda::puts::MERGE_VAR).ok();
-        exec.merge_puts(
-            gin_cuda::puts::merge_max_from(merge.as_deref())
-                .map_err(|why| CudaProxyError::Setting { rank, why })?,
-        );
+        exec.merge_puts(merge);
         let config = EngineConfig {
             rank,
             batch: pass_len(spec.log2),

@@ -6,6 +6,7 @@
 
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
+use std::cell::Cell;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -13,6 +14,7 @@ use gin_net::region::RegionTable;
 use gin_net::{MemDesc, MemParts, Memory, Path};
 
 use gin_cuda::batch::stall::{StallWatch, WorkQueues};
+use gin_cuda::puts::MERGE_MAX;
 use gin_cuda::testing::{Call, Log, MARKS_AT, RecordingGpu as FakeGpu};
 use gin_net::testing::{KeyedOp, KeyedRecorder as Keyed};
 
@@ -66,6 +68,23 @@ fn device(at: [usize; N], key: u32, size: u64) -> MemDesc {
     // SAFETY: made-up device addresses that nothing dereferences: the fake
     // streams only record what they are handed.
     unsafe { MemDesc::new(parts) }
+}
+
+thread_local! {
+    /// The merge cap the rigs made on this thread give their executors.
+    static MERGE: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Runs `test` with puts from GPU memory not merged, then merged up to
+/// [`MERGE_MAX`] (as the proxy runs by default): the rigs it makes
+/// follow. A failure's output names the setting it failed under.
+fn both_ways(test: impl Fn()) {
+    for merge in [0, MERGE_MAX] {
+        eprintln!("merge_max = {merge}");
+        MERGE.set(merge);
+        test();
+    }
+    MERGE.set(0);
 }
 
 fn rig() -> Rig {
@@ -131,6 +150,7 @@ fn rig_with(keyed: Keyed, mapped: bool) -> Rig {
     };
     // SAFETY: the fake GPU's streams touch no memory.
     let mut exec = unsafe { CudaExecutor::new(gpu.clone(), fabric, layout, None, Box::new(())) };
+    exec.merge_puts(MERGE.get());
     exec.enter().unwrap();
     let rings = [Arc::new(Ring::new(LOG2)), Arc::new(Ring::new(LOG2))];
     let specs = rings
@@ -209,90 +229,94 @@ fn data(rank: usize, off: u64) -> u64 {
 /// ring's stream. Totals are kept per slot.
 #[test]
 fn a_put_is_a_copy_then_signal_counter_and_completion_stores() {
-    let mut rig = rig();
-    rig.post(
-        0,
-        &Desc {
-            signal: Some(signal(24, 3)),
-            counter: Some(2),
-            ..put(256, 64, 128)
-        },
-    );
-    let p = rig.step();
-    assert_eq!((p.executed, p.published), (1, 1));
-    assert_eq!(
-        rig.calls(),
-        vec![
-            (0, Call::Copy(data(1, 64), data(0, 128), 256)),
-            (
-                0,
-                Call::Stores(vec![
-                    (SIG_AT[1] as u64 + 24, 3),
-                    (COUNTERS + 2 * 16, 1),
-                    (DONE[0], 1)
-                ])
-            ),
-        ]
-    );
-    // Two more to the same slot and counter in one batch: running totals.
-    for add in [4, 5] {
+    both_ways(|| {
+        let mut rig = rig();
         rig.post(
             0,
             &Desc {
-                signal: Some(signal(24, add)),
+                signal: Some(signal(24, 3)),
                 counter: Some(2),
-                ..put(0, 0, 0)
+                ..put(256, 64, 128)
             },
         );
-    }
-    rig.step();
-    assert_eq!(
-        rig.calls(),
-        vec![(
-            0,
-            Call::Stores(vec![
-                (SIG_AT[1] as u64 + 24, 7),
-                (COUNTERS + 32, 2),
-                (SIG_AT[1] as u64 + 24, 12),
-                (COUNTERS + 32, 3),
-                (DONE[0], 3)
-            ])
-        )]
-    );
+        let p = rig.step();
+        assert_eq!((p.executed, p.published), (1, 1));
+        assert_eq!(
+            rig.calls(),
+            vec![
+                (0, Call::Copy(data(1, 64), data(0, 128), 256)),
+                (
+                    0,
+                    Call::Stores(vec![
+                        (SIG_AT[1] as u64 + 24, 3),
+                        (COUNTERS + 2 * 16, 1),
+                        (DONE[0], 1)
+                    ])
+                ),
+            ]
+        );
+        // Two more to the same slot and counter in one batch: running totals.
+        for add in [4, 5] {
+            rig.post(
+                0,
+                &Desc {
+                    signal: Some(signal(24, add)),
+                    counter: Some(2),
+                    ..put(0, 0, 0)
+                },
+            );
+        }
+        rig.step();
+        assert_eq!(
+            rig.calls(),
+            vec![(
+                0,
+                Call::Stores(vec![
+                    (SIG_AT[1] as u64 + 24, 7),
+                    (COUNTERS + 32, 2),
+                    (SIG_AT[1] as u64 + 24, 12),
+                    (COUNTERS + 32, 3),
+                    (DONE[0], 3)
+                ])
+            )]
+        );
+    });
 }
 
 /// Slices of one message in one batch reach the driver as one copy; an
 /// inline put is a store; a get is a copy the other way.
 #[test]
 fn slices_merge_inline_puts_store_and_gets_copy_back() {
-    let mut rig = rig();
-    for i in 0..4 {
-        rig.post(0, &put(64, 1024 + i * 64, i * 64));
-    }
-    rig.post(
-        0,
-        &Desc {
-            inline: Some(0xfeed),
-            ..put(8, 8, 0)
-        },
-    );
-    rig.post(
-        0,
-        &Desc {
-            op: Op::Get,
-            ..put(32, 512, 2048)
-        },
-    );
-    rig.step();
-    assert_eq!(
-        rig.calls(),
-        vec![
-            (0, Call::Copy(data(1, 1024), data(0, 0), 256)),
-            (0, Call::Store(data(1, 8), 0xfeed)),
-            (0, Call::Copy(data(0, 2048), data(1, 512), 32)),
-            (0, Call::Store(DONE[0], 6)),
-        ]
-    );
+    both_ways(|| {
+        let mut rig = rig();
+        for i in 0..4 {
+            rig.post(0, &put(64, 1024 + i * 64, i * 64));
+        }
+        rig.post(
+            0,
+            &Desc {
+                inline: Some(0xfeed),
+                ..put(8, 8, 0)
+            },
+        );
+        rig.post(
+            0,
+            &Desc {
+                op: Op::Get,
+                ..put(32, 512, 2048)
+            },
+        );
+        rig.step();
+        assert_eq!(
+            rig.calls(),
+            vec![
+                (0, Call::Copy(data(1, 1024), data(0, 0), 256)),
+                (0, Call::Store(data(1, 8), 0xfeed)),
+                (0, Call::Copy(data(0, 2048), data(1, 512), 32)),
+                (0, Call::Store(DONE[0], 6)),
+            ]
+        );
+    });
 }
 
 /// A peer over a keyed transport: the inline value and then the signal's
@@ -300,45 +324,47 @@ fn slices_merge_inline_puts_store_and_gets_copy_back() {
 /// completion index is still a store on the ring's stream.
 #[test]
 fn a_keyed_peer_gets_puts_of_values_and_totals_through_the_fabric() {
-    let mut rig = rig();
-    rig.post(
-        1,
-        &Desc {
-            inline: Some(0x1234),
-            signal: Some(signal(48, 9)),
-            counter: Some(0),
-            ..put(8, 16, 0)
-        },
-    );
-    rig.step();
-    assert_eq!(
-        rig.keyed.puts(),
-        vec![
-            (2, DATA_KEY, 16, 0x1234u64.to_le_bytes().to_vec()),
-            (2, SIG_KEY, 48, 9u64.to_le_bytes().to_vec()),
-        ]
-    );
-    assert_eq!(
-        rig.calls(),
-        vec![(1, Call::Stores(vec![(COUNTERS, 1), (DONE[1], 1)]))]
-    );
-    // The total is ordered after the data it counts.
-    assert!(matches!(
-        rig.keyed.ops().as_slice(),
-        [
-            KeyedOp::Put { ordered: false, .. },
-            KeyedOp::Put { ordered: true, .. }
-        ]
-    ));
-    // A transport that does not take GPU memory gets a window's bytes
-    // staged, which needs the pinned buffer only a GPU rank with keyed
-    // peers has: refused, nothing sent.
-    rig.post(1, &put(64, 0, 0));
-    rig.step();
-    let e = rig.engine.failure().unwrap().to_string();
-    assert!(e.contains("no staging buffer"), "{e}");
-    assert_eq!(rig.keyed.puts().len(), 2);
-    assert_eq!(rig.keyed.ops().len(), 2);
+    both_ways(|| {
+        let mut rig = rig();
+        rig.post(
+            1,
+            &Desc {
+                inline: Some(0x1234),
+                signal: Some(signal(48, 9)),
+                counter: Some(0),
+                ..put(8, 16, 0)
+            },
+        );
+        rig.step();
+        assert_eq!(
+            rig.keyed.puts(),
+            vec![
+                (2, DATA_KEY, 16, 0x1234u64.to_le_bytes().to_vec()),
+                (2, SIG_KEY, 48, 9u64.to_le_bytes().to_vec()),
+            ]
+        );
+        assert_eq!(
+            rig.calls(),
+            vec![(1, Call::Stores(vec![(COUNTERS, 1), (DONE[1], 1)]))]
+        );
+        // The total is ordered after the data it counts.
+        assert!(matches!(
+            rig.keyed.ops().as_slice(),
+            [
+                KeyedOp::Put { ordered: false, .. },
+                KeyedOp::Put { ordered: true, .. }
+            ]
+        ));
+        // A transport that does not take GPU memory gets a window's bytes
+        // staged, which needs the pinned buffer only a GPU rank with keyed
+        // peers has: refused, nothing sent.
+        rig.post(1, &put(64, 0, 0));
+        rig.step();
+        let e = rig.engine.failure().unwrap().to_string();
+        assert!(e.contains("no staging buffer"), "{e}");
+        assert_eq!(rig.keyed.puts().len(), 2);
+        assert_eq!(rig.keyed.ops().len(), 2);
+    });
 }
 
 /// A transport that takes GPU memory (ucx with its CUDA transports) gets
@@ -348,69 +374,71 @@ fn a_keyed_peer_gets_puts_of_values_and_totals_through_the_fabric() {
 /// the counter and completion index stored only after both.
 #[test]
 fn a_transport_taking_gpu_memory_gets_it_directly_and_the_total_after_it() {
-    let mut rig = rig_over(Keyed::taking_device_memory());
-    rig.post(
-        1,
-        &Desc {
-            signal: Some(signal(48, 9)),
-            counter: Some(1),
-            ..put(4096, 0, 0)
-        },
-    );
-    rig.post(
-        1,
-        &Desc {
-            op: Op::Get,
-            ..put(32, 512, 2048)
-        },
-    );
-    let p = rig.step();
-    assert_eq!(
-        (p.executed, p.published),
-        (2, 1),
-        "{:?}",
-        rig.engine.failure()
-    );
-    assert_eq!(
-        rig.keyed.ops(),
-        vec![
-            KeyedOp::PutDevice {
-                peer: 2,
-                key: DATA_KEY,
-                offset: 0,
-                src: data(0, 0),
-                len: 4096
+    both_ways(|| {
+        let mut rig = rig_over(Keyed::taking_device_memory());
+        rig.post(
+            1,
+            &Desc {
+                signal: Some(signal(48, 9)),
+                counter: Some(1),
+                ..put(4096, 0, 0)
             },
-            KeyedOp::Put {
-                peer: 2,
-                key: SIG_KEY,
-                offset: 48,
-                bytes: 9u64.to_le_bytes().to_vec(),
-                ordered: true
+        );
+        rig.post(
+            1,
+            &Desc {
+                op: Op::Get,
+                ..put(32, 512, 2048)
             },
-            KeyedOp::ReadDevice {
-                peer: 2,
-                key: DATA_KEY,
-                offset: 512,
-                dst: data(0, 2048),
-                len: 32
-            },
-        ]
-    );
-    // The get completed the put first (it may read what the get
-    // overwrites): the completion came before the read.
-    assert_eq!(rig.keyed.completions(), vec![(2, 2)]);
-    // The stream is drained before the put reads its source; the
-    // counter's store is queued once the put landed (it completed at
-    // once), with the completion index; nothing queued since writes a
-    // window, so the get needs no second wait.
-    assert_eq!(
-        rig.calls(),
-        vec![
-            (1, Call::Sync),
-            (1, Call::Stores(vec![(COUNTERS + 16, 1), (DONE[1], 2)])),
-        ]
-    );
+        );
+        let p = rig.step();
+        assert_eq!(
+            (p.executed, p.published),
+            (2, 1),
+            "{:?}",
+            rig.engine.failure()
+        );
+        assert_eq!(
+            rig.keyed.ops(),
+            vec![
+                KeyedOp::PutDevice {
+                    peer: 2,
+                    key: DATA_KEY,
+                    offset: 0,
+                    src: data(0, 0),
+                    len: 4096
+                },
+                KeyedOp::Put {
+                    peer: 2,
+                    key: SIG_KEY,
+                    offset: 48,
+                    bytes: 9u64.to_le_bytes().to_vec(),
+                    ordered: true
+                },
+                KeyedOp::ReadDevice {
+                    peer: 2,
+                    key: DATA_KEY,
+                    offset: 512,
+                    dst: data(0, 2048),
+                    len: 32
+                },
+            ]
+        );
+        // The get completed the put first (it may read what the get
+        // overwrites): the completion came before the read.
+        assert_eq!(rig.keyed.completions(), vec![(2, 2)]);
+        // The stream is drained before the put reads its source; the
+        // counter's store is queued once the put landed (it completed at
+        // once), with the completion index; nothing queued since writes a
+        // window, so the get needs no second wait.
+        assert_eq!(
+            rig.calls(),
+            vec![
+                (1, Call::Sync),
+                (1, Call::Stores(vec![(COUNTERS + 16, 1), (DONE[1], 2)])),
+            ]
+        );
+    });
 }
 
 /// Puts from GPU memory are pipelined: a batch of them is started one
@@ -423,66 +451,69 @@ fn a_transport_taking_gpu_memory_gets_it_directly_and_the_total_after_it() {
 /// completed.
 #[test]
 fn puts_from_gpu_memory_are_many_in_flight_and_published_as_they_complete() {
-    let mut rig = rig_over(Keyed::taking_device_memory());
-    rig.keyed.hold_device_puts();
-    for i in 0..5 {
-        rig.post(1, &put(512, i * 512, i * 512));
-    }
-    rig.post(
-        1,
-        &Desc {
-            signal: Some(signal(48, 1)),
-            ..put(512, 2560, 2560)
-        },
-    );
-    let p = rig.step();
-    assert_eq!((p.executed, p.published), (6, 0));
-    let ops = rig.keyed.ops();
-    assert_eq!(ops.len(), 7);
-    assert!(
-        ops[..6]
-            .iter()
-            .all(|o| matches!(o, KeyedOp::PutDevice { len: 512, .. }))
-    );
-    assert!(matches!(ops[6], KeyedOp::Put { ordered: true, .. }));
-    assert_eq!(rig.keyed.in_flight(), 6);
-    assert_eq!(rig.engine.in_flight(), 6);
-    assert!(rig.engine.has_work(), "puts in flight: poll, never sleep");
-    // Nothing waited for them, and nothing was published.
-    assert!(rig.keyed.completions().is_empty());
-    assert_eq!(rig.calls(), vec![(1, Call::Sync)]);
-    // Polling changes nothing until the transport reports progress.
-    assert!(!rig.step().did_work());
-    // Three complete: published up to the fourth, still in flight.
-    rig.keyed.complete_device_puts(3);
-    let p = rig.step();
-    assert_eq!((p.landed, p.published), (3, 1));
-    assert_eq!(rig.calls(), vec![(1, Call::Store(DONE[1], 3))]);
-    assert_eq!(rig.engine.published(1), Some(3));
-    // A counted put behind the ones in flight: counted when it lands, in
-    // order, never before.
-    rig.post(
-        1,
-        &Desc {
-            counter: Some(1),
-            ..put(64, 0, 0)
-        },
-    );
-    rig.step();
-    assert_eq!(rig.calls(), vec![]);
-    rig.keyed.complete_device_puts(6);
-    let p = rig.step();
-    assert_eq!((p.landed, p.published), (3, 1));
-    assert_eq!(rig.calls(), vec![(1, Call::Store(DONE[1], 6))]);
-    rig.keyed.complete_device_puts(7);
-    rig.step();
-    assert_eq!(
-        rig.calls(),
-        vec![(1, Call::Stores(vec![(COUNTERS + 16, 1), (DONE[1], 7)]))]
-    );
-    assert!(rig.keyed.completions().is_empty(), "never waited");
-    assert_eq!(rig.engine.in_flight(), 0);
-    assert!(!rig.engine.has_work());
+    both_ways(|| {
+        let mut rig = rig_over(Keyed::taking_device_memory());
+        rig.keyed.hold_device_puts();
+        // Gaps between them: none continues another (none merges).
+        for i in 0..5 {
+            rig.post(1, &put(512, i * 640, i * 640));
+        }
+        rig.post(
+            1,
+            &Desc {
+                signal: Some(signal(48, 1)),
+                ..put(512, 3200, 3200)
+            },
+        );
+        let p = rig.step();
+        assert_eq!((p.executed, p.published), (6, 0));
+        let ops = rig.keyed.ops();
+        assert_eq!(ops.len(), 7);
+        assert!(
+            ops[..6]
+                .iter()
+                .all(|o| matches!(o, KeyedOp::PutDevice { len: 512, .. }))
+        );
+        assert!(matches!(ops[6], KeyedOp::Put { ordered: true, .. }));
+        assert_eq!(rig.keyed.in_flight(), 6);
+        assert_eq!(rig.engine.in_flight(), 6);
+        assert!(rig.engine.has_work(), "puts in flight: poll, never sleep");
+        // Nothing waited for them, and nothing was published.
+        assert!(rig.keyed.completions().is_empty());
+        assert_eq!(rig.calls(), vec![(1, Call::Sync)]);
+        // Polling changes nothing until the transport reports progress.
+        assert!(!rig.step().did_work());
+        // Three complete: published up to the fourth, still in flight.
+        rig.keyed.complete_device_puts(3);
+        let p = rig.step();
+        assert_eq!((p.landed, p.published), (3, 1));
+        assert_eq!(rig.calls(), vec![(1, Call::Store(DONE[1], 3))]);
+        assert_eq!(rig.engine.published(1), Some(3));
+        // A counted put behind the ones in flight: counted when it lands, in
+        // order, never before.
+        rig.post(
+            1,
+            &Desc {
+                counter: Some(1),
+                ..put(64, 0, 0)
+            },
+        );
+        rig.step();
+        assert_eq!(rig.calls(), vec![]);
+        rig.keyed.complete_device_puts(6);
+        let p = rig.step();
+        assert_eq!((p.landed, p.published), (3, 1));
+        assert_eq!(rig.calls(), vec![(1, Call::Store(DONE[1], 6))]);
+        rig.keyed.complete_device_puts(7);
+        rig.step();
+        assert_eq!(
+            rig.calls(),
+            vec![(1, Call::Stores(vec![(COUNTERS + 16, 1), (DONE[1], 7)]))]
+        );
+        assert!(rig.keyed.completions().is_empty(), "never waited");
+        assert_eq!(rig.engine.in_flight(), 0);
+        assert!(!rig.engine.has_work());
+    });
 }
 
 /// Where the transport would wait for puts from GPU memory before a
@@ -495,87 +526,89 @@ fn puts_from_gpu_memory_are_many_in_flight_and_published_as_they_complete() {
 /// that would have to wait: the engine would fail.)
 #[test]
 fn a_total_behind_puts_in_flight_is_held_until_they_complete_not_waited_for() {
-    let mut rig = rig_over(Keyed::taking_device_memory());
-    rig.keyed.hold_device_puts();
-    rig.keyed.order_by_waiting();
-    rig.post(
-        1,
-        &Desc {
-            signal: Some(signal(48, 1)),
-            ..put(512, 0, 0)
-        },
-    );
-    rig.post(
-        1,
-        &Desc {
-            signal: Some(signal(48, 2)),
-            ..put(512, 512, 512)
-        },
-    );
-    rig.post(
-        1,
-        &Desc {
-            signal: Some(signal(48, 4)),
-            ..put(0, 0, 0)
-        },
-    );
-    rig.post(
-        1,
-        &Desc {
-            inline: Some(0xbeef),
-            signal: Some(signal(48, 8)),
-            ..put(8, 1024, 0)
-        },
-    );
-    let p = rig.step();
-    assert_eq!(p.executed, 4, "{:?}", rig.engine.failure());
-    assert!(rig.engine.failure().is_none());
-    assert_eq!(rig.engine.in_flight(), 4);
-    let totals = |rig: &Rig| -> Vec<u64> {
-        rig.keyed
-            .ops()
-            .iter()
-            .filter_map(|o| match o {
-                KeyedOp::Put {
-                    key: SIG_KEY,
-                    bytes,
-                    ordered: true,
-                    ..
-                } => Some(u64::from_le_bytes(bytes[..].try_into().unwrap())),
-                _ => None,
-            })
-            .collect()
-    };
-    // The data moved (two puts from GPU memory, the inline value), no
-    // total did.
-    assert!(totals(&rig).is_empty());
-    assert_eq!(rig.keyed.ops().len(), 3);
-    // The first put completes: its total goes, it is published; the rest
-    // wait behind the second.
-    rig.keyed.complete_device_puts(1);
-    let p = rig.step();
-    assert_eq!((p.landed, p.published), (1, 1));
-    assert_eq!(totals(&rig), [1]);
-    assert_eq!(rig.engine.published(1), Some(1));
-    rig.keyed.complete_device_puts(2);
-    let p = rig.step();
-    assert_eq!((p.landed, p.published), (3, 1));
-    assert_eq!(totals(&rig), [1, 3, 7, 15]);
-    assert_eq!(rig.engine.published(1), Some(4));
-    // Nothing queued: a total goes at once, ordered after the puts (none
-    // in flight: the transport need not wait).
-    rig.post(
-        1,
-        &Desc {
-            signal: Some(signal(48, 16)),
-            ..put(0, 0, 0)
-        },
-    );
-    let p = rig.step();
-    assert_eq!((p.executed, p.published), (1, 1));
-    assert_eq!(totals(&rig), [1, 3, 7, 15, 31]);
-    assert!(rig.engine.failure().is_none());
-    assert!(rig.keyed.completions().is_empty(), "never waited");
+    both_ways(|| {
+        let mut rig = rig_over(Keyed::taking_device_memory());
+        rig.keyed.hold_device_puts();
+        rig.keyed.order_by_waiting();
+        rig.post(
+            1,
+            &Desc {
+                signal: Some(signal(48, 1)),
+                ..put(512, 0, 0)
+            },
+        );
+        rig.post(
+            1,
+            &Desc {
+                signal: Some(signal(48, 2)),
+                ..put(512, 1024, 1024)
+            },
+        );
+        rig.post(
+            1,
+            &Desc {
+                signal: Some(signal(48, 4)),
+                ..put(0, 0, 0)
+            },
+        );
+        rig.post(
+            1,
+            &Desc {
+                inline: Some(0xbeef),
+                signal: Some(signal(48, 8)),
+                ..put(8, 2048, 0)
+            },
+        );
+        let p = rig.step();
+        assert_eq!(p.executed, 4, "{:?}", rig.engine.failure());
+        assert!(rig.engine.failure().is_none());
+        assert_eq!(rig.engine.in_flight(), 4);
+        let totals = |rig: &Rig| -> Vec<u64> {
+            rig.keyed
+                .ops()
+                .iter()
+                .filter_map(|o| match o {
+                    KeyedOp::Put {
+                        key: SIG_KEY,
+                        bytes,
+                        ordered: true,
+                        ..
+                    } => Some(u64::from_le_bytes(bytes[..].try_into().unwrap())),
+                    _ => None,
+                })
+                .collect()
+        };
+        // The data moved (two puts from GPU memory, the inline value), no
+        // total did.
+        assert!(totals(&rig).is_empty());
+        assert_eq!(rig.keyed.ops().len(), 3);
+        // The first put completes: its total goes, it is published; the rest
+        // wait behind the second.
+        rig.keyed.complete_device_puts(1);
+        let p = rig.step();
+        assert_eq!((p.landed, p.published), (1, 1));
+        assert_eq!(totals(&rig), [1]);
+        assert_eq!(rig.engine.published(1), Some(1));
+        rig.keyed.complete_device_puts(2);
+        let p = rig.step();
+        assert_eq!((p.landed, p.published), (3, 1));
+        assert_eq!(totals(&rig), [1, 3, 7, 15]);
+        assert_eq!(rig.engine.published(1), Some(4));
+        // Nothing queued: a total goes at once, ordered after the puts (none
+        // in flight: the transport need not wait).
+        rig.post(
+            1,
+            &Desc {
+                signal: Some(signal(48, 16)),
+                ..put(0, 0, 0)
+            },
+        );
+        let p = rig.step();
+        assert_eq!((p.executed, p.published), (1, 1));
+        assert_eq!(totals(&rig), [1, 3, 7, 15, 31]);
+        assert!(rig.engine.failure().is_none());
+        assert!(rig.keyed.completions().is_empty(), "never waited");
+    });
 }
 
 /// A failure of the puts from GPU memory in flight that the transport
@@ -588,29 +621,31 @@ fn a_total_behind_puts_in_flight_is_held_until_they_complete_not_waited_for() {
 /// `the_put_the_transport_names_failed_is_blamed_and_those_before_published`.
 #[test]
 fn a_put_failing_in_flight_fails_the_engine_at_its_sequence() {
-    let mut rig = rig_over(Keyed::taking_device_memory());
-    rig.keyed.hold_device_puts();
-    for i in 0..4 {
-        rig.post(1, &put(512, i * 512, i * 512));
-    }
-    rig.step();
-    rig.keyed.complete_device_puts(2);
-    rig.keyed
-        .fail_device_puts("put from GPU memory to rank 2 failed: Connection reset");
-    rig.step();
-    let e = rig.engine.failure().unwrap();
-    assert_eq!((e.peer(), e.seq()), (Some(2), Some(0)));
-    let words = e.to_string();
-    assert!(
-        words.contains("put #0 to rank 2") && words.contains("Connection reset"),
-        "{words}"
-    );
-    assert_eq!(rig.engine.published(1), Some(0));
-    // Stepping again does nothing; quiescing completes what is in flight.
-    assert!(!rig.step().did_work());
-    rig.exec.quiesce().unwrap();
-    assert_eq!(rig.keyed.in_flight(), 0);
-    assert_eq!(rig.keyed.completions(), vec![(2, 4)]);
+    both_ways(|| {
+        let mut rig = rig_over(Keyed::taking_device_memory());
+        rig.keyed.hold_device_puts();
+        for i in 0..4 {
+            rig.post(1, &put(512, i * 640, i * 640));
+        }
+        rig.step();
+        rig.keyed.complete_device_puts(2);
+        rig.keyed
+            .fail_device_puts("put from GPU memory to rank 2 failed: Connection reset");
+        rig.step();
+        let e = rig.engine.failure().unwrap();
+        assert_eq!((e.peer(), e.seq()), (Some(2), Some(0)));
+        let words = e.to_string();
+        assert!(
+            words.contains("put #0 to rank 2") && words.contains("Connection reset"),
+            "{words}"
+        );
+        assert_eq!(rig.engine.published(1), Some(0));
+        // Stepping again does nothing; quiescing completes what is in flight.
+        assert!(!rig.step().did_work());
+        rig.exec.quiesce().unwrap();
+        assert_eq!(rig.keyed.in_flight(), 0);
+        assert_eq!(rig.keyed.completions(), vec![(2, 4)]);
+    });
 }
 
 /// Where the transport names the put from GPU memory that failed, the
@@ -618,29 +653,31 @@ fn a_put_failing_in_flight_fails_the_engine_at_its_sequence() {
 /// not at the oldest one in flight.
 #[test]
 fn the_put_the_transport_names_failed_is_blamed_and_those_before_published() {
-    let mut rig = rig_over(Keyed::taking_device_memory());
-    rig.keyed.hold_device_puts();
-    for i in 0..4 {
-        rig.post(1, &put(512, i * 512, i * 512));
-    }
-    rig.step();
-    rig.calls();
-    rig.keyed.fail_device_put(
-        2,
-        3,
-        "put from GPU memory to rank 2 failed: Connection reset",
-    );
-    rig.keyed.complete_device_puts(2);
-    rig.step();
-    let e = rig.engine.failure().unwrap();
-    assert_eq!((e.peer(), e.seq()), (Some(2), Some(2)));
-    let words = e.to_string();
-    assert!(
-        words.contains("put #2 to rank 2") && words.contains("Connection reset"),
-        "{words}"
-    );
-    assert_eq!(rig.engine.published(1), Some(2));
-    assert_eq!(rig.calls(), vec![(1, Call::Store(DONE[1], 2))]);
+    both_ways(|| {
+        let mut rig = rig_over(Keyed::taking_device_memory());
+        rig.keyed.hold_device_puts();
+        for i in 0..4 {
+            rig.post(1, &put(512, i * 640, i * 640));
+        }
+        rig.step();
+        rig.calls();
+        rig.keyed.fail_device_put(
+            2,
+            3,
+            "put from GPU memory to rank 2 failed: Connection reset",
+        );
+        rig.keyed.complete_device_puts(2);
+        rig.step();
+        let e = rig.engine.failure().unwrap();
+        assert_eq!((e.peer(), e.seq()), (Some(2), Some(2)));
+        let words = e.to_string();
+        assert!(
+            words.contains("put #2 to rank 2") && words.contains("Connection reset"),
+            "{words}"
+        );
+        assert_eq!(rig.engine.published(1), Some(2));
+        assert_eq!(rig.calls(), vec![(1, Call::Store(DONE[1], 2))]);
+    });
 }
 
 /// A total held behind puts in flight whose sending fails fails its own
@@ -649,25 +686,27 @@ fn the_put_the_transport_names_failed_is_blamed_and_those_before_published() {
 /// sent).
 #[test]
 fn a_held_total_that_cannot_be_sent_fails_its_own_descriptor() {
-    let mut rig = rig_over(Keyed::taking_device_memory());
-    rig.keyed.hold_device_puts();
-    rig.keyed.order_by_waiting();
-    rig.post(1, &put(512, 0, 0));
-    rig.post(
-        1,
-        &Desc {
-            signal: Some(signal(48, 1)),
-            ..put(0, 0, 0)
-        },
-    );
-    assert_eq!(rig.step().executed, 2);
-    rig.keyed.refuse(SIG_KEY);
-    rig.keyed.complete_device_puts(1);
-    rig.step();
-    let e = rig.engine.failure().unwrap();
-    assert_eq!((e.peer(), e.seq()), (Some(2), Some(1)));
-    assert!(e.to_string().contains("0x00000088"), "{e}");
-    assert_eq!(rig.engine.published(1), Some(1));
+    both_ways(|| {
+        let mut rig = rig_over(Keyed::taking_device_memory());
+        rig.keyed.hold_device_puts();
+        rig.keyed.order_by_waiting();
+        rig.post(1, &put(512, 0, 0));
+        rig.post(
+            1,
+            &Desc {
+                signal: Some(signal(48, 1)),
+                ..put(0, 0, 0)
+            },
+        );
+        assert_eq!(rig.step().executed, 2);
+        rig.keyed.refuse(SIG_KEY);
+        rig.keyed.complete_device_puts(1);
+        rig.step();
+        let e = rig.engine.failure().unwrap();
+        assert_eq!((e.peer(), e.seq()), (Some(2), Some(1)));
+        assert!(e.to_string().contains("0x00000088"), "{e}");
+        assert_eq!(rig.engine.published(1), Some(1));
+    });
 }
 
 /// A get from a peer with puts from GPU memory in flight completes them
@@ -676,74 +715,78 @@ fn a_held_total_that_cannot_be_sent_fails_its_own_descriptor() {
 /// poll. Quiescing completes puts still in flight.
 #[test]
 fn a_get_behind_puts_in_flight_completes_them_and_their_totals_first() {
-    let mut rig = rig_over(Keyed::taking_device_memory());
-    rig.keyed.hold_device_puts();
-    rig.keyed.order_by_waiting();
-    rig.post(
-        1,
-        &Desc {
-            signal: Some(signal(48, 5)),
-            ..put(512, 0, 0)
-        },
-    );
-    rig.post(
-        1,
-        &Desc {
-            op: Op::Get,
-            ..put(32, 512, 2048)
-        },
-    );
-    let p = rig.step();
-    assert_eq!(
-        (p.executed, p.published),
-        (2, 1),
-        "{:?}",
-        rig.engine.failure()
-    );
-    let ops = rig.keyed.ops();
-    assert!(
-        matches!(
-            ops[..],
-            [
-                KeyedOp::PutDevice { .. },
-                KeyedOp::Put { ordered: true, .. },
-                KeyedOp::ReadDevice { .. }
-            ]
-        ),
-        "{ops:?}"
-    );
-    assert_eq!(rig.keyed.completions(), vec![(2, 1)]);
-    assert_eq!(rig.engine.published(1), Some(2));
-    // Quiescing with a put still in flight completes it.
-    rig.post(1, &put(512, 0, 0));
-    rig.step();
-    assert_eq!(rig.keyed.in_flight(), 1);
-    rig.exec.quiesce().unwrap();
-    assert_eq!(rig.keyed.in_flight(), 0);
-    assert_eq!(rig.keyed.completions(), vec![(2, 1), (2, 4)]);
+    both_ways(|| {
+        let mut rig = rig_over(Keyed::taking_device_memory());
+        rig.keyed.hold_device_puts();
+        rig.keyed.order_by_waiting();
+        rig.post(
+            1,
+            &Desc {
+                signal: Some(signal(48, 5)),
+                ..put(512, 0, 0)
+            },
+        );
+        rig.post(
+            1,
+            &Desc {
+                op: Op::Get,
+                ..put(32, 512, 2048)
+            },
+        );
+        let p = rig.step();
+        assert_eq!(
+            (p.executed, p.published),
+            (2, 1),
+            "{:?}",
+            rig.engine.failure()
+        );
+        let ops = rig.keyed.ops();
+        assert!(
+            matches!(
+                ops[..],
+                [
+                    KeyedOp::PutDevice { .. },
+                    KeyedOp::Put { ordered: true, .. },
+                    KeyedOp::ReadDevice { .. }
+                ]
+            ),
+            "{ops:?}"
+        );
+        assert_eq!(rig.keyed.completions(), vec![(2, 1)]);
+        assert_eq!(rig.engine.published(1), Some(2));
+        // Quiescing with a put still in flight completes it.
+        rig.post(1, &put(512, 0, 0));
+        rig.step();
+        assert_eq!(rig.keyed.in_flight(), 1);
+        rig.exec.quiesce().unwrap();
+        assert_eq!(rig.keyed.in_flight(), 0);
+        assert_eq!(rig.keyed.completions(), vec![(2, 1), (2, 4)]);
+    });
 }
 
 /// A put the transport refuses fails its descriptor as over tcp: its
 /// signal is never sent and its counter never counts; the proxy stops.
 #[test]
 fn a_refused_gpu_memory_put_fails_its_descriptor_without_its_signal() {
-    let mut rig = rig_over(Keyed::taking_device_memory());
-    rig.keyed.refuse(DATA_KEY);
-    rig.post(
-        1,
-        &Desc {
-            signal: Some(signal(48, 9)),
-            counter: Some(1),
-            ..put(64, 0, 0)
-        },
-    );
-    rig.step();
-    let e = rig.engine.failure().unwrap();
-    assert_eq!(e.seq(), Some(0));
-    let e = e.to_string();
-    assert!(e.contains("rank 2") && e.contains("0x00000077"), "{e}");
-    assert!(rig.keyed.ops().is_empty());
-    assert_eq!(rig.calls(), vec![(1, Call::Sync)]);
+    both_ways(|| {
+        let mut rig = rig_over(Keyed::taking_device_memory());
+        rig.keyed.refuse(DATA_KEY);
+        rig.post(
+            1,
+            &Desc {
+                signal: Some(signal(48, 9)),
+                counter: Some(1),
+                ..put(64, 0, 0)
+            },
+        );
+        rig.step();
+        let e = rig.engine.failure().unwrap();
+        assert_eq!(e.seq(), Some(0));
+        let e = e.to_string();
+        assert!(e.contains("rank 2") && e.contains("0x00000077"), "{e}");
+        assert!(rig.keyed.ops().is_empty());
+        assert_eq!(rig.calls(), vec![(1, Call::Sync)]);
+    });
 }
 
 /// Fail-stop: a signal that is not this rank's sub-slot is refused before
@@ -751,58 +794,62 @@ fn a_refused_gpu_memory_put_fails_its_descriptor_without_its_signal() {
 /// published, and nothing runs afterwards, on any ring.
 #[test]
 fn a_refused_put_never_half_happens_and_stops_the_proxy() {
-    let mut rig = rig();
-    rig.post(0, &put(8, 0, 0));
-    rig.post(
-        0,
-        &Desc {
-            signal: Some(signal(8, 1)),
-            ..put(8, 64, 0)
-        },
-    );
-    rig.post(1, &put(8, 0, 0));
-    rig.step();
-    let e = rig.engine.failure().unwrap();
-    assert_eq!(e.seq(), Some(1));
-    assert!(e.to_string().contains("not this rank's sub-slot"), "{e}");
-    assert_eq!(
-        rig.calls(),
-        vec![
-            (0, Call::Copy(data(1, 0), data(0, 0), 8)),
-            (0, Call::Store(DONE[0], 1)),
-        ]
-    );
-    assert_eq!(rig.step(), Progress::default());
-    // Waiting for the streams drops nothing that was handed over.
-    rig.exec.quiesce().unwrap();
-    assert_eq!(rig.calls(), vec![(0, Call::Sync), (1, Call::Sync)]);
+    both_ways(|| {
+        let mut rig = rig();
+        rig.post(0, &put(8, 0, 0));
+        rig.post(
+            0,
+            &Desc {
+                signal: Some(signal(8, 1)),
+                ..put(8, 64, 0)
+            },
+        );
+        rig.post(1, &put(8, 0, 0));
+        rig.step();
+        let e = rig.engine.failure().unwrap();
+        assert_eq!(e.seq(), Some(1));
+        assert!(e.to_string().contains("not this rank's sub-slot"), "{e}");
+        assert_eq!(
+            rig.calls(),
+            vec![
+                (0, Call::Copy(data(1, 0), data(0, 0), 8)),
+                (0, Call::Store(DONE[0], 1)),
+            ]
+        );
+        assert_eq!(rig.step(), Progress::default());
+        // Waiting for the streams drops nothing that was handed over.
+        rig.exec.quiesce().unwrap();
+        assert_eq!(rig.calls(), vec![(0, Call::Sync), (1, Call::Sync)]);
+    });
 }
 
 /// A host window (a CPU rank's, in the same directory) is not a GPU
 /// window: refused as unknown, before anything is queued.
 #[test]
 fn host_windows_are_unknown_to_the_cuda_executor() {
-    let mut rig = rig();
-    rig.post(
-        0,
-        &Desc {
-            src_window: HOST,
-            ..put(8, 0, 0)
-        },
-    );
-    rig.step();
-    let e = rig.engine.failure().unwrap();
-    assert!(
-        matches!(
-            e,
-            ProxyError::Descriptor {
-                why: Why::Invalid(Invalid::UnknownWindow { window: HOST }),
-                ..
-            }
-        ),
-        "{e}"
-    );
-    assert!(rig.calls().is_empty());
+    both_ways(|| {
+        let mut rig = rig();
+        rig.post(
+            0,
+            &Desc {
+                src_window: HOST,
+                ..put(8, 0, 0)
+            },
+        );
+        rig.step();
+        let e = rig.engine.failure().unwrap();
+        assert!(
+            matches!(
+                e,
+                ProxyError::Descriptor {
+                    why: Why::Invalid(Invalid::UnknownWindow { window: HOST }),
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(rig.calls().is_empty());
+    });
 }
 
 /// The ring layout: context-major, one ring per served peer, each entry
@@ -841,86 +888,88 @@ fn the_ring_table_matches_the_abi() {
 /// between `before` and `after`.
 #[test]
 fn a_ring_stream_that_never_completes_is_a_stall_naming_the_ring() {
-    let mut rig = rig();
-    let thr = Duration::from_secs(2);
-    let w = Arc::new(StallWatch::new(
-        0,
-        "CUDA proxy",
-        vec![ring_name(0, 0, 1), ring_name(1, 0, 2)],
-        rig.gpu.marks(2),
-        thr,
-        WorkQueues::default(),
-    ));
-    rig.exec.watch_stalls(w.clone());
-    rig.post(
-        0,
-        &Desc {
-            counter: Some(2),
-            ..put(256, 64, 128)
-        },
-    );
-    let before = Instant::now();
-    rig.step();
-    let after = Instant::now();
-    assert_eq!(
-        rig.calls(),
-        vec![
-            (0, Call::Copy(data(1, 64), data(0, 128), 256)),
-            (
-                0,
-                Call::Stores(vec![(COUNTERS + 32, 1), (DONE[0], 1), (MARKS_AT, 1)])
-            ),
-        ]
-    );
-    assert_eq!(w.check(before + thr), None, "not before the threshold");
-    let s = w.check(after + thr + Duration::from_millis(1)).unwrap();
-    let m = s.to_string();
-    for want in [
-        "rank 0",
-        "ring 0 (context 0, peer 1)",
-        "CUDA_DEVICE_MAX_CONNECTIONS unset",
-        "set CUDA_DEVICE_MAX_CONNECTIONS to at least",
-    ] {
-        assert!(m.contains(want), "{want:?} missing from {m}");
-    }
-    assert_eq!((s.first, s.others, s.engine_streams), (true, 0, 2));
-    // The stream completes at last: no stall any more.
-    rig.gpu.complete(0);
-    assert_eq!(w.check(after + thr * 10), None);
+    both_ways(|| {
+        let mut rig = rig();
+        let thr = Duration::from_secs(2);
+        let w = Arc::new(StallWatch::new(
+            0,
+            "CUDA proxy",
+            vec![ring_name(0, 0, 1), ring_name(1, 0, 2)],
+            rig.gpu.marks(2),
+            thr,
+            WorkQueues::default(),
+        ));
+        rig.exec.watch_stalls(w.clone());
+        rig.post(
+            0,
+            &Desc {
+                counter: Some(2),
+                ..put(256, 64, 128)
+            },
+        );
+        let before = Instant::now();
+        rig.step();
+        let after = Instant::now();
+        assert_eq!(
+            rig.calls(),
+            vec![
+                (0, Call::Copy(data(1, 64), data(0, 128), 256)),
+                (
+                    0,
+                    Call::Stores(vec![(COUNTERS + 32, 1), (DONE[0], 1), (MARKS_AT, 1)])
+                ),
+            ]
+        );
+        assert_eq!(w.check(before + thr), None, "not before the threshold");
+        let s = w.check(after + thr + Duration::from_millis(1)).unwrap();
+        let m = s.to_string();
+        for want in [
+            "rank 0",
+            "ring 0 (context 0, peer 1)",
+            "CUDA_DEVICE_MAX_CONNECTIONS unset",
+            "set CUDA_DEVICE_MAX_CONNECTIONS to at least",
+        ] {
+            assert!(m.contains(want), "{want:?} missing from {m}");
+        }
+        assert_eq!((s.first, s.others, s.engine_streams), (true, 0, 2));
+        // The stream completes at last: no stall any more.
+        rig.gpu.complete(0);
+        assert_eq!(w.check(after + thr * 10), None);
 
-    // Late, but before the threshold: never a stall. Ring 1's stream
-    // (a keyed peer: the counter and completion on the stream) too.
-    rig.post(0, &put(8, 0, 0));
-    rig.post(
-        1,
-        &Desc {
-            inline: Some(7),
-            counter: Some(0),
-            ..put(8, 16, 0)
-        },
-    );
-    let before = Instant::now();
-    rig.step();
-    let after = Instant::now();
-    assert_eq!(
-        rig.calls(),
-        vec![
-            (0, Call::Copy(data(1, 0), data(0, 0), 8)),
-            (0, Call::Stores(vec![(DONE[0], 2), (MARKS_AT, 2)])),
-            (
-                1,
-                Call::Stores(vec![(COUNTERS, 1), (DONE[1], 1), (MARKS_AT + 8, 1)])
-            ),
-        ]
-    );
-    assert_eq!(w.check(before + thr / 2), None);
-    rig.gpu.complete(0);
-    // Ring 0's stream completed; ring 1's never does.
-    let s = w.check(after + thr * 10).unwrap();
-    assert_eq!(s.stream, "ring 1 (context 0, peer 2)");
-    assert_eq!(s.others, 0);
-    rig.gpu.complete(1);
-    assert_eq!(w.check(after + thr * 20), None);
+        // Late, but before the threshold: never a stall. Ring 1's stream
+        // (a keyed peer: the counter and completion on the stream) too.
+        rig.post(0, &put(8, 0, 0));
+        rig.post(
+            1,
+            &Desc {
+                inline: Some(7),
+                counter: Some(0),
+                ..put(8, 16, 0)
+            },
+        );
+        let before = Instant::now();
+        rig.step();
+        let after = Instant::now();
+        assert_eq!(
+            rig.calls(),
+            vec![
+                (0, Call::Copy(data(1, 0), data(0, 0), 8)),
+                (0, Call::Stores(vec![(DONE[0], 2), (MARKS_AT, 2)])),
+                (
+                    1,
+                    Call::Stores(vec![(COUNTERS, 1), (DONE[1], 1), (MARKS_AT + 8, 1)])
+                ),
+            ]
+        );
+        assert_eq!(w.check(before + thr / 2), None);
+        rig.gpu.complete(0);
+        // Ring 0's stream completed; ring 1's never does.
+        let s = w.check(after + thr * 10).unwrap();
+        assert_eq!(s.stream, "ring 1 (context 0, peer 2)");
+        assert_eq!(s.others, 0);
+        rig.gpu.complete(1);
+        assert_eq!(w.check(after + thr * 20), None);
+    });
 }
 
 /// Watched for stalls, work handed to a stream before it is drained (a
@@ -930,44 +979,46 @@ fn a_ring_stream_that_never_completes_is_a_stall_naming_the_ring() {
 /// queues none. (The recording streams execute nothing, syncs included.)
 #[test]
 fn work_drained_for_a_transport_carries_its_mark() {
-    let mut rig = rig_over(Keyed::taking_device_memory());
-    let w = Arc::new(StallWatch::new(
-        0,
-        "CUDA proxy",
-        vec![ring_name(0, 0, 1), ring_name(1, 0, 2)],
-        rig.gpu.marks(2),
-        Duration::from_secs(2),
-        WorkQueues::default(),
-    ));
-    rig.exec.watch_stalls(w.clone());
-    rig.post(
-        1,
-        &Desc {
-            counter: Some(1),
-            ..put(64, 0, 0)
-        },
-    );
-    rig.post(
-        1,
-        &Desc {
-            op: Op::Get,
-            ..put(32, 512, 2048)
-        },
-    );
-    let t = Instant::now();
-    rig.step();
-    assert_eq!(
-        rig.calls(),
-        vec![
-            (1, Call::Sync),
-            (
-                1,
-                Call::Stores(vec![(COUNTERS + 16, 1), (DONE[1], 2), (MARKS_AT + 8, 1)])
-            ),
-        ]
-    );
-    let s = w.check(t + Duration::from_secs(3)).unwrap();
-    assert_eq!(s.stream, "ring 1 (context 0, peer 2)");
+    both_ways(|| {
+        let mut rig = rig_over(Keyed::taking_device_memory());
+        let w = Arc::new(StallWatch::new(
+            0,
+            "CUDA proxy",
+            vec![ring_name(0, 0, 1), ring_name(1, 0, 2)],
+            rig.gpu.marks(2),
+            Duration::from_secs(2),
+            WorkQueues::default(),
+        ));
+        rig.exec.watch_stalls(w.clone());
+        rig.post(
+            1,
+            &Desc {
+                counter: Some(1),
+                ..put(64, 0, 0)
+            },
+        );
+        rig.post(
+            1,
+            &Desc {
+                op: Op::Get,
+                ..put(32, 512, 2048)
+            },
+        );
+        let t = Instant::now();
+        rig.step();
+        assert_eq!(
+            rig.calls(),
+            vec![
+                (1, Call::Sync),
+                (
+                    1,
+                    Call::Stores(vec![(COUNTERS + 16, 1), (DONE[1], 2), (MARKS_AT + 8, 1)])
+                ),
+            ]
+        );
+        let s = w.check(t + Duration::from_secs(3)).unwrap();
+        assert_eq!(s.stream, "ring 1 (context 0, peer 2)");
+    });
 }
 
 /// A counted put to peer 1 on ring 0.
@@ -989,103 +1040,107 @@ fn counted(slot: u32, bytes: u64) -> Desc {
 /// made once and recorded again at each hand-over.
 #[test]
 fn a_counter_shared_by_two_rings_stores_its_totals_in_order() {
-    let mut rig = rig_mapped();
-    let at = COUNTERS + 3 * 16;
-    let (copy0, copy1) = (
-        Call::Copy(data(1, 64), data(0, 128), 8),
-        Call::Copy(DATA_AT_2 as u64 + 64, data(0, 128), 8),
-    );
-    rig.post(0, &counted(3, 4096 - 128));
-    rig.post(1, &counted(3, 8));
-    rig.step();
-    assert_eq!(
-        rig.calls(),
-        vec![
-            (0, Call::Copy(data(1, 64), data(0, 128), 4096 - 128)),
-            (0, Call::Stores(vec![(at, 1), (DONE[0], 1)])),
-            // Ring 1: its copy handed over first, free to run beside ring
-            // 0's; then its total waits for ring 0's.
-            (1, copy1.clone()),
-            (0, Call::Record(0)),
-            (1, Call::Wait(0)),
-            (1, Call::Stores(vec![(at, 2), (DONE[1], 1)])),
-        ]
-    );
-    // Ring 0 again: its first total behind ring 1's, with ring 1's own
-    // event; the next two on ring 0 need nothing more.
-    for _ in 0..3 {
-        rig.post(0, &counted(3, 8));
-    }
-    rig.step();
-    assert_eq!(
-        rig.calls(),
-        vec![
-            (0, copy0.clone()),
-            (1, Call::Record(1)),
-            (0, Call::Wait(1)),
-            (0, Call::Store(at, 3)),
-            (0, copy0.clone()),
-            (0, Call::Store(at, 4)),
-            (0, copy0.clone()),
-            (0, Call::Stores(vec![(at, 5), (DONE[0], 4)])),
-        ]
-    );
-    // Back to ring 1: ring 0's event is recorded again, none is made.
-    rig.post(1, &counted(3, 8));
-    rig.step();
-    assert_eq!(
-        rig.calls(),
-        vec![
-            (1, copy1),
-            (0, Call::Record(0)),
-            (1, Call::Wait(0)),
-            (1, Call::Stores(vec![(at, 6), (DONE[1], 2)])),
-        ]
-    );
-    assert_eq!(rig.gpu.events(), 2);
+    both_ways(|| {
+        let mut rig = rig_mapped();
+        let at = COUNTERS + 3 * 16;
+        let (copy0, copy1) = (
+            Call::Copy(data(1, 64), data(0, 128), 8),
+            Call::Copy(DATA_AT_2 as u64 + 64, data(0, 128), 8),
+        );
+        rig.post(0, &counted(3, 4096 - 128));
+        rig.post(1, &counted(3, 8));
+        rig.step();
+        assert_eq!(
+            rig.calls(),
+            vec![
+                (0, Call::Copy(data(1, 64), data(0, 128), 4096 - 128)),
+                (0, Call::Stores(vec![(at, 1), (DONE[0], 1)])),
+                // Ring 1: its copy handed over first, free to run beside ring
+                // 0's; then its total waits for ring 0's.
+                (1, copy1.clone()),
+                (0, Call::Record(0)),
+                (1, Call::Wait(0)),
+                (1, Call::Stores(vec![(at, 2), (DONE[1], 1)])),
+            ]
+        );
+        // Ring 0 again: its first total behind ring 1's, with ring 1's own
+        // event; the next two on ring 0 need nothing more.
+        for _ in 0..3 {
+            rig.post(0, &counted(3, 8));
+        }
+        rig.step();
+        assert_eq!(
+            rig.calls(),
+            vec![
+                (0, copy0.clone()),
+                (1, Call::Record(1)),
+                (0, Call::Wait(1)),
+                (0, Call::Store(at, 3)),
+                (0, copy0.clone()),
+                (0, Call::Store(at, 4)),
+                (0, copy0.clone()),
+                (0, Call::Stores(vec![(at, 5), (DONE[0], 4)])),
+            ]
+        );
+        // Back to ring 1: ring 0's event is recorded again, none is made.
+        rig.post(1, &counted(3, 8));
+        rig.step();
+        assert_eq!(
+            rig.calls(),
+            vec![
+                (1, copy1),
+                (0, Call::Record(0)),
+                (1, Call::Wait(0)),
+                (1, Call::Stores(vec![(at, 6), (DONE[1], 2)])),
+            ]
+        );
+        assert_eq!(rig.gpu.events(), 2);
+    });
 }
 
 /// Totals of different counter slots never wait for one another, whatever
 /// rings store them: each slot keeps its own order.
 #[test]
 fn totals_of_different_counters_do_not_wait_for_each_other() {
-    let mut rig = rig_mapped();
-    rig.post(0, &counted(0, 8));
-    rig.post(1, &counted(1, 8));
-    rig.post(0, &counted(0, 8));
-    rig.post(1, &counted(1, 8));
-    rig.step();
-    rig.post(0, &counted(0, 8));
-    rig.post(1, &counted(1, 8));
-    rig.step();
-    let calls = rig.calls();
-    assert!(
-        !calls
+    both_ways(|| {
+        let mut rig = rig_mapped();
+        rig.post(0, &counted(0, 8));
+        rig.post(1, &counted(1, 8));
+        rig.post(0, &counted(0, 8));
+        rig.post(1, &counted(1, 8));
+        rig.step();
+        rig.post(0, &counted(0, 8));
+        rig.post(1, &counted(1, 8));
+        rig.step();
+        let calls = rig.calls();
+        assert!(
+            !calls
+                .iter()
+                .any(|c| matches!(c.1, Call::Record(_) | Call::Wait(_))),
+            "{calls:?}"
+        );
+        assert_eq!(rig.gpu.events(), 0);
+        let stores: Vec<_> = calls
             .iter()
-            .any(|c| matches!(c.1, Call::Record(_) | Call::Wait(_))),
-        "{calls:?}"
-    );
-    assert_eq!(rig.gpu.events(), 0);
-    let stores: Vec<_> = calls
-        .iter()
-        .flat_map(|(q, c)| match c {
-            Call::Store(a, v) => vec![(*q, *a, *v)],
-            Call::Stores(w) => w.iter().map(|&(a, v)| (*q, a, v)).collect(),
-            _ => vec![],
-        })
-        .filter(|&(_, a, _)| a < COUNTERS + 4 * 16)
-        .collect();
-    assert_eq!(
-        stores,
-        vec![
-            (0, COUNTERS, 1),
-            (0, COUNTERS, 2),
-            (1, COUNTERS + 16, 1),
-            (1, COUNTERS + 16, 2),
-            (0, COUNTERS, 3),
-            (1, COUNTERS + 16, 3),
-        ]
-    );
+            .flat_map(|(q, c)| match c {
+                Call::Store(a, v) => vec![(*q, *a, *v)],
+                Call::Stores(w) => w.iter().map(|&(a, v)| (*q, a, v)).collect(),
+                _ => vec![],
+            })
+            .filter(|&(_, a, _)| a < COUNTERS + 4 * 16)
+            .collect();
+        assert_eq!(
+            stores,
+            vec![
+                (0, COUNTERS, 1),
+                (0, COUNTERS, 2),
+                (1, COUNTERS + 16, 1),
+                (1, COUNTERS + 16, 2),
+                (0, COUNTERS, 3),
+                (1, COUNTERS + 16, 3),
+            ]
+        );
+    });
 }
 
 /// The rig over a transport taking GPU memory, its puts held in flight,
@@ -1093,7 +1148,7 @@ fn totals_of_different_counters_do_not_wait_for_each_other() {
 fn rig_merging() -> Rig {
     let mut rig = rig_over(Keyed::taking_device_memory());
     rig.keyed.hold_device_puts();
-    rig.exec.merge_puts(gin_cuda::puts::MERGE_MAX);
+    rig.exec.merge_puts(MERGE_MAX);
     rig
 }
 
@@ -1202,6 +1257,23 @@ fn puts_that_do_not_continue_or_have_a_get_between_are_not_merged() {
         ]
     ));
     assert_eq!(rig.keyed.completions(), vec![(2, 1)]);
+    // Overlap: P1 writes what P2 overwrites, and P2 continues P0. P2
+    // starts the waiting P0 and P1 first (apart: they do not continue one
+    // another), then goes alone: merged with P0 it would start before P1
+    // and land under it.
+    let mut rig = rig_merging();
+    rig.post(1, &put(64, 64, 64));
+    rig.post(1, &put(64, 0, 2048));
+    rig.post(1, &put(64, 0, 0));
+    assert_eq!(rig.step().executed, 3, "{:?}", rig.engine.failure());
+    assert_eq!(
+        device_puts(&rig),
+        [
+            (64, data(0, 64), 64),
+            (0, data(0, 2048), 64),
+            (0, data(0, 0), 64)
+        ]
+    );
 }
 
 /// Where the transport would wait before a running total (ucx's
@@ -1281,4 +1353,231 @@ fn a_failed_merged_put_fails_each_original_naming_it() {
         );
     }
     assert_eq!(rig.engine.published(1), Some(0));
+}
+
+/// The totals sent ordered (`Put { ordered: true }`) to the signals' key.
+fn totals(rig: &Rig) -> Vec<u64> {
+    rig.keyed
+        .ops()
+        .iter()
+        .filter_map(|o| match o {
+            KeyedOp::Put {
+                key: SIG_KEY,
+                bytes,
+                ordered: true,
+                ..
+            } => Some(u64::from_le_bytes(bytes[..].try_into().unwrap())),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Where the transport orders a total after the puts without waiting
+/// (`GIN_UCX_GPU_ORDER=fence`), a signal ends the run of puts that merge:
+/// those before it start as one, then its total, then the put after it
+/// alone; all are published once both puts completed.
+#[test]
+fn a_fenced_signal_ends_a_merged_run_and_follows_it() {
+    let mut rig = rig_merging();
+    rig.post(1, &put(512, 0, 0));
+    rig.post(
+        1,
+        &Desc {
+            signal: Some(signal(48, 1)),
+            ..put(512, 512, 512)
+        },
+    );
+    rig.post(1, &put(512, 1024, 1024));
+    assert_eq!(rig.step().executed, 3, "{:?}", rig.engine.failure());
+    let ops = rig.keyed.ops();
+    assert!(
+        matches!(
+            ops[..],
+            [
+                KeyedOp::PutDevice {
+                    offset: 0,
+                    len: 1024,
+                    ..
+                },
+                KeyedOp::Put { ordered: true, .. },
+                KeyedOp::PutDevice {
+                    offset: 1024,
+                    len: 512,
+                    ..
+                },
+            ]
+        ),
+        "{ops:?}"
+    );
+    assert_eq!(totals(&rig), [1]);
+    rig.keyed.complete_device_puts(1);
+    let p = rig.step();
+    assert_eq!((p.landed, p.published), (2, 1));
+    assert_eq!(rig.engine.published(1), Some(2));
+    rig.keyed.complete_device_puts(2);
+    rig.step();
+    assert_eq!(rig.engine.published(1), Some(3));
+}
+
+/// A get behind merged puts whose totals are held (ucx's default): the
+/// puts start as one, are completed before the read, and their totals
+/// go in order, before the read; every descriptor is published.
+#[test]
+fn a_get_behind_merged_puts_sends_their_held_totals_first() {
+    let mut rig = rig_merging();
+    rig.keyed.order_by_waiting();
+    for i in 0..2u64 {
+        rig.post(
+            1,
+            &Desc {
+                signal: Some(signal(48, 1 << i)),
+                ..put(512, i * 512, i * 512)
+            },
+        );
+    }
+    rig.post(
+        1,
+        &Desc {
+            op: Op::Get,
+            ..put(32, 3072, 2048)
+        },
+    );
+    let p = rig.step();
+    assert_eq!(
+        (p.executed, p.published),
+        (3, 1),
+        "{:?}",
+        rig.engine.failure()
+    );
+    let ops = rig.keyed.ops();
+    assert!(
+        matches!(
+            ops[..],
+            [
+                KeyedOp::PutDevice {
+                    offset: 0,
+                    len: 1024,
+                    ..
+                },
+                KeyedOp::Put { ordered: true, .. },
+                KeyedOp::Put { ordered: true, .. },
+                KeyedOp::ReadDevice { .. }
+            ]
+        ),
+        "{ops:?}"
+    );
+    assert_eq!(totals(&rig), [1, 3]);
+    assert_eq!(rig.keyed.completions(), vec![(2, 1)]);
+    assert_eq!(rig.engine.published(1), Some(3));
+}
+
+/// A total held behind a merged put that completed, which cannot be sent,
+/// fails its own descriptor, noted that its put is not what failed; the
+/// other original of the merged put is published.
+#[test]
+fn a_held_total_behind_a_merged_put_that_cannot_be_sent_fails_its_own_descriptor() {
+    let mut rig = rig_merging();
+    rig.keyed.order_by_waiting();
+    rig.post(1, &put(512, 0, 0));
+    rig.post(
+        1,
+        &Desc {
+            signal: Some(signal(48, 1)),
+            ..put(512, 512, 512)
+        },
+    );
+    assert_eq!(rig.step().executed, 2);
+    assert_eq!(device_puts(&rig), [(0, data(0, 0), 1024)]);
+    rig.keyed.refuse(SIG_KEY);
+    rig.keyed.complete_device_puts(1);
+    rig.step();
+    let e = rig.engine.failure().unwrap();
+    assert_eq!((e.peer(), e.seq()), (Some(2), Some(1)));
+    let words = e.to_string();
+    assert!(
+        words.contains("0x00000088")
+            && words.contains(
+                "put #1, 1024 bytes at offset 0 merged from 2 puts, which is not what failed"
+            ),
+        "{words}"
+    );
+    assert_eq!(rig.engine.published(1), Some(1));
+}
+
+/// Merged puts of two passes, the transport naming the second failed: the
+/// first's originals are published, the engine fails at the second's
+/// first original, named as its own put, and the second's other original
+/// fails too.
+#[test]
+fn the_merged_put_the_transport_names_failed_is_blamed_across_passes() {
+    let mut rig = rig_merging();
+    for pass in 0..2u64 {
+        rig.post(1, &put(512, pass * 2048, 0));
+        rig.post(1, &put(512, pass * 2048 + 512, 512));
+        rig.step();
+    }
+    assert_eq!(
+        device_puts(&rig),
+        [(0, data(0, 0), 1024), (2048, data(0, 0), 1024)]
+    );
+    rig.keyed.fail_device_put(
+        2,
+        2,
+        "put from GPU memory to rank 2 failed: Connection reset",
+    );
+    rig.keyed.complete_device_puts(1);
+    rig.step();
+    let e = rig.engine.failure().unwrap();
+    assert_eq!((e.peer(), e.seq()), (Some(2), Some(2)));
+    let words = e.to_string();
+    assert!(
+        words.contains("Connection reset")
+            && words.contains("this put's 512 bytes at offset 2048 of key 0x00000077")
+            && words.contains("put #2, 1024 bytes at offset 2048 merged from 2 puts")
+            && !words.contains("not what failed"),
+        "{words}"
+    );
+    assert_eq!(rig.engine.published(1), Some(2));
+    let site = crate::executor::Site {
+        ring: 1,
+        ctx: 0,
+        peer: 2,
+    };
+    let mut t = gin_cuda::puts::Ticket { peer: 2, n: 3 };
+    let why = rig.exec.landed(site, &mut t).unwrap_err().to_string();
+    assert!(
+        why.contains("this put's 512 bytes at offset 2560") && why.contains("put #2"),
+        "{why}"
+    );
+}
+
+/// A put refused at start while the put before it is in flight: the put
+/// of the next pass (to a region the peer still serves) is never handed
+/// to the transport, as with merging off (where the refusal stops the
+/// proxy at once); the engine fails at the refused descriptor once the
+/// put before it landed.
+#[test]
+fn a_put_refused_at_start_stops_the_next_pass_while_one_flies() {
+    let mut rig = rig_merging();
+    rig.post(1, &put(512, 0, 0));
+    rig.step();
+    rig.keyed.refuse(DATA_KEY);
+    rig.post(1, &put(512, 1024, 1024));
+    rig.step();
+    rig.post(
+        1,
+        &Desc {
+            dst_window: SIGNALS,
+            ..put(8, 0, 1536)
+        },
+    );
+    rig.step();
+    assert_eq!(device_puts(&rig), [(0, data(0, 0), 512)]);
+    rig.keyed.complete_device_puts(1);
+    rig.step();
+    let e = rig.engine.failure().unwrap();
+    assert_eq!((e.peer(), e.seq()), (Some(2), Some(1)));
+    assert!(e.to_string().contains("0x00000077"), "{e}");
+    assert_eq!(rig.engine.published(1), Some(1));
+    assert_eq!(device_puts(&rig).len(), 1);
 }
