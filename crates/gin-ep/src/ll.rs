@@ -859,3 +859,19 @@ impl Buffer<'_> {
         self.ll_combine_recv(p, d)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn poison_is_above_every_count_signal_a_buffer_allows() {
+        // The largest buffer `Config::validate` accepts.
+        let t = (u32::MAX / 2) as usize;
+        let mut cfg = Config::low_latency(128, t, 2, 1);
+        assert!(cfg.validate(0, 1).is_ok());
+        assert!((t as u64 + 1) < POISON);
+        cfg.max_tokens_per_rank = t + 1;
+        assert!(cfg.validate(0, 1).is_err());
+    }
+}

@@ -644,6 +644,42 @@ mod tests {
     }
 
     #[test]
+    fn a_refused_row_is_never_taken_for_a_real_one() {
+        // 2 hosts of 2, 10 tokens at most, 2 local experts per rank, rank 1
+        // masked.
+        let cfg = Config::high_throughput(128, 10, 8, 2);
+        let s = Shape::of(&cfg, 4, 2);
+        let active = [true, false, true, true];
+        let row = refused_row(&s, &active);
+        assert_eq!(row.len(), s.row_words());
+        assert_eq!(row[0], 0b1101, "the active mask, as a real row's");
+        assert!(is_refused(&s, &row));
+        // A reader that did not look for the mark still refuses it.
+        assert!(matches!(
+            check_row(&s, 0, 2, &row),
+            Err(EpError::Protocol {
+                rank: 0,
+                peer: 2,
+                ..
+            })
+        ));
+        // Real rows, empty or at the maximum (every token to ranks 0 and 3,
+        // both hosts), are not refused rows, and pass.
+        for tokens in [0, 10] {
+            let idx: Vec<i64> = (0..tokens).flat_map(|_| [0, 6]).collect();
+            let lay = Layout::new(2, &idx, 2, 8, &active, 2).unwrap();
+            let real = notify_row(&s, &lay, &active);
+            assert!(!is_refused(&s, &real), "{tokens} tokens");
+            check_row(&s, 0, 2, &real).unwrap();
+        }
+        let e = refused_by(0, 2);
+        assert!(
+            matches!(&e, EpError::Protocol { rank: 0, peer: 2, what } if what.contains("inputs were refused")),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn channels_split_tokens_into_contiguous_ranges() {
         let cfg = Config {
             channels: 3,
