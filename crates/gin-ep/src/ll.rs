@@ -5,7 +5,9 @@
 //! each expert output back into a (token, top-k slot) place at its source
 //! with one signal per (expert, source), and the source reduces with the
 //! top-k weights. No count exchange, no host synchronisation: one message
-//! round per phase.
+//! round per phase. A rank whose inputs are refused sends no token but
+//! 2^32 in its count signals (`POISON`); every rank then ends the step with the
+//! combine's signals and no data, its peers with an error naming it.
 //!
 //! Windows (this rank's part): `send` (tokens × message), `recv` (local
 //! experts × ranks × max tokens × message), `csend` (the same slots, one
@@ -30,6 +32,11 @@ const SEND: usize = 0;
 const RECV: usize = 1;
 const CSEND: usize = 2;
 const CRECV: usize = 3;
+
+/// What a source adds to each of its dispatch signals when its inputs were
+/// refused (a real count adds `count + 1`, at most 2^31): no tokens, and
+/// the receivers know why (as CUDA ranks' `POISON` in `kernels/ll.cu`).
+pub(crate) const POISON: u64 = 1 << 32;
 
 /// Signals and window sizes of a low-latency buffer.
 pub(crate) fn resources(cfg: &Config, nranks: usize) -> (u32, Vec<usize>) {
@@ -308,11 +315,19 @@ impl Buffer<'_> {
         }
     }
 
-    /// Low-latency dispatch, sending half: checks the inputs (nothing is
-    /// sent on an error), stages each token once, puts it into a slot of
-    /// every rank holding one of its experts, then signals every (expert,
-    /// source) pair with its count. `x` is `tokens × hidden`, `topk_idx` and
-    /// `topk_weights` are `tokens × topk` (-1: empty slot).
+    /// Low-latency dispatch, sending half: checks the inputs, stages each
+    /// token once, puts it into a slot of every rank holding one of its
+    /// experts, then signals every (expert, source) pair with its count.
+    /// `x` is `tokens × hidden`, `topk_idx` and `topk_weights` are `tokens ×
+    /// topk` (-1: empty slot).
+    ///
+    /// Inputs refused by the checks (the error names the entry) send no
+    /// token: this rank still signals every (expert, source) pair, with
+    /// 2^32 (`POISON`) instead of a count, so that every peer's
+    /// [`Buffer::ll_dispatch_recv`] ends the step at once with
+    /// [`EpError::Protocol`] naming this rank; this call then waits for the
+    /// step's signals from every rank (as the receiving half would) and
+    /// returns the input error, every buffer usable for the next step.
     pub fn ll_dispatch_send(
         &mut self,
         x: &[Bf16],
@@ -321,7 +336,10 @@ impl Buffer<'_> {
     ) -> Result<LlPending, EpError> {
         self.check_mode("ll_dispatch_send", crate::Mode::LowLatency)?;
         self.expect_phase("ll_dispatch_send", Phase::Idle)?;
-        let layout = self.check_inputs(x.len(), topk_idx, topk_weights)?;
+        let layout = match self.check_inputs(x.len(), topk_idx, topk_weights) {
+            Ok(layout) => layout,
+            Err(e) => return Err(self.ll_refuse(e)),
+        };
         self.settle()?;
         self.lost.clear();
         self.step += 1;
@@ -433,34 +451,28 @@ impl Buffer<'_> {
 
     /// Low-latency dispatch, receiving half: waits (bounded) for every
     /// active source's count for every local expert, then reads the
-    /// received tokens' metadata.
+    /// received tokens' metadata. Where a source's inputs were refused this
+    /// step (its counts say so), it ends the step with every rank instead,
+    /// reading no token, and returns [`EpError::Protocol`] naming the
+    /// lowest such source; the buffer is then idle and usable.
     pub fn ll_dispatch_recv(&mut self, pending: LlPending) -> Result<LlDispatch, EpError> {
         self.expect_phase("ll_dispatch_recv", Phase::DispatchSent)?;
         self.check_step(pending.step)?;
         let (r, cfg) = (self.nranks, self.cfg);
         let (l, t) = (cfg.local_experts(r), cfg.max_tokens_per_rank);
-        let mut counts = vec![0u32; l * r];
-        for le in 0..l {
-            for src in 0..r {
-                if !self.active[src] {
-                    continue;
-                }
-                let e = self.rank * l + le;
-                let step = self.step;
-                let what = || format!("the dispatch count of expert {e} (step {step})");
-                let Some(delta) = self.wait_signal((le * r + src) as u32, src, &what)? else {
-                    continue;
-                };
-                let count = delta.wrapping_sub(1);
-                if count > t as u64 {
-                    return Err(EpError::Protocol {
-                        rank: self.rank,
-                        peer: src,
-                        what: format!("count {count} for expert {e}, above the maximum {t}"),
-                    });
-                }
-                counts[le * r + src] = count as u32;
-            }
+        let (counts, refused) = self.ll_counts()?;
+        if let Some(src) = refused {
+            // Nobody reads this step's tokens: end it as every rank does.
+            self.ll_end_refused()?;
+            self.phase = Phase::Idle;
+            return Err(EpError::Protocol {
+                rank: self.rank,
+                peer: src,
+                what: "its inputs were refused this step, so it sent no tokens (its own error \
+                       names the entry); no rank read this step's tokens and every buffer stays \
+                       usable"
+                    .into(),
+            });
         }
         let mut d = LlDispatch {
             step: self.step,
@@ -477,6 +489,105 @@ impl Buffer<'_> {
         d.lost.clone_from(&self.lost);
         self.phase = Phase::Dispatched;
         Ok(d)
+    }
+
+    /// Waits (bounded) for every active source's dispatch signal for every
+    /// local expert: the counts `[le * nranks + src]`, and the lowest
+    /// source whose inputs were refused this step ([`POISON`]), if any (its
+    /// counts stay 0). Every signal of the step is consumed either way.
+    fn ll_counts(&mut self) -> Result<(Vec<u32>, Option<usize>), EpError> {
+        let (r, cfg) = (self.nranks, self.cfg);
+        let (l, t) = (cfg.local_experts(r), cfg.max_tokens_per_rank);
+        let mut counts = vec![0u32; l * r];
+        let mut refused: Option<usize> = None;
+        for le in 0..l {
+            for src in 0..r {
+                if !self.active[src] {
+                    continue;
+                }
+                let e = self.rank * l + le;
+                let step = self.step;
+                let what = || format!("the dispatch count of expert {e} (step {step})");
+                let Some(delta) = self.wait_signal((le * r + src) as u32, src, &what)? else {
+                    continue;
+                };
+                if delta >= POISON {
+                    refused = Some(refused.map_or(src, |p| p.min(src)));
+                    continue;
+                }
+                let count = delta.wrapping_sub(1);
+                if count > t as u64 {
+                    return Err(EpError::Protocol {
+                        rank: self.rank,
+                        peer: src,
+                        what: format!("count {count} for expert {e}, above the maximum {t}"),
+                    });
+                }
+                counts[le * r + src] = count as u32;
+            }
+        }
+        Ok((counts, refused))
+    }
+
+    /// This rank's inputs were refused (`err`): it sends no token but
+    /// signals every (expert, source) pair with [`POISON`], so that every
+    /// peer's receiving half ends the step at once naming this rank; then
+    /// it consumes the step's dispatch signals and ends the step as every
+    /// rank does ([`Buffer::ll_end_refused`]). Returns `err`, or where that
+    /// exchange itself failed its error.
+    fn ll_refuse(&mut self, err: EpError) -> EpError {
+        let r = (|| {
+            self.lost.clear();
+            self.step += 1;
+            let (r, l) = (self.nranks, self.cfg.local_experts(self.nranks));
+            for dst in 0..r {
+                for le in 0..l {
+                    if !self.active[dst] {
+                        break;
+                    }
+                    let id = (le * r + self.rank) as u32;
+                    let s = self.dc.ctx(0)?.signal(dst, Remote::signal_add(id, POISON));
+                    self.sent(s, dst)?;
+                }
+            }
+            self.ll_counts()?;
+            self.ll_end_refused()
+        })();
+        match r {
+            Ok(()) => err,
+            Err(e) => e,
+        }
+    }
+
+    /// Ends a step some rank's refused inputs stopped (every rank calls it,
+    /// after consuming the step's dispatch signals): the combine's signals
+    /// without its data, each expert rank telling every source that it is
+    /// done with the step, and each source waiting for every expert's. A
+    /// source thus starts its next dispatch only after every expert rank
+    /// consumed this step's signals (the reuse argument of a full step).
+    fn ll_end_refused(&mut self) -> Result<(), EpError> {
+        let (r, cfg) = (self.nranks, self.cfg);
+        let l = cfg.local_experts(r);
+        for le in 0..l {
+            let id = (cfg.num_experts + self.rank * l + le) as u32;
+            for src in 0..r {
+                if !self.active[src] {
+                    continue;
+                }
+                let s = self.dc.ctx(0)?.signal(src, Remote::signal_add(id, 1));
+                self.sent(s, src)?;
+            }
+        }
+        for e in 0..cfg.num_experts {
+            let owner = e / l;
+            if !self.active[owner] {
+                continue;
+            }
+            let step = self.step;
+            let what = || format!("the end of refused step {step} at expert {e}");
+            self.wait_signal((cfg.num_experts + e) as u32, owner, &what)?;
+        }
+        Ok(())
     }
 
     fn read_metadata(&self, d: &mut LlDispatch) -> Result<(), EpError> {
@@ -746,5 +857,21 @@ impl Buffer<'_> {
     pub fn ll_combine(&mut self, d: &LlDispatch) -> Result<Combined, EpError> {
         let p = self.ll_combine_send(d)?;
         self.ll_combine_recv(p, d)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn poison_is_above_every_count_signal_a_buffer_allows() {
+        // The largest buffer `Config::validate` accepts.
+        let t = (u32::MAX / 2) as usize;
+        let mut cfg = Config::low_latency(128, t, 2, 1);
+        assert!(cfg.validate(0, 1).is_ok());
+        assert!((t as u64 + 1) < POISON);
+        cfg.max_tokens_per_rank = t + 1;
+        assert!(cfg.validate(0, 1).is_err());
     }
 }

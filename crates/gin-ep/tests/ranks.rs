@@ -96,6 +96,34 @@ fn bad_inputs_are_refused_before_anything_is_sent() {
     assert_ok(&report, "bad inputs, high-throughput, 2 hosts");
 }
 
+/// Bad inputs on one rank only (an expert id out of range), after a
+/// verified step: the victim's error names its entry; every other rank's
+/// step ends at once (well within the job timeout) with a protocol error
+/// naming the victim, in low-latency mode (the victim's dispatch signals
+/// carry a refused mark instead of counts) and in high-throughput mode on
+/// two emulated hosts (its notify row does); then two victims at once; then
+/// the steps after them verify on every rank, bit-identical to the first,
+/// on every backend and transport.
+#[test]
+fn a_lone_refused_rank_ends_the_step_on_every_rank_at_once() {
+    for (name, env) in MODES {
+        for victim in [1, 2] {
+            let report = run(3, &["refuse", &format!("victim={victim}")], env);
+            assert_ok(&report, &format!("ll refuse {victim}, {name}"));
+            let args = format!("refuse ht=1 victim={victim}");
+            let report = run_hosts(4, 2, &args, env);
+            assert_ok(&report, &format!("ht refuse {victim}, {name}"));
+        }
+    }
+    let report = run_hosts(
+        4,
+        2,
+        "refuse ht=1 victim=3 channels=3 threads=2 ring=2",
+        &[],
+    );
+    assert_ok(&report, "ht refuse, 3 channels on 2 threads");
+}
+
 /// A rank dies after a step; the survivors finish the next step with its
 /// experts masked, report it, and keep going with the mask.
 #[test]

@@ -3,7 +3,7 @@
 //! prints `rank R: SCENARIO ok in ...` or fails with the first difference.
 //!
 //! `gin-ep-selftest SCENARIO [key=value ...]`; scenarios `ll`, `ht`, `bad`,
-//! `kill`, `mask`; keys `tokens`, `hidden`, `experts` (per rank), `topk`,
+//! `refuse`, `kill`, `mask`; keys `tokens`, `hidden`, `experts` (per rank), `topk`,
 //! `fp8`, `repeats`, `victim`, `ht`, `ring`, `channels`, `threads`, `hook`. Without launcher variables it starts `ranks=N`
 //! local ranks of itself (default 2).
 //!
@@ -109,6 +109,7 @@ fn run() -> Res<()> {
         "ht" if cuda => cuda_ht_run(&comm, &args)?,
         "ht" => oracle_run(&comm, &args, Mode::HighThroughput)?,
         "bad" => bad_inputs(&comm, &args)?,
+        "refuse" => refuse(&comm, &args)?,
         "kill" if cuda => cuda_kill(&comm, &args)?,
         "kill" => kill(&comm, &args)?,
         "mask" => masked(&comm, &args)?,
@@ -1083,6 +1084,115 @@ fn bad_inputs(comm: &Comm, args: &Args) -> Res<String> {
     step(&mut buf, &all, &tables, true)?;
     buf.destroy()?;
     Ok("out-of-range expert, too many tokens, mismatched hidden, differing config and table refused; next step verified".into())
+}
+
+/// Bad inputs on one rank only, on CPU ranks (`ht=1`: high-throughput
+/// mode): after a verified step, rank `victim` (default 1) names an expert
+/// out of range (its token 1, top-k slot 1) and must be refused by name,
+/// every other rank with a protocol error naming the victim, at once
+/// (within half the job timeout); then the victim and the next rank both
+/// do, every other rank naming the lower of the two; then `repeats` steps
+/// (default 3) verify with the oracle on every rank, bit-identical to the
+/// first: nothing was corrupted, every buffer stayed usable.
+fn refuse(comm: &Comm, args: &Args) -> Res<String> {
+    let mode = if args.get("ht", 0) == 1 {
+        Mode::HighThroughput
+    } else {
+        Mode::LowLatency
+    };
+    let cfg = config(comm, args, mode);
+    let (rank, n) = (comm.rank(), comm.nranks());
+    let mut buf = buffer(comm, args, cfg)?;
+    let (all, tables) = inputs(comm, &cfg)?;
+    let victim = args.get("victim", 1) % n;
+    let first = step(&mut buf, &all, &tables, true)?;
+    let mut told = Vec::new();
+    for victims in [vec![victim], vec![victim, (victim + 1) % n]] {
+        told.push(refused_step(comm, &mut buf, &all[rank], &victims)?);
+    }
+    for i in 0..args.get("repeats", 3) {
+        let again = step(&mut buf, &all, &tables, true)?;
+        if again != first {
+            return Err(format!(
+                "rank {rank}: step {i} after the refused ones differs from the first (digests {again:x?} vs {first:x?})"
+            )
+            .into());
+        }
+    }
+    buf.destroy()?;
+    Ok(format!(
+        "rank {victim}'s bad expert id: {}; then with rank {}'s too: {}; the steps after them verified, bit-identical",
+        told[0],
+        (victim + 1) % n,
+        told[1]
+    ))
+}
+
+/// One step in which every rank of `victims` names an expert out of range
+/// at token 1, top-k slot 1: each must report that entry, every other rank
+/// a protocol error naming the lowest victim, within half the timeout.
+fn refused_step(
+    comm: &Comm,
+    buf: &mut Buffer<'_>,
+    me: &RankInput,
+    victims: &[usize],
+) -> Res<String> {
+    let cfg = *buf.config();
+    let rank = buf.rank();
+    if me.tokens < 2 || cfg.topk < 2 {
+        return Err(format!("rank {rank}: refuse needs 2 tokens and top-2 or more").into());
+    }
+    let bad = i64::try_from(cfg.num_experts + 3)?;
+    let mut idx = me.topk_idx.clone();
+    let refused = victims.contains(&rank);
+    if refused {
+        idx[cfg.topk + 1] = bad;
+    }
+    let lowest = victims.iter().copied().min().unwrap_or(0);
+    let t = Instant::now();
+    let got = match cfg.mode {
+        Mode::LowLatency => buf
+            .ll_dispatch_send(&me.x, &idx, &me.weights)
+            .and_then(|p| buf.ll_dispatch_recv(p))
+            .map(drop),
+        Mode::HighThroughput => buf.ht_dispatch(&me.x, &idx, &me.weights).map(drop),
+    };
+    let (took, timeout) = (t.elapsed(), comm.settings().timeout);
+    let what = match (&got, refused) {
+        (
+            Err(EpError::ExpertOutOfRange {
+                rank: r,
+                token: 1,
+                slot: 1,
+                expert,
+                ..
+            }),
+            true,
+        ) if *r == rank && *expert == bad => format!("refused its expert {bad} at token 1 slot 1"),
+        (
+            Err(EpError::Protocol {
+                rank: r,
+                peer,
+                what,
+            }),
+            false,
+        ) if *r == rank && *peer == lowest && what.contains("inputs were refused") => {
+            format!("told that rank {lowest}'s inputs were refused")
+        }
+        _ => {
+            return Err(format!(
+                "rank {rank}: a bad expert id at ranks {victims:?} gave {got:?} after {took:?}"
+            )
+            .into());
+        }
+    };
+    if took * 2 >= timeout {
+        return Err(format!(
+            "rank {rank}: the refused step ended only after {took:?} (GIN_TIMEOUT {timeout:?})"
+        )
+        .into());
+    }
+    Ok(format!("{what} in {:.0} ms", took.as_secs_f64() * 1e3))
 }
 
 fn try_dispatch(

@@ -7,6 +7,9 @@
 //!    signal each): every rank knows the whole count matrix, so receivers
 //!    place each source's block and forwarders know what to expect. A rank
 //!    lost meanwhile is masked and the exchange repeated (see `plan.rs`).
+//!    A rank whose inputs were refused sends a refused row instead
+//!    (`plan::refused_row`) and nothing else: every rank ends the step
+//!    after that round, its peers with an error naming it.
 //! 2. **Between hosts**: a rank sends each token once per other host, and
 //!    only to that host's rank with its own local index (the forwarder; a
 //!    masked one is replaced by the next active local index): straight into
@@ -214,8 +217,13 @@ impl Buffer<'_> {
         self.ht_dispatch_recv(p)
     }
 
-    /// High-throughput dispatch, sending half: checks the inputs (nothing
-    /// is sent on an error), exchanges counts, and starts every channel.
+    /// High-throughput dispatch, sending half: checks the inputs, exchanges
+    /// counts, and starts every channel. Inputs refused by the checks (the
+    /// error names the entry) send no token: this rank still takes part in
+    /// the count exchange, with a row marked refused, so that every peer's
+    /// dispatch returns at once with [`EpError::Protocol`] naming this rank;
+    /// no rank sends a token, and every buffer stays usable for the next
+    /// step.
     /// Under [`crate::OnPeerLoss::Mask`], a rank found lost during the count
     /// exchange is masked (its experts count as empty slots, its forwarding
     /// role passes to the next local index) and reported in
@@ -245,7 +253,10 @@ impl Buffer<'_> {
                 what: "this rank is masked: it takes no part in steps".into(),
             });
         }
-        let mut layout = self.check_inputs(x.len(), topk_idx, topk_weights)?;
+        let mut layout = match self.check_inputs(x.len(), topk_idx, topk_weights) {
+            Ok(layout) => layout,
+            Err(e) => return Err(self.ht_refuse(e)),
+        };
         self.settle()?;
         self.lost.clear();
         self.step += 1;
@@ -266,6 +277,28 @@ impl Buffer<'_> {
         self.phase = Phase::DispatchSent;
         self.ht_dispatch_lanes(&s, &mut p, false)?;
         Ok(p)
+    }
+
+    /// This rank's inputs were refused (`err`): it still takes part in the
+    /// step's count exchange, with [`plan::refused_row`], so that each peer
+    /// ends the step at once with an error naming this rank (every peer
+    /// waits for every active rank's row, and a refused row ends the step
+    /// after that one round on every rank); nothing else is sent, and every
+    /// buffer stays usable. Returns `err`, or where the exchange itself
+    /// failed its error.
+    fn ht_refuse(&mut self, err: EpError) -> EpError {
+        let r = (|| {
+            self.settle()?;
+            self.lost.clear();
+            self.step += 1;
+            let s = self.ht_shape();
+            let row = plan::refused_row(&s, &self.active);
+            self.ht_notify_round(&s, &row).map(drop)
+        })();
+        match r {
+            Ok(()) => err,
+            Err(e) => e,
+        }
     }
 
     /// Moves whatever the pending dispatch can move without waiting (sends

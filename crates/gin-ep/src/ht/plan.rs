@@ -415,7 +415,7 @@ pub(crate) fn notify_row(s: &Shape, lay: &Layout, active: &[bool]) -> Vec<u32> {
 /// still refuse the row by [`check_row`].
 pub(crate) const REFUSED: u32 = u32::MAX;
 
-/// The notify row of a CUDA rank whose own inputs were refused this step:
+/// The notify row of a rank whose own inputs were refused this step:
 /// its active mask as [`notify_row`] writes it, every count [`REFUSED`].
 /// It still takes part in the count exchange with this row, so that its
 /// peers (which wait for every active rank's row) learn at once that the
@@ -452,7 +452,21 @@ impl Buffer<'_> {
     ) -> Result<Plan, EpError> {
         loop {
             let before = self.active.clone();
-            let rows = self.ht_notify_round(s, lay)?;
+            let rows = self.ht_notify_round(s, &notify_row(s, lay, &self.active))?;
+            // A refused row first: this step ends on every rank after this
+            // one round (every rank takes it), with nothing sent.
+            let refused = rows
+                .iter()
+                .enumerate()
+                .find(|(_, row)| row.as_deref().is_some_and(|row| is_refused(s, row)));
+            if let Some((src, _)) = refused {
+                return Err(refused_by(self.rank, src));
+            }
+            for (src, row) in rows.iter().enumerate() {
+                if let Some(row) = row {
+                    check_row(s, self.rank, src, row)?;
+                }
+            }
             let mut merged = self.active.clone();
             let mut agree = true;
             for row in rows.iter().flatten() {
@@ -491,14 +505,14 @@ impl Buffer<'_> {
         }
     }
 
-    /// One round of the notify exchange; every active rank's row (`None`
-    /// for ranks masked before or during the round).
-    fn ht_notify_round(
+    /// One round of the notify exchange with `row` as this rank's row;
+    /// every active rank's row as received, unchecked (`None` for ranks
+    /// masked before or during the round).
+    pub(crate) fn ht_notify_round(
         &mut self,
         s: &Shape,
-        lay: &Layout,
+        row: &[u32],
     ) -> Result<Vec<Option<Vec<u32>>>, EpError> {
-        let row = notify_row(s, lay, &self.active);
         let width = 4 * row.len();
         let parity = (self.ht_rounds % 2) as usize;
         self.ht_rounds += 1;
@@ -546,14 +560,26 @@ impl Buffer<'_> {
                 continue;
             }
             let b = self.bytes(NRECV, (parity * s.r + src) * width, width);
-            let words: Vec<u32> = b
-                .chunks_exact(4)
-                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect();
-            check_row(s, self.rank, src, &words)?;
-            *slot = Some(words);
+            *slot = Some(
+                b.chunks_exact(4)
+                    .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+            );
         }
         Ok(rows)
+    }
+}
+
+/// What a rank whose peer `src` sent a [`refused_row`] returns: `src`'s
+/// inputs were refused, so the step ended on every rank after its count
+/// exchange, with nothing sent.
+pub(crate) fn refused_by(rank: usize, src: usize) -> EpError {
+    EpError::Protocol {
+        rank,
+        peer: src,
+        what: "its inputs were refused this step, so it sent nothing (its own error names the \
+               entry); no rank sent anything and every buffer stays usable"
+            .into(),
     }
 }
 
@@ -615,6 +641,42 @@ mod tests {
         assert_eq!(forwarder(&active, 3, 1, 1), Some(3));
         active[3] = false;
         assert_eq!(forwarder(&active, 3, 1, 1), None);
+    }
+
+    #[test]
+    fn a_refused_row_is_never_taken_for_a_real_one() {
+        // 2 hosts of 2, 10 tokens at most, 2 local experts per rank, rank 1
+        // masked.
+        let cfg = Config::high_throughput(128, 10, 8, 2);
+        let s = Shape::of(&cfg, 4, 2);
+        let active = [true, false, true, true];
+        let row = refused_row(&s, &active);
+        assert_eq!(row.len(), s.row_words());
+        assert_eq!(row[0], 0b1101, "the active mask, as a real row's");
+        assert!(is_refused(&s, &row));
+        // A reader that did not look for the mark still refuses it.
+        assert!(matches!(
+            check_row(&s, 0, 2, &row),
+            Err(EpError::Protocol {
+                rank: 0,
+                peer: 2,
+                ..
+            })
+        ));
+        // Real rows, empty or at the maximum (every token to ranks 0 and 3,
+        // both hosts), are not refused rows, and pass.
+        for tokens in [0, 10] {
+            let idx: Vec<i64> = (0..tokens).flat_map(|_| [0, 6]).collect();
+            let lay = Layout::new(2, &idx, 2, 8, &active, 2).unwrap();
+            let real = notify_row(&s, &lay, &active);
+            assert!(!is_refused(&s, &real), "{tokens} tokens");
+            check_row(&s, 0, 2, &real).unwrap();
+        }
+        let e = refused_by(0, 2);
+        assert!(
+            matches!(&e, EpError::Protocol { rank: 0, peer: 2, what } if what.contains("inputs were refused")),
+            "{e}"
+        );
     }
 
     #[test]
