@@ -484,6 +484,10 @@ if [ -n "$ucx" ]; then
   # (GIN_PUT_MERGE_MAX=0), which UCX's ~6 us per cuda_ipc put bounds.
   ustep "bench-cuda-ucx-blocks" "$here/gin-bench" cuda --tests bandwidth --paths proxy,gdaki --blocks 16,32,66 --runs 5 --json "$out/cuda-ucx-blocks.json"
   ustep "bench-cuda-ucx-blocks-unmerged" env GIN_PUT_MERGE_MAX=0 "$here/gin-bench" cuda --tests bandwidth --paths proxy,gdaki --blocks 16,32,66 --runs 5 --json "$out/cuda-ucx-blocks-unmerged.json"
+  # Round trips (one put each) with and without merging: a lone put waits
+  # for the end of its engine's pass before it starts.
+  ustep "bench-cuda-ucx-rt" "$here/gin-bench" cuda --tests pingpong --paths proxy,gdaki --sizes 8,64k,1m --runs 5 --json "$out/cuda-ucx-rt.json"
+  ustep "bench-cuda-ucx-rt-unmerged" env GIN_PUT_MERGE_MAX=0 "$here/gin-bench" cuda --tests pingpong --paths proxy,gdaki --sizes 8,64k,1m --runs 5 --json "$out/cuda-ucx-rt-unmerged.json"
   ustep "bench-cuda-ucx-staged" env GIN_UCX_DEVICE=0 "$here/gin-bench" cuda --tests pingpong,bandwidth --paths proxy --sizes 8,64k,1m --blocks 16 --runs 3 --json "$out/cuda-ucx-staged.json"
   # The raw UCX floor in the same job: ucx_perftest between two processes on
   # loopback, GPU memory on both sides (-m cuda,cuda), the same UCX.
