@@ -271,6 +271,11 @@ for n in 2 4; do
   step "ep-ll-cuda-${n}ranks-inputs-queued-fp8" "$ep" ll device=cuda ranks=$n inputs=queued fp8=1
   step "ep-ll-cuda-${n}ranks-inputs-device-fp8" "$ep" ll device=cuda ranks=$n inputs=device fp8=1
   step "ep-ll-cuda-${n}ranks-inputs-device-bad" "$ep" ll device=cuda ranks=$n inputs=device bad=1
+  # Bad inputs in host memory: refused by the host's checks, the victim's
+  # dispatch kernel still runs, poisoned (no token, POISON counts), and
+  # every rank ends the step; the victim names its entry, every other rank
+  # the victim at once, and the steps after it verify on every buffer.
+  step "ep-ll-cuda-${n}ranks-bad" "$ep" ll device=cuda ranks=$n bad=1
   # The expert outputs in the caller's tensor (ll_combine_from_*).
   step "ep-ll-cuda-${n}ranks-inputs-device-expert-tensor" "$ep" ll device=cuda ranks=$n inputs=device expert=tensor
   step "ep-ll-cuda-${n}ranks-inputs-stream-expert-tensor" "$ep" ll device=cuda ranks=$n inputs=stream expert=tensor
@@ -297,6 +302,20 @@ for n in 2 4; do
     "ep-ll-cuda-${n}ranks-inputs-device" "ep-ll-cuda-${n}ranks-inputs-stream" "ep-ll-cuda-${n}ranks-inputs-queued" \
     "ep-ll-cuda-${n}ranks-inputs-device-expert-tensor" "ep-ll-cuda-${n}ranks-inputs-stream-expert-tensor"
   step "ep-ll-${n}ranks-fp8-inputs-agree" ep_same_digests "ep-ll-cuda-${n}ranks-fp8" "ep-ll-cuda-${n}ranks-inputs-device-fp8" "ep-ll-cuda-${n}ranks-inputs-queued-fp8"
+done
+# After a refused step from host inputs: rank 1 named its entry, each of the
+# other n-1 ranks rank 1, and the steps after it combine bit for bit as
+# without the refusal.
+ep_ll_bad_named() {
+  local log="$out/$1.log" n=$2 v t
+  v=$(grep -c "rank 1 of $n: ll ok.*rank 1's bad expert id in host memory: refused its expert" "$log")
+  t=$(grep -c "rank [0-9]* of $n: ll ok.*told that rank 1's inputs were refused" "$log")
+  [ "$v" = 1 ] && [ "$t" = $((n - 1)) ] || { echo "$1: victim lines $v (1 expected), told lines $t ($((n - 1)) expected)"; return 1; }
+  echo "$1: rank 1 named its entry, $t other rank(s) named rank 1"
+}
+for n in 2 4; do
+  step "ep-ll-${n}ranks-bad-named" ep_ll_bad_named "ep-ll-cuda-${n}ranks-bad" "$n"
+  step "ep-ll-${n}ranks-bad-agree" ep_same_digests "ep-ll-cuda-${n}ranks-auto" "ep-ll-cuda-${n}ranks-bad"
 done
 fi
 # gin-ep's high-throughput mode on CUDA ranks (kernels/ht.cu after ll.cu

@@ -153,9 +153,9 @@ constexpr u64 ERR_NOT_NAMED = 4;       // peer, expert, token index
 constexpr u64 ERR_EXPERT_RANGE = 5;    // token, slot, expert (i64 bits)
 constexpr u64 ERR_DUPLICATE = 6;       // token, second | first << 32, expert
 constexpr u64 ERR_WEIGHT = 7;          // token, slot, weight bits
-// What a source adds to a dispatch signal when its inputs were refused on
-// the GPU (a real count adds count + 1 <= 2^31): no tokens, and the
-// receivers know why.
+// What a source adds to a dispatch signal when its inputs were refused (on
+// the GPU, or by its host's checks; a real count adds count + 1 <= 2^31):
+// no tokens, and the receivers know why.
 constexpr u64 POISON = 1ull << 32;
 
 // The checks of device-resident inputs (compiled as host C++ too:
@@ -549,10 +549,14 @@ __device__ __noinline__ void stage_tokens(const Window& send, const u16* x, cons
 //   with BF16 copies their payloads) and checks the inputs (stage_tokens).
 // Whenever blocks stage, a grid barrier (grid_sync on bar, its state on the
 // device alone) comes before any block sends. Inputs found bad (inbad below
-// ~0) send no token:
+// ~0: by stage_tokens, or written by the host whose checks refused its
+// inputs, which then launches 0 tokens) send no token:
 // every expert's signal adds POISON instead, so every receiver records why
 // its count is missing rather than waiting, and this rank records the first
-// bad entry as the host would report it.
+// bad entry as the host would report it (device-resident inputs; the host
+// reports its own). Every rank then ends the step with a combine launch of
+// 0 tokens and zeroed counts (cuda/mod.rs's end_refused): the combine's
+// signals without data.
 // eslot[token * k + j] (t x k u32): the token's index among this rank's
 // tokens for the expert its top-k slot j names (the layout's expert slot),
 // written as the token is sent, for the combine's reads in place.
@@ -569,20 +573,23 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_dispatch(DevComm 
   const u32 r = dc.nranks, experts = l * r;
   if (blockIdx.x == 0)
     for (u32 q = threadIdx.x; q < r; q += blockDim.x) ctarget[q] += active[q] ? 1 : 0;
-  bool bad = false;
   if (xin || idx) {
     if (idx) ep::stage_tokens(send, xin, idx, wts, tokens, m, p, k, experts, fp8, inbad);
     if (fp8) ep::quantize_tokens(send, xin, tokens, m, h);
     if (ep::grid_sync(dc, bar)) return;
-    if (idx) {
-      const u64 key = *(volatile u64*)inbad;
-      bad = key != ~0ull;
-      if (bad && blockIdx.x == 0 && threadIdx.x == 0) {
-        u64 w[4];
-        ep::input::error_of(key, idx, wts, k, experts, w);
-        ep::record(err, errh, w[0], w[1], w[2], w[3]);
-      }
-    }
+  }
+  // Refused inputs: found by stage_tokens above (device-resident inputs:
+  // this rank records the first bad entry), or by the host's checks before
+  // this launch (host inputs: the host wrote inbad, staged nothing and
+  // launched 0 tokens; its own error names the entry, nothing to record).
+  // Nothing in this launch writes inbad after this read (stage_tokens did,
+  // before the grid barrier).
+  const u64 key = *(volatile u64*)inbad;
+  const bool bad = key != ~0ull;
+  if (bad && idx && blockIdx.x == 0 && threadIdx.x == 0) {
+    u64 w[4];
+    ep::input::error_of(key, idx, wts, k, experts, w);
+    ep::record(err, errh, w[0], w[1], w[2], w[3]);
   }
   // Each warp puts its own tokens (warp-wide copies of a message, all the
   // block's warps at once); the expert's signal follows the block's puts.

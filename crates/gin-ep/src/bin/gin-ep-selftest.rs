@@ -32,6 +32,11 @@
 //! `low_latency_combine(x, ...)`). `inputs=device bad=1` gives rank
 //! `victim` (default 1) an expert id out of range on the GPU and expects it
 //! to report that entry and every other rank a protocol error naming it.
+//! `bad=1` with host inputs (the default) does so in the host's slices
+//! (refused by the host's checks, its counts poisoned by its kernel): the
+//! victim names its entry, every other rank the victim, within half the
+//! job timeout, then the steps after it verify with the oracle on every
+//! rank.
 //! `ht device=cuda inputs=device` runs the high-throughput step from GPU
 //! memory (`ht_dispatch_device`, `ht_echo_device`, `ht_combine_device`)
 //! with the same oracle and digests as host inputs. `ht device=cuda bad=1`
@@ -103,7 +108,9 @@ fn run() -> Res<()> {
     let comm = join(&args)?;
     let t = Instant::now();
     let what = match args.scenario.as_str() {
-        "ll" if cuda && args.get("bad", 0) == 1 => cuda_device_bad(&comm, &args)?,
+        "ll" if cuda && args.get("bad", 0) == 1 && Inputs::of(&args)? != Inputs::Host => {
+            cuda_device_bad(&comm, &args)?
+        }
         "ll" if cuda => cuda_oracle_run(&comm, &args)?,
         "ll" => oracle_run(&comm, &args, Mode::LowLatency)?,
         "ht" if cuda => cuda_ht_run(&comm, &args)?,
@@ -477,6 +484,11 @@ fn cuda_oracle_run(comm: &Comm, args: &Args) -> Res<String> {
             tensor.then(|| buf.device_layout().combine_bytes()),
         )?),
     };
+    let mut bad = String::new();
+    if args.get("bad", 0) == 1 {
+        let victim = args.get("victim", 1) % comm.nranks();
+        bad = ll_host_bad(&cuda, &mut buf, &all[comm.rank()], victim)?;
+    }
     let (first, steps) = if kind == Inputs::Queued {
         if tensor {
             return Err("inputs=queued takes the identity expert only (no expert=tensor)".into());
@@ -509,7 +521,7 @@ fn cuda_oracle_run(comm: &Comm, args: &Args) -> Res<String> {
         .collect();
     buf.destroy()?;
     Ok(format!(
-        "CUDA ranks ({backend}, GPU {}; combine reads ranks {reads:?} in place; inputs {kind:?}{}): {} tokens, hidden {}, {} experts, top-{}{}, {steps}, combine digest {:016x}",
+        "CUDA ranks ({backend}, GPU {}; combine reads ranks {reads:?} in place; inputs {kind:?}{}{bad}): {} tokens, hidden {}, {} experts, top-{}{}, {steps}, combine digest {:016x}",
         cuda.device().name(),
         if dev.as_ref().is_some_and(|d| d.eout.is_some()) {
             ", expert outputs in a tensor of the rank's"
@@ -526,6 +538,71 @@ fn cuda_oracle_run(comm: &Comm, args: &Args) -> Res<String> {
             ""
         },
         first.1,
+    ))
+}
+
+/// `ll device=cuda bad=1` (host inputs): rank `victim` (default 1) names
+/// an expert out of range (its token 1, top-k slot 1) and must be refused
+/// by name, every other rank with a protocol error naming the victim (its
+/// counts poisoned by its dispatch kernel, which sends no token), at once:
+/// within half the job timeout; then every buffer takes the steps that
+/// follow (with good inputs), which verify with the oracle on every rank.
+fn ll_host_bad(
+    cuda: &gin_core::cuda::CudaComm<'_>,
+    buf: &mut gin_ep::cuda::CudaBuffer<'_, '_>,
+    me: &RankInput,
+    victim: usize,
+) -> Res<String> {
+    let cfg = *buf.config();
+    let rank = buf.rank();
+    if me.tokens < 2 || cfg.topk < 2 {
+        return Err(format!("rank {rank}: bad=1 needs 2 tokens and top-2 or more").into());
+    }
+    let bad = i64::try_from(cfg.num_experts + 3)?;
+    let mut idx = me.topk_idx.clone();
+    if rank == victim {
+        idx[cfg.topk + 1] = bad;
+    }
+    let t = Instant::now();
+    let got = buf.ll_dispatch(&me.x, &idx, &me.weights).map(|_| ());
+    let (took, timeout) = (t.elapsed(), cuda.comm().settings().timeout);
+    let what = match (&got, rank == victim) {
+        (
+            Err(EpError::ExpertOutOfRange {
+                rank: r,
+                token: 1,
+                slot: 1,
+                expert,
+                ..
+            }),
+            true,
+        ) if *r == rank && *expert == bad => format!("refused its expert {bad} at token 1 slot 1"),
+        (
+            Err(EpError::Protocol {
+                rank: r,
+                peer,
+                what,
+            }),
+            false,
+        ) if *r == rank && *peer == victim && what.contains("inputs were refused") => {
+            format!("told that rank {victim}'s inputs were refused")
+        }
+        _ => {
+            return Err(format!(
+                "rank {rank}: a bad expert id at rank {victim} gave {got:?} after {took:?}"
+            )
+            .into());
+        }
+    };
+    if took * 2 >= timeout {
+        return Err(format!(
+            "rank {rank}: the refused step ended only after {took:?} (GIN_TIMEOUT {timeout:?})"
+        )
+        .into());
+    }
+    Ok(format!(
+        "; rank {victim}'s bad expert id in host memory: {what} in {:.0} ms, then the buffer's steps verified",
+        took.as_secs_f64() * 1e3
     ))
 }
 

@@ -323,6 +323,18 @@ fn ht_protocol_what(w: [u64; 4]) -> String {
     }
 }
 
+/// Whether a recorded error (word 0 of `ep::record`) is a refusal: this
+/// rank's inputs found bad on the GPU, or a source's refused (its counts
+/// poisoned). Every rank then ends the step alike (no rank broke the
+/// protocol, every signal of the step was consumed); anything else is a
+/// broken protocol, and the step cannot be finished.
+pub(crate) fn is_refusal(w0: u64) -> bool {
+    matches!(
+        w0 & 0xff,
+        code::PEER_BAD_INPUT | code::EXPERT_RANGE | code::DUPLICATE | code::WEIGHT
+    )
+}
+
 /// The error a kernel recorded (`ep::record`: word 0 the kind | the peer
 /// << 8, words 1-3 what), as the host reports it: the source's protocol
 /// errors as [`EpError::Protocol`] naming it and this rank's expert, bad
@@ -346,8 +358,8 @@ pub fn decode_error(rank: usize, cfg: &Config, w: [u64; 4]) -> Option<EpError> {
             w[2], w[1]
         )),
         code::PEER_BAD_INPUT => proto(format!(
-            "its inputs were refused on the GPU, so it sent expert {} no tokens \
-             (its own error names the entry)",
+            "its inputs were refused this step (by its host's checks or on the GPU), so it \
+             sent expert {} no tokens (its own error names the entry)",
             w[1]
         )),
         code::TOKEN_RANGE => proto(format!(
@@ -565,6 +577,7 @@ mod tests {
             }
         ));
         assert!(e.to_string().contains("expert 7"));
+        assert!(e.to_string().contains("inputs were refused"), "{e}");
         let e = decode_error(1, &c, [code::EXPERT_RANGE, 3, 2, (-5i64).cast_unsigned()]).unwrap();
         assert!(matches!(
             e,
@@ -596,6 +609,31 @@ mod tests {
     }
 
     /// The kernels' codes are the host's (`ep::ERR_*` in ll.cu).
+    /// A refusal (a rank's inputs, on the host or the GPU) ends the step
+    /// on every rank; a broken protocol (or an HT error) does not, and an
+    /// empty word is no error at all. The peer byte does not matter.
+    #[test]
+    fn refusals_are_told_from_broken_protocols() {
+        for k in [
+            code::PEER_BAD_INPUT,
+            code::EXPERT_RANGE,
+            code::DUPLICATE,
+            code::WEIGHT,
+        ] {
+            assert!(is_refusal(k), "{k}");
+            assert!(is_refusal(k | 5 << 8), "{k}");
+        }
+        for k in [
+            0,
+            code::COUNT_OVER_MAX,
+            code::TOKEN_RANGE,
+            code::NOT_NAMED,
+            code::HT,
+        ] {
+            assert!(!is_refusal(k | 2 << 8), "{k}");
+        }
+    }
+
     #[test]
     fn error_codes_match_the_kernels() {
         let src = super::super::LL_KERNELS;

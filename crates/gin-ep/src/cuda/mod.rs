@@ -70,12 +70,21 @@
 //! range or a message that does not name its expert is the source's
 //! [`EpError::Protocol`], naming it and the expert; such a pair counts 0
 //! tokens, so an expert kernel reading the counts stays within the slots.
-//! Bad device-resident inputs make the rank send no token but a refused
-//! count (`POISON`) to every expert's rank, so every rank finishes the
-//! step and reports it: the rank its entry ([`EpError::ExpertOutOfRange`],
-//! [`EpError::DuplicateExpert`], [`EpError::BadWeight`]), the others a
-//! protocol error naming the rank. After any such error the buffer refuses
-//! further steps.
+//! Bad inputs make the rank send no token but a refused count (`POISON`)
+//! to every expert's rank, so every rank finishes the step and reports it:
+//! the rank its entry ([`EpError::ExpertOutOfRange`],
+//! [`EpError::DuplicateExpert`], [`EpError::BadWeight`], ...), the others
+//! a protocol error naming the rank. Inputs in GPU memory are found bad by
+//! the dispatch kernel; host inputs by the host's checks, after which
+//! [`CudaBuffer::ll_dispatch`] still launches the dispatch kernel, with no
+//! token and its input-check word set, so that it poisons the counts
+//! alike. In the waited calls every rank then ends the step with a combine
+//! launch that carries no data (its signals only, as CPU ranks'
+//! `ll_end_refused`), so that no rank waits for another and every signal
+//! and counter advances as in a full step: from host inputs every buffer
+//! stays usable and the next step runs normally; from inputs in GPU memory
+//! the buffer then refuses further steps, as after any other recorded error
+//! (a broken protocol).
 //!
 //! High-throughput mode (`ht.rs`, `kernels/ht.cu`): a buffer created with
 //! [`Config::high_throughput`] runs [`CudaBuffer::ht_dispatch`],
@@ -935,7 +944,10 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     }
 
     /// Low-latency dispatch on CUDA ranks from host memory: checks the
-    /// inputs (nothing is sent on an error), stages each token's message in
+    /// inputs (no token is sent on an error: the kernel still runs, telling
+    /// every peer that this rank's inputs were refused, every rank ends the
+    /// step and every buffer stays usable; the error names the entry, each
+    /// peer's [`EpError::Protocol`] this rank), stages each token's message in
     /// the send window, and runs the dispatch kernel, which puts every
     /// token into a slot of each rank holding one of its experts, signals
     /// every (expert, source) pair with its count, and waits (bounded) for
@@ -951,7 +963,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         self.expect_unqueued("ll_dispatch")?;
         self.poll()?;
         let cfg = self.cfg;
-        let layout = crate::ll::check_inputs(
+        let layout = match crate::ll::check_inputs(
             self.rank,
             &cfg,
             &self.active,
@@ -959,7 +971,10 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             x.len(),
             topk_idx,
             topk_weights,
-        )?;
+        ) {
+            Ok(layout) => layout,
+            Err(e) => return Err(self.ll_refuse(e)),
+        };
         let tokens = layout.tokens;
         self.staged.resize(tokens * cfg.msg_bytes(), 0);
         if cfg.fp8 {
@@ -996,12 +1011,110 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
                 },
             )?;
         }
+        // A source's inputs were refused: the step ends on every rank.
+        self.after_refusal(true)?;
         let d = self.read_dispatch("ll_dispatch");
         // A sender broke the protocol: the step cannot be finished.
         if d.is_err() {
             self.st.fail();
         }
         d
+    }
+
+    /// This rank's inputs were refused by the host's checks (`err`, naming
+    /// the entry): as with bad inputs in GPU memory, the dispatch kernel
+    /// runs, with no token and `inbad` set, so that it sends no token but
+    /// adds `POISON` to each of its (expert, source) signals and consumes
+    /// every source's signal of the step; then this rank ends the step as
+    /// every rank does ([`CudaBuffer::end_refused`]). Every peer's dispatch
+    /// thus returns at once with [`EpError::Protocol`] naming this rank,
+    /// and every buffer stays usable. Returns `err`, or where those
+    /// launches failed their error (the buffer then refuses further steps).
+    fn ll_refuse(&mut self, err: EpError) -> EpError {
+        let r = (|| -> Result<(), EpError> {
+            self.current()?;
+            // Any key below !0 says "refused"; the host reports the entry.
+            self.state
+                .inbad
+                .write(0, &[0u64])
+                .map_err(CoreError::from)?;
+            // SAFETY: gin's stream, waited for; 0 tokens and no source
+            // (xin, idx and wts null): the kernel reads no input and
+            // stages nothing.
+            unsafe {
+                self.launch_dispatch(
+                    On::Wait,
+                    0,
+                    Source {
+                        xin: 0,
+                        idx: 0,
+                        wts: 0,
+                    },
+                )?;
+            }
+            self.end_refused(true)
+        })();
+        match r {
+            Ok(()) => err,
+            Err(e) => {
+                self.st.fail();
+                e
+            }
+        }
+    }
+
+    /// After a waited dispatch: where the kernel recorded a refusal (this
+    /// rank's inputs in GPU memory found bad, or a source's refused: its
+    /// counts poisoned), ends the step as every rank does and returns that
+    /// error; `usable` as for [`CudaBuffer::end_refused`]. Any other
+    /// recorded error (a broken protocol) is left to
+    /// [`CudaBuffer::poll`].
+    fn after_refusal(&mut self, usable: bool) -> Result<(), EpError> {
+        let Some(w) = self.recorded().filter(|w| dev::is_refusal(w[0])) else {
+            return Ok(());
+        };
+        let Some(err) = decode_error(self.rank, &self.cfg, w) else {
+            return Ok(());
+        };
+        self.end_refused(usable)?;
+        Err(err)
+    }
+
+    /// Ends a refused step as every rank does (CPU ranks'
+    /// `Buffer::ll_end_refused`), after its dispatch consumed every
+    /// source's signal: no rank reads the step's tokens; the combine
+    /// kernel, launched with 0 tokens and the counts zeroed, puts nothing
+    /// and reduces nothing but sends its signals (each expert rank telling
+    /// every source it is done with the step), waits for every expert's,
+    /// and clears `inbad`. A source thus starts its next dispatch only
+    /// after every expert rank consumed this step's signals (the reuse
+    /// argument of a full step), and every counter advanced as in a full
+    /// step. `usable`: the recorded error is cleared and the buffer takes
+    /// the next step; otherwise (inputs in GPU memory) it refuses further
+    /// steps, as before.
+    fn end_refused(&mut self, usable: bool) -> Result<(), EpError> {
+        let r = (|| -> Result<(), EpError> {
+            self.current()?;
+            let n = self.state.counts.len();
+            self.state.counts.zero_wait(0, n).map_err(CoreError::from)?;
+            self.st.tokens = 0;
+            let out = self.state.out.ptr();
+            // SAFETY: gin's stream, waited for; 0 tokens: the kernel writes
+            // nothing of `out` (State::out, from cuMemAlloc) and, the
+            // counts zeroed, reads no slot.
+            unsafe { self.launch_combine(On::Wait, out)? };
+            if usable {
+                self.state.err.zero_wait(0, 32).map_err(CoreError::from)?;
+                for i in 0..4 {
+                    if let Ok(a) = self.state.errh.atomic_u64(8 * i) {
+                        a.store(0, Ordering::Release);
+                    }
+                }
+            }
+            Ok(())
+        })();
+        self.st.refused(usable && r.is_ok());
+        r
     }
 
     /// What a device-resident dispatch checks before it launches.
@@ -1046,13 +1159,19 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// receiver learns that its inputs were refused; this rank reports the
     /// first bad entry as the host path would ([`EpError::ExpertOutOfRange`],
     /// [`EpError::DuplicateExpert`], [`EpError::BadWeight`]), the others a
-    /// [`EpError::Protocol`] naming it, and the buffers refuse further steps.
+    /// [`EpError::Protocol`] naming it; every rank ends the step (no rank
+    /// waits for another, as after a refusal of host inputs), and the
+    /// buffers refuse further steps.
     pub fn ll_dispatch_device(&mut self, inp: &DeviceInputs<'_>) -> Result<CudaLlStep, EpError> {
         self.expect_unqueued("ll_dispatch_device")?;
         let src = self.prepare_device("ll_dispatch_device", inp)?;
         // SAFETY: gin's stream, waited for while `inp` borrows the buffers,
         // whose sizes and alignment prepare_device checked.
         unsafe { self.launch_dispatch(On::Wait, inp.tokens, src)? };
+        // Refused inputs (this rank's, or a source's): the step ends on
+        // every rank, so that a peer calling from host inputs does not wait
+        // for it; this buffer then refuses further steps.
+        self.after_refusal(false)?;
         self.poll()?;
         Ok(CudaLlStep {
             step: self.st.step,

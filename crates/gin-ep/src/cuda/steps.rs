@@ -211,6 +211,22 @@ impl Steps {
     pub(crate) fn fail(&mut self) {
         self.failed = true;
     }
+
+    /// A refused step (this rank's inputs, refused by the host's checks or
+    /// on the GPU, or a source's) was ended as every rank ends it: its
+    /// dispatch launched (poisoned, or receiving the poison), then the
+    /// combine without data. The buffer is idle and the step's number
+    /// spent: no handle names it, an earlier one is stale. `usable`: the
+    /// buffer takes the next step (host inputs: every rank's signals and
+    /// counters advanced alike); otherwise it refuses further steps (bad
+    /// inputs in GPU memory, as before).
+    pub(crate) fn refused(&mut self, usable: bool) {
+        self.phase = Phase::Idle;
+        self.tokens = 0;
+        if !usable {
+            self.failed = true;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -357,6 +373,66 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    /// A refused step from host inputs: the poisoned dispatch (0 tokens)
+    /// and the combine without data, then the buffer takes the next step,
+    /// whose number follows the refused one's; a handle of the step before
+    /// the refusal is stale. From inputs in GPU memory the buffer refuses
+    /// further steps, as before, yet can be destroyed.
+    #[test]
+    fn a_refused_step_ends_and_the_next_one_follows() {
+        let mut s = Steps::new(1);
+        s.begin(4);
+        s.launched(false, true);
+        s.dispatched_now();
+        s.launched(false, true);
+        s.combined();
+        let before = s.step;
+        // Refused: this rank's poisoned dispatch of 0 tokens.
+        s.idle("ll_dispatch").unwrap();
+        s.begin(0);
+        s.launched(false, true);
+        s.dispatched_now();
+        s.launched(false, true);
+        s.refused(true);
+        assert_eq!(
+            (s.step, s.phase, s.tokens, s.failed),
+            (2, Phase::Idle, 0, false)
+        );
+        assert!(matches!(
+            s.for_read_back("ll_read_back", before),
+            Err(EpError::StaleHandle {
+                handle_step: 1,
+                step: 2,
+                ..
+            })
+        ));
+        s.idle("ll_dispatch").unwrap();
+        s.begin(3);
+        s.launched(false, true);
+        s.dispatched_now();
+        s.for_received("ll_received", 3).unwrap();
+        s.launched(false, true);
+        s.combined();
+        // A peer's refusal found by this rank's dispatch (it had 3 tokens).
+        s.begin(3);
+        s.launched(false, true);
+        s.dispatched_now();
+        s.refused(true);
+        assert_eq!((s.step, s.phase, s.tokens), (4, Phase::Idle, 0));
+        s.idle("ll_dispatch").unwrap();
+        // From inputs in GPU memory: ended, then refused.
+        s.begin(2);
+        s.launched(false, true);
+        s.dispatched_now();
+        s.refused(false);
+        assert_eq!(s.phase, Phase::Idle);
+        assert!(matches!(
+            s.idle("ll_dispatch_device"),
+            Err(EpError::Mode { rank: 1, .. })
+        ));
+        s.for_destroy().unwrap();
     }
 
     #[test]
