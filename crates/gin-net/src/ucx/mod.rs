@@ -211,8 +211,8 @@ struct Peer {
     /// order, as over one tcp connection (a soft NIC's put then its
     /// signal atomic rely on it).
     unfenced: AtomicBool,
-    /// Puts from memory the caller lends ([`Transport::start_put_device`])
-    /// not yet complete: counted down by their completions, waited for by
+    /// Puts from memory the caller lends ([`Transport::start_put_device`],
+    /// [`Transport::start_put`]) not yet complete: counted down by their completions, waited for by
     /// [`Inner::settle`].
     lent: AtomicU64,
     /// Those puts started so far: the sequence number of the newest
@@ -224,8 +224,11 @@ struct Peer {
     /// ... and its `upto`, for readers that take no lock
     /// ([`Transport::device_puts_completed`]).
     lent_upto: AtomicU64,
-    /// Where that stood when it was first seen not to move, and when the
-    /// job was last asked about it ([`Inner::stalled`]).
+    /// The newest of them from GPU memory (host memory's puts are ordered
+    /// by UCX's fence alone: [`UcxTransport::after_lent`] waits for these).
+    lent_device_seq: AtomicU64,
+    /// Where `lent_upto` stood when it was first seen not to move, and
+    /// when the job was last asked about it ([`Inner::stalled`]).
     lent_stall: Mutex<Option<Stall>>,
     /// Those of them whose lender gave nothing that keeps the memory alive
     /// (no [`KeepAlive`]): a failed wait still waits for these.
@@ -254,6 +257,11 @@ struct Peer {
 /// for one of them to complete (`ucp_put_bw -O 16` already reaches its
 /// peak over cuda_ipc on one H200).
 const LENT_MAX: u64 = 64;
+
+/// The smallest put [`Transport::start_put`] lends rather than copies
+/// (where put messages are turned off): below it the copy costs less than
+/// tracking the put's completion.
+const LEND_MIN: u64 = 16 << 10;
 
 /// What [`Inner::settle`] waits for.
 #[derive(Debug, Clone, Copy)]
@@ -546,6 +554,7 @@ impl UcxTransport {
                     unfenced: AtomicBool::new(false),
                     lent: AtomicU64::new(0),
                     lent_seq: AtomicU64::new(0),
+                    lent_device_seq: AtomicU64::new(0),
                     lent_done: Mutex::new(Prefix::default()),
                     lent_upto: AtomicU64::new(0),
                     lent_stall: Mutex::new(None),
@@ -1173,7 +1182,7 @@ impl Inner {
         let waited = now.duration_since(st.since);
         let why = if waited > self.timeout {
             let what = format!(
-                "the puts from GPU memory (none completed; {} of them in flight)",
+                "the puts from lent memory (none completed; {} of them in flight)",
                 peer.lent.load(Ordering::Acquire)
             );
             self.blame(peer.rank, waited, &what);
@@ -1512,7 +1521,7 @@ impl UcxTransport {
         if !self.wait_lent {
             return Ok(());
         }
-        let upto = after.unwrap_or_else(|| peer.lent_seq.load(Ordering::Acquire));
+        let upto = after.unwrap_or_else(|| peer.lent_device_seq.load(Ordering::Acquire));
         if peer.lent_upto.load(Ordering::Acquire) >= upto {
             return Ok(());
         }
@@ -1802,6 +1811,41 @@ impl Transport for UcxTransport {
         self.put_inner(peer, dst, src, None, Order::AfterAll)
     }
 
+    /// Puts larger than the largest put message to `peer`, and than
+    /// [`LEND_MIN`]: a smaller one is copied (cheap), and complete on
+    /// return.
+    fn lends_puts(&self, peer: usize, len: u64) -> bool {
+        let am = self.am_max.get(peer).copied().unwrap_or(0) as u64;
+        len > am.max(LEND_MIN)
+    }
+
+    /// A put [`Transport::lends_puts`] lends goes by RMA straight from the
+    /// caller's memory (`ucp_put_nbx`, memory type host), completed by its
+    /// callback and numbered with the puts from GPU memory (up to
+    /// [`LENT_MAX`] in flight to a peer), its signal after it by
+    /// `ucp_worker_fence` and an atomic add; any other is
+    /// [`Transport::put`] (copied), complete on return.
+    unsafe fn start_put(
+        &self,
+        peer: usize,
+        dst: Target<'_>,
+        src: *const u8,
+        len: u64,
+        sig: Option<(Target<'_>, u64)>,
+        keep: Option<KeepAlive>,
+    ) -> Result<u64, NetError> {
+        if !self.lends_puts(peer, len) {
+            let n = usize::try_from(len).map_err(|_| too_long(peer, dst, len))?;
+            // SAFETY: the caller lends `len` readable bytes at `src`,
+            // unwritten until this returns (complete on return).
+            let src = unsafe { std::slice::from_raw_parts(src, n) };
+            self.put_inner(peer, dst, src, sig, Order::Free)?;
+            return Ok(0);
+        }
+        // SAFETY: the caller's contract (the trait's) is `lend`'s.
+        unsafe { self.lend(peer, dst, src, len, sys::UCS_MEMORY_TYPE_HOST, sig, keep) }
+    }
+
     fn takes_device_memory(&self) -> bool {
         self.device
     }
@@ -2033,11 +2077,44 @@ impl UcxTransport {
         mem: sys::ucs_memory_type_t,
         keep: Option<KeepAlive>,
     ) -> Result<u64, NetError> {
+        // SAFETY: the caller's contract is `lend`'s.
+        unsafe { self.lend(peer, dst, src, len, mem, None, keep) }
+    }
+
+    /// [`UcxTransport::put_lent`] with a signal: after the put,
+    /// `ucp_worker_fence` and a non-fetching atomic add (UCP's fence
+    /// contract orders it after the put at the target, as for a put from a
+    /// copy: [`UcxTransport::rma_put`]). Host memory's puts do not count
+    /// as puts from GPU memory for [`UcxTransport::after_lent`]. Issued
+    /// only once no put message to `peer` is unsynced (checked under the
+    /// peer's lock, as [`UcxTransport::put_inner`]'s RMA path).
+    ///
+    /// # Safety
+    /// As for [`UcxTransport::put_lent`], also when this returns an error
+    /// after the put was issued (a failed signal): the put may still be in
+    /// flight then.
+    #[allow(clippy::too_many_arguments)] // the put_lent arguments, and a signal
+    unsafe fn lend(
+        &self,
+        peer: usize,
+        dst: Target<'_>,
+        src: *const u8,
+        len: u64,
+        mem: sys::ucs_memory_type_t,
+        sig: Option<(Target<'_>, u64)>,
+        keep: Option<KeepAlive>,
+    ) -> Result<u64, NetError> {
         let inner = &self.inner;
         let p = inner.peer(peer)?;
         let d = self.resolve(p, dst, len, "put")?;
-        let n = usize::try_from(len).map_err(|_| too_long(peer, dst, len))?;
-        self.after_am(p)?;
+        let signal = match sig {
+            Some((at, add)) => {
+                at.check_aligned(peer, "signal")?;
+                Some((self.resolve(p, at, 8, "signal")?, add))
+            }
+            None => None,
+        };
+        let bytes = usize::try_from(len).map_err(|_| too_long(peer, dst, len))?;
         if p.lent.load(Ordering::Acquire) >= LENT_MAX {
             let deadline = Instant::now() + inner.timeout;
             inner.settle(
@@ -2048,40 +2125,76 @@ impl UcxTransport {
             )?;
         }
         p.dirty.store(true, Ordering::Release);
-        self.with_ep(p, "ucp_put_nbx from lent memory", |ep, st| {
-            if !Self::still(st, &d.remote) {
-                return Err(revoked(peer, dst, len, "put"));
-            }
-            let mut ctx = inner.op_ctx(p, "put from GPU memory");
-            if keep.is_none() {
-                p.bare.fetch_add(1, Ordering::AcqRel);
-            }
-            // Numbered under the peer's lock, so in the order issued; from
-            // here on the request completes it, or `launched` does.
-            let seq = p.lent_seq.fetch_add(1, Ordering::AcqRel) + 1;
-            let lent = keep.map_or(Lent::Bare, |k| Lent::Kept(k, inner.released.clone()));
-            ctx.lent = Some((seq, lent));
-            p.lent.fetch_add(1, Ordering::AcqRel);
-            let mut prm = Inner::params(ctx);
-            prm.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE;
-            prm.memory_type = mem;
-            // SAFETY: a live endpoint and rkey; the caller lends `src`
-            // until the request completed (its callback counts it down,
-            // and every wait for that force-closes the endpoint at worst).
-            let r = unsafe {
+        let what = if mem == sys::UCS_MEMORY_TYPE_HOST {
+            "put from lent host memory"
+        } else {
+            "put from GPU memory"
+        };
+        let mut keep = keep;
+        loop {
+            self.after_am(p)?;
+            let issued = self.with_ep(p, "ucp_put_nbx from lent memory", |ep, st| {
+                if !Self::still(st, &d.remote)
+                    || signal
+                        .as_ref()
+                        .is_some_and(|(r, _)| !Self::still(st, &r.remote))
+                {
+                    return Err(revoked(peer, dst, len, "put"));
+                }
+                // A put message from another thread since the sync: wait
+                // for it too.
+                if p.am_pending() {
+                    return Ok(None);
+                }
+                let mut ctx = inner.op_ctx(p, what);
+                let keep = keep.take();
+                if keep.is_none() {
+                    p.bare.fetch_add(1, Ordering::AcqRel);
+                }
+                // Numbered under the peer's lock, so in the order issued;
+                // from here on the request completes it, or `launched` does.
+                let seq = p.lent_seq.fetch_add(1, Ordering::AcqRel) + 1;
+                if mem != sys::UCS_MEMORY_TYPE_HOST {
+                    p.lent_device_seq.fetch_max(seq, Ordering::AcqRel);
+                }
+                let lent = keep.map_or(Lent::Bare, |k| Lent::Kept(k, inner.released.clone()));
+                ctx.lent = Some((seq, lent));
+                p.lent.fetch_add(1, Ordering::AcqRel);
+                let mut prm = Inner::params(ctx);
+                prm.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+                prm.memory_type = mem;
+                // SAFETY: a live endpoint and rkey; the caller lends `src`
+                // until the request completed (its callback counts it down,
+                // and every wait for that force-closes the endpoint at worst).
+                let r = unsafe {
+                    inner.ucp.lib.ucp_put_nbx(
+                        ep,
+                        src.cast(),
+                        bytes,
+                        d.addr,
+                        d.remote.rkey,
+                        &raw const prm,
+                    )
+                };
                 inner
-                    .ucp
-                    .lib
-                    .ucp_put_nbx(ep, src.cast(), n, d.addr, d.remote.rkey, &raw const prm)
-            };
-            inner
-                .launched(&prm, r)
-                .map_err(|st| self.failed(p, "put from GPU memory", st))?;
-            p.rma_issued.fetch_add(1, Ordering::AcqRel);
-            // Under the peer's lock, before any later put_ordered can look.
-            p.unfenced.store(true, Ordering::Release);
-            Ok(seq)
-        })
+                    .launched(&prm, r)
+                    .map_err(|st| self.failed(p, what, st))?;
+                p.rma_issued.fetch_add(1, Ordering::AcqRel);
+                if let Some((sr, v)) = &signal {
+                    inner
+                        .ucp
+                        .fence()
+                        .map_err(|st| self.failed(p, "fence before a signal", st))?;
+                    self.post_add(p, ep, sr, *v)?;
+                }
+                // Under the peer's lock, before any later put_ordered can look.
+                p.unfenced.store(signal.is_none(), Ordering::Release);
+                Ok(Some(seq))
+            })?;
+            if let Some(seq) = issued {
+                return Ok(seq);
+            }
+        }
     }
 
     /// A put (`ordered`: executed after every earlier request to `peer`,

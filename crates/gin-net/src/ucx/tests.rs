@@ -1899,3 +1899,117 @@ fn an_atomic_after_put_messages_executes_after_them() {
         });
     }
 }
+
+/// Host puts larger than the largest put message are lent, not copied
+/// ([`Transport::start_put`]): each returns its number among the puts from
+/// lent memory (smaller ones are copied and complete on return: 0), with
+/// its signal ordered after its data by UCX's fence alone (no wait for the
+/// put: host memory's puts are not GPU memory's), so whenever the target
+/// sees the count reach `c`, put `c`'s bytes are there. One confirmation
+/// completes them all and lets every keeper go. Over UCX's tcp and the
+/// default transports (shared memory).
+#[test]
+fn large_host_puts_are_lent_with_each_signal_after_its_data() {
+    const N: u64 = 48;
+    const SLOTS: u64 = 8;
+    const WORDS: usize = 16 << 10; // 128 KiB a put
+    const SMALL: usize = 128; // 1 KiB: copied
+    if !ucx_here() {
+        return;
+    }
+    for tls in [Some(c"tcp,self"), None] {
+        let timeout = Duration::from_secs(30);
+        two_ranks_over(tls, move |b, table| {
+            let t = start(b, &table, timeout);
+            let mut recv = vec![0u64; SLOTS as usize * WORDS + 1];
+            let key = if b.rank() == 1 {
+                register(&table, &mut recv)
+            } else {
+                0
+            };
+            let key = key_of(b, key, 1);
+            let count_at = SLOTS * WORDS as u64 * 8;
+            if b.rank() == 0 {
+                assert!(t.lends_puts(1, (WORDS * 8) as u64));
+                assert!(!t.lends_puts(1, (SMALL * 8) as u64));
+                // Put `i`'s payload at words (i - 1) * WORDS..: each source
+                // is written once, before its put, and never again.
+                let src: Arc<Vec<u64>> = Arc::new(
+                    (1..=N)
+                        .flat_map(|i| (0..WORDS as u64).map(move |w| i << 20 | w))
+                        .collect(),
+                );
+                let sig = Target::Key {
+                    key,
+                    offset: count_at,
+                };
+                let mut lent = 0;
+                for i in 1..=N {
+                    let at = Target::Key {
+                        key,
+                        offset: (i % SLOTS) * WORDS as u64 * 8,
+                    };
+                    let small = i.is_multiple_of(8);
+                    let len = if small { SMALL } else { WORDS } * 8;
+                    let from = src[(i as usize - 1) * WORDS..].as_ptr().cast::<u8>();
+                    // SAFETY: `src` is host memory nobody writes, kept alive
+                    // by the keeper each put holds.
+                    let seq = unsafe {
+                        t.start_put(
+                            1,
+                            at,
+                            from,
+                            len as u64,
+                            Some((sig, 1)),
+                            Some(KeepAlive(src.clone())),
+                        )
+                    }
+                    .unwrap();
+                    if small {
+                        assert_eq!(seq, 0, "a small put was lent");
+                    } else {
+                        lent += 1;
+                        assert_eq!(seq, lent, "put {i} was not lent in order");
+                    }
+                }
+                t.confirm(1, timeout).unwrap();
+                let p = t.inner.peer(1).unwrap();
+                assert_eq!(p.lent.load(Ordering::Acquire), 0);
+                assert_eq!(p.lent_seq.load(Ordering::Acquire), lent);
+                assert_eq!(p.lent_device_seq.load(Ordering::Acquire), 0);
+                assert_eq!(t.lent_puts_completed(1).unwrap(), lent);
+                let began = Instant::now();
+                while Arc::strong_count(&src) > 1 {
+                    assert!(began.elapsed() < timeout, "a keeper was never released");
+                    std::thread::yield_now();
+                }
+            } else {
+                let began = Instant::now();
+                let mut seen = 0;
+                while seen < N {
+                    let c = word(&recv, SLOTS as usize * WORDS);
+                    assert!(began.elapsed() < timeout, "the signal stopped at {c}");
+                    if c == seen {
+                        std::thread::yield_now();
+                        continue;
+                    }
+                    seen = c;
+                    // Put `c`'s data, or a later put's to the same slot.
+                    let slot = (c % SLOTS) as usize * WORDS;
+                    let words = if c.is_multiple_of(8) { SMALL } else { WORDS };
+                    for w in (0..words).step_by(61) {
+                        let v = word(&recv, slot + w);
+                        assert!(
+                            v >> 20 >= c
+                                && (v >> 20) % SLOTS == c % SLOTS
+                                && v & 0xf_ffff == w as u64,
+                            "signal {c} seen before its data: word {w} of its slot is {v:#x} ({tls:?})"
+                        );
+                    }
+                }
+            }
+            b.barrier().unwrap();
+            drop(t);
+        });
+    }
+}
