@@ -47,6 +47,18 @@ pub struct BandwidthArgs {
     /// Directions (comma separated).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "uni,bi")]
     pub dir: Vec<Dir>,
+    /// Bytes the destination (and source) slots of one direction span
+    /// (k / m suffixes allowed): a window's puts land in distinct slots
+    /// while they fit, else slots are reused round-robin. `--footprint` of
+    /// one message size makes every put rewrite one buffer, as
+    /// `ucx_perftest` does (an equal-footprint comparison with its floor).
+    #[arg(long, value_parser = crate::common::parse_size, default_value = "16m")]
+    #[serde(default = "default_footprint")]
+    pub footprint: u64,
+}
+
+fn default_footprint() -> u64 {
+    crate::layout::STREAM_BUFFER
 }
 
 impl BandwidthArgs {
@@ -65,6 +77,7 @@ impl BandwidthArgs {
                         completion: Completion::PerWindow,
                         warmup_windows: c.warmup_for(windows),
                         runs: c.runs,
+                        footprint: self.footprint,
                     });
                 }
             }
