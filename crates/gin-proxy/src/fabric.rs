@@ -178,7 +178,15 @@ impl Executor for FabricExecutor {
                             )
                         }
                         .map_err(|e| net(peer, e))?;
-                        return Ok(if seq == 0 {
+                        // Complete already (shared memory's cma copies
+                        // within the call): no poll needed.
+                        let done = seq == 0
+                            || self
+                                .fabric
+                                .lent_puts_completed(peer)
+                                .map_err(|e| net(peer, e))?
+                                >= seq;
+                        return Ok(if done {
                             Issued::Ordered
                         } else {
                             Issued::InFlight(InFlight::Put { seq })

@@ -60,10 +60,16 @@
 //!   should leak the memory rather than reuse it).
 //! - put → `ucp_put_nbx`, get → `ucp_get_nbx`, fetch-add and
 //!   compare-swap → `ucp_atomic_op_nbx`, fence and confirm →
-//!   `ucp_ep_flush_nbx`. Every put's source is copied into a buffer the
-//!   request owns, so it returns at once and any number is in flight (the
-//!   [`Transport`] contract: a put is complete locally on return), and UCX
-//!   never reads the caller's slice after the call returned.
+//!   `ucp_ep_flush_nbx`. A [`Transport::put`]'s source is copied into a
+//!   buffer the request owns, so it returns at once and any number is in
+//!   flight (the [`Transport`] contract: a put is complete locally on
+//!   return), and UCX never reads the caller's slice after the call
+//!   returned. A [`Transport::start_put`] larger than the largest put
+//!   message (and 16 KiB) is lent instead: `ucp_put_nbx` straight from the
+//!   caller's memory, numbered with the puts from GPU memory and complete
+//!   once [`Transport::lent_puts_completed`] covers it (or a confirm or
+//!   fence returned), the caller's keeper held until then (CPU ranks'
+//!   window puts through the proxy: no copy of a 1 MiB source).
 //! - Small puts (up to `GIN_UCX_AM_MAX` bytes; 0: none; by default 64 KiB
 //!   to a peer reached over UCX's tcp alone, whose segments each context
 //!   sets for it, `TCP_SEGMENTS`, and 16 KiB otherwise)
