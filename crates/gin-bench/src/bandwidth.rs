@@ -168,3 +168,40 @@ fn table(r: &StreamResult) -> Table {
     ));
     t
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+    use clap::Parser;
+
+    use super::*;
+    use crate::layout::{STREAM_BUFFER, Slots};
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        bw: BandwidthArgs,
+    }
+
+    fn points(args: &[&str]) -> Vec<Point> {
+        let argv = std::iter::once("bandwidth").chain(args.iter().copied());
+        Cli::try_parse_from(argv).unwrap().bw.points()
+    }
+
+    /// By default a window's puts land in distinct slots within 16 MiB;
+    /// `--footprint` of one message makes them all rewrite one buffer, as
+    /// `ucx_perftest`'s do; a footprint that is not a size is refused.
+    #[test]
+    fn footprint_caps_the_slots_a_window_spans() {
+        let slots = |p: &Point| Slots::new(p.size, p.window, p.footprint);
+        let by_default = points(&["--sizes", "1m", "--window", "16"]);
+        assert_eq!(by_default[0].footprint, STREAM_BUFFER);
+        assert_eq!(slots(&by_default[0]).count, 16);
+        let one = points(&["--sizes", "1m", "--window", "16", "--footprint", "1m"]);
+        assert_eq!(one[0].footprint, 1 << 20);
+        assert_eq!(slots(&one[0]).count, 1);
+        let argv = ["bandwidth", "--footprint", "lots"];
+        assert!(Cli::try_parse_from(argv).is_err());
+    }
+}
