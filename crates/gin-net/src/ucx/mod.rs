@@ -278,6 +278,13 @@ enum Until {
     /// Every put from lent memory numbered at or below this complete (or
     /// the path failed).
     Covers(u64),
+    /// Every put from lent memory numbered at or below this complete; once
+    /// the path failed, every one whose lender gave nothing that keeps the
+    /// memory alive (as [`Until::AtMost`]`(0)`). What a confirmation or
+    /// fence waits for: the puts started before it, not those another
+    /// thread (the proxy's, streaming) starts meanwhile, which could hold
+    /// it until its deadline.
+    Started(u64),
 }
 
 /// How often a poll of puts from lent memory that made no progress asks
@@ -1100,6 +1107,8 @@ impl Inner {
             };
             let done = match until {
                 Until::AtMost(n) => left <= n,
+                Until::Started(seq) if given_up.is_some() => left == 0 || seq == 0,
+                Until::Started(seq) => peer.lent_upto.load(Ordering::Acquire) >= seq,
                 // Nothing lent waits on this: a failure ends it.
                 Until::Covers(seq) => {
                     given_up.is_some() || peer.lent_upto.load(Ordering::Acquire) >= seq
@@ -1763,8 +1772,9 @@ impl Transport for UcxTransport {
         match self.inner.peer_opt(peer) {
             Some(p) => {
                 let deadline = Instant::now() + timeout;
+                let started = Until::Started(p.lent_seq.load(Ordering::Acquire));
                 self.inner
-                    .settle(p, Until::AtMost(0), deadline, "the puts from lent memory")?;
+                    .settle(p, started, deadline, "the puts from lent memory")?;
                 self.flush(p, deadline, "a fence")?;
                 self.am_sync(p, deadline, "a fence")
             }
@@ -1772,15 +1782,17 @@ impl Transport for UcxTransport {
         }
     }
 
-    /// Waits for the puts from lent memory first (their memory is lent
-    /// until this returns), then flushes the endpoint.
+    /// Waits for the puts from lent memory started before it first (their
+    /// memory is lent until this returns; not for those another thread
+    /// starts meanwhile), then flushes the endpoint.
     fn confirm(&self, peer: usize, timeout: Duration) -> Result<(), NetError> {
         let Some(p) = self.inner.peer_opt(peer) else {
             return Ok(());
         };
         let deadline = Instant::now() + timeout;
+        let started = Until::Started(p.lent_seq.load(Ordering::Acquire));
         self.inner
-            .settle(p, Until::AtMost(0), deadline, "the puts from lent memory")?;
+            .settle(p, started, deadline, "the puts from lent memory")?;
         if !p.dirty.swap(false, Ordering::AcqRel) {
             return self.inner.broken(p);
         }
