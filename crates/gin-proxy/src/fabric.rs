@@ -158,12 +158,20 @@ impl Executor for FabricExecutor {
                         inline = v.to_le_bytes();
                         &inline[..(d.bytes as usize).min(8)]
                     }
-                    Source::Window(t) if self.fabric.lends_puts(peer, d.bytes) => {
+                    // Lent only from a window whose keep-alive owns this
+                    // rank's part (a segment gin-net made): a put can
+                    // outlive a failed wait holding only the keep-alive,
+                    // and a registered buffer's owner may free it once
+                    // told the wait failed. Others are copied.
+                    Source::Window(t)
+                        if t.window.keeps_local() && self.fabric.lends_puts(peer, d.bytes) =>
+                    {
                         let at = self.local(t, d.bytes)?;
                         // SAFETY: `local` checked the range against this
                         // rank's registered part of the window; the
-                        // window's keep-alive, handed to the transport,
-                        // keeps it mapped until the put completed, and the
+                        // window's keep-alive, which owns that part
+                        // (`keeps_local`), handed to the transport, keeps
+                        // it mapped until the put completed, and the
                         // producer does not write it before then: it was
                         // promised nothing (no counter, no publication)
                         // until `landed` says the put is complete.
@@ -451,6 +459,14 @@ mod tests {
     }
 
     fn lending() -> Lending {
+        lending_from(true)
+    }
+
+    /// [`lending`], where `owned` says whether window 1's keep-alive owns
+    /// rank 0's part (a segment gin-net allocated) or not (a caller's
+    /// buffer registered as a window: the memory is then kept here by
+    /// the test, not by the keep-alive).
+    fn lending_from(owned: bool) -> Lending {
         use gin_net::testing::KeyedRecorder;
         use gin_net::{KeepAlive, Path};
 
@@ -472,12 +488,27 @@ mod tests {
             keys: vec![0, 0x77],
             addrs: vec![base as u64, 0x1000],
             states: vec![0, 0],
-            keep: Some(KeepAlive(mem)),
+            keep: Some(if owned {
+                KeepAlive(mem)
+            } else {
+                // The memory leaks for the test's length (a registered
+                // buffer's owner holds it); the keep-alive owns nothing.
+                std::mem::forget(mem);
+                KeepAlive(Arc::new(()))
+            }),
             ..MemParts::default()
         };
-        // SAFETY: `base` is 16 KiB that the keep-alive owns and nobody
-        // writes.
-        fabric.add_window(1, unsafe { MemDesc::new(host) });
+        // SAFETY: `base` is 16 KiB that the keep-alive owns (or that is
+        // never freed) and nobody writes.
+        let desc = unsafe { MemDesc::new(host) };
+        // SAFETY: where `owned`, the keep-alive owns the part.
+        let desc = if owned {
+            // SAFETY: as above: the keeper owns the part.
+            unsafe { desc.keeping_local() }
+        } else {
+            desc
+        };
+        fabric.add_window(1, desc);
         let ring = Arc::new(Ring::new(3));
         let counters = Arc::new(Counters::new(1));
         let exec = FabricExecutor::new(
@@ -583,6 +614,42 @@ mod tests {
         assert_eq!(r.counters.slot(0).unwrap().load(Ordering::Acquire), 2);
         assert_eq!(r.keyed.lent_keepers(), 0);
         assert!(r.engine.failure().is_none(), "{:?}", r.engine.failure());
+    }
+
+    /// A put from a window whose keep-alive does not own this rank's part
+    /// (a caller's buffer registered as a window) is copied, not lent,
+    /// however large: a lent put can outlive a failed wait holding only
+    /// the keep-alive, and the buffer's owner may free it once told the
+    /// wait failed. It is complete at once: counted and published in the
+    /// step that executed it, and the transport holds no keeper.
+    #[test]
+    fn a_put_from_a_registered_buffer_is_copied_not_lent() {
+        use gin_net::testing::KeyedOp;
+
+        let mut r = lending_from(false);
+        // No signal: the recorder's copied puts carry none.
+        r.ring.write(
+            0,
+            &Desc {
+                signal: None,
+                ..lent_put(8 << 10, 4096, 0)
+            },
+        );
+        let p = r.engine.step(&mut r.exec);
+        assert!(r.engine.failure().is_none(), "{:?}", r.engine.failure());
+        assert_eq!((p.executed, p.published), (1, 1), "{p:?}");
+        let ops = r.keyed.ops();
+        assert!(
+            matches!(&ops[0], KeyedOp::Put { bytes, offset: 0, .. } if bytes.len() == 8 << 10),
+            "{ops:?}"
+        );
+        assert!(
+            !ops.iter().any(|o| matches!(o, KeyedOp::PutLent { .. })),
+            "{ops:?}"
+        );
+        assert_eq!(r.keyed.lent_keepers(), 0);
+        assert_eq!(r.ring.tail(), 1);
+        assert_eq!(r.counters.slot(0).unwrap().load(Ordering::Acquire), 1);
     }
 
     /// A window removed (deregistered, or dropped by its owner) while a put

@@ -536,9 +536,9 @@ mod tests {
             Arc::new(RegionTable::default()),
             timeout,
         ));
-        let mut mem = vec![0u64; 2048].into_boxed_slice();
+        let mem = Arc::new(vec![0u64; 2048].into_boxed_slice());
         let len = (mem.len() * 8) as u64;
-        let base = mem.as_mut_ptr().cast::<u8>();
+        let base = mem.as_ptr().cast::<u8>().cast_mut();
         let parts = MemParts {
             local_base: base as usize,
             sizes: vec![len, len],
@@ -546,10 +546,14 @@ mod tests {
             keys: vec![0, 0x77],
             addrs: vec![base as u64, 0x1000],
             states: vec![0, 0],
+            // The keep-alive owns the memory (as a window gin-net
+            // allocated): only then is a put from it lent.
+            keep: Some(gin_net::KeepAlive(mem.clone())),
             ..MemParts::default()
         };
-        // SAFETY: `mem` outlives the proxy and the fabric (dropped first).
-        fabric.add_window(0, unsafe { MemDesc::new(parts) });
+        // SAFETY: `mem` outlives the proxy and the fabric (dropped first);
+        // the keep-alive owns it.
+        fabric.add_window(0, unsafe { MemDesc::new(parts).keeping_local() });
         // SAFETY: as above.
         let win = unsafe {
             Window::from_parts(
