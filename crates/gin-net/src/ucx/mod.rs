@@ -1879,11 +1879,14 @@ impl Transport for UcxTransport {
     ) -> Result<(), NetError> {
         // SAFETY: the caller keeps `src` unchanged until this returns,
         // which is after the put completed (settled below).
-        unsafe { self.start_put_device(peer, dst, src, len, None) }?;
+        let seq = unsafe { self.start_put_device(peer, dst, src, len, None) }?;
         let p = self.inner.peer(peer)?;
+        // This put and those numbered before it, not those other threads
+        // start meanwhile; after a failure every one nothing keeps alive,
+        // this one among them.
         self.inner.settle(
             p,
-            Until::AtMost(0),
+            Until::Started(seq),
             Instant::now() + self.inner.timeout,
             "a put from GPU memory",
         )
@@ -1918,9 +1921,11 @@ impl Transport for UcxTransport {
 
     fn complete_device(&self, peer: usize, timeout: Duration) -> Result<(), NetError> {
         match self.inner.peer_opt(peer) {
+            // Those started so far, not those other threads start
+            // meanwhile (as a confirmation).
             Some(p) => self.inner.settle(
                 p,
-                Until::AtMost(0),
+                Until::Started(p.lent_seq.load(Ordering::Acquire)),
                 Instant::now() + timeout,
                 "the puts from GPU memory",
             ),
@@ -2142,7 +2147,6 @@ impl UcxTransport {
                 "a put from lent memory",
             )?;
         }
-        p.dirty.store(true, Ordering::Release);
         let what = if mem == sys::UCS_MEMORY_TYPE_HOST {
             "put from lent host memory"
         } else {
@@ -2181,6 +2185,12 @@ impl UcxTransport {
                 let mut prm = Inner::params(ctx);
                 prm.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE;
                 prm.memory_type = mem;
+                // Under the peer's lock, which a confirmation's flush takes
+                // too: one that clears it flushes after this put is issued
+                // (set outside the lock, a confirmation on another thread
+                // could clear it and flush first, and the next one skip
+                // the flush this put needs).
+                p.dirty.store(true, Ordering::Release);
                 // SAFETY: a live endpoint and rkey; the caller lends `src`
                 // until the request completed (its callback counts it down,
                 // and every wait for that force-closes the endpoint at worst).
@@ -2241,7 +2251,6 @@ impl UcxTransport {
         };
         let (key, offset) = dst.key_at(peer, "ucx")?;
         let mut am = self.am_fits(peer, src.len(), &d, s.as_ref().map(|(r, _)| r)) && p.rma_clean();
-        p.dirty.store(true, Ordering::Release);
         loop {
             if !am {
                 match ordered {
@@ -2267,6 +2276,9 @@ impl UcxTransport {
                     if !p.rma_clean() {
                         return Ok(false);
                     }
+                    // Under the peer's lock, as in `lend`: a confirmation
+                    // that clears it flushes after this put is issued.
+                    p.dirty.store(true, Ordering::Release);
                     self.am_issue(p, ep, key, offset, s.as_ref().map(|(_, w)| *w), src)?;
                     return Ok(true);
                 }
@@ -2275,6 +2287,7 @@ impl UcxTransport {
                 if p.am_pending() {
                     return Ok(false);
                 }
+                p.dirty.store(true, Ordering::Release);
                 self.rma_put(p, ep, &d, s.as_ref().map(|(r, (_, _, v))| (r, *v)), src)?;
                 Ok(true)
             })?;
