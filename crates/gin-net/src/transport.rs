@@ -294,9 +294,13 @@ pub trait Transport: Send + Sync + std::fmt::Debug + std::any::Any {
     ///
     /// # Safety
     /// `src..src + len` must be host memory of this process, valid for
-    /// reads, that no one writes, and that stays allocated, until the put
-    /// is complete locally as above or the transport was dropped (or, where
-    /// `keep` owns that memory, for as long as `keep` is held).
+    /// reads and that stays allocated until the put is complete locally as
+    /// above or the transport was dropped (or, where `keep` owns that
+    /// memory, for as long as `keep` is held); this holds also when the
+    /// call returns an error after the put was issued (a failed signal):
+    /// the put may still be in flight then, and the loan ends only as
+    /// above. Writes to it meanwhile are no memory-safety matter but race
+    /// with the data: the target may receive either bytes.
     unsafe fn start_put(
         &self,
         peer: usize,

@@ -931,6 +931,20 @@ impl Inner {
                     if let Some((done, _)) = ctx.get.take() {
                         done.fetch_sub(1, Ordering::AcqRel);
                     }
+                    if ctx.lent.is_some() {
+                        // A lent put is recorded failed on its peer before
+                        // it counts as complete, in the words the caller's
+                        // report uses: a poller on another thread that sees
+                        // it complete sees the failure.
+                        // SAFETY: peers outlive every request (see `finish`).
+                        let peer = unsafe { &*ctx.peer };
+                        peer.error.set(format!(
+                            "{} to rank {} failed: {}",
+                            ctx.what,
+                            peer.rank,
+                            self.ucp.text(st)
+                        ));
+                    }
                     ctx.release_lent(true);
                     Err(st)
                 }
@@ -1095,6 +1109,8 @@ impl Inner {
         deadline: Instant,
         what: &str,
     ) -> Result<(), NetError> {
+        #[cfg(test)]
+        self.test.settling();
         let start = Instant::now();
         let mut failed: Option<NetError> = None;
         let mut given_up: Option<Instant> = None;
@@ -2191,6 +2207,8 @@ impl UcxTransport {
                 // could clear it and flush first, and the next one skip
                 // the flush this put needs).
                 p.dirty.store(true, Ordering::Release);
+                #[cfg(test)]
+                inner.test.numbered();
                 // SAFETY: a live endpoint and rkey; the caller lends `src`
                 // until the request completed (its callback counts it down,
                 // and every wait for that force-closes the endpoint at worst).
