@@ -47,6 +47,18 @@ pub struct BandwidthArgs {
     /// Directions (comma separated).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "uni,bi")]
     pub dir: Vec<Dir>,
+    /// Bytes the destination (and source) slots of one direction span
+    /// (k / m suffixes allowed): a window's puts land in distinct slots
+    /// while they fit, else slots are reused round-robin. `--footprint` of
+    /// one message size makes every put rewrite one buffer, as
+    /// `ucx_perftest` does (an equal-footprint comparison with its floor).
+    #[arg(long, value_parser = crate::common::parse_size, default_value = "16m")]
+    #[serde(default = "default_footprint")]
+    pub footprint: u64,
+}
+
+fn default_footprint() -> u64 {
+    crate::layout::STREAM_BUFFER
 }
 
 impl BandwidthArgs {
@@ -65,6 +77,7 @@ impl BandwidthArgs {
                         completion: Completion::PerWindow,
                         warmup_windows: c.warmup_for(windows),
                         runs: c.runs,
+                        footprint: self.footprint,
                     });
                 }
             }
@@ -154,4 +167,41 @@ fn table(r: &StreamResult) -> Table {
             .join(", ")
     ));
     t
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+    use clap::Parser;
+
+    use super::*;
+    use crate::layout::{STREAM_BUFFER, Slots};
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        bw: BandwidthArgs,
+    }
+
+    fn points(args: &[&str]) -> Vec<Point> {
+        let argv = std::iter::once("bandwidth").chain(args.iter().copied());
+        Cli::try_parse_from(argv).unwrap().bw.points()
+    }
+
+    /// By default a window's puts land in distinct slots within 16 MiB;
+    /// `--footprint` of one message makes them all rewrite one buffer, as
+    /// `ucx_perftest`'s do; a footprint that is not a size is refused.
+    #[test]
+    fn footprint_caps_the_slots_a_window_spans() {
+        let slots = |p: &Point| Slots::new(p.size, p.window, p.footprint);
+        let by_default = points(&["--sizes", "1m", "--window", "16"]);
+        assert_eq!(by_default[0].footprint, STREAM_BUFFER);
+        assert_eq!(slots(&by_default[0]).count, 16);
+        let one = points(&["--sizes", "1m", "--window", "16", "--footprint", "1m"]);
+        assert_eq!(one[0].footprint, 1 << 20);
+        assert_eq!(slots(&one[0]).count, 1);
+        let argv = ["bandwidth", "--footprint", "lots"];
+        assert!(Cli::try_parse_from(argv).is_err());
+    }
 }

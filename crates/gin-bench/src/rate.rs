@@ -68,6 +68,7 @@ impl RateArgs {
                         },
                         warmup_windows: c.warmup_for(windows),
                         runs: c.runs,
+                        footprint: crate::layout::STREAM_BUFFER,
                     });
                 }
             }

@@ -53,6 +53,10 @@ pub struct Point {
     pub completion: Completion,
     pub warmup_windows: usize,
     pub runs: usize,
+    /// Bytes the slots of one direction may span (the buffer cap; slots
+    /// are reused round-robin within it): [`crate::layout::STREAM_BUFFER`]
+    /// unless `bandwidth --footprint` says otherwise.
+    pub footprint: u64,
 }
 
 impl Point {
@@ -61,7 +65,7 @@ impl Point {
             size: self.size,
             window: self.window,
             windows,
-            slots: Slots::new(self.size, self.window, crate::layout::STREAM_BUFFER),
+            slots: Slots::new(self.size, self.window, self.footprint),
             bidir: self.bidir,
             completion: self.completion,
         }
@@ -365,7 +369,7 @@ pub fn rank_main(common: &crate::common::Common, points: &[Point]) -> Result<()>
     let r = comm.rank();
     let buf = points
         .iter()
-        .map(|p| Slots::new(p.size, p.window, crate::layout::STREAM_BUFFER).bytes())
+        .map(|p| Slots::new(p.size, p.window, p.footprint).bytes())
         .max()
         .unwrap_or(8);
     let src = comm.alloc_window(buf)?;

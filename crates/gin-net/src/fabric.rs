@@ -308,6 +308,53 @@ impl Fabric {
             .map_err(|e| self.name_window(e))
     }
 
+    /// Whether a put of `len` bytes to `peer` by [`Fabric::start_put_in`]
+    /// may return with its source still lent ([`Transport::lends_puts`]).
+    pub fn lends_puts(&self, peer: usize, len: u64) -> bool {
+        self.path_to(peer)
+            .is_ok_and(|p| p.transport.lends_puts(peer, len))
+    }
+
+    /// [`Fabric::put_in`] from `len` bytes of this process's host memory
+    /// at `src`, which the transport may read after this returns
+    /// ([`Transport::start_put`]): returns the put's number among the puts
+    /// from lent memory to `peer`, complete locally once
+    /// [`Fabric::lent_puts_completed`] covers it or a later
+    /// [`Fabric::confirm`] (or fence) to `peer` returned; 0 where it was
+    /// complete on return. Checked as [`Fabric::put_in`] first.
+    ///
+    /// # Safety
+    /// As for [`Transport::start_put`].
+    pub unsafe fn start_put_in(
+        &self,
+        peer: usize,
+        (w, dst): (&MemDesc, Addr),
+        src: *const u8,
+        len: u64,
+        sig: Option<(&MemDesc, Addr, u64)>,
+        keep: Option<KeepAlive>,
+    ) -> Result<u64, NetError> {
+        let path = self.path_to(peer)?;
+        let t = Target::Window(w, dst);
+        t.check_range(peer, len)?;
+        let sig = sig.map(|(sw, a, v)| (Target::Window(sw, a), v));
+        if let Some((s, _)) = sig {
+            s.check_range(peer, 8)?;
+        }
+        // SAFETY: forwarded from the caller.
+        unsafe { path.transport.start_put(peer, t, src, len, sig, keep) }
+            .map_err(|e| self.name_window(e))
+    }
+
+    /// Without blocking: how far the puts from lent memory to `peer` are
+    /// complete locally, in order ([`Transport::lent_puts_completed`]).
+    pub fn lent_puts_completed(&self, peer: usize) -> Result<u64, NetError> {
+        self.path_to(peer)?
+            .transport
+            .lent_puts_completed(peer)
+            .map_err(|e| self.name_window(e))
+    }
+
     /// Writes `src` at `offset` of the region `peer` serves under `key`
     /// (keyed paths only: the peer checks the range). Complete locally on
     /// return; [`Fabric::confirm`] reports a refusal.

@@ -261,6 +261,10 @@ impl HostWindows {
         } = local;
         let rank = self.rank();
         let HostParts { parts, segments } = peers;
+        // A segment gin-net created is owned by the keeper; a caller's
+        // registered buffer is not (the caller may free it once the window
+        // dropped, even after a failed wait left a put using it).
+        let owned = segment.is_some();
         let mapped = Arc::new(Mapped {
             _own: segment,
             _peers: segments,
@@ -289,8 +293,16 @@ impl HostWindows {
         // revocation word, all kept mapped by `mapped`, which the
         // description holds; shared memory is only reached through raw
         // pointers and atomics.
-        self.fabric
-            .add_window(id, unsafe { MemDesc::new(parts.clone()) });
+        let desc = unsafe { MemDesc::new(parts.clone()) };
+        // SAFETY: where the part is a segment, `mapped` (the keeper) owns
+        // it: it unmaps only when the last clone of the keeper drops.
+        let desc = if owned {
+            // SAFETY: as above: the keeper owns the part.
+            unsafe { desc.keeping_local() }
+        } else {
+            desc
+        };
+        self.fabric.add_window(id, desc);
         let mut registration = registration;
         registration.hold(KeepAlive(mapped.clone()));
         HostWindow {
@@ -513,6 +525,33 @@ mod tests {
         assert_ne!(p.states[0], 0);
         assert!(r.fabric.table().with_region(p.keys[0], |i| i.is_some()));
         assert_eq!(r.fabric.window(0).unwrap().sizes, [32]);
+    }
+
+    /// Only a window whose keeper owns this rank's part may lend it to a
+    /// transport that reads it after the put returned: a segment gin-net
+    /// allocated is owned; a caller's registered buffer (larger than the
+    /// transports' lending threshold here) is not, since its owner may
+    /// free it once the window dropped, even with a put left in flight
+    /// by a failed wait.
+    #[test]
+    fn only_an_allocated_window_says_its_keeper_owns_the_local_part() {
+        let r = alone(6);
+        let gather = |mine: &[u8]| Ok::<_, NetError>(vec![mine.to_vec()]);
+        let w = r.alloc(0, 32 << 10, gather, || Ok(())).unwrap();
+        assert!(r.fabric.window(0).unwrap().keeps_local());
+        let mut buf = vec![0u64; 4096].into_boxed_slice();
+        // SAFETY: `buf` (32 KiB, 8-byte aligned) outlives the window,
+        // dropped first below.
+        let reg = unsafe {
+            r.register(1, buf.as_mut_ptr().cast(), 32 << 10, gather, || Ok(()))
+                .unwrap()
+        };
+        let desc = r.fabric.window(1).unwrap();
+        assert_eq!(desc.sizes, [32 << 10]);
+        assert!(desc.keep.is_some());
+        assert!(!desc.keeps_local(), "a registered buffer would be lent");
+        drop((desc, reg, w));
+        drop(buf);
     }
 
     #[test]

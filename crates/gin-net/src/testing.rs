@@ -12,7 +12,10 @@
 //! would have to wait for a put not yet complete. Puts from GPU memory are
 //! numbered per peer, as ucx numbers them; one of them can be made to fail
 //! ([`KeyedRecorder::fail_device_put`]), reported once those before it
-//! completed, as ucx reports it.
+//! completed, as ucx reports it. [`KeyedRecorder::lending_host_puts`] makes
+//! it lend large host puts' sources as ucx does ([`Transport::start_put`]):
+//! numbered and completed with the puts from GPU memory, their keepers held
+//! until then.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -58,6 +61,23 @@ pub enum KeyedOp {
         /// Bytes.
         len: u64,
     },
+    /// A put of `len` bytes of host memory at `src` lent to the transport
+    /// ([`Transport::start_put`], numbered with the puts from GPU memory):
+    /// the address is recorded, the bytes are not copied.
+    PutLent {
+        /// The target rank.
+        peer: usize,
+        /// The key it serves the region under.
+        key: u32,
+        /// Offset in the region.
+        offset: u64,
+        /// The source's address in this process.
+        src: u64,
+        /// Bytes.
+        len: u64,
+        /// The signal's key, offset and amount, if any.
+        signal: Option<(u32, u64, u64)>,
+    },
     /// A read of `len` bytes into GPU memory at device address `dst`.
     ReadDevice {
         /// The rank read from.
@@ -99,6 +119,12 @@ pub struct KeyedRecorder {
     /// Gets are accepted and never answered: what keeps their landing
     /// buffers alive, held for good.
     unanswered: Option<Mutex<Vec<Option<KeepAlive>>>>,
+    /// Host puts of at least this many bytes are lent, not copied
+    /// ([`KeyedRecorder::lending_host_puts`]).
+    lend_from: Option<u64>,
+    /// What keeps the sources of lent host puts alive: (peer, number,
+    /// keeper), dropped once the put is complete.
+    lent_keeps: Mutex<Vec<(usize, u64, Option<KeepAlive>)>>,
 }
 
 /// A peer's puts from GPU memory.
@@ -141,6 +167,44 @@ impl KeyedRecorder {
     pub fn leave_gets_unanswered(mut self) -> Self {
         self.unanswered = Some(Mutex::default());
         self
+    }
+
+    /// From now on host puts of at least `min` bytes are lent
+    /// ([`Transport::lends_puts`], [`Transport::start_put`]), as ucx lends
+    /// large ones: numbered with the puts from GPU memory, complete as
+    /// those are (at once, or held: [`KeyedRecorder::hold_device_puts`]),
+    /// their keepers held until then.
+    #[must_use]
+    pub fn lending_host_puts(mut self, min: u64) -> Self {
+        self.lend_from = Some(min);
+        self
+    }
+
+    /// Keepers of lent host puts' sources still held (puts not complete).
+    pub fn lent_keepers(&self) -> usize {
+        self.release_keeps();
+        self.lent_keeps
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
+    /// Drops the keepers of lent host puts that are complete (outside the
+    /// lock).
+    fn release_keeps(&self) {
+        let devs = self.devs().clone();
+        let gone: Vec<_> = {
+            let mut keeps = self
+                .lent_keeps
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            let (done, held): (Vec<_>, Vec<_>) = keeps
+                .drain(..)
+                .partition(|(p, seq, _)| devs.get(p).is_some_and(|d| d.done >= *seq));
+            *keeps = held;
+            done
+        };
+        drop(gone);
     }
 
     /// Everything handed over so far, in order (host puts, device puts and
@@ -193,6 +257,7 @@ impl KeyedRecorder {
         for d in self.devs().values_mut() {
             d.done = d.done.max(upto.min(d.started));
         }
+        self.release_keeps();
     }
 
     /// Completes the puts from GPU memory to `peer` numbered up to `upto`.
@@ -200,6 +265,7 @@ impl KeyedRecorder {
         if let Some(d) = self.devs().get_mut(&peer) {
             d.done = d.done.max(upto.min(d.started));
         }
+        self.release_keeps();
     }
 
     /// The put from GPU memory to `peer` numbered `seq` fails (`why`):
@@ -460,7 +526,64 @@ impl Transport for KeyedRecorder {
         }
         Ok(d.started)
     }
+    fn lends_puts(&self, _: usize, len: u64) -> bool {
+        self.lend_from.is_some_and(|m| len >= m)
+    }
+    /// Lent ([`KeyedRecorder::lending_host_puts`]): records the address and
+    /// numbers the put as [`Transport::start_put_device`] does, holding
+    /// `keep` until it is complete; else [`Transport::put`].
+    unsafe fn start_put(
+        &self,
+        peer: usize,
+        dst: Target<'_>,
+        src: *const u8,
+        len: u64,
+        sig: Option<(Target<'_>, u64)>,
+        keep: Option<KeepAlive>,
+    ) -> Result<u64, NetError> {
+        if !self.lends_puts(peer, len) {
+            let n = usize::try_from(len).unwrap_or(usize::MAX);
+            // SAFETY: the caller lends `len` readable bytes at `src` until
+            // this returns.
+            let bytes = unsafe { std::slice::from_raw_parts(src, n) };
+            self.put(peer, dst, bytes, sig)?;
+            return Ok(0);
+        }
+        let (key, offset) = self.key(peer, dst)?;
+        let signal = match sig {
+            Some((at, add)) => {
+                let (k, o) = self.key(peer, at)?;
+                Some((k, o, add))
+            }
+            None => None,
+        };
+        self.record(KeyedOp::PutLent {
+            peer,
+            key,
+            offset,
+            src: src as u64,
+            len,
+            signal,
+        });
+        let hold = self.hold.load(Ordering::Acquire);
+        let seq = {
+            let mut devs = self.devs();
+            let d = devs.entry(peer).or_default();
+            d.started += 1;
+            if !hold {
+                d.done = d.started;
+            }
+            d.started
+        };
+        self.lent_keeps
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push((peer, seq, keep));
+        self.release_keeps();
+        Ok(seq)
+    }
     fn device_puts_completed(&self, peer: usize) -> Result<u64, NetError> {
+        self.release_keeps();
         self.alive(peer)?;
         if let Some(why) = self
             .device_failure
@@ -494,6 +617,7 @@ impl Transport for KeyedRecorder {
             d.covered = d.started;
             (fresh, d.failure().map(|(_, why)| why.to_owned()))
         };
+        self.release_keeps();
         if d.0 {
             let n = self.ops().len();
             self.completions

@@ -268,6 +268,77 @@ pub trait Transport: Send + Sync + std::fmt::Debug + std::any::Any {
         self.put(peer, dst, src, None)
     }
 
+    /// Whether [`Transport::start_put`] of `len` bytes to `peer` may return
+    /// with its source still lent (the transport reads it later, from the
+    /// caller's memory, rather than copying it first). A caller that cannot
+    /// track completion (one that reports the put complete on return) uses
+    /// [`Transport::put`] for such puts. The default: never.
+    fn lends_puts(&self, peer: usize, len: u64) -> bool {
+        let _ = (peer, len);
+        false
+    }
+
+    /// [`Transport::put`] from `len` bytes of this process's host memory at
+    /// `src` that may return before the transport has read the source: no
+    /// copy is made, and many are in flight. Returns the put's sequence
+    /// number among the puts from lent memory to `peer` (shared with
+    /// [`Transport::start_put_device`]'s), or 0 where it is complete on
+    /// return (the default: [`Transport::put`], then 0).
+    ///
+    /// Complete locally (the source may be reused, `keep` dropped) once
+    /// [`Transport::lent_puts_completed`] to `peer` answers at least its
+    /// number, or once a later [`Transport::complete_device`],
+    /// [`Transport::confirm`] or [`Transport::fence`] to `peer` returned,
+    /// whether or not it succeeded. Its signal, if any, is applied at the
+    /// target after its data, as [`Transport::put`]'s.
+    ///
+    /// # Safety
+    /// `src..src + len` must be host memory of this process, valid for
+    /// reads and that stays allocated until the put is complete locally as
+    /// above or the transport was dropped (or, where `keep` owns that
+    /// memory, for as long as `keep` is held); this holds also when the
+    /// call returns an error after the put was issued (a failed signal):
+    /// the put may still be in flight then, and the loan ends only as
+    /// above. Writes to it meanwhile are no memory-safety matter but race
+    /// with the data: the target may receive either bytes.
+    unsafe fn start_put(
+        &self,
+        peer: usize,
+        dst: Target<'_>,
+        src: *const u8,
+        len: u64,
+        sig: Option<(Target<'_>, u64)>,
+        keep: Option<KeepAlive>,
+    ) -> Result<u64, NetError> {
+        drop(keep);
+        let n = usize::try_from(len).map_err(|_| {
+            let (window, offset) = match dst {
+                Target::Window(_, a) => (a.window, a.offset),
+                Target::Key { offset, .. } => (0, offset),
+            };
+            NetError::OutOfBounds {
+                peer,
+                window,
+                offset,
+                len,
+                size: usize::MAX as u64,
+            }
+        })?;
+        // SAFETY: the caller lends `len` readable bytes at `src`, unwritten
+        // until this returns (complete on return).
+        let src = unsafe { std::slice::from_raw_parts(src, n) };
+        self.put(peer, dst, src, sig)?;
+        Ok(0)
+    }
+
+    /// Without blocking: how far the puts from lent memory to `peer`
+    /// ([`Transport::start_put`]'s and [`Transport::start_put_device`]'s,
+    /// one numbering) are complete locally, in order of their numbers, with
+    /// the errors of [`Transport::device_puts_completed`], which this is.
+    fn lent_puts_completed(&self, peer: usize) -> Result<u64, NetError> {
+        self.device_puts_completed(peer)
+    }
+
     /// Whether [`Transport::put_device`] and [`Transport::read_device`]
     /// move GPU memory of this process directly, with no staging through
     /// host memory (ucx with its CUDA transports).

@@ -71,6 +71,8 @@ pub struct MemParts {
 #[derive(Debug, Clone)]
 pub struct MemDesc {
     parts: MemParts,
+    /// `parts.keep` owns this rank's part ([`MemDesc::keeping_local`]).
+    keeps_local: bool,
 }
 
 impl MemDesc {
@@ -93,7 +95,34 @@ impl MemDesc {
     ///
     /// `keep`, when set, is what keeps all of them alive.
     pub unsafe fn new(parts: MemParts) -> Self {
-        Self { parts }
+        Self {
+            parts,
+            keeps_local: false,
+        }
+    }
+
+    /// Says that `keep` owns this rank's part itself, not only the
+    /// mappings around it: while any clone of `keep` lives, the part stays
+    /// valid for reads whatever its owner does (a segment gin-net created,
+    /// not a caller's buffer it registered). Only then may a put lend the
+    /// part to a transport that reads it after the put returned
+    /// ([`crate::Fabric::start_put_in`]): such a put can outlive its
+    /// failed wait holding only `keep`.
+    ///
+    /// # Safety
+    /// `parts.keep` is set and keeps `local_base`'s `sizes[rank]` bytes
+    /// valid for reads for as long as any clone of it exists, even after
+    /// every other handle of the window dropped.
+    #[must_use]
+    pub unsafe fn keeping_local(mut self) -> Self {
+        self.keeps_local = true;
+        self
+    }
+
+    /// Whether `keep` owns this rank's part ([`MemDesc::keeping_local`]):
+    /// a put may lend it to the transport rather than copy it.
+    pub fn keeps_local(&self) -> bool {
+        self.keeps_local && self.parts.keep.is_some()
     }
 
     /// The plain parts.

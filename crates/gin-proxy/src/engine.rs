@@ -23,7 +23,8 @@
 //! - **In-order completion.** A ring's completion index is published (by the
 //!   executor) up to the first operation still in flight: a get whose
 //!   answer has not landed, or a put whose source the transport still
-//!   reads (a put from GPU memory over ucx), whichever order they complete
+//!   reads (a put from GPU memory, or a CPU rank's large put from a window
+//!   gin-net allocated, lent to ucx), whichever order they complete
 //!   in; a counter carried by such an operation is counted when it lands.
 //!   Many operations are in flight at once: the engine issues the next
 //!   ones while earlier ones complete, and never waits for one.

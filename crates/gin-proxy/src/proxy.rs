@@ -227,9 +227,15 @@ impl Proxy {
 
     /// Whether a put may skip the ring (`auto` on CPU ranks): the peer is
     /// reached over tcp and its ring is empty, so everything queued before
-    /// it has completed on the same ordered link.
-    fn direct(&self, ctx: u32, peer: usize) -> bool {
-        if !self.config.inline_tcp || self.exec.fabric().reach(peer) != Some(gin_net::Reach::Keyed)
+    /// it has completed on the same ordered link. Not a put from a window
+    /// the transport would lend rather than copy ([`Fabric::lends_puts`]):
+    /// only the ring tracks its completion (counter, ticket) until the
+    /// transport is done with the source.
+    fn direct(&self, ctx: u32, peer: usize, d: &Desc) -> bool {
+        let fabric = self.exec.fabric();
+        if !self.config.inline_tcp
+            || fabric.reach(peer) != Some(gin_net::Reach::Keyed)
+            || (d.inline.is_none() && d.bytes > 0 && fabric.lends_puts(peer, d.bytes))
         {
             return false;
         }
@@ -261,7 +267,8 @@ impl Proxy {
         let mut exec = self.exec.clone();
         // The fabric applies the signal's `add`; the running total is the
         // engine's and this put bypasses it, so it stays 0 here.
-        // The fabric's puts are complete on return (never in flight).
+        // Complete on return: `direct` keeps puts the transport would lend
+        // on the ring.
         exec.put(site, &put)
             .and_then(|_| d.counter.map_or(Ok(()), |c| exec.count(site, c, 0)))
             .map_err(|e| fail(e.into()))
@@ -313,7 +320,7 @@ impl Backend for Proxy {
             }),
             counter,
         };
-        if self.direct(op.ctx, op.peer) {
+        if self.direct(op.ctx, op.peer, &d) {
             return self.put_directly(op.ctx, op.peer, &d);
         }
         self.enqueue(op.ctx, op.peer, &d)
@@ -411,6 +418,7 @@ mod tests {
     use gin_device::{Window, WindowParts};
     use gin_net::region::{Access, RegionTable};
     use gin_net::{MemDesc, MemParts};
+    use std::sync::atomic::Ordering;
 
     /// One rank, window 0 over `len` bytes of memory it owns, and a proxy
     /// with `nctx` contexts and rings of `2^log2` descriptors. Fields drop in
@@ -508,6 +516,98 @@ mod tests {
             Err(GinError::BadPeer { peer: 1, .. })
         ));
         let _ = (&a.win, &a.counters);
+    }
+
+    /// With `auto`'s sends from the calling thread (`inline_tcp`), a put to
+    /// a keyed peer whose ring is empty goes on the caller's thread, unless
+    /// the transport would lend it its source (a large put over ucx): that
+    /// one goes through the ring, whose engine tracks its completion and
+    /// counts its counter only then. A flush covers both.
+    #[test]
+    fn a_put_the_transport_would_lend_goes_through_the_ring() {
+        use gin_net::Path;
+        use gin_net::testing::{KeyedOp, KeyedRecorder};
+
+        let keyed = Arc::new(KeyedRecorder::default().lending_host_puts(4096));
+        let timeout = Duration::from_secs(5);
+        let fabric = Arc::new(Fabric::new(
+            0,
+            vec![Path::local(), Path::new(keyed.clone())],
+            Arc::new(RegionTable::default()),
+            timeout,
+        ));
+        let mem = Arc::new(vec![0u64; 2048].into_boxed_slice());
+        let len = (mem.len() * 8) as u64;
+        let base = mem.as_ptr().cast::<u8>().cast_mut();
+        let parts = MemParts {
+            local_base: base as usize,
+            sizes: vec![len, len],
+            peer_bases: vec![base as usize, 0],
+            keys: vec![0, 0x77],
+            addrs: vec![base as u64, 0x1000],
+            states: vec![0, 0],
+            // The keep-alive owns the memory (as a window gin-net
+            // allocated): only then is a put from it lent.
+            keep: Some(gin_net::KeepAlive(mem.clone())),
+            ..MemParts::default()
+        };
+        // SAFETY: `mem` outlives the proxy and the fabric (dropped first);
+        // the keep-alive owns it.
+        fabric.add_window(0, unsafe { MemDesc::new(parts).keeping_local() });
+        // SAFETY: as above.
+        let win = unsafe {
+            Window::from_parts(
+                WindowParts {
+                    id: 0,
+                    rank: 0,
+                    comm_id: 1,
+                    local_base: base,
+                    sizes: vec![len, len],
+                    peer_bases: vec![base, std::ptr::null_mut()],
+                    keys: vec![0, 0x77],
+                    addrs: vec![base as u64, 0x1000],
+                    states: vec![std::ptr::null(), std::ptr::null()],
+                },
+                Box::new(()),
+            )
+        };
+        let counters = Arc::new(Counters::new(1));
+        let config = ProxyConfig {
+            ring_log2: 2,
+            timeout,
+            inline_tcp: true,
+            ..ProxyConfig::default()
+        };
+        let proxy = Proxy::start(fabric.clone(), counters.clone(), 1, config).unwrap();
+        let put = |bytes| PutOp {
+            ctx: 0,
+            peer: 1,
+            dst: &win,
+            dst_off: 0,
+            src: Source::Window {
+                window: &win,
+                offset: 0,
+            },
+            bytes,
+            signal: None,
+            counter: Some(0),
+        };
+        proxy.put(&put(64)).unwrap();
+        assert_eq!(proxy.ring(0, 1).head(), 0, "a small put went direct");
+        assert_eq!(counters.slot(0).unwrap().load(Ordering::Acquire), 1);
+        proxy.put(&put(8 << 10)).unwrap();
+        assert_eq!(proxy.ring(0, 1).head(), 1, "a lent put took the ring");
+        flush(&proxy).unwrap();
+        assert_eq!(counters.slot(0).unwrap().load(Ordering::Acquire), 2);
+        let ops = keyed.ops();
+        assert!(matches!(ops[0], KeyedOp::Put { .. }), "{ops:?}");
+        assert!(
+            matches!(ops[1], KeyedOp::PutLent { src, len: 8192, .. } if src == base as u64),
+            "{ops:?}"
+        );
+        drop(proxy);
+        drop(fabric);
+        drop(mem);
     }
 
     /// Fail-stop on CPU ranks: a descriptor the engine refuses stops it;

@@ -60,10 +60,16 @@
 //!   should leak the memory rather than reuse it).
 //! - put → `ucp_put_nbx`, get → `ucp_get_nbx`, fetch-add and
 //!   compare-swap → `ucp_atomic_op_nbx`, fence and confirm →
-//!   `ucp_ep_flush_nbx`. Every put's source is copied into a buffer the
-//!   request owns, so it returns at once and any number is in flight (the
-//!   [`Transport`] contract: a put is complete locally on return), and UCX
-//!   never reads the caller's slice after the call returned.
+//!   `ucp_ep_flush_nbx`. A [`Transport::put`]'s source is copied into a
+//!   buffer the request owns, so it returns at once and any number is in
+//!   flight (the [`Transport`] contract: a put is complete locally on
+//!   return), and UCX never reads the caller's slice after the call
+//!   returned. A [`Transport::start_put`] larger than the largest put
+//!   message (and 16 KiB) is lent instead: `ucp_put_nbx` straight from the
+//!   caller's memory, numbered with the puts from GPU memory and complete
+//!   once [`Transport::lent_puts_completed`] covers it (or a confirm or
+//!   fence returned), the caller's keeper held until then (CPU ranks'
+//!   window puts through the proxy: no copy of a 1 MiB source).
 //! - Small puts (up to `GIN_UCX_AM_MAX` bytes; 0: none; by default 64 KiB
 //!   to a peer reached over UCX's tcp alone, whose segments each context
 //!   sets for it, `TCP_SEGMENTS`, and 16 KiB otherwise)
@@ -211,8 +217,8 @@ struct Peer {
     /// order, as over one tcp connection (a soft NIC's put then its
     /// signal atomic rely on it).
     unfenced: AtomicBool,
-    /// Puts from memory the caller lends ([`Transport::start_put_device`])
-    /// not yet complete: counted down by their completions, waited for by
+    /// Puts from memory the caller lends ([`Transport::start_put_device`],
+    /// [`Transport::start_put`]) not yet complete: counted down by their completions, waited for by
     /// [`Inner::settle`].
     lent: AtomicU64,
     /// Those puts started so far: the sequence number of the newest
@@ -224,8 +230,11 @@ struct Peer {
     /// ... and its `upto`, for readers that take no lock
     /// ([`Transport::device_puts_completed`]).
     lent_upto: AtomicU64,
-    /// Where that stood when it was first seen not to move, and when the
-    /// job was last asked about it ([`Inner::stalled`]).
+    /// The newest of them from GPU memory (host memory's puts are ordered
+    /// by UCX's fence alone: [`UcxTransport::after_lent`] waits for these).
+    lent_device_seq: AtomicU64,
+    /// Where `lent_upto` stood when it was first seen not to move, and
+    /// when the job was last asked about it ([`Inner::stalled`]).
     lent_stall: Mutex<Option<Stall>>,
     /// Those of them whose lender gave nothing that keeps the memory alive
     /// (no [`KeepAlive`]): a failed wait still waits for these.
@@ -255,6 +264,11 @@ struct Peer {
 /// peak over cuda_ipc on one H200).
 const LENT_MAX: u64 = 64;
 
+/// The smallest put [`Transport::start_put`] lends rather than copies
+/// (where put messages are turned off): below it the copy costs less than
+/// tracking the put's completion.
+const LEND_MIN: u64 = 16 << 10;
+
 /// What [`Inner::settle`] waits for.
 #[derive(Debug, Clone, Copy)]
 enum Until {
@@ -264,6 +278,13 @@ enum Until {
     /// Every put from lent memory numbered at or below this complete (or
     /// the path failed).
     Covers(u64),
+    /// Every put from lent memory numbered at or below this complete; once
+    /// the path failed, every one whose lender gave nothing that keeps the
+    /// memory alive (as [`Until::AtMost`]`(0)`). What a confirmation or
+    /// fence waits for: the puts started before it, not those another
+    /// thread (the proxy's, streaming) starts meanwhile, which could hold
+    /// it until its deadline.
+    Started(u64),
 }
 
 /// How often a poll of puts from lent memory that made no progress asks
@@ -546,6 +567,7 @@ impl UcxTransport {
                     unfenced: AtomicBool::new(false),
                     lent: AtomicU64::new(0),
                     lent_seq: AtomicU64::new(0),
+                    lent_device_seq: AtomicU64::new(0),
                     lent_done: Mutex::new(Prefix::default()),
                     lent_upto: AtomicU64::new(0),
                     lent_stall: Mutex::new(None),
@@ -909,6 +931,20 @@ impl Inner {
                     if let Some((done, _)) = ctx.get.take() {
                         done.fetch_sub(1, Ordering::AcqRel);
                     }
+                    if ctx.lent.is_some() {
+                        // A lent put is recorded failed on its peer before
+                        // it counts as complete, in the words the caller's
+                        // report uses: a poller on another thread that sees
+                        // it complete sees the failure.
+                        // SAFETY: peers outlive every request (see `finish`).
+                        let peer = unsafe { &*ctx.peer };
+                        peer.error.set(format!(
+                            "{} to rank {} failed: {}",
+                            ctx.what,
+                            peer.rank,
+                            self.ucp.text(st)
+                        ));
+                    }
                     ctx.release_lent(true);
                     Err(st)
                 }
@@ -1073,6 +1109,8 @@ impl Inner {
         deadline: Instant,
         what: &str,
     ) -> Result<(), NetError> {
+        #[cfg(test)]
+        self.test.settling();
         let start = Instant::now();
         let mut failed: Option<NetError> = None;
         let mut given_up: Option<Instant> = None;
@@ -1085,6 +1123,8 @@ impl Inner {
             };
             let done = match until {
                 Until::AtMost(n) => left <= n,
+                Until::Started(seq) if given_up.is_some() => left == 0 || seq == 0,
+                Until::Started(seq) => peer.lent_upto.load(Ordering::Acquire) >= seq,
                 // Nothing lent waits on this: a failure ends it.
                 Until::Covers(seq) => {
                     given_up.is_some() || peer.lent_upto.load(Ordering::Acquire) >= seq
@@ -1173,7 +1213,7 @@ impl Inner {
         let waited = now.duration_since(st.since);
         let why = if waited > self.timeout {
             let what = format!(
-                "the puts from GPU memory (none completed; {} of them in flight)",
+                "the puts from lent memory (none completed; {} of them in flight)",
                 peer.lent.load(Ordering::Acquire)
             );
             self.blame(peer.rank, waited, &what);
@@ -1512,7 +1552,7 @@ impl UcxTransport {
         if !self.wait_lent {
             return Ok(());
         }
-        let upto = after.unwrap_or_else(|| peer.lent_seq.load(Ordering::Acquire));
+        let upto = after.unwrap_or_else(|| peer.lent_device_seq.load(Ordering::Acquire));
         if peer.lent_upto.load(Ordering::Acquire) >= upto {
             return Ok(());
         }
@@ -1748,8 +1788,9 @@ impl Transport for UcxTransport {
         match self.inner.peer_opt(peer) {
             Some(p) => {
                 let deadline = Instant::now() + timeout;
+                let started = Until::Started(p.lent_seq.load(Ordering::Acquire));
                 self.inner
-                    .settle(p, Until::AtMost(0), deadline, "the puts from lent memory")?;
+                    .settle(p, started, deadline, "the puts from lent memory")?;
                 self.flush(p, deadline, "a fence")?;
                 self.am_sync(p, deadline, "a fence")
             }
@@ -1757,15 +1798,17 @@ impl Transport for UcxTransport {
         }
     }
 
-    /// Waits for the puts from lent memory first (their memory is lent
-    /// until this returns), then flushes the endpoint.
+    /// Waits for the puts from lent memory started before it first (their
+    /// memory is lent until this returns; not for those another thread
+    /// starts meanwhile), then flushes the endpoint.
     fn confirm(&self, peer: usize, timeout: Duration) -> Result<(), NetError> {
         let Some(p) = self.inner.peer_opt(peer) else {
             return Ok(());
         };
         let deadline = Instant::now() + timeout;
+        let started = Until::Started(p.lent_seq.load(Ordering::Acquire));
         self.inner
-            .settle(p, Until::AtMost(0), deadline, "the puts from lent memory")?;
+            .settle(p, started, deadline, "the puts from lent memory")?;
         if !p.dirty.swap(false, Ordering::AcqRel) {
             return self.inner.broken(p);
         }
@@ -1802,6 +1845,41 @@ impl Transport for UcxTransport {
         self.put_inner(peer, dst, src, None, Order::AfterAll)
     }
 
+    /// Puts larger than the largest put message to `peer`, and than
+    /// [`LEND_MIN`]: a smaller one is copied (cheap), and complete on
+    /// return.
+    fn lends_puts(&self, peer: usize, len: u64) -> bool {
+        let am = self.am_max.get(peer).copied().unwrap_or(0) as u64;
+        len > am.max(LEND_MIN)
+    }
+
+    /// A put [`Transport::lends_puts`] lends goes by RMA straight from the
+    /// caller's memory (`ucp_put_nbx`, memory type host), completed by its
+    /// callback and numbered with the puts from GPU memory (up to
+    /// [`LENT_MAX`] in flight to a peer), its signal after it by
+    /// `ucp_worker_fence` and an atomic add; any other is
+    /// [`Transport::put`] (copied), complete on return.
+    unsafe fn start_put(
+        &self,
+        peer: usize,
+        dst: Target<'_>,
+        src: *const u8,
+        len: u64,
+        sig: Option<(Target<'_>, u64)>,
+        keep: Option<KeepAlive>,
+    ) -> Result<u64, NetError> {
+        if !self.lends_puts(peer, len) {
+            let n = usize::try_from(len).map_err(|_| too_long(peer, dst, len))?;
+            // SAFETY: the caller lends `len` readable bytes at `src`,
+            // unwritten until this returns (complete on return).
+            let src = unsafe { std::slice::from_raw_parts(src, n) };
+            self.put_inner(peer, dst, src, sig, Order::Free)?;
+            return Ok(0);
+        }
+        // SAFETY: the caller's contract (the trait's) is `lend`'s.
+        unsafe { self.lend(peer, dst, src, len, sys::UCS_MEMORY_TYPE_HOST, sig, keep) }
+    }
+
     fn takes_device_memory(&self) -> bool {
         self.device
     }
@@ -1817,11 +1895,14 @@ impl Transport for UcxTransport {
     ) -> Result<(), NetError> {
         // SAFETY: the caller keeps `src` unchanged until this returns,
         // which is after the put completed (settled below).
-        unsafe { self.start_put_device(peer, dst, src, len, None) }?;
+        let seq = unsafe { self.start_put_device(peer, dst, src, len, None) }?;
         let p = self.inner.peer(peer)?;
+        // This put and those numbered before it, not those other threads
+        // start meanwhile; after a failure every one nothing keeps alive,
+        // this one among them.
         self.inner.settle(
             p,
-            Until::AtMost(0),
+            Until::Started(seq),
             Instant::now() + self.inner.timeout,
             "a put from GPU memory",
         )
@@ -1856,9 +1937,11 @@ impl Transport for UcxTransport {
 
     fn complete_device(&self, peer: usize, timeout: Duration) -> Result<(), NetError> {
         match self.inner.peer_opt(peer) {
+            // Those started so far, not those other threads start
+            // meanwhile (as a confirmation).
             Some(p) => self.inner.settle(
                 p,
-                Until::AtMost(0),
+                Until::Started(p.lent_seq.load(Ordering::Acquire)),
                 Instant::now() + timeout,
                 "the puts from GPU memory",
             ),
@@ -2033,11 +2116,44 @@ impl UcxTransport {
         mem: sys::ucs_memory_type_t,
         keep: Option<KeepAlive>,
     ) -> Result<u64, NetError> {
+        // SAFETY: the caller's contract is `lend`'s.
+        unsafe { self.lend(peer, dst, src, len, mem, None, keep) }
+    }
+
+    /// [`UcxTransport::put_lent`] with a signal: after the put,
+    /// `ucp_worker_fence` and a non-fetching atomic add (UCP's fence
+    /// contract orders it after the put at the target, as for a put from a
+    /// copy: [`UcxTransport::rma_put`]). Host memory's puts do not count
+    /// as puts from GPU memory for [`UcxTransport::after_lent`]. Issued
+    /// only once no put message to `peer` is unsynced (checked under the
+    /// peer's lock, as [`UcxTransport::put_inner`]'s RMA path).
+    ///
+    /// # Safety
+    /// As for [`UcxTransport::put_lent`], also when this returns an error
+    /// after the put was issued (a failed signal): the put may still be in
+    /// flight then.
+    #[allow(clippy::too_many_arguments)] // the put_lent arguments, and a signal
+    unsafe fn lend(
+        &self,
+        peer: usize,
+        dst: Target<'_>,
+        src: *const u8,
+        len: u64,
+        mem: sys::ucs_memory_type_t,
+        sig: Option<(Target<'_>, u64)>,
+        keep: Option<KeepAlive>,
+    ) -> Result<u64, NetError> {
         let inner = &self.inner;
         let p = inner.peer(peer)?;
         let d = self.resolve(p, dst, len, "put")?;
-        let n = usize::try_from(len).map_err(|_| too_long(peer, dst, len))?;
-        self.after_am(p)?;
+        let signal = match sig {
+            Some((at, add)) => {
+                at.check_aligned(peer, "signal")?;
+                Some((self.resolve(p, at, 8, "signal")?, add))
+            }
+            None => None,
+        };
+        let bytes = usize::try_from(len).map_err(|_| too_long(peer, dst, len))?;
         if p.lent.load(Ordering::Acquire) >= LENT_MAX {
             let deadline = Instant::now() + inner.timeout;
             inner.settle(
@@ -2047,41 +2163,84 @@ impl UcxTransport {
                 "a put from lent memory",
             )?;
         }
-        p.dirty.store(true, Ordering::Release);
-        self.with_ep(p, "ucp_put_nbx from lent memory", |ep, st| {
-            if !Self::still(st, &d.remote) {
-                return Err(revoked(peer, dst, len, "put"));
-            }
-            let mut ctx = inner.op_ctx(p, "put from GPU memory");
-            if keep.is_none() {
-                p.bare.fetch_add(1, Ordering::AcqRel);
-            }
-            // Numbered under the peer's lock, so in the order issued; from
-            // here on the request completes it, or `launched` does.
-            let seq = p.lent_seq.fetch_add(1, Ordering::AcqRel) + 1;
-            let lent = keep.map_or(Lent::Bare, |k| Lent::Kept(k, inner.released.clone()));
-            ctx.lent = Some((seq, lent));
-            p.lent.fetch_add(1, Ordering::AcqRel);
-            let mut prm = Inner::params(ctx);
-            prm.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE;
-            prm.memory_type = mem;
-            // SAFETY: a live endpoint and rkey; the caller lends `src`
-            // until the request completed (its callback counts it down,
-            // and every wait for that force-closes the endpoint at worst).
-            let r = unsafe {
+        let what = if mem == sys::UCS_MEMORY_TYPE_HOST {
+            "put from lent host memory"
+        } else {
+            "put from GPU memory"
+        };
+        let mut keep = keep;
+        loop {
+            self.after_am(p)?;
+            let issued = self.with_ep(p, "ucp_put_nbx from lent memory", |ep, st| {
+                if !Self::still(st, &d.remote)
+                    || signal
+                        .as_ref()
+                        .is_some_and(|(r, _)| !Self::still(st, &r.remote))
+                {
+                    return Err(revoked(peer, dst, len, "put"));
+                }
+                // A put message from another thread since the sync: wait
+                // for it too.
+                if p.am_pending() {
+                    return Ok(None);
+                }
+                let mut ctx = inner.op_ctx(p, what);
+                let keep = keep.take();
+                if keep.is_none() {
+                    p.bare.fetch_add(1, Ordering::AcqRel);
+                }
+                // Numbered under the peer's lock, so in the order issued;
+                // from here on the request completes it, or `launched` does.
+                let seq = p.lent_seq.fetch_add(1, Ordering::AcqRel) + 1;
+                if mem != sys::UCS_MEMORY_TYPE_HOST {
+                    p.lent_device_seq.fetch_max(seq, Ordering::AcqRel);
+                }
+                let lent = keep.map_or(Lent::Bare, |k| Lent::Kept(k, inner.released.clone()));
+                ctx.lent = Some((seq, lent));
+                p.lent.fetch_add(1, Ordering::AcqRel);
+                let mut prm = Inner::params(ctx);
+                prm.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+                prm.memory_type = mem;
+                // Under the peer's lock, which a confirmation's flush takes
+                // too: one that clears it flushes after this put is issued
+                // (set outside the lock, a confirmation on another thread
+                // could clear it and flush first, and the next one skip
+                // the flush this put needs).
+                p.dirty.store(true, Ordering::Release);
+                #[cfg(test)]
+                inner.test.numbered();
+                // SAFETY: a live endpoint and rkey; the caller lends `src`
+                // until the request completed (its callback counts it down,
+                // and every wait for that force-closes the endpoint at worst).
+                let r = unsafe {
+                    inner.ucp.lib.ucp_put_nbx(
+                        ep,
+                        src.cast(),
+                        bytes,
+                        d.addr,
+                        d.remote.rkey,
+                        &raw const prm,
+                    )
+                };
                 inner
-                    .ucp
-                    .lib
-                    .ucp_put_nbx(ep, src.cast(), n, d.addr, d.remote.rkey, &raw const prm)
-            };
-            inner
-                .launched(&prm, r)
-                .map_err(|st| self.failed(p, "put from GPU memory", st))?;
-            p.rma_issued.fetch_add(1, Ordering::AcqRel);
-            // Under the peer's lock, before any later put_ordered can look.
-            p.unfenced.store(true, Ordering::Release);
-            Ok(seq)
-        })
+                    .launched(&prm, r)
+                    .map_err(|st| self.failed(p, what, st))?;
+                p.rma_issued.fetch_add(1, Ordering::AcqRel);
+                if let Some((sr, v)) = &signal {
+                    inner
+                        .ucp
+                        .fence()
+                        .map_err(|st| self.failed(p, "fence before a signal", st))?;
+                    self.post_add(p, ep, sr, *v)?;
+                }
+                // Under the peer's lock, before any later put_ordered can look.
+                p.unfenced.store(signal.is_none(), Ordering::Release);
+                Ok(Some(seq))
+            })?;
+            if let Some(seq) = issued {
+                return Ok(seq);
+            }
+        }
     }
 
     /// A put (`ordered`: executed after every earlier request to `peer`,
@@ -2110,7 +2269,6 @@ impl UcxTransport {
         };
         let (key, offset) = dst.key_at(peer, "ucx")?;
         let mut am = self.am_fits(peer, src.len(), &d, s.as_ref().map(|(r, _)| r)) && p.rma_clean();
-        p.dirty.store(true, Ordering::Release);
         loop {
             if !am {
                 match ordered {
@@ -2136,6 +2294,9 @@ impl UcxTransport {
                     if !p.rma_clean() {
                         return Ok(false);
                     }
+                    // Under the peer's lock, as in `lend`: a confirmation
+                    // that clears it flushes after this put is issued.
+                    p.dirty.store(true, Ordering::Release);
                     self.am_issue(p, ep, key, offset, s.as_ref().map(|(_, w)| *w), src)?;
                     return Ok(true);
                 }
@@ -2144,6 +2305,7 @@ impl UcxTransport {
                 if p.am_pending() {
                     return Ok(false);
                 }
+                p.dirty.store(true, Ordering::Release);
                 self.rma_put(p, ep, &d, s.as_ref().map(|(r, (_, _, v))| (r, *v)), src)?;
                 Ok(true)
             })?;

@@ -37,6 +37,13 @@ pub(super) struct Hooks {
     pub(super) stopped: AtomicBool,
     /// Bases of the revoked regions unmapped.
     pub(super) unmapped: Mutex<Vec<usize>>,
+    /// A put from lent memory, once numbered, blocks before it is passed
+    /// to `ucp_put_nbx` while set (holding the peer's lock) ...
+    block_numbered: AtomicBool,
+    /// ... and sets this once one does.
+    numbered_blocked: AtomicBool,
+    /// Waits for puts from lent memory begun ([`Inner::settle`]).
+    settling: AtomicU64,
 }
 
 impl Hooks {
@@ -60,6 +67,22 @@ impl Hooks {
                 std::thread::yield_now();
             }
         }
+    }
+
+    /// Blocks a numbered put from lent memory while `block_numbered` is
+    /// set.
+    pub(super) fn numbered(&self) {
+        if self.block_numbered.load(Ordering::Acquire) {
+            self.numbered_blocked.store(true, Ordering::Release);
+            while self.block_numbered.load(Ordering::Acquire) {
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    /// Counts a wait for puts from lent memory begun.
+    pub(super) fn settling(&self) {
+        self.settling.fetch_add(1, Ordering::AcqRel);
     }
 
     /// Whether the acknowledgement of `key` to `owner` is held back.
@@ -1898,4 +1921,287 @@ fn an_atomic_after_put_messages_executes_after_them() {
             drop(t);
         });
     }
+}
+
+/// Host puts larger than the largest put message are lent, not copied
+/// ([`Transport::start_put`]): each returns its number among the puts from
+/// lent memory (smaller ones are copied and complete on return: 0), with
+/// its signal ordered after its data by UCX's fence alone (no wait for the
+/// put: host memory's puts are not GPU memory's), so whenever the target
+/// sees the count reach `c`, put `c`'s bytes are there. One confirmation
+/// completes them all and lets every keeper go. Over UCX's tcp and the
+/// default transports (shared memory).
+#[test]
+fn large_host_puts_are_lent_with_each_signal_after_its_data() {
+    const N: u64 = 48;
+    const SLOTS: u64 = 8;
+    const WORDS: usize = 16 << 10; // 128 KiB a put
+    const SMALL: usize = 128; // 1 KiB: copied
+    if !ucx_here() {
+        return;
+    }
+    for tls in [Some(c"tcp,self"), None] {
+        let timeout = Duration::from_secs(30);
+        two_ranks_over(tls, move |b, table| {
+            let t = start(b, &table, timeout);
+            let mut recv = vec![0u64; SLOTS as usize * WORDS + 1];
+            let key = if b.rank() == 1 {
+                register(&table, &mut recv)
+            } else {
+                0
+            };
+            let key = key_of(b, key, 1);
+            let count_at = SLOTS * WORDS as u64 * 8;
+            if b.rank() == 0 {
+                assert!(t.lends_puts(1, (WORDS * 8) as u64));
+                assert!(!t.lends_puts(1, (SMALL * 8) as u64));
+                // Put `i`'s payload at words (i - 1) * WORDS..: each source
+                // is written once, before its put, and never again.
+                let src: Arc<Vec<u64>> = Arc::new(
+                    (1..=N)
+                        .flat_map(|i| (0..WORDS as u64).map(move |w| i << 20 | w))
+                        .collect(),
+                );
+                let sig = Target::Key {
+                    key,
+                    offset: count_at,
+                };
+                let mut lent = 0;
+                for i in 1..=N {
+                    let at = Target::Key {
+                        key,
+                        offset: (i % SLOTS) * WORDS as u64 * 8,
+                    };
+                    let small = i.is_multiple_of(8);
+                    let len = if small { SMALL } else { WORDS } * 8;
+                    let from = src[(i as usize - 1) * WORDS..].as_ptr().cast::<u8>();
+                    // SAFETY: `src` is host memory nobody writes, kept alive
+                    // by the keeper each put holds.
+                    let seq = unsafe {
+                        t.start_put(
+                            1,
+                            at,
+                            from,
+                            len as u64,
+                            Some((sig, 1)),
+                            Some(KeepAlive(src.clone())),
+                        )
+                    }
+                    .unwrap();
+                    if small {
+                        assert_eq!(seq, 0, "a small put was lent");
+                    } else {
+                        lent += 1;
+                        assert_eq!(seq, lent, "put {i} was not lent in order");
+                    }
+                }
+                t.confirm(1, timeout).unwrap();
+                let p = t.inner.peer(1).unwrap();
+                assert_eq!(p.lent.load(Ordering::Acquire), 0);
+                assert_eq!(p.lent_seq.load(Ordering::Acquire), lent);
+                assert_eq!(p.lent_device_seq.load(Ordering::Acquire), 0);
+                assert_eq!(t.lent_puts_completed(1).unwrap(), lent);
+                let began = Instant::now();
+                while Arc::strong_count(&src) > 1 {
+                    assert!(began.elapsed() < timeout, "a keeper was never released");
+                    std::thread::yield_now();
+                }
+            } else {
+                let began = Instant::now();
+                let mut seen = 0;
+                while seen < N {
+                    let c = word(&recv, SLOTS as usize * WORDS);
+                    assert!(began.elapsed() < timeout, "the signal stopped at {c}");
+                    if c == seen {
+                        std::thread::yield_now();
+                        continue;
+                    }
+                    seen = c;
+                    // Put `c`'s data, or a later put's to the same slot.
+                    let slot = (c % SLOTS) as usize * WORDS;
+                    let words = if c.is_multiple_of(8) { SMALL } else { WORDS };
+                    for w in (0..words).step_by(61) {
+                        let v = word(&recv, slot + w);
+                        assert!(
+                            v >> 20 >= c
+                                && (v >> 20) % SLOTS == c % SLOTS
+                                && v & 0xf_ffff == w as u64,
+                            "signal {c} seen before its data: word {w} of its slot is {v:#x} ({tls:?})"
+                        );
+                    }
+                }
+            }
+            b.barrier().unwrap();
+            drop(t);
+        });
+    }
+}
+
+/// A confirmation waits for the puts from lent memory started before it,
+/// not for those another thread keeps starting meanwhile (a proxy thread
+/// streaming a window's puts while the rank thread confirms): each of
+/// several confirmations returns, well within its timeout, with every put
+/// numbered before it complete, while a second thread lends puts without
+/// pause. Over UCX's tcp, where puts stay pending until the socket took
+/// them.
+#[test]
+fn a_confirm_returns_while_another_thread_keeps_lending_puts() {
+    const CHUNK: usize = 128 << 10;
+    const SLOTS: usize = 4;
+    if !ucx_here() {
+        return;
+    }
+    let timeout = Duration::from_secs(20);
+    two_ranks_over(Some(c"tcp,self"), move |b, table| {
+        let t = start(b, &table, timeout);
+        let mut recv = vec![0u64; SLOTS * CHUNK / 8];
+        let key = if b.rank() == 1 {
+            register(&table, &mut recv)
+        } else {
+            0
+        };
+        let key = key_of(b, key, 1);
+        if b.rank() == 0 {
+            let src: Arc<Vec<u8>> = Arc::new((0..CHUNK).map(lent_byte).collect());
+            let p = t.inner.peer(1).unwrap();
+            let stop = AtomicBool::new(false);
+            std::thread::scope(|s| {
+                let lender = s.spawn(|| {
+                    let mut i = 0;
+                    while !stop.load(Ordering::Acquire) {
+                        let at = Target::Key {
+                            key,
+                            offset: ((i % SLOTS) * CHUNK) as u64,
+                        };
+                        // SAFETY: `src` is host memory nobody writes, kept
+                        // alive by the keeper each put holds.
+                        let seq = unsafe {
+                            t.start_put(
+                                1,
+                                at,
+                                src.as_ptr(),
+                                CHUNK as u64,
+                                None,
+                                Some(KeepAlive(src.clone())),
+                            )
+                        }
+                        .unwrap();
+                        assert!(seq > 0, "a 128 KiB put was not lent");
+                        i += 1;
+                    }
+                    i
+                });
+                let began = Instant::now();
+                while p.lent_seq.load(Ordering::Acquire) < 4 {
+                    assert!(began.elapsed() < timeout, "the lender never started");
+                    std::thread::yield_now();
+                }
+                for round in 0..3 {
+                    let before = p.lent_seq.load(Ordering::Acquire);
+                    let began = Instant::now();
+                    t.confirm(1, timeout)
+                        .unwrap_or_else(|e| panic!("confirmation {round} failed: {e}"));
+                    assert!(
+                        began.elapsed() < timeout,
+                        "confirmation {round} held to its deadline"
+                    );
+                    let done = t.lent_puts_completed(1).unwrap();
+                    assert!(
+                        done >= before,
+                        "confirmation {round} returned with put {before} started before it incomplete ({done})"
+                    );
+                }
+                assert!(!lender.is_finished(), "the lender stopped by itself");
+                stop.store(true, Ordering::Release);
+                let n = lender.join().unwrap();
+                assert!(n >= 4, "{n}");
+            });
+            t.confirm(1, timeout).unwrap();
+            assert_eq!(p.lent.load(Ordering::Acquire), 0);
+        }
+        b.barrier().unwrap();
+        drop(t);
+    });
+}
+
+/// A confirmation covers every put from lent memory numbered before it,
+/// also one numbered but not yet passed to `ucp_put_nbx` (its thread held
+/// between the two, holding the peer's lock): the confirmation, begun
+/// then, waits in `settle` for it, and returns only once it completed,
+/// with its bytes at the target.
+#[test]
+fn a_confirm_covers_a_put_numbered_but_not_yet_issued() {
+    const LEN: usize = 128 << 10;
+    if !ucx_here() {
+        return;
+    }
+    let timeout = Duration::from_secs(20);
+    two_ranks_over(Some(c"tcp,self"), move |b, table| {
+        let t = start(b, &table, timeout);
+        let mut recv = vec![0u64; LEN / 8];
+        let key = if b.rank() == 1 {
+            register(&table, &mut recv)
+        } else {
+            0
+        };
+        let key = key_of(b, key, 1);
+        if b.rank() == 0 {
+            let src: Arc<Vec<u8>> = Arc::new((0..LEN).map(lent_byte).collect());
+            let p = t.inner.peer(1).unwrap();
+            let hooks = &t.inner.test;
+            hooks.block_numbered.store(true, Ordering::Release);
+            std::thread::scope(|s| {
+                let put = s.spawn(|| {
+                    let at = Target::Key { key, offset: 0 };
+                    // SAFETY: `src` is host memory nobody writes, kept alive
+                    // by the keeper the put holds.
+                    unsafe {
+                        t.start_put(
+                            1,
+                            at,
+                            src.as_ptr(),
+                            LEN as u64,
+                            None,
+                            Some(KeepAlive(src.clone())),
+                        )
+                    }
+                });
+                let began = Instant::now();
+                while !hooks.numbered_blocked.load(Ordering::Acquire) {
+                    assert!(began.elapsed() < timeout, "the put never got numbered");
+                    std::thread::yield_now();
+                }
+                assert_eq!(p.lent_seq.load(Ordering::Acquire), 1);
+                let settling = hooks.settling.load(Ordering::Acquire);
+                let confirm = s.spawn(|| {
+                    let r = t.confirm(1, timeout);
+                    (r, t.lent_puts_completed(1))
+                });
+                while hooks.settling.load(Ordering::Acquire) == settling {
+                    assert!(began.elapsed() < timeout, "the confirmation never waited");
+                    std::thread::yield_now();
+                }
+                // The confirmation waits for the put, not yet issued.
+                assert_eq!(p.lent_upto.load(Ordering::Acquire), 0);
+                assert!(!confirm.is_finished());
+                hooks.block_numbered.store(false, Ordering::Release);
+                assert_eq!(put.join().unwrap().unwrap(), 1);
+                let (r, done) = confirm.join().unwrap();
+                r.unwrap();
+                assert_eq!(done.unwrap(), 1, "the confirmation returned before the put");
+            });
+        }
+        b.barrier().unwrap();
+        if b.rank() == 1 {
+            let base = recv.as_ptr().cast::<u8>();
+            for i in 0..LEN {
+                // SAFETY: inside `recv`; rank 0's confirmed put wrote it
+                // before the barrier, and nothing writes it any more.
+                let got = unsafe { std::ptr::read_volatile(base.add(i)) };
+                assert_eq!(got, lent_byte(i), "byte {i} after the confirmation");
+            }
+        }
+        b.barrier().unwrap();
+        drop(t);
+    });
 }
