@@ -311,19 +311,7 @@ pub trait Transport: Send + Sync + std::fmt::Debug + std::any::Any {
         keep: Option<KeepAlive>,
     ) -> Result<u64, NetError> {
         drop(keep);
-        let n = usize::try_from(len).map_err(|_| {
-            let (window, offset) = match dst {
-                Target::Window(_, a) => (a.window, a.offset),
-                Target::Key { offset, .. } => (0, offset),
-            };
-            NetError::OutOfBounds {
-                peer,
-                window,
-                offset,
-                len,
-                size: usize::MAX as u64,
-            }
-        })?;
+        let n = usize::try_from(len).map_err(|_| too_long(peer, dst, len))?;
         // SAFETY: the caller lends `len` readable bytes at `src`, unwritten
         // until this returns (complete on return).
         let src = unsafe { std::slice::from_raw_parts(src, n) };
@@ -636,6 +624,22 @@ pub fn select_with(
             })
         })
         .collect()
+}
+
+/// The error for a length of `len` bytes to `t` at `peer` that this
+/// process cannot address.
+pub(crate) fn too_long(peer: usize, t: Target<'_>, len: u64) -> NetError {
+    let (window, offset) = match t {
+        Target::Window(_, a) => (a.window, a.offset),
+        Target::Key { offset, .. } => (0, offset),
+    };
+    NetError::OutOfBounds {
+        peer,
+        window,
+        offset,
+        len,
+        size: usize::MAX as u64,
+    }
 }
 
 #[cfg(test)]

@@ -49,7 +49,7 @@
 //! their error naming it.
 
 use std::collections::HashMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use gin_core::Comm;
 use gin_core::launch::{Role, run_ranks};
@@ -541,32 +541,19 @@ fn cuda_oracle_run(comm: &Comm, args: &Args) -> Res<String> {
     ))
 }
 
-/// `ll device=cuda bad=1` (host inputs): rank `victim` (default 1) names
-/// an expert out of range (its token 1, top-k slot 1) and must be refused
-/// by name, every other rank with a protocol error naming the victim (its
-/// counts poisoned by its dispatch kernel, which sends no token), at once:
-/// within half the job timeout; then every buffer takes the steps that
-/// follow (with good inputs), which verify with the oracle on every rank.
-fn ll_host_bad(
+/// What a one-victim refusal gave this rank, in words: the victim's own
+/// refusal of its expert `bad` at token 1 slot 1, or, on any other rank, a
+/// protocol error naming the victim; within half the job timeout.
+fn judge_refusal(
     cuda: &gin_core::cuda::CudaComm<'_>,
-    buf: &mut gin_ep::cuda::CudaBuffer<'_, '_>,
-    me: &RankInput,
+    rank: usize,
     victim: usize,
+    bad: i64,
+    got: &Result<(), EpError>,
+    took: Duration,
 ) -> Res<String> {
-    let cfg = *buf.config();
-    let rank = buf.rank();
-    if me.tokens < 2 || cfg.topk < 2 {
-        return Err(format!("rank {rank}: bad=1 needs 2 tokens and top-2 or more").into());
-    }
-    let bad = i64::try_from(cfg.num_experts + 3)?;
-    let mut idx = me.topk_idx.clone();
-    if rank == victim {
-        idx[cfg.topk + 1] = bad;
-    }
-    let t = Instant::now();
-    let got = buf.ll_dispatch(&me.x, &idx, &me.weights).map(|_| ());
-    let (took, timeout) = (t.elapsed(), cuda.comm().settings().timeout);
-    let what = match (&got, rank == victim) {
+    let timeout = cuda.comm().settings().timeout;
+    let what = match (got, rank == victim) {
         (
             Err(EpError::ExpertOutOfRange {
                 rank: r,
@@ -600,6 +587,35 @@ fn ll_host_bad(
         )
         .into());
     }
+    Ok(what)
+}
+
+/// `ll device=cuda bad=1` (host inputs): rank `victim` (default 1) names
+/// an expert out of range (its token 1, top-k slot 1) and must be refused
+/// by name, every other rank with a protocol error naming the victim (its
+/// counts poisoned by its dispatch kernel, which sends no token), at once:
+/// within half the job timeout; then every buffer takes the steps that
+/// follow (with good inputs), which verify with the oracle on every rank.
+fn ll_host_bad(
+    cuda: &gin_core::cuda::CudaComm<'_>,
+    buf: &mut gin_ep::cuda::CudaBuffer<'_, '_>,
+    me: &RankInput,
+    victim: usize,
+) -> Res<String> {
+    let cfg = *buf.config();
+    let rank = buf.rank();
+    if me.tokens < 2 || cfg.topk < 2 {
+        return Err(format!("rank {rank}: bad=1 needs 2 tokens and top-2 or more").into());
+    }
+    let bad = i64::try_from(cfg.num_experts + 3)?;
+    let mut idx = me.topk_idx.clone();
+    if rank == victim {
+        idx[cfg.topk + 1] = bad;
+    }
+    let t = Instant::now();
+    let got = buf.ll_dispatch(&me.x, &idx, &me.weights).map(|_| ());
+    let took = t.elapsed();
+    let what = judge_refusal(cuda, rank, victim, bad, &got, took)?;
     Ok(format!(
         "; rank {victim}'s bad expert id in host memory: {what} in {:.0} ms, then the buffer's steps verified",
         took.as_secs_f64() * 1e3
@@ -771,41 +787,8 @@ fn ht_bad(
         }
         None => buf.ht_dispatch(&me.x, &idx, &me.weights).map(|_| ()),
     };
-    let (took, timeout) = (t.elapsed(), cuda.comm().settings().timeout);
-    let what = match (&got, rank == victim) {
-        (
-            Err(EpError::ExpertOutOfRange {
-                rank: r,
-                token: 1,
-                slot: 1,
-                expert,
-                ..
-            }),
-            true,
-        ) if *r == rank && *expert == bad => format!("refused its expert {bad} at token 1 slot 1"),
-        (
-            Err(EpError::Protocol {
-                rank: r,
-                peer,
-                what,
-            }),
-            false,
-        ) if *r == rank && *peer == victim && what.contains("inputs were refused") => {
-            format!("told that rank {victim}'s inputs were refused")
-        }
-        _ => {
-            return Err(format!(
-                "rank {rank}: a bad expert id at rank {victim} gave {got:?} after {took:?}"
-            )
-            .into());
-        }
-    };
-    if took * 2 >= timeout {
-        return Err(format!(
-            "rank {rank}: the refused step ended only after {took:?} (GIN_TIMEOUT {timeout:?})"
-        )
-        .into());
-    }
+    let took = t.elapsed();
+    let what = judge_refusal(cuda, rank, victim, bad, &got, took)?;
     Ok(format!(
         "; rank {victim}'s bad expert id{}: {what} in {:.0} ms, then the buffer's steps verified",
         if dt.is_some() { " in GPU memory" } else { "" },

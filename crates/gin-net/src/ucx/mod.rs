@@ -145,7 +145,9 @@ pub use load::{ALTERNATIVES, USUAL};
 use crate::NetError;
 use crate::region::{Access, RegionTable};
 use crate::sticky::StickyError;
-use crate::transport::{Alive, AtomicOp, Blame, Reach, Registration, Scope, Target, Transport};
+use crate::transport::{
+    Alive, AtomicOp, Blame, Reach, Registration, Scope, Target, Transport, too_long,
+};
 use crate::window::KeepAlive;
 use worker::{Started, Ucp, started};
 
@@ -2057,21 +2059,6 @@ fn revoked(peer: usize, t: Target<'_>, len: u64, op: &'static str) -> NetError {
             why: format!("unknown memory key {key:#010x}"),
             window: None,
         },
-    }
-}
-
-/// A length this process cannot address.
-fn too_long(peer: usize, t: Target<'_>, len: u64) -> NetError {
-    let (window, offset) = match t {
-        Target::Window(_, a) => (a.window, a.offset),
-        Target::Key { offset, .. } => (0, offset),
-    };
-    NetError::OutOfBounds {
-        peer,
-        window,
-        offset,
-        len,
-        size: usize::MAX as u64,
     }
 }
 
