@@ -501,9 +501,10 @@ GIN_DEV int gdaki_flush(const DevComm& dc, u32 ctx, u32 peer) {
 GIN_DEV void lsa_actions(const DevComm& dc, u32 ctx, u32 peer, u64* sig_base, Remote rem,
                          LocalAction loc, bool near) {
   if (rem.kind == 1) {
-    // Release at system scope: the coop's stores (ordered before this thread
-    // by the coop's barrier) are visible at the peer before the signal. The
-    // add goes to the peer's own sub-slot (see signal_slot).
+    // A release (system scope, or GPU scope to a peer on this GPU): the
+    // coop's stores (ordered before this thread by the coop's barrier) are
+    // visible at the peer before the signal. The add goes to the peer's own
+    // sub-slot (see signal_slot).
     red_add_release(
         (u64*)((u8*)sig_base + receiver_offset(dc, signal_slot(dc, ctx, rem.id), peer)), rem.add,
         near);
