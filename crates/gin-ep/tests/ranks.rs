@@ -132,6 +132,12 @@ fn a_lone_refused_rank_ends_the_step_on_every_rank_at_once() {
 fn a_refused_step_that_times_out_leaves_the_buffer_refusing_steps() {
     let report = run(2, &["refuse-unended", "victim=1", "wait_ms=300"], &[]);
     assert_ok(&report, "refuse-unended");
+    let report = run(
+        2,
+        &["refuse-unended", "ht=1", "victim=1", "wait_ms=300"],
+        &[],
+    );
+    assert_ok(&report, "refuse-unended ht=1");
 }
 
 /// A rank dies after a step; the survivors finish the next step with its

@@ -1184,14 +1184,20 @@ fn refuse(comm: &Comm, args: &Args) -> Res<String> {
     ))
 }
 
-/// A refused step that cannot be ended (low-latency, CPU ranks): rank
+/// A refused step that cannot be ended (CPU ranks; `ht=1`:
+/// high-throughput mode, else low-latency): rank
 /// `victim` (default 1) names an expert out of range while no other rank
 /// takes part in the step, so the victim's wait for their signals runs out
 /// (its own timeout, `wait_ms`, default 300). The victim must report that
 /// timeout and then refuse its next dispatch ([`EpError::Phase`]): taking
 /// it would read the refused step's late signals as the next step's.
 fn refuse_unended(comm: &Comm, args: &Args) -> Res<String> {
-    let cfg = config(comm, args, Mode::LowLatency);
+    let mode = if args.get("ht", 0) == 1 {
+        Mode::HighThroughput
+    } else {
+        Mode::LowLatency
+    };
+    let cfg = config(comm, args, mode);
     let rank = comm.rank();
     let mut buf = buffer(comm, args, cfg)?;
     let (all, _) = inputs(comm, &cfg)?;
@@ -1201,7 +1207,7 @@ fn refuse_unended(comm: &Comm, args: &Args) -> Res<String> {
         buf.set_timeout(Duration::from_millis(args.get("wait_ms", 300) as u64));
         let mut idx = me.topk_idx.clone();
         idx[0] = i64::try_from(cfg.num_experts)?;
-        match buf.ll_dispatch_send(&me.x, &idx, &me.weights) {
+        match try_dispatch(&mut buf, &me.x, &idx, &me.weights) {
             Err(EpError::Timeout { rank: r, .. }) if r == rank => {}
             other => {
                 return Err(
@@ -1209,9 +1215,9 @@ fn refuse_unended(comm: &Comm, args: &Args) -> Res<String> {
                 );
             }
         }
-        match buf.ll_dispatch_send(&me.x, &me.topk_idx, &me.weights) {
+        match try_dispatch(&mut buf, &me.x, &me.topk_idx, &me.weights) {
             Err(EpError::Phase {
-                call: "ll_dispatch_send",
+                call: "ll_dispatch_send" | "ht_dispatch",
                 ..
             }) => "its unended refused step timed out and the next dispatch was refused".to_owned(),
             other => {
