@@ -31,6 +31,9 @@ pub(crate) enum Phase {
     DispatchSent,
     Dispatched,
     CombineSent,
+    /// A step that failed midway and cannot be ended (a refused step whose
+    /// exchange failed): every further step is refused.
+    Broken,
 }
 
 impl Phase {
@@ -40,6 +43,10 @@ impl Phase {
             Self::DispatchSent => "waiting to receive a dispatch",
             Self::Dispatched => "holding a dispatch (combine next)",
             Self::CombineSent => "waiting to receive a combine",
+            Self::Broken => {
+                "broken by a step that failed midway (its late signals would be taken for the \
+                 next step's; create a new buffer)"
+            }
         }
     }
 }

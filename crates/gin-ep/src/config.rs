@@ -4,6 +4,11 @@
 use crate::error::EpError;
 use crate::num::FP8_BLOCK;
 
+/// The most tokens per rank a buffer takes (`Config::validate`): a count
+/// signal (`count + 1`) then stays far below the low-latency refusal mark
+/// (`ll::POISON`, 2^32).
+pub(crate) const MAX_TOKENS_PER_RANK: usize = u32::MAX as usize / 2;
+
 /// Which of the two schemes a buffer runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
@@ -141,7 +146,7 @@ impl Config {
                 "FP8 needs a multiple of 128 (one scale per 128 elements)",
             );
         }
-        if self.max_tokens_per_rank == 0 || self.max_tokens_per_rank > u32::MAX as usize / 2 {
+        if self.max_tokens_per_rank == 0 || self.max_tokens_per_rank > MAX_TOKENS_PER_RANK {
             return bad(
                 "max_tokens_per_rank",
                 self.max_tokens_per_rank,

@@ -1,6 +1,8 @@
 //! Errors of gin-ep. Every variant names the rank that raised it and the
-//! token, slot, expert, peer or limit involved; input errors are raised
-//! before anything is sent.
+//! token, slot, expert, peer or limit involved. Input errors are raised
+//! before this rank sends a token; where a step has begun, the rank still
+//! takes part in it without tokens, so that its peers stop at once with
+//! [`EpError::PeerRefused`] naming it.
 
 use std::time::Duration;
 
@@ -201,6 +203,22 @@ pub enum EpError {
         call: &'static str,
         /// Where the step stands.
         phase: &'static str,
+    },
+    /// Rank `peer`'s inputs were refused this step (its own error names the
+    /// bad entry), so it sent no token and every rank ended the step
+    /// without reading one. No protocol was broken: this rank's buffer
+    /// takes the next step, except a CUDA buffer whose own call was
+    /// [`crate::cuda::CudaBuffer::ll_dispatch_device`] or queued on a
+    /// stream (it refuses further steps; docs/ep.md, "Bad input").
+    #[error(
+        "rank {rank}: rank {peer}'s inputs were refused this step (its own error names the entry), so every rank ended the step with no token read; no protocol was broken, and the buffer stays usable unless this rank's own call was a CUDA device-resident or queued dispatch"
+    )]
+    PeerRefused {
+        /// This rank.
+        rank: usize,
+        /// The rank whose inputs were refused (the lowest, where several
+        /// were).
+        peer: usize,
     },
     /// A peer sent something the protocol does not allow (a count or token
     /// index out of range): a bug or corruption at the peer.

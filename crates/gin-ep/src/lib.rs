@@ -14,7 +14,9 @@
 //!   `is_token_in_rank` and the prefix sums that place every token, from
 //!   `topk_idx` alone. Input errors (an expert out of range, too many
 //!   tokens, a shape that does not fit, a configuration or replicated table
-//!   that differs between ranks) are found before anything is sent.
+//!   that differs between ranks) are found before this rank sends a token;
+//!   a refused rank still takes part in the step (its peers return
+//!   [`EpError::PeerRefused`] naming it), docs/ep.md "Bad input".
 //! - **Low-latency mode** ([`ll`]): per-(local expert, source) slots sized
 //!   for the maximum, one count-carrying signal per (expert, source), and a
 //!   split into send and receive halves (DeepEP's receive hook).

@@ -38,6 +38,9 @@ const CRECV: usize = 3;
 /// the receivers know why (as CUDA ranks' `POISON` in `kernels/ll.cu`).
 pub(crate) const POISON: u64 = 1 << 32;
 
+// Every count signal a valid buffer sends is below the refusal mark.
+const _: () = assert!((crate::config::MAX_TOKENS_PER_RANK as u64) + 1 < POISON);
+
 /// Signals and window sizes of a low-latency buffer.
 pub(crate) fn resources(cfg: &Config, nranks: usize) -> (u32, Vec<usize>) {
     let l = cfg.local_experts(nranks);
@@ -325,9 +328,14 @@ impl Buffer<'_> {
     /// token: this rank still signals every (expert, source) pair, with
     /// 2^32 (`POISON`) instead of a count, so that every peer's
     /// [`Buffer::ll_dispatch_recv`] ends the step at once with
-    /// [`EpError::Protocol`] naming this rank; this call then waits for the
-    /// step's signals from every rank (as the receiving half would) and
+    /// [`EpError::PeerRefused`] naming this rank; this call then waits for
+    /// the step's signals from every rank (as the receiving half would) and
     /// returns the input error, every buffer usable for the next step.
+    /// Where that wait fails (a timeout, a lost peer under
+    /// [`OnPeerLoss::Fail`](crate::OnPeerLoss::Fail), a peer's broken
+    /// protocol) its error is returned instead and the buffer refuses
+    /// further steps: the refused step's late signals would otherwise be
+    /// taken for the next step's.
     pub fn ll_dispatch_send(
         &mut self,
         x: &[Bf16],
@@ -453,7 +461,7 @@ impl Buffer<'_> {
     /// active source's count for every local expert, then reads the
     /// received tokens' metadata. Where a source's inputs were refused this
     /// step (its counts say so), it ends the step with every rank instead,
-    /// reading no token, and returns [`EpError::Protocol`] naming the
+    /// reading no token, and returns [`EpError::PeerRefused`] naming the
     /// lowest such source; the buffer is then idle and usable.
     pub fn ll_dispatch_recv(&mut self, pending: LlPending) -> Result<LlDispatch, EpError> {
         self.expect_phase("ll_dispatch_recv", Phase::DispatchSent)?;
@@ -465,13 +473,9 @@ impl Buffer<'_> {
             // Nobody reads this step's tokens: end it as every rank does.
             self.ll_end_refused()?;
             self.phase = Phase::Idle;
-            return Err(EpError::Protocol {
+            return Err(EpError::PeerRefused {
                 rank: self.rank,
                 peer: src,
-                what: "its inputs were refused this step, so it sent no tokens (its own error \
-                       names the entry); no rank read this step's tokens and every buffer stays \
-                       usable"
-                    .into(),
             });
         }
         let mut d = LlDispatch {
@@ -534,8 +538,10 @@ impl Buffer<'_> {
     /// peer's receiving half ends the step at once naming this rank; then
     /// it consumes the step's dispatch signals and ends the step as every
     /// rank does ([`Buffer::ll_end_refused`]). Returns `err`, or where that
-    /// exchange itself failed its error.
+    /// exchange itself failed its error, the buffer then broken (as a
+    /// failed receiving half leaves it mid-step, never idle).
     fn ll_refuse(&mut self, err: EpError) -> EpError {
+        self.phase = Phase::Broken;
         let r = (|| {
             self.lost.clear();
             self.step += 1;
@@ -554,7 +560,10 @@ impl Buffer<'_> {
             self.ll_end_refused()
         })();
         match r {
-            Ok(()) => err,
+            Ok(()) => {
+                self.phase = Phase::Idle;
+                err
+            }
             Err(e) => e,
         }
     }
@@ -866,11 +875,11 @@ mod tests {
 
     #[test]
     fn poison_is_above_every_count_signal_a_buffer_allows() {
-        // The largest buffer `Config::validate` accepts.
-        let t = (u32::MAX / 2) as usize;
+        // The largest buffer `Config::validate` accepts is the one the
+        // compile-time check next to `POISON` bounds.
+        let t = crate::config::MAX_TOKENS_PER_RANK;
         let mut cfg = Config::low_latency(128, t, 2, 1);
         assert!(cfg.validate(0, 1).is_ok());
-        assert!((t as u64 + 1) < POISON);
         cfg.max_tokens_per_rank = t + 1;
         assert!(cfg.validate(0, 1).is_err());
     }

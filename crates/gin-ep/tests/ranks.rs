@@ -98,7 +98,7 @@ fn bad_inputs_are_refused_before_anything_is_sent() {
 
 /// Bad inputs on one rank only (an expert id out of range), after a
 /// verified step: the victim's error names its entry; every other rank's
-/// step ends at once (well within the job timeout) with a protocol error
+/// step ends at once (well within the job timeout) with `PeerRefused`
 /// naming the victim, in low-latency mode (the victim's dispatch signals
 /// carry a refused mark instead of counts) and in high-throughput mode on
 /// two emulated hosts (its notify row does); then two victims at once; then
@@ -122,6 +122,22 @@ fn a_lone_refused_rank_ends_the_step_on_every_rank_at_once() {
         &[],
     );
     assert_ok(&report, "ht refuse, 3 channels on 2 threads");
+}
+
+/// A refused step that cannot be ended (no peer takes part, so the
+/// victim's wait for their signals times out) leaves the victim's buffer
+/// refusing further steps, never idle: a next step would take the refused
+/// step's late signals for its own.
+#[test]
+fn a_refused_step_that_times_out_leaves_the_buffer_refusing_steps() {
+    let report = run(2, &["refuse-unended", "victim=1", "wait_ms=300"], &[]);
+    assert_ok(&report, "refuse-unended");
+    let report = run(
+        2,
+        &["refuse-unended", "ht=1", "victim=1", "wait_ms=300"],
+        &[],
+    );
+    assert_ok(&report, "refuse-unended ht=1");
 }
 
 /// A rank dies after a step; the survivors finish the next step with its

@@ -3,7 +3,7 @@
 //! prints `rank R: SCENARIO ok in ...` or fails with the first difference.
 //!
 //! `gin-ep-selftest SCENARIO [key=value ...]`; scenarios `ll`, `ht`, `bad`,
-//! `refuse`, `kill`, `mask`; keys `tokens`, `hidden`, `experts` (per rank), `topk`,
+//! `refuse`, `refuse-unended`, `kill`, `mask`; keys `tokens`, `hidden`, `experts` (per rank), `topk`,
 //! `fp8`, `repeats`, `victim`, `ht`, `ring`, `channels`, `threads`, `hook`. Without launcher variables it starts `ranks=N`
 //! local ranks of itself (default 2).
 //!
@@ -31,7 +31,7 @@
 //! from there (`ll_combine_from_device`, `ll_combine_from_on`: DeepEP's
 //! `low_latency_combine(x, ...)`). `inputs=device bad=1` gives rank
 //! `victim` (default 1) an expert id out of range on the GPU and expects it
-//! to report that entry and every other rank a protocol error naming it.
+//! to report that entry and every other rank `PeerRefused` naming it.
 //! `bad=1` with host inputs (the default) does so in the host's slices
 //! (refused by the host's checks, its counts poisoned by its kernel): the
 //! victim names its entry, every other rank the victim, within half the
@@ -42,7 +42,7 @@
 //! with the same oracle and digests as host inputs. `ht device=cuda bad=1`
 //! (host inputs or `inputs=device`) first gives rank `victim` (default 1)
 //! an expert id out of range: it must be refused by name, every other rank
-//! with a protocol error naming it, at once, then the steps after it
+//! with `PeerRefused` naming it, at once, then the steps after it
 //! verify on every rank.
 //! `kill device=cuda` queues steps on the test's stream and kills rank
 //! `victim` between two: the survivors' queued waits must give up at once,
@@ -117,6 +117,7 @@ fn run() -> Res<()> {
         "ht" => oracle_run(&comm, &args, Mode::HighThroughput)?,
         "bad" => bad_inputs(&comm, &args)?,
         "refuse" => refuse(&comm, &args)?,
+        "refuse-unended" => refuse_unended(&comm, &args)?,
         "kill" if cuda => cuda_kill(&comm, &args)?,
         "kill" => kill(&comm, &args)?,
         "mask" => masked(&comm, &args)?,
@@ -564,14 +565,7 @@ fn judge_refusal(
             }),
             true,
         ) if *r == rank && *expert == bad => format!("refused its expert {bad} at token 1 slot 1"),
-        (
-            Err(EpError::Protocol {
-                rank: r,
-                peer,
-                what,
-            }),
-            false,
-        ) if *r == rank && *peer == victim && what.contains("inputs were refused") => {
+        (Err(EpError::PeerRefused { rank: r, peer }), false) if *r == rank && *peer == victim => {
             format!("told that rank {victim}'s inputs were refused")
         }
         _ => {
@@ -592,7 +586,7 @@ fn judge_refusal(
 
 /// `ll device=cuda bad=1` (host inputs): rank `victim` (default 1) names
 /// an expert out of range (its token 1, top-k slot 1) and must be refused
-/// by name, every other rank with a protocol error naming the victim (its
+/// by name, every other rank with `PeerRefused` naming the victim (its
 /// counts poisoned by its dispatch kernel, which sends no token), at once:
 /// within half the job timeout; then every buffer takes the steps that
 /// follow (with good inputs), which verify with the oracle on every rank.
@@ -752,7 +746,7 @@ fn cuda_ht_run(comm: &Comm, args: &Args) -> Res<String> {
 /// `ht device=cuda bad=1` (host inputs or `inputs=device`): rank `victim`
 /// (default 1) names an expert out of range (its token 1, top-k slot 1; in
 /// GPU memory with `inputs=device`) and must be refused by name, every
-/// other rank with a protocol error naming the victim (told by the
+/// other rank with `PeerRefused` naming the victim (told by the
 /// victim's refused notify row, at once: within half the job timeout), no
 /// rank sending anything; then every buffer takes the steps that follow
 /// (with good inputs), which verify on every rank.
@@ -842,7 +836,7 @@ fn cuda_kill(comm: &Comm, args: &Args) -> Res<String> {
 /// `victim` names an expert out of range in its top-k ids, in GPU memory.
 /// Its dispatch kernel sends no token and a refused count instead; it
 /// reports the entry as the host path would (`ExpertOutOfRange`), every
-/// other rank a protocol error naming it, and no rank waits for the
+/// other rank `PeerRefused` naming it, and no rank waits for the
 /// timeout.
 fn cuda_device_bad(comm: &Comm, args: &Args) -> Res<String> {
     let (rank, n) = (comm.rank(), comm.nranks());
@@ -872,7 +866,7 @@ fn cuda_device_bad(comm: &Comm, args: &Args) -> Res<String> {
         ) if *r == rank && *token == tok && *s == slot && *expert == bad => {
             format!("refused its token {tok} slot {slot} (expert {bad}) on the GPU")
         }
-        (Err(EpError::Protocol { peer, .. }), false) if *peer == victim => {
+        (Err(EpError::PeerRefused { rank: r, peer }), false) if *r == rank && *peer == victim => {
             format!("told by rank {victim} that its inputs were refused")
         }
         _ => {
@@ -1071,8 +1065,9 @@ fn oracle_run(comm: &Comm, args: &Args, mode: Mode) -> Res<String> {
     ))
 }
 
-/// Bad inputs on one rank: a clear error before anything is sent, and the
-/// step that follows works on every rank (nothing was corrupted).
+/// Bad inputs on every rank alike: a clear error naming the entry (no rank
+/// sends a token; each ends the refused step with the others), and the step
+/// that follows works on every rank (nothing was corrupted).
 fn bad_inputs(comm: &Comm, args: &Args) -> Res<String> {
     let mode = if args.get("ht", 0) == 1 {
         Mode::HighThroughput
@@ -1140,7 +1135,8 @@ fn bad_inputs(comm: &Comm, args: &Args) -> Res<String> {
         Err(EpError::RoutingMismatch { .. }) => {}
         other => return Err(format!("rank {rank}: differing table gave {other:?}").into()),
     }
-    // Nothing was sent: a full step still verifies on every rank.
+    // No token was sent and every refused step ended on every rank: a full
+    // step still verifies on every rank.
     step(&mut buf, &all, &tables, true)?;
     buf.destroy()?;
     Ok("out-of-range expert, too many tokens, mismatched hidden, differing config and table refused; next step verified".into())
@@ -1149,7 +1145,7 @@ fn bad_inputs(comm: &Comm, args: &Args) -> Res<String> {
 /// Bad inputs on one rank only, on CPU ranks (`ht=1`: high-throughput
 /// mode): after a verified step, rank `victim` (default 1) names an expert
 /// out of range (its token 1, top-k slot 1) and must be refused by name,
-/// every other rank with a protocol error naming the victim, at once
+/// every other rank with `PeerRefused` naming the victim, at once
 /// (within half the job timeout); then the victim and the next rank both
 /// do, every other rank naming the lower of the two; then `repeats` steps
 /// (default 3) verify with the oracle on every rank, bit-identical to the
@@ -1188,9 +1184,61 @@ fn refuse(comm: &Comm, args: &Args) -> Res<String> {
     ))
 }
 
+/// A refused step that cannot be ended (CPU ranks; `ht=1`:
+/// high-throughput mode, else low-latency): rank
+/// `victim` (default 1) names an expert out of range while no other rank
+/// takes part in the step, so the victim's wait for their signals runs out
+/// (its own timeout, `wait_ms`, default 300). The victim must report that
+/// timeout and then refuse its next dispatch ([`EpError::Phase`]): taking
+/// it would read the refused step's late signals as the next step's.
+fn refuse_unended(comm: &Comm, args: &Args) -> Res<String> {
+    let mode = if args.get("ht", 0) == 1 {
+        Mode::HighThroughput
+    } else {
+        Mode::LowLatency
+    };
+    let cfg = config(comm, args, mode);
+    let rank = comm.rank();
+    let mut buf = buffer(comm, args, cfg)?;
+    let (all, _) = inputs(comm, &cfg)?;
+    let me = &all[rank];
+    let victim = args.get("victim", 1) % comm.nranks();
+    let what = if rank == victim {
+        buf.set_timeout(Duration::from_millis(args.get("wait_ms", 300) as u64));
+        let mut idx = me.topk_idx.clone();
+        idx[0] = i64::try_from(cfg.num_experts)?;
+        match try_dispatch(&mut buf, &me.x, &idx, &me.weights) {
+            Err(EpError::Timeout { rank: r, .. }) if r == rank => {}
+            other => {
+                return Err(
+                    format!("rank {rank}: a refused step nobody ended gave {other:?}").into(),
+                );
+            }
+        }
+        match try_dispatch(&mut buf, &me.x, &me.topk_idx, &me.weights) {
+            Err(EpError::Phase {
+                call: "ll_dispatch_send" | "ht_dispatch",
+                ..
+            }) => "its unended refused step timed out and the next dispatch was refused".to_owned(),
+            other => {
+                return Err(format!(
+                    "rank {rank}: a dispatch after an unended refused step gave {other:?}"
+                )
+                .into());
+            }
+        }
+    } else {
+        format!("sat out rank {victim}'s refused step")
+    };
+    comm.bootstrap().barrier()?;
+    buf.destroy()?;
+    Ok(what)
+}
+
 /// One step in which every rank of `victims` names an expert out of range
 /// at token 1, top-k slot 1: each must report that entry, every other rank
-/// a protocol error naming the lowest victim, within half the timeout.
+/// [`EpError::PeerRefused`] naming the lowest victim, within half the
+/// timeout.
 fn refused_step(
     comm: &Comm,
     buf: &mut Buffer<'_>,
@@ -1229,14 +1277,7 @@ fn refused_step(
             }),
             true,
         ) if *r == rank && *expert == bad => format!("refused its expert {bad} at token 1 slot 1"),
-        (
-            Err(EpError::Protocol {
-                rank: r,
-                peer,
-                what,
-            }),
-            false,
-        ) if *r == rank && *peer == lowest && what.contains("inputs were refused") => {
+        (Err(EpError::PeerRefused { rank: r, peer }), false) if *r == rank && *peer == lowest => {
             format!("told that rank {lowest}'s inputs were refused")
         }
         _ => {

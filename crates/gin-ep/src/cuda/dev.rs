@@ -337,8 +337,9 @@ pub(crate) fn is_refusal(w0: u64) -> bool {
 
 /// The error a kernel recorded (`ep::record`: word 0 the kind | the peer
 /// << 8, words 1-3 what), as the host reports it: the source's protocol
-/// errors as [`EpError::Protocol`] naming it and this rank's expert, bad
-/// inputs as the host's own input checks name them. `None` for no error
+/// errors as [`EpError::Protocol`] naming it and this rank's expert, a
+/// source's refused inputs as [`EpError::PeerRefused`] naming it, this
+/// rank's bad inputs as the host's own input checks name them. `None` for no error
 /// (word 0 zero).
 pub fn decode_error(rank: usize, cfg: &Config, w: [u64; 4]) -> Option<EpError> {
     if w[0] == 0 {
@@ -357,11 +358,7 @@ pub fn decode_error(rank: usize, cfg: &Config, w: [u64; 4]) -> Option<EpError> {
             "count {} for expert {}, above the maximum {t}",
             w[2], w[1]
         )),
-        code::PEER_BAD_INPUT => proto(format!(
-            "its inputs were refused this step (by its host's checks or on the GPU), so it \
-             sent expert {} no tokens (its own error names the entry)",
-            w[1]
-        )),
+        code::PEER_BAD_INPUT => EpError::PeerRefused { rank, peer },
         code::TOKEN_RANGE => proto(format!(
             "token index {} at or above the maximum {t} in expert {}'s slots",
             w[2], w[1]
@@ -568,15 +565,7 @@ mod tests {
         );
         assert!(e.to_string().contains("expert 6"));
         let e = decode_error(2, &c, [code::PEER_BAD_INPUT | 1 << 8, 7, 0, 0]).unwrap();
-        assert!(matches!(
-            e,
-            EpError::Protocol {
-                rank: 2,
-                peer: 1,
-                ..
-            }
-        ));
-        assert!(e.to_string().contains("expert 7"));
+        assert!(matches!(e, EpError::PeerRefused { rank: 2, peer: 1 }));
         assert!(e.to_string().contains("inputs were refused"), "{e}");
         let e = decode_error(1, &c, [code::EXPERT_RANGE, 3, 2, (-5i64).cast_unsigned()]).unwrap();
         assert!(matches!(
@@ -608,7 +597,6 @@ mod tests {
         assert!(e.to_string().contains("unknown error 200"));
     }
 
-    /// The kernels' codes are the host's (`ep::ERR_*` in ll.cu).
     /// A refusal (a rank's inputs, on the host or the GPU) ends the step
     /// on every rank; a broken protocol (or an HT error) does not, and an
     /// empty word is no error at all. The peer byte does not matter.
@@ -634,6 +622,7 @@ mod tests {
         }
     }
 
+    /// The kernels' codes are the host's (`ep::ERR_*` in ll.cu).
     #[test]
     fn error_codes_match_the_kernels() {
         let src = super::super::LL_KERNELS;

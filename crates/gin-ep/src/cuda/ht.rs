@@ -361,7 +361,7 @@ pub(crate) enum Rows {
     /// Every active rank's row, checked.
     Taken(Vec<Option<Vec<u32>>>),
     /// An active rank refused its own inputs this step (its row is
-    /// [`plan::refused_row`]): that rank's [`EpError::Protocol`], naming
+    /// [`plan::refused_row`]): that rank's [`EpError::PeerRefused`], naming
     /// it. Nothing moves on any rank: every rank's count exchange has
     /// completed, no plan is built and no token is sent, so every buffer
     /// stays usable for the next step.
@@ -388,13 +388,7 @@ pub(crate) fn notify_rows(
             .collect()
     };
     if let Some(src) = (0..s.r).find(|&p| active[p] && plan::is_refused(s, &row_of(p))) {
-        return Ok(Rows::Refused(EpError::Protocol {
-            rank,
-            peer: src,
-            what: "its inputs were refused this step, so it sent nothing (its own error names \
-                   the entry); no rank sent anything and every buffer stays usable"
-                .into(),
-        }));
+        return Ok(Rows::Refused(plan::refused_by(rank, src)));
     }
     let mut rows = vec![None; s.r];
     for (src, slot) in rows.iter_mut().enumerate() {

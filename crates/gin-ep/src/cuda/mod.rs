@@ -6,8 +6,9 @@
 //!
 //! The windows, message format, slot and signal numbering and the
 //! cumulative-signal protocol are the CPU ranks' ([`crate::ll`]); inputs
-//! are checked on the host with the same code before anything is sent
-//! (bad input leaves every rank as it was). A step is three launches:
+//! are checked on the host with the same code before this rank sends a
+//! token (bad input still takes part in the step, without tokens, so that
+//! every peer ends it naming this rank; below). A step is three launches:
 //! dispatch (send and receive halves in one kernel), the expert (here the
 //! identity, [`CudaBuffer::ll_echo`]), combine (send and reduce in one
 //! kernel). Every device wait is bounded by the job timeout and a failure
@@ -74,7 +75,7 @@
 //! to every expert's rank, so every rank finishes the step and reports it:
 //! the rank its entry ([`EpError::ExpertOutOfRange`],
 //! [`EpError::DuplicateExpert`], [`EpError::BadWeight`], ...), the others
-//! a protocol error naming the rank. Inputs in GPU memory are found bad by
+//! [`EpError::PeerRefused`] naming the rank. Inputs in GPU memory are found bad by
 //! the dispatch kernel; host inputs by the host's checks, after which
 //! [`CudaBuffer::ll_dispatch`] still launches the dispatch kernel, with no
 //! token and its input-check word set, so that it poisons the counts
@@ -82,9 +83,12 @@
 //! launch that carries no data (its signals only, as CPU ranks'
 //! `ll_end_refused`), so that no rank waits for another and every signal
 //! and counter advances as in a full step: from host inputs every buffer
-//! stays usable and the next step runs normally; from inputs in GPU memory
-//! the buffer then refuses further steps, as after any other recorded error
-//! (a broken protocol).
+//! stays usable and the next step runs normally; a buffer whose own call
+//! was [`CudaBuffer::ll_dispatch_device`] (or a queued dispatch, reported
+//! by [`CudaBuffer::check`]) then refuses further steps, whichever rank's
+//! inputs were refused, as after any other recorded error (a broken
+//! protocol). The job's ranks must use the same call kind for every
+//! buffer to outlive a refusal.
 //!
 //! High-throughput mode (`ht.rs`, `kernels/ht.cu`): a buffer created with
 //! [`Config::high_throughput`] runs [`CudaBuffer::ht_dispatch`],
@@ -946,8 +950,8 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// Low-latency dispatch on CUDA ranks from host memory: checks the
     /// inputs (no token is sent on an error: the kernel still runs, telling
     /// every peer that this rank's inputs were refused, every rank ends the
-    /// step and every buffer stays usable; the error names the entry, each
-    /// peer's [`EpError::Protocol`] this rank), stages each token's message in
+    /// step and this buffer stays usable; the error names the entry, each
+    /// peer's [`EpError::PeerRefused`] this rank), stages each token's message in
     /// the send window, and runs the dispatch kernel, which puts every
     /// token into a slot of each rank holding one of its experts, signals
     /// every (expert, source) pair with its count, and waits (bounded) for
@@ -1027,8 +1031,9 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// adds `POISON` to each of its (expert, source) signals and consumes
     /// every source's signal of the step; then this rank ends the step as
     /// every rank does ([`CudaBuffer::end_refused`]). Every peer's dispatch
-    /// thus returns at once with [`EpError::Protocol`] naming this rank,
-    /// and every buffer stays usable. Returns `err`, or where those
+    /// thus returns at once with [`EpError::PeerRefused`] naming this rank,
+    /// and this buffer stays usable (a peer's too, unless its own call was
+    /// a device-resident or queued dispatch). Returns `err`, or where those
     /// launches failed their error (the buffer then refuses further steps).
     fn ll_refuse(&mut self, err: EpError) -> EpError {
         let r = (|| -> Result<(), EpError> {
@@ -1159,9 +1164,10 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// receiver learns that its inputs were refused; this rank reports the
     /// first bad entry as the host path would ([`EpError::ExpertOutOfRange`],
     /// [`EpError::DuplicateExpert`], [`EpError::BadWeight`]), the others a
-    /// [`EpError::Protocol`] naming it; every rank ends the step (no rank
-    /// waits for another, as after a refusal of host inputs), and the
-    /// buffers refuse further steps.
+    /// [`EpError::PeerRefused`] naming it; every rank ends the step (no rank
+    /// waits for another, as after a refusal of host inputs). This buffer
+    /// then refuses further steps, whichever rank's inputs were refused; a
+    /// peer that called [`CudaBuffer::ll_dispatch`] keeps its buffer.
     pub fn ll_dispatch_device(&mut self, inp: &DeviceInputs<'_>) -> Result<CudaLlStep, EpError> {
         self.expect_unqueued("ll_dispatch_device")?;
         let src = self.prepare_device("ll_dispatch_device", inp)?;

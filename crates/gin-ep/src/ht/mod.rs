@@ -285,8 +285,10 @@ impl Buffer<'_> {
     /// waits for every active rank's row, and a refused row ends the step
     /// after that one round on every rank); nothing else is sent, and every
     /// buffer stays usable. Returns `err`, or where the exchange itself
-    /// failed its error.
+    /// failed its error, the buffer then broken (a late row of this step
+    /// would otherwise be taken for the next step's).
     fn ht_refuse(&mut self, err: EpError) -> EpError {
+        self.phase = Phase::Broken;
         let r = (|| {
             self.settle()?;
             self.lost.clear();
@@ -296,7 +298,10 @@ impl Buffer<'_> {
             self.ht_notify_round(&s, &row).map(drop)
         })();
         match r {
-            Ok(()) => err,
+            Ok(()) => {
+                self.phase = Phase::Idle;
+                err
+            }
             Err(e) => e,
         }
     }

@@ -574,13 +574,7 @@ impl Buffer<'_> {
 /// inputs were refused, so the step ended on every rank after its count
 /// exchange, with nothing sent.
 pub(crate) fn refused_by(rank: usize, src: usize) -> EpError {
-    EpError::Protocol {
-        rank,
-        peer: src,
-        what: "its inputs were refused this step, so it sent nothing (its own error names the \
-               entry); no rank sent anything and every buffer stays usable"
-            .into(),
-    }
+    EpError::PeerRefused { rank, peer: src }
 }
 
 /// A notify row from `src`, received at `rank`: its counts must fit the
@@ -674,7 +668,7 @@ mod tests {
         }
         let e = refused_by(0, 2);
         assert!(
-            matches!(&e, EpError::Protocol { rank: 0, peer: 2, what } if what.contains("inputs were refused")),
+            matches!(&e, EpError::PeerRefused { rank: 0, peer: 2 }),
             "{e}"
         );
     }

@@ -258,11 +258,9 @@ fn a_refused_row_ends_the_step_naming_its_rank() {
     };
     let by3 = with(&raw, 3);
     match notify_rows(&s, 1, &active, &by3).unwrap() {
-        Rows::Refused(EpError::Protocol {
-            rank: 1,
-            peer: 3,
-            what,
-        }) => assert!(what.contains("inputs were refused"), "{what}"),
+        Rows::Refused(e @ EpError::PeerRefused { rank: 1, peer: 3 }) => {
+            assert!(e.to_string().contains("inputs were refused"), "{e}");
+        }
         other => panic!("{other:?}"),
     }
     // Rank 0's row is broken too: the refusal (rank 3's) still comes first.
@@ -271,12 +269,12 @@ fn a_refused_row_ends_the_step_naming_its_rank() {
         .copy_from_slice(&(s.t as u32 + 1).to_le_bytes());
     assert!(matches!(
         notify_rows(&s, 1, &active, &broken),
-        Ok(Rows::Refused(EpError::Protocol { peer: 3, .. }))
+        Ok(Rows::Refused(EpError::PeerRefused { peer: 3, .. }))
     ));
     // Ranks 0 and 3 refused: the lowest is named.
     assert!(matches!(
         notify_rows(&s, 1, &active, &with(&by3, 0)),
-        Ok(Rows::Refused(EpError::Protocol { peer: 0, .. }))
+        Ok(Rows::Refused(EpError::PeerRefused { peer: 0, .. }))
     ));
     // A masked rank's slot is not read, whatever it holds.
     assert!(matches!(
