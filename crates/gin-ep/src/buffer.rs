@@ -32,7 +32,8 @@ pub(crate) enum Phase {
     Dispatched,
     CombineSent,
     /// A step that failed midway and cannot be ended (a refused step whose
-    /// exchange failed): every further step is refused.
+    /// exchange failed, or a high-throughput count exchange that failed
+    /// midway): every further step is refused.
     Broken,
 }
 

@@ -138,6 +138,20 @@ fn a_refused_step_that_times_out_leaves_the_buffer_refusing_steps() {
         &[],
     );
     assert_ok(&report, "refuse-unended ht=1");
+    // High-throughput mode with good inputs: a step whose count exchange
+    // times out leaves the buffer refusing steps too.
+    let report = run(
+        2,
+        &[
+            "refuse-unended",
+            "ht=1",
+            "good=1",
+            "victim=1",
+            "wait_ms=300",
+        ],
+        &[],
+    );
+    assert_ok(&report, "refuse-unended ht=1 good=1");
 }
 
 /// A rank dies after a step; the survivors finish the next step with its

@@ -1205,21 +1205,22 @@ fn refuse_unended(comm: &Comm, args: &Args) -> Res<String> {
     let victim = args.get("victim", 1) % comm.nranks();
     let what = if rank == victim {
         buf.set_timeout(Duration::from_millis(args.get("wait_ms", 300) as u64));
+        // `good=1`: good inputs, a step nobody else takes part in either.
         let mut idx = me.topk_idx.clone();
-        idx[0] = i64::try_from(cfg.num_experts)?;
+        if args.get("good", 0) == 0 {
+            idx[0] = i64::try_from(cfg.num_experts)?;
+        }
         match try_dispatch(&mut buf, &me.x, &idx, &me.weights) {
             Err(EpError::Timeout { rank: r, .. }) if r == rank => {}
             other => {
-                return Err(
-                    format!("rank {rank}: a refused step nobody ended gave {other:?}").into(),
-                );
+                return Err(format!("rank {rank}: a step nobody ended gave {other:?}").into());
             }
         }
         match try_dispatch(&mut buf, &me.x, &me.topk_idx, &me.weights) {
             Err(EpError::Phase {
                 call: "ll_dispatch_send" | "ht_dispatch",
                 ..
-            }) => "its unended refused step timed out and the next dispatch was refused".to_owned(),
+            }) => "its unended step timed out and the next dispatch was refused".to_owned(),
             other => {
                 return Err(format!(
                     "rank {rank}: a dispatch after an unended refused step gave {other:?}"

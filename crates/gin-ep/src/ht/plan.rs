@@ -452,7 +452,16 @@ impl Buffer<'_> {
     ) -> Result<Plan, EpError> {
         loop {
             let before = self.active.clone();
-            let rows = self.ht_notify_round(s, &notify_row(s, lay, &self.active))?;
+            // A round that failed midway (a peer's row not in by the
+            // timeout, a failed put) leaves its late rows to be taken for
+            // the next step's: the buffer refuses further steps.
+            let rows = match self.ht_notify_round(s, &notify_row(s, lay, &self.active)) {
+                Ok(rows) => rows,
+                Err(e) => {
+                    self.phase = crate::buffer::Phase::Broken;
+                    return Err(e);
+                }
+            };
             // A refused row first: this step ends on every rank after this
             // one round (every rank takes it), with nothing sent.
             let refused = rows
