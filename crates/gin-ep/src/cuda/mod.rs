@@ -1864,8 +1864,14 @@ mod tests {
     /// cannot be loaded, except under `GIN_REQUIRE_NVRTC=1`.
     #[test]
     fn nvrtc_compiles_the_ll_kernels_for_hopper_and_ampere() {
+        assert_nvrtc_compiles(LL_KERNELS, "ll.cu");
+    }
+
+    /// NVRTC compiles `src` for Hopper and Ampere; skipped with a reason
+    /// where NVRTC cannot be loaded, except under `GIN_REQUIRE_NVRTC=1`.
+    pub(crate) fn assert_nvrtc_compiles(src: &str, name: &str) {
         for cc in [(9, 0), (8, 0)] {
-            match gin_core::cuda::nvrtc::compile(LL_KERNELS, "ll.cu", cc) {
+            match gin_core::cuda::nvrtc::compile(src, name, cc) {
                 Ok(cubin) => assert_eq!(&cubin.as_bytes()[..4], b"\x7fELF", "{cc:?}"),
                 Err(CoreError::Unavailable { why, .. }) => {
                     assert!(
@@ -1875,7 +1881,7 @@ mod tests {
                     eprintln!("skipped: NVRTC cannot be loaded ({why})");
                     return;
                 }
-                Err(e) => panic!("ll.cu for {cc:?}: {e}"),
+                Err(e) => panic!("{name} for {cc:?}: {e}"),
             }
         }
     }

@@ -25,20 +25,7 @@ mod common;
 /// `GIN_REQUIRE_NVRTC=1` (`.ci/nvcc-check`).
 #[test]
 fn nvrtc_compiles_the_ht_kernels_for_hopper_and_ampere() {
-    for cc in [(9, 0), (8, 0)] {
-        match gin_core::cuda::nvrtc::compile(HT_KERNELS, "ht.cu", cc) {
-            Ok(cubin) => assert_eq!(&cubin.as_bytes()[..4], b"\x7fELF", "{cc:?}"),
-            Err(CoreError::Unavailable { why, .. }) => {
-                assert!(
-                    std::env::var_os("GIN_REQUIRE_NVRTC").is_none(),
-                    "GIN_REQUIRE_NVRTC is set but NVRTC cannot be used: {why}"
-                );
-                eprintln!("skipped: NVRTC cannot be loaded ({why})");
-                return;
-            }
-            Err(e) => panic!("ht.cu for {cc:?}: {e}"),
-        }
-    }
+    crate::cuda::tests::assert_nvrtc_compiles(HT_KERNELS, "ht.cu");
 }
 
 /// The kernels the host launches exist under the names it looks up, one
