@@ -148,6 +148,12 @@ pub struct MoeResult {
     /// clock (`dispatch`, which starts at the notify kernel).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dispatch_call: Option<Row>,
+    /// CUDA ranks, high-throughput mode: the dispatch kernel alone (GPU
+    /// clock, its first block's start to its last block's end), the
+    /// slowest rank's mean: `dispatch` less the notify kernel, the host's
+    /// plan and the tokens' copy before it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dispatch_kernel: Option<Row>,
     /// `cpu` or `cuda` ranks.
     #[serde(default)]
     pub device: String,
@@ -248,6 +254,7 @@ fn table(all: &[MoeResult]) -> Table {
     );
     for r in all {
         let call = r.dispatch_call.as_ref().map(|c| ("dispatch call", c));
+        let kernel = r.dispatch_kernel.as_ref().map(|k| ("dispatch kernel", k));
         for (phase, row) in [
             ("dispatch", &r.dispatch),
             ("combine", &r.combine),
@@ -255,6 +262,7 @@ fn table(all: &[MoeResult]) -> Table {
         ]
         .into_iter()
         .chain(call)
+        .chain(kernel)
         {
             t.row(vec![
                 r.ranks.to_string(),
@@ -276,7 +284,8 @@ fn table(all: &[MoeResult]) -> Table {
          (CPU ranks: one part per peer; CUDA ranks: each peer's bytes over the phases' grid); \
          CUDA ranks' phases are GPU clocks (the dispatch from the first kernel's start, after \
          the host's input checks), \"dispatch call\" the host's wall time of the whole dispatch \
-         call (checks, read-backs, plan and waits included)",
+         call (checks, read-backs, plan and waits included), \"dispatch kernel\" (high-throughput \
+         mode) the dispatch kernel alone, without the notify kernel, plan and copies before it",
     );
     t
 }
@@ -401,6 +410,7 @@ fn rank_main(args: &MoeArgs) -> Result<()> {
             combine: Row::new(cb, c_runs, fc_runs).context("no samples")?,
             total: Row::new(db + cb, t_runs, ft_runs).context("no samples")?,
             dispatch_call: None,
+            dispatch_kernel: None,
             device: "cpu".into(),
             inputs: MoeInputs::Host,
         })?;
@@ -468,29 +478,30 @@ fn cuda_rank_main(args: &MoeArgs) -> Result<()> {
         &comb[rank * n..(rank + 1) * n],
     )?;
     // Per step: dispatch, combine, floor dispatch, floor combine (GPU
-    // clocks), the dispatch call's wall time (µs).
-    let mut step = |timed: &mut [f64; 5]| -> Result<()> {
+    // clocks), the dispatch call's wall time, the dispatch kernel alone (µs).
+    let mut step = |timed: &mut [f64; 6]| -> Result<()> {
         comm.bootstrap().barrier()?;
         let call = cuda_phases(&comm, &mut buf, args.mode, me, dev.as_ref())?;
         let (kd, kc) = buf.last_kernels();
+        let kernel = buf.last_dispatch_kernel().us();
         comm.bootstrap().barrier()?;
         let fd = floor.step(true)?;
         comm.bootstrap().barrier()?;
         let fc = floor.step(false)?;
         for (t, k) in timed
             .iter_mut()
-            .zip([kd.us(), kc.us(), fd.us(), fc.us(), call])
+            .zip([kd.us(), kc.us(), fd.us(), fc.us(), call, kernel])
         {
             *t += k;
         }
         Ok(())
     };
     for _ in 0..c.warmup_for(c.iters) {
-        step(&mut [0.0; 5])?;
+        step(&mut [0.0; 6])?;
     }
-    let mut samples: [Vec<f64>; 7] = Default::default();
+    let mut samples: [Vec<f64>; 8] = Default::default();
     for _ in 0..c.runs {
-        let mut sums = [0.0; 5];
+        let mut sums = [0.0; 6];
         for _ in 0..c.iters {
             step(&mut sums)?;
         }
@@ -504,6 +515,7 @@ fn cuda_rank_main(args: &MoeArgs) -> Result<()> {
             slow[3],
             slow[2] + slow[3],
             slow[4],
+            slow[5],
         ]
         .into_iter()
         .enumerate()
@@ -517,7 +529,7 @@ fn cuda_rank_main(args: &MoeArgs) -> Result<()> {
         (0..n).map(|s| comb[s * n + rank]).sum::<u64>() as f64,
     );
     if rank == 0 {
-        let [d, cm, t, fd, fc, ft, call] = samples;
+        let [d, cm, t, fd, fc, ft, call, kernel] = samples;
         ranks::emit(&MoeResult {
             ranks: n,
             mode: args.mode,
@@ -538,7 +550,11 @@ fn cuda_rank_main(args: &MoeArgs) -> Result<()> {
             dispatch: Row::new(db, d, fd.clone()).context("no samples")?,
             combine: Row::new(cb, cm, fc).context("no samples")?,
             total: Row::new(db + cb, t, ft).context("no samples")?,
-            dispatch_call: Some(Row::new(db, call, fd).context("no samples")?),
+            dispatch_call: Some(Row::new(db, call, fd.clone()).context("no samples")?),
+            dispatch_kernel: match args.mode {
+                MoeMode::Ht => Some(Row::new(db, kernel, fd).context("no samples")?),
+                MoeMode::Ll => None,
+            },
             device: "cuda".into(),
             inputs: args.inputs,
         })?;
@@ -858,6 +874,7 @@ mod tests {
             combine: row(50.0),
             total: row(150.0),
             dispatch_call,
+            dispatch_kernel: None,
             device: "cuda".into(),
             inputs: MoeInputs::Device,
         }
@@ -878,10 +895,17 @@ mod tests {
                 .iter()
                 .any(|n| n.contains("\"dispatch call\" the host's wall time"))
         );
+        let mut with_kernel = result(None);
+        with_kernel.dispatch_kernel = Some(Row::new(1e6, vec![300.0; 3], vec![10.0; 3]).unwrap());
+        let t = table(&[with_kernel]);
+        let phases: Vec<&str> = t.rows.iter().map(|r| r[3].as_str()).collect();
+        assert_eq!(phases, ["dispatch", "combine", "both", "dispatch kernel"]);
+        assert_eq!(t.rows[3][4], "300.0");
         let t = table(&[result(None)]);
         assert_eq!(t.rows.len(), 3);
         let mut json = serde_json::to_value(result(None)).unwrap();
         assert!(json.get("dispatch_call").is_none());
+        assert!(json.get("dispatch_kernel").is_none());
         json.as_object_mut().unwrap().remove("inputs");
         let back: MoeResult = serde_json::from_value(json).unwrap();
         assert!(back.dispatch_call.is_none());

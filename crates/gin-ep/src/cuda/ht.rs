@@ -997,6 +997,7 @@ impl CudaBuffer<'_, '_> {
         let r = unsafe { go(&self.dc, f, On::Wait, grid, &args) };
         self.launched(On::Wait, "ht_dispatch", r)?;
         let ended = read_clock(&self.state.clock)?;
+        self.last_dispatch_kernel = ended;
         let start_ns = self.ht.as_ref().map_or(ended.start_ns, |h| h.notify_start);
         self.last.0 = super::KernelClock {
             start_ns,

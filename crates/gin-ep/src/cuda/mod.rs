@@ -455,6 +455,8 @@ pub struct CudaBuffer<'a, 'c> {
     staged: Vec<u8>,
     /// The last dispatch and combine launches (GPU clock).
     last: (KernelClock, KernelClock),
+    /// The last dispatch kernel alone (in low-latency mode `last.0`).
+    last_dispatch_kernel: KernelClock,
     /// `[owner]`: whether this rank reads `owner`'s combine slots in place.
     reads: Vec<bool>,
     /// High-throughput mode's device memory and staging.
@@ -644,6 +646,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             blocks: BLOCKS,
             staged: Vec::new(),
             last: (KernelClock::default(), KernelClock::default()),
+            last_dispatch_kernel: KernelClock::default(),
             reads: Vec::new(),
             ht,
         };
@@ -707,6 +710,15 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// them counts, as DeepEP's CPU sync does).
     pub fn last_kernels(&self) -> (KernelClock, KernelClock) {
         self.last
+    }
+
+    /// When the last dispatch kernel alone ran (its first block's start to
+    /// its last block's end): in high-throughput mode without the notify
+    /// kernel, the host's plan and the tokens' copy that
+    /// [`CudaBuffer::last_kernels`]'s dispatch clock includes; in
+    /// low-latency mode the same clock.
+    pub fn last_dispatch_kernel(&self) -> KernelClock {
+        self.last_dispatch_kernel
     }
 
     /// Makes this rank's GPU current on the calling thread.
@@ -943,6 +955,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         self.st.dispatched_now();
         if on == On::Wait {
             self.last.0 = read_clock(&self.state.clock)?;
+            self.last_dispatch_kernel = self.last.0;
         }
         Ok(())
     }
