@@ -771,7 +771,9 @@ impl CudaBuffer<'_, '_> {
             .as_mut()
             .map(|h| std::mem::take(&mut h.meta))
             .unwrap_or_default();
+        let t0 = std::time::Instant::now();
         let plan = self.ht_notify(s, lay, (x, idx, w), &mut meta);
+        let notified = t0.elapsed();
         if let Some(h) = self.ht.as_mut() {
             h.meta = meta;
         }
@@ -793,8 +795,19 @@ impl CudaBuffer<'_, '_> {
             // borrowed for this call; the launch is waited for.
             unsafe { self.ht_quantize(s, lay.tokens, xbf)? };
         }
+        let quantised = t0.elapsed();
         self.ht_upload(&plan)?;
+        let uploaded = t0.elapsed();
         self.ht_launch_dispatch(s, lay.tokens)?;
+        let us = |d: std::time::Duration| d.as_secs_f64() * 1e6;
+        tracing::debug!(
+            rank = self.rank,
+            notified_us = us(notified),
+            quantised_us = us(quantised),
+            tables_us = us(uploaded),
+            dispatched_us = us(t0.elapsed()),
+            "high-throughput dispatch on the host, from the count exchange's start"
+        );
         self.st.dispatched_now();
         Ok(Notified::Plan(plan))
     }
@@ -879,6 +892,8 @@ impl CudaBuffer<'_, '_> {
         // staging) and MIN on the legacy stream: no kernel reads them before
         // the dispatch (or quantise) kernel, launched after both are done.
         let mut up = up;
+        let t0 = std::time::Instant::now();
+        let mut kernel_us = 0.0;
         let (r, helper) = std::thread::scope(|sc| {
             let helper = up.as_mut().map(|(inputs, meta)| {
                 let inputs: &Inputs<'_> = inputs;
@@ -895,6 +910,7 @@ impl CudaBuffer<'_, '_> {
             // (context 0: r u64 of chans × signals) and clock (2 u64): the sizes
             // HtState::new and State::new allocated. gin's stream, waited for.
             let r = unsafe { go(&self.dc, f, On::Wait, 1, &args) };
+            kernel_us = t0.elapsed().as_secs_f64() * 1e6;
             (
                 r,
                 helper.map(|h| h.map(std::thread::ScopedJoinHandle::join)),
@@ -907,6 +923,12 @@ impl CudaBuffer<'_, '_> {
             (Some(Err(_)), Some((inputs, meta))) => inputs.upload(dev, meta)?,
             _ => {}
         }
+        tracing::debug!(
+            rank = self.rank,
+            notify_us = kernel_us,
+            with_upload_us = t0.elapsed().as_secs_f64() * 1e6,
+            "high-throughput count exchange: the notify kernel's launch to its end, and to the upload's end"
+        );
         let started = read_clock(&self.state.clock)?.start_ns;
         Ok((parity, started))
     }
