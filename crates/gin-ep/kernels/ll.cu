@@ -734,6 +734,96 @@ extern "C" __global__ void ep_ll_take_outputs(Window csend, const u8* src, u32 p
   }
 }
 
+namespace ep {
+
+// Slots a warp of the combine's reduction holds row pointers for (a
+// larger top-k takes the general path).
+constexpr u32 RED_SLOTS = 32;
+// Columns one lane reduces per pass (one 16-byte piece of each row).
+constexpr u32 RED_COLS = 8;
+
+// The combine's reduction (hidden a multiple of 8, top-k at most
+// RED_SLOTS): work items (token, column segment) spread over every warp of
+// the grid, so that all warps work even when tokens are few. A warp first
+// finds its token's rows (lane j: slot j's row, or null for an empty slot,
+// a masked rank's expert or an error combine_row recorded) and weights, in
+// shared memory; then each lane reduces 8 columns a pass, with up to eight
+// slots' 16-byte loads in flight before it adds them in slot order: the
+// same __fmul_rn / __fadd_rn products and sums in the same order as the CPU
+// ranks (bit for bit), without a dependent chain of metadata loads per
+// slot and pass.
+__device__ void reduce_tokens(const DevComm& dc, const Window& send, const Window& csend,
+                              const Window& crecv, u32 tokens, u32 l, u32 t, u32 m, u32 p, u32 k,
+                              u32 h, const u32* active, unsigned short* out, const u32* eslot,
+                              const u8* pull) {
+  constexpr u32 WARPS = EP_THREADS / 32;
+  __shared__ const u8* rows[WARPS][RED_SLOTS];
+  __shared__ float wts[WARPS][RED_SLOTS];
+  const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+  const u32 experts = l * dc.nranks;
+  const u64 h2 = 2ull * h;
+  const u64 all_warps = (u64)gridDim.x * (blockDim.x >> 5);
+  // Pieces of 8 columns per token, split into segments so that the items
+  // cover the grid's warps (at least 32 pieces, one pass of a warp, each).
+  const u32 pieces = h / RED_COLS;
+  u64 segs = tokens ? (all_warps + tokens - 1) / tokens : 1;
+  const u64 most = (pieces + 31) / 32;
+  if (segs > most) segs = most;
+  if (segs == 0) segs = 1;
+  const u32 per = (u32)((pieces + segs - 1) / segs);
+  for (u64 item = (u64)blockIdx.x * (blockDim.x >> 5) + warp; item < (u64)tokens * segs;
+       item += all_warps) {
+    const u32 tok = (u32)(item / segs), seg = (u32)(item % segs);
+    const u8* md = meta_of(send, tok, m, p);
+    const int* ids = (const int*)(md + 4);
+    const float* w = (const float*)(md + 4 + 4 * (u64)k);
+    __syncwarp();
+    if (lane < k) {
+      const int e = ids[lane];
+      const u8* row = nullptr;
+      if (e >= 0 && (u32)e < experts && active[(u32)e / l])
+        row = combine_row(dc, csend, crecv, pull, eslot, tok, lane, (u32)e, l, t, k, h2);
+      rows[warp][lane] = row;
+      wts[warp][lane] = w[lane];
+    }
+    __syncwarp();
+    const u32 lo = seg * per, hi = lo + per < pieces ? lo + per : pieces;
+    for (u32 piece = lo + lane; piece < hi; piece += 32) {
+      const u64 col = (u64)piece * RED_COLS;
+      float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+      for (u32 j0 = 0; j0 < k; j0 += 8) {
+        uint4 v[8];
+#pragma unroll
+        for (u32 u = 0; u < 8; ++u) {
+          const u8* row = j0 + u < k ? rows[warp][j0 + u] : nullptr;
+          if (row) v[u] = *(const uint4*)(row + 2 * col);
+        }
+#pragma unroll
+        for (u32 u = 0; u < 8; ++u) {
+          const u8* row = j0 + u < k ? rows[warp][j0 + u] : nullptr;
+          if (!row) continue;
+          const float wj = wts[warp][j0 + u];
+          const u32 words[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+#pragma unroll
+          for (u32 c = 0; c < 8; ++c) {
+            const unsigned short b = (unsigned short)(words[c / 2] >> (16 * (c % 2)));
+            // No contraction into an FMA: the CPU ranks' reduction rounds
+            // the product and the sum separately.
+            acc[c] = __fadd_rn(acc[c], __fmul_rn(wj, from_bf16(b)));
+          }
+        }
+      }
+      u32 o[4];
+#pragma unroll
+      for (u32 c = 0; c < 4; ++c)
+        o[c] = (u32)to_bf16(acc[2 * c]) | ((u32)to_bf16(acc[2 * c + 1]) << 16);
+      *(uint4*)(out + (u64)tok * h + col) = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+  }
+}
+
+} // namespace ep
+
 // Low-latency combine (send and receive halves in one launch). Sends: for
 // each pair q = le * r + src, each received token's combine slot goes back
 // to src's crecv at (source token * k + top-k slot) * 2h, unless src reads
@@ -798,50 +888,16 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_combine(DevComm d
   // csend is rewritten by the next step's expert.
   if (flush(dc, 0, CTA)) return;
   if (ep::wait_experts(dc, experts, experts, l, active, ctarget)) return;
+  if ((h & 7u) == 0 && k <= ep::RED_SLOTS) {
+    ep::reduce_tokens(dc, send, csend, crecv, tokens, l, t, m, p, k, h, active, out, eslot, pull);
+    ep::clock_end(clock);
+    return;
+  }
+  // Any other shape: a block per token, a thread per column.
   for (u32 tok = blockIdx.x; tok < tokens; tok += gridDim.x) {
     const u8* md = ep::meta_of(send, tok, m, p);
     const int* ids = (const int*)(md + 4);
     const float* w = (const float*)(md + 4 + 4 * (u64)k);
-    if ((h & 7u) == 0) {
-      // Eight columns per thread, one 16-byte load per slot: the same
-      // products and sums, in the same order, as the column loop below.
-      for (u32 col = 8 * threadIdx.x; col < h; col += 8 * blockDim.x) {
-        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        // Four slots' loads in flight at once, then their products and
-        // sums in slot order.
-        for (u32 j0 = 0; j0 < k; j0 += 4) {
-          uint4 v[4];
-          bool live[4];
-#pragma unroll
-          for (u32 u = 0; u < 4; ++u) {
-            const u32 j = j0 + u;
-            live[u] = false;
-            if (j >= k) continue;
-            const int e = ids[j];
-            if (e < 0 || (u32)e >= experts || !active[(u32)e / l]) continue;
-            const u8* row =
-                ep::combine_row(dc, csend, crecv, pull, eslot, tok, j, (u32)e, l, t, k, h2);
-            if (!row) continue;
-            v[u] = *(const uint4*)(row + 2ull * col);
-            live[u] = true;
-          }
-#pragma unroll
-          for (u32 u = 0; u < 4; ++u) {
-            if (!live[u]) continue;
-            const u32 words[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
-            for (u32 c = 0; c < 8; ++c) {
-              const unsigned short b = (unsigned short)(words[c / 2] >> (16 * (c % 2)));
-              acc[c] = __fadd_rn(acc[c], __fmul_rn(w[j0 + u], ep::from_bf16(b)));
-            }
-          }
-        }
-        u32 o[4];
-        for (u32 c = 0; c < 4; ++c)
-          o[c] = (u32)ep::to_bf16(acc[2 * c]) | ((u32)ep::to_bf16(acc[2 * c + 1]) << 16);
-        *(uint4*)(out + (u64)tok * h + col) = make_uint4(o[0], o[1], o[2], o[3]);
-      }
-      continue;
-    }
     for (u32 col = threadIdx.x; col < h; col += blockDim.x) {
       float acc = 0.0f;
       for (u32 j = 0; j < k; ++j) {
