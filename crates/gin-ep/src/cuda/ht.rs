@@ -489,6 +489,7 @@ impl Inputs<'_> {
             meta.clear();
             return Ok(());
         }
+        let t0 = std::time::Instant::now();
         dev.make_current()?;
         let copying = match self.x {
             Tokens::Device(x) if !self.fp8 => {
@@ -504,7 +505,9 @@ impl Inputs<'_> {
             }
             _ => false,
         };
+        let issued = t0.elapsed();
         stage_meta(self.s, self.lay, self.idx, self.w, meta);
+        let staged = t0.elapsed();
         let r = match self.x {
             Tokens::Host(x) => self.payloads.write(0, bf16_bytes(x)),
             Tokens::Device(_) => Ok(()),
@@ -512,7 +515,16 @@ impl Inputs<'_> {
         .and_then(|()| self.min.write(0, meta));
         // Waited for whatever happened above: the copy reads the caller's
         // tokens, borrowed only until the dispatch call returns.
+        let written = t0.elapsed();
         let synced = if copying { self.copy.sync() } else { Ok(()) };
+        let us = |d: std::time::Duration| d.as_secs_f64() * 1e6;
+        tracing::debug!(
+            issued_us = us(issued),
+            staged_us = us(staged),
+            written_us = us(written),
+            synced_us = us(t0.elapsed()),
+            "high-throughput upload beside the notify kernel, from its thread's start"
+        );
         r?;
         Ok(synced?)
     }
