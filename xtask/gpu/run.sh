@@ -262,8 +262,17 @@ step "ep-ll-cuda-4ranks-2hosts-fp8" "$ep" ll device=cuda ranks=4 hosts=2 fp8=1
 # host inputs. inputs=queued queues every repeat back to back, each with
 # inputs of its own, synchronised once: the device-side counters and the
 # grid barrier carry the steps; each step's combine is checked against its
-# own inputs, and step 0's digest joins the comparisons below. Bad inputs found on the GPU: the victim reports
-# its entry, every other rank a protocol error naming it, nobody times out.
+# own inputs, and step 0's digest joins the comparisons below. Bad inputs
+# in GPU memory (bad=1: rank 1's expert id out of range at token 1, slot 1,
+# found by its dispatch kernel): the victim names its entry, every other
+# rank PeerRefused naming rank 1, within half the job timeout, and then
+# every buffer takes the next steps, which verify with the oracle (the
+# -bad-named and -bad-agree steps below): on gin's stream (inputs=device,
+# the dispatch returns the refusal), queued on a stream (inputs=stream:
+# the expert queued after the refused dispatch ran goes ahead, check
+# reports the refusal, the step's combine is queued and checks clean), and
+# as the middle of three steps queued back to back (inputs=queued: every
+# call goes ahead, one check reports it, the other two steps verify).
 for n in 2 4; do
   step "ep-ll-cuda-${n}ranks-inputs-device" "$ep" ll device=cuda ranks=$n inputs=device
   step "ep-ll-cuda-${n}ranks-inputs-stream" "$ep" ll device=cuda ranks=$n inputs=stream
@@ -271,6 +280,8 @@ for n in 2 4; do
   step "ep-ll-cuda-${n}ranks-inputs-queued-fp8" "$ep" ll device=cuda ranks=$n inputs=queued fp8=1
   step "ep-ll-cuda-${n}ranks-inputs-device-fp8" "$ep" ll device=cuda ranks=$n inputs=device fp8=1
   step "ep-ll-cuda-${n}ranks-inputs-device-bad" "$ep" ll device=cuda ranks=$n inputs=device bad=1
+  step "ep-ll-cuda-${n}ranks-inputs-stream-bad" "$ep" ll device=cuda ranks=$n inputs=stream bad=1
+  step "ep-ll-cuda-${n}ranks-inputs-queued-bad" "$ep" ll device=cuda ranks=$n inputs=queued bad=1
   # Bad inputs in host memory: refused by the host's checks, the victim's
   # dispatch kernel still runs, poisoned (no token, POISON counts), and
   # every rank ends the step; the victim names its entry, every other rank
@@ -303,19 +314,29 @@ for n in 2 4; do
     "ep-ll-cuda-${n}ranks-inputs-device-expert-tensor" "ep-ll-cuda-${n}ranks-inputs-stream-expert-tensor"
   step "ep-ll-${n}ranks-fp8-inputs-agree" ep_same_digests "ep-ll-cuda-${n}ranks-fp8" "ep-ll-cuda-${n}ranks-inputs-device-fp8" "ep-ll-cuda-${n}ranks-inputs-queued-fp8"
 done
-# After a refused step from host inputs: rank 1 named its entry, each of the
-# other n-1 ranks rank 1, and the steps after it combine bit for bit as
-# without the refusal.
+# After a refused step (from host inputs; in GPU memory on gin's stream,
+# queued on a stream, queued back to back): rank 1 named its entry, each of
+# the other n-1 ranks rank 1 (each line is an "ll ok" line: the rank's
+# buffer took the verified steps after the refusal), and the steps after it
+# combine bit for bit as without the refusal. Before the fix of a refusal
+# of device-resident or queued inputs, those buffers refused every later
+# step: no "ll ok" line, no digest.
 ep_ll_bad_named() {
-  local log="$out/$1.log" n=$2 v t
-  v=$(grep -c "rank 1 of $n: ll ok.*rank 1's bad expert id in host memory: refused its expert" "$log")
-  t=$(grep -c "rank [0-9]* of $n: ll ok.*told that rank 1's inputs were refused" "$log")
+  local log="$out/$1.log" n=$2 where=$3 v t
+  v=$(grep -c "rank 1 of $n: ll ok.*rank 1's bad expert id $where: refused its expert" "$log")
+  t=$(grep -c "rank [0-9]* of $n: ll ok.*rank 1's bad expert id $where: told that rank 1's inputs were refused" "$log")
   [ "$v" = 1 ] && [ "$t" = $((n - 1)) ] || { echo "$1: victim lines $v (1 expected), told lines $t ($((n - 1)) expected)"; return 1; }
   echo "$1: rank 1 named its entry, $t other rank(s) named rank 1"
 }
 for n in 2 4; do
-  step "ep-ll-${n}ranks-bad-named" ep_ll_bad_named "ep-ll-cuda-${n}ranks-bad" "$n"
+  step "ep-ll-${n}ranks-bad-named" ep_ll_bad_named "ep-ll-cuda-${n}ranks-bad" "$n" "in host memory"
   step "ep-ll-${n}ranks-bad-agree" ep_same_digests "ep-ll-cuda-${n}ranks-auto" "ep-ll-cuda-${n}ranks-bad"
+  step "ep-ll-${n}ranks-inputs-device-bad-named" ep_ll_bad_named "ep-ll-cuda-${n}ranks-inputs-device-bad" "$n" "in GPU memory"
+  step "ep-ll-${n}ranks-inputs-stream-bad-named" ep_ll_bad_named "ep-ll-cuda-${n}ranks-inputs-stream-bad" "$n" "in GPU memory, its step queued on a stream"
+  step "ep-ll-${n}ranks-inputs-queued-bad-named" ep_ll_bad_named "ep-ll-cuda-${n}ranks-inputs-queued-bad" "$n" "in GPU memory, step 1 of 3 queued back to back"
+  for kind in device stream queued; do
+    step "ep-ll-${n}ranks-inputs-${kind}-bad-agree" ep_same_digests "ep-ll-cuda-${n}ranks-auto" "ep-ll-cuda-${n}ranks-inputs-${kind}-bad"
+  done
 done
 fi
 # gin-ep's high-throughput mode on CUDA ranks (kernels/ht.cu after ll.cu

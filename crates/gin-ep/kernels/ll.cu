@@ -144,8 +144,10 @@ EP_FN u16 dequantize(u8 b, float s) {
 
 // The errors the kernels record for the host (cuda/dev.rs's decode_error):
 // word 0 is the kind | the peer << 8 (0: none), words 1-3 say what. The
-// first error of a buffer wins and stays (the buffer refuses further steps
-// once the host has seen it).
+// first error wins and stays until the host clears it: a refusal
+// (ERR_PEER_BAD_INPUT and this rank's own bad entries) once every rank
+// ended the step (cuda/mod.rs: a waited dispatch, or check), anything else
+// never (the buffer refuses further steps once the host has seen it).
 constexpr u64 ERR_COUNT_OVER_MAX = 1;  // peer, expert, count
 constexpr u64 ERR_PEER_BAD_INPUT = 2;  // peer, expert
 constexpr u64 ERR_TOKEN_RANGE = 3;     // peer, expert, token index
@@ -554,9 +556,12 @@ __device__ __noinline__ void stage_tokens(const Window& send, const u16* x, cons
 // every expert's signal adds POISON instead, so every receiver records why
 // its count is missing rather than waiting, and this rank records the first
 // bad entry as the host would report it (device-resident inputs; the host
-// reports its own). Every rank then ends the step with a combine launch of
-// 0 tokens and zeroed counts (cuda/mod.rs's end_refused): the combine's
-// signals without data.
+// reports its own). Every rank then ends the step with a combine: a
+// waiting host launches one of 0 tokens and zeroed counts (cuda/mod.rs's
+// end_refused: the combine's signals without data), a queued step runs the
+// combine its caller queued (a refused pair counts 0 tokens). Either way
+// every signal of the step is consumed within it: seen[q] takes the
+// poisoned value, and the next step counts from there.
 // eslot[token * k + j] (t x k u32): the token's index among this rank's
 // tokens for the expert its top-k slot j names (the layout's expert slot),
 // written as the token is sent, for the combine's reads in place.

@@ -206,12 +206,12 @@ pub enum EpError {
     },
     /// Rank `peer`'s inputs were refused this step (its own error names the
     /// bad entry), so it sent no token and every rank ended the step
-    /// without reading one. No protocol was broken: this rank's buffer
-    /// takes the next step, except a CUDA buffer whose own call was
-    /// [`crate::cuda::CudaBuffer::ll_dispatch_device`] or queued on a
-    /// stream (it refuses further steps; docs/ep.md, "Bad input").
+    /// without a result (a CUDA step queued on a stream ran to its end as
+    /// queued, and [`crate::cuda::CudaBuffer::check`] reports this). No
+    /// protocol was broken: this rank's buffer takes the next step
+    /// (docs/ep.md, "Bad input").
     #[error(
-        "rank {rank}: rank {peer}'s inputs were refused this step (its own error names the entry), so every rank ended the step with no token read; no protocol was broken, and the buffer stays usable unless this rank's own call was a CUDA device-resident or queued dispatch"
+        "rank {rank}: rank {peer}'s inputs were refused this step (its own error names the entry), so it sent no token and every rank ended the step without a result; no protocol was broken, and the buffer takes the next step"
     )]
     PeerRefused {
         /// This rank.

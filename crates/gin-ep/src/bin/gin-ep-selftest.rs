@@ -29,14 +29,20 @@
 //! against its own inputs, and step 0's digest is the other modes'. With either, `expert=tensor` moves the
 //! identity expert's outputs into a tensor of the rank's own and combines
 //! from there (`ll_combine_from_device`, `ll_combine_from_on`: DeepEP's
-//! `low_latency_combine(x, ...)`). `inputs=device bad=1` gives rank
-//! `victim` (default 1) an expert id out of range on the GPU and expects it
-//! to report that entry and every other rank `PeerRefused` naming it.
-//! `bad=1` with host inputs (the default) does so in the host's slices
-//! (refused by the host's checks, its counts poisoned by its kernel): the
-//! victim names its entry, every other rank the victim, within half the
-//! job timeout, then the steps after it verify with the oracle on every
-//! rank.
+//! `low_latency_combine(x, ...)`). `bad=1` first gives rank `victim`
+//! (default 1) an expert id out of range (its token 1, top-k slot 1): the
+//! victim must name that entry, every other rank `PeerRefused` naming the
+//! victim, within half the job timeout; then the steps after it verify
+//! with the oracle on every rank, with the digests of a run without the
+//! refusal. With host inputs (the default) the id lies in the host's
+//! slices (refused by the host's checks, its counts poisoned by its
+//! kernel); with `inputs=device` in GPU memory (found by the dispatch
+//! kernel; `ll_dispatch_device` returns the refusal); with `inputs=stream`
+//! the refused step is queued (the expert queued after the dispatch ran
+//! must go ahead, `check` reports the refusal, then the step's combine is
+//! queued and checks clean); with `inputs=queued` it is the middle one of
+//! three steps queued back to back (every call goes ahead, one `check`
+//! reports it, and the other two steps verify).
 //! `ht device=cuda inputs=device` runs the high-throughput step from GPU
 //! memory (`ht_dispatch_device`, `ht_echo_device`, `ht_combine_device`)
 //! with the same oracle and digests as host inputs. `ht device=cuda bad=1`
@@ -108,9 +114,6 @@ fn run() -> Res<()> {
     let comm = join(&args)?;
     let t = Instant::now();
     let what = match args.scenario.as_str() {
-        "ll" if cuda && args.get("bad", 0) == 1 && Inputs::of(&args)? != Inputs::Host => {
-            cuda_device_bad(&comm, &args)?
-        }
         "ll" if cuda => cuda_oracle_run(&comm, &args)?,
         "ll" => oracle_run(&comm, &args, Mode::LowLatency)?,
         "ht" if cuda => cuda_ht_run(&comm, &args)?,
@@ -488,7 +491,12 @@ fn cuda_oracle_run(comm: &Comm, args: &Args) -> Res<String> {
     let mut bad = String::new();
     if args.get("bad", 0) == 1 {
         let victim = args.get("victim", 1) % comm.nranks();
-        bad = ll_host_bad(&cuda, &mut buf, &all[comm.rank()], victim)?;
+        let me = &all[comm.rank()];
+        bad = match (kind, dev.as_ref()) {
+            (Inputs::Queued, _) => ll_queued_bad(&cuda, &mut buf, victim)?,
+            (_, Some(dt)) => ll_device_bad(&cuda, &mut buf, me, dt, victim)?,
+            (_, None) => ll_host_bad(&cuda, &mut buf, me, victim)?,
+        };
     }
     let (first, steps) = if kind == Inputs::Queued {
         if tensor {
@@ -584,6 +592,20 @@ fn judge_refusal(
     Ok(what)
 }
 
+/// This rank's top-k ids of `me`, with an expert out of range (returned
+/// beside them) at token 1, top-k slot 1 where this rank is `victim`.
+fn bad_ids(cfg: &Config, rank: usize, me: &RankInput, victim: usize) -> Res<(Vec<i64>, i64)> {
+    if me.tokens < 2 || cfg.topk < 2 {
+        return Err(format!("rank {rank}: bad=1 needs 2 tokens and top-2 or more").into());
+    }
+    let bad = i64::try_from(cfg.num_experts + 3)?;
+    let mut idx = me.topk_idx.clone();
+    if rank == victim {
+        idx[cfg.topk + 1] = bad;
+    }
+    Ok((idx, bad))
+}
+
 /// `ll device=cuda bad=1` (host inputs): rank `victim` (default 1) names
 /// an expert out of range (its token 1, top-k slot 1) and must be refused
 /// by name, every other rank with `PeerRefused` naming the victim (its
@@ -598,14 +620,7 @@ fn ll_host_bad(
 ) -> Res<String> {
     let cfg = *buf.config();
     let rank = buf.rank();
-    if me.tokens < 2 || cfg.topk < 2 {
-        return Err(format!("rank {rank}: bad=1 needs 2 tokens and top-2 or more").into());
-    }
-    let bad = i64::try_from(cfg.num_experts + 3)?;
-    let mut idx = me.topk_idx.clone();
-    if rank == victim {
-        idx[cfg.topk + 1] = bad;
-    }
+    let (idx, bad) = bad_ids(&cfg, rank, me, victim)?;
     let t = Instant::now();
     let got = buf.ll_dispatch(&me.x, &idx, &me.weights).map(|_| ());
     let took = t.elapsed();
@@ -613,6 +628,172 @@ fn ll_host_bad(
     let what = judge_refusal(rank, &[victim], bad, &got, took, timeout)?;
     Ok(format!(
         "; rank {victim}'s bad expert id in host memory: {what} in {:.0} ms, then the buffer's steps verified",
+        took.as_secs_f64() * 1e3
+    ))
+}
+
+/// `ll device=cuda bad=1` with `inputs=device` or `inputs=stream`: rank
+/// `victim`'s expert id out of range (its token 1, top-k slot 1) lies in
+/// GPU memory, found by its dispatch kernel. `inputs=device`: the waited
+/// dispatch returns the refusal on every rank, the step ended
+/// ([`stream_refusal`] for `inputs=stream`). The victim must name its
+/// entry, every other rank the victim, within half the job timeout; then
+/// every buffer takes the steps that follow, which verify with the oracle.
+fn ll_device_bad(
+    cuda: &gin_core::cuda::CudaComm<'_>,
+    buf: &mut gin_ep::cuda::CudaBuffer<'_, '_>,
+    me: &RankInput,
+    dt: &DevTensors,
+    victim: usize,
+) -> Res<String> {
+    let cfg = *buf.config();
+    let rank = buf.rank();
+    let (idx, bad) = bad_ids(&cfg, rank, me, victim)?;
+    cuda.device().make_current()?;
+    let bad_idx = gin_core::cuda::DevMem::new(8 * idx.len())?;
+    bad_idx.write(0, &idx)?;
+    let inp = gin_ep::cuda::DeviceInputs {
+        topk_idx: &bad_idx,
+        ..dt.inputs()
+    };
+    let (got, took, how) = match &dt.stream {
+        None => {
+            let t = Instant::now();
+            let got = buf.ll_dispatch_device(&inp).map(|_| ());
+            (got, t.elapsed(), "in GPU memory")
+        }
+        Some(st) => {
+            let (got, took) = stream_refusal(buf, st, &inp, dt)?;
+            (got, took, "in GPU memory, its step queued on a stream")
+        }
+    };
+    let timeout = cuda.comm().settings().timeout;
+    let what = judge_refusal(rank, &[victim], bad, &got, took, timeout)?;
+    Ok(format!(
+        "; rank {victim}'s bad expert id {how}: {what} in {:.0} ms, then the buffer's steps verified",
+        took.as_secs_f64() * 1e3
+    ))
+}
+
+/// `inputs=stream bad=1`'s refused step, queued on `st`: the dispatch,
+/// then (the stream synchronised: the dispatch kernel has recorded the
+/// refusal) the identity expert, which must be queued all the same (a
+/// refusal is `check`'s to report: a queued call that stopped would leave
+/// its peers waiting); then `check`, whose result is returned with the time
+/// it took from the dispatch; then the step's combine, queued as usual
+/// (its result is void), synchronised and checked clean.
+fn stream_refusal(
+    buf: &mut gin_ep::cuda::CudaBuffer<'_, '_>,
+    st: &gin_core::cuda::Stream,
+    inp: &gin_ep::cuda::DeviceInputs<'_>,
+    dt: &DevTensors,
+) -> Res<(Result<(), EpError>, Duration)> {
+    let rank = buf.rank();
+    let t = Instant::now();
+    // SAFETY: one stream, in order; the inputs, dt's buffers and the stream
+    // outlive the step: every launch is synchronised below before anything
+    // is dropped or read, error or not.
+    let s = unsafe { buf.ll_dispatch_on(st.into(), inp) };
+    st.sync()?;
+    let s = s?;
+    // SAFETY: as above.
+    let r = unsafe { buf.ll_echo_on(st.into(), &s) };
+    st.sync()?;
+    r.map_err(|e| {
+        format!(
+            "rank {rank}: the expert queued after a refused dispatch had run was refused ({e}): \
+             its peers would wait for this rank's combine"
+        )
+    })?;
+    let got = buf.check();
+    let took = t.elapsed();
+    // SAFETY: as above (eout, with expert=tensor, outlives the step too).
+    let r = unsafe {
+        match &dt.eout {
+            Some(eout) => buf.ll_combine_from_on(st.into(), &s, eout, &dt.out),
+            None => buf.ll_combine_on(st.into(), &s, &dt.out),
+        }
+    };
+    st.sync()?;
+    r.map_err(|e| format!("rank {rank}: the refused step's combine was refused: {e}"))?;
+    buf.check()
+        .map_err(|e| format!("rank {rank}: the refused step's combine: {e}"))?;
+    Ok((got, took))
+}
+
+/// `ll device=cuda inputs=queued bad=1`: three steps queued back to back on
+/// a stream of the test's, each with inputs of its own (seeds 40 to 42),
+/// the middle one's on rank `victim` with an expert id out of range at
+/// token 1, top-k slot 1, in GPU memory. Every call must go ahead (the
+/// refusal is recorded while they are queued: `check`'s to report); after
+/// one synchronisation, `check` names the victim's entry on the victim and
+/// the victim on every other rank, within half the job timeout; the other
+/// two steps, refused nowhere, ran normally: their combines verify with the
+/// oracle on every rank. ([`queued_steps`] then runs the verified steps.)
+fn ll_queued_bad(
+    cuda: &gin_core::cuda::CudaComm<'_>,
+    buf: &mut gin_ep::cuda::CudaBuffer<'_, '_>,
+    victim: usize,
+) -> Res<String> {
+    let cfg = *buf.config();
+    let (rank, n, h) = (buf.rank(), buf.nranks(), cfg.hidden);
+    let steps: Vec<RankInput> = (0..3)
+        .map(|i| {
+            oracle::rank_input(
+                40 + i as u64,
+                rank,
+                n,
+                oracle::tokens_for_rank(cfg.max_tokens_per_rank, rank + i),
+                h,
+                cfg.num_experts,
+                cfg.topk,
+            )
+        })
+        .collect();
+    let (idx, bad) = bad_ids(&cfg, rank, &steps[1], victim)?;
+    let tensors = steps
+        .iter()
+        .map(|me| DevTensors::upload(cuda, me, h, false, None))
+        .collect::<Res<Vec<_>>>()?;
+    tensors[1].idx.write(0, &idx)?;
+    let st = gin_core::cuda::Stream::new()?;
+    let start = Instant::now();
+    let queued = (|| -> Result<(), EpError> {
+        for dt in &tensors {
+            // SAFETY: one stream, in order; every step's tensors and the
+            // stream outlive the launches: synchronised below before
+            // anything is dropped or read, error or not.
+            unsafe {
+                let s = buf.ll_dispatch_on((&st).into(), &dt.inputs())?;
+                buf.ll_echo_on((&st).into(), &s)?;
+                buf.ll_combine_on((&st).into(), &s, &dt.out)?;
+            }
+        }
+        Ok(())
+    })();
+    st.sync()?;
+    queued
+        .map_err(|e| format!("rank {rank}: a call queued with a refused step was refused: {e}"))?;
+    let got = buf.check();
+    let took = start.elapsed();
+    let timeout = cuda.comm().settings().timeout;
+    let what = judge_refusal(rank, &[victim], bad, &got, took, timeout)?;
+    let active = buf.active().to_vec();
+    let local = cfg.local_experts(n);
+    for i in [0, 2] {
+        let dt = &tensors[i];
+        let mut raw = vec![0u16; dt.tokens * h];
+        if !raw.is_empty() {
+            dt.out.read(0, &mut raw)?;
+        }
+        let combined: Vec<gin_ep::Bf16> = raw.into_iter().map(gin_ep::Bf16).collect();
+        oracle::check_combine(rank, &combined, &steps[i], h, cfg.topk, cfg.fp8, |e| {
+            active[e / local]
+        })
+        .map_err(|e| format!("step {i} of 3 queued with the refused step 1: {e}"))?;
+    }
+    Ok(format!(
+        "; rank {victim}'s bad expert id in GPU memory, step 1 of 3 queued back to back: {what} in {:.0} ms, steps 0 and 2 verified, then the buffer's steps verified",
         took.as_secs_f64() * 1e3
     ))
 }
@@ -832,63 +1013,6 @@ fn cuda_kill(comm: &Comm, args: &Args) -> Res<String> {
         // No collective destroy: the job has lost a rank.
         Err(e) => Err(format!("{e} (after {took:?}, GIN_TIMEOUT {timeout:?})").into()),
     }
-}
-
-/// Bad inputs found on the GPU (`device=cuda inputs=device bad=1`): rank
-/// `victim` names an expert out of range in its top-k ids, in GPU memory.
-/// Its dispatch kernel sends no token and a refused count instead; it
-/// reports the entry as the host path would (`ExpertOutOfRange`), every
-/// other rank `PeerRefused` naming it, and no rank waits for the
-/// timeout.
-fn cuda_device_bad(comm: &Comm, args: &Args) -> Res<String> {
-    let (rank, n) = (comm.rank(), comm.nranks());
-    let victim = args.get("victim", 1) % n;
-    let cfg = config(comm, args, Mode::LowLatency);
-    let cuda = comm.cuda()?;
-    let mut buf = gin_ep::cuda::CudaBuffer::new(&cuda, cfg)?;
-    let (mut all, _) = inputs(comm, &cfg)?;
-    // The last top-k slot of the victim's last token.
-    let (tok, slot) = (all[victim].tokens - 1, cfg.topk - 1);
-    let bad = i64::try_from(cfg.num_experts + 3)?;
-    all[victim].topk_idx[tok * cfg.topk + slot] = bad;
-    let dt = DevTensors::upload(&cuda, &all[rank], cfg.hidden, false, None)?;
-    let t = Instant::now();
-    let got = buf.ll_dispatch_device(&dt.inputs());
-    let waited = t.elapsed();
-    let what = match (&got, rank == victim) {
-        (
-            Err(EpError::ExpertOutOfRange {
-                rank: r,
-                token,
-                slot: s,
-                expert,
-                ..
-            }),
-            true,
-        ) if *r == rank && *token == tok && *s == slot && *expert == bad => {
-            format!("refused its token {tok} slot {slot} (expert {bad}) on the GPU")
-        }
-        (Err(EpError::PeerRefused { rank: r, peer }), false) if *r == rank && *peer == victim => {
-            format!("told by rank {victim} that its inputs were refused")
-        }
-        _ => {
-            return Err(format!(
-                "rank {rank}: device-side bad input at rank {victim}: unexpected outcome {got:?}"
-            )
-            .into());
-        }
-    };
-    let e = got.err().map(|e| e.to_string()).unwrap_or_default();
-    // The buffer refuses further steps.
-    let again = buf.ll_dispatch_device(&dt.inputs());
-    if again.is_ok() {
-        return Err(format!("rank {rank}: a step after a refused one was accepted").into());
-    }
-    buf.destroy()?;
-    Ok(format!(
-        "CUDA ranks, device-side bad input at rank {victim}: {what} in {:.0} ms ({e})",
-        waited.as_secs_f64() * 1e3
-    ))
 }
 
 fn config(comm: &Comm, args: &Args, mode: Mode) -> Config {

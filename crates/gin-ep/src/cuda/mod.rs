@@ -79,16 +79,18 @@
 //! the dispatch kernel; host inputs by the host's checks, after which
 //! [`CudaBuffer::ll_dispatch`] still launches the dispatch kernel, with no
 //! token and its input-check word set, so that it poisons the counts
-//! alike. In the waited calls every rank then ends the step with a combine
-//! launch that carries no data (its signals only, as CPU ranks'
+//! alike. In the waited calls ([`CudaBuffer::ll_dispatch`],
+//! [`CudaBuffer::ll_dispatch_device`]) every rank then ends the step with a
+//! combine launch that carries no data (its signals only, as CPU ranks'
 //! `ll_end_refused`), so that no rank waits for another and every signal
-//! and counter advances as in a full step: from host inputs every buffer
-//! stays usable and the next step runs normally; a buffer whose own call
-//! was [`CudaBuffer::ll_dispatch_device`] (or a queued dispatch, reported
-//! by [`CudaBuffer::check`]) then refuses further steps, whichever rank's
-//! inputs were refused, as after any other recorded error (a broken
-//! protocol). The job's ranks must use the same call kind for every
-//! buffer to outlive a refusal.
+//! and counter advances as in a full step. Queued steps
+//! ([`CudaBuffer::ll_dispatch_on`]) run to their end as queued, their
+//! expert and combine included: a refused source's pairs count 0 tokens,
+//! and the calls queued meanwhile go ahead; [`CudaBuffer::check`] reports
+//! the refusal. Either way every buffer stays usable and the next step
+//! runs normally, whatever each rank's call kind; only a refused step that
+//! fails midway (a wait timed out, a peer was lost) leaves the buffer
+//! refusing further steps, as a peer's broken protocol does.
 //!
 //! High-throughput mode (`ht.rs`, `kernels/ht.cu`): a buffer created with
 //! [`Config::high_throughput`] runs [`CudaBuffer::ht_dispatch`],
@@ -116,6 +118,8 @@ mod dev;
 mod ht;
 pub mod resident;
 mod steps;
+
+use steps::{Look, Recorded, Verdict};
 
 pub use ht::{CudaHtDispatch, CudaHtStep, HT_KERNELS, HtDeviceLayout, HtReceived};
 
@@ -792,15 +796,55 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         (w0 != 0).then(|| [w0, word(1), word(2), word(3)])
     }
 
-    /// Reports the error a kernel recorded (a peer's broken protocol, bad
-    /// device-resident inputs), once: the buffer refuses further steps.
+    /// Reports the error a kernel recorded (a peer's broken protocol, or a
+    /// refusal no waited dispatch or `check` dealt with), before or after a
+    /// call on gin's stream with nothing queued unchecked: the buffer
+    /// refuses further steps ([`Look::Waited`]).
     fn poll(&mut self) -> Result<(), EpError> {
-        if let Some(e) = self
-            .recorded()
-            .and_then(|w| decode_error(self.rank, &self.cfg, w))
-        {
-            self.st.fail();
-            return Err(e);
+        self.look(Look::Waited)
+    }
+
+    /// Acts on what a kernel recorded, as [`steps::Steps::judge`] rules for
+    /// the place `look` names: nothing to report, or a refusal left for
+    /// `check` (a queued call), goes on; a refusal found by a waited
+    /// dispatch ends the step as every rank does ([`CudaBuffer::end_refused`])
+    /// and is reported; one found by `check` is cleared and reported, the
+    /// buffer staying usable where it stands; anything else fails the
+    /// buffer and is reported.
+    fn look(&mut self, look: Look) -> Result<(), EpError> {
+        let Some(w) = self.recorded() else {
+            return Ok(());
+        };
+        let Some(err) = decode_error(self.rank, &self.cfg, w) else {
+            return Ok(());
+        };
+        match self.st.judge(Recorded::of(w[0]), look) {
+            Verdict::Go => Ok(()),
+            Verdict::Fail => Err(err),
+            Verdict::EndStep => {
+                self.end_refused()?;
+                Err(err)
+            }
+            Verdict::Report => {
+                if let Err(e) = self.clear_recorded() {
+                    self.st.fail();
+                    return Err(e);
+                }
+                Err(err)
+            }
+        }
+    }
+
+    /// Clears the kernels' record (device memory and its pinned mirror),
+    /// once a refusal in it was dealt with; no kernel of this buffer may
+    /// run meanwhile (gin's stream waited for, the caller's synchronised).
+    fn clear_recorded(&self) -> Result<(), EpError> {
+        self.current()?;
+        self.state.err.zero_wait(0, 32).map_err(CoreError::from)?;
+        for i in 0..4 {
+            if let Ok(a) = self.state.errh.atomic_u64(8 * i) {
+                a.store(0, Ordering::Release);
+            }
         }
         Ok(())
     }
@@ -1029,7 +1073,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             )?;
         }
         // A source's inputs were refused: the step ends on every rank.
-        self.after_refusal(true)?;
+        self.look(Look::AfterWaitedDispatch)?;
         let d = self.read_dispatch("ll_dispatch");
         // A sender broke the protocol: the step cannot be finished.
         if d.is_err() {
@@ -1044,10 +1088,11 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// adds `POISON` to each of its (expert, source) signals and consumes
     /// every source's signal of the step; then this rank ends the step as
     /// every rank does ([`CudaBuffer::end_refused`]). Every peer's dispatch
-    /// thus returns at once with [`EpError::PeerRefused`] naming this rank,
-    /// and this buffer stays usable (a peer's too, unless its own call was
-    /// a device-resident or queued dispatch). Returns `err`, or where those
-    /// launches failed their error (the buffer then refuses further steps).
+    /// thus returns at once with [`EpError::PeerRefused`] naming this rank
+    /// (a queued peer's `check`), and every buffer stays usable. Returns
+    /// `err`, or where those launches failed, or a source broke the
+    /// protocol in the same step, that error (the buffer then refuses
+    /// further steps).
     fn ll_refuse(&mut self, err: EpError) -> EpError {
         let r = (|| -> Result<(), EpError> {
             self.current()?;
@@ -1070,7 +1115,12 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
                     },
                 )?;
             }
-            self.end_refused(true)
+            // This rank records no refusal of its own here (the host named
+            // the entry) nor a source's (its kernel knows its own inputs
+            // were refused): anything recorded is a source's broken
+            // protocol, which fails the buffer.
+            self.poll()?;
+            self.end_refused()
         })();
         match r {
             Ok(()) => err,
@@ -1079,23 +1129,6 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
                 e
             }
         }
-    }
-
-    /// After a waited dispatch: where the kernel recorded a refusal (this
-    /// rank's inputs in GPU memory found bad, or a source's refused: its
-    /// counts poisoned), ends the step as every rank does and returns that
-    /// error; `usable` as for [`CudaBuffer::end_refused`]. Any other
-    /// recorded error (a broken protocol) is left to
-    /// [`CudaBuffer::poll`].
-    fn after_refusal(&mut self, usable: bool) -> Result<(), EpError> {
-        let Some(w) = self.recorded().filter(|w| dev::is_refusal(w[0])) else {
-            return Ok(());
-        };
-        let Some(err) = decode_error(self.rank, &self.cfg, w) else {
-            return Ok(());
-        };
-        self.end_refused(usable)?;
-        Err(err)
     }
 
     /// Ends a refused step as every rank does (CPU ranks'
@@ -1107,10 +1140,12 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// and clears `inbad`. A source thus starts its next dispatch only
     /// after every expert rank consumed this step's signals (the reuse
     /// argument of a full step), and every counter advanced as in a full
-    /// step. `usable`: the recorded error is cleared and the buffer takes
-    /// the next step; otherwise (inputs in GPU memory) it refuses further
-    /// steps, as before.
-    fn end_refused(&mut self, usable: bool) -> Result<(), EpError> {
+    /// step. The recorded refusal is then cleared and the buffer takes the
+    /// next step, whatever this rank's call was (host inputs, or inputs in
+    /// GPU memory). Where that combine fails (a wait timed out, a peer was
+    /// lost) the step failed midway: the buffer refuses further steps, so
+    /// that no late signal of it is taken for the next step's.
+    fn end_refused(&mut self) -> Result<(), EpError> {
         let r = (|| -> Result<(), EpError> {
             self.current()?;
             let n = self.state.counts.len();
@@ -1121,28 +1156,22 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             // nothing of `out` (State::out, from cuMemAlloc) and, the
             // counts zeroed, reads no slot.
             unsafe { self.launch_combine(On::Wait, out)? };
-            if usable {
-                self.state.err.zero_wait(0, 32).map_err(CoreError::from)?;
-                for i in 0..4 {
-                    if let Ok(a) = self.state.errh.atomic_u64(8 * i) {
-                        a.store(0, Ordering::Release);
-                    }
-                }
-            }
-            Ok(())
+            self.clear_recorded()
         })();
-        self.st.refused(usable && r.is_ok());
+        self.st.refused(r.is_ok());
         r
     }
 
-    /// What a device-resident dispatch checks before it launches.
+    /// What a device-resident dispatch checks before it launches (`look`:
+    /// [`Look::Waited`] on gin's stream, [`Look::Queued`] on the caller's).
     fn prepare_device(
         &mut self,
         call: &'static str,
         inp: &DeviceInputs<'_>,
+        look: Look,
     ) -> Result<Source, EpError> {
         self.expect_idle(call)?;
-        self.poll()?;
+        self.look(look)?;
         check_device_inputs(
             self.rank,
             &self.cfg,
@@ -1178,20 +1207,21 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// first bad entry as the host path would ([`EpError::ExpertOutOfRange`],
     /// [`EpError::DuplicateExpert`], [`EpError::BadWeight`]), the others a
     /// [`EpError::PeerRefused`] naming it; every rank ends the step (no rank
-    /// waits for another, as after a refusal of host inputs). This buffer
-    /// then refuses further steps, whichever rank's inputs were refused; a
-    /// peer that called [`CudaBuffer::ll_dispatch`] keeps its buffer.
+    /// waits for another, as after a refusal of host inputs), and every
+    /// buffer takes the next step, whatever its call (host inputs, GPU
+    /// memory, queued). Where this rank's end of the refused step fails (a
+    /// wait timed out, a peer was lost), that error is returned instead and
+    /// the buffer refuses further steps.
     pub fn ll_dispatch_device(&mut self, inp: &DeviceInputs<'_>) -> Result<CudaLlStep, EpError> {
         self.expect_unqueued("ll_dispatch_device")?;
-        let src = self.prepare_device("ll_dispatch_device", inp)?;
+        let src = self.prepare_device("ll_dispatch_device", inp, Look::Waited)?;
         // SAFETY: gin's stream, waited for while `inp` borrows the buffers,
         // whose sizes and alignment prepare_device checked.
         unsafe { self.launch_dispatch(On::Wait, inp.tokens, src)? };
         // Refused inputs (this rank's, or a source's): the step ends on
-        // every rank, so that a peer calling from host inputs does not wait
-        // for it; this buffer then refuses further steps.
-        self.after_refusal(false)?;
-        self.poll()?;
+        // every rank, so that no peer waits for it, and the buffer takes the
+        // next step; a broken protocol fails it.
+        self.look(Look::AfterWaitedDispatch)?;
         Ok(CudaLlStep {
             step: self.st.step,
             tokens: inp.tokens,
@@ -1201,15 +1231,21 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// [`CudaBuffer::ll_dispatch_device`] queued on the caller's `stream`
     /// (a stream of the GPU's primary context: PyTorch's current stream, a
     /// cudarc stream, one being captured into a CUDA graph), returning at
-    /// once: no host synchronisation. An error a kernel records (bad
-    /// inputs, a peer's broken protocol) is reported by the next call on
-    /// this buffer that finds it, or by [`CudaBuffer::check`] once the
-    /// stream has been synchronised. The kernels' waits stay bounded by the
-    /// job timeout, and give up at once when a peer dies or a transport or
-    /// engine fails: the first launch queued after a check starts a watcher
-    /// thread (one per checked span, not per launch), which
-    /// [`CudaBuffer::check`] stops; a failed wait is reported there,
-    /// naming the peer and the cause. After a failure, the launches queued
+    /// once: no host synchronisation. A peer's broken protocol a kernel
+    /// records is reported by the next call on this buffer that finds it,
+    /// or by [`CudaBuffer::check`] once the stream has been synchronised
+    /// (the buffer then refuses further steps). Refused inputs (this
+    /// rank's, found by the dispatch kernel, or a source's) are reported by
+    /// [`CudaBuffer::check`] alone, and leave the buffer usable: the queued
+    /// calls go ahead (every peer's do too, its host not knowing yet), the
+    /// refused step runs to its end on every rank (a refused source sends
+    /// no token, every receiver counts 0 tokens from it), and nothing of it
+    /// is taken for the next step (docs/ep.md, "Bad input"). The kernels'
+    /// waits stay bounded by the job timeout, and give up at once when a
+    /// peer dies or a transport or engine fails: the first launch queued
+    /// after a check starts a watcher thread (one per checked span, not per
+    /// launch), which [`CudaBuffer::check`] stops; a failed wait is
+    /// reported there, naming the peer and the cause. After a failure, the launches queued
     /// behind it return at once. A stream of another context is refused
     /// before anything moves.
     ///
@@ -1232,7 +1268,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         stream: StreamRef<'_>,
         inp: &DeviceInputs<'_>,
     ) -> Result<CudaLlStep, EpError> {
-        let src = self.prepare_device("ll_dispatch_on", inp)?;
+        let src = self.prepare_device("ll_dispatch_on", inp, Look::Queued)?;
         // SAFETY: the caller's contract; sizes and alignment checked.
         unsafe { self.launch_dispatch(On::Queue(stream), inp.tokens, src)? };
         Ok(CudaLlStep {
@@ -1447,7 +1483,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         s: &CudaLlStep,
     ) -> Result<(), EpError> {
         self.expect_dispatch("ll_echo_on", s.step)?;
-        self.poll()?;
+        self.look(Look::Queued)?;
         // SAFETY: the caller's contract.
         unsafe { self.launch_echo(On::Queue(stream)) }
     }
@@ -1482,16 +1518,18 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         self.launched(on, "take_outputs", r)
     }
 
-    /// What a combine from the caller's expert outputs checks first.
+    /// What a combine from the caller's expert outputs checks first
+    /// (`look` as for [`CudaBuffer::prepare_device`]).
     fn prepare_from(
         &mut self,
         call: &'static str,
         s: &CudaLlStep,
         expert_out: &DevMem,
         out: &DevMem,
+        look: Look,
     ) -> Result<(), EpError> {
         self.expect_dispatch(call, s.step)?;
-        self.poll()?;
+        self.look(look)?;
         check_device_output(self.rank, &self.cfg, self.st.tokens, out.into())?;
         check_expert_outputs(self.rank, &self.device_layout(), expert_out.into())
     }
@@ -1510,7 +1548,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         out: &DevMem,
     ) -> Result<(), EpError> {
         self.expect_unqueued("ll_combine_from_device")?;
-        self.prepare_from("ll_combine_from_device", s, expert_out, out)?;
+        self.prepare_from("ll_combine_from_device", s, expert_out, out, Look::Waited)?;
         // SAFETY: gin's stream, waited for while both are borrowed; sizes
         // and alignment checked.
         unsafe {
@@ -1533,7 +1571,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         expert_out: &DevMem,
         out: &DevMem,
     ) -> Result<(), EpError> {
-        self.prepare_from("ll_combine_from_on", s, expert_out, out)?;
+        self.prepare_from("ll_combine_from_on", s, expert_out, out, Look::Queued)?;
         // SAFETY: the caller's contract; sizes and alignment checked.
         unsafe {
             self.launch_take(On::Queue(stream), expert_out.ptr())?;
@@ -1664,7 +1702,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         out: &DevMem,
     ) -> Result<(), EpError> {
         self.expect_dispatch("ll_combine_on", s.step)?;
-        self.poll()?;
+        self.look(Look::Queued)?;
         check_device_output(self.rank, &self.cfg, self.st.tokens, out.into())?;
         // SAFETY: the caller's contract; size and alignment checked.
         unsafe { self.launch_combine(On::Queue(stream), out.ptr()) }
@@ -1689,16 +1727,33 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// stops the watcher that ran while they did, and reports a kernel's
     /// failure (a wait that ran out or was aborted, naming the peer, with
     /// the watcher's cause: a dead peer, a failed transport or engine) as
-    /// [`EpError::Kernel`], and an error a kernel recorded (bad inputs, a
-    /// peer's broken protocol) as the waiting calls do. Checking while a
-    /// kernel still runs misses what it does later, and lowers the abort
-    /// flag under it.
+    /// [`EpError::Kernel`], and an error a kernel recorded as the waiting
+    /// calls do. Checking while a kernel still runs misses what it does
+    /// later, and lowers the abort flag under it.
+    ///
+    /// After a kernel's failure or a peer's broken protocol the buffer
+    /// refuses further steps (a refused step that failed midway too: its
+    /// late signals would be taken for the next step's). Refused inputs
+    /// in a step queued since the last check are reported here (the first
+    /// one recorded: on the refused rank its entry,
+    /// [`EpError::ExpertOutOfRange`], [`EpError::DuplicateExpert`] or
+    /// [`EpError::BadWeight`]; on every other rank [`EpError::PeerRefused`]
+    /// naming that rank) and cleared, and the buffer stays usable where it
+    /// stands: idle, or, checked between a dispatch and its combine,
+    /// holding that step, whose combine is queued next as usual (every
+    /// peer's combine waits for this rank's signals). Every step dispatched
+    /// since the last check runs to its end on every rank as queued: one
+    /// refused nowhere gives its normal results, the refused step none on
+    /// any rank (its combined tokens are not its tokens' combine), but the
+    /// error cannot say which step it was, nor whether another was refused
+    /// too: discard the results of every step whose dispatch was queued
+    /// since the last check, or check once per step.
     pub fn check(&mut self) -> Result<(), EpError> {
         self.current()?;
         let r = self.dc.check(self.watcher.take());
         self.st.checked(r.is_ok());
         r.map_err(|e| kernel_error(self.rank, "queued", e))?;
-        self.poll()
+        self.look(Look::Check)
     }
 
     /// Destroys the buffer collectively: stops the device communicator

@@ -8,6 +8,11 @@
 //! gin's stream (not ordered after the caller's), read GPU memory those
 //! launches write, change what they read, or free the buffer. A failure
 //! (a kernel's, a recorded error, a refused read-back) is sticky.
+//!
+//! What the kernels record ([`Recorded`]) is judged by where the host
+//! looks ([`Look`], [`Steps::judge`]): a refusal (a rank's inputs refused,
+//! on its host or its GPU) is a step every rank runs to its end, so it
+//! never fails the buffer; anything else recorded (a broken protocol) does.
 
 use crate::error::EpError;
 
@@ -62,6 +67,73 @@ pub(crate) fn expect_mode(
 }
 
 const QUEUED: &str = "holding launches queued on a stream (synchronise it, then call check)";
+
+/// What the kernels recorded (`ep::record`, word 0), as the host's rules
+/// take it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Recorded {
+    /// Nothing.
+    Nothing,
+    /// A refusal ([`super::dev::is_refusal`]): this rank's inputs found
+    /// bad on the GPU, or a source's refused (its counts poisoned). The
+    /// dispatch consumed every source's signal of the step and counted 0
+    /// tokens for a refused source: no rank broke the protocol, and every
+    /// rank can end the step alike.
+    Refusal,
+    /// Anything else: a source broke the protocol (or a high-throughput
+    /// kernel's error); peers may be anywhere in the step.
+    Broken,
+}
+
+impl Recorded {
+    /// The kind of word 0 of a record (0: nothing).
+    pub(crate) fn of(w0: u64) -> Self {
+        if w0 == 0 {
+            Self::Nothing
+        } else if super::dev::is_refusal(w0) {
+            Self::Refusal
+        } else {
+            Self::Broken
+        }
+    }
+}
+
+/// Where the host looks at what the kernels recorded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Look {
+    /// Before or after a launch on gin's stream, nothing queued unchecked:
+    /// every refusal was dealt with where it was found (a waited dispatch,
+    /// or `check`), so one here cannot be placed in a step.
+    Waited,
+    /// After a waited dispatch's kernel finished: a refusal ends the step
+    /// here, on every rank alike (the combine's signals without data).
+    AfterWaitedDispatch,
+    /// Before a launch queued on a caller's stream: the host cannot tell
+    /// which queued step a refusal belongs to, and every peer goes on with
+    /// its launches (its host does not know yet either), so the refusal is
+    /// left for `check` and the launch goes ahead.
+    Queued,
+    /// `check`, after the caller synchronised the stream: a refusal
+    /// recorded by a step queued since the last check is reported and
+    /// cleared; the step under way (if any) is finished as usual.
+    Check,
+}
+
+/// What the host does with a record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// Nothing to report (nothing recorded, or a refusal left for `check`).
+    Go,
+    /// A refusal found by a waited dispatch: end the step (the combine
+    /// without data, as every rank does), clear the record, report it.
+    EndStep,
+    /// A refusal found by `check`: clear the record and report it; the
+    /// buffer stays where it is (idle, or holding the step's dispatch
+    /// whose combine is next) and takes further steps.
+    Report,
+    /// Report it; the buffer refuses further steps.
+    Fail,
+}
 
 impl Steps {
     pub(crate) fn new(rank: usize) -> Self {
@@ -217,15 +289,36 @@ impl Steps {
     /// dispatch launched (poisoned, or receiving the poison), then the
     /// combine without data. The buffer is idle and the step's number
     /// spent: no handle names it, an earlier one is stale. `usable`: the
-    /// buffer takes the next step (host inputs: every rank's signals and
-    /// counters advanced alike); otherwise it refuses further steps (bad
-    /// inputs in GPU memory, as before).
+    /// combine without data ran (every rank's signals and counters
+    /// advanced alike) and the buffer takes the next step, whatever its
+    /// call was (host inputs, inputs in GPU memory); otherwise the step
+    /// failed midway (a timeout, a lost peer: its late signals would be
+    /// taken for the next step's) and the buffer refuses further steps.
     pub(crate) fn refused(&mut self, usable: bool) {
         self.phase = Phase::Idle;
         self.tokens = 0;
         if !usable {
             self.failed = true;
         }
+    }
+
+    /// What to do with what the kernels recorded, found where `look` says
+    /// (see [`Verdict`]); a [`Verdict::Fail`] fails the buffer here. A
+    /// refusal never fails it: a waited dispatch ends the step, `check`
+    /// reports it, a queued call leaves it for `check`. Seen anywhere else
+    /// (a waited call, nothing queued unchecked) it cannot be placed in a
+    /// step, and fails the buffer as a broken protocol does.
+    pub(crate) fn judge(&mut self, rec: Recorded, look: Look) -> Verdict {
+        let v = match (rec, look) {
+            (Recorded::Nothing, _) | (Recorded::Refusal, Look::Queued) => Verdict::Go,
+            (Recorded::Refusal, Look::AfterWaitedDispatch) => Verdict::EndStep,
+            (Recorded::Refusal, Look::Check) => Verdict::Report,
+            (Recorded::Refusal, Look::Waited) | (Recorded::Broken, _) => Verdict::Fail,
+        };
+        if v == Verdict::Fail {
+            self.failed = true;
+        }
+        v
     }
 }
 
@@ -378,8 +471,8 @@ mod tests {
     /// A refused step from host inputs: the poisoned dispatch (0 tokens)
     /// and the combine without data, then the buffer takes the next step,
     /// whose number follows the refused one's; a handle of the step before
-    /// the refusal is stale. From inputs in GPU memory the buffer refuses
-    /// further steps, as before, yet can be destroyed.
+    /// the refusal is stale. A refused step whose end failed midway leaves
+    /// the buffer refusing further steps, yet it can be destroyed.
     #[test]
     fn a_refused_step_ends_and_the_next_one_follows() {
         let mut s = Steps::new(1);
@@ -422,7 +515,8 @@ mod tests {
         s.refused(true);
         assert_eq!((s.step, s.phase, s.tokens), (4, Phase::Idle, 0));
         s.idle("ll_dispatch").unwrap();
-        // From inputs in GPU memory: ended, then refused.
+        // A refused step whose end failed midway (its combine without data
+        // timed out): ended here, then refused.
         s.begin(2);
         s.launched(false, true);
         s.dispatched_now();
@@ -430,6 +524,167 @@ mod tests {
         assert_eq!(s.phase, Phase::Idle);
         assert!(matches!(
             s.idle("ll_dispatch_device"),
+            Err(EpError::Mode { rank: 1, .. })
+        ));
+        s.for_destroy().unwrap();
+    }
+
+    /// Every (record, place) pair: a refusal never fails the buffer (a
+    /// waited dispatch ends the step, `check` reports it, a queued call
+    /// goes ahead), except where it cannot be placed in a step (a waited
+    /// call with nothing queued); a broken protocol always fails it.
+    #[test]
+    fn a_recorded_refusal_never_fails_the_buffer_a_broken_protocol_does() {
+        use super::super::dev::code;
+        assert_eq!(Recorded::of(0), Recorded::Nothing);
+        assert_eq!(
+            Recorded::of(code::PEER_BAD_INPUT | 3 << 8),
+            Recorded::Refusal
+        );
+        assert_eq!(Recorded::of(code::EXPERT_RANGE), Recorded::Refusal);
+        assert_eq!(Recorded::of(code::TOKEN_RANGE | 1 << 8), Recorded::Broken);
+        assert_eq!(Recorded::of(code::HT | 2 << 8), Recorded::Broken);
+        let looks = [
+            Look::Waited,
+            Look::AfterWaitedDispatch,
+            Look::Queued,
+            Look::Check,
+        ];
+        for look in looks {
+            for (rec, want) in [
+                (Recorded::Nothing, Verdict::Go),
+                (
+                    Recorded::Refusal,
+                    match look {
+                        Look::Waited => Verdict::Fail,
+                        Look::AfterWaitedDispatch => Verdict::EndStep,
+                        Look::Queued => Verdict::Go,
+                        Look::Check => Verdict::Report,
+                    },
+                ),
+                (Recorded::Broken, Verdict::Fail),
+            ] {
+                let mut s = Steps::new(2);
+                assert_eq!(s.judge(rec, look), want, "{rec:?} at {look:?}");
+                assert_eq!(s.failed, want == Verdict::Fail, "{rec:?} at {look:?}");
+            }
+        }
+    }
+
+    /// A device-resident dispatch on gin's stream that finds a refusal
+    /// (its own inputs, or a source's) ends the step and takes the next
+    /// one, as from host inputs: the refused step's number is spent.
+    #[test]
+    fn a_waited_device_dispatch_outlives_a_refusal() {
+        let mut s = Steps::new(0);
+        for own in [true, false] {
+            s.idle("ll_dispatch_device").unwrap();
+            s.begin(6);
+            s.launched(false, true);
+            s.dispatched_now();
+            let refused = s.step;
+            assert_eq!(
+                s.judge(Recorded::Refusal, Look::AfterWaitedDispatch),
+                Verdict::EndStep,
+                "own inputs: {own}"
+            );
+            // The combine without data (waited), then the record cleared.
+            s.launched(false, true);
+            s.combined();
+            s.refused(true);
+            assert_eq!((s.phase, s.tokens, s.failed), (Phase::Idle, 0, false));
+            assert!(matches!(
+                s.dispatched("ll_echo_device", refused),
+                Err(EpError::Phase { phase: "idle", .. })
+            ));
+            // The next step runs as usual.
+            assert_eq!(s.judge(Recorded::Nothing, Look::Waited), Verdict::Go);
+            s.idle("ll_dispatch_device").unwrap();
+            s.begin(6);
+            s.launched(false, true);
+            s.dispatched_now();
+            assert_eq!(s.step, refused + 1);
+            s.dispatched("ll_combine_device", refused + 1).unwrap();
+            s.launched(false, true);
+            s.combined();
+        }
+    }
+
+    /// Steps queued back to back, one of them refused: every queued call
+    /// goes ahead (the refusal is recorded while they are queued), `check`
+    /// reports it and leaves the buffer usable; the next steps follow.
+    #[test]
+    fn a_queued_refusal_is_reported_by_check_and_steps_go_on() {
+        let mut s = Steps::new(1);
+        for i in 0..3 {
+            // From the second step on, the refusal is recorded already.
+            let rec = if i == 0 {
+                Recorded::Nothing
+            } else {
+                Recorded::Refusal
+            };
+            assert_eq!(s.judge(rec, Look::Queued), Verdict::Go);
+            queued_step(&mut s, 4);
+            assert_eq!(s.judge(rec, Look::Queued), Verdict::Go);
+        }
+        assert_eq!(
+            phase_of(s.idle("ll_dispatch").and(s.unqueued("ll_dispatch"))),
+            Some(QUEUED)
+        );
+        s.checked(true);
+        assert_eq!(s.judge(Recorded::Refusal, Look::Check), Verdict::Report);
+        assert_eq!(
+            (s.phase, s.queued, s.failed, s.step),
+            (Phase::Idle, false, false, 3)
+        );
+        // The record was cleared: the next steps, queued or waited, go.
+        queued_step(&mut s, 2);
+        s.checked(true);
+        assert_eq!(s.judge(Recorded::Nothing, Look::Check), Verdict::Go);
+        s.idle("ll_dispatch").unwrap();
+        s.unqueued("ll_dispatch").unwrap();
+    }
+
+    /// `check` between a queued dispatch and its combine reports the
+    /// refusal and leaves the step under way: its combine is the only step
+    /// call the buffer takes (every peer's combine waits for this rank's
+    /// signals), then the next step.
+    #[test]
+    fn a_refusal_checked_mid_step_leaves_the_combine_to_queue() {
+        let mut s = Steps::new(3);
+        s.begin(5);
+        s.launched(true, true);
+        s.dispatched_now();
+        let step = s.step;
+        s.checked(true);
+        assert_eq!(s.judge(Recorded::Refusal, Look::Check), Verdict::Report);
+        assert_eq!(s.phase, Phase::Dispatched);
+        assert!(phase_of(s.idle("ll_dispatch_on")).is_some_and(|p| p.contains("combine next")));
+        s.for_read_back("ll_read_back", step).unwrap();
+        assert_eq!(s.judge(Recorded::Nothing, Look::Queued), Verdict::Go);
+        s.dispatched("ll_echo_on", step).unwrap();
+        s.launched(true, true);
+        s.dispatched("ll_combine_on", step).unwrap();
+        s.launched(true, true);
+        s.combined();
+        s.checked(true);
+        assert_eq!(s.judge(Recorded::Nothing, Look::Check), Verdict::Go);
+        queued_step(&mut s, 5);
+        assert_eq!((s.step, s.failed), (step + 1, false));
+    }
+
+    /// A queued refused step that fails midway (a wait timed out, a peer
+    /// was lost: `check` finds gin's error) leaves the buffer refusing
+    /// steps, as on CPU ranks: its late signals would be taken for the
+    /// next step's. It can still be destroyed.
+    #[test]
+    fn a_queued_refused_step_that_fails_midway_breaks_the_buffer() {
+        let mut s = Steps::new(1);
+        assert_eq!(s.judge(Recorded::Refusal, Look::Queued), Verdict::Go);
+        queued_step(&mut s, 3);
+        s.checked(false);
+        assert!(matches!(
+            s.idle("ll_dispatch_on"),
             Err(EpError::Mode { rank: 1, .. })
         ));
         s.for_destroy().unwrap();
