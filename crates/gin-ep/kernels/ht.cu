@@ -16,10 +16,13 @@
 // the kernels move runs of tokens by it.
 //
 // A channel is one block (DeepEP's channel is one SM), a state machine as
-// the CPU ranks' lane: thread 0 decides what can move without waiting (a
-// batch of puts, gets, flushes, signals and row sums), the whole block
-// carries the batch out (gin's CTA-wide calls, load/store copies where the
-// peer is mapped), and so on until the channel's part of the step is done.
+// the CPU ranks' lane: warp 0 decides what can move without waiting (a
+// batch of puts, gets, flushes, signals and row sums: thread 0 the
+// protocol's steps, the whole warp this rank's own tokens 32 at a time,
+// consecutive places merged into one put or get), the whole block carries
+// the batch out (a run of puts to load/store peers as one copy spread over
+// all its warps, a run of row sums likewise, anything else by gin's
+// CTA-wide calls), and so on until the channel's part of the step is done.
 // Thread 0 reads signals without waiting; when nothing moved for the job
 // timeout, or gin's abort flag is raised (a watcher saw a peer die), it
 // records the failure in gin's error word naming the peer it waits for
@@ -35,7 +38,8 @@
 //   for (c, me), within the credits (tail counts messages in; head, back at
 //   the sender, messages consumed);
 // - own host: its tokens for ranks of H go into their final place at each
-//   of them;
+//   of them, consecutive tokens with consecutive places there in one put of
+//   payloads and one of metadata;
 // - forwarder: what arrives from other hosts' sources (in the ring, or in
 //   its own final place) goes on to the other ranks of H that receive it;
 //   the ring's credits go back once the copies are complete; where each
@@ -49,8 +53,9 @@
 // forwarded (read in place where mapped, else fetched by get) and puts one
 // row per token back to the source in runs counted by ctail; a source
 // reduces each token once every host it went to has delivered, its own
-// host's rows read in place, in the CPU ranks' order (so the result is
-// theirs bit for bit).
+// host's rows read in place (or fetched by get, consecutive places in one
+// get, one flush for many tokens), in the CPU ranks' order (so the result
+// is theirs bit for bit).
 //
 // Compiled after ll.cu, in one NVRTC source (cuda::HT_KERNELS); nvcc
 // compiles this file alone, including ll.cu. As host C++ (no __CUDACC__)
@@ -79,6 +84,11 @@ constexpr u32 NONE = 0xffffffffu;
 constexpr u32 CHUNK = 16;
 constexpr u32 RUN = 64;
 constexpr u32 STAGE = 64;
+// Rows of CGET per channel CudaBuffer::new allocates (cuda/ht.rs's
+// cget_bytes): at least one per local rank, and FETCH_ROWS so that one
+// flush covers the fetches of many tokens (a get and a flush per token were
+// the proxy combine's cost).
+constexpr u32 FETCH_ROWS = 64;
 
 // Window indices (plan.rs): every high-throughput kernel takes the twelve
 // windows in this order.
@@ -190,10 +200,15 @@ EP_FN u64 contrib_at(const Shape& s, u32 src, u32 hs, u32 local) {
   return ((u64)src * s.t + hs) * s.l + local;
 }
 EP_FN u64 stage_off(const Shape& s, u32 ch, u32 i) { return ((u64)ch * STAGE + i) * s.h2; }
-EP_FN u64 cget_off(const Shape& s, u32 ch, u32 i) { return ((u64)ch * s.l + i) * s.h2; }
+// CGET holds `rows` rows per channel (cget_rows: at least l where any
+// same-host peer is not mapped here, as CudaBuffer::new sizes it; more let
+// one flush cover the fetches of several tokens).
+EP_FN u64 cget_rows_for(u32 l) { return l > FETCH_ROWS ? l : FETCH_ROWS; }
+EP_FN u64 cget_rows(const Shape& s, u64 cget_bytes) { return cget_bytes / ((u64)s.chans * s.h2); }
+EP_FN u64 cget_off(const Shape& s, u64 rows, u32 ch, u64 i) { return ((u64)ch * rows + i) * s.h2; }
 
-// The per-channel scratch of a kernel's thread 0 (u64 words, in device
-// memory): where each part starts, and its length.
+// The per-channel scratch of a kernel's warp 0 (u64 words, in shared
+// memory where it fits: lane_of): where each part starts, and its length.
 EP_FN u32 lane_words(const Shape& s) { return 2 * s.h + 2 * s.r + 3 * s.l + 16; }
 // Dispatch: per host the send cursor and the messages sent into its ring;
 // per source the ring and direct messages forwarded; per local rank the
@@ -234,7 +249,8 @@ namespace ht {
 // What a batch holds: puts, gets, flushes, bare signals, row sums.
 constexpr u32 OP_PUT = 1, OP_GET = 2, OP_FLUSH = 3, OP_SIGNAL = 4, OP_SUM = 5;
 // Ops and row pointers one batch holds at most (a token's forwarding needs
-// 2 (l - 1) puts, l <= 64; a reduction l + h - 1 rows).
+// 2 (l - 1) puts, and 32 of this rank's own tokens at most 2 l puts each,
+// l <= 64; a reduction l + h - 1 rows).
 constexpr u32 MAX_OPS = 160;
 constexpr u32 MAX_ROWS = 320;
 
@@ -251,7 +267,7 @@ struct Op {
   u64 add;
 };
 
-// A batch, filled by thread 0, carried out by the block.
+// A batch, filled by warp 0, carried out by the block.
 struct Batch {
   Op ops[MAX_OPS];
   const u8* rows[MAX_ROWS];
@@ -282,6 +298,10 @@ __device__ __forceinline__ void add_sum(Batch& b, u8* out, u32 row0, u32 nrows) 
   b.ops[b.nops++] = Op{OP_SUM, 0, 0, 0, (u64)out, 0, 0, 0, row0, nrows, 0, 0};
 }
 
+// Threads of a warp; the mask of all of them.
+constexpr u32 WARP = 32;
+constexpr u32 FULL = 0xffffffffu;
+
 // Items (16-byte pieces of one sum's output) a thread carries in lockstep in
 // sum_ops: their loads of one row are in flight together.
 constexpr u32 SUM_ITEMS = 4;
@@ -290,12 +310,13 @@ constexpr u32 SUM_ITEMS = 4;
 // independent, their rows ready) at once, each into its out (BF16, h
 // elements) as num.rs's sum_bf16_rows: none gives zeros, one is copied,
 // more are added in f32 in order and rounded once (no contraction:
-// __fadd_rn). Every thread
-// takes 16-byte pieces (8 columns) of any of the sums, SUM_ITEMS at a
-// time, and loads the pieces' row r together before adding them, so that
-// a block keeps SUM_ITEMS x 16 bytes a thread in flight instead of one
-// row's 16 bytes; each piece still meets its rows in order, with the same
-// __fadd_rn sums and one rounding (bit for bit num.rs).
+// __fadd_rn). Every thread takes 16-byte pieces (8 columns) of any of the
+// sums, SUM_ITEMS at a time, and loads the pieces' rows r and r + 1
+// together before adding them (row r first), so that a block keeps 2 x
+// SUM_ITEMS x 16 bytes a thread in flight (a two-row sum, one host of two
+// ranks, waits for its loads once, not once per row); each piece still
+// meets its rows in order, with the same __fadd_rn sums and one rounding
+// (bit for bit num.rs).
 // One barrier pair for the whole run of sums, not two per sum.
 // h is a multiple of 8 (Config::validate refuses any other hidden size,
 // tested), so every row is whole 16-byte pieces.
@@ -325,23 +346,28 @@ __device__ __noinline__ void sum_ops(const Op* ops, const u8* const* rows, u32 i
     for (u32 u = 0; u < SUM_ITEMS; ++u)
 #pragma unroll
       for (u32 c = 0; c < 8; ++c) acc[u][c] = 0.0f;
-    for (u32 r = 0; r < nmax; ++r) {
-      uint4 v[SUM_ITEMS];
+    for (u32 r = 0; r < nmax; r += 2) {
+      uint4 v[2][SUM_ITEMS];
 #pragma unroll
-      for (u32 u = 0; u < SUM_ITEMS; ++u)
-        v[u] = r < n[u] ? *(const uint4*)(rs[u][r] + col[u]) : make_uint4(0, 0, 0, 0);
+      for (u32 q = 0; q < 2; ++q)
 #pragma unroll
-      for (u32 u = 0; u < SUM_ITEMS; ++u) {
-        if (r >= n[u]) continue;
-        if (n[u] == 1) {
-          *(uint4*)dst[u] = v[u];  // one row: copied
-          continue;
-        }
-        const u32 words[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+        for (u32 u = 0; u < SUM_ITEMS; ++u)
+          v[q][u] = r + q < n[u] ? *(const uint4*)(rs[u][r + q] + col[u]) : make_uint4(0, 0, 0, 0);
 #pragma unroll
-        for (u32 c = 0; c < 8; ++c) {
-          const float x = fp8::from_bf16((u16)(words[c / 2] >> (16 * (c % 2))));
-          acc[u][c] = r == 0 ? x : __fadd_rn(acc[u][c], x);
+      for (u32 q = 0; q < 2; ++q) {
+#pragma unroll
+        for (u32 u = 0; u < SUM_ITEMS; ++u) {
+          if (r + q >= n[u]) continue;
+          if (n[u] == 1) {
+            *(uint4*)dst[u] = v[q][u];  // one row: copied
+            continue;
+          }
+          const u32 words[4] = {v[q][u].x, v[q][u].y, v[q][u].z, v[q][u].w};
+#pragma unroll
+          for (u32 c = 0; c < 8; ++c) {
+            const float x = fp8::from_bf16((u16)(words[c / 2] >> (16 * (c % 2))));
+            acc[u][c] = r + q == 0 ? x : __fadd_rn(acc[u][c], x);
+          }
         }
       }
     }
@@ -359,23 +385,177 @@ __device__ __noinline__ void sum_ops(const Op* ops, const u8* const* rows, u32 i
   }
 }
 
+// Whether the block carries op o as part of a run of load/store puts
+// (put_run): a put of whole 16-byte vectors to a peer mapped here. Others
+// (queued peers, a peer out of range, which gin::put then names, an FP8
+// payload of a hidden size that is not a multiple of 128) go one by one
+// through gin's calls.
+__device__ __forceinline__ bool lsa_put(const DevComm& dc, const Op& o) {
+  return o.kind == OP_PUT && ((o.dst_off | o.src_off | o.bytes) & 15) == 0 &&
+         o.peer < dc.nranks && gin::detail::is_lsa(dc, o.peer);
+}
+
+// What put_run resolved of each op of its run: where the bytes go and come
+// from, 16-byte vectors (0: a window's base not 16-byte aligned, copied
+// byte by byte), the peer's signal window as mapped here (its signal).
+struct Flat {
+  u8* dst[MAX_OPS];
+  const u8* src[MAX_OPS];
+  u64* sig[MAX_OPS];
+  u64 vecs[MAX_OPS];
+};
+
+// One thread: gin::put's checks of op o (a put to load/store peer o.peer),
+// in its order and with its errors (recorded in gin's error word naming the
+// context, the peer and the window or signal), and where its bytes go.
+__device__ int lsa_check(const DevComm& dc, u32 ctx, const Window* const* W, const Op& o,
+                         Flat& f, u32 k) {
+  using namespace gin::detail;
+  const Remote rem = o.add ? signal_add(o.sig, o.add) : no_signal();
+  const Window& dst = *W[o.dst];
+  const Window& src = *W[o.src];
+  int e = check_ctx(dc, ctx);
+  if (!e) e = check_actions(dc, ctx, o.peer, rem, no_counter());
+  if (e) return e;
+  if (!range_ok(o.src_off, o.bytes, src.local_size))
+    return fail(dc, OUT_OF_WINDOW, ctx, o.peer, src.id);
+  const u64 dst_size = ((const u64*)dst.sizes)[o.peer];
+  u8* const d = (u8*)((const u64*)dst.peer_bases)[o.peer];
+  u64* const sig = lsa_signal_base(dc, o.peer, rem);
+  if (!range_ok(o.dst_off, o.bytes, dst_size)) return fail(dc, OUT_OF_WINDOW, ctx, o.peer, dst.id);
+  if (!d || (rem.kind != 0 && !sig)) return fail(dc, UNSUPPORTED, ctx, o.peer, dst.id);
+  f.dst[k] = d + o.dst_off;
+  f.src[k] = (const u8*)src.local_base + o.src_off;
+  f.sig[k] = sig;
+  f.vecs[k] = (((u64)f.dst[k] | (u64)f.src[k]) & 15) == 0 ? o.bytes / 16 : 0;
+  return OK;
+}
+
+// Vectors a thread loads before it stores them in put_run's copy: as
+// gin::detail::coop_copy keeps in flight.
+constexpr u32 FLAT_DEPTH = 8;
+// 16-byte vectors of one piece of flat_copy: a warp's FLAT_DEPTH rounds.
+constexpr u32 PIECE = 32 * FLAT_DEPTH;
+
+// Block-wide: the 16-byte vectors of f's first n puts, cut into pieces of
+// PIECE vectors (4 KiB; a put's last piece may be shorter), the pieces of
+// all the puts dealt to the block's warps in turn (warp w takes pieces w,
+// w + warps, ... across the puts' boundaries). A warp loads a piece's
+// FLAT_DEPTH vectors a lane at once, then stores them. Puts of any sizes
+// keep the whole block busy: a block moves a batch's bytes at once, not
+// one put (and two barriers) at a time.
+__device__ void flat_copy(const Flat& f, u32 n) {
+  const u32 lane = gin::detail::lane(), warps = blockDim.x / WARP;
+  u32 k = 0;
+  u64 piece = threadIdx.x / WARP;
+  const auto settle = [&] {
+    while (k < n && piece * PIECE >= f.vecs[k]) piece -= (f.vecs[k++] + PIECE - 1) / PIECE;
+  };
+  settle();
+  while (k < n) {
+    const u64 first = piece * PIECE, left = f.vecs[k] - first;
+    const uint4* src = (const uint4*)f.src[k] + first;
+    uint4* dst = (uint4*)f.dst[k] + first;
+    // Every vector set on every path (zeros past the put's end): a vector
+    // set only where it is loaded reads, to ptxas, as carried over from
+    // the previous piece, live across the loop (and spilled).
+    uint4 v[FLAT_DEPTH];
+#pragma unroll
+    for (u32 q = 0; q < FLAT_DEPTH; ++q)
+      v[q] = lane + WARP * q < left ? src[lane + WARP * q] : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (u32 q = 0; q < FLAT_DEPTH; ++q)
+      if (lane + WARP * q < left) dst[lane + WARP * q] = v[q];
+    piece += warps;
+    settle();
+  }
+}
+
+// Block-wide: ops[i0, i1), a run of puts to load/store peers (lsa_put), as
+// gin::put would carry them one after another, with the same checks and
+// errors, the same bytes and the same signals after their data: every put
+// is checked (a thread each), all their bytes copied by the whole block at
+// once (flat_copy),
+// then, after one barrier, thread 0 adds their signals in order (a release
+// each, as gin::put's leader: every thread's stores are ordered before it
+// by the barrier). A signal thus comes after its own put's bytes and every
+// earlier put's, as gin's strong signal asks, and a later put's bytes may
+// land before it, which no receiver reads before its own signal. The puts
+// of a run are independent: distinct places, and sources written before
+// the batch or by the row sums before the run (a sum, get or flush ends a
+// run). Returns gin's status (the same on every thread).
+__device__ int put_run(const DevComm& dc, u32 ctx, const Window* const* W, const Op* ops, u32 i0,
+                       u32 i1) {
+  __shared__ Flat f;
+  __shared__ int status;
+  const u32 n = i1 - i0;
+  // The previous run's thread 0 has read f (its signals); every thread's
+  // stores to this run's sources (a sum) precede its loads.
+  if (threadIdx.x == 0) status = OK;
+  __syncthreads();
+  for (u32 k = threadIdx.x; k < n; k += blockDim.x) {
+    const int e = lsa_check(dc, ctx, W, ops[i0 + k], f, k);
+    if (e) status = e;
+  }
+  __syncthreads();
+  if (status != OK) {
+    const int e = status;
+    // Nobody rewrites `status` (the next run) before everyone has read it.
+    __syncthreads();
+    return e;
+  }
+  flat_copy(f, n);
+  // (Cold: cuMemAlloc and CUDA IPC give aligned windows.)
+  for (u32 k = 0; k < n; ++k) {
+    if (f.vecs[k] != 0) continue;
+    const u64 bytes = ops[i0 + k].bytes;
+    for (u64 i = threadIdx.x; i < bytes; i += blockDim.x) f.dst[k][i] = f.src[k][i];
+  }
+  // Every thread's loads of the sources and stores precede the signals; no
+  // thread reads a source after this barrier.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (u32 k = 0; k < n; ++k) {
+      const Op& o = ops[i0 + k];
+      if (o.add == 0) continue;
+      gin::detail::lsa_actions(dc, ctx, o.peer, f.sig[k], signal_add(o.sig, o.add), no_counter(),
+                               gin::detail::same_gpu(dc, o.peer));
+    }
+  }
+  return OK;
+}
+
+// Block-wide: one op of a batch other than a run of load/store puts or
+// sums, by gin's CTA-wide call (a put or get to a queued peer, or one that
+// is not whole 16-byte vectors, a flush, a bare signal). Not inlined: gin's
+// calls carry their own load/store copies, which would otherwise share the
+// kernel's registers with put_run's and sum_ops' (spills, measured with
+// ptxas).
+__device__ __noinline__ int gin_op(const DevComm& dc, u32 ctx, const Window* const* W,
+                                   const Op& o) {
+  const Remote rem = o.add ? signal_add(o.sig, o.add) : no_signal();
+  if (o.kind == OP_PUT)
+    return put(dc, ctx, o.peer, *W[o.dst], o.dst_off, *W[o.src], o.src_off, o.bytes, rem,
+               no_counter(), CTA);
+  if (o.kind == OP_GET)
+    return get(dc, ctx, o.peer, *W[o.src], o.src_off, *W[o.dst], o.dst_off, o.bytes, CTA);
+  if (o.kind == OP_FLUSH) return flush(dc, ctx, CTA);
+  if (o.kind == OP_SIGNAL) return signal(dc, ctx, o.peer, rem, CTA);
+  return OK;
+}
+
 // Block-wide: carries out the batch on context ctx. Returns gin's status
 // (the same on every thread).
 __device__ int run_batch(const DevComm& dc, u32 ctx, const Window* const* W, const Batch& b,
                          u32 hidden) {
   for (u32 i = 0; i < b.nops; ++i) {
-    const Op o = b.ops[i];
+    const Op& o = b.ops[i];
     int e = OK;
-    const Remote rem = o.add ? signal_add(o.sig, o.add) : no_signal();
-    if (o.kind == OP_PUT) {
-      e = put(dc, ctx, o.peer, *W[o.dst], o.dst_off, *W[o.src], o.src_off, o.bytes, rem,
-              no_counter(), CTA);
-    } else if (o.kind == OP_GET) {
-      e = get(dc, ctx, o.peer, *W[o.src], o.src_off, *W[o.dst], o.dst_off, o.bytes, CTA);
-    } else if (o.kind == OP_FLUSH) {
-      e = flush(dc, ctx, CTA);
-    } else if (o.kind == OP_SIGNAL) {
-      e = signal(dc, ctx, o.peer, rem, CTA);
+    if (lsa_put(dc, o)) {
+      u32 j = i + 1;
+      while (j < b.nops && lsa_put(dc, b.ops[j])) ++j;
+      e = put_run(dc, ctx, W, b.ops, i, j);
+      i = j - 1;
     } else if (o.kind == OP_SUM) {
       // The rows were written by peers (acquired by thread 0's signal reads
       // before this batch), by gets (completed by the flush before), or by
@@ -388,6 +568,8 @@ __device__ int run_batch(const DevComm& dc, u32 ctx, const Window* const* W, con
       sum_ops(b.ops, b.rows, i, j, hidden);
       __syncthreads();
       i = j - 1;
+    } else {
+      e = gin_op(dc, ctx, W, o);
     }
     if (e) return e;
   }
@@ -434,7 +616,7 @@ struct Args {
   Shape s;
   Tables tb;
   u64* seen;  // [ch * nsig + id]: the value of each signal accounted for
-  u64* lane;  // [ch * lane_words + i]: thread 0's scratch
+  u64* lane;  // [ch * lane_words + i]: warp 0's scratch, where shared memory cannot hold it
   u32* contrib;
   u64* err;
   u64* errh;
@@ -442,7 +624,7 @@ struct Args {
 
 // ------------------------------------------------------------- dispatch
 
-// Thread 0: the metadata of this rank's token t (MIN), and one of its words.
+// The metadata of this rank's token t (MIN).
 __device__ __forceinline__ const u32* my_meta(const Args& a, u32 t) {
   return (const u32*)((const u8*)a.W[MIN]->local_base + (u64)t * a.s.mm);
 }
@@ -597,27 +779,89 @@ __device__ bool forward(const Args& a, Batch& b, u32 ch, u64* L, bool& moved) {
   return true;
 }
 
-// Thread 0: writes this channel's tokens into their final place at the
-// ranks of this host that receive them, as far as the batch allows; true
-// if the cursor moved (a token for other hosts only needs no op).
+// Warp-wide helpers of the batch builders: every lane of the warp calls
+// them (full mask).
+// The lanes below this one.
+__device__ __forceinline__ u32 lanes_below() {
+  u32 m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
+}
+// The sum of v over this lane and the lanes below it.
+__device__ __forceinline__ u32 warp_incl_sum(u32 v) {
+  const u32 lane = gin::detail::lane();
+#pragma unroll
+  for (u32 d = 1; d < WARP; d <<= 1) {
+    const u32 t = __shfl_up_sync(FULL, v, d);
+    if (lane >= d) v += t;
+  }
+  return v;
+}
+// Whether a token whose slot at some rank is rs (NONE: it does not go
+// there) starts a run of places there: the lane below's token does not
+// hold the place before it (lane 0 always starts one).
+__device__ __forceinline__ bool run_start(u32 rs) {
+  const u32 prev = __shfl_up_sync(FULL, rs, 1);
+  return rs != NONE && (gin::detail::lane() == 0 || prev == NONE || rs != prev + 1);
+}
+// A run starting at this lane: this lane and the lanes above it that
+// continue it (bits of `cont`, which holds the lanes whose token continues
+// the run of the lane below).
+__device__ __forceinline__ u32 run_length(u32 cont) {
+  return (u32)__ffsll((long long)~((u64)cont >> (gin::detail::lane() + 1)));
+}
+
+// This rank's own tokens a dispatch batch takes at most (local_writes).
+constexpr u32 LOCAL_TOKENS = 128;
+
+// Warp 0: writes this channel's tokens into their final place at the ranks
+// of this host that receive them, WARP tokens at a time (a lane each), up
+// to LOCAL_TOKENS as far as the batch allows. For each rank, consecutive
+// tokens with consecutive slots there (consecutive places there,
+// consecutive sources here) are one put of their payloads and one of their
+// metadata, as the sender's runs to other hosts are: a handful of large
+// puts instead of two per token and rank. True on every lane if the cursor
+// moved (a token for other hosts only needs no op).
 __device__ bool local_writes(const Args& a, Batch& b, u32 end, u64* L) {
   const Shape& s = a.s;
-  const u32 me = s.rank, host = me / s.l;
-  u64& cur = L[l_misc(s) + 0];
-  const u64 from = cur;
-  for (u32 done = 0; cur < end && done < CHUNK && room(b, 2 * s.l, 0); ++done) {
-    const u32 t = (u32)cur++;
-    const u32* meta = my_meta(a, t);
-    if (meta[w_host_slot(s, host)] == NONE) continue;
+  const u32 me = s.rank, host = me / s.l, lane = gin::detail::lane(), below = lanes_below();
+  const u32 from = (u32)L[l_misc(s) + 0];
+  u32 cur = from, nops = b.nops;
+  while (cur < end && cur - from < LOCAL_TOKENS) {
+    const u32 w = end - cur < WARP ? end - cur : WARP;
+    const u32* meta = my_meta(a, lane < w ? cur + lane : cur);
+    const bool here = lane < w && meta[w_host_slot(s, host)] != NONE;
+    // The ops of the runs starting at each token; the tokens that fit.
+    u32 need = 0;
+    for (u32 dl = 0; dl < s.l; ++dl)
+      need += run_start(here ? meta[w_rank_slot(s, host * s.l + dl)] : NONE) ? 2 : 0;
+    const u32 upto = warp_incl_sum(need);
+    const u32 n = __popc(__ballot_sync(FULL, lane < w && upto <= MAX_OPS - nops));
+    if (n == 0) break;
     for (u32 dl = 0; dl < s.l; ++dl) {
-      const u32 dst = host * s.l + dl, rs = meta[w_rank_slot(s, dst)];
-      if (rs == NONE) continue;
-      const u64 j = a.tb.recv_start(dst, me) + rs;
-      add_put(b, dst, RECVX, j * s.p, XIN, (u64)t * s.p, s.p, 0, 0);
-      add_put(b, dst, RECVM, j * s.mm, MIN, (u64)t * s.mm, s.mm, 0, 0);
-      L[l_delivered(s) + dl] += 1;
+      const u32 dst = host * s.l + dl;
+      const u32 rs = here && lane < n ? meta[w_rank_slot(s, dst)] : NONE;
+      const bool start = run_start(rs);
+      const u32 cont = __ballot_sync(FULL, rs != NONE && !start);
+      const u32 starts = __ballot_sync(FULL, start);
+      const u32 goes = __ballot_sync(FULL, rs != NONE);
+      if (start) {
+        const u64 t = cur + lane, len = run_length(cont), j = a.tb.recv_start(dst, me) + rs;
+        Op* o = b.ops + nops + 2 * __popc(starts & below);
+        o[0] = Op{OP_PUT, dst, RECVX, XIN, j * s.p, t * s.p, len * s.p, 0, 0, 0, 0, 0};
+        o[1] = Op{OP_PUT, dst, RECVM, MIN, j * s.mm, t * s.mm, len * s.mm, 0, 0, 0, 0, 0};
+      }
+      nops += 2 * __popc(starts);
+      if (lane == 0) L[l_delivered(s) + dl] += __popc(goes);
     }
+    cur += n;
   }
+  __syncwarp();
+  if (lane == 0) {
+    b.nops = nops;
+    L[l_misc(s) + 0] = cur;
+  }
+  __syncwarp();
   return cur != from;
 }
 
@@ -713,23 +957,34 @@ __device__ void waiting(const Args& a, u32 ch, u32 end, const u64* L, const u32*
   id = 0;
 }
 
-// Thread 0: the next batch of channel ch's dispatch.
-__device__ void dispatch_batch(const Args& a, Batch& b, u32 ch, u32 tokens, const u32* active,
-                               u64& since) {
+// Warp 0: the next batch of channel ch's dispatch. Thread 0 decides the
+// sends to other hosts, the forwarding and the end of the step, the warp
+// this rank's own tokens for its host (local_writes). L: the channel's
+// scratch (lane_words u64).
+__device__ __noinline__ void dispatch_batch(const Args& a, Batch& b, u32 ch, u32 tokens, const u32* active,
+                               u64* L, u64& since) {
   const Shape& s = a.s;
   const u32 me = s.rank, host = me / s.l;
-  u64* L = a.lane + (u64)ch * lane_words(s);
+  const bool lead = gin::detail::lane() == 0;
   u64* seen = a.seen + (u64)ch * s.nsig;
   const u32 end = chan_lo(s, tokens, ch + 1);
-  b.nops = b.nrows = b.stop = 0;
-  for (u32 h = 0; h < s.h; ++h)
-    if (h != host) send_runs(a, b, ch, h, end, L);
   bool moved = false;
-  if (!forward(a, b, ch, L, moved)) {
-    b.stop = 1;
-    return;
+  int ok = 1;
+  if (lead) {
+    b.nops = b.nrows = b.stop = 0;
+    for (u32 h = 0; h < s.h; ++h)
+      if (h != host) send_runs(a, b, ch, h, end, L);
+    if (!forward(a, b, ch, L, moved)) {
+      b.stop = 1;
+      ok = 0;
+    }
   }
-  moved |= local_writes(a, b, end, L);
+  // Thread 0's ops and cursors before the warp's.
+  if (!__shfl_sync(FULL, ok, 0)) return;
+  __syncwarp();
+  const bool wrote = local_writes(a, b, end, L);
+  if (!lead) return;
+  moved |= wrote;
   moved |= b.nops > 0;
   u64& signalled = L[l_misc(s) + 1];
   if (!signalled && b.nops == 0 && sent_all(a, ch, end, L, active)) {
@@ -783,12 +1038,23 @@ __device__ void prefetch_channel(const Args& a, u32 lo, u32 end) {
   prefetch_l1(a.tb.w, 4ull * a.tb.words());
 }
 
-// Thread 0: the channel's scratch, zeroed, its cursors at `lo` (the
+// Scratch words a channel keeps in shared memory (lane_of); a larger job's
+// scratch stays in device memory.
+constexpr u32 LANE_SMEM = 1024;
+
+// The channel's scratch: in shared memory where it fits (`smem`,
+// LANE_SMEM words), else channel ch's part of `lane` (device memory). It
+// lives for one launch (clear_lane), and warp 0 reads and writes its words
+// for every batch one dependent access after another: shared memory
+// answers each in a few cycles.
+__device__ __forceinline__ u64* lane_of(const Shape& s, u64* lane, u32 ch, u64* smem) {
+  return lane_words(s) <= LANE_SMEM ? smem : lane + (u64)ch * lane_words(s);
+}
+
+// Thread 0: the channel's scratch L, zeroed, its cursors at `lo` (the
 // channel's first token): the dispatch's send and local-writes cursors
 // (`dispatch`), or the combine's next token to reduce.
-__device__ void clear_lane(const Args& a, u32 ch, u32 lo, bool dispatch) {
-  const Shape& s = a.s;
-  u64* L = a.lane + (u64)ch * lane_words(s);
+__device__ void clear_lane(const Shape& s, u64* L, u32 lo, bool dispatch) {
   for (u32 i = 0; i < lane_words(s); ++i) L[i] = 0;
   if (dispatch) {
     for (u32 h = 0; h < s.h; ++h) L[l_send_cur(s) + h] = lo;
@@ -845,7 +1111,8 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_notify(DevComm dc
 // end of its part of the step (see the top of this file). `tokens`: this
 // rank's tokens, staged in XIN and MIN. tables: the step's plan; active
 // (u32 per rank, 1 active) as the plan's; seen, lane: per channel, the
-// signals' accounted values and thread 0's scratch; contrib (r x t x l
+// signals' accounted values and warp 0's scratch (lane_of: used only where
+// shared memory cannot hold it); contrib (r x t x l
 // u32): per forwarded (source, host slot, local rank), where that rank holds
 // the token (NONE: not there), for the combine.
 extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_dispatch(DevComm dc, EP_HT_WINDOWS, u32 tokens, const u32* shape, const u32* tables, const u32* active, u64* seen, u64* lane, u32* contrib, u64* err, u64* errh,
@@ -860,11 +1127,15 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_dispatch(DevComm 
                        s, ep::ht::Tables{tables, s}, seen, lane, contrib, err, errh};
   const u32 ch = blockIdx.x;
   if (ch >= s.chans) return;
-  if (threadIdx.x == 0) ep::ht::clear_lane(a, ch, ep::ht::chan_lo(s, tokens, ch), true);
+  __shared__ u64 lane_smem[ep::ht::LANE_SMEM];
+  u64* const L = ep::ht::lane_of(s, lane, ch, lane_smem);
+  if (threadIdx.x == 0) ep::ht::clear_lane(s, L, ep::ht::chan_lo(s, tokens, ch), true);
   ep::ht::prefetch_channel(a, ep::ht::chan_lo(s, tokens, ch), ep::ht::chan_lo(s, tokens, ch + 1));
+  // The scratch is cleared before warp 0 reads it.
+  __syncthreads();
   u64 since = 0;
   for (;;) {
-    if (threadIdx.x == 0) ep::ht::dispatch_batch(a, b, ch, tokens, active, since);
+    if (threadIdx.x < ep::ht::WARP) ep::ht::dispatch_batch(a, b, ch, tokens, active, L, since);
     __syncthreads();
     if (b.stop == 1) return;
     if (ep::ht::run_batch(dc, ch, a.W, b, s.hidden)) return;
@@ -947,6 +1218,23 @@ __device__ int wait_ctx(const DevComm& dc, u32 ctx, u32 id, u64 target, u32 peer
   return st;
 }
 
+// One thread: where the combine row of the token `j`th among dst's
+// received tokens lies, read in place (dst's combine rows mapped here, or
+// this rank's own). Null after recording a failure (a place outside dst's
+// window: a broken invariant).
+__device__ const u8* in_place(const Args& a, u32 ch, u32 dst, u32 j) {
+  const Shape& s = a.s;
+  const Window& cs = *a.W[CSEND];
+  const u64 off = (u64)j * s.h2;
+  const u8* base =
+      dst == s.rank ? (const u8*)cs.local_base : (const u8*)((const u64*)cs.peer_bases)[dst];
+  if (!base || !gin::detail::range_ok(off, s.h2, ((const u64*)cs.sizes)[dst])) {
+    gin::detail::fail(a.dc, OUT_OF_WINDOW, ch, dst, cs.id);
+    return nullptr;
+  }
+  return base + off;
+}
+
 // Thread 0: the combine row of the token `j`th among dst's received tokens
 // for the batch's row list: read in place where dst's combine rows are
 // mapped here (direct[dst]), else fetched by get into this channel's row
@@ -955,20 +1243,11 @@ __device__ int wait_ctx(const DevComm& dc, u32 ctx, u32 id, u64 target, u32 peer
 __device__ const u8* row_of(const Args& a, Batch& b, const u32* direct, u32 ch, u32 dst, u32 j,
                             u32 i, bool& fetched) {
   const Shape& s = a.s;
-  const Window& cs = *a.W[CSEND];
-  const u64 off = (u64)j * s.h2;
-  if (direct[dst]) {
-    const u8* base = dst == s.rank ? (const u8*)cs.local_base
-                                   : (const u8*)((const u64*)cs.peer_bases)[dst];
-    if (!base || !gin::detail::range_ok(off, s.h2, ((const u64*)cs.sizes)[dst])) {
-      gin::detail::fail(a.dc, OUT_OF_WINDOW, ch, dst, cs.id);
-      return nullptr;
-    }
-    return base + off;
-  }
-  add_get(b, dst, CGET, cget_off(s, ch, i), CSEND, off, s.h2);
+  if (direct[dst]) return in_place(a, ch, dst, j);
+  const u64 at = cget_off(s, cget_rows(s, a.W[CGET]->local_size), ch, i);
+  add_get(b, dst, CGET, at, CSEND, (u64)j * s.h2, s.h2);
   fetched = true;
-  return (const u8*)a.W[CGET]->local_base + cget_off(s, ch, i);
+  return (const u8*)a.W[CGET]->local_base + at;
 }
 
 // A run of combined rows for one put: n rows from window win at src_off
@@ -1064,75 +1343,165 @@ __device__ bool forward_rows(const Args& a, Batch& b, u32 ch, const u32* direct,
   return done > 0;
 }
 
-// Thread 0: reduces this channel's tokens, in order, while every host each
-// went to has delivered, as far as the batch allows; true if any. `out`:
-// tokens x hidden BF16. False in `ok` after a failure.
+// Tokens a combine batch reduces at most (reduce).
+constexpr u32 REDUCE_TOKENS = 128;
+
+// Warp 0: whether other hosts' rows of the tokens of the lanes below `w`
+// have arrived (for each other host hh the token went to, ctail of hh up
+// to its place); read again where a token needs more than the scratch
+// says. False on every lane (and `ok` false) after recording the
+// forwarder's protocol error (rows ahead of the plan).
+__device__ bool arrived_rows(const Args& a, u32 ch, const u32* meta, u32 w, u64* L, bool& ok) {
+  const Shape& s = a.s;
+  const u32 me = s.rank, host = me / s.l, lane = gin::detail::lane();
+  u64* seen = a.seen + (u64)ch * s.nsig;
+  bool ready = lane < w;
+  for (u32 hh = 0; hh < s.h; ++hh) {
+    if (hh == host) continue;
+    const u32 hs = lane < w ? meta[w_host_slot(s, hh)] : NONE;
+    const u64 need = hs == NONE ? 0 : (u64)(hs - a.tb.host_chan_start(me, hh, ch)) + 1;
+    if (__any_sync(FULL, need > L[c_got(s) + hh])) {
+      int bad = 0;
+      if (lane == 0) {
+        const u32 id = sig_ctail(s, hh);
+        const u64 got = read_acq(a.dc, ch, id) - seen[id];
+        const u64 want = a.tb.host_chan(me, hh, ch);
+        if (got > want) {
+          const u32 fwd = a.tb.forwarder(me, hh);
+          protocol(a.err, a.errh, fwd == NONE ? hh * s.l : fwd, HT_ROWS_AHEAD, ch, got, want);
+          bad = 1;
+        } else {
+          L[c_got(s) + hh] = got;
+        }
+      }
+      if (__shfl_sync(FULL, bad, 0)) {
+        ok = false;
+        return false;
+      }
+      __syncwarp();
+    }
+    ready &= need <= L[c_got(s) + hh];
+  }
+  return ready;
+}
+
+// Warp 0: reduces this channel's tokens in order, WARP at a time (a lane
+// each), while every host each went to has delivered, up to REDUCE_TOKENS
+// as far as the batch allows; true on every lane if any. A token's rows are
+// its host's by local index (read in place where mapped, else fetched by
+// get into the channel's rows of CGET: consecutive places of one rank in
+// one get, one flush for the gets of 32 tokens), then other hosts' (CRDMA),
+// summed by one OP_SUM into its row of `out` (tokens x hidden BF16). False
+// in `ok` on every lane after a failure.
 __device__ bool reduce(const Args& a, Batch& b, u32 ch, u32 end, const u32* direct, u8* out,
                        u64* L, bool& ok) {
   const Shape& s = a.s;
-  const u32 me = s.rank, host = me / s.l;
-  u64* seen = a.seen + (u64)ch * s.nsig;
-  u64& next = L[c_misc(s) + 3];
-  u32 done = 0;
-  while (next < end && done < CHUNK && room(b, s.l + 3, s.l + s.h)) {
-    const u32 t = (u32)next;
-    const u32* meta = my_meta(a, t);
-    for (u32 hh = 0; hh < s.h; ++hh) {
-      const u32 hs = meta[w_host_slot(s, hh)];
-      if (hh == host || hs == NONE) continue;
-      const u64 need = (u64)(hs - a.tb.host_chan_start(me, hh, ch)) + 1;
-      if (L[c_got(s) + hh] >= need) continue;
-      const u32 id = sig_ctail(s, hh);
-      const u64 got = read_acq(a.dc, ch, id) - seen[id];
-      const u64 want = a.tb.host_chan(me, hh, ch);
-      if (got > want) {
-        const u32 fwd = a.tb.forwarder(me, hh);
-        protocol(a.err, a.errh, fwd == NONE ? hh * s.l : fwd, HT_ROWS_AHEAD, ch, got, want);
-        ok = false;
-        return false;
-      }
-      L[c_got(s) + hh] = got;
-      if (got < need) return done > 0;
-    }
-    const u32 row0 = b.nrows;
-    bool fetched = false;
-    u32 i = 0;
+  const u32 me = s.rank, host = me / s.l, lane = gin::detail::lane(), below = lanes_below();
+  const u64 cap = cget_rows(s, a.W[CGET]->local_size);
+  const u32 from = (u32)L[c_misc(s) + 3];
+  u32 next = from, nops = b.nops, nrows = b.nrows;
+  u64 fetched = 0;
+  while (next < end && next - from < REDUCE_TOKENS) {
+    const u32 w = end - next < WARP ? end - next : WARP;
+    const u32* meta = my_meta(a, lane < w ? next + lane : next);
+    const u32 ready = __ballot_sync(FULL, arrived_rows(a, ch, meta, w, L, ok));
+    if (!ok) return false;
+    const u32 k = ready == FULL ? WARP : __ffs(~ready) - 1;
+    // The rows, fetched rows and ops (its gets, its sum) of each token of
+    // the ready ones; the tokens that fit the batch (a flush after gets).
+    u32 rows = 0, fetch = 0, ops = 1;
     for (u32 dl = 0; dl < s.l; ++dl) {
-      const u32 dst = host * s.l + dl, rs = meta[w_rank_slot(s, dst)];
-      if (rs == NONE) continue;
-      const u8* r =
-          row_of(a, b, direct, ch, dst, a.tb.recv_start(dst, me) + rs, i++, fetched);
-      if (!r) {
-        ok = false;
-        return false;
+      const u32 dst = host * s.l + dl, rs = lane < k ? meta[w_rank_slot(s, dst)] : NONE;
+      const bool get = rs != NONE && !direct[dst];
+      rows += rs != NONE;
+      fetch += get;
+      ops += run_start(get ? rs : NONE);
+    }
+    for (u32 hh = 0; hh < s.h; ++hh)
+      rows += hh != host && lane < k && meta[w_host_slot(s, hh)] != NONE;
+    const u32 rows_upto = warp_incl_sum(rows), fetch_upto = warp_incl_sum(fetch);
+    const u32 ops_upto = warp_incl_sum(ops) + (fetch_upto > 0);
+    const u32 n = __popc(__ballot_sync(FULL, lane < k && nrows + rows_upto <= MAX_ROWS &&
+                                                 fetched + fetch_upto <= cap &&
+                                                 nops + ops_upto <= MAX_OPS));
+    if (n == 0) break;
+    const bool in = lane < n;
+    const u32 row0 = nrows + rows_upto - rows;
+    u32 r = row0;
+    u64 f = fetched;
+    bool bad = false;
+    for (u32 dl = 0; dl < s.l; ++dl) {
+      const u32 dst = host * s.l + dl, rs = in ? meta[w_rank_slot(s, dst)] : NONE;
+      const bool get = rs != NONE && !direct[dst], start = run_start(get ? rs : NONE);
+      const u32 cont = __ballot_sync(FULL, get && !start);
+      const u32 starts = __ballot_sync(FULL, start), gets = __ballot_sync(FULL, get);
+      const u32 j = rs == NONE ? 0 : a.tb.recv_start(dst, me) + rs;
+      if (get) {
+        const u64 at = cget_off(s, cap, ch, f + __popc(gets & below));
+        if (start)
+          b.ops[nops + __popc(starts & below)] =
+              Op{OP_GET, dst, CGET, CSEND, at, (u64)j * s.h2, run_length(cont) * (u64)s.h2,
+                 0, 0, 0, 0, 0};
+        b.rows[r++] = (const u8*)a.W[CGET]->local_base + at;
+      } else if (rs != NONE) {
+        const u8* p = in_place(a, ch, dst, j);
+        bad |= p == nullptr;
+        b.rows[r++] = p;
       }
-      b.rows[b.nrows++] = r;
+      nops += __popc(starts);
+      f += __popc(gets);
     }
     for (u32 hh = 0; hh < s.h; ++hh) {
-      const u32 hs = meta[w_host_slot(s, hh)];
-      if (hh == host || hs == NONE) continue;
-      b.rows[b.nrows++] = (const u8*)a.W[CRDMA]->local_base + crdma_off(s, hh, hs);
+      const u32 hs = in && hh != host ? meta[w_host_slot(s, hh)] : NONE;
+      if (hs != NONE) b.rows[r++] = (const u8*)a.W[CRDMA]->local_base + crdma_off(s, hh, hs);
     }
-    if (fetched) add_flush(b);
-    add_sum(b, out + (u64)t * s.h2, row0, b.nrows - row0);
-    ++next;
-    ++done;
+    if (__any_sync(FULL, bad)) {
+      ok = false;
+      return false;
+    }
+    // The gets complete before the sums read their rows.
+    if (f != fetched) {
+      if (lane == 0) b.ops[nops] = Op{OP_FLUSH, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+      ++nops;
+    }
+    if (in)
+      b.ops[nops + lane] =
+          Op{OP_SUM, 0, 0, 0, (u64)(out + (u64)(next + lane) * s.h2), 0, 0, 0, row0, r - row0, 0, 0};
+    nops += n;
+    nrows += __shfl_sync(FULL, rows_upto, n - 1);
+    fetched = f;
+    next += n;
   }
-  return done > 0;
+  __syncwarp();
+  if (lane == 0) {
+    b.nops = nops;
+    b.nrows = nrows;
+    L[c_misc(s) + 3] = next;
+  }
+  __syncwarp();
+  return next != from;
 }
 
-// Thread 0: the next batch of channel ch's combine.
-__device__ void combine_batch(const Args& a, Batch& b, u32 ch, u32 tokens, const u32* direct,
-                              u8* out, u64& since) {
+// Warp 0: the next batch of channel ch's combine. Thread 0 decides the
+// forwarded tokens' sums (forward_rows) and the end of the step, the warp
+// the reduction of this rank's tokens (reduce). L: the channel's scratch.
+__device__ __noinline__ void combine_batch(const Args& a, Batch& b, u32 ch, u32 tokens, const u32* direct,
+                              u8* out, u64* L, u64& since) {
   const Shape& s = a.s;
   const u32 me = s.rank, host = me / s.l;
-  u64* L = a.lane + (u64)ch * lane_words(s);
+  const bool lead = gin::detail::lane() == 0;
   u64* seen = a.seen + (u64)ch * s.nsig;
   const u32 end = chan_lo(s, tokens, ch + 1);
-  b.nops = b.nrows = b.stop = 0;
-  bool ok = true;
-  bool moved = forward_rows(a, b, ch, direct, L, ok);
+  bool ok = true, moved = false;
+  if (lead) {
+    b.nops = b.nrows = b.stop = 0;
+    moved = forward_rows(a, b, ch, direct, L, ok);
+  }
+  // Thread 0's ops and scratch before the warp's.
+  ok = __shfl_sync(FULL, ok ? 1 : 0, 0) != 0;
+  __syncwarp();
   if (ok) moved |= reduce(a, b, ch, end, direct, out, L, ok);
+  if (!lead) return;
   if (!ok) {
     b.stop = 1;
     return;
@@ -1182,7 +1551,9 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_combine(DevComm d
   const u32 ch = blockIdx.x;
   if (ch >= s.chans) return;
   const u32 me = s.rank, host = me / s.l;
-  if (threadIdx.x == 0) ep::ht::clear_lane(a, ch, ep::ht::chan_lo(s, tokens, ch), false);
+  __shared__ u64 lane_smem[ep::ht::LANE_SMEM];
+  u64* const L = ep::ht::lane_of(s, lane, ch, lane_smem);
+  if (threadIdx.x == 0) ep::ht::clear_lane(s, L, ep::ht::chan_lo(s, tokens, ch), false);
   ep::ht::prefetch_channel(a, ep::ht::chan_lo(s, tokens, ch), ep::ht::chan_lo(s, tokens, ch + 1));
   for (u32 dl = 0; dl < s.l; ++dl) {
     const u32 p = host * s.l + dl;
@@ -1190,6 +1561,8 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_combine(DevComm d
       return;
   }
   u64* seen_ch = seen + (u64)ch * s.nsig;
+  // The scratch is cleared before warp 0 reads it.
+  __syncthreads();
   for (u32 dl = 0; dl < s.l; ++dl) {
     const u32 p = host * s.l + dl, id = ep::ht::sig_cready(s, dl);
     if (!active[p]) continue;
@@ -1199,8 +1572,8 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_combine(DevComm d
   }
   u64 since = 0;
   for (;;) {
-    if (threadIdx.x == 0)
-      ep::ht::combine_batch(a, b, ch, tokens, direct, (u8*)out, since);
+    if (threadIdx.x < ep::ht::WARP)
+      ep::ht::combine_batch(a, b, ch, tokens, direct, (u8*)out, L, since);
     __syncthreads();
     if (b.stop == 1) return;
     if (ep::ht::run_batch(dc, ch, a.W, b, s.hidden)) return;

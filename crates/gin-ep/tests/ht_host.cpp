@@ -76,7 +76,10 @@ void one(const ep::ht::Shape& s, u32 tokens, const std::vector<u32>& tables) {
   for (u32 ch = 0; ch < s.chans; ++ch) {
     put(stage_off(s, ch, 0));
     put(stage_off(s, ch, STAGE - 1));
-    for (u32 i = 0; i < s.l; ++i) put(cget_off(s, ch, i));
+    // CGET as CudaBuffer::new sizes it (cuda/ht.rs's cget_bytes).
+    const u64 rows = cget_rows(s, (u64)s.chans * cget_rows_for(s.l) * s.h2);
+    put(rows);
+    for (u64 i = 0; i < rows; ++i) put(cget_off(s, rows, ch, i));
   }
   put(lane_words(s));
 }

@@ -121,9 +121,37 @@ pub(crate) fn shape_words(
     ]
 }
 
-/// Words of thread 0's scratch per channel (ht.cu's `lane_words`).
+/// Words of the kernels' scratch per channel (ht.cu's `lane_words`; in
+/// shared memory up to ht.cu's `LANE_SMEM`, else in [`HtState`]'s `lane`).
 pub(crate) fn lane_words(s: &Shape) -> usize {
     2 * s.h + 2 * s.r + 3 * s.l + 16
+}
+
+/// Rows per channel of window CGET (combine rows of same-host peers not
+/// mapped here, fetched by `get`) that [`cget_bytes`] sizes at least
+/// (ht.cu's `FETCH_ROWS`): the combine fetches the rows of up to this many
+/// tokens' places with one get per run of consecutive places and one flush,
+/// where a get and a flush per token were the proxy combine's cost.
+pub(crate) const FETCH_ROWS: usize = 64;
+
+/// Rows per channel of CGET for hosts of `l` ranks (ht.cu's
+/// `cget_rows_for`): at least one per local rank (a forwarder's sum fetches
+/// one row of each), and [`FETCH_ROWS`].
+pub(crate) fn cget_rows(l: usize) -> usize {
+    l.max(FETCH_ROWS)
+}
+
+/// The bytes of window CGET on CUDA ranks: [`cget_rows`] rows of
+/// `2 × hidden` bytes per channel. The kernels take the rows per channel
+/// from the window's size (ht.cu's `cget_rows`), so a smaller window (the
+/// CPU ranks' `plan::cget_bytes`, one row per local rank) works too, one
+/// token's fetches per flush.
+// Called by `CudaBuffer::new` once it sizes CGET with it (cuda/mod.rs:
+// `sizes[crate::ht::CGET] = ht::cget_bytes(&cfg, l);`); until then by the
+// tests only.
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) fn cget_bytes(cfg: &crate::Config, l: usize) -> usize {
+    cfg.channels * cget_rows(l) * 2 * cfg.hidden
 }
 
 /// Row pointers one batch of ht.cu's combine holds (`MAX_ROWS`): a
@@ -143,7 +171,8 @@ pub(crate) struct HtState {
     /// `u64[chans × signals]`: per context, the value of each signal
     /// accounted for (the kernels advance it).
     seen: DevMem,
-    /// `u64[chans × lane_words]`: the kernels' per-channel scratch.
+    /// `u64[chans × lane_words]`: the kernels' per-channel scratch, where
+    /// a block's shared memory cannot hold it (ht.cu's `lane_of`).
     lane: DevMem,
     /// `u32[r × t × l]`: where each forwarded token is held (dispatch to
     /// combine).

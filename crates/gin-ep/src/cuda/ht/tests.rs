@@ -67,6 +67,7 @@ fn shape_words_constants_and_windows_match_the_kernels() {
         ("RUN", RUN),
         ("STAGE", STAGE),
         ("MAX_ROWS", MAX_ROWS),
+        ("FETCH_ROWS", FETCH_ROWS),
     ] {
         assert_eq!(kernel_u32(name), Some(v as u64), "{name}");
     }
@@ -561,8 +562,16 @@ fn expected(s: &Shape, tokens: usize, plan: &Plan) -> String {
     for ch in 0..s.chans {
         put((ch * STAGE * s.h2) as u64);
         put(((ch * STAGE + STAGE - 1) * s.h2) as u64);
-        for i in 0..s.l {
-            put(((ch * s.l + i) * s.h2) as u64);
+        // CGET as CudaBuffer::new sizes it (cget_bytes).
+        let cfg = Config {
+            channels: s.chans,
+            ..Config::high_throughput(s.h2 / 2, s.t, s.r, 1)
+        };
+        let rows = cget_bytes(&cfg, s.l) / (s.chans * s.h2);
+        assert_eq!(rows, cget_rows(s.l));
+        put(rows as u64);
+        for i in 0..rows {
+            put(((ch * rows + i) * s.h2) as u64);
         }
     }
     put(lane_words(s) as u64);
