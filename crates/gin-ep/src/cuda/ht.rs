@@ -145,11 +145,7 @@ pub(crate) fn cget_rows(l: usize) -> usize {
 /// `2 × hidden` bytes per channel. The kernels take the rows per channel
 /// from the window's size (ht.cu's `cget_rows`), so a smaller window (the
 /// CPU ranks' `plan::cget_bytes`, one row per local rank) works too, one
-/// token's fetches per flush.
-// Called by `CudaBuffer::new` once it sizes CGET with it (cuda/mod.rs:
-// `sizes[crate::ht::CGET] = ht::cget_bytes(&cfg, l);`); until then by the
-// tests only.
-#[cfg_attr(not(test), allow(dead_code))]
+/// token's fetches per flush. `CudaBuffer::new` sizes CGET with it.
 pub(crate) fn cget_bytes(cfg: &crate::Config, l: usize) -> usize {
     cfg.channels * cget_rows(l) * 2 * cfg.hidden
 }

@@ -601,7 +601,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         let dc = cuda.dev_comm(&req, CtxSharing::Gpu)?;
         if let Some(l) = hosts {
             // Rows of same-host peers not mapped here are fetched by get.
-            sizes[crate::ht::CGET] = crate::ht::cget_bytes(&cfg, l, true);
+            sizes[crate::ht::CGET] = ht::cget_bytes(&cfg, l);
         }
         let wins = sizes
             .iter()
