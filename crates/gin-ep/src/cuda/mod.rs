@@ -71,6 +71,9 @@
 //! range or a message that does not name its expert is the source's
 //! [`EpError::Protocol`], naming it and the expert; such a pair counts 0
 //! tokens, so an expert kernel reading the counts stays within the slots.
+//! The record keeps the first broken protocol apart from a refusal
+//! recorded before it (`dev::Record`), so that a refusal in one queued
+//! step never hides a broken protocol in a later one.
 //! Bad inputs make the rank send no token but a refused count (`POISON`)
 //! to every expert's rank, so every rank finishes the step and reports it:
 //! the rank its entry ([`EpError::ExpertOutOfRange`],
@@ -119,6 +122,7 @@ mod ht;
 pub mod resident;
 mod steps;
 
+use dev::{Record, RecordMemory};
 use steps::{Look, Recorded, Verdict};
 
 pub use ht::{CudaHtDispatch, CudaHtStep, HT_KERNELS, HtDeviceLayout, HtReceived};
@@ -253,7 +257,8 @@ struct State {
     /// dispatch kernel's `bad_key`), `!0` for none; the combine kernel
     /// clears it.
     inbad: DevMem,
-    /// `u64[4]`: the first error a kernel recorded (`ep::record`).
+    /// `u64[8]`: what the kernels recorded (`ep::record`, [`Record`]: the
+    /// first error, and the first broken protocol).
     err: DevMem,
     /// Its copy in pinned host memory, polled without waiting for a
     /// stream.
@@ -295,9 +300,28 @@ impl State {
                 m.write(0, &[u64::MAX])?;
                 m
             },
-            err: zeroed(32)?,
-            errh: HostMem::new(32)?,
+            err: zeroed(Record::BYTES)?,
+            errh: HostMem::new(Record::BYTES)?,
         })
+    }
+}
+
+/// The record's slot 0 (a refusal the host reported): the pinned mirror
+/// through atomics, the kernels' word 0 by an 8-byte memset of device
+/// memory, waited for ([`dev::forget_refusal`] orders them). A record
+/// claims the slot by a CAS from 0, which fails until all 8 bytes are zero.
+impl RecordMemory for State {
+    fn clear_mirror_first(&self) {
+        for i in 0..dev::WORDS {
+            if let Ok(a) = self.errh.atomic_u64(8 * i) {
+                a.store(0, Ordering::Release);
+            }
+        }
+    }
+
+    fn clear_kernel_first(&self) -> Result<(), EpError> {
+        self.err.zero_wait(0, 8).map_err(CoreError::from)?;
+        Ok(())
     }
 }
 
@@ -783,17 +807,27 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         self.st.unqueued(call)
     }
 
-    /// The error a kernel recorded, if any (read from pinned host memory,
-    /// without waiting for a stream).
-    fn recorded(&self) -> Option<[u64; 4]> {
+    /// What the kernels recorded (read from pinned host memory, without
+    /// waiting for a stream): each slot's word 0 first (a record publishes
+    /// its other words before it).
+    fn recorded(&self) -> Record {
         let word = |i: usize| {
             self.state
                 .errh
                 .atomic_u64(8 * i)
                 .map_or(0, |a| a.load(Ordering::Acquire))
         };
-        let w0 = word(0);
-        (w0 != 0).then(|| [w0, word(1), word(2), word(3)])
+        let mut w = [0u64; 2 * dev::WORDS];
+        for slot in 0..2 {
+            let at = slot * dev::WORDS;
+            w[at] = word(at);
+            if w[at] != 0 {
+                for i in 1..dev::WORDS {
+                    w[at + i] = word(at + i);
+                }
+            }
+        }
+        Record::of(w)
     }
 
     /// Reports the error a kernel recorded (a peer's broken protocol, or a
@@ -811,22 +845,48 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// and is reported; one found by `check` is cleared and reported, the
     /// buffer staying usable where it stands; anything else fails the
     /// buffer and is reported.
+    ///
+    /// A broken protocol is reported whatever was recorded before it (a
+    /// refusal recorded first cannot hide it: [`Record`]); a refusal
+    /// recorded beside it is logged. A waited dispatch that finds both
+    /// ends the refused step first (the other ranks are ending it, and
+    /// would wait for this rank's signals until the job timeout), then
+    /// fails.
     fn look(&mut self, look: Look) -> Result<(), EpError> {
-        let Some(w) = self.recorded() else {
+        let rec = self.recorded();
+        let Some(w) = rec.reported() else {
             return Ok(());
         };
         let Some(err) = decode_error(self.rank, &self.cfg, w) else {
             return Ok(());
         };
-        match self.st.judge(Recorded::of(w[0]), look) {
+        let verdict = self.st.judge(Recorded::of(&rec), look);
+        if rec.broken[0] != 0
+            && rec.refused()
+            && let Some(r) = decode_error(self.rank, &self.cfg, rec.first)
+        {
+            tracing::warn!(
+                rank = self.rank,
+                "recorded before the broken protocol reported ({err}): {r}"
+            );
+        }
+        match verdict {
             Verdict::Go => Ok(()),
             Verdict::Fail => Err(err),
             Verdict::EndStep => {
                 self.end_refused()?;
                 Err(err)
             }
+            Verdict::EndStepThenFail => {
+                // The buffer failed already; the end's own error (a wait
+                // timed out) says less than the broken protocol.
+                if let Err(e) = self.end_refused() {
+                    tracing::debug!(rank = self.rank, "ending the refused step: {e}");
+                }
+                Err(err)
+            }
             Verdict::Report => {
-                if let Err(e) = self.clear_recorded() {
+                if let Err(e) = self.forget_refusal() {
                     self.st.fail();
                     return Err(e);
                 }
@@ -835,18 +895,12 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         }
     }
 
-    /// Clears the kernels' record (device memory and its pinned mirror),
-    /// once a refusal in it was dealt with; no kernel of this buffer may
-    /// run meanwhile (gin's stream waited for, the caller's synchronised).
-    fn clear_recorded(&self) -> Result<(), EpError> {
+    /// Forgets the refusal recorded in slot 0 once it was dealt with
+    /// ([`dev::forget_refusal`]: exactly what the host read, even where a
+    /// kernel still records); slot 1, a broken protocol, stays.
+    fn forget_refusal(&self) -> Result<(), EpError> {
         self.current()?;
-        self.state.err.zero_wait(0, 32).map_err(CoreError::from)?;
-        for i in 0..4 {
-            if let Ok(a) = self.state.errh.atomic_u64(8 * i) {
-                a.store(0, Ordering::Release);
-            }
-        }
-        Ok(())
+        dev::forget_refusal(&self.state)
     }
 
     /// A low-latency step's call: refused on a high-throughput buffer.
@@ -990,8 +1044,9 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         // indexes active and ctarget by rank (nranks entries), seen and
         // counts by pair (experts), meta by received slot (3 × experts × t
         // u32), eslot by (token, slot) (t × k u32), clock (2 u64, or null),
-        // bar (the low u32 of a u64) and inbad (one u64 each), err (4 u64) and errh (4 u64 of
-        // mapped pinned memory): the sizes State::new allocated for this
+        // bar (the low u32 of a u64) and inbad (one u64 each), err (8 u64)
+        // and errh (8 u64 of mapped pinned memory, Record::BYTES): the sizes
+        // State::new allocated for this
         // configuration. It reads tokens × h u16 of xin and tokens × k of
         // idx and wts where they are not null: the caller's contract.
         let r = unsafe { go(&self.dc, self.kernels.dispatch, on, grid, &args) };
@@ -1156,7 +1211,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             // nothing of `out` (State::out, from cuMemAlloc) and, the
             // counts zeroed, reads no slot.
             unsafe { self.launch_combine(On::Wait, out)? };
-            self.clear_recorded()
+            self.forget_refusal()
         })();
         self.st.refused(r.is_ok());
         r
