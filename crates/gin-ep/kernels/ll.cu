@@ -610,8 +610,8 @@ __device__ __noinline__ void stage_tokens(const Window& send, const u16* x, cons
 //   with BF16 copies their payloads) and checks the inputs (stage_tokens).
 // Whenever blocks stage, a grid barrier (grid_sync on bar, its state on the
 // device alone) comes before any block sends. Inputs found bad (inbad below
-// ~0: by stage_tokens, or written by the host whose checks refused its
-// inputs, which then launches 0 tokens) send no token:
+// ~0, by stage_tokens; or refused = 1: the host's checks refused this
+// rank's inputs, and it launches 0 tokens and no source) send no token:
 // every expert's signal adds POISON instead, so every receiver records why
 // its count is missing rather than waiting, and this rank records the first
 // bad entry as the host would report it (device-resident inputs; the host
@@ -629,7 +629,8 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_dispatch(DevComm 
                                           u64* seen, u32* counts, u32* meta, u64* clock,
                                           const u16* xin, u32 h, u32* bar, u32* eslot,
                                           u32 fp8, const long long* idx, const float* wts,
-                                          u64* inbad, u64* err, u64* errh, u64* ctarget) {
+                                          u64* inbad, u64* err, u64* errh, u64* ctarget,
+                                          u32 refused) {
   // After a failure (an earlier launch's, queued since the host checked):
   // return at once rather than wait for peers that stopped.
   if (ep::failed_before(dc)) return;
@@ -644,12 +645,14 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_dispatch(DevComm 
   }
   // Refused inputs: found by stage_tokens above (device-resident inputs:
   // this rank records the first bad entry), or by the host's checks before
-  // this launch (host inputs: the host wrote inbad, staged nothing and
-  // launched 0 tokens; its own error names the entry, nothing to record).
-  // Nothing in this launch writes inbad after this read (stage_tokens did,
-  // before the grid barrier).
+  // this launch (refused: host inputs, or the token count, sizes or
+  // alignment of inputs in GPU memory; the host staged nothing, launched 0
+  // tokens, and its own error names what it refused: nothing to record).
+  // Past the buffer's creation only the kernels write inbad (the host
+  // would race a launch queued before this one); nothing in this launch
+  // writes it after this read (stage_tokens did, before the grid barrier).
   const u64 key = *(volatile u64*)inbad;
-  const bool bad = key != ~0ull;
+  const bool bad = refused || key != ~0ull;
   if (bad && idx && blockIdx.x == 0 && threadIdx.x == 0) {
     u64 w[4];
     ep::input::error_of(key, idx, wts, k, experts, w);
