@@ -151,8 +151,8 @@ EP_FN u16 dequantize(u8 b, float s) {
 //   (ERR_PEER_BAD_INPUT and this rank's own bad entries: a step every rank
 //   ends alike) is cleared by the host once it reported it (cuda/mod.rs: a
 //   waited dispatch, or check, which may run between a dispatch and its
-//   combine), and the next record takes the slot again; anything else the
-//   host never clears.
+//   combine), and the next record takes the slot again; anything else
+//   there is in slot 1 too, and fails the buffer.
 // - slot 1 (words 4-7): the first error that is not a refusal (a source's
 //   broken protocol, a high-throughput error), claimed even when slot 0
 //   already holds a refusal, so that a refusal recorded first can never
@@ -618,7 +618,9 @@ __device__ __noinline__ void stage_tokens(const Window& send, const u16* x, cons
 // reports its own). Every rank then ends the step with a combine: a
 // waiting host launches one of 0 tokens and zeroed counts (cuda/mod.rs's
 // end_refused: the combine's signals without data), a queued step runs the
-// combine its caller queued (a refused pair counts 0 tokens). Either way
+// combine its caller queued (a refused pair counts 0 tokens), or, refused
+// by the host's checks, one of 0 tokens the host queued right after this
+// launch (cuda/mod.rs's ll_refuse_on). Either way
 // every signal of the step is consumed within it: seen[q] takes the
 // poisoned value, and the next step counts from there.
 // eslot[token * k + j] (t x k u32): the token's index among this rank's
