@@ -287,6 +287,26 @@ for n in 2 4; do
   # every rank ends the step; the victim names its entry, every other rank
   # the victim at once, and the steps after it verify on every buffer.
   step "ep-ll-cuda-${n}ranks-bad" "$ep" ll device=cuda ranks=$n bad=1
+  # Inputs in GPU memory refused by the host's check before anything is
+  # launched (bad=tokens: rank 1 passes one token more than the buffer's
+  # maximum): still a step every rank ends at once, whether the victim's
+  # call waits (inputs=device), is queued (inputs=stream) or is the middle
+  # one of three queued back to back (inputs=queued; the queued call queues
+  # the refused step to its end and returns the error). Before, the victim
+  # returned its error without launching anything, and every peer waited
+  # for its count until the job timeout, which then broke its buffer.
+  for kind in device stream queued; do
+    step "ep-ll-cuda-${n}ranks-inputs-${kind}-bad-tokens" "$ep" ll device=cuda ranks=$n inputs=$kind bad=tokens
+  done
+  # A refused step whose combine goes by puts only (GIN_EP_COMBINE=put:
+  # no read in place), queued back to back; and waited calls on even ranks
+  # beside queued calls on odd ones (inputs=mixed), alone, with rank 1's
+  # bad entry (a queued victim) or token count, and with rank 2's bad entry
+  # (a waited victim; 4 ranks).
+  step "ep-ll-cuda-${n}ranks-inputs-queued-bad-combine-put" env GIN_EP_COMBINE=put "$ep" ll device=cuda ranks=$n inputs=queued bad=1
+  step "ep-ll-cuda-${n}ranks-inputs-mixed" "$ep" ll device=cuda ranks=$n inputs=mixed
+  step "ep-ll-cuda-${n}ranks-inputs-mixed-bad" "$ep" ll device=cuda ranks=$n inputs=mixed bad=1
+  step "ep-ll-cuda-${n}ranks-inputs-mixed-bad-tokens" "$ep" ll device=cuda ranks=$n inputs=mixed bad=tokens
   # The expert outputs in the caller's tensor (ll_combine_from_*).
   step "ep-ll-cuda-${n}ranks-inputs-device-expert-tensor" "$ep" ll device=cuda ranks=$n inputs=device expert=tensor
   step "ep-ll-cuda-${n}ranks-inputs-stream-expert-tensor" "$ep" ll device=cuda ranks=$n inputs=stream expert=tensor
@@ -298,6 +318,7 @@ done
 expect_refused "ep-ll-cuda-2ranks-inputs-stream-die" "queued kernel failed.*rank 1 died" \
   env GIN_TIMEOUT=120s "$ep" kill device=cuda ranks=2
 step "ep-ll-cuda-2ranks-deepep-shape-inputs-stream" "$ep" ll device=cuda ranks=2 tokens=128 hidden=7168 topk=8 experts=32 repeats=5 inputs=stream
+step "ep-ll-cuda-4ranks-inputs-mixed-bad-victim2" "$ep" ll device=cuda ranks=4 inputs=mixed bad=1 victim=2
 step "ep-ll-cuda-4ranks-2hosts-inputs-device" "$ep" ll device=cuda ranks=4 hosts=2 inputs=device
 step "ep-ll-cuda-2ranks-deepep-shape-inputs-queued" "$ep" ll device=cuda ranks=2 tokens=128 hidden=7168 topk=8 experts=32 repeats=5 inputs=queued
 step "ep-ll-cuda-4ranks-2hosts-inputs-queued" "$ep" ll device=cuda ranks=4 hosts=2 inputs=queued
@@ -321,13 +342,17 @@ done
 # combine bit for bit as without the refusal. Before the fix of a refusal
 # of device-resident or queued inputs, those buffers refused every later
 # step: no "ll ok" line, no digest.
-ep_ll_bad_named() {
-  local log="$out/$1.log" n=$2 where=$3 v t
-  v=$(grep -c "rank 1 of $n: ll ok.*rank 1's bad expert id $where: refused its expert" "$log")
-  t=$(grep -c "rank [0-9]* of $n: ll ok.*rank 1's bad expert id $where: told that rank 1's inputs were refused" "$log")
+# ep_ll_refused_named LOG N SUBJECT WHERE OWN [VICTIM]: the victim's line
+# says OWN (its refusal), each other rank's that it was told.
+ep_ll_refused_named() {
+  local log="$out/$1.log" n=$2 subject=$3 where=$4 own=$5 vic=${6:-1} v t
+  v=$(grep -c "rank $vic of $n: ll ok.*rank $vic's $subject $where: $own" "$log")
+  t=$(grep -c "rank [0-9]* of $n: ll ok.*rank $vic's $subject $where: told that rank $vic's inputs were refused" "$log")
   [ "$v" = 1 ] && [ "$t" = $((n - 1)) ] || { echo "$1: victim lines $v (1 expected), told lines $t ($((n - 1)) expected)"; return 1; }
-  echo "$1: rank 1 named its entry, $t other rank(s) named rank 1"
+  echo "$1: rank $vic named its refusal, $t other rank(s) named rank $vic"
 }
+ep_ll_bad_named() { ep_ll_refused_named "$1" "$2" "bad expert id" "$3" "refused its expert" "${4:-1}"; }
+ep_ll_tokens_named() { ep_ll_refused_named "$1" "$2" "token count above the maximum" "$3" "refused its [0-9]* tokens"; }
 for n in 2 4; do
   step "ep-ll-${n}ranks-bad-named" ep_ll_bad_named "ep-ll-cuda-${n}ranks-bad" "$n" "in host memory"
   step "ep-ll-${n}ranks-bad-agree" ep_same_digests "ep-ll-cuda-${n}ranks-auto" "ep-ll-cuda-${n}ranks-bad"
@@ -337,7 +362,21 @@ for n in 2 4; do
   for kind in device stream queued; do
     step "ep-ll-${n}ranks-inputs-${kind}-bad-agree" ep_same_digests "ep-ll-cuda-${n}ranks-auto" "ep-ll-cuda-${n}ranks-inputs-${kind}-bad"
   done
+  # The token count refused by the host's check (bad=tokens), a refusal
+  # whose combine goes by puts, and mixed call kinds (waited on even ranks,
+  # queued on odd ones): the same counts of lines, the same digests.
+  step "ep-ll-${n}ranks-inputs-device-bad-tokens-named" ep_ll_tokens_named "ep-ll-cuda-${n}ranks-inputs-device-bad-tokens" "$n" "in GPU memory"
+  step "ep-ll-${n}ranks-inputs-stream-bad-tokens-named" ep_ll_tokens_named "ep-ll-cuda-${n}ranks-inputs-stream-bad-tokens" "$n" "in GPU memory, its step queued on a stream"
+  step "ep-ll-${n}ranks-inputs-queued-bad-tokens-named" ep_ll_tokens_named "ep-ll-cuda-${n}ranks-inputs-queued-bad-tokens" "$n" "in GPU memory, step 1 of 3 queued back to back"
+  step "ep-ll-${n}ranks-inputs-queued-bad-combine-put-named" ep_ll_bad_named "ep-ll-cuda-${n}ranks-inputs-queued-bad-combine-put" "$n" "in GPU memory, step 1 of 3 queued back to back"
+  step "ep-ll-${n}ranks-inputs-mixed-bad-named" ep_ll_bad_named "ep-ll-cuda-${n}ranks-inputs-mixed-bad" "$n" "in GPU memory[^:]*"
+  step "ep-ll-${n}ranks-inputs-mixed-bad-tokens-named" ep_ll_tokens_named "ep-ll-cuda-${n}ranks-inputs-mixed-bad-tokens" "$n" "in GPU memory[^:]*"
+  step "ep-ll-${n}ranks-inputs-refusals-agree" ep_same_digests "ep-ll-cuda-${n}ranks-auto" \
+    "ep-ll-cuda-${n}ranks-inputs-device-bad-tokens" "ep-ll-cuda-${n}ranks-inputs-stream-bad-tokens" "ep-ll-cuda-${n}ranks-inputs-queued-bad-tokens" \
+    "ep-ll-cuda-${n}ranks-inputs-queued-bad-combine-put" "ep-ll-cuda-${n}ranks-inputs-mixed" "ep-ll-cuda-${n}ranks-inputs-mixed-bad" "ep-ll-cuda-${n}ranks-inputs-mixed-bad-tokens"
 done
+step "ep-ll-4ranks-inputs-mixed-bad-victim2-named" ep_ll_bad_named "ep-ll-cuda-4ranks-inputs-mixed-bad-victim2" 4 "in GPU memory[^:]*" 2
+step "ep-ll-4ranks-inputs-mixed-bad-victim2-agree" ep_same_digests "ep-ll-cuda-4ranks-auto" "ep-ll-cuda-4ranks-inputs-mixed-bad-victim2"
 fi
 # gin-ep's high-throughput mode on CUDA ranks (kernels/ht.cu after ll.cu
 # through NVRTC; host inputs): DeepEP's oracle (exact tokens, ordered

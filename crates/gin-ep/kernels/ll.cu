@@ -142,12 +142,22 @@ EP_FN u16 dequantize(u8 b, float s) {
 
 } // namespace fp8
 
-// The errors the kernels record for the host (cuda/dev.rs's decode_error):
-// word 0 is the kind | the peer << 8 (0: none), words 1-3 say what. The
-// first error wins and stays until the host clears it: a refusal
-// (ERR_PEER_BAD_INPUT and this rank's own bad entries) once every rank
-// ended the step (cuda/mod.rs: a waited dispatch, or check), anything else
-// never (the buffer refuses further steps once the host has seen it).
+// The errors the kernels record for the host (cuda/dev.rs's decode_error,
+// and Record for the slots): each record is four words, word 0 the kind |
+// the peer << 8 (0: none), words 1-3 what. err (device memory, claimed by
+// CAS) and its mirror errh (pinned host memory, which the host polls) hold
+// two slots of a record each:
+// - slot 0 (words 0-3): the first error of any kind. A refusal
+//   (ERR_PEER_BAD_INPUT and this rank's own bad entries: a step every rank
+//   ends alike) is cleared by the host once it reported it (cuda/mod.rs: a
+//   waited dispatch, or check, which may run between a dispatch and its
+//   combine), and the next record takes the slot again; anything else
+//   there is in slot 1 too, and fails the buffer.
+// - slot 1 (words 4-7): the first error that is not a refusal (a source's
+//   broken protocol, a high-throughput error), claimed even when slot 0
+//   already holds a refusal, so that a refusal recorded first can never
+//   hide it; never cleared: the host fails the buffer on it, whatever slot
+//   0 says.
 constexpr u64 ERR_COUNT_OVER_MAX = 1;  // peer, expert, count
 constexpr u64 ERR_PEER_BAD_INPUT = 2;  // peer, expert
 constexpr u64 ERR_TOKEN_RANGE = 3;     // peer, expert, token index
@@ -159,6 +169,60 @@ constexpr u64 ERR_WEIGHT = 7;          // token, slot, weight bits
 // the GPU, or by its host's checks; a real count adds count + 1 <= 2^31):
 // no tokens, and the receivers know why.
 constexpr u64 POISON = 1ull << 32;
+
+// How errors are recorded (compiled as host C++ too: tests/record_host.rs
+// runs the slots through refusals and broken protocols in every order).
+namespace rec {
+
+// Words per slot, and slots (above).
+constexpr u32 WORDS = 4;
+constexpr u32 SLOTS = 2;
+
+// Whether word 0 of a record is a refusal (cuda/dev.rs's is_refusal).
+EP_FN bool is_refusal(u64 w0) {
+  const u64 k = w0 & 0xff;
+  return k == ERR_PEER_BAD_INPUT || k == ERR_EXPERT_RANGE || k == ERR_DUPLICATE || k == ERR_WEIGHT;
+}
+
+// Whether a record of word 0 `w0` claims slot `slot`: slot 0 any, slot 1
+// all but refusals.
+EP_FN bool claims(u32 slot, u64 w0) { return slot == 0 || !is_refusal(w0); }
+
+// Records w[0..4] in every slot it claims that is still free: `cas(p)`
+// claims word 0 of a slot (p, in err) from 0 to w[0] atomically and says
+// whether it did; the winner writes words 1-3 to err, then to the mirror
+// (if any) words 1-3, `fence()` (system scope), word 0, `fence()`, so that
+// a host that sees word 0 of a slot in the mirror sees the rest. A slot
+// once claimed changes only when the host clears it (its word 0 last in
+// err: nothing else writes a slot's mirror while its word 0 is set in err).
+template <class Cas, class Fence>
+EP_FN void record(u64* err, volatile u64* errh, const u64 w[WORDS], Cas cas, Fence fence) {
+  for (u32 s = 0; s < SLOTS; ++s) {
+    if (!claims(s, w[0])) continue;
+    u64* e = err + s * WORDS;
+    if (!cas(e, w[0])) continue;
+    for (u32 i = 1; i < WORDS; ++i) e[i] = w[i];
+    if (!errh) continue;
+    volatile u64* h = errh + s * WORDS;
+    for (u32 i = 1; i < WORDS; ++i) h[i] = w[i];
+    fence();
+    h[0] = w[0];
+    fence();
+  }
+}
+
+// What a receiver records for a source's dispatch signal that moved by
+// c + 1 in a step (t: slots per pair; own_refused: this rank's inputs were
+// refused this step): exactly POISON is the source's refusal, which a
+// refused rank does not record (it records its own entry, or its host
+// names it); any other count above t is a broken protocol (a late signal
+// taken with the next step's looks so), recorded on every rank; 0: none.
+EP_FN u64 count_error(u64 c, u64 t, bool own_refused) {
+  if (c + 1 == POISON) return own_refused ? 0 : ERR_PEER_BAD_INPUT;
+  return c > t ? ERR_COUNT_OVER_MAX : 0;
+}
+
+} // namespace rec
 
 // The checks of device-resident inputs (compiled as host C++ too:
 // tests/input_host.rs compares them with the host path's checks).
@@ -470,23 +534,17 @@ __device__ void quantize_tokens(const Window& send, const u16* xin, u32 tokens, 
   }
 }
 
-// Records an error: the first one (err[0] claimed by a CAS in device
-// memory) is copied to errh, pinned host memory the host polls without
-// waiting for the stream: words 1-3 first, word 0 last, each fenced at
-// system scope, so a host that sees word 0 sees the rest.
+// Records an error (ep::rec::record: the first of any kind in slot 0, the
+// first broken protocol in slot 1) in err (device memory, 8 words) and its
+// mirror errh (pinned host memory the host polls without waiting for the
+// stream; 8 words, or null).
 __device__ void record(u64* err, u64* errh, u64 w0, u64 w1, u64 w2, u64 w3) {
-  if (!err || atomicCAS((unsigned long long*)err, 0ull, (unsigned long long)w0) != 0ull) return;
-  err[1] = w1;
-  err[2] = w2;
-  err[3] = w3;
-  if (!errh) return;
-  volatile u64* hv = errh;
-  hv[1] = w1;
-  hv[2] = w2;
-  hv[3] = w3;
-  __threadfence_system();
-  hv[0] = w0;
-  __threadfence_system();
+  if (!err) return;
+  const u64 w[rec::WORDS] = {w0, w1, w2, w3};
+  rec::record(
+      err, errh, w,
+      [](u64* p, u64 v) { return atomicCAS((unsigned long long*)p, 0ull, (unsigned long long)v) == 0ull; },
+      [] { __threadfence_system(); });
 }
 
 // Device-resident inputs: writes each token's metadata into its message in
@@ -533,11 +591,12 @@ __device__ __noinline__ void stage_tokens(const Window& send, const u16* x, cons
 // * r + src, wait for signal q to pass seen[q], take the count from how far
 // it moved, and read each token's metadata: meta[3 * (q * t + i)] = source
 // token, top-k slot naming this rank's expert (~0 if none), weight bits.
-// counts[q] is the count, checked here: a count above t, a source's refused
-// inputs (POISON), a token index at or above t or a message that does not
-// name the expert is the source's protocol error, recorded in err/errh
-// (the host reports it), and such a pair counts 0 tokens, so that what an
-// expert kernel reads of counts stays within the slots.
+// counts[q] is the count, checked here: a source's refused inputs (POISON)
+// are recorded as such, and a count above t, a token index at or above t
+// or a message that does not name the expert is the source's protocol
+// error, recorded in err/errh (ep::record; the host reports it); such a
+// pair counts 0 tokens, so that what an expert kernel reads of counts
+// stays within the slots.
 // active[rank]: 0 for a masked rank (nothing sent to it or awaited from it).
 // Block 0 first adds 1 to ctarget[p] for each active rank p: the combine
 // signal each rank's experts reach in this step's combine.
@@ -551,15 +610,17 @@ __device__ __noinline__ void stage_tokens(const Window& send, const u16* x, cons
 //   with BF16 copies their payloads) and checks the inputs (stage_tokens).
 // Whenever blocks stage, a grid barrier (grid_sync on bar, its state on the
 // device alone) comes before any block sends. Inputs found bad (inbad below
-// ~0: by stage_tokens, or written by the host whose checks refused its
-// inputs, which then launches 0 tokens) send no token:
+// ~0, by stage_tokens; or refused = 1: the host's checks refused this
+// rank's inputs, and it launches 0 tokens and no source) send no token:
 // every expert's signal adds POISON instead, so every receiver records why
 // its count is missing rather than waiting, and this rank records the first
 // bad entry as the host would report it (device-resident inputs; the host
 // reports its own). Every rank then ends the step with a combine: a
 // waiting host launches one of 0 tokens and zeroed counts (cuda/mod.rs's
 // end_refused: the combine's signals without data), a queued step runs the
-// combine its caller queued (a refused pair counts 0 tokens). Either way
+// combine its caller queued (a refused pair counts 0 tokens), or, refused
+// by the host's checks, one of 0 tokens the host queued right after this
+// launch (cuda/mod.rs's ll_refuse_on). Either way
 // every signal of the step is consumed within it: seen[q] takes the
 // poisoned value, and the next step counts from there.
 // eslot[token * k + j] (t x k u32): the token's index among this rank's
@@ -570,7 +631,8 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_dispatch(DevComm 
                                           u64* seen, u32* counts, u32* meta, u64* clock,
                                           const u16* xin, u32 h, u32* bar, u32* eslot,
                                           u32 fp8, const long long* idx, const float* wts,
-                                          u64* inbad, u64* err, u64* errh, u64* ctarget) {
+                                          u64* inbad, u64* err, u64* errh, u64* ctarget,
+                                          u32 refused) {
   // After a failure (an earlier launch's, queued since the host checked):
   // return at once rather than wait for peers that stopped.
   if (ep::failed_before(dc)) return;
@@ -585,12 +647,14 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_dispatch(DevComm 
   }
   // Refused inputs: found by stage_tokens above (device-resident inputs:
   // this rank records the first bad entry), or by the host's checks before
-  // this launch (host inputs: the host wrote inbad, staged nothing and
-  // launched 0 tokens; its own error names the entry, nothing to record).
-  // Nothing in this launch writes inbad after this read (stage_tokens did,
-  // before the grid barrier).
+  // this launch (refused: host inputs, or the token count, sizes or
+  // alignment of inputs in GPU memory; the host staged nothing, launched 0
+  // tokens, and its own error names what it refused: nothing to record).
+  // Past the buffer's creation only the kernels write inbad (the host
+  // would race a launch queued before this one); nothing in this launch
+  // writes it after this read (stage_tokens did, before the grid barrier).
   const u64 key = *(volatile u64*)inbad;
-  const bool bad = key != ~0ull;
+  const bool bad = refused || key != ~0ull;
   if (bad && idx && blockIdx.x == 0 && threadIdx.x == 0) {
     u64 w[4];
     ep::input::error_of(key, idx, wts, k, experts, w);
@@ -648,13 +712,14 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_dispatch(DevComm 
     const u64 c = v - base - 1;
     const int mine = (int)(dc.rank * l + le);
     u32 got = (u32)c;
-    if (c + 1 >= ep::POISON || c > t) {
+    // A refused source (POISON) or a count above t: the pair counts 0
+    // tokens. A source's refusal is recorded unless this rank's own inputs
+    // were refused (it records its own entry, or its host names it); a
+    // count above t, a broken protocol, on every rank (ep::rec::count_error).
+    if (c > t) {
       got = 0;
-      // A rank whose own inputs were refused has recorded that instead.
-      if (threadIdx.x == 0 && !bad)
-        ep::record(err, errh, (c + 1 >= ep::POISON ? ep::ERR_PEER_BAD_INPUT : ep::ERR_COUNT_OVER_MAX) |
-                                  (u64)src << 8,
-                   (u64)mine, c, 0);
+      const u64 kind = ep::rec::count_error(c, t, bad);
+      if (threadIdx.x == 0 && kind) ep::record(err, errh, kind | (u64)src << 8, (u64)mine, c, 0);
     }
     bool broken = false;
     for (u32 i = threadIdx.x; i < got; i += blockDim.x) {

@@ -204,14 +204,17 @@ pub enum EpError {
         /// Where the step stands.
         phase: &'static str,
     },
-    /// Rank `peer`'s inputs were refused this step (its own error names the
-    /// bad entry), so it sent no token and every rank ended the step
-    /// without a result (a CUDA step queued on a stream ran to its end as
-    /// queued, and [`crate::cuda::CudaBuffer::check`] reports this). No
-    /// protocol was broken: this rank's buffer takes the next step
-    /// (docs/ep.md, "Bad input").
+    /// Rank `peer`'s inputs were refused this step (its own error names
+    /// what it refused: a bad entry, the token count, a buffer's size), so
+    /// it sent no token and the step gives no result on any rank, which
+    /// every rank ends alike: a waiting call returns this once it ended the
+    /// step; a CUDA step queued on a stream runs to its end as queued, and
+    /// [`crate::cuda::CudaBuffer::check`] reports this, possibly between
+    /// the step's dispatch and its combine, which must then still be
+    /// queued (every peer's combine waits for it). No protocol was broken:
+    /// this rank's buffer takes the next step (docs/ep.md, "Bad input").
     #[error(
-        "rank {rank}: rank {peer}'s inputs were refused this step (its own error names the entry), so it sent no token and every rank ended the step without a result; no protocol was broken, and the buffer takes the next step"
+        "rank {rank}: rank {peer}'s inputs were refused this step (its own error names what it refused), so it sent no token and the step gives no result on any rank, every rank ending it alike; no protocol was broken, and the buffer takes the next step"
     )]
     PeerRefused {
         /// This rank.

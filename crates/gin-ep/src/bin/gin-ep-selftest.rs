@@ -4,7 +4,8 @@
 //!
 //! `gin-ep-selftest SCENARIO [key=value ...]`; scenarios `ll`, `ht`, `bad`,
 //! `refuse`, `refuse-unended`, `kill`, `mask`; keys `tokens`, `hidden`, `experts` (per rank), `topk`,
-//! `fp8`, `repeats`, `victim`, `ht`, `ring`, `channels`, `threads`, `hook`. Without launcher variables it starts `ranks=N`
+//! `fp8`, `repeats`, `victim`, `ht`, `ring`, `channels`, `threads`, `hook`,
+//! and with `device=cuda` `inputs`, `expert`, `bad`, `blocks`, `hosts`. Without launcher variables it starts `ranks=N`
 //! local ranks of itself (default 2).
 //!
 //! `device=cuda` runs `ll` on CUDA ranks (gin-ep's `CudaBuffer`: the
@@ -42,7 +43,15 @@
 //! must go ahead, `check` reports the refusal, then the step's combine is
 //! queued and checks clean); with `inputs=queued` it is the middle one of
 //! three steps queued back to back (every call goes ahead, one `check`
-//! reports it, and the other two steps verify).
+//! reports it, and the other two steps verify). `bad=tokens` (inputs in
+//! GPU memory) gives the victim's dispatch one token more than the
+//! buffer's maximum instead, refused by the host's check before anything
+//! is launched: the victim must name its token count (`TooManyTokens`, from
+//! the dispatch call itself, queued or not: a queued one queued the refused
+//! step to its end, and its `check` is clean), every other rank the victim,
+//! within half the job timeout, and the steps after it verify as with
+//! `bad=1`. `inputs=mixed` makes even ranks `inputs=device` (waited calls)
+//! and odd ranks `inputs=stream` (queued calls) in one job.
 //! `ht device=cuda inputs=device` runs the high-throughput step from GPU
 //! memory (`ht_dispatch_device`, `ht_echo_device`, `ht_combine_device`)
 //! with the same oracle and digests as host inputs. `ht device=cuda bad=1`
@@ -164,13 +173,42 @@ enum Inputs {
 }
 
 impl Inputs {
-    fn of(args: &Args) -> Res<Self> {
+    /// This rank's kind (`inputs=mixed`: even ranks `device`, odd ranks
+    /// `stream`: waited and queued calls in one job).
+    fn of(args: &Args, rank: usize) -> Res<Self> {
         match args.kv.get("inputs").map(String::as_str) {
             None | Some("host") => Ok(Self::Host),
+            Some("mixed") if rank.is_multiple_of(2) => Ok(Self::Device),
             Some("device") => Ok(Self::Device),
-            Some("stream") => Ok(Self::Stream),
+            Some("stream" | "mixed") => Ok(Self::Stream),
             Some("queued") => Ok(Self::Queued),
-            Some(o) => Err(format!("unknown inputs={o:?} (host, device, stream or queued)").into()),
+            Some(o) => {
+                Err(format!("unknown inputs={o:?} (host, device, stream, queued or mixed)").into())
+            }
+        }
+    }
+}
+
+/// What `bad=` refuses on rank `victim` in `ll device=cuda`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Bad {
+    /// `bad=1`: an expert id out of range at token 1, top-k slot 1 (the
+    /// host's checks find it in host inputs, the dispatch kernel in GPU
+    /// memory).
+    Entry,
+    /// `bad=tokens`: inputs in GPU memory whose token count is one above
+    /// the buffer's maximum, refused by the host's check before anything
+    /// is launched, as a step every rank ends.
+    Tokens,
+}
+
+impl Bad {
+    fn of(args: &Args) -> Res<Option<Self>> {
+        match args.kv.get("bad").map(String::as_str) {
+            None | Some("0") => Ok(None),
+            Some("1") => Ok(Some(Self::Entry)),
+            Some("tokens") => Ok(Some(Self::Tokens)),
+            Some(o) => Err(format!("unknown bad={o:?} (0, 1 or tokens)").into()),
         }
     }
 }
@@ -475,7 +513,7 @@ fn cuda_oracle_run(comm: &Comm, args: &Args) -> Res<String> {
         buf.set_blocks(b);
     }
     let (all, tables) = inputs(comm, &cfg)?;
-    let kind = Inputs::of(args)?;
+    let kind = Inputs::of(args, comm.rank())?;
     let tensor = args.kv.get("expert").map(String::as_str) == Some("tensor");
     let repeats = args.get("repeats", 20);
     let dev = match kind {
@@ -489,13 +527,19 @@ fn cuda_oracle_run(comm: &Comm, args: &Args) -> Res<String> {
         )?),
     };
     let mut bad = String::new();
-    if args.get("bad", 0) == 1 {
+    if let Some(what) = Bad::of(args)? {
         let victim = args.get("victim", 1) % comm.nranks();
         let me = &all[comm.rank()];
         bad = match (kind, dev.as_ref()) {
-            (Inputs::Queued, _) => ll_queued_bad(&cuda, &mut buf, victim)?,
-            (_, Some(dt)) => ll_device_bad(&cuda, &mut buf, me, dt, victim)?,
-            (_, None) => ll_host_bad(&cuda, &mut buf, me, victim)?,
+            (Inputs::Queued, _) => ll_queued_bad(&cuda, &mut buf, victim, what)?,
+            (_, Some(dt)) => ll_device_bad(&cuda, &mut buf, me, dt, victim, what)?,
+            (_, None) if what == Bad::Entry => ll_host_bad(&cuda, &mut buf, me, victim)?,
+            (_, None) => {
+                return Err(
+                    "bad=tokens takes inputs in GPU memory (inputs=device, stream, queued or mixed)"
+                        .into(),
+                );
+            }
         };
     }
     let (first, steps) = if kind == Inputs::Queued {
@@ -561,24 +605,73 @@ fn judge_refusal(
     took: Duration,
     timeout: Duration,
 ) -> Res<String> {
+    let own = |e: &EpError| match e {
+        EpError::ExpertOutOfRange {
+            rank: r,
+            token: 1,
+            slot: 1,
+            expert,
+            ..
+        } if *r == rank && *expert == bad => {
+            Some(format!("refused its expert {bad} at token 1 slot 1"))
+        }
+        _ => None,
+    };
+    judge_refusal_by(rank, victims, "a bad expert id", &own, got, took, timeout)
+}
+
+/// A victim's refusal of its token count, one above the buffer's
+/// maximum `max` (`bad=tokens`), as [`judge_refusal`] judges an entry's.
+fn judge_token_refusal(
+    rank: usize,
+    victim: usize,
+    max: usize,
+    got: &Result<(), EpError>,
+    took: Duration,
+    timeout: Duration,
+) -> Res<String> {
+    let own = |e: &EpError| match e {
+        EpError::TooManyTokens {
+            rank: r,
+            tokens,
+            max: m,
+        } if *r == rank && *tokens == max + 1 && *m == max => {
+            Some(format!("refused its {tokens} tokens (at most {max})"))
+        }
+        _ => None,
+    };
+    judge_refusal_by(
+        rank,
+        &[victim],
+        "a token count above the maximum",
+        &own,
+        got,
+        took,
+        timeout,
+    )
+}
+
+/// What a refusal (`cause`, in words) gave this rank: on a victim what
+/// `own` makes of its error (`None`: not its refusal), on any other rank
+/// `PeerRefused` naming the lowest victim; within half the job timeout.
+fn judge_refusal_by(
+    rank: usize,
+    victims: &[usize],
+    cause: &str,
+    own: &dyn Fn(&EpError) -> Option<String>,
+    got: &Result<(), EpError>,
+    took: Duration,
+    timeout: Duration,
+) -> Res<String> {
     let lowest = victims.iter().copied().min().unwrap_or(0);
     let what = match (got, victims.contains(&rank)) {
-        (
-            Err(EpError::ExpertOutOfRange {
-                rank: r,
-                token: 1,
-                slot: 1,
-                expert,
-                ..
-            }),
-            true,
-        ) if *r == rank && *expert == bad => format!("refused its expert {bad} at token 1 slot 1"),
+        (Err(e), true) if own(e).is_some() => own(e).unwrap_or_default(),
         (Err(EpError::PeerRefused { rank: r, peer }), false) if *r == rank && *peer == lowest => {
             format!("told that rank {lowest}'s inputs were refused")
         }
         _ => {
             return Err(format!(
-                "rank {rank}: a bad expert id at ranks {victims:?} gave {got:?} after {took:?}"
+                "rank {rank}: {cause} at ranks {victims:?} gave {got:?} after {took:?}"
             )
             .into());
         }
@@ -639,21 +732,38 @@ fn ll_host_bad(
 /// ([`stream_refusal`] for `inputs=stream`). The victim must name its
 /// entry, every other rank the victim, within half the job timeout; then
 /// every buffer takes the steps that follow, which verify with the oracle.
+/// `bad=tokens`: the victim's dispatch passes one token more than the
+/// buffer's maximum instead, refused by the host's check before anything
+/// is launched, as a step every rank ends (the waited dispatch, and the
+/// queued one, returns the error at once; every other rank names the
+/// victim).
 fn ll_device_bad(
     cuda: &gin_core::cuda::CudaComm<'_>,
     buf: &mut gin_ep::cuda::CudaBuffer<'_, '_>,
     me: &RankInput,
     dt: &DevTensors,
     victim: usize,
+    what: Bad,
 ) -> Res<String> {
     let cfg = *buf.config();
     let rank = buf.rank();
-    let (idx, bad) = bad_ids(&cfg, rank, me, victim)?;
+    let max = cfg.max_tokens_per_rank;
     cuda.device().make_current()?;
-    let bad_idx = gin_core::cuda::DevMem::new(8 * idx.len())?;
-    bad_idx.write(0, &idx)?;
+    let (idx, bad) = match what {
+        Bad::Entry => bad_ids(&cfg, rank, me, victim)?,
+        Bad::Tokens => (me.topk_idx.clone(), 0),
+    };
+    let bad_idx = gin_core::cuda::DevMem::new(8 * idx.len().max(1))?;
+    if !idx.is_empty() {
+        bad_idx.write(0, &idx)?;
+    }
     let inp = gin_ep::cuda::DeviceInputs {
         topk_idx: &bad_idx,
+        tokens: if what == Bad::Tokens && rank == victim {
+            max + 1
+        } else {
+            dt.tokens
+        },
         ..dt.inputs()
     };
     let (got, took, how) = match &dt.stream {
@@ -668,9 +778,18 @@ fn ll_device_bad(
         }
     };
     let timeout = cuda.comm().settings().timeout;
-    let what = judge_refusal(rank, &[victim], bad, &got, took, timeout)?;
+    let (subject, judged) = match what {
+        Bad::Entry => (
+            "bad expert id",
+            judge_refusal(rank, &[victim], bad, &got, took, timeout)?,
+        ),
+        Bad::Tokens => (
+            "token count above the maximum",
+            judge_token_refusal(rank, victim, max, &got, took, timeout)?,
+        ),
+    };
     Ok(format!(
-        "; rank {victim}'s bad expert id {how}: {what} in {:.0} ms, then the buffer's steps verified",
+        "; rank {victim}'s {subject} {how}: {judged} in {:.0} ms, then the buffer's steps verified",
         took.as_secs_f64() * 1e3
     ))
 }
@@ -681,7 +800,10 @@ fn ll_device_bad(
 /// refusal is `check`'s to report: a queued call that stopped would leave
 /// its peers waiting); then `check`, whose result is returned with the time
 /// it took from the dispatch; then the step's combine, queued as usual
-/// (its result is void), synchronised and checked clean.
+/// (its result is void), synchronised and checked clean. A dispatch the
+/// host's checks refuse (`bad=tokens` on the victim) returns the error
+/// itself, having queued the refused step to its end: nothing more is
+/// queued for it, and `check` must be clean.
 fn stream_refusal(
     buf: &mut gin_ep::cuda::CudaBuffer<'_, '_>,
     st: &gin_core::cuda::Stream,
@@ -695,7 +817,16 @@ fn stream_refusal(
     // is dropped or read, error or not.
     let s = unsafe { buf.ll_dispatch_on(st.into(), inp) };
     st.sync()?;
-    let s = s?;
+    let s = match s {
+        Ok(s) => s,
+        Err(e) => {
+            let took = t.elapsed();
+            buf.check().map_err(|c| {
+                format!("rank {rank}: check after a dispatch refused by its host ({e}): {c}")
+            })?;
+            return Ok((Err(e), took));
+        }
+    };
     // SAFETY: as above.
     let r = unsafe { buf.ll_echo_on(st.into(), &s) };
     st.sync()?;
@@ -730,13 +861,20 @@ fn stream_refusal(
 /// the victim on every other rank, within half the job timeout; the other
 /// two steps, refused nowhere, ran normally: their combines verify with the
 /// oracle on every rank. ([`queued_steps`] then runs the verified steps.)
+/// `bad=tokens`: the victim's middle dispatch passes one token more than
+/// the buffer's maximum instead: that call returns the error at once,
+/// having queued the refused step to its end (the victim queues nothing
+/// more for it and goes on with the third step), its `check` is clean, and
+/// every other rank's `check` names it.
 fn ll_queued_bad(
     cuda: &gin_core::cuda::CudaComm<'_>,
     buf: &mut gin_ep::cuda::CudaBuffer<'_, '_>,
     victim: usize,
+    what: Bad,
 ) -> Res<String> {
     let cfg = *buf.config();
     let (rank, n, h) = (buf.rank(), buf.nranks(), cfg.hidden);
+    let max = cfg.max_tokens_per_rank;
     let steps: Vec<RankInput> = (0..3)
         .map(|i| {
             oracle::rank_input(
@@ -750,21 +888,38 @@ fn ll_queued_bad(
             )
         })
         .collect();
-    let (idx, bad) = bad_ids(&cfg, rank, &steps[1], victim)?;
     let tensors = steps
         .iter()
         .map(|me| DevTensors::upload(cuda, me, h, false, None))
         .collect::<Res<Vec<_>>>()?;
-    tensors[1].idx.write(0, &idx)?;
+    let mut bad = 0;
+    if what == Bad::Entry {
+        let (idx, b) = bad_ids(&cfg, rank, &steps[1], victim)?;
+        tensors[1].idx.write(0, &idx)?;
+        bad = b;
+    }
+    // The victim's middle dispatch with bad=tokens: refused by its host.
+    let refused_here = |i: usize| what == Bad::Tokens && rank == victim && i == 1;
     let st = gin_core::cuda::Stream::new()?;
     let start = Instant::now();
+    let mut own: Result<(), EpError> = Ok(());
     let queued = (|| -> Result<(), EpError> {
-        for dt in &tensors {
+        for (i, dt) in tensors.iter().enumerate() {
+            let inp = gin_ep::cuda::DeviceInputs {
+                tokens: if refused_here(i) { max + 1 } else { dt.tokens },
+                ..dt.inputs()
+            };
             // SAFETY: one stream, in order; every step's tensors and the
             // stream outlive the launches: synchronised below before
             // anything is dropped or read, error or not.
             unsafe {
-                let s = buf.ll_dispatch_on((&st).into(), &dt.inputs())?;
+                let s = match buf.ll_dispatch_on((&st).into(), &inp) {
+                    Err(e) if refused_here(i) => {
+                        own = Err(e);
+                        continue;
+                    }
+                    r => r?,
+                };
                 buf.ll_echo_on((&st).into(), &s)?;
                 buf.ll_combine_on((&st).into(), &s, &dt.out)?;
             }
@@ -774,10 +929,26 @@ fn ll_queued_bad(
     st.sync()?;
     queued
         .map_err(|e| format!("rank {rank}: a call queued with a refused step was refused: {e}"))?;
-    let got = buf.check();
+    let checked = buf.check();
+    let got = if what == Bad::Tokens && rank == victim {
+        checked
+            .map_err(|e| format!("rank {rank}: check after a dispatch refused by its host: {e}"))?;
+        own
+    } else {
+        checked
+    };
     let took = start.elapsed();
     let timeout = cuda.comm().settings().timeout;
-    let what = judge_refusal(rank, &[victim], bad, &got, took, timeout)?;
+    let (subject, judged) = match what {
+        Bad::Entry => (
+            "bad expert id",
+            judge_refusal(rank, &[victim], bad, &got, took, timeout)?,
+        ),
+        Bad::Tokens => (
+            "token count above the maximum",
+            judge_token_refusal(rank, victim, max, &got, took, timeout)?,
+        ),
+    };
     let active = buf.active().to_vec();
     let local = cfg.local_experts(n);
     for i in [0, 2] {
@@ -793,7 +964,7 @@ fn ll_queued_bad(
         .map_err(|e| format!("step {i} of 3 queued with the refused step 1: {e}"))?;
     }
     Ok(format!(
-        "; rank {victim}'s bad expert id in GPU memory, step 1 of 3 queued back to back: {what} in {:.0} ms, steps 0 and 2 verified, then the buffer's steps verified",
+        "; rank {victim}'s {subject} in GPU memory, step 1 of 3 queued back to back: {judged} in {:.0} ms, steps 0 and 2 verified, then the buffer's steps verified",
         took.as_secs_f64() * 1e3
     ))
 }
@@ -875,7 +1046,7 @@ fn cuda_ht_run(comm: &Comm, args: &Args) -> Res<String> {
     let cuda = comm.cuda()?;
     let mut buf = gin_ep::cuda::CudaBuffer::new(&cuda, cfg)?;
     let (all, tables) = inputs(comm, &cfg)?;
-    let kind = Inputs::of(args)?;
+    let kind = Inputs::of(args, comm.rank())?;
     let dt = match kind {
         Inputs::Host => None,
         Inputs::Device => Some(DevTensors::upload(

@@ -323,6 +323,83 @@ fn ht_protocol_what(w: [u64; 4]) -> String {
     }
 }
 
+/// Words of one record (`ep::rec::WORDS`): word 0 the kind | the peer
+/// << 8, words 1-3 what.
+pub(crate) const WORDS: usize = 4;
+
+/// What the kernels recorded (`ep::record`, `kernels/ll.cu`'s `ep::rec`),
+/// as the host reads it from the pinned mirror: two slots of [`WORDS`]
+/// words. Slot 0 holds the first error of any kind; a refusal there is
+/// cleared once the host reported it ([`forget_refusal`]), and the next
+/// record takes the slot again. Slot 1 holds the first error that is not a
+/// refusal (a source's broken protocol, a high-throughput error), recorded
+/// even when slot 0 already holds a refusal, and never cleared: a refusal
+/// recorded first (one of the steps queued since the last check) cannot
+/// hide a broken protocol recorded after it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Record {
+    /// Slot 0: the first error of any kind.
+    pub(crate) first: [u64; WORDS],
+    /// Slot 1: the first broken protocol.
+    pub(crate) broken: [u64; WORDS],
+}
+
+impl Record {
+    /// Bytes of the record in device memory and in its mirror.
+    pub(crate) const BYTES: usize = 2 * WORDS * 8;
+
+    /// The record of the kernels' words (slot 0, then slot 1).
+    pub(crate) fn of(w: [u64; 2 * WORDS]) -> Self {
+        let mut r = Self::default();
+        r.first.copy_from_slice(&w[..WORDS]);
+        r.broken.copy_from_slice(&w[WORDS..]);
+        r
+    }
+
+    /// Whether slot 0 holds a refusal.
+    pub(crate) fn refused(&self) -> bool {
+        is_refusal(self.first[0])
+    }
+
+    /// The words the host reports: a broken protocol (slot 1) before
+    /// anything else, whatever slot 0 holds; else slot 0; `None` when
+    /// nothing was recorded.
+    pub(crate) fn reported(&self) -> Option<[u64; WORDS]> {
+        if self.broken[0] != 0 {
+            Some(self.broken)
+        } else if self.first[0] != 0 {
+            Some(self.first)
+        } else {
+            None
+        }
+    }
+}
+
+/// Where a buffer's record lives, for [`forget_refusal`].
+pub(crate) trait RecordMemory {
+    /// Zeroes slot 0 of the mirror the host reads (pinned host memory).
+    fn clear_mirror_first(&self);
+    /// Zeroes word 0 of slot 0 in the kernels' memory (device memory, where
+    /// a record claims the slot by a CAS from 0).
+    fn clear_kernel_first(&self) -> Result<(), EpError>;
+}
+
+/// Forgets a refusal the host has reported (slot 0 of the record): the
+/// mirror first, while the kernels' word 0 still holds the refusal, so
+/// that no record writes the mirror meanwhile (only a slot's claimant
+/// writes its mirror); then the kernels' word 0, after which the next
+/// record claims the slot and publishes itself whole. What is cleared is
+/// therefore exactly what the host read, even where a kernel still runs
+/// (a check while a queued kernel runs: misuse, but no record is lost to
+/// it): in the other order a record claimed between the two clears would
+/// have its mirror erased, its slot taken on the GPU and empty for the
+/// host, and every later refusal dropped unseen. Slot 1 (a broken
+/// protocol) is never cleared: the buffer fails on it.
+pub(crate) fn forget_refusal(m: &impl RecordMemory) -> Result<(), EpError> {
+    m.clear_mirror_first();
+    m.clear_kernel_first()
+}
+
 /// Whether a recorded error (word 0 of `ep::record`) is a refusal: this
 /// rank's inputs found bad on the GPU, or a source's refused (its counts
 /// poisoned). Every rank then ends the step alike (no rank broke the
@@ -620,6 +697,116 @@ mod tests {
         ] {
             assert!(!is_refusal(k | 2 << 8), "{k}");
         }
+    }
+
+    fn words(first: [u64; WORDS], broken: [u64; WORDS]) -> Record {
+        let mut w = [0u64; 2 * WORDS];
+        w[..WORDS].copy_from_slice(&first);
+        w[WORDS..].copy_from_slice(&broken);
+        Record::of(w)
+    }
+
+    /// Steps queued between two checks: a peer's refusal recorded in one
+    /// (slot 0), a source's count above the maximum in a later one (slot 1,
+    /// `ep::rec`): the host reports the broken protocol, naming its source,
+    /// whatever slot 0 holds; a refusal alone is reported as such.
+    #[test]
+    fn a_broken_protocol_is_reported_before_a_refusal_recorded_first() {
+        let c = cfg();
+        let refused = [code::PEER_BAD_INPUT | 2 << 8, 5, (1 << 32) - 1, 0];
+        let over = [code::COUNT_OVER_MAX | 3 << 8, 5, 40, 0];
+        let r = words(refused, over);
+        assert!(r.refused());
+        assert_eq!(r.reported(), Some(over));
+        assert!(matches!(
+            decode_error(1, &c, over),
+            Some(EpError::Protocol {
+                rank: 1,
+                peer: 3,
+                ..
+            })
+        ));
+        let alone = words(refused, [0; WORDS]);
+        assert_eq!((alone.refused(), alone.reported()), (true, Some(refused)));
+        // A broken protocol first holds both slots.
+        let first = words(over, over);
+        assert_eq!((first.refused(), first.reported()), (false, Some(over)));
+        assert_eq!(Record::default().reported(), None);
+        assert_eq!(Record::BYTES, 64);
+    }
+
+    /// The kernels' slot 0 and its mirror, with a record (`ep::rec`'s
+    /// claim: a CAS of word 0 from 0, then the mirror) made by a kernel
+    /// still running after the host's `inject_after`th clear.
+    struct Slot {
+        kernel: std::cell::Cell<[u64; WORDS]>,
+        mirror: std::cell::Cell<[u64; WORDS]>,
+        clears: std::cell::Cell<usize>,
+        inject_after: usize,
+        late: [u64; WORDS],
+    }
+
+    impl Slot {
+        fn claim(&self, w: [u64; WORDS]) {
+            if self.kernel.get()[0] == 0 {
+                self.kernel.set(w);
+                self.mirror.set(w);
+            }
+        }
+        fn cleared(&self) {
+            self.clears.set(self.clears.get() + 1);
+            if self.clears.get() == self.inject_after {
+                self.claim(self.late);
+            }
+        }
+        /// Whatever holds the kernels' slot, the host sees it.
+        fn seen(&self) -> bool {
+            let k = self.kernel.get()[0];
+            k == 0 || self.mirror.get()[0] == k
+        }
+    }
+
+    impl RecordMemory for Slot {
+        fn clear_mirror_first(&self) {
+            self.mirror.set([0; WORDS]);
+            self.cleared();
+        }
+        fn clear_kernel_first(&self) -> Result<(), EpError> {
+            let mut k = self.kernel.get();
+            k[0] = 0;
+            self.kernel.set(k);
+            self.cleared();
+            Ok(())
+        }
+    }
+
+    /// Forgetting a reported refusal while a kernel still records (a check
+    /// while a queued kernel runs) never leaves a record the host cannot
+    /// see: the mirror is cleared first. The other order (the kernels' word
+    /// first, as before) loses a record made between the two clears.
+    #[test]
+    fn forgetting_a_refusal_never_hides_a_record_made_meanwhile() {
+        let reported = [code::PEER_BAD_INPUT | 1 << 8, 2, (1 << 32) - 1, 0];
+        let late = [code::PEER_BAD_INPUT | 3 << 8, 4, (1 << 32) - 1, 0];
+        let slot = |inject_after| Slot {
+            kernel: std::cell::Cell::new(reported),
+            mirror: std::cell::Cell::new(reported),
+            clears: std::cell::Cell::new(0),
+            inject_after,
+            late,
+        };
+        for inject_after in 1..=2 {
+            let s = slot(inject_after);
+            forget_refusal(&s).unwrap();
+            assert!(s.seen(), "a record after clear {inject_after} is lost");
+            if inject_after == 2 {
+                assert_eq!(s.mirror.get(), late);
+            }
+        }
+        let s = slot(1);
+        s.clear_kernel_first().unwrap();
+        s.clear_mirror_first();
+        assert!(!s.seen(), "the old order loses the record made between");
     }
 
     /// The kernels' codes are the host's (`ep::ERR_*` in ll.cu).

@@ -71,15 +71,20 @@
 //! range or a message that does not name its expert is the source's
 //! [`EpError::Protocol`], naming it and the expert; such a pair counts 0
 //! tokens, so an expert kernel reading the counts stays within the slots.
+//! The record keeps the first broken protocol apart from a refusal
+//! recorded before it (`dev::Record`), so that a refusal in one queued
+//! step never hides a broken protocol in a later one.
 //! Bad inputs make the rank send no token but a refused count (`POISON`)
 //! to every expert's rank, so every rank finishes the step and reports it:
 //! the rank its entry ([`EpError::ExpertOutOfRange`],
 //! [`EpError::DuplicateExpert`], [`EpError::BadWeight`], ...), the others
-//! [`EpError::PeerRefused`] naming the rank. Inputs in GPU memory are found bad by
-//! the dispatch kernel; host inputs by the host's checks, after which
-//! [`CudaBuffer::ll_dispatch`] still launches the dispatch kernel, with no
-//! token and its input-check word set, so that it poisons the counts
-//! alike. In the waited calls ([`CudaBuffer::ll_dispatch`],
+//! [`EpError::PeerRefused`] naming the rank. Entries in GPU memory are found bad by
+//! the dispatch kernel; host inputs, and the token count, sizes and
+//! alignment of inputs in GPU memory, by the host's checks, after which
+//! the call still launches the dispatch kernel, with no token and in its
+//! refusing form, so that it poisons the counts alike (a queued call
+//! queues the refused step's combine too, and returns the error). In the
+//! waited calls ([`CudaBuffer::ll_dispatch`],
 //! [`CudaBuffer::ll_dispatch_device`]) every rank then ends the step with a
 //! combine launch that carries no data (its signals only, as CPU ranks'
 //! `ll_end_refused`), so that no rank waits for another and every signal
@@ -119,6 +124,7 @@ mod ht;
 pub mod resident;
 mod steps;
 
+use dev::{Record, RecordMemory};
 use steps::{Look, Recorded, Verdict};
 
 pub use ht::{CudaHtDispatch, CudaHtStep, HT_KERNELS, HtDeviceLayout, HtReceived};
@@ -188,12 +194,37 @@ impl PartialEq for On<'_> {
 
 /// Where the dispatch kernel finds this step's messages: device addresses
 /// of the BF16 tokens (`xin`), the top-k ids (`idx`, i64) and weights
-/// (`wts`, f32), 0 for what the host staged in the send window.
+/// (`wts`, f32), 0 for what the host staged in the send window; or none,
+/// this rank's inputs refused by the host's checks (`refused`: the kernel
+/// sends no token and poisons every count, [`Source::REFUSED`]).
 #[derive(Debug, Clone, Copy)]
 struct Source {
     xin: u64,
     idx: u64,
     wts: u64,
+    refused: bool,
+}
+
+impl Source {
+    /// What the host staged in the send window (BF16 payloads and
+    /// metadata), or with FP8 the metadata and the BF16 tokens at `xin`.
+    const fn staged(xin: u64) -> Self {
+        Self {
+            xin,
+            idx: 0,
+            wts: 0,
+            refused: false,
+        }
+    }
+
+    /// The host refused this rank's inputs: no message (launched with 0
+    /// tokens), the kernel in its refusing form.
+    const REFUSED: Self = Self {
+        xin: 0,
+        idx: 0,
+        wts: 0,
+        refused: true,
+    };
 }
 
 /// Launches `f` on `grid` blocks of [`THREADS`] threads where `on` says.
@@ -251,9 +282,11 @@ struct State {
     pull: DevMem,
     /// `u64`: the first bad device-resident input entry of this step (the
     /// dispatch kernel's `bad_key`), `!0` for none; the combine kernel
-    /// clears it.
+    /// clears it. Only the kernels write it after creation (the host
+    /// would race launches queued before its write).
     inbad: DevMem,
-    /// `u64[4]`: the first error a kernel recorded (`ep::record`).
+    /// `u64[8]`: what the kernels recorded (`ep::record`, [`Record`]: the
+    /// first error, and the first broken protocol).
     err: DevMem,
     /// Its copy in pinned host memory, polled without waiting for a
     /// stream.
@@ -295,9 +328,28 @@ impl State {
                 m.write(0, &[u64::MAX])?;
                 m
             },
-            err: zeroed(32)?,
-            errh: HostMem::new(32)?,
+            err: zeroed(Record::BYTES)?,
+            errh: HostMem::new(Record::BYTES)?,
         })
+    }
+}
+
+/// The record's slot 0 (a refusal the host reported): the pinned mirror
+/// through atomics, the kernels' word 0 by an 8-byte memset of device
+/// memory, waited for ([`dev::forget_refusal`] orders them). A record
+/// claims the slot by a CAS from 0, which fails until all 8 bytes are zero.
+impl RecordMemory for State {
+    fn clear_mirror_first(&self) {
+        for i in 0..dev::WORDS {
+            if let Ok(a) = self.errh.atomic_u64(8 * i) {
+                a.store(0, Ordering::Release);
+            }
+        }
+    }
+
+    fn clear_kernel_first(&self) -> Result<(), EpError> {
+        self.err.zero_wait(0, 8).map_err(CoreError::from)?;
+        Ok(())
     }
 }
 
@@ -783,17 +835,27 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         self.st.unqueued(call)
     }
 
-    /// The error a kernel recorded, if any (read from pinned host memory,
-    /// without waiting for a stream).
-    fn recorded(&self) -> Option<[u64; 4]> {
+    /// What the kernels recorded (read from pinned host memory, without
+    /// waiting for a stream): each slot's word 0 first (a record publishes
+    /// its other words before it).
+    fn recorded(&self) -> Record {
         let word = |i: usize| {
             self.state
                 .errh
                 .atomic_u64(8 * i)
                 .map_or(0, |a| a.load(Ordering::Acquire))
         };
-        let w0 = word(0);
-        (w0 != 0).then(|| [w0, word(1), word(2), word(3)])
+        let mut w = [0u64; 2 * dev::WORDS];
+        for slot in 0..2 {
+            let at = slot * dev::WORDS;
+            w[at] = word(at);
+            if w[at] != 0 {
+                for i in 1..dev::WORDS {
+                    w[at + i] = word(at + i);
+                }
+            }
+        }
+        Record::of(w)
     }
 
     /// Reports the error a kernel recorded (a peer's broken protocol, or a
@@ -811,22 +873,48 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// and is reported; one found by `check` is cleared and reported, the
     /// buffer staying usable where it stands; anything else fails the
     /// buffer and is reported.
+    ///
+    /// A broken protocol is reported whatever was recorded before it (a
+    /// refusal recorded first cannot hide it: [`Record`]); a refusal
+    /// recorded beside it is logged. A waited dispatch that finds both
+    /// ends the refused step first (the other ranks are ending it, and
+    /// would wait for this rank's signals until the job timeout), then
+    /// fails.
     fn look(&mut self, look: Look) -> Result<(), EpError> {
-        let Some(w) = self.recorded() else {
+        let rec = self.recorded();
+        let Some(w) = rec.reported() else {
             return Ok(());
         };
         let Some(err) = decode_error(self.rank, &self.cfg, w) else {
             return Ok(());
         };
-        match self.st.judge(Recorded::of(w[0]), look) {
+        let verdict = self.st.judge(Recorded::of(&rec), look);
+        if rec.broken[0] != 0
+            && rec.refused()
+            && let Some(r) = decode_error(self.rank, &self.cfg, rec.first)
+        {
+            tracing::warn!(
+                rank = self.rank,
+                "recorded before the broken protocol reported ({err}): {r}"
+            );
+        }
+        match verdict {
             Verdict::Go => Ok(()),
             Verdict::Fail => Err(err),
             Verdict::EndStep => {
                 self.end_refused()?;
                 Err(err)
             }
+            Verdict::EndStepThenFail => {
+                // The buffer failed already; the end's own error (a wait
+                // timed out) says less than the broken protocol.
+                if let Err(e) = self.end_refused() {
+                    tracing::debug!(rank = self.rank, "ending the refused step: {e}");
+                }
+                Err(err)
+            }
             Verdict::Report => {
-                if let Err(e) = self.clear_recorded() {
+                if let Err(e) = self.forget_refusal() {
                     self.st.fail();
                     return Err(e);
                 }
@@ -835,18 +923,12 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         }
     }
 
-    /// Clears the kernels' record (device memory and its pinned mirror),
-    /// once a refusal in it was dealt with; no kernel of this buffer may
-    /// run meanwhile (gin's stream waited for, the caller's synchronised).
-    fn clear_recorded(&self) -> Result<(), EpError> {
+    /// Forgets the refusal recorded in slot 0 once it was dealt with
+    /// ([`dev::forget_refusal`]: exactly what the host read, even where a
+    /// kernel still records); slot 1, a broken protocol, stays.
+    fn forget_refusal(&self) -> Result<(), EpError> {
         self.current()?;
-        self.state.err.zero_wait(0, 32).map_err(CoreError::from)?;
-        for i in 0..4 {
-            if let Ok(a) = self.state.errh.atomic_u64(8 * i) {
-                a.store(0, Ordering::Release);
-            }
-        }
-        Ok(())
+        dev::forget_refusal(&self.state)
     }
 
     /// A low-latency step's call: refused on a high-throughput buffer.
@@ -977,12 +1059,14 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             Arg::Ptr(s.err.ptr()),
             Arg::Ptr(s.errh.dev()),
             Arg::Ptr(s.ctarget.ptr()),
+            Arg::U32(u32::from(src.refused)),
         ];
         // SAFETY: ep_ll_dispatch(DevComm, Window send, Window recv, u32
         // tokens, u32 l, u32 t, u32 m, u32 p, u32 k, const u32* active, u64*
         // seen, u32* counts, u32* meta, u64* clock, const u16* xin, u32 h,
         // u32* bar, u32* eslot, u32 fp8, const i64* idx,
-        // const f32* wts, u64* inbad, u64* err, u64* errh, u64* ctarget) in
+        // const f32* wts, u64* inbad, u64* err, u64* errh, u64* ctarget,
+        // u32 refused) in
         // kernels/ll.cu takes these arguments in this order. The windows and
         // the device communicator are this buffer's, alive for the kernel
         // (the caller's contract where it is queued). The kernel reads and
@@ -990,8 +1074,9 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         // indexes active and ctarget by rank (nranks entries), seen and
         // counts by pair (experts), meta by received slot (3 × experts × t
         // u32), eslot by (token, slot) (t × k u32), clock (2 u64, or null),
-        // bar (the low u32 of a u64) and inbad (one u64 each), err (4 u64) and errh (4 u64 of
-        // mapped pinned memory): the sizes State::new allocated for this
+        // bar (the low u32 of a u64) and inbad (one u64 each), err (8 u64)
+        // and errh (8 u64 of mapped pinned memory, Record::BYTES): the sizes
+        // State::new allocated for this
         // configuration. It reads tokens × h u16 of xin and tokens × k of
         // idx and wts where they are not null: the caller's contract.
         let r = unsafe { go(&self.dc, self.kernels.dispatch, on, grid, &args) };
@@ -1061,17 +1146,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         // SAFETY: gin's stream, waited for. With FP8, xin holds t × hidden
         // u16 (State::new), its first `tokens` rows written above; without,
         // it is null; the metadata is staged (no idx, wts).
-        unsafe {
-            self.launch_dispatch(
-                On::Wait,
-                tokens,
-                Source {
-                    xin,
-                    idx: 0,
-                    wts: 0,
-                },
-            )?;
-        }
+        unsafe { self.launch_dispatch(On::Wait, tokens, Source::staged(xin))? };
         // A source's inputs were refused: the step ends on every rank.
         self.look(Look::AfterWaitedDispatch)?;
         let d = self.read_dispatch("ll_dispatch");
@@ -1083,46 +1158,73 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     }
 
     /// This rank's inputs were refused by the host's checks (`err`, naming
-    /// the entry): as with bad inputs in GPU memory, the dispatch kernel
-    /// runs, with no token and `inbad` set, so that it sends no token but
-    /// adds `POISON` to each of its (expert, source) signals and consumes
-    /// every source's signal of the step; then this rank ends the step as
-    /// every rank does ([`CudaBuffer::end_refused`]). Every peer's dispatch
-    /// thus returns at once with [`EpError::PeerRefused`] naming this rank
-    /// (a queued peer's `check`), and every buffer stays usable. Returns
-    /// `err`, or where those launches failed, or a source broke the
-    /// protocol in the same step, that error (the buffer then refuses
-    /// further steps).
+    /// the entry, or the token count, a buffer's size or alignment of
+    /// inputs in GPU memory), in a waited call: as with bad entries in GPU
+    /// memory, the dispatch kernel runs, in its refusing form
+    /// ([`Source::REFUSED`]: no token), so that it adds `POISON` to each of
+    /// its (expert, source) signals and consumes every source's signal of
+    /// the step; then this rank ends the step as every rank does
+    /// ([`CudaBuffer::end_refused`]). Every peer's dispatch thus returns at
+    /// once with [`EpError::PeerRefused`] naming this rank (a queued
+    /// peer's `check`), and every buffer stays usable. Returns `err`, or
+    /// where those launches failed, or a source broke the protocol in the
+    /// same step, that error (the buffer then refuses further steps). The
+    /// step is ended before a broken protocol is reported, so that no peer
+    /// waits for this rank's signals until the job timeout.
     fn ll_refuse(&mut self, err: EpError) -> EpError {
         let r = (|| -> Result<(), EpError> {
             self.current()?;
-            // Any key below !0 says "refused"; the host reports the entry.
-            self.state
-                .inbad
-                .write(0, &[0u64])
-                .map_err(CoreError::from)?;
             // SAFETY: gin's stream, waited for; 0 tokens and no source
             // (xin, idx and wts null): the kernel reads no input and
             // stages nothing.
-            unsafe {
-                self.launch_dispatch(
-                    On::Wait,
-                    0,
-                    Source {
-                        xin: 0,
-                        idx: 0,
-                        wts: 0,
-                    },
-                )?;
-            }
+            unsafe { self.launch_dispatch(On::Wait, 0, Source::REFUSED)? };
+            let ended = self.end_refused();
             // This rank records no refusal of its own here (the host named
             // the entry) nor a source's (its kernel knows its own inputs
             // were refused): anything recorded is a source's broken
-            // protocol, which fails the buffer.
+            // protocol, which fails the buffer, and says more than the
+            // end's own error.
             self.poll()?;
-            self.end_refused()
+            ended
         })();
         match r {
+            Ok(()) => err,
+            Err(e) => {
+                self.st.fail();
+                e
+            }
+        }
+    }
+
+    /// [`CudaBuffer::ll_refuse`] for a dispatch queued on `stream`, whose
+    /// inputs in GPU memory the host's checks refused (`err`: the token
+    /// count, a buffer's size or alignment): the refused step is queued to
+    /// its end on this rank, as its peers run it, without the host
+    /// touching anything a launch queued before may use: the dispatch
+    /// kernel in its refusing form ([`Source::REFUSED`]: no token, every
+    /// count poisoned, every source's signal of the step consumed), then a
+    /// combine of 0 tokens into the buffer's own output (its signals; it
+    /// puts the combine slots of what it received back unread: a refused
+    /// step has no result on any rank). Returns `err`, the buffer idle and
+    /// the step spent: queue nothing more for it. A stream of another
+    /// context launches nothing and returns its own error (no peer learns
+    /// of the refusal, as for any call refused before it launches); a
+    /// launch that fails fails the buffer and returns its error.
+    ///
+    /// # Safety
+    /// As [`CudaBuffer::ll_dispatch_on`] for the buffer and the stream.
+    unsafe fn ll_refuse_on(&mut self, stream: StreamRef<'_>, err: EpError) -> EpError {
+        let on = On::Queue(stream);
+        // SAFETY: the caller's contract for the buffer and the stream; 0
+        // tokens and no source: the kernel reads no input.
+        if let Err(e) = unsafe { self.launch_dispatch(on, 0, Source::REFUSED) } {
+            return e;
+        }
+        let out = self.state.out.ptr();
+        // SAFETY: queued after the dispatch on the same stream (the
+        // caller's contract); 0 tokens: the kernel writes nothing of `out`
+        // (State::out, from cuMemAlloc).
+        match unsafe { self.launch_combine(on, out) } {
             Ok(()) => err,
             Err(e) => {
                 self.st.fail();
@@ -1156,22 +1258,26 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             // nothing of `out` (State::out, from cuMemAlloc) and, the
             // counts zeroed, reads no slot.
             unsafe { self.launch_combine(On::Wait, out)? };
-            self.clear_recorded()
+            self.forget_refusal()
         })();
         self.st.refused(r.is_ok());
         r
     }
 
-    /// What a device-resident dispatch checks before it launches (`look`:
-    /// [`Look::Waited`] on gin's stream, [`Look::Queued`] on the caller's).
-    fn prepare_device(
-        &mut self,
-        call: &'static str,
-        inp: &DeviceInputs<'_>,
-        look: Look,
-    ) -> Result<Source, EpError> {
+    /// What a device-resident dispatch requires of the buffer before it
+    /// launches (`look`: [`Look::Waited`] on gin's stream, [`Look::Queued`]
+    /// on the caller's): a call out of order, or a failed buffer, is
+    /// refused here, locally (no step starts).
+    fn prepare_device(&mut self, call: &'static str, look: Look) -> Result<(), EpError> {
         self.expect_idle(call)?;
-        self.look(look)?;
+        self.look(look)
+    }
+
+    /// Where the dispatch kernel finds inputs in GPU memory, once the host
+    /// checked their token count, sizes and alignment
+    /// ([`check_device_inputs`]); an error here is a refusal of this
+    /// rank's inputs, which the caller makes collective.
+    fn device_source(&self, inp: &DeviceInputs<'_>) -> Result<Source, EpError> {
         check_device_inputs(
             self.rank,
             &self.cfg,
@@ -1184,6 +1290,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             xin: inp.x.ptr(),
             idx: inp.topk_idx.ptr(),
             wts: inp.topk_weights.ptr(),
+            refused: false,
         })
     }
 
@@ -1200,23 +1307,31 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// [`CudaBuffer::ll_read_back`] copies them to the host for checks.
     ///
     /// The token count, the buffers' sizes and their alignment are checked
-    /// here, before anything is sent. An expert id out of range, an expert
-    /// named twice in a token or a live slot's weight that is not finite is
-    /// found by the kernel: this rank then sends no token and every
-    /// receiver learns that its inputs were refused; this rank reports the
-    /// first bad entry as the host path would ([`EpError::ExpertOutOfRange`],
-    /// [`EpError::DuplicateExpert`], [`EpError::BadWeight`]), the others a
-    /// [`EpError::PeerRefused`] naming it; every rank ends the step (no rank
-    /// waits for another, as after a refusal of host inputs), and every
-    /// buffer takes the next step, whatever its call (host inputs, GPU
-    /// memory, queued). Where this rank's end of the refused step fails (a
-    /// wait timed out, a peer was lost), that error is returned instead and
-    /// the buffer refuses further steps.
+    /// on the host ([`EpError::TooManyTokens`], [`EpError::Shape`],
+    /// [`EpError::Misaligned`]); an expert id out of range, an expert named
+    /// twice in a token or a live slot's weight that is not finite is found
+    /// by the kernel. Either way the refusal is collective, as for host
+    /// inputs: this rank sends no token (the host refused: the kernel runs
+    /// in its refusing form) and every receiver learns that its inputs
+    /// were refused; this rank reports what it refused (the host's error,
+    /// or the first bad entry as the host path would:
+    /// [`EpError::ExpertOutOfRange`], [`EpError::DuplicateExpert`],
+    /// [`EpError::BadWeight`]), the others a [`EpError::PeerRefused`]
+    /// naming it; every rank ends the step (no rank waits for another), and
+    /// every buffer takes the next step, whatever its call (host inputs,
+    /// GPU memory, queued). Where this rank's end of the refused step fails
+    /// (a wait timed out, a peer was lost), that error is returned instead
+    /// and the buffer refuses further steps. A call out of order is refused
+    /// locally, before any step starts.
     pub fn ll_dispatch_device(&mut self, inp: &DeviceInputs<'_>) -> Result<CudaLlStep, EpError> {
         self.expect_unqueued("ll_dispatch_device")?;
-        let src = self.prepare_device("ll_dispatch_device", inp, Look::Waited)?;
+        self.prepare_device("ll_dispatch_device", Look::Waited)?;
+        let src = match self.device_source(inp) {
+            Ok(src) => src,
+            Err(e) => return Err(self.ll_refuse(e)),
+        };
         // SAFETY: gin's stream, waited for while `inp` borrows the buffers,
-        // whose sizes and alignment prepare_device checked.
+        // whose sizes and alignment device_source checked.
         unsafe { self.launch_dispatch(On::Wait, inp.tokens, src)? };
         // Refused inputs (this rank's, or a source's): the step ends on
         // every rank, so that no peer waits for it, and the buffer takes the
@@ -1240,14 +1355,25 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// calls go ahead (every peer's do too, its host not knowing yet), the
     /// refused step runs to its end on every rank (a refused source sends
     /// no token, every receiver counts 0 tokens from it), and nothing of it
-    /// is taken for the next step (docs/ep.md, "Bad input"). The kernels'
+    /// is taken for the next step (docs/ep.md, "Bad input"). Inputs the
+    /// host's checks refuse (the token count, a buffer's size or
+    /// alignment: [`EpError::TooManyTokens`], [`EpError::Shape`],
+    /// [`EpError::Misaligned`]) are refused collectively too, and at once:
+    /// this call queues the refused step to its end on `stream` (the
+    /// dispatch kernel in its refusing form, sending no token but telling
+    /// every peer, then a combine of 0 tokens, whose signals every peer's
+    /// combine waits for) and returns the error, the buffer idle: queue no
+    /// expert or combine for that step, and go on with the next one. Every
+    /// peer's `check` reports [`EpError::PeerRefused`] naming this rank.
+    /// The kernels'
     /// waits stay bounded by the job timeout, and give up at once when a
     /// peer dies or a transport or engine fails: the first launch queued
     /// after a check starts a watcher thread (one per checked span, not per
     /// launch), which [`CudaBuffer::check`] stops; a failed wait is
     /// reported there, naming the peer and the cause. After a failure, the launches queued
     /// behind it return at once. A stream of another context is refused
-    /// before anything moves.
+    /// before anything moves (nothing is launched, and no peer learns of
+    /// it), as is a call out of order.
     ///
     /// Captured into a CUDA graph, each replay is a step: the kernels'
     /// arguments hold nothing step-dependent. Capture whole steps
@@ -1268,7 +1394,12 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         stream: StreamRef<'_>,
         inp: &DeviceInputs<'_>,
     ) -> Result<CudaLlStep, EpError> {
-        let src = self.prepare_device("ll_dispatch_on", inp, Look::Queued)?;
+        self.prepare_device("ll_dispatch_on", Look::Queued)?;
+        let src = match self.device_source(inp) {
+            Ok(src) => src,
+            // SAFETY: the caller's contract.
+            Err(e) => return Err(unsafe { self.ll_refuse_on(stream, e) }),
+        };
         // SAFETY: the caller's contract; sizes and alignment checked.
         unsafe { self.launch_dispatch(On::Queue(stream), inp.tokens, src)? };
         Ok(CudaLlStep {
@@ -1731,17 +1862,27 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// calls do. Checking while a kernel still runs misses what it does
     /// later, and lowers the abort flag under it.
     ///
+    /// **Between a dispatch and its combine, an `Err` that leaves the
+    /// buffer usable (a refusal, below) still leaves the step under way:
+    /// queue its combine as usual, or every peer's combine waits for this
+    /// rank's signals until the job timeout, and then fails.** (After any
+    /// other error the buffer refuses further steps, its combine included:
+    /// destroy it on every rank.)
+    ///
     /// After a kernel's failure or a peer's broken protocol the buffer
     /// refuses further steps (a refused step that failed midway too: its
-    /// late signals would be taken for the next step's). Refused inputs
-    /// in a step queued since the last check are reported here (the first
-    /// one recorded: on the refused rank its entry,
+    /// late signals would be taken for the next step's). A broken protocol
+    /// is reported whatever was recorded before it: a refusal recorded in
+    /// an earlier step of the span does not hide it. Refused inputs in a
+    /// step queued since the last check are reported here (the first one
+    /// recorded: on the refused rank its entry,
     /// [`EpError::ExpertOutOfRange`], [`EpError::DuplicateExpert`] or
     /// [`EpError::BadWeight`]; on every other rank [`EpError::PeerRefused`]
-    /// naming that rank) and cleared, and the buffer stays usable where it
-    /// stands: idle, or, checked between a dispatch and its combine,
-    /// holding that step, whose combine is queued next as usual (every
-    /// peer's combine waits for this rank's signals). Every step dispatched
+    /// naming that rank; a refusal by the host's checks on a queued
+    /// dispatch was returned by that call, and its peers' checks name it)
+    /// and cleared, and the buffer stays usable where it stands: idle, or,
+    /// checked between a dispatch and its combine, holding that step, whose
+    /// combine is queued next as usual (above). Every step dispatched
     /// since the last check runs to its end on every rank as queued: one
     /// refused nowhere gives its normal results, the refused step none on
     /// any rank (its combined tokens are not its tokens' combine), but the

@@ -12,7 +12,9 @@
 //! What the kernels record ([`Recorded`]) is judged by where the host
 //! looks ([`Look`], [`Steps::judge`]): a refusal (a rank's inputs refused,
 //! on its host or its GPU) is a step every rank runs to its end, so it
-//! never fails the buffer; anything else recorded (a broken protocol) does.
+//! never fails the buffer; anything else recorded (a broken protocol) does,
+//! whatever was recorded before it (the kernels keep the first broken
+//! protocol apart: [`super::dev::Record`]).
 
 use crate::error::EpError;
 
@@ -68,32 +70,36 @@ pub(crate) fn expect_mode(
 
 const QUEUED: &str = "holding launches queued on a stream (synchronise it, then call check)";
 
-/// What the kernels recorded (`ep::record`, word 0), as the host's rules
-/// take it.
+/// What the kernels recorded (`ep::record`), as the host's rules take it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Recorded {
     /// Nothing.
     Nothing,
-    /// A refusal ([`super::dev::is_refusal`]): this rank's inputs found
-    /// bad on the GPU, or a source's refused (its counts poisoned). The
-    /// dispatch consumed every source's signal of the step and counted 0
-    /// tokens for a refused source: no rank broke the protocol, and every
+    /// A refusal alone ([`super::dev::is_refusal`]): this rank's inputs
+    /// found bad on the GPU, or a source's refused (its counts poisoned).
+    /// The dispatch consumed every source's signal of the step and counted
+    /// 0 tokens for a refused source: no rank broke the protocol, and every
     /// rank can end the step alike.
     Refusal,
-    /// Anything else: a source broke the protocol (or a high-throughput
-    /// kernel's error); peers may be anywhere in the step.
-    Broken,
+    /// A source broke the protocol (or a high-throughput kernel's error):
+    /// peers may be anywhere in the step. `refused`: a refusal was recorded
+    /// too (before it, in this step or an earlier queued one), so that the
+    /// other ranks are ending a refused step.
+    Broken { refused: bool },
 }
 
 impl Recorded {
-    /// The kind of word 0 of a record (0: nothing).
-    pub(crate) fn of(w0: u64) -> Self {
-        if w0 == 0 {
-            Self::Nothing
-        } else if super::dev::is_refusal(w0) {
+    /// What a record holds: a broken protocol (slot 1) whatever slot 0
+    /// holds, else slot 0's kind.
+    pub(crate) fn of(r: &super::dev::Record) -> Self {
+        if r.broken[0] != 0 || (r.first[0] != 0 && !r.refused()) {
+            Self::Broken {
+                refused: r.refused(),
+            }
+        } else if r.refused() {
             Self::Refusal
         } else {
-            Self::Broken
+            Self::Nothing
         }
     }
 }
@@ -127,6 +133,12 @@ pub(crate) enum Verdict {
     /// A refusal found by a waited dispatch: end the step (the combine
     /// without data, as every rank does), clear the record, report it.
     EndStep,
+    /// A broken protocol found by a waited dispatch beside a refusal (the
+    /// other ranks are ending the refused step): end the step as
+    /// [`Verdict::EndStep`] does, so that no peer waits for this rank's
+    /// signals until the job timeout, then report the broken protocol; the
+    /// buffer refuses further steps.
+    EndStepThenFail,
     /// A refusal found by `check`: clear the record and report it; the
     /// buffer stays where it is (idle, or holding the step's dispatch
     /// whose combine is next) and takes further steps.
@@ -303,19 +315,25 @@ impl Steps {
     }
 
     /// What to do with what the kernels recorded, found where `look` says
-    /// (see [`Verdict`]); a [`Verdict::Fail`] fails the buffer here. A
-    /// refusal never fails it: a waited dispatch ends the step, `check`
-    /// reports it, a queued call leaves it for `check`. Seen anywhere else
-    /// (a waited call, nothing queued unchecked) it cannot be placed in a
-    /// step, and fails the buffer as a broken protocol does.
+    /// (see [`Verdict`]); a [`Verdict::Fail`] or
+    /// [`Verdict::EndStepThenFail`] fails the buffer here. A refusal alone
+    /// never fails it: a waited dispatch ends the step, `check` reports it,
+    /// a queued call leaves it for `check`. Seen anywhere else (a waited
+    /// call, nothing queued unchecked) it cannot be placed in a step, and
+    /// fails the buffer as a broken protocol does. A broken protocol always
+    /// fails it, whatever was recorded before it; a waited dispatch that
+    /// finds one beside a refusal first ends the refused step.
     pub(crate) fn judge(&mut self, rec: Recorded, look: Look) -> Verdict {
         let v = match (rec, look) {
             (Recorded::Nothing, _) | (Recorded::Refusal, Look::Queued) => Verdict::Go,
             (Recorded::Refusal, Look::AfterWaitedDispatch) => Verdict::EndStep,
             (Recorded::Refusal, Look::Check) => Verdict::Report,
-            (Recorded::Refusal, Look::Waited) | (Recorded::Broken, _) => Verdict::Fail,
+            (Recorded::Broken { refused: true }, Look::AfterWaitedDispatch) => {
+                Verdict::EndStepThenFail
+            }
+            (Recorded::Refusal, Look::Waited) | (Recorded::Broken { .. }, _) => Verdict::Fail,
         };
-        if v == Verdict::Fail {
+        if matches!(v, Verdict::Fail | Verdict::EndStepThenFail) {
             self.failed = true;
         }
         v
@@ -324,6 +342,7 @@ impl Steps {
 
 #[cfg(test)]
 mod tests {
+    use super::super::dev::Record;
     use super::*;
 
     fn phase_of(r: Result<(), EpError>) -> Option<&'static str> {
@@ -529,21 +548,39 @@ mod tests {
         s.for_destroy().unwrap();
     }
 
+    /// A record whose slot 0 word 0 is `w0`, and whose slot 1 holds it
+    /// too where it is no refusal (as `ep::rec::record` leaves them).
+    fn rec(w0: u64) -> Record {
+        let mut r = Record::default();
+        r.first[0] = w0;
+        if w0 != 0 && !super::super::dev::is_refusal(w0) {
+            r.broken[0] = w0;
+        }
+        r
+    }
+
     /// Every (record, place) pair: a refusal never fails the buffer (a
     /// waited dispatch ends the step, `check` reports it, a queued call
     /// goes ahead), except where it cannot be placed in a step (a waited
-    /// call with nothing queued); a broken protocol always fails it.
+    /// call with nothing queued); a broken protocol always fails it, and
+    /// a waited dispatch that finds one beside a refusal ends the refused
+    /// step first.
     #[test]
     fn a_recorded_refusal_never_fails_the_buffer_a_broken_protocol_does() {
         use super::super::dev::code;
-        assert_eq!(Recorded::of(0), Recorded::Nothing);
+        assert_eq!(Recorded::of(&rec(0)), Recorded::Nothing);
         assert_eq!(
-            Recorded::of(code::PEER_BAD_INPUT | 3 << 8),
+            Recorded::of(&rec(code::PEER_BAD_INPUT | 3 << 8)),
             Recorded::Refusal
         );
-        assert_eq!(Recorded::of(code::EXPERT_RANGE), Recorded::Refusal);
-        assert_eq!(Recorded::of(code::TOKEN_RANGE | 1 << 8), Recorded::Broken);
-        assert_eq!(Recorded::of(code::HT | 2 << 8), Recorded::Broken);
+        assert_eq!(Recorded::of(&rec(code::EXPERT_RANGE)), Recorded::Refusal);
+        let broken = Recorded::Broken { refused: false };
+        assert_eq!(Recorded::of(&rec(code::TOKEN_RANGE | 1 << 8)), broken);
+        assert_eq!(Recorded::of(&rec(code::HT | 2 << 8)), broken);
+        // Slot 0 alone holding a broken protocol (no slot 1) is broken too.
+        let mut first_only = Record::default();
+        first_only.first[0] = code::NOT_NAMED | 1 << 8;
+        assert_eq!(Recorded::of(&first_only), broken);
         let looks = [
             Look::Waited,
             Look::AfterWaitedDispatch,
@@ -562,13 +599,85 @@ mod tests {
                         Look::Check => Verdict::Report,
                     },
                 ),
-                (Recorded::Broken, Verdict::Fail),
+                (broken, Verdict::Fail),
+                (
+                    Recorded::Broken { refused: true },
+                    if look == Look::AfterWaitedDispatch {
+                        Verdict::EndStepThenFail
+                    } else {
+                        Verdict::Fail
+                    },
+                ),
             ] {
                 let mut s = Steps::new(2);
                 assert_eq!(s.judge(rec, look), want, "{rec:?} at {look:?}");
-                assert_eq!(s.failed, want == Verdict::Fail, "{rec:?} at {look:?}");
+                assert_eq!(
+                    s.failed,
+                    matches!(want, Verdict::Fail | Verdict::EndStepThenFail),
+                    "{rec:?} at {look:?}"
+                );
             }
         }
+    }
+
+    /// Three steps queued between two checks: step 1 refused at rank 2
+    /// (this rank records `PeerRefused`, slot 0), then in step 2 rank 3's
+    /// count above the maximum (what a late signal taken with the next
+    /// step's looks like: slot 1, though slot 0 is taken). The calls
+    /// queued meanwhile go ahead on the refusal alone, stop at the broken
+    /// protocol, and `check` fails the buffer naming rank 3, rather than
+    /// report the refusal, clear it and leave the buffer taking the
+    /// following steps' counts. (Before the kernels kept slot 1, the
+    /// count was dropped: slot 0 was taken, `check` reported the refusal
+    /// and the buffer went on.)
+    #[test]
+    fn a_broken_protocol_after_a_queued_refusal_fails_the_buffer() {
+        use super::super::dev::{code, decode_error};
+        let cfg = crate::Config::low_latency(256, 16, 8, 4);
+        let refused = [code::PEER_BAD_INPUT | 2 << 8, 5, (1 << 32) - 1, 0];
+        let over = [code::COUNT_OVER_MAX | 3 << 8, 5, 40, 0];
+        let both = Record {
+            first: refused,
+            broken: over,
+        };
+        let only_refused = Record {
+            first: refused,
+            ..Record::default()
+        };
+        // All three queued before the kernels recorded anything; check.
+        let mut s = Steps::new(1);
+        for _ in 0..3 {
+            assert_eq!(
+                s.judge(Recorded::of(&Record::default()), Look::Queued),
+                Verdict::Go
+            );
+            queued_step(&mut s, 4);
+        }
+        s.checked(true);
+        assert_eq!(s.judge(Recorded::of(&both), Look::Check), Verdict::Fail);
+        assert!(s.idle("ll_dispatch_on").is_err());
+        s.for_destroy().unwrap();
+        // The host looks while the kernels record: step 2's calls go ahead
+        // on step 1's refusal; a fourth step's dispatch finds the broken
+        // protocol and is refused.
+        let mut s = Steps::new(1);
+        queued_step(&mut s, 4);
+        queued_step(&mut s, 4);
+        assert_eq!(
+            s.judge(Recorded::of(&only_refused), Look::Queued),
+            Verdict::Go
+        );
+        queued_step(&mut s, 4);
+        assert_eq!(s.judge(Recorded::of(&both), Look::Queued), Verdict::Fail);
+        assert!(s.idle("ll_dispatch_on").is_err());
+        assert!(matches!(
+            both.reported().and_then(|w| decode_error(1, &cfg, w)),
+            Some(EpError::Protocol {
+                rank: 1,
+                peer: 3,
+                ..
+            })
+        ));
     }
 
     /// A device-resident dispatch on gin's stream that finds a refusal
