@@ -363,6 +363,36 @@ fn device_step(
     Ok((got, raw.into_iter().map(gin_ep::Bf16).collect()))
 }
 
+/// `count` steps' inputs for a rank (seeds `seed..`, unequal token counts
+/// by step), each uploaded to GPU memory.
+fn queued_inputs(
+    cuda: &gin_core::cuda::CudaComm<'_>,
+    cfg: &Config,
+    rank: usize,
+    n: usize,
+    seed: u64,
+    count: usize,
+) -> Res<(Vec<RankInput>, Vec<DevTensors>)> {
+    let steps: Vec<RankInput> = (0..count)
+        .map(|i| {
+            oracle::rank_input(
+                seed + i as u64,
+                rank,
+                n,
+                oracle::tokens_for_rank(cfg.max_tokens_per_rank, rank + i),
+                cfg.hidden,
+                cfg.num_experts,
+                cfg.topk,
+            )
+        })
+        .collect();
+    let tensors = steps
+        .iter()
+        .map(|me| DevTensors::upload(cuda, me, cfg.hidden, false, None))
+        .collect::<Res<Vec<_>>>()?;
+    Ok((steps, tensors))
+}
+
 /// `inputs=queued`: `repeats` steps queued on the test's stream back to
 /// back (dispatch, identity expert, combine), each with inputs of its own
 /// (another seed, and another token count) and its own output tensor, then
@@ -379,23 +409,7 @@ fn queued_steps(
 ) -> Res<u64> {
     let cfg = *buf.config();
     let (rank, n, h) = (buf.rank(), buf.nranks(), cfg.hidden);
-    let steps: Vec<RankInput> = (0..repeats)
-        .map(|i| {
-            oracle::rank_input(
-                20 + i as u64,
-                rank,
-                n,
-                oracle::tokens_for_rank(cfg.max_tokens_per_rank, rank + i),
-                h,
-                cfg.num_experts,
-                cfg.topk,
-            )
-        })
-        .collect();
-    let tensors = steps
-        .iter()
-        .map(|me| DevTensors::upload(cuda, me, h, false, None))
-        .collect::<Res<Vec<_>>>()?;
+    let (steps, tensors) = queued_inputs(cuda, &cfg, rank, n, 20, repeats)?;
     let st = gin_core::cuda::Stream::new()?;
     on_stream(buf, &st, |buf, on| {
         for dt in &tensors {
@@ -875,23 +889,7 @@ fn ll_queued_bad(
     let cfg = *buf.config();
     let (rank, n, h) = (buf.rank(), buf.nranks(), cfg.hidden);
     let max = cfg.max_tokens_per_rank;
-    let steps: Vec<RankInput> = (0..3)
-        .map(|i| {
-            oracle::rank_input(
-                40 + i as u64,
-                rank,
-                n,
-                oracle::tokens_for_rank(cfg.max_tokens_per_rank, rank + i),
-                h,
-                cfg.num_experts,
-                cfg.topk,
-            )
-        })
-        .collect();
-    let tensors = steps
-        .iter()
-        .map(|me| DevTensors::upload(cuda, me, h, false, None))
-        .collect::<Res<Vec<_>>>()?;
+    let (steps, tensors) = queued_inputs(cuda, &cfg, rank, n, 40, 3)?;
     let mut bad = 0;
     if what == Bad::Entry {
         let (idx, b) = bad_ids(&cfg, rank, &steps[1], victim)?;
