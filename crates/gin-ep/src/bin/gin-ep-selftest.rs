@@ -634,6 +634,30 @@ fn judge_refusal(
     judge_refusal_by(rank, victims, "a bad expert id", &own, got, took, timeout)
 }
 
+/// A `Bad` step's outcome on this rank, judged by [`judge_refusal`] (an
+/// entry: `bad` is it) or [`judge_token_refusal`] (the victim's token
+/// count above `max`); what was refused, and the verdict.
+fn judge_bad(
+    what: Bad,
+    rank: usize,
+    victim: usize,
+    (bad, max): (i64, usize),
+    got: &Result<(), EpError>,
+    took: Duration,
+    timeout: Duration,
+) -> Res<(&'static str, String)> {
+    Ok(match what {
+        Bad::Entry => (
+            "bad expert id",
+            judge_refusal(rank, &[victim], bad, got, took, timeout)?,
+        ),
+        Bad::Tokens => (
+            "token count above the maximum",
+            judge_token_refusal(rank, victim, max, got, took, timeout)?,
+        ),
+    })
+}
+
 /// A victim's refusal of its token count, one above the buffer's
 /// maximum `max` (`bad=tokens`), as [`judge_refusal`] judges an entry's.
 fn judge_token_refusal(
@@ -792,16 +816,7 @@ fn ll_device_bad(
         }
     };
     let timeout = cuda.comm().settings().timeout;
-    let (subject, judged) = match what {
-        Bad::Entry => (
-            "bad expert id",
-            judge_refusal(rank, &[victim], bad, &got, took, timeout)?,
-        ),
-        Bad::Tokens => (
-            "token count above the maximum",
-            judge_token_refusal(rank, victim, max, &got, took, timeout)?,
-        ),
-    };
+    let (subject, judged) = judge_bad(what, rank, victim, (bad, max), &got, took, timeout)?;
     Ok(format!(
         "; rank {victim}'s {subject} {how}: {judged} in {:.0} ms, then the buffer's steps verified",
         took.as_secs_f64() * 1e3
@@ -937,16 +952,7 @@ fn ll_queued_bad(
     };
     let took = start.elapsed();
     let timeout = cuda.comm().settings().timeout;
-    let (subject, judged) = match what {
-        Bad::Entry => (
-            "bad expert id",
-            judge_refusal(rank, &[victim], bad, &got, took, timeout)?,
-        ),
-        Bad::Tokens => (
-            "token count above the maximum",
-            judge_token_refusal(rank, victim, max, &got, took, timeout)?,
-        ),
-    };
+    let (subject, judged) = judge_bad(what, rank, victim, (bad, max), &got, took, timeout)?;
     let active = buf.active().to_vec();
     let local = cfg.local_experts(n);
     for i in [0, 2] {
