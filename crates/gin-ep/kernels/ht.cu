@@ -7,9 +7,12 @@
 // context c with its own rings, credits and signals.
 //
 // The host stages each step: the notify row (NSEND), every token's payload
-// (XIN: the caller's BF16, or FP8 quantised from it by ep_ht_quantize) and
-// metadata (MIN: source index, top-k ids and weights, its slot among this
-// rank's tokens for every host and every rank, NONE where it does not go). After the notify kernel the
+// (XIN: the caller's BF16, or FP8 quantised from it by ep_ht_quantize; from
+// GPU memory BF16 payloads are read in place by the dispatch kernel unless
+// a destination is queued) and metadata (MIN, written by ep_ht_stage_meta
+// beside the notify kernel: source index, top-k ids and weights, its slot
+// among this rank's tokens for every host and every rank, NONE where it
+// does not go). After the notify kernel the
 // host reads every rank's row back (NRECV), builds the step's plan with the
 // CPU ranks' code (plan.rs) and uploads it as one table of u32 words (the
 // count matrix per channel, each receiver's block starts, the forwarders):
@@ -140,6 +143,22 @@ EP_FN u32 w_weights(const Shape& s) { return 1 + s.k; }
 EP_FN u32 w_host_slot(const Shape& s, u32 host) { return 1 + 2 * s.k + host; }
 EP_FN u32 w_rank_slot(const Shape& s, u32 rank) { return 1 + 2 * s.k + s.h + rank; }
 
+// Word i of this rank's token t's metadata (plan.rs's meta_word): its
+// index, its top-k ids (i64 entries as i32) and the weights' bits (idx and
+// wbits: tokens x k), its slot for every host (host_slot: tokens x h) and
+// every rank (rank_slot: tokens x r; NONE where it does not go), zero
+// padding. ep_ht_stage_meta writes MIN with it.
+EP_FN u32 meta_word(const Shape& s, const i64* idx, const u32* wbits, const u32* host_slot,
+                    const u32* rank_slot, u32 t, u32 i) {
+  const u64 k = s.k;
+  if (i == 0) return t;
+  if (i < w_weights(s)) return (u32)(u64)idx[t * k + i - w_ids(s)];
+  if (i < w_host_slot(s, 0)) return wbits[t * k + i - w_weights(s)];
+  if (i < w_rank_slot(s, 0)) return host_slot[(u64)t * s.h + i - w_host_slot(s, 0)];
+  if (i < w_rank_slot(s, s.r)) return rank_slot[(u64)t * s.r + i - w_rank_slot(s, 0)];
+  return 0;
+}
+
 // Channel c's share of `tokens` tokens: [chan_lo(c), chan_lo(c + 1)).
 EP_FN u32 chan_lo(const Shape& s, u32 tokens, u32 c) {
   return (u32)((u64)tokens * c / s.chans);
@@ -267,6 +286,14 @@ struct Op {
   u64 add;
 };
 
+// Where a dispatch's payloads are read: XIN, or in place from the caller's
+// tokens (x: `bytes` bytes, the payloads at XIN's offsets; null: XIN), as
+// ep_ht_dispatch's `x` says.
+struct Tokens {
+  const u8* x;
+  u64 bytes;
+};
+
 // A batch, filled by warp 0, carried out by the block.
 struct Batch {
   Op ops[MAX_OPS];
@@ -274,6 +301,9 @@ struct Batch {
   u32 nops, nrows;
   // 1: the channel's part is done (or failed): leave the loop.
   u32 stop;
+  // Where puts from XIN read (set once a launch, before the first batch:
+  // in shared memory, not in registers live across the batches).
+  Tokens xs;
 };
 
 EP_FN bool room(const Batch& b, u32 ops, u32 rows) {
@@ -407,17 +437,20 @@ struct Flat {
 
 // One thread: gin::put's checks of op o (a put to load/store peer o.peer),
 // in its order and with its errors (recorded in gin's error word naming the
-// context, the peer and the window or signal), and where its bytes go.
+// context, the peer and the window or signal), and where its bytes go. A
+// put from XIN reads the caller's tokens in place where xs holds them
+// (checked against their size as gin::put checks a window's, named as XIN).
 __device__ int lsa_check(const DevComm& dc, u32 ctx, const Window* const* W, const Op& o,
-                         Flat& f, u32 k) {
+                         const Tokens& xs, Flat& f, u32 k) {
   using namespace gin::detail;
   const Remote rem = o.add ? signal_add(o.sig, o.add) : no_signal();
   const Window& dst = *W[o.dst];
   const Window& src = *W[o.src];
+  const bool in_place = o.src == XIN && xs.x != nullptr;
   int e = check_ctx(dc, ctx);
   if (!e) e = check_actions(dc, ctx, o.peer, rem, no_counter());
   if (e) return e;
-  if (!range_ok(o.src_off, o.bytes, src.local_size))
+  if (!range_ok(o.src_off, o.bytes, in_place ? xs.bytes : src.local_size))
     return fail(dc, OUT_OF_WINDOW, ctx, o.peer, src.id);
   const u64 dst_size = ((const u64*)dst.sizes)[o.peer];
   u8* const d = (u8*)((const u64*)dst.peer_bases)[o.peer];
@@ -425,7 +458,7 @@ __device__ int lsa_check(const DevComm& dc, u32 ctx, const Window* const* W, con
   if (!range_ok(o.dst_off, o.bytes, dst_size)) return fail(dc, OUT_OF_WINDOW, ctx, o.peer, dst.id);
   if (!d || (rem.kind != 0 && !sig)) return fail(dc, UNSUPPORTED, ctx, o.peer, dst.id);
   f.dst[k] = d + o.dst_off;
-  f.src[k] = (const u8*)src.local_base + o.src_off;
+  f.src[k] = (in_place ? xs.x : (const u8*)src.local_base) + o.src_off;
   f.sig[k] = sig;
   f.vecs[k] = (((u64)f.dst[k] | (u64)f.src[k]) & 15) == 0 ? o.bytes / 16 : 0;
   return OK;
@@ -483,9 +516,11 @@ __device__ void flat_copy(const Flat& f, u32 n) {
 // land before it, which no receiver reads before its own signal. The puts
 // of a run are independent: distinct places, and sources written before
 // the batch or by the row sums before the run (a sum, get or flush ends a
-// run). Returns gin's status (the same on every thread).
-__device__ int put_run(const DevComm& dc, u32 ctx, const Window* const* W, const Op* ops, u32 i0,
+// run). Puts from XIN read the caller's tokens in place where the batch
+// says (b.xs). Returns gin's status (the same on every thread).
+__device__ int put_run(const DevComm& dc, u32 ctx, const Window* const* W, const Batch& b, u32 i0,
                        u32 i1) {
+  const Op* ops = b.ops;
   __shared__ Flat f;
   __shared__ int status;
   const u32 n = i1 - i0;
@@ -494,7 +529,7 @@ __device__ int put_run(const DevComm& dc, u32 ctx, const Window* const* W, const
   if (threadIdx.x == 0) status = OK;
   __syncthreads();
   for (u32 k = threadIdx.x; k < n; k += blockDim.x) {
-    const int e = lsa_check(dc, ctx, W, ops[i0 + k], f, k);
+    const int e = lsa_check(dc, ctx, W, ops[i0 + k], b.xs, f, k);
     if (e) status = e;
   }
   __syncthreads();
@@ -530,9 +565,14 @@ __device__ int put_run(const DevComm& dc, u32 ctx, const Window* const* W, const
 // is not whole 16-byte vectors, a flush, a bare signal). Not inlined: gin's
 // calls carry their own load/store copies, which would otherwise share the
 // kernel's registers with put_run's and sum_ops' (spills, measured with
-// ptxas).
+// ptxas). The batch's op i; a put from XIN where the host left the tokens
+// in place (b.xs) is refused (UNSUPPORTED, naming the peer and XIN): XIN
+// was not written.
 __device__ __noinline__ int gin_op(const DevComm& dc, u32 ctx, const Window* const* W,
-                                   const Op& o) {
+                                   const Batch& b, u32 i) {
+  const Op& o = b.ops[i];
+  if (o.kind == OP_PUT && o.src == XIN && b.xs.x != nullptr)
+    return gin::detail::fail(dc, UNSUPPORTED, ctx, o.peer, W[XIN]->id);
   const Remote rem = o.add ? signal_add(o.sig, o.add) : no_signal();
   if (o.kind == OP_PUT)
     return put(dc, ctx, o.peer, *W[o.dst], o.dst_off, *W[o.src], o.src_off, o.bytes, rem,
@@ -544,8 +584,13 @@ __device__ __noinline__ int gin_op(const DevComm& dc, u32 ctx, const Window* con
   return OK;
 }
 
-// Block-wide: carries out the batch on context ctx. Returns gin's status
-// (the same on every thread).
+// Block-wide: carries out the batch on context ctx, puts from XIN to
+// load/store peers reading the caller's tokens in place where b.xs holds
+// them (the host then left XIN unwritten, which a queued put would send:
+// none is, since the host copies the tokens into XIN whenever one of this
+// step's destinations is queued; one that came anyway fails as
+// UNSUPPORTED, naming the peer and XIN). Returns gin's status (the same on
+// every thread).
 __device__ int run_batch(const DevComm& dc, u32 ctx, const Window* const* W, const Batch& b,
                          u32 hidden) {
   for (u32 i = 0; i < b.nops; ++i) {
@@ -554,7 +599,7 @@ __device__ int run_batch(const DevComm& dc, u32 ctx, const Window* const* W, con
     if (lsa_put(dc, o)) {
       u32 j = i + 1;
       while (j < b.nops && lsa_put(dc, b.ops[j])) ++j;
-      e = put_run(dc, ctx, W, b.ops, i, j);
+      e = put_run(dc, ctx, W, b, i, j);
       i = j - 1;
     } else if (o.kind == OP_SUM) {
       // The rows were written by peers (acquired by thread 0's signal reads
@@ -569,7 +614,7 @@ __device__ int run_batch(const DevComm& dc, u32 ctx, const Window* const* W, con
       __syncthreads();
       i = j - 1;
     } else {
-      e = gin_op(dc, ctx, W, o);
+      e = gin_op(dc, ctx, W, b, i);
     }
     if (e) return e;
   }
@@ -1114,9 +1159,12 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_notify(DevComm dc
 // signals' accounted values and warp 0's scratch (lane_of: used only where
 // shared memory cannot hold it); contrib (r x t x l
 // u32): per forwarded (source, host slot, local rank), where that rank holds
-// the token (NONE: not there), for the combine.
+// the token (NONE: not there), for the combine. x, xbytes: the caller's
+// tokens (BF16, xbytes = tokens x p bytes, 16-byte aligned) where this step
+// reads them in place (puts to load/store peers copy from there, and XIN is
+// not written), or null and 0 where the host staged them in XIN.
 extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_dispatch(DevComm dc, EP_HT_WINDOWS, u32 tokens, const u32* shape, const u32* tables, const u32* active, u64* seen, u64* lane, u32* contrib, u64* err, u64* errh,
-                   u64* clock) {
+                   u64* clock, const u8* x, u64 xbytes) {
   if (ep::failed_before(dc)) return;
   ep::clock_start(clock);
   __shared__ ep::ht::Batch b;
@@ -1129,7 +1177,10 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_dispatch(DevComm 
   if (ch >= s.chans) return;
   __shared__ u64 lane_smem[ep::ht::LANE_SMEM];
   u64* const L = ep::ht::lane_of(s, lane, ch, lane_smem);
-  if (threadIdx.x == 0) ep::ht::clear_lane(s, L, ep::ht::chan_lo(s, tokens, ch), true);
+  if (threadIdx.x == 0) {
+    ep::ht::clear_lane(s, L, ep::ht::chan_lo(s, tokens, ch), true);
+    b.xs = ep::ht::Tokens{x, xbytes};
+  }
   ep::ht::prefetch_channel(a, ep::ht::chan_lo(s, tokens, ch), ep::ht::chan_lo(s, tokens, ch + 1));
   // The scratch is cleared before warp 0 reads it.
   __syncthreads();
@@ -1179,10 +1230,31 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_echo(EP_HT_WINDOW
   }
 }
 
-// FP8 dispatch from host inputs: the host uploads the BF16 tokens (xbf:
-// tokens x h u16) while the notify kernel runs, and this kernel quantises
-// them into XIN's payloads (p bytes each: the FP8 codes, then one f32 scale
-// per 128 elements), bit for bit as num.rs's quantize_fp8: ll.cu's
+// The metadata of this rank's `tokens` tokens into MIN (mm bytes each:
+// ep::ht::meta_word, plan.rs's meta_word), one word a thread, from the
+// routing (idx: tokens x k i64, wbits: the weights' f32 bits, tokens x k;
+// the caller's GPU memory, or pinned host memory the host staged host
+// inputs in) and the slots the host's layout gave (host_slot: tokens x h,
+// rank_slot: tokens x r, pinned host memory). Queued by the host before the
+// notify kernel, on a stream of the buffer's own: nothing reads MIN before
+// the dispatch kernel, launched after the host waited for that stream.
+extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_stage_meta(Window xmeta, const i64* idx, const u32* wbits, const u32* host_slot, const u32* rank_slot, u32 tokens, const u32* shape) {
+  const ep::ht::Shape s = ep::ht::shape_of(shape);
+  const u32 words = s.mm / 4;
+  const u64 n = (u64)tokens * words;
+  // (The host sizes MIN for t tokens and stages at most t.)
+  if (4 * n > xmeta.local_size) return;
+  u32* out = (u32*)xmeta.local_base;
+  for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+    out[i] = ep::ht::meta_word(s, idx, wbits, host_slot, rank_slot, (u32)(i / words),
+                               (u32)(i % words));
+}
+
+// FP8 dispatch: the BF16 tokens (xbf: tokens x h u16; host inputs uploaded
+// while the notify kernel runs, then this kernel after it; inputs in GPU
+// memory the caller's, this kernel queued beside the notify kernel) are
+// quantised into XIN's payloads (p bytes each: the FP8 codes, then one f32
+// scale per 128 elements), bit for bit as num.rs's quantize_fp8: ll.cu's
 // quantize_tokens with the message stride p.
 extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_quantize(Window xin, const u16* xbf, u32 tokens, u32 p, u32 h) {
   ep::quantize_tokens(xin, xbf, tokens, p, h);
@@ -1553,7 +1625,10 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_combine(DevComm d
   const u32 me = s.rank, host = me / s.l;
   __shared__ u64 lane_smem[ep::ht::LANE_SMEM];
   u64* const L = ep::ht::lane_of(s, lane, ch, lane_smem);
-  if (threadIdx.x == 0) ep::ht::clear_lane(s, L, ep::ht::chan_lo(s, tokens, ch), false);
+  if (threadIdx.x == 0) {
+    ep::ht::clear_lane(s, L, ep::ht::chan_lo(s, tokens, ch), false);
+    b.xs = ep::ht::Tokens{nullptr, 0};
+  }
   ep::ht::prefetch_channel(a, ep::ht::chan_lo(s, tokens, ch), ep::ht::chan_lo(s, tokens, ch + 1));
   for (u32 dl = 0; dl < s.l; ++dl) {
     const u32 p = host * s.l + dl;

@@ -1,9 +1,12 @@
 // kernels/ht.cu's index arithmetic (ep::ht) compiled as host C++: reads the
 // cases src/cuda/ht/tests.rs wrote to argv[1] (whitespace-separated
 // numbers: per case the 15 shape words, a token count, the plan's table
-// length and words) and prints, per case, every signal id, metadata offset,
-// channel bound, plan lookup and place the kernels compute, one number a
-// line, in the order the Rust test computes them from the CPU ranks' plan.
+// length and words, then that many tokens' routing: top-k ids (i64),
+// weights' bits, host slots, rank slots) and prints, per case, every signal
+// id, metadata offset, channel bound, plan lookup and place the kernels
+// compute, and every word ep_ht_stage_meta writes, one number a line, in
+// the order the Rust test computes them from the CPU ranks' plan and
+// plan::meta_word.
 #include <cstdio>
 #include <vector>
 
@@ -13,7 +16,13 @@ namespace {
 
 void put(unsigned long long v) { std::printf("%llu\n", v); }
 
-void one(const ep::ht::Shape& s, u32 tokens, const std::vector<u32>& tables) {
+// A token's routing, as ep_ht_stage_meta reads it.
+struct Routing {
+  std::vector<i64> idx;
+  std::vector<u32> wbits, host_slot, rank_slot;
+};
+
+void one(const ep::ht::Shape& s, u32 tokens, const std::vector<u32>& tables, const Routing& rt) {
   using namespace ep::ht;
   const Tables tb{tables.data(), s};
   put(signals(s));
@@ -82,6 +91,17 @@ void one(const ep::ht::Shape& s, u32 tokens, const std::vector<u32>& tables) {
     for (u64 i = 0; i < rows; ++i) put(cget_off(s, rows, ch, i));
   }
   put(lane_words(s));
+  for (u32 t = 0; t < tokens; ++t)
+    for (u32 i = 0; i < s.mm / 4; ++i)
+      put(meta_word(s, rt.idx.data(), rt.wbits.data(), rt.host_slot.data(), rt.rank_slot.data(),
+                    t, i));
+}
+
+bool read_u32s(FILE* in, std::vector<u32>& v, size_t n) {
+  v.resize(n);
+  for (size_t i = 0; i < n; ++i)
+    if (std::fscanf(in, "%u", &v[i]) != 1) return false;
+  return true;
 }
 
 } // namespace
@@ -97,10 +117,18 @@ int main(int argc, char** argv) {
     if (!ok) break;
     u32 tokens = 0, n = 0;
     if (std::fscanf(in, "%u %u", &tokens, &n) != 2) return 4;
-    std::vector<u32> tables(n);
-    for (u32 i = 0; i < n; ++i)
-      if (std::fscanf(in, "%u", &tables[i]) != 1) return 5;
-    one(ep::ht::shape_of(w), tokens, tables);
+    std::vector<u32> tables;
+    if (!read_u32s(in, tables, n)) return 5;
+    const ep::ht::Shape s = ep::ht::shape_of(w);
+    Routing rt;
+    rt.idx.resize((size_t)tokens * s.k);
+    for (auto& v : rt.idx)
+      if (std::fscanf(in, "%lld", &v) != 1) return 6;
+    if (!read_u32s(in, rt.wbits, (size_t)tokens * s.k) ||
+        !read_u32s(in, rt.host_slot, (size_t)tokens * s.h) ||
+        !read_u32s(in, rt.rank_slot, (size_t)tokens * s.r))
+      return 7;
+    one(s, tokens, tables, rt);
     std::printf("--\n");
   }
   std::fclose(in);

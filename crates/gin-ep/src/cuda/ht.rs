@@ -9,11 +9,13 @@
 //! the counts): the host checks the inputs with the CPU ranks' code (refused
 //! inputs still take part in the count exchange, with a refused row, so
 //! that every peer ends the step at once naming this rank; nothing else is
-//! sent), stages this rank's notify row, the notify kernel
-//! exchanges the rows (gin puts and one signal each) while a second thread
-//! stages the tokens' metadata and uploads it and the tokens (one copy each
-//! from the caller's slices; FP8 is then quantised on the GPU by
-//! `ep_ht_quantize`, bit for bit [`crate::num::quantize_fp8`]), the host
+//! sent), stages this rank's notify row, queues the metadata's staging on
+//! a stream of the buffer's own (`ep_ht_stage_meta` writes every token's
+//! metadata words from the top-k ids and weights and the layout's slots,
+//! staged in pinned host memory), and the notify kernel exchanges the rows
+//! (gin puts and one signal each) while a second thread uploads the tokens
+//! (one copy from the caller's slice; FP8 is then quantised on the GPU by
+//! `ep_ht_quantize`, bit for bit [`crate::num::quantize_fp8`]); the host
 //! reads the rows back and builds the step's plan with the CPU ranks' code
 //! ([`crate::ht`]'s `Plan`), uploads it as one table, and the dispatch
 //! kernel moves runs of tokens by it.
@@ -22,13 +24,16 @@
 //!
 //! From GPU memory ([`CudaBuffer::ht_dispatch_device`],
 //! [`CudaBuffer::ht_combine_device`]): the top-k ids and weights are read
-//! back for the same checks and plan, the BF16 tokens copied device to
-//! device into XIN beside the notify kernel (FP8: quantised from the
-//! caller's `x`), and what was received stays on the GPU for the caller's
-//! expert ([`HtDeviceLayout`]).
+//! back for the same checks and plan (`ep_ht_stage_meta` reads them where
+//! they are); BF16 tokens are read in place by the dispatch kernel, whose
+//! puts to load/store peers copy straight from the caller's `x` (a put to
+//! a queued peer, proxy or GDAKI, reads a window: where one of the step's
+//! destinations is queued the tokens are copied into XIN beside the notify
+//! kernel), FP8 ones quantised from `x` into XIN beside it; what was
+//! received stays on the GPU for the caller's expert ([`HtDeviceLayout`]).
 
 use gin_core::CoreError;
-use gin_core::cuda::{Arg, DevMem, Device, Function, Module, Stream};
+use gin_core::cuda::{Arg, DevMem, Device, Function, HostMem, Module, Stream, StreamRef};
 
 use super::{
     CudaBuffer, DeviceInputs, On, check_device_inputs, check_device_output, go, kernel_error,
@@ -58,6 +63,7 @@ pub(crate) struct HtFunctions {
     pub(crate) echo: Function,
     pub(crate) combine: Function,
     pub(crate) quantize: Function,
+    pub(crate) stage_meta: Function,
 }
 
 impl HtFunctions {
@@ -68,6 +74,7 @@ impl HtFunctions {
             echo: m.function("ep_ht_echo")?,
             combine: m.function("ep_ht_combine")?,
             quantize: m.function("ep_ht_quantize")?,
+            stage_meta: m.function("ep_ht_stage_meta")?,
         })
     }
 }
@@ -187,11 +194,13 @@ pub(crate) struct HtState {
     /// FP8: the step's BF16 tokens (`t × hidden` u16), uploaded beside the
     /// notify kernel and quantised into XIN by `ep_ht_quantize`.
     xbf: Option<DevMem>,
-    /// Host staging of the metadata, reused between steps.
-    meta: Vec<u8>,
-    /// The copy of device-resident tokens into XIN
-    /// ([`CudaBuffer::ht_dispatch_device`]): a non-blocking stream of its
-    /// own, so that it runs beside the notify kernel on gin's stream.
+    /// Pinned host staging ([`Pinned`]) of the routing of host inputs and
+    /// of every step's slots, which `ep_ht_stage_meta` reads to write MIN.
+    pinned: HostMem,
+    /// A non-blocking stream of the buffer's own for what is staged beside
+    /// the notify kernel on gin's stream ([`CudaBuffer::ht_stage`]: the
+    /// metadata, and from GPU memory the tokens' copy into XIN where one is
+    /// needed, or their FP8 quantisation); waited for after the notify.
     copy: Stream,
     /// The latest dispatch's plan (for [`CudaBuffer::ht_read_back`]).
     plan: Option<Plan>,
@@ -235,7 +244,7 @@ impl HtState {
             } else {
                 None
             },
-            meta: Vec::new(),
+            pinned: HostMem::new(Pinned::of(&s).bytes)?,
             copy: Stream::new()?,
             plan: None,
             idx: Vec::new(),
@@ -440,28 +449,63 @@ pub(crate) fn notify_rows(
     Ok(Rows::Taken(rows))
 }
 
-/// Stages this rank's tokens' metadata ([`plan::meta_word`]: source index,
-/// top-k ids and weights, host and rank slots, zero padding) into `meta`,
-/// `mm` bytes per token: each token's words written in one pass over its
-/// row (the same bytes as [`plan::meta_word`] word by word, tested; on the
-/// dispatch's timed path beside the notify kernel, so without a call and a
-/// branch per word).
-pub(crate) fn stage_meta(s: &Shape, lay: &Layout, idx: &[i64], w: &[f32], meta: &mut Vec<u8>) {
-    let (k, h, r, mm) = (s.k, s.h, s.r, s.mm);
-    meta.clear();
-    meta.resize(lay.tokens * mm, 0);
-    for (t, row) in meta.chunks_exact_mut(mm).enumerate() {
-        let ids = idx[t * k..(t + 1) * k].iter().map(|&e| e as i32 as u32);
-        let wts = w[t * k..(t + 1) * k].iter().map(|v| v.to_bits());
-        let slots = lay.host_slot[t * h..(t + 1) * h]
-            .iter()
-            .chain(&lay.rank_slot[t * r..(t + 1) * r])
-            .copied();
-        let words = std::iter::once(t as u32).chain(ids).chain(wts).chain(slots);
-        for (b, v) in row.chunks_exact_mut(4).zip(words) {
-            b.copy_from_slice(&v.to_le_bytes());
+/// Where the pinned staging (`HtState`'s `pinned`, host memory mapped for
+/// the GPU) holds each part, in bytes, for up to `t` tokens: the top-k ids
+/// (i64, `t × k`) and weights (f32, `t × k`) of host inputs, then every
+/// step's host and rank slots (u32, `t × h` and `t × r`: the layout's
+/// [`Layout::host_slot`] and [`Layout::rank_slot`]), which
+/// `ep_ht_stage_meta` reads to write the metadata into MIN.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Pinned {
+    pub(crate) idx: usize,
+    pub(crate) weights: usize,
+    pub(crate) host_slot: usize,
+    pub(crate) rank_slot: usize,
+    pub(crate) bytes: usize,
+}
+
+impl Pinned {
+    pub(crate) fn of(s: &Shape) -> Self {
+        let weights = 8 * s.t * s.k;
+        let host_slot = weights + 4 * s.t * s.k;
+        let rank_slot = host_slot + 4 * s.t * s.h;
+        Self {
+            idx: 0,
+            weights,
+            host_slot,
+            rank_slot,
+            bytes: rank_slot + 4 * s.t * s.r,
         }
     }
+}
+
+/// Copies `data` into the pinned staging `m` at byte `off`; refused
+/// (naming `what`) where it would not fit. `&mut` keeps every other host
+/// access out; the caller keeps the GPU's out (the stream that reads it
+/// waited for first: [`CudaBuffer::ht_stage`]).
+fn to_pinned<T: Copy>(
+    rank: usize,
+    m: &mut HostMem,
+    what: &str,
+    off: usize,
+    data: &[T],
+) -> Result<(), EpError> {
+    let n = std::mem::size_of_val(data);
+    if off.checked_add(n).is_none_or(|end| end > m.len()) {
+        return Err(EpError::Mode {
+            rank,
+            what: format!(
+                "high-throughput staging: {what} ({n} bytes at {off}) exceeds the pinned staging's {} bytes",
+                m.len()
+            ),
+        });
+    }
+    // SAFETY: `off + n` bytes lie within the allocation (checked above);
+    // `data` is valid for `n` bytes and is not in it (a caller's slice or
+    // the layout's vectors); no other host access (`&mut`), and no GPU
+    // work reads the allocation until it is queued after this write.
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr().cast::<u8>(), m.host_ptr().add(off), n) };
+    Ok(())
 }
 
 /// How a step's count exchange ended for this rank.
@@ -473,86 +517,76 @@ enum Notified {
     Refused(EpError),
 }
 
-/// Where a step's tokens come from.
+/// Where a step's inputs come from.
 #[derive(Clone, Copy)]
 pub(crate) enum Tokens<'a> {
-    /// The caller's host slice (`tokens × hidden`), uploaded in one copy.
-    Host(&'a [Bf16]),
-    /// The caller's device memory (at least `tokens × hidden` BF16, checked
-    /// by [`check_device_inputs`]): BF16 payloads are copied into XIN on
-    /// the GPU, FP8 ones quantised from it by `ep_ht_quantize`.
-    Device(&'a DevMem),
+    /// The caller's host slices: the tokens (`tokens × hidden`), uploaded
+    /// in one copy beside the notify kernel ([`HostUpload`]); the top-k ids
+    /// and weights, staged in pinned memory for `ep_ht_stage_meta`.
+    Host(&'a [Bf16], &'a [i64], &'a [f32]),
+    /// The caller's device memory (sizes and alignments checked by
+    /// [`check_device_inputs`]): BF16 payloads are read in place by the
+    /// dispatch kernel (or copied into XIN where a destination is queued),
+    /// FP8 ones quantised from it by `ep_ht_quantize`; the top-k ids and
+    /// weights read by `ep_ht_stage_meta` where they are.
+    Device(&'a DeviceInputs<'a>),
 }
 
-/// Where this step's inputs go in GPU memory, written by [`Inputs::upload`]
-/// on a thread of its own while the notify kernel exchanges the counts.
-pub(crate) struct Inputs<'a> {
-    pub(crate) s: &'a Shape,
-    pub(crate) lay: &'a Layout,
-    pub(crate) x: Tokens<'a>,
-    pub(crate) idx: &'a [i64],
-    pub(crate) w: &'a [f32],
-    /// The payloads' destination: XIN (BF16, the tokens' own bytes), or
-    /// with FP8 the BF16 staging `ep_ht_quantize` reads.
-    pub(crate) payloads: &'a DevMem,
-    /// MIN.
-    pub(crate) min: &'a DevMem,
-    /// The stream of a device-to-device copy of the tokens.
-    pub(crate) copy: &'a Stream,
-    /// Whether payloads are FP8 (then device tokens are quantised after
-    /// the notify, not copied).
-    pub(crate) fp8: bool,
+/// The upload of host inputs' tokens, on a thread of its own while the
+/// notify kernel exchanges the counts: one copy from the caller's slice
+/// (the tokens are not copied on the host first) into XIN, or with FP8 the
+/// BF16 staging `ep_ht_quantize` reads.
+pub(crate) struct HostUpload<'a> {
+    pub(crate) x: &'a [Bf16],
+    pub(crate) dst: &'a DevMem,
 }
 
-impl Inputs<'_> {
-    /// Stages the metadata into `meta` and copies it and the tokens to the
-    /// GPU, each in one copy straight from its host slice (the tokens are
-    /// not copied on the host first), with `dev` current on this thread.
-    pub(crate) fn upload(&self, dev: &Device, meta: &mut Vec<u8>) -> Result<(), CoreError> {
-        let tokens = self.lay.tokens;
-        if tokens == 0 {
-            meta.clear();
-            return Ok(());
-        }
+impl HostUpload<'_> {
+    /// Uploads the tokens with `dev` current on this thread.
+    pub(crate) fn upload(&self, dev: &Device) -> Result<(), CoreError> {
         let t0 = std::time::Instant::now();
         dev.make_current()?;
-        let copying = match self.x {
-            Tokens::Device(x) if !self.fp8 => {
-                let n = tokens * self.s.p;
-                // SAFETY: XIN holds t × p bytes (ht::resources) and x at
-                // least tokens × hidden BF16 = tokens × p bytes
-                // (check_device_inputs; tokens ≤ t); no kernel reads or
-                // writes XIN until the dispatch kernel, launched after this
-                // copy was waited for below; the caller's x is borrowed
-                // for the whole dispatch call.
-                unsafe { self.copy.copy(self.payloads.ptr(), x.ptr(), n)? };
-                true
-            }
-            _ => false,
-        };
-        let issued = t0.elapsed();
-        stage_meta(self.s, self.lay, self.idx, self.w, meta);
-        let staged = t0.elapsed();
-        let r = match self.x {
-            Tokens::Host(x) => self.payloads.write(0, bf16_bytes(x)),
-            Tokens::Device(_) => Ok(()),
-        }
-        .and_then(|()| self.min.write(0, meta));
-        // Waited for whatever happened above: the copy reads the caller's
-        // tokens, borrowed only until the dispatch call returns.
-        let written = t0.elapsed();
-        let synced = if copying { self.copy.sync() } else { Ok(()) };
-        let us = |d: std::time::Duration| d.as_secs_f64() * 1e6;
+        let r = self.dst.write(0, bf16_bytes(self.x));
         tracing::debug!(
-            issued_us = us(issued),
-            staged_us = us(staged),
-            written_us = us(written),
-            synced_us = us(t0.elapsed()),
-            "high-throughput upload beside the notify kernel, from its thread's start"
+            bytes = 2 * self.x.len(),
+            written_us = t0.elapsed().as_secs_f64() * 1e6,
+            "high-throughput upload of host tokens beside the notify kernel, from its thread's start"
         );
-        r?;
-        Ok(synced?)
+        Ok(r?)
     }
+}
+
+/// Where the dispatch kernel reads this step's payloads: XIN, or the
+/// caller's BF16 tokens in place (`ep_ht_dispatch`'s `x`, `xbytes`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Payloads {
+    /// Staged in XIN (host inputs, FP8, or a queued destination).
+    Xin,
+    /// In place: `bytes` bytes at device address `ptr`.
+    InPlace { ptr: u64, bytes: u64 },
+}
+
+/// Whether a dispatch of `lay` from rank `me` puts its payloads to a peer
+/// that is not reached by load/store (`lsa[p]`): a rank of its own host
+/// that receives any of its tokens, or any active rank of another host it
+/// sends to (which of them forwards depends on the plan, not known before
+/// the count exchange). Such a put (proxy, GDAKI) reads XIN as a window, so
+/// the tokens must be there; puts to load/store peers read them in place.
+pub(crate) fn queued_destination(
+    s: &Shape,
+    me: usize,
+    lay: &Layout,
+    active: &[bool],
+    lsa: impl Fn(usize) -> bool,
+) -> bool {
+    (0..s.r).any(|p| {
+        let goes = if p / s.l == me / s.l {
+            lay.tokens_per_rank[p] > 0
+        } else {
+            lay.tokens_per_host[p / s.l] > 0
+        };
+        p != me && active[p] && goes && !lsa(p)
+    })
 }
 
 impl CudaBuffer<'_, '_> {
@@ -621,7 +655,7 @@ impl CudaBuffer<'_, '_> {
             Err(e) => return Err(self.ht_refuse(&s, e)),
         };
         self.st.begin(lay.tokens);
-        match self.ht_dispatch_steps(&s, &lay, Tokens::Host(x), topk_idx, topk_weights) {
+        match self.ht_dispatch_steps(&s, &lay, Tokens::Host(x, topk_idx, topk_weights)) {
             Ok(Notified::Plan(plan)) => {
                 let r = self.ht_read_dispatch(&s, plan);
                 if r.is_err() {
@@ -640,12 +674,15 @@ impl CudaBuffer<'_, '_> {
     /// High-throughput dispatch from inputs in GPU memory (DeepEP's
     /// normal-mode `dispatch` on tensors on the GPU; [`DeviceInputs`], as
     /// [`CudaBuffer::ll_dispatch_device`] takes them): the tokens are read
-    /// from the caller's `x` on the GPU (BF16 copied into the send window
-    /// by a device-to-device copy beside the count exchange; FP8 quantised
-    /// from it by `ep_ht_quantize`), never through the host. The inputs
-    /// must be complete when it is called: their producer's stream
-    /// synchronised (the copies run on gin's and the buffer's own streams,
-    /// not ordered after the caller's).
+    /// from the caller's `x` on the GPU, never through the host: BF16 ones
+    /// in place by the dispatch kernel's puts to load/store peers (copied
+    /// into the send window beside the count exchange only where one of
+    /// the step's destinations is queued: proxy, GDAKI), FP8 ones quantised
+    /// from it by `ep_ht_quantize` beside the count exchange; the top-k ids
+    /// and weights are read where they are for the metadata. The inputs
+    /// must be complete when it is called, and unchanged until it returns:
+    /// their producer's stream synchronised (the kernels run on gin's and
+    /// the buffer's own streams, not ordered after the caller's).
     ///
     /// The plan needs the routing on the host, as DeepEP's notify step
     /// synchronises with the host for the counts: the top-k ids and weights
@@ -678,7 +715,7 @@ impl CudaBuffer<'_, '_> {
             .map(|h| (std::mem::take(&mut h.idx), std::mem::take(&mut h.wts)))
             .unwrap_or_default();
         let r = match self.ht_device_routing(inp, &mut idx, &mut w) {
-            Ok(lay) => self.ht_device_steps(&s, &lay, inp.x, &idx, &w),
+            Ok(lay) => self.ht_device_steps(&s, &lay, inp),
             Err(e) => Err(self.ht_refuse(&s, e)),
         };
         if let Some(h) = self.ht.as_mut() {
@@ -737,12 +774,10 @@ impl CudaBuffer<'_, '_> {
         &mut self,
         s: &Shape,
         lay: &Layout,
-        x: &DevMem,
-        idx: &[i64],
-        w: &[f32],
+        inp: &DeviceInputs<'_>,
     ) -> Result<CudaHtStep, EpError> {
         self.st.begin(lay.tokens);
-        let plan = match self.ht_dispatch_steps(s, lay, Tokens::Device(x), idx, w) {
+        let plan = match self.ht_dispatch_steps(s, lay, Tokens::Device(inp)) {
             Ok(Notified::Plan(p)) => p,
             Ok(Notified::Refused(e)) => return Err(e),
             Err(e) => {
@@ -793,49 +828,37 @@ impl CudaBuffer<'_, '_> {
         }
     }
 
-    /// The count exchange, the plan, the payloads (FP8: quantised) and the
-    /// dispatch kernel; the step's plan, or a peer's refusal.
+    /// The count exchange (with this step's staging beside it), the plan,
+    /// FP8 host tokens' quantisation and the dispatch kernel; the step's
+    /// plan, or a peer's refusal.
     fn ht_dispatch_steps(
         &mut self,
         s: &Shape,
         lay: &Layout,
         x: Tokens<'_>,
-        idx: &[i64],
-        w: &[f32],
     ) -> Result<Notified, EpError> {
-        let mut meta = self
-            .ht
-            .as_mut()
-            .map(|h| std::mem::take(&mut h.meta))
-            .unwrap_or_default();
         let t0 = std::time::Instant::now();
-        let plan = self.ht_notify(s, lay, (x, idx, w), &mut meta);
+        let (plan, payloads) = self.ht_notify(s, lay, x)?;
         let notified = t0.elapsed();
-        if let Some(h) = self.ht.as_mut() {
-            h.meta = meta;
-        }
-        let plan = match plan? {
+        let plan = match plan {
             Notified::Plan(p) => p,
             refused @ Notified::Refused(_) => return Ok(refused),
         };
-        if self.cfg.fp8 {
-            let xbf = match x {
-                Tokens::Device(d) => Some(d.ptr()),
-                Tokens::Host(_) => self.ht_state("ht_dispatch")?.xbf.as_ref().map(DevMem::ptr),
-            };
+        if let (true, Tokens::Host(..)) = (self.cfg.fp8, x) {
+            let xbf = self.ht_state("ht_dispatch")?.xbf.as_ref().map(DevMem::ptr);
             let xbf = xbf.ok_or(EpError::Mode {
                 rank: self.rank,
                 what: "an FP8 buffer without its BF16 staging".into(),
             })?;
-            // SAFETY: xbf holds lay.tokens × hidden u16: HtState::xbf (t ×
-            // hidden, tokens ≤ t) or the caller's x (check_device_inputs),
-            // borrowed for this call; the launch is waited for.
-            unsafe { self.ht_quantize(s, lay.tokens, xbf)? };
+            // SAFETY: HtState::xbf holds t × hidden u16 (tokens ≤ t),
+            // uploaded beside the notify kernel (waited for); the launch is
+            // waited for.
+            unsafe { self.ht_quantize(s, lay.tokens, xbf, On::Wait)? };
         }
         let quantised = t0.elapsed();
         self.ht_upload(&plan)?;
         let uploaded = t0.elapsed();
-        self.ht_launch_dispatch(s, lay.tokens)?;
+        self.ht_launch_dispatch(s, lay.tokens, payloads)?;
         let us = |d: std::time::Duration| d.as_secs_f64() * 1e6;
         tracing::debug!(
             rank = self.rank,
@@ -843,7 +866,8 @@ impl CudaBuffer<'_, '_> {
             quantised_us = us(quantised),
             tables_us = us(uploaded),
             dispatched_us = us(t0.elapsed()),
-            "high-throughput dispatch on the host, from the count exchange's start"
+            in_place = matches!(payloads, Payloads::InPlace { .. }),
+            "high-throughput dispatch on the host, from the staging's start"
         );
         self.st.dispatched_now();
         Ok(Notified::Plan(plan))
@@ -851,56 +875,180 @@ impl CudaBuffer<'_, '_> {
 
     /// The count exchange: this rank's row to every active rank (the notify
     /// kernel), every active rank's row read back; the step's plan, or a
-    /// peer's refusal. While the kernel runs (it waits for every peer's
-    /// row), a second thread stages the metadata and uploads it and the
-    /// tokens ([`Inputs`]).
+    /// peer's refusal, and where the dispatch kernel reads the payloads.
+    /// This step's staging is queued on the copy stream first
+    /// ([`CudaBuffer::ht_stage`]) and runs beside the notify kernel, as
+    /// does the upload of host inputs' tokens (a thread of its own:
+    /// [`HostUpload`]); both are waited for before this returns, whatever
+    /// happened (they read the caller's inputs, borrowed only for the
+    /// call).
     fn ht_notify(
         &mut self,
         s: &Shape,
         lay: &Layout,
-        (x, idx, w): (Tokens<'_>, &[i64], &[f32]),
-        meta: &mut Vec<u8>,
-    ) -> Result<Notified, EpError> {
-        use crate::ht::plan::{MIN, NRECV, XIN};
+        x: Tokens<'_>,
+    ) -> Result<(Notified, Payloads), EpError> {
+        use crate::ht::plan::{NRECV, XIN};
         let row = plan::notify_row(s, lay, &self.active);
         let width = 4 * row.len();
-        let st = self.ht_state("ht_dispatch")?;
-        let inputs = Inputs {
-            s,
-            lay,
-            x,
-            idx,
-            w,
-            payloads: match x {
-                Tokens::Host(_) => st.xbf.as_ref().unwrap_or(self.wins[XIN].local()),
-                Tokens::Device(_) => self.wins[XIN].local(),
-            },
-            min: self.wins[MIN].local(),
-            copy: &st.copy,
-            fp8: self.cfg.fp8,
+        let t0 = std::time::Instant::now();
+        let staged = self.ht_stage(s, lay, x);
+        let issued = t0.elapsed();
+        let exchanged = match &staged {
+            Ok(_) => {
+                let st = self.ht_state("ht_dispatch")?;
+                let up = match x {
+                    Tokens::Host(xs, ..) if !xs.is_empty() => Some(HostUpload {
+                        x: xs,
+                        dst: st.xbf.as_ref().unwrap_or(self.wins[XIN].local()),
+                    }),
+                    _ => None,
+                };
+                Some(self.ht_exchange(&row, up.as_ref()))
+            }
+            // Not run: the staging's error is returned below.
+            Err(_) => None,
         };
-        let exchanged = self.ht_exchange(&row, Some((&inputs, meta)));
+        let notified = t0.elapsed();
+        let synced = self.ht_state("ht_dispatch")?.copy.sync();
+        tracing::debug!(
+            rank = self.rank,
+            issued_us = issued.as_secs_f64() * 1e6,
+            notified_us = notified.as_secs_f64() * 1e6,
+            synced_us = t0.elapsed().as_secs_f64() * 1e6,
+            "high-throughput staging queued, the count exchange's end, the staging's end, from the staging's start"
+        );
+        let payloads = staged?;
+        let Some(exchanged) = exchanged else {
+            return Err(EpError::Mode {
+                rank: self.rank,
+                what: "ht_dispatch: staged without a count exchange".into(),
+            });
+        };
         let (parity, started) = exchanged?;
+        synced.map_err(CoreError::from)?;
         self.ht_exchanged(started);
         let mut raw = vec![0u8; s.r * width];
         self.wins[NRECV]
             .local()
             .read(parity * s.r * width, &mut raw)
             .map_err(CoreError::from)?;
-        Ok(match notify_rows(s, self.rank, &self.active, &raw)? {
+        let notified = match notify_rows(s, self.rank, &self.active, &raw)? {
             Rows::Taken(rows) => Notified::Plan(Plan::new(s, self.active.clone(), &rows)),
             Rows::Refused(e) => Notified::Refused(e),
+        };
+        Ok((notified, payloads))
+    }
+
+    /// Queues on the buffer's copy stream what the dispatch kernel reads of
+    /// this step's inputs, to run beside the notify kernel: the metadata
+    /// (`ep_ht_stage_meta` into MIN, from the top-k ids and weights where
+    /// they are, host inputs' staged in pinned memory, and the layout's
+    /// slots, staged there too) and, from GPU memory, the payloads: BF16
+    /// read in place by the dispatch kernel unless a destination is queued
+    /// ([`queued_destination`]: then copied into XIN, which such a put
+    /// reads as a window), FP8 quantised into XIN. Returns where the
+    /// dispatch kernel reads the payloads. The caller waits for the copy
+    /// stream before the dispatch kernel, and before it returns.
+    fn ht_stage(&mut self, s: &Shape, lay: &Layout, x: Tokens<'_>) -> Result<Payloads, EpError> {
+        use crate::ht::plan::{MIN, XIN};
+        let (rank, tokens) = (self.rank, lay.tokens);
+        let f = self.ht_functions()?.stage_meta;
+        let grid = self.grid((tokens * s.mm / 4).div_ceil(super::THREADS as usize));
+        let at = Pinned::of(s);
+        let st = self.ht.as_mut().ok_or(EpError::Mode {
+            rank,
+            what: "ht_dispatch: the buffer holds no high-throughput state".into(),
+        })?;
+        // The previous step's staging kernel has read the pinned memory
+        // (every step waits for it; this is in case one did not get there).
+        st.copy.sync().map_err(CoreError::from)?;
+        if tokens == 0 {
+            return Ok(Payloads::Xin);
+        }
+        to_pinned(
+            rank,
+            &mut st.pinned,
+            "host slots",
+            at.host_slot,
+            &lay.host_slot,
+        )?;
+        to_pinned(
+            rank,
+            &mut st.pinned,
+            "rank slots",
+            at.rank_slot,
+            &lay.rank_slot,
+        )?;
+        let pinned = st.pinned.dev();
+        let (idx, w) = match x {
+            Tokens::Host(_, idx, w) => {
+                to_pinned(rank, &mut st.pinned, "top-k ids", at.idx, idx)?;
+                to_pinned(rank, &mut st.pinned, "top-k weights", at.weights, w)?;
+                (pinned + at.idx as u64, pinned + at.weights as u64)
+            }
+            Tokens::Device(inp) => (inp.topk_idx.ptr(), inp.topk_weights.ptr()),
+        };
+        let st = self.ht_state("ht_dispatch")?;
+        let args = [
+            Arg::Window(self.wins[MIN].abi()),
+            Arg::Ptr(idx),
+            Arg::Ptr(w),
+            Arg::Ptr(pinned + at.host_slot as u64),
+            Arg::Ptr(pinned + at.rank_slot as u64),
+            Arg::U32(Self::u32_of(tokens)),
+            Arg::Ptr(st.shape.ptr()),
+        ];
+        let copy = On::Queue(StreamRef::from(&st.copy));
+        // SAFETY: ep_ht_stage_meta(Window min, const i64* idx, const u32*
+        // wbits, const u32* host_slot, const u32* rank_slot, u32 tokens,
+        // const u32* shape) takes these in this order. It reads tokens × k
+        // i64 at idx and u32 at w (the caller's device inputs, sizes
+        // checked by check_device_inputs, borrowed until this call's
+        // caller waits for the copy stream; or host inputs' in the pinned
+        // staging, Pinned::of's parts for t ≥ tokens tokens), tokens × h
+        // and tokens × r u32 of the pinned slots, the shape words, and
+        // writes tokens × mm bytes of MIN (t × mm: ht::resources; the
+        // kernel checks it against MIN's size). The pinned memory is not
+        // written again before the stream is waited for (next step).
+        unsafe { go(&self.dc, f, copy, grid, &args) }
+            .map_err(|e| kernel_error(rank, "ht_stage_meta", e))?;
+        let Tokens::Device(inp) = x else {
+            return Ok(Payloads::Xin);
+        };
+        if self.cfg.fp8 {
+            // SAFETY: the caller's x holds tokens × hidden u16
+            // (check_device_inputs), borrowed until the copy stream is
+            // waited for.
+            unsafe { self.ht_quantize(s, tokens, inp.x.ptr(), copy)? };
+            return Ok(Payloads::Xin);
+        }
+        let n = tokens * s.p;
+        if queued_destination(s, rank, lay, &self.active, |p| self.dc.is_lsa(p)) {
+            // SAFETY: XIN holds t × p bytes (ht::resources) and x at least
+            // tokens × hidden BF16 = tokens × p bytes (check_device_inputs;
+            // tokens ≤ t); no kernel reads or writes XIN until the dispatch
+            // kernel, launched after the copy stream was waited for; the
+            // caller's x is borrowed until then.
+            unsafe { st.copy.copy(self.wins[XIN].local().ptr(), inp.x.ptr(), n) }
+                .map_err(CoreError::from)?;
+            return Ok(Payloads::Xin);
+        }
+        Ok(Payloads::InPlace {
+            ptr: inp.x.ptr(),
+            bytes: n as u64,
         })
     }
 
     /// Runs the notify kernel with `row` as this rank's notify row and,
-    /// where given, the upload of the step's inputs beside it; the half of
-    /// NRECV the rows went into (its parity) and the kernel's start (GPU
-    /// clock). The caller then calls [`CudaBuffer::ht_exchanged`].
+    /// where given, the upload of host inputs' tokens beside it (a thread
+    /// of its own); the half of NRECV the rows went into (its parity) and
+    /// the kernel's start (GPU clock). The caller then calls
+    /// [`CudaBuffer::ht_exchanged`].
     fn ht_exchange(
         &self,
         row: &[u32],
-        up: Option<(&Inputs<'_>, &mut Vec<u8>)>,
+        up: Option<&HostUpload<'_>>,
     ) -> Result<(usize, u64), EpError> {
         use crate::ht::plan::NSEND;
         let bytes: Vec<u8> = row.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -926,17 +1074,15 @@ impl CudaBuffer<'_, '_> {
         let f = self.ht_functions()?.notify;
         let dev = self.cuda.device();
         // Beside the notify kernel the upload writes XIN (or the FP8
-        // staging) and MIN on the legacy stream: no kernel reads them before
-        // the dispatch (or quantise) kernel, launched after both are done.
-        let mut up = up;
+        // staging) on the legacy stream and waits for it: no kernel reads
+        // them before the dispatch (or quantise) kernel, launched after.
         let t0 = std::time::Instant::now();
         let mut kernel_us = 0.0;
         let (r, helper) = std::thread::scope(|sc| {
-            let helper = up.as_mut().map(|(inputs, meta)| {
-                let inputs: &Inputs<'_> = inputs;
+            let helper = up.map(|up| {
                 std::thread::Builder::new()
                     .name("gin-ep-upload".into())
-                    .spawn_scoped(sc, move || inputs.upload(dev, meta))
+                    .spawn_scoped(sc, move || up.upload(dev))
             });
             // SAFETY: ep_ht_notify(DevComm, 12 Windows, u32 width, u32 parity,
             // const u32* shape, const u32* active, u64* seen, u64* clock) takes
@@ -957,7 +1103,7 @@ impl CudaBuffer<'_, '_> {
         match (helper, up) {
             (Some(Ok(joined)), _) => joined.unwrap_or_else(|p| std::panic::resume_unwind(p))?,
             // No thread to be had: the upload after the exchange instead.
-            (Some(Err(_)), Some((inputs, meta))) => inputs.upload(dev, meta)?,
+            (Some(Err(_)), Some(up)) => up.upload(dev)?,
             _ => {}
         }
         tracing::debug!(
@@ -991,11 +1137,19 @@ impl CudaBuffer<'_, '_> {
 
     /// FP8: quantises the BF16 tokens at `xbf` (the uploaded staging, or
     /// the caller's device memory) into XIN's payloads (`ep_ht_quantize`,
-    /// bit for bit as [`crate::num::quantize_fp8`]).
+    /// bit for bit as [`crate::num::quantize_fp8`]), on `on` (gin's stream,
+    /// waited for, or the copy stream).
     ///
     /// # Safety
-    /// `xbf` holds `tokens × hidden` u16, readable until this call returns.
-    unsafe fn ht_quantize(&mut self, s: &Shape, tokens: usize, xbf: u64) -> Result<(), EpError> {
+    /// `xbf` holds `tokens × hidden` u16, readable until the launch has
+    /// finished (on the copy stream: until the caller waits for it).
+    unsafe fn ht_quantize(
+        &self,
+        s: &Shape,
+        tokens: usize,
+        xbf: u64,
+        on: On<'_>,
+    ) -> Result<(), EpError> {
         use crate::ht::plan::XIN;
         if tokens == 0 {
             return Ok(());
@@ -1015,12 +1169,18 @@ impl CudaBuffer<'_, '_> {
         // u32 p, u32 h) takes these in this order. It reads tokens × hidden
         // u16 of xbf (the caller's contract) and writes tokens × p bytes of XIN (t × p:
         // ht::resources), 4-byte aligned (p and hidden are multiples of 4:
-        // Config::validate). gin's stream, waited for.
-        let r = unsafe { go(&self.dc, f, On::Wait, grid, &args) };
+        // Config::validate). Nothing else touches XIN until the dispatch
+        // kernel, after `on` is waited for.
+        let r = unsafe { go(&self.dc, f, on, grid, &args) };
         r.map_err(|e| kernel_error(self.rank, "ht_quantize", e))
     }
 
-    fn ht_launch_dispatch(&mut self, s: &Shape, tokens: usize) -> Result<(), EpError> {
+    fn ht_launch_dispatch(
+        &mut self,
+        s: &Shape,
+        tokens: usize,
+        payloads: Payloads,
+    ) -> Result<(), EpError> {
         let st = self.ht_state("ht_dispatch")?;
         let ptrs = [
             st.shape.ptr(),
@@ -1030,6 +1190,10 @@ impl CudaBuffer<'_, '_> {
             st.lane.ptr(),
             st.contrib.ptr(),
         ];
+        let (x, xbytes) = match payloads {
+            Payloads::Xin => (0, 0),
+            Payloads::InPlace { ptr, bytes } => (ptr, bytes),
+        };
         let clock = self.clock_for(On::Wait)?;
         let mut args = vec![Arg::DevComm(self.dc.abi())];
         args.extend(self.ht_windows());
@@ -1039,15 +1203,21 @@ impl CudaBuffer<'_, '_> {
             Arg::Ptr(self.state.err.ptr()),
             Arg::Ptr(self.state.errh.dev()),
             Arg::Ptr(clock),
+            Arg::Ptr(x),
+            Arg::U64(xbytes),
         ]);
         let f = self.ht_functions()?.dispatch;
         let grid = Self::u32_of(s.chans);
         // SAFETY: ep_ht_dispatch(DevComm, 12 Windows, u32 tokens, const u32*
         // shape, const u32* tables, const u32* active, u64* seen, u64* lane,
-        // u32* contrib, u64* err, u64* errh, u64* clock) takes these in this
-        // order, one block per channel. It reads `tokens` (≤ t) staged
-        // tokens of XIN and MIN, writes rings and final places within their
-        // sizes (ht::resources: every place comes from the plan, whose
+        // u32* contrib, u64* err, u64* errh, u64* clock, const u8* x, u64
+        // xbytes) takes these in this order, one block per channel. It reads
+        // `tokens` (≤ t) staged tokens of MIN and their payloads from XIN or,
+        // where `payloads` is in place, from the caller's x (xbytes =
+        // tokens × p bytes, checked by check_device_inputs, borrowed for
+        // this call; every read range-checked against xbytes), writes rings
+        // and final places within their sizes
+        // (ht::resources: every place comes from the plan, whose
         // counts check_row bounded by t) and contrib entries (src, host
         // slot < t, local rank: r × t × l u32), and the chans × signals
         // entries of seen and chans × lane_words of lane that HtState::new

@@ -38,6 +38,7 @@ fn every_ht_kernel_is_defined() {
         "ep_ht_echo",
         "ep_ht_combine",
         "ep_ht_quantize",
+        "ep_ht_stage_meta",
     ] {
         let want = format!("extern \"C\" __global__ void __launch_bounds__(EP_THREADS) {name}(");
         assert!(HT_KERNELS.lines().any(|l| l.starts_with(&want)), "{name}");
@@ -314,61 +315,92 @@ fn a_foreign_handle_at_the_same_step_is_refused() {
     }
 }
 
-/// The staged metadata is the CPU ranks' ([`plan::meta_word`]), and the
-/// staging buffer is reused: a smaller step after a larger one leaves
-/// nothing of it behind.
+/// The metadata `ep_ht_stage_meta` writes into MIN is the CPU ranks'
+/// ([`plan::meta_word`], every word of every token: the kernel's
+/// `meta_word` compiled as host C++ against it, from the routing and slots
+/// as the pinned staging holds them), the staging's parts ([`Pinned`]) each
+/// hold `t` tokens' worth, aligned and apart, and the receive side reads
+/// the source index and weights back from those words.
 #[test]
 fn staged_metadata_is_the_cpu_ranks() {
-    for fp8 in [false, true] {
-        let (mut cfg, s0) = shape(4, 2, 2);
-        cfg.fp8 = fp8;
-        let s = Shape::of(&cfg, s0.r, s0.l);
-        let active = vec![true; 4];
-        let input = crate::oracle::rank_input(3, 1, 4, 9, cfg.hidden, cfg.num_experts, cfg.topk);
-        let lay = Layout::new(1, &input.topk_idx, cfg.topk, cfg.num_experts, &active, 2).unwrap();
-        let mut meta = vec![0xa5; 40 * s.mm];
-        stage_meta(&s, &lay, &input.topk_idx, &input.weights, &mut meta);
-        assert_eq!(meta.len(), 9 * s.mm);
-        for t in 0..9 {
-            for i in 0..s.mm / 4 {
-                let got = u32::from_le_bytes(
-                    meta[t * s.mm + 4 * i..t * s.mm + 4 * i + 4]
-                        .try_into()
-                        .unwrap(),
-                );
-                let w = plan::meta_word(&s, &lay, &input.topk_idx, &input.weights, t, i);
-                assert_eq!(got, w, "token {t} word {i}");
-            }
-            // What the combine and forwarders read: the host and rank slots.
-            for h in 0..s.h {
-                assert_eq!(
-                    plan::meta_word(
-                        &s,
-                        &lay,
-                        &input.topk_idx,
-                        &input.weights,
-                        t,
-                        s.w_host_slot(h)
-                    ),
-                    lay.host_slot[t * s.h + h]
-                );
-            }
-        }
-        // The receive side reads the source index and weights back.
-        let mut counts = vec![0u32; cfg.local_experts(4)];
-        let (tok, w) = crate::ht::read_meta(&s, 2..4, &meta[3 * s.mm..4 * s.mm], &mut counts);
-        assert_eq!(tok, 3);
-        let k = cfg.topk;
-        let want_w: f32 = (0..k)
-            .filter(|&j| (2..4).contains(&input.topk_idx[3 * k + j]))
-            .map(|j| input.weights[3 * k + j])
-            .sum();
-        assert_eq!(w.to_bits(), want_w.to_bits());
-        // No tokens: nothing staged.
-        let none = Layout::new(1, &[], cfg.topk, cfg.num_experts, &active, 2).unwrap();
-        stage_meta(&s, &none, &[], &[], &mut meta);
-        assert!(meta.is_empty());
+    // 2 hosts of 2 ranks, top-2 of 8 experts, rank 0 with its 10 tokens.
+    let j = job(2, 2, 2, 10, 2, 2, 4, 3, 0);
+    let s = j.s;
+    assert_eq!(j.tokens, 10);
+    if let Some(got) = run_ht_host(&j, "staged") {
+        assert_eq!(got, expected(&j));
     }
+    let at = Pinned::of(&s);
+    assert_eq!(
+        (at.idx, at.weights, at.host_slot, at.rank_slot, at.bytes),
+        (
+            0,
+            8 * s.t * s.k,
+            12 * s.t * s.k,
+            12 * s.t * s.k + 4 * s.t * s.h,
+            12 * s.t * s.k + 4 * s.t * (s.h + s.r)
+        )
+    );
+    assert_eq!(std::mem::size_of_val(&j.idx[..]), 8 * j.tokens * s.k);
+    assert!(std::mem::size_of_val(&j.lay.host_slot[..]) <= at.rank_slot - at.host_slot);
+    assert!(std::mem::size_of_val(&j.lay.rank_slot[..]) <= at.bytes - at.rank_slot);
+    // What the combine and forwarders read: the host and rank slots.
+    for t in 0..j.tokens {
+        for h in 0..s.h {
+            let w = plan::meta_word(&s, &j.lay, &j.idx, &j.w, t, s.w_host_slot(h));
+            assert_eq!(w, j.lay.host_slot[t * s.h + h]);
+        }
+    }
+    // The receive side reads the source index and weights back (rank 1's
+    // experts: 2 and 3).
+    let meta: Vec<u8> = (0..s.mm / 4)
+        .flat_map(|i| plan::meta_word(&s, &j.lay, &j.idx, &j.w, 3, i).to_le_bytes())
+        .collect();
+    let mut counts = vec![0u32; 2];
+    let (tok, w) = crate::ht::read_meta(&s, 2..4, &meta, &mut counts);
+    assert_eq!(tok, 3);
+    let k = s.k;
+    let want_w: f32 = (0..k)
+        .filter(|&i| (2..4).contains(&j.idx[3 * k + i]))
+        .map(|i| j.w[3 * k + i])
+        .sum();
+    assert_eq!(w.to_bits(), want_w.to_bits());
+}
+
+/// A dispatch from GPU memory reads the caller's tokens in place unless a
+/// destination its payloads go to is queued: a rank of its host that
+/// receives any of its tokens, or any active rank of a host it sends to
+/// (the forwarder is chosen by the plan, after the count exchange).
+#[test]
+fn tokens_are_copied_into_xin_only_for_a_queued_destination() {
+    // 2 hosts of 2; rank 0 sends to ranks 1 and 2 only (host 1's forwarder
+    // for it is rank 2, or rank 3 if 2 is masked).
+    let (cfg, s) = shape(4, 2, 2);
+    let active = vec![true; 4];
+    // Experts 2 per rank: 2..4 on rank 1, 4..6 on rank 2.
+    let idx = [2i64, 4, 3, 5];
+    let lay = Layout::new(0, &idx, cfg.topk, cfg.num_experts, &active, 2).unwrap();
+    assert_eq!(lay.tokens_per_rank, [0, 2, 2, 0]);
+    let q = |lsa: &[usize], active: &[bool]| {
+        queued_destination(&s, 0, &lay, active, |p| lsa.contains(&p))
+    };
+    assert!(!q(&[0, 1, 2, 3], &active), "every peer load/store");
+    assert!(q(&[0, 2, 3], &active), "rank 1 receives, queued");
+    assert!(q(&[0, 1, 2], &active), "host 1's rank 3 may forward");
+    assert!(q(&[0, 1], &active), "host 1 by the proxy");
+    let mut masked = active.clone();
+    masked[3] = false;
+    assert!(
+        !q(&[0, 1, 2], &masked),
+        "rank 3 masked: it forwards nothing"
+    );
+    // Nothing to host 1: its reach does not matter.
+    let own = [1i64, 2, 3, 0];
+    let lay = Layout::new(0, &own, cfg.topk, cfg.num_experts, &active, 2).unwrap();
+    assert_eq!(lay.tokens_per_host, [2, 0]);
+    assert!(!queued_destination(&s, 0, &lay, &active, |p| p < 2));
+    // Rank 0 itself is never a queued destination.
+    assert!(!queued_destination(&s, 0, &lay, &active, |p| p == 1));
 }
 
 /// The payloads go up as the caller's BF16 bytes, which are the CPU ranks'
@@ -458,8 +490,9 @@ fn ht_host() -> Option<&'static std::path::PathBuf> {
 }
 
 /// What ht_host prints for one case, computed from the CPU ranks' plan
-/// (see tests/ht_host.cpp for the order).
-fn expected(s: &Shape, tokens: usize, plan: &Plan) -> String {
+/// and metadata words (`j`'s rank 0: see tests/ht_host.cpp for the order).
+fn expected(j: &Job) -> String {
+    let (s, tokens, plan) = (&j.s, j.tokens, &j.plan);
     let mut o = String::new();
     let mut put = |v: u64| writeln!(o, "{v}").unwrap();
     put(u64::from(s.signals()));
@@ -575,8 +608,60 @@ fn expected(s: &Shape, tokens: usize, plan: &Plan) -> String {
         }
     }
     put(lane_words(s) as u64);
+    // What ep_ht_stage_meta writes: the CPU ranks' words.
+    for t in 0..tokens {
+        for i in 0..s.mm / 4 {
+            put(u64::from(plan::meta_word(s, &j.lay, &j.idx, &j.w, t, i)));
+        }
+    }
     o.push_str("--\n");
     o
+}
+
+/// ht_host's input for job `j` (see tests/ht_host.cpp).
+fn host_input(j: &Job) -> String {
+    let mut input = String::new();
+    for w in shape_words(&j.s, 0, j.s.h2 / 2, 1, false) {
+        write!(input, "{w} ").unwrap();
+    }
+    let tables = j.plan.tables();
+    write!(input, "{} {} ", j.tokens, tables.len()).unwrap();
+    for w in &tables {
+        write!(input, "{w} ").unwrap();
+    }
+    for v in &j.idx {
+        write!(input, "{v} ").unwrap();
+    }
+    for v in &j.w {
+        write!(input, "{} ", v.to_bits()).unwrap();
+    }
+    for v in j.lay.host_slot.iter().chain(&j.lay.rank_slot) {
+        write!(input, "{v} ").unwrap();
+    }
+    input
+}
+
+/// Runs ht_host on job `j`: what it printed (None: no C++ compiler).
+fn run_ht_host(j: &Job, tag: &str) -> Option<String> {
+    let exe = ht_host()?;
+    let path =
+        std::env::temp_dir().join(format!("gin-ep-ht-host-{}-{tag}.txt", std::process::id()));
+    std::fs::write(&path, host_input(j)).unwrap();
+    let out = std::process::Command::new(exe).arg(&path).output().unwrap();
+    std::fs::remove_file(&path).ok();
+    assert!(out.status.success(), "ht_host: {:?}", out.status);
+    Some(String::from_utf8(out.stdout).unwrap())
+}
+
+/// One job of the cross-check: its shape, the plan, and rank 0's tokens,
+/// routing and layout.
+struct Job {
+    s: Shape,
+    tokens: usize,
+    plan: Plan,
+    lay: Layout,
+    idx: Vec<i64>,
+    w: Vec<f32>,
 }
 
 /// One random job: hosts of `l` ranks, some masked, random routing; the
@@ -592,7 +677,7 @@ fn job(
     ring: usize,
     seed: u64,
     masked: u64,
-) -> (Shape, usize, Plan) {
+) -> Job {
     let r = hosts * l;
     let cfg = Config {
         channels: chans,
@@ -602,9 +687,9 @@ fn job(
     let s = Shape::of(&cfg, r, l);
     let mut active: Vec<bool> = (0..r).map(|p| masked >> p & 1 == 0).collect();
     active[0] = true;
-    let lays: Vec<Layout> = (0..r)
+    let inputs: Vec<_> = (0..r)
         .map(|rank| {
-            let input = crate::oracle::rank_input(
+            crate::oracle::rank_input(
                 seed,
                 rank,
                 r,
@@ -612,7 +697,13 @@ fn job(
                 128,
                 cfg.num_experts,
                 cfg.topk,
-            );
+            )
+        })
+        .collect();
+    let lays: Vec<Layout> = inputs
+        .iter()
+        .enumerate()
+        .map(|(rank, input)| {
             Layout::new(rank, &input.topk_idx, cfg.topk, cfg.num_experts, &active, l).unwrap()
         })
         .collect();
@@ -621,8 +712,15 @@ fn job(
         .enumerate()
         .map(|(p, lay)| active[p].then(|| plan::notify_row(&s, lay, &active)))
         .collect();
-    let tokens = lays[0].tokens;
-    (s, tokens, Plan::new(&s, active, &rows))
+    let input = inputs.into_iter().next().unwrap();
+    Job {
+        s,
+        tokens: lays[0].tokens,
+        plan: Plan::new(&s, active, &rows),
+        lay: lays.into_iter().next().unwrap(),
+        idx: input.topk_idx,
+        w: input.weights,
+    }
 }
 
 proptest! {
@@ -633,33 +731,19 @@ proptest! {
     /// lanes and combine compute: signal ids, metadata offsets, channel
     /// ranges, counts and their prefix sums per channel, block starts,
     /// forwarders (masked ranks rerouted), ring and direct expectations,
-    /// ring slots, the combine's places.
+    /// ring slots, the combine's places; and the metadata words
+    /// `ep_ht_stage_meta` writes (`meta_word`) are `plan::meta_word`'s.
     #[test]
     fn kernel_index_arithmetic_matches_the_cpu_plan(
         hosts in 1usize..4, l in 1usize..5, chans in 1usize..4, t in 1usize..13,
         k in 1usize..4, per in 1usize..4, ring in 1usize..6, seed in 0u64..1000, masked in 0u64..64,
     ) {
-        let Some(exe) = ht_host() else { return Ok(()) };
-        let (s, tokens, plan) = job(hosts, l, chans, t, k, per, ring, seed, masked);
-        let mut input = String::new();
-        for w in shape_words(&s, 0, 128, 1, false) {
-            write!(input, "{w} ").unwrap();
-        }
-        let tables = plan.tables();
-        write!(input, "{tokens} {} ", tables.len()).unwrap();
-        for w in &tables {
-            write!(input, "{w} ").unwrap();
-        }
-        let path = std::env::temp_dir().join(format!("gin-ep-ht-host-{}-{seed}-{masked}.txt", std::process::id()));
-        std::fs::write(&path, input).unwrap();
-        let out = std::process::Command::new(exe).arg(&path).output().unwrap();
-        std::fs::remove_file(&path).ok();
-        prop_assert!(out.status.success(), "ht_host: {:?}", out.status);
-        let got = String::from_utf8(out.stdout).unwrap();
-        let want = expected(&s, tokens, &plan);
+        let j = job(hosts, l, chans, t, k, per, ring, seed, masked);
+        let Some(got) = run_ht_host(&j, &format!("{seed}-{masked}")) else { return Ok(()) };
+        let want = expected(&j);
         if got != want {
             let line = got.lines().zip(want.lines()).position(|(a, b)| a != b);
-            prop_assert!(false, "the kernels' arithmetic differs from the plan at line {line:?} (r {}, l {}, chans {}, t {})", s.r, s.l, s.chans, s.t);
+            prop_assert!(false, "the kernels' arithmetic differs from the plan at line {line:?} (r {}, l {}, chans {}, t {})", j.s.r, j.s.l, j.s.chans, j.s.t);
         }
     }
 }
@@ -667,7 +751,7 @@ proptest! {
 #[test]
 fn forwarders_in_the_table_are_the_cpu_ranks() {
     // 2 hosts of 3, rank 4 masked: its role passes on, as plan::forwarder.
-    let (_, _, plan) = job(2, 3, 2, 6, 2, 2, 2, 5, 1 << 4);
+    let plan = job(2, 3, 2, 6, 2, 2, 2, 5, 1 << 4).plan;
     let mut active = vec![true; 6];
     active[4] = false;
     for src in 0..6 {
@@ -675,6 +759,32 @@ fn forwarders_in_the_table_are_the_cpu_ranks() {
             assert_eq!(plan.forwarder(src, h), forwarder(&active, 3, src, h));
         }
     }
+}
+
+/// The parts of the pinned staging a step writes (offset, bytes): the
+/// layout's slots and host inputs' top-k ids and weights.
+fn pinned_parts(s: &Shape, lay: &Layout, idx: &[i64], w: &[f32]) -> Vec<(usize, Vec<u8>)> {
+    let at = Pinned::of(s);
+    vec![
+        (
+            at.host_slot,
+            lay.host_slot.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        ),
+        (
+            at.rank_slot,
+            lay.rank_slot.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        ),
+        (at.idx, idx.iter().flat_map(|v| v.to_le_bytes()).collect()),
+        (at.weights, w.iter().flat_map(|v| v.to_le_bytes()).collect()),
+    ]
+}
+
+/// The metadata of every token of `lay`, as MIN holds it.
+fn meta_bytes(s: &Shape, lay: &Layout, idx: &[i64], w: &[f32]) -> Vec<u8> {
+    (0..lay.tokens)
+        .flat_map(|t| (0..s.mm / 4).map(move |i| (t, i)))
+        .flat_map(|(t, i)| plan::meta_word(s, lay, idx, w, t, i).to_le_bytes())
+        .collect()
 }
 
 /// The host's stages of one high-throughput dispatch on CUDA ranks at
@@ -740,10 +850,16 @@ fn host_stage_times() {
             std::hint::black_box(p.tables());
             plan_ = Some(p);
         });
-        let mut meta = Vec::new();
-        time("stage_meta", &mut || {
-            stage_meta(&s, &lay, &me.topk_idx, &me.weights, &mut meta);
+        // What the host stages for ep_ht_stage_meta (into pinned memory
+        // there, a plain buffer here): the slots, host inputs' routing.
+        let parts = pinned_parts(&s, &lay, &me.topk_idx, &me.weights);
+        let mut pinned = vec![0u8; Pinned::of(&s).bytes];
+        time("staging slots and host routing (pinned)", &mut || {
+            for (off, b) in &parts {
+                pinned[*off..*off + b.len()].copy_from_slice(b);
+            }
         });
+        let meta = meta_bytes(&s, &lay, &me.topk_idx, &me.weights);
         let mut xin = vec![0u8; tokens * s.p];
         time(
             "before: stage_tokens' payload copy or quantisation",
