@@ -424,6 +424,54 @@ __device__ __noinline__ void sum_ops(const Op* ops, const u8* const* rows, u32 i
   }
 }
 
+// Pieces a thread carries in sum_pairs: their loads of both rows are in
+// flight together (2 x SUM_PAIR_ITEMS x 16 bytes a thread).
+constexpr u32 SUM_PAIR_ITEMS = 8;
+
+// Block-wide: sum_ops for a run whose sums have at most two rows each (one
+// host of up to two ranks: the common case), with twice the pieces a
+// thread in flight: no f32 accumulator lives across the loads (a sum of
+// two rows is its first row's values plus its second's, __fadd_rn, rounded
+// once: sum_ops' arithmetic in sum_ops' order, bit for bit), so the
+// registers hold SUM_PAIR_ITEMS pieces' two rows instead of SUM_ITEMS'.
+__device__ __noinline__ void sum_pairs(const Op* ops, const u8* const* rows, u32 i0, u32 i1,
+                                       u32 h) {
+  const u32 per = h / 8, items = (i1 - i0) * per;
+  for (u32 base = threadIdx.x; base < items; base += SUM_PAIR_ITEMS * blockDim.x) {
+    uint4 v[2][SUM_PAIR_ITEMS];
+#pragma unroll
+    for (u32 u = 0; u < SUM_PAIR_ITEMS; ++u) {
+      const u32 it = base + u * blockDim.x;
+      const Op& o = ops[i0 + (it < items ? it / per : 0)];
+      const u32 n = it < items ? o.nrows : 0, col = 16 * (it % per);
+      v[0][u] = n > 0 ? *(const uint4*)(rows[o.row0] + col) : make_uint4(0, 0, 0, 0);
+      v[1][u] = n > 1 ? *(const uint4*)(rows[o.row0 + 1] + col) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (u32 u = 0; u < SUM_PAIR_ITEMS; ++u) {
+      const u32 it = base + u * blockDim.x;
+      if (it >= items) continue;
+      const Op& o = ops[i0 + it / per];
+      uint4* dst = (uint4*)((u8*)o.dst_off + 16 * (it % per));
+      if (o.nrows < 2) {
+        *dst = v[0][u];  // one row: copied (none: v[0][u] is zeros)
+        continue;
+      }
+      const u32 a[4] = {v[0][u].x, v[0][u].y, v[0][u].z, v[0][u].w};
+      const u32 b[4] = {v[1][u].x, v[1][u].y, v[1][u].z, v[1][u].w};
+      u32 w[4];
+#pragma unroll
+      for (u32 c = 0; c < 4; ++c) {
+        const float lo = __fadd_rn(fp8::from_bf16((u16)a[c]), fp8::from_bf16((u16)b[c]));
+        const float hi =
+            __fadd_rn(fp8::from_bf16((u16)(a[c] >> 16)), fp8::from_bf16((u16)(b[c] >> 16)));
+        w[c] = (u32)fp8::to_bf16(lo) | ((u32)fp8::to_bf16(hi) << 16);
+      }
+      *dst = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+}
+
 // Whether the block carries op o as part of a run of load/store puts
 // (put_run): a put of whole 16-byte vectors to a peer mapped here. Others
 // (queued peers, a peer out of range, which gin::put then names, an FP8
@@ -616,10 +664,17 @@ __device__ int run_batch(const DevComm& dc, u32 ctx, const Window* const* W, con
       // an earlier launch. A run of consecutive sums reads none of its own
       // outputs (each writes its own staging row or output token; a get
       // or flush ends the run), so the run is summed at once.
+      // Sums of at most two rows each (one host of up to two ranks) take
+      // sum_pairs, with twice the loads in flight; the barrier that orders
+      // the rows' writes before the loads also finds that out.
       u32 j = i + 1;
       while (j < b.nops && b.ops[j].kind == OP_SUM) ++j;
-      __syncthreads();
-      sum_ops(b.ops, b.rows, i, j, hidden);
+      bool pairs = true;
+      for (u32 k = i + threadIdx.x; k < j; k += blockDim.x) pairs &= b.ops[k].nrows <= 2;
+      if (__syncthreads_and(pairs))
+        sum_pairs(b.ops, b.rows, i, j, hidden);
+      else
+        sum_ops(b.ops, b.rows, i, j, hidden);
       __syncthreads();
       i = j - 1;
     } else {
