@@ -87,9 +87,10 @@ constexpr u32 NONE = 0xffffffffu;
 constexpr u32 CHUNK = 16;
 constexpr u32 RUN = 64;
 constexpr u32 STAGE = 64;
-// Rows of CGET per channel CudaBuffer::new allocates (cuda/ht.rs's
-// cget_bytes): at least one per local rank, and FETCH_ROWS so that one
-// flush covers the fetches of many tokens (a get and a flush per token were
+// Rows of CGET per channel CudaBuffer::new allocates where a same-host
+// peer's rows are fetched by get (cuda/ht.rs's cget_bytes; none where
+// every one is mapped): at least one per local rank, and FETCH_ROWS so
+// that one flush covers the fetches of many tokens (a get and a flush per token were
 // the proxy combine's cost).
 constexpr u32 FETCH_ROWS = 64;
 
@@ -219,12 +220,20 @@ EP_FN u64 contrib_at(const Shape& s, u32 src, u32 hs, u32 local) {
   return ((u64)src * s.t + hs) * s.l + local;
 }
 EP_FN u64 stage_off(const Shape& s, u32 ch, u32 i) { return ((u64)ch * STAGE + i) * s.h2; }
-// CGET holds `rows` rows per channel (cget_rows: at least l where any
-// same-host peer is not mapped here, as CudaBuffer::new sizes it; more let
-// one flush cover the fetches of several tokens).
+// CGET holds `rows` rows per channel (cget_rows: none where every
+// same-host peer is mapped here, else max(l, FETCH_ROWS) as CudaBuffer::new
+// sizes it; at least l is required, cget_enough; more let one flush cover
+// the fetches of several tokens).
 EP_FN u64 cget_rows_for(u32 l) { return l > FETCH_ROWS ? l : FETCH_ROWS; }
 EP_FN u64 cget_rows(const Shape& s, u64 cget_bytes) { return cget_bytes / ((u64)s.chans * s.h2); }
 EP_FN u64 cget_off(const Shape& s, u64 rows, u32 ch, u64 i) { return ((u64)ch * rows + i) * s.h2; }
+// Whether CGET of cget_bytes holds enough rows where any is fetched: one of
+// each local rank a channel (a forwarder's sum fetches rows 0 .. l of its
+// channel, a token's reduction up to l; fewer would write into the next
+// channel's rows, or never let a token's fetches through). cuda/ht.rs's
+// check_cget refuses a smaller one at CudaBuffer::new, the combine kernel
+// too (cget_short).
+EP_FN bool cget_enough(const Shape& s, u64 cget_bytes) { return cget_rows(s, cget_bytes) >= s.l; }
 
 // The per-channel scratch of a kernel's warp 0 (u64 words, in shared
 // memory where it fits: lane_of): where each part starts, and its length.
@@ -411,6 +420,54 @@ __device__ __noinline__ void sum_ops(const Op* ops, const u8* const* rows, u32 i
           o[c] = (u32)fp8::to_bf16(acc[u][2 * c]) | ((u32)fp8::to_bf16(acc[u][2 * c + 1]) << 16);
       }
       *(uint4*)dst[u] = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+  }
+}
+
+// Pieces a thread carries in sum_pairs: their loads of both rows are in
+// flight together (2 x SUM_PAIR_ITEMS x 16 bytes a thread).
+constexpr u32 SUM_PAIR_ITEMS = 8;
+
+// Block-wide: sum_ops for a run whose sums have at most two rows each (one
+// host of up to two ranks: the common case), with twice the pieces a
+// thread in flight: no f32 accumulator lives across the loads (a sum of
+// two rows is its first row's values plus its second's, __fadd_rn, rounded
+// once: sum_ops' arithmetic in sum_ops' order, bit for bit), so the
+// registers hold SUM_PAIR_ITEMS pieces' two rows instead of SUM_ITEMS'.
+__device__ __noinline__ void sum_pairs(const Op* ops, const u8* const* rows, u32 i0, u32 i1,
+                                       u32 h) {
+  const u32 per = h / 8, items = (i1 - i0) * per;
+  for (u32 base = threadIdx.x; base < items; base += SUM_PAIR_ITEMS * blockDim.x) {
+    uint4 v[2][SUM_PAIR_ITEMS];
+#pragma unroll
+    for (u32 u = 0; u < SUM_PAIR_ITEMS; ++u) {
+      const u32 it = base + u * blockDim.x;
+      const Op& o = ops[i0 + (it < items ? it / per : 0)];
+      const u32 n = it < items ? o.nrows : 0, col = 16 * (it % per);
+      v[0][u] = n > 0 ? *(const uint4*)(rows[o.row0] + col) : make_uint4(0, 0, 0, 0);
+      v[1][u] = n > 1 ? *(const uint4*)(rows[o.row0 + 1] + col) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (u32 u = 0; u < SUM_PAIR_ITEMS; ++u) {
+      const u32 it = base + u * blockDim.x;
+      if (it >= items) continue;
+      const Op& o = ops[i0 + it / per];
+      uint4* dst = (uint4*)((u8*)o.dst_off + 16 * (it % per));
+      if (o.nrows < 2) {
+        *dst = v[0][u];  // one row: copied (none: v[0][u] is zeros)
+        continue;
+      }
+      const u32 a[4] = {v[0][u].x, v[0][u].y, v[0][u].z, v[0][u].w};
+      const u32 b[4] = {v[1][u].x, v[1][u].y, v[1][u].z, v[1][u].w};
+      u32 w[4];
+#pragma unroll
+      for (u32 c = 0; c < 4; ++c) {
+        const float lo = __fadd_rn(fp8::from_bf16((u16)a[c]), fp8::from_bf16((u16)b[c]));
+        const float hi =
+            __fadd_rn(fp8::from_bf16((u16)(a[c] >> 16)), fp8::from_bf16((u16)(b[c] >> 16)));
+        w[c] = (u32)fp8::to_bf16(lo) | ((u32)fp8::to_bf16(hi) << 16);
+      }
+      *dst = make_uint4(w[0], w[1], w[2], w[3]);
     }
   }
 }
@@ -607,10 +664,17 @@ __device__ int run_batch(const DevComm& dc, u32 ctx, const Window* const* W, con
       // an earlier launch. A run of consecutive sums reads none of its own
       // outputs (each writes its own staging row or output token; a get
       // or flush ends the run), so the run is summed at once.
+      // Sums of at most two rows each (one host of up to two ranks) take
+      // sum_pairs, with twice the loads in flight; the barrier that orders
+      // the rows' writes before the loads also finds that out.
       u32 j = i + 1;
       while (j < b.nops && b.ops[j].kind == OP_SUM) ++j;
-      __syncthreads();
-      sum_ops(b.ops, b.rows, i, j, hidden);
+      bool pairs = true;
+      for (u32 k = i + threadIdx.x; k < j; k += blockDim.x) pairs &= b.ops[k].nrows <= 2;
+      if (__syncthreads_and(pairs))
+        sum_pairs(b.ops, b.rows, i, j, hidden);
+      else
+        sum_ops(b.ops, b.rows, i, j, hidden);
       __syncthreads();
       i = j - 1;
     } else {
@@ -1307,6 +1371,25 @@ __device__ const u8* in_place(const Args& a, u32 ch, u32 dst, u32 j) {
   return base + off;
 }
 
+// Thread 0 of the combine: whether rows are fetched by get (a same-host
+// peer's not mapped here) into a CGET too small for them (cget_enough);
+// then records a get past CGET (OUT_OF_WINDOW on context ch) naming the
+// first such peer and CGET, rather than a batch that never fits (a stall
+// until the timeout, naming an unrelated peer) or rows in the next
+// channel's part.
+__device__ bool cget_short(const Args& a, const u32* direct, u32 ch) {
+  const Shape& s = a.s;
+  if (cget_enough(s, a.W[CGET]->local_size)) return false;
+  const u32 host = s.rank / s.l;
+  for (u32 dl = 0; dl < s.l; ++dl) {
+    const u32 p = host * s.l + dl;
+    if (direct[p]) continue;
+    gin::detail::fail(a.dc, OUT_OF_WINDOW, ch, p, a.W[CGET]->id);
+    return true;
+  }
+  return false;
+}
+
 // Thread 0: the combine row of the token `j`th among dst's received tokens
 // for the batch's row list: read in place where dst's combine rows are
 // mapped here (direct[dst]), else fetched by get into this channel's row
@@ -1628,7 +1711,10 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_combine(DevComm d
   if (threadIdx.x == 0) {
     ep::ht::clear_lane(s, L, ep::ht::chan_lo(s, tokens, ch), false);
     b.xs = ep::ht::Tokens{nullptr, 0};
+    b.stop = ep::ht::cget_short(a, direct, ch) ? 1 : 0;
   }
+  __syncthreads();
+  if (b.stop) return;
   ep::ht::prefetch_channel(a, ep::ht::chan_lo(s, tokens, ch), ep::ht::chan_lo(s, tokens, ch + 1));
   for (u32 dl = 0; dl < s.l; ++dl) {
     const u32 p = host * s.l + dl;

@@ -90,6 +90,11 @@ void one(const ep::ht::Shape& s, u32 tokens, const std::vector<u32>& tables, con
     put(rows);
     for (u64 i = 0; i < rows; ++i) put(cget_off(s, rows, ch, i));
   }
+  // Whether CGET of l rows, l - 1 rows, none (every same-host peer mapped)
+  // and as sized holds enough rows where any is fetched (cget_enough).
+  const u64 per = (u64)s.chans * s.h2;
+  const u64 sizes[4] = {per * s.l, per * (s.l - 1), 0, per * cget_rows_for(s.l)};
+  for (u64 b : sizes) put(cget_enough(s, b) ? 1 : 0);
   put(lane_words(s));
   for (u32 t = 0; t < tokens; ++t)
     for (u32 i = 0; i < s.mm / 4; ++i)

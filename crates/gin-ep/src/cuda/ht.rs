@@ -149,12 +149,55 @@ pub(crate) fn cget_rows(l: usize) -> usize {
 }
 
 /// The bytes of window CGET on CUDA ranks: [`cget_rows`] rows of
-/// `2 × hidden` bytes per channel. The kernels take the rows per channel
-/// from the window's size (ht.cu's `cget_rows`), so a smaller window (the
-/// CPU ranks' `plan::cget_bytes`, one row per local rank) works too, one
-/// token's fetches per flush. `CudaBuffer::new` sizes CGET with it.
-pub(crate) fn cget_bytes(cfg: &crate::Config, l: usize) -> usize {
-    cfg.channels * cget_rows(l) * 2 * cfg.hidden
+/// `2 × hidden` bytes per channel where a same-host peer's combine rows are
+/// not mapped here (`unmapped`: fetched by get), none otherwise (every row
+/// is then read in place and CGET is never touched; the CPU ranks'
+/// `plan::cget_bytes` likewise). The kernels take the rows per channel from
+/// the window's size (ht.cu's `cget_rows`), so a smaller window with at
+/// least `l` rows a channel works too, one token's fetches per flush
+/// ([`check_cget`]). `CudaBuffer::new` sizes CGET with it.
+pub(crate) fn cget_bytes(cfg: &crate::Config, l: usize, unmapped: bool) -> usize {
+    if unmapped {
+        cfg.channels * cget_rows(l) * 2 * cfg.hidden
+    } else {
+        0
+    }
+}
+
+/// Whether a same-host peer's combine rows are fetched by get (not read in
+/// place): `direct[p]` false for a rank `p` of this rank's host (hosts of
+/// `l` ranks).
+pub(crate) fn fetches_rows(rank: usize, l: usize, direct: &[bool]) -> bool {
+    let host = rank / l;
+    direct.iter().enumerate().any(|(p, &d)| !d && p / l == host)
+}
+
+/// Checks that CGET (`bytes` here) holds at least `l` rows per channel
+/// where rows are fetched by get ([`fetches_rows`]): ht.cu's forwarder
+/// fetches up to one row of each local rank into its channel's rows `0 ..
+/// l` and a token's reduction up to `l` rows, so fewer would write into the
+/// next channel's rows or never let a token's fetches through (the step
+/// would stall until the timeout, naming an unrelated peer). The kernel
+/// refuses such a window too (`cget_short`, as an out-of-window get naming
+/// CGET).
+pub(crate) fn check_cget(
+    cfg: &crate::Config,
+    rank: usize,
+    l: usize,
+    bytes: usize,
+    direct: &[bool],
+) -> Result<(), EpError> {
+    let rows = bytes / (cfg.channels * 2 * cfg.hidden).max(1);
+    if fetches_rows(rank, l, direct) && rows < l {
+        return Err(EpError::Config {
+            rank,
+            field: "CGET rows per channel",
+            value: rows,
+            why: "at least one per rank of the host where a same-host peer's combine rows \
+                  are fetched by get",
+        });
+    }
+    Ok(())
 }
 
 /// Row pointers one batch of ht.cu's combine holds (`MAX_ROWS`): a
@@ -1221,7 +1264,8 @@ impl CudaBuffer<'_, '_> {
         // counts check_row bounded by t) and contrib entries (src, host
         // slot < t, local rank: r × t × l u32), and the chans × signals
         // entries of seen and chans × lane_words of lane that HtState::new
-        // allocated; err and errh hold 4 u64 each, clock 2. gin's stream,
+        // allocated; err and errh hold Record::BYTES (8 u64: the record's two
+        // slots of 4), clock 2. gin's stream,
         // waited for.
         let r = unsafe { go(&self.dc, f, On::Wait, grid, &args) };
         self.launched(On::Wait, "ht_dispatch", r)?;
@@ -1446,10 +1490,12 @@ impl CudaBuffer<'_, '_> {
         // u64* clock) takes these in this order, one block per channel. It
         // reads this step's staged metadata (MIN), combine rows of CSEND
         // here and of this host's ranks (through their mappings after a
-        // range check, or by get into CGET: chans × l rows), CRDMA rows (h ×
-        // t), contrib as the dispatch wrote it, writes CSTAGE rows (chans ×
-        // STAGE), tokens × hidden u16 of out (the caller's contract), seen
-        // and lane as the dispatch; err, errh 4 u64, clock 2. gin's stream,
+        // range check, or by get into CGET: its rows per channel taken from
+        // its size, at least l where any is fetched, check_cget and the
+        // kernel's cget_short), CRDMA rows (h × t), contrib as the dispatch
+        // wrote it, writes CSTAGE rows (chans × STAGE), tokens × hidden u16
+        // of out (the caller's contract), seen and lane as the dispatch;
+        // err and errh hold Record::BYTES (8 u64: two slots of 4), clock 2. gin's stream,
         // waited for.
         let r = unsafe { go(&self.dc, f, On::Wait, grid, &args) };
         self.launched(On::Wait, "ht_combine", r)?;

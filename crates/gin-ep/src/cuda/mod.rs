@@ -651,14 +651,31 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             ..DevCommRequirements::default()
         };
         let dc = cuda.dev_comm(&req, CtxSharing::Gpu)?;
-        if let Some(l) = hosts {
-            // Rows of same-host peers not mapped here are fetched by get.
-            sizes[crate::ht::CGET] = ht::cget_bytes(&cfg, l);
-        }
-        let wins = sizes
+        // CGET (the last window) is allocated once the others are mapped:
+        // its size depends on which same-host peers' combine rows are
+        // (read in place) and which are fetched by get.
+        debug_assert_eq!(crate::ht::CGET + 1, sizes.len());
+        let mut wins = sizes[..crate::ht::CGET]
             .iter()
             .map(|&b| cuda.alloc_window(b.max(64) as u64))
             .collect::<Result<Vec<_>, _>>()?;
+        let direct: Vec<bool> = hosts.map_or_else(Vec::new, |l| {
+            (0..n)
+                .map(|p| {
+                    p == rank
+                        || (p / l == rank / l
+                            && dc.is_lsa(p)
+                            && wins[crate::ht::plan::CSEND]
+                                .peer_base(p)
+                                .is_some_and(|b| b != 0))
+                })
+                .collect()
+        });
+        if let Some(l) = hosts {
+            let fetch = ht::fetches_rows(rank, l, &direct);
+            sizes[crate::ht::CGET] = ht::cget_bytes(&cfg, l, fetch);
+        }
+        wins.push(cuda.alloc_window(sizes[crate::ht::CGET].max(64) as u64)?);
         cuda.device().make_current().map_err(CoreError::from)?;
         let state = State::new(&cfg, n, cfg.mode == Mode::LowLatency)?;
         let ht = match hosts {
@@ -673,16 +690,9 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
                               high-throughput kernels holds",
                     });
                 }
-                let direct: Vec<bool> = (0..n)
-                    .map(|p| {
-                        p == rank
-                            || (p / l == rank / l
-                                && dc.is_lsa(p)
-                                && wins[crate::ht::plan::CSEND]
-                                    .peer_base(p)
-                                    .is_some_and(|b| b != 0))
-                    })
-                    .collect();
+                // The kernels take CGET's rows from this size (local_size).
+                let cget = wins[crate::ht::CGET].local().len();
+                ht::check_cget(&cfg, rank, l, cget, &direct)?;
                 Some(ht::HtState::new(s, rank, &cfg, &direct)?)
             }
             None => None,

@@ -595,17 +595,12 @@ fn expected(j: &Job) -> String {
     for ch in 0..s.chans {
         put((ch * STAGE * s.h2) as u64);
         put(((ch * STAGE + STAGE - 1) * s.h2) as u64);
-        // CGET as CudaBuffer::new sizes it (cget_bytes).
-        let cfg = Config {
-            channels: s.chans,
-            ..Config::high_throughput(s.h2 / 2, s.t, s.r, 1)
-        };
-        let rows = cget_bytes(&cfg, s.l) / (s.chans * s.h2);
-        assert_eq!(rows, cget_rows(s.l));
-        put(rows as u64);
-        for i in 0..rows {
-            put(((ch * rows + i) * s.h2) as u64);
+        for v in cget_places(s, ch) {
+            put(v);
         }
+    }
+    for v in cget_verdicts(s) {
+        put(v);
     }
     put(lane_words(s) as u64);
     // What ep_ht_stage_meta writes: the CPU ranks' words.
@@ -616,6 +611,35 @@ fn expected(j: &Job) -> String {
     }
     o.push_str("--\n");
     o
+}
+
+/// CGET as CudaBuffer::new sizes it where a same-host peer's rows are
+/// fetched (cget_bytes): its rows per channel, then channel `ch`'s rows'
+/// offsets (ht.cu's `cget_rows`, `cget_off`).
+fn cget_places(s: &Shape, ch: usize) -> Vec<u64> {
+    let cfg = Config {
+        channels: s.chans,
+        ..Config::high_throughput(s.h2 / 2, s.t, s.r, 1)
+    };
+    let rows = cget_bytes(&cfg, s.l, true) / (s.chans * s.h2);
+    assert_eq!(rows, cget_rows(s.l));
+    std::iter::once(rows as u64)
+        .chain((0..rows).map(|i| ((ch * rows + i) * s.h2) as u64))
+        .collect()
+}
+
+/// check_cget's verdict (1: accepted) where every rank's rows are fetched,
+/// for CGET of `l` rows a channel, `l - 1`, none and as sized: what ht.cu's
+/// `cget_enough` says of the same sizes.
+fn cget_verdicts(s: &Shape) -> [u64; 4] {
+    let cfg = Config {
+        channels: s.chans,
+        ..Config::high_throughput(s.h2 / 2, s.t, s.r, 1)
+    };
+    let per = s.chans * s.h2;
+    let fetched = vec![false; s.r];
+    [per * s.l, per * (s.l - 1), 0, cget_bytes(&cfg, s.l, true)]
+        .map(|bytes| u64::from(check_cget(&cfg, 0, s.l, bytes, &fetched).is_ok()))
 }
 
 /// ht_host's input for job `j` (see tests/ht_host.cpp).
@@ -931,5 +955,56 @@ fn every_hidden_the_combine_sees_is_whole_16_byte_pieces() {
     assert!(
         !ht.contains("sum_rows"),
         "an element-by-element sum came back"
+    );
+}
+
+/// CGET is sized only where a same-host peer's combine rows are fetched by
+/// get (every one mapped: none, the window never used), and a CGET of
+/// fewer than `l` rows a channel is refused where any is fetched, naming
+/// the rank and the rows.
+#[test]
+fn cget_sized_by_fetches_and_checked() {
+    let cfg = Config {
+        channels: 16,
+        ..Config::high_throughput(7168, 4096, 16, 8)
+    };
+    // Two hosts of 2: rank 2 reads rank 3 in place, rank 0 and 1 not.
+    let direct = [false, false, true, true];
+    assert!(!fetches_rows(2, 2, &direct));
+    assert!(fetches_rows(3, 2, &[false, false, true, false]));
+    assert!(fetches_rows(0, 2, &direct));
+    assert_eq!(cget_bytes(&cfg, 2, false), 0);
+    assert_eq!(cget_bytes(&cfg, 2, true), 16 * 64 * 2 * 7168);
+    assert_eq!(cget_bytes(&cfg, 80, true), 16 * 80 * 2 * 7168);
+    // Every peer mapped: no rows needed.
+    assert!(check_cget(&cfg, 2, 2, 0, &direct).is_ok());
+    // Fetched: l rows a channel suffice, l - 1 do not.
+    let row = 2 * 7168;
+    assert!(check_cget(&cfg, 0, 2, 16 * 2 * row, &direct).is_ok());
+    assert!(check_cget(&cfg, 0, 2, cget_bytes(&cfg, 2, true), &direct).is_ok());
+    let e = check_cget(&cfg, 0, 2, 16 * row, &direct).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            EpError::Config {
+                rank: 0,
+                field: "CGET rows per channel",
+                value: 1,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let e = check_cget(&cfg, 1, 2, 16 * 2 * row - 1, &direct).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            EpError::Config {
+                rank: 1,
+                value: 1,
+                ..
+            }
+        ),
+        "{e}"
     );
 }
