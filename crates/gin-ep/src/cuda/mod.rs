@@ -651,11 +651,18 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             ..DevCommRequirements::default()
         };
         let dc = cuda.dev_comm(&req, CtxSharing::Gpu)?;
-        // CGET (the last window) is allocated once the others are mapped:
-        // its size depends on which same-host peers' combine rows are
-        // (read in place) and which are fetched by get.
-        debug_assert_eq!(crate::ht::CGET + 1, sizes.len());
-        let mut wins = sizes[..crate::ht::CGET]
+        // High-throughput mode: CGET (the last window) is allocated once
+        // the others are mapped: its size depends on which same-host peers'
+        // combine rows are read in place and which are fetched by get.
+        // Low-latency mode allocates its windows at once.
+        let first = match hosts {
+            Some(_) => {
+                debug_assert_eq!(crate::ht::CGET + 1, sizes.len());
+                crate::ht::CGET
+            }
+            None => sizes.len(),
+        };
+        let mut wins = sizes[..first]
             .iter()
             .map(|&b| cuda.alloc_window(b.max(64) as u64))
             .collect::<Result<Vec<_>, _>>()?;
@@ -674,8 +681,8 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         if let Some(l) = hosts {
             let fetch = ht::fetches_rows(rank, l, &direct);
             sizes[crate::ht::CGET] = ht::cget_bytes(&cfg, l, fetch);
+            wins.push(cuda.alloc_window(sizes[crate::ht::CGET].max(64) as u64)?);
         }
-        wins.push(cuda.alloc_window(sizes[crate::ht::CGET].max(64) as u64)?);
         cuda.device().make_current().map_err(CoreError::from)?;
         let state = State::new(&cfg, n, cfg.mode == Mode::LowLatency)?;
         let ht = match hosts {
