@@ -24,8 +24,10 @@
 //! - A progress thread per rank progresses the worker, so a target whose
 //!   rank thread is busy still executes the software-emulated RMA and
 //!   atomics of UCX's tcp transport, and answers rkey requests. It polls
-//!   for `GIN_UCX_SPIN` (100 µs) after the last event, then sleeps on the
-//!   worker's event descriptor; it never waits inside a loop of its own
+//!   for `GIN_UCX_SPIN` (100 µs) after the last event, or for twice the
+//!   quiet time that lately ended in an event, up to 1 ms (a steady stream
+//!   of messages is not woken up for each), then sleeps on the worker's
+//!   event descriptor; it never waits inside a loop of its own
 //!   (a revocation's flush completes by callback), and every loop checks
 //!   whether the transport is closing. Rank threads progress the worker
 //!   themselves while they wait (flush, atomics, reads).

@@ -572,6 +572,53 @@ fn the_progress_thread_polls_for_spin_after_the_last_event() {
     assert!(serve::Idle::new(Duration::ZERO, t0).may_sleep(t0));
 }
 
+/// Events a little more than `spin` apart (1 MiB puts whose signals this
+/// thread handles) keep it polling between them: it polls twice the
+/// recent quiet time, up to `SPIN_REACH`, and forgets it as events come
+/// closer, or once a quiet time is longer than that.
+#[test]
+fn the_progress_thread_polls_across_the_gaps_of_a_steady_stream() {
+    let us = Duration::from_micros;
+    let t0 = Instant::now();
+    let mut idle = serve::Idle::new(us(100), t0);
+    // A first event 250 µs after the start: 500 µs of polling after it.
+    idle.event(t0 + us(250));
+    assert_eq!(idle.window(), us(500));
+    assert!(!idle.may_sleep(t0 + us(250) + us(499)));
+    assert!(idle.may_sleep(t0 + us(250) + us(500)));
+    // Something in flight is no event: the window stays.
+    idle.busy(t0 + us(300));
+    assert_eq!(idle.window(), us(500));
+    // Events back to back: the quiet time is forgotten by quarters...
+    let mut t = t0 + us(300);
+    let mut windows = Vec::new();
+    for _ in 0..4 {
+        t += us(1);
+        idle.event(t);
+        windows.push(idle.window());
+    }
+    let ns = Duration::from_nanos;
+    assert_eq!(windows, [us(375), ns(281_250), ns(210_936), ns(158_202)]);
+    // ... down to `spin`.
+    for _ in 0..10 {
+        t += us(1);
+        idle.event(t);
+    }
+    assert_eq!(idle.window(), us(100));
+    // Long quiet times are polled for at most `SPIN_REACH` ...
+    t += us(900);
+    idle.event(t);
+    assert_eq!(idle.window(), serve::SPIN_REACH);
+    // ... and one longer than that makes the stream sparse: `spin` again.
+    t += serve::SPIN_REACH + us(1);
+    idle.event(t);
+    assert_eq!(idle.window(), us(100));
+    // `GIN_UCX_SPIN=0` sleeps whenever idle, stream or not.
+    let mut none = serve::Idle::new(Duration::ZERO, t0);
+    none.event(t0 + us(250));
+    assert!(none.may_sleep(t0 + us(250)));
+}
+
 #[test]
 fn gin_ucx_spin_is_a_duration_or_an_error_naming_it() {
     assert_eq!(spin_from_env(None).unwrap(), SPIN);
