@@ -1134,6 +1134,18 @@ pub(super) fn spawn_progress(
                     continue;
                 }
                 inner.enter_thread_context(&mut context_seen);
+                if inner.issuing.load(Ordering::Acquire) > 0 {
+                    // Another thread holds the worker inside a UCX call
+                    // and progresses it there: stand back (see
+                    // `Inner::issuing`), attended, not idle.
+                    #[cfg(test)]
+                    inner.test.stood_back.fetch_add(1, Ordering::AcqRel);
+                    idle.busy(Instant::now());
+                    std::thread::yield_now();
+                    continue;
+                }
+                #[cfg(test)]
+                inner.test.turns.fetch_add(1, Ordering::AcqRel);
                 let turn = Instant::now();
                 let worked = inner.drain();
                 inner.held(turn, None, "the progress thread's queued work");
