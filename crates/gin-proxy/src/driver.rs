@@ -1,9 +1,18 @@
 //! The one thread that runs an [`Engine`], for CPU ranks and CUDA ranks: start, stop (after draining what is queued), the first
 //! error, and the idle policy (spin, then yield, then sleep until a
 //! producer wakes it).
+//!
+//! The engine and its executor sit behind a lock the thread takes for each
+//! step. A CPU rank's producer may take it too ([`Shared::try_step_ring`],
+//! gin-proxy's CPU backend under `auto`): it then executes the ring it
+//! wrote to, or lands what its flush waits for, on its own thread, with
+//! the same engine, instead of handing the work to the driver thread and
+//! waiting for it to be scheduled. One step at a time, whoever runs it, so
+//! every guarantee of the engine (ring order, in-order completion and
+//! counters, fail-stop) holds whichever thread steps.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
@@ -57,6 +66,84 @@ struct Control {
     executed: AtomicU64,
 }
 
+/// An engine and the executor it steps with: what the driver thread and
+/// producers ([`Shared`]) take turns on.
+struct Stepper<E: Executor> {
+    engine: Engine<E>,
+    exec: E,
+}
+
+fn lock<E: Executor>(m: &Mutex<Stepper<E>>) -> MutexGuard<'_, Stepper<E>> {
+    // A panic inside a step leaves the engine as the step left it; the
+    // driver carries on as it would have on its own thread.
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// What [`Shared::try_step_ring`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Turn {
+    /// Another thread (the driver, or another producer) was stepping the
+    /// engine: nothing was done here; that thread, or the driver once
+    /// woken, does it.
+    Busy,
+    /// The ring was stepped here (nothing, once the backend has failed);
+    /// `more`: it still has work (an operation in flight, or descriptors
+    /// past the batch), which the driver must be woken for unless the
+    /// caller steps again.
+    Stepped {
+        /// The ring still has work.
+        more: bool,
+    },
+}
+
+/// A producer's handle on the engine a [`Driver`] runs
+/// ([`Driver::start_shared`]): it steps one ring on the calling thread
+/// when no other thread is stepping.
+pub(crate) struct Shared<E: Executor> {
+    parts: Arc<Mutex<Stepper<E>>>,
+    error: Arc<FirstError>,
+    control: Arc<Control>,
+}
+
+impl<E: Executor> std::fmt::Debug for Shared<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared").finish_non_exhaustive()
+    }
+}
+
+impl<E: Executor> Shared<E> {
+    /// Steps each ring of `rings` (indices as the engine's) once on the
+    /// calling thread ([`Engine::step_ring`]) unless another thread is
+    /// stepping the engine ([`Turn::Busy`]); never waits for it. Nothing
+    /// is stepped once the backend has failed (fail-stop: a failure
+    /// recorded by anyone stops execution); a failure of this step is
+    /// recorded as the backend's.
+    pub(crate) fn try_step_rings(&self, rings: impl IntoIterator<Item = usize>) -> Turn {
+        let mut guard = match self.parts.try_lock() {
+            Ok(g) => g,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => return Turn::Busy,
+        };
+        if self.error.get().is_some() {
+            return Turn::Stepped { more: false };
+        }
+        let Stepper { engine, exec } = &mut *guard;
+        let mut more = false;
+        for ring in rings {
+            let p = engine.step_ring(ring, exec);
+            self.control
+                .executed
+                .fetch_add(p.executed, Ordering::Relaxed);
+            if let Some(e) = engine.failure() {
+                self.error.record(e.clone());
+                return Turn::Stepped { more: false };
+            }
+            more |= engine.ring_has_work(ring);
+        }
+        Turn::Stepped { more }
+    }
+}
+
 /// A thread stepping an engine (see the module documentation). Dropping it
 /// stops the thread, as [`Driver::stop`] does.
 #[derive(Debug)]
@@ -78,7 +165,7 @@ impl Driver {
     pub fn start<E>(
         name: String,
         rank: usize,
-        (engine, exec): (Engine<E>, E),
+        parts: (Engine<E>, E),
         idle: IdlePolicy,
         error: Arc<FirstError>,
         join_limit: Duration,
@@ -87,19 +174,74 @@ impl Driver {
         E: Executor + Send + 'static,
         E::InFlight: Send,
     {
+        Self::start_shared(name, rank, parts, idle, error, join_limit).map(|(d, _)| d)
+    }
+
+    /// [`Driver::start`], also returning a handle through which producers
+    /// step the engine on their own threads ([`Shared::try_step_rings`]).
+    pub(crate) fn start_shared<E>(
+        name: String,
+        rank: usize,
+        (engine, exec): (Engine<E>, E),
+        idle: IdlePolicy,
+        error: Arc<FirstError>,
+        join_limit: Duration,
+    ) -> std::io::Result<(Self, Shared<E>)>
+    where
+        E: Executor + Send + 'static,
+        E::InFlight: Send,
+    {
+        let parts = Arc::new(Mutex::new(Stepper { engine, exec }));
         let control = Arc::new(Control::default());
-        let (c, e) = (control.clone(), error.clone());
+        let (c, e, p) = (control.clone(), error.clone(), parts.clone());
         let thread = thread::Builder::new()
             .name(name.clone())
-            .spawn(move || run(&c, &e, rank, engine, exec, idle))?;
+            .spawn(move || run(&c, &e, rank, &p, idle))?;
         control.sleeper.set_thread(thread.thread().clone());
-        Ok(Self {
+        let shared = Shared {
+            parts,
+            error: error.clone(),
+            control: control.clone(),
+        };
+        Ok((
+            Self {
+                control,
+                error,
+                thread: Some(thread),
+                join_limit,
+                name,
+            },
+            shared,
+        ))
+    }
+
+    /// A driver with no thread (tests): only producers step its engine
+    /// ([`Shared::try_step_rings`]), so what ran, ran on the caller's
+    /// thread.
+    #[cfg(test)]
+    pub(crate) fn parked<E>(
+        name: String,
+        (engine, exec): (Engine<E>, E),
+        error: Arc<FirstError>,
+    ) -> (Self, Shared<E>)
+    where
+        E: Executor,
+    {
+        let parts = Arc::new(Mutex::new(Stepper { engine, exec }));
+        let control = Arc::new(Control::default());
+        let shared = Shared {
+            parts,
+            error: error.clone(),
+            control: control.clone(),
+        };
+        let driver = Self {
             control,
             error,
-            thread: Some(thread),
-            join_limit,
+            thread: None,
+            join_limit: Duration::ZERO,
             name,
-        })
+        };
+        (driver, shared)
     }
 
     /// Wakes the thread if it sleeps (a producer, after publishing work:
@@ -145,11 +287,10 @@ fn run<E: Executor>(
     c: &Control,
     error: &FirstError,
     rank: usize,
-    mut engine: Engine<E>,
-    mut exec: E,
+    parts: &Mutex<Stepper<E>>,
     idle: IdlePolicy,
 ) {
-    if let Err(why) = exec.enter() {
+    if let Err(why) = lock(parts).exec.enter() {
         error.record(ProxyError::Executor {
             rank,
             what: "start",
@@ -170,11 +311,16 @@ fn run<E: Executor>(
                 .sleep(idle.sleep, || c.stop.load(Ordering::Acquire));
             continue;
         }
-        let p = engine.step(&mut exec);
-        if let Some(e) = engine.failure() {
-            error.record(e.clone());
-            continue;
-        }
+        let (p, in_flight) = {
+            let mut guard = lock(parts);
+            let Stepper { engine, exec } = &mut *guard;
+            let p = engine.step(exec);
+            if let Some(e) = engine.failure() {
+                error.record(e.clone());
+                continue;
+            }
+            (p, engine.in_flight())
+        };
         if p.did_work() {
             c.executed.fetch_add(p.executed, Ordering::Relaxed);
             polls = 0;
@@ -184,27 +330,29 @@ fn run<E: Executor>(
         // Asked to stop, the driver has drained what was queued, and
         // everything in flight landed (a held signal was sent): an
         // operation that never lands fails the engine in time instead.
-        if stopping && engine.in_flight() == 0 {
+        if stopping && in_flight == 0 {
             break;
         }
         polls = polls.saturating_add(1);
         let since = *idle_since.get_or_insert_with(Instant::now);
         if polls < idle.spins {
             std::hint::spin_loop();
-        } else if engine.in_flight() > 0 || since.elapsed() < idle.yield_for {
+        } else if in_flight > 0 || since.elapsed() < idle.yield_for {
             thread::yield_now();
         } else {
-            c.sleeper.sleep(idle.sleep, || engine.has_work());
+            c.sleeper
+                .sleep(idle.sleep, || lock(parts).engine.has_work());
         }
     }
-    if let Err(why) = exec.quiesce() {
+    let mut guard = lock(parts);
+    if let Err(why) = guard.exec.quiesce() {
         error.record(ProxyError::Executor {
             rank,
             what: "finish its queued work",
             why,
         });
     }
-    let s = engine.stats();
+    let s = guard.engine.stats();
     tracing::debug!(
         rank,
         descriptors = s.descriptors,
@@ -278,6 +426,65 @@ mod tests {
         }
         driver.stop().unwrap();
         assert_eq!(ring.tail(), 20);
+    }
+
+    /// A producer's turn is taken only when no other thread is stepping
+    /// the engine: it never waits for one, and then executes nothing; once
+    /// the engine is free it executes its ring. After a failure nothing is
+    /// executed, whoever steps.
+    #[test]
+    fn a_producer_steps_only_a_free_engine_and_nothing_after_a_failure() {
+        let ring = Arc::new(Ring::new(3));
+        let mut fake = Fake::new(0, 1);
+        fake.add_window(1, &[64, 64]);
+        fake.attach(0, ring.clone());
+        let spec = RingSpec {
+            ctx: 0,
+            peer: 1,
+            mem: RingMem::owned(ring.clone()),
+            first: 0,
+        };
+        let config = EngineConfig {
+            rank: 0,
+            batch: 4,
+            counter_slots: 1,
+        };
+        let error = Arc::new(FirstError::default());
+        let (driver, shared) = Driver::parked(
+            "gin-proxy-test".into(),
+            (Engine::new(config, vec![spec]), fake),
+            error.clone(),
+        );
+        let seq = ring.reserve();
+        ring.write(seq, &put(0));
+        {
+            // Another thread's step, as the driver's would be.
+            let _busy = lock(&shared.parts);
+            assert_eq!(shared.try_step_rings([0]), Turn::Busy);
+        }
+        assert_eq!(ring.tail(), 0, "a busy engine was stepped");
+        assert_eq!(shared.try_step_rings([0]), Turn::Stepped { more: false });
+        assert_eq!(ring.tail(), 1);
+        assert_eq!(driver.executed(), 1);
+        // An invalid descriptor fails the engine on the producer's thread:
+        // recorded as the backend's failure; nothing after it runs.
+        for d in [
+            Desc {
+                dst_window: 9,
+                ..put(1)
+            },
+            put(2),
+        ] {
+            let seq = ring.reserve();
+            ring.write(seq, &d);
+        }
+        assert_eq!(shared.try_step_rings([0]), Turn::Stepped { more: false });
+        let e = error.get().unwrap();
+        assert_eq!(e.seq(), Some(1));
+        assert!(e.to_string().contains("window 9 is not registered"), "{e}");
+        assert_eq!(shared.try_step_rings([0]), Turn::Stepped { more: false });
+        assert_eq!(ring.tail(), 1);
+        assert_eq!(driver.executed(), 1);
     }
 
     #[test]

@@ -197,10 +197,27 @@ impl<E: Executor> Engine<E> {
             return p;
         }
         for i in 0..self.rings.len() {
-            if let Err(e) = self.step_ring(i, exec, &mut p) {
+            if let Err(e) = self.turn(i, exec, &mut p) {
                 self.failure = Some(e);
                 break;
             }
+        }
+        p
+    }
+
+    /// One ring's turn alone (ring `index`, as in [`Engine::step`]): what a
+    /// producer that runs the engine on its own thread does for the ring it
+    /// wrote to or waits on (gin-proxy's CPU backend under `auto`), where
+    /// [`Engine::step`] would also take other rings' work. Does nothing once
+    /// the engine has failed, or for a ring that does not exist; an error
+    /// fails the engine as in [`Engine::step`].
+    pub fn step_ring(&mut self, index: usize, exec: &mut E) -> Progress {
+        let mut p = Progress::default();
+        if self.failure.is_some() || index >= self.rings.len() {
+            return p;
+        }
+        if let Err(e) = self.turn(index, exec, &mut p) {
+            self.failure = Some(e);
         }
         p
     }
@@ -210,7 +227,7 @@ impl<E: Executor> Engine<E> {
     /// published up to the failing descriptor (those before it were
     /// executed and are complete), or to the first operation still in
     /// flight before it.
-    fn step_ring(
+    fn turn(
         &mut self,
         index: usize,
         exec: &mut E,
@@ -283,6 +300,15 @@ impl<E: Executor> Engine<E> {
                 .rings
                 .iter()
                 .any(|r| !r.flights.is_empty() || !matches!(r.mem.peek(r.next), Ok(Slot::Pending)))
+    }
+
+    /// Whether ring `index` alone has work: its next slot is written (or
+    /// corrupt), or an operation of it is in flight ([`Engine::has_work`]).
+    pub fn ring_has_work(&self, index: usize) -> bool {
+        self.failure.is_none()
+            && self.rings.get(index).is_some_and(|r| {
+                !r.flights.is_empty() || !matches!(r.mem.peek(r.next), Ok(Slot::Pending))
+            })
     }
 
     /// Operations (gets, puts) in flight, over every ring.

@@ -950,3 +950,31 @@ proptest! {
         prop_assert_eq!(seen, want);
     }
 }
+
+/// A producer's turn ([`Engine::step_ring`]) takes only its own ring: a
+/// descriptor in another ring waits for that ring's turn, and each ring's
+/// work is reported apart.
+#[test]
+fn one_rings_turn_takes_that_ring_alone() {
+    let mut p = pair(&[1, 2], 2, 0, 64);
+    p.push(0, &counted(put(0, 8), 0));
+    p.push(1, &put(8, 8));
+    assert!(p.engine.ring_has_work(0) && p.engine.ring_has_work(1));
+    let done = p.engine.step_ring(1, &mut p.fake);
+    p.fake.run_all();
+    assert_eq!(done.executed, 1);
+    assert_eq!(p.puts(), vec![(1, Some(8))]);
+    assert!(p.engine.ring_has_work(0) && !p.engine.ring_has_work(1));
+    assert_eq!(
+        p.engine.next(0),
+        Some(0),
+        "ring 0 was taken by ring 1's turn"
+    );
+    assert_eq!(p.engine.step_ring(0, &mut p.fake).executed, 1);
+    p.fake.run_all();
+    assert_eq!(p.puts(), vec![(1, Some(8)), (0, Some(0))]);
+    assert!(!p.engine.ring_has_work(0));
+    // A ring that does not exist is no turn at all.
+    assert_eq!(p.engine.step_ring(2, &mut p.fake), Progress::default());
+    assert!(!p.engine.ring_has_work(2));
+}

@@ -32,10 +32,16 @@
 //! - **One driver thread** ([`Driver`]): start, stop after draining, the
 //!   first error shared with producers and waiters, and the idle policy —
 //!   spin, yield, then sleep until a producer wakes it — so ranks and
-//!   proxies can share two cores.
+//!   proxies can share two cores. The engine sits behind a lock the thread
+//!   takes for each step, so a CPU rank's producer can take a turn itself.
 //! - **The CPU backend** ([`Proxy`]): gin-device's `Backend` for CPU ranks,
 //!   the producer side of the rings (reserve, credit wait, write, wake) and
-//!   tickets, with an engine on a driver thread behind it.
+//!   tickets, with an engine on a driver thread behind it. Under `auto` the
+//!   rank's thread sends small puts to tcp peers itself when the ring is
+//!   empty, and runs the engine on a ring itself (when the driver thread is
+//!   not) after writing a put the transport lends its source to and while a
+//!   flush waits: a large put over ucx is issued and lands on the rank's
+//!   thread, still tracked by the ring.
 //! - **The host-side seam** ([`ProxyBackend`]): gin-device's
 //!   `HostBackend`, through which gin-core starts the CPU backend or the
 //!   CUDA engine with one call, and learns the queue depths the proxy

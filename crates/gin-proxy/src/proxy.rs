@@ -10,7 +10,7 @@ use gin_device::{Backend, Counters, GetOp, GinError, PutOp, Source, Ticket, Tick
 use gin_net::Fabric;
 
 use crate::descriptor::{Desc, Op, Sig};
-use crate::driver::{Driver, IdlePolicy};
+use crate::driver::{Driver, IdlePolicy, Shared, Turn};
 use crate::engine::{Engine, EngineConfig, RingSpec, check_counter, resolve_put};
 use crate::error::{FirstError, ProxyError, Why};
 use crate::executor::{Executor, Site};
@@ -42,10 +42,15 @@ pub struct ProxyConfig {
     /// How long an idle proxy keeps polling (yielding) before it sleeps
     /// until a producer wakes it.
     pub spin: Duration,
-    /// CPU ranks only: a put to a peer reached over TCP whose ring is empty
-    /// is sent by the calling thread instead of the proxy thread. Ordering
-    /// holds because an empty ring means everything queued before was
-    /// already written to the same ordered link. Off for pure-proxy runs.
+    /// CPU ranks only (`auto`): a put to a peer reached over TCP whose ring
+    /// is empty is sent by the calling thread instead of the proxy thread.
+    /// Ordering holds because an empty ring means everything queued before
+    /// was already written to the same ordered link. A put the transport
+    /// would lend its source to (large puts over ucx) still goes through
+    /// the ring, but the calling thread runs the engine on that ring
+    /// itself when the proxy thread is not running it, and so does a
+    /// waiter on its flush: the put is issued, and lands, on the rank's
+    /// own thread, tracked by the ring. Off for pure-proxy runs.
     pub inline_tcp: bool,
 }
 
@@ -74,6 +79,8 @@ pub struct Proxy {
     exec: FabricExecutor,
     error: Arc<FirstError>,
     tickets: TicketIssuer,
+    /// Producers' turns on the engine ([`ProxyConfig::inline_tcp`]).
+    shared: Shared<FabricExecutor>,
     driver: Driver,
 }
 
@@ -84,6 +91,57 @@ impl Proxy {
         counters: Arc<Counters>,
         nctx: u32,
         config: ProxyConfig,
+    ) -> Result<Self, GinError> {
+        let rank = fabric.rank();
+        Self::assemble(fabric, counters, nctx, config, |engine, exec, error| {
+            Driver::start_shared(
+                format!("gin-proxy-{rank}"),
+                rank,
+                (engine, exec),
+                IdlePolicy::cpu(config.spin),
+                error,
+                // Its sends end within the timeout (gin-net's deadlines).
+                config.timeout,
+            )
+            .map_err(|e| GinError::Spawn {
+                rank,
+                what: "proxy thread",
+                why: e.to_string(),
+            })
+        })
+    }
+
+    /// A proxy with no thread (tests): only callers step its engine
+    /// ([`ProxyConfig::inline_tcp`]), so whatever ran, ran on the calling
+    /// thread, and nothing runs between two calls.
+    #[cfg(test)]
+    fn parked(
+        fabric: Arc<Fabric>,
+        counters: Arc<Counters>,
+        nctx: u32,
+        config: ProxyConfig,
+    ) -> Result<Self, GinError> {
+        Self::assemble(fabric, counters, nctx, config, |engine, exec, error| {
+            Ok(Driver::parked(
+                "gin-proxy-parked".into(),
+                (engine, exec),
+                error,
+            ))
+        })
+    }
+
+    /// The rings, engine and executor of a proxy, its driver made by
+    /// `drive`.
+    fn assemble(
+        fabric: Arc<Fabric>,
+        counters: Arc<Counters>,
+        nctx: u32,
+        config: ProxyConfig,
+        drive: impl FnOnce(
+            Engine<FabricExecutor>,
+            FabricExecutor,
+            Arc<FirstError>,
+        ) -> Result<(Driver, Shared<FabricExecutor>), GinError>,
     ) -> Result<Self, GinError> {
         let rank = fabric.rank();
         let nranks = fabric.nranks();
@@ -123,20 +181,7 @@ impl Proxy {
         );
         let exec = FabricExecutor::new(fabric, counters, rings.clone());
         let error = Arc::new(FirstError::default());
-        let driver = Driver::start(
-            format!("gin-proxy-{rank}"),
-            rank,
-            (engine, exec.clone()),
-            IdlePolicy::cpu(config.spin),
-            error.clone(),
-            // Its sends end within the timeout (gin-net's deadlines).
-            config.timeout,
-        )
-        .map_err(|e| GinError::Spawn {
-            rank,
-            what: "proxy thread",
-            why: e.to_string(),
-        })?;
+        let (driver, shared) = drive(engine, exec.clone(), error.clone())?;
         Ok(Self {
             rank,
             nranks,
@@ -147,6 +192,7 @@ impl Proxy {
             exec,
             error,
             tickets: TicketIssuer::new(),
+            shared,
             driver,
         })
     }
@@ -177,6 +223,14 @@ impl Proxy {
     }
 
     fn enqueue(&self, ctx: u32, peer: usize, d: &Desc) -> Result<(), GinError> {
+        self.write(ctx, peer, d)?;
+        self.driver.wake();
+        Ok(())
+    }
+
+    /// Writes `d` into its ring (waiting for credit), without waking the
+    /// proxy thread.
+    fn write(&self, ctx: u32, peer: usize, d: &Desc) -> Result<(), GinError> {
         d.validate().map_err(|e| self.unsupported(e))?;
         self.health()?;
         let ring = self.ring(ctx, peer);
@@ -185,8 +239,33 @@ impl Proxy {
             self.wait_for_credit(ring, ctx, peer, seq)?;
         }
         ring.write(seq, d);
-        self.driver.wake();
         Ok(())
+    }
+
+    /// Steps the rings of `ctx` to `peers` on the calling thread when the
+    /// proxy thread is not stepping the engine ([`Shared::try_step_rings`]);
+    /// wakes the proxy thread where work is left to it (the engine was
+    /// busy, or something is still in flight: a counter must count, and
+    /// the ring publish, without the caller calling again).
+    fn run_here(&self, ctx: u32, peers: impl IntoIterator<Item = usize>) {
+        let base = ctx as usize * self.nranks;
+        let rings = peers.into_iter().map(|p| base + p);
+        if self.shared.try_step_rings(rings) != (Turn::Stepped { more: false }) {
+            self.driver.wake();
+        }
+    }
+
+    /// Whether the calling thread runs the engine on the ring of a put it
+    /// queues ([`ProxyConfig::inline_tcp`]): a put the transport would
+    /// lend its source to, to a keyed peer, which [`Proxy::direct`] keeps
+    /// on the ring.
+    fn runs_here(&self, peer: usize, d: &Desc) -> bool {
+        let fabric = self.exec.fabric();
+        self.config.inline_tcp
+            && fabric.reach(peer) == Some(gin_net::Reach::Keyed)
+            && d.inline.is_none()
+            && d.bytes > 0
+            && fabric.lends_puts(peer, d.bytes)
     }
 
     fn wait_for_credit(
@@ -199,7 +278,12 @@ impl Proxy {
         let start = Instant::now();
         let mut spins = 0u32;
         while !ring.can_write(seq) {
-            self.driver.wake();
+            if self.config.inline_tcp {
+                // The engine frees the slot: run it here when it is free.
+                self.run_here(ctx, [peer]);
+            } else {
+                self.driver.wake();
+            }
             spins += 1;
             if spins < 100 {
                 std::hint::spin_loop();
@@ -323,6 +407,15 @@ impl Backend for Proxy {
         if self.direct(op.ctx, op.peer, &d) {
             return self.put_directly(op.ctx, op.peer, &d);
         }
+        if self.runs_here(op.peer, &d) {
+            // Issued on this thread (unless the proxy thread is stepping
+            // the engine right now), still tracked by the ring: its counter
+            // counts, and the ring publishes past it, once the transport is
+            // done with the source. A failure of this turn is this call's.
+            self.write(op.ctx, op.peer, &d)?;
+            self.run_here(op.ctx, [op.peer]);
+            return self.health();
+        }
         self.enqueue(op.ctx, op.peer, &d)
     }
 
@@ -373,10 +466,20 @@ impl Backend for Proxy {
             None => (0..self.nranks).collect(),
         };
         // The completion index covers a get only once its data landed.
-        let complete = peers
-            .iter()
-            .zip(marks)
-            .all(|(&p, mark)| passed(self.ring(t.ctx(), p).tail(), *mark));
+        let behind = || {
+            peers
+                .iter()
+                .zip(marks)
+                .filter(|&(&p, mark)| !passed(self.ring(t.ctx(), p).tail(), *mark))
+                .map(|(&p, _)| p)
+        };
+        let mut complete = behind().next().is_none();
+        if !complete && self.config.inline_tcp {
+            // `auto`: land (and issue) what the ticket waits for here, not
+            // on the proxy thread, when that is not stepping the engine.
+            self.run_here(t.ctx(), behind().collect::<Vec<_>>());
+            complete = behind().next().is_none();
+        }
         // Health after completion: a failure recorded before an operation was
         // released (a get whose link broke) is seen here, not missed.
         self.health()?;
@@ -608,6 +711,177 @@ mod tests {
         drop(proxy);
         drop(fabric);
         drop(mem);
+    }
+
+    /// Rank 0 of two, rank 1 keyed through a recorder that lends host puts
+    /// of 4 KiB and more and holds them in flight until the test completes
+    /// them; window 0 over memory its keeper owns (as a window gin-net
+    /// allocated, whose puts are lent). The proxy runs as `auto` does
+    /// (`inline_tcp`), with no thread of its own: whatever runs, runs on
+    /// the test's thread, within the call.
+    struct Lending {
+        proxy: Proxy,
+        win: Window,
+        counters: Arc<Counters>,
+        keyed: Arc<gin_net::testing::KeyedRecorder>,
+        base: *mut u8,
+        _fabric: Arc<Fabric>,
+        _mem: Arc<Box<[u64]>>,
+    }
+
+    fn lending() -> Lending {
+        use gin_net::Path;
+        use gin_net::testing::KeyedRecorder;
+
+        let keyed = Arc::new(KeyedRecorder::default().lending_host_puts(4096));
+        keyed.hold_device_puts();
+        let timeout = Duration::from_secs(5);
+        let fabric = Arc::new(Fabric::new(
+            0,
+            vec![Path::local(), Path::new(keyed.clone())],
+            Arc::new(RegionTable::default()),
+            timeout,
+        ));
+        let mem = Arc::new(vec![0u64; 2048].into_boxed_slice());
+        let len = (mem.len() * 8) as u64;
+        let base = mem.as_ptr().cast::<u8>().cast_mut();
+        let parts = MemParts {
+            local_base: base as usize,
+            sizes: vec![len, len],
+            peer_bases: vec![base as usize, 0],
+            keys: vec![0, 0x77],
+            addrs: vec![base as u64, 0x1000],
+            states: vec![0, 0],
+            keep: Some(gin_net::KeepAlive(mem.clone())),
+            ..MemParts::default()
+        };
+        // SAFETY: the keep-alive owns the memory, and the rig holds it too.
+        fabric.add_window(0, unsafe { MemDesc::new(parts).keeping_local() });
+        // SAFETY: as above.
+        let win = unsafe {
+            Window::from_parts(
+                WindowParts {
+                    id: 0,
+                    rank: 0,
+                    comm_id: 1,
+                    local_base: base,
+                    sizes: vec![len, len],
+                    peer_bases: vec![base, std::ptr::null_mut()],
+                    keys: vec![0, 0x77],
+                    addrs: vec![base as u64, 0x1000],
+                    states: vec![std::ptr::null(), std::ptr::null()],
+                },
+                Box::new(()),
+            )
+        };
+        let counters = Arc::new(Counters::new(1));
+        let config = ProxyConfig {
+            ring_log2: 2,
+            timeout,
+            inline_tcp: true,
+            ..ProxyConfig::default()
+        };
+        let proxy = Proxy::parked(fabric.clone(), counters.clone(), 1, config).unwrap();
+        Lending {
+            proxy,
+            win,
+            counters,
+            keyed,
+            base,
+            _fabric: fabric,
+            _mem: mem,
+        }
+    }
+
+    impl Lending {
+        fn put(&self, dst_off: u64, bytes: u64) -> Result<(), GinError> {
+            self.proxy.put(&PutOp {
+                ctx: 0,
+                peer: 1,
+                dst: &self.win,
+                dst_off,
+                src: Source::Window {
+                    window: &self.win,
+                    offset: 0,
+                },
+                bytes,
+                signal: None,
+                counter: Some(0),
+            })
+        }
+
+        fn counted(&self) -> u64 {
+            self.counters.slot(0).unwrap().load(Ordering::Acquire)
+        }
+    }
+
+    /// Under `auto`, a put the transport lends its source to is issued by
+    /// the calling thread (the proxy thread's turn on the engine taken
+    /// there), still through the ring: its counter counts, and the ring
+    /// publishes past it, only once the transport is done with the source,
+    /// and a waiter's flush lands it on its own thread. A put queued behind
+    /// it keeps its place: executed after it, counted only after it.
+    /// (Before, the put waited in the ring for the proxy thread: with none,
+    /// nothing was issued.)
+    #[test]
+    fn under_auto_a_lent_put_is_issued_and_landed_by_the_calling_thread_in_ring_order() {
+        use gin_net::testing::KeyedOp;
+
+        let r = lending();
+        r.put(0, 8 << 10).unwrap();
+        let ops = r.keyed.ops();
+        assert!(
+            matches!(ops[..], [KeyedOp::PutLent { src, len: 8192, .. }] if src == r.base as u64),
+            "{ops:?}"
+        );
+        let ring = r.proxy.ring(0, 1);
+        assert_eq!(
+            (ring.head(), ring.tail()),
+            (1, 0),
+            "published past a lent put"
+        );
+        assert_eq!(r.counted(), 0, "counted before the transport was done");
+        assert_eq!(r.keyed.lent_keepers(), 1);
+        // A small put behind it: the ring is not empty, so it queues.
+        r.put(64, 64).unwrap();
+        assert_eq!(r.keyed.ops().len(), 1, "a copied put ran before the waiter");
+        let t = r.proxy.ticket(0, None).unwrap();
+        assert_eq!(r.proxy.done(&t), Ok(false));
+        let ops = r.keyed.ops();
+        assert!(
+            matches!(
+                ops[..],
+                [KeyedOp::PutLent { .. }, KeyedOp::Put { offset: 64, .. }]
+            ),
+            "{ops:?}"
+        );
+        assert_eq!(r.counted(), 0, "the put behind the lent one counted first");
+        assert_eq!(r.proxy.ring(0, 1).tail(), 0);
+        r.keyed.complete_device_puts(1);
+        assert_eq!(r.proxy.done(&t), Ok(true));
+        assert_eq!(r.counted(), 2);
+        assert_eq!(r.proxy.ring(0, 1).tail(), 2);
+        assert_eq!(r.keyed.lent_keepers(), 0);
+        assert_eq!(r.proxy.executed(), 2);
+    }
+
+    /// A lent put the engine refuses on the calling thread fails that
+    /// call, naming the descriptor, and stops the proxy: nothing is
+    /// issued, and every later call reports the same error.
+    #[test]
+    fn under_auto_a_refused_lent_put_fails_its_own_call_and_stops_the_proxy() {
+        let r = lending();
+        let e = r.put(16 << 10, 8 << 10).unwrap_err().to_string();
+        assert!(
+            e.contains("put #0 to rank 1 on context 0 failed")
+                && e.contains("8192 bytes at offset 16384 exceed rank 1's 16384 bytes of window 0"),
+            "{e}"
+        );
+        assert_eq!(r.put(0, 8 << 10).unwrap_err().to_string(), e);
+        let t = r.proxy.ticket(0, None).unwrap();
+        assert_eq!(r.proxy.done(&t).unwrap_err().to_string(), e);
+        assert!(r.keyed.ops().is_empty(), "{:?}", r.keyed.ops());
+        assert_eq!(r.counted(), 0);
     }
 
     /// Fail-stop on CPU ranks: a descriptor the engine refuses stops it;

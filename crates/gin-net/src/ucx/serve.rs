@@ -1042,26 +1042,66 @@ const ASK_PATIENCE: Duration = Duration::from_millis(500);
 /// How long the progress thread keeps polling after the last event before
 /// it sleeps on the worker's event descriptor: a message arriving within
 /// it is handled without a wake-up (the latency of a ping-pong), one after
-/// it costs one.
+/// it costs one. At least `spin` (`GIN_UCX_SPIN`), and twice the quiet
+/// time that ended in an event lately, up to [`SPIN_REACH`]: a stream of
+/// messages a little slower than `spin` apart (1 MiB puts, each handled
+/// here: their signals' emulated atomics) is not left to wake the thread
+/// every time, which lengthens the gaps, which keeps it sleeping.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Idle {
     spin: Duration,
     last: Instant,
+    /// The longest quiet time that ended in an event lately (three
+    /// quarters of it forgotten at each event): none after a quiet time
+    /// over [`SPIN_REACH`].
+    reach: Duration,
 }
+
+/// The longest the progress thread polls after an event (when events came
+/// that far apart lately): a stream sparser than this sleeps between its
+/// messages.
+pub(super) const SPIN_REACH: Duration = Duration::from_millis(1);
 
 impl Idle {
     pub(super) fn new(spin: Duration, now: Instant) -> Self {
-        Self { spin, last: now }
+        Self {
+            spin,
+            last: now,
+            reach: Duration::ZERO,
+        }
     }
 
-    /// Something happened at `now`.
+    /// Something is under way at `now` (a request of this rank in flight):
+    /// not an event, no quiet time ended.
     pub(super) fn busy(&mut self, now: Instant) {
         self.last = now;
     }
 
+    /// An event at `now` (a message handled, queued work done): ends the
+    /// quiet time since the last one.
+    pub(super) fn event(&mut self, now: Instant) {
+        let quiet = now.saturating_duration_since(self.last);
+        self.reach = if quiet > SPIN_REACH {
+            Duration::ZERO
+        } else {
+            quiet.max(self.reach * 3 / 4)
+        };
+        self.last = now;
+    }
+
+    /// How long the thread polls after the last event now: `spin`, or
+    /// twice the recent quiet time up to [`SPIN_REACH`]; nothing with no
+    /// `spin` (`GIN_UCX_SPIN=0`: sleep whenever idle).
+    pub(super) fn window(&self) -> Duration {
+        if self.spin.is_zero() {
+            return Duration::ZERO;
+        }
+        self.spin.max((self.reach * 2).min(SPIN_REACH))
+    }
+
     /// Whether the thread may sleep at `now`.
     pub(super) fn may_sleep(&self, now: Instant) -> bool {
-        now.saturating_duration_since(self.last) >= self.spin
+        now.saturating_duration_since(self.last) >= self.window()
     }
 }
 
@@ -1094,6 +1134,18 @@ pub(super) fn spawn_progress(
                     continue;
                 }
                 inner.enter_thread_context(&mut context_seen);
+                if inner.issuing.load(Ordering::Acquire) > 0 {
+                    // Another thread holds the worker inside a UCX call
+                    // and progresses it there: stand back (see
+                    // `Inner::issuing`), attended, not idle.
+                    #[cfg(test)]
+                    inner.test.stood_back.fetch_add(1, Ordering::AcqRel);
+                    idle.busy(Instant::now());
+                    std::thread::yield_now();
+                    continue;
+                }
+                #[cfg(test)]
+                inner.test.turns.fetch_add(1, Ordering::AcqRel);
                 let turn = Instant::now();
                 let worked = inner.drain();
                 inner.held(turn, None, "the progress thread's queued work");
@@ -1102,7 +1154,7 @@ pub(super) fn spawn_progress(
                     inner.drop_released();
                 }
                 if worked || progressed {
-                    idle.busy(Instant::now());
+                    idle.event(Instant::now());
                     continue;
                 }
                 // Fire-and-forget requests in flight: a proxy waiting for

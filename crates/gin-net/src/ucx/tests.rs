@@ -44,6 +44,10 @@ pub(super) struct Hooks {
     numbered_blocked: AtomicBool,
     /// Waits for puts from lent memory begun ([`Inner::settle`]).
     settling: AtomicU64,
+    /// The progress thread's turns: at the worker ...
+    pub(super) turns: AtomicU64,
+    /// ... and standing back while another thread issued.
+    pub(super) stood_back: AtomicU64,
 }
 
 impl Hooks {
@@ -572,6 +576,53 @@ fn the_progress_thread_polls_for_spin_after_the_last_event() {
     assert!(serve::Idle::new(Duration::ZERO, t0).may_sleep(t0));
 }
 
+/// Events a little more than `spin` apart (1 MiB puts whose signals this
+/// thread handles) keep it polling between them: it polls twice the
+/// recent quiet time, up to `SPIN_REACH`, and forgets it as events come
+/// closer, or once a quiet time is longer than that.
+#[test]
+fn the_progress_thread_polls_across_the_gaps_of_a_steady_stream() {
+    let us = Duration::from_micros;
+    let t0 = Instant::now();
+    let mut idle = serve::Idle::new(us(100), t0);
+    // A first event 250 µs after the start: 500 µs of polling after it.
+    idle.event(t0 + us(250));
+    assert_eq!(idle.window(), us(500));
+    assert!(!idle.may_sleep(t0 + us(250) + us(499)));
+    assert!(idle.may_sleep(t0 + us(250) + us(500)));
+    // Something in flight is no event: the window stays.
+    idle.busy(t0 + us(300));
+    assert_eq!(idle.window(), us(500));
+    // Events back to back: the quiet time is forgotten by quarters...
+    let mut t = t0 + us(300);
+    let mut windows = Vec::new();
+    for _ in 0..4 {
+        t += us(1);
+        idle.event(t);
+        windows.push(idle.window());
+    }
+    let ns = Duration::from_nanos;
+    assert_eq!(windows, [us(375), ns(281_250), ns(210_936), ns(158_202)]);
+    // ... down to `spin`.
+    for _ in 0..10 {
+        t += us(1);
+        idle.event(t);
+    }
+    assert_eq!(idle.window(), us(100));
+    // Long quiet times are polled for at most `SPIN_REACH` ...
+    t += us(900);
+    idle.event(t);
+    assert_eq!(idle.window(), serve::SPIN_REACH);
+    // ... and one longer than that makes the stream sparse: `spin` again.
+    t += serve::SPIN_REACH + us(1);
+    idle.event(t);
+    assert_eq!(idle.window(), us(100));
+    // `GIN_UCX_SPIN=0` sleeps whenever idle, stream or not.
+    let mut none = serve::Idle::new(Duration::ZERO, t0);
+    none.event(t0 + us(250));
+    assert!(none.may_sleep(t0 + us(250)));
+}
+
 #[test]
 fn gin_ucx_spin_is_a_duration_or_an_error_naming_it() {
     assert_eq!(spin_from_env(None).unwrap(), SPIN);
@@ -810,6 +861,98 @@ fn an_rkey_request_to_an_owner_held_by_a_blocked_ucx_call_times_out_saying_so() 
     ] {
         assert!(e.contains(part), "{e:?} lacks {part:?}");
     }
+}
+
+/// While a thread is inside an issue call (which holds UCX's worker, a spin
+/// lock, for the whole call: a put with a signal over shared memory copies
+/// the put inside it), the progress thread does not progress the worker:
+/// it stands back, yielding, and takes its turns again once the call
+/// returned. (Before, it spun on the worker's lock, taking the core the
+/// copy needed.)
+#[test]
+fn the_progress_thread_stands_back_while_another_thread_issues() {
+    if !ucx_here() {
+        return;
+    }
+    let timeout = Duration::from_secs(10);
+    let out = two_ranks(timeout, move |b, table| {
+        let t = start(b, &table, timeout);
+        let mut mem = vec![0u64; 512];
+        let mine = register(&table, &mut mem);
+        let keys = b.allgather(&mine.to_le_bytes()).unwrap();
+        let key0 = u32::from_le_bytes(keys[0][..4].try_into().unwrap());
+        let put = |t: &UcxTransport| {
+            t.put(
+                0,
+                Target::Key {
+                    key: key0,
+                    offset: 0,
+                },
+                &[1; 8],
+                None,
+            )
+        };
+        let mut verdict = None;
+        if b.rank() == 1 {
+            // The rkey first, so the blocked call is the issue itself.
+            put(&t).unwrap();
+            let hooks = &t.inner.test;
+            let deadline = Instant::now() + timeout;
+            // Waits until `done`, or says what never happened by the
+            // deadline (never panicking while the call is held).
+            let until = |done: &dyn Fn() -> bool, what: &'static str| {
+                while !done() {
+                    if Instant::now() > deadline {
+                        return Err(what);
+                    }
+                    std::thread::yield_now();
+                }
+                Ok(())
+            };
+            let back = || hooks.stood_back.load(Ordering::Acquire);
+            let turns = || hooks.turns.load(Ordering::Acquire);
+            hooks.block_issue.store(true, Ordering::Release);
+            std::thread::scope(|s| {
+                let blocked = s.spawn(|| put(&t));
+                let during = until(
+                    &|| hooks.blocked.load(Ordering::Acquire),
+                    "the put did not block",
+                )
+                .and_then(|()| {
+                    // It stands back (a turn it began before the call
+                    // may still end) ...
+                    let first = back();
+                    until(&|| back() > first, "the progress thread never stood back")
+                })
+                .and_then(|()| {
+                    // ... then again and again, with no turn between.
+                    let (t0, b0) = (turns(), back());
+                    until(
+                        &|| back() >= b0 + 3,
+                        "the progress thread stopped standing back",
+                    )
+                    .map(|()| turns() - t0)
+                });
+                hooks.block_issue.store(false, Ordering::Release);
+                blocked.join().unwrap().unwrap();
+                // Its turns come back once the call returned.
+                let after = turns();
+                let back_again = until(&|| turns() > after, "no turn after the call");
+                verdict = Some(during.and_then(|d| back_again.map(|()| d)));
+            });
+        }
+        b.barrier().unwrap();
+        t.confirm(1 - b.rank(), timeout).unwrap();
+        b.barrier().unwrap();
+        drop(t);
+        table.remove(mine);
+        verdict
+    });
+    assert_eq!(
+        out[1],
+        Some(Ok(0)),
+        "turns at the worker while a call issued"
+    );
 }
 
 /// A window part's memory in these tests: host memory behind a backing,
