@@ -3,7 +3,7 @@
 //! producer wakes it).
 //!
 //! The engine and its executor sit behind a lock the thread takes for each
-//! step. A CPU rank's producer may take it too ([`Shared::try_step_ring`],
+//! step. A CPU rank's producer may take it too ([`Shared::try_step_rings`],
 //! gin-proxy's CPU backend under `auto`): it then executes the ring it
 //! wrote to, or lands what its flush waits for, on its own thread, with
 //! the same engine, instead of handing the work to the driver thread and
@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use gin_net::idle::{Sleeper, join_within};
 
 use crate::engine::Engine;
-use crate::error::{FirstError, ProxyError};
+use crate::error::{ExecError, FirstError, ProxyError};
 use crate::executor::Executor;
 
 /// How an idle driver waits for work.
@@ -73,13 +73,45 @@ struct Stepper<E: Executor> {
     exec: E,
 }
 
+/// The engine for what is not a step (starting, quiescing, asking whether
+/// work is left): a panic inside a step poisons the lock, and the stepping
+/// sites ([`step_lock`], [`Shared::try_step_rings`]) then fail the backend,
+/// so only these look past it.
 fn lock<E: Executor>(m: &Mutex<Stepper<E>>) -> MutexGuard<'_, Stepper<E>> {
-    // A panic inside a step leaves the engine as the step left it; the
-    // driver carries on as it would have on its own thread.
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// What [`Shared::try_step_ring`] did.
+/// The error a stepping site records once a thread panicked inside a step
+/// (the lock is poisoned): that step may have issued a put and counted its
+/// signal without moving the ring past it, so stepping again could send
+/// both twice; nothing more is executed (fail-stop).
+fn poisoned(rank: usize) -> ProxyError {
+    ProxyError::Executor {
+        rank,
+        what: "step its rings",
+        why: ExecError::Invalid {
+            why: "a thread panicked inside a step of the engine; what that step left half done \
+                  is not run again"
+                .into(),
+        },
+    }
+}
+
+/// The engine for a step, or `None` after recording [`poisoned`] where a
+/// thread panicked inside an earlier one.
+fn step_lock<'a, E: Executor>(
+    m: &'a Mutex<Stepper<E>>,
+    error: &FirstError,
+    rank: usize,
+) -> Option<MutexGuard<'a, Stepper<E>>> {
+    let guard = m.lock().ok();
+    if guard.is_none() {
+        error.record(poisoned(rank));
+    }
+    guard
+}
+
+/// What [`Shared::try_step_rings`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Turn {
     /// Another thread (the driver, or another producer) was stepping the
@@ -100,6 +132,7 @@ pub(crate) enum Turn {
 /// ([`Driver::start_shared`]): it steps one ring on the calling thread
 /// when no other thread is stepping.
 pub(crate) struct Shared<E: Executor> {
+    rank: usize,
     parts: Arc<Mutex<Stepper<E>>>,
     error: Arc<FirstError>,
     control: Arc<Control>,
@@ -121,7 +154,10 @@ impl<E: Executor> Shared<E> {
     pub(crate) fn try_step_rings(&self, rings: impl IntoIterator<Item = usize>) -> Turn {
         let mut guard = match self.parts.try_lock() {
             Ok(g) => g,
-            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::Poisoned(_)) => {
+                self.error.record(poisoned(self.rank));
+                return Turn::Stepped { more: false };
+            }
             Err(TryLockError::WouldBlock) => return Turn::Busy,
         };
         if self.error.get().is_some() {
@@ -156,8 +192,9 @@ pub struct Driver {
 }
 
 impl Driver {
-    /// Starts a thread named `name` that steps `engine` with `exec` (owned
-    /// by the thread) until stopped, recording the first error in `error`
+    /// Starts a thread named `name` that steps `engine` with `exec` (behind
+    /// a lock, so that producers may take a turn: `Driver::start_shared`)
+    /// until stopped, recording the first error in `error`
     /// (which producers share). Stopping waits for the thread at most
     /// `join_limit`: every blocking call of an executor honours the job's
     /// timeout, so a thread still busy after it is abandoned, not waited
@@ -199,6 +236,7 @@ impl Driver {
             .spawn(move || run(&c, &e, rank, &p, idle))?;
         control.sleeper.set_thread(thread.thread().clone());
         let shared = Shared {
+            rank,
             parts,
             error: error.clone(),
             control: control.clone(),
@@ -230,6 +268,8 @@ impl Driver {
         let parts = Arc::new(Mutex::new(Stepper { engine, exec }));
         let control = Arc::new(Control::default());
         let shared = Shared {
+            // (No rank: tests name none.)
+            rank: 0,
             parts,
             error: error.clone(),
             control: control.clone(),
@@ -312,7 +352,9 @@ fn run<E: Executor>(
             continue;
         }
         let (p, in_flight) = {
-            let mut guard = lock(parts);
+            let Some(mut guard) = step_lock(parts, error, rank) else {
+                continue;
+            };
             let Stepper { engine, exec } = &mut *guard;
             let p = engine.step(exec);
             if let Some(e) = engine.failure() {
@@ -485,6 +527,54 @@ mod tests {
         assert_eq!(shared.try_step_rings([0]), Turn::Stepped { more: false });
         assert_eq!(ring.tail(), 1);
         assert_eq!(driver.executed(), 1);
+    }
+
+    /// A thread that panicked inside a step (the engine's lock poisoned)
+    /// may have issued a put and counted its signal without moving the ring
+    /// past it: the next step, on whichever thread, fails the backend
+    /// instead of running that descriptor again (which would send the put
+    /// and its signal twice).
+    #[test]
+    fn a_panic_inside_a_step_fails_the_backend_and_nothing_runs_again() {
+        let ring = Arc::new(Ring::new(3));
+        let mut fake = Fake::new(0, 1);
+        fake.add_window(1, &[64, 64]);
+        fake.attach(0, ring.clone());
+        let spec = RingSpec {
+            ctx: 0,
+            peer: 1,
+            mem: RingMem::owned(ring.clone()),
+            first: 0,
+        };
+        let config = EngineConfig {
+            rank: 0,
+            batch: 4,
+            counter_slots: 1,
+        };
+        let error = Arc::new(FirstError::default());
+        let (driver, shared) = Driver::parked(
+            "gin-proxy-test".into(),
+            (Engine::new(config, vec![spec]), fake),
+            error.clone(),
+        );
+        let seq = ring.reserve();
+        ring.write(seq, &put(0));
+        let parts = &shared.parts;
+        let panicked = thread::scope(|s| {
+            s.spawn(|| {
+                let _step = parts.lock().unwrap();
+                panic!("a step panics (a test)");
+            })
+            .join()
+        });
+        assert!(panicked.is_err());
+        assert_eq!(shared.try_step_rings([0]), Turn::Stepped { more: false });
+        let e = error.get().unwrap();
+        assert!(e.to_string().contains("panicked inside a step"), "{e}");
+        assert_eq!(ring.tail(), 0, "a descriptor ran after a step panicked");
+        assert_eq!(driver.executed(), 0);
+        assert_eq!(shared.try_step_rings([0]), Turn::Stepped { more: false });
+        assert_eq!(ring.tail(), 0);
     }
 
     #[test]

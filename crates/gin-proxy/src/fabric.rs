@@ -24,7 +24,8 @@ use crate::ring::Ring;
 
 /// gin-net's fabric as an [`Executor`] for CPU ranks. Cheap to clone: the
 /// proxy keeps one for the producers' direct sends and confirmations, and
-/// the driver thread owns another.
+/// the engine another (behind the driver's lock: the driver thread and,
+/// for lent puts, a rank's own thread take turns stepping with it).
 #[derive(Debug, Clone)]
 pub(crate) struct FabricExecutor {
     fabric: Arc<Fabric>,

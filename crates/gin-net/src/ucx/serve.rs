@@ -1051,8 +1051,8 @@ const ASK_PATIENCE: Duration = Duration::from_millis(500);
 pub(super) struct Idle {
     spin: Duration,
     last: Instant,
-    /// The longest quiet time that ended in an event lately (three
-    /// quarters of it forgotten at each event): none after a quiet time
+    /// The longest quiet time that ended in an event lately (a quarter
+    /// of it forgotten at each event): none after a quiet time
     /// over [`SPIN_REACH`].
     reach: Duration,
 }
