@@ -757,7 +757,14 @@ impl CudaBuffer<'_, '_> {
             .as_mut()
             .map(|h| (std::mem::take(&mut h.idx), std::mem::take(&mut h.wts)))
             .unwrap_or_default();
-        let r = match self.ht_device_routing(inp, &mut idx, &mut w) {
+        let t0 = std::time::Instant::now();
+        let routing = self.ht_device_routing(inp, &mut idx, &mut w);
+        tracing::debug!(
+            rank = self.rank,
+            routed_us = t0.elapsed().as_secs_f64() * 1e6,
+            "high-throughput dispatch from GPU memory: the routing's read-back, checks and layout on the host"
+        );
+        let r = match routing {
             Ok(lay) => self.ht_device_steps(&s, &lay, inp),
             Err(e) => Err(self.ht_refuse(&s, e)),
         };
