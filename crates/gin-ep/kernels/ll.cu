@@ -561,11 +561,10 @@ __device__ __noinline__ void stage_tokens(const Window& send, const u16* x, cons
   const u32 lane = threadIdx.x & 31u, warps = blockDim.x >> 5;
   for (u32 tok = blockIdx.x * warps + (threadIdx.x >> 5); tok < tokens; tok += gridDim.x * warps) {
     u8* msg = (u8*)send.local_base + (u64)tok * m;
-    if (!fp8) {
-      const uint4* s = (const uint4*)(x + (u64)tok * (p / 2));
-      uint4* d = (uint4*)msg;
-      for (u32 v = lane; v < p / 16; v += 32) d[v] = s[v];
-    }
+    // The payload with eight 16-byte loads in flight per lane (gin's
+    // coop_copy): one load at a time left each warp's token waiting on
+    // HBM's latency once per 512 bytes.
+    if (!fp8) gin::detail::coop_copy(WARP, msg, (const u8*)(x + (u64)tok * (p / 2)), p);
     u8* md = msg + p;
     if (lane == 0) *(u32*)md = tok;
     u64 bad = ~0ull;
@@ -792,15 +791,14 @@ extern "C" __global__ void ep_ll_echo(Window recv, Window csend, u32 pairs, u32 
 // The caller's expert outputs into the combine slots: src holds pairs x t
 // slots of h2 bytes (the layout of csend: DeepEP's [l, r * t, h] expert
 // output tensor, 16-byte aligned), of which the received ones (counts) are
-// copied, 16 bytes per thread.
+// copied.
 extern "C" __global__ void ep_ll_take_outputs(Window csend, const u8* src, u32 pairs, u32 t,
                                               u32 h2, const u32* counts) {
   for (u32 q = blockIdx.x; q < pairs; q += gridDim.x) {
     const u32 c = counts[q] > t ? t : counts[q];
-    const u64 n = (u64)c * (h2 / 16);
-    const uint4* s = (const uint4*)(src + (u64)q * t * h2);
-    uint4* d = (uint4*)((u8*)csend.local_base + (u64)q * t * h2);
-    for (u64 v = threadIdx.x; v < n; v += blockDim.x) d[v] = s[v];
+    // Eight 16-byte loads in flight per thread (gin's coop_copy).
+    gin::detail::coop_copy(CTA, (u8*)csend.local_base + (u64)q * t * h2, src + (u64)q * t * h2,
+                           (u64)c * h2);
   }
 }
 
