@@ -1052,9 +1052,10 @@ fn refused_tensor(
         Bad::CombineIn => buf.device_layout().combine_bytes(),
         _ => 2 * tokens * buf.config().hidden,
     };
-    Ok(gin_core::cuda::DevMem::new(
-        bytes.saturating_sub(2).max(16),
-    )?)
+    if bytes < 18 {
+        return Err(format!("bad={what:?} needs a tensor of 18 bytes or more, not {bytes}").into());
+    }
+    Ok(gin_core::cuda::DevMem::new(bytes - 2)?)
 }
 
 /// A combine's refusal on this rank, in words, judged: the victim's call
