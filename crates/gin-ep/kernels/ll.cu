@@ -409,17 +409,25 @@ __device__ int wait_from(const DevComm& dc, u32 id, u64 target, u32 peer) {
 // status on every thread; what the signals announced is visible to the whole
 // block afterwards. `refused` (the same on every thread): the lowest expert
 // whose signal came with POISON (rec::combine_refused: its rank refused the
-// combine), ~0 for none; for each such expert's rank, `account` (where not
-// null) takes POISON, for the next dispatch to add to its target.
+// combine), ~0 for none, and `moved` how far that expert's signal moved
+// past its target (what rec::combine_error judges and the record holds);
+// for each such expert's rank, `account` (where not null) takes POISON, for
+// the next dispatch to add to its target.
 __device__ int wait_experts(const DevComm& dc, u32 first, u32 count, u32 l, const u32* active,
-                            const u64* targets, u32& refused, u64* account) {
+                            const u64* targets, u32& refused, u64& moved, u64* account) {
   __shared__ int status;
   __shared__ u32 low;
+  __shared__ u64 low_moved;
   if (threadIdx.x == 0) {
     status = OK;
     low = ~0u;
+    low_moved = 0;
   }
   __syncthreads();
+  // This thread's lowest refused expert and how far its signal moved (its
+  // experts come in ascending order: the first one found).
+  u32 mine = ~0u;
+  u64 mine_moved = 0;
   for (u32 e = threadIdx.x; e < count; e += blockDim.x) {
     const u32 owner = e / l, id = first + e;
     if (!active[owner]) continue;
@@ -440,13 +448,22 @@ __device__ int wait_experts(const DevComm& dc, u32 first, u32 count, u32 l, cons
         // Every expert of the refusing rank comes with it: the same store.
         if (account) account[owner] = POISON;
         atomicMin(&low, e);
+        if (mine == ~0u) {
+          mine = e;
+          mine_moved = v - target;
+        }
       }
     }
     if (s) atomicCAS(&status, OK, s);
   }
   __syncthreads();
+  // The one thread that found the lowest refused expert says how far it
+  // moved.
+  if (mine != ~0u && mine == low) low_moved = mine_moved;
+  __syncthreads();
   const int s = status;
   refused = low;
+  moved = low_moved;
   __syncthreads();
   return s;
 }
@@ -1019,13 +1036,17 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_combine(DevComm d
   // csend is rewritten by the next step's expert.
   if (flush(dc, 0, CTA)) return;
   u32 low;
-  if (ep::wait_experts(dc, experts, experts, l, active, ctarget, low, blockIdx.x ? nullptr : cpois))
+  u64 moved;
+  if (ep::wait_experts(dc, experts, experts, l, active, ctarget, low, moved,
+                       blockIdx.x ? nullptr : cpois))
     return;
   if (refused || low != ~0u) {
     // A refused combine: no result on any rank, nothing of out written.
-    const u64 kind = ep::rec::combine_error(ep::POISON, refused != 0);
-    if (blockIdx.x == 0 && threadIdx.x == 0 && low != ~0u && kind)
-      ep::record(err, errh, kind | (u64)(low / l) << 8, low, 0, 0);
+    // The record: the refusing rank, its lowest expert, how far that
+    // expert's signal moved past its target (POISON).
+    const u64 kind = low != ~0u ? ep::rec::combine_error(moved, refused != 0) : 0;
+    if (blockIdx.x == 0 && threadIdx.x == 0 && kind)
+      ep::record(err, errh, kind | (u64)(low / l) << 8, low, moved, 0);
     ep::clock_end(clock);
     return;
   }

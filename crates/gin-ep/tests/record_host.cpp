@@ -93,10 +93,21 @@ int main() {
   // combine: its expert outputs were refused by its host). A refusal, which
   // a rank refusing the combine itself does not record; never a broken
   // protocol (it never claims slot 1).
-  EXPECT(!rec::combine_refused(0) && rec::combine_error(0, false) == 0);
-  EXPECT(!rec::combine_refused(POISON - 1) && rec::combine_error(POISON - 1, false) == 0);
-  EXPECT(rec::combine_refused(POISON) && rec::combine_error(POISON, false) == ERR_PEER_REFUSED_COMBINE);
-  EXPECT(rec::combine_error(POISON, true) == 0);
+  // What the combine kernel passes (wait_experts' `moved`): the signal's
+  // value v less its target, the accounted value plus the step's 1; the
+  // accounted value here already holds an earlier refused combine's
+  // POISON (the next dispatch added it to the target), so the moved value
+  // is counted from it, not from the signal's raw value.
+  const u64 accounted = 7 + 2 * POISON, target = accounted + 1;
+  const u64 full = (accounted + 1) - target, refused = (accounted + 1 + POISON) - target;
+  EXPECT(full == 0 && refused == POISON);
+  EXPECT(!rec::combine_refused(full) && rec::combine_error(full, false) == 0);
+  EXPECT(!rec::combine_refused(full) && rec::combine_error(full, true) == 0);
+  EXPECT(rec::combine_refused(refused) && rec::combine_error(refused, false) == ERR_PEER_REFUSED_COMBINE);
+  EXPECT(rec::combine_error(refused, true) == 0);
+  // Judged from the raw value instead (the poison not accounted), a full
+  // combine after a refused one would read as refused again.
+  EXPECT(rec::combine_refused((accounted + 1) - (7 + 1)));
   EXPECT(rec::is_refusal(peer(ERR_PEER_REFUSED_COMBINE, 2)) && !rec::claims(1, peer(ERR_PEER_REFUSED_COMBINE, 2)));
   EXPECT(ERR_PEER_REFUSED_COMBINE != ERR_PEER_BAD_INPUT && ERR_PEER_REFUSED_COMBINE != 8);
   {
@@ -105,18 +116,19 @@ int main() {
     // taken: the first refusal is reported), then rank 1's count above the
     // maximum (slot 1 keeps it whatever slot 0 holds).
     Words r;
-    r.record(peer(rec::combine_error(POISON, false), 2), 9, 0, 0);
-    EXPECT(r.slot(0, peer(ERR_PEER_REFUSED_COMBINE, 2), 9, 0, 0) && r.empty(1));
+    // (As the combine kernel records it: expert 9, moved POISON.)
+    r.record(peer(rec::combine_error(refused, false), 2), 9, refused, 0);
+    EXPECT(r.slot(0, peer(ERR_PEER_REFUSED_COMBINE, 2), 9, POISON, 0) && r.empty(1));
     r.record(peer(rec::count_error(POISONED, T, false), 3), 5, POISONED, 0);
-    EXPECT(r.slot(0, peer(ERR_PEER_REFUSED_COMBINE, 2), 9, 0, 0) && r.empty(1));
+    EXPECT(r.slot(0, peer(ERR_PEER_REFUSED_COMBINE, 2), 9, POISON, 0) && r.empty(1));
     r.record(peer(ERR_COUNT_OVER_MAX, 1), 4, 30, 0);
-    EXPECT(r.slot(0, peer(ERR_PEER_REFUSED_COMBINE, 2), 9, 0, 0));
+    EXPECT(r.slot(0, peer(ERR_PEER_REFUSED_COMBINE, 2), 9, POISON, 0));
     EXPECT(r.slot(1, peer(ERR_COUNT_OVER_MAX, 1), 4, 30, 0));
     // Reported and cleared (a waited combine, or check): the next refused
     // combine takes slot 0 again.
     r.forget_refusal();
-    r.record(peer(ERR_PEER_REFUSED_COMBINE, 3), 12, 0, 0);
-    EXPECT(r.slot(0, peer(ERR_PEER_REFUSED_COMBINE, 3), 12, 0, 0));
+    r.record(peer(rec::combine_error(refused, false), 3), 12, refused, 0);
+    EXPECT(r.slot(0, peer(ERR_PEER_REFUSED_COMBINE, 3), 12, POISON, 0));
   }
   {
     // Steps queued back to back: step 1 refused at rank 2 (this rank
