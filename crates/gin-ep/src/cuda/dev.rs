@@ -323,7 +323,8 @@ pub(crate) mod code {
     pub const HT: u64 = 8;
     /// An expert rank (the peer) refused the low-latency combine (its
     /// expert outputs refused by its host's checks): its combine signals
-    /// came with `POISON`, no output; word 1 its expert.
+    /// came with `POISON`, no output; word 1 its (lowest) expert, word 2
+    /// how far that expert's signal moved past its target (`POISON`).
     pub const PEER_REFUSED_COMBINE: u64 = 9;
 
     /// What an `HT` error says (`ep::ht::HT_*`).
@@ -465,9 +466,10 @@ pub(crate) fn is_refusal(w0: u64) -> bool {
 /// The error a kernel recorded (`ep::record`: word 0 the kind | the peer
 /// << 8, words 1-3 what), as the host reports it: the source's protocol
 /// errors as [`EpError::Protocol`] naming it and this rank's expert, a
-/// source's refused inputs, and an expert rank's refused combine, as
-/// [`EpError::PeerRefused`] naming it, this rank's bad inputs as the
-/// host's own input checks name them. `None` for no error (word 0 zero).
+/// source's refused inputs as [`EpError::PeerRefused`] naming it, an
+/// expert rank's refused combine as [`EpError::PeerRefusedCombine`] naming
+/// it, this rank's bad inputs as the host's own input checks name them.
+/// `None` for no error (word 0 zero).
 pub fn decode_error(rank: usize, cfg: &Config, w: [u64; 4]) -> Option<EpError> {
     if w[0] == 0 {
         return None;
@@ -485,7 +487,8 @@ pub fn decode_error(rank: usize, cfg: &Config, w: [u64; 4]) -> Option<EpError> {
             "count {} for expert {}, above the maximum {t}",
             w[2], w[1]
         )),
-        code::PEER_BAD_INPUT | code::PEER_REFUSED_COMBINE => EpError::PeerRefused { rank, peer },
+        code::PEER_BAD_INPUT => EpError::PeerRefused { rank, peer },
+        code::PEER_REFUSED_COMBINE => EpError::PeerRefusedCombine { rank, peer },
         code::TOKEN_RANGE => proto(format!(
             "token index {} at or above the maximum {t} in expert {}'s slots",
             w[2], w[1]
@@ -769,13 +772,30 @@ mod tests {
             matches!(e, EpError::BadWeight { token: 9, slot: 1, weight, .. } if weight.is_nan())
         );
         // An expert rank's refused combine (code 9, ll.cu's
-        // ERR_PEER_REFUSED_COMBINE), naming that rank: before, an unknown
-        // error.
-        let e = decode_error(3, &c, [9 | 2 << 8, 5, 0, 0]).unwrap();
+        // ERR_PEER_REFUSED_COMBINE, as the combine kernel records it:
+        // expert 5, moved POISON), naming that rank, its message about
+        // the combine (the expert outputs missing, this rank's output not
+        // written), not the dispatch's ("inputs were refused ... sent no
+        // token"): before, PeerRefused.
+        let e = decode_error(3, &c, [9 | 2 << 8, 5, 1 << 32, 0]).unwrap();
         assert!(
-            matches!(e, EpError::PeerRefused { rank: 3, peer: 2 }),
-            "{e}"
+            matches!(e, EpError::PeerRefusedCombine { rank: 3, peer: 2 }),
+            "{e:?}"
         );
+        let msg = e.to_string();
+        assert!(
+            msg.contains("rank 2 refused this step's combine")
+                && msg.contains("expert outputs")
+                && msg.contains("combine output was not written"),
+            "{msg}"
+        );
+        assert!(
+            !msg.contains("inputs were refused") && !msg.contains("sent no token"),
+            "{msg}"
+        );
+        // Its kind is a refusal (the step ended on every rank), whatever
+        // the peer byte: judged as a source's refused inputs are.
+        assert!(is_refusal(9 | 2 << 8) && is_refusal(code::PEER_REFUSED_COMBINE));
         let e = decode_error(0, &c, [200, 0, 0, 0]).unwrap();
         assert!(e.to_string().contains("unknown error 200"));
     }

@@ -1448,7 +1448,9 @@ impl CudaBuffer<'_, '_> {
     /// buffer's own memory (`State::out`, allocated with the buffer), `out`
     /// untouched; then this returns the error, and every buffer takes the
     /// next step. (Before, it returned at once, launching nothing, and
-    /// every peer's combine failed at the job timeout.)
+    /// every peer's combine failed at the job timeout.) The error ends the
+    /// step: the combine ran, so a retry is refused ([`EpError::Phase`]),
+    /// and the reduction, in the buffer's own memory, is not returned.
     pub fn ht_combine_device(&mut self, s: &CudaHtStep, out: &DevMem) -> Result<(), EpError> {
         const CALL: &str = "ht_combine_device";
         self.ht_state(CALL)?;

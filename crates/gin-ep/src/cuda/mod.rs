@@ -108,9 +108,17 @@
 //! each of its combine signals carrying `POISON` beside the step's 1.
 //! Each source's combine kernel then reduces nothing (its output is left
 //! untouched), records the refusal naming the expert's rank
-//! ([`EpError::PeerRefused`], from a waited call or `check`) and accounts
-//! the poison (the next dispatch adds it to the combine target), so the
-//! next step counts alike on every rank.
+//! ([`EpError::PeerRefusedCombine`], from a waited call or `check`) and
+//! accounts the poison (the next dispatch adds it to the combine target),
+//! so the next step counts alike on every rank.
+//!
+//! **An `Err` from a combine call whose own tensor was refused ends the
+//! step**: the combine ran (or was queued) all the same, so the buffer is
+//! idle and a retry of the combine is refused (`EpError::Phase`); for a
+//! refused `out` the reduction went to the buffer's own memory and is not
+//! returned. Where both tensors are refused, the error names the combine
+//! output (its check runs first) and the combine is refused collectively
+//! all the same.
 //!
 //! High-throughput mode (`ht.rs`, `kernels/ht.cu`): a buffer created with
 //! [`Config::high_throughput`] runs [`CudaBuffer::ht_dispatch`],
@@ -1726,11 +1734,18 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// as a dispatch's inputs are: its kernel runs in its refusing form
     /// (nothing copied, nothing sent, each of this rank's combine signals
     /// marked refused), every source's combine writes nothing of its
-    /// output and returns [`EpError::PeerRefused`] naming this rank (a
-    /// queued one's [`CudaBuffer::check`]), this call returns the error,
-    /// and every buffer takes the next step. Where the refused combine's
-    /// own part fails (a wait timed out, a peer was lost), that error is
-    /// returned instead and the buffer refuses further steps.
+    /// output and returns [`EpError::PeerRefusedCombine`] naming this rank
+    /// (a queued one's [`CudaBuffer::check`]), this call returns the
+    /// error, and every buffer takes the next step. Where the refused
+    /// combine's own part fails (a wait timed out, a peer was lost), that
+    /// error is returned instead and the buffer refuses further steps.
+    ///
+    /// The error ends the step: the combine ran, so a retry is refused
+    /// ([`EpError::Phase`]); for a refused `out` the reduction went to the
+    /// buffer's own memory and is not returned. Where both tensors are
+    /// refused, the error names "combine output" (checked first), and the
+    /// combine is still refused collectively (the expert outputs were not
+    /// sent).
     pub fn ll_combine_from_device(
         &mut self,
         s: &CudaLlStep,
@@ -1752,8 +1767,21 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// combine is queued all the same (in full into the buffer's own
     /// memory for a refused `out`, in its refusing form for refused expert
     /// outputs), and this call returns the error, the step ended (queue
-    /// nothing more for it); the peers' `check` reports a refused
-    /// combine, naming this rank.
+    /// nothing more for it: a retry is refused, [`EpError::Phase`]); the
+    /// peers' `check` reports a refused combine
+    /// ([`EpError::PeerRefusedCombine`]), naming this rank. Only refused
+    /// expert outputs reach the peers: a refused `out` alone is this
+    /// rank's own (every peer's combine gives its normal result, and its
+    /// `check` is clean). This rank's own `check` reports nothing of its
+    /// refusal (the call returned it).
+    ///
+    /// In a CUDA graph: the refusal is decided at capture, so a graph
+    /// captured from a call whose expert outputs were refused replays the
+    /// combine in its refusing form on every replay (every replay is a
+    /// refused combine, each peer's `check` reporting it), and one captured
+    /// from a call whose `out` was refused replays the combine into the
+    /// buffer's own memory, without an error; recapture with good
+    /// tensors.
     ///
     /// # Safety
     /// As [`CudaBuffer::ll_combine_on`]; `expert_out` must stay allocated,
@@ -1931,8 +1959,8 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// out empty slots and masked ranks' experts. The combined tokens are
     /// read back. Where an expert rank refused the combine (its expert
     /// outputs refused by its host: [`CudaBuffer::ll_combine_from_device`])
-    /// the step has no result: this returns [`EpError::PeerRefused`] naming
-    /// it, and the buffer takes the next step.
+    /// the step has no result: this returns [`EpError::PeerRefusedCombine`]
+    /// naming it, and the buffer takes the next step.
     pub fn ll_combine(&mut self, d: &CudaLlDispatch) -> Result<Combined, EpError> {
         self.expect_dispatch("ll_combine", d.step)?;
         self.expect_unqueued("ll_combine")?;
@@ -1975,9 +2003,13 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// (allocated with the buffer) and `out` left untouched; then this
     /// returns the error. Every peer's combine gives its normal result, and
     /// every buffer takes the next step. Where an expert rank refused the
-    /// combine, this returns [`EpError::PeerRefused`] naming it and `out`
-    /// is untouched: the step has no result. A call out of order is
+    /// combine, this returns [`EpError::PeerRefusedCombine`] naming it and
+    /// `out` is untouched: the step has no result. A call out of order is
     /// refused locally.
+    ///
+    /// An error for a refused `out` ends the step: the combine ran, so a
+    /// retry is refused ([`EpError::Phase`]), and the reduction, written
+    /// into the buffer's own memory, is not returned.
     pub fn ll_combine_device(&mut self, s: &CudaLlStep, out: &DevMem) -> Result<(), EpError> {
         self.expect_dispatch("ll_combine_device", s.step)?;
         self.expect_unqueued("ll_combine_device")?;
@@ -1995,9 +2027,10 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// [`CudaBuffer::ll_combine_device`] queued on the caller's `stream`,
     /// returning at once. A refused `out` is handled as there, queued: the
     /// combine is queued in full into the buffer's own memory, and this
-    /// returns the error, the step ended (queue nothing more for it). An
-    /// expert rank's refused combine is reported by [`CudaBuffer::check`],
-    /// `out` untouched.
+    /// returns the error, the step ended (queue nothing more for it: a
+    /// retry is refused, [`EpError::Phase`]). An expert rank's refused
+    /// combine is reported by [`CudaBuffer::check`]
+    /// ([`EpError::PeerRefusedCombine`]), `out` untouched.
     ///
     /// # Safety
     /// As [`CudaBuffer::ll_dispatch_on`]; `out` must stay allocated, and
@@ -2061,7 +2094,12 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// [`EpError::BadWeight`]; on every other rank [`EpError::PeerRefused`]
     /// naming that rank; a refusal by the host's checks on a queued
     /// dispatch was returned by that call, and its peers' checks name it)
-    /// and cleared, and the buffer stays usable where it stands: idle, or,
+    /// and cleared, and so is a combine queued since the last check that
+    /// an expert rank refused (its expert outputs refused by its host:
+    /// [`EpError::PeerRefusedCombine`] naming it, the refusing rank's own
+    /// `ll_combine_from_on` having returned its error, its `check` clean;
+    /// a refused `out` is reported by the call alone, never to the peers);
+    /// the buffer stays usable where it stands: idle, or,
     /// checked between a dispatch and its combine, holding that step, whose
     /// combine is queued next as usual (above). Every step dispatched
     /// since the last check runs to its end on every rank as queued: one
