@@ -310,6 +310,45 @@ for n in 2 4; do
   # The expert outputs in the caller's tensor (ll_combine_from_*).
   step "ep-ll-cuda-${n}ranks-inputs-device-expert-tensor" "$ep" ll device=cuda ranks=$n inputs=device expert=tensor
   step "ep-ll-cuda-${n}ranks-inputs-stream-expert-tensor" "$ep" ll device=cuda ranks=$n inputs=stream expert=tensor
+  # A combine's tensor refused by the host's checks on rank 1 (one element
+  # short), after a dispatch from host memory (-bad-combine-*), on gin's
+  # stream, queued, the middle of three steps queued back to back, and
+  # mixed: its output (bad=combine-out: its combine still runs in full into
+  # the buffer's own memory, every other rank's result verifies) or its
+  # expert outputs (bad=combine-in, ll_combine_from_*: the combine is
+  # refused collectively, every other rank is told naming rank 1, its
+  # output untouched). Either way rank 1's call returns Shape naming the
+  # tensor, within half the job timeout, and the steps after it verify
+  # (the -named and -agree steps below). Before, rank 1 returned at once
+  # launching nothing, and every other rank's combine waited for its
+  # signals until the job timeout, then refused every later step.
+  for what in combine-out combine-in; do
+    step "ep-ll-cuda-${n}ranks-bad-${what}" "$ep" ll device=cuda ranks=$n bad=$what
+    for kind in device stream queued mixed; do
+      step "ep-ll-cuda-${n}ranks-inputs-${kind}-bad-${what}" "$ep" ll device=cuda ranks=$n inputs=$kind bad=$what
+    done
+  done
+  # A refused combine (rank 1's expert outputs) and, in the next step, a
+  # refused dispatch (then=entry: rank 1's expert id out of range): the
+  # dispatch accounts the combine's poison in the combine targets, and must
+  # still end its own refusal as a step every rank ends; from host memory,
+  # mixed (waited and queued ranks) and queued back to back.
+  step "ep-ll-cuda-${n}ranks-bad-combine-in-then-entry" "$ep" ll device=cuda ranks=$n bad=combine-in then=entry
+  for kind in mixed queued; do
+    step "ep-ll-cuda-${n}ranks-inputs-${kind}-bad-combine-in-then-entry" "$ep" ll device=cuda ranks=$n inputs=$kind bad=combine-in then=entry
+  done
+done
+# Two ranks refusing their combine's tensor in the same step (victims=1,2
+# of 4): from host memory, mixed (rank 1 queued, rank 2 waited) and queued
+# back to back. Each victim's call returns Shape naming its tensor; with
+# refused expert outputs the other two ranks name rank 1 (the lowest),
+# and each victim's own combine, a source of the other's poisoned
+# signals, records nothing of it.
+for what in combine-out combine-in; do
+  step "ep-ll-cuda-4ranks-bad-${what}-victims12" "$ep" ll device=cuda ranks=4 bad=$what victims=1,2
+  for kind in mixed queued; do
+    step "ep-ll-cuda-4ranks-inputs-${kind}-bad-${what}-victims12" "$ep" ll device=cuda ranks=4 inputs=$kind bad=$what victims=1,2
+  done
 done
 # A rank killed between two steps queued on the caller's stream: the
 # watcher CudaBuffer starts with the queued launches aborts the survivor's
@@ -377,6 +416,59 @@ for n in 2 4; do
 done
 step "ep-ll-4ranks-inputs-mixed-bad-victim2-named" ep_ll_bad_named "ep-ll-cuda-4ranks-inputs-mixed-bad-victim2" 4 "in GPU memory[^:]*" 2
 step "ep-ll-4ranks-inputs-mixed-bad-victim2-agree" ep_same_digests "ep-ll-cuda-4ranks-auto" "ep-ll-cuda-4ranks-inputs-mixed-bad-victim2"
+# A combine's refused tensor (bad=combine-out, bad=combine-in): rank 1's
+# line says it refused its tensor, each of the other n-1 ranks' that it
+# combined normally (its result verified) or was told naming rank 1 (its
+# output untouched); every line is an "ll ok" line (the steps after it
+# verified), and those steps combine bit for bit as without the refusal.
+# ep_combine_named LOG N MODE TENSOR WHERE PEERS [WHO VRANKS NV] (MODE ll
+# or ht: the high-throughput block below uses it too; WHO the victims as
+# the lines name them, "rank 1" or "ranks 1,2", VRANKS a pattern of their
+# ranks, NV how many).
+ep_combine_named() {
+  local log="$out/$1.log" n=$2 mode=$3 tensor=$4 where=$5 peers=$6 who=${7:-rank 1} vr=${8:-1} nv=${9:-1} v t
+  v=$(grep -c "rank $vr of $n: $mode ok.*$who's $tensor $where: refused its $tensor" "$log")
+  t=$(grep -c "rank [0-9]* of $n: $mode ok.*$who's $tensor $where: $peers" "$log")
+  [ "$v" = "$nv" ] && [ "$t" = $((n - nv)) ] || { echo "$1: victim lines $v ($nv expected), peer lines $t ($((n - nv)) expected)"; return 1; }
+  echo "$1: $who refused the $tensor, $t other rank(s): $peers"
+}
+# ep_ll_combine_named LOG N WHAT WHERE [WHO VRANKS NV]
+ep_ll_combine_named() {
+  local who=${5:-rank 1}
+  case "$3" in
+    combine-out) ep_combine_named "$1" "$2" ll "combine output" "$4" "combined normally beside $who's refused output" "$who" "${6:-1}" "${7:-1}" ;;
+    *) ep_combine_named "$1" "$2" ll "expert outputs" "$4" "told that rank 1 refused the combine, its output untouched" "$who" "${6:-1}" "${7:-1}" ;;
+  esac
+}
+# A refused combine, then a refused dispatch in the next step (then=entry):
+# each line names both, the combine's refusal and rank 1's entry.
+ep_ll_combine_then_named() {
+  ep_ll_combine_named "$1" "$2" combine-in "$3" && ep_ll_bad_named "$1" "$2" "in [^:]*"
+}
+for n in 2 4; do
+  for what in combine-out combine-in; do
+    step "ep-ll-${n}ranks-bad-${what}-named" ep_ll_combine_named "ep-ll-cuda-${n}ranks-bad-${what}" "$n" "$what" "after a dispatch from host memory"
+    step "ep-ll-${n}ranks-inputs-device-bad-${what}-named" ep_ll_combine_named "ep-ll-cuda-${n}ranks-inputs-device-bad-${what}" "$n" "$what" "in GPU memory"
+    step "ep-ll-${n}ranks-inputs-stream-bad-${what}-named" ep_ll_combine_named "ep-ll-cuda-${n}ranks-inputs-stream-bad-${what}" "$n" "$what" "in GPU memory, its step queued on a stream"
+    step "ep-ll-${n}ranks-inputs-queued-bad-${what}-named" ep_ll_combine_named "ep-ll-cuda-${n}ranks-inputs-queued-bad-${what}" "$n" "$what" "in GPU memory, step 1 of 3 queued back to back"
+    step "ep-ll-${n}ranks-inputs-mixed-bad-${what}-named" ep_ll_combine_named "ep-ll-cuda-${n}ranks-inputs-mixed-bad-${what}" "$n" "$what" "in GPU memory[^:]*"
+    step "ep-ll-${n}ranks-bad-${what}-agree" ep_same_digests "ep-ll-cuda-${n}ranks-auto" "ep-ll-cuda-${n}ranks-bad-${what}" \
+      "ep-ll-cuda-${n}ranks-inputs-device-bad-${what}" "ep-ll-cuda-${n}ranks-inputs-stream-bad-${what}" \
+      "ep-ll-cuda-${n}ranks-inputs-queued-bad-${what}" "ep-ll-cuda-${n}ranks-inputs-mixed-bad-${what}"
+  done
+  step "ep-ll-${n}ranks-bad-combine-in-then-entry-named" ep_ll_combine_then_named "ep-ll-cuda-${n}ranks-bad-combine-in-then-entry" "$n" "after a dispatch from host memory"
+  step "ep-ll-${n}ranks-inputs-mixed-bad-combine-in-then-entry-named" ep_ll_combine_then_named "ep-ll-cuda-${n}ranks-inputs-mixed-bad-combine-in-then-entry" "$n" "in GPU memory[^:]*"
+  step "ep-ll-${n}ranks-inputs-queued-bad-combine-in-then-entry-named" ep_ll_combine_then_named "ep-ll-cuda-${n}ranks-inputs-queued-bad-combine-in-then-entry" "$n" "in GPU memory, step 1 of 3 queued back to back"
+  step "ep-ll-${n}ranks-bad-combine-in-then-entry-agree" ep_same_digests "ep-ll-cuda-${n}ranks-auto" "ep-ll-cuda-${n}ranks-bad-combine-in-then-entry" \
+    "ep-ll-cuda-${n}ranks-inputs-mixed-bad-combine-in-then-entry" "ep-ll-cuda-${n}ranks-inputs-queued-bad-combine-in-then-entry"
+done
+for what in combine-out combine-in; do
+  step "ep-ll-4ranks-bad-${what}-victims12-named" ep_ll_combine_named "ep-ll-cuda-4ranks-bad-${what}-victims12" 4 "$what" "after a dispatch from host memory" "ranks 1,2" "[12]" 2
+  step "ep-ll-4ranks-inputs-mixed-bad-${what}-victims12-named" ep_ll_combine_named "ep-ll-cuda-4ranks-inputs-mixed-bad-${what}-victims12" 4 "$what" "in GPU memory[^:]*" "ranks 1,2" "[12]" 2
+  step "ep-ll-4ranks-inputs-queued-bad-${what}-victims12-named" ep_ll_combine_named "ep-ll-cuda-4ranks-inputs-queued-bad-${what}-victims12" 4 "$what" "in GPU memory, step 1 of 3 queued back to back" "ranks 1,2" "[12]" 2
+  step "ep-ll-4ranks-bad-${what}-victims12-agree" ep_same_digests "ep-ll-cuda-4ranks-auto" "ep-ll-cuda-4ranks-bad-${what}-victims12" \
+    "ep-ll-cuda-4ranks-inputs-mixed-bad-${what}-victims12" "ep-ll-cuda-4ranks-inputs-queued-bad-${what}-victims12"
+done
 fi
 # gin-ep's high-throughput mode on CUDA ranks (kernels/ht.cu after ll.cu
 # through NVRTC; host inputs): DeepEP's oracle (exact tokens, ordered
@@ -414,7 +506,13 @@ if [ -n "$checks" ]; then
     step "ep-ht-cuda-${n}ranks-inputs-device" "$ep" ht device=cuda ranks=$n inputs=device
     step "ep-ht-cuda-${n}ranks-inputs-device-bad" "$ep" ht device=cuda ranks=$n inputs=device bad=1
     step "ep-ht-cuda-${n}ranks-bad" "$ep" ht device=cuda ranks=$n bad=1
+    # Rank 1's ht_combine_device output one element short: its combine
+    # runs in full into the buffer's own memory and returns Shape; every
+    # other rank's combine verifies, then every buffer's later steps.
+    step "ep-ht-cuda-${n}ranks-inputs-device-bad-combine-out" "$ep" ht device=cuda ranks=$n inputs=device bad=combine-out
   done
+  # Two ranks' outputs refused in the same step (victims=1,2 of 4).
+  step "ep-ht-cuda-4ranks-inputs-device-bad-combine-out-victims12" "$ep" ht device=cuda ranks=4 inputs=device bad=combine-out victims=1,2
   step "ep-ht-cuda-4ranks-2hosts-inputs-device" "$ep" ht device=cuda ranks=4 hosts=2 inputs=device
   step "ep-ht-cuda-4ranks-2hosts-ring2-inputs-device" "$ep" ht device=cuda ranks=4 hosts=2 tokens=40 ring=2 channels=3 repeats=5 inputs=device
   step "ep-ht-cuda-2ranks-fp8-inputs-device" "$ep" ht device=cuda ranks=2 fp8=1 inputs=device
@@ -450,7 +548,13 @@ if [ -n "$checks" ]; then
       step "ep-ht-${n}ranks-${kind}-named" ep_ht_bad_named "ep-ht-cuda-${n}ranks-${kind}" "$n"
       step "ep-ht-${n}ranks-${kind}-agree" ep_ht_agree "ep-ht-cuda-${n}ranks-${kind}" "ep-ht-cpu-${n}ranks"
     done
+    step "ep-ht-${n}ranks-inputs-device-bad-combine-out-named" ep_combine_named "ep-ht-cuda-${n}ranks-inputs-device-bad-combine-out" "$n" ht \
+      "combine output" "in GPU memory" "combined normally beside rank 1's refused output"
+    step "ep-ht-${n}ranks-inputs-device-bad-combine-out-agree" ep_ht_agree "ep-ht-cuda-${n}ranks-inputs-device-bad-combine-out" "ep-ht-cpu-${n}ranks"
   done
+  step "ep-ht-4ranks-inputs-device-bad-combine-out-victims12-named" ep_combine_named "ep-ht-cuda-4ranks-inputs-device-bad-combine-out-victims12" 4 ht \
+    "combine output" "in GPU memory" "combined normally beside ranks 1,2's refused output" "ranks 1,2" "[12]" 2
+  step "ep-ht-4ranks-inputs-device-bad-combine-out-victims12-agree" ep_ht_agree "ep-ht-cuda-4ranks-inputs-device-bad-combine-out-victims12" "ep-ht-cpu-4ranks"
 fi
 if [ -n "$benches" ]; then
   # High-throughput dispatch + combine on CUDA ranks at DeepEP's shape

@@ -148,11 +148,12 @@ EP_FN u16 dequantize(u8 b, float s) {
 // CAS) and its mirror errh (pinned host memory, which the host polls) hold
 // two slots of a record each:
 // - slot 0 (words 0-3): the first error of any kind. A refusal
-//   (ERR_PEER_BAD_INPUT and this rank's own bad entries: a step every rank
-//   ends alike) is cleared by the host once it reported it (cuda/mod.rs: a
-//   waited dispatch, or check, which may run between a dispatch and its
-//   combine), and the next record takes the slot again; anything else
-//   there is in slot 1 too, and fails the buffer.
+//   (ERR_PEER_BAD_INPUT and this rank's own bad entries, and
+//   ERR_PEER_REFUSED_COMBINE: a step every rank ends alike) is cleared by
+//   the host once it reported it (cuda/mod.rs: a waited dispatch or
+//   combine, or check, which may run between a dispatch and its combine),
+//   and the next record takes the slot again; anything else there is in
+//   slot 1 too, and fails the buffer.
 // - slot 1 (words 4-7): the first error that is not a refusal (a source's
 //   broken protocol, a high-throughput error), claimed even when slot 0
 //   already holds a refusal, so that a refusal recorded first can never
@@ -165,9 +166,14 @@ constexpr u64 ERR_NOT_NAMED = 4;       // peer, expert, token index
 constexpr u64 ERR_EXPERT_RANGE = 5;    // token, slot, expert (i64 bits)
 constexpr u64 ERR_DUPLICATE = 6;       // token, second | first << 32, expert
 constexpr u64 ERR_WEIGHT = 7;          // token, slot, weight bits
+// (8 is high-throughput mode's ERR_HT, in ht.cu.)
+constexpr u64 ERR_PEER_REFUSED_COMBINE = 9; // peer, expert, how far its signal moved
 // What a source adds to a dispatch signal when its inputs were refused (on
 // the GPU, or by its host's checks; a real count adds count + 1 <= 2^31):
-// no tokens, and the receivers know why.
+// no tokens, and the receivers know why. An expert rank whose combine was
+// refused (its expert outputs refused by its host's checks) adds it to each
+// of its combine signals beside the step's 1: no outputs, and the sources
+// know why.
 constexpr u64 POISON = 1ull << 32;
 
 // How errors are recorded (compiled as host C++ too: tests/record_host.rs
@@ -181,7 +187,8 @@ constexpr u32 SLOTS = 2;
 // Whether word 0 of a record is a refusal (cuda/dev.rs's is_refusal).
 EP_FN bool is_refusal(u64 w0) {
   const u64 k = w0 & 0xff;
-  return k == ERR_PEER_BAD_INPUT || k == ERR_EXPERT_RANGE || k == ERR_DUPLICATE || k == ERR_WEIGHT;
+  return k == ERR_PEER_BAD_INPUT || k == ERR_EXPERT_RANGE || k == ERR_DUPLICATE || k == ERR_WEIGHT ||
+         k == ERR_PEER_REFUSED_COMBINE;
 }
 
 // Whether a record of word 0 `w0` claims slot `slot`: slot 0 any, slot 1
@@ -220,6 +227,20 @@ EP_FN void record(u64* err, volatile u64* errh, const u64 w[WORDS], Cas cas, Fen
 EP_FN u64 count_error(u64 c, u64 t, bool own_refused) {
   if (c + 1 == POISON) return own_refused ? 0 : ERR_PEER_BAD_INPUT;
   return c > t ? ERR_COUNT_OVER_MAX : 0;
+}
+
+// Whether an expert rank's combine signal that moved `d` past its target
+// in a step (the step's 1 is in the target: d is 0 for a full combine) was
+// refused: POISON came with the step's 1. The source then reduces nothing
+// and accounts POISON (the next dispatch adds it to the target), so that
+// the next step's wait counts from the poisoned value.
+EP_FN bool combine_refused(u64 d) { return d >= POISON; }
+
+// What a source records for such a signal: an expert rank's refused
+// combine, unless this rank refused the combine itself (its host names its
+// own tensor; a refusing rank records nothing); 0 for a full combine.
+EP_FN u64 combine_error(u64 d, bool own_refused) {
+  return combine_refused(d) && !own_refused ? ERR_PEER_REFUSED_COMBINE : 0;
 }
 
 } // namespace rec
@@ -386,12 +407,27 @@ __device__ int wait_from(const DevComm& dc, u32 id, u64 target, u32 peer) {
 // the first failure is recorded in the error word naming the expert's rank,
 // and every thread gives up once gin's error word is set. Returns the same
 // status on every thread; what the signals announced is visible to the whole
-// block afterwards.
+// block afterwards. `refused` (the same on every thread): the lowest expert
+// whose signal came with POISON (rec::combine_refused: its rank refused the
+// combine), ~0 for none, and `moved` how far that expert's signal moved
+// past its target (what rec::combine_error judges and the record holds);
+// for each such expert's rank, `account` (where not null) takes POISON, for
+// the next dispatch to add to its target.
 __device__ int wait_experts(const DevComm& dc, u32 first, u32 count, u32 l, const u32* active,
-                            const u64* targets) {
+                            const u64* targets, u32& refused, u64& moved, u64* account) {
   __shared__ int status;
-  if (threadIdx.x == 0) status = OK;
+  __shared__ u32 low;
+  __shared__ u64 low_moved;
+  if (threadIdx.x == 0) {
+    status = OK;
+    low = ~0u;
+    low_moved = 0;
+  }
   __syncthreads();
+  // This thread's lowest refused expert and how far its signal moved (its
+  // experts come in ascending order: the first one found).
+  u32 mine = ~0u;
+  u64 mine_moved = 0;
   for (u32 e = threadIdx.x; e < count; e += blockDim.x) {
     const u32 owner = e / l, id = first + e;
     if (!active[owner]) continue;
@@ -401,15 +437,33 @@ __device__ int wait_experts(const DevComm& dc, u32 first, u32 count, u32 l, cons
     } else {
       const u64 slot = detail::signal_slot(dc, 0, id);
       const u64 target = targets[owner];
+      u64 v = 0;
       const u32 k = poll_unless_failed(dc, SIGNAL_TIMEOUT, [&] {
-        return signal_reached(detail::signal_sum_acquire(dc, slot), target);
+        v = detail::signal_sum_acquire(dc, slot);
+        return signal_reached(v, target);
       });
-      if (k) s = detail::fail(dc, k, 0, owner, id);
+      if (k) {
+        s = detail::fail(dc, k, 0, owner, id);
+      } else if (rec::combine_refused(v - target)) {
+        // Every expert of the refusing rank comes with it: the same store.
+        if (account) account[owner] = POISON;
+        atomicMin(&low, e);
+        if (mine == ~0u) {
+          mine = e;
+          mine_moved = v - target;
+        }
+      }
     }
     if (s) atomicCAS(&status, OK, s);
   }
   __syncthreads();
+  // The one thread that found the lowest refused expert says how far it
+  // moved.
+  if (mine != ~0u && mine == low) low_moved = mine_moved;
+  __syncthreads();
   const int s = status;
+  refused = low;
+  moved = low_moved;
   __syncthreads();
   return s;
 }
@@ -598,7 +652,9 @@ __device__ __noinline__ void stage_tokens(const Window& send, const u16* x, cons
 // stays within the slots.
 // active[rank]: 0 for a masked rank (nothing sent to it or awaited from it).
 // Block 0 first adds 1 to ctarget[p] for each active rank p: the combine
-// signal each rank's experts reach in this step's combine.
+// signal each rank's experts reach in this step's combine; and cpois[p]
+// (POISON where p refused the last step's combine: ep_ll_combine), which it
+// clears.
 //
 // Where the messages come from:
 // - staged by the host (xin and idx null): nothing to do;
@@ -631,14 +687,19 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_dispatch(DevComm 
                                           const u16* xin, u32 h, u32* bar, u32* eslot,
                                           u32 fp8, const long long* idx, const float* wts,
                                           u64* inbad, u64* err, u64* errh, u64* ctarget,
-                                          u32 refused) {
+                                          u32 refused, u64* cpois) {
   // After a failure (an earlier launch's, queued since the host checked):
   // return at once rather than wait for peers that stopped.
   if (ep::failed_before(dc)) return;
   ep::clock_start(clock);
   const u32 r = dc.nranks, experts = l * r;
   if (blockIdx.x == 0)
-    for (u32 q = threadIdx.x; q < r; q += blockDim.x) ctarget[q] += active[q] ? 1 : 0;
+    for (u32 q = threadIdx.x; q < r; q += blockDim.x) {
+      // A refused combine's POISON (the last combine's cpois) is accounted
+      // here, beside this step's 1: the combine's blocks all read ctarget.
+      ctarget[q] += (active[q] ? 1 : 0) + cpois[q];
+      cpois[q] = 0;
+    }
   if (xin || idx) {
     if (idx) ep::stage_tokens(send, xin, idx, wts, tokens, m, p, k, experts, fp8, inbad);
     if (fp8) ep::quantize_tokens(send, xin, tokens, m, h);
@@ -906,8 +967,22 @@ __device__ void reduce_tokens(const DevComm& dc, const Window& send, const Windo
 // slots and masked ranks' experts, into out (tokens x h BF16). Reading in
 // place or from crecv, the same bytes meet the same products and sums in the
 // same order: the results are bit-identical either way. out is the
-// buffer's own device memory (read back by the host) or the caller's.
+// buffer's own device memory (read back by the host, or the sink of a
+// combine whose output tensor the host refused) or the caller's.
 // Block 0 clears inbad (the dispatch's input check) for the next step.
+//
+// A refused combine (refused = 1: the host's checks refused this rank's
+// expert outputs, and it staged none) is still a step every rank ends:
+// this rank puts nothing, and each of its signals adds 1 + POISON, so that
+// every source sees why its outputs are missing rather than waits for them
+// or reduces stale slots. A source that finds POISON on an expert's signal
+// (ep::rec::combine_refused; every block finds the same, the signals moved
+// once this step) reduces nothing, writing nothing of out, and block 0
+// records the lowest such expert's rank (ERR_PEER_REFUSED_COMBINE, unless
+// this rank refused the combine itself: its host names its tensor) and sets
+// cpois[that rank] to POISON, which the next dispatch adds to ctarget (the
+// signal's accounted value), so that the next step's wait counts from the
+// poisoned value; no poison reaches it.
 //
 // An expert rank rewrites its csend slots (the next step's expert) only
 // after its next dispatch received every active source's count, which each
@@ -917,7 +992,8 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_combine(DevComm d
                                          u32 tokens, u32 l, u32 t, u32 m, u32 p, u32 k, u32 h,
                                          const u32* active, const u32* counts, const u32* meta,
                                          const u64* ctarget, unsigned short* out, u64* clock,
-                                         const u32* eslot, const u8* pull, u64* inbad) {
+                                         const u32* eslot, const u8* pull, u64* inbad,
+                                         u64* cpois, u64* err, u64* errh, u32 refused) {
   // After a failure (this step's dispatch, or an earlier launch's): return
   // at once, as the dispatch does.
   if (ep::failed_before(dc)) return;
@@ -934,8 +1010,9 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_combine(DevComm d
   for (u32 q = blockIdx.x; q < experts; q += gridDim.x) {
     const u32 le = q / r, src = q % r;
     if (!active[src]) continue;
-    // A source reading in place needs only the signal.
-    const u32 c = pull[src * r + dc.rank] ? 0 : counts[q] > t ? t : counts[q];
+    // A source reading in place needs only the signal; a refused combine
+    // sends no output.
+    const u32 c = refused || pull[src * r + dc.rank] ? 0 : counts[q] > t ? t : counts[q];
     // A warp per token, all the block's warps at once; the pair's signal
     // follows the block's puts.
     for (u32 i = warp; i < c; i += warps) {
@@ -951,11 +1028,26 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_combine(DevComm d
     }
     __syncthreads();
     if (failed) return;
-    if (signal(dc, 0, src, signal_add(experts + dc.rank * l + le, 1), CTA)) return;
+    const u64 add = refused ? 1 + ep::POISON : 1;
+    if (signal(dc, 0, src, signal_add(experts + dc.rank * l + le, add), CTA)) return;
   }
   // csend is rewritten by the next step's expert.
   if (flush(dc, 0, CTA)) return;
-  if (ep::wait_experts(dc, experts, experts, l, active, ctarget)) return;
+  u32 low;
+  u64 moved;
+  if (ep::wait_experts(dc, experts, experts, l, active, ctarget, low, moved,
+                       blockIdx.x ? nullptr : cpois))
+    return;
+  if (refused || low != ~0u) {
+    // A refused combine: no result on any rank, nothing of out written.
+    // The record: the refusing rank, its lowest expert, how far that
+    // expert's signal moved past its target (POISON).
+    const u64 kind = low != ~0u ? ep::rec::combine_error(moved, refused != 0) : 0;
+    if (blockIdx.x == 0 && threadIdx.x == 0 && kind)
+      ep::record(err, errh, kind | (u64)(low / l) << 8, low, moved, 0);
+    ep::clock_end(clock);
+    return;
+  }
   if ((h & 7u) == 0 && k <= ep::RED_SLOTS) {
     ep::reduce_tokens(dc, send, csend, crecv, tokens, l, t, m, p, k, h, active, out, eslot, pull);
     ep::clock_end(clock);

@@ -2,7 +2,10 @@
 //! token, slot, expert, peer or limit involved. Input errors are raised
 //! before this rank sends a token; where a step has begun, the rank still
 //! takes part in it without tokens, so that its peers stop at once with
-//! [`EpError::PeerRefused`] naming it.
+//! [`EpError::PeerRefused`] naming it; a CUDA rank whose combine tensor
+//! (its expert outputs) is refused takes part in the combine without
+//! outputs, and its peers' combines end with
+//! [`EpError::PeerRefusedCombine`] naming it.
 
 use std::time::Duration;
 
@@ -221,6 +224,27 @@ pub enum EpError {
         rank: usize,
         /// The rank whose inputs were refused (the lowest, where several
         /// were).
+        peer: usize,
+    },
+    /// Rank `peer` refused this step's combine: its expert outputs (the
+    /// tensor of `ll_combine_from_device` or `ll_combine_from_on`) were
+    /// refused by its host's checks (its own error names the tensor), so
+    /// it sent none of them. This rank's tokens were dispatched and
+    /// reached the experts, but their outputs are missing: nothing was
+    /// reduced and this rank's combine output was not written (left as it
+    /// was). Every rank ended the step alike: a waiting call returns this
+    /// once its combine ended; a combine queued on a stream runs to its
+    /// end, and [`crate::cuda::CudaBuffer::check`] reports this. No
+    /// protocol was broken: this rank's buffer takes the next step
+    /// (docs/ep.md, "Bad input").
+    #[error(
+        "rank {rank}: rank {peer} refused this step's combine (its combine tensor, the expert outputs, was refused; its own error names it), so this rank's combine output was not written and the step gives no result; every rank ended it alike, no protocol was broken, and the buffer takes the next step"
+    )]
+    PeerRefusedCombine {
+        /// This rank.
+        rank: usize,
+        /// The rank that refused the combine (the lowest, where several
+        /// did).
         peer: usize,
     },
     /// A peer sent something the protocol does not allow (a count or token

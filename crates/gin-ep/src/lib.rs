@@ -16,7 +16,9 @@
 //!   tokens, a shape that does not fit, a configuration or replicated table
 //!   that differs between ranks) are found before this rank sends a token;
 //!   a refused rank still takes part in the step (its peers return
-//!   [`EpError::PeerRefused`] naming it), docs/ep.md "Bad input".
+//!   [`EpError::PeerRefused`] naming it; on CUDA ranks a combine whose
+//!   expert outputs are refused still runs too, its peers returning
+//!   [`EpError::PeerRefusedCombine`]), docs/ep.md "Bad input".
 //! - **Low-latency mode** ([`ll`]): per-(local expert, source) slots sized
 //!   for the maximum, one count-carrying signal per (expert, source), and a
 //!   split into send and receive halves (DeepEP's receive hook).

@@ -1,5 +1,5 @@
-// kernels/ll.cu's error records (ep::rec::record, count_error and
-// is_refusal) compiled as host C++ and run single-threaded over err and its
+// kernels/ll.cu's error records (ep::rec::record, count_error,
+// combine_error and is_refusal) compiled as host C++ and run single-threaded over err and its
 // mirror errh (a CAS that claims a free word 0), as the host reads them
 // (cuda/dev.rs's Record): slot 0 holds the first error of any kind, slot 1
 // the first that is not a refusal, whatever came before it, so that a
@@ -88,6 +88,48 @@ int main() {
   EXPECT(rec::count_error(POISONED + 3, T, true) == ERR_COUNT_OVER_MAX);
   EXPECT(rec::count_error(T, T, false) == 0 && rec::count_error(0, T, true) == 0);
 
+  // An expert rank's combine signal, the step's 1 in its target: moved 0
+  // past it (a full combine), or POISON (the expert rank refused the
+  // combine: its expert outputs were refused by its host). A refusal, which
+  // a rank refusing the combine itself does not record; never a broken
+  // protocol (it never claims slot 1).
+  // What the combine kernel passes (wait_experts' `moved`): the signal's
+  // value v less its target, the accounted value plus the step's 1; the
+  // accounted value here already holds an earlier refused combine's
+  // POISON (the next dispatch added it to the target), so the moved value
+  // is counted from it, not from the signal's raw value.
+  const u64 accounted = 7 + 2 * POISON, target = accounted + 1;
+  const u64 full = (accounted + 1) - target, refused = (accounted + 1 + POISON) - target;
+  EXPECT(full == 0 && refused == POISON);
+  EXPECT(!rec::combine_refused(full) && rec::combine_error(full, false) == 0);
+  EXPECT(!rec::combine_refused(full) && rec::combine_error(full, true) == 0);
+  EXPECT(rec::combine_refused(refused) && rec::combine_error(refused, false) == ERR_PEER_REFUSED_COMBINE);
+  EXPECT(rec::combine_error(refused, true) == 0);
+  // Judged from the raw value instead (the poison not accounted), a full
+  // combine after a refused one would read as refused again.
+  EXPECT(rec::combine_refused((accounted + 1) - (7 + 1)));
+  EXPECT(rec::is_refusal(peer(ERR_PEER_REFUSED_COMBINE, 2)) && !rec::claims(1, peer(ERR_PEER_REFUSED_COMBINE, 2)));
+  EXPECT(ERR_PEER_REFUSED_COMBINE != ERR_PEER_BAD_INPUT && ERR_PEER_REFUSED_COMBINE != 8);
+  {
+    // Steps queued back to back: step 1's combine refused by rank 2 (this
+    // rank records it, slot 0), step 2's dispatch refused at rank 3 (slot 0
+    // taken: the first refusal is reported), then rank 1's count above the
+    // maximum (slot 1 keeps it whatever slot 0 holds).
+    Words r;
+    // (As the combine kernel records it: expert 9, moved POISON.)
+    r.record(peer(rec::combine_error(refused, false), 2), 9, refused, 0);
+    EXPECT(r.slot(0, peer(ERR_PEER_REFUSED_COMBINE, 2), 9, POISON, 0) && r.empty(1));
+    r.record(peer(rec::count_error(POISONED, T, false), 3), 5, POISONED, 0);
+    EXPECT(r.slot(0, peer(ERR_PEER_REFUSED_COMBINE, 2), 9, POISON, 0) && r.empty(1));
+    r.record(peer(ERR_COUNT_OVER_MAX, 1), 4, 30, 0);
+    EXPECT(r.slot(0, peer(ERR_PEER_REFUSED_COMBINE, 2), 9, POISON, 0));
+    EXPECT(r.slot(1, peer(ERR_COUNT_OVER_MAX, 1), 4, 30, 0));
+    // Reported and cleared (a waited combine, or check): the next refused
+    // combine takes slot 0 again.
+    r.forget_refusal();
+    r.record(peer(rec::combine_error(refused, false), 3), 12, refused, 0);
+    EXPECT(r.slot(0, peer(ERR_PEER_REFUSED_COMBINE, 3), 12, POISON, 0));
+  }
   {
     // Steps queued back to back: step 1 refused at rank 2 (this rank
     // records PeerRefused), then in step 2 rank 3's count for expert 5 is

@@ -59,6 +59,23 @@
 //! an expert id out of range: it must be refused by name, every other rank
 //! with `PeerRefused` naming it, at once, then the steps after it
 //! verify on every rank.
+//! `bad=combine-out` and `bad=combine-in` (`ll device=cuda`, after a
+//! dispatch from host memory or with `inputs=device`, `stream`, `queued`
+//! or `mixed`) refuse a combine's tensor on rank `victim` instead, one
+//! element short: its output (the combine must still run, every other
+//! rank's result verified by the oracle) or its expert outputs
+//! (`ll_combine_from_*`: every other rank must be told, naming the
+//! victim, its output untouched); the victim's call returns `Shape` naming
+//! the tensor, within half the job timeout, and the steps after it verify.
+//! `ht device=cuda inputs=device bad=combine-out` does the first with
+//! `ht_combine_device`. Each refused tensor is filled with a NaN pattern
+//! and must be left untouched, and a second combine call on the victim
+//! must be refused as out of order (the refused call ended the step).
+//! With either, `victims=1,2` makes several ranks refuse in the same step
+//! (every other rank names the lowest); with `bad=combine-in`,
+//! `then=entry` refuses the lowest victim's dispatch (`bad=1`'s entry) in
+//! the step after the refused combine. A `bad=` value the scenario does
+//! not take (`ht ... bad=combine-in`, `bad=` on CPU ranks) is an error.
 //! `kill device=cuda` queues steps on the test's stream and kills rank
 //! `victim` between two: the survivors' queued waits must give up at once,
 //! their error naming it.
@@ -116,6 +133,13 @@ fn run() -> Res<()> {
             )
             .into());
         }
+    }
+    if !cuda && ["ll", "ht"].contains(&args.scenario.as_str()) && Bad::of(&args)?.is_some() {
+        return Err(format!(
+            "{} on CPU ranks takes no bad= (device=cuda does; CPU ranks' refusals are the bad and refuse scenarios)",
+            args.scenario
+        )
+        .into());
     }
     if let Role::Launched = run_ranks(args.get("ranks", 2))? {
         return Ok(());
@@ -200,6 +224,15 @@ enum Bad {
     /// the buffer's maximum, refused by the host's check before anything
     /// is launched, as a step every rank ends.
     Tokens,
+    /// `bad=combine-out`: the victim's combine output tensor one element
+    /// short, refused by the host's check: its combine still runs in full
+    /// (into the buffer's own memory), every other rank's gives its normal
+    /// result ([`ll_combine_bad`]).
+    CombineOut,
+    /// `bad=combine-in`: the victim's expert-output tensor one element
+    /// short (`ll_combine_from_*`): the combine is refused collectively,
+    /// every other rank told, its output untouched ([`ll_combine_bad`]).
+    CombineIn,
 }
 
 impl Bad {
@@ -208,8 +241,73 @@ impl Bad {
             None | Some("0") => Ok(None),
             Some("1") => Ok(Some(Self::Entry)),
             Some("tokens") => Ok(Some(Self::Tokens)),
-            Some(o) => Err(format!("unknown bad={o:?} (0, 1 or tokens)").into()),
+            Some("combine-out") => Ok(Some(Self::CombineOut)),
+            Some("combine-in") => Ok(Some(Self::CombineIn)),
+            Some(o) => {
+                Err(format!("unknown bad={o:?} (0, 1, tokens, combine-out or combine-in)").into())
+            }
         }
+    }
+
+    /// A combine's refusal (not the dispatch's).
+    fn combine(self) -> bool {
+        matches!(self, Self::CombineOut | Self::CombineIn)
+    }
+
+    /// The tensor a combine's refusal refuses, as the host's error names it.
+    fn tensor(self) -> &'static str {
+        if self == Self::CombineIn {
+            "expert outputs"
+        } else {
+            "combine output"
+        }
+    }
+
+    /// The ranks that refuse (`victim=V`, default 1; or, for a combine's
+    /// refusal, `victims=V,W,...`: several ranks refusing their tensor in
+    /// the same step), ascending, each below `n`.
+    fn victims(self, args: &Args, n: usize) -> Res<Vec<usize>> {
+        let Some(list) = args.kv.get("victims") else {
+            return Ok(vec![args.get("victim", 1) % n]);
+        };
+        if !self.combine() {
+            return Err(format!(
+                "victims={list} takes bad=combine-out or bad=combine-in (bad={self:?}: victim=)"
+            )
+            .into());
+        }
+        let mut v = list
+            .split(',')
+            .map(|r| match r.parse::<usize>() {
+                Ok(r) if r < n => Ok(r),
+                _ => Err(format!("victims={list}: {r:?} is not a rank below {n}")),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        v.sort_unstable();
+        v.dedup();
+        Ok(v)
+    }
+
+    /// `then=entry` (a combine's refusal only): the step after the refused
+    /// combine refuses the lowest victim's dispatch (`bad=1`'s entry).
+    fn then_entry(self, args: &Args) -> Res<bool> {
+        match args.kv.get("then").map(String::as_str) {
+            None => Ok(false),
+            Some("entry") if self.combine() => Ok(true),
+            Some(o) => Err(format!(
+                "then={o} (then=entry, after bad=combine-out or bad=combine-in) with bad={self:?}"
+            )
+            .into()),
+        }
+    }
+}
+
+/// The refusing ranks in words: `rank 1`, or `ranks 1,2`.
+fn who(victims: &[usize]) -> String {
+    let list: Vec<String> = victims.iter().map(usize::to_string).collect();
+    match victims {
+        [_] => format!("rank {}", list.join(",")),
+        _ => format!("ranks {}", list.join(",")),
     }
 }
 
@@ -542,19 +640,38 @@ fn cuda_oracle_run(comm: &Comm, args: &Args) -> Res<String> {
     };
     let mut bad = String::new();
     if let Some(what) = Bad::of(args)? {
-        let victim = args.get("victim", 1) % comm.nranks();
+        let victims = what.victims(args, comm.nranks())?;
+        let then = what.then_entry(args)?;
+        let victim = victims[0];
         let me = &all[comm.rank()];
-        bad = match (kind, dev.as_ref()) {
-            (Inputs::Queued, _) => ll_queued_bad(&cuda, &mut buf, victim, what)?,
-            (_, Some(dt)) => ll_device_bad(&cuda, &mut buf, me, dt, victim, what)?,
-            (_, None) if what == Bad::Entry => ll_host_bad(&cuda, &mut buf, me, victim)?,
-            (_, None) => {
-                return Err(
-                    "bad=tokens takes inputs in GPU memory (inputs=device, stream, queued or mixed)"
-                        .into(),
-                );
-            }
+        let refuse = |buf: &mut gin_ep::cuda::CudaBuffer<'_, '_>, what: Bad| -> Res<String> {
+            Ok(match (kind, dev.as_ref()) {
+                (Inputs::Queued, _) if what.combine() => {
+                    ll_queued_combine_bad(&cuda, buf, &victims, what)?
+                }
+                (_, dt) if what.combine() => ll_combine_bad(&cuda, buf, me, dt, &victims, what)?,
+                (Inputs::Queued, _) => ll_queued_bad(&cuda, buf, victim, what)?,
+                (_, Some(dt)) => ll_device_bad(&cuda, buf, me, dt, victim, what)?,
+                (_, None) if what == Bad::Entry => ll_host_bad(&cuda, buf, me, victim)?,
+                (_, None) => {
+                    return Err(
+                        "bad=tokens takes inputs in GPU memory (inputs=device, stream, queued or mixed)"
+                            .into(),
+                    );
+                }
+            })
         };
+        bad = refuse(&mut buf, what)?;
+        if then {
+            // The next step refuses the lowest victim's dispatch: the
+            // refused combine's poison, accounted by this dispatch, must
+            // not disturb it.
+            let next = refuse(&mut buf, Bad::Entry)?;
+            bad = format!(
+                "{}, then in the next step{next}",
+                bad.trim_end_matches(", then the buffer's steps verified")
+            );
+        }
     }
     let (first, steps) = if kind == Inputs::Queued {
         if tensor {
@@ -655,6 +772,9 @@ fn judge_bad(
             "token count above the maximum",
             judge_token_refusal(rank, victim, max, got, took, timeout)?,
         ),
+        Bad::CombineOut | Bad::CombineIn => {
+            return Err(format!("rank {rank}: bad={what:?} is a combine's refusal").into());
+        }
     })
 }
 
@@ -789,7 +909,7 @@ fn ll_device_bad(
     cuda.device().make_current()?;
     let (idx, bad) = match what {
         Bad::Entry => bad_ids(&cfg, rank, me, victim)?,
-        Bad::Tokens => (me.topk_idx.clone(), 0),
+        _ => (me.topk_idx.clone(), 0),
     };
     let bad_idx = gin_core::cuda::DevMem::new(8 * idx.len().max(1))?;
     if !idx.is_empty() {
@@ -973,6 +1093,405 @@ fn ll_queued_bad(
     ))
 }
 
+/// What a combine's output tensor holds before a refused combine: a NaN
+/// pattern no combine writes, so that an untouched tensor is told from a
+/// written one.
+const SENTINEL: u16 = 0x7fc1;
+
+/// Fills `out` (BF16) with [`SENTINEL`].
+fn fill_sentinel(out: &gin_core::cuda::DevMem) -> Res<()> {
+    let v = vec![SENTINEL; out.len() / 2];
+    if !v.is_empty() {
+        out.write(0, &v)?;
+    }
+    Ok(())
+}
+
+/// Whether `out`'s first `n` BF16 still hold [`SENTINEL`].
+fn untouched(out: &gin_core::cuda::DevMem, n: usize) -> Res<bool> {
+    let mut v = vec![0u16; n];
+    if !v.is_empty() {
+        out.read(0, &mut v)?;
+    }
+    Ok(v.iter().all(|&w| w == SENTINEL))
+}
+
+/// Whether all of `t` still holds [`SENTINEL`].
+fn untouched_all(t: &gin_core::cuda::DevMem) -> Res<bool> {
+    untouched(t, t.len() / 2)
+}
+
+/// Whether a second call of a combine whose tensor was refused was
+/// refused as out of order: the refused call ended the step.
+fn ended(retry: Result<(), EpError>) -> bool {
+    matches!(retry, Err(EpError::Phase { .. }))
+}
+
+/// The refused tensor of a combine, on a victim (`None` elsewhere: a rank
+/// with few tokens allocates nothing): `bad=combine-out` an output one
+/// element short, `bad=combine-in` expert outputs one element short,
+/// allocated on this rank's GPU and filled with [`SENTINEL`], so that
+/// a write into it is seen ([`untouched_all`]).
+fn refused_tensor(
+    buf: &gin_ep::cuda::CudaBuffer<'_, '_>,
+    what: Bad,
+    tokens: usize,
+    victims: &[usize],
+) -> Res<Option<gin_core::cuda::DevMem>> {
+    let rank = buf.rank();
+    if !victims.contains(&rank) {
+        return Ok(None);
+    }
+    let bytes = match what {
+        Bad::CombineIn => buf.device_layout().combine_bytes(),
+        _ => 2 * tokens * buf.config().hidden,
+    };
+    if bytes < 18 {
+        return Err(format!(
+            "rank {rank}: bad={what:?} needs a tensor of 18 bytes or more to shorten, not {bytes} \
+             (a victim with tokens)"
+        )
+        .into());
+    }
+    let t = gin_core::cuda::DevMem::new(bytes - 2)?;
+    fill_sentinel(&t)?;
+    Ok(Some(t))
+}
+
+/// A combine's refusal on this rank, in words, judged: a victim's call
+/// must return `Shape` naming its refused tensor, having ended the step
+/// (`ended`: a second call was refused as out of order); with
+/// `bad=combine-out` every other rank's combine succeeds (`verified`: its
+/// result passed the oracle); with `bad=combine-in` every other rank's
+/// returns (or its `check` reports) `PeerRefusedCombine` naming the lowest
+/// victim, its output untouched. `kept`: on a victim, its refused tensor
+/// untouched (and, with `bad=combine-in`, the output its refused combine
+/// must not write); on any other rank its output. Within half the job
+/// timeout.
+#[allow(clippy::too_many_arguments)]
+fn judge_combine_bad(
+    rank: usize,
+    victims: &[usize],
+    what: Bad,
+    got: &Result<(), EpError>,
+    verified: bool,
+    kept: bool,
+    ended: bool,
+    took: Duration,
+    timeout: Duration,
+) -> Res<String> {
+    let tensor = what.tensor();
+    let lowest = victims.first().copied().unwrap_or(0);
+    let whom = who(victims);
+    let said = match (got, victims.contains(&rank), what) {
+        (
+            Err(EpError::Shape {
+                rank: r, what: w, ..
+            }),
+            true,
+            _,
+        ) if *r == rank && *w == tensor && kept && ended => {
+            format!("refused its {tensor}")
+        }
+        (Ok(()), false, Bad::CombineOut) if verified => {
+            format!("combined normally beside {whom}'s refused output")
+        }
+        (Err(EpError::PeerRefusedCombine { rank: r, peer }), false, Bad::CombineIn)
+            if *r == rank && *peer == lowest && kept =>
+        {
+            format!("told that rank {lowest} refused the combine, its output untouched")
+        }
+        _ => {
+            return Err(format!(
+                "rank {rank}: {whom}'s refused {tensor} gave {got:?} after {took:?} \
+                 (verified {verified}, tensors untouched {kept}, step ended {ended})"
+            )
+            .into());
+        }
+    };
+    if took * 2 >= timeout {
+        return Err(format!(
+            "rank {rank}: the refused combine ended only after {took:?} (GIN_TIMEOUT {timeout:?})"
+        )
+        .into());
+    }
+    Ok(said)
+}
+
+/// `ll device=cuda bad=combine-out` or `bad=combine-in`, after a dispatch
+/// from host memory (no `inputs`), or in GPU memory on gin's stream
+/// (`inputs=device`) or queued on a stream (`inputs=stream`; `mixed`):
+/// one step whose dispatch and expert are normal, then each victim
+/// (default rank 1; `victims=`: several in the same step) passes its
+/// combine a refused tensor ([`refused_tensor`], filled with [`SENTINEL`]):
+/// an output one element short (`ll_combine_device`, `ll_combine_on`), or
+/// expert outputs one element short (`ll_combine_from_device`,
+/// `ll_combine_from_on`). Its call must return `Shape` naming the tensor
+/// (a queued one's `check` clean), its refused tensor untouched, and end
+/// the step (a second call is refused as out of order); every other
+/// rank's combine must end at once: with a refused output, normally (its
+/// result verified by the oracle: the victims' expert outputs were sent
+/// all the same); with refused expert outputs, refused
+/// (`PeerRefusedCombine` naming the lowest victim, from the waited call
+/// or `check`), its output untouched. Then every buffer takes the steps
+/// that follow, which verify.
+fn ll_combine_bad(
+    cuda: &gin_core::cuda::CudaComm<'_>,
+    buf: &mut gin_ep::cuda::CudaBuffer<'_, '_>,
+    me: &RankInput,
+    dt: Option<&DevTensors>,
+    victims: &[usize],
+    what: Bad,
+) -> Res<String> {
+    let cfg = *buf.config();
+    let (rank, n, h) = (buf.rank(), buf.nranks(), cfg.hidden);
+    let tokens = me.tokens;
+    cuda.device().make_current()?;
+    let refused = refused_tensor(buf, what, tokens, victims)?;
+    let out = gin_core::cuda::DevMem::new((2 * tokens * h).max(16))?;
+    fill_sentinel(&out)?;
+    // The step's dispatch and expert, normal on every rank.
+    let (step, disp, how) = match dt {
+        None => {
+            let d = buf.ll_dispatch(&me.x, &me.topk_idx, &me.weights)?;
+            buf.ll_echo(&d)?;
+            (d.handle(), Some(d), "after a dispatch from host memory")
+        }
+        Some(dt) => match &dt.stream {
+            None => {
+                let s = buf.ll_dispatch_device(&dt.inputs())?;
+                buf.ll_echo_device(&s)?;
+                (s, None, "in GPU memory")
+            }
+            Some(st) => {
+                let inp = dt.inputs();
+                // SAFETY: one stream, in order; dt's buffers and the stream
+                // outlive the step, synchronised by on_stream.
+                let s = on_stream(buf, st, |buf, on| unsafe {
+                    let s = buf.ll_dispatch_on(on, &inp)?;
+                    buf.ll_echo_on(on, &s)?;
+                    Ok(s)
+                })?;
+                (s, None, "in GPU memory, its step queued on a stream")
+            }
+        },
+    };
+    let stream = dt.and_then(|d| d.stream.as_ref());
+    let start = Instant::now();
+    // The combine: a victim's with its refused tensor; the others' as
+    // usual (from host inputs, ll_combine, whose result is read back).
+    let mut host_result = None;
+    let mut retry = Ok(());
+    let got = if let Some(refused) = &refused {
+        let (eout, dst) = match what {
+            Bad::CombineIn => (Some(refused), &out),
+            _ => (None, refused),
+        };
+        if let Some(st) = stream {
+            // SAFETY: one stream, in order; the tensors and the stream
+            // outlive the combine: synchronised below, error or not. The
+            // second call (the step ended) is refused before queuing
+            // anything.
+            unsafe {
+                let r = match eout {
+                    Some(e) => buf.ll_combine_from_on(st.into(), &step, e, dst),
+                    None => buf.ll_combine_on(st.into(), &step, dst),
+                };
+                st.sync()?;
+                buf.check().map_err(|e| {
+                    format!("rank {rank}: check after a combine refused by its host: {e}")
+                })?;
+                retry = buf.ll_combine_on(st.into(), &step, &out);
+                st.sync()?;
+                r
+            }
+        } else {
+            let r = match eout {
+                Some(e) => buf.ll_combine_from_device(&step, e, dst),
+                None => buf.ll_combine_device(&step, dst),
+            };
+            retry = buf.ll_combine_device(&step, &out);
+            r
+        }
+    } else if let Some(d) = &disp {
+        buf.ll_combine(d).map(|c| host_result = Some(c.x))
+    } else if let Some(st) = stream {
+        // SAFETY: as above.
+        let r = unsafe { buf.ll_combine_on(st.into(), &step, &out) };
+        st.sync()?;
+        r.map_err(|e| format!("rank {rank}: a peer's queued combine was refused: {e}"))?;
+        buf.check()
+    } else {
+        buf.ll_combine_device(&step, &out)
+    };
+    let took = start.elapsed();
+    // What this rank's combine gave: the result (CombineOut's peers), or
+    // its output untouched (CombineIn's peers).
+    let combined = match host_result {
+        Some(x) => Some(x),
+        None if got.is_ok() && refused.is_none() => {
+            let mut raw = vec![0u16; tokens * h];
+            if !raw.is_empty() {
+                out.read(0, &mut raw)?;
+            }
+            Some(raw.into_iter().map(gin_ep::Bf16).collect())
+        }
+        None => None,
+    };
+    let verified = match &combined {
+        Some(x) => {
+            let active = buf.active().to_vec();
+            let l = cfg.local_experts(n);
+            oracle::check_combine(rank, x, me, h, cfg.topk, cfg.fp8, |e| active[e / l])?;
+            true
+        }
+        None => false,
+    };
+    // A victim: its refused tensor, and with refused expert outputs the
+    // output its refused combine must not write. Any other rank: its
+    // output (a peer's ll_combine, after a dispatch from host memory, has
+    // no output tensor).
+    let kept = match &refused {
+        Some(t) => untouched_all(t)? && (what != Bad::CombineIn || untouched(&out, tokens * h)?),
+        None => disp.is_some() || untouched(&out, tokens * h)?,
+    };
+    let timeout = cuda.comm().settings().timeout;
+    let said = judge_combine_bad(
+        rank,
+        victims,
+        what,
+        &got,
+        verified,
+        kept,
+        ended(retry),
+        took,
+        timeout,
+    )?;
+    Ok(format!(
+        "; {}'s {} {how}: {said} in {:.0} ms, then the buffer's steps verified",
+        who(victims),
+        what.tensor(),
+        took.as_secs_f64() * 1e3
+    ))
+}
+
+/// `ll device=cuda inputs=queued bad=combine-out` or `bad=combine-in`:
+/// three steps queued back to back (seeds 40 to 42), the middle one's
+/// combine on each victim (`victims=`: several) given a refused tensor
+/// ([`refused_tensor`]); that call returns `Shape` naming it, having
+/// queued its combine all the same (a second call is refused as out of
+/// order), and the victim goes on with the third step. Every other call
+/// goes ahead; after one synchronisation a victim's `check` is clean, its
+/// refused tensor untouched, and every other rank's reports
+/// `PeerRefusedCombine` naming the lowest victim (`bad=combine-in`: the
+/// middle step's output untouched on every rank) or nothing
+/// (`bad=combine-out`: the middle step verifies on every other rank);
+/// steps 0 and 2 verify on every rank.
+fn ll_queued_combine_bad(
+    cuda: &gin_core::cuda::CudaComm<'_>,
+    buf: &mut gin_ep::cuda::CudaBuffer<'_, '_>,
+    victims: &[usize],
+    what: Bad,
+) -> Res<String> {
+    let cfg = *buf.config();
+    let (rank, n, h) = (buf.rank(), buf.nranks(), cfg.hidden);
+    let (steps, tensors) = queued_inputs(cuda, &cfg, rank, n, 40, 3)?;
+    let refused = refused_tensor(buf, what, steps[1].tokens, victims)?;
+    for dt in &tensors {
+        fill_sentinel(&dt.out)?;
+    }
+    let victim = victims.contains(&rank);
+    let here = |i: usize| victim && i == 1;
+    let st = gin_core::cuda::Stream::new()?;
+    let start = Instant::now();
+    let mut own: Result<(), EpError> = Ok(());
+    let mut retry = Ok(());
+    let queued = (|| -> Result<(), EpError> {
+        for (i, dt) in tensors.iter().enumerate() {
+            // SAFETY: one stream, in order; every step's tensors, the
+            // refused one and the stream outlive the launches: synchronised
+            // below before anything is dropped or read, error or not. The
+            // second call (the step ended) is refused before queuing
+            // anything.
+            unsafe {
+                let step = buf.ll_dispatch_on((&st).into(), &dt.inputs())?;
+                buf.ll_echo_on((&st).into(), &step)?;
+                let res = match (refused.as_ref().filter(|_| here(i)), what) {
+                    (Some(r), Bad::CombineIn) => {
+                        buf.ll_combine_from_on((&st).into(), &step, r, &dt.out)
+                    }
+                    (Some(r), _) => buf.ll_combine_on((&st).into(), &step, r),
+                    (None, _) => buf.ll_combine_on((&st).into(), &step, &dt.out),
+                };
+                match res {
+                    Err(e) if here(i) => {
+                        own = Err(e);
+                        retry = buf.ll_combine_on((&st).into(), &step, &dt.out);
+                    }
+                    other => other?,
+                }
+            }
+        }
+        Ok(())
+    })();
+    st.sync()?;
+    queued.map_err(|e| {
+        format!("rank {rank}: a call queued with a refused combine was refused: {e}")
+    })?;
+    let checked = buf.check();
+    let got = if victim {
+        checked
+            .map_err(|e| format!("rank {rank}: check after a combine refused by its host: {e}"))?;
+        own
+    } else {
+        checked
+    };
+    let took = start.elapsed();
+    let active = buf.active().to_vec();
+    let local = cfg.local_experts(n);
+    let mut verified = false;
+    // A victim's refused tensor, untouched.
+    let mut kept = match &refused {
+        Some(t) => untouched_all(t)?,
+        None => true,
+    };
+    for (i, dt) in tensors.iter().enumerate() {
+        let mut raw = vec![0u16; dt.tokens * h];
+        if !raw.is_empty() {
+            dt.out.read(0, &mut raw)?;
+        }
+        let refused_step = i == 1 && (what == Bad::CombineIn || victim);
+        if refused_step {
+            kept &= raw.iter().all(|&w| w == SENTINEL);
+            continue;
+        }
+        let combined: Vec<gin_ep::Bf16> = raw.into_iter().map(gin_ep::Bf16).collect();
+        oracle::check_combine(rank, &combined, &steps[i], h, cfg.topk, cfg.fp8, |e| {
+            active[e / local]
+        })
+        .map_err(|e| format!("step {i} of 3 queued with the refused combine of step 1: {e}"))?;
+        verified |= i == 1;
+    }
+    let timeout = cuda.comm().settings().timeout;
+    let said = judge_combine_bad(
+        rank,
+        victims,
+        what,
+        &got,
+        verified,
+        kept,
+        ended(retry),
+        took,
+        timeout,
+    )?;
+    Ok(format!(
+        "; {}'s {} in GPU memory, step 1 of 3 queued back to back: {said} in {:.0} ms, steps 0 and 2 verified, then the buffer's steps verified",
+        who(victims),
+        what.tensor(),
+        took.as_secs_f64() * 1e3
+    ))
+}
+
 /// One high-throughput step on CUDA ranks: dispatch, check (first time),
 /// the identity expert on the GPU, combine, check; the digests of what was
 /// received and combined (those of CPU ranks' `ht` with the same inputs).
@@ -1067,9 +1586,32 @@ fn cuda_ht_run(comm: &Comm, args: &Args) -> Res<String> {
         }
     };
     let mut bad = String::new();
-    if args.get("bad", 0) == 1 {
-        let victim = args.get("victim", 1) % comm.nranks();
-        bad = ht_bad(&cuda, &mut buf, &all[comm.rank()], dt.as_ref(), victim)?;
+    // What high-throughput mode refuses: an entry (bad=1) and the combine's
+    // output (bad=combine-out); anything else is refused here, never
+    // ignored (bad=tokens: the low-latency test's; bad=combine-in: no
+    // expert-output tensor in this mode).
+    match Bad::of(args)? {
+        None => {}
+        Some(what @ (Bad::Entry | Bad::CombineOut)) if args.kv.contains_key("then") => {
+            return Err(format!("ht device=cuda bad={what:?} takes no then=").into());
+        }
+        Some(Bad::CombineOut) => {
+            let victims = Bad::CombineOut.victims(args, comm.nranks())?;
+            let dt = dt
+                .as_ref()
+                .ok_or("ht bad=combine-out takes inputs=device (ht_combine_device)")?;
+            bad = ht_combine_bad(&cuda, &mut buf, &all[comm.rank()], dt, &victims)?;
+        }
+        Some(Bad::Entry) => {
+            let victim = Bad::Entry.victims(args, comm.nranks())?[0];
+            bad = ht_bad(&cuda, &mut buf, &all[comm.rank()], dt.as_ref(), victim)?;
+        }
+        Some(other) => {
+            return Err(format!(
+                "ht device=cuda takes bad=1 or bad=combine-out, not bad={other:?}"
+            )
+            .into());
+        }
     }
     let repeats = args.get("repeats", 20);
     let first = cuda_ht_step(&mut buf, &all, &tables, true, dt.as_ref())?;
@@ -1144,6 +1686,76 @@ fn ht_bad(
     Ok(format!(
         "; rank {victim}'s bad expert id{}: {what} in {:.0} ms, then the buffer's steps verified",
         if dt.is_some() { " in GPU memory" } else { "" },
+        took.as_secs_f64() * 1e3
+    ))
+}
+
+/// `ht device=cuda inputs=device bad=combine-out`: one step dispatched
+/// from GPU memory, then each victim (default rank 1; `victims=`: several)
+/// passes `ht_combine_device` an output one element short, filled with
+/// [`SENTINEL`]: its call must return `Shape` naming the combine output
+/// (its combine ran in full into the buffer's own memory, the refused
+/// tensor untouched) and end the step (a second call is refused as out of
+/// order), and every other rank's combine must give its normal result,
+/// verified by the oracle, at once; then every buffer takes the steps
+/// that follow, which verify.
+fn ht_combine_bad(
+    cuda: &gin_core::cuda::CudaComm<'_>,
+    buf: &mut gin_ep::cuda::CudaBuffer<'_, '_>,
+    me: &RankInput,
+    dt: &DevTensors,
+    victims: &[usize],
+) -> Res<String> {
+    let cfg = *buf.config();
+    let (rank, h) = (buf.rank(), cfg.hidden);
+    cuda.device().make_current()?;
+    let refused = refused_tensor(buf, Bad::CombineOut, me.tokens, victims)?;
+    fill_sentinel(&dt.out)?;
+    let step = buf.ht_dispatch_device(&dt.inputs())?;
+    buf.ht_echo_device(&step)?;
+    let start = Instant::now();
+    let mut retry = Ok(());
+    let got = if let Some(refused) = &refused {
+        let r = buf.ht_combine_device(&step, refused);
+        retry = buf.ht_combine_device(&step, &dt.out);
+        r
+    } else {
+        buf.ht_combine_device(&step, &dt.out)
+    };
+    let took = start.elapsed();
+    let mut verified = false;
+    if got.is_ok() {
+        let mut raw = vec![0u16; me.tokens * h];
+        if !raw.is_empty() {
+            dt.out.read(0, &mut raw)?;
+        }
+        let combined: Vec<gin_ep::Bf16> = raw.into_iter().map(gin_ep::Bf16).collect();
+        let active = buf.active().to_vec();
+        let l = cfg.local_experts(buf.nranks());
+        oracle::check_combine(rank, &combined, me, h, cfg.topk, cfg.fp8, |e| active[e / l])?;
+        verified = true;
+    }
+    // A victim's refused tensor (its own output, never passed, stays as
+    // filled: the retry was refused).
+    let kept = match &refused {
+        Some(t) => untouched_all(t)? && untouched(&dt.out, me.tokens * h)?,
+        None => true,
+    };
+    let timeout = cuda.comm().settings().timeout;
+    let said = judge_combine_bad(
+        rank,
+        victims,
+        Bad::CombineOut,
+        &got,
+        verified,
+        kept,
+        ended(retry),
+        took,
+        timeout,
+    )?;
+    Ok(format!(
+        "; {}'s combine output in GPU memory: {said} in {:.0} ms, then the buffer's steps verified",
+        who(victims),
         took.as_secs_f64() * 1e3
     ))
 }

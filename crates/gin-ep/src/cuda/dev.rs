@@ -180,6 +180,47 @@ pub fn check_expert_outputs(
     Ok(())
 }
 
+/// How a combine runs once the host checked the caller's tensors: never
+/// refused locally, since every peer's combine waits for this rank's
+/// signals ([`combine_call`]).
+#[derive(Debug)]
+pub(crate) struct CombineCall {
+    /// The reduction goes to the buffer's own memory (`State::out`), not
+    /// the caller's output tensor: that tensor was refused, or the combine
+    /// is refused and writes nothing.
+    pub(crate) sink: bool,
+    /// The combine kernel runs in its refusing form: this rank's expert
+    /// outputs were refused, so it sends none, poisons each of its combine
+    /// signals and reduces nothing; every source's combine reports the
+    /// refusal, naming this rank.
+    pub(crate) refusing: bool,
+    /// What this rank's call returns once the combine ran (the first
+    /// tensor refused, the output before the expert outputs, as before).
+    pub(crate) err: Option<EpError>,
+}
+
+/// What the host makes of its checks of a combine's output tensor (`out`)
+/// and, where the call takes one, its expert-output tensor (`expert_out`):
+/// a bad output alone changes nothing for the peers (this rank's expert
+/// outputs do not depend on it): the combine runs in full, its reduction
+/// into the buffer's own memory, and the call then returns the error; bad
+/// expert outputs cannot be sent, so the combine is refused collectively
+/// (its refusing form) and the call returns the error. Before, either
+/// error was returned at once with nothing launched, leaving every peer's
+/// combine waiting for this rank's signals until the job timeout.
+pub(crate) fn combine_call(
+    out: Result<(), EpError>,
+    expert_out: Result<(), EpError>,
+) -> CombineCall {
+    let refusing = expert_out.is_err();
+    let sink = refusing || out.is_err();
+    CombineCall {
+        sink,
+        refusing,
+        err: out.and(expert_out).err(),
+    }
+}
+
 /// Where a device-resident dispatch leaves what it received, and where the
 /// expert's outputs go, in the buffer's device memory
 /// ([`super::CudaBuffer::recv_tokens`], [`super::CudaBuffer::recv_counts`],
@@ -280,6 +321,11 @@ pub(crate) mod code {
     /// High-throughput mode (`kernels/ht.cu`'s `ep::ERR_HT`): word 1 is
     /// what ([`ht`]) | the channel << 32.
     pub const HT: u64 = 8;
+    /// An expert rank (the peer) refused the low-latency combine (its
+    /// expert outputs refused by its host's checks): its combine signals
+    /// came with `POISON`, no output; word 1 its (lowest) expert, word 2
+    /// how far that expert's signal moved past its target (`POISON`).
+    pub const PEER_REFUSED_COMBINE: u64 = 9;
 
     /// What an `HT` error says (`ep::ht::HT_*`).
     pub mod ht {
@@ -401,23 +447,29 @@ pub(crate) fn forget_refusal(m: &impl RecordMemory) -> Result<(), EpError> {
 }
 
 /// Whether a recorded error (word 0 of `ep::record`) is a refusal: this
-/// rank's inputs found bad on the GPU, or a source's refused (its counts
+/// rank's inputs found bad on the GPU, a source's refused (its counts
+/// poisoned), or an expert rank's refused combine (its combine signals
 /// poisoned). Every rank then ends the step alike (no rank broke the
 /// protocol, every signal of the step was consumed); anything else is a
 /// broken protocol, and the step cannot be finished.
 pub(crate) fn is_refusal(w0: u64) -> bool {
     matches!(
         w0 & 0xff,
-        code::PEER_BAD_INPUT | code::EXPERT_RANGE | code::DUPLICATE | code::WEIGHT
+        code::PEER_BAD_INPUT
+            | code::EXPERT_RANGE
+            | code::DUPLICATE
+            | code::WEIGHT
+            | code::PEER_REFUSED_COMBINE
     )
 }
 
 /// The error a kernel recorded (`ep::record`: word 0 the kind | the peer
 /// << 8, words 1-3 what), as the host reports it: the source's protocol
 /// errors as [`EpError::Protocol`] naming it and this rank's expert, a
-/// source's refused inputs as [`EpError::PeerRefused`] naming it, this
-/// rank's bad inputs as the host's own input checks name them. `None` for no error
-/// (word 0 zero).
+/// source's refused inputs as [`EpError::PeerRefused`] naming it, an
+/// expert rank's refused combine as [`EpError::PeerRefusedCombine`] naming
+/// it, this rank's bad inputs as the host's own input checks name them.
+/// `None` for no error (word 0 zero).
 pub fn decode_error(rank: usize, cfg: &Config, w: [u64; 4]) -> Option<EpError> {
     if w[0] == 0 {
         return None;
@@ -436,6 +488,7 @@ pub fn decode_error(rank: usize, cfg: &Config, w: [u64; 4]) -> Option<EpError> {
             w[2], w[1]
         )),
         code::PEER_BAD_INPUT => EpError::PeerRefused { rank, peer },
+        code::PEER_REFUSED_COMBINE => EpError::PeerRefusedCombine { rank, peer },
         code::TOKEN_RANGE => proto(format!(
             "token index {} at or above the maximum {t} in expert {}'s slots",
             w[2], w[1]
@@ -613,6 +666,54 @@ mod tests {
         ));
     }
 
+    /// A combine's tensors refused by the host's checks: a bad output
+    /// runs the combine in full into the buffer's own memory, bad expert
+    /// outputs refuse it collectively; either way the call's error names
+    /// the first tensor refused, and nothing is refused locally.
+    #[test]
+    fn a_refused_combine_tensor_still_runs_the_combine() {
+        let c = cfg();
+        let lay = LlDeviceLayout::new(&c, 2);
+        let out = |bytes| check_device_output(1, &c, 3, span(0x100, bytes));
+        let eout = |addr| check_expert_outputs(1, &lay, span(addr, lay.combine_bytes()));
+        let good = combine_call(out(2 * 256 * 3), eout(0x1000));
+        assert!(!good.sink && !good.refusing && good.err.is_none());
+        let small = combine_call(out(2 * 256 * 3 - 2), eout(0x1000));
+        assert!(small.sink && !small.refusing, "{small:?}");
+        assert!(matches!(
+            small.err,
+            Some(EpError::Shape {
+                rank: 1,
+                what: "combine output",
+                ..
+            })
+        ));
+        let unaligned = combine_call(out(2 * 256 * 3), eout(0x1008));
+        assert!(unaligned.sink && unaligned.refusing, "{unaligned:?}");
+        assert!(matches!(
+            unaligned.err,
+            Some(EpError::Misaligned {
+                rank: 1,
+                what: "expert outputs",
+                ..
+            })
+        ));
+        // Both: refused collectively (the expert outputs cannot be sent),
+        // the output's error first, as the checks ran before.
+        let both = combine_call(out(0), eout(0x1008));
+        assert!(both.sink && both.refusing);
+        assert!(matches!(
+            both.err,
+            Some(EpError::Shape {
+                what: "combine output",
+                ..
+            })
+        ));
+        // A call without expert outputs (ll_combine_device, ht_combine_device).
+        let plain = combine_call(out(8), Ok(()));
+        assert!(plain.sink && !plain.refusing && plain.err.is_some());
+    }
+
     #[test]
     fn recorded_errors_name_the_rank_the_peer_and_the_expert() {
         let c = cfg();
@@ -670,12 +771,37 @@ mod tests {
         assert!(
             matches!(e, EpError::BadWeight { token: 9, slot: 1, weight, .. } if weight.is_nan())
         );
+        // An expert rank's refused combine (code 9, ll.cu's
+        // ERR_PEER_REFUSED_COMBINE, as the combine kernel records it:
+        // expert 5, moved POISON), naming that rank, its message about
+        // the combine (the expert outputs missing, this rank's output not
+        // written), not the dispatch's ("inputs were refused ... sent no
+        // token"): before, PeerRefused.
+        let e = decode_error(3, &c, [9 | 2 << 8, 5, 1 << 32, 0]).unwrap();
+        assert!(
+            matches!(e, EpError::PeerRefusedCombine { rank: 3, peer: 2 }),
+            "{e:?}"
+        );
+        let msg = e.to_string();
+        assert!(
+            msg.contains("rank 2 refused this step's combine")
+                && msg.contains("expert outputs")
+                && msg.contains("combine output was not written"),
+            "{msg}"
+        );
+        assert!(
+            !msg.contains("inputs were refused") && !msg.contains("sent no token"),
+            "{msg}"
+        );
+        // Its kind is a refusal (the step ended on every rank), whatever
+        // the peer byte: judged as a source's refused inputs are.
+        assert!(is_refusal(9 | 2 << 8) && is_refusal(code::PEER_REFUSED_COMBINE));
         let e = decode_error(0, &c, [200, 0, 0, 0]).unwrap();
         assert!(e.to_string().contains("unknown error 200"));
     }
 
-    /// A refusal (a rank's inputs, on the host or the GPU) ends the step
-    /// on every rank; a broken protocol (or an HT error) does not, and an
+    /// A refusal (a rank's inputs, on the host or the GPU, or an expert
+    /// rank's refused combine) ends the step on every rank; a broken protocol (or an HT error) does not, and an
     /// empty word is no error at all. The peer byte does not matter.
     #[test]
     fn refusals_are_told_from_broken_protocols() {
@@ -684,6 +810,8 @@ mod tests {
             code::EXPERT_RANGE,
             code::DUPLICATE,
             code::WEIGHT,
+            // An expert rank's refused combine (before: a broken protocol).
+            9,
         ] {
             assert!(is_refusal(k), "{k}");
             assert!(is_refusal(k | 5 << 8), "{k}");
@@ -821,6 +949,7 @@ mod tests {
             ("ERR_EXPERT_RANGE", code::EXPERT_RANGE),
             ("ERR_DUPLICATE", code::DUPLICATE),
             ("ERR_WEIGHT", code::WEIGHT),
+            ("ERR_PEER_REFUSED_COMBINE", code::PEER_REFUSED_COMBINE),
         ] {
             let decl = format!("constexpr u64 {name} = {v};");
             assert!(src.contains(&decl), "ll.cu lacks {decl:?}");

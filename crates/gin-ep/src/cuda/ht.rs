@@ -1447,6 +1447,17 @@ impl CudaBuffer<'_, '_> {
     /// caller's device memory (size and alignment checked); nothing goes
     /// through the host. On gin's stream, returning when it has finished;
     /// bit for bit what [`CudaBuffer::ht_combine`] returns.
+    ///
+    /// An `out` the host's checks refuse ([`EpError::Shape`],
+    /// [`EpError::Misaligned`]) does not stop the step (every peer's
+    /// combine waits for this rank's rows and signals, which do not depend
+    /// on `out`): the combine runs in full, its reduction written into the
+    /// buffer's own memory (`State::out`, allocated with the buffer), `out`
+    /// untouched; then this returns the error, and every buffer takes the
+    /// next step. (Before, it returned at once, launching nothing, and
+    /// every peer's combine failed at the job timeout.) The error ends the
+    /// step: the combine ran, so a retry is refused ([`EpError::Phase`]),
+    /// and the reduction, in the buffer's own memory, is not returned.
     pub fn ht_combine_device(&mut self, s: &CudaHtStep, out: &DevMem) -> Result<(), EpError> {
         const CALL: &str = "ht_combine_device";
         self.ht_state(CALL)?;
@@ -1454,12 +1465,19 @@ impl CudaBuffer<'_, '_> {
         self.ht_own_step(CALL, s)?;
         self.expect_unqueued(CALL)?;
         self.poll()?;
-        check_device_output(self.rank, &self.cfg, self.st.tokens, out.into())?;
+        let bad = check_device_output(self.rank, &self.cfg, self.st.tokens, out.into()).err();
+        let out = if bad.is_some() {
+            self.state.out.ptr()
+        } else {
+            out.ptr()
+        };
         self.current()?;
         // SAFETY: `out` holds tokens × hidden u16, 16-byte aligned (checked
-        // above), borrowed until the launch, which is waited for, ends.
-        unsafe { self.launch_ht_combine(out.ptr())? };
-        self.poll()
+        // above), borrowed until the launch, which is waited for, ends; or,
+        // refused, State::out (t × hidden u16, tokens ≤ t, from cuMemAlloc).
+        unsafe { self.launch_ht_combine(out)? };
+        self.poll()?;
+        bad.map_or(Ok(()), Err)
     }
 
     /// Launches the combine kernel of the step under way into `out`; the

@@ -97,6 +97,29 @@
 //! fails midway (a wait timed out, a peer was lost) leaves the buffer
 //! refusing further steps, as a peer's broken protocol does.
 //!
+//! A combine is never refused locally either (every peer's combine waits
+//! for this rank's signals): an output tensor the host's checks refuse
+//! ([`CudaBuffer::ll_combine_device`] and the other `ll_combine_*` calls,
+//! [`CudaBuffer::ht_combine_device`]) runs the combine in full, its
+//! reduction into the buffer's own memory, and the call then returns the
+//! error, every peer's result normal; expert outputs they refuse
+//! ([`CudaBuffer::ll_combine_from_device`]) cannot be sent, so the combine
+//! kernel runs in its refusing form, as a refused dispatch does: no data,
+//! each of its combine signals carrying `POISON` beside the step's 1.
+//! Each source's combine kernel then reduces nothing (its output is left
+//! untouched), records the refusal naming the expert's rank
+//! ([`EpError::PeerRefusedCombine`], from a waited call or `check`) and
+//! accounts the poison (the next dispatch adds it to the combine target),
+//! so the next step counts alike on every rank.
+//!
+//! **An `Err` from a combine call whose own tensor was refused ends the
+//! step**: the combine ran (or was queued) all the same, so the buffer is
+//! idle and a retry of the combine is refused (`EpError::Phase`); for a
+//! refused `out` the reduction went to the buffer's own memory and is not
+//! returned. Where both tensors are refused, the error names the combine
+//! output (its check runs first) and the combine is refused collectively
+//! all the same.
+//!
 //! High-throughput mode (`ht.rs`, `kernels/ht.cu`): a buffer created with
 //! [`Config::high_throughput`] runs [`CudaBuffer::ht_dispatch`],
 //! [`CudaBuffer::ht_echo`] and [`CudaBuffer::ht_combine`] from host inputs,
@@ -124,7 +147,7 @@ mod ht;
 pub mod resident;
 mod steps;
 
-use dev::{Record, RecordMemory};
+use dev::{CombineCall, Record, RecordMemory, combine_call};
 use steps::{Look, Recorded, Verdict};
 
 pub use ht::{CudaHtDispatch, CudaHtStep, HT_KERNELS, HtDeviceLayout, HtReceived};
@@ -262,7 +285,14 @@ struct State {
     /// `u64[nranks]`: the combine signal each rank's experts must reach
     /// (the dispatch kernel adds 1 for each active rank).
     ctarget: DevMem,
-    /// `u16[t × hidden]`: the combined tokens.
+    /// `u64[nranks]`: POISON where that rank refused the last combine
+    /// (written by the combine kernel), which the next dispatch kernel
+    /// adds to `ctarget` and clears.
+    cpois: DevMem,
+    /// `u16[t × hidden]`: the combined tokens (read back by the host-output
+    /// calls), and the sink of a combine whose output tensor the host's
+    /// checks refused (the step still runs in full: its reduction lands
+    /// here, read by nobody).
     out: DevMem,
     /// `u64[2]`: earliest block start, latest block end of a launch.
     clock: DevMem,
@@ -313,6 +343,7 @@ impl State {
             counts: zeroed(4 * e)?,
             meta: zeroed(12 * e * t)?,
             ctarget: zeroed(8 * n)?,
+            cpois: zeroed(8 * n)?,
             out: zeroed(2 * cfg.max_tokens_per_rank * cfg.hidden)?,
             clock: zeroed(16)?,
             xin: if cfg.fp8 && ll {
@@ -1077,19 +1108,21 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             Arg::Ptr(s.errh.dev()),
             Arg::Ptr(s.ctarget.ptr()),
             Arg::U32(u32::from(src.refused)),
+            Arg::Ptr(s.cpois.ptr()),
         ];
         // SAFETY: ep_ll_dispatch(DevComm, Window send, Window recv, u32
         // tokens, u32 l, u32 t, u32 m, u32 p, u32 k, const u32* active, u64*
         // seen, u32* counts, u32* meta, u64* clock, const u16* xin, u32 h,
         // u32* bar, u32* eslot, u32 fp8, const i64* idx,
         // const f32* wts, u64* inbad, u64* err, u64* errh, u64* ctarget,
-        // u32 refused) in
+        // u32 refused, u64* cpois) in
         // kernels/ll.cu takes these arguments in this order. The windows and
         // the device communicator are this buffer's, alive for the kernel
         // (the caller's contract where it is queued). The kernel reads and
         // writes `tokens` (≤ t) messages of the send window (t × m bytes),
         // indexes active and ctarget by rank (nranks entries), seen and
-        // counts by pair (experts), meta by received slot (3 × experts × t
+        // counts by pair (experts), cpois by rank (nranks u64), meta by
+        // received slot (3 × experts × t
         // u32), eslot by (token, slot) (t × k u32), clock (2 u64, or null),
         // bar (the low u32 of a u64) and inbad (one u64 each), err (8 u64)
         // and errh (8 u64 of mapped pinned memory, Record::BYTES): the sizes
@@ -1241,7 +1274,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         // SAFETY: queued after the dispatch on the same stream (the
         // caller's contract); 0 tokens: the kernel writes nothing of `out`
         // (State::out, from cuMemAlloc).
-        match unsafe { self.launch_combine(on, out) } {
+        match unsafe { self.launch_combine(on, out, false) } {
             Ok(()) => err,
             Err(e) => {
                 self.st.fail();
@@ -1274,7 +1307,7 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             // SAFETY: gin's stream, waited for; 0 tokens: the kernel writes
             // nothing of `out` (State::out, from cuMemAlloc) and, the
             // counts zeroed, reads no slot.
-            unsafe { self.launch_combine(On::Wait, out)? };
+            unsafe { self.launch_combine(On::Wait, out, false)? };
             self.forget_refusal()
         })();
         self.st.refused(r.is_ok());
@@ -1667,7 +1700,9 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     }
 
     /// What a combine from the caller's expert outputs checks first
-    /// (`look` as for [`CudaBuffer::prepare_device`]).
+    /// (`look` as for [`CudaBuffer::prepare_device`]): a call out of order
+    /// is refused locally (no step is under way for it); the tensors'
+    /// checks decide how the combine runs ([`combine_call`]), never whether.
     fn prepare_from(
         &mut self,
         call: &'static str,
@@ -1675,11 +1710,13 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         expert_out: &DevMem,
         out: &DevMem,
         look: Look,
-    ) -> Result<(), EpError> {
+    ) -> Result<CombineCall, EpError> {
         self.expect_dispatch(call, s.step)?;
         self.look(look)?;
-        check_device_output(self.rank, &self.cfg, self.st.tokens, out.into())?;
-        check_expert_outputs(self.rank, &self.device_layout(), expert_out.into())
+        Ok(combine_call(
+            check_device_output(self.rank, &self.cfg, self.st.tokens, out.into()),
+            check_expert_outputs(self.rank, &self.device_layout(), expert_out.into()),
+        ))
     }
 
     /// [`CudaBuffer::ll_combine_device`] with the expert outputs in the
@@ -1689,6 +1726,26 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// a kernel copies the received tokens' outputs into the combine slots
     /// (peers read those in place, so they must be in the buffer's window),
     /// then the combine runs; both on gin's stream, returning when done.
+    ///
+    /// An `out` the host's checks refuse is handled as by
+    /// [`CudaBuffer::ll_combine_device`]. Expert outputs they refuse
+    /// ([`EpError::Shape`], [`EpError::Misaligned`], naming "expert
+    /// outputs") cannot be sent, so the combine is refused collectively,
+    /// as a dispatch's inputs are: its kernel runs in its refusing form
+    /// (nothing copied, nothing sent, each of this rank's combine signals
+    /// marked refused), every source's combine writes nothing of its
+    /// output and returns [`EpError::PeerRefusedCombine`] naming this rank
+    /// (a queued one's [`CudaBuffer::check`]), this call returns the
+    /// error, and every buffer takes the next step. Where the refused
+    /// combine's own part fails (a wait timed out, a peer was lost), that
+    /// error is returned instead and the buffer refuses further steps.
+    ///
+    /// The error ends the step: the combine ran, so a retry is refused
+    /// ([`EpError::Phase`]); for a refused `out` the reduction went to the
+    /// buffer's own memory and is not returned. Where both tensors are
+    /// refused, the error names "combine output" (checked first), and the
+    /// combine is still refused collectively (the expert outputs were not
+    /// sent).
     pub fn ll_combine_from_device(
         &mut self,
         s: &CudaLlStep,
@@ -1696,18 +1753,35 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         out: &DevMem,
     ) -> Result<(), EpError> {
         self.expect_unqueued("ll_combine_from_device")?;
-        self.prepare_from("ll_combine_from_device", s, expert_out, out, Look::Waited)?;
-        // SAFETY: gin's stream, waited for while both are borrowed; sizes
-        // and alignment checked.
-        unsafe {
-            self.launch_take(On::Wait, expert_out.ptr())?;
-            self.launch_combine(On::Wait, out.ptr())?;
-        }
-        self.poll()
+        let call = self.prepare_from("ll_combine_from_device", s, expert_out, out, Look::Waited)?;
+        // SAFETY: gin's stream, waited for while both are borrowed; their
+        // sizes and alignment were checked, and a refused one is not
+        // passed (combine_from).
+        unsafe { self.combine_from(On::Wait, &call, expert_out.ptr(), out.ptr())? };
+        self.after_waited_combine(call.err)
     }
 
     /// [`CudaBuffer::ll_combine_from_device`] queued on the caller's
-    /// `stream`, returning at once.
+    /// `stream`, returning at once. A tensor the host's checks refuse is
+    /// handled as by [`CudaBuffer::ll_combine_from_device`], queued: the
+    /// combine is queued all the same (in full into the buffer's own
+    /// memory for a refused `out`, in its refusing form for refused expert
+    /// outputs), and this call returns the error, the step ended (queue
+    /// nothing more for it: a retry is refused, [`EpError::Phase`]); the
+    /// peers' `check` reports a refused combine
+    /// ([`EpError::PeerRefusedCombine`]), naming this rank. Only refused
+    /// expert outputs reach the peers: a refused `out` alone is this
+    /// rank's own (every peer's combine gives its normal result, and its
+    /// `check` is clean). This rank's own `check` reports nothing of its
+    /// refusal (the call returned it).
+    ///
+    /// In a CUDA graph: the refusal is decided at capture, so a graph
+    /// captured from a call whose expert outputs were refused replays the
+    /// combine in its refusing form on every replay (every replay is a
+    /// refused combine, each peer's `check` reporting it), and one captured
+    /// from a call whose `out` was refused replays the combine into the
+    /// buffer's own memory, without an error; recapture with good
+    /// tensors.
     ///
     /// # Safety
     /// As [`CudaBuffer::ll_combine_on`]; `expert_out` must stay allocated,
@@ -1719,22 +1793,105 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         expert_out: &DevMem,
         out: &DevMem,
     ) -> Result<(), EpError> {
-        self.prepare_from("ll_combine_from_on", s, expert_out, out, Look::Queued)?;
-        // SAFETY: the caller's contract; sizes and alignment checked.
+        let call = self.prepare_from("ll_combine_from_on", s, expert_out, out, Look::Queued)?;
+        // SAFETY: the caller's contract; sizes and alignment checked, and
+        // a refused tensor is not passed (combine_from).
+        unsafe { self.combine_from(On::Queue(stream), &call, expert_out.ptr(), out.ptr())? };
+        call.err.map_or(Ok(()), Err)
+    }
+
+    /// The copy of the caller's expert outputs (device address
+    /// `expert_out`) into the combine slots, unless the combine is refused,
+    /// then the combine as `call` says ([`CudaBuffer::launch_combine_as`]).
+    ///
+    /// # Safety
+    /// As [`CudaBuffer::launch_take`] for `expert_out` unless
+    /// `call.refusing`, and [`CudaBuffer::launch_combine_as`] for `out`.
+    unsafe fn combine_from(
+        &mut self,
+        on: On<'_>,
+        call: &CombineCall,
+        expert_out: u64,
+        out: u64,
+    ) -> Result<(), EpError> {
+        // SAFETY: the caller's contract.
         unsafe {
-            self.launch_take(On::Queue(stream), expert_out.ptr())?;
-            self.launch_combine(On::Queue(stream), out.ptr())
+            if !call.refusing {
+                self.launch_take(on, expert_out)?;
+            }
+            self.launch_combine_as(on, call, out)
+        }
+    }
+
+    /// Launches the combine as `call` says: into `out`, or into the
+    /// buffer's own memory (`State::out`, t × hidden u16, allocated once
+    /// with the buffer) where the caller's output was refused or the
+    /// combine is; in its refusing form where the expert outputs were
+    /// refused.
+    ///
+    /// Queued on a caller's stream, the sink is written by a launch on
+    /// that stream and read by nobody; the buffer's other uses of it are
+    /// ordered after it: a later queued launch of this buffer runs after
+    /// it (the `_on` calls' contract: one buffer's launches execute in the
+    /// order queued), and the calls on gin's stream that write it and read
+    /// it back ([`CudaBuffer::ll_combine`]) are refused until the caller
+    /// synchronised the stream and called [`CudaBuffer::check`]. The host
+    /// never writes it.
+    ///
+    /// # Safety
+    /// Unless `call.sink`, as [`CudaBuffer::launch_combine`] for `out`;
+    /// with [`On::Queue`], as [`CudaBuffer::ll_dispatch_on`].
+    unsafe fn launch_combine_as(
+        &mut self,
+        on: On<'_>,
+        call: &CombineCall,
+        out: u64,
+    ) -> Result<(), EpError> {
+        let out = if call.sink { self.state.out.ptr() } else { out };
+        // SAFETY: the caller's contract for `out`; State::out holds t ×
+        // hidden u16 (tokens ≤ t), from cuMemAlloc (aligned).
+        unsafe { self.launch_combine(on, out, call.refusing) }
+    }
+
+    /// After a waited combine's kernel finished: what the kernels recorded
+    /// ([`Look::AfterWaitedCombine`]: an expert rank's refused combine is
+    /// reported and cleared, the buffer usable; a broken protocol fails
+    /// it), then this rank's own refused tensor (`own`), which wins over a
+    /// peer's refusal recorded beside it (logged) but not over a failure.
+    fn after_waited_combine(&mut self, own: Option<EpError>) -> Result<(), EpError> {
+        match (self.look(Look::AfterWaitedCombine), own) {
+            (Ok(()), None) => Ok(()),
+            (Ok(()), Some(e)) | (Err(e), None) => Err(e),
+            (Err(e), Some(own)) if self.st.failed => {
+                tracing::warn!(
+                    rank = self.rank,
+                    "beside this rank's refused tensor ({own})"
+                );
+                Err(e)
+            }
+            (Err(e), Some(own)) => {
+                tracing::warn!(rank = self.rank, "beside this rank's refused tensor: {e}");
+                Err(own)
+            }
         }
     }
 
     /// Launches the combine kernel of the step under way, writing the
     /// combined tokens to `out` (device address); the step ends.
+    /// `refusing`: this rank's expert outputs were refused (the kernel
+    /// sends none, marks each of its combine signals refused and writes
+    /// nothing of `out`).
     ///
     /// # Safety
     /// `out` holds `tokens × hidden` u16, 16-byte aligned, writable and
     /// otherwise untouched until the kernel has finished; with
     /// [`On::Queue`], as [`CudaBuffer::ll_dispatch_on`].
-    unsafe fn launch_combine(&mut self, on: On<'_>, out: u64) -> Result<(), EpError> {
+    unsafe fn launch_combine(
+        &mut self,
+        on: On<'_>,
+        out: u64,
+        refusing: bool,
+    ) -> Result<(), EpError> {
         self.prepare_launch(on)?;
         let cfg = self.cfg;
         let tokens = self.st.tokens;
@@ -1763,20 +1920,26 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
             Arg::Ptr(s.eslot.ptr()),
             Arg::Ptr(s.pull.ptr()),
             Arg::Ptr(s.inbad.ptr()),
+            Arg::Ptr(s.cpois.ptr()),
+            Arg::Ptr(s.err.ptr()),
+            Arg::Ptr(s.errh.dev()),
+            Arg::U32(u32::from(refusing)),
         ];
         // SAFETY: ep_ll_combine(DevComm, Window send, Window csend, Window
         // crecv, u32 tokens, u32 l, u32 t, u32 m, u32 p, u32 k, u32 h, const
         // u32* active, const u32* counts, const u32* meta, const u64*
         // ctarget, u16* out, u64* clock, const u32* eslot, const u8* pull,
-        // u64* inbad) takes these in this order. It reads
+        // u64* inbad, u64* cpois, u64* err, u64* errh, u32 refused) takes
+        // these in this order. It reads
         // the `tokens` messages this step's dispatch staged, slots of csend
         // and crecv within their sizes (ll::resources; metadata out of range
         // is skipped), peers' csend slots through their mappings only after
         // checking the slot against the peer part's size, and writes tokens
         // × hidden u16 of out (the caller's contract), the 2 u64 of clock
-        // (or none: null) and the u64 of inbad; active and ctarget hold
-        // nranks entries, pull nranks × nranks, counts and meta the
-        // dispatch's, eslot t × k.
+        // (or none: null) and the u64 of inbad; active, ctarget and cpois
+        // hold nranks entries, pull nranks × nranks, counts and meta the
+        // dispatch's, eslot t × k, err and errh (mapped pinned memory)
+        // Record::BYTES.
         let r = unsafe { go(&self.dc, self.kernels.combine, on, grid, &args) };
         self.launched(on, "combine", r)?;
         self.st.combined();
@@ -1794,7 +1957,10 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// and reduces each token over its top-k slots with the weights (read
     /// in place where it can, else from where the expert put them), leaving
     /// out empty slots and masked ranks' experts. The combined tokens are
-    /// read back.
+    /// read back. Where an expert rank refused the combine (its expert
+    /// outputs refused by its host: [`CudaBuffer::ll_combine_from_device`])
+    /// the step has no result: this returns [`EpError::PeerRefusedCombine`]
+    /// naming it, and the buffer takes the next step.
     pub fn ll_combine(&mut self, d: &CudaLlDispatch) -> Result<Combined, EpError> {
         self.expect_dispatch("ll_combine", d.step)?;
         self.expect_unqueued("ll_combine")?;
@@ -1802,7 +1968,9 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
         let out = self.state.out.ptr();
         // SAFETY: gin's stream, waited for; State::out holds t × hidden u16
         // (tokens ≤ t), from cuMemAlloc (aligned).
-        unsafe { self.launch_combine(On::Wait, out)? };
+        unsafe { self.launch_combine(On::Wait, out, false)? };
+        // A refused combine wrote nothing: never read back a stale output.
+        self.after_waited_combine(None)?;
         self.read_combined()
     }
 
@@ -1826,19 +1994,43 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// BF16, into `out`, the caller's device memory (size and alignment
     /// checked); on gin's stream, returning when it has finished. Bit for
     /// bit what [`CudaBuffer::ll_combine`] returns.
+    ///
+    /// An `out` the host's checks refuse ([`EpError::Shape`],
+    /// [`EpError::Misaligned`], naming "combine output") is no reason to
+    /// stop the step: every peer's combine waits for this rank's signals,
+    /// and this rank's expert outputs do not depend on `out`. The combine
+    /// runs in full, its reduction written into the buffer's own memory
+    /// (allocated with the buffer) and `out` left untouched; then this
+    /// returns the error. Every peer's combine gives its normal result, and
+    /// every buffer takes the next step. Where an expert rank refused the
+    /// combine, this returns [`EpError::PeerRefusedCombine`] naming it and
+    /// `out` is untouched: the step has no result. A call out of order is
+    /// refused locally.
+    ///
+    /// An error for a refused `out` ends the step: the combine ran, so a
+    /// retry is refused ([`EpError::Phase`]), and the reduction, written
+    /// into the buffer's own memory, is not returned.
     pub fn ll_combine_device(&mut self, s: &CudaLlStep, out: &DevMem) -> Result<(), EpError> {
         self.expect_dispatch("ll_combine_device", s.step)?;
         self.expect_unqueued("ll_combine_device")?;
         self.poll()?;
-        check_device_output(self.rank, &self.cfg, self.st.tokens, out.into())?;
+        let call = combine_call(
+            check_device_output(self.rank, &self.cfg, self.st.tokens, out.into()),
+            Ok(()),
+        );
         // SAFETY: gin's stream, waited for while `out` is borrowed; its size
-        // and alignment were checked.
-        unsafe { self.launch_combine(On::Wait, out.ptr())? };
-        self.poll()
+        // and alignment were checked (refused: not passed).
+        unsafe { self.launch_combine_as(On::Wait, &call, out.ptr())? };
+        self.after_waited_combine(call.err)
     }
 
     /// [`CudaBuffer::ll_combine_device`] queued on the caller's `stream`,
-    /// returning at once.
+    /// returning at once. A refused `out` is handled as there, queued: the
+    /// combine is queued in full into the buffer's own memory, and this
+    /// returns the error, the step ended (queue nothing more for it: a
+    /// retry is refused, [`EpError::Phase`]). An expert rank's refused
+    /// combine is reported by [`CudaBuffer::check`]
+    /// ([`EpError::PeerRefusedCombine`]), `out` untouched.
     ///
     /// # Safety
     /// As [`CudaBuffer::ll_dispatch_on`]; `out` must stay allocated, and
@@ -1851,9 +2043,14 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     ) -> Result<(), EpError> {
         self.expect_dispatch("ll_combine_on", s.step)?;
         self.look(Look::Queued)?;
-        check_device_output(self.rank, &self.cfg, self.st.tokens, out.into())?;
-        // SAFETY: the caller's contract; size and alignment checked.
-        unsafe { self.launch_combine(On::Queue(stream), out.ptr()) }
+        let call = combine_call(
+            check_device_output(self.rank, &self.cfg, self.st.tokens, out.into()),
+            Ok(()),
+        );
+        // SAFETY: the caller's contract; size and alignment checked
+        // (refused: not passed).
+        unsafe { self.launch_combine_as(On::Queue(stream), &call, out.ptr())? };
+        call.err.map_or(Ok(()), Err)
     }
 
     /// Starts watching the job until the next [`CudaBuffer::check`], if no
@@ -1897,7 +2094,12 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     /// [`EpError::BadWeight`]; on every other rank [`EpError::PeerRefused`]
     /// naming that rank; a refusal by the host's checks on a queued
     /// dispatch was returned by that call, and its peers' checks name it)
-    /// and cleared, and the buffer stays usable where it stands: idle, or,
+    /// and cleared, and so is a combine queued since the last check that
+    /// an expert rank refused (its expert outputs refused by its host:
+    /// [`EpError::PeerRefusedCombine`] naming it, the refusing rank's own
+    /// `ll_combine_from_on` having returned its error, its `check` clean;
+    /// a refused `out` is reported by the call alone, never to the peers);
+    /// the buffer stays usable where it stands: idle, or,
     /// checked between a dispatch and its combine, holding that step, whose
     /// combine is queued next as usual (above). Every step dispatched
     /// since the last check runs to its end on every rank as queued: one

@@ -114,6 +114,13 @@ pub(crate) enum Look {
     /// After a waited dispatch's kernel finished: a refusal ends the step
     /// here, on every rank alike (the combine's signals without data).
     AfterWaitedDispatch,
+    /// After a waited combine's kernel finished (nothing queued
+    /// unchecked): a refusal is this step's, an expert rank's refused
+    /// combine (its combine signals poisoned), and the step is over on
+    /// every rank; it is reported and cleared, and the buffer takes the
+    /// next step. (Before, no combine was refused collectively: any
+    /// refusal here failed the buffer, as at [`Look::Waited`].)
+    AfterWaitedCombine,
     /// Before a launch queued on a caller's stream: the host cannot tell
     /// which queued step a refusal belongs to, and every peer goes on with
     /// its launches (its host does not know yet either), so the refusal is
@@ -139,9 +146,10 @@ pub(crate) enum Verdict {
     /// signals until the job timeout, then report the broken protocol; the
     /// buffer refuses further steps.
     EndStepThenFail,
-    /// A refusal found by `check`: clear the record and report it; the
-    /// buffer stays where it is (idle, or holding the step's dispatch
-    /// whose combine is next) and takes further steps.
+    /// A refusal found by `check`, or by a waited combine (the step
+    /// ended): clear the record and report it; the buffer stays where it
+    /// is (idle, or holding the step's dispatch whose combine is next) and
+    /// takes further steps.
     Report,
     /// Report it; the buffer refuses further steps.
     Fail,
@@ -317,8 +325,8 @@ impl Steps {
     /// What to do with what the kernels recorded, found where `look` says
     /// (see [`Verdict`]); a [`Verdict::Fail`] or
     /// [`Verdict::EndStepThenFail`] fails the buffer here. A refusal alone
-    /// never fails it: a waited dispatch ends the step, `check` reports it,
-    /// a queued call leaves it for `check`. Seen anywhere else (a waited
+    /// never fails it: a waited dispatch ends the step, a waited combine
+    /// and `check` report it, a queued call leaves it for `check`. Seen anywhere else (a waited
     /// call, nothing queued unchecked) it cannot be placed in a step, and
     /// fails the buffer as a broken protocol does. A broken protocol always
     /// fails it, whatever was recorded before it; a waited dispatch that
@@ -327,7 +335,7 @@ impl Steps {
         let v = match (rec, look) {
             (Recorded::Nothing, _) | (Recorded::Refusal, Look::Queued) => Verdict::Go,
             (Recorded::Refusal, Look::AfterWaitedDispatch) => Verdict::EndStep,
-            (Recorded::Refusal, Look::Check) => Verdict::Report,
+            (Recorded::Refusal, Look::Check | Look::AfterWaitedCombine) => Verdict::Report,
             (Recorded::Broken { refused: true }, Look::AfterWaitedDispatch) => {
                 Verdict::EndStepThenFail
             }
@@ -584,6 +592,7 @@ mod tests {
         let looks = [
             Look::Waited,
             Look::AfterWaitedDispatch,
+            Look::AfterWaitedCombine,
             Look::Queued,
             Look::Check,
         ];
@@ -596,7 +605,7 @@ mod tests {
                         Look::Waited => Verdict::Fail,
                         Look::AfterWaitedDispatch => Verdict::EndStep,
                         Look::Queued => Verdict::Go,
-                        Look::Check => Verdict::Report,
+                        Look::Check | Look::AfterWaitedCombine => Verdict::Report,
                     },
                 ),
                 (broken, Verdict::Fail),
@@ -618,6 +627,88 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A combine refused collectively (an expert rank's expert outputs
+    /// refused by its host): every rank's combine kernel ran to its end,
+    /// so the step is over everywhere. A waited combine that finds the
+    /// refusal reports it and the buffer takes the next step (before, the
+    /// refusal at a waited call failed the buffer: no combine was refused
+    /// collectively); the refusing rank's own combine (launched in its
+    /// refusing form, its error the host's) leaves its buffer idle and
+    /// usable; one whose launch failed (a wait timed out, a peer was
+    /// lost) leaves it refusing steps; a queued one is reported by
+    /// `check`, the steps queued after it going ahead.
+    #[test]
+    fn a_refused_combine_is_reported_and_the_next_step_follows() {
+        let waited_step = |s: &mut Steps| {
+            s.idle("ll_dispatch_device").unwrap();
+            s.begin(4);
+            s.launched(false, true);
+            s.dispatched_now();
+            assert_eq!(
+                s.judge(Recorded::Nothing, Look::AfterWaitedDispatch),
+                Verdict::Go
+            );
+            s.dispatched("ll_combine_device", s.step).unwrap();
+            s.launched(false, true);
+            s.combined();
+        };
+        // A peer of the refusing rank, waited.
+        let mut s = Steps::new(0);
+        waited_step(&mut s);
+        assert_eq!(
+            s.judge(Recorded::Refusal, Look::AfterWaitedCombine),
+            Verdict::Report
+        );
+        assert_eq!((s.phase, s.failed), (Phase::Idle, false));
+        waited_step(&mut s);
+        assert_eq!(
+            s.judge(Recorded::Nothing, Look::AfterWaitedCombine),
+            Verdict::Go
+        );
+        assert_eq!((s.step, s.failed), (2, false));
+        // A broken protocol found there fails the buffer, refusal or not.
+        let mut s = Steps::new(0);
+        waited_step(&mut s);
+        assert_eq!(
+            s.judge(Recorded::Broken { refused: true }, Look::AfterWaitedCombine),
+            Verdict::Fail
+        );
+        assert!(s.idle("ll_dispatch_device").is_err());
+        // The refusing rank: its combine launched and waited for, nothing
+        // recorded (its kernel records no refusal of its own), its call's
+        // error the host's; the next step follows.
+        let mut s = Steps::new(1);
+        waited_step(&mut s);
+        assert_eq!(
+            s.judge(Recorded::Nothing, Look::AfterWaitedCombine),
+            Verdict::Go
+        );
+        waited_step(&mut s);
+        assert!(!s.failed);
+        // Its refusing combine failed midway: the buffer refuses steps.
+        s.idle("ll_dispatch_device").unwrap();
+        s.begin(4);
+        s.launched(false, true);
+        s.dispatched_now();
+        s.launched(false, false);
+        assert!(matches!(
+            s.idle("ll_dispatch_device"),
+            Err(EpError::Mode { rank: 1, .. })
+        ));
+        // Queued: the refused combine's step and the one after it queued,
+        // the record found on the way (the calls go ahead), `check`
+        // reports it, the buffer takes the next step.
+        let mut s = Steps::new(2);
+        queued_step(&mut s, 3);
+        assert_eq!(s.judge(Recorded::Refusal, Look::Queued), Verdict::Go);
+        queued_step(&mut s, 3);
+        s.checked(true);
+        assert_eq!(s.judge(Recorded::Refusal, Look::Check), Verdict::Report);
+        assert_eq!((s.phase, s.queued, s.failed), (Phase::Idle, false, false));
+        queued_step(&mut s, 3);
+        assert_eq!(s.step, 3);
     }
 
     /// Three steps queued between two checks: step 1 refused at rank 2
