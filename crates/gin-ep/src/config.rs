@@ -31,11 +31,17 @@ pub const MAX_EXPERTS: usize = 1 << 24;
 
 /// Channels CUDA ranks use by default in high-throughput mode
 /// ([`Config::with_cuda_channels`]): a channel is one block of the dispatch
-/// and combine kernels, and the combine's time fell in proportion to the
-/// channel count up to 16 on an H200 (2 ranks, 4096 tokens: 6.5 ms at 2,
-/// 1.7 ms at 8, 0.9 ms at 16; docs/ep.md). The CPU ranks' default stays 2
+/// and combine kernels, and both kernels are bound per channel block. On an
+/// H200 (4096 tokens, hidden 7168, top-8, inputs in GPU memory; docs/ep.md,
+/// "Channels"), 32 channels against 16: at 2 ranks the dispatch kernel
+/// 160-166 against 225-228 µs and the combine 178-264 against 302-343 µs;
+/// at 4 ranks the dispatch kernel 487-492 against 527-545 µs and the
+/// combine 553-593 against 733-804 µs. A GPU holds `channels` × the ranks
+/// sharing it blocks at once (`CudaBuffer::new` checks it): 32 channels fit
+/// 4 ranks on an H200's 132 SMs; more ranks on one GPU need fewer channels
+/// (`EpError::NotResident` says how many). The CPU ranks' default stays 2
 /// ([`Config::high_throughput`]: there a channel is a lane of a thread).
-pub const CUDA_HT_CHANNELS: usize = 16;
+pub const CUDA_HT_CHANNELS: usize = 32;
 
 /// The shape a buffer is sized for; every rank passes the same values
 /// (checked when the buffer is created).
