@@ -17,7 +17,7 @@ use crate::ht::plan::{RINGM, RINGX, RUN, STAGE, XIN, forwarder};
 use crate::num::quantize_fp8;
 
 #[path = "../../../tests/common/mod.rs"]
-mod common;
+pub(super) mod common;
 
 /// NVRTC compiles the high-throughput kernels (with the low-latency ones
 /// before them, as `CudaBuffer::new` does) for Hopper and Ampere. Skipped
@@ -39,6 +39,7 @@ fn every_ht_kernel_is_defined() {
         "ep_ht_combine",
         "ep_ht_quantize",
         "ep_ht_stage_meta",
+        "ep_ht_layout",
     ] {
         let want = format!("extern \"C\" __global__ void __launch_bounds__(EP_THREADS) {name}(");
         assert!(HT_KERNELS.lines().any(|l| l.starts_with(&want)), "{name}");
@@ -367,40 +368,23 @@ fn staged_metadata_is_the_cpu_ranks() {
     assert_eq!(w.to_bits(), want_w.to_bits());
 }
 
-/// A dispatch from GPU memory reads the caller's tokens in place unless a
-/// destination its payloads go to is queued: a rank of its host that
-/// receives any of its tokens, or any active rank of a host it sends to
-/// (the forwarder is chosen by the plan, after the count exchange).
+/// A dispatch from GPU memory reads the caller's tokens in place unless
+/// another active rank may be reached through a queue (which ranks receive
+/// or forward its tokens the layout on the GPU and the plan decide, after
+/// the copy is queued): a masked rank, or the rank itself, does not count.
 #[test]
-fn tokens_are_copied_into_xin_only_for_a_queued_destination() {
-    // 2 hosts of 2; rank 0 sends to ranks 1 and 2 only (host 1's forwarder
-    // for it is rank 2, or rank 3 if 2 is masked).
-    let (cfg, s) = shape(4, 2, 2);
+fn tokens_are_copied_into_xin_only_where_a_peer_may_be_queued() {
+    let (_, s) = shape(4, 2, 2);
     let active = vec![true; 4];
-    // Experts 2 per rank: 2..4 on rank 1, 4..6 on rank 2.
-    let idx = [2i64, 4, 3, 5];
-    let lay = Layout::new(0, &idx, cfg.topk, cfg.num_experts, &active, 2).unwrap();
-    assert_eq!(lay.tokens_per_rank, [0, 2, 2, 0]);
-    let q = |lsa: &[usize], active: &[bool]| {
-        queued_destination(&s, 0, &lay, active, |p| lsa.contains(&p))
-    };
+    let q =
+        |lsa: &[usize], active: &[bool]| queued_destination(&s, 0, active, |p| lsa.contains(&p));
     assert!(!q(&[0, 1, 2, 3], &active), "every peer load/store");
-    assert!(q(&[0, 2, 3], &active), "rank 1 receives, queued");
-    assert!(q(&[0, 1, 2], &active), "host 1's rank 3 may forward");
-    assert!(q(&[0, 1], &active), "host 1 by the proxy");
+    assert!(!q(&[1, 2, 3], &active), "rank 0 itself is never queued");
+    assert!(q(&[0, 2, 3], &active), "rank 1 queued");
+    assert!(q(&[0, 1, 2], &active), "host 1's rank 3 queued");
     let mut masked = active.clone();
     masked[3] = false;
-    assert!(
-        !q(&[0, 1, 2], &masked),
-        "rank 3 masked: it forwards nothing"
-    );
-    // Nothing to host 1: its reach does not matter.
-    let own = [1i64, 2, 3, 0];
-    let lay = Layout::new(0, &own, cfg.topk, cfg.num_experts, &active, 2).unwrap();
-    assert_eq!(lay.tokens_per_host, [2, 0]);
-    assert!(!queued_destination(&s, 0, &lay, &active, |p| p < 2));
-    // Rank 0 itself is never a queued destination.
-    assert!(!queued_destination(&s, 0, &lay, &active, |p| p == 1));
+    assert!(!q(&[0, 1, 2], &masked), "rank 3 masked: it gets nothing");
 }
 
 /// The payloads go up as the caller's BF16 bytes, which are the CPU ranks'
