@@ -23,14 +23,18 @@
 //! the CPU ranks' receive reads it.
 //!
 //! From GPU memory ([`CudaBuffer::ht_dispatch_device`],
-//! [`CudaBuffer::ht_combine_device`]): the top-k ids and weights are read
-//! back for the same checks and plan (`ep_ht_stage_meta` reads them where
-//! they are); BF16 tokens are read in place by the dispatch kernel, whose
-//! puts to load/store peers copy straight from the caller's `x` (a put to
-//! a queued peer, proxy or GDAKI, reads a window: where one of the step's
-//! destinations is queued the tokens are copied into XIN beside the notify
-//! kernel), FP8 ones quantised from `x` into XIN beside it; what was
-//! received stays on the GPU for the caller's expert ([`HtDeviceLayout`]).
+//! [`CudaBuffer::ht_combine_device`]): the top-k ids and weights are
+//! checked and laid out where they are by `ep_ht_layout`, queued on gin's
+//! stream right before the notify kernel, which writes this rank's notify
+//! row (or the refused row, the first bad entry left for the host to name)
+//! and the tokens' metadata: nothing of the routing goes to the host before
+//! the count exchange, whose rows the host reads for the plan. BF16 tokens
+//! are read in place by the dispatch kernel, whose puts to load/store peers
+//! copy straight from the caller's `x` (a put to a queued peer, proxy or
+//! GDAKI, reads a window: where another active rank is reached through a
+//! queue the tokens are copied into XIN beside the notify kernel), FP8 ones
+//! quantised from `x` into XIN beside it; what was received stays on the
+//! GPU for the caller's expert ([`HtDeviceLayout`]).
 
 use gin_core::CoreError;
 use gin_core::cuda::{Arg, DevMem, Device, Function, HostMem, Module, Stream, StreamRef};
@@ -665,7 +669,7 @@ impl HostUpload<'_> {
 /// caller's BF16 tokens in place (`ep_ht_dispatch`'s `x`, `xbytes`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Payloads {
-    /// Staged in XIN (host inputs, FP8, or a queued destination).
+    /// Staged in XIN (host inputs, FP8, or a peer that may be queued).
     Xin,
     /// In place: `bytes` bytes at device address `ptr`.
     InPlace { ptr: u64, bytes: u64 },
