@@ -1258,14 +1258,17 @@ __device__ void clear_lane(const Shape& s, u64* L, u32 lo, bool dispatch) {
   { &nsend, &nrecv, &xin, &xmeta, &ringx, &ringm, &recvx, &recvm, &csend, &cstage, &crdma, &cget }
 
 // The count exchange (one block, context 0): this rank's notify row (NSEND,
-// `width` bytes, staged by the host) goes to every active rank's NRECV at
-// (parity * r + rank) * width with signal notify(rank) += 1; then the
-// block waits (bounded, naming the rank) for each active rank's row, exactly
-// one round each (a faster rank may be a round ahead: rows alternate
-// between the two halves of NRECV). The host reads the rows back.
+// `width` bytes, staged by the host or written by ep_ht_layout before this
+// launch) goes to every active rank's NRECV at (parity * r + rank) * width
+// with signal notify(rank) += 1; then the block waits (bounded, naming the
+// rank) for each active rank's row, exactly one round each (a faster rank
+// may be a round ahead: rows alternate between the two halves of NRECV),
+// and copies this round's half (r rows of width bytes) into rows (pinned
+// host memory, mapped), which the host reads once the launch has finished,
+// with no copy of its own between this kernel and the dispatch kernel.
 extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_notify(DevComm dc, EP_HT_WINDOWS, u32 width, u32 parity,
                                         const u32* shape, const u32* active, u64* seen,
-                                        u64* clock) {
+                                        u64* clock, u32* rows) {
   if (ep::failed_before(dc)) return;
   ep::clock_start(clock);
   const ep::ht::Shape s = ep::ht::shape_of(shape);
@@ -1287,7 +1290,23 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_notify(DevComm dc
     __syncthreads();
     if (threadIdx.x == 0) seen[id] += 1;
   }
+  // Every active rank's row is visible to the block (wait_from); the others'
+  // are stale and the host does not read them. (NRECV holds 2 x r rows.)
+  if (2ull * s.r * width <= nrecv.local_size) {
+    const volatile u32* half =
+        (const volatile u32*)((const u8*)nrecv.local_base + (u64)parity * s.r * width);
+    for (u64 i = threadIdx.x; i < (u64)s.r * width / 4; i += blockDim.x) rows[i] = half[i];
+  }
+  __threadfence_system();
   ep::clock_end(clock);
+}
+
+// Copies n u32 words from src (pinned host memory, mapped: the plan's table
+// the host wrote there) to dst (device memory), queued on gin's stream
+// before the dispatch kernel, which reads dst: the table goes up without a
+// synchronous copy between the count exchange and the dispatch.
+extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_copy_words(const u32* src, u32* dst, u32 n) {
+  for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) dst[i] = src[i];
 }
 
 // High-throughput dispatch: block ch runs channel ch (context ch) to the

@@ -69,6 +69,7 @@ pub(crate) struct HtFunctions {
     pub(crate) quantize: Function,
     pub(crate) stage_meta: Function,
     pub(crate) layout: Function,
+    pub(crate) copy_words: Function,
 }
 
 impl HtFunctions {
@@ -81,6 +82,7 @@ impl HtFunctions {
             quantize: m.function("ep_ht_quantize")?,
             stage_meta: m.function("ep_ht_stage_meta")?,
             layout: m.function("ep_ht_layout")?,
+            copy_words: m.function("ep_ht_copy_words")?,
         })
     }
 }
@@ -237,9 +239,21 @@ pub(crate) struct HtState {
     /// checked here: what `ht_echo` launches over, whatever handle it is
     /// given (a handle of another buffer must not size a kernel here).
     received: usize,
-    /// When this step's notify kernel started (GPU clock): the dispatch's
-    /// clock runs from there to the dispatch kernel's end.
-    notify_start: u64,
+    /// `u64[4]`: the launch clocks of a step (`[earliest start, latest
+    /// end]` of the count exchange, `ep_ht_layout` included, then of the
+    /// dispatch kernel), reset together before the exchange and read
+    /// together after the dispatch kernel: no clock is copied between the
+    /// two. The dispatch's clock runs from the exchange's start to the
+    /// dispatch kernel's end.
+    clocks: DevMem,
+    /// The rows of a count exchange (`r × row words` u32), copied by the
+    /// notify kernel from NRECV into pinned host memory, which the host
+    /// reads after it without a copy of its own.
+    rows: HostMem,
+    /// The step's plan table ([`Plan::tables`]) in pinned host memory,
+    /// copied into `tables` by `ep_ht_copy_words` queued on gin's stream
+    /// before the dispatch kernel (no synchronous copy between them).
+    tables_pin: HostMem,
     /// FP8: the step's BF16 tokens (`t × hidden` u16), uploaded beside the
     /// notify kernel and quantised into XIN by `ep_ht_quantize`.
     xbf: Option<DevMem>,
@@ -291,7 +305,9 @@ impl HtState {
             direct: d,
             rounds: 0,
             received: 0,
-            notify_start: 0,
+            clocks: zeroed(32)?,
+            rows: HostMem::new(4 * s.r * s.row_words())?,
+            tables_pin: HostMem::new(4 * TableAt::of(s.r, s.h, s.chans).words)?,
             xbf: if cfg.fp8 {
                 Some(zeroed(2 * s.t * cfg.hidden)?)
             } else {
@@ -603,6 +619,29 @@ fn to_pinned<T: Copy>(
     Ok(())
 }
 
+/// The first `n` bytes of the pinned memory `m` (refused where it holds
+/// fewer), which a launch that has finished wrote (the notify kernel's
+/// rows); `&HostMem` with no GPU work writing it: the caller waited for the
+/// launch, and the next one that writes it is queued by this thread later.
+fn from_pinned(rank: usize, m: &HostMem, n: usize) -> Result<Vec<u8>, EpError> {
+    if n > m.len() {
+        return Err(EpError::Mode {
+            rank,
+            what: format!(
+                "high-throughput rows: {n} bytes exceed the pinned rows' {} bytes",
+                m.len()
+            ),
+        });
+    }
+    let mut v = vec![0u8; n];
+    // SAFETY: `n` bytes lie within the allocation (checked above) and `v`
+    // holds `n`; no GPU work writes the allocation meanwhile (the launch
+    // that wrote it has finished, the next is not queued yet), so a plain
+    // copy reads what it wrote.
+    unsafe { std::ptr::copy_nonoverlapping(m.host_ptr(), v.as_mut_ptr(), n) };
+    Ok(v)
+}
+
 /// How a step's count exchange ended for this rank.
 enum Notified {
     /// Every active rank's row was taken: the step's plan.
@@ -882,8 +921,8 @@ impl CudaBuffer<'_, '_> {
             .current()
             .and_then(|()| self.ht_exchange(s, Row::Host(&row), None));
         match r {
-            Ok((_, started)) => {
-                self.ht_exchanged(started);
+            Ok(()) => {
+                self.ht_exchanged();
                 err
             }
             Err(e) => {
@@ -955,7 +994,7 @@ impl CudaBuffer<'_, '_> {
         tokens: usize,
         x: Tokens<'_>,
     ) -> Result<(Notified, Payloads), EpError> {
-        use crate::ht::plan::{NRECV, XIN};
+        use crate::ht::plan::XIN;
         let host_row = match x {
             Tokens::Host(.., lay) => Some(plan::notify_row(s, lay, &self.active)),
             Tokens::Device(_) => None,
@@ -1005,9 +1044,9 @@ impl CudaBuffer<'_, '_> {
                 what: "ht_dispatch: staged without a count exchange".into(),
             });
         };
-        let (parity, started) = exchanged?;
+        exchanged?;
         synced.map_err(CoreError::from)?;
-        self.ht_exchanged(started);
+        self.ht_exchanged();
         if let Tokens::Device(_) = x
             && let Some(e) = self.ht_laid_out()?
         {
@@ -1015,11 +1054,9 @@ impl CudaBuffer<'_, '_> {
             // naming it, and it reports the entry, as ht_refuse does.
             return Ok((Notified::Refused(e), payloads));
         }
-        let mut raw = vec![0u8; s.r * width];
-        self.wins[NRECV]
-            .local()
-            .read(parity * s.r * width, &mut raw)
-            .map_err(CoreError::from)?;
+        // This round's half of NRECV, as the notify kernel copied it into
+        // the pinned rows.
+        let raw = from_pinned(self.rank, &self.ht_state("ht_dispatch")?.rows, s.r * width)?;
         let notified = match notify_rows(s, self.rank, &self.active, &raw)? {
             Rows::Taken(rows) => Notified::Plan(Plan::new(s, self.active.clone(), &rows)),
             Rows::Refused(e) => Notified::Refused(e),
@@ -1192,11 +1229,7 @@ impl CudaBuffer<'_, '_> {
             Arg::Ptr(clock),
         ];
         let grid = self.grid(s.r + s.h);
-        // SAFETY: the stream gin's `run` launches on (context_info), alive
-        // as long as this buffer's communicator, which outlives this call;
-        // the notify kernel, launched after this on it, is waited for
-        // before the caller returns.
-        let gin = unsafe { StreamRef::from_raw(self.cuda.context_info().stream) };
+        let gin = self.gin_stream();
         // SAFETY: ep_ht_layout(Window nsend, Window min, const i64* idx,
         // const u32* wbits, u32 tokens, const u32* shape, const u32*
         // active, u64* rec, u64* out, u64* clock) takes these in this
@@ -1217,21 +1250,25 @@ impl CudaBuffer<'_, '_> {
     /// Runs the notify kernel with this rank's notify row (`row`: written
     /// by the host, or by `ep_ht_layout` queued right before it) and,
     /// where given, the upload of host inputs' tokens beside it (a thread
-    /// of its own); the half of NRECV the rows went into (its parity) and
-    /// the start of the launches (GPU clock). The caller then calls
-    /// [`CudaBuffer::ht_exchanged`].
+    /// of its own); every rank's row is then in [`HtState`]'s pinned
+    /// `rows`. The step's launch clocks are reset first (the exchange's and
+    /// the dispatch kernel's, read after the dispatch kernel). The caller
+    /// then calls [`CudaBuffer::ht_exchanged`].
     fn ht_exchange(
         &self,
         s: &Shape,
         row: Row<'_>,
         up: Option<&HostUpload<'_>>,
-    ) -> Result<(usize, u64), EpError> {
+    ) -> Result<(), EpError> {
         use crate::ht::plan::NSEND;
         let width = 4 * s.row_words();
         let st = self.ht_state("ht_dispatch")?;
         let parity = (st.rounds % 2) as usize;
-        let (shape, seen) = (st.shape.ptr(), st.seen.ptr());
-        let clock = self.clock_for(On::Wait)?;
+        let (shape, seen, rows) = (st.shape.ptr(), st.seen.ptr(), st.rows.dev());
+        st.clocks
+            .write(0, &[u64::MAX, 0, u64::MAX, 0])
+            .map_err(CoreError::from)?;
+        let clock = st.clocks.ptr();
         match row {
             Row::Host(row) => {
                 let bytes: Vec<u8> = row.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -1251,6 +1288,7 @@ impl CudaBuffer<'_, '_> {
             Arg::Ptr(self.state.active.ptr()),
             Arg::Ptr(seen),
             Arg::Ptr(clock),
+            Arg::Ptr(rows),
         ]);
         let f = self.ht_functions()?.notify;
         let dev = self.cuda.device();
@@ -1266,14 +1304,17 @@ impl CudaBuffer<'_, '_> {
                     .spawn_scoped(sc, move || up.upload(dev))
             });
             // SAFETY: ep_ht_notify(DevComm, 12 Windows, u32 width, u32 parity,
-            // const u32* shape, const u32* active, u64* seen, u64* clock) takes
-            // these in this order. It puts `width` bytes of NSEND (its size:
-            // ht::resources, 4 × row words) to each active rank's NRECV at
-            // (parity × r + rank) × width (2 × r × width bytes), reads shape
-            // (SHAPE_WORDS u32), active (r u32) and the notify entries of seen
-            // (context 0: r u64 of chans × signals) and clock (2 u64): the sizes
-            // HtState::new and State::new allocated. gin's stream, waited for
-            // (with ep_ht_layout before it there, where queued).
+            // const u32* shape, const u32* active, u64* seen, u64* clock, u32*
+            // rows) takes these in this order. It puts `width` bytes of NSEND
+            // (its size: ht::resources, 4 × row words) to each active rank's
+            // NRECV at (parity × r + rank) × width (2 × r × width bytes), reads
+            // shape (SHAPE_WORDS u32), active (r u32) and the notify entries of
+            // seen (context 0: r u64 of chans × signals), writes clock (the
+            // first 2 u64 of HtState's clocks) and r × width bytes of rows
+            // (HtState's pinned rows, that size, not read by the host until
+            // this launch has finished): the sizes HtState::new and State::new
+            // allocated. gin's stream, waited for (with ep_ht_layout before
+            // it there, where queued).
             let r = unsafe { go(&self.dc, f, On::Wait, 1, &args) };
             kernel_us = t0.elapsed().as_secs_f64() * 1e6;
             (
@@ -1295,27 +1336,66 @@ impl CudaBuffer<'_, '_> {
             laid_out_on_gpu = matches!(row, Row::Device(_)),
             "high-throughput count exchange: the launch of the notify kernel (and of ep_ht_layout before it, from GPU memory) to its end, and to the upload's end"
         );
-        let started = read_clock(&self.state.clock)?.start_ns;
-        Ok((parity, started))
+        Ok(())
     }
 
     /// A count exchange ended (whatever its rows said): the next one's rows
-    /// go into the other half; `started`, the notify kernel's start, is
-    /// where the dispatch's clock starts.
-    fn ht_exchanged(&mut self, started: u64) {
+    /// go into the other half.
+    fn ht_exchanged(&mut self) {
         if let Some(h) = self.ht.as_mut() {
             h.rounds += 1;
-            h.notify_start = started;
         }
     }
 
-    /// Writes the plan's table to GPU memory.
-    fn ht_upload(&self, plan: &Plan) -> Result<(), EpError> {
+    /// Writes the plan's table into the pinned staging and queues its copy
+    /// to GPU memory (`ep_ht_copy_words`) on gin's stream, where the
+    /// dispatch kernel is launched next: nothing waits for it here.
+    fn ht_upload(&mut self, plan: &Plan) -> Result<(), EpError> {
+        let rank = self.rank;
+        let words = plan.tables();
+        let st = self.ht.as_mut().ok_or(EpError::Mode {
+            rank,
+            what: "ht_dispatch: the buffer holds no high-throughput state".into(),
+        })?;
+        // The previous step's copy has run: gin's stream was waited for
+        // since (its dispatch, and this step's notify kernel).
+        to_pinned(rank, &mut st.tables_pin, "plan table", 0, &words)?;
         let st = self.ht_state("ht_dispatch")?;
-        st.tables
-            .write(0, &plan.tables())
-            .map_err(CoreError::from)?;
-        Ok(())
+        let n = words.len();
+        if 4 * n > st.tables.len() {
+            return Err(EpError::Mode {
+                rank,
+                what: format!(
+                    "ht_dispatch: a plan table of {n} words exceeds its {} bytes",
+                    st.tables.len()
+                ),
+            });
+        }
+        let args = [
+            Arg::Ptr(st.tables_pin.dev()),
+            Arg::Ptr(st.tables.ptr()),
+            Arg::U32(Self::u32_of(n)),
+        ];
+        let f = self.ht_functions()?.copy_words;
+        let grid = self.grid(n.div_ceil(super::THREADS as usize));
+        // SAFETY: ep_ht_copy_words(const u32* src, u32* dst, u32 n) takes
+        // these in this order; it reads n u32 of the pinned table (written
+        // above, that size: to_pinned checked it against the allocation)
+        // and writes n u32 of tables (checked above). The pinned table is
+        // not written again before gin's stream is waited for (the dispatch
+        // kernel, launched next on it, is waited for).
+        unsafe { go(&self.dc, f, On::Queue(self.gin_stream()), grid, &args) }
+            .map_err(|e| kernel_error(rank, "ht_copy_words", e))
+    }
+
+    /// Gin's stream, where [`go`] with [`On::Wait`] launches: work queued
+    /// on it runs before the next waited launch.
+    fn gin_stream(&self) -> StreamRef<'static> {
+        // SAFETY: the stream gin's `run` launches on (context_info), alive
+        // as long as this buffer's communicator; the result is used only
+        // for launches within a call on this buffer, whose communicator
+        // outlives it.
+        unsafe { StreamRef::from_raw(self.cuda.context_info().stream) }
     }
 
     /// FP8: quantises the BF16 tokens at `xbf` (the uploaded staging, or
@@ -1377,7 +1457,10 @@ impl CudaBuffer<'_, '_> {
             Payloads::Xin => (0, 0),
             Payloads::InPlace { ptr, bytes } => (ptr, bytes),
         };
-        let clock = self.clock_for(On::Wait)?;
+        // The dispatch kernel's pair of the step's clocks (reset with the
+        // exchange's).
+        let clocks = st.clocks.ptr();
+        let clock = clocks + 16;
         let mut args = vec![Arg::DevComm(self.dc.abi())];
         args.extend(self.ht_windows());
         args.push(Arg::U32(Self::u32_of(tokens)));
@@ -1405,16 +1488,22 @@ impl CudaBuffer<'_, '_> {
         // slot < t, local rank: r × t × l u32), and the chans × signals
         // entries of seen and chans × lane_words of lane that HtState::new
         // allocated; err and errh hold Record::BYTES (8 u64: the record's two
-        // slots of 4), clock 2. gin's stream,
-        // waited for.
+        // slots of 4), clock 2 (the last two of HtState's 4 clocks). gin's
+        // stream (after the plan table's copy queued there), waited for.
         let r = unsafe { go(&self.dc, f, On::Wait, grid, &args) };
         self.launched(On::Wait, "ht_dispatch", r)?;
-        let ended = read_clock(&self.state.clock)?;
-        self.last_dispatch_kernel = ended;
-        let start_ns = self.ht.as_ref().map_or(ended.start_ns, |h| h.notify_start);
+        let mut c = [0u64; 4];
+        self.ht_state("ht_dispatch")?
+            .clocks
+            .read(0, &mut c)
+            .map_err(CoreError::from)?;
+        self.last_dispatch_kernel = super::KernelClock {
+            start_ns: c[2],
+            end_ns: c[3],
+        };
         self.last.0 = super::KernelClock {
-            start_ns,
-            end_ns: ended.end_ns,
+            start_ns: c[0],
+            end_ns: c[3],
         };
         self.poll()
     }
