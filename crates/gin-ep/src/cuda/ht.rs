@@ -999,6 +999,16 @@ impl CudaBuffer<'_, '_> {
             Tokens::Host(.., lay) => Some(plan::notify_row(s, lay, &self.active)),
             Tokens::Device(_) => None,
         };
+        let row = match (&host_row, x) {
+            (Some(row), _) => Row::Host(row),
+            (None, Tokens::Device(inp)) => Row::Device(inp),
+            (None, Tokens::Host(..)) => {
+                return Err(EpError::Mode {
+                    rank: self.rank,
+                    what: "ht_dispatch: host inputs without their notify row".into(),
+                });
+            }
+        };
         let width = 4 * s.row_words();
         let t0 = std::time::Instant::now();
         let staged = self.ht_stage(s, tokens, x);
@@ -1012,16 +1022,6 @@ impl CudaBuffer<'_, '_> {
                         dst: st.xbf.as_ref().unwrap_or(self.wins[XIN].local()),
                     }),
                     _ => None,
-                };
-                let row = match (&host_row, x) {
-                    (Some(row), _) => Row::Host(row),
-                    (None, Tokens::Device(inp)) => Row::Device(inp),
-                    (None, Tokens::Host(..)) => {
-                        return Err(EpError::Mode {
-                            rank: self.rank,
-                            what: "ht_dispatch: host inputs without their notify row".into(),
-                        });
-                    }
                 };
                 Some(self.ht_exchange(s, row, up.as_ref()))
             }

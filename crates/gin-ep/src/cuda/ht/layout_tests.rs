@@ -394,3 +394,38 @@ fn layout_out_words_match_the_kernel() {
     assert!(text.contains("constexpr u32 REFUSED = 0xffffffffu;"));
     assert_eq!(plan::REFUSED, 0xffff_ffff);
 }
+
+/// How the host reads the kernel's words: a real row is no refusal
+/// (whatever else the words hold), a refused one names its entry as the
+/// host's checks do, and a refusal naming none (sizes the kernel found
+/// beyond the buffer's) is an error saying so rather than a success.
+#[test]
+fn the_hosts_reading_of_the_layout_words() {
+    let cfg = Config::high_throughput(128, 8, 8, 2);
+    let mut w = [0u64; LayoutOut::WORDS];
+    w[LayoutOut::KEY] = u64::MAX;
+    assert!(LayoutOut::refusal(2, &cfg, &w).is_none());
+    // ERR_EXPERT_RANGE (5): token 3, slot 1, expert 9.
+    w[LayoutOut::REFUSED] = 1;
+    w[LayoutOut::ERR..].copy_from_slice(&[5, 3, 1, 9]);
+    let e = LayoutOut::refusal(2, &cfg, &w).unwrap();
+    assert!(
+        matches!(
+            e,
+            EpError::ExpertOutOfRange {
+                rank: 2,
+                token: 3,
+                slot: 1,
+                expert: 9,
+                experts: 8
+            }
+        ),
+        "{e}"
+    );
+    w[LayoutOut::ERR..].fill(0);
+    let e = LayoutOut::refusal(2, &cfg, &w).unwrap();
+    assert!(
+        matches!(&e, EpError::Mode { rank: 2, what } if what.contains("without naming an entry")),
+        "{e}"
+    );
+}
