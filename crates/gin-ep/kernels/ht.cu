@@ -318,6 +318,40 @@ EP_FN void layout_counts(const Shape& s, u32 tokens, u32 d, u32 total, u32* pre,
   for (u32 c = 0; c < s.chans; ++c) row[mw + d * s.chans + c] = pre[c + 1] - pre[c];
 }
 
+// The bits set in m (a warp's ballot).
+#if defined(__CUDACC__)
+EP_FN u32 layout_popc(u32 m) { return __popc(m); }
+#else
+EP_FN u32 layout_popc(u32 m) { return (u32)__builtin_popcount(m); }
+#endif
+
+// One tile of ep_ht_layout's count over a destination's tokens (the
+// block's threads, one token each): for thread `lane` of warp `warp`,
+// whose warp's ballot of the tile's tokens that go is m, where warp_sum[v]
+// is warp v's count (warps of them) and base the count of earlier tiles,
+// how many of this rank's tokens before its own go; *all: how many of the
+// tile's go (the next tile's base is base + *all).
+EP_FN u32 layout_prefix(u32 base, u32 m, u32 lane, u32 warp, const u32* warp_sum, u32 warps,
+                        u32* all) {
+  u32 before = base + layout_popc(m & ((1u << lane) - 1u)), n = 0;
+  for (u32 v = 0; v < warps; ++v) {
+    if (v < warp) before += warp_sum[v];
+    n += warp_sum[v];
+  }
+  *all = n;
+  return before;
+}
+
+// Token t's part (t < tokens) for destination d, once its count of earlier
+// tokens that go (before) is known: its slot word in its metadata (meta:
+// tokens x mm bytes; NONE where it does not go) and the bounds of the
+// channels that start at it (layout_bounds).
+EP_FN void layout_token(const Shape& s, u32 tokens, u32 t, u32 d, bool goes, u32 before, u32* meta,
+                        u32* pre) {
+  meta[(u64)t * (s.mm / 4) + layout_slot_word(s, d)] = goes ? before : NONE;
+  layout_bounds(s, tokens, t, before, pre);
+}
+
 // Every count word of a refused notify row (plan.rs's REFUSED).
 constexpr u32 REFUSED = 0xffffffffu;
 
@@ -1460,17 +1494,11 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_layout(Window nse
       const u32 t = tile + threadIdx.x;
       const bool goes = t < tokens && layout_goes(s, idx + (u64)t * s.k, active, d);
       const u32 m = __ballot_sync(0xffffffffu, goes);
-      if (lane == 0) warp_sum[warp] = __popc(m);
+      if (lane == 0) warp_sum[warp] = layout_popc(m);
       __syncthreads();
-      u32 before = base + __popc(m & ((1u << lane) - 1u)), all = 0;
-      for (u32 v = 0; v < warps; ++v) {
-        if (v < warp) before += warp_sum[v];
-        all += warp_sum[v];
-      }
-      if (t < tokens) {
-        meta[(u64)t * words + layout_slot_word(s, d)] = goes ? before : NONE;
-        layout_bounds(s, tokens, t, before, pre);
-      }
+      u32 all = 0;
+      const u32 before = layout_prefix(base, m, lane, warp, warp_sum, warps, &all);
+      if (t < tokens) layout_token(s, tokens, t, d, goes, before, meta, pre);
       base += all;
       // warp_sum is rewritten by the next tile.
       __syncthreads();

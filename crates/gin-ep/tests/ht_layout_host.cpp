@@ -1,9 +1,11 @@
 // kernels/ht.cu's layout of inputs in GPU memory (ep_ht_layout) compiled as
-// host C++: the kernel's per-token and per-destination steps (ep::ht's
-// layout_goes, layout_slot_word, layout_bounds, layout_counts,
+// host C++: the kernel's per-token, per-tile and per-destination steps
+// (ep::ht's layout_goes, layout_prefix, layout_token, layout_counts,
 // layout_finish; ep::input's entry_key and error_of; meta_word) run in the
-// kernel's order, each destination's tokens counted one after another
-// where the kernel's block counts a tile of tokens at once. Reads the cases
+// kernel's order, each destination's tokens a tile of 512 (a block's
+// threads) at a time, the block's threads and warp ballots emulated one
+// after another, so tokens past the first tile count the earlier tiles'
+// (base) as the kernel's do. Reads the cases
 // src/cuda/ht/layout_tests.rs wrote to argv[1] (little-endian: u32 count,
 // then per case the 15 shape words, u32 tokens, r u32 of the active mask,
 // tokens x k i64 top-k ids, tokens x k u32 weights' bits) and writes to
@@ -17,6 +19,10 @@
 #include "../kernels/ht.cu"
 
 namespace {
+
+// Threads per block of ep_ht_layout's launch (ll.cu's EP_THREADS, cuda.rs's
+// THREADS; layout_tests.rs checks they agree).
+constexpr u32 THREADS = 512;
 
 void layout(const ep::ht::Shape& s, u32 tokens, const u32* active, const i64* idx,
             const u32* wbits, std::vector<u32>& row, std::vector<u32>& meta, u64 out[]) {
@@ -37,17 +43,33 @@ void layout(const ep::ht::Shape& s, u32 tokens, const u32* active, const i64* id
                                        s.r * s.lexp);
     if (k < key) key = k;
   }
+  // The kernel's loop over each destination's tokens, a tile of THREADS
+  // tokens at a time (a block's threads: thread i of the tile is lane i % 32
+  // of warp i / 32): the warps' ballots, their counts, then every thread's
+  // layout_prefix and layout_token, as the block runs them.
+  const u32 warps = THREADS / 32;
   for (u32 d = 0; d < dests; ++d) {
     u32 pre[65];
     for (u32& p : pre) p = 0xdeadbeefu;
-    u32 before = 0;
-    for (u32 t = 0; t < tokens; ++t) {
-      const bool goes = layout_goes(s, idx + (u64)t * s.k, active, d);
-      meta[(size_t)t * words + layout_slot_word(s, d)] = goes ? before : NONE;
-      layout_bounds(s, tokens, t, before, pre);
-      before += goes ? 1 : 0;
+    u32 base = 0;
+    for (u32 tile = 0; tile < tokens; tile += THREADS) {
+      bool goes[THREADS];
+      u32 ballot[THREADS / 32] = {}, warp_sum[THREADS / 32];
+      for (u32 i = 0; i < THREADS; ++i) {
+        const u32 t = tile + i;
+        goes[i] = t < tokens && layout_goes(s, idx + (u64)t * s.k, active, d);
+        if (goes[i]) ballot[i / 32] |= 1u << (i % 32);
+      }
+      for (u32 w = 0; w < warps; ++w) warp_sum[w] = layout_popc(ballot[w]);
+      u32 all = 0;
+      for (u32 i = 0; i < THREADS; ++i) {
+        const u32 t = tile + i;
+        const u32 before = layout_prefix(base, ballot[i / 32], i % 32, i / 32, warp_sum, warps, &all);
+        if (t < tokens) layout_token(s, tokens, t, d, goes[i], before, meta.data(), pre);
+      }
+      base += all;
     }
-    layout_counts(s, tokens, d, before, pre, row.data());
+    layout_counts(s, tokens, d, base, pre, row.data());
   }
   const bool refused = key != ~0ull;
   layout_finish(s, active, refused, row.data());

@@ -1,14 +1,16 @@
 //! `ep_ht_layout` (`kernels/ht.cu`: the checks and layout of a dispatch
 //! from GPU memory, on the GPU) against the host path's: its steps compiled
 //! as host C++ (`tests/ht_layout_host.cpp`, the kernel's functions in the
-//! kernel's order) over random routings (unequal token counts, empty `-1`
-//! slots, masked ranks, 2 to 16 ranks on 1 or 2 emulated hosts, 1 to 8
-//! channels, more channels than tokens) write the notify row the host
+//! kernel's order, its 512-thread tiles emulated) over random routings
+//! (unequal token counts, empty `-1` slots, masked ranks, 2 to 16 ranks on 1
+//! or 2 emulated hosts, 1 to 8 channels, more channels than tokens, up to
+//! 1600 tokens: several tiles) write the notify row the host
 //! builds from [`Layout`] ([`plan::notify_row`]), every word of the
 //! metadata `ep_ht_stage_meta` writes from the host's slots
 //! ([`plan::meta_word`]), and on bad entries (experts out of range or
-//! below -1, named twice, a live slot's weight NaN or infinite, alone and
-//! together, on active and masked ranks) the refused row
+//! below -1 or beyond the i32 range, named twice, a live slot's weight NaN
+//! or infinite, alone and together, on active and masked ranks) the
+//! refused row
 //! ([`plan::refused_row`]) and the words that decode to the error the
 //! host's checks ([`crate::ll::check_inputs`]) return for the same inputs:
 //! the same first bad entry.
@@ -169,18 +171,19 @@ fn check(c: &Case, got: &Out) -> Result<(), TestCaseError> {
     Ok(())
 }
 
-/// Random routing: per token distinct experts, some slots -1; then `faults`
-/// bad entries of random kinds.
-fn case_strategy() -> impl Strategy<Value = Case> {
+/// Random routing of up to `max_tokens` tokens (at least `min_tokens` as
+/// the buffer's size): per token distinct experts, some slots -1; then
+/// `faults` bad entries of random kinds.
+fn case_strategy(min_tokens: usize, max_tokens: usize) -> impl Strategy<Value = Case> {
     (
-        1usize..=2,   // hosts
-        1usize..=8,   // ranks per host
-        1usize..=4,   // experts per rank
-        1usize..=8,   // top-k (at most the experts)
-        1usize..=8,   // channels
-        1usize..=40,  // max tokens
-        any::<u64>(), // seed
-        0usize..=3,   // faults
+        1usize..=2,              // hosts
+        1usize..=8,              // ranks per host
+        1usize..=4,              // experts per rank
+        1usize..=8,              // top-k (at most the experts)
+        1usize..=8,              // channels
+        min_tokens..=max_tokens, // max tokens
+        any::<u64>(),            // seed
+        0usize..=3,              // faults
     )
         .prop_filter("2 to 16 ranks", |(h, l, ..)| (2..=16).contains(&(h * l)))
         .prop_map(|(hosts, l, per, k, chans, t, seed, faults)| {
@@ -196,7 +199,7 @@ fn case_strategy() -> impl Strategy<Value = Case> {
             let me = rng.below(r);
             let mut active: Vec<bool> = (0..r).map(|_| rng.below(4) != 0).collect();
             active[me] = true;
-            // Unequal token counts, 0 included.
+            // Unequal token counts, 0 included (below min_tokens too).
             let tokens = rng.below(t + 1);
             let mut idx = Vec::with_capacity(tokens * k);
             for _ in 0..tokens {
@@ -226,8 +229,12 @@ fn case_strategy() -> impl Strategy<Value = Case> {
             }
             for _ in 0..if tokens == 0 { 0 } else { faults } {
                 let at = rng.below(tokens * k);
-                match rng.below(6) {
+                match rng.below(8) {
                     0 => idx[at] = (experts + rng.below(4)) as i64,
+                    // Beyond the i32 range: the low 32 bits name a valid
+                    // expert, which a check of a truncated id would take.
+                    6 => idx[at] = (1i64 << 32) + rng.below(experts) as i64,
+                    7 => idx[at] = -(1i64 << 32) + rng.below(experts) as i64,
                     1 => idx[at] = -2 - rng.below(3) as i64,
                     2 if k > 1 => {
                         let row = at / k * k;
@@ -275,12 +282,103 @@ proptest! {
     /// The kernel's row, metadata and verdict are the host path's, on 16
     /// random cases per run of the host build.
     #[test]
-    fn the_gpu_layout_is_the_hosts(cases in proptest::collection::vec(case_strategy(), 16)) {
+    fn the_gpu_layout_is_the_hosts(cases in proptest::collection::vec(case_strategy(1, 40), 16)) {
         let Some(outs) = run_host(&cases) else { return Ok(()); };
         for (c, got) in cases.iter().zip(&outs) {
             check(c, got)?;
         }
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
+
+    /// The same over several of the kernel's 512-token tiles (up to 1600
+    /// tokens: a slot's count carried from tile to tile, channels that
+    /// start inside a later tile), 4 cases per run of the host build.
+    #[test]
+    fn the_gpu_layout_is_the_hosts_over_tiles(
+        cases in proptest::collection::vec(case_strategy(513, 1600), 4)
+    ) {
+        let Some(outs) = run_host(&cases) else { return Ok(()); };
+        for (c, got) in cases.iter().zip(&outs) {
+            check(c, got)?;
+        }
+    }
+}
+
+/// Over tiles by hand: 1100 tokens (three 512-token tiles, the last part
+/// full) on 2 ranks of one host, every token to rank 1 and every other one
+/// to rank 0 too: the slots run on across the tiles (token 1099's slot at
+/// rank 1 is 1099, at rank 0 549), the channels' counts are the tokens in
+/// their ranges; and an id of 2^32 + 1 (expert 1 in its low 32 bits) at
+/// token 1000, in the third tile, is refused naming it as the host does.
+#[test]
+fn layouts_over_tiles_and_ids_beyond_i32() {
+    let tokens = 1100;
+    let cfg = Config {
+        channels: 3,
+        ..Config::high_throughput(128, tokens, 4, 2)
+    };
+    let s = Shape::of(&cfg, 2, 2);
+    let mut idx = Vec::with_capacity(2 * tokens);
+    for t in 0..tokens {
+        idx.extend([2 + (t % 2) as i64, if t % 2 == 0 { 0 } else { -1 }]);
+    }
+    let base = Case {
+        cfg,
+        s,
+        me: 0,
+        active: vec![true, true],
+        tokens,
+        idx,
+        w: vec![0.5; 2 * tokens],
+    };
+    let mut wide = base.clone();
+    wide.idx[2 * 1000 + 1] = (1i64 << 32) + 1;
+    let cases = [base, wide];
+    let Some(outs) = run_host(&cases) else {
+        return;
+    };
+    for (c, got) in cases.iter().zip(&outs) {
+        check(c, got).unwrap();
+    }
+    let words = s.mm / 4;
+    let slot = |t: usize, d: usize| outs[0].meta[t * words + s.w_rank_slot(d)];
+    assert_eq!(
+        (slot(1099, 1), slot(1098, 0), slot(1099, 0)),
+        (1099, 549, crate::layout::NONE)
+    );
+    assert_eq!((slot(600, 1), slot(600, 0)), (600, 300));
+    // Channels of 366, 367 and 367 tokens (chan_lo): rank 0 gets every
+    // other one (the even ones).
+    let mw = s.mask_words();
+    assert_eq!(&outs[0].row[mw..mw + 3], &[183, 184, 183]);
+    assert_eq!(&outs[0].row[mw + 3..mw + 6], &[366, 367, 367]);
+    let e = LayoutOut::refusal(0, &cfg, &outs[1].words).unwrap();
+    assert!(
+        matches!(
+            e,
+            EpError::ExpertOutOfRange {
+                rank: 0,
+                token: 1000,
+                slot: 1,
+                expert,
+                ..
+            } if expert == (1i64 << 32) + 1
+        ),
+        "{e}"
+    );
+}
+
+/// The host C++ emulates blocks of the threads the kernels launch with.
+#[test]
+fn the_host_emulation_tiles_as_the_kernel() {
+    let cpp = include_str!("../../../tests/ht_layout_host.cpp");
+    let ll = include_str!("../../../kernels/ll.cu");
+    let threads = super::super::THREADS;
+    assert!(cpp.contains(&format!("constexpr u32 THREADS = {threads};")));
+    assert!(ll.contains(&format!("#define EP_THREADS {threads}")));
 }
 
 /// Hand-made cases: a token that names two experts of one rank counts once
