@@ -1467,8 +1467,12 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_layout(Window nse
   const u32 row_words = (s.r + 31) / 32 + dests * s.chans;
   // (The host sizes MIN for t tokens, NSEND for one row, and checked
   // tokens <= t; Config::validate bounds the channels by 64: pre below.)
-  const bool fits = tokens <= s.t && s.chans <= 64 && (u64)tokens * s.mm <= xmeta.local_size &&
-                    4ull * row_words <= nsend.local_size;
+  // Where something does not fit, nothing is laid out and the host reads a
+  // refusal naming no entry (an error, LayoutOut::refusal); a row that does
+  // not fit NSEND is not written at all (the notify kernel's put of it then
+  // fails too, out of NSEND).
+  const bool row_fits = 4ull * row_words <= nsend.local_size;
+  const bool fits = tokens <= s.t && s.chans <= 64 && (u64)tokens * s.mm <= xmeta.local_size && row_fits;
   u32* row = (u32*)nsend.local_base;
   u32* meta = (u32*)xmeta.local_base;
   const u64 n = fits ? (u64)tokens * words : 0;
@@ -1517,7 +1521,7 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_layout(Window nse
     __threadfence();
     const u64 key = *(volatile u64*)&rec[0];
     const bool refused = key != ~0ull || !fits;
-    layout_finish(s, active, refused, row);
+    if (row_fits) layout_finish(s, active, refused, row);
     u64 w[4] = {0, 0, 0, 0};
     if (key != ~0ull) ep::input::error_of(key, idx, (const float*)wbits, s.k, s.r * s.lexp, w);
     volatile u64* o = out;
