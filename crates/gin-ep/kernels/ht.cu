@@ -1308,6 +1308,14 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_notify(DevComm dc
   const ep::ht::Shape s = ep::ht::shape_of(shape);
   const u32 me = s.rank;
   const Window* W[ep::ht::WINDOWS] = EP_HT_WINDOW_TABLE;
+  // NRECV must hold both halves' rows (the host checks it at the buffer's
+  // creation: cuda/ht.rs's check_notify_windows): else the launch fails
+  // before anything is sent, naming NRECV, rather than leave the host an
+  // earlier round's rows to read.
+  if (2ull * s.r * width > nrecv.local_size) {
+    if (threadIdx.x == 0) gin::detail::fail(dc, OUT_OF_WINDOW, 0, NO_PEER, nrecv.id);
+    return;
+  }
   for (u32 p = 0; p < s.r; ++p) {
     if (!active[p]) continue;
     if (put(dc, 0, p, *W[ep::ht::NRECV], ((u64)parity * s.r + me) * width, *W[ep::ht::NSEND], 0,
@@ -1325,12 +1333,11 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_notify(DevComm dc
     if (threadIdx.x == 0) seen[id] += 1;
   }
   // Every active rank's row is visible to the block (wait_from); the others'
-  // are stale and the host does not read them. (NRECV holds 2 x r rows.)
-  if (2ull * s.r * width <= nrecv.local_size) {
-    const volatile u32* half =
-        (const volatile u32*)((const u8*)nrecv.local_base + (u64)parity * s.r * width);
-    for (u64 i = threadIdx.x; i < (u64)s.r * width / 4; i += blockDim.x) rows[i] = half[i];
-  }
+  // are stale and the host does not read them. (NRECV holds 2 x r rows:
+  // checked above.)
+  const volatile u32* half =
+      (const volatile u32*)((const u8*)nrecv.local_base + (u64)parity * s.r * width);
+  for (u64 i = threadIdx.x; i < (u64)s.r * width / 4; i += blockDim.x) rows[i] = half[i];
   __threadfence_system();
   ep::clock_end(clock);
 }

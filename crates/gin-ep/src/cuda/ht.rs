@@ -208,6 +208,40 @@ pub(crate) fn check_cget(
     Ok(())
 }
 
+/// Checks that NSEND (`nsend` bytes here) holds this rank's notify row and
+/// NRECV (`nrecv` bytes) both halves' rows of every rank (`2 × r` rows): the
+/// notify kernel alternates between the halves and copies this round's into
+/// the pinned rows the host reads, and `ep_ht_layout` writes the row into
+/// NSEND. `ht::resources` sizes them so; a shorter window would leave the
+/// host an earlier round's rows. The kernels refuse such windows too (the
+/// notify kernel as an out-of-window failure naming NRECV before anything is
+/// sent; `ep_ht_layout` by writing no row and a refusal naming no entry).
+pub(crate) fn check_notify_windows(
+    s: &Shape,
+    rank: usize,
+    nsend: usize,
+    nrecv: usize,
+) -> Result<(), EpError> {
+    let width = 4 * s.row_words();
+    if nsend < width {
+        return Err(EpError::Config {
+            rank,
+            field: "NSEND bytes",
+            value: nsend,
+            why: "at least one notify row (4 × row words)",
+        });
+    }
+    if nrecv < 2 * s.r * width {
+        return Err(EpError::Config {
+            rank,
+            field: "NRECV bytes",
+            value: nrecv,
+            why: "at least two notify rows (4 × row words) per rank: the count exchange's two halves",
+        });
+    }
+    Ok(())
+}
+
 /// Row pointers one batch of ht.cu's combine holds (`MAX_ROWS`): a
 /// forwarder's sum of a token reads one row per rank of its host and one
 /// per host, so a job with more than this many of them together could never

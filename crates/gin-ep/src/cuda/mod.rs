@@ -700,6 +700,13 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
                 // The kernels take CGET's rows from this size (local_size).
                 let cget = wins[crate::ht::CGET].local().len();
                 ht::check_cget(&cfg, rank, l, cget, &direct)?;
+                // The notify kernel's rows (NRECV's two halves) and row.
+                ht::check_notify_windows(
+                    &s,
+                    rank,
+                    wins[crate::ht::plan::NSEND].local().len(),
+                    wins[crate::ht::plan::NRECV].local().len(),
+                )?;
                 Some(ht::HtState::new(s, rank, &cfg, &direct)?)
             }
             None => None,

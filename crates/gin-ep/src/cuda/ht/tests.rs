@@ -993,3 +993,45 @@ fn cget_sized_by_fetches_and_checked() {
         "{e}"
     );
 }
+
+/// NSEND and NRECV as `ht::resources` sizes them pass the check at the
+/// buffer's creation; a byte short of one row (NSEND) or of both halves'
+/// rows (NRECV, where the notify kernel would copy an earlier round's rows
+/// for the host) is refused naming the window, the rank and its size.
+#[test]
+fn notify_windows_hold_their_rows() {
+    let cfg = Config::high_throughput(128, 8, 8, 2);
+    let s = Shape::of(&cfg, 4, 2);
+    let ids: Vec<Vec<u8>> = ["a", "a", "b", "b"]
+        .iter()
+        .map(|h| h.as_bytes().to_vec())
+        .collect();
+    let (_, _, sizes) = crate::ht::resources(&cfg, 3, &crate::Hosts::from_ids(&ids)).unwrap();
+    let (nsend, nrecv) = (sizes[NSEND], sizes[NRECV]);
+    assert!(check_notify_windows(&s, 3, nsend, nrecv).is_ok());
+    let width = 4 * s.row_words();
+    assert_eq!((nsend, nrecv), (width, 2 * s.r * width));
+    let e = check_notify_windows(&s, 3, width - 1, nrecv).unwrap_err();
+    assert!(
+        matches!(e, EpError::Config { rank: 3, field: "NSEND bytes", value, .. } if value == width - 1),
+        "{e}"
+    );
+    // One half only: the host would read the other round's rows.
+    let e = check_notify_windows(&s, 3, nsend, s.r * width).unwrap_err();
+    assert!(
+        matches!(e, EpError::Config { rank: 3, field: "NRECV bytes", value, .. } if value == s.r * width),
+        "{e}"
+    );
+    let e = check_notify_windows(&s, 2, nsend, nrecv - 1).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            EpError::Config {
+                rank: 2,
+                field: "NRECV bytes",
+                ..
+            }
+        ),
+        "{e}"
+    );
+}
