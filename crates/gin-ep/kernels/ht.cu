@@ -6,17 +6,21 @@
 // tokens split into `chans` contiguous ranges (channels), channel c on
 // context c with its own rings, credits and signals.
 //
-// The host stages each step: the notify row (NSEND), every token's payload
-// (XIN: the caller's BF16, or FP8 quantised from it by ep_ht_quantize; from
-// GPU memory BF16 payloads are read in place by the dispatch kernel unless
-// a destination is queued) and metadata (MIN, written by ep_ht_stage_meta
-// beside the notify kernel: source index, top-k ids and weights, its slot
-// among this rank's tokens for every host and every rank, NONE where it
-// does not go). After the notify kernel the
-// host reads every rank's row back (NRECV), builds the step's plan with the
-// CPU ranks' code (plan.rs) and uploads it as one table of u32 words (the
-// count matrix per channel, each receiver's block starts, the forwarders):
-// the kernels move runs of tokens by it.
+// Each step stages the notify row (NSEND), every token's payload (XIN: the
+// caller's BF16, or FP8 quantised from it by ep_ht_quantize; from GPU memory
+// BF16 payloads are read in place by the dispatch kernel unless a
+// destination is queued) and metadata (MIN: source index, top-k ids and
+// weights, its slot among this rank's tokens for every host and every rank,
+// NONE where it does not go). For host inputs the host writes the row and
+// ep_ht_stage_meta the metadata beside the notify kernel; for inputs in GPU
+// memory ep_ht_layout writes both, queued right before the notify kernel.
+// The notify kernel copies every rank's row (this round's half of NRECV)
+// into pinned host memory, which the host reads after it; the host builds
+// the step's plan with the CPU ranks' code (plan.rs) and writes it as one
+// table of u32 words (the count matrix per channel, each receiver's block
+// starts, the forwarders) into pinned memory, which ep_ht_copy_words copies
+// to the GPU, queued before the dispatch kernel: the kernels move runs of
+// tokens by it.
 //
 // A channel is one block (DeepEP's channel is one SM), a state machine as
 // the CPU ranks' lane: warp 0 decides what can move without waiting (a
@@ -1323,7 +1327,8 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_notify(DevComm dc
             signal_add(ep::ht::sig_notify(s, me), 1), no_counter(), CTA))
       return;
   }
-  // NSEND is rewritten by the host before the next step.
+  // NSEND is rewritten before the next step (by the host, or by the next
+  // step's ep_ht_layout, queued after this launch).
   if (flush(dc, 0, CTA)) return;
   for (u32 src = 0; src < s.r; ++src) {
     if (!active[src]) continue;

@@ -785,9 +785,11 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     }
 
     /// When the last dispatch and combine kernels ran on the GPU (in
-    /// high-throughput mode the dispatch's clock runs from the notify
-    /// kernel's start to the dispatch kernel's end: the host's plan between
-    /// them counts, as DeepEP's CPU sync does).
+    /// high-throughput mode the dispatch's clock runs from the count
+    /// exchange's start, that is the notify kernel's for host inputs and
+    /// `ep_ht_layout`'s, queued right before it, for inputs in GPU memory,
+    /// to the dispatch kernel's end: the host's plan between them counts,
+    /// as DeepEP's CPU sync does).
     pub fn last_kernels(&self) -> (KernelClock, KernelClock) {
         self.last
     }
