@@ -516,6 +516,17 @@ if [ -n "$checks" ]; then
   step "ep-ht-cuda-4ranks-2hosts-inputs-device" "$ep" ht device=cuda ranks=4 hosts=2 inputs=device
   step "ep-ht-cuda-4ranks-2hosts-ring2-inputs-device" "$ep" ht device=cuda ranks=4 hosts=2 tokens=40 ring=2 channels=3 repeats=5 inputs=device
   step "ep-ht-cuda-2ranks-fp8-inputs-device" "$ep" ht device=cuda ranks=2 fp8=1 inputs=device
+  # Over several of ep_ht_layout's 512-token tiles (tokens=1100: ranks of
+  # 1100, 825 and 550 tokens, three and two tiles), beside CPU ranks with the
+  # same arguments; and on the proxy everywhere (the tokens copied into XIN
+  # for the queued puts).
+  for n in 2 4; do
+    step "ep-ht-cuda-${n}ranks-tokens1100-inputs-device" "$ep" ht device=cuda ranks=$n tokens=1100 inputs=device
+    step "ep-ht-cpu-${n}ranks-tokens1100" "$ep" ht ranks=$n tokens=1100
+  done
+  step "ep-ht-cuda-4ranks-2hosts-tokens1100-inputs-device" "$ep" ht device=cuda ranks=4 hosts=2 tokens=1100 inputs=device
+  step "ep-ht-cpu-4ranks-2hosts-tokens1100" "$ep" ht ranks=4 hosts=2 tokens=1100
+  step "ep-ht-cuda-4ranks-proxy-inputs-device" env GIN_BACKEND=proxy "$ep" ht device=cuda ranks=4 hosts=2 inputs=device
   ep_ht_digests() { sed -n 's/.*rank \([0-9]*\) of [0-9]*: ht ok.*dispatch digest \([0-9a-f]*\), combine digest \([0-9a-f]*\).*/\1 \2 \3/p' "$out/$1.log" | sort; }
   ep_ht_agree() {
     local a b; a=$(ep_ht_digests "$1"); b=$(ep_ht_digests "$2")
@@ -535,6 +546,11 @@ if [ -n "$checks" ]; then
   step "ep-ht-4ranks-2hosts-inputs-device-agree" ep_ht_agree "ep-ht-cuda-4ranks-2hosts-inputs-device" "ep-ht-cpu-4ranks-2hosts"
   step "ep-ht-4ranks-2hosts-ring2-inputs-device-agree" ep_ht_agree "ep-ht-cuda-4ranks-2hosts-ring2-inputs-device" "ep-ht-cpu-4ranks-2hosts-ring2"
   step "ep-ht-2ranks-fp8-inputs-device-agree" ep_ht_agree "ep-ht-cuda-2ranks-fp8-inputs-device" "ep-ht-cuda-2ranks-fp8"
+  for n in 2 4; do
+    step "ep-ht-${n}ranks-tokens1100-inputs-device-agree" ep_ht_agree "ep-ht-cuda-${n}ranks-tokens1100-inputs-device" "ep-ht-cpu-${n}ranks-tokens1100"
+  done
+  step "ep-ht-4ranks-2hosts-tokens1100-inputs-device-agree" ep_ht_agree "ep-ht-cuda-4ranks-2hosts-tokens1100-inputs-device" "ep-ht-cpu-4ranks-2hosts-tokens1100"
+  step "ep-ht-4ranks-2hosts-proxy-inputs-device-agrees" ep_ht_agree "ep-ht-cuda-4ranks-proxy-inputs-device" "ep-ht-cpu-4ranks-2hosts"
   # The victim (rank 1) names its entry, each of the other n-1 ranks rank 1.
   ep_ht_bad_named() {
     local log="$out/$1.log" n=$2 v t

@@ -6,17 +6,21 @@
 // tokens split into `chans` contiguous ranges (channels), channel c on
 // context c with its own rings, credits and signals.
 //
-// The host stages each step: the notify row (NSEND), every token's payload
-// (XIN: the caller's BF16, or FP8 quantised from it by ep_ht_quantize; from
-// GPU memory BF16 payloads are read in place by the dispatch kernel unless
-// a destination is queued) and metadata (MIN, written by ep_ht_stage_meta
-// beside the notify kernel: source index, top-k ids and weights, its slot
-// among this rank's tokens for every host and every rank, NONE where it
-// does not go). After the notify kernel the
-// host reads every rank's row back (NRECV), builds the step's plan with the
-// CPU ranks' code (plan.rs) and uploads it as one table of u32 words (the
-// count matrix per channel, each receiver's block starts, the forwarders):
-// the kernels move runs of tokens by it.
+// Each step stages the notify row (NSEND), every token's payload (XIN: the
+// caller's BF16, or FP8 quantised from it by ep_ht_quantize; from GPU memory
+// BF16 payloads are read in place by the dispatch kernel unless a
+// destination is queued) and metadata (MIN: source index, top-k ids and
+// weights, its slot among this rank's tokens for every host and every rank,
+// NONE where it does not go). For host inputs the host writes the row and
+// ep_ht_stage_meta the metadata beside the notify kernel; for inputs in GPU
+// memory ep_ht_layout writes both, queued right before the notify kernel.
+// The notify kernel copies every rank's row (this round's half of NRECV)
+// into pinned host memory, which the host reads after it; the host builds
+// the step's plan with the CPU ranks' code (plan.rs) and writes it as one
+// table of u32 words (the count matrix per channel, each receiver's block
+// starts, the forwarders) into pinned memory, which ep_ht_copy_words copies
+// to the GPU, queued before the dispatch kernel: the kernels move runs of
+// tokens by it.
 //
 // A channel is one block (DeepEP's channel is one SM), a state machine as
 // the CPU ranks' lane: warp 0 decides what can move without waiting (a
@@ -265,6 +269,114 @@ constexpr u64 HT_WRONG_PLACE = 4;   // place landed, place its slot says
 constexpr u64 HT_RING_FOR_SELF = 5; // token
 constexpr u64 HT_DELIVERED = 6;     // tokens delivered, the counts say
 constexpr u64 HT_ROWS_AHEAD = 7;    // rows arrived, rows expected
+
+// The layout of inputs in GPU memory (ep_ht_layout: layout.rs's Layout and
+// plan.rs's notify_row, computed where the routing is). A destination is a
+// rank d < r or a host d - r; a token goes to it where a live slot of it
+// (an expert in 0 .. r x lexp whose rank is active: a masked rank's slots
+// count as empty) names an expert of that rank or host. Entries the checks
+// refuse (input::entry_key) count for nothing: the row is then refused.
+EP_FN u32 layout_dests(const Shape& s) { return s.r + s.h; }
+
+EP_FN bool layout_goes(const Shape& s, const i64* ids, const u32* active, u32 d) {
+  const i64 experts = (i64)s.r * (i64)s.lexp;
+  for (u32 j = 0; j < s.k; ++j) {
+    const i64 e = ids[j];
+    if (e < 0 || e >= experts) continue;
+    const u32 owner = (u32)(e / (i64)s.lexp);
+    if (!active[owner]) continue;
+    if (d < s.r ? owner == d : owner / s.l == d - s.r) return true;
+  }
+  return false;
+}
+
+// The metadata word that holds a token's slot for destination d
+// (w_rank_slot, w_host_slot).
+EP_FN u32 layout_slot_word(const Shape& s, u32 d) {
+  return d < s.r ? w_rank_slot(s, d) : w_host_slot(s, d - s.r);
+}
+
+// Whether word i of a token's metadata is one of its slots (written per
+// destination; the other words from the routing alone: meta_word).
+EP_FN bool is_slot_word(const Shape& s, u32 i) {
+  return i >= w_host_slot(s, 0) && i < w_rank_slot(s, s.r);
+}
+
+// Token t (t < tokens) goes to a destination after `before` of this rank's
+// earlier tokens did: every channel that starts at t starts its count
+// there (pre: chans + 1 entries; a channel starts at its chan_lo).
+EP_FN void layout_bounds(const Shape& s, u32 tokens, u32 t, u32 before, u32* pre) {
+  // The first channel c with chan_lo(c) >= t.
+  u32 c = (u32)(((u64)t * s.chans + tokens - 1) / tokens);
+  for (; c < s.chans && chan_lo(s, tokens, c) == t; ++c) pre[c] = before;
+}
+
+// Destination d's counts per channel into its words of the notify row,
+// once every token was through layout_bounds and `total` tokens go to d:
+// the channels that start at the end (empty, and the bound after the last)
+// start at the total.
+EP_FN void layout_counts(const Shape& s, u32 tokens, u32 d, u32 total, u32* pre, u32* row) {
+  for (u32 c = 0; c <= s.chans; ++c)
+    if (chan_lo(s, tokens, c) == tokens) pre[c] = total;
+  const u32 mw = (s.r + 31) / 32;
+  for (u32 c = 0; c < s.chans; ++c) row[mw + d * s.chans + c] = pre[c + 1] - pre[c];
+}
+
+// The bits set in m (a warp's ballot).
+#if defined(__CUDACC__)
+EP_FN u32 layout_popc(u32 m) { return __popc(m); }
+#else
+EP_FN u32 layout_popc(u32 m) { return (u32)__builtin_popcount(m); }
+#endif
+
+// One tile of ep_ht_layout's count over a destination's tokens (the
+// block's threads, one token each): for thread `lane` of warp `warp`,
+// whose warp's ballot of the tile's tokens that go is m, where warp_sum[v]
+// is warp v's count (warps of them) and base the count of earlier tiles,
+// how many of this rank's tokens before its own go; *all: how many of the
+// tile's go (the next tile's base is base + *all).
+EP_FN u32 layout_prefix(u32 base, u32 m, u32 lane, u32 warp, const u32* warp_sum, u32 warps,
+                        u32* all) {
+  u32 before = base + layout_popc(m & ((1u << lane) - 1u)), n = 0;
+  for (u32 v = 0; v < warps; ++v) {
+    if (v < warp) before += warp_sum[v];
+    n += warp_sum[v];
+  }
+  *all = n;
+  return before;
+}
+
+// Token t's part (t < tokens) for destination d, once its count of earlier
+// tokens that go (before) is known: its slot word in its metadata (meta:
+// tokens x mm bytes; NONE where it does not go) and the bounds of the
+// channels that start at it (layout_bounds).
+EP_FN void layout_token(const Shape& s, u32 tokens, u32 t, u32 d, bool goes, u32 before, u32* meta,
+                        u32* pre) {
+  meta[(u64)t * (s.mm / 4) + layout_slot_word(s, d)] = goes ? before : NONE;
+  layout_bounds(s, tokens, t, before, pre);
+}
+
+// Every count word of a refused notify row (plan.rs's REFUSED).
+constexpr u32 REFUSED = 0xffffffffu;
+
+// The notify row's mask words (the active ranks), and where this rank's
+// inputs were refused every count word REFUSED (plan.rs's refused_row).
+EP_FN void layout_finish(const Shape& s, const u32* active, bool refused, u32* row) {
+  const u32 mw = (s.r + 31) / 32;
+  for (u32 i = 0; i < mw; ++i) row[i] = 0;
+  for (u32 p = 0; p < s.r; ++p)
+    if (active[p]) row[p / 32] |= 1u << (p % 32);
+  if (refused)
+    for (u32 i = mw; i < mw + layout_dests(s) * s.chans; ++i) row[i] = REFUSED;
+}
+
+// What ep_ht_layout leaves for the host (u64 words of pinned host memory,
+// cuda/ht.rs's LayoutOut): whether the row went out refused, the first bad
+// entry's key (input::entry_key, ~0 none) and its four error words
+// (input::error_of: ERR_EXPERT_RANGE, ERR_DUPLICATE or ERR_WEIGHT, as
+// cuda/dev.rs's decode_error reads them).
+constexpr u32 LO_REFUSED = 0, LO_KEY = 1, LO_ERR = 2, LO_WORDS = 6;
+static_assert(LO_ERR + 4 == LO_WORDS, "ep::ht: the layout's words for the host");
 
 } // namespace ht
 } // namespace ep
@@ -1184,19 +1296,30 @@ __device__ void clear_lane(const Shape& s, u64* L, u32 lo, bool dispatch) {
   { &nsend, &nrecv, &xin, &xmeta, &ringx, &ringm, &recvx, &recvm, &csend, &cstage, &crdma, &cget }
 
 // The count exchange (one block, context 0): this rank's notify row (NSEND,
-// `width` bytes, staged by the host) goes to every active rank's NRECV at
-// (parity * r + rank) * width with signal notify(rank) += 1; then the
-// block waits (bounded, naming the rank) for each active rank's row, exactly
-// one round each (a faster rank may be a round ahead: rows alternate
-// between the two halves of NRECV). The host reads the rows back.
+// `width` bytes, staged by the host or written by ep_ht_layout before this
+// launch) goes to every active rank's NRECV at (parity * r + rank) * width
+// with signal notify(rank) += 1; then the block waits (bounded, naming the
+// rank) for each active rank's row, exactly one round each (a faster rank
+// may be a round ahead: rows alternate between the two halves of NRECV),
+// and copies this round's half (r rows of width bytes) into rows (pinned
+// host memory, mapped), which the host reads once the launch has finished,
+// with no copy of its own between this kernel and the dispatch kernel.
 extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_notify(DevComm dc, EP_HT_WINDOWS, u32 width, u32 parity,
                                         const u32* shape, const u32* active, u64* seen,
-                                        u64* clock) {
+                                        u64* clock, u32* rows) {
   if (ep::failed_before(dc)) return;
   ep::clock_start(clock);
   const ep::ht::Shape s = ep::ht::shape_of(shape);
   const u32 me = s.rank;
   const Window* W[ep::ht::WINDOWS] = EP_HT_WINDOW_TABLE;
+  // NRECV must hold both halves' rows (the host checks it at the buffer's
+  // creation: cuda/ht.rs's check_notify_windows): else the launch fails
+  // before anything is sent, naming NRECV, rather than leave the host an
+  // earlier round's rows to read.
+  if (2ull * s.r * width > nrecv.local_size) {
+    if (threadIdx.x == 0) gin::detail::fail(dc, OUT_OF_WINDOW, 0, NO_PEER, nrecv.id);
+    return;
+  }
   for (u32 p = 0; p < s.r; ++p) {
     if (!active[p]) continue;
     if (put(dc, 0, p, *W[ep::ht::NRECV], ((u64)parity * s.r + me) * width, *W[ep::ht::NSEND], 0,
@@ -1204,7 +1327,8 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_notify(DevComm dc
             signal_add(ep::ht::sig_notify(s, me), 1), no_counter(), CTA))
       return;
   }
-  // NSEND is rewritten by the host before the next step.
+  // NSEND is rewritten before the next step (by the host, or by the next
+  // step's ep_ht_layout, queued after this launch).
   if (flush(dc, 0, CTA)) return;
   for (u32 src = 0; src < s.r; ++src) {
     if (!active[src]) continue;
@@ -1213,7 +1337,22 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_notify(DevComm dc
     __syncthreads();
     if (threadIdx.x == 0) seen[id] += 1;
   }
+  // Every active rank's row is visible to the block (wait_from); the others'
+  // are stale and the host does not read them. (NRECV holds 2 x r rows:
+  // checked above.)
+  const volatile u32* half =
+      (const volatile u32*)((const u8*)nrecv.local_base + (u64)parity * s.r * width);
+  for (u64 i = threadIdx.x; i < (u64)s.r * width / 4; i += blockDim.x) rows[i] = half[i];
+  __threadfence_system();
   ep::clock_end(clock);
+}
+
+// Copies n u32 words from src (pinned host memory, mapped: the plan's table
+// the host wrote there) to dst (device memory), queued on gin's stream
+// before the dispatch kernel, which reads dst: the table goes up without a
+// synchronous copy between the count exchange and the dispatch.
+extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_copy_words(const u32* src, u32* dst, u32 n) {
+  for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) dst[i] = src[i];
 }
 
 // High-throughput dispatch: block ch runs channel ch (context ch) to the
@@ -1312,6 +1451,99 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_stage_meta(Window
   for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
     out[i] = ep::ht::meta_word(s, idx, wbits, host_slot, rank_slot, (u32)(i / words),
                                (u32)(i % words));
+}
+
+// The layout of inputs in GPU memory, on gin's stream right before the
+// notify kernel (no host round trip between them): checks every top-k entry
+// as the host does (input::entry_key: the weights of live slots first, then
+// every entry in order; the smallest key is the first error), writes this
+// rank's notify row into NSEND (the mask, then per destination and channel
+// the tokens going there: plan.rs's notify_row; refused_row where an entry
+// is bad, so that every peer ends the step naming this rank) and every
+// token's metadata into MIN (ep_ht_stage_meta's words, the slots from the
+// prefix sums over tokens: layout.rs's rank_slot and host_slot). idx, wbits:
+// the caller's top-k ids (i64) and weights' bits, tokens x k; active: u32
+// per rank. A block per destination (looping where the grid is smaller),
+// its tokens a tile of the block's threads at a time, each thread one
+// token (a warp's ballot, then the warps' sums, give each token's count of
+// earlier ones). rec (device, two u64): the smallest key (atomicMin) and the
+// blocks that finished; the last block to finish writes the mask (and the
+// refusal), copies what the host reads into out (pinned host memory,
+// LO_WORDS u64) and resets rec for the next step. clock as the notify
+// kernel's (the earliest start counts).
+extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_layout(Window nsend, Window xmeta, const i64* idx, const u32* wbits, u32 tokens, const u32* shape, const u32* active, u64* rec, u64* out, u64* clock) {
+  ep::clock_start(clock);
+  using namespace ep::ht;
+  const Shape s = shape_of(shape);
+  const u32 words = s.mm / 4, dests = layout_dests(s);
+  const u32 row_words = (s.r + 31) / 32 + dests * s.chans;
+  // (The host sizes MIN for t tokens, NSEND for one row, and checked
+  // tokens <= t; Config::validate bounds the channels by 64: pre below.)
+  // Where something does not fit, nothing is laid out and the host reads a
+  // refusal naming no entry (an error, LayoutOut::refusal); a row that does
+  // not fit NSEND is not written at all (the notify kernel's put of it then
+  // fails too, out of NSEND).
+  const bool row_fits = 4ull * row_words <= nsend.local_size;
+  const bool fits = tokens <= s.t && s.chans <= 64 && (u64)tokens * s.mm <= xmeta.local_size && row_fits;
+  u32* row = (u32*)nsend.local_base;
+  u32* meta = (u32*)xmeta.local_base;
+  const u64 n = fits ? (u64)tokens * words : 0;
+  const u64 stride = (u64)gridDim.x * blockDim.x, first = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+  for (u64 i = first; i < n; i += stride) {
+    const u32 w = (u32)(i % words);
+    if (!is_slot_word(s, w)) meta[i] = meta_word(s, idx, wbits, nullptr, nullptr, (u32)(i / words), w);
+  }
+  u64 bad = ~0ull;
+  for (u64 e = first; e < (u64)tokens * s.k; e += stride) {
+    const u32 tok = (u32)(e / s.k), j = (u32)(e % s.k);
+    bad = min(bad, ep::input::entry_key(idx + (u64)tok * s.k, (const float*)wbits + (u64)tok * s.k,
+                                        tok, j, s.r * s.lexp));
+  }
+  for (u32 o = 16; o > 0; o >>= 1) bad = min(bad, (u64)__shfl_xor_sync(0xffffffffu, bad, o));
+  if ((threadIdx.x & 31u) == 0 && bad != ~0ull) atomicMin((unsigned long long*)&rec[0], bad);
+  __shared__ u32 pre[65];
+  __shared__ u32 warp_sum[EP_THREADS / 32];
+  const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  for (u32 d = blockIdx.x; fits && d < dests; d += gridDim.x) {
+    u32 base = 0;
+    for (u32 tile = 0; tile < tokens; tile += blockDim.x) {
+      const u32 t = tile + threadIdx.x;
+      const bool goes = t < tokens && layout_goes(s, idx + (u64)t * s.k, active, d);
+      const u32 m = __ballot_sync(0xffffffffu, goes);
+      if (lane == 0) warp_sum[warp] = layout_popc(m);
+      __syncthreads();
+      u32 all = 0;
+      const u32 before = layout_prefix(base, m, lane, warp, warp_sum, warps, &all);
+      if (t < tokens) layout_token(s, tokens, t, d, goes, before, meta, pre);
+      base += all;
+      // warp_sum is rewritten by the next tile.
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) layout_counts(s, tokens, d, base, pre, row);
+    // pre is rewritten for the next destination.
+    __syncthreads();
+  }
+  // The last block to finish sees every block's writes and key.
+  __threadfence();
+  __syncthreads();
+  __shared__ bool last;
+  if (threadIdx.x == 0) last = atomicAdd((u32*)&rec[1], 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (last && threadIdx.x == 0) {
+    __threadfence();
+    const u64 key = *(volatile u64*)&rec[0];
+    const bool refused = key != ~0ull || !fits;
+    if (row_fits) layout_finish(s, active, refused, row);
+    u64 w[4] = {0, 0, 0, 0};
+    if (key != ~0ull) ep::input::error_of(key, idx, (const float*)wbits, s.k, s.r * s.lexp, w);
+    volatile u64* o = out;
+    o[LO_REFUSED] = refused ? 1 : 0;
+    o[LO_KEY] = key;
+    for (u32 i = 0; i < 4; ++i) o[LO_ERR + i] = w[i];
+    rec[0] = ~0ull;
+    *(volatile u32*)&rec[1] = 0;
+  }
+  ep::clock_end(clock);
 }
 
 // FP8 dispatch: the BF16 tokens (xbf: tokens x h u16; host inputs uploaded

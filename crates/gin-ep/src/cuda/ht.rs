@@ -23,14 +23,18 @@
 //! the CPU ranks' receive reads it.
 //!
 //! From GPU memory ([`CudaBuffer::ht_dispatch_device`],
-//! [`CudaBuffer::ht_combine_device`]): the top-k ids and weights are read
-//! back for the same checks and plan (`ep_ht_stage_meta` reads them where
-//! they are); BF16 tokens are read in place by the dispatch kernel, whose
-//! puts to load/store peers copy straight from the caller's `x` (a put to
-//! a queued peer, proxy or GDAKI, reads a window: where one of the step's
-//! destinations is queued the tokens are copied into XIN beside the notify
-//! kernel), FP8 ones quantised from `x` into XIN beside it; what was
-//! received stays on the GPU for the caller's expert ([`HtDeviceLayout`]).
+//! [`CudaBuffer::ht_combine_device`]): the top-k ids and weights are
+//! checked and laid out where they are by `ep_ht_layout`, queued on gin's
+//! stream right before the notify kernel, which writes this rank's notify
+//! row (or the refused row, the first bad entry left for the host to name)
+//! and the tokens' metadata: nothing of the routing goes to the host before
+//! the count exchange, whose rows the host reads for the plan. BF16 tokens
+//! are read in place by the dispatch kernel, whose puts to load/store peers
+//! copy straight from the caller's `x` (a put to a queued peer, proxy or
+//! GDAKI, reads a window: where another active rank is reached through a
+//! queue the tokens are copied into XIN beside the notify kernel), FP8 ones
+//! quantised from `x` into XIN beside it; what was received stays on the
+//! GPU for the caller's expert ([`HtDeviceLayout`]).
 
 use gin_core::CoreError;
 use gin_core::cuda::{Arg, DevMem, Device, Function, HostMem, Module, Stream, StreamRef};
@@ -64,6 +68,8 @@ pub(crate) struct HtFunctions {
     pub(crate) combine: Function,
     pub(crate) quantize: Function,
     pub(crate) stage_meta: Function,
+    pub(crate) layout: Function,
+    pub(crate) copy_words: Function,
 }
 
 impl HtFunctions {
@@ -75,6 +81,8 @@ impl HtFunctions {
             combine: m.function("ep_ht_combine")?,
             quantize: m.function("ep_ht_quantize")?,
             stage_meta: m.function("ep_ht_stage_meta")?,
+            layout: m.function("ep_ht_layout")?,
+            copy_words: m.function("ep_ht_copy_words")?,
         })
     }
 }
@@ -200,6 +208,40 @@ pub(crate) fn check_cget(
     Ok(())
 }
 
+/// Checks that NSEND (`nsend` bytes here) holds this rank's notify row and
+/// NRECV (`nrecv` bytes) both halves' rows of every rank (`2 × r` rows): the
+/// notify kernel alternates between the halves and copies this round's into
+/// the pinned rows the host reads, and `ep_ht_layout` writes the row into
+/// NSEND. `ht::resources` sizes them so; a shorter window would leave the
+/// host an earlier round's rows. The kernels refuse such windows too (the
+/// notify kernel as an out-of-window failure naming NRECV before anything is
+/// sent; `ep_ht_layout` by writing no row and a refusal naming no entry).
+pub(crate) fn check_notify_windows(
+    s: &Shape,
+    rank: usize,
+    nsend: usize,
+    nrecv: usize,
+) -> Result<(), EpError> {
+    let width = 4 * s.row_words();
+    if nsend < width {
+        return Err(EpError::Config {
+            rank,
+            field: "NSEND bytes",
+            value: nsend,
+            why: "at least one notify row (4 × row words)",
+        });
+    }
+    if nrecv < 2 * s.r * width {
+        return Err(EpError::Config {
+            rank,
+            field: "NRECV bytes",
+            value: nrecv,
+            why: "at least two notify rows (4 × row words) per rank: the count exchange's two halves",
+        });
+    }
+    Ok(())
+}
+
 /// Row pointers one batch of ht.cu's combine holds (`MAX_ROWS`): a
 /// forwarder's sum of a token reads one row per rank of its host and one
 /// per host, so a job with more than this many of them together could never
@@ -231,9 +273,21 @@ pub(crate) struct HtState {
     /// checked here: what `ht_echo` launches over, whatever handle it is
     /// given (a handle of another buffer must not size a kernel here).
     received: usize,
-    /// When this step's notify kernel started (GPU clock): the dispatch's
-    /// clock runs from there to the dispatch kernel's end.
-    notify_start: u64,
+    /// `u64[4]`: the launch clocks of a step (`[earliest start, latest
+    /// end]` of the count exchange, `ep_ht_layout` included, then of the
+    /// dispatch kernel), reset together before the exchange and read
+    /// together after the dispatch kernel: no clock is copied between the
+    /// two. The dispatch's clock runs from the exchange's start to the
+    /// dispatch kernel's end.
+    clocks: DevMem,
+    /// The rows of a count exchange (`r × row words` u32), copied by the
+    /// notify kernel from NRECV into pinned host memory, which the host
+    /// reads after it without a copy of its own.
+    rows: HostMem,
+    /// The step's plan table ([`Plan::tables`]) in pinned host memory,
+    /// copied into `tables` by `ep_ht_copy_words` queued on gin's stream
+    /// before the dispatch kernel (no synchronous copy between them).
+    tables_pin: HostMem,
     /// FP8: the step's BF16 tokens (`t × hidden` u16), uploaded beside the
     /// notify kernel and quantised into XIN by `ep_ht_quantize`.
     xbf: Option<DevMem>,
@@ -247,10 +301,14 @@ pub(crate) struct HtState {
     copy: Stream,
     /// The latest dispatch's plan (for [`CudaBuffer::ht_read_back`]).
     plan: Option<Plan>,
-    /// Device-resident inputs: the top-k ids and weights read back for the
-    /// host's checks and plan, reused between steps.
-    idx: Vec<i64>,
-    wts: Vec<f32>,
+    /// `u64[2]`: `ep_ht_layout`'s smallest key of a bad entry (`!0`: none)
+    /// and its finished blocks; the kernel's last block resets both. Only
+    /// the kernel writes it after creation.
+    lay_rec: DevMem,
+    /// What `ep_ht_layout` leaves for the host ([`LayoutOut`]), in pinned
+    /// host memory: read after the notify kernel, queued after it on the
+    /// same stream, was waited for.
+    lay_out: HostMem,
 }
 
 impl HtState {
@@ -281,7 +339,9 @@ impl HtState {
             direct: d,
             rounds: 0,
             received: 0,
-            notify_start: 0,
+            clocks: zeroed(32)?,
+            rows: HostMem::new(4 * s.r * s.row_words())?,
+            tables_pin: HostMem::new(4 * TableAt::of(s.r, s.h, s.chans).words)?,
             xbf: if cfg.fp8 {
                 Some(zeroed(2 * s.t * cfg.hidden)?)
             } else {
@@ -290,8 +350,12 @@ impl HtState {
             pinned: HostMem::new(Pinned::of(&s).bytes)?,
             copy: Stream::new()?,
             plan: None,
-            idx: Vec::new(),
-            wts: Vec::new(),
+            lay_rec: {
+                let m = DevMem::new(16)?;
+                m.write(0, &[u64::MAX, 0])?;
+                m
+            },
+            lay_out: HostMem::new(8 * LayoutOut::WORDS)?,
             s,
         })
     }
@@ -522,6 +586,44 @@ impl Pinned {
     }
 }
 
+/// What `ep_ht_layout` leaves in pinned host memory for the host (u64
+/// words; ht.cu's `LO_*`): whether this rank's notify row went out refused,
+/// the first bad entry's key (`!0`: none) and its four error words, as
+/// [`super::decode_error`] reads them (the host checks' error, naming the
+/// entry).
+pub(crate) struct LayoutOut;
+
+impl LayoutOut {
+    pub(crate) const REFUSED: usize = 0;
+    pub(crate) const KEY: usize = 1;
+    pub(crate) const ERR: usize = 2;
+    pub(crate) const WORDS: usize = 6;
+
+    /// This rank's own error where the words `w` say its row went out
+    /// refused (`None`: it did not): the first bad entry, named as the
+    /// host's checks name it; a refusal naming none (sizes beyond the
+    /// buffer's, which the host checked before the launch) says so.
+    pub(crate) fn refusal(rank: usize, cfg: &crate::Config, w: &[u64]) -> Option<EpError> {
+        if w.get(Self::REFUSED).copied().unwrap_or(0) == 0 {
+            return None;
+        }
+        let mut e = [0u64; 4];
+        for (i, v) in e.iter_mut().enumerate() {
+            *v = w.get(Self::ERR + i).copied().unwrap_or(0);
+        }
+        Some(
+            super::decode_error(rank, cfg, e).unwrap_or_else(|| EpError::Mode {
+                rank,
+                what: format!(
+                    "ep_ht_layout refused this rank's inputs without naming an entry (key {:#x}): \
+                     its sizes and the buffer's differ",
+                    w.get(Self::KEY).copied().unwrap_or(0)
+                ),
+            }),
+        )
+    }
+}
+
 /// Copies `data` into the pinned staging `m` at byte `off`; refused
 /// (naming `what`) where it would not fit. `&mut` keeps every other host
 /// access out; the caller keeps the GPU's out (the stream that reads it
@@ -551,6 +653,29 @@ fn to_pinned<T: Copy>(
     Ok(())
 }
 
+/// The first `n` bytes of the pinned memory `m` (refused where it holds
+/// fewer), which a launch that has finished wrote (the notify kernel's
+/// rows); `&HostMem` with no GPU work writing it: the caller waited for the
+/// launch, and the next one that writes it is queued by this thread later.
+fn from_pinned(rank: usize, m: &HostMem, n: usize) -> Result<Vec<u8>, EpError> {
+    if n > m.len() {
+        return Err(EpError::Mode {
+            rank,
+            what: format!(
+                "high-throughput rows: {n} bytes exceed the pinned rows' {} bytes",
+                m.len()
+            ),
+        });
+    }
+    let mut v = vec![0u8; n];
+    // SAFETY: `n` bytes lie within the allocation (checked above) and `v`
+    // holds `n`; no GPU work writes the allocation meanwhile (the launch
+    // that wrote it has finished, the next is not queued yet), so a plain
+    // copy reads what it wrote.
+    unsafe { std::ptr::copy_nonoverlapping(m.host_ptr(), v.as_mut_ptr(), n) };
+    Ok(v)
+}
+
 /// How a step's count exchange ended for this rank.
 enum Notified {
     /// Every active rank's row was taken: the step's plan.
@@ -565,13 +690,27 @@ enum Notified {
 pub(crate) enum Tokens<'a> {
     /// The caller's host slices: the tokens (`tokens × hidden`), uploaded
     /// in one copy beside the notify kernel ([`HostUpload`]); the top-k ids
-    /// and weights, staged in pinned memory for `ep_ht_stage_meta`.
-    Host(&'a [Bf16], &'a [i64], &'a [f32]),
+    /// and weights, staged in pinned memory for `ep_ht_stage_meta`; and
+    /// their layout, computed and checked on the host (the notify row, the
+    /// slots staged beside the ids).
+    Host(&'a [Bf16], &'a [i64], &'a [f32], &'a Layout),
     /// The caller's device memory (sizes and alignments checked by
     /// [`check_device_inputs`]): BF16 payloads are read in place by the
-    /// dispatch kernel (or copied into XIN where a destination is queued),
-    /// FP8 ones quantised from it by `ep_ht_quantize`; the top-k ids and
-    /// weights read by `ep_ht_stage_meta` where they are.
+    /// dispatch kernel (or copied into XIN where a destination may be
+    /// queued), FP8 ones quantised from it by `ep_ht_quantize`; the top-k
+    /// ids and weights are checked and laid out where they are by
+    /// `ep_ht_layout`, which writes the notify row and the metadata.
+    Device(&'a DeviceInputs<'a>),
+}
+
+/// Where this rank's notify row comes from.
+#[derive(Clone, Copy)]
+enum Row<'a> {
+    /// Computed on the host (host inputs' layout, or a refused row),
+    /// written into NSEND before the notify kernel.
+    Host(&'a [u32]),
+    /// Written by `ep_ht_layout` from the caller's routing in GPU memory,
+    /// queued right before the notify kernel on gin's stream.
     Device(&'a DeviceInputs<'a>),
 }
 
@@ -603,33 +742,26 @@ impl HostUpload<'_> {
 /// caller's BF16 tokens in place (`ep_ht_dispatch`'s `x`, `xbytes`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Payloads {
-    /// Staged in XIN (host inputs, FP8, or a queued destination).
+    /// Staged in XIN (host inputs, FP8, or a peer that may be queued).
     Xin,
     /// In place: `bytes` bytes at device address `ptr`.
     InPlace { ptr: u64, bytes: u64 },
 }
 
-/// Whether a dispatch of `lay` from rank `me` puts its payloads to a peer
-/// that is not reached by load/store (`lsa[p]`): a rank of its own host
-/// that receives any of its tokens, or any active rank of another host it
-/// sends to (which of them forwards depends on the plan, not known before
-/// the count exchange). Such a put (proxy, GDAKI) reads XIN as a window, so
-/// the tokens must be there; puts to load/store peers read them in place.
+/// Whether a dispatch from rank `me` may put its payloads to a peer that
+/// is not reached by load/store (`lsa[p]`): any other active rank (which of
+/// them receive or forward this rank's tokens, the layout on the GPU and
+/// the plan say, neither known on the host before the copy is queued
+/// beside the count exchange). Such a put (proxy, GDAKI) reads XIN as a
+/// window, so the tokens must be there; puts to load/store peers read them
+/// in place.
 pub(crate) fn queued_destination(
     s: &Shape,
     me: usize,
-    lay: &Layout,
     active: &[bool],
     lsa: impl Fn(usize) -> bool,
 ) -> bool {
-    (0..s.r).any(|p| {
-        let goes = if p / s.l == me / s.l {
-            lay.tokens_per_rank[p] > 0
-        } else {
-            lay.tokens_per_host[p / s.l] > 0
-        };
-        p != me && active[p] && goes && !lsa(p)
-    })
+    (0..s.r).any(|p| p != me && active[p] && !lsa(p))
 }
 
 impl CudaBuffer<'_, '_> {
@@ -698,7 +830,8 @@ impl CudaBuffer<'_, '_> {
             Err(e) => return Err(self.ht_refuse(&s, e)),
         };
         self.st.begin(lay.tokens);
-        match self.ht_dispatch_steps(&s, &lay, Tokens::Host(x, topk_idx, topk_weights)) {
+        let x = Tokens::Host(x, topk_idx, topk_weights, &lay);
+        match self.ht_dispatch_steps(&s, lay.tokens, x) {
             Ok(Notified::Plan(plan)) => {
                 let r = self.ht_read_dispatch(&s, plan);
                 if r.is_err() {
@@ -719,31 +852,35 @@ impl CudaBuffer<'_, '_> {
     /// [`CudaBuffer::ll_dispatch_device`] takes them): the tokens are read
     /// from the caller's `x` on the GPU, never through the host: BF16 ones
     /// in place by the dispatch kernel's puts to load/store peers (copied
-    /// into the send window beside the count exchange only where one of
-    /// the step's destinations is queued: proxy, GDAKI), FP8 ones quantised
-    /// from it by `ep_ht_quantize` beside the count exchange; the top-k ids
-    /// and weights are read where they are for the metadata. The inputs
-    /// must be complete when it is called, and unchanged until it returns:
-    /// their producer's stream synchronised (the kernels run on gin's and
-    /// the buffer's own streams, not ordered after the caller's).
+    /// into the send window beside the count exchange only where a peer may
+    /// be reached through a queue: proxy, GDAKI), FP8 ones quantised from
+    /// it by `ep_ht_quantize` beside the count exchange. The inputs must be
+    /// complete when it is called, and unchanged until it returns: their
+    /// producer's stream synchronised (the kernels run on gin's and the
+    /// buffer's own streams, not ordered after the caller's).
     ///
-    /// The plan needs the routing on the host, as DeepEP's notify step
-    /// synchronises with the host for the counts: the top-k ids and weights
-    /// (`tokens × topk` × 12 bytes) are read back first and checked with
-    /// the host path's code. A bad entry (an expert out of range, one named
-    /// twice, a weight that is not finite), like a size or alignment the
-    /// buffer refuses, is reported by name, and this rank still takes part
-    /// in the count exchange with a refused row: every peer's dispatch
-    /// returns at once with [`EpError::Protocol`] naming this rank, no rank
-    /// sends a token, and every buffer stays usable for the next step.
-    /// Otherwise the step runs as [`CudaBuffer::ht_dispatch`]'s, bit for
-    /// bit, and what was received stays in GPU memory
-    /// ([`CudaBuffer::ht_recv_tokens`], [`CudaBuffer::ht_recv_meta`], laid
-    /// out as [`HtDeviceLayout`] says) for the caller's expert kernel,
-    /// which writes [`CudaBuffer::ht_combine_rows`];
-    /// [`CudaBuffer::ht_read_back`] copies the metadata to the host for
-    /// checks. On gin's stream, returning when the dispatch kernel has
-    /// finished.
+    /// The routing does not go through the host before the count exchange:
+    /// `ep_ht_layout`, queued on gin's stream right before the notify
+    /// kernel, checks every top-k entry where it is as the host path does
+    /// (an expert out of range or named twice, a live slot's weight that is
+    /// not finite; a masked rank's slots count as empty), writes this
+    /// rank's notify row and every token's metadata with its slots (the
+    /// host path's layout, bit for bit). A bad entry sends the refused
+    /// row instead, so that every peer's dispatch returns at once with
+    /// [`EpError::PeerRefused`] naming this rank, and this rank returns the
+    /// error the host's checks would name (the first bad entry); a size or
+    /// alignment the buffer refuses is found on the host first and ends the
+    /// step alike. No rank then sends a token, and every buffer stays usable
+    /// for the next step. Otherwise the host reads every rank's row back
+    /// after the exchange (as DeepEP's notify step synchronises with the
+    /// host for the counts), builds the plan and the step runs as
+    /// [`CudaBuffer::ht_dispatch`]'s, bit for bit, and what was received
+    /// stays in GPU memory ([`CudaBuffer::ht_recv_tokens`],
+    /// [`CudaBuffer::ht_recv_meta`], laid out as [`HtDeviceLayout`] says)
+    /// for the caller's expert kernel, which writes
+    /// [`CudaBuffer::ht_combine_rows`]; [`CudaBuffer::ht_read_back`] copies
+    /// the metadata to the host for checks. On gin's stream, returning when
+    /// the dispatch kernel has finished.
     pub fn ht_dispatch_device(&mut self, inp: &DeviceInputs<'_>) -> Result<CudaHtStep, EpError> {
         const CALL: &str = "ht_dispatch_device";
         self.ht_state(CALL)?;
@@ -752,82 +889,31 @@ impl CudaBuffer<'_, '_> {
         self.poll()?;
         let s = self.ht_state(CALL)?.s;
         self.ht_forget_plan();
-        let (mut idx, mut w) = self
-            .ht
-            .as_mut()
-            .map(|h| (std::mem::take(&mut h.idx), std::mem::take(&mut h.wts)))
-            .unwrap_or_default();
-        let t0 = std::time::Instant::now();
-        let routing = self.ht_device_routing(inp, &mut idx, &mut w);
-        tracing::debug!(
-            rank = self.rank,
-            routed_us = t0.elapsed().as_secs_f64() * 1e6,
-            "high-throughput dispatch from GPU memory: the routing's read-back, checks and layout on the host"
-        );
-        let r = match routing {
-            Ok(lay) => self.ht_device_steps(&s, &lay, inp),
-            Err(e) => Err(self.ht_refuse(&s, e)),
-        };
-        if let Some(h) = self.ht.as_mut() {
-            (h.idx, h.wts) = (idx, w);
-        }
-        r
-    }
-
-    /// [`CudaBuffer::ht_dispatch_device`]'s checks of its inputs: their
-    /// sizes and alignments, then the routing read back into `idx` and `w`
-    /// and checked as host inputs are; the step's layout.
-    fn ht_device_routing(
-        &mut self,
-        inp: &DeviceInputs<'_>,
-        idx: &mut Vec<i64>,
-        w: &mut Vec<f32>,
-    ) -> Result<Layout, EpError> {
         let (cfg, rank) = (self.cfg, self.rank);
-        check_device_inputs(
+        let checked = check_device_inputs(
             rank,
             &cfg,
             inp.tokens,
             inp.x.into(),
             inp.topk_idx.into(),
             inp.topk_weights.into(),
-        )?;
-        self.current()?;
-        let n = inp.tokens * cfg.topk;
-        idx.resize(n, 0);
-        w.resize(n, 0.0);
-        if n > 0 {
-            let back = |what, e: gin_core::cuda::CudaError| EpError::ReadBack {
-                rank,
-                what,
-                source: Box::new(CoreError::from(e)),
-            };
-            inp.topk_idx.read(0, idx).map_err(|e| back("topk_idx", e))?;
-            inp.topk_weights
-                .read(0, w)
-                .map_err(|e| back("topk_weights", e))?;
-        }
-        let s = self.ht_state("ht_dispatch_device")?.s;
-        crate::ll::check_inputs(
-            rank,
-            &cfg,
-            &self.active,
-            s.l,
-            inp.tokens * cfg.hidden,
-            idx,
-            w,
         )
+        .and_then(|()| self.current());
+        match checked {
+            Ok(()) => self.ht_device_steps(&s, inp),
+            Err(e) => Err(self.ht_refuse(&s, e)),
+        }
     }
 
-    /// [`CudaBuffer::ht_dispatch_device`] after its checks: the step.
+    /// [`CudaBuffer::ht_dispatch_device`] after the host's checks of the
+    /// inputs' sizes: the step.
     fn ht_device_steps(
         &mut self,
         s: &Shape,
-        lay: &Layout,
         inp: &DeviceInputs<'_>,
     ) -> Result<CudaHtStep, EpError> {
-        self.st.begin(lay.tokens);
-        let plan = match self.ht_dispatch_steps(s, lay, Tokens::Device(inp)) {
+        self.st.begin(inp.tokens);
+        let plan = match self.ht_dispatch_steps(s, inp.tokens, Tokens::Device(inp)) {
             Ok(Notified::Plan(p)) => p,
             Ok(Notified::Refused(e)) => return Err(e),
             Err(e) => {
@@ -843,7 +929,7 @@ impl CudaBuffer<'_, '_> {
         }
         Ok(CudaHtStep {
             step: self.st.step,
-            tokens: lay.tokens,
+            tokens: inp.tokens,
             recv_prefix,
         })
     }
@@ -865,10 +951,12 @@ impl CudaBuffer<'_, '_> {
     fn ht_refuse(&mut self, s: &Shape, err: EpError) -> EpError {
         self.st.begin(0);
         let row = plan::refused_row(s, &self.active);
-        let r = self.current().and_then(|()| self.ht_exchange(&row, None));
+        let r = self
+            .current()
+            .and_then(|()| self.ht_exchange(s, Row::Host(&row), None));
         match r {
-            Ok((_, started)) => {
-                self.ht_exchanged(started);
+            Ok(()) => {
+                self.ht_exchanged();
                 err
             }
             Err(e) => {
@@ -880,15 +968,15 @@ impl CudaBuffer<'_, '_> {
 
     /// The count exchange (with this step's staging beside it), the plan,
     /// FP8 host tokens' quantisation and the dispatch kernel; the step's
-    /// plan, or a peer's refusal.
+    /// plan, or a refusal (a peer's, or of this rank's inputs on the GPU).
     fn ht_dispatch_steps(
         &mut self,
         s: &Shape,
-        lay: &Layout,
+        tokens: usize,
         x: Tokens<'_>,
     ) -> Result<Notified, EpError> {
         let t0 = std::time::Instant::now();
-        let (plan, payloads) = self.ht_notify(s, lay, x)?;
+        let (plan, payloads) = self.ht_notify(s, tokens, x)?;
         let notified = t0.elapsed();
         let plan = match plan {
             Notified::Plan(p) => p,
@@ -903,12 +991,12 @@ impl CudaBuffer<'_, '_> {
             // SAFETY: HtState::xbf holds t × hidden u16 (tokens ≤ t),
             // uploaded beside the notify kernel (waited for); the launch is
             // waited for.
-            unsafe { self.ht_quantize(s, lay.tokens, xbf, On::Wait)? };
+            unsafe { self.ht_quantize(s, tokens, xbf, On::Wait)? };
         }
         let quantised = t0.elapsed();
         self.ht_upload(&plan)?;
         let uploaded = t0.elapsed();
-        self.ht_launch_dispatch(s, lay.tokens, payloads)?;
+        self.ht_launch_dispatch(s, tokens, payloads)?;
         let us = |d: std::time::Duration| d.as_secs_f64() * 1e6;
         tracing::debug!(
             rank = self.rank,
@@ -917,6 +1005,7 @@ impl CudaBuffer<'_, '_> {
             tables_us = us(uploaded),
             dispatched_us = us(t0.elapsed()),
             in_place = matches!(payloads, Payloads::InPlace { .. }),
+            on_gpu = matches!(x, Tokens::Device(_)),
             "high-throughput dispatch on the host, from the staging's start"
         );
         self.st.dispatched_now();
@@ -924,9 +1013,10 @@ impl CudaBuffer<'_, '_> {
     }
 
     /// The count exchange: this rank's row to every active rank (the notify
-    /// kernel), every active rank's row read back; the step's plan, or a
-    /// peer's refusal, and where the dispatch kernel reads the payloads.
-    /// This step's staging is queued on the copy stream first
+    /// kernel; from GPU memory written by `ep_ht_layout` just before it on
+    /// the same stream), every active rank's row read back; the step's
+    /// plan, or a refusal, and where the dispatch kernel reads the
+    /// payloads. This step's staging is queued on the copy stream first
     /// ([`CudaBuffer::ht_stage`]) and runs beside the notify kernel, as
     /// does the upload of host inputs' tokens (a thread of its own:
     /// [`HostUpload`]); both are waited for before this returns, whatever
@@ -935,14 +1025,27 @@ impl CudaBuffer<'_, '_> {
     fn ht_notify(
         &mut self,
         s: &Shape,
-        lay: &Layout,
+        tokens: usize,
         x: Tokens<'_>,
     ) -> Result<(Notified, Payloads), EpError> {
-        use crate::ht::plan::{NRECV, XIN};
-        let row = plan::notify_row(s, lay, &self.active);
-        let width = 4 * row.len();
+        use crate::ht::plan::XIN;
+        let host_row = match x {
+            Tokens::Host(.., lay) => Some(plan::notify_row(s, lay, &self.active)),
+            Tokens::Device(_) => None,
+        };
+        let row = match (&host_row, x) {
+            (Some(row), _) => Row::Host(row),
+            (None, Tokens::Device(inp)) => Row::Device(inp),
+            (None, Tokens::Host(..)) => {
+                return Err(EpError::Mode {
+                    rank: self.rank,
+                    what: "ht_dispatch: host inputs without their notify row".into(),
+                });
+            }
+        };
+        let width = 4 * s.row_words();
         let t0 = std::time::Instant::now();
-        let staged = self.ht_stage(s, lay, x);
+        let staged = self.ht_stage(s, tokens, x);
         let issued = t0.elapsed();
         let exchanged = match &staged {
             Ok(_) => {
@@ -954,7 +1057,7 @@ impl CudaBuffer<'_, '_> {
                     }),
                     _ => None,
                 };
-                Some(self.ht_exchange(&row, up.as_ref()))
+                Some(self.ht_exchange(s, row, up.as_ref()))
             }
             // Not run: the staging's error is returned below.
             Err(_) => None,
@@ -975,14 +1078,19 @@ impl CudaBuffer<'_, '_> {
                 what: "ht_dispatch: staged without a count exchange".into(),
             });
         };
-        let (parity, started) = exchanged?;
+        exchanged?;
         synced.map_err(CoreError::from)?;
-        self.ht_exchanged(started);
-        let mut raw = vec![0u8; s.r * width];
-        self.wins[NRECV]
-            .local()
-            .read(parity * s.r * width, &mut raw)
-            .map_err(CoreError::from)?;
+        self.ht_exchanged();
+        if let Tokens::Device(_) = x
+            && let Some(e) = self.ht_laid_out()?
+        {
+            // This rank's own row went out refused: its peers end the step
+            // naming it, and it reports the entry, as ht_refuse does.
+            return Ok((Notified::Refused(e), payloads));
+        }
+        // This round's half of NRECV, as the notify kernel copied it into
+        // the pinned rows.
+        let raw = from_pinned(self.rank, &self.ht_state("ht_dispatch")?.rows, s.r * width)?;
         let notified = match notify_rows(s, self.rank, &self.active, &raw)? {
             Rows::Taken(rows) => Notified::Plan(Plan::new(s, self.active.clone(), &rows)),
             Rows::Refused(e) => Notified::Refused(e),
@@ -990,82 +1098,58 @@ impl CudaBuffer<'_, '_> {
         Ok((notified, payloads))
     }
 
+    /// After a count exchange whose row `ep_ht_layout` wrote: this rank's
+    /// own error where the kernel refused its inputs (its row went out
+    /// refused), the first bad entry named as the host's checks name it;
+    /// `None` where the row was real. The kernel ran before the notify
+    /// kernel on gin's stream, which was waited for.
+    fn ht_laid_out(&self) -> Result<Option<EpError>, EpError> {
+        let st = self.ht_state("ht_dispatch_device")?;
+        let mut w = [0u64; LayoutOut::WORDS];
+        for (i, v) in w.iter_mut().enumerate() {
+            *v = st
+                .lay_out
+                .atomic_u64(8 * i)
+                .map_err(CoreError::from)?
+                .load(std::sync::atomic::Ordering::Acquire);
+        }
+        Ok(LayoutOut::refusal(self.rank, &self.cfg, &w))
+    }
+
     /// Queues on the buffer's copy stream what the dispatch kernel reads of
-    /// this step's inputs, to run beside the notify kernel: the metadata
-    /// (`ep_ht_stage_meta` into MIN, from the top-k ids and weights where
-    /// they are, host inputs' staged in pinned memory, and the layout's
-    /// slots, staged there too) and, from GPU memory, the payloads: BF16
-    /// read in place by the dispatch kernel unless a destination is queued
-    /// ([`queued_destination`]: then copied into XIN, which such a put
-    /// reads as a window), FP8 quantised into XIN. Returns where the
-    /// dispatch kernel reads the payloads. The caller waits for the copy
-    /// stream before the dispatch kernel, and before it returns.
-    fn ht_stage(&mut self, s: &Shape, lay: &Layout, x: Tokens<'_>) -> Result<Payloads, EpError> {
-        use crate::ht::plan::{MIN, XIN};
-        let (rank, tokens) = (self.rank, lay.tokens);
-        let f = self.ht_functions()?.stage_meta;
-        let grid = self.grid((tokens * s.mm / 4).div_ceil(super::THREADS as usize));
-        let at = Pinned::of(s);
+    /// this step's inputs beside what the count exchange writes, to run
+    /// beside the notify kernel: for host inputs the metadata
+    /// (`ep_ht_stage_meta` into MIN, from the top-k ids and weights and the
+    /// layout's slots, staged in pinned memory); from GPU memory (whose
+    /// metadata `ep_ht_layout` writes on gin's stream) the payloads: BF16
+    /// read in place by the dispatch kernel unless a peer may be reached
+    /// through a queue ([`queued_destination`]: then copied into XIN, which
+    /// such a put reads as a window), FP8 quantised into XIN. Returns where
+    /// the dispatch kernel reads the payloads. The caller waits for the
+    /// copy stream before the dispatch kernel, and before it returns.
+    fn ht_stage(&mut self, s: &Shape, tokens: usize, x: Tokens<'_>) -> Result<Payloads, EpError> {
+        use crate::ht::plan::XIN;
+        let rank = self.rank;
         let st = self.ht.as_mut().ok_or(EpError::Mode {
             rank,
             what: "ht_dispatch: the buffer holds no high-throughput state".into(),
         })?;
-        // The previous step's staging kernel has read the pinned memory
-        // (every step waits for it; this is in case one did not get there).
+        // The previous step's staging has read the pinned memory and the
+        // caller's inputs (every step waits for it; this is in case one did
+        // not get there).
         st.copy.sync().map_err(CoreError::from)?;
         if tokens == 0 {
             return Ok(Payloads::Xin);
         }
-        to_pinned(
-            rank,
-            &mut st.pinned,
-            "host slots",
-            at.host_slot,
-            &lay.host_slot,
-        )?;
-        to_pinned(
-            rank,
-            &mut st.pinned,
-            "rank slots",
-            at.rank_slot,
-            &lay.rank_slot,
-        )?;
-        let pinned = st.pinned.dev();
-        let (idx, w) = match x {
-            Tokens::Host(_, idx, w) => {
-                to_pinned(rank, &mut st.pinned, "top-k ids", at.idx, idx)?;
-                to_pinned(rank, &mut st.pinned, "top-k weights", at.weights, w)?;
-                (pinned + at.idx as u64, pinned + at.weights as u64)
+        let inp = match x {
+            Tokens::Host(_, idx, w, lay) => {
+                self.ht_stage_host(s, tokens, idx, w, lay)?;
+                return Ok(Payloads::Xin);
             }
-            Tokens::Device(inp) => (inp.topk_idx.ptr(), inp.topk_weights.ptr()),
+            Tokens::Device(inp) => inp,
         };
-        let st = self.ht_state("ht_dispatch")?;
-        let args = [
-            Arg::Window(self.wins[MIN].abi()),
-            Arg::Ptr(idx),
-            Arg::Ptr(w),
-            Arg::Ptr(pinned + at.host_slot as u64),
-            Arg::Ptr(pinned + at.rank_slot as u64),
-            Arg::U32(Self::u32_of(tokens)),
-            Arg::Ptr(st.shape.ptr()),
-        ];
+        let st = self.ht_state("ht_dispatch_device")?;
         let copy = On::Queue(StreamRef::from(&st.copy));
-        // SAFETY: ep_ht_stage_meta(Window min, const i64* idx, const u32*
-        // wbits, const u32* host_slot, const u32* rank_slot, u32 tokens,
-        // const u32* shape) takes these in this order. It reads tokens × k
-        // i64 at idx and u32 at w (the caller's device inputs, sizes
-        // checked by check_device_inputs, borrowed until this call's
-        // caller waits for the copy stream; or host inputs' in the pinned
-        // staging, Pinned::of's parts for t ≥ tokens tokens), tokens × h
-        // and tokens × r u32 of the pinned slots, the shape words, and
-        // writes tokens × mm bytes of MIN (t × mm: ht::resources; the
-        // kernel checks it against MIN's size). The pinned memory is not
-        // written again before the stream is waited for (next step).
-        unsafe { go(&self.dc, f, copy, grid, &args) }
-            .map_err(|e| kernel_error(rank, "ht_stage_meta", e))?;
-        let Tokens::Device(inp) = x else {
-            return Ok(Payloads::Xin);
-        };
         if self.cfg.fp8 {
             // SAFETY: the caller's x holds tokens × hidden u16
             // (check_device_inputs), borrowed until the copy stream is
@@ -1074,7 +1158,7 @@ impl CudaBuffer<'_, '_> {
             return Ok(Payloads::Xin);
         }
         let n = tokens * s.p;
-        if queued_destination(s, rank, lay, &self.active, |p| self.dc.is_lsa(p)) {
+        if queued_destination(s, rank, &self.active, |p| self.dc.is_lsa(p)) {
             // SAFETY: XIN holds t × p bytes (ht::resources) and x at least
             // tokens × hidden BF16 = tokens × p bytes (check_device_inputs;
             // tokens ≤ t); no kernel reads or writes XIN until the dispatch
@@ -1090,27 +1174,145 @@ impl CudaBuffer<'_, '_> {
         })
     }
 
-    /// Runs the notify kernel with `row` as this rank's notify row and,
+    /// [`CudaBuffer::ht_stage`] for host inputs: their routing and the
+    /// layout's slots into the pinned staging, and `ep_ht_stage_meta`
+    /// queued on the copy stream (waited for by the caller).
+    fn ht_stage_host(
+        &mut self,
+        s: &Shape,
+        tokens: usize,
+        idx: &[i64],
+        w: &[f32],
+        lay: &Layout,
+    ) -> Result<(), EpError> {
+        use crate::ht::plan::MIN;
+        let rank = self.rank;
+        let f = self.ht_functions()?.stage_meta;
+        let grid = self.grid((tokens * s.mm / 4).div_ceil(super::THREADS as usize));
+        let at = Pinned::of(s);
+        let st = self.ht.as_mut().ok_or(EpError::Mode {
+            rank,
+            what: "ht_dispatch: the buffer holds no high-throughput state".into(),
+        })?;
+        to_pinned(
+            rank,
+            &mut st.pinned,
+            "host slots",
+            at.host_slot,
+            &lay.host_slot,
+        )?;
+        to_pinned(
+            rank,
+            &mut st.pinned,
+            "rank slots",
+            at.rank_slot,
+            &lay.rank_slot,
+        )?;
+        to_pinned(rank, &mut st.pinned, "top-k ids", at.idx, idx)?;
+        to_pinned(rank, &mut st.pinned, "top-k weights", at.weights, w)?;
+        let pinned = st.pinned.dev();
+        let st = self.ht_state("ht_dispatch")?;
+        let args = [
+            Arg::Window(self.wins[MIN].abi()),
+            Arg::Ptr(pinned + at.idx as u64),
+            Arg::Ptr(pinned + at.weights as u64),
+            Arg::Ptr(pinned + at.host_slot as u64),
+            Arg::Ptr(pinned + at.rank_slot as u64),
+            Arg::U32(Self::u32_of(tokens)),
+            Arg::Ptr(st.shape.ptr()),
+        ];
+        let copy = On::Queue(StreamRef::from(&st.copy));
+        // SAFETY: ep_ht_stage_meta(Window min, const i64* idx, const u32*
+        // wbits, const u32* host_slot, const u32* rank_slot, u32 tokens,
+        // const u32* shape) takes these in this order. It reads tokens × k
+        // i64 and u32 of the routing and tokens × h and tokens × r u32 of
+        // the slots in the pinned staging (Pinned::of's parts for t ≥
+        // tokens tokens), the shape words, and writes tokens × mm bytes of
+        // MIN (t × mm: ht::resources; the kernel checks it against MIN's
+        // size). The pinned memory is not written again before the stream
+        // is waited for (next step).
+        unsafe { go(&self.dc, f, copy, grid, &args) }
+            .map_err(|e| kernel_error(rank, "ht_stage_meta", e))
+    }
+
+    /// Queues `ep_ht_layout` on gin's stream (the notify kernel is launched
+    /// right after it there): from the caller's top-k ids and weights in
+    /// GPU memory, this rank's notify row into NSEND (refused where an
+    /// entry is bad) and the tokens' metadata into MIN; what the host reads
+    /// afterwards into [`HtState`]'s `lay_out`. `clock`: the launch clock,
+    /// reset, which the notify kernel shares.
+    fn ht_queue_layout(
+        &self,
+        s: &Shape,
+        inp: &DeviceInputs<'_>,
+        clock: u64,
+    ) -> Result<(), EpError> {
+        use crate::ht::plan::{MIN, NSEND};
+        let st = self.ht_state("ht_dispatch_device")?;
+        let f = self.ht_functions()?.layout;
+        let args = [
+            Arg::Window(self.wins[NSEND].abi()),
+            Arg::Window(self.wins[MIN].abi()),
+            Arg::Ptr(inp.topk_idx.ptr()),
+            Arg::Ptr(inp.topk_weights.ptr()),
+            Arg::U32(Self::u32_of(inp.tokens)),
+            Arg::Ptr(st.shape.ptr()),
+            Arg::Ptr(self.state.active.ptr()),
+            Arg::Ptr(st.lay_rec.ptr()),
+            Arg::Ptr(st.lay_out.dev()),
+            Arg::Ptr(clock),
+        ];
+        let grid = self.grid(s.r + s.h);
+        let gin = self.gin_stream();
+        // SAFETY: ep_ht_layout(Window nsend, Window min, const i64* idx,
+        // const u32* wbits, u32 tokens, const u32* shape, const u32*
+        // active, u64* rec, u64* out, u64* clock) takes these in this
+        // order. It reads tokens × k i64 and u32 of the caller's routing
+        // (sizes checked by check_device_inputs, borrowed until this call's
+        // caller has waited for gin's stream), the shape words and r u32 of
+        // active, writes one notify row into NSEND (4 × row words: its size,
+        // ht::resources) and tokens × mm bytes of MIN (t × mm; tokens ≤ t
+        // checked; the kernel checks both sizes too), the two u64 of
+        // lay_rec and LayoutOut::WORDS u64 of lay_out (pinned, mapped,
+        // read by the host only after the wait), clock 2 u64. Nothing else
+        // touches NSEND or MIN until the notify and dispatch kernels,
+        // queued after it on gin's stream.
+        unsafe { go(&self.dc, f, On::Queue(gin), grid, &args) }
+            .map_err(|e| kernel_error(self.rank, "ht_layout", e))
+    }
+
+    /// Runs the notify kernel with this rank's notify row (`row`: written
+    /// by the host, or by `ep_ht_layout` queued right before it) and,
     /// where given, the upload of host inputs' tokens beside it (a thread
-    /// of its own); the half of NRECV the rows went into (its parity) and
-    /// the kernel's start (GPU clock). The caller then calls
-    /// [`CudaBuffer::ht_exchanged`].
+    /// of its own); every rank's row is then in [`HtState`]'s pinned
+    /// `rows`. The step's launch clocks are reset first (the exchange's and
+    /// the dispatch kernel's, read after the dispatch kernel). The caller
+    /// then calls [`CudaBuffer::ht_exchanged`].
     fn ht_exchange(
         &self,
-        row: &[u32],
+        s: &Shape,
+        row: Row<'_>,
         up: Option<&HostUpload<'_>>,
-    ) -> Result<(usize, u64), EpError> {
+    ) -> Result<(), EpError> {
         use crate::ht::plan::NSEND;
-        let bytes: Vec<u8> = row.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let width = bytes.len();
+        let width = 4 * s.row_words();
         let st = self.ht_state("ht_dispatch")?;
         let parity = (st.rounds % 2) as usize;
-        let (shape, seen) = (st.shape.ptr(), st.seen.ptr());
-        self.wins[NSEND]
-            .local()
-            .write(0, &bytes)
+        let (shape, seen, rows) = (st.shape.ptr(), st.seen.ptr(), st.rows.dev());
+        st.clocks
+            .write(0, &[u64::MAX, 0, u64::MAX, 0])
             .map_err(CoreError::from)?;
-        let clock = self.clock_for(On::Wait)?;
+        let clock = st.clocks.ptr();
+        match row {
+            Row::Host(row) => {
+                let bytes: Vec<u8> = row.iter().flat_map(|v| v.to_le_bytes()).collect();
+                self.wins[NSEND]
+                    .local()
+                    .write(0, &bytes)
+                    .map_err(CoreError::from)?;
+            }
+            Row::Device(inp) => self.ht_queue_layout(s, inp, clock)?,
+        }
         let mut args = vec![Arg::DevComm(self.dc.abi())];
         args.extend(self.ht_windows());
         args.extend([
@@ -1120,6 +1322,7 @@ impl CudaBuffer<'_, '_> {
             Arg::Ptr(self.state.active.ptr()),
             Arg::Ptr(seen),
             Arg::Ptr(clock),
+            Arg::Ptr(rows),
         ]);
         let f = self.ht_functions()?.notify;
         let dev = self.cuda.device();
@@ -1135,13 +1338,17 @@ impl CudaBuffer<'_, '_> {
                     .spawn_scoped(sc, move || up.upload(dev))
             });
             // SAFETY: ep_ht_notify(DevComm, 12 Windows, u32 width, u32 parity,
-            // const u32* shape, const u32* active, u64* seen, u64* clock) takes
-            // these in this order. It puts `width` bytes of NSEND (its size:
-            // ht::resources, 4 × row words) to each active rank's NRECV at
-            // (parity × r + rank) × width (2 × r × width bytes), reads shape
-            // (SHAPE_WORDS u32), active (r u32) and the notify entries of seen
-            // (context 0: r u64 of chans × signals) and clock (2 u64): the sizes
-            // HtState::new and State::new allocated. gin's stream, waited for.
+            // const u32* shape, const u32* active, u64* seen, u64* clock, u32*
+            // rows) takes these in this order. It puts `width` bytes of NSEND
+            // (its size: ht::resources, 4 × row words) to each active rank's
+            // NRECV at (parity × r + rank) × width (2 × r × width bytes), reads
+            // shape (SHAPE_WORDS u32), active (r u32) and the notify entries of
+            // seen (context 0: r u64 of chans × signals), writes clock (the
+            // first 2 u64 of HtState's clocks) and r × width bytes of rows
+            // (HtState's pinned rows, that size, not read by the host until
+            // this launch has finished): the sizes HtState::new and State::new
+            // allocated. gin's stream, waited for (with ep_ht_layout before
+            // it there, where queued).
             let r = unsafe { go(&self.dc, f, On::Wait, 1, &args) };
             kernel_us = t0.elapsed().as_secs_f64() * 1e6;
             (
@@ -1160,29 +1367,69 @@ impl CudaBuffer<'_, '_> {
             rank = self.rank,
             notify_us = kernel_us,
             with_upload_us = t0.elapsed().as_secs_f64() * 1e6,
-            "high-throughput count exchange: the notify kernel's launch to its end, and to the upload's end"
+            laid_out_on_gpu = matches!(row, Row::Device(_)),
+            "high-throughput count exchange: the launch of the notify kernel (and of ep_ht_layout before it, from GPU memory) to its end, and to the upload's end"
         );
-        let started = read_clock(&self.state.clock)?.start_ns;
-        Ok((parity, started))
+        Ok(())
     }
 
     /// A count exchange ended (whatever its rows said): the next one's rows
-    /// go into the other half; `started`, the notify kernel's start, is
-    /// where the dispatch's clock starts.
-    fn ht_exchanged(&mut self, started: u64) {
+    /// go into the other half.
+    fn ht_exchanged(&mut self) {
         if let Some(h) = self.ht.as_mut() {
             h.rounds += 1;
-            h.notify_start = started;
         }
     }
 
-    /// Writes the plan's table to GPU memory.
-    fn ht_upload(&self, plan: &Plan) -> Result<(), EpError> {
+    /// Writes the plan's table into the pinned staging and queues its copy
+    /// to GPU memory (`ep_ht_copy_words`) on gin's stream, where the
+    /// dispatch kernel is launched next: nothing waits for it here.
+    fn ht_upload(&mut self, plan: &Plan) -> Result<(), EpError> {
+        let rank = self.rank;
+        let words = plan.tables();
+        let st = self.ht.as_mut().ok_or(EpError::Mode {
+            rank,
+            what: "ht_dispatch: the buffer holds no high-throughput state".into(),
+        })?;
+        // The previous step's copy has run: gin's stream was waited for
+        // since (its dispatch, and this step's notify kernel).
+        to_pinned(rank, &mut st.tables_pin, "plan table", 0, &words)?;
         let st = self.ht_state("ht_dispatch")?;
-        st.tables
-            .write(0, &plan.tables())
-            .map_err(CoreError::from)?;
-        Ok(())
+        let n = words.len();
+        if 4 * n > st.tables.len() {
+            return Err(EpError::Mode {
+                rank,
+                what: format!(
+                    "ht_dispatch: a plan table of {n} words exceeds its {} bytes",
+                    st.tables.len()
+                ),
+            });
+        }
+        let args = [
+            Arg::Ptr(st.tables_pin.dev()),
+            Arg::Ptr(st.tables.ptr()),
+            Arg::U32(Self::u32_of(n)),
+        ];
+        let f = self.ht_functions()?.copy_words;
+        let grid = self.grid(n.div_ceil(super::THREADS as usize));
+        // SAFETY: ep_ht_copy_words(const u32* src, u32* dst, u32 n) takes
+        // these in this order; it reads n u32 of the pinned table (written
+        // above, that size: to_pinned checked it against the allocation)
+        // and writes n u32 of tables (checked above). The pinned table is
+        // not written again before gin's stream is waited for (the dispatch
+        // kernel, launched next on it, is waited for).
+        unsafe { go(&self.dc, f, On::Queue(self.gin_stream()), grid, &args) }
+            .map_err(|e| kernel_error(rank, "ht_copy_words", e))
+    }
+
+    /// Gin's stream, where [`go`] with [`On::Wait`] launches: work queued
+    /// on it runs before the next waited launch.
+    fn gin_stream(&self) -> StreamRef<'static> {
+        // SAFETY: the stream gin's `run` launches on (context_info), alive
+        // as long as this buffer's communicator; the result is used only
+        // for launches within a call on this buffer, whose communicator
+        // outlives it.
+        unsafe { StreamRef::from_raw(self.cuda.context_info().stream) }
     }
 
     /// FP8: quantises the BF16 tokens at `xbf` (the uploaded staging, or
@@ -1244,7 +1491,10 @@ impl CudaBuffer<'_, '_> {
             Payloads::Xin => (0, 0),
             Payloads::InPlace { ptr, bytes } => (ptr, bytes),
         };
-        let clock = self.clock_for(On::Wait)?;
+        // The dispatch kernel's pair of the step's clocks (reset with the
+        // exchange's).
+        let clocks = st.clocks.ptr();
+        let clock = clocks + 16;
         let mut args = vec![Arg::DevComm(self.dc.abi())];
         args.extend(self.ht_windows());
         args.push(Arg::U32(Self::u32_of(tokens)));
@@ -1272,16 +1522,22 @@ impl CudaBuffer<'_, '_> {
         // slot < t, local rank: r × t × l u32), and the chans × signals
         // entries of seen and chans × lane_words of lane that HtState::new
         // allocated; err and errh hold Record::BYTES (8 u64: the record's two
-        // slots of 4), clock 2. gin's stream,
-        // waited for.
+        // slots of 4), clock 2 (the last two of HtState's 4 clocks). gin's
+        // stream (after the plan table's copy queued there), waited for.
         let r = unsafe { go(&self.dc, f, On::Wait, grid, &args) };
         self.launched(On::Wait, "ht_dispatch", r)?;
-        let ended = read_clock(&self.state.clock)?;
-        self.last_dispatch_kernel = ended;
-        let start_ns = self.ht.as_ref().map_or(ended.start_ns, |h| h.notify_start);
+        let mut c = [0u64; 4];
+        self.ht_state("ht_dispatch")?
+            .clocks
+            .read(0, &mut c)
+            .map_err(CoreError::from)?;
+        self.last_dispatch_kernel = super::KernelClock {
+            start_ns: c[2],
+            end_ns: c[3],
+        };
         self.last.0 = super::KernelClock {
-            start_ns,
-            end_ns: ended.end_ns,
+            start_ns: c[0],
+            end_ns: c[3],
         };
         self.poll()
     }
@@ -1673,5 +1929,7 @@ pub struct HtDeviceLayout {
     pub fp8: bool,
 }
 
+#[cfg(test)]
+mod layout_tests;
 #[cfg(test)]
 mod tests;

@@ -731,6 +731,13 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
                 // The kernels take CGET's rows from this size (local_size).
                 let cget = wins[crate::ht::CGET].local().len();
                 ht::check_cget(&cfg, rank, l, cget, &direct)?;
+                // The notify kernel's rows (NRECV's two halves) and row.
+                ht::check_notify_windows(
+                    &s,
+                    rank,
+                    wins[crate::ht::plan::NSEND].local().len(),
+                    wins[crate::ht::plan::NRECV].local().len(),
+                )?;
                 Some(ht::HtState::new(s, rank, &cfg, &direct)?)
             }
             None => None,
@@ -809,9 +816,11 @@ impl<'a, 'c> CudaBuffer<'a, 'c> {
     }
 
     /// When the last dispatch and combine kernels ran on the GPU (in
-    /// high-throughput mode the dispatch's clock runs from the notify
-    /// kernel's start to the dispatch kernel's end: the host's plan between
-    /// them counts, as DeepEP's CPU sync does).
+    /// high-throughput mode the dispatch's clock runs from the count
+    /// exchange's start, that is the notify kernel's for host inputs and
+    /// `ep_ht_layout`'s, queued right before it, for inputs in GPU memory,
+    /// to the dispatch kernel's end: the host's plan between them counts,
+    /// as DeepEP's CPU sync does).
     pub fn last_kernels(&self) -> (KernelClock, KernelClock) {
         self.last
     }

@@ -17,7 +17,7 @@ use crate::ht::plan::{RINGM, RINGX, RUN, STAGE, XIN, forwarder};
 use crate::num::quantize_fp8;
 
 #[path = "../../../tests/common/mod.rs"]
-mod common;
+pub(super) mod common;
 
 /// NVRTC compiles the high-throughput kernels (with the low-latency ones
 /// before them, as `CudaBuffer::new` does) for Hopper and Ampere. Skipped
@@ -39,6 +39,8 @@ fn every_ht_kernel_is_defined() {
         "ep_ht_combine",
         "ep_ht_quantize",
         "ep_ht_stage_meta",
+        "ep_ht_layout",
+        "ep_ht_copy_words",
     ] {
         let want = format!("extern \"C\" __global__ void __launch_bounds__(EP_THREADS) {name}(");
         assert!(HT_KERNELS.lines().any(|l| l.starts_with(&want)), "{name}");
@@ -367,40 +369,23 @@ fn staged_metadata_is_the_cpu_ranks() {
     assert_eq!(w.to_bits(), want_w.to_bits());
 }
 
-/// A dispatch from GPU memory reads the caller's tokens in place unless a
-/// destination its payloads go to is queued: a rank of its host that
-/// receives any of its tokens, or any active rank of a host it sends to
-/// (the forwarder is chosen by the plan, after the count exchange).
+/// A dispatch from GPU memory reads the caller's tokens in place unless
+/// another active rank may be reached through a queue (which ranks receive
+/// or forward its tokens the layout on the GPU and the plan decide, after
+/// the copy is queued): a masked rank, or the rank itself, does not count.
 #[test]
-fn tokens_are_copied_into_xin_only_for_a_queued_destination() {
-    // 2 hosts of 2; rank 0 sends to ranks 1 and 2 only (host 1's forwarder
-    // for it is rank 2, or rank 3 if 2 is masked).
-    let (cfg, s) = shape(4, 2, 2);
+fn tokens_are_copied_into_xin_only_where_a_peer_may_be_queued() {
+    let (_, s) = shape(4, 2, 2);
     let active = vec![true; 4];
-    // Experts 2 per rank: 2..4 on rank 1, 4..6 on rank 2.
-    let idx = [2i64, 4, 3, 5];
-    let lay = Layout::new(0, &idx, cfg.topk, cfg.num_experts, &active, 2).unwrap();
-    assert_eq!(lay.tokens_per_rank, [0, 2, 2, 0]);
-    let q = |lsa: &[usize], active: &[bool]| {
-        queued_destination(&s, 0, &lay, active, |p| lsa.contains(&p))
-    };
+    let q =
+        |lsa: &[usize], active: &[bool]| queued_destination(&s, 0, active, |p| lsa.contains(&p));
     assert!(!q(&[0, 1, 2, 3], &active), "every peer load/store");
-    assert!(q(&[0, 2, 3], &active), "rank 1 receives, queued");
-    assert!(q(&[0, 1, 2], &active), "host 1's rank 3 may forward");
-    assert!(q(&[0, 1], &active), "host 1 by the proxy");
+    assert!(!q(&[1, 2, 3], &active), "rank 0 itself is never queued");
+    assert!(q(&[0, 2, 3], &active), "rank 1 queued");
+    assert!(q(&[0, 1, 2], &active), "host 1's rank 3 queued");
     let mut masked = active.clone();
     masked[3] = false;
-    assert!(
-        !q(&[0, 1, 2], &masked),
-        "rank 3 masked: it forwards nothing"
-    );
-    // Nothing to host 1: its reach does not matter.
-    let own = [1i64, 2, 3, 0];
-    let lay = Layout::new(0, &own, cfg.topk, cfg.num_experts, &active, 2).unwrap();
-    assert_eq!(lay.tokens_per_host, [2, 0]);
-    assert!(!queued_destination(&s, 0, &lay, &active, |p| p < 2));
-    // Rank 0 itself is never a queued destination.
-    assert!(!queued_destination(&s, 0, &lay, &active, |p| p == 1));
+    assert!(!q(&[0, 1, 2], &masked), "rank 3 masked: it gets nothing");
 }
 
 /// The payloads go up as the caller's BF16 bytes, which are the CPU ranks'
@@ -1002,6 +987,48 @@ fn cget_sized_by_fetches_and_checked() {
             EpError::Config {
                 rank: 1,
                 value: 1,
+                ..
+            }
+        ),
+        "{e}"
+    );
+}
+
+/// NSEND and NRECV as `ht::resources` sizes them pass the check at the
+/// buffer's creation; a byte short of one row (NSEND) or of both halves'
+/// rows (NRECV, where the notify kernel would copy an earlier round's rows
+/// for the host) is refused naming the window, the rank and its size.
+#[test]
+fn notify_windows_hold_their_rows() {
+    let cfg = Config::high_throughput(128, 8, 8, 2);
+    let s = Shape::of(&cfg, 4, 2);
+    let ids: Vec<Vec<u8>> = ["a", "a", "b", "b"]
+        .iter()
+        .map(|h| h.as_bytes().to_vec())
+        .collect();
+    let (_, _, sizes) = crate::ht::resources(&cfg, 3, &crate::Hosts::from_ids(&ids)).unwrap();
+    let (nsend, nrecv) = (sizes[NSEND], sizes[NRECV]);
+    assert!(check_notify_windows(&s, 3, nsend, nrecv).is_ok());
+    let width = 4 * s.row_words();
+    assert_eq!((nsend, nrecv), (width, 2 * s.r * width));
+    let e = check_notify_windows(&s, 3, width - 1, nrecv).unwrap_err();
+    assert!(
+        matches!(e, EpError::Config { rank: 3, field: "NSEND bytes", value, .. } if value == width - 1),
+        "{e}"
+    );
+    // One half only: the host would read the other round's rows.
+    let e = check_notify_windows(&s, 3, nsend, s.r * width).unwrap_err();
+    assert!(
+        matches!(e, EpError::Config { rank: 3, field: "NRECV bytes", value, .. } if value == s.r * width),
+        "{e}"
+    );
+    let e = check_notify_windows(&s, 2, nsend, nrecv - 1).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            EpError::Config {
+                rank: 2,
+                field: "NRECV bytes",
                 ..
             }
         ),
