@@ -285,30 +285,13 @@ fn rank_main(args: &PingPongArgs) -> Result<()> {
 }
 
 /// Collective: one `ucp_put_lat` run between ranks 0 and 1 (the server
-/// beside rank 1 listens before the barrier, the client beside rank 0
-/// runs after it); rank 0 returns the median half round trip, µs.
+/// beside rank 1 listens before the run's collective, the client beside
+/// rank 0 runs after it); rank 0 returns the median half round trip, µs.
 fn ucx_lat(
     perf: &crate::ucxfloor::UcxPerf,
     comm: &Comm,
     size: u64,
-    (warm, iters): (usize, usize),
+    counts: (usize, usize),
 ) -> Result<f64> {
-    let r = comm.rank();
-    let mut server = if r == 1 { Some(perf.serve()?) } else { None };
-    comm.bootstrap().barrier()?;
-    let us = if r == 0 {
-        perf.client(crate::ucxfloor::Test::PutLat, size, warm, iters)?
-    } else {
-        f64::NAN
-    };
-    if let Some(s) = &mut server {
-        let (status, _, err) = s.finish()?;
-        if !status.success() {
-            bail!(
-                "rank 1: the ucx_perftest server failed ({status}): {}",
-                err.trim()
-            );
-        }
-    }
-    Ok(us)
+    perf.run(comm, crate::ucxfloor::Test::PutLat, size, counts)
 }

@@ -425,32 +425,17 @@ pub fn rank_main(common: &crate::common::Common, points: &[Point]) -> Result<()>
 }
 
 /// One ucx floor run on rank 0 or 1 (the caller's only collective is the
-/// barrier here, as for the other floors): the server beside rank 1 listens
-/// before it, the client beside rank 0 runs `ucp_put_bw` after it with
-/// `-O` = the window. Rank 0 returns the run's µs (per put times the
-/// messages of one direction); rank 1 returns 0, so a bidirectional run's
-/// floor is the one-way time ([`crate::ucxfloor`] says why that bounds it).
+/// run's allgather here, as the other floors' barrier): the server beside
+/// rank 1 listens before it, the client beside rank 0 runs `ucp_put_bw`
+/// after it with `-O` = the window. Rank 0 returns the run's µs (per put
+/// times the messages of one direction); rank 1 returns 0, so a
+/// bidirectional run's floor is the one-way time ([`crate::ucxfloor`] says
+/// why that bounds it).
 fn ucx_stream(perf: &crate::ucxfloor::UcxPerf, comm: &Comm, st: &Stream) -> Result<f64> {
-    let r = comm.rank();
-    let mut server = if r == 1 { Some(perf.serve()?) } else { None };
-    comm.bootstrap().barrier()?;
-    let us = if r == 0 {
-        let n = st.messages();
-        let test = crate::ucxfloor::Test::PutBw {
-            outstanding: st.window,
-        };
-        perf.client(test, st.size, (n / 10).max(st.window), n)? * n as f64
-    } else {
-        0.0
+    let n = st.messages();
+    let test = crate::ucxfloor::Test::PutBw {
+        outstanding: st.window,
     };
-    if let Some(s) = &mut server {
-        let (status, _, err) = s.finish()?;
-        if !status.success() {
-            bail!(
-                "rank 1: the ucx_perftest server failed ({status}): {}",
-                err.trim()
-            );
-        }
-    }
-    Ok(us)
+    let us = perf.run(comm, test, st.size, ((n / 10).max(st.window), n))?;
+    Ok(if comm.rank() == 0 { us * n as f64 } else { 0.0 })
 }

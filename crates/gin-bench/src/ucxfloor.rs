@@ -9,6 +9,14 @@
 //! `ucp_put_bw`). Each child inherits the spawning rank thread's CPU
 //! binding, so the floor runs where the rank runs.
 //!
+//! The server's port is picked afresh for each run, just before the server
+//! starts, and sent to rank 0 in the run's one collective. A server that
+//! exits before listening (its port taken meanwhile by another process on a
+//! shared machine: seen once as exit status 255) is started again on a
+//! fresh port, up to [`SERVE_ATTEMPTS`] times; the error after the last
+//! names every port tried and what each server printed, and reaches rank 0
+//! too, which would otherwise wait for a server that never came.
+//!
 //! The children also get the tcp segment sizes gin-net's contexts set
 //! (`gin_net::ucx::TCP_SEGMENTS`, unless the environment sets its own), so
 //! the floor and the ranks run UCX's tcp with one configuration.
@@ -48,15 +56,16 @@ pub enum Test {
     },
 }
 
-/// Where `ucx_perftest` and its libraries are, and where rank 1 listens.
+/// How many fresh ports rank 1 tries before the floor fails.
+pub const SERVE_ATTEMPTS: usize = 4;
+
+/// Where `ucx_perftest` and its libraries are, and rank 1's address.
 #[derive(Debug, Clone)]
 pub struct UcxPerf {
     bin: PathBuf,
     libdir: Option<PathBuf>,
     /// Rank 1's bootstrap address (the client connects there).
     server_ip: String,
-    /// Rank 1's port for the server, picked at set-up.
-    port: u16,
     timeout: Duration,
 }
 
@@ -91,22 +100,14 @@ pub fn locate() -> Result<(PathBuf, Option<PathBuf>), String> {
 }
 
 /// Collective over every rank: finds the tool on ranks 0 and 1 and rank
-/// 1's address and port. Fails on every rank, saying why, when rank 0 or 1
-/// lacks the tool: a ucx figure without its floor is not reported.
+/// 1's address. Fails on every rank, saying why, when rank 0 or 1 lacks
+/// the tool: a ucx figure without its floor is not reported.
 pub fn setup(comm: &Comm) -> Result<UcxPerf> {
     let r = comm.rank();
     let found = if r <= 1 { locate() } else { Err(String::new()) };
-    let port = if r == 1 {
-        // A free port now; the server binds it (SO_REUSEADDR) for each run.
-        std::net::TcpListener::bind(("0.0.0.0", 0))?
-            .local_addr()?
-            .port()
-    } else {
-        0
-    };
     let ip = comm.bootstrap().listen_addr().ip().to_string();
     let mine = match (&found, r) {
-        (Ok(_), 0 | 1) => format!("ok {ip} {port}"),
+        (Ok(_), 0 | 1) => format!("ok {ip}"),
         (Err(why), 0 | 1) => format!("rank {r}: {why}"),
         _ => String::new(),
     };
@@ -118,11 +119,6 @@ pub fn setup(comm: &Comm) -> Result<UcxPerf> {
     }
     let mut f = t1.split_whitespace().skip(1);
     let server_ip = f.next().context("rank 1 sent no address")?.to_owned();
-    let port = f
-        .next()
-        .context("rank 1 sent no port")?
-        .parse::<u16>()
-        .context("rank 1 sent a bad port")?;
     let (bin, libdir) = match found {
         Ok(f) => f,
         // Ranks past 1 never run the tool.
@@ -132,7 +128,6 @@ pub fn setup(comm: &Comm) -> Result<UcxPerf> {
         bin,
         libdir,
         server_ip,
-        port,
         timeout: comm.timeout(),
     })
 }
@@ -163,11 +158,73 @@ impl UcxPerf {
         c
     }
 
-    /// Rank 1: starts the server and returns once it listens.
-    pub fn serve(&self) -> Result<Server> {
+    /// Collective over every rank: one run of `test` between rank 0 and
+    /// rank 1. The server beside rank 1 listens before the run's collective
+    /// (an allgather carrying its port, or why it could not start), the
+    /// client beside rank 0 runs after it. Rank 0 returns the client's µs
+    /// per half round trip (latency) or per put (bandwidth); other ranks
+    /// NaN. A server that could not start fails ranks 0 and 1 alike.
+    pub fn run(
+        &self,
+        comm: &Comm,
+        test: Test,
+        size: u64,
+        (warm, iters): (usize, usize),
+    ) -> Result<f64> {
+        let r = comm.rank();
+        let (mut server, mine) = match r {
+            1 => match self.serve() {
+                Ok(s) => {
+                    let port = s.port;
+                    (Some(s), format!("ok {port}"))
+                }
+                Err(e) => (None, format!("{e:#}")),
+            },
+            _ => (None, String::new()),
+        };
+        let all = comm.bootstrap().allgather(mine.as_bytes())?;
+        let t1 = String::from_utf8_lossy(all.get(1).map_or(&[][..], |v| v)).into_owned();
+        let port = match t1.strip_prefix("ok ").map(str::parse::<u16>) {
+            Some(Ok(p)) => p,
+            _ if r <= 1 => bail!("the ucx floor could not run: {t1}"),
+            _ => return Ok(f64::NAN),
+        };
+        let us = if r == 0 {
+            self.client(port, test, size, warm, iters)?
+        } else {
+            f64::NAN
+        };
+        if let Some(s) = &mut server {
+            let (status, _, err) = s.finish()?;
+            if !status.success() {
+                bail!(
+                    "rank 1: the ucx_perftest server failed ({status}): {}",
+                    err.trim()
+                );
+            }
+        }
+        Ok(us)
+    }
+
+    /// Rank 1: starts the server on a fresh port and returns once it
+    /// listens, trying [`SERVE_ATTEMPTS`] fresh ports while servers exit
+    /// before listening.
+    fn serve(&self) -> Result<Server> {
+        let fresh = || -> Result<u16> {
+            // A free port now; the server binds it (SO_REUSEADDR) at once.
+            Ok(std::net::TcpListener::bind(("0.0.0.0", 0))?
+                .local_addr()?
+                .port())
+        };
+        on_fresh_ports(SERVE_ATTEMPTS, fresh, |port| self.serve_on(port))
+    }
+
+    /// One attempt: the server on `port`, listening, or how it exited
+    /// before it listened.
+    fn serve_on(&self, port: u16) -> Result<Started<Server>> {
         let child = self
             .command()
-            .args(["-p", &self.port.to_string()])
+            .args(["-p", &port.to_string()])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -176,33 +233,34 @@ impl UcxPerf {
         let mut server = Server {
             child: Some(child),
             limit: self.timeout + Duration::from_secs(600),
+            port,
         };
         let start = Instant::now();
-        while !listening(self.port) {
-            if let Some(st) = server.try_exit()? {
-                bail!("rank 1: the ucx_perftest server exited before listening ({st})");
+        while !listening(port) {
+            if server.try_exit()?.is_some() {
+                let (status, _, err) = server.finish()?;
+                return Ok(Started::Exited(format!("{status}: {}", err.trim())));
             }
             if start.elapsed() > self.timeout {
                 bail!(
-                    "rank 1: the ucx_perftest server did not listen on port {} within {:?}",
-                    self.port,
+                    "rank 1: the ucx_perftest server did not listen on port {port} within {:?}",
                     self.timeout
                 );
             }
             // Polling a child that has no readiness signal but its socket.
             std::thread::sleep(Duration::from_millis(2));
         }
-        Ok(server)
+        Ok(Started::Listening(server))
     }
 
     /// Rank 0: runs the client; µs per half round trip (latency) or per put
     /// (bandwidth).
-    pub fn client(&self, test: Test, size: u64, warm: usize, iters: usize) -> Result<f64> {
+    fn client(&self, port: u16, test: Test, size: u64, warm: usize, iters: usize) -> Result<f64> {
         let mut c = self.command();
         c.args([
             self.server_ip.as_str(),
             "-p",
-            &self.port.to_string(),
+            &port.to_string(),
             "-s",
             &size.to_string(),
             "-n",
@@ -226,6 +284,7 @@ impl UcxPerf {
         let mut run = Server {
             child: Some(child),
             limit: self.timeout + Duration::from_secs(600),
+            port,
         };
         let (status, out, err) = run.finish()?;
         if !status.success() {
@@ -238,6 +297,40 @@ impl UcxPerf {
             format!("rank 0: ucx_perftest {test:?} at {size} B printed no result: {out}{err}")
         })
     }
+}
+
+/// How one attempt to start a server ended.
+#[derive(Debug)]
+enum Started<S> {
+    /// It listens.
+    Listening(S),
+    /// It exited before listening: its status and what it printed.
+    Exited(String),
+}
+
+/// Starts a server on a fresh port from `fresh` until one listens, at most
+/// `attempts` times (another process may take a port between its choice
+/// and the server's bind). Fails at once on an error of `fresh` or
+/// `start`; after `attempts` early exits, names every port and how its
+/// server exited.
+fn on_fresh_ports<S>(
+    attempts: usize,
+    mut fresh: impl FnMut() -> Result<u16>,
+    mut start: impl FnMut(u16) -> Result<Started<S>>,
+) -> Result<S> {
+    let mut exits = Vec::new();
+    for _ in 0..attempts.max(1) {
+        let port = fresh().context("rank 1: choosing a port for the ucx_perftest server")?;
+        match start(port)? {
+            Started::Listening(s) => return Ok(s),
+            Started::Exited(why) => exits.push(format!("port {port}: {why}")),
+        }
+    }
+    bail!(
+        "rank 1: the ucx_perftest server exited before listening on each of {} fresh ports ({})",
+        exits.len(),
+        exits.join("; ")
+    )
 }
 
 /// Whether something listens on TCP `port` here (`/proc/net/tcp{,6}`).
@@ -281,6 +374,8 @@ pub fn parse(out: &str, test: Test) -> Option<f64> {
 pub struct Server {
     child: Option<Child>,
     limit: Duration,
+    /// The port it was started with.
+    port: u16,
 }
 
 impl Server {
@@ -346,5 +441,73 @@ mod tests {
         assert_eq!(parse(fin, Test::PutLat), Some(6.005));
         assert_eq!(parse("+---+\n| x |\n", Test::PutLat), None);
         assert_eq!(parse("", Test::PutLat), None);
+    }
+
+    /// A server that exits before listening (its port taken meanwhile) is
+    /// started again on a fresh port; the first to listen is kept.
+    #[test]
+    fn a_server_that_exits_before_listening_is_retried_on_a_fresh_port() {
+        let mut ports = 40000..;
+        let mut tried = Vec::new();
+        let got = on_fresh_ports(
+            SERVE_ATTEMPTS,
+            || Ok(ports.next().unwrap()),
+            |port| {
+                tried.push(port);
+                Ok(if port < 40002 {
+                    Started::Exited("exit status: 255: bind failed".into())
+                } else {
+                    Started::Listening(port)
+                })
+            },
+        )
+        .unwrap();
+        assert_eq!(got, 40002);
+        assert_eq!(tried, [40000, 40001, 40002]);
+    }
+
+    /// After as many early exits as attempts, the error names each port
+    /// and how its server exited; nothing more is started.
+    #[test]
+    fn servers_exiting_on_every_port_fail_naming_each() {
+        let mut ports = 50000..;
+        let mut started = 0;
+        let e = on_fresh_ports(
+            3,
+            || Ok(ports.next().unwrap()),
+            |port| {
+                started += 1;
+                Ok(Started::<()>::Exited(format!(
+                    "exit status: 255: no {port}"
+                )))
+            },
+        )
+        .unwrap_err()
+        .to_string();
+        assert_eq!(started, 3);
+        assert_eq!(
+            e,
+            "rank 1: the ucx_perftest server exited before listening on each of 3 fresh ports \
+             (port 50000: exit status: 255: no 50000; port 50001: exit status: 255: no 50001; \
+             port 50002: exit status: 255: no 50002)"
+        );
+    }
+
+    /// An error that is not an early exit (the tool cannot be started) is
+    /// not retried.
+    #[test]
+    fn an_error_starting_the_server_is_not_retried() {
+        let mut started = 0;
+        let e = on_fresh_ports(
+            3,
+            || Ok(1),
+            |_| -> Result<Started<()>> {
+                started += 1;
+                bail!("starting ucx_perftest: no such file")
+            },
+        )
+        .unwrap_err();
+        assert_eq!(started, 1);
+        assert!(e.to_string().contains("no such file"), "{e}");
     }
 }

@@ -415,7 +415,9 @@ mod tests {
     use crate::ring::{Ring, RingMem};
     use crate::testing::Fake;
 
-    fn started(ring: &Arc<Ring>) -> Driver {
+    /// An engine over one ring (context 0, peer 1) and a fake executor
+    /// with window 1 of 64 bytes on each of two ranks.
+    fn engine(ring: &Arc<Ring>) -> (Engine<Fake>, Fake) {
         let mut fake = Fake::new(0, 1);
         fake.add_window(1, &[64, 64]);
         fake.attach(0, ring.clone());
@@ -430,15 +432,28 @@ mod tests {
             batch: 4,
             counter_slots: 1,
         };
+        (Engine::new(config, vec![spec]), fake)
+    }
+
+    fn started(ring: &Arc<Ring>) -> Driver {
         Driver::start(
             "gin-proxy-test".into(),
             0,
-            (Engine::new(config, vec![spec]), fake),
+            engine(ring),
             IdlePolicy::cpu(Duration::from_micros(100)),
             Arc::default(),
             Duration::from_secs(10),
         )
         .unwrap()
+    }
+
+    /// A driver with no thread over `engine(ring)`: only the test's
+    /// `try_step_rings` calls step it. Returns the backend's first error
+    /// too.
+    fn parked(ring: &Arc<Ring>) -> (Driver, Shared<Fake>, Arc<FirstError>) {
+        let error = Arc::new(FirstError::default());
+        let (driver, shared) = Driver::parked("gin-proxy-test".into(), engine(ring), error.clone());
+        (driver, shared, error)
     }
 
     fn put(i: u64) -> Desc {
@@ -477,26 +492,7 @@ mod tests {
     #[test]
     fn a_producer_steps_only_a_free_engine_and_nothing_after_a_failure() {
         let ring = Arc::new(Ring::new(3));
-        let mut fake = Fake::new(0, 1);
-        fake.add_window(1, &[64, 64]);
-        fake.attach(0, ring.clone());
-        let spec = RingSpec {
-            ctx: 0,
-            peer: 1,
-            mem: RingMem::owned(ring.clone()),
-            first: 0,
-        };
-        let config = EngineConfig {
-            rank: 0,
-            batch: 4,
-            counter_slots: 1,
-        };
-        let error = Arc::new(FirstError::default());
-        let (driver, shared) = Driver::parked(
-            "gin-proxy-test".into(),
-            (Engine::new(config, vec![spec]), fake),
-            error.clone(),
-        );
+        let (driver, shared, error) = parked(&ring);
         let seq = ring.reserve();
         ring.write(seq, &put(0));
         {
@@ -537,26 +533,7 @@ mod tests {
     #[test]
     fn a_panic_inside_a_step_fails_the_backend_and_nothing_runs_again() {
         let ring = Arc::new(Ring::new(3));
-        let mut fake = Fake::new(0, 1);
-        fake.add_window(1, &[64, 64]);
-        fake.attach(0, ring.clone());
-        let spec = RingSpec {
-            ctx: 0,
-            peer: 1,
-            mem: RingMem::owned(ring.clone()),
-            first: 0,
-        };
-        let config = EngineConfig {
-            rank: 0,
-            batch: 4,
-            counter_slots: 1,
-        };
-        let error = Arc::new(FirstError::default());
-        let (driver, shared) = Driver::parked(
-            "gin-proxy-test".into(),
-            (Engine::new(config, vec![spec]), fake),
-            error.clone(),
-        );
+        let (driver, shared, error) = parked(&ring);
         let seq = ring.reserve();
         ring.write(seq, &put(0));
         let parts = &shared.parts;

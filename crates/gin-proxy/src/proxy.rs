@@ -628,10 +628,61 @@ mod tests {
     /// counts its counter only then. A flush covers both.
     #[test]
     fn a_put_the_transport_would_lend_goes_through_the_ring() {
+        use gin_net::testing::KeyedOp;
+
+        let r = lending_rig(Steps::ProxyThread);
+        r.put(0, 64).unwrap();
+        assert_eq!(r.proxy.ring(0, 1).head(), 0, "a small put went direct");
+        assert_eq!(r.counted(), 1);
+        r.put(0, 8 << 10).unwrap();
+        assert_eq!(r.proxy.ring(0, 1).head(), 1, "a lent put took the ring");
+        flush(&r.proxy).unwrap();
+        assert_eq!(r.counted(), 2);
+        let ops = r.keyed.ops();
+        assert!(matches!(ops[0], KeyedOp::Put { .. }), "{ops:?}");
+        assert!(
+            matches!(ops[1], KeyedOp::PutLent { src, len: 8192, .. } if src == r.base as u64),
+            "{ops:?}"
+        );
+    }
+
+    /// Rank 0 of two, rank 1 keyed through a recorder that lends host puts
+    /// of 4 KiB and more; window 0 over memory its keeper owns (as a window
+    /// gin-net allocated, whose puts are lent). The proxy runs as `auto`
+    /// does (`inline_tcp`), stepped as [`Steps`] says. Fields drop in
+    /// order: the proxy (and its thread) before the fabric and the memory.
+    struct Lending {
+        proxy: Proxy,
+        win: Window,
+        counters: Arc<Counters>,
+        keyed: Arc<gin_net::testing::KeyedRecorder>,
+        base: *mut u8,
+        _fabric: Arc<Fabric>,
+        _mem: Arc<Box<[u64]>>,
+    }
+
+    /// Who steps a [`Lending`] rig's proxy.
+    enum Steps {
+        /// The proxy's own thread; the recorder completes lent puts at once.
+        ProxyThread,
+        /// No thread: whatever runs, runs on the test's thread, within the
+        /// call; the recorder holds lent puts in flight until the test
+        /// completes them.
+        Caller,
+    }
+
+    fn lending() -> Lending {
+        lending_rig(Steps::Caller)
+    }
+
+    fn lending_rig(steps: Steps) -> Lending {
         use gin_net::Path;
-        use gin_net::testing::{KeyedOp, KeyedRecorder};
+        use gin_net::testing::KeyedRecorder;
 
         let keyed = Arc::new(KeyedRecorder::default().lending_host_puts(4096));
+        if matches!(steps, Steps::Caller) {
+            keyed.hold_device_puts();
+        }
         let timeout = Duration::from_secs(5);
         let fabric = Arc::new(Fabric::new(
             0,
@@ -651,107 +702,6 @@ mod tests {
             states: vec![0, 0],
             // The keep-alive owns the memory (as a window gin-net
             // allocated): only then is a put from it lent.
-            keep: Some(gin_net::KeepAlive(mem.clone())),
-            ..MemParts::default()
-        };
-        // SAFETY: `mem` outlives the proxy and the fabric (dropped first);
-        // the keep-alive owns it.
-        fabric.add_window(0, unsafe { MemDesc::new(parts).keeping_local() });
-        // SAFETY: as above.
-        let win = unsafe {
-            Window::from_parts(
-                WindowParts {
-                    id: 0,
-                    rank: 0,
-                    comm_id: 1,
-                    local_base: base,
-                    sizes: vec![len, len],
-                    peer_bases: vec![base, std::ptr::null_mut()],
-                    keys: vec![0, 0x77],
-                    addrs: vec![base as u64, 0x1000],
-                    states: vec![std::ptr::null(), std::ptr::null()],
-                },
-                Box::new(()),
-            )
-        };
-        let counters = Arc::new(Counters::new(1));
-        let config = ProxyConfig {
-            ring_log2: 2,
-            timeout,
-            inline_tcp: true,
-            ..ProxyConfig::default()
-        };
-        let proxy = Proxy::start(fabric.clone(), counters.clone(), 1, config).unwrap();
-        let put = |bytes| PutOp {
-            ctx: 0,
-            peer: 1,
-            dst: &win,
-            dst_off: 0,
-            src: Source::Window {
-                window: &win,
-                offset: 0,
-            },
-            bytes,
-            signal: None,
-            counter: Some(0),
-        };
-        proxy.put(&put(64)).unwrap();
-        assert_eq!(proxy.ring(0, 1).head(), 0, "a small put went direct");
-        assert_eq!(counters.slot(0).unwrap().load(Ordering::Acquire), 1);
-        proxy.put(&put(8 << 10)).unwrap();
-        assert_eq!(proxy.ring(0, 1).head(), 1, "a lent put took the ring");
-        flush(&proxy).unwrap();
-        assert_eq!(counters.slot(0).unwrap().load(Ordering::Acquire), 2);
-        let ops = keyed.ops();
-        assert!(matches!(ops[0], KeyedOp::Put { .. }), "{ops:?}");
-        assert!(
-            matches!(ops[1], KeyedOp::PutLent { src, len: 8192, .. } if src == base as u64),
-            "{ops:?}"
-        );
-        drop(proxy);
-        drop(fabric);
-        drop(mem);
-    }
-
-    /// Rank 0 of two, rank 1 keyed through a recorder that lends host puts
-    /// of 4 KiB and more and holds them in flight until the test completes
-    /// them; window 0 over memory its keeper owns (as a window gin-net
-    /// allocated, whose puts are lent). The proxy runs as `auto` does
-    /// (`inline_tcp`), with no thread of its own: whatever runs, runs on
-    /// the test's thread, within the call.
-    struct Lending {
-        proxy: Proxy,
-        win: Window,
-        counters: Arc<Counters>,
-        keyed: Arc<gin_net::testing::KeyedRecorder>,
-        base: *mut u8,
-        _fabric: Arc<Fabric>,
-        _mem: Arc<Box<[u64]>>,
-    }
-
-    fn lending() -> Lending {
-        use gin_net::Path;
-        use gin_net::testing::KeyedRecorder;
-
-        let keyed = Arc::new(KeyedRecorder::default().lending_host_puts(4096));
-        keyed.hold_device_puts();
-        let timeout = Duration::from_secs(5);
-        let fabric = Arc::new(Fabric::new(
-            0,
-            vec![Path::local(), Path::new(keyed.clone())],
-            Arc::new(RegionTable::default()),
-            timeout,
-        ));
-        let mem = Arc::new(vec![0u64; 2048].into_boxed_slice());
-        let len = (mem.len() * 8) as u64;
-        let base = mem.as_ptr().cast::<u8>().cast_mut();
-        let parts = MemParts {
-            local_base: base as usize,
-            sizes: vec![len, len],
-            peer_bases: vec![base as usize, 0],
-            keys: vec![0, 0x77],
-            addrs: vec![base as u64, 0x1000],
-            states: vec![0, 0],
             keep: Some(gin_net::KeepAlive(mem.clone())),
             ..MemParts::default()
         };
@@ -781,7 +731,11 @@ mod tests {
             inline_tcp: true,
             ..ProxyConfig::default()
         };
-        let proxy = Proxy::parked(fabric.clone(), counters.clone(), 1, config).unwrap();
+        let proxy = match steps {
+            Steps::ProxyThread => Proxy::start(fabric.clone(), counters.clone(), 1, config),
+            Steps::Caller => Proxy::parked(fabric.clone(), counters.clone(), 1, config),
+        }
+        .unwrap();
         Lending {
             proxy,
             win,
