@@ -273,12 +273,13 @@ pub(crate) struct HtState {
     /// checked here: what `ht_echo` launches over, whatever handle it is
     /// given (a handle of another buffer must not size a kernel here).
     received: usize,
-    /// `u64[4]`: the launch clocks of a step (`[earliest start, latest
-    /// end]` of the count exchange, `ep_ht_layout` included, then of the
-    /// dispatch kernel), reset together before the exchange and read
-    /// together after the dispatch kernel: no clock is copied between the
-    /// two. The dispatch's clock runs from the exchange's start to the
-    /// dispatch kernel's end.
+    /// `u64[6]`: the launch clocks of a step (`[earliest start, latest
+    /// end]` of the notify kernel, of the dispatch kernel, then of
+    /// `ep_ht_layout` where it ran), reset together before the exchange and
+    /// read together after the dispatch kernel: no clock is copied between
+    /// the two. The dispatch's clock runs from the exchange's start (the
+    /// layout kernel's, where it ran) to the dispatch kernel's end; the
+    /// pairs apart give `GIN_DEBUG=gin_ep=debug`'s GPU timeline of a step.
     clocks: DevMem,
     /// The rows of a count exchange (`r × row words` u32), copied by the
     /// notify kernel from NRECV into pinned host memory, which the host
@@ -339,7 +340,7 @@ impl HtState {
             direct: d,
             rounds: 0,
             received: 0,
-            clocks: zeroed(32)?,
+            clocks: zeroed(48)?,
             rows: HostMem::new(4 * s.r * s.row_words())?,
             tables_pin: HostMem::new(4 * TableAt::of(s.r, s.h, s.chans).words)?,
             xbf: if cfg.fp8 {
@@ -1300,7 +1301,7 @@ impl CudaBuffer<'_, '_> {
         let parity = (st.rounds % 2) as usize;
         let (shape, seen, rows) = (st.shape.ptr(), st.seen.ptr(), st.rows.dev());
         st.clocks
-            .write(0, &[u64::MAX, 0, u64::MAX, 0])
+            .write(0, &[u64::MAX, 0, u64::MAX, 0, u64::MAX, 0])
             .map_err(CoreError::from)?;
         let clock = st.clocks.ptr();
         match row {
@@ -1311,7 +1312,8 @@ impl CudaBuffer<'_, '_> {
                     .write(0, &bytes)
                     .map_err(CoreError::from)?;
             }
-            Row::Device(inp) => self.ht_queue_layout(s, inp, clock)?,
+            // The layout kernel's own pair (the last of the six).
+            Row::Device(inp) => self.ht_queue_layout(s, inp, clock + 32)?,
         }
         let mut args = vec![Arg::DevComm(self.dc.abi())];
         args.extend(self.ht_windows());
@@ -1522,11 +1524,11 @@ impl CudaBuffer<'_, '_> {
         // slot < t, local rank: r × t × l u32), and the chans × signals
         // entries of seen and chans × lane_words of lane that HtState::new
         // allocated; err and errh hold Record::BYTES (8 u64: the record's two
-        // slots of 4), clock 2 (the last two of HtState's 4 clocks). gin's
+        // slots of 4), clock 2 (the second pair of HtState's 6 clocks). gin's
         // stream (after the plan table's copy queued there), waited for.
         let r = unsafe { go(&self.dc, f, On::Wait, grid, &args) };
         self.launched(On::Wait, "ht_dispatch", r)?;
-        let mut c = [0u64; 4];
+        let mut c = [0u64; 6];
         self.ht_state("ht_dispatch")?
             .clocks
             .read(0, &mut c)
@@ -1535,10 +1537,23 @@ impl CudaBuffer<'_, '_> {
             start_ns: c[2],
             end_ns: c[3],
         };
+        // The layout kernel's start where it ran (its pair stays reset,
+        // u64::MAX, for host inputs).
         self.last.0 = super::KernelClock {
-            start_ns: c[0],
+            start_ns: c[0].min(c[4]),
             end_ns: c[3],
         };
+        let us = |a: u64, b: u64| b.saturating_sub(a) as f64 / 1e3;
+        let laid_out = c[4] != u64::MAX;
+        tracing::debug!(
+            rank = self.rank,
+            layout_us = if laid_out { us(c[4], c[5]) } else { 0.0 },
+            notify_us = us(c[0], c[1]),
+            notify_after_layout_us = if laid_out { us(c[5], c[0]) } else { 0.0 },
+            gap_to_dispatch_us = us(c[1], c[2]),
+            dispatch_kernel_us = us(c[2], c[3]),
+            "high-throughput dispatch on the GPU: each kernel's first start to last end, and the gaps between them"
+        );
         self.poll()
     }
 
