@@ -1263,7 +1263,10 @@ impl CudaBuffer<'_, '_> {
             Arg::Ptr(st.lay_out.dev()),
             Arg::Ptr(clock),
         ];
-        let grid = self.grid(s.r + s.h);
+        // A block per destination (rank or host) lays out its tokens; every
+        // block writes metadata and checks entries, so more blocks than
+        // destinations share those two passes (64 tokens a block).
+        let grid = self.grid((s.r + s.h).max(inp.tokens.div_ceil(64)));
         let gin = self.gin_stream();
         // SAFETY: ep_ht_layout(Window nsend, Window min, const i64* idx,
         // const u32* wbits, u32 tokens, const u32* shape, const u32*
