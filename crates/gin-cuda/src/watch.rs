@@ -47,6 +47,16 @@ use crate::launch::{LaunchConfig, Param, StreamRef};
 /// How often a watch looks at the job's health.
 const LOOK_EVERY: Duration = Duration::from_millis(1);
 
+/// How long [`wait_watching`] polls a stream back to back before it pauses
+/// between polls. A pause of 20 µs sleeps longer (Linux's default timer
+/// slack is 50 µs), which every waited launch paid once it ended: on an
+/// H200 a high-throughput dispatch's notify kernel ended about 70 µs
+/// before the host queued the dispatch kernel after it, for about 10 µs of
+/// host work.
+/// The kernels gin-ep and the selftests wait for mostly end within it;
+/// longer ones cost a core for this long, then little.
+pub const WAIT_SPIN: Duration = Duration::from_millis(2);
+
 /// Where the abort flag lives and how it is raised and lowered.
 pub trait Flag: Send + Sync + 'static {
     /// Queues the raise: kernels see the flag set soon after.
@@ -214,7 +224,9 @@ impl Watch {
 
 /// Waits for `stream` on this thread, looking at `health` each millisecond
 /// and raising `abort` once it names a cause; returns that cause, the
-/// flag let go again once the stream has finished.
+/// flag let go again once the stream has finished. For the first
+/// [`WAIT_SPIN`] it polls the stream back to back (yielding the core
+/// between polls), then with a short sleep between polls.
 ///
 /// # Errors
 /// The driver's, querying the stream or raising and lowering the flag.
@@ -226,6 +238,7 @@ pub fn wait_watching<F: Flag>(
     let mut watch = Watch::default();
     let mut raised = false;
     let mut next = Instant::now();
+    let spin = Instant::now();
     let waited = loop {
         match stream.idle() {
             Ok(true) => break Ok(()),
@@ -243,8 +256,13 @@ pub fn wait_watching<F: Flag>(
         }
         // Watching a running kernel, not synchronising: the driver has no
         // wait that also wakes on a peer's death, so poll the stream (and,
-        // each millisecond, the job's health) with a short pause.
-        std::thread::sleep(Duration::from_micros(20));
+        // each millisecond, the job's health): back to back at first,
+        // then with a short pause.
+        if spin.elapsed() < WAIT_SPIN {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(20));
+        }
     };
     let released = if raised { abort.release() } else { Ok(()) };
     waited?;
