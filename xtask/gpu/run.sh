@@ -527,6 +527,14 @@ if [ -n "$checks" ]; then
   step "ep-ht-cuda-4ranks-2hosts-tokens1100-inputs-device" "$ep" ht device=cuda ranks=4 hosts=2 tokens=1100 inputs=device
   step "ep-ht-cpu-4ranks-2hosts-tokens1100" "$ep" ht ranks=4 hosts=2 tokens=1100
   step "ep-ht-cuda-4ranks-proxy-inputs-device" env GIN_BACKEND=proxy "$ep" ht device=cuda ranks=4 hosts=2 inputs=device
+  # 32 channels (CUDA ranks' default, gin_ep::CUDA_HT_CHANNELS, which the
+  # benchmarks use), beside CPU ranks with as many lanes: load/store, two
+  # hosts, and the proxy everywhere.
+  step "ep-ht-cuda-2ranks-tokens1100-channels32-inputs-device" "$ep" ht device=cuda ranks=2 tokens=1100 channels=32 inputs=device
+  step "ep-ht-cpu-2ranks-tokens1100-channels32" "$ep" ht ranks=2 tokens=1100 channels=32
+  step "ep-ht-cuda-4ranks-2hosts-tokens1100-channels32-inputs-device" "$ep" ht device=cuda ranks=4 hosts=2 tokens=1100 channels=32 inputs=device
+  step "ep-ht-cuda-4ranks-2hosts-proxy-tokens1100-channels32-inputs-device" env GIN_BACKEND=proxy "$ep" ht device=cuda ranks=4 hosts=2 tokens=1100 channels=32 inputs=device
+  step "ep-ht-cpu-4ranks-2hosts-tokens1100-channels32" "$ep" ht ranks=4 hosts=2 tokens=1100 channels=32
   ep_ht_digests() { sed -n 's/.*rank \([0-9]*\) of [0-9]*: ht ok.*dispatch digest \([0-9a-f]*\), combine digest \([0-9a-f]*\).*/\1 \2 \3/p' "$out/$1.log" | sort; }
   ep_ht_agree() {
     local a b; a=$(ep_ht_digests "$1"); b=$(ep_ht_digests "$2")
@@ -551,6 +559,9 @@ if [ -n "$checks" ]; then
   done
   step "ep-ht-4ranks-2hosts-tokens1100-inputs-device-agree" ep_ht_agree "ep-ht-cuda-4ranks-2hosts-tokens1100-inputs-device" "ep-ht-cpu-4ranks-2hosts-tokens1100"
   step "ep-ht-4ranks-2hosts-proxy-inputs-device-agrees" ep_ht_agree "ep-ht-cuda-4ranks-proxy-inputs-device" "ep-ht-cpu-4ranks-2hosts"
+  step "ep-ht-2ranks-tokens1100-channels32-inputs-device-agree" ep_ht_agree "ep-ht-cuda-2ranks-tokens1100-channels32-inputs-device" "ep-ht-cpu-2ranks-tokens1100-channels32"
+  step "ep-ht-4ranks-2hosts-tokens1100-channels32-inputs-device-agree" ep_ht_agree "ep-ht-cuda-4ranks-2hosts-tokens1100-channels32-inputs-device" "ep-ht-cpu-4ranks-2hosts-tokens1100-channels32"
+  step "ep-ht-4ranks-2hosts-proxy-tokens1100-channels32-inputs-device-agrees" ep_ht_agree "ep-ht-cuda-4ranks-2hosts-proxy-tokens1100-channels32-inputs-device" "ep-ht-cpu-4ranks-2hosts-tokens1100-channels32"
   # The victim (rank 1) names its entry, each of the other n-1 ranks rank 1.
   ep_ht_bad_named() {
     local log="$out/$1.log" n=$2 v t

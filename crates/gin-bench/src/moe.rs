@@ -102,8 +102,8 @@ pub struct MoeArgs {
     pub hosts: usize,
     /// High-throughput channels (each with its own context, rings and
     /// credits). Default: 2 on CPU ranks (lanes of a thread), on CUDA ranks
-    /// `gin_ep::CUDA_HT_CHANNELS` bounded by the GPU's SMs (a block each:
-    /// `Config::with_cuda_channels`).
+    /// `gin_ep::CUDA_HT_CHANNELS` bounded by the SMs of a rank's share of
+    /// its GPU (a block each: `Config::with_cuda_channels`).
     #[arg(long)]
     pub channels: Option<usize>,
     /// High-throughput: threads per rank running the channels (1: the rank
@@ -454,9 +454,14 @@ fn cuda_rank_main(args: &MoeArgs) -> Result<()> {
         MoeMode::Ll => Config::low_latency(args.hidden, args.tokens, experts, args.topk),
         MoeMode::Ht => {
             let ht = Config::high_throughput(args.hidden, args.tokens, experts, args.topk);
-            match args.channels {
-                Some(channels) => Config { channels, ..ht },
-                None => ht.with_cuda_channels(cuda.device().sms() as usize),
+            if let Some(channels) = args.channels {
+                Config { channels, ..ht }
+            } else {
+                // The SMs each rank may use: every rank of this job runs on
+                // this machine, spread over its GPUs.
+                let gpus = gin_core::cuda::available()?.max(1);
+                let sms = cuda.device().sms() as usize / n.div_ceil(gpus);
+                ht.with_cuda_channels(sms)
             }
         }
     };

@@ -1463,14 +1463,17 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_stage_meta(Window
 // token's metadata into MIN (ep_ht_stage_meta's words, the slots from the
 // prefix sums over tokens: layout.rs's rank_slot and host_slot). idx, wbits:
 // the caller's top-k ids (i64) and weights' bits, tokens x k; active: u32
-// per rank. A block per destination (looping where the grid is smaller),
+// per rank. The metadata and the entries' checks are spread over the whole
+// grid (the host launches a block per 64 tokens, up to its block limit);
+// the counts take a block per destination (looping where the grid is
+// smaller; blocks past the destinations skip them),
 // its tokens a tile of the block's threads at a time, each thread one
 // token (a warp's ballot, then the warps' sums, give each token's count of
 // earlier ones). rec (device, two u64): the smallest key (atomicMin) and the
 // blocks that finished; the last block to finish writes the mask (and the
 // refusal), copies what the host reads into out (pinned host memory,
-// LO_WORDS u64) and resets rec for the next step. clock as the notify
-// kernel's (the earliest start counts).
+// LO_WORDS u64) and resets rec for the next step. clock: this kernel's own
+// pair of the step's launch clocks (earliest start, latest end).
 extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_layout(Window nsend, Window xmeta, const i64* idx, const u32* wbits, u32 tokens, const u32* shape, const u32* active, u64* rec, u64* out, u64* clock) {
   ep::clock_start(clock);
   using namespace ep::ht;

@@ -1240,8 +1240,8 @@ impl CudaBuffer<'_, '_> {
     /// right after it there): from the caller's top-k ids and weights in
     /// GPU memory, this rank's notify row into NSEND (refused where an
     /// entry is bad) and the tokens' metadata into MIN; what the host reads
-    /// afterwards into [`HtState`]'s `lay_out`. `clock`: the launch clock,
-    /// reset, which the notify kernel shares.
+    /// afterwards into [`HtState`]'s `lay_out`. `clock`: the layout
+    /// kernel's own pair of the step's launch clocks, reset.
     fn ht_queue_layout(
         &self,
         s: &Shape,
@@ -1265,7 +1265,8 @@ impl CudaBuffer<'_, '_> {
         ];
         // A block per destination (rank or host) lays out its tokens; every
         // block writes metadata and checks entries, so more blocks than
-        // destinations share those two passes (64 tokens a block).
+        // destinations share those two passes: a block per 64 tokens, up
+        // to the launch's limit (`blocks`, 32 by default).
         let grid = self.grid((s.r + s.h).max(inp.tokens.div_ceil(64)));
         let gin = self.gin_stream();
         // SAFETY: ep_ht_layout(Window nsend, Window min, const i64* idx,
@@ -1289,8 +1290,9 @@ impl CudaBuffer<'_, '_> {
     /// by the host, or by `ep_ht_layout` queued right before it) and,
     /// where given, the upload of host inputs' tokens beside it (a thread
     /// of its own); every rank's row is then in [`HtState`]'s pinned
-    /// `rows`. The step's launch clocks are reset first (the exchange's and
-    /// the dispatch kernel's, read after the dispatch kernel). The caller
+    /// `rows`. The step's six launch clocks are reset first (the notify
+    /// kernel's, the dispatch kernel's and the layout kernel's pairs, read
+    /// after the dispatch kernel). The caller
     /// then calls [`CudaBuffer::ht_exchanged`].
     fn ht_exchange(
         &self,
