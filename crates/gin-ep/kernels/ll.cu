@@ -611,14 +611,14 @@ __device__ void record(u64* err, u64* errh, u64 w0, u64 w1, u64 w2, u64 w3) {
 // resets it to ~0 for the next step).
 __device__ __noinline__ void stage_tokens(const Window& send, const u16* x, const long long* idx,
                                           const float* wts, u32 tokens, u32 m, u32 p, u32 k,
-                                          u32 experts, u32 fp8, u64* inbad) {
+                                          u32 experts, u32 fp8, u64* inbad, bool payload) {
   const u32 lane = threadIdx.x & 31u, warps = blockDim.x >> 5;
   for (u32 tok = blockIdx.x * warps + (threadIdx.x >> 5); tok < tokens; tok += gridDim.x * warps) {
     u8* msg = (u8*)send.local_base + (u64)tok * m;
     // The payload with eight 16-byte loads in flight per lane (gin's
     // coop_copy): one load at a time left each warp's token waiting on
     // HBM's latency once per 512 bytes.
-    if (!fp8) gin::detail::coop_copy(WARP, msg, (const u8*)(x + (u64)tok * (p / 2)), p);
+    if (!fp8 && payload) gin::detail::coop_copy(WARP, msg, (const u8*)(x + (u64)tok * (p / 2)), p);
     u8* md = msg + p;
     if (lane == 0) *(u32*)md = tok;
     u64 bad = ~0ull;
@@ -632,6 +632,94 @@ __device__ __noinline__ void stage_tokens(const Window& send, const u16* x, cons
     for (u32 b = p + 4 + 8 * k + lane; b < m; b += 32) msg[b] = 0;
     if (bad != ~0ull) atomicMin((unsigned long long*)inbad, (unsigned long long)bad);
   }
+}
+
+// Whether every active rank is a load/store peer (or this rank): then a
+// dispatch from inputs in GPU memory copies each token straight from the
+// caller's x into its slot at the expert's rank (direct_token) and stages
+// only the metadata, which no send reads, so no grid barrier comes before
+// the sends.
+__device__ bool all_load_store(const DevComm& dc, const u32* active) {
+  for (u32 q = 0; q < dc.nranks; ++q)
+    if (active[q] && !gin::detail::is_lsa(dc, q)) return false;
+  return true;
+}
+
+// Block-wide: the smallest key (input::entry_key) over every entry of the
+// inputs, on every thread: each block of a direct dispatch judges them all
+// itself, so no block sends before every entry is known good.
+__device__ u64 entries_key(const long long* idx, const float* wts, u32 tokens, u32 k, u32 experts) {
+  __shared__ unsigned long long least;
+  if (threadIdx.x == 0) least = ~0ull;
+  __syncthreads();
+  u64 bad = ~0ull;
+  for (u32 e = threadIdx.x; e < tokens * k; e += blockDim.x) {
+    const u32 tok = e / k, j = e % k;
+    bad = min(bad, input::entry_key(idx + (u64)tok * k, wts + (u64)tok * k, tok, j, experts));
+  }
+  for (u32 o = 16; o > 0; o >>= 1) bad = min(bad, (u64)__shfl_xor_sync(0xffffffffu, bad, o));
+  if ((threadIdx.x & 31u) == 0 && bad != ~0ull) atomicMin(&least, (unsigned long long)bad);
+  __syncthreads();
+  const u64 key = least;
+  // Nobody rewrites `least` (the next call) before all read.
+  __syncthreads();
+  return key;
+}
+
+// hits_of from the caller's top-k ids (tokens x k i64) instead of the
+// staged messages' metadata: the tokens among [base, base + blockDim.x)
+// naming expert e, in token order, into list[0..n); n on every thread.
+__device__ u32 hits_of_ids(const long long* idx, u32 base, u32 tokens, u32 k, u32 e, u32* list) {
+  __shared__ u32 before[32];
+  __shared__ u32 total;
+  const u32 tok = base + threadIdx.x, lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+  bool hit = false;
+  if (tok < tokens)
+    for (u32 j = 0; j < k; ++j) hit |= idx[(u64)tok * k + j] == (long long)e;
+  const u32 ballot = __ballot_sync(0xffffffffu, hit);
+  if (lane == 0) before[warp] = __popc(ballot);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    u32 sum = 0;
+    for (u32 w = 0; w < blockDim.x / 32u; ++w) {
+      const u32 c = before[w];
+      before[w] = sum;
+      sum += c;
+    }
+    total = sum;
+  }
+  __syncthreads();
+  if (hit) list[before[warp] + __popc(ballot & ((1u << lane) - 1u))] = tok;
+  __syncthreads();
+  const u32 n = total;
+  __syncthreads();
+  return n;
+}
+
+// Warp-wide: token tok's message (its BF16 payload from x, then the
+// metadata stage_tokens writes: index, top-k ids as i32, weights, zeros
+// to m) straight into byte off of dst's part of recv, mapped here. An
+// offset outside that part is recorded as gin's put would (OUT_OF_WINDOW)
+// and returned as its error.
+__device__ int direct_token(const DevComm& dc, const Window& recv, u32 dst, u64 off, const u16* x,
+                            const long long* idx, const float* wts, u32 tok, u32 m, u32 p,
+                            u32 k) {
+  u8* const base = (u8*)__ldg((const unsigned long long*)recv.peer_bases + dst);
+  const u64 size = __ldg((const unsigned long long*)recv.sizes + dst);
+  if (!base || off > size || m > size - off)
+    return gin::detail::fail(dc, !base ? gin::UNSUPPORTED : gin::OUT_OF_WINDOW, 0, dst, recv.id);
+  u8* const msg = base + off;
+  gin::detail::coop_copy(WARP, msg, (const u8*)(x + (u64)tok * (p / 2)), p);
+  u32* const md = (u32*)(msg + p);
+  const u32 words = (m - p) / 4, lane = threadIdx.x & 31u;
+  for (u32 w = lane; w < words; w += 32) {
+    u32 v = 0;
+    if (w == 0) v = tok;
+    else if (w <= k) v = (u32)(int)idx[(u64)tok * k + w - 1];
+    else if (w <= 2 * k) v = __float_as_uint(wts[(u64)tok * k + w - 1 - k]);
+    md[w] = v;
+  }
+  return 0;
 }
 
 } // namespace ep
@@ -700,8 +788,18 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_dispatch(DevComm 
       ctarget[q] += (active[q] ? 1 : 0) + cpois[q];
       cpois[q] = 0;
     }
-  if (xin || idx) {
-    if (idx) ep::stage_tokens(send, xin, idx, wts, tokens, m, p, k, experts, fp8, inbad);
+  // From GPU memory in BF16 to load/store peers only (direct): each token
+  // goes straight from x into its slot at the expert's rank, so only the
+  // metadata is staged (for this rank's combine, a later launch), and no
+  // grid barrier comes before the sends: each block judges every entry
+  // itself (entries_key) and finds its experts' tokens in idx.
+  const bool direct = idx && xin && !fp8 && ep::all_load_store(dc, active);
+  u64 direct_key = ~0ull;
+  if (direct) {
+    ep::stage_tokens(send, xin, idx, wts, tokens, m, p, k, experts, fp8, inbad, false);
+    direct_key = ep::entries_key(idx, wts, tokens, k, experts);
+  } else if (xin || idx) {
+    if (idx) ep::stage_tokens(send, xin, idx, wts, tokens, m, p, k, experts, fp8, inbad, true);
     if (fp8) ep::quantize_tokens(send, xin, tokens, m, h);
     if (ep::grid_sync(dc, bar)) return;
   }
@@ -713,7 +811,7 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_dispatch(DevComm 
   // Past the buffer's creation only the kernels write inbad (the host
   // would race a launch queued before this one); nothing in this launch
   // writes it after this read (stage_tokens did, before the grid barrier).
-  const u64 key = *(volatile u64*)inbad;
+  const u64 key = direct ? direct_key : *(volatile u64*)inbad;
   const bool bad = refused || key != ~0ull;
   if (bad && idx && blockIdx.x == 0 && threadIdx.x == 0) {
     u64 w[4];
@@ -736,18 +834,25 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_dispatch(DevComm 
     }
     u32 count = 0;
     for (u32 base = 0; base < tokens; base += blockDim.x) {
-      const u32 n = ep::hits_of(send, base, tokens, m, p, k, e, list);
+      const u32 n = direct ? ep::hits_of_ids(idx, base, tokens, k, e, list)
+                           : ep::hits_of(send, base, tokens, m, p, k, e, list);
       for (u32 j = warp; j < n; j += warps) {
         const u64 off = ((u64)(le * r + dc.rank) * t + count + j) * m;
         // Where the token lies among e's slots, for the combine's reads in
         // place: eslot[token * k + the top-k slot naming e].
+        // (A direct dispatch reads the ids where the caller left them: the
+        // staged metadata of other blocks' tokens is not known written.)
         if ((threadIdx.x & 31u) == 0) {
           const int* ids = (const int*)(ep::meta_of(send, list[j], m, p) + 4);
           for (u32 kk = 0; kk < k; ++kk)
-            if (ids[kk] == (int)e) eslot[(u64)list[j] * k + kk] = count + j;
+            if (direct ? idx[(u64)list[j] * k + kk] == (long long)e : ids[kk] == (int)e)
+              eslot[(u64)list[j] * k + kk] = count + j;
         }
-        if (put(dc, 0, dst, recv, off, send, (u64)list[j] * m, m, no_signal(), no_counter(),
-                WARP)) {
+        const int sent =
+            direct ? ep::direct_token(dc, recv, dst, off, xin, idx, wts, list[j], m, p, k)
+                   : put(dc, 0, dst, recv, off, send, (u64)list[j] * m, m, no_signal(),
+                         no_counter(), WARP);
+        if (sent) {
           if ((threadIdx.x & 31u) == 0) failed = 1;
           break;
         }
