@@ -9,7 +9,8 @@
 // combine slots in place (load/store peers, agreed at creation: pull), with
 // no puts before it.
 //
-// Windows (this rank's part): send (tokens x m: the staged messages), recv
+// Windows (this rank's part): send (tokens x m: the staged messages; a
+// direct dispatch, below, stages only their metadata), recv
 // (l x r x t x m), csend (l x r x t x 2h), crecv (t x k x 2h). A message is
 // the payload (BF16, 2h bytes; or FP8: h bytes of E4M3, then one f32 scale
 // per 128 elements), then u32 source token, i32 expert ids[k], f32
@@ -604,7 +605,7 @@ __device__ void record(u64* err, u64* errh, u64 w0, u64 w1, u64 w2, u64 w3) {
 // Device-resident inputs: writes each token's metadata into its message in
 // the send window (source token, top-k ids as i32, weights, zero padding to
 // m: what ll.rs's write_metadata stages on the host), and with BF16
-// (fp8 = 0) copies its payload from x (16-byte aligned rows: the host
+// (fp8 = 0) and `payload` copies its payload from x (16-byte aligned rows: the host
 // checks the address; hidden is a multiple of 8). A warp per token across
 // the grid. Checks every top-k entry as the host would (input::entry_key):
 // the smallest key found goes to inbad (atomicMin; the combine kernel
@@ -750,10 +751,17 @@ __device__ int direct_token(const DevComm& dc, const Window& recv, u32 dst, u64 
 //   the tokens into their messages;
 // - device-resident inputs (idx and wts not null: tokens x k i64 and f32;
 //   xin the BF16 tokens): every block also writes its tokens' metadata (and
-//   with BF16 copies their payloads) and checks the inputs (stage_tokens).
-// Whenever blocks stage, a grid barrier (grid_sync on bar, its state on the
-// device alone) comes before any block sends. Inputs found bad (inbad below
-// ~0, by stage_tokens; or refused = 1: the host's checks refused this
+//   with BF16 copies their payloads) and checks the inputs (stage_tokens);
+// - device-resident BF16 inputs where every active rank is a load/store
+//   peer (direct): the metadata only is staged (this rank's combine reads
+//   it, a later launch); each warp copies its token from xin straight into
+//   the expert rank's slot and writes the metadata there (direct_token),
+//   each block finds its experts' tokens in idx (hits_of_ids) and judges
+//   every entry itself (entries_key).
+// Whenever blocks stage payloads, a grid barrier (grid_sync on bar, its
+// state on the device alone) comes before any block sends; a direct
+// dispatch needs none. Inputs found bad (inbad below ~0, by stage_tokens;
+// entries_key's key on a direct dispatch; or refused = 1: the host's checks refused this
 // rank's inputs, and it launches 0 tokens and no source) send no token:
 // every expert's signal adds POISON instead, so every receiver records why
 // its count is missing rather than waiting, and this rank records the first
@@ -803,14 +811,17 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_dispatch(DevComm 
     if (fp8) ep::quantize_tokens(send, xin, tokens, m, h);
     if (ep::grid_sync(dc, bar)) return;
   }
-  // Refused inputs: found by stage_tokens above (device-resident inputs:
-  // this rank records the first bad entry), or by the host's checks before
+  // Refused inputs: found by stage_tokens above, or by every block itself
+  // on a direct dispatch (device-resident inputs: this rank records the
+  // first bad entry), or by the host's checks before
   // this launch (refused: host inputs, or the token count, sizes or
   // alignment of inputs in GPU memory; the host staged nothing, launched 0
   // tokens, and its own error names what it refused: nothing to record).
   // Past the buffer's creation only the kernels write inbad (the host
   // would race a launch queued before this one); nothing in this launch
-  // writes it after this read (stage_tokens did, before the grid barrier).
+  // writes it after this read (stage_tokens did, before the grid barrier;
+  // a direct dispatch does not read it: stage_tokens writes it meanwhile,
+  // the same key, for the combine kernel to reset).
   const u64 key = direct ? direct_key : *(volatile u64*)inbad;
   const bool bad = refused || key != ~0ull;
   if (bad && idx && blockIdx.x == 0 && threadIdx.x == 0) {
@@ -819,7 +830,8 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ll_dispatch(DevComm 
     ep::record(err, errh, w[0], w[1], w[2], w[3]);
   }
   // Each warp puts its own tokens (warp-wide copies of a message, all the
-  // block's warps at once); the expert's signal follows the block's puts.
+  // block's warps at once; a direct dispatch copies from xin into the
+  // peer's mapped slot); the expert's signal follows the block's puts.
   __shared__ u32 list[1024];
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
