@@ -40,6 +40,7 @@ const FUNCTIONS: &[&str] = &[
     "ucp_ep_flush_nbx",
     "ucp_mem_map",
     "ucp_mem_unmap",
+    "ucp_mem_query",
     "ucp_rkey_pack",
     "ucp_rkey_buffer_release",
     "ucp_ep_rkey_unpack",

@@ -81,6 +81,15 @@ impl Fabric {
         }
     }
 
+    /// Host memory for this rank's part of a window from the first peer
+    /// transport that allocates its own ([`Transport::alloc_host`]), or
+    /// `None`. For a part no peer maps.
+    pub fn alloc_host(&self, bytes: usize) -> Option<Result<crate::HostMemory, NetError>> {
+        self.transports()
+            .into_iter()
+            .find_map(|t| t.alloc_host(bytes))
+    }
+
     /// A fabric of one rank and no peers (tests, benchmarks, loopbacks).
     pub fn local(table: Arc<RegionTable>, timeout: Duration) -> Self {
         Self::new(0, vec![Path::local()], table, timeout)

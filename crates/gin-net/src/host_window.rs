@@ -21,7 +21,7 @@ use tracing::debug;
 use crate::part::{HostParts, PartRecord, Registration};
 use crate::region::{Access, Removal};
 use crate::shm::{Segment, shm_dir};
-use crate::{Fabric, KeepAlive, MemDesc, MemParts, Memory, NetError, Reach};
+use crate::{Fabric, HostMemory, KeepAlive, MemDesc, MemParts, Memory, NetError, Reach};
 
 /// What one rank needs to make host windows: the fabric whose directory
 /// lists them (and whose region table serves them to keyed peers), every
@@ -43,8 +43,11 @@ pub struct LocalPart {
     /// Declared before `segment`, so dropped before it: the part stops
     /// being served before its memory goes.
     registration: Registration,
-    /// The segment the part lives in (`None`: user memory).
+    /// The segment the part lives in (`None`: user memory, or memory a
+    /// transport allocated).
     segment: Option<Segment>,
+    /// Memory a transport allocated for the part (no peer maps it).
+    allocated: Option<HostMemory>,
     id: u32,
     base: usize,
     bytes: u64,
@@ -99,6 +102,7 @@ struct WindowMemory {
 #[derive(Debug)]
 struct Mapped {
     _own: Option<Segment>,
+    _allocated: Option<HostMemory>,
     _peers: Vec<Segment>,
 }
 
@@ -180,8 +184,33 @@ impl HostWindows {
     }
 
     /// This rank's part of window `id`: `bytes` in a new shared segment
-    /// same-host peers can map, served to keyed peers.
+    /// same-host peers can map, served to keyed peers; where no peer maps
+    /// it and a transport allocates host memory of its own
+    /// ([`Fabric::alloc_host`]: ucx), in that memory instead.
     pub fn create(&self, id: u32, bytes: u64) -> Result<LocalPart, NetError> {
+        if self.mapped_peers().is_empty()
+            && let Ok(len) = usize::try_from(bytes)
+            && let Some(mem) = self.fabric.alloc_host(len)
+        {
+            let mem = mem?;
+            // SAFETY: the memory stays valid until `mem` drops, after the
+            // registration on every path (the part's and the window's
+            // fields drop in that order).
+            let key = unsafe {
+                self.fabric
+                    .table()
+                    .insert(mem.as_ptr(), bytes, Access::ALL)?
+            };
+            return Ok(LocalPart {
+                registration: self.registration(id, key, mem.as_ptr()),
+                segment: None,
+                id,
+                base: mem.as_ptr() as usize,
+                bytes,
+                key,
+                allocated: Some(mem),
+            });
+        }
         let name = self.segment_name(self.rank(), id);
         let seg = Segment::create(&name, bytes as usize)?;
         // SAFETY: the segment stays mapped until the registration, dropped
@@ -203,6 +232,7 @@ impl HostWindows {
             bytes,
             key,
             segment: Some(seg),
+            allocated: None,
         })
     }
 
@@ -218,6 +248,7 @@ impl HostWindows {
         Ok(LocalPart {
             registration: self.registration(id, key, ptr),
             segment: None,
+            allocated: None,
             id,
             base: ptr as usize,
             bytes,
@@ -254,6 +285,7 @@ impl HostWindows {
         let LocalPart {
             registration,
             segment,
+            allocated,
             id,
             base,
             bytes,
@@ -264,9 +296,10 @@ impl HostWindows {
         // A segment gin-net created is owned by the keeper; a caller's
         // registered buffer is not (the caller may free it once the window
         // dropped, even after a failed wait left a put using it).
-        let owned = segment.is_some();
+        let owned = segment.is_some() || allocated.is_some();
         let mapped = Arc::new(Mapped {
             _own: segment,
+            _allocated: allocated,
             _peers: segments,
         });
         let at_rank = |p: usize, mine: usize, theirs: usize| if p == rank { mine } else { theirs };
@@ -294,8 +327,9 @@ impl HostWindows {
         // description holds; shared memory is only reached through raw
         // pointers and atomics.
         let desc = unsafe { MemDesc::new(parts.clone()) };
-        // SAFETY: where the part is a segment, `mapped` (the keeper) owns
-        // it: it unmaps only when the last clone of the keeper drops.
+        // SAFETY: where the part is a segment or memory a transport
+        // allocated, `mapped` (the keeper) owns it: it unmaps only when the
+        // last clone of the keeper drops.
         let desc = if owned {
             // SAFETY: as above: the keeper owns the part.
             unsafe { desc.keeping_local() }

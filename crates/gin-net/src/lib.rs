@@ -90,7 +90,7 @@ pub mod window;
 
 pub use fabric::{Fabric, Path};
 pub use transport::{Reach, Target, Transport};
-pub use window::{Addr, KeepAlive, MemDesc, MemParts, Memory};
+pub use window::{Addr, HostMemory, KeepAlive, MemDesc, MemParts, Memory};
 
 use std::time::Duration;
 

@@ -327,6 +327,20 @@ pub trait Transport: Send + Sync + std::fmt::Debug + std::any::Any {
         self.device_puts_completed(peer)
     }
 
+    /// Memory for this rank's part of a host window that no peer maps
+    /// (every peer reaches it through a keyed transport), allocated the way
+    /// this transport's remote operations need it, or `None` (the default)
+    /// when any host memory serves as well. ucx allocates with UCX
+    /// (`ucp_mem_map` with `UCP_MEM_MAP_ALLOCATE`): over UCX's shared
+    /// memory, a peer's atomic into memory UCX allocated is that peer's own
+    /// CPU atomic, while one into other memory is emulated by this rank's
+    /// progress thread (docs/ucx.md, "Signal slots in memory UCX
+    /// allocates").
+    fn alloc_host(&self, bytes: usize) -> Option<Result<crate::HostMemory, NetError>> {
+        let _ = bytes;
+        None
+    }
+
     /// Whether [`Transport::put_device`] and [`Transport::read_device`]
     /// move GPU memory of this process directly, with no staging through
     /// host memory (ucx with its CUDA transports).

@@ -166,3 +166,65 @@ pub struct Addr {
     /// Offset in the rank's part.
     pub offset: u64,
 }
+
+/// Memory a transport allocated for this rank's part of a host window
+/// ([`crate::Transport::alloc_host`]): zeroed, 8-byte aligned, valid for
+/// reads and writes of its length until it drops, which frees it. Its
+/// pointer stays private; gin-net's host windows register it as they
+/// register a segment.
+pub struct HostMemory {
+    ptr: *mut u8,
+    len: usize,
+    /// Frees the memory when dropped (the transport's handle).
+    _owner: Box<dyn std::any::Any + Send + Sync>,
+}
+
+// SAFETY: the memory is plain host memory reached through raw pointers and
+// atomics only; the owner is `Send + Sync`.
+unsafe impl Send for HostMemory {}
+// SAFETY: as above.
+unsafe impl Sync for HostMemory {}
+
+impl HostMemory {
+    /// Memory at `ptr` of `len` bytes, freed when `owner` drops.
+    ///
+    /// # Safety
+    /// `ptr` must be 8-byte aligned, zeroed and valid for reads and writes
+    /// of `len` bytes by this process (and by whoever the transport lets
+    /// write it) until `owner` drops, and nothing else may free it.
+    pub unsafe fn new(
+        ptr: *mut u8,
+        len: usize,
+        owner: Box<dyn std::any::Any + Send + Sync>,
+    ) -> Self {
+        Self {
+            ptr,
+            len,
+            _owner: owner,
+        }
+    }
+
+    /// Its address.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl std::fmt::Debug for HostMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostMemory")
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
+}

@@ -383,10 +383,12 @@ enum Work {
 /// Shared by the transport, its progress thread and UCX's callbacks.
 pub(crate) struct Inner {
     rank: usize,
-    ucp: Ucp,
+    ucp: Arc<Ucp>,
     peers: Vec<Option<Peer>>,
     table: Arc<RegionTable>,
     served: Mutex<HashMap<u32, serve::Mapping>>,
+    /// The window memory UCX allocated, by base ([`serve::Allocations`]).
+    allocations: serve::Allocations,
     /// Regions UCX could not map, by key: (base, why), answered to every
     /// peer that asks.
     failed: Mutex<HashMap<u32, (usize, wire::Refusal)>>,
@@ -450,6 +452,9 @@ pub struct UcxTransport {
     /// ([`Transport::takes_device_memory`]); `GIN_UCX_DEVICE=0` makes
     /// CUDA ranks stage it through pinned host memory instead.
     device: bool,
+    /// Whether window parts no peer maps live in memory UCX allocates
+    /// ([`Transport::alloc_host`]); `GIN_UCX_ALLOC=0` turns it off.
+    allocate: bool,
     /// Whether a request ordered after puts from GPU memory (a signal's
     /// total, a read) waits for them to complete first
     /// (`GIN_UCX_GPU_ORDER=wait`, the default), or relies on UCX's fence
@@ -496,7 +501,8 @@ fn spin_from_env(v: Option<&str>) -> Result<Duration, NetError> {
 const SPIN: Duration = Duration::from_micros(100);
 
 /// Whether `GIN_UCX_DEVICE` (unset: yes) lets CUDA ranks hand GPU memory
-/// to UCX directly.
+/// to UCX directly; read the same way for `GIN_UCX_ALLOC` (unset: yes,
+/// window parts no peer maps live in memory UCX allocates).
 fn device_from_env(v: Option<&str>) -> bool {
     !matches!(v, Some("0" | "no" | "off" | "false"))
 }
@@ -600,10 +606,11 @@ impl UcxTransport {
             .collect();
         let inner = Arc::new(Inner {
             rank,
-            ucp,
+            ucp: Arc::new(ucp),
             peers,
             table: table.clone(),
             served: Mutex::new(HashMap::new()),
+            allocations: serve::Allocations::default(),
             failed: Mutex::new(HashMap::new()),
             acks: Mutex::new(HashSet::new()),
             quarantined: Mutex::new(Vec::new()),
@@ -644,6 +651,7 @@ impl UcxTransport {
             inner,
             progress: Some(progress),
             device: device_from_env(std::env::var("GIN_UCX_DEVICE").ok().as_deref()),
+            allocate: device_from_env(std::env::var("GIN_UCX_ALLOC").ok().as_deref()),
             wait_lent,
             am_max,
         })
@@ -1630,6 +1638,10 @@ impl UcxTransport {
 impl Transport for UcxTransport {
     fn name(&self) -> &'static str {
         "ucx"
+    }
+
+    fn alloc_host(&self, bytes: usize) -> Option<Result<crate::HostMemory, NetError>> {
+        (self.allocate && bytes > 0).then(|| self.inner.alloc_host(bytes))
     }
 
     fn reach(&self) -> Reach {

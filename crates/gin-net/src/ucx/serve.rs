@@ -18,9 +18,56 @@ use super::{Inner, Peer, Work, lock, sys, wire};
 use crate::NetError;
 use crate::region::{RegionInfo, RegionObserver, Removal};
 
+/// `UCP_MEM_MAP_ALLOCATE` (ucp.h's flags of `ucp_mem_map`, an anonymous
+/// enum bindgen does not generate): UCX allocates the memory it maps.
+const MEM_MAP_ALLOCATE: u32 = 1 << 1;
+
+/// A memory handle of the context, shared by threads.
+#[derive(Clone, Copy)]
+pub(super) struct MemH(sys::ucp_mem_h);
+
+// SAFETY: a memory handle of a context shared by threads
+// (`mt_workers_shared`); UCX serialises calls on it.
+unsafe impl Send for MemH {}
+// SAFETY: as above; this side only passes it to UCX.
+unsafe impl Sync for MemH {}
+
+/// Window memory UCX allocated for this rank ([`Inner::alloc_host`]), by
+/// base: its length and handle. A region registered there gets its rkey
+/// packed from that handle ([`Inner::map`]), not from a second
+/// `ucp_mem_map` by address, which would register it with the memory
+/// domains that register memory (cma) but not with the one that made it
+/// (posix shared memory), so peers' atomics would be emulated by this
+/// rank's progress thread again.
+pub(super) type Allocations = Arc<Mutex<std::collections::HashMap<usize, (usize, MemH)>>>;
+
+/// Owns window memory UCX allocated: dropping it unmaps (frees) it. Holds
+/// the context, so memory outliving the transport (a window dropped after
+/// it, a quarantined one leaked) is freed with a live context or never.
+struct Allocation {
+    ucp: Arc<Ucp>,
+    allocations: Allocations,
+    base: usize,
+    memh: MemH,
+}
+
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        lock(&self.allocations).remove(&self.base);
+        // SAFETY: allocated and mapped once by `Inner::alloc_host`, unmapped
+        // once here; the window registered on it was removed from the
+        // region table before its keeper (this) dropped, and a mapping
+        // packed from it borrows the handle without unmapping it.
+        let _ = unsafe { self.ucp.lib.ucp_mem_unmap(self.ucp.ctx, self.memh.0) };
+    }
+}
+
 /// A region this rank mapped for its peers.
 pub(super) struct Mapping {
     memh: sys::ucp_mem_h,
+    /// The handle is an [`Allocation`]'s, which unmaps it: not unmapped
+    /// with the mapping.
+    borrowed: bool,
     base: usize,
     served: wire::Served,
     /// Peers that were sent its rkey.
@@ -39,6 +86,9 @@ impl Mapping {
     }
 
     pub(super) fn unmap(self, ucp: &Ucp) {
+        if self.borrowed {
+            return;
+        }
         // SAFETY: mapped once by `map`, unmapped once (the mapping was
         // taken out of the table).
         let _ = unsafe { ucp.lib.ucp_mem_unmap(ucp.ctx, self.memh) };
@@ -500,6 +550,73 @@ impl Inner {
         });
     }
 
+    /// `bytes` of zeroed host memory allocated by UCX (`ucp_mem_map` with
+    /// `UCP_MEM_MAP_ALLOCATE`: over its shared-memory transports a posix
+    /// segment peers attach, so a peer's atomic there is its own CPU atomic),
+    /// freed when the returned memory drops.
+    pub(super) fn alloc_host(&self, bytes: usize) -> Result<crate::HostMemory, NetError> {
+        let fail = |call: &str, st: sys::ucs_status_t| NetError::Io {
+            what: format!(
+                "rank {}: allocating {bytes} bytes of window memory with UCX ({call}; GIN_UCX_ALLOC=0 makes a shared segment instead)",
+                self.rank
+            ),
+            source: std::io::Error::other(self.ucp.text(st)),
+        };
+        let params = sys::ucp_mem_map_params_t {
+            field_mask: u64::from(
+                sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+                    | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH
+                    | sys::UCP_MEM_MAP_PARAM_FIELD_FLAGS,
+            ),
+            address: std::ptr::null_mut(),
+            length: bytes,
+            flags: MEM_MAP_ALLOCATE,
+            ..Default::default()
+        };
+        let mut memh: sys::ucp_mem_h = std::ptr::null_mut();
+        // SAFETY: valid parameters and out-pointer; UCX allocates the memory.
+        let st = unsafe {
+            self.ucp
+                .lib
+                .ucp_mem_map(self.ucp.ctx, &raw const params, &raw mut memh)
+        };
+        if st != sys::UCS_OK {
+            return Err(fail("ucp_mem_map", st));
+        }
+        let mut attr = sys::ucp_mem_attr_t {
+            field_mask: u64::from(sys::UCP_MEM_ATTR_FIELD_ADDRESS | sys::UCP_MEM_ATTR_FIELD_LENGTH),
+            ..Default::default()
+        };
+        // SAFETY: a live handle and a valid out-pointer.
+        let st = unsafe { self.ucp.lib.ucp_mem_query(memh, &raw mut attr) };
+        let base = attr.address as usize;
+        let st =
+            if st == sys::UCS_OK && (base == 0 || attr.length < bytes || !base.is_multiple_of(8)) {
+                sys::UCS_ERR_NO_MEMORY
+            } else {
+                st
+            };
+        if st != sys::UCS_OK {
+            // SAFETY: mapped above, unmapped once.
+            let _ = unsafe { self.ucp.lib.ucp_mem_unmap(self.ucp.ctx, memh) };
+            return Err(fail("ucp_mem_query", st));
+        }
+        // SAFETY: UCX allocated at least `bytes` at `base` for this
+        // process; nobody else knows it yet. Zeroed, as a new segment is
+        // (UCX's heap fallback is not).
+        unsafe { std::ptr::write_bytes(base as *mut u8, 0, bytes) };
+        lock(&self.allocations).insert(base, (bytes, MemH(memh)));
+        let owner = Allocation {
+            ucp: self.ucp.clone(),
+            allocations: self.allocations.clone(),
+            base,
+            memh: MemH(memh),
+        };
+        // SAFETY: 8-byte aligned, zeroed, valid for `bytes` until `owner`
+        // unmaps it, and only `owner` frees it.
+        Ok(unsafe { crate::HostMemory::new(base as *mut u8, bytes, Box::new(owner)) })
+    }
+
     /// `ucp_mem_map` and `ucp_rkey_pack` of a region (called under the
     /// table's read guard: the memory stays valid meanwhile).
     fn map(&self, info: RegionInfo) -> Result<Mapping, wire::Failure> {
@@ -522,17 +639,27 @@ impl Inner {
         if let Some(st) = self.test.map_fails() {
             return Err(fail(wire::Call::MemMap, st));
         }
-        let mut memh: sys::ucp_mem_h = std::ptr::null_mut();
-        // SAFETY: a registered region (valid while the guard is held);
-        // UCX registers it without allocating.
-        let st = unsafe {
-            self.ucp
-                .lib
-                .ucp_mem_map(self.ucp.ctx, &raw const params, &raw mut memh)
+        let allocated = lock(&self.allocations)
+            .get(&info.base)
+            .filter(|&&(len, _)| !info.backed && info.len <= len as u64)
+            .map(|&(_, h)| h.0);
+        let borrowed = allocated.is_some();
+        let memh = if let Some(h) = allocated {
+            h
+        } else {
+            let mut memh: sys::ucp_mem_h = std::ptr::null_mut();
+            // SAFETY: a registered region (valid while the guard is held);
+            // UCX registers it without allocating.
+            let st = unsafe {
+                self.ucp
+                    .lib
+                    .ucp_mem_map(self.ucp.ctx, &raw const params, &raw mut memh)
+            };
+            if st != sys::UCS_OK {
+                return Err(fail(wire::Call::MemMap, st));
+            }
+            memh
         };
-        if st != sys::UCS_OK {
-            return Err(fail(wire::Call::MemMap, st));
-        }
         let (mut buf, mut n): (*mut c_void, usize) = (std::ptr::null_mut(), 0);
         // SAFETY: a live memory handle; valid out-pointers; released below.
         let st = unsafe {
@@ -541,8 +668,10 @@ impl Inner {
                 .ucp_rkey_pack(self.ucp.ctx, memh, &raw mut buf, &raw mut n)
         };
         if st != sys::UCS_OK {
-            // SAFETY: mapped above, unmapped once.
-            let _ = unsafe { self.ucp.lib.ucp_mem_unmap(self.ucp.ctx, memh) };
+            if !borrowed {
+                // SAFETY: mapped above, unmapped once.
+                let _ = unsafe { self.ucp.lib.ucp_mem_unmap(self.ucp.ctx, memh) };
+            }
             return Err(fail(wire::Call::RkeyPack, st));
         }
         // SAFETY: UCX returned `n` bytes at `buf`.
@@ -551,6 +680,7 @@ impl Inner {
         unsafe { self.ucp.lib.ucp_rkey_buffer_release(buf) };
         Ok(Mapping {
             memh,
+            borrowed,
             base: info.base,
             served: wire::Served {
                 base: info.base as u64,

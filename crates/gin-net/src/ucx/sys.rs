@@ -1171,6 +1171,8 @@ pub struct UcpLib {
     ) -> ucs_status_t,
     pub ucp_mem_unmap:
         unsafe extern "C" fn(context: ucp_context_h, memh: ucp_mem_h) -> ucs_status_t,
+    pub ucp_mem_query:
+        unsafe extern "C" fn(memh: ucp_mem_h, attr: *mut ucp_mem_attr_t) -> ucs_status_t,
     pub ucp_ep_rkey_unpack: unsafe extern "C" fn(
         ep: ucp_ep_h,
         rkey_buffer: *const ::std::os::raw::c_void,
@@ -1263,6 +1265,7 @@ impl UcpLib {
         let ucp_ep_flush_nbx = __library.get(b"ucp_ep_flush_nbx\0").map(|sym| *sym)?;
         let ucp_mem_map = __library.get(b"ucp_mem_map\0").map(|sym| *sym)?;
         let ucp_mem_unmap = __library.get(b"ucp_mem_unmap\0").map(|sym| *sym)?;
+        let ucp_mem_query = __library.get(b"ucp_mem_query\0").map(|sym| *sym)?;
         let ucp_ep_rkey_unpack = __library.get(b"ucp_ep_rkey_unpack\0").map(|sym| *sym)?;
         let ucp_rkey_destroy = __library.get(b"ucp_rkey_destroy\0").map(|sym| *sym)?;
         let ucp_worker_set_am_recv_handler = __library
@@ -1304,6 +1307,7 @@ impl UcpLib {
             ucp_ep_flush_nbx,
             ucp_mem_map,
             ucp_mem_unmap,
+            ucp_mem_query,
             ucp_ep_rkey_unpack,
             ucp_rkey_destroy,
             ucp_worker_set_am_recv_handler,
@@ -1460,6 +1464,9 @@ impl UcpLib {
     }
     pub unsafe fn ucp_mem_unmap(&self, context: ucp_context_h, memh: ucp_mem_h) -> ucs_status_t {
         (self.ucp_mem_unmap)(context, memh)
+    }
+    pub unsafe fn ucp_mem_query(&self, memh: ucp_mem_h, attr: *mut ucp_mem_attr_t) -> ucs_status_t {
+        (self.ucp_mem_query)(memh, attr)
     }
     pub unsafe fn ucp_ep_rkey_unpack(
         &self,

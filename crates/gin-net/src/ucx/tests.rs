@@ -2348,3 +2348,70 @@ fn a_confirm_covers_a_put_numbered_but_not_yet_issued() {
         drop(t);
     });
 }
+
+/// Over UCX's shared memory a window part in memory ucx allocated
+/// (`Transport::alloc_host`) takes a peer's atomics as the peer's own CPU
+/// atomics: they complete while the owner's worker makes no progress (a
+/// thread of the owner held inside an issue call, so its progress thread
+/// stands back). Into memory gin-rs allocated they are emulated by the
+/// owner's progress thread and would time out here (docs/ucx.md, "Signal
+/// slots in memory UCX allocates").
+#[test]
+fn over_shared_memory_atomics_into_memory_ucx_allocated_need_no_progress_at_the_owner() {
+    const N: u64 = 100;
+    if !ucx_here() {
+        return;
+    }
+    let timeout = Duration::from_secs(3);
+    let out = two_ranks_over(Some(c"posix,cma,self"), move |b, table| {
+        let t = start(b, &table, timeout);
+        let mem = t
+            .alloc_host(4096)
+            .expect("ucx allocates window memory")
+            .unwrap();
+        assert_eq!(mem.as_ptr() as usize % 8, 0);
+        // SAFETY: `mem` outlives the region (removed below, before it drops).
+        let mine = unsafe { table.insert(mem.as_ptr(), 4096, Access::ALL) }.unwrap();
+        let keys = b.allgather(&mine.to_le_bytes()).unwrap();
+        let key = |r: usize| u32::from_le_bytes(keys[r][..4].try_into().unwrap());
+        let at = |r: usize| Target::Key {
+            key: key(r),
+            offset: 64,
+        };
+        let mut value = None;
+        if b.rank() == 1 {
+            // The rkey, while rank 0 still answers.
+            t.atomic(0, at(0), AtomicOp::FetchAdd(1), timeout).unwrap();
+            b.barrier().unwrap();
+            // Rank 0's worker is held now.
+            b.barrier().unwrap();
+            for i in 1..=N {
+                let old = t.atomic(0, at(0), AtomicOp::FetchAdd(1), timeout).unwrap();
+                assert_eq!(old, i);
+            }
+            b.barrier().unwrap();
+        } else {
+            b.barrier().unwrap();
+            t.inner.test.block_issue.store(true, Ordering::Release);
+            std::thread::scope(|s| {
+                let put = s.spawn(|| t.put(1, at(1), &[1; 8], None));
+                while !t.inner.test.blocked.load(Ordering::Acquire) {
+                    assert!(!put.is_finished(), "the put did not block");
+                    std::thread::yield_now();
+                }
+                b.barrier().unwrap();
+                b.barrier().unwrap();
+                t.inner.test.block_issue.store(false, Ordering::Release);
+                put.join().unwrap().unwrap();
+            });
+            // SAFETY: 8-byte aligned within the 4096 bytes of `mem`.
+            value = Some(unsafe { mem.as_ptr().add(64).cast::<u64>().read_volatile() });
+        }
+        b.barrier().unwrap();
+        drop(t);
+        table.remove(mine);
+        drop(mem);
+        value
+    });
+    assert_eq!(out[0], Some(N + 1));
+}
