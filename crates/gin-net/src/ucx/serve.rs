@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::worker::{Started, Ucp, started};
+use super::worker::{Context, Started, Ucp, started};
 use super::{Inner, Peer, Work, lock, sys, wire};
 use crate::NetError;
 use crate::region::{RegionInfo, RegionObserver, Removal};
@@ -42,10 +42,11 @@ unsafe impl Sync for MemH {}
 pub(super) type Allocations = Arc<Mutex<std::collections::HashMap<usize, (usize, MemH)>>>;
 
 /// Owns window memory UCX allocated: dropping it unmaps (frees) it. Holds
-/// the context, so memory outliving the transport (a window dropped after
-/// it, a quarantined one leaked) is freed with a live context or never.
+/// the context (not the worker, which the transport destroys when it
+/// goes), so memory outliving the transport (a window dropped after it, a
+/// quarantined one leaked) is freed with a live context or never.
 struct Allocation {
-    ucp: Arc<Ucp>,
+    context: Arc<Context>,
     allocations: Allocations,
     base: usize,
     memh: MemH,
@@ -53,12 +54,20 @@ struct Allocation {
 
 impl Drop for Allocation {
     fn drop(&mut self) {
+        #[cfg(test)]
+        if super::tests::IN_CALLBACK.with(std::cell::Cell::get) {
+            super::tests::UNMAPPED_IN_CALLBACK.fetch_add(1, Ordering::AcqRel);
+        }
         lock(&self.allocations).remove(&self.base);
         // SAFETY: allocated and mapped once by `Inner::alloc_host`, unmapped
         // once here; the window registered on it was removed from the
         // region table before its keeper (this) dropped, and a mapping
         // packed from it borrows the handle without unmapping it.
-        let _ = unsafe { self.ucp.lib.ucp_mem_unmap(self.ucp.ctx, self.memh.0) };
+        let _ = unsafe {
+            self.context
+                .lib
+                .ucp_mem_unmap(self.context.ctx, self.memh.0)
+        };
     }
 }
 
@@ -607,7 +616,7 @@ impl Inner {
         unsafe { std::ptr::write_bytes(base as *mut u8, 0, bytes) };
         lock(&self.allocations).insert(base, (bytes, MemH(memh)));
         let owner = Allocation {
-            ucp: self.ucp.clone(),
+            context: self.ucp.context.clone(),
             allocations: self.allocations.clone(),
             base,
             memh: MemH(memh),
