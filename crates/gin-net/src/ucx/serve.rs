@@ -599,16 +599,23 @@ impl Inner {
         // SAFETY: a live handle and a valid out-pointer.
         let st = unsafe { self.ucp.lib.ucp_mem_query(memh, &raw mut attr) };
         let base = attr.address as usize;
-        let st =
-            if st == sys::UCS_OK && (base == 0 || attr.length < bytes || !base.is_multiple_of(8)) {
-                sys::UCS_ERR_NO_MEMORY
-            } else {
-                st
-            };
-        if st != sys::UCS_OK {
+        let wrong = if st != sys::UCS_OK {
+            Some(fail("ucp_mem_query", st))
+        } else if base == 0 || attr.length < bytes || !base.is_multiple_of(8) {
+            Some(NetError::Io {
+                what: format!(
+                    "rank {}: allocating {bytes} bytes of window memory with UCX (ucp_mem_map gave {} bytes at {base:#x}: null, short or not 8-byte aligned; GIN_UCX_ALLOC=0 makes a shared segment instead)",
+                    self.rank, attr.length
+                ),
+                source: std::io::Error::other("unusable memory from UCX"),
+            })
+        } else {
+            None
+        };
+        if let Some(e) = wrong {
             // SAFETY: mapped above, unmapped once.
             let _ = unsafe { self.ucp.lib.ucp_mem_unmap(self.ucp.ctx, memh) };
-            return Err(fail("ucp_mem_query", st));
+            return Err(e);
         }
         // SAFETY: UCX allocated at least `bytes` at `base` for this
         // process; nobody else knows it yet. Zeroed, as a new segment is
