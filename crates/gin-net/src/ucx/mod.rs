@@ -383,7 +383,11 @@ enum Work {
 /// Shared by the transport, its progress thread and UCX's callbacks.
 pub(crate) struct Inner {
     rank: usize,
-    ucp: Arc<Ucp>,
+    /// Declared before `peers`, so dropped before them, right after
+    /// [`Inner::drop`]: destroying the worker completes (cancels) any
+    /// request left pending, whose callback reads its peer. Only the
+    /// context may outlive this (window memory UCX allocated holds it).
+    ucp: Ucp,
     peers: Vec<Option<Peer>>,
     table: Arc<RegionTable>,
     served: Mutex<HashMap<u32, serve::Mapping>>,
@@ -436,7 +440,7 @@ pub(crate) struct Inner {
     blame: OnceLock<Blame>,
     /// What kept the memory of completed puts from lent memory alive, to
     /// be dropped outside UCX's progress ([`Inner::drop_released`]).
-    released: Arc<Mutex<Vec<KeepAlive>>>,
+    released: Released,
     /// Each peer's process, where it runs on this kernel (`ProcessId`).
     procs: Vec<Option<ProcessId>>,
     /// Failures the tests inject.
@@ -606,7 +610,7 @@ impl UcxTransport {
             .collect();
         let inner = Arc::new(Inner {
             rank,
-            ucp: Arc::new(ucp),
+            ucp,
             peers,
             table: table.clone(),
             served: Mutex::new(HashMap::new()),
@@ -684,7 +688,12 @@ struct OpCtx {
     lib: *const sys::UcpLib,
     inflight: Arc<AtomicU64>,
     bounce: Option<Box<[u8]>>,
-    get: Option<(Arc<AtomicU64>, Option<KeepAlive>)>,
+    /// A get's counter, and what keeps its destination alive with the
+    /// list it goes to once the get completes ([`Lent::Kept`]'s, for the
+    /// same reason: the destination may be window memory UCX allocated,
+    /// whose last keeper unmaps it, a UCX call that must not run inside
+    /// UCX's progress).
+    get: Option<(Arc<AtomicU64>, Option<Kept>)>,
     /// A get's landing buffer and where its bytes go when it completes.
     land: Option<(*mut u8, Box<[u8]>)>,
     /// A put from lent memory (counted in its peer's `lent`), with its
@@ -700,8 +709,15 @@ enum Lent {
     /// list the progress thread and every wait for such puts empty outside
     /// UCX's progress (dropping it may free GPU memory, a CUDA call that
     /// must not run inside a UCX callback holding the worker).
-    Kept(KeepAlive, Arc<Mutex<Vec<KeepAlive>>>),
+    Kept(KeepAlive, Released),
 }
+
+/// Where completions leave what they must not drop inside UCX's progress
+/// ([`Inner::released`]).
+type Released = Arc<Mutex<Vec<KeepAlive>>>;
+
+/// A keeper and the list it goes to once its request completed.
+type Kept = (KeepAlive, Released);
 
 unsafe extern "C" fn op_done(req: *mut c_void, status: sys::ucs_status_t, user: *mut c_void) {
     // SAFETY: `user` is the `Box<OpCtx>` leaked when the request was
@@ -712,7 +728,11 @@ unsafe extern "C" fn op_done(req: *mut c_void, status: sys::ucs_status_t, user: 
     // callback, so `launched` leaves pending ones to this).
     unsafe { (*ctx.lib).ucp_request_free(req) };
     ctx.inflight.fetch_sub(1, Ordering::AcqRel);
+    #[cfg(test)]
+    tests::IN_CALLBACK.with(|c| c.set(true));
     ctx.finish(status);
+    #[cfg(test)]
+    tests::IN_CALLBACK.with(|c| c.set(false));
 }
 
 impl OpCtx {
@@ -736,7 +756,10 @@ impl OpCtx {
             // length until `done` is counted down, just below.
             unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), *dst, buf.len()) };
         }
-        if let Some((done, _keep)) = &self.get {
+        if let Some((done, keep)) = self.get.take() {
+            if let Some((k, released)) = keep {
+                lock(&released).push(k);
+            }
             done.fetch_sub(1, Ordering::AcqRel);
         }
         self.release_lent(status != sys::UCS_OK);
@@ -1683,7 +1706,7 @@ impl Transport for UcxTransport {
         })?;
         self.with_ep(p, "ucp_get_nbx", |ep, _| {
             let mut ctx = inner.op_ctx(p, "get");
-            ctx.get = Some((done.clone(), keep));
+            ctx.get = Some((done.clone(), keep.map(|k| (k, inner.released.clone()))));
             let buf: Box<[u8]> = vec![0u8; n].into_boxed_slice();
             let landing = buf.as_ptr().cast_mut();
             ctx.land = Some((dst, buf));
@@ -1700,7 +1723,10 @@ impl Transport for UcxTransport {
             inner
                 .launched(&prm, r)
                 .map_err(|st| self.failed(p, "get", st))
-        })
+        })?;
+        // A get completed in place left its keeper to the list.
+        inner.drop_released();
+        Ok(())
     }
 
     fn read(

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::worker::{Started, Ucp, started};
+use super::worker::{Context, Started, Ucp, started};
 use super::{Inner, Peer, Work, lock, sys, wire};
 use crate::NetError;
 use crate::region::{RegionInfo, RegionObserver, Removal};
@@ -42,10 +42,11 @@ unsafe impl Sync for MemH {}
 pub(super) type Allocations = Arc<Mutex<std::collections::HashMap<usize, (usize, MemH)>>>;
 
 /// Owns window memory UCX allocated: dropping it unmaps (frees) it. Holds
-/// the context, so memory outliving the transport (a window dropped after
-/// it, a quarantined one leaked) is freed with a live context or never.
+/// the context (not the worker, which the transport destroys when it
+/// goes), so memory outliving the transport (a window dropped after it, a
+/// quarantined one leaked) is freed with a live context or never.
 struct Allocation {
-    ucp: Arc<Ucp>,
+    context: Arc<Context>,
     allocations: Allocations,
     base: usize,
     memh: MemH,
@@ -53,12 +54,20 @@ struct Allocation {
 
 impl Drop for Allocation {
     fn drop(&mut self) {
+        #[cfg(test)]
+        if super::tests::IN_CALLBACK.with(std::cell::Cell::get) {
+            super::tests::UNMAPPED_IN_CALLBACK.fetch_add(1, Ordering::AcqRel);
+        }
         lock(&self.allocations).remove(&self.base);
         // SAFETY: allocated and mapped once by `Inner::alloc_host`, unmapped
         // once here; the window registered on it was removed from the
         // region table before its keeper (this) dropped, and a mapping
         // packed from it borrows the handle without unmapping it.
-        let _ = unsafe { self.ucp.lib.ucp_mem_unmap(self.ucp.ctx, self.memh.0) };
+        let _ = unsafe {
+            self.context
+                .lib
+                .ucp_mem_unmap(self.context.ctx, self.memh.0)
+        };
     }
 }
 
@@ -590,16 +599,23 @@ impl Inner {
         // SAFETY: a live handle and a valid out-pointer.
         let st = unsafe { self.ucp.lib.ucp_mem_query(memh, &raw mut attr) };
         let base = attr.address as usize;
-        let st =
-            if st == sys::UCS_OK && (base == 0 || attr.length < bytes || !base.is_multiple_of(8)) {
-                sys::UCS_ERR_NO_MEMORY
-            } else {
-                st
-            };
-        if st != sys::UCS_OK {
+        let wrong = if st != sys::UCS_OK {
+            Some(fail("ucp_mem_query", st))
+        } else if base == 0 || attr.length < bytes || !base.is_multiple_of(8) {
+            Some(NetError::Io {
+                what: format!(
+                    "rank {}: allocating {bytes} bytes of window memory with UCX (ucp_mem_map gave {} bytes at {base:#x}: null, short or not 8-byte aligned; GIN_UCX_ALLOC=0 makes a shared segment instead)",
+                    self.rank, attr.length
+                ),
+                source: std::io::Error::other("unusable memory from UCX"),
+            })
+        } else {
+            None
+        };
+        if let Some(e) = wrong {
             // SAFETY: mapped above, unmapped once.
             let _ = unsafe { self.ucp.lib.ucp_mem_unmap(self.ucp.ctx, memh) };
-            return Err(fail("ucp_mem_query", st));
+            return Err(e);
         }
         // SAFETY: UCX allocated at least `bytes` at `base` for this
         // process; nobody else knows it yet. Zeroed, as a new segment is
@@ -607,7 +623,7 @@ impl Inner {
         unsafe { std::ptr::write_bytes(base as *mut u8, 0, bytes) };
         lock(&self.allocations).insert(base, (bytes, MemH(memh)));
         let owner = Allocation {
-            ucp: self.ucp.clone(),
+            context: self.ucp.context.clone(),
             allocations: self.allocations.clone(),
             base,
             memh: MemH(memh),

@@ -14,6 +14,16 @@ use super::*;
 use crate::region::Removal;
 use crate::window::{Addr, MemDesc, MemParts};
 
+thread_local! {
+    /// Whether this thread is inside a request's completion callback
+    /// (`op_done`).
+    pub(super) static IN_CALLBACK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Window memory UCX allocated that was unmapped inside a completion
+/// callback (which must never happen: see `Lent::Kept`).
+pub(super) static UNMAPPED_IN_CALLBACK: AtomicU64 = AtomicU64::new(0);
+
 /// Failures the tests inject into a transport.
 #[derive(Default)]
 pub(super) struct Hooks {
@@ -2414,4 +2424,65 @@ fn over_shared_memory_atomics_into_memory_ucx_allocated_need_no_progress_at_the_
         value
     });
     assert_eq!(out[0], Some(N + 1));
+}
+
+/// A get into window memory UCX allocated, whose keeper is the last owner
+/// of that memory when the get completes, does not unmap it inside UCX's
+/// progress (the completion callback, where the worker is held): the
+/// keeper goes to the list dropped outside it, and the memory is still
+/// freed. Over tcp, where a get completes in its callback.
+#[test]
+fn a_get_keeping_the_last_owner_of_memory_ucx_allocated_frees_it_outside_ucx_progress() {
+    if !ucx_here() {
+        return;
+    }
+    let timeout = Duration::from_secs(30);
+    let out = two_ranks_over(Some(c"tcp,self"), move |b, table| {
+        let t = start(b, &table, timeout);
+        let mut src = vec![7u64; 512];
+        let key = register(&table, &mut src);
+        let peer = 1 - b.rank();
+        let theirs = key_of(b, key, peer);
+        let dst = t
+            .alloc_host(4096)
+            .expect("ucx allocates window memory")
+            .unwrap();
+        let base = dst.as_ptr() as usize;
+        assert!(lock(&t.inner.allocations).contains_key(&base));
+        let done = Arc::new(AtomicU64::new(1));
+        let ptr = dst.as_ptr();
+        let keep = crate::KeepAlive(Arc::new(dst));
+        // SAFETY: the keeper holds the destination until the get completes.
+        unsafe {
+            t.get(
+                peer,
+                Target::Key {
+                    key: theirs,
+                    offset: 0,
+                },
+                ptr,
+                4096,
+                &done,
+                Some(keep),
+            )
+        }
+        .unwrap();
+        let began = Instant::now();
+        while done.load(Ordering::Acquire) > 0 || lock(&t.inner.allocations).contains_key(&base) {
+            assert!(
+                began.elapsed() < timeout,
+                "the get's memory was never freed"
+            );
+            std::thread::yield_now();
+        }
+        b.barrier().unwrap();
+        drop(t);
+        table.remove(key);
+        UNMAPPED_IN_CALLBACK.load(Ordering::Acquire)
+    });
+    assert_eq!(
+        out,
+        [0, 0],
+        "memory UCX allocated was unmapped inside a callback"
+    );
 }

@@ -13,10 +13,38 @@ use super::load::{MIN_VERSION, status_text};
 use super::sys;
 use crate::NetError;
 
-/// A context and its worker.
-pub struct Ucp {
+/// A UCP context, cleaned up (`ucp_cleanup`) when the last reference
+/// drops: the worker's [`Ucp`] holds one, and so does each piece of window
+/// memory UCX allocated (`serve::Allocation`), which must be unmapped with
+/// a live context but may outlive the worker (`ucp_mem_unmap` after
+/// `ucp_worker_destroy` and before `ucp_cleanup` is legal).
+pub(super) struct Context {
     pub(super) lib: Arc<sys::UcpLib>,
     pub(super) ctx: sys::ucp_context_h,
+}
+
+// SAFETY: the context is created with `mt_workers_shared`, so UCX
+// serialises calls on it (memory mapping) itself.
+unsafe impl Send for Context {}
+// SAFETY: as above.
+unsafe impl Sync for Context {}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: the last reference: the worker was destroyed and every
+        // memory handle unmapped first (each holder of a handle holds a
+        // reference); cleaned up once.
+        unsafe { self.lib.ucp_cleanup(self.ctx) };
+    }
+}
+
+/// A context and its worker. Dropping it destroys the worker at once, and
+/// the context once nothing else holds it ([`Context`]).
+pub struct Ucp {
+    pub(super) lib: Arc<sys::UcpLib>,
+    /// The context's handle, as `context` holds it.
+    pub(super) ctx: sys::ucp_context_h,
+    pub(super) context: Arc<Context>,
     pub(super) worker: sys::ucp_worker_h,
     /// Whether the context has UCX's tcp segment sizes from
     /// [`super::am::TCP_SEGMENTS`] (so a put message up to
@@ -184,17 +212,22 @@ impl Ucp {
             thread_mode: sys::UCS_THREAD_MODE_MULTI,
             ..Default::default()
         };
+        // Cleans the context up on every path from here (it has no worker
+        // yet).
+        let context = Arc::new(Context {
+            lib: lib.clone(),
+            ctx,
+        });
         let mut worker: sys::ucp_worker_h = std::ptr::null_mut();
         // SAFETY: a live context, valid params and out-pointer.
         let st = unsafe { lib.ucp_worker_create(ctx, &raw const wp, &raw mut worker) };
         if st != sys::UCS_OK {
-            // SAFETY: the context made above, with no worker.
-            unsafe { lib.ucp_cleanup(ctx) };
             return Err(setup_error(&lib, "ucp_worker_create", st));
         }
         let ucp = Self {
             lib,
             ctx,
+            context,
             worker,
             tcp_segments,
         };
@@ -305,12 +338,11 @@ impl Ucp {
 
 impl Drop for Ucp {
     fn drop(&mut self) {
-        // SAFETY: the owner closed every endpoint and released every memory
-        // handle and rkey first (`Inner::drop`); each is destroyed once.
-        unsafe {
-            self.lib.ucp_worker_destroy(self.worker);
-            self.lib.ucp_cleanup(self.ctx);
-        }
+        // SAFETY: the owner closed every endpoint and destroyed every rkey
+        // first (`Inner::drop`); destroyed once. The context goes with
+        // its last reference (`context`, dropped after this), after every
+        // memory handle still held elsewhere is unmapped.
+        unsafe { self.lib.ucp_worker_destroy(self.worker) };
     }
 }
 
