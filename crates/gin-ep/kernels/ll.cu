@@ -473,19 +473,15 @@ __device__ __forceinline__ const u8* meta_of(const Window& send, u64 tok, u32 m,
   return (const u8*)send.local_base + tok * m + p;
 }
 
-// Block-wide: the staged tokens among [base, base + blockDim.x) whose top-k
-// names expert e, in token order, into list[0..n); returns n on every
+// Block-wide: the tokens among [base, base + blockDim.x) for which
+// names(tok) holds, in token order, into list[0..n); returns n on every
 // thread. blockDim.x is a multiple of 32 (the host launches 512 threads).
-__device__ u32 hits_of(const Window& send, u32 base, u32 tokens, u32 m, u32 p, u32 k, u32 e,
-                       u32* list) {
+template <class Names>
+__device__ u32 hits_where(u32 base, u32 tokens, u32* list, Names names) {
   __shared__ u32 before[32];
   __shared__ u32 total;
   const u32 tok = base + threadIdx.x, lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-  bool hit = false;
-  if (tok < tokens) {
-    const int* ids = (const int*)(meta_of(send, tok, m, p) + 4);
-    for (u32 j = 0; j < k; ++j) hit |= ids[j] == (int)e;
-  }
+  const bool hit = tok < tokens && names(tok);
   const u32 ballot = __ballot_sync(0xffffffffu, hit);
   if (lane == 0) before[warp] = __popc(ballot);
   __syncthreads();
@@ -505,6 +501,17 @@ __device__ u32 hits_of(const Window& send, u32 base, u32 tokens, u32 m, u32 p, u
   // Nobody rewrites `before` or `total` (the next call) before all read.
   __syncthreads();
   return n;
+}
+
+// The staged tokens whose top-k (their messages' metadata) names expert e.
+__device__ u32 hits_of(const Window& send, u32 base, u32 tokens, u32 m, u32 p, u32 k, u32 e,
+                       u32* list) {
+  return hits_where(base, tokens, list, [&](u32 tok) {
+    const int* ids = (const int*)(meta_of(send, tok, m, p) + 4);
+    bool hit = false;
+    for (u32 j = 0; j < k; ++j) hit |= ids[j] == (int)e;
+    return hit;
+  });
 }
 
 using fp8::from_bf16;
@@ -668,33 +675,13 @@ __device__ u64 entries_key(const long long* idx, const float* wts, u32 tokens, u
 }
 
 // hits_of from the caller's top-k ids (tokens x k i64) instead of the
-// staged messages' metadata: the tokens among [base, base + blockDim.x)
-// naming expert e, in token order, into list[0..n); n on every thread.
+// staged messages' metadata.
 __device__ u32 hits_of_ids(const long long* idx, u32 base, u32 tokens, u32 k, u32 e, u32* list) {
-  __shared__ u32 before[32];
-  __shared__ u32 total;
-  const u32 tok = base + threadIdx.x, lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-  bool hit = false;
-  if (tok < tokens)
+  return hits_where(base, tokens, list, [&](u32 tok) {
+    bool hit = false;
     for (u32 j = 0; j < k; ++j) hit |= idx[(u64)tok * k + j] == (long long)e;
-  const u32 ballot = __ballot_sync(0xffffffffu, hit);
-  if (lane == 0) before[warp] = __popc(ballot);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    u32 sum = 0;
-    for (u32 w = 0; w < blockDim.x / 32u; ++w) {
-      const u32 c = before[w];
-      before[w] = sum;
-      sum += c;
-    }
-    total = sum;
-  }
-  __syncthreads();
-  if (hit) list[before[warp] + __popc(ballot & ((1u << lane) - 1u))] = tok;
-  __syncthreads();
-  const u32 n = total;
-  __syncthreads();
-  return n;
+    return hit;
+  });
 }
 
 // Warp-wide: token tok's message (its BF16 payload from x, then the
