@@ -582,16 +582,8 @@ impl Inner {
             flags: MEM_MAP_ALLOCATE,
             ..Default::default()
         };
-        let mut memh: sys::ucp_mem_h = std::ptr::null_mut();
-        // SAFETY: valid parameters and out-pointer; UCX allocates the memory.
-        let st = unsafe {
-            self.ucp
-                .lib
-                .ucp_mem_map(self.ucp.ctx, &raw const params, &raw mut memh)
-        };
-        if st != sys::UCS_OK {
-            return Err(fail("ucp_mem_map", st));
-        }
+        // SAFETY: UCX allocates the memory (MEM_MAP_ALLOCATE).
+        let memh = unsafe { self.ucp.mem_map(&params) }.map_err(|st| fail("ucp_mem_map", st))?;
         let mut attr = sys::ucp_mem_attr_t {
             field_mask: u64::from(sys::UCP_MEM_ATTR_FIELD_ADDRESS | sys::UCP_MEM_ATTR_FIELD_LENGTH),
             ..Default::default()
@@ -660,21 +652,13 @@ impl Inner {
             .filter(|&&(len, _)| !info.backed && info.len <= len as u64)
             .map(|&(_, h)| h.0);
         let borrowed = allocated.is_some();
-        let memh = if let Some(h) = allocated {
-            h
-        } else {
-            let mut memh: sys::ucp_mem_h = std::ptr::null_mut();
-            // SAFETY: a registered region (valid while the guard is held);
-            // UCX registers it without allocating.
-            let st = unsafe {
-                self.ucp
-                    .lib
-                    .ucp_mem_map(self.ucp.ctx, &raw const params, &raw mut memh)
-            };
-            if st != sys::UCS_OK {
-                return Err(fail(wire::Call::MemMap, st));
+        let memh = match allocated {
+            Some(h) => h,
+            None => {
+                // SAFETY: a registered region (valid while the guard is
+                // held); UCX registers it without allocating.
+                unsafe { self.ucp.mem_map(&params) }.map_err(|st| fail(wire::Call::MemMap, st))?
             }
-            memh
         };
         let (mut buf, mut n): (*mut c_void, usize) = (std::ptr::null_mut(), 0);
         // SAFETY: a live memory handle; valid out-pointers; released below.

@@ -330,6 +330,22 @@ impl Ucp {
         unsafe { self.lib.ucp_request_free(req) };
     }
 
+    /// `ucp_mem_map` on this context: the memory handle, or UCX's status.
+    ///
+    /// # Safety
+    /// `params` describe memory UCX may map: with `UCP_MEM_MAP_ALLOCATE`,
+    /// memory it allocates; else a region that stays valid until the
+    /// handle is unmapped.
+    pub unsafe fn mem_map(
+        &self,
+        params: &sys::ucp_mem_map_params_t,
+    ) -> Result<sys::ucp_mem_h, sys::ucs_status_t> {
+        let mut memh: sys::ucp_mem_h = std::ptr::null_mut();
+        // SAFETY: the caller's contract; a valid out-pointer.
+        let st = unsafe { self.lib.ucp_mem_map(self.ctx, params, &raw mut memh) };
+        if st == sys::UCS_OK { Ok(memh) } else { Err(st) }
+    }
+
     /// UCX's text for a status.
     pub fn text(&self, st: sys::ucs_status_t) -> String {
         status_text(&self.lib, st)
