@@ -14,13 +14,15 @@
 // NONE where it does not go). For host inputs the host writes the row and
 // ep_ht_stage_meta the metadata beside the notify kernel; for inputs in GPU
 // memory ep_ht_layout writes both, queued right before the notify kernel.
-// The notify kernel copies every rank's row (this round's half of NRECV)
-// into pinned host memory, which the host reads after it; the host builds
-// the step's plan with the CPU ranks' code (plan.rs) and writes it as one
-// table of u32 words (the count matrix per channel, each receiver's block
-// starts, the forwarders) into pinned memory, which ep_ht_copy_words copies
-// to the GPU, queued before the dispatch kernel: the kernels move runs of
-// tokens by it.
+// The notify kernel, once it holds every rank's row (this round's half of
+// NRECV), builds the step's plan from them as one table of u32 words (the
+// count matrix per channel, each receiver's block starts, the forwarders:
+// plan.rs's Plan::tables) and judges the rows as the host's checks do; the
+// dispatch kernel, queued right after it on the same stream, moves runs of
+// tokens by that table, with no host step between the two. The notify
+// kernel also copies the rows into pinned host memory, where the host reads
+// them after the dispatch kernel and builds the same plan with the CPU
+// ranks' code (for the combine and the read-back).
 //
 // A channel is one block (DeepEP's channel is one SM), a state machine as
 // the CPU ranks' lane: warp 0 decides what can move without waiting (a
@@ -212,6 +214,73 @@ struct Tables {
   }
   EP_FN u32 direct_expect(u32 src, u32 me, u32 ch) const { return rank_chan(src, me, ch); }
 };
+
+// The step's plan built from every rank's notify row, on the GPU, by the
+// notify kernel once it holds them all (plan.rs's Plan::new and
+// Plan::tables, word for word), so that the dispatch kernel can follow it
+// on the same stream with no host step between the two. `rows`: r rows of
+// notify_row_words(s) u32 (this round's half of NRECV); `active`: u32 per
+// rank, 1 active. A masked rank's row is stale: its counts read as zero.
+EP_FN u32 notify_mask_words(const Shape& s) { return (s.r + 31) / 32; }
+EP_FN u32 notify_row_words(const Shape& s) { return notify_mask_words(s) + (s.r + s.h) * s.chans; }
+// The rank forwarding src's tokens on host (plan.rs's forwarder): src on
+// its own host; elsewhere the rank with src's local index, or the next
+// active one in cyclic order; NONE where no rank there is active.
+EP_FN u32 forwarder_of(const Shape& s, const u32* active, u32 src, u32 host) {
+  if (host == src / s.l) return active[src] ? src : NONE;
+  for (u32 i = 0; i < s.l; ++i) {
+    const u32 cand = host * s.l + (src % s.l + i) % s.l;
+    if (active[cand]) return cand;
+  }
+  return NONE;
+}
+// Word i (< Tables::words()) of the plan's table.
+template <class Rows>
+EP_FN u32 plan_word(const Shape& s, Rows rows, const u32* active, u32 i) {
+  const Tables tb{nullptr, s};
+  const u32 rw = notify_row_words(s), mw = notify_mask_words(s), c = s.chans;
+  if (i < tb.at_recv_pre()) {
+    // The counts per (source, destination, channel), then per (source,
+    // host, channel): each source's row after its mask, as it came.
+    const bool by_rank = i < tb.at_host_chan();
+    const u32 j = by_rank ? i : i - tb.at_host_chan();
+    const u32 per = (by_rank ? s.r : s.h) * c, src = j / per;
+    if (!active[src]) return 0;
+    return rows[(u64)src * rw + mw + (by_rank ? 0 : s.r * c) + j % per];
+  }
+  if (i < tb.at_fwd_of()) {
+    // dst's block starts: the tokens of every active source before `upto`.
+    const u32 j = i - tb.at_recv_pre(), dst = j / (s.r + 1), upto = j % (s.r + 1);
+    u32 n = 0;
+    for (u32 src = 0; src < upto; ++src) {
+      if (!active[src]) continue;
+      for (u32 ch = 0; ch < c; ++ch) n += rows[(u64)src * rw + mw + dst * c + ch];
+    }
+    return n;
+  }
+  const u32 j = i - tb.at_fwd_of();
+  return forwarder_of(s, active, j / s.h, j % s.h);
+}
+// The checks the host makes of the rows before it builds a plan
+// (cuda/ht.rs's notify_rows with plan.rs's check_row), one item each:
+// plan_checks(s) items, each active source's count of every destination
+// and every host (at most t: a refused row's counts, u32::MAX, are above
+// any buffer's maximum) and every bit of its active mask (this rank's).
+// The plan holds iff no item is bad.
+EP_FN u32 plan_checks(const Shape& s) { return s.r * (2 * s.r + s.h); }
+template <class Rows>
+EP_FN bool plan_item_bad(const Shape& s, Rows rows, const u32* active, u32 item) {
+  const u32 per = 2 * s.r + s.h, src = item / per, g = item % per;
+  if (!active[src]) return false;
+  const u64 at = (u64)src * notify_row_words(s);
+  if (g < s.r + s.h) {
+    u64 n = 0;
+    for (u32 ch = 0; ch < s.chans; ++ch) n += rows[at + notify_mask_words(s) + (u64)g * s.chans + ch];
+    return n > s.t;
+  }
+  const u32 p = g - (s.r + s.h);
+  return ((rows[at + p / 32] >> (p % 32) & 1u) != 0) != (active[p] != 0);
+}
 
 // Where things lie: a slot of the (ch, src) ring for the message with
 // sequence number seq, a row of CRDMA, an entry of the forwarder's record,
@@ -1302,11 +1371,17 @@ __device__ void clear_lane(const Shape& s, u64* L, u32 lo, bool dispatch) {
 // rank) for each active rank's row, exactly one round each (a faster rank
 // may be a round ahead: rows alternate between the two halves of NRECV),
 // and copies this round's half (r rows of width bytes) into rows (pinned
-// host memory, mapped), which the host reads once the launch has finished,
-// with no copy of its own between this kernel and the dispatch kernel.
+// host memory, mapped), which the host reads after the dispatch kernel.
+// From those rows it builds the step's plan (tables: Tables::words() u32,
+// plan.rs's Plan::tables word for word) and judges them as the host's
+// checks do (plan_item_bad): one more word of tables, copied after the rows
+// in `rows` too, says 1 where they refuse the step (a refused row, a count
+// above the maximum, an active mask that differs from this rank's), and
+// the dispatch kernel queued after this one on the same stream then sends
+// nothing; the host reads the rows, names why and checks that it agrees.
 extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_notify(DevComm dc, EP_HT_WINDOWS, u32 width, u32 parity,
                                         const u32* shape, const u32* active, u64* seen,
-                                        u64* clock, u32* rows) {
+                                        u64* clock, u32* rows, u32* tables) {
   if (ep::failed_before(dc)) return;
   ep::clock_start(clock);
   const ep::ht::Shape s = ep::ht::shape_of(shape);
@@ -1316,7 +1391,8 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_notify(DevComm dc
   // creation: cuda/ht.rs's check_notify_windows): else the launch fails
   // before anything is sent, naming NRECV, rather than leave the host an
   // earlier round's rows to read.
-  if (2ull * s.r * width > nrecv.local_size) {
+  // The rows are notify rows of this shape (the plan reads them so).
+  if (2ull * s.r * width > nrecv.local_size || width != 4 * ep::ht::notify_row_words(s)) {
     if (threadIdx.x == 0) gin::detail::fail(dc, OUT_OF_WINDOW, 0, NO_PEER, nrecv.id);
     return;
   }
@@ -1343,21 +1419,27 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_notify(DevComm dc
   const volatile u32* half =
       (const volatile u32*)((const u8*)nrecv.local_base + (u64)parity * s.r * width);
   for (u64 i = threadIdx.x; i < (u64)s.r * width / 4; i += blockDim.x) rows[i] = half[i];
+  // The plan, and the verdict on the rows.
+  const ep::ht::Tables tb{tables, s};
+  for (u32 i = threadIdx.x; i < tb.words(); i += blockDim.x)
+    tables[i] = ep::ht::plan_word(s, half, active, i);
+  bool bad = false;
+  for (u32 i = threadIdx.x; i < ep::ht::plan_checks(s); i += blockDim.x)
+    bad = bad || ep::ht::plan_item_bad(s, half, active, i);
+  const u32 refused = __syncthreads_or(bad) ? 1u : 0u;
+  if (threadIdx.x == 0) {
+    tables[tb.words()] = refused;
+    rows[(u64)s.r * width / 4] = refused;
+  }
   __threadfence_system();
   ep::clock_end(clock);
 }
 
-// Copies n u32 words from src (pinned host memory, mapped: the plan's table
-// the host wrote there) to dst (device memory), queued on gin's stream
-// before the dispatch kernel, which reads dst: the table goes up without a
-// synchronous copy between the count exchange and the dispatch.
-extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_copy_words(const u32* src, u32* dst, u32 n) {
-  for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) dst[i] = src[i];
-}
-
 // High-throughput dispatch: block ch runs channel ch (context ch) to the
 // end of its part of the step (see the top of this file). `tokens`: this
-// rank's tokens, staged in XIN and MIN. tables: the step's plan; active
+// rank's tokens, staged in XIN and MIN. tables: the step's plan, which the
+// notify kernel built, and its verdict (the word after it: 1, the rows
+// refuse the step, and nothing is sent); active
 // (u32 per rank, 1 active) as the plan's; seen, lane: per channel, the
 // signals' accounted values and warp 0's scratch (lane_of: used only where
 // shared memory cannot hold it); contrib (r x t x l
@@ -1372,6 +1454,10 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_dispatch(DevComm 
   ep::clock_start(clock);
   __shared__ ep::ht::Batch b;
   const ep::ht::Shape s = ep::ht::shape_of(shape);
+  if (tables[ep::ht::Tables{tables, s}.words()] != 0) {
+    ep::clock_end(clock);
+    return;
+  }
   const Window* W[ep::ht::WINDOWS] = EP_HT_WINDOW_TABLE;
   const ep::ht::Args a{dc, {W[0], W[1], W[2], W[3], W[4], W[5], W[6], W[7], W[8], W[9], W[10],
                             W[11]},

@@ -69,7 +69,6 @@ pub(crate) struct HtFunctions {
     pub(crate) quantize: Function,
     pub(crate) stage_meta: Function,
     pub(crate) layout: Function,
-    pub(crate) copy_words: Function,
 }
 
 impl HtFunctions {
@@ -82,7 +81,6 @@ impl HtFunctions {
             quantize: m.function("ep_ht_quantize")?,
             stage_meta: m.function("ep_ht_stage_meta")?,
             layout: m.function("ep_ht_layout")?,
-            copy_words: m.function("ep_ht_copy_words")?,
         })
     }
 }
@@ -254,7 +252,9 @@ pub(crate) struct HtState {
     pub(crate) s: Shape,
     /// The shape words (written once).
     shape: DevMem,
-    /// The step's plan ([`Plan::tables`]).
+    /// The step's plan ([`Plan::tables`]), which the notify kernel builds
+    /// from the rows, then one word: 1 where the rows refuse the step (the
+    /// dispatch kernel then sends nothing).
     tables: DevMem,
     /// `u64[chans × signals]`: per context, the value of each signal
     /// accounted for (the kernels advance it).
@@ -281,14 +281,12 @@ pub(crate) struct HtState {
     /// layout kernel's, where it ran) to the dispatch kernel's end; the
     /// pairs apart give `GIN_DEBUG=gin_ep=debug`'s GPU timeline of a step.
     clocks: DevMem,
-    /// The rows of a count exchange (`r × row words` u32), copied by the
-    /// notify kernel from NRECV into pinned host memory, which the host
-    /// reads after it without a copy of its own.
+    /// The rows of a count exchange (`r × row words` u32), then the notify
+    /// kernel's verdict on them (the word after the plan in `tables`),
+    /// copied by the notify kernel from NRECV into pinned host memory,
+    /// which the host reads after the dispatch kernel without a copy of its
+    /// own.
     rows: HostMem,
-    /// The step's plan table ([`Plan::tables`]) in pinned host memory,
-    /// copied into `tables` by `ep_ht_copy_words` queued on gin's stream
-    /// before the dispatch kernel (no synchronous copy between them).
-    tables_pin: HostMem,
     /// FP8: the step's BF16 tokens (`t × hidden` u16), uploaded beside the
     /// notify kernel and quantised into XIN by `ep_ht_quantize`.
     xbf: Option<DevMem>,
@@ -333,7 +331,7 @@ impl HtState {
         d.write(0, &dw)?;
         Ok(Self {
             shape,
-            tables: zeroed(4 * TableAt::of(s.r, s.h, s.chans).words)?,
+            tables: zeroed(4 * (TableAt::of(s.r, s.h, s.chans).words + 1))?,
             seen: zeroed(8 * s.chans * s.signals() as usize)?,
             lane: zeroed(8 * s.chans * lane_words(&s))?,
             contrib: zeroed(4 * s.r * s.t * s.l)?,
@@ -341,8 +339,7 @@ impl HtState {
             rounds: 0,
             received: 0,
             clocks: zeroed(48)?,
-            rows: HostMem::new(4 * s.r * s.row_words())?,
-            tables_pin: HostMem::new(4 * TableAt::of(s.r, s.h, s.chans).words)?,
+            rows: HostMem::new(4 * (s.r * s.row_words() + 1))?,
             xbf: if cfg.fp8 {
                 Some(zeroed(2 * s.t * cfg.hidden)?)
             } else {
@@ -954,7 +951,7 @@ impl CudaBuffer<'_, '_> {
         let row = plan::refused_row(s, &self.active);
         let r = self
             .current()
-            .and_then(|()| self.ht_exchange(s, Row::Host(&row), None));
+            .and_then(|()| self.ht_exchange(s, Row::Host(&row), None, On::Wait));
         match r {
             Ok(()) => {
                 self.ht_exchanged();
@@ -967,9 +964,14 @@ impl CudaBuffer<'_, '_> {
         }
     }
 
-    /// The count exchange (with this step's staging beside it), the plan,
-    /// FP8 host tokens' quantisation and the dispatch kernel; the step's
-    /// plan, or a refusal (a peer's, or of this rank's inputs on the GPU).
+    /// The count exchange (with this step's staging beside it), FP8 host
+    /// tokens' quantisation and the dispatch kernel, queued one after the
+    /// other on gin's stream with no host step between them: the notify
+    /// kernel builds the step's plan on the GPU from every rank's row and
+    /// the dispatch kernel follows it, or sends nothing where the rows
+    /// refuse the step. Then the host reads the rows and builds the same
+    /// plan with the CPU ranks' code: the step's plan, or a refusal (a
+    /// peer's, or of this rank's inputs on the GPU).
     fn ht_dispatch_steps(
         &mut self,
         s: &Shape,
@@ -977,12 +979,52 @@ impl CudaBuffer<'_, '_> {
         x: Tokens<'_>,
     ) -> Result<Notified, EpError> {
         let t0 = std::time::Instant::now();
-        let (plan, payloads) = self.ht_notify(s, tokens, x)?;
+        let queued = self.ht_queue_and_dispatch(s, tokens, x);
+        if queued.is_err() {
+            // The notify kernel may still be queued or running (it reads
+            // and writes only this buffer's memory, and its waits are
+            // bounded by the job timeout): it ends before the error is
+            // returned, so that nothing of the step runs on once the
+            // caller learns of it (the buffer then refuses further steps).
+            // Its own error, if any, is the one already in hand.
+            let _ = self.gin_stream().sync();
+        }
+        let (notified, quantised, payloads) = queued?;
+        let dispatched = t0.elapsed();
+        // The exchange has completed (the dispatch kernel follows it on
+        // gin's stream and was waited for without an error).
+        self.ht_exchanged();
+        let notified_rows = self.ht_rows(s, x)?;
+        let us = |d: std::time::Duration| d.as_secs_f64() * 1e6;
+        tracing::debug!(
+            rank = self.rank,
+            queued_us = us(notified),
+            quantised_us = us(quantised),
+            dispatched_us = us(dispatched),
+            planned_us = us(t0.elapsed()),
+            in_place = matches!(payloads, Payloads::InPlace { .. }),
+            on_gpu = matches!(x, Tokens::Device(_)),
+            "high-throughput dispatch on the host, from the staging's start: the exchange queued, the dispatch kernel's end, the host's plan"
+        );
+        if let Notified::Plan(_) = notified_rows {
+            self.st.dispatched_now();
+        }
+        Ok(notified_rows)
+    }
+
+    /// [`CudaBuffer::ht_dispatch_steps`]' launches: the count exchange
+    /// queued, FP8 host tokens' quantisation queued after it, the dispatch
+    /// kernel waited for; how long the first two took from `t0`, and where
+    /// the payloads were read.
+    fn ht_queue_and_dispatch(
+        &mut self,
+        s: &Shape,
+        tokens: usize,
+        x: Tokens<'_>,
+    ) -> Result<(std::time::Duration, std::time::Duration, Payloads), EpError> {
+        let t0 = std::time::Instant::now();
+        let payloads = self.ht_notify(s, tokens, x)?;
         let notified = t0.elapsed();
-        let plan = match plan {
-            Notified::Plan(p) => p,
-            refused @ Notified::Refused(_) => return Ok(refused),
-        };
         if let (true, Tokens::Host(..)) = (self.cfg.fp8, x) {
             let xbf = self.ht_state("ht_dispatch")?.xbf.as_ref().map(DevMem::ptr);
             let xbf = xbf.ok_or(EpError::Mode {
@@ -991,44 +1033,27 @@ impl CudaBuffer<'_, '_> {
             })?;
             // SAFETY: HtState::xbf holds t × hidden u16 (tokens ≤ t),
             // uploaded beside the notify kernel (waited for); the launch is
-            // waited for.
-            unsafe { self.ht_quantize(s, tokens, xbf, On::Wait)? };
+            // queued on gin's stream before the dispatch kernel, which is
+            // waited for before the staging is written again.
+            unsafe { self.ht_quantize(s, tokens, xbf, On::Queue(self.gin_stream()))? };
         }
         let quantised = t0.elapsed();
-        self.ht_upload(&plan)?;
-        let uploaded = t0.elapsed();
         self.ht_launch_dispatch(s, tokens, payloads)?;
-        let us = |d: std::time::Duration| d.as_secs_f64() * 1e6;
-        tracing::debug!(
-            rank = self.rank,
-            notified_us = us(notified),
-            quantised_us = us(quantised),
-            tables_us = us(uploaded),
-            dispatched_us = us(t0.elapsed()),
-            in_place = matches!(payloads, Payloads::InPlace { .. }),
-            on_gpu = matches!(x, Tokens::Device(_)),
-            "high-throughput dispatch on the host, from the staging's start"
-        );
-        self.st.dispatched_now();
-        Ok(Notified::Plan(plan))
+        Ok((notified, quantised, payloads))
     }
 
     /// The count exchange: this rank's row to every active rank (the notify
-    /// kernel; from GPU memory written by `ep_ht_layout` just before it on
-    /// the same stream), every active rank's row read back; the step's
-    /// plan, or a refusal, and where the dispatch kernel reads the
-    /// payloads. This step's staging is queued on the copy stream first
+    /// kernel, queued on gin's stream; from GPU memory written by
+    /// `ep_ht_layout` just before it there), which builds the step's plan
+    /// on the GPU; returns where the dispatch kernel reads the payloads.
+    /// This step's staging is queued on the copy stream first
     /// ([`CudaBuffer::ht_stage`]) and runs beside the notify kernel, as
     /// does the upload of host inputs' tokens (a thread of its own:
     /// [`HostUpload`]); both are waited for before this returns, whatever
     /// happened (they read the caller's inputs, borrowed only for the
-    /// call).
-    fn ht_notify(
-        &mut self,
-        s: &Shape,
-        tokens: usize,
-        x: Tokens<'_>,
-    ) -> Result<(Notified, Payloads), EpError> {
+    /// call). The notify kernel is not waited for: the dispatch kernel,
+    /// queued after it, is.
+    fn ht_notify(&mut self, s: &Shape, tokens: usize, x: Tokens<'_>) -> Result<Payloads, EpError> {
         use crate::ht::plan::XIN;
         let host_row = match x {
             Tokens::Host(.., lay) => Some(plan::notify_row(s, lay, &self.active)),
@@ -1044,7 +1069,6 @@ impl CudaBuffer<'_, '_> {
                 });
             }
         };
-        let width = 4 * s.row_words();
         let t0 = std::time::Instant::now();
         let staged = self.ht_stage(s, tokens, x);
         let issued = t0.elapsed();
@@ -1058,7 +1082,7 @@ impl CudaBuffer<'_, '_> {
                     }),
                     _ => None,
                 };
-                Some(self.ht_exchange(s, row, up.as_ref()))
+                Some(self.ht_exchange(s, row, up.as_ref(), On::Queue(self.gin_stream())))
             }
             // Not run: the staging's error is returned below.
             Err(_) => None,
@@ -1070,7 +1094,7 @@ impl CudaBuffer<'_, '_> {
             issued_us = issued.as_secs_f64() * 1e6,
             notified_us = notified.as_secs_f64() * 1e6,
             synced_us = t0.elapsed().as_secs_f64() * 1e6,
-            "high-throughput staging queued, the count exchange's end, the staging's end, from the staging's start"
+            "high-throughput staging queued, the count exchange queued (and the upload's end), the staging's end, from the staging's start"
         );
         let payloads = staged?;
         let Some(exchanged) = exchanged else {
@@ -1081,22 +1105,61 @@ impl CudaBuffer<'_, '_> {
         };
         exchanged?;
         synced.map_err(CoreError::from)?;
-        self.ht_exchanged();
+        Ok(payloads)
+    }
+
+    /// After the dispatch kernel (which followed the count exchange): this
+    /// rank's own refusal where `ep_ht_layout` refused its inputs from GPU
+    /// memory, else every rank's row read back from the pinned rows and
+    /// the step's plan built from them with the CPU ranks' code (or a
+    /// peer's refusal, or a broken row's error). The notify kernel judged
+    /// the same rows for the dispatch kernel; where its verdict differs
+    /// from the host's, the step fails (`Protocol`): one of the two
+    /// checks is wrong, and the tokens went by the GPU's.
+    fn ht_rows(&self, s: &Shape, x: Tokens<'_>) -> Result<Notified, EpError> {
+        let width = 4 * s.row_words();
+        let raw = from_pinned(
+            self.rank,
+            &self.ht_state("ht_dispatch")?.rows,
+            s.r * width + 4,
+        )?;
+        let gpu_refused = raw[s.r * width..] != [0u8; 4];
+        let host_refused = |refused: bool| -> Result<(), EpError> {
+            if refused == gpu_refused {
+                return Ok(());
+            }
+            Err(EpError::Protocol {
+                rank: self.rank,
+                peer: self.rank,
+                what: format!(
+                    "the notify kernel {} the step's rows and the host {} them",
+                    if gpu_refused { "refused" } else { "took" },
+                    if refused { "refuses" } else { "takes" }
+                ),
+            })
+        };
         if let Tokens::Device(_) = x
             && let Some(e) = self.ht_laid_out()?
         {
             // This rank's own row went out refused: its peers end the step
             // naming it, and it reports the entry, as ht_refuse does.
-            return Ok((Notified::Refused(e), payloads));
+            host_refused(true)?;
+            return Ok(Notified::Refused(e));
         }
-        // This round's half of NRECV, as the notify kernel copied it into
-        // the pinned rows.
-        let raw = from_pinned(self.rank, &self.ht_state("ht_dispatch")?.rows, s.r * width)?;
-        let notified = match notify_rows(s, self.rank, &self.active, &raw)? {
-            Rows::Taken(rows) => Notified::Plan(Plan::new(s, self.active.clone(), &rows)),
-            Rows::Refused(e) => Notified::Refused(e),
-        };
-        Ok((notified, payloads))
+        match notify_rows(s, self.rank, &self.active, &raw[..s.r * width]) {
+            Ok(Rows::Taken(rows)) => {
+                host_refused(false)?;
+                Ok(Notified::Plan(Plan::new(s, self.active.clone(), &rows)))
+            }
+            Ok(Rows::Refused(e)) => {
+                host_refused(true)?;
+                Ok(Notified::Refused(e))
+            }
+            Err(e) => {
+                host_refused(true)?;
+                Err(e)
+            }
+        }
     }
 
     /// After a count exchange whose row `ep_ht_layout` wrote: this rank's
@@ -1290,21 +1353,26 @@ impl CudaBuffer<'_, '_> {
     /// by the host, or by `ep_ht_layout` queued right before it) and,
     /// where given, the upload of host inputs' tokens beside it (a thread
     /// of its own); every rank's row is then in [`HtState`]'s pinned
-    /// `rows`. The step's six launch clocks are reset first (the notify
-    /// kernel's, the dispatch kernel's and the layout kernel's pairs, read
-    /// after the dispatch kernel). The caller
-    /// then calls [`CudaBuffer::ht_exchanged`].
+    /// `rows`, followed by the notify kernel's verdict on them, and the
+    /// step's plan in `tables`. The step's six launch clocks are reset
+    /// first (the notify kernel's, the dispatch kernel's and the layout
+    /// kernel's pairs, read after the dispatch kernel). `on`: waited for
+    /// (a refused step, which launches nothing after it), or queued on
+    /// gin's stream for the dispatch kernel to follow. Once it has run,
+    /// the caller calls [`CudaBuffer::ht_exchanged`].
     fn ht_exchange(
         &self,
         s: &Shape,
         row: Row<'_>,
         up: Option<&HostUpload<'_>>,
+        on: On<'_>,
     ) -> Result<(), EpError> {
         use crate::ht::plan::NSEND;
         let width = 4 * s.row_words();
         let st = self.ht_state("ht_dispatch")?;
         let parity = (st.rounds % 2) as usize;
         let (shape, seen, rows) = (st.shape.ptr(), st.seen.ptr(), st.rows.dev());
+        let tables = st.tables.ptr();
         st.clocks
             .write(0, &[u64::MAX, 0, u64::MAX, 0, u64::MAX, 0])
             .map_err(CoreError::from)?;
@@ -1330,6 +1398,7 @@ impl CudaBuffer<'_, '_> {
             Arg::Ptr(seen),
             Arg::Ptr(clock),
             Arg::Ptr(rows),
+            Arg::Ptr(tables),
         ]);
         let f = self.ht_functions()?.notify;
         let dev = self.cuda.device();
@@ -1346,17 +1415,20 @@ impl CudaBuffer<'_, '_> {
             });
             // SAFETY: ep_ht_notify(DevComm, 12 Windows, u32 width, u32 parity,
             // const u32* shape, const u32* active, u64* seen, u64* clock, u32*
-            // rows) takes these in this order. It puts `width` bytes of NSEND
-            // (its size: ht::resources, 4 × row words) to each active rank's
-            // NRECV at (parity × r + rank) × width (2 × r × width bytes), reads
-            // shape (SHAPE_WORDS u32), active (r u32) and the notify entries of
-            // seen (context 0: r u64 of chans × signals), writes clock (the
-            // first 2 u64 of HtState's clocks) and r × width bytes of rows
-            // (HtState's pinned rows, that size, not read by the host until
-            // this launch has finished): the sizes HtState::new and State::new
-            // allocated. gin's stream, waited for (with ep_ht_layout before
-            // it there, where queued).
-            let r = unsafe { go(&self.dc, f, On::Wait, 1, &args) };
+            // rows, u32* tables) takes these in this order. It puts `width`
+            // bytes of NSEND (its size: ht::resources, 4 × row words) to each
+            // active rank's NRECV at (parity × r + rank) × width (2 × r × width
+            // bytes), reads shape (SHAPE_WORDS u32), active (r u32) and the
+            // notify entries of seen (context 0: r u64 of chans × signals),
+            // writes clock (the first 2 u64 of HtState's clocks), r × width + 4
+            // bytes of rows (HtState's pinned rows, that size, not read by the
+            // host until a launch after this one on gin's stream was waited
+            // for) and TableAt's words + 1 u32 of tables (that size): the
+            // sizes HtState::new and State::new allocated. gin's stream (with
+            // ep_ht_layout before it there, where queued), waited for, or
+            // queued there before the dispatch kernel, which reads tables and
+            // is waited for; nothing else touches them in between.
+            let r = unsafe { go(&self.dc, f, on, 1, &args) };
             kernel_us = t0.elapsed().as_secs_f64() * 1e6;
             (
                 r,
@@ -1375,9 +1447,20 @@ impl CudaBuffer<'_, '_> {
             notify_us = kernel_us,
             with_upload_us = t0.elapsed().as_secs_f64() * 1e6,
             laid_out_on_gpu = matches!(row, Row::Device(_)),
-            "high-throughput count exchange: the launch of the notify kernel (and of ep_ht_layout before it, from GPU memory) to its end, and to the upload's end"
+            waited = matches!(on, On::Wait),
+            "high-throughput count exchange: the launch of the notify kernel (and of ep_ht_layout before it, from GPU memory) to its end where waited (else to its launch), and to the upload's end"
         );
         Ok(())
+    }
+
+    /// After a failed launch on gin's stream: whether the notify kernel
+    /// queued before it there did not reach its end (its end clock, reset
+    /// with the step's clocks, is still 0). A clock that cannot be read
+    /// says no.
+    fn ht_notify_unfinished(&self) -> bool {
+        let mut c = [0u64; 2];
+        self.ht_state("ht_dispatch")
+            .is_ok_and(|st| st.clocks.read(0, &mut c).is_ok() && c[1] == 0)
     }
 
     /// A count exchange ended (whatever its rows said): the next one's rows
@@ -1386,47 +1469,6 @@ impl CudaBuffer<'_, '_> {
         if let Some(h) = self.ht.as_mut() {
             h.rounds += 1;
         }
-    }
-
-    /// Writes the plan's table into the pinned staging and queues its copy
-    /// to GPU memory (`ep_ht_copy_words`) on gin's stream, where the
-    /// dispatch kernel is launched next: nothing waits for it here.
-    fn ht_upload(&mut self, plan: &Plan) -> Result<(), EpError> {
-        let rank = self.rank;
-        let words = plan.tables();
-        let st = self.ht.as_mut().ok_or(EpError::Mode {
-            rank,
-            what: "ht_dispatch: the buffer holds no high-throughput state".into(),
-        })?;
-        // The previous step's copy has run: gin's stream was waited for
-        // since (its dispatch, and this step's notify kernel).
-        to_pinned(rank, &mut st.tables_pin, "plan table", 0, &words)?;
-        let st = self.ht_state("ht_dispatch")?;
-        let n = words.len();
-        if 4 * n > st.tables.len() {
-            return Err(EpError::Mode {
-                rank,
-                what: format!(
-                    "ht_dispatch: a plan table of {n} words exceeds its {} bytes",
-                    st.tables.len()
-                ),
-            });
-        }
-        let args = [
-            Arg::Ptr(st.tables_pin.dev()),
-            Arg::Ptr(st.tables.ptr()),
-            Arg::U32(Self::u32_of(n)),
-        ];
-        let f = self.ht_functions()?.copy_words;
-        let grid = self.grid(n.div_ceil(super::THREADS as usize));
-        // SAFETY: ep_ht_copy_words(const u32* src, u32* dst, u32 n) takes
-        // these in this order; it reads n u32 of the pinned table (written
-        // above, that size: to_pinned checked it against the allocation)
-        // and writes n u32 of tables (checked above). The pinned table is
-        // not written again before gin's stream is waited for (the dispatch
-        // kernel, launched next on it, is waited for).
-        unsafe { go(&self.dc, f, On::Queue(self.gin_stream()), grid, &args) }
-            .map_err(|e| kernel_error(rank, "ht_copy_words", e))
     }
 
     /// Gin's stream, where [`go`] with [`On::Wait`] launches: work queued
@@ -1532,7 +1574,14 @@ impl CudaBuffer<'_, '_> {
         // slots of 4), clock 2 (the second pair of HtState's 6 clocks). gin's
         // stream (after the plan table's copy queued there), waited for.
         let r = unsafe { go(&self.dc, f, On::Wait, grid, &args) };
-        self.launched(On::Wait, "ht_dispatch", r)?;
+        // The notify kernel ran first on the same stream: where it did not
+        // finish (its end clock still reset), the error is its own.
+        let kernel = if r.is_err() && self.ht_notify_unfinished() {
+            "ht_notify"
+        } else {
+            "ht_dispatch"
+        };
+        self.launched(On::Wait, kernel, r)?;
         let mut c = [0u64; 6];
         self.ht_state("ht_dispatch")?
             .clocks
@@ -1951,5 +2000,7 @@ pub struct HtDeviceLayout {
 
 #[cfg(test)]
 mod layout_tests;
+#[cfg(test)]
+mod plan_tests;
 #[cfg(test)]
 mod tests;

@@ -321,7 +321,10 @@ impl Plan {
     /// ([`TableAt`] says where each part starts): the tokens per (source,
     /// destination, channel) and per (source, host, channel), each
     /// receiver's block starts, and the forwarder of every (source, host)
-    /// ([`crate::layout::NONE`] for none).
+    /// ([`crate::layout::NONE`] for none). The notify kernel builds it on
+    /// the GPU (`kernels/ht.cu`'s `plan_word`); this is the reference its
+    /// tests hold it to.
+    #[cfg(test)]
     pub(crate) fn tables(&self) -> Vec<u32> {
         let mut v = Vec::with_capacity(TableAt::of(self.r, self.h, self.c).words);
         v.extend_from_slice(&self.rank_chan);

@@ -40,7 +40,6 @@ fn every_ht_kernel_is_defined() {
         "ep_ht_quantize",
         "ep_ht_stage_meta",
         "ep_ht_layout",
-        "ep_ht_copy_words",
     ] {
         let want = format!("extern \"C\" __global__ void __launch_bounds__(EP_THREADS) {name}(");
         assert!(HT_KERNELS.lines().any(|l| l.starts_with(&want)), "{name}");
