@@ -24,6 +24,14 @@ thread_local! {
 /// callback (which must never happen: see `Lent::Kept`).
 pub(super) static UNMAPPED_IN_CALLBACK: AtomicU64 = AtomicU64::new(0);
 
+thread_local! {
+    /// `GIN_UCX_*` settings of the transports this thread starts (a test's
+    /// rank thread), read before the environment ([`super::setting`]):
+    /// `None` reads as unset.
+    pub(super) static SETTINGS: std::cell::RefCell<std::collections::BTreeMap<&'static str, Option<String>>> =
+        const { std::cell::RefCell::new(std::collections::BTreeMap::new()) };
+}
+
 /// Failures the tests inject into a transport.
 #[derive(Default)]
 pub(super) struct Hooks {
