@@ -504,6 +504,18 @@ fn spin_from_env(v: Option<&str>) -> Result<Duration, NetError> {
 /// idle proxy's (`GIN_PROXY_SPIN`'s default).
 const SPIN: Duration = Duration::from_micros(100);
 
+/// The `GIN_UCX_*` setting `name`, read once when the transport starts. In
+/// tests a rank thread's own value comes first ([`tests::SETTINGS`]), so a
+/// test's ranks turn a switch the way the environment does without setting
+/// it for the other tests of the process.
+fn setting(name: &str) -> Option<String> {
+    #[cfg(test)]
+    if let Some(v) = tests::SETTINGS.with(|s| s.borrow().get(name).cloned()) {
+        return v;
+    }
+    std::env::var(name).ok()
+}
+
 /// Whether `GIN_UCX_DEVICE` (unset: yes) lets CUDA ranks hand GPU memory
 /// to UCX directly; read the same way for `GIN_UCX_ALLOC` (unset: yes,
 /// window parts no peer maps live in memory UCX allocates).
@@ -543,9 +555,9 @@ impl UcxTransport {
         // Every rank joins the address exchange, even one that cannot load
         // UCX (it sends an empty address), so none waits in a collective
         // its peers left: all fail, each naming what is missing.
-        let spin = spin_from_env(std::env::var("GIN_UCX_SPIN").ok().as_deref()).and_then(|s| {
-            let w = wait_lent_from_env(std::env::var("GIN_UCX_GPU_ORDER").ok().as_deref())?;
-            let a = am::am_max_setting(std::env::var("GIN_UCX_AM_MAX").ok().as_deref())?;
+        let spin = spin_from_env(setting("GIN_UCX_SPIN").as_deref()).and_then(|s| {
+            let w = wait_lent_from_env(setting("GIN_UCX_GPU_ORDER").as_deref())?;
+            let a = am::am_max_setting(setting("GIN_UCX_AM_MAX").as_deref())?;
             Ok((s, w, a))
         });
         let ucp = load::open().and_then(Ucp::new);
@@ -654,8 +666,8 @@ impl UcxTransport {
         Ok(Self {
             inner,
             progress: Some(progress),
-            device: device_from_env(std::env::var("GIN_UCX_DEVICE").ok().as_deref()),
-            allocate: device_from_env(std::env::var("GIN_UCX_ALLOC").ok().as_deref()),
+            device: device_from_env(setting("GIN_UCX_DEVICE").as_deref()),
+            allocate: device_from_env(setting("GIN_UCX_ALLOC").as_deref()),
             wait_lent,
             am_max,
         })

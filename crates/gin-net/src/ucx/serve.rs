@@ -94,6 +94,13 @@ impl Mapping {
         self.base
     }
 
+    /// Whether its handle is the one that allocated the region (an
+    /// [`Allocation`]'s), rather than a mapping of memory gin-rs allocated.
+    #[cfg(test)]
+    pub(super) fn borrowed(&self) -> bool {
+        self.borrowed
+    }
+
     pub(super) fn unmap(self, ucp: &Ucp) {
         if self.borrowed {
             return;

@@ -24,6 +24,14 @@ thread_local! {
 /// callback (which must never happen: see `Lent::Kept`).
 pub(super) static UNMAPPED_IN_CALLBACK: AtomicU64 = AtomicU64::new(0);
 
+thread_local! {
+    /// `GIN_UCX_*` settings of the transports this thread starts (a test's
+    /// rank thread), read before the environment ([`super::setting`]):
+    /// `None` reads as unset.
+    pub(super) static SETTINGS: std::cell::RefCell<std::collections::BTreeMap<&'static str, Option<String>>> =
+        const { std::cell::RefCell::new(std::collections::BTreeMap::new()) };
+}
+
 /// Failures the tests inject into a transport.
 #[derive(Default)]
 pub(super) struct Hooks {
@@ -2485,4 +2493,205 @@ fn a_get_keeping_the_last_owner_of_memory_ucx_allocated_frees_it_outside_ucx_pro
         [0, 0],
         "memory UCX allocated was unmapped inside a callback"
     );
+}
+
+/// Where one rank of [`a_window_created_the_way_cpu_ranks_do`] found its
+/// part of the window.
+#[derive(Debug)]
+struct CreatedWindow {
+    /// The part lives in memory this rank's ucx transport allocated.
+    allocated: bool,
+    /// The ucx transport serves the part from the handle that allocated
+    /// it (`Some(false)`: from a mapping of memory gin-rs allocated).
+    borrowed: Option<bool>,
+    /// The part is a segment gin-net created (what `GIN_UCX_ALLOC=0`
+    /// makes of a part no peer maps).
+    segment: bool,
+}
+
+/// Whether this process maps the page at `base` from a file whose path
+/// contains `name` (`/proc/self/maps`).
+fn mapped_from(base: usize, name: &str) -> bool {
+    let hex = |x: &str| usize::from_str_radix(x, 16).ok();
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .any(|l| {
+            let mut f = l.split_whitespace();
+            let range = f.next().and_then(|r| r.split_once('-'));
+            range
+                .and_then(|(a, b)| Some((hex(a)?, hex(b)?)))
+                .is_some_and(|(a, b)| a <= base && base < b)
+                && l.contains(name)
+        })
+}
+
+/// Two ranks as threads of one host, whose fabrics start as CPU ranks'
+/// do (`Fabric::start`, as `GIN_TRANSPORT=ucx` chooses: ucx to each
+/// other, UCX over shared memory) with the `GIN_UCX_*` settings `env`,
+/// create window 1 as CPU ranks' windows are created
+/// (`HostWindows::alloc`, as gin-core's `Comm`), and move data through
+/// it: rank 1 puts rounds of data with a signal each into rank 0's part
+/// (rank 0 sees each signal only after its data, then reads it back from
+/// rank 1's side), each rank fetch-adds a word of the other's part, and
+/// compare-swaps another. Returns what each rank saw of its own part.
+fn a_window_created_the_way_cpu_ranks_do(
+    env: &'static [(&'static str, &'static str)],
+) -> Vec<CreatedWindow> {
+    const ROUNDS: u64 = 16;
+    const ADDS: u64 = 50;
+    const SIG: u64 = 0;
+    const WORD: u64 = 8;
+    const CAS: u64 = 16;
+    const AREA: u64 = 64;
+    const LEN: usize = 256;
+    let timeout = Duration::from_secs(20);
+    two_ranks_over(Some(c"posix,cma,self"), move |b, table| {
+        SETTINGS.with(|s| {
+            let mut s = s.borrow_mut();
+            for (k, v) in env {
+                s.insert(k, Some((*v).to_owned()));
+            }
+        });
+        let (rank, peer) = (b.rank(), 1 - b.rank());
+        let setup = crate::transport::Setup {
+            bootstrap: b,
+            table: table.clone(),
+            timeout,
+        };
+        let fabric = Arc::new(crate::Fabric::start(&setup, &[0, 0], Some("ucx")).unwrap());
+        assert_eq!(fabric.path_names()[peer], "ucx");
+        let windows = crate::host_window::HostWindows::new(
+            fabric.clone(),
+            vec![0, 0],
+            &b.job_token("ucx tests: a window created the way CPU ranks do"),
+        );
+        let size = AREA + ROUNDS * LEN as u64;
+        let w = windows
+            .alloc(
+                1,
+                size,
+                |r| b.allgather(r).map_err(NetError::from),
+                || b.barrier().map_err(NetError::from),
+            )
+            .unwrap();
+        let (base, key) = (w.parts().local_base, w.parts().keys[rank]);
+        let path = fabric.path(peer).unwrap();
+        let ucx = (&**path.transport() as &dyn std::any::Any)
+            .downcast_ref::<UcxTransport>()
+            .expect("the path to the peer is the ucx transport");
+        let seen = CreatedWindow {
+            allocated: lock(&ucx.inner.allocations).contains_key(&base),
+            borrowed: lock(&ucx.inner.served)
+                .get(&key)
+                .map(serve::Mapping::borrowed),
+            segment: mapped_from(base, &windows.segment_name(rank, 1)),
+        };
+        let at = |offset| Addr { window: 1, offset };
+        let data = |k: u64| -> Vec<u8> {
+            (0..LEN)
+                .map(|i| (i as u64 * 7 + k * 13 + 1) as u8)
+                .collect()
+        };
+        let read_word = |p: usize, offset| {
+            let mut v = [0u8; 8];
+            fabric.read(p, at(offset), &mut v).unwrap();
+            u64::from_le_bytes(v)
+        };
+        b.barrier().unwrap();
+        if rank == 1 {
+            for k in 0..ROUNDS {
+                fabric
+                    .put(0, at(AREA + k * LEN as u64), &data(k), Some((at(SIG), 1)))
+                    .unwrap();
+            }
+            fabric.confirm(0).unwrap();
+        } else {
+            let began = Instant::now();
+            let mut got = 0;
+            while got < ROUNDS {
+                let signalled = read_word(0, SIG);
+                assert!(
+                    signalled <= ROUNDS,
+                    "signal {signalled} after {ROUNDS} puts"
+                );
+                for k in got..signalled {
+                    let mut out = vec![0u8; LEN];
+                    fabric.read(0, at(AREA + k * LEN as u64), &mut out).unwrap();
+                    assert_eq!(out, data(k), "round {k}'s data after its signal");
+                }
+                got = signalled;
+                assert!(
+                    began.elapsed() < timeout,
+                    "rank 0 saw {got} of {ROUNDS} signals"
+                );
+                std::thread::yield_now();
+            }
+        }
+        b.barrier().unwrap();
+        // Gets from the peer's part see the puts.
+        let mut out = vec![0u8; LEN];
+        fabric
+            .read(0, at(AREA + (ROUNDS - 1) * LEN as u64), &mut out)
+            .unwrap();
+        assert_eq!(out, data(ROUNDS - 1));
+        // Atomics on the peer's part (each rank on the other's, at once).
+        for i in 0..ADDS {
+            assert_eq!(fabric.fetch_add(peer, at(WORD), 1).unwrap(), i);
+        }
+        assert_eq!(fabric.compare_swap(peer, at(CAS), 0, 7).unwrap(), 0);
+        assert_eq!(fabric.compare_swap(peer, at(CAS), 0, 9).unwrap(), 7);
+        b.barrier().unwrap();
+        assert_eq!(read_word(rank, WORD), ADDS);
+        assert_eq!(read_word(rank, CAS), 7);
+        assert_eq!(read_word(peer, WORD), ADDS);
+        b.barrier().unwrap();
+        drop(w);
+        b.barrier().unwrap();
+        drop(windows);
+        drop(fabric);
+        seen
+    })
+}
+
+/// Over the ucx transport, a window part no peer maps, created the way
+/// CPU ranks create windows, lives in memory UCX allocated
+/// (`Fabric::alloc_host`, forwarded to the ucx transport's), and its rkey
+/// is packed from the allocating handle: what makes peers' atomics on it
+/// native over UCX's shared memory. Were the memory gin-rs's, every
+/// operation would still work, only with atomics emulated by the owner's
+/// progress thread, which this test is here to notice.
+#[test]
+fn over_ucx_a_window_part_no_peer_maps_lives_in_memory_ucx_allocated() {
+    if !ucx_here() {
+        return;
+    }
+    for (rank, seen) in a_window_created_the_way_cpu_ranks_do(&[])
+        .iter()
+        .enumerate()
+    {
+        assert!(
+            seen.allocated && seen.borrowed == Some(true) && !seen.segment,
+            "rank {rank}'s part is not memory UCX allocated: {seen:?}"
+        );
+    }
+}
+
+/// `GIN_UCX_ALLOC=0` leaves the part to gin-rs (a segment, as for peers
+/// that map it) and UCX only registers it; puts, signals, gets and atomics
+/// on it work as on memory UCX allocated.
+#[test]
+fn gin_ucx_alloc_0_makes_window_parts_segments_ucx_only_registers() {
+    if !ucx_here() {
+        return;
+    }
+    for (rank, seen) in a_window_created_the_way_cpu_ranks_do(&[("GIN_UCX_ALLOC", "0")])
+        .iter()
+        .enumerate()
+    {
+        assert!(
+            !seen.allocated && seen.borrowed == Some(false) && seen.segment,
+            "rank {rank}'s part is not a segment UCX registered: {seen:?}"
+        );
+    }
 }
