@@ -504,8 +504,8 @@ fn spin_from_env(v: Option<&str>) -> Result<Duration, NetError> {
 /// idle proxy's (`GIN_PROXY_SPIN`'s default).
 const SPIN: Duration = Duration::from_micros(100);
 
-/// The `GIN_UCX_*` setting `name`, read once when the transport starts. In
-/// tests a rank thread's own value comes first ([`tests::SETTINGS`]), so a
+/// The `GIN_UCX_*` setting `name` the transport reads when it starts. In
+/// tests a rank thread's own value comes first (`tests::SETTINGS`), so a
 /// test's ranks turn a switch the way the environment does without setting
 /// it for the other tests of the process.
 fn setting(name: &str) -> Option<String> {

@@ -2528,7 +2528,8 @@ fn mapped_from(base: usize, name: &str) -> bool {
 
 /// Two ranks as threads of one host, whose fabrics start as CPU ranks'
 /// do (`Fabric::start`, as `GIN_TRANSPORT=ucx` chooses: ucx to each
-/// other, UCX over shared memory) with the `GIN_UCX_*` settings `env`,
+/// other, UCX over shared memory) with the `GIN_UCX_*` settings `env`
+/// (`None`: unset, whatever the test process's environment says),
 /// create window 1 as CPU ranks' windows are created
 /// (`HostWindows::alloc`, as gin-core's `Comm`), and move data through
 /// it: rank 1 puts rounds of data with a signal each into rank 0's part
@@ -2536,7 +2537,7 @@ fn mapped_from(base: usize, name: &str) -> bool {
 /// rank 1's side), each rank fetch-adds a word of the other's part, and
 /// compare-swaps another. Returns what each rank saw of its own part.
 fn a_window_created_the_way_cpu_ranks_do(
-    env: &'static [(&'static str, &'static str)],
+    env: &'static [(&'static str, Option<&'static str>)],
 ) -> Vec<CreatedWindow> {
     const ROUNDS: u64 = 16;
     const ADDS: u64 = 50;
@@ -2550,7 +2551,7 @@ fn a_window_created_the_way_cpu_ranks_do(
         SETTINGS.with(|s| {
             let mut s = s.borrow_mut();
             for (k, v) in env {
-                s.insert(k, Some((*v).to_owned()));
+                s.insert(k, v.map(str::to_owned));
             }
         });
         let (rank, peer) = (b.rank(), 1 - b.rank());
@@ -2666,7 +2667,8 @@ fn over_ucx_a_window_part_no_peer_maps_lives_in_memory_ucx_allocated() {
     if !ucx_here() {
         return;
     }
-    for (rank, seen) in a_window_created_the_way_cpu_ranks_do(&[])
+    // The default, whatever GIN_UCX_ALLOC the tests run under.
+    for (rank, seen) in a_window_created_the_way_cpu_ranks_do(&[("GIN_UCX_ALLOC", None)])
         .iter()
         .enumerate()
     {
@@ -2685,7 +2687,7 @@ fn gin_ucx_alloc_0_makes_window_parts_segments_ucx_only_registers() {
     if !ucx_here() {
         return;
     }
-    for (rank, seen) in a_window_created_the_way_cpu_ranks_do(&[("GIN_UCX_ALLOC", "0")])
+    for (rank, seen) in a_window_created_the_way_cpu_ranks_do(&[("GIN_UCX_ALLOC", Some("0"))])
         .iter()
         .enumerate()
     {
