@@ -234,7 +234,8 @@ EP_FN u32 forwarder_of(const Shape& s, const u32* active, u32 src, u32 host) {
   }
   return NONE;
 }
-// Word i (< Tables::words()) of the plan's table.
+// Word i (< Tables::words()) of the plan's table, outside the block starts
+// (plan_recv_starts writes those: a running sum per destination).
 template <class Rows>
 EP_FN u32 plan_word(const Shape& s, Rows rows, const u32* active, u32 i) {
   const Tables tb{nullptr, s};
@@ -248,18 +249,30 @@ EP_FN u32 plan_word(const Shape& s, Rows rows, const u32* active, u32 i) {
     if (!active[src]) return 0;
     return rows[(u64)src * rw + mw + (by_rank ? 0 : s.r * c) + j % per];
   }
-  if (i < tb.at_fwd_of()) {
-    // dst's block starts: the tokens of every active source before `upto`.
-    const u32 j = i - tb.at_recv_pre(), dst = j / (s.r + 1), upto = j % (s.r + 1);
-    u32 n = 0;
-    for (u32 src = 0; src < upto; ++src) {
-      if (!active[src]) continue;
-      for (u32 ch = 0; ch < c; ++ch) n += rows[(u64)src * rw + mw + dst * c + ch];
-    }
-    return n;
-  }
   const u32 j = i - tb.at_fwd_of();
   return forwarder_of(s, active, j / s.h, j % s.h);
+}
+// Whether word i of the table is one of the block starts.
+EP_FN bool plan_is_recv_start(const Shape& s, u32 i) {
+  const Tables tb{nullptr, s};
+  return i >= tb.at_recv_pre() && i < tb.at_fwd_of();
+}
+// dst's block starts (r + 1 words of the table from at_recv_pre() + dst *
+// (r + 1)): where each source's tokens start among dst's, the tokens of
+// every active source before it, then the total; one pass over the
+// sources' counts for dst.
+template <class Rows>
+EP_FN void plan_recv_starts(const Shape& s, Rows rows, const u32* active, u32 dst, u32* table) {
+  const Tables tb{nullptr, s};
+  const u32 rw = notify_row_words(s), mw = notify_mask_words(s), c = s.chans;
+  u32* const at = table + tb.at_recv_pre() + dst * (s.r + 1);
+  u32 n = 0;
+  for (u32 src = 0; src < s.r; ++src) {
+    at[src] = n;
+    if (!active[src]) continue;
+    for (u32 ch = 0; ch < c; ++ch) n += rows[(u64)src * rw + mw + dst * c + ch];
+  }
+  at[s.r] = n;
 }
 // The checks the host makes of the rows before it builds a plan
 // (cuda/ht.rs's notify_rows with plan.rs's check_row), one item each:
@@ -1422,7 +1435,9 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_notify(DevComm dc
   // The plan, and the verdict on the rows.
   const ep::ht::Tables tb{tables, s};
   for (u32 i = threadIdx.x; i < tb.words(); i += blockDim.x)
-    tables[i] = ep::ht::plan_word(s, half, active, i);
+    if (!ep::ht::plan_is_recv_start(s, i)) tables[i] = ep::ht::plan_word(s, half, active, i);
+  for (u32 dst = threadIdx.x; dst < s.r; dst += blockDim.x)
+    ep::ht::plan_recv_starts(s, half, active, dst, tables);
   bool bad = false;
   for (u32 i = threadIdx.x; i < ep::ht::plan_checks(s); i += blockDim.x)
     bad = bad || ep::ht::plan_item_bad(s, half, active, i);

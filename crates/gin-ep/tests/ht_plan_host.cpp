@@ -1,5 +1,6 @@
-// kernels/ht.cu's plan on the GPU (ep::ht's plan_word and plan_item_bad, as
-// ep_ht_notify runs them over its threads) compiled as host C++: reads the
+// kernels/ht.cu's plan on the GPU (ep::ht's plan_word, plan_recv_starts and
+// plan_item_bad, as ep_ht_notify runs them over its threads; a word neither
+// writes stays 0xdeadbeef) compiled as host C++: reads the
 // cases src/cuda/ht/plan_tests.rs wrote to argv[1] (whitespace-separated
 // numbers: per case the 15 shape words, r words of the active mask (1:
 // active), then r notify rows of notify_row_words u32) and prints, per
@@ -44,7 +45,11 @@ int main(int argc, char** argv) {
     put(bad ? 1 : 0);
     const ep::ht::Tables tb{nullptr, s};
     put(tb.words());
-    for (u32 i = 0; i < tb.words(); ++i) put(ep::ht::plan_word(s, r, active.data(), i));
+    std::vector<u32> table(tb.words(), 0xdeadbeefu);
+    for (u32 i = 0; i < tb.words(); ++i)
+      if (!ep::ht::plan_is_recv_start(s, i)) table[i] = ep::ht::plan_word(s, r, active.data(), i);
+    for (u32 dst = 0; dst < s.r; ++dst) ep::ht::plan_recv_starts(s, r, active.data(), dst, table.data());
+    for (u32 w : table) put(w);
     std::printf("--\n");
   }
   std::fclose(in);

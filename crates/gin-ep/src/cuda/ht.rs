@@ -795,7 +795,7 @@ impl CudaBuffer<'_, '_> {
     ///
     /// Inputs refused by the checks (their error names the entry) still
     /// take part in the count exchange with a refused row, so that every
-    /// peer's dispatch returns at once with [`EpError::Protocol`] naming
+    /// peer's dispatch returns at once with [`EpError::PeerRefused`] naming
     /// this rank; no rank sends a token, and every buffer stays usable for
     /// the next step ([`CudaBuffer::ht_dispatch_device`] alike). Like every
     /// step, the dispatch is collective: every active rank calls it.
@@ -869,9 +869,12 @@ impl CudaBuffer<'_, '_> {
     /// error the host's checks would name (the first bad entry); a size or
     /// alignment the buffer refuses is found on the host first and ends the
     /// step alike. No rank then sends a token, and every buffer stays usable
-    /// for the next step. Otherwise the host reads every rank's row back
-    /// after the exchange (as DeepEP's notify step synchronises with the
-    /// host for the counts), builds the plan and the step runs as
+    /// for the next step. Otherwise the notify kernel builds the step's
+    /// plan from every rank's row on the GPU and the dispatch kernel,
+    /// queued right after it, follows it (no host step between the count
+    /// exchange and the dispatch, where DeepEP's notify step synchronises
+    /// with the host for the counts); the host reads the rows back after
+    /// the dispatch kernel and builds the same plan. The step runs as
     /// [`CudaBuffer::ht_dispatch`]'s, bit for bit, and what was received
     /// stays in GPU memory ([`CudaBuffer::ht_recv_tokens`],
     /// [`CudaBuffer::ht_recv_meta`], laid out as [`HtDeviceLayout`] says)
@@ -1032,7 +1035,8 @@ impl CudaBuffer<'_, '_> {
                 what: "an FP8 buffer without its BF16 staging".into(),
             })?;
             // SAFETY: HtState::xbf holds t × hidden u16 (tokens ≤ t),
-            // uploaded beside the notify kernel (waited for); the launch is
+            // uploaded beside the notify kernel (the upload was waited for,
+            // the notify kernel is queued before this launch); the launch is
             // queued on gin's stream before the dispatch kernel, which is
             // waited for before the staging is written again.
             unsafe { self.ht_quantize(s, tokens, xbf, On::Queue(self.gin_stream()))? };
@@ -1483,12 +1487,12 @@ impl CudaBuffer<'_, '_> {
 
     /// FP8: quantises the BF16 tokens at `xbf` (the uploaded staging, or
     /// the caller's device memory) into XIN's payloads (`ep_ht_quantize`,
-    /// bit for bit as [`crate::num::quantize_fp8`]), on `on` (gin's stream,
-    /// waited for, or the copy stream).
+    /// bit for bit as [`crate::num::quantize_fp8`]), on `on` (queued on
+    /// gin's stream before the dispatch kernel, or on the copy stream).
     ///
     /// # Safety
     /// `xbf` holds `tokens × hidden` u16, readable until the launch has
-    /// finished (on the copy stream: until the caller waits for it).
+    /// finished (until the caller waits for the stream it is queued on).
     unsafe fn ht_quantize(
         &self,
         s: &Shape,
@@ -1572,11 +1576,14 @@ impl CudaBuffer<'_, '_> {
         // entries of seen and chans × lane_words of lane that HtState::new
         // allocated; err and errh hold Record::BYTES (8 u64: the record's two
         // slots of 4), clock 2 (the second pair of HtState's 6 clocks). gin's
-        // stream (after the plan table's copy queued there), waited for.
+        // stream (after the notify kernel, which wrote tables, queued there),
+        // waited for.
         let r = unsafe { go(&self.dc, f, On::Wait, grid, &args) };
-        // The notify kernel ran first on the same stream: where it did not
-        // finish (its end clock still reset), the error is its own.
-        let kernel = if r.is_err() && self.ht_notify_unfinished() {
+        // The notify kernel ran first on the same stream: where a kernel
+        // failed (not a launch: the notify kernel may still be running
+        // then) and the notify kernel did not finish (its end clock still
+        // reset), the error is its own.
+        let kernel = if matches!(r, Err(CoreError::Kernel { .. })) && self.ht_notify_unfinished() {
             "ht_notify"
         } else {
             "ht_dispatch"

@@ -1,5 +1,6 @@
-//! The step's plan built on the GPU (`kernels/ht.cu`'s `plan_word` and
-//! `plan_item_bad`, which `ep_ht_notify` runs once it holds every rank's
+//! The step's plan built on the GPU (`kernels/ht.cu`'s `plan_word`,
+//! `plan_recv_starts` and `plan_item_bad`, which `ep_ht_notify` runs once
+//! it holds every rank's
 //! row, so that the dispatch kernel follows it with no host step between
 //! them) against the host's: compiled as host C++
 //! (`tests/ht_plan_host.cpp`) over random rows (1 to 5 emulated hosts of 1
@@ -256,4 +257,39 @@ fn every_kind_of_broken_row_is_refused_on_the_gpu_as_on_the_host() {
         );
         check(&c).unwrap();
     }
+}
+
+/// Past 32 ranks the rows carry two words of active mask: 5 hosts of 8,
+/// ranks 3 and 35 masked (one in each word). Unbroken, the rows are taken
+/// with the host's table; a mask bit flipped in the second word (rank 33
+/// or 35, seen from an active peer), a count of a destination past rank 32
+/// above the maximum, or a refused row, are refused by both.
+#[test]
+fn forty_ranks_two_mask_words_are_judged_alike() {
+    let masked = 1 << 3 | 1 << 35;
+    let c = case(5, 8, 3, 17, masked, 11, Break::None);
+    assert_eq!(c.s.mask_words(), 2);
+    assert!(host_plan(&c).is_some());
+    check(&c).unwrap();
+    let mw = c.s.mask_words();
+    for (src, q) in [(36, 33), (0, 35), (39, 35)] {
+        let mut b = c.clone();
+        b.rows[src][q / 32] ^= 1 << (q % 32);
+        assert!(host_plan(&b).is_none(), "mask bit {q} of rank {src}");
+        check(&b).unwrap();
+    }
+    let mut over = c.clone();
+    let at = mw + 38 * c.s.chans;
+    over.rows[34][at] += 18;
+    assert!(host_plan(&over).is_none());
+    check(&over).unwrap();
+    let mut refused = c.clone();
+    refused.rows[37] = plan::refused_row(&c.s, &c.active);
+    assert!(host_plan(&refused).is_none());
+    check(&refused).unwrap();
+    // A masked rank's stale row, however broken, is not read.
+    let mut stale = c;
+    stale.rows[35] = plan::refused_row(&stale.s, &stale.active);
+    assert!(host_plan(&stale).is_some());
+    check(&stale).unwrap();
 }
