@@ -1047,7 +1047,8 @@ impl CudaBuffer<'_, '_> {
     }
 
     /// The count exchange: this rank's row to every active rank (the notify
-    /// kernel, queued on gin's stream; from GPU memory written by
+    /// kernel, queued on gin's stream where every active peer is reached
+    /// by load/store, else waited for; from GPU memory written by
     /// `ep_ht_layout` just before it there), which builds the step's plan
     /// on the GPU; returns where the dispatch kernel reads the payloads.
     /// This step's staging is queued on the copy stream first
@@ -1086,7 +1087,22 @@ impl CudaBuffer<'_, '_> {
                     }),
                     _ => None,
                 };
-                Some(self.ht_exchange(s, row, up.as_ref(), On::Queue(self.gin_stream())))
+                // Queued, with the dispatch kernel queued behind it, only
+                // where every active peer is reached by load/store. A peer
+                // reached through a queue (the CUDA proxy, GDAKI) is served
+                // by an engine's own CUDA streams, and under MPS (or with
+                // few hardware work queues) the engine's copies can sit in
+                // a hardware queue behind the dispatch kernel queued after
+                // the notify kernel they serve: neither then ends until the
+                // job timeout (seen on one H200: every 2-host CUDA step).
+                // There the notify kernel is waited for, as before, and the
+                // dispatch kernel launched after it.
+                let on = if queued_destination(s, self.rank, &self.active, |p| self.dc.is_lsa(p)) {
+                    On::Wait
+                } else {
+                    On::Queue(self.gin_stream())
+                };
+                Some(self.ht_exchange(s, row, up.as_ref(), on))
             }
             // Not run: the staging's error is returned below.
             Err(_) => None,
