@@ -527,6 +527,13 @@ if [ -n "$checks" ]; then
   step "ep-ht-cuda-4ranks-2hosts-tokens1100-inputs-device" "$ep" ht device=cuda ranks=4 hosts=2 tokens=1100 inputs=device
   step "ep-ht-cpu-4ranks-2hosts-tokens1100" "$ep" ht ranks=4 hosts=2 tokens=1100
   step "ep-ht-cuda-4ranks-proxy-inputs-device" env GIN_BACKEND=proxy "$ep" ht device=cuda ranks=4 hosts=2 inputs=device
+  # Over two of ep_ht_layout's chunks of 32 tiles (16384 tokens): tokens=17000
+  # (ranks of 17000 and 12750 on one host; 4 ranks on 2 hosts down to 8500,
+  # one chunk there) with 5 repeats, beside CPU ranks.
+  step "ep-ht-cuda-2ranks-tokens17000-inputs-device" "$ep" ht device=cuda ranks=2 tokens=17000 repeats=5 inputs=device
+  step "ep-ht-cpu-2ranks-tokens17000" "$ep" ht ranks=2 tokens=17000 repeats=5
+  step "ep-ht-cuda-4ranks-2hosts-tokens17000-inputs-device" "$ep" ht device=cuda ranks=4 hosts=2 tokens=17000 repeats=5 inputs=device
+  step "ep-ht-cpu-4ranks-2hosts-tokens17000" "$ep" ht ranks=4 hosts=2 tokens=17000 repeats=5
   # 32 channels (CUDA ranks' default, gin_ep::CUDA_HT_CHANNELS, which the
   # benchmarks use), beside CPU ranks with as many lanes: load/store, two
   # hosts, and the proxy everywhere.
@@ -558,6 +565,8 @@ if [ -n "$checks" ]; then
     step "ep-ht-${n}ranks-tokens1100-inputs-device-agree" ep_ht_agree "ep-ht-cuda-${n}ranks-tokens1100-inputs-device" "ep-ht-cpu-${n}ranks-tokens1100"
   done
   step "ep-ht-4ranks-2hosts-tokens1100-inputs-device-agree" ep_ht_agree "ep-ht-cuda-4ranks-2hosts-tokens1100-inputs-device" "ep-ht-cpu-4ranks-2hosts-tokens1100"
+  step "ep-ht-2ranks-tokens17000-inputs-device-agree" ep_ht_agree "ep-ht-cuda-2ranks-tokens17000-inputs-device" "ep-ht-cpu-2ranks-tokens17000"
+  step "ep-ht-4ranks-2hosts-tokens17000-inputs-device-agree" ep_ht_agree "ep-ht-cuda-4ranks-2hosts-tokens17000-inputs-device" "ep-ht-cpu-4ranks-2hosts-tokens17000"
   step "ep-ht-4ranks-2hosts-proxy-inputs-device-agrees" ep_ht_agree "ep-ht-cuda-4ranks-proxy-inputs-device" "ep-ht-cpu-4ranks-2hosts"
   step "ep-ht-2ranks-tokens1100-channels32-inputs-device-agree" ep_ht_agree "ep-ht-cuda-2ranks-tokens1100-channels32-inputs-device" "ep-ht-cpu-2ranks-tokens1100-channels32"
   step "ep-ht-4ranks-2hosts-tokens1100-channels32-inputs-device-agree" ep_ht_agree "ep-ht-cuda-4ranks-2hosts-tokens1100-channels32-inputs-device" "ep-ht-cpu-4ranks-2hosts-tokens1100-channels32"

@@ -167,6 +167,10 @@ EP_FN u32 meta_word(const Shape& s, const i64* idx, const u32* wbits, const u32*
 }
 
 // Channel c's share of `tokens` tokens: [chan_lo(c), chan_lo(c + 1)).
+// a / b, with 32-bit division where a fits 32 bits (64-bit division is a
+// call of a hundred-odd instructions on the GPU).
+EP_FN u64 div_u64(u64 a, u32 b) { return a <= 0xffffffffull ? (u64)((u32)a / b) : a / b; }
+
 EP_FN u32 chan_lo(const Shape& s, u32 tokens, u32 c) {
   return (u32)((u64)tokens * c / s.chans);
 }
@@ -360,16 +364,26 @@ constexpr u64 HT_ROWS_AHEAD = 7;    // rows arrived, rows expected
 // refuse (input::entry_key) count for nothing: the row is then refused.
 EP_FN u32 layout_dests(const Shape& s) { return s.r + s.h; }
 
+// Destination d's experts are one range (hosts are of equal size, their
+// ranks numbered host by host): a slot goes to d where its expert lies in
+// it, and its rank (owner) is active. Every slot is judged, with no early
+// exit, no 64-bit division, and the mask read at an index in range for
+// every slot (rank 0 for one that does not go), so that the kernel's loads
+// of a token's ids, and of several tokens', are in flight together (each
+// id's i64 division, a call, kept them one after another).
 EP_FN bool layout_goes(const Shape& s, const i64* ids, const u32* active, u32 d) {
   const i64 experts = (i64)s.r * (i64)s.lexp;
+  const bool rank = d < s.r;
+  const i64 lo = rank ? (i64)d * s.lexp : (i64)(d - s.r) * s.l * s.lexp;
+  const i64 hi = lo + (rank ? (i64)s.lexp : (i64)s.l * s.lexp);
+  bool goes = false;
   for (u32 j = 0; j < s.k; ++j) {
     const i64 e = ids[j];
-    if (e < 0 || e >= experts) continue;
-    const u32 owner = (u32)(e / (i64)s.lexp);
-    if (!active[owner]) continue;
-    if (d < s.r ? owner == d : owner / s.l == d - s.r) return true;
+    const bool to_d = e >= lo && e < hi && e < experts;
+    const u32 owner = to_d ? (u32)e / s.lexp : 0u;
+    goes = goes | (to_d & (active[owner] != 0));
   }
-  return false;
+  return goes;
 }
 
 // The metadata word that holds a token's slot for destination d
@@ -389,8 +403,9 @@ EP_FN bool is_slot_word(const Shape& s, u32 i) {
 // there (pre: chans + 1 entries; a channel starts at its chan_lo).
 EP_FN void layout_bounds(const Shape& s, u32 tokens, u32 t, u32 before, u32* pre) {
   // The first channel c with chan_lo(c) >= t.
-  u32 c = (u32)(((u64)t * s.chans + tokens - 1) / tokens);
-  for (; c < s.chans && chan_lo(s, tokens, c) == t; ++c) pre[c] = before;
+  u32 c = (u32)div_u64((u64)t * s.chans + tokens - 1, tokens);
+  // (chan_lo, with div_u64: this runs per token and destination.)
+  for (; c < s.chans && (u32)div_u64((u64)tokens * c, s.chans) == t; ++c) pre[c] = before;
 }
 
 // Destination d's counts per channel into its words of the notify row,
@@ -437,6 +452,10 @@ EP_FN void layout_token(const Shape& s, u32 tokens, u32 t, u32 d, bool goes, u32
   meta[(u64)t * (s.mm / 4) + layout_slot_word(s, d)] = goes ? before : NONE;
   layout_bounds(s, tokens, t, before, pre);
 }
+
+// Tiles (of a block's threads, a token each) ep_ht_layout judges before it
+// lays them out: bits of a thread's u32.
+constexpr u32 LAYOUT_TILES = 32;
 
 // Every count word of a refused notify row (plan.rs's REFUSED).
 constexpr u32 REFUSED = 0xffffffffu;
@@ -1377,6 +1396,31 @@ __device__ void clear_lane(const Shape& s, u64* L, u32 lo, bool dispatch) {
 #define EP_HT_WINDOW_TABLE                                                                  \
   { &nsend, &nrecv, &xin, &xmeta, &ringx, &ringm, &recvx, &recvm, &csend, &cstage, &crdma, &cget }
 
+namespace ep {
+namespace ht {
+
+// Words of the notify rows ep_ht_notify copies into shared memory for the
+// plan (32 KiB: every row of 8 ranks with 32 channels; larger jobs' plans
+// read the rows where they came, in NRECV).
+constexpr u32 NOTIFY_STAGED = 8192;
+
+// The block's part of the plan (its table's words, the block starts) from
+// the rows, and whether one of this thread's checks of them failed.
+template <class Rows>
+__device__ bool notify_plan(const Shape& s, Rows rows, const u32* active, u32* tables) {
+  const Tables tb{tables, s};
+  for (u32 i = threadIdx.x; i < tb.words(); i += blockDim.x)
+    if (!plan_is_recv_start(s, i)) tables[i] = plan_word(s, rows, active, i);
+  for (u32 dst = threadIdx.x; dst < s.r; dst += blockDim.x) plan_recv_starts(s, rows, active, dst, tables);
+  bool bad = false;
+  for (u32 i = threadIdx.x; i < plan_checks(s); i += blockDim.x)
+    bad = bad || plan_item_bad(s, rows, active, i);
+  return bad;
+}
+
+} // namespace ht
+} // namespace ep
+
 // The count exchange (one block, context 0): this rank's notify row (NSEND,
 // `width` bytes, staged by the host or written by ep_ht_layout before this
 // launch) goes to every active rank's NRECV at (parity * r + rank) * width
@@ -1392,6 +1436,7 @@ __device__ void clear_lane(const Shape& s, u64* L, u32 lo, bool dispatch) {
 // above the maximum, an active mask that differs from this rank's), and
 // the dispatch kernel queued after this one on the same stream then sends
 // nothing; the host reads the rows, names why and checks that it agrees.
+// Where the rows fit NOTIFY_STAGED, the plan reads them from shared memory.
 extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_notify(DevComm dc, EP_HT_WINDOWS, u32 width, u32 parity,
                                         const u32* shape, const u32* active, u64* seen,
                                         u64* clock, u32* rows, u32* tables) {
@@ -1431,17 +1476,25 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_notify(DevComm dc
   // checked above.)
   const volatile u32* half =
       (const volatile u32*)((const u8*)nrecv.local_base + (u64)parity * s.r * width);
-  for (u64 i = threadIdx.x; i < (u64)s.r * width / 4; i += blockDim.x) rows[i] = half[i];
+  // The rows go to the host, and where they fit into shared memory, from
+  // which the plan reads them: the plan's sums read a row's words one after
+  // another (a block start sums r x chans of them), each a volatile read
+  // of NRECV waited on for the memory's latency (about 10 us at 2 ranks,
+  // 20 at 4, of 32 channels).
+  const u64 n = (u64)s.r * width / 4;
+  __shared__ u32 staged[ep::ht::NOTIFY_STAGED];
+  const bool in_shared = n <= ep::ht::NOTIFY_STAGED;
+  for (u64 i = threadIdx.x; i < n; i += blockDim.x) {
+    const u32 v = half[i];
+    rows[i] = v;
+    if (in_shared) staged[i] = v;
+  }
+  __syncthreads();
   // The plan, and the verdict on the rows.
-  const ep::ht::Tables tb{tables, s};
-  for (u32 i = threadIdx.x; i < tb.words(); i += blockDim.x)
-    if (!ep::ht::plan_is_recv_start(s, i)) tables[i] = ep::ht::plan_word(s, half, active, i);
-  for (u32 dst = threadIdx.x; dst < s.r; dst += blockDim.x)
-    ep::ht::plan_recv_starts(s, half, active, dst, tables);
-  bool bad = false;
-  for (u32 i = threadIdx.x; i < ep::ht::plan_checks(s); i += blockDim.x)
-    bad = bad || ep::ht::plan_item_bad(s, half, active, i);
+  const bool bad = in_shared ? ep::ht::notify_plan(s, (const u32*)staged, active, tables)
+                             : ep::ht::notify_plan(s, half, active, tables);
   const u32 refused = __syncthreads_or(bad) ? 1u : 0u;
+  const ep::ht::Tables tb{tables, s};
   if (threadIdx.x == 0) {
     tables[tb.words()] = refused;
     rows[(u64)s.r * width / 4] = refused;
@@ -1554,6 +1607,23 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_stage_meta(Window
                                (u32)(i % words));
 }
 
+namespace ep {
+namespace ht {
+
+// Tiles ep_ht_layout fetches ahead of the one it judges (a tile's ids: a
+// block's threads x k i64, 32 KiB at top-8: four tiles' are 128 KiB, within
+// the L1 that a block with 2 KiB of shared memory leaves).
+constexpr u32 LAYOUT_AHEAD = 3;
+
+// Fetches a token's k top-k ids into L1 (every 128-byte line they touch).
+__device__ __forceinline__ void layout_prefetch(const i64* ids, u32 k) {
+  const u64 a0 = (u64)ids & ~127ull, end = (u64)(ids + k);
+  for (u64 a = a0; a < end; a += 128) asm volatile("prefetch.global.L1 [%0];" ::"l"(a));
+}
+
+} // namespace ht
+} // namespace ep
+
 // The layout of inputs in GPU memory, on gin's stream right before the
 // notify kernel (no host round trip between them): checks every top-k entry
 // as the host does (input::entry_key: the weights of live slots first, then
@@ -1564,16 +1634,17 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_stage_meta(Window
 // token's metadata into MIN (ep_ht_stage_meta's words, the slots from the
 // prefix sums over tokens: layout.rs's rank_slot and host_slot). idx, wbits:
 // the caller's top-k ids (i64) and weights' bits, tokens x k; active: u32
-// per rank. The metadata and the entries' checks are spread over the whole
-// grid (the host launches a block per 64 tokens, up to its block limit);
-// the counts take a block per destination (looping where the grid is
-// smaller; blocks past the destinations skip them),
-// its tokens a tile of the block's threads at a time, each thread one
-// token (a warp's ballot, then the warps' sums, give each token's count of
-// earlier ones). rec (device, two u64): the smallest key (atomicMin) and the
-// blocks that finished; the last block to finish writes the mask (and the
-// refusal), copies what the host reads into out (pinned host memory,
-// LO_WORDS u64) and resets rec for the next step. clock: this kernel's own
+// per rank. The counts take a block per destination (looping where the
+// grid is smaller), its tokens LAYOUT_TILES tiles of the block's threads
+// at a time, each thread one token of a tile: first whether each goes (a
+// bit per tile), then every tile's warp ballots and the warps' sums, which
+// give each token its count of earlier ones. The metadata and the entries'
+// checks take the blocks past the destinations where the grid has more
+// (the host launches a block per 64 tokens, up to its block limit), else
+// every block before its destinations. rec (device, two u64): the smallest
+// key (atomicMin) and the blocks that finished; the last block to finish
+// writes the mask (and the refusal), copies what the host reads into out
+// (pinned host memory, LO_WORDS u64) and resets rec for the next step. clock: this kernel's own
 // pair of the step's launch clocks (earliest start, latest end).
 extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_layout(Window nsend, Window xmeta, const i64* idx, const u32* wbits, u32 tokens, const u32* shape, const u32* active, u64* rec, u64* out, u64* clock) {
   ep::clock_start(clock);
@@ -1591,36 +1662,91 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_layout(Window nse
   const bool fits = tokens <= s.t && s.chans <= 64 && (u64)tokens * s.mm <= xmeta.local_size && row_fits;
   u32* row = (u32*)nsend.local_base;
   u32* meta = (u32*)xmeta.local_base;
-  const u64 n = fits ? (u64)tokens * words : 0;
-  const u64 stride = (u64)gridDim.x * blockDim.x, first = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-  for (u64 i = first; i < n; i += stride) {
-    const u32 w = (u32)(i % words);
-    if (!is_slot_word(s, w)) meta[i] = meta_word(s, idx, wbits, nullptr, nullptr, (u32)(i / words), w);
+  // Where the grid has more blocks than destinations, blocks 0 .. dests
+  // each lay out one destination while the others write the metadata and
+  // check the entries; else every block does both, one after the other.
+  const u32 split = gridDim.x > dests ? dests : 0;
+  if (blockIdx.x >= split) {
+    const u64 n = fits ? (u64)tokens * words : 0;
+    const u64 stride = (u64)(gridDim.x - split) * blockDim.x;
+    const u64 first = (u64)(blockIdx.x - split) * blockDim.x + threadIdx.x;
+    // Four words a pass, their loads in flight together (a load then its
+    // store, one word at a time, waited on the memory's latency per word);
+    // each thread walks its words' (token, word) by the stride, dividing
+    // once.
+    const u32 st_tok = (u32)(stride / words), st_w = (u32)(stride % words);
+    u32 tok = (u32)(first / words), w = (u32)(first % words);
+    for (u64 i0 = first; i0 < n; i0 += 4 * stride) {
+      u32 v[4];
+      bool put[4];
+#pragma unroll
+      for (u32 q = 0; q < 4; ++q) {
+        put[q] = i0 + q * stride < n && !is_slot_word(s, w);
+        v[q] = put[q] ? meta_word(s, idx, wbits, nullptr, nullptr, tok, w) : 0u;
+        tok += st_tok;
+        w += st_w;
+        if (w >= words) {
+          w -= words;
+          ++tok;
+        }
+      }
+#pragma unroll
+      for (u32 q = 0; q < 4; ++q)
+        if (put[q]) meta[i0 + q * stride] = v[q];
+    }
+    u64 bad = ~0ull;
+    for (u64 e = first; e < (u64)tokens * s.k; e += stride) {
+      const u32 tok = (u32)(e / s.k), j = (u32)(e % s.k);
+      bad = min(bad, ep::input::entry_key(idx + (u64)tok * s.k, (const float*)wbits + (u64)tok * s.k,
+                                          tok, j, s.r * s.lexp));
+    }
+    for (u32 o = 16; o > 0; o >>= 1) bad = min(bad, (u64)__shfl_xor_sync(0xffffffffu, bad, o));
+    if ((threadIdx.x & 31u) == 0 && bad != ~0ull) atomicMin((unsigned long long*)&rec[0], bad);
   }
-  u64 bad = ~0ull;
-  for (u64 e = first; e < (u64)tokens * s.k; e += stride) {
-    const u32 tok = (u32)(e / s.k), j = (u32)(e % s.k);
-    bad = min(bad, ep::input::entry_key(idx + (u64)tok * s.k, (const float*)wbits + (u64)tok * s.k,
-                                        tok, j, s.r * s.lexp));
-  }
-  for (u32 o = 16; o > 0; o >>= 1) bad = min(bad, (u64)__shfl_xor_sync(0xffffffffu, bad, o));
-  if ((threadIdx.x & 31u) == 0 && bad != ~0ull) atomicMin((unsigned long long*)&rec[0], bad);
+  // A destination's tokens, LAYOUT_TILES tiles of the block's threads (a
+  // token each) at a time: first whether each of a thread's tokens goes
+  // (bit i: tile i; every tile's loads in flight together), then each
+  // warp's count per tile, one barrier, and every tile's prefix and slots.
+  // (Before, a tile's ids were read, judged and laid out before the next
+  // tile's were read: each tile waited on the memory's latency once per
+  // top-k slot.)
   __shared__ u32 pre[65];
-  __shared__ u32 warp_sum[EP_THREADS / 32];
+  __shared__ u32 warp_sum[LAYOUT_TILES][EP_THREADS / 32];
   const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   for (u32 d = blockIdx.x; fits && d < dests; d += gridDim.x) {
     u32 base = 0;
-    for (u32 tile = 0; tile < tokens; tile += blockDim.x) {
-      const u32 t = tile + threadIdx.x;
-      const bool goes = t < tokens && layout_goes(s, idx + (u64)t * s.k, active, d);
-      const u32 m = __ballot_sync(0xffffffffu, goes);
-      if (lane == 0) warp_sum[warp] = layout_popc(m);
+    for (u32 lo = 0; lo < tokens; lo += LAYOUT_TILES * blockDim.x) {
+      const u32 tiles = min(LAYOUT_TILES, (tokens - lo + blockDim.x - 1) / blockDim.x);
+      // This thread's token of tile i (past the last token, the last
+      // token: read and not used, no branch around the loads).
+      const auto ids_of = [&](u32 i) {
+        return idx + (u64)min(lo + i * blockDim.x + threadIdx.x, tokens - 1) * s.k;
+      };
+      // Each tile's ids are fetched into L1 LAYOUT_AHEAD tiles before they
+      // are judged, so that their memory latency overlaps the tiles'
+      // before.
+      for (u32 i = 0; i < LAYOUT_AHEAD && i < tiles; ++i) layout_prefetch(ids_of(i), s.k);
+      u32 bits = 0;
+      for (u32 i = 0; i < tiles; ++i) {
+        if (i + LAYOUT_AHEAD < tiles) layout_prefetch(ids_of(i + LAYOUT_AHEAD), s.k);
+        const u32 t = lo + i * blockDim.x + threadIdx.x;
+        const bool goes = layout_goes(s, ids_of(i), active, d);
+        bits |= (goes && t < tokens ? 1u : 0u) << i;
+      }
+      for (u32 i = 0; i < tiles; ++i) {
+        const u32 m = __ballot_sync(0xffffffffu, (bits >> i) & 1u);
+        if (lane == 0) warp_sum[i][warp] = layout_popc(m);
+      }
       __syncthreads();
-      u32 all = 0;
-      const u32 before = layout_prefix(base, m, lane, warp, warp_sum, warps, &all);
-      if (t < tokens) layout_token(s, tokens, t, d, goes, before, meta, pre);
-      base += all;
-      // warp_sum is rewritten by the next tile.
+      for (u32 i = 0; i < tiles; ++i) {
+        const u32 t = lo + i * blockDim.x + threadIdx.x;
+        const u32 m = __ballot_sync(0xffffffffu, (bits >> i) & 1u);
+        u32 all = 0;
+        const u32 before = layout_prefix(base, m, lane, warp, warp_sum[i], warps, &all);
+        if (t < tokens) layout_token(s, tokens, t, d, ((bits >> i) & 1u) != 0, before, meta, pre);
+        base += all;
+      }
+      // warp_sum is rewritten by the next tiles; pre is read below.
       __syncthreads();
     }
     if (threadIdx.x == 0) layout_counts(s, tokens, d, base, pre, row);

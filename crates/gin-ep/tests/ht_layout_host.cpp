@@ -2,16 +2,18 @@
 // host C++: the kernel's per-token, per-tile and per-destination steps
 // (ep::ht's layout_goes, layout_prefix, layout_token, layout_counts,
 // layout_finish; ep::input's entry_key and error_of; meta_word) run in the
-// kernel's order, each destination's tokens a tile of 512 (a block's
-// threads) at a time, the block's threads and warp ballots emulated one
-// after another, so tokens past the first tile count the earlier tiles'
-// (base) as the kernel's do. Reads the cases
+// kernel's order, each destination's tokens LAYOUT_TILES tiles of 512 (a
+// block's threads) at a time, the block's threads and warp ballots
+// emulated one after another, so tokens past the first tile count the
+// earlier tiles' (base) as the kernel's do, and past the first
+// LAYOUT_TILES tiles the earlier chunks'. Reads the cases
 // src/cuda/ht/layout_tests.rs wrote to argv[1] (little-endian: u32 count,
 // then per case the 15 shape words, u32 tokens, r u32 of the active mask,
 // tokens x k i64 top-k ids, tokens x k u32 weights' bits) and writes to
 // argv[2], per case, what the kernel leaves: the notify row (u32 words:
 // mask, then per destination and channel), every word of every token's
 // metadata (u32), and the LO_WORDS u64 the host reads.
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <vector>
@@ -43,31 +45,40 @@ void layout(const ep::ht::Shape& s, u32 tokens, const u32* active, const i64* id
                                        s.r * s.lexp);
     if (k < key) key = k;
   }
-  // The kernel's loop over each destination's tokens, a tile of THREADS
-  // tokens at a time (a block's threads: thread i of the tile is lane i % 32
-  // of warp i / 32): the warps' ballots, their counts, then every thread's
-  // layout_prefix and layout_token, as the block runs them.
+  // The kernel's loop over each destination's tokens, LAYOUT_TILES tiles
+  // of THREADS tokens at a time (a block's threads: thread i of a tile is
+  // lane i % 32 of warp i / 32): whether each goes (layout_goes), every
+  // tile's warp ballots and counts, then every tile's layout_prefix and
+  // layout_token, as the block runs them.
   const u32 warps = THREADS / 32;
   for (u32 d = 0; d < dests; ++d) {
     u32 pre[65];
     for (u32& p : pre) p = 0xdeadbeefu;
     u32 base = 0;
-    for (u32 tile = 0; tile < tokens; tile += THREADS) {
-      bool goes[THREADS];
-      u32 ballot[THREADS / 32] = {}, warp_sum[THREADS / 32];
-      for (u32 i = 0; i < THREADS; ++i) {
-        const u32 t = tile + i;
-        goes[i] = t < tokens && layout_goes(s, idx + (u64)t * s.k, active, d);
-        if (goes[i]) ballot[i / 32] |= 1u << (i % 32);
+    for (u32 lo = 0; lo < tokens; lo += LAYOUT_TILES * THREADS) {
+      const u32 tiles = std::min(LAYOUT_TILES, (tokens - lo + THREADS - 1) / THREADS);
+      std::vector<u32> ballot((size_t)tiles * warps, 0), warp_sum((size_t)tiles * warps);
+      for (u32 tile = 0; tile < tiles; ++tile)
+        for (u32 i = 0; i < THREADS; ++i) {
+          const u32 t = lo + tile * THREADS + i;
+          // Past the last token the kernel judges the last token's ids and
+          // drops the verdict.
+          const bool goes =
+              layout_goes(s, idx + (u64)std::min(t, tokens - 1) * s.k, active, d) && t < tokens;
+          if (goes) ballot[tile * warps + i / 32] |= 1u << (i % 32);
+        }
+      for (u32 j = 0; j < tiles * warps; ++j) warp_sum[j] = layout_popc(ballot[j]);
+      for (u32 tile = 0; tile < tiles; ++tile) {
+        u32 all = 0;
+        for (u32 i = 0; i < THREADS; ++i) {
+          const u32 t = lo + tile * THREADS + i;
+          const u32 m = ballot[tile * warps + i / 32];
+          const u32 before =
+              layout_prefix(base, m, i % 32, i / 32, &warp_sum[tile * warps], warps, &all);
+          if (t < tokens) layout_token(s, tokens, t, d, (m >> (i % 32)) & 1u, before, meta.data(), pre);
+        }
+        base += all;
       }
-      for (u32 w = 0; w < warps; ++w) warp_sum[w] = layout_popc(ballot[w]);
-      u32 all = 0;
-      for (u32 i = 0; i < THREADS; ++i) {
-        const u32 t = tile + i;
-        const u32 before = layout_prefix(base, ballot[i / 32], i % 32, i / 32, warp_sum, warps, &all);
-        if (t < tokens) layout_token(s, tokens, t, d, goes[i], before, meta.data(), pre);
-      }
-      base += all;
     }
     layout_counts(s, tokens, d, base, pre, row.data());
   }

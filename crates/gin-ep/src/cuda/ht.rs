@@ -1346,10 +1346,11 @@ impl CudaBuffer<'_, '_> {
             Arg::Ptr(st.lay_out.dev()),
             Arg::Ptr(clock),
         ];
-        // A block per destination (rank or host) lays out its tokens; every
-        // block writes metadata and checks entries, so more blocks than
-        // destinations share those two passes: a block per 64 tokens, up
-        // to the launch's limit (`blocks`, 32 by default).
+        // A block per destination (rank or host) lays out its tokens; the
+        // blocks past the destinations write the metadata and check the
+        // entries meanwhile (where there are none, every block does both):
+        // a block per 64 tokens, up to the launch's limit (`blocks`, 32 by
+        // default).
         let grid = self.grid((s.r + s.h).max(inp.tokens.div_ceil(64)));
         let gin = self.gin_stream();
         // SAFETY: ep_ht_layout(Window nsend, Window min, const i64* idx,

@@ -1,10 +1,11 @@
 //! `ep_ht_layout` (`kernels/ht.cu`: the checks and layout of a dispatch
 //! from GPU memory, on the GPU) against the host path's: its steps compiled
 //! as host C++ (`tests/ht_layout_host.cpp`, the kernel's functions in the
-//! kernel's order, its 512-thread tiles emulated) over random routings
-//! (unequal token counts, empty `-1` slots, masked ranks, 2 to 16 ranks on 1
-//! or 2 emulated hosts, 1 to 8 channels, more channels than tokens, up to
-//! 1600 tokens: several tiles) write the notify row the host
+//! kernel's order, its chunks of `LAYOUT_TILES` 512-thread tiles emulated)
+//! over random routings (unequal token counts, empty `-1` slots, masked
+//! ranks, 2 to 16 ranks on 1 or 2 emulated hosts, 1 to 8 channels, more
+//! channels than tokens, up to 1600 tokens: several tiles; by hand, 16384 +
+//! 700 tokens: two chunks) write the notify row the host
 //! builds from [`Layout`] ([`plan::notify_row`]), every word of the
 //! metadata `ep_ht_stage_meta` writes from the host's slots
 //! ([`plan::meta_word`]), and on bad entries (experts out of range or
@@ -369,6 +370,53 @@ fn layouts_over_tiles_and_ids_beyond_i32() {
         ),
         "{e}"
     );
+}
+
+/// Over the kernel's chunks of `LAYOUT_TILES` tiles (its bits of a u32 per
+/// thread): 16384 + 700 tokens on 2 hosts of 2 ranks, rank 2 masked, each
+/// token to expert `t mod 8` and, every third token, `(t + 3) mod 8`: the
+/// slots and channel counts run on from the first chunk into the second,
+/// at ranks and at hosts, as the host path lays them out.
+#[test]
+fn layouts_over_chunks_of_tiles() {
+    let kernels = include_str!("../../../kernels/ht.cu");
+    assert!(kernels.contains("constexpr u32 LAYOUT_TILES = 32;"));
+    let tokens = 32 * 512 + 700;
+    let cfg = Config {
+        channels: 5,
+        ..Config::high_throughput(128, tokens, 8, 2)
+    };
+    let s = Shape::of(&cfg, 4, 2);
+    let mut idx = Vec::with_capacity(2 * tokens);
+    for t in 0..tokens {
+        let e = (t % 8) as i64;
+        idx.extend([e, if t % 3 == 0 { (e + 3) % 8 } else { -1 }]);
+    }
+    let c = Case {
+        cfg,
+        s,
+        me: 1,
+        active: vec![true, true, false, true],
+        tokens,
+        idx,
+        w: vec![0.25; 2 * tokens],
+    };
+    let Some(outs) = run_host(std::slice::from_ref(&c)) else {
+        return;
+    };
+    check(&c, &outs[0]).unwrap();
+    // The last token (17083: expert 3, rank 1; 17083 mod 3 = 1, one slot)
+    // comes after a quarter of the tokens before it at rank 1.
+    let words = s.mm / 4;
+    let last = tokens - 1;
+    assert_eq!(outs[0].meta[last * words + s.w_rank_slot(1)] as usize, {
+        (0..last)
+            .filter(|t| {
+                let (e, f) = (t % 8, (t % 8 + 3) % 8);
+                e / 2 == 1 || (t % 3 == 0 && f / 2 == 1)
+            })
+            .count()
+    });
 }
 
 /// The host C++ emulates blocks of the threads the kernels launch with.
