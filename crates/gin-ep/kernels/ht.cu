@@ -1396,31 +1396,6 @@ __device__ void clear_lane(const Shape& s, u64* L, u32 lo, bool dispatch) {
 #define EP_HT_WINDOW_TABLE                                                                  \
   { &nsend, &nrecv, &xin, &xmeta, &ringx, &ringm, &recvx, &recvm, &csend, &cstage, &crdma, &cget }
 
-namespace ep {
-namespace ht {
-
-// Words of the notify rows ep_ht_notify copies into shared memory for the
-// plan (32 KiB: every row of 8 ranks with 32 channels; larger jobs' plans
-// read the rows where they came, in NRECV).
-constexpr u32 NOTIFY_STAGED = 8192;
-
-// The block's part of the plan (its table's words, the block starts) from
-// the rows, and whether one of this thread's checks of them failed.
-template <class Rows>
-__device__ bool notify_plan(const Shape& s, Rows rows, const u32* active, u32* tables) {
-  const Tables tb{tables, s};
-  for (u32 i = threadIdx.x; i < tb.words(); i += blockDim.x)
-    if (!plan_is_recv_start(s, i)) tables[i] = plan_word(s, rows, active, i);
-  for (u32 dst = threadIdx.x; dst < s.r; dst += blockDim.x) plan_recv_starts(s, rows, active, dst, tables);
-  bool bad = false;
-  for (u32 i = threadIdx.x; i < plan_checks(s); i += blockDim.x)
-    bad = bad || plan_item_bad(s, rows, active, i);
-  return bad;
-}
-
-} // namespace ht
-} // namespace ep
-
 // The count exchange (one block, context 0): this rank's notify row (NSEND,
 // `width` bytes, staged by the host or written by ep_ht_layout before this
 // launch) goes to every active rank's NRECV at (parity * r + rank) * width
@@ -1436,7 +1411,6 @@ __device__ bool notify_plan(const Shape& s, Rows rows, const u32* active, u32* t
 // above the maximum, an active mask that differs from this rank's), and
 // the dispatch kernel queued after this one on the same stream then sends
 // nothing; the host reads the rows, names why and checks that it agrees.
-// Where the rows fit NOTIFY_STAGED, the plan reads them from shared memory.
 extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_notify(DevComm dc, EP_HT_WINDOWS, u32 width, u32 parity,
                                         const u32* shape, const u32* active, u64* seen,
                                         u64* clock, u32* rows, u32* tables) {
@@ -1476,25 +1450,17 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_notify(DevComm dc
   // checked above.)
   const volatile u32* half =
       (const volatile u32*)((const u8*)nrecv.local_base + (u64)parity * s.r * width);
-  // The rows go to the host, and where they fit into shared memory, from
-  // which the plan reads them: the plan's sums read a row's words one after
-  // another (a block start sums r x chans of them), each a volatile read
-  // of NRECV waited on for the memory's latency (about 10 us at 2 ranks,
-  // 20 at 4, of 32 channels).
-  const u64 n = (u64)s.r * width / 4;
-  __shared__ u32 staged[ep::ht::NOTIFY_STAGED];
-  const bool in_shared = n <= ep::ht::NOTIFY_STAGED;
-  for (u64 i = threadIdx.x; i < n; i += blockDim.x) {
-    const u32 v = half[i];
-    rows[i] = v;
-    if (in_shared) staged[i] = v;
-  }
-  __syncthreads();
+  for (u64 i = threadIdx.x; i < (u64)s.r * width / 4; i += blockDim.x) rows[i] = half[i];
   // The plan, and the verdict on the rows.
-  const bool bad = in_shared ? ep::ht::notify_plan(s, (const u32*)staged, active, tables)
-                             : ep::ht::notify_plan(s, half, active, tables);
-  const u32 refused = __syncthreads_or(bad) ? 1u : 0u;
   const ep::ht::Tables tb{tables, s};
+  for (u32 i = threadIdx.x; i < tb.words(); i += blockDim.x)
+    if (!ep::ht::plan_is_recv_start(s, i)) tables[i] = ep::ht::plan_word(s, half, active, i);
+  for (u32 dst = threadIdx.x; dst < s.r; dst += blockDim.x)
+    ep::ht::plan_recv_starts(s, half, active, dst, tables);
+  bool bad = false;
+  for (u32 i = threadIdx.x; i < ep::ht::plan_checks(s); i += blockDim.x)
+    bad = bad || ep::ht::plan_item_bad(s, half, active, i);
+  const u32 refused = __syncthreads_or(bad) ? 1u : 0u;
   if (threadIdx.x == 0) {
     tables[tb.words()] = refused;
     rows[(u64)s.r * width / 4] = refused;
