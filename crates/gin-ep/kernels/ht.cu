@@ -364,26 +364,58 @@ constexpr u64 HT_ROWS_AHEAD = 7;    // rows arrived, rows expected
 // refuse (input::entry_key) count for nothing: the row is then refused.
 EP_FN u32 layout_dests(const Shape& s) { return s.r + s.h; }
 
-// Destination d's experts are one range (hosts are of equal size, their
-// ranks numbered host by host): a slot goes to d where its expert lies in
-// it, and its rank (owner) is active. Every slot is judged, with no early
-// exit, no 64-bit division, and the mask read at an index in range for
-// every slot (rank 0 for one that does not go), so that the kernel's loads
-// of a token's ids, and of several tokens', are in flight together (each
-// id's i64 division, a call, kept them one after another).
-EP_FN bool layout_goes(const Shape& s, const i64* ids, const u32* active, u32 d) {
+// What a destination's block judges its tokens against: d's experts are
+// one range [lo, hi) (hosts are of equal size, their ranks numbered host
+// by host), and whether every rank owning one of them is active (then no
+// slot's owner needs looking up; a rank destination has one owner, d).
+struct LayoutDest {
+  i64 lo, hi;
+  bool all_active;
+};
+
+EP_FN LayoutDest layout_dest(const Shape& s, const u32* active, u32 d) {
   const i64 experts = (i64)s.r * (i64)s.lexp;
   const bool rank = d < s.r;
   const i64 lo = rank ? (i64)d * s.lexp : (i64)(d - s.r) * s.l * s.lexp;
   const i64 hi = lo + (rank ? (i64)s.lexp : (i64)s.l * s.lexp);
-  bool goes = false;
-  for (u32 j = 0; j < s.k; ++j) {
-    const i64 e = ids[j];
-    const bool to_d = e >= lo && e < hi && e < experts;
-    const u32 owner = to_d ? (u32)e / s.lexp : 0u;
-    goes = goes | (to_d & (active[owner] != 0));
+  const u32 first = rank ? d : (d - s.r) * s.l, owners = rank ? 1u : s.l;
+  bool all = true;
+  for (u32 q = first; q < first + owners && q < s.r; ++q) all = all && active[q] != 0;
+  return LayoutDest{lo, hi < experts ? hi : experts, all};
+}
+
+// Whether a slot naming expert e goes to the destination `dest` describes:
+// its expert lies in the range and its rank (owner) is active.
+EP_FN bool layout_slot_goes(const Shape& s, i64 e, const u32* active, const LayoutDest& dest) {
+  return e >= dest.lo && e < dest.hi && (dest.all_active || active[(u32)e / s.lexp] != 0);
+}
+
+// Tiles whose ids ep_ht_layout's threads load at once (a token of each).
+constexpr u32 LAYOUT_WIDE = 4;
+
+// Whether each of LAYOUT_WIDE tokens (ids[i]: its k top-k ids) goes to the
+// destination: bit i for token i. Every slot is judged, with no early exit
+// and no 64-bit division, four ids of each token, sixteen loads, in flight
+// together. (On the H200 a destination's block judged its 4096 tokens in
+// 14.5 us of the kernel's 23 with one token's four ids in flight per
+// thread, and 12 of 20 with sixteen: what the rest waits on is not known.)
+EP_FN u32 layout_goes_wide(const Shape& s, const i64* const ids[LAYOUT_WIDE], const u32* active,
+                           const LayoutDest& dest) {
+  bool goes[LAYOUT_WIDE] = {};
+  u32 j = 0;
+  for (; j + 4 <= s.k; j += 4) {
+    i64 e[LAYOUT_WIDE][4];
+    for (u32 i = 0; i < LAYOUT_WIDE; ++i)
+      for (u32 q = 0; q < 4; ++q) e[i][q] = ids[i][j + q];
+    for (u32 i = 0; i < LAYOUT_WIDE; ++i)
+      for (u32 q = 0; q < 4; ++q) goes[i] = goes[i] | layout_slot_goes(s, e[i][q], active, dest);
   }
-  return goes;
+  for (; j < s.k; ++j)
+    for (u32 i = 0; i < LAYOUT_WIDE; ++i)
+      goes[i] = goes[i] | layout_slot_goes(s, ids[i][j], active, dest);
+  u32 bits = 0;
+  for (u32 i = 0; i < LAYOUT_WIDE; ++i) bits |= (goes[i] ? 1u : 0u) << i;
+  return bits;
 }
 
 // The metadata word that holds a token's slot for destination d
@@ -408,15 +440,19 @@ EP_FN void layout_bounds(const Shape& s, u32 tokens, u32 t, u32 before, u32* pre
   for (; c < s.chans && (u32)div_u64((u64)tokens * c, s.chans) == t; ++c) pre[c] = before;
 }
 
-// Destination d's counts per channel into its words of the notify row,
-// once every token was through layout_bounds and `total` tokens go to d:
-// the channels that start at the end (empty, and the bound after the last)
-// start at the total.
-EP_FN void layout_counts(const Shape& s, u32 tokens, u32 d, u32 total, u32* pre, u32* row) {
-  for (u32 c = 0; c <= s.chans; ++c)
-    if (chan_lo(s, tokens, c) == tokens) pre[c] = total;
-  const u32 mw = (s.r + 31) / 32;
-  for (u32 c = 0; c < s.chans; ++c) row[mw + d * s.chans + c] = pre[c + 1] - pre[c];
+// Destination d's count bounds, once every token was through layout_bounds
+// and `total` tokens go to d: channel c (c <= chans) that starts at the end
+// (empty, or the bound after the last) starts at the total. The block's
+// threads take a channel each.
+EP_FN void layout_count_bound(const Shape& s, u32 tokens, u32 c, u32 total, u32* pre) {
+  // (chan_lo, with div_u64: one per channel and destination.)
+  if ((u32)div_u64((u64)tokens * c, s.chans) == tokens) pre[c] = total;
+}
+
+// Channel c's (c < chans) count of destination d's tokens into its word of
+// the notify row, once every bound is in pre.
+EP_FN void layout_count_word(const Shape& s, u32 d, u32 c, const u32* pre, u32* row) {
+  row[(s.r + 31) / 32 + d * s.chans + c] = pre[c + 1] - pre[c];
 }
 
 // The bits set in m (a warp's ballot).
@@ -426,21 +462,26 @@ EP_FN u32 layout_popc(u32 m) { return __popc(m); }
 EP_FN u32 layout_popc(u32 m) { return (u32)__builtin_popcount(m); }
 #endif
 
-// One tile of ep_ht_layout's count over a destination's tokens (the
-// block's threads, one token each): for thread `lane` of warp `warp`,
-// whose warp's ballot of the tile's tokens that go is m, where warp_sum[v]
-// is warp v's count (warps of them) and base the count of earlier tiles,
-// how many of this rank's tokens before its own go; *all: how many of the
-// tile's go (the next tile's base is base + *all).
-EP_FN u32 layout_prefix(u32 base, u32 m, u32 lane, u32 warp, const u32* warp_sum, u32 warps,
-                        u32* all) {
-  u32 before = base + layout_popc(m & ((1u << lane) - 1u)), n = 0;
+// One tile's warp counts (sums: one per warp of the block, warps of them)
+// into each warp's count of the tile's tokens before it, in place; returns
+// the tile's count. ep_ht_layout runs it once per tile, a thread each,
+// between the ballots and the slots.
+EP_FN u32 layout_tile_scan(u32* sums, u32 warps) {
+  u32 n = 0;
   for (u32 v = 0; v < warps; ++v) {
-    if (v < warp) before += warp_sum[v];
-    n += warp_sum[v];
+    const u32 c = sums[v];
+    sums[v] = n;
+    n += c;
   }
-  *all = n;
-  return before;
+  return n;
+}
+
+// How many of this rank's tokens before the one of thread `lane` of warp
+// `warp` go to the destination: the earlier tiles' (base), the earlier
+// warps' of its tile (pre: layout_tile_scan's), and its warp's earlier
+// lanes' (m: its warp's ballot).
+EP_FN u32 layout_before(u32 base, const u32* pre, u32 m, u32 lane, u32 warp) {
+  return base + pre[warp] + layout_popc(m & ((1u << lane) - 1u));
 }
 
 // Token t's part (t < tokens) for destination d, once its count of earlier
@@ -1573,23 +1614,6 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_stage_meta(Window
                                (u32)(i % words));
 }
 
-namespace ep {
-namespace ht {
-
-// Tiles ep_ht_layout fetches ahead of the one it judges (a tile's ids: a
-// block's threads x k i64, 32 KiB at top-8: four tiles' are 128 KiB, within
-// the L1 that a block with 2 KiB of shared memory leaves).
-constexpr u32 LAYOUT_AHEAD = 3;
-
-// Fetches a token's k top-k ids into L1 (every 128-byte line they touch).
-__device__ __forceinline__ void layout_prefetch(const i64* ids, u32 k) {
-  const u64 a0 = (u64)ids & ~127ull, end = (u64)(ids + k);
-  for (u64 a = a0; a < end; a += 128) asm volatile("prefetch.global.L1 [%0];" ::"l"(a));
-}
-
-} // namespace ht
-} // namespace ep
-
 // The layout of inputs in GPU memory, on gin's stream right before the
 // notify kernel (no host round trip between them): checks every top-k entry
 // as the host does (input::entry_key: the weights of live slots first, then
@@ -1671,15 +1695,18 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_layout(Window nse
   }
   // A destination's tokens, LAYOUT_TILES tiles of the block's threads (a
   // token each) at a time: first whether each of a thread's tokens goes
-  // (bit i: tile i; every tile's loads in flight together), then each
-  // warp's count per tile, one barrier, and every tile's prefix and slots.
+  // (bit i: tile i; LAYOUT_WIDE tiles' loads in flight together), then each
+  // warp's count per tile, a barrier, every tile's scan of them (a thread
+  // per tile), a barrier, and every tile's prefix and slots.
   // (Before, a tile's ids were read, judged and laid out before the next
   // tile's were read: each tile waited on the memory's latency once per
   // top-k slot.)
   __shared__ u32 pre[65];
   __shared__ u32 warp_sum[LAYOUT_TILES][EP_THREADS / 32];
+  __shared__ u32 tile_sum[LAYOUT_TILES];
   const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   for (u32 d = blockIdx.x; fits && d < dests; d += gridDim.x) {
+    const LayoutDest dest = layout_dest(s, active, d);
     u32 base = 0;
     for (u32 lo = 0; lo < tokens; lo += LAYOUT_TILES * blockDim.x) {
       const u32 tiles = min(LAYOUT_TILES, (tokens - lo + blockDim.x - 1) / blockDim.x);
@@ -1688,34 +1715,46 @@ extern "C" __global__ void __launch_bounds__(EP_THREADS) ep_ht_layout(Window nse
       const auto ids_of = [&](u32 i) {
         return idx + (u64)min(lo + i * blockDim.x + threadIdx.x, tokens - 1) * s.k;
       };
-      // Each tile's ids are fetched into L1 LAYOUT_AHEAD tiles before they
-      // are judged, so that their memory latency overlaps the tiles'
-      // before.
-      for (u32 i = 0; i < LAYOUT_AHEAD && i < tiles; ++i) layout_prefetch(ids_of(i), s.k);
+      // LAYOUT_WIDE tiles at a time, their tokens' ids loaded together
+      // (past the last tile, the last tile's token: read and dropped).
       u32 bits = 0;
-      for (u32 i = 0; i < tiles; ++i) {
-        if (i + LAYOUT_AHEAD < tiles) layout_prefetch(ids_of(i + LAYOUT_AHEAD), s.k);
-        const u32 t = lo + i * blockDim.x + threadIdx.x;
-        const bool goes = layout_goes(s, ids_of(i), active, d);
-        bits |= (goes && t < tokens ? 1u : 0u) << i;
+      for (u32 i = 0; i < tiles; i += LAYOUT_WIDE) {
+        const i64* ids[LAYOUT_WIDE];
+#pragma unroll
+        for (u32 w = 0; w < LAYOUT_WIDE; ++w) ids[w] = ids_of(min(i + w, tiles - 1));
+        bits |= layout_goes_wide(s, ids, active, dest) << i;
       }
+      // Only tokens before `tokens` (the last tile's threads past them
+      // judged the last token) and tiles before `tiles` go.
+      for (u32 i = 0; i < tiles; ++i)
+        if (lo + i * blockDim.x + threadIdx.x >= tokens) bits &= ~(1u << i);
+      if (tiles < 32) bits &= (1u << tiles) - 1u;
       for (u32 i = 0; i < tiles; ++i) {
         const u32 m = __ballot_sync(0xffffffffu, (bits >> i) & 1u);
         if (lane == 0) warp_sum[i][warp] = layout_popc(m);
       }
       __syncthreads();
+      // Every tile's warp counts into prefixes at once, a thread per tile
+      // (each thread summing all warps' counts for every tile, one tile
+      // after another, took 7 of the kernel's 27 us).
+      if (threadIdx.x < tiles) tile_sum[threadIdx.x] = layout_tile_scan(warp_sum[threadIdx.x], warps);
+      __syncthreads();
       for (u32 i = 0; i < tiles; ++i) {
         const u32 t = lo + i * blockDim.x + threadIdx.x;
         const u32 m = __ballot_sync(0xffffffffu, (bits >> i) & 1u);
-        u32 all = 0;
-        const u32 before = layout_prefix(base, m, lane, warp, warp_sum[i], warps, &all);
+        const u32 before = layout_before(base, warp_sum[i], m, lane, warp);
         if (t < tokens) layout_token(s, tokens, t, d, ((bits >> i) & 1u) != 0, before, meta, pre);
-        base += all;
+        base += tile_sum[i];
       }
-      // warp_sum is rewritten by the next tiles; pre is read below.
+      // warp_sum and tile_sum are rewritten by the next tiles; pre is read
+      // below.
       __syncthreads();
     }
-    if (threadIdx.x == 0) layout_counts(s, tokens, d, base, pre, row);
+    // The channels' bounds and counts, a thread per channel (thread 0
+    // alone, a 64-bit division per channel, took 4.6 us).
+    if (threadIdx.x <= s.chans) layout_count_bound(s, tokens, threadIdx.x, base, pre);
+    __syncthreads();
+    if (threadIdx.x < s.chans) layout_count_word(s, d, threadIdx.x, pre, row);
     // pre is rewritten for the next destination.
     __syncthreads();
   }

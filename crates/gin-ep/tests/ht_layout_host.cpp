@@ -1,7 +1,8 @@
 // kernels/ht.cu's layout of inputs in GPU memory (ep_ht_layout) compiled as
 // host C++: the kernel's per-token, per-tile and per-destination steps
-// (ep::ht's layout_goes, layout_prefix, layout_token, layout_counts,
-// layout_finish; ep::input's entry_key and error_of; meta_word) run in the
+// (ep::ht's layout_dest, layout_goes_wide, layout_tile_scan, layout_before,
+// layout_token, layout_count_bound, layout_count_word, layout_finish;
+// ep::input's entry_key and error_of; meta_word) run in the
 // kernel's order, each destination's tokens LAYOUT_TILES tiles of 512 (a
 // block's threads) at a time, the block's threads and warp ballots
 // emulated one after another, so tokens past the first tile count the
@@ -47,40 +48,51 @@ void layout(const ep::ht::Shape& s, u32 tokens, const u32* active, const i64* id
   }
   // The kernel's loop over each destination's tokens, LAYOUT_TILES tiles
   // of THREADS tokens at a time (a block's threads: thread i of a tile is
-  // lane i % 32 of warp i / 32): whether each goes (layout_goes), every
-  // tile's warp ballots and counts, then every tile's layout_prefix and
-  // layout_token, as the block runs them.
+  // lane i % 32 of warp i / 32): whether each goes (layout_goes_wide), every
+  // tile's warp ballots and counts, every tile's scan of them
+  // (layout_tile_scan), then every tile's layout_before and layout_token,
+  // and the channels' bounds and counts, as the block runs them.
   const u32 warps = THREADS / 32;
   for (u32 d = 0; d < dests; ++d) {
     u32 pre[65];
     for (u32& p : pre) p = 0xdeadbeefu;
+    const LayoutDest dest = layout_dest(s, active, d);
     u32 base = 0;
     for (u32 lo = 0; lo < tokens; lo += LAYOUT_TILES * THREADS) {
       const u32 tiles = std::min(LAYOUT_TILES, (tokens - lo + THREADS - 1) / THREADS);
       std::vector<u32> ballot((size_t)tiles * warps, 0), warp_sum((size_t)tiles * warps);
-      for (u32 tile = 0; tile < tiles; ++tile)
-        for (u32 i = 0; i < THREADS; ++i) {
-          const u32 t = lo + tile * THREADS + i;
-          // Past the last token the kernel judges the last token's ids and
-          // drops the verdict.
-          const bool goes =
-              layout_goes(s, idx + (u64)std::min(t, tokens - 1) * s.k, active, d) && t < tokens;
-          if (goes) ballot[tile * warps + i / 32] |= 1u << (i % 32);
+      for (u32 i = 0; i < THREADS; ++i) {
+        // Thread i's tokens, LAYOUT_WIDE tiles at a time (past the last
+        // tile the last tile's token, past the last token the last token:
+        // judged, and the verdict dropped).
+        const auto ids_of = [&](u32 tile) {
+          return idx + (u64)std::min(lo + tile * THREADS + i, tokens - 1) * s.k;
+        };
+        for (u32 tile = 0; tile < tiles; tile += LAYOUT_WIDE) {
+          const i64* ids[LAYOUT_WIDE];
+          for (u32 w = 0; w < LAYOUT_WIDE; ++w) ids[w] = ids_of(std::min(tile + w, tiles - 1));
+          const u32 bits = layout_goes_wide(s, ids, active, dest);
+          for (u32 w = 0; w < LAYOUT_WIDE && tile + w < tiles; ++w)
+            if ((bits >> w) & 1u && lo + (tile + w) * THREADS + i < tokens)
+              ballot[(tile + w) * warps + i / 32] |= 1u << (i % 32);
         }
+      }
       for (u32 j = 0; j < tiles * warps; ++j) warp_sum[j] = layout_popc(ballot[j]);
+      std::vector<u32> tile_sum(tiles);
+      for (u32 tile = 0; tile < tiles; ++tile)
+        tile_sum[tile] = layout_tile_scan(&warp_sum[tile * warps], warps);
       for (u32 tile = 0; tile < tiles; ++tile) {
-        u32 all = 0;
         for (u32 i = 0; i < THREADS; ++i) {
           const u32 t = lo + tile * THREADS + i;
           const u32 m = ballot[tile * warps + i / 32];
-          const u32 before =
-              layout_prefix(base, m, i % 32, i / 32, &warp_sum[tile * warps], warps, &all);
+          const u32 before = layout_before(base, &warp_sum[tile * warps], m, i % 32, i / 32);
           if (t < tokens) layout_token(s, tokens, t, d, (m >> (i % 32)) & 1u, before, meta.data(), pre);
         }
-        base += all;
+        base += tile_sum[tile];
       }
     }
-    layout_counts(s, tokens, d, base, pre, row.data());
+    for (u32 c = 0; c <= s.chans; ++c) layout_count_bound(s, tokens, c, base, pre);
+    for (u32 c = 0; c < s.chans; ++c) layout_count_word(s, d, c, pre, row.data());
   }
   const bool refused = key != ~0ull;
   layout_finish(s, active, refused, row.data());
