@@ -419,6 +419,45 @@ fn layouts_over_chunks_of_tiles() {
     });
 }
 
+/// Over a partial group of the kernel's `LAYOUT_WIDE` tiles judged at a
+/// time: 3000 tokens (five full 512-token tiles and one of 440, so the
+/// second group of four holds two tiles, the last one partial) at top-3
+/// (no whole group of four ids), on 2 hosts of 2 ranks with rank 1 masked:
+/// the emulation lays them out as the host path does.
+#[test]
+fn layouts_over_a_partial_group_of_wide_tiles() {
+    let kernels = include_str!("../../../kernels/ht.cu");
+    assert!(kernels.contains("constexpr u32 LAYOUT_WIDE = 4;"));
+    let tokens = 3000;
+    let cfg = Config {
+        channels: 7,
+        ..Config::high_throughput(128, tokens, 8, 3)
+    };
+    let s = Shape::of(&cfg, 4, 2);
+    let mut idx = Vec::with_capacity(3 * tokens);
+    for t in 0..tokens {
+        let e = (t % 8) as i64;
+        idx.extend([
+            e,
+            if t % 5 == 0 { -1 } else { (e + 3) % 8 },
+            if t % 7 == 0 { (e + 6) % 8 } else { -1 },
+        ]);
+    }
+    let c = Case {
+        cfg,
+        s,
+        me: 2,
+        active: vec![true, false, true, true],
+        tokens,
+        idx,
+        w: vec![0.125; 3 * tokens],
+    };
+    let Some(outs) = run_host(std::slice::from_ref(&c)) else {
+        return;
+    };
+    check(&c, &outs[0]).unwrap();
+}
+
 /// The host C++ emulates blocks of the threads the kernels launch with.
 #[test]
 fn the_host_emulation_tiles_as_the_kernel() {
