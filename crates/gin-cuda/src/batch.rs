@@ -42,7 +42,10 @@ pub trait Gpu {
     type Stream: Dma;
     /// An event a stream records and another waits for.
     type Event;
-    /// Makes the GPU's context current on the calling thread.
+    /// Makes the GPU's context current on the calling thread, an engine's
+    /// own, and sets that thread's stream-capture mode to relaxed for good
+    /// ([`crate::RelaxedCapture`]): its calls must go on while a user's
+    /// thread captures a stream in global mode.
     ///
     /// # Errors
     /// The driver's, when the context cannot be made current.
@@ -76,7 +79,11 @@ impl Gpu for Arc<Device> {
     type Stream = Stream;
     type Event = Event;
     fn enter(&self) -> Result<(), CudaError> {
-        self.make_current()
+        self.make_current()?;
+        // An engine thread's copies, queries and waits must not be refused
+        // (nor invalidate it) while a user's thread captures a stream in
+        // global mode.
+        crate::RelaxedCapture::for_this_thread()
     }
     fn stream(&self) -> Result<Stream, CudaError> {
         Stream::new()

@@ -754,6 +754,57 @@ impl Drop for HostMem {
     }
 }
 
+/// The calling thread's stream-capture mode set to relaxed, until dropped
+/// (then the mode it had before comes back).
+///
+/// While any thread of the process captures a stream in global mode (the
+/// default of `cuStreamBeginCapture`, and of cudarc's `begin_capture`), the
+/// driver refuses "potentially unsafe" calls (`cuStreamSynchronize`,
+/// synchronous copies, ...) on every other thread whose own mode is global,
+/// with `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`, and invalidates the
+/// capture. gin's service threads (engines, and a transport serving a
+/// peer's put into GPU memory) make such calls at any moment, unrelated to
+/// the user's capture, so they make them in relaxed mode, as NCCL's proxy
+/// threads do; a user's own thread is left in its mode.
+#[derive(Debug)]
+pub struct RelaxedCapture(cu::CUstreamCaptureMode);
+
+impl RelaxedCapture {
+    /// Sets relaxed mode on this thread.
+    ///
+    /// # Errors
+    /// The driver's (or no driver).
+    pub fn enter() -> Result<Self, CudaError> {
+        available()?;
+        let mut mode = cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: valid in/out pointer; the call touches only this thread's
+        // capture mode.
+        check("cuThreadExchangeStreamCaptureMode", unsafe {
+            cu::cuThreadExchangeStreamCaptureMode(&raw mut mode)
+        })?;
+        Ok(Self(mode))
+    }
+
+    /// Sets relaxed mode on this thread for good: for a thread gin owns
+    /// (an engine's), which makes no capture of its own.
+    ///
+    /// # Errors
+    /// As [`RelaxedCapture::enter`].
+    pub fn for_this_thread() -> Result<(), CudaError> {
+        std::mem::forget(Self::enter()?);
+        Ok(())
+    }
+}
+
+impl Drop for RelaxedCapture {
+    fn drop(&mut self) {
+        let mut mode = self.0;
+        // SAFETY: as in `enter`; a failure leaves the thread relaxed, which
+        // only allows more.
+        let _ = unsafe { cu::cuThreadExchangeStreamCaptureMode(&raw mut mode) };
+    }
+}
+
 /// A non-blocking stream, destroyed on drop.
 ///
 /// Queueing work on raw addresses is `unsafe` ([`Stream::copy`],

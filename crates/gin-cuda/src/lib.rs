@@ -123,7 +123,8 @@ pub mod window;
 /// converts into a [`StreamRef`].
 pub use cudarc;
 pub use driver::{
-    Cubin, DevMem, Device, Event, Function, HostMem, IpcMem, MAX_WRITES, Module, Stream, available,
+    Cubin, DevMem, Device, Event, Function, HostMem, IpcMem, MAX_WRITES, Module, RelaxedCapture,
+    Stream, available,
 };
 pub use error::{CudaError, DriverError};
 pub use launch::{Borrowed, LaunchConfig, Param, StreamRef};

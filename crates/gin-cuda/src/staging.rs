@@ -222,10 +222,14 @@ impl GpuRegion {
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         let (stage, stream) = &mut *g;
+        // A peer's put can arrive while a user's thread captures a stream
+        // in global mode: the staging copy and its wait must not be refused
+        // for it (which also invalidated the capture).
         self.server
             .dev
             .make_current()
-            .and_then(|()| f(stage, stream))
+            .and_then(|()| crate::RelaxedCapture::enter())
+            .and_then(|_relaxed| f(stage, stream))
             .map_err(|e| format!("staging GPU memory: {e}"))
     }
 }
@@ -269,3 +273,7 @@ impl Backing for GpuRegion {
         Some(Arc::clone(&self.context))
     }
 }
+
+#[cfg(test)]
+#[path = "staging_capture_tests.rs"]
+mod capture_tests;
