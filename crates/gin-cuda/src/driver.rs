@@ -757,17 +757,19 @@ impl Drop for HostMem {
 /// The calling thread's stream-capture mode set to relaxed, until dropped
 /// (then the mode it had before comes back).
 ///
-/// While any thread of the process captures a stream in global mode (the
-/// default of `cuStreamBeginCapture`, and of cudarc's `begin_capture`), the
+/// While any thread of the process captures a stream in global mode, the
 /// driver refuses "potentially unsafe" calls (`cuStreamSynchronize`,
-/// synchronous copies, ...) on every other thread whose own mode is global,
-/// with `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`, and invalidates the
-/// capture. gin's service threads (engines, and a transport serving a
-/// peer's put into GPU memory) make such calls at any moment, unrelated to
-/// the user's capture, so they make them in relaxed mode, as NCCL's proxy
-/// threads do; a user's own thread is left in its mode.
+/// synchronous copies, ...) on every other thread whose own mode is global
+/// (every thread's mode until it sets another), with
+/// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`, and invalidates the capture.
+/// gin's engine threads and the TCP transport's staging of a peer's put
+/// into GPU memory make such calls at any moment, unrelated to the user's
+/// capture, so they make them in relaxed mode, as NCCL's proxy threads do;
+/// a user's own thread is left in its mode. The guard is not `Send`: it
+/// restores the mode of the thread that made it.
 #[derive(Debug)]
-pub struct RelaxedCapture(cu::CUstreamCaptureMode);
+#[must_use = "the mode is restored when the guard drops"]
+pub struct RelaxedCapture(cu::CUstreamCaptureMode, std::marker::PhantomData<*const ()>);
 
 impl RelaxedCapture {
     /// Sets relaxed mode on this thread.
@@ -782,7 +784,7 @@ impl RelaxedCapture {
         check("cuThreadExchangeStreamCaptureMode", unsafe {
             cu::cuThreadExchangeStreamCaptureMode(&raw mut mode)
         })?;
-        Ok(Self(mode))
+        Ok(Self(mode, std::marker::PhantomData))
     }
 
     /// Sets relaxed mode on this thread for good: for a thread gin owns

@@ -74,8 +74,8 @@ pub mod nvrtc;
 mod window;
 
 pub use gin_cuda::{
-    Cubin, CudaError, DevMem, Device, Function, HostMem, IpcMem, LaunchConfig, Module, Stream,
-    StreamRef, cudarc,
+    Cubin, CudaError, DevMem, Device, Function, HostMem, IpcMem, LaunchConfig, Module,
+    RelaxedCapture, Stream, StreamRef, cudarc,
 };
 
 pub use devcomm::{Arg, CudaDevComm, DevCommParam, Watcher};

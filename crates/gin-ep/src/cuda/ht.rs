@@ -1432,7 +1432,12 @@ impl CudaBuffer<'_, '_> {
             let helper = up.map(|up| {
                 std::thread::Builder::new()
                     .name("gin-ep-upload".into())
-                    .spawn_scoped(sc, move || up.upload(dev))
+                    .spawn_scoped(sc, move || {
+                        // Its synchronous upload must not be refused while a
+                        // user's thread captures a stream in global mode.
+                        gin_core::cuda::RelaxedCapture::for_this_thread()?;
+                        up.upload(dev)
+                    })
             });
             // SAFETY: ep_ht_notify(DevComm, 12 Windows, u32 width, u32 parity,
             // const u32* shape, const u32* active, u64* seen, u64* clock, u32*
