@@ -119,8 +119,24 @@ pub trait Backing: Send + Sync {
 }
 
 /// A hook that makes a device context current on the calling thread (see
-/// [`Backing::thread_context`]).
-pub type ThreadContext = Arc<dyn Fn() + Send + Sync>;
+/// [`Backing::thread_context`]), told which kind of thread that is.
+pub type ThreadContext = Arc<dyn Fn(HookThread) + Send + Sync>;
+
+/// The thread a [`ThreadContext`] hook runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HookThread {
+    /// A transport's own service thread (the ucx transport's progress
+    /// thread), which runs no user code and captures no CUDA graph: the
+    /// hook may set thread-wide state there for good. A GPU backing sets
+    /// the thread's stream-capture mode to relaxed, so that a user's
+    /// global-mode graph capture does not refuse the CUDA calls the
+    /// transport's library makes there (and is not invalidated by them).
+    Service,
+    /// Any other thread, such as a rank's that progresses the transport
+    /// while it waits: the hook changes nothing there but the current
+    /// context.
+    Caller,
+}
 
 #[derive(Clone)]
 struct Entry {

@@ -47,7 +47,11 @@
 //!   there). A GPU region's
 //!   backing may name a hook that makes its context current
 //!   ([`crate::region::Backing::thread_context`]): the progress thread
-//!   runs it. The peer unpacks each rkey once and caches it. When the
+//!   runs it as a service thread (a GPU backing also relaxes its
+//!   stream-capture mode there for good, so a user's global-mode graph
+//!   capture does not refuse UCX's CUDA calls on it); a rank's thread that
+//!   answers a key request while it progresses the worker runs it as a
+//!   caller (the context only). The peer unpacks each rkey once and caches it. When the
 //!   owner stops serving a region ([`crate::region::RegionObserver`]:
 //!   deregistration, or a window dropped without it), it revokes the rkey
 //!   at every peer that holds it and waits until each has dropped it and

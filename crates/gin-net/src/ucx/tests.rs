@@ -721,10 +721,10 @@ fn the_endpoint_based_fence_is_accepted_and_a_bad_value_is_refused() {
 
 /// GPU memory in these tests: nothing behind it (UCX cannot map it with
 /// the CUDA memory type here); its thread-context hook records the
-/// threads it ran on.
+/// threads it ran on, and as which kind of thread.
 #[derive(Default)]
 struct FakeGpu {
-    entered: Arc<Mutex<Vec<String>>>,
+    entered: Arc<Mutex<Vec<(String, crate::region::HookThread)>>>,
 }
 
 impl crate::region::Backing for FakeGpu {
@@ -736,9 +736,9 @@ impl crate::region::Backing for FakeGpu {
     }
     fn thread_context(&self) -> Option<crate::region::ThreadContext> {
         let entered = self.entered.clone();
-        Some(Arc::new(move || {
+        Some(Arc::new(move |on| {
             let name = std::thread::current().name().unwrap_or("?").to_owned();
-            lock(&entered).push(name);
+            lock(&entered).push((name, on));
         }))
     }
 }
@@ -746,7 +746,8 @@ impl crate::region::Backing for FakeGpu {
 /// A GPU region is mapped when it is registered, on the registering
 /// thread (a CUDA rank's, where its context is current), never on the
 /// progress thread; the region's thread-context hook is then run on the
-/// progress thread, which executes peers' emulated writes; a peer asking
+/// progress thread, which executes peers' emulated writes, as a service
+/// thread (and on no other thread as one); a peer asking
 /// for its rkey gets the owner's refusal with UCX's status at once.
 #[test]
 fn gpu_regions_are_mapped_on_the_registering_thread_and_the_progress_thread_enters_their_context() {
@@ -793,9 +794,17 @@ fn gpu_regions_are_mapped_on_the_registering_thread_and_the_progress_thread_ente
         .map(|(_, t)| t)
         .collect();
     assert_eq!(on, [me], "mapped on {on:?}, registered on {me:?}");
+    // The progress thread entered it as a service thread, and no other
+    // thread did (a rank's thread may set nothing but the context).
     assert!(
-        entered.iter().any(|t| t == "gin-ucx-1"),
+        entered.contains(&("gin-ucx-1".to_owned(), crate::region::HookThread::Service)),
         "entered on {entered:?}"
+    );
+    assert!(
+        entered
+            .iter()
+            .all(|(t, on)| *on == crate::region::HookThread::Caller || t == "gin-ucx-1"),
+        "entered as a service thread off the progress thread: {entered:?}"
     );
     let (took, e) = out[0].0.as_ref().unwrap();
     assert!(*took < Duration::from_secs(5), "{took:?}: {e}");
@@ -985,7 +994,7 @@ impl crate::region::Backing for HostGpu {
         Err("not reached in this test: UCX reads the memory".into())
     }
     fn thread_context(&self) -> Option<crate::region::ThreadContext> {
-        Some(Arc::new(|| {}))
+        Some(Arc::new(|_| {}))
     }
 }
 
