@@ -687,10 +687,10 @@ if [ -n "$ucx" ]; then
     # the ring scenario checks every byte once the signal arrived, so a
     # fence that does not order cuda_ipc's copies fails here.
     ustep "selftest-ucx-fence-$backend" env GIN_UCX_GPU_ORDER=fence GIN_BACKEND=$backend "$st" all --ranks 2
-    # The fused kernel captured in a global-mode graph while UCX's progress
-    # thread moves the peer's puts (cuda_ipc's event queries there): that
-    # thread runs relaxed, so the capture is neither refused nor
-    # invalidated (docs/reliability.md).
+    # The fused kernel captured in a global-mode graph over UCX, whose
+    # progress thread makes CUDA calls (it runs relaxed, so a capture is
+    # neither refused nor invalidated by them: docs/reliability.md); a smoke
+    # run beside fused-graph-tcp-proxy.
     ustep "fused-graph-ucx-$backend" env GIN_BACKEND=$backend timeout 300 "$fa" --ranks 2 --graph --iters 20
   done
   fi

@@ -21,7 +21,7 @@
 use std::mem::ManuallyDrop;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use gin_net::region::{Backing, HookThread, ThreadContext};
+use gin_net::region::{Backing, ThreadContext};
 
 use crate::batch::Dma;
 use crate::driver::{Device, HostMem, Stream, span};
@@ -189,22 +189,22 @@ impl GpuRegion {
     /// and write.
     pub unsafe fn new(ptr: u64, len: u64, server: Arc<Server>) -> Self {
         let dev = Arc::downgrade(&server.dev);
-        let context: ThreadContext = Arc::new(move |on| {
+        let context: ThreadContext = Arc::new(move || {
             // A device already gone has no context to make current; the
             // region is then gone from the table too.
             let Some(dev) = dev.upgrade() else { return };
             if let Err(e) = dev.make_current() {
                 tracing::warn!(error = %e, "making the GPU context current on a transport thread");
             }
-            // A transport's own thread (UCX's progress thread: cuda_copy's
-            // stream waits, cuda_ipc's event queries move peers' puts
-            // there) must not be refused while a user's thread captures a
-            // stream in global mode, nor invalidate that capture. It makes
-            // no capture of its own, so relaxed for good, as the engines'
-            // threads are; a caller's thread keeps its mode.
-            if on == HookThread::Service
-                && let Err(e) = crate::RelaxedCapture::for_this_thread()
-            {
+            // A transport's own thread (UCX's progress thread: UCX's CUDA
+            // calls there map GPU regions, execute peers' emulated writes
+            // and complete this rank's puts from GPU memory) must not be
+            // refused while a user's thread captures a stream in global
+            // mode, nor invalidate that capture. Transports run this hook
+            // on their own threads only, which make no capture of their
+            // own (`Backing::thread_context`): relaxed for good, as the
+            // engines' threads are.
+            if let Err(e) = crate::RelaxedCapture::for_this_thread() {
                 tracing::warn!(error = %e, "relaxing a transport thread's stream-capture mode");
             }
         });
@@ -277,8 +277,8 @@ impl Backing for GpuRegion {
     /// The part's GPU context, made current on a transport's own thread
     /// (UCX's progress thread maps the part and executes peers' emulated
     /// writes into it), whose stream-capture mode it also relaxes for good
-    /// ([`HookThread::Service`]): the same hook every time, holding the
-    /// device weakly. A failure is logged, not raised: the call UCX makes
+    /// (see [`Backing::thread_context`]): the same hook every time,
+    /// holding the device weakly. A failure is logged, not raised: the call UCX makes
     /// next then fails with its own error, which the peer is answered
     /// with.
     fn thread_context(&self) -> Option<ThreadContext> {

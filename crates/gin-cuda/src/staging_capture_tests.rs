@@ -108,16 +108,13 @@ fn a_put_staged_into_gpu_memory_during_a_users_global_capture_lands_and_leaves_i
     assert_eq!(strict, cu::CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
 }
 
-/// The hook a transport runs to enter a GPU region's context (UCX's
-/// progress thread) relaxes a service thread's stream-capture mode for
-/// good, so the CUDA calls UCX makes there after it returned go on during
-/// a user's global capture and leave it whole; on a caller's thread (a
-/// rank's, progressing the worker while it waits) it sets the context
-/// only, and that thread's strict call is refused as before.
+/// The hook a transport runs on its own thread to enter a GPU region's
+/// context (UCX's progress thread) relaxes that thread's stream-capture
+/// mode for good: the CUDA calls UCX makes there after it returned go on
+/// during a user's global capture and leave it whole, where the same
+/// thread's wait without the hook is refused.
 #[test]
-fn a_gpu_regions_context_hook_relaxes_a_transports_service_thread_for_good_and_leaves_a_callers_mode()
- {
-    use gin_net::region::HookThread;
+fn a_gpu_regions_context_hook_relaxes_the_transport_thread_it_runs_on_for_good() {
     let Some(dev) = gpu() else { return };
     let capturing = Stream::new().unwrap();
     let other = Stream::new().unwrap();
@@ -130,17 +127,14 @@ fn a_gpu_regions_context_hook_relaxes_a_transports_service_thread_for_good_and_l
         // SAFETY: a live stream of this context.
         unsafe { cu::cuStreamSynchronize(other.raw()) }
     };
-    let (strict, whole) = during_global_capture(&dev, &capturing, || {
-        hook(HookThread::Caller);
-        wait()
-    });
+    let (strict, whole) = during_global_capture(&dev, &capturing, wait);
     assert_eq!(strict, cu::CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
     assert!(
         !whole,
         "the refused call should have invalidated the capture"
     );
     let (relaxed, whole) = during_global_capture(&dev, &capturing, || {
-        hook(HookThread::Service);
+        hook();
         let first = wait();
         // Still relaxed at the next call: for good, not for one.
         (first, wait())
@@ -151,6 +145,6 @@ fn a_gpu_regions_context_hook_relaxes_a_transports_service_thread_for_good_and_l
     );
     assert!(
         whole,
-        "a service thread's wait invalidated the user's capture"
+        "a transport thread's wait invalidated the user's capture"
     );
 }

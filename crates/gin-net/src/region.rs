@@ -110,33 +110,25 @@ pub trait Backing: Send + Sync {
     /// thread (for GPU memory: the CUDA context that owns it), for a
     /// transport whose own threads hand the memory to a library that
     /// needs it current (the ucx transport's progress thread, where UCX
-    /// maps a region registered before the transport started and executes
-    /// peers' software-emulated writes into it). `None` (the default):
-    /// nothing to make current.
+    /// maps a region registered before the transport started, executes
+    /// peers' software-emulated writes into it and completes this rank's
+    /// puts from GPU memory). `None` (the default): nothing to make
+    /// current.
+    ///
+    /// A transport runs the hook on its own threads only, which run no
+    /// user code and capture no CUDA graph, any number of times: the hook
+    /// may set thread-wide state there for good. A GPU backing also sets
+    /// the thread's stream-capture mode to relaxed, so that a user's
+    /// global-mode graph capture does not refuse the CUDA calls the
+    /// transport's library makes there (and is not invalidated by them).
     fn thread_context(&self) -> Option<ThreadContext> {
         None
     }
 }
 
-/// A hook that makes a device context current on the calling thread (see
-/// [`Backing::thread_context`]), told which kind of thread that is.
-pub type ThreadContext = Arc<dyn Fn(HookThread) + Send + Sync>;
-
-/// The thread a [`ThreadContext`] hook runs on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum HookThread {
-    /// A transport's own service thread (the ucx transport's progress
-    /// thread), which runs no user code and captures no CUDA graph: the
-    /// hook may set thread-wide state there for good. A GPU backing sets
-    /// the thread's stream-capture mode to relaxed, so that a user's
-    /// global-mode graph capture does not refuse the CUDA calls the
-    /// transport's library makes there (and is not invalidated by them).
-    Service,
-    /// Any other thread, such as a rank's that progresses the transport
-    /// while it waits: the hook changes nothing there but the current
-    /// context.
-    Caller,
-}
+/// A hook that makes a device context current on the calling thread, a
+/// transport's own (see [`Backing::thread_context`]).
+pub type ThreadContext = Arc<dyn Fn() + Send + Sync>;
 
 #[derive(Clone)]
 struct Entry {
@@ -363,6 +355,17 @@ impl RegionTable {
             access: e.access,
             backed: e.backing.is_some(),
         }))
+    }
+
+    /// The thread-context hook of any region already in the table that has
+    /// one (for a transport starting after regions were registered).
+    pub fn any_thread_context(&self) -> Option<ThreadContext> {
+        let map = self
+            .map
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        map.values()
+            .find_map(|e| e.backing.as_ref()?.thread_context())
     }
 
     /// The thread-context hook of the backing behind `key`, if any

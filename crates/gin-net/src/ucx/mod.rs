@@ -47,11 +47,11 @@
 //!   there). A GPU region's
 //!   backing may name a hook that makes its context current
 //!   ([`crate::region::Backing::thread_context`]): the progress thread
-//!   runs it as a service thread (a GPU backing also relaxes its
-//!   stream-capture mode there for good, so a user's global-mode graph
-//!   capture does not refuse UCX's CUDA calls on it); a rank's thread that
-//!   answers a key request while it progresses the worker runs it as a
-//!   caller (the context only). The peer unpacks each rkey once and caches it. When the
+//!   runs it (the first one registered, or the one already in the table
+//!   when the transport starts), and only that thread, which answers key
+//!   requests from its queued work; a GPU backing's hook also relaxes the
+//!   thread's stream-capture mode for good, so that a user's global-mode
+//!   graph capture does not refuse UCX's CUDA calls there. The peer unpacks each rkey once and caches it. When the
 //!   owner stops serving a region ([`crate::region::RegionObserver`]:
 //!   deregistration, or a window dropped without it), it revokes the rkey
 //!   at every peer that holds it and waits until each has dropped it and
@@ -663,6 +663,12 @@ impl UcxTransport {
         }
         let weak: Weak<dyn crate::region::RegionObserver> = Arc::downgrade(&inner) as Weak<_>;
         table.observe(weak);
+        // A region registered before the transport started: its context
+        // (and, for GPU memory, relaxed capture) on the progress thread
+        // from its first turn, not only once a peer asks for the region.
+        if let Some(h) = table.any_thread_context() {
+            inner.adopt_thread_context(h);
+        }
         let am_max = am::limits(&inner, am_max, &tuned);
         let progress = serve::spawn_progress(&inner, spin)?;
         // Every worker has its endpoints and handlers before anyone sends.

@@ -432,11 +432,8 @@ impl Inner {
         let answer = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             // A GPU region mapped here (registered before the transport
             // started) needs its context current on this thread.
-            // This may be a rank's thread progressing the worker while it
-            // waits: the context only; the progress thread, handed the
-            // hook, enters it as a service thread.
             if let Some(h) = self.table.thread_context(key) {
-                h(crate::region::HookThread::Caller);
+                h();
                 self.adopt_thread_context(h);
             }
             self.answer_for(from, key)
@@ -503,7 +500,7 @@ impl Inner {
     /// Has the progress thread make `h` current on itself (a device
     /// context: UCX executes peers' software-emulated writes into GPU
     /// memory there).
-    fn adopt_thread_context(&self, h: crate::region::ThreadContext) {
+    pub(super) fn adopt_thread_context(&self, h: crate::region::ThreadContext) {
         let mut cur = lock(&self.thread_context);
         if cur.as_ref().is_some_and(|c| Arc::ptr_eq(c, &h)) {
             return;
@@ -515,15 +512,14 @@ impl Inner {
     }
 
     /// Runs the newest thread-context hook on the calling thread (the
-    /// progress thread, a service thread: see
-    /// [`crate::region::HookThread::Service`]) if it changed since `seen`.
+    /// progress thread) if it changed since `seen`.
     fn enter_thread_context(&self, seen: &mut u64) {
         let now = self.thread_context_changes.load(Ordering::Acquire);
         if now != *seen {
             *seen = now;
             let h = lock(&self.thread_context).clone();
             if let Some(h) = h {
-                h(crate::region::HookThread::Service);
+                h();
             }
         }
     }
