@@ -132,6 +132,10 @@ for backend in auto proxy gdaki; do
   step "selftest-$backend" env GIN_BACKEND=$backend "$st" all --ranks 2
   step "badinput-$backend" env GIN_BACKEND=$backend GIN_TIMEOUT=2s "$st" badinput --ranks 2
   expect_die "die-$backend" env GIN_BACKEND=$backend GIN_TIMEOUT=60s "$st" die 1 --ranks 2
+  # Kernels compiled with the load/store path alone (GIN_QUEUE_PATHS=0):
+  # verified where every peer is load/store (auto), refused naming the peer
+  # and the path where a queue path reaches it (proxy, gdaki).
+  step "queue-paths-$backend" env GIN_BACKEND=$backend "$st" queue-paths --ranks 2
 done
 # NCCL's GIN all-to-all kernel, in NCCL's names, through gin/nccl_compat.cuh.
 for backend in auto proxy gdaki; do
@@ -620,6 +624,16 @@ if [ -n "$benches" ]; then
   # coop's ping-pong at 1024 too, beside the peer's 1024-thread rows.
   step "bench-cuda-block1024" "$here/gin-bench" cuda --tests pingpong --paths loadstore --coops block \
     --block-threads 1024 --json "$out/cuda-block1024.json" --peer-json "$out/peer-nvshmem.json"
+  # The load/store ping-pong with the default kernels (every coop), then
+  # with kernels built for load/store peers alone (GIN_QUEUE_PATHS=0: no
+  # proxy or GDAKI code inlined), every coop, 512- and 1024-thread blocks,
+  # beside the same NVSHMEM rows.
+  step "bench-cuda-loadstore" "$here/gin-bench" cuda --tests pingpong --paths loadstore \
+    --json "$out/cuda-loadstore.json" --peer-json "$out/peer-nvshmem.json"
+  step "bench-cuda-lsa-only" "$here/gin-bench" cuda --tests pingpong --paths loadstore --queue-paths none \
+    --json "$out/cuda-lsa-only.json" --peer-json "$out/peer-nvshmem.json"
+  step "bench-cuda-block1024-lsa-only" "$here/gin-bench" cuda --tests pingpong --paths loadstore --coops block \
+    --block-threads 1024 --queue-paths none --json "$out/cuda-block1024-lsa-only.json" --peer-json "$out/peer-nvshmem.json"
   step "bench-cuda" "$here/gin-bench" cuda --json "$out/cuda.json" --csv "$out/cuda.csv" \
     --peer-json "$out/peer-nvshmem.json" --peer-json "$out/peer-nccl.json"
   # The suite's common flags reach the same measurements.

@@ -77,6 +77,18 @@ impl CudaPath {
     }
 }
 
+/// Which queue paths the benchmark's kernels are compiled with
+/// (`GIN_QUEUE_PATHS` in gin/gin.cuh).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum QueuePaths {
+    /// The header's default: proxy and GDAKI beside load/store.
+    All,
+    /// The load/store path alone (`GIN_QUEUE_PATHS=0`), as a kernel that
+    /// only reaches load/store peers may be built: `--paths loadstore`.
+    None,
+}
+
 #[derive(Debug, Clone, Args, Serialize, Deserialize)]
 pub struct CudaArgs {
     /// Ping-pong message sizes (k / m suffixes allowed).
@@ -134,6 +146,11 @@ pub struct CudaArgs {
         default_value = "loadstore,proxy,gdaki"
     )]
     pub paths: Vec<CudaPath>,
+    /// The queue paths compiled into the kernels: `none` measures the
+    /// load/store path as built for kernels that reach only load/store
+    /// peers (`GIN_QUEUE_PATHS=0`).
+    #[arg(long, value_enum, default_value = "all")]
+    pub queue_paths: QueuePaths,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<std::path::PathBuf>,
@@ -200,6 +217,7 @@ impl CudaArgs {
             },
             tests: vec![test],
             paths,
+            queue_paths: QueuePaths::All,
             json: c.json.clone(),
             csv: c.csv.clone(),
             peer_json: Vec::new(),
@@ -232,6 +250,14 @@ impl CudaArgs {
         let bt = self.block_threads;
         if bt == 0 || bt > 1024 || !bt.is_multiple_of(32) {
             bail!("--block-threads {bt}: a multiple of 32 up to 1024");
+        }
+        if self.queue_paths == QueuePaths::None
+            && let Some(p) = self.paths.iter().find(|&&p| p != CudaPath::LoadStore)
+        {
+            bail!(
+                "--queue-paths none compiles the proxy and GDAKI paths out of the kernels: --paths {} cannot run with it (use --paths loadstore)",
+                p.label()
+            );
         }
         Ok(())
     }
@@ -334,7 +360,16 @@ pub fn run(a: &CudaArgs) -> Result<()> {
         };
         println!("rank 0 reaches rank 1 over {over} ({how}): no load/store path, no floors");
     }
-    let m = c.compile(gin_selftest::KERNELS, "selftest.cu")?;
+    let m = match a.queue_paths {
+        QueuePaths::All => c.compile(gin_selftest::KERNELS, "selftest.cu")?,
+        QueuePaths::None => {
+            let opts = cuda::CompileOptions {
+                defines: vec![("GIN_QUEUE_PATHS".into(), Some("0".into()))],
+                ..Default::default()
+            };
+            c.compile_with(gin_selftest::KERNELS, "selftest.cu", &opts)?
+        }
+    };
     let want = |t: CudaTest| a.tests.contains(&t);
     let mut max = 8u64;
     if want(CudaTest::Pingpong) {
@@ -361,6 +396,11 @@ pub fn run(a: &CudaArgs) -> Result<()> {
         );
         if let Some(g) = &shared {
             println!("{}: {}", if g.void { "WARNING" } else { "NOTE" }, g.why);
+        }
+        if a.queue_paths == QueuePaths::None {
+            println!(
+                "kernels compiled with the load/store path alone (GIN_QUEUE_PATHS=0, --queue-paths none)"
+            );
         }
     }
     let src = c.alloc_window(max)?;
@@ -1176,6 +1216,34 @@ mod tests {
             both.paths,
             [CudaPath::LoadStore, CudaPath::Proxy, CudaPath::Gdaki]
         );
+    }
+
+    /// `--queue-paths none` builds the kernels with the load/store path
+    /// alone: it measures `--paths loadstore` and refuses the queue paths,
+    /// naming the path, before any rank starts.
+    #[test]
+    fn queue_paths_none_measures_load_store_only() {
+        #[derive(clap::Parser)]
+        struct P {
+            #[command(flatten)]
+            a: CudaArgs,
+        }
+        let parse = |args: &[&str]| {
+            <P as clap::Parser>::parse_from(std::iter::once("cuda").chain(args.iter().copied())).a
+        };
+        assert_eq!(parse(&[]).queue_paths, QueuePaths::All);
+        let lsa = parse(&["--queue-paths", "none", "--paths", "loadstore"]);
+        assert_eq!(lsa.queue_paths, QueuePaths::None);
+        lsa.validate().unwrap();
+        let e = parse(&["--queue-paths", "none", "--paths", "loadstore,gdaki"])
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--paths gdaki") && e.contains("--queue-paths none"),
+            "{e}"
+        );
+        assert!(parse(&["--queue-paths", "none"]).validate().is_err());
     }
 
     #[test]

@@ -156,6 +156,12 @@ fn header_matches_rust_abi_and_encoders() {
         num("errkind.COPY_ENGINE"),
         usize::from(errword::COPY_ENGINE)
     );
+    assert_eq!(
+        num("errkind.PATH_NOT_BUILT"),
+        usize::from(errword::PATH_NOT_BUILT)
+    );
+    // Both queue paths unless a kernel's build asks for fewer.
+    assert_eq!(num("queue_paths.default"), 3);
 
     let golden = Desc {
         op: Op::Put,

@@ -71,6 +71,8 @@ int main() {
   std::printf("offset.GdakiQpAbi.sink_key %zu\n", __builtin_offsetof(GdakiQpAbi, sink_key));
   std::printf("errkind.WQE_ERROR %u\n", (unsigned)WQE_ERROR);
   std::printf("errkind.COPY_ENGINE %u\n", (unsigned)COPY_ENGINE);
+  std::printf("errkind.PATH_NOT_BUILT %u\n", (unsigned)PATH_NOT_BUILT);
+  std::printf("queue_paths.default %u\n", (unsigned)GIN_QUEUE_PATHS);
 
   // Descriptors: the Rust golden cases, then random ones.
   proxy::Desc d = blank(proxy::OP_PUT);

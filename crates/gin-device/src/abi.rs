@@ -328,6 +328,10 @@ pub mod errword {
     /// aligned bytes at a time (a 1, 2 or 4-byte `put_value`); the value is
     /// the window id. Refused before anything was posted.
     pub const COPY_ENGINE: u8 = 15;
+    /// The peer is reached through a queue path (proxy or GDAKI) that the
+    /// kernel was compiled without (`GIN_QUEUE_PATHS`); the value is the
+    /// backend (1 proxy, 2 GDAKI). Refused before anything was posted.
+    pub const PATH_NOT_BUILT: u8 = 16;
 
     /// A decoded error word.
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -387,6 +391,11 @@ pub mod errword {
                  by window address) and stores 8 aligned bytes at a time (a 1, 2 or 4-byte \
                  put_value); use the load/store path, a signal id or an 8-byte value (value: \
                  the window id)"
+            }
+            PATH_NOT_BUILT => {
+                "refused: this kernel was compiled without the queue path that reaches this \
+                 peer (GIN_QUEUE_PATHS leaves it out; value: the backend, 1 proxy, 2 GDAKI); \
+                 compile it with the default GIN_QUEUE_PATHS, or reach the peer by load/store"
             }
             _ => "unknown error kind",
         }

@@ -207,3 +207,36 @@ fn nvrtc_compiles_a_users_kernel_with_its_include_folder_and_cccl() {
         eprintln!("note: CCCL not found; <cuda/atomic> was not tried");
     }
 }
+
+/// The kernels compile through NVRTC with fewer queue paths
+/// (`GIN_QUEUE_PATHS`, gin/gin.cuh), as `gin-bench cuda --queue-paths none`
+/// and the selftest's `queue-paths` scenario build them; a mask with other
+/// bits is refused, naming the macro.
+#[test]
+fn nvrtc_compiles_the_kernels_with_each_queue_path_mask() {
+    if !gin_cuda::nvrtc::is_available() {
+        assert!(std::env::var_os("GIN_REQUIRE_NVRTC").is_none());
+        return;
+    }
+    let with = |mask: &str| gin_core::cuda::nvrtc::CompileOptions {
+        defines: vec![("GIN_QUEUE_PATHS".into(), Some(mask.into()))],
+        ..Default::default()
+    };
+    for mask in ["0", "1", "2", "3"] {
+        gin_core::cuda::nvrtc::compile_with(
+            gin_selftest::KERNELS,
+            "selftest.cu",
+            (9, 0),
+            &with(mask),
+        )
+        .unwrap_or_else(|e| panic!("GIN_QUEUE_PATHS={mask}: {e}"));
+    }
+    let e = gin_core::cuda::nvrtc::compile_with(
+        gin_selftest::KERNELS,
+        "selftest.cu",
+        (9, 0),
+        &with("4"),
+    )
+    .expect_err("an unknown queue path bit must not compile");
+    assert!(e.to_string().contains("GIN_QUEUE_PATHS"), "{e}");
+}

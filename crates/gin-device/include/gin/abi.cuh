@@ -69,6 +69,24 @@ constexpr u32 BACKEND_NONE = 0;
 constexpr u32 BACKEND_PROXY = 1;
 constexpr u32 BACKEND_GDAKI = 2;
 
+// The queue paths a kernel is compiled with: a mask of GIN_QUEUE_PROXY and
+// GIN_QUEUE_GDAKI (both by default); the load/store path is always built.
+// A kernel that only ever reaches load/store peers (one host's NVLink
+// domain) may be compiled with -DGIN_QUEUE_PATHS=0: every call then carries
+// the load/store path alone, with fewer registers and instructions (what
+// NCCL's GIN calls its backend mask). A call that meets a peer reached
+// through a queue path compiled out fails with PATH_NOT_BUILT, naming the
+// peer and the backend, before anything is posted; so does a flush that
+// would have to wait for such a queue. Define it the same in every
+// translation unit linked together.
+#define GIN_QUEUE_PROXY 1
+#define GIN_QUEUE_GDAKI 2
+#ifndef GIN_QUEUE_PATHS
+#define GIN_QUEUE_PATHS (GIN_QUEUE_PROXY | GIN_QUEUE_GDAKI)
+#endif
+static_assert((GIN_QUEUE_PATHS & ~(GIN_QUEUE_PROXY | GIN_QUEUE_GDAKI)) == 0,
+              "gin: GIN_QUEUE_PATHS is a mask of GIN_QUEUE_PROXY and GIN_QUEUE_GDAKI");
+
 // Error kinds of the error word: [63:56] kind, [55:48] context (255: none),
 // [47:32] peer (0xffff: none), [31:0] id or last value seen.
 enum ErrorKind : u32 {
@@ -91,6 +109,10 @@ enum ErrorKind : u32 {
   // signal) and stores 8 aligned bytes at a time (a 1/2/4-byte put_value);
   // value: the window id. Refused before anything is posted.
   COPY_ENGINE = 15,
+  // The peer is reached through a queue path this kernel was compiled
+  // without (GIN_QUEUE_PATHS); value: the backend (BACKEND_PROXY or
+  // BACKEND_GDAKI). Refused before anything is posted.
+  PATH_NOT_BUILT = 16,
 };
 
 GIN_HD u64 error_word(u32 kind, u32 ctx, u32 peer, u32 value) {

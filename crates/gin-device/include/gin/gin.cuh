@@ -219,6 +219,20 @@ GIN_DEV bool same_gpu(const DevComm& dc, u32 peer) {
 }
 GIN_DEV bool is_lsa(const DevComm& dc, u32 peer) { return reach(dc, peer) == REACH_LSA; }
 GIN_DEV bool is_queued(const DevComm& dc, u32 peer) { return reach(dc, peer) == REACH_QUEUE; }
+// The backend's queue path, where this kernel was compiled with it
+// (GIN_QUEUE_PATHS): a path compiled out is a constant false, so its code
+// is not generated at all.
+GIN_DEV bool proxy_path(const DevComm& dc) {
+  return (GIN_QUEUE_PATHS & GIN_QUEUE_PROXY) != 0 && dc.backend_kind == BACKEND_PROXY;
+}
+GIN_DEV bool gdaki_path(const DevComm& dc) {
+  return (GIN_QUEUE_PATHS & GIN_QUEUE_GDAKI) != 0 && dc.backend_kind == BACKEND_GDAKI;
+}
+// The backend has queues but this kernel was compiled without them.
+GIN_DEV bool path_not_built(const DevComm& dc) {
+  return (dc.backend_kind == BACKEND_PROXY && (GIN_QUEUE_PATHS & GIN_QUEUE_PROXY) == 0) ||
+         (dc.backend_kind == BACKEND_GDAKI && (GIN_QUEUE_PATHS & GIN_QUEUE_GDAKI) == 0);
+}
 // The rail team after the reach table: rail barriers, members, ranks.
 GIN_DEV const u32* rail_team(const DevComm& dc) {
   return (const u32*)((const u8*)dc.lsa + ((dc.nranks + 3u) & ~3u));
@@ -365,22 +379,24 @@ GIN_DEV int check_actions(const DevComm& dc, u32 ctx, u32 peer, Remote rem, Loca
   return OK;
 }
 
-GIN_DEV bool has_queues(const DevComm& dc) {
-  return dc.backend_kind == BACKEND_PROXY || dc.backend_kind == BACKEND_GDAKI;
-}
+GIN_DEV bool has_queues(const DevComm& dc) { return proxy_path(dc) || gdaki_path(dc); }
 
-// The error for a peer this rank cannot reach: not connected (off a rail
-// connection), or not load/store with a backend that has no queues.
+// The error for a peer reached neither by load/store nor by a queue path:
+// not connected (off a rail connection), its backend's queue path compiled
+// out of this kernel, or a backend that has no queues.
+GIN_DEV int fail_not_queued(const DevComm& dc, u32 ctx, u32 peer) {
+  return fail(dc, path_not_built(dc) ? PATH_NOT_BUILT : UNSUPPORTED, ctx, peer, dc.backend_kind);
+}
 GIN_DEV int fail_unreachable(const DevComm& dc, u32 ctx, u32 peer) {
-  const bool none = reach(dc, peer) == REACH_NONE;
-  return fail(dc, none ? BAD_PEER : UNSUPPORTED, ctx, peer, none ? peer : dc.backend_kind);
+  if (reach(dc, peer) == REACH_NONE) return fail(dc, BAD_PEER, ctx, peer, peer);
+  return fail_not_queued(dc, ctx, peer);
 }
 
 GIN_DEV int check_peer(const DevComm& dc, u32 ctx, u32 peer) {
   if (peer >= dc.nranks) return fail(dc, BAD_PEER, ctx, peer, peer);
   const u8 how = reach(dc, peer);
   if (how == REACH_NONE) return fail(dc, BAD_PEER, ctx, peer, peer);
-  if (how != REACH_LSA && !has_queues(dc)) return fail(dc, UNSUPPORTED, ctx, peer, dc.backend_kind);
+  if (how != REACH_LSA && !has_queues(dc)) return fail_not_queued(dc, ctx, peer);
   return OK;
 }
 
@@ -636,7 +652,7 @@ GIN_DEV int put(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst
   u64* const sig = lsa_signal_base(dc, peer, rem);
   // The ring too, where there are rings (unused for a load/store peer).
   ProxyRingAbi rg{};
-  if (dc.backend_kind == BACKEND_PROXY) rg = ring(dc, ctx, peer);
+  if (proxy_path(dc)) rg = ring(dc, ctx, peer);
   // A peer that is neither load/store nor queued is either off a rail
   // connection or unreachable with this backend, which is said before any
   // complaint about the offset. The load/store path's branches stay those
@@ -678,7 +694,7 @@ GIN_DEV int put(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst
   // load/store path.
   const bool word = tiny && bytes == 8;
   int r = OK;
-  if (coop_rank(coop) == 0 && dc.backend_kind == BACKEND_GDAKI) {
+  if (coop_rank(coop) == 0 && gdaki_path(dc)) {
     const GdakiData g{word ? 2u : bytes ? 1u : 0u,
                       ((const u32*)dst.keys)[peer],
                       ((const u32*)src.keys)[dc.rank],
@@ -687,7 +703,7 @@ GIN_DEV int put(const DevComm& dc, u32 ctx, u32 peer, const Window& dst, u64 dst
                       bytes,
                       v0};
     r = gdaki_post(dc, ctx, peer, gqp(dc, ctx, peer), g, rem, loc);
-  } else if (coop_rank(coop) == 0) {
+  } else if (coop_rank(coop) == 0 && proxy_path(dc)) {
     proxy::Desc d = empty_desc(proxy::OP_PUT);
     d.bytes = bytes;
     d.dst_window = dst.id;
@@ -740,11 +756,11 @@ GIN_DEV int put_value_sized(const DevComm& dc, u32 ctx, u32 peer, const Window& 
         else *(volatile u8*)p = (u8)value;
         lsa_actions(dc, ctx, peer, sig, rem, no_counter(), same_gpu(dc, peer));
       }
-    } else if (dc.backend_kind == BACKEND_GDAKI) {
+    } else if (gdaki_path(dc)) {
       const GdakiData g{2, ((const u32*)dst.keys)[peer], 0, ((const u64*)dst.addrs)[peer] + dst_off,
                         0, size, value};
       r = gdaki_post(dc, ctx, peer, gqp(dc, ctx, peer), g, rem, no_counter());
-    } else {
+    } else if (proxy_path(dc)) {
       proxy::Desc d = empty_desc(proxy::OP_PUT);
       d.bytes = size;
       d.dst_window = dst.id;
@@ -753,6 +769,8 @@ GIN_DEV int put_value_sized(const DevComm& dc, u32 ctx, u32 peer, const Window& 
       d.inline_value = value;
       proxy_actions(dc, ctx, rem, no_counter(), d);
       r = push(dc, ctx, peer, d);
+    } else {
+      r = fail_unreachable(dc, ctx, peer);
     }
   }
   return coop_bcast(coop, r);
@@ -795,12 +813,14 @@ GIN_DEV int signal(const DevComm& dc, u32 ctx, u32 peer, Remote rem, Coop coop =
       if (sig || rem.kind == 0)
         lsa_actions(dc, ctx, peer, sig, rem, no_counter(), same_gpu(dc, peer));
       else r = fail(dc, UNSUPPORTED, ctx, peer, 0);
-    } else if (dc.backend_kind == BACKEND_GDAKI) {
+    } else if (gdaki_path(dc)) {
       r = gdaki_post(dc, ctx, peer, gqp(dc, ctx, peer), GdakiData{}, rem, no_counter());
-    } else {
+    } else if (proxy_path(dc)) {
       proxy::Desc d = empty_desc(proxy::OP_PUT);
       proxy_actions(dc, ctx, rem, no_counter(), d);
       r = push(dc, ctx, peer, d);
+    } else {
+      r = fail_unreachable(dc, ctx, peer);
     }
   }
   return coop_bcast(coop, r);
@@ -830,7 +850,7 @@ GIN_DEV int get(const DevComm& dc, u32 ctx, u32 peer, const Window& remote, u64 
   }
   coop_sync(coop);
   int r = OK;
-  if (coop_rank(coop) == 0 && dc.backend_kind == BACKEND_GDAKI) {
+  if (coop_rank(coop) == 0 && gdaki_path(dc)) {
     const GdakiData g{bytes ? 3u : 0u,
                       ((const u32*)remote.keys)[peer],
                       ((const u32*)local.keys)[dc.rank],
@@ -839,7 +859,7 @@ GIN_DEV int get(const DevComm& dc, u32 ctx, u32 peer, const Window& remote, u64 
                       bytes,
                       0};
     if (bytes) r = gdaki_post(dc, ctx, peer, gqp(dc, ctx, peer), g, no_signal(), no_counter());
-  } else if (coop_rank(coop) == 0) {
+  } else if (coop_rank(coop) == 0 && proxy_path(dc)) {
     proxy::Desc d = empty_desc(proxy::OP_GET);
     d.bytes = bytes;
     d.dst_window = remote.id;
@@ -862,7 +882,7 @@ GIN_DEV int flush(const DevComm& dc, u32 ctx, Coop coop = THREAD) {
   int r = OK;
   if (coop_rank(coop) == 0) {
     __threadfence_system();
-    if (dc.backend_kind == BACKEND_PROXY) {
+    if (proxy_path(dc)) {
       for (u32 p = 0; p < dc.nranks && r == OK; ++p) {
         if (!is_queued(dc, p)) continue;
         const ProxyRingAbi& rg = ring(dc, ctx, p);
@@ -872,9 +892,14 @@ GIN_DEV int flush(const DevComm& dc, u32 ctx, Coop coop = THREAD) {
                      [&] { return signal_reached(proxy::ld_acquire_gpu(done), mark); });
         if (k) r = fail(dc, k, ctx, p, (u32)mark);
       }
-    } else if (dc.backend_kind == BACKEND_GDAKI) {
+    } else if (gdaki_path(dc)) {
       for (u32 p = 0; p < dc.nranks && r == OK; ++p)
         if (is_queued(dc, p)) r = gdaki_flush(dc, ctx, p);
+    } else if (path_not_built(dc)) {
+      // Another kernel, compiled with the queue path, may have queued
+      // operations on this context that this one cannot wait for.
+      for (u32 p = 0; p < dc.nranks && r == OK; ++p)
+        if (is_queued(dc, p)) r = fail(dc, PATH_NOT_BUILT, ctx, p, dc.backend_kind);
     }
   }
   r = coop_bcast(coop, r);
@@ -894,9 +919,9 @@ GIN_DEV int flush_async(const DevComm& dc, u32 ctx, u32 peer, Request* req, Coop
   if (!e) e = check_peer(dc, ctx, peer);
   if (e) return e;
   if (is_queued(dc, peer)) {
-    if (dc.backend_kind == BACKEND_PROXY) {
+    if (proxy_path(dc)) {
       *req = Request{*(volatile const u64*)ring(dc, ctx, peer).head, 0, peer, ctx};
-    } else if (dc.backend_kind == BACKEND_GDAKI) {
+    } else if (gdaki_path(dc)) {
       const GdakiQpAbi& q = gqp(dc, ctx, peer);
       *req = Request{*(volatile const u64*)q.main.indices, *(volatile const u64*)q.companion.indices,
                      peer, ctx};
@@ -918,12 +943,12 @@ GIN_DEV int wait(const DevComm& dc, u32 ctx, const Request& req, Coop coop = THR
   int r = OK;
   if (coop_rank(coop) == 0 && req.peer != NO_PEER) {
     const u32 p = req.peer;
-    if (dc.backend_kind == BACKEND_PROXY) {
+    if (proxy_path(dc)) {
       const u64* done = (const u64*)ring(dc, ctx, p).done;
       const u32 k = poll(dc, FLUSH_TIMEOUT,
                          [&] { return signal_reached(proxy::ld_acquire_gpu(done), req.main); });
       if (k) r = fail(dc, k, ctx, p, (u32)req.main);
-    } else if (dc.backend_kind == BACKEND_GDAKI) {
+    } else if (gdaki_path(dc)) {
       const GdakiQpAbi& q = gqp(dc, ctx, p);
       for (int j = 0; j < 2 && r == OK; ++j) {
         const GdakiSqAbi& sq = j ? q.companion : q.main;
@@ -937,6 +962,8 @@ GIN_DEV int wait(const DevComm& dc, u32 ctx, const Request& req, Coop coop = THR
         if (k) r = fail(dc, k, ctx, p, (u32)mark);
         else if (c.state == 2) r = fail(dc, WQE_ERROR, ctx, p, (c.syndrome << 16) | c.wqe);
       }
+    } else if (path_not_built(dc)) {
+      r = fail(dc, PATH_NOT_BUILT, ctx, p, dc.backend_kind);
     }
   }
   return coop_bcast(coop, r);
@@ -1134,10 +1161,10 @@ GIN_DEV int team_barrier(const DevComm& dc, u32 ctx, u32 id, const u32* members,
         red_add_release((u64*)((u8*)signal_peer(dc, p) + off), 1, same_gpu(dc, p));
       } else if (!is_queued(dc, p)) {
         r = fail(dc, BAD_PEER, ctx, p, p);
-      } else if (dc.backend_kind == BACKEND_GDAKI) {
+      } else if (gdaki_path(dc)) {
         r = gdaki_post(dc, ctx, p, gqp(dc, ctx, p), GdakiData{},
                        weak ? signal_inc_weak(id) : signal_inc(id), no_counter());
-      } else {
+      } else if (proxy_path(dc)) {
         proxy::Desc d = empty_desc(proxy::OP_PUT);
         d.has_signal = 1;
         d.sig_strong = weak ? 0 : 1;
@@ -1145,6 +1172,8 @@ GIN_DEV int team_barrier(const DevComm& dc, u32 ctx, u32 id, const u32* members,
         d.sig_offset = off;
         d.sig_add = 1;
         r = push(dc, ctx, p, d);
+      } else {
+        r = fail_not_queued(dc, ctx, p);
       }
     }
     if (r == OK) {

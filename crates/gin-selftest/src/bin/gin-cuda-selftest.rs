@@ -89,6 +89,7 @@ fn main() -> ExitCode {
             "signals" => signals(&cuda, &k),
             "rail" => rail(&cuda, &k),
             "badinput" => badinput(&cuda, &k),
+            "queue-paths" => queue_paths(&cuda),
             "dropped" => dropped(&cuda, &k),
             "nccl-alltoall" => nccl_alltoall(&cuda),
             "parity" => parity(&cuda),
@@ -521,6 +522,82 @@ fn badinput(c: &CudaComm<'_>, k: &Kernels<'_>) -> R {
     }
     c.comm().bootstrap().barrier().map_err(s)?;
     dc.destroy().map_err(s)
+}
+
+/// Kernels compiled with the load/store path alone (`GIN_QUEUE_PATHS=0`,
+/// gin/gin.cuh): where every peer is reached by load/store they pass the
+/// ring and signals scenarios as the default build does; where the peers
+/// are reached through the proxy or GDAKI, a ring's first put fails before
+/// anything is posted, naming the peer and the path compiled out, on every
+/// rank (none waits for a put that never left).
+fn queue_paths(c: &CudaComm<'_>) -> R {
+    let opts = cuda::CompileOptions {
+        defines: vec![("GIN_QUEUE_PATHS".into(), Some("0".into()))],
+        ..Default::default()
+    };
+    let m = c
+        .compile_with(gin_selftest::KERNELS, "selftest.cu", &opts)
+        .map_err(s)?;
+    let k = Kernels { m: &m };
+    let rank = c.comm().rank();
+    let dc = c.dev_comm(&req(), CtxSharing::Gpu).map_err(s)?;
+    let (lsa, backend) = (
+        dc.abi().flags & DEVCOMM_FLAG_LSA_ONLY != 0,
+        dc.backend_name(),
+    );
+    dc.destroy().map_err(s)?;
+    if lsa {
+        ring(c, &k)?;
+        signals(c, &k)?;
+        println!("rank {rank}: queue-paths: kernels with the load/store path alone verified");
+        return Ok(());
+    }
+    let f = k.f("gin_ring")?;
+    let dc = c.dev_comm(&req(), CtxSharing::Gpu).map_err(s)?;
+    let send = c.alloc_window(1024).map_err(s)?;
+    let recv = c.alloc_window(1024).map_err(s)?;
+    let out = DevMem::new(24).map_err(s)?;
+    let t = Instant::now();
+    // SAFETY: gin_ring as in `ring`: both windows hold 1024 bytes, `out`
+    // the 24 bytes the kernel writes.
+    let r = unsafe {
+        dc.run(
+            &f,
+            1,
+            32,
+            &[
+                Arg::DevComm(dc.abi()),
+                Arg::Window(send.abi()),
+                Arg::Window(recv.abi()),
+                Arg::U64(1024),
+                Arg::U32(1),
+                Arg::U32(1),
+                Arg::Ptr(out.ptr()),
+            ],
+        )
+    };
+    let next = (rank + 1) % c.comm().nranks();
+    let r = match r {
+        Err(e)
+            if e.to_string().contains("compiled without the queue path")
+                && e.to_string().contains(&format!(", peer {next} (")) =>
+        {
+            println!(
+                "rank {rank}: queue-paths: a put to rank {next} over {backend} from a kernel with the load/store path alone -> error after {:.3}s: {e}",
+                t.elapsed().as_secs_f64()
+            );
+            Ok(())
+        }
+        Err(e) => Err(format!("queue-paths ({backend}): wrong error: {e}")),
+        Ok(()) => Err(format!(
+            "queue-paths ({backend}): a put through a queue path compiled out succeeded"
+        )),
+    };
+    c.comm().bootstrap().barrier().map_err(s)?;
+    dc.destroy().map_err(s)?;
+    c.free_window(send).map_err(s)?;
+    c.free_window(recv).map_err(s)?;
+    r
 }
 
 fn run_bad(
