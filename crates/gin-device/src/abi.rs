@@ -394,8 +394,10 @@ pub mod errword {
             }
             PATH_NOT_BUILT => {
                 "refused: this kernel was compiled without the queue path that reaches this \
-                 peer (GIN_QUEUE_PATHS leaves it out; value: the backend, 1 proxy, 2 GDAKI); \
-                 compile it with the default GIN_QUEUE_PATHS, or reach the peer by load/store"
+                 peer (GIN_QUEUE_PATHS leaves it out; value: the backend, 1 proxy, 2 GDAKI), \
+                 so it can neither post to the peer nor flush, wait for or barrier with it; \
+                 compile it with the default GIN_QUEUE_PATHS, or use it on a communicator \
+                 whose peers are all reached by load/store"
             }
             _ => "unknown error kind",
         }

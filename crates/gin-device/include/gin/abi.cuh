@@ -76,8 +76,10 @@ constexpr u32 BACKEND_GDAKI = 2;
 // the load/store path alone, with fewer registers and instructions (what
 // NCCL's GIN calls its backend mask). A call that meets a peer reached
 // through a queue path compiled out fails with PATH_NOT_BUILT, naming the
-// peer and the backend, before anything is posted; so does a flush that
-// would have to wait for such a queue. Define it the same in every
+// peer and the backend, before anything is posted; so do a barrier with
+// such a peer among its members (before any arrival is sent) and a flush
+// or wait on a communicator with any such peer, even if this kernel never
+// posted to it (another kernel may have). Define it the same in every
 // translation unit linked together.
 #define GIN_QUEUE_PROXY 1
 #define GIN_QUEUE_GDAKI 2

@@ -1144,6 +1144,15 @@ namespace detail {
 GIN_DEV int team_barrier(const DevComm& dc, u32 ctx, u32 id, const u32* members, u32 count,
                          Coop coop, u32 fence, u64 limit, bool quiet) {
   if (fence > FENCE_ALL_CONTEXTS) return fail(dc, UNSUPPORTED, ctx, NO_PEER, fence);
+  // A member behind a queue path this kernel was built without: refused
+  // before any arrival is sent (the load/store members would count a
+  // barrier this rank never completes). Nothing at all in a default build.
+  if (path_not_built(dc)) {
+    for (u32 i = 0; i < count; ++i) {
+      const u32 p = members ? members[i] : i;
+      if (is_queued(dc, p)) return fail(dc, PATH_NOT_BUILT, ctx, p, dc.backend_kind);
+    }
+  }
   int r = OK;
   if (fence == FENCE_ALL_CONTEXTS) {
     for (u32 k = 0; k < dc.nctx && r == OK; ++k) r = flush(dc, k, coop);

@@ -552,6 +552,14 @@ fn queue_paths(c: &CudaComm<'_>) -> R {
         println!("rank {rank}: queue-paths: kernels with the load/store path alone verified");
         return Ok(());
     }
+    // With some peers load/store and others queued, a rank whose ring
+    // neighbour is load/store would wait for a rank that was refused.
+    if c.comm().nranks() != 2 {
+        return Err(format!(
+            "queue-paths: with {} ranks not all reached by load/store ({backend}), the refusal half needs every peer reached alike: run it with --ranks 2",
+            c.comm().nranks()
+        ));
+    }
     let f = k.f("gin_ring")?;
     let dc = c.dev_comm(&req(), CtxSharing::Gpu).map_err(s)?;
     let send = c.alloc_window(1024).map_err(s)?;
